@@ -1,0 +1,30 @@
+"""Conveyor's engine: continuous batching over a paged KV cache running Hugging Face models."""
+
+from __future__ import annotations
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.errors import (
+    ConveyorError,
+    EngineDeadError,
+    InvalidRequestError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestFailedError,
+)
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "CacheConfig",
+    "ConveyorError",
+    "EngineConfig",
+    "EngineDeadError",
+    "InvalidRequestError",
+    "PromptTooLongError",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerConfig",
+    "TokenLogprob",
+]

@@ -1,0 +1,236 @@
+"""The asyncio face of the engine: `generate()` streams deltas, one background task steps.
+
+Each step runs in a worker thread so the event loop keeps serving health checks and new requests
+while torch works. Requests and aborts are queued and applied between steps, so only one thread
+ever touches the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from engine.core import EngineCore
+from engine.errors import EngineDeadError, RequestFailedError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestCollector:
+    """Deltas of one request (all its `n` sequences) waiting for the consumer.
+
+    A consumer that lags gets the pending deltas of a sequence merged into one.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._pending: dict[int, RequestOutput] = {}
+        self._event = asyncio.Event()
+        self.remaining = n
+
+    def put(self, output: RequestOutput) -> None:
+        pending = self._pending.get(output.index)
+        if pending is None:
+            self._pending[output.index] = output
+        else:
+            pending.merge(output)
+        if output.finished:
+            self.remaining -= 1
+        self._event.set()
+
+    async def get(self) -> list[RequestOutput]:
+        await self._event.wait()
+        self._event.clear()
+        outputs = list(self._pending.values())
+        self._pending.clear()
+        return outputs
+
+
+@dataclass(slots=True)
+class _PendingAdd:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    n: int
+    children: list[str] = field(default_factory=list)
+
+
+class AsyncEngine:
+    """Owns the engine loop task. Create, `await start()`, use, `await shutdown()`."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-step")
+        self._collectors: dict[str, RequestCollector] = {}
+        self._children: dict[str, list[str]] = {}
+        self._adds: list[_PendingAdd] = []
+        self._aborts: list[str] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.last_error: BaseException | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task = asyncio.create_task(self._run(), name="conveyor-engine-loop")
+
+    async def shutdown(self) -> None:
+        """Stop the loop; requests still in flight are aborted."""
+        self._stopping = True
+        if self._task is not None:
+            self._wake_loop()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._abort_all_now()
+        self._executor.shutdown(wait=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and not self._stopping
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._collectors)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield deltas of every sequence of the request until all `params.n` have finished.
+
+        Raises a typed error for a request that can never run; raises `RequestFailedError`
+        (after the deltas that came before) if a step fails. Leaving the iteration early aborts
+        the request and frees its blocks.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        collector = self._submit(request_id, prompt_token_ids, params)
+        try:
+            while collector.remaining > 0:
+                for output in await collector.get():
+                    if output.error is not None:
+                        raise output.error
+                    yield output
+        finally:
+            if collector.remaining > 0:
+                self.abort(request_id)
+            self._collectors.pop(request_id, None)
+
+    def _submit(self, request_id: str, prompt_token_ids: list[int],
+                params: SamplingParams) -> RequestCollector:
+        if not self.is_running:
+            raise EngineDeadError("The engine is not running.")
+        if request_id in self._collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.core.validate(prompt_token_ids, params)
+        self.core.scheduler.check_capacity(len(self._adds) + 1)
+        collector = RequestCollector(params.n)
+        self._collectors[request_id] = collector
+        self._adds.append(_PendingAdd(request_id, list(prompt_token_ids), params, params.n))
+        self._wake_loop()
+        return collector
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (all its sequences); its blocks return within a step."""
+        self._aborts.append(request_id)
+        self._wake_loop()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def _wake_loop(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        while not self._stopping:
+            self._apply_pending()
+            if not self.core.has_unfinished():
+                self._wake.clear()
+                if not self._adds and not self._aborts and not self._stopping:
+                    await self._wake.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.core.step)
+            except Exception as exc:  # a bug outside the model step: fail what is in flight
+                logger.exception("engine step crashed")
+                self.last_error = exc
+                outputs = self.core.fail_all(RequestFailedError(f"The engine failed: {exc}"))
+            self._dispatch(outputs)
+            await asyncio.sleep(0)
+
+    def _apply_pending(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        adds, self._adds = self._adds, []
+        aborted = set(aborts)
+        for add in adds:
+            if add.request_id not in aborted:
+                self._add_to_core(add)
+        for request_id in aborts:
+            self._abort_now(request_id)
+
+    def _add_to_core(self, add: _PendingAdd) -> None:
+        children = [add.request_id] if add.n == 1 else [
+            f"{add.request_id}-{i}" for i in range(add.n)]
+        self._children[add.request_id] = children
+        try:
+            for index, child in enumerate(children):
+                self.core.add_request(child, add.prompt_token_ids, _child_params(add.params, index),
+                                      parent_id=add.request_id, index=index)
+        except Exception as exc:
+            self._dispatch(self.core.abort_requests(children))
+            self._fail_collector(add.request_id, exc)
+
+    def _abort_now(self, request_id: str) -> None:
+        children = self._children.pop(request_id, [])
+        self._dispatch(self.core.abort_requests(children))
+        collector = self._collectors.get(request_id)
+        if collector is not None and not children:
+            self._fail_collector(request_id, None)
+
+    def _abort_all_now(self) -> None:
+        for request_id in list(self._children):
+            self._abort_now(request_id)
+
+    def _fail_collector(self, request_id: str, error: BaseException | None) -> None:
+        collector = self._collectors.get(request_id)
+        if collector is None:
+            return
+        for index in range(collector.remaining):
+            collector.put(RequestOutput(request_id, index, [], "", finished=True,
+                                        finish_reason="abort" if error is None else "error",
+                                        error=error))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if output.finished and output.request_id in self._children:
+                self._forget_child(output)
+            collector = self._collectors.get(output.request_id)
+            if collector is not None:
+                collector.put(output)
+
+    def _forget_child(self, output: RequestOutput) -> None:
+        children = self._children[output.request_id]
+        child = output.request_id if len(children) == 1 else f"{output.request_id}-{output.index}"
+        if child in children:
+            children.remove(child)
+        if not children:
+            del self._children[output.request_id]
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of an `n > 1` request: one sequence, its own seed stream."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)

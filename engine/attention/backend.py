@@ -1,0 +1,39 @@
+"""The small interface every attention backend implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from engine.input_batch import InputBatch
+from engine.kv_cache import KVCache
+
+
+class AttentionMetadata:
+    """Per-step data shared by all layers. Backends subclass it with what they precompute."""
+
+    backend: AttentionBackend
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor
+
+
+class AttentionBackend(ABC):
+    """Writes each layer's new K/V into the paged cache and attends over the block tables."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> AttentionMetadata:
+        """Turn host-side batch inputs into device tensors, once per step."""
+
+    @abstractmethod
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scale: float, metadata: AttentionMetadata) -> torch.Tensor:
+        """Attend for all flattened tokens.
+
+        `query` is `[tokens, heads, head_dim]`, `key`/`value` `[tokens, kv_heads, head_dim]`;
+        returns `[tokens, heads, head_dim]`. Each token sees its own sequence's cached prefix and
+        the new tokens before it.
+        """

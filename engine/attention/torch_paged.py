@@ -1,0 +1,140 @@
+"""Pure-torch paged attention: runs on CPU and CUDA and is the oracle for faster backends.
+
+Rows with a single query token (decodes) are batched into one call over their gathered block
+tables. Rows with several query tokens (prefill chunks) run one by one: a fresh prompt attends
+causally over its own new K/V; a chunk after a cached prefix reads its whole sequence back from
+the cache with an offset causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.input_batch import InputBatch
+from engine.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One multi-token row. `block_ids` and `mask` are set only when a cached prefix exists."""
+
+    start: int
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass(slots=True, eq=False)
+class TorchPagedMetadata(AttentionMetadata):
+    backend: AttentionBackend
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    decode_tokens: torch.Tensor | None = None
+    decode_block_table: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    all_decode: bool = False
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+class TorchPagedAttention(AttentionBackend):
+    name = "torch"
+
+    def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> TorchPagedMetadata:
+        device = kv_cache.device
+        meta = TorchPagedMetadata(
+            backend=self,
+            kv_cache=kv_cache,
+            slot_mapping=_to(batch.slot_mapping, device),
+            num_tokens=batch.num_tokens,
+        )
+        decode_rows = np.flatnonzero(batch.query_lens == 1)
+        if decode_rows.size:
+            self._decode_metadata(meta, batch, decode_rows, kv_cache.block_size, device)
+        for row in np.flatnonzero(batch.query_lens > 1):
+            meta.prefills.append(_prefill_span(batch, int(row), kv_cache.block_size, device))
+        return meta
+
+    @staticmethod
+    def _decode_metadata(meta: TorchPagedMetadata, batch: InputBatch, rows: np.ndarray,
+                         block_size: int, device: torch.device) -> None:
+        seq_lens = batch.seq_lens[rows]
+        width = int(-(-seq_lens.max() // block_size))
+        keys = np.arange(width * block_size)
+        meta.decode_tokens = _to(batch.query_starts[rows], device)
+        meta.decode_block_table = _to(batch.block_table[rows, :width], device)
+        meta.decode_mask = _to(keys[None, :] < seq_lens[:, None], device)[:, None, None, :]
+        meta.all_decode = rows.size == batch.num_tokens
+
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scale: float, metadata: AttentionMetadata) -> torch.Tensor:
+        assert isinstance(metadata, TorchPagedMetadata)
+        cache = metadata.kv_cache
+        cache.write(layer, metadata.slot_mapping, key, value)
+        if metadata.all_decode:
+            return self._decode(layer, query, scale, metadata)
+        out = query.new_empty(query.shape)
+        if metadata.decode_tokens is not None:
+            out[metadata.decode_tokens] = self._decode(layer, query, scale, metadata)
+        for span in metadata.prefills:
+            out[span.start:span.end] = self._prefill(layer, query, key, value, scale, span, cache)
+        return out
+
+    @staticmethod
+    def _decode(layer: int, query: torch.Tensor, scale: float,
+                meta: TorchPagedMetadata) -> torch.Tensor:
+        cache = meta.kv_cache
+        q = query if meta.all_decode else query[meta.decode_tokens]
+        k = _gather(cache.key(layer), meta.decode_block_table)
+        v = _gather(cache.value(layer), meta.decode_block_table)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scale: float, span: PrefillSpan, cache: KVCache) -> torch.Tensor:
+        q = query[span.start:span.end].transpose(0, 1).unsqueeze(0)
+        if span.block_ids is None:
+            k = key[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            v = value[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+        else:
+            table = span.block_ids.unsqueeze(0)
+            k = _gather(cache.key(layer), table)[:, :, :span.seq_len]
+            v = _gather(cache.value(layer), table)[:, :, :span.seq_len]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale,
+                                                 enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+
+def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """`[blocks, block_size, heads, dim]` read through a `[rows, width]` block table gives
+    `[rows, heads, width * block_size, dim]`."""
+    return layer_cache[block_table].flatten(1, 2).transpose(1, 2)
+
+
+def _prefill_span(batch: InputBatch, row: int, block_size: int,
+                  device: torch.device) -> PrefillSpan:
+    start = int(batch.query_starts[row])
+    num = int(batch.query_lens[row])
+    context = int(batch.context_lens[row])
+    span = PrefillSpan(start=start, end=start + num, seq_len=context + num)
+    if context:
+        num_blocks = -(-span.seq_len // block_size)
+        span.block_ids = _to(batch.block_table[row, :num_blocks], device)
+        query_pos = np.arange(context, span.seq_len)
+        mask = np.arange(span.seq_len)[None, :] <= query_pos[:, None]
+        span.mask = _to(mask, device)[None, None]
+    return span
+
+
+def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)

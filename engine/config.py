@@ -1,0 +1,89 @@
+"""Engine settings: frozen, validated, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits the scheduler packs each step into.
+
+    With chunked prefill off, a prompt is only admitted whole, so the token budget must hold the
+    longest sequence or a recomputed request could never run again.
+    """
+
+    max_model_len: int
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"with chunked prefill disabled, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be at least max_model_len "
+                f"({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """How the paged KV cache is sized.
+
+    `num_blocks` overrides both memory budgets. On CPU `kv_cache_memory` bytes are used; on CUDA
+    the fraction `gpu_memory_utilization` of the device memory, less what the weights and a
+    profiling step took.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything needed to build an engine. `model` is a folder or hub id; None means the default
+    model. `max_model_len=None` takes the model's own context length."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    cache: CacheConfig = CacheConfig()
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None
+    attention_backend: str = "torch"
+    seed: int = 0
+    trust_remote_code: bool = False
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_waiting_requests=self.max_waiting_requests,
+        )

@@ -1,0 +1,118 @@
+"""The engine core: one synchronous `step()` = schedule, run the model, update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from engine.errors import InvalidRequestError, RequestFailedError
+from engine.model_runner import ModelRunner
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Wires the scheduler to the model runner. Not thread-safe: one caller at a time."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any | None,
+                 eos_token_ids: frozenset[int], vocab_size: int) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.outputs = OutputProcessor(tokenizer)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise a typed error for a request that can never run; touches no queue."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("The prompt is empty.", param="prompt")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"Prompt token ids must be in [0, {self.vocab_size}).", param="prompt")
+        bias = params.logit_bias or {}
+        if bias and max(bias) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias token ids must be below the vocabulary size {self.vocab_size}.",
+                param="logit_bias")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer.", param="stop")
+        self.scheduler.check_prompt(len(prompt_token_ids))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    parent_id: str | None = None, index: int = 0,
+                    arrival_time: float | None = None) -> Request:
+        self.validate(prompt_token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            max_total_tokens=self.scheduler.max_sequence_tokens,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(request)
+        self.outputs.add(request, parent_id or request_id, index)
+        return request
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        aborted = self.scheduler.abort_requests(request_ids)
+        self.runner.release([r.request_id for r in aborted])
+        return [self.outputs.final_output(r) for r in aborted if r.request_id in self.outputs]
+
+    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+        """End every request with an error (the loop hit something it cannot recover from)."""
+        ids = list(self.scheduler.requests)
+        return self._fail(ids, error)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        try:
+            runner_output = self.runner.execute(scheduled)
+        except Exception as exc:
+            logger.exception("model step failed; failing its %d requests",
+                             len(scheduled.scheduled))
+            return self._fail_step(scheduled, exc)
+        self.outputs.collect_prompt_logprobs(runner_output)
+        advanced = self.scheduler.update_from_output(scheduled, runner_output)
+        results = [self._output_for(r, runner_output.logprobs.get(r.request_id))
+                   for r in advanced]
+        self.runner.release([r.request_id for r in advanced if r.is_finished])
+        return results
+
+    def _output_for(self, request: Request, logprob: Any) -> RequestOutput:
+        text, stop = self.outputs.new_text(request)
+        if stop is not None:
+            if request.is_finished:
+                request.finish(FinishReason.STOP, stop)
+            else:
+                self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop)
+        return self.outputs.make_output(request, text, logprob)
+
+    def _fail_step(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        ids = [item.request.request_id for item in scheduled.scheduled]
+        return self._fail(ids, RequestFailedError(f"The model step failed: {exc}"))
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> list[RequestOutput]:
+        results = []
+        for request_id in request_ids:
+            request = self.scheduler.finish_request(request_id, FinishReason.ERROR)
+            if request is not None and request_id in self.outputs:
+                results.append(self.outputs.final_output(request, error))
+        self.runner.release(request_ids)
+        return results

@@ -1,0 +1,115 @@
+"""Assembles an engine core from a config: model, KV cache sizing, scheduler, runner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import get_backend
+from engine.block_manager import BlockManager
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineConfig
+from engine.core import EngineCore
+from engine.kv_cache import KVCache, KVCacheSpec
+from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServingInfo:
+    """What the serving layer needs to know about the loaded engine."""
+
+    model_name: str
+    max_model_len: int
+    dtype: str
+    device: str
+    num_blocks: int
+    block_size: int
+
+
+def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, ServingInfo]:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    torch.manual_seed(config.seed)
+    loaded = load_model(config.model, dtype, device, config.trust_remote_code)
+    core, info = core_from_model(loaded, config, device, dtype)
+    return core, loaded, info
+
+
+def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
+                    dtype: torch.dtype) -> tuple[EngineCore, ServingInfo]:
+    """Build the core around an already loaded model (tests pass tiny in-memory models)."""
+    model_config = loaded.model.config
+    spec = KVCacheSpec.from_hf_config(model_config, dtype, config.cache.block_size)
+    num_blocks = _num_blocks(config.cache, spec, device, loaded)
+    max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * spec.block_size)
+    kv_cache = KVCache(spec, num_blocks, device)
+    _log_cache(spec, num_blocks, kv_cache.num_bytes)
+    scheduler = Scheduler(config.scheduler_config(max_model_len),
+                          BlockManager(num_blocks, spec.block_size))
+    vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
+    sampler = Sampler(vocab_size, device, seed=config.seed)
+    runner = ModelRunner(loaded.model, kv_cache, get_backend(config.attention_backend), sampler)
+    core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
+    info = ServingInfo(
+        model_name=loaded.name,
+        max_model_len=max_model_len,
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        num_blocks=num_blocks,
+        block_size=spec.block_size,
+    )
+    return core, info
+
+
+def _num_blocks(cache: CacheConfig, spec: KVCacheSpec, device: torch.device,
+                loaded: LoadedModel) -> int:
+    if cache.num_blocks is not None:
+        return cache.num_blocks
+    if device.type == "cuda":
+        budget = _cuda_kv_budget(device, cache.gpu_memory_utilization)
+    else:
+        budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = spec.num_blocks_for(budget)
+    if num_blocks < 1:
+        raise ValueError(f"the KV cache budget of {budget} bytes holds no block of "
+                         f"{spec.bytes_per_block} bytes")
+    return num_blocks
+
+
+def _cuda_kv_budget(device: torch.device, utilization: float) -> int:
+    """Bytes left for the KV cache: the allowed share of the device, less what is in use now
+    (weights and other processes) and a margin for activations."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    activations = max(total // 50, 512 * 1024**2)
+    return int(total * utilization) - in_use - activations
+
+
+def _max_model_len(config: EngineConfig, model_len: int, cache_tokens: int) -> int:
+    if config.max_model_len is not None:
+        if config.max_model_len > model_len:
+            raise ValueError(f"max_model_len {config.max_model_len} is larger than the model's "
+                             f"context length of {model_len} tokens")
+        if config.max_model_len > cache_tokens:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is larger than the {cache_tokens} "
+                f"tokens the KV cache can hold; raise the cache size or lower max_model_len")
+        return config.max_model_len
+    if model_len > cache_tokens:
+        logger.warning("the KV cache holds %d tokens, fewer than the model's context of %d; "
+                       "serving up to %d tokens", cache_tokens, model_len, cache_tokens)
+    return min(model_len, cache_tokens)
+
+
+def _log_cache(spec: KVCacheSpec, num_blocks: int, num_bytes: int) -> None:
+    logger.info(
+        "KV cache: %d blocks of %d tokens, %d bytes per token, %.1f MiB, up to %d tokens",
+        num_blocks, spec.block_size, spec.bytes_per_token, num_bytes / 2**20,
+        num_blocks * spec.block_size)

@@ -1,0 +1,83 @@
+"""The paged KV cache: real K/V tensors allocated once, addressed by block and slot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Shape of one token's K/V across all layers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return max(0, budget_bytes // self.bytes_per_block)
+
+    @classmethod
+    def from_hf_config(cls, config: object, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            block_size=block_size,
+        )
+
+
+class KVCache:
+    """One tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` with per-layer views.
+
+    Slot `s` of the flattened cache is token `s % block_size` of block `s // block_size`. The
+    memory is zeroed once so slots never read as NaN before they are written.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.device = device
+        self.tensor = torch.zeros(
+            (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=spec.dtype,
+            device=device,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def key(self, layer: int) -> torch.Tensor:
+        return self.tensor[layer, 0]
+
+    def value(self, layer: int) -> torch.Tensor:
+        return self.tensor[layer, 1]
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor) -> None:
+        """Store `[tokens, kv_heads, head_dim]` K/V of new tokens at their slots."""
+        heads, dim = self.spec.num_kv_heads, self.spec.head_dim
+        self.key(layer).view(-1, heads, dim).index_copy_(0, slot_mapping, key)
+        self.value(layer).view(-1, heads, dim).index_copy_(0, slot_mapping, value)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()

@@ -1,0 +1,118 @@
+"""Loading a Hugging Face causal LM and its tokenizer with Conveyor's paged attention."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention import hf as hf_attention
+from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "half": torch.float16, "float": torch.float32}
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    name: str
+    path: str
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX-512 BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        try:
+            return DTYPES[name]
+        except KeyError:
+            raise ValueError(f"unknown dtype {name!r}; choose auto, bfloat16, float16 "
+                             f"or float32") from None
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def context_length(config: Any) -> int:
+    for key in CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return _sliding_window_limit(config, value)
+    return 2048
+
+
+def _sliding_window_limit(config: Any, length: int) -> int:
+    """The torch backend attends over whole sequences; a model with a sliding window shorter
+    than its context is served up to the window, where both agree."""
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", True) and isinstance(window, int)
+    if uses_window and 0 < window < length:
+        logger.warning("limiting the context to the sliding window of %d tokens", window)
+        return window
+    return length
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.device,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Load weights and tokenizer; None loads the embedded default model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path is None:
+        path, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
+    else:
+        path, name = name_or_path, name_or_path
+    logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code)
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return wrap_model(model, tokenizer, name=name, path=path)
+
+
+def wrap_model(model: Any, tokenizer: Any, name: str, path: str = "") -> LoadedModel:
+    """Describe an already loaded model (tests build tiny ones in memory)."""
+    model.set_attn_implementation(hf_attention.register())
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        path=path,
+        max_model_len=context_length(model.config),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+    )

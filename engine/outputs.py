@@ -1,0 +1,62 @@
+"""Plain result objects: from the model runner to the scheduler, and from the engine to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The logprob of one chosen token and of the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What the model produced in one step.
+
+    A token is sampled only for requests whose scheduled chunk reached their last known token.
+    `prompt_logprobs` holds, per request, one entry for each prompt position computed this step
+    (None for the first prompt token, which nothing predicts).
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A delta of one sequence for the caller: what is new since the last output."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: BaseException | None = None
+
+    def merge(self, later: RequestOutput) -> None:
+        """Fold a later delta of the same sequence into this one (a lagging consumer)."""
+        self.new_token_ids.extend(later.new_token_ids)
+        self.text += later.text
+        if later.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *later.logprobs]
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = [*(self.prompt_logprobs or []), *later.prompt_logprobs]
+        self.finished = later.finished
+        self.finish_reason = later.finish_reason
+        self.stop_reason = later.stop_reason
+        self.num_output_tokens = later.num_output_tokens
+        self.error = later.error

@@ -1,0 +1,234 @@
+"""Continuous batching: which requests run how many tokens in the next step.
+
+There is no prefill or decode phase. Each step has a token budget; a running request asks for
+`num_tokens - num_computed_tokens` tokens (one when decoding, the rest of its prompt when a
+prefill was chunked), and waiting requests are admitted while budget, sequence slots and blocks
+last. When blocks run out, the most recently admitted running request is preempted: it gives back
+its blocks and returns to the front of the waiting queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.errors import PromptTooLongError, QueueFullError
+from engine.outputs import ModelRunnerOutput
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this chunk reaches the last known token, so a new token is sampled."""
+        request = self.request
+        return request.num_computed_tokens + self.num_tokens >= request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What to run this step: requests in batch order with their token counts."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Waiting and running queues over one block manager. Imports no torch."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence that can ever be held: context limit or whole cache."""
+        return min(self.config.max_model_len, self.block_manager.num_tokens_capacity)
+
+    def check_prompt(self, num_prompt_tokens: int) -> None:
+        """Refuse a prompt that could never run (it needs room for at least one new token)."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {num_prompt_tokens} tokens, leaving no room for a completion. Please "
+                f"reduce the length of the prompt.",
+                param="prompt",
+            )
+        capacity = self.block_manager.num_tokens_capacity
+        if num_prompt_tokens >= capacity:
+            raise PromptTooLongError(
+                f"The prompt has {num_prompt_tokens} tokens but the KV cache holds only "
+                f"{capacity} tokens in all. Please reduce the length of the prompt.",
+                param="prompt",
+            )
+
+    def check_capacity(self, num_new: int = 1) -> None:
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) + num_new > limit:
+            raise QueueFullError(
+                f"The server is overloaded: {len(self.waiting)} requests are already waiting. "
+                f"Please retry later."
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_prompt(request.num_prompt_tokens)
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.max_total_tokens = min(request.max_total_tokens, self.max_sequence_tokens)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_tokens, output):
+                break
+            output.scheduled.append(ScheduledRequest(request, num_tokens))
+            budget -= num_tokens
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int,
+                             output: SchedulerOutput) -> bool:
+        """Find blocks for the request, preempting from the back; False if it was preempted."""
+        target = request.num_computed_tokens + num_tokens
+        while not self.block_manager.allocate(request, target):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens = request.num_tokens - request.num_computed_tokens
+            if num_tokens > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_tokens = budget
+            if not self.block_manager.allocate(request, request.num_computed_tokens + num_tokens):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest(request, num_tokens))
+            budget -= num_tokens
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance the scheduled requests; return those that received a new token.
+
+        Requests that finish here free their blocks at once, so the next step can admit others.
+        """
+        advanced: list[Request] = []
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_tokens
+            token = runner_output.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output(token)
+            advanced.append(request)
+            if request.check_token_stop():
+                self._remove(request)
+        return advanced
+
+    def finish_request(self, request_id: str, reason: FinishReason,
+                       stop_reason: int | str | None = None) -> Request | None:
+        """End a request from outside (abort, stop string, error); its blocks return at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if not request.is_finished:
+            request.finish(reason, stop_reason)
+        self._remove(request)
+        return request
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = (self.finish_request(rid, FinishReason.ABORT) for rid in request_ids)
+        return [request for request in aborted if request is not None]
+
+    def _remove(self, request: Request) -> None:
+        if request.request_id not in self.requests:
+            return
+        del self.requests[request.request_id]
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self._discard_waiting(request)
+        self.block_manager.free(request)
+
+    def _discard_waiting(self, request: Request) -> None:
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(request)
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if queues and blocks disagree."""
+        self.block_manager.check_invariants()
+        held = sum(len(request.block_ids) for request in self.requests.values())
+        assert held == self.block_manager.num_used_blocks, "blocks held != blocks used"
+        for request in self.waiting:
+            assert not request.block_ids and request.num_computed_tokens == 0, "waiting holds KV"
+        assert len(self.running) <= self.config.max_num_seqs
+        assert set(self.requests) == {r.request_id for r in self.running} | {
+            r.request_id for r in self.waiting}

@@ -1,0 +1,124 @@
+"""Builders shared by the tests: a tiny random-weight Llama, a tiny byte-level tokenizer, and
+engine cores around them."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from engine.config import CacheConfig, EngineConfig
+from engine.core import EngineCore
+from engine.factory import ServingInfo, core_from_model
+from engine.model_loader import wrap_model
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching admits new requests as soon as others finish.",
+    "Café, naïve, jalapeño, 東京, and emoji 🚀 are all valid UTF-8 text.",
+    "Hello world! Hello there. How are you today?",
+]
+
+
+@lru_cache(maxsize=1)
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE over a few sentences: multi-byte characters span several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<eos>", "<bos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>",
+                                   bos_token="<bos>")
+
+
+def tiny_llama(vocab_size: int = 320, num_layers: int = 2, seed: int = 0,
+               dtype: torch.dtype = torch.float32, max_positions: int = 512,
+               **overrides: object) -> LlamaForCausalLM:
+    """Random weights with a wide init, so logits are well separated and greedy is stable."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=0.2,
+        eos_token_id=0,
+        bos_token_id=1,
+        pad_token_id=0,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_core(model: LlamaForCausalLM | None = None, *, num_blocks: int = 256,
+              block_size: int = 4, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+              enable_chunked_prefill: bool = True, max_model_len: int | None = None,
+              device: str = "cpu", with_tokenizer: bool = True,
+              **config_overrides: object) -> tuple[EngineCore, ServingInfo]:
+    model = model if model is not None else tiny_llama()
+    torch_device = torch.device(device)
+    model = model.to(torch_device)
+    tokenizer = tiny_tokenizer() if with_tokenizer else None
+    loaded = wrap_model(model, tokenizer, name="tiny-llama")
+    config = EngineConfig(
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=enable_chunked_prefill,
+        max_model_len=max_model_len,
+        **config_overrides,
+    )
+    dtype = next(model.parameters()).dtype
+    return core_from_model(loaded, config, torch_device, dtype)
+
+
+def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams | list,
+            check: bool = True) -> dict[str, list[RequestOutput]]:
+    """Add every prompt, step until all finish, checking block invariants after each step."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+        core.add_request(f"req-{i}", prompt, p)
+    outputs: dict[str, list[RequestOutput]] = {f"req-{i}": [] for i in range(len(prompts))}
+    steps = 0
+    while core.has_unfinished():
+        for output in core.step():
+            outputs[output.request_id].append(output)
+        if check:
+            core.scheduler.check_invariants()
+        steps += 1
+        assert steps < 10_000, "engine made no progress"
+    return outputs
+
+
+def tokens_of(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def text_of(outputs: list[RequestOutput]) -> str:
+    return "".join(o.text for o in outputs)
+
+
+def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generation, the oracle (EOS ignored so lengths are fixed)."""
+    model.set_attn_implementation("sdpa")
+    try:
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             eos_token_id=None, pad_token_id=0)
+    finally:
+        from engine.attention.hf import register
+        model.set_attn_implementation(register())
+    return out[0, len(prompt):].tolist()
