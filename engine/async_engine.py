@@ -29,18 +29,21 @@ class RequestCollector:
     """
 
     def __init__(self, n: int) -> None:
+        self.n = n
+        self.finished_indices: set[int] = set()
         self._pending: dict[int, RequestOutput] = {}
         self._event = asyncio.Event()
-        self.remaining = n
 
     def put(self, output: RequestOutput) -> None:
+        if output.index in self.finished_indices:
+            return
         pending = self._pending.get(output.index)
         if pending is None:
             self._pending[output.index] = output
         else:
             pending.merge(output)
         if output.finished:
-            self.remaining -= 1
+            self.finished_indices.add(output.index)
         self._event.set()
 
     async def get(self) -> list[RequestOutput]:
@@ -114,14 +117,16 @@ class AsyncEngine:
         """
         request_id = request_id or uuid.uuid4().hex
         collector = self._submit(request_id, prompt_token_ids, params)
+        finished = 0
         try:
-            while collector.remaining > 0:
+            while finished < params.n:
                 for output in await collector.get():
                     if output.error is not None:
                         raise output.error
+                    finished += output.finished
                     yield output
         finally:
-            if collector.remaining > 0:
+            if finished < params.n:
                 self.abort(request_id)
             self._collectors.pop(request_id, None)
 
@@ -206,7 +211,7 @@ class AsyncEngine:
         collector = self._collectors.get(request_id)
         if collector is None:
             return
-        for index in range(collector.remaining):
+        for index in set(range(collector.n)) - collector.finished_indices:
             collector.put(RequestOutput(request_id, index, [], "", finished=True,
                                         finish_reason="abort" if error is None else "error",
                                         error=error))

@@ -1,0 +1,62 @@
+"""The embedded default model (SmolLM2-135M-Instruct), fetched and converted once into the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import CacheConfig, EngineConfig
+from engine.factory import create_engine_core
+from engine.sampling_params import SamplingParams
+from tests.helpers import run_all, text_of
+
+pytestmark = pytest.mark.default_model
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def default_engine(request):
+    # float32: in bf16 this small model's two best first tokens nearly tie.
+    config = EngineConfig(dtype="float32", device=request.param,
+                          cache=CacheConfig(num_blocks=512))
+    core, loaded, info = create_engine_core(config)
+    return core, loaded.tokenizer, info
+
+
+def chat_prompt(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_serves_the_default_model_with_its_context(default_engine):
+    _, tokenizer, info = default_engine
+    assert info.model_name == "SmolLM2-135M-Instruct"
+    assert info.max_model_len == 8192
+    assert tokenizer.chat_template
+
+
+def test_greedy_answer_names_paris(default_engine):
+    core, tokenizer, _ = default_engine
+    prompt = chat_prompt(tokenizer, "What is the capital of France?")
+    outputs = run_all(core, [prompt], SamplingParams(temperature=0, max_tokens=30))["req-0"]
+    assert "Paris" in text_of(outputs)
+    assert outputs[-1].finish_reason == "stop"
+
+
+def test_seed_reproduces_text_alone_and_inside_a_busy_batch(default_engine):
+    core, tokenizer, _ = default_engine
+    prompt = chat_prompt(tokenizer, "Write a short poem about the sea.")
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24,
+                            ignore_eos=True)
+    alone_first = text_of(run_all(core, [prompt], seeded)["req-0"])
+    alone_second = text_of(run_all(core, [prompt], seeded)["req-0"])
+    others = [chat_prompt(tokenizer, f"Tell me fact number {i} about cats.") for i in range(7)]
+    busy_params = [SamplingParams(temperature=1.2, max_tokens=30)] * 7 + [seeded]
+    busy = run_all(core, [*others, prompt], busy_params)
+    assert alone_first == alone_second
+    assert text_of(busy["req-7"]) == alone_first
+    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24,
+                                ignore_eos=True)
+    assert text_of(run_all(core, [prompt], other_seed)["req-0"]) != alone_first

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, held_stop_prefix
+from tests.helpers import tiny_tokenizer
+
+TEXTS = [
+    "Hello world! How are you today?",
+    "Café naïve jalapeño",
+    "東京 and emoji 🚀 together",
+    "🚀🚀 東京東京",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_deltas_rebuild_the_text_without_broken_characters(text):
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    # Byte-level BPE: a multi-byte character is split over several tokens.
+    if any(ord(ch) > 127 for ch in text):
+        assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    prompt = tokenizer.encode("Hello there.", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detokenizer.add([token]) for token in ids]
+    deltas.append(detokenizer.flush())
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) == text
+
+
+def test_flush_returns_an_incomplete_character_at_the_end():
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer.encode("🚀", add_special_tokens=False)
+    assert len(ids) > 1
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    assert detokenizer.add(ids[:1]) == ""
+    assert detokenizer.flush() == tokenizer.decode(ids[:1])
+
+
+def test_special_tokens_are_skipped_or_kept():
+    tokenizer = tiny_tokenizer()
+    eos = tokenizer.eos_token_id
+    hidden = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
+    shown = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    ids = [*tokenizer.encode("Hello", add_special_tokens=False), eos]
+    assert "".join(hidden.add([i]) for i in ids) == "Hello"
+    assert "".join(shown.add([i]) for i in ids) == "Hello<eos>"
+
+
+def test_held_stop_prefix():
+    assert held_stop_prefix("abc", ("cde",)) == 1
+    assert held_stop_prefix("abcd", ("cde", "bcdx")) == 3
+    assert held_stop_prefix("abc", ("xyz",)) == 0
+    assert held_stop_prefix("abc", ("abc",)) == 0  # a complete stop is not a partial one
+
+
+def feed(matcher: StopStringMatcher, pieces: list[str]) -> tuple[list[str], str | None]:
+    emitted = []
+    for piece in pieces:
+        delta, stop = matcher.add(piece)
+        emitted.append(delta)
+        if stop is not None:
+            return emitted, stop
+    emitted.append(matcher.flush())
+    return emitted, None
+
+
+def test_stop_string_split_across_pieces_is_found_and_removed():
+    matcher = StopStringMatcher(("STOP",))
+    emitted, stop = feed(matcher, ["Hello S", "T", "OP and more"])
+    assert stop == "STOP"
+    assert "".join(emitted) == "Hello "
+    # While the stop could still be forming, nothing of it was emitted.
+    assert emitted == ["Hello ", "", ""]
+
+
+def test_held_text_is_released_when_the_stop_does_not_complete():
+    matcher = StopStringMatcher(("STOP",))
+    emitted, stop = feed(matcher, ["Hello S", "T", "ILL here"])
+    assert stop is None
+    assert emitted == ["Hello ", "", "STILL here", ""]
+
+
+def test_stop_string_can_be_kept_in_the_output():
+    matcher = StopStringMatcher(("\n\n",), include_stop=True)
+    emitted, stop = feed(matcher, ["one\n", "\ntwo"])
+    assert stop == "\n\n"
+    assert "".join(emitted) == "one\n\n"
+
+
+def test_earliest_of_several_stop_strings_wins():
+    matcher = StopStringMatcher(("world", "lo w"))
+    emitted, stop = feed(matcher, ["hello world"])
+    assert stop == "lo w"
+    assert "".join(emitted) == "hel"
