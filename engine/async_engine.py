@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from engine.config import EngineConfig, ServingInfo
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, RequestFailedError
 from engine.outputs import RequestOutput
@@ -66,8 +68,9 @@ class _PendingAdd:
 class AsyncEngine:
     """Owns the engine loop task. Create, `await start()`, use, `await shutdown()`."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, info: ServingInfo) -> None:
         self.core = core
+        self.info = info
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-step")
         self._collectors: dict[str, RequestCollector] = {}
         self._children: dict[str, list[str]] = {}
@@ -77,6 +80,18 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.last_error: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model and size the cache (blocking; call before serving)."""
+        from engine.factory import create_engine_core
+
+        core, _, info = create_engine_core(config)
+        return cls(core, info)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -107,26 +122,41 @@ class AsyncEngine:
 
     # ---- requests --------------------------------------------------------------------------
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield deltas of every sequence of the request until all `params.n` have finished.
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """Queue a request now and return the stream of its deltas.
 
-        Raises a typed error for a request that can never run; raises `RequestFailedError`
-        (after the deltas that came before) if a step fails. Leaving the iteration early aborts
-        the request and frees its blocks.
+        Raises at once a typed error for a request that can never run. The stream yields deltas
+        of every sequence until all `params.n` have finished, and raises `RequestFailedError`
+        (after the deltas that came before) if a step fails. Closing it early aborts the request
+        and frees its blocks.
         """
         request_id = request_id or uuid.uuid4().hex
         collector = self._submit(request_id, prompt_token_ids, params)
+        return self._stream(request_id, collector)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """`submit` and iterate in one: errors surface at the first iteration."""
+        stream = self.submit(prompt_token_ids, params, request_id)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    async def _stream(self, request_id: str,
+                      collector: RequestCollector) -> AsyncGenerator[RequestOutput, None]:
         finished = 0
         try:
-            while finished < params.n:
+            while finished < collector.n:
                 for output in await collector.get():
                     if output.error is not None:
                         raise output.error
                     finished += output.finished
                     yield output
         finally:
-            if finished < params.n:
+            if finished < collector.n:
                 self.abort(request_id)
             self._collectors.pop(request_id, None)
 
@@ -223,6 +253,9 @@ class AsyncEngine:
             collector = self._collectors.get(output.request_id)
             if collector is not None:
                 collector.put(output)
+                if len(collector.finished_indices) == collector.n:
+                    # The stream keeps its own reference; an unread stream must not leak.
+                    del self._collectors[output.request_id]
 
     def _forget_child(self, output: RequestOutput) -> None:
         children = self._children[output.request_id]

@@ -87,3 +87,16 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_waiting_requests=self.max_waiting_requests,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class ServingInfo:
+    """What the serving layer needs to know about a loaded engine."""
+
+    model_name: str
+    max_model_len: int
+    dtype: str
+    device: str
+    num_blocks: int
+    block_size: int
+    model_path: str = ""

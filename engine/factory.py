@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from engine.attention import get_backend
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineConfig
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineConfig, ServingInfo
 from engine.core import EngineCore
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -18,18 +17,6 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ServingInfo:
-    """What the serving layer needs to know about the loaded engine."""
-
-    model_name: str
-    max_model_len: int
-    dtype: str
-    device: str
-    num_blocks: int
-    block_size: int
 
 
 def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, ServingInfo]:
@@ -63,6 +50,7 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
         device=str(device),
         num_blocks=num_blocks,
         block_size=spec.block_size,
+        model_path=loaded.path,
     )
     return core, info
 

@@ -8,9 +8,9 @@ from functools import lru_cache
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, ServingInfo
 from engine.core import EngineCore
-from engine.factory import ServingInfo, core_from_model
+from engine.factory import core_from_model
 from engine.model_loader import wrap_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams

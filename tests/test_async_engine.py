@@ -17,8 +17,7 @@ GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=10)
 
 @pytest.fixture
 async def engine(tiny_model):
-    core, _ = tiny_core(tiny_model)
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(*tiny_core(tiny_model))
     await engine.start()
     yield engine
     await engine.shutdown()
@@ -119,8 +118,7 @@ async def test_a_failed_step_raises_in_the_stream_and_the_loop_goes_on(engine, m
 
 
 async def test_full_queue_is_refused(tiny_model):
-    core, _ = tiny_core(tiny_model, max_waiting_requests=1)
-    engine = AsyncEngine(core)
+    engine = AsyncEngine(*tiny_core(tiny_model, max_waiting_requests=1))
     await engine.start()
     try:
         first = engine.generate(PROMPT, GREEDY)
@@ -155,8 +153,8 @@ async def test_event_loop_stays_responsive_while_stepping(engine):
 
 
 async def test_shutdown_aborts_in_flight_and_refuses_new_requests(tiny_model):
-    core, _ = tiny_core(tiny_model)
-    engine = AsyncEngine(core)
+    core, info = tiny_core(tiny_model)
+    engine = AsyncEngine(core, info)
     await engine.start()
     stream = engine.generate(PROMPT, SamplingParams(max_tokens=500, ignore_eos=True))
     first = await stream.__anext__()

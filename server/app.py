@@ -1,0 +1,145 @@
+"""The FastAPI application factory: `build_app(engine, settings)`."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+
+from engine.errors import EngineDeadError
+from server.errors import APIError, install_error_handlers
+from server.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from server.serving import EngineClient, ServedModel, require_text_model
+from server.serving_chat import ChatHandler
+from server.serving_completions import CompletionHandler
+from server.settings import ServerSettings
+from server.tokenization import chat_prompt, encode_text
+
+
+def conveyor_version() -> str:
+    try:
+        return version("conveyor")
+    except PackageNotFoundError:
+        return "0.0.0+local"
+
+
+def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving `engine`. The lifespan starts the engine loop and shuts it down."""
+    settings = settings or ServerSettings()
+    served = ServedModel(settings.served_model_name or engine.info.model_name, engine.info)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        yield
+        app.state.draining = True
+        await engine.shutdown()
+
+    app = FastAPI(title="Conveyor", version=conveyor_version(), lifespan=lifespan)
+    app.state.engine = engine
+    app.state.model = served
+    app.state.settings = settings
+    app.state.draining = False
+    install_error_handlers(app)
+    app.include_router(_openai_router(engine, served, settings))
+    app.include_router(_ops_router(engine, served))
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+def _api_key_check(settings: ServerSettings) -> Any:
+    async def check(request: Request) -> None:
+        if not settings.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+async def _accepting(request: Request) -> None:
+    if request.app.state.draining:
+        raise EngineDeadError("The server is shutting down.")
+
+
+def _openai_router(engine: EngineClient, served: ServedModel,
+                   settings: ServerSettings) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(_api_key_check(settings))])
+    completions = CompletionHandler(engine, served)
+    chat = ChatHandler(engine, served)
+
+    @router.post("/v1/completions", dependencies=[Depends(_accepting)])
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await completions(body, request)
+
+    @router.post("/v1/chat/completions", dependencies=[Depends(_accepting)])
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await chat(body, request)
+
+    @router.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": served.name, "object": "model", "created": int(time.time()),
+            "owned_by": "conveyor", "root": served.info.model_path or served.name,
+            "parent": None, "max_model_len": served.info.max_model_len,
+        }]}
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        served.check(body.model)
+        tokenizer = require_text_model(engine)
+        if body.messages is not None:
+            _, tokens = chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
+        elif body.prompt is not None:
+            tokens = encode_text(tokenizer, body.prompt, body.add_special_tokens)
+        else:
+            raise APIError(400, "Either prompt or messages is required.", param="prompt")
+        return {"count": len(tokens), "max_model_len": served.info.max_model_len,
+                "tokens": tokens}
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        served.check(body.model)
+        tokenizer = require_text_model(engine)
+        vocab = len(tokenizer)
+        if any(token < 0 or token >= vocab for token in body.tokens):
+            raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    return router
+
+
+def _ops_router(engine: EngineClient, served: ServedModel) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        if engine.is_running and not request.app.state.draining:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @router.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": conveyor_version()}
+
+    return router

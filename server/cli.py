@@ -1,0 +1,146 @@
+"""`conveyor serve`: load the model, then open the port."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+from engine.config import CacheConfig, EngineConfig
+from server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+
+logger = logging.getLogger("conveyor")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MB', '1e9' or a plain number of bytes."""
+    match = _SIZE.match(text)
+    if match is None:
+        try:
+            return int(float(text))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    number, unit, binary = match.groups()
+    base = 1024 if binary or unit == "" else 1000
+    power = " kmgt".index(unit.lower() or " ")
+    return int(float(number) * base**power)
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", default=None,
+                        help="local Hugging Face folder or hub id (default: the embedded "
+                             "SmolLM2-135M-Instruct)")
+    engine.add_argument("--dtype", default="auto",
+                        choices=["auto", "bfloat16", "float16", "float32"])
+    engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="context limit (default: the model's)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    engine.add_argument("--num-blocks", type=int, default=None,
+                        help="KV blocks (overrides the memory budgets)")
+    engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                        help="KV cache bytes on CPU, e.g. 4GiB (default 4GiB)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of GPU memory for weights, activations and KV cache")
+    engine.add_argument("--max-num-seqs", type=int, default=128)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=True)
+    engine.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="refuse new requests with 503 beyond this many waiting")
+    engine.add_argument("--attention-backend", default="torch")
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--trust-remote-code", action="store_true")
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", default=None)
+    server.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                        help="require this Bearer token on /v1 (or set CONVEYOR_API_KEY)")
+    server.add_argument("--allowed-origins", default="",
+                        help="comma-separated CORS origins, e.g. '*' (default: CORS off)")
+    server.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES)
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds running requests get to finish on SIGTERM")
+    server.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          kv_cache_memory=args.kv_cache_memory,
+                          gpu_memory_utilization=args.gpu_memory_utilization),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        max_waiting_requests=args.max_waiting_requests,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    return ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
+                          allowed_origins=origins, max_body_bytes=args.max_request_bytes,
+                          shutdown_timeout=args.shutdown_timeout)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.async_engine import AsyncEngine
+    from server.app import build_app
+    from server.lifecycle import DrainingServer
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = AsyncEngine.from_config(engine_config(args))
+    except (ValueError, OSError) as exc:
+        logger.error("cannot start: %s", exc)
+        return 2
+    settings = server_settings(args)
+    app = build_app(engine, settings)
+    info = engine.info
+    logger.info("serving %s as '%s' (%s on %s, %d KV blocks of %d tokens, context %d) at "
+                "http://%s:%d", info.model_path or info.model_name, app.state.model.name,
+                info.dtype, info.device, info.num_blocks, info.block_size, info.max_model_len,
+                args.host, args.port)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=int(max(1, settings.shutdown_timeout)))
+    DrainingServer(config, app).run()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor inference server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    _add_engine_args(serve_parser)
+    _add_server_args(serve_parser)
+    serve_parser.set_defaults(func=serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Every error a client can see, in OpenAI's shape, mapped in one place."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import (
+    ConveyorError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestFailedError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error raised by the server layer itself, already carrying its HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map any exception to the status and body a client gets."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, QueueFullError):
+        return APIError(503, exc.message, "server_error", code=exc.code,
+                        headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, exc.message, "server_error", code="engine_unavailable")
+    if isinstance(exc, RequestFailedError | ConveyorError):
+        return APIError(500, exc.message, "server_error", code=exc.code)
+    logger.error("unexpected error", exc_info=exc)
+    return APIError(500, f"Internal server error: {type(exc).__name__}", "server_error")
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    error = to_api_error(exc)
+    return JSONResponse(error_body(error.message, error.type, error.param, error.code),
+                        status_code=error.status, headers=error.headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    if first.get("type") == "json_invalid":
+        return "The request body is not valid JSON.", None
+    message = first.get("msg", "Invalid value")
+    return (f"Invalid value for '{param}': {message}." if param else f"{message}."), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        error = APIError(exc.status_code, str(exc.detail), type_,
+                         headers=dict(exc.headers or {}))
+        return error_response(error)
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(ConveyorError)
+    async def _engine(_: Request, exc: ConveyorError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)

@@ -1,0 +1,93 @@
+"""Pure ASGI middleware (safe with streaming): request ids and a request body limit."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import error_body
+
+REQUEST_ID_HEADER = b"x-request-id"
+
+
+class RequestIdMiddleware:
+    """Echo the client's X-Request-Id, or give the response a fresh one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _header(scope, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
+        scope.setdefault("state", {})["request_id"] = request_id.decode("latin-1")
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] != REQUEST_ID_HEADER]
+                message["headers"] = [*headers, (REQUEST_ID_HEADER, request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuse request bodies over `max_bytes` with a 400 in OpenAI's shape."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = json.dumps(error_body(
+            f"The request body is larger than the limit of {self.max_bytes} bytes.",
+            "invalid_request_error", code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value
+    return None

@@ -1,0 +1,170 @@
+"""What completions and chat share: model checks, sampling settings, submitting prompts."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.config import ServingInfo
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from server.errors import APIError
+from server.protocol import SamplingFields
+from server.streaming import DONE, merge, sse, sse_error, unless_disconnected
+
+
+class EngineClient(Protocol):
+    """What the server needs from an engine; `engine.async_engine.AsyncEngine` provides it."""
+
+    info: ServingInfo
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    name: str
+    info: ServingInfo
+
+    def check(self, requested: str | None) -> None:
+        if requested is not None and requested != self.name:
+            raise APIError(404, f"The model `{requested}` does not exist.",
+                           param="model", code="model_not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if not raw:
+        return None
+    try:
+        return {int(token): float(bias) for token, bias in raw.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids.",
+                                  param="logit_bias") from None
+
+
+def sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """OpenAI defaults (temperature 1, top_p 1, no penalties) for fields left out."""
+
+    def pick(value: float | None, default: float) -> float:
+        return default if value is None else value
+
+    return SamplingParams(
+        n=request.n,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        temperature=pick(request.temperature, 1.0),
+        top_p=pick(request.top_p, 1.0),
+        top_k=request.top_k if request.top_k is not None else 0,
+        min_p=pick(request.min_p, 0.0),
+        repetition_penalty=pick(request.repetition_penalty, 1.0),
+        presence_penalty=pick(request.presence_penalty, 0.0),
+        frequency_penalty=pick(request.frequency_penalty, 0.0),
+        logit_bias=logit_bias(request.logit_bias),
+        seed=request.seed,
+        stop=request.stop_strings,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+    )
+
+
+def submit_all(engine: EngineClient, prompts: list[list[int]], params: SamplingParams,
+               request_id: str) -> list[AsyncGenerator[RequestOutput, None]]:
+    """Queue every prompt, or none: a refusal aborts the ones already queued."""
+    streams: list[AsyncGenerator[RequestOutput, None]] = []
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    try:
+        for prompt, sub_id in zip(prompts, ids, strict=True):
+            streams.append(engine.submit(prompt, params, sub_id))
+    except BaseException:
+        for sub_id in ids[: len(streams)]:
+            engine.abort(sub_id)
+        raise
+    return streams
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def require_text_model(engine: EngineClient) -> Any:
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise InvalidRequestError("This server has no tokenizer; send token ids.")
+    return tokenizer
+
+
+class Renderer(Protocol):
+    """Turns engine deltas into one endpoint's JSON: streaming fragments and the final body."""
+
+    include_usage: bool
+
+    def update(self, source: int, output: RequestOutput) -> list[dict[str, Any]]: ...
+
+    def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]: ...
+
+    def response(self) -> dict[str, Any]: ...
+
+
+Streams = list[AsyncGenerator[RequestOutput, None]]
+
+
+async def respond(renderer: Renderer, streams: Streams, stream: bool,
+                  request: Request) -> Response:
+    """Stream server-sent events, or wait for the whole answer unless the client leaves."""
+    if stream:
+        return StreamingResponse(_events(renderer, streams), media_type="text/event-stream")
+    result = await unless_disconnected(request, _collect(renderer, streams))
+    # 499: the client closed the connection first (nobody reads this answer).
+    return JSONResponse(result) if result is not None else Response(status_code=499)
+
+
+async def _collect(renderer: Renderer, streams: Streams) -> dict[str, Any]:
+    async for source, output in merge(streams):
+        renderer.update(source, output)
+    return renderer.response()
+
+
+async def _events(renderer: Renderer, streams: Streams) -> AsyncIterator[str]:
+    try:
+        async for source, output in merge(streams):
+            for fragment in renderer.update(source, output):
+                yield sse(renderer.chunk([fragment]))
+        if renderer.include_usage:
+            yield sse(renderer.chunk([], with_usage=True))
+    except Exception as exc:
+        yield sse_error(exc)
+    yield DONE

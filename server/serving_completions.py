@@ -1,0 +1,149 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from server.logprobs import CompletionLogprobs
+from server.protocol import CompletionRequest
+from server.serving import (
+    EngineClient,
+    ServedModel,
+    new_id,
+    now,
+    respond,
+    sampling_params,
+    submit_all,
+    usage,
+)
+from server.tokenization import TokenText, prompt_token_ids
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    prompt_ids: list[int]
+    logprobs: CompletionLogprobs | None = None
+    offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0
+    started: bool = False
+    pieces: list[str] = field(default_factory=list)
+
+
+class CompletionRenderer:
+    """Accumulates engine deltas into OpenAI completion choices and chunks."""
+
+    def __init__(self, request_id: str, model: str, body: CompletionRequest,
+                 prompts: list[list[int]], tokenizer: Any) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.body = body
+        self.prompts = prompts
+        self.include_usage = body.include_usage
+        self.created = now()
+        self.tokenizer = tokenizer
+        self.token_text = TokenText(tokenizer) if tokenizer is not None else None
+        self.choices = {
+            p * body.n + i: _Choice(p * body.n + i, prompt)
+            for p, prompt in enumerate(prompts) for i in range(body.n)
+        }
+
+    def update(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        """Fold a delta into its choice; return the choice's streaming fragment."""
+        choice = self.choices[prompt_index * self.body.n + output.index]
+        text, logprobs = self._echo(choice, output) if not choice.started else ("", None)
+        choice.started = True
+        text += output.text
+        if output.logprobs is not None:
+            logprobs = logprobs or CompletionLogprobs()
+            choice.offset = self._add_logprobs(logprobs, output.new_token_ids, output.logprobs,
+                                               choice.offset)
+        self._merge(choice, text, logprobs)
+        choice.num_output_tokens = output.num_output_tokens
+        if output.finished:
+            choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
+        return [{"index": choice.index, "text": text,
+                 "logprobs": logprobs.to_dict() if logprobs is not None else None,
+                 "finish_reason": choice.finish_reason if output.finished else None,
+                 "stop_reason": choice.stop_reason if output.finished else None}]
+
+    def _echo(self, choice: _Choice,
+              output: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+        if not self.body.echo:
+            return "", None
+        text = self.tokenizer.decode(choice.prompt_ids) if self.tokenizer is not None else ""
+        if output.prompt_logprobs is None:
+            return text, None
+        logprobs = CompletionLogprobs()
+        choice.offset = self._add_logprobs(logprobs, choice.prompt_ids, output.prompt_logprobs, 0)
+        return text, logprobs
+
+    def _add_logprobs(self, logprobs: CompletionLogprobs, token_ids: list[int], entries: list,
+                      offset: int) -> int:
+        if self.token_text is None:
+            return offset
+        return logprobs.add(token_ids, entries, self.token_text, offset)
+
+    @staticmethod
+    def _merge(choice: _Choice, text: str, logprobs: CompletionLogprobs | None) -> None:
+        choice.pieces.append(text)
+        if logprobs is None:
+            return
+        if choice.logprobs is None:
+            choice.logprobs = CompletionLogprobs()
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(choice.logprobs, name).extend(getattr(logprobs, name))
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(c.num_output_tokens for c in self.choices.values())
+        return usage(sum(len(p) for p in self.prompts), completion)
+
+    def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.request_id, "object": "text_completion",
+                                "created": self.created, "model": self.model, "choices": choices}
+        if with_usage:
+            body["usage"] = self.usage()
+        return body
+
+    def response(self) -> dict[str, Any]:
+        choices = [{
+            "index": c.index,
+            "text": "".join(c.pieces),
+            "logprobs": c.logprobs.to_dict() if c.logprobs is not None else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        } for c in sorted(self.choices.values(), key=lambda c: c.index)]
+        return self.chunk(choices, with_usage=True)
+
+
+class CompletionHandler:
+    def __init__(self, engine: EngineClient, model: ServedModel) -> None:
+        self.engine = engine
+        self.model = model
+
+    async def __call__(self, body: CompletionRequest, request: Request) -> Response:
+        self.model.check(body.model)
+        _check_unsupported(body)
+        tokenizer = self.engine.tokenizer
+        prompts = prompt_token_ids(tokenizer, body.prompt)
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+        request_id = new_id("cmpl")
+        renderer = CompletionRenderer(request_id, self.model.name, body, prompts, tokenizer)
+        streams = submit_all(self.engine, prompts, params, request_id)
+        return await respond(renderer, streams, bool(body.stream), request)
+
+
+def _check_unsupported(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise InvalidRequestError("suffix is not supported.", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidRequestError("best_of is not supported; use n.", param="best_of")
