@@ -32,7 +32,8 @@ class CompletionLogprobs:
                 continue
             self.token_logprobs.append(entry.logprob)
             top = {token_text(tid): lp for tid, lp in entry.top}
-            top.setdefault(text, entry.logprob)
+            # The chosen token's own value wins where two tokens share a text.
+            top[text] = entry.logprob
             self.top_logprobs.append(top)
         return offset
 

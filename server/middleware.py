@@ -34,12 +34,12 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
-    """Refuse request bodies over `max_bytes` with a 400 in OpenAI's shape."""
+    """Refuse request bodies over `max_bytes` with a 400 in OpenAI's shape.
+
+    The body is read up front (counting bytes even without a Content-Length) and replayed to
+    the app, so the refusal comes before any parsing.
+    """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -53,28 +53,32 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(send)
             return
-        seen = 0
-        started = False
+        buffered = await self._read_body(receive)
+        if buffered is None:
+            await self._refuse(send)
+            return
 
-        async def limited_receive() -> Message:
-            nonlocal seen
+        async def replay() -> Message:
+            if buffered:
+                return buffered.pop(0)
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, receive: Receive) -> list[Message] | None:
+        """The request's messages up to the end of its body, or None if it is too large."""
+        messages: list[Message] = []
+        size = 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await self._refuse(send)
+            messages.append(message)
+            if message["type"] != "http.request":
+                return messages
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return None
+            if not message.get("more_body", False):
+                return messages
 
     async def _refuse(self, send: Send) -> None:
         body = json.dumps(error_body(

@@ -40,6 +40,21 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
                                    bos_token="<bos>")
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny tokenizer with a minimal chat template."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
 def tiny_llama(vocab_size: int = 320, num_layers: int = 2, seed: int = 0,
                dtype: torch.dtype = torch.float32, max_positions: int = 512,
                **overrides: object) -> LlamaForCausalLM:
@@ -66,11 +81,13 @@ def tiny_core(model: LlamaForCausalLM | None = None, *, num_blocks: int = 256,
               block_size: int = 4, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
               enable_chunked_prefill: bool = True, max_model_len: int | None = None,
               device: str = "cpu", with_tokenizer: bool = True,
+              tokenizer: PreTrainedTokenizerFast | None = None,
               **config_overrides: object) -> tuple[EngineCore, ServingInfo]:
     model = model if model is not None else tiny_llama()
     torch_device = torch.device(device)
     model = model.to(torch_device)
-    tokenizer = tiny_tokenizer() if with_tokenizer else None
+    if tokenizer is None and with_tokenizer:
+        tokenizer = tiny_tokenizer()
     loaded = wrap_model(model, tokenizer, name="tiny-llama")
     config = EngineConfig(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),

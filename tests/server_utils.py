@@ -1,0 +1,100 @@
+"""Server test harness: a tiny engine behind the app, in-process or on a real port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+
+from engine.async_engine import AsyncEngine
+from server.app import build_app
+from server.settings import ServerSettings
+from tests.helpers import chat_tokenizer, tiny_core, tiny_llama
+
+_MODEL = None
+
+
+def shared_tiny_model():
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = tiny_llama()
+    return _MODEL
+
+
+def tiny_engine(**core_options: Any) -> AsyncEngine:
+    options = {"tokenizer": chat_tokenizer(), **core_options}
+    return AsyncEngine(*tiny_core(shared_tiny_model(), **options))
+
+
+@asynccontextmanager
+async def app_client(settings: ServerSettings | None = None,
+                     **core_options: Any) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngine]]:
+    """An httpx client on the ASGI app (no socket); the engine loop runs meanwhile."""
+    engine = tiny_engine(**core_options)
+    app = build_app(engine, settings or ServerSettings(served_model_name="tiny"))
+    await engine.start()
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client, engine
+    finally:
+        await engine.shutdown()
+
+
+@dataclass(slots=True)
+class LiveServer:
+    url: str
+    engine: AsyncEngine
+    app: FastAPI
+
+
+@asynccontextmanager
+async def live_server(settings: ServerSettings | None = None,
+                      **core_options: Any) -> AsyncIterator[LiveServer]:
+    """The app under uvicorn on a free local port, in this event loop."""
+    engine = tiny_engine(**core_options)
+    app = build_app(engine, settings or ServerSettings(served_model_name="tiny"))
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield LiveServer(f"http://127.0.0.1:{port}", engine, app)
+    finally:
+        server.should_exit = True
+        await task
+
+
+def sse_events(body: str) -> list[Any]:
+    """Parse a server-sent event stream strictly: `data: ...` blocks separated by blank lines."""
+    assert body.endswith("\n\n"), "stream must end with a blank line"
+    events = []
+    for block in body[:-2].split("\n\n"):
+        assert block.startswith("data: "), f"bad event {block!r}"
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events[-1] == "[DONE]", "stream must end with [DONE]"
+    return events
+
+
+def blocks_in_use(engine: AsyncEngine) -> int:
+    return engine.core.scheduler.block_manager.num_used_blocks
+
+
+async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if blocks_in_use(engine) == 0 and not engine.core.has_unfinished():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{blocks_in_use(engine)} KV blocks still in use")

@@ -1,0 +1,169 @@
+"""Bad input gets a clear error in OpenAI's shape, and the server stays healthy."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.settings import ServerSettings
+from tests.server_utils import app_client, blocks_in_use, sse_events
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def assert_error(response, status: int, param: str | None = None, text: str | None = None):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if param is not None:
+        assert error["param"] == param
+    if text is not None:
+        assert text in error["message"]
+    return error
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": ""}, "prompt", None),
+    ({"prompt": []}, "prompt", None),
+    ({"prompt": ["ok", ""]}, "prompt", None),
+    ({"prompt": [[1, 2], []]}, "prompt", None),
+    ({}, "prompt", None),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens", None),
+    ({"prompt": "x", "max_tokens": -5}, "max_tokens", None),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", None),
+    ({"prompt": "x", "temperature": -1}, "temperature", None),
+    ({"prompt": "x", "temperature": "hot"}, "temperature", None),
+    ({"prompt": "x", "top_p": 1.5}, "top_p", None),
+    ({"prompt": "x", "n": 0}, "n", None),
+    ({"prompt": "x", "n": 10_000}, "n", None),
+    ({"prompt": "x", "logprobs": 50}, "logprobs", None),
+    ({"prompt": "x", "presence_penalty": 9}, "presence_penalty", None),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", None),
+    ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias", None),
+    ({"prompt": "x", "stop": [""]}, "stop", None),
+    ({"prompt": "x", "seed": 2**70}, "seed", None),
+    ({"prompt": "x", "suffix": "tail"}, "suffix", None),
+    ({"prompt": "x", "best_of": 3}, "best_of", None),
+    ({"prompt": [1, -4]}, "prompt", None),
+    ({"prompt": [10**9]}, "prompt", None),
+    ({"prompt": "x", "stream": "yes please"}, "stream", None),
+    ({"prompt": list(range(2, 80))}, "prompt", "maximum context length is 64 tokens"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "text"), BAD_COMPLETIONS)
+async def test_bad_completion_requests_get_400(body, param, text):
+    async with app_client(max_model_len=64) as (client, engine):
+        response = await client.post("/v1/completions", json=body)
+        assert_error(response, 400, param, text)
+        assert (await client.get("/health")).status_code == 200
+        assert blocks_in_use(engine) == 0 and not engine.core.has_unfinished()
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": MESSAGES, "top_logprobs": 99, "logprobs": True}, "logprobs"),
+    ({"messages": MESSAGES, "max_completion_tokens": -1}, "max_tokens"),
+    ({"messages": "hello"}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHATS)
+async def test_bad_chat_requests_get_400(body, param):
+    async with app_client() as (client, engine):
+        response = await client.post("/v1/chat/completions", json=body)
+        assert_error(response, 400, param)
+        assert blocks_in_use(engine) == 0
+
+
+async def test_malformed_bodies_get_400():
+    async with app_client() as (client, _):
+        headers = {"content-type": "application/json"}
+        for raw in (b"{not json", b"\xff\xfe\x00garbage", b'{"prompt": "\xc3\x28"}', b"",
+                    b"[1, 2, 3]"):
+            response = await client.post("/v1/completions", content=raw, headers=headers)
+            assert_error(response, 400)
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_huge_body_gets_400():
+    settings = ServerSettings(served_model_name="tiny", max_body_bytes=10_000)
+    async with app_client(settings) as (client, _):
+        response = await client.post("/v1/completions", json={"prompt": "x" * 20_000})
+        assert_error(response, 400, text="larger than the limit")
+
+        async def chunks():  # no content-length: counted while reading
+            for _ in range(20):
+                yield b" " * 1000
+
+        response = await client.post("/v1/completions", content=chunks(),
+                                     headers={"content-type": "application/json"})
+        assert_error(response, 400, text="larger than the limit")
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_unknown_model_is_404():
+    async with app_client() as (client, _):
+        response = await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
+        error = assert_error(response, 404, "model")
+        assert error["code"] == "model_not_found" and "gpt-9" in error["message"]
+        response = await client.post("/v1/chat/completions",
+                                     json={"model": "gpt-9", "messages": MESSAGES})
+        assert_error(response, 404, "model")
+
+
+async def test_unknown_route_is_404_in_openai_shape():
+    async with app_client() as (client, _):
+        assert_error(await client.get("/v1/nothing"), 404)
+
+
+async def test_engine_failure_is_500_or_a_stream_error_event(monkeypatch):
+    async with app_client() as (client, engine):
+        def broken(_output):
+            raise RuntimeError("kernel exploded")
+
+        monkeypatch.setattr(engine.core.runner, "execute", broken)
+        response = await client.post("/v1/completions", json={"prompt": "Hello",
+                                                              "max_tokens": 4})
+        assert_error(response, 500, text="kernel exploded")
+        async with client.stream("POST", "/v1/completions", json={
+                "prompt": "Hello", "max_tokens": 4, "stream": True}) as streamed:
+            assert streamed.status_code == 200
+            events = sse_events((await streamed.aread()).decode())
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["type"] == "server_error"
+        assert "kernel exploded" in events[-2]["error"]["message"]
+        monkeypatch.undo()
+        assert (await client.get("/health")).status_code == 200
+        ok = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert ok.status_code == 200
+        assert blocks_in_use(engine) == 0
+
+
+async def test_failure_after_tokens_streamed_ends_with_error_then_done(monkeypatch):
+    async with app_client() as (client, engine):
+        execute = engine.core.runner.execute
+        calls = 0
+
+        def flaky(output):
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise RuntimeError("late failure")
+            return execute(output)
+
+        monkeypatch.setattr(engine.core.runner, "execute", flaky)
+        async with client.stream("POST", "/v1/completions", json={
+                "prompt": "Hello", "max_tokens": 10, "stream": True}) as streamed:
+            events = sse_events((await streamed.aread()).decode())
+        texts = [e for e in events[:-1] if "choices" in e]
+        assert len(texts) == 2 and "late failure" in events[-2]["error"]["message"]
+        assert blocks_in_use(engine) == 0

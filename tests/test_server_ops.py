@@ -1,0 +1,171 @@
+"""Models, health, version, tokenize, API keys, request ids, CORS, queue limits, disconnects and
+shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from server.settings import ServerSettings
+from tests.helpers import chat_tokenizer
+from tests.server_utils import app_client, blocks_in_use, live_server, wait_until_idle
+
+LONG = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
+
+
+async def test_models_health_version():
+    async with app_client(max_model_len=128) as (client, _):
+        models = (await client.get("/v1/models")).json()
+        assert models["object"] == "list"
+        [model] = models["data"]
+        assert model["id"] == "tiny" and model["object"] == "model"
+        assert model["max_model_len"] == 128
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/version")).json()["version"]
+
+
+async def test_health_is_503_when_the_engine_is_down():
+    async with app_client() as (client, engine):
+        await engine.shutdown()
+        assert (await client.get("/health")).status_code == 503
+        response = await client.post("/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "server_error"
+
+
+async def test_tokenize_and_detokenize_round_trip():
+    tokenizer = chat_tokenizer()
+    async with app_client(max_model_len=128) as (client, _):
+        body = (await client.post("/tokenize", json={"prompt": "Hello world"})).json()
+        assert body["tokens"] == tokenizer("Hello world")["input_ids"]
+        assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 128
+        text = (await client.post("/detokenize", json={"tokens": body["tokens"]})).json()
+        assert text["prompt"] == "Hello world"
+        chat = (await client.post("/tokenize", json={
+            "messages": [{"role": "user", "content": "Hi"}]})).json()
+        assert chat["count"] > 2
+        bad = await client.post("/detokenize", json={"tokens": [10**8]})
+        assert bad.status_code == 400
+
+
+async def test_api_key_guards_the_api_but_not_health():
+    settings = ServerSettings(served_model_name="tiny", api_key="sesame")
+    async with app_client(settings) as (client, _):
+        body = {"prompt": "Hello", "max_tokens": 2}
+        missing = await client.post("/v1/completions", json=body)
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        wrong = await client.post("/v1/completions", json=body,
+                                  headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert (await client.get("/v1/models")).status_code == 401
+        right = await client.post("/v1/completions", json=body,
+                                  headers={"Authorization": "Bearer sesame"})
+        assert right.status_code == 200
+        assert (await client.get("/health")).status_code == 200
+        assert (await client.get("/version")).status_code == 200
+
+
+async def test_request_id_header_is_echoed_or_made():
+    async with app_client() as (client, _):
+        body = {"prompt": "Hello", "max_tokens": 1}
+        mine = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "abc-1"})
+        assert mine.headers["x-request-id"] == "abc-1"
+        made = await client.post("/v1/completions", json=body)
+        assert len(made.headers["x-request-id"]) >= 16
+        again = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "abc-1"})
+        assert again.status_code == 200  # a reused client id does not clash inside the engine
+
+
+async def test_cors_only_when_allowed():
+    async with app_client(ServerSettings(allowed_origins=("https://ui.example",))) as (client, _):
+        response = await client.get("/v1/models", headers={"Origin": "https://ui.example"})
+        assert response.headers["access-control-allow-origin"] == "https://ui.example"
+    async with app_client() as (client, _):
+        response = await client.get("/v1/models", headers={"Origin": "https://ui.example"})
+        assert "access-control-allow-origin" not in response.headers
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def slow_steps(engine, monkeypatch, seconds: float = 0.02) -> None:
+    """Make each model step take a while, so requests stay in flight."""
+    execute = engine.core.runner.execute
+
+    def slow(output):
+        time.sleep(seconds)
+        return execute(output)
+
+    monkeypatch.setattr(engine.core.runner, "execute", slow)
+
+
+async def test_full_queue_gets_503_with_retry_after(monkeypatch):
+    async with live_server(max_waiting_requests=1, max_num_seqs=1) as server:
+        engine = server.engine
+        slow_steps(engine, monkeypatch)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            scheduler = engine.core.scheduler
+            running = asyncio.create_task(client.post("/v1/completions", json=LONG))
+            await until(lambda: scheduler.num_running == 1)
+            queued = asyncio.create_task(client.post("/v1/completions", json=LONG))
+            await until(lambda: scheduler.num_waiting == 1)
+            refused = await client.post("/v1/completions", json=LONG)
+            assert refused.status_code == 503
+            assert int(refused.headers["retry-after"]) >= 1
+            assert refused.json()["error"]["type"] == "server_error"
+            running.cancel()
+            queued.cancel()
+            await asyncio.gather(running, queued, return_exceptions=True)
+        await wait_until_idle(engine)
+
+
+async def test_streaming_client_that_disconnects_frees_its_blocks():
+    async with live_server() as server:
+        engine = server.engine
+        async with (
+            httpx.AsyncClient(base_url=server.url, timeout=30) as client,
+            client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as response,
+        ):
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break
+            assert blocks_in_use(engine) > 0
+        await wait_until_idle(engine)
+        assert engine.core.scheduler.num_running == 0
+
+
+async def test_non_streaming_client_that_disconnects_frees_its_blocks():
+    async with live_server() as server:
+        engine = server.engine
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            task = asyncio.create_task(client.post("/v1/completions", json=LONG))
+            await until(lambda: blocks_in_use(engine) > 0)
+            assert blocks_in_use(engine) > 0
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await wait_until_idle(engine)
+
+
+async def test_draining_server_refuses_new_work_but_finishes_running():
+    async with live_server() as server:
+        engine = server.engine
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+            running = asyncio.create_task(client.post("/v1/completions", json={
+                "prompt": "Hello", "max_tokens": 30, "ignore_eos": True}))
+            await until(lambda: blocks_in_use(engine) > 0)
+            server.app.state.draining = True  # what SIGTERM does
+            refused = await client.post("/v1/completions", json={"prompt": "x"})
+            assert refused.status_code == 503
+            assert (await client.get("/health")).status_code == 503
+            finished = await running
+            assert finished.status_code == 200
+            assert finished.json()["usage"]["completion_tokens"] == 30
+
