@@ -1,0 +1,74 @@
+"""Output tokens/s of the engine itself (no HTTP): random prompts, fixed output lengths, EOS
+ignored, all requests submitted at once with `--concurrency` in flight.
+
+    python benchmarks/engine_throughput.py --concurrency 1 16 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from engine.config import CacheConfig, EngineConfig
+from engine.core import EngineCore
+from engine.factory import create_engine_core
+from engine.sampling_params import SamplingParams
+
+
+def run(core: EngineCore, concurrency: int, input_len: int, output_len: int,
+        seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    vocab = core.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i in range(concurrency):
+        prompt = [rng.randrange(100, vocab - 100) for _ in range(input_len)]
+        core.add_request(f"bench-{seed}-{i}", prompt, params)
+    start = time.perf_counter()
+    first_token: dict[str, float] = {}
+    step_times: list[float] = []
+    produced = 0
+    while core.has_unfinished():
+        step_start = time.perf_counter()
+        outputs = core.step()
+        step_times.append(time.perf_counter() - step_start)
+        for output in outputs:
+            first_token.setdefault(output.request_id, time.perf_counter() - start)
+            produced += len(output.new_token_ids)
+    elapsed = time.perf_counter() - start
+    decode_steps = step_times[1:] or step_times
+    return {
+        "concurrency": concurrency,
+        "output_tokens": produced,
+        "seconds": round(elapsed, 3),
+        "output_tok_per_s": round(produced / elapsed, 1),
+        "ttft_mean_ms": round(1000 * statistics.mean(first_token.values()), 1),
+        "step_ms_median": round(1000 * statistics.median(decode_steps), 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args()
+    config = EngineConfig(model=args.model, dtype=args.dtype,
+                          cache=CacheConfig(kv_cache_memory=1 << 30),
+                          max_num_batched_tokens=args.max_num_batched_tokens)
+    core, _, info = create_engine_core(config)
+    print(f"# {info.model_name} {info.dtype} on {info.device}")
+    for _ in range(args.warmup):
+        run(core, 2, 16, 4, seed=-1)
+    for seed, concurrency in enumerate(args.concurrency):
+        print(json.dumps(run(core, concurrency, args.input_len, args.output_len, seed)))
+
+
+if __name__ == "__main__":
+    main()
