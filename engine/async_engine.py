@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import EngineConfig, ServingInfo
@@ -20,6 +21,7 @@ from engine.core import EngineCore
 from engine.errors import EngineDeadError, RequestFailedError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import RequestParamsStats, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +63,7 @@ class _PendingAdd:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    n: int
-    children: list[str] = field(default_factory=list)
+    arrival_time: float
 
 
 class AsyncEngine:
@@ -76,6 +77,8 @@ class AsyncEngine:
         self._children: dict[str, list[str]] = {}
         self._adds: list[_PendingAdd] = []
         self._aborts: list[str] = []
+        self._new_requests: list[RequestParamsStats] = []
+        self.stat_loggers: list[Callable[[StepStats], None]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -170,7 +173,12 @@ class AsyncEngine:
         self.core.scheduler.check_capacity(len(self._adds) + 1)
         collector = RequestCollector(params.n)
         self._collectors[request_id] = collector
-        self._adds.append(_PendingAdd(request_id, list(prompt_token_ids), params, params.n))
+        self._adds.append(_PendingAdd(request_id, list(prompt_token_ids), params,
+                                      time.monotonic()))
+        max_tokens = self.info.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(params.max_tokens, max_tokens)
+        self._new_requests.append(RequestParamsStats(params.n, max_tokens))
         self._wake_loop()
         return collector
 
@@ -190,6 +198,7 @@ class AsyncEngine:
         assert self._wake is not None
         while not self._stopping:
             self._apply_pending()
+            self._report_stats()
             if not self.core.has_unfinished():
                 self._wake.clear()
                 if not self._adds and not self._aborts and not self._stopping:
@@ -202,7 +211,19 @@ class AsyncEngine:
                 self.last_error = exc
                 outputs = self.core.fail_all(RequestFailedError(f"The engine failed: {exc}"))
             self._dispatch(outputs)
+            self._report_stats()
             await asyncio.sleep(0)
+
+    def _report_stats(self) -> None:
+        if not self.stat_loggers:
+            return
+        stats = self.core.take_stats()
+        stats.new_requests, self._new_requests = self._new_requests, []
+        for log in self.stat_loggers:
+            try:
+                log(stats)
+            except Exception:
+                logger.exception("a stats logger failed")
 
     def _apply_pending(self) -> None:
         aborts, self._aborts = self._aborts, []
@@ -215,13 +236,14 @@ class AsyncEngine:
             self._abort_now(request_id)
 
     def _add_to_core(self, add: _PendingAdd) -> None:
-        children = [add.request_id] if add.n == 1 else [
-            f"{add.request_id}-{i}" for i in range(add.n)]
+        n = add.params.n
+        children = [add.request_id] if n == 1 else [f"{add.request_id}-{i}" for i in range(n)]
         self._children[add.request_id] = children
         try:
             for index, child in enumerate(children):
                 self.core.add_request(child, add.prompt_token_ids, _child_params(add.params, index),
-                                      parent_id=add.request_id, index=index)
+                                      parent_id=add.request_id, index=index,
+                                      arrival_time=add.arrival_time)
         except Exception as exc:
             self._dispatch(self.core.abort_requests(children))
             self._fail_collector(add.request_id, exc)

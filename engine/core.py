@@ -13,6 +13,7 @@ from engine.outputs import RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.stats import FinishedRequestStats, StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.outputs = OutputProcessor(tokenizer)
+        self._stats = StepStats(0, 0, 0.0)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -65,6 +67,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         aborted = self.scheduler.abort_requests(request_ids)
+        for request in aborted:
+            self._record_finished(request)
         self.runner.release([r.request_id for r in aborted])
         return [self.outputs.final_output(r) for r in aborted if r.request_id in self.outputs]
 
@@ -76,12 +80,45 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ---- stats -----------------------------------------------------------------------------
+
+    def take_stats(self) -> StepStats:
+        """What happened since the last call, with the queue and cache state as of now."""
+        stats, self._stats = self._stats, StepStats(0, 0, 0.0)
+        scheduler = self.scheduler
+        stats.num_running, stats.num_waiting = scheduler.num_running, scheduler.num_waiting
+        stats.kv_cache_usage = scheduler.block_manager.usage
+        return stats
+
+    def _record_scheduled(self, scheduled: SchedulerOutput, now: float) -> None:
+        self._stats.num_preemptions += len(scheduled.preempted)
+        for item in scheduled.scheduled:
+            timings = item.request.timings
+            if timings.first_scheduled is None:
+                timings.first_scheduled = now
+
+    def _record_tokens(self, advanced: list[Request], now: float) -> None:
+        stats = self._stats
+        for request in advanced:
+            timings = request.timings
+            if timings.first_token is None:
+                timings.first_token = now
+                stats.num_prompt_tokens += request.num_prompt_tokens
+            else:
+                stats.inter_token_latencies.append(now - timings.last_token)
+            timings.last_token = now
+            stats.num_generation_tokens += 1
+
+    def _record_finished(self, request: Request) -> None:
+        self._stats.finished.append(FinishedRequestStats.of(request, time.monotonic()))
+
     # ---- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        self._record_scheduled(scheduled, time.monotonic())
         try:
             runner_output = self.runner.execute(scheduled)
         except Exception as exc:
@@ -90,9 +127,13 @@ class EngineCore:
             return self._fail_step(scheduled, exc)
         self.outputs.collect_prompt_logprobs(runner_output)
         advanced = self.scheduler.update_from_output(scheduled, runner_output)
+        self._record_tokens(advanced, time.monotonic())
         results = [self._output_for(r, runner_output.logprobs.get(r.request_id))
                    for r in advanced]
-        self.runner.release([r.request_id for r in advanced if r.is_finished])
+        finished = [r for r in advanced if r.is_finished]
+        for request in finished:
+            self._record_finished(request)
+        self.runner.release([r.request_id for r in finished])
         return results
 
     def _output_for(self, request: Request, logprob: Any) -> RequestOutput:
@@ -113,6 +154,7 @@ class EngineCore:
         for request_id in request_ids:
             request = self.scheduler.finish_request(request_id, FinishReason.ERROR)
             if request is not None and request_id in self.outputs:
+                self._record_finished(request)
                 results.append(self.outputs.final_output(request, error))
         self.runner.release(request_ids)
         return results

@@ -23,6 +23,15 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+@dataclass(slots=True)
+class RequestTimings:
+    """Monotonic timestamps of a request's life (arrival lives on the request)."""
+
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """A single sequence inside the engine.
@@ -48,6 +57,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_prompt_logprobs_done: int = 0
+    timings: RequestTimings = field(default_factory=RequestTimings)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -73,10 +83,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    @property
-    def is_prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_tokens
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

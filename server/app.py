@@ -12,9 +12,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.errors import EngineDeadError
 from server.errors import APIError, install_error_handlers
+from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
 from server.middleware import BodyLimitMiddleware, RequestIdMiddleware
 from server.protocol import (
     ChatCompletionRequest,
@@ -36,10 +38,14 @@ def conveyor_version() -> str:
         return "0.0.0+local"
 
 
-def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
-    """An app serving `engine`. The lifespan starts the engine loop and shuts it down."""
+def build_app(engine: EngineClient, settings: ServerSettings | None = None,
+              registry: CollectorRegistry | None = None) -> FastAPI:
+    """An app serving `engine`, with its metrics on `registry` (a fresh one by default). The
+    lifespan starts the engine loop and shuts it down."""
     settings = settings or ServerSettings()
     served = ServedModel(settings.served_model_name or engine.info.model_name, engine.info)
+    registry = registry if registry is not None else build_registry()
+    engine.stat_loggers.append(EngineMetrics(registry, served.name, engine.info).record)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,11 +61,12 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None) -> F
     app.state.draining = False
     install_error_handlers(app)
     app.include_router(_openai_router(engine, served, settings))
-    app.include_router(_ops_router(engine, served))
+    app.include_router(_ops_router(engine, registry))
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=HTTPMetrics(registry))
     app.add_middleware(RequestIdMiddleware)
     return app
 
@@ -129,8 +136,12 @@ def _openai_router(engine: EngineClient, served: ServedModel,
     return router
 
 
-def _ops_router(engine: EngineClient, served: ServedModel) -> APIRouter:
+def _ops_router(engine: EngineClient, registry: CollectorRegistry) -> APIRouter:
     router = APIRouter()
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @router.get("/health")
     async def health(request: Request) -> Response:

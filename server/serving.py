@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,6 +15,7 @@ from engine.config import ServingInfo
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import StepStats
 from server.errors import APIError
 from server.protocol import SamplingFields
 from server.streaming import DONE, merge, sse, sse_error, unless_disconnected
@@ -24,6 +25,7 @@ class EngineClient(Protocol):
     """What the server needs from an engine; `engine.async_engine.AsyncEngine` provides it."""
 
     info: ServingInfo
+    stat_loggers: list[Callable[[StepStats], None]]
 
     @property
     def tokenizer(self) -> Any: ...

@@ -1,0 +1,230 @@
+"""Prometheus metrics with vLLM's names, types, labels and buckets, on a registry passed in.
+
+Engine stats arrive as plain `StepStats` objects after every step; HTTP requests are counted by
+an ASGI middleware. Nothing here touches a global registry.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.config import ServingInfo
+from engine.request import FinishReason
+from engine.stats import FinishedRequestStats, StepStats
+
+LABELS = ["model_name", "engine"]
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                         5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+HTTP_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+def build_1_2_5_buckets(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit`, as vLLM sizes its token-count histograms."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > limit:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class EngineMetrics:
+    """The `vllm:` metrics of one served model."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, info: ServingInfo) -> None:
+        self._labels = (model_name, "0")
+        self._define_gauges(registry, info)
+        self._define_counters(registry)
+        self._define_histograms(registry, info.max_model_len)
+
+    def _gauge(self, registry: CollectorRegistry, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, LABELS, registry=registry).labels(*self._labels)
+
+    def _counter(self, registry: CollectorRegistry, name: str, doc: str) -> Counter:
+        return Counter(name, doc, LABELS, registry=registry).labels(*self._labels)
+
+    def _histogram(self, registry: CollectorRegistry, name: str, doc: str,
+                   buckets: list[float]) -> Histogram:
+        return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(
+            *self._labels)
+
+    def _define_gauges(self, registry: CollectorRegistry, info: ServingInfo) -> None:
+        self.running = self._gauge(registry, "vllm:num_requests_running",
+                                   "Number of requests in model execution batches.")
+        self.waiting = self._gauge(registry, "vllm:num_requests_waiting",
+                                   "Number of requests waiting to be processed.")
+        self.kv_usage = self._gauge(registry, "vllm:kv_cache_usage_perc",
+                                    "KV-cache usage. 1 means 100 percent usage.")
+        self.gpu_kv_usage = self._gauge(
+            registry, "vllm:gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage. Older name of vllm:kv_cache_usage_perc.")
+        cache_info = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks),
+                      "cache_dtype": info.dtype, "device": info.device,
+                      "enable_prefix_caching": "False"}
+        Gauge("vllm:cache_config_info", "Information of the cache configuration.",
+              [*LABELS, *cache_info], registry=registry).labels(
+            *self._labels, *cache_info.values()).set(1)
+
+    def _define_counters(self, registry: CollectorRegistry) -> None:
+        self.prompt_tokens = self._counter(registry, "vllm:prompt_tokens",
+                                           "Number of prefill tokens processed.")
+        self.generation_tokens = self._counter(registry, "vllm:generation_tokens",
+                                               "Number of generation tokens processed.")
+        self.preemptions = self._counter(registry, "vllm:num_preemptions",
+                                         "Cumulative number of preemption from the engine.")
+        self.prefix_queries = self._counter(
+            registry, "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = self._counter(registry, "vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*LABELS, "finished_reason"], registry=registry)
+        self.success = {str(reason): success.labels(*self._labels, str(reason))
+                        for reason in FinishReason}
+
+    def _define_histograms(self, registry: CollectorRegistry, max_model_len: int) -> None:
+        tokens = build_1_2_5_buckets(max_model_len)
+        h = self._histogram
+        self.ttft = h(registry, "vllm:time_to_first_token_seconds",
+                      "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = h(registry, "vllm:inter_token_latency_seconds",
+                     "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS)
+        self.tpot_request = h(registry, "vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.",
+                              TOKEN_LATENCY_BUCKETS)
+        self.tpot = h(registry, "vllm:time_per_output_token_seconds",
+                      "Histogram of time per output token in seconds (older name of "
+                      "vllm:inter_token_latency_seconds).", TOKEN_LATENCY_BUCKETS)
+        self.e2e = h(registry, "vllm:e2e_request_latency_seconds",
+                     "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.queue = h(registry, "vllm:request_queue_time_seconds",
+                       "Histogram of time spent in WAITING phase for request.",
+                       REQUEST_LATENCY_BUCKETS)
+        self.inference = h(registry, "vllm:request_inference_time_seconds",
+                           "Histogram of time spent in RUNNING phase for request.",
+                           REQUEST_LATENCY_BUCKETS)
+        self.prefill = h(registry, "vllm:request_prefill_time_seconds",
+                         "Histogram of time spent in PREFILL phase for request.",
+                         REQUEST_LATENCY_BUCKETS)
+        self.decode = h(registry, "vllm:request_decode_time_seconds",
+                        "Histogram of time spent in DECODE phase for request.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.prompt_len = h(registry, "vllm:request_prompt_tokens",
+                            "Number of prefill tokens processed.", tokens)
+        self.generation_len = h(registry, "vllm:request_generation_tokens",
+                                "Number of generation tokens processed.", tokens)
+        self.max_generation_len = h(registry, "vllm:request_max_num_generation_tokens",
+                                    "Histogram of maximum number of requested generation tokens.",
+                                    tokens)
+        self.params_n = h(registry, "vllm:request_params_n",
+                          "Histogram of the n request parameter.", [1, 2, 5, 10, 20])
+        self.params_max_tokens = h(registry, "vllm:request_params_max_tokens",
+                                   "Histogram of the max_tokens request parameter.", tokens)
+        self.iteration_tokens = h(registry, "vllm:iteration_tokens_total",
+                                  "Histogram of number of tokens per engine_step.",
+                                  ITERATION_TOKEN_BUCKETS)
+
+    def record(self, stats: StepStats) -> None:
+        """Fold one step's stats in (the engine calls this after every step)."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.gpu_kv_usage.set(stats.kv_cache_usage)
+        self.preemptions.inc(stats.num_preemptions)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self.prefix_queries.inc(stats.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits)
+        if stats.num_prompt_tokens or stats.num_generation_tokens:
+            self.iteration_tokens.observe(stats.num_prompt_tokens + stats.num_generation_tokens)
+        for latency in stats.inter_token_latencies:
+            self.itl.observe(latency)
+            self.tpot.observe(latency)
+        for params in stats.new_requests:
+            self.params_n.observe(params.n)
+            self.params_max_tokens.observe(params.max_tokens)
+        for finished in stats.finished:
+            self._record_finished(finished)
+
+    def _record_finished(self, finished: FinishedRequestStats) -> None:
+        self.success[finished.finish_reason].inc()
+        self.e2e.observe(finished.e2e_latency)
+        self.prompt_len.observe(finished.num_prompt_tokens)
+        self.generation_len.observe(finished.num_generation_tokens)
+        self.max_generation_len.observe(finished.num_generation_tokens)
+        optional = ((self.queue, finished.queue_time), (self.ttft, finished.time_to_first_token),
+                    (self.prefill, finished.prefill_time), (self.decode, finished.decode_time),
+                    (self.inference, finished.inference_time),
+                    (self.tpot_request, finished.time_per_output_token))
+        for histogram, value in optional:
+            if value is not None:
+                histogram.observe(value)
+
+
+class HTTPMetrics:
+    """Request counts and durations by route template, method and status."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["handler", "method", "status"]
+        self.requests = Counter("http_requests", "Total number of requests by handler, method "
+                                "and status.", labels, registry=registry)
+        self.duration = Histogram("http_request_duration_seconds", "Duration of HTTP requests "
+                                  "in seconds.", labels, buckets=HTTP_LATENCY_BUCKETS,
+                                  registry=registry)
+
+    def observe(self, handler: str, method: str, status: int, seconds: float) -> None:
+        labels = (handler, method, f"{status // 100}xx")
+        self.requests.labels(*labels).inc()
+        self.duration.labels(*labels).observe(seconds)
+
+
+class HTTPMetricsMiddleware:
+    def __init__(self, app: ASGIApp, metrics: HTTPMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            handler = getattr(route, "path", None) or "none"
+            self.metrics.observe(handler, scope["method"], status, time.perf_counter() - start)
+
+
+def build_registry() -> CollectorRegistry:
+    """A fresh registry with the process and platform collectors."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
