@@ -27,3 +27,8 @@ class DrainingServer(uvicorn.Server):
                         self.config.timeout_graceful_shutdown)
         self._app.state.draining = True
         super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after shutting down, which would end the process
+        # with -SIGTERM; a completed graceful shutdown exits 0 instead.
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()

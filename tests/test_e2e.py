@@ -1,0 +1,199 @@
+"""A real `conveyor serve` process on the default model, driven by the official OpenAI SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+pytestmark = [pytest.mark.e2e, pytest.mark.default_model]
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
+    """`python -m server` on a free port; returns once /health answers 200."""
+    port = free_port()
+    command = [sys.executable, "-m", "server", "--port", str(port), "--dtype", "float32",
+               "--kv-cache-memory", "256MiB", *extra]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600  # the first start fetches and converts the model
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"server exited early:\n{process.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    pytest.fail("server did not become healthy")
+
+
+def stop_server(process: subprocess.Popen) -> str:
+    process.send_signal(signal.SIGTERM)
+    log = process.communicate(timeout=60)[0]
+    assert process.returncode == 0, log
+    return log
+
+
+@pytest.fixture(scope="module")
+def server():
+    process, url = start_server("--shutdown-timeout", "5")
+    yield url
+    log = stop_server(process)
+    assert "KV cache:" in log and "serving" in log
+
+
+def client(url: str) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not found")
+
+
+def test_models_lists_the_default_model(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_answer_and_usage(server):
+    reply = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=30)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+
+
+def test_completion_n2_logprobs_seed(server):
+    kwargs = dict(model=MODEL, prompt="The weather today is", max_tokens=8, n=2, logprobs=2,
+                  seed=123, temperature=1.0)
+    first = client(server).completions.create(**kwargs)
+    second = client(server).completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    for choice in first.choices:
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs)
+        assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs)
+    assert first.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in first.choices)
+
+
+def test_streamed_chat_with_usage(server):
+    stream = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12,
+        stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=1)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+
+
+def test_streamed_completion_text_equals_non_streamed(server):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
+    whole = client(server).completions.create(**kwargs).choices[0].text
+    pieces = [c.choices[0].text for c in client(server).completions.create(stream=True, **kwargs)]
+    assert "".join(pieces) == whole
+
+
+def test_32_concurrent_streams_complete_and_leave_the_cache_empty(server):
+    async def one(api: AsyncOpenAI, i: int) -> tuple[int, int]:
+        stream = await api.completions.create(
+            model=MODEL, prompt=f"Request {i}: write a number", max_tokens=24, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage = None
+        tokens_seen = 0
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            tokens_seen += bool(chunk.choices)
+        assert usage is not None
+        return usage.completion_tokens, tokens_seen
+
+    async def all_of_them():
+        api = AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(api, i) for i in range(32)))
+
+    results = asyncio.run(all_of_them())
+    assert all(completion == 24 for completion, _ in results)
+    assert all(1 <= seen <= 24 for _, seen in results)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_sigterm_lets_running_requests_finish_and_exits_0():
+    process, url = start_server("--shutdown-timeout", "20")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(client(url).completions.create, model=MODEL, prompt="Count:",
+                                  max_tokens=20, extra_body={"ignore_eos": True})
+            deadline = time.monotonic() + 30
+            while metric(url, "vllm:num_requests_running") < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            process.send_signal(signal.SIGTERM)
+            answer = running.result(timeout=60)
+        assert answer.usage.completion_tokens == 20
+        assert answer.choices[0].finish_reason == "length"
+        process.communicate(timeout=60)
+        assert process.returncode == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_sigterm_aborts_what_outlasts_the_shutdown_timeout():
+    process, url = start_server("--shutdown-timeout", "2")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            def long_stream() -> int:
+                stream = client(url).completions.create(
+                    model=MODEL, prompt="Count:", max_tokens=2000, stream=True,
+                    extra_body={"ignore_eos": True})
+                received = 0
+                try:
+                    for _ in stream:
+                        received += 1
+                except Exception:
+                    pass  # the connection is closed under it
+                return received
+
+            streaming = pool.submit(long_stream)
+            deadline = time.monotonic() + 30
+            while metric(url, "vllm:num_requests_running") < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            started = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            process.communicate(timeout=60)
+            received = streaming.result(timeout=60)
+        assert process.returncode == 0
+        assert time.monotonic() - started < 30
+        assert 0 < received < 2000
+    finally:
+        if process.poll() is None:
+            process.kill()
