@@ -1,0 +1,37 @@
+# Conveyor for a GPU host (default) or a CPU-only machine:
+#   docker build -t conveyor:cuda .
+#   docker build --build-arg VARIANT=cpu -t conveyor:cpu .
+# The default model is fetched into the /data volume on first start.
+ARG VARIANT=cuda
+
+FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS base-cuda
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv curl ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+
+FROM python:3.12-slim AS base-cpu
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends curl ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+FROM base-${VARIANT}
+ENV VIRTUAL_ENV=/opt/conveyor \
+    PATH=/opt/conveyor/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    CONVEYOR_CACHE=/data/cache
+RUN python3 -m venv $VIRTUAL_ENV \
+    && pip install --no-cache-dir --upgrade pip \
+    && pip install --no-cache-dir --index-url $TORCH_INDEX_URL torch
+COPY pyproject.toml README.md /src/
+COPY engine /src/engine
+COPY server /src/server
+RUN pip install --no-cache-dir /src && rm -rf /src
+RUN useradd --create-home --uid 1000 conveyor && mkdir -p /data && chown conveyor /data
+USER conveyor
+VOLUME /data
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD curl -fsS http://127.0.0.1:8000/health || exit 1
+ENTRYPOINT ["conveyor", "serve", "--host", "0.0.0.0", "--port", "8000"]
