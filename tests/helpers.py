@@ -139,3 +139,23 @@ def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens:
         from engine.attention.hf import register
         model.set_attn_implementation(register())
     return out[0, len(prompt):].tolist()
+
+
+def sabotage_steps(core: EngineCore, monkeypatch, fail_on: set[int] | None = None,
+                   message: str = "boom", delay: float = 0.0) -> None:
+    """Wrap the runner: model calls numbered in `fail_on` (1-based; None means all) raise
+    RuntimeError(message); every call first sleeps `delay` seconds."""
+    import time
+
+    execute = core.runner.execute
+    calls = 0
+
+    def sabotaged(output):
+        nonlocal calls
+        calls += 1
+        time.sleep(delay)
+        if fail_on is None or calls in fail_on:
+            raise RuntimeError(message)
+        return execute(output)
+
+    monkeypatch.setattr(core.runner, "execute", sabotaged)

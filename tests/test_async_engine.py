@@ -9,7 +9,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineDeadError, QueueFullError, RequestFailedError
 from engine.sampling_params import SamplingParams
-from tests.helpers import run_all, tiny_core, tiny_tokenizer, tokens_of
+from tests.helpers import run_all, sabotage_steps, tiny_core, tiny_tokenizer, tokens_of
 
 PROMPT = tiny_tokenizer().encode("Hello there. How are you", add_special_tokens=False)
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=10)
@@ -96,17 +96,7 @@ async def test_n_samples_stream_with_their_own_index(engine):
 
 
 async def test_a_failed_step_raises_in_the_stream_and_the_loop_goes_on(engine, monkeypatch):
-    execute = engine.core.runner.execute
-    calls = 0
-
-    def flaky(output):
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            raise RuntimeError("boom")
-        return execute(output)
-
-    monkeypatch.setattr(engine.core.runner, "execute", flaky)
+    sabotage_steps(engine.core, monkeypatch, fail_on={2})
     received = []
     with pytest.raises(RequestFailedError):
         async for output in engine.generate(PROMPT, GREEDY):

@@ -9,7 +9,14 @@ import torch
 
 from engine.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
 from engine.sampling_params import SamplingParams
-from tests.helpers import run_all, text_of, tiny_core, tiny_tokenizer, tokens_of
+from tests.helpers import (
+    run_all,
+    sabotage_steps,
+    text_of,
+    tiny_core,
+    tiny_tokenizer,
+    tokens_of,
+)
 
 PROMPT = tiny_tokenizer().encode("Hello world! How are you", add_special_tokens=False)
 
@@ -154,18 +161,13 @@ def test_abort_mid_generation_frees_blocks_and_reports(tiny_model):
 def test_failed_step_fails_its_requests_and_the_engine_carries_on(tiny_model, monkeypatch):
     core, _ = tiny_core(tiny_model)
     core.add_request("doomed", PROMPT, greedy(max_tokens=5))
-    execute = core.runner.execute
-
-    def broken(_output):
-        raise RuntimeError("device on fire")
-
-    monkeypatch.setattr(core.runner, "execute", broken)
+    sabotage_steps(core, monkeypatch, message="device on fire")
     outputs = core.step()
     assert len(outputs) == 1 and outputs[0].finish_reason == "error"
     assert isinstance(outputs[0].error, RequestFailedError)
     assert not core.has_unfinished()
     assert_all_blocks_free(core)
-    monkeypatch.setattr(core.runner, "execute", execute)
+    monkeypatch.undo()
     after = run_all(core, [PROMPT], greedy(max_tokens=3))["req-0"]
     assert len(tokens_of(after)) == 3
 

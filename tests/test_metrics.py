@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.stats import StepStats
 from server.metrics import build_1_2_5_buckets
-from tests.helpers import chat_tokenizer
+from tests.helpers import chat_tokenizer, sabotage_steps
 from tests.server_utils import app_client, wait_until_idle
 
 TOKENIZER = chat_tokenizer()
@@ -88,15 +88,10 @@ async def test_counters_and_histograms_are_true(monkeypatch):
         await stream.aclose()  # abort after the first token
         await wait_until_idle(engine)
 
-        execute = engine.core.runner.execute
-
-        def broken(_output):
-            raise RuntimeError("boom")
-
-        monkeypatch.setattr(engine.core.runner, "execute", broken)
+        sabotage_steps(engine.core, monkeypatch)
         failed = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
         assert failed.status_code == 500
-        monkeypatch.setattr(engine.core.runner, "execute", execute)
+        monkeypatch.undo()
         await asyncio.sleep(0.05)
 
         samples = await scrape(client)

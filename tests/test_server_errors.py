@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from server.settings import ServerSettings
+from tests.helpers import sabotage_steps
 from tests.server_utils import app_client, blocks_in_use, sse_events
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -127,10 +128,7 @@ async def test_unknown_route_is_404_in_openai_shape():
 
 async def test_engine_failure_is_500_or_a_stream_error_event(monkeypatch):
     async with app_client() as (client, engine):
-        def broken(_output):
-            raise RuntimeError("kernel exploded")
-
-        monkeypatch.setattr(engine.core.runner, "execute", broken)
+        sabotage_steps(engine.core, monkeypatch, message="kernel exploded")
         response = await client.post("/v1/completions", json={"prompt": "Hello",
                                                               "max_tokens": 4})
         assert_error(response, 500, text="kernel exploded")
@@ -150,17 +148,7 @@ async def test_engine_failure_is_500_or_a_stream_error_event(monkeypatch):
 
 async def test_failure_after_tokens_streamed_ends_with_error_then_done(monkeypatch):
     async with app_client() as (client, engine):
-        execute = engine.core.runner.execute
-        calls = 0
-
-        def flaky(output):
-            nonlocal calls
-            calls += 1
-            if calls == 3:
-                raise RuntimeError("late failure")
-            return execute(output)
-
-        monkeypatch.setattr(engine.core.runner, "execute", flaky)
+        sabotage_steps(engine.core, monkeypatch, fail_on={3}, message="late failure")
         async with client.stream("POST", "/v1/completions", json={
                 "prompt": "Hello", "max_tokens": 10, "stream": True}) as streamed:
             events = sse_events((await streamed.aread()).decode())

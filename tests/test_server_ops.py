@@ -4,12 +4,11 @@ shutdown."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 
 from server.settings import ServerSettings
-from tests.helpers import chat_tokenizer
+from tests.helpers import chat_tokenizer, sabotage_steps
 from tests.server_utils import app_client, blocks_in_use, live_server, wait_until_idle
 
 LONG = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
@@ -96,21 +95,10 @@ async def until(condition, timeout: float = 10.0) -> None:
     raise AssertionError("condition not reached")
 
 
-def slow_steps(engine, monkeypatch, seconds: float = 0.02) -> None:
-    """Make each model step take a while, so requests stay in flight."""
-    execute = engine.core.runner.execute
-
-    def slow(output):
-        time.sleep(seconds)
-        return execute(output)
-
-    monkeypatch.setattr(engine.core.runner, "execute", slow)
-
-
 async def test_full_queue_gets_503_with_retry_after(monkeypatch):
     async with live_server(max_waiting_requests=1, max_num_seqs=1) as server:
         engine = server.engine
-        slow_steps(engine, monkeypatch)
+        sabotage_steps(engine.core, monkeypatch, fail_on=set(), delay=0.02)
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
             scheduler = engine.core.scheduler
             running = asyncio.create_task(client.post("/v1/completions", json=LONG))
