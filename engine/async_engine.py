@@ -69,10 +69,11 @@ class _PendingAdd:
 class AsyncEngine:
     """Owns the engine loop task. Create, `await start()`, use, `await shutdown()`."""
 
-    def __init__(self, core: EngineCore, info: ServingInfo) -> None:
+    def __init__(self, core: EngineCore, info: ServingInfo,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self.core = core
         self.info = info
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-step")
+        self._executor = executor or _step_executor()
         self._collectors: dict[str, RequestCollector] = {}
         self._children: dict[str, list[str]] = {}
         self._adds: list[_PendingAdd] = []
@@ -89,8 +90,11 @@ class AsyncEngine:
         """Load the model and size the cache (blocking; call before serving)."""
         from engine.factory import create_engine_core
 
-        core, _, info = create_engine_core(config)
-        return cls(core, info)
+        # Load on the thread that will run the steps: torch's CPU kernels run measurably
+        # slower when two threads each keep an OpenMP team.
+        executor = _step_executor()
+        core, _, info = executor.submit(create_engine_core, config).result()
+        return cls(core, info, executor)
 
     @property
     def tokenizer(self) -> Any:
@@ -286,6 +290,10 @@ class AsyncEngine:
             children.remove(child)
         if not children:
             del self._children[output.request_id]
+
+
+def _step_executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-step")
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

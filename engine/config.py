@@ -12,7 +12,9 @@ class SchedulerConfig:
     """Limits the scheduler packs each step into.
 
     With chunked prefill off, a prompt is only admitted whole, so the token budget must hold the
-    longest sequence or a recomputed request could never run again.
+    longest sequence or a recomputed request could never run again. `static_batching` (for
+    comparison benchmarks only) admits a new batch only once the previous one has completely
+    finished, as padded batch generation does.
     """
 
     max_model_len: int
@@ -20,6 +22,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
+    static_batching: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -75,6 +78,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
+    static_batching: bool = False
     attention_backend: str = "torch"
     seed: int = 0
     trust_remote_code: bool = False
@@ -86,6 +90,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_waiting_requests=self.max_waiting_requests,
+            static_batching=self.static_batching,
         )
 
 

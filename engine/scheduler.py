@@ -59,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._batch_closed = False
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -136,6 +137,17 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        if self.config.static_batching:
+            if not self.running:
+                self._batch_closed = False
+            if self._batch_closed:
+                return
+        self._admit(output, budget)
+        if self.config.static_batching and (
+                not self.waiting or len(self.running) >= self.config.max_num_seqs):
+            self._batch_closed = True
+
+    def _admit(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             num_tokens = request.num_tokens - request.num_computed_tokens

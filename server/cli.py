@@ -134,7 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve_parser)
     _add_server_args(serve_parser)
     serve_parser.set_defaults(func=serve)
+    _add_bench_commands(commands)
     return parser
+
+
+def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
+    from bench import offline
+    from bench import serve as bench_serve
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench_command", required=True)
+    serve_bench = bench.add_parser("serve", help="load an OpenAI-compatible server")
+    bench_serve.add_arguments(serve_bench)
+    serve_bench.set_defaults(func=bench_serve.main)
+    offline_bench = bench.add_parser("offline", help="continuous vs static batching")
+    offline.add_arguments(offline_bench)
+    offline_bench.set_defaults(func=offline.main)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -226,3 +226,23 @@ def test_queue_limit_is_reported_before_admission():
         scheduler.check_capacity()
     step(scheduler)
     scheduler.check_capacity()
+
+
+def test_static_batching_admits_nothing_until_the_whole_batch_is_done():
+    scheduler = create_scheduler(max_num_seqs=2, static_batching=True)
+    scheduler.add_request(create_request("short", prompt_len=4, max_tokens=1))
+    scheduler.add_request(create_request("long", prompt_len=4, max_tokens=4))
+    scheduler.add_request(create_request("next", prompt_len=4, max_tokens=1))
+    assert set(scheduled_counts(step(scheduler))) == {"short", "long"}
+    for _ in range(3):  # "short" is done and its slot is free, but the batch stays closed
+        assert set(scheduled_counts(step(scheduler))) == {"long"}
+    assert scheduled_counts(step(scheduler)) == {"next": 4}
+
+
+def test_continuous_batching_fills_a_freed_slot_at_once():
+    scheduler = create_scheduler(max_num_seqs=2)
+    scheduler.add_request(create_request("short", prompt_len=4, max_tokens=1))
+    scheduler.add_request(create_request("long", prompt_len=4, max_tokens=4))
+    scheduler.add_request(create_request("next", prompt_len=4, max_tokens=1))
+    step(scheduler)
+    assert scheduled_counts(step(scheduler)) == {"long": 1, "next": 4}

@@ -1,0 +1,152 @@
+"""`conveyor bench serve`: load any OpenAI-compatible server and report like `vllm bench serve`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.client import RequestResult, request_body, send
+from bench.report import parse_slo, summarize, table
+from bench.workloads import (
+    BenchRequest,
+    as_text,
+    random_workload,
+    shared_prefix_workload,
+    token_pool,
+    trace_workload,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--endpoint", default="/v1/completions",
+                        choices=["/v1/completions", "/v1/chat/completions"])
+    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--tokenizer", default=None,
+                        help="folder or hub id used to draw prompts (default: the embedded model)")
+    parser.add_argument("--dataset", default="random", choices=["random", "trace", "shared-prefix"])
+    parser.add_argument("--trace", type=Path, default=None, help="JSONL trace for --dataset trace")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--random-input-len", type=int, default=128)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--shared-prefix-len", type=int, default=1024)
+    parser.add_argument("--shared-suffix-len", type=int, default=32)
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="Poisson arrivals per second (default: all at once)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo", nargs="*", default=[],
+                        help="goodput limits in ms, e.g. ttft:500 tpot:50 e2el:10000")
+    parser.add_argument("--percentiles", default="50,90,99")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--api-key", default=None)
+
+
+def load_tokenizer(name: str | None):
+    from transformers import AutoTokenizer
+
+    if name is None:
+        from engine.default_model import ensure_default_model
+
+        name = str(ensure_default_model())
+    return AutoTokenizer.from_pretrained(name)
+
+
+def build_workload(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
+    pool = token_pool(tokenizer)
+    if args.dataset == "trace":
+        if args.trace is None:
+            raise SystemExit("--dataset trace needs --trace FILE")
+        requests = trace_workload(args.trace, pool, args.seed)
+    elif args.dataset == "shared-prefix":
+        requests = shared_prefix_workload(args.num_prompts, args.shared_prefix_len,
+                                          args.shared_suffix_len, args.random_output_len, pool,
+                                          args.seed)
+    else:
+        requests = random_workload(args.num_prompts, args.random_input_len,
+                                   args.random_output_len, pool, args.seed,
+                                   args.random_range_ratio)
+    if args.endpoint.endswith("/chat/completions"):
+        requests = as_text(requests, tokenizer)
+    return requests
+
+
+async def _model_name(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def _arrival_delays(requests: list[BenchRequest], rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request is sent."""
+    if all(r.arrival is not None for r in requests):
+        return [r.arrival or 0.0 for r in requests]
+    if rate == float("inf"):
+        return [0.0] * len(requests)
+    rng = random.Random(seed)
+    delays, now = [], 0.0
+    for _ in requests:
+        delays.append(now)
+        now += rng.expovariate(rate)
+    return delays
+
+
+async def run_load(args: argparse.Namespace, requests: list[BenchRequest],
+                   progress: bool = True) -> tuple[list[RequestResult], float]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=None, headers=headers,
+                                 limits=limits) as client:
+        model = args.model or await _model_name(client)
+        gate = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
+        delays = _arrival_delays(requests, args.request_rate, args.seed)
+        bar = _progress(len(requests), progress)
+        start = time.perf_counter()
+
+        async def one(request: BenchRequest, delay: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
+            async with gate:
+                body = request_body(request, args.endpoint, model, args.ignore_eos,
+                                    args.temperature)
+                result = await send(client, args.endpoint, body, request.prompt_len)
+            bar.update(1)
+            return result
+
+        results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays,
+                                                                     strict=True)))
+        duration = time.perf_counter() - start
+        bar.close()
+    return list(results), duration
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, disable=not enabled, file=sys.stderr, desc="requests")
+
+
+def main(args: argparse.Namespace) -> int:
+    slo = parse_slo(args.slo)
+    tokenizer = load_tokenizer(args.tokenizer)
+    requests = build_workload(args, tokenizer)
+    results, duration = asyncio.run(run_load(args, requests))
+    percentiles = [int(p) for p in args.percentiles.split(",") if p]
+    summary = summarize(results, duration, percentiles, slo)
+    summary.update({"endpoint": args.endpoint, "dataset": args.dataset,
+                    "max_concurrency": args.max_concurrency,
+                    "request_rate": args.request_rate, "num_prompts": len(requests)})
+    print(table(summary))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2, default=str))
+    return 0 if summary["failed"] == 0 else 1

@@ -1,0 +1,81 @@
+"""Benchmark workloads: random prompts, a shared prefix, or a replayed JSONL trace."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    """One request to send. `prompt` is token ids (exact length) or text; `arrival` is the
+    offset in seconds from the start for trace replay (None: paced by the load shape)."""
+
+    prompt: list[int] | str
+    prompt_len: int
+    output_len: int
+    arrival: float | None = None
+
+
+def token_pool(tokenizer: Any) -> list[int]:
+    """Ordinary token ids to draw random prompts from (no special tokens)."""
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
+def _lengths(rng: random.Random, mean: int, ratio: float) -> int:
+    low, high = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return rng.randint(low, high)
+
+
+def random_workload(num: int, input_len: int, output_len: int, pool: list[int], seed: int,
+                    range_ratio: float = 0.0) -> list[BenchRequest]:
+    """Prompts of random tokens; lengths uniform in mean * (1 ± range_ratio). Each seed gives
+    fresh prompts, so a server's prefix cache cannot help."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num):
+        length = _lengths(rng, input_len, range_ratio)
+        prompt = [rng.choice(pool) for _ in range(length)]
+        requests.append(BenchRequest(prompt, length, _lengths(rng, output_len, range_ratio)))
+    return requests
+
+
+def shared_prefix_workload(num: int, prefix_len: int, suffix_len: int, output_len: int,
+                           pool: list[int], seed: int) -> list[BenchRequest]:
+    """One common prefix (a system prompt) and a different question per request."""
+    rng = random.Random(seed)
+    prefix = [rng.choice(pool) for _ in range(prefix_len)]
+    return [BenchRequest(prefix + [rng.choice(pool) for _ in range(suffix_len)],
+                         prefix_len + suffix_len, output_len) for _ in range(num)]
+
+
+def trace_workload(path: Path, pool: list[int], seed: int) -> list[BenchRequest]:
+    """JSONL lines with `timestamp` (seconds), `output_len`, and `prompt` text or `input_len`."""
+    rng = random.Random(seed)
+    requests = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        if "prompt" in entry:
+            prompt: list[int] | str = entry["prompt"]
+            length = int(entry.get("input_len", 0))
+        else:
+            length = int(entry["input_len"])
+            prompt = [rng.choice(pool) for _ in range(length)]
+        requests.append(BenchRequest(prompt, length, int(entry["output_len"]),
+                                     float(entry["timestamp"])))
+    start = min((r.arrival or 0.0 for r in requests), default=0.0)
+    return [BenchRequest(r.prompt, r.prompt_len, r.output_len, (r.arrival or 0.0) - start)
+            for r in sorted(requests, key=lambda r: r.arrival or 0.0)]
+
+
+def as_text(requests: list[BenchRequest], tokenizer: Any) -> list[BenchRequest]:
+    """Token-id prompts decoded to text (for the chat endpoint, which takes no token ids)."""
+    return [r if isinstance(r.prompt, str) else
+            BenchRequest(tokenizer.decode(r.prompt), r.prompt_len, r.output_len, r.arrival)
+            for r in requests]
