@@ -67,7 +67,8 @@ def build_workload(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
     if args.dataset == "trace":
         if args.trace is None:
             raise SystemExit("--dataset trace needs --trace FILE")
-        requests = trace_workload(args.trace, pool, args.seed)
+        requests = trace_workload(args.trace, pool, args.seed,
+                                  lambda text: len(tokenizer(text)["input_ids"]))
     elif args.dataset == "shared-prefix":
         requests = shared_prefix_workload(args.num_prompts, args.shared_prefix_len,
                                           args.shared_suffix_len, args.random_output_len, pool,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,10 @@ def shared_prefix_workload(num: int, prefix_len: int, suffix_len: int, output_le
                          prefix_len + suffix_len, output_len) for _ in range(num)]
 
 
-def trace_workload(path: Path, pool: list[int], seed: int) -> list[BenchRequest]:
-    """JSONL lines with `timestamp` (seconds), `output_len`, and `prompt` text or `input_len`."""
+def trace_workload(path: Path, pool: list[int], seed: int,
+                   count_tokens: Callable[[str], int] = len) -> list[BenchRequest]:
+    """JSONL lines with `timestamp` (seconds), `output_len`, and `prompt` text or `input_len`
+    (random tokens); `count_tokens` measures text prompts."""
     rng = random.Random(seed)
     requests = []
     for line in path.read_text().splitlines():
@@ -63,7 +66,7 @@ def trace_workload(path: Path, pool: list[int], seed: int) -> list[BenchRequest]
         entry = json.loads(line)
         if "prompt" in entry:
             prompt: list[int] | str = entry["prompt"]
-            length = int(entry.get("input_len", 0))
+            length = count_tokens(entry["prompt"])
         else:
             length = int(entry["input_len"])
             prompt = [rng.choice(pool) for _ in range(length)]

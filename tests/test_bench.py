@@ -1,0 +1,124 @@
+"""The benchmark tools: workloads, the report, a live load run and the offline comparison."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import offline
+from bench.client import RequestResult
+from bench.report import parse_slo, percentile, summarize
+from bench.serve import run_load
+from bench.workloads import random_workload, shared_prefix_workload, trace_workload
+from tests.helpers import tiny_llama, tiny_tokenizer
+from tests.server_utils import live_server, wait_until_idle
+
+ROOT = Path(__file__).resolve().parent.parent
+POOL = list(range(10, 300))
+
+
+def test_percentile_matches_numpy():
+    rng = random.Random(0)
+    values = [rng.random() for _ in range(101)]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_random_workload_lengths_and_fresh_prompts():
+    first = random_workload(50, 100, 40, POOL, seed=1, range_ratio=0.2)
+    again = random_workload(50, 100, 40, POOL, seed=1, range_ratio=0.2)
+    other = random_workload(50, 100, 40, POOL, seed=2, range_ratio=0.2)
+    assert [r.prompt for r in first] == [r.prompt for r in again]
+    assert [r.prompt for r in first] != [r.prompt for r in other]
+    assert all(80 <= r.prompt_len == len(r.prompt) <= 120 for r in first)
+    assert all(32 <= r.output_len <= 48 for r in first)
+    assert len({r.prompt_len for r in first}) > 1
+
+
+def test_shared_prefix_workload_shares_exactly_the_prefix():
+    requests = shared_prefix_workload(8, 64, 8, 16, POOL, seed=3)
+    prefixes = {tuple(r.prompt[:64]) for r in requests}
+    assert len(prefixes) == 1
+    assert len({tuple(r.prompt[64:]) for r in requests}) == 8
+    assert all(r.prompt_len == 72 for r in requests)
+
+
+def test_sample_trace_replays_in_time_order():
+    requests = trace_workload(ROOT / "benchmarks" / "sample_trace.jsonl", POOL, seed=0)
+    arrivals = [r.arrival for r in requests]
+    assert arrivals[0] == 0.0 and arrivals == sorted(arrivals) and len(requests) == 40
+    assert any(isinstance(r.prompt, str) for r in requests)
+
+
+def test_report_throughput_latencies_and_goodput():
+    results = [RequestResult(True, 10, output_len=11, ttft=0.1, e2e=1.1, itls=[0.1] * 10),
+               RequestResult(True, 10, output_len=11, ttft=0.5, e2e=2.5, itls=[0.2] * 10),
+               RequestResult(False, 10, error="HTTP 500")]
+    summary = summarize(results, duration=2.0, percentiles=[50],
+                        slo=parse_slo(["ttft:200", "tpot:150"]))
+    assert summary["completed"] == 2 and summary["failed"] == 1
+    assert summary["output_throughput"] == 11.0
+    assert summary["mean_ttft_ms"] == pytest.approx(300)
+    assert summary["p50_tpot_ms"] == pytest.approx(150)
+    assert summary["goodput"] == 0.5  # only the first meets both limits
+    assert summary["errors"] == ["HTTP 500"]
+    with pytest.raises(ValueError):
+        parse_slo(["latency:5"])
+
+
+def load_args(**overrides) -> argparse.Namespace:
+    defaults = dict(base_url="", endpoint="/v1/completions", model=None, api_key=None,
+                    max_concurrency=None, request_rate=math.inf, seed=0, ignore_eos=True,
+                    temperature=0.0)
+    return argparse.Namespace(**{**defaults, **overrides})
+
+
+@pytest.mark.parametrize("shape", [{"max_concurrency": 3}, {"request_rate": 50.0}])
+async def test_load_run_against_a_live_server(shape):
+    requests = random_workload(9, 12, 6, POOL, seed=4, range_ratio=0.5)
+    async with live_server() as server:
+        args = load_args(base_url=server.url, **shape)
+        results, duration = await run_load(args, requests, progress=False)
+        await wait_until_idle(server.engine)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.output_len for r in results] == [r.output_len for r in requests]
+    for result in results:
+        assert 0 < result.ttft <= result.e2e <= duration
+        assert len(result.itls) <= result.output_len - 1
+
+
+async def test_chat_endpoint_load():
+    requests = [r for r in random_workload(4, 8, 5, POOL, seed=5)]
+    text = [type(r)(tiny_tokenizer().decode(r.prompt), r.prompt_len, r.output_len)
+            for r in requests]
+    async with live_server() as server:
+        args = load_args(base_url=server.url, endpoint="/v1/chat/completions")
+        results, _ = await run_load(args, text, progress=False)
+    assert all(r.ok and r.output_len == 5 for r in results), [r.error for r in results]
+
+
+def test_offline_comparison_writes_results_and_plots(tmp_path, monkeypatch):
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    parser = argparse.ArgumentParser()
+    offline.add_arguments(parser)
+    args = parser.parse_args([
+        "--model", str(model_dir), "--dtype", "float32", "--num-requests", "12",
+        "--batch-size", "4", "--min-input-len", "4", "--max-input-len", "24",
+        "--min-output-len", "2", "--max-output-len", "24", "--output", str(tmp_path / "out")])
+    assert offline.main(args) == 0
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    modes = {r["mode"]: r for r in report["results"]}
+    assert set(modes) == {"continuous", "static", "generate"}
+    expected = sum(offline.make_workload(args, 320).output_lens)
+    assert all(r["output_tokens"] == expected for r in modes.values())
+    assert set(report["throughput_ratios"]) == {"continuous_vs_static", "continuous_vs_generate"}
+    for name in ("throughput.png", "latency_cdf.png", "kv_cache_usage.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 1000
