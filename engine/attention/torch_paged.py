@@ -118,7 +118,11 @@ class TorchPagedAttention(AttentionBackend):
 def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """`[blocks, block_size, heads, dim]` read through a `[rows, width]` block table gives
     `[rows, heads, width * block_size, dim]`."""
-    return layer_cache[block_table].flatten(1, 2).transpose(1, 2)
+    rows, width = block_table.shape
+    blocks = layer_cache.shape[0]
+    # index_select copies whole block rows; advanced indexing is several times slower here.
+    gathered = layer_cache.view(blocks, -1).index_select(0, block_table.flatten())
+    return gathered.view(rows, width * layer_cache.shape[1], *layer_cache.shape[2:]).transpose(1, 2)
 
 
 def _prefill_span(batch: InputBatch, row: int, block_size: int,
