@@ -22,13 +22,14 @@ from server.serving import (
     submit_all,
     usage,
 )
-from server.tokenization import TokenText, prompt_token_ids
+from server.tokenization import TokenText, prompt_token_ids, split_prompts
 
 
 @dataclass(slots=True)
 class _Choice:
     index: int
     prompt_ids: list[int]
+    prompt_text: str | None
     logprobs: CompletionLogprobs | None = None
     offset: int = 0
     finish_reason: str | None = None
@@ -42,7 +43,7 @@ class CompletionRenderer:
     """Accumulates engine deltas into OpenAI completion choices and chunks."""
 
     def __init__(self, request_id: str, model: str, body: CompletionRequest,
-                 prompts: list[list[int]], tokenizer: Any) -> None:
+                 prompts: list[list[int]], texts: list[str | None], tokenizer: Any) -> None:
         self.request_id = request_id
         self.model = model
         self.body = body
@@ -52,7 +53,7 @@ class CompletionRenderer:
         self.tokenizer = tokenizer
         self.token_text = TokenText(tokenizer) if tokenizer is not None else None
         self.choices = {
-            p * body.n + i: _Choice(p * body.n + i, prompt)
+            p * body.n + i: _Choice(p * body.n + i, prompt, texts[p])
             for p, prompt in enumerate(prompts) for i in range(body.n)
         }
 
@@ -79,7 +80,10 @@ class CompletionRenderer:
               output: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
         if not self.body.echo:
             return "", None
-        text = self.tokenizer.decode(choice.prompt_ids) if self.tokenizer is not None else ""
+        # Echo gives back a text prompt as sent; token-id prompts are decoded.
+        text = choice.prompt_text
+        if text is None:
+            text = self.tokenizer.decode(choice.prompt_ids) if self.tokenizer is not None else ""
         if output.prompt_logprobs is None:
             return text, None
         logprobs = CompletionLogprobs()
@@ -133,11 +137,14 @@ class CompletionHandler:
         self.model.check(body.model)
         _check_unsupported(body)
         tokenizer = self.engine.tokenizer
-        prompts = prompt_token_ids(tokenizer, body.prompt)
+        singles = split_prompts(body.prompt)
+        prompts = prompt_token_ids(tokenizer, singles)
+        texts = [p if isinstance(p, str) else None for p in singles]
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         request_id = new_id("cmpl")
-        renderer = CompletionRenderer(request_id, self.model.name, body, prompts, tokenizer)
+        renderer = CompletionRenderer(request_id, self.model.name, body, prompts, texts,
+                                      tokenizer)
         streams = submit_all(self.engine, prompts, params, request_id)
         return await respond(renderer, streams, bool(body.stream), request)
 

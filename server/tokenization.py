@@ -13,14 +13,19 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> l
     return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
-def prompt_token_ids(tokenizer: Any, prompt: Prompt) -> list[list[int]]:
-    """Normalise the four prompt forms of /v1/completions to a list of token-id lists."""
-    if isinstance(prompt, str):
-        return [encode_text(tokenizer, prompt)]
-    if all(isinstance(item, int) for item in prompt):
-        return [list(prompt)]
-    return [encode_text(tokenizer, item) if isinstance(item, str) else list(item)
-            for item in prompt]
+def split_prompts(prompt: Prompt) -> list[str | list[int]]:
+    """The four prompt forms of /v1/completions as a list of single prompts."""
+    if isinstance(prompt, str) or all(isinstance(item, int) for item in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def prompt_token_ids(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of each single prompt; text needs the tokenizer."""
+    if tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise InvalidRequestError("This server has no tokenizer; send token ids.",
+                                  param="prompt")
+    return [encode_text(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
 
 
 def message_text(message: ChatMessage) -> str:

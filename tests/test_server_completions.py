@@ -192,3 +192,21 @@ async def test_streaming_echo_sends_the_prompt_first():
     async with app_client() as (client, _):
         events = await stream(client, prompt="Hello world", max_tokens=3, echo=True)
         assert events[0]["choices"][0]["text"].startswith("Hello world")
+
+
+async def test_echo_of_a_token_id_prompt_is_its_decoded_text():
+    async with app_client() as (client, _):
+        ids = TOKENIZER("Hello world")["input_ids"]
+        body = await complete(client, prompt=ids, max_tokens=2, echo=True)
+        assert body["choices"][0]["text"].startswith("Hello world")
+
+
+async def test_without_a_tokenizer_only_token_ids_are_served():
+    async with app_client(tokenizer=None, with_tokenizer=False) as (client, _):
+        text = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert text.status_code == 400 and "token ids" in text.json()["error"]["message"]
+        ids = await complete(client, prompt=[40, 41, 42], max_tokens=2)
+        assert ids["usage"]["completion_tokens"] == 2 and ids["choices"][0]["text"] == ""
+        chat = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        assert chat.status_code == 400
