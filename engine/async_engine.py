@@ -247,7 +247,8 @@ class AsyncEngine:
             for index, child in enumerate(children):
                 self.core.add_request(child, add.prompt_token_ids, _child_params(add.params, index),
                                       parent_id=add.request_id, index=index,
-                                      arrival_time=add.arrival_time)
+                                      arrival_time=add.arrival_time,
+                                      fork_of=children[0] if index else None)
         except Exception as exc:
             self._dispatch(self.core.abort_requests(children))
             self._fail_collector(add.request_id, exc)

@@ -79,6 +79,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
     static_batching: bool = False
+    enable_prefix_caching: bool = True
     attention_backend: str = "torch"
     seed: int = 0
     trust_remote_code: bool = False
@@ -105,3 +106,4 @@ class ServingInfo:
     num_blocks: int
     block_size: int
     model_path: str = ""
+    enable_prefix_caching: bool = False

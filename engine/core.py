@@ -51,7 +51,9 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     parent_id: str | None = None, index: int = 0,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, fork_of: str | None = None) -> Request:
+        """Queue a sequence. `fork_of` names a sibling with the same prompt whose prompt blocks
+        this one shares once computed."""
         self.validate(prompt_token_ids, params)
         request = Request(
             request_id=request_id,
@@ -61,7 +63,7 @@ class EngineCore:
             max_total_tokens=self.scheduler.max_sequence_tokens,
             eos_token_ids=self.eos_token_ids,
         )
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, fork_of)
         self.outputs.add(request, parent_id or request_id, index)
         return request
 
@@ -88,6 +90,9 @@ class EngineCore:
         scheduler = self.scheduler
         stats.num_running, stats.num_waiting = scheduler.num_running, scheduler.num_waiting
         stats.kv_cache_usage = scheduler.block_manager.usage
+        stats.prefix_cache_queries, scheduler.prefix_cache_queries = (
+            scheduler.prefix_cache_queries, 0)
+        stats.prefix_cache_hits, scheduler.prefix_cache_hits = scheduler.prefix_cache_hits, 0
         return stats
 
     def _record_scheduled(self, scheduled: SchedulerOutput, now: float) -> None:

@@ -38,7 +38,7 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     kv_cache = KVCache(spec, num_blocks, device)
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
     scheduler = Scheduler(config.scheduler_config(max_model_len),
-                          BlockManager(num_blocks, spec.block_size))
+                          BlockManager(num_blocks, spec.block_size, config.enable_prefix_caching))
     vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
     sampler = Sampler(vocab_size, device, seed=config.seed)
     runner = ModelRunner(loaded.model, kv_cache, get_backend(config.attention_backend), sampler)
@@ -51,6 +51,7 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
         num_blocks=num_blocks,
         block_size=spec.block_size,
         model_path=loaded.path,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
     return core, info
 

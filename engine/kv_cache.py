@@ -78,6 +78,14 @@ class KVCache:
         self.key(layer).view(-1, heads, dim).index_copy_(0, slot_mapping, key)
         self.value(layer).view(-1, heads, dim).index_copy_(0, slot_mapping, value)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, K and V): `(source, destination)` pairs."""
+        if not pairs:
+            return
+        source = torch.tensor([s for s, _ in pairs], device=self.device)
+        destination = torch.tensor([d for _, d in pairs], device=self.device)
+        self.tensor[:, :, destination] = self.tensor[:, :, source]
+
     @property
     def num_bytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()

@@ -27,6 +27,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.kv_cache.copy_blocks(scheduler_output.block_copies)
         batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
         prompt_rows = _prompt_logprob_rows(batch)
         prompt_indices = _prompt_logprob_indices(batch, prompt_rows)

@@ -71,6 +71,7 @@ class OutputProcessor:
             logprobs=[logprob] if logprob is not None else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
         )
         if not state.sent_first and request.sampling_params.prompt_logprobs is not None:
             output.prompt_logprobs = state.prompt_logprobs

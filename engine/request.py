@@ -57,6 +57,9 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_prompt_logprobs_done: int = 0
+    num_cached_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
     timings: RequestTimings = field(default_factory=RequestTimings)
 
     def __post_init__(self) -> None:

@@ -39,6 +39,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -59,7 +60,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self._batch_closed = False
+        self._forks: dict[str, list[Request]] = {}
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -94,14 +98,22 @@ class Scheduler:
                 f"Please retry later."
             )
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, fork_of: str | None = None) -> None:
+        """Queue a request. With `fork_of` (a waiting request with the same prompt), it waits
+        until that one has computed the prompt, then shares its blocks instead of recomputing
+        them."""
         self.check_prompt(request.num_prompt_tokens)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.max_total_tokens = min(request.max_total_tokens, self.max_sequence_tokens)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        leader = self.requests.get(fork_of) if fork_of is not None else None
+        if leader is not None and leader.num_output_tokens == 0 and (
+                leader.prompt_token_ids == request.prompt_token_ids):
+            self._forks.setdefault(leader.request_id, []).append(request)
+        else:
+            self.waiting.append(request)
 
     # ---- scheduling ------------------------------------------------------------------------
 
@@ -110,6 +122,7 @@ class Scheduler:
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted:
             self._schedule_waiting(output, budget)
+        output.block_copies = self.block_manager.take_copies()
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -150,18 +163,40 @@ class Scheduler:
     def _admit(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            fresh = not request.block_ids  # forked requests arrive holding their prompt
+            if fresh:
+                self._claim_cached_prefix(request)
             num_tokens = request.num_tokens - request.num_computed_tokens
-            if num_tokens > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_tokens = budget
-            if not self.block_manager.allocate(request, request.num_computed_tokens + num_tokens):
+            if num_tokens > budget and not self.config.enable_chunked_prefill:
+                num_tokens = 0
+            num_tokens = min(num_tokens, budget)
+            target = request.num_computed_tokens + num_tokens
+            if num_tokens == 0 or not self.block_manager.allocate(request, target):
+                if fresh:  # stays waiting: hold nothing
+                    self.block_manager.free(request)
+                    request.num_computed_tokens = 0
                 break
+            if fresh:
+                self._count_prefix_lookup(request)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
+
+    def _claim_cached_prefix(self, request: Request) -> None:
+        """Start a request holding no blocks from the longest cached run of its full blocks."""
+        blocks = self.block_manager.cached_prefix(request)
+        self.block_manager.claim(request, blocks)
+        request.num_computed_tokens = len(blocks) * self.block_manager.block_size
+
+    def _count_prefix_lookup(self, request: Request) -> None:
+        if not self.block_manager.enable_caching:
+            return
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += request.num_computed_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
@@ -183,14 +218,26 @@ class Scheduler:
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_tokens
+            self.block_manager.cache_full_blocks(request)
             token = runner_output.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue
             request.append_output(token)
             advanced.append(request)
+            self._release_forks(request, share=True)
             if request.check_token_stop():
                 self._remove(request)
         return advanced
+
+    def _release_forks(self, leader: Request, share: bool) -> None:
+        """Queue the requests waiting on `leader`'s prompt: sharing its blocks (they compute
+        only the last prompt token, into a private copy of its block) or from scratch."""
+        siblings = self._forks.pop(leader.request_id, [])
+        for sibling in reversed(siblings):
+            if share:
+                self.block_manager.fork(leader, sibling)
+                sibling.num_computed_tokens = sibling.num_prompt_tokens - 1
+            self.waiting.appendleft(sibling)
 
     def finish_request(self, request_id: str, reason: FinishReason,
                        stop_reason: int | str | None = None) -> Request | None:
@@ -215,11 +262,15 @@ class Scheduler:
             self.running.remove(request)
         else:
             self._discard_waiting(request)
+        self._release_forks(request, share=False)
         self.block_manager.free(request)
 
     def _discard_waiting(self, request: Request) -> None:
         with contextlib.suppress(ValueError):
             self.waiting.remove(request)
+        for siblings in self._forks.values():
+            if request in siblings:
+                siblings.remove(request)
 
     # ---- introspection ---------------------------------------------------------------------
 
@@ -236,11 +287,20 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if queues and blocks disagree."""
-        self.block_manager.check_invariants()
-        held = sum(len(request.block_ids) for request in self.requests.values())
-        assert held == self.block_manager.num_used_blocks, "blocks held != blocks used"
+        manager = self.block_manager
+        manager.check_invariants()
+        holders: dict[int, int] = {}
+        for request in self.requests.values():
+            for block in request.block_ids:
+                holders[block] = holders.get(block, 0) + 1
+        assert len(holders) == manager.num_used_blocks, "blocks held != blocks used"
+        assert all(manager.ref_count(b) == n for b, n in holders.items()), "bad ref count"
         for request in self.waiting:
-            assert not request.block_ids and request.num_computed_tokens == 0, "waiting holds KV"
+            # Only a forked request waits holding blocks: its prompt less the last token.
+            computed = request.num_computed_tokens
+            assert (not request.block_ids and computed == 0) or (
+                request.block_ids and computed == request.num_prompt_tokens - 1), "waiting KV"
         assert len(self.running) <= self.config.max_num_seqs
+        pending = {r.request_id for siblings in self._forks.values() for r in siblings}
         assert set(self.requests) == {r.request_id for r in self.running} | {
-            r.request_id for r in self.waiting}
+            r.request_id for r in self.waiting} | pending

@@ -51,6 +51,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=True)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse the KV blocks of shared prompt prefixes")
     engine.add_argument("--max-waiting-requests", type=int, default=None,
                         help="refuse new requests with 503 beyond this many waiting")
     engine.add_argument("--attention-backend", default="torch")
@@ -86,6 +88,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_waiting_requests=args.max_waiting_requests,
         attention_backend=args.attention_backend,
         seed=args.seed,

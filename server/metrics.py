@@ -78,7 +78,7 @@ class EngineMetrics:
             "KV-cache usage. 1 means 100 percent usage. Older name of vllm:kv_cache_usage_perc.")
         cache_info = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks),
                       "cache_dtype": info.dtype, "device": info.device,
-                      "enable_prefix_caching": "False"}
+                      "enable_prefix_caching": str(info.enable_prefix_caching)}
         Gauge("vllm:cache_config_info", "Information of the cache configuration.",
               [*LABELS, *cache_info], registry=registry).labels(
             *self._labels, *cache_info.values()).set(1)

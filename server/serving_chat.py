@@ -34,6 +34,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     started: bool = False
 
 
@@ -64,6 +65,7 @@ class ChatRenderer:
             choice.logprobs.extend(logprobs)
         choice.pieces.append(output.text)
         choice.num_output_tokens = output.num_output_tokens
+        choice.num_cached_tokens = max(choice.num_cached_tokens, output.num_cached_tokens)
         if output.finished:
             choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
         if output.text or logprobs or output.finished:
@@ -79,9 +81,9 @@ class ChatRenderer:
                 "finish_reason": choice.finish_reason if finished else None,
                 "stop_reason": choice.stop_reason if finished else None}
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = sum(c.num_output_tokens for c in self.choices.values())
-        return usage(self.num_prompt_tokens, completion)
+        return usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
 
     def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.request_id, "object": "chat.completion.chunk",

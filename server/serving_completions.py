@@ -35,6 +35,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     started: bool = False
     pieces: list[str] = field(default_factory=list)
 
@@ -69,6 +70,7 @@ class CompletionRenderer:
                                                choice.offset)
         self._merge(choice, text, logprobs)
         choice.num_output_tokens = output.num_output_tokens
+        choice.num_cached_tokens = max(choice.num_cached_tokens, output.num_cached_tokens)
         if output.finished:
             choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
         return [{"index": choice.index, "text": text,
@@ -106,9 +108,12 @@ class CompletionRenderer:
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(choice.logprobs, name).extend(getattr(logprobs, name))
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = sum(c.num_output_tokens for c in self.choices.values())
-        return usage(sum(len(p) for p in self.prompts), completion)
+        # The prompt is counted once per prompt, as its first sample saw it.
+        cached = sum(self.choices[p * self.body.n].num_cached_tokens
+                     for p in range(len(self.prompts)))
+        return usage(sum(len(p) for p in self.prompts), completion, cached)
 
     def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.request_id, "object": "text_completion",
