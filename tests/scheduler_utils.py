@@ -13,9 +13,9 @@ FAKE_TOKEN = 7
 
 
 def create_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 128,
-                     **config: object) -> Scheduler:
+                     enable_caching: bool = False, **config: object) -> Scheduler:
     return Scheduler(SchedulerConfig(max_model_len=max_model_len, **config),
-                     BlockManager(num_blocks, block_size))
+                     BlockManager(num_blocks, block_size, enable_caching))
 
 
 def create_request(request_id: str, prompt_len: int, max_tokens: int = 4,
