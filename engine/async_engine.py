@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from engine.admission import promised_tokens
 from engine.config import EngineConfig, ServingInfo
 from engine.core import EngineCore
 from engine.errors import EngineDeadError, RequestFailedError
@@ -58,12 +59,25 @@ class RequestCollector:
         return outputs
 
 
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """How a request is treated under load: `priority` (lower runs first under the priority
+    policy) and `timeout` in seconds (None: the server's default, if any)."""
+
+    priority: int = 0
+    timeout: float | None = None
+
+
 @dataclass(slots=True)
 class _PendingAdd:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    options: RequestOptions
+    timeout: float | None
+    deferred: bool
+    promised_tokens: int
 
 
 class AsyncEngine:
@@ -130,22 +144,26 @@ class AsyncEngine:
     # ---- requests --------------------------------------------------------------------------
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+               request_id: str | None = None,
+               options: RequestOptions = RequestOptions()) -> AsyncGenerator[RequestOutput, None]:
         """Queue a request now and return the stream of its deltas.
 
-        Raises at once a typed error for a request that can never run. The stream yields deltas
-        of every sequence until all `params.n` have finished, and raises `RequestFailedError`
-        (after the deltas that came before) if a step fails. Closing it early aborts the request
-        and frees its blocks.
+        Raises at once a typed error for a request that can never run or is turned away
+        (`QueueFullError`, `RequestTimeoutError`). The stream yields deltas of every sequence
+        until all `params.n` have finished, and raises `RequestFailedError` (after the deltas
+        that came before) if a step fails, or `RequestTimeoutError` if the deadline passes
+        before a sequence produced anything. Closing it early aborts the request and frees its
+        blocks.
         """
         request_id = request_id or uuid.uuid4().hex
-        collector = self._submit(request_id, prompt_token_ids, params)
+        collector = self._submit(request_id, prompt_token_ids, params, options)
         return self._stream(request_id, collector)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
         """`submit` and iterate in one: errors surface at the first iteration."""
-        stream = self.submit(prompt_token_ids, params, request_id)
+        stream = self.submit(prompt_token_ids, params, request_id, options)
         try:
             async for output in stream:
                 yield output
@@ -167,18 +185,26 @@ class AsyncEngine:
                 self.abort(request_id)
             self._collectors.pop(request_id, None)
 
-    def _submit(self, request_id: str, prompt_token_ids: list[int],
-                params: SamplingParams) -> RequestCollector:
+    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                options: RequestOptions) -> RequestCollector:
         if not self.is_running:
             raise EngineDeadError("The engine is not running.")
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.core.validate(prompt_token_ids, params)
-        self.core.scheduler.check_capacity(len(self._adds) + 1)
+        timeout = options.timeout if options.timeout is not None else self.info.request_timeout
+        pending_tokens = sum(add.promised_tokens for add in self._adds)
+        try:
+            deferred = self.core.admit(prompt_token_ids, params, options.priority, timeout,
+                                       len(self._adds), pending_tokens)
+        except Exception:
+            self._wake_loop()  # so the rejection reaches the metrics promptly
+            raise
         collector = RequestCollector(params.n)
         self._collectors[request_id] = collector
+        promised = promised_tokens(len(prompt_token_ids), params, self.core.max_tokens)
         self._adds.append(_PendingAdd(request_id, list(prompt_token_ids), params,
-                                      time.monotonic()))
+                                      time.monotonic(), options, timeout, deferred, promised))
         max_tokens = self.info.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             max_tokens = min(params.max_tokens, max_tokens)
@@ -248,7 +274,9 @@ class AsyncEngine:
                 self.core.add_request(child, add.prompt_token_ids, _child_params(add.params, index),
                                       parent_id=add.request_id, index=index,
                                       arrival_time=add.arrival_time,
-                                      fork_of=children[0] if index else None)
+                                      fork_of=children[0] if index else None,
+                                      priority=add.options.priority, timeout=add.timeout,
+                                      deferred=add.deferred)
         except Exception as exc:
             self._dispatch(self.core.abort_requests(children))
             self._fail_collector(add.request_id, exc)

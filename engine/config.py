@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +16,9 @@ class SchedulerConfig:
     longest sequence or a recomputed request could never run again. `static_batching` (for
     comparison benchmarks only) admits a new batch only once the previous one has completely
     finished, as padded batch generation does.
+
+    `policy` is `fcfs` or `priority` (lower `priority` values first, then arrival); a request
+    that has waited longer than `max_priority_wait` seconds counts as the highest priority.
     """
 
     max_model_len: int
@@ -23,6 +27,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None
     static_batching: bool = False
+    policy: str = "fcfs"
+    max_priority_wait: float | None = None
+    max_queued_tokens: int | None = None
+    admission_soft_limit: float = 0.9
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -31,6 +39,11 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.policy!r}")
+        if not 0 < self.admission_soft_limit <= 1:
+            raise ValueError("admission_soft_limit must be in (0, 1]")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens "
@@ -80,6 +93,11 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     static_batching: bool = False
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    max_priority_wait: float | None = None
+    max_queued_tokens: int | None = None
+    admission_soft_limit: float = 0.9
+    request_timeout: float | None = None
     attention_backend: str = "torch"
     seed: int = 0
     trust_remote_code: bool = False
@@ -92,6 +110,10 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_waiting_requests=self.max_waiting_requests,
             static_batching=self.static_batching,
+            policy=self.scheduling_policy,
+            max_priority_wait=self.max_priority_wait,
+            max_queued_tokens=self.max_queued_tokens,
+            admission_soft_limit=self.admission_soft_limit,
         )
 
 
@@ -107,3 +129,4 @@ class ServingInfo:
     block_size: int
     model_path: str = ""
     enable_prefix_caching: bool = False
+    request_timeout: float | None = None

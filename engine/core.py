@@ -6,7 +6,13 @@ import logging
 import time
 from typing import Any
 
-from engine.errors import InvalidRequestError, RequestFailedError
+from engine.admission import Admission, promised_tokens
+from engine.errors import (
+    InvalidRequestError,
+    QueueFullError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -49,19 +55,48 @@ class EngineCore:
             raise InvalidRequestError("stop strings need a tokenizer.", param="stop")
         self.scheduler.check_prompt(len(prompt_token_ids))
 
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+              timeout: float | None = None, pending: int = 0, pending_tokens: int = 0) -> bool:
+        """Decide on a new request before it queues: raise `QueueFullError` (reject) or
+        `RequestTimeoutError` (its deadline cannot be met); return whether it is deferred."""
+        num_prompt = len(prompt_token_ids)
+        decision = self.scheduler.admission(promised_tokens(num_prompt, params, self.max_tokens),
+                                            priority, pending, pending_tokens)
+        if decision.outcome is Admission.REJECT:
+            raise QueueFullError(f"The server is overloaded: {decision.reason}. Please retry "
+                                 f"later.", retry_after=decision.retry_after)
+        if timeout is not None:
+            fewest = params.max_tokens if params.ignore_eos else max(1, params.min_tokens)
+            needed = self.scheduler.drain.fastest_finish(num_prompt, fewest or self.max_tokens)
+            if needed > timeout:
+                raise RequestTimeoutError(
+                    f"The request cannot finish within its timeout of {timeout:g} s (it needs "
+                    f"at least {needed:.1f} s at the current speed).")
+        return decision.outcome is Admission.DEFER
+
+    @property
+    def max_tokens(self) -> int:
+        return self.scheduler.max_sequence_tokens
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     parent_id: str | None = None, index: int = 0,
-                    arrival_time: float | None = None, fork_of: str | None = None) -> Request:
+                    arrival_time: float | None = None, fork_of: str | None = None,
+                    priority: int = 0, timeout: float | None = None,
+                    deferred: bool = False) -> Request:
         """Queue a sequence. `fork_of` names a sibling with the same prompt whose prompt blocks
-        this one shares once computed."""
+        this one shares once computed; `timeout` counts from `arrival_time`."""
         self.validate(prompt_token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            arrival_time=arrival,
             max_total_tokens=self.scheduler.max_sequence_tokens,
             eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            deadline=None if timeout is None else arrival + timeout,
+            deferred=deferred,
         )
         self.scheduler.add_request(request, fork_of)
         self.outputs.add(request, parent_id or request_id, index)
@@ -93,6 +128,8 @@ class EngineCore:
         stats.prefix_cache_queries, scheduler.prefix_cache_queries = (
             scheduler.prefix_cache_queries, 0)
         stats.prefix_cache_hits, scheduler.prefix_cache_hits = scheduler.prefix_cache_hits, 0
+        stats.num_rejections, scheduler.num_rejections = scheduler.num_rejections, 0
+        stats.num_waiting_deferred = scheduler.num_deferred()
         return stats
 
     def _record_scheduled(self, scheduled: SchedulerOutput, now: float) -> None:
@@ -120,26 +157,51 @@ class EngineCore:
     # ---- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        expired = self._expire(start)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return []
-        self._record_scheduled(scheduled, time.monotonic())
+            return expired
+        self._record_scheduled(scheduled, start)
         try:
             runner_output = self.runner.execute(scheduled)
         except Exception as exc:
             logger.exception("model step failed; failing its %d requests",
                              len(scheduled.scheduled))
-            return self._fail_step(scheduled, exc)
+            return expired + self._fail_step(scheduled, exc)
         self.outputs.collect_prompt_logprobs(runner_output)
         advanced = self.scheduler.update_from_output(scheduled, runner_output)
-        self._record_tokens(advanced, time.monotonic())
+        end = time.monotonic()
+        self._record_tokens(advanced, end)
         results = [self._output_for(r, runner_output.logprobs.get(r.request_id))
                    for r in advanced]
         finished = [r for r in advanced if r.is_finished]
         for request in finished:
             self._record_finished(request)
         self.runner.release([r.request_id for r in finished])
+        self._record_speed(scheduled, end - start, len(finished))
+        return expired + results
+
+    def _expire(self, now: float) -> list[RequestOutput]:
+        """Requests past their deadline: one that never produced a token fails with a timeout
+        error; one already generating ends with what it has."""
+        results = []
+        for request in self.scheduler.expire_deadlines(now):
+            self._record_finished(request)
+            self.runner.release([request.request_id])
+            if request.request_id not in self.outputs:
+                continue
+            error = None
+            if request.num_output_tokens == 0:
+                error = RequestTimeoutError("The request timed out before it was served.")
+            results.append(self.outputs.final_output(request, error))
         return results
+
+    def _record_speed(self, scheduled: SchedulerOutput, seconds: float, finished: int) -> None:
+        prefill = sum(item.num_tokens for item in scheduled.scheduled if item.num_tokens > 1)
+        decodes = sum(item.num_tokens == 1 for item in scheduled.scheduled)
+        self.scheduler.drain.record_step(seconds, finished, scheduled.total_num_tokens, prefill,
+                                         decodes)
 
     def _output_for(self, request: Request, logprob: Any) -> RequestOutput:
         text, stop = self.outputs.new_text(request)

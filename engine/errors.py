@@ -39,3 +39,10 @@ class EngineDeadError(ConveyorError):
 
 class RequestFailedError(ConveyorError):
     """A model step failed while this request was part of it."""
+
+
+class RequestTimeoutError(ConveyorError):
+    """The request's deadline passed (or could not be met) before it produced its answer."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="timeout")

@@ -52,6 +52,7 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
         block_size=spec.block_size,
         model_path=loaded.path,
         enable_prefix_caching=config.enable_prefix_caching,
+        request_timeout=config.request_timeout,
     )
     return core, info
 

@@ -81,13 +81,18 @@ class OutputProcessor:
         return output
 
     def final_output(self, request: Request, error: BaseException | None = None) -> RequestOutput:
-        """The closing delta of a request ended from outside (abort or failure)."""
+        """The closing delta of a request ended from outside (abort, failure, deadline), with
+        any text still held back."""
         state = self._states.pop(request.request_id)
+        text = ""
+        if state.detokenizer is not None:
+            tail, _ = state.matcher.add(state.detokenizer.flush())
+            text = tail + state.matcher.flush()
         return RequestOutput(
             request_id=state.parent_id,
             index=state.index,
             new_token_ids=[],
-            text="",
+            text=text,
             finished=True,
             finish_reason=_reason(request),
             num_prompt_tokens=request.num_prompt_tokens,

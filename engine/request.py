@@ -21,6 +21,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    TIMEOUT = "timeout"
 
 
 @dataclass(slots=True)
@@ -60,6 +61,9 @@ class Request:
     num_cached_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
+    priority: int = 0
+    deadline: float | None = None
+    deferred: bool = False
     timings: RequestTimings = field(default_factory=RequestTimings)
 
     def __post_init__(self) -> None:

@@ -3,21 +3,26 @@
 There is no prefill or decode phase. Each step has a token budget; a running request asks for
 `num_tokens - num_computed_tokens` tokens (one when decoding, the rest of its prompt when a
 prefill was chunked), and waiting requests are admitted while budget, sequence slots and blocks
-last. When blocks run out, the most recently admitted running request is preempted: it gives back
-its blocks and returns to the front of the waiting queue to be recomputed later.
+last. When blocks run out, the running request the policy ranks last (under fcfs the most
+recently admitted) is preempted: it gives back its blocks and returns to the waiting queue to be
+recomputed later. Under the priority policy a waiting request also preempts running requests of
+lower priority when it cannot otherwise get blocks or a sequence slot.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from engine.admission import AdmissionLimits, Decision, DrainRate, QueueState, decide
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.errors import PromptTooLongError, QueueFullError
+from engine.errors import PromptTooLongError
 from engine.outputs import ModelRunnerOutput
+from engine.policy import SchedulingPolicy
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -53,9 +58,17 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues over one block manager. Imports no torch."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock
+        self.policy = SchedulingPolicy(config.policy, config.max_priority_wait)
+        self.admission_limits = AdmissionLimits(config.max_waiting_requests,
+                                                config.max_queued_tokens,
+                                                config.admission_soft_limit)
+        self.drain = DrainRate()
+        self.num_rejections = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -90,13 +103,24 @@ class Scheduler:
                 param="prompt",
             )
 
-    def check_capacity(self, num_new: int = 1) -> None:
-        limit = self.config.max_waiting_requests
-        if limit is not None and len(self.waiting) + num_new > limit:
-            raise QueueFullError(
-                f"The server is overloaded: {len(self.waiting)} requests are already waiting. "
-                f"Please retry later."
-            )
+    def admission(self, promised_tokens: int, priority: int, pending: int = 0,
+                  pending_tokens: int = 0) -> Decision:
+        """Admit, defer or reject a new request promising `promised_tokens` (prompt plus its
+        most output); `pending` requests are on their way into the queue."""
+        queued = sum(r.num_prompt_tokens + r.max_output_tokens for r in self.waiting)
+        state = QueueState(len(self.waiting) + pending, queued + pending_tokens,
+                           self.block_manager.usage)
+        decision = decide(self.admission_limits, state, promised_tokens, priority > 0,
+                          self.drain)
+        if decision.outcome.value == "reject":
+            self.num_rejections += 1
+        return decision
+
+    def num_deferred(self) -> int:
+        """Waiting requests held back by the soft limit rather than by capacity."""
+        if self.block_manager.usage < self.config.admission_soft_limit:
+            return 0
+        return sum(r.deferred for r in self.waiting)
 
     def add_request(self, request: Request, fork_of: str | None = None) -> None:
         """Queue a request. With `fork_of` (a waiting request with the same prompt), it waits
@@ -119,14 +143,20 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        if not output.preempted:
-            self._schedule_waiting(output, budget)
+        now = self.clock()
+        self.policy.order_running(self.running, now)
+        if self.policy.uses_priority:
+            self._preempt_for_priority(output, now)
+        budget, grew_out = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not grew_out:
+            self._schedule_waiting(output, budget, now)
         output.block_copies = self.block_manager.take_copies()
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Schedule running requests; also say whether one had to be preempted to grow."""
         index = 0
+        preempted = len(output.preempted)
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -135,7 +165,34 @@ class Scheduler:
             output.scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
             index += 1
-        return budget
+        return budget, len(output.preempted) > preempted
+
+    def _eligible(self, request: Request) -> bool:
+        """Deferred requests wait until the cache drops below the soft limit."""
+        if request.deferred and self.block_manager.usage < self.config.admission_soft_limit:
+            request.deferred = False
+        return not request.deferred
+
+    def _preempt_for_priority(self, output: SchedulerOutput, now: float) -> None:
+        """Preempt lower-priority running requests for the best waiting one while it could
+        not otherwise start (no sequence slot, or too few blocks for its first chunk once the
+        running requests have grown by this step's tokens)."""
+        candidate = self.policy.pick(self.waiting, now, self._eligible)
+        if candidate is None:
+            return
+        key = self.policy.key(candidate, now)
+        manager = self.block_manager
+        first_chunk = min(candidate.num_tokens, self.config.max_num_batched_tokens)
+        need = manager.blocks_for(first_chunk) - len(candidate.block_ids)
+        while self.running and self.policy.key(self.running[-1], now) > key:
+            growth = sum(max(0, manager.blocks_for(r.num_tokens) - len(r.block_ids))
+                         for r in self.running)
+            slot_free = len(self.running) < self.config.max_num_seqs
+            if slot_free and manager.num_free_blocks >= need + growth:
+                return
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int,
                              output: SchedulerOutput) -> bool:
@@ -149,20 +206,22 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> None:
         if self.config.static_batching:
             if not self.running:
                 self._batch_closed = False
             if self._batch_closed:
                 return
-        self._admit(output, budget)
+        self._admit(output, budget, now)
         if self.config.static_batching and (
                 not self.waiting or len(self.running) >= self.config.max_num_seqs):
             self._batch_closed = True
 
-    def _admit(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+    def _admit(self, output: SchedulerOutput, budget: int, now: float) -> None:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.policy.pick(self.waiting, now, self._eligible)
+            if request is None:
+                break
             fresh = not request.block_ids  # forked requests arrive holding their prompt
             if fresh:
                 self._claim_cached_prefix(request)
@@ -178,7 +237,7 @@ class Scheduler:
                 break
             if fresh:
                 self._count_prefix_lookup(request)
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_tokens))
@@ -249,6 +308,15 @@ class Scheduler:
             request.finish(reason, stop_reason)
         self._remove(request)
         return request
+
+    def expire_deadlines(self, now: float) -> list[Request]:
+        """End every request whose deadline has passed, waiting or running."""
+        expired = [r for r in self.requests.values()
+                   if r.deadline is not None and now >= r.deadline]
+        for request in expired:
+            request.finish(FinishReason.TIMEOUT)
+            self._remove(request)
+        return expired
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         aborted = (self.finish_request(rid, FinishReason.ABORT) for rid in request_ids)

@@ -68,6 +68,8 @@ class StepStats:
     num_generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_waiting_deferred: int = 0
+    num_rejections: int = 0
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     new_requests: list[RequestParamsStats] = field(default_factory=list)

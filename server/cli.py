@@ -55,6 +55,16 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=True, help="reuse the KV blocks of shared prompt prefixes")
     engine.add_argument("--max-waiting-requests", type=int, default=None,
                         help="refuse new requests with 503 beyond this many waiting")
+    engine.add_argument("--max-queued-tokens", type=int, default=None,
+                        help="refuse new requests with 503 beyond this many promised tokens "
+                             "(queued prompts plus their max_tokens)")
+    engine.add_argument("--admission-soft-limit", type=float, default=0.9,
+                        help="KV cache usage past which low-priority requests are deferred")
+    engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    engine.add_argument("--max-priority-wait", type=float, default=None,
+                        help="seconds after which a waiting request counts as top priority")
+    engine.add_argument("--request-timeout", type=float, default=None,
+                        help="default deadline of a request in seconds (request field timeout)")
     engine.add_argument("--attention-backend", default="torch")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--trust-remote-code", action="store_true")
@@ -90,6 +100,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         max_waiting_requests=args.max_waiting_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        admission_soft_limit=args.admission_soft_limit,
+        scheduling_policy=args.scheduling_policy,
+        max_priority_wait=args.max_priority_wait,
+        request_timeout=args.request_timeout,
         attention_backend=args.attention_backend,
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,

@@ -16,6 +16,7 @@ from engine.errors import (
     InvalidRequestError,
     QueueFullError,
     RequestFailedError,
+    RequestTimeoutError,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(503, exc.message, "server_error", code=exc.code,
                         headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(504, exc.message, "server_error", code="timeout")
     if isinstance(exc, EngineDeadError):
         return APIError(503, exc.message, "server_error", code="engine_unavailable")
     if isinstance(exc, RequestFailedError | ConveyorError):

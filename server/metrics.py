@@ -71,6 +71,11 @@ class EngineMetrics:
                                    "Number of requests in model execution batches.")
         self.waiting = self._gauge(registry, "vllm:num_requests_waiting",
                                    "Number of requests waiting to be processed.")
+        by_reason = Gauge("vllm:num_requests_waiting_by_reason",
+                          "Waiting requests by why they wait: capacity or deferred.",
+                          [*LABELS, "reason"], registry=registry)
+        self.waiting_capacity = by_reason.labels(*self._labels, "capacity")
+        self.waiting_deferred = by_reason.labels(*self._labels, "deferred")
         self.kv_usage = self._gauge(registry, "vllm:kv_cache_usage_perc",
                                     "KV-cache usage. 1 means 100 percent usage.")
         self.gpu_kv_usage = self._gauge(
@@ -90,6 +95,8 @@ class EngineMetrics:
                                                "Number of generation tokens processed.")
         self.preemptions = self._counter(registry, "vllm:num_preemptions",
                                          "Cumulative number of preemption from the engine.")
+        self.rejections = self._counter(registry, "vllm:admission_rejections",
+                                        "Requests turned away by admission control.")
         self.prefix_queries = self._counter(
             registry, "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.")
@@ -146,6 +153,9 @@ class EngineMetrics:
         """Fold one step's stats in (the engine calls this after every step)."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.waiting_deferred.set(stats.num_waiting_deferred)
+        self.waiting_capacity.set(stats.num_waiting - stats.num_waiting_deferred)
+        self.rejections.inc(stats.num_rejections)
         self.kv_usage.set(stats.kv_cache_usage)
         self.gpu_kv_usage.set(stats.kv_cache_usage)
         self.preemptions.inc(stats.num_preemptions)

@@ -42,6 +42,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    timeout: float | None = Field(default=None, gt=0)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -11,8 +11,9 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.async_engine import RequestOptions
 from engine.config import ServingInfo
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestTimeoutError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import StepStats
@@ -38,7 +39,8 @@ class EngineClient(Protocol):
     async def shutdown(self) -> None: ...
 
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]: ...
+               request_id: str | None = None,
+               options: RequestOptions = ...) -> AsyncGenerator[RequestOutput, None]: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -102,14 +104,19 @@ def sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: i
     )
 
 
+def request_options(body: SamplingFields) -> RequestOptions:
+    return RequestOptions(priority=body.priority, timeout=body.timeout)
+
+
 def submit_all(engine: EngineClient, prompts: list[list[int]], params: SamplingParams,
-               request_id: str) -> list[AsyncGenerator[RequestOutput, None]]:
+               request_id: str,
+               options: RequestOptions) -> list[AsyncGenerator[RequestOutput, None]]:
     """Queue every prompt, or none: a refusal aborts the ones already queued."""
     streams: list[AsyncGenerator[RequestOutput, None]] = []
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     try:
         for prompt, sub_id in zip(prompts, ids, strict=True):
-            streams.append(engine.submit(prompt, params, sub_id))
+            streams.append(engine.submit(prompt, params, sub_id, options))
     except BaseException:
         for sub_id in ids[: len(streams)]:
             engine.abort(sub_id)
@@ -146,29 +153,54 @@ class Renderer(Protocol):
 Streams = list[AsyncGenerator[RequestOutput, None]]
 
 
+# 499: the client closed the connection first (nobody reads the answer).
+CLIENT_GONE = 499
+
+
 async def respond(renderer: Renderer, streams: Streams, stream: bool,
                   request: Request) -> Response:
-    """Stream server-sent events, or wait for the whole answer unless the client leaves."""
-    if stream:
-        return StreamingResponse(_events(renderer, streams), media_type="text/event-stream")
-    result = await unless_disconnected(request, _collect(renderer, streams))
-    # 499: the client closed the connection first (nobody reads this answer).
-    return JSONResponse(result) if result is not None else Response(status_code=499)
+    """Stream server-sent events, or wait for the whole answer, unless the client leaves.
+
+    A stream starts only with the first delta, so an error before it (the deadline passed in
+    the queue, say) still gets its own HTTP status."""
+    merged = merge(streams)
+    if not stream:
+        result = await unless_disconnected(request, _collect(renderer, merged))
+        return JSONResponse(result) if result is not None else Response(status_code=CLIENT_GONE)
+    first = await unless_disconnected(request, anext(merged))
+    if first is None:
+        await merged.aclose()
+        return Response(status_code=CLIENT_GONE)
+    return StreamingResponse(_events(renderer, first, merged), media_type="text/event-stream")
 
 
-async def _collect(renderer: Renderer, streams: Streams) -> dict[str, Any]:
-    async for source, output in merge(streams):
+async def _collect(renderer: Renderer, merged: AsyncIterator[tuple[int, RequestOutput]]
+                   ) -> dict[str, Any]:
+    async for source, output in merged:
         renderer.update(source, output)
     return renderer.response()
 
 
-async def _events(renderer: Renderer, streams: Streams) -> AsyncIterator[str]:
+async def _events(renderer: Renderer, first: tuple[int, RequestOutput],
+                  merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncIterator[str]:
+    timed_out = False
     try:
-        async for source, output in merge(streams):
+        source, output = first
+        while True:
+            timed_out = timed_out or output.finish_reason == "timeout"
             for fragment in renderer.update(source, output):
                 yield sse(renderer.chunk([fragment]))
+            try:
+                source, output = await anext(merged)
+            except StopAsyncIteration:
+                break
         if renderer.include_usage:
             yield sse(renderer.chunk([], with_usage=True))
+        if timed_out:
+            yield sse_error(RequestTimeoutError("The request's deadline passed; the answer "
+                                                "above is cut short."))
     except Exception as exc:
         yield sse_error(exc)
+    finally:
+        await merged.aclose()
     yield DONE

@@ -17,6 +17,7 @@ from server.serving import (
     ServedModel,
     new_id,
     now,
+    request_options,
     require_text_model,
     respond,
     sampling_params,
@@ -118,7 +119,8 @@ class ChatHandler:
         params = sampling_params(body, _max_tokens(body), _top_logprobs(body))
         request_id = new_id("chatcmpl")
         renderer = ChatRenderer(request_id, self.model.name, body, len(prompt), tokenizer)
-        streams = submit_all(self.engine, [prompt], params, request_id)
+        streams = submit_all(self.engine, [prompt], params, request_id,
+                             request_options(body))
         return await respond(renderer, streams, bool(body.stream), request)
 
 

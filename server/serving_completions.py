@@ -17,6 +17,7 @@ from server.serving import (
     ServedModel,
     new_id,
     now,
+    request_options,
     respond,
     sampling_params,
     submit_all,
@@ -150,7 +151,8 @@ class CompletionHandler:
         request_id = new_id("cmpl")
         renderer = CompletionRenderer(request_id, self.model.name, body, prompts, texts,
                                       tokenizer)
-        streams = submit_all(self.engine, prompts, params, request_id)
+        streams = submit_all(self.engine, prompts, params, request_id,
+                             request_options(body))
         return await respond(renderer, streams, bool(body.stream), request)
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from engine.errors import PromptTooLongError, QueueFullError
+from engine.errors import PromptTooLongError
 from engine.request import FinishReason, RequestStatus
 from tests.scheduler_utils import (
     FAKE_TOKEN,
@@ -216,16 +216,6 @@ def test_min_tokens_defers_token_stops():
     assert not request.is_finished
     step(scheduler, token=0)
     assert request.finish_reason is FinishReason.STOP and request.num_output_tokens == 3
-
-
-def test_queue_limit_is_reported_before_admission():
-    scheduler = create_scheduler(max_waiting_requests=2)
-    scheduler.add_request(create_request("a", prompt_len=4))
-    scheduler.add_request(create_request("b", prompt_len=4))
-    with pytest.raises(QueueFullError):
-        scheduler.check_capacity()
-    step(scheduler)
-    scheduler.check_capacity()
 
 
 def test_static_batching_admits_nothing_until_the_whole_batch_is_done():

@@ -1,0 +1,112 @@
+"""Admission control: every new request is admitted, deferred or rejected before it queues.
+
+The decision weighs the tokens already promised (queued prompts plus what they may generate)
+against the limits, and the KV cache usage against a soft limit past which low-priority
+traffic is deferred. A rejection carries a `Retry-After` from the rate at which the queue
+currently drains. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+class Admission(enum.Enum):
+    ADMIT = "admit"
+    DEFER = "defer"
+    REJECT = "reject"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    max_waiting_requests: int | None = None
+    max_queued_tokens: int | None = None
+    soft_limit: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 0 < self.soft_limit <= 1:
+            raise ValueError("admission soft limit must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class QueueState:
+    """What is already promised when a request arrives."""
+
+    num_waiting: int
+    queued_tokens: int
+    kv_cache_usage: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    outcome: Admission
+    reason: str = ""
+    retry_after: int = 0
+
+
+class DrainRate:
+    """Exponentially weighted rates of finished requests and processed tokens per second."""
+
+    def __init__(self, half_life: float = 10.0) -> None:
+        self._half_life = half_life
+        self.requests_per_s = 0.0
+        self.tokens_per_s = 0.0
+        self.decode_step_s = 0.0
+        self.prefill_tokens_per_s = 0.0
+
+    def _blend(self, old: float, new: float, seconds: float) -> float:
+        if old == 0.0:
+            return new
+        keep = 0.5 ** (seconds / self._half_life)
+        return keep * old + (1 - keep) * new
+
+    def record_step(self, seconds: float, finished: int, tokens: int, prefill_tokens: int,
+                    decodes: int) -> None:
+        if seconds <= 0:
+            return
+        self.requests_per_s = self._blend(self.requests_per_s, finished / seconds, seconds)
+        self.tokens_per_s = self._blend(self.tokens_per_s, tokens / seconds, seconds)
+        if decodes and not prefill_tokens:
+            self.decode_step_s = self._blend(self.decode_step_s, seconds, seconds)
+        if prefill_tokens:
+            rate = prefill_tokens / seconds
+            self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, rate, seconds)
+
+    def seconds_to_drain(self, queued_tokens: int) -> float:
+        return queued_tokens / self.tokens_per_s if self.tokens_per_s > 0 else 1.0
+
+    def fastest_finish(self, prompt_tokens: int, min_new_tokens: int) -> float:
+        """A lower bound on the seconds a request needs at the current speed (0 unknown)."""
+        prefill = prompt_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0
+        return prefill + max(0, min_new_tokens - 1) * self.decode_step_s
+
+
+def promised_tokens(num_prompt_tokens: int, params: SamplingParams,
+                    max_sequence_tokens: int) -> int:
+    """Tokens a request may occupy: its prompt plus its largest possible output."""
+    limit = max_sequence_tokens - num_prompt_tokens
+    max_tokens = params.max_tokens
+    return num_prompt_tokens + (limit if max_tokens is None else min(max_tokens, limit))
+
+
+def decide(limits: AdmissionLimits, state: QueueState, new_tokens: int, low_priority: bool,
+           drain: DrainRate) -> Decision:
+    """Admit, defer or reject a request promising `new_tokens` (prompt plus max output)."""
+    if limits.max_waiting_requests is not None and (
+            state.num_waiting >= limits.max_waiting_requests):
+        return _reject(f"{state.num_waiting} requests are already waiting", state, drain)
+    if limits.max_queued_tokens is not None and (
+            state.queued_tokens + new_tokens > limits.max_queued_tokens):
+        return _reject(f"{state.queued_tokens} tokens are already queued", state, drain)
+    if low_priority and state.kv_cache_usage >= limits.soft_limit:
+        return Decision(Admission.DEFER, "deferred")
+    return Decision(Admission.ADMIT)
+
+
+def _reject(reason: str, state: QueueState, drain: DrainRate) -> Decision:
+    seconds = drain.seconds_to_drain(state.queued_tokens)
+    return Decision(Admission.REJECT, reason, retry_after=max(1, min(600, math.ceil(seconds))))
