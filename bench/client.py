@@ -21,6 +21,17 @@ class RequestResult:
     e2e: float = 0.0
     itls: list[float] = field(default_factory=list)
     error: str = ""
+    status: int = 0
+    finish_reason: str | None = None
+    priority: int = 0
+
+    @property
+    def timed_out(self) -> bool:
+        return self.status == 504 or self.finish_reason == "timeout"
+
+    @property
+    def rejected(self) -> bool:
+        return self.status in (429, 503)
 
     @property
     def tpot(self) -> float | None:
@@ -29,12 +40,16 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_len - 1)
 
 
-def request_body(request: BenchRequest, endpoint: str, model: str,
-                 ignore_eos: bool, temperature: float) -> dict:
+def request_body(request: BenchRequest, endpoint: str, model: str, ignore_eos: bool,
+                 temperature: float, timeout: float | None = None) -> dict:
     body: dict = {"model": model, "max_tokens": request.output_len, "stream": True,
                   "temperature": temperature, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
+    if request.priority:
+        body["priority"] = request.priority
+    if timeout is not None:
+        body["timeout"] = timeout
     if endpoint.endswith("/chat/completions"):
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:
@@ -52,13 +67,15 @@ def _chunk_text(chunk: dict) -> str:
 async def send(client: httpx.AsyncClient, endpoint: str, body: dict,
                prompt_len: int) -> RequestResult:
     """Stream one request; the first chunk with text marks the first token."""
-    result = RequestResult(ok=False, prompt_len=prompt_len)
+    result = RequestResult(ok=False, prompt_len=prompt_len, priority=body.get("priority", 0))
     start = time.perf_counter()
     last = start
     chunks = 0
     try:
         async with client.stream("POST", endpoint, json=body) as response:
+            result.status = response.status_code
             if response.status_code != 200:
+                result.e2e = time.perf_counter() - start
                 result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return result
             async for line in response.aiter_lines():
@@ -67,8 +84,11 @@ async def send(client: httpx.AsyncClient, endpoint: str, body: dict,
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     result.error = str(chunk["error"].get("message"))
+                    result.e2e = time.perf_counter() - start
                     return result
                 now = time.perf_counter()
+                for choice in chunk.get("choices") or []:
+                    result.finish_reason = choice.get("finish_reason") or result.finish_reason
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
                 if _chunk_text(chunk) or (chunk.get("choices") and chunks == 0):

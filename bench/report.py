@@ -74,6 +74,35 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[i
     return summary
 
 
+def class_name(priority: int) -> str:
+    return "high" if priority == 0 else "low" if priority == 1 else f"priority {priority}"
+
+
+def overload(results: list[RequestResult], duration: float,
+             percentiles: list[int]) -> dict[str, Any]:
+    """Who waited, who was turned away, who missed the deadline, per priority class."""
+    waits = [r.ttft if r.output_len else r.e2e for r in results]
+    on_time = [r for r in results if r.ok and not r.timed_out]
+    classes = {}
+    for priority in sorted({r.priority for r in results}):
+        mine = [r for r in results if r.priority == priority]
+        served = [r.ttft for r in mine if r.output_len]
+        classes[class_name(priority)] = {
+            "requests": len(mine),
+            "completed_on_time": sum(r.ok and not r.timed_out for r in mine),
+            "timed_out": sum(r.timed_out for r in mine),
+            "rejected": sum(r.rejected for r in mine),
+            **{f"p{q}_ttft_ms": percentile(served, q) * 1000 for q in percentiles},
+        }
+    return {
+        "deadline_goodput": len(on_time) / duration if duration else 0.0,
+        "rejected": sum(r.rejected for r in results),
+        "timed_out": sum(r.timed_out for r in results),
+        "longest_wait_s": max(waits, default=0.0),
+        "by_class": classes,
+    }
+
+
 def table(summary: dict[str, Any]) -> str:
     """The summary as a fixed-width table, in the spirit of `vllm bench serve`."""
     lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
@@ -98,5 +127,20 @@ def table(summary: dict[str, Any]) -> str:
             if key.endswith(f"_{name}_ms"):
                 label = key.replace(f"_{name}_ms", "").replace("mean", "Mean").replace("p", "P")
                 lines.append(f"{label + ' ' + name.upper() + ' (ms)':<45}{value:>15.2f}")
+    if "overload" in summary:
+        lines.extend(_overload_lines(summary["overload"]))
     lines.append("=" * 60)
     return "\n".join(lines)
+
+
+def _overload_lines(data: dict[str, Any]) -> list[str]:
+    lines = ["{s:{c}^60}".format(s=" Overload ", c="-"),
+             f"{'Goodput, on time (req/s)':<45}{data['deadline_goodput']:>15.2f}",
+             f"{'Rejected (503)':<45}{data['rejected']:>15}",
+             f"{'Timed out':<45}{data['timed_out']:>15}",
+             f"{'Longest wait (s)':<45}{data['longest_wait_s']:>15.2f}"]
+    for name, row in data["by_class"].items():
+        for key, value in row.items():
+            text = f"{value:.2f}" if isinstance(value, float) else str(value)
+            lines.append(f"{name + ' ' + key:<45}{text:>15}")
+    return lines

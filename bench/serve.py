@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from bench.client import RequestResult, request_body, send
-from bench.report import parse_slo, summarize, table
+from bench.report import overload, parse_slo, summarize, table
 from bench.workloads import (
     BenchRequest,
     as_text,
@@ -21,6 +21,7 @@ from bench.workloads import (
     shared_prefix_workload,
     token_pool,
     trace_workload,
+    with_priorities,
 )
 
 
@@ -42,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="Poisson arrivals per second (default: all at once)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="with --request-rate: send rate x duration requests")
+    parser.add_argument("--priority-mix", type=float, default=0.0,
+                        help="share of high-priority (0) requests; the rest get priority 1")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="per-request deadline in seconds (the request field timeout)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -74,9 +81,13 @@ def build_workload(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
                                           args.shared_suffix_len, args.random_output_len, pool,
                                           args.seed)
     else:
-        requests = random_workload(args.num_prompts, args.random_input_len,
-                                   args.random_output_len, pool, args.seed,
-                                   args.random_range_ratio)
+        count = args.num_prompts
+        if args.duration is not None and args.request_rate != float("inf"):
+            count = max(1, round(args.request_rate * args.duration))
+        requests = random_workload(count, args.random_input_len, args.random_output_len, pool,
+                                   args.seed, args.random_range_ratio)
+    if args.priority_mix > 0:
+        requests = with_priorities(requests, args.priority_mix, args.seed)
     if args.endpoint.endswith("/chat/completions"):
         requests = as_text(requests, tokenizer)
     return requests
@@ -118,7 +129,7 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest],
             await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
             async with gate:
                 body = request_body(request, args.endpoint, model, args.ignore_eos,
-                                    args.temperature)
+                                    args.temperature, args.timeout)
                 result = await send(client, args.endpoint, body, request.prompt_len)
             bar.update(1)
             return result
@@ -143,6 +154,8 @@ def main(args: argparse.Namespace) -> int:
     results, duration = asyncio.run(run_load(args, requests))
     percentiles = [int(p) for p in args.percentiles.split(",") if p]
     summary = summarize(results, duration, percentiles, slo)
+    if args.priority_mix > 0 or args.timeout is not None:
+        summary["overload"] = overload(results, duration, percentiles)
     summary.update({"endpoint": args.endpoint, "dataset": args.dataset,
                     "max_concurrency": args.max_concurrency,
                     "request_rate": args.request_rate, "num_prompts": len(requests)})
@@ -150,4 +163,5 @@ def main(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2, default=str))
-    return 0 if summary["failed"] == 0 else 1
+    failures_expected = args.timeout is not None or args.priority_mix > 0
+    return 0 if summary["failed"] == 0 or failures_expected else 1

@@ -19,6 +19,7 @@ class BenchRequest:
     prompt_len: int
     output_len: int
     arrival: float | None = None
+    priority: int = 0
 
 
 def token_pool(tokenizer: Any) -> list[int]:
@@ -77,8 +78,21 @@ def trace_workload(path: Path, pool: list[int], seed: int,
             for r in sorted(requests, key=lambda r: r.arrival or 0.0)]
 
 
+HIGH_PRIORITY, LOW_PRIORITY = 0, 1
+
+
+def with_priorities(requests: list[BenchRequest], high_share: float,
+                    seed: int) -> list[BenchRequest]:
+    """Mark a `high_share` of the requests high priority (0) and the rest low (1)."""
+    rng = random.Random(seed + 1)
+    return [BenchRequest(r.prompt, r.prompt_len, r.output_len, r.arrival,
+                         HIGH_PRIORITY if rng.random() < high_share else LOW_PRIORITY)
+            for r in requests]
+
+
 def as_text(requests: list[BenchRequest], tokenizer: Any) -> list[BenchRequest]:
     """Token-id prompts decoded to text (for the chat endpoint, which takes no token ids)."""
     return [r if isinstance(r.prompt, str) else
-            BenchRequest(tokenizer.decode(r.prompt), r.prompt_len, r.output_len, r.arrival)
+            BenchRequest(tokenizer.decode(r.prompt), r.prompt_len, r.output_len, r.arrival,
+                         r.priority)
             for r in requests]

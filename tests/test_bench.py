@@ -13,9 +13,14 @@ import pytest
 
 from bench import offline
 from bench.client import RequestResult
-from bench.report import parse_slo, percentile, summarize
+from bench.report import overload, parse_slo, percentile, summarize
 from bench.serve import run_load
-from bench.workloads import random_workload, shared_prefix_workload, trace_workload
+from bench.workloads import (
+    random_workload,
+    shared_prefix_workload,
+    trace_workload,
+    with_priorities,
+)
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tests.server_utils import live_server, wait_until_idle
 
@@ -75,7 +80,7 @@ def test_report_throughput_latencies_and_goodput():
 def load_args(**overrides) -> argparse.Namespace:
     defaults = dict(base_url="", endpoint="/v1/completions", model=None, api_key=None,
                     max_concurrency=None, request_rate=math.inf, seed=0, ignore_eos=True,
-                    temperature=0.0)
+                    temperature=0.0, timeout=None)
     return argparse.Namespace(**{**defaults, **overrides})
 
 
@@ -122,3 +127,31 @@ def test_offline_comparison_writes_results_and_plots(tmp_path, monkeypatch):
     assert set(report["throughput_ratios"]) == {"continuous_vs_static", "continuous_vs_generate"}
     for name in ("throughput.png", "latency_cdf.png", "kv_cache_usage.png"):
         assert (tmp_path / "out" / name).stat().st_size > 1000
+
+
+def test_priority_mix_and_overload_report():
+    requests = with_priorities(random_workload(200, 8, 4, POOL, seed=1), 0.2, seed=1)
+    share = sum(r.priority == 0 for r in requests) / len(requests)
+    assert 0.1 < share < 0.3 and {r.priority for r in requests} == {0, 1}
+    results = [RequestResult(True, 8, output_len=4, ttft=0.1, e2e=0.5, priority=0),
+               RequestResult(False, 8, status=503, e2e=0.01, priority=1),
+               RequestResult(False, 8, output_len=2, ttft=2.0, e2e=3.0, status=200,
+                             finish_reason="timeout", priority=1),
+               RequestResult(False, 8, status=504, e2e=5.0, priority=1)]
+    report = overload(results, duration=10.0, percentiles=[50, 99])
+    assert report["deadline_goodput"] == 0.1
+    assert report["rejected"] == 1 and report["timed_out"] == 2
+    assert report["longest_wait_s"] == 5.0
+    assert report["by_class"]["high"]["completed_on_time"] == 1
+    assert report["by_class"]["low"]["timed_out"] == 2
+
+
+async def test_load_with_priorities_and_deadlines_against_a_live_server():
+    requests = with_priorities(random_workload(8, 8, 6, POOL, seed=6), 0.5, seed=6)
+    async with live_server(scheduling_policy="priority") as server:
+        args = load_args(base_url=server.url, timeout=30.0, max_concurrency=4)
+        results, duration = await run_load(args, requests, progress=False)
+        await wait_until_idle(server.engine)
+    assert all(r.ok and not r.timed_out for r in results), [r.error for r in results]
+    assert {r.priority for r in results} == {r.priority for r in requests}
+    assert overload(results, duration, [50])["deadline_goodput"] > 0
