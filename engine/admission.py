@@ -93,6 +93,13 @@ def promised_tokens(num_prompt_tokens: int, params: SamplingParams,
     return num_prompt_tokens + (limit if max_tokens is None else min(max_tokens, limit))
 
 
+def fewest_new_tokens(params: SamplingParams, room: int) -> int:
+    """The fewest tokens a request can end with: EOS may come at once unless ignored."""
+    if params.ignore_eos:
+        return min(params.max_tokens or room, room)
+    return max(1, params.min_tokens)
+
+
 def decide(limits: AdmissionLimits, state: QueueState, new_tokens: int, low_priority: bool,
            drain: DrainRate) -> Decision:
     """Admit, defer or reject a request promising `new_tokens` (prompt plus max output)."""

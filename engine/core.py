@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any
 
-from engine.admission import Admission, promised_tokens
+from engine.admission import Admission, fewest_new_tokens, promised_tokens
 from engine.errors import (
     InvalidRequestError,
     QueueFullError,
@@ -66,8 +66,8 @@ class EngineCore:
             raise QueueFullError(f"The server is overloaded: {decision.reason}. Please retry "
                                  f"later.", retry_after=decision.retry_after)
         if timeout is not None:
-            fewest = params.max_tokens if params.ignore_eos else max(1, params.min_tokens)
-            needed = self.scheduler.drain.fastest_finish(num_prompt, fewest or self.max_tokens)
+            fewest = fewest_new_tokens(params, self.max_tokens - num_prompt)
+            needed = self.scheduler.drain.fastest_finish(num_prompt, fewest)
             if needed > timeout:
                 raise RequestTimeoutError(
                     f"The request cannot finish within its timeout of {timeout:g} s (it needs "

@@ -17,7 +17,14 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from engine.admission import AdmissionLimits, Decision, DrainRate, QueueState, decide
+from engine.admission import (
+    AdmissionLimits,
+    Decision,
+    DrainRate,
+    QueueState,
+    decide,
+    fewest_new_tokens,
+)
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.errors import PromptTooLongError
@@ -106,9 +113,13 @@ class Scheduler:
     def admission(self, promised_tokens: int, priority: int, pending: int = 0,
                   pending_tokens: int = 0) -> Decision:
         """Admit, defer or reject a new request promising `promised_tokens` (prompt plus its
-        most output); `pending` requests are on their way into the queue."""
-        queued = sum(r.num_prompt_tokens + r.max_output_tokens for r in self.waiting)
-        state = QueueState(len(self.waiting) + pending, queued + pending_tokens,
+        most output); `pending` requests are on their way into the queue. Under the priority
+        policy only waiting requests of the same or higher priority count against the queue
+        limits, so low-priority traffic is turned away first."""
+        ahead = [r for r in self.waiting
+                 if not self.policy.uses_priority or r.priority <= priority]
+        queued = sum(r.num_prompt_tokens + r.max_output_tokens for r in ahead)
+        state = QueueState(len(ahead) + pending, queued + pending_tokens,
                            self.block_manager.usage)
         decision = decide(self.admission_limits, state, promised_tokens, priority > 0,
                           self.drain)
@@ -310,13 +321,22 @@ class Scheduler:
         return request
 
     def expire_deadlines(self, now: float) -> list[Request]:
-        """End every request whose deadline has passed, waiting or running."""
+        """End every request whose deadline has passed, waiting or running, and every
+        request not started yet that could no longer finish in time even if it started now
+        (its compute would be wasted on an answer nobody wants)."""
         expired = [r for r in self.requests.values()
-                   if r.deadline is not None and now >= r.deadline]
+                   if r.deadline is not None and (now >= r.deadline or self._hopeless(r, now))]
         for request in expired:
             request.finish(FinishReason.TIMEOUT)
             self._remove(request)
         return expired
+
+    def _hopeless(self, request: Request, now: float) -> bool:
+        if request.num_output_tokens or request.status is not RequestStatus.WAITING:
+            return False
+        fewest = fewest_new_tokens(request.sampling_params, request.max_output_tokens)
+        return now + self.drain.fastest_finish(request.num_prompt_tokens, fewest) > (
+            request.deadline or now)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         aborted = (self.finish_request(rid, FinishReason.ABORT) for rid in request_ids)

@@ -92,9 +92,15 @@ def blocks_in_use(engine: AsyncEngine) -> int:
     return engine.core.scheduler.block_manager.num_used_blocks
 
 
-async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
+async def until(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll `condition` while the event loop runs the server; fail after `timeout` seconds."""
     for _ in range(int(timeout / 0.01)):
-        if blocks_in_use(engine) == 0 and not engine.core.has_unfinished():
+        if condition():
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"{blocks_in_use(engine)} KV blocks still in use")
+    raise AssertionError(f"{what} not reached in {timeout} s")
+
+
+async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
+    await until(lambda: blocks_in_use(engine) == 0 and not engine.core.has_unfinished(),
+                timeout, "an idle engine with every KV block free")

@@ -10,7 +10,7 @@ from engine.admission import Admission, AdmissionLimits, DrainRate, QueueState, 
 from engine.request import FinishReason
 from tests.helpers import sabotage_steps
 from tests.scheduler_utils import create_request, create_scheduler, scheduled_counts, step
-from tests.server_utils import app_client, blocks_in_use, live_server, sse_events
+from tests.server_utils import app_client, blocks_in_use, live_server, sse_events, until
 
 
 class Clock:
@@ -161,6 +161,31 @@ def test_deadline_expiry_in_every_state_frees_blocks(state):
     scheduler.check_invariants()
 
 
+def test_a_waiting_request_that_can_no_longer_make_it_is_dropped_early():
+    clock = Clock()
+    scheduler = policy_scheduler(clock, max_num_seqs=1)
+    scheduler.drain.record_step(0.1, 0, 4, prefill_tokens=0, decodes=4)  # 0.1 s per token
+    scheduler.add_request(make("blocker", max_tokens=50))
+    scheduler.add_request(make("x", max_tokens=20, deadline=110.0, ignore_eos=True))
+    step(scheduler)
+    clock.now = 107.0  # 20 tokens need >= 1.9 s, only 3 s left: still possible
+    assert scheduler.expire_deadlines(clock.now) == []
+    clock.now = 108.5  # 1.5 s left: hopeless, so it never starts
+    [dropped] = scheduler.expire_deadlines(clock.now)
+    assert dropped.request_id == "x" and dropped.finish_reason is FinishReason.TIMEOUT
+
+
+def test_queue_limits_count_only_equal_or_higher_priorities_under_the_priority_policy():
+    for policy, high_outcome in (("fcfs", Admission.REJECT), ("priority", Admission.ADMIT)):
+        scheduler = policy_scheduler(Clock(), policy=policy, max_waiting_requests=2,
+                                     max_num_seqs=1)
+        for name in ("run", "low-1", "low-2"):
+            scheduler.add_request(make(name, priority=1))
+        step(scheduler)
+        assert scheduler.admission(8, priority=1).outcome is Admission.REJECT
+        assert scheduler.admission(8, priority=0).outcome is high_outcome
+
+
 def test_fastest_finish_estimate():
     drain = DrainRate()
     assert drain.fastest_finish(100, 50) == 0  # nothing measured yet: never reject
@@ -172,14 +197,6 @@ def test_fastest_finish_estimate():
 # ---- through HTTP --------------------------------------------------------------------------
 
 LONG = {"prompt": "Hello", "max_tokens": 300, "ignore_eos": True}
-
-
-async def until(condition, timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 async def test_a_request_timing_out_in_the_queue_gets_504(monkeypatch):

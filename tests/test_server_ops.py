@@ -9,7 +9,7 @@ import httpx
 
 from server.settings import ServerSettings
 from tests.helpers import chat_tokenizer, sabotage_steps
-from tests.server_utils import app_client, blocks_in_use, live_server, wait_until_idle
+from tests.server_utils import app_client, blocks_in_use, live_server, until, wait_until_idle
 
 LONG = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
 
@@ -85,14 +85,6 @@ async def test_cors_only_when_allowed():
     async with app_client() as (client, _):
         response = await client.get("/v1/models", headers={"Origin": "https://ui.example"})
         assert "access-control-allow-origin" not in response.headers
-
-
-async def until(condition, timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 async def test_full_queue_gets_503_with_retry_after(monkeypatch):
