@@ -185,11 +185,12 @@ class Scheduler:
         return not request.deferred
 
     def _preempt_for_priority(self, output: SchedulerOutput, now: float) -> None:
-        """Preempt lower-priority running requests for the best waiting one while it could
-        not otherwise start (no sequence slot, or too few blocks for its first chunk once the
-        running requests have grown by this step's tokens)."""
+        """Preempt lower-priority running requests while the best waiting one cannot get
+        blocks for its first chunk (once the running ones have grown by this step's tokens).
+        A full set of sequence slots preempts nothing: slots free up as requests finish, and
+        the best waiting request takes the next one."""
         candidate = self.policy.pick(self.waiting, now, self._eligible)
-        if candidate is None:
+        if candidate is None or len(self.running) >= self.config.max_num_seqs:
             return
         key = self.policy.key(candidate, now)
         manager = self.block_manager
@@ -198,8 +199,7 @@ class Scheduler:
         while self.running and self.policy.key(self.running[-1], now) > key:
             growth = sum(max(0, manager.blocks_for(r.num_tokens) - len(r.block_ids))
                          for r in self.running)
-            slot_free = len(self.running) < self.config.max_num_seqs
-            if slot_free and manager.num_free_blocks >= need + growth:
+            if manager.num_free_blocks >= need + growth:
                 return
             victim = self.running.pop()
             self._preempt(victim)
