@@ -70,7 +70,9 @@ class DrainRate:
             return
         self.requests_per_s = self._blend(self.requests_per_s, finished / seconds, seconds)
         self.tokens_per_s = self._blend(self.tokens_per_s, tokens / seconds, seconds)
-        if decodes and not prefill_tokens:
+        if decodes:
+            # Every running sequence gets one token per step, prefill or not, so the step time
+            # is the inter-token latency a new request will see.
             self.decode_step_s = self._blend(self.decode_step_s, seconds, seconds)
         if prefill_tokens:
             rate = prefill_tokens / seconds
