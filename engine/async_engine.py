@@ -205,10 +205,7 @@ class AsyncEngine:
         promised = promised_tokens(len(prompt_token_ids), params, self.core.max_tokens)
         self._adds.append(_PendingAdd(request_id, list(prompt_token_ids), params,
                                       time.monotonic(), options, timeout, deferred, promised))
-        max_tokens = self.info.max_model_len - len(prompt_token_ids)
-        if params.max_tokens is not None:
-            max_tokens = min(params.max_tokens, max_tokens)
-        self._new_requests.append(RequestParamsStats(params.n, max_tokens))
+        self._new_requests.append(RequestParamsStats(params.n, promised - len(prompt_token_ids)))
         self._wake_loop()
         return collector
 
