@@ -12,11 +12,11 @@ from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
+from server.rendering import ChoiceState, ChunkRenderer
 from server.serving import (
     EngineClient,
     ServedModel,
     new_id,
-    now,
     request_options,
     require_text_model,
     respond,
@@ -28,28 +28,20 @@ from server.tokenization import TokenText, chat_prompt
 
 
 @dataclass(slots=True)
-class _Choice:
-    index: int
-    pieces: list[str] = field(default_factory=list)
+class _Choice(ChoiceState):
     logprobs: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    started: bool = False
 
 
-class ChatRenderer:
+class ChatRenderer(ChunkRenderer):
     """Accumulates engine deltas into chat choices and `chat.completion.chunk` events."""
+
+    object_name = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, body: ChatCompletionRequest,
                  num_prompt_tokens: int, tokenizer: Any) -> None:
-        self.request_id = request_id
-        self.model = model
+        super().__init__(request_id, model, body.include_usage)
         self.body = body
         self.num_prompt_tokens = num_prompt_tokens
-        self.include_usage = body.include_usage
-        self.created = now()
         self.token_text = TokenText(tokenizer)
         self.choices = {i: _Choice(i) for i in range(body.n)}
 
@@ -64,11 +56,7 @@ class ChatRenderer:
         if output.logprobs is not None and self.body.logprobs:
             logprobs = chat_logprobs(output.logprobs, self.token_text)
             choice.logprobs.extend(logprobs)
-        choice.pieces.append(output.text)
-        choice.num_output_tokens = output.num_output_tokens
-        choice.num_cached_tokens = max(choice.num_cached_tokens, output.num_cached_tokens)
-        if output.finished:
-            choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
+        choice.record(output, output.text)
         if output.text or logprobs or output.finished:
             delta = {"content": output.text} if output.text else {}
             fragments.append(self._fragment(choice, delta, logprobs, output.finished))
@@ -79,25 +67,16 @@ class ChatRenderer:
                   finished: bool = False) -> dict[str, Any]:
         return {"index": choice.index, "delta": delta,
                 "logprobs": {"content": logprobs} if logprobs is not None else None,
-                "finish_reason": choice.finish_reason if finished else None,
-                "stop_reason": choice.stop_reason if finished else None}
+                **choice.ending(finished)}
 
     def usage(self) -> dict[str, Any]:
         completion = sum(c.num_output_tokens for c in self.choices.values())
         return usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
 
-    def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.request_id, "object": "chat.completion.chunk",
-                                "created": self.created, "model": self.model,
-                                "choices": choices}
-        if with_usage:
-            body["usage"] = self.usage()
-        return body
-
     def response(self) -> dict[str, Any]:
         choices = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": "".join(c.pieces)},
+            "message": {"role": "assistant", "content": c.text},
             "logprobs": {"content": c.logprobs} if self.body.logprobs else None,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,

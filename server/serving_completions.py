@@ -12,11 +12,11 @@ from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from server.logprobs import CompletionLogprobs
 from server.protocol import CompletionRequest
+from server.rendering import ChoiceState, ChunkRenderer
 from server.serving import (
     EngineClient,
     ServedModel,
     new_id,
-    now,
     request_options,
     respond,
     sampling_params,
@@ -27,35 +27,27 @@ from server.tokenization import TokenText, prompt_token_ids, split_prompts
 
 
 @dataclass(slots=True)
-class _Choice:
-    index: int
-    prompt_ids: list[int]
-    prompt_text: str | None
+class _Choice(ChoiceState):
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_text: str | None = None
     logprobs: CompletionLogprobs | None = None
     offset: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    started: bool = False
-    pieces: list[str] = field(default_factory=list)
 
 
-class CompletionRenderer:
+class CompletionRenderer(ChunkRenderer):
     """Accumulates engine deltas into OpenAI completion choices and chunks."""
+
+    object_name = "text_completion"
 
     def __init__(self, request_id: str, model: str, body: CompletionRequest,
                  prompts: list[list[int]], texts: list[str | None], tokenizer: Any) -> None:
-        self.request_id = request_id
-        self.model = model
+        super().__init__(request_id, model, body.include_usage)
         self.body = body
         self.prompts = prompts
-        self.include_usage = body.include_usage
-        self.created = now()
         self.tokenizer = tokenizer
         self.token_text = TokenText(tokenizer) if tokenizer is not None else None
         self.choices = {
-            p * body.n + i: _Choice(p * body.n + i, prompt, texts[p])
+            p * body.n + i: _Choice(p * body.n + i, prompt_ids=prompt, prompt_text=texts[p])
             for p, prompt in enumerate(prompts) for i in range(body.n)
         }
 
@@ -69,15 +61,11 @@ class CompletionRenderer:
             logprobs = logprobs or CompletionLogprobs()
             choice.offset = self._add_logprobs(logprobs, output.new_token_ids, output.logprobs,
                                                choice.offset)
-        self._merge(choice, text, logprobs)
-        choice.num_output_tokens = output.num_output_tokens
-        choice.num_cached_tokens = max(choice.num_cached_tokens, output.num_cached_tokens)
-        if output.finished:
-            choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
+        choice.record(output, text)
+        self._merge_logprobs(choice, logprobs)
         return [{"index": choice.index, "text": text,
                  "logprobs": logprobs.to_dict() if logprobs is not None else None,
-                 "finish_reason": choice.finish_reason if output.finished else None,
-                 "stop_reason": choice.stop_reason if output.finished else None}]
+                 **choice.ending(output.finished)}]
 
     def _echo(self, choice: _Choice,
               output: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
@@ -100,8 +88,7 @@ class CompletionRenderer:
         return logprobs.add(token_ids, entries, self.token_text, offset)
 
     @staticmethod
-    def _merge(choice: _Choice, text: str, logprobs: CompletionLogprobs | None) -> None:
-        choice.pieces.append(text)
+    def _merge_logprobs(choice: _Choice, logprobs: CompletionLogprobs | None) -> None:
         if logprobs is None:
             return
         if choice.logprobs is None:
@@ -116,17 +103,10 @@ class CompletionRenderer:
                      for p in range(len(self.prompts)))
         return usage(sum(len(p) for p in self.prompts), completion, cached)
 
-    def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.request_id, "object": "text_completion",
-                                "created": self.created, "model": self.model, "choices": choices}
-        if with_usage:
-            body["usage"] = self.usage()
-        return body
-
     def response(self) -> dict[str, Any]:
         choices = [{
             "index": c.index,
-            "text": "".join(c.pieces),
+            "text": c.text,
             "logprobs": c.logprobs.to_dict() if c.logprobs is not None else None,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,

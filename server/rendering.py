@@ -1,0 +1,61 @@
+"""What the completion and chat renderers share: per-choice bookkeeping and chunk framing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from engine.outputs import RequestOutput
+from server.serving import now
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """One choice being assembled: its text pieces, counts and how it ended."""
+
+    index: int
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    started: bool = False
+
+    def record(self, output: RequestOutput, text: str) -> None:
+        self.pieces.append(text)
+        self.num_output_tokens = output.num_output_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.finished:
+            self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+
+    def ending(self, finished: bool) -> dict[str, Any]:
+        """The `finish_reason` / `stop_reason` fields of a streamed fragment."""
+        return {"finish_reason": self.finish_reason if finished else None,
+                "stop_reason": self.stop_reason if finished else None}
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+class ChunkRenderer:
+    """Frames fragments as `object_name` chunks; subclasses fold deltas and count usage."""
+
+    object_name: ClassVar[str]
+
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.include_usage = include_usage
+        self.created = now()
+
+    def usage(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.request_id, "object": self.object_name,
+                                "created": self.created, "model": self.model,
+                                "choices": choices}
+        if with_usage:
+            body["usage"] = self.usage()
+        return body
