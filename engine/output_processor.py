@@ -53,8 +53,8 @@ class OutputProcessor:
             return "", None
         text, stop = state.matcher.add(state.detokenizer.add(request.output_token_ids[-1:]))
         if stop is None and request.is_finished:
-            tail, stop = state.matcher.add(state.detokenizer.flush())
-            text += tail + state.matcher.flush()
+            tail, stop = _flush(state)
+            text += tail
         return text, stop
 
     def make_output(self, request: Request, text: str,
@@ -84,10 +84,7 @@ class OutputProcessor:
         """The closing delta of a request ended from outside (abort, failure, deadline), with
         any text still held back."""
         state = self._states.pop(request.request_id)
-        text = ""
-        if state.detokenizer is not None:
-            tail, _ = state.matcher.add(state.detokenizer.flush())
-            text = tail + state.matcher.flush()
+        text = _flush(state)[0] if state.detokenizer is not None else ""
         return RequestOutput(
             request_id=state.parent_id,
             index=state.index,
@@ -99,6 +96,12 @@ class OutputProcessor:
             num_output_tokens=request.num_output_tokens,
             error=error,
         )
+
+
+def _flush(state: _SequenceState) -> tuple[str, str | None]:
+    """All text still held back at the end of a sequence, and a stop string it completes."""
+    tail, stop = state.matcher.add(state.detokenizer.flush())
+    return tail + state.matcher.flush(), stop
 
 
 def _reason(request: Request) -> str | None:
