@@ -20,6 +20,7 @@ from engine.stats import StepStats
 from server.errors import APIError
 from server.protocol import SamplingFields
 from server.streaming import DONE, merge, sse, sse_error, unless_disconnected
+from server.tokenization import require_tokenizer
 
 
 class EngineClient(Protocol):
@@ -132,10 +133,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def require_text_model(engine: EngineClient) -> Any:
-    tokenizer = engine.tokenizer
-    if tokenizer is None:
-        raise InvalidRequestError("This server has no tokenizer; send token ids.")
-    return tokenizer
+    return require_tokenizer(engine.tokenizer)
 
 
 class Renderer(Protocol):

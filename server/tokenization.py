@@ -20,11 +20,17 @@ def split_prompts(prompt: Prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
+def require_tokenizer(tokenizer: Any, param: str | None = None) -> Any:
+    """The tokenizer, or a clear 400 for text sent to a server that has none."""
+    if tokenizer is None:
+        raise InvalidRequestError("This server has no tokenizer; send token ids.", param=param)
+    return tokenizer
+
+
 def prompt_token_ids(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
     """Token ids of each single prompt; text needs the tokenizer."""
-    if tokenizer is None and any(isinstance(p, str) for p in prompts):
-        raise InvalidRequestError("This server has no tokenizer; send token ids.",
-                                  param="prompt")
+    if any(isinstance(p, str) for p in prompts):
+        require_tokenizer(tokenizer, param="prompt")
     return [encode_text(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
 
 
