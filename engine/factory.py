@@ -32,7 +32,7 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
                     dtype: torch.dtype) -> tuple[EngineCore, ServingInfo]:
     """Build the core around an already loaded model (tests pass tiny in-memory models)."""
     model_config = loaded.model.config
-    spec = KVCacheSpec.from_hf_config(model_config, dtype, config.cache.block_size)
+    spec = KVCacheSpec.from_hf_config(model_config, loaded.compute_dtype, config.cache.block_size)
     num_blocks = _num_blocks(config.cache, spec, device, loaded)
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * spec.block_size)
     kv_cache = KVCache(spec, num_blocks, device)

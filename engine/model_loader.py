@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import hf as hf_attention
 from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from engine.half_linear import convert_linears, fbgemm_fp16_available
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class LoadedModel:
     path: str
     max_model_len: int
     eos_token_ids: frozenset[int]
+    compute_dtype: torch.dtype
 
 
 def resolve_device(name: str) -> torch.device:
@@ -36,13 +38,32 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def cpu_supports_bf16() -> bool:
     """True when the CPU has native bf16 dot products (AVX-512 BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_supports_fp16() -> bool:
+    """True when the CPU has native fp16 arithmetic (AVX-512 FP16 or AMX FP16)."""
+    flags = _cpu_flags()
+    return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
+def half_weights_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a 16-bit model on this device should keep 16-bit weights but compute in fp32:
+    a CPU without native arithmetic for `dtype`, where fbgemm's fp16-weight GEMM exists."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    native = cpu_supports_bf16() if dtype == torch.bfloat16 else cpu_supports_fp16()
+    return not native and fbgemm_fp16_available()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -101,8 +122,19 @@ def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.devic
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
     model.to(device).eval()
+    if half_weights_in_fp32(dtype, device):
+        use_half_weights(model, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return wrap_model(model, tokenizer, name=name, path=path)
+
+
+def use_half_weights(model: Any, dtype: torch.dtype) -> None:
+    """Compute a `dtype` model in fp32 with its linear weights in fp16. The weights were already
+    rounded to `dtype`; fp16 holds every bf16 value between 2**-17 and 65504 exactly."""
+    logger.info("this CPU has no native %s arithmetic: computing in float32 with 16-bit weights",
+                str(dtype).removeprefix("torch."))
+    model.float()
+    convert_linears(model)
 
 
 def wrap_model(model: Any, tokenizer: Any, name: str, path: str = "") -> LoadedModel:
@@ -115,4 +147,5 @@ def wrap_model(model: Any, tokenizer: Any, name: str, path: str = "") -> LoadedM
         path=path,
         max_model_len=context_length(model.config),
         eos_token_ids=eos_token_ids(model, tokenizer),
+        compute_dtype=model.get_input_embeddings().weight.dtype,
     )

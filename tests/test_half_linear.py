@@ -1,0 +1,84 @@
+"""16-bit weights with fp32 arithmetic: the layer, the model conversion, and the greedy oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import model_loader
+from engine.half_linear import (
+    SMALL_BATCH_ROWS,
+    HalfWeightLinear,
+    convert_linears,
+    fbgemm_fp16_available,
+)
+from engine.model_loader import half_weights_in_fp32, use_half_weights
+from engine.sampling_params import SamplingParams
+from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
+
+pytestmark = pytest.mark.skipif(not fbgemm_fp16_available(),
+                                reason="this torch build has no fbgemm fp16 GEMM")
+
+
+@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_layer_matches_fp32_product_of_rounded_weights(rows: int, with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 40, bias=with_bias)
+    layer = HalfWeightLinear(linear.weight, linear.bias)
+    x = torch.randn(1, rows, 96)
+    expected = F.linear(x, linear.weight.half().float(), linear.bias)
+    out = layer(x)
+    assert out.shape == (1, rows, 40) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert layer.weight.dtype == torch.float16
+
+
+def test_conversion_swaps_linears_and_keeps_what_fp16_cannot_hold() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)),
+                          nn.Linear(4, 2))
+    with torch.no_grad():
+        model[3].weight[0, 0] = 1e6
+    x = torch.randn(3, 8)
+    before = model(x)
+    assert convert_linears(model) == 2
+    assert isinstance(model[0], HalfWeightLinear)
+    assert isinstance(model[2][0], HalfWeightLinear)
+    assert type(model[3]) is nn.Linear
+    torch.testing.assert_close(model(x), before, rtol=1e-2, atol=1e-2)
+
+
+def test_tied_embeddings_stay_fp32() -> None:
+    model = tiny_llama(tie_word_embeddings=True)
+    use_half_weights(model, torch.bfloat16)
+    assert model.get_input_embeddings().weight.dtype == torch.float32
+    assert isinstance(model.get_output_embeddings(), HalfWeightLinear)
+
+
+def test_bf16_model_greedy_equals_generate_with_the_same_weights() -> None:
+    """The oracle: transformers computing in fp32 over the bf16-rounded weights."""
+    prompts = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    reference = tiny_llama(dtype=torch.bfloat16).float()
+    expected = [reference_greedy(reference, p, 10) for p in prompts]
+    model = tiny_llama(dtype=torch.bfloat16)
+    use_half_weights(model, torch.bfloat16)
+    core, _ = tiny_core(model)
+    outputs = run_all(core, prompts, params)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize(("dtype", "device", "native", "expected"), [
+    (torch.bfloat16, "cpu", False, True),
+    (torch.float16, "cpu", False, True),
+    (torch.bfloat16, "cpu", True, False),
+    (torch.float32, "cpu", False, False),
+    (torch.bfloat16, "cuda", False, False),
+])
+def test_when_half_weights_apply(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                 device: str, native: bool, expected: bool) -> None:
+    monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: native)
+    monkeypatch.setattr(model_loader, "cpu_supports_fp16", lambda: native)
+    assert half_weights_in_fp32(dtype, torch.device(device)) is expected
