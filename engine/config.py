@@ -99,6 +99,7 @@ class EngineConfig:
     admission_soft_limit: float = 0.9
     request_timeout: float | None = None
     attention_backend: str = "torch"
+    model_impl: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False
 

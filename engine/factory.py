@@ -13,6 +13,7 @@ from engine.core import EngineCore
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model_runner import ModelRunner
+from engine.models import build_causal_lm
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 
@@ -41,7 +42,9 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
                           BlockManager(num_blocks, spec.block_size, config.enable_prefix_caching))
     vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
     sampler = Sampler(vocab_size, device, seed=config.seed)
-    runner = ModelRunner(loaded.model, kv_cache, get_backend(config.attention_backend), sampler)
+    model = build_causal_lm(loaded.model, config.model_impl)
+    logger.info("model implementation: %s", model.name)
+    runner = ModelRunner(model, kv_cache, get_backend(config.attention_backend), sampler)
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     info = ServingInfo(
         model_name=loaded.name,

@@ -2,10 +2,10 @@
 
 On such CPUs torch's bf16 matrix products are several times slower than fp32, yet decoding a
 few sequences is bound by how fast the weights stream from memory, so fp32 weights cost twice
-the bandwidth they need. `HalfWeightLinear` keeps the weights in fp16 (every bf16 value in fp16's
-normal range is exactly representable there) and multiplies in fp32: small batches go through
-fbgemm's fp16-weight GEMM, which reads the 16-bit weights directly; large ones (prefill) widen
-the weights to fp32 for the call, which costs little next to the product itself.
+the bandwidth they need. `HalfWeightLinear` holds each weight twice: packed in fp16 for fbgemm's
+fp16-weight GEMM, which small batches (decode) stream at half the bytes, and in fp32 for large
+batches (prefill), where the product is bound by arithmetic and the fp32 GEMM is faster. Both
+hold the same values: every bf16 number between 2**-17 and 65504 is exact in fp16.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# Above this many rows the widened fp32 product is faster than fbgemm's fp16 kernel here.
-SMALL_BATCH_ROWS = 64
+# Above this many rows the fp32 product is faster than fbgemm's fp16 kernel.
+SMALL_BATCH_ROWS = 48
 FP16_MAX = torch.finfo(torch.float16).max
 
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
@@ -40,19 +40,20 @@ def fbgemm_fp16_available() -> bool:
 
 
 class HalfWeightLinear(nn.Module):
-    """`y = x W^T + b` with W held in fp16, x, b and y in fp32."""
+    """`y = x W^T + b` with W rounded to fp16; x, b and y in fp32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight.detach().to(torch.float16).contiguous())
+        rounded = weight.detach().to(torch.float16).float().contiguous()
+        self.register_buffer("weight", rounded)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.packed = torch.fbgemm_pack_gemm_matrix_fp16(self.weight.float())
+        self.packed = torch.fbgemm_pack_gemm_matrix_fp16(rounded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > SMALL_BATCH_ROWS:
-            return F.linear(x, self.weight.float(), self.bias)
+            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         if flat.dtype != torch.float32:
             flat = flat.float()
@@ -61,7 +62,8 @@ class HalfWeightLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight=fp16 (packed) + fp32")
 
 
 def fits_fp16(weight: torch.Tensor) -> bool:

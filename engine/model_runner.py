@@ -6,9 +6,9 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
-from engine.attention.hf import METADATA_KWARG
 from engine.input_batch import InputBatch, build_input_batch
 from engine.kv_cache import KVCache
+from engine.models import CausalLM
 from engine.outputs import ModelRunnerOutput, TokenLogprob
 from engine.sampler import Sampler, token_logprobs
 from engine.scheduler import SchedulerOutput
@@ -17,7 +17,7 @@ from engine.scheduler import SchedulerOutput
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler; knows nothing of queues."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend,
+    def __init__(self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend,
                  sampler: Sampler) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -44,14 +44,7 @@ class ModelRunner:
         input_ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
         positions = torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
         keep = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=keep,
-            **{METADATA_KWARG: metadata},
-        )
-        return out.logits[0]
+        return self.model(input_ids, positions, metadata, keep)
 
     def _sample(self, batch: InputBatch, logits: torch.Tensor,
                 output: ModelRunnerOutput) -> None:

@@ -66,6 +66,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--request-timeout", type=float, default=None,
                         help="default deadline of a request in seconds (request field timeout)")
     engine.add_argument("--attention-backend", default="torch")
+    engine.add_argument("--model-impl", default="auto",
+                        choices=["auto", "conveyor", "transformers"],
+                        help="Conveyor's own decoder (Llama, Mistral, Qwen2, Qwen3) or the "
+                             "Hugging Face model; auto takes Conveyor's where it applies")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--trust-remote-code", action="store_true")
 
@@ -106,6 +110,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_priority_wait=args.max_priority_wait,
         request_timeout=args.request_timeout,
         attention_backend=args.attention_backend,
+        model_impl=args.model_impl,
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
     )

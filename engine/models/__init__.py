@@ -1,0 +1,31 @@
+"""The model the runner steps: Conveyor's own decoder where the architecture is supported,
+otherwise the Hugging Face model itself with the paged attention plugged in.
+
+Both take the flattened step (token ids and positions `[tokens]`, the attention metadata, the
+flattened indices whose logits are wanted) and return logits `[len(indices), vocab]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.models.base import CausalLM
+from engine.models.hf import TransformersCausalLM
+from engine.models.llama import PagedLlamaForCausalLM, supports
+
+MODEL_IMPLS = ("auto", "conveyor", "transformers")
+
+__all__ = ["MODEL_IMPLS", "CausalLM", "build_causal_lm"]
+
+
+def build_causal_lm(hf_model: Any, impl: str = "auto") -> CausalLM:
+    """`auto` takes Conveyor's implementation when it covers the architecture."""
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"unknown model implementation {impl!r}; choose one of "
+                         f"{', '.join(MODEL_IMPLS)}")
+    reason = supports(hf_model)
+    if impl == "conveyor" and reason:
+        raise ValueError(f"Conveyor's model implementation cannot run this model: {reason}")
+    if impl == "transformers" or reason:
+        return TransformersCausalLM(hf_model)
+    return PagedLlamaForCausalLM(hf_model)

@@ -1,0 +1,28 @@
+"""Any Hugging Face causal LM, run unchanged with the paged attention registered in it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.attention.backend import AttentionMetadata
+from engine.attention.hf import METADATA_KWARG
+
+
+class TransformersCausalLM:
+    name = "transformers"
+
+    def __init__(self, hf_model: Any) -> None:
+        self.hf_model = hf_model
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        out = self.hf_model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            logits_to_keep=logits_indices,
+            **{METADATA_KWARG: metadata},
+        )
+        return out.logits[0]

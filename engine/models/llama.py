@@ -1,0 +1,154 @@
+"""Conveyor's own decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+It takes its weights from the loaded Hugging Face model and computes the same thing with fewer
+kernel launches: q, k and v come from one fused projection and gate and up from another, rotary
+embeddings rotate q and k in one pass, and the layers call the paged attention directly. The
+Hugging Face model stays the oracle: greedy tokens from both must agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionMetadata
+from engine.half_linear import HalfWeightLinear
+
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM"})
+LINEAR_TYPES = (nn.Linear, HalfWeightLinear)
+
+
+def supports(hf_model: Any) -> str:
+    """Empty when this module can run the model, else why not."""
+    name = type(hf_model).__name__
+    if name not in ARCHITECTURES:
+        return f"{name} is not one of {', '.join(sorted(ARCHITECTURES))}"
+    layer = hf_model.model.layers[0]
+    projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                   layer.mlp.gate_proj, layer.mlp.up_proj)
+    if not all(type(p) in LINEAR_TYPES for p in projections):
+        return "its projections are not plain linear layers (quantized weights?)"
+    return ""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in fp32, scale in the input dtype. `weight` is `[dim]`
+    or broadcasts against `x` (one row per head)."""
+    if x.dtype == torch.float32 and weight.dim() == 1:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fuse(linears: list[nn.Module]) -> nn.Module:
+    """One projection whose output is the given projections' outputs side by side."""
+    weight = torch.cat([m.weight for m in linears])
+    biases = [m.bias for m in linears]
+    bias = None if biases[0] is None else torch.cat(biases)
+    if isinstance(linears[0], HalfWeightLinear):
+        return HalfWeightLinear(weight, bias)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if bias is not None:
+            fused.bias.copy_(bias)
+    return fused
+
+
+class PagedLlamaLayer(nn.Module):
+    def __init__(self, hf_layer: Any, index: int) -> None:
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.index = index
+        self.head_dim = attn.head_dim
+        self.num_heads = attn.q_proj.out_features // self.head_dim
+        self.num_kv_heads = attn.k_proj.out_features // self.head_dim
+        self.scaling = attn.scaling
+        self.qkv_proj = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up_proj = fuse([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.act_fn = mlp.act_fn
+        self.intermediate = mlp.gate_proj.out_features
+        self.input_norm = hf_layer.input_layernorm
+        self.post_attention_norm = hf_layer.post_attention_layernorm
+        self.qk_norm_weight = self._qk_norm_weight(attn)
+        self.qk_norm_eps = attn.q_norm.variance_epsilon if self.qk_norm_weight is not None else 0.0
+
+    def _qk_norm_weight(self, attn: Any) -> torch.Tensor | None:
+        """Qwen3 normalises each q and k head; one `[q heads + kv heads, dim]` weight does both
+        in one pass."""
+        if getattr(attn, "q_norm", None) is None:
+            return None
+        return torch.cat([attn.q_norm.weight.expand(self.num_heads, -1),
+                          attn.k_norm.weight.expand(self.num_kv_heads, -1)])
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        residual = hidden
+        hidden = self._attention(self._norm(self.input_norm, hidden), cos, sin, metadata)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self._mlp(self._norm(self.post_attention_norm, hidden))
+        return residual + hidden
+
+    @staticmethod
+    def _norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, norm.weight, norm.variance_epsilon)
+
+    def _attention(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   metadata: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(hidden)
+        qk = qkv[:, :qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
+        if self.qk_norm_weight is not None:
+            qk = rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
+        qk = rotate(qk, cos, sin)
+        value = qkv[:, qk_heads * self.head_dim:].view(tokens, self.num_kv_heads, self.head_dim)
+        out = metadata.backend.forward(self.index, qk[:, :self.num_heads],
+                                       qk[:, self.num_heads:], value, self.scaling, metadata)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(hidden)
+        gate, up = gate_up[:, :self.intermediate], gate_up[:, self.intermediate:]
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in Hugging Face's half-split layout, the same operations in the same
+    order: `x * cos + rotate_half(x) * sin` over `[tokens, heads, dim]`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class PagedLlamaForCausalLM(nn.Module):
+    name = "conveyor"
+
+    def __init__(self, hf_model: Any) -> None:
+        super().__init__()
+        base = hf_model.model
+        self.embed_tokens = base.embed_tokens
+        self.rotary_emb = base.rotary_emb
+        self.layers = nn.ModuleList(PagedLlamaLayer(layer, i) for i, layer in
+                                    enumerate(base.layers))
+        self.norm = base.norm
+        self.lm_head = hf_model.lm_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(hidden, positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, metadata)
+        hidden = rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)
+        return self.lm_head(hidden)
