@@ -19,6 +19,9 @@ class SchedulerConfig:
 
     `policy` is `fcfs` or `priority` (lower `priority` values first, then arrival); a request
     that has waited longer than `max_priority_wait` seconds counts as the highest priority.
+    Under `priority`, `reserved_seqs` sequence slots are kept for requests of priority 0 or
+    more urgent: low-priority ones (priority > 0) occupy at most `max_num_seqs - reserved_seqs`
+    slots, so an urgent request finds a free slot instead of waiting for one to finish.
     """
 
     max_model_len: int
@@ -31,6 +34,7 @@ class SchedulerConfig:
     max_priority_wait: float | None = None
     max_queued_tokens: int | None = None
     admission_soft_limit: float = 0.9
+    reserved_seqs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -44,6 +48,9 @@ class SchedulerConfig:
                              f"got {self.policy!r}")
         if not 0 < self.admission_soft_limit <= 1:
             raise ValueError("admission_soft_limit must be in (0, 1]")
+        if not 0 <= self.reserved_seqs < self.max_num_seqs:
+            raise ValueError(f"reserved_seqs must be in [0, max_num_seqs), got "
+                             f"{self.reserved_seqs}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens "
@@ -97,6 +104,7 @@ class EngineConfig:
     max_priority_wait: float | None = None
     max_queued_tokens: int | None = None
     admission_soft_limit: float = 0.9
+    priority_reserved_seqs: int | None = None
     request_timeout: float | None = None
     attention_backend: str = "torch"
     model_impl: str = "auto"
@@ -115,7 +123,16 @@ class EngineConfig:
             max_priority_wait=self.max_priority_wait,
             max_queued_tokens=self.max_queued_tokens,
             admission_soft_limit=self.admission_soft_limit,
+            reserved_seqs=self._reserved_seqs(),
         )
+
+    def _reserved_seqs(self) -> int:
+        """By default the priority policy keeps an eighth of the slots for urgent requests."""
+        if self.scheduling_policy != "priority":
+            return 0
+        if self.priority_reserved_seqs is not None:
+            return self.priority_reserved_seqs
+        return self.max_num_seqs // 8
 
 
 @dataclass(frozen=True, slots=True)

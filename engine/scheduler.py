@@ -184,12 +184,22 @@ class Scheduler:
             request.deferred = False
         return not request.deferred
 
+    def _admissible(self) -> Callable[[Request], bool]:
+        """Eligible requests, less low-priority ones once they fill their share of the slots
+        (the rest are reserved for urgent requests)."""
+        reserved = self.config.reserved_seqs if self.policy.uses_priority else 0
+        if not reserved:
+            return self._eligible
+        lows = sum(r.priority > 0 for r in self.running)
+        low_slots_full = lows >= self.config.max_num_seqs - reserved
+        return lambda r: self._eligible(r) and not (low_slots_full and r.priority > 0)
+
     def _preempt_for_priority(self, output: SchedulerOutput, now: float) -> None:
         """Preempt lower-priority running requests while the best waiting one cannot get
         blocks for its first chunk (once the running ones have grown by this step's tokens).
         A full set of sequence slots preempts nothing: slots free up as requests finish, and
         the best waiting request takes the next one."""
-        candidate = self.policy.pick(self.waiting, now, self._eligible)
+        candidate = self.policy.pick(self.waiting, now, self._admissible())
         if candidate is None or len(self.running) >= self.config.max_num_seqs:
             return
         key = self.policy.key(candidate, now)
@@ -230,7 +240,7 @@ class Scheduler:
 
     def _admit(self, output: SchedulerOutput, budget: int, now: float) -> None:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.policy.pick(self.waiting, now, self._eligible)
+            request = self.policy.pick(self.waiting, now, self._admissible())
             if request is None:
                 break
             fresh = not request.block_ids  # forked requests arrive holding their prompt

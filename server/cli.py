@@ -61,6 +61,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--admission-soft-limit", type=float, default=0.9,
                         help="KV cache usage past which low-priority requests are deferred")
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    engine.add_argument("--priority-reserved-seqs", type=int, default=None,
+                        help="sequence slots kept for requests of priority <= 0 under the "
+                             "priority policy (default: an eighth of --max-num-seqs)")
     engine.add_argument("--max-priority-wait", type=float, default=None,
                         help="seconds after which a waiting request counts as top priority")
     engine.add_argument("--request-timeout", type=float, default=None,
@@ -108,6 +111,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         admission_soft_limit=args.admission_soft_limit,
         scheduling_policy=args.scheduling_policy,
         max_priority_wait=args.max_priority_wait,
+        priority_reserved_seqs=args.priority_reserved_seqs,
         request_timeout=args.request_timeout,
         attention_backend=args.attention_backend,
         model_impl=args.model_impl,

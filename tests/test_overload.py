@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from engine.admission import Admission, AdmissionLimits, DrainRate, QueueState, decide
+from engine.config import EngineConfig
 from engine.request import FinishReason
 from tests.helpers import sabotage_steps
 from tests.scheduler_utils import create_request, create_scheduler, scheduled_counts, step
@@ -88,6 +89,39 @@ def test_aging_lets_a_starved_request_go_first():
 
 
 # ---- admission -----------------------------------------------------------------------------
+
+def test_reserved_slots_keep_room_for_urgent_requests():
+    scheduler = policy_scheduler(Clock(), policy="priority", max_num_seqs=4, reserved_seqs=1)
+    for i in range(5):
+        scheduler.add_request(make(f"low-{i}", max_tokens=20, priority=1))
+    assert set(scheduled_counts(step(scheduler))) == {"low-0", "low-1", "low-2"}
+    step(scheduler)
+    assert len(scheduler.running) == 3
+    scheduler.add_request(make("urgent", max_tokens=2, priority=0))
+    assert "urgent" in scheduled_counts(step(scheduler))
+    assert len(scheduler.running) == 4
+    while scheduler.has_unfinished():
+        step(scheduler)
+        assert sum(r.priority > 0 for r in scheduler.running) <= 3
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_fcfs_reserves_nothing():
+    scheduler = policy_scheduler(Clock(), max_num_seqs=4, reserved_seqs=1)
+    for i in range(5):
+        scheduler.add_request(make(f"low-{i}", priority=1))
+    assert len(scheduled_counts(step(scheduler))) == 4
+
+
+def test_reserved_slots_default_to_an_eighth_under_the_priority_policy():
+    assert EngineConfig(scheduling_policy="priority").scheduler_config(64).reserved_seqs == 16
+    assert EngineConfig().scheduler_config(64).reserved_seqs == 0
+    config = EngineConfig(scheduling_policy="priority", max_num_seqs=8, priority_reserved_seqs=3)
+    assert config.scheduler_config(64).reserved_seqs == 3
+    with pytest.raises(ValueError, match="reserved_seqs"):
+        EngineConfig(scheduling_policy="priority", max_num_seqs=2,
+                     priority_reserved_seqs=2).scheduler_config(64)
+
 
 def test_every_admission_outcome():
     drain = DrainRate()
