@@ -48,14 +48,21 @@ class Decision:
     retry_after: int = 0
 
 
+def batch_bucket(num_sequences: int) -> int:
+    """Batch sizes grouped by powers of two: 1, 2-3, 4-7, 8-15, ..."""
+    return max(1, num_sequences).bit_length()
+
+
 class DrainRate:
-    """Exponentially weighted rates of finished requests and processed tokens per second."""
+    """Exponentially weighted rates of finished requests and processed tokens per second, and
+    step times by batch size (a step with more sequences takes longer, so the inter-token
+    latency a new request will see depends on how many run beside it)."""
 
     def __init__(self, half_life: float = 10.0) -> None:
         self._half_life = half_life
         self.requests_per_s = 0.0
         self.tokens_per_s = 0.0
-        self.decode_step_s = 0.0
+        self.step_s: dict[int, float] = {}
         self.prefill_tokens_per_s = 0.0
 
     def _blend(self, old: float, new: float, seconds: float) -> float:
@@ -65,15 +72,16 @@ class DrainRate:
         return keep * old + (1 - keep) * new
 
     def record_step(self, seconds: float, finished: int, tokens: int, prefill_tokens: int,
-                    decodes: int) -> None:
+                    decodes: int, sequences: int) -> None:
         if seconds <= 0:
             return
         self.requests_per_s = self._blend(self.requests_per_s, finished / seconds, seconds)
         self.tokens_per_s = self._blend(self.tokens_per_s, tokens / seconds, seconds)
         if decodes:
             # Every running sequence gets one token per step, prefill or not, so the step time
-            # is the inter-token latency a new request will see.
-            self.decode_step_s = self._blend(self.decode_step_s, seconds, seconds)
+            # is the inter-token latency at this batch size.
+            bucket = batch_bucket(sequences)
+            self.step_s[bucket] = self._blend(self.step_s.get(bucket, 0.0), seconds, seconds)
         if prefill_tokens:
             rate = prefill_tokens / seconds
             self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, rate, seconds)
@@ -81,10 +89,20 @@ class DrainRate:
     def seconds_to_drain(self, queued_tokens: int) -> float:
         return queued_tokens / self.tokens_per_s if self.tokens_per_s > 0 else 1.0
 
-    def fastest_finish(self, prompt_tokens: int, min_new_tokens: int) -> float:
-        """A lower bound on the seconds a request needs at the current speed (0 unknown)."""
+    def step_seconds(self, num_sequences: int) -> float:
+        """A lower bound on the step time with `num_sequences` running: the time measured at
+        that batch size or, failing that, at the largest smaller one (0 when none is known,
+        so a stale figure from a busier past never turns requests away from an idle engine)."""
+        bucket = batch_bucket(num_sequences)
+        known = [b for b in self.step_s if b <= bucket]
+        return self.step_s[max(known)] if known else 0.0
+
+    def fastest_finish(self, prompt_tokens: int, min_new_tokens: int,
+                       num_sequences: int = 1) -> float:
+        """A lower bound on the seconds a request needs when it runs beside `num_sequences - 1`
+        others, at the current speed (0 unknown)."""
         prefill = prompt_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0
-        return prefill + max(0, min_new_tokens - 1) * self.decode_step_s
+        return prefill + max(0, min_new_tokens - 1) * self.step_seconds(num_sequences)
 
 
 def promised_tokens(num_prompt_tokens: int, params: SamplingParams,

@@ -67,7 +67,8 @@ class EngineCore:
                                  f"later.", retry_after=decision.retry_after)
         if timeout is not None:
             fewest = fewest_new_tokens(params, self.max_tokens - num_prompt)
-            needed = self.scheduler.drain.fastest_finish(num_prompt, fewest)
+            needed = self.scheduler.drain.fastest_finish(num_prompt, fewest,
+                                                         len(self.scheduler.running) + 1)
             if needed > timeout:
                 raise RequestTimeoutError(
                     f"The request cannot finish within its timeout of {timeout:g} s (it needs "
@@ -201,7 +202,7 @@ class EngineCore:
         prefill = sum(item.num_tokens for item in scheduled.scheduled if item.num_tokens > 1)
         decodes = sum(item.num_tokens == 1 for item in scheduled.scheduled)
         self.scheduler.drain.record_step(seconds, finished, scheduled.total_num_tokens, prefill,
-                                         decodes)
+                                         decodes, len(scheduled.scheduled))
 
     def _output_for(self, request: Request, logprob: Any) -> RequestOutput:
         text, stop = self.outputs.new_text(request)

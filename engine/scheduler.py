@@ -345,7 +345,9 @@ class Scheduler:
         if request.num_output_tokens or request.status is not RequestStatus.WAITING:
             return False
         fewest = fewest_new_tokens(request.sampling_params, request.max_output_tokens)
-        return now + self.drain.fastest_finish(request.num_prompt_tokens, fewest) > (
+        needed = self.drain.fastest_finish(request.num_prompt_tokens, fewest,
+                                           len(self.running) + 1)
+        return now + needed > (
             request.deadline or now)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:

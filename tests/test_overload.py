@@ -140,7 +140,8 @@ def test_every_admission_outcome():
 
 def test_retry_after_follows_the_drain_rate():
     drain = DrainRate()
-    drain.record_step(1.0, finished=2, tokens=100, prefill_tokens=0, decodes=100)
+    drain.record_step(1.0, finished=2, tokens=100, prefill_tokens=0, decodes=100,
+                      sequences=100)
     decision = decide(AdmissionLimits(max_waiting_requests=1), QueueState(1, 1000, 0.1), 10,
                       False, drain)
     assert decision.retry_after == 10  # 1000 queued tokens at 100 tokens/s
@@ -198,7 +199,7 @@ def test_deadline_expiry_in_every_state_frees_blocks(state):
 def test_a_waiting_request_that_can_no_longer_make_it_is_dropped_early():
     clock = Clock()
     scheduler = policy_scheduler(clock, max_num_seqs=1)
-    scheduler.drain.record_step(0.1, 0, 4, prefill_tokens=0, decodes=4)  # 0.1 s per token
+    scheduler.drain.record_step(0.1, 0, 1, prefill_tokens=0, decodes=1, sequences=1)
     scheduler.add_request(make("blocker", max_tokens=50))
     scheduler.add_request(make("x", max_tokens=20, deadline=110.0, ignore_eos=True))
     step(scheduler)
@@ -223,9 +224,21 @@ def test_queue_limits_count_only_equal_or_higher_priorities_under_the_priority_p
 def test_fastest_finish_estimate():
     drain = DrainRate()
     assert drain.fastest_finish(100, 50) == 0  # nothing measured yet: never reject
-    drain.record_step(0.5, 0, 100, prefill_tokens=100, decodes=0)
-    drain.record_step(0.05, 0, 4, prefill_tokens=0, decodes=4)
-    assert drain.fastest_finish(100, 11) == pytest.approx(0.5 + 10 * 0.05)
+    drain.record_step(0.5, 0, 100, prefill_tokens=100, decodes=0, sequences=1)
+    drain.record_step(0.05, 0, 4, prefill_tokens=0, decodes=4, sequences=4)
+    assert drain.fastest_finish(100, 11, num_sequences=5) == pytest.approx(0.5 + 10 * 0.05)
+    drain.record_step(0.4, 0, 32, prefill_tokens=0, decodes=32, sequences=32)
+    assert drain.fastest_finish(100, 11, num_sequences=33) == pytest.approx(0.5 + 10 * 0.4)
+    assert drain.fastest_finish(100, 11, num_sequences=6) == pytest.approx(0.5 + 10 * 0.05)
+
+
+def test_a_slow_step_under_load_does_not_turn_requests_away_from_an_idle_engine():
+    """Step times are kept per batch size: after a busy spell, a request alone is judged by
+    what is known of small batches (nothing yet: admit), not by the busy figure."""
+    drain = DrainRate()
+    drain.record_step(0.8, 0, 32, prefill_tokens=0, decodes=32, sequences=32)
+    assert drain.fastest_finish(64, 32, num_sequences=1) == 0
+    assert drain.fastest_finish(64, 32, num_sequences=40) == pytest.approx(31 * 0.8)
 
 
 # ---- through HTTP --------------------------------------------------------------------------
