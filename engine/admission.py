@@ -55,8 +55,9 @@ def batch_bucket(num_sequences: int) -> int:
 
 class DrainRate:
     """Exponentially weighted rates of finished requests and processed tokens per second, and
-    step times by batch size (a step with more sequences takes longer, so the inter-token
-    latency a new request will see depends on how many run beside it)."""
+    the times of decode-only steps by batch size: a step with more sequences takes longer, so
+    the inter-token latency a new request will see depends on how many run beside it, and no
+    step is faster than one that computes no prompt."""
 
     def __init__(self, half_life: float = 10.0) -> None:
         self._half_life = half_life
@@ -77,9 +78,7 @@ class DrainRate:
             return
         self.requests_per_s = self._blend(self.requests_per_s, finished / seconds, seconds)
         self.tokens_per_s = self._blend(self.tokens_per_s, tokens / seconds, seconds)
-        if decodes:
-            # Every running sequence gets one token per step, prefill or not, so the step time
-            # is the inter-token latency at this batch size.
+        if decodes and not prefill_tokens:
             bucket = batch_bucket(sequences)
             self.step_s[bucket] = self._blend(self.step_s.get(bucket, 0.0), seconds, seconds)
         if prefill_tokens:
