@@ -48,6 +48,10 @@ class Decision:
     retry_after: int = 0
 
 
+# Weight of the previous step-time average when a step is recorded (a half-life of ~10 steps).
+STEP_KEEP = 0.93
+
+
 def batch_bucket(num_sequences: int) -> int:
     """Batch sizes grouped by powers of two: 1, 2-3, 4-7, 8-15, ..."""
     return max(1, num_sequences).bit_length()
@@ -55,9 +59,9 @@ def batch_bucket(num_sequences: int) -> int:
 
 class DrainRate:
     """Exponentially weighted rates of finished requests and processed tokens per second, and
-    the times of decode-only steps by batch size: a step with more sequences takes longer, so
-    the inter-token latency a new request will see depends on how many run beside it, and no
-    step is faster than one that computes no prompt."""
+    step times by batch size: a step with more sequences takes longer, so the inter-token
+    latency a new request will see depends on how many run beside it. Step times are averaged
+    per step, not per second, since a request's next N tokens take N steps, short or long."""
 
     def __init__(self, half_life: float = 10.0) -> None:
         self._half_life = half_life
@@ -78,9 +82,11 @@ class DrainRate:
             return
         self.requests_per_s = self._blend(self.requests_per_s, finished / seconds, seconds)
         self.tokens_per_s = self._blend(self.tokens_per_s, tokens / seconds, seconds)
-        if decodes and not prefill_tokens:
+        if decodes:
             bucket = batch_bucket(sequences)
-            self.step_s[bucket] = self._blend(self.step_s.get(bucket, 0.0), seconds, seconds)
+            old = self.step_s.get(bucket)
+            self.step_s[bucket] = seconds if old is None else (
+                STEP_KEEP * old + (1 - STEP_KEEP) * seconds)
         if prefill_tokens:
             rate = prefill_tokens / seconds
             self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, rate, seconds)
