@@ -133,13 +133,6 @@ class EngineCore:
         stats.num_waiting_deferred = scheduler.num_deferred()
         return stats
 
-    def _record_scheduled(self, scheduled: SchedulerOutput, now: float) -> None:
-        self._stats.num_preemptions += len(scheduled.preempted)
-        for item in scheduled.scheduled:
-            timings = item.request.timings
-            if timings.first_scheduled is None:
-                timings.first_scheduled = now
-
     def _record_tokens(self, advanced: list[Request], now: float) -> None:
         stats = self._stats
         for request in advanced:
@@ -163,7 +156,7 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return expired
-        self._record_scheduled(scheduled, start)
+        self._stats.num_preemptions += len(scheduled.preempted)
         try:
             runner_output = self.runner.execute(scheduled)
         except Exception as exc:

@@ -28,6 +28,11 @@ class SchedulingPolicy:
         aged = self.max_wait is not None and waited > self.max_wait
         return (HIGHEST if aged else request.priority, request.arrival_time)
 
+    def outranks(self, request: Request, other: Request, now: float) -> bool:
+        """True when `request` is in a strictly better priority class than `other` (arrival
+        order inside a class does not count)."""
+        return self.key(request, now)[0] < self.key(other, now)[0]
+
     def pick(self, waiting: Iterable[Request], now: float,
              eligible: Callable[[Request], bool]) -> Request | None:
         """The waiting request to admit next, or None."""

@@ -156,19 +156,39 @@ class Scheduler:
         output = SchedulerOutput()
         now = self.clock()
         self.policy.order_running(self.running, now)
+        urgent = None
+        count = len(self.running)
         if self.policy.uses_priority:
             self._preempt_for_priority(output, now)
-        budget, grew_out = self._schedule_running(output, self.config.max_num_batched_tokens)
+            urgent = self._urgent(now)
+            if urgent is not None:  # running is sorted: its equals and betters come first
+                count = sum(not self.policy.outranks(urgent, r, now) for r in self.running)
+        budget, grew_out = self._schedule_running(output, self.config.max_num_batched_tokens,
+                                                  count)
         if not grew_out:
-            self._schedule_waiting(output, budget, now)
+            self._schedule_waiting(output, budget, now, urgent)
         output.block_copies = self.block_manager.take_copies()
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
-        """Schedule running requests; also say whether one had to be preempted to grow."""
+    def _urgent(self, now: float) -> Request | None:
+        """The waiting request about to start that outranks some running ones, if any. Its
+        step carries only requests of its class or better (the others sit it out), so its
+        first token comes about as soon as it would on an idle server."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        candidate = self.policy.pick(self.waiting, now, self._admissible())
+        if candidate is None or not self.running or not self.policy.outranks(
+                candidate, self.running[-1], now):
+            return None
+        return candidate
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int,
+                          count: int) -> tuple[int, bool]:
+        """Schedule the first `count` running requests; also say whether one had to be
+        preempted to grow."""
         index = 0
         preempted = len(output.preempted)
-        while index < len(self.running) and budget > 0:
+        while index < min(count, len(self.running)) and budget > 0:
             request = self.running[index]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_tokens, output):
@@ -184,32 +204,72 @@ class Scheduler:
             request.deferred = False
         return not request.deferred
 
-    def _admissible(self) -> Callable[[Request], bool]:
+    def _admissible(self, urgent: Request | None = None,
+                    now: float = 0.0) -> Callable[[Request], bool]:
         """Eligible requests, less low-priority ones once they fill their share of the slots
-        (the rest are reserved for urgent requests)."""
+        (the rest are reserved for urgent requests), less any that `urgent` outranks."""
         reserved = self.config.reserved_seqs if self.policy.uses_priority else 0
-        if not reserved:
-            return self._eligible
         lows = sum(r.priority > 0 for r in self.running)
-        low_slots_full = lows >= self.config.max_num_seqs - reserved
-        return lambda r: self._eligible(r) and not (low_slots_full and r.priority > 0)
+        low_slots_full = reserved > 0 and lows >= self.config.max_num_seqs - reserved
+
+        def admissible(request: Request) -> bool:
+            if low_slots_full and request.priority > 0:
+                return False
+            if urgent is not None and self.policy.outranks(urgent, request, now):
+                return False
+            return self._eligible(request)
+        return admissible
 
     def _preempt_for_priority(self, output: SchedulerOutput, now: float) -> None:
-        """Preempt lower-priority running requests while the best waiting one cannot get
-        blocks for its first chunk (once the running ones have grown by this step's tokens).
-        A full set of sequence slots preempts nothing: slots free up as requests finish, and
-        the best waiting request takes the next one."""
-        candidate = self.policy.pick(self.waiting, now, self._admissible())
-        if candidate is None or len(self.running) >= self.config.max_num_seqs:
-            return
+        """Make room for waiting requests that outrank running ones: sequence slots first, then
+        blocks for the best one's first chunk."""
+        admissible = self._admissible()
+        self._preempt_for_slots(output, now, admissible)
+        candidate = self.policy.pick(self.waiting, now, admissible)
+        if candidate is not None and len(self.running) < self.config.max_num_seqs:
+            self._preempt_for_blocks(output, now, candidate)
+
+    def _preempt_for_slots(self, output: SchedulerOutput, now: float,
+                           admissible: Callable[[Request], bool]) -> None:
+        """With every slot taken, each waiting request of a better priority class than the
+        last running one takes that one's slot, while their prompts fit in this step's token
+        budget. The displaced request is paused, not recomputed. Requests of the same class
+        never displace each other, so nothing thrashes."""
+        slots = self.config.max_num_seqs - len(self.running)
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        queue = sorted(filter(admissible, self.waiting), key=lambda r: self.policy.key(r, now))
+        for index, candidate in enumerate(queue):
+            need = candidate.num_tokens - candidate.num_computed_tokens
+            if need > budget and index > 0:  # the first one may start with a chunk
+                return
+            budget -= need
+            if slots > 0:
+                slots -= 1
+                continue
+            if not self.running or not self.policy.outranks(candidate, self.running[-1], now):
+                return
+            victim = self.running.pop()
+            self._pause(victim)
+            output.preempted.append(victim)
+            budget += 1
+
+    def _preempt_for_blocks(self, output: SchedulerOutput, now: float,
+                            candidate: Request) -> None:
+        """While `candidate` cannot get blocks for its first chunk (once the running ones have
+        grown by this step's tokens), free the blocks of lower-ranked waiting requests, then
+        preempt lower-ranked running ones."""
         key = self.policy.key(candidate, now)
         manager = self.block_manager
         first_chunk = min(candidate.num_tokens, self.config.max_num_batched_tokens)
         need = manager.blocks_for(first_chunk) - len(candidate.block_ids)
-        while self.running and self.policy.key(self.running[-1], now) > key:
+        while True:
             growth = sum(max(0, manager.blocks_for(r.num_tokens) - len(r.block_ids))
                          for r in self.running)
             if manager.num_free_blocks >= need + growth:
+                return
+            if self._release_held(now, spare=candidate, below=key):
+                continue
+            if not self.running or self.policy.key(self.running[-1], now) <= key:
                 return
             victim = self.running.pop()
             self._preempt(victim)
@@ -217,9 +277,12 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int,
                              output: SchedulerOutput) -> bool:
-        """Find blocks for the request, preempting from the back; False if it was preempted."""
+        """Find blocks for the request, taking them from waiting requests that hold some, then
+        preempting from the back; False if it was preempted."""
         target = request.num_computed_tokens + num_tokens
         while not self.block_manager.allocate(request, target):
+            if self._release_held(self.clock(), spare=request):
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             output.preempted.append(victim)
@@ -227,20 +290,24 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float,
+                          urgent: Request | None = None) -> None:
         if self.config.static_batching:
             if not self.running:
                 self._batch_closed = False
             if self._batch_closed:
                 return
-        self._admit(output, budget, now)
+        self._admit(output, budget, now, urgent)
         if self.config.static_batching and (
                 not self.waiting or len(self.running) >= self.config.max_num_seqs):
             self._batch_closed = True
 
-    def _admit(self, output: SchedulerOutput, budget: int, now: float) -> None:
+    def _admit(self, output: SchedulerOutput, budget: int, now: float,
+               urgent: Request | None = None) -> None:
+        """Start waiting requests in policy order while budget, slots and blocks last (with
+        `urgent`, only those it does not outrank)."""
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.policy.pick(self.waiting, now, self._admissible())
+            request = self.policy.pick(self.waiting, now, self._admissible(urgent, now))
             if request is None:
                 break
             fresh = not request.block_ids  # forked requests arrive holding their prompt
@@ -250,8 +317,7 @@ class Scheduler:
             if num_tokens > budget and not self.config.enable_chunked_prefill:
                 num_tokens = 0
             num_tokens = min(num_tokens, budget)
-            target = request.num_computed_tokens + num_tokens
-            if num_tokens == 0 or not self.block_manager.allocate(request, target):
+            if num_tokens == 0 or not self._allocate_waiting(request, num_tokens, now):
                 if fresh:  # stays waiting: hold nothing
                     self.block_manager.free(request)
                     request.num_computed_tokens = 0
@@ -260,9 +326,41 @@ class Scheduler:
                 self._count_prefix_lookup(request)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = now
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
+
+    def _allocate_waiting(self, request: Request, num_tokens: int, now: float) -> bool:
+        """Blocks for a waiting request's next chunk, freeing those other waiting requests hold
+        when the cache is full. A request that holds blocks and still cannot grow gives them up
+        (it starts from scratch later), so held blocks can never wedge the queue."""
+        manager = self.block_manager
+        while not manager.allocate(request, request.num_computed_tokens + num_tokens):
+            if not self._release_held(now, spare=request):
+                self._release(request)
+                return False
+        return True
+
+    def _release_held(self, now: float, spare: Request,
+                      below: tuple[float, float] | None = None) -> bool:
+        """Free the blocks of the lowest-ranked waiting request holding any (a paused or forked
+        one; it will be recomputed), other than `spare` and ranked after `below`; False if
+        there is none."""
+        held = [r for r in self.waiting if r.block_ids and r is not spare and (
+            below is None or self.policy.key(r, now) > below)]
+        if not held:
+            return False
+        if self.policy.uses_priority:
+            self._release(max(held, key=lambda r: self.policy.key(r, now)))
+        else:
+            self._release(held[-1])
+        return True
+
+    def _release(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
 
     def _claim_cached_prefix(self, request: Request) -> None:
         """Start a request holding no blocks from the longest cached run of its full blocks."""
@@ -279,8 +377,13 @@ class Scheduler:
             request.num_cached_tokens = request.num_computed_tokens
 
     def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request)
-        request.num_computed_tokens = 0
+        """Back to the waiting queue without its blocks: it will be recomputed."""
+        self._release(request)
+        self._pause(request)
+
+    def _pause(self, request: Request) -> None:
+        """Back to the waiting queue keeping its blocks: it resumes where it stopped, unless
+        the blocks are needed first."""
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
@@ -396,10 +499,10 @@ class Scheduler:
         assert len(holders) == manager.num_used_blocks, "blocks held != blocks used"
         assert all(manager.ref_count(b) == n for b, n in holders.items()), "bad ref count"
         for request in self.waiting:
-            # Only a forked request waits holding blocks: its prompt less the last token.
+            # A paused or forked request waits holding the blocks of its computed tokens.
             computed = request.num_computed_tokens
-            assert (not request.block_ids and computed == 0) or (
-                request.block_ids and computed == request.num_prompt_tokens - 1), "waiting KV"
+            assert request.block_ids or computed == 0, "waiting KV"
+            assert manager.blocks_for(computed) <= len(request.block_ids), "waiting KV"
         assert len(self.running) <= self.config.max_num_seqs
         pending = {r.request_id for siblings in self._forks.values() for r in siblings}
         assert set(self.requests) == {r.request_id for r in self.running} | {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -66,6 +67,117 @@ def test_a_higher_priority_request_preempts_the_lowest_running_one():
     assert scheduler.requests["low"].num_computed_tokens == 0
     while scheduler.has_unfinished():
         step(scheduler)
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_higher_priority_request_takes_the_slot_of_the_lowest_running_one():
+    scheduler = policy_scheduler(Clock(), policy="priority", max_num_seqs=2)
+    scheduler.add_request(make("low", max_tokens=8, priority=9, arrival=100.0))
+    scheduler.add_request(make("mid", max_tokens=8, priority=5, arrival=100.1))
+    step(scheduler)
+    scheduler.add_request(make("urgent", max_tokens=2, priority=0, arrival=100.2))
+    output = step(scheduler)
+    assert [r.request_id for r in output.preempted] == ["low"]
+    assert set(scheduled_counts(output)) == {"urgent"}  # its prompt runs alone
+    assert set(scheduled_counts(step(scheduler))) == {"mid", "urgent"}
+    low = scheduler.requests["low"]
+    assert low.block_ids and low.num_computed_tokens == 4  # paused: its KV stays
+    while "urgent" in scheduler.requests:
+        step(scheduler)
+    assert scheduled_counts(step(scheduler))["low"] == 1  # resumes decoding, no recompute
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_starting_urgent_prompt_runs_beside_its_equals_only():
+    scheduler = policy_scheduler(Clock(), policy="priority", max_num_seqs=4)
+    scheduler.add_request(make("high", max_tokens=8, priority=0, arrival=100.0))
+    scheduler.add_request(make("low", max_tokens=8, priority=1, arrival=100.0))
+    step(scheduler)
+    scheduler.add_request(make("urgent", priority=0, arrival=101.0))
+    scheduler.add_request(make("later-low", priority=1, arrival=101.0))
+    assert scheduled_counts(step(scheduler)) == {"high": 1, "urgent": 4}
+    assert scheduled_counts(step(scheduler)) == {"high": 1, "urgent": 1, "low": 1,
+                                                 "later-low": 4}
+
+
+def test_requests_of_one_priority_class_never_take_each_others_slots():
+    scheduler = policy_scheduler(Clock(), policy="priority", max_num_seqs=1)
+    scheduler.add_request(make("running", max_tokens=8, priority=1, arrival=100.5))
+    step(scheduler)
+    scheduler.add_request(make("earlier", max_tokens=8, priority=1, arrival=100.0))
+    output = step(scheduler)
+    assert not output.preempted and set(scheduled_counts(output)) == {"running"}
+
+
+def test_slot_preemption_stops_at_the_token_budget():
+    scheduler = policy_scheduler(Clock(), policy="priority", max_num_seqs=3,
+                                 max_num_batched_tokens=12)
+    for i in range(3):
+        scheduler.add_request(make(f"low-{i}", max_tokens=20, priority=1, arrival=100 + i))
+    step(scheduler)
+    for i in range(3):
+        scheduler.add_request(make(f"high-{i}", prompt_len=8, priority=0, arrival=101 + i))
+    output = step(scheduler)
+    # 3 decode tokens + one 8-token prompt fit in 12; the second prompt would not
+    assert [r.request_id for r in output.preempted] == ["low-2"]
+    assert "high-0" in scheduled_counts(output)
+
+
+def test_an_aged_request_takes_a_slot_from_a_fresher_low_priority_one():
+    clock = Clock()
+    scheduler = policy_scheduler(clock, policy="priority", max_num_seqs=1,
+                                 max_priority_wait=5.0)
+    scheduler.add_request(make("busy", max_tokens=50, priority=1, arrival=100.0))
+    step(scheduler)
+    scheduler.add_request(make("patient", max_tokens=2, priority=1, arrival=100.1))
+    clock.now = 106.0
+    output = step(scheduler)
+    assert [r.request_id for r in output.preempted] == ["busy"]
+    assert set(scheduled_counts(output)) == {"patient"}
+    clock.now = 120.0  # "busy" was started within the wait limit: it is not aged
+    assert not step(scheduler).preempted
+
+
+def test_a_paused_request_gives_its_blocks_to_a_higher_priority_one():
+    scheduler = policy_scheduler(Clock(), policy="priority", max_num_seqs=1, num_blocks=4,
+                                 block_size=4, max_model_len=16)
+    scheduler.add_request(make("low", prompt_len=8, max_tokens=6, priority=1, arrival=100.0))
+    step(scheduler)
+    step(scheduler)
+    scheduler.add_request(make("urgent", prompt_len=12, max_tokens=2, priority=0, arrival=101))
+    output = step(scheduler)
+    assert scheduled_counts(output) == {"urgent": 12}
+    low = scheduler.requests["low"]
+    assert low.block_ids == [] and low.num_computed_tokens == 0  # recomputed later
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert scheduler.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_priorities_under_block_and_slot_pressure_always_drain(seed):
+    """Pausing, preempting and releasing held blocks never wedges the queue or leaks."""
+    rng = random.Random(seed)
+    clock = Clock()
+    scheduler = policy_scheduler(clock, policy="priority", max_num_seqs=3, num_blocks=10,
+                                 block_size=4, max_model_len=32, max_num_batched_tokens=16,
+                                 max_priority_wait=2.0)
+    for i in range(40):
+        if i < 30:
+            prompt = rng.randint(1, 20)
+            scheduler.add_request(make(f"r{i}", prompt_len=prompt,
+                                       max_tokens=rng.randint(1, 31 - prompt),
+                                       priority=rng.randint(0, 3), arrival=clock.now))
+        step(scheduler)
+        clock.now += 0.25
+    for _ in range(2000):
+        if not scheduler.has_unfinished():
+            break
+        step(scheduler)
+        clock.now += 0.25
+    assert not scheduler.has_unfinished() and scheduler.num_preemptions > 0
     assert scheduler.block_manager.num_used_blocks == 0
 
 
