@@ -128,8 +128,12 @@ async def drive_load(url: str, stop: asyncio.Event) -> None:
 
 async def wait_for_scrapes(api: httpx.AsyncClient, count: int) -> None:
     for _ in range(300):
-        response = await api.get("/api/v1/query",
-                                 params={"query": 'count_over_time(up{job="conveyor"}[1m])'})
+        try:
+            response = await api.get("/api/v1/query",
+                                     params={"query": 'count_over_time(up{job="conveyor"}[1m])'})
+        except httpx.TransportError:  # Prometheus is still starting to listen
+            await asyncio.sleep(0.1)
+            continue
         result = response.json()["data"]["result"] if response.status_code == 200 else []
         if result and float(result[0]["value"][1]) >= count:
             return
