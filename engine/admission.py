@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
@@ -48,8 +50,11 @@ class Decision:
     retry_after: int = 0
 
 
-# Weight of the previous step-time average when a step is recorded (a half-life of ~10 steps).
-STEP_KEEP = 0.93
+# Step times kept per batch size, and the share of the slowest (and of the fastest) of them
+# left out of the average: a burst of prompts admitted at once makes a step that says little
+# about the steps a new request will share.
+STEP_WINDOW = 64
+STEP_TRIM = 8
 
 
 def batch_bucket(num_sequences: int) -> int:
@@ -61,13 +66,14 @@ class DrainRate:
     """Exponentially weighted rates of finished requests and processed tokens per second, and
     step times by batch size: a step with more sequences takes longer, so the inter-token
     latency a new request will see depends on how many run beside it. Step times are averaged
-    per step, not per second, since a request's next N tokens take N steps, short or long."""
+    per step, not per second, since a request's next N tokens take N steps, short or long, over
+    a window of recent steps without the outliers."""
 
     def __init__(self, half_life: float = 10.0) -> None:
         self._half_life = half_life
         self.requests_per_s = 0.0
         self.tokens_per_s = 0.0
-        self.step_s: dict[int, float] = {}
+        self.step_s: dict[int, deque[float]] = {}
         self.prefill_tokens_per_s = 0.0
 
     def _blend(self, old: float, new: float, seconds: float) -> float:
@@ -83,10 +89,8 @@ class DrainRate:
         self.requests_per_s = self._blend(self.requests_per_s, finished / seconds, seconds)
         self.tokens_per_s = self._blend(self.tokens_per_s, tokens / seconds, seconds)
         if decodes:
-            bucket = batch_bucket(sequences)
-            old = self.step_s.get(bucket)
-            self.step_s[bucket] = seconds if old is None else (
-                STEP_KEEP * old + (1 - STEP_KEEP) * seconds)
+            window = self.step_s.setdefault(batch_bucket(sequences), deque(maxlen=STEP_WINDOW))
+            window.append(seconds)
         if prefill_tokens:
             rate = prefill_tokens / seconds
             self.prefill_tokens_per_s = self._blend(self.prefill_tokens_per_s, rate, seconds)
@@ -100,7 +104,7 @@ class DrainRate:
         so a stale figure from a busier past never turns requests away from an idle engine)."""
         bucket = batch_bucket(num_sequences)
         known = [b for b in self.step_s if b <= bucket]
-        return self.step_s[max(known)] if known else 0.0
+        return trimmed_mean(self.step_s[max(known)]) if known else 0.0
 
     def fastest_finish(self, prompt_tokens: int, min_new_tokens: int,
                        num_sequences: int = 1) -> float:
@@ -108,6 +112,16 @@ class DrainRate:
         others, at the current speed (0 unknown)."""
         prefill = prompt_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0
         return prefill + max(0, min_new_tokens - 1) * self.step_seconds(num_sequences)
+
+
+def trimmed_mean(samples: Iterable[float]) -> float:
+    """The mean without the slowest and fastest 1/STEP_TRIM of the samples (without the
+    slowest one as soon as there are two)."""
+    ordered = sorted(samples)
+    low = len(ordered) // STEP_TRIM
+    high = len(ordered) - max(low, 1 if len(ordered) > 1 else 0)
+    kept = ordered[low:high]
+    return sum(kept) / len(kept)
 
 
 def promised_tokens(num_prompt_tokens: int, params: SamplingParams,

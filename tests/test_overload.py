@@ -7,7 +7,15 @@ import random
 
 import pytest
 
-from engine.admission import Admission, AdmissionLimits, DrainRate, QueueState, decide
+from engine.admission import (
+    STEP_WINDOW,
+    Admission,
+    AdmissionLimits,
+    DrainRate,
+    QueueState,
+    decide,
+    trimmed_mean,
+)
 from engine.config import EngineConfig
 from engine.request import FinishReason
 from tests.helpers import sabotage_steps
@@ -342,9 +350,22 @@ def test_fastest_finish_estimate():
     drain.record_step(0.4, 0, 32, prefill_tokens=0, decodes=32, sequences=32)
     assert drain.fastest_finish(100, 11, num_sequences=33) == pytest.approx(0.5 + 10 * 0.4)
     assert drain.fastest_finish(100, 11, num_sequences=6) == pytest.approx(0.5 + 10 * 0.05)
-    # averaged per step: one 3 s step among 0.4 s ones moves the figure by a step's share
-    drain.record_step(3.0, 0, 600, prefill_tokens=576, decodes=24, sequences=33)
-    assert drain.step_seconds(33) == pytest.approx(0.93 * 0.4 + 0.07 * 3.0)
+    drain.record_step(0.2, 0, 32, prefill_tokens=0, decodes=32, sequences=32)
+    assert drain.step_seconds(33) == pytest.approx(0.2)  # the slowest one is left out
+
+
+def test_a_burst_step_does_not_set_the_estimate():
+    """The first step under load admits a burst of prompts and runs for seconds; the steps
+    after it are what a new request will share."""
+    drain = DrainRate()
+    drain.record_step(3.0, 0, 2048, prefill_tokens=2016, decodes=32, sequences=32)
+    for _ in range(7):
+        drain.record_step(0.3, 0, 32, prefill_tokens=0, decodes=32, sequences=32)
+    assert drain.step_seconds(33) == pytest.approx(0.3)
+    for _ in range(STEP_WINDOW):  # the window forgets old steps
+        drain.record_step(0.5, 0, 32, prefill_tokens=0, decodes=32, sequences=32)
+    assert drain.step_seconds(33) == pytest.approx(0.5)
+    assert trimmed_mean([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 100.0]) == pytest.approx(5.0)
 
 
 def test_a_slow_step_under_load_does_not_turn_requests_away_from_an_idle_engine():
