@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import math
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
@@ -50,11 +49,10 @@ class Decision:
     retry_after: int = 0
 
 
-# Step times kept per batch size, and the share of the slowest (and of the fastest) of them
-# left out of the average: a burst of prompts admitted at once makes a step that says little
-# about the steps a new request will share.
+# Recent step times kept per batch size. In a plain mean over a window, unlike in a running
+# average seeded by its first step, the burst of prompts admitted when load arrives counts as
+# one step among many.
 STEP_WINDOW = 64
-STEP_TRIM = 8
 
 
 def batch_bucket(num_sequences: int) -> int:
@@ -67,7 +65,7 @@ class DrainRate:
     step times by batch size: a step with more sequences takes longer, so the inter-token
     latency a new request will see depends on how many run beside it. Step times are averaged
     per step, not per second, since a request's next N tokens take N steps, short or long, over
-    a window of recent steps without the outliers."""
+    a window of recent steps."""
 
     def __init__(self, half_life: float = 10.0) -> None:
         self._half_life = half_life
@@ -104,7 +102,10 @@ class DrainRate:
         so a stale figure from a busier past never turns requests away from an idle engine)."""
         bucket = batch_bucket(num_sequences)
         known = [b for b in self.step_s if b <= bucket]
-        return trimmed_mean(self.step_s[max(known)]) if known else 0.0
+        if not known:
+            return 0.0
+        window = self.step_s[max(known)]
+        return sum(window) / len(window)
 
     def fastest_finish(self, prompt_tokens: int, min_new_tokens: int,
                        num_sequences: int = 1) -> float:
@@ -112,16 +113,6 @@ class DrainRate:
         others, at the current speed (0 unknown)."""
         prefill = prompt_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0
         return prefill + max(0, min_new_tokens - 1) * self.step_seconds(num_sequences)
-
-
-def trimmed_mean(samples: Iterable[float]) -> float:
-    """The mean without the slowest and fastest 1/STEP_TRIM of the samples (without the
-    slowest one as soon as there are two)."""
-    ordered = sorted(samples)
-    low = len(ordered) // STEP_TRIM
-    high = len(ordered) - max(low, 1 if len(ordered) > 1 else 0)
-    kept = ordered[low:high]
-    return sum(kept) / len(kept)
 
 
 def promised_tokens(num_prompt_tokens: int, params: SamplingParams,

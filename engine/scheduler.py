@@ -156,39 +156,19 @@ class Scheduler:
         output = SchedulerOutput()
         now = self.clock()
         self.policy.order_running(self.running, now)
-        urgent = None
-        count = len(self.running)
         if self.policy.uses_priority:
             self._preempt_for_priority(output, now)
-            urgent = self._urgent(now)
-            if urgent is not None:  # running is sorted: its equals and betters come first
-                count = sum(not self.policy.outranks(urgent, r, now) for r in self.running)
-        budget, grew_out = self._schedule_running(output, self.config.max_num_batched_tokens,
-                                                  count)
+        budget, grew_out = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not grew_out:
-            self._schedule_waiting(output, budget, now, urgent)
+            self._schedule_waiting(output, budget, now)
         output.block_copies = self.block_manager.take_copies()
         return output
 
-    def _urgent(self, now: float) -> Request | None:
-        """The waiting request about to start that outranks some running ones, if any. Its
-        step carries only requests of its class or better (the others sit it out), so its
-        first token comes about as soon as it would on an idle server."""
-        if len(self.running) >= self.config.max_num_seqs:
-            return None
-        candidate = self.policy.pick(self.waiting, now, self._admissible())
-        if candidate is None or not self.running or not self.policy.outranks(
-                candidate, self.running[-1], now):
-            return None
-        return candidate
-
-    def _schedule_running(self, output: SchedulerOutput, budget: int,
-                          count: int) -> tuple[int, bool]:
-        """Schedule the first `count` running requests; also say whether one had to be
-        preempted to grow."""
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Schedule running requests; also say whether one had to be preempted to grow."""
         index = 0
         preempted = len(output.preempted)
-        while index < min(count, len(self.running)) and budget > 0:
+        while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_tokens, output):
@@ -204,21 +184,15 @@ class Scheduler:
             request.deferred = False
         return not request.deferred
 
-    def _admissible(self, urgent: Request | None = None,
-                    now: float = 0.0) -> Callable[[Request], bool]:
+    def _admissible(self) -> Callable[[Request], bool]:
         """Eligible requests, less low-priority ones once they fill their share of the slots
-        (the rest are reserved for urgent requests), less any that `urgent` outranks."""
+        (the rest are reserved for urgent requests)."""
         reserved = self.config.reserved_seqs if self.policy.uses_priority else 0
+        if not reserved:
+            return self._eligible
         lows = sum(r.priority > 0 for r in self.running)
-        low_slots_full = reserved > 0 and lows >= self.config.max_num_seqs - reserved
-
-        def admissible(request: Request) -> bool:
-            if low_slots_full and request.priority > 0:
-                return False
-            if urgent is not None and self.policy.outranks(urgent, request, now):
-                return False
-            return self._eligible(request)
-        return admissible
+        low_slots_full = lows >= self.config.max_num_seqs - reserved
+        return lambda r: self._eligible(r) and not (low_slots_full and r.priority > 0)
 
     def _preempt_for_priority(self, output: SchedulerOutput, now: float) -> None:
         """Make room for waiting requests that outrank running ones: sequence slots first, then
@@ -290,24 +264,21 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float,
-                          urgent: Request | None = None) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> None:
         if self.config.static_batching:
             if not self.running:
                 self._batch_closed = False
             if self._batch_closed:
                 return
-        self._admit(output, budget, now, urgent)
+        self._admit(output, budget, now)
         if self.config.static_batching and (
                 not self.waiting or len(self.running) >= self.config.max_num_seqs):
             self._batch_closed = True
 
-    def _admit(self, output: SchedulerOutput, budget: int, now: float,
-               urgent: Request | None = None) -> None:
-        """Start waiting requests in policy order while budget, slots and blocks last (with
-        `urgent`, only those it does not outrank)."""
+    def _admit(self, output: SchedulerOutput, budget: int, now: float) -> None:
+        """Start waiting requests in policy order while budget, slots and blocks last."""
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.policy.pick(self.waiting, now, self._admissible(urgent, now))
+            request = self.policy.pick(self.waiting, now, self._admissible())
             if request is None:
                 break
             fresh = not request.block_ids  # forked requests arrive holding their prompt
