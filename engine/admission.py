@@ -55,6 +55,12 @@ class Decision:
 STEP_WINDOW = 64
 
 
+# Estimated finish times are stretched by this margin before they are held against a deadline:
+# a request estimated to finish just in time misses it about half the time, and then all the
+# work spent on it is lost.
+DEADLINE_MARGIN = 1.1
+
+
 def batch_bucket(num_sequences: int) -> int:
     """Batch sizes grouped by powers of two: 1, 2-3, 4-7, 8-15, ..."""
     return max(1, num_sequences).bit_length()
@@ -113,6 +119,13 @@ class DrainRate:
         others, at the current speed (0 unknown)."""
         prefill = prompt_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0
         return prefill + max(0, min_new_tokens - 1) * self.step_seconds(num_sequences)
+
+    def time_to_finish(self, prompt_tokens: int, min_new_tokens: int,
+                       num_sequences: int = 1) -> float:
+        """The seconds to count on before a request's deadline: its fastest finish with
+        `DEADLINE_MARGIN` to spare."""
+        return DEADLINE_MARGIN * self.fastest_finish(prompt_tokens, min_new_tokens,
+                                                     num_sequences)
 
 
 def promised_tokens(num_prompt_tokens: int, params: SamplingParams,

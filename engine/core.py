@@ -67,12 +67,12 @@ class EngineCore:
                                  f"later.", retry_after=decision.retry_after)
         if timeout is not None:
             fewest = fewest_new_tokens(params, self.max_tokens - num_prompt)
-            needed = self.scheduler.drain.fastest_finish(num_prompt, fewest,
+            needed = self.scheduler.drain.time_to_finish(num_prompt, fewest,
                                                          len(self.scheduler.running) + 1)
             if needed > timeout:
                 raise RequestTimeoutError(
                     f"The request cannot finish within its timeout of {timeout:g} s (it needs "
-                    f"at least {needed:.1f} s at the current speed).")
+                    f"about {needed:.1f} s at the current speed).")
         return decision.outcome is Admission.DEFER
 
     @property

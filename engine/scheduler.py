@@ -12,6 +12,7 @@ lower priority when it cannot otherwise get blocks or a sequence slot.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -220,12 +221,33 @@ class Scheduler:
             if slots > 0:
                 slots -= 1
                 continue
-            if not self.running or not self.policy.outranks(candidate, self.running[-1], now):
+            victim = self._slot_victim(candidate, now)
+            if victim is None:
                 return
-            victim = self.running.pop()
+            self.running.remove(victim)
             self._pause(victim)
             output.preempted.append(victim)
             budget += 1
+
+    def _slot_victim(self, candidate: Request, now: float) -> Request | None:
+        """The running request to pause for `candidate`: one of the lowest priority class, if
+        `candidate` outranks it; of those, one that will miss its deadline anyway, else the one
+        with the most time to spare, else the latest to arrive."""
+        if not self.running or not self.policy.outranks(candidate, self.running[-1], now):
+            return None
+        lowest = self.policy.key(self.running[-1], now)[0]
+        peers = [r for r in self.running if self.policy.key(r, now)[0] == lowest]
+        step = self.drain.step_seconds(len(self.running))
+
+        def spare(ranked: tuple[int, Request]) -> tuple[bool, float, int]:
+            rank, request = ranked
+            if request.deadline is None:
+                return False, math.inf, rank
+            fewest = fewest_new_tokens(request.sampling_params, request.max_output_tokens)
+            slack = request.deadline - now - max(0, fewest - request.num_output_tokens) * step
+            return slack < 0, slack, rank
+
+        return max(enumerate(peers), key=spare)[1]
 
     def _preempt_for_blocks(self, output: SchedulerOutput, now: float,
                             candidate: Request) -> None:
@@ -419,10 +441,9 @@ class Scheduler:
         if request.num_output_tokens or request.status is not RequestStatus.WAITING:
             return False
         fewest = fewest_new_tokens(request.sampling_params, request.max_output_tokens)
-        needed = self.drain.fastest_finish(request.num_prompt_tokens, fewest,
+        needed = self.drain.time_to_finish(request.num_prompt_tokens, fewest,
                                            len(self.running) + 1)
-        return now + needed > (
-            request.deadline or now)
+        return now + needed > (request.deadline or now)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         aborted = (self.finish_request(rid, FinishReason.ABORT) for rid in request_ids)

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from engine.admission import (
+    DEADLINE_MARGIN,
     STEP_WINDOW,
     Admission,
     AdmissionLimits,
@@ -94,6 +95,21 @@ def test_a_higher_priority_request_takes_the_slot_of_the_lowest_running_one():
     while scheduler.has_unfinished():
         step(scheduler)
     assert scheduler.block_manager.num_used_blocks == 0
+
+
+def test_the_paused_request_is_one_that_misses_its_deadline_anyway_or_has_most_to_spare():
+    clock = Clock()
+    scheduler = policy_scheduler(clock, policy="priority", max_num_seqs=3)
+    for name, arrival, deadline in (("roomy", 100.0, 200.0), ("doomed", 100.1, 105.0),
+                                    ("tight", 100.2, 115.0)):
+        scheduler.add_request(make(name, max_tokens=10, ignore_eos=True, priority=1,
+                                   arrival=arrival, deadline=deadline))
+    step(scheduler)
+    scheduler.drain.record_step(1.0, 0, 3, prefill_tokens=0, decodes=3, sequences=3)
+    scheduler.add_request(make("urgent-1", max_tokens=4, priority=0, arrival=101.0))
+    assert [r.request_id for r in step(scheduler).preempted] == ["doomed"]
+    scheduler.add_request(make("urgent-2", max_tokens=4, priority=0, arrival=101.0))
+    assert [r.request_id for r in step(scheduler).preempted] == ["roomy"]
 
 
 def test_requests_of_one_priority_class_never_take_each_others_slots():
@@ -351,6 +367,15 @@ def test_a_burst_step_is_soon_forgotten():
     assert drain.step_seconds(33) == pytest.approx(0.3 + 2.7 / STEP_WINDOW)
     drain.record_step(0.3, 0, 32, prefill_tokens=0, decodes=32, sequences=32)
     assert drain.step_seconds(33) == pytest.approx(0.3)
+
+
+def test_deadlines_are_judged_with_a_margin():
+    drain = DrainRate()
+    drain.record_step(0.5, 0, 100, prefill_tokens=100, decodes=0, sequences=1)
+    drain.record_step(0.05, 0, 4, prefill_tokens=0, decodes=4, sequences=4)
+    assert drain.time_to_finish(100, 11, num_sequences=5) == pytest.approx(
+        DEADLINE_MARGIN * (0.5 + 10 * 0.05))
+    assert DEADLINE_MARGIN > 1
 
 
 def test_a_slow_step_under_load_does_not_turn_requests_away_from_an_idle_engine():
