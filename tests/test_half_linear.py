@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import model_loader
+from engine import half_linear, model_loader
 from engine.half_linear import (
+    PLAIN_SMALL_BATCH_ROWS,
     SMALL_BATCH_ROWS,
     HalfWeightLinear,
     convert_linears,
@@ -33,6 +34,20 @@ def test_layer_matches_fp32_product_of_rounded_weights(rows: int, with_bias: boo
     out = layer(x)
     assert out.shape == (1, rows, 40) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.weight, linear.weight.half().float())
+
+
+@pytest.mark.parametrize("rows", [1, PLAIN_SMALL_BATCH_ROWS + 1])
+def test_layer_without_onednn_uses_a_plain_fp32_copy(monkeypatch: pytest.MonkeyPatch,
+                                                     rows: int) -> None:
+    monkeypatch.setattr(half_linear, "onednn_linear_available", lambda: False)
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 40)
+    layer = HalfWeightLinear(linear.weight, linear.bias)
+    assert not layer.onednn and layer.small_rows == PLAIN_SMALL_BATCH_ROWS
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(layer(x), F.linear(x, linear.weight.half().float(), linear.bias),
+                               rtol=1e-5, atol=1e-5)
     assert torch.equal(layer.weight, linear.weight.half().float())
 
 
