@@ -10,8 +10,13 @@ from typing import Any
 import torch
 
 from engine.attention import hf as hf_attention
+from engine.cpu_linear import (
+    convert_linears,
+    fbgemm_fp16_available,
+    onednn_linear_available,
+    pack_linears,
+)
 from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from engine.half_linear import convert_linears, fbgemm_fp16_available
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +129,8 @@ def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.devic
     model.to(device).eval()
     if half_weights_in_fp32(dtype, device):
         use_half_weights(model, dtype)
+    elif device.type == "cpu" and dtype == torch.float32 and onednn_linear_available():
+        pack_linears(model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return wrap_model(model, tokenizer, name=name, path=path)
 

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionMetadata
-from engine.half_linear import HalfWeightLinear
+from engine.cpu_linear import HalfWeightLinear, PackedLinear
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM"})
-LINEAR_TYPES = (nn.Linear, HalfWeightLinear)
+LINEAR_TYPES = (nn.Linear, HalfWeightLinear, PackedLinear)
 
 
 def supports(hf_model: Any) -> str:
@@ -50,8 +50,8 @@ def fuse(linears: list[nn.Module]) -> nn.Module:
     weight = torch.cat([m.weight for m in linears])
     biases = [m.bias for m in linears]
     bias = None if biases[0] is None else torch.cat(biases)
-    if isinstance(linears[0], HalfWeightLinear):
-        return HalfWeightLinear(weight, bias)
+    if isinstance(linears[0], HalfWeightLinear | PackedLinear):
+        return type(linears[0])(weight, bias)
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
                       device=weight.device, dtype=weight.dtype)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""16-bit weights with fp32 arithmetic: the layer, the model conversion, and the greedy oracle."""
+"""CPU linear layers: fp32 weights packed for oneDNN, 16-bit weights in fp32, and the oracle."""
 
 from __future__ import annotations
 
@@ -7,22 +7,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import half_linear, model_loader
-from engine.half_linear import (
+from engine import cpu_linear, model_loader
+from engine.cpu_linear import (
     PLAIN_SMALL_BATCH_ROWS,
     SMALL_BATCH_ROWS,
     HalfWeightLinear,
+    PackedLinear,
     convert_linears,
     fbgemm_fp16_available,
+    onednn_linear_available,
+    pack_linears,
 )
 from engine.model_loader import half_weights_in_fp32, use_half_weights
 from engine.sampling_params import SamplingParams
 from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
 
-pytestmark = pytest.mark.skipif(not fbgemm_fp16_available(),
-                                reason="this torch build has no fbgemm fp16 GEMM")
+needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_available(),
+                                  reason="this torch build has no fbgemm fp16 GEMM")
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(),
+                                  reason="this torch build cannot pack weights for oneDNN")
 
 
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_layer_matches_f_linear(rows: int, with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 40, bias=with_bias)
+    layer = PackedLinear(linear.weight, linear.bias)
+    x = torch.randn(2, rows, 96)
+    out = layer(x)
+    assert out.shape == (2, rows, 40)
+    torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.weight, linear.weight)
+
+
+@needs_onednn
+def test_packed_model_greedy_equals_generate() -> None:
+    prompts = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [reference_greedy(tiny_llama(), p, 10) for p in prompts]
+    model = tiny_llama()
+    assert pack_linears(model) == 7 * model.config.num_hidden_layers + 1
+    core, _ = tiny_core(model)
+    outputs = run_all(core, prompts, params)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
+
+
+@needs_fbgemm
 @pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_layer_matches_fp32_product_of_rounded_weights(rows: int, with_bias: bool) -> None:
@@ -37,10 +69,11 @@ def test_layer_matches_fp32_product_of_rounded_weights(rows: int, with_bias: boo
     assert torch.equal(layer.weight, linear.weight.half().float())
 
 
+@needs_fbgemm
 @pytest.mark.parametrize("rows", [1, PLAIN_SMALL_BATCH_ROWS + 1])
 def test_layer_without_onednn_uses_a_plain_fp32_copy(monkeypatch: pytest.MonkeyPatch,
                                                      rows: int) -> None:
-    monkeypatch.setattr(half_linear, "onednn_linear_available", lambda: False)
+    monkeypatch.setattr(cpu_linear, "onednn_linear_available", lambda: False)
     torch.manual_seed(rows)
     linear = nn.Linear(96, 40)
     layer = HalfWeightLinear(linear.weight, linear.bias)
@@ -51,6 +84,7 @@ def test_layer_without_onednn_uses_a_plain_fp32_copy(monkeypatch: pytest.MonkeyP
     assert torch.equal(layer.weight, linear.weight.half().float())
 
 
+@needs_fbgemm
 def test_conversion_swaps_linears_and_keeps_what_fp16_cannot_hold() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)),
                           nn.Linear(4, 2))
@@ -65,6 +99,7 @@ def test_conversion_swaps_linears_and_keeps_what_fp16_cannot_hold() -> None:
     torch.testing.assert_close(model(x), before, rtol=1e-2, atol=1e-2)
 
 
+@needs_fbgemm
 def test_tied_embeddings_stay_fp32() -> None:
     model = tiny_llama(tie_word_embeddings=True)
     use_half_weights(model, torch.bfloat16)
@@ -72,6 +107,7 @@ def test_tied_embeddings_stay_fp32() -> None:
     assert isinstance(model.get_output_embeddings(), HalfWeightLinear)
 
 
+@needs_fbgemm
 def test_bf16_model_greedy_equals_generate_with_the_same_weights() -> None:
     """The oracle: transformers computing in fp32 over the bf16-rounded weights."""
     prompts = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]

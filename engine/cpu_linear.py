@@ -1,20 +1,23 @@
-"""Linear layers with 16-bit weights and fp32 arithmetic, for CPUs without native bf16.
+"""Linear layers for CPUs: fp32 weights packed for oneDNN, and 16-bit weights computed in fp32.
 
-On such CPUs torch's bf16 matrix products are several times slower than fp32, yet decoding a
-few sequences is bound by how fast the weights stream from memory, so fp32 weights cost twice
-the bandwidth they need. `HalfWeightLinear` holds each weight twice: packed in fp16 for fbgemm's
-fp16-weight GEMM, which a few rows stream at half the bytes, and in fp32 for more rows, where
-the product is bound by arithmetic. The fp32 copy is packed ahead of time for oneDNN's GEMM
-where torch has it (10-40% faster than `F.linear` from 16 to 64 rows on an AVX2 CPU), else
-kept plain for `F.linear`. Both copies hold the same values: every bf16 number between 2**-17
-and 65504 is exact in fp16.
+torch's `F.linear` runs a plain fp32 GEMM over the weight as stored. oneDNN's GEMM over a weight
+reordered for it ahead of time is 10-40% faster from 4 to 64 rows on an AVX2 CPU, and as fast
+above; `PackedLinear` holds its weight that way.
+
+On CPUs without native bf16, torch's bf16 matrix products are several times slower than fp32,
+yet decoding a few sequences is bound by how fast the weights stream from memory, so fp32
+weights cost twice the bandwidth they need. `HalfWeightLinear` holds each weight twice: packed
+in fp16 for fbgemm's fp16-weight GEMM, which a few rows stream at half the bytes, and in fp32
+(packed for oneDNN where torch has it, else plain for `F.linear`) for more rows, where the
+product is bound by arithmetic. Both copies hold the same values: every bf16 number between
+2**-17 and 65504 is exact in fp16.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +29,8 @@ logger = logging.getLogger(__name__)
 # weights packed ahead, or else `F.linear`.
 SMALL_BATCH_ROWS = 8
 PLAIN_SMALL_BATCH_ROWS = 48
+# The batch size oneDNN lays packed weights out for; any other works too.
+ONEDNN_BATCH_HINT = 64
 FP16_MAX = torch.finfo(torch.float16).max
 
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
@@ -46,11 +51,43 @@ def fbgemm_fp16_available() -> bool:
 def onednn_linear_available() -> bool:
     """True when this torch build can pack a linear weight for oneDNN ahead of time."""
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8), 64)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), packed, None, "none", [], "")
+        out = onednn_linear(torch.ones(2, 8), pack_for_onednn(torch.ones(8, 8)), None)
     except (AttributeError, RuntimeError):
         return False
     return bool(torch.allclose(out, torch.full((2, 8), 8.0)))
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 `[out, in]` weight reordered for oneDNN's GEMM (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(),
+                                                   ONEDNN_BATCH_HINT)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """`y = x W^T + b` in fp32 through oneDNN's GEMM, W packed for it ahead of time."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack_for_onednn(weight)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight in fp32, `[out_features, in_features]`."""
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.packed, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight=fp32 (oneDNN-packed)")
 
 
 class HalfWeightLinear(nn.Module):
@@ -64,7 +101,7 @@ class HalfWeightLinear(nn.Module):
         self.packed = torch.fbgemm_pack_gemm_matrix_fp16(rounded)
         self.onednn = onednn_linear_available()
         if self.onednn:
-            self.packed_fp32 = torch.ops.mkldnn._reorder_linear_weight(rounded, 64)
+            self.packed_fp32 = pack_for_onednn(rounded)
             self.small_rows = SMALL_BATCH_ROWS
         else:
             self.register_buffer("plain_fp32", rounded)
@@ -79,8 +116,7 @@ class HalfWeightLinear(nn.Module):
         rows = x.numel() // self.in_features
         if rows > self.small_rows:
             if self.onednn:
-                return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed_fp32,
-                                                          self.bias, "none", [], "")
+                return onednn_linear(x.float(), self.packed_fp32, self.bias)
             return F.linear(x, self.plain_fp32, self.bias)
         flat = x.reshape(rows, self.in_features)
         if flat.dtype != torch.float32:
@@ -103,13 +139,26 @@ def fits_fp16(weight: torch.Tensor) -> bool:
 def convert_linears(model: nn.Module) -> int:
     """Swap every fp32 `nn.Linear` whose weight fits fp16 for a `HalfWeightLinear`; return how
     many were swapped. Weights shared with other modules (tied embeddings) stay in place there."""
+    swapped = _swap(model, HalfWeightLinear, fits_fp16)
+    logger.info("%d linear layers hold fp16 weights and compute in fp32", swapped)
+    return swapped
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every fp32 `nn.Linear` for a `PackedLinear`; return how many were swapped."""
+    swapped = _swap(model, PackedLinear, lambda weight: True)
+    logger.info("%d linear layers hold weights packed for oneDNN", swapped)
+    return swapped
+
+
+def _swap(model: nn.Module, layer: type[nn.Module],
+          accepts: Callable[[torch.Tensor], bool]) -> int:
     swapped = 0
     for parent, name, linear in list(_linears(model)):
-        if linear.weight.dtype != torch.float32 or not fits_fp16(linear.weight):
+        if linear.weight.dtype != torch.float32 or not accepts(linear.weight):
             continue
-        setattr(parent, name, HalfWeightLinear(linear.weight, linear.bias))
+        setattr(parent, name, layer(linear.weight, linear.bias))
         swapped += 1
-    logger.info("%d linear layers hold fp16 weights and compute in fp32", swapped)
     return swapped
 
 
