@@ -1,16 +1,16 @@
 """Linear layers for CPUs: fp32 weights packed for oneDNN, and 16-bit weights computed in fp32.
 
 torch's `F.linear` runs a plain fp32 GEMM over the weight as stored. oneDNN's GEMM over a weight
-reordered for it ahead of time is 10-40% faster from 4 to 64 rows on an AVX2 CPU, and as fast
-above; `PackedLinear` holds its weight that way.
+reordered for it ahead of time is 10-40% faster from 4 to 64 rows on an AVX2 CPU, and about as
+fast above; `PackedLinear` holds its weight that way.
 
 On CPUs without native bf16, torch's bf16 matrix products are several times slower than fp32,
 yet decoding a few sequences is bound by how fast the weights stream from memory, so fp32
-weights cost twice the bandwidth they need. `HalfWeightLinear` holds each weight twice: packed
-in fp16 for fbgemm's fp16-weight GEMM, which a few rows stream at half the bytes, and in fp32
-(packed for oneDNN where torch has it, else plain for `F.linear`) for more rows, where the
-product is bound by arithmetic. Both copies hold the same values: every bf16 number between
-2**-17 and 65504 is exact in fp16.
+weights cost twice the bandwidth they need. `HalfWeightLinear` holds each weight in fp16,
+packed for fbgemm's fp16-weight GEMM, which a few rows stream at half the bytes, and in fp32
+for more rows, where the product is bound by arithmetic: packed for oneDNN too where torch has
+it (decode batches), plain for `F.linear` (prefill chunks). All copies hold the same values:
+every bf16 number between 2**-17 and 65504 is exact in fp16.
 """
 
 from __future__ import annotations
@@ -25,10 +25,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# Above this many rows the fp32 product is faster than fbgemm's fp16 kernel: oneDNN's with its
-# weights packed ahead, or else `F.linear`.
-SMALL_BATCH_ROWS = 8
-PLAIN_SMALL_BATCH_ROWS = 48
+# Above this many rows the fp32 product is faster than fbgemm's fp16 kernel in a whole model,
+# where the weights stream from memory (a lone layer whose weights stay in cache favours fp32
+# from far fewer rows).
+SMALL_BATCH_ROWS = 48
+# Up to this many rows a 16-bit-weight layer runs its fp32 product through oneDNN (decode
+# batches); above it, through `F.linear` (prefill chunks, where oneDNN's layout for small
+# batches measured slower in a whole model).
+ONEDNN_MAX_ROWS = 256
 # The batch size oneDNN lays packed weights out for; any other works too.
 ONEDNN_BATCH_HINT = 64
 FP16_MAX = torch.finfo(torch.float16).max
@@ -100,24 +104,16 @@ class HalfWeightLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.packed = torch.fbgemm_pack_gemm_matrix_fp16(rounded)
         self.onednn = onednn_linear_available()
+        self.register_buffer("weight", rounded)
         if self.onednn:
             self.packed_fp32 = pack_for_onednn(rounded)
-            self.small_rows = SMALL_BATCH_ROWS
-        else:
-            self.register_buffer("plain_fp32", rounded)
-            self.small_rows = PLAIN_SMALL_BATCH_ROWS
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The rounded weight in fp32, `[out_features, in_features]`."""
-        return self.packed_fp32.to_dense() if self.onednn else self.plain_fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > self.small_rows:
-            if self.onednn:
+        if rows > SMALL_BATCH_ROWS:
+            if self.onednn and rows <= ONEDNN_MAX_ROWS:
                 return onednn_linear(x.float(), self.packed_fp32, self.bias)
-            return F.linear(x, self.plain_fp32, self.bias)
+            return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         if flat.dtype != torch.float32:
             flat = flat.float()
@@ -126,7 +122,7 @@ class HalfWeightLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        fp32 = "oneDNN-packed" if self.onednn else "plain"
+        fp32 = "plain + oneDNN-packed" if self.onednn else "plain"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weight=fp16 (packed) + fp32 ({fp32})")
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine import cpu_linear, model_loader
 from engine.cpu_linear import (
-    PLAIN_SMALL_BATCH_ROWS,
+    ONEDNN_MAX_ROWS,
     SMALL_BATCH_ROWS,
     HalfWeightLinear,
     PackedLinear,
@@ -55,7 +55,8 @@ def test_packed_model_greedy_equals_generate() -> None:
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 300])
+@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1,
+                                  ONEDNN_MAX_ROWS + 1])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_layer_matches_fp32_product_of_rounded_weights(rows: int, with_bias: bool) -> None:
     torch.manual_seed(rows)
@@ -70,14 +71,14 @@ def test_layer_matches_fp32_product_of_rounded_weights(rows: int, with_bias: boo
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("rows", [1, PLAIN_SMALL_BATCH_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, SMALL_BATCH_ROWS + 1])
 def test_layer_without_onednn_uses_a_plain_fp32_copy(monkeypatch: pytest.MonkeyPatch,
                                                      rows: int) -> None:
     monkeypatch.setattr(cpu_linear, "onednn_linear_available", lambda: False)
     torch.manual_seed(rows)
     linear = nn.Linear(96, 40)
     layer = HalfWeightLinear(linear.weight, linear.bias)
-    assert not layer.onednn and layer.small_rows == PLAIN_SMALL_BATCH_ROWS
+    assert not layer.onednn
     x = torch.randn(rows, 96)
     torch.testing.assert_close(layer(x), F.linear(x, linear.weight.half().float(), linear.bias),
                                rtol=1e-5, atol=1e-5)
