@@ -6,11 +6,12 @@ fast above; `PackedLinear` holds its weight that way.
 
 On CPUs without native bf16, torch's bf16 matrix products are several times slower than fp32,
 yet decoding a few sequences is bound by how fast the weights stream from memory, so fp32
-weights cost twice the bandwidth they need. `HalfWeightLinear` holds each weight in fp16,
-packed for fbgemm's fp16-weight GEMM, which a few rows stream at half the bytes, and in fp32
-for more rows, where the product is bound by arithmetic: packed for oneDNN too where torch has
-it (decode batches), plain for `F.linear` (prefill chunks). All copies hold the same values:
-every bf16 number between 2**-17 and 65504 is exact in fp16.
+weights cost twice the bandwidth they need. `HalfWeightLinear` holds each weight twice: packed
+in fp16 for fbgemm's fp16-weight GEMM, which a few rows stream at half the bytes, and in fp32
+for `F.linear` with more rows, where the product is bound by arithmetic. (oneDNN over a packed
+fp32 copy, faster for decode batches of 64 in isolation, made the offline benchmark's mixed
+prefill-and-decode steps ~15% slower in a whole model.) Both copies hold the same values: every
+bf16 number between 2**-17 and 65504 is exact in fp16.
 """
 
 from __future__ import annotations
@@ -29,10 +30,6 @@ logger = logging.getLogger(__name__)
 # where the weights stream from memory (a lone layer whose weights stay in cache favours fp32
 # from far fewer rows).
 SMALL_BATCH_ROWS = 48
-# Up to this many rows a 16-bit-weight layer runs its fp32 product through oneDNN (decode
-# batches); above it, through `F.linear` (prefill chunks, where oneDNN's layout for small
-# batches measured slower in a whole model).
-ONEDNN_MAX_ROWS = 256
 # The batch size oneDNN lays packed weights out for; any other works too.
 ONEDNN_BATCH_HINT = 64
 FP16_MAX = torch.finfo(torch.float16).max
@@ -103,16 +100,11 @@ class HalfWeightLinear(nn.Module):
         rounded = weight.detach().to(torch.float16).float().contiguous()
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.packed = torch.fbgemm_pack_gemm_matrix_fp16(rounded)
-        self.onednn = onednn_linear_available()
         self.register_buffer("weight", rounded)
-        if self.onednn:
-            self.packed_fp32 = pack_for_onednn(rounded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > SMALL_BATCH_ROWS:
-            if self.onednn and rows <= ONEDNN_MAX_ROWS:
-                return onednn_linear(x.float(), self.packed_fp32, self.bias)
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         if flat.dtype != torch.float32:
@@ -122,9 +114,8 @@ class HalfWeightLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        fp32 = "plain + oneDNN-packed" if self.onednn else "plain"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight=fp16 (packed) + fp32 ({fp32})")
+                f"weight=fp16 (packed) + fp32")
 
 
 def fits_fp16(weight: torch.Tensor) -> bool:

@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_linear, model_loader
+from engine import model_loader
 from engine.cpu_linear import (
-    ONEDNN_MAX_ROWS,
     SMALL_BATCH_ROWS,
     HalfWeightLinear,
     PackedLinear,
@@ -55,8 +54,7 @@ def test_packed_model_greedy_equals_generate() -> None:
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1,
-                                  ONEDNN_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_layer_matches_fp32_product_of_rounded_weights(rows: int, with_bias: bool) -> None:
     torch.manual_seed(rows)
@@ -67,21 +65,6 @@ def test_layer_matches_fp32_product_of_rounded_weights(rows: int, with_bias: boo
     out = layer(x)
     assert out.shape == (1, rows, 40) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(layer.weight, linear.weight.half().float())
-
-
-@needs_fbgemm
-@pytest.mark.parametrize("rows", [1, SMALL_BATCH_ROWS + 1])
-def test_layer_without_onednn_uses_a_plain_fp32_copy(monkeypatch: pytest.MonkeyPatch,
-                                                     rows: int) -> None:
-    monkeypatch.setattr(cpu_linear, "onednn_linear_available", lambda: False)
-    torch.manual_seed(rows)
-    linear = nn.Linear(96, 40)
-    layer = HalfWeightLinear(linear.weight, linear.bias)
-    assert not layer.onednn
-    x = torch.randn(rows, 96)
-    torch.testing.assert_close(layer(x), F.linear(x, linear.weight.half().float(), linear.bias),
-                               rtol=1e-5, atol=1e-5)
     assert torch.equal(layer.weight, linear.weight.half().float())
 
 
