@@ -312,8 +312,7 @@ class Scheduler:
             num_tokens = min(num_tokens, budget)
             if num_tokens == 0 or not self._allocate_waiting(request, num_tokens, now):
                 if fresh:  # stays waiting: hold nothing
-                    self.block_manager.free(request)
-                    request.num_computed_tokens = 0
+                    self._release(request)
                 break
             if fresh:
                 self._count_prefix_lookup(request)
