@@ -49,5 +49,11 @@ def step(scheduler: Scheduler, token: int = FAKE_TOKEN) -> SchedulerOutput:
     return output
 
 
+def drain(scheduler: Scheduler) -> None:
+    """Step until every request has finished (invariants checked after each step)."""
+    while scheduler.has_unfinished():
+        step(scheduler)
+
+
 def scheduled_counts(output: SchedulerOutput) -> dict[str, int]:
     return {item.request.request_id: item.num_tokens for item in output.scheduled}

@@ -19,7 +19,7 @@ from engine.admission import (
 from engine.config import EngineConfig
 from engine.request import FinishReason
 from tests.helpers import sabotage_steps
-from tests.scheduler_utils import create_request, create_scheduler, scheduled_counts, step
+from tests.scheduler_utils import create_request, create_scheduler, drain, scheduled_counts, step
 from tests.server_utils import app_client, blocks_in_use, live_server, sse_events, until
 
 
@@ -73,8 +73,7 @@ def test_a_higher_priority_request_preempts_the_lowest_running_one():
     assert [r.request_id for r in output.preempted] == ["low"]
     assert "urgent" in scheduled_counts(output)
     assert scheduler.requests["low"].num_computed_tokens == 0
-    while scheduler.has_unfinished():
-        step(scheduler)
+    drain(scheduler)
     assert scheduler.block_manager.num_used_blocks == 0
 
 
@@ -92,8 +91,7 @@ def test_a_higher_priority_request_takes_the_slot_of_the_lowest_running_one():
     while "urgent" in scheduler.requests:
         step(scheduler)
     assert scheduled_counts(step(scheduler))["low"] == 1  # resumes decoding, no recompute
-    while scheduler.has_unfinished():
-        step(scheduler)
+    drain(scheduler)
     assert scheduler.block_manager.num_used_blocks == 0
 
 
@@ -161,8 +159,7 @@ def test_a_paused_request_gives_its_blocks_to_a_higher_priority_one():
     assert scheduled_counts(output) == {"urgent": 12}
     low = scheduler.requests["low"]
     assert low.block_ids == [] and low.num_computed_tokens == 0  # recomputed later
-    while scheduler.has_unfinished():
-        step(scheduler)
+    drain(scheduler)
     assert scheduler.block_manager.num_used_blocks == 0
 
 

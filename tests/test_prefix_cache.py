@@ -11,7 +11,7 @@ from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from tests.helpers import run_all, tiny_core, tokens_of
-from tests.scheduler_utils import create_request, create_scheduler, scheduled_counts, step
+from tests.scheduler_utils import create_request, create_scheduler, drain, scheduled_counts, step
 
 
 def request_with(tokens: list[int], name: str = "r") -> Request:
@@ -151,8 +151,7 @@ def test_n_samples_share_the_prompt_and_compute_one_token_each():
     assert len(first_blocks) == 1
     tails = {scheduler.requests[name].block_ids[2] for name in ("s0", "s1", "s2")}
     assert len(tails) == 3
-    while scheduler.has_unfinished():
-        step(scheduler)
+    drain(scheduler)
     assert scheduler.block_manager.num_used_blocks == 0
 
 
