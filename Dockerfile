@@ -10,9 +10,10 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 
+# g++ builds the CPU paged-attention kernel for the host's own CPU on first start.
 FROM python:3.12-slim AS base-cpu
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends curl ca-certificates \
+    && apt-get install -y --no-install-recommends curl ca-certificates g++ \
     && rm -rf /var/lib/apt/lists/*
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 

@@ -58,12 +58,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--attention-backend", default="auto")
     args = parser.parse_args()
     config = EngineConfig(model=args.model, dtype=args.dtype,
                           cache=CacheConfig(kv_cache_memory=1 << 30),
-                          max_num_batched_tokens=args.max_num_batched_tokens)
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          attention_backend=args.attention_backend)
     core, _, info = create_engine_core(config)
-    print(f"# {info.model_name} {info.dtype} on {info.device}")
+    print(f"# {info.model_name} {info.dtype} on {info.device}, "
+          f"{core.runner.backend.name} attention")
     for _ in range(args.warmup):
         run(core, 2, 16, 4, seed=-1)
     for seed, concurrency in enumerate(args.concurrency):

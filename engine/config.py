@@ -106,7 +106,7 @@ class EngineConfig:
     admission_soft_limit: float = 0.9
     priority_reserved_seqs: int | None = None
     request_timeout: float | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     model_impl: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False

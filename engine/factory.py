@@ -44,7 +44,9 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     sampler = Sampler(vocab_size, device, seed=config.seed)
     model = build_causal_lm(loaded.model, config.model_impl)
     logger.info("model implementation: %s", model.name)
-    runner = ModelRunner(model, kv_cache, get_backend(config.attention_backend), sampler)
+    backend = get_backend(config.attention_backend, device)
+    logger.info("attention backend: %s", backend.name)
+    runner = ModelRunner(model, kv_cache, backend, sampler)
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     info = ServingInfo(
         model_name=loaded.name,

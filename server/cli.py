@@ -68,7 +68,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds after which a waiting request counts as top priority")
     engine.add_argument("--request-timeout", type=float, default=None,
                         help="default deadline of a request in seconds (request field timeout)")
-    engine.add_argument("--attention-backend", default="torch")
+    engine.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "cpu", "torch"],
+                        help="cpu: Conveyor's C++ paged-attention kernel (built on first use); "
+                             "torch: pure torch, any device; auto: cpu on a CPU where the "
+                             "kernel builds, else torch")
     engine.add_argument("--model-impl", default="auto",
                         choices=["auto", "conveyor", "transformers"],
                         help="Conveyor's own decoder (Llama, Mistral, Qwen2, Qwen3) or the "

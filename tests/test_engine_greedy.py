@@ -85,3 +85,11 @@ def test_match_generate_without_chunked_prefill(device):
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_match_generate_with_other_block_sizes(block_size):
     check_greedy("cpu", block_size=block_size)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_each_cpu_attention_backend_matches_generate(backend):
+    core, _ = check_greedy("cpu", num_blocks=24, max_model_len=64, max_num_batched_tokens=10,
+                           attention_backend=backend)
+    assert core.runner.backend.name == backend
+    assert core.scheduler.num_preemptions > 0

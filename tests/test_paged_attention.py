@@ -13,6 +13,7 @@ from engine.attention import get_backend
 from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.scheduler import ScheduledRequest
+from tests.conftest import CUDA
 from tests.helpers import tiny_core, tiny_llama
 from tests.scheduler_utils import create_request
 
@@ -102,14 +103,20 @@ def naive_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 
 
+BACKENDS_ON_DEVICES = [("torch", "cpu"), ("cpu", "cpu"),
+                       pytest.param("torch", CUDA.values[0], marks=CUDA.marks)]
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_backend_matches_naive_attention_per_sequence(block_size, device):
+@pytest.mark.parametrize(("backend_name", "device"), BACKENDS_ON_DEVICES)
+def test_backend_matches_naive_attention_per_sequence(block_size, backend_name, device):
     torch.manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
     spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32,
                        block_size=block_size)
     cache = KVCache(spec, num_blocks=64, device=torch.device(device))
-    backend = get_backend("torch")
+    backend = get_backend(backend_name, torch.device(device))
+    assert backend.name == backend_name
     contexts, queries = [0, 5, 9, 0], [1, 1, 4, 6]
     total = [c + q for c, q in zip(contexts, queries, strict=True)]
     history = {i: (torch.randn(t, kv_heads, dim, device=device),

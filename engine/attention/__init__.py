@@ -2,25 +2,45 @@
 
 from __future__ import annotations
 
+import torch
+
+from engine.attention import cpu_kernel
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.torch_paged import TorchPagedAttention
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchPagedAttention.name: TorchPagedAttention,
+    CpuPagedAttention.name: CpuPagedAttention,
 }
+AUTO = "auto"
 
 
 def available_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return [AUTO, *sorted(_BACKENDS)]
 
 
-def get_backend(name: str) -> AttentionBackend:
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """`auto` is the C++ kernel on a CPU where it builds, else pure torch."""
+    if name != AUTO:
+        return name
+    if device.type == "cpu" and cpu_kernel.load():
+        return CpuPagedAttention.name
+    return TorchPagedAttention.name
+
+
+def get_backend(name: str, device: torch.device | None = None) -> AttentionBackend:
+    name = resolve_backend_name(name, device or torch.device("cpu"))
     try:
-        return _BACKENDS[name]()
+        backend = _BACKENDS[name]
     except KeyError:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {available_backends()}"
         ) from None
+    if name == CpuPagedAttention.name and device is not None and device.type != "cpu":
+        raise ValueError(f"the {name!r} attention backend runs on the CPU only, not {device}")
+    return backend()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "available_backends", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "available_backends", "get_backend",
+           "resolve_backend_name"]

@@ -46,9 +46,13 @@ class TorchPagedMetadata(AttentionMetadata):
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
+    @staticmethod
+    def metadata_type() -> type[TorchPagedMetadata]:
+        return TorchPagedMetadata
+
     def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> TorchPagedMetadata:
         device = kv_cache.device
-        meta = TorchPagedMetadata(
+        meta = self.metadata_type()(
             backend=self,
             kv_cache=kv_cache,
             slot_mapping=_to(batch.slot_mapping, device),

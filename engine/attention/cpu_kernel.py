@@ -1,0 +1,81 @@
+"""Builds and loads Conveyor's C++ paged-attention kernel for the CPU.
+
+The kernel is compiled on first use with the machine's own compiler for the machine's own
+instruction set (`-march=native`), so the build folder is keyed by the source and the CPU's
+features: a cache carried to another CPU builds afresh instead of crashing on an unknown
+instruction. Without a compiler, `load()` returns False and callers keep the pure-torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_name() -> str:
+    """Unique per source, flags, CPU features and torch version."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_features().encode(),
+                 torch.__version__.encode()):
+        digest.update(part)
+    return f"conveyor_paged_{digest.hexdigest()[:16]}"
+
+
+def _build_dir(name: str) -> Path:
+    from engine.default_model import cache_dir
+
+    path = cache_dir() / "kernels" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@cache
+def load() -> bool:
+    """Compile (once per machine) and load the kernel; registers `torch.ops.conveyor.*`."""
+    if hasattr(torch.ops.conveyor, "paged_decode"):
+        return True
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        name = build_name()
+        load_extension(name, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(
+            _build_dir(name)), is_python_module=False, verbose=False)
+    except Exception as error:  # no compiler, no ninja, unsupported platform
+        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch backend",
+                       str(error).splitlines()[0] if str(error) else type(error).__name__)
+        return False
+    return True
+
+
+def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """One query token per row over its paged K/V: `[rows, heads, dim]` in and out.
+
+    `key_cache`/`value_cache` are one layer's `[blocks, block_size, kv_heads, dim]`;
+    `block_table` `[rows, width]` and `seq_lens` `[rows]` are int64.
+    """
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        query = query.contiguous()
+    return torch.ops.conveyor.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
+                                           scale)

@@ -1,0 +1,109 @@
+"""Conveyor's C++ paged decode kernel against attention over gathered K/V, and the backend
+choice that puts it on the CPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import available_backends, cpu_kernel, get_backend, resolve_backend_name
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def reference_decode(query, key_cache, value_cache, tables, lens, scale):
+    """Each row's K/V gathered token by token, then plain softmax attention in fp32."""
+    rows, heads, _ = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    out = []
+    for row in range(rows):
+        positions = range(int(lens[row]))
+        blocks = [int(tables[row, p // block_size]) for p in positions]
+        k = torch.stack([key_cache[b, p % block_size] for b, p in zip(blocks, positions,
+                                                                     strict=True)]).float()
+        v = torch.stack([value_cache[b, p % block_size] for b, p in zip(blocks, positions,
+                                                                       strict=True)]).float()
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", query[row].float(), k) * scale
+        out.append(torch.einsum("ht,thd->hd", F.softmax(scores, dim=-1), v))
+    return torch.stack(out)
+
+
+def random_case(dtype, heads, kv_heads, dim, block_size, lens, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = 4 + sum(-(-n // block_size) for n in lens)
+    shape = (num_blocks, block_size, kv_heads, dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)  # scattered blocks, as a real cache holds them
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
+    for row, n in enumerate(lens):
+        for i in range(-(-n // block_size)):
+            tables[row, i] = free.pop()
+    query = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
+    return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert cpu_kernel.load(), "the C++ kernel must build on the test machine"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_kernel_matches_reference(dtype, heads, kv_heads, block_size):
+    lens = [1, 2, block_size, block_size + 1, 37, 70]
+    case = random_case(dtype, heads, kv_heads, 32, block_size, lens)
+    out = cpu_kernel.paged_decode(*case, scale=0.125)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    expected = reference_decode(*case, scale=0.125)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_kernel_reads_a_strided_query_and_ignores_table_padding():
+    query, key_cache, value_cache, tables, lens = random_case(torch.float32, 6, 2, 16, 4,
+                                                              [3, 9, 14])
+    packed = torch.cat([query.flatten(1), torch.randn(3, 40)], dim=1)  # as a fused projection
+    strided = packed[:, : 6 * 16].view(3, 6, 16)
+    assert not strided.is_contiguous()
+    padded = torch.cat([tables, torch.full((3, 2), 10_000)], dim=1)  # never-read columns
+    out = cpu_kernel.paged_decode(strided, key_cache, value_cache, padded, lens, 0.25)
+    expected = reference_decode(query, key_cache, value_cache, tables, lens, 0.25)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_rejects_mismatched_shapes():
+    query, key_cache, value_cache, tables, lens = random_case(torch.float32, 4, 2, 8, 4, [5])
+    with pytest.raises(RuntimeError, match="head shapes"):
+        cpu_kernel.paged_decode(query[:, :3], key_cache, value_cache, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        cpu_kernel.paged_decode(query.bfloat16(), key_cache, value_cache, tables, lens, 1.0)
+
+
+def test_build_name_changes_with_the_cpu_features(monkeypatch):
+    name = cpu_kernel.build_name()
+    monkeypatch.setattr(cpu_kernel, "_cpu_features", lambda: "flags : something else")
+    assert cpu_kernel.build_name() != name
+
+
+def test_auto_picks_the_kernel_on_cpu_and_torch_elsewhere():
+    assert resolve_backend_name("auto", torch.device("cpu")) == "cpu"
+    assert resolve_backend_name("auto", torch.device("cuda")) == "torch"
+    assert resolve_backend_name("torch", torch.device("cpu")) == "torch"
+    assert get_backend("auto", torch.device("cpu")).name == "cpu"
+    assert set(available_backends()) == {"auto", "cpu", "torch"}
+
+
+def test_cpu_backend_refuses_other_devices():
+    with pytest.raises(ValueError, match="CPU only"):
+        get_backend("cpu", torch.device("cuda"))
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_backend("flash", torch.device("cpu"))
