@@ -68,6 +68,21 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, block_size):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_splits_work_by_sequence_or_by_head_alike(dtype):
+    """Many rows run one task per sequence, few rows one task per kv head: same numbers."""
+    lens = [random.Random(row).randrange(1, 90) for row in range(4 * torch.get_num_threads() + 8)]
+    case = random_case(dtype, 9, 3, 64, 16, lens, seed=3)
+    many = cpu_kernel.paged_decode(*case, scale=0.125)
+    few = torch.cat([cpu_kernel.paged_decode(*(t[row:row + 1] if t.dim() != 4 else t
+                                               for t in case), scale=0.125)
+                     for row in range(len(lens))])
+    torch.testing.assert_close(many, few, atol=0, rtol=0)
+    expected = reference_decode(*case, scale=0.125)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(many.float(), expected, atol=tol, rtol=tol)
+
+
 def test_kernel_reads_a_strided_query_and_ignores_table_padding():
     query, key_cache, value_cache, tables, lens = random_case(torch.float32, 6, 2, 16, 4,
                                                               [3, 9, 14])

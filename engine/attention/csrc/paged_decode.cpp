@@ -7,9 +7,10 @@
 // lens       [seqs] int64 tokens to attend to
 // returns    [seqs, heads, head_dim] in the query's dtype
 //
-// Work is split over (sequence, kv head) pairs; each pair reads its K and V rows once and serves
-// every query head of its group (grouped-query attention). Scores are kept for the whole
-// sequence, so the softmax is exact rather than online.
+// Work is split over sequences (or over (sequence, kv head) pairs when there are few sequences);
+// each task reads its K and V once, a block at a time, and serves every query head of each kv
+// head's group (grouped-query attention). Scores are kept for the whole sequence, so the softmax
+// is exact rather than online.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,6 +20,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -47,18 +50,35 @@ inline void axpy(float w, const float* x, float* y, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) y[d] += w * x[d];
 }
 
-// K or V rows of one kv head inside one block: `count` rows, `stride` elements apart.
+// One block's K or V rows for every kv head, `count * row` contiguous elements, as floats.
 template <typename T>
-inline const float* rows_as_float(const T* src, int64_t count, int64_t stride, int64_t dim,
-                                  float* scratch, int64_t& row_stride) {
+inline const float* block_as_float(const T* src, int64_t elements, float* scratch) {
   if constexpr (std::is_same_v<T, float>) {
-    row_stride = stride;
     return src;
   } else {
-    for (int64_t r = 0; r < count; ++r) load_row(src + r * stride, scratch + r * dim, dim);
-    row_stride = dim;
+    load_row(src, scratch, elements);
     return scratch;
   }
+}
+
+// exp(x) for x <= 0 in plain arithmetic, so the compiler vectorizes the softmax loop (a call to
+// the C library's exp would not be). Range reduction to 2^n * exp(r), |r| <= ln2/2, then a
+// degree-6 polynomial: relative error below 2e-7.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  float p = 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
 inline void softmax_weights(float* scores, int64_t len, float& total) {
@@ -67,46 +87,50 @@ inline void softmax_weights(float* scores, int64_t len, float& total) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < len; ++t) {
-    scores[t] = std::exp(scores[t] - peak);
+    scores[t] = exp_nonpositive(scores[t] - peak);
     sum += scores[t];
   }
   total = sum;
 }
 
+// One sequence, the query heads of kv heads [kv_first, kv_last). A block holds its tokens' K (or
+// V) for every kv head back to back, so each block is one contiguous read.
 template <typename T>
-void attend_group(const T* query, const T* key, const T* value, const int64_t* blocks,
-                  int64_t len, int64_t kv_head, const Shape& s, T* out) {
+void attend_sequence(const T* query, const T* key, const T* value, const int64_t* blocks,
+                     int64_t len, int64_t kv_first, int64_t kv_last, const Shape& s, T* out) {
   const int64_t group = s.heads / s.kv_heads, dim = s.dim, bs = s.block_size;
-  const int64_t token_stride = s.kv_heads * dim, block_stride = bs * token_stride;
-  std::vector<float> q(group * dim), scratch(bs * dim), acc(group * dim, 0.f);
-  std::vector<float> scores(group * len), total(group);
-  for (int64_t g = 0; g < group; ++g) {
-    load_row(query + (kv_head * group + g) * dim, q.data() + g * dim, dim);
-    for (int64_t d = 0; d < dim; ++d) q[g * dim + d] *= s.scale;
-  }
+  const int64_t heads = (kv_last - kv_first) * group, row = s.kv_heads * dim;
+  const int64_t block_stride = bs * row;
+  query += kv_first * group * dim;
+  out += kv_first * group * dim;
+  key += kv_first * dim;
+  value += kv_first * dim;
+  std::vector<float> q(heads * dim), scratch(block_stride), acc(heads * dim, 0.f);
+  std::vector<float> scores(heads * len), total(heads);
+  load_row(query, q.data(), heads * dim);
+  for (int64_t i = 0; i < heads * dim; ++i) q[i] *= s.scale;
   const int64_t num_blocks = (len + bs - 1) / bs;
-  int64_t row_stride = 0;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t first = b * bs, count = std::min(bs, len - first);
-    const float* k = rows_as_float(key + blocks[b] * block_stride + kv_head * dim, count,
-                                   token_stride, dim, scratch.data(), row_stride);
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t r = 0; r < count; ++r)
-        scores[g * len + first + r] = dot(q.data() + g * dim, k + r * row_stride, dim);
+    const float* k = block_as_float(key + blocks[b] * block_stride, count * row - kv_first * dim,
+                                    scratch.data());
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t h = 0; h < heads; ++h)
+        scores[h * len + first + r] = dot(q.data() + h * dim, k + r * row + h / group * dim, dim);
   }
-  for (int64_t g = 0; g < group; ++g) softmax_weights(scores.data() + g * len, len, total[g]);
+  for (int64_t h = 0; h < heads; ++h) softmax_weights(scores.data() + h * len, len, total[h]);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t first = b * bs, count = std::min(bs, len - first);
-    const float* v = rows_as_float(value + blocks[b] * block_stride + kv_head * dim, count,
-                                   token_stride, dim, scratch.data(), row_stride);
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t r = 0; r < count; ++r)
-        axpy(scores[g * len + first + r], v + r * row_stride, acc.data() + g * dim, dim);
+    const float* v = block_as_float(value + blocks[b] * block_stride,
+                                    count * row - kv_first * dim, scratch.data());
+    for (int64_t r = 0; r < count; ++r)
+      for (int64_t h = 0; h < heads; ++h)
+        axpy(scores[h * len + first + r], v + r * row + h / group * dim, acc.data() + h * dim,
+             dim);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
-    T* dst = out + (kv_head * group + g) * dim;
-    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = total[h] > 0.f ? 1.f / total[h] : 0.f;
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(acc[h * dim + d] * inv);
   }
 }
 
@@ -120,12 +144,15 @@ void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
   const int64_t* blocks = table.data_ptr<int64_t>();
   const int64_t* seq_lens = lens.data_ptr<int64_t>();
   T* o = out.data_ptr<T>();
-  const int64_t items = query.size(0) * s.kv_heads;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // Whole sequences per task when there are enough of them; else one task per kv head.
+  const int64_t seqs = query.size(0);
+  const int64_t splits = seqs >= 4 * at::get_num_threads() ? 1 : s.kv_heads;
+  const int64_t per_split = s.kv_heads / splits;
+  at::parallel_for(0, seqs * splits, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / s.kv_heads, kv_head = item % s.kv_heads;
-      attend_group<T>(q + seq * s.query_stride, k, v, blocks + seq * s.width, seq_lens[seq],
-                      kv_head, s, o + seq * s.heads * s.dim);
+      const int64_t seq = item / splits, kv_first = item % splits * per_split;
+      attend_sequence<T>(q + seq * s.query_stride, k, v, blocks + seq * s.width, seq_lens[seq],
+                         kv_first, kv_first + per_split, s, o + seq * s.heads * s.dim);
     }
   });
 }
