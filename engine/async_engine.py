@@ -237,9 +237,10 @@ class AsyncEngine:
                 logger.exception("engine step crashed")
                 self.last_error = exc
                 outputs = self.core.fail_all(RequestFailedError(f"The engine failed: {exc}"))
+            # No yield here: the next step starts first, and the handlers stream these outputs
+            # while it runs instead of holding it up.
             self._dispatch(outputs)
             self._report_stats()
-            await asyncio.sleep(0)
 
     def _report_stats(self) -> None:
         if not self.stat_loggers:

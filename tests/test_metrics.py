@@ -104,7 +104,9 @@ async def test_counters_and_histograms_are_true(monkeypatch):
         prompt_lens = [len(TOKENIZER(p)["input_ids"]) for p in prompts]
         # Prompts count once, when their first token arrives (the failed one never did).
         assert value(samples, "vllm:prompt_tokens_total") == sum(prompt_lens) + 3 * hello
-        generated = 3 * 5 + 12 + stop_tokens + 1
+        # The aborted request made two tokens: the next step starts as soon as a step's outputs
+        # are handed over, so the abort sent after the first token lands after the second.
+        generated = 3 * 5 + 12 + stop_tokens + 2
         assert value(samples, "vllm:generation_tokens_total") == generated
         assert value(samples, "vllm:e2e_request_latency_seconds_count") == 7
         assert value(samples, "vllm:time_to_first_token_seconds_count") == 6
