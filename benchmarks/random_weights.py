@@ -1,0 +1,44 @@
+"""A model folder with another model's config and tokenizer but random weights, for timing on
+a machine that cannot fetch the real weights (speed does not depend on the values; run with
+EOS ignored).
+
+    python benchmarks/random_weights.py OUT_DIR [--like MODEL_DIR] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--like", type=Path, default=None,
+                        help="folder with config.json and tokenizer files (default: the "
+                             "embedded default model, fetched if needed)")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    if args.like is None:
+        from engine.default_model import ensure_default_model
+
+        args.like = Path(ensure_default_model())
+    config = AutoConfig.from_pretrained(args.like)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    model.save_pretrained(args.output)
+    for name in TOKENIZER_FILES:
+        if (args.like / name).exists():
+            shutil.copy(args.like / name, args.output / name)
+    print(args.output)
+
+
+if __name__ == "__main__":
+    main()
