@@ -8,10 +8,9 @@ On CPUs without native bf16, torch's bf16 matrix products are several times slow
 yet decoding a few sequences is bound by how fast the weights stream from memory, so fp32
 weights cost twice the bandwidth they need. `HalfWeightLinear` holds each weight twice: packed
 in fp16 for fbgemm's fp16-weight GEMM, which a few rows stream at half the bytes, and in fp32
-for `F.linear` with more rows, where the product is bound by arithmetic. (oneDNN over a packed
-fp32 copy, faster for decode batches of 64 in isolation, made the offline benchmark's mixed
-prefill-and-decode steps ~15% slower in a whole model.) Both copies hold the same values: every
-bf16 number between 2**-17 and 65504 is exact in fp16.
+(packed for oneDNN where torch can, else plain for `F.linear`) for more rows, where the product
+is bound by arithmetic. Both copies hold the same values: every bf16 number between 2**-17 and
+65504 is exact in fp16.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Iterator
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,7 @@ def fbgemm_fp16_available() -> bool:
     return bool(torch.allclose(out, torch.full((1, 8), 8.0)))
 
 
+@cache
 def onednn_linear_available() -> bool:
     """True when this torch build can pack a linear weight for oneDNN ahead of time."""
     try:
@@ -100,12 +101,21 @@ class HalfWeightLinear(nn.Module):
         rounded = weight.detach().to(torch.float16).float().contiguous()
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.packed = torch.fbgemm_pack_gemm_matrix_fp16(rounded)
-        self.register_buffer("weight", rounded)
+        # The fp32 copy for larger steps: packed for oneDNN, or plain for F.linear.
+        self.large = pack_for_onednn(rounded) if onednn_linear_available() else None
+        self.register_buffer("dense", rounded if self.large is None else None)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The fp16-rounded weight in fp32, `[out_features, in_features]`."""
+        return self.dense if self.large is None else self.large.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > SMALL_BATCH_ROWS:
-            return F.linear(x, self.weight, self.bias)
+            if self.large is not None:
+                return onednn_linear(x, self.large, self.bias)
+            return F.linear(x, self.dense, self.bias)
         flat = x.reshape(rows, self.in_features)
         if flat.dtype != torch.float32:
             flat = flat.float()
@@ -114,8 +124,9 @@ class HalfWeightLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        large = "oneDNN-packed" if self.large is not None else "plain"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight=fp16 (packed) + fp32")
+                f"weight=fp16 (packed) + fp32 ({large})")
 
 
 def fits_fp16(weight: torch.Tensor) -> bool:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import model_loader
+from engine import cpu_linear, model_loader
 from engine.cpu_linear import (
     SMALL_BATCH_ROWS,
     HalfWeightLinear,
@@ -56,10 +56,16 @@ def test_packed_model_greedy_equals_generate() -> None:
 @needs_fbgemm
 @pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_layer_matches_fp32_product_of_rounded_weights(rows: int, with_bias: bool) -> None:
+@pytest.mark.parametrize("onednn", [True, False])
+def test_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytest.MonkeyPatch, rows: int,
+                                                       with_bias: bool, onednn: bool) -> None:
+    if onednn and not onednn_linear_available():
+        pytest.skip("this torch build cannot pack weights for oneDNN")
+    monkeypatch.setattr(cpu_linear, "onednn_linear_available", lambda: onednn)
     torch.manual_seed(rows)
     linear = nn.Linear(96, 40, bias=with_bias)
     layer = HalfWeightLinear(linear.weight, linear.bias)
+    assert (layer.large is not None) is onednn
     x = torch.randn(1, rows, 96)
     expected = F.linear(x, linear.weight.half().float(), linear.bias)
     out = layer(x)
