@@ -122,3 +122,21 @@ def test_cpu_backend_refuses_other_devices():
         get_backend("cpu", torch.device("cuda"))
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_backend("flash", torch.device("cpu"))
+
+
+def test_auto_falls_back_to_torch_where_the_kernel_cannot_build(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "load", lambda: False)
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(RuntimeError, match="did not build"):
+        get_backend("cpu", torch.device("cpu"))
+
+
+def test_a_failed_build_is_reported_not_raised(monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: no c++ compiler")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    assert cpu_kernel.build("conveyor_paged_test_failure") is False
+    assert "no c++ compiler" in caplog.text

@@ -52,17 +52,21 @@ def _build_dir(name: str) -> Path:
 @cache
 def load() -> bool:
     """Compile (once per machine) and load the kernel; registers `torch.ops.conveyor.*`."""
-    if hasattr(torch.ops.conveyor, "paged_decode"):
-        return True
+    return hasattr(torch.ops.conveyor, "paged_decode") or build(build_name())
+
+
+def build(name: str) -> bool:
+    """Build and load the kernel under `name`; False (with a warning) where it cannot build."""
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        name = build_name()
-        load_extension(name, [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(
-            _build_dir(name)), is_python_module=False, verbose=False)
+        load_extension(name, [str(SOURCE)], extra_cflags=CFLAGS,
+                       build_directory=str(_build_dir(name)), is_python_module=False,
+                       verbose=False)
     except Exception as error:  # no compiler, no ninja, unsupported platform
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
         logger.warning("CPU paged-attention kernel unavailable (%s); using the torch backend",
-                       str(error).splitlines()[0] if str(error) else type(error).__name__)
+                       message)
         return False
     return True
 
