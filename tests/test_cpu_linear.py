@@ -10,6 +10,7 @@ from torch import nn
 from engine import cpu_linear, model_loader
 from engine.cpu_linear import (
     SMALL_BATCH_ROWS,
+    SMALL_BATCH_ROWS_PLAIN,
     HalfWeightLinear,
     PackedLinear,
     convert_linears,
@@ -54,7 +55,8 @@ def test_packed_model_greedy_equals_generate() -> None:
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 300])
+@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1,
+                                  SMALL_BATCH_ROWS_PLAIN, SMALL_BATCH_ROWS_PLAIN + 1, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("onednn", [True, False])
 def test_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytest.MonkeyPatch, rows: int,
@@ -66,6 +68,7 @@ def test_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytest.Monke
     linear = nn.Linear(96, 40, bias=with_bias)
     layer = HalfWeightLinear(linear.weight, linear.bias)
     assert (layer.large is not None) is onednn
+    assert layer.small_rows == (SMALL_BATCH_ROWS if onednn else SMALL_BATCH_ROWS_PLAIN)
     x = torch.randn(1, rows, 96)
     expected = F.linear(x, linear.weight.half().float(), linear.bias)
     out = layer(x)
