@@ -101,6 +101,10 @@ def test_kernel_rejects_mismatched_shapes():
         cpu_kernel.paged_decode(query[:, :3], key_cache, value_cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         cpu_kernel.paged_decode(query.bfloat16(), key_cache, value_cache, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_kernel.paged_decode(query, key_cache, value_cache, tables + 1000, lens, 1.0)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        cpu_kernel.paged_decode(query, key_cache, value_cache, tables, lens + 100, 1.0)
 
 
 def test_build_name_changes_with_the_cpu_features(monkeypatch):

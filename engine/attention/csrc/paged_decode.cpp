@@ -157,6 +157,23 @@ void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
   });
 }
 
+// Every block a sequence reads must exist: a bad table would read outside the cache.
+void check_tables(const at::Tensor& table, const at::Tensor& lens, int64_t block_size,
+                  int64_t num_blocks) {
+  const int64_t* blocks = table.data_ptr<int64_t>();
+  const int64_t* seq_lens = lens.data_ptr<int64_t>();
+  const int64_t width = table.size(1);
+  for (int64_t seq = 0; seq < table.size(0); ++seq) {
+    const int64_t used = (seq_lens[seq] + block_size - 1) / block_size;
+    TORCH_CHECK(seq_lens[seq] >= 1 && used <= width,
+                "paged_decode: sequence length outside its block table");
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t block = blocks[seq * width + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode: block id out of range");
+    }
+  }
+}
+
 at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value,
                            at::Tensor table, at::Tensor lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(),
@@ -173,6 +190,7 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value,
               "paged_decode: one block table row and length per sequence");
   const Shape s{query.size(1), key.size(2), query.size(2), key.size(1), table.size(1),
                 query.stride(0), static_cast<float>(scale)};
+  check_tables(table, lens, s.block_size, key.size(0));
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   switch (query.scalar_type()) {
     case at::kFloat: run<float>(query, key, value, table, lens, out, s); break;
