@@ -10,7 +10,6 @@ import torch
 
 from engine.attention import cpu_kernel
 from engine.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, _to
-from engine.input_batch import InputBatch
 
 
 @dataclass(slots=True, eq=False)
@@ -31,15 +30,11 @@ class CpuPagedAttention(TorchPagedAttention):
         return CpuPagedMetadata
 
     @staticmethod
-    def _decode_metadata(meta: TorchPagedMetadata, batch: InputBatch, rows: np.ndarray,
-                         block_size: int, device: torch.device) -> None:
+    def _decode_lengths(meta: TorchPagedMetadata, seq_lens: np.ndarray, span: int,
+                        device: torch.device) -> None:
+        """The kernel reads each row's length and stops there: no mask."""
         assert isinstance(meta, CpuPagedMetadata)
-        seq_lens = batch.seq_lens[rows]
-        width = int(-(-seq_lens.max() // block_size))
-        meta.decode_tokens = _to(batch.query_starts[rows], device)
-        meta.decode_block_table = _to(batch.block_table[rows, :width].astype(np.int64), device)
         meta.decode_seq_lens = _to(seq_lens.astype(np.int64), device)
-        meta.all_decode = rows.size == batch.num_tokens
 
     @staticmethod
     def _decode(layer: int, query: torch.Tensor, scale: float,

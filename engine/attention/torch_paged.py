@@ -65,16 +65,21 @@ class TorchPagedAttention(AttentionBackend):
             meta.prefills.append(_prefill_span(batch, int(row), kv_cache.block_size, device))
         return meta
 
-    @staticmethod
-    def _decode_metadata(meta: TorchPagedMetadata, batch: InputBatch, rows: np.ndarray,
+    def _decode_metadata(self, meta: TorchPagedMetadata, batch: InputBatch, rows: np.ndarray,
                          block_size: int, device: torch.device) -> None:
         seq_lens = batch.seq_lens[rows]
         width = int(-(-seq_lens.max() // block_size))
-        keys = np.arange(width * block_size)
         meta.decode_tokens = _to(batch.query_starts[rows], device)
         meta.decode_block_table = _to(batch.block_table[rows, :width], device)
-        meta.decode_mask = _to(keys[None, :] < seq_lens[:, None], device)[:, None, None, :]
         meta.all_decode = rows.size == batch.num_tokens
+        self._decode_lengths(meta, seq_lens, width * block_size, device)
+
+    @staticmethod
+    def _decode_lengths(meta: TorchPagedMetadata, seq_lens: np.ndarray, span: int,
+                        device: torch.device) -> None:
+        """The decode rows' lengths as a mask over the `span` keys their blocks gather."""
+        keys = np.arange(span)
+        meta.decode_mask = _to(keys[None, :] < seq_lens[:, None], device)[:, None, None, :]
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float, metadata: AttentionMetadata) -> torch.Tensor:
