@@ -1,7 +1,14 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. The variable must be
+# set before triton.language is first imported (transformers imports it), so it comes first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.helpers import tiny_llama
 
@@ -11,6 +18,8 @@ CUDA = pytest.param(
            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
 )
 DEVICES = ["cpu", CUDA]
+# Where Triton kernels run: the GPU, else the interpreter on the CPU.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from functools import lru_cache
 import pytest
 
 from engine.sampling_params import SamplingParams
+from tests.conftest import TRITON_DEVICE
 from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
 
 MAX_NEW = 12
@@ -87,9 +88,11 @@ def test_match_generate_with_other_block_sizes(block_size):
     check_greedy("cpu", block_size=block_size)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_each_cpu_attention_backend_matches_generate(backend):
-    core, _ = check_greedy("cpu", num_blocks=24, max_model_len=64, max_num_batched_tokens=10,
+@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+def test_each_attention_backend_matches_generate(backend):
+    """`triton` runs on the GPU where there is one, else in Triton's interpreter."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    core, _ = check_greedy(device, num_blocks=24, max_model_len=64, max_num_batched_tokens=10,
                            attention_backend=backend)
     assert core.runner.backend.name == backend
     assert core.scheduler.num_preemptions > 0

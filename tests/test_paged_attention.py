@@ -13,7 +13,7 @@ from engine.attention import get_backend
 from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.scheduler import ScheduledRequest
-from tests.conftest import CUDA
+from tests.conftest import CUDA, TRITON_DEVICE
 from tests.helpers import tiny_core, tiny_llama
 from tests.scheduler_utils import create_request
 
@@ -103,7 +103,7 @@ def naive_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 
 
-BACKENDS_ON_DEVICES = [("torch", "cpu"), ("cpu", "cpu"),
+BACKENDS_ON_DEVICES = [("torch", "cpu"), ("cpu", "cpu"), ("triton", TRITON_DEVICE),
                        pytest.param("torch", CUDA.values[0], marks=CUDA.marks)]
 
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import cpu_kernel
+from engine.attention import cpu_kernel, triton_paged
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.attention.cpu_paged import CpuPagedAttention
+from engine.attention.in_place import InPlaceDecodeAttention
 from engine.attention.torch_paged import TorchPagedAttention
+from engine.attention.triton_paged import TritonPagedAttention
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchPagedAttention.name: TorchPagedAttention,
     CpuPagedAttention.name: CpuPagedAttention,
+    TritonPagedAttention.name: TritonPagedAttention,
 }
 AUTO = "auto"
 
@@ -21,26 +24,32 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`auto` is the C++ kernel on a CPU where it builds, else pure torch."""
+    """`auto` is the Triton kernels on a GPU where triton is installed, the C++ kernel on a CPU
+    where it builds, else pure torch."""
     if name != AUTO:
         return name
+    if device.type == "cuda" and triton_paged.available():
+        return TritonPagedAttention.name
     if device.type == "cpu" and cpu_kernel.load():
         return CpuPagedAttention.name
     return TorchPagedAttention.name
 
 
 def get_backend(name: str, device: torch.device | None = None) -> AttentionBackend:
-    name = resolve_backend_name(name, device or torch.device("cpu"))
+    device = device or torch.device("cpu")
+    name = resolve_backend_name(name, device)
     try:
         backend = _BACKENDS[name]
     except KeyError:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {available_backends()}"
         ) from None
-    if name == CpuPagedAttention.name and device is not None and device.type != "cpu":
+    if name == CpuPagedAttention.name and device.type != "cpu":
         raise ValueError(f"the {name!r} attention backend runs on the CPU only, not {device}")
+    if name == TritonPagedAttention.name and not triton_paged.runs_on(device):
+        raise ValueError(f"the {name!r} attention backend runs on CUDA devices, not {device}")
     return backend()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "available_backends", "get_backend",
-           "resolve_backend_name"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "InPlaceDecodeAttention",
+           "available_backends", "get_backend", "resolve_backend_name"]

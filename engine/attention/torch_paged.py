@@ -85,7 +85,7 @@ class TorchPagedAttention(AttentionBackend):
                 scale: float, metadata: AttentionMetadata) -> torch.Tensor:
         assert isinstance(metadata, TorchPagedMetadata)
         cache = metadata.kv_cache
-        cache.write(layer, metadata.slot_mapping, key, value)
+        self._store(cache, layer, metadata.slot_mapping, key, value)
         if metadata.all_decode:
             return self._decode(layer, query, scale, metadata)
         out = query.new_empty(query.shape)
@@ -96,7 +96,11 @@ class TorchPagedAttention(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode(layer: int, query: torch.Tensor, scale: float,
+    def _store(cache: KVCache, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> None:
+        cache.write(layer, slot_mapping, key, value)
+
+    def _decode(self, layer: int, query: torch.Tensor, scale: float,
                 meta: TorchPagedMetadata) -> torch.Tensor:
         cache = meta.kv_cache
         q = query if meta.all_decode else query[meta.decode_tokens]

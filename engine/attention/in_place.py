@@ -1,0 +1,62 @@
+"""Paged attention whose decode rows read K/V in place from the cache blocks.
+
+A kernel walks each row's own blocks up to its own length, so decode rows need only their
+block tables and lengths: no gathered copy and no padding mask. Such metadata has fixed shapes
+for a given number of rows, which is what lets decode steps be captured in CUDA graphs.
+Prefill rows keep the pure-torch path.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, _to
+from engine.kv_cache import KVCache
+
+
+@dataclass(slots=True, eq=False)
+class InPlaceMetadata(TorchPagedMetadata):
+    decode_seq_lens: torch.Tensor | None = None
+
+
+class InPlaceDecodeAttention(TorchPagedAttention):
+    """Subclasses give the kernel: `(query, key_cache, value_cache, block_table, seq_lens,
+    scale) -> out`, with the layout of `TorchPagedAttention`'s caches."""
+
+    @staticmethod
+    def metadata_type() -> type[TorchPagedMetadata]:
+        return InPlaceMetadata
+
+    @abstractmethod
+    def decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attend each query row over its own blocks, up to its own length."""
+
+    def decode_metadata(self, kv_cache: KVCache, slot_mapping: torch.Tensor,
+                        block_table: torch.Tensor, seq_lens: torch.Tensor) -> InPlaceMetadata:
+        """Metadata over caller-owned tensors for a step of decode rows only (row i is token i),
+        as a CUDA graph replays it with new contents in the same tensors."""
+        return InPlaceMetadata(
+            backend=self, kv_cache=kv_cache, slot_mapping=slot_mapping,
+            num_tokens=int(slot_mapping.shape[0]), decode_block_table=block_table,
+            all_decode=True, decode_seq_lens=seq_lens)
+
+    @staticmethod
+    def _decode_lengths(meta: TorchPagedMetadata, seq_lens: np.ndarray, span: int,
+                        device: torch.device) -> None:
+        """The kernel reads each row's length and stops there: no mask."""
+        assert isinstance(meta, InPlaceMetadata)
+        meta.decode_seq_lens = _to(seq_lens.astype(np.int64), device)
+
+    def _decode(self, layer: int, query: torch.Tensor, scale: float,
+                meta: TorchPagedMetadata) -> torch.Tensor:
+        assert isinstance(meta, InPlaceMetadata) and meta.decode_seq_lens is not None
+        cache = meta.kv_cache
+        q = query if meta.all_decode else query[meta.decode_tokens]
+        return self.decode_kernel(q, cache.key(layer), cache.value(layer),
+                                  meta.decode_block_table, meta.decode_seq_lens, scale)

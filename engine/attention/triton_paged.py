@@ -1,0 +1,57 @@
+"""Paged attention for GPUs: Conveyor's Triton kernels write new K/V and run decode rows in
+place over the cache blocks; prefill rows keep the pure-torch path (SDPA).
+
+Triton is imported only when the backend is built, so machines without it can still load
+every other backend. It runs on CUDA tensors, or on CPU tensors under Triton's interpreter
+(`TRITON_INTERPRET=1`), which the tests use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from engine.attention.in_place import InPlaceDecodeAttention
+from engine.kv_cache import KVCache
+
+
+def available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter, on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def runs_on(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+
+
+class TritonPagedAttention(InPlaceDecodeAttention):
+    name = "triton"
+
+    def __init__(self) -> None:
+        if not available():
+            raise RuntimeError("the triton attention backend needs the triton package; "
+                               "use --attention-backend torch")
+        self._kernels = _kernels()
+
+    def decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return self._kernels.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
+                                          scale)
+
+    def _store(self, cache: KVCache, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> None:
+        self._kernels.store_kv(key, value, cache.key(layer), cache.value(layer), slot_mapping)
+
+
+def _kernels() -> ModuleType:
+    from engine.attention import triton_kernels
+
+    return triton_kernels

@@ -1,0 +1,46 @@
+"""Random paged-attention cases and a token-by-token reference, shared by the kernel tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def reference_decode(query, key_cache, value_cache, tables, lens, scale):
+    """Each row's K/V gathered token by token, then plain softmax attention in fp32."""
+    rows, heads, _ = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    out = []
+    for row in range(rows):
+        positions = range(int(lens[row]))
+        blocks = [int(tables[row, p // block_size]) for p in positions]
+        k = torch.stack([key_cache[b, p % block_size] for b, p in zip(blocks, positions,
+                                                                     strict=True)]).float()
+        v = torch.stack([value_cache[b, p % block_size] for b, p in zip(blocks, positions,
+                                                                       strict=True)]).float()
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,thd->ht", query[row].float(), k) * scale
+        out.append(torch.einsum("ht,thd->hd", F.softmax(scores, dim=-1), v))
+    return torch.stack(out)
+
+
+def random_case(dtype, heads, kv_heads, dim, block_size, lens, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = 4 + sum(-(-n // block_size) for n in lens)
+    shape = (num_blocks, block_size, kv_heads, dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)  # scattered blocks, as a real cache holds them
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
+    for row, n in enumerate(lens):
+        for i in range(-(-n // block_size)):
+            tables[row, i] = free.pop()
+    query = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
+    return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int64)
