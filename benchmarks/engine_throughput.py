@@ -59,14 +59,18 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="on CUDA, no decode graphs")
     args = parser.parse_args()
     config = EngineConfig(model=args.model, dtype=args.dtype,
                           cache=CacheConfig(kv_cache_memory=1 << 30),
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          attention_backend=args.attention_backend)
+                          attention_backend=args.attention_backend,
+                          enforce_eager=args.enforce_eager)
     core, _, info = create_engine_core(config)
+    graphs = "CUDA graphs" if core.runner.graphs is not None else "eager"
     print(f"# {info.model_name} {info.dtype} on {info.device}, "
-          f"{core.runner.backend.name} attention")
+          f"{core.runner.backend.name} attention, {graphs}")
     for _ in range(args.warmup):
         run(core, 2, 16, 4, seed=-1)
     for seed, concurrency in enumerate(args.concurrency):

@@ -108,6 +108,7 @@ class EngineConfig:
     request_timeout: float | None = None
     attention_backend: str = "auto"
     model_impl: str = "auto"
+    enforce_eager: bool = False
     seed: int = 0
     trust_remote_code: bool = False
 

@@ -6,14 +6,16 @@ import logging
 
 import torch
 
-from engine.attention import get_backend
+from engine.attention import AttentionBackend, InPlaceDecodeAttention, get_backend
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineConfig, ServingInfo
 from engine.core import EngineCore
+from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model_runner import ModelRunner
-from engine.models import build_causal_lm
+from engine.models import CausalLM, build_causal_lm
+from engine.models.llama import PagedLlamaForCausalLM
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 
@@ -46,7 +48,8 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     logger.info("model implementation: %s", model.name)
     backend = get_backend(config.attention_backend, device)
     logger.info("attention backend: %s", backend.name)
-    runner = ModelRunner(model, kv_cache, backend, sampler)
+    graphs = _decode_graphs(config, model, backend, kv_cache, max_model_len)
+    runner = ModelRunner(model, kv_cache, backend, sampler, graphs)
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     info = ServingInfo(
         model_name=loaded.name,
@@ -60,6 +63,32 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
         request_timeout=config.request_timeout,
     )
     return core, info
+
+
+def _decode_graphs(config: EngineConfig, model: CausalLM, backend: AttentionBackend,
+                   kv_cache: KVCache, max_model_len: int) -> DecodeGraphs | None:
+    """CUDA graphs for decode steps where every piece of the step can be captured: Conveyor's
+    own model, an attention backend that decodes in place, rotary tables fixed at load."""
+    if kv_cache.device.type != "cuda" or config.enforce_eager:
+        return None
+    reason = _why_not_capturable(model, backend)
+    if reason:
+        logger.info("decode steps run eagerly: %s", reason)
+        return None
+    graphs = DecodeGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len)
+    graphs.capture()
+    return graphs
+
+
+def _why_not_capturable(model: CausalLM, backend: AttentionBackend) -> str:
+    if not isinstance(backend, InPlaceDecodeAttention):
+        return f"the {backend.name} attention backend gathers K/V into batch-sized copies"
+    if not isinstance(model, PagedLlamaForCausalLM):
+        return "the Hugging Face model implementation is not captured"
+    rope_type = getattr(model.rotary_emb, "rope_type", "default")
+    if "dynamic" in rope_type or rope_type == "longrope":
+        return f"{rope_type} rotary embeddings change with the sequence length"
+    return ""
 
 
 def _num_blocks(cache: CacheConfig, spec: KVCacheSpec, device: torch.device,

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBackend
+from engine.decode_graphs import DecodeGraphs
 from engine.input_batch import InputBatch, build_input_batch
 from engine.kv_cache import KVCache
 from engine.models import CausalLM
@@ -18,11 +19,12 @@ class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler; knows nothing of queues."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend,
-                 sampler: Sampler) -> None:
+                 sampler: Sampler, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.sampler = sampler
+        self.graphs = graphs
         self.device = kv_cache.device
 
     @torch.inference_mode()
@@ -40,6 +42,8 @@ class ModelRunner:
 
     def forward(self, batch: InputBatch, logits_indices: np.ndarray) -> torch.Tensor:
         """Logits `[len(logits_indices), vocab]` for the given flattened token positions."""
+        if self.graphs is not None and self.graphs.supports(batch, logits_indices):
+            return self.graphs.run(batch)
         metadata = self.backend.build_metadata(batch, self.kv_cache)
         input_ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
         positions = torch.from_numpy(batch.positions).to(self.device, non_blocking=True)

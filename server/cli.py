@@ -69,14 +69,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--request-timeout", type=float, default=None,
                         help="default deadline of a request in seconds (request field timeout)")
     engine.add_argument("--attention-backend", default="auto",
-                        choices=["auto", "cpu", "torch"],
+                        choices=["auto", "cpu", "triton", "torch"],
                         help="cpu: Conveyor's C++ paged-attention kernel (built on first use); "
-                             "torch: pure torch, any device; auto: cpu on a CPU where the "
-                             "kernel builds, else torch")
+                             "triton: Conveyor's Triton kernels, on CUDA; torch: pure torch, "
+                             "any device; auto: triton on a GPU, cpu on a CPU where the kernel "
+                             "builds, else torch")
     engine.add_argument("--model-impl", default="auto",
                         choices=["auto", "conveyor", "transformers"],
                         help="Conveyor's own decoder (Llama, Mistral, Qwen2, Qwen3) or the "
                              "Hugging Face model; auto takes Conveyor's where it applies")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="on CUDA, run decode steps eagerly instead of replaying them from "
+                             "CUDA graphs")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--trust-remote-code", action="store_true")
 
@@ -119,6 +123,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         request_timeout=args.request_timeout,
         attention_backend=args.attention_backend,
         model_impl=args.model_impl,
+        enforce_eager=args.enforce_eager,
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
     )
