@@ -29,13 +29,17 @@ from engine.models import CausalLM
 logger = logging.getLogger(__name__)
 
 PAD_SLOT = -1
+# Larger decode batches run eagerly: their launches are a small share of the step, and each
+# size captured costs start-up time and graph memory.
+MAX_CAPTURE_SIZE = 512
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8, up to and including `max_num_seqs`."""
-    sizes = [n for n in (1, 2, 4) if n < max_num_seqs]
-    sizes += range(8, max_num_seqs, 8)
-    return sorted({*sizes, max_num_seqs})
+    """1, 2, 4, then every multiple of 8, up to and including `max_num_seqs` (at most 512)."""
+    largest = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [n for n in (1, 2, 4) if n < largest]
+    sizes += range(8, largest, 8)
+    return sorted({*sizes, largest})
 
 
 class DecodeGraphs:

@@ -56,6 +56,7 @@ def test_capture_sizes():
     assert capture_sizes(3) == [1, 2, 3]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes(64) == [1, 2, 4, *range(8, 65, 8)]
+    assert capture_sizes(2000)[-1] == 512
 
 
 def test_padded_decode_steps_match_generate():
