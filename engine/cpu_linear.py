@@ -6,11 +6,12 @@ fast above; `PackedLinear` holds its weight that way.
 
 On CPUs without native bf16, torch's bf16 matrix products are several times slower than fp32,
 yet decoding a few sequences is bound by how fast the weights stream from memory, so fp32
-weights cost twice the bandwidth they need. `HalfWeightLinear` holds each weight twice: packed
-in fp16 for fbgemm's fp16-weight GEMM, which a few rows stream at half the bytes, and in fp32
-(packed for oneDNN where torch can, else plain for `F.linear`) for more rows, where the product
-is bound by arithmetic. Both copies hold the same values: every bf16 number between 2**-17 and
-65504 is exact in fp16.
+weights cost twice the bandwidth they need. `HalfWeightLinear` holds each weight twice: in fp16
+for a few rows, which stream it at half the bytes (through Conveyor's own kernel, split over
+all threads, where it builds; else fbgemm's fp16-weight GEMM, which runs on one thread), and in
+fp32 (packed for oneDNN where torch can, else plain for `F.linear`) for more rows, where the
+product is bound by arithmetic. Both copies hold the same values: every bf16 number between
+2**-17 and 65504 is exact in fp16.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +105,10 @@ class HalfWeightLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         rounded = weight.detach().to(torch.float16).float().contiguous()
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.packed = torch.fbgemm_pack_gemm_matrix_fp16(rounded)
+        # The fp16 copy for a few rows: plain for Conveyor's kernel, or packed for fbgemm's.
+        own_kernel = cpu_kernels.half_linear_available()
+        self.register_buffer("weight_fp16", rounded.half() if own_kernel else None)
+        self.packed = None if own_kernel else torch.fbgemm_pack_gemm_matrix_fp16(rounded)
         # The fp32 copy for larger steps: packed for oneDNN, or plain for F.linear.
         self.large = pack_for_onednn(rounded) if onednn_linear_available() else None
         self.register_buffer("dense", rounded if self.large is None else None)
@@ -122,14 +128,18 @@ class HalfWeightLinear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if flat.dtype != torch.float32:
             flat = flat.float()
-        out = torch.fbgemm_linear_fp16_weight_fp32_activation(flat.contiguous(), self.packed,
-                                                               self.bias)
+        if self.weight_fp16 is not None:
+            out = cpu_kernels.half_linear(flat.contiguous(), self.weight_fp16, self.bias)
+        else:
+            out = torch.fbgemm_linear_fp16_weight_fp32_activation(flat.contiguous(), self.packed,
+                                                                   self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        small = "plain" if self.weight_fp16 is not None else "fbgemm-packed"
         large = "oneDNN-packed" if self.large is not None else "plain"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight=fp16 (packed) + fp32 ({large})")
+                f"weight=fp16 ({small}) + fp32 ({large})")
 
 
 def fits_fp16(weight: torch.Tensor) -> bool:

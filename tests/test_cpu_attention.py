@@ -8,13 +8,14 @@ import random
 import pytest
 import torch
 
-from engine.attention import available_backends, cpu_kernel, get_backend, resolve_backend_name
+from engine import cpu_kernels
+from engine.attention import available_backends, get_backend, resolve_backend_name
 from tests.attention_cases import TOLERANCE, random_case, reference_decode
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    assert cpu_kernel.load(), "the C++ kernel must build on the test machine"
+    assert cpu_kernels.load(), "the C++ kernel must build on the test machine"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -23,7 +24,7 @@ def kernel():
 def test_kernel_matches_reference(dtype, heads, kv_heads, block_size):
     lens = [1, 2, block_size, block_size + 1, 37, 70]
     case = random_case(dtype, heads, kv_heads, 32, block_size, lens)
-    out = cpu_kernel.paged_decode(*case, scale=0.125)
+    out = cpu_kernels.paged_decode(*case, scale=0.125)
     assert out.dtype == dtype and out.shape == case[0].shape
     expected = reference_decode(*case, scale=0.125)
     tol = TOLERANCE[dtype]
@@ -35,8 +36,8 @@ def test_kernel_splits_work_by_sequence_or_by_head_alike(dtype):
     """Many rows run one task per sequence, few rows one task per kv head: same numbers."""
     lens = [random.Random(row).randrange(1, 90) for row in range(4 * torch.get_num_threads() + 8)]
     case = random_case(dtype, 9, 3, 64, 16, lens, seed=3)
-    many = cpu_kernel.paged_decode(*case, scale=0.125)
-    few = torch.cat([cpu_kernel.paged_decode(*(t[row:row + 1] if t.dim() != 4 else t
+    many = cpu_kernels.paged_decode(*case, scale=0.125)
+    few = torch.cat([cpu_kernels.paged_decode(*(t[row:row + 1] if t.dim() != 4 else t
                                                for t in case), scale=0.125)
                      for row in range(len(lens))])
     torch.testing.assert_close(many, few, atol=0, rtol=0)
@@ -52,7 +53,7 @@ def test_kernel_reads_a_strided_query_and_ignores_table_padding():
     strided = packed[:, : 6 * 16].view(3, 6, 16)
     assert not strided.is_contiguous()
     padded = torch.cat([tables, torch.full((3, 2), 10_000)], dim=1)  # never-read columns
-    out = cpu_kernel.paged_decode(strided, key_cache, value_cache, padded, lens, 0.25)
+    out = cpu_kernels.paged_decode(strided, key_cache, value_cache, padded, lens, 0.25)
     expected = reference_decode(query, key_cache, value_cache, tables, lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
@@ -60,19 +61,19 @@ def test_kernel_reads_a_strided_query_and_ignores_table_padding():
 def test_kernel_rejects_mismatched_shapes():
     query, key_cache, value_cache, tables, lens = random_case(torch.float32, 4, 2, 8, 4, [5])
     with pytest.raises(RuntimeError, match="head shapes"):
-        cpu_kernel.paged_decode(query[:, :3], key_cache, value_cache, tables, lens, 1.0)
+        cpu_kernels.paged_decode(query[:, :3], key_cache, value_cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="dtypes differ"):
-        cpu_kernel.paged_decode(query.bfloat16(), key_cache, value_cache, tables, lens, 1.0)
+        cpu_kernels.paged_decode(query.bfloat16(), key_cache, value_cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        cpu_kernel.paged_decode(query, key_cache, value_cache, tables + 1000, lens, 1.0)
+        cpu_kernels.paged_decode(query, key_cache, value_cache, tables + 1000, lens, 1.0)
     with pytest.raises(RuntimeError, match="outside its block table"):
-        cpu_kernel.paged_decode(query, key_cache, value_cache, tables, lens + 100, 1.0)
+        cpu_kernels.paged_decode(query, key_cache, value_cache, tables, lens + 100, 1.0)
 
 
 def test_build_name_changes_with_the_cpu_features(monkeypatch):
-    name = cpu_kernel.build_name()
-    monkeypatch.setattr(cpu_kernel, "_cpu_features", lambda: "flags : something else")
-    assert cpu_kernel.build_name() != name
+    name = cpu_kernels.build_name()
+    monkeypatch.setattr(cpu_kernels, "_cpu_features", lambda: "flags : something else")
+    assert cpu_kernels.build_name() != name
 
 
 def test_auto_picks_the_kernel_on_cpu():
@@ -90,7 +91,7 @@ def test_cpu_backend_refuses_other_devices():
 
 
 def test_auto_falls_back_to_torch_where_the_kernel_cannot_build(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "load", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: False)
     assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
     with pytest.raises(RuntimeError, match="did not build"):
         get_backend("cpu", torch.device("cpu"))
@@ -103,5 +104,5 @@ def test_a_failed_build_is_reported_not_raised(monkeypatch, caplog):
         raise RuntimeError("Error building extension: no c++ compiler")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
-    assert cpu_kernel.build("conveyor_paged_test_failure") is False
+    assert cpu_kernels.build("conveyor_paged_test_failure") is False
     assert "no c++ compiler" in caplog.text

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_linear, model_loader
+from engine import cpu_kernels, cpu_linear, model_loader
 from engine.cpu_linear import (
     SMALL_BATCH_ROWS,
     SMALL_BATCH_ROWS_PLAIN,
@@ -59,15 +59,20 @@ def test_packed_model_greedy_equals_generate() -> None:
                                   SMALL_BATCH_ROWS_PLAIN, SMALL_BATCH_ROWS_PLAIN + 1, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("onednn", [True, False])
+@pytest.mark.parametrize("own_kernel", [True, False])
 def test_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytest.MonkeyPatch, rows: int,
-                                                       with_bias: bool, onednn: bool) -> None:
+                                                       with_bias: bool, onednn: bool,
+                                                       own_kernel: bool) -> None:
     if onednn and not onednn_linear_available():
         pytest.skip("this torch build cannot pack weights for oneDNN")
+    assert cpu_kernels.half_linear_available(), "the C++ kernels must build on the test machine"
     monkeypatch.setattr(cpu_linear, "onednn_linear_available", lambda: onednn)
+    monkeypatch.setattr(cpu_kernels, "half_linear_available", lambda: own_kernel)
     torch.manual_seed(rows)
     linear = nn.Linear(96, 40, bias=with_bias)
     layer = HalfWeightLinear(linear.weight, linear.bias)
     assert (layer.large is not None) is onednn
+    assert (layer.weight_fp16 is not None) is own_kernel and (layer.packed is None) is own_kernel
     assert layer.small_rows == (SMALL_BATCH_ROWS if onednn else SMALL_BATCH_ROWS_PLAIN)
     x = torch.randn(1, rows, 96)
     expected = F.linear(x, linear.weight.half().float(), linear.bias)
@@ -75,6 +80,36 @@ def test_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytest.Monke
     assert out.shape == (1, rows, 40) and out.dtype == torch.float32
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(layer.weight, linear.weight.half().float())
+
+
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(1, 8, 1), (2, 13, 5), (3, 96, 17), (4, 100, 40), (5, 1000, 9),
+                          (9, 64, 33), (16, 37, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_own_fp16_kernel_matches_the_fp32_product(rows: int, in_features: int,
+                                                  out_features: int, with_bias: bool) -> None:
+    """Every tile shape (1 to 4 rows of x, 1, 2 or 4 rows of w) and inner sizes that leave a
+    remainder after the 8-wide steps."""
+    assert cpu_kernels.half_linear_available()
+    torch.manual_seed(rows + in_features)
+    x = torch.randn(rows, in_features)
+    weight = torch.randn(out_features, in_features).half()
+    bias = torch.randn(out_features) if with_bias else None
+    out = cpu_kernels.half_linear(x, weight, bias)
+    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    torch.testing.assert_close(out, expected.float(), rtol=1e-5, atol=1e-4)
+
+
+def test_own_fp16_kernel_refuses_bad_inputs() -> None:
+    x, weight = torch.randn(2, 8), torch.randn(3, 8).half()
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_kernels.half_linear(x[:, :4], weight, None)
+    with pytest.raises(RuntimeError, match="fp32 and w fp16"):
+        cpu_kernels.half_linear(x, weight.float(), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels.half_linear(torch.randn(8, 2).t(), weight, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        cpu_kernels.half_linear(x, weight, torch.randn(4))
 
 
 @needs_fbgemm

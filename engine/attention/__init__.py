@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import cpu_kernel, triton_paged
+from engine import cpu_kernels
+from engine.attention import triton_paged
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.in_place import InPlaceDecodeAttention
@@ -30,7 +31,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
         return name
     if device.type == "cuda" and triton_paged.available():
         return TritonPagedAttention.name
-    if device.type == "cpu" and cpu_kernel.load():
+    if device.type == "cpu" and cpu_kernels.load():
         return CpuPagedAttention.name
     return TorchPagedAttention.name
 

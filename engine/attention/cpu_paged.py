@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import cpu_kernel
+from engine import cpu_kernels
 from engine.attention.in_place import InPlaceDecodeAttention
 
 
@@ -13,12 +13,12 @@ class CpuPagedAttention(InPlaceDecodeAttention):
     name = "cpu"
 
     def __init__(self) -> None:
-        if not cpu_kernel.load():
+        if not cpu_kernels.load():
             raise RuntimeError("the cpu attention backend needs its C++ kernel, which did not "
                                "build here; use --attention-backend torch")
 
     def decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        return cpu_kernel.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
+        return cpu_kernels.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
                                        scale)

@@ -1,9 +1,11 @@
-"""Builds and loads Conveyor's C++ paged-attention kernel for the CPU.
+"""Builds and loads Conveyor's C++ kernels for the CPU: paged decode attention
+(`csrc/paged_decode.cpp`) and the few-row product with fp16 weights (`csrc/half_linear.cpp`).
 
-The kernel is compiled on first use with the machine's own compiler for the machine's own
-instruction set (`-march=native`), so the build folder is keyed by the source and the CPU's
+They are compiled on first use with the machine's own compiler for the machine's own
+instruction set (`-march=native`), so the build folder is keyed by the sources and the CPU's
 features: a cache carried to another CPU builds afresh instead of crashing on an unknown
-instruction. Without a compiler, `load()` returns False and callers keep the pure-torch path.
+instruction. Without a compiler, `load()` returns False and callers keep the pure-torch
+attention and fbgemm's products.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp",
+                                                                "half_linear.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -33,12 +36,12 @@ def _cpu_features() -> str:
 
 
 def build_name() -> str:
-    """Unique per source, flags, CPU features and torch version."""
+    """Unique per sources, flags, CPU features and torch version."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _cpu_features().encode(),
-                 torch.__version__.encode()):
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS).encode(),
+                 _cpu_features().encode(), torch.__version__.encode()):
         digest.update(part)
-    return f"conveyor_paged_{digest.hexdigest()[:16]}"
+    return f"conveyor_cpu_{digest.hexdigest()[:16]}"
 
 
 def _build_dir(name: str) -> Path:
@@ -51,22 +54,23 @@ def _build_dir(name: str) -> Path:
 
 @cache
 def load() -> bool:
-    """Compile (once per machine) and load the kernel; registers `torch.ops.conveyor.*`."""
+    """Compile (once per machine) and load the kernels; registers `torch.ops.conveyor.*`."""
     return hasattr(torch.ops.conveyor, "paged_decode") or build(build_name())
 
 
 def build(name: str) -> bool:
-    """Build and load the kernel under `name`; False (with a warning) where it cannot build."""
+    """Build and load the kernels under `name`; False (with a warning) where they cannot
+    build."""
     try:
         from torch.utils.cpp_extension import load as load_extension
 
-        load_extension(name, [str(SOURCE)], extra_cflags=CFLAGS,
+        load_extension(name, [str(source) for source in SOURCES], extra_cflags=CFLAGS,
                        build_directory=str(_build_dir(name)), is_python_module=False,
                        verbose=False)
     except Exception as error:  # no compiler, no ninja, unsupported platform
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch backend",
-                       message)
+        logger.warning("Conveyor's CPU kernels unavailable (%s); using the torch attention "
+                       "backend and fbgemm's products", message)
         return False
     return True
 
@@ -83,3 +87,20 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         query = query.contiguous()
     return torch.ops.conveyor.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
                                            scale)
+
+
+@cache
+def half_linear_available() -> bool:
+    """The kernels load and this CPU runs the fp16-weight product (AVX2, F16C and FMA)."""
+    if not load():
+        return False
+    try:
+        out = half_linear(torch.ones(1, 8), torch.ones(3, 8, dtype=torch.float16), None)
+    except RuntimeError:
+        return False
+    return bool(torch.equal(out, torch.full((1, 3), 8.0)))
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x W^T + b` for fp32 `x [rows, in]`, fp16 `W [out, in]`, fp32 `b [out]`; fp32 out."""
+    return torch.ops.conveyor.half_linear(x, weight, bias)
