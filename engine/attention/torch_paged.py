@@ -9,14 +9,19 @@ the cache with an offset causal mask.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache
+
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                       SDPBackend.MATH]
 
 
 @dataclass(slots=True)
@@ -106,8 +111,7 @@ class TorchPagedAttention(AttentionBackend):
         q = query if meta.all_decode else query[meta.decode_tokens]
         k = _gather(cache.key(layer), meta.decode_block_table)
         v = _gather(cache.value(layer), meta.decode_block_table)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        out = _sdpa(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale)
         return out.squeeze(2)
 
     @staticmethod
@@ -117,15 +121,28 @@ class TorchPagedAttention(AttentionBackend):
         if span.block_ids is None:
             k = key[span.start:span.end].transpose(0, 1).unsqueeze(0)
             v = value[span.start:span.end].transpose(0, 1).unsqueeze(0)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                 enable_gqa=True)
+            out = _sdpa(q, k, v, is_causal=True, scale=scale)
         else:
             table = span.block_ids.unsqueeze(0)
             k = _gather(cache.key(layer), table)[:, :, :span.seq_len]
             v = _gather(cache.value(layer), table)[:, :, :span.seq_len]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale,
-                                                 enable_gqa=True)
+            out = _sdpa(q, k, v, attn_mask=span.mask, scale=scale)
         return out[0].transpose(0, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
+    """SDPA with grouped-query heads. On CUDA cuDNN's kernel is left out: it builds a plan for
+    every new shape it meets, hundreds of milliseconds for some, and prompt lengths vary from
+    request to request. Flash attention takes grouped heads but no mask, so masked calls get
+    K/V repeated per query head for the memory-efficient kernel instead of falling to the
+    unfused math path."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
+    if options.get("attn_mask") is not None and k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
 
 
 def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
