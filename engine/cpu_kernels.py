@@ -1,5 +1,6 @@
 """Builds and loads Conveyor's C++ kernels for the CPU: paged decode attention
-(`csrc/paged_decode.cpp`) and the few-row product with fp16 weights (`csrc/half_linear.cpp`).
+(`csrc/paged_decode.cpp`), the few-row product with fp16 weights (`csrc/half_linear.cpp`) and
+RMSNorm in one pass (`csrc/rms_norm.cpp`).
 
 They are compiled on first use with the machine's own compiler for the machine's own
 instruction set (`-march=native`), so the build folder is keyed by the sources and the CPU's
@@ -20,8 +21,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp",
-                                                                "half_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("paged_decode.cpp", "half_linear.cpp", "rms_norm.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -104,3 +105,8 @@ def half_linear_available() -> bool:
 def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x W^T + b` for fp32 `x [rows, in]`, fp16 `W [out, in]`, fp32 `b [out]`; fp32 out."""
     return torch.ops.conveyor.half_linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of fp32 rows `[rows, dim]` scaled by an fp32 `[dim]` weight."""
+    return torch.ops.conveyor.rms_norm(x, weight, eps)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata
 from engine.cpu_linear import HalfWeightLinear, PackedLinear
 
@@ -39,10 +40,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's RMSNorm: normalise in fp32, scale in the input dtype. `weight` is `[dim]`
     or broadcasts against `x` (one row per head)."""
     if x.dtype == torch.float32 and weight.dim() == 1:
+        if _one_pass_norm(x, weight):
+            return cpu_kernels.rms_norm(x, weight, eps)
         return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def _one_pass_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Conveyor's one-pass CPU kernel applies: fp32 rows on the CPU, kernels built."""
+    return (x.is_cpu and x.dim() == 2 and x.is_contiguous() and weight.dtype == torch.float32
+            and cpu_kernels.load())
 
 
 def fuse(linears: list[nn.Module]) -> nn.Module:
