@@ -5,8 +5,10 @@
 ARG VARIANT=cuda
 
 FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS base-cuda
+# gcc and the Python headers build Triton's kernel launcher on first start.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv curl ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc curl \
+       ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 

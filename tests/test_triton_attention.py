@@ -71,11 +71,27 @@ def test_kernels_refuse_mismatched_inputs():
 
 
 def test_backend_choice_on_gpus(monkeypatch):
+    monkeypatch.setattr(triton_paged, "usable", lambda device: True)
     assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
-    monkeypatch.setattr(triton_paged, "available", lambda: False)
+    monkeypatch.setattr(triton_paged, "usable", lambda device: False)
     assert resolve_backend_name("auto", torch.device("cuda")) == "torch"
+    monkeypatch.setattr(triton_paged, "available", lambda: False)
     with pytest.raises(RuntimeError, match="needs the triton package"):
         get_backend("triton", torch.device(TRITON_DEVICE))
+
+
+def test_usable_runs_the_kernels_and_reports_a_failure(monkeypatch, caplog):
+    triton_paged.usable.cache_clear()
+    assert triton_paged.usable(TRITON_DEVICE)
+
+    def no_compiler():
+        raise RuntimeError("Failed to find C compiler. Please specify via CC")
+
+    monkeypatch.setattr(triton_paged, "_kernels", no_compiler)
+    triton_paged.usable.cache_clear()
+    assert not triton_paged.usable(TRITON_DEVICE)
+    assert "Failed to find C compiler" in caplog.text
+    triton_paged.usable.cache_clear()
 
 
 def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):

@@ -25,11 +25,11 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """`auto` is the Triton kernels on a GPU where triton is installed, the C++ kernel on a CPU
+    """`auto` is the Triton kernels on a GPU where they compile and run, the C++ kernel on a CPU
     where it builds, else pure torch."""
     if name != AUTO:
         return name
-    if device.type == "cuda" and triton_paged.available():
+    if device.type == "cuda" and triton_paged.usable(str(device)):
         return TritonPagedAttention.name
     if device.type == "cpu" and cpu_kernels.load():
         return CpuPagedAttention.name

@@ -9,7 +9,9 @@ every other backend. It runs on CUDA tensors, or on CPU tensors under Triton's i
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+from functools import cache
 from types import ModuleType
 
 import torch
@@ -17,9 +19,33 @@ import torch
 from engine.attention.in_place import InPlaceDecodeAttention
 from engine.kv_cache import KVCache
 
+logger = logging.getLogger(__name__)
+
 
 def available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+@cache
+def usable(device: str) -> bool:
+    """Triton is installed and its kernels compile and run on `device`: Triton builds a small
+    launcher with the machine's C compiler on first use, which a bare runtime image lacks."""
+    if not available():
+        return False
+    try:
+        kernels = _kernels()
+        layer_cache = torch.zeros(1, 1, 1, 8, device=device)
+        row = torch.ones(1, 1, 8, device=device)
+        slot = torch.zeros(1, dtype=torch.long, device=device)
+        kernels.store_kv(row, row, layer_cache, layer_cache.clone(), slot)
+        if not bool(layer_cache.eq(1).all()):
+            raise RuntimeError("a test write did not land")
+    except Exception as error:  # no compiler, no driver support, a broken install
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        logger.warning("Triton kernels unusable on %s (%s); using the torch attention backend",
+                       device, message)
+        return False
+    return True
 
 
 def interpreted() -> bool:
