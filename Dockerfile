@@ -23,7 +23,8 @@ FROM base-${VARIANT}
 ENV VIRTUAL_ENV=/opt/conveyor \
     PATH=/opt/conveyor/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    CONVEYOR_CACHE=/data/cache
+    CONVEYOR_CACHE=/data/cache \
+    TRITON_CACHE_DIR=/data/cache/triton
 RUN python3 -m venv $VIRTUAL_ENV \
     && pip install --no-cache-dir --upgrade pip \
     && pip install --no-cache-dir --index-url $TORCH_INDEX_URL torch
