@@ -32,6 +32,20 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, block_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [24, 64, 128])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_kernel_matches_reference_for_each_head_dim_path(dtype, dim, block_size):
+    """64 and 128 keep the weighted sum in registers, 24 is not a multiple of the 8-wide steps;
+    lengths leave 1 to 3 rows after the four-row score steps."""
+    lens = [1, 3, 6, block_size + 2, 41, 66]
+    case = random_case(dtype, 9, 3, dim, block_size, lens, seed=dim)
+    out = cpu_kernels.paged_decode(*case, scale=dim ** -0.5)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), reference_decode(*case, scale=dim ** -0.5),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_splits_work_by_sequence_or_by_head_alike(dtype):
     """Many rows run one task per sequence, few rows one task per kv head: same numbers."""
     lens = [random.Random(row).randrange(1, 90) for row in range(4 * torch.get_num_threads() + 8)]
