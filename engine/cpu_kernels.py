@@ -1,6 +1,6 @@
 """Builds and loads Conveyor's C++ kernels for the CPU: paged decode attention
-(`csrc/paged_decode.cpp`), the few-row product with fp16 weights (`csrc/half_linear.cpp`) and
-RMSNorm in one pass (`csrc/rms_norm.cpp`).
+(`csrc/paged_decode.cpp`), the few-row product with fp16 weights (`csrc/half_linear.cpp`), and
+RMSNorm and rotary embeddings in one pass each (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`).
 
 They are compiled on first use with the machine's own compiler for the machine's own
 instruction set (`-march=native`), so the build folder is keyed by the sources and the CPU's
@@ -22,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode.cpp", "half_linear.cpp", "rms_norm.cpp")]
+           for name in ("paged_decode.cpp", "half_linear.cpp", "rms_norm.cpp", "rotary.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -110,3 +110,8 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of fp32 rows `[rows, dim]` scaled by an fp32 `[dim]` weight."""
     return torch.ops.conveyor.rms_norm(x, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary embedding of fp32 `[tokens, heads, dim]` by `[tokens, 1, dim]` tables."""
+    return torch.ops.conveyor.rotary(x, cos, sin)

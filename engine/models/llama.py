@@ -134,9 +134,18 @@ class PagedLlamaLayer(nn.Module):
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in Hugging Face's half-split layout, the same operations in the same
     order: `x * cos + rotate_half(x) * sin` over `[tokens, heads, dim]`."""
+    if _one_pass_rotary(x, cos):
+        return cpu_kernels.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def _one_pass_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Conveyor's one-pass CPU kernel applies: fp32 on the CPU, heads and dims contiguous."""
+    return (x.is_cpu and x.dtype == torch.float32 and cos.dtype == torch.float32
+            and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and cpu_kernels.load())
 
 
 class PagedLlamaForCausalLM(nn.Module):

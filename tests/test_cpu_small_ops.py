@@ -1,0 +1,86 @@
+"""Conveyor's one-pass CPU RMSNorm and rotary embedding against torch, and where the model
+uses them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels
+from engine.models import llama
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert cpu_kernels.load(), "the C++ kernels must build on the test machine"
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (3, 7), (17, 64), (300, 576), (5000, 32)])
+def test_matches_torch(rows, dim):
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, dim) * 3, torch.randn(dim)
+    out = cpu_kernels.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out, F.rms_norm(x, (dim,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_refuses_bad_inputs():
+    x, weight = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_kernels.rms_norm(x, weight[:4], 1e-5)
+    with pytest.raises(RuntimeError, match="must be fp32"):
+        cpu_kernels.rms_norm(x.double(), weight, 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels.rms_norm(torch.randn(8, 2).t(), weight, 1e-5)
+
+
+def test_the_model_takes_it_for_fp32_rows_on_the_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "rms_norm",
+                        lambda x, w, eps: calls.append(x.shape) or F.rms_norm(x, w.shape, w, eps))
+    weight = torch.randn(8)
+    llama.rms_norm(torch.randn(4, 8), weight, 1e-6)
+    llama.rms_norm(torch.randn(8, 4).t(), weight, 1e-6)  # strided: torch's
+    llama.rms_norm(torch.randn(4, 3, 8), weight, 1e-6)  # per-head rows: torch's
+    llama.rms_norm(torch.randn(4, 8).bfloat16(), weight.bfloat16(), 1e-6)  # bf16: torch's
+    assert calls == [(4, 8)]
+
+
+def torch_rotary(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 12, 64), (7, 3, 2), (33, 5, 6),
+                                                       (400, 9, 128)])
+def test_rotary_is_torchs_to_the_bit(tokens, heads, dim):
+    torch.manual_seed(tokens)
+    fused = torch.randn(tokens, (heads + 2) * dim)  # q/k heads inside a wider projection
+    x = fused[:, :heads * dim].view(tokens, heads, dim)
+    angles = torch.randn(1, tokens, dim) * 10
+    cos, sin = angles.cos()[0, :, None, :], angles.sin()[0, :, None, :]
+    out = cpu_kernels.rotary(x, cos, sin)
+    assert out.is_contiguous() and torch.equal(out, torch_rotary(x, cos, sin))
+
+
+def test_rotary_refuses_bad_inputs():
+    x, table = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_kernels.rotary(x, table[:2], table[:2])
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_kernels.rotary(x[..., :7], table[..., :7], table[..., :7])  # odd dim
+    with pytest.raises(RuntimeError, match="must be fp32"):
+        cpu_kernels.rotary(x.double(), table, table)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels.rotary(x.transpose(0, 1).contiguous().transpose(0, 1), table, table)
+
+
+def test_the_model_rotates_fp32_rows_on_the_cpu_in_one_pass(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "rotary",
+                        lambda x, cos, sin: calls.append(x.shape) or torch_rotary(x, cos, sin))
+    table = torch.randn(4, 1, 8)
+    llama.rotate(torch.randn(4, 3, 8), table, table)
+    llama.rotate(torch.randn(4, 3, 8).bfloat16(), table.bfloat16(), table.bfloat16())
+    llama.rotate(torch.randn(3, 4, 8).transpose(0, 1), table, table)  # heads strided: torch's
+    assert calls == [(4, 3, 8)]
