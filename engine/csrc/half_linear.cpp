@@ -9,9 +9,12 @@
 // split over torch's threads and each thread streams its own rows of w exactly once, converting
 // 8 fp16 values at a time (F16C) and reusing them for up to 4 rows of x from cache. Without
 // AVX2, F16C and FMA the op refuses to run and callers keep fbgemm's kernel.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include <algorithm>
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>

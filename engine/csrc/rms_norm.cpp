@@ -7,10 +7,12 @@
 // torch's CPU rms_norm runs as half a dozen separate ops (pow, mean, add, rsqrt, mul, mul), about
 // 50 us a call for one decode row, sixty calls a step. Here a row is one loop to sum squares and
 // one to scale; small batches run on the calling thread without waking the others.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace {

@@ -8,9 +8,12 @@
 //
 // torch runs this as seven ops (two slices, neg, cat, two muls, add) per layer. Products and the
 // sum are rounded separately, as torch rounds them, so the result is the same to the bit.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
+
+#include <algorithm>
 
 namespace {
 
