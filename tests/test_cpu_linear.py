@@ -84,7 +84,7 @@ def test_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 8, 1), (2, 13, 5), (3, 96, 17), (4, 100, 40), (5, 1000, 9),
-                          (9, 64, 33), (16, 37, 64)])
+                          (7, 24, 3), (8, 40, 20), (9, 64, 33), (16, 37, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_own_fp16_kernel_matches_the_fp32_product(rows: int, in_features: int,
                                                   out_features: int, with_bias: bool) -> None:
