@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -18,8 +19,11 @@ CUDA = pytest.param(
            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
 )
 DEVICES = ["cpu", CUDA]
-# Where Triton kernels run: the GPU, else the interpreter on the CPU.
+# Where Triton kernels run: the GPU, else the interpreter on the CPU. Triton installs on Linux
+# x86-64 only (a dev extra there); elsewhere its tests are skipped.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="triton is not installed on this platform")
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="triton is not installed on this platform")
+
 from engine.attention import get_backend
 from engine.decode_graphs import DecodeGraphs, capture_sizes
 from engine.factory import _why_not_capturable

@@ -8,7 +8,7 @@ from functools import lru_cache
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.conftest import TRITON_DEVICE
+from tests.conftest import TRITON_DEVICE, needs_triton
 from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
 
 MAX_NEW = 12
@@ -88,7 +88,7 @@ def test_match_generate_with_other_block_sizes(block_size):
     check_greedy("cpu", block_size=block_size)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
+@pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=needs_triton)])
 def test_each_attention_backend_matches_generate(backend):
     """`triton` runs on the GPU where there is one, else in Triton's interpreter."""
     device = TRITON_DEVICE if backend == "triton" else "cpu"

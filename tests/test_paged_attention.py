@@ -13,7 +13,7 @@ from engine.attention import get_backend
 from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.scheduler import ScheduledRequest
-from tests.conftest import CUDA, TRITON_DEVICE
+from tests.conftest import CUDA, TRITON_DEVICE, needs_triton
 from tests.helpers import tiny_core, tiny_llama
 from tests.scheduler_utils import create_request
 
@@ -103,7 +103,8 @@ def naive_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 
 
-BACKENDS_ON_DEVICES = [("torch", "cpu"), ("cpu", "cpu"), ("triton", TRITON_DEVICE),
+BACKENDS_ON_DEVICES = [("torch", "cpu"), ("cpu", "cpu"),
+                       pytest.param("triton", TRITON_DEVICE, marks=needs_triton),
                        pytest.param("torch", CUDA.values[0], marks=CUDA.marks)]
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("triton", reason="triton is not installed on this platform")
+
 from engine.attention import get_backend, resolve_backend_name, triton_paged
 from engine.attention import triton_kernels as kernels
 from engine.kv_cache import KVCache, KVCacheSpec
