@@ -26,7 +26,9 @@ SOURCES = [Path(__file__).parent / "csrc" / name
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
-def _cpu_features() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (one core's line: all cores match),
+    else the platform's processor name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -40,7 +42,7 @@ def build_name() -> str:
     """Unique per sources, flags, CPU features and torch version."""
     digest = hashlib.sha256()
     for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS).encode(),
-                 _cpu_features().encode(), torch.__version__.encode()):
+                 cpu_flags().encode(), torch.__version__.encode()):
         digest.update(part)
     return f"conveyor_cpu_{digest.hexdigest()[:16]}"
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.attention import hf as hf_attention
+from engine.cpu_kernels import cpu_flags
 from engine.cpu_linear import (
     convert_linears,
     fbgemm_fp16_available,
@@ -43,22 +43,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _cpu_flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def cpu_supports_bf16() -> bool:
     """True when the CPU has native bf16 dot products (AVX-512 BF16 or AMX)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def cpu_supports_fp16() -> bool:
     """True when the CPU has native fp16 arithmetic (AVX-512 FP16 or AMX FP16)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return "avx512_fp16" in flags or "amx_fp16" in flags
 
 

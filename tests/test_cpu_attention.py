@@ -86,7 +86,7 @@ def test_kernel_rejects_mismatched_shapes():
 
 def test_build_name_changes_with_the_cpu_features(monkeypatch):
     name = cpu_kernels.build_name()
-    monkeypatch.setattr(cpu_kernels, "_cpu_features", lambda: "flags : something else")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: "flags : something else")
     assert cpu_kernels.build_name() != name
 
 
