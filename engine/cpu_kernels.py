@@ -1,12 +1,13 @@
 """Builds and loads Conveyor's C++ kernels for the CPU: paged decode attention
-(`csrc/paged_decode.cpp`), the few-row product with fp16 weights (`csrc/half_linear.cpp`), and
-RMSNorm and rotary embeddings in one pass each (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`).
+(`csrc/paged_decode.cpp`), linear layers over weights packed in panels
+(`csrc/panel_linear.cpp`), and RMSNorm and rotary embeddings in one pass each
+(`csrc/rms_norm.cpp`, `csrc/rotary.cpp`).
 
 They are compiled on first use with the machine's own compiler for the machine's own
 instruction set (`-march=native`), so the build folder is keyed by the sources and the CPU's
 features: a cache carried to another CPU builds afresh instead of crashing on an unknown
 instruction. Without a compiler, `load()` returns False and callers keep the pure-torch
-attention and fbgemm's products.
+attention and torch's products.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode.cpp", "half_linear.cpp", "rms_norm.cpp", "rotary.cpp")]
+           for name in ("paged_decode.cpp", "panel_linear.cpp", "rms_norm.cpp", "rotary.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -93,20 +94,23 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 
 
 @cache
-def half_linear_available() -> bool:
-    """The kernels load and this CPU runs the fp16-weight product (AVX2, F16C and FMA)."""
+def panel_linear_available() -> bool:
+    """The kernels load and this CPU runs the panel product (AVX2, F16C and FMA)."""
     if not load():
         return False
+    panels = torch.ones(1, 8, 16, dtype=torch.float16)
     try:
-        out = half_linear(torch.ones(1, 8), torch.ones(3, 8, dtype=torch.float16), None)
+        out = panel_linear(torch.ones(1, 8), panels, None, 3)
     except RuntimeError:
         return False
     return bool(torch.equal(out, torch.full((1, 3), 8.0)))
 
 
-def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x W^T + b` for fp32 `x [rows, in]`, fp16 `W [out, in]`, fp32 `b [out]`; fp32 out."""
-    return torch.ops.conveyor.half_linear(x, weight, bias)
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int) -> torch.Tensor:
+    """`x W^T + b` for fp32 `x [rows, in]` and W packed as `[ceil(out / 16), in, 16]` panels
+    (fp32 or fp16; `cpu_linear.pack_panels`), `b` fp32 zero-padded to whole panels."""
+    return torch.ops.conveyor.panel_linear(x, panels, bias, out_features)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,17 +1,19 @@
-"""Linear layers for CPUs: fp32 weights packed for oneDNN, and 16-bit weights computed in fp32.
+"""Linear layers for CPUs: Conveyor's own GEMM over packed weights, with torch's as fallback.
 
-torch's `F.linear` runs a plain fp32 GEMM over the weight as stored. oneDNN's GEMM over a weight
-reordered for it ahead of time is 10-40% faster from 4 to 64 rows on an AVX2 CPU, and about as
-fast above; `PackedLinear` holds its weight that way.
+`PanelLinear` holds its weight packed in panels of 16 output columns, in fp32 for fp32 models
+or in fp16 for 16-bit models on CPUs without native 16-bit arithmetic, and multiplies through
+Conveyor's kernel (`csrc/panel_linear.cpp`, AVX2 and FMA). Decoding a few sequences is bound
+by how fast the weights stream from memory, which fp16 halves; more rows are bound by
+arithmetic, which the kernel runs at most of the CPU's peak. Every bf16 number between 2**-17
+and 65504 is exact in fp16, so a bf16 model's fp16 panels hold its weights exactly, and each
+output is summed in the same order whatever the batch, so a sequence's tokens do not depend on
+what it is batched with.
 
-On CPUs without native bf16, torch's bf16 matrix products are several times slower than fp32,
-yet decoding a few sequences is bound by how fast the weights stream from memory, so fp32
-weights cost twice the bandwidth they need. `HalfWeightLinear` holds each weight twice: in fp16
-for a few rows, which stream it at half the bytes (through Conveyor's own kernel, split over
-all threads, where it builds; else fbgemm's fp16-weight GEMM, which runs on one thread), and in
-fp32 (packed for oneDNN where torch can, else plain for `F.linear`) for more rows, where the
-product is bound by arithmetic. Both copies hold the same values: every bf16 number between
-2**-17 and 65504 is exact in fp16.
+Where the kernel cannot build or run, torch's products stand in: `PackedLinear` for fp32
+weights (oneDNN's GEMM over a weight reordered for it ahead of time, 10-40% faster than
+`F.linear` from 4 to 64 rows on an AVX2 CPU), and `HalfWeightLinear` for 16-bit ones, which
+holds each weight twice: in fp16 for fbgemm's fp16-weight GEMM up to a few rows, and in fp32
+(packed for oneDNN where torch can, else plain for `F.linear`) for more.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ logger = logging.getLogger(__name__)
 # the weights stream from memory (a lone layer whose weights stay in cache favours fp32 from far
 # fewer rows). Measured with fbgemm's kernel: against oneDNN over packed weights the two tie at
 # 16 rows and oneDNN wins clearly at 32 (decode steps of 139 against 178 ms); against plain
-# `F.linear` the crossing is near 48. Conveyor's own kernel, where it builds, is as fast or
-# faster up to 16 rows, so the same bounds hold.
+# `F.linear` the crossing is near 48.
 SMALL_BATCH_ROWS = 16
 SMALL_BATCH_ROWS_PLAIN = 48
 # The batch size oneDNN lays packed weights out for; any other works too.
 ONEDNN_BATCH_HINT = 64
 FP16_MAX = torch.finfo(torch.float16).max
+# Output columns per panel of `PanelLinear`'s packed weight.
+PANEL = 16
 
 warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 
@@ -94,9 +97,75 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return onednn_linear(x, self.packed, self.bias)
 
+    def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+        """A layer of the same kind over another weight (fused projections)."""
+        return PackedLinear(weight, bias)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weight=fp32 (oneDNN-packed)")
+
+
+class PanelLinear(nn.Module):
+    """`y = x W^T + b` in fp32 through Conveyor's kernel, W packed in panels of 16 output
+    columns and held in fp32 or fp16 (`storage`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 storage: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("panels", pack_panels(weight.detach(), storage))
+        padded = None if bias is None else pad_to_panels(bias.detach().float())
+        self.register_buffer("padded_bias", padded)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as held (fp16-rounded for fp16 panels), in fp32, `[out, in]`."""
+        return unpack_panels(self.panels, self.out_features)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.padded_bias is None else self.padded_bias[:self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        out = cpu_kernels.panel_linear(flat.contiguous(), self.panels, self.padded_bias,
+                                       self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
+        """A layer of the same kind over another weight (fused projections)."""
+        return PanelLinear(weight, bias, self.panels.dtype)
+
+    def extra_repr(self) -> str:
+        storage = str(self.panels.dtype).removeprefix("torch.")
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight={storage} (16-column panels)")
+
+
+def pack_panels(weight: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """`[out, in]` to `[ceil(out / 16), in, 16]` in `storage`, spare columns zero."""
+    out_features, in_features = weight.shape
+    count = -(-out_features // PANEL)
+    padded = torch.zeros(count * PANEL, in_features, dtype=storage)
+    padded[:out_features] = weight
+    return padded.view(count, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of `pack_panels`, in fp32."""
+    count, in_features, _ = panels.shape
+    rows = panels.transpose(1, 2).reshape(count * PANEL, in_features)
+    return rows[:out_features].float()
+
+
+def pad_to_panels(vector: torch.Tensor) -> torch.Tensor:
+    """`[out]` zero-padded to whole panels, as the kernel reads a bias."""
+    padded = torch.zeros(-(-vector.shape[0] // PANEL) * PANEL, dtype=vector.dtype)
+    padded[:vector.shape[0]] = vector
+    return padded
 
 
 class HalfWeightLinear(nn.Module):
@@ -107,10 +176,8 @@ class HalfWeightLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         rounded = weight.detach().to(torch.float16).float().contiguous()
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        # The fp16 copy for a few rows: plain for Conveyor's kernel, or packed for fbgemm's.
-        own_kernel = cpu_kernels.half_linear_available()
-        self.register_buffer("weight_fp16", rounded.half() if own_kernel else None)
-        self.packed = None if own_kernel else torch.fbgemm_pack_gemm_matrix_fp16(rounded)
+        # The fp16 copy for a few rows, packed for fbgemm.
+        self.packed = torch.fbgemm_pack_gemm_matrix_fp16(rounded)
         # The fp32 copy for larger steps: packed for oneDNN, or plain for F.linear.
         self.large = pack_for_onednn(rounded) if onednn_linear_available() else None
         self.register_buffer("dense", rounded if self.large is None else None)
@@ -130,18 +197,18 @@ class HalfWeightLinear(nn.Module):
         flat = x.reshape(rows, self.in_features)
         if flat.dtype != torch.float32:
             flat = flat.float()
-        if self.weight_fp16 is not None:
-            out = cpu_kernels.half_linear(flat.contiguous(), self.weight_fp16, self.bias)
-        else:
-            out = torch.fbgemm_linear_fp16_weight_fp32_activation(flat.contiguous(), self.packed,
-                                                                   self.bias)
+        out = torch.fbgemm_linear_fp16_weight_fp32_activation(flat.contiguous(), self.packed,
+                                                               self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> HalfWeightLinear:
+        """A layer of the same kind over another weight (fused projections)."""
+        return HalfWeightLinear(weight, bias)
+
     def extra_repr(self) -> str:
-        small = "plain" if self.weight_fp16 is not None else "fbgemm-packed"
         large = "oneDNN-packed" if self.large is not None else "plain"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight=fp16 ({small}) + fp32 ({large})")
+                f"weight=fp16 (fbgemm-packed) + fp32 ({large})")
 
 
 def fits_fp16(weight: torch.Tensor) -> bool:
@@ -149,22 +216,44 @@ def fits_fp16(weight: torch.Tensor) -> bool:
     return bool(weight.abs().max() <= FP16_MAX)
 
 
+def half_weights_supported() -> bool:
+    """This CPU can hold 16-bit weights in fp16 and compute in fp32: Conveyor's kernel runs, or
+    torch has fbgemm's fp16-weight GEMM."""
+    return cpu_kernels.panel_linear_available() or fbgemm_fp16_available()
+
+
+def fp32_packing_supported() -> bool:
+    """fp32 weights can be packed ahead of time: for Conveyor's kernel, or for oneDNN's."""
+    return cpu_kernels.panel_linear_available() or onednn_linear_available()
+
+
 def convert_linears(model: nn.Module) -> int:
-    """Swap every fp32 `nn.Linear` whose weight fits fp16 for a `HalfWeightLinear`; return how
-    many were swapped. Weights shared with other modules (tied embeddings) stay in place there."""
-    swapped = _swap(model, HalfWeightLinear, fits_fp16)
-    logger.info("%d linear layers hold fp16 weights and compute in fp32", swapped)
+    """Swap every fp32 `nn.Linear` whose weight fits fp16 for a layer that holds it in fp16 and
+    computes in fp32; return how many were swapped. Weights shared with other modules (tied
+    embeddings) stay in place there."""
+    if cpu_kernels.panel_linear_available():
+        swapped = _swap(model, lambda w, b: PanelLinear(w, b, torch.float16), fits_fp16)
+        logger.info("%d linear layers hold fp16 weights in panels and compute in fp32", swapped)
+    else:
+        swapped = _swap(model, HalfWeightLinear, fits_fp16)
+        logger.info("%d linear layers hold fp16 weights for fbgemm and compute in fp32", swapped)
     return swapped
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every fp32 `nn.Linear` for a `PackedLinear`; return how many were swapped."""
-    swapped = _swap(model, PackedLinear, lambda weight: True)
-    logger.info("%d linear layers hold weights packed for oneDNN", swapped)
+    """Swap every fp32 `nn.Linear` for one whose weight is packed ahead of time; return how many
+    were swapped."""
+    if cpu_kernels.panel_linear_available():
+        swapped = _swap(model, PanelLinear, lambda weight: True)
+        logger.info("%d linear layers hold fp32 weights in panels", swapped)
+    else:
+        swapped = _swap(model, PackedLinear, lambda weight: True)
+        logger.info("%d linear layers hold weights packed for oneDNN", swapped)
     return swapped
 
 
-def _swap(model: nn.Module, layer: type[nn.Module],
+def _swap(model: nn.Module,
+          layer: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
           accepts: Callable[[torch.Tensor], bool]) -> int:
     swapped = 0
     for parent, name, linear in list(_linears(model)):
@@ -180,3 +269,6 @@ def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
         for name, child in parent.named_children():
             if type(child) is nn.Linear:
                 yield parent, name, child
+
+
+CPU_LINEAR_TYPES = (PanelLinear, PackedLinear, HalfWeightLinear)

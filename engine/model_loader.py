@@ -12,8 +12,8 @@ from engine.attention import hf as hf_attention
 from engine.cpu_kernels import cpu_flags
 from engine.cpu_linear import (
     convert_linears,
-    fbgemm_fp16_available,
-    onednn_linear_available,
+    fp32_packing_supported,
+    half_weights_supported,
     pack_linears,
 )
 from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -57,11 +57,11 @@ def cpu_supports_fp16() -> bool:
 
 def half_weights_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a 16-bit model on this device should keep 16-bit weights but compute in fp32:
-    a CPU without native arithmetic for `dtype`, where fbgemm's fp16-weight GEMM exists."""
+    a CPU without native arithmetic for `dtype`, where an fp16-weight product runs."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return False
     native = cpu_supports_bf16() if dtype == torch.bfloat16 else cpu_supports_fp16()
-    return not native and fbgemm_fp16_available()
+    return not native and half_weights_supported()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -122,7 +122,7 @@ def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.devic
     model.to(device).eval()
     if half_weights_in_fp32(dtype, device):
         use_half_weights(model, dtype)
-    elif device.type == "cpu" and dtype == torch.float32 and onednn_linear_available():
+    elif device.type == "cpu" and dtype == torch.float32 and fp32_packing_supported():
         pack_linears(model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return wrap_model(model, tokenizer, name=name, path=path)

@@ -1,6 +1,8 @@
-"""CPU linear layers: fp32 weights packed for oneDNN, 16-bit weights in fp32, and the oracle."""
+"""CPU linear layers: Conveyor's panel kernel, oneDNN and fbgemm fallbacks, and the oracle."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from engine.cpu_linear import (
     SMALL_BATCH_ROWS_PLAIN,
     HalfWeightLinear,
     PackedLinear,
+    PanelLinear,
     convert_linears,
     fbgemm_fp16_available,
     onednn_linear_available,
@@ -26,6 +29,16 @@ needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_available(),
                                   reason="this torch build has no fbgemm fp16 GEMM")
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(),
                                   reason="this torch build cannot pack weights for oneDNN")
+
+
+@pytest.fixture(params=[True, False], ids=["panels", "torch"])
+def panels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run a test with Conveyor's panel kernel, and again as where it cannot build."""
+    if request.param:
+        assert cpu_kernels.panel_linear_available(), "the C++ kernels must build here"
+    else:
+        monkeypatch.setattr(cpu_kernels, "panel_linear_available", lambda: False)
+    return request.param
 
 
 @needs_onednn
@@ -42,13 +55,16 @@ def test_packed_layer_matches_f_linear(rows: int, with_bias: bool) -> None:
     assert torch.equal(layer.weight, linear.weight)
 
 
-@needs_onednn
-def test_packed_model_greedy_equals_generate() -> None:
+def test_packed_model_greedy_equals_generate(panels: bool) -> None:
+    if not panels and not onednn_linear_available():
+        pytest.skip("this torch build cannot pack weights for oneDNN")
     prompts = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     expected = [reference_greedy(tiny_llama(), p, 10) for p in prompts]
     model = tiny_llama()
     assert pack_linears(model) == 7 * model.config.num_hidden_layers + 1
+    kind = PanelLinear if panels else PackedLinear
+    assert isinstance(model.get_output_embeddings(), kind)
     core, _ = tiny_core(model)
     outputs = run_all(core, prompts, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
@@ -59,20 +75,16 @@ def test_packed_model_greedy_equals_generate() -> None:
                                   SMALL_BATCH_ROWS_PLAIN, SMALL_BATCH_ROWS_PLAIN + 1, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("onednn", [True, False])
-@pytest.mark.parametrize("own_kernel", [True, False])
-def test_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytest.MonkeyPatch, rows: int,
-                                                       with_bias: bool, onednn: bool,
-                                                       own_kernel: bool) -> None:
+def test_fbgemm_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytest.MonkeyPatch,
+                                                              rows: int, with_bias: bool,
+                                                              onednn: bool) -> None:
     if onednn and not onednn_linear_available():
         pytest.skip("this torch build cannot pack weights for oneDNN")
-    assert cpu_kernels.half_linear_available(), "the C++ kernels must build on the test machine"
     monkeypatch.setattr(cpu_linear, "onednn_linear_available", lambda: onednn)
-    monkeypatch.setattr(cpu_kernels, "half_linear_available", lambda: own_kernel)
     torch.manual_seed(rows)
     linear = nn.Linear(96, 40, bias=with_bias)
     layer = HalfWeightLinear(linear.weight, linear.bias)
     assert (layer.large is not None) is onednn
-    assert (layer.weight_fp16 is not None) is own_kernel and (layer.packed is None) is own_kernel
     assert layer.small_rows == (SMALL_BATCH_ROWS if onednn else SMALL_BATCH_ROWS_PLAIN)
     x = torch.randn(1, rows, 96)
     expected = F.linear(x, linear.weight.half().float(), linear.bias)
@@ -83,61 +95,110 @@ def test_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
-                         [(1, 8, 1), (2, 13, 5), (3, 96, 17), (4, 100, 40), (5, 1000, 9),
-                          (7, 24, 3), (8, 40, 20), (9, 64, 33), (16, 37, 64)])
+                         [(1, 8, 1), (1, 24, 64), (1, 40, 100), (2, 13, 5), (2, 96, 80),
+                          (3, 96, 17), (4, 100, 40), (5, 1000, 9), (6, 24, 32), (7, 24, 3),
+                          (8, 40, 20), (13, 64, 33), (16, 37, 64), (64, 96, 48),
+                          (20, 9000, 18)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_own_fp16_kernel_matches_the_fp32_product(rows: int, in_features: int,
-                                                  out_features: int, with_bias: bool) -> None:
-    """Every tile shape (1 to 4 rows of x, 1, 2 or 4 rows of w) and inner sizes that leave a
-    remainder after the 8-wide steps."""
-    assert cpu_kernels.half_linear_available()
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16])
+def test_panel_kernel_matches_the_exact_product(rows: int, in_features: int, out_features: int,
+                                                with_bias: bool, storage: torch.dtype) -> None:
+    """One and two rows over four panels at a time and one at a time, up to 6 rows per pass,
+    fp16 panels widened for more rows, a last panel with spare columns, and rows in chunks
+    (9000 inputs leave room for 6 rows per chunk)."""
+    assert cpu_kernels.panel_linear_available()
     torch.manual_seed(rows + in_features)
+    linear = nn.Linear(in_features, out_features, bias=with_bias)
+    layer = PanelLinear(linear.weight, linear.bias, storage)
     x = torch.randn(rows, in_features)
-    weight = torch.randn(out_features, in_features).half()
-    bias = torch.randn(out_features) if with_bias else None
-    out = cpu_kernels.half_linear(x, weight, bias)
-    expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    torch.testing.assert_close(out, expected.float(), rtol=1e-5, atol=1e-4)
+    weight = linear.weight.detach().to(storage).double()
+    bias = None if linear.bias is None else linear.bias.detach().double()
+    expected = F.linear(x.double(), weight, bias).float()
+    out = layer(x)
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer.weight, linear.weight.detach().to(storage).float())
+    assert (layer.bias is None) is (not with_bias)
 
 
-def test_own_fp16_kernel_refuses_bad_inputs() -> None:
-    x, weight = torch.randn(2, 8), torch.randn(3, 8).half()
-    with pytest.raises(RuntimeError, match="shapes do not match"):
-        cpu_kernels.half_linear(x[:, :4], weight, None)
-    with pytest.raises(RuntimeError, match="fp32 and w fp16"):
-        cpu_kernels.half_linear(x, weight.float(), None)
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16])
+def test_panel_rows_do_not_depend_on_their_batch(storage: torch.dtype) -> None:
+    """Each output sums its products in the same order on every path, so a row computed alone,
+    or in any batch, is bit for bit the same."""
+    torch.manual_seed(0)
+    linear = nn.Linear(200, 72)
+    layer = PanelLinear(linear.weight, linear.bias, storage)
+    x = torch.randn(64, 200)
+    batched = layer(x)
+    for rows in (1, 2, 3, 6, 7, 13):
+        assert torch.equal(layer(x[:rows]), batched[:rows]), rows
+    assert torch.equal(layer(x[40:41]), batched[40:41])
+
+
+def test_panel_kernel_refuses_bad_inputs() -> None:
+    x = torch.randn(2, 8)
+    panels = PanelLinear(torch.randn(3, 8), None).panels
+    with pytest.raises(RuntimeError, match="input sizes differ"):
+        cpu_kernels.panel_linear(x[:, :4].contiguous(), panels, None, 3)
+    with pytest.raises(RuntimeError, match="number of panels"):
+        cpu_kernels.panel_linear(x, panels, None, 17)
+    with pytest.raises(RuntimeError, match="x must be fp32"):
+        cpu_kernels.panel_linear(x.double(), panels, None, 3)
+    with pytest.raises(RuntimeError, match="fp32 or fp16"):
+        cpu_kernels.panel_linear(x, panels.double(), None, 3)
     with pytest.raises(RuntimeError, match="contiguous"):
-        cpu_kernels.half_linear(torch.randn(8, 2).t(), weight, None)
+        cpu_kernels.panel_linear(torch.randn(8, 2).t(), panels, None, 3)
     with pytest.raises(RuntimeError, match="bias must be"):
-        cpu_kernels.half_linear(x, weight, torch.randn(4))
+        cpu_kernels.panel_linear(x, panels, torch.randn(3), 3)
 
 
-@needs_fbgemm
-def test_conversion_swaps_linears_and_keeps_what_fp16_cannot_hold() -> None:
+def test_panel_layers_take_any_leading_shape_and_fuse() -> None:
+    torch.manual_seed(1)
+    first, second = nn.Linear(32, 20), nn.Linear(32, 12)
+    layer = PanelLinear(first.weight, first.bias, torch.float16)
+    fused = layer.remade(torch.cat([first.weight, second.weight]),
+                        torch.cat([first.bias, second.bias]))
+    assert fused.panels.dtype == torch.float16 and fused.out_features == 32
+    x = torch.randn(2, 3, 32)
+    out = fused(x)
+    assert out.shape == (2, 3, 32)
+    torch.testing.assert_close(out[..., :20], layer(x), rtol=0, atol=0)
+    assert "float16" in repr(fused)
+
+
+def test_conversion_swaps_linears_and_keeps_what_fp16_cannot_hold(panels: bool) -> None:
+    if not panels and not fbgemm_fp16_available():
+        pytest.skip("this torch build has no fbgemm fp16 GEMM")
+    kind = PanelLinear if panels else HalfWeightLinear
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)),
                           nn.Linear(4, 2))
     with torch.no_grad():
         model[3].weight[0, 0] = 1e6
     x = torch.randn(3, 8)
-    before = model(x)
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in (rounded[0], rounded[2][0]):
+            layer.weight.copy_(layer.weight.half().float())
+    before = rounded(x)
     assert convert_linears(model) == 2
-    assert isinstance(model[0], HalfWeightLinear)
-    assert isinstance(model[2][0], HalfWeightLinear)
+    assert isinstance(model[0], kind)
+    assert isinstance(model[2][0], kind)
     assert type(model[3]) is nn.Linear
-    torch.testing.assert_close(model(x), before, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(model(x), before, rtol=1e-5, atol=1e-5)
 
 
-@needs_fbgemm
 def test_tied_embeddings_stay_fp32() -> None:
     model = tiny_llama(tie_word_embeddings=True)
     use_half_weights(model, torch.bfloat16)
     assert model.get_input_embeddings().weight.dtype == torch.float32
-    assert isinstance(model.get_output_embeddings(), HalfWeightLinear)
+    assert isinstance(model.get_output_embeddings(), PanelLinear)
 
 
-@needs_fbgemm
-def test_bf16_model_greedy_equals_generate_with_the_same_weights() -> None:
+def test_bf16_model_greedy_equals_generate_with_the_same_weights(panels: bool) -> None:
     """The oracle: transformers computing in fp32 over the bf16-rounded weights."""
+    if not panels and not fbgemm_fp16_available():
+        pytest.skip("this torch build has no fbgemm fp16 GEMM")
     prompts = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     reference = tiny_llama(dtype=torch.bfloat16).float()

@@ -16,11 +16,11 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata
-from engine.cpu_linear import HalfWeightLinear, PackedLinear
+from engine.cpu_linear import CPU_LINEAR_TYPES
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM"})
-LINEAR_TYPES = (nn.Linear, HalfWeightLinear, PackedLinear)
+LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
 
 
 def supports(hf_model: Any) -> str:
@@ -59,8 +59,8 @@ def fuse(linears: list[nn.Module]) -> nn.Module:
     weight = torch.cat([m.weight for m in linears])
     biases = [m.bias for m in linears]
     bias = None if biases[0] is None else torch.cat(biases)
-    if isinstance(linears[0], HalfWeightLinear | PackedLinear):
-        return type(linears[0])(weight, bias)
+    if isinstance(linears[0], CPU_LINEAR_TYPES):
+        return linears[0].remade(weight, bias)
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
                       device=weight.device, dtype=weight.dtype)
     with torch.no_grad():

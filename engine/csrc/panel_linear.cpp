@@ -1,0 +1,221 @@
+// Linear layers on the CPU over weights packed in panels of 16 output columns:
+// y = x w^T + bias, with x, bias and y in fp32 and the weight in fp32 or fp16.
+//
+// x       [rows, in]             fp32, contiguous
+// panels  [ceil(out / 16), in, 16]  fp32 or fp16, contiguous: panel p holds output columns
+//                                  16p..16p+15, one row of 16 per input feature (zero-padded)
+// bias    [panels * 16]          fp32, optional, zero-padded like the panels
+//
+// The inner loop multiplies up to 6 rows of x by one panel: each step broadcasts one input
+// feature of each row and adds it times the panel's 16 weights into 12 accumulators held in
+// registers. Panels are split over torch's threads, so each thread streams its own share of the
+// weight from memory once per chunk of rows; an fp16 panel is widened to fp32 once and reused
+// when a chunk has more than 6 rows. One or two rows (decoding a few sequences, bound by memory
+// bandwidth) run over four panels at once instead, for enough independent accumulators.
+//
+// Every output is summed over the input features in order, one fused multiply-add at a time,
+// whatever the number of rows, threads or path: a row's result does not depend on its batch.
+// Without AVX2, F16C and FMA the op refuses to run and callers keep torch's products.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define CONVEYOR_PANEL_LINEAR_SIMD 1
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+// Rows of x handled per pass over the weight: about this many bytes of x, kept in L2.
+constexpr int64_t kChunkBytes = 256 * 1024;
+constexpr int kMaxRows = 6;
+
+#ifdef CONVEYOR_PANEL_LINEAR_SIMD
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// MR rows of x times NP consecutive panels, written to out (row stride ldo) plus bias.
+// The loops over MR and NP are unrolled so that the accumulators stay in registers.
+template <int MR, int NP, typename W>
+inline void micro(const float* x, int64_t K, const W* panels, float* out, int64_t ldo,
+                  const float* bias) {
+  __m256 acc[MR][2 * NP];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NP; ++j) acc[m][j] = _mm256_setzero_ps();
+  const int64_t panel_size = K * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[2 * NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      w[2 * p] = load8(panels + p * panel_size + k * kPanel);
+      w[2 * p + 1] = load8(panels + p * panel_size + k * kPanel + 8);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * NP; ++j) acc[m][j] = _mm256_fmadd_ps(xb, w[j], acc[m][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NP; ++j) {
+      __m256 v = acc[m][j];
+      if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j * 8));
+      _mm256_storeu_ps(out + m * ldo + j * 8, v);
+    }
+}
+
+template <int NP, typename W>
+inline void micro_rows(int64_t rows, const float* x, int64_t K, const W* panels, float* out,
+                       int64_t ldo, const float* bias) {
+  switch (rows) {
+    case 6: micro<6, NP>(x, K, panels, out, ldo, bias); break;
+    case 5: micro<5, NP>(x, K, panels, out, ldo, bias); break;
+    case 4: micro<4, NP>(x, K, panels, out, ldo, bias); break;
+    case 3: micro<3, NP>(x, K, panels, out, ldo, bias); break;
+    case 2: micro<2, NP>(x, K, panels, out, ldo, bias); break;
+    case 1: micro<1, NP>(x, K, panels, out, ldo, bias); break;
+    default: break;
+  }
+}
+
+struct Problem {
+  const float* x;
+  const float* bias;  // padded to whole panels, or null
+  float* out;
+  int64_t M, K, N;
+};
+
+// Rows [m0, m0 + rows) of x times one panel, 6 rows at a time. The last panel's spare columns
+// go to a scratch tile instead of past the end of the output rows.
+template <typename W>
+void rows_by_panel(const Problem& pb, int64_t m0, int64_t rows, const W* panel, int64_t p) {
+  const int64_t n0 = p * kPanel;
+  const int64_t cols = std::min(kPanel, pb.N - n0);
+  const float* bias = pb.bias == nullptr ? nullptr : pb.bias + n0;
+  for (int64_t m = m0; m < m0 + rows; m += kMaxRows) {
+    const int64_t mr = std::min<int64_t>(kMaxRows, m0 + rows - m);
+    if (cols == kPanel) {
+      micro_rows<1>(mr, pb.x + m * pb.K, pb.K, panel, pb.out + m * pb.N + n0, pb.N, bias);
+      continue;
+    }
+    float tile[kMaxRows * kPanel];
+    micro_rows<1>(mr, pb.x + m * pb.K, pb.K, panel, tile, kPanel, bias);
+    for (int64_t r = 0; r < mr; ++r)
+      std::memcpy(pb.out + (m + r) * pb.N + n0, tile + r * kPanel, cols * sizeof(float));
+  }
+}
+
+// One or two rows: four panels at a time while four whole panels remain.
+template <typename W>
+void few_rows(const Problem& pb, const W* panels, int64_t p0, int64_t p1) {
+  const int64_t panel_size = pb.K * kPanel;
+  int64_t p = p0;
+  for (; p + 4 <= p1 && (p + 4) * kPanel <= pb.N; p += 4) {
+    const float* bias = pb.bias == nullptr ? nullptr : pb.bias + p * kPanel;
+    if (pb.M == 1)
+      micro<1, 4>(pb.x, pb.K, panels + p * panel_size, pb.out + p * kPanel, pb.N, bias);
+    else
+      micro<2, 4>(pb.x, pb.K, panels + p * panel_size, pb.out + p * kPanel, pb.N, bias);
+  }
+  for (; p < p1; ++p) rows_by_panel(pb, 0, pb.M, panels + p * panel_size, p);
+}
+
+inline void widen(const at::Half* panel, int64_t size, float* out) {
+  for (int64_t i = 0; i < size; i += 8) _mm256_storeu_ps(out + i, load8(panel + i));
+}
+
+// Panels [p0, p1) for all rows, a chunk of rows at a time.
+template <typename W>
+void panel_range(const Problem& pb, const W* panels, int64_t p0, int64_t p1) {
+  if (pb.M <= 2) {
+    few_rows(pb, panels, p0, p1);
+    return;
+  }
+  const int64_t panel_size = pb.K * kPanel;
+  const int64_t chunk =
+      std::max<int64_t>(kMaxRows, kChunkBytes / (pb.K * 4) / kMaxRows * kMaxRows);
+  thread_local std::vector<float> wide;
+  for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, pb.M - m0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const W* panel = panels + p * panel_size;
+      if constexpr (std::is_same_v<W, at::Half>) {
+        if (rows > kMaxRows) {
+          wide.resize(panel_size);
+          widen(panel, panel_size, wide.data());
+          rows_by_panel(pb, m0, rows, wide.data(), p);
+          continue;
+        }
+      }
+      rows_by_panel(pb, m0, rows, panel, p);
+    }
+  }
+}
+
+template <typename W>
+void run(const Problem& pb, const at::Tensor& panels) {
+  const W* w = panels.data_ptr<W>();
+  // Enough panels per task that a thread's share streams as one run.
+  at::parallel_for(0, panels.size(0), 4,
+                   [&](int64_t p0, int64_t p1) { panel_range(pb, w, p0, p1); });
+}
+#endif
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t out_features) {
+#ifndef CONVEYOR_PANEL_LINEAR_SIMD
+  TORCH_CHECK(false, "panel_linear needs AVX2, F16C and FMA");
+#else
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel,
+              "panel_linear: x must be [rows, in] and panels [panels, in, 16]");
+  TORCH_CHECK(x.size(1) == panels.size(1) && x.size(1) > 0,
+              "panel_linear: x and panels' input sizes differ");
+  TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
+              "panel_linear: out_features does not match the number of panels");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "panel_linear: x must be fp32");
+  TORCH_CHECK(panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kHalf,
+              "panel_linear: panels must be fp32 or fp16");
+  TORCH_CHECK(x.is_contiguous() && panels.is_contiguous(),
+              "panel_linear: inputs must be contiguous");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel &&
+                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "panel_linear: bias must be fp32 [panels * 16], zero-padded");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, out_features}, x.options());
+  if (M == 0) return out;
+  const Problem pb{x.data_ptr<float>(),
+                   has_bias ? bias->data_ptr<float>() : nullptr,
+                   out.data_ptr<float>(), M, K, out_features};
+  if (panels.scalar_type() == at::kHalf)
+    run<at::Half>(pb, panels);
+  else
+    run<float>(pb, panels);
+  return out;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("panel_linear", &panel_linear); }
