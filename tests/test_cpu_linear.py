@@ -96,16 +96,16 @@ def test_fbgemm_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytes
 
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 8, 1), (1, 24, 64), (1, 40, 100), (2, 13, 5), (2, 96, 80),
-                          (3, 96, 17), (4, 100, 40), (5, 1000, 9), (6, 24, 32), (7, 24, 3),
+                          (3, 96, 17), (3, 40, 64), (4, 100, 40), (5, 1000, 9), (6, 24, 32), (7, 24, 3),
                           (8, 40, 20), (13, 64, 33), (16, 37, 64), (64, 96, 48),
                           (20, 9000, 18)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("storage", [torch.float32, torch.float16])
 def test_panel_kernel_matches_the_exact_product(rows: int, in_features: int, out_features: int,
                                                 with_bias: bool, storage: torch.dtype) -> None:
-    """One and two rows over four panels at a time and one at a time, up to 6 rows per pass,
-    fp16 panels widened for more rows, a last panel with spare columns, and rows in chunks
-    (9000 inputs leave room for 6 rows per chunk)."""
+    """One to three rows over several panels at a time and one at a time, passes of 4 to 6
+    rows, a last panel with spare columns, and rows in chunks (9000 inputs leave room for 6
+    rows per chunk)."""
     assert cpu_kernels.panel_linear_available()
     torch.manual_seed(rows + in_features)
     linear = nn.Linear(in_features, out_features, bias=with_bias)

@@ -8,10 +8,11 @@
 //
 // The inner loop multiplies up to 6 rows of x by one panel: each step broadcasts one input
 // feature of each row and adds it times the panel's 16 weights into 12 accumulators held in
-// registers. Panels are split over torch's threads, so each thread streams its own share of the
-// weight from memory once per chunk of rows; an fp16 panel is widened to fp32 once and reused
-// when a chunk has more than 6 rows. One or two rows (decoding a few sequences, bound by memory
-// bandwidth) run over four panels at once instead, for enough independent accumulators.
+// registers; fp16 weights are widened as they are loaded (F16C), so a panel stays in L1 at half
+// the bytes while passes over more rows reuse it. Panels are split over torch's threads, so each
+// thread streams its own share of the weight from memory once per chunk of rows. Up to 3 rows
+// (decoding a few sequences, bound by memory bandwidth) run over two or four panels at once
+// instead, for enough independent accumulators.
 //
 // Every output is summed over the input features in order, one fused multiply-add at a time,
 // whatever the number of rows, threads or path: a row's result does not depend on its batch.
@@ -25,8 +26,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
-#include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -102,70 +101,58 @@ struct Problem {
   int64_t M, K, N;
 };
 
-// Rows [m0, m0 + rows) of x times one panel, 6 rows at a time. The last panel's spare columns
-// go to a scratch tile instead of past the end of the output rows.
+// Rows [m0, m0 + rows) of x times one panel, in passes of at most 6 rows of near-equal size (a
+// pass of 4 to 6 rows keeps enough multiply-adds in flight; 13 rows go as 5 + 4 + 4, not
+// 6 + 6 + 1). The last panel's spare columns go to a scratch tile instead of past the end of
+// the output rows.
 template <typename W>
 void rows_by_panel(const Problem& pb, int64_t m0, int64_t rows, const W* panel, int64_t p) {
   const int64_t n0 = p * kPanel;
   const int64_t cols = std::min(kPanel, pb.N - n0);
   const float* bias = pb.bias == nullptr ? nullptr : pb.bias + n0;
-  for (int64_t m = m0; m < m0 + rows; m += kMaxRows) {
-    const int64_t mr = std::min<int64_t>(kMaxRows, m0 + rows - m);
+  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
+  for (int64_t i = 0, m = m0; i < passes; ++i) {
+    const int64_t mr = rows / passes + (i < rows % passes ? 1 : 0);
     if (cols == kPanel) {
       micro_rows<1>(mr, pb.x + m * pb.K, pb.K, panel, pb.out + m * pb.N + n0, pb.N, bias);
-      continue;
+    } else {
+      float tile[kMaxRows * kPanel];
+      micro_rows<1>(mr, pb.x + m * pb.K, pb.K, panel, tile, kPanel, bias);
+      for (int64_t r = 0; r < mr; ++r)
+        std::memcpy(pb.out + (m + r) * pb.N + n0, tile + r * kPanel, cols * sizeof(float));
     }
-    float tile[kMaxRows * kPanel];
-    micro_rows<1>(mr, pb.x + m * pb.K, pb.K, panel, tile, kPanel, bias);
-    for (int64_t r = 0; r < mr; ++r)
-      std::memcpy(pb.out + (m + r) * pb.N + n0, tile + r * kPanel, cols * sizeof(float));
+    m += mr;
   }
 }
 
-// One or two rows: four panels at a time while four whole panels remain.
-template <typename W>
+// Up to 3 rows: several panels at a time while whole panels remain, for enough independent
+// accumulators (one row alone would leave the multiply-adds waiting on each other).
+template <int MR, int NP, typename W>
 void few_rows(const Problem& pb, const W* panels, int64_t p0, int64_t p1) {
   const int64_t panel_size = pb.K * kPanel;
   int64_t p = p0;
-  for (; p + 4 <= p1 && (p + 4) * kPanel <= pb.N; p += 4) {
+  for (; p + NP <= p1 && (p + NP) * kPanel <= pb.N; p += NP) {
     const float* bias = pb.bias == nullptr ? nullptr : pb.bias + p * kPanel;
-    if (pb.M == 1)
-      micro<1, 4>(pb.x, pb.K, panels + p * panel_size, pb.out + p * kPanel, pb.N, bias);
-    else
-      micro<2, 4>(pb.x, pb.K, panels + p * panel_size, pb.out + p * kPanel, pb.N, bias);
+    micro<MR, NP>(pb.x, pb.K, panels + p * panel_size, pb.out + p * kPanel, pb.N, bias);
   }
   for (; p < p1; ++p) rows_by_panel(pb, 0, pb.M, panels + p * panel_size, p);
-}
-
-inline void widen(const at::Half* panel, int64_t size, float* out) {
-  for (int64_t i = 0; i < size; i += 8) _mm256_storeu_ps(out + i, load8(panel + i));
 }
 
 // Panels [p0, p1) for all rows, a chunk of rows at a time.
 template <typename W>
 void panel_range(const Problem& pb, const W* panels, int64_t p0, int64_t p1) {
-  if (pb.M <= 2) {
-    few_rows(pb, panels, p0, p1);
-    return;
+  switch (pb.M) {
+    case 1: few_rows<1, 4>(pb, panels, p0, p1); return;
+    case 2: few_rows<2, 2>(pb, panels, p0, p1); return;
+    case 3: few_rows<3, 2>(pb, panels, p0, p1); return;
+    default: break;
   }
   const int64_t panel_size = pb.K * kPanel;
   const int64_t chunk =
       std::max<int64_t>(kMaxRows, kChunkBytes / (pb.K * 4) / kMaxRows * kMaxRows);
-  thread_local std::vector<float> wide;
   for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
     const int64_t rows = std::min(chunk, pb.M - m0);
-    for (int64_t p = p0; p < p1; ++p) {
-      const W* panel = panels + p * panel_size;
-      if constexpr (std::is_same_v<W, at::Half>) {
-        if (rows > kMaxRows) {
-          wide.resize(panel_size);
-          widen(panel, panel_size, wide.data());
-          rows_by_panel(pb, m0, rows, wide.data(), p);
-          continue;
-        }
-      }
-      rows_by_panel(pb, m0, rows, panel, p);
-    }
+    for (int64_t p = p0; p < p1; ++p) rows_by_panel(pb, m0, rows, panels + p * panel_size, p);
   }
 }
 
