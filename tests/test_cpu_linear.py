@@ -96,8 +96,8 @@ def test_fbgemm_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytes
 
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 8, 1), (1, 24, 64), (1, 40, 100), (2, 13, 5), (2, 96, 80),
-                          (3, 96, 17), (3, 40, 64), (4, 100, 40), (5, 1000, 9), (6, 24, 32), (7, 24, 3),
-                          (8, 40, 20), (13, 64, 33), (16, 37, 64), (64, 96, 48),
+                          (3, 96, 17), (3, 40, 64), (4, 100, 40), (5, 1000, 9), (6, 24, 32),
+                          (7, 24, 3), (8, 40, 20), (13, 64, 33), (16, 37, 64), (64, 96, 48),
                           (20, 9000, 18)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("storage", [torch.float32, torch.float16])
