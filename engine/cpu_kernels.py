@@ -1,7 +1,7 @@
 """Builds and loads Conveyor's C++ kernels for the CPU: paged decode attention
 (`csrc/paged_decode.cpp`), linear layers over weights packed in panels
-(`csrc/panel_linear.cpp`), and RMSNorm and rotary embeddings in one pass each
-(`csrc/rms_norm.cpp`, `csrc/rotary.cpp`).
+(`csrc/panel_linear.cpp`), and RMSNorm, rotary embeddings and the gated MLP's activation in one
+pass each (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`).
 
 They are compiled on first use with the machine's own compiler for the machine's own
 instruction set (`-march=native`), so the build folder is keyed by the sources and the CPU's
@@ -23,7 +23,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode.cpp", "panel_linear.cpp", "rms_norm.cpp", "rotary.cpp")]
+           for name in ("paged_decode.cpp", "panel_linear.cpp", "rms_norm.cpp", "rotary.cpp",
+                        "silu_mul.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -121,3 +122,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split rotary embedding of fp32 `[tokens, heads, dim]` by `[tokens, 1, dim]` tables."""
     return torch.ops.conveyor.rotary(x, cos, sin)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for fp32 rows `[rows, 2 * inter]` holding gate then up."""
+    return torch.ops.conveyor.silu_mul(x)

@@ -84,3 +84,38 @@ def test_the_model_rotates_fp32_rows_on_the_cpu_in_one_pass(monkeypatch):
     llama.rotate(torch.randn(4, 3, 8).bfloat16(), table.bfloat16(), table.bfloat16())
     llama.rotate(torch.randn(3, 4, 8).transpose(0, 1), table, table)  # heads strided: torch's
     assert calls == [(4, 3, 8)]
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 5), (16, 64), (300, 1536)])
+def test_silu_mul_matches_torch(rows, inter):
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * inter) * 4
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamped range, and zero
+    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_refuses_bad_inputs():
+    with pytest.raises(RuntimeError, match=r"\[rows, 2 \* inter\]"):
+        cpu_kernels.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="must be fp32"):
+        cpu_kernels.silu_mul(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels.silu_mul(torch.randn(8, 2).t())
+
+
+def test_the_model_gates_fp32_silu_rows_on_the_cpu_in_one_pass(monkeypatch):
+    from tests.helpers import tiny_llama
+
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "silu_mul", lambda x: calls.append(x.shape) or
+                        F.silu(x[:, :x.shape[1] // 2]) * x[:, x.shape[1] // 2:])
+    layer = llama.PagedLlamaLayer(tiny_llama().model.layers[0], 0)
+    assert layer.silu
+    hidden = torch.randn(3, layer.gate_up_proj.in_features)
+    expected = layer.down_proj(layer.act_fn(layer.gate_up_proj(hidden)[:, :layer.intermediate])
+                               * layer.gate_up_proj(hidden)[:, layer.intermediate:])
+    torch.testing.assert_close(layer._mlp(hidden), expected)
+    layer.silu = False  # another activation: torch's
+    torch.testing.assert_close(layer._mlp(hidden), expected)
+    assert calls == [(3, 2 * layer.intermediate)]

@@ -84,6 +84,7 @@ class PagedLlamaLayer(nn.Module):
         self.gate_up_proj = fuse([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
+        self.silu = getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
         self.intermediate = mlp.gate_proj.out_features
         self.input_norm = hf_layer.input_layernorm
         self.post_attention_norm = hf_layer.post_attention_layernorm
@@ -127,8 +128,16 @@ class PagedLlamaLayer(nn.Module):
 
     def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(hidden)
+        if self.silu and _one_pass_gate(gate_up):
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up[:, :self.intermediate], gate_up[:, self.intermediate:]
         return self.down_proj(self.act_fn(gate) * up)
+
+
+def _one_pass_gate(gate_up: torch.Tensor) -> bool:
+    """Conveyor's one-pass CPU activation applies: fp32 rows on the CPU, kernels built."""
+    return (gate_up.is_cpu and gate_up.dtype == torch.float32 and gate_up.dim() == 2
+            and gate_up.is_contiguous() and cpu_kernels.load())
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
