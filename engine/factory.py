@@ -42,7 +42,9 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
     scheduler = Scheduler(config.scheduler_config(max_model_len),
                           BlockManager(num_blocks, spec.block_size, config.enable_prefix_caching))
-    vocab_size = loaded.model.get_output_embeddings().weight.shape[0]
+    head = loaded.model.get_output_embeddings()
+    # Every linear layer type knows its width; packed ones would unpack their weight to say.
+    vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
     sampler = Sampler(vocab_size, device, seed=config.seed)
     model = build_causal_lm(loaded.model, config.model_impl)
     logger.info("model implementation: %s", model.name)
