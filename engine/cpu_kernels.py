@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_decode.cpp", "panel_linear.cpp", "rms_norm.cpp", "rotary.cpp",
                         "silu_mul.cpp")]
+# Included by the sources: part of the build's key, though not compiled on their own.
+HEADERS = [Path(__file__).parent / "csrc" / "fast_exp.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -41,9 +43,10 @@ def cpu_flags() -> str:
 
 
 def build_name() -> str:
-    """Unique per sources, flags, CPU features and torch version."""
+    """Unique per sources, headers, flags, CPU features and torch version."""
     digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS).encode(),
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS),
+                 " ".join(CFLAGS).encode(),
                  cpu_flags().encode(), torch.__version__.encode()):
         digest.update(part)
     return f"conveyor_cpu_{digest.hexdigest()[:16]}"
@@ -75,7 +78,7 @@ def build(name: str) -> bool:
     except Exception as error:  # no compiler, no ninja, unsupported platform
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         logger.warning("Conveyor's CPU kernels unavailable (%s); using the torch attention "
-                       "backend and fbgemm's products", message)
+                       "backend and torch's products", message)
         return False
     return True
 

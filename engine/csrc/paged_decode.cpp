@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "fast_exp.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define CONVEYOR_PAGED_SIMD 1
@@ -125,33 +127,13 @@ inline const float* block_as_float(const T* src, int64_t elements, float* scratc
   }
 }
 
-// exp(x) for x <= 0 in plain arithmetic, so the compiler vectorizes the softmax loop (a call to
-// the C library's exp would not be). Range reduction to 2^n * exp(r), |r| <= ln2/2, then a
-// degree-6 polynomial: relative error below 2e-7.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  float p = 1.38888889e-3f;
-  p = p * r + 8.33333333e-3f;
-  p = p * r + 4.16666667e-2f;
-  p = p * r + 1.66666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 inline void softmax_weights(float* scores, int64_t len, float& total) {
   float peak = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < len; ++t) peak = std::max(peak, scores[t]);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < len; ++t) {
-    scores[t] = exp_nonpositive(scores[t] - peak);
+    scores[t] = conveyor::exp_clamped(scores[t] - peak);
     sum += scores[t];
   }
   total = sum;

@@ -5,38 +5,19 @@
 // out  [rows, inter]     fp32
 //
 // torch runs this as a slice, silu and mul: two ops and a temporary a layer. silu(g) is
-// g / (1 + exp(-g)), as torch computes it, with exp in plain arithmetic so that the loop
-// vectorizes.
+// g / (1 + exp(-g)), as torch computes it, with exp in plain arithmetic (`fast_exp.h`) so that
+// the loop vectorizes.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "fast_exp.h"
 
 namespace {
-
-// exp(x) by range reduction to 2^n * exp(r), |r| <= ln2/2, and a degree-6 polynomial: relative
-// error below 2e-7. Inputs are clamped to where fp32 neither overflows nor goes subnormal.
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.f), 88.f);
-  const float n = std::nearbyint(x * 1.44269504f);
-  const float r = x - n * 0.693145752f - n * 1.42860677e-6f;
-  float p = 1.38888889e-3f;
-  p = p * r + 8.33333333e-3f;
-  p = p * r + 4.16666667e-2f;
-  p = p * r + 1.66666667e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 void gate_rows(const float* x, float* out, int64_t inter, int64_t begin, int64_t end) {
   for (int64_t row = begin; row < end; ++row) {
@@ -44,7 +25,8 @@ void gate_rows(const float* x, float* out, int64_t inter, int64_t begin, int64_t
     const float* up = gate + inter;
     float* o = out + row * inter;
 #pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) o[i] = gate[i] / (1.f + exp_clamped(-gate[i])) * up[i];
+    for (int64_t i = 0; i < inter; ++i)
+      o[i] = gate[i] / (1.f + conveyor::exp_clamped(-gate[i])) * up[i];
   }
 }
 
