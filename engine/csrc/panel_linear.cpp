@@ -80,16 +80,17 @@ inline void micro(const float* x, int64_t K, const W* panels, float* out, int64_
     }
 }
 
-template <int NP, typename W>
-inline void micro_rows(int64_t rows, const float* x, int64_t K, const W* panels, float* out,
+// 1 to 6 rows of x times one panel.
+template <typename W>
+inline void micro_rows(int64_t rows, const float* x, int64_t K, const W* panel, float* out,
                        int64_t ldo, const float* bias) {
   switch (rows) {
-    case 6: micro<6, NP>(x, K, panels, out, ldo, bias); break;
-    case 5: micro<5, NP>(x, K, panels, out, ldo, bias); break;
-    case 4: micro<4, NP>(x, K, panels, out, ldo, bias); break;
-    case 3: micro<3, NP>(x, K, panels, out, ldo, bias); break;
-    case 2: micro<2, NP>(x, K, panels, out, ldo, bias); break;
-    case 1: micro<1, NP>(x, K, panels, out, ldo, bias); break;
+    case 6: micro<6, 1>(x, K, panel, out, ldo, bias); break;
+    case 5: micro<5, 1>(x, K, panel, out, ldo, bias); break;
+    case 4: micro<4, 1>(x, K, panel, out, ldo, bias); break;
+    case 3: micro<3, 1>(x, K, panel, out, ldo, bias); break;
+    case 2: micro<2, 1>(x, K, panel, out, ldo, bias); break;
+    case 1: micro<1, 1>(x, K, panel, out, ldo, bias); break;
     default: break;
   }
 }
@@ -114,10 +115,10 @@ void rows_by_panel(const Problem& pb, int64_t m0, int64_t rows, const W* panel, 
   for (int64_t i = 0, m = m0; i < passes; ++i) {
     const int64_t mr = rows / passes + (i < rows % passes ? 1 : 0);
     if (cols == kPanel) {
-      micro_rows<1>(mr, pb.x + m * pb.K, pb.K, panel, pb.out + m * pb.N + n0, pb.N, bias);
+      micro_rows(mr, pb.x + m * pb.K, pb.K, panel, pb.out + m * pb.N + n0, pb.N, bias);
     } else {
       float tile[kMaxRows * kPanel];
-      micro_rows<1>(mr, pb.x + m * pb.K, pb.K, panel, tile, kPanel, bias);
+      micro_rows(mr, pb.x + m * pb.K, pb.K, panel, tile, kPanel, bias);
       for (int64_t r = 0; r < mr; ++r)
         std::memcpy(pb.out + (m + r) * pb.N + n0, tile + r * kPanel, cols * sizeof(float));
     }
