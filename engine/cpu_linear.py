@@ -147,11 +147,8 @@ class PanelLinear(nn.Module):
 
 def pack_panels(weight: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     """`[out, in]` to `[ceil(out / 16), in, 16]` in `storage`, spare columns zero."""
-    out_features, in_features = weight.shape
-    count = -(-out_features // PANEL)
-    padded = torch.zeros(count * PANEL, in_features, dtype=storage)
-    padded[:out_features] = weight
-    return padded.view(count, PANEL, in_features).transpose(1, 2).contiguous()
+    padded = pad_to_panels(weight.to(storage))
+    return padded.view(-1, PANEL, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -161,10 +158,11 @@ def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return rows[:out_features].float()
 
 
-def pad_to_panels(vector: torch.Tensor) -> torch.Tensor:
-    """`[out]` zero-padded to whole panels, as the kernel reads a bias."""
-    padded = torch.zeros(-(-vector.shape[0] // PANEL) * PANEL, dtype=vector.dtype)
-    padded[:vector.shape[0]] = vector
+def pad_to_panels(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` (a bias `[out]`, or a weight `[out, in]`) zero-padded to whole panels of 16 along
+    the first dim, as the kernel reads them."""
+    padded = rows.new_zeros((-(-rows.shape[0] // PANEL) * PANEL, *rows.shape[1:]))
+    padded[:rows.shape[0]] = rows
     return padded
 
 
