@@ -1,7 +1,8 @@
 """Builds and loads Conveyor's C++ kernels for the CPU: paged decode attention
 (`csrc/paged_decode.cpp`), linear layers over weights packed in panels
-(`csrc/panel_linear.cpp`), and RMSNorm, rotary embeddings and the gated MLP's activation in one
-pass each (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`).
+(`csrc/panel_linear.cpp`), RMSNorm, rotary embeddings and the gated MLP's activation in one
+pass each (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`), and a whole decoder
+layer for a step of decode rows that runs those kernels back to back (`csrc/decode_layer.cpp`).
 
 They are compiled on first use with the machine's own compiler for the machine's own
 instruction set (`-march=native`), so the build folder is keyed by the sources and the CPU's
@@ -24,9 +25,9 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_decode.cpp", "panel_linear.cpp", "rms_norm.cpp", "rotary.cpp",
-                        "silu_mul.cpp")]
+                        "silu_mul.cpp", "decode_layer.cpp")]
 # Included by the sources: part of the build's key, though not compiled on their own.
-HEADERS = [Path(__file__).parent / "csrc" / "fast_exp.h"]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("fast_exp.h", "ops.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -130,3 +131,20 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for fp32 rows `[rows, 2 * inter]` holding gate then up."""
     return torch.ops.conveyor.silu_mul(x)
+
+
+def decode_layer(hidden: torch.Tensor, weights: list[torch.Tensor],
+                 biases: list[torch.Tensor | None], heads: list[int], cos: torch.Tensor,
+                 sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 eps: float, scale: float) -> torch.Tensor:
+    """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
+
+    `weights`: input norm, q/k/v panels, output panels, post-attention norm, gate/up panels,
+    down panels; `biases`: the four projections' padded biases or None; `heads`: query heads,
+    kv heads, head dim. Each row's new K/V go to its slot of the fp32 layer cache, then it
+    attends over its blocks up to its length.
+    """
+    return torch.ops.conveyor.decode_layer(hidden, weights, biases, heads, cos, sin, key_cache,
+                                           value_cache, slots, block_table, seq_lens, eps,
+                                           scale)

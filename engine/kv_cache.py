@@ -60,16 +60,19 @@ class KVCache:
             dtype=spec.dtype,
             device=device,
         )
+        # Per-layer views, made once: every layer asks for its own on every step.
+        self._keys = [self.tensor[layer, 0] for layer in range(spec.num_layers)]
+        self._values = [self.tensor[layer, 1] for layer in range(spec.num_layers)]
 
     @property
     def block_size(self) -> int:
         return self.spec.block_size
 
     def key(self, layer: int) -> torch.Tensor:
-        return self.tensor[layer, 0]
+        return self._keys[layer]
 
     def value(self, layer: int) -> torch.Tensor:
-        return self.tensor[layer, 1]
+        return self._values[layer]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor) -> None:

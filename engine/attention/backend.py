@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -17,6 +18,17 @@ class AttentionMetadata:
     backend: AttentionBackend
     kv_cache: KVCache
     slot_mapping: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """A step of decode rows only (row i is token i), as a fused decoder layer takes it: each
+    row's new K/V go to its slot, then it attends over its blocks up to its length."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
 
 
 class AttentionBackend(ABC):
@@ -37,3 +49,9 @@ class AttentionBackend(ABC):
         returns `[tokens, heads, head_dim]`. Each token sees its own sequence's cached prefix and
         the new tokens before it.
         """
+
+    def decode_step(self, metadata: AttentionMetadata) -> DecodeStep | None:
+        """The step as a fused decoder layer takes it, where this backend's attention is what
+        that layer computes (Conveyor's CPU kernel over an fp32 cache) and every row decodes;
+        else None, and layers call `forward`."""
+        return None

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from engine import cpu_kernels
-from engine.attention.in_place import InPlaceDecodeAttention
+from engine.attention.backend import AttentionMetadata, DecodeStep
+from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
 
 
 class CpuPagedAttention(InPlaceDecodeAttention):
@@ -22,3 +23,13 @@ class CpuPagedAttention(InPlaceDecodeAttention):
                       seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         return cpu_kernels.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
                                        scale)
+
+    def decode_step(self, metadata: AttentionMetadata) -> DecodeStep | None:
+        assert isinstance(metadata, InPlaceMetadata)
+        cache = metadata.kv_cache
+        if (not metadata.all_decode or cache.spec.dtype != torch.float32
+                or metadata.decode_block_table is None or metadata.decode_seq_lens is None):
+            return None
+        return DecodeStep(kv_cache=cache, slot_mapping=metadata.slot_mapping,
+                          block_table=metadata.decode_block_table,
+                          seq_lens=metadata.decode_seq_lens)

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -219,8 +220,12 @@ void check_tables(const at::Tensor& table, const at::Tensor& lens, int64_t block
   }
 }
 
-at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value,
-                           at::Tensor table, at::Tensor lens, double scale) {
+}  // namespace
+
+namespace conveyor {
+
+at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor table,
+                        at::Tensor lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(),
               "paged_decode: query [seqs, heads, dim], key/value [blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
@@ -246,9 +251,9 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value,
   return out;
 }
 
-}  // namespace
+}  // namespace conveyor
 
 TORCH_LIBRARY(conveyor, m) {
   m.def("paged_decode(Tensor query, Tensor key, Tensor value, Tensor table, Tensor lens, float scale) -> Tensor");
-  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(conveyor::paged_decode));
 }

@@ -27,6 +27,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ops.h"
+
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define CONVEYOR_PANEL_LINEAR_SIMD 1
@@ -166,6 +168,10 @@ void run(const Problem& pb, const at::Tensor& panels) {
 }
 #endif
 
+}  // namespace
+
+namespace conveyor {
+
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
 #ifndef CONVEYOR_PANEL_LINEAR_SIMD
@@ -201,9 +207,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
 #endif
 }
 
-}  // namespace
+}  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("panel_linear", &panel_linear); }
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("panel_linear", &conveyor::panel_linear); }

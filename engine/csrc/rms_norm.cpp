@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ops.h"
+
 namespace {
 
 void normalize_rows(const float* x, const float* w, float* y, int64_t dim, float eps,
@@ -30,6 +32,10 @@ void normalize_rows(const float* x, const float* w, float* y, int64_t dim, float
     for (int64_t d = 0; d < dim; ++d) out[d] = w[d] * (in[d] * inv);
   }
 }
+
+}  // namespace
+
+namespace conveyor {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
@@ -51,9 +57,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-}  // namespace
+}  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("rms_norm", &conveyor::rms_norm); }

@@ -15,6 +15,8 @@
 
 #include <algorithm>
 
+#include "ops.h"
+
 namespace {
 
 __attribute__((optimize("fp-contract=off"))) void rotate_rows(
@@ -41,6 +43,10 @@ __attribute__((optimize("fp-contract=off"))) void rotate_rows(
   }
 }
 
+}  // namespace
+
+namespace conveyor {
+
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() &&
                   cos.size(0) == x.size(0) && cos.size(1) == 1 && cos.size(2) == x.size(2) &&
@@ -65,9 +71,9 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-}  // namespace
+}  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("rotary", &rotary); }
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("rotary", &conveyor::rotary); }

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "fast_exp.h"
+#include "ops.h"
 
 namespace {
 
@@ -29,6 +30,10 @@ void gate_rows(const float* x, float* out, int64_t inter, int64_t begin, int64_t
       o[i] = gate[i] / (1.f + conveyor::exp_clamped(-gate[i])) * up[i];
   }
 }
+
+}  // namespace
+
+namespace conveyor {
 
 at::Tensor silu_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
@@ -46,7 +51,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
+}  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) { m.def("silu_mul(Tensor x) -> Tensor"); }
-TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("silu_mul", &silu_mul); }
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("silu_mul", &conveyor::silu_mul); }

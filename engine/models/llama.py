@@ -2,12 +2,15 @@
 
 It takes its weights from the loaded Hugging Face model and computes the same thing with fewer
 kernel launches: q, k and v come from one fused projection and gate and up from another, rotary
-embeddings rotate q and k in one pass, and the layers call the paged attention directly. The
-Hugging Face model stays the oracle: greedy tokens from both must agree.
+embeddings rotate q and k in one pass, and the layers call the paged attention directly. On
+the CPU, with weights in Conveyor's panels, a step of decode rows runs each layer as one C++ op
+(`csrc/decode_layer.cpp`) over the same kernels. The Hugging Face model stays the oracle:
+greedy tokens from both must agree.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_kernels
-from engine.attention.backend import AttentionMetadata
-from engine.cpu_linear import CPU_LINEAR_TYPES
+from engine.attention.backend import AttentionMetadata, DecodeStep
+from engine.cpu_linear import CPU_LINEAR_TYPES, PanelLinear
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM"})
@@ -70,6 +73,16 @@ def fuse(linears: list[nn.Module]) -> nn.Module:
     return fused
 
 
+@dataclass(frozen=True, slots=True)
+class FusedWeights:
+    """A layer's tensors in the order `cpu_kernels.decode_layer` takes them."""
+
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    heads: list[int]
+    eps: float
+
+
 class PagedLlamaLayer(nn.Module):
     def __init__(self, hf_layer: Any, index: int) -> None:
         super().__init__()
@@ -90,6 +103,7 @@ class PagedLlamaLayer(nn.Module):
         self.post_attention_norm = hf_layer.post_attention_layernorm
         self.qk_norm_weight = self._qk_norm_weight(attn)
         self.qk_norm_eps = attn.q_norm.variance_epsilon if self.qk_norm_weight is not None else 0.0
+        self.fused = self._fused_weights()
 
     def _qk_norm_weight(self, attn: Any) -> torch.Tensor | None:
         """Qwen3 normalises each q and k head; one `[q heads + kv heads, dim]` weight does both
@@ -98,6 +112,34 @@ class PagedLlamaLayer(nn.Module):
             return None
         return torch.cat([attn.q_norm.weight.expand(self.num_heads, -1),
                           attn.k_norm.weight.expand(self.num_kv_heads, -1)])
+
+    def _fused_weights(self) -> FusedWeights | None:
+        """The layer as one op takes it, where that op computes it: projections in fp32 or
+        fp16 panels, fp32 norms with one epsilon, silu gating, no per-head q/k norm."""
+        projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        norms = (self.input_norm, self.post_attention_norm)
+        if not (self.silu and self.qk_norm_weight is None
+                and all(isinstance(p, PanelLinear) for p in projections)
+                and all(n.weight.dtype == torch.float32 and n.weight.dim() == 1 for n in norms)
+                and norms[0].variance_epsilon == norms[1].variance_epsilon):
+            return None
+        return FusedWeights(
+            weights=[norms[0].weight, projections[0].panels, projections[1].panels,
+                     norms[1].weight, projections[2].panels, projections[3].panels],
+            biases=[p.padded_bias for p in projections],
+            heads=[self.num_heads, self.num_kv_heads, self.head_dim],
+            eps=float(norms[0].variance_epsilon))
+
+    def decode(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               step: DecodeStep) -> torch.Tensor:
+        """`forward` for a step of decode rows, in one op; needs `self.fused`."""
+        fused = self.fused
+        assert fused is not None
+        cache = step.kv_cache
+        return cpu_kernels.decode_layer(
+            hidden, fused.weights, fused.biases, fused.heads, cos, sin, cache.key(self.index),
+            cache.value(self.index), step.slot_mapping, step.block_table, step.seq_lens,
+            fused.eps, self.scaling)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -175,7 +217,16 @@ class PagedLlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(hidden, positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        step = metadata.backend.decode_step(metadata) if _fp32_rows(hidden) else None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, metadata)
+            if step is not None and layer.fused is not None:
+                hidden = layer.decode(hidden, cos, sin, step)
+            else:
+                hidden = layer(hidden, cos, sin, metadata)
         hidden = rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)
         return self.lm_head(hidden)
+
+
+def _fp32_rows(hidden: torch.Tensor) -> bool:
+    return (hidden.is_cpu and hidden.dtype == torch.float32 and hidden.dim() == 2
+            and hidden.is_contiguous())

@@ -1,0 +1,21 @@
+// The CPU kernels' entry points, callable from one another's C++ without the dispatcher: a
+// fused decode layer (`decode_layer.cpp`) runs them back to back in one op. Each is also
+// registered as `torch.ops.conveyor.<name>` by its own source file.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+
+namespace conveyor {
+
+at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor table,
+                        at::Tensor lens, double scale);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_mul(const at::Tensor& x);
+
+}  // namespace conveyor

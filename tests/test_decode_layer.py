@@ -1,0 +1,189 @@
+"""The fused CPU decode layer (`csrc/decode_layer.cpp`): a step of decode rows through one op per
+layer equals the layer op by op, to the bit, and the greedy oracle holds through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from engine import cpu_kernels
+from engine.attention.cpu_paged import CpuPagedAttention
+from engine.cpu_linear import convert_linears, pack_linears
+from engine.input_batch import build_input_batch
+from engine.models.llama import PagedLlamaLayer
+from engine.sampling_params import SamplingParams
+from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
+from tests.test_model_families import build
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.panel_linear_available(),
+                                reason="Conveyor's CPU kernels need AVX2, F16C and FMA")
+
+PROMPTS = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13, list(range(200, 223))]
+
+
+def packed(model: LlamaForCausalLM, weights: str = "fp32") -> LlamaForCausalLM:
+    """The model as Conveyor serves it on this CPU: fp32 or fp16 panels."""
+    if weights == "fp32":
+        pack_linears(model)
+    else:
+        convert_linears(model)
+    return model
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of every fused layer call."""
+    seen: list[int] = []
+    original = cpu_kernels.decode_layer
+
+    def counting(hidden: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(hidden.shape[0])
+        return original(hidden, *args)
+
+    monkeypatch.setattr(cpu_kernels, "decode_layer", counting)
+    return seen
+
+
+def decode_step(model: LlamaForCausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and cache after one decode step of four sequences of different lengths."""
+    core, _ = tiny_core(model, attention_backend="cpu")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(f"r{i}", prompt, params)
+    for _ in range(3):
+        core.step()
+    scheduled = core.scheduler.schedule()
+    batch = build_input_batch(scheduled.scheduled, core.runner.kv_cache.block_size)
+    assert list(batch.query_lens) == [1] * len(PROMPTS)
+    with monkeypatch.context() as patch, torch.inference_mode():
+        if not fused:
+            patch.setattr(CpuPagedAttention, "decode_step", lambda self, metadata: None)
+        logits = core.runner.forward(batch, batch.sample_token_indices)
+    return logits, core.runner.kv_cache.tensor.clone()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+def test_fused_step_equals_the_layers_op_by_op(family: str, weights: str, calls: list[int],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same kernels in the same order: the logits and every K/V written are equal to the bit
+    (qwen2 has q/k/v biases)."""
+    model = packed(tiny_llama() if family == "llama" else build(family), weights)
+    fused_logits, fused_cache = decode_step(model, True, monkeypatch)
+    layers = model.config.num_hidden_layers
+    # One prefill step, two decode steps, then the step compared: fused on all but the first.
+    assert calls == [len(PROMPTS)] * (3 * layers)
+    calls.clear()
+    plain_logits, plain_cache = decode_step(model, False, monkeypatch)
+    assert calls == [len(PROMPTS)] * (2 * layers)
+    plain_logits, plain_cache = decode_step(model, False, monkeypatch)
+    assert fused_logits.shape == (len(PROMPTS), model.config.vocab_size)
+    assert torch.equal(fused_logits, plain_logits)
+    assert torch.equal(fused_cache, plain_cache)
+    assert fused_cache.abs().sum() > 0
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+def test_greedy_through_the_fused_layer_equals_generate(weights: str,
+                                                        calls: list[int]) -> None:
+    """The oracle: transformers over the same (for fp16 panels, fp16-rounded) weights."""
+    model = tiny_llama(dtype=torch.float32 if weights == "fp32" else torch.bfloat16).float()
+    expected = [reference_greedy(model, p, 12) for p in PROMPTS]
+    core, _ = tiny_core(packed(model, weights), attention_backend="cpu")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = run_all(core, PROMPTS, params)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+    assert len(calls) >= 2 * 10 and max(calls) == len(PROMPTS)
+
+
+def test_steps_with_a_prompt_run_op_by_op(calls: list[int]) -> None:
+    """A step that carries a prefill chunk has rows of several tokens: no fused layer."""
+    core, _ = tiny_core(packed(tiny_llama()), attention_backend="cpu")
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    run_all(core, PROMPTS, params)
+    assert calls == []
+
+
+@pytest.mark.parametrize("case", ["qk_norm", "gelu", "unpacked", "torch_backend"])
+def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str,
+                                                             calls: list[int]) -> None:
+    """Per-head q/k norms (Qwen3), another activation, torch's own linear layers and another
+    attention backend all keep the layer op by op, and greedy still equals generate."""
+    if case == "qk_norm":
+        model = build("qwen3")
+    elif case == "gelu":
+        config = tiny_llama().config
+        config.hidden_act = "gelu"
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+    else:
+        model = tiny_llama()
+    expected = [reference_greedy(model, p, 6) for p in PROMPTS[:2]]
+    if case != "unpacked":
+        pack_linears(model)
+    backend = "torch" if case == "torch_backend" else "cpu"
+    core, _ = tiny_core(model, attention_backend=backend)
+    layers = [m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer)]
+    assert layers and all((layer.fused is None) == (case != "torch_backend") for layer in layers)
+    outputs = run_all(core, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6,
+                                                        ignore_eos=True))
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(2)] == expected
+    assert calls == []
+
+
+def op_inputs(rows: int = 2) -> dict[str, object]:
+    """Valid arguments for one small layer: hidden 32, 4 heads of 8, 2 kv heads, inter 48."""
+    generator = torch.Generator().manual_seed(0)
+
+    def panels(out_features: int, in_features: int) -> torch.Tensor:
+        return torch.randn(-(-out_features // 16), in_features, 16, generator=generator)
+
+    cache = torch.randn(2, 8, 4, 2, 8, generator=generator)
+    return dict(
+        hidden=torch.randn(rows, 32, generator=generator),
+        weights=[torch.ones(32), panels(64, 32), panels(32, 32), torch.ones(32),
+                 panels(96, 32), panels(32, 48)],
+        biases=[None, None, None, None], heads=[4, 2, 8],
+        cos=torch.ones(rows, 1, 8), sin=torch.zeros(rows, 1, 8),
+        key_cache=cache[0], value_cache=cache[1],
+        slots=torch.arange(rows, dtype=torch.int64) * 4 + 3,
+        block_table=torch.arange(rows, dtype=torch.int64)[:, None],
+        seq_lens=torch.full((rows,), 4, dtype=torch.int64), eps=1e-6, scale=0.35)
+
+
+def test_the_op_writes_each_rows_kv_at_its_slot() -> None:
+    inputs = op_inputs()
+    before = {name: inputs[name].clone() for name in ("key_cache", "value_cache")}
+    out = cpu_kernels.decode_layer(**inputs)
+    assert out.shape == (2, 32) and torch.isfinite(out).all()
+    for name, cache in before.items():
+        changed = (inputs[name] != cache).reshape(-1, 16).any(1).nonzero().flatten()
+        assert changed.tolist() == [3, 7], name
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(slots=torch.tensor([3, 64])), "slot out of range"),
+    (dict(slots=torch.tensor([3])), "one int64 slot per row"),
+    (dict(heads=[4, 4, 8]), "head shapes"),
+    (dict(hidden=torch.randn(2, 32).double()), "contiguous fp32"),
+    (dict(biases=[None]), "6 weights, 4 biases"),
+    (dict(seq_lens=torch.tensor([4, 9])), "sequence length outside its block table"),
+])
+def test_the_op_rejects_bad_inputs(change: dict[str, object], message: str) -> None:
+    inputs = op_inputs() | change
+    cache_before = inputs["key_cache"].clone()
+    with pytest.raises(RuntimeError, match=message):
+        cpu_kernels.decode_layer(**inputs)
+    if "slot" in message:
+        assert torch.equal(inputs["key_cache"], cache_before)
+
+
+def test_layer_cache_views_are_made_once() -> None:
+    core, _ = tiny_core(packed(tiny_llama()), attention_backend="cpu")
+    cache = core.runner.kv_cache
+    assert cache.key(1) is cache.key(1)
+    assert cache.key(1).data_ptr() == cache.tensor[1, 0].data_ptr()
+    assert np.array_equal(cache.value(0).shape, cache.tensor[0, 1].shape)
