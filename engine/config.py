@@ -59,19 +59,23 @@ class SchedulerConfig:
             )
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """How the paged KV cache is sized.
+    """How the paged KV cache is sized and what it holds.
 
     `num_blocks` overrides both memory budgets. On CPU `kv_cache_memory` bytes are used; on CUDA
     the fraction `gpu_memory_utilization` of the device memory, less what the weights and a
-    profiling step took.
+    profiling step took. `dtype` is the K/V element type: `auto` is the model's dtype.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -82,6 +86,9 @@ class CacheConfig:
             raise ValueError("kv_cache_memory must be a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown KV cache dtype {self.dtype!r}; choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,3 +156,4 @@ class ServingInfo:
     model_path: str = ""
     enable_prefix_caching: bool = False
     request_timeout: float | None = None
+    kv_cache_dtype: str = ""

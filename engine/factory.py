@@ -35,7 +35,8 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
                     dtype: torch.dtype) -> tuple[EngineCore, ServingInfo]:
     """Build the core around an already loaded model (tests pass tiny in-memory models)."""
     model_config = loaded.model.config
-    spec = KVCacheSpec.from_hf_config(model_config, loaded.compute_dtype, config.cache.block_size)
+    cache_dtype = kv_cache_dtype(config.cache.dtype, dtype, loaded.compute_dtype, device)
+    spec = KVCacheSpec.from_hf_config(model_config, cache_dtype, config.cache.block_size)
     num_blocks = _num_blocks(config.cache, spec, device, loaded)
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * spec.block_size)
     kv_cache = KVCache(spec, num_blocks, device)
@@ -57,6 +58,7 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
         model_name=loaded.name,
         max_model_len=max_model_len,
         dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=str(cache_dtype).removeprefix("torch."),
         device=str(device),
         num_blocks=num_blocks,
         block_size=spec.block_size,
@@ -65,6 +67,23 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
         request_timeout=config.request_timeout,
     )
     return core, info
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, compute_dtype: torch.dtype,
+                   device: torch.device) -> torch.dtype:
+    """What the KV cache holds. `auto` is the model's dtype, as in vLLM: a bf16 model keeps bf16
+    K/V even where a CPU without native bf16 computes it in fp32. The cache holds the compute
+    dtype, or, on the CPU under fp32 compute, bf16 or fp16 (rounded as K/V are stored, widened
+    exactly as attention reads them)."""
+    dtype = model_dtype if name == "auto" else getattr(torch, name)
+    if dtype == compute_dtype:
+        return dtype
+    sixteen_bits = dtype in (torch.bfloat16, torch.float16)
+    if device.type == "cpu" and compute_dtype == torch.float32 and sixteen_bits:
+        return dtype
+    compute = str(compute_dtype).removeprefix("torch.")
+    raise ValueError(f"a {str(dtype).removeprefix('torch.')} KV cache under {compute} compute "
+                     f"on {device.type} is not supported; use --kv-cache-dtype auto or {compute}")
 
 
 def _decode_graphs(config: EngineConfig, model: CausalLM, backend: AttentionBackend,

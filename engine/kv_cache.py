@@ -76,8 +76,10 @@ class KVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor) -> None:
-        """Store `[tokens, kv_heads, head_dim]` K/V of new tokens at their slots."""
+        """Store `[tokens, kv_heads, head_dim]` K/V of new tokens at their slots, rounded to
+        the cache's dtype."""
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim
+        key, value = key.to(self.spec.dtype), value.to(self.spec.dtype)
         self.key(layer).view(-1, heads, dim).index_copy_(0, slot_mapping, key)
         self.value(layer).view(-1, heads, dim).index_copy_(0, slot_mapping, value)
 

@@ -8,7 +8,7 @@ import os
 import re
 import sys
 
-from engine.config import CacheConfig, EngineConfig
+from engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 logger = logging.getLogger("conveyor")
@@ -47,6 +47,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV cache bytes on CPU, e.g. 4GiB (default 4GiB)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="share of GPU memory for weights, activations and KV cache")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="K/V element type (auto: the model's dtype; on CPU, bfloat16 or "
+                             "float16 under float32 compute)")
     engine.add_argument("--max-num-seqs", type=int, default=128)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -109,7 +112,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory=args.kv_cache_memory,
-                          gpu_memory_utilization=args.gpu_memory_utilization),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          dtype=args.kv_cache_dtype),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
@@ -153,10 +157,10 @@ def serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)
     app = build_app(engine, settings)
     info = engine.info
-    logger.info("serving %s as '%s' (%s on %s, %d KV blocks of %d tokens, context %d) at "
+    logger.info("serving %s as '%s' (%s on %s, %d %s KV blocks of %d tokens, context %d) at "
                 "http://%s:%d", info.model_path or info.model_name, app.state.model.name,
-                info.dtype, info.device, info.num_blocks, info.block_size, info.max_model_len,
-                args.host, args.port)
+                info.dtype, info.device, info.num_blocks, info.kv_cache_dtype, info.block_size,
+                info.max_model_len, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(max(1, settings.shutdown_timeout)))
     DrainingServer(config, app).run()

@@ -82,7 +82,7 @@ class EngineMetrics:
             registry, "vllm:gpu_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage. Older name of vllm:kv_cache_usage_perc.")
         cache_info = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks),
-                      "cache_dtype": info.dtype, "device": info.device,
+                      "cache_dtype": info.kv_cache_dtype or info.dtype, "device": info.device,
                       "enable_prefix_caching": str(info.enable_prefix_caching)}
         Gauge("vllm:cache_config_info", "Information of the cache configuration.",
               [*LABELS, *cache_info], registry=registry).labels(

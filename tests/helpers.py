@@ -81,7 +81,8 @@ def tiny_core(model: LlamaForCausalLM | None = None, *, num_blocks: int = 256,
               block_size: int = 4, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
               enable_chunked_prefill: bool = True, max_model_len: int | None = None,
               device: str = "cpu", with_tokenizer: bool = True,
-              tokenizer: PreTrainedTokenizerFast | None = None,
+              tokenizer: PreTrainedTokenizerFast | None = None, kv_cache_dtype: str = "auto",
+              kv_cache_memory: int | None = None,
               **config_overrides: object) -> tuple[EngineCore, ServingInfo]:
     model = model if model is not None else tiny_llama()
     torch_device = torch.device(device)
@@ -90,7 +91,8 @@ def tiny_core(model: LlamaForCausalLM | None = None, *, num_blocks: int = 256,
         tokenizer = tiny_tokenizer()
     loaded = wrap_model(model, tokenizer, name="tiny-llama")
     config = EngineConfig(
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=kv_cache_dtype,
+                          kv_cache_memory=kv_cache_memory),
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=enable_chunked_prefill,

@@ -47,9 +47,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def decode_step(model: LlamaForCausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and cache after one decode step of four sequences of different lengths."""
-    core, _ = tiny_core(model, attention_backend="cpu")
+    core, _ = tiny_core(model, attention_backend="cpu", kv_cache_dtype=kv)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         core.add_request(f"r{i}", prompt, params)
@@ -67,21 +67,23 @@ def decode_step(model: LlamaForCausalLM, fused: bool, monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
-def test_fused_step_equals_the_layers_op_by_op(family: str, weights: str, calls: list[int],
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16"])
+def test_fused_step_equals_the_layers_op_by_op(family: str, weights: str, kv: str,
+                                                calls: list[int],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Same kernels in the same order: the logits and every K/V written are equal to the bit
-    (qwen2 has q/k/v biases)."""
+    """Same kernels in the same order, K/V rounded alike to a 16-bit cache: the logits and
+    every K/V written are equal to the bit (qwen2 has q/k/v biases)."""
     model = packed(tiny_llama() if family == "llama" else build(family), weights)
-    fused_logits, fused_cache = decode_step(model, True, monkeypatch)
+    fused_logits, fused_cache = decode_step(model, True, monkeypatch, kv)
     layers = model.config.num_hidden_layers
     # One prefill step, two decode steps, then the step compared: fused on all but the first.
     assert calls == [len(PROMPTS)] * (3 * layers)
     calls.clear()
-    plain_logits, plain_cache = decode_step(model, False, monkeypatch)
+    plain_logits, plain_cache = decode_step(model, False, monkeypatch, kv)
     assert calls == [len(PROMPTS)] * (2 * layers)
-    plain_logits, plain_cache = decode_step(model, False, monkeypatch)
     assert fused_logits.shape == (len(PROMPTS), model.config.vocab_size)
     assert torch.equal(fused_logits, plain_logits)
+    assert fused_cache.dtype == getattr(torch, kv)
     assert torch.equal(fused_cache, plain_cache)
     assert fused_cache.abs().sum() > 0
 

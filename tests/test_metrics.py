@@ -59,7 +59,8 @@ async def test_all_vllm_metric_names_are_exposed_with_the_model_label():
         for name in VLLM_NAMES:
             assert name in samples, name
         assert value(samples, "vllm:num_requests_running", model_name="tiny") == 0
-        info = value(samples, "vllm:cache_config_info", model_name="tiny", block_size=4)
+        info = value(samples, "vllm:cache_config_info", model_name="tiny", block_size=4,
+                     cache_dtype="float32")
         assert info == 1
         buckets = {dict(k)["le"] for k in samples["vllm:request_prompt_tokens_bucket"]}
         assert buckets == {str(float(b)) for b in build_1_2_5_buckets(512)} | {"+Inf"}

@@ -52,6 +52,6 @@ class AttentionBackend(ABC):
 
     def decode_step(self, metadata: AttentionMetadata) -> DecodeStep | None:
         """The step as a fused decoder layer takes it, where this backend's attention is what
-        that layer computes (Conveyor's CPU kernel over an fp32 cache) and every row decodes;
-        else None, and layers call `forward`."""
+        that layer computes (Conveyor's CPU kernel) and every row decodes; else None, and
+        layers call `forward`."""
         return None

@@ -1,5 +1,6 @@
 """Paged attention for the CPU: decode rows go through Conveyor's C++ kernel, which reads K/V
-in place from the cache blocks; prefill rows keep the pure-torch path."""
+in place from the cache blocks; prefill rows keep the pure-torch path. A step of decode rows
+only can also run whole layers as one op each (`decode_step`, `csrc/decode_layer.cpp`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch
 from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata, DecodeStep
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
+
+# What the fused decode layer stores and reads under its fp32 compute.
+_FUSED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CpuPagedAttention(InPlaceDecodeAttention):
@@ -27,7 +31,7 @@ class CpuPagedAttention(InPlaceDecodeAttention):
     def decode_step(self, metadata: AttentionMetadata) -> DecodeStep | None:
         assert isinstance(metadata, InPlaceMetadata)
         cache = metadata.kv_cache
-        if (not metadata.all_decode or cache.spec.dtype != torch.float32
+        if (not metadata.all_decode or cache.spec.dtype not in _FUSED_CACHE_DTYPES
                 or metadata.decode_block_table is None or metadata.decode_seq_lens is None):
             return None
         return DecodeStep(kv_cache=cache, slot_mapping=metadata.slot_mapping,

@@ -109,8 +109,8 @@ class TorchPagedAttention(AttentionBackend):
                 meta: TorchPagedMetadata) -> torch.Tensor:
         cache = meta.kv_cache
         q = query if meta.all_decode else query[meta.decode_tokens]
-        k = _gather(cache.key(layer), meta.decode_block_table)
-        v = _gather(cache.value(layer), meta.decode_block_table)
+        k = _gather(cache.key(layer), meta.decode_block_table).to(q.dtype)
+        v = _gather(cache.value(layer), meta.decode_block_table).to(q.dtype)
         out = _sdpa(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale)
         return out.squeeze(2)
 
@@ -119,13 +119,15 @@ class TorchPagedAttention(AttentionBackend):
                  scale: float, span: PrefillSpan, cache: KVCache) -> torch.Tensor:
         q = query[span.start:span.end].transpose(0, 1).unsqueeze(0)
         if span.block_ids is None:
-            k = key[span.start:span.end].transpose(0, 1).unsqueeze(0)
-            v = value[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            # As the cache holds them, so that a prompt attends alike whether its K/V come
+            # fresh or, after a prefix hit or preemption, from the cache.
+            k = _as_cached(key[span.start:span.end], cache).transpose(0, 1).unsqueeze(0)
+            v = _as_cached(value[span.start:span.end], cache).transpose(0, 1).unsqueeze(0)
             out = _sdpa(q, k, v, is_causal=True, scale=scale)
         else:
             table = span.block_ids.unsqueeze(0)
-            k = _gather(cache.key(layer), table)[:, :, :span.seq_len]
-            v = _gather(cache.value(layer), table)[:, :, :span.seq_len]
+            k = _gather(cache.key(layer), table)[:, :, :span.seq_len].to(q.dtype)
+            v = _gather(cache.value(layer), table)[:, :, :span.seq_len].to(q.dtype)
             out = _sdpa(q, k, v, attn_mask=span.mask, scale=scale)
         return out[0].transpose(0, 1)
 
@@ -143,6 +145,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> 
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     with sdpa_kernel(_CUDA_SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
+
+
+def _as_cached(x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """New K or V rounded to the cache's dtype and back, where the cache holds fewer bits."""
+    if x.dtype == cache.spec.dtype:
+        return x
+    return x.to(cache.spec.dtype).to(x.dtype)
 
 
 def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@
 // biases    the four projections' padded biases, in that order, each optional
 // heads     [query heads, kv heads, head dim]
 // cos, sin  [rows, 1, head dim] fp32
-// key/value one layer of the cache, [blocks, block_size, kv heads, head dim] fp32, contiguous
+// key/value one layer of the cache, [blocks, block_size, kv heads, head dim] fp32, bf16 or fp16,
+//           contiguous (new K/V are rounded to its dtype as they are stored)
 // slots     [rows] int64 cache slot of each row's new token
 // table     [rows, width] int64 block ids; lens [rows] int64 tokens to attend to
 // returns   [rows, hidden] fp32, the layer's output
@@ -19,11 +20,14 @@
 // (about a third of a decode step for one sequence of the default model).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 
 #include "ops.h"
 
@@ -33,11 +37,39 @@ enum Weight { kInputNorm, kQkv, kOut, kPostNorm, kGateUp, kDown, kWeights };
 enum Bias { kQkvBias, kOutBias, kGateUpBias, kDownBias, kBiases };
 
 // Copies each row's new K (or V), `kv_heads * dim` floats at `src + row * src_stride`, to its
-// slot of one layer's cache.
+// slot of one layer's cache, rounded to the nearest value of a 16-bit cache as torch rounds.
+template <typename C>
 void store_rows(const float* src, int64_t src_stride, const int64_t* slots, int64_t rows,
-                int64_t row_size, float* cache) {
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(cache + slots[r] * row_size, src + r * src_stride, row_size * sizeof(float));
+                int64_t row_size, C* cache) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* in = src + r * src_stride;
+    C* out = cache + slots[r] * row_size;
+    if constexpr (std::is_same_v<C, float>) {
+      std::memcpy(out, in, row_size * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < row_size; ++i) out[i] = static_cast<C>(in[i]);
+    }
+  }
+}
+
+void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows,
+              int64_t value_stride, const at::Tensor& slots, int64_t row_size, at::Tensor& key,
+              at::Tensor& value) {
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t rows = slots.size(0);
+  switch (key.scalar_type()) {
+    case at::kFloat:
+      store_rows(key_rows, key_stride, s, rows, row_size, key.data_ptr<float>());
+      store_rows(value_rows, value_stride, s, rows, row_size, value.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      store_rows(key_rows, key_stride, s, rows, row_size, key.data_ptr<c10::BFloat16>());
+      store_rows(value_rows, value_stride, s, rows, row_size, value.data_ptr<c10::BFloat16>());
+      break;
+    default:
+      store_rows(key_rows, key_stride, s, rows, row_size, key.data_ptr<c10::Half>());
+      store_rows(value_rows, value_stride, s, rows, row_size, value.data_ptr<c10::Half>());
+  }
 }
 
 void check_inputs(const at::Tensor& hidden, at::TensorList weights,
@@ -47,10 +79,12 @@ void check_inputs(const at::Tensor& hidden, at::TensorList weights,
               "decode_layer: 6 weights, 4 biases and [heads, kv_heads, head_dim]");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
               "decode_layer: hidden must be contiguous fp32 [rows, hidden]");
-  TORCH_CHECK(key.dim() == 4 && value.sizes() == key.sizes() &&
-                  key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat &&
+  const auto dtype = key.scalar_type();
+  TORCH_CHECK(key.dim() == 4 && value.sizes() == key.sizes() && value.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
                   key.is_contiguous() && value.is_contiguous(),
-              "decode_layer: the cache must be contiguous fp32 [blocks, block_size, kv_heads, dim]");
+              "decode_layer: the cache must be contiguous fp32, bf16 or fp16 "
+              "[blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(key.size(2) == heads[1] && key.size(3) == heads[2] && heads[0] % heads[1] == 0,
               "decode_layer: head shapes do not match the cache");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == hidden.size(0) &&
@@ -69,7 +103,7 @@ namespace conveyor {
 at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
                         const c10::List<std::optional<at::Tensor>>& biases,
                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
-                        const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots,
+                        at::Tensor& key, at::Tensor& value, const at::Tensor& slots,
                         const at::Tensor& table, const at::Tensor& lens, double eps,
                         double scale) {
   check_inputs(hidden, weights, biases, heads, key, value, slots);
@@ -82,11 +116,8 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
   at::Tensor x = rms_norm(hidden, weights[kInputNorm], eps);
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
   at::Tensor qk = rotary(qkv.narrow(1, 0, qk_heads * dim).view({rows, qk_heads, dim}), cos, sin);
-  const int64_t* s = slots.data_ptr<int64_t>();
-  store_rows(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim, s, rows, kv_size,
-             key.data_ptr<float>());
-  store_rows(qkv.data_ptr<float>() + qk_heads * dim, qkv_size, s, rows, kv_size,
-             value.data_ptr<float>());
+  store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
+           qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots, kv_size, key, value);
   at::Tensor attended = paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale);
   at::Tensor out = panel_linear(attended.view({rows, num_heads * dim}), weights[kOut],
                                 biases.get(kOutBias), width);
@@ -103,7 +134,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("decode_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
-        "Tensor cos, Tensor sin, Tensor key, Tensor value, Tensor slots, Tensor table, "
+        "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
         "Tensor lens, float eps, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("decode_layer", &conveyor::decode_layer); }

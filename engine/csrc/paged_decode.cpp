@@ -2,7 +2,9 @@
 // in place from the paged cache, with no gather into a contiguous copy.
 //
 // query      [seqs, heads, head_dim]            (rows may be strided; heads and dims contiguous)
-// key/value  [blocks, block_size, kv_heads, head_dim]   (one layer of the cache, contiguous)
+// key/value  [blocks, block_size, kv_heads, head_dim]   (one layer of the cache, contiguous), in
+//            the query's dtype, or bf16/fp16 under an fp32 query (a 16-bit cache for a model
+//            computed in fp32)
 // table      [seqs, width] int64 block ids
 // lens       [seqs] int64 tokens to attend to
 // returns    [seqs, heads, head_dim] in the query's dtype
@@ -10,9 +12,9 @@
 // Work is split over sequences (or over (sequence, kv head) pairs when there are few sequences);
 // each task reads its K and V once, a block at a time, and serves every query head of each kv
 // head's group (grouped-query attention). Scores are kept for the whole sequence, so the softmax
-// is exact rather than online. With AVX2 and FMA, scores are computed four K rows at a time
-// with one reduction for the four, and the weighted sum of V rows keeps its accumulator in
-// registers for a whole block (head dims 64 and 128).
+// is exact rather than online. With AVX2, FMA and F16C, scores are computed four K rows at a
+// time with one reduction for the four, the weighted sum of V rows keeps its accumulator in
+// registers for a whole block (head dims 64 and 128), and 16-bit K/V widen to fp32 as they load.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,13 +27,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "fast_exp.h"
 #include "ops.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define CONVEYOR_PAGED_SIMD 1
 #endif
@@ -48,20 +49,36 @@ inline void load_row(const T* src, float* dst, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
 }
 
-inline float dot(const float* a, const float* b, int64_t dim) {
+#ifdef CONVEYOR_PAGED_SIMD
+// Eight cache elements as floats: a 16-bit cache widens as it loads (bf16 is the top half of an
+// fp32; fp16 goes through F16C), so it streams half the bytes with no converted copy.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+template <typename C>
+inline float dot(const float* a, const C* b, int64_t dim) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t d = 0; d < dim; ++d) sum += a[d] * b[d];
+  for (int64_t d = 0; d < dim; ++d) sum += a[d] * static_cast<float>(b[d]);
   return sum;
 }
 
-inline void axpy(float w, const float* x, float* y, int64_t dim) {
+template <typename C>
+inline void axpy(float w, const C* x, float* y, int64_t dim) {
 #pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) y[d] += w * x[d];
+  for (int64_t d = 0; d < dim; ++d) y[d] += w * static_cast<float>(x[d]);
 }
 
-// Scores of one query head against `count` K rows `stride` floats apart, into out[0, count).
-inline void dot_rows(const float* q, const float* k, int64_t stride, int64_t count, int64_t dim,
+// Scores of one query head against `count` K rows `stride` elements apart, into out[0, count).
+template <typename C>
+inline void dot_rows(const float* q, const C* k, int64_t stride, int64_t count, int64_t dim,
                      float* out) {
   int64_t r = 0;
 #ifdef CONVEYOR_PAGED_SIMD
@@ -69,14 +86,14 @@ inline void dot_rows(const float* q, const float* k, int64_t stride, int64_t cou
   // horizontal sum per row.
   if (dim % 8 == 0) {
     for (; r + 4 <= count; r += 4) {
-      const float* k0 = k + r * stride;
+      const C* k0 = k + r * stride;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t d = 0; d < dim; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + stride + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * stride + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * stride + d), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k0 + stride + d), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * stride + d), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * stride + d), a3);
       }
       const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
       _mm_storeu_ps(out + r, _mm_add_ps(_mm256_castps256_ps128(sums),
@@ -87,10 +104,10 @@ inline void dot_rows(const float* q, const float* k, int64_t stride, int64_t cou
   for (; r < count; ++r) out[r] = dot(q, k + r * stride, dim);
 }
 
-// acc[0, dim) += sum over `count` V rows `stride` floats apart of weights[r] * row r. With
+// acc[0, dim) += sum over `count` V rows `stride` elements apart of weights[r] * row r. With
 // SIMD and a head dim of 64 or 128 the accumulator stays in registers for the whole block.
-template <int kVectors>
-inline bool weighted_rows_fixed(const float* weights, const float* v, int64_t stride,
+template <int kVectors, typename C>
+inline bool weighted_rows_fixed(const float* weights, const C* v, int64_t stride,
                                 int64_t count, int64_t dim, float* acc) {
 #ifdef CONVEYOR_PAGED_SIMD
   if (dim != kVectors * 8) return false;
@@ -98,9 +115,9 @@ inline bool weighted_rows_fixed(const float* weights, const float* v, int64_t st
   for (int c = 0; c < kVectors; ++c) sum[c] = _mm256_loadu_ps(acc + 8 * c);
   for (int64_t r = 0; r < count; ++r) {
     const __m256 w = _mm256_set1_ps(weights[r]);
-    const float* row = v + r * stride;
+    const C* row = v + r * stride;
     for (int c = 0; c < kVectors; ++c)
-      sum[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8 * c), sum[c]);
+      sum[c] = _mm256_fmadd_ps(w, load8(row + 8 * c), sum[c]);
   }
   for (int c = 0; c < kVectors; ++c) _mm256_storeu_ps(acc + 8 * c, sum[c]);
   return true;
@@ -109,23 +126,13 @@ inline bool weighted_rows_fixed(const float* weights, const float* v, int64_t st
 #endif
 }
 
-inline void weighted_rows(const float* weights, const float* v, int64_t stride, int64_t count,
+template <typename C>
+inline void weighted_rows(const float* weights, const C* v, int64_t stride, int64_t count,
                           int64_t dim, float* acc) {
   if (weighted_rows_fixed<8>(weights, v, stride, count, dim, acc) ||
       weighted_rows_fixed<16>(weights, v, stride, count, dim, acc))
     return;
   for (int64_t r = 0; r < count; ++r) axpy(weights[r], v + r * stride, acc, dim);
-}
-
-// One block's K or V rows for every kv head, `count * row` contiguous elements, as floats.
-template <typename T>
-inline const float* block_as_float(const T* src, int64_t elements, float* scratch) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    load_row(src, scratch, elements);
-    return scratch;
-  }
 }
 
 inline void softmax_weights(float* scores, int64_t len, float& total) {
@@ -142,9 +149,9 @@ inline void softmax_weights(float* scores, int64_t len, float& total) {
 
 // One sequence, the query heads of kv heads [kv_first, kv_last). A block holds its tokens' K (or
 // V) for every kv head back to back, so each block is one contiguous read.
-template <typename T>
-void attend_sequence(const T* query, const T* key, const T* value, const int64_t* blocks,
-                     int64_t len, int64_t kv_first, int64_t kv_last, const Shape& s, T* out) {
+template <typename Q, typename C>
+void attend_sequence(const Q* query, const C* key, const C* value, const int64_t* blocks,
+                     int64_t len, int64_t kv_first, int64_t kv_last, const Shape& s, Q* out) {
   const int64_t group = s.heads / s.kv_heads, dim = s.dim, bs = s.block_size;
   const int64_t heads = (kv_last - kv_first) * group, row = s.kv_heads * dim;
   const int64_t block_stride = bs * row;
@@ -152,15 +159,14 @@ void attend_sequence(const T* query, const T* key, const T* value, const int64_t
   out += kv_first * group * dim;
   key += kv_first * dim;
   value += kv_first * dim;
-  std::vector<float> q(heads * dim), scratch(block_stride), acc(heads * dim, 0.f);
+  std::vector<float> q(heads * dim), acc(heads * dim, 0.f);
   std::vector<float> scores(heads * len), total(heads);
   load_row(query, q.data(), heads * dim);
   for (int64_t i = 0; i < heads * dim; ++i) q[i] *= s.scale;
   const int64_t num_blocks = (len + bs - 1) / bs;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t first = b * bs, count = std::min(bs, len - first);
-    const float* k = block_as_float(key + blocks[b] * block_stride, count * row - kv_first * dim,
-                                    scratch.data());
+    const C* k = key + blocks[b] * block_stride;
     for (int64_t h = 0; h < heads; ++h)
       dot_rows(q.data() + h * dim, k + h / group * dim, row, count, dim,
                scores.data() + h * len + first);
@@ -168,28 +174,27 @@ void attend_sequence(const T* query, const T* key, const T* value, const int64_t
   for (int64_t h = 0; h < heads; ++h) softmax_weights(scores.data() + h * len, len, total[h]);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t first = b * bs, count = std::min(bs, len - first);
-    const float* v = block_as_float(value + blocks[b] * block_stride,
-                                    count * row - kv_first * dim, scratch.data());
+    const C* v = value + blocks[b] * block_stride;
     for (int64_t h = 0; h < heads; ++h)
       weighted_rows(scores.data() + h * len + first, v + h / group * dim, row, count, dim,
                     acc.data() + h * dim);
   }
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = total[h] > 0.f ? 1.f / total[h] : 0.f;
-    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(acc[h * dim + d] * inv);
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<Q>(acc[h * dim + d] * inv);
   }
 }
 
-template <typename T>
+template <typename Q, typename C = Q>
 void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
          const at::Tensor& table, const at::Tensor& lens, at::Tensor& out,
          const Shape& s) {
-  const T* q = query.data_ptr<T>();
-  const T* k = key.data_ptr<T>();
-  const T* v = value.data_ptr<T>();
+  const Q* q = query.data_ptr<Q>();
+  const C* k = key.data_ptr<C>();
+  const C* v = value.data_ptr<C>();
   const int64_t* blocks = table.data_ptr<int64_t>();
   const int64_t* seq_lens = lens.data_ptr<int64_t>();
-  T* o = out.data_ptr<T>();
+  Q* o = out.data_ptr<Q>();
   // Whole sequences per task when there are enough of them; else one task per kv head.
   const int64_t seqs = query.size(0);
   const int64_t splits = seqs >= 4 * at::get_num_threads() ? 1 : s.kv_heads;
@@ -197,7 +202,7 @@ void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
   at::parallel_for(0, seqs * splits, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / splits, kv_first = item % splits * per_split;
-      attend_sequence<T>(q + seq * s.query_stride, k, v, blocks + seq * s.width, seq_lens[seq],
+      attend_sequence<Q, C>(q + seq * s.query_stride, k, v, blocks + seq * s.width, seq_lens[seq],
                          kv_first, kv_first + per_split, s, o + seq * s.heads * s.dim);
     }
   });
@@ -231,7 +236,10 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
               "paged_decode: query heads and dims must be contiguous");
   TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), "paged_decode: cache must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "paged_decode: query and cache dtypes differ");
+  const bool widened = query.scalar_type() == at::kFloat &&
+                       (key.scalar_type() == at::kBFloat16 || key.scalar_type() == at::kHalf);
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() || widened,
+              "paged_decode: the cache must hold the query's dtype, or 16 bits under fp32");
   TORCH_CHECK(query.size(2) == key.size(3) && query.size(1) % key.size(2) == 0,
               "paged_decode: head shapes do not match");
   table = table.to(at::kLong).contiguous();
@@ -242,6 +250,13 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
                 query.stride(0), static_cast<float>(scale)};
   check_tables(table, lens, s.block_size, key.size(0));
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  if (widened) {
+    if (key.scalar_type() == at::kBFloat16)
+      run<float, c10::BFloat16>(query, key, value, table, lens, out, s);
+    else
+      run<float, c10::Half>(query, key, value, table, lens, out, s);
+    return out;
+  }
   switch (query.scalar_type()) {
     case at::kFloat: run<float>(query, key, value, table, lens, out, s); break;
     case at::kBFloat16: run<c10::BFloat16>(query, key, value, table, lens, out, s); break;
