@@ -95,6 +95,17 @@ def test_silu_mul_matches_torch(rows, inter):
     torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
 
 
+def test_silu_mul_lanes_equal_the_scalar_tail():
+    """Eight lanes at a time, then one by one: the same value gives the same bits either way,
+    so a column's result does not depend on where the vector loop stops."""
+    values = torch.randn(40) * 6
+    gate_up = torch.zeros(40, 18)  # inter 9: lanes 0-7, then column 8 alone
+    gate_up[:, 0] = gate_up[:, 8] = values
+    gate_up[:, 9] = gate_up[:, 17] = 1.5
+    out = cpu_kernels.silu_mul(gate_up)
+    assert torch.equal(out[:, 0], out[:, 8])
+
+
 def test_silu_mul_refuses_bad_inputs():
     with pytest.raises(RuntimeError, match=r"\[rows, 2 \* inter\]"):
         cpu_kernels.silu_mul(torch.randn(2, 7))

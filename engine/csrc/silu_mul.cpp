@@ -5,8 +5,8 @@
 // out  [rows, inter]     fp32
 //
 // torch runs this as a slice, silu and mul: two ops and a temporary a layer. silu(g) is
-// g / (1 + exp(-g)), as torch computes it, with exp in plain arithmetic (`fast_exp.h`) so that
-// the loop vectorizes.
+// g / (1 + exp(-g)), as torch computes it, with exp in plain arithmetic (`fast_exp.h`), eight
+// lanes at a time with AVX2.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,9 +25,17 @@ void gate_rows(const float* x, float* out, int64_t inter, int64_t begin, int64_t
     const float* gate = x + row * 2 * inter;
     const float* up = gate + inter;
     float* o = out + row * inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i)
-      o[i] = gate[i] / (1.f + conveyor::exp_clamped(-gate[i])) * up[i];
+    int64_t i = 0;
+#ifdef CONVEYOR_EXP8
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= inter; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 e = conveyor::exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < inter; ++i) o[i] = gate[i] / (1.f + conveyor::exp_clamped(-gate[i])) * up[i];
   }
 }
 
