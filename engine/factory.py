@@ -155,6 +155,6 @@ def _max_model_len(config: EngineConfig, model_len: int, cache_tokens: int) -> i
 
 def _log_cache(spec: KVCacheSpec, num_blocks: int, num_bytes: int) -> None:
     logger.info(
-        "KV cache: %d blocks of %d tokens, %d bytes per token, %.1f MiB, up to %d tokens",
-        num_blocks, spec.block_size, spec.bytes_per_token, num_bytes / 2**20,
-        num_blocks * spec.block_size)
+        "KV cache: %d blocks of %d tokens, %s, %d bytes per token, %.1f MiB, up to %d tokens",
+        num_blocks, spec.block_size, str(spec.dtype).removeprefix("torch."),
+        spec.bytes_per_token, num_bytes / 2**20, num_blocks * spec.block_size)
