@@ -173,7 +173,7 @@ def _save(fig, path: Path) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     device = resolve_device("auto")
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device, args.model)
     loaded = load_model(args.model, dtype, device)
     workload = make_workload(args, loaded.model.config.vocab_size)
     base = EngineConfig(cache=CacheConfig(kv_cache_memory=1 << 30),

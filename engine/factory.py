@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, ServingInfo]:
     device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, config.model, config.trust_remote_code)
     torch.manual_seed(config.seed)
     loaded = load_model(config.model, dtype, device, config.trust_remote_code)
     core, info = core_from_model(loaded, config, device, dtype)

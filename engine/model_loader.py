@@ -64,7 +64,11 @@ def half_weights_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
     return not native and half_weights_supported()
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, model: str | None = None,
+                  trust_remote_code: bool = False) -> torch.dtype:
+    """`auto`: bf16 on GPUs and CPUs with native bf16. On other CPUs, a checkpoint stored in bf16
+    or fp16 keeps its 16-bit weights and computes in fp32 (`half_weights_in_fp32`), anything
+    else runs fp32. `model` is the folder or hub id (None: the default model)."""
     if name != "auto":
         try:
             return DTYPES[name]
@@ -73,7 +77,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
                              f"or float32") from None
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    if cpu_supports_bf16():
+        return torch.bfloat16
+    stored = checkpoint_dtype(model, trust_remote_code)
+    if stored in (torch.bfloat16, torch.float16) and half_weights_supported():
+        return stored
+    return torch.float32
+
+
+def checkpoint_dtype(name_or_path: str | None, trust_remote_code: bool = False,
+                     ) -> torch.dtype | None:
+    """The dtype a checkpoint's config says its weights are stored in; None where it says none
+    or the config does not load (loading the model then reports why)."""
+    from transformers import AutoConfig
+
+    path = str(ensure_default_model()) if name_or_path is None else name_or_path
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = DTYPES.get(stored)
+    return stored if isinstance(stored, torch.dtype) else None
 
 
 def context_length(config: Any) -> int:

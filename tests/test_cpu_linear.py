@@ -222,3 +222,49 @@ def test_when_half_weights_apply(monkeypatch: pytest.MonkeyPatch, dtype: torch.d
     monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: native)
     monkeypatch.setattr(model_loader, "cpu_supports_fp16", lambda: native)
     assert half_weights_in_fp32(dtype, torch.device(device)) is expected
+
+
+@pytest.mark.parametrize(("stored", "native", "half", "expected"), [
+    (torch.bfloat16, False, True, torch.bfloat16),  # 16-bit weights, fp32 compute
+    (torch.float16, False, True, torch.float16),
+    (torch.float32, False, True, torch.float32),
+    (None, False, True, torch.float32),  # the config names no dtype
+    (torch.bfloat16, False, False, torch.float32),  # no 16-bit-weight product here
+    (torch.float32, True, True, torch.bfloat16),  # native bf16
+])
+def test_auto_dtype_on_the_cpu(monkeypatch: pytest.MonkeyPatch, stored: torch.dtype | None,
+                               native: bool, half: bool, expected: torch.dtype) -> None:
+    monkeypatch.setattr(model_loader, "checkpoint_dtype", lambda model, trust: stored)
+    monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: native)
+    monkeypatch.setattr(model_loader, "half_weights_supported", lambda: half)
+    assert model_loader.resolve_dtype("auto", torch.device("cpu"), "some/model") == expected
+    assert model_loader.resolve_dtype("float32", torch.device("cpu"), "x") == torch.float32
+
+
+def test_a_bf16_checkpoint_served_with_auto_keeps_16_bits(tmp_path, panels: bool,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           ) -> None:
+    """`--dtype auto` on a CPU without native bf16: the bf16 checkpoint keeps 16-bit weights
+    and K/V, computes in fp32, and greedy equals transformers in fp32 over the same weights."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.factory import create_engine_core
+    from tests.helpers import tiny_tokenizer
+
+    if not panels and not fbgemm_fp16_available():
+        pytest.skip("this torch build has no fbgemm fp16 GEMM")
+    monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: False)
+    tiny_llama(dtype=torch.bfloat16).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert model_loader.checkpoint_dtype(str(tmp_path)) == torch.bfloat16
+    config = EngineConfig(model=str(tmp_path), device="cpu",
+                          cache=CacheConfig(num_blocks=64, block_size=8))
+    core, loaded, info = create_engine_core(config)
+    assert (info.dtype, info.kv_cache_dtype) == ("bfloat16", "bfloat16")
+    layer = loaded.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, PanelLinear if panels else HalfWeightLinear)
+    prompts = [[5, 9, 33, 2], list(range(40, 120))]
+    reference = tiny_llama(dtype=torch.bfloat16).float()
+    expected = [reference_greedy(reference, p, 8) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = run_all(core, prompts, params)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
