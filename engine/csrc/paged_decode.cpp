@@ -12,9 +12,11 @@
 // Work is split over sequences (or over (sequence, kv head) pairs when there are few sequences);
 // each task reads its K and V once, a block at a time, and serves every query head of each kv
 // head's group (grouped-query attention). Scores are kept for the whole sequence, so the softmax
-// is exact rather than online. With AVX2, FMA and F16C, scores are computed four K rows at a
-// time with one reduction for the four, the weighted sum of V rows keeps its accumulator in
-// registers for a whole block (head dims 64 and 128), and 16-bit K/V widen to fp32 as they load.
+// is exact rather than online. With AVX2, FMA and F16C, the query heads of a kv head (up to
+// three at a time) share each K and V load: scores are computed four K rows at a time with one
+// reduction for the four, the weighted sums of V rows keep their accumulators in registers for
+// a whole block, 16-bit K/V widen to fp32 as they load, and the next block is prefetched while
+// one is computed (blocks lie anywhere in the cache).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -76,34 +78,6 @@ inline void axpy(float w, const C* x, float* y, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) y[d] += w * static_cast<float>(x[d]);
 }
 
-// Scores of one query head against `count` K rows `stride` elements apart, into out[0, count).
-template <typename C>
-inline void dot_rows(const float* q, const C* k, int64_t stride, int64_t count, int64_t dim,
-                     float* out) {
-  int64_t r = 0;
-#ifdef CONVEYOR_PAGED_SIMD
-  // Four rows at a time: four accumulators, then one reduction for all four instead of a
-  // horizontal sum per row.
-  if (dim % 8 == 0) {
-    for (; r + 4 <= count; r += 4) {
-      const C* k0 = k + r * stride;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t d = 0; d < dim; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, load8(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(qv, load8(k0 + stride + d), a1);
-        a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * stride + d), a2);
-        a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * stride + d), a3);
-      }
-      const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      _mm_storeu_ps(out + r, _mm_add_ps(_mm256_castps256_ps128(sums),
-                                        _mm256_extractf128_ps(sums, 1)));
-    }
-  }
-#endif
-  for (; r < count; ++r) out[r] = dot(q, k + r * stride, dim);
-}
-
 // acc[0, dim) += sum over `count` V rows `stride` elements apart of weights[r] * row r. With
 // SIMD and a head dim of 64 or 128 the accumulator stays in registers for the whole block.
 template <int kVectors, typename C>
@@ -133,6 +107,129 @@ inline void weighted_rows(const float* weights, const C* v, int64_t stride, int6
       weighted_rows_fixed<16>(weights, v, stride, count, dim, acc))
     return;
   for (int64_t r = 0; r < count; ++r) axpy(weights[r], v + r * stride, acc, dim);
+}
+
+#ifdef CONVEYOR_PAGED_SIMD
+// Scores of G query heads that share one kv head against 4 K rows `stride` elements apart: each
+// K vector is loaded (and widened) once for the G heads, and the 4G accumulators (at most 12)
+// keep enough multiply-adds in flight. The four rows' eight-lane sums reduce in one tree.
+template <int G, typename C>
+inline void group_rows4(const float* q, int64_t dim, const C* k, int64_t stride, float* out,
+                        int64_t out_stride) {
+  __m256 acc[G][4];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) acc[g][r] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 8) {
+    __m256 rows[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) rows[r] = load8(k + r * stride + d);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m256 qv = _mm256_loadu_ps(q + g * dim + d);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[g][r] = _mm256_fmadd_ps(qv, rows[r], acc[g][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) {
+    const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]),
+                                       _mm256_hadd_ps(acc[g][2], acc[g][3]));
+    _mm_storeu_ps(out + g * out_stride, _mm_add_ps(_mm256_castps256_ps128(sums),
+                                                   _mm256_extractf128_ps(sums, 1)));
+  }
+}
+
+// acc[g][0, 32) += sum over `count` V rows of weights[g][r] * row r, for G query heads that
+// share one kv head: each V vector is loaded (and widened) once for the G heads. Each output is
+// summed over the rows in order, as `weighted_rows` sums it.
+template <int G, typename C>
+inline void group_weighted32(const float* weights, int64_t w_stride, const C* v, int64_t stride,
+                             int64_t count, float* acc, int64_t acc_stride) {
+  __m256 sum[G][4];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) sum[g][c] = _mm256_loadu_ps(acc + g * acc_stride + 8 * c);
+  for (int64_t r = 0; r < count; ++r) {
+    const C* row = v + r * stride;
+    __m256 x[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) x[c] = load8(row + 8 * c);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m256 w = _mm256_set1_ps(weights[g * w_stride + r]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) sum[g][c] = _mm256_fmadd_ps(w, x[c], sum[g][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * acc_stride + 8 * c, sum[g][c]);
+}
+#endif
+
+// Asks for the next block while this one is computed: blocks lie anywhere in the cache, so the
+// hardware prefetcher cannot guess where the next one starts.
+template <typename C>
+inline void prefetch_rows(const C* block, int64_t elements) {
+  const char* p = reinterpret_cast<const char*>(block);
+  const int64_t bytes = elements * static_cast<int64_t>(sizeof(C));
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 2);
+}
+
+// Scores of the `group` query heads of one kv head (queries back to back, `dim` each) against
+// `count` K rows, into out[g * out_stride + row], up to three heads sharing each K load.
+template <typename C>
+inline void group_scores(const float* q, int64_t group, const C* k, int64_t stride,
+                         int64_t count, int64_t dim, float* out, int64_t out_stride) {
+  int64_t r = 0;
+#ifdef CONVEYOR_PAGED_SIMD
+  if (dim % 8 == 0) {
+    for (; r + 4 <= count; r += 4) {
+      for (int64_t g = 0; g < group; g += 3) {
+        const float* qg = q + g * dim;
+        const C* kr = k + r * stride;
+        float* o = out + g * out_stride + r;
+        switch (std::min<int64_t>(3, group - g)) {
+          case 3: group_rows4<3>(qg, dim, kr, stride, o, out_stride); break;
+          case 2: group_rows4<2>(qg, dim, kr, stride, o, out_stride); break;
+          default: group_rows4<1>(qg, dim, kr, stride, o, out_stride); break;
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = r; i < count; ++i)
+      out[g * out_stride + i] = dot(q + g * dim, k + i * stride, dim);
+}
+
+// The weighted V rows of the `group` query heads of one kv head (weights[g * w_stride + row]),
+// added to acc[g * dim, (g + 1) * dim), up to three heads sharing each V load.
+template <typename C>
+inline void group_values(const float* weights, int64_t group, int64_t w_stride, const C* v,
+                         int64_t stride, int64_t count, int64_t dim, float* acc) {
+#ifdef CONVEYOR_PAGED_SIMD
+  if (dim % 32 == 0) {
+    for (int64_t g = 0; g < group; g += 3) {
+      const float* w = weights + g * w_stride;
+      for (int64_t d = 0; d < dim; d += 32) {
+        float* a = acc + g * dim + d;
+        switch (std::min<int64_t>(3, group - g)) {
+          case 3: group_weighted32<3>(w, w_stride, v + d, stride, count, a, dim); break;
+          case 2: group_weighted32<2>(w, w_stride, v + d, stride, count, a, dim); break;
+          default: group_weighted32<1>(w, w_stride, v + d, stride, count, a, dim); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    weighted_rows(weights + g * w_stride, v, stride, count, dim, acc + g * dim);
 }
 
 inline void softmax_weights(float* scores, int64_t len, float& total) {
@@ -181,17 +278,19 @@ void attend_sequence(const Q* query, const C* key, const C* value, const int64_t
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t first = b * bs, count = std::min(bs, len - first);
     const C* k = key + blocks[b] * block_stride;
-    for (int64_t h = 0; h < heads; ++h)
-      dot_rows(q.data() + h * dim, k + h / group * dim, row, count, dim,
-               scores.data() + h * len + first);
+    if (b + 1 < num_blocks) prefetch_rows(key + blocks[b + 1] * block_stride, count * row);
+    for (int64_t kv = 0; kv < heads / group; ++kv)
+      group_scores(q.data() + kv * group * dim, group, k + kv * dim, row, count, dim,
+                   scores.data() + kv * group * len + first, len);
   }
   for (int64_t h = 0; h < heads; ++h) softmax_weights(scores.data() + h * len, len, total[h]);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t first = b * bs, count = std::min(bs, len - first);
     const C* v = value + blocks[b] * block_stride;
-    for (int64_t h = 0; h < heads; ++h)
-      weighted_rows(scores.data() + h * len + first, v + h / group * dim, row, count, dim,
-                    acc.data() + h * dim);
+    if (b + 1 < num_blocks) prefetch_rows(value + blocks[b + 1] * block_stride, count * row);
+    for (int64_t kv = 0; kv < heads / group; ++kv)
+      group_values(scores.data() + kv * group * len + first, group, len, v + kv * dim, row,
+                   count, dim, acc.data() + kv * group * dim);
   }
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = total[h] > 0.f ? 1.f / total[h] : 0.f;
