@@ -78,34 +78,11 @@ inline void axpy(float w, const C* x, float* y, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) y[d] += w * static_cast<float>(x[d]);
 }
 
-// acc[0, dim) += sum over `count` V rows `stride` elements apart of weights[r] * row r. With
-// SIMD and a head dim of 64 or 128 the accumulator stays in registers for the whole block.
-template <int kVectors, typename C>
-inline bool weighted_rows_fixed(const float* weights, const C* v, int64_t stride,
-                                int64_t count, int64_t dim, float* acc) {
-#ifdef CONVEYOR_PAGED_SIMD
-  if (dim != kVectors * 8) return false;
-  __m256 sum[kVectors];
-  for (int c = 0; c < kVectors; ++c) sum[c] = _mm256_loadu_ps(acc + 8 * c);
-  for (int64_t r = 0; r < count; ++r) {
-    const __m256 w = _mm256_set1_ps(weights[r]);
-    const C* row = v + r * stride;
-    for (int c = 0; c < kVectors; ++c)
-      sum[c] = _mm256_fmadd_ps(w, load8(row + 8 * c), sum[c]);
-  }
-  for (int c = 0; c < kVectors; ++c) _mm256_storeu_ps(acc + 8 * c, sum[c]);
-  return true;
-#else
-  return false;
-#endif
-}
-
+// acc[0, dim) += sum over `count` V rows `stride` elements apart of weights[r] * row r: the
+// path for head dims that are not a multiple of 32, or without SIMD.
 template <typename C>
 inline void weighted_rows(const float* weights, const C* v, int64_t stride, int64_t count,
                           int64_t dim, float* acc) {
-  if (weighted_rows_fixed<8>(weights, v, stride, count, dim, acc) ||
-      weighted_rows_fixed<16>(weights, v, stride, count, dim, acc))
-    return;
   for (int64_t r = 0; r < count; ++r) axpy(weights[r], v + r * stride, acc, dim);
 }
 
