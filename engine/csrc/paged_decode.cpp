@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "load8.h"
 #include "ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -52,16 +53,8 @@ inline void load_row(const T* src, float* dst, int64_t dim) {
 }
 
 #ifdef CONVEYOR_PAGED_SIMD
-// Eight cache elements as floats: a 16-bit cache widens as it loads (bf16 is the top half of an
-// fp32; fp16 goes through F16C), so it streams half the bytes with no converted copy.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+// Cache elements as floats: a 16-bit cache widens as it loads (`load8.h`).
+using conveyor::load8;
 #endif
 
 template <typename C>

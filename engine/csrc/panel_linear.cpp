@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "load8.h"
 #include "ops.h"
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -42,10 +43,7 @@ constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int kMaxRows = 6;
 
 #ifdef CONVEYOR_PANEL_LINEAR_SIMD
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+using conveyor::load8;
 
 // MR rows of x times NP consecutive panels, written to out (row stride ldo) plus bias.
 // The loops over MR and NP are unrolled so that the accumulators stay in registers.
