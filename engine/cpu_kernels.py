@@ -27,7 +27,8 @@ SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_decode.cpp", "panel_linear.cpp", "rms_norm.cpp", "rotary.cpp",
                         "silu_mul.cpp", "decode_layer.cpp")]
 # Included by the sources: part of the build's key, though not compiled on their own.
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("fast_exp.h", "load8.h", "ops.h")]
+HEADERS = [Path(__file__).parent / "csrc" / name
+           for name in ("block_panels.h", "fast_exp.h", "load8.h", "ops.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

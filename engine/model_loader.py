@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine import gguf_blocks
 from engine.attention import hf as hf_attention
 from engine.cpu_kernels import cpu_flags
 from engine.cpu_linear import (
@@ -15,6 +17,7 @@ from engine.cpu_linear import (
     fp32_packing_supported,
     half_weights_supported,
     pack_linears,
+    use_gguf_blocks,
 )
 from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
@@ -150,8 +153,17 @@ def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.devic
         use_half_weights(model, dtype)
     elif device.type == "cpu" and dtype == torch.float32 and fp32_packing_supported():
         pack_linears(model)
+        use_gguf_blocks_beside(model, Path(path))
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return wrap_model(model, tokenizer, name=name, path=path)
+
+
+def use_gguf_blocks_beside(model: Any, folder: Path) -> None:
+    """Hold fp32-panel layers in the GGUF blocks kept beside the checkpoint, if any (the default
+    model keeps its Q4_1 blocks), where they widen to exactly the loaded weights."""
+    blocks_file = folder / gguf_blocks.BLOCKS_FILE
+    if blocks_file.is_file():
+        use_gguf_blocks(model, gguf_blocks.load(blocks_file))
 
 
 def use_half_weights(model: Any, dtype: torch.dtype) -> None:

@@ -144,7 +144,7 @@ def test_panel_kernel_refuses_bad_inputs() -> None:
         cpu_kernels.panel_linear(x, panels, None, 17)
     with pytest.raises(RuntimeError, match="x must be fp32"):
         cpu_kernels.panel_linear(x.double(), panels, None, 3)
-    with pytest.raises(RuntimeError, match="fp32 or fp16"):
+    with pytest.raises(RuntimeError, match="fp32, fp16 or uint8 blocks"):
         cpu_kernels.panel_linear(x, panels.double(), None, 3)
     with pytest.raises(RuntimeError, match="contiguous"):
         cpu_kernels.panel_linear(torch.randn(8, 2).t(), panels, None, 3)

@@ -111,7 +111,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
   const int64_t num_heads = heads[0], kv_heads = heads[1], dim = heads[2];
   const int64_t qk_heads = num_heads + kv_heads, kv_size = kv_heads * dim;
   const int64_t qkv_size = (qk_heads + kv_heads) * dim;
-  const int64_t gate_up_size = 2 * weights[kDown].size(1);
+  const int64_t gate_up_size = 2 * panel_in_features(weights[kDown]);
 
   at::Tensor x = rms_norm(hidden, weights[kInputNorm], eps);
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);

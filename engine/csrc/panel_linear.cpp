@@ -1,9 +1,11 @@
 // Linear layers on the CPU over weights packed in panels of 16 output columns:
-// y = x w^T + bias, with x, bias and y in fp32 and the weight in fp32 or fp16.
+// y = x w^T + bias, with x, bias and y in fp32 and the weight in fp32, fp16 or GGUF blocks.
 //
 // x       [rows, in]             fp32, contiguous
 // panels  [ceil(out / 16), in, 16]  fp32 or fp16, contiguous: panel p holds output columns
 //                                  16p..16p+15, one row of 16 per input feature (zero-padded)
+//      or [ceil(out / 16), in / 32, group] uint8: the same panels in GGUF's 32-wide blocks,
+//                                  one group per panel and 32 input features (`block_panels.h`)
 // bias    [panels * 16]          fp32, optional, zero-padded like the panels
 //
 // The inner loop multiplies up to 6 rows of x by one panel: each step broadcasts one input
@@ -13,6 +15,11 @@
 // thread streams its own share of the weight from memory once per chunk of rows. Up to 3 rows
 // (decoding a few sequences, bound by memory bandwidth) run over two or four panels at once
 // instead, for enough independent accumulators.
+//
+// Block panels hold the weights of a GGUF Q4_1 or Q8_0 checkpoint: each weight is widened to
+// its exact fp32 value in registers (up to 3 rows), or a panel at a time into a scratch panel
+// that the fp32 path then reads (more rows), so a product over blocks equals the product over
+// the dequantized fp32 panels to the bit while streaming a fifth (Q4_1) of their bytes.
 //
 // Every output is summed over the input features in order, one fused multiply-add at a time,
 // whatever the number of rows, threads or path: a row's result does not depend on its batch.
@@ -26,7 +33,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include "block_panels.h"
 #include "load8.h"
 #include "ops.h"
 
@@ -41,8 +50,12 @@ constexpr int64_t kPanel = 16;
 // Rows of x handled per pass over the weight: about this many bytes of x, kept in L2.
 constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int kMaxRows = 6;
+// Input features of a block panel widened at a time for many rows: 8 KB of fp32, in L1.
+constexpr int64_t kSpan = 128;
 
 #ifdef CONVEYOR_PANEL_LINEAR_SIMD
+using conveyor::dequantize_panel;
+using conveyor::dequantize_span;
 using conveyor::load8;
 
 // MR rows of x times NP consecutive panels, written to out (row stride ldo) plus bias.
@@ -157,6 +170,173 @@ void panel_range(const Problem& pb, const W* panels, int64_t p0, int64_t p1) {
   }
 }
 
+// MR rows of x times NP consecutive block panels (format Q): the micro kernel above with each
+// weight widened from its block as it is needed, summed in the same order.
+template <int MR, int NP, typename Q>
+inline void micro_blocks(const float* x, int64_t K, const uint8_t* panels, int64_t panel_bytes,
+                         float* out, int64_t ldo, const float* bias) {
+  __m256 acc[MR][2 * NP];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NP; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / Q::kBlock; ++b) {
+    alignas(32) float scales[NP][Q::kScales];
+    const uint8_t* group[NP];
+#pragma GCC unroll 8
+    for (int p = 0; p < NP; ++p) {
+      group[p] = panels + p * panel_bytes + b * Q::kGroupBytes;
+      Q::scales(group[p], scales[p]);
+    }
+    const float* xk = x + b * Q::kBlock;
+    for (int kk = 0; kk < Q::kBlock; ++kk) {
+      __m256 w[2 * NP];
+#pragma GCC unroll 8
+      for (int p = 0; p < NP; ++p) Q::weights(group[p], kk, scales[p], w + 2 * p);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(xk + m * K + kk);
+#pragma GCC unroll 8
+        for (int j = 0; j < 2 * NP; ++j) acc[m][j] = _mm256_fmadd_ps(xb, w[j], acc[m][j]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NP; ++j) {
+      __m256 v = acc[m][j];
+      if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j * 8));
+      _mm256_storeu_ps(out + m * ldo + j * 8, v);
+    }
+}
+
+// Up to 3 rows over block panels: several whole panels at a time, widened in registers; a last,
+// partly filled panel goes through a scratch fp32 panel.
+template <int MR, int NP, typename Q>
+void few_rows_blocks(const Problem& pb, const uint8_t* panels, int64_t p0, int64_t p1,
+                     float* scratch) {
+  const int64_t panel_bytes = pb.K / Q::kBlock * Q::kGroupBytes;
+  int64_t p = p0;
+  for (; p + NP <= p1 && (p + NP) * kPanel <= pb.N; p += NP) {
+    const float* bias = pb.bias == nullptr ? nullptr : pb.bias + p * kPanel;
+    micro_blocks<MR, NP, Q>(pb.x, pb.K, panels + p * panel_bytes, panel_bytes,
+                            pb.out + p * kPanel, pb.N, bias);
+  }
+  for (; p < p1; ++p) {
+    dequantize_panel<Q>(panels + p * panel_bytes, pb.K, scratch);
+    rows_by_panel(pb, 0, pb.M, scratch, p);
+  }
+}
+
+// MR rows of x (row stride ldx) times KN input features of one fp32 panel, carried on from the
+// partial sums already in out unless first; bias added when last. Stopping and resuming a sum
+// through memory changes none of its roundings.
+template <int MR>
+inline void micro_span(const float* x, int64_t ldx, int64_t KN, const float* panel, float* out,
+                       int64_t ldo, const float* bias, bool first, bool last) {
+  __m256 acc[MR][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j)
+      acc[m][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo + j * 8);
+  for (int64_t k = 0; k < KN; ++k) {
+    const __m256 w0 = _mm256_load_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_load_ps(panel + k * kPanel + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+      acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) {
+      __m256 v = acc[m][j];
+      if (last && bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j * 8));
+      _mm256_storeu_ps(out + m * ldo + j * 8, v);
+    }
+}
+
+inline void micro_span_rows(int64_t rows, const float* x, int64_t ldx, int64_t KN,
+                            const float* panel, float* out, int64_t ldo, const float* bias,
+                            bool first, bool last) {
+  switch (rows) {
+    case 6: micro_span<6>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
+    case 5: micro_span<5>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
+    case 4: micro_span<4>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
+    case 3: micro_span<3>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
+    case 2: micro_span<2>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
+    case 1: micro_span<1>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
+    default: break;
+  }
+}
+
+// Rows [m0, m0 + rows) of x times one block panel: a span of kSpan input features at a time is
+// widened into an fp32 scratch that stays in L1 while every pass of up to 6 rows reads it, the
+// partial sums resting in the output rows (or in `tile` for a last, partly filled panel).
+template <typename Q>
+void rows_by_block_panel(const Problem& pb, int64_t m0, int64_t rows, const uint8_t* panel,
+                         int64_t p, float* scratch, float* tile) {
+  const int64_t n0 = p * kPanel;
+  const int64_t cols = std::min(kPanel, pb.N - n0);
+  const float* bias = pb.bias == nullptr ? nullptr : pb.bias + n0;
+  float* dst = cols == kPanel ? pb.out + m0 * pb.N + n0 : tile;
+  const int64_t ldo = cols == kPanel ? pb.N : kPanel;
+  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
+  for (int64_t k0 = 0; k0 < pb.K; k0 += kSpan) {
+    const int64_t kn = std::min(kSpan, pb.K - k0);
+    dequantize_span<Q>(panel, k0, kn, scratch);
+    for (int64_t i = 0, m = 0; i < passes; ++i) {
+      const int64_t mr = rows / passes + (i < rows % passes ? 1 : 0);
+      micro_span_rows(mr, pb.x + (m0 + m) * pb.K + k0, pb.K, kn, scratch, dst + m * ldo, ldo,
+                      bias, k0 == 0, k0 + kn == pb.K);
+      m += mr;
+    }
+  }
+  if (cols < kPanel)
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(pb.out + (m0 + r) * pb.N + n0, tile + r * kPanel, cols * sizeof(float));
+}
+
+// Block panels [p0, p1) for all rows: up to 6 rows widen each weight in registers as they go;
+// more rows widen each span of a panel once per chunk of rows (`rows_by_block_panel`).
+template <typename Q>
+void block_panel_range(const Problem& pb, const uint8_t* panels, int64_t p0, int64_t p1) {
+  // fp32 scratch on a cache line: the kernel's 32-byte loads never straddle two lines.
+  std::vector<float> buffer(std::max(kSpan, pb.K) * kPanel + 16);
+  float* scratch = reinterpret_cast<float*>(
+      (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+  switch (pb.M) {
+    case 1: few_rows_blocks<1, 2, Q>(pb, panels, p0, p1, scratch); return;
+    case 2: few_rows_blocks<2, 2, Q>(pb, panels, p0, p1, scratch); return;
+    case 3: few_rows_blocks<3, 1, Q>(pb, panels, p0, p1, scratch); return;
+    case 4: few_rows_blocks<4, 1, Q>(pb, panels, p0, p1, scratch); return;
+    case 5: few_rows_blocks<5, 1, Q>(pb, panels, p0, p1, scratch); return;
+    case 6: few_rows_blocks<6, 1, Q>(pb, panels, p0, p1, scratch); return;
+    default: break;
+  }
+  const int64_t panel_bytes = pb.K / Q::kBlock * Q::kGroupBytes;
+  const int64_t chunk =
+      std::max<int64_t>(kMaxRows, kChunkBytes / (pb.K * 4) / kMaxRows * kMaxRows);
+  std::vector<float> tile(std::min(chunk, pb.M) * kPanel);
+  for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, pb.M - m0);
+    for (int64_t p = p0; p < p1; ++p)
+      rows_by_block_panel<Q>(pb, m0, rows, panels + p * panel_bytes, p, scratch, tile.data());
+  }
+}
+
+template <typename Q>
+void run_blocks(const Problem& pb, const at::Tensor& panels) {
+  const uint8_t* w = panels.data_ptr<uint8_t>();
+  at::parallel_for(0, panels.size(0), 4,
+                   [&](int64_t p0, int64_t p1) { block_panel_range<Q>(pb, w, p0, p1); });
+}
+
 template <typename W>
 void run(const Problem& pb, const at::Tensor& panels) {
   const W* w = panels.data_ptr<W>();
@@ -170,20 +350,35 @@ void run(const Problem& pb, const at::Tensor& panels) {
 
 namespace conveyor {
 
+int64_t panel_in_features(const at::Tensor& panels) {
+  return panels.scalar_type() == at::kByte ? panels.size(1) * kBlock : panels.size(1);
+}
+
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
 #ifndef CONVEYOR_PANEL_LINEAR_SIMD
   TORCH_CHECK(false, "panel_linear needs AVX2, F16C and FMA");
 #else
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel,
-              "panel_linear: x must be [rows, in] and panels [panels, in, 16]");
-  TORCH_CHECK(x.size(1) == panels.size(1) && x.size(1) > 0,
-              "panel_linear: x and panels' input sizes differ");
+  const bool blocks = panels.scalar_type() == at::kByte;
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3,
+              "panel_linear: x must be [rows, in] and panels 3-d");
+  TORCH_CHECK(x.size(1) > 0, "panel_linear: x has no input features");
+  if (blocks) {
+    TORCH_CHECK(panels.size(2) == conveyor::Q41::kGroupBytes ||
+                    panels.size(2) == conveyor::Q80::kGroupBytes,
+                "panel_linear: block panels must be [panels, in / 32, ", conveyor::Q41::kGroupBytes,
+                " (Q4_1) or ", conveyor::Q80::kGroupBytes, " (Q8_0)]");
+    TORCH_CHECK(x.size(1) == panels.size(1) * conveyor::kBlock,
+                "panel_linear: x and block panels' input sizes differ");
+  } else {
+    TORCH_CHECK(panels.size(2) == kPanel, "panel_linear: panels must be [panels, in, 16]");
+    TORCH_CHECK(x.size(1) == panels.size(1), "panel_linear: x and panels' input sizes differ");
+    TORCH_CHECK(panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kHalf,
+                "panel_linear: panels must be fp32, fp16 or uint8 blocks");
+  }
   TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
               "panel_linear: out_features does not match the number of panels");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "panel_linear: x must be fp32");
-  TORCH_CHECK(panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kHalf,
-              "panel_linear: panels must be fp32 or fp16");
   TORCH_CHECK(x.is_contiguous() && panels.is_contiguous(),
               "panel_linear: inputs must be contiguous");
   const bool has_bias = bias.has_value() && bias->defined();
@@ -197,7 +392,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   const Problem pb{x.data_ptr<float>(),
                    has_bias ? bias->data_ptr<float>() : nullptr,
                    out.data_ptr<float>(), M, K, out_features};
-  if (panels.scalar_type() == at::kHalf)
+  if (blocks && panels.size(2) == conveyor::Q41::kGroupBytes)
+    run_blocks<conveyor::Q41>(pb, panels);
+  else if (blocks)
+    run_blocks<conveyor::Q80>(pb, panels);
+  else if (panels.scalar_type() == at::kHalf)
     run<at::Half>(pb, panels);
   else
     run<float>(pb, panels);

@@ -58,7 +58,12 @@ def _one_pass_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def fuse(linears: list[nn.Module]) -> nn.Module:
-    """One projection whose output is the given projections' outputs side by side."""
+    """One projection whose output is the given projections' outputs side by side; panels are
+    joined as held where they line up (GGUF blocks stay blocks)."""
+    if all(isinstance(m, PanelLinear) for m in linears):
+        joined = PanelLinear.joined(linears)
+        if joined is not None:
+            return joined
     weight = torch.cat([m.weight for m in linears])
     biases = [m.bias for m in linears]
     bias = None if biases[0] is None else torch.cat(biases)

@@ -1,0 +1,95 @@
+// Panels of 16 output columns in GGUF's 32-wide blocks, as `panel_linear` reads them: a panel is
+// `in / 32` groups, each holding 32 input features of its 16 columns with one scale (and, for
+// Q4_1, one minimum) per column, as GGUF stores them per row and block:
+//
+// Q4_1 (320 bytes): d[16] fp16, m[16] fp16, then per input feature 8 bytes whose byte j holds
+//                   column j's 4-bit q in its low half and column j + 8's in its high half;
+//                   weight = d * q + m
+// Q8_0 (544 bytes): d[16] fp16, then per input feature 16 int8 q, one per column;
+//                   weight = d * q
+//
+// A weight widens to exactly the fp32 value GGUF's dequantization gives: d * q is exact in fp32
+// (11 by 4 or 8 significant bits), so one fused multiply-add rounds d * q + m once, as the
+// product and the sum done apart do.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define CONVEYOR_BLOCK_PANELS 1
+#endif
+
+namespace conveyor {
+
+constexpr int64_t kBlock = 32;
+
+struct Q41 {
+  static constexpr int64_t kBlock = conveyor::kBlock;
+  static constexpr int64_t kGroupBytes = 64 + kBlock * 8;
+  static constexpr int kScales = 32;  // d[16], m[16]
+#ifdef CONVEYOR_BLOCK_PANELS
+  static inline void scales(const uint8_t* group, float* out) {
+    for (int i = 0; i < 4; ++i)
+      _mm256_store_ps(out + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                       reinterpret_cast<const __m128i*>(group + 16 * i))));
+  }
+  // The 16 weights of input feature kk of the group.
+  static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
+    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + 64 + kk * 8));
+    const __m256i bytes = _mm256_cvtepu8_epi32(packed);
+    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+    const __m256i high = _mm256_srli_epi32(bytes, 4);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_load_ps(s), _mm256_load_ps(s + 16));
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), _mm256_load_ps(s + 8),
+                           _mm256_load_ps(s + 24));
+  }
+#endif
+};
+
+struct Q80 {
+  static constexpr int64_t kBlock = conveyor::kBlock;
+  static constexpr int64_t kGroupBytes = 32 + kBlock * 16;
+  static constexpr int kScales = 16;  // d[16]
+#ifdef CONVEYOR_BLOCK_PANELS
+  static inline void scales(const uint8_t* group, float* out) {
+    for (int i = 0; i < 2; ++i)
+      _mm256_store_ps(out + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                       reinterpret_cast<const __m128i*>(group + 16 * i))));
+  }
+  static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 32 + kk * 16));
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_load_ps(s));
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
+                         _mm256_load_ps(s + 8));
+  }
+#endif
+};
+
+#ifdef CONVEYOR_BLOCK_PANELS
+// Input features [k0, k0 + kn) of one block panel (`K / 32` groups; k0 and kn multiples of 32,
+// or kn running to the end) widened to an fp32 panel `[kn, 16]`.
+template <typename Q>
+inline void dequantize_span(const uint8_t* panel, int64_t k0, int64_t kn, float* out) {
+  alignas(32) float s[Q::kScales];
+  for (int64_t b = 0; b < kn / Q::kBlock; ++b) {
+    const uint8_t* group = panel + (k0 / Q::kBlock + b) * Q::kGroupBytes;
+    Q::scales(group, s);
+    for (int kk = 0; kk < Q::kBlock; ++kk) {
+      __m256 w[2];
+      Q::weights(group, kk, s, w);
+      float* row = out + (b * Q::kBlock + kk) * 16;
+      _mm256_storeu_ps(row, w[0]);
+      _mm256_storeu_ps(row + 8, w[1]);
+    }
+  }
+}
+
+// A whole block panel widened to an fp32 panel `[K, 16]`.
+template <typename Q>
+inline void dequantize_panel(const uint8_t* panel, int64_t K, float* out) {
+  dequantize_span<Q>(panel, 0, K, out);
+}
+#endif
+
+}  // namespace conveyor
