@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from engine import cpu_kernels
 from engine.config import CacheConfig, EngineConfig
+from engine.cpu_linear import PanelLinear
+from engine.default_model import default_model_dir
 from engine.factory import create_engine_core
 from engine.sampling_params import SamplingParams
-from tests.helpers import run_all, text_of
+from tests.helpers import reference_greedy, run_all, text_of, tokens_of
 
 pytestmark = pytest.mark.default_model
 
@@ -60,3 +64,21 @@ def test_seed_reproduces_text_alone_and_inside_a_busy_batch(default_engine):
     other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24,
                                 ignore_eos=True)
     assert text_of(run_all(core, [prompt], other_seed)["req-0"]) != alone_first
+
+
+def test_cpu_engine_reads_the_q4_1_blocks_and_matches_generate(default_engine):
+    """On the CPU every projection reads the GGUF's Q4_1 blocks and the LM head its Q8_0 ones,
+    widened to exactly the fp32 weights: greedy tokens equal transformers' on the checkpoint."""
+    core, tokenizer, info = default_engine
+    if info.device != "cpu" or not cpu_kernels.panel_linear_available():
+        pytest.skip("the GGUF blocks are read by Conveyor's CPU kernels")
+    formats = [m.block_format.name for m in core.runner.model.modules()
+               if isinstance(m, PanelLinear) and m.block_format is not None]
+    assert formats.count("q4_1") == 30 * 4 and formats.count("q8_0") == 1
+    reference = AutoModelForCausalLM.from_pretrained(default_model_dir(),
+                                                     dtype=torch.float32).eval()
+    prompt = chat_prompt(tokenizer, "Name three colours of the rainbow.")
+    expected = reference_greedy(reference, prompt, 24)
+    outputs = run_all(core, [prompt], SamplingParams(temperature=0, max_tokens=24,
+                                                     ignore_eos=True))["req-0"]
+    assert tokens_of(outputs) == expected
