@@ -7,7 +7,8 @@ by how fast the weights stream from memory, which fp16 halves; more rows are bou
 arithmetic, which the kernel runs at most of the CPU's peak. Every bf16 number between 2**-17
 and 65504 is exact in fp16, so a bf16 model's fp16 panels hold its weights exactly, and each
 output is summed in the same order whatever the batch, so a sequence's tokens do not depend on
-what it is batched with.
+what it is batched with. A model converted from GGUF can hold its Q4_1 / Q8_0 blocks instead
+(`PanelLinear.of_blocks`, `use_gguf_blocks`): the kernel widens them to exactly the fp32 weights.
 
 Where the kernel cannot build or run, torch's products stand in: `PackedLinear` for fp32
 weights (oneDNN's GEMM over a weight reordered for it ahead of time, 10-40% faster than

@@ -1,25 +1,24 @@
 """GGUF's quantized blocks as an exact, compact form of a checkpoint's linear weights.
 
 A model converted from a GGUF file (the default model comes dequantized from Q4_1) has fp32
-weights that are exactly `d * q + m` (Q4_1) or `d * q` (Q8_0) per 32-wide block. Kept beside the
-checkpoint (`gguf_blocks.safetensors`: each linear layer's blocks, rows as GGUF stores them,
-under the layer's module name), those blocks let the CPU's panel product stream a fifth (Q4_1)
-or a quarter (Q8_0) of the fp32 bytes and widen each weight to the same fp32 value in
-registers. A layer uses its blocks only where they widen to exactly the weights loaded from the
+weights that are exactly `d * q + m` (Q4_1) or `d * q` (Q8_0) per 32-wide block. Kept beside
+the checkpoint (`gguf_blocks/blocks.safetensors`: each linear layer's blocks, rows as GGUF
+stores them, under the layer's module name), those blocks let the CPU's panel product stream a
+fifth (Q4_1) or a quarter (Q8_0) of the fp32 bytes and widen each weight to the same fp32 value
+in registers. A layer uses its blocks only where they widen to exactly the weights loaded from the
 checkpoint, so outputs do not change, only the bytes read.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-BLOCKS_FILE = "gguf_blocks.safetensors"
+# In a subfolder: servers that load every `*.safetensors` at a checkpoint's top level (vLLM)
+# must not take the blocks for weights.
+BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 BLOCK = 32
 PANEL = 16
 # GGUF's names for a Llama-family layer's projections, and the module each one loads into.
@@ -157,6 +156,7 @@ def unpermute_rows(tensor: str, rows: torch.Tensor, config: object) -> torch.Ten
 def save(blocks: dict[str, tuple[BlockFormat, torch.Tensor]], path: Path) -> None:
     from safetensors.torch import save_file
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     save_file({name: rows for name, (_, rows) in blocks.items()}, str(path),
               metadata={name: fmt.name for name, (fmt, _) in blocks.items()})
 

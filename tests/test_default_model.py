@@ -75,6 +75,8 @@ def test_cpu_engine_reads_the_q4_1_blocks_and_matches_generate(default_engine):
     formats = [m.block_format.name for m in core.runner.model.modules()
                if isinstance(m, PanelLinear) and m.block_format is not None]
     assert formats.count("q4_1") == 30 * 4 and formats.count("q8_0") == 1
+    # The folder stays a plain checkpoint for servers that load every top-level safetensors.
+    assert [p.name for p in default_model_dir().glob("*.safetensors")] == ["model.safetensors"]
     reference = AutoModelForCausalLM.from_pretrained(default_model_dir(),
                                                      dtype=torch.float32).eval()
     prompt = chat_prompt(tokenizer, "Name three colours of the rainbow.")

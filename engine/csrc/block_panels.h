@@ -67,13 +67,12 @@ struct Q80 {
 };
 
 #ifdef CONVEYOR_BLOCK_PANELS
-// Input features [k0, k0 + kn) of one block panel (`K / 32` groups; k0 and kn multiples of 32,
-// or kn running to the end) widened to an fp32 panel `[kn, 16]`.
+// One block panel (`K / 32` groups) widened to an fp32 panel `[K, 16]`.
 template <typename Q>
-inline void dequantize_span(const uint8_t* panel, int64_t k0, int64_t kn, float* out) {
+inline void dequantize_panel(const uint8_t* panel, int64_t K, float* out) {
   alignas(32) float s[Q::kScales];
-  for (int64_t b = 0; b < kn / Q::kBlock; ++b) {
-    const uint8_t* group = panel + (k0 / Q::kBlock + b) * Q::kGroupBytes;
+  for (int64_t b = 0; b < K / Q::kBlock; ++b) {
+    const uint8_t* group = panel + b * Q::kGroupBytes;
     Q::scales(group, s);
     for (int kk = 0; kk < Q::kBlock; ++kk) {
       __m256 w[2];
@@ -83,12 +82,6 @@ inline void dequantize_span(const uint8_t* panel, int64_t k0, int64_t kn, float*
       _mm256_storeu_ps(row + 8, w[1]);
     }
   }
-}
-
-// A whole block panel widened to an fp32 panel `[K, 16]`.
-template <typename Q>
-inline void dequantize_panel(const uint8_t* panel, int64_t K, float* out) {
-  dequantize_span<Q>(panel, 0, K, out);
 }
 #endif
 

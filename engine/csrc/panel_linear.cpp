@@ -17,7 +17,7 @@
 // instead, for enough independent accumulators.
 //
 // Block panels hold the weights of a GGUF Q4_1 or Q8_0 checkpoint: each weight is widened to
-// its exact fp32 value in registers (up to 3 rows), or a panel at a time into a scratch panel
+// its exact fp32 value in registers (up to 6 rows), or a few panels at a time into fp32 panels
 // that the fp32 path then reads (more rows), so a product over blocks equals the product over
 // the dequantized fp32 panels to the bit while streaming a fifth (Q4_1) of their bytes.
 //
@@ -50,12 +50,11 @@ constexpr int64_t kPanel = 16;
 // Rows of x handled per pass over the weight: about this many bytes of x, kept in L2.
 constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int kMaxRows = 6;
-// Input features of a block panel widened at a time for many rows: 8 KB of fp32, in L1.
-constexpr int64_t kSpan = 128;
+// fp32 bytes of block panels widened at a time for many rows.
+constexpr int64_t kWidenBytes = 256 * 1024;
 
 #ifdef CONVEYOR_PANEL_LINEAR_SIMD
 using conveyor::dequantize_panel;
-using conveyor::dequantize_span;
 using conveyor::load8;
 
 // MR rows of x times NP consecutive panels, written to out (row stride ldo) plus bias.
@@ -211,8 +210,8 @@ inline void micro_blocks(const float* x, int64_t K, const uint8_t* panels, int64
     }
 }
 
-// Up to 3 rows over block panels: several whole panels at a time, widened in registers; a last,
-// partly filled panel goes through a scratch fp32 panel.
+// Up to 6 rows over block panels, widened in registers (up to 2 rows over two panels at once);
+// a last, partly filled panel goes through a scratch fp32 panel.
 template <int MR, int NP, typename Q>
 void few_rows_blocks(const Problem& pb, const uint8_t* panels, int64_t p0, int64_t p1,
                      float* scratch) {
@@ -229,104 +228,46 @@ void few_rows_blocks(const Problem& pb, const uint8_t* panels, int64_t p0, int64
   }
 }
 
-// MR rows of x (row stride ldx) times KN input features of one fp32 panel, carried on from the
-// partial sums already in out unless first; bias added when last. Stopping and resuming a sum
-// through memory changes none of its roundings.
-template <int MR>
-inline void micro_span(const float* x, int64_t ldx, int64_t KN, const float* panel, float* out,
-                       int64_t ldo, const float* bias, bool first, bool last) {
-  __m256 acc[MR][2];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j)
-      acc[m][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo + j * 8);
-  for (int64_t k = 0; k < KN; ++k) {
-    const __m256 w0 = _mm256_load_ps(panel + k * kPanel);
-    const __m256 w1 = _mm256_load_ps(panel + k * kPanel + 8);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
-      acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j) {
-      __m256 v = acc[m][j];
-      if (last && bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j * 8));
-      _mm256_storeu_ps(out + m * ldo + j * 8, v);
-    }
+// The first cache-line boundary in a float buffer (16 floats spare): the kernel's 32-byte loads
+// from it never straddle two lines.
+inline float* line_aligned(std::vector<float>& buffer) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) &
+                                  ~uintptr_t{63});
 }
 
-inline void micro_span_rows(int64_t rows, const float* x, int64_t ldx, int64_t KN,
-                            const float* panel, float* out, int64_t ldo, const float* bias,
-                            bool first, bool last) {
-  switch (rows) {
-    case 6: micro_span<6>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
-    case 5: micro_span<5>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
-    case 4: micro_span<4>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
-    case 3: micro_span<3>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
-    case 2: micro_span<2>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
-    case 1: micro_span<1>(x, ldx, KN, panel, out, ldo, bias, first, last); break;
-    default: break;
-  }
-}
-
-// Rows [m0, m0 + rows) of x times one block panel: a span of kSpan input features at a time is
-// widened into an fp32 scratch that stays in L1 while every pass of up to 6 rows reads it, the
-// partial sums resting in the output rows (or in `tile` for a last, partly filled panel).
-template <typename Q>
-void rows_by_block_panel(const Problem& pb, int64_t m0, int64_t rows, const uint8_t* panel,
-                         int64_t p, float* scratch, float* tile) {
-  const int64_t n0 = p * kPanel;
-  const int64_t cols = std::min(kPanel, pb.N - n0);
-  const float* bias = pb.bias == nullptr ? nullptr : pb.bias + n0;
-  float* dst = cols == kPanel ? pb.out + m0 * pb.N + n0 : tile;
-  const int64_t ldo = cols == kPanel ? pb.N : kPanel;
-  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
-  for (int64_t k0 = 0; k0 < pb.K; k0 += kSpan) {
-    const int64_t kn = std::min(kSpan, pb.K - k0);
-    dequantize_span<Q>(panel, k0, kn, scratch);
-    for (int64_t i = 0, m = 0; i < passes; ++i) {
-      const int64_t mr = rows / passes + (i < rows % passes ? 1 : 0);
-      micro_span_rows(mr, pb.x + (m0 + m) * pb.K + k0, pb.K, kn, scratch, dst + m * ldo, ldo,
-                      bias, k0 == 0, k0 + kn == pb.K);
-      m += mr;
-    }
-  }
-  if (cols < kPanel)
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(pb.out + (m0 + r) * pb.N + n0, tile + r * kPanel, cols * sizeof(float));
-}
-
-// Block panels [p0, p1) for all rows: up to 6 rows widen each weight in registers as they go;
-// more rows widen each span of a panel once per chunk of rows (`rows_by_block_panel`).
+// Block panels [p0, p1) for all rows. Up to 6 rows widen each weight in registers as they go.
+// More rows widen a few panels at a time (kWidenBytes of fp32, kept in L2) once, then multiply
+// every chunk of rows over them as over fp32 panels.
 template <typename Q>
 void block_panel_range(const Problem& pb, const uint8_t* panels, int64_t p0, int64_t p1) {
-  // fp32 scratch on a cache line: the kernel's 32-byte loads never straddle two lines.
-  std::vector<float> buffer(std::max(kSpan, pb.K) * kPanel + 16);
-  float* scratch = reinterpret_cast<float*>(
-      (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-  switch (pb.M) {
-    case 1: few_rows_blocks<1, 2, Q>(pb, panels, p0, p1, scratch); return;
-    case 2: few_rows_blocks<2, 2, Q>(pb, panels, p0, p1, scratch); return;
-    case 3: few_rows_blocks<3, 1, Q>(pb, panels, p0, p1, scratch); return;
-    case 4: few_rows_blocks<4, 1, Q>(pb, panels, p0, p1, scratch); return;
-    case 5: few_rows_blocks<5, 1, Q>(pb, panels, p0, p1, scratch); return;
-    case 6: few_rows_blocks<6, 1, Q>(pb, panels, p0, p1, scratch); return;
-    default: break;
-  }
   const int64_t panel_bytes = pb.K / Q::kBlock * Q::kGroupBytes;
+  const int64_t panel_floats = pb.K * kPanel;
+  if (pb.M <= kMaxRows) {
+    std::vector<float> buffer(panel_floats + 16);
+    float* scratch = line_aligned(buffer);  // for a last, partly filled panel
+    switch (pb.M) {
+      case 1: few_rows_blocks<1, 2, Q>(pb, panels, p0, p1, scratch); return;
+      case 2: few_rows_blocks<2, 2, Q>(pb, panels, p0, p1, scratch); return;
+      case 3: few_rows_blocks<3, 1, Q>(pb, panels, p0, p1, scratch); return;
+      case 4: few_rows_blocks<4, 1, Q>(pb, panels, p0, p1, scratch); return;
+      case 5: few_rows_blocks<5, 1, Q>(pb, panels, p0, p1, scratch); return;
+      default: few_rows_blocks<6, 1, Q>(pb, panels, p0, p1, scratch); return;
+    }
+  }
+  const int64_t group = std::max<int64_t>(1, kWidenBytes / (panel_floats * 4));
+  std::vector<float> buffer(std::min(group, p1 - p0) * panel_floats + 16);
+  float* widened = line_aligned(buffer);
   const int64_t chunk =
       std::max<int64_t>(kMaxRows, kChunkBytes / (pb.K * 4) / kMaxRows * kMaxRows);
-  std::vector<float> tile(std::min(chunk, pb.M) * kPanel);
-  for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
-    const int64_t rows = std::min(chunk, pb.M - m0);
-    for (int64_t p = p0; p < p1; ++p)
-      rows_by_block_panel<Q>(pb, m0, rows, panels + p * panel_bytes, p, scratch, tile.data());
+  for (int64_t g0 = p0; g0 < p1; g0 += group) {
+    const int64_t g1 = std::min(p1, g0 + group);
+    for (int64_t p = g0; p < g1; ++p)
+      dequantize_panel<Q>(panels + p * panel_bytes, pb.K, widened + (p - g0) * panel_floats);
+    for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
+      const int64_t rows = std::min(chunk, pb.M - m0);
+      for (int64_t p = g0; p < g1; ++p)
+        rows_by_panel(pb, m0, rows, widened + (p - g0) * panel_floats, p);
+    }
   }
 }
 
