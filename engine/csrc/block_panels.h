@@ -24,16 +24,21 @@ namespace conveyor {
 
 constexpr int64_t kBlock = 32;
 
+#ifdef CONVEYOR_BLOCK_PANELS
+// count (a multiple of 8) fp16 values at the start of a group, widened to fp32 (exactly).
+inline void widen_halves(const uint8_t* group, int count, float* out) {
+  for (int i = 0; i < count; i += 8)
+    _mm256_store_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                 reinterpret_cast<const __m128i*>(group + 2 * i))));
+}
+#endif
+
 struct Q41 {
   static constexpr int64_t kBlock = conveyor::kBlock;
   static constexpr int64_t kGroupBytes = 64 + kBlock * 8;
   static constexpr int kScales = 32;  // d[16], m[16]
 #ifdef CONVEYOR_BLOCK_PANELS
-  static inline void scales(const uint8_t* group, float* out) {
-    for (int i = 0; i < 4; ++i)
-      _mm256_store_ps(out + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128(
-                                       reinterpret_cast<const __m128i*>(group + 16 * i))));
-  }
+  static inline void scales(const uint8_t* group, float* out) { widen_halves(group, kScales, out); }
   // The 16 weights of input feature kk of the group.
   static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
     const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + 64 + kk * 8));
@@ -52,11 +57,7 @@ struct Q80 {
   static constexpr int64_t kGroupBytes = 32 + kBlock * 16;
   static constexpr int kScales = 16;  // d[16]
 #ifdef CONVEYOR_BLOCK_PANELS
-  static inline void scales(const uint8_t* group, float* out) {
-    for (int i = 0; i < 2; ++i)
-      _mm256_store_ps(out + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128(
-                                       reinterpret_cast<const __m128i*>(group + 16 * i))));
-  }
+  static inline void scales(const uint8_t* group, float* out) { widen_halves(group, kScales, out); }
   static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 32 + kk * 16));
     w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_load_ps(s));

@@ -57,16 +57,50 @@ constexpr int64_t kWidenBytes = 256 * 1024;
 using conveyor::dequantize_panel;
 using conveyor::load8;
 
+// Helpers of the micro kernels, inlined so that the accumulators stay in registers: the loops
+// over rows and vectors are unrolled.
+#define CONVEYOR_INLINE inline __attribute__((always_inline))
+
+template <int MR, int J>
+CONVEYOR_INLINE void zero_tile(__m256 (&acc)[MR][J]) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) acc[m][j] = _mm256_setzero_ps();
+}
+
+// acc[m] += x[m * ldx] * w for MR rows of x and J vectors of 8 weights.
+template <int MR, int J>
+CONVEYOR_INLINE void madd_tile(__m256 (&acc)[MR][J], const float* x, int64_t ldx,
+                               const __m256 (&w)[J]) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    const __m256 xb = _mm256_broadcast_ss(x + m * ldx);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) acc[m][j] = _mm256_fmadd_ps(xb, w[j], acc[m][j]);
+  }
+}
+
+// The tile plus bias (if any) to MR rows of out (row stride ldo).
+template <int MR, int J>
+CONVEYOR_INLINE void store_tile(const __m256 (&acc)[MR][J], float* out, int64_t ldo,
+                                const float* bias) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) {
+      __m256 v = acc[m][j];
+      if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j * 8));
+      _mm256_storeu_ps(out + m * ldo + j * 8, v);
+    }
+}
+
 // MR rows of x times NP consecutive panels, written to out (row stride ldo) plus bias.
-// The loops over MR and NP are unrolled so that the accumulators stay in registers.
 template <int MR, int NP, typename W>
 inline void micro(const float* x, int64_t K, const W* panels, float* out, int64_t ldo,
                   const float* bias) {
   __m256 acc[MR][2 * NP];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * NP; ++j) acc[m][j] = _mm256_setzero_ps();
+  zero_tile(acc);
   const int64_t panel_size = K * kPanel;
   for (int64_t k = 0; k < K; ++k) {
     __m256 w[2 * NP];
@@ -75,21 +109,9 @@ inline void micro(const float* x, int64_t K, const W* panels, float* out, int64_
       w[2 * p] = load8(panels + p * panel_size + k * kPanel);
       w[2 * p + 1] = load8(panels + p * panel_size + k * kPanel + 8);
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < 2 * NP; ++j) acc[m][j] = _mm256_fmadd_ps(xb, w[j], acc[m][j]);
-    }
+    madd_tile(acc, x + k, K, w);
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * NP; ++j) {
-      __m256 v = acc[m][j];
-      if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j * 8));
-      _mm256_storeu_ps(out + m * ldo + j * 8, v);
-    }
+  store_tile(acc, out, ldo, bias);
 }
 
 // 1 to 6 rows of x times one panel.
@@ -175,10 +197,7 @@ template <int MR, int NP, typename Q>
 inline void micro_blocks(const float* x, int64_t K, const uint8_t* panels, int64_t panel_bytes,
                          float* out, int64_t ldo, const float* bias) {
   __m256 acc[MR][2 * NP];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * NP; ++j) acc[m][j] = _mm256_setzero_ps();
+  zero_tile(acc);
   for (int64_t b = 0; b < K / Q::kBlock; ++b) {
     alignas(32) float scales[NP][Q::kScales];
     const uint8_t* group[NP];
@@ -187,27 +206,14 @@ inline void micro_blocks(const float* x, int64_t K, const uint8_t* panels, int64
       group[p] = panels + p * panel_bytes + b * Q::kGroupBytes;
       Q::scales(group[p], scales[p]);
     }
-    const float* xk = x + b * Q::kBlock;
     for (int kk = 0; kk < Q::kBlock; ++kk) {
       __m256 w[2 * NP];
 #pragma GCC unroll 8
       for (int p = 0; p < NP; ++p) Q::weights(group[p], kk, scales[p], w + 2 * p);
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const __m256 xb = _mm256_broadcast_ss(xk + m * K + kk);
-#pragma GCC unroll 8
-        for (int j = 0; j < 2 * NP; ++j) acc[m][j] = _mm256_fmadd_ps(xb, w[j], acc[m][j]);
-      }
+      madd_tile(acc, x + b * Q::kBlock + kk, K, w);
     }
   }
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < 2 * NP; ++j) {
-      __m256 v = acc[m][j];
-      if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j * 8));
-      _mm256_storeu_ps(out + m * ldo + j * 8, v);
-    }
+  store_tile(acc, out, ldo, bias);
 }
 
 // Up to 6 rows over block panels, widened in registers (up to 2 rows over two panels at once);
