@@ -299,7 +299,7 @@ def use_gguf_blocks(model: nn.Module,
                     blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]]) -> int:
     """Hold each fp32-panel layer named in `blocks` in its GGUF blocks instead, where they
     widen to exactly the layer's weight; return how many layers changed."""
-    swapped = 0
+    swapped, mismatched = 0, []
     for name, (fmt, rows) in blocks.items():
         parent_name, _, child = name.rpartition(".")
         try:
@@ -312,10 +312,13 @@ def use_gguf_blocks(model: nn.Module,
         if (candidate.in_features, candidate.out_features) != (
                 layer.in_features, layer.out_features) or not torch.equal(
                 candidate.weight, layer.weight):
-            logger.warning("%s: its GGUF blocks do not hold its weights; keeping fp32", name)
+            mismatched.append(name)
             continue
         setattr(model.get_submodule(parent_name), child, candidate)
         swapped += 1
+    if mismatched:
+        logger.warning("GGUF blocks that do not hold their layer's weights: %d (%s, ...); "
+                       "those layers keep fp32 panels", len(mismatched), mismatched[0])
     logger.info("%d linear layers hold their GGUF blocks (exactly their fp32 weights)", swapped)
     return swapped
 

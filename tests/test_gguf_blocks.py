@@ -180,11 +180,13 @@ def test_a_converted_model_serves_its_blocks_and_matches_generate(converted: Pat
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
 
 
-def test_blocks_that_do_not_hold_the_weights_are_left_alone(converted: Path) -> None:
+def test_blocks_that_do_not_hold_the_weights_are_left_alone(
+        converted: Path, caplog: pytest.LogCaptureFixture) -> None:
     blocks = gguf_blocks.load(converted / gguf_blocks.BLOCKS_FILE)
     name = "model.layers.1.mlp.up_proj"
     blocks[name] = (gguf_blocks.Q4_1, torch.from_numpy(gguf_rows("q4_1", FFN, HIDDEN, seed=999)))
     model = load_packed(converted)
     assert use_gguf_blocks(model, blocks) == 2 * 7
+    assert f"do not hold their layer's weights: 1 ({name}" in caplog.text
     assert model.get_submodule(name).panels.dtype == torch.float32
     assert model.get_submodule("model.layers.0.mlp.up_proj").block_format == gguf_blocks.Q4_1
