@@ -115,7 +115,8 @@ def panel_linear_available() -> bool:
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
     """`x W^T + b` for fp32 `x [rows, in]` and W packed as `[ceil(out / 16), in, 16]` panels
-    (fp32 or fp16; `cpu_linear.pack_panels`), `b` fp32 zero-padded to whole panels."""
+    (fp32 or fp16; `cpu_linear.pack_panels`) or as GGUF block panels (`gguf_blocks.pack_panels`),
+    `b` fp32 zero-padded to whole panels."""
     return torch.ops.conveyor.panel_linear(x, panels, bias, out_features)
 
 
@@ -143,8 +144,8 @@ def decode_layer(hidden: torch.Tensor, weights: list[torch.Tensor],
 
     `weights`: input norm, q/k/v panels, output panels, post-attention norm, gate/up panels,
     down panels; `biases`: the four projections' padded biases or None; `heads`: query heads,
-    kv heads, head dim. Each row's new K/V go to its slot of the fp32 layer cache, then it
-    attends over its blocks up to its length.
+    kv heads, head dim. Each row's new K/V go to its slot of the layer cache (fp32, or bf16 or
+    fp16 rounded as stored), then it attends over its blocks up to its length.
     """
     return torch.ops.conveyor.decode_layer(hidden, weights, biases, heads, cos, sin, key_cache,
                                            value_cache, slots, block_table, seq_lens, eps,

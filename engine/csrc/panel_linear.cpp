@@ -173,21 +173,28 @@ void few_rows(const Problem& pb, const W* panels, int64_t p0, int64_t p1) {
   for (; p < p1; ++p) rows_by_panel(pb, 0, pb.M, panels + p * panel_size, p);
 }
 
-// Panels [p0, p1) for all rows, a chunk of rows at a time.
+// Panels p0..p1 (the first at `first`, the rest after it) for all rows, a chunk of rows at a
+// time.
+template <typename W>
+void rows_in_chunks(const Problem& pb, const W* first, int64_t p0, int64_t p1) {
+  const int64_t panel_size = pb.K * kPanel;
+  const int64_t chunk =
+      std::max<int64_t>(kMaxRows, kChunkBytes / (pb.K * 4) / kMaxRows * kMaxRows);
+  for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, pb.M - m0);
+    for (int64_t p = p0; p < p1; ++p)
+      rows_by_panel(pb, m0, rows, first + (p - p0) * panel_size, p);
+  }
+}
+
+// Panels [p0, p1) for all rows.
 template <typename W>
 void panel_range(const Problem& pb, const W* panels, int64_t p0, int64_t p1) {
   switch (pb.M) {
     case 1: few_rows<1, 4>(pb, panels, p0, p1); return;
     case 2: few_rows<2, 2>(pb, panels, p0, p1); return;
     case 3: few_rows<3, 2>(pb, panels, p0, p1); return;
-    default: break;
-  }
-  const int64_t panel_size = pb.K * kPanel;
-  const int64_t chunk =
-      std::max<int64_t>(kMaxRows, kChunkBytes / (pb.K * 4) / kMaxRows * kMaxRows);
-  for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
-    const int64_t rows = std::min(chunk, pb.M - m0);
-    for (int64_t p = p0; p < p1; ++p) rows_by_panel(pb, m0, rows, panels + p * panel_size, p);
+    default: rows_in_chunks(pb, panels + p0 * pb.K * kPanel, p0, p1);
   }
 }
 
@@ -263,17 +270,11 @@ void block_panel_range(const Problem& pb, const uint8_t* panels, int64_t p0, int
   const int64_t group = std::max<int64_t>(1, kWidenBytes / (panel_floats * 4));
   std::vector<float> buffer(std::min(group, p1 - p0) * panel_floats + 16);
   float* widened = line_aligned(buffer);
-  const int64_t chunk =
-      std::max<int64_t>(kMaxRows, kChunkBytes / (pb.K * 4) / kMaxRows * kMaxRows);
   for (int64_t g0 = p0; g0 < p1; g0 += group) {
     const int64_t g1 = std::min(p1, g0 + group);
     for (int64_t p = g0; p < g1; ++p)
       dequantize_panel<Q>(panels + p * panel_bytes, pb.K, widened + (p - g0) * panel_floats);
-    for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
-      const int64_t rows = std::min(chunk, pb.M - m0);
-      for (int64_t p = g0; p < g1; ++p)
-        rows_by_panel(pb, m0, rows, widened + (p - g0) * panel_floats, p);
-    }
+    rows_in_chunks(pb, static_cast<const float*>(widened), g0, g1);
   }
 }
 

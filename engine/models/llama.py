@@ -119,8 +119,9 @@ class PagedLlamaLayer(nn.Module):
                           attn.k_norm.weight.expand(self.num_kv_heads, -1)])
 
     def _fused_weights(self) -> FusedWeights | None:
-        """The layer as one op takes it, where that op computes it: projections in fp32 or
-        fp16 panels, fp32 norms with one epsilon, silu gating, no per-head q/k norm."""
+        """The layer as one op takes it, where that op computes it: projections in Conveyor's
+        panels (fp32, fp16 or GGUF blocks), fp32 norms with one epsilon, silu gating, no
+        per-head q/k norm."""
         projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         norms = (self.input_norm, self.post_attention_norm)
         if not (self.silu and self.qk_norm_weight is None
