@@ -120,11 +120,9 @@ class PanelLinear(nn.Module):
     def of_blocks(cls, fmt: gguf_blocks.BlockFormat, rows: torch.Tensor,
                   bias: torch.Tensor | None) -> PanelLinear:
         """A layer over GGUF rows `[out, in / 32 * block_bytes]`, widened as it multiplies."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
         in_features = rows.shape[1] // fmt.block_bytes * gguf_blocks.BLOCK
-        layer._hold(gguf_blocks.pack_panels(fmt, rows), bias, rows.shape[0], in_features)
-        return layer
+        return cls._of_panels(gguf_blocks.pack_panels(fmt, rows), bias, rows.shape[0],
+                              in_features)
 
     @classmethod
     def joined(cls, layers: list[PanelLinear]) -> PanelLinear | None:
@@ -136,12 +134,18 @@ class PanelLinear(nn.Module):
                        or layer.panels.dtype != first.panels.dtype for layer in layers)
                 or len({layer.padded_bias is None for layer in layers}) > 1):
             return None
-        joined = cls.__new__(cls)
-        nn.Module.__init__(joined)
         bias = None if first.padded_bias is None else torch.cat([m.bias for m in layers])
-        joined._hold(torch.cat([layer.panels for layer in layers]), bias,
-                     sum(layer.out_features for layer in layers), first.in_features)
-        return joined
+        return cls._of_panels(torch.cat([layer.panels for layer in layers]), bias,
+                              sum(layer.out_features for layer in layers), first.in_features)
+
+    @classmethod
+    def _of_panels(cls, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                   in_features: int) -> PanelLinear:
+        """A layer over panels already packed."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._hold(panels, bias, out_features, in_features)
+        return layer
 
     def _hold(self, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
               in_features: int) -> None:
@@ -297,21 +301,20 @@ def pack_linears(model: nn.Module) -> int:
 
 def use_gguf_blocks(model: nn.Module,
                     blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]]) -> int:
-    """Hold each fp32-panel layer named in `blocks` in its GGUF blocks instead, where they
-    widen to exactly the layer's weight; return how many layers changed."""
+    """Swap each fp32 `nn.Linear` named in `blocks` for a `PanelLinear` over its GGUF blocks,
+    where they widen to exactly its weight; return how many were swapped. Run before
+    `pack_linears`, which packs the rest."""
     swapped, mismatched = 0, []
     for name, (fmt, rows) in blocks.items():
         parent_name, _, child = name.rpartition(".")
         try:
-            layer = model.get_submodule(name)
+            linear = model.get_submodule(name)
         except AttributeError:
             continue
-        if not isinstance(layer, PanelLinear) or layer.panels.dtype != torch.float32:
+        if type(linear) is not nn.Linear or linear.weight.dtype != torch.float32:
             continue
-        candidate = PanelLinear.of_blocks(fmt, rows, layer.bias)
-        if (candidate.in_features, candidate.out_features) != (
-                layer.in_features, layer.out_features) or not torch.equal(
-                candidate.weight, layer.weight):
+        candidate = PanelLinear.of_blocks(fmt, rows, linear.bias)
+        if not torch.equal(candidate.weight, linear.weight):
             mismatched.append(name)
             continue
         setattr(model.get_submodule(parent_name), child, candidate)

@@ -11,7 +11,7 @@ import torch
 
 from engine import gguf_blocks
 from engine.attention import hf as hf_attention
-from engine.cpu_kernels import cpu_flags
+from engine.cpu_kernels import cpu_flags, panel_linear_available
 from engine.cpu_linear import (
     convert_linears,
     fp32_packing_supported,
@@ -152,17 +152,18 @@ def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.devic
     if half_weights_in_fp32(dtype, device):
         use_half_weights(model, dtype)
     elif device.type == "cpu" and dtype == torch.float32 and fp32_packing_supported():
-        pack_linears(model)
         use_gguf_blocks_beside(model, Path(path))
+        pack_linears(model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return wrap_model(model, tokenizer, name=name, path=path)
 
 
 def use_gguf_blocks_beside(model: Any, folder: Path) -> None:
-    """Hold fp32-panel layers in the GGUF blocks kept beside the checkpoint, if any (the default
-    model keeps its Q4_1 blocks), where they widen to exactly the loaded weights."""
+    """Hold fp32 linear layers in the GGUF blocks kept beside the checkpoint, if any (the default
+    model keeps its Q4_1 blocks), where they widen to exactly the loaded weights and Conveyor's
+    panel kernel runs."""
     blocks_file = folder / gguf_blocks.BLOCKS_FILE
-    if blocks_file.is_file():
+    if blocks_file.is_file() and panel_linear_available():
         use_gguf_blocks(model, gguf_blocks.load(blocks_file))
 
 

@@ -36,6 +36,11 @@ def gguf_rows(fmt: str, out: int, in_features: int, seed: int = 0) -> np.ndarray
     return quantize(weight, QTYPES[fmt])
 
 
+def block_layer(fmt: str, out: int, in_features: int, seed: int = 0) -> PanelLinear:
+    return PanelLinear.of_blocks(gguf_blocks.FORMATS[fmt],
+                                 torch.from_numpy(gguf_rows(fmt, out, in_features, seed)), None)
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_rows_dequantize_as_gguf_does(fmt: str) -> None:
     rows = gguf_rows(fmt, 24, 96)
@@ -74,22 +79,17 @@ def test_product_over_blocks_equals_fp32_panels_to_the_bit(fmt: str) -> None:
 
 def test_joined_projections_keep_their_blocks() -> None:
     """q, k and v joined into one projection share their panels as held."""
-    parts = [PanelLinear.of_blocks(gguf_blocks.Q4_1, torch.from_numpy(gguf_rows("q4_1", out, 64,
-                                                                                 seed)), None)
-             for seed, out in enumerate((64, 32, 32))]
+    parts = [block_layer("q4_1", out, 64, seed) for seed, out in enumerate((64, 32, 32))]
     joined = PanelLinear.joined(parts)
     assert joined is not None and joined.block_format == gguf_blocks.Q4_1
     assert torch.equal(joined.weight, torch.cat([p.weight for p in parts]))
     x = torch.randn(3, 64)
     assert torch.equal(joined(x), torch.cat([p(x) for p in parts], dim=1))
-    ragged = PanelLinear.of_blocks(gguf_blocks.Q4_1, torch.from_numpy(gguf_rows("q4_1", 40, 64)),
-                                   None)
-    assert PanelLinear.joined([ragged, parts[1]]) is None
+    assert PanelLinear.joined([block_layer("q4_1", 40, 64), parts[1]]) is None
 
 
 def test_kernel_refuses_bad_block_panels() -> None:
-    layer = PanelLinear.of_blocks(gguf_blocks.Q8_0, torch.from_numpy(gguf_rows("q8_0", 16, 64)),
-                                  None)
+    layer = block_layer("q8_0", 16, 64)
     with pytest.raises(RuntimeError, match="input sizes differ"):
         cpu_kernels.panel_linear(torch.randn(2, 96), layer.panels, None, 16)
     with pytest.raises(RuntimeError, match="block panels must be"):
@@ -143,10 +143,8 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder / "model"
 
 
-def load_packed(folder: Path) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    pack_linears(model)
-    return model
+def load_fp32(folder: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def block_layers(model: torch.nn.Module) -> list[PanelLinear]:
@@ -166,10 +164,11 @@ def test_read_blocks_widen_to_the_converted_weights(converted: Path) -> None:
 
 
 def test_a_converted_model_serves_its_blocks_and_matches_generate(converted: Path) -> None:
-    reference = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    reference = load_fp32(converted)
     expected = [reference_greedy(reference, p, 12) for p in PROMPTS]
-    model = load_packed(converted)
+    model = load_fp32(converted)
     use_gguf_blocks_beside(model, converted)
+    pack_linears(model)
     assert len(block_layers(model)) == 2 * 7 + 1
     core, _ = tiny_core(model, attention_backend="cpu", with_tokenizer=False)
     layers = [m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer)]
@@ -185,8 +184,9 @@ def test_blocks_that_do_not_hold_the_weights_are_left_alone(
     blocks = gguf_blocks.load(converted / gguf_blocks.BLOCKS_FILE)
     name = "model.layers.1.mlp.up_proj"
     blocks[name] = (gguf_blocks.Q4_1, torch.from_numpy(gguf_rows("q4_1", FFN, HIDDEN, seed=999)))
-    model = load_packed(converted)
+    model = load_fp32(converted)
     assert use_gguf_blocks(model, blocks) == 2 * 7
     assert f"do not hold their layer's weights: 1 ({name}" in caplog.text
+    pack_linears(model)
     assert model.get_submodule(name).panels.dtype == torch.float32
     assert model.get_submodule("model.layers.0.mlp.up_proj").block_format == gguf_blocks.Q4_1
