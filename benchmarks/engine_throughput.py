@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--int8-activations", action="store_true")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -64,6 +65,7 @@ def main() -> None:
                         help="on CUDA, no decode graphs")
     args = parser.parse_args()
     config = EngineConfig(model=args.model, dtype=args.dtype,
+                          int8_activations=args.int8_activations,
                           cache=CacheConfig(kv_cache_memory=1 << 30, dtype=args.kv_cache_dtype),
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           attention_backend=args.attention_backend,

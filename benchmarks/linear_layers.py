@@ -1,6 +1,7 @@
 """The default model's linear layers on the CPU, one pass over all of them per row count, with
-their weights held three ways: the GGUF's Q4_1 / Q8_0 blocks (what fp32 loads), fp32 panels
-and fp16 panels (what bf16 loads). The three alternate, so a slow spell of the machine touches
+their weights held four ways: the GGUF's Q4_1 / Q8_0 blocks (what fp32 loads), the same with
+Q4_1 multiplied against int8-rounded activations (`--int8-activations`), fp32 panels and fp16
+panels (what bf16 loads). They alternate, so a slow spell of the machine touches
 all alike; weights stream from memory as in a decode step.
 
     python benchmarks/linear_layers.py --rows 1 4 16 64 512
@@ -12,20 +13,26 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from engine import gguf_blocks
 from engine.cpu_linear import PanelLinear
 from engine.model_loader import load_model
 
 
 def layer_sets() -> dict[str, list[PanelLinear]]:
     loaded = load_model(None, torch.float32, torch.device("cpu"))
-    blocks = [m for m in loaded.model.modules()
-              if isinstance(m, PanelLinear) and m.block_format is not None]
-    if not blocks:
+    named = {name: m for name, m in loaded.model.named_modules()
+             if isinstance(m, PanelLinear) and m.block_format is not None}
+    if not named:
         raise SystemExit("the default model loaded without its GGUF blocks")
+    rows = gguf_blocks.load(Path(loaded.path) / gguf_blocks.BLOCKS_FILE)
+    blocks = list(named.values())
     return {"blocks": blocks,
+            "int8": [PanelLinear.of_blocks(*rows[name], None, True)
+                     for name in named],
             "fp32": [PanelLinear(m.weight, None) for m in blocks],
             "fp16": [PanelLinear(m.weight, None, torch.float16) for m in blocks]}
 

@@ -99,6 +99,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    int8_activations: bool = False
     max_model_len: int | None = None
     cache: CacheConfig = CacheConfig()
     max_num_seqs: int = 128

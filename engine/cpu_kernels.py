@@ -24,8 +24,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode.cpp", "panel_linear.cpp", "rms_norm.cpp", "rotary.cpp",
-                        "silu_mul.cpp", "decode_layer.cpp")]
+           for name in ("paged_decode.cpp", "panel_linear.cpp", "int8_panels.cpp", "rms_norm.cpp",
+                        "rotary.cpp", "silu_mul.cpp", "decode_layer.cpp")]
 # Included by the sources: part of the build's key, though not compiled on their own.
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("block_panels.h", "fast_exp.h", "load8.h", "ops.h")]

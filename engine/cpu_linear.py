@@ -118,11 +118,16 @@ class PanelLinear(nn.Module):
 
     @classmethod
     def of_blocks(cls, fmt: gguf_blocks.BlockFormat, rows: torch.Tensor,
-                  bias: torch.Tensor | None) -> PanelLinear:
-        """A layer over GGUF rows `[out, in / 32 * block_bytes]`, widened as it multiplies."""
+                  bias: torch.Tensor | None, int8_activations: bool = False) -> PanelLinear:
+        """A layer over GGUF rows `[out, in / 32 * block_bytes]`, widened as it multiplies; or,
+        with `int8_activations` and Q4_1 rows, multiplied in 8-bit integers against inputs
+        rounded to 8-bit blocks (approximate; `csrc/int8_panels.cpp`)."""
         in_features = rows.shape[1] // fmt.block_bytes * gguf_blocks.BLOCK
-        return cls._of_panels(gguf_blocks.pack_panels(fmt, rows), bias, rows.shape[0],
-                              in_features)
+        if int8_activations and fmt is gguf_blocks.Q4_1:
+            panels = gguf_blocks.pack_int8_panels(rows)
+        else:
+            panels = gguf_blocks.pack_panels(fmt, rows)
+        return cls._of_panels(panels, bias, rows.shape[0], in_features)
 
     @classmethod
     def joined(cls, layers: list[PanelLinear]) -> PanelLinear | None:
@@ -157,9 +162,16 @@ class PanelLinear(nn.Module):
     @property
     def block_format(self) -> gguf_blocks.BlockFormat | None:
         """The GGUF block format the weight is held in; None for fp32 or fp16 panels."""
+        if self.int8_activations:
+            return gguf_blocks.Q4_1
         if self.panels.dtype != torch.uint8:
             return None
         return gguf_blocks.GROUP_FORMATS[self.panels.shape[2]]
+
+    @property
+    def int8_activations(self) -> bool:
+        """The blocks multiply against inputs rounded to 8-bit blocks (int8 panels)."""
+        return self.panels.dtype == torch.int8
 
     @property
     def weight(self) -> torch.Tensor:
@@ -190,6 +202,8 @@ class PanelLinear(nn.Module):
         fmt = self.block_format
         storage = (f"{fmt.name} blocks" if fmt is not None
                    else str(self.panels.dtype).removeprefix("torch."))
+        if self.int8_activations:
+            storage += " x int8 activations"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weight={storage} (16-column panels)")
 
@@ -300,10 +314,12 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def use_gguf_blocks(model: nn.Module,
-                    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]]) -> int:
+                    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]],
+                    int8_activations: bool = False) -> int:
     """Swap each fp32 `nn.Linear` named in `blocks` for a `PanelLinear` over its GGUF blocks,
-    where they widen to exactly its weight; return how many were swapped. Run before
-    `pack_linears`, which packs the rest."""
+    where they widen to exactly its weight; return how many were swapped. With
+    `int8_activations`, Q4_1 blocks multiply against inputs rounded to 8-bit blocks instead
+    (faster, approximate). Run before `pack_linears`, which packs the rest."""
     swapped, mismatched = 0, []
     for name, (fmt, rows) in blocks.items():
         parent_name, _, child = name.rpartition(".")
@@ -313,7 +329,7 @@ def use_gguf_blocks(model: nn.Module,
             continue
         if type(linear) is not nn.Linear or linear.weight.dtype != torch.float32:
             continue
-        candidate = PanelLinear.of_blocks(fmt, rows, linear.bias)
+        candidate = PanelLinear.of_blocks(fmt, rows, linear.bias, int8_activations)
         if not torch.equal(candidate.weight, linear.weight):
             mismatched.append(name)
             continue
@@ -323,6 +339,11 @@ def use_gguf_blocks(model: nn.Module,
         logger.warning("GGUF blocks that do not hold their layer's weights: %d (%s, ...); "
                        "those layers keep fp32 panels", len(mismatched), mismatched[0])
     logger.info("%d linear layers hold their GGUF blocks (exactly their fp32 weights)", swapped)
+    if int8_activations:
+        rounded = sum(1 for module in model.modules()
+                      if isinstance(module, PanelLinear) and module.int8_activations)
+        logger.info("%d of them (Q4_1) multiply against activations rounded to 8-bit blocks",
+                    rounded)
     return swapped
 
 

@@ -26,7 +26,8 @@ def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, S
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device, config.model, config.trust_remote_code)
     torch.manual_seed(config.seed)
-    loaded = load_model(config.model, dtype, device, config.trust_remote_code)
+    loaded = load_model(config.model, dtype, device, config.trust_remote_code,
+                        config.int8_activations)
     core, info = core_from_model(loaded, config, device, dtype)
     return core, loaded, info
 

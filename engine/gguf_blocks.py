@@ -83,8 +83,24 @@ def pack_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([part.flatten(2) for part in parts], dim=2).contiguous()
 
 
+def pack_int8_panels(rows: torch.Tensor) -> torch.Tensor:
+    """Q4_1 GGUF rows to int8 block panels `[ceil(out / 16), in / 32, 320]`, laid out for 8-bit
+    products against activations rounded to 8-bit blocks (`csrc/block_panels.h`)."""
+    d, m, q = split_rows(Q4_1, rows)
+    padded = -(-rows.shape[0] // PANEL) * PANEL
+    blocks = q.shape[1]
+    # Columns as (h, c), features as (part, step, i): feature 16 part + 4 step + i.
+    split = _pad(q, padded).view(padded // PANEL, 2, 8, blocks, 2, 4, 4)
+    by_step = split.permute(0, 3, 1, 5, 2, 6, 4)  # [panels, blocks, h, step, c, i, part]
+    packed = (by_step[..., 0] | (by_step[..., 1] << 4)).contiguous().flatten(2)
+    scales = [_columns_last(_pad(part, padded)).view(torch.uint8) for part in (d, m)]
+    return torch.cat([*scales, packed], dim=2).view(torch.int8).contiguous()
+
+
 def dequantize_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """Block panels back to the fp32 weight `[out, in]` they hold."""
+    if panels.dtype == torch.int8:
+        return _dequantize_int8_panels(panels.view(torch.uint8), out_features)
     fmt = GROUP_FORMATS[panels.shape[2]]
     count, blocks, _ = panels.shape
     scales = 64 if fmt.has_min else 32
@@ -98,6 +114,18 @@ def dequantize_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     # [panels, blocks, 32, 16] -> [panels * 16, in]
     rows = weight.permute(0, 3, 1, 2).reshape(count * PANEL, blocks * BLOCK)
     return rows[:out_features]
+
+
+def _dequantize_int8_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    count, blocks, _ = panels.shape
+    d = panels[..., :32].contiguous().view(torch.float16).float()
+    m = panels[..., 32:64].contiguous().view(torch.float16).float()
+    packed = panels[..., 64:].reshape(count, blocks, 2, 4, 8, 4)  # [.., h, step, c, i]
+    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1)  # [.., h, step, c, i, part]
+    # -> [panels, h, c, blocks, part, step, i]: columns 8h + c, feature 16 part + 4 step + i.
+    q = q.permute(0, 2, 4, 1, 6, 3, 5).reshape(count, PANEL, blocks, BLOCK).float()
+    weight = d.transpose(1, 2).unsqueeze(-1) * q + m.transpose(1, 2).unsqueeze(-1)
+    return weight.reshape(count * PANEL, blocks * BLOCK)[:out_features]
 
 
 def _columns_last(scales: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--dtype", default="auto",
                         choices=["auto", "bfloat16", "float16", "float32"])
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    engine.add_argument("--int8-activations", action="store_true",
+                        help="on a CPU in float32, multiply GGUF Q4_1 blocks against "
+                             "activations rounded to 8-bit blocks, as llama.cpp does: faster, "
+                             "but no longer the exact fp32 product")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context limit (default: the model's)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -109,6 +113,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        int8_activations=args.int8_activations,
         max_model_len=args.max_model_len,
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory=args.kv_cache_memory,

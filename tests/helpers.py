@@ -161,3 +161,42 @@ def sabotage_steps(core: EngineCore, monkeypatch, fail_on: set[int] | None = Non
         return execute(output)
 
     monkeypatch.setattr(core.runner, "execute", sabotaged)
+
+
+def round_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x with each block of 32 features rounded to int8 steps of max|x| / 127, as the int8
+    panels round a linear layer's input (`csrc/int8_panels.cpp`), in fp32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))
+    return ((blocks * inverse).round() * (top / 127)).reshape(x.shape)
+
+
+def int8_layer_errors(layers: list[torch.nn.Module]) -> list[float]:
+    """Watch layers over int8 panels: each call appends how far its output is from fp64 over its
+    weight and its input rounded to 8-bit blocks (relative, floored at 1e-3 of the largest)."""
+    errors: list[float] = []
+
+    def check(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        x = args[0].reshape(-1, module.in_features)
+        bias = None if module.bias is None else module.bias.double()
+        expected = torch.nn.functional.linear(round_to_int8_blocks(x).double(),
+                                              module.weight.double(), bias)
+        gap = (out.reshape(expected.shape).double() - expected).abs()
+        errors.append((gap / (expected.abs() + 1e-3 * expected.abs().max())).max().item())
+
+    for layer in layers:
+        layer.register_forward_hook(check)
+    return errors
+
+
+def teacher_forced_argmax(model: LlamaForCausalLM, ids: list[int]) -> list[int]:
+    """transformers' top token after each position of `ids`."""
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids], device=model.device)).logits[0]
+    finally:
+        from engine.attention.hf import register
+        model.set_attn_implementation(register())
+    return logits.argmax(-1).tolist()

@@ -47,17 +47,19 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def decode_step(model: LlamaForCausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch,
-                kv: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and cache after one decode step of four sequences of different lengths."""
-    core, _ = tiny_core(model, attention_backend="cpu", kv_cache_dtype=kv)
+                kv: str = "auto", prompts: list[list[int]] = PROMPTS,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and cache after one decode step of sequences of different lengths."""
+    core, _ = tiny_core(model, attention_backend="cpu", kv_cache_dtype=kv,
+                        with_tokenizer=model.config.vocab_size >= 320)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         core.add_request(f"r{i}", prompt, params)
     for _ in range(3):
         core.step()
     scheduled = core.scheduler.schedule()
     batch = build_input_batch(scheduled.scheduled, core.runner.kv_cache.block_size)
-    assert list(batch.query_lens) == [1] * len(PROMPTS)
+    assert list(batch.query_lens) == [1] * len(prompts)
     with monkeypatch.context() as patch, torch.inference_mode():
         if not fused:
             patch.setattr(CpuPagedAttention, "decode_step", lambda self, metadata: None)

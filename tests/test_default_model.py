@@ -12,7 +12,14 @@ from engine.cpu_linear import PanelLinear
 from engine.default_model import default_model_dir
 from engine.factory import create_engine_core
 from engine.sampling_params import SamplingParams
-from tests.helpers import reference_greedy, run_all, text_of, tokens_of
+from tests.helpers import (
+    int8_layer_errors,
+    reference_greedy,
+    run_all,
+    teacher_forced_argmax,
+    text_of,
+    tokens_of,
+)
 
 pytestmark = pytest.mark.default_model
 
@@ -84,3 +91,34 @@ def test_cpu_engine_reads_the_q4_1_blocks_and_matches_generate(default_engine):
     outputs = run_all(core, [prompt], SamplingParams(temperature=0, max_tokens=24,
                                                      ignore_eos=True))["req-0"]
     assert tokens_of(outputs) == expected
+
+
+def test_int8_activations_round_inputs_and_keep_the_model_s_choices() -> None:
+    """`--int8-activations`: the 120 Q4_1 projections give their weights times their inputs
+    rounded to 8-bit blocks (checked on the engine's own activations, outliers and all), and
+    over the exact model's greedy answers they still pick its token at 90% of positions or more
+    (rounding errors grow through 30 layers, so tokens are not expected equal)."""
+    if not cpu_kernels.panel_linear_available():
+        pytest.skip("int8 panels are read by Conveyor's CPU kernels")
+    core, loaded, _ = create_engine_core(EngineConfig(dtype="float32", device="cpu",
+                                                      int8_activations=True,
+                                                      cache=CacheConfig(num_blocks=256)))
+    layers = [m for m in core.runner.model.modules()
+              if isinstance(m, PanelLinear) and m.int8_activations]
+    assert len(layers) == 30 * 4
+    errors = int8_layer_errors(layers)
+    tokenizer = loaded.tokenizer
+    prompts = [chat_prompt(tokenizer, question) for question in
+               ("Name three colours of the rainbow.", "Write a haiku about autumn.",
+                "List the planets of the solar system.")]
+    run_all(core, prompts, SamplingParams(temperature=0, max_tokens=2))
+    assert len(errors) == 30 * 4 and max(errors) < 1e-3
+    exact = AutoModelForCausalLM.from_pretrained(default_model_dir(),
+                                                 dtype=torch.float32).eval()
+    agree = total = 0
+    for prompt in prompts:
+        answer = reference_greedy(exact, prompt, 32)
+        picked = teacher_forced_argmax(loaded.model, prompt + answer)[len(prompt) - 1:-1]
+        agree += sum(a == b for a, b in zip(picked, answer, strict=True))
+        total += len(answer)
+    assert agree >= 0.9 * total

@@ -8,6 +8,12 @@
 // Q8_0 (544 bytes): d[16] fp16, then per input feature 16 int8 q, one per column;
 //                   weight = d * q
 //
+// Q4_1 for 8-bit products (320 bytes, int8 panels; `int8_panels.cpp`): d[16], m[16] fp16, then
+//                   for columns 8h..8h+7 (h = 0, 1) and step s = 0..3, 32 bytes whose byte
+//                   4c + i holds column 8h + c's q of input feature 4s + i in its low half and
+//                   of feature 16 + 4s + i in its high half: one 32-byte load and a mask give
+//                   4 features of 8 columns, as AVX2's 8-bit multiply-add takes them
+//
 // A weight widens to exactly the fp32 value GGUF's dequantization gives: d * q is exact in fp32
 // (11 by 4 or 8 significant bits), so one fused multiply-add rounds d * q + m once, as the
 // product and the sum done apart do.
@@ -65,6 +71,11 @@ struct Q80 {
                          _mm256_load_ps(s + 8));
   }
 #endif
+};
+
+struct Q41Int8 {
+  static constexpr int64_t kScaleBytes = 64;  // d[16], m[16]
+  static constexpr int64_t kGroupBytes = kScaleBytes + kBlock * 8;
 };
 
 #ifdef CONVEYOR_BLOCK_PANELS

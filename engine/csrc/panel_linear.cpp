@@ -6,6 +6,8 @@
 //                                  16p..16p+15, one row of 16 per input feature (zero-padded)
 //      or [ceil(out / 16), in / 32, group] uint8: the same panels in GGUF's 32-wide blocks,
 //                                  one group per panel and 32 input features (`block_panels.h`)
+//      or the same in int8: Q4_1 blocks times activations rounded to 8-bit blocks, an
+//                                  approximate product (`int8_panels.cpp`)
 // bias    [panels * 16]          fp32, optional, zero-padded like the panels
 //
 // The inner loop multiplies up to 6 rows of x by one panel: each step broadcasts one input
@@ -299,7 +301,8 @@ void run(const Problem& pb, const at::Tensor& panels) {
 namespace conveyor {
 
 int64_t panel_in_features(const at::Tensor& panels) {
-  return panels.scalar_type() == at::kByte ? panels.size(1) * kBlock : panels.size(1);
+  const bool blocks = panels.scalar_type() == at::kByte || panels.scalar_type() == at::kChar;
+  return blocks ? panels.size(1) * kBlock : panels.size(1);
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
@@ -307,6 +310,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
 #ifndef CONVEYOR_PANEL_LINEAR_SIMD
   TORCH_CHECK(false, "panel_linear needs AVX2, F16C and FMA");
 #else
+  if (panels.scalar_type() == at::kChar) return int8_panel_linear(x, panels, bias, out_features);
   const bool blocks = panels.scalar_type() == at::kByte;
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3,
               "panel_linear: x must be [rows, in] and panels 3-d");

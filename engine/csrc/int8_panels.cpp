@@ -1,0 +1,249 @@
+// Linear layers over GGUF Q4_1 blocks multiplied against activations rounded to 8-bit blocks,
+// as llama.cpp multiplies them: y = x w^T + bias with x, bias and y in fp32.
+//
+// x       [rows, in]                      fp32, contiguous
+// panels  [ceil(out / 16), in / 32, 320]  int8: Q4_1 block panels laid out for 8-bit products
+//                                         (`block_panels.h`, `Q41Int8`)
+// bias    [panels * 16]                   fp32, optional, zero-padded like the panels
+//
+// Each row of x is first rounded, per block of 32 input features, to int8 q with one fp32 scale
+// d = max|x| / 127 (q = round(x * 127 / max|x|), ties to even), and s = d * sum(q) is kept. A
+// weight block is d_w * q_w + m_w (q_w in 0..15), so the block's share of an output is
+// d_w * d_x * sum(q_w * q_x) + m_w * s: the weights times the rounded inputs d_x * q_x. The integer sums run in AVX2's 8-bit multiply-adds, four
+// input features of eight columns per instruction, and stay exact in 16 bits over a whole block
+// (each 16-bit lane sums 16 products, at most 16 * 15 * 127); each block then adds its two terms
+// to fp32 accumulators in input order.
+//
+// This is not the exact product of the dequantized weights: the activations are rounded to
+// about 2 decimal digits per block, which is why a model uses these panels only when asked to.
+// It doubles the arithmetic rate of the fp32 multiply-adds on CPUs without native 8-bit dot
+// products or bf16. A row's result still does not depend on the rows batched with it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "block_panels.h"
+#include "ops.h"
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int kMaxRows = 4;
+// Rows of rounded x handled per pass over the weight: about this many bytes, kept in L2.
+constexpr int64_t kChunkBytes = 128 * 1024;
+
+#ifdef CONVEYOR_BLOCK_PANELS
+using conveyor::kBlock;
+using conveyor::Q41Int8;
+
+#define CONVEYOR_INLINE inline __attribute__((always_inline))
+
+// x rounded to 8-bit blocks: q [rows, in] int8, and per row and block its scale d and d * sum(q).
+struct RoundedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  int64_t K;
+};
+
+CONVEYOR_INLINE float horizontal_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+CONVEYOR_INLINE float horizontal_sum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// One block of 32 features: q (32 bytes), its scale and its sum.
+void round_block(const float* x, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  const float top = horizontal_max(amax);
+  *d = top / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+  __m256i n[4];
+  for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  // The sum of the rounded block (exact in fp32: at most 32 * 127), so that a weight block's
+  // minimum multiplies the same rounded inputs as its d * q does.
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  *s = *d * horizontal_sum(_mm256_cvtepi32_ps(total));
+  // packs interleave 128-bit lanes: [0-3 4-7 | ...] comes back in order after the permute.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
+                                            _mm256_packs_epi32(n[2], n[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, order));
+}
+
+RoundedRows round_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t blocks = K / kBlock;
+  RoundedRows rows{std::vector<int8_t>(M * K), std::vector<float>(M * blocks),
+                   std::vector<float>(M * blocks), K};
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < blocks; ++b)
+        round_block(x + m * K + b * kBlock, rows.q.data() + m * K + b * kBlock,
+                    rows.d.data() + m * blocks + b, rows.s.data() + m * blocks + b);
+  });
+  return rows;
+}
+
+// acc[m][h] += the 8-bit products of MR rows' 4 features at `at` with the 4 features of
+// columns 8h..8h+7 in w[h].
+template <int MR>
+CONVEYOR_INLINE void dot_step(__m256i (&acc)[MR][2], const int8_t* q, int64_t ldq,
+                              const __m256i (&w)[2]) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    int32_t four;
+    std::memcpy(&four, q + m * ldq, 4);
+    const __m256i xb = _mm256_set1_epi32(four);
+    acc[m][0] = _mm256_add_epi16(acc[m][0], _mm256_maddubs_epi16(w[0], xb));
+    acc[m][1] = _mm256_add_epi16(acc[m][1], _mm256_maddubs_epi16(w[1], xb));
+    // Keeps each sum a chain in input order: reassociated, the products all wait in registers.
+    asm("" : "+x"(acc[m][0]), "+x"(acc[m][1]));
+  }
+}
+
+// MR rows of rounded x (from row `row`) times one panel: out rows (stride ldo) get the panel's
+// first `cols` columns plus bias.
+template <int MR>
+void micro(const RoundedRows& x, int64_t row, const int8_t* panel, float* out, int64_t ldo,
+           int64_t cols, const float* bias) {
+  const int64_t K = x.K, blocks = K / kBlock;
+  const int8_t* q = x.q.data() + row * K;
+  const float* xd = x.d.data() + row * blocks;
+  const float* xs = x.s.data() + row * blocks;
+  alignas(32) float total[MR][kPanel] = {};
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* group = reinterpret_cast<const uint8_t*>(panel) + b * Q41Int8::kGroupBytes;
+    const uint8_t* packed = group + Q41Int8::kScaleBytes;
+    __m256i acc[MR][2];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int step = 0; step < 4; ++step) {
+      const __m256i both[2] = {
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + step * 32)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + (4 + step) * 32))};
+      const __m256i first[2] = {_mm256_and_si256(both[0], low), _mm256_and_si256(both[1], low)};
+      dot_step<MR>(acc, q + b * kBlock + 4 * step, K, first);
+      const __m256i second[2] = {_mm256_and_si256(_mm256_srli_epi16(both[0], 4), low),
+                                 _mm256_and_si256(_mm256_srli_epi16(both[1], 4), low)};
+      dot_step<MR>(acc, q + b * kBlock + 16 + 4 * step, K, second);
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16 * h)));
+      const __m256 mw = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 32 + 16 * h)));
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][h], ones)),
+                                          _mm256_broadcast_ss(xd + m * blocks + b));
+        __m256 sum = _mm256_load_ps(total[m] + 8 * h);
+        sum = _mm256_fmadd_ps(dots, dw, sum);
+        sum = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(xs + m * blocks + b), sum);
+        _mm256_store_ps(total[m] + 8 * h, sum);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int64_t j = 0; j < cols; ++j)
+      out[m * ldo + j] = total[m][j] + (bias == nullptr ? 0.0f : bias[j]);
+}
+
+struct Problem {
+  const RoundedRows& x;
+  const float* bias;
+  float* out;
+  int64_t M, N;
+};
+
+// Rows [m0, m0 + rows) times panel p, in passes of at most 4 rows of near-equal size.
+void rows_by_panel(const Problem& pb, int64_t m0, int64_t rows, const int8_t* panel,
+                   int64_t p) {
+  const int64_t n0 = p * kPanel;
+  const int64_t cols = std::min(kPanel, pb.N - n0);
+  const float* bias = pb.bias == nullptr ? nullptr : pb.bias + n0;
+  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
+  for (int64_t i = 0, m = m0; i < passes; ++i) {
+    const int64_t mr = rows / passes + (i < rows % passes ? 1 : 0);
+    float* out = pb.out + m * pb.N + n0;
+    switch (mr) {
+      case 4: micro<4>(pb.x, m, panel, out, pb.N, cols, bias); break;
+      case 3: micro<3>(pb.x, m, panel, out, pb.N, cols, bias); break;
+      case 2: micro<2>(pb.x, m, panel, out, pb.N, cols, bias); break;
+      default: micro<1>(pb.x, m, panel, out, pb.N, cols, bias); break;
+    }
+    m += mr;
+  }
+}
+
+// Panels [p0, p1) for all rows, a chunk of rows at a time.
+void panel_range(const Problem& pb, const int8_t* panels, int64_t p0, int64_t p1) {
+  const int64_t panel_bytes = pb.x.K / kBlock * Q41Int8::kGroupBytes;
+  const int64_t chunk =
+      std::max<int64_t>(kMaxRows, kChunkBytes / pb.x.K / kMaxRows * kMaxRows);
+  for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, pb.M - m0);
+    for (int64_t p = p0; p < p1; ++p) rows_by_panel(pb, m0, rows, panels + p * panel_bytes, p);
+  }
+}
+#endif
+
+}  // namespace
+
+namespace conveyor {
+
+at::Tensor int8_panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                             const c10::optional<at::Tensor>& bias, int64_t out_features) {
+#ifndef CONVEYOR_BLOCK_PANELS
+  TORCH_CHECK(false, "int8 block panels need AVX2, F16C and FMA");
+#else
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "panel_linear: x must be contiguous fp32 [rows, in]");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kChar && panels.is_contiguous() &&
+                  panels.size(2) == Q41Int8::kGroupBytes,
+              "panel_linear: int8 block panels must be contiguous [panels, in / 32, ",
+              Q41Int8::kGroupBytes, "] (Q4_1)");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) == panels.size(1) * kBlock,
+              "panel_linear: x and block panels' input sizes differ");
+  TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
+              "panel_linear: out_features does not match the number of panels");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel &&
+                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "panel_linear: bias must be fp32 [panels * 16], zero-padded");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, out_features}, x.options());
+  if (M == 0) return out;
+  const RoundedRows rounded = round_rows(x.data_ptr<float>(), M, K);
+  const Problem pb{rounded, has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                   M, out_features};
+  const int8_t* w = panels.data_ptr<int8_t>();
+  at::parallel_for(0, panels.size(0), 4,
+                   [&](int64_t p0, int64_t p1) { panel_range(pb, w, p0, p1); });
+  return out;
+#endif
+}
+
+}  // namespace conveyor
