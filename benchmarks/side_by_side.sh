@@ -6,6 +6,8 @@
 #
 #   bash benchmarks/side_by_side.sh [DTYPE...]      # default: bfloat16 float32
 #   SERVERS=conveyor bash benchmarks/side_by_side.sh bfloat16   # rerun one server only
+#   SERVERS=conveyor CONVEYOR_ARGS="--int8-activations --kv-cache-dtype bfloat16" \
+#       CONVEYOR_TAG=int8 bash benchmarks/side_by_side.sh float32  # extra serve flags, own files
 #
 # Results land in $OUT (default benchmarks/results/side_by_side) as one JSON per server, dtype
 # and concurrency, and a table is printed at the end.
@@ -15,6 +17,8 @@ OUT=${OUT:-benchmarks/results/side_by_side}
 VLLM_VENV=${VLLM_VENV:-.venv-vllm}
 PORT=${PORT:-8300}
 SERVERS=${SERVERS:-vllm conveyor}
+CONVEYOR_ARGS=${CONVEYOR_ARGS:-}
+CONVEYOR_NAME=conveyor${CONVEYOR_TAG:+-$CONVEYOR_TAG}
 if [ $# -gt 0 ]; then DTYPES=("$@"); else DTYPES=(bfloat16 float32); fi
 RUNS=("1 8" "16 48" "64 128")
 mkdir -p "$OUT"
@@ -77,9 +81,11 @@ for dtype in "${DTYPES[@]}"; do
         stop "$pid"
     fi
     if [[ " $SERVERS " == *" conveyor "* ]]; then
-        conveyor serve --dtype "$dtype" --port "$PORT" > "$OUT/conveyor_$dtype.log" 2>&1 &
+        # shellcheck disable=SC2086  # CONVEYOR_ARGS holds several flags
+        conveyor serve --dtype "$dtype" --port "$PORT" $CONVEYOR_ARGS \
+            > "$OUT/${CONVEYOR_NAME}_$dtype.log" 2>&1 &
         pid=$!
-        wait_healthy && bench conveyor "$dtype"
+        wait_healthy && bench "$CONVEYOR_NAME" "$dtype"
         stop "$pid"
     fi
 done
@@ -89,10 +95,10 @@ import json
 import pathlib
 import sys
 
-print(f"{'server':10} {'dtype':9} {'conc':>4} {'out tok/s':>10} {'TPOT p50':>9} {'TTFT p50':>9}")
+print(f"{'server':13} {'dtype':9} {'conc':>4} {'out tok/s':>10} {'TPOT p50':>9} {'TTFT p50':>9}")
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*_c*.json")):
     server, dtype, conc = path.stem.split("_")
     r = json.loads(path.read_text())
-    print(f"{server:10} {dtype:9} {conc[1:]:>4} {r['output_throughput']:10.1f} "
+    print(f"{server:13} {dtype:9} {conc[1:]:>4} {r['output_throughput']:10.1f} "
           f"{r['p50_tpot_ms']:8.0f}ms {r['p50_ttft_ms'] / 1000:8.2f}s")
 EOF

@@ -40,6 +40,7 @@
 #include "block_panels.h"
 #include "load8.h"
 #include "ops.h"
+#include "panel_passes.h"
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -48,7 +49,10 @@
 
 namespace {
 
-constexpr int64_t kPanel = 16;
+using conveyor::chunk_rows;
+using conveyor::kPanel;
+using conveyor::near_equal_passes;
+
 // Rows of x handled per pass over the weight: about this many bytes of x, kept in L2.
 constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int kMaxRows = 6;
@@ -59,10 +63,8 @@ constexpr int64_t kWidenBytes = 256 * 1024;
 using conveyor::dequantize_panel;
 using conveyor::load8;
 
-// Helpers of the micro kernels, inlined so that the accumulators stay in registers: the loops
-// over rows and vectors are unrolled.
-#define CONVEYOR_INLINE inline __attribute__((always_inline))
-
+// Helpers of the micro kernels, inlined (`CONVEYOR_INLINE`) so that the accumulators stay in
+// registers: the loops over rows and vectors are unrolled.
 template <int MR, int J>
 CONVEYOR_INLINE void zero_tile(__m256 (&acc)[MR][J]) {
 #pragma GCC unroll 8
@@ -138,18 +140,15 @@ struct Problem {
   int64_t M, K, N;
 };
 
-// Rows [m0, m0 + rows) of x times one panel, in passes of at most 6 rows of near-equal size (a
-// pass of 4 to 6 rows keeps enough multiply-adds in flight; 13 rows go as 5 + 4 + 4, not
-// 6 + 6 + 1). The last panel's spare columns go to a scratch tile instead of past the end of
-// the output rows.
+// Rows [m0, m0 + rows) of x times one panel, in passes of at most 6 rows of near-equal size.
+// The last panel's spare columns go to a scratch tile instead of past the end of the output
+// rows.
 template <typename W>
 void rows_by_panel(const Problem& pb, int64_t m0, int64_t rows, const W* panel, int64_t p) {
   const int64_t n0 = p * kPanel;
   const int64_t cols = std::min(kPanel, pb.N - n0);
   const float* bias = pb.bias == nullptr ? nullptr : pb.bias + n0;
-  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
-  for (int64_t i = 0, m = m0; i < passes; ++i) {
-    const int64_t mr = rows / passes + (i < rows % passes ? 1 : 0);
+  near_equal_passes(m0, rows, kMaxRows, [&](int64_t m, int64_t mr) {
     if (cols == kPanel) {
       micro_rows(mr, pb.x + m * pb.K, pb.K, panel, pb.out + m * pb.N + n0, pb.N, bias);
     } else {
@@ -158,8 +157,7 @@ void rows_by_panel(const Problem& pb, int64_t m0, int64_t rows, const W* panel, 
       for (int64_t r = 0; r < mr; ++r)
         std::memcpy(pb.out + (m + r) * pb.N + n0, tile + r * kPanel, cols * sizeof(float));
     }
-    m += mr;
-  }
+  });
 }
 
 // Up to 3 rows: several panels at a time while whole panels remain, for enough independent
@@ -180,8 +178,7 @@ void few_rows(const Problem& pb, const W* panels, int64_t p0, int64_t p1) {
 template <typename W>
 void rows_in_chunks(const Problem& pb, const W* first, int64_t p0, int64_t p1) {
   const int64_t panel_size = pb.K * kPanel;
-  const int64_t chunk =
-      std::max<int64_t>(kMaxRows, kChunkBytes / (pb.K * 4) / kMaxRows * kMaxRows);
+  const int64_t chunk = chunk_rows(pb.K * 4, kChunkBytes, kMaxRows);
   for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
     const int64_t rows = std::min(chunk, pb.M - m0);
     for (int64_t p = p0; p < p1; ++p)
