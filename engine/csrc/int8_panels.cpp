@@ -225,13 +225,7 @@ at::Tensor int8_panel_linear(const at::Tensor& x, const at::Tensor& panels,
               Q41Int8::kGroupBytes, "] (Q4_1)");
   TORCH_CHECK(x.size(1) > 0 && x.size(1) == panels.size(1) * kBlock,
               "panel_linear: x and block panels' input sizes differ");
-  TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
-              "panel_linear: out_features does not match the number of panels");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel &&
-                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "panel_linear: bias must be fp32 [panels * 16], zero-padded");
+  const bool has_bias = conveyor::check_panel_outputs(panels, bias, out_features);
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;

@@ -297,6 +297,18 @@ void run(const Problem& pb, const at::Tensor& panels) {
 
 namespace conveyor {
 
+bool check_panel_outputs(const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
+              "panel_linear: out_features does not match the number of panels");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel &&
+                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "panel_linear: bias must be fp32 [panels * 16], zero-padded");
+  return has_bias;
+}
+
 int64_t panel_in_features(const at::Tensor& panels) {
   const bool blocks = panels.scalar_type() == at::kByte || panels.scalar_type() == at::kChar;
   return blocks ? panels.size(1) * kBlock : panels.size(1);
@@ -325,16 +337,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
     TORCH_CHECK(panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kHalf,
                 "panel_linear: panels must be fp32, fp16 or uint8 blocks");
   }
-  TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
-              "panel_linear: out_features does not match the number of panels");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "panel_linear: x must be fp32");
   TORCH_CHECK(x.is_contiguous() && panels.is_contiguous(),
               "panel_linear: inputs must be contiguous");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel &&
-                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "panel_linear: bias must be fp32 [panels * 16], zero-padded");
+  const bool has_bias = check_panel_outputs(panels, bias, out_features);
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;
