@@ -59,7 +59,7 @@ class SchedulerConfig:
             )
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)

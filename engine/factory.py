@@ -70,17 +70,27 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     return core, info
 
 
+# K/V element types the CPU's attention widens to fp32 as it reads them.
+NARROW_CPU_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e5m2)
+
+
+def cache_dtype_named(name: str) -> torch.dtype:
+    """The torch dtype of a `--kv-cache-dtype` name other than `auto`."""
+    return torch.float8_e5m2 if name == "fp8_e5m2" else getattr(torch, name)
+
+
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, compute_dtype: torch.dtype,
                    device: torch.device) -> torch.dtype:
     """What the KV cache holds. `auto` is the model's dtype, as in vLLM: a bf16 model keeps bf16
     K/V even where a CPU without native bf16 computes it in fp32. The cache holds the compute
-    dtype, or, on the CPU under fp32 compute, bf16 or fp16 (rounded as K/V are stored, widened
-    exactly as attention reads them)."""
-    dtype = model_dtype if name == "auto" else getattr(torch, name)
+    dtype, or, on the CPU under fp32 compute, bf16, fp16 or fp8 e5m2 (as vLLM's `fp8_e5m2`: the
+    top byte of an fp16, no scale), rounded as K/V are stored and widened exactly as attention
+    reads them."""
+    dtype = model_dtype if name == "auto" else cache_dtype_named(name)
     if dtype == compute_dtype:
         return dtype
-    sixteen_bits = dtype in (torch.bfloat16, torch.float16)
-    if device.type == "cpu" and compute_dtype == torch.float32 and sixteen_bits:
+    narrow = dtype in NARROW_CPU_CACHE_DTYPES
+    if device.type == "cpu" and compute_dtype == torch.float32 and narrow:
         return dtype
     compute = str(compute_dtype).removeprefix("torch.")
     raise ValueError(f"a {str(dtype).removeprefix('torch.')} KV cache under {compute} compute "

@@ -80,8 +80,9 @@ class KVCache:
         the cache's dtype."""
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim
         key, value = key.to(self.spec.dtype), value.to(self.spec.dtype)
-        self.key(layer).view(-1, heads, dim).index_copy_(0, slot_mapping, key)
-        self.value(layer).view(-1, heads, dim).index_copy_(0, slot_mapping, value)
+        for layer_cache, new in ((self.key(layer), key), (self.value(layer), value)):
+            _as_bits(layer_cache).view(-1, heads, dim).index_copy_(0, slot_mapping,
+                                                                   _as_bits(new))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer, K and V): `(source, destination)` pairs."""
@@ -89,8 +90,14 @@ class KVCache:
             return
         source = torch.tensor([s for s, _ in pairs], device=self.device)
         destination = torch.tensor([d for _, d in pairs], device=self.device)
-        self.tensor[:, :, destination] = self.tensor[:, :, source]
+        bits = _as_bits(self.tensor)
+        bits[:, :, destination] = bits[:, :, source]
 
     @property
     def num_bytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """fp8 values as their bytes, for the copies torch does not implement for fp8 on the CPU."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e5m2 else tensor

@@ -52,8 +52,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="share of GPU memory for weights, activations and KV cache")
     engine.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="K/V element type (auto: the model's dtype; on CPU, bfloat16 or "
-                             "float16 under float32 compute)")
+                        help="K/V element type (auto: the model's dtype; on CPU, bfloat16, "
+                             "float16 or fp8_e5m2 under float32 compute)")
     engine.add_argument("--max-num-seqs", type=int, default=128)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

@@ -72,10 +72,10 @@ def test_kernel_reads_a_strided_query_and_ignores_table_padding():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_fp32_query_over_a_16_bit_cache(cache_dtype):
-    """A model computed in fp32 over a 16-bit cache: the cache's values, widened exactly, with
-    fp32 arithmetic throughout (odd lengths leave partial blocks and SIMD tails)."""
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e5m2])
+def test_fp32_query_over_a_narrower_cache(cache_dtype):
+    """A model computed in fp32 over a 16- or 8-bit cache: the cache's values, widened exactly,
+    with fp32 arithmetic throughout (odd lengths leave partial blocks and SIMD tails)."""
     query, key_cache, value_cache, tables, lens = random_case(torch.float32, 6, 2, 64, 16,
                                                               [1, 17, 40, 333])
     key_cache, value_cache = key_cache.to(cache_dtype), value_cache.to(cache_dtype)
@@ -90,9 +90,9 @@ def test_kernel_rejects_mismatched_shapes():
     query, key_cache, value_cache, tables, lens = random_case(torch.float32, 4, 2, 8, 4, [5])
     with pytest.raises(RuntimeError, match="head shapes"):
         cpu_kernels.paged_decode(query[:, :3], key_cache, value_cache, tables, lens, 1.0)
-    with pytest.raises(RuntimeError, match="the query's dtype, or 16 bits under fp32"):
+    with pytest.raises(RuntimeError, match="the query's dtype, or 16 bits or fp8"):
         cpu_kernels.paged_decode(query.bfloat16(), key_cache, value_cache, tables, lens, 1.0)
-    with pytest.raises(RuntimeError, match="the query's dtype, or 16 bits under fp32"):
+    with pytest.raises(RuntimeError, match="the query's dtype, or 16 bits or fp8"):
         cpu_kernels.paged_decode(query.bfloat16(), key_cache.half(), value_cache.half(), tables,
                                  lens, 1.0)
     with pytest.raises(RuntimeError, match="block id out of range"):

@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM
 from engine import cpu_kernels
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.cpu_linear import convert_linears, pack_linears
+from engine.factory import cache_dtype_named
 from engine.input_batch import build_input_batch
 from engine.models.llama import PagedLlamaLayer
 from engine.sampling_params import SamplingParams
@@ -69,7 +70,7 @@ def decode_step(model: LlamaForCausalLM, fused: bool, monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
-@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e5m2"])
 def test_fused_step_equals_the_layers_op_by_op(family: str, weights: str, kv: str,
                                                 calls: list[int],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,9 +86,9 @@ def test_fused_step_equals_the_layers_op_by_op(family: str, weights: str, kv: st
     assert calls == [len(PROMPTS)] * (2 * layers)
     assert fused_logits.shape == (len(PROMPTS), model.config.vocab_size)
     assert torch.equal(fused_logits, plain_logits)
-    assert fused_cache.dtype == getattr(torch, kv)
+    assert fused_cache.dtype == cache_dtype_named(kv)
     assert torch.equal(fused_cache, plain_cache)
-    assert fused_cache.abs().sum() > 0
+    assert fused_cache.float().abs().sum() > 0
 
 
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])

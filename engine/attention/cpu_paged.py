@@ -11,7 +11,7 @@ from engine.attention.backend import AttentionMetadata, DecodeStep
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
 
 # What the fused decode layer stores and reads under its fp32 compute.
-_FUSED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FUSED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2)
 
 
 class CpuPagedAttention(InPlaceDecodeAttention):

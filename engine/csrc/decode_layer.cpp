@@ -9,8 +9,8 @@
 // biases    the four projections' padded biases, in that order, each optional
 // heads     [query heads, kv heads, head dim]
 // cos, sin  [rows, 1, head dim] fp32
-// key/value one layer of the cache, [blocks, block_size, kv heads, head dim] fp32, bf16 or fp16,
-//           contiguous (new K/V are rounded to its dtype as they are stored)
+// key/value one layer of the cache, [blocks, block_size, kv heads, head dim] fp32, bf16, fp16
+//           or fp8 (e5m2), contiguous (new K/V are rounded to its dtype as they are stored)
 // slots     [rows] int64 cache slot of each row's new token
 // table     [rows, width] int64 block ids; lens [rows] int64 tokens to attend to
 // returns   [rows, hidden] fp32, the layer's output
@@ -21,6 +21,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -37,7 +38,7 @@ enum Weight { kInputNorm, kQkv, kOut, kPostNorm, kGateUp, kDown, kWeights };
 enum Bias { kQkvBias, kOutBias, kGateUpBias, kDownBias, kBiases };
 
 // Copies each row's new K (or V), `kv_heads * dim` floats at `src + row * src_stride`, to its
-// slot of one layer's cache, rounded to the nearest value of a 16-bit cache as torch rounds.
+// slot of one layer's cache, rounded to the nearest value of a 16- or 8-bit cache as torch rounds.
 template <typename C>
 void store_rows(const float* src, int64_t src_stride, const int64_t* slots, int64_t rows,
                 int64_t row_size, C* cache) {
@@ -66,6 +67,11 @@ void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows
       store_rows(key_rows, key_stride, s, rows, row_size, key.data_ptr<c10::BFloat16>());
       store_rows(value_rows, value_stride, s, rows, row_size, value.data_ptr<c10::BFloat16>());
       break;
+    case at::kFloat8_e5m2:
+      store_rows(key_rows, key_stride, s, rows, row_size, key.data_ptr<c10::Float8_e5m2>());
+      store_rows(value_rows, value_stride, s, rows, row_size,
+                 value.data_ptr<c10::Float8_e5m2>());
+      break;
     default:
       store_rows(key_rows, key_stride, s, rows, row_size, key.data_ptr<c10::Half>());
       store_rows(value_rows, value_stride, s, rows, row_size, value.data_ptr<c10::Half>());
@@ -81,9 +87,10 @@ void check_inputs(const at::Tensor& hidden, at::TensorList weights,
               "decode_layer: hidden must be contiguous fp32 [rows, hidden]");
   const auto dtype = key.scalar_type();
   TORCH_CHECK(key.dim() == 4 && value.sizes() == key.sizes() && value.scalar_type() == dtype &&
-                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
+                   dtype == at::kFloat8_e5m2) &&
                   key.is_contiguous() && value.is_contiguous(),
-              "decode_layer: the cache must be contiguous fp32, bf16 or fp16 "
+              "decode_layer: the cache must be contiguous fp32, bf16, fp16 or fp8 (e5m2) "
               "[blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(key.size(2) == heads[1] && key.size(3) == heads[2] && heads[0] % heads[1] == 0,
               "decode_layer: head shapes do not match the cache");

@@ -9,10 +9,11 @@
 // Each row of x is first rounded, per block of 32 input features, to int8 q with one fp32 scale
 // d = max|x| / 127 (q = round(x * 127 / max|x|), ties to even), and s = d * sum(q) is kept. A
 // weight block is d_w * q_w + m_w (q_w in 0..15), so the block's share of an output is
-// d_w * d_x * sum(q_w * q_x) + m_w * s: the weights times the rounded inputs d_x * q_x. The integer sums run in AVX2's 8-bit multiply-adds, four
-// input features of eight columns per instruction, and stay exact in 16 bits over a whole block
-// (each 16-bit lane sums 16 products, at most 16 * 15 * 127); each block then adds its two terms
-// to fp32 accumulators in input order.
+// d_w * d_x * sum(q_w * q_x) + m_w * s: the weights times the rounded inputs d_x * q_x. The
+// integer sums run in AVX2's 8-bit multiply-adds, four input features of eight columns per
+// instruction, and stay exact in 16 bits over a whole block (each 16-bit lane sums 16 products,
+// at most 16 * 15 * 127); each block then adds its two terms to fp32 accumulators in input
+// order.
 //
 // This is not the exact product of the dequantized weights: the activations are rounded to
 // about 2 decimal digits per block, which is why a model uses these panels only when asked to.
@@ -81,7 +82,8 @@ void round_block(const float* x, int8_t* q, float* d, float* s) {
   for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
   // The sum of the rounded block (exact in fp32: at most 32 * 127), so that a weight block's
   // minimum multiplies the same rounded inputs as its d * q does.
-  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+  const __m256i total =
+      _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
   *s = *d * horizontal_sum(_mm256_cvtepi32_ps(total));
   // packs interleave 128-bit lanes: [0-3 4-7 | ...] comes back in order after the permute.
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
@@ -145,8 +147,8 @@ CONVEYOR_INLINE void store_rows(const float (&total)[MR][kPanel], float* out, in
 // first `cols` columns plus bias. Kept out of line: inlined into the loop over passes, it ran
 // 15% slower (GCC kept fewer of its values in registers).
 template <int MR>
-__attribute__((noinline)) void micro(const RoundedRows& x, int64_t row, const int8_t* panel, float* out, int64_t ldo,
-           int64_t cols, const float* bias) {
+__attribute__((noinline)) void micro(const RoundedRows& x, int64_t row, const int8_t* panel,
+                                     float* out, int64_t ldo, int64_t cols, const float* bias) {
   const int64_t K = x.K, blocks = K / kBlock;
   const int8_t* q = x.q.data() + row * K;
   const float* xd = x.d.data() + row * blocks;

@@ -3,8 +3,8 @@
 //
 // query      [seqs, heads, head_dim]            (rows may be strided; heads and dims contiguous)
 // key/value  [blocks, block_size, kv_heads, head_dim]   (one layer of the cache, contiguous), in
-//            the query's dtype, or bf16/fp16 under an fp32 query (a 16-bit cache for a model
-//            computed in fp32)
+//            the query's dtype, or bf16/fp16/fp8 (e5m2) under an fp32 query (a narrower cache
+//            for a model computed in fp32)
 // table      [seqs, width] int64 block ids
 // lens       [seqs] int64 tokens to attend to
 // returns    [seqs, heads, head_dim] in the query's dtype
@@ -15,12 +15,13 @@
 // is exact rather than online. With AVX2, FMA and F16C, the query heads of a kv head (up to
 // three at a time) share each K and V load: scores are computed four K rows at a time with one
 // reduction for the four, the weighted sums of V rows keep their accumulators in registers for
-// a whole block, 16-bit K/V widen to fp32 as they load, and the next block is prefetched while
-// one is computed (blocks lie anywhere in the cache).
+// a whole block, 16- and 8-bit K/V widen to fp32 as they load, and the next block is prefetched
+// while one is computed (blocks lie anywhere in the cache).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -319,10 +320,13 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
               "paged_decode: query heads and dims must be contiguous");
   TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), "paged_decode: cache must be contiguous");
+  const auto cache = key.scalar_type();
   const bool widened = query.scalar_type() == at::kFloat &&
-                       (key.scalar_type() == at::kBFloat16 || key.scalar_type() == at::kHalf);
-  TORCH_CHECK(query.scalar_type() == key.scalar_type() || widened,
-              "paged_decode: the cache must hold the query's dtype, or 16 bits under fp32");
+                       (cache == at::kBFloat16 || cache == at::kHalf ||
+                        cache == at::kFloat8_e5m2);
+  TORCH_CHECK(query.scalar_type() == cache || widened,
+              "paged_decode: the cache must hold the query's dtype, or 16 bits or fp8 (e5m2) "
+              "under fp32");
   TORCH_CHECK(query.size(2) == key.size(3) && query.size(1) % key.size(2) == 0,
               "paged_decode: head shapes do not match");
   table = table.to(at::kLong).contiguous();
@@ -334,10 +338,12 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
   check_tables(table, lens, s.block_size, key.size(0));
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   if (widened) {
-    if (key.scalar_type() == at::kBFloat16)
+    if (cache == at::kBFloat16)
       run<float, c10::BFloat16>(query, key, value, table, lens, out, s);
-    else
+    else if (cache == at::kHalf)
       run<float, c10::Half>(query, key, value, table, lens, out, s);
+    else
+      run<float, c10::Float8_e5m2>(query, key, value, table, lens, out, s);
     return out;
   }
   switch (query.scalar_type()) {
