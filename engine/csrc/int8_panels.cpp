@@ -66,7 +66,7 @@ CONVEYOR_INLINE float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
-// One block of 32 features: q (32 bytes), its scale and its sum.
+// One block of 32 features of a row: q (32 bytes), its scale d and s = d * sum(q).
 void round_block(const float* x, int8_t* q, float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
@@ -106,8 +106,8 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K) {
   return rows;
 }
 
-// acc[m][h] += the 8-bit products of MR rows' 4 features at `at` with the 4 features of
-// columns 8h..8h+7 in w[h].
+// acc[m][h] += the 8-bit products of 4 rounded features of MR rows (at q, row stride ldq) with
+// the same 4 features of columns 8h..8h+7 in w[h].
 template <int MR>
 CONVEYOR_INLINE void dot_step(__m256i (&acc)[MR][2], const int8_t* q, int64_t ldq,
                               const __m256i (&w)[2]) {
