@@ -1,5 +1,6 @@
 // Linear layers over GGUF Q4_1 blocks multiplied against activations rounded to 8-bit blocks,
-// as llama.cpp multiplies them: y = x w^T + bias with x, bias and y in fp32.
+// as llama.cpp multiplies them: y = x w^T + bias with x, bias and y in fp32. `panel_linear`
+// checks the inputs and calls this product for int8 panels.
 //
 // x       [rows, in]                      fp32, contiguous
 // panels  [ceil(out / 16), in / 32, 320]  int8: Q4_1 block panels laid out for 8-bit products
@@ -21,8 +22,6 @@
 // products or bf16. A row's result still does not depend on the rows batched with it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -232,30 +231,16 @@ void panel_range(const Problem& pb, const int8_t* panels, int64_t p0, int64_t p1
 
 namespace conveyor {
 
-at::Tensor int8_panel_linear(const at::Tensor& x, const at::Tensor& panels,
-                             const c10::optional<at::Tensor>& bias, int64_t out_features) {
+void int8_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
+                        const float* bias, float* out, int64_t out_features) {
 #ifndef CONVEYOR_BLOCK_PANELS
   TORCH_CHECK(false, "int8 block panels need AVX2, F16C and FMA");
 #else
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "panel_linear: x must be contiguous fp32 [rows, in]");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kChar && panels.is_contiguous() &&
-                  panels.size(2) == Q41Int8::kGroupBytes,
-              "panel_linear: int8 block panels must be contiguous [panels, in / 32, ",
-              Q41Int8::kGroupBytes, "] (Q4_1)");
-  TORCH_CHECK(x.size(1) > 0 && x.size(1) == panels.size(1) * kBlock,
-              "panel_linear: x and block panels' input sizes differ");
-  const bool has_bias = conveyor::check_panel_outputs(panels, bias, out_features);
-  const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor out = at::empty({M, out_features}, x.options());
-  if (M == 0) return out;
-  const RoundedRows rounded = round_rows(x.data_ptr<float>(), M, K);
-  const Problem pb{rounded, has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                   M, out_features};
+  const RoundedRows rounded = round_rows(x, M, K);
+  const Problem pb{rounded, bias, out, M, out_features};
   const int8_t* w = panels.data_ptr<int8_t>();
   at::parallel_for(0, panels.size(0), 4,
                    [&](int64_t p0, int64_t p1) { panel_range(pb, w, p0, p1); });
-  return out;
 #endif
 }
 

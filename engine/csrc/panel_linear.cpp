@@ -293,21 +293,34 @@ void run(const Problem& pb, const at::Tensor& panels) {
 }
 #endif
 
+// The panels' last dimension as their dtype lays them out.
+void check_layout(const at::Tensor& panels) {
+  switch (panels.scalar_type()) {
+    case at::kFloat:
+    case at::kHalf:
+      TORCH_CHECK(panels.size(2) == kPanel, "panel_linear: panels must be [panels, in, 16]");
+      break;
+    case at::kByte:
+      TORCH_CHECK(panels.size(2) == conveyor::Q41::kGroupBytes ||
+                      panels.size(2) == conveyor::Q80::kGroupBytes,
+                  "panel_linear: block panels must be [panels, in / 32, ",
+                  conveyor::Q41::kGroupBytes, " (Q4_1) or ", conveyor::Q80::kGroupBytes,
+                  " (Q8_0)]");
+      break;
+    case at::kChar:
+      TORCH_CHECK(panels.size(2) == conveyor::Q41Int8::kGroupBytes,
+                  "panel_linear: int8 block panels must be [panels, in / 32, ",
+                  conveyor::Q41Int8::kGroupBytes, "] (Q4_1)");
+      break;
+    default:
+      TORCH_CHECK(false, "panel_linear: panels must be fp32, fp16 or uint8 blocks (int8 for "
+                  "8-bit activations)");
+  }
+}
+
 }  // namespace
 
 namespace conveyor {
-
-bool check_panel_outputs(const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
-                         int64_t out_features) {
-  TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
-              "panel_linear: out_features does not match the number of panels");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel &&
-                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "panel_linear: bias must be fp32 [panels * 16], zero-padded");
-  return has_bias;
-}
 
 int64_t panel_in_features(const at::Tensor& panels) {
   const bool blocks = panels.scalar_type() == at::kByte || panels.scalar_type() == at::kChar;
@@ -319,35 +332,32 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
 #ifndef CONVEYOR_PANEL_LINEAR_SIMD
   TORCH_CHECK(false, "panel_linear needs AVX2, F16C and FMA");
 #else
-  if (panels.scalar_type() == at::kChar) return int8_panel_linear(x, panels, bias, out_features);
-  const bool blocks = panels.scalar_type() == at::kByte;
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3,
               "panel_linear: x must be [rows, in] and panels 3-d");
   TORCH_CHECK(x.size(1) > 0, "panel_linear: x has no input features");
-  if (blocks) {
-    TORCH_CHECK(panels.size(2) == conveyor::Q41::kGroupBytes ||
-                    panels.size(2) == conveyor::Q80::kGroupBytes,
-                "panel_linear: block panels must be [panels, in / 32, ", conveyor::Q41::kGroupBytes,
-                " (Q4_1) or ", conveyor::Q80::kGroupBytes, " (Q8_0)]");
-    TORCH_CHECK(x.size(1) == panels.size(1) * conveyor::kBlock,
-                "panel_linear: x and block panels' input sizes differ");
-  } else {
-    TORCH_CHECK(panels.size(2) == kPanel, "panel_linear: panels must be [panels, in, 16]");
-    TORCH_CHECK(x.size(1) == panels.size(1), "panel_linear: x and panels' input sizes differ");
-    TORCH_CHECK(panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kHalf,
-                "panel_linear: panels must be fp32, fp16 or uint8 blocks");
-  }
+  check_layout(panels);
+  TORCH_CHECK(x.size(1) == panel_in_features(panels),
+              "panel_linear: x and panels' input sizes differ");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "panel_linear: x must be fp32");
   TORCH_CHECK(x.is_contiguous() && panels.is_contiguous(),
               "panel_linear: inputs must be contiguous");
-  const bool has_bias = check_panel_outputs(panels, bias, out_features);
+  TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
+              "panel_linear: out_features does not match the number of panels");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel &&
+                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "panel_linear: bias must be fp32 [panels * 16], zero-padded");
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;
   const Problem pb{x.data_ptr<float>(),
                    has_bias ? bias->data_ptr<float>() : nullptr,
                    out.data_ptr<float>(), M, K, out_features};
-  if (blocks && panels.size(2) == conveyor::Q41::kGroupBytes)
+  const bool blocks = panels.scalar_type() == at::kByte;
+  if (panels.scalar_type() == at::kChar)
+    int8_panel_product(pb.x, M, K, panels, pb.bias, pb.out, out_features);
+  else if (blocks && panels.size(2) == conveyor::Q41::kGroupBytes)
     run_blocks<conveyor::Q41>(pb, panels);
   else if (blocks)
     run_blocks<conveyor::Q80>(pb, panels);
