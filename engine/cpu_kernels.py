@@ -144,8 +144,8 @@ def decode_layer(hidden: torch.Tensor, weights: list[torch.Tensor],
 
     `weights`: input norm, q/k/v panels, output panels, post-attention norm, gate/up panels,
     down panels; `biases`: the four projections' padded biases or None; `heads`: query heads,
-    kv heads, head dim. Each row's new K/V go to its slot of the layer cache (fp32, or bf16 or
-    fp16 rounded as stored), then it attends over its blocks up to its length.
+    kv heads, head dim. Each row's new K/V go to its slot of the layer cache (fp32, or bf16, fp16
+    or fp8 e5m2 rounded as stored), then it attends over its blocks up to its length.
     """
     return torch.ops.conveyor.decode_layer(hidden, weights, biases, heads, cos, sin, key_cache,
                                            value_cache, slots, block_table, seq_lens, eps,

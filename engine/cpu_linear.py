@@ -320,7 +320,7 @@ def use_gguf_blocks(model: nn.Module,
     where they widen to exactly its weight; return how many were swapped. With
     `int8_activations`, Q4_1 blocks multiply against inputs rounded to 8-bit blocks instead
     (faster, approximate). Run before `pack_linears`, which packs the rest."""
-    swapped, mismatched = 0, []
+    swapped, rounded, mismatched = 0, 0, []
     for name, (fmt, rows) in blocks.items():
         parent_name, _, child = name.rpartition(".")
         try:
@@ -335,13 +335,12 @@ def use_gguf_blocks(model: nn.Module,
             continue
         setattr(model.get_submodule(parent_name), child, candidate)
         swapped += 1
+        rounded += candidate.int8_activations
     if mismatched:
         logger.warning("GGUF blocks that do not hold their layer's weights: %d (%s, ...); "
                        "those layers keep fp32 panels", len(mismatched), mismatched[0])
     logger.info("%d linear layers hold their GGUF blocks (exactly their fp32 weights)", swapped)
     if int8_activations:
-        rounded = sum(1 for module in model.modules()
-                      if isinstance(module, PanelLinear) and module.int8_activations)
         logger.info("%d of them (Q4_1) multiply against activations rounded to 8-bit blocks",
                     rounded)
     return swapped
