@@ -1,0 +1,69 @@
+"""Conveyor's CPU paged decode attention alone, as a decode step runs it: one query token per
+sequence over every layer's K/V cache in turn, so K and V stream from memory as in the engine.
+The default model's shape (9 query heads, 3 kv heads, head dim 64, 30 layers, blocks of 16).
+
+    python benchmarks/decode_attention.py --seqs 1 16 64 --context 192 \\
+        --cache-dtype float32 bfloat16 float8_e5m2
+
+`--placement scattered` puts each sequence's blocks anywhere in the cache, `--placement
+in-order` back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from engine import cpu_kernels
+
+HEADS, KV_HEADS, DIM, BLOCK_SIZE, LAYERS = 9, 3, 64, 16, 30
+
+
+def step_ms(seqs: int, context: int, cache_dtype: torch.dtype, scattered: bool,
+            repeats: int) -> float:
+    generator = torch.Generator().manual_seed(0)
+    per_seq = -(-context // BLOCK_SIZE)
+    blocks = seqs * per_seq
+    shape = (blocks, BLOCK_SIZE, KV_HEADS, DIM)
+    caches = [(torch.randn(shape, generator=generator).to(cache_dtype),
+               torch.randn(shape, generator=generator).to(cache_dtype)) for _ in range(LAYERS)]
+    order = torch.randperm(blocks, generator=generator) if scattered else torch.arange(blocks)
+    tables = order.view(seqs, per_seq)
+    lens = torch.full((seqs,), context, dtype=torch.int64)
+    query = torch.randn(seqs, HEADS, DIM, generator=generator)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for key, value in caches:
+            cpu_kernels.paged_decode(query, key, value, tables, lens, DIM ** -0.5)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--context", type=int, default=192)
+    parser.add_argument("--cache-dtype", nargs="+", default=["float32", "bfloat16",
+                                                             "float8_e5m2"])
+    parser.add_argument("--placement", choices=["scattered", "in-order"], default="scattered")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    if not cpu_kernels.load():
+        raise SystemExit("Conveyor's CPU kernels did not build on this machine")
+    for seqs in args.seqs:
+        row: dict[str, object] = {"seqs": seqs, "context": args.context,
+                                  "placement": args.placement}
+        for name in args.cache_dtype:
+            row[f"{name}_ms"] = round(step_ms(seqs, args.context, getattr(torch, name),
+                                              args.placement == "scattered", args.repeats), 2)
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
