@@ -1,8 +1,9 @@
 """Builds and loads Conveyor's C++ kernels for the CPU: paged decode attention
 (`csrc/paged_decode.cpp`), linear layers over weights packed in panels
 (`csrc/panel_linear.cpp`), RMSNorm, rotary embeddings and the gated MLP's activation in one
-pass each (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`), and a whole decoder
-layer for a step of decode rows that runs those kernels back to back (`csrc/decode_layer.cpp`).
+pass each (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`), a whole decoder
+layer for a step of decode rows that runs those kernels back to back (`csrc/decode_layer.cpp`),
+and the greedy choice over a step's logits (`csrc/argmax.cpp`).
 
 They are compiled on first use with the machine's own compiler for the machine's own
 instruction set (`-march=native`), so the build folder is keyed by the sources and the CPU's
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_decode.cpp", "panel_linear.cpp", "int8_panels.cpp", "rms_norm.cpp",
-                        "rotary.cpp", "silu_mul.cpp", "decode_layer.cpp")]
+                        "rotary.cpp", "silu_mul.cpp", "decode_layer.cpp", "argmax.cpp")]
 # Included by the sources: part of the build's key, though not compiled on their own.
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("block_panels.h", "fast_exp.h", "load8.h", "ops.h", "panel_passes.h")]
@@ -133,6 +134,12 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for fp32 rows `[rows, 2 * inter]` holding gate then up."""
     return torch.ops.conveyor.silu_mul(x)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, as `logits.argmax(dim=-1)` picks it, for
+    contiguous fp32 `[rows, vocab]`: int64 `[rows]`."""
+    return torch.ops.conveyor.argmax_rows(logits)
 
 
 def decode_layer(hidden: torch.Tensor, weights: list[torch.Tensor],

@@ -1,5 +1,5 @@
-"""Conveyor's one-pass CPU RMSNorm and rotary embedding against torch, and where the model
-uses them."""
+"""Conveyor's one-pass CPU RMSNorm, rotary embedding, gated activation and greedy argmax against
+torch, and where the model and the sampler use them."""
 
 from __future__ import annotations
 
@@ -130,3 +130,46 @@ def test_the_model_gates_fp32_silu_rows_on_the_cpu_in_one_pass(monkeypatch):
     layer.silu = False  # another activation: torch's
     torch.testing.assert_close(layer._mlp(hidden), expected)
     assert calls == [(3, 2 * layer.intermediate)]
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 7), (2, 8), (5, 9), (64, 49152),
+                                             (17, 1003)])
+def test_argmax_matches_torch(rows, vocab):
+    torch.manual_seed(vocab)
+    x = torch.randn(rows, vocab) * 5
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_takes_the_first_of_equal_maxima_and_the_first_nan_as_torch_does():
+    x = torch.zeros(6, 40)
+    x[0, [3, 11, 30]] = 2.0  # ties within and across eight-lane steps
+    x[1, [37, 39]] = 5.0  # ties in the tail after the last full step
+    x[2] = float("-inf")  # nothing beats -inf: index 0
+    x[3, [5, 20]] = float("inf")
+    x[4, [9, 33]] = float("nan")  # NaN wins wherever it is
+    x[4, 2] = 100.0
+    x[5, 39] = float("nan")  # a NaN in the tail
+    expected = x.argmax(dim=-1)
+    assert expected.tolist() == [3, 37, 0, 5, 9, 39]
+    assert torch.equal(cpu_kernels.argmax_rows(x), expected)
+
+
+def test_argmax_refuses_bad_inputs():
+    with pytest.raises(RuntimeError, match="must be fp32"):
+        cpu_kernels.argmax_rows(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels.argmax_rows(torch.randn(8, 2).t())
+    with pytest.raises(RuntimeError, match="rows, vocab"):
+        cpu_kernels.argmax_rows(torch.randn(8))
+
+
+def test_the_sampler_chooses_with_it_for_fp32_logits_on_the_cpu(monkeypatch):
+    from engine import sampler
+
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "argmax_rows",
+                        lambda x: calls.append(x.shape) or x.argmax(dim=-1))
+    x = torch.randn(3, 50)
+    assert torch.equal(sampler.row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(sampler.row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+    assert calls == [(3, 50)]  # bf16 went to torch
