@@ -157,3 +157,16 @@ def decode_layer(hidden: torch.Tensor, weights: list[torch.Tensor],
     return torch.ops.conveyor.decode_layer(hidden, weights, biases, heads, cos, sin, key_cache,
                                            value_cache, slots, block_table, seq_lens, eps,
                                            scale)
+
+
+def decode_layers(hidden: torch.Tensor, weights: list[torch.Tensor],
+                  biases: list[torch.Tensor | None], heads: list[int], cos: torch.Tensor,
+                  sin: torch.Tensor, key_caches: list[torch.Tensor],
+                  value_caches: list[torch.Tensor], slots: torch.Tensor,
+                  block_table: torch.Tensor, seq_lens: torch.Tensor, eps: float,
+                  scale: float) -> torch.Tensor:
+    """`decode_layer` for every layer of a stack in turn, in one op: `weights` and `biases` are
+    each layer's back to back, `key_caches`/`value_caches` one per layer."""
+    return torch.ops.conveyor.decode_layers(hidden, weights, biases, heads, cos, sin, key_caches,
+                                            value_caches, slots, block_table, seq_lens, eps,
+                                            scale)

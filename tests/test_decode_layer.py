@@ -13,7 +13,7 @@ from engine.attention.cpu_paged import CpuPagedAttention
 from engine.cpu_linear import convert_linears, pack_linears
 from engine.factory import cache_dtype_named
 from engine.input_batch import build_input_batch
-from engine.models.llama import PagedLlamaLayer
+from engine.models.llama import FusedStack, PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.sampling_params import SamplingParams
 from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
 from tests.test_model_families import build
@@ -35,15 +35,23 @@ def packed(model: LlamaForCausalLM, weights: str = "fp32") -> LlamaForCausalLM:
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Rows of every fused layer call."""
+    """Rows of every layer run as one op, whether a layer at a time or the whole stack in one
+    call (one entry per layer)."""
     seen: list[int] = []
-    original = cpu_kernels.decode_layer
+    one_layer, all_layers = cpu_kernels.decode_layer, cpu_kernels.decode_layers
 
     def counting(hidden: torch.Tensor, *args: object) -> torch.Tensor:
         seen.append(hidden.shape[0])
-        return original(hidden, *args)
+        return one_layer(hidden, *args)
+
+    def counting_stack(hidden: torch.Tensor, *args: object) -> torch.Tensor:
+        keys = args[5]
+        assert isinstance(keys, list)
+        seen.extend([hidden.shape[0]] * len(keys))
+        return all_layers(hidden, *args)
 
     monkeypatch.setattr(cpu_kernels, "decode_layer", counting)
+    monkeypatch.setattr(cpu_kernels, "decode_layers", counting_stack)
     return seen
 
 
@@ -89,6 +97,39 @@ def test_fused_step_equals_the_layers_op_by_op(family: str, weights: str, kv: st
     assert fused_cache.dtype == cache_dtype_named(kv)
     assert torch.equal(fused_cache, plain_cache)
     assert fused_cache.float().abs().sum() > 0
+
+
+def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`decode_layers` runs the layers' ops in the same order as a `decode_layer` call a layer:
+    the same logits and cache to the bit, in one call a step."""
+    stacks: list[int] = []
+    original = cpu_kernels.decode_layers
+    monkeypatch.setattr(cpu_kernels, "decode_layers",
+                        lambda *args: stacks.append(len(args[6])) or original(*args))
+    model = packed(tiny_llama())
+    stacked_logits, stacked_cache = decode_step(model, True, monkeypatch, "bfloat16")
+    layers = model.config.num_hidden_layers
+    assert stacks == [layers] * 3  # the two decode steps before, and the one compared
+    monkeypatch.setattr(PagedLlamaForCausalLM, "__init__", _without_stack)
+    layer_logits, layer_cache = decode_step(model, True, monkeypatch, "bfloat16")
+    assert stacks == [layers] * 3
+    assert torch.equal(stacked_logits, layer_logits)
+    assert torch.equal(stacked_cache, layer_cache)
+
+
+_build_paged = PagedLlamaForCausalLM.__init__
+
+
+def _without_stack(self: PagedLlamaForCausalLM, hf_model: object) -> None:
+    _build_paged(self, hf_model)
+    self.stack = None
+
+
+def test_the_stack_needs_every_layer_in_one_op() -> None:
+    model = PagedLlamaForCausalLM(packed(tiny_llama()))
+    assert model.stack is not None and len(model.stack.weights) == 6 * len(model.layers)
+    model.layers[1].fused = None
+    assert FusedStack.of(list(model.layers)) is None
 
 
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
@@ -184,6 +225,30 @@ def test_the_op_rejects_bad_inputs(change: dict[str, object], message: str) -> N
         cpu_kernels.decode_layer(**inputs)
     if "slot" in message:
         assert torch.equal(inputs["key_cache"], cache_before)
+
+
+def test_the_stack_op_takes_each_layers_arguments_back_to_back() -> None:
+    """Two layers in one call equal two `decode_layer` calls; lists that do not match the
+    number of caches are refused."""
+    inputs = op_inputs()
+    first, second = inputs["key_cache"], inputs["value_cache"]
+    caches = [c.clone() for c in (first, second, second, first)]  # K, V of layer 1, then 2
+    alone = [c.clone() for c in caches]
+    stack = {k: v for k, v in inputs.items() if k not in ("key_cache", "value_cache")}
+    stack |= dict(weights=inputs["weights"] * 2, biases=inputs["biases"] * 2,
+                  key_caches=[caches[0], caches[2]], value_caches=[caches[1], caches[3]])
+    out = cpu_kernels.decode_layers(**stack)
+    once = cpu_kernels.decode_layer(**(inputs | dict(key_cache=alone[0],
+                                                      value_cache=alone[1])))
+    twice = cpu_kernels.decode_layer(**(inputs | dict(hidden=once, key_cache=alone[2],
+                                                       value_cache=alone[3])))
+    assert torch.equal(out, twice)
+    assert all(torch.equal(a, b) for a, b in zip(caches, alone, strict=True))
+    assert not torch.equal(caches[0], first)  # the new K/V were written
+    with pytest.raises(RuntimeError, match="6 weights, 4 biases"):
+        cpu_kernels.decode_layers(**(stack | dict(weights=inputs["weights"])))
+    with pytest.raises(RuntimeError, match="one key and one value cache"):
+        cpu_kernels.decode_layers(**(stack | dict(value_caches=[caches[1]])))
 
 
 def test_layer_cache_views_are_made_once() -> None:

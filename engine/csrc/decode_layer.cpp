@@ -137,11 +137,43 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
   return at::add(residual, out);
 }
 
+// Every layer of a decoder stack in turn, in one op: weights and biases are each layer's
+// `decode_layer` arguments back to back (6 and 4 a layer), keys and values each layer's cache.
+// One call instead of one a layer saves the Python and dispatch around each (about 15 us a
+// layer, a twentieth of a decode step for one sequence of the default model).
+at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
+                         const c10::List<std::optional<at::Tensor>>& biases,
+                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList keys, at::TensorList values, const at::Tensor& slots,
+                         const at::Tensor& table, const at::Tensor& lens, double eps,
+                         double scale) {
+  const int64_t layers = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(layers >= 1 && static_cast<int64_t>(values.size()) == layers &&
+                  static_cast<int64_t>(weights.size()) == layers * kWeights &&
+                  static_cast<int64_t>(biases.size()) == layers * kBiases,
+              "decode_layers: per layer 6 weights, 4 biases, one key and one value cache");
+  at::Tensor x = hidden;
+  for (int64_t i = 0; i < layers; ++i) {
+    c10::List<std::optional<at::Tensor>> layer_biases;
+    for (int64_t b = 0; b < kBiases; ++b) layer_biases.push_back(biases.get(i * kBiases + b));
+    at::Tensor key = keys[i], value = values[i];
+    x = decode_layer(x, weights.slice(i * kWeights, kWeights), layer_biases, heads, cos, sin,
+                     key, value, slots, table, lens, eps, scale);
+  }
+  return x;
+}
+
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("decode_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
         "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
         "Tensor lens, float eps, float scale) -> Tensor");
+  m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
+        "Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
+        "Tensor table, Tensor lens, float eps, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("decode_layer", &conveyor::decode_layer); }
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
+  m.impl("decode_layer", &conveyor::decode_layer);
+  m.impl("decode_layers", &conveyor::decode_layers);
+}

@@ -88,6 +88,42 @@ class FusedWeights:
     eps: float
 
 
+@dataclass(frozen=True, slots=True)
+class FusedStack:
+    """Every layer's `FusedWeights` back to back, as `cpu_kernels.decode_layers` takes them: a
+    step of decode rows through the whole stack in one op."""
+
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    heads: list[int]
+    eps: float
+    scale: float
+    indices: list[int]
+
+    @classmethod
+    def of(cls, layers: list[PagedLlamaLayer]) -> FusedStack | None:
+        """None unless every layer runs as one op, with the same heads, epsilon and scale."""
+        fused = [layer.fused for layer in layers if layer.fused is not None]
+        if not layers or len(fused) != len(layers):
+            return None
+        first = fused[0]
+        if (any(f.heads != first.heads or f.eps != first.eps for f in fused)
+                or len({layer.scaling for layer in layers}) != 1):
+            return None
+        return cls(weights=[w for f in fused for w in f.weights],
+                   biases=[b for f in fused for b in f.biases], heads=first.heads,
+                   eps=first.eps, scale=layers[0].scaling,
+                   indices=[layer.index for layer in layers])
+
+    def decode(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               step: DecodeStep) -> torch.Tensor:
+        cache = step.kv_cache
+        return cpu_kernels.decode_layers(
+            hidden, self.weights, self.biases, self.heads, cos, sin,
+            [cache.key(i) for i in self.indices], [cache.value(i) for i in self.indices],
+            step.slot_mapping, step.block_table, step.seq_lens, self.eps, self.scale)
+
+
 class PagedLlamaLayer(nn.Module):
     def __init__(self, hf_layer: Any, index: int) -> None:
         super().__init__()
@@ -217,6 +253,7 @@ class PagedLlamaForCausalLM(nn.Module):
                                     enumerate(base.layers))
         self.norm = base.norm
         self.lm_head = hf_model.lm_head
+        self.stack = FusedStack.of(list(self.layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -224,13 +261,22 @@ class PagedLlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_emb(hidden, positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
         step = metadata.backend.decode_step(metadata) if _fp32_rows(hidden) else None
+        if step is not None and self.stack is not None:
+            hidden = self.stack.decode(hidden, cos, sin, step)
+        else:
+            hidden = self._layers(hidden, cos, sin, metadata, step)
+        hidden = rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)
+        return self.lm_head(hidden)
+
+    def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                metadata: AttentionMetadata, step: DecodeStep | None) -> torch.Tensor:
+        """Layer by layer: each as one op where it can be, else op by op."""
         for layer in self.layers:
             if step is not None and layer.fused is not None:
                 hidden = layer.decode(hidden, cos, sin, step)
             else:
                 hidden = layer(hidden, cos, sin, metadata)
-        hidden = rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)
-        return self.lm_head(hidden)
+        return hidden
 
 
 def _fp32_rows(hidden: torch.Tensor) -> bool:
