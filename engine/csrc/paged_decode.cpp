@@ -46,6 +46,9 @@ namespace {
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, width, query_stride;
   float scale;
+
+  // Cache elements from one block to the next: its tokens' rows of every kv head.
+  int64_t block_stride() const { return block_size * kv_heads * dim; }
 };
 
 template <typename T>
@@ -307,7 +310,7 @@ void attend_sequence(const Q* query, const C* key, const C* value, const int64_t
                      const NextTask& next) {
   const int64_t group = s.heads / s.kv_heads, dim = s.dim, bs = s.block_size;
   const int64_t kv_count = kv_last - kv_first, heads = kv_count * group, row = s.kv_heads * dim;
-  const int64_t block_stride = bs * row;
+  const int64_t block_stride = s.block_stride();
   const int64_t stride_bytes = row * sizeof(C), row_bytes = kv_count * dim * sizeof(C);
   query += kv_first * group * dim;
   out += kv_first * group * dim;
@@ -342,7 +345,7 @@ void attend_sequence(const Q* query, const C* key, const C* value, const int64_t
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t first = b * bs, count = std::min(bs, len - first);
     const C* v = value + blocks[b] * block_stride;
-    ask_next(b + 1 < num_blocks ? b + 1 : num_blocks, false, kv_count * value_calls(group, dim));
+    ask_next(b + 1, false, kv_count * value_calls(group, dim));
     for (int64_t kv = 0; kv < kv_count; ++kv)
       group_values(scores.data() + kv * group * len + first, group, len, v + kv * dim, row,
                    count, dim, acc.data() + kv * group * dim, ahead);
@@ -368,14 +371,13 @@ void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
   const int64_t seqs = query.size(0);
   const int64_t splits = seqs >= 4 * at::get_num_threads() ? 1 : s.kv_heads;
   const int64_t per_split = s.kv_heads / splits;
-  const int64_t block_stride = s.block_size * s.kv_heads * s.dim;
   at::parallel_for(0, seqs * splits, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / splits, kv_first = item % splits * per_split;
       NextTask next;
       if (item + 1 < end) {
         const int64_t after = (item + 1) / splits, after_kv = (item + 1) % splits * per_split;
-        next.base = k + blocks[after * s.width] * block_stride + after_kv * s.dim;
+        next.base = k + blocks[after * s.width] * s.block_stride() + after_kv * s.dim;
         next.rows = std::min(s.block_size, seq_lens[after]);
       }
       attend_sequence<Q, C>(q + seq * s.query_stride, k, v, blocks + seq * s.width, seq_lens[seq],
