@@ -1,5 +1,5 @@
-"""Builds and loads Conveyor's C++ kernels for the CPU: paged decode attention
-(`csrc/paged_decode.cpp`), linear layers over weights packed in panels
+"""Builds and loads Conveyor's C++ kernels for the CPU: paged decode and prefill attention
+(`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`), linear layers over weights packed in panels
 (`csrc/panel_linear.cpp`), RMSNorm, rotary embeddings and the gated MLP's activation in one
 pass each (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`), a whole decoder
 layer for a step of decode rows that runs those kernels back to back (`csrc/decode_layer.cpp`),
@@ -25,8 +25,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode.cpp", "panel_linear.cpp", "int8_panels.cpp", "rms_norm.cpp",
-                        "rotary.cpp", "silu_mul.cpp", "decode_layer.cpp", "argmax.cpp")]
+           for name in ("paged_decode.cpp", "paged_prefill.cpp", "panel_linear.cpp",
+                        "int8_panels.cpp", "rms_norm.cpp", "rotary.cpp", "silu_mul.cpp",
+                        "decode_layer.cpp", "argmax.cpp")]
 # Included by the sources: part of the build's key, though not compiled on their own.
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("block_panels.h", "fast_exp.h", "load8.h", "ops.h", "panel_passes.h")]
@@ -98,6 +99,16 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         query = query.contiguous()
     return torch.ops.conveyor.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
                                            scale)
+
+
+def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  blocks: torch.Tensor, context: int, scale: float) -> torch.Tensor:
+    """A sequence's query tokens `[tokens, heads, dim]` (fp32) attending causally over its K/V
+    in the paged cache: token i sits at position `context + i`. `blocks` are the sequence's
+    block ids (int64), covering `context + tokens` positions; its K/V are already stored."""
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        query = query.contiguous()
+    return torch.ops.conveyor.paged_prefill(query, key_cache, value_cache, blocks, context, scale)
 
 
 @cache

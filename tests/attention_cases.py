@@ -44,3 +44,34 @@ def random_case(dtype, heads, kv_heads, dim, block_size, lens, seed=0):
             tables[row, i] = free.pop()
     query = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
     return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int64)
+
+
+def reference_prefill(query, key_cache, value_cache, blocks, context, scale):
+    """Query token i at position context + i over the sequence's K/V gathered token by token,
+    causally, with plain softmax attention in fp32."""
+    tokens, heads, _ = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    positions = range(context + tokens)
+    k = torch.stack([key_cache[int(blocks[p // block_size]), p % block_size]
+                     for p in positions]).float().repeat_interleave(heads // kv_heads, dim=1)
+    v = torch.stack([value_cache[int(blocks[p // block_size]), p % block_size]
+                     for p in positions]).float().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    seen = torch.arange(context + tokens)[None, :] <= (context + torch.arange(tokens))[:, None]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
+
+
+def random_sequence(cache_dtype, heads, kv_heads, dim, block_size, context, tokens, seed=0):
+    """A cache holding one sequence of context + tokens positions in scattered blocks, and
+    fp32 queries for its last `tokens` positions."""
+    generator = torch.Generator().manual_seed(seed)
+    used = -(-(context + tokens) // block_size)
+    shape = (used + 4, block_size, kv_heads, dim)
+    key_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    order = list(range(used + 4))
+    random.Random(seed).shuffle(order)
+    blocks = torch.tensor(order[:used], dtype=torch.int64)
+    query = torch.randn(tokens, heads, dim, generator=generator)
+    return query, key_cache, value_cache, blocks

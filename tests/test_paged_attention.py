@@ -109,10 +109,13 @@ BACKENDS_ON_DEVICES = [("torch", "cpu"), ("cpu", "cpu"),
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("dim", [8, 32])
 @pytest.mark.parametrize(("backend_name", "device"), BACKENDS_ON_DEVICES)
-def test_backend_matches_naive_attention_per_sequence(block_size, backend_name, device):
+def test_backend_matches_naive_attention_per_sequence(block_size, dim, backend_name, device):
+    """Decodes, fresh prompts and chunks after a cached prefix in one step (the cpu backend's
+    prefill kernel takes head dim 32; 8 keeps the torch path)."""
     torch.manual_seed(0)
-    heads, kv_heads, dim = 4, 2, 8
+    heads, kv_heads = 4, 2
     spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32,
                        block_size=block_size)
     cache = KVCache(spec, num_blocks=64, device=torch.device(device))

@@ -1,6 +1,7 @@
-"""Paged attention for the CPU: decode rows go through Conveyor's C++ kernel, which reads K/V
-in place from the cache blocks; prefill rows keep the pure-torch path. A step of decode rows
-only can also run whole layers as one op each (`decode_step`, `csrc/decode_layer.cpp`)."""
+"""Paged attention for the CPU: decode rows and prefill chunks go through Conveyor's C++
+kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`), which read K/V in place from the
+cache blocks. A step of decode rows only can also run whole layers as one op each
+(`decode_step`, `csrc/decode_layer.cpp`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata, DecodeStep
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
+from engine.attention.torch_paged import PrefillSpan
+from engine.kv_cache import KVCache
 
 # What the fused decode layer stores and reads under its fp32 compute.
 _FUSED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2)
@@ -16,6 +19,7 @@ _FUSED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float
 
 class CpuPagedAttention(InPlaceDecodeAttention):
     name = "cpu"
+    prefill_block_ids = True
 
     def __init__(self) -> None:
         if not cpu_kernels.load():
@@ -27,6 +31,19 @@ class CpuPagedAttention(InPlaceDecodeAttention):
                       seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         return cpu_kernels.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
                                        scale)
+
+    def _prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scale: float, span: PrefillSpan, cache: KVCache) -> torch.Tensor:
+        """The chunk's tokens over their sequence's K/V, already stored, read in place: a fresh
+        prompt and a chunk after cached tokens alike. Shapes the kernel does not take (head
+        dims not a multiple of 16, a 16-bit model) keep the torch path."""
+        q = query[span.start:span.end]
+        if (q.dtype != torch.float32 or q.shape[-1] % 16 or span.block_ids is None
+                or cache.spec.dtype not in _FUSED_CACHE_DTYPES):
+            return super()._prefill(layer, query, key, value, scale, span, cache)
+        context = span.seq_len - q.shape[0]
+        return cpu_kernels.paged_prefill(q, cache.key(layer), cache.value(layer),
+                                         span.block_ids, context, scale)
 
     def decode_step(self, metadata: AttentionMetadata) -> DecodeStep | None:
         assert isinstance(metadata, InPlaceMetadata)

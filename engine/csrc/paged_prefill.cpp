@@ -1,0 +1,343 @@
+// Paged prefill attention for the CPU: the query tokens of one sequence (a whole prompt, or a
+// chunk of one after tokens already cached) attend causally over K/V read in place from the
+// paged cache. Query token i sits at position context + i and sees keys [0, context + i].
+//
+// query   [tokens, heads, head_dim] fp32 (rows may be strided; heads and dims contiguous)
+// key/value  [blocks, block_size, kv_heads, head_dim]  one layer of the cache: fp32, or
+//         bf16/fp16/fp8 (e5m2), widened as read
+// blocks  [n] int64: the sequence's block ids, covering context + tokens positions
+// returns [tokens, heads, head_dim] fp32
+//
+// Flash-style, in fp32: a work item is one kv head and a tile of query tokens, whose rows (the
+// tokens times the kv head's query heads) share every K and V tile. For each tile of 64 keys,
+// K is widened and transposed to [head_dim][64] and V widened to [64][head_dim]; the scores and
+// the weighted V sums are both register-tiled products (6 rows by 16 columns, 12 accumulators),
+// and the softmax is online (a running max and sum per row, earlier sums rescaled when the max
+// grows). Items are claimed as threads free up, the costliest (the last tokens) first.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "fast_exp.h"
+#include "load8.h"
+#include "ops.h"
+
+#if defined(CONVEYOR_LOAD8) && defined(CONVEYOR_EXP8)
+#define CONVEYOR_PREFILL_SIMD 1
+#endif
+
+namespace {
+
+constexpr int64_t kKeys = 64;        // keys per tile
+constexpr int64_t kCols = 16;        // output columns of one micro-kernel call
+constexpr int64_t kItemRows = 48;    // query rows (tokens times group) an item aims for
+constexpr int kMaxRows = 6;          // rows per micro-kernel call
+
+struct Problem {
+  const float* query;
+  int64_t token_stride;  // query elements from one token to the next
+  int64_t heads, kv_heads, group, dim, block_size, tokens, context;
+  const int64_t* blocks;
+  float scale;
+  float* out;
+
+  int64_t token_tile() const { return std::max<int64_t>(1, kItemRows / group); }
+  int64_t tiles() const { return (tokens + token_tile() - 1) / token_tile(); }
+  // Where the row of kv head g at sequence position pos starts in one layer's cache.
+  int64_t row_offset(int64_t pos, int64_t g) const {
+    return (blocks[pos / block_size] * block_size + pos % block_size) * kv_heads * dim + g * dim;
+  }
+};
+
+#ifdef CONVEYOR_PREFILL_SIMD
+using conveyor::load8;
+
+// c[MR][16] (row stride ldc) = or += a[MR][k] (row stride lda) times b[k][16] (row stride ldb):
+// each b row is loaded once for MR rows, a's elements are broadcast.
+template <int MR, bool Accumulate>
+__attribute__((noinline)) void tile_product(const float* a, int64_t lda, const float* b,
+                                            int64_t ldb, int64_t k, float* c, int64_t ldc) {
+  __m256 acc[MR][2];
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m) {
+    acc[m][0] = Accumulate ? _mm256_loadu_ps(c + m * ldc) : _mm256_setzero_ps();
+    acc[m][1] = Accumulate ? _mm256_loadu_ps(c + m * ldc + 8) : _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    const __m256 b0 = _mm256_loadu_ps(b + i * ldb), b1 = _mm256_loadu_ps(b + i * ldb + 8);
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; ++m) {
+      const __m256 x = _mm256_broadcast_ss(a + m * lda + i);
+      acc[m][0] = _mm256_fmadd_ps(x, b0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(x, b1, acc[m][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(c + m * ldc, acc[m][0]);
+    _mm256_storeu_ps(c + m * ldc + 8, acc[m][1]);
+  }
+}
+
+// c[rows][cols] (cols a multiple of 16) = or += a[rows][k] times b[k][cols].
+template <bool Accumulate>
+void product(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t k, float* c,
+             int64_t ldc, int64_t rows, int64_t cols) {
+  for (int64_t j = 0; j < cols; j += kCols)
+    for (int64_t m = 0; m < rows; m += kMaxRows) {
+      const float* am = a + m * lda;
+      float* cm = c + m * ldc + j;
+      switch (std::min<int64_t>(kMaxRows, rows - m)) {
+        case 6: tile_product<6, Accumulate>(am, lda, b + j, ldb, k, cm, ldc); break;
+        case 5: tile_product<5, Accumulate>(am, lda, b + j, ldb, k, cm, ldc); break;
+        case 4: tile_product<4, Accumulate>(am, lda, b + j, ldb, k, cm, ldc); break;
+        case 3: tile_product<3, Accumulate>(am, lda, b + j, ldb, k, cm, ldc); break;
+        case 2: tile_product<2, Accumulate>(am, lda, b + j, ldb, k, cm, ldc); break;
+        default: tile_product<1, Accumulate>(am, lda, b + j, ldb, k, cm, ldc); break;
+      }
+    }
+}
+
+// Eight rows of eight floats transposed in registers.
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Keys [k0, k0 + n) of kv head g: K widened and transposed into kt [dim][kKeys] (columns past
+// n up to a multiple of 16 zeroed), V widened into v [n][dim].
+template <typename C>
+void load_tile(const Problem& p, const C* key, const C* value, int64_t g, int64_t k0, int64_t n,
+               float* kt, float* v) {
+  const int64_t padded = (n + kCols - 1) / kCols * kCols;
+  for (int64_t j0 = 0; j0 < padded; j0 += 8) {
+    const C* rows[8];
+    for (int r = 0; r < 8; ++r)
+      rows[r] = j0 + r < n ? key + p.row_offset(k0 + j0 + r, g) : nullptr;
+    for (int64_t d = 0; d < p.dim; d += 8) {
+      __m256 block[8];
+      for (int r = 0; r < 8; ++r)
+        block[r] = rows[r] != nullptr ? load8(rows[r] + d) : _mm256_setzero_ps();
+      transpose8(block);
+      for (int r = 0; r < 8; ++r) _mm256_storeu_ps(kt + (d + r) * kKeys + j0, block[r]);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const C* row = value + p.row_offset(k0 + j, g);
+    for (int64_t d = 0; d < p.dim; d += 8) _mm256_storeu_ps(v + j * p.dim + d, load8(row + d));
+  }
+}
+
+// Every K/V tile of the sequence, widened once and read by every item of its kv head: per kv
+// head and tile, K as [dim][kKeys] then V as [kKeys][dim], contiguous.
+struct Tiles {
+  int64_t count, dim;
+  std::unique_ptr<float[]> data;
+  Tiles(const Problem& p, int64_t keys)
+      : count((keys + kKeys - 1) / kKeys), dim(p.dim),
+        data(new float[p.kv_heads * count * 2 * kKeys * p.dim]) {}
+  float* key(int64_t g, int64_t tile) const { return data.get() + (g * count + tile) * 2 * kKeys * dim; }
+  float* value(int64_t g, int64_t tile) const { return key(g, tile) + kKeys * dim; }
+};
+
+// One thread's buffers, reused from item to item.
+struct Workspace {
+  std::vector<float> q, scores, acc, max, sum;
+  explicit Workspace(const Problem& p) : Workspace(p, p.token_tile() * p.group) {}
+  Workspace(const Problem& p, int64_t rows)
+      : q(rows * p.dim), scores(rows * kKeys), acc(rows * p.dim), max(rows), sum(rows) {}
+};
+
+inline float row_max(const float* s, int64_t n) {
+  __m256 lanes = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + j));
+  alignas(32) float each[8];
+  _mm256_store_ps(each, lanes);
+  float top = each[0];
+  for (int i = 1; i < 8; ++i) top = std::max(top, each[i]);
+  for (; j < n; ++j) top = std::max(top, s[j]);
+  return top;
+}
+
+// Row r's scores for a tile with `seen` keys visible (the rest masked) become its softmax
+// weights under the running max; its running sum and accumulator are rescaled to match.
+void online_softmax(float* s, int64_t n, int64_t seen, float* acc, int64_t dim, float& max,
+                    float& sum) {
+  if (seen <= 0) {
+    std::fill(s, s + n, 0.f);
+    return;
+  }
+  const float top = std::max(max, row_max(s, seen));
+  if (top > max) {
+    const float rescale = max == -std::numeric_limits<float>::infinity()
+                              ? 0.f : conveyor::exp_clamped(max - top);
+    sum *= rescale;
+    for (int64_t d = 0; d < dim; ++d) acc[d] *= rescale;
+    max = top;
+  }
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= seen; j += 8) {
+    const __m256 w = conveyor::exp8_clamped(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+    total = _mm256_add_ps(total, w);
+    _mm256_storeu_ps(s + j, w);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, total);
+  float added = 0.f;
+  for (float lane : lanes) added += lane;
+  for (; j < seen; ++j) {
+    s[j] = conveyor::exp_clamped(s[j] - top);
+    added += s[j];
+  }
+  std::fill(s + seen, s + n, 0.f);
+  sum += added;
+}
+
+// Query tokens [t0, t1) of kv head g's query heads over every key they see.
+void attend_item(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, int64_t t1,
+                 Workspace& w) {
+  const int64_t rows = (t1 - t0) * p.group, dim = p.dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = p.query + (t0 + r / p.group) * p.token_stride +
+                       (g * p.group + r % p.group) * dim;
+    for (int64_t d = 0; d < dim; ++d) w.q[r * dim + d] = src[d] * p.scale;
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + rows * dim, 0.f);
+  std::fill(w.max.begin(), w.max.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(w.sum.begin(), w.sum.begin() + rows, 0.f);
+  const int64_t keys = p.context + t1;  // the last token sees this many
+  for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
+    const int64_t n = std::min(kKeys, keys - k0);
+    const int64_t padded = (n + kCols - 1) / kCols * kCols;
+    const float* kt = tiles.key(g, k0 / kKeys);
+    product<false>(w.q.data(), dim, kt, kKeys, dim, w.scores.data(), kKeys, rows, padded);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t seen = std::min(n, p.context + t0 + r / p.group + 1 - k0);
+      online_softmax(w.scores.data() + r * kKeys, n, seen, w.acc.data() + r * dim, dim,
+                     w.max[r], w.sum[r]);
+    }
+    product<true>(w.scores.data(), kKeys, tiles.value(g, k0 / kKeys), dim, n, w.acc.data(),
+                  dim, rows, dim);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = p.out + ((t0 + r / p.group) * p.heads + g * p.group + r % p.group) * dim;
+    const float inverse = 1.f / w.sum[r];
+    for (int64_t d = 0; d < dim; ++d) dst[d] = w.acc[r * dim + d] * inverse;
+  }
+}
+
+template <typename C>
+void run(const Problem& p, const at::Tensor& key, const at::Tensor& value) {
+  const C* k = key.data_ptr<C>();
+  const C* v = value.data_ptr<C>();
+  const int64_t keys = p.context + p.tokens;
+  const Tiles kv(p, keys);
+  at::parallel_for(0, p.kv_heads * kv.count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / kv.count, k0 = i % kv.count * kKeys;
+      load_tile(p, k, v, g, k0, std::min(kKeys, keys - k0), kv.key(g, i % kv.count),
+                kv.value(g, i % kv.count));
+    }
+  });
+  const int64_t tiles = p.tiles(), items = tiles * p.kv_heads, tile = p.token_tile();
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    Workspace w(p);
+    for (int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
+      // The last tiles see the most keys: they go first, so the short ones fill in the end.
+      const int64_t t0 = (tiles - 1 - item / p.kv_heads) * tile;
+      attend_item(p, kv, item % p.kv_heads, t0, std::min(p.tokens, t0 + tile), w);
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+namespace conveyor {
+
+at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key,
+                         const at::Tensor& value, const at::Tensor& blocks, int64_t context,
+                         double scale) {
+#ifndef CONVEYOR_PREFILL_SIMD
+  TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
+#else
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(),
+              "paged_prefill: query [tokens, heads, dim], key/value [blocks, block_size, "
+              "kv_heads, dim]");
+  TORCH_CHECK(query.scalar_type() == at::kFloat, "paged_prefill: query must be fp32");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "paged_prefill: query heads and dims must be contiguous");
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(),
+              "paged_prefill: cache must be contiguous");
+  const auto cache = key.scalar_type();
+  TORCH_CHECK(cache == at::kFloat || cache == at::kBFloat16 || cache == at::kHalf ||
+                  cache == at::kFloat8_e5m2,
+              "paged_prefill: the cache must be fp32, bf16, fp16 or fp8 (e5m2)");
+  TORCH_CHECK(value.scalar_type() == cache, "paged_prefill: key and value dtypes differ");
+  const int64_t tokens = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key.size(2), block_size = key.size(1);
+  TORCH_CHECK(dim == key.size(3) && kv_heads > 0 && heads % kv_heads == 0,
+              "paged_prefill: head shapes do not match");
+  TORCH_CHECK(dim % kCols == 0, "paged_prefill: head_dim must be a multiple of 16");
+  TORCH_CHECK(context >= 0, "paged_prefill: context must not be negative");
+  const at::Tensor ids = blocks.to(at::kLong).contiguous();
+  TORCH_CHECK(ids.dim() == 1, "paged_prefill: blocks must be 1-d");
+  const int64_t used = (context + tokens + block_size - 1) / block_size;
+  TORCH_CHECK(ids.size(0) >= used, "paged_prefill: blocks do not cover the sequence");
+  const int64_t* block_ids = ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < used; ++b)
+    TORCH_CHECK(block_ids[b] >= 0 && block_ids[b] < key.size(0),
+                "paged_prefill: block id out of range");
+  at::Tensor out = at::empty({tokens, heads, dim}, query.options());
+  if (tokens == 0) return out;
+  const Problem p{query.data_ptr<float>(), query.stride(0), heads, kv_heads, heads / kv_heads,
+                  dim, block_size, tokens, context, block_ids, static_cast<float>(scale),
+                  out.data_ptr<float>()};
+  switch (cache) {
+    case at::kFloat: run<float>(p, key, value); break;
+    case at::kBFloat16: run<c10::BFloat16>(p, key, value); break;
+    case at::kHalf: run<c10::Half>(p, key, value); break;
+    default: run<c10::Float8_e5m2>(p, key, value); break;
+  }
+  return out;
+#endif
+}
+
+}  // namespace conveyor
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("paged_prefill(Tensor query, Tensor key, Tensor value, Tensor blocks, int context, "
+        "float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("paged_prefill", &conveyor::paged_prefill); }

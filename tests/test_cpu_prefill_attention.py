@@ -1,0 +1,138 @@
+"""Conveyor's C++ paged prefill kernel: a sequence's query tokens attend causally over K/V read
+in place from the cache, against attention over K/V gathered token by token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import cpu_kernels
+from tests.attention_cases import random_sequence, reference_prefill
+
+CACHE_TOLERANCE = 2e-5  # fp32 arithmetic over the cache's values, whatever their width
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    assert cpu_kernels.load(), "the C++ kernel must build on the test machine"
+
+
+def check(query, key_cache, value_cache, blocks, context, scale=0.125):
+    out = cpu_kernels.paged_prefill(query, key_cache, value_cache, blocks, context, scale)
+    assert out.dtype == torch.float32 and out.shape == query.shape
+    expected = reference_prefill(query, key_cache, value_cache, blocks, context, scale)
+    torch.testing.assert_close(out, expected, atol=CACHE_TOLERANCE, rtol=CACHE_TOLERANCE)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 16),
+                                                       (2, 1, 128)])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize(("context", "tokens"), [(0, 1), (0, 7), (0, 65), (3, 17), (60, 70)])
+def test_kernel_matches_reference(heads, kv_heads, dim, block_size, context, tokens):
+    """Token tiles of 48 / group rows and key tiles of 64: lengths end inside, on and past them,
+    after a cached prefix or none."""
+    check(*random_sequence(torch.float32, heads, kv_heads, dim, block_size, context, tokens),
+          context)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e5m2])
+def test_fp32_queries_over_a_narrower_cache(cache_dtype):
+    """The cache's values, widened exactly, with fp32 arithmetic throughout."""
+    query, key_cache, value_cache, blocks = random_sequence(cache_dtype, 9, 3, 64, 16, 21, 150)
+    check(query, key_cache, value_cache, blocks, 21)
+
+
+def test_a_long_prompt_over_many_key_tiles():
+    query, key_cache, value_cache, blocks = random_sequence(torch.bfloat16, 9, 3, 64, 16, 0,
+                                                            700, seed=4)
+    check(query, key_cache, value_cache, blocks, 0)
+
+
+def test_a_chunk_equals_the_same_rows_of_the_whole_prompt():
+    """A prompt run in one call and its tail run after the head is cached give the same rows to
+    the bit: a row's keys and the order of its sums do not depend on how tokens are tiled."""
+    query, key_cache, value_cache, blocks = random_sequence(torch.float32, 9, 3, 64, 16, 0, 200)
+    whole = cpu_kernels.paged_prefill(query, key_cache, value_cache, blocks, 0, 0.125)
+    tail = cpu_kernels.paged_prefill(query[130:], key_cache, value_cache, blocks, 130, 0.125)
+    torch.testing.assert_close(tail, whole[130:], atol=0, rtol=0)
+
+
+def test_kernel_reads_a_strided_query_and_ignores_spare_block_ids():
+    query, key_cache, value_cache, blocks = random_sequence(torch.float32, 6, 2, 32, 4, 9, 14)
+    packed = torch.cat([query.flatten(1), torch.randn(14, 40)], dim=1)  # as a fused projection
+    strided = packed[:, : 6 * 32].view(14, 6, 32)
+    assert not strided.is_contiguous()
+    spare = torch.cat([blocks, torch.tensor([10_000, -1])])  # past the sequence: never read
+    out = torch.ops.conveyor.paged_prefill(strided, key_cache, value_cache, spare, 9, 0.125)
+    expected = reference_prefill(query, key_cache, value_cache, blocks, 9, 0.125)
+    torch.testing.assert_close(out, expected, atol=CACHE_TOLERANCE, rtol=CACHE_TOLERANCE)
+
+
+def test_kernel_rejects_bad_inputs():
+    query, key_cache, value_cache, blocks = random_sequence(torch.float32, 4, 2, 32, 4, 3, 10)
+    call = torch.ops.conveyor.paged_prefill
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        call(query[..., :24].contiguous(), key_cache[..., :24].contiguous(),
+             value_cache[..., :24].contiguous(), blocks, 3, 0.125)
+    with pytest.raises(RuntimeError, match="do not cover"):
+        call(query, key_cache, value_cache, blocks[:-1], 3, 0.125)
+    with pytest.raises(RuntimeError, match="out of range"):
+        call(query, key_cache, value_cache, torch.full_like(blocks, 999), 3, 0.125)
+    with pytest.raises(RuntimeError, match="fp32"):
+        call(query.bfloat16(), key_cache, value_cache, blocks, 3, 0.125)
+    with pytest.raises(RuntimeError, match="negative"):
+        call(query, key_cache, value_cache, blocks, -1, 0.125)
+    with pytest.raises(RuntimeError, match="head shapes"):
+        call(query[:, :3].contiguous(), key_cache, value_cache, blocks, 3, 0.125)
+    assert call(query[:0], key_cache, value_cache, blocks, 3, 0.125).shape == (0, 4, 32)
+
+
+@pytest.mark.parametrize(("dim", "query_dtype", "kernel_calls"),
+                         [(32, torch.float32, 2), (8, torch.float32, 0), (32, torch.bfloat16, 0)])
+def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(monkeypatch, dim,
+                                                                     query_dtype, kernel_calls):
+    """A fresh prompt and a chunk after cached tokens go to the kernel; head dims it does not
+    take and 16-bit models keep the torch path. Both give the gathered reference."""
+    import numpy as np
+
+    from engine.attention import get_backend
+    from engine.input_batch import InputBatch
+    from engine.kv_cache import KVCache, KVCacheSpec
+
+    calls = []
+    original = cpu_kernels.paged_prefill
+    monkeypatch.setattr(cpu_kernels, "paged_prefill",
+                        lambda *args: calls.append(args[4]) or original(*args))
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=dim, dtype=query_dtype,
+                       block_size=4)
+    cache = KVCache(spec, num_blocks=16, device=torch.device("cpu"))
+    backend = get_backend("cpu", torch.device("cpu"))
+    contexts, queries = [0, 6], [5, 7]
+    tables = [[3, 9], [12, 1, 7, 4]]
+    lengths = [c + q for c, q in zip(contexts, queries, strict=True)]
+    k_all = [torch.randn(n, 2, dim, dtype=query_dtype) for n in lengths]
+    v_all = [torch.randn(n, 2, dim, dtype=query_dtype) for n in lengths]
+
+    def slots(row, positions):
+        return [tables[row][p // 4] * 4 + p % 4 for p in positions]
+
+    cache.write(0, torch.tensor(slots(1, range(6))), k_all[1][:6], v_all[1][:6])
+    batch = InputBatch(
+        requests=[], input_ids=np.zeros(12, dtype=np.int64),
+        positions=np.concatenate([np.arange(0, 5), np.arange(6, 13)]),
+        slot_mapping=np.array(slots(0, range(5)) + slots(1, range(6, 13))),
+        query_starts=np.array([0, 5]), query_lens=np.array(queries),
+        context_lens=np.array(contexts),
+        block_table=np.array([tables[0] + [0, 0], tables[1]]), sample_rows=np.arange(2))
+    q = torch.randn(12, 4, dim, dtype=query_dtype)
+    new_k = torch.cat([k_all[0], k_all[1][6:]])
+    new_v = torch.cat([v_all[0], v_all[1][6:]])
+    out = backend.forward(0, q, new_k, new_v, 0.25, backend.build_metadata(batch, cache))
+    assert sorted(calls) == [0, 6][:kernel_calls]
+    for row, (start, context) in enumerate([(0, 0), (5, 6)]):
+        n = queries[row]
+        blocks = torch.tensor(tables[row])
+        expected = reference_prefill(q[start:start + n].float(), cache.key(0), cache.value(0),
+                                     blocks, context, 0.25)
+        tol = 1e-5 if query_dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[start:start + n].float(), expected, atol=tol, rtol=tol)
