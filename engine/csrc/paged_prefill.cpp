@@ -8,12 +8,13 @@
 // blocks  [n] int64: the sequence's block ids, covering context + tokens positions
 // returns [tokens, heads, head_dim] fp32
 //
-// Flash-style, in fp32: a work item is one kv head and a tile of query tokens, whose rows (the
-// tokens times the kv head's query heads) share every K and V tile. For each tile of 64 keys,
-// K is widened and transposed to [head_dim][64] and V widened to [64][head_dim]; the scores and
-// the weighted V sums are both register-tiled products (6 rows by 16 columns, 12 accumulators),
-// and the softmax is online (a running max and sum per row, earlier sums rescaled when the max
-// grows). Items are claimed as threads free up, the costliest (the last tokens) first.
+// Flash-style, in fp32. First, every tile of 64 keys of every kv head is widened once, K
+// transposed to [head_dim][64] and V as [64][head_dim]. Then a work item is one kv head and a
+// tile of query tokens, whose rows (the tokens times the kv head's query heads) share each K and
+// V tile up to their last token's; the scores and the weighted V sums are both register-tiled
+// products (6 rows by 16 columns, 12 accumulators), and the softmax is online (a running max and
+// sum per row, earlier sums rescaled when the max grows). Items are claimed as threads free up,
+// the costliest (the last tokens) first.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
