@@ -95,10 +95,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     `key_cache`/`value_cache` are one layer's `[blocks, block_size, kv_heads, dim]`;
     `block_table` `[rows, width]` and `seq_lens` `[rows]` are int64.
     """
-    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
-        query = query.contiguous()
-    return torch.ops.conveyor.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
-                                           scale)
+    return torch.ops.conveyor.paged_decode(_heads_contiguous(query), key_cache, value_cache,
+                                           block_table, seq_lens, scale)
 
 
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -106,9 +104,16 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     """A sequence's query tokens `[tokens, heads, dim]` (fp32) attending causally over its K/V
     in the paged cache: token i sits at position `context + i`. `blocks` are the sequence's
     block ids (int64), covering `context + tokens` positions; its K/V are already stored."""
+    return torch.ops.conveyor.paged_prefill(_heads_contiguous(query), key_cache, value_cache,
+                                            blocks, context, scale)
+
+
+def _heads_contiguous(query: torch.Tensor) -> torch.Tensor:
+    """`[rows, heads, dim]` with heads and dims contiguous, as the attention kernels read it;
+    rows may stay strided (a view into a fused projection's output)."""
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
-        query = query.contiguous()
-    return torch.ops.conveyor.paged_prefill(query, key_cache, value_cache, blocks, context, scale)
+        return query.contiguous()
+    return query
 
 
 @cache

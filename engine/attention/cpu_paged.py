@@ -13,7 +13,7 @@ from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
 from engine.attention.torch_paged import PrefillSpan
 from engine.kv_cache import KVCache
 
-# What the fused decode layer stores and reads under its fp32 compute.
+# What the fused decode layer and the prefill kernel read (and store) under fp32 compute.
 _FUSED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2)
 
 
@@ -38,9 +38,10 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         prompt and a chunk after cached tokens alike. Shapes the kernel does not take (head
         dims not a multiple of 16, a 16-bit model) keep the torch path."""
         q = query[span.start:span.end]
-        if (q.dtype != torch.float32 or q.shape[-1] % 16 or span.block_ids is None
+        if (q.dtype != torch.float32 or q.shape[-1] % 16
                 or cache.spec.dtype not in _FUSED_CACHE_DTYPES):
             return super()._prefill(layer, query, key, value, scale, span, cache)
+        assert span.block_ids is not None  # prefill_block_ids: every span carries them
         context = span.seq_len - q.shape[0]
         return cpu_kernels.paged_prefill(q, cache.key(layer), cache.value(layer),
                                          span.block_ids, context, scale)

@@ -49,4 +49,30 @@ inline __m256 exp8_clamped(__m256 x) {
 }
 #endif
 
+// s[0, n) replaced by exp(s[i] - shift), eight lanes at a time, and their sum: the lanes' sums
+// added in lane order, then the tail's one at a time. Shared by the attention softmaxes.
+inline float exp_shifted_sum(float* s, int64_t n, float shift) {
+  float sum = 0.f;
+  int64_t i = 0;
+#ifdef CONVEYOR_EXP8
+  if (n >= 8) {
+    const __m256 by = _mm256_set1_ps(shift);
+    __m256 sums = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_loadu_ps(s + i), by));
+      _mm256_storeu_ps(s + i, e);
+      sums = _mm256_add_ps(sums, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sums);
+    for (const float lane : lanes) sum += lane;
+  }
+#endif
+  for (; i < n; ++i) {
+    s[i] = exp_clamped(s[i] - shift);
+    sum += s[i];
+  }
+  return sum;
+}
+
 }  // namespace conveyor

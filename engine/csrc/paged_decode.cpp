@@ -272,27 +272,7 @@ inline void group_values(const float* weights, int64_t group, int64_t w_stride, 
 inline void softmax_weights(float* scores, int64_t len, float& total) {
   float peak = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < len; ++t) peak = std::max(peak, scores[t]);
-  float sum = 0.f;
-  int64_t t = 0;
-#ifdef CONVEYOR_EXP8
-  if (len >= 8) {
-    const __m256 top = _mm256_set1_ps(peak);
-    __m256 sums = _mm256_setzero_ps();
-    for (; t + 8 <= len; t += 8) {
-      const __m256 e = conveyor::exp8_clamped(_mm256_sub_ps(_mm256_loadu_ps(scores + t), top));
-      _mm256_storeu_ps(scores + t, e);
-      sums = _mm256_add_ps(sums, e);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, sums);
-    for (const float lane : lanes) sum += lane;
-  }
-#endif
-  for (; t < len; ++t) {
-    scores[t] = conveyor::exp_clamped(scores[t] - peak);
-    sum += scores[t];
-  }
-  total = sum;
+  total = conveyor::exp_shifted_sum(scores, len, peak);
 }
 
 // The first K block of the task after this one, asked for while this task's last V block is

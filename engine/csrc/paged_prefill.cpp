@@ -203,24 +203,8 @@ void online_softmax(float* s, int64_t n, int64_t seen, float* acc, int64_t dim, 
     for (int64_t d = 0; d < dim; ++d) acc[d] *= rescale;
     max = top;
   }
-  const __m256 shift = _mm256_set1_ps(top);
-  __m256 total = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= seen; j += 8) {
-    const __m256 w = conveyor::exp8_clamped(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
-    total = _mm256_add_ps(total, w);
-    _mm256_storeu_ps(s + j, w);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, total);
-  float added = 0.f;
-  for (float lane : lanes) added += lane;
-  for (; j < seen; ++j) {
-    s[j] = conveyor::exp_clamped(s[j] - top);
-    added += s[j];
-  }
+  sum += conveyor::exp_shifted_sum(s, seen, top);
   std::fill(s + seen, s + n, 0.f);
-  sum += added;
 }
 
 // Query tokens [t0, t1) of kv head g's query heads over every key they see.
