@@ -1,13 +1,19 @@
 """Streaming requests to any OpenAI-compatible server, timed the way `vllm bench serve` times
-them."""
+them.
+
+The client shares the machine with the server it loads, so it reads the stream with aiohttp (a
+C-accelerated HTTP parser) and splits the events itself: about a third of the CPU time per
+streamed token that httpx's line iterator took, time that the server gets back.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from bench.workloads import BenchRequest
 
@@ -64,24 +70,41 @@ def _chunk_text(chunk: dict) -> str:
     return text
 
 
-async def send(client: httpx.AsyncClient, endpoint: str, body: dict,
+async def sse_data(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent event stream arriving in pieces cut anywhere, as
+    soon as each line is whole, however long."""
+    pending = bytearray()
+    async for piece in pieces:
+        pending += piece
+        if b"\n" not in piece:
+            continue
+        *lines, rest = pending.split(b"\n")
+        pending = bytearray(rest)
+        for line in lines:
+            if line.startswith(b"data: "):
+                yield line[6:].rstrip(b"\r").decode()
+    if pending.startswith(b"data: "):
+        yield pending[6:].rstrip(b"\r").decode()
+
+
+async def send(session: aiohttp.ClientSession, url: str, body: dict,
                prompt_len: int) -> RequestResult:
-    """Stream one request; the first chunk with text marks the first token."""
+    """Stream one request to `url`; the first chunk with text marks the first token."""
     result = RequestResult(ok=False, prompt_len=prompt_len, priority=body.get("priority", 0))
     start = time.perf_counter()
     last = start
     chunks = 0
     try:
-        async with client.stream("POST", endpoint, json=body) as response:
-            result.status = response.status_code
-            if response.status_code != 200:
+        async with session.post(url, json=body) as response:
+            result.status = response.status
+            if response.status != 200:
                 result.e2e = time.perf_counter() - start
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                result.error = f"HTTP {response.status}: {(await response.read())[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for data in sse_data(response.content.iter_any()):
+                if data == "[DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                chunk = json.loads(data)
                 if "error" in chunk:
                     result.error = str(chunk["error"].get("message"))
                     result.e2e = time.perf_counter() - start
@@ -98,7 +121,7 @@ async def send(client: httpx.AsyncClient, endpoint: str, body: dict,
                         result.itls.append(now - last)
                     chunks += 1
                     last = now
-    except httpx.HTTPError as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         return result
     result.e2e = time.perf_counter() - start

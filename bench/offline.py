@@ -16,14 +16,14 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, EngineConfig
-from engine.core import EngineCore
-from engine.factory import core_from_model
-from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch and the model load only when this benchmark runs, not with the CLI
+    from engine.core import EngineCore
+    from engine.model_loader import LoadedModel
 
 
 @dataclass(slots=True)
@@ -100,10 +100,11 @@ def run_engine(core: EngineCore, workload: Workload, name: str) -> ModeResult:
     return ModeResult(name, time.perf_counter() - start, produced, latencies, usage)
 
 
-@torch.inference_mode()
 def run_generate(loaded: LoadedModel, workload: Workload, batch_size: int) -> ModeResult:
     """Padded batches through `model.generate`; a batch runs until its longest member is done."""
-    model, device = loaded.model, loaded.model.device
+    import torch
+
+    model = loaded.model
     model.set_attn_implementation("sdpa")
     pad = loaded.tokenizer.pad_token_id or 0
     start = time.perf_counter()
@@ -113,12 +114,13 @@ def run_generate(loaded: LoadedModel, workload: Workload, batch_size: int) -> Mo
         prompts = workload.prompts[first:first + batch_size]
         lengths = workload.output_lens[first:first + batch_size]
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                            device=device)
+                            device=model.device)
         longest = max(lengths)
-        model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                       max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad)
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                           max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad)
         latencies.extend([time.perf_counter() - start] * len(prompts))
         useful += sum(lengths)
     return ModeResult("generate", time.perf_counter() - start, useful, latencies)
@@ -172,6 +174,9 @@ def _save(fig, path: Path) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
+    from engine.factory import core_from_model
+    from engine.model_loader import load_model, resolve_device, resolve_dtype
+
     device = resolve_device("auto")
     dtype = resolve_dtype(args.dtype, device, args.model)
     loaded = load_model(args.model, dtype, device)

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 from bench.client import RequestResult, request_body, send
 from bench.report import overload, parse_slo, summarize, table
@@ -93,10 +93,10 @@ def build_workload(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
     return requests
 
 
-async def _model_name(client: httpx.AsyncClient) -> str:
-    response = await client.get("/v1/models")
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+async def _model_name(session: aiohttp.ClientSession, base_url: str) -> str:
+    async with session.get(f"{base_url}/v1/models") as response:
+        response.raise_for_status()
+        return (await response.json())["data"][0]["id"]
 
 
 def _arrival_delays(requests: list[BenchRequest], rate: float, seed: int) -> list[float]:
@@ -116,10 +116,14 @@ def _arrival_delays(requests: list[BenchRequest], rate: float, seed: int) -> lis
 async def run_load(args: argparse.Namespace, requests: list[BenchRequest],
                    progress: bool = True) -> tuple[list[RequestResult], float]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=None, headers=headers,
-                                 limits=limits) as client:
-        model = args.model or await _model_name(client)
+    # No connection limit and no deadline: --max-concurrency shapes the load, --timeout is the
+    # server's business.
+    base_url = args.base_url.rstrip("/")
+    session = aiohttp.ClientSession(headers=headers,
+                                    timeout=aiohttp.ClientTimeout(total=None),
+                                    connector=aiohttp.TCPConnector(limit=0))
+    async with session:
+        model = args.model or await _model_name(session, base_url)
         gate = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
         delays = _arrival_delays(requests, args.request_rate, args.seed)
         bar = _progress(len(requests), progress)
@@ -130,7 +134,8 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest],
             async with gate:
                 body = request_body(request, args.endpoint, model, args.ignore_eos,
                                     args.temperature, args.timeout)
-                result = await send(client, args.endpoint, body, request.prompt_len)
+                result = await send(session, base_url + args.endpoint, body,
+                                    request.prompt_len)
             bar.update(1)
             return result
 

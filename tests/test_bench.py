@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench import offline
-from bench.client import RequestResult
+from bench.client import RequestResult, sse_data
 from bench.report import overload, parse_slo, percentile, summarize
 from bench.serve import run_load
 from bench.workloads import (
@@ -75,6 +75,19 @@ def test_report_throughput_latencies_and_goodput():
     assert summary["errors"] == ["HTTP 500"]
     with pytest.raises(ValueError):
         parse_slo(["latency:5"])
+
+
+async def test_sse_data_joins_events_cut_anywhere():
+    events = [b'data: {"a": 1}\n\n', b"data: " + b"x" * 200_000 + b"\r\n\n", b": ping\n\n",
+              b"data: [DONE]\n\n"]
+    stream = b"".join(events)
+
+    async def pieces(size: int):
+        for i in range(0, len(stream), size):
+            yield stream[i:i + size]
+
+    for size in (1, 7, 4096, len(stream)):
+        assert [d async for d in sse_data(pieces(size))] == ['{"a": 1}', "x" * 200_000, "[DONE]"]
 
 
 def load_args(**overrides) -> argparse.Namespace:
