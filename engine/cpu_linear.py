@@ -120,11 +120,11 @@ class PanelLinear(nn.Module):
     def of_blocks(cls, fmt: gguf_blocks.BlockFormat, rows: torch.Tensor,
                   bias: torch.Tensor | None, int8_activations: bool = False) -> PanelLinear:
         """A layer over GGUF rows `[out, in / 32 * block_bytes]`, widened as it multiplies; or,
-        with `int8_activations` and Q4_1 rows, multiplied in 8-bit integers against inputs
-        rounded to 8-bit blocks (approximate; `csrc/int8_panels.cpp`)."""
+        with `int8_activations`, multiplied in 8-bit integers against inputs rounded to 8-bit
+        blocks (approximate; `csrc/int8_panels.cpp`)."""
         in_features = rows.shape[1] // fmt.block_bytes * gguf_blocks.BLOCK
-        if int8_activations and fmt is gguf_blocks.Q4_1:
-            panels = gguf_blocks.pack_int8_panels(rows)
+        if int8_activations:
+            panels = gguf_blocks.pack_int8_panels(fmt, rows)
         else:
             panels = gguf_blocks.pack_panels(fmt, rows)
         return cls._of_panels(panels, bias, rows.shape[0], in_features)
@@ -162,9 +162,7 @@ class PanelLinear(nn.Module):
     @property
     def block_format(self) -> gguf_blocks.BlockFormat | None:
         """The GGUF block format the weight is held in; None for fp32 or fp16 panels."""
-        if self.int8_activations:
-            return gguf_blocks.Q4_1
-        if self.panels.dtype != torch.uint8:
+        if self.panels.dtype not in (torch.uint8, torch.int8):
             return None
         return gguf_blocks.GROUP_FORMATS[self.panels.shape[2]]
 
@@ -318,7 +316,7 @@ def use_gguf_blocks(model: nn.Module,
                     int8_activations: bool = False) -> int:
     """Swap each fp32 `nn.Linear` named in `blocks` for a `PanelLinear` over its GGUF blocks,
     where they widen to exactly its weight; return how many were swapped. With
-    `int8_activations`, Q4_1 blocks multiply against inputs rounded to 8-bit blocks instead
+    `int8_activations`, the blocks multiply against inputs rounded to 8-bit blocks instead
     (faster, approximate). Run before `pack_linears`, which packs the rest."""
     swapped, rounded, mismatched = 0, 0, []
     for name, (fmt, rows) in blocks.items():
@@ -341,8 +339,7 @@ def use_gguf_blocks(model: nn.Module,
                        "those layers keep fp32 panels", len(mismatched), mismatched[0])
     logger.info("%d linear layers hold their GGUF blocks (exactly their fp32 weights)", swapped)
     if int8_activations:
-        logger.info("%d of them (Q4_1) multiply against activations rounded to 8-bit blocks",
-                    rounded)
+        logger.info("%d of them multiply against activations rounded to 8-bit blocks", rounded)
     return swapped
 
 

@@ -83,9 +83,12 @@ def pack_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([part.flatten(2) for part in parts], dim=2).contiguous()
 
 
-def pack_int8_panels(rows: torch.Tensor) -> torch.Tensor:
-    """Q4_1 GGUF rows to int8 block panels `[ceil(out / 16), in / 32, 320]`, laid out for 8-bit
-    products against activations rounded to 8-bit blocks (`csrc/block_panels.h`)."""
+def pack_int8_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
+    """Q4_1 or Q8_0 GGUF rows to int8 block panels `[ceil(out / 16), in / 32, 320 or 544]`, laid
+    out for 8-bit products against activations rounded to 8-bit blocks
+    (`csrc/block_panels.h`)."""
+    if fmt is Q8_0:
+        return _pack_q8_0_int8_panels(rows)
     d, m, q = split_rows(Q4_1, rows)
     padded = -(-rows.shape[0] // PANEL) * PANEL
     blocks = q.shape[1]
@@ -97,8 +100,21 @@ def pack_int8_panels(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([*scales, packed], dim=2).view(torch.int8).contiguous()
 
 
+def _pack_q8_0_int8_panels(rows: torch.Tensor) -> torch.Tensor:
+    d, _, q = split_rows(Q8_0, rows)
+    padded = -(-rows.shape[0] // PANEL) * PANEL
+    blocks = q.shape[1]
+    # Columns as (h, c), features as (step, i): feature 4 step + i.
+    split = _pad(q, padded).view(padded // PANEL, 2, 8, blocks, 8, 4)
+    packed = split.permute(0, 3, 1, 4, 2, 5).contiguous().flatten(2)  # [.., h, step, c, i]
+    scales = _columns_last(_pad(d, padded)).view(torch.int8)
+    return torch.cat([scales, packed], dim=2).contiguous()
+
+
 def dequantize_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """Block panels back to the fp32 weight `[out, in]` they hold."""
+    if panels.dtype == torch.int8 and panels.shape[2] == Q8_0.group_bytes:
+        return _dequantize_q8_0_int8_panels(panels, out_features)
     if panels.dtype == torch.int8:
         return _dequantize_int8_panels(panels.view(torch.uint8), out_features)
     fmt = GROUP_FORMATS[panels.shape[2]]
@@ -125,6 +141,16 @@ def _dequantize_int8_panels(panels: torch.Tensor, out_features: int) -> torch.Te
     # -> [panels, h, c, blocks, part, step, i]: columns 8h + c, feature 16 part + 4 step + i.
     q = q.permute(0, 2, 4, 1, 6, 3, 5).reshape(count, PANEL, blocks, BLOCK).float()
     weight = d.transpose(1, 2).unsqueeze(-1) * q + m.transpose(1, 2).unsqueeze(-1)
+    return weight.reshape(count * PANEL, blocks * BLOCK)[:out_features]
+
+
+def _dequantize_q8_0_int8_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    count, blocks, _ = panels.shape
+    d = panels[..., :32].contiguous().view(torch.float16).float()
+    q = panels[..., 32:].reshape(count, blocks, 2, 8, 8, 4)  # [.., h, step, c, i]
+    # -> [panels, h, c, blocks, step, i]: columns 8h + c, feature 4 step + i.
+    q = q.permute(0, 2, 4, 1, 3, 5).reshape(count, PANEL, blocks, BLOCK).float()
+    weight = d.transpose(1, 2).unsqueeze(-1) * q
     return weight.reshape(count * PANEL, blocks * BLOCK)[:out_features]
 
 

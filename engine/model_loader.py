@@ -137,8 +137,8 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.device,
                trust_remote_code: bool = False, int8_activations: bool = False) -> LoadedModel:
     """Load weights and tokenizer; None loads the embedded default model. `int8_activations`
-    multiplies the GGUF Q4_1 blocks of an fp32 CPU model against inputs rounded to 8-bit blocks
-    (`cpu_linear.use_gguf_blocks`)."""
+    multiplies the GGUF Q4_1 / Q8_0 blocks of an fp32 CPU model against inputs rounded to 8-bit
+    blocks (`cpu_linear.use_gguf_blocks`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path is None:
@@ -159,15 +159,15 @@ def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.devic
     if int8_activations and not any(getattr(m, "int8_activations", False)
                                     for m in model.modules()):
         logger.warning("--int8-activations has no effect here: it needs float32 on a CPU and "
-                       "Q4_1 GGUF blocks beside the checkpoint")
+                       "GGUF blocks beside the checkpoint")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return wrap_model(model, tokenizer, name=name, path=path)
 
 
 def use_gguf_blocks_beside(model: Any, folder: Path, int8_activations: bool = False) -> None:
     """Hold fp32 linear layers in the GGUF blocks kept beside the checkpoint, if any (the default
-    model keeps its Q4_1 blocks), where they widen to exactly the loaded weights and Conveyor's
-    panel kernel runs."""
+    model keeps its Q4_1 and Q8_0 blocks), where they widen to exactly the loaded weights and
+    Conveyor's panel kernel runs."""
     blocks_file = folder / gguf_blocks.BLOCKS_FILE
     if blocks_file.is_file() and panel_linear_available():
         use_gguf_blocks(model, gguf_blocks.load(blocks_file), int8_activations)

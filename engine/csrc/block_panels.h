@@ -13,6 +13,9 @@
 //                   4c + i holds column 8h + c's q of input feature 4s + i in its low half and
 //                   of feature 16 + 4s + i in its high half: one 32-byte load and a mask give
 //                   4 features of 8 columns, as AVX2's 8-bit multiply-add takes them
+// Q8_0 for 8-bit products (544 bytes, int8 panels): d[16] fp16, then for columns 8h..8h+7 and
+//                   step s = 0..7, 32 bytes whose byte 4c + i is column 8h + c's int8 q of
+//                   input feature 4s + i
 //
 // A weight widens to exactly the fp32 value GGUF's dequantization gives: d * q is exact in fp32
 // (11 by 4 or 8 significant bits), so one fused multiply-add rounds d * q + m once, as the
@@ -76,6 +79,11 @@ struct Q80 {
 struct Q41Int8 {
   static constexpr int64_t kScaleBytes = 64;  // d[16], m[16]
   static constexpr int64_t kGroupBytes = kScaleBytes + kBlock * 8;
+};
+
+struct Q80Int8 {
+  static constexpr int64_t kScaleBytes = 32;  // d[16]
+  static constexpr int64_t kGroupBytes = kScaleBytes + kBlock * 16;
 };
 
 #ifdef CONVEYOR_BLOCK_PANELS

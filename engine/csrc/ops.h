@@ -14,8 +14,8 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
                         at::Tensor lens, double scale);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t out_features);
-// panel_linear's product over int8 panels (Q4_1 blocks times activations rounded to 8-bit
-// blocks), its inputs already checked: out [M, out_features] from x [M, K] and a padded bias.
+// panel_linear's product over int8 panels (Q4_1 or Q8_0 blocks times activations rounded to
+// 8-bit blocks), its inputs already checked: out [M, out_features] from x [M, K] and a padded bias.
 void int8_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
                         const float* bias, float* out, int64_t out_features);
 // The input features of panels as `panel_linear` takes them (fp32, fp16 or GGUF blocks).

@@ -308,9 +308,11 @@ void check_layout(const at::Tensor& panels) {
                   " (Q8_0)]");
       break;
     case at::kChar:
-      TORCH_CHECK(panels.size(2) == conveyor::Q41Int8::kGroupBytes,
+      TORCH_CHECK(panels.size(2) == conveyor::Q41Int8::kGroupBytes ||
+                      panels.size(2) == conveyor::Q80Int8::kGroupBytes,
                   "panel_linear: int8 block panels must be [panels, in / 32, ",
-                  conveyor::Q41Int8::kGroupBytes, "] (Q4_1)");
+                  conveyor::Q41Int8::kGroupBytes, " (Q4_1) or ", conveyor::Q80Int8::kGroupBytes,
+                  " (Q8_0)]");
       break;
     default:
       TORCH_CHECK(false, "panel_linear: panels must be fp32, fp16 or uint8 blocks (int8 for "
