@@ -1,7 +1,7 @@
 """The default model's linear layers on the CPU, one pass over all of them per row count, with
-their weights held four ways: the GGUF's Q4_1 / Q8_0 blocks (what fp32 loads), the same with
-Q4_1 multiplied against int8-rounded activations (`--int8-activations`), fp32 panels and fp16
-panels (what bf16 loads). They alternate, so a slow spell of the machine touches
+their weights held four ways: the GGUF's Q4_1 / Q8_0 blocks (what fp32 loads), the same
+multiplied against int8-rounded activations (`--int8-activations`), fp32 panels and fp16
+panels (what bf16 loads); and the Q8_0 LM head alone, exact and against int8-rounded inputs. They alternate, so a slow spell of the machine touches
 all alike; weights stream from memory as in a decode step.
 
     python benchmarks/linear_layers.py --rows 1 4 16 64 512
@@ -34,7 +34,9 @@ def layer_sets() -> dict[str, list[PanelLinear]]:
             "int8": [PanelLinear.of_blocks(*rows[name], None, True)
                      for name in named],
             "fp32": [PanelLinear(m.weight, None) for m in blocks],
-            "fp16": [PanelLinear(m.weight, None, torch.float16) for m in blocks]}
+            "fp16": [PanelLinear(m.weight, None, torch.float16) for m in blocks],
+            "lm_head_exact": [named["lm_head"]],
+            "lm_head_int8": [PanelLinear.of_blocks(*rows["lm_head"], None, True)]}
 
 
 def one_pass(layers: list[PanelLinear], inputs: dict[int, torch.Tensor]) -> float:
