@@ -12,7 +12,8 @@ import random
 import statistics
 import time
 
-from engine.config import CacheConfig, EngineConfig
+from engine_setup import add_engine_arguments, engine_config
+
 from engine.core import EngineCore
 from engine.factory import create_engine_core
 from engine.sampling_params import SamplingParams
@@ -51,10 +52,7 @@ def run(core: EngineCore, concurrency: int, input_len: int, output_len: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--int8-activations", action="store_true")
+    add_engine_arguments(parser)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
@@ -64,12 +62,9 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA, no decode graphs")
     args = parser.parse_args()
-    config = EngineConfig(model=args.model, dtype=args.dtype,
-                          int8_activations=args.int8_activations,
-                          cache=CacheConfig(kv_cache_memory=1 << 30, dtype=args.kv_cache_dtype),
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          attention_backend=args.attention_backend,
-                          enforce_eager=args.enforce_eager)
+    config = engine_config(args, max_num_batched_tokens=args.max_num_batched_tokens,
+                           attention_backend=args.attention_backend,
+                           enforce_eager=args.enforce_eager)
     core, _, info = create_engine_core(config)
     graphs = "CUDA graphs" if core.runner.graphs is not None else "eager"
     print(f"# {info.model_name} {info.dtype} on {info.device}, "

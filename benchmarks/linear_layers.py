@@ -1,8 +1,9 @@
 """The default model's linear layers on the CPU, one pass over all of them per row count, with
 their weights held four ways: the GGUF's Q4_1 / Q8_0 blocks (what fp32 loads), the same
 multiplied against int8-rounded activations (`--int8-activations`), fp32 panels and fp16
-panels (what bf16 loads); and the Q8_0 LM head alone, exact and against int8-rounded inputs. They alternate, so a slow spell of the machine touches
-all alike; weights stream from memory as in a decode step.
+panels (what bf16 loads); and the Q8_0 LM head alone, exact and against int8-rounded inputs.
+They alternate, so a slow spell of the machine touches all alike; weights stream from memory as
+in a decode step.
 
     python benchmarks/linear_layers.py --rows 1 4 16 64 512
 """

@@ -16,7 +16,8 @@ import random
 import statistics
 import time
 
-from engine.config import CacheConfig, EngineConfig
+from engine_setup import add_engine_arguments, engine_config
+
 from engine.core import EngineCore
 from engine.factory import create_engine_core
 from engine.sampling_params import SamplingParams
@@ -37,18 +38,12 @@ def prefill_seconds(core: EngineCore, prompts: int, input_len: int, seed: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--int8-activations", action="store_true")
+    add_engine_arguments(parser)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    config = EngineConfig(model=args.model, dtype=args.dtype,
-                          int8_activations=args.int8_activations,
-                          cache=CacheConfig(kv_cache_memory=1 << 30, dtype=args.kv_cache_dtype),
-                          max_num_batched_tokens=max(2048, args.input_len))
+    config = engine_config(args, max_num_batched_tokens=max(2048, args.input_len))
     core, _, _ = create_engine_core(config)
     times = [prefill_seconds(core, args.prompts, args.input_len, seed)
              for seed in range(args.repeats + 1)][1:]

@@ -251,6 +251,24 @@ def test_the_stack_op_takes_each_layers_arguments_back_to_back() -> None:
         cpu_kernels.decode_layers(**(stack | dict(value_caches=[caches[1]])))
 
 
+def test_the_stack_op_checks_every_layer_before_running_any() -> None:
+    """A bad second layer, or a slot outside the cache, is refused with no K/V written."""
+    inputs = op_inputs()
+    stack = {k: v for k, v in inputs.items() if k not in ("key_cache", "value_cache")}
+    caches = [inputs["key_cache"], inputs["value_cache"]]
+    before = [c.clone() for c in caches]
+    small = [c[:-1].clone() for c in caches]
+    two_layers = stack | dict(weights=inputs["weights"] * 2, biases=inputs["biases"] * 2)
+    with pytest.raises(RuntimeError, match="caches of one size"):
+        cpu_kernels.decode_layers(**(two_layers | dict(key_caches=[caches[0], small[0]],
+                                                       value_caches=[caches[1], small[1]])))
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.decode_layers(**(stack | dict(slots=torch.tensor([3, 64]),
+                                                  key_caches=caches[:1],
+                                                  value_caches=caches[1:])))
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
 def test_layer_cache_views_are_made_once() -> None:
     core, _ = tiny_core(packed(tiny_llama()), attention_backend="cpu")
     cache = core.runner.kv_cache

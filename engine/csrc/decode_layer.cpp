@@ -29,6 +29,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #include "ops.h"
 
@@ -78,13 +79,11 @@ void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows
   }
 }
 
-void check_inputs(const at::Tensor& hidden, at::TensorList weights,
-                  const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
-                  const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots) {
+// One layer's weights and cache.
+void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
+                 at::IntArrayRef heads, const at::Tensor& key, const at::Tensor& value) {
   TORCH_CHECK(weights.size() == kWeights && biases.size() == kBiases && heads.size() == 3,
               "decode_layer: 6 weights, 4 biases and [heads, kv_heads, head_dim]");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
-              "decode_layer: hidden must be contiguous fp32 [rows, hidden]");
   const auto dtype = key.scalar_type();
   TORCH_CHECK(key.dim() == 4 && value.sizes() == key.sizes() && value.scalar_type() == dtype &&
                   (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
@@ -94,6 +93,12 @@ void check_inputs(const at::Tensor& hidden, at::TensorList weights,
               "[blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(key.size(2) == heads[1] && key.size(3) == heads[2] && heads[0] % heads[1] == 0,
               "decode_layer: head shapes do not match the cache");
+}
+
+// What every layer of a step shares: the rows and their slots in a cache of `key`'s size.
+void check_step(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& key) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "decode_layer: hidden must be contiguous fp32 [rows, hidden]");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == hidden.size(0) &&
                   slots.scalar_type() == at::kLong && slots.is_contiguous(),
               "decode_layer: one int64 slot per row");
@@ -106,14 +111,14 @@ void check_inputs(const at::Tensor& hidden, at::TensorList weights,
 }  // namespace
 
 namespace conveyor {
+namespace {
 
-at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
-                        const c10::List<std::optional<at::Tensor>>& biases,
-                        at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
-                        at::Tensor& key, at::Tensor& value, const at::Tensor& slots,
-                        const at::Tensor& table, const at::Tensor& lens, double eps,
-                        double scale) {
-  check_inputs(hidden, weights, biases, heads, key, value, slots);
+// One layer, its inputs already checked.
+at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
+                     const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
+                     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key,
+                     at::Tensor& value, const at::Tensor& slots, const at::Tensor& table,
+                     const at::Tensor& lens, double eps, double scale) {
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const int64_t num_heads = heads[0], kv_heads = heads[1], dim = heads[2];
   const int64_t qk_heads = num_heads + kv_heads, kv_size = kv_heads * dim;
@@ -137,6 +142,20 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
   return at::add(residual, out);
 }
 
+}  // namespace
+
+at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
+                        const c10::List<std::optional<at::Tensor>>& biases,
+                        at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor& key, at::Tensor& value, const at::Tensor& slots,
+                        const at::Tensor& table, const at::Tensor& lens, double eps,
+                        double scale) {
+  check_layer(weights, biases, heads, key, value);
+  check_step(hidden, slots, key);
+  return run_layer(hidden, weights, biases, heads, cos, sin, key, value, slots, table, lens, eps,
+                   scale);
+}
+
 // Every layer of a decoder stack in turn, in one op: weights and biases are each layer's
 // `decode_layer` arguments back to back (6 and 4 a layer), keys and values each layer's cache.
 // One call instead of one a layer saves the Python and dispatch around each: a decode step for
@@ -152,13 +171,20 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
                   static_cast<int64_t>(weights.size()) == layers * kWeights &&
                   static_cast<int64_t>(biases.size()) == layers * kBiases,
               "decode_layers: per layer 6 weights, 4 biases, one key and one value cache");
+  std::vector<c10::List<std::optional<at::Tensor>>> layer_biases(layers);
+  for (int64_t i = 0; i < layers; ++i) {
+    for (int64_t b = 0; b < kBiases; ++b) layer_biases[i].push_back(biases.get(i * kBiases + b));
+    check_layer(weights.slice(i * kWeights, kWeights), layer_biases[i], heads, keys[i],
+                values[i]);
+    TORCH_CHECK(keys[i].sizes() == keys[0].sizes(), "decode_layers: caches of one size");
+  }
+  // A layer keeps the hidden size, so the rows and slots are checked once for all.
+  check_step(hidden, slots, keys[0]);
   at::Tensor x = hidden;
   for (int64_t i = 0; i < layers; ++i) {
-    c10::List<std::optional<at::Tensor>> layer_biases;
-    for (int64_t b = 0; b < kBiases; ++b) layer_biases.push_back(biases.get(i * kBiases + b));
     at::Tensor key = keys[i], value = values[i];
-    x = decode_layer(x, weights.slice(i * kWeights, kWeights), layer_biases, heads, cos, sin,
-                     key, value, slots, table, lens, eps, scale);
+    x = run_layer(x, weights.slice(i * kWeights, kWeights), layer_biases[i], heads, cos, sin,
+                  key, value, slots, table, lens, eps, scale);
   }
   return x;
 }

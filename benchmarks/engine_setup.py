@@ -1,0 +1,24 @@
+"""The engine options the benchmarks that drive `EngineCore` directly share, and the engine they
+build: the model, its dtype, the KV cache's dtype (in a 1 GiB cache) and 8-bit activations."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from engine.config import CacheConfig, EngineConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--int8-activations", action="store_true")
+
+
+def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
+    """The engine `args` ask for, with any other `EngineConfig` fields in `options`."""
+    return EngineConfig(model=args.model, dtype=args.dtype,
+                        int8_activations=args.int8_activations,
+                        cache=CacheConfig(kv_cache_memory=1 << 30, dtype=args.kv_cache_dtype),
+                        **options)
