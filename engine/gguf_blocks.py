@@ -113,17 +113,15 @@ def _pack_q8_0_int8_panels(rows: torch.Tensor) -> torch.Tensor:
 
 def dequantize_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """Block panels back to the fp32 weight `[out, in]` they hold."""
-    if panels.dtype == torch.int8 and panels.shape[2] == Q8_0.group_bytes:
-        return _dequantize_q8_0_int8_panels(panels, out_features)
     if panels.dtype == torch.int8:
-        return _dequantize_int8_panels(panels.view(torch.uint8), out_features)
+        return _dequantize_int8_panels(panels, out_features)
     fmt = GROUP_FORMATS[panels.shape[2]]
     count, blocks, _ = panels.shape
     scales = 64 if fmt.has_min else 32
-    d = panels[..., :32].contiguous().view(torch.float16).float().unsqueeze(2)
+    d = _halves(panels, 0).unsqueeze(2)
     packed = panels[..., scales:].reshape(count, blocks, BLOCK, -1)
     if fmt.has_min:
-        m = panels[..., 32:64].contiguous().view(torch.float16).float().unsqueeze(2)
+        m = _halves(panels, 32).unsqueeze(2)
         weight = d * torch.cat([packed & 0x0F, packed >> 4], dim=-1).float() + m
     else:
         weight = d * packed.view(torch.int8).float()
@@ -134,24 +132,28 @@ def dequantize_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def _dequantize_int8_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     count, blocks, _ = panels.shape
-    d = panels[..., :32].contiguous().view(torch.float16).float()
-    m = panels[..., 32:64].contiguous().view(torch.float16).float()
-    packed = panels[..., 64:].reshape(count, blocks, 2, 4, 8, 4)  # [.., h, step, c, i]
-    q = torch.stack([packed & 0x0F, packed >> 4], dim=-1)  # [.., h, step, c, i, part]
-    # -> [panels, h, c, blocks, part, step, i]: columns 8h + c, feature 16 part + 4 step + i.
-    q = q.permute(0, 2, 4, 1, 6, 3, 5).reshape(count, PANEL, blocks, BLOCK).float()
-    weight = d.transpose(1, 2).unsqueeze(-1) * q + m.transpose(1, 2).unsqueeze(-1)
+    d = _halves(panels, 0)
+    m = None
+    if panels.shape[2] == Q8_0.group_bytes:
+        q = panels[..., 32:].reshape(count, blocks, 2, 8, 8, 4)  # [.., h, step, c, i]
+        # -> [panels, h, c, blocks, step, i]: columns 8h + c, feature 4 step + i.
+        q = q.permute(0, 2, 4, 1, 3, 5)
+    else:
+        m = _halves(panels, 32)
+        packed = panels[..., 64:].view(torch.uint8).reshape(count, blocks, 2, 4, 8, 4)
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1)  # [.., h, step, c, i, part]
+        # -> [panels, h, c, blocks, part, step, i]: columns 8h + c, feature 16 part + 4 step + i.
+        q = q.permute(0, 2, 4, 1, 6, 3, 5)
+    weight = d.transpose(1, 2).unsqueeze(-1) * q.reshape(count, PANEL, blocks, BLOCK).float()
+    if m is not None:
+        weight = weight + m.transpose(1, 2).unsqueeze(-1)
     return weight.reshape(count * PANEL, blocks * BLOCK)[:out_features]
 
 
-def _dequantize_q8_0_int8_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    count, blocks, _ = panels.shape
-    d = panels[..., :32].contiguous().view(torch.float16).float()
-    q = panels[..., 32:].reshape(count, blocks, 2, 8, 8, 4)  # [.., h, step, c, i]
-    # -> [panels, h, c, blocks, step, i]: columns 8h + c, feature 4 step + i.
-    q = q.permute(0, 2, 4, 1, 3, 5).reshape(count, PANEL, blocks, BLOCK).float()
-    weight = d.transpose(1, 2).unsqueeze(-1) * q
-    return weight.reshape(count * PANEL, blocks * BLOCK)[:out_features]
+def _halves(panels: torch.Tensor, start: int) -> torch.Tensor:
+    """The 16 fp16 values at byte `start` of each group (a scale or minimum per column), in
+    fp32: `[panels, blocks, 16]`."""
+    return panels[..., start:start + 32].contiguous().view(torch.float16).float()
 
 
 def _columns_last(scales: torch.Tensor) -> torch.Tensor:
