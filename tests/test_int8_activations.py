@@ -73,14 +73,14 @@ def test_product_is_the_weights_times_the_rounded_inputs(fmt: str) -> None:
 
 def test_q8_0_products_at_the_extremes_of_8_bits() -> None:
     """Q8_0 weights of -128 and 127 against inputs rounded to -127 and 127, signs aligned so that
-    every pair of products is as large as 8 bits allow (2 * 128 * 127): still exact."""
-    q = torch.tensor([-128, 127] * 16, dtype=torch.int8).repeat(16, 2)  # [16 columns, 64]
+    the first row's pairs of products reach what 8 bits allow (2 * 128 * 127): still exact."""
+    q = torch.tensor([-128, -128, 127, 127] * 8, dtype=torch.int8).repeat(16, 2)  # [16, 64]
     q[1::2] = -q[1::2].clamp(min=-127)
     scale = torch.tensor([0.5], dtype=torch.float16).view(torch.uint8)
     blocks = torch.cat([scale.expand(16, 2, 2), q.view(torch.uint8).view(16, 2, 32)], dim=2)
     layer = PanelLinear.of_blocks(gguf_blocks.Q8_0, blocks.reshape(16, 68), None,
                                   int8_activations=True)
-    x = torch.tensor([-1.0, 1.0] * 32).repeat(3, 1)
+    x = torch.tensor([-1.0, -1.0, 1.0, 1.0] * 16).repeat(3, 1)
     x[1] = -x[1]
     expected = F.linear(round_to_int8_blocks(x).double(), layer.weight.double())
     assert expected.abs().max() == 0.5 * 64 * 127.5  # the products are as large as they get
