@@ -1,7 +1,9 @@
 """The default model's linear layers on the CPU, one pass over all of them per row count, with
 their weights held four ways: the GGUF's Q4_1 / Q8_0 blocks (what fp32 loads), the same
-multiplied against int8-rounded activations (`--int8-activations`), fp32 panels and fp16
-panels (what bf16 loads); and the Q8_0 LM head alone, exact and against int8-rounded inputs.
+multiplied against int8-rounded activations (`--int8-activations`), fp32 panels, fp16
+panels (what bf16 loads on a CPU without native bf16) and, with AVX-512 BF16, bf16 panels times
+bf16-rounded inputs (what bf16 loads there); and the Q8_0 LM head alone, exact and against
+int8-rounded inputs.
 They alternate, so a slow spell of the machine touches all alike; weights stream from memory as
 in a decode step.
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine import gguf_blocks
+from engine import cpu_kernels, gguf_blocks
 from engine.cpu_linear import PanelLinear
 from engine.model_loader import load_model
 
@@ -31,12 +33,13 @@ def layer_sets() -> dict[str, list[PanelLinear]]:
         raise SystemExit("the default model loaded without its GGUF blocks")
     rows = gguf_blocks.load(Path(loaded.path) / gguf_blocks.BLOCKS_FILE)
     blocks = list(named.values())
-    return {"blocks": blocks,
-            "int8": [PanelLinear.of_blocks(*rows[name], None, True)
-                     for name in named],
+    sets = {"blocks": blocks,
+            "int8": [PanelLinear.of_blocks(*rows[name], None, True) for name in named],
             "fp32": [PanelLinear(m.weight, None) for m in blocks],
-            "fp16": [PanelLinear(m.weight, None, torch.float16) for m in blocks],
-            "lm_head_exact": [named["lm_head"]],
+            "fp16": [PanelLinear(m.weight, None, torch.float16) for m in blocks]}
+    if cpu_kernels.bf16_panels_available():
+        sets["bf16"] = [PanelLinear(m.weight, None, torch.bfloat16) for m in blocks]
+    return {**sets, "lm_head_exact": [named["lm_head"]],
             "lm_head_int8": [PanelLinear.of_blocks(*rows["lm_head"], None, True)]}
 
 

@@ -1,9 +1,10 @@
 """Builds and loads Conveyor's C++ kernels for the CPU: paged decode and prefill attention
 (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`), linear layers over weights packed in panels
-(`csrc/panel_linear.cpp`), RMSNorm, rotary embeddings and the gated MLP's activation in one
-pass each (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`), a whole decoder
-layer for a step of decode rows that runs those kernels back to back (`csrc/decode_layer.cpp`),
-and the greedy choice over a step's logits (`csrc/argmax.cpp`).
+(`csrc/panel_linear.cpp`; bf16 weights in AVX-512 BF16 dot products, `csrc/bf16_panels.cpp`),
+RMSNorm, rotary embeddings and the gated MLP's activation in one pass each
+(`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`), a whole decoder layer for a step
+of decode rows that runs those kernels back to back (`csrc/decode_layer.cpp`), and the greedy
+choice over a step's logits (`csrc/argmax.cpp`).
 
 They are compiled on first use with the machine's own compiler for the machine's own
 instruction set (`-march=native`), so the build folder is keyed by the sources and the CPU's
@@ -26,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_decode.cpp", "paged_prefill.cpp", "panel_linear.cpp",
-                        "int8_panels.cpp", "rms_norm.cpp", "rotary.cpp", "silu_mul.cpp",
-                        "decode_layer.cpp", "argmax.cpp")]
+                        "int8_panels.cpp", "bf16_panels.cpp", "rms_norm.cpp", "rotary.cpp",
+                        "silu_mul.cpp", "decode_layer.cpp", "argmax.cpp")]
 # Included by the sources: part of the build's key, though not compiled on their own.
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("block_panels.h", "fast_exp.h", "load8.h", "ops.h", "panel_passes.h")]
@@ -129,11 +130,25 @@ def panel_linear_available() -> bool:
     return bool(torch.equal(out, torch.full((1, 3), 8.0)))
 
 
+@cache
+def bf16_panels_available() -> bool:
+    """The panel product runs over bf16 panels here: the CPU has AVX-512 BF16 dot products."""
+    if not panel_linear_available():
+        return False
+    panels = torch.ones(1, 4, 32, dtype=torch.bfloat16)
+    try:
+        out = panel_linear(torch.ones(1, 8), panels, None, 3)
+    except RuntimeError:
+        return False
+    return bool(torch.equal(out, torch.full((1, 3), 8.0)))
+
+
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
     """`x W^T + b` for fp32 `x [rows, in]` and W packed as `[ceil(out / 16), in, 16]` panels
-    (fp32 or fp16; `cpu_linear.pack_panels`) or as GGUF block panels (`gguf_blocks.pack_panels`),
-    `b` fp32 zero-padded to whole panels."""
+    (fp32 or fp16), as `[ceil(out / 16), in / 2, 32]` bf16 panels of input pairs (x rounded to
+    bf16; `cpu_linear.pack_panels`) or as GGUF block panels (`gguf_blocks.pack_panels`), `b`
+    fp32 zero-padded to whole panels."""
     return torch.ops.conveyor.panel_linear(x, panels, bias, out_features)
 
 

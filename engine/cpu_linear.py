@@ -173,7 +173,8 @@ class PanelLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The weight as held (fp16-rounded for fp16 panels), in fp32, `[out, in]`."""
+        """The weight as held (rounded to fp16 or bf16 for 16-bit panels), in fp32,
+        `[out, in]`."""
         if self.block_format is not None:
             return gguf_blocks.dequantize_panels(self.panels, self.out_features)
         return unpack_panels(self.panels, self.out_features)
@@ -181,6 +182,11 @@ class PanelLinear(nn.Module):
     @property
     def bias(self) -> torch.Tensor | None:
         return None if self.padded_bias is None else self.padded_bias[:self.out_features]
+
+    @property
+    def bf16_activations(self) -> bool:
+        """The bf16 weights multiply inputs rounded to bf16 (AVX-512 BF16 dot products)."""
+        return self.panels.dtype == torch.bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -202,20 +208,31 @@ class PanelLinear(nn.Module):
                    else str(self.panels.dtype).removeprefix("torch."))
         if self.int8_activations:
             storage += " x int8 activations"
+        if self.bf16_activations:
+            storage += " x bf16 activations"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weight={storage} (16-column panels)")
 
 
 def pack_panels(weight: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
-    """`[out, in]` to `[ceil(out / 16), in, 16]` in `storage`, spare columns zero."""
+    """`[out, in]` to `[ceil(out / 16), in, 16]` in `storage`, spare columns zero; for bf16,
+    `[ceil(out / 16), in / 2, 32]`: each pair of input features with each column's two weights
+    side by side, as AVX-512 BF16 dot products take them (`in` even)."""
     padded = pad_to_panels(weight.to(storage))
+    if storage == torch.bfloat16:
+        pairs = padded.view(-1, PANEL, weight.shape[1] // 2, 2)
+        return pairs.transpose(1, 2).reshape(pairs.shape[0], -1, 2 * PANEL).contiguous()
     return padded.view(-1, PANEL, weight.shape[1]).transpose(1, 2).contiguous()
 
 
 def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """The inverse of `pack_panels`, in fp32."""
-    count, in_features, _ = panels.shape
-    rows = panels.transpose(1, 2).reshape(count * PANEL, in_features)
+    count = panels.shape[0]
+    if panels.dtype == torch.bfloat16:
+        pairs = panels.view(count, -1, PANEL, 2).transpose(1, 2)
+        rows = pairs.reshape(count * PANEL, -1)
+    else:
+        rows = panels.transpose(1, 2).reshape(count * PANEL, panels.shape[1])
     return rows[:out_features].float()
 
 
@@ -286,16 +303,29 @@ def fp32_packing_supported() -> bool:
     return cpu_kernels.panel_linear_available() or onednn_linear_available()
 
 
-def convert_linears(model: nn.Module) -> int:
+def convert_linears(model: nn.Module, dtype: torch.dtype = torch.float16) -> int:
     """Swap every fp32 `nn.Linear` whose weight fits fp16 for a layer that holds it in fp16 and
     computes in fp32; return how many were swapped. Weights shared with other modules (tied
-    embeddings) stay in place there."""
+    embeddings) stay in place there. With `dtype` bf16 on a CPU with AVX-512 BF16, the layers
+    hold bf16 panels and multiply inputs rounded to bf16 instead (`bf16_linears`)."""
+    if dtype == torch.bfloat16 and cpu_kernels.bf16_panels_available():
+        return bf16_linears(model)
     if cpu_kernels.panel_linear_available():
         swapped = _swap(model, lambda w, b: PanelLinear(w, b, torch.float16), fits_fp16)
         logger.info("%d linear layers hold fp16 weights in panels and compute in fp32", swapped)
     else:
         swapped = _swap(model, HalfWeightLinear, fits_fp16)
         logger.info("%d linear layers hold fp16 weights for fbgemm and compute in fp32", swapped)
+    return swapped
+
+
+def bf16_linears(model: nn.Module) -> int:
+    """Swap every fp32 `nn.Linear` with an even number of inputs for a `PanelLinear` over its
+    weight in bf16 panels, multiplied in bf16 dot products against inputs rounded to bf16 and
+    summed in fp32; return how many were swapped."""
+    swapped = _swap(model, lambda w, b: PanelLinear(w, b, torch.bfloat16),
+                    lambda weight: weight.shape[1] % 2 == 0)
+    logger.info("%d linear layers hold bf16 weights in panels and multiply in bf16", swapped)
     return swapped
 
 

@@ -11,7 +11,7 @@ import torch
 
 from engine import gguf_blocks
 from engine.attention import hf as hf_attention
-from engine.cpu_kernels import cpu_flags, panel_linear_available
+from engine.cpu_kernels import bf16_panels_available, cpu_flags, panel_linear_available
 from engine.cpu_linear import (
     convert_linears,
     fp32_packing_supported,
@@ -59,12 +59,16 @@ def cpu_supports_fp16() -> bool:
 
 
 def half_weights_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a 16-bit model on this device should keep 16-bit weights but compute in fp32:
-    a CPU without native arithmetic for `dtype`, where an fp16-weight product runs."""
+    """Whether a 16-bit model on this device should keep 16-bit weights but carry fp32
+    activations between its layers: a CPU without native arithmetic for `dtype`, where an
+    fp16-weight product runs, or a bf16 model on a CPU with AVX-512 BF16, where Conveyor's bf16
+    panels multiply (torch's bf16 linear layers repack their weights at every call)."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return False
     native = cpu_supports_bf16() if dtype == torch.bfloat16 else cpu_supports_fp16()
-    return not native and half_weights_supported()
+    if native:
+        return dtype == torch.bfloat16 and bf16_panels_available()
+    return half_weights_supported()
 
 
 def resolve_dtype(name: str, device: torch.device, model: str | None = None,
@@ -174,12 +178,18 @@ def use_gguf_blocks_beside(model: Any, folder: Path, int8_activations: bool = Fa
 
 
 def use_half_weights(model: Any, dtype: torch.dtype) -> None:
-    """Compute a `dtype` model in fp32 with its linear weights in fp16. The weights were already
-    rounded to `dtype`; fp16 holds every bf16 value between 2**-17 and 65504 exactly."""
-    logger.info("this CPU has no native %s arithmetic: computing in float32 with 16-bit weights",
-                str(dtype).removeprefix("torch."))
+    """Carry a `dtype` model's activations in fp32 with its linear weights in 16 bits: in bf16
+    panels multiplied in bf16 where the CPU has AVX-512 BF16, else in fp16 and computed in
+    fp32. The weights were already rounded to `dtype`; fp16 holds every bf16 value between
+    2**-17 and 65504 exactly."""
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.bfloat16 and bf16_panels_available():
+        logger.info("bf16 linear layers in Conveyor's AVX-512 BF16 panels, float32 between them")
+    else:
+        logger.info("this CPU has no native %s arithmetic: computing in float32 with 16-bit "
+                    "weights", name)
     model.float()
-    convert_linears(model)
+    convert_linears(model, dtype)
 
 
 def wrap_model(model: Any, tokenizer: Any, name: str, path: str = "") -> LoadedModel:

@@ -29,6 +29,8 @@ needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_available(),
                                   reason="this torch build has no fbgemm fp16 GEMM")
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(),
                                   reason="this torch build cannot pack weights for oneDNN")
+needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
+                                reason="this CPU has no AVX-512 BF16 dot products")
 
 
 @pytest.fixture(params=[True, False], ids=["panels", "torch"])
@@ -39,6 +41,39 @@ def panels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> b
     else:
         monkeypatch.setattr(cpu_kernels, "panel_linear_available", lambda: False)
     return request.param
+
+
+@pytest.fixture(params=["bf16", "fp16", "torch"])
+def half_weights(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How a bf16 model's linear layers run between fp32 activations: bf16 panels (CPUs with
+    AVX-512 BF16), fp16 panels, or torch's fbgemm fp16-weight GEMM where the kernels cannot
+    build."""
+    if request.param == "bf16":
+        if not cpu_kernels.bf16_panels_available():
+            pytest.skip("this CPU has no AVX-512 BF16 dot products")
+        return request.param
+    monkeypatch.setattr(cpu_kernels, "bf16_panels_available", lambda: False)
+    monkeypatch.setattr(model_loader, "bf16_panels_available", lambda: False)
+    if request.param == "torch":
+        if not fbgemm_fp16_available():
+            pytest.skip("this torch build has no fbgemm fp16 GEMM")
+        monkeypatch.setattr(cpu_kernels, "panel_linear_available", lambda: False)
+    return request.param
+
+
+def bf16_reference(half_weights: str) -> nn.Module:
+    """The oracle for a bf16 model run `half_weights`' way: transformers in fp32 over the
+    bf16-rounded weights, with each linear layer's input rounded to bf16 for bf16 panels."""
+    model = tiny_llama(dtype=torch.bfloat16).float()
+    if half_weights == "bf16":
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
+    return model
+
+
+HALF_WEIGHT_LAYERS = {"bf16": PanelLinear, "fp16": PanelLinear, "torch": HalfWeightLinear}
+PANEL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @needs_onednn
@@ -144,12 +179,75 @@ def test_panel_kernel_refuses_bad_inputs() -> None:
         cpu_kernels.panel_linear(x, panels, None, 17)
     with pytest.raises(RuntimeError, match="x must be fp32"):
         cpu_kernels.panel_linear(x.double(), panels, None, 3)
-    with pytest.raises(RuntimeError, match="fp32, fp16 or uint8 blocks"):
+    with pytest.raises(RuntimeError, match="fp32, fp16, bf16 pairs or uint8 blocks"):
         cpu_kernels.panel_linear(x, panels.double(), None, 3)
     with pytest.raises(RuntimeError, match="contiguous"):
         cpu_kernels.panel_linear(torch.randn(8, 2).t(), panels, None, 3)
     with pytest.raises(RuntimeError, match="bias must be"):
         cpu_kernels.panel_linear(x, panels, torch.randn(3), 3)
+
+
+def bf16_product(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """What bf16 panels compute: x rounded to bf16 times the bf16 weight, summed exactly (fp64
+    here; the kernel sums in fp32)."""
+    bias = None if bias is None else bias.detach().double()
+    return F.linear(x.bfloat16().double(), weight.detach().bfloat16().double(), bias).float()
+
+
+@needs_bf16
+@pytest.mark.parametrize(("rows", "in_features", "out_features"),
+                         [(1, 8, 1), (1, 24, 64), (1, 40, 100), (1, 64, 200), (2, 14, 5),
+                          (2, 96, 80), (3, 96, 17), (3, 40, 64), (4, 100, 40), (5, 1000, 9),
+                          (8, 24, 32), (9, 24, 3), (13, 64, 33), (16, 38, 64), (64, 96, 48),
+                          (20, 9000, 18)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_panels_multiply_bf16_rounded_inputs(rows: int, in_features: int,
+                                                  out_features: int, with_bias: bool) -> None:
+    """One row over 8 panels at a time, two over 4, three over 2, then passes of up to 8 rows
+    over 2 panels or a last odd one, a last panel with spare columns, rows in chunks (9000
+    inputs: 8 rows a chunk), inputs not a multiple of 16."""
+    torch.manual_seed(rows + in_features)
+    linear = nn.Linear(in_features, out_features, bias=with_bias)
+    layer = PanelLinear(linear.weight, linear.bias, torch.bfloat16)
+    assert layer.panels.shape == (-(-out_features // 16), in_features // 2, 32)
+    assert layer.bf16_activations and "bfloat16 x bf16 activations" in repr(layer)
+    x = torch.randn(rows, in_features)
+    out = layer(x)
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32
+    torch.testing.assert_close(out, bf16_product(x, linear.weight, linear.bias),
+                               rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer.weight, linear.weight.detach().bfloat16().float())
+
+
+@needs_bf16
+def test_bf16_panel_rows_do_not_depend_on_their_batch() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(200, 150)
+    layer = PanelLinear(linear.weight, linear.bias, torch.bfloat16)
+    x = torch.randn(64, 200)
+    batched = layer(x)
+    for rows in (1, 2, 3, 4, 8, 9, 17):
+        assert torch.equal(layer(x[:rows]), batched[:rows]), rows
+    assert torch.equal(layer(x[40:41]), batched[40:41])
+
+
+def test_bf16_panels_pair_the_input_features() -> None:
+    """Each pair of inputs holds each column's two weights side by side; unpacking inverts it."""
+    weight = torch.arange(20 * 6, dtype=torch.float32).view(20, 6)
+    panels = cpu_linear.pack_panels(weight, torch.bfloat16)
+    assert panels.shape == (2, 3, 32)
+    assert panels[0, 1, :4].tolist() == [2.0, 3.0, 8.0, 9.0]  # column 0, then 1, inputs 2-3
+    assert panels[1, 0, 6:8].tolist() == [114.0, 115.0]  # column 19, inputs 0-1
+    assert panels[1, 0, 8:].abs().sum() == 0  # spare columns
+    assert torch.equal(cpu_linear.unpack_panels(panels, 20), weight)
+
+
+def test_bf16_panels_of_the_wrong_width_are_refused() -> None:
+    assert cpu_kernels.panel_linear_available()
+    with pytest.raises(RuntimeError, match=r"bf16 panels must be \[panels, in / 2, 32\]"):
+        cpu_kernels.panel_linear(torch.randn(2, 8), torch.ones(1, 8, 16, dtype=torch.bfloat16),
+                                 None, 3)
 
 
 def test_panel_layers_take_any_leading_shape_and_fuse() -> None:
@@ -195,32 +293,39 @@ def test_tied_embeddings_stay_fp32() -> None:
     assert isinstance(model.get_output_embeddings(), PanelLinear)
 
 
-def test_bf16_model_greedy_equals_generate_with_the_same_weights(panels: bool) -> None:
-    """The oracle: transformers computing in fp32 over the bf16-rounded weights."""
-    if not panels and not fbgemm_fp16_available():
-        pytest.skip("this torch build has no fbgemm fp16 GEMM")
+def test_bf16_model_greedy_equals_generate_with_the_same_weights(half_weights: str) -> None:
+    """The oracle: transformers computing in fp32 over the bf16-rounded weights (and, for bf16
+    panels, over bf16-rounded inputs to each linear layer)."""
     prompts = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    reference = tiny_llama(dtype=torch.bfloat16).float()
+    reference = bf16_reference(half_weights)
     expected = [reference_greedy(reference, p, 10) for p in prompts]
     model = tiny_llama(dtype=torch.bfloat16)
     use_half_weights(model, torch.bfloat16)
+    layer = model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, HALF_WEIGHT_LAYERS[half_weights])
+    if half_weights != "torch":
+        assert layer.panels.dtype == PANEL_DTYPES[half_weights]
     core, _ = tiny_core(model)
     outputs = run_all(core, prompts, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
 
 
-@pytest.mark.parametrize(("dtype", "device", "native", "expected"), [
-    (torch.bfloat16, "cpu", False, True),
-    (torch.float16, "cpu", False, True),
-    (torch.bfloat16, "cpu", True, False),
-    (torch.float32, "cpu", False, False),
-    (torch.bfloat16, "cuda", False, False),
+@pytest.mark.parametrize(("dtype", "device", "native", "bf16_panels", "expected"), [
+    (torch.bfloat16, "cpu", False, False, True),
+    (torch.float16, "cpu", False, False, True),
+    (torch.bfloat16, "cpu", True, False, False),  # torch's bf16 products
+    (torch.bfloat16, "cpu", True, True, True),  # bf16 panels
+    (torch.float16, "cpu", True, True, False),  # native fp16: torch's products
+    (torch.float32, "cpu", False, False, False),
+    (torch.bfloat16, "cuda", False, False, False),
 ])
 def test_when_half_weights_apply(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-                                 device: str, native: bool, expected: bool) -> None:
+                                 device: str, native: bool, bf16_panels: bool,
+                                 expected: bool) -> None:
     monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: native)
     monkeypatch.setattr(model_loader, "cpu_supports_fp16", lambda: native)
+    monkeypatch.setattr(model_loader, "bf16_panels_available", lambda: bf16_panels)
     assert half_weights_in_fp32(dtype, torch.device(device)) is expected
 
 
@@ -241,18 +346,18 @@ def test_auto_dtype_on_the_cpu(monkeypatch: pytest.MonkeyPatch, stored: torch.dt
     assert model_loader.resolve_dtype("float32", torch.device("cpu"), "x") == torch.float32
 
 
-def test_a_bf16_checkpoint_served_with_auto_keeps_16_bits(tmp_path, panels: bool,
+def test_a_bf16_checkpoint_served_with_auto_keeps_16_bits(tmp_path, half_weights: str,
                                                            monkeypatch: pytest.MonkeyPatch,
                                                            ) -> None:
-    """`--dtype auto` on a CPU without native bf16: the bf16 checkpoint keeps 16-bit weights
-    and K/V, computes in fp32, and greedy equals transformers in fp32 over the same weights."""
+    """`--dtype auto` on a CPU without native bf16 (fp16 panels, fbgemm) or with AVX-512 BF16
+    (bf16 panels): the bf16 checkpoint keeps 16-bit weights and K/V, carries fp32 activations,
+    and greedy equals transformers in fp32 over the same weights (and bf16-rounded inputs to
+    each linear layer for bf16 panels)."""
     from engine.config import CacheConfig, EngineConfig
     from engine.factory import create_engine_core
     from tests.helpers import tiny_tokenizer
 
-    if not panels and not fbgemm_fp16_available():
-        pytest.skip("this torch build has no fbgemm fp16 GEMM")
-    monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: half_weights == "bf16")
     tiny_llama(dtype=torch.bfloat16).save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     assert model_loader.checkpoint_dtype(str(tmp_path)) == torch.bfloat16
@@ -261,9 +366,11 @@ def test_a_bf16_checkpoint_served_with_auto_keeps_16_bits(tmp_path, panels: bool
     core, loaded, info = create_engine_core(config)
     assert (info.dtype, info.kv_cache_dtype) == ("bfloat16", "bfloat16")
     layer = loaded.model.model.layers[0].mlp.down_proj
-    assert isinstance(layer, PanelLinear if panels else HalfWeightLinear)
+    assert isinstance(layer, HALF_WEIGHT_LAYERS[half_weights])
+    if half_weights != "torch":
+        assert layer.panels.dtype == PANEL_DTYPES[half_weights]
     prompts = [[5, 9, 33, 2], list(range(40, 120))]
-    reference = tiny_llama(dtype=torch.bfloat16).float()
+    reference = bf16_reference(half_weights)
     expected = [reference_greedy(reference, p, 8) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = run_all(core, prompts, params)

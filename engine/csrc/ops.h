@@ -18,7 +18,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
 // 8-bit blocks), its inputs already checked: out [M, out_features] from x [M, K] and a padded bias.
 void int8_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
                         const float* bias, float* out, int64_t out_features);
-// The input features of panels as `panel_linear` takes them (fp32, fp16 or GGUF blocks).
+// panel_linear's product over bf16 panels (AVX-512 BF16 dot products over x rounded to bf16),
+// its inputs already checked.
+void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
+                        const float* bias, float* out, int64_t out_features);
+// The input features of panels as `panel_linear` takes them (fp32, fp16, bf16 pairs or GGUF blocks).
 int64_t panel_in_features(const at::Tensor& panels);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);

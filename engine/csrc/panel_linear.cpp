@@ -8,6 +8,8 @@
 //                                  one group per panel and 32 input features (`block_panels.h`)
 //      or the same in int8: Q4_1 blocks times activations rounded to 8-bit blocks, an
 //                                  approximate product (`int8_panels.cpp`)
+//      or [ceil(out / 16), in / 2, 32] bf16: pairs of input features, times x rounded to bf16
+//                                  in AVX-512 BF16 dot products (`bf16_panels.cpp`)
 // bias    [panels * 16]          fp32, optional, zero-padded like the panels
 //
 // The inner loop multiplies up to 6 rows of x by one panel: each step broadcasts one input
@@ -300,6 +302,10 @@ void check_layout(const at::Tensor& panels) {
     case at::kHalf:
       TORCH_CHECK(panels.size(2) == kPanel, "panel_linear: panels must be [panels, in, 16]");
       break;
+    case at::kBFloat16:
+      TORCH_CHECK(panels.size(2) == 2 * kPanel,
+                  "panel_linear: bf16 panels must be [panels, in / 2, 32]");
+      break;
     case at::kByte:
       TORCH_CHECK(panels.size(2) == conveyor::Q41::kGroupBytes ||
                       panels.size(2) == conveyor::Q80::kGroupBytes,
@@ -315,8 +321,8 @@ void check_layout(const at::Tensor& panels) {
                   " (Q8_0)]");
       break;
     default:
-      TORCH_CHECK(false, "panel_linear: panels must be fp32, fp16 or uint8 blocks (int8 for "
-                  "8-bit activations)");
+      TORCH_CHECK(false, "panel_linear: panels must be fp32, fp16, bf16 pairs or uint8 blocks "
+                  "(int8 for 8-bit activations)");
   }
 }
 
@@ -325,8 +331,12 @@ void check_layout(const at::Tensor& panels) {
 namespace conveyor {
 
 int64_t panel_in_features(const at::Tensor& panels) {
-  const bool blocks = panels.scalar_type() == at::kByte || panels.scalar_type() == at::kChar;
-  return blocks ? panels.size(1) * kBlock : panels.size(1);
+  switch (panels.scalar_type()) {
+    case at::kByte:
+    case at::kChar: return panels.size(1) * kBlock;
+    case at::kBFloat16: return panels.size(1) * 2;
+    default: return panels.size(1);
+  }
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
@@ -357,7 +367,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                    has_bias ? bias->data_ptr<float>() : nullptr,
                    out.data_ptr<float>(), M, K, out_features};
   const bool blocks = panels.scalar_type() == at::kByte;
-  if (panels.scalar_type() == at::kChar)
+  if (panels.scalar_type() == at::kBFloat16)
+    bf16_panel_product(pb.x, M, K, panels, pb.bias, pb.out, out_features);
+  else if (panels.scalar_type() == at::kChar)
     int8_panel_product(pb.x, M, K, panels, pb.bias, pb.out, out_features);
   else if (blocks && panels.size(2) == conveyor::Q41::kGroupBytes)
     run_blocks<conveyor::Q41>(pb, panels);
