@@ -41,6 +41,10 @@ using conveyor::near_equal_passes;
 // Rows of x handled per pass over the weight: about this many bytes of bf16 rows, kept in L2.
 constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int kMaxRows = 8;
+// Up to this many rows, the next two panels are fetched while the first pass runs over the
+// current two (a few passes leave too little time to hide their first reads from memory; more
+// rows gain nothing and lose a little, the fetched panels pushing rows out of L2).
+constexpr int64_t kFetchRows = 32;
 // bf16 values a panel holds per pair of input features.
 constexpr int64_t kPairWidth = 2 * kPanel;
 
@@ -78,10 +82,11 @@ CONVEYOR_INLINE void store_panel(__m512 sum, const Problem& pb, int64_t row, int
     _mm512_mask_storeu_ps(out, __mmask16((1u << (pb.N - n0)) - 1), sum);
 }
 
-// Rows [row, row + MR) times panels [p, p + NP), written to out plus bias.
-template <int MR, int NP>
+// Rows [row, row + MR) times panels [p, p + NP), written to out plus bias. With `Fetch`, the
+// NP panels at `ahead` are fetched into the caches along the way.
+template <int MR, int NP, bool Fetch = false>
 __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const uint16_t* panels,
-                                     int64_t p) {
+                                     int64_t p, const uint16_t* ahead = nullptr) {
   const int64_t pairs = pb.K / 2, panel_size = pairs * kPairWidth;
   const uint16_t* x = pb.x + row * pb.K;
   const uint16_t* w = panels + p * panel_size;
@@ -91,6 +96,10 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const uint1
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < pairs; ++k) {
+    if constexpr (Fetch)
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j)
+        __builtin_prefetch(ahead + j * panel_size + k * kPairWidth, 0, 2);
     __m512bh wv[NP];
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j)
@@ -111,20 +120,32 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const uint1
     for (int j = 0; j < NP; ++j) store_panel(acc[m][j], pb, row + m, (p + j) * kPanel);
 }
 
-// Rows [m0, m0 + rows) times NP panels from p, in passes of at most kMaxRows rows.
+// One pass of mr (1 to kMaxRows) rows from m over NP panels from p.
+template <int NP, bool Fetch>
+void rows_pass(const Problem& pb, int64_t m, int64_t mr, const uint16_t* panels, int64_t p,
+               const uint16_t* ahead) {
+  switch (mr) {
+    case 8: micro<8, NP, Fetch>(pb, m, panels, p, ahead); break;
+    case 7: micro<7, NP, Fetch>(pb, m, panels, p, ahead); break;
+    case 6: micro<6, NP, Fetch>(pb, m, panels, p, ahead); break;
+    case 5: micro<5, NP, Fetch>(pb, m, panels, p, ahead); break;
+    case 4: micro<4, NP, Fetch>(pb, m, panels, p, ahead); break;
+    case 3: micro<3, NP, Fetch>(pb, m, panels, p, ahead); break;
+    case 2: micro<2, NP, Fetch>(pb, m, panels, p, ahead); break;
+    default: micro<1, NP, Fetch>(pb, m, panels, p, ahead); break;
+  }
+}
+
+// Rows [m0, m0 + rows) times NP panels from p, in passes of at most kMaxRows rows; the first
+// pass fetches the NP panels at `ahead` (if any) into the caches for the next call.
 template <int NP>
 void rows_by_panels(const Problem& pb, int64_t m0, int64_t rows, const uint16_t* panels,
-                    int64_t p) {
+                    int64_t p, const uint16_t* ahead) {
   near_equal_passes(m0, rows, kMaxRows, [&](int64_t m, int64_t mr) {
-    switch (mr) {
-      case 8: micro<8, NP>(pb, m, panels, p); break;
-      case 7: micro<7, NP>(pb, m, panels, p); break;
-      case 6: micro<6, NP>(pb, m, panels, p); break;
-      case 5: micro<5, NP>(pb, m, panels, p); break;
-      case 4: micro<4, NP>(pb, m, panels, p); break;
-      case 3: micro<3, NP>(pb, m, panels, p); break;
-      case 2: micro<2, NP>(pb, m, panels, p); break;
-      default: micro<1, NP>(pb, m, panels, p); break;
+    if (m == m0 && ahead != nullptr) {
+      rows_pass<NP, true>(pb, m, mr, panels, p, ahead);
+    } else {
+      rows_pass<NP, false>(pb, m, mr, panels, p, nullptr);
     }
   });
 }
@@ -142,9 +163,14 @@ void rows_in_chunks(const Problem& pb, const uint16_t* panels, int64_t p0, int64
   const int64_t chunk = chunk_rows(pb.K * 2, kChunkBytes, kMaxRows);
   for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
     const int64_t rows = std::min(chunk, pb.M - m0);
+    const int64_t panel_size = pb.K / 2 * kPairWidth;
     int64_t p = p0;
-    for (; p + 2 <= p1; p += 2) rows_by_panels<2>(pb, m0, rows, panels, p);
-    if (p < p1) rows_by_panels<1>(pb, m0, rows, panels, p);
+    for (; p + 2 <= p1; p += 2) {
+      const uint16_t* ahead =
+          rows <= kFetchRows && p + 4 <= p1 ? panels + (p + 2) * panel_size : nullptr;
+      rows_by_panels<2>(pb, m0, rows, panels, p, ahead);
+    }
+    if (p < p1) rows_by_panels<1>(pb, m0, rows, panels, p, nullptr);
   }
 }
 
