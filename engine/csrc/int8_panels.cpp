@@ -16,7 +16,8 @@
 // instruction, and stay exact in 16 bits over a whole block (each 16-bit lane sums 16 products,
 // at most 16 * 15 * 127); each block then adds its two terms to fp32 accumulators in input
 // order. A Q8_0 block (d_w * q_w, q_w signed) adds d_w * d_x * sum(q_w * q_x), its integer sum
-// widened to 32 bits as it goes (`micro_q80`).
+// widened to 32 bits as it goes (`micro_q80`). With AVX-512 VNNI, one `vpdpbusd` replaces each
+// multiply-add and its widening (`add_products`), with the same exact integer sums.
 //
 // This is not the exact product of the dequantized weights: the activations are rounded to
 // about 2 decimal digits per block, which is why a model uses these panels only when asked to.
@@ -108,6 +109,32 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K) {
   return rows;
 }
 
+// With AVX-512 VNNI, one `vpdpbusd` adds four unsigned-by-signed byte products straight into
+// 32-bit sums; AVX2 alone multiplies pairs into 16-bit sums (`vpmaddubsw`) and adds those. Both
+// are exact, so the two give the same results to the bit.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+CONVEYOR_INLINE __m256i add_products(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(acc, u, s);
+}
+// A block's sums as 32-bit lanes: already so.
+CONVEYOR_INLINE __m256i block_sums(__m256i acc) { return acc; }
+// The 32-bit sums of four products each, for Q8_0's pairs that may reach 2 * 128 * 127.
+CONVEYOR_INLINE __m256i add_wide_products(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(acc, u, s);
+}
+#else
+CONVEYOR_INLINE __m256i add_products(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+}
+CONVEYOR_INLINE __m256i block_sums(__m256i acc) {
+  return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+}
+CONVEYOR_INLINE __m256i add_wide_products(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                 _mm256_set1_epi16(1)));
+}
+#endif
+
 // acc[m][h] += the 8-bit products of 4 rounded features of MR rows (at q, row stride ldq) with
 // the same 4 features of columns 8h..8h+7 in w[h].
 template <int MR>
@@ -118,8 +145,8 @@ CONVEYOR_INLINE void dot_step(__m256i (&acc)[MR][2], const int8_t* q, int64_t ld
     int32_t four;
     std::memcpy(&four, q + m * ldq, 4);
     const __m256i xb = _mm256_set1_epi32(four);
-    acc[m][0] = _mm256_add_epi16(acc[m][0], _mm256_maddubs_epi16(w[0], xb));
-    acc[m][1] = _mm256_add_epi16(acc[m][1], _mm256_maddubs_epi16(w[1], xb));
+    acc[m][0] = add_products(acc[m][0], w[0], xb);
+    acc[m][1] = add_products(acc[m][1], w[1], xb);
     // Keeps each sum a chain in input order: reassociated, the products all wait in registers.
     asm("" : "+x"(acc[m][0]), "+x"(acc[m][1]));
   }
@@ -157,7 +184,6 @@ __attribute__((noinline)) void micro_q41(const RoundedRows& x, int64_t row, cons
   const float* xs = x.s.data() + row * blocks;
   alignas(32) float total[MR][kPanel] = {};
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* group = reinterpret_cast<const uint8_t*>(panel) + b * Q41Int8::kGroupBytes;
     const uint8_t* packed = group + Q41Int8::kScaleBytes;
@@ -183,7 +209,7 @@ __attribute__((noinline)) void micro_q41(const RoundedRows& x, int64_t row, cons
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 32 + 16 * h)));
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
-        const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m][h], ones)),
+        const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(block_sums(acc[m][h])),
                                           _mm256_broadcast_ss(xd + m * blocks + b));
         __m256 sum = _mm256_load_ps(total[m] + 8 * h);
         sum = _mm256_fmadd_ps(dots, dw, sum);
@@ -207,7 +233,6 @@ __attribute__((noinline)) void micro_q80(const RoundedRows& x, int64_t row, cons
   const int8_t* q = x.q.data() + row * K;
   const float* xd = x.d.data() + row * blocks;
   alignas(32) float total[MR][kPanel] = {};
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* group = reinterpret_cast<const uint8_t*>(panel) + b * Q80Int8::kGroupBytes;
     const uint8_t* packed = group + Q80Int8::kScaleBytes;
@@ -227,8 +252,7 @@ __attribute__((noinline)) void micro_q80(const RoundedRows& x, int64_t row, cons
         const __m256i xb = _mm256_set1_epi32(four);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
-          const __m256i pairs = _mm256_maddubs_epi16(size[h], _mm256_sign_epi8(xb, w[h]));
-          acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(pairs, ones));
+          acc[m][h] = add_wide_products(acc[m][h], size[h], _mm256_sign_epi8(xb, w[h]));
         }
       }
     }
