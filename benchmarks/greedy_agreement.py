@@ -1,0 +1,77 @@
+"""How long Conveyor's greedy tokens follow transformers' on the default model: a few prompts,
+greedy with EOS ignored, through the engine in `--dtype` and through transformers in fp32 and in
+bf16; prints, per prompt, how many leading tokens agree with each (and bf16 with fp32).
+
+    python benchmarks/greedy_agreement.py --dtype auto --tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.default_model import ensure_default_model
+from engine.factory import create_engine_core
+from engine.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "Once upon a time, in a small village,", "The three primary colors are"]
+
+
+def transformers_greedy(path: str, dtype: torch.dtype, prompts: list[list[int]],
+                        tokens: int) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=None,
+                             pad_token_id=0)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def conveyor_greedy(dtype: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    core, _, _ = create_engine_core(EngineConfig(dtype=dtype))
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(str(i), prompt, params)
+    produced: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for output in core.step():
+            produced.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return [produced[str(i)] for i in range(len(prompts))]
+
+
+def agreeing(a: list[int], b: list[int]) -> int:
+    """How many leading tokens the two share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    path = str(ensure_default_model())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [tokenizer(text).input_ids for text in PROMPTS]
+    fp32 = transformers_greedy(path, torch.float32, prompts, args.tokens)
+    bf16 = transformers_greedy(path, torch.bfloat16, prompts, args.tokens)
+    ours = conveyor_greedy(args.dtype, prompts, args.tokens)
+    for text, mine, ref32, ref16 in zip(PROMPTS, ours, fp32, bf16, strict=True):
+        print(json.dumps({"prompt": text, "conveyor_vs_fp32": agreeing(mine, ref32),
+                          "conveyor_vs_bf16": agreeing(mine, ref16),
+                          "bf16_vs_fp32": agreeing(ref16, ref32)}))
+
+
+if __name__ == "__main__":
+    main()
