@@ -120,22 +120,19 @@ def _heads_contiguous(query: torch.Tensor) -> torch.Tensor:
 @cache
 def panel_linear_available() -> bool:
     """The kernels load and this CPU runs the panel product (AVX2, F16C and FMA)."""
-    if not load():
-        return False
-    panels = torch.ones(1, 8, 16, dtype=torch.float16)
-    try:
-        out = panel_linear(torch.ones(1, 8), panels, None, 3)
-    except RuntimeError:
-        return False
-    return bool(torch.equal(out, torch.full((1, 3), 8.0)))
+    return load() and _multiplies(torch.ones(1, 8, 16, dtype=torch.float16))
 
 
 @cache
 def bf16_panels_available() -> bool:
     """The panel product runs over bf16 panels here: the CPU has AVX-512 BF16 dot products."""
-    if not panel_linear_available():
-        return False
-    panels = torch.ones(1, 4, 32, dtype=torch.bfloat16)
+    return (panel_linear_available()
+            and _multiplies(torch.ones(1, 4, 32, dtype=torch.bfloat16)))
+
+
+def _multiplies(panels: torch.Tensor) -> bool:
+    """The panel product over these all-ones panels of 8 inputs and 3 outputs runs here and
+    gives 8 for each output."""
     try:
         out = panel_linear(torch.ones(1, 8), panels, None, 3)
     except RuntimeError:
