@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
 
+from engine import huge_pages
 from engine.attention import AttentionBackend, InPlaceDecodeAttention, get_backend
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineConfig, ServingInfo
@@ -50,6 +52,8 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     sampler = Sampler(vocab_size, device, seed=config.seed)
     model = build_causal_lm(loaded.model, config.model_impl)
     logger.info("model implementation: %s", model.name)
+    if device.type == "cpu":
+        _weights_into_huge_pages(model)
     backend = get_backend(config.attention_backend, device)
     logger.info("attention backend: %s", backend.name)
     graphs = _decode_graphs(config, model, backend, kv_cache, max_model_len)
@@ -95,6 +99,15 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, compute_dtype: torch.dty
     compute = str(compute_dtype).removeprefix("torch.")
     raise ValueError(f"a {str(dtype).removeprefix('torch.')} KV cache under {compute} compute "
                      f"on {device.type} is not supported; use --kv-cache-dtype auto or {compute}")
+
+
+def _weights_into_huge_pages(model: CausalLM) -> None:
+    """The weights a step reads, moved into huge pages (where the kernel allows)."""
+    if not isinstance(model, nn.Module):
+        return
+    moved = huge_pages.move_into_huge_pages([*model.parameters(), *model.buffers()])
+    if moved:
+        logger.info("weights in huge pages: %.0f MiB", moved / 2**20)
 
 
 def _decode_graphs(config: EngineConfig, model: CausalLM, backend: AttentionBackend,

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import huge_pages
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
@@ -46,7 +48,8 @@ class KVCache:
     """One tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` with per-layer views.
 
     Slot `s` of the flattened cache is token `s % block_size` of block `s // block_size`. The
-    memory is zeroed once so slots never read as NaN before they are written.
+    memory is zeroed once so slots never read as NaN before they are written; on the CPU it
+    lies in huge pages where the kernel allows (`huge_pages`).
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
@@ -55,11 +58,12 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.device = device
-        self.tensor = torch.zeros(
-            (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=spec.dtype,
-            device=device,
-        )
+        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
+                 spec.head_dim)
+        if device.type == "cpu":
+            self.tensor = huge_pages.zeros(shape, spec.dtype)
+        else:
+            self.tensor = torch.zeros(shape, dtype=spec.dtype, device=device)
         # Per-layer views, made once: every layer asks for its own on every step.
         self._keys = [self.tensor[layer, 0] for layer in range(spec.num_layers)]
         self._values = [self.tensor[layer, 1] for layer in range(spec.num_layers)]
