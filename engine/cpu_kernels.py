@@ -1,6 +1,7 @@
 """Builds and loads Conveyor's C++ kernels for the CPU: paged decode and prefill attention
 (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`), linear layers over weights packed in panels
-(`csrc/panel_linear.cpp`; bf16 weights in AVX-512 BF16 dot products, `csrc/bf16_panels.cpp`),
+(`csrc/panel_linear.cpp`; bf16 weights in AVX-512 BF16 dot products, `csrc/bf16_panels.cpp`,
+which also runs a gated MLP's gate/up projection and activation as one op),
 RMSNorm, rotary embeddings and the gated MLP's activation in one pass each
 (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`), a whole decoder layer for a step
 of decode rows that runs those kernels back to back (`csrc/decode_layer.cpp`), and the greedy
@@ -147,6 +148,14 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     bf16; `cpu_linear.pack_panels`) or as GGUF block panels (`gguf_blocks.pack_panels`), `b`
     fp32 zero-padded to whole panels."""
     return torch.ops.conveyor.panel_linear(x, panels, bias, out_features)
+
+
+def gated_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                 inter: int) -> torch.Tensor:
+    """`silu(x Wg^T + bg) * (x Wu^T + bu)` for fp32 `x [rows, in]`, the gate and up weights
+    in bf16 panels side by side, `[ceil(inter / 16), 2, in / 2, 32]`, and their biases likewise
+    (`cpu_linear.GatedPanelLinear`): `[rows, inter]`."""
+    return torch.ops.conveyor.gated_linear(x, panels, bias, inter)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

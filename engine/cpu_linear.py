@@ -214,6 +214,49 @@ class PanelLinear(nn.Module):
                 f"weight={storage} (16-column panels)")
 
 
+class GatedPanelLinear(nn.Module):
+    """A gated MLP's gate and up projections and its activation, `silu(x Wg^T + bg) * (x Wu^T
+    + bu)`, in one op over bf16 panels: each gate panel followed by the up panel of the same 16
+    columns (`[ceil(inter / 16), 2, in / 2, 32]`), so one pass of the kernel holds both sums
+    and writes only the activation (`cpu_kernels.gated_linear`). Equal to the bit to the joined
+    gate/up `PanelLinear` followed by `cpu_kernels.silu_mul`."""
+
+    def __init__(self, gate: PanelLinear, up: PanelLinear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = gate.in_features, gate.out_features
+        self.register_buffer("panels", torch.stack([gate.panels, up.panels], dim=1))
+        bias = None
+        if gate.padded_bias is not None and up.padded_bias is not None:
+            bias = torch.stack([gate.padded_bias.view(-1, PANEL),
+                                up.padded_bias.view(-1, PANEL)], dim=1).flatten()
+        self.register_buffer("padded_bias", bias)
+
+    @classmethod
+    def of(cls, gate: nn.Module, up: nn.Module) -> GatedPanelLinear | None:
+        """The gated layer over these projections, where both are bf16 `PanelLinear`s of one
+        shape, both with or both without bias, and the kernels run here; else None."""
+        if not (isinstance(gate, PanelLinear) and isinstance(up, PanelLinear)
+                and gate.bf16_activations and up.bf16_activations
+                and gate.panels.shape == up.panels.shape
+                and gate.out_features == up.out_features
+                and (gate.padded_bias is None) == (up.padded_bias is None)
+                and cpu_kernels.bf16_panels_available()):
+            return None
+        return cls(gate, up)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32:
+            flat = flat.float()
+        out = cpu_kernels.gated_linear(flat.contiguous(), self.panels, self.padded_bias,
+                                       self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight=bf16 x bf16 activations (gate/up panel pairs, silu(gate) * up)")
+
+
 def pack_panels(weight: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
     """`[out, in]` to `[ceil(out / 16), in, 16]` in `storage`, spare columns zero; for bf16,
     `[ceil(out / 16), in / 2, 32]`: each pair of input features with each column's two weights

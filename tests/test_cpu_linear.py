@@ -13,6 +13,7 @@ from engine import cpu_kernels, cpu_linear, model_loader
 from engine.cpu_linear import (
     SMALL_BATCH_ROWS,
     SMALL_BATCH_ROWS_PLAIN,
+    GatedPanelLinear,
     HalfWeightLinear,
     PackedLinear,
     PanelLinear,
@@ -248,6 +249,79 @@ def test_bf16_panels_of_the_wrong_width_are_refused() -> None:
     with pytest.raises(RuntimeError, match=r"bf16 panels must be \[panels, in / 2, 32\]"):
         cpu_kernels.panel_linear(torch.randn(2, 8), torch.ones(1, 8, 16, dtype=torch.bfloat16),
                                  None, 3)
+
+
+def gate_and_up(in_features: int, inter: int, with_bias: bool,
+                ) -> tuple[PanelLinear, PanelLinear, GatedPanelLinear]:
+    torch.manual_seed(in_features + inter)
+    gate, up = nn.Linear(in_features, inter, bias=with_bias), nn.Linear(in_features, inter,
+                                                                         bias=with_bias)
+    layers = [PanelLinear(m.weight, m.bias, torch.bfloat16) for m in (gate, up)]
+    gated = GatedPanelLinear.of(*layers)
+    assert gated is not None
+    return layers[0], layers[1], gated
+
+
+@needs_bf16
+@pytest.mark.parametrize(("rows", "in_features", "inter"),
+                         [(1, 8, 1), (1, 64, 200), (1, 40, 72), (2, 96, 80), (2, 14, 5),
+                          (3, 40, 64), (3, 96, 17), (5, 100, 40), (9, 24, 3), (16, 38, 64),
+                          (64, 96, 48), (20, 9000, 18)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_panels_equal_the_projection_then_the_activation(rows: int, in_features: int,
+                                                               inter: int,
+                                                               with_bias: bool) -> None:
+    """silu(gate) * up from gate/up panel pairs equals, to the bit, both projections through
+    the bf16 panels followed by `silu_mul`: one row over 4 pairs at a time, two over 2, three
+    over 1, then passes of up to 8 rows, spare columns, rows in chunks."""
+    gate, up, gated = gate_and_up(in_features, inter, with_bias)
+    panels = -(-inter // 16)
+    assert gated.panels.shape == (panels, 2, in_features // 2, 32)
+    assert torch.equal(gated.panels[:, 0], gate.panels)
+    assert torch.equal(gated.panels[:, 1], up.panels)
+    assert "silu(gate) * up" in repr(gated)
+    x = torch.randn(rows, in_features)
+    out = gated(x)
+    assert out.shape == (rows, inter) and out.dtype == torch.float32
+    expected = cpu_kernels.silu_mul(torch.cat([gate(x), up(x)], dim=1))
+    assert torch.equal(out, expected)
+    assert torch.equal(gated(x.view(1, rows, in_features)), expected.view(1, rows, inter))
+
+
+@needs_bf16
+def test_gated_rows_do_not_depend_on_their_batch() -> None:
+    _, _, gated = gate_and_up(200, 150, True)
+    x = torch.randn(64, 200)
+    batched = gated(x)
+    for rows in (1, 2, 3, 4, 8, 9, 17):
+        assert torch.equal(gated(x[:rows]), batched[:rows]), rows
+    assert torch.equal(gated(x[40:41]), batched[40:41])
+
+
+@needs_bf16
+def test_gated_panels_need_two_bf16_projections_alike() -> None:
+    gate, up, _ = gate_and_up(32, 48, True)
+    assert GatedPanelLinear.of(gate, PanelLinear(torch.randn(48, 32), None, torch.bfloat16)) is None
+    assert GatedPanelLinear.of(gate, PanelLinear(torch.randn(64, 32), torch.randn(64),
+                                                 torch.bfloat16)) is None
+    assert GatedPanelLinear.of(PanelLinear(torch.randn(48, 32), torch.randn(48)), up) is None
+    assert GatedPanelLinear.of(gate, nn.Linear(32, 48)) is None
+
+
+@needs_bf16
+def test_the_gated_op_refuses_bad_inputs() -> None:
+    _, _, gated = gate_and_up(32, 48, True)
+    x = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match=r"panels must be contiguous bf16"):
+        cpu_kernels.gated_linear(x, gated.panels[:, 0], None, 48)
+    with pytest.raises(RuntimeError, match="input sizes differ"):
+        cpu_kernels.gated_linear(torch.randn(2, 30), gated.panels, None, 48)
+    with pytest.raises(RuntimeError, match="inter does not match"):
+        cpu_kernels.gated_linear(x, gated.panels, None, 49)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        cpu_kernels.gated_linear(x, gated.panels, torch.randn(48), 48)
+    with pytest.raises(RuntimeError, match="x must be contiguous fp32"):
+        cpu_kernels.gated_linear(x.double(), gated.panels, None, 48)
 
 
 def test_panel_layers_take_any_leading_shape_and_fuse() -> None:

@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM
 
 from engine import cpu_kernels
 from engine.attention.cpu_paged import CpuPagedAttention
-from engine.cpu_linear import convert_linears, pack_linears
+from engine.cpu_linear import GatedPanelLinear, convert_linears, pack_linears
 from engine.factory import cache_dtype_named
 from engine.input_batch import build_input_batch
 from engine.models.llama import FusedStack, PagedLlamaForCausalLM, PagedLlamaLayer
@@ -25,12 +25,17 @@ PROMPTS = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13, list(range(200, 223))]
 
 
 def packed(model: LlamaForCausalLM, weights: str = "fp32") -> LlamaForCausalLM:
-    """The model as Conveyor serves it on this CPU: fp32 or fp16 panels."""
+    """The model as Conveyor serves it on this CPU: fp32, fp16 or bf16 panels."""
     if weights == "fp32":
         pack_linears(model)
     else:
-        convert_linears(model)
+        convert_linears(model, torch.bfloat16 if weights == "bf16" else torch.float16)
     return model
+
+
+# bf16 panels, whose gate/up pairs run the MLP's activation in the same op.
+BF16 = pytest.param("bf16", marks=pytest.mark.skipif(
+    not cpu_kernels.bf16_panels_available(), reason="bf16 panels need AVX-512 BF16"))
 
 
 @pytest.fixture
@@ -77,7 +82,7 @@ def decode_step(model: LlamaForCausalLM, fused: bool, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16", BF16])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e5m2"])
 def test_fused_step_equals_the_layers_op_by_op(family: str, weights: str, kv: str,
                                                 calls: list[int],
@@ -85,6 +90,8 @@ def test_fused_step_equals_the_layers_op_by_op(family: str, weights: str, kv: st
     """Same kernels in the same order, K/V rounded alike to a 16-bit cache: the logits and
     every K/V written are equal to the bit (qwen2 has q/k/v biases)."""
     model = packed(tiny_llama() if family == "llama" else build(family), weights)
+    paged = PagedLlamaForCausalLM(model)
+    assert (weights == "bf16") == isinstance(paged.layers[0].gate_up_proj, GatedPanelLinear)
     fused_logits, fused_cache = decode_step(model, True, monkeypatch, kv)
     layers = model.config.num_hidden_layers
     # One prefill step, two decode steps, then the step compared: fused on all but the first.

@@ -15,14 +15,24 @@
 // holds up to 8 rows by 2 panels of sums in registers (1 row runs over 8 panels, 2 over 4, for
 // enough independent sums); every output is summed over the pairs in input order, whatever the
 // number of rows, threads or panels at once, so a row's result does not depend on its batch.
+//
+// `gated_linear` is the gated MLP's gate and up projections and activation in one op: panels
+// [ceil(inter / 16), 2, in / 2, 32] hold each gate panel followed by the up panel of the same
+// columns, bias [panels * 2 * 16] likewise, and each pair's sums give out [rows, inter] =
+// silu(gate) * up as they leave the registers, equal to the bit to `panel_linear` over the
+// gate/up projection followed by `silu_mul`: the activation's pass over memory and the
+// projection's second half of output are gone.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "fast_exp.h"
 #include "ops.h"
 #include "panel_passes.h"
 
@@ -72,19 +82,46 @@ struct Problem {
   int64_t M, K, N;
 };
 
-// Stores 16 sums plus bias as output columns n0.. of one row: all 16, or those below N.
-CONVEYOR_INLINE void store_panel(__m512 sum, const Problem& pb, int64_t row, int64_t n0) {
-  if (pb.bias != nullptr) sum = _mm512_add_ps(sum, _mm512_loadu_ps(pb.bias + n0));
-  float* out = pb.out + row * pb.N + n0;
-  if (n0 + kPanel <= pb.N)
-    _mm512_storeu_ps(out, sum);
-  else
-    _mm512_mask_storeu_ps(out, __mmask16((1u << (pb.N - n0)) - 1), sum);
+// What becomes of a pass's sums: each panel's 16 sums plus bias are its 16 output columns
+// (plain); or the panels come in gate/up pairs, and the pair's sums plus bias give the 16
+// columns of silu(gate) * up (gated).
+enum class Epilogue { kPlain, kGated };
+
+CONVEYOR_INLINE __m512 with_bias(__m512 sum, const Problem& pb, int64_t panel) {
+  if (pb.bias == nullptr) return sum;
+  return _mm512_add_ps(sum, _mm512_loadu_ps(pb.bias + panel * kPanel));
 }
 
-// Rows [row, row + MR) times panels [p, p + NP), written to out plus bias. With `Fetch`, the
-// NP panels at `ahead` are fetched into the caches along the way.
-template <int MR, int NP, bool Fetch = false>
+// 16 values as output columns n0.. of one row: all 16, or those below N.
+CONVEYOR_INLINE void store_columns(__m512 values, const Problem& pb, int64_t row, int64_t n0) {
+  float* out = pb.out + row * pb.N + n0;
+  if (n0 + kPanel <= pb.N)
+    _mm512_storeu_ps(out, values);
+  else
+    _mm512_mask_storeu_ps(out, __mmask16((1u << (pb.N - n0)) - 1), values);
+}
+
+// silu(gate) * up in the operations `silu_mul` does, eight lanes at a time, so the fused
+// activation equals the product followed by `silu_mul` to the bit.
+CONVEYOR_INLINE __m256 silu_times8(__m256 gate, __m256 up) {
+  const __m256 e = conveyor::exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), gate));
+  return _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), e)), up);
+}
+
+CONVEYOR_INLINE __m256 upper8(__m512 v) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+CONVEYOR_INLINE __m512 silu_times(__m512 gate, __m512 up) {
+  const __m256 low = silu_times8(_mm512_castps512_ps256(gate), _mm512_castps512_ps256(up));
+  const __m256 high = silu_times8(upper8(gate), upper8(up));
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)),
+                                             _mm256_castps_pd(high), 1));
+}
+
+// Rows [row, row + MR) times panels [p, p + NP), through the epilogue E to out. With `Fetch`,
+// the NP panels at `ahead` are fetched into the caches along the way.
+template <int MR, int NP, bool Fetch = false, Epilogue E = Epilogue::kPlain>
 __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const uint16_t* panels,
                                      int64_t p, const uint16_t* ahead = nullptr) {
   const int64_t pairs = pb.K / 2, panel_size = pairs * kPairWidth;
@@ -114,51 +151,69 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const uint1
       for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
     }
   }
+  if constexpr (E == Epilogue::kGated) {
+    static_assert(NP % 2 == 0, "gated panels come in gate/up pairs");
 #pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
+    for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j) store_panel(acc[m][j], pb, row + m, (p + j) * kPanel);
+      for (int j = 0; j < NP; j += 2)
+        store_columns(silu_times(with_bias(acc[m][j], pb, p + j),
+                                 with_bias(acc[m][j + 1], pb, p + j + 1)),
+                      pb, row + m, (p + j) / 2 * kPanel);
+  } else {
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j)
+        store_columns(with_bias(acc[m][j], pb, p + j), pb, row + m, (p + j) * kPanel);
+  }
 }
 
 // One pass of mr (1 to kMaxRows) rows from m over NP panels from p.
-template <int NP, bool Fetch>
+template <int NP, bool Fetch, Epilogue E>
 void rows_pass(const Problem& pb, int64_t m, int64_t mr, const uint16_t* panels, int64_t p,
                const uint16_t* ahead) {
   switch (mr) {
-    case 8: micro<8, NP, Fetch>(pb, m, panels, p, ahead); break;
-    case 7: micro<7, NP, Fetch>(pb, m, panels, p, ahead); break;
-    case 6: micro<6, NP, Fetch>(pb, m, panels, p, ahead); break;
-    case 5: micro<5, NP, Fetch>(pb, m, panels, p, ahead); break;
-    case 4: micro<4, NP, Fetch>(pb, m, panels, p, ahead); break;
-    case 3: micro<3, NP, Fetch>(pb, m, panels, p, ahead); break;
-    case 2: micro<2, NP, Fetch>(pb, m, panels, p, ahead); break;
-    default: micro<1, NP, Fetch>(pb, m, panels, p, ahead); break;
+    case 8: micro<8, NP, Fetch, E>(pb, m, panels, p, ahead); break;
+    case 7: micro<7, NP, Fetch, E>(pb, m, panels, p, ahead); break;
+    case 6: micro<6, NP, Fetch, E>(pb, m, panels, p, ahead); break;
+    case 5: micro<5, NP, Fetch, E>(pb, m, panels, p, ahead); break;
+    case 4: micro<4, NP, Fetch, E>(pb, m, panels, p, ahead); break;
+    case 3: micro<3, NP, Fetch, E>(pb, m, panels, p, ahead); break;
+    case 2: micro<2, NP, Fetch, E>(pb, m, panels, p, ahead); break;
+    default: micro<1, NP, Fetch, E>(pb, m, panels, p, ahead); break;
   }
 }
 
 // Rows [m0, m0 + rows) times NP panels from p, in passes of at most kMaxRows rows; the first
 // pass fetches the NP panels at `ahead` (if any) into the caches for the next call.
-template <int NP>
+template <int NP, Epilogue E>
 void rows_by_panels(const Problem& pb, int64_t m0, int64_t rows, const uint16_t* panels,
                     int64_t p, const uint16_t* ahead) {
   near_equal_passes(m0, rows, kMaxRows, [&](int64_t m, int64_t mr) {
     if (m == m0 && ahead != nullptr) {
-      rows_pass<NP, true>(pb, m, mr, panels, p, ahead);
+      rows_pass<NP, true, E>(pb, m, mr, panels, p, ahead);
     } else {
-      rows_pass<NP, false>(pb, m, mr, panels, p, nullptr);
+      rows_pass<NP, false, E>(pb, m, mr, panels, p, nullptr);
     }
   });
 }
 
-// A few rows (all of them in one pass) over panels [p0, p1), NP at a time, then one at a time.
-template <int MR, int NP>
+// Panels taken together at the least: gated panels go in gate/up pairs.
+template <Epilogue E>
+constexpr int kUnit = E == Epilogue::kGated ? 2 : 1;
+
+// A few rows (all of them in one pass) over panels [p0, p1), NP at a time, then a unit at a
+// time.
+template <int MR, int NP, Epilogue E>
 void few_rows(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t p1) {
   int64_t p = p0;
-  for (; p + NP <= p1; p += NP) micro<MR, NP>(pb, 0, panels, p);
-  for (; p < p1; ++p) micro<MR, 1>(pb, 0, panels, p);
+  for (; p + NP <= p1; p += NP) micro<MR, NP, false, E>(pb, 0, panels, p);
+  for (; p < p1; p += kUnit<E>) micro<MR, kUnit<E>, false, E>(pb, 0, panels, p);
 }
 
 // Panels [p0, p1) for all rows, a chunk of rows at a time, two panels at a time.
+template <Epilogue E>
 void rows_in_chunks(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t p1) {
   const int64_t chunk = chunk_rows(pb.K * 2, kChunkBytes, kMaxRows);
   for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
@@ -168,19 +223,36 @@ void rows_in_chunks(const Problem& pb, const uint16_t* panels, int64_t p0, int64
     for (; p + 2 <= p1; p += 2) {
       const uint16_t* ahead =
           rows <= kFetchRows && p + 4 <= p1 ? panels + (p + 2) * panel_size : nullptr;
-      rows_by_panels<2>(pb, m0, rows, panels, p, ahead);
+      rows_by_panels<2, E>(pb, m0, rows, panels, p, ahead);
     }
-    if (p < p1) rows_by_panels<1>(pb, m0, rows, panels, p, nullptr);
+    if constexpr (E == Epilogue::kPlain) {
+      if (p < p1) rows_by_panels<1, E>(pb, m0, rows, panels, p, nullptr);
+    }
   }
 }
 
+template <Epilogue E>
 void panel_range(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t p1) {
   switch (pb.M) {
-    case 1: few_rows<1, 8>(pb, panels, p0, p1); return;
-    case 2: few_rows<2, 4>(pb, panels, p0, p1); return;
-    case 3: few_rows<3, 2>(pb, panels, p0, p1); return;
-    default: rows_in_chunks(pb, panels, p0, p1);
+    case 1: few_rows<1, 8, E>(pb, panels, p0, p1); return;
+    case 2: few_rows<2, 4, E>(pb, panels, p0, p1); return;
+    case 3: few_rows<3, 2, E>(pb, panels, p0, p1); return;
+    default: rows_in_chunks<E>(pb, panels, p0, p1);
   }
+}
+
+// The product's panels [0, count) through epilogue E, split over torch's threads in runs of
+// whole units (enough panels per task that a thread's share streams as one run).
+template <Epilogue E>
+void run(const float* x, int64_t M, int64_t K, const at::Tensor& panels, int64_t count,
+         const float* bias, float* out, int64_t columns) {
+  const std::vector<uint16_t> rounded = round_rows(x, M, K);
+  const Problem pb{rounded.data(), bias, out, M, K, columns};
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  constexpr int64_t unit = kUnit<E>;
+  at::parallel_for(0, count / unit, 4 / unit, [&](int64_t u0, int64_t u1) {
+    panel_range<E>(pb, w, u0 * unit, u1 * unit);
+  });
 }
 #endif
 
@@ -193,13 +265,42 @@ void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& 
 #ifndef CONVEYOR_BF16_PANELS
   TORCH_CHECK(false, "bf16 panels need AVX-512 BF16");
 #else
-  const std::vector<uint16_t> rounded = round_rows(x, M, K);
-  const Problem pb{rounded.data(), bias, out, M, K, out_features};
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
-  // Enough panels per task that a thread's share streams as one run.
-  at::parallel_for(0, panels.size(0), 4,
-                   [&](int64_t p0, int64_t p1) { panel_range(pb, w, p0, p1); });
+  run<Epilogue::kPlain>(x, M, K, panels, panels.size(0), bias, out, out_features);
+#endif
+}
+
+at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t inter) {
+#ifndef CONVEYOR_BF16_PANELS
+  TORCH_CHECK(false, "gated_linear needs AVX-512 BF16");
+#else
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "gated_linear: x must be contiguous fp32 [rows, in]");
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
+                  panels.size(1) == 2 && panels.size(3) == 2 * kPanel && panels.is_contiguous(),
+              "gated_linear: panels must be contiguous bf16 [panels, 2, in / 2, 32]");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) == 2 * panels.size(2),
+              "gated_linear: x and panels' input sizes differ");
+  TORCH_CHECK(inter > 0 && (inter + kPanel - 1) / kPanel == panels.size(0),
+              "gated_linear: inter does not match the number of panels");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * 2 * kPanel &&
+                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "gated_linear: bias must be fp32 [panels * 2 * 16], as the panels hold it");
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, inter}, x.options());
+  if (M == 0) return out;
+  run<Epilogue::kGated>(x.data_ptr<float>(), M, x.size(1), panels, 2 * panels.size(0),
+                        has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                        inter);
+  return out;
 #endif
 }
 
 }  // namespace conveyor
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("gated_linear(Tensor x, Tensor panels, Tensor? bias, int inter) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("gated_linear", &conveyor::gated_linear); }

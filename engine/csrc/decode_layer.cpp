@@ -5,7 +5,8 @@
 //
 // hidden    [rows, hidden] fp32, contiguous
 // weights   input norm [hidden], q/k/v panels, output panels, post-attention norm [hidden],
-//           gate/up panels, down panels (panels as `panel_linear` takes them)
+//           gate/up panels, down panels (panels as `panel_linear` takes them; gate/up may be
+//           gated bf16 panels as `gated_linear` takes them)
 // biases    the four projections' padded biases, in that order, each optional
 // heads     [query heads, kv heads, head dim]
 // cos, sin  [rows, 1, head dim] fp32
@@ -113,6 +114,14 @@ void check_step(const at::Tensor& hidden, const at::Tensor& slots, const at::Ten
 namespace conveyor {
 namespace {
 
+// silu(gate) * up of the MLP's input x: in one op over gated panels (4-d), else the gate/up
+// projection then the activation.
+at::Tensor gated(const at::Tensor& x, const at::Tensor& panels,
+                 const std::optional<at::Tensor>& bias, int64_t inter) {
+  if (panels.dim() == 4) return gated_linear(x, panels, bias, inter);
+  return silu_mul(panel_linear(x, panels, bias, 2 * inter));
+}
+
 // One layer, its inputs already checked.
 at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
                      const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
@@ -123,7 +132,7 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   const int64_t num_heads = heads[0], kv_heads = heads[1], dim = heads[2];
   const int64_t qk_heads = num_heads + kv_heads, kv_size = kv_heads * dim;
   const int64_t qkv_size = (qk_heads + kv_heads) * dim;
-  const int64_t gate_up_size = 2 * panel_in_features(weights[kDown]);
+  const int64_t inter = panel_in_features(weights[kDown]);
 
   at::Tensor x = rms_norm(hidden, weights[kInputNorm], eps);
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
@@ -136,9 +145,8 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   at::Tensor residual = at::add(hidden, out);
 
   x = rms_norm(residual, weights[kPostNorm], eps);
-  at::Tensor gate_up = panel_linear(x, weights[kGateUp], biases.get(kGateUpBias),
-                                     gate_up_size);
-  out = panel_linear(silu_mul(gate_up), weights[kDown], biases.get(kDownBias), width);
+  out = panel_linear(gated(x, weights[kGateUp], biases.get(kGateUpBias), inter), weights[kDown],
+                     biases.get(kDownBias), width);
   return at::add(residual, out);
 }
 

@@ -22,6 +22,9 @@ void int8_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& 
 // its inputs already checked.
 void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
                         const float* bias, float* out, int64_t out_features);
+// silu(x Wg^T + bg) * (x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`).
+at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t inter);
 // The input features of panels as `panel_linear` takes them (fp32, fp16, bf16 pairs or GGUF blocks).
 int64_t panel_in_features(const at::Tensor& panels);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -19,11 +19,13 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata, DecodeStep
-from engine.cpu_linear import CPU_LINEAR_TYPES, PanelLinear
+from engine.cpu_linear import CPU_LINEAR_TYPES, GatedPanelLinear, PanelLinear
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM"})
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
+# Projections the one-op decode layer takes: panels, or gate/up panel pairs.
+PANEL_TYPES = (PanelLinear, GatedPanelLinear)
 
 
 def supports(hf_model: Any) -> str:
@@ -135,10 +137,12 @@ class PagedLlamaLayer(nn.Module):
         self.scaling = attn.scaling
         self.qkv_proj = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o_proj = attn.o_proj
-        self.gate_up_proj = fuse([mlp.gate_proj, mlp.up_proj])
+        self.silu = getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
+        gated = GatedPanelLinear.of(mlp.gate_proj, mlp.up_proj) if self.silu else None
+        # With `gated`, one op computes silu(gate) * up; else gate and up side by side.
+        self.gate_up_proj = gated or fuse([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
-        self.silu = getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
         self.intermediate = mlp.gate_proj.out_features
         self.input_norm = hf_layer.input_layernorm
         self.post_attention_norm = hf_layer.post_attention_layernorm
@@ -156,12 +160,12 @@ class PagedLlamaLayer(nn.Module):
 
     def _fused_weights(self) -> FusedWeights | None:
         """The layer as one op takes it, where that op computes it: projections in Conveyor's
-        panels (fp32, fp16 or GGUF blocks), fp32 norms with one epsilon, silu gating, no
-        per-head q/k norm."""
+        panels (fp32, fp16, bf16 or GGUF blocks; gate/up maybe as gated pairs), fp32 norms with
+        one epsilon, silu gating, no per-head q/k norm."""
         projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         norms = (self.input_norm, self.post_attention_norm)
         if not (self.silu and self.qk_norm_weight is None
-                and all(isinstance(p, PanelLinear) for p in projections)
+                and all(isinstance(p, PANEL_TYPES) for p in projections)
                 and all(n.weight.dtype == torch.float32 and n.weight.dim() == 1 for n in norms)
                 and norms[0].variance_epsilon == norms[1].variance_epsilon):
             return None
@@ -211,6 +215,8 @@ class PagedLlamaLayer(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
     def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, GatedPanelLinear):
+            return self.down_proj(self.gate_up_proj(hidden))
         gate_up = self.gate_up_proj(hidden)
         if self.silu and _one_pass_gate(gate_up):
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
