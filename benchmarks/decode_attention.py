@@ -6,7 +6,8 @@ The default model's shape (9 query heads, 3 kv heads, head dim 64, 30 layers, bl
         --cache-dtype float32 bfloat16 float8_e5m2
 
 `--placement scattered` puts each sequence's blocks anywhere in the cache, `--placement
-in-order` back to back.
+in-order` back to back; `--pages small` holds the cache in 4 KiB pages instead of the engine's
+2 MiB ones.
 """
 
 from __future__ import annotations
@@ -18,19 +19,27 @@ import time
 
 import torch
 
-from engine import cpu_kernels
+from engine import cpu_kernels, huge_pages
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE, LAYERS = 9, 3, 64, 16, 30
 
 
+def cache_layer(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator,
+                huge: bool) -> torch.Tensor:
+    values = torch.randn(shape, generator=generator).to(dtype)
+    if not huge:
+        return values
+    return huge_pages.zeros(shape, dtype).copy_(values)
+
+
 def step_ms(seqs: int, context: int, cache_dtype: torch.dtype, scattered: bool,
-            repeats: int) -> float:
+            repeats: int, huge: bool) -> float:
     generator = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK_SIZE)
     blocks = seqs * per_seq
     shape = (blocks, BLOCK_SIZE, KV_HEADS, DIM)
-    caches = [(torch.randn(shape, generator=generator).to(cache_dtype),
-               torch.randn(shape, generator=generator).to(cache_dtype)) for _ in range(LAYERS)]
+    caches = [tuple(cache_layer(shape, cache_dtype, generator, huge) for _ in range(2))
+              for _ in range(LAYERS)]
     order = torch.randperm(blocks, generator=generator) if scattered else torch.arange(blocks)
     tables = order.view(seqs, per_seq)
     lens = torch.full((seqs,), context, dtype=torch.int64)
@@ -53,15 +62,18 @@ def main() -> None:
                                                              "float8_e5m2"])
     parser.add_argument("--placement", choices=["scattered", "in-order"], default="scattered")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--pages", choices=["huge", "small"], default="huge",
+                        help="the cache in 2 MiB pages, as the engine holds it, or in 4 KiB")
     args = parser.parse_args()
     if not cpu_kernels.load():
         raise SystemExit("Conveyor's CPU kernels did not build on this machine")
     for seqs in args.seqs:
         row: dict[str, object] = {"seqs": seqs, "context": args.context,
-                                  "placement": args.placement}
+                                  "placement": args.placement, "pages": args.pages}
         for name in args.cache_dtype:
             row[f"{name}_ms"] = round(step_ms(seqs, args.context, getattr(torch, name),
-                                              args.placement == "scattered", args.repeats), 2)
+                                              args.placement == "scattered", args.repeats,
+                                              args.pages == "huge"), 2)
         print(json.dumps(row))
 
 
