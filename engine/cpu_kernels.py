@@ -142,12 +142,13 @@ def _multiplies(panels: torch.Tensor) -> bool:
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                 out_features: int) -> torch.Tensor:
+                 out_features: int, residual: torch.Tensor | None = None) -> torch.Tensor:
     """`x W^T + b` for fp32 `x [rows, in]` and W packed as `[ceil(out / 16), in, 16]` panels
     (fp32 or fp16), as `[ceil(out / 16), in / 2, 32]` bf16 panels of input pairs (x rounded to
     bf16; `cpu_linear.pack_panels`) or as GGUF block panels (`gguf_blocks.pack_panels`), `b`
-    fp32 zero-padded to whole panels."""
-    return torch.ops.conveyor.panel_linear(x, panels, bias, out_features)
+    fp32 zero-padded to whole panels; plus `residual [rows, out]` where given (equal to the bit
+    to adding it after)."""
+    return torch.ops.conveyor.panel_linear(x, panels, bias, out_features, residual)
 
 
 def gated_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,

@@ -188,12 +188,15 @@ class PanelLinear(nn.Module):
         """The bf16 weights multiply inputs rounded to bf16 (AVX-512 BF16 dot products)."""
         return self.panels.dtype == torch.bfloat16
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x W^T + b`, plus `residual` (fp32, the output's shape) where given: added as the
+        product is stored, equal to the bit to adding it after."""
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32:
             flat = flat.float()
+        skip = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
         out = cpu_kernels.panel_linear(flat.contiguous(), self.panels, self.padded_bias,
-                                       self.out_features)
+                                       self.out_features, skip)
         return out.view(*x.shape[:-1], self.out_features)
 
     def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:

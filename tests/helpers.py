@@ -174,7 +174,8 @@ def round_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 def int8_layer_errors(layers: list[torch.nn.Module]) -> list[float]:
     """Watch layers over int8 panels: each call appends how far its output is from fp64 over its
-    weight and its input rounded to 8-bit blocks (relative, floored at 1e-3 of the largest)."""
+    weight and its input rounded to 8-bit blocks, plus the residual it was given (relative,
+    floored at 1e-3 of the largest)."""
     errors: list[float] = []
 
     def check(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
@@ -182,6 +183,8 @@ def int8_layer_errors(layers: list[torch.nn.Module]) -> list[float]:
         bias = None if module.bias is None else module.bias.double()
         expected = torch.nn.functional.linear(round_to_int8_blocks(x).double(),
                                               module.weight.double(), bias)
+        if len(args) > 1 and args[1] is not None:
+            expected = expected + args[1].reshape(expected.shape).double()
         gap = (out.reshape(expected.shape).double() - expected).abs()
         errors.append((gap / (expected.abs() + 1e-3 * expected.abs().max())).max().item())
 

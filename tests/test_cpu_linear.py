@@ -251,6 +251,34 @@ def test_bf16_panels_of_the_wrong_width_are_refused() -> None:
                                  None, 3)
 
 
+BF16_STORAGE = pytest.param(torch.bfloat16, marks=needs_bf16)
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16, BF16_STORAGE])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 64])
+def test_a_residual_adds_to_the_product_as_after_it(storage: torch.dtype, rows: int) -> None:
+    """The skip connection added as the product is stored (bf16 panels) or right after (other
+    panels) equals `residual + x W^T + b` computed apart, to the bit."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 40)
+    layer = PanelLinear(linear.weight, linear.bias, storage)
+    x, residual = torch.randn(rows, 96), torch.randn(rows, 40)
+    before = residual.clone()
+    assert torch.equal(layer(x, residual), residual + layer(x))
+    assert torch.equal(residual, before)
+    assert torch.equal(layer(x.view(1, rows, 96), residual.view(1, rows, 40)),
+                       (residual + layer(x)).view(1, rows, 40))
+
+
+def test_a_residual_of_the_wrong_shape_is_refused() -> None:
+    layer = PanelLinear(torch.randn(40, 96), None)
+    with pytest.raises(RuntimeError, match="residual must be contiguous fp32"):
+        cpu_kernels.panel_linear(torch.randn(2, 96), layer.panels, None, 40, torch.randn(2, 41))
+    with pytest.raises(RuntimeError, match="residual must be contiguous fp32"):
+        cpu_kernels.panel_linear(torch.randn(2, 96), layer.panels, None, 40,
+                                 torch.randn(2, 40).double())
+
+
 def gate_and_up(in_features: int, inter: int, with_bias: bool,
                 ) -> tuple[PanelLinear, PanelLinear, GatedPanelLinear]:
     torch.manual_seed(in_features + inter)

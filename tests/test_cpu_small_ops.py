@@ -126,9 +126,10 @@ def test_the_model_gates_fp32_silu_rows_on_the_cpu_in_one_pass(monkeypatch):
     hidden = torch.randn(3, layer.gate_up_proj.in_features)
     expected = layer.down_proj(layer.act_fn(layer.gate_up_proj(hidden)[:, :layer.intermediate])
                                * layer.gate_up_proj(hidden)[:, layer.intermediate:])
-    torch.testing.assert_close(layer._mlp(hidden), expected)
+    residual = torch.randn(3, layer.down_proj.out_features)
+    torch.testing.assert_close(layer._mlp(hidden, residual), residual + expected)
     layer.silu = False  # another activation: torch's
-    torch.testing.assert_close(layer._mlp(hidden), expected)
+    torch.testing.assert_close(layer._mlp(hidden, residual), residual + expected)
     assert calls == [(3, 2 * layer.intermediate)]
 
 

@@ -76,8 +76,9 @@ std::vector<uint16_t> round_rows(const float* x, int64_t M, int64_t K) {
 }
 
 struct Problem {
-  const uint16_t* x;  // rounded rows
-  const float* bias;  // padded to whole panels, or null
+  const uint16_t* x;      // rounded rows
+  const float* bias;      // padded to whole panels, or null
+  const float* residual;  // [M, N] added to the output, or null
   float* out;
   int64_t M, K, N;
 };
@@ -92,13 +93,19 @@ CONVEYOR_INLINE __m512 with_bias(__m512 sum, const Problem& pb, int64_t panel) {
   return _mm512_add_ps(sum, _mm512_loadu_ps(pb.bias + panel * kPanel));
 }
 
-// 16 values as output columns n0.. of one row: all 16, or those below N.
+// 16 values (plus the residual's, if any) as output columns n0.. of one row: all 16, or those
+// below N.
 CONVEYOR_INLINE void store_columns(__m512 values, const Problem& pb, int64_t row, int64_t n0) {
-  float* out = pb.out + row * pb.N + n0;
-  if (n0 + kPanel <= pb.N)
-    _mm512_storeu_ps(out, values);
-  else
-    _mm512_mask_storeu_ps(out, __mmask16((1u << (pb.N - n0)) - 1), values);
+  const int64_t at = row * pb.N + n0;
+  if (n0 + kPanel <= pb.N) {
+    if (pb.residual != nullptr) values = _mm512_add_ps(values, _mm512_loadu_ps(pb.residual + at));
+    _mm512_storeu_ps(pb.out + at, values);
+    return;
+  }
+  const __mmask16 mask = __mmask16((1u << (pb.N - n0)) - 1);
+  if (pb.residual != nullptr)
+    values = _mm512_add_ps(values, _mm512_maskz_loadu_ps(mask, pb.residual + at));
+  _mm512_mask_storeu_ps(pb.out + at, mask, values);
 }
 
 // silu(gate) * up in the operations `silu_mul` does, eight lanes at a time, so the fused
@@ -245,9 +252,9 @@ void panel_range(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t 
 // whole units (enough panels per task that a thread's share streams as one run).
 template <Epilogue E>
 void run(const float* x, int64_t M, int64_t K, const at::Tensor& panels, int64_t count,
-         const float* bias, float* out, int64_t columns) {
+         const float* bias, const float* residual, float* out, int64_t columns) {
   const std::vector<uint16_t> rounded = round_rows(x, M, K);
-  const Problem pb{rounded.data(), bias, out, M, K, columns};
+  const Problem pb{rounded.data(), bias, residual, out, M, K, columns};
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   constexpr int64_t unit = kUnit<E>;
   at::parallel_for(0, count / unit, 4 / unit, [&](int64_t u0, int64_t u1) {
@@ -261,11 +268,12 @@ void run(const float* x, int64_t M, int64_t K, const at::Tensor& panels, int64_t
 namespace conveyor {
 
 void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
-                        const float* bias, float* out, int64_t out_features) {
+                        const float* bias, const float* residual, float* out,
+                        int64_t out_features) {
 #ifndef CONVEYOR_BF16_PANELS
   TORCH_CHECK(false, "bf16 panels need AVX-512 BF16");
 #else
-  run<Epilogue::kPlain>(x, M, K, panels, panels.size(0), bias, out, out_features);
+  run<Epilogue::kPlain>(x, M, K, panels, panels.size(0), bias, residual, out, out_features);
 #endif
 }
 
@@ -292,8 +300,8 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
   at::Tensor out = at::empty({M, inter}, x.options());
   if (M == 0) return out;
   run<Epilogue::kGated>(x.data_ptr<float>(), M, x.size(1), panels, 2 * panels.size(0),
-                        has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
-                        inter);
+                        has_bias ? bias->data_ptr<float>() : nullptr, nullptr,
+                        out.data_ptr<float>(), inter);
   return out;
 #endif
 }

@@ -12,16 +12,19 @@ namespace conveyor {
 
 at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor table,
                         at::Tensor lens, double scale);
+// x W^T + bias (+ residual, where given).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
-                        const c10::optional<at::Tensor>& bias, int64_t out_features);
+                        const c10::optional<at::Tensor>& bias, int64_t out_features,
+                        const c10::optional<at::Tensor>& residual = c10::nullopt);
 // panel_linear's product over int8 panels (Q4_1 or Q8_0 blocks times activations rounded to
 // 8-bit blocks), its inputs already checked: out [M, out_features] from x [M, K] and a padded bias.
 void int8_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
                         const float* bias, float* out, int64_t out_features);
 // panel_linear's product over bf16 panels (AVX-512 BF16 dot products over x rounded to bf16),
-// its inputs already checked.
+// plus a residual [M, out_features] where not null, its inputs already checked.
 void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
-                        const float* bias, float* out, int64_t out_features);
+                        const float* bias, const float* residual, float* out,
+                        int64_t out_features);
 // silu(x Wg^T + bg) * (x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`).
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t inter);

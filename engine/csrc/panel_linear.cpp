@@ -11,6 +11,8 @@
 //      or [ceil(out / 16), in / 2, 32] bf16: pairs of input features, times x rounded to bf16
 //                                  in AVX-512 BF16 dot products (`bf16_panels.cpp`)
 // bias    [panels * 16]          fp32, optional, zero-padded like the panels
+// residual [rows, out]           fp32, optional: added to the product (a decoder layer's skip
+//                                  connection), as each panel's sums are stored for bf16 panels
 //
 // The inner loop multiplies up to 6 rows of x by one panel: each step broadcasts one input
 // feature of each row and adds it times the panel's 16 weights into 12 accumulators held in
@@ -340,7 +342,8 @@ int64_t panel_in_features(const at::Tensor& panels) {
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
-                        const c10::optional<at::Tensor>& bias, int64_t out_features) {
+                        const c10::optional<at::Tensor>& bias, int64_t out_features,
+                        const c10::optional<at::Tensor>& residual) {
 #ifndef CONVEYOR_PANEL_LINEAR_SIMD
   TORCH_CHECK(false, "panel_linear needs AVX2, F16C and FMA");
 #else
@@ -361,15 +364,26 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                     bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                 "panel_linear: bias must be fp32 [panels * 16], zero-padded");
   const int64_t M = x.size(0), K = x.size(1);
+  const bool has_residual = residual.has_value() && residual->defined();
+  if (has_residual)
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == M &&
+                    residual->size(1) == out_features && residual->scalar_type() == at::kFloat &&
+                    residual->is_contiguous(),
+                "panel_linear: residual must be contiguous fp32 [rows, out_features]");
   at::Tensor out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;
   const Problem pb{x.data_ptr<float>(),
                    has_bias ? bias->data_ptr<float>() : nullptr,
                    out.data_ptr<float>(), M, K, out_features};
   const bool blocks = panels.scalar_type() == at::kByte;
-  if (panels.scalar_type() == at::kBFloat16)
-    bf16_panel_product(pb.x, M, K, panels, pb.bias, pb.out, out_features);
-  else if (panels.scalar_type() == at::kChar)
+  if (panels.scalar_type() == at::kBFloat16) {
+    // The residual is added as each panel's sums leave the registers.
+    bf16_panel_product(pb.x, M, K, panels, pb.bias, has_residual ? residual->data_ptr<float>()
+                                                                 : nullptr,
+                       pb.out, out_features);
+    return out;
+  }
+  if (panels.scalar_type() == at::kChar)
     int8_panel_product(pb.x, M, K, panels, pb.bias, pb.out, out_features);
   else if (blocks && panels.size(2) == conveyor::Q41::kGroupBytes)
     run_blocks<conveyor::Q41>(pb, panels);
@@ -379,6 +393,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
     run<at::Half>(pb, panels);
   else
     run<float>(pb, panels);
+  // out + residual is residual + out to the bit (IEEE addition commutes).
+  if (has_residual) out.add_(*residual);
   return out;
 #endif
 }
@@ -386,6 +402,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, "
+        "Tensor? residual=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("panel_linear", &conveyor::panel_linear); }

@@ -189,19 +189,16 @@ class PagedLlamaLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        residual = hidden
-        hidden = self._attention(self._norm(self.input_norm, hidden), cos, sin, metadata)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self._mlp(self._norm(self.post_attention_norm, hidden))
-        return residual + hidden
+        hidden = self._attention(self._norm(self.input_norm, hidden), cos, sin, metadata, hidden)
+        return self._mlp(self._norm(self.post_attention_norm, hidden), hidden)
 
     @staticmethod
     def _norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, norm.weight, norm.variance_epsilon)
 
     def _attention(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   metadata: AttentionMetadata) -> torch.Tensor:
+                   metadata: AttentionMetadata, residual: torch.Tensor) -> torch.Tensor:
+        """`residual` plus the attention block's output."""
         tokens = hidden.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden)
@@ -212,16 +209,29 @@ class PagedLlamaLayer(nn.Module):
         value = qkv[:, qk_heads * self.head_dim:].view(tokens, self.num_kv_heads, self.head_dim)
         out = metadata.backend.forward(self.index, qk[:, :self.num_heads],
                                        qk[:, self.num_heads:], value, self.scaling, metadata)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return add_projected(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim),
+                             residual)
 
-    def _mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual` plus the MLP's output."""
+        return add_projected(self.down_proj, self._activation(hidden), residual)
+
+    def _activation(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.gate_up_proj, GatedPanelLinear):
-            return self.down_proj(self.gate_up_proj(hidden))
+            return self.gate_up_proj(hidden)
         gate_up = self.gate_up_proj(hidden)
         if self.silu and _one_pass_gate(gate_up):
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+            return cpu_kernels.silu_mul(gate_up)
         gate, up = gate_up[:, :self.intermediate], gate_up[:, self.intermediate:]
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.act_fn(gate) * up
+
+
+def add_projected(projection: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`residual + projection(x)`: in the product's own pass where the projection is Conveyor's
+    panels and the residual fp32 (the same bits: addition commutes)."""
+    if isinstance(projection, PanelLinear) and residual.dtype == torch.float32:
+        return projection(x, residual)
+    return residual + projection(x)
 
 
 def _one_pass_gate(gate_up: torch.Tensor) -> bool:
