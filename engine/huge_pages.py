@@ -28,15 +28,18 @@ HUGE_PAGE = 2 * 1024 * 1024
 ALIGNMENT = 64
 
 
-def huge_page_region(nbytes: int) -> tuple[torch.Tensor, bool]:
+def huge_page_region(nbytes: int) -> torch.Tensor | None:
     """A uint8 tensor of `nbytes` starting on a 2 MiB boundary of fresh (untouched, zero)
-    anonymous memory, and whether the kernel took the advice to back it with huge pages."""
+    anonymous memory that the kernel took the advice to back with huge pages; None where it
+    does not (not Linux, THP `never`, less than one huge page)."""
     if not hasattr(mmap, "MADV_HUGEPAGE") or nbytes < HUGE_PAGE:
-        return torch.zeros(nbytes, dtype=torch.uint8), False
+        return None
     memory = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(memory, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
-    return raw[offset:offset + nbytes], _advise(memory, offset, nbytes - nbytes % HUGE_PAGE)
+    if not _advise(memory, offset, nbytes - nbytes % HUGE_PAGE):
+        return None
+    return raw[offset:offset + nbytes]
 
 
 def _advise(memory: mmap.mmap, offset: int, length: int) -> bool:
@@ -55,8 +58,8 @@ def move_into_huge_pages(tensors: list[torch.Tensor]) -> int:
     total = sum(sizes)
     if total < HUGE_PAGE:
         return 0
-    region, advised = huge_page_region(total)
-    if not advised:
+    region = huge_page_region(total)
+    if region is None:
         logger.info("huge pages declined; weights stay in 4 KiB pages")
         return 0
     offset = 0
@@ -71,9 +74,8 @@ def move_into_huge_pages(tensors: list[torch.Tensor]) -> int:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor in huge pages where the kernel takes the advice."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    region, advised = huge_page_region(nbytes)
-    if not advised:
+    region = huge_page_region(math.prod(shape) * dtype.itemsize)
+    if region is None:
         return torch.zeros(shape, dtype=dtype)
     # Fresh anonymous memory reads as zero; writing the zeros commits the pages now, as
     # torch.zeros would, not one at a time during the first steps.
