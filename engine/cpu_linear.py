@@ -191,12 +191,9 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + b`, plus `residual` (fp32, the output's shape) where given: added as the
         product is stored, equal to the bit to adding it after."""
-        flat = x.reshape(-1, self.in_features)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
         skip = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
-        out = cpu_kernels.panel_linear(flat.contiguous(), self.panels, self.padded_bias,
-                                       self.out_features, skip)
+        out = cpu_kernels.panel_linear(fp32_rows(x, self.in_features), self.panels,
+                                       self.padded_bias, self.out_features, skip)
         return out.view(*x.shape[:-1], self.out_features)
 
     def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
@@ -248,16 +245,22 @@ class GatedPanelLinear(nn.Module):
         return cls(gate, up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
-        out = cpu_kernels.gated_linear(flat.contiguous(), self.panels, self.padded_bias,
-                                       self.out_features)
+        out = cpu_kernels.gated_linear(fp32_rows(x, self.in_features), self.panels,
+                                       self.padded_bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weight=bf16 x bf16 activations (gate/up panel pairs, silu(gate) * up)")
+
+
+def fp32_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """`x [..., in]` as the contiguous fp32 rows `[rows, in]` that Conveyor's kernels and
+    fbgemm's fp16-weight product take."""
+    flat = x.reshape(-1, in_features)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    return flat.contiguous()
 
 
 def pack_panels(weight: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
@@ -316,11 +319,8 @@ class HalfWeightLinear(nn.Module):
             if self.large is not None:
                 return onednn_linear(x, self.large, self.bias)
             return F.linear(x, self.dense, self.bias)
-        flat = x.reshape(rows, self.in_features)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
-        out = torch.fbgemm_linear_fp16_weight_fp32_activation(flat.contiguous(), self.packed,
-                                                               self.bias)
+        out = torch.fbgemm_linear_fp16_weight_fp32_activation(fp32_rows(x, self.in_features),
+                                                               self.packed, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> HalfWeightLinear:
