@@ -118,9 +118,10 @@ CONVEYOR_INLINE __m256i add_products(__m256i acc, __m256i u, __m256i s) {
 }
 // A block's sums as 32-bit lanes: already so.
 CONVEYOR_INLINE __m256i block_sums(__m256i acc) { return acc; }
-// The 32-bit sums of four products each, for Q8_0's pairs that may reach 2 * 128 * 127.
+// The 32-bit sums of four products each, for Q8_0's pairs that may reach 2 * 128 * 127:
+// `add_products` is already wide.
 CONVEYOR_INLINE __m256i add_wide_products(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_dpbusd_epi32(acc, u, s);
+  return add_products(acc, u, s);
 }
 #else
 CONVEYOR_INLINE __m256i add_products(__m256i acc, __m256i u, __m256i s) {
