@@ -30,11 +30,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "fast_exp.h"
 #include "ops.h"
 #include "panel_passes.h"
+#include "scratch.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -59,12 +60,12 @@ constexpr int64_t kFetchRows = 32;
 constexpr int64_t kPairWidth = 2 * kPanel;
 
 // x rounded to bf16, row by row: [rows, K] as 16-bit patterns.
-std::vector<uint16_t> round_rows(const float* x, int64_t M, int64_t K) {
-  std::vector<uint16_t> rounded(M * K);
+std::unique_ptr<uint16_t[]> round_rows(const float* x, int64_t M, int64_t K) {
+  auto rounded = conveyor::scratch<uint16_t>(M * K);
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* in = x + m * K;
-      uint16_t* out = rounded.data() + m * K;
+      uint16_t* out = rounded.get() + m * K;
       for (int64_t i = 0; i < K; i += 16) {
         const __mmask16 mask = K - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - i)) - 1);
         const __m256bh half = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, in + i));
@@ -253,8 +254,8 @@ void panel_range(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t 
 template <Epilogue E>
 void run(const float* x, int64_t M, int64_t K, const at::Tensor& panels, int64_t count,
          const float* bias, const float* residual, float* out, int64_t columns) {
-  const std::vector<uint16_t> rounded = round_rows(x, M, K);
-  const Problem pb{rounded.data(), bias, residual, out, M, K, columns};
+  const std::unique_ptr<uint16_t[]> rounded = round_rows(x, M, K);
+  const Problem pb{rounded.get(), bias, residual, out, M, K, columns};
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   constexpr int64_t unit = kUnit<E>;
   at::parallel_for(0, count / unit, 4 / unit, [&](int64_t u0, int64_t u1) {

@@ -30,11 +30,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "block_panels.h"
 #include "ops.h"
 #include "panel_passes.h"
+#include "scratch.h"
 
 namespace {
 
@@ -52,8 +53,8 @@ using conveyor::Q80Int8;
 
 // x rounded to 8-bit blocks: q [rows, in] int8, and per row and block its scale d and d * sum(q).
 struct RoundedRows {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
+  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<float[]> d, s;
   int64_t K;
 };
 
@@ -98,13 +99,13 @@ void round_block(const float* x, int8_t* q, float* d, float* s) {
 
 RoundedRows round_rows(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = K / kBlock;
-  RoundedRows rows{std::vector<int8_t>(M * K), std::vector<float>(M * blocks),
-                   std::vector<float>(M * blocks), K};
+  RoundedRows rows{conveyor::scratch<int8_t>(M * K), conveyor::scratch<float>(M * blocks),
+                   conveyor::scratch<float>(M * blocks), K};
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < blocks; ++b)
-        round_block(x + m * K + b * kBlock, rows.q.data() + m * K + b * kBlock,
-                    rows.d.data() + m * blocks + b, rows.s.data() + m * blocks + b);
+        round_block(x + m * K + b * kBlock, rows.q.get() + m * K + b * kBlock,
+                    rows.d.get() + m * blocks + b, rows.s.get() + m * blocks + b);
   });
   return rows;
 }
@@ -180,9 +181,9 @@ template <int MR>
 __attribute__((noinline)) void micro_q41(const RoundedRows& x, int64_t row, const int8_t* panel,
                                      float* out, int64_t ldo, int64_t cols, const float* bias) {
   const int64_t K = x.K, blocks = K / kBlock;
-  const int8_t* q = x.q.data() + row * K;
-  const float* xd = x.d.data() + row * blocks;
-  const float* xs = x.s.data() + row * blocks;
+  const int8_t* q = x.q.get() + row * K;
+  const float* xd = x.d.get() + row * blocks;
+  const float* xs = x.s.get() + row * blocks;
   alignas(32) float total[MR][kPanel] = {};
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -231,8 +232,8 @@ __attribute__((noinline)) void micro_q80(const RoundedRows& x, int64_t row, cons
                                          float* out, int64_t ldo, int64_t cols,
                                          const float* bias) {
   const int64_t K = x.K, blocks = K / kBlock;
-  const int8_t* q = x.q.data() + row * K;
-  const float* xd = x.d.data() + row * blocks;
+  const int8_t* q = x.q.get() + row * K;
+  const float* xd = x.d.get() + row * blocks;
   alignas(32) float total[MR][kPanel] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* group = reinterpret_cast<const uint8_t*>(panel) + b * Q80Int8::kGroupBytes;
