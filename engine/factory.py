@@ -7,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from engine import huge_pages
+from engine import heap, huge_pages
 from engine.attention import AttentionBackend, InPlaceDecodeAttention, get_backend
 from engine.block_manager import BlockManager
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineConfig, ServingInfo
@@ -54,6 +54,7 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     logger.info("model implementation: %s", model.name)
     if device.type == "cpu":
         _weights_into_huge_pages(model)
+        heap.keep_freed_memory()
     backend = get_backend(config.attention_backend, device)
     logger.info("attention backend: %s", backend.name)
     graphs = _decode_graphs(config, model, backend, kv_cache, max_model_len)
