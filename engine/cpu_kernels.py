@@ -33,7 +33,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name
 # Included by the sources: part of the build's key, though not compiled on their own.
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("block_panels.h", "fast_exp.h", "load8.h", "ops.h", "panel_passes.h",
-                        "scratch.h")]
+                        "scratch.h", "task_grain.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

@@ -36,6 +36,7 @@
 #include "ops.h"
 #include "panel_passes.h"
 #include "scratch.h"
+#include "task_grain.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -62,7 +63,7 @@ constexpr int64_t kPairWidth = 2 * kPanel;
 // x rounded to bf16, row by row: [rows, K] as 16-bit patterns.
 std::unique_ptr<uint16_t[]> round_rows(const float* x, int64_t M, int64_t K) {
   auto rounded = conveyor::scratch<uint16_t>(M * K);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, conveyor::rows_per_task(K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* in = x + m * K;
       uint16_t* out = rounded.get() + m * K;

@@ -36,6 +36,7 @@
 #include "ops.h"
 #include "panel_passes.h"
 #include "scratch.h"
+#include "task_grain.h"
 
 namespace {
 
@@ -101,7 +102,7 @@ RoundedRows round_rows(const float* x, int64_t M, int64_t K) {
   const int64_t blocks = K / kBlock;
   RoundedRows rows{conveyor::scratch<int8_t>(M * K), conveyor::scratch<float>(M * blocks),
                    conveyor::scratch<float>(M * blocks), K};
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, conveyor::rows_per_task(K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < blocks; ++b)
         round_block(x + m * K + b * kBlock, rows.q.get() + m * K + b * kBlock,

@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "ops.h"
+#include "task_grain.h"
 
 namespace {
 
@@ -49,9 +50,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  // About 64k elements per task: a few decode rows stay on this thread.
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(dim, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(dim), [&](int64_t begin, int64_t end) {
     normalize_rows(xp, wp, op, dim, e, begin, end);
   });
   return out;

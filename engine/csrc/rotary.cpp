@@ -16,6 +16,7 @@
 #include <algorithm>
 
 #include "ops.h"
+#include "task_grain.h"
 
 namespace {
 
@@ -64,8 +65,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(heads * dim, 1));
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
     rotate_rows(xp, x.stride(0), cp, sp, cos.stride(0), op, heads, dim, begin, end);
   });
   return out;

@@ -17,6 +17,7 @@
 
 #include "fast_exp.h"
 #include "ops.h"
+#include "task_grain.h"
 
 namespace {
 
@@ -52,9 +53,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({rows, inter}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // About 64k elements per task: a few decode rows stay on this thread.
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(inter, 1));
-  at::parallel_for(0, rows, grain,
+  at::parallel_for(0, rows, rows_per_task(inter),
                    [&](int64_t begin, int64_t end) { gate_rows(xp, op, inter, begin, end); });
   return out;
 }
