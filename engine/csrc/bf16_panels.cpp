@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -53,6 +54,10 @@ using conveyor::near_equal_passes;
 // Rows of x handled per pass over the weight: about this many bytes of bf16 rows, kept in L2.
 constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int kMaxRows = 8;
+// A product's panels are handed out in about this many runs a thread, each to whichever thread
+// is free: long enough runs to stream, short enough that a thread held up elsewhere (memory,
+// the rest of the process) does not leave the others waiting at the end.
+constexpr int64_t kChunksPerThread = 4;
 // Up to this many rows, the next two panels are fetched while the first pass runs over the
 // current two (a few passes leave too little time to hide their first reads from memory; more
 // rows gain nothing and lose a little, the fetched panels pushing rows out of L2).
@@ -269,8 +274,10 @@ void panel_range(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t 
   }
 }
 
-// The product's panels [0, count) through epilogue E, split over torch's threads in runs of
-// whole units (enough panels per task that a thread's share streams as one run).
+// The product's panels [0, count) through epilogue E, over torch's threads: runs of whole units
+// (kChunksPerThread a thread) go to whichever thread is free next. A static half each left one
+// thread waiting at the end of many products of a decode step (the other one held up by memory
+// or by the process's other work).
 template <Epilogue E>
 void run(const float* x, int64_t M, int64_t K, const at::Tensor& panels, int64_t count,
          const float* bias, const float* residual, float* out, int64_t columns) {
@@ -278,9 +285,17 @@ void run(const float* x, int64_t M, int64_t K, const at::Tensor& panels, int64_t
   const Problem pb{rounded.get(), bias, residual, out, M, K, columns};
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   constexpr int64_t unit = kUnit<E>;
-  at::parallel_for(0, count / unit, 4 / unit, [&](int64_t u0, int64_t u1) {
-    panel_range<E>(pb, w, u0 * unit, u1 * unit);
-  });
+  const int64_t units = count / unit;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), units));
+  // Whole groups of the most panels a pass takes at once (8, for one row).
+  constexpr int64_t group = 8 / unit;
+  const int64_t wanted = units / (kChunksPerThread * threads);
+  const int64_t chunk = std::max<int64_t>(1, (wanted + group - 1) / group) * group;
+  const int64_t chunks = (units + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(threads)
+  for (int64_t c = next++; c < chunks; c = next++)
+    panel_range<E>(pb, w, c * chunk * unit, std::min(units, (c + 1) * chunk) * unit);
 }
 #endif
 
