@@ -286,7 +286,8 @@ void run(const float* x, int64_t M, int64_t K, const at::Tensor& panels, int64_t
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   constexpr int64_t unit = kUnit<E>;
   const int64_t units = count / unit;
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), units));
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)));
   // Whole groups of the most panels a pass takes at once (8, for one row).
   constexpr int64_t group = 8 / unit;
   const int64_t wanted = units / (kChunksPerThread * threads);
