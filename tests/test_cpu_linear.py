@@ -327,6 +327,28 @@ def test_gated_rows_do_not_depend_on_their_batch() -> None:
 
 
 @needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+def test_bf16_products_do_not_depend_on_the_thread_count(rows: int) -> None:
+    """Runs of panels go to whichever thread is free; every output is one pass's sums, so the
+    bits are the same on one thread or several, over many runs (1000 outputs: 63 panels)."""
+    torch.manual_seed(rows)
+    plain = PanelLinear(torch.randn(1000, 96), torch.randn(1000), torch.bfloat16)
+    _, _, gated = gate_and_up(96, 1000, True)
+    x = torch.randn(rows, 96)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append((plain(x), gated(x), plain(x, x[:, :1].expand(rows, 1000).contiguous())))
+    finally:
+        torch.set_num_threads(threads)
+    for other in outputs[1:]:
+        for first, then in zip(outputs[0], other, strict=True):
+            assert torch.equal(first, then)
+
+
+@needs_bf16
 def test_gated_panels_need_two_bf16_projections_alike() -> None:
     gate, up, _ = gate_and_up(32, 48, True)
     assert GatedPanelLinear.of(gate, PanelLinear(torch.randn(48, 32), None, torch.bfloat16)) is None
