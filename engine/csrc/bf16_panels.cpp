@@ -145,9 +145,8 @@ CONVEYOR_INLINE void ask_for_outputs(const Problem& pb, int64_t row, int64_t p) 
 #pragma GCC unroll 8
     for (int j = 0; j < kColumnPanels; ++j) {
       const int64_t at = (row + m) * pb.N + n0 + j * kPanel;
-      _m_prefetchw(pb.out + at);
-      if (pb.residual != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pb.residual + at),
-                                               _MM_HINT_T0);
+      __builtin_prefetch(pb.out + at, 1, 3);
+      if (pb.residual != nullptr) __builtin_prefetch(pb.residual + at, 0, 3);
     }
 }
 
