@@ -54,6 +54,8 @@ using conveyor::near_equal_passes;
 // Rows of x handled per pass over the weight: about this many bytes of bf16 rows, kept in L2.
 constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int kMaxRows = 8;
+// Panels one row runs over at once (enough independent sums for one row).
+constexpr int kOneRowPanels = 8;
 // A product's panels are handed out in about this many runs a thread, each to whichever thread
 // is free: long enough runs to stream, short enough that a thread held up elsewhere (memory,
 // the rest of the process) does not leave the others waiting at the end.
@@ -266,7 +268,7 @@ void rows_in_chunks(const Problem& pb, const uint16_t* panels, int64_t p0, int64
 template <Epilogue E>
 void panel_range(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t p1) {
   switch (pb.M) {
-    case 1: few_rows<1, 8, E>(pb, panels, p0, p1); return;
+    case 1: few_rows<1, kOneRowPanels, E>(pb, panels, p0, p1); return;
     case 2: few_rows<2, 4, E>(pb, panels, p0, p1); return;
     case 3: few_rows<3, 2, E>(pb, panels, p0, p1); return;
     default: rows_in_chunks<E>(pb, panels, p0, p1);
@@ -287,8 +289,8 @@ void run(const float* x, int64_t M, int64_t K, const at::Tensor& panels, int64_t
   const int64_t units = count / unit;
   const int threads =
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)));
-  // Whole groups of the most panels a pass takes at once (8, for one row).
-  constexpr int64_t group = 8 / unit;
+  // Whole groups of the most panels a pass takes at once (one row's).
+  constexpr int64_t group = kOneRowPanels / unit;
   const int64_t wanted = units / (kChunksPerThread * threads);
   const int64_t chunk = std::max<int64_t>(1, (wanted + group - 1) / group) * group;
   const int64_t chunks = (units + chunk - 1) / chunk;

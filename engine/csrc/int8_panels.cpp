@@ -33,6 +33,7 @@
 #include <memory>
 
 #include "block_panels.h"
+#include "lanes.h"
 #include "ops.h"
 #include "panel_passes.h"
 #include "scratch.h"
@@ -59,17 +60,8 @@ struct RoundedRows {
   int64_t K;
 };
 
-CONVEYOR_INLINE float horizontal_max(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-CONVEYOR_INLINE float horizontal_sum(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-}
+using conveyor::horizontal_max;
+using conveyor::horizontal_sum;
 
 // One block of 32 features of a row: q (32 bytes), its scale d and s = d * sum(q).
 void round_block(const float* x, int8_t* q, float* d, float* s) {

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "lanes.h"
 #include "load8.h"
 #include "ops.h"
 
@@ -281,9 +282,7 @@ inline float largest(const float* s, int64_t n) {
   if (n >= 8) {
     __m256 lanes = _mm256_loadu_ps(s);
     for (i = 8; i + 8 <= n; i += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + i));
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    peak = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    peak = conveyor::horizontal_max(lanes);
   }
 #endif
   for (; i < n; ++i) peak = std::max(peak, s[i]);
