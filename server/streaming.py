@@ -16,8 +16,12 @@ DONE = "data: [DONE]\n\n"
 _END = object()
 
 
+# One encoder for every event: `json.dumps` with options builds a new one per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_ENCODER.encode(payload)}\n\n"
 
 
 def sse_error(exc: BaseException) -> str:

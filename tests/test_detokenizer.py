@@ -1,8 +1,15 @@
 from __future__ import annotations
 
+import copy
+
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, held_stop_prefix
+from engine.detokenizer import (
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    held_stop_prefix,
+    plain_decode,
+)
 from tests.helpers import tiny_tokenizer
 
 TEXTS = [
@@ -45,6 +52,45 @@ def test_special_tokens_are_skipped_or_kept():
     ids = [*tokenizer.encode("Hello", add_special_tokens=False), eos]
     assert "".join(hidden.add([i]) for i in ids) == "Hello"
     assert "".join(shown.add([i]) for i in ids) == "Hello<eos>"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_plain_decode_is_the_tokenizers_decode(skip):
+    tokenizer = tiny_tokenizer()
+    decode = plain_decode(tokenizer)
+    # The backend's own decode is taken: it is not the tokenizer's method.
+    assert decode.__code__ is not plain_decode(_OnlyDecode(tokenizer)).__code__
+    eos = tokenizer.eos_token_id
+    for text in TEXTS:
+        ids = [*tokenizer.encode(text, add_special_tokens=False), eos]
+        for end in range(1, len(ids) + 1):
+            window = ids[max(0, end - 6):end]
+            assert decode(window, skip) == tokenizer.decode(window, skip_special_tokens=skip)
+
+
+def test_plain_decode_keeps_the_tokenizers_decode_where_it_cleans_up_spaces():
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.clean_up_tokenization_spaces = True
+    calls = []
+    tokenizer.decode = lambda ids, skip_special_tokens: calls.append(ids) or "x"
+    assert plain_decode(tokenizer)([5, 6], True) == "x"
+    assert calls == [[5, 6]]
+
+
+class _OnlyDecode:
+    """A tokenizer with nothing but `decode`."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_plain_decode_calls_decode_on_any_other_tokenizer():
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer.encode("Hello world!", add_special_tokens=False)
+    assert plain_decode(_OnlyDecode(tokenizer))(ids, True) == tokenizer.decode(ids)
 
 
 def test_held_stop_prefix():
