@@ -20,6 +20,7 @@ from torch import nn
 from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata, DecodeStep
 from engine.cpu_linear import CPU_LINEAR_TYPES, GatedPanelLinear, PanelLinear
+from engine.models.rotary_table import RotaryTable
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM"})
@@ -265,6 +266,8 @@ class PagedLlamaForCausalLM(nn.Module):
         base = hf_model.model
         self.embed_tokens = base.embed_tokens
         self.rotary_emb = base.rotary_emb
+        self.rotary = RotaryTable(base.rotary_emb,
+                                  getattr(hf_model.config, "max_position_embeddings", 0))
         self.layers = nn.ModuleList(PagedLlamaLayer(layer, i) for i, layer in
                                     enumerate(base.layers))
         self.norm = base.norm
@@ -274,8 +277,7 @@ class PagedLlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(hidden, positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        cos, sin = self.rotary(hidden, positions)
         step = metadata.backend.decode_step(metadata) if _fp32_rows(hidden) else None
         if step is not None and self.stack is not None:
             hidden = self.stack.decode(hidden, cos, sin, step)

@@ -1,0 +1,86 @@
+"""A model's rotary cos/sin looked up by position instead of computed every step.
+
+A Hugging Face rotary embedding with fixed frequencies gives each position's cos and sin from that
+position alone (`pos * inv_freq`, then cos and sin, elementwise), so a table the module filled once
+for positions 0..n holds, row for row, what it gives any batch of positions. The table grows in
+powers of two as longer sequences come. On the CPU only: a GPU step would wait on the host to
+learn how long the table must be, and a captured graph cannot. Rope types that change their
+frequencies with the sequence length (dynamic NTK, LongRoPE) keep calling the module, as do head
+dims that are not whole vector registers, and any module whose table rows turn out to differ from
+its own answer the first time they are compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Rope types whose frequencies are fixed when the module is built.
+FIXED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+_FIRST_ROWS = 1024
+# Floats a vector register holds at the widest: a row of whole vectors takes no scalar tail.
+_VECTOR_FLOATS = 16
+
+
+class RotaryTable:
+    """cos, sin `[tokens, 1, head_dim]` for `positions` `[tokens]`, as `rotary(x, positions[None])`
+    gives them."""
+
+    def __init__(self, rotary: Any, max_positions: int) -> None:
+        self.rotary = rotary
+        self.max_positions = max_positions
+        self.enabled = (getattr(rotary, "rope_type", None) in FIXED_ROPE_TYPES
+                        and _whole_vectors(rotary))
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.enabled and x.is_cpu and positions.numel() > 0:
+            needed = int(positions.max()) + 1
+            if needed <= self.max_positions:
+                looked_up = self._look_up(x, positions, needed)
+                if looked_up is not None:
+                    return looked_up
+        cos, sin = self.rotary(x, positions[None])
+        return cos[0, :, None, :], sin[0, :, None, :]
+
+    def _look_up(self, x: torch.Tensor, positions: torch.Tensor,
+                 needed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        key = (x.dtype, x.device)
+        tables = self._tables.get(key)
+        if tables is None or tables[0].shape[0] < needed:
+            tables = self._fill(x, needed)
+            if tables is None:
+                return None
+            self._tables[key] = tables
+        cos, sin = tables
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def _fill(self, x: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The module's cos and sin `[size, 1, head_dim]` for positions 0..size; the first time,
+        checked against its answer for a few positions asked for on their own."""
+        size = min(self.max_positions, max(_FIRST_ROWS, 1 << (needed - 1).bit_length()))
+        cos, sin = self._module_rows(x, torch.arange(size, device=x.device))
+        if (x.dtype, x.device) not in self._tables and not self._agrees(x, cos, sin, needed):
+            self.enabled = False
+            return None
+        return cos[:, None, :], sin[:, None, :]
+
+    def _module_rows(self, x: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(x, positions[None])
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def _agrees(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                needed: int) -> bool:
+        probe = torch.arange(needed - 1, -1, -max(1, needed // 7), device=x.device)
+        want_cos, want_sin = self._module_rows(x, probe)
+        return torch.equal(cos[probe], want_cos) and torch.equal(sin[probe], want_sin)
+
+
+def _whole_vectors(rotary: Any) -> bool:
+    """Rows of whole vector registers: torch computes every element of every batch the same
+    way, none in a scalar tail that may round a cosine differently."""
+    inv_freq = getattr(rotary, "inv_freq", None)
+    return inv_freq is not None and (2 * inv_freq.numel()) % _VECTOR_FLOATS == 0
