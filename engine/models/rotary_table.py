@@ -32,7 +32,8 @@ class RotaryTable:
         self.max_positions = max_positions
         self.enabled = (getattr(rotary, "rope_type", None) in FIXED_ROPE_TYPES
                         and _whole_vectors(rotary))
-        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        # One table per dtype asked for; all on the CPU, the only device that looks rows up.
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor,
                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,13 +48,12 @@ class RotaryTable:
 
     def _look_up(self, x: torch.Tensor, positions: torch.Tensor,
                  needed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        key = (x.dtype, x.device)
-        tables = self._tables.get(key)
+        tables = self._tables.get(x.dtype)
         if tables is None or tables[0].shape[0] < needed:
             tables = self._fill(x, needed)
             if tables is None:
                 return None
-            self._tables[key] = tables
+            self._tables[x.dtype] = tables
         cos, sin = tables
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
@@ -62,7 +62,7 @@ class RotaryTable:
         checked against its answer for a few positions asked for on their own."""
         size = min(self.max_positions, max(_FIRST_ROWS, 1 << (needed - 1).bit_length()))
         cos, sin = self._module_rows(x, torch.arange(size, device=x.device))
-        if (x.dtype, x.device) not in self._tables and not self._agrees(x, cos, sin, needed):
+        if x.dtype not in self._tables and not self._agrees(x, cos, sin, needed):
             self.enabled = False
             return None
         return cos[:, None, :], sin[:, None, :]
