@@ -37,7 +37,8 @@ class RequestCollector:
         self.n = n
         self.finished_indices: set[int] = set()
         self._pending: dict[int, RequestOutput] = {}
-        self._event = asyncio.Event()
+        # The consumer's wait, when it is waiting (a bare future: cheaper than an Event).
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, output: RequestOutput) -> None:
         if output.index in self.finished_indices:
@@ -49,11 +50,17 @@ class RequestCollector:
             pending.merge(output)
         if output.finished:
             self.finished_indices.add(output.index)
-        self._event.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self) -> list[RequestOutput]:
-        await self._event.wait()
-        self._event.clear()
+        while not self._pending:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         outputs = list(self._pending.values())
         self._pending.clear()
         return outputs

@@ -145,6 +145,8 @@ class Renderer(Protocol):
 
     def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]: ...
 
+    def event(self, choices: list[dict[str, Any]]) -> str: ...
+
     def response(self) -> dict[str, Any]: ...
 
 
@@ -187,7 +189,7 @@ async def _events(renderer: Renderer, first: tuple[int, RequestOutput],
         while True:
             timed_out = timed_out or output.finish_reason == "timeout"
             for fragment in renderer.update(source, output):
-                yield sse(renderer.chunk([fragment]))
+                yield renderer.event([fragment])
             try:
                 source, output = await anext(merged)
             except StopAsyncIteration:
