@@ -4,13 +4,18 @@ passes through."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from engine.async_engine import RequestCollector
+from engine.async_engine import AsyncEngine, RequestCollector
+from engine.config import ServingInfo
 from engine.outputs import RequestOutput
+from server.app import build_app
 from server.rendering import ChunkRenderer
 from server.streaming import compact_json, sse
 
@@ -107,3 +112,37 @@ async def test_collector_survives_a_cancelled_wait():
     collector.put(_output(0, 9))  # nobody waits: kept for the next read
     outputs = await asyncio.wait_for(collector.get(), 1)
     assert [o.new_token_ids for o in outputs] == [[9]]
+
+
+async def test_streaming_overhead_benchmark_runs_the_real_app():
+    """`benchmarks/streaming_overhead.py` streams through the app over its stand-in core."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "streaming_overhead.py"
+    spec = importlib.util.spec_from_file_location("streaming_overhead", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    per_token = await module.measure(concurrency=3, tokens=5, rounds=2)
+    assert len(per_token) == 2 and all(us > 0 for us in per_token)
+    app_bytes = await _one_stream_text(module)
+    events = [e for e in app_bytes.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " a" * 5
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def _one_stream_text(module) -> str:
+    info = ServingInfo(model_name="m", max_model_len=64, dtype="float32", device="cpu",
+                       num_blocks=1, block_size=16)
+    engine = AsyncEngine(module.OneTokenCore(), info, module.InlineExecutor())
+    app = build_app(engine)
+    await engine.start()
+    try:
+        body = json.dumps({"prompt": [5] * 4, "max_tokens": 5, "stream": True}).encode()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            response = await client.post("/v1/completions", content=body,
+                                         headers={"content-type": "application/json"})
+            return response.text
+    finally:
+        await engine.shutdown()
