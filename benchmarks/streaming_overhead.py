@@ -13,7 +13,9 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor, Future
+from contextlib import asynccontextmanager
 from typing import Any
 
 from engine.async_engine import AsyncEngine
@@ -111,22 +113,29 @@ async def stream_one(app: Any, tokens: int) -> int:
     return received
 
 
-async def measure(concurrency: int, tokens: int, rounds: int) -> list[float]:
+@asynccontextmanager
+async def stand_in_app() -> AsyncIterator[Any]:
+    """The real app over `OneTokenCore`, its engine loop running on the calling thread."""
     info = ServingInfo(model_name="stand-in", max_model_len=1 << 20, dtype="bfloat16",
                        device="cpu", num_blocks=1, block_size=16)
     engine = AsyncEngine(OneTokenCore(), info, InlineExecutor())  # type: ignore[arg-type]
     app = build_app(engine)
     await engine.start()
-    per_token_us = []
     try:
+        yield app
+    finally:
+        await engine.shutdown()
+
+
+async def measure(concurrency: int, tokens: int, rounds: int) -> list[float]:
+    per_token_us = []
+    async with stand_in_app() as app:
         for _ in range(rounds):
             start = time.thread_time()
             sizes = await asyncio.gather(*(stream_one(app, tokens) for _ in range(concurrency)))
             if not all(sizes):
                 raise RuntimeError("a stream came back empty")
             per_token_us.append((time.thread_time() - start) / (concurrency * tokens) * 1e6)
-    finally:
-        await engine.shutdown()
     return per_token_us
 
 

@@ -12,10 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine, RequestCollector
-from engine.config import ServingInfo
+from engine.async_engine import RequestCollector
 from engine.outputs import RequestOutput
-from server.app import build_app
 from server.rendering import ChunkRenderer
 from server.streaming import compact_json, sse
 
@@ -132,17 +130,10 @@ async def test_streaming_overhead_benchmark_runs_the_real_app():
 
 
 async def _one_stream_text(module) -> str:
-    info = ServingInfo(model_name="m", max_model_len=64, dtype="float32", device="cpu",
-                       num_blocks=1, block_size=16)
-    engine = AsyncEngine(module.OneTokenCore(), info, module.InlineExecutor())
-    app = build_app(engine)
-    await engine.start()
-    try:
+    async with module.stand_in_app() as app:
         body = json.dumps({"prompt": [5] * 4, "max_tokens": 5, "stream": True}).encode()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             response = await client.post("/v1/completions", content=body,
                                          headers={"content-type": "application/json"})
             return response.text
-    finally:
-        await engine.shutdown()
