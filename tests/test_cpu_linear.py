@@ -201,13 +201,14 @@ def bf16_product(x: torch.Tensor, weight: torch.Tensor,
                          [(1, 8, 1), (1, 24, 64), (1, 40, 100), (1, 64, 200), (2, 14, 5),
                           (2, 96, 80), (3, 96, 17), (3, 40, 64), (4, 100, 40), (5, 1000, 9),
                           (8, 24, 32), (9, 24, 3), (13, 64, 33), (16, 38, 64), (64, 96, 48),
-                          (20, 9000, 18)])
+                          (20, 9000, 18), (4, 64, 1000), (33, 48, 700), (16, 2000, 520)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_panels_multiply_bf16_rounded_inputs(rows: int, in_features: int,
                                                   out_features: int, with_bias: bool) -> None:
     """One row over 8 panels at a time, two over 4, three over 2, then passes of up to 8 rows
     over 2 panels or a last odd one, a last panel with spare columns, rows in chunks (9000
-    inputs: 8 rows a chunk), inputs not a multiple of 16."""
+    inputs: 8 rows a chunk), inputs not a multiple of 16; many panels hand each thread several
+    runs, each taken as the one before ends."""
     torch.manual_seed(rows + in_features)
     linear = nn.Linear(in_features, out_features, bias=with_bias)
     layer = PanelLinear(linear.weight, linear.bias, torch.bfloat16)
@@ -294,7 +295,7 @@ def gate_and_up(in_features: int, inter: int, with_bias: bool,
 @pytest.mark.parametrize(("rows", "in_features", "inter"),
                          [(1, 8, 1), (1, 64, 200), (1, 40, 72), (2, 96, 80), (2, 14, 5),
                           (3, 40, 64), (3, 96, 17), (5, 100, 40), (9, 24, 3), (16, 38, 64),
-                          (64, 96, 48), (20, 9000, 18)])
+                          (64, 96, 48), (20, 9000, 18), (8, 64, 600), (40, 96, 330)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gated_panels_equal_the_projection_then_the_activation(rows: int, in_features: int,
                                                                inter: int,
