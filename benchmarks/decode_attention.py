@@ -1,6 +1,7 @@
 """Conveyor's CPU paged decode attention alone, as a decode step runs it: one query token per
 sequence over every layer's K/V cache in turn, so K and V stream from memory as in the engine.
-The default model's shape (9 query heads, 3 kv heads, head dim 64, 30 layers, blocks of 16).
+The default model's shape (9 query heads, 3 kv heads, head dim 64, 30 layers), in blocks of 32
+(the CPU's default; `--block-size` for others).
 
     python benchmarks/decode_attention.py --seqs 1 16 64 --context 192 \\
         --cache-dtype float32 bfloat16 float8_e5m2
@@ -20,8 +21,9 @@ import time
 import torch
 
 from engine import cpu_kernels, huge_pages
+from engine.config import DEFAULT_BLOCK_SIZES
 
-HEADS, KV_HEADS, DIM, BLOCK_SIZE, LAYERS = 9, 3, 64, 16, 30
+HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
 
 def cache_layer(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator,
@@ -33,11 +35,11 @@ def cache_layer(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Gen
 
 
 def step_ms(seqs: int, context: int, cache_dtype: torch.dtype, scattered: bool,
-            repeats: int, huge: bool) -> float:
+            repeats: int, huge: bool, block_size: int) -> float:
     generator = torch.Generator().manual_seed(0)
-    per_seq = -(-context // BLOCK_SIZE)
+    per_seq = -(-context // block_size)
     blocks = seqs * per_seq
-    shape = (blocks, BLOCK_SIZE, KV_HEADS, DIM)
+    shape = (blocks, block_size, KV_HEADS, DIM)
     caches = [tuple(cache_layer(shape, cache_dtype, generator, huge) for _ in range(2))
               for _ in range(LAYERS)]
     order = torch.randperm(blocks, generator=generator) if scattered else torch.arange(blocks)
@@ -62,6 +64,7 @@ def main() -> None:
                                                              "float8_e5m2"])
     parser.add_argument("--placement", choices=["scattered", "in-order"], default="scattered")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZES["cpu"])
     parser.add_argument("--pages", choices=["huge", "small"], default="huge",
                         help="the cache in 2 MiB pages, as the engine holds it, or in 4 KiB")
     args = parser.parse_args()
@@ -69,11 +72,12 @@ def main() -> None:
         raise SystemExit("Conveyor's CPU kernels did not build on this machine")
     for seqs in args.seqs:
         row: dict[str, object] = {"seqs": seqs, "context": args.context,
+                                  "block_size": args.block_size,
                                   "placement": args.placement, "pages": args.pages}
         for name in args.cache_dtype:
             row[f"{name}_ms"] = round(step_ms(seqs, args.context, getattr(torch, name),
                                               args.placement == "scattered", args.repeats,
-                                              args.pages == "huge"), 2)
+                                              args.pages == "huge", args.block_size), 2)
         print(json.dumps(row))
 
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+# Tokens per KV block unless asked otherwise. The CPU's attention kernels read each block as one
+# run of memory, and longer runs stream faster: decode attention over 64 sequences of 136-250
+# tokens took 7-21% less time in blocks of 32 than of 16 (vLLM's CPU backend also prefers
+# multiples of 32). CUDA keeps vLLM's 16.
+DEFAULT_BLOCK_SIZES = {"cpu": 32, "cuda": 16}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -66,19 +71,20 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e5m2")
 class CacheConfig:
     """How the paged KV cache is sized and what it holds.
 
+    `block_size` is tokens per block, None for the device's default (`DEFAULT_BLOCK_SIZES`).
     `num_blocks` overrides both memory budgets. On CPU `kv_cache_memory` bytes are used; on CUDA
     the fraction `gpu_memory_utilization` of the device memory, less what the weights and a
     profiling step took. `dtype` is the K/V element type: `auto` is the model's dtype.
     """
 
-    block_size: int = 16
+    block_size: int | None = None
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")

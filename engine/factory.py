@@ -10,7 +10,13 @@ from torch import nn
 from engine import heap, huge_pages
 from engine.attention import AttentionBackend, InPlaceDecodeAttention, get_backend
 from engine.block_manager import BlockManager
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, EngineConfig, ServingInfo
+from engine.config import (
+    DEFAULT_BLOCK_SIZES,
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    CacheConfig,
+    EngineConfig,
+    ServingInfo,
+)
 from engine.core import EngineCore
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_cache import KVCache, KVCacheSpec
@@ -39,7 +45,8 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     """Build the core around an already loaded model (tests pass tiny in-memory models)."""
     model_config = loaded.model.config
     cache_dtype = kv_cache_dtype(config.cache.dtype, dtype, loaded.compute_dtype, device)
-    spec = KVCacheSpec.from_hf_config(model_config, cache_dtype, config.cache.block_size)
+    spec = KVCacheSpec.from_hf_config(model_config, cache_dtype,
+                                      block_size(config.cache, device))
     num_blocks = _num_blocks(config.cache, spec, device, loaded)
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * spec.block_size)
     kv_cache = KVCache(spec, num_blocks, device)
@@ -135,6 +142,13 @@ def _why_not_capturable(model: CausalLM, backend: AttentionBackend) -> str:
     if "dynamic" in rope_type or rope_type == "longrope":
         return f"{rope_type} rotary embeddings change with the sequence length"
     return ""
+
+
+def block_size(cache: CacheConfig, device: torch.device) -> int:
+    """Tokens per KV block: as configured, else the device's default."""
+    if cache.block_size is not None:
+        return cache.block_size
+    return DEFAULT_BLOCK_SIZES.get(device.type, DEFAULT_BLOCK_SIZES["cuda"])
 
 
 def _num_blocks(cache: CacheConfig, spec: KVCacheSpec, device: torch.device,

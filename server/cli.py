@@ -44,7 +44,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "but no longer the exact fp32 product")
     engine.add_argument("--max-model-len", type=int, default=None,
                         help="context limit (default: the model's)")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    engine.add_argument("--block-size", type=int, default=None,
+                        help="tokens per KV block (default: 32 on a CPU, 16 on CUDA)")
     engine.add_argument("--num-blocks", type=int, default=None,
                         help="KV blocks (overrides the memory budgets)")
     engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,

@@ -78,7 +78,7 @@ def tiny_llama(vocab_size: int = 320, num_layers: int = 2, seed: int = 0,
 
 
 def tiny_core(model: LlamaForCausalLM | None = None, *, num_blocks: int = 256,
-              block_size: int = 4, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
+              block_size: int | None = 4, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
               enable_chunked_prefill: bool = True, max_model_len: int | None = None,
               device: str = "cpu", with_tokenizer: bool = True,
               tokenizer: PreTrainedTokenizerFast | None = None, kv_cache_dtype: str = "auto",

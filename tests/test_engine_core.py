@@ -7,9 +7,13 @@ import random
 import pytest
 import torch
 
+from engine.config import CacheConfig
 from engine.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
+from engine.factory import block_size
 from engine.sampling_params import SamplingParams
+from server.cli import build_parser, engine_config
 from tests.helpers import (
+    reference_greedy,
     run_all,
     sabotage_steps,
     text_of,
@@ -206,3 +210,28 @@ def test_sampling_params_are_validated(params, param):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**params)
     assert info.value.param == param
+
+
+def test_block_size_defaults_to_the_devices():
+    """Unset, a CPU cache holds 32 tokens a block (its attention kernels stream each block as
+    one run of memory) and CUDA 16; a size that is set holds on either; the CLI leaves it unset."""
+    assert block_size(CacheConfig(), torch.device("cpu")) == 32
+    assert block_size(CacheConfig(), torch.device("cuda")) == 16
+    assert block_size(CacheConfig(block_size=8), torch.device("cpu")) == 8
+    assert block_size(CacheConfig(block_size=64), torch.device("cuda")) == 64
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        CacheConfig(block_size=0)
+    assert engine_config(build_parser().parse_args(["serve"])).cache.block_size is None
+    args = build_parser().parse_args(["serve", "--block-size", "16"])
+    assert engine_config(args).cache.block_size == 16
+
+
+def test_default_cpu_blocks_serve_greedy_tokens_as_transformers(tiny_model):
+    """Prompts across several 32-token blocks, and decoding past a block's end."""
+    core, info = tiny_core(tiny_model, block_size=None, num_blocks=32)
+    assert info.block_size == 32 and core.runner.kv_cache.block_size == 32
+    prompts = [list(range(3, 3 + n)) for n in (5, 32, 33, 70)]
+    results = run_all(core, prompts, greedy(max_tokens=40))
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(results[f"req-{i}"]) == reference_greedy(tiny_model, prompt, 40), i
+    assert_all_blocks_free(core)
