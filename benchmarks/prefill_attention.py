@@ -1,7 +1,8 @@
 """Prompt attention on the CPU: Conveyor's paged prefill kernel, reading K/V in place from the
 cache, against torch's SDPA over the same K/V laid out contiguously, for one prompt at a time
 over every layer. The default model's shape (9 query heads, 3 kv heads, head dim 64, 30
-layers, blocks of 16); the two alternate, so a slow spell of the machine touches both alike.
+layers), in blocks of 32 (the CPU's default; `--block-size` for others); the two alternate, so a
+slow spell of the machine touches both alike.
 
     python benchmarks/prefill_attention.py --tokens 128 512 2048 --cache-dtype float32 bfloat16
 
@@ -21,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
+from engine.config import DEFAULT_BLOCK_SIZES
 
-HEADS, KV_HEADS, DIM, BLOCK_SIZE, LAYERS = 9, 3, 64, 16, 30
+HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
 
 def layer_ms(run: Callable[[], object], repeats: int) -> float:
@@ -35,12 +37,12 @@ def layer_ms(run: Callable[[], object], repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def compare(tokens: int, context: int, cache_dtype: torch.dtype,
-            repeats: int) -> dict[str, float]:
+def compare(tokens: int, context: int, cache_dtype: torch.dtype, repeats: int,
+            block_size: int) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     length = context + tokens
-    blocks = -(-length // BLOCK_SIZE)
-    shape = (blocks, BLOCK_SIZE, KV_HEADS, DIM)
+    blocks = -(-length // block_size)
+    shape = (blocks, block_size, KV_HEADS, DIM)
     key = torch.randn(shape, generator=generator).to(cache_dtype)
     value = torch.randn(shape, generator=generator).to(cache_dtype)
     table = torch.randperm(blocks, generator=generator)
@@ -76,14 +78,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=0)
     parser.add_argument("--cache-dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZES["cpu"])
     args = parser.parse_args()
     if not cpu_kernels.load():
         raise SystemExit("Conveyor's CPU kernels did not build on this machine")
     for tokens in args.tokens:
         for name in args.cache_dtype:
             row: dict[str, object] = {"tokens": tokens, "context": args.context,
-                                      "cache_dtype": name}
-            row.update(compare(tokens, args.context, getattr(torch, name), args.repeats))
+                                      "cache_dtype": name, "block_size": args.block_size}
+            row.update(compare(tokens, args.context, getattr(torch, name), args.repeats,
+                               args.block_size))
             print(json.dumps(row))
 
 
