@@ -201,14 +201,16 @@ def bf16_product(x: torch.Tensor, weight: torch.Tensor,
                          [(1, 8, 1), (1, 24, 64), (1, 40, 100), (1, 64, 200), (2, 14, 5),
                           (2, 96, 80), (3, 96, 17), (3, 40, 64), (4, 100, 40), (5, 1000, 9),
                           (8, 24, 32), (9, 24, 3), (13, 64, 33), (16, 38, 64), (64, 96, 48),
-                          (20, 9000, 18), (4, 64, 1000), (33, 48, 700), (16, 2000, 520)])
+                          (20, 9000, 18), (4, 64, 1000), (33, 48, 700), (16, 2000, 520),
+                          (150, 2000, 300)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_panels_multiply_bf16_rounded_inputs(rows: int, in_features: int,
                                                   out_features: int, with_bias: bool) -> None:
     """One row over 8 panels at a time, two over 4, three over 2, then passes of up to 8 rows
     over 2 panels or a last odd one, a last panel with spare columns, rows in chunks (9000
     inputs: 8 rows a chunk), inputs not a multiple of 16; many panels hand each thread several
-    runs, each taken as the one before ends."""
+    runs, each taken as the one before ends; 150 rows of 2000 inputs go as chunks of 64, 64
+    and 22 rows, each with its runs of the 19 panels."""
     torch.manual_seed(rows + in_features)
     linear = nn.Linear(in_features, out_features, bias=with_bias)
     layer = PanelLinear(linear.weight, linear.bias, torch.bfloat16)
@@ -295,7 +297,8 @@ def gate_and_up(in_features: int, inter: int, with_bias: bool,
 @pytest.mark.parametrize(("rows", "in_features", "inter"),
                          [(1, 8, 1), (1, 64, 200), (1, 40, 72), (2, 96, 80), (2, 14, 5),
                           (3, 40, 64), (3, 96, 17), (5, 100, 40), (9, 24, 3), (16, 38, 64),
-                          (64, 96, 48), (20, 9000, 18), (8, 64, 600), (40, 96, 330)])
+                          (64, 96, 48), (20, 9000, 18), (8, 64, 600), (40, 96, 330),
+                          (150, 2000, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gated_panels_equal_the_projection_then_the_activation(rows: int, in_features: int,
                                                                inter: int,
@@ -328,14 +331,16 @@ def test_gated_rows_do_not_depend_on_their_batch() -> None:
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows", [1, 3, 16, 64])
-def test_bf16_products_do_not_depend_on_the_thread_count(rows: int) -> None:
+@pytest.mark.parametrize(("rows", "in_features"), [(1, 96), (3, 96), (16, 96), (64, 96),
+                                                   (150, 2000)])
+def test_bf16_products_do_not_depend_on_the_thread_count(rows: int, in_features: int) -> None:
     """Runs of panels go to whichever thread is free; every output is one pass's sums, so the
-    bits are the same on one thread or several, over many runs (1000 outputs: 63 panels)."""
+    bits are the same on one thread or several, over many runs (1000 outputs: 63 panels), and
+    over several chunks of rows (2000 inputs: 64 rows a chunk)."""
     torch.manual_seed(rows)
-    plain = PanelLinear(torch.randn(1000, 96), torch.randn(1000), torch.bfloat16)
-    _, _, gated = gate_and_up(96, 1000, True)
-    x = torch.randn(rows, 96)
+    plain = PanelLinear(torch.randn(1000, in_features), torch.randn(1000), torch.bfloat16)
+    _, _, gated = gate_and_up(in_features, 1000, True)
+    x = torch.randn(rows, in_features)
     threads = torch.get_num_threads()
     try:
         outputs = []

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "fast_exp.h"
 #include "ops.h"
@@ -56,10 +57,6 @@ constexpr int64_t kChunkBytes = 256 * 1024;
 constexpr int kMaxRows = 8;
 // Panels one row runs over at once (enough independent sums for one row).
 constexpr int kOneRowPanels = 8;
-// A product's panels are handed out in about this many runs a thread, each to whichever thread
-// is free: long enough runs to stream, short enough that a thread held up elsewhere (memory,
-// the rest of the process) does not leave the others waiting at the end.
-constexpr int64_t kChunksPerThread = 4;
 // bf16 values a panel holds per pair of input features.
 constexpr int64_t kPairWidth = 2 * kPanel;
 
@@ -255,76 +252,96 @@ void few_rows(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t p1)
   for (; p < p1; p += kUnit<E>) micro<MR, kUnit<E>, false, E>(pb, 0, panels, p);
 }
 
-// Panels [p0, p1) for all rows, a chunk of rows at a time, two panels at a time, each two
-// fetching the next two. The last two of the last chunk fetch the first two of the run this
-// thread takes next: `claim()` takes it and returns them (null if there is none).
-template <Epilogue E, typename Claim>
-void rows_in_chunks(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t p1,
-                    Claim&& claim) {
-  const int64_t chunk = chunk_rows(pb.K * 2, kChunkBytes, kMaxRows);
-  for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
-    const int64_t rows = std::min(chunk, pb.M - m0);
-    const int64_t panel_size = pb.K / 2 * kPairWidth;
-    int64_t p = p0;
-    for (; p + 2 <= p1; p += 2) {
-      const uint16_t* ahead = p + 4 <= p1       ? panels + (p + 2) * panel_size
-                              : m0 + rows >= pb.M ? claim()
-                                                  : nullptr;
-      rows_by_panels<2, E>(pb, m0, rows, panels, p, ahead);
-    }
-    if constexpr (E == Epilogue::kPlain) {
-      if (p < p1) rows_by_panels<1, E>(pb, m0, rows, panels, p, nullptr);
-    }
-  }
+// A share of a product: rows [m0, m1) times panels [p0, p1).
+struct Task {
+  int64_t m0, m1, p0, p1;
+};
+
+// Panels the runs of a product's tasks come in: as many as one pass over that many rows takes
+// at once (a run of fewer would leave a pass short of independent sums), in whole units.
+template <Epilogue E>
+int64_t run_group(int64_t rows) {
+  const int64_t panels = rows == 1 ? kOneRowPanels : rows == 2 ? 4 : 2;
+  return std::max<int64_t>(1, panels / kUnit<E>);
 }
 
-// Panels [p0, p1) for all rows; `claim` as `rows_in_chunks` takes it (unused for a few rows).
+// The product's tasks in the order threads take them: a chunk of rows at a time (all rows, when
+// a few rows go in one pass), and each chunk's units in runs a thread takes whole, each run
+// 1 / (2 threads) of the units the chunk has left, so that runs shrink as the chunk nears its
+// end and the threads finish close together. Runs of an equal eighth of a product each left
+// up to a run's work on one thread at its end (the default model's output and down products,
+// of 36 panels, went as 8 + 8 + 8 + 8 + 4: 20 panels to one thread, 16 to the other), and a
+// run over every row of many rows was long: the default model's 121 layers took 4-8% longer
+// from 1 to 2048 rows (its output and down products over 2048 rows 9-11%).
+template <Epilogue E>
+std::vector<Task> plan_tasks(int64_t M, int64_t K, int64_t units, int threads) {
+  const int64_t rows = M <= 3 ? M : chunk_rows(K * 2, kChunkBytes, kMaxRows);
+  const int64_t group = run_group<E>(M), share = 2 * threads;
+  std::vector<Task> tasks;
+  for (int64_t m0 = 0; m0 < M; m0 += rows) {
+    for (int64_t u0 = 0; u0 < units;) {
+      const int64_t wanted = ((units - u0 + share - 1) / share + group - 1) / group * group;
+      const int64_t u1 = std::min(units, u0 + wanted);
+      tasks.push_back({m0, std::min(M, m0 + rows), u0 * kUnit<E>, u1 * kUnit<E>});
+      u0 = u1;
+    }
+  }
+  return tasks;
+}
+
+// One task: a few rows in one pass over its panels, NP at a time; or its rows over its panels
+// two at a time, each two fetching the next two. Its last two fetch the first two of the task
+// this thread takes next: `claim()` takes that task and returns them (null if there is none).
 template <Epilogue E, typename Claim>
-void panel_range(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t p1,
-                 Claim&& claim) {
+void task_product(const Problem& pb, const uint16_t* panels, const Task& task, Claim&& claim) {
   switch (pb.M) {
-    case 1: few_rows<1, kOneRowPanels, E>(pb, panels, p0, p1); return;
-    case 2: few_rows<2, 4, E>(pb, panels, p0, p1); return;
-    case 3: few_rows<3, 2, E>(pb, panels, p0, p1); return;
-    default: rows_in_chunks<E>(pb, panels, p0, p1, claim);
+    case 1: few_rows<1, kOneRowPanels, E>(pb, panels, task.p0, task.p1); return;
+    case 2: few_rows<2, 4, E>(pb, panels, task.p0, task.p1); return;
+    case 3: few_rows<3, 2, E>(pb, panels, task.p0, task.p1); return;
+  }
+  const int64_t rows = task.m1 - task.m0, panel_size = pb.K / 2 * kPairWidth;
+  int64_t p = task.p0;
+  for (; p + 2 <= task.p1; p += 2) {
+    const uint16_t* ahead = p + 4 <= task.p1 ? panels + (p + 2) * panel_size : claim();
+    rows_by_panels<2, E>(pb, task.m0, rows, panels, p, ahead);
+  }
+  if constexpr (E == Epilogue::kPlain) {
+    if (p < task.p1) rows_by_panels<1, E>(pb, task.m0, rows, panels, p, nullptr);
   }
 }
 
-// The product's panels [0, count) through epilogue E, over torch's threads: runs of whole units
-// (kChunksPerThread a thread) go to whichever thread is free next. A static half each left one
-// thread waiting at the end of many products of a decode step (the other one held up by memory
-// or by the process's other work). A thread takes its next run as its current one's last panels
-// start, so that they fetch the next run's first (the first two panels of every run came from
-// memory unasked: the default model's layers at 8 rows took 4-5% longer).
+// The product's panels [0, count) through epilogue E, over torch's threads: its tasks go to
+// whichever thread is free next. A static half each left one thread waiting at the end of many
+// products of a decode step (the other one held up by memory or by the process's other work).
+// A thread takes its next task as its current one's last panels start, so that they fetch the
+// next task's first (the first two panels of every run came from memory unasked: the default
+// model's layers at 8 rows took 4-5% longer).
 template <Epilogue E>
 void run(const float* x, int64_t M, int64_t K, const at::Tensor& panels, int64_t count,
          const float* bias, const float* residual, float* out, int64_t columns) {
   const std::unique_ptr<uint16_t[]> rounded = round_rows(x, M, K);
   const Problem pb{rounded.get(), bias, residual, out, M, K, columns};
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
-  constexpr int64_t unit = kUnit<E>;
-  const int64_t units = count / unit;
+  const int64_t units = count / kUnit<E>;
+  const std::vector<Task> tasks = plan_tasks<E>(M, K, units, at::get_num_threads());
+  const int64_t total = static_cast<int64_t>(tasks.size());
   const int threads =
-      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)));
-  // Whole groups of the most panels a pass takes at once (one row's).
-  constexpr int64_t group = kOneRowPanels / unit;
-  const int64_t wanted = units / (kChunksPerThread * threads);
-  const int64_t chunk = std::max<int64_t>(1, (wanted + group - 1) / group) * group;
-  const int64_t chunks = (units + chunk - 1) / chunk;
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total)));
   std::atomic<int64_t> next{0};
   const int64_t panel_size = K / 2 * kPairWidth;
 #pragma omp parallel num_threads(threads)
   {
-    int64_t c = next++;
-    while (c < chunks) {
+    int64_t t = next++;
+    while (t < total) {
       int64_t taken = -1;
       auto claim = [&]() -> const uint16_t* {
         taken = next++;
-        const int64_t first = taken * chunk * unit;
+        if (taken >= total) return nullptr;
+        const int64_t first = tasks[taken].p0;
         return first + 2 <= count ? w + first * panel_size : nullptr;
       };
-      panel_range<E>(pb, w, c * chunk * unit, std::min(units, (c + 1) * chunk) * unit, claim);
-      c = taken >= 0 ? taken : next++;
+      task_product<E>(pb, w, tasks[t], claim);
+      t = taken >= 0 ? taken : next++;
     }
   }
 }
