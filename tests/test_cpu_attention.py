@@ -60,6 +60,31 @@ def test_kernel_splits_work_by_sequence_or_by_head_alike(dtype):
     torch.testing.assert_close(many.float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rows", [3, 40])
+def test_kernel_gives_the_same_bits_on_any_number_of_threads(rows):
+    """Tasks (sequences, or kv heads of few sequences) go to whichever thread is free, each
+    fetching the first block of the one it takes next; every output is one task's, so one
+    thread or several give the same bits."""
+    lens = [random.Random(rows + row).randrange(1, 120) for row in range(rows)]
+    case = random_case(torch.bfloat16, 9, 3, 64, 16, lens, seed=rows)
+    query, key_cache, value_cache, tables, seq_lens = case
+    query = query.float()
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outputs.append(cpu_kernels.paged_decode(query, key_cache, value_cache, tables,
+                                                    seq_lens, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    for other in outputs[1:]:
+        assert torch.equal(outputs[0], other)
+    expected = reference_decode(query, key_cache.float(), value_cache.float(), tables, seq_lens,
+                                0.125)
+    torch.testing.assert_close(outputs[0], expected, atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_reads_a_strided_query_and_ignores_table_padding():
     query, key_cache, value_cache, tables, lens = random_case(torch.float32, 6, 2, 16, 4,
                                                               [3, 9, 14])
