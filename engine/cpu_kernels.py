@@ -146,18 +146,19 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
                  out_features: int, residual: torch.Tensor | None = None) -> torch.Tensor:
     """`x W^T + b` for fp32 `x [rows, in]` and W packed as `[ceil(out / 16), in, 16]` panels
     (fp32 or fp16), as `[ceil(out / 16), in / 2, 32]` bf16 panels of input pairs (x rounded to
-    bf16; `cpu_linear.pack_panels`) or as GGUF block panels (`gguf_blocks.pack_panels`), `b`
-    fp32 zero-padded to whole panels; plus `residual [rows, out]` where given (equal to the bit
-    to adding it after)."""
+    bf16, or bf16 already; `cpu_linear.pack_panels`) or as GGUF block panels
+    (`gguf_blocks.pack_panels`), `b` fp32 zero-padded to whole panels; plus `residual [rows,
+    out]` where given (equal to the bit to adding it after). The output is fp32."""
     return torch.ops.conveyor.panel_linear(x, panels, bias, out_features, residual)
 
 
 def gated_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                 inter: int) -> torch.Tensor:
+                 inter: int, bf16_out: bool = False) -> torch.Tensor:
     """`silu(x Wg^T + bg) * (x Wu^T + bu)` for fp32 `x [rows, in]`, the gate and up weights
     in bf16 panels side by side, `[ceil(inter / 16), 2, in / 2, 32]`, and their biases likewise
-    (`cpu_linear.GatedPanelLinear`): `[rows, inter]`."""
-    return torch.ops.conveyor.gated_linear(x, panels, bias, inter)
+    (`cpu_linear.GatedPanelLinear`): `[rows, inter]` in fp32, or with `bf16_out` rounded to
+    bf16 as the bf16 panels round their input rows."""
+    return torch.ops.conveyor.gated_linear(x, panels, bias, inter, bf16_out)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -190,10 +190,15 @@ class PanelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """`x W^T + b`, plus `residual` (fp32, the output's shape) where given: added as the
-        product is stored, equal to the bit to adding it after."""
+        product is stored, equal to the bit to adding it after. bf16 panels also take bf16 `x`,
+        the rows they would round fp32 ones to; the output is fp32."""
         skip = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
-        out = cpu_kernels.panel_linear(fp32_rows(x, self.in_features), self.panels,
-                                       self.padded_bias, self.out_features, skip)
+        if x.dtype == torch.bfloat16 and self.bf16_activations:
+            rows = x.reshape(-1, self.in_features).contiguous()
+        else:
+            rows = fp32_rows(x, self.in_features)
+        out = cpu_kernels.panel_linear(rows, self.panels, self.padded_bias, self.out_features,
+                                       skip)
         return out.view(*x.shape[:-1], self.out_features)
 
     def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
@@ -244,9 +249,11 @@ class GatedPanelLinear(nn.Module):
             return None
         return cls(gate, up)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+        """fp32, or with `bf16_out` rounded to bf16: the rows a bf16 product would round the
+        fp32 ones to, for the down projection, without the fp32 rows' pass over memory."""
         out = cpu_kernels.gated_linear(fp32_rows(x, self.in_features), self.panels,
-                                       self.padded_bias, self.out_features)
+                                       self.padded_bias, self.out_features, bf16_out)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

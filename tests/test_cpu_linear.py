@@ -23,6 +23,7 @@ from engine.cpu_linear import (
     pack_linears,
 )
 from engine.model_loader import half_weights_in_fp32, use_half_weights
+from engine.models.llama import PagedLlamaLayer
 from engine.sampling_params import SamplingParams
 from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
 
@@ -102,6 +103,11 @@ def test_packed_model_greedy_equals_generate(panels: bool) -> None:
     kind = PanelLinear if panels else PackedLinear
     assert isinstance(model.get_output_embeddings(), kind)
     core, _ = tiny_core(model)
+    paged = next(m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer))
+    # bf16 panels: the gated product hands the down projection its rows in bf16.
+    hidden = torch.randn(3, paged.input_norm.weight.shape[0])
+    assert paged._activation(hidden).dtype == (torch.bfloat16 if half_weights == "bf16"
+                                               else torch.float32)
     outputs = run_all(core, prompts, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
 
@@ -321,6 +327,38 @@ def test_gated_panels_equal_the_projection_then_the_activation(rows: int, in_fea
 
 
 @needs_bf16
+@pytest.mark.parametrize(("rows", "in_features", "inter"),
+                         [(1, 64, 200), (3, 40, 72), (16, 96, 330), (150, 2000, 200)])
+def test_gated_bf16_rows_feed_a_bf16_product_as_it_would_round_them(rows: int, in_features: int,
+                                                                     inter: int) -> None:
+    """With `bf16_out` the gated product writes its rows rounded to bf16 (spare columns of the
+    last panel left out), equal to the bit to rounding its fp32 rows; a bf16 product over them
+    gives the bits it gives over the fp32 rows, with or without a residual."""
+    _, _, gated = gate_and_up(in_features, inter, True)
+    x = torch.randn(rows, in_features)
+    fp32 = gated(x)
+    rounded = gated(x, bf16_out=True)
+    assert rounded.dtype == torch.bfloat16 and rounded.shape == (rows, inter)
+    assert torch.equal(rounded, fp32.bfloat16())
+    down = PanelLinear(torch.randn(48, inter), torch.randn(48), torch.bfloat16)
+    residual = torch.randn(rows, 48)
+    assert torch.equal(down(rounded), down(fp32))
+    assert torch.equal(down(rounded, residual), down(fp32, residual))
+    assert down(rounded).dtype == torch.float32
+
+
+@needs_bf16
+def test_only_bf16_panels_take_bf16_rows() -> None:
+    x = torch.randn(4, 32).bfloat16()
+    for storage in (torch.float32, torch.float16):
+        layer = PanelLinear(torch.randn(16, 32), None, storage)
+        with pytest.raises(RuntimeError, match="x must be fp32 \\(or bf16 over bf16 panels\\)"):
+            cpu_kernels.panel_linear(x, layer.panels, None, 16)
+        # The layer widens them to fp32 rows for such panels.
+        assert torch.equal(layer(x), layer(x.float()))
+
+
+@needs_bf16
 def test_gated_rows_do_not_depend_on_their_batch() -> None:
     _, _, gated = gate_and_up(200, 150, True)
     x = torch.randn(64, 200)
@@ -437,6 +475,11 @@ def test_bf16_model_greedy_equals_generate_with_the_same_weights(half_weights: s
     if half_weights != "torch":
         assert layer.panels.dtype == PANEL_DTYPES[half_weights]
     core, _ = tiny_core(model)
+    paged = next(m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer))
+    # bf16 panels: the gated product hands the down projection its rows in bf16.
+    hidden = torch.randn(3, paged.input_norm.weight.shape[0])
+    assert paged._activation(hidden).dtype == (torch.bfloat16 if half_weights == "bf16"
+                                               else torch.float32)
     outputs = run_all(core, prompts, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
 

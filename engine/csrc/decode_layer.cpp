@@ -114,10 +114,12 @@ namespace conveyor {
 namespace {
 
 // silu(gate) * up of the MLP's input x: in one op over gated panels (4-d), else the gate/up
-// projection then the activation.
+// projection then the activation. Gated panels hand bf16 down panels their rows already
+// rounded to bf16, as that product would round them.
 at::Tensor gated(const at::Tensor& x, const at::Tensor& panels,
-                 const std::optional<at::Tensor>& bias, int64_t inter) {
-  if (panels.dim() == 4) return gated_linear(x, panels, bias, inter);
+                 const std::optional<at::Tensor>& bias, int64_t inter, const at::Tensor& down) {
+  if (panels.dim() == 4)
+    return gated_linear(x, panels, bias, inter, down.scalar_type() == at::kBFloat16);
   return silu_mul(panel_linear(x, panels, bias, 2 * inter));
 }
 
@@ -143,8 +145,8 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
                                           biases.get(kOutBias), width, hidden);
 
   x = rms_norm(residual, weights[kPostNorm], eps);
-  return panel_linear(gated(x, weights[kGateUp], biases.get(kGateUpBias), inter), weights[kDown],
-                      biases.get(kDownBias), width, residual);
+  return panel_linear(gated(x, weights[kGateUp], biases.get(kGateUpBias), inter, weights[kDown]),
+                      weights[kDown], biases.get(kDownBias), width, residual);
 }
 
 }  // namespace

@@ -25,9 +25,15 @@ void int8_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& 
 void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
                         const float* bias, const float* residual, float* out,
                         int64_t out_features);
-// silu(x Wg^T + bg) * (x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`).
+// The same over rows already rounded to bf16 (`x` [M, K] bf16 bit patterns).
+void bf16_rows_product(const uint16_t* x, int64_t M, int64_t K, const at::Tensor& panels,
+                       const float* bias, const float* residual, float* out,
+                       int64_t out_features);
+// silu(x Wg^T + bg) * (x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`): fp32, or with
+// `bf16_out` rounded to bf16 as a bf16 product rounds its input rows.
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
-                        const c10::optional<at::Tensor>& bias, int64_t inter);
+                        const c10::optional<at::Tensor>& bias, int64_t inter,
+                        bool bf16_out = false);
 // The input features of panels as `panel_linear` takes them (fp32, fp16, bf16 pairs or GGUF blocks).
 int64_t panel_in_features(const at::Tensor& panels);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -9,7 +9,8 @@
 //      or the same in int8: Q4_1 blocks times activations rounded to 8-bit blocks, an
 //                                  approximate product (`int8_panels.cpp`)
 //      or [ceil(out / 16), in / 2, 32] bf16: pairs of input features, times x rounded to bf16
-//                                  in AVX-512 BF16 dot products (`bf16_panels.cpp`)
+//                                  in AVX-512 BF16 dot products (`bf16_panels.cpp`); these
+//                                  also take x as bf16 rows, already rounded
 // bias    [panels * 16]          fp32, optional, zero-padded like the panels
 // residual [rows, out]           fp32, optional: added to the product (a decoder layer's skip
 //                                  connection), as each panel's sums are stored for bf16 panels
@@ -353,7 +354,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   check_layout(panels);
   TORCH_CHECK(x.size(1) == panel_in_features(panels),
               "panel_linear: x and panels' input sizes differ");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "panel_linear: x must be fp32");
+  const bool bf16_rows = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat || (bf16_rows && panels.scalar_type() == at::kBFloat16),
+              "panel_linear: x must be fp32 (or bf16 over bf16 panels)");
   TORCH_CHECK(x.is_contiguous() && panels.is_contiguous(),
               "panel_linear: inputs must be contiguous");
   TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
@@ -370,8 +373,15 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                     residual->size(1) == out_features && residual->scalar_type() == at::kFloat &&
                     residual->is_contiguous(),
                 "panel_linear: residual must be contiguous fp32 [rows, out_features]");
-  at::Tensor out = at::empty({M, out_features}, x.options());
+  at::Tensor out = at::empty({M, out_features}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
+  if (bf16_rows) {
+    bf16_rows_product(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
+                      panels, has_bias ? bias->data_ptr<float>() : nullptr,
+                      has_residual ? residual->data_ptr<float>() : nullptr,
+                      out.data_ptr<float>(), out_features);
+    return out;
+  }
   const Problem pb{x.data_ptr<float>(),
                    has_bias ? bias->data_ptr<float>() : nullptr,
                    out.data_ptr<float>(), M, K, out_features};

@@ -219,7 +219,10 @@ class PagedLlamaLayer(nn.Module):
 
     def _activation(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.gate_up_proj, GatedPanelLinear):
-            return self.gate_up_proj(hidden)
+            # bf16 down panels take the rows rounded as they leave the gated product.
+            down = self.down_proj
+            bf16_rows = isinstance(down, PanelLinear) and down.bf16_activations
+            return self.gate_up_proj(hidden, bf16_out=bf16_rows)
         gate_up = self.gate_up_proj(hidden)
         if self.silu and _one_pass_gate(gate_up):
             return cpu_kernels.silu_mul(gate_up)
