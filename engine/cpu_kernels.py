@@ -161,9 +161,11 @@ def gated_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.conveyor.gated_linear(x, panels, bias, inter, bf16_out)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of fp32 rows `[rows, dim]` scaled by an fp32 `[dim]` weight."""
-    return torch.ops.conveyor.rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             bf16_out: bool = False) -> torch.Tensor:
+    """RMSNorm of fp32 rows `[rows, dim]` scaled by an fp32 `[dim]` weight; with `bf16_out`
+    (AVX-512 BF16) rounded to bf16 as the bf16 panels round their input rows."""
+    return torch.ops.conveyor.rms_norm(x, weight, eps, bf16_out)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

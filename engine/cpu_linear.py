@@ -251,14 +251,24 @@ class GatedPanelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
         """fp32, or with `bf16_out` rounded to bf16: the rows a bf16 product would round the
-        fp32 ones to, for the down projection, without the fp32 rows' pass over memory."""
-        out = cpu_kernels.gated_linear(fp32_rows(x, self.in_features), self.panels,
-                                       self.padded_bias, self.out_features, bf16_out)
+        fp32 ones to, for the down projection, without the fp32 rows' pass over memory. `x`
+        may be bf16 rows too (taken as they are)."""
+        rows = (x.reshape(-1, self.in_features).contiguous() if x.dtype == torch.bfloat16
+                else fp32_rows(x, self.in_features))
+        out = cpu_kernels.gated_linear(rows, self.panels, self.padded_bias, self.out_features,
+                                       bf16_out)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"weight=bf16 x bf16 activations (gate/up panel pairs, silu(gate) * up)")
+
+
+def takes_bf16_rows(layer: nn.Module) -> bool:
+    """The layer multiplies bf16 panels by its inputs rounded to bf16, and so takes bf16 rows
+    as they are: a producer can hand them over already rounded."""
+    return (isinstance(layer, GatedPanelLinear)
+            or (isinstance(layer, PanelLinear) and layer.bf16_activations))
 
 
 def fp32_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:

@@ -104,10 +104,13 @@ def test_packed_model_greedy_equals_generate(panels: bool) -> None:
     assert isinstance(model.get_output_embeddings(), kind)
     core, _ = tiny_core(model)
     paged = next(m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer))
-    # bf16 panels: the gated product hands the down projection its rows in bf16.
+    # bf16 panels: RMSNorm hands q/k/v and gate/up their rows in bf16, and the gated product
+    # the down projection.
     hidden = torch.randn(3, paged.input_norm.weight.shape[0])
-    assert paged._activation(hidden).dtype == (torch.bfloat16 if half_weights == "bf16"
-                                               else torch.float32)
+    rows = torch.bfloat16 if half_weights == "bf16" else torch.float32
+    assert paged._norm(paged.input_norm, hidden, paged.qkv_proj).dtype == rows
+    assert paged._norm(paged.post_attention_norm, hidden, paged.gate_up_proj).dtype == rows
+    assert paged._activation(hidden).dtype == rows
     outputs = run_all(core, prompts, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
 
@@ -345,6 +348,9 @@ def test_gated_bf16_rows_feed_a_bf16_product_as_it_would_round_them(rows: int, i
     assert torch.equal(down(rounded), down(fp32))
     assert torch.equal(down(rounded, residual), down(fp32, residual))
     assert down(rounded).dtype == torch.float32
+    # The gated product takes bf16 rows too, as it would round fp32 ones.
+    assert torch.equal(gated(x.bfloat16()), fp32)
+    assert torch.equal(gated(x.bfloat16(), bf16_out=True), rounded)
 
 
 @needs_bf16
@@ -476,10 +482,13 @@ def test_bf16_model_greedy_equals_generate_with_the_same_weights(half_weights: s
         assert layer.panels.dtype == PANEL_DTYPES[half_weights]
     core, _ = tiny_core(model)
     paged = next(m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer))
-    # bf16 panels: the gated product hands the down projection its rows in bf16.
+    # bf16 panels: RMSNorm hands q/k/v and gate/up their rows in bf16, and the gated product
+    # the down projection.
     hidden = torch.randn(3, paged.input_norm.weight.shape[0])
-    assert paged._activation(hidden).dtype == (torch.bfloat16 if half_weights == "bf16"
-                                               else torch.float32)
+    rows = torch.bfloat16 if half_weights == "bf16" else torch.float32
+    assert paged._norm(paged.input_norm, hidden, paged.qkv_proj).dtype == rows
+    assert paged._norm(paged.post_attention_norm, hidden, paged.gate_up_proj).dtype == rows
+    assert paged._activation(hidden).dtype == rows
     outputs = run_all(core, prompts, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
 

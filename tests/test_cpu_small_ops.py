@@ -24,6 +24,18 @@ def test_matches_torch(rows, dim):
     torch.testing.assert_close(out, F.rms_norm(x, (dim,), weight, 1e-5), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.bf16_panels_available(), reason="needs AVX-512 BF16")
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (3, 7), (17, 64), (300, 576)])
+def test_bf16_rows_are_the_fp32_rows_rounded(rows, dim):
+    """For a bf16 product: the same rows, rounded to bf16 as that product rounds its input
+    (to nearest, ties to even), spare lanes of the last 16 left out."""
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, dim) * 3, torch.randn(dim)
+    out = cpu_kernels.rms_norm(x, weight, 1e-5, bf16_out=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, dim)
+    assert torch.equal(out, cpu_kernels.rms_norm(x, weight, 1e-5).bfloat16())
+
+
 def test_refuses_bad_inputs():
     x, weight = torch.randn(2, 8), torch.randn(8)
     with pytest.raises(RuntimeError, match="shapes do not match"):
@@ -37,7 +49,8 @@ def test_refuses_bad_inputs():
 def test_the_model_takes_it_for_fp32_rows_on_the_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_kernels, "rms_norm",
-                        lambda x, w, eps: calls.append(x.shape) or F.rms_norm(x, w.shape, w, eps))
+                        lambda x, w, eps, bf16_out=False: calls.append(x.shape)
+                        or F.rms_norm(x, w.shape, w, eps))
     weight = torch.randn(8)
     llama.rms_norm(torch.randn(4, 8), weight, 1e-6)
     llama.rms_norm(torch.randn(8, 4).t(), weight, 1e-6)  # strided: torch's

@@ -391,8 +391,9 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
 #ifndef CONVEYOR_BF16_PANELS
   TORCH_CHECK(false, "gated_linear needs AVX-512 BF16");
 #else
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "gated_linear: x must be contiguous fp32 [rows, in]");
+  const bool bf16_rows = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || bf16_rows) && x.is_contiguous(),
+              "gated_linear: x must be contiguous fp32 (or bf16) [rows, in]");
   TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
                   panels.size(1) == 2 && panels.size(3) == 2 * kPanel && panels.is_contiguous(),
               "gated_linear: panels must be contiguous bf16 [panels, 2, in / 2, 32]");
@@ -408,12 +409,16 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, inter}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;
-  const std::unique_ptr<uint16_t[]> rounded = round_rows(x.data_ptr<float>(), M, K);
+  // bf16 rows are the ones rounding fp32 rows would give: taken as they are.
+  const std::unique_ptr<uint16_t[]> rounded =
+      bf16_rows ? nullptr : round_rows(x.data_ptr<float>(), M, K);
+  const uint16_t* rows = bf16_rows ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
+                                   : rounded.get();
   const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
   const Problem pb =
-      bf16_out ? Problem{rounded.get(), b, nullptr, nullptr,
+      bf16_out ? Problem{rows, b, nullptr, nullptr,
                          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), M, K, inter}
-               : Problem{rounded.get(), b, nullptr, out.data_ptr<float>(), nullptr, M, K, inter};
+               : Problem{rows, b, nullptr, out.data_ptr<float>(), nullptr, M, K, inter};
   run<Epilogue::kGated>(pb, panels, 2 * panels.size(0));
   return out;
 #endif

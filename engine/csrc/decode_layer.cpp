@@ -135,7 +135,9 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   const int64_t qkv_size = (qk_heads + kv_heads) * dim;
   const int64_t inter = panel_in_features(weights[kDown]);
 
-  at::Tensor x = rms_norm(hidden, weights[kInputNorm], eps);
+  // bf16 panels take the normalized rows already rounded to bf16, as they would round them.
+  const auto bf16 = [](const at::Tensor& panels) { return panels.scalar_type() == at::kBFloat16; };
+  at::Tensor x = rms_norm(hidden, weights[kInputNorm], eps, bf16(weights[kQkv]));
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
   at::Tensor qk = rotary(qkv.narrow(1, 0, qk_heads * dim).view({rows, qk_heads, dim}), cos, sin);
   store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
@@ -144,7 +146,7 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   const at::Tensor residual = panel_linear(attended.view({rows, num_heads * dim}), weights[kOut],
                                           biases.get(kOutBias), width, hidden);
 
-  x = rms_norm(residual, weights[kPostNorm], eps);
+  x = rms_norm(residual, weights[kPostNorm], eps, bf16(weights[kGateUp]));
   return panel_linear(gated(x, weights[kGateUp], biases.get(kGateUpBias), inter, weights[kDown]),
                       weights[kDown], biases.get(kDownBias), width, residual);
 }

@@ -36,7 +36,8 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
                         bool bf16_out = false);
 // The input features of panels as `panel_linear` takes them (fp32, fp16, bf16 pairs or GGUF blocks).
 int64_t panel_in_features(const at::Tensor& panels);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    bool bf16_out = false);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_mul(const at::Tensor& x);
 

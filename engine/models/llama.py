@@ -19,7 +19,7 @@ from torch import nn
 
 from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata, DecodeStep
-from engine.cpu_linear import CPU_LINEAR_TYPES, GatedPanelLinear, PanelLinear
+from engine.cpu_linear import CPU_LINEAR_TYPES, GatedPanelLinear, PanelLinear, takes_bf16_rows
 from engine.models.rotary_table import RotaryTable
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -42,12 +42,15 @@ def supports(hf_model: Any) -> str:
     return ""
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             bf16_rows: bool = False) -> torch.Tensor:
     """Hugging Face's RMSNorm: normalise in fp32, scale in the input dtype. `weight` is `[dim]`
-    or broadcasts against `x` (one row per head)."""
+    or broadcasts against `x` (one row per head). With `bf16_rows`, for a product over bf16
+    panels, Conveyor's one-pass kernel hands its fp32 rows over rounded to bf16, as that product
+    would round them (elsewhere they stay fp32)."""
     if x.dtype == torch.float32 and weight.dim() == 1:
         if _one_pass_norm(x, weight):
-            return cpu_kernels.rms_norm(x, weight, eps)
+            return cpu_kernels.rms_norm(x, weight, eps, bf16_rows)
         return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -190,12 +193,14 @@ class PagedLlamaLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self._attention(self._norm(self.input_norm, hidden), cos, sin, metadata, hidden)
-        return self._mlp(self._norm(self.post_attention_norm, hidden), hidden)
+        normed = self._norm(self.input_norm, hidden, self.qkv_proj)
+        hidden = self._attention(normed, cos, sin, metadata, hidden)
+        return self._mlp(self._norm(self.post_attention_norm, hidden, self.gate_up_proj), hidden)
 
     @staticmethod
-    def _norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden, norm.weight, norm.variance_epsilon)
+    def _norm(norm: Any, hidden: torch.Tensor, projection: nn.Module) -> torch.Tensor:
+        """The normalized rows for `projection`: in bf16 where it takes bf16 rows."""
+        return rms_norm(hidden, norm.weight, norm.variance_epsilon, takes_bf16_rows(projection))
 
     def _attention(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    metadata: AttentionMetadata, residual: torch.Tensor) -> torch.Tensor:
@@ -220,9 +225,7 @@ class PagedLlamaLayer(nn.Module):
     def _activation(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.gate_up_proj, GatedPanelLinear):
             # bf16 down panels take the rows rounded as they leave the gated product.
-            down = self.down_proj
-            bf16_rows = isinstance(down, PanelLinear) and down.bf16_activations
-            return self.gate_up_proj(hidden, bf16_out=bf16_rows)
+            return self.gate_up_proj(hidden, bf16_out=takes_bf16_rows(self.down_proj))
         gate_up = self.gate_up_proj(hidden)
         if self.silu and _one_pass_gate(gate_up):
             return cpu_kernels.silu_mul(gate_up)
