@@ -193,10 +193,7 @@ class PanelLinear(nn.Module):
         product is stored, equal to the bit to adding it after. bf16 panels also take bf16 `x`,
         the rows they would round fp32 ones to; the output is fp32."""
         skip = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
-        if x.dtype == torch.bfloat16 and self.bf16_activations:
-            rows = x.reshape(-1, self.in_features).contiguous()
-        else:
-            rows = fp32_rows(x, self.in_features)
+        rows = kernel_rows(x, self.in_features, self.bf16_activations)
         out = cpu_kernels.panel_linear(rows, self.panels, self.padded_bias, self.out_features,
                                        skip)
         return out.view(*x.shape[:-1], self.out_features)
@@ -253,8 +250,7 @@ class GatedPanelLinear(nn.Module):
         """fp32, or with `bf16_out` rounded to bf16: the rows a bf16 product would round the
         fp32 ones to, for the down projection, without the fp32 rows' pass over memory. `x`
         may be bf16 rows too (taken as they are)."""
-        rows = (x.reshape(-1, self.in_features).contiguous() if x.dtype == torch.bfloat16
-                else fp32_rows(x, self.in_features))
+        rows = kernel_rows(x, self.in_features, bf16_panels=True)
         out = cpu_kernels.gated_linear(rows, self.panels, self.padded_bias, self.out_features,
                                        bf16_out)
         return out.view(*x.shape[:-1], self.out_features)
@@ -269,6 +265,14 @@ def takes_bf16_rows(layer: nn.Module) -> bool:
     as they are: a producer can hand them over already rounded."""
     return (isinstance(layer, GatedPanelLinear)
             or (isinstance(layer, PanelLinear) and layer.bf16_activations))
+
+
+def kernel_rows(x: torch.Tensor, in_features: int, bf16_panels: bool) -> torch.Tensor:
+    """`x [..., in]` as the contiguous rows `[rows, in]` a panel product takes: bf16 rows as
+    they are over bf16 panels (the rows they would round fp32 ones to), else fp32 rows."""
+    if x.dtype == torch.bfloat16 and bf16_panels:
+        return x.reshape(-1, in_features).contiguous()
+    return fp32_rows(x, in_features)
 
 
 def fp32_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:

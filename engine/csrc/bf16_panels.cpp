@@ -37,6 +37,7 @@
 #include <memory>
 #include <vector>
 
+#include "bf16_round.h"
 #include "fast_exp.h"
 #include "ops.h"
 #include "panel_passes.h"
@@ -67,15 +68,7 @@ constexpr int64_t kPairWidth = 2 * kPanel;
 std::unique_ptr<uint16_t[]> round_rows(const float* x, int64_t M, int64_t K) {
   auto rounded = conveyor::scratch<uint16_t>(M * K);
   at::parallel_for(0, M, conveyor::rows_per_task(K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* in = x + m * K;
-      uint16_t* out = rounded.get() + m * K;
-      for (int64_t i = 0; i < K; i += 16) {
-        const __mmask16 mask = K - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - i)) - 1);
-        const __m256bh half = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, in + i));
-        _mm256_mask_storeu_epi16(out + i, mask, reinterpret_cast<const __m256i&>(half));
-      }
-    }
+    for (int64_t m = m0; m < m1; ++m) conveyor::round_to_bf16(x + m * K, K, rounded.get() + m * K);
   });
   return rounded;
 }
@@ -414,12 +407,12 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
       bf16_rows ? nullptr : round_rows(x.data_ptr<float>(), M, K);
   const uint16_t* rows = bf16_rows ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
                                    : rounded.get();
-  const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
-  const Problem pb =
-      bf16_out ? Problem{rows, b, nullptr, nullptr,
-                         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), M, K, inter}
-               : Problem{rows, b, nullptr, out.data_ptr<float>(), nullptr, M, K, inter};
-  run<Epilogue::kGated>(pb, panels, 2 * panels.size(0));
+  float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
+  uint16_t* out16 =
+      bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  run<Epilogue::kGated>(Problem{rows, has_bias ? bias->data_ptr<float>() : nullptr, nullptr,
+                                out32, out16, M, K, inter},
+                        panels, 2 * panels.size(0));
   return out;
 #endif
 }

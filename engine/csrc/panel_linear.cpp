@@ -375,24 +375,20 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                 "panel_linear: residual must be contiguous fp32 [rows, out_features]");
   at::Tensor out = at::empty({M, out_features}, x.options().dtype(at::kFloat));
   if (M == 0) return out;
-  if (bf16_rows) {
-    bf16_rows_product(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
-                      panels, has_bias ? bias->data_ptr<float>() : nullptr,
-                      has_residual ? residual->data_ptr<float>() : nullptr,
-                      out.data_ptr<float>(), out_features);
-    return out;
-  }
-  const Problem pb{x.data_ptr<float>(),
-                   has_bias ? bias->data_ptr<float>() : nullptr,
-                   out.data_ptr<float>(), M, K, out_features};
-  const bool blocks = panels.scalar_type() == at::kByte;
+  const float* b = has_bias ? bias->data_ptr<float>() : nullptr;
+  float* o = out.data_ptr<float>();
   if (panels.scalar_type() == at::kBFloat16) {
     // The residual is added as each panel's sums leave the registers.
-    bf16_panel_product(pb.x, M, K, panels, pb.bias, has_residual ? residual->data_ptr<float>()
-                                                                 : nullptr,
-                       pb.out, out_features);
+    const float* skip = has_residual ? residual->data_ptr<float>() : nullptr;
+    if (bf16_rows)
+      bf16_rows_product(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
+                        panels, b, skip, o, out_features);
+    else
+      bf16_panel_product(x.data_ptr<float>(), M, K, panels, b, skip, o, out_features);
     return out;
   }
+  const Problem pb{x.data_ptr<float>(), b, o, M, K, out_features};
+  const bool blocks = panels.scalar_type() == at::kByte;
   if (panels.scalar_type() == at::kChar)
     int8_panel_product(pb.x, M, K, panels, pb.bias, pb.out, out_features);
   else if (blocks && panels.size(2) == conveyor::Q41::kGroupBytes)

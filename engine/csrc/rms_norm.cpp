@@ -19,11 +19,7 @@
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define CONVEYOR_NORM_BF16 1
-#endif
-
+#include "bf16_round.h"
 #include "ops.h"
 #include "task_grain.h"
 
@@ -47,20 +43,14 @@ void normalize_rows(const float* x, const float* w, float* y, int64_t dim, float
     normalize_row(x + row * dim, w, y + row * dim, dim, eps);
 }
 
-#ifdef CONVEYOR_NORM_BF16
+#ifdef CONVEYOR_BF16_ROUND
 // The same rows rounded to bf16 (to nearest, ties to even) as a bf16 product rounds its input.
 void normalize_rows_bf16(const float* x, const float* w, uint16_t* y, int64_t dim, float eps,
                          int64_t begin, int64_t end) {
   std::vector<float> row(dim);
   for (int64_t r = begin; r < end; ++r) {
     normalize_row(x + r * dim, w, row.data(), dim, eps);
-    uint16_t* out = y + r * dim;
-    for (int64_t i = 0; i < dim; i += 16) {
-      const __mmask16 mask =
-          dim - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (dim - i)) - 1);
-      const __m256bh half = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, row.data() + i));
-      _mm256_mask_storeu_epi16(out + i, mask, reinterpret_cast<const __m256i&>(half));
-    }
+    conveyor::round_to_bf16(row.data(), dim, y + r * dim);
   }
 }
 #endif
@@ -80,7 +70,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   const float* wp = weight.data_ptr<float>();
   const float e = static_cast<float>(eps);
   if (bf16_out) {
-#ifndef CONVEYOR_NORM_BF16
+#ifndef CONVEYOR_BF16_ROUND
     TORCH_CHECK(false, "rms_norm: bf16 rows need AVX-512 BF16");
 #else
     at::Tensor out = at::empty({rows, dim}, x.options().dtype(at::kBFloat16));
