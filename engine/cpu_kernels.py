@@ -29,11 +29,11 @@ logger = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("paged_decode.cpp", "paged_prefill.cpp", "panel_linear.cpp",
                         "int8_panels.cpp", "bf16_panels.cpp", "rms_norm.cpp", "rotary.cpp",
-                        "silu_mul.cpp", "decode_layer.cpp", "argmax.cpp")]
+                        "silu_mul.cpp", "decode_layer.cpp", "stack_region.cpp", "argmax.cpp")]
 # Included by the sources: part of the build's key, though not compiled on their own.
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("bf16_round.h", "block_panels.h", "fast_exp.h", "lanes.h", "load8.h",
-                        "ops.h", "panel_passes.h", "scratch.h", "task_grain.h")]
+                        "ops.h", "panel_passes.h", "scratch.h", "task_grain.h", "team.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -199,6 +199,14 @@ def decode_layer(hidden: torch.Tensor, weights: list[torch.Tensor],
     return torch.ops.conveyor.decode_layer(hidden, weights, biases, heads, cos, sin, key_cache,
                                            value_cache, slots, block_table, seq_lens, eps,
                                            scale)
+
+
+def stack_region_applies(width: int, weights: list[torch.Tensor],
+                         biases: list[torch.Tensor | None], heads: list[int], cos: torch.Tensor,
+                         sin: torch.Tensor) -> bool:
+    """Whether `decode_layers` runs these layers in one parallel region
+    (`csrc/stack_region.cpp`): every projection over bf16 panels, gate/up as gated pairs."""
+    return torch.ops.conveyor.stack_region_applies(width, weights, biases, heads, cos, sin)
 
 
 def decode_layers(hidden: torch.Tensor, weights: list[torch.Tensor],

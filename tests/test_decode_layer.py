@@ -124,6 +124,59 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPat
     assert torch.equal(stacked_cache, layer_cache)
 
 
+@pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
+                    reason="bf16 panels need AVX-512 BF16")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("sequences", [4, 13])
+def test_the_stack_in_one_region_equals_the_layers_op_by_op(threads: int, sequences: int,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            ) -> None:
+    """Over bf16 panels the stack runs in one parallel region (`csrc/stack_region.cpp`): with
+    a few sequences' kv heads shared out or many whole sequences taken as threads free up, on
+    any number of threads, the logits and every K/V written equal the layers op by op."""
+    prompts = [list(range(5 + 11 * i, 9 + 11 * i + (7 * i) % 19)) for i in range(sequences)]
+    model = packed(tiny_llama(), "bf16")
+    stack = PagedLlamaForCausalLM(model).stack
+    assert stack is not None
+    cos = sin = torch.zeros(sequences, 1, 16)
+    assert cpu_kernels.stack_region_applies(64, stack.weights, stack.biases, stack.heads, cos,
+                                            sin)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        region_logits, region_cache = decode_step(model, True, monkeypatch, "bfloat16", prompts)
+        plain_logits, plain_cache = decode_step(model, False, monkeypatch, "bfloat16", prompts)
+    finally:
+        torch.set_num_threads(saved)
+    assert region_logits.shape == (sequences, model.config.vocab_size)
+    assert torch.equal(region_logits, plain_logits)
+    assert torch.equal(region_cache, plain_cache)
+
+
+@pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
+                    reason="bf16 panels need AVX-512 BF16")
+def test_only_stacks_of_bf16_panels_run_in_one_region() -> None:
+    """fp32 or fp16 panels, a bias that does not fit its panels, or rotary tables of another
+    head size keep the stack op by op."""
+    cos = sin = torch.zeros(3, 1, 16)
+
+    def applies(stack: FusedStack, cos: torch.Tensor = cos, sin: torch.Tensor = sin) -> bool:
+        return cpu_kernels.stack_region_applies(64, stack.weights, stack.biases, stack.heads,
+                                                cos, sin)
+
+    stacks = {w: PagedLlamaForCausalLM(packed(tiny_llama(), w)).stack
+              for w in ("bf16", "fp16", "fp32")}
+    assert all(stack is not None for stack in stacks.values())
+    bf16 = stacks["bf16"]
+    assert applies(bf16)
+    assert not applies(stacks["fp16"]) and not applies(stacks["fp32"])
+    biases = list(bf16.biases)
+    biases[4] = torch.zeros(7)  # the second layer's q/k/v bias
+    assert not applies(FusedStack(bf16.weights, biases, bf16.heads, bf16.eps, bf16.scale,
+                                  bf16.indices))
+    assert not applies(bf16, torch.zeros(3, 1, 8), torch.zeros(3, 1, 8))
+
+
 _build_paged = PagedLlamaForCausalLM.__init__
 
 

@@ -73,14 +73,8 @@ std::unique_ptr<uint16_t[]> round_rows(const float* x, int64_t M, int64_t K) {
   return rounded;
 }
 
-struct Problem {
-  const uint16_t* x;      // rounded rows
-  const float* bias;      // padded to whole panels, or null
-  const float* residual;  // [M, N] added to the output, or null
-  float* out;             // [M, N] fp32, or null when out16 takes the output
-  uint16_t* out16;        // [M, N] rounded to bf16, or null
-  int64_t M, K, N;
-};
+using Problem = conveyor::Bf16Product;
+using Task = conveyor::ProductTask;
 
 // What becomes of a pass's sums: each panel's 16 sums plus bias are its 16 output columns
 // (plain); or the panels come in gate/up pairs, and the pair's sums plus bias give the 16
@@ -260,11 +254,6 @@ void few_rows(const Problem& pb, const uint16_t* panels, int64_t p0, int64_t p1)
   for (; p < p1; p += kUnit<E>) micro<MR, kUnit<E>, false, E>(pb, 0, panels, p);
 }
 
-// A share of a product: rows [m0, m1) times panels [p0, p1).
-struct Task {
-  int64_t m0, m1, p0, p1;
-};
-
 // Panels the runs of a product's tasks come in: as many as one pass over that many rows takes
 // at once (a run of fewer would leave a pass short of independent sums), in whole units.
 template <Epilogue E>
@@ -318,44 +307,70 @@ void task_product(const Problem& pb, const uint16_t* panels, const Task& task, C
   }
 }
 
-// The product's panels [0, count) through epilogue E, over torch's threads: its tasks go to
+// This thread's part of the product's panels [0, count) through epilogue E: its tasks go to
 // whichever thread is free next. A static half each left one thread waiting at the end of many
 // products of a decode step (the other one held up by memory or by the process's other work).
 // A thread takes its next task as its current one's last panels start, so that they fetch the
 // next task's first (the first two panels of every run came from memory unasked: the default
 // model's layers at 8 rows took 4-5% longer).
 template <Epilogue E>
+void take_tasks(const Problem& pb, const uint16_t* w, int64_t count, const std::vector<Task>& tasks,
+                std::atomic<int64_t>& next) {
+  const int64_t total = static_cast<int64_t>(tasks.size());
+  const int64_t panel_size = pb.K / 2 * kPairWidth;
+  int64_t t = next++;
+  while (t < total) {
+    int64_t taken = -1;
+    auto claim = [&]() -> const uint16_t* {
+      taken = next++;
+      if (taken >= total) return nullptr;
+      const int64_t first = tasks[taken].p0;
+      return first + 2 <= count ? w + first * panel_size : nullptr;
+    };
+    task_product<E>(pb, w, tasks[t], claim);
+    t = taken >= 0 ? taken : next++;
+  }
+}
+
+// The product over torch's threads, in a parallel region of its own.
+template <Epilogue E>
 void run(const Problem& pb, const at::Tensor& panels, int64_t count) {
-  const int64_t M = pb.M, K = pb.K;
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   const int64_t units = count / kUnit<E>;
-  const std::vector<Task> tasks = plan_tasks<E>(M, K, units, at::get_num_threads());
-  const int64_t total = static_cast<int64_t>(tasks.size());
-  const int threads =
-      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total)));
+  const std::vector<Task> tasks = plan_tasks<E>(pb.M, pb.K, units, at::get_num_threads());
+  const int threads = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size())));
   std::atomic<int64_t> next{0};
-  const int64_t panel_size = K / 2 * kPairWidth;
 #pragma omp parallel num_threads(threads)
-  {
-    int64_t t = next++;
-    while (t < total) {
-      int64_t taken = -1;
-      auto claim = [&]() -> const uint16_t* {
-        taken = next++;
-        if (taken >= total) return nullptr;
-        const int64_t first = tasks[taken].p0;
-        return first + 2 <= count ? w + first * panel_size : nullptr;
-      };
-      task_product<E>(pb, w, tasks[t], claim);
-      t = taken >= 0 ? taken : next++;
-    }
-  }
+  take_tasks<E>(pb, w, count, tasks, next);
 }
 #endif
 
 }  // namespace
 
 namespace conveyor {
+
+std::vector<ProductTask> bf16_product_tasks(int64_t M, int64_t K, int64_t count, bool gated,
+                                            int threads) {
+#ifndef CONVEYOR_BF16_PANELS
+  TORCH_CHECK(false, "bf16 panels need AVX-512 BF16");
+#else
+  return gated ? plan_tasks<Epilogue::kGated>(M, K, count / 2, threads)
+               : plan_tasks<Epilogue::kPlain>(M, K, count, threads);
+#endif
+}
+
+void bf16_take_tasks(const Bf16Product& pb, const uint16_t* panels, int64_t count, bool gated,
+                     const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next) {
+#ifndef CONVEYOR_BF16_PANELS
+  TORCH_CHECK(false, "bf16 panels need AVX-512 BF16");
+#else
+  if (gated)
+    take_tasks<Epilogue::kGated>(pb, panels, count, tasks, next);
+  else
+    take_tasks<Epilogue::kPlain>(pb, panels, count, tasks, next);
+#endif
+}
 
 void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
                         const float* bias, const float* residual, float* out,

@@ -38,12 +38,13 @@ namespace {
 enum Weight { kInputNorm, kQkv, kOut, kPostNorm, kGateUp, kDown, kWeights };
 enum Bias { kQkvBias, kOutBias, kGateUpBias, kDownBias, kBiases };
 
-// Copies each row's new K (or V), `kv_heads * dim` floats at `src + row * src_stride`, to its
-// slot of one layer's cache, rounded to the nearest value of a 16- or 8-bit cache as torch rounds.
+// Copies rows [begin, end)'s new K (or V), `kv_heads * dim` floats at `src + row * src_stride`,
+// to their slots of one layer's cache, rounded to the nearest value of a 16- or 8-bit cache as
+// torch rounds.
 template <typename C>
-void store_rows(const float* src, int64_t src_stride, const int64_t* slots, int64_t rows,
-                int64_t row_size, C* cache) {
-  for (int64_t r = 0; r < rows; ++r) {
+void store_rows(const float* src, int64_t src_stride, const int64_t* slots, int64_t begin,
+                int64_t end, int64_t row_size, C* cache) {
+  for (int64_t r = begin; r < end; ++r) {
     const float* in = src + r * src_stride;
     C* out = cache + slots[r] * row_size;
     if constexpr (std::is_same_v<C, float>) {
@@ -54,30 +55,43 @@ void store_rows(const float* src, int64_t src_stride, const int64_t* slots, int6
   }
 }
 
+template <typename C>
+void store_both(const float* key_rows, int64_t key_stride, const float* value_rows,
+                int64_t value_stride, const int64_t* slots, int64_t begin, int64_t end,
+                int64_t row_size, at::Tensor& key, at::Tensor& value) {
+  store_rows(key_rows, key_stride, slots, begin, end, row_size, key.data_ptr<C>());
+  store_rows(value_rows, value_stride, slots, begin, end, row_size, value.data_ptr<C>());
+}
+
+}  // namespace
+
+namespace conveyor {
+
 void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows,
-              int64_t value_stride, const at::Tensor& slots, int64_t row_size, at::Tensor& key,
-              at::Tensor& value) {
-  const int64_t* s = slots.data_ptr<int64_t>();
-  const int64_t rows = slots.size(0);
+              int64_t value_stride, const int64_t* slots, int64_t begin, int64_t end,
+              int64_t row_size, at::Tensor& key, at::Tensor& value) {
   switch (key.scalar_type()) {
     case at::kFloat:
-      store_rows(key_rows, key_stride, s, rows, row_size, key.data_ptr<float>());
-      store_rows(value_rows, value_stride, s, rows, row_size, value.data_ptr<float>());
+      store_both<float>(key_rows, key_stride, value_rows, value_stride, slots, begin, end,
+                        row_size, key, value);
       break;
     case at::kBFloat16:
-      store_rows(key_rows, key_stride, s, rows, row_size, key.data_ptr<c10::BFloat16>());
-      store_rows(value_rows, value_stride, s, rows, row_size, value.data_ptr<c10::BFloat16>());
+      store_both<c10::BFloat16>(key_rows, key_stride, value_rows, value_stride, slots, begin,
+                                end, row_size, key, value);
       break;
     case at::kFloat8_e5m2:
-      store_rows(key_rows, key_stride, s, rows, row_size, key.data_ptr<c10::Float8_e5m2>());
-      store_rows(value_rows, value_stride, s, rows, row_size,
-                 value.data_ptr<c10::Float8_e5m2>());
+      store_both<c10::Float8_e5m2>(key_rows, key_stride, value_rows, value_stride, slots,
+                                   begin, end, row_size, key, value);
       break;
     default:
-      store_rows(key_rows, key_stride, s, rows, row_size, key.data_ptr<c10::Half>());
-      store_rows(value_rows, value_stride, s, rows, row_size, value.data_ptr<c10::Half>());
+      store_both<c10::Half>(key_rows, key_stride, value_rows, value_stride, slots, begin, end,
+                            row_size, key, value);
   }
 }
+
+}  // namespace conveyor
+
+namespace {
 
 // One layer's weights and cache.
 void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
@@ -140,8 +154,9 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   at::Tensor x = rms_norm(hidden, weights[kInputNorm], eps, bf16(weights[kQkv]));
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
   at::Tensor qk = rotary(qkv.narrow(1, 0, qk_heads * dim).view({rows, qk_heads, dim}), cos, sin);
-  store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
-           qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots, kv_size, key, value);
+  conveyor::store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
+           qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots.data_ptr<int64_t>(), 0, rows,
+           kv_size, key, value);
   at::Tensor attended = paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale);
   const at::Tensor residual = panel_linear(attended.view({rows, num_heads * dim}), weights[kOut],
                                           biases.get(kOutBias), width, hidden);
@@ -189,6 +204,9 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
   }
   // A layer keeps the hidden size, so the rows and slots are checked once for all.
   check_step(hidden, slots, keys[0]);
+  if (stack_region_applies(hidden.size(1), weights, biases, heads, cos, sin))
+    return stack_region(hidden, weights, layer_biases, heads, cos, sin, keys, values, slots,
+                        table, lens, eps, scale);
   at::Tensor x = hidden;
   for (int64_t i = 0; i < layers; ++i) {
     at::Tensor key = keys[i], value = values[i];

@@ -358,64 +358,109 @@ void attend_sequence(const Q* query, const C* key, const C* value, const int64_t
   }
 }
 
+// One call's sequences and how their work is cut: whole sequences per task when there are
+// enough of them for the threads, else one task per (sequence, kv head).
+template <typename Q, typename C>
+struct Sequences {
+  const Q* q;
+  const C* k;
+  const C* v;
+  const int64_t* blocks;
+  const int64_t* seq_lens;
+  Q* o;
+  Shape s;
+  int64_t splits, per_split, tasks;
+
+  Sequences(const Q* q, const C* k, const C* v, const int64_t* blocks, const int64_t* seq_lens,
+            Q* o, const Shape& s, int64_t seqs, int threads)
+      : q(q), k(k), v(v), blocks(blocks), seq_lens(seq_lens), o(o), s(s),
+        splits(seqs >= 4 * threads ? 1 : s.kv_heads), per_split(s.kv_heads / splits),
+        tasks(seqs * splits) {}
+
+  NextTask first_block(int64_t task) const {
+    const int64_t seq = task / splits, kv_first = task % splits * per_split;
+    return NextTask{k + blocks[seq * s.width] * s.block_stride() + kv_first * s.dim,
+                    std::min(s.block_size, seq_lens[seq])};
+  }
+
+  template <typename Claim>
+  void attend(int64_t task, Claim&& claim) const {
+    const int64_t seq = task / splits, kv_first = task % splits * per_split;
+    attend_sequence<Q, C>(q + seq * s.query_stride, k, v, blocks + seq * s.width, seq_lens[seq],
+                          kv_first, kv_first + per_split, s, o + seq * s.heads * s.dim, claim);
+  }
+};
+
+// A thread's share [begin, end) of a few sequences' kv heads, in order: the lines of a
+// sequence's next kv head lie beside those of the one before, and the hardware fetches some of
+// them along. Handed out one by one, a sequence's kv heads went to both threads: 9% slower at
+// 4 sequences.
+template <typename Q, typename C>
+void attend_share(const Sequences<Q, C>& work, int64_t begin, int64_t end) {
+  for (int64_t task = begin; task < end; ++task)
+    work.attend(task,
+                [&]() { return task + 1 < end ? work.first_block(task + 1) : NextTask{}; });
+}
+
+// This thread's whole sequences, each taken as it frees up. A thread takes its next as its
+// current one's last V block starts, whose work then fetches the next one's first K block. A
+// static half each left a thread waiting on the other for 16% of the attention's time at 16
+// sequences and 5-9% at 64 (the other held up by memory, or started late): 30 layers'
+// attention at 192 tokens of context took 6-7% longer.
+template <typename Q, typename C>
+void take_sequences(const Sequences<Q, C>& work, std::atomic<int64_t>& next) {
+  int64_t task = next++;
+  while (task < work.tasks) {
+    int64_t taken = -1;
+    work.attend(task, [&]() {
+      if (taken < 0) taken = next++;
+      return taken < work.tasks ? work.first_block(taken) : NextTask{};
+    });
+    task = taken >= 0 ? taken : next++;
+  }
+}
+
 template <typename Q, typename C = Q>
 void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
          const at::Tensor& table, const at::Tensor& lens, at::Tensor& out,
          const Shape& s) {
-  const Q* q = query.data_ptr<Q>();
-  const C* k = key.data_ptr<C>();
-  const C* v = value.data_ptr<C>();
-  const int64_t* blocks = table.data_ptr<int64_t>();
-  const int64_t* seq_lens = lens.data_ptr<int64_t>();
-  Q* o = out.data_ptr<Q>();
-  // Whole sequences per task when there are enough of them; else one task per kv head.
-  const int64_t seqs = query.size(0);
-  const int64_t splits = seqs >= 4 * at::get_num_threads() ? 1 : s.kv_heads;
-  const int64_t per_split = s.kv_heads / splits, tasks = seqs * splits;
-  auto first_block = [&](int64_t task) {
-    const int64_t seq = task / splits, kv_first = task % splits * per_split;
-    return NextTask{k + blocks[seq * s.width] * s.block_stride() + kv_first * s.dim,
-                    std::min(s.block_size, seq_lens[seq])};
-  };
-  auto attend = [&](int64_t task, auto&& claim) {
-    const int64_t seq = task / splits, kv_first = task % splits * per_split;
-    attend_sequence<Q, C>(q + seq * s.query_stride, k, v, blocks + seq * s.width, seq_lens[seq],
-                          kv_first, kv_first + per_split, s, o + seq * s.heads * s.dim, claim);
-  };
-  if (splits > 1) {
-    // A thread's share of a few sequences' kv heads, in order: the lines of a sequence's next
-    // kv head lie beside those of the one before, and the hardware fetches some of them along.
-    // Handed out one by one, a sequence's kv heads went to both threads: 9% slower at 4.
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task)
-        attend(task, [&]() { return task + 1 < end ? first_block(task + 1) : NextTask{}; });
-    });
+  const Sequences<Q, C> work(query.data_ptr<Q>(), key.data_ptr<C>(), value.data_ptr<C>(),
+                             table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                             out.data_ptr<Q>(), s, query.size(0), at::get_num_threads());
+  if (work.splits > 1) {
+    at::parallel_for(0, work.tasks, 1,
+                     [&](int64_t begin, int64_t end) { attend_share(work, begin, end); });
     return;
   }
-  // Whole sequences go to whichever thread is free. A thread takes its next as its current
-  // one's last V block starts, whose work then fetches the next one's first K block. A static
-  // half each left a thread waiting on the other for 16% of the attention's time at 16
-  // sequences and 5-9% at 64 (the other held up by memory, or started late): 30 layers'
-  // attention at 192 tokens of context took 6-7% longer.
   std::atomic<int64_t> next{0};
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), tasks));
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), work.tasks));
 #pragma omp parallel num_threads(threads)
-  {
-    int64_t task = next++;
-    while (task < tasks) {
-      int64_t taken = -1;
-      attend(task, [&]() {
-        if (taken < 0) taken = next++;
-        return taken < tasks ? first_block(taken) : NextTask{};
-      });
-      task = taken >= 0 ? taken : next++;
-    }
-  }
+  take_sequences(work, next);
 }
 
+// One thread of a team's part, the query fp32 and the cache C.
+template <typename C>
+void run_team(const conveyor::DecodeRows& rows, const at::Tensor& key, const at::Tensor& value,
+              const conveyor::Team& team, std::atomic<int64_t>& next) {
+  const Shape s{rows.heads, key.size(2), key.size(3), key.size(1), rows.width,
+                rows.query_stride, rows.scale};
+  const Sequences<float, C> work(rows.query, key.data_ptr<C>(), value.data_ptr<C>(),
+                                 rows.table, rows.lens, rows.out, s, rows.seqs, team.size);
+  if (work.splits > 1) {
+    const conveyor::Share part = conveyor::share(team, work.tasks, 1);
+    attend_share(work, part.begin, part.end);
+    return;
+  }
+  take_sequences(work, next);
+}
+
+}  // namespace
+
+namespace conveyor {
+
 // Every block a sequence reads must exist: a bad table would read outside the cache.
-void check_tables(const at::Tensor& table, const at::Tensor& lens, int64_t block_size,
-                  int64_t num_blocks) {
+void check_decode_tables(const at::Tensor& table, const at::Tensor& lens, int64_t block_size,
+                         int64_t num_blocks) {
   const int64_t* blocks = table.data_ptr<int64_t>();
   const int64_t* seq_lens = lens.data_ptr<int64_t>();
   const int64_t width = table.size(1);
@@ -430,9 +475,15 @@ void check_tables(const at::Tensor& table, const at::Tensor& lens, int64_t block
   }
 }
 
-}  // namespace
-
-namespace conveyor {
+void paged_decode_team(const DecodeRows& rows, const at::Tensor& key, const at::Tensor& value,
+                       const Team& team, std::atomic<int64_t>& next) {
+  switch (key.scalar_type()) {
+    case at::kFloat: run_team<float>(rows, key, value, team, next); break;
+    case at::kBFloat16: run_team<c10::BFloat16>(rows, key, value, team, next); break;
+    case at::kHalf: run_team<c10::Half>(rows, key, value, team, next); break;
+    default: run_team<c10::Float8_e5m2>(rows, key, value, team, next); break;
+  }
+}
 
 at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor table,
                         at::Tensor lens, double scale) {
@@ -456,7 +507,7 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
               "paged_decode: one block table row and length per sequence");
   const Shape s{query.size(1), key.size(2), query.size(2), key.size(1), table.size(1),
                 query.stride(0), static_cast<float>(scale)};
-  check_tables(table, lens, s.block_size, key.size(0));
+  check_decode_tables(table, lens, s.block_size, key.size(0));
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   if (widened) {
     if (cache == at::kBFloat16)

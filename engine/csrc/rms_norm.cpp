@@ -59,6 +59,19 @@ void normalize_rows_bf16(const float* x, const float* w, uint16_t* y, int64_t di
 
 namespace conveyor {
 
+void rms_norm_rows(const float* x, const float* weight, float* out32, uint16_t* out16,
+                   int64_t dim, float eps, int64_t begin, int64_t end) {
+  if (out32 != nullptr) {
+    normalize_rows(x, weight, out32, dim, eps, begin, end);
+    return;
+  }
+#ifndef CONVEYOR_BF16_ROUND
+  TORCH_CHECK(false, "rms_norm: bf16 rows need AVX-512 BF16");
+#else
+  normalize_rows_bf16(x, weight, out16, dim, eps, begin, end);
+#endif
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool bf16_out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
               "rms_norm: x [rows, dim] and weight [dim] shapes do not match");

@@ -48,6 +48,12 @@ __attribute__((optimize("fp-contract=off"))) void rotate_rows(
 
 namespace conveyor {
 
+void rotary_rows(const float* x, int64_t x_stride, const float* cos, const float* sin,
+                 int64_t cs_stride, float* out, int64_t heads, int64_t dim, int64_t begin,
+                 int64_t end) {
+  rotate_rows(x, x_stride, cos, sin, cs_stride, out, heads, dim, begin, end);
+}
+
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() &&
                   cos.size(0) == x.size(0) && cos.size(1) == 1 && cos.size(2) == x.size(2) &&
