@@ -32,8 +32,9 @@ SOURCES = [Path(__file__).parent / "csrc" / name
                         "silu_mul.cpp", "decode_layer.cpp", "stack_region.cpp", "argmax.cpp")]
 # Included by the sources: part of the build's key, though not compiled on their own.
 HEADERS = [Path(__file__).parent / "csrc" / name
-           for name in ("bf16_round.h", "block_panels.h", "fast_exp.h", "lanes.h", "load8.h",
-                        "ops.h", "panel_passes.h", "scratch.h", "task_grain.h", "team.h")]
+           for name in ("bf16_round.h", "block_panels.h", "fast_exp.h", "lanes.h", "layer_args.h",
+                        "load8.h", "ops.h", "panel_passes.h", "scratch.h", "task_grain.h",
+                        "team.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 

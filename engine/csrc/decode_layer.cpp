@@ -31,12 +31,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "layer_args.h"
 #include "ops.h"
 
 namespace {
-
-enum Weight { kInputNorm, kQkv, kOut, kPostNorm, kGateUp, kDown, kWeights };
-enum Bias { kQkvBias, kOutBias, kGateUpBias, kDownBias, kBiases };
 
 // Copies rows [begin, end)'s new K (or V), `kv_heads * dim` floats at `src + row * src_stride`,
 // to their slots of one layer's cache, rounded to the nearest value of a 16- or 8-bit cache as
@@ -96,7 +94,8 @@ namespace {
 // One layer's weights and cache.
 void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                  at::IntArrayRef heads, const at::Tensor& key, const at::Tensor& value) {
-  TORCH_CHECK(weights.size() == kWeights && biases.size() == kBiases && heads.size() == 3,
+  TORCH_CHECK(weights.size() == conveyor::kWeights && biases.size() == conveyor::kBiases &&
+                  heads.size() == 3,
               "decode_layer: 6 weights, 4 biases and [heads, kv_heads, head_dim]");
   const auto dtype = key.scalar_type();
   TORCH_CHECK(key.dim() == 4 && value.sizes() == key.sizes() && value.scalar_type() == dtype &&
@@ -154,7 +153,7 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   at::Tensor x = rms_norm(hidden, weights[kInputNorm], eps, bf16(weights[kQkv]));
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
   at::Tensor qk = rotary(qkv.narrow(1, 0, qk_heads * dim).view({rows, qk_heads, dim}), cos, sin);
-  conveyor::store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
+  store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
            qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots.data_ptr<int64_t>(), 0, rows,
            kv_size, key, value);
   at::Tensor attended = paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale);

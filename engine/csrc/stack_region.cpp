@@ -22,20 +22,14 @@
 #include <vector>
 
 #include "bf16_round.h"
+#include "layer_args.h"
 #include "ops.h"
 #include "scratch.h"
 #include "task_grain.h"
 #include "team.h"
 
+namespace conveyor {
 namespace {
-
-using conveyor::Bf16Product;
-using conveyor::ProductTask;
-using conveyor::Share;
-using conveyor::Team;
-
-enum Weight { kInputNorm, kQkv, kOut, kPostNorm, kGateUp, kDown, kWeights };
-enum Bias { kQkvBias, kOutBias, kGateUpBias, kDownBias, kBiases };
 
 // bf16 panels [ceil(out / 16), in / 2, 32], contiguous.
 bool bf16_panels(const at::Tensor& p, int64_t out, int64_t in) {
@@ -102,12 +96,12 @@ struct Layer {
 // This thread's rows of a pass over rows of `row_values` values, split as the op's own
 // `at::parallel_for` splits them.
 Share rows_of(const Team& team, const Stack& st, int64_t row_values) {
-  return conveyor::share(team, st.rows, conveyor::rows_per_task(row_values));
+  return share(team, st.rows, rows_per_task(row_values));
 }
 
 void product(const Bf16Product& pb, const Product& p, const std::vector<ProductTask>& tasks,
              std::atomic<int64_t>& next) {
-  conveyor::bf16_take_tasks(pb, p.panels, p.count, p.gated, tasks, next);
+  bf16_take_tasks(pb, p.panels, p.count, p.gated, tasks, next);
 }
 
 void barrier() {
@@ -120,7 +114,7 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
                std::atomic<int64_t>* taken) {
   const int64_t M = st.rows;
   Share part = rows_of(team, st, st.width);
-  conveyor::rms_norm_rows(in, layer.input_norm, nullptr, st.normed.get(), st.width, st.eps,
+  rms_norm_rows(in, layer.input_norm, nullptr, st.normed.get(), st.width, st.eps,
                           part.begin, part.end);
   barrier();
   product({st.normed.get(), layer.qkv_bias, nullptr, st.qkv.get(), nullptr, M, st.width,
@@ -130,20 +124,20 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
   // q and k rotated, then this thread's rows' new K (rotated) and V to their slots.
   const int64_t qk_heads = st.heads + st.kv_heads;
   part = rows_of(team, st, st.qk_size);
-  conveyor::rotary_rows(st.qkv.get(), st.qkv_size, st.cos, st.sin, st.cs_stride, st.qk.get(),
+  rotary_rows(st.qkv.get(), st.qkv_size, st.cos, st.sin, st.cs_stride, st.qk.get(),
                         qk_heads, st.dim, part.begin, part.end);
   at::Tensor key = layer.key, value = layer.value;
-  conveyor::store_kv(st.qk.get() + st.attn_size, st.qk_size, st.qkv.get() + st.qk_size,
+  store_kv(st.qk.get() + st.attn_size, st.qk_size, st.qkv.get() + st.qk_size,
                      st.qkv_size, st.slots, part.begin, part.end, st.kv_heads * st.dim, key,
                      value);
   barrier();
-  conveyor::paged_decode_team({st.qk.get(), st.qk_size, M, st.heads, st.table, st.table_width,
+  paged_decode_team({st.qk.get(), st.qk_size, M, st.heads, st.table, st.table_width,
                                st.lens, st.scale, st.attended.get()},
                               key, value, team, taken[1]);
   barrier();
   part = rows_of(team, st, st.attn_size);
   for (int64_t r = part.begin; r < part.end; ++r)
-    conveyor::round_to_bf16(st.attended.get() + r * st.attn_size, st.attn_size,
+    round_to_bf16(st.attended.get() + r * st.attn_size, st.attn_size,
                             st.attended16.get() + r * st.attn_size);
   barrier();
   product({st.attended16.get(), layer.out_bias, in, st.residual.get(), nullptr, M, st.attn_size,
@@ -151,7 +145,7 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
           layer.out, st.out_tasks, taken[2]);
   barrier();
   part = rows_of(team, st, st.width);
-  conveyor::rms_norm_rows(st.residual.get(), layer.post_norm, nullptr, st.normed.get(),
+  rms_norm_rows(st.residual.get(), layer.post_norm, nullptr, st.normed.get(),
                           st.width, st.eps, part.begin, part.end);
   barrier();
   product({st.normed.get(), layer.gate_up_bias, nullptr, nullptr, st.gated16.get(), M, st.width,
@@ -182,8 +176,6 @@ Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
 }
 
 }  // namespace
-
-namespace conveyor {
 
 bool stack_region_applies(int64_t width, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& biases,
