@@ -177,6 +177,28 @@ def test_only_stacks_of_bf16_panels_run_in_one_region() -> None:
     assert not applies(bf16, torch.zeros(3, 1, 8), torch.zeros(3, 1, 8))
 
 
+@pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
+                    reason="bf16 panels need AVX-512 BF16")
+def test_the_region_refuses_rows_without_their_rotary_rows() -> None:
+    """The region reads cos/sin by row: tables for another number of rows are refused before
+    any thread starts, as the op-by-op rotary refuses them."""
+    stack = PagedLlamaForCausalLM(packed(tiny_llama(), "bf16")).stack
+    assert stack is not None
+    caches = [torch.zeros(8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(4)]
+    args = dict(hidden=torch.randn(2, 64), weights=stack.weights, biases=stack.biases,
+                heads=stack.heads, cos=torch.ones(3, 1, 16), sin=torch.zeros(3, 1, 16),
+                key_caches=caches[:2], value_caches=caches[2:], slots=torch.tensor([1, 5]),
+                block_table=torch.tensor([[0], [1]]), seq_lens=torch.tensor([2, 2]),
+                eps=stack.eps, scale=stack.scale)
+    with pytest.raises(RuntimeError, match="rotary"):
+        cpu_kernels.decode_layers(**args)
+    assert all(not c.any() for c in caches)
+    out = cpu_kernels.decode_layers(**(args | dict(cos=torch.ones(2, 1, 16),
+                                                   sin=torch.zeros(2, 1, 16))))
+    assert out.shape == (2, 64) and torch.isfinite(out).all()
+    assert caches[0][0, 1].any() and caches[0][1, 1].any()  # slots 1 and 5
+
+
 _build_paged = PagedLlamaForCausalLM.__init__
 
 

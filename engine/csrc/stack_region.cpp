@@ -114,8 +114,8 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
                std::atomic<int64_t>* taken) {
   const int64_t M = st.rows;
   Share part = rows_of(team, st, st.width);
-  rms_norm_rows(in, layer.input_norm, nullptr, st.normed.get(), st.width, st.eps,
-                          part.begin, part.end);
+  rms_norm_rows(in, layer.input_norm, nullptr, st.normed.get(), st.width, st.eps, part.begin,
+                part.end);
   barrier();
   product({st.normed.get(), layer.qkv_bias, nullptr, st.qkv.get(), nullptr, M, st.width,
            st.qkv_size},
@@ -124,29 +124,28 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
   // q and k rotated, then this thread's rows' new K (rotated) and V to their slots.
   const int64_t qk_heads = st.heads + st.kv_heads;
   part = rows_of(team, st, st.qk_size);
-  rotary_rows(st.qkv.get(), st.qkv_size, st.cos, st.sin, st.cs_stride, st.qk.get(),
-                        qk_heads, st.dim, part.begin, part.end);
+  rotary_rows(st.qkv.get(), st.qkv_size, st.cos, st.sin, st.cs_stride, st.qk.get(), qk_heads,
+              st.dim, part.begin, part.end);
   at::Tensor key = layer.key, value = layer.value;
-  store_kv(st.qk.get() + st.attn_size, st.qk_size, st.qkv.get() + st.qk_size,
-                     st.qkv_size, st.slots, part.begin, part.end, st.kv_heads * st.dim, key,
-                     value);
+  store_kv(st.qk.get() + st.attn_size, st.qk_size, st.qkv.get() + st.qk_size, st.qkv_size,
+           st.slots, part.begin, part.end, st.kv_heads * st.dim, key, value);
   barrier();
-  paged_decode_team({st.qk.get(), st.qk_size, M, st.heads, st.table, st.table_width,
-                               st.lens, st.scale, st.attended.get()},
-                              key, value, team, taken[1]);
+  paged_decode_team({st.qk.get(), st.qk_size, M, st.heads, st.table, st.table_width, st.lens,
+                     st.scale, st.attended.get()},
+                    key, value, team, taken[1]);
   barrier();
   part = rows_of(team, st, st.attn_size);
   for (int64_t r = part.begin; r < part.end; ++r)
     round_to_bf16(st.attended.get() + r * st.attn_size, st.attn_size,
-                            st.attended16.get() + r * st.attn_size);
+                  st.attended16.get() + r * st.attn_size);
   barrier();
   product({st.attended16.get(), layer.out_bias, in, st.residual.get(), nullptr, M, st.attn_size,
            st.width},
           layer.out, st.out_tasks, taken[2]);
   barrier();
   part = rows_of(team, st, st.width);
-  rms_norm_rows(st.residual.get(), layer.post_norm, nullptr, st.normed.get(),
-                          st.width, st.eps, part.begin, part.end);
+  rms_norm_rows(st.residual.get(), layer.post_norm, nullptr, st.normed.get(), st.width, st.eps,
+                part.begin, part.end);
   barrier();
   product({st.normed.get(), layer.gate_up_bias, nullptr, nullptr, st.gated16.get(), M, st.width,
            st.inter},
@@ -221,6 +220,8 @@ at::Tensor stack_region(const at::Tensor& hidden, at::TensorList weights,
   const int64_t M = hidden.size(0), width = hidden.size(1);
   const at::Tensor blocks = table.to(at::kLong).contiguous();
   const at::Tensor lengths = lens.to(at::kLong).contiguous();
+  TORCH_CHECK(cos.size(0) == M,
+              "rotary: x [tokens, heads, dim] and cos/sin [tokens, 1, dim] do not match");
   TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == M && lengths.dim() == 1 &&
                   lengths.size(0) == M,
               "paged_decode: one block table row and length per sequence");
