@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/side_by_side.sh [DTYPE...]      # default: bfloat16 float32
 #   SERVERS=conveyor bash benchmarks/side_by_side.sh bfloat16   # rerun one server only
+#   SERVERS="conveyor vllm" bash benchmarks/side_by_side.sh bfloat16  # Conveyor first
 #   SERVERS=conveyor CONVEYOR_ARGS="--int8-activations --kv-cache-dtype bfloat16" \
 #       CONVEYOR_TAG=int8 bash benchmarks/side_by_side.sh float32  # extra serve flags, own files
 #
@@ -70,24 +71,34 @@ stop() {
     wait "$1" 2> /dev/null || true
 }
 
+serve_vllm() {  # DTYPE
+    VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 \
+        LD_PRELOAD="$VLLM_VENV/lib/libiomp5.so" \
+        "$VLLM_VENV/bin/python" "$launcher" serve "$model_dir" --dtype "$1" \
+        --port "$PORT" --served-model-name default > "$OUT/vllm_$1.log" 2>&1 &
+    pid=$!
+    wait_healthy && bench vllm "$1"
+    stop "$pid"
+}
+
+serve_conveyor() {  # DTYPE
+    # shellcheck disable=SC2086  # CONVEYOR_ARGS holds several flags
+    conveyor serve --dtype "$1" --port "$PORT" $CONVEYOR_ARGS \
+        > "$OUT/${CONVEYOR_NAME}_$1.log" 2>&1 &
+    pid=$!
+    wait_healthy && bench "$CONVEYOR_NAME" "$1"
+    stop "$pid"
+}
+
+# The servers run in the order SERVERS names them.
 for dtype in "${DTYPES[@]}"; do
-    if [[ " $SERVERS " == *" vllm "* ]]; then
-        VLLM_TARGET_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=2 \
-            LD_PRELOAD="$VLLM_VENV/lib/libiomp5.so" \
-            "$VLLM_VENV/bin/python" "$launcher" serve "$model_dir" --dtype "$dtype" \
-            --port "$PORT" --served-model-name default > "$OUT/vllm_$dtype.log" 2>&1 &
-        pid=$!
-        wait_healthy && bench vllm "$dtype"
-        stop "$pid"
-    fi
-    if [[ " $SERVERS " == *" conveyor "* ]]; then
-        # shellcheck disable=SC2086  # CONVEYOR_ARGS holds several flags
-        conveyor serve --dtype "$dtype" --port "$PORT" $CONVEYOR_ARGS \
-            > "$OUT/${CONVEYOR_NAME}_$dtype.log" 2>&1 &
-        pid=$!
-        wait_healthy && bench "$CONVEYOR_NAME" "$dtype"
-        stop "$pid"
-    fi
+    for server in $SERVERS; do
+        case "$server" in
+            vllm) serve_vllm "$dtype" ;;
+            conveyor) serve_conveyor "$dtype" ;;
+            *) echo "unknown server: $server (vllm or conveyor)" >&2; exit 1 ;;
+        esac
+    done
 done
 
 python - "$OUT" <<'EOF'
