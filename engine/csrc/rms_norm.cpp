@@ -82,22 +82,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  if (bf16_out) {
 #ifndef CONVEYOR_BF16_ROUND
-    TORCH_CHECK(false, "rms_norm: bf16 rows need AVX-512 BF16");
-#else
-    at::Tensor out = at::empty({rows, dim}, x.options().dtype(at::kBFloat16));
-    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    at::parallel_for(0, rows, rows_per_task(dim), [&](int64_t begin, int64_t end) {
-      normalize_rows_bf16(xp, wp, op, dim, e, begin, end);
-    });
-    return out;
+  TORCH_CHECK(!bf16_out, "rms_norm: bf16 rows need AVX-512 BF16");
 #endif
-  }
-  at::Tensor out = at::empty_like(x);
-  float* op = out.data_ptr<float>();
+  at::Tensor out = bf16_out ? at::empty({rows, dim}, x.options().dtype(at::kBFloat16))
+                            : at::empty_like(x);
+  float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
+  uint16_t* out16 =
+      bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, rows, rows_per_task(dim), [&](int64_t begin, int64_t end) {
-    normalize_rows(xp, wp, op, dim, e, begin, end);
+    rms_norm_rows(xp, wp, out32, out16, dim, e, begin, end);
   });
   return out;
 }

@@ -18,9 +18,9 @@
 #include "ops.h"
 #include "task_grain.h"
 
-namespace {
+namespace conveyor {
 
-__attribute__((optimize("fp-contract=off"))) void rotate_rows(
+__attribute__((optimize("fp-contract=off"))) void rotary_rows(
     const float* x, int64_t x_stride, const float* cos, const float* sin, int64_t cs_stride,
     float* out, int64_t heads, int64_t dim, int64_t begin, int64_t end) {
   const int64_t half = dim / 2;
@@ -44,16 +44,6 @@ __attribute__((optimize("fp-contract=off"))) void rotate_rows(
   }
 }
 
-}  // namespace
-
-namespace conveyor {
-
-void rotary_rows(const float* x, int64_t x_stride, const float* cos, const float* sin,
-                 int64_t cs_stride, float* out, int64_t heads, int64_t dim, int64_t begin,
-                 int64_t end) {
-  rotate_rows(x, x_stride, cos, sin, cs_stride, out, heads, dim, begin, end);
-}
-
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() &&
                   cos.size(0) == x.size(0) && cos.size(1) == 1 && cos.size(2) == x.size(2) &&
@@ -72,7 +62,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, tokens, rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
-    rotate_rows(xp, x.stride(0), cp, sp, cos.stride(0), op, heads, dim, begin, end);
+    rotary_rows(xp, x.stride(0), cp, sp, cos.stride(0), op, heads, dim, begin, end);
   });
   return out;
 }

@@ -193,10 +193,10 @@ bool stack_region_applies(int64_t width, at::TensorList weights,
                       sin.scalar_type() == at::kFloat && cos.stride(2) == 1 &&
                       sin.stride(2) == 1 && cos.stride(0) == sin.stride(0);
   if (!rotary) return false;
+  const int64_t gated_panel_count = (inter + 15) / 16;
   for (int64_t i = 0; i < layers; ++i) {
     at::TensorList w = weights.slice(i * kWeights, kWeights);
     auto bias = [&](int b) { return biases.get(i * kBiases + b); };
-    const int64_t gated_panel_count = (inter + 15) / 16;
     if (!(fp32_norm(w[kInputNorm], width) && fp32_norm(w[kPostNorm], width) &&
           bf16_panels(w[kQkv], qkv_size, width) && bf16_panels(w[kOut], width, attn_size) &&
           gated_panels(w[kGateUp], inter, width) && bf16_panels(w[kDown], width, inter) &&

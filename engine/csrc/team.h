@@ -1,5 +1,5 @@
 // The threads of one parallel region that runs many kernels in turn (a decode step's whole layer
-// stack, `decode_layer.cpp`): each kernel takes a `Team` and does this thread's part, and the
+// stack, `stack_region.cpp`): each kernel takes a `Team` and does this thread's part, and the
 // region's barriers stand between kernels, in place of a fork and a join around each.
 #pragma once
 
@@ -12,9 +12,6 @@ struct Team {
   int id;    // this thread, in [0, size)
   int size;  // threads in the region
 };
-
-// The calling thread as a team of one (a kernel run outside any such region).
-inline Team alone() { return Team{0, 1}; }
 
 // This thread's rows [begin, end) of a pass over `n` rows, shared as `at::parallel_for(0, n,
 // grain, ...)` shares them: all of them on the first thread when they are no more than `grain`,
