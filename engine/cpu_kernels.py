@@ -112,6 +112,26 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                                             blocks, context, scale)
 
 
+def paged_prefill_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       out: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
+                       contexts: torch.Tensor, table: torch.Tensor, scale: float) -> None:
+    """`paged_prefill` for a step's sequences in one call: sequence i's query rows `[starts[i],
+    starts[i] + lens[i])` sit at positions `contexts[i]` on, over the blocks of `table[i]`;
+    their attention goes to the same rows of `out` (contiguous fp32, the query's shape), other
+    rows are left as they are. `starts`, `lens`, `contexts` `[n]` and `table` `[n, width]` are
+    int64; the runs lie in order and apart."""
+    torch.ops.conveyor.paged_prefill_rows(_heads_contiguous(query), key_cache, value_cache, out,
+                                          starts, lens, contexts, table, scale)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """New fp32 K and V `[tokens, kv_heads, dim]` (heads and dims contiguous, rows may be
+    strided) to their slots (int64 `[tokens]`) of one layer's cache, rounded to its dtype as
+    `Tensor.to` rounds."""
+    torch.ops.conveyor.store_kv(key, value, key_cache, value_cache, slots)
+
+
 def _heads_contiguous(query: torch.Tensor) -> torch.Tensor:
     """`[rows, heads, dim]` with heads and dims contiguous, as the attention kernels read it;
     rows may stay strided (a view into a fused projection's output)."""

@@ -87,12 +87,100 @@ def test_kernel_rejects_bad_inputs():
     assert call(query[:0], key_cache, value_cache, blocks, 3, 0.125).shape == (0, 4, 32)
 
 
+def several_sequences(cache_dtype=torch.bfloat16, seed=0):
+    """Three sequences in one cache (scattered blocks), one fresh, one after 40 cached tokens,
+    one after 3, with a decode row between the second and third runs of query rows."""
+    generator = torch.Generator().manual_seed(seed)
+    block_size, kv_heads, heads, dim = 16, 3, 9, 64
+    contexts, lens, starts = [0, 40, 3], [70, 9, 130], [0, 70, 80]
+    used = [-(-(c + n) // block_size) for c, n in zip(contexts, lens, strict=True)]
+    shape = (sum(used) + 2, block_size, kv_heads, dim)
+    key_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    order = torch.randperm(shape[0], generator=generator).tolist()
+    table = torch.zeros(3, max(used), dtype=torch.int64)
+    for row, n in enumerate(used):
+        table[row, :n] = torch.tensor([order.pop() for _ in range(n)])
+    query = torch.randn(starts[-1] + lens[-1], heads, dim, generator=generator)
+    spans = [torch.tensor(x, dtype=torch.int64) for x in (starts, lens, contexts)]
+    return query, key_cache, value_cache, spans, table
+
+
+def test_a_steps_sequences_in_one_call_match_each_alone():
+    """Each run of rows equals its sequence attended alone, to the bit; rows outside the runs
+    are left as they were."""
+    query, key_cache, value_cache, (starts, lens, contexts), table = several_sequences()
+    out = torch.full_like(query, 7.0)
+    cpu_kernels.paged_prefill_rows(query, key_cache, value_cache, out, starts, lens, contexts,
+                                   table, 0.125)
+    for row in range(3):
+        start, n, context = int(starts[row]), int(lens[row]), int(contexts[row])
+        alone = cpu_kernels.paged_prefill(query[start:start + n], key_cache, value_cache,
+                                          table[row], context, 0.125)
+        torch.testing.assert_close(out[start:start + n], alone, atol=0, rtol=0)
+        expected = reference_prefill(query[start:start + n], key_cache, value_cache, table[row],
+                                     context, 0.125)
+        torch.testing.assert_close(out[start:start + n], expected, atol=CACHE_TOLERANCE,
+                                   rtol=CACHE_TOLERANCE)
+    assert torch.equal(out[79], torch.full_like(out[79], 7.0))
+
+
+def test_one_call_rejects_bad_runs():
+    query, key_cache, value_cache, (starts, lens, contexts), table = several_sequences()
+    call = torch.ops.conveyor.paged_prefill_rows
+
+    def run(out=None, starts=starts, lens=lens, contexts=contexts, table=table):
+        call(query, key_cache, value_cache, torch.empty_like(query) if out is None else out,
+             starts, lens, contexts, table, 0.125)
+
+    with pytest.raises(RuntimeError, match="in order, apart"):
+        run(starts=torch.tensor([0, 60, 80]))  # the second run starts inside the first
+    with pytest.raises(RuntimeError, match="in order, apart"):
+        run(lens=torch.tensor([70, 9, 131]))  # past the last query row
+    with pytest.raises(RuntimeError, match="in order, apart"):
+        run(lens=torch.tensor([70, 0, 130]))
+    with pytest.raises(RuntimeError, match="out must be"):
+        run(out=torch.empty(query.shape[0] - 1, *query.shape[1:]))
+    with pytest.raises(RuntimeError, match="int64"):
+        run(contexts=contexts[:2])
+    with pytest.raises(RuntimeError, match="table"):
+        run(table=table[:2])
+    with pytest.raises(RuntimeError, match="do not cover"):
+        run(table=table[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match="out of range"):
+        run(table=torch.full_like(table, 10_000))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                         torch.float8_e5m2])
+def test_store_op_writes_what_the_cache_writes(cache_dtype):
+    """New K/V read from a fused projection's rows (strided) land at their slots rounded as
+    `KVCache.write` rounds them, to the bit; other slots keep what they held."""
+    from engine.kv_cache import KVCache, KVCacheSpec
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=32, dtype=cache_dtype,
+                       block_size=4)
+    ours, reference = (KVCache(spec, num_blocks=40, device=torch.device("cpu"))
+                       for _ in range(2))
+    packed = torch.randn(150, 9 * 32)  # as the fused q/k/v output holds them
+    key, value = packed[:, 96:192].view(150, 3, 32), packed[:, 192:].view(150, 3, 32)
+    slots = torch.randperm(160)[:150]
+    cpu_kernels.store_kv(key, value, ours.key(1), ours.value(1), slots)
+    reference.write(1, slots, key, value)
+    assert torch.equal(ours.tensor.view(torch.uint8), reference.tensor.view(torch.uint8))
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_kernels.store_kv(key, value, ours.key(1), ours.value(1), slots + 1_000)
+    with pytest.raises(RuntimeError, match="fp32"):
+        cpu_kernels.store_kv(key.bfloat16(), value, ours.key(1), ours.value(1), slots)
+
+
 @pytest.mark.parametrize(("dim", "query_dtype", "kernel_calls"),
-                         [(32, torch.float32, 2), (8, torch.float32, 0), (32, torch.bfloat16, 0)])
+                         [(32, torch.float32, 1), (8, torch.float32, 0), (32, torch.bfloat16, 0)])
 def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(monkeypatch, dim,
                                                                      query_dtype, kernel_calls):
-    """A fresh prompt and a chunk after cached tokens go to the kernel; head dims it does not
-    take and 16-bit models keep the torch path. Both give the gathered reference."""
+    """A fresh prompt and a chunk after cached tokens go to the kernel in one call, beside a
+    decode row; head dims it does not take and 16-bit models keep the torch path. All give the
+    gathered reference."""
     import numpy as np
 
     from engine.attention import get_backend
@@ -100,15 +188,15 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(monkeypatch
     from engine.kv_cache import KVCache, KVCacheSpec
 
     calls = []
-    original = cpu_kernels.paged_prefill
-    monkeypatch.setattr(cpu_kernels, "paged_prefill",
-                        lambda *args: calls.append(args[4]) or original(*args))
+    original = cpu_kernels.paged_prefill_rows
+    monkeypatch.setattr(cpu_kernels, "paged_prefill_rows",
+                        lambda *args: calls.append(args[6].tolist()) or original(*args))
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=dim, dtype=query_dtype,
                        block_size=4)
-    cache = KVCache(spec, num_blocks=16, device=torch.device("cpu"))
+    cache = KVCache(spec, num_blocks=20, device=torch.device("cpu"))
     backend = get_backend("cpu", torch.device("cpu"))
-    contexts, queries = [0, 6], [5, 7]
-    tables = [[3, 9], [12, 1, 7, 4]]
+    contexts, queries = [0, 6, 9], [5, 7, 1]  # the last row decodes
+    tables = [[3, 9, 0], [12, 1, 7, 4], [15, 16, 17]]
     lengths = [c + q for c, q in zip(contexts, queries, strict=True)]
     k_all = [torch.randn(n, 2, dim, dtype=query_dtype) for n in lengths]
     v_all = [torch.randn(n, 2, dim, dtype=query_dtype) for n in lengths]
@@ -116,21 +204,25 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(monkeypatch
     def slots(row, positions):
         return [tables[row][p // 4] * 4 + p % 4 for p in positions]
 
-    cache.write(0, torch.tensor(slots(1, range(6))), k_all[1][:6], v_all[1][:6])
+    for row in (1, 2):
+        context = contexts[row]
+        cache.write(0, torch.tensor(slots(row, range(context))), k_all[row][:context],
+                    v_all[row][:context])
     batch = InputBatch(
-        requests=[], input_ids=np.zeros(12, dtype=np.int64),
-        positions=np.concatenate([np.arange(0, 5), np.arange(6, 13)]),
-        slot_mapping=np.array(slots(0, range(5)) + slots(1, range(6, 13))),
-        query_starts=np.array([0, 5]), query_lens=np.array(queries),
+        requests=[], input_ids=np.zeros(13, dtype=np.int64),
+        positions=np.concatenate([np.arange(0, 5), np.arange(6, 13), [9]]),
+        slot_mapping=np.array(slots(0, range(5)) + slots(1, range(6, 13)) + slots(2, [9])),
+        query_starts=np.array([0, 5, 12]), query_lens=np.array(queries),
         context_lens=np.array(contexts),
-        block_table=np.array([tables[0] + [0, 0], tables[1]]), sample_rows=np.arange(2))
-    q = torch.randn(12, 4, dim, dtype=query_dtype)
-    new_k = torch.cat([k_all[0], k_all[1][6:]])
-    new_v = torch.cat([v_all[0], v_all[1][6:]])
+        block_table=np.array([tables[0] + [0], tables[1], tables[2] + [0]]),
+        sample_rows=np.arange(3))
+    q = torch.randn(13, 4, dim, dtype=query_dtype)
+    new_k = torch.cat([k_all[0], k_all[1][6:], k_all[2][9:]])
+    new_v = torch.cat([v_all[0], v_all[1][6:], v_all[2][9:]])
     out = backend.forward(0, q, new_k, new_v, 0.25, backend.build_metadata(batch, cache))
-    assert sorted(calls) == [0, 6][:kernel_calls]
-    for row, (start, context) in enumerate([(0, 0), (5, 6)]):
-        n = queries[row]
+    assert calls == [[0, 6]][:kernel_calls]
+    for row, start in enumerate([0, 5, 12]):
+        n, context = queries[row], contexts[row]
         blocks = torch.tensor(tables[row])
         expected = reference_prefill(q[start:start + n].float(), cache.key(0), cache.value(0),
                                      blocks, context, 0.25)

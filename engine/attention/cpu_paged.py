@@ -1,30 +1,62 @@
 """Paged attention for the CPU: decode rows and prefill chunks go through Conveyor's C++
 kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`), which read K/V in place from the
-cache blocks. A step of decode rows only can also run whole layers as one op each
-(`decode_step`, `csrc/decode_layer.cpp`)."""
+cache blocks. A step's prefill chunks attend in one call per layer, written straight into the
+layer's output, and new K/V are stored by one op per layer. A step of decode rows only can also
+run whole layers as one op each (`decode_step`, `csrc/decode_layer.cpp`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata, DecodeStep
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
-from engine.attention.torch_paged import PrefillSpan
+from engine.attention.torch_paged import TorchPagedMetadata, _to
+from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache
 
 # What the fused decode layer and the prefill kernel read (and store) under fp32 compute.
 _FUSED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2)
 
 
+@dataclass(slots=True)
+class PrefillRows:
+    """A step's prefill chunks as the prefill kernel takes them: each one's first query row,
+    its rows, the tokens cached before it and its block ids (int64)."""
+
+    starts: torch.Tensor
+    lens: torch.Tensor
+    contexts: torch.Tensor
+    table: torch.Tensor
+
+
+@dataclass(slots=True, eq=False)
+class CpuPagedMetadata(InPlaceMetadata):
+    prefill_rows: PrefillRows | None = None
+
+
 class CpuPagedAttention(InPlaceDecodeAttention):
     name = "cpu"
-    prefill_block_ids = True
 
     def __init__(self) -> None:
         if not cpu_kernels.load():
             raise RuntimeError("the cpu attention backend needs its C++ kernel, which did not "
                                "build here; use --attention-backend torch")
+
+    @staticmethod
+    def metadata_type() -> type[TorchPagedMetadata]:
+        return CpuPagedMetadata
+
+    def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> TorchPagedMetadata:
+        meta = super().build_metadata(batch, kv_cache)
+        assert isinstance(meta, CpuPagedMetadata)
+        rows = np.flatnonzero(batch.query_lens > 1)
+        if rows.size:
+            meta.prefill_rows = _prefill_rows(batch, rows, kv_cache.block_size, kv_cache.device)
+        return meta
 
     def decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, block_table: torch.Tensor,
@@ -32,19 +64,30 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         return cpu_kernels.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
                                        scale)
 
-    def _prefill(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scale: float, span: PrefillSpan, cache: KVCache) -> torch.Tensor:
-        """The chunk's tokens over their sequence's K/V, already stored, read in place: a fresh
-        prompt and a chunk after cached tokens alike. Shapes the kernel does not take (head
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scale: float, metadata: AttentionMetadata) -> torch.Tensor:
+        """Prefill chunks in one kernel call over K/V already stored, read in place: fresh
+        prompts and chunks after cached tokens alike. Shapes the kernel does not take (head
         dims not a multiple of 16, a 16-bit model) keep the torch path."""
-        q = query[span.start:span.end]
-        if (q.dtype != torch.float32 or q.shape[-1] % 16
-                or cache.spec.dtype not in _FUSED_CACHE_DTYPES):
-            return super()._prefill(layer, query, key, value, scale, span, cache)
-        assert span.block_ids is not None  # prefill_block_ids: every span carries them
-        context = span.seq_len - q.shape[0]
-        return cpu_kernels.paged_prefill(q, cache.key(layer), cache.value(layer),
-                                         span.block_ids, context, scale)
+        assert isinstance(metadata, CpuPagedMetadata)
+        rows, cache = metadata.prefill_rows, metadata.kv_cache
+        if rows is None or not _kernel_takes(query, cache):
+            return super().forward(layer, query, key, value, scale, metadata)
+        self._store(cache, layer, metadata.slot_mapping, key, value)
+        out = torch.empty(query.shape, dtype=query.dtype)
+        if metadata.decode_tokens is not None:
+            out[metadata.decode_tokens] = self._decode(layer, query, scale, metadata)
+        cpu_kernels.paged_prefill_rows(query, cache.key(layer), cache.value(layer), out,
+                                       rows.starts, rows.lens, rows.contexts, rows.table, scale)
+        return out
+
+    @staticmethod
+    def _store(cache: KVCache, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> None:
+        if _stores(key, value, cache):
+            cpu_kernels.store_kv(key, value, cache.key(layer), cache.value(layer), slot_mapping)
+        else:
+            cache.write(layer, slot_mapping, key, value)
 
     def decode_step(self, metadata: AttentionMetadata) -> DecodeStep | None:
         assert isinstance(metadata, InPlaceMetadata)
@@ -55,3 +98,25 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         return DecodeStep(kv_cache=cache, slot_mapping=metadata.slot_mapping,
                           block_table=metadata.decode_block_table,
                           seq_lens=metadata.decode_seq_lens)
+
+
+def _kernel_takes(query: torch.Tensor, cache: KVCache) -> bool:
+    return (query.dtype == torch.float32 and query.shape[-1] % 16 == 0
+            and cache.spec.dtype in _FUSED_CACHE_DTYPES)
+
+
+def _stores(key: torch.Tensor, value: torch.Tensor, cache: KVCache) -> bool:
+    """The store op takes these rows: fp32, heads and dims contiguous, a cache it writes."""
+    return (cache.spec.dtype in _FUSED_CACHE_DTYPES
+            and all(x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
+                    and x.stride(1) == x.shape[2] for x in (key, value)))
+
+
+def _prefill_rows(batch: InputBatch, rows: np.ndarray, block_size: int,
+                  device: torch.device) -> PrefillRows:
+    seq_lens = batch.context_lens[rows] + batch.query_lens[rows]
+    width = int(-(-seq_lens.max() // block_size))
+    return PrefillRows(starts=_to(batch.query_starts[rows].astype(np.int64), device),
+                       lens=_to(batch.query_lens[rows].astype(np.int64), device),
+                       contexts=_to(batch.context_lens[rows].astype(np.int64), device),
+                       table=_to(batch.block_table[rows, :width].astype(np.int64), device))

@@ -19,6 +19,9 @@
 // It calls the same kernels, in the same order, as the layer does op by op from Python, so the
 // result is the same to the bit; what it saves is the dispatch of two dozen small ops a layer
 // (about a third of a decode step for one sequence of the default model).
+//
+// `store_kv` stores a prefill step's new K/V the way the layer stores a decode step's.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e5m2.h>
@@ -35,6 +38,9 @@
 #include "ops.h"
 
 namespace {
+
+// New tokens a thread stores at least, when a step stores many (a prefill's).
+constexpr int64_t kStoreGrain = 256;
 
 // Copies rows [begin, end)'s new K (or V), `kv_heads * dim` floats at `src + row * src_stride`,
 // to their slots of one layer's cache, rounded to the nearest value of a 16- or 8-bit cache as
@@ -90,6 +96,40 @@ void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows
 }  // namespace conveyor
 
 namespace {
+
+// New K and V [tokens, kv_heads, dim] fp32 (rows may be strided; heads and dims contiguous) to
+// their slots of one layer's cache, rounded to its dtype as torch rounds: a prefill step's
+// store, in place of a cast and an index copy each.
+void store_new_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                  at::Tensor& value_cache, const at::Tensor& slots) {
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                  value_cache.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
+                   dtype == at::kFloat8_e5m2) &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "store_kv: the cache must be contiguous fp32, bf16, fp16 or fp8 (e5m2) "
+              "[blocks, block_size, kv_heads, dim]");
+  for (const at::Tensor* rows : {&key, &value})
+    TORCH_CHECK(rows->dim() == 3 && rows->scalar_type() == at::kFloat &&
+                    rows->size(1) == key_cache.size(2) && rows->size(2) == key_cache.size(3) &&
+                    rows->stride(2) == 1 && rows->stride(1) == rows->size(2),
+                "store_kv: new K and V must be fp32 [tokens, kv_heads, dim] with heads and "
+                "dims contiguous, as the cache holds them");
+  const int64_t tokens = key.size(0);
+  TORCH_CHECK(value.size(0) == tokens && slots.dim() == 1 && slots.size(0) == tokens &&
+                  slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "store_kv: one int64 slot per new token");
+  const int64_t capacity = key_cache.size(0) * key_cache.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < tokens; ++r)
+    TORCH_CHECK(s[r] >= 0 && s[r] < capacity, "store_kv: slot out of range");
+  at::parallel_for(0, tokens, kStoreGrain, [&](int64_t begin, int64_t end) {
+    conveyor::store_kv(key.data_ptr<float>(), key.stride(0), value.data_ptr<float>(),
+                       value.stride(0), s, begin, end, key.size(1) * key.size(2), key_cache,
+                       value_cache);
+  });
+}
 
 // One layer's weights and cache.
 void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
@@ -218,6 +258,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slots) -> ()");
   m.def("decode_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
         "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
         "Tensor lens, float eps, float scale) -> Tensor");
@@ -228,4 +270,5 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("decode_layer", &conveyor::decode_layer);
   m.impl("decode_layers", &conveyor::decode_layers);
+  m.impl("store_kv", &store_new_kv);
 }
