@@ -111,6 +111,15 @@ async def test_load_run_against_a_live_server(shape):
         assert len(result.itls) <= result.output_len - 1
 
 
+def test_load_runs_on_uvloop_where_installed():
+    """The client shares the machine with the server it loads: it takes uvloop's lighter loop."""
+    import uvloop
+
+    from bench.serve import _loop_factory
+
+    assert _loop_factory() is uvloop.new_event_loop
+
+
 async def test_chat_endpoint_load():
     requests = [r for r in random_workload(4, 8, 5, POOL, seed=5)]
     text = [type(r)(tiny_tokenizer().decode(r.prompt), r.prompt_len, r.output_len)
