@@ -8,6 +8,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -152,7 +153,7 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, disable=not enabled, file=sys.stderr, desc="requests")
 
 
-def _loop_factory():
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's event loop where it is installed (it comes with uvicorn[standard]): the client
     shares the machine with the server it loads, and spends less CPU time per streamed token
     on it."""

@@ -3,8 +3,7 @@
 Rows with a single query token (decodes) are batched into one call over their gathered block
 tables. Rows with several query tokens (prefill chunks) run one by one: a fresh prompt attends
 causally over its own new K/V; a chunk after a cached prefix reads its whole sequence back from
-the cache with an offset causal mask. A subclass whose prefill reads every prompt from the
-cache sets `prefill_block_ids`, and each span then carries its block ids.
+the cache with an offset causal mask.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTIO
 
 @dataclass(slots=True)
 class PrefillSpan:
-    """One multi-token row. `mask` is set only when a cached prefix exists; `block_ids` then, or
-    for every row when the backend asks for them (`prefill_block_ids`)."""
+    """One multi-token row. `mask` and `block_ids` are set only when a cached prefix exists."""
 
     start: int
     end: int
@@ -52,8 +50,6 @@ class TorchPagedMetadata(AttentionMetadata):
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
-    # Whether every prefill span carries its block ids, not only those after a cached prefix.
-    prefill_block_ids = False
 
     @staticmethod
     def metadata_type() -> type[TorchPagedMetadata]:
@@ -71,8 +67,7 @@ class TorchPagedAttention(AttentionBackend):
         if decode_rows.size:
             self._decode_metadata(meta, batch, decode_rows, kv_cache.block_size, device)
         for row in np.flatnonzero(batch.query_lens > 1):
-            meta.prefills.append(_prefill_span(batch, int(row), kv_cache.block_size, device,
-                                               self.prefill_block_ids))
+            meta.prefills.append(_prefill_span(batch, int(row), kv_cache.block_size, device))
         return meta
 
     def _decode_metadata(self, meta: TorchPagedMetadata, batch: InputBatch, rows: np.ndarray,
@@ -170,16 +165,15 @@ def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     return gathered.view(rows, width * layer_cache.shape[1], *layer_cache.shape[2:]).transpose(1, 2)
 
 
-def _prefill_span(batch: InputBatch, row: int, block_size: int, device: torch.device,
-                  with_block_ids: bool) -> PrefillSpan:
+def _prefill_span(batch: InputBatch, row: int, block_size: int,
+                  device: torch.device) -> PrefillSpan:
     start = int(batch.query_starts[row])
     num = int(batch.query_lens[row])
     context = int(batch.context_lens[row])
     span = PrefillSpan(start=start, end=start + num, seq_len=context + num)
-    if context or with_block_ids:
+    if context:
         num_blocks = -(-span.seq_len // block_size)
         span.block_ids = _to(batch.block_table[row, :num_blocks], device)
-    if context:
         query_pos = np.arange(context, span.seq_len)
         mask = np.arange(span.seq_len)[None, :] <= query_pos[:, None]
         span.mask = _to(mask, device)[None, None]

@@ -11,15 +11,14 @@
 // sequences, each a run of query rows (starts, lens, contexts [n] int64, table [n, width] int64),
 // and writes their rows of out [tokens, heads, head_dim] fp32.
 //
-// Flash-style, in fp32, every sequence of the call in one parallel region, sequence by
-// sequence. First, each tile of 64 keys of each of its kv heads is widened once, K transposed to
-// [head_dim][64] and V as [64][head_dim]. Then a work item is one kv head and a tile of query
+// Flash-style, in fp32, every sequence of the call in one parallel region. First, every tile of
+// 64 keys of every kv head of every sequence is widened once, K transposed to [head_dim][64] and
+// V as [64][head_dim]. Then a work item is one sequence's kv head and a tile of its query
 // tokens, whose rows (the tokens times the kv head's query heads) share each K and V tile up to
 // their last token's; the scores and the weighted V sums are both register-tiled products (6
 // rows by 16 columns, 12 accumulators), and the softmax is online (a running max and sum per
-// row, earlier sums rescaled when the max grows). Tiles and items are claimed as threads free
-// up, a sequence's costliest items (the last tokens) first, each item once its sequence's tiles
-// are widened.
+// row, earlier sums rescaled when the max grows). Tiles, then items, are claimed as threads free
+// up, the costliest items (those that see the most keys) first.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -242,16 +241,17 @@ void attend_item(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, in
   }
 }
 
-// A tile of keys to widen (`load`), or a tile of query tokens to attend: sequence, kv head,
-// first key or token.
+// A tile of keys to widen, or a tile of query tokens to attend: sequence, kv head, first key or
+// token.
 struct Work {
   int64_t seq, g, first;
-  bool load;
 };
 
-// Every sequence's tiles of keys, each sequence's after the one before in one buffer.
+// Every sequence's tiles of keys, each sequence's after the one before in one buffer, and the
+// tiles to widen.
 struct KeyTiles {
   std::vector<Tiles> of;  // per sequence
+  std::vector<Work> loads;
   std::unique_ptr<float[]> data;
 
   explicit KeyTiles(const std::vector<Problem>& ps) {
@@ -259,34 +259,31 @@ struct KeyTiles {
     for (const Problem& p : ps) floats += p.kv_heads * count(p) * 2 * kKeys * p.dim;
     data.reset(new float[floats]);
     float* next = data.get();
-    for (const Problem& p : ps) {
+    for (int64_t seq = 0; seq < static_cast<int64_t>(ps.size()); ++seq) {
+      const Problem& p = ps[seq];
       of.push_back(Tiles{next, count(p), p.dim});
       next += p.kv_heads * count(p) * 2 * kKeys * p.dim;
+      for (int64_t g = 0; g < p.kv_heads; ++g)
+        for (int64_t t = 0; t < count(p); ++t) loads.push_back(Work{seq, g, t * kKeys});
     }
   }
 
   static int64_t count(const Problem& p) { return (p.context + p.tokens + kKeys - 1) / kKeys; }
 };
 
-// The call's work in the order threads take it, sequence by sequence: a sequence's tiles of
-// keys, then its items, the costliest first (the last token tiles see the most keys, so the
-// short ones fill in). Taken so, a sequence's widened tiles are still in cache when its items
-// read them: all the sequences' tiles widened first and read after (3 MB for 16 prompts of 128
-// tokens) made a step's prompt attention 9% slower than a call per sequence.
-std::vector<Work> work_order(const std::vector<Problem>& ps) {
-  std::vector<Work> order;
+// Every sequence's items, the costliest first: the tiles of last tokens see the most keys, so
+// the short ones fill in the end.
+std::vector<Work> attend_items(const std::vector<Problem>& ps) {
+  std::vector<Work> items;
   for (int64_t seq = 0; seq < static_cast<int64_t>(ps.size()); ++seq) {
     const Problem& p = ps[seq];
-    for (int64_t g = 0; g < p.kv_heads; ++g)
-      for (int64_t t = 0; t < KeyTiles::count(p); ++t)
-        order.push_back(Work{seq, g, t * kKeys, true});
-    const size_t items = order.size();
     for (int64_t t0 = 0; t0 < p.tokens; t0 += p.token_tile())
-      for (int64_t g = 0; g < p.kv_heads; ++g) order.push_back(Work{seq, g, t0, false});
-    std::stable_sort(order.begin() + items, order.end(),
-                     [](const Work& a, const Work& b) { return a.first > b.first; });
+      for (int64_t g = 0; g < p.kv_heads; ++g) items.push_back(Work{seq, g, t0});
   }
-  return order;
+  auto keys = [&](const Work& w) { return ps[w.seq].context + w.first; };
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const Work& a, const Work& b) { return keys(a) > keys(b); });
+  return items;
 }
 
 template <typename C>
@@ -294,31 +291,28 @@ void run(const std::vector<Problem>& ps, const at::Tensor& key, const at::Tensor
   const C* k = key.data_ptr<C>();
   const C* v = value.data_ptr<C>();
   const KeyTiles tiles(ps);
-  const std::vector<Work> order = work_order(ps);
-  const int64_t seqs = static_cast<int64_t>(ps.size());
-  const int64_t total = static_cast<int64_t>(order.size());
-  // Tiles widened per sequence: its items wait for all of them (claimed just before).
-  std::unique_ptr<std::atomic<int64_t>[]> widened(new std::atomic<int64_t>[seqs]);
-  for (int64_t seq = 0; seq < seqs; ++seq) widened[seq].store(0);
-  std::atomic<int64_t> next{0};
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), total));
+  const std::vector<Work> items = attend_items(ps);
+  const int64_t loads = static_cast<int64_t>(tiles.loads.size());
+  const int64_t count = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next_load{0}, next_item{0};
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), count));
 #pragma omp parallel num_threads(threads)
   {
-    Workspace space(ps.front());
-    for (int64_t i = next++; i < total; i = next++) {
-      const Work& w = order[i];
+    for (int64_t i = next_load++; i < loads; i = next_load++) {
+      const Work& w = tiles.loads[i];
       const Problem& p = ps[w.seq];
       const Tiles& t = tiles.of[w.seq];
-      if (w.load) {
-        const int64_t n = std::min(kKeys, p.context + p.tokens - w.first);
-        load_tile(p, k, v, w.g, w.first, n, t.key(w.g, w.first / kKeys),
-                  t.value(w.g, w.first / kKeys));
-        widened[w.seq].fetch_add(1, std::memory_order_release);
-        continue;
-      }
-      const int64_t needed = p.kv_heads * t.count;
-      while (widened[w.seq].load(std::memory_order_acquire) < needed) _mm_pause();
-      attend_item(p, t, w.g, w.first, std::min(p.tokens, w.first + p.token_tile()), space);
+      const int64_t n = std::min(kKeys, p.context + p.tokens - w.first);
+      load_tile(p, k, v, w.g, w.first, n, t.key(w.g, w.first / kKeys),
+                t.value(w.g, w.first / kKeys));
+    }
+#pragma omp barrier
+    Workspace space(ps.front());
+    for (int64_t i = next_item++; i < count; i = next_item++) {
+      const Work& w = items[i];
+      const Problem& p = ps[w.seq];
+      attend_item(p, tiles.of[w.seq], w.g, w.first, std::min(p.tokens, w.first + p.token_tile()),
+                  space);
     }
   }
 }
