@@ -26,13 +26,29 @@ _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTIO
 
 @dataclass(slots=True)
 class PrefillSpan:
-    """One multi-token row. `mask` and `block_ids` are set only when a cached prefix exists."""
+    """One multi-token row. `block_ids` are set only when a cached prefix exists; `mask`, its
+    offset causal mask, is made when the torch path first attends over that prefix (a backend
+    whose kernel reads the blocks itself never needs it)."""
 
     start: int
     end: int
     seq_len: int
     block_ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+
+    @property
+    def context(self) -> int:
+        """Tokens cached before the chunk."""
+        return self.seq_len - (self.end - self.start)
+
+    def offset_mask(self, device: torch.device) -> torch.Tensor:
+        """`[1, 1, tokens, seq_len]`: query token i (at position context + i) sees keys up to
+        its own position."""
+        if self.mask is None:
+            query_pos = np.arange(self.context, self.seq_len)
+            seen = np.arange(self.seq_len)[None, :] <= query_pos[:, None]
+            self.mask = _to(seen, device)[None, None]
+        return self.mask
 
 
 @dataclass(slots=True, eq=False)
@@ -118,7 +134,7 @@ class TorchPagedAttention(AttentionBackend):
     def _prefill(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scale: float, span: PrefillSpan, cache: KVCache) -> torch.Tensor:
         q = query[span.start:span.end].transpose(0, 1).unsqueeze(0)
-        if span.mask is None:
+        if not span.context:
             # As the cache holds them, so that a prompt attends alike whether its K/V come
             # fresh or, after a prefix hit or preemption, from the cache.
             k = _as_cached(key[span.start:span.end], cache).transpose(0, 1).unsqueeze(0)
@@ -129,7 +145,7 @@ class TorchPagedAttention(AttentionBackend):
             table = span.block_ids.unsqueeze(0)
             k = _gather(cache.key(layer), table)[:, :, :span.seq_len].to(q.dtype)
             v = _gather(cache.value(layer), table)[:, :, :span.seq_len].to(q.dtype)
-            out = _sdpa(q, k, v, attn_mask=span.mask, scale=scale)
+            out = _sdpa(q, k, v, attn_mask=span.offset_mask(q.device), scale=scale)
         return out[0].transpose(0, 1)
 
 
@@ -174,9 +190,6 @@ def _prefill_span(batch: InputBatch, row: int, block_size: int,
     if context:
         num_blocks = -(-span.seq_len // block_size)
         span.block_ids = _to(batch.block_table[row, :num_blocks], device)
-        query_pos = np.arange(context, span.seq_len)
-        mask = np.arange(span.seq_len)[None, :] <= query_pos[:, None]
-        span.mask = _to(mask, device)[None, None]
     return span
 
 

@@ -97,19 +97,34 @@ void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows
 
 namespace {
 
+// One layer's cache as the ops store into it and read it: K and V of one shape and dtype.
+void check_cache(const at::Tensor& key, const at::Tensor& value, const char* op) {
+  const auto dtype = key.scalar_type();
+  TORCH_CHECK(key.dim() == 4 && value.sizes() == key.sizes() && value.scalar_type() == dtype &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
+                   dtype == at::kFloat8_e5m2) &&
+                  key.is_contiguous() && value.is_contiguous(),
+              op, ": the cache must be contiguous fp32, bf16, fp16 or fp8 (e5m2) "
+              "[blocks, block_size, kv_heads, dim]");
+}
+
+// One int64 slot per row, each inside a cache of `key`'s size.
+void check_slots(const at::Tensor& slots, int64_t rows, const at::Tensor& key, const char* op) {
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == rows && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(),
+              op, ": one int64 slot per row");
+  const int64_t capacity = key.size(0) * key.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(s[r] >= 0 && s[r] < capacity, op, ": slot out of range");
+}
+
 // New K and V [tokens, kv_heads, dim] fp32 (rows may be strided; heads and dims contiguous) to
 // their slots of one layer's cache, rounded to its dtype as torch rounds: a prefill step's
 // store, in place of a cast and an index copy each.
 void store_new_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                   at::Tensor& value_cache, const at::Tensor& slots) {
-  const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
-                  value_cache.scalar_type() == dtype &&
-                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
-                   dtype == at::kFloat8_e5m2) &&
-                  key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "store_kv: the cache must be contiguous fp32, bf16, fp16 or fp8 (e5m2) "
-              "[blocks, block_size, kv_heads, dim]");
+  check_cache(key_cache, value_cache, "store_kv");
   for (const at::Tensor* rows : {&key, &value})
     TORCH_CHECK(rows->dim() == 3 && rows->scalar_type() == at::kFloat &&
                     rows->size(1) == key_cache.size(2) && rows->size(2) == key_cache.size(3) &&
@@ -117,13 +132,9 @@ void store_new_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
                 "store_kv: new K and V must be fp32 [tokens, kv_heads, dim] with heads and "
                 "dims contiguous, as the cache holds them");
   const int64_t tokens = key.size(0);
-  TORCH_CHECK(value.size(0) == tokens && slots.dim() == 1 && slots.size(0) == tokens &&
-                  slots.scalar_type() == at::kLong && slots.is_contiguous(),
-              "store_kv: one int64 slot per new token");
-  const int64_t capacity = key_cache.size(0) * key_cache.size(1);
+  TORCH_CHECK(value.size(0) == tokens, "store_kv: new K and V must have one row per token");
+  check_slots(slots, tokens, key_cache, "store_kv");
   const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < tokens; ++r)
-    TORCH_CHECK(s[r] >= 0 && s[r] < capacity, "store_kv: slot out of range");
   at::parallel_for(0, tokens, kStoreGrain, [&](int64_t begin, int64_t end) {
     conveyor::store_kv(key.data_ptr<float>(), key.stride(0), value.data_ptr<float>(),
                        value.stride(0), s, begin, end, key.size(1) * key.size(2), key_cache,
@@ -137,13 +148,7 @@ void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tenso
   TORCH_CHECK(weights.size() == conveyor::kWeights && biases.size() == conveyor::kBiases &&
                   heads.size() == 3,
               "decode_layer: 6 weights, 4 biases and [heads, kv_heads, head_dim]");
-  const auto dtype = key.scalar_type();
-  TORCH_CHECK(key.dim() == 4 && value.sizes() == key.sizes() && value.scalar_type() == dtype &&
-                  (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
-                   dtype == at::kFloat8_e5m2) &&
-                  key.is_contiguous() && value.is_contiguous(),
-              "decode_layer: the cache must be contiguous fp32, bf16, fp16 or fp8 (e5m2) "
-              "[blocks, block_size, kv_heads, dim]");
+  check_cache(key, value, "decode_layer");
   TORCH_CHECK(key.size(2) == heads[1] && key.size(3) == heads[2] && heads[0] % heads[1] == 0,
               "decode_layer: head shapes do not match the cache");
 }
@@ -152,13 +157,7 @@ void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tenso
 void check_step(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& key) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
               "decode_layer: hidden must be contiguous fp32 [rows, hidden]");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == hidden.size(0) &&
-                  slots.scalar_type() == at::kLong && slots.is_contiguous(),
-              "decode_layer: one int64 slot per row");
-  const int64_t capacity = key.size(0) * key.size(1);
-  const int64_t* s = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < slots.size(0); ++r)
-    TORCH_CHECK(s[r] >= 0 && s[r] < capacity, "decode_layer: slot out of range");
+  check_slots(slots, hidden.size(0), key, "decode_layer");
 }
 
 }  // namespace
