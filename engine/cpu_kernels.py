@@ -32,9 +32,9 @@ SOURCES = [Path(__file__).parent / "csrc" / name
                         "silu_mul.cpp", "decode_layer.cpp", "stack_region.cpp", "argmax.cpp")]
 # Included by the sources: part of the build's key, though not compiled on their own.
 HEADERS = [Path(__file__).parent / "csrc" / name
-           for name in ("bf16_round.h", "block_panels.h", "fast_exp.h", "lanes.h", "layer_args.h",
-                        "load8.h", "ops.h", "panel_passes.h", "scratch.h", "task_grain.h",
-                        "team.h")]
+           for name in ("bf16_pairs.h", "bf16_round.h", "block_panels.h", "fast_exp.h",
+                        "lanes.h", "layer_args.h", "load8.h", "ops.h", "panel_passes.h",
+                        "scratch.h", "task_grain.h", "team.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -104,24 +104,30 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
 
 
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  blocks: torch.Tensor, context: int, scale: float) -> torch.Tensor:
+                  blocks: torch.Tensor, context: int, scale: float,
+                  bf16: bool = False) -> torch.Tensor:
     """A sequence's query tokens `[tokens, heads, dim]` (fp32) attending causally over its K/V
     in the paged cache: token i sits at position `context + i`. `blocks` are the sequence's
-    block ids (int64), covering `context + tokens` positions; its K/V are already stored."""
+    block ids (int64), covering `context + tokens` positions; its K/V are already stored.
+
+    The products are fp32, or with `bf16` (a bf16 cache, `bf16_prefill_available()`) bf16 dot
+    products as torch's flash attention computes a bf16 model's: query rows and softmax weights
+    rounded to bf16, sums and the softmax in fp32."""
     return torch.ops.conveyor.paged_prefill(_heads_contiguous(query), key_cache, value_cache,
-                                            blocks, context, scale)
+                                            blocks, context, scale, bf16)
 
 
 def paged_prefill_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        out: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                       contexts: torch.Tensor, table: torch.Tensor, scale: float) -> None:
+                       contexts: torch.Tensor, table: torch.Tensor, scale: float,
+                       bf16: bool = False) -> None:
     """`paged_prefill` for a step's sequences in one call: sequence i's query rows `[starts[i],
     starts[i] + lens[i])` sit at positions `contexts[i]` on, over the blocks of `table[i]`;
     their attention goes to the same rows of `out` (contiguous fp32, the query's shape), other
     rows are left as they are. `starts`, `lens`, `contexts` `[n]` and `table` `[n, width]` are
     int64; the runs lie in order and apart."""
     torch.ops.conveyor.paged_prefill_rows(_heads_contiguous(query), key_cache, value_cache, out,
-                                          starts, lens, contexts, table, scale)
+                                          starts, lens, contexts, table, scale, bf16)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -151,6 +157,11 @@ def bf16_panels_available() -> bool:
     """The panel product runs over bf16 panels here: the CPU has AVX-512 BF16 dot products."""
     return (panel_linear_available()
             and _multiplies(torch.ones(1, 4, 32, dtype=torch.bfloat16)))
+
+
+def bf16_prefill_available() -> bool:
+    """The prefill kernel's bf16 products run here (the same AVX-512 BF16 as the bf16 panels)."""
+    return bf16_panels_available()
 
 
 def _multiplies(panels: torch.Tensor) -> bool:

@@ -62,7 +62,7 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     if device.type == "cpu":
         _weights_into_huge_pages(model)
         heap.keep_freed_memory()
-    backend = get_backend(config.attention_backend, device)
+    backend = get_backend(config.attention_backend, device, dtype)
     logger.info("attention backend: %s", backend.name)
     graphs = _decode_graphs(config, model, backend, kv_cache, max_model_len)
     runner = ModelRunner(model, kv_cache, backend, sampler, graphs)

@@ -543,6 +543,8 @@ def test_a_bf16_checkpoint_served_with_auto_keeps_16_bits(tmp_path, half_weights
                           cache=CacheConfig(num_blocks=64, block_size=8))
     core, loaded, info = create_engine_core(config)
     assert (info.dtype, info.kv_cache_dtype) == ("bfloat16", "bfloat16")
+    # With bf16 panels the prompts attend in bf16 products too, which the oracle keeps in fp32.
+    assert core.runner.backend.bf16_prompts == (half_weights == "bf16")
     layer = loaded.model.model.layers[0].mlp.down_proj
     assert isinstance(layer, HALF_WEIGHT_LAYERS[half_weights])
     if half_weights != "torch":

@@ -10,6 +10,11 @@ from engine import cpu_kernels
 from tests.attention_cases import random_sequence, reference_prefill
 
 CACHE_TOLERANCE = 2e-5  # fp32 arithmetic over the cache's values, whatever their width
+# bf16 products: the softmax weights rounded to bf16 (8 significant bits) before the product with
+# V; the reference rounds the queries alike and keeps the weights exact.
+BF16_TOLERANCE = 1e-2
+needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_prefill_available(),
+                                reason="bf16 products need AVX-512 BF16")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,6 +45,36 @@ def test_fp32_queries_over_a_narrower_cache(cache_dtype):
     """The cache's values, widened exactly, with fp32 arithmetic throughout."""
     query, key_cache, value_cache, blocks = random_sequence(cache_dtype, 9, 3, 64, 16, 21, 150)
     check(query, key_cache, value_cache, blocks, 21)
+
+
+@needs_bf16
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 16),
+                                                       (2, 1, 128)])
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize(("context", "tokens"), [(0, 1), (0, 7), (0, 65), (3, 17), (60, 70),
+                                                 (0, 300)])
+def test_bf16_products_match_the_reference_over_rounded_queries(heads, kv_heads, dim,
+                                                                 block_size, context, tokens):
+    """A bf16 cache in bf16 dot products: odd and even key counts, tiles of 64 keys ending
+    inside, on and past them. A row over one key is that key's value, exactly; past one key the
+    weights' rounding shows, so the fp32 kernel's rows differ."""
+    query, key_cache, value_cache, blocks = random_sequence(torch.bfloat16, heads, kv_heads, dim,
+                                                            block_size, context, tokens)
+    out = cpu_kernels.paged_prefill(query, key_cache, value_cache, blocks, context, 0.125,
+                                    bf16=True)
+    expected = reference_prefill(query.bfloat16().float(), key_cache, value_cache, blocks,
+                                 context, 0.125)
+    torch.testing.assert_close(out, expected, atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    fp32 = cpu_kernels.paged_prefill(query, key_cache, value_cache, blocks, context, 0.125)
+    assert torch.equal(out[0], fp32[0]) == (context == 0)
+    assert torch.equal(out[-1], fp32[-1]) == (context + tokens == 1)
+
+
+def test_bf16_products_need_a_bf16_cache():
+    query, key_cache, value_cache, blocks = random_sequence(torch.float16, 4, 2, 32, 4, 3, 10)
+    match = "a bf16 cache" if cpu_kernels.bf16_prefill_available() else "AVX-512 BF16"
+    with pytest.raises(RuntimeError, match=match):
+        cpu_kernels.paged_prefill(query, key_cache, value_cache, blocks, 3, 0.125, bf16=True)
 
 
 def test_a_long_prompt_over_many_key_tiles():
@@ -106,22 +141,25 @@ def several_sequences(cache_dtype=torch.bfloat16, seed=0):
     return query, key_cache, value_cache, spans, table
 
 
-def test_a_steps_sequences_in_one_call_match_each_alone():
-    """Each run of rows equals its sequence attended alone, to the bit; rows outside the runs
-    are left as they were."""
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=needs_bf16)])
+def test_a_steps_sequences_in_one_call_match_each_alone(bf16):
+    """Each run of rows equals its sequence attended alone, to the bit, in fp32 or bf16
+    products; rows outside the runs are left as they were."""
     query, key_cache, value_cache, (starts, lens, contexts), table = several_sequences()
     out = torch.full_like(query, 7.0)
     cpu_kernels.paged_prefill_rows(query, key_cache, value_cache, out, starts, lens, contexts,
-                                   table, 0.125)
+                                   table, 0.125, bf16)
+    tolerance = BF16_TOLERANCE if bf16 else CACHE_TOLERANCE
     for row in range(3):
         start, n, context = int(starts[row]), int(lens[row]), int(contexts[row])
-        alone = cpu_kernels.paged_prefill(query[start:start + n], key_cache, value_cache,
-                                          table[row], context, 0.125)
+        rows = query[start:start + n]
+        alone = cpu_kernels.paged_prefill(rows, key_cache, value_cache, table[row], context,
+                                          0.125, bf16)
         torch.testing.assert_close(out[start:start + n], alone, atol=0, rtol=0)
-        expected = reference_prefill(query[start:start + n], key_cache, value_cache, table[row],
-                                     context, 0.125)
-        torch.testing.assert_close(out[start:start + n], expected, atol=CACHE_TOLERANCE,
-                                   rtol=CACHE_TOLERANCE)
+        expected = reference_prefill(rows.bfloat16().float() if bf16 else rows, key_cache,
+                                     value_cache, table[row], context, 0.125)
+        torch.testing.assert_close(out[start:start + n], expected, atol=tolerance,
+                                   rtol=tolerance)
     assert torch.equal(out[79], torch.full_like(out[79], 7.0))
 
 
@@ -174,13 +212,21 @@ def test_store_op_writes_what_the_cache_writes(cache_dtype):
         cpu_kernels.store_kv(key.bfloat16(), value, ours.key(1), ours.value(1), slots)
 
 
-@pytest.mark.parametrize(("dim", "query_dtype", "kernel_calls"),
-                         [(32, torch.float32, 1), (8, torch.float32, 0), (32, torch.bfloat16, 0)])
-def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(monkeypatch, dim,
-                                                                     query_dtype, kernel_calls):
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize(("dim", "query_dtype", "cache_dtype", "model_dtype", "kernel_calls"), [
+    (32, F32, F32, F32, [False]),
+    (8, F32, F32, F32, []),
+    (32, BF16, BF16, BF16, []),
+    (32, F32, BF16, F32, [False]),  # an fp32 model over a narrower cache: fp32 products
+    pytest.param(32, F32, BF16, BF16, [True], marks=needs_bf16),  # bf16 weights, fp32 rows
+])
+def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
+        monkeypatch, dim, query_dtype, cache_dtype, model_dtype, kernel_calls):
     """A fresh prompt and a chunk after cached tokens go to the kernel in one call, beside a
-    decode row; head dims it does not take and 16-bit models keep the torch path. All give the
-    gathered reference."""
+    decode row, in bf16 products for a bf16 model over a bf16 cache; head dims it does not take
+    and 16-bit activations keep the torch path. All give the gathered reference."""
     import numpy as np
 
     from engine.attention import get_backend
@@ -190,11 +236,11 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(monkeypatch
     calls = []
     original = cpu_kernels.paged_prefill_rows
     monkeypatch.setattr(cpu_kernels, "paged_prefill_rows",
-                        lambda *args: calls.append(args[6].tolist()) or original(*args))
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=dim, dtype=query_dtype,
+                        lambda *args: calls.append(args[6:8] + args[9:]) or original(*args))
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=dim, dtype=cache_dtype,
                        block_size=4)
     cache = KVCache(spec, num_blocks=20, device=torch.device("cpu"))
-    backend = get_backend("cpu", torch.device("cpu"))
+    backend = get_backend("cpu", torch.device("cpu"), model_dtype)
     contexts, queries = [0, 6, 9], [5, 7, 1]  # the last row decodes
     tables = [[3, 9, 0], [12, 1, 7, 4], [15, 16, 17]]
     lengths = [c + q for c, q in zip(contexts, queries, strict=True)]
@@ -220,11 +266,12 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(monkeypatch
     new_k = torch.cat([k_all[0], k_all[1][6:], k_all[2][9:]])
     new_v = torch.cat([v_all[0], v_all[1][6:], v_all[2][9:]])
     out = backend.forward(0, q, new_k, new_v, 0.25, backend.build_metadata(batch, cache))
-    assert calls == [[0, 6]][:kernel_calls]
+    assert [(c.tolist(), t.shape[1], bf16) for c, t, bf16 in calls] == [
+        ([0, 6], 4, bf16) for bf16 in kernel_calls]
     for row, start in enumerate([0, 5, 12]):
         n, context = queries[row], contexts[row]
         blocks = torch.tensor(tables[row])
-        expected = reference_prefill(q[start:start + n].float(), cache.key(0), cache.value(0),
-                                     blocks, context, 0.25)
-        tol = 1e-5 if query_dtype == torch.float32 else 2e-2
+        rows = q[start:start + n].to(cache_dtype if kernel_calls == [True] else F32).float()
+        expected = reference_prefill(rows, cache.key(0), cache.value(0), blocks, context, 0.25)
+        tol = 2e-2 if query_dtype == BF16 or kernel_calls == [True] else 1e-5
         torch.testing.assert_close(out[start:start + n].float(), expected, atol=tol, rtol=tol)

@@ -36,7 +36,10 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return TorchPagedAttention.name
 
 
-def get_backend(name: str, device: torch.device | None = None) -> AttentionBackend:
+def get_backend(name: str, device: torch.device | None = None,
+                model_dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """The backend `name` asks for on `device`, for a model of `model_dtype` (the CPU kernel
+    attends over a bf16 model's prompts in bf16 products)."""
     device = device or torch.device("cpu")
     name = resolve_backend_name(name, device)
     try:
@@ -49,6 +52,8 @@ def get_backend(name: str, device: torch.device | None = None) -> AttentionBacke
         raise ValueError(f"the {name!r} attention backend runs on the CPU only, not {device}")
     if name == TritonPagedAttention.name and not triton_paged.runs_on(device):
         raise ValueError(f"the {name!r} attention backend runs on CUDA devices, not {device}")
+    if backend is CpuPagedAttention:
+        return CpuPagedAttention(model_dtype)
     return backend()
 
 

@@ -1,8 +1,11 @@
 """Paged attention for the CPU: decode rows and prefill chunks go through Conveyor's C++
 kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`), which read K/V in place from the
 cache blocks. A step's prefill chunks attend in one call per layer, written straight into the
-layer's output, and new K/V are stored by one op per layer. A step of decode rows only can also
-run whole layers as one op each (`decode_step`, `csrc/decode_layer.cpp`)."""
+layer's output, and new K/V are stored by one op per layer. A bf16 model's prompt chunks over a
+bf16 cache attend in bf16 dot products, as torch's flash attention computes a bf16 model's (query
+rows and softmax weights rounded to bf16, sums and softmax in fp32), where the CPU has AVX-512
+BF16. A step of decode rows only can also run whole layers as one op each (`decode_step`,
+`csrc/decode_layer.cpp`)."""
 
 from __future__ import annotations
 
@@ -41,10 +44,12 @@ class CpuPagedMetadata(InPlaceMetadata):
 class CpuPagedAttention(InPlaceDecodeAttention):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, model_dtype: torch.dtype = torch.float32) -> None:
         if not cpu_kernels.load():
             raise RuntimeError("the cpu attention backend needs its C++ kernel, which did not "
                                "build here; use --attention-backend torch")
+        self.bf16_prompts = (model_dtype == torch.bfloat16
+                             and cpu_kernels.bf16_prefill_available())
 
     @staticmethod
     def metadata_type() -> type[TorchPagedMetadata]:
@@ -77,8 +82,10 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         out = torch.empty(query.shape, dtype=query.dtype)
         if metadata.decode_tokens is not None:
             out[metadata.decode_tokens] = self._decode(layer, query, scale, metadata)
+        bf16 = self.bf16_prompts and cache.spec.dtype == torch.bfloat16
         cpu_kernels.paged_prefill_rows(query, cache.key(layer), cache.value(layer), out,
-                                       rows.starts, rows.lens, rows.contexts, rows.table, scale)
+                                       rows.starts, rows.lens, rows.contexts, rows.table, scale,
+                                       bf16)
         return out
 
     @staticmethod

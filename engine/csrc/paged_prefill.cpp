@@ -19,6 +19,11 @@
 // rows by 16 columns, 12 accumulators), and the softmax is online (a running max and sum per
 // row, earlier sums rescaled when the max grows). Tiles, then items, are claimed as threads free
 // up, the costliest items (those that see the most keys) first.
+//
+// With `bf16` (a bf16 model over a bf16 cache, AVX-512 BF16), the two products are bf16 dot
+// products instead, as torch's flash attention computes in bf16: query rows and softmax weights
+// rounded to bf16, sums in fp32, the softmax in fp32; the tiles are laid out as pairs, not
+// widened (`bf16_pairs.h`).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -35,12 +40,16 @@
 #include <memory>
 #include <vector>
 
+#include "bf16_pairs.h"
 #include "fast_exp.h"
 #include "load8.h"
 #include "ops.h"
 
 #if defined(CONVEYOR_LOAD8) && defined(CONVEYOR_EXP8)
 #define CONVEYOR_PREFILL_SIMD 1
+#if defined(CONVEYOR_BF16_ROUND)
+#define CONVEYOR_PREFILL_BF16 1
+#endif
 #endif
 
 namespace {
@@ -168,12 +177,22 @@ struct Tiles {
   float* value(int64_t g, int64_t tile) const { return key(g, tile) + kKeys * dim; }
 };
 
-// One thread's buffers, reused from item to item.
+// One thread's buffers, reused from item to item: the query rows and the softmax weights in
+// fp32, or rounded to bf16 (q16, p16) for bf16 products.
 struct Workspace {
   std::vector<float> q, scores, acc, max, sum;
+  std::vector<uint16_t> q16, p16;
   explicit Workspace(const Problem& p) : Workspace(p, p.token_tile() * p.group) {}
   Workspace(const Problem& p, int64_t rows)
-      : q(rows * p.dim), scores(rows * kKeys), acc(rows * p.dim), max(rows), sum(rows) {}
+      : q(rows * p.dim), scores(rows * kKeys), acc(rows * p.dim), max(rows), sum(rows),
+        q16(rows * p.dim), p16(rows * kKeys) {}
+
+  // Before an item's first tile of keys: nothing summed, no max yet.
+  void reset(int64_t rows, int64_t dim) {
+    std::fill(acc.begin(), acc.begin() + rows * dim, 0.f);
+    std::fill(max.begin(), max.begin() + rows, -std::numeric_limits<float>::infinity());
+    std::fill(sum.begin(), sum.begin() + rows, 0.f);
+  }
 };
 
 inline float row_max(const float* s, int64_t n) {
@@ -208,37 +227,145 @@ void online_softmax(float* s, int64_t n, int64_t seen, float* acc, int64_t dim, 
   std::fill(s + seen, s + n, 0.f);
 }
 
+// Row r of an item of kv head g from token t0: its query row, and where its output goes.
+const float* query_row(const Problem& p, int64_t g, int64_t t0, int64_t r) {
+  return p.query + (t0 + r / p.group) * p.token_stride + (g * p.group + r % p.group) * p.dim;
+}
+float* out_row(const Problem& p, int64_t g, int64_t t0, int64_t r) {
+  return p.out + ((t0 + r / p.group) * p.heads + g * p.group + r % p.group) * p.dim;
+}
+
+// Each row's scores for the tile of keys from k0 become its softmax weights.
+void softmax_rows(const Problem& p, int64_t t0, int64_t rows, int64_t k0, int64_t n,
+                  Workspace& w) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t seen = std::min(n, p.context + t0 + r / p.group + 1 - k0);
+    online_softmax(w.scores.data() + r * kKeys, n, seen, w.acc.data() + r * p.dim, p.dim,
+                   w.max[r], w.sum[r]);
+  }
+}
+
+// The item's rows, their sums of weighted values divided by the sums of their weights.
+void finish_item(const Problem& p, int64_t g, int64_t t0, int64_t rows, const Workspace& w) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out_row(p, g, t0, r);
+    const float inverse = 1.f / w.sum[r];
+    for (int64_t d = 0; d < p.dim; ++d) dst[d] = w.acc[r * p.dim + d] * inverse;
+  }
+}
+
 // Query tokens [t0, t1) of kv head g's query heads over every key they see.
 void attend_item(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, int64_t t1,
                  Workspace& w) {
   const int64_t rows = (t1 - t0) * p.group, dim = p.dim;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* src = p.query + (t0 + r / p.group) * p.token_stride +
-                       (g * p.group + r % p.group) * dim;
+    const float* src = query_row(p, g, t0, r);
     for (int64_t d = 0; d < dim; ++d) w.q[r * dim + d] = src[d] * p.scale;
   }
-  std::fill(w.acc.begin(), w.acc.begin() + rows * dim, 0.f);
-  std::fill(w.max.begin(), w.max.begin() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(w.sum.begin(), w.sum.begin() + rows, 0.f);
+  w.reset(rows, dim);
   const int64_t keys = p.context + t1;  // the last token sees this many
   for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
     const int64_t n = std::min(kKeys, keys - k0);
     const int64_t padded = (n + kCols - 1) / kCols * kCols;
     const float* kt = tiles.key(g, k0 / kKeys);
     product<false>(w.q.data(), dim, kt, kKeys, dim, w.scores.data(), kKeys, rows, padded);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t seen = std::min(n, p.context + t0 + r / p.group + 1 - k0);
-      online_softmax(w.scores.data() + r * kKeys, n, seen, w.acc.data() + r * dim, dim,
-                     w.max[r], w.sum[r]);
-    }
+    softmax_rows(p, t0, rows, k0, n, w);
     product<true>(w.scores.data(), kKeys, tiles.value(g, k0 / kKeys), dim, n, w.acc.data(),
                   dim, rows, dim);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = p.out + ((t0 + r / p.group) * p.heads + g * p.group + r % p.group) * dim;
-    const float inverse = 1.f / w.sum[r];
-    for (int64_t d = 0; d < dim; ++d) dst[d] = w.acc[r * dim + d] * inverse;
+  finish_item(p, g, t0, rows, w);
+}
+
+#ifdef CONVEYOR_PREFILL_BF16
+// bf16 products, for a bf16 model over a bf16 cache, as torch's flash attention computes a bf16
+// model's: the query rows rounded to bf16, scores summed in fp32 and then scaled, the softmax in
+// fp32, its weights rounded to bf16 for the product with V. K and V are already bf16, so tiles
+// are only laid out, not widened: K as pairs of dims, word [d / 2][j] holding K[j][d] and
+// K[j][d + 1] (keys past n, up to a multiple of 16, zero), V as pairs of keys, word [j / 2][d]
+// holding V[j][d] and V[j + 1][d] (a zero row after an odd n).
+void pack_tile(const Problem& p, const c10::BFloat16* key, const c10::BFloat16* value,
+               int64_t g, int64_t k0, int64_t n, float* kt, float* v) {
+  const int64_t padded = (n + kCols - 1) / kCols * kCols, pairs = p.dim / 2;
+  for (int64_t j0 = 0; j0 < padded; j0 += 8) {
+    const c10::BFloat16* rows[8];
+    for (int r = 0; r < 8; ++r)
+      rows[r] = j0 + r < n ? key + p.row_offset(k0 + j0 + r, g) : nullptr;
+    for (int64_t i = 0; i < pairs; i += 8) {
+      __m256 block[8];  // eight keys' pairs i to i + 7, as 32-bit words
+      for (int r = 0; r < 8; ++r)
+        block[r] = rows[r] != nullptr ? _mm256_loadu_ps(reinterpret_cast<const float*>(rows[r]) + i)
+                                      : _mm256_setzero_ps();
+      transpose8(block);
+      for (int r = 0; r < 8; ++r) _mm256_storeu_ps(kt + (i + r) * kKeys + j0, block[r]);
+    }
   }
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t j = 0; j < n; j += 2) {
+    const auto* even = reinterpret_cast<const __m256i*>(value + p.row_offset(k0 + j, g));
+    const auto* odd = j + 1 < n
+        ? reinterpret_cast<const __m256i*>(value + p.row_offset(k0 + j + 1, g)) : nullptr;
+    auto* dst = reinterpret_cast<__m256i*>(v + j / 2 * p.dim);
+    for (int64_t d = 0; d < p.dim / 16; ++d) {
+      const __m256i a = _mm256_loadu_si256(even + d);
+      const __m256i b = odd != nullptr ? _mm256_loadu_si256(odd + d) : zero;
+      const __m256i low = _mm256_unpacklo_epi16(a, b), high = _mm256_unpackhi_epi16(a, b);
+      _mm256_storeu_si256(dst + 2 * d, _mm256_permute2x128_si256(low, high, 0x20));
+      _mm256_storeu_si256(dst + 2 * d + 1, _mm256_permute2x128_si256(low, high, 0x31));
+    }
+  }
+}
+
+// attend_item in bf16 products over tiles laid out by pack_tile.
+void attend_item_bf16(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, int64_t t1,
+                      Workspace& w) {
+  const int64_t rows = (t1 - t0) * p.group, dim = p.dim;
+  for (int64_t r = 0; r < rows; ++r)
+    conveyor::round_to_bf16(query_row(p, g, t0, r), dim, w.q16.data() + r * dim);
+  w.reset(rows, dim);
+  const int64_t keys = p.context + t1;
+  for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
+    const int64_t n = std::min(kKeys, keys - k0);
+    const int64_t padded = (n + kCols - 1) / kCols * kCols;
+    const auto* kt = reinterpret_cast<const uint32_t*>(tiles.key(g, k0 / kKeys));
+    conveyor::bf16_pair_product<false>(w.q16.data(), dim, kt, kKeys, dim / 2, p.scale,
+                                       w.scores.data(), kKeys, rows, padded);
+    softmax_rows(p, t0, rows, k0, n, w);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* weights = w.p16.data() + r * kKeys;
+      conveyor::round_to_bf16(w.scores.data() + r * kKeys, n, weights);
+      if (n % 2 != 0) weights[n] = 0;
+    }
+    const auto* vt = reinterpret_cast<const uint32_t*>(tiles.value(g, k0 / kKeys));
+    conveyor::bf16_pair_product<true>(w.p16.data(), kKeys, vt, dim, (n + 1) / 2, 1.f,
+                                      w.acc.data(), dim, rows, dim);
+  }
+  finish_item(p, g, t0, rows, w);
+}
+#endif
+
+// One tile of keys made ready for the items: widened to fp32, or laid out for bf16 products.
+template <typename C, bool Bf16>
+void prepare_tile(const Problem& p, const C* key, const C* value, int64_t g, int64_t k0,
+                  int64_t n, float* kt, float* v) {
+#ifdef CONVEYOR_PREFILL_BF16
+  if constexpr (Bf16) {
+    pack_tile(p, key, value, g, k0, n, kt, v);
+    return;
+  }
+#endif
+  load_tile(p, key, value, g, k0, n, kt, v);
+}
+
+template <bool Bf16>
+void attend(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, int64_t t1,
+            Workspace& w) {
+#ifdef CONVEYOR_PREFILL_BF16
+  if constexpr (Bf16) {
+    attend_item_bf16(p, tiles, g, t0, t1, w);
+    return;
+  }
+#endif
+  attend_item(p, tiles, g, t0, t1, w);
 }
 
 // A tile of keys to widen, or a tile of query tokens to attend: sequence, kv head, first key or
@@ -286,7 +413,7 @@ std::vector<Work> attend_items(const std::vector<Problem>& ps) {
   return items;
 }
 
-template <typename C>
+template <typename C, bool Bf16>
 void run(const std::vector<Problem>& ps, const at::Tensor& key, const at::Tensor& value) {
   const C* k = key.data_ptr<C>();
   const C* v = value.data_ptr<C>();
@@ -303,27 +430,31 @@ void run(const std::vector<Problem>& ps, const at::Tensor& key, const at::Tensor
       const Problem& p = ps[w.seq];
       const Tiles& t = tiles.of[w.seq];
       const int64_t n = std::min(kKeys, p.context + p.tokens - w.first);
-      load_tile(p, k, v, w.g, w.first, n, t.key(w.g, w.first / kKeys),
-                t.value(w.g, w.first / kKeys));
+      prepare_tile<C, Bf16>(p, k, v, w.g, w.first, n, t.key(w.g, w.first / kKeys),
+                            t.value(w.g, w.first / kKeys));
     }
 #pragma omp barrier
     Workspace space(ps.front());
     for (int64_t i = next_item++; i < count; i = next_item++) {
       const Work& w = items[i];
       const Problem& p = ps[w.seq];
-      attend_item(p, tiles.of[w.seq], w.g, w.first, std::min(p.tokens, w.first + p.token_tile()),
-                  space);
+      attend<Bf16>(p, tiles.of[w.seq], w.g, w.first,
+                   std::min(p.tokens, w.first + p.token_tile()), space);
     }
   }
 }
 
+// With bf16, bf16 products over a bf16 cache (checked by check_shapes).
 template <typename... Args>
-void run_cache(at::ScalarType cache, Args&&... args) {
+void run_cache(at::ScalarType cache, bool bf16, Args&&... args) {
+#ifdef CONVEYOR_PREFILL_BF16
+  if (bf16) return run<c10::BFloat16, true>(args...);
+#endif
   switch (cache) {
-    case at::kFloat: run<float>(args...); break;
-    case at::kBFloat16: run<c10::BFloat16>(args...); break;
-    case at::kHalf: run<c10::Half>(args...); break;
-    default: run<c10::Float8_e5m2>(args...); break;
+    case at::kFloat: run<float, false>(args...); break;
+    case at::kBFloat16: run<c10::BFloat16, false>(args...); break;
+    case at::kHalf: run<c10::Half, false>(args...); break;
+    default: run<c10::Float8_e5m2, false>(args...); break;
   }
 }
 #endif
@@ -335,9 +466,10 @@ namespace conveyor {
 namespace {
 
 #ifdef CONVEYOR_PREFILL_SIMD
-// The query and the cache as both ops take them; the cache's dtype.
+// The query and the cache as both ops take them (a bf16 cache for bf16 products); the cache's
+// dtype.
 at::ScalarType check_shapes(const at::Tensor& query, const at::Tensor& key,
-                            const at::Tensor& value) {
+                            const at::Tensor& value, bool bf16) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(),
               "paged_prefill: query [tokens, heads, dim], key/value [blocks, block_size, "
               "kv_heads, dim]");
@@ -351,6 +483,10 @@ at::ScalarType check_shapes(const at::Tensor& query, const at::Tensor& key,
                   cache == at::kFloat8_e5m2,
               "paged_prefill: the cache must be fp32, bf16, fp16 or fp8 (e5m2)");
   TORCH_CHECK(value.scalar_type() == cache, "paged_prefill: key and value dtypes differ");
+#ifndef CONVEYOR_PREFILL_BF16
+  TORCH_CHECK(!bf16, "paged_prefill: bf16 products need AVX-512 BF16");
+#endif
+  TORCH_CHECK(!bf16 || cache == at::kBFloat16, "paged_prefill: bf16 products need a bf16 cache");
   const int64_t heads = query.size(1), kv_heads = key.size(2);
   TORCH_CHECK(query.size(2) == key.size(3) && kv_heads > 0 && heads % kv_heads == 0,
               "paged_prefill: head shapes do not match");
@@ -381,28 +517,29 @@ Problem sequence(const at::Tensor& query, const at::Tensor& key, int64_t start, 
 
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key,
                          const at::Tensor& value, const at::Tensor& blocks, int64_t context,
-                         double scale) {
+                         double scale, bool bf16) {
 #ifndef CONVEYOR_PREFILL_SIMD
   TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
 #else
-  const auto cache = check_shapes(query, key, value);
+  const auto cache = check_shapes(query, key, value, bf16);
   const at::Tensor ids = blocks.to(at::kLong).contiguous();
   TORCH_CHECK(ids.dim() == 1, "paged_prefill: blocks must be 1-d");
   at::Tensor out = at::empty(query.sizes(), query.options());
   const Problem p = sequence(query, key, 0, query.size(0), context, ids.data_ptr<int64_t>(),
                              ids.size(0), scale, out.data_ptr<float>());
-  if (query.size(0) > 0) run_cache(cache, std::vector<Problem>{p}, key, value);
+  if (query.size(0) > 0) run_cache(cache, bf16, std::vector<Problem>{p}, key, value);
   return out;
 #endif
 }
 
 void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                         at::Tensor& out, const at::Tensor& starts, const at::Tensor& lens,
-                        const at::Tensor& contexts, const at::Tensor& table, double scale) {
+                        const at::Tensor& contexts, const at::Tensor& table, double scale,
+                        bool bf16) {
 #ifndef CONVEYOR_PREFILL_SIMD
   TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
 #else
-  const auto cache = check_shapes(query, key, value);
+  const auto cache = check_shapes(query, key, value, bf16);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() &&
                   out.sizes() == query.sizes(),
               "paged_prefill_rows: out must be contiguous fp32 of the query's shape");
@@ -428,7 +565,7 @@ void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at
                           table.data_ptr<int64_t>() + i * width, width, scale,
                           out.data_ptr<float>() + start[i] * row));
   }
-  if (!ps.empty()) run_cache(cache, ps, key, value);
+  if (!ps.empty()) run_cache(cache, bf16, ps, key, value);
 #endif
 }
 
@@ -436,9 +573,10 @@ void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("paged_prefill(Tensor query, Tensor key, Tensor value, Tensor blocks, int context, "
-        "float scale) -> Tensor");
+        "float scale, bool bf16=False) -> Tensor");
   m.def("paged_prefill_rows(Tensor query, Tensor key, Tensor value, Tensor(a!) out, "
-        "Tensor starts, Tensor lens, Tensor contexts, Tensor table, float scale) -> ()");
+        "Tensor starts, Tensor lens, Tensor contexts, Tensor table, float scale, "
+        "bool bf16=False) -> ()");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("paged_prefill", &conveyor::paged_prefill);
