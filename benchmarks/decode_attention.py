@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from engine import cpu_kernels, huge_pages
+from engine import cpu_kernels, heap, huge_pages
 from engine.config import DEFAULT_BLOCK_SIZES
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
@@ -70,6 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_kernels.load():
         raise SystemExit("Conveyor's CPU kernels did not build on this machine")
+    heap.keep_freed_memory()  # as the engine runs: scratch reused, not faulted in anew
     for seqs in args.seqs:
         row: dict[str, object] = {"seqs": seqs, "context": args.context,
                                   "block_size": args.block_size,

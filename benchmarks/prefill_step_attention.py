@@ -1,9 +1,10 @@
 """A prefill step's prompt attention on the CPU: `--prompts` fresh prompts of `--tokens` tokens
 over every layer's own cache (so K/V stream from memory as in a step), in one call per layer
 (`paged_prefill_rows`, written straight into the layer's output) against one call per prompt
-(`paged_prefill`) with each result copied into the layer's output. The default model's shape (9
-query heads, 3 kv heads, head dim 64, 30 layers), bf16 cache in scattered blocks of 32; the two
-alternate, so a slow spell of the machine touches both alike.
+(`paged_prefill`) with each result copied into the layer's output, and, where the CPU has
+AVX-512 BF16, one call per layer in bf16 products (as a bf16 model's prompts attend). The
+default model's shape (9 query heads, 3 kv heads, head dim 64, 30 layers), bf16 cache in
+scattered blocks of 32; the runs alternate, so a slow spell of the machine touches all alike.
 
     python benchmarks/prefill_step_attention.py --prompts 16 --tokens 128
 """
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine import cpu_kernels
+from engine import cpu_kernels, heap
 from engine.config import DEFAULT_BLOCK_SIZES
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
@@ -39,11 +40,11 @@ def step_ms(prompts: int, tokens: int, repeats: int) -> dict[str, float]:
     contexts = torch.zeros(prompts, dtype=torch.int64)
     scale = DIM ** -0.5
 
-    def one_call() -> None:
+    def one_call(bf16: bool = False) -> None:
         for key, value in caches:
             out = torch.empty_like(query)
             cpu_kernels.paged_prefill_rows(query, key, value, out, starts, lens, contexts, table,
-                                           scale)
+                                           scale, bf16)
 
     def per_prompt_calls() -> None:
         for key, value in caches:
@@ -54,6 +55,8 @@ def step_ms(prompts: int, tokens: int, repeats: int) -> dict[str, float]:
 
     runs: dict[str, Callable[[], None]] = {"one_call_ms": one_call,
                                            "per_prompt_ms": per_prompt_calls}
+    if cpu_kernels.bf16_prefill_available():
+        runs["one_call_bf16_ms"] = lambda: one_call(bf16=True)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():
         run()  # first calls allocate and start threads
@@ -74,6 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_kernels.load():
         raise SystemExit("Conveyor's CPU kernels did not build on this machine")
+    heap.keep_freed_memory()  # as the engine runs: scratch reused, not faulted in anew
     row: dict[str, object] = {"prompts": args.prompts, "tokens": args.tokens}
     row.update(step_ms(args.prompts, args.tokens, args.repeats))
     print(json.dumps(row))
