@@ -42,6 +42,7 @@
 
 #include "bf16_pairs.h"
 #include "fast_exp.h"
+#include "lanes.h"
 #include "load8.h"
 #include "ops.h"
 
@@ -207,14 +208,9 @@ inline float row_max(const float* s, int64_t n) {
   return top;
 }
 
-// Row r's scores for a tile with `seen` keys visible (the rest masked) become its softmax
-// weights under the running max; its running sum and accumulator are rescaled to match.
-void online_softmax(float* s, int64_t n, int64_t seen, float* acc, int64_t dim, float& max,
-                    float& sum) {
-  if (seen <= 0) {
-    std::fill(s, s + n, 0.f);
-    return;
-  }
+// A row's running max raised to take in the first `seen` scores of a tile; its running sum and
+// accumulator are rescaled to match. Returns the new max.
+float raise_max(const float* s, int64_t seen, float* acc, int64_t dim, float& max, float& sum) {
   const float top = std::max(max, row_max(s, seen));
   if (top > max) {
     const float rescale = max == -std::numeric_limits<float>::infinity()
@@ -223,6 +219,18 @@ void online_softmax(float* s, int64_t n, int64_t seen, float* acc, int64_t dim, 
     for (int64_t d = 0; d < dim; ++d) acc[d] *= rescale;
     max = top;
   }
+  return top;
+}
+
+// Row r's scores for a tile with `seen` keys visible (the rest masked) become its softmax
+// weights under the running max.
+void online_softmax(float* s, int64_t n, int64_t seen, float* acc, int64_t dim, float& max,
+                    float& sum) {
+  if (seen <= 0) {
+    std::fill(s, s + n, 0.f);
+    return;
+  }
+  const float top = raise_max(s, seen, acc, dim, max, sum);
   sum += conveyor::exp_shifted_sum(s, seen, top);
   std::fill(s + seen, s + n, 0.f);
 }
@@ -235,14 +243,17 @@ float* out_row(const Problem& p, int64_t g, int64_t t0, int64_t r) {
   return p.out + ((t0 + r / p.group) * p.heads + g * p.group + r % p.group) * p.dim;
 }
 
+// How many of the n keys from k0 row r of an item from token t0 sees (none, some or all).
+int64_t seen_keys(const Problem& p, int64_t t0, int64_t r, int64_t k0, int64_t n) {
+  return std::min(n, p.context + t0 + r / p.group + 1 - k0);
+}
+
 // Each row's scores for the tile of keys from k0 become its softmax weights.
 void softmax_rows(const Problem& p, int64_t t0, int64_t rows, int64_t k0, int64_t n,
                   Workspace& w) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t seen = std::min(n, p.context + t0 + r / p.group + 1 - k0);
-    online_softmax(w.scores.data() + r * kKeys, n, seen, w.acc.data() + r * p.dim, p.dim,
-                   w.max[r], w.sum[r]);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    online_softmax(w.scores.data() + r * kKeys, n, seen_keys(p, t0, r, k0, n),
+                   w.acc.data() + r * p.dim, p.dim, w.max[r], w.sum[r]);
 }
 
 // The item's rows, their sums of weighted values divided by the sums of their weights.
@@ -315,6 +326,29 @@ void pack_tile(const Problem& p, const c10::BFloat16* key, const c10::BFloat16* 
   }
 }
 
+// online_softmax for bf16 products: the weights of a row's `seen` visible keys summed in fp32
+// and, in the same pass, rounded to bf16 into w16[0, n rounded up to 8), masked keys zero.
+void online_softmax_bf16(const float* s, int64_t n, int64_t seen, uint16_t* w16, float* acc,
+                         int64_t dim, float& max, float& sum) {
+  const int64_t end = (n + 7) / 8 * 8;  // within the row's kKeys scores
+  if (seen <= 0) {
+    std::fill(w16, w16 + end, uint16_t{0});
+    return;
+  }
+  const __m256 top = _mm256_set1_ps(raise_max(s, seen, acc, dim, max, sum));
+  __m256 sums = _mm256_setzero_ps();
+  for (int64_t i = 0; i < end; i += 8) {
+    const int64_t left = std::max<int64_t>(0, seen - i);
+    const __mmask8 visible = left >= 8 ? 0xFF : static_cast<__mmask8>((1u << left) - 1);
+    const __m256 e = _mm256_maskz_mov_ps(
+        visible, conveyor::exp8_clamped(_mm256_sub_ps(_mm256_loadu_ps(s + i), top)));
+    sums = _mm256_add_ps(sums, e);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(w16 + i),
+                     reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(e)));
+  }
+  sum += conveyor::horizontal_sum(sums);
+}
+
 // attend_item in bf16 products over tiles laid out by pack_tile.
 void attend_item_bf16(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, int64_t t1,
                       Workspace& w) {
@@ -329,12 +363,10 @@ void attend_item_bf16(const Problem& p, const Tiles& tiles, int64_t g, int64_t t
     const auto* kt = reinterpret_cast<const uint32_t*>(tiles.key(g, k0 / kKeys));
     conveyor::bf16_pair_product<false>(w.q16.data(), dim, kt, kKeys, dim / 2, p.scale,
                                        w.scores.data(), kKeys, rows, padded);
-    softmax_rows(p, t0, rows, k0, n, w);
-    for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* weights = w.p16.data() + r * kKeys;
-      conveyor::round_to_bf16(w.scores.data() + r * kKeys, n, weights);
-      if (n % 2 != 0) weights[n] = 0;
-    }
+    for (int64_t r = 0; r < rows; ++r)
+      online_softmax_bf16(w.scores.data() + r * kKeys, n, seen_keys(p, t0, r, k0, n),
+                          w.p16.data() + r * kKeys, w.acc.data() + r * dim, dim, w.max[r],
+                          w.sum[r]);
     const auto* vt = reinterpret_cast<const uint32_t*>(tiles.value(g, k0 / kKeys));
     conveyor::bf16_pair_product<true>(w.p16.data(), kKeys, vt, dim, (n + 1) / 2, 1.f,
                                       w.acc.data(), dim, rows, dim);
