@@ -3,12 +3,16 @@ greedy with EOS ignored, through the engine in `--dtype` and through transformer
 bf16; prints, per prompt, how many leading tokens agree with each (and bf16 with fp32).
 
     python benchmarks/greedy_agreement.py --dtype auto --tokens 48
+
+With `--from-file PATH --prompt-tokens 512 1024 2048`, the prompts are instead consecutive cuts
+of that many tokens of the file's text (long prompts).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,6 +51,14 @@ def conveyor_greedy(dtype: str, prompts: list[list[int]], tokens: int) -> list[l
     return [produced[str(i)] for i in range(len(prompts))]
 
 
+def file_cuts(ids: list[int], lengths: list[int]) -> list[list[int]]:
+    """Consecutive cuts of `ids`, one of each length."""
+    if sum(lengths) > len(ids):
+        raise SystemExit(f"the file has {len(ids)} tokens, fewer than the cuts' {sum(lengths)}")
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return [ids[start:start + n] for start, n in zip(starts, lengths, strict=True)]
+
+
 def agreeing(a: list[int], b: list[int]) -> int:
     """How many leading tokens the two share."""
     n = 0
@@ -60,14 +72,22 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--from-file", default=None)
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 1024, 2048])
     args = parser.parse_args()
     path = str(ensure_default_model())
     tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = [tokenizer(text).input_ids for text in PROMPTS]
+    if args.from_file is None:
+        prompts = [tokenizer(text).input_ids for text in PROMPTS]
+        names = PROMPTS
+    else:
+        text = Path(args.from_file).read_text()
+        prompts = file_cuts(tokenizer(text).input_ids, args.prompt_tokens)
+        names = [f"{args.from_file}: {len(p)} tokens" for p in prompts]
     fp32 = transformers_greedy(path, torch.float32, prompts, args.tokens)
     bf16 = transformers_greedy(path, torch.bfloat16, prompts, args.tokens)
     ours = conveyor_greedy(args.dtype, prompts, args.tokens)
-    for text, mine, ref32, ref16 in zip(PROMPTS, ours, fp32, bf16, strict=True):
+    for text, mine, ref32, ref16 in zip(names, ours, fp32, bf16, strict=True):
         print(json.dumps({"prompt": text, "conveyor_vs_fp32": agreeing(mine, ref32),
                           "conveyor_vs_bf16": agreeing(mine, ref16),
                           "bf16_vs_fp32": agreeing(ref16, ref32)}))
