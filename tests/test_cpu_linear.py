@@ -489,6 +489,31 @@ def test_bf16_model_greedy_equals_generate_with_the_same_weights(half_weights: s
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
 
 
+@needs_bf16
+def test_bf16_prompt_products_in_chunks_and_over_a_cached_prefix(tmp_path) -> None:
+    """A bf16 checkpoint's prompts attend in bf16 products also when they run in chunks after
+    tokens already cached, and after a prefix another prompt left in the cache: greedy still
+    equals the oracle."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.factory import create_engine_core
+    from tests.helpers import tiny_tokenizer
+
+    tiny_llama(dtype=torch.bfloat16).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), device="cpu", max_num_batched_tokens=24,
+                          cache=CacheConfig(num_blocks=64, block_size=8))
+    core, _, _ = create_engine_core(config)
+    assert core.runner.backend.bf16_prompts
+    first = list(range(40, 120))
+    second = [*first[:64], 7, 3, 250, 18, 99]
+    reference = bf16_reference("bf16")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for prompt, cached in ((first, 0), (second, 64)):
+        outputs = run_all(core, [prompt], params)["req-0"]
+        assert outputs[-1].num_cached_tokens == cached
+        assert tokens_of(outputs) == reference_greedy(reference, prompt, 8)
+
+
 @pytest.mark.parametrize(("dtype", "device", "native", "bf16_panels", "expected"), [
     (torch.bfloat16, "cpu", False, False, True),
     (torch.float16, "cpu", False, False, True),
