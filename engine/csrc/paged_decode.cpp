@@ -171,7 +171,6 @@ class Prefetcher {
     row_bytes_ = whole ? rows * row_bytes : row_bytes;
     row_ = 0;
     line_ = first_line(0);
-    end_ = row_end(0);
     const int64_t lines = rows_ * (row_bytes_ / kLine + 1);
     share_ = calls > 0 ? (lines + calls - 1) / calls : lines;
     if (calls == 0) rest();
@@ -196,20 +195,17 @@ class Prefetcher {
   // The row's lines the share has left in one run, then the next row's.
   void ask(int64_t lines) {
     while (lines > 0 && row_ < rows_) {
-      const int64_t run = std::min<int64_t>(lines, (end_ - line_ + kLine - 1) / kLine);
+      const char* end = row_end(row_);
+      const int64_t run = std::min<int64_t>(lines, (end - line_ + kLine - 1) / kLine);
       for (int64_t i = 0; i < run; ++i) __builtin_prefetch(line_ + i * kLine, 0, 2);
       line_ += run * kLine;
       lines -= run;
-      if (line_ >= end_ && ++row_ < rows_) {
-        line_ = first_line(row_);
-        end_ = row_end(row_);
-      }
+      if (line_ >= end && ++row_ < rows_) line_ = first_line(row_);
     }
   }
 
   const char* base_ = nullptr;
   const char* line_ = nullptr;
-  const char* end_ = nullptr;  // where the current row's bytes end
   int64_t rows_ = 0, stride_ = 0, row_bytes_ = 0, row_ = 0, share_ = 0;
 };
 

@@ -144,24 +144,34 @@ inline void transpose8(__m256 (&r)[8]) {
   }
 }
 
-// Keys [k0, k0 + n) of kv head g: K widened and transposed into kt [dim][kKeys] (columns past
-// n up to a multiple of 16 zeroed), V widened into v [n][dim].
-template <typename C>
-void load_tile(const Problem& p, const C* key, const C* value, int64_t g, int64_t k0, int64_t n,
-               float* kt, float* v) {
+// Keys [k0, k0 + n) of kv head g transposed into kt [columns][kKeys], eight keys by eight
+// columns at a time, `load(row, c)` giving columns c to c + 7 of a key's row as eight 32-bit
+// lanes; keys past n, up to a multiple of 16, are zero.
+template <typename C, typename Load>
+void transpose_keys(const Problem& p, const C* key, int64_t g, int64_t k0, int64_t n,
+                    int64_t columns, float* kt, Load&& load) {
   const int64_t padded = (n + kCols - 1) / kCols * kCols;
   for (int64_t j0 = 0; j0 < padded; j0 += 8) {
     const C* rows[8];
     for (int r = 0; r < 8; ++r)
       rows[r] = j0 + r < n ? key + p.row_offset(k0 + j0 + r, g) : nullptr;
-    for (int64_t d = 0; d < p.dim; d += 8) {
+    for (int64_t c = 0; c < columns; c += 8) {
       __m256 block[8];
       for (int r = 0; r < 8; ++r)
-        block[r] = rows[r] != nullptr ? load8(rows[r] + d) : _mm256_setzero_ps();
+        block[r] = rows[r] != nullptr ? load(rows[r], c) : _mm256_setzero_ps();
       transpose8(block);
-      for (int r = 0; r < 8; ++r) _mm256_storeu_ps(kt + (d + r) * kKeys + j0, block[r]);
+      for (int r = 0; r < 8; ++r) _mm256_storeu_ps(kt + (c + r) * kKeys + j0, block[r]);
     }
   }
+}
+
+// Keys [k0, k0 + n) of kv head g: K widened and transposed into kt [dim][kKeys] (columns past
+// n up to a multiple of 16 zeroed), V widened into v [n][dim].
+template <typename C>
+void load_tile(const Problem& p, const C* key, const C* value, int64_t g, int64_t k0, int64_t n,
+               float* kt, float* v) {
+  transpose_keys(p, key, g, k0, n, p.dim, kt,
+                 [](const C* row, int64_t d) { return load8(row + d); });
   for (int64_t j = 0; j < n; ++j) {
     const C* row = value + p.row_offset(k0 + j, g);
     for (int64_t d = 0; d < p.dim; d += 8) _mm256_storeu_ps(v + j * p.dim + d, load8(row + d));
@@ -296,20 +306,10 @@ void attend_item(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, in
 // holding V[j][d] and V[j + 1][d] (a zero row after an odd n).
 void pack_tile(const Problem& p, const c10::BFloat16* key, const c10::BFloat16* value,
                int64_t g, int64_t k0, int64_t n, float* kt, float* v) {
-  const int64_t padded = (n + kCols - 1) / kCols * kCols, pairs = p.dim / 2;
-  for (int64_t j0 = 0; j0 < padded; j0 += 8) {
-    const c10::BFloat16* rows[8];
-    for (int r = 0; r < 8; ++r)
-      rows[r] = j0 + r < n ? key + p.row_offset(k0 + j0 + r, g) : nullptr;
-    for (int64_t i = 0; i < pairs; i += 8) {
-      __m256 block[8];  // eight keys' pairs i to i + 7, as 32-bit words
-      for (int r = 0; r < 8; ++r)
-        block[r] = rows[r] != nullptr ? _mm256_loadu_ps(reinterpret_cast<const float*>(rows[r]) + i)
-                                      : _mm256_setzero_ps();
-      transpose8(block);
-      for (int r = 0; r < 8; ++r) _mm256_storeu_ps(kt + (i + r) * kKeys + j0, block[r]);
-    }
-  }
+  // A key's pairs i to i + 7, as 32-bit words.
+  transpose_keys(p, key, g, k0, n, p.dim / 2, kt, [](const c10::BFloat16* row, int64_t i) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
+  });
   const __m256i zero = _mm256_setzero_si256();
   for (int64_t j = 0; j < n; j += 2) {
     const auto* even = reinterpret_cast<const __m256i*>(value + p.row_offset(k0 + j, g));
