@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="Poisson arrivals per second (default: all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="with --request-rate: shape of the gamma-distributed gaps between "
+                             "arrivals; 1 is Poisson, below 1 burstier, above 1 steadier")
     parser.add_argument("--duration", type=float, default=None,
                         help="with --request-rate: send rate x duration requests")
     parser.add_argument("--priority-mix", type=float, default=0.0,
@@ -100,8 +103,13 @@ async def _model_name(session: aiohttp.ClientSession, base_url: str) -> str:
         return (await response.json())["data"][0]["id"]
 
 
-def _arrival_delays(requests: list[BenchRequest], rate: float, seed: int) -> list[float]:
-    """Seconds from the start at which each request is sent."""
+def arrival_delays(requests: list[BenchRequest], rate: float, seed: int,
+                   burstiness: float = 1.0) -> list[float]:
+    """Seconds from the start at which each request is sent: a trace's own times, all at once
+    at an infinite rate, else gaps drawn from a gamma distribution of shape `burstiness` and
+    mean 1 / rate (exponential, so Poisson arrivals, at a burstiness of 1)."""
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be positive, got {burstiness}")
     if all(r.arrival is not None for r in requests):
         return [r.arrival or 0.0 for r in requests]
     if rate == float("inf"):
@@ -110,7 +118,10 @@ def _arrival_delays(requests: list[BenchRequest], rate: float, seed: int) -> lis
     delays, now = [], 0.0
     for _ in requests:
         delays.append(now)
-        now += rng.expovariate(rate)
+        if burstiness == 1.0:
+            now += rng.expovariate(rate)
+        else:
+            now += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return delays
 
 
@@ -126,7 +137,7 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest],
     async with session:
         model = args.model or await _model_name(session, base_url)
         gate = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
-        delays = _arrival_delays(requests, args.request_rate, args.seed)
+        delays = arrival_delays(requests, args.request_rate, args.seed, args.burstiness)
         bar = _progress(len(requests), progress)
         start = time.perf_counter()
 
@@ -165,6 +176,8 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.burstiness <= 0:
+        raise SystemExit(f"--burstiness must be positive, got {args.burstiness}")
     slo = parse_slo(args.slo)
     tokenizer = load_tokenizer(args.tokenizer)
     requests = build_workload(args, tokenizer)
@@ -176,7 +189,8 @@ def main(args: argparse.Namespace) -> int:
         summary["overload"] = overload(results, duration, percentiles)
     summary.update({"endpoint": args.endpoint, "dataset": args.dataset,
                     "max_concurrency": args.max_concurrency,
-                    "request_rate": args.request_rate, "num_prompts": len(requests)})
+                    "request_rate": args.request_rate, "burstiness": args.burstiness,
+                    "num_prompts": len(requests)})
     print(table(summary))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ import pytest
 from bench import offline
 from bench.client import RequestResult, sse_data
 from bench.report import overload, parse_slo, percentile, summarize
-from bench.serve import run_load
+from bench.serve import arrival_delays, run_load
 from bench.workloads import (
     random_workload,
     shared_prefix_workload,
@@ -90,14 +90,38 @@ async def test_sse_data_joins_events_cut_anywhere():
         assert [d async for d in sse_data(pieces(size))] == ['{"a": 1}', "x" * 200_000, "[DONE]"]
 
 
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_arrival_gaps_have_the_rate_and_the_burstiness(burstiness):
+    """Gaps between arrivals are gamma-distributed with shape `burstiness` and mean 1 / rate,
+    so their coefficient of variation is 1 / sqrt(burstiness): 2 (bursty), 1 (Poisson), 0.5."""
+    requests = random_workload(20_000, 4, 4, POOL, seed=0)
+    delays = arrival_delays(requests, 8.0, seed=7, burstiness=burstiness)
+    gaps = np.diff(delays)
+    assert delays[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(1 / 8.0, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(burstiness ** -0.5, rel=0.1)
+    assert arrival_delays(requests, 8.0, seed=7, burstiness=burstiness) == delays
+
+
+def test_arrivals_without_a_rate_or_from_a_trace_ignore_burstiness():
+    requests = random_workload(5, 4, 4, POOL, seed=0)
+    assert arrival_delays(requests, math.inf, seed=0, burstiness=0.1) == [0.0] * 5
+    trace = trace_workload(ROOT / "benchmarks" / "sample_trace.jsonl", POOL, seed=0)
+    assert arrival_delays(trace, 2.0, seed=0, burstiness=0.1) == [r.arrival for r in trace]
+    with pytest.raises(ValueError, match="burstiness must be positive"):
+        arrival_delays(requests, 2.0, seed=0, burstiness=0.0)
+
+
 def load_args(**overrides) -> argparse.Namespace:
     defaults = dict(base_url="", endpoint="/v1/completions", model=None, api_key=None,
-                    max_concurrency=None, request_rate=math.inf, seed=0, ignore_eos=True,
+                    max_concurrency=None, request_rate=math.inf, burstiness=1.0, seed=0,
+                    ignore_eos=True,
                     temperature=0.0, timeout=None)
     return argparse.Namespace(**{**defaults, **overrides})
 
 
-@pytest.mark.parametrize("shape", [{"max_concurrency": 3}, {"request_rate": 50.0}])
+@pytest.mark.parametrize("shape", [{"max_concurrency": 3}, {"request_rate": 50.0},
+                                   {"request_rate": 50.0, "burstiness": 0.3}])
 async def test_load_run_against_a_live_server(shape):
     requests = random_workload(9, 12, 6, POOL, seed=4, range_ratio=0.5)
     async with live_server() as server:
