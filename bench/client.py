@@ -30,6 +30,8 @@ class RequestResult:
     status: int = 0
     finish_reason: str | None = None
     priority: int = 0
+    # When it was sent, in seconds from the start of the run.
+    start: float = 0.0
 
     @property
     def timed_out(self) -> bool:
@@ -38,6 +40,13 @@ class RequestResult:
     @property
     def rejected(self) -> bool:
         return self.status in (429, 503)
+
+    def token_times(self) -> list[float]:
+        """When each streamed piece arrived, from the start of the run."""
+        times = [self.start + self.ttft] if self.ttft else []
+        for gap in self.itls:
+            times.append(times[-1] + gap)
+        return times
 
     @property
     def tpot(self) -> float | None:

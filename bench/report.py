@@ -45,6 +45,32 @@ def _stats(name: str, values: list[float], percentiles: list[int]) -> dict[str, 
     return out
 
 
+def peak_output_throughput(results: list[RequestResult]) -> float:
+    """The most output tokens of completed requests that arrived within one second of the run
+    (whole seconds from its start), as `vllm bench serve` counts them. A piece is a token; tokens
+    a stream held back and sent later (such as the bytes of one character) count with its last
+    piece."""
+    per_second: dict[int, int] = {}
+    for result in results:
+        times = result.token_times() if result.ok else []
+        for i, at in enumerate(times):
+            extra = max(0, result.output_len - len(times)) if i == len(times) - 1 else 0
+            per_second[int(at)] = per_second.get(int(at), 0) + 1 + extra
+    return float(max(per_second.values(), default=0))
+
+
+def peak_concurrency(results: list[RequestResult]) -> int:
+    """The most requests in flight at one moment (a request ending as another starts is not
+    counted with it)."""
+    spans = [r for r in results if r.e2e > 0]
+    events = sorted([(r.start + r.e2e, -1) for r in spans] + [(r.start, 1) for r in spans])
+    peak = running = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
 def summarize(results: list[RequestResult], duration: float, percentiles: list[int],
               slo: dict[str, float]) -> dict[str, Any]:
     done = [r for r in results if r.ok]
@@ -59,6 +85,8 @@ def summarize(results: list[RequestResult], duration: float, percentiles: list[i
         "request_throughput": len(done) / duration if duration else 0.0,
         "output_throughput": output / duration if duration else 0.0,
         "total_token_throughput": (prompt + output) / duration if duration else 0.0,
+        "peak_output_throughput": peak_output_throughput(results),
+        "peak_concurrent_requests": peak_concurrency(results),
     }
     summary.update(_stats("ttft", [r.ttft for r in done], percentiles))
     summary.update(_stats("tpot", [r.tpot for r in done if r.tpot is not None], percentiles))
@@ -113,6 +141,8 @@ def table(summary: dict[str, Any]) -> str:
         "request_throughput": "Request throughput (req/s)",
         "output_throughput": "Output token throughput (tok/s)",
         "total_token_throughput": "Total token throughput (tok/s)",
+        "peak_output_throughput": "Peak output token throughput (tok/s)",
+        "peak_concurrent_requests": "Peak concurrent requests",
         "goodput": "Request goodput (req/s)",
     }
     for key, label in labels.items():

@@ -146,8 +146,10 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest],
             async with gate:
                 body = request_body(request, args.endpoint, model, args.ignore_eos,
                                     args.temperature, args.timeout)
+                sent = time.perf_counter() - start
                 result = await send(session, base_url + args.endpoint, body,
                                     request.prompt_len)
+                result.start = sent
             bar.update(1)
             return result
 

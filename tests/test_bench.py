@@ -13,7 +13,14 @@ import pytest
 
 from bench import offline
 from bench.client import RequestResult, sse_data
-from bench.report import overload, parse_slo, percentile, summarize
+from bench.report import (
+    overload,
+    parse_slo,
+    peak_concurrency,
+    percentile,
+    summarize,
+    table,
+)
 from bench.serve import arrival_delays, run_load
 from bench.workloads import (
     random_workload,
@@ -77,6 +84,27 @@ def test_report_throughput_latencies_and_goodput():
         parse_slo(["latency:5"])
 
 
+def test_report_peak_output_throughput_and_concurrency():
+    # Sent at 0.0, 0.5 and 1.0 s: pieces at 0.25, 0.5, ..., 2.25 s; at 0.75, 1.25, 1.75 s (its
+    # last piece holding two tokens); and a failure from 1.0 to 1.2 s.
+    results = [RequestResult(True, 4, output_len=9, ttft=0.25, e2e=2.25, itls=[0.25] * 8),
+               RequestResult(True, 4, output_len=4, ttft=0.25, e2e=1.25, itls=[0.5, 0.5],
+                             start=0.5),
+               RequestResult(False, 4, e2e=0.2, error="HTTP 500", start=1.0),
+               RequestResult(False, 4, error="refused", start=1.0)]
+    first, second = (r.token_times() for r in results[:2])
+    assert first == [0.25 * k for k in range(1, 10)]
+    assert second == [0.75, 1.25, 1.75]
+    # Second 0 holds 3 + 1 tokens, second 1 holds 4 + 1 + 2, second 2 holds 2.
+    assert summarize(results, 2.5, [50], {})["peak_output_throughput"] == 7.0
+    # All three spans overlap from 1.0 to 1.2 s; the failure with no span counts for none.
+    assert summarize(results, 2.5, [50], {})["peak_concurrent_requests"] == 3
+    back_to_back = [RequestResult(True, 4, output_len=1, ttft=0.1, e2e=1.0, start=s)
+                    for s in (0.0, 1.0, 2.0)]
+    assert summarize(back_to_back, 3.0, [50], {})["peak_concurrent_requests"] == 1
+    assert "Peak concurrent requests" in table(summarize(back_to_back, 3.0, [50], {}))
+
+
 async def test_sse_data_joins_events_cut_anywhere():
     events = [b'data: {"a": 1}\n\n', b"data: " + b"x" * 200_000 + b"\r\n\n", b": ping\n\n",
               b"data: [DONE]\n\n"]
@@ -132,7 +160,9 @@ async def test_load_run_against_a_live_server(shape):
     assert [r.output_len for r in results] == [r.output_len for r in requests]
     for result in results:
         assert 0 < result.ttft <= result.e2e <= duration
+        assert 0 <= result.start <= result.start + result.e2e <= duration
         assert len(result.itls) <= result.output_len - 1
+    assert 1 <= peak_concurrency(results) <= shape.get("max_concurrency", len(requests))
 
 
 def test_load_runs_on_uvloop_where_installed():
