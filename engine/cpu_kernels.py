@@ -1,7 +1,7 @@
 """Builds and loads Conveyor's C++ kernels for the CPU: paged decode and prefill attention
 (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`), linear layers over weights packed in panels
-(`csrc/panel_linear.cpp`; bf16 weights in AVX-512 BF16 dot products, `csrc/bf16_panels.cpp`,
-which also runs a gated MLP's gate/up projection and activation as one op),
+(`csrc/panel_linear.cpp`; bf16 weights in AMX tiles or AVX-512 BF16 dot products,
+`csrc/bf16_panels.cpp`, which also runs a gated MLP's gate/up projection and activation as one op),
 RMSNorm, rotary embeddings and the gated MLP's activation in one pass each
 (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`), a whole decoder layer for a step
 of decode rows that runs those kernels back to back (`csrc/decode_layer.cpp`), and the greedy
@@ -32,9 +32,9 @@ SOURCES = [Path(__file__).parent / "csrc" / name
                         "silu_mul.cpp", "decode_layer.cpp", "stack_region.cpp", "argmax.cpp")]
 # Included by the sources: part of the build's key, though not compiled on their own.
 HEADERS = [Path(__file__).parent / "csrc" / name
-           for name in ("bf16_pairs.h", "bf16_round.h", "block_panels.h", "fast_exp.h",
-                        "lanes.h", "layer_args.h", "load8.h", "ops.h", "panel_passes.h",
-                        "scratch.h", "task_grain.h", "team.h")]
+           for name in ("amx_tiles.h", "bf16_pairs.h", "bf16_round.h", "block_panels.h",
+                        "fast_exp.h", "lanes.h", "layer_args.h", "load8.h", "ops.h",
+                        "panel_passes.h", "scratch.h", "task_grain.h", "team.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -157,6 +157,19 @@ def bf16_panels_available() -> bool:
     """The panel product runs over bf16 panels here: the CPU has AVX-512 BF16 dot products."""
     return (panel_linear_available()
             and _multiplies(torch.ones(1, 4, 32, dtype=torch.bfloat16)))
+
+
+def bf16_tiles_available() -> bool:
+    """The bf16 panel products can run in AMX tiles here (the CPU has AMX-BF16 and the kernel
+    grants this process the tiles); they do unless `use_bf16_tiles(False)`."""
+    return bf16_panels_available() and bool(torch.ops.conveyor.bf16_tiles_available())
+
+
+def use_bf16_tiles(on: bool) -> bool:
+    """Run the bf16 panel products in AMX tiles where available (the default), or in AVX-512
+    BF16 dot products; returns the setting before. For tests and benchmarks that compare the
+    two in one process: the two round a product's sums differently in the last bits."""
+    return bf16_panels_available() and bool(torch.ops.conveyor.set_bf16_tiles(on))
 
 
 def bf16_prefill_available() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,6 +34,18 @@ needs_onednn = pytest.mark.skipif(not onednn_linear_available(),
                                   reason="this torch build cannot pack weights for oneDNN")
 needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
                                 reason="this CPU has no AVX-512 BF16 dot products")
+
+
+@pytest.fixture(params=["tiles", "dot_products"])
+def bf16_products(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test with the bf16 products in AMX tiles (CPUs with AMX-BF16) and again in AVX-512
+    BF16 dot products, as on CPUs without AMX."""
+    tiles = request.param == "tiles"
+    if tiles and not cpu_kernels.bf16_tiles_available():
+        pytest.skip("this CPU has no AMX-BF16 tiles")
+    before = cpu_kernels.use_bf16_tiles(tiles)
+    yield request.param
+    cpu_kernels.use_bf16_tiles(before)
 
 
 @pytest.fixture(params=[True, False], ids=["panels", "torch"])
@@ -207,15 +220,19 @@ def bf16_product(x: torch.Tensor, weight: torch.Tensor,
                           (2, 96, 80), (3, 96, 17), (3, 40, 64), (4, 100, 40), (5, 1000, 9),
                           (8, 24, 32), (9, 24, 3), (13, 64, 33), (16, 38, 64), (64, 96, 48),
                           (20, 9000, 18), (4, 64, 1000), (33, 48, 700), (16, 2000, 520),
-                          (150, 2000, 300)])
+                          (150, 2000, 300), (1, 32, 16), (17, 64, 48), (70, 576, 200),
+                          (33, 160, 700), (100, 1536, 40), (250, 576, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.usefixtures("bf16_products")
 def test_bf16_panels_multiply_bf16_rounded_inputs(rows: int, in_features: int,
                                                   out_features: int, with_bias: bool) -> None:
     """One row over 8 panels at a time, two over 4, three over 2, then passes of up to 8 rows
     over 2 panels or a last odd one, a last panel with spare columns, rows in chunks (9000
     inputs: 8 rows a chunk), inputs not a multiple of 16; many panels hand each thread several
     runs, each taken as the one before ends; 150 rows of 2000 inputs go as chunks of 64, 64
-    and 22 rows, each with its runs of the 19 panels."""
+    and 22 rows, each with its runs of the 19 panels. In tiles (inputs a multiple of 32; others
+    keep the dot products): rows in blocks of 16 two at a time, a last block of a few rows, a
+    last odd panel, chunks of 32 rows a multiple (1536 inputs: 64 rows a chunk)."""
     torch.manual_seed(rows + in_features)
     linear = nn.Linear(in_features, out_features, bias=with_bias)
     layer = PanelLinear(linear.weight, linear.bias, torch.bfloat16)
@@ -230,11 +247,13 @@ def test_bf16_panels_multiply_bf16_rounded_inputs(rows: int, in_features: int,
 
 
 @needs_bf16
-def test_bf16_panel_rows_do_not_depend_on_their_batch() -> None:
+@pytest.mark.parametrize("in_features", [200, 192])
+@pytest.mark.usefixtures("bf16_products")
+def test_bf16_panel_rows_do_not_depend_on_their_batch(in_features: int) -> None:
     torch.manual_seed(0)
-    linear = nn.Linear(200, 150)
+    linear = nn.Linear(in_features, 150)
     layer = PanelLinear(linear.weight, linear.bias, torch.bfloat16)
-    x = torch.randn(64, 200)
+    x = torch.randn(64, in_features)
     batched = layer(x)
     for rows in (1, 2, 3, 4, 8, 9, 17):
         assert torch.equal(layer(x[:rows]), batched[:rows]), rows
@@ -303,8 +322,9 @@ def gate_and_up(in_features: int, inter: int, with_bias: bool,
                          [(1, 8, 1), (1, 64, 200), (1, 40, 72), (2, 96, 80), (2, 14, 5),
                           (3, 40, 64), (3, 96, 17), (5, 100, 40), (9, 24, 3), (16, 38, 64),
                           (64, 96, 48), (20, 9000, 18), (8, 64, 600), (40, 96, 330),
-                          (150, 2000, 200)])
+                          (150, 2000, 200), (17, 64, 48), (70, 576, 200), (250, 576, 40)])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.usefixtures("bf16_products")
 def test_gated_panels_equal_the_projection_then_the_activation(rows: int, in_features: int,
                                                                inter: int,
                                                                with_bias: bool) -> None:
@@ -327,7 +347,9 @@ def test_gated_panels_equal_the_projection_then_the_activation(rows: int, in_fea
 
 @needs_bf16
 @pytest.mark.parametrize(("rows", "in_features", "inter"),
-                         [(1, 64, 200), (3, 40, 72), (16, 96, 330), (150, 2000, 200)])
+                         [(1, 64, 200), (3, 40, 72), (16, 96, 330), (150, 2000, 200),
+                          (70, 576, 200)])
+@pytest.mark.usefixtures("bf16_products")
 def test_gated_bf16_rows_feed_a_bf16_product_as_it_would_round_them(rows: int, in_features: int,
                                                                      inter: int) -> None:
     """With `bf16_out` the gated product writes its rows rounded to bf16 (spare columns of the
@@ -361,9 +383,11 @@ def test_only_bf16_panels_take_bf16_rows() -> None:
 
 
 @needs_bf16
-def test_gated_rows_do_not_depend_on_their_batch() -> None:
-    _, _, gated = gate_and_up(200, 150, True)
-    x = torch.randn(64, 200)
+@pytest.mark.parametrize("in_features", [200, 192])
+@pytest.mark.usefixtures("bf16_products")
+def test_gated_rows_do_not_depend_on_their_batch(in_features: int) -> None:
+    _, _, gated = gate_and_up(in_features, 150, True)
+    x = torch.randn(64, in_features)
     batched = gated(x)
     for rows in (1, 2, 3, 4, 8, 9, 17):
         assert torch.equal(gated(x[:rows]), batched[:rows]), rows
@@ -372,7 +396,8 @@ def test_gated_rows_do_not_depend_on_their_batch() -> None:
 
 @needs_bf16
 @pytest.mark.parametrize(("rows", "in_features"), [(1, 96), (3, 96), (16, 96), (64, 96),
-                                                   (150, 2000)])
+                                                   (150, 2000), (150, 576)])
+@pytest.mark.usefixtures("bf16_products")
 def test_bf16_products_do_not_depend_on_the_thread_count(rows: int, in_features: int) -> None:
     """Runs of panels go to whichever thread is free; every output is one pass's sums, so the
     bits are the same on one thread or several, over many runs (1000 outputs: 63 panels), and
@@ -392,6 +417,26 @@ def test_bf16_products_do_not_depend_on_the_thread_count(rows: int, in_features:
     for other in outputs[1:]:
         for first, then in zip(outputs[0], other, strict=True):
             assert torch.equal(first, then)
+
+
+@pytest.mark.skipif("amx_bf16" not in cpu_kernels.cpu_flags().split(),
+                    reason="this CPU has no AMX-BF16")
+def test_amx_cpus_run_the_bf16_products_in_tiles() -> None:
+    """Where the CPU has AMX-BF16, the kernel grants the tiles and the products use them; the
+    tiles and the dot products give the same sums but for the last bits of their rounding."""
+    assert cpu_kernels.bf16_tiles_available()
+    torch.manual_seed(0)
+    layer = PanelLinear(torch.randn(300, 576), torch.randn(300), torch.bfloat16)
+    x = torch.randn(40, 576)
+    before = cpu_kernels.use_bf16_tiles(False)
+    try:
+        dot_products = layer(x)
+        assert cpu_kernels.use_bf16_tiles(True) is False
+        tiles = layer(x)
+    finally:
+        cpu_kernels.use_bf16_tiles(before)
+    assert before is True
+    torch.testing.assert_close(tiles, dot_products, rtol=1e-5, atol=1e-5)
 
 
 @needs_bf16

@@ -50,6 +50,10 @@ struct Bf16Product {
 struct ProductTask {
   int64_t m0, m1, p0, p1;
 };
+// Whether the bf16 products can run in AMX tiles here (compiled for them, and granted), and the
+// switch between tiles and `vdpbf16ps` (on by default; returns what it was).
+bool bf16_tiles_available();
+bool set_bf16_tiles(bool on);
 // A product's tasks for a team of `threads`, over `count` panels (gated: gate/up pairs).
 std::vector<ProductTask> bf16_product_tasks(int64_t M, int64_t K, int64_t count, bool gated,
                                             int threads);
