@@ -80,7 +80,7 @@ constexpr int kOneRowPanels = 8;
 constexpr int64_t kPairWidth = 2 * kPanel;
 
 // x rounded to bf16, row by row: [rows, K] as 16-bit patterns.
-std::unique_ptr<uint16_t[]> round_rows(const float* x, int64_t M, int64_t K) {
+conveyor::Scratch<uint16_t> round_rows(const float* x, int64_t M, int64_t K) {
   auto rounded = conveyor::scratch<uint16_t>(M * K);
   at::parallel_for(0, M, conveyor::rows_per_task(K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) conveyor::round_to_bf16(x + m * K, K, rounded.get() + m * K);
@@ -332,18 +332,29 @@ __attribute__((noinline)) void tile_micro(const Problem& pb, const uint16_t* con
     store_tile_row<NP, E>(pb, sums + m / kTileRows * 2, row + m, m % kTileRows, p);
 }
 
-// A task's rows as blocks of 16: whole blocks in place, the last few copied into `spare` (the
-// thread's own, zero past them) so that its tile reads 16 rows.
-std::vector<const uint16_t*> tile_blocks(const Problem& pb, const Task& task,
-                                         std::vector<uint16_t>& spare) {
+// A thread's own block of 16 rows for a task's last few, zero past them, so that its tile reads
+// 16 rows; kept from task to task and grown as needed.
+struct SpareBlock {
+  conveyor::Scratch<uint16_t> rows;
+  int64_t size = 0;
+
+  const uint16_t* hold(const uint16_t* x, int64_t count, int64_t K) {
+    if (size < kTileRows * K) {
+      size = kTileRows * K;
+      rows = conveyor::scratch<uint16_t>(size);
+    }
+    std::memcpy(rows.get(), x, count * K * 2);
+    std::memset(rows.get() + count * K, 0, (kTileRows - count) * K * 2);
+    return rows.get();
+  }
+};
+
+// A task's rows as blocks of 16: whole blocks in place, the last few in `spare`.
+std::vector<const uint16_t*> tile_blocks(const Problem& pb, const Task& task, SpareBlock& spare) {
   std::vector<const uint16_t*> blocks;
   int64_t m = task.m0;
   for (; m + kTileRows <= task.m1; m += kTileRows) blocks.push_back(pb.x + m * pb.K);
-  if (m < task.m1) {
-    spare.assign(kTileRows * pb.K, 0);
-    std::memcpy(spare.data(), pb.x + m * pb.K, (task.m1 - m) * pb.K * 2);
-    blocks.push_back(spare.data());
-  }
+  if (m < task.m1) blocks.push_back(spare.hold(pb.x + m * pb.K, task.m1 - m, pb.K));
   return blocks;
 }
 
@@ -365,7 +376,7 @@ void tile_panels(const Problem& pb, const std::vector<const uint16_t*>& blocks, 
 // that the pair's weights come from memory once and from the caches for the other blocks.
 template <Epilogue E>
 void tile_task(const Problem& pb, const uint16_t* panels, const Task& task) {
-  thread_local std::vector<uint16_t> spare;
+  thread_local SpareBlock spare;
   const std::vector<const uint16_t*> blocks = tile_blocks(pb, task, spare);
   int64_t p = task.p0;
   for (; p + 2 <= task.p1; p += 2) tile_panels<2, E>(pb, blocks, task, panels, p);
@@ -531,7 +542,7 @@ void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& 
 #ifndef CONVEYOR_BF16_PANELS
   TORCH_CHECK(false, "bf16 panels need AVX-512 BF16");
 #else
-  const std::unique_ptr<uint16_t[]> rounded = round_rows(x, M, K);
+  const conveyor::Scratch<uint16_t> rounded = round_rows(x, M, K);
   bf16_rows_product(rounded.get(), M, K, panels, bias, residual, out, out_features);
 #endif
 }
@@ -571,7 +582,7 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
   at::Tensor out = at::empty({M, inter}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;
   // bf16 rows are the ones rounding fp32 rows would give: taken as they are.
-  const std::unique_ptr<uint16_t[]> rounded =
+  const conveyor::Scratch<uint16_t> rounded =
       bf16_rows ? nullptr : round_rows(x.data_ptr<float>(), M, K);
   const uint16_t* rows = bf16_rows ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
                                    : rounded.get();

@@ -55,8 +55,8 @@ using conveyor::Q80Int8;
 
 // x rounded to 8-bit blocks: q [rows, in] int8, and per row and block its scale d and d * sum(q).
 struct RoundedRows {
-  std::unique_ptr<int8_t[]> q;
-  std::unique_ptr<float[]> d, s;
+  conveyor::Scratch<int8_t> q;
+  conveyor::Scratch<float> d, s;
   int64_t K;
 };
 

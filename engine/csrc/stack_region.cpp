@@ -81,8 +81,8 @@ struct Stack {
   int64_t table_width;
   float scale;
   std::vector<ProductTask> qkv_tasks, out_tasks, gated_tasks, down_tasks;
-  std::unique_ptr<uint16_t[]> normed, attended16, gated16;
-  std::unique_ptr<float[]> qkv, qk, attended, residual;
+  conveyor::Scratch<uint16_t> normed, attended16, gated16;
+  conveyor::Scratch<float> qkv, qk, attended, residual;
 };
 
 // One layer's tensors.
