@@ -2,6 +2,9 @@
 ignored, all requests submitted at once with `--concurrency` in flight.
 
     python benchmarks/engine_throughput.py --concurrency 1 16 64
+
+With `--both-bf16-products` (a bf16 model on a CPU with AMX-BF16) each concurrency runs twice
+in turn with the products in AMX tiles and in AVX-512 BF16 dot products, each row tagged.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 
 from engine_setup import add_engine_arguments, engine_config
 
+from engine import cpu_kernels
 from engine.core import EngineCore
 from engine.factory import create_engine_core
 from engine.sampling_params import SamplingParams
@@ -61,7 +65,10 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA, no decode graphs")
+    parser.add_argument("--both-bf16-products", action="store_true")
     args = parser.parse_args()
+    if args.both_bf16_products and not cpu_kernels.bf16_tiles_available():
+        raise SystemExit("the bf16 products have no AMX tiles here")
     config = engine_config(args, max_num_batched_tokens=args.max_num_batched_tokens,
                            attention_backend=args.attention_backend,
                            enforce_eager=args.enforce_eager)
@@ -71,8 +78,16 @@ def main() -> None:
           f"{core.runner.backend.name} attention, {graphs}")
     for _ in range(args.warmup):
         run(core, 2, 16, 4, seed=-1)
+    modes = ["tiles", "dot", "dot", "tiles"] if args.both_bf16_products else [None]
     for seed, concurrency in enumerate(args.concurrency):
-        print(json.dumps(run(core, concurrency, args.input_len, args.output_len, seed)))
+        for turn, mode in enumerate(modes):
+            tags = {}
+            if mode is not None:
+                cpu_kernels.use_bf16_tiles(mode == "tiles")
+                tags = {"bf16_products": mode}
+            result = run(core, concurrency, args.input_len, args.output_len,
+                         seed * len(modes) + turn)
+            print(json.dumps({**result, **tags}))
 
 
 if __name__ == "__main__":
