@@ -20,10 +20,11 @@
 // features are a multiple of 32: a panel's 16 pairs of input features are one tile as the panel
 // lays them out, 16 rows of x another, and one `tdpbf16ps` adds their 8192 multiply-adds into a
 // tile of 16 x 16 fp32 sums. Two blocks of 16 rows by two panels at a time (four tiles of sums);
-// a last block of a few rows is copied into a zeroed block of 16. The default model's products
-// ran 3-5x faster than in `vdpbf16ps` on 2 cores of a Xeon with AMX, from 16 rows to 2048. The
-// tiles round their sums apart from `vdpbf16ps` in the last bits, so the choice is one per
-// process (never per batch) and a row's result still does not depend on its batch.
+// a last block of a few rows is copied into a block of 16 of the thread's own. The default
+// model's products ran 3-5x faster than in `vdpbf16ps` on 2 cores of a Xeon with AMX, from 16
+// rows to 2048. The tiles round their sums apart from `vdpbf16ps` in the last bits, so the
+// choice is one per process (never per batch) and a row's result still does not depend on its
+// batch.
 //
 // `gated_linear` is the gated MLP's gate and up projections and activation in one op: panels
 // [ceil(inter / 16), 2, in / 2, 32] hold each gate panel followed by the up panel of the same
@@ -260,7 +261,6 @@ void rows_by_panels(const Problem& pb, int64_t m0, int64_t rows, const uint16_t*
 template <Epilogue E>
 constexpr int kUnit = E == Epilogue::kGated ? 2 : 1;
 
-
 #ifdef CONVEYOR_AMX_TILES
 using conveyor::kTileDepth;
 using conveyor::kTileRows;
@@ -391,8 +391,6 @@ void tile_panels(const Problem& pb, const std::vector<const uint16_t*>& blocks, 
 
 // One task in tiles: each pair of its panels over all of its rows, two blocks at a time, so
 // that the pair's weights come from memory once and from the caches for the other blocks.
-// Without the next panels asked for ahead, a decode step of one row took about a quarter
-// longer than in `vdpbf16ps`, whose passes ask for them.
 template <Epilogue E>
 void tile_task(const Problem& pb, const uint16_t* panels, const Task& task, int64_t count) {
   thread_local SpareBlock spare;
@@ -405,7 +403,6 @@ void tile_task(const Problem& pb, const uint16_t* panels, const Task& task, int6
 }
 #else
 constexpr int64_t kTileBlock = kMaxRows;
-bool tiles_usable() { return false; }
 bool tiles_take(int64_t) { return false; }
 #endif
 
