@@ -142,6 +142,23 @@ CONVEYOR_INLINE __m512 silu_times(__m512 gate, __m512 up) {
                                              _mm256_castps_pd(high), 1));
 }
 
+// One row's sums for NP panels from p (plus bias) through the epilogue E to its output columns.
+template <int NP, Epilogue E>
+CONVEYOR_INLINE void store_row(const Problem& pb, const __m512* sums, int64_t row, int64_t p) {
+  if constexpr (E == Epilogue::kGated) {
+    static_assert(NP % 2 == 0, "gated panels come in gate/up pairs");
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; j += 2)
+      store_columns(
+          silu_times(with_bias(sums[j], pb, p + j), with_bias(sums[j + 1], pb, p + j + 1)), pb,
+          row, (p + j) / 2 * kPanel);
+  } else {
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j)
+      store_columns(with_bias(sums[j], pb, p + j), pb, row, (p + j) * kPanel);
+  }
+}
+
 // The output lines (and residual lines) rows [row, row + MR) store for panels [p, p + NP),
 // asked for before the pass computes them: out of L2 when many rows are multiplied, they would
 // otherwise miss as the pass stores its sums.
@@ -202,22 +219,8 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const uint1
       for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
     }
   }
-  if constexpr (E == Epilogue::kGated) {
-    static_assert(NP % 2 == 0, "gated panels come in gate/up pairs");
 #pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-      for (int j = 0; j < NP; j += 2)
-        store_columns(silu_times(with_bias(acc[m][j], pb, p + j),
-                                 with_bias(acc[m][j + 1], pb, p + j + 1)),
-                      pb, row + m, (p + j) / 2 * kPanel);
-  } else {
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-      for (int j = 0; j < NP; ++j)
-        store_columns(with_bias(acc[m][j], pb, p + j), pb, row + m, (p + j) * kPanel);
-  }
+  for (int m = 0; m < MR; ++m) store_row<NP, E>(pb, acc[m], row + m, p);
 }
 
 // One pass of mr (1 to kMaxRows) rows from m over NP panels from p.
@@ -277,21 +280,14 @@ bool tiles_take(int64_t K) { return K % kTileDepth == 0 && tiles_usable(); }
 // One 16 x 16 tile of sums, as stored from its tile.
 using TileSums = float[kTileRows * kPanel];
 
-// The sums of block b's row m for panel j (of NP) as output columns, through the epilogue.
+// Row m of the NP tiles of sums at `sums` (one block's), through the epilogue as output row `row`.
 template <int NP, Epilogue E>
 CONVEYOR_INLINE void store_tile_row(const Problem& pb, const TileSums* sums, int64_t row,
                                     int m, int64_t p) {
-  if constexpr (E == Epilogue::kGated) {
-    static_assert(NP == 2, "gated panels come in gate/up pairs");
-    store_columns(silu_times(with_bias(_mm512_loadu_ps(sums[0] + m * kPanel), pb, p),
-                             with_bias(_mm512_loadu_ps(sums[1] + m * kPanel), pb, p + 1)),
-                  pb, row, p / 2 * kPanel);
-  } else {
+  __m512 values[NP];
 #pragma GCC unroll 2
-    for (int j = 0; j < NP; ++j)
-      store_columns(with_bias(_mm512_loadu_ps(sums[j] + m * kPanel), pb, p + j), pb, row,
-                    (p + j) * kPanel);
-  }
+  for (int j = 0; j < NP; ++j) values[j] = _mm512_loadu_ps(sums[j] + m * kPanel);
+  store_row<NP, E>(pb, values, row, p);
 }
 
 // RB blocks of 16 rows (at `blocks`, rows of K bf16 values each; the first `valid` rows of the
