@@ -34,7 +34,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name
 HEADERS = [Path(__file__).parent / "csrc" / name
            for name in ("amx_tiles.h", "bf16_pairs.h", "bf16_round.h", "block_panels.h",
                         "fast_exp.h", "lanes.h", "layer_args.h", "load8.h", "ops.h",
-                        "panel_passes.h", "scratch.h", "task_grain.h", "team.h")]
+                        "panel_passes.h", "row_best.h", "scratch.h", "task_grain.h", "team.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -195,6 +195,14 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     (`gguf_blocks.pack_panels`), `b` fp32 zero-padded to whole panels; plus `residual [rows,
     out]` where given (equal to the bit to adding it after). The output is fp32."""
     return torch.ops.conveyor.panel_linear(x, panels, bias, out_features, residual)
+
+
+def panel_argmax(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int) -> torch.Tensor:
+    """Each row's index of its largest output of `panel_linear` over bf16 panels, as
+    `argmax(dim=-1)` picks it (the first of equal maxima; the first NaN where a row has one),
+    without writing the outputs: int64 `[rows]`."""
+    return torch.ops.conveyor.panel_argmax(x, panels, bias, out_features)
 
 
 def gated_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,

@@ -198,6 +198,19 @@ class PanelLinear(nn.Module):
                                        skip)
         return out.view(*x.shape[:-1], self.out_features)
 
+    @property
+    def chooses_greedily(self) -> bool:
+        """`greedy` runs: bf16 panels, whose product can keep each row's best output instead of
+        writing the outputs."""
+        return self.bf16_activations
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """`self(x).argmax(dim=-1)` for rows `x [rows, in]`, the same choice (the first of equal
+        maxima, the first NaN where a row has one), without the outputs written: int64
+        `[rows]`. Needs `chooses_greedily`."""
+        rows = kernel_rows(x, self.in_features, bf16_panels=True)
+        return cpu_kernels.panel_argmax(rows, self.panels, self.padded_bias, self.out_features)
+
     def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
         """A layer of the same kind over another weight (fused projections); block weights are
         exact in fp32, so they remake as fp32 panels."""

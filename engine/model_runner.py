@@ -1,17 +1,20 @@
-"""Runs one step: flattened inputs through the model, logits of the needed positions, sampling."""
+"""Runs one step: flattened inputs through the model, logits of the needed positions, sampling.
+
+Where every row samples greedily from its raw logits, the model chooses the tokens itself
+(`CausalLM.greedy_tokens`), and over Conveyor's bf16 panels the logits are never written out."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, AttentionMetadata
 from engine.decode_graphs import DecodeGraphs
 from engine.input_batch import InputBatch, build_input_batch
 from engine.kv_cache import KVCache
 from engine.models import CausalLM
 from engine.outputs import ModelRunnerOutput, TokenLogprob
-from engine.sampler import Sampler, token_logprobs
+from engine.sampler import Sampler, takes_argmax, token_logprobs
 from engine.scheduler import SchedulerOutput
 
 
@@ -32,6 +35,8 @@ class ModelRunner:
         self.kv_cache.copy_blocks(scheduler_output.block_copies)
         batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
         prompt_rows = _prompt_logprob_rows(batch)
+        if not prompt_rows and self._model_chooses(batch):
+            return self._choose_in_model(batch)
         prompt_indices = _prompt_logprob_indices(batch, prompt_rows)
         logits = self.forward(batch, np.concatenate([prompt_indices, batch.sample_token_indices]))
         output = ModelRunnerOutput()
@@ -44,11 +49,29 @@ class ModelRunner:
         """Logits `[len(logits_indices), vocab]` for the given flattened token positions."""
         if self.graphs is not None and self.graphs.supports(batch, logits_indices):
             return self.graphs.run(batch)
+        return self.model(*self._model_inputs(batch, logits_indices))
+
+    def _model_inputs(self, batch: InputBatch, logits_indices: np.ndarray) -> tuple[
+            torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         metadata = self.backend.build_metadata(batch, self.kv_cache)
         input_ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
         positions = torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
         keep = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
-        return self.model(input_ids, positions, metadata, keep)
+        return input_ids, positions, metadata, keep
+
+    def _model_chooses(self, batch: InputBatch) -> bool:
+        """Every sampled row takes the argmax of its raw logits, and no decode graph would run
+        the step (a replayed graph computes the logits anyway)."""
+        indices = batch.sample_token_indices
+        return (takes_argmax([batch.requests[row] for row in batch.sample_rows])
+                and not (self.graphs is not None and self.graphs.supports(batch, indices)))
+
+    def _choose_in_model(self, batch: InputBatch) -> ModelRunnerOutput:
+        tokens = self.model.greedy_tokens(*self._model_inputs(batch, batch.sample_token_indices))
+        output = ModelRunnerOutput()
+        for row, token in zip(batch.sample_rows, tokens.tolist(), strict=True):
+            output.sampled_token_ids[batch.requests[row].request_id] = token
+        return output
 
     def _sample(self, batch: InputBatch, logits: torch.Tensor,
                 output: ModelRunnerOutput) -> None:

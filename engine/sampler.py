@@ -130,6 +130,20 @@ class Sampler:
         return token_logprobs(raw, token_ids, wanted)
 
 
+def takes_argmax(requests: list[Request]) -> bool:
+    """Every request's next token is the argmax of its raw logits, as the sampler would choose
+    it: greedy, no logprobs, and nothing that changes the logits first (a logit bias,
+    penalties, a `min_tokens` ban still in force). The model may then choose the tokens itself
+    without handing the logits over."""
+    return all(_argmax_of_raw_logits(request) for request in requests)
+
+
+def _argmax_of_raw_logits(request: Request) -> bool:
+    params = request.sampling_params
+    return (params.greedy and params.logprobs is None and not params.logit_bias
+            and not params.needs_penalties and request.num_output_tokens >= params.min_tokens)
+
+
 def row_argmax(values: torch.Tensor) -> torch.Tensor:
     """`values.argmax(dim=-1)` for `[rows, vocab]`: Conveyor's CPU kernel for fp32 on the CPU
     (it compares eight lanes at a time where torch compares one element), else torch's."""

@@ -77,6 +77,17 @@ def tiny_llama(vocab_size: int = 320, num_layers: int = 2, seed: int = 0,
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
+def bf16_reference(half_weights: str) -> torch.nn.Module:
+    """The oracle for a bf16 model run `half_weights`' way: transformers in fp32 over the
+    bf16-rounded weights, with each linear layer's input rounded to bf16 for bf16 panels."""
+    model = tiny_llama(dtype=torch.bfloat16).float()
+    if half_weights == "bf16":
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
+    return model
+
+
 def tiny_core(model: LlamaForCausalLM | None = None, *, num_blocks: int = 256,
               block_size: int | None = 4, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
               enable_chunked_prefill: bool = True, max_model_len: int | None = None,

@@ -26,7 +26,14 @@ from engine.cpu_linear import (
 from engine.model_loader import half_weights_in_fp32, use_half_weights
 from engine.models.llama import PagedLlamaLayer
 from engine.sampling_params import SamplingParams
-from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
+from tests.helpers import (
+    bf16_reference,
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tiny_llama,
+    tokens_of,
+)
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_available(),
                                   reason="this torch build has no fbgemm fp16 GEMM")
@@ -74,17 +81,6 @@ def half_weights(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
             pytest.skip("this torch build has no fbgemm fp16 GEMM")
         monkeypatch.setattr(cpu_kernels, "panel_linear_available", lambda: False)
     return request.param
-
-
-def bf16_reference(half_weights: str) -> nn.Module:
-    """The oracle for a bf16 model run `half_weights`' way: transformers in fp32 over the
-    bf16-rounded weights, with each linear layer's input rounded to bf16 for bf16 panels."""
-    model = tiny_llama(dtype=torch.bfloat16).float()
-    if half_weights == "bf16":
-        for module in model.modules():
-            if isinstance(module, nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
-    return model
 
 
 HALF_WEIGHT_LAYERS = {"bf16": PanelLinear, "fp16": PanelLinear, "torch": HalfWeightLinear}

@@ -38,6 +38,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -52,6 +53,7 @@
 #include "fast_exp.h"
 #include "ops.h"
 #include "panel_passes.h"
+#include "row_best.h"
 #include "scratch.h"
 #include "task_grain.h"
 
@@ -94,8 +96,9 @@ using Task = conveyor::ProductTask;
 
 // What becomes of a pass's sums: each panel's 16 sums plus bias are its 16 output columns
 // (plain); or the panels come in gate/up pairs, and the pair's sums plus bias give the 16
-// columns of silu(gate) * up (gated).
-enum class Epilogue { kPlain, kGated };
+// columns of silu(gate) * up (gated); or each panel's sums plus bias go to the thread's best of
+// their row (argmax: a greedy choice, with no output written).
+enum class Epilogue { kPlain, kGated, kArgmax };
 
 CONVEYOR_INLINE __m512 with_bias(__m512 sum, const Problem& pb, int64_t panel) {
   if (pb.bias == nullptr) return sum;
@@ -152,6 +155,10 @@ CONVEYOR_INLINE void store_row(const Problem& pb, const __m512* sums, int64_t ro
       store_columns(
           silu_times(with_bias(sums[j], pb, p + j), with_bias(sums[j + 1], pb, p + j + 1)), pb,
           row, (p + j) / 2 * kPanel);
+  } else if constexpr (E == Epilogue::kArgmax) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j)
+      conveyor::note_best(pb.best[row], with_bias(sums[j], pb, p + j), (p + j) * kPanel, pb.N);
   } else {
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j)
@@ -164,6 +171,7 @@ CONVEYOR_INLINE void store_row(const Problem& pb, const __m512* sums, int64_t ro
 // otherwise miss as the pass stores its sums.
 template <int MR, int NP, Epilogue E>
 CONVEYOR_INLINE void ask_for_outputs(const Problem& pb, int64_t row, int64_t p) {
+  if constexpr (E == Epilogue::kArgmax) return;
   constexpr int kColumnPanels = E == Epilogue::kGated ? NP / 2 : NP;
   const int64_t n0 = (E == Epilogue::kGated ? p / 2 : p) * kPanel;
 #pragma GCC unroll 8
@@ -393,7 +401,7 @@ void tile_task(const Problem& pb, const uint16_t* panels, const Task& task, int6
   const std::vector<const uint16_t*> blocks = tile_blocks(pb, task, spare);
   int64_t p = task.p0;
   for (; p + 2 <= task.p1; p += 2) tile_panels<2, E>(pb, blocks, task, panels, p, count);
-  if constexpr (E == Epilogue::kPlain) {
+  if constexpr (E != Epilogue::kGated) {
     if (p < task.p1) tile_panels<1, E>(pb, blocks, task, panels, p, count);
   }
 }
@@ -460,7 +468,7 @@ void task_product(const Problem& pb, const uint16_t* panels, const Task& task, C
     const uint16_t* ahead = p + 4 <= task.p1 ? panels + (p + 2) * panel_size : claim();
     rows_by_panels<2, E>(pb, task.m0, rows, panels, p, ahead);
   }
-  if constexpr (E == Epilogue::kPlain) {
+  if constexpr (E != Epilogue::kGated) {
     if (p < task.p1) rows_by_panels<1, E>(pb, task.m0, rows, panels, p, nullptr);
   }
 }
@@ -472,8 +480,11 @@ void task_product(const Problem& pb, const uint16_t* panels, const Task& task, C
 // next task's first (the first two panels of every run came from memory unasked: the default
 // model's layers at 8 rows took 4-5% longer).
 template <Epilogue E>
-void take_tasks(const Problem& pb, const uint16_t* w, int64_t count, const std::vector<Task>& tasks,
-                std::atomic<int64_t>& next) {
+void take_tasks(const Problem& shared, const uint16_t* w, int64_t count,
+                const std::vector<Task>& tasks, std::atomic<int64_t>& next) {
+  Problem pb = shared;
+  // Each thread keeps bests of its own (`run_argmax`).
+  if constexpr (E == Epilogue::kArgmax) pb.best += omp_get_thread_num() * pb.M;
   const int64_t total = static_cast<int64_t>(tasks.size());
 #ifdef CONVEYOR_AMX_TILES
   if (tiles_take(pb.K)) {
@@ -498,17 +509,38 @@ void take_tasks(const Problem& pb, const uint16_t* w, int64_t count, const std::
   }
 }
 
+// The threads a product of these tasks runs on.
+int product_threads(const std::vector<Task>& tasks) {
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size())));
+}
+
 // The product over torch's threads, in a parallel region of its own.
 template <Epilogue E>
 void run(const Problem& pb, const at::Tensor& panels, int64_t count) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
-  const int64_t units = count / kUnit<E>;
-  const std::vector<Task> tasks = plan_tasks<E>(pb.M, pb.K, units, at::get_num_threads());
-  const int threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size())));
+  const std::vector<Task> tasks = plan_tasks<E>(pb.M, pb.K, count / kUnit<E>,
+                                                at::get_num_threads());
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(product_threads(tasks))
+  take_tasks<E>(pb, w, count, tasks, next);
+}
+
+// Each row's greedy choice over the product's N columns into choice [M]: the threads' bests of
+// every row, then the rows' choices from them.
+void run_argmax(Problem pb, const at::Tensor& panels, int64_t* choice) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  const int64_t count = panels.size(0);
+  const std::vector<Task> tasks =
+      plan_tasks<Epilogue::kArgmax>(pb.M, pb.K, count, at::get_num_threads());
+  const int threads = product_threads(tasks);
+  const auto bests = conveyor::scratch<conveyor::RowBest>(threads * pb.M);
+  for (int64_t i = 0; i < threads * pb.M; ++i) bests[i].reset();
+  pb.best = bests.get();
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
-  take_tasks<E>(pb, w, count, tasks, next);
+  take_tasks<Epilogue::kArgmax>(pb, w, count, tasks, next);
+  for (int64_t m = 0; m < pb.M; ++m) choice[m] = conveyor::row_choice(bests.get() + m, threads, pb.M);
 }
 #endif
 
@@ -570,6 +602,40 @@ void bf16_rows_product(const uint16_t* x, int64_t M, int64_t K, const at::Tensor
 #endif
 }
 
+at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t out_features) {
+#ifndef CONVEYOR_BF16_PANELS
+  TORCH_CHECK(false, "panel_argmax needs AVX-512 BF16");
+#else
+  const bool bf16_rows = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || bf16_rows) && x.is_contiguous(),
+              "panel_argmax: x must be contiguous fp32 (or bf16) [rows, in]");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 &&
+                  panels.size(2) == 2 * kPanel && panels.is_contiguous(),
+              "panel_argmax: panels must be contiguous bf16 [panels, in / 2, 32]");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) == 2 * panels.size(1),
+              "panel_argmax: x and panels' input sizes differ");
+  TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
+              "panel_argmax: out_features does not match the number of panels");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel &&
+                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "panel_argmax: bias must be fp32 [panels * 16], zero-padded");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor choice = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return choice;
+  const conveyor::Scratch<uint16_t> rounded =
+      bf16_rows ? nullptr : round_rows(x.data_ptr<float>(), M, K);
+  const uint16_t* rows = bf16_rows ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
+                                   : rounded.get();
+  run_argmax(Problem{rows, has_bias ? bias->data_ptr<float>() : nullptr, nullptr, nullptr,
+                     nullptr, M, K, out_features},
+             panels, choice.data_ptr<int64_t>());
+  return choice;
+#endif
+}
+
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t inter, bool bf16_out) {
 #ifndef CONVEYOR_BF16_PANELS
@@ -613,7 +679,11 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("gated_linear(Tensor x, Tensor panels, Tensor? bias, int inter, bool bf16_out=False) "
         "-> Tensor");
+  m.def("panel_argmax(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("bf16_tiles_available() -> bool", &conveyor::bf16_tiles_available);
   m.def("set_bf16_tiles(bool on) -> bool", &conveyor::set_bf16_tiles);
 }
-TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("gated_linear", &conveyor::gated_linear); }
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
+  m.impl("gated_linear", &conveyor::gated_linear);
+  m.impl("panel_argmax", &conveyor::panel_argmax);
+}

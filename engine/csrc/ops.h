@@ -38,6 +38,7 @@ void bf16_rows_product(const uint16_t* x, int64_t M, int64_t K, const at::Tensor
 // One product over bf16 panels as its threads see it: bf16 rows x [M, K] times the panels, plus
 // bias (padded to whole panels) and residual [M, N] where not null, to fp32 rows at out or, where
 // out16 is not null, to those rows rounded to bf16.
+struct RowBest;
 struct Bf16Product {
   const uint16_t* x;
   const float* bias;
@@ -45,6 +46,8 @@ struct Bf16Product {
   float* out;
   uint16_t* out16;
   int64_t M, K, N;
+  // A greedy choice instead of an output (`panel_argmax`): this thread's best of each row.
+  RowBest* best = nullptr;
 };
 // A share of a product: rows [m0, m1) times panels [p0, p1).
 struct ProductTask {
@@ -61,6 +64,10 @@ std::vector<ProductTask> bf16_product_tasks(int64_t M, int64_t K, int64_t count,
 // next task as it frees up, `next` counting the tasks taken (zero before the first call).
 void bf16_take_tasks(const Bf16Product& pb, const uint16_t* panels, int64_t count, bool gated,
                      const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next);
+// Each row's argmax of x W^T + bias over bf16 panels (`bf16_panels.cpp`), int64 [rows], as
+// `torch.argmax` picks it from panel_linear's output, without writing that output.
+at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t out_features);
 // silu(x Wg^T + bg) * (x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`): fp32, or with
 // `bf16_out` rounded to bf16 as a bf16 product rounds its input rows.
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,

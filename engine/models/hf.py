@@ -8,6 +8,7 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.hf import METADATA_KWARG
+from engine.sampler import row_argmax
 
 
 class TransformersCausalLM:
@@ -26,3 +27,8 @@ class TransformersCausalLM:
             **{METADATA_KWARG: metadata},
         )
         return out.logits[0]
+
+    def greedy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The argmax of each row's logits, as the sampler takes it."""
+        return row_argmax(self(input_ids, positions, metadata, logits_indices).float())

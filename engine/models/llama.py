@@ -21,6 +21,7 @@ from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata, DecodeStep
 from engine.cpu_linear import CPU_LINEAR_TYPES, GatedPanelLinear, PanelLinear, takes_bf16_rows
 from engine.models.rotary_table import RotaryTable
+from engine.sampler import row_argmax
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM"})
@@ -282,6 +283,21 @@ class PagedLlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self._final_hidden(input_ids, positions, metadata, logits_indices))
+
+    def greedy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """`forward`'s logits' argmax per row, int64 `[len(logits_indices)]`: chosen as the LM
+        head's sums leave the registers where it is bf16 panels (a decode step of 64 rows writes
+        12.6 MB of the default model's logits otherwise, and reads them back to choose)."""
+        hidden = self._final_hidden(input_ids, positions, metadata, logits_indices)
+        if isinstance(self.lm_head, PanelLinear) and self.lm_head.chooses_greedily:
+            return self.lm_head.greedy(hidden)
+        return row_argmax(self.lm_head(hidden).float())
+
+    def _final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The normalized hidden rows of the kept positions, the LM head's input."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(hidden, positions)
         step = metadata.backend.decode_step(metadata) if _fp32_rows(hidden) else None
@@ -289,8 +305,7 @@ class PagedLlamaForCausalLM(nn.Module):
             hidden = self.stack.decode(hidden, cos, sin, step)
         else:
             hidden = self._layers(hidden, cos, sin, metadata, step)
-        hidden = rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)
-        return self.lm_head(hidden)
+        return rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)
 
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata, step: DecodeStep | None) -> torch.Tensor:

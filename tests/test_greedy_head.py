@@ -1,0 +1,198 @@
+"""The greedy LM head: where every row of a step samples greedily from its raw logits, the bf16
+panels' product keeps each row's best output as it goes (`panel_argmax`) instead of writing the
+logits out, and the tokens are the ones the sampler would take from those logits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine import cpu_kernels, model_runner
+from engine.cpu_linear import PanelLinear
+from engine.model_loader import use_half_weights
+from engine.request import Request
+from engine.sampler import takes_argmax
+from engine.sampling_params import SamplingParams
+from tests.helpers import (
+    bf16_reference,
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tiny_llama,
+    tokens_of,
+)
+
+needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
+                                reason="this CPU has no AVX-512 BF16 dot products")
+
+
+@pytest.fixture(params=["tiles", "dot_products"])
+def bf16_products(request: pytest.FixtureRequest) -> Iterator[str]:
+    tiles = request.param == "tiles"
+    if tiles and not cpu_kernels.bf16_tiles_available():
+        pytest.skip("this CPU has no AMX-BF16 tiles")
+    before = cpu_kernels.use_bf16_tiles(tiles)
+    yield request.param
+    cpu_kernels.use_bf16_tiles(before)
+
+
+def head(out_features: int, in_features: int, bias: torch.Tensor | None = None,
+         seed: int = 0) -> PanelLinear:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    return PanelLinear(weight, bias, torch.bfloat16)
+
+
+def choose(layer: PanelLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fused choice, the argmax of the written logits)."""
+    logits = cpu_kernels.panel_linear(x, layer.panels, layer.padded_bias, layer.out_features)
+    return layer.greedy(x), logits.argmax(dim=-1)
+
+
+@needs_bf16
+@pytest.mark.usefixtures("bf16_products")
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(5, 8), (37, 32), (1000, 64), (4099, 96), (49152, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_fused_choice_is_the_argmax_of_the_logits(out_features: int, in_features: int,
+                                                      rows: int, with_bias: bool) -> None:
+    bias = torch.randn(out_features) if with_bias else None
+    layer = head(out_features, in_features, bias)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    fused, written = choose(layer, x)
+    assert fused.dtype == torch.int64 and fused.shape == (rows,)
+    assert torch.equal(fused, written)
+    # bf16 rows are the ones the product rounds fp32 rows to.
+    assert torch.equal(layer.greedy(x.bfloat16()), written)
+
+
+@needs_bf16
+@pytest.mark.usefixtures("bf16_products")
+def test_equal_maxima_choose_the_first_column() -> None:
+    weight = torch.randn(70, 32, generator=torch.Generator().manual_seed(1))
+    weight[[20, 45, 69]] = weight[3].clone()
+    layer = PanelLinear(weight, None, torch.bfloat16)
+    x = weight[3].repeat(4, 1)
+    fused, written = choose(layer, x)
+    assert written.tolist() == [3] * 4
+    assert torch.equal(fused, written)
+
+
+@needs_bf16
+@pytest.mark.usefixtures("bf16_products")
+def test_nan_and_infinite_rows_choose_as_argmax_does() -> None:
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
+    nans = torch.zeros(70)
+    nans[[33, 50]] = float("nan")
+    minus_inf = torch.full((70,), float("-inf"))
+    plus_inf = torch.zeros(70)
+    plus_inf[[9, 60]] = float("inf")
+    for bias, expected in ((nans, 33), (minus_inf, 0), (plus_inf, 9)):
+        fused, written = choose(head(70, 32, bias), x)
+        assert written.tolist() == [expected] * 3
+        assert torch.equal(fused, written)
+
+
+@needs_bf16
+@pytest.mark.usefixtures("bf16_products")
+def test_padding_columns_are_never_chosen() -> None:
+    """37 columns fill three panels of 16: the 11 zero-padded ones sum to 0, above every real
+    column here."""
+    layer = head(37, 32, torch.full((37,), -1e4))
+    fused, written = choose(layer, torch.randn(8, 32))
+    assert (written < 37).all()
+    assert torch.equal(fused, written)
+
+
+@needs_bf16
+def test_the_fused_choice_refuses_bad_inputs() -> None:
+    layer = head(40, 32)
+    with pytest.raises(RuntimeError, match="input sizes"):
+        cpu_kernels.panel_argmax(torch.randn(2, 16), layer.panels, None, 40)
+    with pytest.raises(RuntimeError, match="out_features"):
+        cpu_kernels.panel_argmax(torch.randn(2, 32), layer.panels, None, 60)
+    fp32 = PanelLinear(torch.randn(40, 32), None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_kernels.panel_argmax(torch.randn(2, 32), fp32.panels, None, 40)
+    assert not fp32.chooses_greedily and layer.chooses_greedily
+
+
+def request(output: int = 0, **params: object) -> Request:
+    req = Request("r", [1, 2, 3], SamplingParams(**params), 0.0, 10_000,
+                  eos_token_ids=frozenset({0}))
+    for _ in range(output):
+        req.append_output(5)
+    return req
+
+
+@pytest.mark.parametrize(("req", "expected"), [
+    (request(temperature=0), True),
+    (request(temperature=0, seed=7, top_k=3, stop_token_ids=(4,)), True),
+    (request(temperature=0.7), False),
+    (request(temperature=0, logprobs=0), False),
+    (request(temperature=0, logit_bias={4: 3.0}), False),
+    (request(temperature=0, repetition_penalty=1.2), False),
+    (request(temperature=0, presence_penalty=0.5), False),
+    (request(temperature=0, min_tokens=2), False),
+    (request(2, temperature=0, min_tokens=2), True),
+])
+def test_which_requests_take_the_argmax_of_raw_logits(req: Request, expected: bool) -> None:
+    assert takes_argmax([req]) is expected
+    assert takes_argmax([request(temperature=0), req]) is expected
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each fused choice the engine makes."""
+    calls: list[int] = []
+    real = cpu_kernels.panel_argmax
+
+    def counted(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(cpu_kernels, "panel_argmax", counted)
+    return calls
+
+
+def bf16_core():
+    model = tiny_llama(dtype=torch.bfloat16)
+    use_half_weights(model, torch.bfloat16)
+    core, _ = tiny_core(model)
+    assert isinstance(core.runner.model.lm_head, PanelLinear)
+    return core
+
+
+@needs_bf16
+def test_greedy_steps_choose_in_the_head_and_follow_the_oracle(fused_calls: list[int]) -> None:
+    prompts = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = run_all(bf16_core(), prompts, params)
+    reference = bf16_reference("bf16")
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(reference, prompt, 10)
+    # Every token of the three requests was chosen in the head.
+    assert sum(fused_calls) == 3 * 10
+
+
+@needs_bf16
+def test_a_step_that_needs_logits_writes_them(fused_calls: list[int],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request with logprobs makes its steps compute the logits for every row; the greedy
+    request beside it takes the same tokens either way."""
+    prompts = [[5, 9, 33, 2], [7] * 13]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    mixed = run_all(bf16_core(), prompts, [greedy, with_logprobs])
+    assert fused_calls == []
+    assert all(o.logprobs is not None for o in mixed["req-1"])
+    alone = run_all(bf16_core(), prompts, greedy)
+    assert len(fused_calls) == 6
+    assert [tokens_of(mixed[k]) for k in mixed] == [tokens_of(alone[k]) for k in alone]
+    monkeypatch.setattr(model_runner, "takes_argmax", lambda requests: False)
+    through_logits = run_all(bf16_core(), prompts, greedy)
+    assert len(fused_calls) == 6
+    assert [tokens_of(v) for v in through_logits.values()] == [tokens_of(v) for v in alone.values()]
