@@ -4,7 +4,10 @@ ignored, all requests submitted at once with `--concurrency` in flight.
     python benchmarks/engine_throughput.py --concurrency 1 16 64
 
 With `--both-bf16-products` (a bf16 model on a CPU with AMX-BF16) each concurrency runs twice
-in turn with the products in AMX tiles and in AVX-512 BF16 dot products, each row tagged.
+in turn with the products in AMX tiles and in AVX-512 BF16 dot products, each row tagged. With
+`--both-heads` the decode steps of each run take turns choosing their greedy tokens in the LM
+head and from logits handed to the sampler, and the median step of each way is reported (a
+difference of a few percent shows only step by step on a noisy machine).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from engine.sampling_params import SamplingParams
 
 
 def run(core: EngineCore, concurrency: int, input_len: int, output_len: int,
-        seed: int) -> dict[str, float]:
+        seed: int, both_heads: bool = False) -> dict[str, float]:
     rng = random.Random(seed)
     vocab = core.vocab_size
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -36,6 +39,8 @@ def run(core: EngineCore, concurrency: int, input_len: int, output_len: int,
     step_times: list[float] = []
     produced = 0
     while core.has_unfinished():
+        if both_heads:
+            core.runner.greedy_in_model = len(step_times) % 2 == 1
         step_start = time.perf_counter()
         outputs = core.step()
         step_times.append(time.perf_counter() - step_start)
@@ -44,6 +49,10 @@ def run(core: EngineCore, concurrency: int, input_len: int, output_len: int,
             produced += len(output.new_token_ids)
     elapsed = time.perf_counter() - start
     decode_steps = step_times[1:] or step_times
+    heads = {}
+    if both_heads:
+        core.runner.greedy_in_model = True
+        heads = step_medians_by_head(step_times, output_len - 1)
     return {
         "concurrency": concurrency,
         "output_tokens": produced,
@@ -51,7 +60,19 @@ def run(core: EngineCore, concurrency: int, input_len: int, output_len: int,
         "output_tok_per_s": round(produced / elapsed, 1),
         "ttft_mean_ms": round(1000 * statistics.mean(first_token.values()), 1),
         "step_ms_median": round(1000 * statistics.median(decode_steps), 1),
+        **heads,
     }
+
+
+def step_medians_by_head(step_times: list[float], decode_steps: int) -> dict[str, float]:
+    """Median decode step of each way, from a run whose step i chose in the head when i is odd;
+    the last `decode_steps` steps are the decode steps (the prefill came first)."""
+    first = len(step_times) - decode_steps
+    by_way: dict[str, list[float]] = {"in_head": [], "logits": []}
+    for i in range(first, len(step_times)):
+        by_way["in_head" if i % 2 else "logits"].append(step_times[i])
+    return {f"step_ms_median_{way}": round(1000 * statistics.median(times), 2)
+            for way, times in by_way.items() if times}
 
 
 def main() -> None:
@@ -66,6 +87,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA, no decode graphs")
     parser.add_argument("--both-bf16-products", action="store_true")
+    parser.add_argument("--both-heads", action="store_true")
     args = parser.parse_args()
     if args.both_bf16_products and not cpu_kernels.bf16_tiles_available():
         raise SystemExit("the bf16 products have no AMX tiles here")
@@ -86,7 +108,7 @@ def main() -> None:
                 cpu_kernels.use_bf16_tiles(mode == "tiles")
                 tags = {"bf16_products": mode}
             result = run(core, concurrency, args.input_len, args.output_len,
-                         seed * len(modes) + turn)
+                         seed * len(modes) + turn, args.both_heads)
             print(json.dumps({**result, **tags}))
 
 

@@ -29,6 +29,8 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs
         self.device = kv_cache.device
+        # False: every step hands its logits to the sampler (benchmarks compare the two ways).
+        self.greedy_in_model = True
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -63,7 +65,8 @@ class ModelRunner:
         """Every sampled row takes the argmax of its raw logits, and no decode graph would run
         the step (a replayed graph computes the logits anyway)."""
         indices = batch.sample_token_indices
-        return (takes_argmax([batch.requests[row] for row in batch.sample_rows])
+        return (self.greedy_in_model
+                and takes_argmax([batch.requests[row] for row in batch.sample_rows])
                 and not (self.graphs is not None and self.graphs.supports(batch, indices)))
 
     def _choose_in_model(self, batch: InputBatch) -> ModelRunnerOutput:

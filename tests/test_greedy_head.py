@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import cpu_kernels, model_runner
+from engine import cpu_kernels
 from engine.cpu_linear import PanelLinear
 from engine.model_loader import use_half_weights
 from engine.request import Request
@@ -179,8 +179,7 @@ def test_greedy_steps_choose_in_the_head_and_follow_the_oracle(fused_calls: list
 
 
 @needs_bf16
-def test_a_step_that_needs_logits_writes_them(fused_calls: list[int],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_that_needs_logits_writes_them(fused_calls: list[int]) -> None:
     """A request with logprobs makes its steps compute the logits for every row; the greedy
     request beside it takes the same tokens either way."""
     prompts = [[5, 9, 33, 2], [7] * 13]
@@ -192,7 +191,8 @@ def test_a_step_that_needs_logits_writes_them(fused_calls: list[int],
     alone = run_all(bf16_core(), prompts, greedy)
     assert len(fused_calls) == 6
     assert [tokens_of(mixed[k]) for k in mixed] == [tokens_of(alone[k]) for k in alone]
-    monkeypatch.setattr(model_runner, "takes_argmax", lambda requests: False)
-    through_logits = run_all(bf16_core(), prompts, greedy)
+    core = bf16_core()
+    core.runner.greedy_in_model = False
+    through_logits = run_all(core, prompts, greedy)
     assert len(fused_calls) == 6
     assert [tokens_of(v) for v in through_logits.values()] == [tokens_of(v) for v in alone.values()]
