@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from engine import cpu_kernels
 from tests.helpers import tiny_llama
 
 CUDA = pytest.param(
@@ -24,6 +26,18 @@ DEVICES = ["cpu", CUDA]
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed on this platform")
+
+
+@pytest.fixture(params=["tiles", "dot_products"])
+def bf16_products(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test with the bf16 products in AMX tiles (CPUs with AMX-BF16) and again in AVX-512
+    BF16 dot products, as on CPUs without AMX."""
+    tiles = request.param == "tiles"
+    if tiles and not cpu_kernels.bf16_tiles_available():
+        pytest.skip("this CPU has no AMX-BF16 tiles")
+    before = cpu_kernels.use_bf16_tiles(tiles)
+    yield request.param
+    cpu_kernels.use_bf16_tiles(before)
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from engine import cpu_kernels
 from engine.config import CacheConfig, EngineConfig, ServingInfo
 from engine.core import EngineCore
 from engine.factory import core_from_model
@@ -22,6 +24,10 @@ CORPUS = [
     "Café, naïve, jalapeño, 東京, and emoji 🚀 are all valid UTF-8 text.",
     "Hello world! Hello there. How are you today?",
 ]
+
+
+needs_bf16_panels = pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
+                                       reason="this CPU has no AVX-512 BF16 dot products")
 
 
 @lru_cache(maxsize=1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from engine.models.llama import PagedLlamaLayer
 from engine.sampling_params import SamplingParams
 from tests.helpers import (
     bf16_reference,
+    needs_bf16_panels,
     reference_greedy,
     run_all,
     tiny_core,
@@ -39,20 +39,6 @@ needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_available(),
                                   reason="this torch build has no fbgemm fp16 GEMM")
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(),
                                   reason="this torch build cannot pack weights for oneDNN")
-needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
-                                reason="this CPU has no AVX-512 BF16 dot products")
-
-
-@pytest.fixture(params=["tiles", "dot_products"])
-def bf16_products(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run a test with the bf16 products in AMX tiles (CPUs with AMX-BF16) and again in AVX-512
-    BF16 dot products, as on CPUs without AMX."""
-    tiles = request.param == "tiles"
-    if tiles and not cpu_kernels.bf16_tiles_available():
-        pytest.skip("this CPU has no AMX-BF16 tiles")
-    before = cpu_kernels.use_bf16_tiles(tiles)
-    yield request.param
-    cpu_kernels.use_bf16_tiles(before)
 
 
 @pytest.fixture(params=[True, False], ids=["panels", "torch"])
@@ -210,7 +196,7 @@ def bf16_product(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x.bfloat16().double(), weight.detach().bfloat16().double(), bias).float()
 
 
-@needs_bf16
+@needs_bf16_panels
 @pytest.mark.parametrize(("rows", "in_features", "out_features"),
                          [(1, 8, 1), (1, 24, 64), (1, 40, 100), (1, 64, 200), (2, 14, 5),
                           (2, 96, 80), (3, 96, 17), (3, 40, 64), (4, 100, 40), (5, 1000, 9),
@@ -242,7 +228,7 @@ def test_bf16_panels_multiply_bf16_rounded_inputs(rows: int, in_features: int,
     assert torch.equal(layer.weight, linear.weight.detach().bfloat16().float())
 
 
-@needs_bf16
+@needs_bf16_panels
 @pytest.mark.parametrize("in_features", [200, 192])
 @pytest.mark.usefixtures("bf16_products")
 def test_bf16_panel_rows_do_not_depend_on_their_batch(in_features: int) -> None:
@@ -274,7 +260,7 @@ def test_bf16_panels_of_the_wrong_width_are_refused() -> None:
                                  None, 3)
 
 
-BF16_STORAGE = pytest.param(torch.bfloat16, marks=needs_bf16)
+BF16_STORAGE = pytest.param(torch.bfloat16, marks=needs_bf16_panels)
 
 
 @pytest.mark.parametrize("storage", [torch.float32, torch.float16, BF16_STORAGE])
@@ -313,7 +299,7 @@ def gate_and_up(in_features: int, inter: int, with_bias: bool,
     return layers[0], layers[1], gated
 
 
-@needs_bf16
+@needs_bf16_panels
 @pytest.mark.parametrize(("rows", "in_features", "inter"),
                          [(1, 8, 1), (1, 64, 200), (1, 40, 72), (2, 96, 80), (2, 14, 5),
                           (3, 40, 64), (3, 96, 17), (5, 100, 40), (9, 24, 3), (16, 38, 64),
@@ -341,7 +327,7 @@ def test_gated_panels_equal_the_projection_then_the_activation(rows: int, in_fea
     assert torch.equal(gated(x.view(1, rows, in_features)), expected.view(1, rows, inter))
 
 
-@needs_bf16
+@needs_bf16_panels
 @pytest.mark.parametrize(("rows", "in_features", "inter"),
                          [(1, 64, 200), (3, 40, 72), (16, 96, 330), (150, 2000, 200),
                           (70, 576, 200)])
@@ -367,7 +353,7 @@ def test_gated_bf16_rows_feed_a_bf16_product_as_it_would_round_them(rows: int, i
     assert torch.equal(gated(x.bfloat16(), bf16_out=True), rounded)
 
 
-@needs_bf16
+@needs_bf16_panels
 def test_only_bf16_panels_take_bf16_rows() -> None:
     x = torch.randn(4, 32).bfloat16()
     for storage in (torch.float32, torch.float16):
@@ -378,7 +364,7 @@ def test_only_bf16_panels_take_bf16_rows() -> None:
         assert torch.equal(layer(x), layer(x.float()))
 
 
-@needs_bf16
+@needs_bf16_panels
 @pytest.mark.parametrize("in_features", [200, 192])
 @pytest.mark.usefixtures("bf16_products")
 def test_gated_rows_do_not_depend_on_their_batch(in_features: int) -> None:
@@ -390,7 +376,7 @@ def test_gated_rows_do_not_depend_on_their_batch(in_features: int) -> None:
     assert torch.equal(gated(x[40:41]), batched[40:41])
 
 
-@needs_bf16
+@needs_bf16_panels
 @pytest.mark.parametrize(("rows", "in_features"), [(1, 96), (3, 96), (16, 96), (64, 96),
                                                    (150, 2000), (150, 576)])
 @pytest.mark.usefixtures("bf16_products")
@@ -435,7 +421,7 @@ def test_amx_cpus_run_the_bf16_products_in_tiles() -> None:
     torch.testing.assert_close(tiles, dot_products, rtol=1e-5, atol=1e-5)
 
 
-@needs_bf16
+@needs_bf16_panels
 def test_gated_panels_need_two_bf16_projections_alike() -> None:
     gate, up, _ = gate_and_up(32, 48, True)
     assert GatedPanelLinear.of(gate, PanelLinear(torch.randn(48, 32), None, torch.bfloat16)) is None
@@ -445,7 +431,7 @@ def test_gated_panels_need_two_bf16_projections_alike() -> None:
     assert GatedPanelLinear.of(gate, nn.Linear(32, 48)) is None
 
 
-@needs_bf16
+@needs_bf16_panels
 def test_the_gated_op_refuses_bad_inputs() -> None:
     _, _, gated = gate_and_up(32, 48, True)
     x = torch.randn(2, 32)
@@ -530,7 +516,7 @@ def test_bf16_model_greedy_equals_generate_with_the_same_weights(half_weights: s
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
 
 
-@needs_bf16
+@needs_bf16_panels
 def test_bf16_prompt_products_in_chunks_and_over_a_cached_prefix(tmp_path) -> None:
     """A bf16 checkpoint's prompts attend in bf16 products also when they run in chunks after
     tokens already cached, and after a prefix another prompt left in the cache: greedy still

@@ -4,8 +4,6 @@ logits out, and the tokens are the ones the sampler would take from those logits
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -17,25 +15,13 @@ from engine.sampler import takes_argmax
 from engine.sampling_params import SamplingParams
 from tests.helpers import (
     bf16_reference,
+    needs_bf16_panels,
     reference_greedy,
     run_all,
     tiny_core,
     tiny_llama,
     tokens_of,
 )
-
-needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
-                                reason="this CPU has no AVX-512 BF16 dot products")
-
-
-@pytest.fixture(params=["tiles", "dot_products"])
-def bf16_products(request: pytest.FixtureRequest) -> Iterator[str]:
-    tiles = request.param == "tiles"
-    if tiles and not cpu_kernels.bf16_tiles_available():
-        pytest.skip("this CPU has no AMX-BF16 tiles")
-    before = cpu_kernels.use_bf16_tiles(tiles)
-    yield request.param
-    cpu_kernels.use_bf16_tiles(before)
 
 
 def head(out_features: int, in_features: int, bias: torch.Tensor | None = None,
@@ -51,7 +37,7 @@ def choose(layer: PanelLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return layer.greedy(x), logits.argmax(dim=-1)
 
 
-@needs_bf16
+@needs_bf16_panels
 @pytest.mark.usefixtures("bf16_products")
 @pytest.mark.parametrize(("out_features", "in_features"),
                          [(5, 8), (37, 32), (1000, 64), (4099, 96), (49152, 64)])
@@ -69,7 +55,7 @@ def test_the_fused_choice_is_the_argmax_of_the_logits(out_features: int, in_feat
     assert torch.equal(layer.greedy(x.bfloat16()), written)
 
 
-@needs_bf16
+@needs_bf16_panels
 @pytest.mark.usefixtures("bf16_products")
 def test_equal_maxima_choose_the_first_column() -> None:
     weight = torch.randn(70, 32, generator=torch.Generator().manual_seed(1))
@@ -81,7 +67,7 @@ def test_equal_maxima_choose_the_first_column() -> None:
     assert torch.equal(fused, written)
 
 
-@needs_bf16
+@needs_bf16_panels
 @pytest.mark.usefixtures("bf16_products")
 def test_nan_and_infinite_rows_choose_as_argmax_does() -> None:
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(2))
@@ -96,7 +82,7 @@ def test_nan_and_infinite_rows_choose_as_argmax_does() -> None:
         assert torch.equal(fused, written)
 
 
-@needs_bf16
+@needs_bf16_panels
 @pytest.mark.usefixtures("bf16_products")
 def test_padding_columns_are_never_chosen() -> None:
     """37 columns fill three panels of 16: the 11 zero-padded ones sum to 0, above every real
@@ -107,13 +93,17 @@ def test_padding_columns_are_never_chosen() -> None:
     assert torch.equal(fused, written)
 
 
-@needs_bf16
+@needs_bf16_panels
 def test_the_fused_choice_refuses_bad_inputs() -> None:
     layer = head(40, 32)
     with pytest.raises(RuntimeError, match="input sizes"):
         cpu_kernels.panel_argmax(torch.randn(2, 16), layer.panels, None, 40)
     with pytest.raises(RuntimeError, match="out_features"):
         cpu_kernels.panel_argmax(torch.randn(2, 32), layer.panels, None, 60)
+    with pytest.raises(RuntimeError, match="bias must be fp32"):
+        cpu_kernels.panel_argmax(torch.randn(2, 32), layer.panels, torch.randn(40), 40)
+    with pytest.raises(RuntimeError, match="x must be contiguous fp32"):
+        cpu_kernels.panel_argmax(torch.randn(2, 32).double(), layer.panels, None, 40)
     fp32 = PanelLinear(torch.randn(40, 32), None)
     with pytest.raises(RuntimeError, match="bf16"):
         cpu_kernels.panel_argmax(torch.randn(2, 32), fp32.panels, None, 40)
@@ -166,7 +156,7 @@ def bf16_core():
     return core
 
 
-@needs_bf16
+@needs_bf16_panels
 def test_greedy_steps_choose_in_the_head_and_follow_the_oracle(fused_calls: list[int]) -> None:
     prompts = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -178,7 +168,7 @@ def test_greedy_steps_choose_in_the_head_and_follow_the_oracle(fused_calls: list
     assert sum(fused_calls) == 3 * 10
 
 
-@needs_bf16
+@needs_bf16_panels
 def test_a_step_that_needs_logits_writes_them(fused_calls: list[int]) -> None:
     """A request with logprobs makes its steps compute the logits for every row; the greedy
     request beside it takes the same tokens either way."""

@@ -91,6 +91,38 @@ conveyor::Scratch<uint16_t> round_rows(const float* x, int64_t M, int64_t K) {
   return rounded;
 }
 
+// An op's input rows as its product takes them: bf16 rows as they are (the ones rounding fp32
+// rows would give), fp32 rows rounded into `rounded`.
+struct InputRows {
+  conveyor::Scratch<uint16_t> rounded;
+  const uint16_t* rows;
+};
+
+InputRows input_rows(const at::Tensor& x) {
+  if (x.scalar_type() == at::kBFloat16)
+    return {nullptr, reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())};
+  InputRows in{round_rows(x.data_ptr<float>(), x.size(0), x.size(1)), nullptr};
+  in.rows = in.rounded.get();
+  return in;
+}
+
+// x must be contiguous fp32 or bf16 rows [rows, in].
+void check_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.is_contiguous(),
+              op, ": x must be contiguous fp32 (or bf16) [rows, in]");
+}
+
+// The bias, where given: fp32 [values], as the panels hold it (zero-padded); else null.
+const float* checked_bias(const c10::optional<at::Tensor>& bias, int64_t values, const char* op) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == values && bias->scalar_type() == at::kFloat &&
+                  bias->is_contiguous(),
+              op, ": bias must be fp32 [", values, "], zero-padded as the panels hold it");
+  return bias->data_ptr<float>();
+}
+
 using Problem = conveyor::Bf16Product;
 using Task = conveyor::ProductTask;
 
@@ -607,9 +639,7 @@ at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,
 #ifndef CONVEYOR_BF16_PANELS
   TORCH_CHECK(false, "panel_argmax needs AVX-512 BF16");
 #else
-  const bool bf16_rows = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || bf16_rows) && x.is_contiguous(),
-              "panel_argmax: x must be contiguous fp32 (or bf16) [rows, in]");
+  check_rows(x, "panel_argmax");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kBFloat16 &&
                   panels.size(2) == 2 * kPanel && panels.is_contiguous(),
               "panel_argmax: panels must be contiguous bf16 [panels, in / 2, 32]");
@@ -617,21 +647,13 @@ at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,
               "panel_argmax: x and panels' input sizes differ");
   TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
               "panel_argmax: out_features does not match the number of panels");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel &&
-                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "panel_argmax: bias must be fp32 [panels * 16], zero-padded");
+  const float* b = checked_bias(bias, panels.size(0) * kPanel, "panel_argmax");
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor choice = at::empty({M}, x.options().dtype(at::kLong));
   if (M == 0) return choice;
-  const conveyor::Scratch<uint16_t> rounded =
-      bf16_rows ? nullptr : round_rows(x.data_ptr<float>(), M, K);
-  const uint16_t* rows = bf16_rows ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
-                                   : rounded.get();
-  run_argmax(Problem{rows, has_bias ? bias->data_ptr<float>() : nullptr, nullptr, nullptr,
-                     nullptr, M, K, out_features},
-             panels, choice.data_ptr<int64_t>());
+  const InputRows in = input_rows(x);
+  run_argmax(Problem{in.rows, b, nullptr, nullptr, nullptr, M, K, out_features}, panels,
+             choice.data_ptr<int64_t>());
   return choice;
 #endif
 }
@@ -641,9 +663,7 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
 #ifndef CONVEYOR_BF16_PANELS
   TORCH_CHECK(false, "gated_linear needs AVX-512 BF16");
 #else
-  const bool bf16_rows = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || bf16_rows) && x.is_contiguous(),
-              "gated_linear: x must be contiguous fp32 (or bf16) [rows, in]");
+  check_rows(x, "gated_linear");
   TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
                   panels.size(1) == 2 && panels.size(3) == 2 * kPanel && panels.is_contiguous(),
               "gated_linear: panels must be contiguous bf16 [panels, 2, in / 2, 32]");
@@ -651,25 +671,16 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
               "gated_linear: x and panels' input sizes differ");
   TORCH_CHECK(inter > 0 && (inter + kPanel - 1) / kPanel == panels.size(0),
               "gated_linear: inter does not match the number of panels");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * 2 * kPanel &&
-                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "gated_linear: bias must be fp32 [panels * 2 * 16], as the panels hold it");
+  const float* b = checked_bias(bias, panels.size(0) * 2 * kPanel, "gated_linear");
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, inter}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;
-  // bf16 rows are the ones rounding fp32 rows would give: taken as they are.
-  const conveyor::Scratch<uint16_t> rounded =
-      bf16_rows ? nullptr : round_rows(x.data_ptr<float>(), M, K);
-  const uint16_t* rows = bf16_rows ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>())
-                                   : rounded.get();
+  const InputRows in = input_rows(x);
   float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
   uint16_t* out16 =
       bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
-  run<Epilogue::kGated>(Problem{rows, has_bias ? bias->data_ptr<float>() : nullptr, nullptr,
-                                out32, out16, M, K, inter},
-                        panels, 2 * panels.size(0));
+  run<Epilogue::kGated>(Problem{in.rows, b, nullptr, out32, out16, M, K, inter}, panels,
+                        2 * panels.size(0));
   return out;
 #endif
 }
