@@ -26,6 +26,11 @@
 // choice is one per process (never per batch) and a row's result still does not depend on its
 // batch.
 //
+// `panel_argmax` is a product that writes no output: as each panel's sums leave the registers
+// they go to the thread's best of their row (`row_best.h`), and the threads' bests give each
+// row's argmax as torch takes it over the whole output, for a greedy LM head that never writes
+// its logits.
+//
 // `gated_linear` is the gated MLP's gate and up projections and activation in one op: panels
 // [ceil(inter / 16), 2, in / 2, 32] hold each gate panel followed by the up panel of the same
 // columns, bias [panels * 2 * 16] likewise, and each pair's sums give out [rows, inter] =
@@ -576,7 +581,8 @@ void run_argmax(Problem pb, const at::Tensor& panels, int64_t* choice) {
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(threads)
   take_tasks<Epilogue::kArgmax>(pb, w, count, tasks, next);
-  for (int64_t m = 0; m < pb.M; ++m) choice[m] = conveyor::row_choice(bests.get() + m, threads, pb.M);
+  for (int64_t m = 0; m < pb.M; ++m)
+    choice[m] = conveyor::row_choice(bests.get() + m, threads, pb.M);
 }
 #endif
 
