@@ -14,6 +14,7 @@ from engine.input_batch import InputBatch, build_input_batch
 from engine.kv_cache import KVCache
 from engine.models import CausalLM
 from engine.outputs import ModelRunnerOutput, TokenLogprob
+from engine.request import Request
 from engine.sampler import Sampler, takes_argmax, token_logprobs
 from engine.scheduler import SchedulerOutput
 
@@ -65,20 +66,19 @@ class ModelRunner:
         """Every sampled row takes the argmax of its raw logits, and no decode graph would run
         the step (a replayed graph computes the logits anyway)."""
         indices = batch.sample_token_indices
-        return (self.greedy_in_model
-                and takes_argmax([batch.requests[row] for row in batch.sample_rows])
+        return (self.greedy_in_model and takes_argmax(_sampled_requests(batch))
                 and not (self.graphs is not None and self.graphs.supports(batch, indices)))
 
     def _choose_in_model(self, batch: InputBatch) -> ModelRunnerOutput:
         tokens = self.model.greedy_tokens(*self._model_inputs(batch, batch.sample_token_indices))
         output = ModelRunnerOutput()
-        for row, token in zip(batch.sample_rows, tokens.tolist(), strict=True):
-            output.sampled_token_ids[batch.requests[row].request_id] = token
+        for request, token in zip(_sampled_requests(batch), tokens.tolist(), strict=True):
+            output.sampled_token_ids[request.request_id] = token
         return output
 
     def _sample(self, batch: InputBatch, logits: torch.Tensor,
                 output: ModelRunnerOutput) -> None:
-        requests = [batch.requests[row] for row in batch.sample_rows]
+        requests = _sampled_requests(batch)
         if not requests:
             return
         sampled = self.sampler(logits, requests)
@@ -115,6 +115,11 @@ class ModelRunner:
 
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)
+
+
+def _sampled_requests(batch: InputBatch) -> list[Request]:
+    """The requests that sample a token this step, in the order of the step's sampled rows."""
+    return [batch.requests[row] for row in batch.sample_rows]
 
 
 def _prompt_logprob_rows(batch: InputBatch) -> list[int]:

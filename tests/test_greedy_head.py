@@ -10,8 +10,6 @@ import torch
 from engine import cpu_kernels
 from engine.cpu_linear import PanelLinear
 from engine.model_loader import use_half_weights
-from engine.request import Request
-from engine.sampler import takes_argmax
 from engine.sampling_params import SamplingParams
 from tests.helpers import (
     bf16_reference,
@@ -108,30 +106,6 @@ def test_the_fused_choice_refuses_bad_inputs() -> None:
     with pytest.raises(RuntimeError, match="bf16"):
         cpu_kernels.panel_argmax(torch.randn(2, 32), fp32.panels, None, 40)
     assert not fp32.chooses_greedily and layer.chooses_greedily
-
-
-def request(output: int = 0, **params: object) -> Request:
-    req = Request("r", [1, 2, 3], SamplingParams(**params), 0.0, 10_000,
-                  eos_token_ids=frozenset({0}))
-    for _ in range(output):
-        req.append_output(5)
-    return req
-
-
-@pytest.mark.parametrize(("req", "expected"), [
-    (request(temperature=0), True),
-    (request(temperature=0, seed=7, top_k=3, stop_token_ids=(4,)), True),
-    (request(temperature=0.7), False),
-    (request(temperature=0, logprobs=0), False),
-    (request(temperature=0, logit_bias={4: 3.0}), False),
-    (request(temperature=0, repetition_penalty=1.2), False),
-    (request(temperature=0, presence_penalty=0.5), False),
-    (request(temperature=0, min_tokens=2), False),
-    (request(2, temperature=0, min_tokens=2), True),
-])
-def test_which_requests_take_the_argmax_of_raw_logits(req: Request, expected: bool) -> None:
-    assert takes_argmax([req]) is expected
-    assert takes_argmax([request(temperature=0), req]) is expected
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, takes_argmax
 from engine.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -147,3 +147,20 @@ def test_rank_of_a_sampled_token_that_was_not_the_best():
     assert out.token_ids == [4]
     assert out.logprobs[0].rank == 2  # logprobs are the model's, before the bias
     assert out.logprobs[0].top == ()
+
+
+@pytest.mark.parametrize(("req", "expected"), [
+    (request(temperature=0), True),
+    (request(temperature=0, seed=7, top_k=3, stop_token_ids=(4,)), True),
+    (request(temperature=0.7), False),
+    (request(temperature=0, logprobs=0), False),
+    (request(temperature=0, logit_bias={4: 3.0}), False),
+    (request(temperature=0, repetition_penalty=1.2), False),
+    (request(temperature=0, presence_penalty=0.5), False),
+    (request(temperature=0, min_tokens=2), False),
+    (request(output=[5, 5], temperature=0, min_tokens=2), True),
+])
+def test_which_requests_take_the_argmax_of_raw_logits(req: Request, expected: bool) -> None:
+    """The model may choose these rows' tokens itself (`ModelRunner` over a greedy LM head)."""
+    assert takes_argmax([req]) is expected
+    assert takes_argmax([request(temperature=0), req]) is expected
