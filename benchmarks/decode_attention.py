@@ -7,8 +7,9 @@ The default model's shape (9 query heads, 3 kv heads, head dim 64, 30 layers), i
         --cache-dtype float32 bfloat16 float8_e5m2
 
 `--placement scattered` puts each sequence's blocks anywhere in the cache, `--placement
-in-order` back to back; `--pages small` holds the cache in 4 KiB pages instead of the engine's
-2 MiB ones.
+in-order` back to back, and `--placement shared` gives every sequence the same few blocks, so
+that K and V stay in the caches and the time is the attention's arithmetic alone; `--pages
+small` holds the cache in 4 KiB pages instead of the engine's 2 MiB ones.
 """
 
 from __future__ import annotations
@@ -34,16 +35,27 @@ def cache_layer(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Gen
     return huge_pages.zeros(shape, dtype).copy_(values)
 
 
-def step_ms(seqs: int, context: int, cache_dtype: torch.dtype, scattered: bool,
+def block_tables(seqs: int, per_seq: int, placement: str,
+                 generator: torch.Generator) -> torch.Tensor:
+    """`[seqs, per_seq]` block ids: a cache of its own per sequence, scattered or in order, or
+    one sequence's blocks for all."""
+    if placement == "shared":
+        return torch.arange(per_seq).repeat(seqs, 1)
+    blocks = seqs * per_seq
+    if placement == "scattered":
+        return torch.randperm(blocks, generator=generator).view(seqs, per_seq)
+    return torch.arange(blocks).view(seqs, per_seq)
+
+
+def step_ms(seqs: int, context: int, cache_dtype: torch.dtype, placement: str,
             repeats: int, huge: bool, block_size: int) -> float:
     generator = torch.Generator().manual_seed(0)
     per_seq = -(-context // block_size)
-    blocks = seqs * per_seq
+    blocks = per_seq if placement == "shared" else seqs * per_seq
     shape = (blocks, block_size, KV_HEADS, DIM)
     caches = [tuple(cache_layer(shape, cache_dtype, generator, huge) for _ in range(2))
               for _ in range(LAYERS)]
-    order = torch.randperm(blocks, generator=generator) if scattered else torch.arange(blocks)
-    tables = order.view(seqs, per_seq)
+    tables = block_tables(seqs, per_seq, placement, generator)
     lens = torch.full((seqs,), context, dtype=torch.int64)
     query = torch.randn(seqs, HEADS, DIM, generator=generator)
     times = []
@@ -62,7 +74,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=192)
     parser.add_argument("--cache-dtype", nargs="+", default=["float32", "bfloat16",
                                                              "float8_e5m2"])
-    parser.add_argument("--placement", choices=["scattered", "in-order"], default="scattered")
+    parser.add_argument("--placement", choices=["scattered", "in-order", "shared"],
+                        default="scattered")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZES["cpu"])
     parser.add_argument("--pages", choices=["huge", "small"], default="huge",
@@ -77,7 +90,7 @@ def main() -> None:
                                   "placement": args.placement, "pages": args.pages}
         for name in args.cache_dtype:
             row[f"{name}_ms"] = round(step_ms(seqs, args.context, getattr(torch, name),
-                                              args.placement == "scattered", args.repeats,
+                                              args.placement, args.repeats,
                                               args.pages == "huge", args.block_size), 2)
         print(json.dumps(row))
 
