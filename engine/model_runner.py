@@ -38,14 +38,15 @@ class ModelRunner:
         self.kv_cache.copy_blocks(scheduler_output.block_copies)
         batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
         prompt_rows = _prompt_logprob_rows(batch)
-        if not prompt_rows and self._model_chooses(batch):
-            return self._choose_in_model(batch)
+        requests = _sampled_requests(batch)
+        if not prompt_rows and self._model_chooses(batch, requests):
+            return self._choose_in_model(batch, requests)
         prompt_indices = _prompt_logprob_indices(batch, prompt_rows)
         logits = self.forward(batch, np.concatenate([prompt_indices, batch.sample_token_indices]))
         output = ModelRunnerOutput()
         if prompt_rows:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
-        self._sample(batch, logits[len(prompt_indices):], output)
+        self._sample(requests, logits[len(prompt_indices):], output)
         return output
 
     def forward(self, batch: InputBatch, logits_indices: np.ndarray) -> torch.Tensor:
@@ -62,23 +63,23 @@ class ModelRunner:
         keep = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
         return input_ids, positions, metadata, keep
 
-    def _model_chooses(self, batch: InputBatch) -> bool:
-        """Every sampled row takes the argmax of its raw logits, and no decode graph would run
-        the step (a replayed graph computes the logits anyway)."""
+    def _model_chooses(self, batch: InputBatch, requests: list[Request]) -> bool:
+        """Every sampled row (`requests`) takes the argmax of its raw logits, and no decode
+        graph would run the step (a replayed graph computes the logits anyway)."""
         indices = batch.sample_token_indices
-        return (self.greedy_in_model and takes_argmax(_sampled_requests(batch))
+        return (self.greedy_in_model and takes_argmax(requests)
                 and not (self.graphs is not None and self.graphs.supports(batch, indices)))
 
-    def _choose_in_model(self, batch: InputBatch) -> ModelRunnerOutput:
+    def _choose_in_model(self, batch: InputBatch,
+                         requests: list[Request]) -> ModelRunnerOutput:
         tokens = self.model.greedy_tokens(*self._model_inputs(batch, batch.sample_token_indices))
         output = ModelRunnerOutput()
-        for request, token in zip(_sampled_requests(batch), tokens.tolist(), strict=True):
+        for request, token in zip(requests, tokens.tolist(), strict=True):
             output.sampled_token_ids[request.request_id] = token
         return output
 
-    def _sample(self, batch: InputBatch, logits: torch.Tensor,
+    def _sample(self, requests: list[Request], logits: torch.Tensor,
                 output: ModelRunnerOutput) -> None:
-        requests = _sampled_requests(batch)
         if not requests:
             return
         sampled = self.sampler(logits, requests)
