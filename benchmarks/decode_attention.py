@@ -51,11 +51,10 @@ def step_ms(seqs: int, context: int, cache_dtype: torch.dtype, placement: str,
             repeats: int, huge: bool, block_size: int) -> float:
     generator = torch.Generator().manual_seed(0)
     per_seq = -(-context // block_size)
-    blocks = per_seq if placement == "shared" else seqs * per_seq
-    shape = (blocks, block_size, KV_HEADS, DIM)
+    tables = block_tables(seqs, per_seq, placement, generator)
+    shape = (int(tables.max()) + 1, block_size, KV_HEADS, DIM)
     caches = [tuple(cache_layer(shape, cache_dtype, generator, huge) for _ in range(2))
               for _ in range(LAYERS)]
-    tables = block_tables(seqs, per_seq, placement, generator)
     lens = torch.full((seqs,), context, dtype=torch.int64)
     query = torch.randn(seqs, HEADS, DIM, generator=generator)
     times = []
