@@ -79,6 +79,7 @@ class ModelShape:
         return self.layers * 2 * self.kv_heads * self.head_dim * BF16_BYTES
 
     def weight_bytes(self) -> int:
+        """One bf16 weight for each of a token's multiply-adds in the products and the head."""
         return (self.linear_macs() + self.head_macs()) * BF16_BYTES
 
 
@@ -117,12 +118,13 @@ def wave_ceilings(shape: ModelShape, concurrency: int, input_len: int, output_le
     prompt_attention = concurrency * shape.attention_macs(input_len * (input_len + 1) // 2)
     prefill = (concurrency * (input_len * shape.linear_macs() + shape.head_macs())
                + prompt_attention) / macs_per_s
+    # Every decode step multiplies the same rows by the same weights; only the keys grow.
+    products = concurrency * (shape.linear_macs() + shape.head_macs())
+    weights = shape.weight_bytes()
     overlapped = attention_after = prefill
     for step in range(1, output_len):
         keys = input_len + step
-        products = concurrency * (shape.linear_macs() + shape.head_macs())
         attention = concurrency * shape.attention_macs(keys)
-        weights = shape.weight_bytes()
         kv = concurrency * keys * shape.kv_bytes()
         overlapped += max((products + attention) / macs_per_s, (weights + kv) / bytes_per_s)
         attention_after += (max(products / macs_per_s, weights / bytes_per_s)
