@@ -1,94 +1,46 @@
-"""Builds and loads Conveyor's C++ kernels for the CPU: paged decode and prefill attention
-(`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`), linear layers over weights packed in panels
-(`csrc/panel_linear.cpp`; bf16 weights in AMX tiles or AVX-512 BF16 dot products,
-`csrc/bf16_panels.cpp`, which also runs a gated MLP's gate/up projection and activation as one op),
-RMSNorm, rotary embeddings and the gated MLP's activation in one pass each
-(`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`), a whole decoder layer for a step
-of decode rows that runs those kernels back to back (`csrc/decode_layer.cpp`), and the greedy
-choice over a step's logits (`csrc/argmax.cpp`).
+"""Conveyor's C++ kernels for the CPU, as torch ops: paged decode and prefill attention
+(`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`) and the K/V store (`csrc/kv_store.cpp`),
+linear layers over weights packed in panels (`csrc/panel_linear.cpp`; bf16 weights in AMX tiles
+or AVX-512 BF16 dot products, `csrc/bf16_panels.cpp`, which also runs a gated MLP's gate/up
+projection and activation as one op), RMSNorm, rotary embeddings and the gated MLP's activation
+in one pass each (`csrc/rms_norm.cpp`, `csrc/rotary.cpp`, `csrc/silu_mul.cpp`), a whole decoder
+layer for a step of decode rows that runs those kernels back to back (`csrc/decode_layer.cpp`),
+and the greedy choice over a step's logits (`csrc/argmax.cpp`).
 
-They are compiled on first use with the machine's own compiler for the machine's own
-instruction set (`-march=native`), so the build folder is keyed by the sources and the CPU's
-features: a cache carried to another CPU builds afresh instead of crashing on an unknown
-instruction. Without a compiler, `load()` returns False and callers keep the pure-torch
-attention and torch's products.
+`cpu_build` compiles them on first use, in groups (`cpu_build.GROUPS`) that fall back apart:
+`has(group)` says whether a group's ops loaded; where none can build (no compiler, not x86-64)
+callers keep the pure-torch attention and torch's products.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import platform
 from functools import cache
-from pathlib import Path
 
 import torch
 
+from engine import cpu_build
+
 logger = logging.getLogger(__name__)
-
-SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("paged_decode.cpp", "paged_prefill.cpp", "panel_linear.cpp",
-                        "int8_panels.cpp", "bf16_panels.cpp", "rms_norm.cpp", "rotary.cpp",
-                        "silu_mul.cpp", "decode_layer.cpp", "stack_region.cpp", "argmax.cpp")]
-# Included by the sources: part of the build's key, though not compiled on their own.
-HEADERS = [Path(__file__).parent / "csrc" / name
-           for name in ("amx_tiles.h", "bf16_pairs.h", "bf16_round.h", "block_panels.h",
-                        "fast_exp.h", "lanes.h", "layer_args.h", "load8.h", "ops.h",
-                        "panel_passes.h", "row_best.h", "scratch.h", "task_grain.h", "team.h")]
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-
-
-def cpu_flags() -> str:
-    """The CPU's feature flags as /proc/cpuinfo lists them (one core's line: all cores match),
-    else the platform's processor name."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def build_name() -> str:
-    """Unique per sources, headers, flags, CPU features and torch version."""
-    digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS),
-                 " ".join(CFLAGS).encode(),
-                 cpu_flags().encode(), torch.__version__.encode()):
-        digest.update(part)
-    return f"conveyor_cpu_{digest.hexdigest()[:16]}"
-
-
-def _build_dir(name: str) -> Path:
-    from engine.default_model import cache_dir
-
-    path = cache_dir() / "kernels" / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 @cache
+def build_result() -> cpu_build.BuildResult:
+    """Compile (once per machine) and load what builds here; registers `torch.ops.conveyor.*`."""
+    from engine.default_model import cache_dir
+
+    return cpu_build.build(cache_dir() / "kernels")
+
+
 def load() -> bool:
-    """Compile (once per machine) and load the kernels; registers `torch.ops.conveyor.*`."""
-    return hasattr(torch.ops.conveyor, "paged_decode") or build(build_name())
+    """Whether any of the kernels loaded."""
+    return bool(build_result().built)
 
 
-def build(name: str) -> bool:
-    """Build and load the kernels under `name`; False (with a warning) where they cannot
-    build."""
-    try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        load_extension(name, [str(source) for source in SOURCES], extra_cflags=CFLAGS,
-                       build_directory=str(_build_dir(name)), is_python_module=False,
-                       verbose=False)
-    except Exception as error:  # no compiler, no ninja, unsupported platform
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        logger.warning("Conveyor's CPU kernels unavailable (%s); using the torch attention "
-                       "backend and torch's products", message)
-        return False
-    return True
+def has(group: str) -> bool:
+    """Whether the ops of this group (`cpu_build.GROUPS`: attention, linear, elementwise,
+    fused_decode) loaded."""
+    return group in build_result().built
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -148,8 +100,8 @@ def _heads_contiguous(query: torch.Tensor) -> torch.Tensor:
 
 @cache
 def panel_linear_available() -> bool:
-    """The kernels load and this CPU runs the panel product (AVX2, F16C and FMA)."""
-    return load() and _multiplies(torch.ones(1, 8, 16, dtype=torch.float16))
+    """The linear kernels loaded and this CPU runs the panel product (AVX2, F16C and FMA)."""
+    return has("linear") and _multiplies(torch.ones(1, 8, 16, dtype=torch.float16))
 
 
 @cache

@@ -11,7 +11,8 @@ import torch
 
 from engine import gguf_blocks
 from engine.attention import hf as hf_attention
-from engine.cpu_kernels import bf16_panels_available, cpu_flags, panel_linear_available
+from engine.cpu_build import cpu_flags
+from engine.cpu_kernels import bf16_panels_available, panel_linear_available
 from engine.cpu_linear import (
     convert_linears,
     fp32_packing_supported,

@@ -148,7 +148,7 @@ def row_argmax(values: torch.Tensor) -> torch.Tensor:
     """`values.argmax(dim=-1)` for `[rows, vocab]`: Conveyor's CPU kernel for fp32 on the CPU
     (it compares eight lanes at a time where torch compares one element), else torch's."""
     if (values.device.type == "cpu" and values.dtype == torch.float32 and values.is_contiguous()
-            and cpu_kernels.load()):
+            and cpu_kernels.has("elementwise")):
         return cpu_kernels.argmax_rows(values)
     return values.argmax(dim=-1)
 

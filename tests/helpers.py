@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine import cpu_kernels
+from engine import cpu_build
 from engine.config import CacheConfig, EngineConfig, ServingInfo
 from engine.core import EngineCore
 from engine.factory import core_from_model
@@ -26,8 +26,28 @@ CORPUS = [
 ]
 
 
-needs_bf16_panels = pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
-                                       reason="this CPU has no AVX-512 BF16 dot products")
+# Skips say what the machine lacks, asked of the compiler for the build's target (the CPU's own
+# under the default `-march=native`): a kernel that fails to build where the target has what it
+# needs fails its tests instead of skipping them.
+WHY_NO_KERNELS = cpu_build.why_unsupported()
+
+
+def _lacks(*features: str) -> str:
+    """Why the kernels' tests that need these instruction sets cannot run here ("" where they
+    can)."""
+    if WHY_NO_KERNELS:
+        return f"no CPU kernels here: {WHY_NO_KERNELS}"
+    missing = [f for f in features if f not in cpu_build.target_features()]
+    if not missing:
+        return ""
+    return f"the kernels' target ({cpu_build.march()}) lacks {', '.join(missing)}"
+
+
+NO_PANELS = _lacks("AVX2", "FMA", "F16C")
+NO_BF16_PANELS = _lacks("AVX512F", "AVX512BW", "AVX512BF16")
+needs_cpu_kernels = pytest.mark.skipif(bool(WHY_NO_KERNELS), reason=f"{WHY_NO_KERNELS}")
+needs_panels = pytest.mark.skipif(bool(NO_PANELS), reason=NO_PANELS)
+needs_bf16_panels = pytest.mark.skipif(bool(NO_BF16_PANELS), reason=NO_BF16_PANELS)
 
 
 @lru_cache(maxsize=1)

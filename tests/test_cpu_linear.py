@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels, cpu_linear, model_loader
+from engine import cpu_build, cpu_kernels, cpu_linear, model_loader
 from engine.cpu_linear import (
     SMALL_BATCH_ROWS,
     SMALL_BATCH_ROWS_PLAIN,
@@ -26,6 +26,7 @@ from engine.model_loader import half_weights_in_fp32, use_half_weights
 from engine.models.llama import PagedLlamaLayer
 from engine.sampling_params import SamplingParams
 from tests.helpers import (
+    NO_BF16_PANELS,
     bf16_reference,
     needs_bf16_panels,
     reference_greedy,
@@ -57,8 +58,8 @@ def half_weights(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     AVX-512 BF16), fp16 panels, or torch's fbgemm fp16-weight GEMM where the kernels cannot
     build."""
     if request.param == "bf16":
-        if not cpu_kernels.bf16_panels_available():
-            pytest.skip("this CPU has no AVX-512 BF16 dot products")
+        if NO_BF16_PANELS:
+            pytest.skip(NO_BF16_PANELS)
         return request.param
     monkeypatch.setattr(cpu_kernels, "bf16_panels_available", lambda: False)
     monkeypatch.setattr(model_loader, "bf16_panels_available", lambda: False)
@@ -401,7 +402,7 @@ def test_bf16_products_do_not_depend_on_the_thread_count(rows: int, in_features:
             assert torch.equal(first, then)
 
 
-@pytest.mark.skipif("amx_bf16" not in cpu_kernels.cpu_flags().split(),
+@pytest.mark.skipif("amx_bf16" not in cpu_build.cpu_flags().split(),
                     reason="this CPU has no AMX-BF16")
 def test_amx_cpus_run_the_bf16_products_in_tiles() -> None:
     """Where the CPU has AMX-BF16, the kernel grants the tiles and the products use them; the

@@ -8,13 +8,14 @@ import torch
 
 from engine import cpu_kernels
 from tests.attention_cases import random_sequence, reference_prefill
+from tests.helpers import needs_bf16_panels, needs_cpu_kernels
 
 CACHE_TOLERANCE = 2e-5  # fp32 arithmetic over the cache's values, whatever their width
 # bf16 products: the softmax weights rounded to bf16 (8 significant bits) before the product with
 # V; the reference rounds the queries alike and keeps the weights exact.
 BF16_TOLERANCE = 1e-2
-needs_bf16 = pytest.mark.skipif(not cpu_kernels.bf16_prefill_available(),
-                                reason="bf16 products need AVX-512 BF16")
+needs_bf16 = needs_bf16_panels
+pytestmark = needs_cpu_kernels
 
 
 @pytest.fixture(scope="module", autouse=True)

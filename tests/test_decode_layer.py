@@ -15,11 +15,18 @@ from engine.factory import cache_dtype_named
 from engine.input_batch import build_input_batch
 from engine.models.llama import FusedStack, PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.sampling_params import SamplingParams
-from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
+from tests.helpers import (
+    needs_bf16_panels,
+    needs_panels,
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tiny_llama,
+    tokens_of,
+)
 from tests.test_model_families import build
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.panel_linear_available(),
-                                reason="Conveyor's CPU kernels need AVX2, F16C and FMA")
+pytestmark = needs_panels
 
 PROMPTS = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13, list(range(200, 223))]
 
@@ -34,8 +41,7 @@ def packed(model: LlamaForCausalLM, weights: str = "fp32") -> LlamaForCausalLM:
 
 
 # bf16 panels, whose gate/up pairs run the MLP's activation in the same op.
-BF16 = pytest.param("bf16", marks=pytest.mark.skipif(
-    not cpu_kernels.bf16_panels_available(), reason="bf16 panels need AVX-512 BF16"))
+BF16 = pytest.param("bf16", marks=needs_bf16_panels)
 
 
 @pytest.fixture
@@ -124,8 +130,7 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPat
     assert torch.equal(stacked_cache, layer_cache)
 
 
-@pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
-                    reason="bf16 panels need AVX-512 BF16")
+@needs_bf16_panels
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("sequences", [4, 13])
 def test_the_stack_in_one_region_equals_the_layers_op_by_op(threads: int, sequences: int,
@@ -153,8 +158,7 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(threads: int, sequen
     assert torch.equal(region_cache, plain_cache)
 
 
-@pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
-                    reason="bf16 panels need AVX-512 BF16")
+@needs_bf16_panels
 def test_only_stacks_of_bf16_panels_run_in_one_region() -> None:
     """fp32 or fp16 panels, a bias that does not fit its panels, or rotary tables of another
     head size keep the stack op by op."""
@@ -177,8 +181,7 @@ def test_only_stacks_of_bf16_panels_run_in_one_region() -> None:
     assert not applies(bf16, torch.zeros(3, 1, 8), torch.zeros(3, 1, 8))
 
 
-@pytest.mark.skipif(not cpu_kernels.bf16_panels_available(),
-                    reason="bf16 panels need AVX-512 BF16")
+@needs_bf16_panels
 def test_the_region_refuses_rows_without_their_rotary_rows() -> None:
     """The region reads cos/sin by row: tables for another number of rows are refused before
     any thread starts, as the op-by-op rotary refuses them."""

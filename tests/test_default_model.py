@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import cpu_kernels
 from engine.config import CacheConfig, EngineConfig
 from engine.cpu_linear import PanelLinear
 from engine.default_model import default_model_dir
 from engine.factory import create_engine_core
 from engine.sampling_params import SamplingParams
 from tests.helpers import (
+    NO_PANELS,
     int8_layer_errors,
     reference_greedy,
     run_all,
@@ -77,8 +77,8 @@ def test_cpu_engine_reads_the_q4_1_blocks_and_matches_generate(default_engine):
     """On the CPU every projection reads the GGUF's Q4_1 blocks and the LM head its Q8_0 ones,
     widened to exactly the fp32 weights: greedy tokens equal transformers' on the checkpoint."""
     core, tokenizer, info = default_engine
-    if info.device != "cpu" or not cpu_kernels.panel_linear_available():
-        pytest.skip("the GGUF blocks are read by Conveyor's CPU kernels")
+    if info.device != "cpu" or NO_PANELS:
+        pytest.skip(f"the GGUF blocks are read by Conveyor's CPU kernels: {NO_PANELS}")
     formats = [m.block_format.name for m in core.runner.model.modules()
                if isinstance(m, PanelLinear) and m.block_format is not None]
     assert formats.count("q4_1") == 30 * 4 and formats.count("q8_0") == 1
@@ -99,8 +99,8 @@ def test_int8_activations_round_inputs_and_keep_the_model_s_choices() -> None:
     and all), and over the exact model's greedy answers they still pick its token at 90% of
     positions or more (rounding errors grow through 30 layers, so tokens are not expected
     equal)."""
-    if not cpu_kernels.panel_linear_available():
-        pytest.skip("int8 panels are read by Conveyor's CPU kernels")
+    if NO_PANELS:
+        pytest.skip(f"int8 panels are read by Conveyor's CPU kernels: {NO_PANELS}")
     core, loaded, _ = create_engine_core(EngineConfig(dtype="float32", device="cpu",
                                                       int8_activations=True,
                                                       cache=CacheConfig(num_blocks=256)))

@@ -20,10 +20,9 @@ from engine.cpu_linear import PanelLinear, pack_linears, use_gguf_blocks
 from engine.model_loader import use_gguf_blocks_beside
 from engine.models.llama import PagedLlamaLayer
 from engine.sampling_params import SamplingParams
-from tests.helpers import reference_greedy, run_all, tiny_core, tokens_of
+from tests.helpers import needs_panels, reference_greedy, run_all, tiny_core, tokens_of
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.panel_linear_available(),
-                                reason="Conveyor's CPU kernels need AVX2, F16C and FMA")
+pytestmark = needs_panels
 
 QTYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 64, 96, 4, 2, 96

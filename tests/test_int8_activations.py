@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from server.cli import build_parser, engine_config
 from tests.helpers import (
     int8_layer_errors,
+    needs_panels,
     round_to_int8_blocks,
     run_all,
     tiny_core,
@@ -27,8 +28,7 @@ from tests.helpers import (
 from tests.test_decode_layer import decode_step
 from tests.test_gguf_blocks import PROMPTS, converted, gguf_rows, load_fp32  # noqa: F401
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.panel_linear_available(),
-                                reason="Conveyor's CPU kernels need AVX2, F16C and FMA")
+pytestmark = needs_panels
 
 
 FORMATS = ["q4_1", "q8_0"]

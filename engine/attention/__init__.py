@@ -31,7 +31,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
         return name
     if device.type == "cuda" and triton_paged.usable(str(device)):
         return TritonPagedAttention.name
-    if device.type == "cpu" and cpu_kernels.load():
+    if device.type == "cpu" and cpu_kernels.has("attention"):
         return CpuPagedAttention.name
     return TorchPagedAttention.name
 

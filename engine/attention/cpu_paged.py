@@ -45,7 +45,7 @@ class CpuPagedAttention(InPlaceDecodeAttention):
     name = "cpu"
 
     def __init__(self, model_dtype: torch.dtype = torch.float32) -> None:
-        if not cpu_kernels.load():
+        if not cpu_kernels.has("attention"):
             raise RuntimeError("the cpu attention backend needs its C++ kernel, which did not "
                                "build here; use --attention-backend torch")
         self.bf16_prompts = (model_dtype == torch.bfloat16

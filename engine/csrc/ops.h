@@ -104,8 +104,13 @@ void paged_decode_team(const DecodeRows& rows, const at::Tensor& key, const at::
 void check_decode_tables(const at::Tensor& table, const at::Tensor& lens, int64_t block_size,
                          int64_t num_blocks);
 at::Tensor silu_mul(const at::Tensor& x);
+// One layer's cache as the ops store into it and read it: contiguous K and V of one shape
+// [blocks, block_size, kv_heads, dim] and dtype (fp32, bf16, fp16 or fp8 e5m2); and one int64
+// slot per row inside it (`kv_store.cpp`). `op` names the caller in the error.
+void check_cache(const at::Tensor& key, const at::Tensor& value, const char* op);
+void check_slots(const at::Tensor& slots, int64_t rows, const at::Tensor& key, const char* op);
 // Rows [begin, end)'s new K and V (`row_size` floats each at key_rows / value_rows plus the row
-// times its stride) to their slots of one layer's cache (`decode_layer.cpp`), rounded to a 16-
+// times its stride) to their slots of one layer's cache (`kv_store.cpp`), rounded to a 16-
 // or 8-bit cache's dtype as torch rounds.
 void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows,
               int64_t value_stride, const int64_t* slots, int64_t begin, int64_t end,

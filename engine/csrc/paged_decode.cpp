@@ -562,7 +562,7 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
 
 }  // namespace conveyor
 
-TORCH_LIBRARY(conveyor, m) {
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("paged_decode(Tensor query, Tensor key, Tensor value, Tensor table, Tensor lens, float scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(conveyor::paged_decode));
 }

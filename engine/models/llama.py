@@ -61,7 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _one_pass_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU kernel applies: fp32 rows on the CPU, kernels built."""
     return (x.is_cpu and x.dim() == 2 and x.is_contiguous() and weight.dtype == torch.float32
-            and cpu_kernels.load())
+            and cpu_kernels.has("elementwise"))
 
 
 def fuse(linears: list[nn.Module]) -> nn.Module:
@@ -172,7 +172,8 @@ class PagedLlamaLayer(nn.Module):
         if not (self.silu and self.qk_norm_weight is None
                 and all(isinstance(p, PANEL_TYPES) for p in projections)
                 and all(n.weight.dtype == torch.float32 and n.weight.dim() == 1 for n in norms)
-                and norms[0].variance_epsilon == norms[1].variance_epsilon):
+                and norms[0].variance_epsilon == norms[1].variance_epsilon
+                and cpu_kernels.has("fused_decode")):
             return None
         return FusedWeights(
             weights=[norms[0].weight, projections[0].panels, projections[1].panels,
@@ -245,7 +246,7 @@ def add_projected(projection: nn.Module, x: torch.Tensor, residual: torch.Tensor
 def _one_pass_gate(gate_up: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU activation applies: fp32 rows on the CPU, kernels built."""
     return (gate_up.is_cpu and gate_up.dtype == torch.float32 and gate_up.dim() == 2
-            and gate_up.is_contiguous() and cpu_kernels.load())
+            and gate_up.is_contiguous() and cpu_kernels.has("elementwise"))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -262,7 +263,7 @@ def _one_pass_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU kernel applies: fp32 on the CPU, heads and dims contiguous."""
     return (x.is_cpu and x.dtype == torch.float32 and cos.dtype == torch.float32
             and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-            and cpu_kernels.load())
+            and cpu_kernels.has("elementwise"))
 
 
 class PagedLlamaForCausalLM(nn.Module):
