@@ -7,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from engine import heap, huge_pages
+from engine import heap, huge_pages, memory_profile, routes
 from engine.attention import AttentionBackend, InPlaceDecodeAttention, get_backend
 from engine.block_manager import BlockManager
 from engine.config import (
@@ -18,7 +18,7 @@ from engine.config import (
     ServingInfo,
 )
 from engine.core import EngineCore
-from engine.decode_graphs import DecodeGraphs
+from engine.decode_graphs import DecodeGraphs, capture_sizes
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.model_runner import ModelRunner
@@ -32,12 +32,22 @@ logger = logging.getLogger(__name__)
 
 def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, ServingInfo]:
     device = resolve_device(config.device)
+    use_device(device)
     dtype = resolve_dtype(config.dtype, device, config.model, config.trust_remote_code)
     torch.manual_seed(config.seed)
     loaded = load_model(config.model, dtype, device, config.trust_remote_code,
                         config.int8_activations)
     core, info = core_from_model(loaded, config, device, dtype)
     return core, loaded, info
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` this thread's current CUDA device (the engine's step thread builds the
+    core), so that graph capture, Triton launches and anything else that takes the current
+    device use the one asked for (`--device cuda:N`)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index if device.index is not None else
+                              torch.cuda.current_device())
 
 
 def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
@@ -47,7 +57,13 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     cache_dtype = kv_cache_dtype(config.cache.dtype, dtype, loaded.compute_dtype, device)
     spec = KVCacheSpec.from_hf_config(model_config, cache_dtype,
                                       block_size(config.cache, device))
-    num_blocks = _num_blocks(config.cache, spec, device, loaded)
+    # Fused projections are new copies of the weights: built before the cache is sized.
+    model = build_causal_lm(loaded.model, config.model_impl)
+    if device.type == "cpu":
+        _weights_into_huge_pages(model)
+        heap.keep_freed_memory()
+    backend = get_backend(config.attention_backend, device, dtype)
+    num_blocks = _num_blocks(config, spec, device, model, backend, loaded.max_model_len)
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * spec.block_size)
     kv_cache = KVCache(spec, num_blocks, device)
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
@@ -57,13 +73,8 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     # Every linear layer type knows its width; packed ones would unpack their weight to say.
     vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
     sampler = Sampler(vocab_size, device, seed=config.seed)
-    model = build_causal_lm(loaded.model, config.model_impl)
-    logger.info("model implementation: %s", model.name)
-    if device.type == "cpu":
-        _weights_into_huge_pages(model)
-        heap.keep_freed_memory()
-    backend = get_backend(config.attention_backend, device, dtype)
-    logger.info("attention backend: %s", backend.name)
+    logger.info("routes: %s", routes.describe(model, backend.name, dtype, loaded.compute_dtype,
+                                              cache_dtype, device))
     graphs = _decode_graphs(config, model, backend, kv_cache, max_model_len)
     runner = ModelRunner(model, kv_cache, backend, sampler, graphs)
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
@@ -151,12 +162,13 @@ def block_size(cache: CacheConfig, device: torch.device) -> int:
     return DEFAULT_BLOCK_SIZES.get(device.type, DEFAULT_BLOCK_SIZES["cuda"])
 
 
-def _num_blocks(cache: CacheConfig, spec: KVCacheSpec, device: torch.device,
-                loaded: LoadedModel) -> int:
+def _num_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device,
+                model: CausalLM, backend: AttentionBackend, model_len: int) -> int:
+    cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
     if device.type == "cuda":
-        budget = _cuda_kv_budget(device, cache.gpu_memory_utilization)
+        budget = _cuda_kv_budget(config, spec, device, model, backend, model_len)
     else:
         budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = spec.num_blocks_for(budget)
@@ -166,14 +178,21 @@ def _num_blocks(cache: CacheConfig, spec: KVCacheSpec, device: torch.device,
     return num_blocks
 
 
-def _cuda_kv_budget(device: torch.device, utilization: float) -> int:
-    """Bytes left for the KV cache: the allowed share of the device, less what is in use now
-    (weights and other processes) and a margin for activations."""
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    in_use = total - free
-    activations = max(total // 50, 512 * 1024**2)
-    return int(total * utilization) - in_use - activations
+def _cuda_kv_budget(config: EngineConfig, spec: KVCacheSpec, device: torch.device,
+                    model: CausalLM, backend: AttentionBackend, model_len: int) -> int:
+    """Bytes left for the KV cache once a profiling pass has measured the rest (logged)."""
+    context = min(config.max_model_len or model_len, model_len)
+    lengths = memory_profile.prefill_lengths(config.max_num_batched_tokens, context,
+                                             config.max_num_seqs)
+    prefill = memory_profile.profile_forward(model, backend, spec, device, lengths)
+    graph_sizes = [] if config.enforce_eager or _why_not_capturable(model, backend) else (
+        capture_sizes(config.max_num_seqs))
+    decode = (memory_profile.profile_forward(model, backend, spec, device,
+                                             [1] * graph_sizes[-1]) if graph_sizes else None)
+    breakdown = memory_profile.measure(device, config.cache.gpu_memory_utilization, prefill,
+                                       decode, len(graph_sizes))
+    logger.info("%s", breakdown.describe())
+    return breakdown.kv_cache
 
 
 def _max_model_len(config: EngineConfig, model_len: int, cache_tokens: int) -> int:
