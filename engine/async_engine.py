@@ -281,7 +281,7 @@ class AsyncEngine:
                                       arrival_time=add.arrival_time,
                                       fork_of=children[0] if index else None,
                                       priority=add.options.priority, timeout=add.timeout,
-                                      deferred=add.deferred)
+                                      deferred=add.deferred, siblings=n)
         except Exception as exc:
             self._dispatch(self.core.abort_requests(children))
             self._fail_collector(add.request_id, exc)

@@ -36,6 +36,8 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.outputs = OutputProcessor(tokenizer)
         self._stats = StepStats(0, 0, 0.0)
+        # Each queued sequence's request and its number of sequences, for its finished stats.
+        self._groups: dict[str, tuple[str, int]] = {}
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -83,9 +85,10 @@ class EngineCore:
                     parent_id: str | None = None, index: int = 0,
                     arrival_time: float | None = None, fork_of: str | None = None,
                     priority: int = 0, timeout: float | None = None,
-                    deferred: bool = False) -> Request:
-        """Queue a sequence. `fork_of` names a sibling with the same prompt whose prompt blocks
-        this one shares once computed; `timeout` counts from `arrival_time`."""
+                    deferred: bool = False, siblings: int = 1) -> Request:
+        """Queue a sequence, one of `siblings` of request `parent_id`. `fork_of` names a sibling
+        with the same prompt whose prompt blocks this one shares once computed; `timeout` counts
+        from `arrival_time`."""
         self.validate(prompt_token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         request = Request(
@@ -101,6 +104,7 @@ class EngineCore:
         )
         self.scheduler.add_request(request, fork_of)
         self.outputs.add(request, parent_id or request_id, index)
+        self._groups[request_id] = (parent_id or request_id, siblings)
         return request
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -146,7 +150,9 @@ class EngineCore:
             stats.num_generation_tokens += 1
 
     def _record_finished(self, request: Request) -> None:
-        self._stats.finished.append(FinishedRequestStats.of(request, time.monotonic()))
+        parent, siblings = self._groups.pop(request.request_id, ("", 1))
+        self._stats.finished.append(FinishedRequestStats.of(request, time.monotonic(), parent,
+                                                            siblings))
 
     # ---- the step --------------------------------------------------------------------------
 

@@ -20,6 +20,9 @@ class FinishedRequestStats:
     prefill_time: float | None
     decode_time: float | None
     inference_time: float | None
+    # The request this sequence belongs to, and how many sequences it has (`n`).
+    parent_id: str = ""
+    siblings: int = 1
 
     @property
     def time_per_output_token(self) -> float | None:
@@ -28,7 +31,8 @@ class FinishedRequestStats:
         return self.decode_time / (self.num_generation_tokens - 1)
 
     @classmethod
-    def of(cls, request: Request, now: float) -> FinishedRequestStats:
+    def of(cls, request: Request, now: float, parent_id: str = "",
+           siblings: int = 1) -> FinishedRequestStats:
         t = request.timings
         queue = _span(request.arrival_time, t.first_scheduled)
         return cls(
@@ -41,6 +45,8 @@ class FinishedRequestStats:
             prefill_time=_span(t.first_scheduled, t.first_token),
             decode_time=_span(t.first_token, t.last_token),
             inference_time=_span(t.first_scheduled, t.last_token),
+            parent_id=parent_id or request.request_id,
+            siblings=siblings,
         )
 
 

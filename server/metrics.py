@@ -51,6 +51,8 @@ class EngineMetrics:
 
     def __init__(self, registry: CollectorRegistry, model_name: str, info: ServingInfo) -> None:
         self._labels = (model_name, "0")
+        # Requests with sequences still running: (sequences finished, most tokens so far).
+        self._generation_groups: dict[str, tuple[int, int]] = {}
         self._define_gauges(registry, info)
         self._define_counters(registry)
         self._define_histograms(registry, info.max_model_len)
@@ -179,7 +181,7 @@ class EngineMetrics:
         self.e2e.observe(finished.e2e_latency)
         self.prompt_len.observe(finished.num_prompt_tokens)
         self.generation_len.observe(finished.num_generation_tokens)
-        self.max_generation_len.observe(finished.num_generation_tokens)
+        self._observe_max_generation(finished)
         optional = ((self.queue, finished.queue_time), (self.ttft, finished.time_to_first_token),
                     (self.prefill, finished.prefill_time), (self.decode, finished.decode_time),
                     (self.inference, finished.inference_time),
@@ -187,6 +189,17 @@ class EngineMetrics:
         for histogram, value in optional:
             if value is not None:
                 histogram.observe(value)
+
+
+    def _observe_max_generation(self, finished: FinishedRequestStats) -> None:
+        """One observation a request, as vLLM records it: the most tokens any of its `n`
+        sequences generated, once the last of them finishes."""
+        seen, most = self._generation_groups.pop(finished.parent_id, (0, 0))
+        seen, most = seen + 1, max(most, finished.num_generation_tokens)
+        if seen < finished.siblings:
+            self._generation_groups[finished.parent_id] = (seen, most)
+        else:
+            self.max_generation_len.observe(most)
 
 
 class HTTPMetrics:

@@ -9,11 +9,26 @@ import torch.nn.functional as F
 
 from engine import cpu_kernels
 from engine.models import llama
+from tests.helpers import needs_bf16_panels, needs_cpu_kernels
+
+pytestmark = needs_cpu_kernels
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    assert cpu_kernels.load(), "the C++ kernels must build on the test machine"
+    assert cpu_kernels.has("elementwise"), "the C++ kernels must build on the test machine"
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, ...]]:
+    """The shapes of the first argument of each call to the real kernel `name`."""
+    real, calls = getattr(cpu_kernels, name), []
+
+    def recorded(x, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, name, recorded)
+    return calls
 
 
 @pytest.mark.parametrize(("rows", "dim"), [(1, 576), (3, 7), (17, 64), (300, 576), (5000, 32)])
@@ -24,7 +39,7 @@ def test_matches_torch(rows, dim):
     torch.testing.assert_close(out, F.rms_norm(x, (dim,), weight, 1e-5), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not cpu_kernels.bf16_panels_available(), reason="needs AVX-512 BF16")
+@needs_bf16_panels
 @pytest.mark.parametrize(("rows", "dim"), [(1, 576), (3, 7), (17, 64), (300, 576)])
 def test_bf16_rows_are_the_fp32_rows_rounded(rows, dim):
     """For a bf16 product: the same rows, rounded to bf16 as that product rounds its input
@@ -47,12 +62,10 @@ def test_refuses_bad_inputs():
 
 
 def test_the_model_takes_it_for_fp32_rows_on_the_cpu(monkeypatch):
-    calls = []
-    monkeypatch.setattr(cpu_kernels, "rms_norm",
-                        lambda x, w, eps, bf16_out=False: calls.append(x.shape)
-                        or F.rms_norm(x, w.shape, w, eps))
-    weight = torch.randn(8)
-    llama.rms_norm(torch.randn(4, 8), weight, 1e-6)
+    calls = spy(monkeypatch, "rms_norm")
+    weight, x = torch.randn(8), torch.randn(4, 8)
+    torch.testing.assert_close(llama.rms_norm(x, weight, 1e-6),
+                               F.rms_norm(x, weight.shape, weight, 1e-6))
     llama.rms_norm(torch.randn(8, 4).t(), weight, 1e-6)  # strided: torch's
     llama.rms_norm(torch.randn(4, 3, 8), weight, 1e-6)  # per-head rows: torch's
     llama.rms_norm(torch.randn(4, 8).bfloat16(), weight.bfloat16(), 1e-6)  # bf16: torch's
@@ -89,11 +102,9 @@ def test_rotary_refuses_bad_inputs():
 
 
 def test_the_model_rotates_fp32_rows_on_the_cpu_in_one_pass(monkeypatch):
-    calls = []
-    monkeypatch.setattr(cpu_kernels, "rotary",
-                        lambda x, cos, sin: calls.append(x.shape) or torch_rotary(x, cos, sin))
-    table = torch.randn(4, 1, 8)
-    llama.rotate(torch.randn(4, 3, 8), table, table)
+    calls = spy(monkeypatch, "rotary")
+    table, x = torch.randn(4, 1, 8), torch.randn(4, 3, 8)
+    assert torch.equal(llama.rotate(x, table, table), torch_rotary(x, table, table))
     llama.rotate(torch.randn(4, 3, 8).bfloat16(), table.bfloat16(), table.bfloat16())
     llama.rotate(torch.randn(3, 4, 8).transpose(0, 1), table, table)  # heads strided: torch's
     assert calls == [(4, 3, 8)]
@@ -131,9 +142,7 @@ def test_silu_mul_refuses_bad_inputs():
 def test_the_model_gates_fp32_silu_rows_on_the_cpu_in_one_pass(monkeypatch):
     from tests.helpers import tiny_llama
 
-    calls = []
-    monkeypatch.setattr(cpu_kernels, "silu_mul", lambda x: calls.append(x.shape) or
-                        F.silu(x[:, :x.shape[1] // 2]) * x[:, x.shape[1] // 2:])
+    calls = spy(monkeypatch, "silu_mul")
     layer = llama.PagedLlamaLayer(tiny_llama().model.layers[0], 0)
     assert layer.silu
     hidden = torch.randn(3, layer.gate_up_proj.in_features)
@@ -180,9 +189,7 @@ def test_argmax_refuses_bad_inputs():
 def test_the_sampler_chooses_with_it_for_fp32_logits_on_the_cpu(monkeypatch):
     from engine import sampler
 
-    calls = []
-    monkeypatch.setattr(cpu_kernels, "argmax_rows",
-                        lambda x: calls.append(x.shape) or x.argmax(dim=-1))
+    calls = spy(monkeypatch, "argmax_rows")
     x = torch.randn(3, 50)
     assert torch.equal(sampler.row_argmax(x), x.argmax(dim=-1))
     assert torch.equal(sampler.row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))

@@ -149,3 +149,65 @@ def _params(max_tokens: int):
     from engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def test_max_generation_tokens_is_one_observation_per_request():
+    async with app_client() as (client, _):
+        before = await scrape(client)
+        count = value(before, "vllm:request_max_num_generation_tokens_count")
+        total = value(before, "vllm:request_max_num_generation_tokens_sum")
+        response = await client.post("/v1/completions", json={
+            "prompt": "Hello", "max_tokens": 6, "n": 3, "temperature": 1, "seed": 5,
+            "ignore_eos": True})
+        assert len(response.json()["choices"]) == 3
+        samples = await scrape(client)
+        assert value(samples, "vllm:request_max_num_generation_tokens_count") == count + 1
+        assert value(samples, "vllm:request_max_num_generation_tokens_sum") == total + 6
+        # Each sequence's own length still goes to request_generation_tokens.
+        assert value(samples, "vllm:request_generation_tokens_count") == 3
+
+
+def test_max_generation_tokens_takes_the_longest_sequence_once_all_finish():
+    from prometheus_client import CollectorRegistry
+
+    from engine.config import ServingInfo
+    from engine.stats import FinishedRequestStats
+    from server.metrics import EngineMetrics
+
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, "m", ServingInfo(model_name="m", max_model_len=64,
+                                                       dtype="float32", device="cpu",
+                                                       num_blocks=8, block_size=4))
+
+    def finished(parent: str, tokens: int, siblings: int) -> StepStats:
+        stats = StepStats(0, 0, 0.0)
+        stats.finished.append(FinishedRequestStats("length", 3, tokens, 1.0, None, None, None,
+                                                   None, None, parent, siblings))
+        return stats
+
+    def observed() -> tuple[float, float]:
+        name = "vllm:request_max_num_generation_tokens"
+        return (registry.get_sample_value(f"{name}_count", {"model_name": "m", "engine": "0"}),
+                registry.get_sample_value(f"{name}_sum", {"model_name": "m", "engine": "0"}))
+
+    for tokens in (2, 7):
+        metrics.record(finished("a", tokens, 3))
+    metrics.record(finished("b", 5, 1))
+    assert observed() == (1, 5)  # "a" still has a sequence running
+    metrics.record(finished("a", 4, 3))
+    assert observed() == (2, 12)
+
+
+async def test_preemptions_are_counted():
+    # 12 blocks of 4 tokens hold 48; three sequences of 5 + 20 tokens need 21 blocks.
+    async with app_client(num_blocks=12, block_size=4) as (client, engine):
+        seen: list[StepStats] = []
+        engine.stat_loggers.append(seen.append)
+        replies = await asyncio.gather(*(client.post("/v1/completions", json={
+            "prompt": [40 + i, 41, 42, 43, 44], "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True}) for i in range(3)))
+        assert all(r.status_code == 200 for r in replies)
+        preempted = sum(s.num_preemptions for s in seen)
+        assert preempted > 0
+        samples = await scrape(client)
+        assert value(samples, "vllm:num_preemptions_total") == preempted

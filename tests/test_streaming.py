@@ -84,7 +84,7 @@ async def test_collector_wakes_a_waiting_consumer():
     await asyncio.sleep(0)
     assert not getter.done()
     collector.put(_output(0, 5))
-    outputs = await asyncio.wait_for(getter, 1)
+    outputs = await asyncio.wait_for(getter, 30)  # a hang guard: the output is already there
     assert [o.new_token_ids for o in outputs] == [[5]]
 
 
@@ -94,7 +94,7 @@ async def test_collector_merges_what_a_lagging_consumer_has_not_read():
     collector.put(_output(1, 2))
     collector.put(_output(0, 3, finished=True))
     collector.put(_output(0, 4))  # after its sequence finished: dropped
-    outputs = await asyncio.wait_for(collector.get(), 1)
+    outputs = await asyncio.wait_for(collector.get(), 30)
     assert {o.index: (o.new_token_ids, o.text, o.finished) for o in outputs} == {
         0: ([1, 3], "<1><3>", True), 1: ([2], "<2>", False)}
     assert collector.finished_indices == {0}
@@ -108,7 +108,7 @@ async def test_collector_survives_a_cancelled_wait():
     with pytest.raises(asyncio.CancelledError):
         await getter
     collector.put(_output(0, 9))  # nobody waits: kept for the next read
-    outputs = await asyncio.wait_for(collector.get(), 1)
+    outputs = await asyncio.wait_for(collector.get(), 30)
     assert [o.new_token_ids for o in outputs] == [[9]]
 
 
