@@ -15,10 +15,10 @@ from engine.errors import (
 )
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import ModelRunnerOutput, RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.stats import FinishedRequestStats, StepStats
 
 logger = logging.getLogger(__name__)
@@ -163,12 +163,12 @@ class EngineCore:
         if scheduled.is_empty:
             return expired
         self._stats.num_preemptions += len(scheduled.preempted)
+        failed: list[RequestOutput] = []
         try:
             runner_output = self.runner.execute(scheduled)
         except Exception as exc:
-            logger.exception("model step failed; failing its %d requests",
-                             len(scheduled.scheduled))
-            return expired + self._fail_step(scheduled, exc)
+            runner_output, scheduled, culprits = self._isolate(scheduled, exc)
+            failed = self._fail_culprits(culprits)
         self.outputs.collect_prompt_logprobs(runner_output)
         advanced = self.scheduler.update_from_output(scheduled, runner_output)
         end = time.monotonic()
@@ -180,7 +180,7 @@ class EngineCore:
             self._record_finished(request)
         self.runner.release([r.request_id for r in finished])
         self._record_speed(scheduled, end - start, len(finished))
-        return expired + results
+        return expired + failed + results
 
     def _expire(self, now: float) -> list[RequestOutput]:
         """Requests past their deadline: one that never produced a token fails with a timeout
@@ -212,9 +212,36 @@ class EngineCore:
                 self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop)
         return self.outputs.make_output(request, text, logprob)
 
-    def _fail_step(self, scheduled: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        ids = [item.request.request_id for item in scheduled.scheduled]
-        return self._fail(ids, RequestFailedError(f"The model step failed: {exc}"))
+    def _isolate(self, scheduled: SchedulerOutput, exc: Exception) -> tuple[
+            ModelRunnerOutput, SchedulerOutput, list[tuple[str, Exception]]]:
+        """A step that raised, run again in halves (recursively) to find the requests that make
+        it fail: what the others compute is kept, so only the culprits pay. Returns the merged
+        output, the step less the culprits, and each culprit with its error."""
+        items = scheduled.scheduled
+        if len(items) == 1:
+            logger.error("the model step failed for request %s: %s", items[0].request.request_id,
+                         exc, exc_info=exc)
+            return ModelRunnerOutput(), _with(scheduled, []), [(items[0].request.request_id, exc)]
+        logger.warning("a model step of %d requests failed (%s); running it again in halves to "
+                       "find the requests that cause it", len(items), exc)
+        merged, kept, culprits = ModelRunnerOutput(), [], []
+        half = len(items) // 2
+        for part in (items[:half], items[half:]):
+            sub = _with(scheduled, part)
+            try:
+                output = self.runner.execute(sub)
+            except Exception as sub_exc:
+                output, sub, found = self._isolate(sub, sub_exc)
+                culprits += found
+            _merge(merged, output)
+            kept += sub.scheduled
+        return merged, _with(scheduled, kept), culprits
+
+    def _fail_culprits(self, culprits: list[tuple[str, Exception]]) -> list[RequestOutput]:
+        results = []
+        for request_id, exc in culprits:
+            results += self._fail([request_id], RequestFailedError(f"The model step failed: {exc}"))
+        return results
 
     def _fail(self, request_ids: list[str], error: BaseException) -> list[RequestOutput]:
         results = []
@@ -225,3 +252,15 @@ class EngineCore:
                 results.append(self.outputs.final_output(request, error))
         self.runner.release(request_ids)
         return results
+
+
+def _with(scheduled: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:
+    """The step with only these requests scheduled (its preemptions and block copies kept:
+    copying a block again is harmless)."""
+    return SchedulerOutput(items, scheduled.preempted, scheduled.block_copies)
+
+
+def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
+    into.sampled_token_ids.update(part.sampled_token_ids)
+    into.logprobs.update(part.logprobs)
+    into.prompt_logprobs.update(part.prompt_logprobs)

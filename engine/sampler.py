@@ -209,11 +209,13 @@ def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus (sort-based)."""
     device = logits.device
     vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if p.uses_top_k else vocab for p in params], device=device)
+    # A top_k past the vocabulary keeps every token (and would not fit an int64).
+    top_k = torch.tensor([min(p.top_k, vocab) if p.uses_top_k else vocab for p in params],
+                         device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     positions = torch.arange(vocab, device=device)[None, :]
-    remove = positions >= top_k.clamp(max=vocab)[:, None]
+    remove = positions >= top_k[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Keep a token while the mass before it is below top_p; the best token always stays.
