@@ -55,6 +55,24 @@ def test_the_fused_choice_is_the_argmax_of_the_logits(out_features: int, in_feat
 
 @needs_bf16_panels
 @pytest.mark.usefixtures("bf16_products")
+@pytest.mark.parametrize(("out_features", "in_features", "rows"),
+                         [(37, 32, 3), (4099, 96, 64), (49152, 64, 5)])
+def test_the_fused_choice_is_torchs_best_logit(out_features: int, in_features: int,
+                                               rows: int) -> None:
+    """Against torch alone: the chosen column's logit, computed by torch in fp64 from the bf16
+    rows and weights, is the row's largest up to fp32 summation error."""
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))
+    layer = PanelLinear(weight, bias, torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    logits = (x.bfloat16().double() @ weight.bfloat16().double().T) + bias.double()
+    chosen = layer.greedy(x)
+    best = logits.max(dim=-1).values
+    assert torch.all(best - logits.gather(1, chosen[:, None])[:, 0] <= 1e-4 * best.abs() + 1e-4)
+
+
+@needs_bf16_panels
+@pytest.mark.usefixtures("bf16_products")
 def test_equal_maxima_choose_the_first_column() -> None:
     weight = torch.randn(70, 32, generator=torch.Generator().manual_seed(1))
     weight[[20, 45, 69]] = weight[3].clone()
