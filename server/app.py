@@ -92,8 +92,8 @@ async def _accepting(request: Request) -> None:
 def _openai_router(engine: EngineClient, served: ServedModel,
                    settings: ServerSettings) -> APIRouter:
     router = APIRouter(dependencies=[Depends(_api_key_check(settings))])
-    completions = CompletionHandler(engine, served)
-    chat = ChatHandler(engine, served)
+    completions = CompletionHandler(engine, served, settings.limits)
+    chat = ChatHandler(engine, served, settings.limits)
 
     @router.post("/v1/completions", dependencies=[Depends(_accepting)])
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

@@ -9,6 +9,7 @@ import re
 import sys
 
 from engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
+from server.limits import RequestLimits
 from server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 logger = logging.getLogger("conveyor")
@@ -103,6 +104,18 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--allowed-origins", default="",
                         help="comma-separated CORS origins, e.g. '*' (default: CORS off)")
     server.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES)
+    defaults = RequestLimits()
+    server.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
+                        help="stop strings (and stop token ids) a request may give")
+    server.add_argument("--max-stop-string-chars", type=int,
+                        default=defaults.max_stop_string_chars,
+                        help="characters in one stop string")
+    server.add_argument("--max-prompts", type=int, default=defaults.max_prompts,
+                        help="prompts in one /v1/completions request")
+    server.add_argument("--max-logit-bias", type=int, default=defaults.max_logit_bias,
+                        help="logit_bias entries in one request")
+    server.add_argument("--max-messages", type=int, default=defaults.max_messages,
+                        help="messages in one /v1/chat/completions request")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish on SIGTERM")
     server.add_argument("--log-level", default="info",
@@ -143,7 +156,10 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     return ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
                           allowed_origins=origins, max_body_bytes=args.max_request_bytes,
-                          shutdown_timeout=args.shutdown_timeout)
+                          shutdown_timeout=args.shutdown_timeout,
+                          limits=RequestLimits(args.max_stop_strings, args.max_stop_string_chars,
+                                               args.max_prompts, args.max_logit_bias,
+                                               args.max_messages))
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
+from server.limits import RequestLimits, check_chat
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
 from server.rendering import ChoiceState, ChunkRenderer
@@ -86,12 +87,15 @@ class ChatRenderer(ChunkRenderer):
 
 
 class ChatHandler:
-    def __init__(self, engine: EngineClient, model: ServedModel) -> None:
+    def __init__(self, engine: EngineClient, model: ServedModel,
+                 limits: RequestLimits | None = None) -> None:
         self.engine = engine
         self.model = model
+        self.limits = limits or RequestLimits()
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.model.check(body.model)
+        check_chat(body, self.limits)
         tokenizer = require_text_model(self.engine)
         _, prompt = chat_prompt(tokenizer, body.messages, body.add_generation_prompt,
                                 body.continue_final_message)

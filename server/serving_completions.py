@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
+from server.limits import RequestLimits, check_completion
 from server.logprobs import CompletionLogprobs
 from server.protocol import CompletionRequest
 from server.rendering import ChoiceState, ChunkRenderer
@@ -115,12 +116,15 @@ class CompletionRenderer(ChunkRenderer):
 
 
 class CompletionHandler:
-    def __init__(self, engine: EngineClient, model: ServedModel) -> None:
+    def __init__(self, engine: EngineClient, model: ServedModel,
+                 limits: RequestLimits | None = None) -> None:
         self.engine = engine
         self.model = model
+        self.limits = limits or RequestLimits()
 
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:
         self.model.check(body.model)
+        check_completion(body, self.limits)
         _check_unsupported(body)
         tokenizer = self.engine.tokenizer
         singles = split_prompts(body.prompt)

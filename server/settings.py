@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from server.limits import RequestLimits
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -14,3 +16,4 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
+    limits: RequestLimits = field(default_factory=RequestLimits)

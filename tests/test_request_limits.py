@@ -1,0 +1,54 @@
+"""Limits on a request's lists: past one, a 400 naming the field, before any engine work."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.cli import build_parser, server_settings
+from server.limits import RequestLimits
+from server.settings import ServerSettings
+from tests.server_utils import app_client
+
+LIMITS = RequestLimits(max_stop_strings=3, max_stop_string_chars=8, max_prompts=2,
+                       max_logit_bias=2, max_messages=2)
+SETTINGS = ServerSettings(served_model_name="tiny", limits=LIMITS)
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/completions", {"stop": ["a", "b", "c", "d"]}, "stop"),
+    ("/v1/completions", {"stop": "x" * 9}, "stop"),
+    ("/v1/completions", {"stop_token_ids": [1, 2, 3, 4]}, "stop_token_ids"),
+    ("/v1/completions", {"logit_bias": {"1": 1, "2": 1, "3": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [3], [4]]}, "prompt"),
+    ("/v1/chat/completions", {"messages": HELLO * 3}, "messages"),
+    ("/v1/chat/completions", {"stop": ["a", "b", "c", "d"]}, "stop"),
+])
+async def test_a_request_past_a_limit_is_refused_naming_the_field(path, extra, param):
+    body = {"prompt": "Hello"} if path == "/v1/completions" else {"messages": HELLO}
+    async with app_client(SETTINGS) as (client, engine):
+        response = await client.post(path, json={**body, "max_tokens": 2, **extra})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error"
+        assert "At most" in error["message"]
+        assert not engine.core.has_unfinished()
+
+
+async def test_a_request_at_the_limits_is_served():
+    async with app_client(SETTINGS) as (client, _):
+        response = await client.post("/v1/completions", json={
+            "prompt": ["a", "b"], "max_tokens": 2, "stop": ["x" * 8, "b", "c"],
+            "logit_bias": {"1": 1, "2": 1}})
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 2
+
+
+def test_the_limits_are_flags():
+    args = build_parser().parse_args(["serve", "--max-stop-strings", "5", "--max-prompts", "7",
+                                      "--max-stop-string-chars", "9", "--max-logit-bias", "11",
+                                      "--max-messages", "13"])
+    assert server_settings(args).limits == RequestLimits(5, 9, 7, 11, 13)
+    defaults = server_settings(build_parser().parse_args(["serve"])).limits
+    assert defaults == RequestLimits()
