@@ -98,6 +98,9 @@ class AsyncEngine:
         self._collectors: dict[str, RequestCollector] = {}
         self._children: dict[str, list[str]] = {}
         self._adds: list[_PendingAdd] = []
+        # The promised tokens of `_adds`, kept as they come: summing them per request made a
+        # body of many prompts quadratic in its count.
+        self._pending_tokens = 0
         self._aborts: list[str] = []
         self._new_requests: list[RequestParamsStats] = []
         self.stat_loggers: list[Callable[[StepStats], None]] = []
@@ -200,10 +203,9 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.core.validate(prompt_token_ids, params)
         timeout = options.timeout if options.timeout is not None else self.info.request_timeout
-        pending_tokens = sum(add.promised_tokens for add in self._adds)
         try:
             deferred = self.core.admit(prompt_token_ids, params, options.priority, timeout,
-                                       len(self._adds), pending_tokens)
+                                       len(self._adds), self._pending_tokens)
         except Exception:
             self._wake_loop()  # so the rejection reaches the metrics promptly
             raise
@@ -212,6 +214,7 @@ class AsyncEngine:
         promised = promised_tokens(len(prompt_token_ids), params, self.core.max_tokens)
         self._adds.append(_PendingAdd(request_id, list(prompt_token_ids), params,
                                       time.monotonic(), options, timeout, deferred, promised))
+        self._pending_tokens += promised
         self._new_requests.append(RequestParamsStats(params.n, promised - len(prompt_token_ids)))
         self._wake_loop()
         return collector
@@ -263,6 +266,7 @@ class AsyncEngine:
     def _apply_pending(self) -> None:
         aborts, self._aborts = self._aborts, []
         adds, self._adds = self._adds, []
+        self._pending_tokens = 0
         aborted = set(aborts)
         for add in adds:
             if add.request_id not in aborted:

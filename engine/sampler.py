@@ -85,7 +85,7 @@ class Sampler:
 
     def _probabilities(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
                              device=logits.device)
         logits = logits / temps[:, None]
         if any(p.uses_top_k or p.top_p < 1.0 for p in params):

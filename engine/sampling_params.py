@@ -8,6 +8,8 @@ from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_N = 128
+# Temperatures below this sample greedily, as in vLLM: dividing logits by less overflows.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -19,10 +21,10 @@ def _check(ok: bool, param: str, message: str) -> None:
 class SamplingParams:
     """Sampling and stopping settings of one request.
 
-    `temperature == 0` means greedy. `top_k` of 0 or -1 disables top-k. `max_tokens=None` lets the
-    request run to the end of the context. `logprobs` is the number of alternatives returned next to
-    each sampled token (0: only the sampled token's own logprob); `prompt_logprobs` likewise for the
-    prompt tokens.
+    `temperature == 0` (or below 1e-5) means greedy. `top_k` of 0 or -1 disables top-k.
+    `max_tokens=None` lets the request run to the end of the context. `logprobs` is the number of
+    alternatives returned next to each sampled token (0: only the sampled token's own logprob);
+    `prompt_logprobs` likewise for the prompt tokens.
     """
 
     n: int = 1
@@ -100,7 +102,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

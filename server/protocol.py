@@ -3,9 +3,45 @@ as vLLM does."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.errors import InvalidRequestError
+
+
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a parsed JSON body that holds a lone surrogate (JSON may
+    carry `"\\ud800"`, which no UTF-8 tokenizer or response can hold), else None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else (
+        enumerate(value) if isinstance(value, list) else ())
+    for key, item in items:
+        found = lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+class RequestBody(BaseModel):
+    """A request body: text that is not valid Unicode is refused as it arrives."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise InvalidRequestError(f"'{where}' holds a lone surrogate, which is not valid "
+                                      f"Unicode text.", param=where)
+        return data
+
 
 Prompt = str | list[str] | list[int] | list[list[int]]
 
@@ -15,7 +51,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -100,7 +136,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -110,7 +146,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestBody):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None

@@ -52,3 +52,24 @@ def test_the_limits_are_flags():
     assert server_settings(args).limits == RequestLimits(5, 9, 7, 11, 13)
     defaults = server_settings(build_parser().parse_args(["serve"])).limits
     assert defaults == RequestLimits()
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": "a", "model": "\\ud800", "max_tokens": 2}', "model"),
+    ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "messages"),
+])
+async def test_a_lone_surrogate_is_a_400_and_the_server_carries_on(path, body, param):
+    async with app_client() as (client, _):
+        response = await client.post(path, content=body,
+                                     headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"].startswith(param) and "lone surrogate" in error["message"]
+        assert (await client.get("/health")).status_code == 200
+        ok = await client.post("/v1/completions", json={"prompt": "a 🚀 b",
+                                                        "max_tokens": 2})
+        assert ok.status_code == 200

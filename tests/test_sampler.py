@@ -164,3 +164,12 @@ def test_which_requests_take_the_argmax_of_raw_logits(req: Request, expected: bo
     """The model may choose these rows' tokens itself (`ModelRunner` over a greedy LM head)."""
     assert takes_argmax([req]) is expected
     assert takes_argmax([request(temperature=0), req]) is expected
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily():
+    values = logits(3, seed=4)
+    rows = [request("tiny", temperature=1e-38, seed=1), request("zero", temperature=0),
+            request("warm", temperature=1e-4, seed=1)]
+    out = sample(rows, values)
+    assert out.token_ids[:2] == values[:2].argmax(dim=-1).tolist()
+    assert rows[0].sampling_params.greedy and not rows[2].sampling_params.greedy
