@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine.errors import EngineDeadError
 from server.errors import APIError, install_error_handlers
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
-from server.middleware import BodyLimitMiddleware, RequestIdMiddleware
+from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -66,22 +65,11 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None,
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(HTTPMetricsMiddleware, metrics=HTTPMetrics(registry))
     app.add_middleware(RequestIdMiddleware)
     return app
-
-
-def _api_key_check(settings: ServerSettings) -> Any:
-    async def check(request: Request) -> None:
-        if not settings.api_key:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-    return check
 
 
 async def _accepting(request: Request) -> None:
@@ -91,7 +79,7 @@ async def _accepting(request: Request) -> None:
 
 def _openai_router(engine: EngineClient, served: ServedModel,
                    settings: ServerSettings) -> APIRouter:
-    router = APIRouter(dependencies=[Depends(_api_key_check(settings))])
+    router = APIRouter()
     completions = CompletionHandler(engine, served, settings.limits)
     chat = ChatHandler(engine, served, settings.limits)
 

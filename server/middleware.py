@@ -1,7 +1,9 @@
-"""Pure ASGI middleware (safe with streaming): request ids and a request body limit."""
+"""Pure ASGI middleware (safe with streaming): request ids, the API key and a request body
+limit."""
 
 from __future__ import annotations
 
+import hmac
 import json
 import uuid
 
@@ -10,10 +12,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.errors import error_body
 
 REQUEST_ID_HEADER = b"x-request-id"
+# A client's request id longer than this, or with characters other than these, is replaced by a
+# fresh one rather than echoed (and logged) back.
+MAX_REQUEST_ID = 128
+REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
 
 class RequestIdMiddleware:
-    """Echo the client's X-Request-Id, or give the response a fresh one."""
+    """Echo the client's X-Request-Id where it is a short plain token, or give the response a
+    fresh one."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -22,7 +29,9 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = _header(scope, REQUEST_ID_HEADER) or uuid.uuid4().hex.encode()
+        given = _header(scope, REQUEST_ID_HEADER)
+        plain = given and len(given) <= MAX_REQUEST_ID and set(given) <= REQUEST_ID_CHARS
+        request_id = given if plain else uuid.uuid4().hex.encode()
         scope.setdefault("state", {})["request_id"] = request_id.decode("latin-1")
 
         async def send_with_id(message: Message) -> None:
@@ -88,6 +97,37 @@ class BodyLimitMiddleware:
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    """Refuse requests without the API key (`Authorization: Bearer <key>`) with a 401 in
+    OpenAI's shape, before their body is read: an unauthenticated client cannot make the server
+    buffer or parse anything. `/health`, `/metrics`, `/version` and CORS preflights stay open."""
+
+    OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
+                or scope.get("path") in self.OPEN_PATHS or self._authorized(scope)):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(error_body("Incorrect API key provided.", "invalid_request_error",
+                                     code="invalid_api_key")).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"www-authenticate", b"Bearer"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = _header(scope, b"authorization") or b""
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(
+            b"Bearer " + token, self.expected)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from server.settings import ServerSettings
 from tests.helpers import chat_tokenizer, sabotage_steps
@@ -149,3 +150,32 @@ async def test_draining_server_refuses_new_work_but_finishes_running():
             assert finished.status_code == 200
             assert finished.json()["usage"]["completion_tokens"] == 30
 
+
+
+async def test_a_wrong_key_is_refused_before_the_body_is_read():
+    settings = ServerSettings(served_model_name="tiny", api_key="sesame")
+    async with app_client(settings) as (client, _):
+        read = []
+
+        async def body():
+            read.append(True)
+            yield b'{"prompt": "Hello", "max_tokens": 2}'
+
+        refused = await client.post("/v1/completions", content=body(),
+                                    headers={"content-type": "application/json"})
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        assert read == []  # the body was never pulled
+        preflight = await client.options("/v1/completions")
+        assert preflight.status_code != 401
+        assert (await client.get("/metrics")).status_code == 200
+
+
+@pytest.mark.parametrize("given", ["x" * 129, "evil\tid", "a" * 10_000])
+async def test_a_long_or_odd_request_id_is_replaced_not_echoed(given):
+    async with app_client() as (client, _):
+        reply = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1},
+                                  headers={"X-Request-Id": given})
+        assert reply.status_code == 200
+        assert reply.headers["x-request-id"] != given
+        assert len(reply.headers["x-request-id"]) == 32
