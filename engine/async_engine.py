@@ -219,6 +219,13 @@ class AsyncEngine:
         self._wake_loop()
         return collector
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with `error` (their streams raise it after what they
+        already had); their sequences are aborted within a step."""
+        for request_id in list(self._collectors):
+            self._fail_collector(request_id, error)
+            self.abort(request_id)
+
     def abort(self, request_id: str) -> None:
         """Abort a request (all its sequences); its blocks return within a step."""
         self._aborts.append(request_id)

@@ -183,9 +183,8 @@ def serve(args: argparse.Namespace) -> int:
                 "http://%s:%d", info.model_path or info.model_name, app.state.model.name,
                 info.dtype, info.device, info.num_blocks, info.kv_cache_dtype, info.block_size,
                 info.max_model_len, args.host, args.port)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(max(1, settings.shutdown_timeout)))
-    DrainingServer(config, app).run()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    DrainingServer(config, app, settings.shutdown_timeout).run()
     return 0
 
 

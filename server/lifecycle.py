@@ -1,7 +1,9 @@
-"""Graceful shutdown: stop accepting, let running requests finish, then abort the rest."""
+"""Graceful shutdown: stop accepting, let running requests finish, then end the rest with a
+503 (a JSON error, or an error event and `[DONE]` on a stream)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 from types import FrameType
@@ -9,26 +11,51 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from engine.errors import EngineDeadError
+
 logger = logging.getLogger("conveyor")
 
 
-class DrainingServer(uvicorn.Server):
-    """On SIGTERM or Ctrl-C new requests get 503 while running ones finish; uvicorn waits up to
-    its graceful timeout, cancels what is left (aborting those requests), and the app's lifespan
-    stops the engine."""
+# What the handlers get, once `shutdown_timeout` has passed, to send their errors before uvicorn
+# cancels them.
+ANSWER_SECONDS = 5.0
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM or Ctrl-C new requests get 503 while running ones finish. Requests still
+    running after `shutdown_timeout` seconds end with a 503 error their clients can read; then
+    uvicorn closes the connections and the app's lifespan stops the engine."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float) -> None:
+        config.timeout_graceful_shutdown = int(shutdown_timeout + ANSWER_SECONDS) + 1
         super().__init__(config)
         self._app = app
+        self._shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self._app.state.draining and sig in (signal.SIGINT, signal.SIGTERM):
+        first = not self._app.state.draining
+        if first and sig in (signal.SIGINT, signal.SIGTERM):
             logger.info("shutting down: finishing running requests (up to %ss)",
-                        self.config.timeout_graceful_shutdown)
+                        self._shutdown_timeout)
         self._app.state.draining = True
+        if first and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, self._shutdown_timeout,
+                                            self._end_the_rest)
         super().handle_exit(sig, frame)
         # uvicorn re-raises captured signals after shutting down, which would end the process
         # with -SIGTERM; a completed graceful shutdown exits 0 instead.
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
             captured.clear()
+
+    def _end_the_rest(self) -> None:
+        engine = self._app.state.engine
+        if engine.num_unfinished:
+            logger.warning("shutdown timeout: ending %d requests still running",
+                           engine.num_unfinished)
+        engine.fail_all(EngineDeadError("The server shut down before this request finished."))

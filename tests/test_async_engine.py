@@ -95,6 +95,28 @@ async def test_n_samples_stream_with_their_own_index(engine):
     assert blocks_in_use(engine) == 0
 
 
+async def test_fail_all_ends_every_stream_with_the_error_and_frees_its_blocks(engine):
+    long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=500, n=2)
+    streams = [engine.generate(PROMPT, long) for _ in range(3)]
+    firsts = [await stream.__anext__() for stream in streams]
+    assert all(first.new_token_ids for first in firsts)
+    engine.fail_all(EngineDeadError("shutting down"))
+    for stream in streams:
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in stream:
+                pass
+    await wait_for_idle(engine)
+    assert blocks_in_use(engine) == 0 and engine.num_unfinished == 0
+    assert engine.is_running
+
+
+async def wait_for_idle(engine: AsyncEngine) -> None:
+    for _ in range(1000):  # a bound, not a timing: the aborts land within a step or two
+        if not engine.core.has_unfinished():
+            return
+        await asyncio.sleep(0.01)
+
+
 async def test_a_failed_step_raises_in_the_stream_and_the_loop_goes_on(engine, monkeypatch):
     sabotage_steps(engine.core, monkeypatch, fail_on={2})
     received = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -12,7 +13,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
@@ -167,32 +167,33 @@ def test_sigterm_lets_running_requests_finish_and_exits_0():
             process.kill()
 
 
-def test_sigterm_aborts_what_outlasts_the_shutdown_timeout():
+def test_sigterm_ends_what_outlasts_the_shutdown_timeout_with_a_503():
     process, url = start_server("--shutdown-timeout", "2")
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 2000, "ignore_eos": True}
     try:
-        with ThreadPoolExecutor(1) as pool:
-            def long_stream() -> int:
-                stream = client(url).completions.create(
-                    model=MODEL, prompt="Count:", max_tokens=2000, stream=True,
-                    extra_body={"ignore_eos": True})
-                received = 0
-                try:
-                    for _ in stream:
-                        received += 1
-                except (httpx.HTTPError, openai.APIError):
-                    pass  # the connection is closed under it; any other error fails the test
-                return received
+        with ThreadPoolExecutor(2) as pool:
+            def stream_events() -> list[str]:
+                with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                                  timeout=120) as reply:
+                    return [line for line in reply.iter_lines() if line.startswith("data: ")]
 
-            streaming = pool.submit(long_stream)
+            streaming = pool.submit(stream_events)
+            whole = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
             deadline = time.monotonic() + 30
-            while metric(url, "vllm:num_requests_running") < 1:
+            while metric(url, "vllm:num_requests_running") < 2:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             process.send_signal(signal.SIGTERM)
             process.communicate(timeout=60)
-            received = streaming.result(timeout=60)
+            events, reply = streaming.result(timeout=60), whole.result(timeout=60)
         assert process.returncode == 0
-        assert 0 < received < 2000  # cut short by the shutdown, not run to its end
+        # The stream ends with an error event and [DONE], cut short of its 2000 tokens.
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert "shut down" in error["message"] and error["code"] == "engine_unavailable"
+        assert 0 < len(events) - 2 < 2000
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "engine_unavailable"
     finally:
         if process.poll() is None:
             process.kill()
