@@ -1,13 +1,13 @@
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 
 from engine.detokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
-    held_stop_prefix,
     plain_decode,
 )
 from tests.helpers import tiny_tokenizer
@@ -93,11 +93,58 @@ def test_plain_decode_calls_decode_on_any_other_tokenizer():
     assert plain_decode(_OnlyDecode(tokenizer))(ids, True) == tokenizer.decode(ids)
 
 
-def test_held_stop_prefix():
-    assert held_stop_prefix("abc", ("cde",)) == 1
-    assert held_stop_prefix("abcd", ("cde", "bcdx")) == 3
-    assert held_stop_prefix("abc", ("xyz",)) == 0
-    assert held_stop_prefix("abc", ("abc",)) == 0  # a complete stop is not a partial one
+def held(text: str, stops: tuple[str, ...]) -> int:
+    """The longest suffix of `text` that is a proper prefix of some stop (brute force)."""
+    return max((size for stop in stops for size in range(1, min(len(stop) - 1, len(text)) + 1)
+                if text.endswith(stop[:size])), default=0)
+
+
+def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """The stop that starts first in `text`, the shortest of those (brute force)."""
+    found = [(text.find(stop), len(stop), stop) for stop in stops if stop in text]
+    return (min(found)[0], min(found)[2]) if found else None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_automaton_agrees_with_brute_force(seed):
+    rng = random.Random(seed)
+    alphabet = "abc"
+    stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+                   for _ in range(rng.randint(1, 6))})
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+    matcher, emitted, fed, hit = StopStringMatcher(stops), "", "", None
+    while fed != text:
+        piece = text[len(fed):len(fed) + rng.randint(1, 4)]
+        fed += piece
+        delta, hit = matcher.add(piece)
+        emitted += delta
+        expected = first_stop(fed, stops)
+        if expected is not None:
+            assert hit == expected[1] and emitted == fed[:expected[0]]
+            break
+        assert hit is None and emitted == fed[:len(fed) - held(fed, stops)]
+    if hit is None:
+        assert emitted + matcher.flush() == text
+
+
+def test_many_long_stop_strings_cost_time_in_the_text_not_the_stops():
+    stops = tuple(f"{i:04d}" + "x" * 1020 for i in range(64))
+    matcher = StopStringMatcher(stops)
+    matcher.add("")
+    calls = 0
+    automaton = matcher._automaton
+    assert automaton is not None
+    original = automaton.step
+
+    def counted(state, char):
+        nonlocal calls
+        calls += 1
+        return original(state, char)
+
+    automaton.step = counted
+    for _ in range(200):
+        matcher.add("ab")
+    assert calls == 400  # one step a character, whatever the stops
 
 
 def feed(matcher: StopStringMatcher, pieces: list[str]) -> tuple[list[str], str | None]:
