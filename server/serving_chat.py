@@ -25,7 +25,7 @@ from server.serving import (
     submit_all,
     usage,
 )
-from server.tokenization import TokenText, chat_prompt
+from server.tokenization import TokenText, chat_prompt, messages_size, off_the_loop_if_large
 
 
 @dataclass(slots=True)
@@ -97,8 +97,10 @@ class ChatHandler:
         self.model.check(body.model)
         check_chat(body, self.limits)
         tokenizer = require_text_model(self.engine)
-        _, prompt = chat_prompt(tokenizer, body.messages, body.add_generation_prompt,
-                                body.continue_final_message)
+        _, prompt = await off_the_loop_if_large(
+            messages_size(body.messages),
+            lambda: chat_prompt(tokenizer, body.messages, body.add_generation_prompt,
+                                body.continue_final_message))
         params = sampling_params(body, _max_tokens(body), _top_logprobs(body))
         request_id = new_id("chatcmpl")
         renderer = ChatRenderer(request_id, self.model.name, body, len(prompt), tokenizer)

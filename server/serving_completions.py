@@ -24,7 +24,13 @@ from server.serving import (
     submit_all,
     usage,
 )
-from server.tokenization import TokenText, prompt_token_ids, split_prompts
+from server.tokenization import (
+    TokenText,
+    off_the_loop_if_large,
+    prompt_size,
+    prompt_token_ids,
+    split_prompts,
+)
 
 
 @dataclass(slots=True)
@@ -128,7 +134,8 @@ class CompletionHandler:
         _check_unsupported(body)
         tokenizer = self.engine.tokenizer
         singles = split_prompts(body.prompt)
-        prompts = prompt_token_ids(tokenizer, singles)
+        prompts = await off_the_loop_if_large(prompt_size(singles),
+                                              lambda: prompt_token_ids(tokenizer, singles))
         texts = [p if isinstance(p, str) else None for p in singles]
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)

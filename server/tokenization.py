@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.errors import InvalidRequestError
 from server.protocol import ChatMessage, Prompt
+
+T = TypeVar("T")
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -25,6 +29,27 @@ def require_tokenizer(tokenizer: Any, param: str | None = None) -> Any:
     if tokenizer is None:
         raise InvalidRequestError("This server has no tokenizer; send token ids.", param=param)
     return tokenizer
+
+
+# Requests with more text than this are tokenized (and chat templates rendered) on a worker
+# thread, so that one large body does not hold up every other request and /health.
+OFF_LOOP_CHARS = 16_384
+
+
+async def off_the_loop_if_large(size: int, work: Callable[[], T]) -> T:
+    """`work()` here for small inputs (a thread hop costs more than they do), on a worker thread
+    for large ones."""
+    if size <= OFF_LOOP_CHARS:
+        return work()
+    return await asyncio.to_thread(work)
+
+
+def prompt_size(prompts: list[str | list[int]]) -> int:
+    return sum(len(p) for p in prompts)
+
+
+def messages_size(messages: list[ChatMessage]) -> int:
+    return sum(len(message_text(m)) for m in messages)
 
 
 def prompt_token_ids(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:

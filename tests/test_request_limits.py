@@ -73,3 +73,29 @@ async def test_a_lone_surrogate_is_a_400_and_the_server_carries_on(path, body, p
         ok = await client.post("/v1/completions", json={"prompt": "a 🚀 b",
                                                         "max_tokens": 2})
         assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(("path", "size", "off_loop"), [
+    ("/v1/completions", 100, False), ("/v1/completions", 20_000, True),
+    ("/v1/chat/completions", 100, False), ("/v1/chat/completions", 20_000, True)])
+async def test_large_bodies_are_tokenized_off_the_event_loop(monkeypatch, path, size, off_loop):
+    import threading
+
+    from server import serving_chat, serving_completions
+
+    module, name = ((serving_completions, "prompt_token_ids") if "chat" not in path
+                    else (serving_chat, "chat_prompt"))
+    real, threads = getattr(module, name), []
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recorded)
+    text = "Hello " * (size // 6)
+    body = ({"prompt": text} if "chat" not in path
+            else {"messages": [{"role": "user", "content": text}]})
+    async with app_client() as (client, _):
+        await client.post(path, json={**body, "max_tokens": 1})
+    assert len(threads) == 1
+    assert (threads[0] is not threading.main_thread()) == off_loop
