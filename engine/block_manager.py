@@ -129,8 +129,7 @@ class BlockManager:
             block = self._free.popleft()
         else:
             block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hashes[block]]
-            self._hashes[block] = None
+            self._forget_hash(block)
         self._ref_counts[block] = 1
         return block
 
@@ -158,12 +157,18 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def _forget_hash(self, block: int) -> None:
+        """Drop an evictable block's hash: every evictable block holds one."""
+        block_hash = self._hashes[block]
+        assert block_hash is not None
+        del self._by_hash[block_hash]
+        self._hashes[block] = None
+
     def reset_cache(self) -> None:
         """Forget every cached block that nobody holds."""
         while self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hashes[block]]
-            self._hashes[block] = None
+            self._forget_hash(block)
             self._free.append(block)
 
     # ---- checks ----------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
 class PackedLinear(nn.Module):
     """`y = x W^T + b` in fp32 through oneDNN's GEMM, W packed for it ahead of time."""
 
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -110,6 +112,9 @@ class PackedLinear(nn.Module):
 class PanelLinear(nn.Module):
     """`y = x W^T + b` in fp32 through Conveyor's kernel, W packed in panels of 16 output
     columns and held in fp32 or fp16 (`storage`), or in GGUF blocks (`of_blocks`)."""
+
+    panels: torch.Tensor
+    padded_bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  storage: torch.dtype = torch.float32) -> None:
@@ -139,7 +144,9 @@ class PanelLinear(nn.Module):
                        or layer.panels.dtype != first.panels.dtype for layer in layers)
                 or len({layer.padded_bias is None for layer in layers}) > 1):
             return None
-        bias = None if first.padded_bias is None else torch.cat([m.bias for m in layers])
+        biases = [m.bias for m in layers]
+        bias = None if first.padded_bias is None else torch.cat(
+            [b for b in biases if b is not None])
         return cls._of_panels(torch.cat([layer.panels for layer in layers]), bias,
                               sum(layer.out_features for layer in layers), first.in_features)
 
@@ -236,6 +243,9 @@ class GatedPanelLinear(nn.Module):
     and writes only the activation (`cpu_kernels.gated_linear`). Equal to the bit to the joined
     gate/up `PanelLinear` followed by `cpu_kernels.silu_mul`."""
 
+    panels: torch.Tensor
+    padded_bias: torch.Tensor | None
+
     def __init__(self, gate: PanelLinear, up: PanelLinear) -> None:
         super().__init__()
         self.in_features, self.out_features = gate.in_features, gate.out_features
@@ -330,6 +340,9 @@ def pad_to_panels(rows: torch.Tensor) -> torch.Tensor:
 class HalfWeightLinear(nn.Module):
     """`y = x W^T + b` with W rounded to fp16; x, b and y in fp32."""
 
+    bias: torch.Tensor | None
+    dense: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -345,14 +358,17 @@ class HalfWeightLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The fp16-rounded weight in fp32, `[out_features, in_features]`."""
-        return self.dense if self.large is None else self.large.to_dense()
+        if self.large is not None:
+            return self.large.to_dense()
+        assert self.dense is not None  # one of the two copies is held
+        return self.dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows > self.small_rows:
             if self.large is not None:
                 return onednn_linear(x, self.large, self.bias)
-            return F.linear(x, self.dense, self.bias)
+            return F.linear(x, self.weight, self.bias)
         out = torch.fbgemm_linear_fp16_weight_fp32_activation(fp32_rows(x, self.in_features),
                                                                self.packed, self.bias)
         return out.view(*x.shape[:-1], self.out_features)

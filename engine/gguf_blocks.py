@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,7 +45,8 @@ FORMATS = {f.name: f for f in (Q4_1, Q8_0)}
 GROUP_FORMATS = {f.group_bytes: f for f in (Q4_1, Q8_0)}
 
 
-def split_rows(fmt: BlockFormat, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def split_rows(fmt: BlockFormat, rows: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """GGUF rows `[out, in / 32 * block_bytes]` uint8 as (d, m or None, q): d and m fp16
     `[out, in / 32]`, q `[out, in / 32, 32]` (uint8 0..15 for Q4_1, int8 for Q8_0)."""
     blocks = rows.reshape(rows.shape[0], -1, fmt.block_bytes)
@@ -90,6 +92,7 @@ def pack_int8_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
     if fmt is Q8_0:
         return _pack_q8_0_int8_panels(rows)
     d, m, q = split_rows(Q4_1, rows)
+    assert m is not None  # Q4_1 blocks hold a minimum
     padded = -(-rows.shape[0] // PANEL) * PANEL
     blocks = q.shape[1]
     # Columns as (h, c), features as (part, step, i): feature 16 part + 4 step + i.
@@ -169,7 +172,7 @@ def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
     return padded
 
 
-def read_gguf(path: Path, config: object) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
+def read_gguf(path: Path, config: Any) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
     """The Q4_1 and Q8_0 linear weights of a Llama-family GGUF file, by module name, rows in the
     order the converted checkpoint holds them (q and k rows unpermuted as on loading)."""
     from gguf import GGMLQuantizationType, GGUFReader
@@ -197,7 +200,7 @@ def module_name(tensor: str, config: object) -> str | None:
     return None
 
 
-def unpermute_rows(tensor: str, rows: torch.Tensor, config: object) -> torch.Tensor:
+def unpermute_rows(tensor: str, rows: torch.Tensor, config: Any) -> torch.Tensor:
     """GGUF stores q and k rows interleaved for its rotary layout; undo it as loading does."""
     if ".attn_q." in tensor:
         heads = config.num_attention_heads

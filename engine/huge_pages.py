@@ -67,7 +67,7 @@ def move_into_huge_pages(tensors: list[torch.Tensor]) -> int:
         for tensor, size in zip(tensors, sizes, strict=True):
             part = region[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
             part.copy_(tensor)
-            tensor.set_(part)
+            tensor.set_(part)  # type: ignore[call-overload]  # a Tensor source is valid
             offset += size
     return total
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class KVCacheSpec:
         return max(0, budget_bytes // self.bytes_per_block)
 
     @classmethod
-    def from_hf_config(cls, config: object, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+    def from_hf_config(cls, config: Any, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(

@@ -122,8 +122,8 @@ def _sliding_window_limit(config: Any, length: int) -> int:
     """The torch backend attends over whole sequences; a model with a sliding window shorter
     than its context is served up to the window, where both agree."""
     window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", True) and isinstance(window, int)
-    if uses_window and 0 < window < length:
+    uses_window = getattr(config, "use_sliding_window", True)
+    if uses_window and isinstance(window, int) and 0 < window < length:
         logger.warning("limiting the context to the sliding window of %d tokens", window)
         return window
     return length
@@ -155,7 +155,7 @@ def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.devic
         path, dtype=dtype, trust_remote_code=trust_remote_code)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
     if half_weights_in_fp32(dtype, device):
         use_half_weights(model, dtype)
     elif device.type == "cpu" and dtype == torch.float32 and fp32_packing_supported():

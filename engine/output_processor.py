@@ -100,7 +100,8 @@ class OutputProcessor:
 
 def _flush(state: _SequenceState) -> tuple[str, str | None]:
     """All text still held back at the end of a sequence, and a stop string it completes."""
-    tail, stop = state.matcher.add(state.detokenizer.flush())
+    text = state.detokenizer.flush() if state.detokenizer is not None else ""
+    tail, stop = state.matcher.add(text)
     return tail + state.matcher.flush(), stop
 
 

@@ -114,8 +114,10 @@ class Sampler:
     def _generator_for(self, request: Request) -> torch.Generator:
         generator = self._request_generators.get(request.request_id)
         if generator is None:
+            seed = request.sampling_params.seed
+            assert seed is not None  # only seeded requests have their own generator
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(request.sampling_params.seed % 2**64)
+            generator.manual_seed(seed % 2**64)
             self._request_generators[request.request_id] = generator
         return generator
 
@@ -163,14 +165,14 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
     top_values, top_ids = logprobs.topk(top_k, dim=-1) if top_k else (None, None)
     chosen_list, ranks_list = chosen[:, 0].tolist(), ranks.tolist()
     ids_list = token_ids.tolist()
-    values_list = top_values.tolist() if top_values is not None else None
-    top_ids_list = top_ids.tolist() if top_ids is not None else None
+    values_list = top_values.tolist() if top_values is not None else []
+    top_ids_list = top_ids.tolist() if top_ids is not None else []
     result: list[TokenLogprob | None] = []
     for row, count in enumerate(top_counts):
         if count is None:
             result.append(None)
             continue
-        top = ()
+        top: tuple[tuple[int, float], ...] = ()
         if count:
             top = tuple(zip(top_ids_list[row][:count], values_list[row][:count], strict=True))
         result.append(TokenLogprob(ids_list[row], chosen_list[row], ranks_list[row], top))
@@ -197,10 +199,10 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             continue
-        banned = set(params.stop_token_ids)
+        stops = set(params.stop_token_ids)
         if not params.ignore_eos:
-            banned |= request.eos_token_ids
-        banned = [t for t in banned if t < logits.shape[1]]
+            stops |= request.eos_token_ids
+        banned = [t for t in stops if t < logits.shape[1]]
         if banned:
             logits[row, banned] = float("-inf")
 

@@ -7,6 +7,7 @@ an ASGI middleware. Nothing here touches a global registry.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -64,7 +65,7 @@ class EngineMetrics:
         return Counter(name, doc, LABELS, registry=registry).labels(*self._labels)
 
     def _histogram(self, registry: CollectorRegistry, name: str, doc: str,
-                   buckets: list[float]) -> Histogram:
+                   buckets: Sequence[float]) -> Histogram:
         return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(
             *self._labels)
 

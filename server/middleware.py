@@ -30,8 +30,9 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = _header(scope, REQUEST_ID_HEADER)
-        plain = given and len(given) <= MAX_REQUEST_ID and set(given) <= REQUEST_ID_CHARS
-        request_id = given if plain else uuid.uuid4().hex.encode()
+        plain = given is not None and len(given) <= MAX_REQUEST_ID and set(given) <= (
+            REQUEST_ID_CHARS)
+        request_id = given if given is not None and plain else uuid.uuid4().hex.encode()
         scope.setdefault("state", {})["request_id"] = request_id.decode("latin-1")
 
         async def send_with_id(message: Message) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -54,7 +54,7 @@ def sse_error(exc: BaseException) -> str:
     return sse(error_body(error.message, error.type, error.param, error.code))
 
 
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
     """Interleave several async iterators as their items arrive, tagging each with its source.
 
     Leaving early (or an error in one stream) cancels the rest, which closes them.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from engine.errors import InvalidRequestError
 from server.protocol import ChatMessage, Prompt
@@ -20,8 +20,8 @@ def encode_text(tokenizer: Any, text: str, add_special_tokens: bool = True) -> l
 def split_prompts(prompt: Prompt) -> list[str | list[int]]:
     """The four prompt forms of /v1/completions as a list of single prompts."""
     if isinstance(prompt, str) or all(isinstance(item, int) for item in prompt):
-        return [prompt]
-    return list(prompt)
+        return [cast(str | list[int], prompt)]
+    return list(cast(list[str] | list[list[int]], prompt))
 
 
 def require_tokenizer(tokenizer: Any, param: str | None = None) -> Any:

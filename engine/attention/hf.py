@@ -36,7 +36,7 @@ def paged_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = metadata.backend.forward(
-        module.layer_idx,
+        int(module.layer_idx),  # type: ignore[arg-type]  # HF attention modules hold an int
         query[0].transpose(0, 1),
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),

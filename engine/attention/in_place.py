@@ -56,6 +56,7 @@ class InPlaceDecodeAttention(TorchPagedAttention):
     def _decode(self, layer: int, query: torch.Tensor, scale: float,
                 meta: TorchPagedMetadata) -> torch.Tensor:
         assert isinstance(meta, InPlaceMetadata) and meta.decode_seq_lens is not None
+        assert meta.decode_block_table is not None
         cache = meta.kv_cache
         q = query if meta.all_decode else query[meta.decode_tokens]
         return self.decode_kernel(q, cache.key(layer), cache.value(layer),

@@ -116,8 +116,7 @@ class TorchPagedAttention(AttentionBackend):
             out[span.start:span.end] = self._prefill(layer, query, key, value, scale, span, cache)
         return out
 
-    @staticmethod
-    def _store(cache: KVCache, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
+    def _store(self, cache: KVCache, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> None:
         cache.write(layer, slot_mapping, key, value)
 
@@ -125,6 +124,7 @@ class TorchPagedAttention(AttentionBackend):
                 meta: TorchPagedMetadata) -> torch.Tensor:
         cache = meta.kv_cache
         q = query if meta.all_decode else query[meta.decode_tokens]
+        assert meta.decode_block_table is not None  # set for every step with decode rows
         k = _gather(cache.key(layer), meta.decode_block_table).to(q.dtype)
         v = _gather(cache.value(layer), meta.decode_block_table).to(q.dtype)
         out = _sdpa(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale)

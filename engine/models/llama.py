@@ -11,7 +11,7 @@ greedy tokens from both must agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -68,12 +68,12 @@ def fuse(linears: list[nn.Module]) -> nn.Module:
     """One projection whose output is the given projections' outputs side by side; panels are
     joined as held where they line up (GGUF blocks stay blocks)."""
     if all(isinstance(m, PanelLinear) for m in linears):
-        joined = PanelLinear.joined(linears)
+        joined = PanelLinear.joined(cast(list[PanelLinear], linears))
         if joined is not None:
             return joined
-    weight = torch.cat([m.weight for m in linears])
-    biases = [m.bias for m in linears]
-    bias = None if biases[0] is None else torch.cat(biases)
+    weight = torch.cat([cast(torch.Tensor, m.weight) for m in linears])
+    biases = [cast(torch.Tensor | None, m.bias) for m in linears]
+    bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
     if isinstance(linears[0], CPU_LINEAR_TYPES):
         return linears[0].remade(weight, bias)
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
@@ -175,10 +175,11 @@ class PagedLlamaLayer(nn.Module):
                 and norms[0].variance_epsilon == norms[1].variance_epsilon
                 and cpu_kernels.has("fused_decode")):
             return None
+        panels = cast(tuple[PanelLinear | GatedPanelLinear, ...], projections)
         return FusedWeights(
-            weights=[norms[0].weight, projections[0].panels, projections[1].panels,
-                     norms[1].weight, projections[2].panels, projections[3].panels],
-            biases=[p.padded_bias for p in projections],
+            weights=[norms[0].weight, panels[0].panels, panels[1].panels,
+                     norms[1].weight, panels[2].panels, panels[3].panels],
+            biases=[p.padded_bias for p in panels],
             heads=[self.num_heads, self.num_kv_heads, self.head_dim],
             eps=float(norms[0].variance_epsilon))
 
@@ -280,7 +281,7 @@ class PagedLlamaForCausalLM(nn.Module):
                                     enumerate(base.layers))
         self.norm = base.norm
         self.lm_head = hf_model.lm_head
-        self.stack = FusedStack.of(list(self.layers))
+        self.stack = FusedStack.of(cast(list[PagedLlamaLayer], list(self.layers)))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -311,7 +312,7 @@ class PagedLlamaForCausalLM(nn.Module):
     def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 metadata: AttentionMetadata, step: DecodeStep | None) -> torch.Tensor:
         """Layer by layer: each as one op where it can be, else op by op."""
-        for layer in self.layers:
+        for layer in cast(list[PagedLlamaLayer], self.layers):
             if step is not None and layer.fused is not None:
                 hidden = layer.decode(hidden, cos, sin, step)
             else:
