@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.admission import Admission, fewest_new_tokens, promised_tokens
 from engine.errors import (
@@ -13,13 +13,15 @@ from engine.errors import (
     RequestFailedError,
     RequestTimeoutError,
 )
-from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import ModelRunnerOutput, RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.stats import FinishedRequestStats, StepStats
+
+if TYPE_CHECKING:  # the runner owns torch; the core itself stays torch-free
+    from engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

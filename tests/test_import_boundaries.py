@@ -1,0 +1,42 @@
+"""The layers keep to their side: the HTTP server and the engine core load no torch, the
+scheduler and block manager neither torch nor transformers, and the engine never imports the
+server. Checked in a fresh interpreter, so the imports are real."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def loaded_after_import(module: str) -> set[str]:
+    code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, check=True)
+    return {name.split(".")[0] for name in result.stdout.split()}
+
+
+@pytest.mark.parametrize(("module", "forbidden"), [
+    ("server.app", {"torch"}),
+    ("server.cli", {"torch"}),
+    ("engine.core", {"torch"}),
+    ("engine.async_engine", {"torch"}),
+    ("engine.scheduler", {"torch", "transformers"}),
+    ("engine.block_manager", {"torch", "transformers"}),
+])
+def test_a_layer_loads_nothing_below_it(module, forbidden):
+    assert not loaded_after_import(module) & forbidden
+
+
+def test_the_engine_never_imports_the_server():
+    for path in (ROOT / "engine").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "server" or n.startswith("server.") for n in names), path
