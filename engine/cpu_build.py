@@ -299,11 +299,13 @@ def cross_compile(target: str, workdir: Path, jobs: int | None = None) -> list[C
 
 
 def _cross_flags(target: str) -> list[str]:
+    """The flags torch's builder gives the real build (its C++ standard, ABI and includes), at
+    another `-march` and without optimisation."""
     from torch.utils.cpp_extension import include_paths
 
     includes = [*include_paths(), sysconfig.get_paths()["include"]]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [compiler() or "c++", "-std=c++17", "-fPIC", "-fopenmp", "-O0", f"-march={target}",
+    return [compiler() or "c++", "-std=c++20", "-fPIC", "-fopenmp", "-O0", f"-march={target}",
             "-w", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *(f"-I{path}" for path in includes)]
 
