@@ -10,17 +10,19 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.errors import EngineDeadError
 from server.errors import APIError, install_error_handlers
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from server.openapi import GENERATION, document_errors_as_sent, errors
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeChatRequest,
     TokenizeRequest,
 )
 from server.serving import EngineClient, ServedModel, require_text_model
@@ -59,6 +61,7 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None,
     app.state.settings = settings
     app.state.draining = False
     install_error_handlers(app)
+    document_errors_as_sent(app)
     app.include_router(_openai_router(engine, served, settings))
     app.include_router(_ops_router(engine, registry))
     if settings.allowed_origins:
@@ -79,15 +82,16 @@ async def _accepting(request: Request) -> None:
 
 def _openai_router(engine: EngineClient, served: ServedModel,
                    settings: ServerSettings) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(responses=errors(401) if settings.api_key else None)
     completions = CompletionHandler(engine, served, settings.limits)
     chat = ChatHandler(engine, served, settings.limits)
 
-    @router.post("/v1/completions", dependencies=[Depends(_accepting)])
+    @router.post("/v1/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await completions(body, request)
 
-    @router.post("/v1/chat/completions", dependencies=[Depends(_accepting)])
+    @router.post("/v1/chat/completions", dependencies=[Depends(_accepting)],
+                 responses=GENERATION)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat(body, request)
 
@@ -99,20 +103,18 @@ def _openai_router(engine: EngineClient, served: ServedModel,
             "parent": None, "max_model_len": served.info.max_model_len,
         }]}
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", responses=errors(400, 404))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         served.check(body.model)
         tokenizer = require_text_model(engine)
-        if body.messages is not None:
+        if isinstance(body, TokenizeChatRequest):
             _, tokens = chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
-        elif body.prompt is not None:
-            tokens = encode_text(tokenizer, body.prompt, body.add_special_tokens)
         else:
-            raise APIError(400, "Either prompt or messages is required.", param="prompt")
+            tokens = encode_text(tokenizer, body.prompt, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": served.info.max_model_len,
                 "tokens": tokens}
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", responses=errors(400, 404))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         served.check(body.model)
         tokenizer = require_text_model(engine)
@@ -127,11 +129,12 @@ def _openai_router(engine: EngineClient, served: ServedModel,
 def _ops_router(engine: EngineClient, registry: CollectorRegistry) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/health")
+    @router.get("/health", responses={
+        503: {"description": "The engine is not running, or the server is shutting down"}})
     async def health(request: Request) -> Response:
         if engine.is_running and not request.app.state.draining:
             return JSONResponse({"status": "ok"})

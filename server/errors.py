@@ -67,13 +67,30 @@ def error_response(exc: BaseException) -> JSONResponse:
                         status_code=error.status, headers=error.headers)
 
 
+# Names pydantic gives the members of a union in an error's location: not the client's fields.
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _param(location: tuple | list) -> str | None:
+    """The field an error is about, as the client named it: `messages.0.content`, with the
+    union member pydantic tried (`str`, `list[int]`, `constrained-str`, ...) left out."""
+    parts: list[str] = []
+    for part in location:
+        if part == "body":
+            continue
+        text = str(part)
+        if not (isinstance(part, int) or text.isidentifier()) or text in _UNION_MEMBERS:
+            break
+        parts.append(text)
+    return ".".join(parts) or None
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "Invalid request.", None
     first = errors[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(location) or None
+    param = _param(first.get("loc", ()))
     if first.get("type") == "json_invalid":
         return "The request body is not valid JSON.", None
     message = first.get("msg", "Invalid value")

@@ -3,11 +3,19 @@ as vLLM does."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from engine.errors import InvalidRequestError
+from engine.sampling_params import MAX_LOGPROBS, MAX_N
 
 
 def lone_surrogate_at(value: Any, path: str = "") -> str | None:
@@ -43,7 +51,26 @@ class RequestBody(BaseModel):
         return data
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+def _whole_number(value: Any) -> Any:
+    """JSON has one number type: 3.0 is the integer 3 (as JSON Schema counts it), while "3" and
+    true stay refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Integer fields: whole numbers only, however JSON spells them (each constraint before the
+# conversion, so that the schema shows it).
+_WHOLE = BeforeValidator(_whole_number)
+Int = Annotated[int, _WHOLE]
+NonNegativeInt = Annotated[int, Field(ge=0), _WHOLE]
+PositiveInt = Annotated[int, Field(ge=1), _WHOLE]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _WHOLE]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
+# A prompt and every piece of one is non-empty, as the schema says and the server checks.
+Prompt = (Text | Annotated[list[Text], Field(min_length=1)] | TokenIds
+          | Annotated[list[TokenIds], Field(min_length=1)])
 
 
 class StreamOptions(BaseModel):
@@ -54,30 +81,31 @@ class StreamOptions(BaseModel):
 class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: PositiveInt | None = None
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    n: Annotated[int, Field(ge=1, le=MAX_N), _WHOLE] = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64), _WHOLE] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = (
+        None)
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: Annotated[int, Field(ge=-1), _WHOLE] | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    min_tokens: NonNegativeInt = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNegativeInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int = 0
     timeout: float | None = Field(default=None, gt=0)
 
     @property
@@ -94,7 +122,7 @@ class SamplingFields(RequestBody):
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: LogprobCount | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -113,14 +141,14 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    type: str
-    text: str | None = None
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -129,25 +157,52 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
 
-class TokenizeRequest(RequestBody):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeCompletionRequest(RequestBody):
+    """`/tokenize` of a plain prompt."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str
     add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(RequestBody):
+    """`/tokenize` of messages, rendered through the chat template first."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
 
 
+# vLLM's two forms of a /tokenize body: a prompt, or messages.
+TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
+
+
 class DetokenizeRequest(RequestBody):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[NonNegativeInt]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server returns, in OpenAI's shape."""
+
+    error: ErrorDetail

@@ -69,10 +69,10 @@ BAD_CHATS = [
     ({}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages"),
+     "messages.0.content"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": MESSAGES, "top_logprobs": 99, "logprobs": True}, "logprobs"),
-    ({"messages": MESSAGES, "max_completion_tokens": -1}, "max_tokens"),
+    ({"messages": MESSAGES, "top_logprobs": 99, "logprobs": True}, "top_logprobs"),
+    ({"messages": MESSAGES, "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"messages": "hello"}, "messages"),
 ]
 
