@@ -45,7 +45,11 @@ FP16_MAX = torch.finfo(torch.float16).max
 # Output columns per panel of `PanelLinear`'s packed weight.
 PANEL = 16
 
-warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
+
+def silence_fbgemm_deprecation() -> None:
+    """torch warns on every call of its fbgemm fp16 ops, which `HalfWeightLinear` relies on: a
+    process-wide filter, installed where the engine starts, not when this module is imported."""
+    warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
 
 
 def fbgemm_fp16_available() -> bool:

@@ -18,6 +18,7 @@ from engine.config import (
     ServingInfo,
 )
 from engine.core import EngineCore
+from engine.cpu_linear import silence_fbgemm_deprecation
 from engine.decode_graphs import DecodeGraphs, capture_sizes
 from engine.kv_cache import KVCache, KVCacheSpec
 from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, ServingInfo]:
     device = resolve_device(config.device)
     use_device(device)
+    silence_fbgemm_deprecation()
     dtype = resolve_dtype(config.dtype, device, config.model, config.trust_remote_code)
     torch.manual_seed(config.seed)
     loaded = load_model(config.model, dtype, device, config.trust_remote_code,

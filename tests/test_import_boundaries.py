@@ -40,3 +40,15 @@ def test_the_engine_never_imports_the_server():
             names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "server" or n.startswith("server.") for n in names), path
+
+
+def test_importing_the_engine_installs_no_warning_filter_of_its_own():
+    """Conveyor's process-wide settings are made at start-up (`create_engine_core`), not on
+    import; torch and numpy install filters of their own when imported, which are left out."""
+    code = ("import warnings; before = list(warnings.filters); "
+            "import engine.cpu_linear, engine.factory, server.app; "
+            "print([str(f[1].pattern) for f in warnings.filters "
+            "if f not in before and f[1] is not None])")
+    result = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=ROOT,
+                            capture_output=True, text=True, check=True)
+    assert "fbgemm" not in result.stdout
