@@ -58,6 +58,7 @@ GROUPS = (
     KernelGroup("fused_decode", ("decode_layer.cpp", "stack_region.cpp"),
                 needs=("attention", "linear", "elementwise")),
 )
+GROUP_NAMES = tuple(group.name for group in GROUPS)
 SOURCES = [CSRC / name for group in GROUPS for name in group.sources]
 # Included by the sources: part of the build's key, though not compiled on their own.
 HEADERS = sorted(CSRC.glob("*.h"))
@@ -172,7 +173,7 @@ def build(root: Path, name: str | None = None) -> BuildResult:
 
 
 def _build_groups(folder: Path, name: str, failed: dict[str, str]) -> BuildResult:
-    groups = without(tuple(g.name for g in GROUPS), set(failed))
+    groups = without(GROUP_NAMES, set(failed))
     while groups:
         try:
             _compile(folder, name, groups)
@@ -202,7 +203,7 @@ def _compile(folder: Path, name: str, groups: tuple[str, ...]) -> None:
     """One extension of these groups' sources, loaded into torch.ops.conveyor."""
     from torch.utils.cpp_extension import load as load_extension
 
-    if groups != tuple(g.name for g in GROUPS):
+    if groups != GROUP_NAMES:
         tag = hashlib.sha256("+".join(groups).encode()).hexdigest()[:8]
         name, folder = f"{name}_{tag}", folder / "+".join(groups)
         folder.mkdir(exist_ok=True)
@@ -231,9 +232,9 @@ def _recorded_failures(folder: Path) -> dict[str, str]:
         recorded = json.loads((folder / RECORD).read_text())
     except (OSError, ValueError):
         return {}
-    known = {group.name for group in GROUPS}
-    return {k: str(v) for k, v in recorded.items() if k in known} if isinstance(
-        recorded, dict) else {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {k: str(v) for k, v in recorded.items() if k in GROUP_NAMES}
 
 
 @contextmanager

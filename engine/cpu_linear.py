@@ -23,6 +23,7 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator
 from functools import cache
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -148,9 +149,9 @@ class PanelLinear(nn.Module):
                        or layer.panels.dtype != first.panels.dtype for layer in layers)
                 or len({layer.padded_bias is None for layer in layers}) > 1):
             return None
-        biases = [m.bias for m in layers]
-        bias = None if first.padded_bias is None else torch.cat(
-            [b for b in biases if b is not None])
+        # Every layer has a bias where the first does (checked above).
+        biases = cast(list[torch.Tensor], [m.bias for m in layers])
+        bias = None if first.padded_bias is None else torch.cat(biases)
         return cls._of_panels(torch.cat([layer.panels for layer in layers]), bias,
                               sum(layer.out_features for layer in layers), first.in_features)
 
@@ -228,12 +229,17 @@ class PanelLinear(nn.Module):
         storage = torch.float32 if self.block_format is not None else self.panels.dtype
         return PanelLinear(weight, bias, storage)
 
-    def extra_repr(self) -> str:
+    @property
+    def held_as(self) -> str:
+        """How the weight is held and multiplied: `q4_1 blocks`, `float16`, `q8_0 blocks x int8
+        activations`, ..."""
         fmt = self.block_format
-        storage = (f"{fmt.name} blocks" if fmt is not None
-                   else str(self.panels.dtype).removeprefix("torch."))
-        if self.int8_activations:
-            storage += " x int8 activations"
+        held = (f"{fmt.name} blocks" if fmt is not None
+                else str(self.panels.dtype).removeprefix("torch."))
+        return held + " x int8 activations" if self.int8_activations else held
+
+    def extra_repr(self) -> str:
+        storage = self.held_as
         if self.bf16_activations:
             storage += " x bf16 activations"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

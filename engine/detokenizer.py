@@ -91,12 +91,12 @@ class StopAutomaton:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.goto: list[dict[str, int]] = [{}]
         self.depth = [0]
-        self.stop_at: list[int] = [-1]  # the stop this state spells, if any
+        # The longest stop ending at each state (an index into `stops`, -1 for none): the one it
+        # spells, else its fail state's (filled in by `_link`).
+        self.longest: list[int] = [-1]
         for index, stop in enumerate(stops):
             self._insert(stop, index)
         self.fail = [0] * len(self.goto)
-        # The longest stop ending at each state: its own, else its fail state's.
-        self.longest = list(self.stop_at)
         self._link()
 
     def _insert(self, stop: str, index: int) -> None:
@@ -108,10 +108,10 @@ class StopAutomaton:
                 self.goto[state][char] = nxt
                 self.goto.append({})
                 self.depth.append(self.depth[state] + 1)
-                self.stop_at.append(-1)
+                self.longest.append(-1)
             state = nxt
-        if self.stop_at[state] < 0:
-            self.stop_at[state] = index
+        if self.longest[state] < 0:
+            self.longest[state] = index
 
     def _link(self) -> None:
         queue = list(self.goto[0].values())

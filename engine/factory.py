@@ -138,9 +138,10 @@ def _decode_graphs(config: EngineConfig, model: CausalLM, backend: AttentionBack
     if kv_cache.device.type != "cuda" or config.enforce_eager:
         return None
     reason = _why_not_capturable(model, backend)
-    if reason or not isinstance(backend, InPlaceDecodeAttention):
+    if reason:
         logger.info("decode steps run eagerly: %s", reason)
         return None
+    assert isinstance(backend, InPlaceDecodeAttention)  # _why_not_capturable checked its kind
     graphs = DecodeGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len)
     graphs.capture()
     return graphs

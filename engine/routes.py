@@ -16,11 +16,7 @@ from engine.cpu_linear import GatedPanelLinear, HalfWeightLinear, PackedLinear, 
 def linear_form(module: nn.Module) -> str | None:
     """How a linear layer multiplies (None for modules that are not linear layers)."""
     if isinstance(module, PanelLinear):
-        fmt = module.block_format
-        kind = f"{fmt.name} blocks" if fmt is not None else _dtype(module.panels.dtype)
-        if module.int8_activations:
-            kind += " x int8 activations"
-        return f"panels ({kind})"
+        return f"panels ({module.held_as})"
     if isinstance(module, GatedPanelLinear):
         return f"gated panels ({_dtype(module.panels.dtype)})"
     if isinstance(module, HalfWeightLinear | PackedLinear):

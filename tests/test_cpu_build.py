@@ -15,7 +15,7 @@ import pytest
 from engine import cpu_build, cpu_kernels
 from engine.cpu_build import GROUPS, build_lock, without
 
-ALL = tuple(group.name for group in GROUPS)
+ALL = cpu_build.GROUP_NAMES
 UNSUPPORTED = cpu_build.why_unsupported()
 needs_compiler = pytest.mark.skipif(bool(UNSUPPORTED), reason=f"no kernels here: {UNSUPPORTED}")
 

@@ -73,7 +73,7 @@ def fuse(linears: list[nn.Module]) -> nn.Module:
             return joined
     weight = torch.cat([cast(torch.Tensor, m.weight) for m in linears])
     biases = [cast(torch.Tensor | None, m.bias) for m in linears]
-    bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
+    bias = None if biases[0] is None else torch.cat(cast(list[torch.Tensor], biases))
     if isinstance(linears[0], CPU_LINEAR_TYPES):
         return linears[0].remade(weight, bias)
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
