@@ -91,13 +91,8 @@ class BodyLimitMiddleware:
                 return messages
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps(error_body(
-            f"The request body is larger than the limit of {self.max_bytes} bytes.",
-            "invalid_request_error", code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 400,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 400, f"The request body is larger than the limit of "
+                         f"{self.max_bytes} bytes.", "request_too_large")
 
 
 class ApiKeyMiddleware:
@@ -109,26 +104,30 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
                 or scope.get("path") in self.OPEN_PATHS or self._authorized(scope)):
             await self.app(scope, receive, send)
             return
-        body = json.dumps(error_body("Incorrect API key provided.", "invalid_request_error",
-                                     code="invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"www-authenticate", b"Bearer"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 401, "Incorrect API key provided.", "invalid_api_key",
+                         [(b"www-authenticate", b"Bearer")])
 
     def _authorized(self, scope: Scope) -> bool:
-        header = _header(scope, b"authorization") or b""
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(
-            b"Bearer " + token, self.expected)
+        scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key)
+
+
+async def send_error(send: Send, status: int, message: str, code: str,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """A whole error response in OpenAI's shape, sent from middleware (the app's error
+    handlers are not reached)."""
+    body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *(headers or []),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -126,16 +126,20 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("prompt")
+    # Before the union's own checks, which would report an empty prompt as whichever member
+    # failed last ("Input should be a valid string").
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt_not_empty(cls, value: Prompt) -> Prompt:
+    def _prompt_not_empty(cls, value: Any) -> Any:
         if isinstance(value, str):
             pieces: list = [value]
-        elif value and isinstance(value[0], list | str):
+        elif isinstance(value, list) and value and isinstance(value[0], list | str):
             pieces = list(value)
-        else:
+        elif isinstance(value, list):
             pieces = [value]
-        if not pieces or any(len(piece) == 0 for piece in pieces):
+        else:
+            return value
+        if not pieces or any(isinstance(p, str | list) and len(p) == 0 for p in pieces):
             raise ValueError("the prompt must not be empty")
         return value
 
