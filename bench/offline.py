@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config import CacheConfig, EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.core.config import CacheConfig, EngineConfig
+from engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # torch and the model load only when this benchmark runs, not with the CLI
-    from engine.core import EngineCore
-    from engine.model_loader import LoadedModel
+    from engine.core.engine_core import EngineCore
+    from engine.loading.model_loader import LoadedModel
 
 
 @dataclass(slots=True)
@@ -175,7 +175,7 @@ def _save(fig, path: Path) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     from engine.factory import core_from_model
-    from engine.model_loader import load_model, resolve_device, resolve_dtype
+    from engine.loading.model_loader import load_model, resolve_device, resolve_dtype
 
     device = resolve_device("auto")
     dtype = resolve_dtype(args.dtype, device, args.model)

@@ -67,7 +67,7 @@ def load_tokenizer(name: str | None):
     from transformers import AutoTokenizer
 
     if name is None:
-        from engine.default_model import ensure_default_model
+        from engine.loading.default_model import ensure_default_model
 
         name = str(ensure_default_model())
     return AutoTokenizer.from_pretrained(name)

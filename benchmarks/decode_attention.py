@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from engine import cpu_kernels, heap, huge_pages
-from engine.config import DEFAULT_BLOCK_SIZES
+from engine.core.config import DEFAULT_BLOCK_SIZES
+from engine.kernels.cpu import huge_pages, malloc_tuning
+from engine.kernels.cpu import ops as cpu_ops
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
@@ -61,7 +62,7 @@ def step_ms(seqs: int, context: int, cache_dtype: torch.dtype, placement: str,
     for _ in range(repeats):
         start = time.perf_counter()
         for key, value in caches:
-            cpu_kernels.paged_decode(query, key, value, tables, lens, DIM ** -0.5)
+            cpu_ops.paged_decode(query, key, value, tables, lens, DIM ** -0.5)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
@@ -80,9 +81,9 @@ def main() -> None:
     parser.add_argument("--pages", choices=["huge", "small"], default="huge",
                         help="the cache in 2 MiB pages, as the engine holds it, or in 4 KiB")
     args = parser.parse_args()
-    if not cpu_kernels.load():
+    if not cpu_ops.load():
         raise SystemExit("Conveyor's CPU kernels did not build on this machine")
-    heap.keep_freed_memory()  # as the engine runs: scratch reused, not faulted in anew
+    malloc_tuning.keep_freed_memory()  # as the engine runs: scratch reused, not faulted in anew
     for seqs in args.seqs:
         row: dict[str, object] = {"seqs": seqs, "context": args.context,
                                   "block_size": args.block_size,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig
+from engine.core.config import CacheConfig, EngineConfig
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

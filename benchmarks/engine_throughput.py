@@ -20,10 +20,10 @@ import time
 
 from engine_setup import add_engine_arguments, engine_config
 
-from engine import cpu_kernels
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
+from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
-from engine.sampling_params import SamplingParams
+from engine.kernels.cpu import ops as cpu_ops
 
 
 def run(core: EngineCore, concurrency: int, input_len: int, output_len: int,
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--both-bf16-products", action="store_true")
     parser.add_argument("--both-heads", action="store_true")
     args = parser.parse_args()
-    if args.both_bf16_products and not cpu_kernels.bf16_tiles_available():
+    if args.both_bf16_products and not cpu_ops.bf16_tiles_available():
         raise SystemExit("the bf16 products have no AMX tiles here")
     config = engine_config(args, max_num_batched_tokens=args.max_num_batched_tokens,
                            attention_backend=args.attention_backend,
@@ -105,7 +105,7 @@ def main() -> None:
         for turn, mode in enumerate(modes):
             tags = {}
             if mode is not None:
-                cpu_kernels.use_bf16_tiles(mode == "tiles")
+                cpu_ops.use_bf16_tiles(mode == "tiles")
                 tags = {"bf16_products": mode}
             result = run(core, concurrency, args.input_len, args.output_len,
                          seed * len(modes) + turn, args.both_heads)

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.config import EngineConfig
-from engine.default_model import ensure_default_model
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
-from engine.sampling_params import SamplingParams
+from engine.loading.default_model import ensure_default_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
            "Once upon a time, in a small village,", "The three primary colors are"]

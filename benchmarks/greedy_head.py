@@ -16,9 +16,10 @@ import time
 
 import torch
 
-from engine import cpu_kernels, heap
-from engine.cpu_linear import PanelLinear
-from engine.model_loader import load_model
+from engine.kernels.cpu import malloc_tuning
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.linear import PanelLinear
+from engine.loading.model_loader import load_model
 
 
 def lm_head() -> PanelLinear:
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
-    heap.keep_freed_memory()
+    malloc_tuning.keep_freed_memory()
     head = lm_head()
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -48,7 +49,7 @@ def main() -> None:
             x = torch.randn(rows, head.in_features, generator=generator)
 
             def logits_then_argmax(x: torch.Tensor = x) -> torch.Tensor:
-                return cpu_kernels.argmax_rows(head(x))
+                return cpu_ops.argmax_rows(head(x))
 
             def in_the_head(x: torch.Tensor = x) -> torch.Tensor:
                 return head.greedy(x)

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_kernels, gguf_blocks
-from engine.cpu_linear import PanelLinear
-from engine.model_loader import load_model
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.linear import PanelLinear
+from engine.loading import gguf_blocks
+from engine.loading.model_loader import load_model
 
 
 def layer_sets() -> dict[str, list[PanelLinear]]:
@@ -37,7 +38,7 @@ def layer_sets() -> dict[str, list[PanelLinear]]:
             "int8": [PanelLinear.of_blocks(*rows[name], None, True) for name in named],
             "fp32": [PanelLinear(m.weight, None) for m in blocks],
             "fp16": [PanelLinear(m.weight, None, torch.float16) for m in blocks]}
-    if cpu_kernels.bf16_panels_available():
+    if cpu_ops.bf16_panels_available():
         sets["bf16"] = [PanelLinear(m.weight, None, torch.bfloat16) for m in blocks]
     return {**sets, "lm_head_exact": [named["lm_head"]],
             "lm_head_int8": [PanelLinear.of_blocks(*rows["lm_head"], None, True)]}

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from engine import cpu_kernels
-from engine.cpu_linear import pack_panels
-from engine.default_model import ensure_default_model
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.linear import pack_panels
+from engine.loading.default_model import ensure_default_model
 
 BF16_BYTES = 2
 
@@ -102,7 +102,7 @@ def product_rate(shape: ModelShape, rows: int = 448, repeats: int = 200) -> floa
     weight = torch.randn(shape.qkv_features, shape.hidden, generator=generator) * 0.02
     panels = pack_panels(weight, torch.bfloat16)
     seconds = best_seconds(
-        lambda: cpu_kernels.panel_linear(x, panels, None, shape.qkv_features), repeats)
+        lambda: cpu_ops.panel_linear(x, panels, None, shape.qkv_features), repeats)
     return rows * shape.hidden * shape.qkv_features / seconds
 
 
@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     args = parser.parse_args()
-    if not cpu_kernels.load() or not cpu_kernels.bf16_panels_available():
+    if not cpu_ops.load() or not cpu_ops.bf16_panels_available():
         raise SystemExit("the bf16 panel products need AVX-512 BF16 and Conveyor's CPU kernels")
     shape = ModelShape.of(args.model or str(ensure_default_model()))
     macs_per_s, bytes_per_s = product_rate(shape), read_rate()

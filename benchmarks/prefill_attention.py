@@ -22,8 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels, heap
-from engine.config import DEFAULT_BLOCK_SIZES
+from engine.core.config import DEFAULT_BLOCK_SIZES
+from engine.kernels.cpu import malloc_tuning
+from engine.kernels.cpu import ops as cpu_ops
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
@@ -59,13 +60,13 @@ def compare(tokens: int, context: int, cache_dtype: torch.dtype, repeats: int,
         options = {"attn_mask": seen[None, None]}
 
     def kernel(bf16: bool = False) -> object:
-        return cpu_kernels.paged_prefill(query, key, value, table, context, scale, bf16)
+        return cpu_ops.paged_prefill(query, key, value, table, context, scale, bf16)
 
     def sdpa() -> object:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True, **options)
 
     runs: dict[str, Callable[[], object]] = {"kernel_ms": kernel, "sdpa_ms": sdpa}
-    if cache_dtype == torch.bfloat16 and cpu_kernels.bf16_prefill_available():
+    if cache_dtype == torch.bfloat16 and cpu_ops.bf16_prefill_available():
         runs["kernel_bf16_ms"] = lambda: kernel(bf16=True)  # as a bf16 model's prompts attend
     for run in runs.values():
         run()  # first calls allocate and start threads
@@ -85,9 +86,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZES["cpu"])
     args = parser.parse_args()
-    if not cpu_kernels.load():
+    if not cpu_ops.load():
         raise SystemExit("Conveyor's CPU kernels did not build on this machine")
-    heap.keep_freed_memory()  # as the engine runs: scratch reused, not faulted in anew
+    malloc_tuning.keep_freed_memory()  # as the engine runs: scratch reused, not faulted in anew
     for tokens in args.tokens:
         for name in args.cache_dtype:
             row: dict[str, object] = {"tokens": tokens, "context": args.context,

@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine import cpu_kernels, heap
-from engine.config import DEFAULT_BLOCK_SIZES
+from engine.core.config import DEFAULT_BLOCK_SIZES
+from engine.kernels.cpu import malloc_tuning
+from engine.kernels.cpu import ops as cpu_ops
 
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
@@ -43,7 +44,7 @@ def step_ms(prompts: int, tokens: int, repeats: int) -> dict[str, float]:
     def one_call(bf16: bool = False) -> None:
         for key, value in caches:
             out = torch.empty_like(query)
-            cpu_kernels.paged_prefill_rows(query, key, value, out, starts, lens, contexts, table,
+            cpu_ops.paged_prefill_rows(query, key, value, out, starts, lens, contexts, table,
                                            scale, bf16)
 
     def per_prompt_calls() -> None:
@@ -51,11 +52,11 @@ def step_ms(prompts: int, tokens: int, repeats: int) -> dict[str, float]:
             out = torch.empty_like(query)
             for p in range(prompts):
                 rows = slice(p * tokens, (p + 1) * tokens)
-                out[rows] = cpu_kernels.paged_prefill(query[rows], key, value, table[p], 0, scale)
+                out[rows] = cpu_ops.paged_prefill(query[rows], key, value, table[p], 0, scale)
 
     runs: dict[str, Callable[[], None]] = {"one_call_ms": one_call,
                                            "per_prompt_ms": per_prompt_calls}
-    if cpu_kernels.bf16_prefill_available():
+    if cpu_ops.bf16_prefill_available():
         runs["one_call_bf16_ms"] = lambda: one_call(bf16=True)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for run in runs.values():
@@ -75,9 +76,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=11)
     args = parser.parse_args()
-    if not cpu_kernels.load():
+    if not cpu_ops.load():
         raise SystemExit("Conveyor's CPU kernels did not build on this machine")
-    heap.keep_freed_memory()  # as the engine runs: scratch reused, not faulted in anew
+    malloc_tuning.keep_freed_memory()  # as the engine runs: scratch reused, not faulted in anew
     row: dict[str, object] = {"prompts": args.prompts, "tokens": args.tokens}
     row.update(step_ms(args.prompts, args.tokens, args.repeats))
     print(json.dumps(row))

@@ -20,9 +20,9 @@ import time
 
 from engine_setup import add_engine_arguments, engine_config
 
-from engine.core import EngineCore
+from engine.core.engine_core import EngineCore
+from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
-from engine.sampling_params import SamplingParams
 
 
 def prefill_seconds(core: EngineCore, prompts: int, input_len: int, seed: int) -> float:

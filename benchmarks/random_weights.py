@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     if args.like is None:
-        from engine.default_model import ensure_default_model
+        from engine.loading.default_model import ensure_default_model
 
         args.like = Path(ensure_default_model())
     config = AutoConfig.from_pretrained(args.like)

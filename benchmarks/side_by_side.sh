@@ -24,7 +24,7 @@ if [ $# -gt 0 ]; then DTYPES=("$@"); else DTYPES=(bfloat16 float32); fi
 RUNS=("1 8" "16 48" "64 128")
 mkdir -p "$OUT"
 
-model_dir=$(python -c "from engine.default_model import ensure_default_model as e; print(e())")
+model_dir=$(python -c "from engine.loading.default_model import ensure_default_model as e; print(e())")
 
 if [[ " $SERVERS " == *" vllm "* ]] && [ ! -x "$VLLM_VENV/bin/python" ]; then
     python -m venv "$VLLM_VENV"

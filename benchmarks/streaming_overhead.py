@@ -18,11 +18,11 @@ from concurrent.futures import Executor, Future
 from contextlib import asynccontextmanager
 from typing import Any
 
-from engine.async_engine import AsyncEngine
-from engine.config import ServingInfo
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import StepStats
+from engine.core.async_engine import AsyncEngine
+from engine.core.config import ServingInfo
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.core.stats import StepStats
 from server.app import build_app
 
 

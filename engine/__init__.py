@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.errors import (
+from engine.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core.errors import (
     ConveyorError,
     EngineDeadError,
     InvalidRequestError,
@@ -11,8 +11,8 @@ from engine.errors import (
     QueueFullError,
     RequestFailedError,
 )
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import RequestOutput, TokenLogprob
+from engine.core.sampling_params import SamplingParams
 
 __all__ = [
     "CacheConfig",

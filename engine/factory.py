@@ -7,26 +7,27 @@ import logging
 import torch
 from torch import nn
 
-from engine import heap, huge_pages, memory_profile, routes
 from engine.attention import AttentionBackend, InPlaceDecodeAttention, get_backend
-from engine.block_manager import BlockManager
-from engine.config import (
+from engine.core.config import (
     DEFAULT_BLOCK_SIZES,
     DEFAULT_CPU_KV_CACHE_BYTES,
     CacheConfig,
     EngineConfig,
     ServingInfo,
 )
-from engine.core import EngineCore
-from engine.cpu_linear import silence_fbgemm_deprecation
-from engine.decode_graphs import DecodeGraphs, capture_sizes
-from engine.kv_cache import KVCache, KVCacheSpec
-from engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from engine.model_runner import ModelRunner
+from engine.core.engine_core import EngineCore
+from engine.kernels.cpu import huge_pages, malloc_tuning
+from engine.kernels.cpu.linear import silence_fbgemm_deprecation
+from engine.kv.block_manager import BlockManager
+from engine.kv.kv_cache import KVCache, KVCacheSpec
+from engine.loading.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.models import CausalLM, build_causal_lm
 from engine.models.llama import PagedLlamaForCausalLM
-from engine.sampler import Sampler
-from engine.scheduler import Scheduler
+from engine.scheduling.scheduler import Scheduler
+from engine.worker import memory_profile, routes
+from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.worker.model_runner import ModelRunner
+from engine.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     model = build_causal_lm(loaded.model, config.model_impl)
     if device.type == "cpu":
         _weights_into_huge_pages(model)
-        heap.keep_freed_memory()
+        malloc_tuning.keep_freed_memory()
     backend = get_backend(config.attention_backend, device, dtype)
     num_blocks = _num_blocks(config, spec, device, model, backend, loaded.max_model_len)
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * spec.block_size)

@@ -13,7 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from engine.errors import EngineDeadError
+from engine.core.errors import EngineDeadError
 from server.errors import APIError, install_error_handlers
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware

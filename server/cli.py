@@ -8,7 +8,7 @@ import os
 import re
 import sys
 
-from engine.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
+from engine.core.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from server.limits import RequestLimits
 from server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
@@ -165,7 +165,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engine.async_engine import AsyncEngine
+    from engine.core.async_engine import AsyncEngine
     from server.app import build_app
     from server.lifecycle import DrainingServer
 
@@ -209,7 +209,7 @@ def download(args: argparse.Namespace) -> int:
     Hugging Face cache, `$HF_HOME`), so that `serve` later needs no network."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.model is None:
-        from engine.default_model import ensure_default_model
+        from engine.loading.default_model import ensure_default_model
 
         print(ensure_default_model())
         return 0

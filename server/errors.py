@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import (
+from engine.core.errors import (
     ConveyorError,
     EngineDeadError,
     InvalidRequestError,

@@ -11,7 +11,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from engine.errors import EngineDeadError
+from engine.core.errors import EngineDeadError
 
 logger = logging.getLogger("conveyor")
 

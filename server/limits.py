@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError
+from engine.core.errors import InvalidRequestError
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.tokenization import split_prompts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import TokenLogprob
+from engine.core.outputs import TokenLogprob
 from server.tokenization import TokenText
 
 

@@ -19,9 +19,9 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.config import ServingInfo
-from engine.request import FinishReason
-from engine.stats import FinishedRequestStats, StepStats
+from engine.core.config import ServingInfo
+from engine.core.request import FinishReason
+from engine.core.stats import FinishedRequestStats, StepStats
 
 LABELS = ["model_name", "engine"]
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

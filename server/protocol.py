@@ -14,8 +14,8 @@ from pydantic import (
     model_validator,
 )
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import MAX_LOGPROBS, MAX_N
+from engine.core.errors import InvalidRequestError
+from engine.core.sampling_params import MAX_LOGPROBS, MAX_N
 
 
 def lone_surrogate_at(value: Any, path: str = "") -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from engine.outputs import RequestOutput
+from engine.core.outputs import RequestOutput
 from server.serving import now
 from server.streaming import compact_json, sse
 

@@ -11,12 +11,12 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.async_engine import RequestOptions
-from engine.config import ServingInfo
-from engine.errors import InvalidRequestError, RequestTimeoutError
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.stats import StepStats
+from engine.core.async_engine import RequestOptions
+from engine.core.config import ServingInfo
+from engine.core.errors import InvalidRequestError, RequestTimeoutError
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.core.stats import StepStats
 from server.errors import APIError
 from server.protocol import SamplingFields
 from server.streaming import DONE, merge, sse, sse_error, unless_disconnected
@@ -24,7 +24,7 @@ from server.tokenization import require_tokenizer
 
 
 class EngineClient(Protocol):
-    """What the server needs from an engine; `engine.async_engine.AsyncEngine` provides it."""
+    """What the server needs from an engine; `engine.core.async_engine.AsyncEngine` provides it."""
 
     info: ServingInfo
     stat_loggers: list[Callable[[StepStats], None]]

@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from engine.errors import InvalidRequestError
-from engine.outputs import RequestOutput
+from engine.core.errors import InvalidRequestError
+from engine.core.outputs import RequestOutput
 from server.limits import RequestLimits, check_chat
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, TypeVar, cast
 
-from engine.errors import InvalidRequestError
+from engine.core.errors import InvalidRequestError
 from server.protocol import ChatMessage, Prompt
 
 T = TypeVar("T")

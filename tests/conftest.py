@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine import cpu_kernels
+from engine.kernels.cpu import ops as cpu_ops
 from tests.helpers import tiny_llama
 
 CUDA = pytest.param(
@@ -33,11 +33,11 @@ def bf16_products(request: pytest.FixtureRequest) -> Iterator[str]:
     """Run a test with the bf16 products in AMX tiles (CPUs with AMX-BF16) and again in AVX-512
     BF16 dot products, as on CPUs without AMX."""
     tiles = request.param == "tiles"
-    if tiles and not cpu_kernels.bf16_tiles_available():
+    if tiles and not cpu_ops.bf16_tiles_available():
         pytest.skip("this CPU has no AMX-BF16 tiles")
-    before = cpu_kernels.use_bf16_tiles(tiles)
+    before = cpu_ops.use_bf16_tiles(tiles)
     yield request.param
-    cpu_kernels.use_bf16_tiles(before)
+    cpu_ops.use_bf16_tiles(before)
 
 
 @pytest.fixture(scope="session")

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from engine import cpu_build
-from engine.config import CacheConfig, EngineConfig, ServingInfo
-from engine.core import EngineCore
+from engine.core.config import CacheConfig, EngineConfig, ServingInfo
+from engine.core.engine_core import EngineCore
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from engine.factory import core_from_model
-from engine.model_loader import wrap_model
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.kernels.cpu import build as cpu_build
+from engine.loading.model_loader import wrap_model
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -202,7 +202,7 @@ def sabotage_steps(core: EngineCore, monkeypatch, fail_on: set[int] | None = Non
 
 def round_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:
     """x with each block of 32 features rounded to int8 steps of max|x| / 127, as the int8
-    panels round a linear layer's input (`csrc/int8_panels.cpp`), in fp32."""
+    panels round a linear layer's input (`csrc/linear/int8_panels.cpp`), in fp32."""
     blocks = x.float().reshape(*x.shape[:-1], -1, 32)
     top = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))

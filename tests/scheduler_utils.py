@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
-from engine.outputs import ModelRunnerOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.core.config import SchedulerConfig
+from engine.core.outputs import ModelRunnerOutput
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.kv.block_manager import BlockManager
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 FAKE_TOKEN = 7
 

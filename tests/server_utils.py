@@ -13,7 +13,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from engine.async_engine import AsyncEngine
+from engine.core.async_engine import AsyncEngine
 from server.app import build_app
 from server.settings import ServerSettings
 from tests.helpers import chat_tokenizer, tiny_core, tiny_llama

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from engine import cpu_kernels
 from engine.attention import triton_paged
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.attention.in_place import InPlaceDecodeAttention
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.attention.triton_paged import TritonPagedAttention
+from engine.kernels.cpu import ops as cpu_ops
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     TorchPagedAttention.name: TorchPagedAttention,
@@ -31,7 +31,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
         return name
     if device.type == "cuda" and triton_paged.usable(str(device)):
         return TritonPagedAttention.name
-    if device.type == "cpu" and cpu_kernels.has("attention"):
+    if device.type == "cpu" and cpu_ops.has("attention"):
         return CpuPagedAttention.name
     return TorchPagedAttention.name
 

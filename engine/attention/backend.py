@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from engine.input_batch import InputBatch
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
+from engine.worker.input_batch import InputBatch
 
 
 class AttentionMetadata:

@@ -1,11 +1,11 @@
-"""Paged attention for the CPU: decode rows and prefill chunks go through Conveyor's C++
-kernels (`csrc/paged_decode.cpp`, `csrc/paged_prefill.cpp`), which read K/V in place from the
-cache blocks. A step's prefill chunks attend in one call per layer, written straight into the
-layer's output, and new K/V are stored by one op per layer. A bf16 model's prompt chunks over a
+"""Paged attention for the CPU: decode rows and prefill chunks go through Conveyor's C++ kernels
+(`csrc/attention/paged_decode.cpp`, `csrc/attention/paged_prefill.cpp`), which read K/V in place
+from the cache blocks. A step's prefill chunks attend in one call per layer, written straight into
+the layer's output, and new K/V are stored by one op per layer. A bf16 model's prompt chunks over a
 bf16 cache attend in bf16 dot products, as torch's flash attention computes a bf16 model's (query
 rows and softmax weights rounded to bf16, sums and softmax in fp32), where the CPU has AVX-512
 BF16. A step of decode rows only can also run whole layers as one op each (`decode_step`,
-`csrc/decode_layer.cpp`)."""
+`csrc/fused_decode/decode_layer.cpp`)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata, DecodeStep
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
 from engine.attention.torch_paged import TorchPagedMetadata, _to
-from engine.input_batch import InputBatch
-from engine.kv_cache import KVCache
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kv.kv_cache import KVCache
+from engine.worker.input_batch import InputBatch
 
 # What the fused decode layer and the prefill kernel read (and store) under fp32 compute.
 _FUSED_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2)
@@ -45,11 +45,11 @@ class CpuPagedAttention(InPlaceDecodeAttention):
     name = "cpu"
 
     def __init__(self, model_dtype: torch.dtype = torch.float32) -> None:
-        if not cpu_kernels.has("attention"):
+        if not cpu_ops.has("attention"):
             raise RuntimeError("the cpu attention backend needs its C++ kernel, which did not "
                                "build here; use --attention-backend torch")
         self.bf16_prompts = (model_dtype == torch.bfloat16
-                             and cpu_kernels.bf16_prefill_available())
+                             and cpu_ops.bf16_prefill_available())
 
     @staticmethod
     def metadata_type() -> type[TorchPagedMetadata]:
@@ -66,7 +66,7 @@ class CpuPagedAttention(InPlaceDecodeAttention):
     def decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        return cpu_kernels.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
+        return cpu_ops.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
                                        scale)
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -83,7 +83,7 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         if metadata.decode_tokens is not None:
             out[metadata.decode_tokens] = self._decode(layer, query, scale, metadata)
         bf16 = self.bf16_prompts and cache.spec.dtype == torch.bfloat16
-        cpu_kernels.paged_prefill_rows(query, cache.key(layer), cache.value(layer), out,
+        cpu_ops.paged_prefill_rows(query, cache.key(layer), cache.value(layer), out,
                                        rows.starts, rows.lens, rows.contexts, rows.table, scale,
                                        bf16)
         return out
@@ -92,7 +92,7 @@ class CpuPagedAttention(InPlaceDecodeAttention):
     def _store(cache: KVCache, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor) -> None:
         if _stores(key, value, cache):
-            cpu_kernels.store_kv(key, value, cache.key(layer), cache.value(layer), slot_mapping)
+            cpu_ops.store_kv(key, value, cache.key(layer), cache.value(layer), slot_mapping)
         else:
             cache.write(layer, slot_mapping, key, value)
 

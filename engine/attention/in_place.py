@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from engine.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, _to
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
 
 
 @dataclass(slots=True, eq=False)

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.input_batch import InputBatch
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
+from engine.worker.input_batch import InputBatch
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                        SDPBackend.MATH]

@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 
 from engine.attention.in_place import InPlaceDecodeAttention
-from engine.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,6 @@ class TritonPagedAttention(InPlaceDecodeAttention):
 
 
 def _kernels() -> ModuleType:
-    from engine.attention import triton_kernels
+    from engine.kernels.triton import paged_attention as triton_kernels
 
     return triton_kernels

@@ -8,7 +8,7 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.hf import METADATA_KWARG
-from engine.sampler import row_argmax
+from engine.worker.sampler import row_argmax
 
 
 class TransformersCausalLM:

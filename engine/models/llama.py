@@ -2,10 +2,10 @@
 
 It takes its weights from the loaded Hugging Face model and computes the same thing with fewer
 kernel launches: q, k and v come from one fused projection and gate and up from another, rotary
-embeddings rotate q and k in one pass, and the layers call the paged attention directly. On
-the CPU, with weights in Conveyor's panels, a step of decode rows runs each layer as one C++ op
-(`csrc/decode_layer.cpp`) over the same kernels. The Hugging Face model stays the oracle:
-greedy tokens from both must agree.
+embeddings rotate q and k in one pass, and the layers call the paged attention directly. On the
+CPU, with weights in Conveyor's panels, a step of decode rows runs each layer as one C++ op
+(`csrc/fused_decode/decode_layer.cpp`) over the same kernels. The Hugging Face model stays the
+oracle: greedy tokens from both must agree.
 """
 
 from __future__ import annotations
@@ -17,11 +17,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
 from engine.attention.backend import AttentionMetadata, DecodeStep
-from engine.cpu_linear import CPU_LINEAR_TYPES, GatedPanelLinear, PanelLinear, takes_bf16_rows
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.linear import (
+    CPU_LINEAR_TYPES,
+    GatedPanelLinear,
+    PanelLinear,
+    takes_bf16_rows,
+)
 from engine.models.rotary_table import RotaryTable
-from engine.sampler import row_argmax
+from engine.worker.sampler import row_argmax
 
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM"})
@@ -51,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     would round them (elsewhere they stay fp32)."""
     if x.dtype == torch.float32 and weight.dim() == 1:
         if _one_pass_norm(x, weight):
-            return cpu_kernels.rms_norm(x, weight, eps, bf16_rows)
+            return cpu_ops.rms_norm(x, weight, eps, bf16_rows)
         return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -61,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def _one_pass_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU kernel applies: fp32 rows on the CPU, kernels built."""
     return (x.is_cpu and x.dim() == 2 and x.is_contiguous() and weight.dtype == torch.float32
-            and cpu_kernels.has("elementwise"))
+            and cpu_ops.has("elementwise"))
 
 
 def fuse(linears: list[nn.Module]) -> nn.Module:
@@ -87,7 +92,7 @@ def fuse(linears: list[nn.Module]) -> nn.Module:
 
 @dataclass(frozen=True, slots=True)
 class FusedWeights:
-    """A layer's tensors in the order `cpu_kernels.decode_layer` takes them."""
+    """A layer's tensors in the order `cpu_ops.decode_layer` takes them."""
 
     weights: list[torch.Tensor]
     biases: list[torch.Tensor | None]
@@ -97,7 +102,7 @@ class FusedWeights:
 
 @dataclass(frozen=True, slots=True)
 class FusedStack:
-    """Every layer's `FusedWeights` back to back, as `cpu_kernels.decode_layers` takes them: a
+    """Every layer's `FusedWeights` back to back, as `cpu_ops.decode_layers` takes them: a
     step of decode rows through the whole stack in one op."""
 
     weights: list[torch.Tensor]
@@ -125,7 +130,7 @@ class FusedStack:
     def decode(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                step: DecodeStep) -> torch.Tensor:
         cache = step.kv_cache
-        return cpu_kernels.decode_layers(
+        return cpu_ops.decode_layers(
             hidden, self.weights, self.biases, self.heads, cos, sin,
             [cache.key(i) for i in self.indices], [cache.value(i) for i in self.indices],
             step.slot_mapping, step.block_table, step.seq_lens, self.eps, self.scale)
@@ -173,7 +178,7 @@ class PagedLlamaLayer(nn.Module):
                 and all(isinstance(p, PANEL_TYPES) for p in projections)
                 and all(n.weight.dtype == torch.float32 and n.weight.dim() == 1 for n in norms)
                 and norms[0].variance_epsilon == norms[1].variance_epsilon
-                and cpu_kernels.has("fused_decode")):
+                and cpu_ops.has("fused_decode")):
             return None
         panels = cast(tuple[PanelLinear | GatedPanelLinear, ...], projections)
         return FusedWeights(
@@ -189,7 +194,7 @@ class PagedLlamaLayer(nn.Module):
         fused = self.fused
         assert fused is not None
         cache = step.kv_cache
-        return cpu_kernels.decode_layer(
+        return cpu_ops.decode_layer(
             hidden, fused.weights, fused.biases, fused.heads, cos, sin, cache.key(self.index),
             cache.value(self.index), step.slot_mapping, step.block_table, step.seq_lens,
             fused.eps, self.scaling)
@@ -231,7 +236,7 @@ class PagedLlamaLayer(nn.Module):
             return self.gate_up_proj(hidden, bf16_out=takes_bf16_rows(self.down_proj))
         gate_up = self.gate_up_proj(hidden)
         if self.silu and _one_pass_gate(gate_up):
-            return cpu_kernels.silu_mul(gate_up)
+            return cpu_ops.silu_mul(gate_up)
         gate, up = gate_up[:, :self.intermediate], gate_up[:, self.intermediate:]
         return self.act_fn(gate) * up
 
@@ -247,14 +252,14 @@ def add_projected(projection: nn.Module, x: torch.Tensor, residual: torch.Tensor
 def _one_pass_gate(gate_up: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU activation applies: fp32 rows on the CPU, kernels built."""
     return (gate_up.is_cpu and gate_up.dtype == torch.float32 and gate_up.dim() == 2
-            and gate_up.is_contiguous() and cpu_kernels.has("elementwise"))
+            and gate_up.is_contiguous() and cpu_ops.has("elementwise"))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in Hugging Face's half-split layout, the same operations in the same
     order: `x * cos + rotate_half(x) * sin` over `[tokens, heads, dim]`."""
     if _one_pass_rotary(x, cos):
-        return cpu_kernels.rotary(x, cos, sin)
+        return cpu_ops.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -264,7 +269,7 @@ def _one_pass_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU kernel applies: fp32 on the CPU, heads and dims contiguous."""
     return (x.is_cpu and x.dtype == torch.float32 and cos.dtype == torch.float32
             and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-            and cpu_kernels.has("elementwise"))
+            and cpu_ops.has("elementwise"))
 
 
 class PagedLlamaForCausalLM(nn.Module):

@@ -1,0 +1,349 @@
+"""The asyncio face of the engine: `generate()` streams deltas, one background task steps.
+
+Each step runs in a worker thread so the event loop keeps serving health checks and new requests
+while torch works. Requests and aborts are queued and applied between steps, so only one thread
+ever touches the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+from engine.core.config import EngineConfig, ServingInfo
+from engine.core.engine_core import EngineCore
+from engine.core.errors import EngineDeadError, RequestFailedError
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.core.stats import RequestParamsStats, StepStats
+from engine.scheduling.admission import promised_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class RequestCollector:
+    """Deltas of one request (all its `n` sequences) waiting for the consumer.
+
+    A consumer that lags gets the pending deltas of a sequence merged into one.
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.finished_indices: set[int] = set()
+        self._pending: dict[int, RequestOutput] = {}
+        # The consumer's wait, when it is waiting (a bare future: cheaper than an Event).
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, output: RequestOutput) -> None:
+        if output.index in self.finished_indices:
+            return
+        pending = self._pending.get(output.index)
+        if pending is None:
+            self._pending[output.index] = output
+        else:
+            pending.merge(output)
+        if output.finished:
+            self.finished_indices.add(output.index)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> list[RequestOutput]:
+        while not self._pending:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        outputs = list(self._pending.values())
+        self._pending.clear()
+        return outputs
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """How a request is treated under load: `priority` (lower runs first under the priority
+    policy) and `timeout` in seconds (None: the server's default, if any)."""
+
+    priority: int = 0
+    timeout: float | None = None
+
+
+@dataclass(slots=True)
+class _PendingAdd:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    options: RequestOptions
+    timeout: float | None
+    deferred: bool
+    promised_tokens: int
+
+
+class AsyncEngine:
+    """Owns the engine loop task. Create, `await start()`, use, `await shutdown()`."""
+
+    def __init__(self, core: EngineCore, info: ServingInfo,
+                 executor: ThreadPoolExecutor | None = None) -> None:
+        self.core = core
+        self.info = info
+        self._executor = executor or _step_executor()
+        self._collectors: dict[str, RequestCollector] = {}
+        self._children: dict[str, list[str]] = {}
+        self._adds: list[_PendingAdd] = []
+        # The promised tokens of `_adds`, kept as they come: summing them per request made a
+        # body of many prompts quadratic in its count.
+        self._pending_tokens = 0
+        self._aborts: list[str] = []
+        self._new_requests: list[RequestParamsStats] = []
+        self.stat_loggers: list[Callable[[StepStats], None]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.last_error: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model and size the cache (blocking; call before serving)."""
+        from engine.factory import create_engine_core
+
+        # Load on the thread that will run the steps: torch's CPU kernels run measurably
+        # slower when two threads each keep an OpenMP team.
+        executor = _step_executor()
+        core, _, info = executor.submit(create_engine_core, config).result()
+        return cls(core, info, executor)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.core.tokenizer
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._task = asyncio.create_task(self._run(), name="conveyor-engine-loop")
+
+    async def shutdown(self) -> None:
+        """Stop the loop; requests still in flight are aborted."""
+        self._stopping = True
+        if self._task is not None:
+            self._wake_loop()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._abort_all_now()
+        self._executor.shutdown(wait=True)
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done() and not self._stopping
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._collectors)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               request_id: str | None = None,
+               options: RequestOptions = RequestOptions()) -> AsyncGenerator[RequestOutput, None]:
+        """Queue a request now and return the stream of its deltas.
+
+        Raises at once a typed error for a request that can never run or is turned away
+        (`QueueFullError`, `RequestTimeoutError`). The stream yields deltas of every sequence
+        until all `params.n` have finished, and raises `RequestFailedError` (after the deltas
+        that came before) if a step fails, or `RequestTimeoutError` if the deadline passes
+        before a sequence produced anything. Closing it early aborts the request and frees its
+        blocks.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        collector = self._submit(request_id, prompt_token_ids, params, options)
+        return self._stream(request_id, collector)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None,
+                       options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
+        """`submit` and iterate in one: errors surface at the first iteration."""
+        stream = self.submit(prompt_token_ids, params, request_id, options)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            await stream.aclose()
+
+    async def _stream(self, request_id: str,
+                      collector: RequestCollector) -> AsyncGenerator[RequestOutput, None]:
+        finished = 0
+        try:
+            while finished < collector.n:
+                for output in await collector.get():
+                    if output.error is not None:
+                        raise output.error
+                    finished += output.finished
+                    yield output
+        finally:
+            if finished < collector.n:
+                self.abort(request_id)
+            self._collectors.pop(request_id, None)
+
+    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                options: RequestOptions) -> RequestCollector:
+        if not self.is_running:
+            raise EngineDeadError("The engine is not running.")
+        if request_id in self._collectors:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.core.validate(prompt_token_ids, params)
+        timeout = options.timeout if options.timeout is not None else self.info.request_timeout
+        try:
+            deferred = self.core.admit(prompt_token_ids, params, options.priority, timeout,
+                                       len(self._adds), self._pending_tokens)
+        except Exception:
+            self._wake_loop()  # so the rejection reaches the metrics promptly
+            raise
+        collector = RequestCollector(params.n)
+        self._collectors[request_id] = collector
+        promised = promised_tokens(len(prompt_token_ids), params, self.core.max_tokens)
+        self._adds.append(_PendingAdd(request_id, list(prompt_token_ids), params,
+                                      time.monotonic(), options, timeout, deferred, promised))
+        self._pending_tokens += promised
+        self._new_requests.append(RequestParamsStats(params.n, promised - len(prompt_token_ids)))
+        self._wake_loop()
+        return collector
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight with `error` (their streams raise it after what they
+        already had); their sequences are aborted within a step."""
+        for request_id in list(self._collectors):
+            self._fail_collector(request_id, error)
+            self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (all its sequences); its blocks return within a step."""
+        self._aborts.append(request_id)
+        self._wake_loop()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def _wake_loop(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        while not self._stopping:
+            self._apply_pending()
+            self._report_stats()
+            if not self.core.has_unfinished():
+                self._wake.clear()
+                if not self._adds and not self._aborts and not self._stopping:
+                    await self._wake.wait()
+                continue
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.core.step)
+            except Exception as exc:  # a bug outside the model step: fail what is in flight
+                logger.exception("engine step crashed")
+                self.last_error = exc
+                outputs = self.core.fail_all(RequestFailedError(f"The engine failed: {exc}"))
+            # No yield here: the next step starts first, and the handlers stream these outputs
+            # while it runs instead of holding it up.
+            self._dispatch(outputs)
+            self._report_stats()
+
+    def _report_stats(self) -> None:
+        if not self.stat_loggers:
+            return
+        stats = self.core.take_stats()
+        stats.new_requests, self._new_requests = self._new_requests, []
+        for log in self.stat_loggers:
+            try:
+                log(stats)
+            except Exception:
+                logger.exception("a stats logger failed")
+
+    def _apply_pending(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        adds, self._adds = self._adds, []
+        self._pending_tokens = 0
+        aborted = set(aborts)
+        for add in adds:
+            if add.request_id not in aborted:
+                self._add_to_core(add)
+        for request_id in aborts:
+            self._abort_now(request_id)
+
+    def _add_to_core(self, add: _PendingAdd) -> None:
+        n = add.params.n
+        children = [add.request_id] if n == 1 else [f"{add.request_id}-{i}" for i in range(n)]
+        self._children[add.request_id] = children
+        try:
+            for index, child in enumerate(children):
+                self.core.add_request(child, add.prompt_token_ids, _child_params(add.params, index),
+                                      parent_id=add.request_id, index=index,
+                                      arrival_time=add.arrival_time,
+                                      fork_of=children[0] if index else None,
+                                      priority=add.options.priority, timeout=add.timeout,
+                                      deferred=add.deferred, siblings=n)
+        except Exception as exc:
+            self._dispatch(self.core.abort_requests(children))
+            self._fail_collector(add.request_id, exc)
+
+    def _abort_now(self, request_id: str) -> None:
+        children = self._children.pop(request_id, [])
+        self._dispatch(self.core.abort_requests(children))
+        collector = self._collectors.get(request_id)
+        if collector is not None and not children:
+            self._fail_collector(request_id, None)
+
+    def _abort_all_now(self) -> None:
+        for request_id in list(self._children):
+            self._abort_now(request_id)
+
+    def _fail_collector(self, request_id: str, error: BaseException | None) -> None:
+        collector = self._collectors.get(request_id)
+        if collector is None:
+            return
+        for index in set(range(collector.n)) - collector.finished_indices:
+            collector.put(RequestOutput(request_id, index, [], "", finished=True,
+                                        finish_reason="abort" if error is None else "error",
+                                        error=error))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if output.finished and output.request_id in self._children:
+                self._forget_child(output)
+            collector = self._collectors.get(output.request_id)
+            if collector is not None:
+                collector.put(output)
+                if len(collector.finished_indices) == collector.n:
+                    # The stream keeps its own reference; an unread stream must not leak.
+                    del self._collectors[output.request_id]
+
+    def _forget_child(self, output: RequestOutput) -> None:
+        children = self._children[output.request_id]
+        child = output.request_id if len(children) == 1 else f"{output.request_id}-{output.index}"
+        if child in children:
+            children.remove(child)
+        if not children:
+            del self._children[output.request_id]
+
+
+def _step_executor() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-step")
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of an `n > 1` request: one sequence, its own seed stream."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)

@@ -1,0 +1,268 @@
+"""The engine core: one synchronous `step()` = schedule, run the model, update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine.core.errors import (
+    InvalidRequestError,
+    QueueFullError,
+    RequestFailedError,
+    RequestTimeoutError,
+)
+from engine.core.output_processor import OutputProcessor
+from engine.core.outputs import ModelRunnerOutput, RequestOutput
+from engine.core.request import FinishReason, Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.stats import FinishedRequestStats, StepStats
+from engine.scheduling.admission import Admission, fewest_new_tokens, promised_tokens
+from engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+
+if TYPE_CHECKING:  # the runner owns torch; the core itself stays torch-free
+    from engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Wires the scheduler to the model runner. Not thread-safe: one caller at a time."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any | None,
+                 eos_token_ids: frozenset[int], vocab_size: int) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.outputs = OutputProcessor(tokenizer)
+        self._stats = StepStats(0, 0, 0.0)
+        # Each queued sequence's request and its number of sequences, for its finished stats.
+        self._groups: dict[str, tuple[str, int]] = {}
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise a typed error for a request that can never run; touches no queue."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("The prompt is empty.", param="prompt")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"Prompt token ids must be in [0, {self.vocab_size}).", param="prompt")
+        bias = params.logit_bias or {}
+        if bias and max(bias) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias token ids must be below the vocabulary size {self.vocab_size}.",
+                param="logit_bias")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer.", param="stop")
+        self.scheduler.check_prompt(len(prompt_token_ids))
+
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+              timeout: float | None = None, pending: int = 0, pending_tokens: int = 0) -> bool:
+        """Decide on a new request before it queues: raise `QueueFullError` (reject) or
+        `RequestTimeoutError` (its deadline cannot be met); return whether it is deferred."""
+        num_prompt = len(prompt_token_ids)
+        decision = self.scheduler.admission(promised_tokens(num_prompt, params, self.max_tokens),
+                                            priority, pending, pending_tokens)
+        if decision.outcome is Admission.REJECT:
+            raise QueueFullError(f"The server is overloaded: {decision.reason}. Please retry "
+                                 f"later.", retry_after=decision.retry_after)
+        if timeout is not None:
+            fewest = fewest_new_tokens(params, self.max_tokens - num_prompt)
+            needed = self.scheduler.drain.time_to_finish(num_prompt, fewest,
+                                                         len(self.scheduler.running) + 1)
+            if needed > timeout:
+                raise RequestTimeoutError(
+                    f"The request cannot finish within its timeout of {timeout:g} s (it needs "
+                    f"about {needed:.1f} s at the current speed).")
+        return decision.outcome is Admission.DEFER
+
+    @property
+    def max_tokens(self) -> int:
+        return self.scheduler.max_sequence_tokens
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    parent_id: str | None = None, index: int = 0,
+                    arrival_time: float | None = None, fork_of: str | None = None,
+                    priority: int = 0, timeout: float | None = None,
+                    deferred: bool = False, siblings: int = 1) -> Request:
+        """Queue a sequence, one of `siblings` of request `parent_id`. `fork_of` names a sibling
+        with the same prompt whose prompt blocks this one shares once computed; `timeout` counts
+        from `arrival_time`."""
+        self.validate(prompt_token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            arrival_time=arrival,
+            max_total_tokens=self.scheduler.max_sequence_tokens,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            deadline=None if timeout is None else arrival + timeout,
+            deferred=deferred,
+        )
+        self.scheduler.add_request(request, fork_of)
+        self.outputs.add(request, parent_id or request_id, index)
+        self._groups[request_id] = (parent_id or request_id, siblings)
+        return request
+
+    def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
+        aborted = self.scheduler.abort_requests(request_ids)
+        for request in aborted:
+            self._record_finished(request)
+        self.runner.release([r.request_id for r in aborted])
+        return [self.outputs.final_output(r) for r in aborted if r.request_id in self.outputs]
+
+    def fail_all(self, error: BaseException) -> list[RequestOutput]:
+        """End every request with an error (the loop hit something it cannot recover from)."""
+        ids = list(self.scheduler.requests)
+        return self._fail(ids, error)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    def take_stats(self) -> StepStats:
+        """What happened since the last call, with the queue and cache state as of now."""
+        stats, self._stats = self._stats, StepStats(0, 0, 0.0)
+        scheduler = self.scheduler
+        stats.num_running, stats.num_waiting = scheduler.num_running, scheduler.num_waiting
+        stats.kv_cache_usage = scheduler.block_manager.usage
+        stats.prefix_cache_queries, scheduler.prefix_cache_queries = (
+            scheduler.prefix_cache_queries, 0)
+        stats.prefix_cache_hits, scheduler.prefix_cache_hits = scheduler.prefix_cache_hits, 0
+        stats.num_rejections, scheduler.num_rejections = scheduler.num_rejections, 0
+        stats.num_waiting_deferred = scheduler.num_deferred()
+        return stats
+
+    def _record_tokens(self, advanced: list[Request], now: float) -> None:
+        stats = self._stats
+        for request in advanced:
+            timings = request.timings
+            if timings.first_token is None:
+                timings.first_token = now
+                stats.num_prompt_tokens += request.num_prompt_tokens
+            elif timings.last_token is not None:
+                stats.inter_token_latencies.append(now - timings.last_token)
+            timings.last_token = now
+            stats.num_generation_tokens += 1
+
+    def _record_finished(self, request: Request) -> None:
+        parent, siblings = self._groups.pop(request.request_id, ("", 1))
+        self._stats.finished.append(FinishedRequestStats.of(request, time.monotonic(), parent,
+                                                            siblings))
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        expired = self._expire(start)
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return expired
+        self._stats.num_preemptions += len(scheduled.preempted)
+        failed: list[RequestOutput] = []
+        try:
+            runner_output = self.runner.execute(scheduled)
+        except Exception as exc:
+            runner_output, scheduled, culprits = self._isolate(scheduled, exc)
+            failed = self._fail_culprits(culprits)
+        self.outputs.collect_prompt_logprobs(runner_output)
+        advanced = self.scheduler.update_from_output(scheduled, runner_output)
+        end = time.monotonic()
+        self._record_tokens(advanced, end)
+        results = [self._output_for(r, runner_output.logprobs.get(r.request_id))
+                   for r in advanced]
+        finished = [r for r in advanced if r.is_finished]
+        for request in finished:
+            self._record_finished(request)
+        self.runner.release([r.request_id for r in finished])
+        self._record_speed(scheduled, end - start, len(finished))
+        return expired + failed + results
+
+    def _expire(self, now: float) -> list[RequestOutput]:
+        """Requests past their deadline: one that never produced a token fails with a timeout
+        error; one already generating ends with what it has."""
+        results = []
+        for request in self.scheduler.expire_deadlines(now):
+            self._record_finished(request)
+            self.runner.release([request.request_id])
+            if request.request_id not in self.outputs:
+                continue
+            error = None
+            if request.num_output_tokens == 0:
+                error = RequestTimeoutError("The request timed out before it was served.")
+            results.append(self.outputs.final_output(request, error))
+        return results
+
+    def _record_speed(self, scheduled: SchedulerOutput, seconds: float, finished: int) -> None:
+        prefill = sum(item.num_tokens for item in scheduled.scheduled if item.num_tokens > 1)
+        decodes = sum(item.num_tokens == 1 for item in scheduled.scheduled)
+        self.scheduler.drain.record_step(seconds, finished, scheduled.total_num_tokens, prefill,
+                                         decodes, len(scheduled.scheduled))
+
+    def _output_for(self, request: Request, logprob: Any) -> RequestOutput:
+        text, stop = self.outputs.new_text(request)
+        if stop is not None:
+            if request.is_finished:
+                request.finish(FinishReason.STOP, stop)
+            else:
+                self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop)
+        return self.outputs.make_output(request, text, logprob)
+
+    def _isolate(self, scheduled: SchedulerOutput, exc: Exception) -> tuple[
+            ModelRunnerOutput, SchedulerOutput, list[tuple[str, Exception]]]:
+        """A step that raised, run again in halves (recursively) to find the requests that make
+        it fail: what the others compute is kept, so only the culprits pay. Returns the merged
+        output, the step less the culprits, and each culprit with its error."""
+        items = scheduled.scheduled
+        if len(items) == 1:
+            logger.error("the model step failed for request %s: %s", items[0].request.request_id,
+                         exc, exc_info=exc)
+            return ModelRunnerOutput(), _with(scheduled, []), [(items[0].request.request_id, exc)]
+        logger.warning("a model step of %d requests failed (%s); running it again in halves to "
+                       "find the requests that cause it", len(items), exc)
+        merged, kept, culprits = ModelRunnerOutput(), [], []
+        half = len(items) // 2
+        for part in (items[:half], items[half:]):
+            sub = _with(scheduled, part)
+            try:
+                output = self.runner.execute(sub)
+            except Exception as sub_exc:
+                output, sub, found = self._isolate(sub, sub_exc)
+                culprits += found
+            _merge(merged, output)
+            kept += sub.scheduled
+        return merged, _with(scheduled, kept), culprits
+
+    def _fail_culprits(self, culprits: list[tuple[str, Exception]]) -> list[RequestOutput]:
+        results = []
+        for request_id, exc in culprits:
+            results += self._fail([request_id], RequestFailedError(f"The model step failed: {exc}"))
+        return results
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> list[RequestOutput]:
+        results = []
+        for request_id in request_ids:
+            request = self.scheduler.finish_request(request_id, FinishReason.ERROR)
+            if request is not None and request_id in self.outputs:
+                self._record_finished(request)
+                results.append(self.outputs.final_output(request, error))
+        self.runner.release(request_ids)
+        return results
+
+
+def _with(scheduled: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:
+    """The step with only these requests scheduled (its preemptions and block copies kept:
+    copying a block again is harmless)."""
+    return SchedulerOutput(items, scheduled.preempted, scheduled.block_copies)
+
+
+def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
+    into.sampled_token_ids.update(part.sampled_token_ids)
+    into.logprobs.update(part.logprobs)
+    into.prompt_logprobs.update(part.prompt_logprobs)

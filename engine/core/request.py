@@ -1,0 +1,117 @@
+"""One sequence being generated: its tokens, progress, blocks and fate."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended; the values are OpenAI's and vLLM's finish reasons."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+
+@dataclass(slots=True)
+class RequestTimings:
+    """Monotonic timestamps of a request's life (arrival lives on the request)."""
+
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A single sequence inside the engine.
+
+    `num_computed_tokens` counts the tokens whose K/V are in the cache; a preempted request drops to
+    zero and recomputes its prompt and outputs. `max_total_tokens` is the hard length of the
+    sequence (the context limit or the whole cache, whichever is smaller) and `max_output_tokens`
+    the user's limit clamped to it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    max_total_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    num_prompt_logprobs_done: int = 0
+    num_cached_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    priority: int = 0
+    deadline: float | None = None
+    deferred: bool = False
+    timings: RequestTimings = field(default_factory=RequestTimings)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        room = self.max_total_tokens - self.num_prompt_tokens
+        limit = self.sampling_params.max_tokens
+        return room if limit is None else min(limit, room)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def check_token_stop(self) -> bool:
+        """Finish the request if its newest token ends it; return whether it did."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if last in params.stop_token_ids:
+                self.finish(FinishReason.STOP, last)
+                return True
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.finish(FinishReason.STOP)
+                return True
+        if self.num_output_tokens >= self.max_output_tokens:
+            self.finish(FinishReason.LENGTH)
+            return True
+        return False

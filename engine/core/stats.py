@@ -1,0 +1,81 @@
+"""Plain stats the engine reports each step; the server turns them into Prometheus metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequestStats:
+    """Timings of one finished sequence, in seconds (None where it never got that far)."""
+
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float
+    queue_time: float | None
+    time_to_first_token: float | None
+    prefill_time: float | None
+    decode_time: float | None
+    inference_time: float | None
+    # The request this sequence belongs to, and how many sequences it has (`n`).
+    parent_id: str = ""
+    siblings: int = 1
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.decode_time is None or self.num_generation_tokens < 2:
+            return None
+        return self.decode_time / (self.num_generation_tokens - 1)
+
+    @classmethod
+    def of(cls, request: Request, now: float, parent_id: str = "",
+           siblings: int = 1) -> FinishedRequestStats:
+        t = request.timings
+        queue = _span(request.arrival_time, t.first_scheduled)
+        return cls(
+            finish_reason=str(request.finish_reason or "abort"),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generation_tokens=request.num_output_tokens,
+            e2e_latency=now - request.arrival_time,
+            queue_time=queue,
+            time_to_first_token=_span(request.arrival_time, t.first_token),
+            prefill_time=_span(t.first_scheduled, t.first_token),
+            decode_time=_span(t.first_token, t.last_token),
+            inference_time=_span(t.first_scheduled, t.last_token),
+            parent_id=parent_id or request.request_id,
+            siblings=siblings,
+        )
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(0.0, end - start)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestParamsStats:
+    """The `n` and effective `max_tokens` of a request, recorded when it is submitted."""
+
+    n: int
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Queue and cache state after a step, what the step produced, and who finished."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_waiting_deferred: int = 0
+    num_rejections: int = 0
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    new_requests: list[RequestParamsStats] = field(default_factory=list)

@@ -1,0 +1,1 @@
+"""Conveyor's own kernels: C++ for the CPU, Triton for the GPU."""

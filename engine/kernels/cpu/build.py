@@ -1,0 +1,328 @@
+"""Compiles Conveyor's CPU kernels (`csrc/`) into one extension, in groups that fail apart.
+
+The kernels are compiled on first use with the machine's own compiler for the machine's own
+instruction set (`-march=native`); the build folder is keyed by the sources, the flags, the
+CPU's features and torch's version, so a cache carried to another CPU builds afresh instead of
+crashing on an unknown instruction.
+
+Every source builds on every x86-64 level (wider instructions sit behind guards with a narrower
+path; `cross_compile` checks that for any target on any host). Should one group of sources still
+fail to build here, that group and the groups that call into it are left out and the rest are
+built without them: the failure is logged once with the compiler's reason, recorded beside the
+build so that later starts skip it at once, and only those routes fall back to torch.
+
+Builds of one folder are serialised by an advisory lock that the kernel drops with its holder, so
+a server killed while it compiled never blocks the next start: the lock file torch's builder
+leaves behind in that case is removed, and the build runs again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sysconfig
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelGroup:
+    """Sources that build and fall back together; `needs` are the groups they call into."""
+
+    name: str
+    sources: tuple[str, ...]
+    needs: tuple[str, ...] = ()
+
+
+GROUPS = (
+    KernelGroup("attention", ("paged_decode.cpp", "paged_prefill.cpp", "kv_store.cpp")),
+    KernelGroup("linear", ("panel_linear.cpp", "int8_panels.cpp", "bf16_panels.cpp")),
+    KernelGroup("elementwise", ("rms_norm.cpp", "rotary.cpp", "silu_mul.cpp", "argmax.cpp")),
+    KernelGroup("fused_decode", ("decode_layer.cpp", "decode_stack.cpp"),
+                needs=("attention", "linear", "elementwise")),
+)
+GROUP_NAMES = tuple(group.name for group in GROUPS)
+# Each group's sources sit in the folder named after it; the headers they share in `include/`.
+SOURCES = [CSRC / group.name / name for group in GROUPS for name in group.sources]
+INCLUDE = CSRC / "include"
+# Included by the sources: part of the build's key, though not compiled on their own.
+HEADERS = sorted(INCLUDE.glob("*.h"))
+# `-march` of the build: the machine's own instruction set, or another level to build for
+# (`CONVEYOR_CPU_MARCH=haswell` runs the AVX2 routes on a wider machine).
+MARCH_VARIABLE = "CONVEYOR_CPU_MARCH"
+# `CONVEYOR_CPU_KERNELS=off` serves on pure torch without building anything.
+SWITCH_VARIABLE = "CONVEYOR_CPU_KERNELS"
+# Instruction-set levels every source must compile for (`cross_compile`): x86-64-v3 (AVX2 and
+# FMA), AVX-512, AVX-512 BF16 and AMX.
+TARGETS = ("haswell", "skylake-avx512", "cooperlake", "sapphirerapids")
+RECORD = "groups.json"
+
+
+@dataclass(slots=True)
+class BuildResult:
+    """Which groups loaded, and why the others did not (group name -> reason)."""
+
+    built: tuple[str, ...] = ()
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (one core's line: all cores match),
+    else the platform's processor name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's builder runs (`$CXX`, else `c++`), where it is installed."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def why_unsupported() -> str:
+    """Why this machine builds no kernels at all ("" where it can try): they are x86-64 code
+    and need a C++ compiler."""
+    if os.environ.get(SWITCH_VARIABLE, "").lower() in ("0", "off", "false", "no"):
+        return f"{SWITCH_VARIABLE}={os.environ[SWITCH_VARIABLE]} turns them off"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"they are x86-64 code and this is {platform.machine() or 'an unknown machine'}"
+    if compiler() is None:
+        return "no C++ compiler was found (install g++, or set CXX)"
+    return ""
+
+
+def march() -> str:
+    return os.environ.get(MARCH_VARIABLE) or "native"
+
+
+def cflags() -> list[str]:
+    return ["-O3", f"-march={march()}", "-fopenmp"]
+
+
+@cache
+def target_features() -> frozenset[str]:
+    """The instruction-set macros the compiler defines for the build's `-march` (`AVX2`,
+    `AVX512BF16`, `AMX_TILE`, ...): what the kernels are built to use."""
+    cxx = compiler()
+    if cxx is None:
+        return frozenset()
+    result = subprocess.run([cxx, f"-march={march()}", "-dM", "-E", "-x", "c++", os.devnull],
+                            capture_output=True, text=True)
+    return frozenset(re.findall(r"^#define __([A-Z0-9_]+)__ 1$", result.stdout, re.MULTILINE))
+
+
+def build_name() -> str:
+    """Unique per sources, headers, flags, CPU features and torch version."""
+    digest = hashlib.sha256()
+    for part in (*(source.read_bytes() for source in SOURCES + HEADERS),
+                 " ".join(cflags()).encode(), cpu_flags().encode(), torch.__version__.encode()):
+        digest.update(part)
+    return f"conveyor_cpu_{digest.hexdigest()[:16]}"
+
+
+def without(groups: tuple[str, ...], failed: set[str]) -> tuple[str, ...]:
+    """`groups` less the failed ones and every group that needs one left out."""
+    kept = [g for g in groups if g not in failed]
+    needs = {group.name: group.needs for group in GROUPS}
+    changed = True
+    while changed:
+        changed = False
+        for name in list(kept):
+            if any(need not in kept for need in needs[name]):
+                kept.remove(name)
+                changed = True
+    return tuple(kept)
+
+
+def build(root: Path, name: str | None = None) -> BuildResult:
+    """Build and load every group that builds here, under `root / name`."""
+    reason = why_unsupported()
+    if reason:
+        logger.warning("Conveyor's CPU kernels are not used: %s; serving on pure torch", reason)
+        return BuildResult(failed={group.name: reason for group in GROUPS})
+    name = name or build_name()
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    with build_lock(folder):
+        _clear_stale_batons(folder)
+        result = _build_groups(folder, name, _recorded_failures(folder))
+        (folder / RECORD).write_text(json.dumps(result.failed, indent=1))
+    for group, why in result.failed.items():
+        logger.warning("Conveyor's CPU kernels: the %s group did not build (%s); its routes "
+                       "fall back to torch", group, why)
+    return result
+
+
+def _build_groups(folder: Path, name: str, failed: dict[str, str]) -> BuildResult:
+    groups = without(GROUP_NAMES, set(failed))
+    while groups:
+        try:
+            _compile(folder, name, groups)
+            return BuildResult(groups, _left_out(groups, failed))
+        except Exception as error:  # a compiler error, no ninja, an unloadable library
+            message = str(error)
+            broken = _failed_groups(message, groups)
+            reason = _reason(message)
+            if not broken:  # no one source explains it: nothing builds
+                return BuildResult((), {g.name: reason for g in GROUPS})
+            failed.update({group: reason for group in broken})
+            groups = without(groups, set(failed))
+    return BuildResult((), _left_out((), failed))
+
+
+def _left_out(groups: tuple[str, ...], failed: dict[str, str]) -> dict[str, str]:
+    """Each group not built, with its own failure or the group it needs that failed."""
+    reasons = dict(failed)
+    for group in GROUPS:
+        if group.name not in groups and group.name not in reasons:
+            missing = [need for need in group.needs if need not in groups]
+            reasons[group.name] = f"it needs the {', '.join(missing)} group"
+    return reasons
+
+
+def _compile(folder: Path, name: str, groups: tuple[str, ...]) -> None:
+    """One extension of these groups' sources, loaded into torch.ops.conveyor."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    if groups != GROUP_NAMES:
+        tag = hashlib.sha256("+".join(groups).encode()).hexdigest()[:8]
+        name, folder = f"{name}_{tag}", folder / "+".join(groups)
+        folder.mkdir(exist_ok=True)
+    sources = [str(CSRC / g.name / s) for g in GROUPS if g.name in groups for s in g.sources]
+    load_extension(name, sources, extra_cflags=cflags(), extra_include_paths=[str(INCLUDE)],
+                   build_directory=str(folder), is_python_module=False, verbose=False)
+
+
+def _failed_groups(message: str, groups: tuple[str, ...]) -> set[str]:
+    """The groups whose sources the builder's output names as failed (`FAILED: x.o`)."""
+    objects = set(re.findall(r"FAILED: (?:\S*/)?([\w.]+)\.o\b", message))
+    return {g.name for g in GROUPS
+            if g.name in groups and any(Path(s).stem in objects for s in g.sources)}
+
+
+def _reason(message: str) -> str:
+    """The compiler's first error line, else the message's first line."""
+    for line in message.splitlines():
+        if "error:" in line:
+            return line.strip().removeprefix(str(CSRC) + "/")
+    return message.splitlines()[0] if message else "unknown error"
+
+
+def _recorded_failures(folder: Path) -> dict[str, str]:
+    try:
+        recorded = json.loads((folder / RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {k: str(v) for k, v in recorded.items() if k in GROUP_NAMES}
+
+
+@contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """Hold the folder's build lock: an advisory `flock` the kernel releases when its holder
+    exits, however it exits. Waiting for a live holder is logged with its process id."""
+    path = folder / "conveyor.lock"
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            logger.info("waiting for process %s, which is building Conveyor's CPU kernels in %s",
+                        owner, folder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _clear_stale_batons(folder: Path) -> None:
+    """torch's builder waits while its `lock` file exists; under `build_lock` no live build owns
+    one, so a file there was left by a build whose process died."""
+    for baton in folder.rglob("lock"):
+        logger.warning("removing %s, left by a build of Conveyor's CPU kernels that stopped "
+                       "before it finished; building again", baton)
+        baton.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True, slots=True)
+class CompileFailure:
+    target: str
+    source: str
+    errors: str
+
+
+def cross_compile(target: str, workdir: Path, jobs: int | None = None) -> list[CompileFailure]:
+    """Compile every source for `-march=<target>` (object code thrown away, no optimisation),
+    whatever this host runs: a guard missing for a narrower instruction set fails here on any
+    machine. The torch headers are parsed once per target, as a precompiled header."""
+    flags = _cross_flags(target)
+    header = workdir / "torch_headers.h"
+    header.write_text("".join(f"#include <{h}>\n" for h in _system_includes()))
+    _run([*flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"])
+    sources = sorted(CSRC.glob("*/*.cpp"))
+
+    def one(source: Path) -> CompileFailure | None:
+        result = _run([*flags, "-include", str(header), "-c", str(source), "-o", os.devnull],
+                      check=False)
+        if result.returncode == 0:
+            return None
+        errors = "\n".join(line for line in result.stderr.splitlines() if "error" in line)
+        return CompileFailure(target, source.name, errors or result.stderr[-2000:])
+
+    with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+        return [failure for failure in pool.map(one, sources) if failure is not None]
+
+
+def _cross_flags(target: str) -> list[str]:
+    """The flags torch's builder gives the real build (its C++ standard, ABI and includes), at
+    another `-march` and without optimisation."""
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [*include_paths(), sysconfig.get_paths()["include"]]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [compiler() or "c++", "-std=c++20", "-fPIC", "-fopenmp", "-O0", f"-march={target}",
+            "-w", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *(f"-I{path}" for path in [*includes, INCLUDE])]
+
+
+def _system_includes() -> list[str]:
+    """Every `#include <...>` of the sources and headers, for the precompiled header."""
+    found: set[str] = set()
+    for path in [*CSRC.glob("*/*.cpp"), *HEADERS]:
+        found.update(re.findall(r"^#include <([^>]+)>", path.read_text(), re.MULTILINE))
+    return sorted(found)
+
+
+def _run(command: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:8])} ... failed:\n{result.stderr[-2000:]}")
+    return result

@@ -1,0 +1,132 @@
+// The CPU kernels' entry points, callable from one another's C++ without the dispatcher: a
+// fused decode layer (`decode_layer.cpp`) runs them back to back in one op. Each is also
+// registered as `torch.ops.conveyor.<name>` by its own source file.
+#pragma once
+
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "thread_team.h"
+
+namespace conveyor {
+
+at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor table,
+                        at::Tensor lens, double scale);
+// x W^T + bias (+ residual, where given).
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t out_features,
+                        const c10::optional<at::Tensor>& residual = c10::nullopt);
+// panel_linear's product over int8 panels (Q4_1 or Q8_0 blocks times activations rounded to
+// 8-bit blocks), its inputs already checked: out [M, out_features] from x [M, K] and a padded bias.
+void int8_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
+                        const float* bias, float* out, int64_t out_features);
+// panel_linear's product over bf16 panels (AVX-512 BF16 dot products over x rounded to bf16),
+// plus a residual [M, out_features] where not null, its inputs already checked.
+void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
+                        const float* bias, const float* residual, float* out,
+                        int64_t out_features);
+// The same over rows already rounded to bf16 (`x` [M, K] bf16 bit patterns).
+void bf16_rows_product(const uint16_t* x, int64_t M, int64_t K, const at::Tensor& panels,
+                       const float* bias, const float* residual, float* out,
+                       int64_t out_features);
+// One product over bf16 panels as its threads see it: bf16 rows x [M, K] times the panels, plus
+// bias (padded to whole panels) and residual [M, N] where not null, to fp32 rows at out or, where
+// out16 is not null, to those rows rounded to bf16.
+struct RowBest;
+struct Bf16Product {
+  const uint16_t* x;
+  const float* bias;
+  const float* residual;
+  float* out;
+  uint16_t* out16;
+  int64_t M, K, N;
+  // A greedy choice instead of an output (`panel_argmax`): this thread's best of each row.
+  RowBest* best = nullptr;
+};
+// A share of a product: rows [m0, m1) times panels [p0, p1).
+struct ProductTask {
+  int64_t m0, m1, p0, p1;
+};
+// Whether the bf16 products can run in AMX tiles here (compiled for them, and granted), and the
+// switch between tiles and `vdpbf16ps` (on by default; returns what it was).
+bool bf16_tiles_available();
+bool set_bf16_tiles(bool on);
+// A product's tasks for a team of `threads`, over `count` panels (gated: gate/up pairs).
+std::vector<ProductTask> bf16_product_tasks(int64_t M, int64_t K, int64_t count, bool gated,
+                                            int threads);
+// This thread's part of the product, every thread of the region calling it: each takes the
+// next task as it frees up, `next` counting the tasks taken (zero before the first call).
+void bf16_take_tasks(const Bf16Product& pb, const uint16_t* panels, int64_t count, bool gated,
+                     const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next);
+// Each row's argmax of x W^T + bias over bf16 panels (`bf16_panels.cpp`), int64 [rows], as
+// `torch.argmax` picks it from panel_linear's output, without writing that output.
+at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t out_features);
+// silu(x Wg^T + bg) * (x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`): fp32, or with
+// `bf16_out` rounded to bf16 as a bf16 product rounds its input rows.
+at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t inter,
+                        bool bf16_out = false);
+// The input features of panels as `panel_linear` takes them (fp32, fp16, bf16 pairs or GGUF blocks).
+int64_t panel_in_features(const at::Tensor& panels);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    bool bf16_out = false);
+// rms_norm's rows [begin, end) of x [rows, dim]: to out32, or rounded to bf16 at out16 where
+// out32 is null (AVX-512 BF16).
+void rms_norm_rows(const float* x, const float* weight, float* out32, uint16_t* out16,
+                   int64_t dim, float eps, int64_t begin, int64_t end);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+// rotary's tokens [begin, end): x rows at x_stride, cos/sin rows at cs_stride, out contiguous.
+void rotary_rows(const float* x, int64_t x_stride, const float* cos, const float* sin,
+                 int64_t cs_stride, float* out, int64_t heads, int64_t dim, int64_t begin,
+                 int64_t end);
+// paged_decode under an fp32 query, as one thread of `team` takes part (every thread of the
+// region calling it); `next` counts the sequences taken (zero before the first call). The
+// table [seqs, width] and lens must already be checked against the cache.
+struct DecodeRows {
+  const float* query;
+  int64_t query_stride, seqs, heads;
+  const int64_t* table;
+  int64_t width;
+  const int64_t* lens;
+  float scale;
+  float* out;  // [seqs, heads, dim]
+};
+void paged_decode_team(const DecodeRows& rows, const at::Tensor& key, const at::Tensor& value,
+                       const Team& team, std::atomic<int64_t>& next);
+// Every block each sequence reads lies in a cache of num_blocks (table [seqs, width] int64).
+void check_decode_tables(const at::Tensor& table, const at::Tensor& lens, int64_t block_size,
+                         int64_t num_blocks);
+at::Tensor silu_mul(const at::Tensor& x);
+// One layer's cache as the ops store into it and read it: contiguous K and V of one shape
+// [blocks, block_size, kv_heads, dim] and dtype (fp32, bf16, fp16 or fp8 e5m2); and one int64
+// slot per row inside it (`kv_store.cpp`). `op` names the caller in the error.
+void check_cache(const at::Tensor& key, const at::Tensor& value, const char* op);
+void check_slots(const at::Tensor& slots, int64_t rows, const at::Tensor& key, const char* op);
+// Rows [begin, end)'s new K and V (`row_size` floats each at key_rows / value_rows plus the row
+// times its stride) to their slots of one layer's cache (`kv_store.cpp`), rounded to a 16-
+// or 8-bit cache's dtype as torch rounds.
+void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows,
+              int64_t value_stride, const int64_t* slots, int64_t begin, int64_t end,
+              int64_t row_size, at::Tensor& key, at::Tensor& value);
+
+// The decode stack in one parallel region (`decode_stack.cpp`): whether it computes these layers
+// (every projection over bf16 panels, gate/up gated), and the stack computed so, its inputs
+// already checked as `decode_layers` checks them.
+bool stack_region_applies(int64_t width, at::TensorList weights,
+                          const c10::List<std::optional<at::Tensor>>& biases,
+                          at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
+                        const std::vector<c10::List<std::optional<at::Tensor>>>& biases,
+                        at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
+                        at::TensorList keys, at::TensorList values, const at::Tensor& slots,
+                        const at::Tensor& table, const at::Tensor& lens, double eps,
+                        double scale);
+
+}  // namespace conveyor

@@ -1,0 +1,502 @@
+"""Linear layers for CPUs: Conveyor's own GEMM over packed weights, with torch's as fallback.
+
+`PanelLinear` holds its weight packed in panels of 16 output columns, in fp32 for fp32 models
+or in fp16 for 16-bit models on CPUs without native 16-bit arithmetic, and multiplies through
+Conveyor's kernel (`csrc/linear/panel_linear.cpp`, AVX2 and FMA). Decoding a few sequences is bound
+by how fast the weights stream from memory, which fp16 halves; more rows are bound by
+arithmetic, which the kernel runs at most of the CPU's peak. Every bf16 number between 2**-17
+and 65504 is exact in fp16, so a bf16 model's fp16 panels hold its weights exactly, and each
+output is summed in the same order whatever the batch, so a sequence's tokens do not depend on
+what it is batched with. A model converted from GGUF can hold its Q4_1 / Q8_0 blocks instead
+(`PanelLinear.of_blocks`, `use_gguf_blocks`): the kernel widens them to exactly the fp32 weights.
+
+Where the kernel cannot build or run, torch's products stand in: `PackedLinear` for fp32
+weights (oneDNN's GEMM over a weight reordered for it ahead of time, 10-40% faster than
+`F.linear` from 4 to 64 rows on an AVX2 CPU), and `HalfWeightLinear` for 16-bit ones, which
+holds each weight twice: in fp16 for fbgemm's fp16-weight GEMM up to a few rows, and in fp32
+(packed for oneDNN where torch can, else plain for `F.linear`) for more.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from functools import cache
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels.cpu import ops as cpu_ops
+from engine.loading import gguf_blocks
+
+logger = logging.getLogger(__name__)
+
+# Up to this many rows the fp16-weight product beats the fp32 product in a whole model, where
+# the weights stream from memory (a lone layer whose weights stay in cache favours fp32 from far
+# fewer rows). Measured with fbgemm's kernel: against oneDNN over packed weights the two tie at
+# 16 rows and oneDNN wins clearly at 32 (decode steps of 139 against 178 ms); against plain
+# `F.linear` the crossing is near 48.
+SMALL_BATCH_ROWS = 16
+SMALL_BATCH_ROWS_PLAIN = 48
+# The batch size oneDNN lays packed weights out for; any other works too.
+ONEDNN_BATCH_HINT = 64
+FP16_MAX = torch.finfo(torch.float16).max
+# Output columns per panel of `PanelLinear`'s packed weight.
+PANEL = 16
+
+
+def silence_fbgemm_deprecation() -> None:
+    """torch warns on every call of its fbgemm fp16 ops, which `HalfWeightLinear` relies on: a
+    process-wide filter, installed where the engine starts, not when this module is imported."""
+    warnings.filterwarnings("ignore", message=r"fbgemm_\w+ is deprecated")
+
+
+def fbgemm_fp16_available() -> bool:
+    """True when this torch build has fbgemm's fp16-weight GEMM (x86 CPU builds)."""
+    if not hasattr(torch, "fbgemm_pack_gemm_matrix_fp16"):
+        return False
+    try:
+        packed = torch.fbgemm_pack_gemm_matrix_fp16(torch.ones(8, 8))
+        out = torch.fbgemm_linear_fp16_weight_fp32_activation(torch.ones(1, 8), packed, None)
+    except RuntimeError:
+        return False
+    return bool(torch.allclose(out, torch.full((1, 8), 8.0)))
+
+
+@cache
+def onednn_linear_available() -> bool:
+    """True when this torch build can pack a linear weight for oneDNN ahead of time."""
+    try:
+        out = onednn_linear(torch.ones(2, 8), pack_for_onednn(torch.ones(8, 8)), None)
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(torch.allclose(out, torch.full((2, 8), 8.0)))
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 `[out, in]` weight reordered for oneDNN's GEMM (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(),
+                                                   ONEDNN_BATCH_HINT)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """`y = x W^T + b` in fp32 through oneDNN's GEMM, W packed for it ahead of time."""
+
+    bias: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = pack_for_onednn(weight)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight in fp32, `[out_features, in_features]`."""
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.packed, self.bias)
+
+    def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear:
+        """A layer of the same kind over another weight (fused projections)."""
+        return PackedLinear(weight, bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight=fp32 (oneDNN-packed)")
+
+
+class PanelLinear(nn.Module):
+    """`y = x W^T + b` in fp32 through Conveyor's kernel, W packed in panels of 16 output
+    columns and held in fp32 or fp16 (`storage`), or in GGUF blocks (`of_blocks`)."""
+
+    panels: torch.Tensor
+    padded_bias: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 storage: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self._hold(pack_panels(weight.detach(), storage), bias, *weight.shape)
+
+    @classmethod
+    def of_blocks(cls, fmt: gguf_blocks.BlockFormat, rows: torch.Tensor,
+                  bias: torch.Tensor | None, int8_activations: bool = False) -> PanelLinear:
+        """A layer over GGUF rows `[out, in / 32 * block_bytes]`, widened as it multiplies; or,
+        with `int8_activations`, multiplied in 8-bit integers against inputs rounded to 8-bit
+        blocks (approximate; `csrc/linear/int8_panels.cpp`)."""
+        in_features = rows.shape[1] // fmt.block_bytes * gguf_blocks.BLOCK
+        if int8_activations:
+            panels = gguf_blocks.pack_int8_panels(fmt, rows)
+        else:
+            panels = gguf_blocks.pack_panels(fmt, rows)
+        return cls._of_panels(panels, bias, rows.shape[0], in_features)
+
+    @classmethod
+    def joined(cls, layers: list[PanelLinear]) -> PanelLinear | None:
+        """One layer whose outputs are `layers`' side by side, sharing their panels as held;
+        None where a panel would mix two layers' columns or their storage differs."""
+        first = layers[0]
+        if (any(layer.out_features % PANEL for layer in layers[:-1])
+                or any(layer.panels.shape[1:] != first.panels.shape[1:]
+                       or layer.panels.dtype != first.panels.dtype for layer in layers)
+                or len({layer.padded_bias is None for layer in layers}) > 1):
+            return None
+        # Every layer has a bias where the first does (checked above).
+        biases = cast(list[torch.Tensor], [m.bias for m in layers])
+        bias = None if first.padded_bias is None else torch.cat(biases)
+        return cls._of_panels(torch.cat([layer.panels for layer in layers]), bias,
+                              sum(layer.out_features for layer in layers), first.in_features)
+
+    @classmethod
+    def _of_panels(cls, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                   in_features: int) -> PanelLinear:
+        """A layer over panels already packed."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._hold(panels, bias, out_features, in_features)
+        return layer
+
+    def _hold(self, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+              in_features: int) -> None:
+        self.out_features, self.in_features = out_features, in_features
+        self.register_buffer("panels", panels)
+        padded = None if bias is None else pad_to_panels(bias.detach().float())
+        self.register_buffer("padded_bias", padded)
+
+    @property
+    def block_format(self) -> gguf_blocks.BlockFormat | None:
+        """The GGUF block format the weight is held in; None for fp32 or fp16 panels."""
+        if self.panels.dtype not in (torch.uint8, torch.int8):
+            return None
+        return gguf_blocks.GROUP_FORMATS[self.panels.shape[2]]
+
+    @property
+    def int8_activations(self) -> bool:
+        """The blocks multiply against inputs rounded to 8-bit blocks (int8 panels)."""
+        return self.panels.dtype == torch.int8
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight as held (rounded to fp16 or bf16 for 16-bit panels), in fp32,
+        `[out, in]`."""
+        if self.block_format is not None:
+            return gguf_blocks.dequantize_panels(self.panels, self.out_features)
+        return unpack_panels(self.panels, self.out_features)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.padded_bias is None else self.padded_bias[:self.out_features]
+
+    @property
+    def bf16_activations(self) -> bool:
+        """The bf16 weights multiply inputs rounded to bf16 (AVX-512 BF16 dot products)."""
+        return self.panels.dtype == torch.bfloat16
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`x W^T + b`, plus `residual` (fp32, the output's shape) where given: added as the
+        product is stored, equal to the bit to adding it after. bf16 panels also take bf16 `x`,
+        the rows they would round fp32 ones to; the output is fp32."""
+        skip = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
+        rows = kernel_rows(x, self.in_features, self.bf16_activations)
+        out = cpu_ops.panel_linear(rows, self.panels, self.padded_bias, self.out_features,
+                                       skip)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @property
+    def chooses_greedily(self) -> bool:
+        """`greedy` runs: bf16 panels, whose product can keep each row's best output instead of
+        writing the outputs."""
+        return self.bf16_activations
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """`self(x).argmax(dim=-1)` for rows `x [rows, in]`, the same choice (the first of equal
+        maxima, the first NaN where a row has one), without the outputs written: int64
+        `[rows]`. Needs `chooses_greedily`."""
+        rows = kernel_rows(x, self.in_features, bf16_panels=True)
+        return cpu_ops.panel_argmax(rows, self.panels, self.padded_bias, self.out_features)
+
+    def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
+        """A layer of the same kind over another weight (fused projections); block weights are
+        exact in fp32, so they remake as fp32 panels."""
+        storage = torch.float32 if self.block_format is not None else self.panels.dtype
+        return PanelLinear(weight, bias, storage)
+
+    @property
+    def held_as(self) -> str:
+        """How the weight is held and multiplied: `q4_1 blocks`, `float16`, `q8_0 blocks x int8
+        activations`, ..."""
+        fmt = self.block_format
+        held = (f"{fmt.name} blocks" if fmt is not None
+                else str(self.panels.dtype).removeprefix("torch."))
+        return held + " x int8 activations" if self.int8_activations else held
+
+    def extra_repr(self) -> str:
+        storage = self.held_as
+        if self.bf16_activations:
+            storage += " x bf16 activations"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight={storage} (16-column panels)")
+
+
+class GatedPanelLinear(nn.Module):
+    """A gated MLP's gate and up projections and its activation, `silu(x Wg^T + bg) * (x Wu^T
+    + bu)`, in one op over bf16 panels: each gate panel followed by the up panel of the same 16
+    columns (`[ceil(inter / 16), 2, in / 2, 32]`), so one pass of the kernel holds both sums
+    and writes only the activation (`cpu_ops.gated_linear`). Equal to the bit to the joined
+    gate/up `PanelLinear` followed by `cpu_ops.silu_mul`."""
+
+    panels: torch.Tensor
+    padded_bias: torch.Tensor | None
+
+    def __init__(self, gate: PanelLinear, up: PanelLinear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = gate.in_features, gate.out_features
+        self.register_buffer("panels", torch.stack([gate.panels, up.panels], dim=1))
+        bias = None
+        if gate.padded_bias is not None and up.padded_bias is not None:
+            bias = torch.stack([gate.padded_bias.view(-1, PANEL),
+                                up.padded_bias.view(-1, PANEL)], dim=1).flatten()
+        self.register_buffer("padded_bias", bias)
+
+    @classmethod
+    def of(cls, gate: nn.Module, up: nn.Module) -> GatedPanelLinear | None:
+        """The gated layer over these projections, where both are bf16 `PanelLinear`s of one
+        shape, both with or both without bias, and the kernels run here; else None."""
+        if not (isinstance(gate, PanelLinear) and isinstance(up, PanelLinear)
+                and gate.bf16_activations and up.bf16_activations
+                and gate.panels.shape == up.panels.shape
+                and gate.out_features == up.out_features
+                and (gate.padded_bias is None) == (up.padded_bias is None)
+                and cpu_ops.bf16_panels_available()):
+            return None
+        return cls(gate, up)
+
+    def forward(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+        """fp32, or with `bf16_out` rounded to bf16: the rows a bf16 product would round the
+        fp32 ones to, for the down projection, without the fp32 rows' pass over memory. `x`
+        may be bf16 rows too (taken as they are)."""
+        rows = kernel_rows(x, self.in_features, bf16_panels=True)
+        out = cpu_ops.gated_linear(rows, self.panels, self.padded_bias, self.out_features,
+                                       bf16_out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight=bf16 x bf16 activations (gate/up panel pairs, silu(gate) * up)")
+
+
+def takes_bf16_rows(layer: nn.Module) -> bool:
+    """The layer multiplies bf16 panels by its inputs rounded to bf16, and so takes bf16 rows
+    as they are: a producer can hand them over already rounded."""
+    return (isinstance(layer, GatedPanelLinear)
+            or (isinstance(layer, PanelLinear) and layer.bf16_activations))
+
+
+def kernel_rows(x: torch.Tensor, in_features: int, bf16_panels: bool) -> torch.Tensor:
+    """`x [..., in]` as the contiguous rows `[rows, in]` a panel product takes: bf16 rows as
+    they are over bf16 panels (the rows they would round fp32 ones to), else fp32 rows."""
+    if x.dtype == torch.bfloat16 and bf16_panels:
+        return x.reshape(-1, in_features).contiguous()
+    return fp32_rows(x, in_features)
+
+
+def fp32_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """`x [..., in]` as the contiguous fp32 rows `[rows, in]` that Conveyor's kernels and
+    fbgemm's fp16-weight product take."""
+    flat = x.reshape(-1, in_features)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    return flat.contiguous()
+
+
+def pack_panels(weight: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """`[out, in]` to `[ceil(out / 16), in, 16]` in `storage`, spare columns zero; for bf16,
+    `[ceil(out / 16), in / 2, 32]`: each pair of input features with each column's two weights
+    side by side, as AVX-512 BF16 dot products take them (`in` even)."""
+    padded = pad_to_panels(weight.to(storage))
+    if storage == torch.bfloat16:
+        pairs = padded.view(-1, PANEL, weight.shape[1] // 2, 2)
+        return pairs.transpose(1, 2).reshape(pairs.shape[0], -1, 2 * PANEL).contiguous()
+    return padded.view(-1, PANEL, weight.shape[1]).transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of `pack_panels`, in fp32."""
+    count = panels.shape[0]
+    if panels.dtype == torch.bfloat16:
+        pairs = panels.view(count, -1, PANEL, 2).transpose(1, 2)
+        rows = pairs.reshape(count * PANEL, -1)
+    else:
+        rows = panels.transpose(1, 2).reshape(count * PANEL, panels.shape[1])
+    return rows[:out_features].float()
+
+
+def pad_to_panels(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` (a bias `[out]`, or a weight `[out, in]`) zero-padded to whole panels of 16 along
+    the first dim, as the kernel reads them."""
+    padded = rows.new_zeros((-(-rows.shape[0] // PANEL) * PANEL, *rows.shape[1:]))
+    padded[:rows.shape[0]] = rows
+    return padded
+
+
+class HalfWeightLinear(nn.Module):
+    """`y = x W^T + b` with W rounded to fp16; x, b and y in fp32."""
+
+    bias: torch.Tensor | None
+    dense: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        rounded = weight.detach().to(torch.float16).float().contiguous()
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        # The fp16 copy for a few rows, packed for fbgemm.
+        self.packed = torch.fbgemm_pack_gemm_matrix_fp16(rounded)
+        # The fp32 copy for larger steps: packed for oneDNN, or plain for F.linear.
+        self.large = pack_for_onednn(rounded) if onednn_linear_available() else None
+        self.register_buffer("dense", rounded if self.large is None else None)
+        self.small_rows = SMALL_BATCH_ROWS if self.large is not None else SMALL_BATCH_ROWS_PLAIN
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The fp16-rounded weight in fp32, `[out_features, in_features]`."""
+        if self.large is not None:
+            return self.large.to_dense()
+        assert self.dense is not None  # one of the two copies is held
+        return self.dense
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > self.small_rows:
+            if self.large is not None:
+                return onednn_linear(x, self.large, self.bias)
+            return F.linear(x, self.weight, self.bias)
+        out = torch.fbgemm_linear_fp16_weight_fp32_activation(fp32_rows(x, self.in_features),
+                                                               self.packed, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> HalfWeightLinear:
+        """A layer of the same kind over another weight (fused projections)."""
+        return HalfWeightLinear(weight, bias)
+
+    def extra_repr(self) -> str:
+        large = "oneDNN-packed" if self.large is not None else "plain"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"weight=fp16 (fbgemm-packed) + fp32 ({large})")
+
+
+def fits_fp16(weight: torch.Tensor) -> bool:
+    """fp16 holds the weight without overflow (its largest finite value is 65504)."""
+    return bool(weight.abs().max() <= FP16_MAX)
+
+
+def half_weights_supported() -> bool:
+    """This CPU can hold 16-bit weights in fp16 and compute in fp32: Conveyor's kernel runs, or
+    torch has fbgemm's fp16-weight GEMM."""
+    return cpu_ops.panel_linear_available() or fbgemm_fp16_available()
+
+
+def fp32_packing_supported() -> bool:
+    """fp32 weights can be packed ahead of time: for Conveyor's kernel, or for oneDNN's."""
+    return cpu_ops.panel_linear_available() or onednn_linear_available()
+
+
+def convert_linears(model: nn.Module, dtype: torch.dtype = torch.float16) -> int:
+    """Swap every fp32 `nn.Linear` whose weight fits fp16 for a layer that holds it in fp16 and
+    computes in fp32; return how many were swapped. Weights shared with other modules (tied
+    embeddings) stay in place there. With `dtype` bf16 on a CPU with AVX-512 BF16, the layers
+    hold bf16 panels and multiply inputs rounded to bf16 instead (`bf16_linears`)."""
+    if dtype == torch.bfloat16 and cpu_ops.bf16_panels_available():
+        return bf16_linears(model)
+    if cpu_ops.panel_linear_available():
+        swapped = _swap(model, lambda w, b: PanelLinear(w, b, torch.float16), fits_fp16)
+        logger.info("%d linear layers hold fp16 weights in panels and compute in fp32", swapped)
+    else:
+        swapped = _swap(model, HalfWeightLinear, fits_fp16)
+        logger.info("%d linear layers hold fp16 weights for fbgemm and compute in fp32", swapped)
+    return swapped
+
+
+def bf16_linears(model: nn.Module) -> int:
+    """Swap every fp32 `nn.Linear` with an even number of inputs for a `PanelLinear` over its
+    weight in bf16 panels, multiplied in bf16 dot products against inputs rounded to bf16 and
+    summed in fp32; return how many were swapped."""
+    swapped = _swap(model, lambda w, b: PanelLinear(w, b, torch.bfloat16),
+                    lambda weight: weight.shape[1] % 2 == 0)
+    logger.info("%d linear layers hold bf16 weights in panels and multiply in bf16", swapped)
+    return swapped
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every fp32 `nn.Linear` for one whose weight is packed ahead of time; return how many
+    were swapped."""
+    if cpu_ops.panel_linear_available():
+        swapped = _swap(model, PanelLinear, lambda weight: True)
+        logger.info("%d linear layers hold fp32 weights in panels", swapped)
+    else:
+        swapped = _swap(model, PackedLinear, lambda weight: True)
+        logger.info("%d linear layers hold weights packed for oneDNN", swapped)
+    return swapped
+
+
+def use_gguf_blocks(model: nn.Module,
+                    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]],
+                    int8_activations: bool = False) -> int:
+    """Swap each fp32 `nn.Linear` named in `blocks` for a `PanelLinear` over its GGUF blocks,
+    where they widen to exactly its weight; return how many were swapped. With
+    `int8_activations`, the blocks multiply against inputs rounded to 8-bit blocks instead
+    (faster, approximate). Run before `pack_linears`, which packs the rest."""
+    swapped, rounded, mismatched = 0, 0, []
+    for name, (fmt, rows) in blocks.items():
+        parent_name, _, child = name.rpartition(".")
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if type(linear) is not nn.Linear or linear.weight.dtype != torch.float32:
+            continue
+        candidate = PanelLinear.of_blocks(fmt, rows, linear.bias, int8_activations)
+        if not torch.equal(candidate.weight, linear.weight):
+            mismatched.append(name)
+            continue
+        setattr(model.get_submodule(parent_name), child, candidate)
+        swapped += 1
+        rounded += candidate.int8_activations
+    if mismatched:
+        logger.warning("GGUF blocks that do not hold their layer's weights: %d (%s, ...); "
+                       "those layers keep fp32 panels", len(mismatched), mismatched[0])
+    logger.info("%d linear layers hold their GGUF blocks (exactly their fp32 weights)", swapped)
+    if int8_activations:
+        logger.info("%d of them multiply against activations rounded to 8-bit blocks", rounded)
+    return swapped
+
+
+def _swap(model: nn.Module,
+          layer: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
+          accepts: Callable[[torch.Tensor], bool]) -> int:
+    swapped = 0
+    for parent, name, linear in list(_linears(model)):
+        if linear.weight.dtype != torch.float32 or not accepts(linear.weight):
+            continue
+        setattr(parent, name, layer(linear.weight, linear.bias))
+        swapped += 1
+    return swapped
+
+
+def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                yield parent, name, child
+
+
+CPU_LINEAR_TYPES = (PanelLinear, PackedLinear, HalfWeightLinear)

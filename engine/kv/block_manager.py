@@ -1,0 +1,188 @@
+"""Hands out fixed-size KV blocks with reference counts, and keeps full blocks cached by content.
+
+Every block is in exactly one state: free (no holder, no content worth keeping), cached (no
+holder, content known by its hash, evictable in least-recently-used order) or used (held by at
+least one sequence). free + cached + used == total at all times. A fresh block comes from the
+free list first and evicts the least recently used cached block only when that list is empty.
+A block held by several sequences is copied before one of them writes into it (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from engine.core.request import Request
+from engine.kv.block_hash import extend_block_hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self._ref_counts = [0] * num_blocks
+        self._hashes: list[bytes | None] = [None] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[bytes, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+
+    # ---- counts ----------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available to a new allocation: free plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_tokens_capacity(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref_counts[block]
+
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks matching the longest run of the request's leading full blocks; the
+        last token is always left to compute (its logits give the next token)."""
+        if not self.enable_caching:
+            return []
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        limit = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:limit]:
+            block = self._by_hash.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def claim(self, request: Request, blocks: list[int]) -> None:
+        """Give the request (holding nothing yet) a hold on cached blocks; they leave the
+        eviction list."""
+        for block in blocks:
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+            request.block_ids.append(block)
+        request.num_published_blocks = len(blocks)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's newly computed full blocks so later prompts can reuse them.
+        A block whose content is already cached elsewhere stays private."""
+        if not self.enable_caching:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            full * self.block_size)
+        for index in range(request.num_published_blocks, full):
+            block = request.block_ids[index]
+            block_hash = request.block_hashes[index]
+            if self._hashes[block] is None and block_hash not in self._by_hash:
+                self._hashes[block] = block_hash
+                self._by_hash[block_hash] = block
+        request.num_published_blocks = max(request.num_published_blocks, full)
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def allocate(self, request: Request, num_tokens: int) -> bool:
+        """Make the request able to hold `num_tokens` tokens and to write those from its
+        `num_computed_tokens` on: new blocks for growth, private copies of shared blocks in the
+        write range. All or nothing; the copies to make go to `pending_copies`."""
+        first = request.num_computed_tokens // self.block_size
+        shared = [i for i in range(first, min(len(request.block_ids),
+                                              self.blocks_for(num_tokens)))
+                  if self._ref_counts[request.block_ids[i]] > 1]
+        missing = max(0, self.blocks_for(num_tokens) - len(request.block_ids))
+        if missing + len(shared) > self.num_free_blocks:
+            return False
+        for index in shared:
+            source = request.block_ids[index]
+            copy = self._take()
+            self._ref_counts[source] -= 1
+            request.block_ids[index] = copy
+            self.pending_copies.append((source, copy))
+        for _ in range(missing):
+            request.block_ids.append(self._take())
+        return True
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget_hash(block)
+        self._ref_counts[block] = 1
+        return block
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let `child` share every block of `parent` (copied on its first write)."""
+        for block in parent.block_ids:
+            self._ref_counts[block] += 1
+        child.block_ids = list(parent.block_ids)
+        child.num_published_blocks = parent.num_published_blocks
+
+    def free(self, request: Request) -> None:
+        """Drop the request's hold on its blocks. Unheld cached blocks become evictable, the
+        tail first, so a prefix outlives its suffixes."""
+        for block in reversed(request.block_ids):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                if self._hashes[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        request.block_ids = []
+        request.num_published_blocks = 0
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def _forget_hash(self, block: int) -> None:
+        """Drop an evictable block's hash: every evictable block holds one."""
+        block_hash = self._hashes[block]
+        assert block_hash is not None
+        del self._by_hash[block_hash]
+        self._hashes[block] = None
+
+    def reset_cache(self) -> None:
+        """Forget every cached block that nobody holds."""
+        while self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget_hash(block)
+            self._free.append(block)
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool's bookkeeping is inconsistent."""
+        assert all(count >= 0 for count in self._ref_counts), "negative reference count"
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "block on the free list twice"
+        assert not free & evictable, "block both free and cached"
+        used = {b for b, count in enumerate(self._ref_counts) if count > 0}
+        assert not used & (free | evictable), "held block on a free list"
+        assert len(free) + len(evictable) + len(used) == self.num_blocks, "a block is lost"
+        assert all(self._hashes[b] is None for b in free), "free block keeps a hash"
+        assert all(self._hashes[b] is not None for b in evictable), "cached block has no hash"
+        for block_hash, block in self._by_hash.items():
+            assert self._hashes[block] == block_hash, "hash index out of date"

@@ -1,0 +1,108 @@
+"""The paged KV cache: real K/V tensors allocated once, addressed by block and slot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.kernels.cpu import huge_pages
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Shape of one token's K/V across all layers."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return max(0, budget_bytes // self.bytes_per_block)
+
+    @classmethod
+    def from_hf_config(cls, config: Any, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            block_size=block_size,
+        )
+
+
+class KVCache:
+    """One tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` with per-layer views.
+
+    Slot `s` of the flattened cache is token `s % block_size` of block `s // block_size`. The
+    memory is zeroed once so slots never read as NaN before they are written; on the CPU it
+    lies in huge pages where the kernel allows (`huge_pages`).
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.device = device
+        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
+                 spec.head_dim)
+        if device.type == "cpu":
+            self.tensor = huge_pages.zeros(shape, spec.dtype)
+        else:
+            self.tensor = torch.zeros(shape, dtype=spec.dtype, device=device)
+        # Per-layer views, made once: every layer asks for its own on every step.
+        self._keys = [self.tensor[layer, 0] for layer in range(spec.num_layers)]
+        self._values = [self.tensor[layer, 1] for layer in range(spec.num_layers)]
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def key(self, layer: int) -> torch.Tensor:
+        return self._keys[layer]
+
+    def value(self, layer: int) -> torch.Tensor:
+        return self._values[layer]
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor) -> None:
+        """Store `[tokens, kv_heads, head_dim]` K/V of new tokens at their slots, rounded to
+        the cache's dtype."""
+        heads, dim = self.spec.num_kv_heads, self.spec.head_dim
+        key, value = key.to(self.spec.dtype), value.to(self.spec.dtype)
+        for layer_cache, new in ((self.key(layer), key), (self.value(layer), value)):
+            _as_bits(layer_cache).view(-1, heads, dim).index_copy_(0, slot_mapping,
+                                                                   _as_bits(new))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, K and V): `(source, destination)` pairs."""
+        if not pairs:
+            return
+        source = torch.tensor([s for s, _ in pairs], device=self.device)
+        destination = torch.tensor([d for _, d in pairs], device=self.device)
+        bits = _as_bits(self.tensor)
+        bits[:, :, destination] = bits[:, :, source]
+
+    @property
+    def num_bytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """fp8 values as their bytes, for the copies torch does not implement for fp8 on the CPU."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e5m2 else tensor

@@ -1,0 +1,1 @@
+"""Loads models: Hugging Face checkpoints, the embedded default model, GGUF weight blocks."""

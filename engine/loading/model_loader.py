@@ -1,0 +1,207 @@
+"""Loading a Hugging Face causal LM and its tokenizer with Conveyor's paged attention."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention import hf as hf_attention
+from engine.kernels.cpu.build import cpu_flags
+from engine.kernels.cpu.linear import (
+    convert_linears,
+    fp32_packing_supported,
+    half_weights_supported,
+    pack_linears,
+    use_gguf_blocks,
+)
+from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
+from engine.loading import gguf_blocks
+from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "half": torch.float16, "float": torch.float32}
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    name: str
+    path: str
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    compute_dtype: torch.dtype
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX-512 BF16 or AMX)."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_supports_fp16() -> bool:
+    """True when the CPU has native fp16 arithmetic (AVX-512 FP16 or AMX FP16)."""
+    flags = cpu_flags()
+    return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
+def half_weights_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a 16-bit model on this device should keep 16-bit weights but carry fp32
+    activations between its layers: a CPU without native arithmetic for `dtype`, where an
+    fp16-weight product runs, or a bf16 model on a CPU with AVX-512 BF16, where Conveyor's bf16
+    panels multiply (torch's bf16 linear layers repack their weights at every call)."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    native = cpu_supports_bf16() if dtype == torch.bfloat16 else cpu_supports_fp16()
+    if native:
+        return dtype == torch.bfloat16 and bf16_panels_available()
+    return half_weights_supported()
+
+
+def resolve_dtype(name: str, device: torch.device, model: str | None = None,
+                  trust_remote_code: bool = False) -> torch.dtype:
+    """`auto`: bf16 on GPUs and CPUs with native bf16. On other CPUs, a checkpoint stored in bf16
+    or fp16 keeps its 16-bit weights and computes in fp32 (`half_weights_in_fp32`), anything
+    else runs fp32. `model` is the folder or hub id (None: the default model)."""
+    if name != "auto":
+        try:
+            return DTYPES[name]
+        except KeyError:
+            raise ValueError(f"unknown dtype {name!r}; choose auto, bfloat16, float16 "
+                             f"or float32") from None
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if cpu_supports_bf16():
+        return torch.bfloat16
+    stored = checkpoint_dtype(model, trust_remote_code)
+    if stored in (torch.bfloat16, torch.float16) and half_weights_supported():
+        return stored
+    return torch.float32
+
+
+def checkpoint_dtype(name_or_path: str | None, trust_remote_code: bool = False,
+                     ) -> torch.dtype | None:
+    """The dtype a checkpoint's config says its weights are stored in; None where it says none
+    or the config does not load (loading the model then reports why)."""
+    from transformers import AutoConfig
+
+    path = str(ensure_default_model()) if name_or_path is None else name_or_path
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = DTYPES.get(stored)
+    return stored if isinstance(stored, torch.dtype) else None
+
+
+def context_length(config: Any) -> int:
+    for key in CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return _sliding_window_limit(config, value)
+    return 2048
+
+
+def _sliding_window_limit(config: Any, length: int) -> int:
+    """The torch backend attends over whole sequences; a model with a sliding window shorter
+    than its context is served up to the window, where both agree."""
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", True)
+    if uses_window and isinstance(window, int) and 0 < window < length:
+        logger.warning("limiting the context to the sliding window of %d tokens", window)
+        return window
+    return length
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.device,
+               trust_remote_code: bool = False, int8_activations: bool = False) -> LoadedModel:
+    """Load weights and tokenizer; None loads the embedded default model. `int8_activations`
+    multiplies the GGUF Q4_1 / Q8_0 blocks of an fp32 CPU model against inputs rounded to 8-bit
+    blocks (`cpu_linear.use_gguf_blocks`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path is None:
+        path, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
+    else:
+        path, name = name_or_path, name_or_path
+    logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code)
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
+    if half_weights_in_fp32(dtype, device):
+        use_half_weights(model, dtype)
+    elif device.type == "cpu" and dtype == torch.float32 and fp32_packing_supported():
+        use_gguf_blocks_beside(model, Path(path), int8_activations)
+        pack_linears(model)
+    if int8_activations and not any(getattr(m, "int8_activations", False)
+                                    for m in model.modules()):
+        logger.warning("--int8-activations has no effect here: it needs float32 on a CPU and "
+                       "GGUF blocks beside the checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return wrap_model(model, tokenizer, name=name, path=path)
+
+
+def use_gguf_blocks_beside(model: Any, folder: Path, int8_activations: bool = False) -> None:
+    """Hold fp32 linear layers in the GGUF blocks kept beside the checkpoint, if any (the default
+    model keeps its Q4_1 and Q8_0 blocks), where they widen to exactly the loaded weights and
+    Conveyor's panel kernel runs."""
+    blocks_file = folder / gguf_blocks.BLOCKS_FILE
+    if blocks_file.is_file() and panel_linear_available():
+        use_gguf_blocks(model, gguf_blocks.load(blocks_file), int8_activations)
+
+
+def use_half_weights(model: Any, dtype: torch.dtype) -> None:
+    """Carry a `dtype` model's activations in fp32 with its linear weights in 16 bits: in bf16
+    panels multiplied in bf16 where the CPU has AVX-512 BF16, else in fp16 and computed in
+    fp32. The weights were already rounded to `dtype`; fp16 holds every bf16 value between
+    2**-17 and 65504 exactly."""
+    name = str(dtype).removeprefix("torch.")
+    if dtype == torch.bfloat16 and bf16_panels_available():
+        logger.info("bf16 linear layers in Conveyor's AVX-512 BF16 panels, float32 between them")
+    else:
+        logger.info("this CPU has no native %s arithmetic: computing in float32 with 16-bit "
+                    "weights", name)
+    model.float()
+    convert_linears(model, dtype)
+
+
+def wrap_model(model: Any, tokenizer: Any, name: str, path: str = "") -> LoadedModel:
+    """Describe an already loaded model (tests build tiny ones in memory)."""
+    model.set_attn_implementation(hf_attention.register())
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        path=path,
+        max_model_len=context_length(model.config),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        compute_dtype=model.get_input_embeddings().weight.dtype,
+    )

@@ -1,0 +1,500 @@
+"""Continuous batching: which requests run how many tokens in the next step.
+
+There is no prefill or decode phase. Each step has a token budget; a running request asks for
+`num_tokens - num_computed_tokens` tokens (one when decoding, the rest of its prompt when a
+prefill was chunked), and waiting requests are admitted while budget, sequence slots and blocks
+last. When blocks run out, the running request the policy ranks last (under fcfs the most
+recently admitted) is preempted: it gives back its blocks and returns to the waiting queue to be
+recomputed later. Under the priority policy a waiting request also preempts running requests of
+lower priority when it cannot otherwise get blocks or a sequence slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from engine.core.config import SchedulerConfig
+from engine.core.errors import PromptTooLongError
+from engine.core.outputs import ModelRunnerOutput
+from engine.core.request import FinishReason, Request, RequestStatus
+from engine.kv.block_manager import BlockManager
+from engine.scheduling.admission import (
+    AdmissionLimits,
+    Decision,
+    DrainRate,
+    QueueState,
+    decide,
+    fewest_new_tokens,
+)
+from engine.scheduling.policy import SchedulingPolicy
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """True when this chunk reaches the last known token, so a new token is sampled."""
+        request = self.request
+        return request.num_computed_tokens + self.num_tokens >= request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What to run this step: requests in batch order with their token counts."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Waiting and running queues over one block manager. Imports no torch."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.clock = clock
+        self.policy = SchedulingPolicy(config.policy, config.max_priority_wait)
+        self.admission_limits = AdmissionLimits(config.max_waiting_requests,
+                                                config.max_queued_tokens,
+                                                config.admission_soft_limit)
+        self.drain = DrainRate()
+        self.num_rejections = 0
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._batch_closed = False
+        self._forks: dict[str, list[Request]] = {}
+
+    # ---- admission -------------------------------------------------------------------------
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence that can ever be held: context limit or whole cache."""
+        return min(self.config.max_model_len, self.block_manager.num_tokens_capacity)
+
+    def check_prompt(self, num_prompt_tokens: int) -> None:
+        """Refuse a prompt that could never run (it needs room for at least one new token)."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {num_prompt_tokens} tokens, leaving no room for a completion. Please "
+                f"reduce the length of the prompt.",
+                param="prompt",
+            )
+        capacity = self.block_manager.num_tokens_capacity
+        if num_prompt_tokens >= capacity:
+            raise PromptTooLongError(
+                f"The prompt has {num_prompt_tokens} tokens but the KV cache holds only "
+                f"{capacity} tokens in all. Please reduce the length of the prompt.",
+                param="prompt",
+            )
+
+    def admission(self, promised_tokens: int, priority: int, pending: int = 0,
+                  pending_tokens: int = 0) -> Decision:
+        """Admit, defer or reject a new request promising `promised_tokens` (prompt plus its
+        most output); `pending` requests are on their way into the queue. Under the priority
+        policy only waiting requests of the same or higher priority count against the queue
+        limits, so low-priority traffic is turned away first."""
+        ahead = [r for r in self.waiting
+                 if not self.policy.uses_priority or r.priority <= priority]
+        queued = sum(r.num_prompt_tokens + r.max_output_tokens for r in ahead)
+        state = QueueState(len(ahead) + pending, queued + pending_tokens,
+                           self.block_manager.usage)
+        decision = decide(self.admission_limits, state, promised_tokens, priority > 0,
+                          self.drain)
+        if decision.outcome.value == "reject":
+            self.num_rejections += 1
+        return decision
+
+    def num_deferred(self) -> int:
+        """Waiting requests held back by the soft limit rather than by capacity."""
+        if self.block_manager.usage < self.config.admission_soft_limit:
+            return 0
+        return sum(r.deferred for r in self.waiting)
+
+    def add_request(self, request: Request, fork_of: str | None = None) -> None:
+        """Queue a request. With `fork_of` (a waiting request with the same prompt), it waits
+        until that one has computed the prompt, then shares its blocks instead of recomputing
+        them."""
+        self.check_prompt(request.num_prompt_tokens)
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.max_total_tokens = min(request.max_total_tokens, self.max_sequence_tokens)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        leader = self.requests.get(fork_of) if fork_of is not None else None
+        if leader is not None and leader.num_output_tokens == 0 and (
+                leader.prompt_token_ids == request.prompt_token_ids):
+            self._forks.setdefault(leader.request_id, []).append(request)
+        else:
+            self.waiting.append(request)
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        now = self.clock()
+        self.policy.order_running(self.running, now)
+        if self.policy.uses_priority:
+            self._preempt_for_priority(output, now)
+        budget, grew_out = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not grew_out:
+            self._schedule_waiting(output, budget, now)
+        output.block_copies = self.block_manager.take_copies()
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Schedule running requests; also say whether one had to be preempted to grow."""
+        index = 0
+        preempted = len(output.preempted)
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_tokens, output):
+                break
+            output.scheduled.append(ScheduledRequest(request, num_tokens))
+            budget -= num_tokens
+            index += 1
+        return budget, len(output.preempted) > preempted
+
+    def _eligible(self, request: Request) -> bool:
+        """Deferred requests wait until the cache drops below the soft limit."""
+        if request.deferred and self.block_manager.usage < self.config.admission_soft_limit:
+            request.deferred = False
+        return not request.deferred
+
+    def _admissible(self) -> Callable[[Request], bool]:
+        """Eligible requests, less low-priority ones once they fill their share of the slots
+        (the rest are reserved for urgent requests)."""
+        reserved = self.config.reserved_seqs if self.policy.uses_priority else 0
+        if not reserved:
+            return self._eligible
+        lows = sum(r.priority > 0 for r in self.running)
+        low_slots_full = lows >= self.config.max_num_seqs - reserved
+        return lambda r: self._eligible(r) and not (low_slots_full and r.priority > 0)
+
+    def _preempt_for_priority(self, output: SchedulerOutput, now: float) -> None:
+        """Make room for waiting requests that outrank running ones: sequence slots first, then
+        blocks for the best one's first chunk."""
+        admissible = self._admissible()
+        self._preempt_for_slots(output, now, admissible)
+        candidate = self.policy.pick(self.waiting, now, admissible)
+        if candidate is not None and len(self.running) < self.config.max_num_seqs:
+            self._preempt_for_blocks(output, now, candidate)
+
+    def _preempt_for_slots(self, output: SchedulerOutput, now: float,
+                           admissible: Callable[[Request], bool]) -> None:
+        """With every slot taken, each waiting request of a better priority class than the
+        last running one takes that one's slot, while their prompts fit in this step's token
+        budget. The displaced request is paused, not recomputed. Requests of the same class
+        never displace each other, so nothing thrashes."""
+        slots = self.config.max_num_seqs - len(self.running)
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        queue = sorted(filter(admissible, self.waiting), key=lambda r: self.policy.key(r, now))
+        for index, candidate in enumerate(queue):
+            need = candidate.num_tokens - candidate.num_computed_tokens
+            if need > budget and index > 0:  # the first one may start with a chunk
+                return
+            budget -= need
+            if slots > 0:
+                slots -= 1
+                continue
+            victim = self._slot_victim(candidate, now)
+            if victim is None:
+                return
+            self.running.remove(victim)
+            self._pause(victim)
+            output.preempted.append(victim)
+            budget += 1
+
+    def _slot_victim(self, candidate: Request, now: float) -> Request | None:
+        """The running request to pause for `candidate`: one of the lowest priority class, if
+        `candidate` outranks it; of those, one that will miss its deadline anyway, else the one
+        with the most time to spare, else the latest to arrive."""
+        if not self.running or not self.policy.outranks(candidate, self.running[-1], now):
+            return None
+        lowest = self.policy.key(self.running[-1], now)[0]
+        peers = [r for r in self.running if self.policy.key(r, now)[0] == lowest]
+        step = self.drain.step_seconds(len(self.running))
+
+        def spare(ranked: tuple[int, Request]) -> tuple[bool, float, int]:
+            rank, request = ranked
+            if request.deadline is None:
+                return False, math.inf, rank
+            fewest = fewest_new_tokens(request.sampling_params, request.max_output_tokens)
+            slack = request.deadline - now - max(0, fewest - request.num_output_tokens) * step
+            return slack < 0, slack, rank
+
+        return max(enumerate(peers), key=spare)[1]
+
+    def _preempt_for_blocks(self, output: SchedulerOutput, now: float,
+                            candidate: Request) -> None:
+        """While `candidate` cannot get blocks for its first chunk (once the running ones have
+        grown by this step's tokens), free the blocks of lower-ranked waiting requests, then
+        preempt lower-ranked running ones."""
+        key = self.policy.key(candidate, now)
+        manager = self.block_manager
+        first_chunk = min(candidate.num_tokens, self.config.max_num_batched_tokens)
+        need = manager.blocks_for(first_chunk) - len(candidate.block_ids)
+        while True:
+            growth = sum(max(0, manager.blocks_for(r.num_tokens) - len(r.block_ids))
+                         for r in self.running)
+            if manager.num_free_blocks >= need + growth:
+                return
+            if self._release_held(now, spare=candidate, below=key):
+                continue
+            if not self.running or self.policy.key(self.running[-1], now) <= key:
+                return
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+
+    def _allocate_or_preempt(self, request: Request, num_tokens: int,
+                             output: SchedulerOutput) -> bool:
+        """Find blocks for the request, taking them from waiting requests that hold some, then
+        preempting from the back; False if it was preempted."""
+        target = request.num_computed_tokens + num_tokens
+        while not self.block_manager.allocate(request, target):
+            if self._release_held(self.clock(), spare=request):
+                continue
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> None:
+        if self.config.static_batching:
+            if not self.running:
+                self._batch_closed = False
+            if self._batch_closed:
+                return
+        self._admit(output, budget, now)
+        if self.config.static_batching and (
+                not self.waiting or len(self.running) >= self.config.max_num_seqs):
+            self._batch_closed = True
+
+    def _admit(self, output: SchedulerOutput, budget: int, now: float) -> None:
+        """Start waiting requests in policy order while budget, slots and blocks last."""
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.policy.pick(self.waiting, now, self._admissible())
+            if request is None:
+                break
+            fresh = not request.block_ids  # forked requests arrive holding their prompt
+            if fresh:
+                self._claim_cached_prefix(request)
+            num_tokens = request.num_tokens - request.num_computed_tokens
+            if num_tokens > budget and not self.config.enable_chunked_prefill:
+                num_tokens = 0
+            num_tokens = min(num_tokens, budget)
+            if num_tokens == 0 or not self._allocate_waiting(request, num_tokens, now):
+                if fresh:  # stays waiting: hold nothing
+                    self._release(request)
+                break
+            if fresh:
+                self._count_prefix_lookup(request)
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = now
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest(request, num_tokens))
+            budget -= num_tokens
+
+    def _allocate_waiting(self, request: Request, num_tokens: int, now: float) -> bool:
+        """Blocks for a waiting request's next chunk, freeing those other waiting requests hold
+        when the cache is full. A request that holds blocks and still cannot grow gives them up
+        (it starts from scratch later), so held blocks can never wedge the queue."""
+        manager = self.block_manager
+        while not manager.allocate(request, request.num_computed_tokens + num_tokens):
+            if not self._release_held(now, spare=request):
+                self._release(request)
+                return False
+        return True
+
+    def _release_held(self, now: float, spare: Request,
+                      below: tuple[float, float] | None = None) -> bool:
+        """Free the blocks of the lowest-ranked waiting request holding any (a paused or forked
+        one; it will be recomputed), other than `spare` and ranked after `below`; False if
+        there is none."""
+        held = [r for r in self.waiting if r.block_ids and r is not spare and (
+            below is None or self.policy.key(r, now) > below)]
+        if not held:
+            return False
+        if self.policy.uses_priority:
+            self._release(max(held, key=lambda r: self.policy.key(r, now)))
+        else:
+            self._release(held[-1])
+        return True
+
+    def _release(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+
+    def _claim_cached_prefix(self, request: Request) -> None:
+        """Start a request holding no blocks from the longest cached run of its full blocks."""
+        blocks = self.block_manager.cached_prefix(request)
+        self.block_manager.claim(request, blocks)
+        request.num_computed_tokens = len(blocks) * self.block_manager.block_size
+
+    def _count_prefix_lookup(self, request: Request) -> None:
+        if not self.block_manager.enable_caching:
+            return
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += request.num_computed_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+
+    def _preempt(self, request: Request) -> None:
+        """Back to the waiting queue without its blocks: it will be recomputed."""
+        self._release(request)
+        self._pause(request)
+
+    def _pause(self, request: Request) -> None:
+        """Back to the waiting queue keeping its blocks: it resumes where it stopped, unless
+        the blocks are needed first."""
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- results ---------------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance the scheduled requests; return those that received a new token.
+
+        Requests that finish here free their blocks at once, so the next step can admit others.
+        """
+        advanced: list[Request] = []
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_tokens
+            self.block_manager.cache_full_blocks(request)
+            token = runner_output.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output(token)
+            advanced.append(request)
+            self._release_forks(request, share=True)
+            if request.check_token_stop():
+                self._remove(request)
+        return advanced
+
+    def _release_forks(self, leader: Request, share: bool) -> None:
+        """Queue the requests waiting on `leader`'s prompt: sharing its blocks (they compute
+        only the last prompt token, into a private copy of its block) or from scratch."""
+        siblings = self._forks.pop(leader.request_id, [])
+        for sibling in reversed(siblings):
+            if share:
+                self.block_manager.fork(leader, sibling)
+                sibling.num_computed_tokens = sibling.num_prompt_tokens - 1
+            self.waiting.appendleft(sibling)
+
+    def finish_request(self, request_id: str, reason: FinishReason,
+                       stop_reason: int | str | None = None) -> Request | None:
+        """End a request from outside (abort, stop string, error); its blocks return at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if not request.is_finished:
+            request.finish(reason, stop_reason)
+        self._remove(request)
+        return request
+
+    def expire_deadlines(self, now: float) -> list[Request]:
+        """End every request whose deadline has passed, waiting or running, and every
+        request not started yet that could no longer finish in time even if it started now
+        (its compute would be wasted on an answer nobody wants)."""
+        expired = [r for r in self.requests.values()
+                   if r.deadline is not None and (now >= r.deadline or self._hopeless(r, now))]
+        for request in expired:
+            request.finish(FinishReason.TIMEOUT)
+            self._remove(request)
+        return expired
+
+    def _hopeless(self, request: Request, now: float) -> bool:
+        if request.num_output_tokens or request.status is not RequestStatus.WAITING:
+            return False
+        fewest = fewest_new_tokens(request.sampling_params, request.max_output_tokens)
+        needed = self.drain.time_to_finish(request.num_prompt_tokens, fewest,
+                                           len(self.running) + 1)
+        return now + needed > (request.deadline or now)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = (self.finish_request(rid, FinishReason.ABORT) for rid in request_ids)
+        return [request for request in aborted if request is not None]
+
+    def _remove(self, request: Request) -> None:
+        if request.request_id not in self.requests:
+            return
+        del self.requests[request.request_id]
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self._discard_waiting(request)
+        self._release_forks(request, share=False)
+        self.block_manager.free(request)
+
+    def _discard_waiting(self, request: Request) -> None:
+        with contextlib.suppress(ValueError):
+            self.waiting.remove(request)
+        for siblings in self._forks.values():
+            if request in siblings:
+                siblings.remove(request)
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if queues and blocks disagree."""
+        manager = self.block_manager
+        manager.check_invariants()
+        holders: dict[int, int] = {}
+        for request in self.requests.values():
+            for block in request.block_ids:
+                holders[block] = holders.get(block, 0) + 1
+        assert len(holders) == manager.num_used_blocks, "blocks held != blocks used"
+        assert all(manager.ref_count(b) == n for b, n in holders.items()), "bad ref count"
+        for request in self.waiting:
+            # A paused or forked request waits holding the blocks of its computed tokens.
+            computed = request.num_computed_tokens
+            assert request.block_ids or computed == 0, "waiting KV"
+            assert manager.blocks_for(computed) <= len(request.block_ids), "waiting KV"
+        assert len(self.running) <= self.config.max_num_seqs
+        pending = {r.request_id for siblings in self._forks.values() for r in siblings}
+        assert set(self.requests) == {r.request_id for r in self.running} | {
+            r.request_id for r in self.waiting} | pending

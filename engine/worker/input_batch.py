@@ -1,0 +1,85 @@
+"""Flatten one step's scheduled requests into model inputs, with no per-token Python loops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.core.request import Request
+from engine.scheduling.scheduler import ScheduledRequest
+
+
+@dataclass(slots=True)
+class InputBatch:
+    """Host-side inputs of one forward pass over all scheduled tokens (no padding).
+
+    Row `i` is the i-th scheduled request: it runs `query_lens[i]` tokens starting at position
+    `context_lens[i]` (its tokens already cached), flattened at `query_starts[i]`.
+    """
+
+    requests: list[Request]
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_starts: np.ndarray
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    block_table: np.ndarray
+    sample_rows: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.context_lens + self.query_lens
+
+    @property
+    def sample_token_indices(self) -> np.ndarray:
+        """Flattened index of the last token of each row that samples."""
+        rows = self.sample_rows
+        return self.query_starts[rows] + self.query_lens[rows] - 1
+
+
+def build_input_batch(scheduled: list[ScheduledRequest], block_size: int) -> InputBatch:
+    requests = [item.request for item in scheduled]
+    query_lens = np.fromiter((item.num_tokens for item in scheduled), np.int64, len(scheduled))
+    context_lens = np.fromiter((r.num_computed_tokens for r in requests), np.int64, len(requests))
+    query_starts = np.cumsum(query_lens) - query_lens
+    token_rows = np.repeat(np.arange(len(requests)), query_lens)
+    offsets = np.arange(int(query_lens.sum())) - query_starts[token_rows]
+    positions = context_lens[token_rows] + offsets
+    block_table = _block_table(requests)
+    slot_mapping = block_table[token_rows, positions // block_size] * block_size + (
+        positions % block_size)
+    sample_rows = np.flatnonzero(
+        np.fromiter((item.completes_sequence for item in scheduled), bool, len(scheduled)))
+    return InputBatch(
+        requests=requests,
+        input_ids=_input_ids(scheduled),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_starts=query_starts,
+        query_lens=query_lens,
+        context_lens=context_lens,
+        block_table=block_table,
+        sample_rows=sample_rows,
+    )
+
+
+def _input_ids(scheduled: list[ScheduledRequest]) -> np.ndarray:
+    ids: list[int] = []
+    for item in scheduled:
+        start = item.request.num_computed_tokens
+        ids.extend(item.request.all_token_ids[start:start + item.num_tokens])
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _block_table(requests: list[Request]) -> np.ndarray:
+    width = max((len(r.block_ids) for r in requests), default=0)
+    table = np.zeros((len(requests), max(width, 1)), dtype=np.int64)
+    for row, request in enumerate(requests):
+        table[row, :len(request.block_ids)] = request.block_ids
+    return table

@@ -1,0 +1,156 @@
+"""Runs one step: flattened inputs through the model, logits of the needed positions, sampling.
+
+Where every row samples greedily from its raw logits, the model chooses the tokens itself
+(`CausalLM.greedy_tokens`), and over Conveyor's bf16 panels the logits are never written out."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.core.outputs import ModelRunnerOutput, TokenLogprob
+from engine.core.request import Request
+from engine.kv.kv_cache import KVCache
+from engine.models import CausalLM
+from engine.scheduling.scheduler import SchedulerOutput
+from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.input_batch import InputBatch, build_input_batch
+from engine.worker.sampler import Sampler, takes_argmax, token_logprobs
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the sampler; knows nothing of queues."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend,
+                 sampler: Sampler, graphs: DecodeGraphs | None = None) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.sampler = sampler
+        self.graphs = graphs
+        self.device = kv_cache.device
+        # False: every step hands its logits to the sampler (benchmarks compare the two ways).
+        self.greedy_in_model = True
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.kv_cache.copy_blocks(scheduler_output.block_copies)
+        batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
+        prompt_rows = _prompt_logprob_rows(batch)
+        requests = _sampled_requests(batch)
+        if not prompt_rows and self._model_chooses(batch, requests):
+            return self._choose_in_model(batch, requests)
+        prompt_indices = _prompt_logprob_indices(batch, prompt_rows)
+        logits = self.forward(batch, np.concatenate([prompt_indices, batch.sample_token_indices]))
+        output = ModelRunnerOutput()
+        if prompt_rows:
+            self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
+        self._sample(requests, logits[len(prompt_indices):], output)
+        return output
+
+    def forward(self, batch: InputBatch, logits_indices: np.ndarray) -> torch.Tensor:
+        """Logits `[len(logits_indices), vocab]` for the given flattened token positions."""
+        if self.graphs is not None and self.graphs.supports(batch, logits_indices):
+            return self.graphs.run(batch)
+        return self.model(*self._model_inputs(batch, logits_indices))
+
+    def _model_inputs(self, batch: InputBatch, logits_indices: np.ndarray) -> tuple[
+            torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        metadata = self.backend.build_metadata(batch, self.kv_cache)
+        input_ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
+        keep = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
+        return input_ids, positions, metadata, keep
+
+    def _model_chooses(self, batch: InputBatch, requests: list[Request]) -> bool:
+        """Every sampled row (`requests`) takes the argmax of its raw logits, and no decode
+        graph would run the step (a replayed graph computes the logits anyway)."""
+        indices = batch.sample_token_indices
+        return (self.greedy_in_model and takes_argmax(requests)
+                and not (self.graphs is not None and self.graphs.supports(batch, indices)))
+
+    def _choose_in_model(self, batch: InputBatch,
+                         requests: list[Request]) -> ModelRunnerOutput:
+        tokens = self.model.greedy_tokens(*self._model_inputs(batch, batch.sample_token_indices))
+        output = ModelRunnerOutput()
+        for request, token in zip(requests, tokens.tolist(), strict=True):
+            output.sampled_token_ids[request.request_id] = token
+        return output
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor,
+                output: ModelRunnerOutput) -> None:
+        if not requests:
+            return
+        sampled = self.sampler(logits, requests)
+        for request, token, logprob in zip(requests, sampled.token_ids, sampled.logprobs,
+                                           strict=True):
+            output.sampled_token_ids[request.request_id] = token
+            if logprob is not None:
+                output.logprobs[request.request_id] = logprob
+
+    def _prompt_logprobs(self, batch: InputBatch, rows: list[int], logits: torch.Tensor,
+                         output: ModelRunnerOutput) -> None:
+        """Entry i of a prompt's logprobs is its token i scored by the logits at position i - 1;
+        entry 0 (nothing predicts the first token) is None."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets: list[int] = []
+        counts: list[int | None] = []
+        for row in rows:
+            request = batch.requests[row]
+            lo, hi = _prompt_entry_span(batch, row)
+            targets.extend(request.prompt_token_ids[lo:hi])
+            counts.extend([request.sampling_params.prompt_logprobs] * (hi - lo))
+        target = torch.tensor(targets, device=logits.device, dtype=torch.long)
+        entries = token_logprobs(logprobs, target, counts)
+        offset = 0
+        for row in rows:
+            request = batch.requests[row]
+            lo, hi = _prompt_entry_span(batch, row)
+            first = request.num_prompt_logprobs_done == 0
+            chunk: list[TokenLogprob | None] = [None] if first else []
+            chunk.extend(entries[offset:offset + hi - lo])
+            offset += hi - lo
+            request.num_prompt_logprobs_done = max(hi, 1)
+            output.prompt_logprobs[request.request_id] = chunk
+
+    def release(self, request_ids: list[str]) -> None:
+        self.sampler.release(request_ids)
+
+
+def _sampled_requests(batch: InputBatch) -> list[Request]:
+    """The requests that sample a token this step, in the order of the step's sampled rows."""
+    return [batch.requests[row] for row in batch.sample_rows]
+
+
+def _prompt_logprob_rows(batch: InputBatch) -> list[int]:
+    """Rows with prompt logprob entries to produce in this chunk."""
+    rows = []
+    for row, request in enumerate(batch.requests):
+        if request.sampling_params.prompt_logprobs is None:
+            continue
+        lo, hi = _prompt_entry_span(batch, row)
+        if hi > lo or request.num_prompt_logprobs_done == 0:
+            rows.append(row)
+    return rows
+
+
+def _prompt_entry_span(batch: InputBatch, row: int) -> tuple[int, int]:
+    """Prompt logprob entries [lo, hi) this chunk's logits can score, skipping entries already
+    produced before a preemption."""
+    request = batch.requests[row]
+    start = int(batch.context_lens[row])
+    end = start + int(batch.query_lens[row])
+    lo = max(request.num_prompt_logprobs_done, start + 1, 1)
+    hi = min(end + 1, request.num_prompt_tokens)
+    return lo, max(lo, hi)
+
+
+def _prompt_logprob_indices(batch: InputBatch, rows: list[int]) -> np.ndarray:
+    """Flattened token index of position i - 1 for each entry i."""
+    pieces = [np.zeros(0, dtype=np.int64)]
+    for row in rows:
+        lo, hi = _prompt_entry_span(batch, row)
+        base = int(batch.query_starts[row]) - int(batch.context_lens[row])
+        pieces.append(np.arange(lo - 1, hi - 1, dtype=np.int64) + base)
+    return np.concatenate(pieces)

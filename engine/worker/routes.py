@@ -1,0 +1,73 @@
+"""The one start-up line that says which route every part of a step takes: linear-layer forms,
+attention backend, how decode steps run, dtypes and the CPU kernels built, so that a user and a
+bug report can see it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.linear import GatedPanelLinear, HalfWeightLinear, PackedLinear, PanelLinear
+
+
+def linear_form(module: nn.Module) -> str | None:
+    """How a linear layer multiplies (None for modules that are not linear layers)."""
+    if isinstance(module, PanelLinear):
+        return f"panels ({module.held_as})"
+    if isinstance(module, GatedPanelLinear):
+        return f"gated panels ({_dtype(module.panels.dtype)})"
+    if isinstance(module, HalfWeightLinear | PackedLinear):
+        return type(module).__name__
+    if isinstance(module, nn.Linear):
+        return f"torch ({_dtype(module.weight.dtype)})"
+    return None
+
+
+def linear_forms(model: object) -> str:
+    """Each linear-layer form with its count, most common first."""
+    if not isinstance(model, nn.Module):
+        return "n/a"
+    forms = Counter(form for m in model.modules() if (form := linear_form(m)) is not None)
+    return ", ".join(f"{count} {form}" for form, count in forms.most_common()) or "none"
+
+
+def decode_route(model: object) -> str:
+    """How a CPU decode step runs Conveyor's layers: the whole stack as one op, one op per
+    layer, or op by op."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return "Hugging Face layers"
+    if getattr(model, "stack", None) is not None:
+        return "whole stack as one op"
+    fused = sum(getattr(layer, "fused", None) is not None for layer in layers)
+    if fused == len(layers):
+        return "one op per layer"
+    return "op by op" if fused == 0 else f"one op per layer for {fused} of {len(layers)}"
+
+
+def kernels_route() -> str:
+    """Which CPU kernel groups loaded, for which instruction-set target."""
+    result = cpu_ops.build_result()
+    if not result.built:
+        return f"none ({next(iter(result.failed.values()), 'not built')})"
+    missing = f"; without {', '.join(result.failed)}" if result.failed else ""
+    return f"{', '.join(result.built)} for -march={cpu_build.march()}{missing}"
+
+
+def describe(model: object, attention: str, dtype: torch.dtype, compute: torch.dtype,
+             cache_dtype: torch.dtype, device: torch.device) -> str:
+    parts = [f"model implementation {getattr(model, 'name', type(model).__name__)}",
+             f"dtype {_dtype(dtype)} (compute {_dtype(compute)})",
+             f"KV cache {_dtype(cache_dtype)}", f"attention {attention}",
+             f"linear layers: {linear_forms(model)}"]
+    if device.type == "cpu":
+        parts += [f"decode: {decode_route(model)}", f"CPU kernels: {kernels_route()}"]
+    return "; ".join(parts)
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

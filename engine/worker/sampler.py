@@ -1,0 +1,228 @@
+"""Batched sampling: logits processing, greedy and random choice, logprobs.
+
+Every row's choice is tensor work over the whole batch. A request with a seed draws from its own
+generator, which advances only when that request samples, so its tokens do not depend on what
+else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.core.outputs import TokenLogprob
+from engine.core.request import Request
+from engine.kernels.cpu import ops as cpu_ops
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget per-request state of finished requests."""
+        for request_id in request_ids:
+            self._request_generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._process(logits, requests)
+        token_ids = self._choose(logits, requests)
+        logprobs = self._logprobs(raw_logprobs, token_ids, requests)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    # ---- logits processing -----------------------------------------------------------------
+
+    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        _apply_logit_bias(logits, requests)
+        for row, request in enumerate(requests):
+            if request.sampling_params.needs_penalties:
+                self._apply_penalties(logits, row, request)
+        _apply_min_tokens(logits, requests)
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, row: int, request: Request) -> None:
+        params = request.sampling_params
+        device = logits.device
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(request.all_token_ids, device=device).unique()
+            values = logits[row, seen]
+            penalised = torch.where(values > 0, values / params.repetition_penalty,
+                                    values * params.repetition_penalty)
+            logits[row, seen] = penalised
+        if request.output_token_ids and (params.presence_penalty or params.frequency_penalty):
+            outputs = torch.tensor(request.output_token_ids, device=device)
+            counts = torch.bincount(outputs, minlength=logits.shape[1])[: logits.shape[1]]
+            logits[row] -= params.frequency_penalty * counts
+            logits[row] -= params.presence_penalty * (counts > 0).float()
+
+    # ---- choice ----------------------------------------------------------------------------
+
+    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        greedy = [r.sampling_params.greedy for r in requests]
+        if all(greedy):
+            return row_argmax(logits)
+        probs = self._probabilities(logits, requests)
+        choice = row_argmax(probs.div_(self._exponential_noise(probs, requests)))
+        if any(greedy):
+            mask = torch.tensor(greedy, device=logits.device)
+            choice = torch.where(mask, row_argmax(logits), choice)
+        return choice
+
+    def _probabilities(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
+                             device=logits.device)
+        logits = logits / temps[:, None]
+        if any(p.uses_top_k or p.top_p < 1.0 for p in params):
+            logits = _top_k_top_p(logits, params)
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Exp(1) noise: argmax(p / noise) is a sample from p (the exponential race)."""
+        noise = torch.empty_like(probs)
+        unseeded = [row for row, r in enumerate(requests) if r.sampling_params.seed is None]
+        if len(unseeded) == len(requests):
+            return noise.exponential_(generator=self._generator)
+        if unseeded:
+            rows = torch.tensor(unseeded, device=probs.device)
+            noise[rows] = torch.empty_like(noise[rows]).exponential_(generator=self._generator)
+        for row, request in enumerate(requests):
+            if request.sampling_params.seed is not None:
+                noise[row].exponential_(generator=self._generator_for(request))
+        return noise
+
+    def _generator_for(self, request: Request) -> torch.Generator:
+        generator = self._request_generators.get(request.request_id)
+        if generator is None:
+            seed = request.sampling_params.seed
+            assert seed is not None  # only seeded requests have their own generator
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed % 2**64)
+            self._request_generators[request.request_id] = generator
+        return generator
+
+    # ---- logprobs --------------------------------------------------------------------------
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, token_ids: torch.Tensor,
+                  requests: list[Request]) -> list[TokenLogprob | None]:
+        if raw is None:
+            return [None] * len(requests)
+        wanted = [r.sampling_params.logprobs for r in requests]
+        return token_logprobs(raw, token_ids, wanted)
+
+
+def takes_argmax(requests: list[Request]) -> bool:
+    """Every request's next token is the argmax of its raw logits, as the sampler would choose
+    it: greedy, no logprobs, and nothing that changes the logits first (a logit bias,
+    penalties, a `min_tokens` ban still in force). The model may then choose the tokens itself
+    without handing the logits over."""
+    return all(_argmax_of_raw_logits(request) for request in requests)
+
+
+def _argmax_of_raw_logits(request: Request) -> bool:
+    params = request.sampling_params
+    return (params.greedy and params.logprobs is None and not params.logit_bias
+            and not params.needs_penalties and request.num_output_tokens >= params.min_tokens)
+
+
+def row_argmax(values: torch.Tensor) -> torch.Tensor:
+    """`values.argmax(dim=-1)` for `[rows, vocab]`: Conveyor's CPU kernel for fp32 on the CPU
+    (it compares eight lanes at a time where torch compares one element), else torch's."""
+    if (values.device.type == "cpu" and values.dtype == torch.float32 and values.is_contiguous()
+            and cpu_ops.has("elementwise")):
+        return cpu_ops.argmax_rows(values)
+    return values.argmax(dim=-1)
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                   top_counts: list[int | None]) -> list[TokenLogprob | None]:
+    """Logprob and rank of `token_ids[i]` in row i, with the row's `top_counts[i]` best
+    alternatives; rows whose count is None get None. One host transfer for the batch."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_k = max((k for k in top_counts if k), default=0)
+    top_values, top_ids = logprobs.topk(top_k, dim=-1) if top_k else (None, None)
+    chosen_list, ranks_list = chosen[:, 0].tolist(), ranks.tolist()
+    ids_list = token_ids.tolist()
+    values_list = top_values.tolist() if top_values is not None else []
+    top_ids_list = top_ids.tolist() if top_ids is not None else []
+    result: list[TokenLogprob | None] = []
+    for row, count in enumerate(top_counts):
+        if count is None:
+            result.append(None)
+            continue
+        top: tuple[tuple[int, float], ...] = ()
+        if count:
+            top = tuple(zip(top_ids_list[row][:count], values_list[row][:count], strict=True))
+        result.append(TokenLogprob(ids_list[row], chosen_list[row], ranks_list[row], top))
+    return result
+
+
+def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for row, request in enumerate(requests):
+        for token_id, bias in (request.sampling_params.logit_bias or {}).items():
+            rows.append(row)
+            cols.append(token_id)
+            values.append(bias)
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(values, device=device), accumulate=True)
+
+
+def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            continue
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= request.eos_token_ids
+        banned = [t for t in stops if t < logits.shape[1]]
+        if banned:
+            logits[row, banned] = float("-inf")
+
+
+def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus (sort-based)."""
+    device = logits.device
+    vocab = logits.shape[1]
+    # A top_k past the vocabulary keeps every token (and would not fit an int64).
+    top_k = torch.tensor([min(p.top_k, vocab) if p.uses_top_k else vocab for p in params],
+                         device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab, device=device)[None, :]
+    remove = positions >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep a token while the mass before it is below top_p; the best token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove = remove | (mass_before >= top_p[:, None])
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

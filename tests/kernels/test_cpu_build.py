@@ -1,0 +1,194 @@
+"""How the CPU kernels build: every source for every x86-64 level, groups that fail apart, and
+build locks that never outlive their process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.build import GROUPS, build_lock, without
+
+ALL = cpu_build.GROUP_NAMES
+UNSUPPORTED = cpu_build.why_unsupported()
+needs_compiler = pytest.mark.skipif(bool(UNSUPPORTED), reason=f"no kernels here: {UNSUPPORTED}")
+
+
+@needs_compiler
+@pytest.mark.parametrize("target", cpu_build.TARGETS)
+def test_every_source_compiles_for_each_instruction_set(target, tmp_path):
+    failures = cpu_build.cross_compile(target, tmp_path)
+    assert not failures, "\n".join(f"{f.source} for {f.target}:\n{f.errors}" for f in failures)
+
+
+@needs_compiler
+def test_every_group_builds_for_this_machine():
+    result = cpu_ops.build_result()
+    assert result.built == ALL, result.failed
+    assert result.failed == {}
+
+
+def test_the_sources_are_exactly_the_groups_sources():
+    """Each source sits in its group's folder, and every source on disk belongs to a group."""
+    on_disk = sorted(p.relative_to(cpu_build.CSRC) for p in cpu_build.CSRC.rglob("*.cpp"))
+    assert sorted(p.relative_to(cpu_build.CSRC) for p in cpu_build.SOURCES) == on_disk
+    assert {p.parts[0] for p in on_disk} == set(cpu_build.GROUP_NAMES)
+
+
+def test_a_group_left_out_takes_the_groups_that_need_it():
+    assert without(ALL, {"linear"}) == ("attention", "elementwise")
+    assert without(ALL, {"fused_decode"}) == ("attention", "linear", "elementwise")
+    assert without(ALL, set()) == ALL
+
+
+def test_build_name_changes_with_the_cpu_features(monkeypatch):
+    name = cpu_build.build_name()
+    monkeypatch.setattr(cpu_build, "cpu_flags", lambda: "flags : something else")
+    assert cpu_build.build_name() != name
+
+
+class FakeCompiler:
+    """Stands in for the compiler: fails any build that includes `broken`, as ninja reports it."""
+
+    def __init__(self, broken: str | None) -> None:
+        self.broken = broken
+        self.builds: list[tuple[str, ...]] = []
+
+    def __call__(self, folder: Path, name: str, groups: tuple[str, ...]) -> None:
+        self.builds.append(groups)
+        assert not (folder / "lock").exists(), "a stale baton reached torch's builder"
+        if self.broken in groups:
+            source = next(g for g in GROUPS if g.name == self.broken).sources[-1]
+            stem = source.removesuffix(".cpp")
+            path = cpu_build.CSRC / self.broken / source
+            raise RuntimeError(f"Error building extension '{name}': [1/3] c++ ...\n"
+                               f"FAILED: {stem}.o\n{path}:139:5: error: "
+                               f"'round_to_bf16' was not declared in this scope\nninja: stop")
+
+
+@pytest.fixture
+def supported(monkeypatch):
+    monkeypatch.setattr(cpu_build, "why_unsupported", lambda: "")
+
+
+def test_one_broken_group_falls_back_alone(supported, monkeypatch, tmp_path, caplog):
+    fake = FakeCompiler("fused_decode")
+    monkeypatch.setattr(cpu_build, "_compile", fake)
+    with caplog.at_level(logging.WARNING):
+        result = cpu_build.build(tmp_path, "conveyor_cpu_test")
+    assert result.built == ("attention", "linear", "elementwise")
+    assert list(result.failed) == ["fused_decode"]
+    reason = result.failed["fused_decode"]
+    assert "fused_decode/decode_stack.cpp:139:5: error: 'round_to_bf16'" in reason
+    assert fake.builds == [ALL, ("attention", "linear", "elementwise")]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "fused_decode group did not build" in warnings[0]
+
+
+def test_a_recorded_failure_is_not_compiled_again(supported, monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_build, "_compile", FakeCompiler("linear"))
+    first = cpu_build.build(tmp_path, "conveyor_cpu_test")
+    assert first.built == ("attention", "elementwise")
+    assert first.failed["fused_decode"] == "it needs the linear group"
+    recorded = json.loads((tmp_path / "conveyor_cpu_test" / cpu_build.RECORD).read_text())
+    assert set(recorded) == {"linear", "fused_decode"}
+
+    again = FakeCompiler(None)
+    monkeypatch.setattr(cpu_build, "_compile", again)
+    second = cpu_build.build(tmp_path, "conveyor_cpu_test")
+    assert again.builds == [("attention", "elementwise")]
+    assert second.built == first.built and second.failed == first.failed
+
+
+def test_a_failure_no_source_explains_fails_every_group(supported, monkeypatch, tmp_path):
+    def no_ninja(folder, name, groups):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpu_build, "_compile", no_ninja)
+    result = cpu_build.build(tmp_path, "conveyor_cpu_test")
+    assert result.built == ()
+    assert result.failed == {g: "Ninja is required to load C++ extensions" for g in ALL}
+
+
+def test_no_x86_64_builds_nothing_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(cpu_build, "_compile", FakeCompiler(None))
+    with caplog.at_level(logging.WARNING):
+        result = cpu_build.build(tmp_path, "conveyor_cpu_test")
+    assert result.built == ()
+    assert all("x86-64 code and this is aarch64" in why for why in result.failed.values())
+    assert len(caplog.records) == 1 and "pure torch" in caplog.records[0].getMessage()
+
+
+def test_no_compiler_builds_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    result = cpu_build.build(tmp_path, "conveyor_cpu_test")
+    assert result.built == () and "no C++ compiler" in result.failed["attention"]
+
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from engine.kernels.cpu.build import build_lock
+folder = Path(sys.argv[1])
+with build_lock(folder):
+    (folder / "lock").write_text("")  # torch's baton, as a build in progress leaves it
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def hold_lock(folder: Path) -> subprocess.Popen[str]:
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], text=True,
+                              stdout=subprocess.PIPE, cwd=Path(__file__).parents[2])
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_build_killed_midway_does_not_block_the_next(supported, monkeypatch, tmp_path,
+                                                       caplog):
+    folder = tmp_path / "conveyor_cpu_test"
+    folder.mkdir()
+    holder = hold_lock(folder)
+    holder.kill()
+    holder.wait()
+    assert (folder / "lock").exists()
+    monkeypatch.setattr(cpu_build, "_compile", FakeCompiler(None))
+    with caplog.at_level(logging.WARNING):
+        result = cpu_build.build(tmp_path, "conveyor_cpu_test")
+    assert result.built == ALL
+    assert not (folder / "lock").exists()
+    assert "stopped before it finished" in caplog.text
+
+
+def test_a_live_build_is_waited_for_and_named(tmp_path, caplog):
+    holder = hold_lock(tmp_path)
+    acquired = threading.Event()
+
+    def take() -> None:
+        with build_lock(tmp_path):
+            acquired.set()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="engine.kernels.cpu.build"):
+            waiter = threading.Thread(target=take, daemon=True)
+            waiter.start()
+            for _ in range(6000):  # a bound, not a timing: the line comes before any wait
+                if f"waiting for process {holder.pid}" in caplog.text:
+                    break
+                threading.Event().wait(0.01)
+            assert f"waiting for process {holder.pid}" in caplog.text
+            assert not acquired.is_set()
+    finally:
+        holder.kill()
+        holder.wait()
+    waiter.join(timeout=60)
+    assert acquired.is_set()

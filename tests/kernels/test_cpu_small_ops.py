@@ -1,0 +1,196 @@
+"""Conveyor's one-pass CPU RMSNorm, rotary embedding, gated activation and greedy argmax against
+torch, and where the model and the sampler use them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu import ops as cpu_ops
+from engine.models import llama
+from tests.helpers import needs_bf16_panels, needs_cpu_kernels
+
+pytestmark = needs_cpu_kernels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert cpu_ops.has("elementwise"), "the C++ kernels must build on the test machine"
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, ...]]:
+    """The shapes of the first argument of each call to the real kernel `name`."""
+    real, calls = getattr(cpu_ops, name), []
+
+    def recorded(x, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_ops, name, recorded)
+    return calls
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (3, 7), (17, 64), (300, 576), (5000, 32)])
+def test_matches_torch(rows, dim):
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, dim) * 3, torch.randn(dim)
+    out = cpu_ops.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out, F.rms_norm(x, (dim,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize(("rows", "dim"), [(1, 576), (3, 7), (17, 64), (300, 576)])
+def test_bf16_rows_are_the_fp32_rows_rounded(rows, dim):
+    """For a bf16 product: the same rows, rounded to bf16 as that product rounds its input
+    (to nearest, ties to even), spare lanes of the last 16 left out."""
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, dim) * 3, torch.randn(dim)
+    out = cpu_ops.rms_norm(x, weight, 1e-5, bf16_out=True)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, dim)
+    assert torch.equal(out, cpu_ops.rms_norm(x, weight, 1e-5).bfloat16())
+
+
+def test_refuses_bad_inputs():
+    x, weight = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        cpu_ops.rms_norm(x, weight[:4], 1e-5)
+    with pytest.raises(RuntimeError, match="must be fp32"):
+        cpu_ops.rms_norm(x.double(), weight, 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_ops.rms_norm(torch.randn(8, 2).t(), weight, 1e-5)
+
+
+def test_the_model_takes_it_for_fp32_rows_on_the_cpu(monkeypatch):
+    calls = spy(monkeypatch, "rms_norm")
+    weight, x = torch.randn(8), torch.randn(4, 8)
+    torch.testing.assert_close(llama.rms_norm(x, weight, 1e-6),
+                               F.rms_norm(x, weight.shape, weight, 1e-6))
+    llama.rms_norm(torch.randn(8, 4).t(), weight, 1e-6)  # strided: torch's
+    llama.rms_norm(torch.randn(4, 3, 8), weight, 1e-6)  # per-head rows: torch's
+    llama.rms_norm(torch.randn(4, 8).bfloat16(), weight.bfloat16(), 1e-6)  # bf16: torch's
+    assert calls == [(4, 8)]
+
+
+def torch_rotary(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 12, 64), (7, 3, 2), (33, 5, 6),
+                                                       (400, 9, 128)])
+def test_rotary_is_torchs_to_the_bit(tokens, heads, dim):
+    torch.manual_seed(tokens)
+    fused = torch.randn(tokens, (heads + 2) * dim)  # q/k heads inside a wider projection
+    x = fused[:, :heads * dim].view(tokens, heads, dim)
+    angles = torch.randn(1, tokens, dim) * 10
+    cos, sin = angles.cos()[0, :, None, :], angles.sin()[0, :, None, :]
+    out = cpu_ops.rotary(x, cos, sin)
+    assert out.is_contiguous() and torch.equal(out, torch_rotary(x, cos, sin))
+
+
+def test_rotary_refuses_bad_inputs():
+    x, table = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_ops.rotary(x, table[:2], table[:2])
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_ops.rotary(x[..., :7], table[..., :7], table[..., :7])  # odd dim
+    with pytest.raises(RuntimeError, match="must be fp32"):
+        cpu_ops.rotary(x.double(), table, table)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_ops.rotary(x.transpose(0, 1).contiguous().transpose(0, 1), table, table)
+
+
+def test_the_model_rotates_fp32_rows_on_the_cpu_in_one_pass(monkeypatch):
+    calls = spy(monkeypatch, "rotary")
+    table, x = torch.randn(4, 1, 8), torch.randn(4, 3, 8)
+    assert torch.equal(llama.rotate(x, table, table), torch_rotary(x, table, table))
+    llama.rotate(torch.randn(4, 3, 8).bfloat16(), table.bfloat16(), table.bfloat16())
+    llama.rotate(torch.randn(3, 4, 8).transpose(0, 1), table, table)  # heads strided: torch's
+    assert calls == [(4, 3, 8)]
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 5), (16, 64), (300, 1536)])
+def test_silu_mul_matches_torch(rows, inter):
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * inter) * 4
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamped range, and zero
+    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_mul_lanes_equal_the_scalar_tail():
+    """Eight lanes at a time, then one by one: the same value gives the same bits either way,
+    so a column's result does not depend on where the vector loop stops."""
+    values = torch.randn(40) * 6
+    gate_up = torch.zeros(40, 18)  # inter 9: lanes 0-7, then column 8 alone
+    gate_up[:, 0] = gate_up[:, 8] = values
+    gate_up[:, 9] = gate_up[:, 17] = 1.5
+    out = cpu_ops.silu_mul(gate_up)
+    assert torch.equal(out[:, 0], out[:, 8])
+
+
+def test_silu_mul_refuses_bad_inputs():
+    with pytest.raises(RuntimeError, match=r"\[rows, 2 \* inter\]"):
+        cpu_ops.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="must be fp32"):
+        cpu_ops.silu_mul(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_ops.silu_mul(torch.randn(8, 2).t())
+
+
+def test_the_model_gates_fp32_silu_rows_on_the_cpu_in_one_pass(monkeypatch):
+    from tests.helpers import tiny_llama
+
+    calls = spy(monkeypatch, "silu_mul")
+    layer = llama.PagedLlamaLayer(tiny_llama().model.layers[0], 0)
+    assert layer.silu
+    hidden = torch.randn(3, layer.gate_up_proj.in_features)
+    expected = layer.down_proj(layer.act_fn(layer.gate_up_proj(hidden)[:, :layer.intermediate])
+                               * layer.gate_up_proj(hidden)[:, layer.intermediate:])
+    residual = torch.randn(3, layer.down_proj.out_features)
+    torch.testing.assert_close(layer._mlp(hidden, residual), residual + expected)
+    layer.silu = False  # another activation: torch's
+    torch.testing.assert_close(layer._mlp(hidden, residual), residual + expected)
+    assert calls == [(3, 2 * layer.intermediate)]
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 7), (2, 8), (5, 9), (64, 49152),
+                                             (17, 1003)])
+def test_argmax_matches_torch(rows, vocab):
+    torch.manual_seed(vocab)
+    x = torch.randn(rows, vocab) * 5
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_takes_the_first_of_equal_maxima_and_the_first_nan_as_torch_does():
+    x = torch.zeros(6, 40)
+    x[0, [3, 11, 30]] = 2.0  # ties within and across eight-lane steps
+    x[1, [37, 39]] = 5.0  # ties in the tail after the last full step
+    x[2] = float("-inf")  # nothing beats -inf: index 0
+    x[3, [5, 20]] = float("inf")
+    x[4, [9, 33]] = float("nan")  # NaN wins wherever it is
+    x[4, 2] = 100.0
+    x[5, 39] = float("nan")  # a NaN in the tail
+    expected = x.argmax(dim=-1)
+    assert expected.tolist() == [3, 37, 0, 5, 9, 39]
+    assert torch.equal(cpu_ops.argmax_rows(x), expected)
+
+
+def test_argmax_refuses_bad_inputs():
+    with pytest.raises(RuntimeError, match="must be fp32"):
+        cpu_ops.argmax_rows(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_ops.argmax_rows(torch.randn(8, 2).t())
+    with pytest.raises(RuntimeError, match="rows, vocab"):
+        cpu_ops.argmax_rows(torch.randn(8))
+
+
+def test_the_sampler_chooses_with_it_for_fp32_logits_on_the_cpu(monkeypatch):
+    from engine.worker import sampler
+
+    calls = spy(monkeypatch, "argmax_rows")
+    x = torch.randn(3, 50)
+    assert torch.equal(sampler.row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(sampler.row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+    assert calls == [(3, 50)]  # bf16 went to torch

@@ -1,0 +1,363 @@
+"""The fused CPU decode layer (`csrc/fused_decode/decode_layer.cpp`): a step of decode rows through
+one op per layer equals the layer op by op, to the bit, and the greedy oracle holds through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from engine.attention.cpu_paged import CpuPagedAttention
+from engine.core.sampling_params import SamplingParams
+from engine.factory import cache_dtype_named
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.linear import GatedPanelLinear, convert_linears, pack_linears
+from engine.models.llama import FusedStack, PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.worker.input_batch import build_input_batch
+from tests.helpers import (
+    needs_bf16_panels,
+    needs_panels,
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tiny_llama,
+    tokens_of,
+)
+from tests.models.test_model_families import build
+
+pytestmark = needs_panels
+
+PROMPTS = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13, list(range(200, 223))]
+
+
+def packed(model: LlamaForCausalLM, weights: str = "fp32") -> LlamaForCausalLM:
+    """The model as Conveyor serves it on this CPU: fp32, fp16 or bf16 panels."""
+    if weights == "fp32":
+        pack_linears(model)
+    else:
+        convert_linears(model, torch.bfloat16 if weights == "bf16" else torch.float16)
+    return model
+
+
+# bf16 panels, whose gate/up pairs run the MLP's activation in the same op.
+BF16 = pytest.param("bf16", marks=needs_bf16_panels)
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of every layer run as one op, whether a layer at a time or the whole stack in one
+    call (one entry per layer)."""
+    seen: list[int] = []
+    one_layer, all_layers = cpu_ops.decode_layer, cpu_ops.decode_layers
+
+    def counting(hidden: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(hidden.shape[0])
+        return one_layer(hidden, *args)
+
+    def counting_stack(hidden: torch.Tensor, *args: object) -> torch.Tensor:
+        keys = args[5]
+        assert isinstance(keys, list)
+        seen.extend([hidden.shape[0]] * len(keys))
+        return all_layers(hidden, *args)
+
+    monkeypatch.setattr(cpu_ops, "decode_layer", counting)
+    monkeypatch.setattr(cpu_ops, "decode_layers", counting_stack)
+    return seen
+
+
+def decode_step(model: LlamaForCausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch,
+                kv: str = "auto", prompts: list[list[int]] = PROMPTS,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and cache after one decode step of sequences of different lengths."""
+    core, _ = tiny_core(model, attention_backend="cpu", kv_cache_dtype=kv,
+                        with_tokenizer=model.config.vocab_size >= 320)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
+    for _ in range(3):
+        core.step()
+    scheduled = core.scheduler.schedule()
+    batch = build_input_batch(scheduled.scheduled, core.runner.kv_cache.block_size)
+    assert list(batch.query_lens) == [1] * len(prompts)
+    with monkeypatch.context() as patch, torch.inference_mode():
+        if not fused:
+            patch.setattr(CpuPagedAttention, "decode_step", lambda self, metadata: None)
+        logits = core.runner.forward(batch, batch.sample_token_indices)
+    return logits, core.runner.kv_cache.tensor.clone()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16", BF16])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e5m2"])
+def test_fused_step_equals_the_layers_op_by_op(family: str, weights: str, kv: str,
+                                                calls: list[int],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same kernels in the same order, K/V rounded alike to a 16-bit cache: the logits and
+    every K/V written are equal to the bit (qwen2 has q/k/v biases)."""
+    model = packed(tiny_llama() if family == "llama" else build(family), weights)
+    paged = PagedLlamaForCausalLM(model)
+    assert (weights == "bf16") == isinstance(paged.layers[0].gate_up_proj, GatedPanelLinear)
+    fused_logits, fused_cache = decode_step(model, True, monkeypatch, kv)
+    layers = model.config.num_hidden_layers
+    # One prefill step, two decode steps, then the step compared: fused on all but the first.
+    assert calls == [len(PROMPTS)] * (3 * layers)
+    calls.clear()
+    plain_logits, plain_cache = decode_step(model, False, monkeypatch, kv)
+    assert calls == [len(PROMPTS)] * (2 * layers)
+    assert fused_logits.shape == (len(PROMPTS), model.config.vocab_size)
+    assert torch.equal(fused_logits, plain_logits)
+    assert fused_cache.dtype == cache_dtype_named(kv)
+    assert torch.equal(fused_cache, plain_cache)
+    assert fused_cache.float().abs().sum() > 0
+
+
+def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`decode_layers` runs the layers' ops in the same order as a `decode_layer` call a layer:
+    the same logits and cache to the bit, in one call a step."""
+    stacks: list[int] = []
+    original = cpu_ops.decode_layers
+    monkeypatch.setattr(cpu_ops, "decode_layers",
+                        lambda *args: stacks.append(len(args[6])) or original(*args))
+    model = packed(tiny_llama())
+    stacked_logits, stacked_cache = decode_step(model, True, monkeypatch, "bfloat16")
+    layers = model.config.num_hidden_layers
+    assert stacks == [layers] * 3  # the two decode steps before, and the one compared
+    monkeypatch.setattr(PagedLlamaForCausalLM, "__init__", _without_stack)
+    layer_logits, layer_cache = decode_step(model, True, monkeypatch, "bfloat16")
+    assert stacks == [layers] * 3
+    assert torch.equal(stacked_logits, layer_logits)
+    assert torch.equal(stacked_cache, layer_cache)
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("sequences", [4, 13])
+def test_the_stack_in_one_region_equals_the_layers_op_by_op(threads: int, sequences: int,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            ) -> None:
+    """Over bf16 panels the stack runs in one parallel region
+    (`csrc/fused_decode/decode_stack.cpp`): with a few sequences' kv heads shared out or many whole
+    sequences taken as threads free up, on any number of threads, the logits and every K/V written
+    equal the layers op by op."""
+    prompts = [list(range(5 + 11 * i, 9 + 11 * i + (7 * i) % 19)) for i in range(sequences)]
+    model = packed(tiny_llama(), "bf16")
+    stack = PagedLlamaForCausalLM(model).stack
+    assert stack is not None
+    cos = sin = torch.zeros(sequences, 1, 16)
+    assert cpu_ops.stack_region_applies(64, stack.weights, stack.biases, stack.heads, cos,
+                                            sin)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        region_logits, region_cache = decode_step(model, True, monkeypatch, "bfloat16", prompts)
+        plain_logits, plain_cache = decode_step(model, False, monkeypatch, "bfloat16", prompts)
+    finally:
+        torch.set_num_threads(saved)
+    assert region_logits.shape == (sequences, model.config.vocab_size)
+    assert torch.equal(region_logits, plain_logits)
+    assert torch.equal(region_cache, plain_cache)
+
+
+@needs_bf16_panels
+def test_only_stacks_of_bf16_panels_run_in_one_region() -> None:
+    """fp32 or fp16 panels, a bias that does not fit its panels, or rotary tables of another
+    head size keep the stack op by op."""
+    cos = sin = torch.zeros(3, 1, 16)
+
+    def applies(stack: FusedStack, cos: torch.Tensor = cos, sin: torch.Tensor = sin) -> bool:
+        return cpu_ops.stack_region_applies(64, stack.weights, stack.biases, stack.heads,
+                                                cos, sin)
+
+    stacks = {w: PagedLlamaForCausalLM(packed(tiny_llama(), w)).stack
+              for w in ("bf16", "fp16", "fp32")}
+    assert all(stack is not None for stack in stacks.values())
+    bf16 = stacks["bf16"]
+    assert applies(bf16)
+    assert not applies(stacks["fp16"]) and not applies(stacks["fp32"])
+    biases = list(bf16.biases)
+    biases[4] = torch.zeros(7)  # the second layer's q/k/v bias
+    assert not applies(FusedStack(bf16.weights, biases, bf16.heads, bf16.eps, bf16.scale,
+                                  bf16.indices))
+    assert not applies(bf16, torch.zeros(3, 1, 8), torch.zeros(3, 1, 8))
+
+
+@needs_bf16_panels
+def test_the_region_refuses_rows_without_their_rotary_rows() -> None:
+    """The region reads cos/sin by row: tables for another number of rows are refused before
+    any thread starts, as the op-by-op rotary refuses them."""
+    stack = PagedLlamaForCausalLM(packed(tiny_llama(), "bf16")).stack
+    assert stack is not None
+    caches = [torch.zeros(8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(4)]
+    args = dict(hidden=torch.randn(2, 64), weights=stack.weights, biases=stack.biases,
+                heads=stack.heads, cos=torch.ones(3, 1, 16), sin=torch.zeros(3, 1, 16),
+                key_caches=caches[:2], value_caches=caches[2:], slots=torch.tensor([1, 5]),
+                block_table=torch.tensor([[0], [1]]), seq_lens=torch.tensor([2, 2]),
+                eps=stack.eps, scale=stack.scale)
+    with pytest.raises(RuntimeError, match="rotary"):
+        cpu_ops.decode_layers(**args)
+    assert all(not c.any() for c in caches)
+    out = cpu_ops.decode_layers(**(args | dict(cos=torch.ones(2, 1, 16),
+                                                   sin=torch.zeros(2, 1, 16))))
+    assert out.shape == (2, 64) and torch.isfinite(out).all()
+    assert caches[0][0, 1].any() and caches[0][1, 1].any()  # slots 1 and 5
+
+
+_build_paged = PagedLlamaForCausalLM.__init__
+
+
+def _without_stack(self: PagedLlamaForCausalLM, hf_model: object) -> None:
+    _build_paged(self, hf_model)
+    self.stack = None
+
+
+def test_the_stack_needs_every_layer_in_one_op() -> None:
+    model = PagedLlamaForCausalLM(packed(tiny_llama()))
+    assert model.stack is not None and len(model.stack.weights) == 6 * len(model.layers)
+    model.layers[1].fused = None
+    assert FusedStack.of(list(model.layers)) is None
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+def test_greedy_through_the_fused_layer_equals_generate(weights: str,
+                                                        calls: list[int]) -> None:
+    """The oracle: transformers over the same (for fp16 panels, fp16-rounded) weights."""
+    model = tiny_llama(dtype=torch.float32 if weights == "fp32" else torch.bfloat16).float()
+    expected = [reference_greedy(model, p, 12) for p in PROMPTS]
+    core, _ = tiny_core(packed(model, weights), attention_backend="cpu")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = run_all(core, PROMPTS, params)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+    assert len(calls) >= 2 * 10 and max(calls) == len(PROMPTS)
+
+
+def test_steps_with_a_prompt_run_op_by_op(calls: list[int]) -> None:
+    """A step that carries a prefill chunk has rows of several tokens: no fused layer."""
+    core, _ = tiny_core(packed(tiny_llama()), attention_backend="cpu")
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    run_all(core, PROMPTS, params)
+    assert calls == []
+
+
+@pytest.mark.parametrize("case", ["qk_norm", "gelu", "unpacked", "torch_backend"])
+def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str,
+                                                             calls: list[int]) -> None:
+    """Per-head q/k norms (Qwen3), another activation, torch's own linear layers and another
+    attention backend all keep the layer op by op, and greedy still equals generate."""
+    if case == "qk_norm":
+        model = build("qwen3")
+    elif case == "gelu":
+        config = tiny_llama().config
+        config.hidden_act = "gelu"
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+    else:
+        model = tiny_llama()
+    expected = [reference_greedy(model, p, 6) for p in PROMPTS[:2]]
+    if case != "unpacked":
+        pack_linears(model)
+    backend = "torch" if case == "torch_backend" else "cpu"
+    core, _ = tiny_core(model, attention_backend=backend)
+    layers = [m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer)]
+    assert layers and all((layer.fused is None) == (case != "torch_backend") for layer in layers)
+    outputs = run_all(core, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6,
+                                                        ignore_eos=True))
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(2)] == expected
+    assert calls == []
+
+
+def op_inputs(rows: int = 2) -> dict[str, object]:
+    """Valid arguments for one small layer: hidden 32, 4 heads of 8, 2 kv heads, inter 48."""
+    generator = torch.Generator().manual_seed(0)
+
+    def panels(out_features: int, in_features: int) -> torch.Tensor:
+        return torch.randn(-(-out_features // 16), in_features, 16, generator=generator)
+
+    cache = torch.randn(2, 8, 4, 2, 8, generator=generator)
+    return dict(
+        hidden=torch.randn(rows, 32, generator=generator),
+        weights=[torch.ones(32), panels(64, 32), panels(32, 32), torch.ones(32),
+                 panels(96, 32), panels(32, 48)],
+        biases=[None, None, None, None], heads=[4, 2, 8],
+        cos=torch.ones(rows, 1, 8), sin=torch.zeros(rows, 1, 8),
+        key_cache=cache[0], value_cache=cache[1],
+        slots=torch.arange(rows, dtype=torch.int64) * 4 + 3,
+        block_table=torch.arange(rows, dtype=torch.int64)[:, None],
+        seq_lens=torch.full((rows,), 4, dtype=torch.int64), eps=1e-6, scale=0.35)
+
+
+def test_the_op_writes_each_rows_kv_at_its_slot() -> None:
+    inputs = op_inputs()
+    before = {name: inputs[name].clone() for name in ("key_cache", "value_cache")}
+    out = cpu_ops.decode_layer(**inputs)
+    assert out.shape == (2, 32) and torch.isfinite(out).all()
+    for name, cache in before.items():
+        changed = (inputs[name] != cache).reshape(-1, 16).any(1).nonzero().flatten()
+        assert changed.tolist() == [3, 7], name
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(slots=torch.tensor([3, 64])), "slot out of range"),
+    (dict(slots=torch.tensor([3])), "one int64 slot per row"),
+    (dict(heads=[4, 4, 8]), "head shapes"),
+    (dict(hidden=torch.randn(2, 32).double()), "contiguous fp32"),
+    (dict(biases=[None]), "6 weights, 4 biases"),
+    (dict(seq_lens=torch.tensor([4, 9])), "sequence length outside its block table"),
+])
+def test_the_op_rejects_bad_inputs(change: dict[str, object], message: str) -> None:
+    inputs = op_inputs() | change
+    cache_before = inputs["key_cache"].clone()
+    with pytest.raises(RuntimeError, match=message):
+        cpu_ops.decode_layer(**inputs)
+    if "slot" in message:
+        assert torch.equal(inputs["key_cache"], cache_before)
+
+
+def test_the_stack_op_takes_each_layers_arguments_back_to_back() -> None:
+    """Two layers in one call equal two `decode_layer` calls; lists that do not match the
+    number of caches are refused."""
+    inputs = op_inputs()
+    first, second = inputs["key_cache"], inputs["value_cache"]
+    caches = [c.clone() for c in (first, second, second, first)]  # K, V of layer 1, then 2
+    alone = [c.clone() for c in caches]
+    stack = {k: v for k, v in inputs.items() if k not in ("key_cache", "value_cache")}
+    stack |= dict(weights=inputs["weights"] * 2, biases=inputs["biases"] * 2,
+                  key_caches=[caches[0], caches[2]], value_caches=[caches[1], caches[3]])
+    out = cpu_ops.decode_layers(**stack)
+    once = cpu_ops.decode_layer(**(inputs | dict(key_cache=alone[0],
+                                                      value_cache=alone[1])))
+    twice = cpu_ops.decode_layer(**(inputs | dict(hidden=once, key_cache=alone[2],
+                                                       value_cache=alone[3])))
+    assert torch.equal(out, twice)
+    assert all(torch.equal(a, b) for a, b in zip(caches, alone, strict=True))
+    assert not torch.equal(caches[0], first)  # the new K/V were written
+    with pytest.raises(RuntimeError, match="6 weights, 4 biases"):
+        cpu_ops.decode_layers(**(stack | dict(weights=inputs["weights"])))
+    with pytest.raises(RuntimeError, match="one key and one value cache"):
+        cpu_ops.decode_layers(**(stack | dict(value_caches=[caches[1]])))
+
+
+def test_the_stack_op_checks_every_layer_before_running_any() -> None:
+    """A bad second layer, or a slot outside the cache, is refused with no K/V written."""
+    inputs = op_inputs()
+    stack = {k: v for k, v in inputs.items() if k not in ("key_cache", "value_cache")}
+    caches = [inputs["key_cache"], inputs["value_cache"]]
+    before = [c.clone() for c in caches]
+    small = [c[:-1].clone() for c in caches]
+    two_layers = stack | dict(weights=inputs["weights"] * 2, biases=inputs["biases"] * 2)
+    with pytest.raises(RuntimeError, match="caches of one size"):
+        cpu_ops.decode_layers(**(two_layers | dict(key_caches=[caches[0], small[0]],
+                                                       value_caches=[caches[1], small[1]])))
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_ops.decode_layers(**(stack | dict(slots=torch.tensor([3, 64]),
+                                                  key_caches=caches[:1],
+                                                  value_caches=caches[1:])))
+    assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
+
+
+def test_layer_cache_views_are_made_once() -> None:
+    core, _ = tiny_core(packed(tiny_llama()), attention_backend="cpu")
+    cache = core.runner.kv_cache
+    assert cache.key(1) is cache.key(1)
+    assert cache.key(1).data_ptr() == cache.tensor[1, 0].data_ptr()
+    assert np.array_equal(cache.value(0).shape, cache.tensor[0, 1].shape)

@@ -1,0 +1,192 @@
+"""GGUF blocks as the CPU's panel product reads them (`engine/loading/gguf_blocks.py`,
+`csrc/include/block_panels.h`): they widen to exactly GGUF's own dequantization, the product over
+them equals the product over the fp32 weights to the bit, and a model converted from a GGUF file
+holds its blocks and still gives transformers' greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from transformers import AutoModelForCausalLM, GgufConfig
+
+from engine.core.sampling_params import SamplingParams
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.linear import PanelLinear, pack_linears, use_gguf_blocks
+from engine.loading import gguf_blocks
+from engine.loading.model_loader import use_gguf_blocks_beside
+from engine.models.llama import PagedLlamaLayer
+from tests.helpers import needs_panels, reference_greedy, run_all, tiny_core, tokens_of
+
+pytestmark = needs_panels
+
+QTYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 64, 96, 4, 2, 96
+PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
+
+
+def gguf_rows(fmt: str, out: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """A random `[out, in]` weight quantized by GGUF's own code: rows of blocks, uint8."""
+    weight = np.random.default_rng(seed).standard_normal((out, in_features)).astype(np.float32)
+    return quantize(weight, QTYPES[fmt])
+
+
+def block_layer(fmt: str, out: int, in_features: int, seed: int = 0) -> PanelLinear:
+    return PanelLinear.of_blocks(gguf_blocks.FORMATS[fmt],
+                                 torch.from_numpy(gguf_rows(fmt, out, in_features, seed)), None)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_rows_dequantize_as_gguf_does(fmt: str) -> None:
+    rows = gguf_rows(fmt, 24, 96)
+    ours = gguf_blocks.dequantize_rows(gguf_blocks.FORMATS[fmt], torch.from_numpy(rows))
+    assert torch.equal(ours, torch.from_numpy(dequantize(rows, QTYPES[fmt])))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("out", [40, 48])
+def test_block_panels_hold_the_rows_exactly(fmt: str, out: int) -> None:
+    """Packed in panels of 16 columns (the last one partly filled for 40), widened back."""
+    block = gguf_blocks.FORMATS[fmt]
+    rows = torch.from_numpy(gguf_rows(fmt, out, 160))
+    layer = PanelLinear.of_blocks(block, rows, None)
+    assert (layer.in_features, layer.out_features, layer.block_format) == (160, out, block)
+    assert layer.panels.shape == (-(-out // 16), 160 // 32, block.group_bytes)
+    assert torch.equal(layer.weight, gguf_blocks.dequantize_rows(block, rows))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_product_over_blocks_equals_fp32_panels_to_the_bit(fmt: str) -> None:
+    """Widened in registers (up to 6 rows) or span by span into a scratch panel (more rows),
+    the weights and the order of the sums are those of fp32 panels: equal to the bit. 160
+    input features are a span of 128 and one of 32; 40 outputs leave a partly filled panel."""
+    torch.manual_seed(0)
+    rows = torch.from_numpy(gguf_rows(fmt, 40, 160))
+    bias = torch.randn(40)
+    blocks = PanelLinear.of_blocks(gguf_blocks.FORMATS[fmt], rows, bias)
+    dense = PanelLinear(blocks.weight, bias)
+    x = torch.randn(130, 160)
+    for count in (1, 2, 3, 4, 5, 6, 7, 8, 13, 64, 130):
+        assert torch.equal(blocks(x[:count]), dense(x[:count])), count
+    torch.testing.assert_close(blocks(x), F.linear(x, blocks.weight, bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_joined_projections_keep_their_blocks() -> None:
+    """q, k and v joined into one projection share their panels as held."""
+    parts = [block_layer("q4_1", out, 64, seed) for seed, out in enumerate((64, 32, 32))]
+    joined = PanelLinear.joined(parts)
+    assert joined is not None and joined.block_format == gguf_blocks.Q4_1
+    assert torch.equal(joined.weight, torch.cat([p.weight for p in parts]))
+    x = torch.randn(3, 64)
+    assert torch.equal(joined(x), torch.cat([p(x) for p in parts], dim=1))
+    assert PanelLinear.joined([block_layer("q4_1", 40, 64), parts[1]]) is None
+
+
+def test_kernel_refuses_bad_block_panels() -> None:
+    layer = block_layer("q8_0", 16, 64)
+    with pytest.raises(RuntimeError, match="input sizes differ"):
+        cpu_ops.panel_linear(torch.randn(2, 96), layer.panels, None, 16)
+    with pytest.raises(RuntimeError, match="block panels must be"):
+        cpu_ops.panel_linear(torch.randn(2, 64), layer.panels[..., :100].contiguous(), None,
+                                 16)
+
+
+def write_tiny_gguf(path: Path, layers: int = 2) -> None:
+    """A random Llama in GGUF: Q4_1 projections, a Q8_0 embedding tied to the LM head."""
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(VOCAB)
+    head_dim = HIDDEN // HEADS
+    writer.add_tensor("token_embd.weight", gguf_rows("q8_0", VOCAB, HIDDEN, seed=100),
+                      raw_dtype=QTYPES["q8_0"])
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    for layer in range(layers):
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
+        for seed, (name, shape) in enumerate(shapes.items()):
+            writer.add_tensor(f"blk.{layer}.{name}.weight",
+                              gguf_rows("q4_1", *shape, seed=10 * layer + seed),
+                              raw_dtype=QTYPES["q4_1"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny GGUF converted as the default model is: dequantized by transformers and saved,
+    its blocks kept beside."""
+    folder = tmp_path_factory.mktemp("gguf")
+    write_tiny_gguf(folder / "tiny.gguf")
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file="tiny.gguf", quantization_config=GgufConfig(dequantize=True))
+    model.save_pretrained(folder / "model")
+    gguf_blocks.save(gguf_blocks.read_gguf(folder / "tiny.gguf", model.config),
+                     folder / "model" / gguf_blocks.BLOCKS_FILE)
+    return folder / "model"
+
+
+def load_fp32(folder: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def block_layers(model: torch.nn.Module) -> list[PanelLinear]:
+    return [m for m in model.modules()
+            if isinstance(m, PanelLinear) and m.block_format is not None]
+
+
+def test_read_blocks_widen_to_the_converted_weights(converted: Path) -> None:
+    """Every projection (q and k rows unpermuted as transformers does) and the tied LM head."""
+    blocks = gguf_blocks.load(converted / gguf_blocks.BLOCKS_FILE)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    assert len(blocks) == 2 * 7 + 1
+    assert blocks["lm_head"][0] == gguf_blocks.Q8_0
+    for name, (fmt, rows) in blocks.items():
+        weight = model.get_submodule(name).weight
+        assert torch.equal(gguf_blocks.dequantize_rows(fmt, rows), weight), name
+
+
+def test_a_converted_model_serves_its_blocks_and_matches_generate(converted: Path) -> None:
+    reference = load_fp32(converted)
+    expected = [reference_greedy(reference, p, 12) for p in PROMPTS]
+    model = load_fp32(converted)
+    use_gguf_blocks_beside(model, converted)
+    pack_linears(model)
+    assert len(block_layers(model)) == 2 * 7 + 1
+    core, _ = tiny_core(model, attention_backend="cpu", with_tokenizer=False)
+    layers = [m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer)]
+    assert all(layer.fused is not None and layer.qkv_proj.block_format == gguf_blocks.Q4_1
+               for layer in layers)
+    outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=12,
+                                                    ignore_eos=True))
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+
+
+def test_blocks_that_do_not_hold_the_weights_are_left_alone(
+        converted: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocks = gguf_blocks.load(converted / gguf_blocks.BLOCKS_FILE)
+    name = "model.layers.1.mlp.up_proj"
+    blocks[name] = (gguf_blocks.Q4_1, torch.from_numpy(gguf_rows("q4_1", FFN, HIDDEN, seed=999)))
+    model = load_fp32(converted)
+    assert use_gguf_blocks(model, blocks) == 2 * 7
+    assert f"do not hold their layer's weights: 1 ({name}" in caplog.text
+    pack_linears(model)
+    assert model.get_submodule(name).panels.dtype == torch.float32
+    assert model.get_submodule("model.layers.0.mlp.up_proj").block_format == gguf_blocks.Q4_1

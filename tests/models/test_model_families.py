@@ -1,0 +1,77 @@
+"""Other decoder-only families run unchanged through the paged attention, and models load from a
+local folder."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from engine.core.config import CacheConfig, EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
+from tests.helpers import reference_greedy, run_all, tiny_core, tiny_tokenizer, tokens_of
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              initializer_range=0.2, eos_token_id=0, bos_token_id=1, pad_token_id=0)
+
+FAMILIES = {
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=False),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16, use_sliding_window=False),
+}
+
+
+def build(family: str):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_greedy_matches_generate(family):
+    model = build(family)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, 320) for _ in range(n)] for n in (3, 9, 17, 30)]
+    core, _ = tiny_core(model, num_blocks=40, max_model_len=128, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = run_all(core, prompts, params)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 10), family
+    assert core.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_qwen2_attention_bias_is_used():
+    model = build("qwen2")
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+
+
+def test_model_loads_from_a_local_folder(tmp_path):
+    model = build("qwen3")
+    tokenizer = tiny_tokenizer()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
+                          cache=CacheConfig(num_blocks=64, block_size=8))
+    core, loaded, info = create_engine_core(config)
+    assert info.model_name == str(tmp_path) and info.max_model_len == 256
+    assert info.num_blocks == 64 and info.dtype == "float32"
+    prompt = tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = run_all(core, [prompt], params)["req-0"]
+    assert tokens_of(outputs) == reference_greedy(model, prompt, 6)
+    assert loaded.tokenizer.decode(tokens_of(outputs)) == "".join(o.text for o in outputs)
+
+
+def test_sliding_window_shorter_than_the_context_limits_it():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MistralConfig(**COMMON, sliding_window=64)).eval()
+    _, info = tiny_core(model)
+    assert info.max_model_len == 64

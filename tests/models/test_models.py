@@ -1,0 +1,71 @@
+"""Conveyor's own Llama-family decoder against the Hugging Face model it was built from."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from engine.core.sampling_params import SamplingParams
+from engine.models import build_causal_lm
+from engine.models.hf import TransformersCausalLM
+from engine.models.llama import PagedLlamaForCausalLM
+from engine.worker.input_batch import build_input_batch
+from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
+from tests.models.test_model_families import FAMILIES, build
+
+
+def step_logits(model, impl: str, prompt: list[int]) -> torch.Tensor:
+    """Prefill logits of every prompt position through the engine's runner."""
+    core, _ = tiny_core(model, model_impl=impl)
+    runner = core.runner
+    assert runner.model.name == impl
+    params = SamplingParams(temperature=0, max_tokens=1)
+    core.add_request("r", prompt, params)
+    scheduled = core.scheduler.schedule()
+    batch = build_input_batch(scheduled.scheduled, runner.kv_cache.block_size)
+    with torch.inference_mode():
+        return runner.forward(batch, np.arange(len(prompt)))
+
+
+@pytest.mark.parametrize("family", ["llama", *sorted(FAMILIES)])
+def test_logits_match_the_hugging_face_model(family: str) -> None:
+    model = tiny_llama() if family == "llama" else build(family)
+    prompt = [random.Random(3).randrange(2, 320) for _ in range(21)]
+    ours = step_logits(model, "conveyor", prompt)
+    theirs = step_logits(model, "transformers", prompt)
+    assert ours.shape == (21, 320)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_transformers_implementation_still_matches_generate() -> None:
+    model = tiny_llama()
+    prompts = [[5, 9, 33, 2], list(range(40, 90)), [7] * 13]
+    core, _ = tiny_core(model, model_impl="transformers", max_num_batched_tokens=16)
+    outputs = run_all(core, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 8)
+
+
+def test_auto_picks_conveyor_for_llama_and_transformers_otherwise() -> None:
+    assert isinstance(build_causal_lm(tiny_llama()), PagedLlamaForCausalLM)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert isinstance(build_causal_lm(gpt2), TransformersCausalLM)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        build_causal_lm(gpt2, "conveyor")
+    with pytest.raises(ValueError, match="unknown model implementation"):
+        build_causal_lm(tiny_llama(), "vllm")
+
+
+def test_fused_projections_share_no_storage_with_the_source() -> None:
+    """Fusing copies q/k/v into one weight; the Hugging Face model is left as it was."""
+    model = tiny_llama()
+    q_before = model.model.layers[0].self_attn.q_proj.weight.clone()
+    ours = PagedLlamaForCausalLM(model)
+    fused = ours.layers[0].qkv_proj.weight
+    assert fused.shape[0] == 64 + 2 * 32
+    torch.testing.assert_close(fused[:64], q_before)
+    assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, q_before)

@@ -1,0 +1,78 @@
+"""The start-up line that names each route, and pure torch where no kernel loaded."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine.core.sampling_params import SamplingParams
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.build import GROUPS, BuildResult
+from engine.kernels.cpu.linear import pack_linears
+from tests.helpers import (
+    needs_cpu_kernels,
+    needs_panels,
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tiny_llama,
+    tokens_of,
+)
+
+CACHED = (cpu_ops.panel_linear_available, cpu_ops.bf16_panels_available)
+
+
+def route_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "engine.factory" and r.getMessage().startswith("routes: ")]
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """The machine as one where nothing built (an arm64 host, or no compiler)."""
+    monkeypatch.setattr(cpu_ops, "build_result", lambda: BuildResult(
+        (), {group.name: "they are x86-64 code and this is aarch64" for group in GROUPS}))
+    for probe in CACHED:
+        probe.cache_clear()
+    yield
+    for probe in CACHED:
+        probe.cache_clear()
+
+
+@needs_cpu_kernels
+def test_one_line_names_every_route(caplog):
+    with caplog.at_level(logging.INFO, logger="engine.factory"):
+        tiny_core(tiny_llama())
+    [line] = route_lines(caplog)
+    assert "model implementation conveyor" in line
+    assert "dtype float32 (compute float32)" in line and "KV cache float32" in line
+    assert "attention cpu" in line
+    assert "linear layers: 9 torch (float32)" in line and "decode: op by op" in line
+    assert "CPU kernels: attention, linear, elementwise, fused_decode for -march=" in line
+
+
+@needs_panels
+def test_the_line_names_packed_panels_and_the_fused_decode(caplog):
+    model = tiny_llama()
+    pack_linears(model)
+    with caplog.at_level(logging.INFO, logger="engine.factory"):
+        tiny_core(model)
+    [line] = route_lines(caplog)
+    assert "linear layers: 9 panels (float32)" in line
+    assert "decode: whole stack as one op" in line
+
+
+def test_nothing_built_serves_greedy_tokens_on_pure_torch(no_kernels, caplog):
+    model = tiny_llama()
+    with caplog.at_level(logging.INFO, logger="engine.factory"):
+        core, _ = tiny_core(model)
+    [line] = route_lines(caplog)
+    assert "attention torch" in line and "decode: op by op" in line
+    assert "linear layers: " in line and "torch (float32)" in line and "panels" not in line
+    assert "CPU kernels: none (they are x86-64 code and this is aarch64)" in line
+    prompts = [[5, 9, 33, 2], list(range(40, 90))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = run_all(core, prompts, params)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 8)

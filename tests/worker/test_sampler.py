@@ -1,0 +1,175 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.worker.sampler import Sampler, takes_argmax
+
+VOCAB = 50
+
+
+def request(name: str = "r", output: list[int] | None = None, prompt: list[int] | None = None,
+            **params: object) -> Request:
+    req = Request(name, prompt or [1, 2, 3], SamplingParams(**params), 0.0, 10_000,
+                  eos_token_ids=frozenset({0}))
+    for token in output or []:
+        req.append_output(token)
+    return req
+
+
+def logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, VOCAB, generator=generator) * 3
+
+
+def sample(requests: list[Request], values: torch.Tensor, sampler: Sampler | None = None):
+    sampler = sampler or Sampler(VOCAB, torch.device("cpu"))
+    return sampler(values.clone(), requests)
+
+
+def test_greedy_is_argmax():
+    values = logits(4)
+    out = sample([request(str(i), temperature=0) for i in range(4)], values)
+    assert out.token_ids == values.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0),
+                                    dict(temperature=1e-4)])
+def test_settings_that_leave_one_candidate_equal_greedy(params):
+    values = logits(8, seed=3)
+    requests = [request(str(i), **params) for i in range(8)]
+    assert sample(requests, values).token_ids == values.argmax(dim=-1).tolist()
+
+
+def test_top_k_never_samples_outside_the_top_k():
+    values = logits(1, seed=1)
+    allowed = set(values[0].topk(3).indices.tolist())
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    seen = {sample([request(top_k=3, temperature=2.0)], values, sampler).token_ids[0]
+            for _ in range(200)}
+    assert seen <= allowed and len(seen) > 1
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    values = torch.full((1, VOCAB), -20.0)
+    values[0, 5], values[0, 6], values[0, 7] = 2.0, 1.0, 0.0  # probs ~ .665, .245, .09
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    seen = {sample([request(top_p=0.8)], values, sampler).token_ids[0] for _ in range(300)}
+    assert seen == {5, 6}
+
+
+def test_sampling_follows_the_distribution():
+    values = torch.full((1, VOCAB), -30.0)
+    values[0, 3], values[0, 4] = 0.0, float(torch.log(torch.tensor(3.0)))  # p = .25 / .75
+    sampler = Sampler(VOCAB, torch.device("cpu"), seed=5)
+    picks = [sample([request()], values, sampler).token_ids[0] for _ in range(2000)]
+    share = picks.count(4) / len(picks)
+    assert set(picks) == {3, 4}
+    assert 0.70 < share < 0.80
+
+
+def test_seeded_request_is_reproducible_whatever_shares_the_batch():
+    values = logits(1, seed=9)
+    alone = Sampler(VOCAB, torch.device("cpu"))
+    tokens_alone = [sample([request("s", seed=42)], values, alone).token_ids[0]
+                    for _ in range(20)]
+    busy = Sampler(VOCAB, torch.device("cpu"), seed=123)
+    tokens_busy = []
+    for step in range(20):
+        mates = [request(f"m{i}", temperature=1.5) for i in range(step % 4)]
+        batch = [*mates, request("s", seed=42)]
+        values_busy = torch.cat([logits(len(mates), seed=step), values])
+        tokens_busy.append(sample(batch, values_busy, busy).token_ids[-1])
+    assert tokens_alone == tokens_busy
+    assert len(set(tokens_alone)) > 1
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    values = logits(2)
+    out = sample([request("a", temperature=0, logit_bias={17: 100.0}),
+                  request("b", temperature=0, logit_bias={int(values[1].argmax()): -100.0})],
+                 values)
+    assert out.token_ids[0] == 17
+    assert out.token_ids[1] != int(values[1].argmax())
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    values = torch.zeros(1, VOCAB)
+    values[0, 0] = 10.0  # EOS is the favourite
+    values[0, 9] = 9.0
+    early = request(temperature=0, min_tokens=2, output=[5], stop_token_ids=(9,))
+    late = request(temperature=0, min_tokens=2, output=[5, 6])
+    assert sample([early], values).token_ids == [int(values[0, 1:9].argmax()) + 1]
+    assert sample([late], values).token_ids == [0]
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    values = torch.zeros(1, VOCAB)
+    values[0, 7], values[0, 8] = 2.0, 1.9
+    plain = sample([request(temperature=0, output=[7])], values).token_ids
+    penalised = sample([request(temperature=0, output=[7], repetition_penalty=1.5)], values)
+    assert plain == [7] and penalised.token_ids == [8]
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    values = torch.zeros(1, VOCAB)
+    values[0, 7], values[0, 8] = 2.0, 1.0
+    out = [7, 7, 7]
+    assert sample([request(temperature=0, output=out, frequency_penalty=0.4)],
+                  values).token_ids == [8]  # 2.0 - 3 * 0.4 = 0.8 < 1.0
+    assert sample([request(temperature=0, output=out, presence_penalty=0.5)],
+                  values).token_ids == [7]  # 2.0 - 0.5 = 1.5 > 1.0
+    assert sample([request(temperature=0, output=out, presence_penalty=1.5)],
+                  values).token_ids == [8]
+
+
+def test_logprobs_of_sampled_token_and_alternatives():
+    values = logits(2, seed=4)
+    reference = torch.log_softmax(values, dim=-1)
+    out = sample([request("a", temperature=0, logprobs=3), request("b", temperature=0)], values)
+    first = out.logprobs[0]
+    assert out.logprobs[1] is None
+    assert first.token_id == out.token_ids[0]
+    assert first.rank == 1
+    assert first.logprob == pytest.approx(reference[0].max().item(), abs=1e-5)
+    top_ids = [token for token, _ in first.top]
+    assert top_ids == reference[0].topk(3).indices.tolist()
+    assert [lp for _, lp in first.top] == pytest.approx(reference[0].topk(3).values.tolist(),
+                                                         abs=1e-5)
+
+
+def test_rank_of_a_sampled_token_that_was_not_the_best():
+    values = torch.zeros(1, VOCAB)
+    values[0, 3], values[0, 4] = 5.0, 4.0
+    out = sample([request(temperature=0, logprobs=0, logit_bias={4: 2.0})], values)
+    assert out.token_ids == [4]
+    assert out.logprobs[0].rank == 2  # logprobs are the model's, before the bias
+    assert out.logprobs[0].top == ()
+
+
+@pytest.mark.parametrize(("req", "expected"), [
+    (request(temperature=0), True),
+    (request(temperature=0, seed=7, top_k=3, stop_token_ids=(4,)), True),
+    (request(temperature=0.7), False),
+    (request(temperature=0, logprobs=0), False),
+    (request(temperature=0, logit_bias={4: 3.0}), False),
+    (request(temperature=0, repetition_penalty=1.2), False),
+    (request(temperature=0, presence_penalty=0.5), False),
+    (request(temperature=0, min_tokens=2), False),
+    (request(output=[5, 5], temperature=0, min_tokens=2), True),
+])
+def test_which_requests_take_the_argmax_of_raw_logits(req: Request, expected: bool) -> None:
+    """The model may choose these rows' tokens itself (`ModelRunner` over a greedy LM head)."""
+    assert takes_argmax([req]) is expected
+    assert takes_argmax([request(temperature=0), req]) is expected
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily():
+    values = logits(3, seed=4)
+    rows = [request("tiny", temperature=1e-38, seed=1), request("zero", temperature=0),
+            request("warm", temperature=1e-4, seed=1)]
+    out = sample(rows, values)
+    assert out.token_ids[:2] == values[:2].argmax(dim=-1).tolist()
+    assert rows[0].sampling_params.greedy and not rows[2].sampling_params.greedy
