@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -156,17 +157,51 @@ def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.devic
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
-    if half_weights_in_fp32(dtype, device):
-        use_half_weights(model, dtype)
-    elif device.type == "cpu" and dtype == torch.float32 and fp32_packing_supported():
-        use_gguf_blocks_beside(model, Path(path), int8_activations)
-        pack_linears(model)
+    use_linear_form(model, choose_linear_form(dtype, device), Path(path), int8_activations)
     if int8_activations and not any(getattr(m, "int8_activations", False)
                                     for m in model.modules()):
         logger.warning("--int8-activations has no effect here: it needs float32 on a CPU and "
                        "GGUF blocks beside the checkpoint")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return wrap_model(model, tokenizer, name=name, path=path)
+
+
+class LinearForm(StrEnum):
+    """How a model's linear layers hold their weights and multiply."""
+
+    BF16_PANELS = "bf16 panels, fp32 between layers"
+    HALF_WEIGHTS = "16-bit weights, computed in fp32"
+    FP32_PANELS = "fp32 panels (GGUF blocks where kept beside the checkpoint)"
+    TORCH = "torch's own"
+
+
+def choose_linear_form(dtype: torch.dtype, device: torch.device) -> LinearForm:
+    """The linear layers' form for a `dtype` model on `device`, chosen once at load time: on a
+    CPU, Conveyor's panels where its kernels built (bf16 panels on AVX-512 BF16, 16-bit weights
+    computed in fp32 on CPUs without native 16-bit arithmetic); torch's own elsewhere."""
+    if half_weights_in_fp32(dtype, device):
+        if dtype == torch.bfloat16 and bf16_panels_available():
+            return LinearForm.BF16_PANELS
+        return LinearForm.HALF_WEIGHTS
+    if device.type == "cpu" and dtype == torch.float32 and fp32_packing_supported():
+        return LinearForm.FP32_PANELS
+    return LinearForm.TORCH
+
+
+def use_linear_form(model: Any, form: LinearForm, folder: Path | None = None,
+                    int8_activations: bool = False) -> None:
+    """Hold the model's linear layers in `form`; fp32 panels take the GGUF blocks kept in
+    `folder`, if any. 16-bit weights were already rounded to the model's dtype: fp16 holds every
+    bf16 value between 2**-17 and 65504 exactly."""
+    logger.info("linear layers: %s", form)
+    if form in (LinearForm.BF16_PANELS, LinearForm.HALF_WEIGHTS):
+        dtype = model.get_input_embeddings().weight.dtype
+        model.float()
+        convert_linears(model, dtype)
+    elif form is LinearForm.FP32_PANELS:
+        if folder is not None:
+            use_gguf_blocks_beside(model, folder, int8_activations)
+        pack_linears(model)
 
 
 def use_gguf_blocks_beside(model: Any, folder: Path, int8_activations: bool = False) -> None:
@@ -176,21 +211,6 @@ def use_gguf_blocks_beside(model: Any, folder: Path, int8_activations: bool = Fa
     blocks_file = folder / gguf_blocks.BLOCKS_FILE
     if blocks_file.is_file() and panel_linear_available():
         use_gguf_blocks(model, gguf_blocks.load(blocks_file), int8_activations)
-
-
-def use_half_weights(model: Any, dtype: torch.dtype) -> None:
-    """Carry a `dtype` model's activations in fp32 with its linear weights in 16 bits: in bf16
-    panels multiplied in bf16 where the CPU has AVX-512 BF16, else in fp16 and computed in
-    fp32. The weights were already rounded to `dtype`; fp16 holds every bf16 value between
-    2**-17 and 65504 exactly."""
-    name = str(dtype).removeprefix("torch.")
-    if dtype == torch.bfloat16 and bf16_panels_available():
-        logger.info("bf16 linear layers in Conveyor's AVX-512 BF16 panels, float32 between them")
-    else:
-        logger.info("this CPU has no native %s arithmetic: computing in float32 with 16-bit "
-                    "weights", name)
-    model.float()
-    convert_linears(model, dtype)
 
 
 def wrap_model(model: Any, tokenizer: Any, name: str, path: str = "") -> LoadedModel:

@@ -36,17 +36,10 @@ def linear_forms(model: object) -> str:
 
 
 def decode_route(model: object) -> str:
-    """How a CPU decode step runs Conveyor's layers: the whole stack as one op, one op per
-    layer, or op by op."""
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        return "Hugging Face layers"
-    if getattr(model, "stack", None) is not None:
-        return "whole stack as one op"
-    fused = sum(getattr(layer, "fused", None) is not None for layer in layers)
-    if fused == len(layers):
-        return "one op per layer"
-    return "op by op" if fused == 0 else f"one op per layer for {fused} of {len(layers)}"
+    """How a CPU decode step runs Conveyor's layers, as chosen when the model was built (the
+    whole stack as one op, one op per layer, or op by op, with the reason)."""
+    fused = getattr(model, "fused_decode", None)
+    return "Hugging Face layers" if fused is None else fused.describe()
 
 
 def kernels_route() -> str:

@@ -26,7 +26,11 @@ from engine.kernels.cpu.linear import (
     pack_linears,
 )
 from engine.loading import model_loader
-from engine.loading.model_loader import half_weights_in_fp32, use_half_weights
+from engine.loading.model_loader import (
+    LinearForm,
+    half_weights_in_fp32,
+    use_linear_form,
+)
 from engine.models.llama import PagedLlamaLayer
 from tests.helpers import (
     NO_BF16_PANELS,
@@ -489,7 +493,7 @@ def test_conversion_swaps_linears_and_keeps_what_fp16_cannot_hold(panels: bool) 
 
 def test_tied_embeddings_stay_fp32() -> None:
     model = tiny_llama(tie_word_embeddings=True)
-    use_half_weights(model, torch.bfloat16)
+    use_linear_form(model, LinearForm.BF16_PANELS)
     assert model.get_input_embeddings().weight.dtype == torch.float32
     assert isinstance(model.get_output_embeddings(), PanelLinear)
 
@@ -502,7 +506,7 @@ def test_bf16_model_greedy_equals_generate_with_the_same_weights(half_weights: s
     reference = bf16_reference(half_weights)
     expected = [reference_greedy(reference, p, 10) for p in prompts]
     model = tiny_llama(dtype=torch.bfloat16)
-    use_half_weights(model, torch.bfloat16)
+    use_linear_form(model, LinearForm.BF16_PANELS)
     layer = model.model.layers[0].self_attn.q_proj
     assert isinstance(layer, HALF_WEIGHT_LAYERS[half_weights])
     if half_weights != "torch":
@@ -561,6 +565,25 @@ def test_when_half_weights_apply(monkeypatch: pytest.MonkeyPatch, dtype: torch.d
     monkeypatch.setattr(model_loader, "cpu_supports_fp16", lambda: native)
     monkeypatch.setattr(model_loader, "bf16_panels_available", lambda: bf16_panels)
     assert half_weights_in_fp32(dtype, torch.device(device)) is expected
+
+
+@pytest.mark.parametrize(("dtype", "device", "native", "bf16_panels", "packs", "expected"), [
+    (torch.bfloat16, "cpu", True, True, True, LinearForm.BF16_PANELS),
+    (torch.bfloat16, "cpu", False, False, True, LinearForm.HALF_WEIGHTS),
+    (torch.bfloat16, "cpu", True, False, True, LinearForm.TORCH),  # torch's bf16 products
+    (torch.float32, "cpu", True, True, True, LinearForm.FP32_PANELS),
+    (torch.float32, "cpu", False, False, False, LinearForm.TORCH),  # no kernels built
+    (torch.float32, "cuda", False, False, True, LinearForm.TORCH),
+    (torch.bfloat16, "cuda", True, True, True, LinearForm.TORCH),
+])
+def test_the_linear_form_is_chosen_in_one_place(monkeypatch: pytest.MonkeyPatch,
+                                                dtype: torch.dtype, device: str, native: bool,
+                                                bf16_panels: bool, packs: bool,
+                                                expected: LinearForm) -> None:
+    monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: native)
+    monkeypatch.setattr(model_loader, "bf16_panels_available", lambda: bf16_panels)
+    monkeypatch.setattr(model_loader, "fp32_packing_supported", lambda: packs)
+    assert model_loader.choose_linear_form(dtype, torch.device(device)) is expected
 
 
 @pytest.mark.parametrize(("stored", "native", "half", "expected"), [

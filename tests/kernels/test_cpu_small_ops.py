@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu import ops as cpu_ops
-from engine.models import llama
+from engine.models import layers, llama
 from tests.helpers import needs_bf16_panels, needs_cpu_kernels
 
 pytestmark = needs_cpu_kernels
@@ -64,11 +64,11 @@ def test_refuses_bad_inputs():
 def test_the_model_takes_it_for_fp32_rows_on_the_cpu(monkeypatch):
     calls = spy(monkeypatch, "rms_norm")
     weight, x = torch.randn(8), torch.randn(4, 8)
-    torch.testing.assert_close(llama.rms_norm(x, weight, 1e-6),
+    torch.testing.assert_close(layers.rms_norm(x, weight, 1e-6),
                                F.rms_norm(x, weight.shape, weight, 1e-6))
-    llama.rms_norm(torch.randn(8, 4).t(), weight, 1e-6)  # strided: torch's
-    llama.rms_norm(torch.randn(4, 3, 8), weight, 1e-6)  # per-head rows: torch's
-    llama.rms_norm(torch.randn(4, 8).bfloat16(), weight.bfloat16(), 1e-6)  # bf16: torch's
+    layers.rms_norm(torch.randn(8, 4).t(), weight, 1e-6)  # strided: torch's
+    layers.rms_norm(torch.randn(4, 3, 8), weight, 1e-6)  # per-head rows: torch's
+    layers.rms_norm(torch.randn(4, 8).bfloat16(), weight.bfloat16(), 1e-6)  # bf16: torch's
     assert calls == [(4, 8)]
 
 
@@ -104,9 +104,9 @@ def test_rotary_refuses_bad_inputs():
 def test_the_model_rotates_fp32_rows_on_the_cpu_in_one_pass(monkeypatch):
     calls = spy(monkeypatch, "rotary")
     table, x = torch.randn(4, 1, 8), torch.randn(4, 3, 8)
-    assert torch.equal(llama.rotate(x, table, table), torch_rotary(x, table, table))
-    llama.rotate(torch.randn(4, 3, 8).bfloat16(), table.bfloat16(), table.bfloat16())
-    llama.rotate(torch.randn(3, 4, 8).transpose(0, 1), table, table)  # heads strided: torch's
+    assert torch.equal(layers.rotate(x, table, table), torch_rotary(x, table, table))
+    layers.rotate(torch.randn(4, 3, 8).bfloat16(), table.bfloat16(), table.bfloat16())
+    layers.rotate(torch.randn(3, 4, 8).transpose(0, 1), table, table)  # heads strided: torch's
     assert calls == [(4, 3, 8)]
 
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from transformers import LlamaForCausalLM
 
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.core.sampling_params import SamplingParams
 from engine.factory import cache_dtype_named
+from engine.kernels.cpu import fused_decode
 from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.kernels.cpu.linear import GatedPanelLinear, convert_linears, pack_linears
-from engine.models.llama import FusedStack, PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.worker.input_batch import build_input_batch
 from tests.helpers import (
     needs_bf16_panels,
@@ -38,6 +41,20 @@ def packed(model: LlamaForCausalLM, weights: str = "fp32") -> LlamaForCausalLM:
     else:
         convert_linears(model, torch.bfloat16 if weights == "bf16" else torch.float16)
     return model
+
+
+def stack_of(model: LlamaForCausalLM) -> FusedDecode:
+    """The fused decode Conveyor's model chooses for `model`: the whole stack as one op."""
+    fused = PagedLlamaForCausalLM(model).fused_decode
+    assert fused.route is DecodeRoute.STACK, fused.describe()
+    return fused
+
+
+def stack_args(fused: FusedDecode) -> tuple[list[torch.Tensor], list[torch.Tensor | None],
+                                            list[int]]:
+    """The stack's weights, biases and heads, as `decode_layers` takes them."""
+    return ([w for layer in fused.layers for w in layer.weights],
+            [b for layer in fused.layers for b in layer.biases], fused.layers[0].heads)
 
 
 # bf16 panels, whose gate/up pairs run the MLP's activation in the same op.
@@ -142,11 +159,8 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(threads: int, sequen
     equal the layers op by op."""
     prompts = [list(range(5 + 11 * i, 9 + 11 * i + (7 * i) % 19)) for i in range(sequences)]
     model = packed(tiny_llama(), "bf16")
-    stack = PagedLlamaForCausalLM(model).stack
-    assert stack is not None
     cos = sin = torch.zeros(sequences, 1, 16)
-    assert cpu_ops.stack_region_applies(64, stack.weights, stack.biases, stack.heads, cos,
-                                            sin)
+    assert cpu_ops.stack_region_applies(64, *stack_args(stack_of(model)), cos, sin)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
@@ -165,20 +179,16 @@ def test_only_stacks_of_bf16_panels_run_in_one_region() -> None:
     head size keep the stack op by op."""
     cos = sin = torch.zeros(3, 1, 16)
 
-    def applies(stack: FusedStack, cos: torch.Tensor = cos, sin: torch.Tensor = sin) -> bool:
-        return cpu_ops.stack_region_applies(64, stack.weights, stack.biases, stack.heads,
-                                                cos, sin)
+    def applies(args: tuple, cos: torch.Tensor = cos, sin: torch.Tensor = sin) -> bool:
+        return cpu_ops.stack_region_applies(64, *args, cos, sin)
 
-    stacks = {w: PagedLlamaForCausalLM(packed(tiny_llama(), w)).stack
-              for w in ("bf16", "fp16", "fp32")}
-    assert all(stack is not None for stack in stacks.values())
-    bf16 = stacks["bf16"]
+    stacks = {w: stack_args(stack_of(packed(tiny_llama(), w))) for w in ("bf16", "fp16", "fp32")}
+    weights, biases, heads = bf16 = stacks["bf16"]
     assert applies(bf16)
     assert not applies(stacks["fp16"]) and not applies(stacks["fp32"])
-    biases = list(bf16.biases)
+    biases = list(biases)
     biases[4] = torch.zeros(7)  # the second layer's q/k/v bias
-    assert not applies(FusedStack(bf16.weights, biases, bf16.heads, bf16.eps, bf16.scale,
-                                  bf16.indices))
+    assert not applies((weights, biases, heads))
     assert not applies(bf16, torch.zeros(3, 1, 8), torch.zeros(3, 1, 8))
 
 
@@ -186,14 +196,14 @@ def test_only_stacks_of_bf16_panels_run_in_one_region() -> None:
 def test_the_region_refuses_rows_without_their_rotary_rows() -> None:
     """The region reads cos/sin by row: tables for another number of rows are refused before
     any thread starts, as the op-by-op rotary refuses them."""
-    stack = PagedLlamaForCausalLM(packed(tiny_llama(), "bf16")).stack
-    assert stack is not None
+    stack = stack_of(packed(tiny_llama(), "bf16"))
+    weights, biases, heads = stack_args(stack)
     caches = [torch.zeros(8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(4)]
-    args = dict(hidden=torch.randn(2, 64), weights=stack.weights, biases=stack.biases,
-                heads=stack.heads, cos=torch.ones(3, 1, 16), sin=torch.zeros(3, 1, 16),
+    args = dict(hidden=torch.randn(2, 64), weights=weights, biases=biases, heads=heads,
+                cos=torch.ones(3, 1, 16), sin=torch.zeros(3, 1, 16),
                 key_caches=caches[:2], value_caches=caches[2:], slots=torch.tensor([1, 5]),
                 block_table=torch.tensor([[0], [1]]), seq_lens=torch.tensor([2, 2]),
-                eps=stack.eps, scale=stack.scale)
+                eps=stack.layers[0].eps, scale=stack.layers[0].scale)
     with pytest.raises(RuntimeError, match="rotary"):
         cpu_ops.decode_layers(**args)
     assert all(not c.any() for c in caches)
@@ -208,14 +218,27 @@ _build_paged = PagedLlamaForCausalLM.__init__
 
 def _without_stack(self: PagedLlamaForCausalLM, hf_model: object) -> None:
     _build_paged(self, hf_model)
-    self.stack = None
+    self.fused_decode = FusedDecode(DecodeRoute.LAYERS, self.fused_decode.layers)
 
 
-def test_the_stack_needs_every_layer_in_one_op() -> None:
-    model = PagedLlamaForCausalLM(packed(tiny_llama()))
-    assert model.stack is not None and len(model.stack.weights) == 6 * len(model.layers)
-    model.layers[1].fused = None
-    assert FusedStack.of(list(model.layers)) is None
+def paged_layers() -> list[PagedLlamaLayer]:
+    return list(PagedLlamaForCausalLM(packed(tiny_llama())).layers)  # type: ignore[arg-type]
+
+
+def test_the_route_is_chosen_for_all_the_layers_at_once() -> None:
+    """The stack as one op where every layer fuses alike, one op a layer where their shapes
+    differ, and op by op, with the reason, where any one layer does not fuse."""
+    layers = paged_layers()
+    stack = fused_decode.choose(layers)
+    assert stack.route is DecodeRoute.STACK and len(stack.layers) == len(layers)
+    assert [layer.index for layer in stack.layers] == list(range(len(layers)))
+    layers[1].scaling *= 2
+    assert fused_decode.choose(layers).route is DecodeRoute.LAYERS
+    layers = paged_layers()
+    layers[1].o_proj = nn.Linear(layers[1].o_proj.in_features, layers[1].o_proj.out_features)
+    ops = fused_decode.choose(layers)
+    assert ops.route is DecodeRoute.OPS and not ops.layers
+    assert ops.describe() == "op by op (projections not in Conveyor's panels)"
 
 
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
@@ -258,8 +281,11 @@ def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str,
         pack_linears(model)
     backend = "torch" if case == "torch_backend" else "cpu"
     core, _ = tiny_core(model, attention_backend=backend)
-    layers = [m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer)]
-    assert layers and all((layer.fused is None) == (case != "torch_backend") for layer in layers)
+    route = core.runner.model.fused_decode
+    assert (route.route is DecodeRoute.OPS) == (case != "torch_backend")
+    assert route.reason == {"qk_norm": "per-head q/k norms", "gelu": "the activation is not silu",
+                            "unpacked": "projections not in Conveyor's panels",
+                            "torch_backend": ""}[case]
     outputs = run_all(core, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6,
                                                         ignore_eos=True))
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(2)] == expected

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.fused_decode import DecodeRoute
 from engine.kernels.cpu.linear import PanelLinear, pack_linears, use_gguf_blocks
 from engine.loading import gguf_blocks
 from engine.loading.model_loader import load_model
@@ -148,7 +149,8 @@ def test_the_fused_decode_layer_takes_int8_panels(int8_model,
     assert torch.equal(fused_cache, plain_cache)
     core, _ = tiny_core(int8_model, attention_backend="cpu", with_tokenizer=False)
     layers = [m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer)]
-    assert all(layer.fused is not None and layer.qkv_proj.int8_activations for layer in layers)
+    assert all(layer.qkv_proj.int8_activations for layer in layers)
+    assert core.runner.model.fused_decode.route is DecodeRoute.STACK
 
 
 def test_cli_flag_reaches_the_engine_config() -> None:

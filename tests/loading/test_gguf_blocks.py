@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, GgufConfig
 
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.fused_decode import DecodeRoute
 from engine.kernels.cpu.linear import PanelLinear, pack_linears, use_gguf_blocks
 from engine.loading import gguf_blocks
 from engine.loading.model_loader import use_gguf_blocks_beside
@@ -172,8 +173,8 @@ def test_a_converted_model_serves_its_blocks_and_matches_generate(converted: Pat
     assert len(block_layers(model)) == 2 * 7 + 1
     core, _ = tiny_core(model, attention_backend="cpu", with_tokenizer=False)
     layers = [m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer)]
-    assert all(layer.fused is not None and layer.qkv_proj.block_format == gguf_blocks.Q4_1
-               for layer in layers)
+    assert all(layer.qkv_proj.block_format == gguf_blocks.Q4_1 for layer in layers)
+    assert core.runner.model.fused_decode.route is DecodeRoute.STACK
     outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=12,
                                                     ignore_eos=True))
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected

@@ -10,7 +10,7 @@ import torch
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.linear import PanelLinear
-from engine.loading.model_loader import use_half_weights
+from engine.loading.model_loader import LinearForm, use_linear_form
 from tests.helpers import (
     bf16_reference,
     needs_bf16_panels,
@@ -142,7 +142,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def bf16_core():
     model = tiny_llama(dtype=torch.bfloat16)
-    use_half_weights(model, torch.bfloat16)
+    use_linear_form(model, LinearForm.BF16_PANELS)
     core, _ = tiny_core(model)
     assert isinstance(core.runner.model.lm_head, PanelLinear)
     return core

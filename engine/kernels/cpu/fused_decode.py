@@ -1,0 +1,145 @@
+"""The fused CPU decode: a step of decode rows through a decoder layer, or the whole stack, in
+one C++ op (`csrc/fused_decode/`).
+
+It computes what the layers compute op by op, to the bit: the same kernels in the same order
+(norm, q/k/v, rotary, K/V stored at their slots, paged attention, output projection and
+residual, norm, gate/up, activation, down and residual), without the dispatch of two dozen
+small ops a layer. Its attention is Conveyor's CPU paged attention, so it runs where that
+backend hands out a `DecodeStep` (every row decodes, the cache holds a dtype it reads).
+
+`choose` decides once, when the model is built, how decode steps run: the whole stack as one op,
+one op per layer, or op by op, with the reason when the fused routes do not apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from engine.attention.backend import DecodeStep
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.linear import GatedPanelLinear, PanelLinear
+
+# Projections the fused layer takes: panels, or gate/up panel pairs.
+PANEL_TYPES = (PanelLinear, GatedPanelLinear)
+
+
+class DecodeRoute(StrEnum):
+    STACK = "whole stack as one op"
+    LAYERS = "one op per layer"
+    OPS = "op by op"
+
+
+class FusibleLayer(Protocol):
+    """What the fused decode reads from a decoder layer."""
+
+    index: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    silu: bool
+    qk_norm_weight: torch.Tensor | None
+    input_norm: Any
+    post_attention_norm: Any
+    qkv_proj: nn.Module
+    o_proj: nn.Module
+    gate_up_proj: nn.Module
+    down_proj: nn.Module
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """A layer's tensors in the order `cpu_ops.decode_layer` takes them."""
+
+    index: int
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    heads: list[int]
+    eps: float
+    scale: float
+
+
+def why_not_fused(layer: FusibleLayer) -> str:
+    """Why the fused layer does not compute this layer ("" where it does): it needs projections
+    in Conveyor's panels, fp32 norms with one epsilon, silu gating, no per-head q/k norm, and the
+    kernels built."""
+    projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    norms = (layer.input_norm, layer.post_attention_norm)
+    if not cpu_ops.has("fused_decode"):
+        return "the fused_decode kernels are not built"
+    if not layer.silu:
+        return "the activation is not silu"
+    if layer.qk_norm_weight is not None:
+        return "per-head q/k norms"
+    if not all(isinstance(p, PANEL_TYPES) for p in projections):
+        return "projections not in Conveyor's panels"
+    if not all(n.weight.dtype == torch.float32 and n.weight.dim() == 1 for n in norms):
+        return "norm weights not fp32"
+    if norms[0].variance_epsilon != norms[1].variance_epsilon:
+        return "two norm epsilons in a layer"
+    return ""
+
+
+def layer_weights(layer: FusibleLayer) -> LayerWeights:
+    panels: list[Any] = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+    return LayerWeights(
+        index=layer.index,
+        weights=[layer.input_norm.weight, panels[0].panels, panels[1].panels,
+                 layer.post_attention_norm.weight, panels[2].panels, panels[3].panels],
+        biases=[p.padded_bias for p in panels],
+        heads=[layer.num_heads, layer.num_kv_heads, layer.head_dim],
+        eps=float(layer.input_norm.variance_epsilon), scale=layer.scaling)
+
+
+@dataclass(frozen=True, slots=True)
+class FusedDecode:
+    """How decode steps run, chosen once: `layers` is empty on the op-by-op route."""
+
+    route: DecodeRoute
+    layers: tuple[LayerWeights, ...] = ()
+    reason: str = ""
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 step: DecodeStep) -> torch.Tensor:
+        if self.route is DecodeRoute.STACK:
+            return self._stack(hidden, cos, sin, step)
+        for layer in self.layers:
+            hidden = cpu_ops.decode_layer(
+                hidden, layer.weights, layer.biases, layer.heads, cos, sin,
+                step.kv_cache.key(layer.index), step.kv_cache.value(layer.index),
+                step.slot_mapping, step.block_table, step.seq_lens, layer.eps, layer.scale)
+        return hidden
+
+    def _stack(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               step: DecodeStep) -> torch.Tensor:
+        first, cache = self.layers[0], step.kv_cache
+        return cpu_ops.decode_layers(
+            hidden, [w for layer in self.layers for w in layer.weights],
+            [b for layer in self.layers for b in layer.biases], first.heads, cos, sin,
+            [cache.key(layer.index) for layer in self.layers],
+            [cache.value(layer.index) for layer in self.layers],
+            step.slot_mapping, step.block_table, step.seq_lens, first.eps, first.scale)
+
+    def describe(self) -> str:
+        return f"{self.route} ({self.reason})" if self.reason else str(self.route)
+
+
+def choose(layers: Sequence[FusibleLayer]) -> FusedDecode:
+    """The decode route for these layers: the whole stack as one op where every layer fuses
+    with the same heads, epsilon and scale; one op per layer where every layer fuses; else op
+    by op, with the first layer's reason."""
+    reasons = [why_not_fused(layer) for layer in layers]
+    if not layers or any(reasons):
+        reason = next((r for r in reasons if r), "no layers")
+        return FusedDecode(DecodeRoute.OPS, reason=reason)
+    fused = tuple(layer_weights(layer) for layer in layers)
+    first = fused[0]
+    if all((f.heads, f.eps, f.scale) == (first.heads, first.eps, first.scale) for f in fused):
+        return FusedDecode(DecodeRoute.STACK, fused)
+    return FusedDecode(DecodeRoute.LAYERS, fused, reason="the layers differ in shape")

@@ -1,0 +1,96 @@
+"""The building blocks of Conveyor's decoders, each computing what Hugging Face's module
+computes: on the CPU through Conveyor's one-pass kernels where they apply (fp32 rows, kernels
+built), else through torch's own ops. A model file calls these and never picks a kernel itself."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.linear import CPU_LINEAR_TYPES, PanelLinear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             bf16_rows: bool = False) -> torch.Tensor:
+    """Hugging Face's RMSNorm: normalise in fp32, scale in the input dtype. `weight` is `[dim]`
+    or broadcasts against `x` (one row per head). With `bf16_rows`, for a product over bf16
+    panels, Conveyor's one-pass kernel hands its fp32 rows over rounded to bf16, as that product
+    would round them (elsewhere they stay fp32)."""
+    if x.dtype == torch.float32 and weight.dim() == 1:
+        if _one_pass_norm(x, weight):
+            return cpu_ops.rms_norm(x, weight, eps, bf16_rows)
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _one_pass_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Conveyor's one-pass CPU kernel applies: fp32 rows on the CPU, kernels built."""
+    return (x.is_cpu and x.dim() == 2 and x.is_contiguous() and weight.dtype == torch.float32
+            and cpu_ops.has("elementwise"))
+
+
+def fuse(linears: list[nn.Module]) -> nn.Module:
+    """One projection whose output is the given projections' outputs side by side; panels are
+    joined as held where they line up (GGUF blocks stay blocks)."""
+    if all(isinstance(m, PanelLinear) for m in linears):
+        joined = PanelLinear.joined(cast(list[PanelLinear], linears))
+        if joined is not None:
+            return joined
+    weight = torch.cat([cast(torch.Tensor, m.weight) for m in linears])
+    biases = [cast(torch.Tensor | None, m.bias) for m in linears]
+    bias = None if biases[0] is None else torch.cat(cast(list[torch.Tensor], biases))
+    if isinstance(linears[0], CPU_LINEAR_TYPES):
+        return linears[0].remade(weight, bias)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                      device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if bias is not None:
+            fused.bias.copy_(bias)
+    return fused
+
+
+def add_projected(projection: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """`residual + projection(x)`: in the product's own pass where the projection is Conveyor's
+    panels and the residual fp32 (the same bits: addition commutes)."""
+    if isinstance(projection, PanelLinear) and residual.dtype == torch.float32:
+        return projection(x, residual)
+    return residual + projection(x)
+
+
+def gated_activation(gate_up: torch.Tensor, act_fn: nn.Module, intermediate: int,
+                     silu: bool) -> torch.Tensor:
+    """`act_fn(gate) * up` over a fused gate/up projection's output `[rows, 2 * intermediate]`;
+    in one pass on the CPU where `act_fn` is silu."""
+    if silu and _one_pass_gate(gate_up):
+        return cpu_ops.silu_mul(gate_up)
+    return act_fn(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+
+
+def _one_pass_gate(gate_up: torch.Tensor) -> bool:
+    """Conveyor's one-pass CPU activation applies: fp32 rows on the CPU, kernels built."""
+    return (gate_up.is_cpu and gate_up.dtype == torch.float32 and gate_up.dim() == 2
+            and gate_up.is_contiguous() and cpu_ops.has("elementwise"))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in Hugging Face's half-split layout, the same operations in the same
+    order: `x * cos + rotate_half(x) * sin` over `[tokens, heads, dim]`."""
+    if _one_pass_rotary(x, cos):
+        return cpu_ops.rotary(x, cos, sin)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _one_pass_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Conveyor's one-pass CPU kernel applies: fp32 on the CPU, heads and dims contiguous."""
+    return (x.is_cpu and x.dtype == torch.float32 and cos.dtype == torch.float32
+            and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and cpu_ops.has("elementwise"))
