@@ -55,10 +55,21 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_len - 1)
 
 
-def request_body(request: BenchRequest, endpoint: str, model: str, ignore_eos: bool,
-                 temperature: float, timeout: float | None = None) -> dict:
-    body: dict = {"model": model, "max_tokens": request.output_len, "stream": True,
-                  "temperature": temperature, "stream_options": {"include_usage": True}}
+def request_body(
+    request: BenchRequest,
+    endpoint: str,
+    model: str,
+    ignore_eos: bool,
+    temperature: float,
+    timeout: float | None = None,
+) -> dict:
+    body: dict = {
+        "model": model,
+        "max_tokens": request.output_len,
+        "stream": True,
+        "temperature": temperature,
+        "stream_options": {"include_usage": True},
+    }
     if ignore_eos:
         body["ignore_eos"] = True
     if request.priority:
@@ -96,8 +107,9 @@ async def sse_data(pieces: AsyncIterator[bytes]) -> AsyncIterator[str]:
         yield pending[6:].rstrip(b"\r").decode()
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: dict,
-               prompt_len: int) -> RequestResult:
+async def send(
+    session: aiohttp.ClientSession, url: str, body: dict, prompt_len: int
+) -> RequestResult:
     """Stream one request to `url`; the first chunk with text marks the first token."""
     result = RequestResult(ok=False, prompt_len=prompt_len, priority=body.get("priority", 0))
     start = time.perf_counter()

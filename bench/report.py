@@ -71,8 +71,9 @@ def peak_concurrency(results: list[RequestResult]) -> int:
     return peak
 
 
-def summarize(results: list[RequestResult], duration: float, percentiles: list[int],
-              slo: dict[str, float]) -> dict[str, Any]:
+def summarize(
+    results: list[RequestResult], duration: float, percentiles: list[int], slo: dict[str, float]
+) -> dict[str, Any]:
     done = [r for r in results if r.ok]
     output = sum(r.output_len for r in done)
     prompt = sum(r.prompt_len for r in done)
@@ -106,8 +107,9 @@ def class_name(priority: int) -> str:
     return "high" if priority == 0 else "low" if priority == 1 else f"priority {priority}"
 
 
-def overload(results: list[RequestResult], duration: float,
-             percentiles: list[int]) -> dict[str, Any]:
+def overload(
+    results: list[RequestResult], duration: float, percentiles: list[int]
+) -> dict[str, Any]:
     """Who waited, who was turned away, who missed the deadline, per priority class."""
     waits = [r.ttft if r.output_len else r.e2e for r in results]
     on_time = [r for r in results if r.ok and not r.timed_out]
@@ -135,8 +137,10 @@ def table(summary: dict[str, Any]) -> str:
     """The summary as a fixed-width table, in the spirit of `vllm bench serve`."""
     lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
     labels = {
-        "completed": "Successful requests", "failed": "Failed requests",
-        "duration_s": "Benchmark duration (s)", "total_input_tokens": "Total input tokens",
+        "completed": "Successful requests",
+        "failed": "Failed requests",
+        "duration_s": "Benchmark duration (s)",
+        "total_input_tokens": "Total input tokens",
         "total_output_tokens": "Total generated tokens",
         "request_throughput": "Request throughput (req/s)",
         "output_throughput": "Output token throughput (tok/s)",
@@ -150,8 +154,12 @@ def table(summary: dict[str, Any]) -> str:
             value = summary[key]
             text = f"{value:.2f}" if isinstance(value, float) else str(value)
             lines.append(f"{label:<45}{text:>15}")
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for name, title in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
         for key, value in summary.items():
             if key.endswith(f"_{name}_ms"):
@@ -164,11 +172,13 @@ def table(summary: dict[str, Any]) -> str:
 
 
 def _overload_lines(data: dict[str, Any]) -> list[str]:
-    lines = ["{s:{c}^60}".format(s=" Overload ", c="-"),
-             f"{'Goodput, on time (req/s)':<45}{data['deadline_goodput']:>15.2f}",
-             f"{'Rejected (503)':<45}{data['rejected']:>15}",
-             f"{'Timed out':<45}{data['timed_out']:>15}",
-             f"{'Longest wait (s)':<45}{data['longest_wait_s']:>15.2f}"]
+    lines = [
+        "{s:{c}^60}".format(s=" Overload ", c="-"),
+        f"{'Goodput, on time (req/s)':<45}{data['deadline_goodput']:>15.2f}",
+        f"{'Rejected (503)':<45}{data['rejected']:>15}",
+        f"{'Timed out':<45}{data['timed_out']:>15}",
+        f"{'Longest wait (s)':<45}{data['longest_wait_s']:>15.2f}",
+    ]
     for name, row in data["by_class"].items():
         for key, value in row.items():
             text = f"{value:.2f}" if isinstance(value, float) else str(value)

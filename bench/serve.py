@@ -28,11 +28,15 @@ from bench.workloads import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--endpoint", default="/v1/completions",
-                        choices=["/v1/completions", "/v1/chat/completions"])
+    parser.add_argument(
+        "--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"]
+    )
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
-    parser.add_argument("--tokenizer", default=None,
-                        help="folder or hub id used to draw prompts (default: the embedded model)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="folder or hub id used to draw prompts (default: the embedded model)",
+    )
     parser.add_argument("--dataset", default="random", choices=["random", "trace", "shared-prefix"])
     parser.add_argument("--trace", type=Path, default=None, help="JSONL trace for --dataset trace")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -42,22 +46,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-prefix-len", type=int, default=1024)
     parser.add_argument("--shared-suffix-len", type=int, default=32)
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="Poisson arrivals per second (default: all at once)")
-    parser.add_argument("--burstiness", type=float, default=1.0,
-                        help="with --request-rate: shape of the gamma-distributed gaps between "
-                             "arrivals; 1 is Poisson, below 1 burstier, above 1 steadier")
-    parser.add_argument("--duration", type=float, default=None,
-                        help="with --request-rate: send rate x duration requests")
-    parser.add_argument("--priority-mix", type=float, default=0.0,
-                        help="share of high-priority (0) requests; the rest get priority 1")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="per-request deadline in seconds (the request field timeout)")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrivals per second (default: all at once)",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="with --request-rate: shape of the gamma-distributed gaps between "
+        "arrivals; 1 is Poisson, below 1 burstier, above 1 steadier",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="with --request-rate: send rate x duration requests",
+    )
+    parser.add_argument(
+        "--priority-mix",
+        type=float,
+        default=0.0,
+        help="share of high-priority (0) requests; the rest get priority 1",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="per-request deadline in seconds (the request field timeout)",
+    )
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slo", nargs="*", default=[],
-                        help="goodput limits in ms, e.g. ttft:500 tpot:50 e2el:10000")
+    parser.add_argument(
+        "--slo",
+        nargs="*",
+        default=[],
+        help="goodput limits in ms, e.g. ttft:500 tpot:50 e2el:10000",
+    )
     parser.add_argument("--percentiles", default="50,90,99")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--api-key", default=None)
@@ -78,18 +106,30 @@ def build_workload(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
     if args.dataset == "trace":
         if args.trace is None:
             raise SystemExit("--dataset trace needs --trace FILE")
-        requests = trace_workload(args.trace, pool, args.seed,
-                                  lambda text: len(tokenizer(text)["input_ids"]))
+        requests = trace_workload(
+            args.trace, pool, args.seed, lambda text: len(tokenizer(text)["input_ids"])
+        )
     elif args.dataset == "shared-prefix":
-        requests = shared_prefix_workload(args.num_prompts, args.shared_prefix_len,
-                                          args.shared_suffix_len, args.random_output_len, pool,
-                                          args.seed)
+        requests = shared_prefix_workload(
+            args.num_prompts,
+            args.shared_prefix_len,
+            args.shared_suffix_len,
+            args.random_output_len,
+            pool,
+            args.seed,
+        )
     else:
         count = args.num_prompts
         if args.duration is not None and args.request_rate != float("inf"):
             count = max(1, round(args.request_rate * args.duration))
-        requests = random_workload(count, args.random_input_len, args.random_output_len, pool,
-                                   args.seed, args.random_range_ratio)
+        requests = random_workload(
+            count,
+            args.random_input_len,
+            args.random_output_len,
+            pool,
+            args.seed,
+            args.random_range_ratio,
+        )
     if args.priority_mix > 0:
         requests = with_priorities(requests, args.priority_mix, args.seed)
     if args.endpoint.endswith("/chat/completions"):
@@ -103,8 +143,9 @@ async def _model_name(session: aiohttp.ClientSession, base_url: str) -> str:
         return (await response.json())["data"][0]["id"]
 
 
-def arrival_delays(requests: list[BenchRequest], rate: float, seed: int,
-                   burstiness: float = 1.0) -> list[float]:
+def arrival_delays(
+    requests: list[BenchRequest], rate: float, seed: int, burstiness: float = 1.0
+) -> list[float]:
     """Seconds from the start at which each request is sent: a trace's own times, all at once
     at an infinite rate, else gaps drawn from a gamma distribution of shape `burstiness` and
     mean 1 / rate (exponential, so Poisson arrivals, at a burstiness of 1)."""
@@ -125,15 +166,18 @@ def arrival_delays(requests: list[BenchRequest], rate: float, seed: int,
     return delays
 
 
-async def run_load(args: argparse.Namespace, requests: list[BenchRequest],
-                   progress: bool = True) -> tuple[list[RequestResult], float]:
+async def run_load(
+    args: argparse.Namespace, requests: list[BenchRequest], progress: bool = True
+) -> tuple[list[RequestResult], float]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # No connection limit and no deadline: --max-concurrency shapes the load, --timeout is the
     # server's business.
     base_url = args.base_url.rstrip("/")
-    session = aiohttp.ClientSession(headers=headers,
-                                    timeout=aiohttp.ClientTimeout(total=None),
-                                    connector=aiohttp.TCPConnector(limit=0))
+    session = aiohttp.ClientSession(
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=None),
+        connector=aiohttp.TCPConnector(limit=0),
+    )
     async with session:
         model = args.model or await _model_name(session, base_url)
         gate = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
@@ -144,17 +188,16 @@ async def run_load(args: argparse.Namespace, requests: list[BenchRequest],
         async def one(request: BenchRequest, delay: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + delay - time.perf_counter()))
             async with gate:
-                body = request_body(request, args.endpoint, model, args.ignore_eos,
-                                    args.temperature, args.timeout)
+                body = request_body(
+                    request, args.endpoint, model, args.ignore_eos, args.temperature, args.timeout
+                )
                 sent = time.perf_counter() - start
-                result = await send(session, base_url + args.endpoint, body,
-                                    request.prompt_len)
+                result = await send(session, base_url + args.endpoint, body, request.prompt_len)
                 result.start = sent
             bar.update(1)
             return result
 
-        results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays,
-                                                                     strict=True)))
+        results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays, strict=True)))
         duration = time.perf_counter() - start
         bar.close()
     return list(results), duration
@@ -189,10 +232,16 @@ def main(args: argparse.Namespace) -> int:
     summary = summarize(results, duration, percentiles, slo)
     if args.priority_mix > 0 or args.timeout is not None:
         summary["overload"] = overload(results, duration, percentiles)
-    summary.update({"endpoint": args.endpoint, "dataset": args.dataset,
-                    "max_concurrency": args.max_concurrency,
-                    "request_rate": args.request_rate, "burstiness": args.burstiness,
-                    "num_prompts": len(requests)})
+    summary.update(
+        {
+            "endpoint": args.endpoint,
+            "dataset": args.dataset,
+            "max_concurrency": args.max_concurrency,
+            "request_rate": args.request_rate,
+            "burstiness": args.burstiness,
+            "num_prompts": len(requests),
+        }
+    )
     print(table(summary))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

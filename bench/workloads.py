@@ -33,8 +33,9 @@ def _lengths(rng: random.Random, mean: int, ratio: float) -> int:
     return rng.randint(low, high)
 
 
-def random_workload(num: int, input_len: int, output_len: int, pool: list[int], seed: int,
-                    range_ratio: float = 0.0) -> list[BenchRequest]:
+def random_workload(
+    num: int, input_len: int, output_len: int, pool: list[int], seed: int, range_ratio: float = 0.0
+) -> list[BenchRequest]:
     """Prompts of random tokens; lengths uniform in mean * (1 ± range_ratio). Each seed gives
     fresh prompts, so a server's prefix cache cannot help."""
     rng = random.Random(seed)
@@ -46,17 +47,25 @@ def random_workload(num: int, input_len: int, output_len: int, pool: list[int], 
     return requests
 
 
-def shared_prefix_workload(num: int, prefix_len: int, suffix_len: int, output_len: int,
-                           pool: list[int], seed: int) -> list[BenchRequest]:
+def shared_prefix_workload(
+    num: int, prefix_len: int, suffix_len: int, output_len: int, pool: list[int], seed: int
+) -> list[BenchRequest]:
     """One common prefix (a system prompt) and a different question per request."""
     rng = random.Random(seed)
     prefix = [rng.choice(pool) for _ in range(prefix_len)]
-    return [BenchRequest(prefix + [rng.choice(pool) for _ in range(suffix_len)],
-                         prefix_len + suffix_len, output_len) for _ in range(num)]
+    return [
+        BenchRequest(
+            prefix + [rng.choice(pool) for _ in range(suffix_len)],
+            prefix_len + suffix_len,
+            output_len,
+        )
+        for _ in range(num)
+    ]
 
 
-def trace_workload(path: Path, pool: list[int], seed: int,
-                   count_tokens: Callable[[str], int] = len) -> list[BenchRequest]:
+def trace_workload(
+    path: Path, pool: list[int], seed: int, count_tokens: Callable[[str], int] = len
+) -> list[BenchRequest]:
     """JSONL lines with `timestamp` (seconds), `output_len`, and `prompt` text or `input_len`
     (random tokens); `count_tokens` measures text prompts."""
     rng = random.Random(seed)
@@ -71,28 +80,43 @@ def trace_workload(path: Path, pool: list[int], seed: int,
         else:
             length = int(entry["input_len"])
             prompt = [rng.choice(pool) for _ in range(length)]
-        requests.append(BenchRequest(prompt, length, int(entry["output_len"]),
-                                     float(entry["timestamp"])))
+        requests.append(
+            BenchRequest(prompt, length, int(entry["output_len"]), float(entry["timestamp"]))
+        )
     start = min((r.arrival or 0.0 for r in requests), default=0.0)
-    return [BenchRequest(r.prompt, r.prompt_len, r.output_len, (r.arrival or 0.0) - start)
-            for r in sorted(requests, key=lambda r: r.arrival or 0.0)]
+    return [
+        BenchRequest(r.prompt, r.prompt_len, r.output_len, (r.arrival or 0.0) - start)
+        for r in sorted(requests, key=lambda r: r.arrival or 0.0)
+    ]
 
 
 HIGH_PRIORITY, LOW_PRIORITY = 0, 1
 
 
-def with_priorities(requests: list[BenchRequest], high_share: float,
-                    seed: int) -> list[BenchRequest]:
+def with_priorities(
+    requests: list[BenchRequest], high_share: float, seed: int
+) -> list[BenchRequest]:
     """Mark a `high_share` of the requests high priority (0) and the rest low (1)."""
     rng = random.Random(seed + 1)
-    return [BenchRequest(r.prompt, r.prompt_len, r.output_len, r.arrival,
-                         HIGH_PRIORITY if rng.random() < high_share else LOW_PRIORITY)
-            for r in requests]
+    return [
+        BenchRequest(
+            r.prompt,
+            r.prompt_len,
+            r.output_len,
+            r.arrival,
+            HIGH_PRIORITY if rng.random() < high_share else LOW_PRIORITY,
+        )
+        for r in requests
+    ]
 
 
 def as_text(requests: list[BenchRequest], tokenizer: Any) -> list[BenchRequest]:
     """Token-id prompts decoded to text (for the chat endpoint, which takes no token ids)."""
-    return [r if isinstance(r.prompt, str) else
-            BenchRequest(tokenizer.decode(r.prompt), r.prompt_len, r.output_len, r.arrival,
-                         r.priority)
-            for r in requests]
+    return [
+        r
+        if isinstance(r.prompt, str)
+        else BenchRequest(
+            tokenizer.decode(r.prompt), r.prompt_len, r.output_len, r.arrival, r.priority
+        )
+        for r in requests
+    ]

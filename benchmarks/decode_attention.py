@@ -28,16 +28,18 @@ from engine.kernels.cpu import ops as cpu_ops
 HEADS, KV_HEADS, DIM, LAYERS = 9, 3, 64, 30
 
 
-def cache_layer(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator,
-                huge: bool) -> torch.Tensor:
+def cache_layer(
+    shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator, huge: bool
+) -> torch.Tensor:
     values = torch.randn(shape, generator=generator).to(dtype)
     if not huge:
         return values
     return huge_pages.zeros(shape, dtype).copy_(values)
 
 
-def block_tables(seqs: int, per_seq: int, placement: str,
-                 generator: torch.Generator) -> torch.Tensor:
+def block_tables(
+    seqs: int, per_seq: int, placement: str, generator: torch.Generator
+) -> torch.Tensor:
     """`[seqs, per_seq]` block ids: a cache of its own per sequence, scattered or in order, or
     one sequence's blocks for all."""
     if placement == "shared":
@@ -48,50 +50,77 @@ def block_tables(seqs: int, per_seq: int, placement: str,
     return torch.arange(blocks).view(seqs, per_seq)
 
 
-def step_ms(seqs: int, context: int, cache_dtype: torch.dtype, placement: str,
-            repeats: int, huge: bool, block_size: int) -> float:
+def step_ms(
+    seqs: int,
+    context: int,
+    cache_dtype: torch.dtype,
+    placement: str,
+    repeats: int,
+    huge: bool,
+    block_size: int,
+) -> float:
     generator = torch.Generator().manual_seed(0)
     per_seq = -(-context // block_size)
     tables = block_tables(seqs, per_seq, placement, generator)
     shape = (int(tables.max()) + 1, block_size, KV_HEADS, DIM)
-    caches = [tuple(cache_layer(shape, cache_dtype, generator, huge) for _ in range(2))
-              for _ in range(LAYERS)]
+    caches = [
+        tuple(cache_layer(shape, cache_dtype, generator, huge) for _ in range(2))
+        for _ in range(LAYERS)
+    ]
     lens = torch.full((seqs,), context, dtype=torch.int64)
     query = torch.randn(seqs, HEADS, DIM, generator=generator)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for key, value in caches:
-            cpu_ops.paged_decode(query, key, value, tables, lens, DIM ** -0.5)
+            cpu_ops.paged_decode(query, key, value, tables, lens, DIM**-0.5)
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seqs", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--context", type=int, default=192)
-    parser.add_argument("--cache-dtype", nargs="+", default=["float32", "bfloat16",
-                                                             "float8_e5m2"])
-    parser.add_argument("--placement", choices=["scattered", "in-order", "shared"],
-                        default="scattered")
+    parser.add_argument("--cache-dtype", nargs="+", default=["float32", "bfloat16", "float8_e5m2"])
+    parser.add_argument(
+        "--placement", choices=["scattered", "in-order", "shared"], default="scattered"
+    )
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZES["cpu"])
-    parser.add_argument("--pages", choices=["huge", "small"], default="huge",
-                        help="the cache in 2 MiB pages, as the engine holds it, or in 4 KiB")
+    parser.add_argument(
+        "--pages",
+        choices=["huge", "small"],
+        default="huge",
+        help="the cache in 2 MiB pages, as the engine holds it, or in 4 KiB",
+    )
     args = parser.parse_args()
     if not cpu_ops.load():
         raise SystemExit("Conveyor's CPU kernels did not build on this machine")
     malloc_tuning.keep_freed_memory()  # as the engine runs: scratch reused, not faulted in anew
     for seqs in args.seqs:
-        row: dict[str, object] = {"seqs": seqs, "context": args.context,
-                                  "block_size": args.block_size,
-                                  "placement": args.placement, "pages": args.pages}
+        row: dict[str, object] = {
+            "seqs": seqs,
+            "context": args.context,
+            "block_size": args.block_size,
+            "placement": args.placement,
+            "pages": args.pages,
+        }
         for name in args.cache_dtype:
-            row[f"{name}_ms"] = round(step_ms(seqs, args.context, getattr(torch, name),
-                                              args.placement, args.repeats,
-                                              args.pages == "huge", args.block_size), 2)
+            row[f"{name}_ms"] = round(
+                step_ms(
+                    seqs,
+                    args.context,
+                    getattr(torch, name),
+                    args.placement,
+                    args.repeats,
+                    args.pages == "huge",
+                    args.block_size,
+                ),
+                2,
+            )
         print(json.dumps(row))
 
 

@@ -18,7 +18,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
     """The engine `args` ask for, with any other `EngineConfig` fields in `options`."""
-    return EngineConfig(model=args.model, dtype=args.dtype,
-                        int8_activations=args.int8_activations,
-                        cache=CacheConfig(kv_cache_memory=1 << 30, dtype=args.kv_cache_dtype),
-                        **options)
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        int8_activations=args.int8_activations,
+        cache=CacheConfig(kv_cache_memory=1 << 30, dtype=args.kv_cache_dtype),
+        **options,
+    )

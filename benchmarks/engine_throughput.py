@@ -26,8 +26,14 @@ from engine.factory import create_engine_core
 from engine.kernels.cpu import ops as cpu_ops
 
 
-def run(core: EngineCore, concurrency: int, input_len: int, output_len: int,
-        seed: int, both_heads: bool = False) -> dict[str, float]:
+def run(
+    core: EngineCore,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    both_heads: bool = False,
+) -> dict[str, float]:
     rng = random.Random(seed)
     vocab = core.vocab_size
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -71,8 +77,11 @@ def step_medians_by_head(step_times: list[float], decode_steps: int) -> dict[str
     by_way: dict[str, list[float]] = {"in_head": [], "logits": []}
     for i in range(first, len(step_times)):
         by_way["in_head" if i % 2 else "logits"].append(step_times[i])
-    return {f"step_ms_median_{way}": round(1000 * statistics.median(times), 2)
-            for way, times in by_way.items() if times}
+    return {
+        f"step_ms_median_{way}": round(1000 * statistics.median(times), 2)
+        for way, times in by_way.items()
+        if times
+    }
 
 
 def main() -> None:
@@ -84,20 +93,24 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="on CUDA, no decode graphs")
+    parser.add_argument("--enforce-eager", action="store_true", help="on CUDA, no decode graphs")
     parser.add_argument("--both-bf16-products", action="store_true")
     parser.add_argument("--both-heads", action="store_true")
     args = parser.parse_args()
     if args.both_bf16_products and not cpu_ops.bf16_tiles_available():
         raise SystemExit("the bf16 products have no AMX tiles here")
-    config = engine_config(args, max_num_batched_tokens=args.max_num_batched_tokens,
-                           attention_backend=args.attention_backend,
-                           enforce_eager=args.enforce_eager)
+    config = engine_config(
+        args,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+    )
     core, _, info = create_engine_core(config)
     graphs = "CUDA graphs" if core.runner.graphs is not None else "eager"
-    print(f"# {info.model_name} {info.dtype} on {info.device}, "
-          f"{core.runner.backend.name} attention, {graphs}")
+    print(
+        f"# {info.model_name} {info.dtype} on {info.device}, "
+        f"{core.runner.backend.name} attention, {graphs}"
+    )
     for _ in range(args.warmup):
         run(core, 2, 16, 4, seed=-1)
     modes = ["tiles", "dot", "dot", "tiles"] if args.both_bf16_products else [None]
@@ -107,8 +120,14 @@ def main() -> None:
             if mode is not None:
                 cpu_ops.use_bf16_tiles(mode == "tiles")
                 tags = {"bf16_products": mode}
-            result = run(core, concurrency, args.input_len, args.output_len,
-                         seed * len(modes) + turn, args.both_heads)
+            result = run(
+                core,
+                concurrency,
+                args.input_len,
+                args.output_len,
+                seed * len(modes) + turn,
+                args.both_heads,
+            )
             print(json.dumps({**result, **tags}))
 
 

@@ -22,20 +22,31 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.loading.default_model import ensure_default_model
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):",
-           "Once upon a time, in a small village,", "The three primary colors are"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
 
 
-def transformers_greedy(path: str, dtype: torch.dtype, prompts: list[list[int]],
-                        tokens: int) -> list[list[int]]:
+def transformers_greedy(
+    path: str, dtype: torch.dtype, prompts: list[list[int]], tokens: int
+) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=None,
-                             pad_token_id=0)
-        outputs.append(out[0, len(prompt):].tolist())
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
 
@@ -56,7 +67,7 @@ def file_cuts(ids: list[int], lengths: list[int]) -> list[list[int]]:
     if sum(lengths) > len(ids):
         raise SystemExit(f"the file has {len(ids)} tokens, fewer than the cuts' {sum(lengths)}")
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    return [ids[start:start + n] for start, n in zip(starts, lengths, strict=True)]
+    return [ids[start : start + n] for start, n in zip(starts, lengths, strict=True)]
 
 
 def agreeing(a: list[int], b: list[int]) -> int:
@@ -68,8 +79,9 @@ def agreeing(a: list[int], b: list[int]) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--from-file", default=None)
@@ -88,9 +100,16 @@ def main() -> None:
     bf16 = transformers_greedy(path, torch.bfloat16, prompts, args.tokens)
     ours = conveyor_greedy(args.dtype, prompts, args.tokens)
     for text, mine, ref32, ref16 in zip(names, ours, fp32, bf16, strict=True):
-        print(json.dumps({"prompt": text, "conveyor_vs_fp32": agreeing(mine, ref32),
-                          "conveyor_vs_bf16": agreeing(mine, ref16),
-                          "bf16_vs_fp32": agreeing(ref16, ref32)}))
+        print(
+            json.dumps(
+                {
+                    "prompt": text,
+                    "conveyor_vs_fp32": agreeing(mine, ref32),
+                    "conveyor_vs_bf16": agreeing(mine, ref16),
+                    "bf16_vs_fp32": agreeing(ref16, ref32),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -60,10 +60,18 @@ def main() -> None:
             for _ in range(args.repeats):
                 times["logits_then_argmax"].append(timed(logits_then_argmax))
                 times["in_the_head"].append(timed(in_the_head))
-            print(json.dumps({"rows": rows, **{
-                f"{name}_ms_{stat}": round(1000 * fn(t), 2)
-                for name, t in times.items()
-                for stat, fn in (("median", statistics.median), ("best", min))}}))
+            print(
+                json.dumps(
+                    {
+                        "rows": rows,
+                        **{
+                            f"{name}_ms_{stat}": round(1000 * fn(t), 2)
+                            for name, t in times.items()
+                            for stat, fn in (("median", statistics.median), ("best", min))
+                        },
+                    }
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -21,14 +21,26 @@ from tests.server_utils import live_server
 VICTIM = {"prompt": "Story:", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
 HOSTILE: dict[str, dict[str, Any]] = {
     "10,000 stop strings of 3,000 chars (30 MB)": {
-        "prompt": "Hi", "max_tokens": 4, "stop": ["x" * 3000] * 10_000},
+        "prompt": "Hi",
+        "max_tokens": 4,
+        "stop": ["x" * 3000] * 10_000,
+    },
     "2,000 stop strings of 3,000 chars": {
-        "prompt": "Hi", "max_tokens": 4, "stop": ["x" * 3000] * 2_000},
+        "prompt": "Hi",
+        "max_tokens": 4,
+        "stop": ["x" * 3000] * 2_000,
+    },
     "200 tokens, no stop strings (a plain neighbour)": {
-        "prompt": "Hi", "max_tokens": 200, "ignore_eos": True},
+        "prompt": "Hi",
+        "max_tokens": 200,
+        "ignore_eos": True,
+    },
     "64 stop strings of 1,024 chars, 200 tokens (allowed)": {
-        "prompt": "Hi", "max_tokens": 200, "ignore_eos": True,
-        "stop": [f"{i:04d}" + "x" * 1020 for i in range(64)]},
+        "prompt": "Hi",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stop": [f"{i:04d}" + "x" * 1020 for i in range(64)],
+    },
     "4,000 prompts": {"prompt": ["Hi"] * 4_000, "max_tokens": 1},
     "1,000 prompts (allowed)": {"prompt": ["Hi"] * 1_000, "max_tokens": 1},
 }
@@ -36,8 +48,9 @@ HOSTILE: dict[str, dict[str, Any]] = {
 
 async def timed(client: httpx.AsyncClient, body: bytes) -> tuple[float, int]:
     start = time.perf_counter()
-    reply = await client.post("/v1/completions", content=body,
-                              headers={"content-type": "application/json"})
+    reply = await client.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
     return time.perf_counter() - start, reply.status_code
 
 
@@ -53,12 +66,15 @@ async def health_worst(client: httpx.AsyncClient, stop: asyncio.Event) -> float:
 
 async def main() -> None:
     victim = json.dumps(VICTIM).encode()
-    async with live_server() as server, httpx.AsyncClient(base_url=server.url,
-                                                          timeout=600) as client:
+    async with (
+        live_server() as server,
+        httpx.AsyncClient(base_url=server.url, timeout=600) as client,
+    ):
         alone = statistics.median([(await timed(client, victim))[0] for _ in range(5)])
         print(f"victim alone: {alone * 1000:.0f} ms")
-        print(f"{'hostile request':55} {'status':>6} {'victim':>8} {'ratio':>6} "
-              f"{'/health max':>12}")
+        print(
+            f"{'hostile request':55} {'status':>6} {'victim':>8} {'ratio':>6} {'/health max':>12}"
+        )
         for name, body in HOSTILE.items():
             payload = json.dumps(body).encode()
             stop = asyncio.Event()
@@ -69,8 +85,10 @@ async def main() -> None:
             _, status = await hostile
             stop.set()
             worst = await probe
-            print(f"{name:55} {status:>6} {beside * 1000:6.0f}ms {beside / alone:6.2f} "
-                  f"{worst * 1000:10.0f}ms")
+            print(
+                f"{name:55} {status:>6} {beside * 1000:6.0f}ms {beside / alone:6.2f} "
+                f"{worst * 1000:10.0f}ms"
+            )
 
 
 if __name__ == "__main__":

@@ -28,20 +28,28 @@ from engine.loading.model_loader import load_model
 
 def layer_sets() -> dict[str, list[PanelLinear]]:
     loaded = load_model(None, torch.float32, torch.device("cpu"))
-    named = {name: m for name, m in loaded.model.named_modules()
-             if isinstance(m, PanelLinear) and m.block_format is not None}
+    named = {
+        name: m
+        for name, m in loaded.model.named_modules()
+        if isinstance(m, PanelLinear) and m.block_format is not None
+    }
     if not named:
         raise SystemExit("the default model loaded without its GGUF blocks")
     rows = gguf_blocks.load(Path(loaded.path) / gguf_blocks.BLOCKS_FILE)
     blocks = list(named.values())
-    sets = {"blocks": blocks,
-            "int8": [PanelLinear.of_blocks(*rows[name], None, True) for name in named],
-            "fp32": [PanelLinear(m.weight, None) for m in blocks],
-            "fp16": [PanelLinear(m.weight, None, torch.float16) for m in blocks]}
+    sets = {
+        "blocks": blocks,
+        "int8": [PanelLinear.of_blocks(*rows[name], None, True) for name in named],
+        "fp32": [PanelLinear(m.weight, None) for m in blocks],
+        "fp16": [PanelLinear(m.weight, None, torch.float16) for m in blocks],
+    }
     if cpu_ops.bf16_panels_available():
         sets["bf16"] = [PanelLinear(m.weight, None, torch.bfloat16) for m in blocks]
-    return {**sets, "lm_head_exact": [named["lm_head"]],
-            "lm_head_int8": [PanelLinear.of_blocks(*rows["lm_head"], None, True)]}
+    return {
+        **sets,
+        "lm_head_exact": [named["lm_head"]],
+        "lm_head_int8": [PanelLinear.of_blocks(*rows["lm_head"], None, True)],
+    }
 
 
 def one_pass(layers: list[PanelLinear], inputs: dict[int, torch.Tensor]) -> float:
@@ -64,8 +72,17 @@ def main() -> None:
             for _ in range(args.repeats):
                 for name, layers in sets.items():
                     times[name].append(one_pass(layers, inputs))
-            print(json.dumps({"rows": rows, **{f"{name}_ms": round(1000 * statistics.median(t), 2)
-                                               for name, t in times.items()}}))
+            print(
+                json.dumps(
+                    {
+                        "rows": rows,
+                        **{
+                            f"{name}_ms": round(1000 * statistics.median(t), 2)
+                            for name, t in times.items()
+                        },
+                    }
+                )
+            )
 
 
 if __name__ == "__main__":

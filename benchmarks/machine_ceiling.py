@@ -49,11 +49,15 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> ModelShape:
         heads = config.num_attention_heads
-        return cls(layers=config.num_hidden_layers, hidden=config.hidden_size,
-                   intermediate=config.intermediate_size, heads=heads,
-                   kv_heads=getattr(config, "num_key_value_heads", heads),
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                   vocab=config.vocab_size)
+        return cls(
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", heads),
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab=config.vocab_size,
+        )
 
     @property
     def qkv_features(self) -> int:
@@ -61,8 +65,11 @@ class ModelShape:
 
     def layer_macs(self) -> int:
         """A token's multiply-adds in one layer's q/k/v, output and gated MLP products."""
-        return (self.hidden * self.qkv_features + self.heads * self.head_dim * self.hidden
-                + 3 * self.hidden * self.intermediate)
+        return (
+            self.hidden * self.qkv_features
+            + self.heads * self.head_dim * self.hidden
+            + 3 * self.hidden * self.intermediate
+        )
 
     def linear_macs(self) -> int:
         return self.layers * self.layer_macs()
@@ -102,7 +109,8 @@ def product_rate(shape: ModelShape, rows: int = 448, repeats: int = 200) -> floa
     weight = torch.randn(shape.qkv_features, shape.hidden, generator=generator) * 0.02
     panels = pack_panels(weight, torch.bfloat16)
     seconds = best_seconds(
-        lambda: cpu_ops.panel_linear(x, panels, None, shape.qkv_features), repeats)
+        lambda: cpu_ops.panel_linear(x, panels, None, shape.qkv_features), repeats
+    )
     return rows * shape.hidden * shape.qkv_features / seconds
 
 
@@ -112,12 +120,19 @@ def read_rate(megabytes: int = 512, repeats: int = 7) -> float:
     return values.numel() * 4 / best_seconds(lambda: values.sum(), repeats)
 
 
-def wave_ceilings(shape: ModelShape, concurrency: int, input_len: int, output_len: int,
-                macs_per_s: float, bytes_per_s: float) -> dict[str, float]:
+def wave_ceilings(
+    shape: ModelShape,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    macs_per_s: float,
+    bytes_per_s: float,
+) -> dict[str, float]:
     """Output tokens a second of one wave, both ways a decode step is bounded."""
     prompt_attention = concurrency * shape.attention_macs(input_len * (input_len + 1) // 2)
-    prefill = (concurrency * (input_len * shape.linear_macs() + shape.head_macs())
-               + prompt_attention) / macs_per_s
+    prefill = (
+        concurrency * (input_len * shape.linear_macs() + shape.head_macs()) + prompt_attention
+    ) / macs_per_s
     # Every decode step multiplies the same rows by the same weights; only the keys grow.
     products = concurrency * (shape.linear_macs() + shape.head_macs())
     weights = shape.weight_bytes()
@@ -127,12 +142,15 @@ def wave_ceilings(shape: ModelShape, concurrency: int, input_len: int, output_le
         attention = concurrency * shape.attention_macs(keys)
         kv = concurrency * keys * shape.kv_bytes()
         overlapped += max((products + attention) / macs_per_s, (weights + kv) / bytes_per_s)
-        attention_after += (max(products / macs_per_s, weights / bytes_per_s)
-                            + max(attention / macs_per_s, kv / bytes_per_s))
+        attention_after += max(products / macs_per_s, weights / bytes_per_s) + max(
+            attention / macs_per_s, kv / bytes_per_s
+        )
     tokens = concurrency * output_len
-    return {"overlapped": round(tokens / overlapped, 1),
-            "attention_after": round(tokens / attention_after, 1),
-            "prefill_s": round(prefill, 3)}
+    return {
+        "overlapped": round(tokens / overlapped, 1),
+        "attention_after": round(tokens / attention_after, 1),
+        "prefill_s": round(prefill, 3),
+    }
 
 
 def main() -> None:
@@ -146,15 +164,21 @@ def main() -> None:
         raise SystemExit("the bf16 panel products need AVX-512 BF16 and Conveyor's CPU kernels")
     shape = ModelShape.of(args.model or str(ensure_default_model()))
     macs_per_s, bytes_per_s = product_rate(shape), read_rate()
-    print(json.dumps({"product_gmac_per_s": round(macs_per_s / 1e9, 1),
-                      "read_gb_per_s": round(bytes_per_s / 1e9, 1),
-                      "gmac_per_token": round((shape.linear_macs() + shape.head_macs()) / 1e9,
-                                              4),
-                      "weight_mb": round(shape.weight_bytes() / 1e6, 1),
-                      "kv_kb_per_token": round(shape.kv_bytes() / 1e3, 1)}))
+    print(
+        json.dumps(
+            {
+                "product_gmac_per_s": round(macs_per_s / 1e9, 1),
+                "read_gb_per_s": round(bytes_per_s / 1e9, 1),
+                "gmac_per_token": round((shape.linear_macs() + shape.head_macs()) / 1e9, 4),
+                "weight_mb": round(shape.weight_bytes() / 1e6, 1),
+                "kv_kb_per_token": round(shape.kv_bytes() / 1e3, 1),
+            }
+        )
+    )
     for concurrency in args.concurrency:
-        ceilings = wave_ceilings(shape, concurrency, args.input_len, args.output_len,
-                             macs_per_s, bytes_per_s)
+        ceilings = wave_ceilings(
+            shape, concurrency, args.input_len, args.output_len, macs_per_s, bytes_per_s
+        )
         print(json.dumps({"concurrency": concurrency, **ceilings}))
 
 

@@ -39,8 +39,9 @@ def layer_ms(run: Callable[[], object], repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def compare(tokens: int, context: int, cache_dtype: torch.dtype, repeats: int,
-            block_size: int) -> dict[str, float]:
+def compare(
+    tokens: int, context: int, cache_dtype: torch.dtype, repeats: int, block_size: int
+) -> dict[str, float]:
     generator = torch.Generator().manual_seed(0)
     length = context + tokens
     blocks = -(-length // block_size)
@@ -49,11 +50,13 @@ def compare(tokens: int, context: int, cache_dtype: torch.dtype, repeats: int,
     value = torch.randn(shape, generator=generator).to(cache_dtype)
     table = torch.randperm(blocks, generator=generator)
     query = torch.randn(tokens, HEADS, DIM, generator=generator)
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     # SDPA's inputs as the torch backend hands them over: [1, heads, tokens, dim] in fp32.
     q = query.transpose(0, 1).unsqueeze(0)
-    k, v = (cache[table].flatten(0, 1)[:length].float().transpose(0, 1).unsqueeze(0)
-            for cache in (key, value))
+    k, v = (
+        cache[table].flatten(0, 1)[:length].float().transpose(0, 1).unsqueeze(0)
+        for cache in (key, value)
+    )
     options: dict[str, object] = {"is_causal": True}
     if context:
         seen = torch.arange(length)[None, :] <= torch.arange(context, length)[:, None]
@@ -78,8 +81,9 @@ def compare(tokens: int, context: int, cache_dtype: torch.dtype, repeats: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--context", type=int, default=0)
     parser.add_argument("--cache-dtype", nargs="+", default=["float32", "bfloat16"])
@@ -91,10 +95,15 @@ def main() -> None:
     malloc_tuning.keep_freed_memory()  # as the engine runs: scratch reused, not faulted in anew
     for tokens in args.tokens:
         for name in args.cache_dtype:
-            row: dict[str, object] = {"tokens": tokens, "context": args.context,
-                                      "cache_dtype": name, "block_size": args.block_size}
-            row.update(compare(tokens, args.context, getattr(torch, name), args.repeats,
-                               args.block_size))
+            row: dict[str, object] = {
+                "tokens": tokens,
+                "context": args.context,
+                "cache_dtype": name,
+                "block_size": args.block_size,
+            }
+            row.update(
+                compare(tokens, args.context, getattr(torch, name), args.repeats, args.block_size)
+            )
             print(json.dumps(row))
 
 

@@ -32,20 +32,26 @@ def step_ms(prompts: int, tokens: int, repeats: int) -> dict[str, float]:
     per_prompt = -(-tokens // block_size)
     blocks = prompts * per_prompt
     shape = (blocks, block_size, KV_HEADS, DIM)
-    caches = [(torch.randn(shape, generator=generator).bfloat16(),
-                torch.randn(shape, generator=generator).bfloat16()) for _ in range(LAYERS)]
+    caches = [
+        (
+            torch.randn(shape, generator=generator).bfloat16(),
+            torch.randn(shape, generator=generator).bfloat16(),
+        )
+        for _ in range(LAYERS)
+    ]
     table = torch.randperm(blocks, generator=generator).view(prompts, per_prompt).contiguous()
     query = torch.randn(prompts * tokens, HEADS, DIM, generator=generator)
     starts = torch.arange(prompts, dtype=torch.int64) * tokens
     lens = torch.full((prompts,), tokens, dtype=torch.int64)
     contexts = torch.zeros(prompts, dtype=torch.int64)
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
 
     def one_call(bf16: bool = False) -> None:
         for key, value in caches:
             out = torch.empty_like(query)
-            cpu_ops.paged_prefill_rows(query, key, value, out, starts, lens, contexts, table,
-                                           scale, bf16)
+            cpu_ops.paged_prefill_rows(
+                query, key, value, out, starts, lens, contexts, table, scale, bf16
+            )
 
     def per_prompt_calls() -> None:
         for key, value in caches:
@@ -54,8 +60,10 @@ def step_ms(prompts: int, tokens: int, repeats: int) -> dict[str, float]:
                 rows = slice(p * tokens, (p + 1) * tokens)
                 out[rows] = cpu_ops.paged_prefill(query[rows], key, value, table[p], 0, scale)
 
-    runs: dict[str, Callable[[], None]] = {"one_call_ms": one_call,
-                                           "per_prompt_ms": per_prompt_calls}
+    runs: dict[str, Callable[[], None]] = {
+        "one_call_ms": one_call,
+        "per_prompt_ms": per_prompt_calls,
+    }
     if cpu_ops.bf16_prefill_available():
         runs["one_call_bf16_ms"] = lambda: one_call(bf16=True)
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -70,8 +78,9 @@ def step_ms(prompts: int, tokens: int, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=11)

@@ -38,8 +38,9 @@ def prefill_seconds(core: EngineCore, prompts: int, input_len: int, seed: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_engine_arguments(parser)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=128)
@@ -52,8 +53,10 @@ def main() -> None:
     modes = [getattr(backend, "bf16_prompts", False)]
     if args.both_prompt_products:
         if not modes[0]:
-            raise SystemExit("the prompt attention has no bf16 products here: a bf16 model on "
-                             "a CPU with AVX-512 BF16 has them")
+            raise SystemExit(
+                "the prompt attention has no bf16 products here: a bf16 model on "
+                "a CPU with AVX-512 BF16 has them"
+            )
         modes.append(False)
     prefill_seconds(core, args.prompts, args.input_len, 10**6)  # first touch of the cache
     times: dict[bool, list[float]] = {mode: [] for mode in modes}
@@ -61,13 +64,21 @@ def main() -> None:
         for mode in modes if seed % 2 == 0 else modes[::-1]:
             if args.both_prompt_products:
                 backend.bf16_prompts = mode
-            times[mode].append(prefill_seconds(core, args.prompts, args.input_len,
-                                               seed * len(modes) + mode))
+            times[mode].append(
+                prefill_seconds(core, args.prompts, args.input_len, seed * len(modes) + mode)
+            )
     for mode, runs in times.items():
-        print(json.dumps({"prompts": args.prompts, "input_len": args.input_len,
-                          "prompt_products": "bf16" if mode else "fp32",
-                          "median_s": round(statistics.median(runs), 3),
-                          "runs_s": [round(t, 3) for t in runs]}))
+        print(
+            json.dumps(
+                {
+                    "prompts": args.prompts,
+                    "input_len": args.input_len,
+                    "prompt_products": "bf16" if mode else "fp32",
+                    "median_s": round(statistics.median(runs), 3),
+                    "runs_s": [round(t, 3) for t in runs],
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -14,16 +14,25 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json"]
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("output", type=Path)
-    parser.add_argument("--like", type=Path, default=None,
-                        help="folder with config.json and tokenizer files (default: the "
-                             "embedded default model, fetched if needed)")
+    parser.add_argument(
+        "--like",
+        type=Path,
+        default=None,
+        help="folder with config.json and tokenizer files (default: the "
+        "embedded default model, fetched if needed)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     if args.like is None:

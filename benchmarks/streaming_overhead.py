@@ -41,8 +41,9 @@ class OneTokenCore:
     def admit(self, *args: Any) -> bool:
         return False
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    **options: Any) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **options: Any
+    ) -> None:
         self.requests[request_id] = [0, params.max_tokens or 16]
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -67,9 +68,18 @@ class OneTokenCore:
         for request_id, progress in list(self.requests.items()):
             progress[0] += 1
             done = progress[0] >= progress[1]
-            outputs.append(RequestOutput(request_id, 0, [7], " a", finished=done,
-                                         finish_reason="length" if done else None,
-                                         num_prompt_tokens=16, num_output_tokens=progress[0]))
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    0,
+                    [7],
+                    " a",
+                    finished=done,
+                    finish_reason="length" if done else None,
+                    num_prompt_tokens=16,
+                    num_output_tokens=progress[0],
+                )
+            )
             if done:
                 del self.requests[request_id]
         return outputs
@@ -87,12 +97,23 @@ class InlineExecutor(Executor):
 async def stream_one(app: Any, tokens: int) -> int:
     """One streaming completion; returns the bytes of its events."""
     body = json.dumps({"prompt": [5] * 16, "max_tokens": tokens, "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode())]}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+    }
     requested = False
     never = asyncio.Event()
     received = 0
@@ -116,8 +137,14 @@ async def stream_one(app: Any, tokens: int) -> int:
 @asynccontextmanager
 async def stand_in_app() -> AsyncIterator[Any]:
     """The real app over `OneTokenCore`, its engine loop running on the calling thread."""
-    info = ServingInfo(model_name="stand-in", max_model_len=1 << 20, dtype="bfloat16",
-                       device="cpu", num_blocks=1, block_size=16)
+    info = ServingInfo(
+        model_name="stand-in",
+        max_model_len=1 << 20,
+        dtype="bfloat16",
+        device="cpu",
+        num_blocks=1,
+        block_size=16,
+    )
     engine = AsyncEngine(OneTokenCore(), info, InlineExecutor())  # type: ignore[arg-type]
     app = build_app(engine)
     await engine.start()
@@ -147,14 +174,22 @@ def main() -> None:
     args = parser.parse_args()
     try:
         import uvloop
+
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
     per_token = runner(measure(args.concurrency, args.tokens, args.rounds))
-    print(json.dumps({"concurrency": args.concurrency, "tokens": args.tokens,
-                      "us_per_token_min": round(min(per_token), 2),
-                      "us_per_token_median": round(statistics.median(per_token), 2),
-                      "rounds": [round(x, 2) for x in per_token]}))
+    print(
+        json.dumps(
+            {
+                "concurrency": args.concurrency,
+                "tokens": args.tokens,
+                "us_per_token_min": round(min(per_token), 2),
+                "us_per_token_median": round(statistics.median(per_token), 2),
+                "rounds": [round(x, 2) for x in per_token],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -20,19 +20,27 @@ LINE_CHARS = 160
 
 
 def serve_row(path: Path, run: dict) -> str:
-    return (f"| `{path}` | {run.get('completed', '')} | {run['output_throughput']:.1f} | "
-            f"{run.get('p50_tpot_ms', 0):.0f} | {run.get('p50_ttft_ms', 0) / 1000:.2f} |")
+    return (
+        f"| `{path}` | {run.get('completed', '')} | {run['output_throughput']:.1f} | "
+        f"{run.get('p50_tpot_ms', 0):.0f} | {run.get('p50_ttft_ms', 0) / 1000:.2f} |"
+    )
 
 
 def numbers(run: dict) -> str:
-    pairs = [f"{k}={v:g}" for k, v in run.items()
-             if isinstance(v, int | float) and not isinstance(v, bool)]
+    pairs = [
+        f"{k}={v:g}"
+        for k, v in run.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    ]
     return ", ".join(pairs[:16]) or "(no top-level numbers)"
 
 
 def log_tail(path: Path) -> list[str]:
-    lines = [line.rstrip()[:LINE_CHARS] for line in path.read_text(errors="replace").splitlines()
-             if line.strip()]
+    lines = [
+        line.rstrip()[:LINE_CHARS]
+        for line in path.read_text(errors="replace").splitlines()
+        if line.strip()
+    ]
     return lines[-LOG_TAIL_LINES:]
 
 
@@ -52,8 +60,12 @@ def summarize(folder: Path, root: Path) -> str:
             logs.append(f"`{name}`:\n\n```\n" + "\n".join(log_tail(path)) + "\n```\n")
     parts = [f"# {folder.relative_to(root) if folder != root else 'results'}\n"]
     if serve:
-        parts += ["| run | completed | output tok/s | TPOT p50 (ms) | TTFT p50 (s) |",
-                  "| --- | --- | --- | --- | --- |", *serve, ""]
+        parts += [
+            "| run | completed | output tok/s | TPOT p50 (ms) | TTFT p50 (s) |",
+            "| --- | --- | --- | --- | --- |",
+            *serve,
+            "",
+        ]
     if other:
         parts += [*other, ""]
     parts += logs

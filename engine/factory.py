@@ -38,8 +38,9 @@ def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, S
     silence_fbgemm_deprecation()
     dtype = resolve_dtype(config.dtype, device, config.model, config.trust_remote_code)
     torch.manual_seed(config.seed)
-    loaded = load_model(config.model, dtype, device, config.trust_remote_code,
-                        config.int8_activations)
+    loaded = load_model(
+        config.model, dtype, device, config.trust_remote_code, config.int8_activations
+    )
     core, info = core_from_model(loaded, config, device, dtype)
     return core, loaded, info
 
@@ -49,17 +50,18 @@ def use_device(device: torch.device) -> None:
     core), so that graph capture, Triton launches and anything else that takes the current
     device use the one asked for (`--device cuda:N`)."""
     if device.type == "cuda":
-        torch.cuda.set_device(device.index if device.index is not None else
-                              torch.cuda.current_device())
+        torch.cuda.set_device(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
 
 
-def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
-                    dtype: torch.dtype) -> tuple[EngineCore, ServingInfo]:
+def core_from_model(
+    loaded: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[EngineCore, ServingInfo]:
     """Build the core around an already loaded model (tests pass tiny in-memory models)."""
     model_config = loaded.model.config
     cache_dtype = kv_cache_dtype(config.cache.dtype, dtype, loaded.compute_dtype, device)
-    spec = KVCacheSpec.from_hf_config(model_config, cache_dtype,
-                                      block_size(config.cache, device))
+    spec = KVCacheSpec.from_hf_config(model_config, cache_dtype, block_size(config.cache, device))
     # Fused projections are new copies of the weights: built before the cache is sized.
     model = build_causal_lm(loaded.model, config.model_impl)
     if device.type == "cpu":
@@ -70,14 +72,18 @@ def core_from_model(loaded: LoadedModel, config: EngineConfig, device: torch.dev
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * spec.block_size)
     kv_cache = KVCache(spec, num_blocks, device)
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
-    scheduler = Scheduler(config.scheduler_config(max_model_len),
-                          BlockManager(num_blocks, spec.block_size, config.enable_prefix_caching))
+    scheduler = Scheduler(
+        config.scheduler_config(max_model_len),
+        BlockManager(num_blocks, spec.block_size, config.enable_prefix_caching),
+    )
     head = loaded.model.get_output_embeddings()
     # Every linear layer type knows its width; packed ones would unpack their weight to say.
     vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
     sampler = Sampler(vocab_size, device, seed=config.seed)
-    logger.info("routes: %s", routes.describe(model, backend.name, dtype, loaded.compute_dtype,
-                                              cache_dtype, device))
+    logger.info(
+        "routes: %s",
+        routes.describe(model, backend.name, dtype, loaded.compute_dtype, cache_dtype, device),
+    )
     graphs = _decode_graphs(config, model, backend, kv_cache, max_model_len)
     runner = ModelRunner(model, kv_cache, backend, sampler, graphs)
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
@@ -105,8 +111,9 @@ def cache_dtype_named(name: str) -> torch.dtype:
     return torch.float8_e5m2 if name == "fp8_e5m2" else getattr(torch, name)
 
 
-def kv_cache_dtype(name: str, model_dtype: torch.dtype, compute_dtype: torch.dtype,
-                   device: torch.device) -> torch.dtype:
+def kv_cache_dtype(
+    name: str, model_dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
     """What the KV cache holds. `auto` is the model's dtype, as in vLLM: a bf16 model keeps bf16
     K/V even where a CPU without native bf16 computes it in fp32. The cache holds the compute
     dtype, or, on the CPU under fp32 compute, bf16, fp16 or fp8 e5m2 (as vLLM's `fp8_e5m2`: the
@@ -119,8 +126,10 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, compute_dtype: torch.dty
     if device.type == "cpu" and compute_dtype == torch.float32 and narrow:
         return dtype
     compute = str(compute_dtype).removeprefix("torch.")
-    raise ValueError(f"a {str(dtype).removeprefix('torch.')} KV cache under {compute} compute "
-                     f"on {device.type} is not supported; use --kv-cache-dtype auto or {compute}")
+    raise ValueError(
+        f"a {str(dtype).removeprefix('torch.')} KV cache under {compute} compute "
+        f"on {device.type} is not supported; use --kv-cache-dtype auto or {compute}"
+    )
 
 
 def _weights_into_huge_pages(model: CausalLM) -> None:
@@ -132,8 +141,13 @@ def _weights_into_huge_pages(model: CausalLM) -> None:
         logger.info("weights in huge pages: %.0f MiB", moved / 2**20)
 
 
-def _decode_graphs(config: EngineConfig, model: CausalLM, backend: AttentionBackend,
-                   kv_cache: KVCache, max_model_len: int) -> DecodeGraphs | None:
+def _decode_graphs(
+    config: EngineConfig,
+    model: CausalLM,
+    backend: AttentionBackend,
+    kv_cache: KVCache,
+    max_model_len: int,
+) -> DecodeGraphs | None:
     """CUDA graphs for decode steps where every piece of the step can be captured: Conveyor's
     own model, an attention backend that decodes in place, rotary tables fixed at load."""
     if kv_cache.device.type != "cuda" or config.enforce_eager:
@@ -166,8 +180,14 @@ def block_size(cache: CacheConfig, device: torch.device) -> int:
     return DEFAULT_BLOCK_SIZES.get(device.type, DEFAULT_BLOCK_SIZES["cuda"])
 
 
-def _num_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device,
-                model: CausalLM, backend: AttentionBackend, model_len: int) -> int:
+def _num_blocks(
+    config: EngineConfig,
+    spec: KVCacheSpec,
+    device: torch.device,
+    model: CausalLM,
+    backend: AttentionBackend,
+    model_len: int,
+) -> int:
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -177,24 +197,39 @@ def _num_blocks(config: EngineConfig, spec: KVCacheSpec, device: torch.device,
         budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = spec.num_blocks_for(budget)
     if num_blocks < 1:
-        raise ValueError(f"the KV cache budget of {budget} bytes holds no block of "
-                         f"{spec.bytes_per_block} bytes")
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes holds no block of {spec.bytes_per_block} bytes"
+        )
     return num_blocks
 
 
-def _cuda_kv_budget(config: EngineConfig, spec: KVCacheSpec, device: torch.device,
-                    model: CausalLM, backend: AttentionBackend, model_len: int) -> int:
+def _cuda_kv_budget(
+    config: EngineConfig,
+    spec: KVCacheSpec,
+    device: torch.device,
+    model: CausalLM,
+    backend: AttentionBackend,
+    model_len: int,
+) -> int:
     """Bytes left for the KV cache once a profiling pass has measured the rest (logged)."""
     context = min(config.max_model_len or model_len, model_len)
-    lengths = memory_profile.prefill_lengths(config.max_num_batched_tokens, context,
-                                             config.max_num_seqs)
+    lengths = memory_profile.prefill_lengths(
+        config.max_num_batched_tokens, context, config.max_num_seqs
+    )
     prefill = memory_profile.profile_forward(model, backend, spec, device, lengths)
-    graph_sizes = [] if config.enforce_eager or _why_not_capturable(model, backend) else (
-        capture_sizes(config.max_num_seqs))
-    decode = (memory_profile.profile_forward(model, backend, spec, device,
-                                             [1] * graph_sizes[-1]) if graph_sizes else None)
-    breakdown = memory_profile.measure(device, config.cache.gpu_memory_utilization, prefill,
-                                       decode, len(graph_sizes))
+    graph_sizes = (
+        []
+        if config.enforce_eager or _why_not_capturable(model, backend)
+        else (capture_sizes(config.max_num_seqs))
+    )
+    decode = (
+        memory_profile.profile_forward(model, backend, spec, device, [1] * graph_sizes[-1])
+        if graph_sizes
+        else None
+    )
+    breakdown = memory_profile.measure(
+        device, config.cache.gpu_memory_utilization, prefill, decode, len(graph_sizes)
+    )
     logger.info("%s", breakdown.describe())
     return breakdown.kv_cache
 
@@ -202,21 +237,34 @@ def _cuda_kv_budget(config: EngineConfig, spec: KVCacheSpec, device: torch.devic
 def _max_model_len(config: EngineConfig, model_len: int, cache_tokens: int) -> int:
     if config.max_model_len is not None:
         if config.max_model_len > model_len:
-            raise ValueError(f"max_model_len {config.max_model_len} is larger than the model's "
-                             f"context length of {model_len} tokens")
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is larger than the model's "
+                f"context length of {model_len} tokens"
+            )
         if config.max_model_len > cache_tokens:
             raise ValueError(
                 f"max_model_len {config.max_model_len} is larger than the {cache_tokens} "
-                f"tokens the KV cache can hold; raise the cache size or lower max_model_len")
+                f"tokens the KV cache can hold; raise the cache size or lower max_model_len"
+            )
         return config.max_model_len
     if model_len > cache_tokens:
-        logger.warning("the KV cache holds %d tokens, fewer than the model's context of %d; "
-                       "serving up to %d tokens", cache_tokens, model_len, cache_tokens)
+        logger.warning(
+            "the KV cache holds %d tokens, fewer than the model's context of %d; "
+            "serving up to %d tokens",
+            cache_tokens,
+            model_len,
+            cache_tokens,
+        )
     return min(model_len, cache_tokens)
 
 
 def _log_cache(spec: KVCacheSpec, num_blocks: int, num_bytes: int) -> None:
     logger.info(
         "KV cache: %d blocks of %d tokens, %s, %d bytes per token, %.1f MiB, up to %d tokens",
-        num_blocks, spec.block_size, str(spec.dtype).removeprefix("torch."),
-        spec.bytes_per_token, num_bytes / 2**20, num_blocks * spec.block_size)
+        num_blocks,
+        spec.block_size,
+        str(spec.dtype).removeprefix("torch."),
+        spec.bytes_per_token,
+        num_bytes / 2**20,
+        num_blocks * spec.block_size,
+    )

@@ -39,8 +39,11 @@ def conveyor_version() -> str:
         return "0.0.0+local"
 
 
-def build_app(engine: EngineClient, settings: ServerSettings | None = None,
-              registry: CollectorRegistry | None = None) -> FastAPI:
+def build_app(
+    engine: EngineClient,
+    settings: ServerSettings | None = None,
+    registry: CollectorRegistry | None = None,
+) -> FastAPI:
     """An app serving `engine`, with its metrics on `registry` (a fresh one by default). The
     lifespan starts the engine loop and shuts it down."""
     settings = settings or ServerSettings()
@@ -65,8 +68,12 @@ def build_app(engine: EngineClient, settings: ServerSettings | None = None,
     app.include_router(_openai_router(engine, served, settings))
     app.include_router(_ops_router(engine, registry))
     if settings.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
@@ -80,8 +87,9 @@ async def _accepting(request: Request) -> None:
         raise EngineDeadError("The server is shutting down.")
 
 
-def _openai_router(engine: EngineClient, served: ServedModel,
-                   settings: ServerSettings) -> APIRouter:
+def _openai_router(
+    engine: EngineClient, served: ServedModel, settings: ServerSettings
+) -> APIRouter:
     router = APIRouter(responses=errors(401) if settings.api_key else None)
     completions = CompletionHandler(engine, served, settings.limits)
     chat = ChatHandler(engine, served, settings.limits)
@@ -90,18 +98,26 @@ def _openai_router(engine: EngineClient, served: ServedModel,
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await completions(body, request)
 
-    @router.post("/v1/chat/completions", dependencies=[Depends(_accepting)],
-                 responses=GENERATION)
+    @router.post("/v1/chat/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await chat(body, request)
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": served.name, "object": "model", "created": int(time.time()),
-            "owned_by": "conveyor", "root": served.info.model_path or served.name,
-            "parent": None, "max_model_len": served.info.max_model_len,
-        }]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served.name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "conveyor",
+                    "root": served.info.model_path or served.name,
+                    "parent": None,
+                    "max_model_len": served.info.max_model_len,
+                }
+            ],
+        }
 
     @router.post("/tokenize", responses=errors(400, 404))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -111,8 +127,7 @@ def _openai_router(engine: EngineClient, served: ServedModel,
             _, tokens = chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
         else:
             tokens = encode_text(tokenizer, body.prompt, body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": served.info.max_model_len,
-                "tokens": tokens}
+        return {"count": len(tokens), "max_model_len": served.info.max_model_len, "tokens": tokens}
 
     @router.post("/detokenize", responses=errors(400, 404))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -133,8 +148,12 @@ def _ops_router(engine: EngineClient, registry: CollectorRegistry) -> APIRouter:
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @router.get("/health", responses={
-        503: {"description": "The engine is not running, or the server is shutting down"}})
+    @router.get(
+        "/health",
+        responses={
+            503: {"description": "The engine is not running, or the server is shutting down"}
+        },
+    )
     async def health(request: Request) -> Response:
         if engine.is_running and not request.app.state.draining:
             return JSONResponse({"status": "ok"})

@@ -33,63 +33,124 @@ def parse_bytes(text: str) -> int:
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", default=None,
-                        help="local Hugging Face folder or hub id (default: the embedded "
-                             "SmolLM2-135M-Instruct)")
-    engine.add_argument("--dtype", default="auto",
-                        choices=["auto", "bfloat16", "float16", "float32"])
+    engine.add_argument(
+        "--model",
+        default=None,
+        help="local Hugging Face folder or hub id (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    engine.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
+    )
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    engine.add_argument("--int8-activations", action="store_true",
-                        help="on a CPU in float32, multiply GGUF Q4_1 blocks against "
-                             "activations rounded to 8-bit blocks, as llama.cpp does: faster, "
-                             "but no longer the exact fp32 product")
-    engine.add_argument("--max-model-len", type=int, default=None,
-                        help="context limit (default: the model's)")
-    engine.add_argument("--block-size", type=int, default=None,
-                        help="tokens per KV block (default: 32 on a CPU, 16 on CUDA)")
-    engine.add_argument("--num-blocks", type=int, default=None,
-                        help="KV blocks (overrides the memory budgets)")
-    engine.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                        help="KV cache bytes on CPU, e.g. 4GiB (default 4GiB)")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="share of GPU memory for weights, activations and KV cache")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="K/V element type (auto: the model's dtype; on CPU, bfloat16, "
-                             "float16 or fp8_e5m2 under float32 compute)")
+    engine.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="on a CPU in float32, multiply GGUF Q4_1 blocks against "
+        "activations rounded to 8-bit blocks, as llama.cpp does: faster, "
+        "but no longer the exact fp32 product",
+    )
+    engine.add_argument(
+        "--max-model-len", type=int, default=None, help="context limit (default: the model's)"
+    )
+    engine.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block (default: 32 on a CPU, 16 on CUDA)",
+    )
+    engine.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks (overrides the memory budgets)"
+    )
+    engine.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="KV cache bytes on CPU, e.g. 4GiB (default 4GiB)",
+    )
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of GPU memory for weights, activations and KV cache",
+    )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="K/V element type (auto: the model's dtype; on CPU, bfloat16, "
+        "float16 or fp8_e5m2 under float32 compute)",
+    )
     engine.add_argument("--max-num-seqs", type=int, default=128)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                        default=True)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True, help="reuse the KV blocks of shared prompt prefixes")
-    engine.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="refuse new requests with 503 beyond this many waiting")
-    engine.add_argument("--max-queued-tokens", type=int, default=None,
-                        help="refuse new requests with 503 beyond this many promised tokens "
-                             "(queued prompts plus their max_tokens)")
-    engine.add_argument("--admission-soft-limit", type=float, default=0.9,
-                        help="KV cache usage past which low-priority requests are deferred")
+    engine.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+    )
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of shared prompt prefixes",
+    )
+    engine.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="refuse new requests with 503 beyond this many waiting",
+    )
+    engine.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="refuse new requests with 503 beyond this many promised tokens "
+        "(queued prompts plus their max_tokens)",
+    )
+    engine.add_argument(
+        "--admission-soft-limit",
+        type=float,
+        default=0.9,
+        help="KV cache usage past which low-priority requests are deferred",
+    )
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    engine.add_argument("--priority-reserved-seqs", type=int, default=None,
-                        help="sequence slots kept for requests of priority <= 0 under the "
-                             "priority policy (default: an eighth of --max-num-seqs)")
-    engine.add_argument("--max-priority-wait", type=float, default=None,
-                        help="seconds after which a waiting request counts as top priority")
-    engine.add_argument("--request-timeout", type=float, default=None,
-                        help="default deadline of a request in seconds (request field timeout)")
-    engine.add_argument("--attention-backend", default="auto",
-                        choices=["auto", "cpu", "triton", "torch"],
-                        help="cpu: Conveyor's C++ paged-attention kernel (built on first use); "
-                             "triton: Conveyor's Triton kernels, on CUDA; torch: pure torch, "
-                             "any device; auto: triton on a GPU, cpu on a CPU where the kernel "
-                             "builds, else torch")
-    engine.add_argument("--model-impl", default="auto",
-                        choices=["auto", "conveyor", "transformers"],
-                        help="Conveyor's own decoder (Llama, Mistral, Qwen2, Qwen3) or the "
-                             "Hugging Face model; auto takes Conveyor's where it applies")
-    engine.add_argument("--enforce-eager", action="store_true",
-                        help="on CUDA, run decode steps eagerly instead of replaying them from "
-                             "CUDA graphs")
+    engine.add_argument(
+        "--priority-reserved-seqs",
+        type=int,
+        default=None,
+        help="sequence slots kept for requests of priority <= 0 under the "
+        "priority policy (default: an eighth of --max-num-seqs)",
+    )
+    engine.add_argument(
+        "--max-priority-wait",
+        type=float,
+        default=None,
+        help="seconds after which a waiting request counts as top priority",
+    )
+    engine.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="default deadline of a request in seconds (request field timeout)",
+    )
+    engine.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "cpu", "triton", "torch"],
+        help="cpu: Conveyor's C++ paged-attention kernel (built on first use); "
+        "triton: Conveyor's Triton kernels, on CUDA; torch: pure torch, "
+        "any device; auto: triton on a GPU, cpu on a CPU where the kernel "
+        "builds, else torch",
+    )
+    engine.add_argument(
+        "--model-impl",
+        default="auto",
+        choices=["auto", "conveyor", "transformers"],
+        help="Conveyor's own decoder (Llama, Mistral, Qwen2, Qwen3) or the "
+        "Hugging Face model; auto takes Conveyor's where it applies",
+    )
+    engine.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode steps eagerly instead of replaying them from CUDA graphs",
+    )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--trust-remote-code", action="store_true")
 
@@ -99,27 +160,57 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument("--served-model-name", default=None)
-    server.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                        help="require this Bearer token on /v1 (or set CONVEYOR_API_KEY)")
-    server.add_argument("--allowed-origins", default="",
-                        help="comma-separated CORS origins, e.g. '*' (default: CORS off)")
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("CONVEYOR_API_KEY"),
+        help="require this Bearer token on /v1 (or set CONVEYOR_API_KEY)",
+    )
+    server.add_argument(
+        "--allowed-origins",
+        default="",
+        help="comma-separated CORS origins, e.g. '*' (default: CORS off)",
+    )
     server.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES)
     defaults = RequestLimits()
-    server.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
-                        help="stop strings (and stop token ids) a request may give")
-    server.add_argument("--max-stop-string-chars", type=int,
-                        default=defaults.max_stop_string_chars,
-                        help="characters in one stop string")
-    server.add_argument("--max-prompts", type=int, default=defaults.max_prompts,
-                        help="prompts in one /v1/completions request")
-    server.add_argument("--max-logit-bias", type=int, default=defaults.max_logit_bias,
-                        help="logit_bias entries in one request")
-    server.add_argument("--max-messages", type=int, default=defaults.max_messages,
-                        help="messages in one /v1/chat/completions request")
-    server.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds running requests get to finish on SIGTERM")
-    server.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])
+    server.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=defaults.max_stop_strings,
+        help="stop strings (and stop token ids) a request may give",
+    )
+    server.add_argument(
+        "--max-stop-string-chars",
+        type=int,
+        default=defaults.max_stop_string_chars,
+        help="characters in one stop string",
+    )
+    server.add_argument(
+        "--max-prompts",
+        type=int,
+        default=defaults.max_prompts,
+        help="prompts in one /v1/completions request",
+    )
+    server.add_argument(
+        "--max-logit-bias",
+        type=int,
+        default=defaults.max_logit_bias,
+        help="logit_bias entries in one request",
+    )
+    server.add_argument(
+        "--max-messages",
+        type=int,
+        default=defaults.max_messages,
+        help="messages in one /v1/chat/completions request",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish on SIGTERM",
+    )
+    server.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -129,10 +220,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         int8_activations=args.int8_activations,
         max_model_len=args.max_model_len,
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
-                          kv_cache_memory=args.kv_cache_memory,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          dtype=args.kv_cache_dtype),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            dtype=args.kv_cache_dtype,
+        ),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
@@ -154,12 +248,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    return ServerSettings(served_model_name=args.served_model_name, api_key=args.api_key,
-                          allowed_origins=origins, max_body_bytes=args.max_request_bytes,
-                          shutdown_timeout=args.shutdown_timeout,
-                          limits=RequestLimits(args.max_stop_strings, args.max_stop_string_chars,
-                                               args.max_prompts, args.max_logit_bias,
-                                               args.max_messages))
+    return ServerSettings(
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        allowed_origins=origins,
+        max_body_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        limits=RequestLimits(
+            args.max_stop_strings,
+            args.max_stop_string_chars,
+            args.max_prompts,
+            args.max_logit_bias,
+            args.max_messages,
+        ),
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -169,8 +271,9 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import build_app
     from server.lifecycle import DrainingServer
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         engine = AsyncEngine.from_config(engine_config(args))
     except (ValueError, OSError) as exc:
@@ -179,10 +282,19 @@ def serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)
     app = build_app(engine, settings)
     info = engine.info
-    logger.info("serving %s as '%s' (%s on %s, %d %s KV blocks of %d tokens, context %d) at "
-                "http://%s:%d", info.model_path or info.model_name, app.state.model.name,
-                info.dtype, info.device, info.num_blocks, info.kv_cache_dtype, info.block_size,
-                info.max_model_len, args.host, args.port)
+    logger.info(
+        "serving %s as '%s' (%s on %s, %d %s KV blocks of %d tokens, context %d) at http://%s:%d",
+        info.model_path or info.model_name,
+        app.state.model.name,
+        info.dtype,
+        info.device,
+        info.num_blocks,
+        info.kv_cache_dtype,
+        info.block_size,
+        info.max_model_len,
+        args.host,
+        args.port,
+    )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     DrainingServer(config, app, settings.shutdown_timeout).run()
     return 0
@@ -196,9 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_args(serve_parser)
     serve_parser.set_defaults(func=serve)
     download_parser = commands.add_parser(
-        "download", help="fetch a model into the cache ahead of serving (an offline image)")
-    download_parser.add_argument("--model", default=None,
-                                 help="hub id (default: the embedded SmolLM2-135M-Instruct)")
+        "download", help="fetch a model into the cache ahead of serving (an offline image)"
+    )
+    download_parser.add_argument(
+        "--model", default=None, help="hub id (default: the embedded SmolLM2-135M-Instruct)"
+    )
     download_parser.set_defaults(func=download)
     _add_bench_commands(commands)
     return parser
@@ -224,7 +338,8 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
     from bench import serve as bench_serve
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(
-        dest="bench_command", required=True)
+        dest="bench_command", required=True
+    )
     serve_bench = bench.add_parser("serve", help="load an OpenAI-compatible server")
     bench_serve.add_arguments(serve_bench)
     serve_bench.set_defaults(func=bench_serve.main)

@@ -25,9 +25,15 @@ logger = logging.getLogger(__name__)
 class APIError(Exception):
     """An error raised by the server layer itself, already carrying its HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -37,8 +43,9 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def error_body(message: str, type_: str, param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -49,8 +56,13 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, InvalidRequestError):
         return APIError(400, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, QueueFullError):
-        return APIError(503, exc.message, "server_error", code=exc.code,
-                        headers={"Retry-After": str(exc.retry_after)})
+        return APIError(
+            503,
+            exc.message,
+            "server_error",
+            code=exc.code,
+            headers={"Retry-After": str(exc.retry_after)},
+        )
     if isinstance(exc, RequestTimeoutError):
         return APIError(504, exc.message, "server_error", code="timeout")
     if isinstance(exc, EngineDeadError):
@@ -63,8 +75,11 @@ def to_api_error(exc: BaseException) -> APIError:
 
 def error_response(exc: BaseException) -> JSONResponse:
     error = to_api_error(exc)
-    return JSONResponse(error_body(error.message, error.type, error.param, error.code),
-                        status_code=error.status, headers=error.headers)
+    return JSONResponse(
+        error_body(error.message, error.type, error.param, error.code),
+        status_code=error.status,
+        headers=error.headers,
+    )
 
 
 # Names pydantic gives the members of a union in an error's location: not the client's fields.
@@ -106,8 +121,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        error = APIError(exc.status_code, str(exc.detail), type_,
-                         headers=dict(exc.headers or {}))
+        error = APIError(exc.status_code, str(exc.detail), type_, headers=dict(exc.headers or {}))
         return error_response(error)
 
     @app.exception_handler(APIError)

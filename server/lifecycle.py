@@ -40,12 +40,14 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self._app.state.draining
         if first and sig in (signal.SIGINT, signal.SIGTERM):
-            logger.info("shutting down: finishing running requests (up to %ss)",
-                        self._shutdown_timeout)
+            logger.info(
+                "shutting down: finishing running requests (up to %ss)", self._shutdown_timeout
+            )
         self._app.state.draining = True
         if first and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.call_later, self._shutdown_timeout,
-                                            self._end_the_rest)
+            self._loop.call_soon_threadsafe(
+                self._loop.call_later, self._shutdown_timeout, self._end_the_rest
+            )
         super().handle_exit(sig, frame)
         # uvicorn re-raises captured signals after shutting down, which would end the process
         # with -SIGTERM; a completed graceful shutdown exits 0 instead.
@@ -56,6 +58,7 @@ class DrainingServer(uvicorn.Server):
     def _end_the_rest(self) -> None:
         engine = self._app.state.engine
         if engine.num_unfinished:
-            logger.warning("shutdown timeout: ending %d requests still running",
-                           engine.num_unfinished)
+            logger.warning(
+                "shutdown timeout: ending %d requests still running", engine.num_unfinished
+            )
         engine.fail_all(EngineDeadError("The server shut down before this request finished."))

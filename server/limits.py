@@ -25,10 +25,10 @@ def check_sampling(body: SamplingFields, limits: RequestLimits) -> None:
     _at_most(len(stops), limits.max_stop_strings, "stop", "stop strings")
     longest = max((len(s) for s in stops), default=0)
     _at_most(longest, limits.max_stop_string_chars, "stop", "characters in a stop string")
-    _at_most(len(body.stop_token_ids or ()), limits.max_stop_strings, "stop_token_ids",
-             "stop token ids")
-    _at_most(len(body.logit_bias or {}), limits.max_logit_bias, "logit_bias",
-             "logit_bias entries")
+    _at_most(
+        len(body.stop_token_ids or ()), limits.max_stop_strings, "stop_token_ids", "stop token ids"
+    )
+    _at_most(len(body.logit_bias or {}), limits.max_logit_bias, "logit_bias", "logit_bias entries")
 
 
 def check_completion(body: CompletionRequest, limits: RequestLimits) -> None:
@@ -43,5 +43,6 @@ def check_chat(body: ChatCompletionRequest, limits: RequestLimits) -> None:
 
 def _at_most(count: int, limit: int, param: str, what: str) -> None:
     if count > limit:
-        raise InvalidRequestError(f"At most {limit} {what} are allowed in a request, got {count}.",
-                                  param=param)
+        raise InvalidRequestError(
+            f"At most {limit} {what} are allowed in a request, got {count}.", param=param
+        )

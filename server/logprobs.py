@@ -18,8 +18,13 @@ class CompletionLogprobs:
     top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
-    def add(self, token_ids: list[int], entries: list[TokenLogprob | None], token_text: TokenText,
-            offset: int) -> int:
+    def add(
+        self,
+        token_ids: list[int],
+        entries: list[TokenLogprob | None],
+        token_text: TokenText,
+        offset: int,
+    ) -> int:
         """Append tokens whose text starts at `offset`; return the offset after them."""
         for token_id, entry in zip(token_ids, entries, strict=True):
             text = token_text(token_id)
@@ -38,8 +43,12 @@ class CompletionLogprobs:
         return offset
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
-                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
 
 
 def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> list[dict[str, Any]]:
@@ -47,14 +56,19 @@ def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> list[di
     content = []
     for entry in entries:
         text = token_text(entry.token_id)
-        content.append({
-            "token": text,
-            "logprob": entry.logprob,
-            "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [
-                {"token": token_text(tid), "logprob": lp,
-                 "bytes": list(token_text(tid).encode("utf-8"))}
-                for tid, lp in entry.top
-            ],
-        })
+        content.append(
+            {
+                "token": text,
+                "logprob": entry.logprob,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": token_text(tid),
+                        "logprob": lp,
+                        "bytes": list(token_text(tid).encode("utf-8")),
+                    }
+                    for tid, lp in entry.top
+                ],
+            }
+        )
     return content

@@ -24,12 +24,74 @@ from engine.core.request import FinishReason
 from engine.core.stats import FinishedRequestStats, StepStats
 
 LABELS = ["model_name", "engine"]
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-TOKEN_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                         5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+TOKEN_LATENCY_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 HTTP_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
@@ -64,93 +126,174 @@ class EngineMetrics:
     def _counter(self, registry: CollectorRegistry, name: str, doc: str) -> Counter:
         return Counter(name, doc, LABELS, registry=registry).labels(*self._labels)
 
-    def _histogram(self, registry: CollectorRegistry, name: str, doc: str,
-                   buckets: Sequence[float]) -> Histogram:
+    def _histogram(
+        self, registry: CollectorRegistry, name: str, doc: str, buckets: Sequence[float]
+    ) -> Histogram:
         return Histogram(name, doc, LABELS, buckets=buckets, registry=registry).labels(
-            *self._labels)
+            *self._labels
+        )
 
     def _define_gauges(self, registry: CollectorRegistry, info: ServingInfo) -> None:
-        self.running = self._gauge(registry, "vllm:num_requests_running",
-                                   "Number of requests in model execution batches.")
-        self.waiting = self._gauge(registry, "vllm:num_requests_waiting",
-                                   "Number of requests waiting to be processed.")
-        by_reason = Gauge("vllm:num_requests_waiting_by_reason",
-                          "Waiting requests by why they wait: capacity or deferred.",
-                          [*LABELS, "reason"], registry=registry)
+        self.running = self._gauge(
+            registry, "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = self._gauge(
+            registry, "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Waiting requests by why they wait: capacity or deferred.",
+            [*LABELS, "reason"],
+            registry=registry,
+        )
         self.waiting_capacity = by_reason.labels(*self._labels, "capacity")
         self.waiting_deferred = by_reason.labels(*self._labels, "deferred")
-        self.kv_usage = self._gauge(registry, "vllm:kv_cache_usage_perc",
-                                    "KV-cache usage. 1 means 100 percent usage.")
+        self.kv_usage = self._gauge(
+            registry, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
         self.gpu_kv_usage = self._gauge(
-            registry, "vllm:gpu_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage. Older name of vllm:kv_cache_usage_perc.")
-        cache_info = {"block_size": str(info.block_size), "num_gpu_blocks": str(info.num_blocks),
-                      "cache_dtype": info.kv_cache_dtype or info.dtype, "device": info.device,
-                      "enable_prefix_caching": str(info.enable_prefix_caching)}
-        Gauge("vllm:cache_config_info", "Information of the cache configuration.",
-              [*LABELS, *cache_info], registry=registry).labels(
-            *self._labels, *cache_info.values()).set(1)
+            registry,
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage. Older name of vllm:kv_cache_usage_perc.",
+        )
+        cache_info = {
+            "block_size": str(info.block_size),
+            "num_gpu_blocks": str(info.num_blocks),
+            "cache_dtype": info.kv_cache_dtype or info.dtype,
+            "device": info.device,
+            "enable_prefix_caching": str(info.enable_prefix_caching),
+        }
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the cache configuration.",
+            [*LABELS, *cache_info],
+            registry=registry,
+        ).labels(*self._labels, *cache_info.values()).set(1)
 
     def _define_counters(self, registry: CollectorRegistry) -> None:
-        self.prompt_tokens = self._counter(registry, "vllm:prompt_tokens",
-                                           "Number of prefill tokens processed.")
-        self.generation_tokens = self._counter(registry, "vllm:generation_tokens",
-                                               "Number of generation tokens processed.")
-        self.preemptions = self._counter(registry, "vllm:num_preemptions",
-                                         "Cumulative number of preemption from the engine.")
-        self.rejections = self._counter(registry, "vllm:admission_rejections",
-                                        "Requests turned away by admission control.")
+        self.prompt_tokens = self._counter(
+            registry, "vllm:prompt_tokens", "Number of prefill tokens processed."
+        )
+        self.generation_tokens = self._counter(
+            registry, "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        self.preemptions = self._counter(
+            registry, "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+        self.rejections = self._counter(
+            registry, "vllm:admission_rejections", "Requests turned away by admission control."
+        )
         self.prefix_queries = self._counter(
-            registry, "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_hits = self._counter(registry, "vllm:prefix_cache_hits",
-                                         "Prefix cache hits, in terms of number of cached tokens.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          [*LABELS, "finished_reason"], registry=registry)
-        self.success = {str(reason): success.labels(*self._labels, str(reason))
-                        for reason in FinishReason}
+            registry,
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_hits = self._counter(
+            registry,
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
+            registry=registry,
+        )
+        self.success = {
+            str(reason): success.labels(*self._labels, str(reason)) for reason in FinishReason
+        }
 
     def _define_histograms(self, registry: CollectorRegistry, max_model_len: int) -> None:
         tokens = build_1_2_5_buckets(max_model_len)
         h = self._histogram
-        self.ttft = h(registry, "vllm:time_to_first_token_seconds",
-                      "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = h(registry, "vllm:inter_token_latency_seconds",
-                     "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS)
-        self.tpot_request = h(registry, "vllm:request_time_per_output_token_seconds",
-                              "Histogram of time_per_output_token_seconds per request.",
-                              TOKEN_LATENCY_BUCKETS)
-        self.tpot = h(registry, "vllm:time_per_output_token_seconds",
-                      "Histogram of time per output token in seconds (older name of "
-                      "vllm:inter_token_latency_seconds).", TOKEN_LATENCY_BUCKETS)
-        self.e2e = h(registry, "vllm:e2e_request_latency_seconds",
-                     "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
-        self.queue = h(registry, "vllm:request_queue_time_seconds",
-                       "Histogram of time spent in WAITING phase for request.",
-                       REQUEST_LATENCY_BUCKETS)
-        self.inference = h(registry, "vllm:request_inference_time_seconds",
-                           "Histogram of time spent in RUNNING phase for request.",
-                           REQUEST_LATENCY_BUCKETS)
-        self.prefill = h(registry, "vllm:request_prefill_time_seconds",
-                         "Histogram of time spent in PREFILL phase for request.",
-                         REQUEST_LATENCY_BUCKETS)
-        self.decode = h(registry, "vllm:request_decode_time_seconds",
-                        "Histogram of time spent in DECODE phase for request.",
-                        REQUEST_LATENCY_BUCKETS)
-        self.prompt_len = h(registry, "vllm:request_prompt_tokens",
-                            "Number of prefill tokens processed.", tokens)
-        self.generation_len = h(registry, "vllm:request_generation_tokens",
-                                "Number of generation tokens processed.", tokens)
-        self.max_generation_len = h(registry, "vllm:request_max_num_generation_tokens",
-                                    "Histogram of maximum number of requested generation tokens.",
-                                    tokens)
-        self.params_n = h(registry, "vllm:request_params_n",
-                          "Histogram of the n request parameter.", [1, 2, 5, 10, 20])
-        self.params_max_tokens = h(registry, "vllm:request_params_max_tokens",
-                                   "Histogram of the max_tokens request parameter.", tokens)
-        self.iteration_tokens = h(registry, "vllm:iteration_tokens_total",
-                                  "Histogram of number of tokens per engine_step.",
-                                  ITERATION_TOKEN_BUCKETS)
+        self.ttft = h(
+            registry,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        )
+        self.itl = h(
+            registry,
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.tpot_request = h(
+            registry,
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.tpot = h(
+            registry,
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (older name of "
+            "vllm:inter_token_latency_seconds).",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = h(
+            registry,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue = h(
+            registry,
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference = h(
+            registry,
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill = h(
+            registry,
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode = h(
+            registry,
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prompt_len = h(
+            registry, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens
+        )
+        self.generation_len = h(
+            registry,
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            tokens,
+        )
+        self.max_generation_len = h(
+            registry,
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            tokens,
+        )
+        self.params_n = h(
+            registry,
+            "vllm:request_params_n",
+            "Histogram of the n request parameter.",
+            [1, 2, 5, 10, 20],
+        )
+        self.params_max_tokens = h(
+            registry,
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            tokens,
+        )
+        self.iteration_tokens = h(
+            registry,
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKEN_BUCKETS,
+        )
 
     def record(self, stats: StepStats) -> None:
         """Fold one step's stats in (the engine calls this after every step)."""
@@ -183,14 +326,17 @@ class EngineMetrics:
         self.prompt_len.observe(finished.num_prompt_tokens)
         self.generation_len.observe(finished.num_generation_tokens)
         self._observe_max_generation(finished)
-        optional = ((self.queue, finished.queue_time), (self.ttft, finished.time_to_first_token),
-                    (self.prefill, finished.prefill_time), (self.decode, finished.decode_time),
-                    (self.inference, finished.inference_time),
-                    (self.tpot_request, finished.time_per_output_token))
+        optional = (
+            (self.queue, finished.queue_time),
+            (self.ttft, finished.time_to_first_token),
+            (self.prefill, finished.prefill_time),
+            (self.decode, finished.decode_time),
+            (self.inference, finished.inference_time),
+            (self.tpot_request, finished.time_per_output_token),
+        )
         for histogram, value in optional:
             if value is not None:
                 histogram.observe(value)
-
 
     def _observe_max_generation(self, finished: FinishedRequestStats) -> None:
         """One observation a request, as vLLM records it: the most tokens any of its `n`
@@ -208,11 +354,19 @@ class HTTPMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         labels = ["handler", "method", "status"]
-        self.requests = Counter("http_requests", "Total number of requests by handler, method "
-                                "and status.", labels, registry=registry)
-        self.duration = Histogram("http_request_duration_seconds", "Duration of HTTP requests "
-                                  "in seconds.", labels, buckets=HTTP_LATENCY_BUCKETS,
-                                  registry=registry)
+        self.requests = Counter(
+            "http_requests",
+            "Total number of requests by handler, method and status.",
+            labels,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "http_request_duration_seconds",
+            "Duration of HTTP requests in seconds.",
+            labels,
+            buckets=HTTP_LATENCY_BUCKETS,
+            registry=registry,
+        )
 
     def observe(self, handler: str, method: str, status: int, seconds: float) -> None:
         labels = (handler, method, f"{status // 100}xx")

@@ -30,8 +30,9 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = _header(scope, REQUEST_ID_HEADER)
-        plain = given is not None and len(given) <= MAX_REQUEST_ID and set(given) <= (
-            REQUEST_ID_CHARS)
+        plain = (
+            given is not None and len(given) <= MAX_REQUEST_ID and set(given) <= (REQUEST_ID_CHARS)
+        )
         request_id = given if given is not None and plain else uuid.uuid4().hex.encode()
         scope.setdefault("state", {})["request_id"] = request_id.decode("latin-1")
 
@@ -91,8 +92,12 @@ class BodyLimitMiddleware:
                 return messages
 
     async def _refuse(self, send: Send) -> None:
-        await send_error(send, 400, f"The request body is larger than the limit of "
-                         f"{self.max_bytes} bytes.", "request_too_large")
+        await send_error(
+            send,
+            400,
+            f"The request body is larger than the limit of {self.max_bytes} bytes.",
+            "request_too_large",
+        )
 
 
 class ApiKeyMiddleware:
@@ -107,26 +112,48 @@ class ApiKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
-                or scope.get("path") in self.OPEN_PATHS or self._authorized(scope)):
+        if (
+            scope["type"] != "http"
+            or scope.get("method") == "OPTIONS"
+            or scope.get("path") in self.OPEN_PATHS
+            or self._authorized(scope)
+        ):
             await self.app(scope, receive, send)
             return
-        await send_error(send, 401, "Incorrect API key provided.", "invalid_api_key",
-                         [(b"www-authenticate", b"Bearer")])
+        await send_error(
+            send,
+            401,
+            "Incorrect API key provided.",
+            "invalid_api_key",
+            [(b"www-authenticate", b"Bearer")],
+        )
 
     def _authorized(self, scope: Scope) -> bool:
         scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key)
 
 
-async def send_error(send: Send, status: int, message: str, code: str,
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_error(
+    send: Send,
+    status: int,
+    message: str,
+    code: str,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     """A whole error response in OpenAI's shape, sent from middleware (the app's error
     handlers are not reached)."""
     body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), *(headers or []),
-                            (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                *(headers or []),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

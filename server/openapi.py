@@ -26,8 +26,10 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 # /v1/completions and /v1/chat/completions: JSON, or server-sent events with `stream`.
 GENERATION: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The completion; with `stream`, its server-sent events",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    200: {
+        "description": "The completion; with `stream`, its server-sent events",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    },
     **errors(400, 404, 500, 503, 504),
 }
 

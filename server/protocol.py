@@ -29,8 +29,11 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
         except UnicodeEncodeError:
             return path or "body"
         return None
-    items = value.items() if isinstance(value, dict) else (
-        enumerate(value) if isinstance(value, list) else ())
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else (enumerate(value) if isinstance(value, list) else ())
+    )
     for key, item in items:
         found = lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
         if found is not None:
@@ -46,8 +49,9 @@ class RequestBody(BaseModel):
     def _valid_unicode(cls, data: Any) -> Any:
         where = lone_surrogate_at(data)
         if where is not None:
-            raise InvalidRequestError(f"'{where}' holds a lone surrogate, which is not valid "
-                                      f"Unicode text.", param=where)
+            raise InvalidRequestError(
+                f"'{where}' holds a lone surrogate, which is not valid Unicode text.", param=where
+            )
         return data
 
 
@@ -69,8 +73,12 @@ LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _WHOLE]
 Text = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
 # A prompt and every piece of one is non-empty, as the schema says and the server checks.
-Prompt = (Text | Annotated[list[Text], Field(min_length=1)] | TokenIds
-          | Annotated[list[TokenIds], Field(min_length=1)])
+Prompt = (
+    Text
+    | Annotated[list[Text], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
 
 
 class StreamOptions(BaseModel):
@@ -93,7 +101,8 @@ class SamplingFields(RequestBody):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = (
-        None)
+        None
+    )
     user: str | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -33,8 +33,10 @@ class ChoiceState:
 
     def ending(self, finished: bool) -> dict[str, Any]:
         """The `finish_reason` / `stop_reason` fields of a streamed fragment."""
-        return {"finish_reason": self.finish_reason if finished else None,
-                "stop_reason": self.stop_reason if finished else None}
+        return {
+            "finish_reason": self.finish_reason if finished else None,
+            "stop_reason": self.stop_reason if finished else None,
+        }
 
     @property
     def text(self) -> str:
@@ -67,9 +69,13 @@ class ChunkRenderer:
         return f"{self._event_head}{compact_json(choices)}}}\n\n"
 
     def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.request_id, "object": self.object_name,
-                                "created": self.created, "model": self.model,
-                                "choices": choices}
+        body: dict[str, Any] = {
+            "id": self.request_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if with_usage:
             body["usage"] = self.usage()
         return body

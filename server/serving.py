@@ -39,9 +39,13 @@ class EngineClient(Protocol):
 
     async def shutdown(self) -> None: ...
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               request_id: str | None = None,
-               options: RequestOptions = ...) -> AsyncGenerator[RequestOutput, None]: ...
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        options: RequestOptions = ...,
+    ) -> AsyncGenerator[RequestOutput, None]: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -53,8 +57,12 @@ class ServedModel:
 
     def check(self, requested: str | None) -> None:
         if requested is not None and requested != self.name:
-            raise APIError(404, f"The model `{requested}` does not exist.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{requested}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
 
 
 def new_id(prefix: str) -> str:
@@ -71,12 +79,17 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     try:
         return {int(token): float(bias) for token, bias in raw.items()}
     except ValueError:
-        raise InvalidRequestError("logit_bias keys must be token ids.",
-                                  param="logit_bias") from None
+        raise InvalidRequestError(
+            "logit_bias keys must be token ids.", param="logit_bias"
+        ) from None
 
 
-def sampling_params(request: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
+def sampling_params(
+    request: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:
     """OpenAI defaults (temperature 1, top_p 1, no penalties) for fields left out."""
 
     def pick(value: float | None, default: float) -> float:
@@ -109,9 +122,13 @@ def request_options(body: SamplingFields) -> RequestOptions:
     return RequestOptions(priority=body.priority, timeout=body.timeout)
 
 
-def submit_all(engine: EngineClient, prompts: list[list[int]], params: SamplingParams,
-               request_id: str,
-               options: RequestOptions) -> list[AsyncGenerator[RequestOutput, None]]:
+def submit_all(
+    engine: EngineClient,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    request_id: str,
+    options: RequestOptions,
+) -> list[AsyncGenerator[RequestOutput, None]]:
     """Queue every prompt, or none: a refusal aborts the ones already queued."""
     streams: list[AsyncGenerator[RequestOutput, None]] = []
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -127,9 +144,12 @@ def submit_all(engine: EngineClient, prompts: list[list[int]], params: SamplingP
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def require_text_model(engine: EngineClient) -> Any:
@@ -157,8 +177,7 @@ Streams = list[AsyncGenerator[RequestOutput, None]]
 CLIENT_GONE = 499
 
 
-async def respond(renderer: Renderer, streams: Streams, stream: bool,
-                  request: Request) -> Response:
+async def respond(renderer: Renderer, streams: Streams, stream: bool, request: Request) -> Response:
     """Stream server-sent events, or wait for the whole answer, unless the client leaves.
 
     A stream starts only with the first delta, so an error before it (the deadline passed in
@@ -174,15 +193,19 @@ async def respond(renderer: Renderer, streams: Streams, stream: bool,
     return StreamingResponse(_events(renderer, first, merged), media_type="text/event-stream")
 
 
-async def _collect(renderer: Renderer, merged: AsyncIterator[tuple[int, RequestOutput]]
-                   ) -> dict[str, Any]:
+async def _collect(
+    renderer: Renderer, merged: AsyncIterator[tuple[int, RequestOutput]]
+) -> dict[str, Any]:
     async for source, output in merged:
         renderer.update(source, output)
     return renderer.response()
 
 
-async def _events(renderer: Renderer, first: tuple[int, RequestOutput],
-                  merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncIterator[str]:
+async def _events(
+    renderer: Renderer,
+    first: tuple[int, RequestOutput],
+    merged: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> AsyncIterator[str]:
     timed_out = False
     try:
         source, output = first
@@ -197,8 +220,9 @@ async def _events(renderer: Renderer, first: tuple[int, RequestOutput],
         if renderer.include_usage:
             yield sse(renderer.chunk([], with_usage=True))
         if timed_out:
-            yield sse_error(RequestTimeoutError("The request's deadline passed; the answer "
-                                                "above is cut short."))
+            yield sse_error(
+                RequestTimeoutError("The request's deadline passed; the answer above is cut short.")
+            )
     except Exception as exc:
         yield sse_error(exc)
     finally:

@@ -38,8 +38,14 @@ class ChatRenderer(ChunkRenderer):
 
     object_name = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, body: ChatCompletionRequest,
-                 num_prompt_tokens: int, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        body: ChatCompletionRequest,
+        num_prompt_tokens: int,
+        tokenizer: Any,
+    ) -> None:
         super().__init__(request_id, model, body.include_usage)
         self.body = body
         self.num_prompt_tokens = num_prompt_tokens
@@ -64,31 +70,45 @@ class ChatRenderer(ChunkRenderer):
         return fragments
 
     @staticmethod
-    def _fragment(choice: _Choice, delta: dict[str, Any], logprobs: list | None = None,
-                  finished: bool = False) -> dict[str, Any]:
-        return {"index": choice.index, "delta": delta,
-                "logprobs": {"content": logprobs} if logprobs is not None else None,
-                **choice.ending(finished)}
+    def _fragment(
+        choice: _Choice, delta: dict[str, Any], logprobs: list | None = None, finished: bool = False
+    ) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "delta": delta,
+            "logprobs": {"content": logprobs} if logprobs is not None else None,
+            **choice.ending(finished),
+        }
 
     def usage(self) -> dict[str, Any]:
         completion = sum(c.num_output_tokens for c in self.choices.values())
         return usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
 
     def response(self) -> dict[str, Any]:
-        choices = [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": {"content": c.logprobs} if self.body.logprobs else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        } for c in self.choices.values()]
-        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": choices, "usage": self.usage()}
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": {"content": c.logprobs} if self.body.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in self.choices.values()
+        ]
+        return {
+            "id": self.request_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
 
 
 class ChatHandler:
-    def __init__(self, engine: EngineClient, model: ServedModel,
-                 limits: RequestLimits | None = None) -> None:
+    def __init__(
+        self, engine: EngineClient, model: ServedModel, limits: RequestLimits | None = None
+    ) -> None:
         self.engine = engine
         self.model = model
         self.limits = limits or RequestLimits()
@@ -99,13 +119,14 @@ class ChatHandler:
         tokenizer = require_text_model(self.engine)
         _, prompt = await off_the_loop_if_large(
             messages_size(body.messages),
-            lambda: chat_prompt(tokenizer, body.messages, body.add_generation_prompt,
-                                body.continue_final_message))
+            lambda: chat_prompt(
+                tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message
+            ),
+        )
         params = sampling_params(body, _max_tokens(body), _top_logprobs(body))
         request_id = new_id("chatcmpl")
         renderer = ChatRenderer(request_id, self.model.name, body, len(prompt), tokenizer)
-        streams = submit_all(self.engine, [prompt], params, request_id,
-                             request_options(body))
+        streams = submit_all(self.engine, [prompt], params, request_id, request_options(body))
         return await respond(renderer, streams, bool(body.stream), request)
 
 
@@ -117,6 +138,5 @@ def _max_tokens(body: ChatCompletionRequest) -> int | None:
 
 def _top_logprobs(body: ChatCompletionRequest) -> int | None:
     if body.top_logprobs is not None and not body.logprobs:
-        raise InvalidRequestError("top_logprobs needs logprobs to be true.",
-                                  param="top_logprobs")
+        raise InvalidRequestError("top_logprobs needs logprobs to be true.", param="top_logprobs")
     return (body.top_logprobs or 0) if body.logprobs else None

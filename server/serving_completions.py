@@ -46,8 +46,15 @@ class CompletionRenderer(ChunkRenderer):
 
     object_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, body: CompletionRequest,
-                 prompts: list[list[int]], texts: list[str | None], tokenizer: Any) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        body: CompletionRequest,
+        prompts: list[list[int]],
+        texts: list[str | None],
+        tokenizer: Any,
+    ) -> None:
         super().__init__(request_id, model, body.include_usage)
         self.body = body
         self.prompts = prompts
@@ -55,7 +62,8 @@ class CompletionRenderer(ChunkRenderer):
         self.token_text = TokenText(tokenizer) if tokenizer is not None else None
         self.choices = {
             p * body.n + i: _Choice(p * body.n + i, prompt_ids=prompt, prompt_text=texts[p])
-            for p, prompt in enumerate(prompts) for i in range(body.n)
+            for p, prompt in enumerate(prompts)
+            for i in range(body.n)
         }
 
     def update(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
@@ -66,16 +74,23 @@ class CompletionRenderer(ChunkRenderer):
         text += output.text
         if output.logprobs is not None:
             logprobs = logprobs or CompletionLogprobs()
-            choice.offset = self._add_logprobs(logprobs, output.new_token_ids, output.logprobs,
-                                               choice.offset)
+            choice.offset = self._add_logprobs(
+                logprobs, output.new_token_ids, output.logprobs, choice.offset
+            )
         choice.record(output, text)
         self._merge_logprobs(choice, logprobs)
-        return [{"index": choice.index, "text": text,
-                 "logprobs": logprobs.to_dict() if logprobs is not None else None,
-                 **choice.ending(output.finished)}]
+        return [
+            {
+                "index": choice.index,
+                "text": text,
+                "logprobs": logprobs.to_dict() if logprobs is not None else None,
+                **choice.ending(output.finished),
+            }
+        ]
 
-    def _echo(self, choice: _Choice,
-              output: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+    def _echo(
+        self, choice: _Choice, output: RequestOutput
+    ) -> tuple[str, CompletionLogprobs | None]:
         if not self.body.echo:
             return "", None
         # Echo gives back a text prompt as sent; token-id prompts are decoded.
@@ -88,8 +103,9 @@ class CompletionRenderer(ChunkRenderer):
         choice.offset = self._add_logprobs(logprobs, choice.prompt_ids, output.prompt_logprobs, 0)
         return text, logprobs
 
-    def _add_logprobs(self, logprobs: CompletionLogprobs, token_ids: list[int], entries: list,
-                      offset: int) -> int:
+    def _add_logprobs(
+        self, logprobs: CompletionLogprobs, token_ids: list[int], entries: list, offset: int
+    ) -> int:
         if self.token_text is None:
             return offset
         return logprobs.add(token_ids, entries, self.token_text, offset)
@@ -106,24 +122,29 @@ class CompletionRenderer(ChunkRenderer):
     def usage(self) -> dict[str, Any]:
         completion = sum(c.num_output_tokens for c in self.choices.values())
         # The prompt is counted once per prompt, as its first sample saw it.
-        cached = sum(self.choices[p * self.body.n].num_cached_tokens
-                     for p in range(len(self.prompts)))
+        cached = sum(
+            self.choices[p * self.body.n].num_cached_tokens for p in range(len(self.prompts))
+        )
         return usage(sum(len(p) for p in self.prompts), completion, cached)
 
     def response(self) -> dict[str, Any]:
-        choices = [{
-            "index": c.index,
-            "text": c.text,
-            "logprobs": c.logprobs.to_dict() if c.logprobs is not None else None,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        } for c in sorted(self.choices.values(), key=lambda c: c.index)]
+        choices = [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": c.logprobs.to_dict() if c.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in sorted(self.choices.values(), key=lambda c: c.index)
+        ]
         return self.chunk(choices, with_usage=True)
 
 
 class CompletionHandler:
-    def __init__(self, engine: EngineClient, model: ServedModel,
-                 limits: RequestLimits | None = None) -> None:
+    def __init__(
+        self, engine: EngineClient, model: ServedModel, limits: RequestLimits | None = None
+    ) -> None:
         self.engine = engine
         self.model = model
         self.limits = limits or RequestLimits()
@@ -134,16 +155,15 @@ class CompletionHandler:
         _check_unsupported(body)
         tokenizer = self.engine.tokenizer
         singles = split_prompts(body.prompt)
-        prompts = await off_the_loop_if_large(prompt_size(singles),
-                                              lambda: prompt_token_ids(tokenizer, singles))
+        prompts = await off_the_loop_if_large(
+            prompt_size(singles), lambda: prompt_token_ids(tokenizer, singles)
+        )
         texts = [p if isinstance(p, str) else None for p in singles]
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         request_id = new_id("cmpl")
-        renderer = CompletionRenderer(request_id, self.model.name, body, prompts, texts,
-                                      tokenizer)
-        streams = submit_all(self.engine, prompts, params, request_id,
-                             request_options(body))
+        renderer = CompletionRenderer(request_id, self.model.name, body, prompts, texts, tokenizer)
+        streams = submit_all(self.engine, prompts, params, request_id, request_options(body))
         return await respond(renderer, streams, bool(body.stream), request)
 
 

@@ -30,8 +30,17 @@ def _compact_json() -> Callable[[Any], str]:
     try:
         # No circular-reference check (events are built here and never circular); a shared
         # check would also keep stale entries after an object failed to encode.
-        encode = make(None, encoder.default, json.encoder.encode_basestring, None, ":", ",",
-                      False, False, True)
+        encode = make(
+            None,
+            encoder.default,
+            json.encoder.encode_basestring,
+            None,
+            ":",
+            ",",
+            False,
+            False,
+            True,
+        )
     except TypeError:  # another interpreter's signature
         return encoder.encode
 

@@ -66,31 +66,40 @@ def message_text(message: ChatMessage) -> str:
     for part in message.content:
         if part.type != "text" or part.text is None:
             raise InvalidRequestError(
-                f"Only text content parts are supported, got '{part.type}'.",
-                param="messages")
+                f"Only text content parts are supported, got '{part.type}'.", param="messages"
+            )
         pieces.append(part.text)
     return "".join(pieces)
 
 
-def chat_prompt(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> tuple[str, list[int]]:
+def chat_prompt(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> tuple[str, list[int]]:
     """Render messages with the model's chat template; return the text and its token ids."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot be used; "
-            "use /v1/completions with a plain prompt instead.", param="messages")
+            "use /v1/completions with a plain prompt instead.",
+            param="messages",
+        )
     if continue_final_message and add_generation_prompt:
         raise InvalidRequestError(
             "continue_final_message and add_generation_prompt cannot both be true.",
-            param="continue_final_message")
+            param="continue_final_message",
+        )
     conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message)
+            conversation,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
     except Exception as exc:  # template errors (e.g. roles it refuses) are the client's
-        raise InvalidRequestError(f"The chat template failed: {exc}",
-                                  param="messages") from exc
+        raise InvalidRequestError(f"The chat template failed: {exc}", param="messages") from exc
     return text, encode_text(tokenizer, text, add_special_tokens=False)
 
 
@@ -99,7 +108,8 @@ class TokenText:
 
     def __init__(self, tokenizer: Any) -> None:
         self._decode = lru_cache(maxsize=65536)(
-            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+        )
 
     def __call__(self, token_id: int) -> str:
         return self._decode(token_id)

@@ -17,15 +17,18 @@ from tests.helpers import tiny_llama
 
 CUDA = pytest.param(
     "cuda",
-    marks=[pytest.mark.cuda,
-           pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+    marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
 )
 DEVICES = ["cpu", CUDA]
 # Where Triton kernels run: the GPU, else the interpreter on the CPU. Triton installs on Linux
 # x86-64 only (a dev extra there); elsewhere its tests are skipped.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="triton is not installed on this platform")
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed on this platform"
+)
 
 
 @pytest.fixture(params=["tiles", "dot_products"])

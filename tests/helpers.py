@@ -59,11 +59,13 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<eos>", "<bos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=320,
+        special_tokens=["<eos>", "<bos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>",
-                                   bos_token="<bos>")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", bos_token="<bos>")
 
 
 CHAT_TEMPLATE = (
@@ -81,9 +83,14 @@ def chat_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_llama(vocab_size: int = 320, num_layers: int = 2, seed: int = 0,
-               dtype: torch.dtype = torch.float32, max_positions: int = 512,
-               **overrides: object) -> LlamaForCausalLM:
+def tiny_llama(
+    vocab_size: int = 320,
+    num_layers: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_positions: int = 512,
+    **overrides: object,
+) -> LlamaForCausalLM:
     """Random weights with a wide init, so logits are well separated and greedy is stable."""
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -114,13 +121,22 @@ def bf16_reference(half_weights: str) -> torch.nn.Module:
     return model
 
 
-def tiny_core(model: LlamaForCausalLM | None = None, *, num_blocks: int = 256,
-              block_size: int | None = 4, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-              enable_chunked_prefill: bool = True, max_model_len: int | None = None,
-              device: str = "cpu", with_tokenizer: bool = True,
-              tokenizer: PreTrainedTokenizerFast | None = None, kv_cache_dtype: str = "auto",
-              kv_cache_memory: int | None = None,
-              **config_overrides: object) -> tuple[EngineCore, ServingInfo]:
+def tiny_core(
+    model: LlamaForCausalLM | None = None,
+    *,
+    num_blocks: int = 256,
+    block_size: int | None = 4,
+    max_num_batched_tokens: int = 512,
+    max_num_seqs: int = 64,
+    enable_chunked_prefill: bool = True,
+    max_model_len: int | None = None,
+    device: str = "cpu",
+    with_tokenizer: bool = True,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    kv_cache_dtype: str = "auto",
+    kv_cache_memory: int | None = None,
+    **config_overrides: object,
+) -> tuple[EngineCore, ServingInfo]:
     model = model if model is not None else tiny_llama()
     torch_device = torch.device(device)
     model = model.to(torch_device)
@@ -128,8 +144,12 @@ def tiny_core(model: LlamaForCausalLM | None = None, *, num_blocks: int = 256,
         tokenizer = tiny_tokenizer()
     loaded = wrap_model(model, tokenizer, name="tiny-llama")
     config = EngineConfig(
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=kv_cache_dtype,
-                          kv_cache_memory=kv_cache_memory),
+        cache=CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            dtype=kv_cache_dtype,
+            kv_cache_memory=kv_cache_memory,
+        ),
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=enable_chunked_prefill,
@@ -140,8 +160,9 @@ def tiny_core(model: LlamaForCausalLM | None = None, *, num_blocks: int = 256,
     return core_from_model(loaded, config, torch_device, dtype)
 
 
-def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams | list,
-            check: bool = True) -> dict[str, list[RequestOutput]]:
+def run_all(
+    core: EngineCore, prompts: list[list[int]], params: SamplingParams | list, check: bool = True
+) -> dict[str, list[RequestOutput]]:
     """Add every prompt, step until all finish, checking block invariants after each step."""
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
@@ -171,17 +192,29 @@ def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens:
     model.set_attn_implementation("sdpa")
     try:
         ids = torch.tensor([prompt], device=model.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     finally:
         from engine.attention.hf import register
+
         model.set_attn_implementation(register())
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
-def sabotage_steps(core: EngineCore, monkeypatch, fail_on: set[int] | None = None,
-                   message: str = "boom", delay: float = 0.0) -> None:
+def sabotage_steps(
+    core: EngineCore,
+    monkeypatch,
+    fail_on: set[int] | None = None,
+    message: str = "boom",
+    delay: float = 0.0,
+) -> None:
     """Wrap the runner: model calls numbered in `fail_on` (1-based; None means all) raise
     RuntimeError(message); every call first sleeps `delay` seconds."""
     import time
@@ -218,8 +251,9 @@ def int8_layer_errors(layers: list[torch.nn.Module]) -> list[float]:
     def check(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
         x = args[0].reshape(-1, module.in_features)
         bias = None if module.bias is None else module.bias.double()
-        expected = torch.nn.functional.linear(round_to_int8_blocks(x).double(),
-                                              module.weight.double(), bias)
+        expected = torch.nn.functional.linear(
+            round_to_int8_blocks(x).double(), module.weight.double(), bias
+        )
         if len(args) > 1 and args[1] is not None:
             expected = expected + args[1].reshape(expected.shape).double()
         gap = (out.reshape(expected.shape).double() - expected).abs()
@@ -238,5 +272,6 @@ def teacher_forced_argmax(model: LlamaForCausalLM, ids: list[int]) -> list[int]:
             logits = model(torch.tensor([ids], device=model.device)).logits[0]
     finally:
         from engine.attention.hf import register
+
         model.set_attn_implementation(register())
     return logits.argmax(-1).tolist()

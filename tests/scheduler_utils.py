@@ -12,17 +12,26 @@ from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 FAKE_TOKEN = 7
 
 
-def create_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 128,
-                     enable_caching: bool = False, clock=None, **config: object) -> Scheduler:
-    scheduler = Scheduler(SchedulerConfig(max_model_len=max_model_len, **config),
-                          BlockManager(num_blocks, block_size, enable_caching))
+def create_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_model_len: int = 128,
+    enable_caching: bool = False,
+    clock=None,
+    **config: object,
+) -> Scheduler:
+    scheduler = Scheduler(
+        SchedulerConfig(max_model_len=max_model_len, **config),
+        BlockManager(num_blocks, block_size, enable_caching),
+    )
     if clock is not None:
         scheduler.clock = clock
     return scheduler
 
 
-def create_request(request_id: str, prompt_len: int, max_tokens: int = 4,
-                   **params: object) -> Request:
+def create_request(
+    request_id: str, prompt_len: int, max_tokens: int = 4, **params: object
+) -> Request:
     return Request(
         request_id=request_id,
         prompt_token_ids=[100 + i for i in range(prompt_len)],

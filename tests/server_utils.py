@@ -34,8 +34,9 @@ def tiny_engine(**core_options: Any) -> AsyncEngine:
 
 
 @asynccontextmanager
-async def app_client(settings: ServerSettings | None = None,
-                     **core_options: Any) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngine]]:
+async def app_client(
+    settings: ServerSettings | None = None, **core_options: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngine]]:
     """An httpx client on the ASGI app (no socket); the engine loop runs meanwhile."""
     engine = tiny_engine(**core_options)
     app = build_app(engine, settings or ServerSettings(served_model_name="tiny"))
@@ -56,8 +57,9 @@ class LiveServer:
 
 
 @asynccontextmanager
-async def live_server(settings: ServerSettings | None = None,
-                      **core_options: Any) -> AsyncIterator[LiveServer]:
+async def live_server(
+    settings: ServerSettings | None = None, **core_options: Any
+) -> AsyncIterator[LiveServer]:
     """The app under uvicorn on a free local port, in this event loop."""
     engine = tiny_engine(**core_options)
     app = build_app(engine, settings or ServerSettings(served_model_name="tiny"))
@@ -82,7 +84,7 @@ def sse_events(body: str) -> list[Any]:
     events = []
     for block in body[:-2].split("\n\n"):
         assert block.startswith("data: "), f"bad event {block!r}"
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     assert events[-1] == "[DONE]", "stream must end with [DONE]"
     return events
@@ -102,5 +104,8 @@ async def until(condition, timeout: float = 10.0, what: str = "condition") -> No
 
 
 async def wait_until_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
-    await until(lambda: blocks_in_use(engine) == 0 and not engine.core.has_unfinished(),
-                timeout, "an idle engine with every KV block free")
+    await until(
+        lambda: blocks_in_use(engine) == 0 and not engine.core.has_unfinished(),
+        timeout,
+        "an idle engine with every KV block free",
+    )

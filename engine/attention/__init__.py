@@ -36,8 +36,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return TorchPagedAttention.name
 
 
-def get_backend(name: str, device: torch.device | None = None,
-                model_dtype: torch.dtype = torch.float32) -> AttentionBackend:
+def get_backend(
+    name: str, device: torch.device | None = None, model_dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     """The backend `name` asks for on `device`, for a model of `model_dtype` (the CPU kernel
     attends over a bf16 model's prompts in bf16 products)."""
     device = device or torch.device("cpu")
@@ -57,5 +58,11 @@ def get_backend(name: str, device: torch.device | None = None,
     return backend()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "InPlaceDecodeAttention",
-           "available_backends", "get_backend", "resolve_backend_name"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "InPlaceDecodeAttention",
+    "available_backends",
+    "get_backend",
+    "resolve_backend_name",
+]

@@ -41,8 +41,15 @@ class AttentionBackend(ABC):
         """Turn host-side batch inputs into device tensors, once per step."""
 
     @abstractmethod
-    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                scale: float, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """Attend for all flattened tokens.
 
         `query` is `[tokens, heads, head_dim]`, `key`/`value` `[tokens, kv_heads, head_dim]`;

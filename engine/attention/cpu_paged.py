@@ -46,10 +46,11 @@ class CpuPagedAttention(InPlaceDecodeAttention):
 
     def __init__(self, model_dtype: torch.dtype = torch.float32) -> None:
         if not cpu_ops.has("attention"):
-            raise RuntimeError("the cpu attention backend needs its C++ kernel, which did not "
-                               "build here; use --attention-backend torch")
-        self.bf16_prompts = (model_dtype == torch.bfloat16
-                             and cpu_ops.bf16_prefill_available())
+            raise RuntimeError(
+                "the cpu attention backend needs its C++ kernel, which did not "
+                "build here; use --attention-backend torch"
+            )
+        self.bf16_prompts = model_dtype == torch.bfloat16 and cpu_ops.bf16_prefill_available()
 
     @staticmethod
     def metadata_type() -> type[TorchPagedMetadata]:
@@ -63,14 +64,26 @@ class CpuPagedAttention(InPlaceDecodeAttention):
             meta.prefill_rows = _prefill_rows(batch, rows, kv_cache.block_size, kv_cache.device)
         return meta
 
-    def decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, block_table: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        return cpu_ops.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
-                                       scale)
+    def decode_kernel(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return cpu_ops.paged_decode(query, key_cache, value_cache, block_table, seq_lens, scale)
 
-    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                scale: float, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """Prefill chunks in one kernel call over K/V already stored, read in place: fresh
         prompts and chunks after cached tokens alike. Shapes the kernel does not take (head
         dims not a multiple of 16, a 16-bit model) keep the torch path."""
@@ -83,14 +96,28 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         if metadata.decode_tokens is not None:
             out[metadata.decode_tokens] = self._decode(layer, query, scale, metadata)
         bf16 = self.bf16_prompts and cache.spec.dtype == torch.bfloat16
-        cpu_ops.paged_prefill_rows(query, cache.key(layer), cache.value(layer), out,
-                                       rows.starts, rows.lens, rows.contexts, rows.table, scale,
-                                       bf16)
+        cpu_ops.paged_prefill_rows(
+            query,
+            cache.key(layer),
+            cache.value(layer),
+            out,
+            rows.starts,
+            rows.lens,
+            rows.contexts,
+            rows.table,
+            scale,
+            bf16,
+        )
         return out
 
     @staticmethod
-    def _store(cache: KVCache, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor) -> None:
+    def _store(
+        cache: KVCache,
+        layer: int,
+        slot_mapping: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
         if _stores(key, value, cache):
             cpu_ops.store_kv(key, value, cache.key(layer), cache.value(layer), slot_mapping)
         else:
@@ -99,31 +126,45 @@ class CpuPagedAttention(InPlaceDecodeAttention):
     def decode_step(self, metadata: AttentionMetadata) -> DecodeStep | None:
         assert isinstance(metadata, InPlaceMetadata)
         cache = metadata.kv_cache
-        if (not metadata.all_decode or cache.spec.dtype not in _FUSED_CACHE_DTYPES
-                or metadata.decode_block_table is None or metadata.decode_seq_lens is None):
+        if (
+            not metadata.all_decode
+            or cache.spec.dtype not in _FUSED_CACHE_DTYPES
+            or metadata.decode_block_table is None
+            or metadata.decode_seq_lens is None
+        ):
             return None
-        return DecodeStep(kv_cache=cache, slot_mapping=metadata.slot_mapping,
-                          block_table=metadata.decode_block_table,
-                          seq_lens=metadata.decode_seq_lens)
+        return DecodeStep(
+            kv_cache=cache,
+            slot_mapping=metadata.slot_mapping,
+            block_table=metadata.decode_block_table,
+            seq_lens=metadata.decode_seq_lens,
+        )
 
 
 def _kernel_takes(query: torch.Tensor, cache: KVCache) -> bool:
-    return (query.dtype == torch.float32 and query.shape[-1] % 16 == 0
-            and cache.spec.dtype in _FUSED_CACHE_DTYPES)
+    return (
+        query.dtype == torch.float32
+        and query.shape[-1] % 16 == 0
+        and cache.spec.dtype in _FUSED_CACHE_DTYPES
+    )
 
 
 def _stores(key: torch.Tensor, value: torch.Tensor, cache: KVCache) -> bool:
     """The store op takes these rows: fp32, heads and dims contiguous, a cache it writes."""
-    return (cache.spec.dtype in _FUSED_CACHE_DTYPES
-            and all(x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
-                    and x.stride(1) == x.shape[2] for x in (key, value)))
+    return cache.spec.dtype in _FUSED_CACHE_DTYPES and all(
+        x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+        for x in (key, value)
+    )
 
 
-def _prefill_rows(batch: InputBatch, rows: np.ndarray, block_size: int,
-                  device: torch.device) -> PrefillRows:
+def _prefill_rows(
+    batch: InputBatch, rows: np.ndarray, block_size: int, device: torch.device
+) -> PrefillRows:
     seq_lens = batch.context_lens[rows] + batch.query_lens[rows]
     width = int(-(-seq_lens.max() // block_size))
-    return PrefillRows(starts=_to(batch.query_starts[rows].astype(np.int64), device),
-                       lens=_to(batch.query_lens[rows].astype(np.int64), device),
-                       contexts=_to(batch.context_lens[rows].astype(np.int64), device),
-                       table=_to(batch.block_table[rows, :width].astype(np.int64), device))
+    return PrefillRows(
+        starts=_to(batch.query_starts[rows].astype(np.int64), device),
+        lens=_to(batch.query_lens[rows].astype(np.int64), device),
+        contexts=_to(batch.context_lens[rows].astype(np.int64), device),
+        table=_to(batch.block_table[rows, :width].astype(np.int64), device),
+    )

@@ -32,7 +32,8 @@ def paged_attention_forward(
     metadata: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if metadata is None:
         raise RuntimeError(
-            f"{ATTN_IMPLEMENTATION} attention needs the `{METADATA_KWARG}` forward argument")
+            f"{ATTN_IMPLEMENTATION} attention needs the `{METADATA_KWARG}` forward argument"
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = metadata.backend.forward(

@@ -32,32 +32,56 @@ class InPlaceDecodeAttention(TorchPagedAttention):
         return InPlaceMetadata
 
     @abstractmethod
-    def decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, block_table: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    def decode_kernel(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
         """Attend each query row over its own blocks, up to its own length."""
 
-    def decode_metadata(self, kv_cache: KVCache, slot_mapping: torch.Tensor,
-                        block_table: torch.Tensor, seq_lens: torch.Tensor) -> InPlaceMetadata:
+    def decode_metadata(
+        self,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> InPlaceMetadata:
         """Metadata over caller-owned tensors for a step of decode rows only (row i is token i),
         as a CUDA graph replays it with new contents in the same tensors."""
         return InPlaceMetadata(
-            backend=self, kv_cache=kv_cache, slot_mapping=slot_mapping,
-            num_tokens=int(slot_mapping.shape[0]), decode_block_table=block_table,
-            all_decode=True, decode_seq_lens=seq_lens)
+            backend=self,
+            kv_cache=kv_cache,
+            slot_mapping=slot_mapping,
+            num_tokens=int(slot_mapping.shape[0]),
+            decode_block_table=block_table,
+            all_decode=True,
+            decode_seq_lens=seq_lens,
+        )
 
     @staticmethod
-    def _decode_lengths(meta: TorchPagedMetadata, seq_lens: np.ndarray, span: int,
-                        device: torch.device) -> None:
+    def _decode_lengths(
+        meta: TorchPagedMetadata, seq_lens: np.ndarray, span: int, device: torch.device
+    ) -> None:
         """The kernel reads each row's length and stops there: no mask."""
         assert isinstance(meta, InPlaceMetadata)
         meta.decode_seq_lens = _to(seq_lens.astype(np.int64), device)
 
-    def _decode(self, layer: int, query: torch.Tensor, scale: float,
-                meta: TorchPagedMetadata) -> torch.Tensor:
+    def _decode(
+        self, layer: int, query: torch.Tensor, scale: float, meta: TorchPagedMetadata
+    ) -> torch.Tensor:
         assert isinstance(meta, InPlaceMetadata) and meta.decode_seq_lens is not None
         assert meta.decode_block_table is not None
         cache = meta.kv_cache
         q = query if meta.all_decode else query[meta.decode_tokens]
-        return self.decode_kernel(q, cache.key(layer), cache.value(layer),
-                                  meta.decode_block_table, meta.decode_seq_lens, scale)
+        return self.decode_kernel(
+            q,
+            cache.key(layer),
+            cache.value(layer),
+            meta.decode_block_table,
+            meta.decode_seq_lens,
+            scale,
+        )

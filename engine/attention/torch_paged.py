@@ -20,8 +20,7 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.kv.kv_cache import KVCache
 from engine.worker.input_batch import InputBatch
 
-_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                       SDPBackend.MATH]
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(slots=True)
@@ -86,8 +85,14 @@ class TorchPagedAttention(AttentionBackend):
             meta.prefills.append(_prefill_span(batch, int(row), kv_cache.block_size, device))
         return meta
 
-    def _decode_metadata(self, meta: TorchPagedMetadata, batch: InputBatch, rows: np.ndarray,
-                         block_size: int, device: torch.device) -> None:
+    def _decode_metadata(
+        self,
+        meta: TorchPagedMetadata,
+        batch: InputBatch,
+        rows: np.ndarray,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         seq_lens = batch.seq_lens[rows]
         width = int(-(-seq_lens.max() // block_size))
         meta.decode_tokens = _to(batch.query_starts[rows], device)
@@ -96,14 +101,22 @@ class TorchPagedAttention(AttentionBackend):
         self._decode_lengths(meta, seq_lens, width * block_size, device)
 
     @staticmethod
-    def _decode_lengths(meta: TorchPagedMetadata, seq_lens: np.ndarray, span: int,
-                        device: torch.device) -> None:
+    def _decode_lengths(
+        meta: TorchPagedMetadata, seq_lens: np.ndarray, span: int, device: torch.device
+    ) -> None:
         """The decode rows' lengths as a mask over the `span` keys their blocks gather."""
         keys = np.arange(span)
         meta.decode_mask = _to(keys[None, :] < seq_lens[:, None], device)[:, None, None, :]
 
-    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                scale: float, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         assert isinstance(metadata, TorchPagedMetadata)
         cache = metadata.kv_cache
         self._store(cache, layer, metadata.slot_mapping, key, value)
@@ -113,15 +126,22 @@ class TorchPagedAttention(AttentionBackend):
         if metadata.decode_tokens is not None:
             out[metadata.decode_tokens] = self._decode(layer, query, scale, metadata)
         for span in metadata.prefills:
-            out[span.start:span.end] = self._prefill(layer, query, key, value, scale, span, cache)
+            out[span.start : span.end] = self._prefill(layer, query, key, value, scale, span, cache)
         return out
 
-    def _store(self, cache: KVCache, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor) -> None:
+    def _store(
+        self,
+        cache: KVCache,
+        layer: int,
+        slot_mapping: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
         cache.write(layer, slot_mapping, key, value)
 
-    def _decode(self, layer: int, query: torch.Tensor, scale: float,
-                meta: TorchPagedMetadata) -> torch.Tensor:
+    def _decode(
+        self, layer: int, query: torch.Tensor, scale: float, meta: TorchPagedMetadata
+    ) -> torch.Tensor:
         cache = meta.kv_cache
         q = query if meta.all_decode else query[meta.decode_tokens]
         assert meta.decode_block_table is not None  # set for every step with decode rows
@@ -131,20 +151,27 @@ class TorchPagedAttention(AttentionBackend):
         return out.squeeze(2)
 
     @staticmethod
-    def _prefill(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scale: float, span: PrefillSpan, cache: KVCache) -> torch.Tensor:
-        q = query[span.start:span.end].transpose(0, 1).unsqueeze(0)
+    def _prefill(
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        span: PrefillSpan,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
         if not span.context:
             # As the cache holds them, so that a prompt attends alike whether its K/V come
             # fresh or, after a prefix hit or preemption, from the cache.
-            k = _as_cached(key[span.start:span.end], cache).transpose(0, 1).unsqueeze(0)
-            v = _as_cached(value[span.start:span.end], cache).transpose(0, 1).unsqueeze(0)
+            k = _as_cached(key[span.start : span.end], cache).transpose(0, 1).unsqueeze(0)
+            v = _as_cached(value[span.start : span.end], cache).transpose(0, 1).unsqueeze(0)
             out = _sdpa(q, k, v, is_causal=True, scale=scale)
         else:
             assert span.block_ids is not None
             table = span.block_ids.unsqueeze(0)
-            k = _gather(cache.key(layer), table)[:, :, :span.seq_len].to(q.dtype)
-            v = _gather(cache.value(layer), table)[:, :, :span.seq_len].to(q.dtype)
+            k = _gather(cache.key(layer), table)[:, :, : span.seq_len].to(q.dtype)
+            v = _gather(cache.value(layer), table)[:, :, : span.seq_len].to(q.dtype)
             out = _sdpa(q, k, v, attn_mask=span.offset_mask(q.device), scale=scale)
         return out[0].transpose(0, 1)
 
@@ -181,8 +208,9 @@ def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     return gathered.view(rows, width * layer_cache.shape[1], *layer_cache.shape[2:]).transpose(1, 2)
 
 
-def _prefill_span(batch: InputBatch, row: int, block_size: int,
-                  device: torch.device) -> PrefillSpan:
+def _prefill_span(
+    batch: InputBatch, row: int, block_size: int, device: torch.device
+) -> PrefillSpan:
     start = int(batch.query_starts[row])
     num = int(batch.query_lens[row])
     context = int(batch.context_lens[row])

@@ -42,8 +42,9 @@ def usable(device: str) -> bool:
             raise RuntimeError("a test write did not land")
     except Exception as error:  # no compiler, no driver support, a broken install
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        logger.warning("Triton kernels unusable on %s (%s); using the torch attention backend",
-                       device, message)
+        logger.warning(
+            "Triton kernels unusable on %s (%s); using the torch attention backend", device, message
+        )
         return False
     return True
 
@@ -62,18 +63,33 @@ class TritonPagedAttention(InPlaceDecodeAttention):
 
     def __init__(self) -> None:
         if not available():
-            raise RuntimeError("the triton attention backend needs the triton package; "
-                               "use --attention-backend torch")
+            raise RuntimeError(
+                "the triton attention backend needs the triton package; "
+                "use --attention-backend torch"
+            )
         self._kernels = _kernels()
 
-    def decode_kernel(self, query: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, block_table: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        return self._kernels.paged_decode(query, key_cache, value_cache, block_table, seq_lens,
-                                          scale)
+    def decode_kernel(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return self._kernels.paged_decode(
+            query, key_cache, value_cache, block_table, seq_lens, scale
+        )
 
-    def _store(self, cache: KVCache, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor) -> None:
+    def _store(
+        self,
+        cache: KVCache,
+        layer: int,
+        slot_mapping: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
         self._kernels.store_kv(key, value, cache.key(layer), cache.value(layer), slot_mapping)
 
 

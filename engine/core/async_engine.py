@@ -90,8 +90,9 @@ class _PendingAdd:
 class AsyncEngine:
     """Owns the engine loop task. Create, `await start()`, use, `await shutdown()`."""
 
-    def __init__(self, core: EngineCore, info: ServingInfo,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(
+        self, core: EngineCore, info: ServingInfo, executor: ThreadPoolExecutor | None = None
+    ) -> None:
         self.core = core
         self.info = info
         self._executor = executor or _step_executor()
@@ -153,9 +154,13 @@ class AsyncEngine:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               request_id: str | None = None,
-               options: RequestOptions = RequestOptions()) -> AsyncGenerator[RequestOutput, None]:
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        options: RequestOptions = RequestOptions(),
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Queue a request now and return the stream of its deltas.
 
         Raises at once a typed error for a request that can never run or is turned away
@@ -169,9 +174,13 @@ class AsyncEngine:
         collector = self._submit(request_id, prompt_token_ids, params, options)
         return self._stream(request_id, collector)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None,
-                       options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        options: RequestOptions = RequestOptions(),
+    ) -> AsyncIterator[RequestOutput]:
         """`submit` and iterate in one: errors surface at the first iteration."""
         stream = self.submit(prompt_token_ids, params, request_id, options)
         try:
@@ -180,8 +189,9 @@ class AsyncEngine:
         finally:
             await stream.aclose()
 
-    async def _stream(self, request_id: str,
-                      collector: RequestCollector) -> AsyncGenerator[RequestOutput, None]:
+    async def _stream(
+        self, request_id: str, collector: RequestCollector
+    ) -> AsyncGenerator[RequestOutput, None]:
         finished = 0
         try:
             while finished < collector.n:
@@ -195,8 +205,13 @@ class AsyncEngine:
                 self.abort(request_id)
             self._collectors.pop(request_id, None)
 
-    def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                options: RequestOptions) -> RequestCollector:
+    def _submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        options: RequestOptions,
+    ) -> RequestCollector:
         if not self.is_running:
             raise EngineDeadError("The engine is not running.")
         if request_id in self._collectors:
@@ -204,16 +219,32 @@ class AsyncEngine:
         self.core.validate(prompt_token_ids, params)
         timeout = options.timeout if options.timeout is not None else self.info.request_timeout
         try:
-            deferred = self.core.admit(prompt_token_ids, params, options.priority, timeout,
-                                       len(self._adds), self._pending_tokens)
+            deferred = self.core.admit(
+                prompt_token_ids,
+                params,
+                options.priority,
+                timeout,
+                len(self._adds),
+                self._pending_tokens,
+            )
         except Exception:
             self._wake_loop()  # so the rejection reaches the metrics promptly
             raise
         collector = RequestCollector(params.n)
         self._collectors[request_id] = collector
         promised = promised_tokens(len(prompt_token_ids), params, self.core.max_tokens)
-        self._adds.append(_PendingAdd(request_id, list(prompt_token_ids), params,
-                                      time.monotonic(), options, timeout, deferred, promised))
+        self._adds.append(
+            _PendingAdd(
+                request_id,
+                list(prompt_token_ids),
+                params,
+                time.monotonic(),
+                options,
+                timeout,
+                deferred,
+                promised,
+            )
+        )
         self._pending_tokens += promised
         self._new_requests.append(RequestParamsStats(params.n, promised - len(prompt_token_ids)))
         self._wake_loop()
@@ -287,12 +318,19 @@ class AsyncEngine:
         self._children[add.request_id] = children
         try:
             for index, child in enumerate(children):
-                self.core.add_request(child, add.prompt_token_ids, _child_params(add.params, index),
-                                      parent_id=add.request_id, index=index,
-                                      arrival_time=add.arrival_time,
-                                      fork_of=children[0] if index else None,
-                                      priority=add.options.priority, timeout=add.timeout,
-                                      deferred=add.deferred, siblings=n)
+                self.core.add_request(
+                    child,
+                    add.prompt_token_ids,
+                    _child_params(add.params, index),
+                    parent_id=add.request_id,
+                    index=index,
+                    arrival_time=add.arrival_time,
+                    fork_of=children[0] if index else None,
+                    priority=add.options.priority,
+                    timeout=add.timeout,
+                    deferred=add.deferred,
+                    siblings=n,
+                )
         except Exception as exc:
             self._dispatch(self.core.abort_requests(children))
             self._fail_collector(add.request_id, exc)
@@ -313,9 +351,17 @@ class AsyncEngine:
         if collector is None:
             return
         for index in set(range(collector.n)) - collector.finished_indices:
-            collector.put(RequestOutput(request_id, index, [], "", finished=True,
-                                        finish_reason="abort" if error is None else "error",
-                                        error=error))
+            collector.put(
+                RequestOutput(
+                    request_id,
+                    index,
+                    [],
+                    "",
+                    finished=True,
+                    finish_reason="abort" if error is None else "error",
+                    error=error,
+                )
+            )
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -49,13 +49,15 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.policy!r}")
+            raise ValueError(
+                f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}"
+            )
         if not 0 < self.admission_soft_limit <= 1:
             raise ValueError("admission_soft_limit must be in (0, 1]")
         if not 0 <= self.reserved_seqs < self.max_num_seqs:
-            raise ValueError(f"reserved_seqs must be in [0, max_num_seqs), got "
-                             f"{self.reserved_seqs}")
+            raise ValueError(
+                f"reserved_seqs must be in [0, max_num_seqs), got {self.reserved_seqs}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens "
@@ -93,8 +95,9 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"unknown KV cache dtype {self.dtype!r}; choose one of "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
+            raise ValueError(
+                f"unknown KV cache dtype {self.dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,8 +42,10 @@ def _plain_backend(tokenizer: Any) -> Any | None:
     except ImportError:
         return None
     kind = type(tokenizer)
-    if kind.decode is not PreTrainedTokenizerBase.decode or \
-            kind._decode is not TokenizersBackend._decode:
+    if (
+        kind.decode is not PreTrainedTokenizerBase.decode
+        or kind._decode is not TokenizersBackend._decode
+    ):
         return None
     return backend
 
@@ -51,8 +53,9 @@ def _plain_backend(tokenizer: Any) -> Any | None:
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas that never split a character."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         self._decode_ids = plain_decode(tokenizer)
         self._skip_special = skip_special_tokens
         # A little prompt context makes the first output token decode with its leading space.
@@ -67,19 +70,19 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the text that is now complete."""
         self._tokens.extend(token_ids)
-        prefix_text = self._decode(self._tokens[self._prefix:self._read])
-        full_text = self._decode(self._tokens[self._prefix:])
+        prefix_text = self._decode(self._tokens[self._prefix : self._read])
+        full_text = self._decode(self._tokens[self._prefix :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             return ""
         self._prefix, self._read = self._read, len(self._tokens)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Return whatever text is still held back, complete or not (the sequence ended)."""
-        prefix_text = self._decode(self._tokens[self._prefix:self._read])
-        full_text = self._decode(self._tokens[self._prefix:])
+        prefix_text = self._decode(self._tokens[self._prefix : self._read])
+        full_text = self._decode(self._tokens[self._prefix :])
         self._prefix = self._read = len(self._tokens)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
 
 class StopAutomaton:
@@ -182,6 +185,6 @@ class StopStringMatcher:
 
     def _emit(self, end: int) -> str:
         end = max(end, self._emitted)
-        delta = self.text[self._emitted:end]
+        delta = self.text[self._emitted : end]
         self._emitted = end
         return delta

@@ -29,8 +29,14 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Wires the scheduler to the model runner. Not thread-safe: one caller at a time."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any | None,
-                 eos_token_ids: frozenset[int], vocab_size: int) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        tokenizer: Any | None,
+        eos_token_ids: frozenset[int],
+        vocab_size: int,
+    ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -49,45 +55,68 @@ class EngineCore:
             raise InvalidRequestError("The prompt is empty.", param="prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise InvalidRequestError(
-                f"Prompt token ids must be in [0, {self.vocab_size}).", param="prompt")
+                f"Prompt token ids must be in [0, {self.vocab_size}).", param="prompt"
+            )
         bias = params.logit_bias or {}
         if bias and max(bias) >= self.vocab_size:
             raise InvalidRequestError(
                 f"logit_bias token ids must be below the vocabulary size {self.vocab_size}.",
-                param="logit_bias")
+                param="logit_bias",
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer.", param="stop")
         self.scheduler.check_prompt(len(prompt_token_ids))
 
-    def admit(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-              timeout: float | None = None, pending: int = 0, pending_tokens: int = 0) -> bool:
+    def admit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        timeout: float | None = None,
+        pending: int = 0,
+        pending_tokens: int = 0,
+    ) -> bool:
         """Decide on a new request before it queues: raise `QueueFullError` (reject) or
         `RequestTimeoutError` (its deadline cannot be met); return whether it is deferred."""
         num_prompt = len(prompt_token_ids)
-        decision = self.scheduler.admission(promised_tokens(num_prompt, params, self.max_tokens),
-                                            priority, pending, pending_tokens)
+        decision = self.scheduler.admission(
+            promised_tokens(num_prompt, params, self.max_tokens), priority, pending, pending_tokens
+        )
         if decision.outcome is Admission.REJECT:
-            raise QueueFullError(f"The server is overloaded: {decision.reason}. Please retry "
-                                 f"later.", retry_after=decision.retry_after)
+            raise QueueFullError(
+                f"The server is overloaded: {decision.reason}. Please retry later.",
+                retry_after=decision.retry_after,
+            )
         if timeout is not None:
             fewest = fewest_new_tokens(params, self.max_tokens - num_prompt)
-            needed = self.scheduler.drain.time_to_finish(num_prompt, fewest,
-                                                         len(self.scheduler.running) + 1)
+            needed = self.scheduler.drain.time_to_finish(
+                num_prompt, fewest, len(self.scheduler.running) + 1
+            )
             if needed > timeout:
                 raise RequestTimeoutError(
                     f"The request cannot finish within its timeout of {timeout:g} s (it needs "
-                    f"about {needed:.1f} s at the current speed).")
+                    f"about {needed:.1f} s at the current speed)."
+                )
         return decision.outcome is Admission.DEFER
 
     @property
     def max_tokens(self) -> int:
         return self.scheduler.max_sequence_tokens
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    parent_id: str | None = None, index: int = 0,
-                    arrival_time: float | None = None, fork_of: str | None = None,
-                    priority: int = 0, timeout: float | None = None,
-                    deferred: bool = False, siblings: int = 1) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        parent_id: str | None = None,
+        index: int = 0,
+        arrival_time: float | None = None,
+        fork_of: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+        deferred: bool = False,
+        siblings: int = 1,
+    ) -> Request:
         """Queue a sequence, one of `siblings` of request `parent_id`. `fork_of` names a sibling
         with the same prompt whose prompt blocks this one shares once computed; `timeout` counts
         from `arrival_time`."""
@@ -133,7 +162,9 @@ class EngineCore:
         stats.num_running, stats.num_waiting = scheduler.num_running, scheduler.num_waiting
         stats.kv_cache_usage = scheduler.block_manager.usage
         stats.prefix_cache_queries, scheduler.prefix_cache_queries = (
-            scheduler.prefix_cache_queries, 0)
+            scheduler.prefix_cache_queries,
+            0,
+        )
         stats.prefix_cache_hits, scheduler.prefix_cache_hits = scheduler.prefix_cache_hits, 0
         stats.num_rejections, scheduler.num_rejections = scheduler.num_rejections, 0
         stats.num_waiting_deferred = scheduler.num_deferred()
@@ -153,8 +184,9 @@ class EngineCore:
 
     def _record_finished(self, request: Request) -> None:
         parent, siblings = self._groups.pop(request.request_id, ("", 1))
-        self._stats.finished.append(FinishedRequestStats.of(request, time.monotonic(), parent,
-                                                            siblings))
+        self._stats.finished.append(
+            FinishedRequestStats.of(request, time.monotonic(), parent, siblings)
+        )
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -175,8 +207,7 @@ class EngineCore:
         advanced = self.scheduler.update_from_output(scheduled, runner_output)
         end = time.monotonic()
         self._record_tokens(advanced, end)
-        results = [self._output_for(r, runner_output.logprobs.get(r.request_id))
-                   for r in advanced]
+        results = [self._output_for(r, runner_output.logprobs.get(r.request_id)) for r in advanced]
         finished = [r for r in advanced if r.is_finished]
         for request in finished:
             self._record_finished(request)
@@ -202,8 +233,14 @@ class EngineCore:
     def _record_speed(self, scheduled: SchedulerOutput, seconds: float, finished: int) -> None:
         prefill = sum(item.num_tokens for item in scheduled.scheduled if item.num_tokens > 1)
         decodes = sum(item.num_tokens == 1 for item in scheduled.scheduled)
-        self.scheduler.drain.record_step(seconds, finished, scheduled.total_num_tokens, prefill,
-                                         decodes, len(scheduled.scheduled))
+        self.scheduler.drain.record_step(
+            seconds,
+            finished,
+            scheduled.total_num_tokens,
+            prefill,
+            decodes,
+            len(scheduled.scheduled),
+        )
 
     def _output_for(self, request: Request, logprob: Any) -> RequestOutput:
         text, stop = self.outputs.new_text(request)
@@ -214,18 +251,27 @@ class EngineCore:
                 self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop)
         return self.outputs.make_output(request, text, logprob)
 
-    def _isolate(self, scheduled: SchedulerOutput, exc: Exception) -> tuple[
-            ModelRunnerOutput, SchedulerOutput, list[tuple[str, Exception]]]:
+    def _isolate(
+        self, scheduled: SchedulerOutput, exc: Exception
+    ) -> tuple[ModelRunnerOutput, SchedulerOutput, list[tuple[str, Exception]]]:
         """A step that raised, run again in halves (recursively) to find the requests that make
         it fail: what the others compute is kept, so only the culprits pay. Returns the merged
         output, the step less the culprits, and each culprit with its error."""
         items = scheduled.scheduled
         if len(items) == 1:
-            logger.error("the model step failed for request %s: %s", items[0].request.request_id,
-                         exc, exc_info=exc)
+            logger.error(
+                "the model step failed for request %s: %s",
+                items[0].request.request_id,
+                exc,
+                exc_info=exc,
+            )
             return ModelRunnerOutput(), _with(scheduled, []), [(items[0].request.request_id, exc)]
-        logger.warning("a model step of %d requests failed (%s); running it again in halves to "
-                       "find the requests that cause it", len(items), exc)
+        logger.warning(
+            "a model step of %d requests failed (%s); running it again in halves to "
+            "find the requests that cause it",
+            len(items),
+            exc,
+        )
         merged, kept, culprits = ModelRunnerOutput(), [], []
         half = len(items) // 2
         for part in (items[:half], items[half:]):

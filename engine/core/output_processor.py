@@ -33,7 +33,8 @@ class OutputProcessor:
         detokenizer = None
         if self._tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
-                self._tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+                self._tokenizer, request.prompt_token_ids, params.skip_special_tokens
+            )
         matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self._states[request.request_id] = _SequenceState(parent_id, index, detokenizer, matcher)
 
@@ -57,8 +58,9 @@ class OutputProcessor:
             text += tail
         return text, stop
 
-    def make_output(self, request: Request, text: str,
-                    logprob: TokenLogprob | None) -> RequestOutput:
+    def make_output(
+        self, request: Request, text: str, logprob: TokenLogprob | None
+    ) -> RequestOutput:
         state = self._states[request.request_id]
         output = RequestOutput(
             request_id=state.parent_id,

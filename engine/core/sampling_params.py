@@ -56,49 +56,83 @@ class SamplingParams:
     def _validate_counts(self) -> None:
         _check(1 <= self.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {self.n}.")
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens",
-                   f"max_tokens must be at least 1, got {self.max_tokens}.")
-        _check(self.min_tokens >= 0, "min_tokens",
-               f"min_tokens must be non-negative, got {self.min_tokens}.")
+            _check(
+                self.max_tokens >= 1,
+                "max_tokens",
+                f"max_tokens must be at least 1, got {self.max_tokens}.",
+            )
+        _check(
+            self.min_tokens >= 0,
+            "min_tokens",
+            f"min_tokens must be non-negative, got {self.min_tokens}.",
+        )
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens",
-                   f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
-                   f"({self.max_tokens}).")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(0 <= value <= MAX_LOGPROBS, name,
-                       f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}.")
+                _check(
+                    0 <= value <= MAX_LOGPROBS,
+                    name,
+                    f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}.",
+                )
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**64, "seed", "seed is out of range.")
 
     def _validate_distribution(self) -> None:
-        _check(_finite(self.temperature) and self.temperature >= 0, "temperature",
-               f"temperature must be a non-negative number, got {self.temperature}.")
-        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p",
-               f"top_p must be in (0, 1], got {self.top_p}.")
-        _check(self.top_k >= -1, "top_k",
-               f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}.")
-        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p",
-               f"min_p must be in [0, 1], got {self.min_p}.")
+        _check(
+            _finite(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"temperature must be a non-negative number, got {self.temperature}.",
+        )
+        _check(
+            _finite(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            f"top_p must be in (0, 1], got {self.top_p}.",
+        )
+        _check(
+            self.top_k >= -1,
+            "top_k",
+            f"top_k must be -1 or 0 (disabled) or a positive integer, got {self.top_k}.",
+        )
+        _check(
+            _finite(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            f"min_p must be in [0, 1], got {self.min_p}.",
+        )
 
     def _validate_penalties(self) -> None:
-        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty",
-               f"repetition_penalty must be positive, got {self.repetition_penalty}.")
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"repetition_penalty must be positive, got {self.repetition_penalty}.",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_finite(value) and -2 <= value <= 2, name,
-                   f"{name} must be in [-2, 2], got {value}.")
+            _check(
+                _finite(value) and -2 <= value <= 2,
+                name,
+                f"{name} must be in [-2, 2], got {value}.",
+            )
         for token_id, bias in (self.logit_bias or {}).items():
             _check(token_id >= 0, "logit_bias", f"logit_bias has a negative token id {token_id}.")
-            _check(_finite(bias) and -100 <= bias <= 100, "logit_bias",
-                   f"logit_bias values must be in [-100, 100], got {bias}.")
+            _check(
+                _finite(bias) and -100 <= bias <= 100,
+                "logit_bias",
+                f"logit_bias values must be in [-100, 100], got {bias}.",
+            )
 
     def _validate_stops(self) -> None:
         _check(all(self.stop), "stop", "stop strings must not be empty.")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "stop_token_ids must be non-negative.")
+        _check(
+            all(t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "stop_token_ids must be non-negative.",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -106,8 +140,11 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def uses_top_k(self) -> bool:

@@ -31,8 +31,9 @@ class FinishedRequestStats:
         return self.decode_time / (self.num_generation_tokens - 1)
 
     @classmethod
-    def of(cls, request: Request, now: float, parent_id: str = "",
-           siblings: int = 1) -> FinishedRequestStats:
+    def of(
+        cls, request: Request, now: float, parent_id: str = "", siblings: int = 1
+    ) -> FinishedRequestStats:
         t = request.timings
         queue = _span(request.arrival_time, t.first_scheduled)
         return cls(

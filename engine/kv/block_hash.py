@@ -20,12 +20,13 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
-                        num_tokens: int | None = None) -> None:
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_tokens: int | None = None
+) -> None:
     """Append the hashes of every full block among the first `num_tokens` of `token_ids`
     (default: all of them) not hashed yet."""
     limit = len(token_ids) if num_tokens is None else num_tokens
     for index in range(len(hashes), limit // block_size):
         parent = hashes[-1] if hashes else ROOT_HASH
         start = index * block_size
-        hashes.append(hash_block(parent, token_ids[start:start + block_size]))
+        hashes.append(hash_block(parent, token_ids[start : start + block_size]))

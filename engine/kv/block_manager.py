@@ -91,8 +91,9 @@ class BlockManager:
         if not self.enable_caching:
             return
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
-                            full * self.block_size)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, full * self.block_size
+        )
         for index in range(request.num_published_blocks, full):
             block = request.block_ids[index]
             block_hash = request.block_hashes[index]
@@ -108,9 +109,11 @@ class BlockManager:
         `num_computed_tokens` on: new blocks for growth, private copies of shared blocks in the
         write range. All or nothing; the copies to make go to `pending_copies`."""
         first = request.num_computed_tokens // self.block_size
-        shared = [i for i in range(first, min(len(request.block_ids),
-                                              self.blocks_for(num_tokens)))
-                  if self._ref_counts[request.block_ids[i]] > 1]
+        shared = [
+            i
+            for i in range(first, min(len(request.block_ids), self.blocks_for(num_tokens)))
+            if self._ref_counts[request.block_ids[i]] > 1
+        ]
         missing = max(0, self.blocks_for(num_tokens) - len(request.block_ids))
         if missing + len(shared) > self.num_free_blocks:
             return False

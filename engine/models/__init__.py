@@ -21,8 +21,9 @@ __all__ = ["MODEL_IMPLS", "CausalLM", "build_causal_lm"]
 def build_causal_lm(hf_model: Any, impl: str = "auto") -> CausalLM:
     """`auto` takes Conveyor's implementation when it covers the architecture."""
     if impl not in MODEL_IMPLS:
-        raise ValueError(f"unknown model implementation {impl!r}; choose one of "
-                         f"{', '.join(MODEL_IMPLS)}")
+        raise ValueError(
+            f"unknown model implementation {impl!r}; choose one of {', '.join(MODEL_IMPLS)}"
+        )
     reason = supports(hf_model)
     if impl == "conveyor" and reason:
         raise ValueError(f"Conveyor's model implementation cannot run this model: {reason}")

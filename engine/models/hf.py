@@ -17,8 +17,13 @@ class TransformersCausalLM:
     def __init__(self, hf_model: Any) -> None:
         self.hf_model = hf_model
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
         out = self.hf_model(
             input_ids=input_ids[None],
             position_ids=positions[None],
@@ -28,7 +33,12 @@ class TransformersCausalLM:
         )
         return out.logits[0]
 
-    def greedy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+    def greedy_tokens(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
         """The argmax of each row's logits, as the sampler takes it."""
         return row_argmax(self(input_ids, positions, metadata, logits_indices).float())

@@ -14,8 +14,9 @@ from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.linear import CPU_LINEAR_TYPES, PanelLinear
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             bf16_rows: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, bf16_rows: bool = False
+) -> torch.Tensor:
     """Hugging Face's RMSNorm: normalise in fp32, scale in the input dtype. `weight` is `[dim]`
     or broadcasts against `x` (one row per head). With `bf16_rows`, for a product over bf16
     panels, Conveyor's one-pass kernel hands its fp32 rows over rounded to bf16, as that product
@@ -31,8 +32,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def _one_pass_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU kernel applies: fp32 rows on the CPU, kernels built."""
-    return (x.is_cpu and x.dim() == 2 and x.is_contiguous() and weight.dtype == torch.float32
-            and cpu_ops.has("elementwise"))
+    return (
+        x.is_cpu
+        and x.dim() == 2
+        and x.is_contiguous()
+        and weight.dtype == torch.float32
+        and cpu_ops.has("elementwise")
+    )
 
 
 def fuse(linears: list[nn.Module]) -> nn.Module:
@@ -47,8 +53,13 @@ def fuse(linears: list[nn.Module]) -> nn.Module:
     bias = None if biases[0] is None else torch.cat(cast(list[torch.Tensor], biases))
     if isinstance(linears[0], CPU_LINEAR_TYPES):
         return linears[0].remade(weight, bias)
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
-                      device=weight.device, dtype=weight.dtype)
+    fused = nn.Linear(
+        weight.shape[1],
+        weight.shape[0],
+        bias=bias is not None,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     with torch.no_grad():
         fused.weight.copy_(weight)
         if bias is not None:
@@ -64,8 +75,9 @@ def add_projected(projection: nn.Module, x: torch.Tensor, residual: torch.Tensor
     return residual + projection(x)
 
 
-def gated_activation(gate_up: torch.Tensor, act_fn: nn.Module, intermediate: int,
-                     silu: bool) -> torch.Tensor:
+def gated_activation(
+    gate_up: torch.Tensor, act_fn: nn.Module, intermediate: int, silu: bool
+) -> torch.Tensor:
     """`act_fn(gate) * up` over a fused gate/up projection's output `[rows, 2 * intermediate]`;
     in one pass on the CPU where `act_fn` is silu."""
     if silu and _one_pass_gate(gate_up):
@@ -75,8 +87,13 @@ def gated_activation(gate_up: torch.Tensor, act_fn: nn.Module, intermediate: int
 
 def _one_pass_gate(gate_up: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU activation applies: fp32 rows on the CPU, kernels built."""
-    return (gate_up.is_cpu and gate_up.dtype == torch.float32 and gate_up.dim() == 2
-            and gate_up.is_contiguous() and cpu_ops.has("elementwise"))
+    return (
+        gate_up.is_cpu
+        and gate_up.dtype == torch.float32
+        and gate_up.dim() == 2
+        and gate_up.is_contiguous()
+        and cpu_ops.has("elementwise")
+    )
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -91,6 +108,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def _one_pass_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU kernel applies: fp32 on the CPU, heads and dims contiguous."""
-    return (x.is_cpu and x.dtype == torch.float32 and cos.dtype == torch.float32
-            and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-            and cpu_ops.has("elementwise"))
+    return (
+        x.is_cpu
+        and x.dtype == torch.float32
+        and cos.dtype == torch.float32
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and cpu_ops.has("elementwise")
+    )

@@ -28,8 +28,9 @@ from engine.models.layers import add_projected, fuse, gated_activation, rms_norm
 from engine.models.rotary_table import RotaryTable
 from engine.worker.sampler import row_argmax
 
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM"})
+ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
 
 
@@ -39,8 +40,13 @@ def supports(hf_model: Any) -> str:
     if name not in ARCHITECTURES:
         return f"{name} is not one of {', '.join(sorted(ARCHITECTURES))}"
     layer = hf_model.model.layers[0]
-    projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                   layer.mlp.gate_proj, layer.mlp.up_proj)
+    projections = (
+        layer.self_attn.q_proj,
+        layer.self_attn.k_proj,
+        layer.self_attn.v_proj,
+        layer.mlp.gate_proj,
+        layer.mlp.up_proj,
+    )
     if not all(type(p) in LINEAR_TYPES for p in projections):
         return "its projections are not plain linear layers (quantized weights?)"
     return ""
@@ -74,11 +80,20 @@ class PagedLlamaLayer(nn.Module):
         in one pass."""
         if getattr(attn, "q_norm", None) is None:
             return None
-        return torch.cat([attn.q_norm.weight.expand(self.num_heads, -1),
-                          attn.k_norm.weight.expand(self.num_kv_heads, -1)])
+        return torch.cat(
+            [
+                attn.q_norm.weight.expand(self.num_heads, -1),
+                attn.k_norm.weight.expand(self.num_kv_heads, -1),
+            ]
+        )
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         hidden = self._attention(normed, cos, sin, metadata, hidden)
         return self._mlp(self._norm(self.post_attention_norm, hidden, self.gate_up_proj), hidden)
@@ -88,21 +103,34 @@ class PagedLlamaLayer(nn.Module):
         """The normalized rows for `projection`: in bf16 where it takes bf16 rows."""
         return rms_norm(hidden, norm.weight, norm.variance_epsilon, takes_bf16_rows(projection))
 
-    def _attention(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   metadata: AttentionMetadata, residual: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        residual: torch.Tensor,
+    ) -> torch.Tensor:
         """`residual` plus the attention block's output."""
         tokens = hidden.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden)
-        qk = qkv[:, :qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
+        qk = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
         qk = rotate(qk, cos, sin)
-        value = qkv[:, qk_heads * self.head_dim:].view(tokens, self.num_kv_heads, self.head_dim)
-        out = metadata.backend.forward(self.index, qk[:, :self.num_heads],
-                                       qk[:, self.num_heads:], value, self.scaling, metadata)
-        return add_projected(self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim),
-                             residual)
+        value = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
+        out = metadata.backend.forward(
+            self.index,
+            qk[:, : self.num_heads],
+            qk[:, self.num_heads :],
+            value,
+            self.scaling,
+            metadata,
+        )
+        return add_projected(
+            self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), residual
+        )
 
     def _mlp(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` plus the MLP's output."""
@@ -112,8 +140,9 @@ class PagedLlamaLayer(nn.Module):
         if isinstance(self.gate_up_proj, GatedPanelLinear):
             # bf16 down panels take the rows rounded as they leave the gated product.
             return self.gate_up_proj(hidden, bf16_out=takes_bf16_rows(self.down_proj))
-        return gated_activation(self.gate_up_proj(hidden), self.act_fn, self.intermediate,
-                                self.silu)
+        return gated_activation(
+            self.gate_up_proj(hidden), self.act_fn, self.intermediate, self.silu
+        )
 
 
 class PagedLlamaForCausalLM(nn.Module):
@@ -124,20 +153,31 @@ class PagedLlamaForCausalLM(nn.Module):
         base = hf_model.model
         self.embed_tokens = base.embed_tokens
         self.rotary_emb = base.rotary_emb
-        self.rotary = RotaryTable(base.rotary_emb,
-                                  getattr(hf_model.config, "max_position_embeddings", 0))
+        self.rotary = RotaryTable(
+            base.rotary_emb, getattr(hf_model.config, "max_position_embeddings", 0)
+        )
         layers = [PagedLlamaLayer(layer, i) for i, layer in enumerate(base.layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = base.norm
         self.lm_head = hf_model.lm_head
         self.fused_decode = fused_decode.choose(layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
         return self.lm_head(self._final_hidden(input_ids, positions, metadata, logits_indices))
 
-    def greedy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+    def greedy_tokens(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
         """`forward`'s logits' argmax per row, int64 `[len(logits_indices)]`: chosen as the LM
         head's sums leave the registers where it is bf16 panels (a decode step of 64 rows writes
         12.6 MB of the default model's logits otherwise, and reads them back to choose)."""
@@ -146,8 +186,13 @@ class PagedLlamaForCausalLM(nn.Module):
             return self.lm_head.greedy(hidden)
         return row_argmax(self.lm_head(hidden).float())
 
-    def _final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+    def _final_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
         """The normalized hidden rows of the kept positions, the LM head's input."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(hidden, positions)
@@ -168,5 +213,9 @@ class PagedLlamaForCausalLM(nn.Module):
 
 
 def _fp32_rows(hidden: torch.Tensor) -> bool:
-    return (hidden.is_cpu and hidden.dtype == torch.float32 and hidden.dim() == 2
-            and hidden.is_contiguous())
+    return (
+        hidden.is_cpu
+        and hidden.dtype == torch.float32
+        and hidden.dim() == 2
+        and hidden.is_contiguous()
+    )

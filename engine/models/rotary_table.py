@@ -30,13 +30,15 @@ class RotaryTable:
     def __init__(self, rotary: Any, max_positions: int) -> None:
         self.rotary = rotary
         self.max_positions = max_positions
-        self.enabled = (getattr(rotary, "rope_type", None) in FIXED_ROPE_TYPES
-                        and _whole_vectors(rotary))
+        self.enabled = getattr(rotary, "rope_type", None) in FIXED_ROPE_TYPES and _whole_vectors(
+            rotary
+        )
         # One table per dtype asked for; all on the CPU, the only device that looks rows up.
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, x: torch.Tensor,
-                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.enabled and x.is_cpu and positions.numel() > 0:
             needed = int(positions.max()) + 1
             if needed <= self.max_positions:
@@ -46,8 +48,9 @@ class RotaryTable:
         cos, sin = self.rotary(x, positions[None])
         return cos[0, :, None, :], sin[0, :, None, :]
 
-    def _look_up(self, x: torch.Tensor, positions: torch.Tensor,
-                 needed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _look_up(
+        self, x: torch.Tensor, positions: torch.Tensor, needed: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         tables = self._tables.get(x.dtype)
         if tables is None or tables[0].shape[0] < needed:
             tables = self._fill(x, needed)
@@ -67,13 +70,13 @@ class RotaryTable:
             return None
         return cos[:, None, :], sin[:, None, :]
 
-    def _module_rows(self, x: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _module_rows(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rotary(x, positions[None])
         return cos[0].contiguous(), sin[0].contiguous()
 
-    def _agrees(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                needed: int) -> bool:
+    def _agrees(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, needed: int) -> bool:
         probe = torch.arange(needed - 1, -1, -max(1, needed // 7), device=x.device)
         want_cos, want_sin = self._module_rows(x, probe)
         return torch.equal(cos[probe], want_cos) and torch.equal(sin[probe], want_sin)

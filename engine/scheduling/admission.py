@@ -86,8 +86,15 @@ class DrainRate:
         keep = 0.5 ** (seconds / self._half_life)
         return keep * old + (1 - keep) * new
 
-    def record_step(self, seconds: float, finished: int, tokens: int, prefill_tokens: int,
-                    decodes: int, sequences: int) -> None:
+    def record_step(
+        self,
+        seconds: float,
+        finished: int,
+        tokens: int,
+        prefill_tokens: int,
+        decodes: int,
+        sequences: int,
+    ) -> None:
         if seconds <= 0:
             return
         self.requests_per_s = self._blend(self.requests_per_s, finished / seconds, seconds)
@@ -113,23 +120,25 @@ class DrainRate:
         window = self.step_s[max(known)]
         return sum(window) / len(window)
 
-    def fastest_finish(self, prompt_tokens: int, min_new_tokens: int,
-                       num_sequences: int = 1) -> float:
+    def fastest_finish(
+        self, prompt_tokens: int, min_new_tokens: int, num_sequences: int = 1
+    ) -> float:
         """A lower bound on the seconds a request needs when it runs beside `num_sequences - 1`
         others, at the current speed (0 unknown)."""
         prefill = prompt_tokens / self.prefill_tokens_per_s if self.prefill_tokens_per_s else 0
         return prefill + max(0, min_new_tokens - 1) * self.step_seconds(num_sequences)
 
-    def time_to_finish(self, prompt_tokens: int, min_new_tokens: int,
-                       num_sequences: int = 1) -> float:
+    def time_to_finish(
+        self, prompt_tokens: int, min_new_tokens: int, num_sequences: int = 1
+    ) -> float:
         """The seconds to count on before a request's deadline: its fastest finish with
         `DEADLINE_MARGIN` to spare."""
-        return DEADLINE_MARGIN * self.fastest_finish(prompt_tokens, min_new_tokens,
-                                                     num_sequences)
+        return DEADLINE_MARGIN * self.fastest_finish(prompt_tokens, min_new_tokens, num_sequences)
 
 
-def promised_tokens(num_prompt_tokens: int, params: SamplingParams,
-                    max_sequence_tokens: int) -> int:
+def promised_tokens(
+    num_prompt_tokens: int, params: SamplingParams, max_sequence_tokens: int
+) -> int:
     """Tokens a request may occupy: its prompt plus its largest possible output."""
     limit = max_sequence_tokens - num_prompt_tokens
     max_tokens = params.max_tokens
@@ -143,14 +152,21 @@ def fewest_new_tokens(params: SamplingParams, room: int) -> int:
     return max(1, params.min_tokens)
 
 
-def decide(limits: AdmissionLimits, state: QueueState, new_tokens: int, low_priority: bool,
-           drain: DrainRate) -> Decision:
+def decide(
+    limits: AdmissionLimits,
+    state: QueueState,
+    new_tokens: int,
+    low_priority: bool,
+    drain: DrainRate,
+) -> Decision:
     """Admit, defer or reject a request promising `new_tokens` (prompt plus max output)."""
     if limits.max_waiting_requests is not None and (
-            state.num_waiting >= limits.max_waiting_requests):
+        state.num_waiting >= limits.max_waiting_requests
+    ):
         return _reject(f"{state.num_waiting} requests are already waiting", state, drain)
     if limits.max_queued_tokens is not None and (
-            state.queued_tokens + new_tokens > limits.max_queued_tokens):
+        state.queued_tokens + new_tokens > limits.max_queued_tokens
+    ):
         return _reject(f"{state.queued_tokens} tokens are already queued", state, drain)
     if low_priority and state.kv_cache_usage >= limits.soft_limit:
         return Decision(Admission.DEFER, "deferred")

@@ -33,8 +33,9 @@ class SchedulingPolicy:
         order inside a class does not count)."""
         return self.key(request, now)[0] < self.key(other, now)[0]
 
-    def pick(self, waiting: Iterable[Request], now: float,
-             eligible: Callable[[Request], bool]) -> Request | None:
+    def pick(
+        self, waiting: Iterable[Request], now: float, eligible: Callable[[Request], bool]
+    ) -> Request | None:
         """The waiting request to admit next, or None."""
         candidates = (r for r in waiting if eligible(r))
         if not self.uses_priority:

@@ -66,15 +66,19 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues over one block manager. Imports no torch."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.clock = clock
         self.policy = SchedulingPolicy(config.policy, config.max_priority_wait)
-        self.admission_limits = AdmissionLimits(config.max_waiting_requests,
-                                                config.max_queued_tokens,
-                                                config.admission_soft_limit)
+        self.admission_limits = AdmissionLimits(
+            config.max_waiting_requests, config.max_queued_tokens, config.admission_soft_limit
+        )
         self.drain = DrainRate()
         self.num_rejections = 0
         self.waiting: deque[Request] = deque()
@@ -111,19 +115,17 @@ class Scheduler:
                 param="prompt",
             )
 
-    def admission(self, promised_tokens: int, priority: int, pending: int = 0,
-                  pending_tokens: int = 0) -> Decision:
+    def admission(
+        self, promised_tokens: int, priority: int, pending: int = 0, pending_tokens: int = 0
+    ) -> Decision:
         """Admit, defer or reject a new request promising `promised_tokens` (prompt plus its
         most output); `pending` requests are on their way into the queue. Under the priority
         policy only waiting requests of the same or higher priority count against the queue
         limits, so low-priority traffic is turned away first."""
-        ahead = [r for r in self.waiting
-                 if not self.policy.uses_priority or r.priority <= priority]
+        ahead = [r for r in self.waiting if not self.policy.uses_priority or r.priority <= priority]
         queued = sum(r.num_prompt_tokens + r.max_output_tokens for r in ahead)
-        state = QueueState(len(ahead) + pending, queued + pending_tokens,
-                           self.block_manager.usage)
-        decision = decide(self.admission_limits, state, promised_tokens, priority > 0,
-                          self.drain)
+        state = QueueState(len(ahead) + pending, queued + pending_tokens, self.block_manager.usage)
+        decision = decide(self.admission_limits, state, promised_tokens, priority > 0, self.drain)
         if decision.outcome.value == "reject":
             self.num_rejections += 1
         return decision
@@ -145,8 +147,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         leader = self.requests.get(fork_of) if fork_of is not None else None
-        if leader is not None and leader.num_output_tokens == 0 and (
-                leader.prompt_token_ids == request.prompt_token_ids):
+        if (
+            leader is not None
+            and leader.num_output_tokens == 0
+            and (leader.prompt_token_ids == request.prompt_token_ids)
+        ):
             self._forks.setdefault(leader.request_id, []).append(request)
         else:
             self.waiting.append(request)
@@ -204,8 +209,9 @@ class Scheduler:
         if candidate is not None and len(self.running) < self.config.max_num_seqs:
             self._preempt_for_blocks(output, now, candidate)
 
-    def _preempt_for_slots(self, output: SchedulerOutput, now: float,
-                           admissible: Callable[[Request], bool]) -> None:
+    def _preempt_for_slots(
+        self, output: SchedulerOutput, now: float, admissible: Callable[[Request], bool]
+    ) -> None:
         """With every slot taken, each waiting request of a better priority class than the
         last running one takes that one's slot, while their prompts fit in this step's token
         budget. The displaced request is paused, not recomputed. Requests of the same class
@@ -249,8 +255,7 @@ class Scheduler:
 
         return max(enumerate(peers), key=spare)[1]
 
-    def _preempt_for_blocks(self, output: SchedulerOutput, now: float,
-                            candidate: Request) -> None:
+    def _preempt_for_blocks(self, output: SchedulerOutput, now: float, candidate: Request) -> None:
         """While `candidate` cannot get blocks for its first chunk (once the running ones have
         grown by this step's tokens), free the blocks of lower-ranked waiting requests, then
         preempt lower-ranked running ones."""
@@ -259,8 +264,9 @@ class Scheduler:
         first_chunk = min(candidate.num_tokens, self.config.max_num_batched_tokens)
         need = manager.blocks_for(first_chunk) - len(candidate.block_ids)
         while True:
-            growth = sum(max(0, manager.blocks_for(r.num_tokens) - len(r.block_ids))
-                         for r in self.running)
+            growth = sum(
+                max(0, manager.blocks_for(r.num_tokens) - len(r.block_ids)) for r in self.running
+            )
             if manager.num_free_blocks >= need + growth:
                 return
             if self._release_held(now, spare=candidate, below=key):
@@ -271,8 +277,9 @@ class Scheduler:
             self._preempt(victim)
             output.preempted.append(victim)
 
-    def _allocate_or_preempt(self, request: Request, num_tokens: int,
-                             output: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(
+        self, request: Request, num_tokens: int, output: SchedulerOutput
+    ) -> bool:
         """Find blocks for the request, taking them from waiting requests that hold some, then
         preempting from the back; False if it was preempted."""
         target = request.num_computed_tokens + num_tokens
@@ -294,7 +301,8 @@ class Scheduler:
                 return
         self._admit(output, budget, now)
         if self.config.static_batching and (
-                not self.waiting or len(self.running) >= self.config.max_num_seqs):
+            not self.waiting or len(self.running) >= self.config.max_num_seqs
+        ):
             self._batch_closed = True
 
     def _admit(self, output: SchedulerOutput, budget: int, now: float) -> None:
@@ -335,13 +343,17 @@ class Scheduler:
                 return False
         return True
 
-    def _release_held(self, now: float, spare: Request,
-                      below: tuple[float, float] | None = None) -> bool:
+    def _release_held(
+        self, now: float, spare: Request, below: tuple[float, float] | None = None
+    ) -> bool:
         """Free the blocks of the lowest-ranked waiting request holding any (a paused or forked
         one; it will be recomputed), other than `spare` and ranked after `below`; False if
         there is none."""
-        held = [r for r in self.waiting if r.block_ids and r is not spare and (
-            below is None or self.policy.key(r, now) > below)]
+        held = [
+            r
+            for r in self.waiting
+            if r.block_ids and r is not spare and (below is None or self.policy.key(r, now) > below)
+        ]
         if not held:
             return False
         if self.policy.uses_priority:
@@ -383,8 +395,9 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
         """Advance the scheduled requests; return those that received a new token.
 
         Requests that finish here free their blocks at once, so the next step can admit others.
@@ -414,8 +427,9 @@ class Scheduler:
                 sibling.num_computed_tokens = sibling.num_prompt_tokens - 1
             self.waiting.appendleft(sibling)
 
-    def finish_request(self, request_id: str, reason: FinishReason,
-                       stop_reason: int | str | None = None) -> Request | None:
+    def finish_request(
+        self, request_id: str, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> Request | None:
         """End a request from outside (abort, stop string, error); its blocks return at once."""
         request = self.requests.get(request_id)
         if request is None:
@@ -429,8 +443,11 @@ class Scheduler:
         """End every request whose deadline has passed, waiting or running, and every
         request not started yet that could no longer finish in time even if it started now
         (its compute would be wasted on an answer nobody wants)."""
-        expired = [r for r in self.requests.values()
-                   if r.deadline is not None and (now >= r.deadline or self._hopeless(r, now))]
+        expired = [
+            r
+            for r in self.requests.values()
+            if r.deadline is not None and (now >= r.deadline or self._hopeless(r, now))
+        ]
         for request in expired:
             request.finish(FinishReason.TIMEOUT)
             self._remove(request)
@@ -440,8 +457,7 @@ class Scheduler:
         if request.num_output_tokens or request.status is not RequestStatus.WAITING:
             return False
         fewest = fewest_new_tokens(request.sampling_params, request.max_output_tokens)
-        needed = self.drain.time_to_finish(request.num_prompt_tokens, fewest,
-                                           len(self.running) + 1)
+        needed = self.drain.time_to_finish(request.num_prompt_tokens, fewest, len(self.running) + 1)
         return now + needed > (request.deadline or now)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
@@ -496,5 +512,7 @@ class Scheduler:
             assert manager.blocks_for(computed) <= len(request.block_ids), "waiting KV"
         assert len(self.running) <= self.config.max_num_seqs
         pending = {r.request_id for siblings in self._forks.values() for r in siblings}
-        assert set(self.requests) == {r.request_id for r in self.running} | {
-            r.request_id for r in self.waiting} | pending
+        assert (
+            set(self.requests)
+            == {r.request_id for r in self.running} | {r.request_id for r in self.waiting} | pending
+        )

@@ -45,8 +45,14 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Static inputs sized for `max_num_seqs` decode rows of up to `max_model_len` tokens."""
 
-    def __init__(self, model: CausalLM, backend: InPlaceDecodeAttention, kv_cache: KVCache,
-                 max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        backend: InPlaceDecodeAttention,
+        kv_cache: KVCache,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
@@ -65,9 +71,12 @@ class DecodeGraphs:
     def supports(self, batch: InputBatch, logits_indices: np.ndarray) -> bool:
         """A step of decode rows only, each sampling its one token, that fits the buffers."""
         rows = len(batch.requests)
-        return (0 < rows <= self.sizes[-1] and batch.num_tokens == rows
-                and batch.block_table.shape[1] <= self.width
-                and np.array_equal(logits_indices, np.arange(rows)))
+        return (
+            0 < rows <= self.sizes[-1]
+            and batch.num_tokens == rows
+            and batch.block_table.shape[1] <= self.width
+            and np.array_equal(logits_indices, np.arange(rows))
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -83,8 +92,12 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize(self.kv_cache.device)
-        logger.info("captured decode CUDA graphs for %d batch sizes up to %d in %.1f s",
-                    len(self.sizes), self.sizes[-1], time.perf_counter() - start)
+        logger.info(
+            "captured decode CUDA graphs for %d batch sizes up to %d in %.1f s",
+            len(self.sizes),
+            self.sizes[-1],
+            time.perf_counter() - start,
+        )
 
     def run(self, batch: InputBatch) -> torch.Tensor:
         """Logits `[rows, vocab]` of a step that `supports` accepts."""
@@ -104,18 +117,21 @@ class DecodeGraphs:
         self._copy(self.slot_mapping[:size], _padded(batch.slot_mapping, pad, PAD_SLOT))
         self._copy(self.seq_lens[:size], _padded(batch.seq_lens, pad, 0))
         table = batch.block_table
-        self._copy(self.block_table[:rows, :table.shape[1]], table)
+        self._copy(self.block_table[:rows, : table.shape[1]], table)
 
     @staticmethod
     def _copy(target: torch.Tensor, source: np.ndarray) -> None:
-        target.copy_(torch.from_numpy(np.ascontiguousarray(source, dtype=np.int64)),
-                     non_blocking=True)
+        target.copy_(
+            torch.from_numpy(np.ascontiguousarray(source, dtype=np.int64)), non_blocking=True
+        )
 
     def _forward(self, size: int) -> torch.Tensor:
-        metadata = self.backend.decode_metadata(self.kv_cache, self.slot_mapping[:size],
-                                                self.block_table[:size], self.seq_lens[:size])
-        return self.model(self.input_ids[:size], self.positions[:size], metadata,
-                          self.logits_indices[:size])
+        metadata = self.backend.decode_metadata(
+            self.kv_cache, self.slot_mapping[:size], self.block_table[:size], self.seq_lens[:size]
+        )
+        return self.model(
+            self.input_ids[:size], self.positions[:size], metadata, self.logits_indices[:size]
+        )
 
 
 def _padded(values: np.ndarray, pad: int, fill: int) -> np.ndarray:

@@ -53,9 +53,11 @@ def build_input_batch(scheduled: list[ScheduledRequest], block_size: int) -> Inp
     positions = context_lens[token_rows] + offsets
     block_table = _block_table(requests)
     slot_mapping = block_table[token_rows, positions // block_size] * block_size + (
-        positions % block_size)
+        positions % block_size
+    )
     sample_rows = np.flatnonzero(
-        np.fromiter((item.completes_sequence for item in scheduled), bool, len(scheduled)))
+        np.fromiter((item.completes_sequence for item in scheduled), bool, len(scheduled))
+    )
     return InputBatch(
         requests=requests,
         input_ids=_input_ids(scheduled),
@@ -73,7 +75,7 @@ def _input_ids(scheduled: list[ScheduledRequest]) -> np.ndarray:
     ids: list[int] = []
     for item in scheduled:
         start = item.request.num_computed_tokens
-        ids.extend(item.request.all_token_ids[start:start + item.num_tokens])
+        ids.extend(item.request.all_token_ids[start : start + item.num_tokens])
     return np.asarray(ids, dtype=np.int64)
 
 
@@ -81,5 +83,5 @@ def _block_table(requests: list[Request]) -> np.ndarray:
     width = max((len(r.block_ids) for r in requests), default=0)
     table = np.zeros((len(requests), max(width, 1)), dtype=np.int64)
     for row, request in enumerate(requests):
-        table[row, :len(request.block_ids)] = request.block_ids
+        table[row, : len(request.block_ids)] = request.block_ids
     return table

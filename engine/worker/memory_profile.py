@@ -43,21 +43,33 @@ class MemoryBreakdown:
 
     @property
     def kv_cache(self) -> int:
-        return (int(self.total * self.utilization) - self.weights - self.activations
-                - self.graphs - self.other)
+        return (
+            int(self.total * self.utilization)
+            - self.weights
+            - self.activations
+            - self.graphs
+            - self.other
+        )
 
     def describe(self) -> str:
         def gib(n: int) -> str:
             return f"{n / GiB:.2f} GiB"
 
-        return (f"GPU memory {gib(self.total)} x {self.utilization:g} = "
-                f"{gib(int(self.total * self.utilization))}: weights {gib(self.weights)}, "
-                f"activations peak {gib(self.activations)}, CUDA graphs {gib(self.graphs)}, "
-                f"other {gib(self.other)}, KV cache {gib(self.kv_cache)}")
+        return (
+            f"GPU memory {gib(self.total)} x {self.utilization:g} = "
+            f"{gib(int(self.total * self.utilization))}: weights {gib(self.weights)}, "
+            f"activations peak {gib(self.activations)}, CUDA graphs {gib(self.graphs)}, "
+            f"other {gib(self.other)}, KV cache {gib(self.kv_cache)}"
+        )
 
 
-def measure(device: torch.device, utilization: float, prefill: Callable[[], None],
-            decode: Callable[[], None] | None, graph_count: int) -> MemoryBreakdown:
+def measure(
+    device: torch.device,
+    utilization: float,
+    prefill: Callable[[], None],
+    decode: Callable[[], None] | None,
+    graph_count: int,
+) -> MemoryBreakdown:
     """Read the breakdown from the device: what torch holds now is the weights; the `prefill`
     pass at the step's token budget peaks above that by its activations. Captured graphs share
     one pool as large as the peak of their largest batch (the `decode` pass), plus a little
@@ -84,8 +96,13 @@ def _peak_above(device: torch.device, base: int, run: Callable[[], None]) -> int
     return max(0, peak)
 
 
-def profile_forward(model: CausalLM, backend: AttentionBackend, spec: KVCacheSpec,
-                    device: torch.device, lengths: list[int]) -> Callable[[], None]:
+def profile_forward(
+    model: CausalLM,
+    backend: AttentionBackend,
+    spec: KVCacheSpec,
+    device: torch.device,
+    lengths: list[int],
+) -> Callable[[], None]:
     """A function that runs one forward pass over dummy prompts of these lengths, as a step
     would, the last token of each through the LM head. Its KV cache holds just those tokens and
     counts among the activations."""
@@ -96,8 +113,13 @@ def profile_forward(model: CausalLM, backend: AttentionBackend, spec: KVCacheSpe
         cache = KVCache(spec, sum(blocks), device)
         scheduled, first = [], 0
         for i, (length, count) in enumerate(zip(lengths, blocks, strict=True)):
-            request = Request(f"profile-{i}", [0] * length, SamplingParams(max_tokens=1),
-                              time.monotonic(), max_total_tokens=length + 1)
+            request = Request(
+                f"profile-{i}",
+                [0] * length,
+                SamplingParams(max_tokens=1),
+                time.monotonic(),
+                max_total_tokens=length + 1,
+            )
             request.block_ids = list(range(first, first + count))
             first += count
             scheduled.append(ScheduledRequest(request, length))

@@ -22,8 +22,14 @@ from engine.worker.sampler import Sampler, takes_argmax, token_logprobs
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler; knows nothing of queues."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, backend: AttentionBackend,
-                 sampler: Sampler, graphs: DecodeGraphs | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        sampler: Sampler,
+        graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -46,7 +52,7 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if prompt_rows:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
-        self._sample(requests, logits[len(prompt_indices):], output)
+        self._sample(requests, logits[len(prompt_indices) :], output)
         return output
 
     def forward(self, batch: InputBatch, logits_indices: np.ndarray) -> torch.Tensor:
@@ -55,8 +61,9 @@ class ModelRunner:
             return self.graphs.run(batch)
         return self.model(*self._model_inputs(batch, logits_indices))
 
-    def _model_inputs(self, batch: InputBatch, logits_indices: np.ndarray) -> tuple[
-            torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _model_inputs(
+        self, batch: InputBatch, logits_indices: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         metadata = self.backend.build_metadata(batch, self.kv_cache)
         input_ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
         positions = torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
@@ -67,30 +74,35 @@ class ModelRunner:
         """Every sampled row (`requests`) takes the argmax of its raw logits, and no decode
         graph would run the step (a replayed graph computes the logits anyway)."""
         indices = batch.sample_token_indices
-        return (self.greedy_in_model and takes_argmax(requests)
-                and not (self.graphs is not None and self.graphs.supports(batch, indices)))
+        return (
+            self.greedy_in_model
+            and takes_argmax(requests)
+            and not (self.graphs is not None and self.graphs.supports(batch, indices))
+        )
 
-    def _choose_in_model(self, batch: InputBatch,
-                         requests: list[Request]) -> ModelRunnerOutput:
+    def _choose_in_model(self, batch: InputBatch, requests: list[Request]) -> ModelRunnerOutput:
         tokens = self.model.greedy_tokens(*self._model_inputs(batch, batch.sample_token_indices))
         output = ModelRunnerOutput()
         for request, token in zip(requests, tokens.tolist(), strict=True):
             output.sampled_token_ids[request.request_id] = token
         return output
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor,
-                output: ModelRunnerOutput) -> None:
+    def _sample(
+        self, requests: list[Request], logits: torch.Tensor, output: ModelRunnerOutput
+    ) -> None:
         if not requests:
             return
         sampled = self.sampler(logits, requests)
-        for request, token, logprob in zip(requests, sampled.token_ids, sampled.logprobs,
-                                           strict=True):
+        for request, token, logprob in zip(
+            requests, sampled.token_ids, sampled.logprobs, strict=True
+        ):
             output.sampled_token_ids[request.request_id] = token
             if logprob is not None:
                 output.logprobs[request.request_id] = logprob
 
-    def _prompt_logprobs(self, batch: InputBatch, rows: list[int], logits: torch.Tensor,
-                         output: ModelRunnerOutput) -> None:
+    def _prompt_logprobs(
+        self, batch: InputBatch, rows: list[int], logits: torch.Tensor, output: ModelRunnerOutput
+    ) -> None:
         """Entry i of a prompt's logprobs is its token i scored by the logits at position i - 1;
         entry 0 (nothing predicts the first token) is None."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -109,7 +121,7 @@ class ModelRunner:
             lo, hi = _prompt_entry_span(batch, row)
             first = request.num_prompt_logprobs_done == 0
             chunk: list[TokenLogprob | None] = [None] if first else []
-            chunk.extend(entries[offset:offset + hi - lo])
+            chunk.extend(entries[offset : offset + hi - lo])
             offset += hi - lo
             request.num_prompt_logprobs_done = max(hi, 1)
             output.prompt_logprobs[request.request_id] = chunk

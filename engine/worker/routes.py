@@ -51,12 +51,21 @@ def kernels_route() -> str:
     return f"{', '.join(result.built)} for -march={cpu_build.march()}{missing}"
 
 
-def describe(model: object, attention: str, dtype: torch.dtype, compute: torch.dtype,
-             cache_dtype: torch.dtype, device: torch.device) -> str:
-    parts = [f"model implementation {getattr(model, 'name', type(model).__name__)}",
-             f"dtype {_dtype(dtype)} (compute {_dtype(compute)})",
-             f"KV cache {_dtype(cache_dtype)}", f"attention {attention}",
-             f"linear layers: {linear_forms(model)}"]
+def describe(
+    model: object,
+    attention: str,
+    dtype: torch.dtype,
+    compute: torch.dtype,
+    cache_dtype: torch.dtype,
+    device: torch.device,
+) -> str:
+    parts = [
+        f"model implementation {getattr(model, 'name', type(model).__name__)}",
+        f"dtype {_dtype(dtype)} (compute {_dtype(compute)})",
+        f"KV cache {_dtype(cache_dtype)}",
+        f"attention {attention}",
+        f"linear layers: {linear_forms(model)}",
+    ]
     if device.type == "cpu":
         parts += [f"decode: {decode_route(model)}", f"CPU kernels: {kernels_route()}"]
     return "; ".join(parts)

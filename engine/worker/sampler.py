@@ -61,8 +61,9 @@ class Sampler:
         if params.repetition_penalty != 1.0:
             seen = torch.tensor(request.all_token_ids, device=device).unique()
             values = logits[row, seen]
-            penalised = torch.where(values > 0, values / params.repetition_penalty,
-                                    values * params.repetition_penalty)
+            penalised = torch.where(
+                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+            )
             logits[row, seen] = penalised
         if request.output_token_ids and (params.presence_penalty or params.frequency_penalty):
             outputs = torch.tensor(request.output_token_ids, device=device)
@@ -85,8 +86,9 @@ class Sampler:
 
     def _probabilities(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
-        temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params],
-                             device=logits.device)
+        temps = torch.tensor(
+            [1.0 if p.greedy else p.temperature for p in params], device=logits.device
+        )
         logits = logits / temps[:, None]
         if any(p.uses_top_k or p.top_p < 1.0 for p in params):
             logits = _top_k_top_p(logits, params)
@@ -124,8 +126,9 @@ class Sampler:
     # ---- logprobs --------------------------------------------------------------------------
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor | None, token_ids: torch.Tensor,
-                  requests: list[Request]) -> list[TokenLogprob | None]:
+    def _logprobs(
+        raw: torch.Tensor | None, token_ids: torch.Tensor, requests: list[Request]
+    ) -> list[TokenLogprob | None]:
         if raw is None:
             return [None] * len(requests)
         wanted = [r.sampling_params.logprobs for r in requests]
@@ -142,21 +145,31 @@ def takes_argmax(requests: list[Request]) -> bool:
 
 def _argmax_of_raw_logits(request: Request) -> bool:
     params = request.sampling_params
-    return (params.greedy and params.logprobs is None and not params.logit_bias
-            and not params.needs_penalties and request.num_output_tokens >= params.min_tokens)
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and not params.needs_penalties
+        and request.num_output_tokens >= params.min_tokens
+    )
 
 
 def row_argmax(values: torch.Tensor) -> torch.Tensor:
     """`values.argmax(dim=-1)` for `[rows, vocab]`: Conveyor's CPU kernel for fp32 on the CPU
     (it compares eight lanes at a time where torch compares one element), else torch's."""
-    if (values.device.type == "cpu" and values.dtype == torch.float32 and values.is_contiguous()
-            and cpu_ops.has("elementwise")):
+    if (
+        values.device.type == "cpu"
+        and values.dtype == torch.float32
+        and values.is_contiguous()
+        and cpu_ops.has("elementwise")
+    ):
         return cpu_ops.argmax_rows(values)
     return values.argmax(dim=-1)
 
 
-def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
-                   top_counts: list[int | None]) -> list[TokenLogprob | None]:
+def token_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, top_counts: list[int | None]
+) -> list[TokenLogprob | None]:
     """Logprob and rank of `token_ids[i]` in row i, with the row's `top_counts[i]` best
     alternatives; rows whose count is None get None. One host transfer for the batch."""
     chosen = logprobs.gather(1, token_ids[:, None])
@@ -212,8 +225,9 @@ def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     device = logits.device
     vocab = logits.shape[1]
     # A top_k past the vocabulary keeps every token (and would not fit an int64).
-    top_k = torch.tensor([min(p.top_k, vocab) if p.uses_top_k else vocab for p in params],
-                         device=device)
+    top_k = torch.tensor(
+        [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params], device=device
+    )
     top_p = torch.tensor([p.top_p for p in params], device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     positions = torch.arange(vocab, device=device)[None, :]

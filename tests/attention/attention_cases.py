@@ -18,10 +18,12 @@ def reference_decode(query, key_cache, value_cache, tables, lens, scale):
     for row in range(rows):
         positions = range(int(lens[row]))
         blocks = [int(tables[row, p // block_size]) for p in positions]
-        k = torch.stack([key_cache[b, p % block_size] for b, p in zip(blocks, positions,
-                                                                     strict=True)]).float()
-        v = torch.stack([value_cache[b, p % block_size] for b, p in zip(blocks, positions,
-                                                                       strict=True)]).float()
+        k = torch.stack(
+            [key_cache[b, p % block_size] for b, p in zip(blocks, positions, strict=True)]
+        ).float()
+        v = torch.stack(
+            [value_cache[b, p % block_size] for b, p in zip(blocks, positions, strict=True)]
+        ).float()
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("hd,thd->ht", query[row].float(), k) * scale
@@ -52,10 +54,16 @@ def reference_prefill(query, key_cache, value_cache, blocks, context, scale):
     tokens, heads, _ = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     positions = range(context + tokens)
-    k = torch.stack([key_cache[int(blocks[p // block_size]), p % block_size]
-                     for p in positions]).float().repeat_interleave(heads // kv_heads, dim=1)
-    v = torch.stack([value_cache[int(blocks[p // block_size]), p % block_size]
-                     for p in positions]).float().repeat_interleave(heads // kv_heads, dim=1)
+    k = (
+        torch.stack([key_cache[int(blocks[p // block_size]), p % block_size] for p in positions])
+        .float()
+        .repeat_interleave(heads // kv_heads, dim=1)
+    )
+    v = (
+        torch.stack([value_cache[int(blocks[p // block_size]), p % block_size] for p in positions])
+        .float()
+        .repeat_interleave(heads // kv_heads, dim=1)
+    )
     scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
     seen = torch.arange(context + tokens)[None, :] <= (context + torch.arange(tokens))[:, None]
     scores = scores.masked_fill(~seen, float("-inf"))

@@ -40,10 +40,11 @@ def test_kernel_matches_reference_for_each_head_dim_path(dtype, dim, block_size)
     lengths leave 1 to 3 rows after the four-row score steps."""
     lens = [1, 3, 6, block_size + 2, 41, 66]
     case = random_case(dtype, 9, 3, dim, block_size, lens, seed=dim)
-    out = cpu_ops.paged_decode(*case, scale=dim ** -0.5)
+    out = cpu_ops.paged_decode(*case, scale=dim**-0.5)
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.float(), reference_decode(*case, scale=dim ** -0.5),
-                               atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        out.float(), reference_decode(*case, scale=dim**-0.5), atol=tol, rtol=tol
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -52,9 +53,14 @@ def test_kernel_splits_work_by_sequence_or_by_head_alike(dtype):
     lens = [random.Random(row).randrange(1, 90) for row in range(4 * torch.get_num_threads() + 8)]
     case = random_case(dtype, 9, 3, 64, 16, lens, seed=3)
     many = cpu_ops.paged_decode(*case, scale=0.125)
-    few = torch.cat([cpu_ops.paged_decode(*(t[row:row + 1] if t.dim() != 4 else t
-                                               for t in case), scale=0.125)
-                     for row in range(len(lens))])
+    few = torch.cat(
+        [
+            cpu_ops.paged_decode(
+                *(t[row : row + 1] if t.dim() != 4 else t for t in case), scale=0.125
+            )
+            for row in range(len(lens))
+        ]
+    )
     torch.testing.assert_close(many, few, atol=0, rtol=0)
     expected = reference_decode(*case, scale=0.125)
     tol = TOLERANCE[dtype]
@@ -75,20 +81,23 @@ def test_kernel_gives_the_same_bits_on_any_number_of_threads(rows):
         outputs = []
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            outputs.append(cpu_ops.paged_decode(query, key_cache, value_cache, tables,
-                                                    seq_lens, 0.125))
+            outputs.append(
+                cpu_ops.paged_decode(query, key_cache, value_cache, tables, seq_lens, 0.125)
+            )
     finally:
         torch.set_num_threads(threads)
     for other in outputs[1:]:
         assert torch.equal(outputs[0], other)
-    expected = reference_decode(query, key_cache.float(), value_cache.float(), tables, seq_lens,
-                                0.125)
+    expected = reference_decode(
+        query, key_cache.float(), value_cache.float(), tables, seq_lens, 0.125
+    )
     torch.testing.assert_close(outputs[0], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_kernel_reads_a_strided_query_and_ignores_table_padding():
-    query, key_cache, value_cache, tables, lens = random_case(torch.float32, 6, 2, 16, 4,
-                                                              [3, 9, 14])
+    query, key_cache, value_cache, tables, lens = random_case(
+        torch.float32, 6, 2, 16, 4, [3, 9, 14]
+    )
     packed = torch.cat([query.flatten(1), torch.randn(3, 40)], dim=1)  # as a fused projection
     strided = packed[:, : 6 * 16].view(3, 6, 16)
     assert not strided.is_contiguous()
@@ -102,13 +111,13 @@ def test_kernel_reads_a_strided_query_and_ignores_table_padding():
 def test_fp32_query_over_a_narrower_cache(cache_dtype):
     """A model computed in fp32 over a 16- or 8-bit cache: the cache's values, widened exactly,
     with fp32 arithmetic throughout (odd lengths leave partial blocks and SIMD tails)."""
-    query, key_cache, value_cache, tables, lens = random_case(torch.float32, 6, 2, 64, 16,
-                                                              [1, 17, 40, 333])
+    query, key_cache, value_cache, tables, lens = random_case(
+        torch.float32, 6, 2, 64, 16, [1, 17, 40, 333]
+    )
     key_cache, value_cache = key_cache.to(cache_dtype), value_cache.to(cache_dtype)
     out = cpu_ops.paged_decode(query, key_cache, value_cache, tables, lens, 0.125)
     assert out.dtype == torch.float32
-    expected = reference_decode(query, key_cache.float(), value_cache.float(), tables, lens,
-                                0.125)
+    expected = reference_decode(query, key_cache.float(), value_cache.float(), tables, lens, 0.125)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -119,8 +128,9 @@ def test_kernel_rejects_mismatched_shapes():
     with pytest.raises(RuntimeError, match="the query's dtype, or 16 bits or fp8"):
         cpu_ops.paged_decode(query.bfloat16(), key_cache, value_cache, tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="the query's dtype, or 16 bits or fp8"):
-        cpu_ops.paged_decode(query.bfloat16(), key_cache.half(), value_cache.half(), tables,
-                                 lens, 1.0)
+        cpu_ops.paged_decode(
+            query.bfloat16(), key_cache.half(), value_cache.half(), tables, lens, 1.0
+        )
     with pytest.raises(RuntimeError, match="block id out of range"):
         cpu_ops.paged_decode(query, key_cache, value_cache, tables + 1000, lens, 1.0)
     with pytest.raises(RuntimeError, match="outside its block table"):
@@ -142,8 +152,9 @@ def test_cpu_backend_refuses_other_devices():
 
 
 def test_auto_falls_back_to_torch_where_the_kernel_cannot_build(monkeypatch):
-    monkeypatch.setattr(cpu_ops, "build_result",
-                        lambda: BuildResult(("linear",), {"attention": "no compiler"}))
+    monkeypatch.setattr(
+        cpu_ops, "build_result", lambda: BuildResult(("linear",), {"attention": "no compiler"})
+    )
     assert resolve_backend_name("auto", torch.device("cpu")) == "torch"
     with pytest.raises(RuntimeError, match="did not build"):
         get_backend("cpu", torch.device("cpu"))

@@ -30,15 +30,17 @@ def check(query, key_cache, value_cache, blocks, context, scale=0.125):
     torch.testing.assert_close(out, expected, atol=CACHE_TOLERANCE, rtol=CACHE_TOLERANCE)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 16),
-                                                       (2, 1, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 16), (2, 1, 128)]
+)
 @pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize(("context", "tokens"), [(0, 1), (0, 7), (0, 65), (3, 17), (60, 70)])
 def test_kernel_matches_reference(heads, kv_heads, dim, block_size, context, tokens):
     """Token tiles of 48 / group rows and key tiles of 64: lengths end inside, on and past them,
     after a cached prefix or none."""
-    check(*random_sequence(torch.float32, heads, kv_heads, dim, block_size, context, tokens),
-          context)
+    check(
+        *random_sequence(torch.float32, heads, kv_heads, dim, block_size, context, tokens), context
+    )
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16, torch.float8_e5m2])
@@ -49,22 +51,26 @@ def test_fp32_queries_over_a_narrower_cache(cache_dtype):
 
 
 @needs_bf16
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 16),
-                                                       (2, 1, 128)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 16), (2, 1, 128)]
+)
 @pytest.mark.parametrize("block_size", [5, 16])
-@pytest.mark.parametrize(("context", "tokens"), [(0, 1), (0, 7), (0, 65), (3, 17), (60, 70),
-                                                 (0, 300)])
-def test_bf16_products_match_the_reference_over_rounded_queries(heads, kv_heads, dim,
-                                                                 block_size, context, tokens):
+@pytest.mark.parametrize(
+    ("context", "tokens"), [(0, 1), (0, 7), (0, 65), (3, 17), (60, 70), (0, 300)]
+)
+def test_bf16_products_match_the_reference_over_rounded_queries(
+    heads, kv_heads, dim, block_size, context, tokens
+):
     """A bf16 cache in bf16 dot products: odd and even key counts, tiles of 64 keys ending
     inside, on and past them. A row over one key is that key's value, exactly; past one key the
     weights' rounding shows, so the fp32 kernel's rows differ."""
-    query, key_cache, value_cache, blocks = random_sequence(torch.bfloat16, heads, kv_heads, dim,
-                                                            block_size, context, tokens)
-    out = cpu_ops.paged_prefill(query, key_cache, value_cache, blocks, context, 0.125,
-                                    bf16=True)
-    expected = reference_prefill(query.bfloat16().float(), key_cache, value_cache, blocks,
-                                 context, 0.125)
+    query, key_cache, value_cache, blocks = random_sequence(
+        torch.bfloat16, heads, kv_heads, dim, block_size, context, tokens
+    )
+    out = cpu_ops.paged_prefill(query, key_cache, value_cache, blocks, context, 0.125, bf16=True)
+    expected = reference_prefill(
+        query.bfloat16().float(), key_cache, value_cache, blocks, context, 0.125
+    )
     torch.testing.assert_close(out, expected, atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
     fp32 = cpu_ops.paged_prefill(query, key_cache, value_cache, blocks, context, 0.125)
     assert torch.equal(out[0], fp32[0]) == (context == 0)
@@ -79,8 +85,9 @@ def test_bf16_products_need_a_bf16_cache():
 
 
 def test_a_long_prompt_over_many_key_tiles():
-    query, key_cache, value_cache, blocks = random_sequence(torch.bfloat16, 9, 3, 64, 16, 0,
-                                                            700, seed=4)
+    query, key_cache, value_cache, blocks = random_sequence(
+        torch.bfloat16, 9, 3, 64, 16, 0, 700, seed=4
+    )
     check(query, key_cache, value_cache, blocks, 0)
 
 
@@ -108,8 +115,14 @@ def test_kernel_rejects_bad_inputs():
     query, key_cache, value_cache, blocks = random_sequence(torch.float32, 4, 2, 32, 4, 3, 10)
     call = torch.ops.conveyor.paged_prefill
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        call(query[..., :24].contiguous(), key_cache[..., :24].contiguous(),
-             value_cache[..., :24].contiguous(), blocks, 3, 0.125)
+        call(
+            query[..., :24].contiguous(),
+            key_cache[..., :24].contiguous(),
+            value_cache[..., :24].contiguous(),
+            blocks,
+            3,
+            0.125,
+        )
     with pytest.raises(RuntimeError, match="do not cover"):
         call(query, key_cache, value_cache, blocks[:-1], 3, 0.125)
     with pytest.raises(RuntimeError, match="out of range"):
@@ -148,19 +161,26 @@ def test_a_steps_sequences_in_one_call_match_each_alone(bf16):
     products; rows outside the runs are left as they were."""
     query, key_cache, value_cache, (starts, lens, contexts), table = several_sequences()
     out = torch.full_like(query, 7.0)
-    cpu_ops.paged_prefill_rows(query, key_cache, value_cache, out, starts, lens, contexts,
-                                   table, 0.125, bf16)
+    cpu_ops.paged_prefill_rows(
+        query, key_cache, value_cache, out, starts, lens, contexts, table, 0.125, bf16
+    )
     tolerance = BF16_TOLERANCE if bf16 else CACHE_TOLERANCE
     for row in range(3):
         start, n, context = int(starts[row]), int(lens[row]), int(contexts[row])
-        rows = query[start:start + n]
-        alone = cpu_ops.paged_prefill(rows, key_cache, value_cache, table[row], context,
-                                          0.125, bf16)
-        torch.testing.assert_close(out[start:start + n], alone, atol=0, rtol=0)
-        expected = reference_prefill(rows.bfloat16().float() if bf16 else rows, key_cache,
-                                     value_cache, table[row], context, 0.125)
-        torch.testing.assert_close(out[start:start + n], expected, atol=tolerance,
-                                   rtol=tolerance)
+        rows = query[start : start + n]
+        alone = cpu_ops.paged_prefill(
+            rows, key_cache, value_cache, table[row], context, 0.125, bf16
+        )
+        torch.testing.assert_close(out[start : start + n], alone, atol=0, rtol=0)
+        expected = reference_prefill(
+            rows.bfloat16().float() if bf16 else rows,
+            key_cache,
+            value_cache,
+            table[row],
+            context,
+            0.125,
+        )
+        torch.testing.assert_close(out[start : start + n], expected, atol=tolerance, rtol=tolerance)
     assert torch.equal(out[79], torch.full_like(out[79], 7.0))
 
 
@@ -169,8 +189,17 @@ def test_one_call_rejects_bad_runs():
     call = torch.ops.conveyor.paged_prefill_rows
 
     def run(out=None, starts=starts, lens=lens, contexts=contexts, table=table):
-        call(query, key_cache, value_cache, torch.empty_like(query) if out is None else out,
-             starts, lens, contexts, table, 0.125)
+        call(
+            query,
+            key_cache,
+            value_cache,
+            torch.empty_like(query) if out is None else out,
+            starts,
+            lens,
+            contexts,
+            table,
+            0.125,
+        )
 
     with pytest.raises(RuntimeError, match="in order, apart"):
         run(starts=torch.tensor([0, 60, 80]))  # the second run starts inside the first
@@ -190,17 +219,16 @@ def test_one_call_rejects_bad_runs():
         run(table=torch.full_like(table, 10_000))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16,
-                                         torch.float8_e5m2])
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2]
+)
 def test_store_op_writes_what_the_cache_writes(cache_dtype):
     """New K/V read from a fused projection's rows (strided) land at their slots rounded as
     `KVCache.write` rounds them, to the bit; other slots keep what they held."""
     from engine.kv.kv_cache import KVCache, KVCacheSpec
 
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=32, dtype=cache_dtype,
-                       block_size=4)
-    ours, reference = (KVCache(spec, num_blocks=40, device=torch.device("cpu"))
-                       for _ in range(2))
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=32, dtype=cache_dtype, block_size=4)
+    ours, reference = (KVCache(spec, num_blocks=40, device=torch.device("cpu")) for _ in range(2))
     packed = torch.randn(150, 9 * 32)  # as the fused q/k/v output holds them
     key, value = packed[:, 96:192].view(150, 3, 32), packed[:, 192:].view(150, 3, 32)
     slots = torch.randperm(160)[:150]
@@ -216,15 +244,19 @@ def test_store_op_writes_what_the_cache_writes(cache_dtype):
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-@pytest.mark.parametrize(("dim", "query_dtype", "cache_dtype", "model_dtype", "kernel_calls"), [
-    (32, F32, F32, F32, [False]),
-    (8, F32, F32, F32, []),
-    (32, BF16, BF16, BF16, []),
-    (32, F32, BF16, F32, [False]),  # an fp32 model over a narrower cache: fp32 products
-    pytest.param(32, F32, BF16, BF16, [True], marks=needs_bf16),  # bf16 weights, fp32 rows
-])
+@pytest.mark.parametrize(
+    ("dim", "query_dtype", "cache_dtype", "model_dtype", "kernel_calls"),
+    [
+        (32, F32, F32, F32, [False]),
+        (8, F32, F32, F32, []),
+        (32, BF16, BF16, BF16, []),
+        (32, F32, BF16, F32, [False]),  # an fp32 model over a narrower cache: fp32 products
+        pytest.param(32, F32, BF16, BF16, [True], marks=needs_bf16),  # bf16 weights, fp32 rows
+    ],
+)
 def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
-        monkeypatch, dim, query_dtype, cache_dtype, model_dtype, kernel_calls):
+    monkeypatch, dim, query_dtype, cache_dtype, model_dtype, kernel_calls
+):
     """A fresh prompt and a chunk after cached tokens go to the kernel in one call, beside a
     decode row, in bf16 products for a bf16 model over a bf16 cache; head dims it does not take
     and 16-bit activations keep the torch path. All give the gathered reference."""
@@ -236,10 +268,12 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
 
     calls = []
     original = cpu_ops.paged_prefill_rows
-    monkeypatch.setattr(cpu_ops, "paged_prefill_rows",
-                        lambda *args: calls.append(args[6:8] + args[9:]) or original(*args))
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=dim, dtype=cache_dtype,
-                       block_size=4)
+    monkeypatch.setattr(
+        cpu_ops,
+        "paged_prefill_rows",
+        lambda *args: calls.append(args[6:8] + args[9:]) or original(*args),
+    )
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=dim, dtype=cache_dtype, block_size=4)
     cache = KVCache(spec, num_blocks=20, device=torch.device("cpu"))
     backend = get_backend("cpu", torch.device("cpu"), model_dtype)
     contexts, queries = [0, 6, 9], [5, 7, 1]  # the last row decodes
@@ -253,26 +287,31 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
 
     for row in (1, 2):
         context = contexts[row]
-        cache.write(0, torch.tensor(slots(row, range(context))), k_all[row][:context],
-                    v_all[row][:context])
+        cache.write(
+            0, torch.tensor(slots(row, range(context))), k_all[row][:context], v_all[row][:context]
+        )
     batch = InputBatch(
-        requests=[], input_ids=np.zeros(13, dtype=np.int64),
+        requests=[],
+        input_ids=np.zeros(13, dtype=np.int64),
         positions=np.concatenate([np.arange(0, 5), np.arange(6, 13), [9]]),
         slot_mapping=np.array(slots(0, range(5)) + slots(1, range(6, 13)) + slots(2, [9])),
-        query_starts=np.array([0, 5, 12]), query_lens=np.array(queries),
+        query_starts=np.array([0, 5, 12]),
+        query_lens=np.array(queries),
         context_lens=np.array(contexts),
         block_table=np.array([tables[0] + [0], tables[1], tables[2] + [0]]),
-        sample_rows=np.arange(3))
+        sample_rows=np.arange(3),
+    )
     q = torch.randn(13, 4, dim, dtype=query_dtype)
     new_k = torch.cat([k_all[0], k_all[1][6:], k_all[2][9:]])
     new_v = torch.cat([v_all[0], v_all[1][6:], v_all[2][9:]])
     out = backend.forward(0, q, new_k, new_v, 0.25, backend.build_metadata(batch, cache))
     assert [(c.tolist(), t.shape[1], bf16) for c, t, bf16 in calls] == [
-        ([0, 6], 4, bf16) for bf16 in kernel_calls]
+        ([0, 6], 4, bf16) for bf16 in kernel_calls
+    ]
     for row, start in enumerate([0, 5, 12]):
         n, context = queries[row], contexts[row]
         blocks = torch.tensor(tables[row])
-        rows = q[start:start + n].to(cache_dtype if kernel_calls == [True] else F32).float()
+        rows = q[start : start + n].to(cache_dtype if kernel_calls == [True] else F32).float()
         expected = reference_prefill(rows, cache.key(0), cache.value(0), blocks, context, 0.25)
         tol = 2e-2 if query_dtype == BF16 or kernel_calls == [True] else 1e-5
-        torch.testing.assert_close(out[start:start + n].float(), expected, atol=tol, rtol=tol)
+        torch.testing.assert_close(out[start : start + n].float(), expected, atol=tol, rtol=tol)

@@ -27,6 +27,7 @@ def full_logits(model, tokens: list[int]) -> torch.Tensor:
             return model(input_ids=ids, use_cache=False).logits[0, -1].float()
     finally:
         from engine.attention.hf import register
+
         model.set_attn_implementation(register())
 
 
@@ -78,11 +79,16 @@ def test_mixed_batch_of_decodes_and_prefills_matches_each_sequence_alone(device)
     run_chunk(core, d, 8)
     a.append_output(42)
     b.append_output(17)
-    items = [ScheduledRequest(a, 1), ScheduledRequest(b, 1), ScheduledRequest(c, 6),
-             ScheduledRequest(d, 12)]
+    items = [
+        ScheduledRequest(a, 1),
+        ScheduledRequest(b, 1),
+        ScheduledRequest(c, 6),
+        ScheduledRequest(d, 12),
+    ]
     for item in items:
-        core.scheduler.block_manager.allocate(item.request,
-                                              item.request.num_computed_tokens + item.num_tokens)
+        core.scheduler.block_manager.allocate(
+            item.request, item.request.num_computed_tokens + item.num_tokens
+        )
     batch = build_input_batch(items, 4)
     last = batch.query_starts + batch.query_lens - 1
     logits = core.runner.forward(batch, last).float()
@@ -103,9 +109,12 @@ def naive_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 
 
-BACKENDS_ON_DEVICES = [("torch", "cpu"), ("cpu", "cpu"),
-                       pytest.param("triton", TRITON_DEVICE, marks=needs_triton),
-                       pytest.param("torch", CUDA.values[0], marks=CUDA.marks)]
+BACKENDS_ON_DEVICES = [
+    ("torch", "cpu"),
+    ("cpu", "cpu"),
+    pytest.param("triton", TRITON_DEVICE, marks=needs_triton),
+    pytest.param("torch", CUDA.values[0], marks=CUDA.marks),
+]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -116,15 +125,25 @@ def test_backend_matches_naive_attention_per_sequence(block_size, dim, backend_n
     prefill kernel takes head dim 32; 8 keeps the torch path)."""
     torch.manual_seed(0)
     heads, kv_heads = 4, 2
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=torch.float32,
-                       block_size=block_size)
+    spec = KVCacheSpec(
+        num_layers=1,
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        dtype=torch.float32,
+        block_size=block_size,
+    )
     cache = KVCache(spec, num_blocks=64, device=torch.device(device))
     backend = get_backend(backend_name, torch.device(device))
     assert backend.name == backend_name
     contexts, queries = [0, 5, 9, 0], [1, 1, 4, 6]
     total = [c + q for c, q in zip(contexts, queries, strict=True)]
-    history = {i: (torch.randn(t, kv_heads, dim, device=device),
-                   torch.randn(t, kv_heads, dim, device=device)) for i, t in enumerate(total)}
+    history = {
+        i: (
+            torch.randn(t, kv_heads, dim, device=device),
+            torch.randn(t, kv_heads, dim, device=device),
+        )
+        for i, t in enumerate(total)
+    }
     free = list(range(64))
     random.Random(1).shuffle(free)  # blocks are scattered, not contiguous
     tables = [[free.pop() for _ in range(-(-t // block_size))] for t in total]
@@ -142,8 +161,9 @@ def test_backend_matches_naive_attention_per_sequence(block_size, dim, backend_n
         requests=[],
         input_ids=np.zeros(sum(queries), dtype=np.int64),
         positions=np.concatenate([np.arange(c, t) for c, t in zip(contexts, total, strict=True)]),
-        slot_mapping=np.array([s for row in range(4) for s in slots(row, range(contexts[row],
-                                                                              total[row]))]),
+        slot_mapping=np.array(
+            [s for row in range(4) for s in slots(row, range(contexts[row], total[row]))]
+        ),
         query_starts=query_starts,
         query_lens=np.array(queries),
         context_lens=np.array(contexts),
@@ -151,11 +171,11 @@ def test_backend_matches_naive_attention_per_sequence(block_size, dim, backend_n
         sample_rows=np.arange(4),
     )
     q = torch.randn(sum(queries), heads, dim, device=device)
-    new_k = torch.cat([history[r][0][contexts[r]:] for r in range(4)])
-    new_v = torch.cat([history[r][1][contexts[r]:] for r in range(4)])
+    new_k = torch.cat([history[r][0][contexts[r] :] for r in range(4)])
+    new_v = torch.cat([history[r][1][contexts[r] :] for r in range(4)])
     out = backend.forward(0, q, new_k, new_v, 0.5, backend.build_metadata(batch, cache))
     for row in range(4):
         start, n = int(query_starts[row]), queries[row]
         k, v = history[row]
-        expected = naive_attention(q[start:start + n], k, v, 0.5)
-        torch.testing.assert_close(out[start:start + n], expected, atol=1e-5, rtol=1e-5)
+        expected = naive_attention(q[start : start + n], k, v, 0.5)
+        torch.testing.assert_close(out[start : start + n], expected, atol=1e-5, rtol=1e-5)

@@ -22,23 +22,27 @@ def on_device(case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(4, 4, 16), (9, 3, 5), (8, 1, 1)])
 def test_decode_matches_reference(dtype, heads, kv_heads, block_size):
-    case = random_case(dtype, heads, kv_heads, 32, block_size,
-                       [1, 2, block_size, block_size + 1, 37])
+    case = random_case(
+        dtype, heads, kv_heads, 32, block_size, [1, 2, block_size, block_size + 1, 37]
+    )
     out = kernels.paged_decode(*on_device(case), scale=0.125)
     assert out.dtype == dtype and out.shape == case[0].shape
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.cpu().float(), reference_decode(*case, scale=0.125),
-                               atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        out.cpu().float(), reference_decode(*case, scale=0.125), atol=tol, rtol=tol
+    )
 
 
 def test_decode_reads_a_strided_query_and_gives_zeros_for_empty_rows():
-    query, key_cache, value_cache, tables, lens = random_case(torch.float32, 6, 2, 24, 4,
-                                                              [3, 9, 14])
+    query, key_cache, value_cache, tables, lens = random_case(
+        torch.float32, 6, 2, 24, 4, [3, 9, 14]
+    )
     packed = torch.cat([query.flatten(1), torch.randn(3, 40)], dim=1)  # as a fused projection
-    strided = packed[:, :6 * 24].view(3, 6, 24)  # head dim 24: not a power of two
+    strided = packed[:, : 6 * 24].view(3, 6, 24)  # head dim 24: not a power of two
     empty = torch.tensor([0, 9, 0])
-    out = kernels.paged_decode(*on_device((strided, key_cache, value_cache, tables, empty)),
-                               scale=0.25).cpu()
+    out = kernels.paged_decode(
+        *on_device((strided, key_cache, value_cache, tables, empty)), scale=0.25
+    ).cpu()
     assert torch.equal(out[0], torch.zeros(6, 24)) and torch.equal(out[2], torch.zeros(6, 24))
     expected = reference_decode(query[1:2], key_cache, value_cache, tables[1:2], lens[1:2], 0.25)
     torch.testing.assert_close(out[1:2], expected, atol=1e-5, rtol=1e-5)

@@ -69,11 +69,14 @@ def test_sample_trace_replays_in_time_order():
 
 
 def test_report_throughput_latencies_and_goodput():
-    results = [RequestResult(True, 10, output_len=11, ttft=0.1, e2e=1.1, itls=[0.1] * 10),
-               RequestResult(True, 10, output_len=11, ttft=0.5, e2e=2.5, itls=[0.2] * 10),
-               RequestResult(False, 10, error="HTTP 500")]
-    summary = summarize(results, duration=2.0, percentiles=[50],
-                        slo=parse_slo(["ttft:200", "tpot:150"]))
+    results = [
+        RequestResult(True, 10, output_len=11, ttft=0.1, e2e=1.1, itls=[0.1] * 10),
+        RequestResult(True, 10, output_len=11, ttft=0.5, e2e=2.5, itls=[0.2] * 10),
+        RequestResult(False, 10, error="HTTP 500"),
+    ]
+    summary = summarize(
+        results, duration=2.0, percentiles=[50], slo=parse_slo(["ttft:200", "tpot:150"])
+    )
     assert summary["completed"] == 2 and summary["failed"] == 1
     assert summary["output_throughput"] == 11.0
     assert summary["mean_ttft_ms"] == pytest.approx(300)
@@ -87,11 +90,12 @@ def test_report_throughput_latencies_and_goodput():
 def test_report_peak_output_throughput_and_concurrency():
     # Sent at 0.0, 0.5 and 1.0 s: pieces at 0.25, 0.5, ..., 2.25 s; at 0.75, 1.25, 1.75 s (its
     # last piece holding two tokens); and a failure from 1.0 to 1.2 s.
-    results = [RequestResult(True, 4, output_len=9, ttft=0.25, e2e=2.25, itls=[0.25] * 8),
-               RequestResult(True, 4, output_len=4, ttft=0.25, e2e=1.25, itls=[0.5, 0.5],
-                             start=0.5),
-               RequestResult(False, 4, e2e=0.2, error="HTTP 500", start=1.0),
-               RequestResult(False, 4, error="refused", start=1.0)]
+    results = [
+        RequestResult(True, 4, output_len=9, ttft=0.25, e2e=2.25, itls=[0.25] * 8),
+        RequestResult(True, 4, output_len=4, ttft=0.25, e2e=1.25, itls=[0.5, 0.5], start=0.5),
+        RequestResult(False, 4, e2e=0.2, error="HTTP 500", start=1.0),
+        RequestResult(False, 4, error="refused", start=1.0),
+    ]
     first, second = (r.token_times() for r in results[:2])
     assert first == [0.25 * k for k in range(1, 10)]
     assert second == [0.75, 1.25, 1.75]
@@ -99,20 +103,25 @@ def test_report_peak_output_throughput_and_concurrency():
     assert summarize(results, 2.5, [50], {})["peak_output_throughput"] == 7.0
     # All three spans overlap from 1.0 to 1.2 s; the failure with no span counts for none.
     assert summarize(results, 2.5, [50], {})["peak_concurrent_requests"] == 3
-    back_to_back = [RequestResult(True, 4, output_len=1, ttft=0.1, e2e=1.0, start=s)
-                    for s in (0.0, 1.0, 2.0)]
+    back_to_back = [
+        RequestResult(True, 4, output_len=1, ttft=0.1, e2e=1.0, start=s) for s in (0.0, 1.0, 2.0)
+    ]
     assert summarize(back_to_back, 3.0, [50], {})["peak_concurrent_requests"] == 1
     assert "Peak concurrent requests" in table(summarize(back_to_back, 3.0, [50], {}))
 
 
 async def test_sse_data_joins_events_cut_anywhere():
-    events = [b'data: {"a": 1}\n\n', b"data: " + b"x" * 200_000 + b"\r\n\n", b": ping\n\n",
-              b"data: [DONE]\n\n"]
+    events = [
+        b'data: {"a": 1}\n\n',
+        b"data: " + b"x" * 200_000 + b"\r\n\n",
+        b": ping\n\n",
+        b"data: [DONE]\n\n",
+    ]
     stream = b"".join(events)
 
     async def pieces(size: int):
         for i in range(0, len(stream), size):
-            yield stream[i:i + size]
+            yield stream[i : i + size]
 
     for size in (1, 7, 4096, len(stream)):
         assert [d async for d in sse_data(pieces(size))] == ['{"a": 1}', "x" * 200_000, "[DONE]"]
@@ -127,7 +136,7 @@ def test_arrival_gaps_have_the_rate_and_the_burstiness(burstiness):
     gaps = np.diff(delays)
     assert delays[0] == 0.0 and np.all(gaps >= 0)
     assert gaps.mean() == pytest.approx(1 / 8.0, rel=0.05)
-    assert gaps.std() / gaps.mean() == pytest.approx(burstiness ** -0.5, rel=0.1)
+    assert gaps.std() / gaps.mean() == pytest.approx(burstiness**-0.5, rel=0.1)
     assert arrival_delays(requests, 8.0, seed=7, burstiness=burstiness) == delays
 
 
@@ -141,15 +150,26 @@ def test_arrivals_without_a_rate_or_from_a_trace_ignore_burstiness():
 
 
 def load_args(**overrides) -> argparse.Namespace:
-    defaults = dict(base_url="", endpoint="/v1/completions", model=None, api_key=None,
-                    max_concurrency=None, request_rate=math.inf, burstiness=1.0, seed=0,
-                    ignore_eos=True,
-                    temperature=0.0, timeout=None)
+    defaults = dict(
+        base_url="",
+        endpoint="/v1/completions",
+        model=None,
+        api_key=None,
+        max_concurrency=None,
+        request_rate=math.inf,
+        burstiness=1.0,
+        seed=0,
+        ignore_eos=True,
+        temperature=0.0,
+        timeout=None,
+    )
     return argparse.Namespace(**{**defaults, **overrides})
 
 
-@pytest.mark.parametrize("shape", [{"max_concurrency": 3}, {"request_rate": 50.0},
-                                   {"request_rate": 50.0, "burstiness": 0.3}])
+@pytest.mark.parametrize(
+    "shape",
+    [{"max_concurrency": 3}, {"request_rate": 50.0}, {"request_rate": 50.0, "burstiness": 0.3}],
+)
 async def test_load_run_against_a_live_server(shape):
     requests = random_workload(9, 12, 6, POOL, seed=4, range_ratio=0.5)
     async with live_server() as server:
@@ -176,8 +196,9 @@ def test_load_runs_on_uvloop_where_installed():
 
 async def test_chat_endpoint_load():
     requests = [r for r in random_workload(4, 8, 5, POOL, seed=5)]
-    text = [type(r)(tiny_tokenizer().decode(r.prompt), r.prompt_len, r.output_len)
-            for r in requests]
+    text = [
+        type(r)(tiny_tokenizer().decode(r.prompt), r.prompt_len, r.output_len) for r in requests
+    ]
     async with live_server() as server:
         args = load_args(base_url=server.url, endpoint="/v1/chat/completions")
         results, _ = await run_load(args, text, progress=False)
@@ -190,10 +211,28 @@ def test_offline_comparison_writes_results_and_plots(tmp_path, monkeypatch):
     tiny_tokenizer().save_pretrained(model_dir)
     parser = argparse.ArgumentParser()
     offline.add_arguments(parser)
-    args = parser.parse_args([
-        "--model", str(model_dir), "--dtype", "float32", "--num-requests", "12",
-        "--batch-size", "4", "--min-input-len", "4", "--max-input-len", "24",
-        "--min-output-len", "2", "--max-output-len", "24", "--output", str(tmp_path / "out")])
+    args = parser.parse_args(
+        [
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--num-requests",
+            "12",
+            "--batch-size",
+            "4",
+            "--min-input-len",
+            "4",
+            "--max-input-len",
+            "24",
+            "--min-output-len",
+            "2",
+            "--max-output-len",
+            "24",
+            "--output",
+            str(tmp_path / "out"),
+        ]
+    )
     assert offline.main(args) == 0
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     modes = {r["mode"]: r for r in report["results"]}
@@ -209,11 +248,21 @@ def test_priority_mix_and_overload_report():
     requests = with_priorities(random_workload(200, 8, 4, POOL, seed=1), 0.2, seed=1)
     share = sum(r.priority == 0 for r in requests) / len(requests)
     assert 0.1 < share < 0.3 and {r.priority for r in requests} == {0, 1}
-    results = [RequestResult(True, 8, output_len=4, ttft=0.1, e2e=0.5, priority=0),
-               RequestResult(False, 8, status=503, e2e=0.01, priority=1),
-               RequestResult(False, 8, output_len=2, ttft=2.0, e2e=3.0, status=200,
-                             finish_reason="timeout", priority=1),
-               RequestResult(False, 8, status=504, e2e=5.0, priority=1)]
+    results = [
+        RequestResult(True, 8, output_len=4, ttft=0.1, e2e=0.5, priority=0),
+        RequestResult(False, 8, status=503, e2e=0.01, priority=1),
+        RequestResult(
+            False,
+            8,
+            output_len=2,
+            ttft=2.0,
+            e2e=3.0,
+            status=200,
+            finish_reason="timeout",
+            priority=1,
+        ),
+        RequestResult(False, 8, status=504, e2e=5.0, priority=1),
+    ]
     report = overload(results, duration=10.0, percentiles=[50, 99])
     assert report["deadline_goodput"] == 0.1
     assert report["rejected"] == 1 and report["timed_out"] == 2

@@ -23,8 +23,12 @@ async def engine(tiny_model):
     await engine.shutdown()
 
 
-async def collect(engine: AsyncEngine, params: SamplingParams = GREEDY, prompt=PROMPT,
-                  request_id: str | None = None) -> dict[int, list]:
+async def collect(
+    engine: AsyncEngine,
+    params: SamplingParams = GREEDY,
+    prompt=PROMPT,
+    request_id: str | None = None,
+) -> dict[int, list]:
     per_index: dict[int, list] = {}
     async for output in engine.generate(prompt, params, request_id):
         per_index.setdefault(output.index, []).append(output)
@@ -51,8 +55,7 @@ async def test_concurrent_requests_all_complete(engine):
 
 
 async def test_leaving_the_stream_early_aborts_and_frees_blocks(engine):
-    stream = engine.generate(PROMPT, SamplingParams(temperature=0, ignore_eos=True,
-                                                    max_tokens=200))
+    stream = engine.generate(PROMPT, SamplingParams(temperature=0, ignore_eos=True, max_tokens=200))
     async for _ in stream:
         assert blocks_in_use(engine) > 0
         break

@@ -64,7 +64,7 @@ def test_plain_decode_is_the_tokenizers_decode(skip):
     for text in TEXTS:
         ids = [*tokenizer.encode(text, add_special_tokens=False), eos]
         for end in range(1, len(ids) + 1):
-            window = ids[max(0, end - 6):end]
+            window = ids[max(0, end - 6) : end]
             assert decode(window, skip) == tokenizer.decode(window, skip_special_tokens=skip)
 
 
@@ -95,8 +95,15 @@ def test_plain_decode_calls_decode_on_any_other_tokenizer():
 
 def held(text: str, stops: tuple[str, ...]) -> int:
     """The longest suffix of `text` that is a proper prefix of some stop (brute force)."""
-    return max((size for stop in stops for size in range(1, min(len(stop) - 1, len(text)) + 1)
-                if text.endswith(stop[:size])), default=0)
+    return max(
+        (
+            size
+            for stop in stops
+            for size in range(1, min(len(stop) - 1, len(text)) + 1)
+            if text.endswith(stop[:size])
+        ),
+        default=0,
+    )
 
 
 def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
@@ -109,20 +116,24 @@ def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
 def test_the_automaton_agrees_with_brute_force(seed):
     rng = random.Random(seed)
     alphabet = "abc"
-    stops = tuple({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
-                   for _ in range(rng.randint(1, 6))})
+    stops = tuple(
+        {
+            "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+            for _ in range(rng.randint(1, 6))
+        }
+    )
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
     matcher, emitted, fed, hit = StopStringMatcher(stops), "", "", None
     while fed != text:
-        piece = text[len(fed):len(fed) + rng.randint(1, 4)]
+        piece = text[len(fed) : len(fed) + rng.randint(1, 4)]
         fed += piece
         delta, hit = matcher.add(piece)
         emitted += delta
         expected = first_stop(fed, stops)
         if expected is not None:
-            assert hit == expected[1] and emitted == fed[:expected[0]]
+            assert hit == expected[1] and emitted == fed[: expected[0]]
             break
-        assert hit is None and emitted == fed[:len(fed) - held(fed, stops)]
+        assert hit is None and emitted == fed[: len(fed) - held(fed, stops)]
     if hit is None:
         assert emitted + matcher.flush() == text
 

@@ -110,6 +110,7 @@ def full_logprobs(model, tokens: list[int]) -> torch.Tensor:
             logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
     finally:
         from engine.attention.hf import register
+
         model.set_attn_implementation(register())
     return torch.log_softmax(logits.float(), dim=-1)
 
@@ -128,8 +129,9 @@ def test_sampled_logprobs_match_the_model(tiny_model):
         assert [t for t, _ in entry.top] == row.topk(2).indices.tolist()
 
 
-@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 4},
-                                     {"num_blocks": 12, "max_model_len": 48}])
+@pytest.mark.parametrize(
+    "options", [{}, {"max_num_batched_tokens": 4}, {"num_blocks": 12, "max_model_len": 48}]
+)
 def test_prompt_logprobs_match_the_model(tiny_model, options):
     rng = random.Random(2)
     prompts = [[rng.randrange(2, 320) for _ in range(n)] for n in (9, 17, 1, 13)]
@@ -142,8 +144,9 @@ def test_prompt_logprobs_match_the_model(tiny_model, options):
         reference = full_logprobs(tiny_model, prompt)
         for pos in range(1, len(prompt)):
             assert entries[pos].token_id == prompt[pos]
-            assert entries[pos].logprob == pytest.approx(reference[pos - 1, prompt[pos]].item(),
-                                                         abs=1e-4)
+            assert entries[pos].logprob == pytest.approx(
+                reference[pos - 1, prompt[pos]].item(), abs=1e-4
+            )
             assert entries[pos].top[0][0] == int(reference[pos - 1].argmax())
         assert all(o.prompt_logprobs is None for o in outputs[f"req-{i}"][1:])
 
@@ -176,13 +179,16 @@ def test_failed_step_fails_its_requests_and_the_engine_carries_on(tiny_model, mo
     assert len(tokens_of(after)) == 3
 
 
-@pytest.mark.parametrize(("prompt", "params", "error"), [
-    ([], SamplingParams(), InvalidRequestError),
-    ([5, 100_000], SamplingParams(), InvalidRequestError),
-    ([5, -1], SamplingParams(), InvalidRequestError),
-    ([5], SamplingParams(logit_bias={10_000: 1.0}), InvalidRequestError),
-    (list(range(2, 100)), SamplingParams(), PromptTooLongError),
-])
+@pytest.mark.parametrize(
+    ("prompt", "params", "error"),
+    [
+        ([], SamplingParams(), InvalidRequestError),
+        ([5, 100_000], SamplingParams(), InvalidRequestError),
+        ([5, -1], SamplingParams(), InvalidRequestError),
+        ([5], SamplingParams(logit_bias={10_000: 1.0}), InvalidRequestError),
+        (list(range(2, 100)), SamplingParams(), PromptTooLongError),
+    ],
+)
 def test_requests_that_cannot_run_are_refused(tiny_model, prompt, params, error):
     core, _ = tiny_core(tiny_model, max_model_len=64)
     with pytest.raises(error):
@@ -198,14 +204,23 @@ def test_stop_strings_need_a_tokenizer(tiny_model):
     assert len(tokens_of(outputs)) == 3 and text_of(outputs) == ""
 
 
-@pytest.mark.parametrize(("params", "param"), [
-    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
-    (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"), (dict(logprobs=21), "logprobs"),
-    (dict(presence_penalty=3), "presence_penalty"), (dict(min_p=2), "min_p"),
-    (dict(repetition_penalty=0), "repetition_penalty"), (dict(stop=("",)), "stop"),
-    (dict(temperature=float("nan")), "temperature"), (dict(min_tokens=5, max_tokens=2),
-                                                       "min_tokens"),
-])
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(n=0), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(min_p=2), "min_p"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(stop=("",)), "stop"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    ],
+)
 def test_sampling_params_are_validated(params, param):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**params)

@@ -72,14 +72,14 @@ def test_match_generate_with_chunked_prefill_forced(device):
 
 
 def test_match_generate_with_preemption_and_chunking_together(device):
-    core, chunked = check_greedy(device, num_blocks=20, max_model_len=64,
-                                 max_num_batched_tokens=10)
+    core, chunked = check_greedy(device, num_blocks=20, max_model_len=64, max_num_batched_tokens=10)
     assert core.scheduler.num_preemptions > 0 and any(chunked)
 
 
 def test_match_generate_without_chunked_prefill(device):
-    _, chunked = check_greedy(device, max_num_batched_tokens=64, enable_chunked_prefill=False,
-                              max_model_len=64)
+    _, chunked = check_greedy(
+        device, max_num_batched_tokens=64, enable_chunked_prefill=False, max_model_len=64
+    )
     assert not any(chunked)
 
 
@@ -92,7 +92,12 @@ def test_match_generate_with_other_block_sizes(block_size):
 def test_each_attention_backend_matches_generate(backend):
     """`triton` runs on the GPU where there is one, else in Triton's interpreter."""
     device = TRITON_DEVICE if backend == "triton" else "cpu"
-    core, _ = check_greedy(device, num_blocks=24, max_model_len=64, max_num_batched_tokens=10,
-                           attention_backend=backend)
+    core, _ = check_greedy(
+        device,
+        num_blocks=24,
+        max_model_len=64,
+        max_num_batched_tokens=10,
+        attention_backend=backend,
+    )
     assert core.runner.backend.name == backend
     assert core.scheduler.num_preemptions > 0

@@ -84,12 +84,19 @@ def test_a_step_no_single_request_explains_still_fails_everything(monkeypatch, c
 async def test_a_hostile_top_k_is_served_and_hurts_no_other_stream():
     body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
     async with app_client() as (client, _):
-        alone = [(await client.post("/v1/completions", json={"prompt": f"Hello {i}", **body}))
-                 .json()["choices"][0]["text"] for i in range(4)]
-        victims = [client.post("/v1/completions", json={"prompt": f"Hello {i}", **body})
-                   for i in range(4)]
-        hostile = client.post("/v1/completions", json={
-            "prompt": "Hi", "max_tokens": 4, "top_k": 2**63, "temperature": 1})
+        alone = [
+            (await client.post("/v1/completions", json={"prompt": f"Hello {i}", **body})).json()[
+                "choices"
+            ][0]["text"]
+            for i in range(4)
+        ]
+        victims = [
+            client.post("/v1/completions", json={"prompt": f"Hello {i}", **body}) for i in range(4)
+        ]
+        hostile = client.post(
+            "/v1/completions",
+            json={"prompt": "Hi", "max_tokens": 4, "top_k": 2**63, "temperature": 1},
+        )
         *replies, attacker = await asyncio.gather(*victims, hostile)
         assert attacker.status_code == 200, attacker.text
         assert [r.json()["choices"][0]["text"] for r in replies] == alone

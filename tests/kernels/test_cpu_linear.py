@@ -43,10 +43,12 @@ from tests.helpers import (
     tokens_of,
 )
 
-needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_available(),
-                                  reason="this torch build has no fbgemm fp16 GEMM")
-needs_onednn = pytest.mark.skipif(not onednn_linear_available(),
-                                  reason="this torch build cannot pack weights for oneDNN")
+needs_fbgemm = pytest.mark.skipif(
+    not fbgemm_fp16_available(), reason="this torch build has no fbgemm fp16 GEMM"
+)
+needs_onednn = pytest.mark.skipif(
+    not onednn_linear_available(), reason="this torch build cannot pack weights for oneDNN"
+)
 
 
 @pytest.fixture(params=[True, False], ids=["panels", "torch"])
@@ -115,13 +117,23 @@ def test_packed_model_greedy_equals_generate(panels: bool) -> None:
 
 
 @needs_fbgemm
-@pytest.mark.parametrize("rows", [1, 7, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1,
-                                  SMALL_BATCH_ROWS_PLAIN, SMALL_BATCH_ROWS_PLAIN + 1, 300])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        1,
+        7,
+        SMALL_BATCH_ROWS,
+        SMALL_BATCH_ROWS + 1,
+        SMALL_BATCH_ROWS_PLAIN,
+        SMALL_BATCH_ROWS_PLAIN + 1,
+        300,
+    ],
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("onednn", [True, False])
-def test_fbgemm_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytest.MonkeyPatch,
-                                                              rows: int, with_bias: bool,
-                                                              onednn: bool) -> None:
+def test_fbgemm_layer_matches_fp32_product_of_rounded_weights(
+    monkeypatch: pytest.MonkeyPatch, rows: int, with_bias: bool, onednn: bool
+) -> None:
     if onednn and not onednn_linear_available():
         pytest.skip("this torch build cannot pack weights for oneDNN")
     monkeypatch.setattr(cpu_linear, "onednn_linear_available", lambda: onednn)
@@ -138,15 +150,32 @@ def test_fbgemm_layer_matches_fp32_product_of_rounded_weights(monkeypatch: pytes
     assert torch.equal(layer.weight, linear.weight.half().float())
 
 
-@pytest.mark.parametrize(("rows", "in_features", "out_features"),
-                         [(1, 8, 1), (1, 24, 64), (1, 40, 100), (2, 13, 5), (2, 96, 80),
-                          (3, 96, 17), (3, 40, 64), (4, 100, 40), (5, 1000, 9), (6, 24, 32),
-                          (7, 24, 3), (8, 40, 20), (13, 64, 33), (16, 37, 64), (64, 96, 48),
-                          (20, 9000, 18)])
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [
+        (1, 8, 1),
+        (1, 24, 64),
+        (1, 40, 100),
+        (2, 13, 5),
+        (2, 96, 80),
+        (3, 96, 17),
+        (3, 40, 64),
+        (4, 100, 40),
+        (5, 1000, 9),
+        (6, 24, 32),
+        (7, 24, 3),
+        (8, 40, 20),
+        (13, 64, 33),
+        (16, 37, 64),
+        (64, 96, 48),
+        (20, 9000, 18),
+    ],
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("storage", [torch.float32, torch.float16])
-def test_panel_kernel_matches_the_exact_product(rows: int, in_features: int, out_features: int,
-                                                with_bias: bool, storage: torch.dtype) -> None:
+def test_panel_kernel_matches_the_exact_product(
+    rows: int, in_features: int, out_features: int, with_bias: bool, storage: torch.dtype
+) -> None:
     """One to three rows over several panels at a time and one at a time, passes of 4 to 6
     rows, a last panel with spare columns, and rows in chunks (9000 inputs leave room for 6
     rows per chunk)."""
@@ -196,8 +225,7 @@ def test_panel_kernel_refuses_bad_inputs() -> None:
         cpu_ops.panel_linear(x, panels, torch.randn(3), 3)
 
 
-def bf16_product(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+def bf16_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What bf16 panels compute: x rounded to bf16 times the bf16 weight, summed exactly (fp64
     here; the kernel sums in fp32)."""
     bias = None if bias is None else bias.detach().double()
@@ -205,17 +233,42 @@ def bf16_product(x: torch.Tensor, weight: torch.Tensor,
 
 
 @needs_bf16_panels
-@pytest.mark.parametrize(("rows", "in_features", "out_features"),
-                         [(1, 8, 1), (1, 24, 64), (1, 40, 100), (1, 64, 200), (2, 14, 5),
-                          (2, 96, 80), (3, 96, 17), (3, 40, 64), (4, 100, 40), (5, 1000, 9),
-                          (8, 24, 32), (9, 24, 3), (13, 64, 33), (16, 38, 64), (64, 96, 48),
-                          (20, 9000, 18), (4, 64, 1000), (33, 48, 700), (16, 2000, 520),
-                          (150, 2000, 300), (1, 32, 16), (17, 64, 48), (70, 576, 200),
-                          (33, 160, 700), (100, 1536, 40), (250, 576, 33)])
+@pytest.mark.parametrize(
+    ("rows", "in_features", "out_features"),
+    [
+        (1, 8, 1),
+        (1, 24, 64),
+        (1, 40, 100),
+        (1, 64, 200),
+        (2, 14, 5),
+        (2, 96, 80),
+        (3, 96, 17),
+        (3, 40, 64),
+        (4, 100, 40),
+        (5, 1000, 9),
+        (8, 24, 32),
+        (9, 24, 3),
+        (13, 64, 33),
+        (16, 38, 64),
+        (64, 96, 48),
+        (20, 9000, 18),
+        (4, 64, 1000),
+        (33, 48, 700),
+        (16, 2000, 520),
+        (150, 2000, 300),
+        (1, 32, 16),
+        (17, 64, 48),
+        (70, 576, 200),
+        (33, 160, 700),
+        (100, 1536, 40),
+        (250, 576, 33),
+    ],
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.usefixtures("bf16_products")
-def test_bf16_panels_multiply_bf16_rounded_inputs(rows: int, in_features: int,
-                                                  out_features: int, with_bias: bool) -> None:
+def test_bf16_panels_multiply_bf16_rounded_inputs(
+    rows: int, in_features: int, out_features: int, with_bias: bool
+) -> None:
     """One row over 8 panels at a time, two over 4, three over 2, then passes of up to 8 rows
     over 2 panels or a last odd one, a last panel with spare columns, rows in chunks (9000
     inputs: 8 rows a chunk), inputs not a multiple of 16; many panels hand each thread several
@@ -231,8 +284,9 @@ def test_bf16_panels_multiply_bf16_rounded_inputs(rows: int, in_features: int,
     x = torch.randn(rows, in_features)
     out = layer(x)
     assert out.shape == (rows, out_features) and out.dtype == torch.float32
-    torch.testing.assert_close(out, bf16_product(x, linear.weight, linear.bias),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        out, bf16_product(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-4
+    )
     assert torch.equal(layer.weight, linear.weight.detach().bfloat16().float())
 
 
@@ -264,8 +318,7 @@ def test_bf16_panels_pair_the_input_features() -> None:
 def test_bf16_panels_of_the_wrong_width_are_refused() -> None:
     assert cpu_ops.panel_linear_available()
     with pytest.raises(RuntimeError, match=r"bf16 panels must be \[panels, in / 2, 32\]"):
-        cpu_ops.panel_linear(torch.randn(2, 8), torch.ones(1, 8, 16, dtype=torch.bfloat16),
-                                 None, 3)
+        cpu_ops.panel_linear(torch.randn(2, 8), torch.ones(1, 8, 16, dtype=torch.bfloat16), None, 3)
 
 
 BF16_STORAGE = pytest.param(torch.bfloat16, marks=needs_bf16_panels)
@@ -283,8 +336,10 @@ def test_a_residual_adds_to_the_product_as_after_it(storage: torch.dtype, rows: 
     before = residual.clone()
     assert torch.equal(layer(x, residual), residual + layer(x))
     assert torch.equal(residual, before)
-    assert torch.equal(layer(x.view(1, rows, 96), residual.view(1, rows, 40)),
-                       (residual + layer(x)).view(1, rows, 40))
+    assert torch.equal(
+        layer(x.view(1, rows, 96), residual.view(1, rows, 40)),
+        (residual + layer(x)).view(1, rows, 40),
+    )
 
 
 def test_a_residual_of_the_wrong_shape_is_refused() -> None:
@@ -292,15 +347,21 @@ def test_a_residual_of_the_wrong_shape_is_refused() -> None:
     with pytest.raises(RuntimeError, match="residual must be contiguous fp32"):
         cpu_ops.panel_linear(torch.randn(2, 96), layer.panels, None, 40, torch.randn(2, 41))
     with pytest.raises(RuntimeError, match="residual must be contiguous fp32"):
-        cpu_ops.panel_linear(torch.randn(2, 96), layer.panels, None, 40,
-                                 torch.randn(2, 40).double())
+        cpu_ops.panel_linear(
+            torch.randn(2, 96), layer.panels, None, 40, torch.randn(2, 40).double()
+        )
 
 
-def gate_and_up(in_features: int, inter: int, with_bias: bool,
-                ) -> tuple[PanelLinear, PanelLinear, GatedPanelLinear]:
+def gate_and_up(
+    in_features: int,
+    inter: int,
+    with_bias: bool,
+) -> tuple[PanelLinear, PanelLinear, GatedPanelLinear]:
     torch.manual_seed(in_features + inter)
-    gate, up = nn.Linear(in_features, inter, bias=with_bias), nn.Linear(in_features, inter,
-                                                                         bias=with_bias)
+    gate, up = (
+        nn.Linear(in_features, inter, bias=with_bias),
+        nn.Linear(in_features, inter, bias=with_bias),
+    )
     layers = [PanelLinear(m.weight, m.bias, torch.bfloat16) for m in (gate, up)]
     gated = GatedPanelLinear.of(*layers)
     assert gated is not None
@@ -308,16 +369,34 @@ def gate_and_up(in_features: int, inter: int, with_bias: bool,
 
 
 @needs_bf16_panels
-@pytest.mark.parametrize(("rows", "in_features", "inter"),
-                         [(1, 8, 1), (1, 64, 200), (1, 40, 72), (2, 96, 80), (2, 14, 5),
-                          (3, 40, 64), (3, 96, 17), (5, 100, 40), (9, 24, 3), (16, 38, 64),
-                          (64, 96, 48), (20, 9000, 18), (8, 64, 600), (40, 96, 330),
-                          (150, 2000, 200), (17, 64, 48), (70, 576, 200), (250, 576, 40)])
+@pytest.mark.parametrize(
+    ("rows", "in_features", "inter"),
+    [
+        (1, 8, 1),
+        (1, 64, 200),
+        (1, 40, 72),
+        (2, 96, 80),
+        (2, 14, 5),
+        (3, 40, 64),
+        (3, 96, 17),
+        (5, 100, 40),
+        (9, 24, 3),
+        (16, 38, 64),
+        (64, 96, 48),
+        (20, 9000, 18),
+        (8, 64, 600),
+        (40, 96, 330),
+        (150, 2000, 200),
+        (17, 64, 48),
+        (70, 576, 200),
+        (250, 576, 40),
+    ],
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.usefixtures("bf16_products")
-def test_gated_panels_equal_the_projection_then_the_activation(rows: int, in_features: int,
-                                                               inter: int,
-                                                               with_bias: bool) -> None:
+def test_gated_panels_equal_the_projection_then_the_activation(
+    rows: int, in_features: int, inter: int, with_bias: bool
+) -> None:
     """silu(gate) * up from gate/up panel pairs equals, to the bit, both projections through
     the bf16 panels followed by `silu_mul`: one row over 4 pairs at a time, two over 2, three
     over 1, then passes of up to 8 rows, spare columns, rows in chunks."""
@@ -336,12 +415,14 @@ def test_gated_panels_equal_the_projection_then_the_activation(rows: int, in_fea
 
 
 @needs_bf16_panels
-@pytest.mark.parametrize(("rows", "in_features", "inter"),
-                         [(1, 64, 200), (3, 40, 72), (16, 96, 330), (150, 2000, 200),
-                          (70, 576, 200)])
+@pytest.mark.parametrize(
+    ("rows", "in_features", "inter"),
+    [(1, 64, 200), (3, 40, 72), (16, 96, 330), (150, 2000, 200), (70, 576, 200)],
+)
 @pytest.mark.usefixtures("bf16_products")
-def test_gated_bf16_rows_feed_a_bf16_product_as_it_would_round_them(rows: int, in_features: int,
-                                                                     inter: int) -> None:
+def test_gated_bf16_rows_feed_a_bf16_product_as_it_would_round_them(
+    rows: int, in_features: int, inter: int
+) -> None:
     """With `bf16_out` the gated product writes its rows rounded to bf16 (spare columns of the
     last panel left out), equal to the bit to rounding its fp32 rows; a bf16 product over them
     gives the bits it gives over the fp32 rows, with or without a residual."""
@@ -385,8 +466,9 @@ def test_gated_rows_do_not_depend_on_their_batch(in_features: int) -> None:
 
 
 @needs_bf16_panels
-@pytest.mark.parametrize(("rows", "in_features"), [(1, 96), (3, 96), (16, 96), (64, 96),
-                                                   (150, 2000), (150, 576)])
+@pytest.mark.parametrize(
+    ("rows", "in_features"), [(1, 96), (3, 96), (16, 96), (64, 96), (150, 2000), (150, 576)]
+)
 @pytest.mark.usefixtures("bf16_products")
 def test_bf16_products_do_not_depend_on_the_thread_count(rows: int, in_features: int) -> None:
     """Runs of panels go to whichever thread is free; every output is one pass's sums, so the
@@ -409,8 +491,9 @@ def test_bf16_products_do_not_depend_on_the_thread_count(rows: int, in_features:
             assert torch.equal(first, then)
 
 
-@pytest.mark.skipif("amx_bf16" not in cpu_build.cpu_flags().split(),
-                    reason="this CPU has no AMX-BF16")
+@pytest.mark.skipif(
+    "amx_bf16" not in cpu_build.cpu_flags().split(), reason="this CPU has no AMX-BF16"
+)
 def test_amx_cpus_run_the_bf16_products_in_tiles() -> None:
     """Where the CPU has AMX-BF16, the kernel grants the tiles and the products use them; the
     tiles and the dot products give the same sums but for the last bits of their rounding."""
@@ -433,8 +516,10 @@ def test_amx_cpus_run_the_bf16_products_in_tiles() -> None:
 def test_gated_panels_need_two_bf16_projections_alike() -> None:
     gate, up, _ = gate_and_up(32, 48, True)
     assert GatedPanelLinear.of(gate, PanelLinear(torch.randn(48, 32), None, torch.bfloat16)) is None
-    assert GatedPanelLinear.of(gate, PanelLinear(torch.randn(64, 32), torch.randn(64),
-                                                 torch.bfloat16)) is None
+    assert (
+        GatedPanelLinear.of(gate, PanelLinear(torch.randn(64, 32), torch.randn(64), torch.bfloat16))
+        is None
+    )
     assert GatedPanelLinear.of(PanelLinear(torch.randn(48, 32), torch.randn(48)), up) is None
     assert GatedPanelLinear.of(gate, nn.Linear(32, 48)) is None
 
@@ -459,8 +544,9 @@ def test_panel_layers_take_any_leading_shape_and_fuse() -> None:
     torch.manual_seed(1)
     first, second = nn.Linear(32, 20), nn.Linear(32, 12)
     layer = PanelLinear(first.weight, first.bias, torch.float16)
-    fused = layer.remade(torch.cat([first.weight, second.weight]),
-                        torch.cat([first.bias, second.bias]))
+    fused = layer.remade(
+        torch.cat([first.weight, second.weight]), torch.cat([first.bias, second.bias])
+    )
     assert fused.panels.dtype == torch.float16 and fused.out_features == 32
     x = torch.randn(2, 3, 32)
     out = fused(x)
@@ -474,8 +560,9 @@ def test_conversion_swaps_linears_and_keeps_what_fp16_cannot_hold(panels: bool) 
         pytest.skip("this torch build has no fbgemm fp16 GEMM")
     kind = PanelLinear if panels else HalfWeightLinear
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)),
-                          nn.Linear(4, 2))
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4)), nn.Linear(4, 2)
+    )
     with torch.no_grad():
         model[3].weight[0, 0] = 1e6
     x = torch.randn(3, 8)
@@ -535,8 +622,12 @@ def test_bf16_prompt_products_in_chunks_and_over_a_cached_prefix(tmp_path) -> No
 
     tiny_llama(dtype=torch.bfloat16).save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
-    config = EngineConfig(model=str(tmp_path), device="cpu", max_num_batched_tokens=24,
-                          cache=CacheConfig(num_blocks=64, block_size=8))
+    config = EngineConfig(
+        model=str(tmp_path),
+        device="cpu",
+        max_num_batched_tokens=24,
+        cache=CacheConfig(num_blocks=64, block_size=8),
+    )
     core, _, _ = create_engine_core(config)
     assert core.runner.backend.bf16_prompts
     first = list(range(40, 120))
@@ -549,53 +640,77 @@ def test_bf16_prompt_products_in_chunks_and_over_a_cached_prefix(tmp_path) -> No
         assert tokens_of(outputs) == reference_greedy(reference, prompt, 8)
 
 
-@pytest.mark.parametrize(("dtype", "device", "native", "bf16_panels", "expected"), [
-    (torch.bfloat16, "cpu", False, False, True),
-    (torch.float16, "cpu", False, False, True),
-    (torch.bfloat16, "cpu", True, False, False),  # torch's bf16 products
-    (torch.bfloat16, "cpu", True, True, True),  # bf16 panels
-    (torch.float16, "cpu", True, True, False),  # native fp16: torch's products
-    (torch.float32, "cpu", False, False, False),
-    (torch.bfloat16, "cuda", False, False, False),
-])
-def test_when_half_weights_apply(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-                                 device: str, native: bool, bf16_panels: bool,
-                                 expected: bool) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "device", "native", "bf16_panels", "expected"),
+    [
+        (torch.bfloat16, "cpu", False, False, True),
+        (torch.float16, "cpu", False, False, True),
+        (torch.bfloat16, "cpu", True, False, False),  # torch's bf16 products
+        (torch.bfloat16, "cpu", True, True, True),  # bf16 panels
+        (torch.float16, "cpu", True, True, False),  # native fp16: torch's products
+        (torch.float32, "cpu", False, False, False),
+        (torch.bfloat16, "cuda", False, False, False),
+    ],
+)
+def test_when_half_weights_apply(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    device: str,
+    native: bool,
+    bf16_panels: bool,
+    expected: bool,
+) -> None:
     monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: native)
     monkeypatch.setattr(model_loader, "cpu_supports_fp16", lambda: native)
     monkeypatch.setattr(model_loader, "bf16_panels_available", lambda: bf16_panels)
     assert half_weights_in_fp32(dtype, torch.device(device)) is expected
 
 
-@pytest.mark.parametrize(("dtype", "device", "native", "bf16_panels", "packs", "expected"), [
-    (torch.bfloat16, "cpu", True, True, True, LinearForm.BF16_PANELS),
-    (torch.bfloat16, "cpu", False, False, True, LinearForm.HALF_WEIGHTS),
-    (torch.bfloat16, "cpu", True, False, True, LinearForm.TORCH),  # torch's bf16 products
-    (torch.float32, "cpu", True, True, True, LinearForm.FP32_PANELS),
-    (torch.float32, "cpu", False, False, False, LinearForm.TORCH),  # no kernels built
-    (torch.float32, "cuda", False, False, True, LinearForm.TORCH),
-    (torch.bfloat16, "cuda", True, True, True, LinearForm.TORCH),
-])
-def test_the_linear_form_is_chosen_in_one_place(monkeypatch: pytest.MonkeyPatch,
-                                                dtype: torch.dtype, device: str, native: bool,
-                                                bf16_panels: bool, packs: bool,
-                                                expected: LinearForm) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "device", "native", "bf16_panels", "packs", "expected"),
+    [
+        (torch.bfloat16, "cpu", True, True, True, LinearForm.BF16_PANELS),
+        (torch.bfloat16, "cpu", False, False, True, LinearForm.HALF_WEIGHTS),
+        (torch.bfloat16, "cpu", True, False, True, LinearForm.TORCH),  # torch's bf16 products
+        (torch.float32, "cpu", True, True, True, LinearForm.FP32_PANELS),
+        (torch.float32, "cpu", False, False, False, LinearForm.TORCH),  # no kernels built
+        (torch.float32, "cuda", False, False, True, LinearForm.TORCH),
+        (torch.bfloat16, "cuda", True, True, True, LinearForm.TORCH),
+    ],
+)
+def test_the_linear_form_is_chosen_in_one_place(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    device: str,
+    native: bool,
+    bf16_panels: bool,
+    packs: bool,
+    expected: LinearForm,
+) -> None:
     monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: native)
     monkeypatch.setattr(model_loader, "bf16_panels_available", lambda: bf16_panels)
     monkeypatch.setattr(model_loader, "fp32_packing_supported", lambda: packs)
     assert model_loader.choose_linear_form(dtype, torch.device(device)) is expected
 
 
-@pytest.mark.parametrize(("stored", "native", "half", "expected"), [
-    (torch.bfloat16, False, True, torch.bfloat16),  # 16-bit weights, fp32 compute
-    (torch.float16, False, True, torch.float16),
-    (torch.float32, False, True, torch.float32),
-    (None, False, True, torch.float32),  # the config names no dtype
-    (torch.bfloat16, False, False, torch.float32),  # no 16-bit-weight product here
-    (torch.float32, True, True, torch.bfloat16),  # native bf16
-])
-def test_auto_dtype_on_the_cpu(monkeypatch: pytest.MonkeyPatch, stored: torch.dtype | None,
-                               native: bool, half: bool, expected: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("stored", "native", "half", "expected"),
+    [
+        (torch.bfloat16, False, True, torch.bfloat16),  # 16-bit weights, fp32 compute
+        (torch.float16, False, True, torch.float16),
+        (torch.float32, False, True, torch.float32),
+        (None, False, True, torch.float32),  # the config names no dtype
+        (torch.bfloat16, False, False, torch.float32),  # no 16-bit-weight product here
+        (torch.float32, True, True, torch.bfloat16),  # native bf16
+    ],
+)
+def test_auto_dtype_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+    stored: torch.dtype | None,
+    native: bool,
+    half: bool,
+    expected: torch.dtype,
+) -> None:
     monkeypatch.setattr(model_loader, "checkpoint_dtype", lambda model, trust: stored)
     monkeypatch.setattr(model_loader, "cpu_supports_bf16", lambda: native)
     monkeypatch.setattr(model_loader, "half_weights_supported", lambda: half)
@@ -603,9 +718,11 @@ def test_auto_dtype_on_the_cpu(monkeypatch: pytest.MonkeyPatch, stored: torch.dt
     assert model_loader.resolve_dtype("float32", torch.device("cpu"), "x") == torch.float32
 
 
-def test_a_bf16_checkpoint_served_with_auto_keeps_16_bits(tmp_path, half_weights: str,
-                                                           monkeypatch: pytest.MonkeyPatch,
-                                                           ) -> None:
+def test_a_bf16_checkpoint_served_with_auto_keeps_16_bits(
+    tmp_path,
+    half_weights: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """`--dtype auto` on a CPU without native bf16 (fp16 panels, fbgemm) or with AVX-512 BF16
     (bf16 panels): the bf16 checkpoint keeps 16-bit weights and K/V, carries fp32 activations,
     and greedy equals transformers in fp32 over the same weights (and bf16-rounded inputs to
@@ -618,8 +735,9 @@ def test_a_bf16_checkpoint_served_with_auto_keeps_16_bits(tmp_path, half_weights
     tiny_llama(dtype=torch.bfloat16).save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     assert model_loader.checkpoint_dtype(str(tmp_path)) == torch.bfloat16
-    config = EngineConfig(model=str(tmp_path), device="cpu",
-                          cache=CacheConfig(num_blocks=64, block_size=8))
+    config = EngineConfig(
+        model=str(tmp_path), device="cpu", cache=CacheConfig(num_blocks=64, block_size=8)
+    )
     core, loaded, info = create_engine_core(config)
     assert (info.dtype, info.kv_cache_dtype) == ("bfloat16", "bfloat16")
     # With bf16 panels the prompts attend in bf16 products too, which the oracle keeps in fp32.

@@ -64,8 +64,9 @@ def test_refuses_bad_inputs():
 def test_the_model_takes_it_for_fp32_rows_on_the_cpu(monkeypatch):
     calls = spy(monkeypatch, "rms_norm")
     weight, x = torch.randn(8), torch.randn(4, 8)
-    torch.testing.assert_close(layers.rms_norm(x, weight, 1e-6),
-                               F.rms_norm(x, weight.shape, weight, 1e-6))
+    torch.testing.assert_close(
+        layers.rms_norm(x, weight, 1e-6), F.rms_norm(x, weight.shape, weight, 1e-6)
+    )
     layers.rms_norm(torch.randn(8, 4).t(), weight, 1e-6)  # strided: torch's
     layers.rms_norm(torch.randn(4, 3, 8), weight, 1e-6)  # per-head rows: torch's
     layers.rms_norm(torch.randn(4, 8).bfloat16(), weight.bfloat16(), 1e-6)  # bf16: torch's
@@ -77,12 +78,13 @@ def torch_rotary(x, cos, sin):
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-@pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 12, 64), (7, 3, 2), (33, 5, 6),
-                                                       (400, 9, 128)])
+@pytest.mark.parametrize(
+    ("tokens", "heads", "dim"), [(1, 12, 64), (7, 3, 2), (33, 5, 6), (400, 9, 128)]
+)
 def test_rotary_is_torchs_to_the_bit(tokens, heads, dim):
     torch.manual_seed(tokens)
     fused = torch.randn(tokens, (heads + 2) * dim)  # q/k heads inside a wider projection
-    x = fused[:, :heads * dim].view(tokens, heads, dim)
+    x = fused[:, : heads * dim].view(tokens, heads, dim)
     angles = torch.randn(1, tokens, dim) * 10
     cos, sin = angles.cos()[0, :, None, :], angles.sin()[0, :, None, :]
     out = cpu_ops.rotary(x, cos, sin)
@@ -146,8 +148,10 @@ def test_the_model_gates_fp32_silu_rows_on_the_cpu_in_one_pass(monkeypatch):
     layer = llama.PagedLlamaLayer(tiny_llama().model.layers[0], 0)
     assert layer.silu
     hidden = torch.randn(3, layer.gate_up_proj.in_features)
-    expected = layer.down_proj(layer.act_fn(layer.gate_up_proj(hidden)[:, :layer.intermediate])
-                               * layer.gate_up_proj(hidden)[:, layer.intermediate:])
+    expected = layer.down_proj(
+        layer.act_fn(layer.gate_up_proj(hidden)[:, : layer.intermediate])
+        * layer.gate_up_proj(hidden)[:, layer.intermediate :]
+    )
     residual = torch.randn(3, layer.down_proj.out_features)
     torch.testing.assert_close(layer._mlp(hidden, residual), residual + expected)
     layer.silu = False  # another activation: torch's
@@ -155,8 +159,9 @@ def test_the_model_gates_fp32_silu_rows_on_the_cpu_in_one_pass(monkeypatch):
     assert calls == [(3, 2 * layer.intermediate)]
 
 
-@pytest.mark.parametrize(("rows", "vocab"), [(1, 1), (3, 7), (2, 8), (5, 9), (64, 49152),
-                                             (17, 1003)])
+@pytest.mark.parametrize(
+    ("rows", "vocab"), [(1, 1), (3, 7), (2, 8), (5, 9), (64, 49152), (17, 1003)]
+)
 def test_argmax_matches_torch(rows, vocab):
     torch.manual_seed(vocab)
     x = torch.randn(rows, vocab) * 5

@@ -50,11 +50,15 @@ def stack_of(model: LlamaForCausalLM) -> FusedDecode:
     return fused
 
 
-def stack_args(fused: FusedDecode) -> tuple[list[torch.Tensor], list[torch.Tensor | None],
-                                            list[int]]:
+def stack_args(
+    fused: FusedDecode,
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]]:
     """The stack's weights, biases and heads, as `decode_layers` takes them."""
-    return ([w for layer in fused.layers for w in layer.weights],
-            [b for layer in fused.layers for b in layer.biases], fused.layers[0].heads)
+    return (
+        [w for layer in fused.layers for w in layer.weights],
+        [b for layer in fused.layers for b in layer.biases],
+        fused.layers[0].heads,
+    )
 
 
 # bf16 panels, whose gate/up pairs run the MLP's activation in the same op.
@@ -83,12 +87,20 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
-def decode_step(model: LlamaForCausalLM, fused: bool, monkeypatch: pytest.MonkeyPatch,
-                kv: str = "auto", prompts: list[list[int]] = PROMPTS,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_step(
+    model: LlamaForCausalLM,
+    fused: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    kv: str = "auto",
+    prompts: list[list[int]] = PROMPTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and cache after one decode step of sequences of different lengths."""
-    core, _ = tiny_core(model, attention_backend="cpu", kv_cache_dtype=kv,
-                        with_tokenizer=model.config.vocab_size >= 320)
+    core, _ = tiny_core(
+        model,
+        attention_backend="cpu",
+        kv_cache_dtype=kv,
+        with_tokenizer=model.config.vocab_size >= 320,
+    )
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         core.add_request(f"r{i}", prompt, params)
@@ -107,9 +119,9 @@ def decode_step(model: LlamaForCausalLM, fused: bool, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("weights", ["fp32", "fp16", BF16])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e5m2"])
-def test_fused_step_equals_the_layers_op_by_op(family: str, weights: str, kv: str,
-                                                calls: list[int],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_step_equals_the_layers_op_by_op(
+    family: str, weights: str, kv: str, calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Same kernels in the same order, K/V rounded alike to a 16-bit cache: the logits and
     every K/V written are equal to the bit (qwen2 has q/k/v biases)."""
     model = packed(tiny_llama() if family == "llama" else build(family), weights)
@@ -134,8 +146,9 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPat
     the same logits and cache to the bit, in one call a step."""
     stacks: list[int] = []
     original = cpu_ops.decode_layers
-    monkeypatch.setattr(cpu_ops, "decode_layers",
-                        lambda *args: stacks.append(len(args[6])) or original(*args))
+    monkeypatch.setattr(
+        cpu_ops, "decode_layers", lambda *args: stacks.append(len(args[6])) or original(*args)
+    )
     model = packed(tiny_llama())
     stacked_logits, stacked_cache = decode_step(model, True, monkeypatch, "bfloat16")
     layers = model.config.num_hidden_layers
@@ -150,9 +163,11 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPat
 @needs_bf16_panels
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("sequences", [4, 13])
-def test_the_stack_in_one_region_equals_the_layers_op_by_op(threads: int, sequences: int,
-                                                            monkeypatch: pytest.MonkeyPatch,
-                                                            ) -> None:
+def test_the_stack_in_one_region_equals_the_layers_op_by_op(
+    threads: int,
+    sequences: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Over bf16 panels the stack runs in one parallel region
     (`csrc/fused_decode/decode_stack.cpp`): with a few sequences' kv heads shared out or many whole
     sequences taken as threads free up, on any number of threads, the logits and every K/V written
@@ -199,16 +214,27 @@ def test_the_region_refuses_rows_without_their_rotary_rows() -> None:
     stack = stack_of(packed(tiny_llama(), "bf16"))
     weights, biases, heads = stack_args(stack)
     caches = [torch.zeros(8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(4)]
-    args = dict(hidden=torch.randn(2, 64), weights=weights, biases=biases, heads=heads,
-                cos=torch.ones(3, 1, 16), sin=torch.zeros(3, 1, 16),
-                key_caches=caches[:2], value_caches=caches[2:], slots=torch.tensor([1, 5]),
-                block_table=torch.tensor([[0], [1]]), seq_lens=torch.tensor([2, 2]),
-                eps=stack.layers[0].eps, scale=stack.layers[0].scale)
+    args = dict(
+        hidden=torch.randn(2, 64),
+        weights=weights,
+        biases=biases,
+        heads=heads,
+        cos=torch.ones(3, 1, 16),
+        sin=torch.zeros(3, 1, 16),
+        key_caches=caches[:2],
+        value_caches=caches[2:],
+        slots=torch.tensor([1, 5]),
+        block_table=torch.tensor([[0], [1]]),
+        seq_lens=torch.tensor([2, 2]),
+        eps=stack.layers[0].eps,
+        scale=stack.layers[0].scale,
+    )
     with pytest.raises(RuntimeError, match="rotary"):
         cpu_ops.decode_layers(**args)
     assert all(not c.any() for c in caches)
-    out = cpu_ops.decode_layers(**(args | dict(cos=torch.ones(2, 1, 16),
-                                                   sin=torch.zeros(2, 1, 16))))
+    out = cpu_ops.decode_layers(
+        **(args | dict(cos=torch.ones(2, 1, 16), sin=torch.zeros(2, 1, 16)))
+    )
     assert out.shape == (2, 64) and torch.isfinite(out).all()
     assert caches[0][0, 1].any() and caches[0][1, 1].any()  # slots 1 and 5
 
@@ -242,8 +268,7 @@ def test_the_route_is_chosen_for_all_the_layers_at_once() -> None:
 
 
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
-def test_greedy_through_the_fused_layer_equals_generate(weights: str,
-                                                        calls: list[int]) -> None:
+def test_greedy_through_the_fused_layer_equals_generate(weights: str, calls: list[int]) -> None:
     """The oracle: transformers over the same (for fp16 panels, fp16-rounded) weights."""
     model = tiny_llama(dtype=torch.float32 if weights == "fp32" else torch.bfloat16).float()
     expected = [reference_greedy(model, p, 12) for p in PROMPTS]
@@ -263,8 +288,7 @@ def test_steps_with_a_prompt_run_op_by_op(calls: list[int]) -> None:
 
 
 @pytest.mark.parametrize("case", ["qk_norm", "gelu", "unpacked", "torch_backend"])
-def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str,
-                                                             calls: list[int]) -> None:
+def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str, calls: list[int]) -> None:
     """Per-head q/k norms (Qwen3), another activation, torch's own linear layers and another
     attention backend all keep the layer op by op, and greedy still equals generate."""
     if case == "qk_norm":
@@ -283,11 +307,18 @@ def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str,
     core, _ = tiny_core(model, attention_backend=backend)
     route = core.runner.model.fused_decode
     assert (route.route is DecodeRoute.OPS) == (case != "torch_backend")
-    assert route.reason == {"qk_norm": "per-head q/k norms", "gelu": "the activation is not silu",
-                            "unpacked": "projections not in Conveyor's panels",
-                            "torch_backend": ""}[case]
-    outputs = run_all(core, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6,
-                                                        ignore_eos=True))
+    assert (
+        route.reason
+        == {
+            "qk_norm": "per-head q/k norms",
+            "gelu": "the activation is not silu",
+            "unpacked": "projections not in Conveyor's panels",
+            "torch_backend": "",
+        }[case]
+    )
+    outputs = run_all(
+        core, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(2)] == expected
     assert calls == []
 
@@ -302,14 +333,26 @@ def op_inputs(rows: int = 2) -> dict[str, object]:
     cache = torch.randn(2, 8, 4, 2, 8, generator=generator)
     return dict(
         hidden=torch.randn(rows, 32, generator=generator),
-        weights=[torch.ones(32), panels(64, 32), panels(32, 32), torch.ones(32),
-                 panels(96, 32), panels(32, 48)],
-        biases=[None, None, None, None], heads=[4, 2, 8],
-        cos=torch.ones(rows, 1, 8), sin=torch.zeros(rows, 1, 8),
-        key_cache=cache[0], value_cache=cache[1],
+        weights=[
+            torch.ones(32),
+            panels(64, 32),
+            panels(32, 32),
+            torch.ones(32),
+            panels(96, 32),
+            panels(32, 48),
+        ],
+        biases=[None, None, None, None],
+        heads=[4, 2, 8],
+        cos=torch.ones(rows, 1, 8),
+        sin=torch.zeros(rows, 1, 8),
+        key_cache=cache[0],
+        value_cache=cache[1],
         slots=torch.arange(rows, dtype=torch.int64) * 4 + 3,
         block_table=torch.arange(rows, dtype=torch.int64)[:, None],
-        seq_lens=torch.full((rows,), 4, dtype=torch.int64), eps=1e-6, scale=0.35)
+        seq_lens=torch.full((rows,), 4, dtype=torch.int64),
+        eps=1e-6,
+        scale=0.35,
+    )
 
 
 def test_the_op_writes_each_rows_kv_at_its_slot() -> None:
@@ -322,14 +365,17 @@ def test_the_op_writes_each_rows_kv_at_its_slot() -> None:
         assert changed.tolist() == [3, 7], name
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (dict(slots=torch.tensor([3, 64])), "slot out of range"),
-    (dict(slots=torch.tensor([3])), "one int64 slot per row"),
-    (dict(heads=[4, 4, 8]), "head shapes"),
-    (dict(hidden=torch.randn(2, 32).double()), "contiguous fp32"),
-    (dict(biases=[None]), "6 weights, 4 biases"),
-    (dict(seq_lens=torch.tensor([4, 9])), "sequence length outside its block table"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(slots=torch.tensor([3, 64])), "slot out of range"),
+        (dict(slots=torch.tensor([3])), "one int64 slot per row"),
+        (dict(heads=[4, 4, 8]), "head shapes"),
+        (dict(hidden=torch.randn(2, 32).double()), "contiguous fp32"),
+        (dict(biases=[None]), "6 weights, 4 biases"),
+        (dict(seq_lens=torch.tensor([4, 9])), "sequence length outside its block table"),
+    ],
+)
 def test_the_op_rejects_bad_inputs(change: dict[str, object], message: str) -> None:
     inputs = op_inputs() | change
     cache_before = inputs["key_cache"].clone()
@@ -347,13 +393,17 @@ def test_the_stack_op_takes_each_layers_arguments_back_to_back() -> None:
     caches = [c.clone() for c in (first, second, second, first)]  # K, V of layer 1, then 2
     alone = [c.clone() for c in caches]
     stack = {k: v for k, v in inputs.items() if k not in ("key_cache", "value_cache")}
-    stack |= dict(weights=inputs["weights"] * 2, biases=inputs["biases"] * 2,
-                  key_caches=[caches[0], caches[2]], value_caches=[caches[1], caches[3]])
+    stack |= dict(
+        weights=inputs["weights"] * 2,
+        biases=inputs["biases"] * 2,
+        key_caches=[caches[0], caches[2]],
+        value_caches=[caches[1], caches[3]],
+    )
     out = cpu_ops.decode_layers(**stack)
-    once = cpu_ops.decode_layer(**(inputs | dict(key_cache=alone[0],
-                                                      value_cache=alone[1])))
-    twice = cpu_ops.decode_layer(**(inputs | dict(hidden=once, key_cache=alone[2],
-                                                       value_cache=alone[3])))
+    once = cpu_ops.decode_layer(**(inputs | dict(key_cache=alone[0], value_cache=alone[1])))
+    twice = cpu_ops.decode_layer(
+        **(inputs | dict(hidden=once, key_cache=alone[2], value_cache=alone[3]))
+    )
     assert torch.equal(out, twice)
     assert all(torch.equal(a, b) for a, b in zip(caches, alone, strict=True))
     assert not torch.equal(caches[0], first)  # the new K/V were written
@@ -372,12 +422,19 @@ def test_the_stack_op_checks_every_layer_before_running_any() -> None:
     small = [c[:-1].clone() for c in caches]
     two_layers = stack | dict(weights=inputs["weights"] * 2, biases=inputs["biases"] * 2)
     with pytest.raises(RuntimeError, match="caches of one size"):
-        cpu_ops.decode_layers(**(two_layers | dict(key_caches=[caches[0], small[0]],
-                                                       value_caches=[caches[1], small[1]])))
+        cpu_ops.decode_layers(
+            **(
+                two_layers
+                | dict(key_caches=[caches[0], small[0]], value_caches=[caches[1], small[1]])
+            )
+        )
     with pytest.raises(RuntimeError, match="slot out of range"):
-        cpu_ops.decode_layers(**(stack | dict(slots=torch.tensor([3, 64]),
-                                                  key_caches=caches[:1],
-                                                  value_caches=caches[1:])))
+        cpu_ops.decode_layers(
+            **(
+                stack
+                | dict(slots=torch.tensor([3, 64]), key_caches=caches[:1], value_caches=caches[1:])
+            )
+        )
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))
 
 

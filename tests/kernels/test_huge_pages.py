@@ -40,8 +40,11 @@ def madvise(monkeypatch: pytest.MonkeyPatch) -> FakeAdvice:
 
 def some_weights() -> list[torch.Tensor]:
     torch.manual_seed(0)
-    return [torch.randn(700, 512), torch.randn(33).to(torch.bfloat16),
-            torch.randint(-128, 127, (1024, 1030), dtype=torch.int8)]
+    return [
+        torch.randn(700, 512),
+        torch.randn(33).to(torch.bfloat16),
+        torch.randint(-128, 127, (1024, 1030), dtype=torch.int8),
+    ]
 
 
 def test_move_keeps_values_and_repoints_every_holder(madvise: FakeAdvice) -> None:
@@ -50,7 +53,7 @@ def test_move_keeps_values_and_repoints_every_holder(madvise: FakeAdvice) -> Non
     held = {"first": tensors[0]}
     moved = huge_pages.move_into_huge_pages(tensors)
     assert moved >= sum(t.nbytes for t in tensors)
-    (address, length), = madvise.calls
+    ((address, length),) = madvise.calls
     assert address % huge_pages.HUGE_PAGE == 0 and length % huge_pages.HUGE_PAGE == 0
     starts = sorted(t.data_ptr() for t in tensors)
     assert starts[0] == address
@@ -94,8 +97,9 @@ def test_zeros_in_huge_pages(madvise: FakeAdvice) -> None:
 
 
 def test_cpu_kv_cache_is_zeroed_in_huge_pages(madvise: FakeAdvice) -> None:
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
-                       block_size=16)
+    spec = KVCacheSpec(
+        num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16
+    )
     cache = KVCache(spec, 512, torch.device("cpu"))
     assert cache.tensor.data_ptr() == madvise.calls[0][0]
     assert cache.tensor.shape == (2, 2, 512, 16, 2, 64) and not cache.tensor.any()
@@ -123,8 +127,10 @@ def anon_huge_kib(address: int) -> int:
     return 0
 
 
-@pytest.mark.skipif(thp_mode() not in ("always", "madvise"),
-                    reason="this kernel hands out no transparent huge pages")
+@pytest.mark.skipif(
+    thp_mode() not in ("always", "madvise"),
+    reason="this kernel hands out no transparent huge pages",
+)
 def test_the_kernel_backs_moved_weights_with_huge_pages() -> None:
     weight = torch.randn(4 * MIB // 4 * 4)
     expected = weight.clone()
@@ -142,6 +148,5 @@ def test_engine_weights_move_and_greedy_still_matches(madvise: FakeAdvice) -> No
     start, end = weights_call[0], weights_call[0] + weights_call[1] + huge_pages.HUGE_PAGE
     runner_model = core.runner.model
     assert all(start <= p.data_ptr() < end for p in runner_model.parameters())
-    outputs = run_all(core, [prompt], SamplingParams(temperature=0, max_tokens=8,
-                                                     ignore_eos=True))
+    outputs = run_all(core, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert tokens_of(outputs["req-0"]) == expected

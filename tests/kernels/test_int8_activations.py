@@ -36,8 +36,9 @@ pytestmark = needs_panels
 FORMATS = ["q4_1", "q8_0"]
 
 
-def int8_layer(out: int, in_features: int, bias: torch.Tensor | None = None,
-               seed: int = 0, fmt: str = "q4_1") -> PanelLinear:
+def int8_layer(
+    out: int, in_features: int, bias: torch.Tensor | None = None, seed: int = 0, fmt: str = "q4_1"
+) -> PanelLinear:
     rows = torch.from_numpy(gguf_rows(fmt, out, in_features, seed))
     return PanelLinear.of_blocks(gguf_blocks.FORMATS[fmt], rows, bias, int8_activations=True)
 
@@ -80,8 +81,9 @@ def test_q8_0_products_at_the_extremes_of_8_bits() -> None:
     q[1::2] = -q[1::2].clamp(min=-127)
     scale = torch.tensor([0.5], dtype=torch.float16).view(torch.uint8)
     blocks = torch.cat([scale.expand(16, 2, 2), q.view(torch.uint8).view(16, 2, 32)], dim=2)
-    layer = PanelLinear.of_blocks(gguf_blocks.Q8_0, blocks.reshape(16, 68), None,
-                                  int8_activations=True)
+    layer = PanelLinear.of_blocks(
+        gguf_blocks.Q8_0, blocks.reshape(16, 68), None, int8_activations=True
+    )
     x = torch.tensor([-1.0, -1.0, 1.0, 1.0] * 16).repeat(3, 1)
     x[1] = -x[1]
     expected = F.linear(round_to_int8_blocks(x).double(), layer.weight.double())
@@ -95,7 +97,7 @@ def test_a_row_does_not_depend_on_its_batch(fmt: str) -> None:
     x = torch.randn(9, 96)
     batched = layer(x)
     for row in (0, 4, 8):
-        assert torch.equal(layer(x[row:row + 1]), batched[row:row + 1])
+        assert torch.equal(layer(x[row : row + 1]), batched[row : row + 1])
 
 
 def test_joined_int8_projections() -> None:
@@ -111,8 +113,7 @@ def test_kernel_refuses_bad_int8_panels() -> None:
     with pytest.raises(RuntimeError, match="input sizes differ"):
         cpu_ops.panel_linear(torch.randn(2, 96), layer.panels, None, 16)
     with pytest.raises(RuntimeError, match="int8 block panels must be"):
-        cpu_ops.panel_linear(torch.randn(2, 64), layer.panels[..., :100].contiguous(), None,
-                                 16)
+        cpu_ops.panel_linear(torch.randn(2, 64), layer.panels[..., :100].contiguous(), None, 16)
 
 
 @pytest.fixture
@@ -122,8 +123,11 @@ def int8_model(converted: Path) -> torch.nn.Module:  # noqa: F811
     blocks = gguf_blocks.load(converted / gguf_blocks.BLOCKS_FILE)
     assert use_gguf_blocks(model, blocks, int8_activations=True) == 2 * 7 + 1
     pack_linears(model)
-    rounded = [name for name, m in model.named_modules()
-               if isinstance(m, PanelLinear) and m.int8_activations]
+    rounded = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, PanelLinear) and m.int8_activations
+    ]
     assert len(rounded) == 2 * 7 + 1 and "lm_head" in rounded
     return model
 
@@ -132,16 +136,18 @@ def test_a_served_model_s_projections_round_their_own_inputs(int8_model) -> None
     """Every projection the engine runs (q/k/v and gate/up joined) gives its weights times its
     inputs rounded to 8-bit blocks, on the model's own activations."""
     core, _ = tiny_core(int8_model, attention_backend="cpu", with_tokenizer=False)
-    layers = [m for m in core.runner.model.modules()
-              if isinstance(m, PanelLinear) and m.int8_activations]
+    layers = [
+        m for m in core.runner.model.modules() if isinstance(m, PanelLinear) and m.int8_activations
+    ]
     assert len(layers) == 2 * 4 + 1
     errors = int8_layer_errors(layers)
     run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=1))
     assert len(errors) == 2 * 4 + 1 and max(errors) < 1e-3
 
 
-def test_the_fused_decode_layer_takes_int8_panels(int8_model,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_fused_decode_layer_takes_int8_panels(
+    int8_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A decode step through the fused layer equals the layers op by op, to the bit."""
     fused_logits, fused_cache = decode_step(int8_model, True, monkeypatch, prompts=PROMPTS)
     plain_logits, plain_cache = decode_step(int8_model, False, monkeypatch, prompts=PROMPTS)
@@ -154,18 +160,23 @@ def test_the_fused_decode_layer_takes_int8_panels(int8_model,
 
 
 def test_cli_flag_reaches_the_engine_config() -> None:
-    assert engine_config(build_parser().parse_args(["serve", "--int8-activations"])
-                         ).int8_activations
+    assert engine_config(
+        build_parser().parse_args(["serve", "--int8-activations"])
+    ).int8_activations
     assert not engine_config(build_parser().parse_args(["serve"])).int8_activations
 
 
 def test_loading_asks_for_int8_panels_only_where_they_apply(
-        converted: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    converted: Path,  # noqa: F811  (the fixture imported above)
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     cpu = torch.device("cpu")
     tiny_tokenizer().save_pretrained(converted)
     loaded = load_model(str(converted), torch.float32, cpu, int8_activations=True)
-    assert sum(1 for m in loaded.model.modules()
-               if isinstance(m, PanelLinear) and m.int8_activations) == 2 * 7 + 1
+    assert (
+        sum(1 for m in loaded.model.modules() if isinstance(m, PanelLinear) and m.int8_activations)
+        == 2 * 7 + 1
+    )
     assert "has no effect" not in caplog.text
     load_model(str(converted), torch.bfloat16, cpu, int8_activations=True)
     assert "--int8-activations has no effect here" in caplog.text

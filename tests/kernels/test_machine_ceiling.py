@@ -32,8 +32,9 @@ def model():
 
 def test_macs_per_token_are_the_weights_of_every_linear_layer(ceiling, model):
     shape = ceiling.ModelShape.from_config(model.config)
-    weights = sum(module.weight.numel() for module in model.modules()
-                  if isinstance(module, torch.nn.Linear))
+    weights = sum(
+        module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear)
+    )
     assert shape.linear_macs() + shape.head_macs() == weights
     assert shape.weight_bytes() == 2 * weights
 
@@ -59,8 +60,9 @@ def _macs_token_by_token(shape, concurrency: int, input_len: int, output_len: in
         per_request += shape.linear_macs() + shape.attention_macs(position + 1)
     per_request += shape.head_macs()
     for step in range(1, output_len):
-        per_request += (shape.linear_macs() + shape.head_macs()
-                        + shape.attention_macs(input_len + step))
+        per_request += (
+            shape.linear_macs() + shape.head_macs() + shape.attention_macs(input_len + step)
+        )
     return concurrency * per_request
 
 

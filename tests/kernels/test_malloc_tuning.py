@@ -29,8 +29,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def second_round_faults(mode: str) -> int:
-    result = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True,
-                            text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True
+    )
     return int(result.stdout.strip())
 
 

@@ -8,8 +8,9 @@ from engine.kv.block_manager import BlockManager
 
 
 def make_request(request_id: str = "r", prompt_len: int = 4) -> Request:
-    return Request(request_id, list(range(prompt_len)), SamplingParams(), 0.0,
-                   max_total_tokens=1_000)
+    return Request(
+        request_id, list(range(prompt_len)), SamplingParams(), 0.0, max_total_tokens=1_000
+    )
 
 
 def test_allocate_grows_block_by_block_and_free_returns_everything():

@@ -19,31 +19,38 @@ F32, BF16, F16, FP8 = torch.float32, torch.bfloat16, torch.float16, torch.float8
 PROMPTS = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
 
 
-@pytest.mark.parametrize(("name", "model", "compute", "device", "expected"), [
-    ("auto", F32, F32, CPU, F32),
-    ("auto", BF16, F32, CPU, BF16),  # a bf16 model on a CPU without native bf16
-    ("auto", BF16, BF16, CUDA, BF16),
-    ("float16", F32, F32, CPU, F16),
-    ("bfloat16", BF16, BF16, CPU, BF16),
-    ("float32", BF16, F32, CPU, F32),
-    ("fp8_e5m2", F32, F32, CPU, FP8),
-    ("fp8_e5m2", BF16, F32, CPU, FP8),
-])
-def test_what_the_cache_holds(name: str, model: torch.dtype, compute: torch.dtype,
-                              device: torch.device, expected: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("name", "model", "compute", "device", "expected"),
+    [
+        ("auto", F32, F32, CPU, F32),
+        ("auto", BF16, F32, CPU, BF16),  # a bf16 model on a CPU without native bf16
+        ("auto", BF16, BF16, CUDA, BF16),
+        ("float16", F32, F32, CPU, F16),
+        ("bfloat16", BF16, BF16, CPU, BF16),
+        ("float32", BF16, F32, CPU, F32),
+        ("fp8_e5m2", F32, F32, CPU, FP8),
+        ("fp8_e5m2", BF16, F32, CPU, FP8),
+    ],
+)
+def test_what_the_cache_holds(
+    name: str, model: torch.dtype, compute: torch.dtype, device: torch.device, expected: torch.dtype
+) -> None:
     assert kv_cache_dtype(name, model, compute, device) == expected
 
 
-@pytest.mark.parametrize(("name", "model", "compute", "device"), [
-    ("float32", BF16, BF16, CPU),  # wider than the compute dtype
-    ("float16", BF16, BF16, CUDA),
-    ("bfloat16", F32, F32, CUDA),  # the GPU kernels read the compute dtype only
-    ("fp8_e5m2", BF16, BF16, CUDA),
-    ("fp8_e5m2", BF16, BF16, CPU),  # the CPU kernels widen it under fp32 compute only
-])
-def test_unsupported_combinations_are_refused(name: str, model: torch.dtype,
-                                              compute: torch.dtype,
-                                              device: torch.device) -> None:
+@pytest.mark.parametrize(
+    ("name", "model", "compute", "device"),
+    [
+        ("float32", BF16, BF16, CPU),  # wider than the compute dtype
+        ("float16", BF16, BF16, CUDA),
+        ("bfloat16", F32, F32, CUDA),  # the GPU kernels read the compute dtype only
+        ("fp8_e5m2", BF16, BF16, CUDA),
+        ("fp8_e5m2", BF16, BF16, CPU),  # the CPU kernels widen it under fp32 compute only
+    ],
+)
+def test_unsupported_combinations_are_refused(
+    name: str, model: torch.dtype, compute: torch.dtype, device: torch.device
+) -> None:
     with pytest.raises(ValueError, match="KV cache under"):
         kv_cache_dtype(name, model, compute, device)
 
@@ -62,17 +69,20 @@ def test_flag_and_config() -> None:
 
 def test_the_same_budget_holds_twice_the_blocks() -> None:
     full = tiny_core(num_blocks=None, kv_cache_memory=1 << 20)[0].runner.kv_cache
-    half = tiny_core(num_blocks=None, kv_cache_memory=1 << 20,
-                     kv_cache_dtype="bfloat16")[0].runner.kv_cache
-    quarter = tiny_core(num_blocks=None, kv_cache_memory=1 << 20,
-                        kv_cache_dtype="fp8_e5m2")[0].runner.kv_cache
+    half = tiny_core(num_blocks=None, kv_cache_memory=1 << 20, kv_cache_dtype="bfloat16")[
+        0
+    ].runner.kv_cache
+    quarter = tiny_core(num_blocks=None, kv_cache_memory=1 << 20, kv_cache_dtype="fp8_e5m2")[
+        0
+    ].runner.kv_cache
     assert (full.tensor.dtype, half.tensor.dtype, quarter.tensor.dtype) == (F32, BF16, FP8)
     assert half.num_blocks == 2 * full.num_blocks
     assert quarter.num_blocks == 4 * full.num_blocks
 
 
-def greedy_with_logprobs(kv: str, backend: str, prompts: list[list[int]],
-                         packed: bool = False) -> dict[str, list[RequestOutput]]:
+def greedy_with_logprobs(
+    kv: str, backend: str, prompts: list[list[int]], packed: bool = False
+) -> dict[str, list[RequestOutput]]:
     model = tiny_llama()
     if packed:
         pack_linears(model)
@@ -96,9 +106,12 @@ def test_greedy_over_a_16_bit_cache_equals_generate(kv: str, backend: str) -> No
     exact = greedy_with_logprobs("float32", backend, PROMPTS)
     for i in range(len(PROMPTS)):
         assert tokens_of(rounded[f"req-{i}"]) == expected[i]
-        torch.testing.assert_close(torch.tensor(chosen_logprobs(rounded[f"req-{i}"])),
-                                   torch.tensor(chosen_logprobs(exact[f"req-{i}"])),
-                                   atol=0.05, rtol=0.0)
+        torch.testing.assert_close(
+            torch.tensor(chosen_logprobs(rounded[f"req-{i}"])),
+            torch.tensor(chosen_logprobs(exact[f"req-{i}"])),
+            atol=0.05,
+            rtol=0.0,
+        )
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e5m2"])
@@ -110,9 +123,12 @@ def test_narrow_cache_backends_agree(kv: str, packed: bool) -> None:
     oracle = greedy_with_logprobs(kv, "torch", PROMPTS, packed)
     for i in range(len(PROMPTS)):
         assert tokens_of(cpu[f"req-{i}"]) == tokens_of(oracle[f"req-{i}"])
-        torch.testing.assert_close(torch.tensor(chosen_logprobs(cpu[f"req-{i}"])),
-                                   torch.tensor(chosen_logprobs(oracle[f"req-{i}"])),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            torch.tensor(chosen_logprobs(cpu[f"req-{i}"])),
+            torch.tensor(chosen_logprobs(oracle[f"req-{i}"])),
+            atol=1e-4,
+            rtol=1e-4,
+        )
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e5m2"])
@@ -131,5 +147,9 @@ def test_a_prompt_attends_alike_fresh_and_from_the_prefix_cache(backend: str, kv
         second.extend(o for o in core.step() if o.request_id == "again")
     assert second[-1].num_cached_tokens > 0
     assert tokens_of(second) == tokens_of(first)
-    torch.testing.assert_close(torch.tensor(chosen_logprobs(second)),
-                               torch.tensor(chosen_logprobs(first)), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(chosen_logprobs(second)),
+        torch.tensor(chosen_logprobs(first)),
+        atol=1e-5,
+        rtol=1e-5,
+    )

@@ -15,8 +15,9 @@ from tests.scheduler_utils import create_request, create_scheduler, drain, sched
 
 
 def request_with(tokens: list[int], name: str = "r") -> Request:
-    return Request(name, list(tokens), SamplingParams(max_tokens=4), 0.0, 10_000,
-                   eos_token_ids=frozenset({0}))
+    return Request(
+        name, list(tokens), SamplingParams(max_tokens=4), 0.0, 10_000, eos_token_ids=frozenset({0})
+    )
 
 
 def compute(manager: BlockManager, request: Request) -> None:
@@ -27,6 +28,7 @@ def compute(manager: BlockManager, request: Request) -> None:
 
 
 # ---- hashing and the block manager ---------------------------------------------------------
+
 
 def test_block_hashes_chain_the_whole_prefix():
     a, b = [], []
@@ -124,6 +126,7 @@ def test_free_plus_cached_plus_used_is_total_under_random_traffic():
 
 # ---- the scheduler -------------------------------------------------------------------------
 
+
 def test_scheduler_computes_only_the_uncached_part():
     scheduler = create_scheduler(num_blocks=32, block_size=4, enable_caching=True)
     scheduler.add_request(create_request("a", prompt_len=18, max_tokens=1))
@@ -138,8 +141,7 @@ def test_n_samples_share_the_prompt_and_compute_one_token_each():
     leader = create_request("s0", prompt_len=10, max_tokens=3)
     scheduler.add_request(leader)
     for i in (1, 2):
-        scheduler.add_request(create_request(f"s{i}", prompt_len=10, max_tokens=3),
-                              fork_of="s0")
+        scheduler.add_request(create_request(f"s{i}", prompt_len=10, max_tokens=3), fork_of="s0")
     assert scheduled_counts(step(scheduler)) == {"s0": 10}
     # s0 has its first token; s1 and s2 now share its three blocks instead of computing them.
     assert scheduler.block_manager.num_used_blocks == 3
@@ -165,6 +167,7 @@ def test_siblings_of_an_aborted_leader_compute_on_their_own():
 
 # ---- on a tiny model: caching never changes greedy output ----------------------------------
 
+
 def shared_prefix_prompts() -> list[list[int]]:
     rng = random.Random(5)
     system = [rng.randrange(2, 320) for _ in range(24)]  # 6 blocks of 4
@@ -181,8 +184,9 @@ def greedy_runs(options: dict, n: int = 1) -> tuple[list[list[list[int]]], objec
     results = []
     for prompt in shared_prefix_prompts():  # one after another, so later ones can hit
         for i in range(n):
-            core.add_request(f"{len(results)}-{i}", prompt, params,
-                             fork_of=f"{len(results)}-0" if i else None)
+            core.add_request(
+                f"{len(results)}-{i}", prompt, params, fork_of=f"{len(results)}-0" if i else None
+            )
         outputs: dict[str, list] = {}
         while core.has_unfinished():
             for output in core.step():
@@ -192,11 +196,14 @@ def greedy_runs(options: dict, n: int = 1) -> tuple[list[list[list[int]]], objec
     return results, core
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"num_blocks": 14, "max_model_len": 48},
-    {"max_num_batched_tokens": 5},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"num_blocks": 14, "max_model_len": 48},
+        {"max_num_batched_tokens": 5},
+    ],
+)
 def test_greedy_output_is_the_same_with_caching_on_and_off(options):
     on, core = greedy_runs({**options, "enable_prefix_caching": True})
     off, _ = greedy_runs({**options, "enable_prefix_caching": False})

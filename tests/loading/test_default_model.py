@@ -24,20 +24,30 @@ from tests.helpers import (
 pytestmark = pytest.mark.default_model
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
 def default_engine(request):
     # float32: in bf16 this small model's two best first tokens nearly tie.
-    config = EngineConfig(dtype="float32", device=request.param,
-                          cache=CacheConfig(num_blocks=512))
+    config = EngineConfig(dtype="float32", device=request.param, cache=CacheConfig(num_blocks=512))
     core, loaded, info = create_engine_core(config)
     return core, loaded.tokenizer, info
 
 
 def chat_prompt(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -59,8 +69,7 @@ def test_greedy_answer_names_paris(default_engine):
 def test_seed_reproduces_text_alone_and_inside_a_busy_batch(default_engine):
     core, tokenizer, _ = default_engine
     prompt = chat_prompt(tokenizer, "Write a short poem about the sea.")
-    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24,
-                            ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
     alone_first = text_of(run_all(core, [prompt], seeded)["req-0"])
     alone_second = text_of(run_all(core, [prompt], seeded)["req-0"])
     others = [chat_prompt(tokenizer, f"Tell me fact number {i} about cats.") for i in range(7)]
@@ -68,8 +77,9 @@ def test_seed_reproduces_text_alone_and_inside_a_busy_batch(default_engine):
     busy = run_all(core, [*others, prompt], busy_params)
     assert alone_first == alone_second
     assert text_of(busy["req-7"]) == alone_first
-    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24,
-                                ignore_eos=True)
+    other_seed = SamplingParams(
+        temperature=1.0, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True
+    )
     assert text_of(run_all(core, [prompt], other_seed)["req-0"]) != alone_first
 
 
@@ -79,17 +89,22 @@ def test_cpu_engine_reads_the_q4_1_blocks_and_matches_generate(default_engine):
     core, tokenizer, info = default_engine
     if info.device != "cpu" or NO_PANELS:
         pytest.skip(f"the GGUF blocks are read by Conveyor's CPU kernels: {NO_PANELS}")
-    formats = [m.block_format.name for m in core.runner.model.modules()
-               if isinstance(m, PanelLinear) and m.block_format is not None]
+    formats = [
+        m.block_format.name
+        for m in core.runner.model.modules()
+        if isinstance(m, PanelLinear) and m.block_format is not None
+    ]
     assert formats.count("q4_1") == 30 * 4 and formats.count("q8_0") == 1
     # The folder stays a plain checkpoint for servers that load every top-level safetensors.
     assert [p.name for p in default_model_dir().glob("*.safetensors")] == ["model.safetensors"]
-    reference = AutoModelForCausalLM.from_pretrained(default_model_dir(),
-                                                     dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        default_model_dir(), dtype=torch.float32
+    ).eval()
     prompt = chat_prompt(tokenizer, "Name three colours of the rainbow.")
     expected = reference_greedy(reference, prompt, 24)
-    outputs = run_all(core, [prompt], SamplingParams(temperature=0, max_tokens=24,
-                                                     ignore_eos=True))["req-0"]
+    outputs = run_all(
+        core, [prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )["req-0"]
     assert tokens_of(outputs) == expected
 
 
@@ -101,27 +116,34 @@ def test_int8_activations_round_inputs_and_keep_the_model_s_choices() -> None:
     equal)."""
     if NO_PANELS:
         pytest.skip(f"int8 panels are read by Conveyor's CPU kernels: {NO_PANELS}")
-    core, loaded, _ = create_engine_core(EngineConfig(dtype="float32", device="cpu",
-                                                      int8_activations=True,
-                                                      cache=CacheConfig(num_blocks=256)))
-    layers = [m for m in core.runner.model.modules()
-              if isinstance(m, PanelLinear) and m.int8_activations]
+    core, loaded, _ = create_engine_core(
+        EngineConfig(
+            dtype="float32", device="cpu", int8_activations=True, cache=CacheConfig(num_blocks=256)
+        )
+    )
+    layers = [
+        m for m in core.runner.model.modules() if isinstance(m, PanelLinear) and m.int8_activations
+    ]
     assert len(layers) == 30 * 4 + 1
     errors = int8_layer_errors(layers)
     tokenizer = loaded.tokenizer
-    prompts = [chat_prompt(tokenizer, question) for question in
-               ("Name three colours of the rainbow.", "Write a haiku about autumn.",
-                "List the planets of the solar system.")]
+    prompts = [
+        chat_prompt(tokenizer, question)
+        for question in (
+            "Name three colours of the rainbow.",
+            "Write a haiku about autumn.",
+            "List the planets of the solar system.",
+        )
+    ]
     run_all(core, prompts, SamplingParams(temperature=0, max_tokens=2))
     # The projections once each (the prompts' prefill; the decode step runs the fused layer),
     # the LM head at both steps.
     assert len(errors) == 30 * 4 + 2 and max(errors) < 1e-3
-    exact = AutoModelForCausalLM.from_pretrained(default_model_dir(),
-                                                 dtype=torch.float32).eval()
+    exact = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
     agree = total = 0
     for prompt in prompts:
         answer = reference_greedy(exact, prompt, 32)
-        picked = teacher_forced_argmax(loaded.model, prompt + answer)[len(prompt) - 1:-1]
+        picked = teacher_forced_argmax(loaded.model, prompt + answer)[len(prompt) - 1 : -1]
         agree += sum(a == b for a, b in zip(picked, answer, strict=True))
         total += len(answer)
     assert agree >= 0.9 * total

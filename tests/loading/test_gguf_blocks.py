@@ -38,8 +38,9 @@ def gguf_rows(fmt: str, out: int, in_features: int, seed: int = 0) -> np.ndarray
 
 
 def block_layer(fmt: str, out: int, in_features: int, seed: int = 0) -> PanelLinear:
-    return PanelLinear.of_blocks(gguf_blocks.FORMATS[fmt],
-                                 torch.from_numpy(gguf_rows(fmt, out, in_features, seed)), None)
+    return PanelLinear.of_blocks(
+        gguf_blocks.FORMATS[fmt], torch.from_numpy(gguf_rows(fmt, out, in_features, seed)), None
+    )
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
@@ -74,8 +75,7 @@ def test_product_over_blocks_equals_fp32_panels_to_the_bit(fmt: str) -> None:
     x = torch.randn(130, 160)
     for count in (1, 2, 3, 4, 5, 6, 7, 8, 13, 64, 130):
         assert torch.equal(blocks(x[:count]), dense(x[:count])), count
-    torch.testing.assert_close(blocks(x), F.linear(x, blocks.weight, bias),
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(blocks(x), F.linear(x, blocks.weight, bias), rtol=1e-5, atol=1e-4)
 
 
 def test_joined_projections_keep_their_blocks() -> None:
@@ -94,8 +94,7 @@ def test_kernel_refuses_bad_block_panels() -> None:
     with pytest.raises(RuntimeError, match="input sizes differ"):
         cpu_ops.panel_linear(torch.randn(2, 96), layer.panels, None, 16)
     with pytest.raises(RuntimeError, match="block panels must be"):
-        cpu_ops.panel_linear(torch.randn(2, 64), layer.panels[..., :100].contiguous(), None,
-                                 16)
+        cpu_ops.panel_linear(torch.randn(2, 64), layer.panels[..., :100].contiguous(), None, 16)
 
 
 def write_tiny_gguf(path: Path, layers: int = 2) -> None:
@@ -111,19 +110,28 @@ def write_tiny_gguf(path: Path, layers: int = 2) -> None:
     writer.add_rope_freq_base(10000.0)
     writer.add_vocab_size(VOCAB)
     head_dim = HIDDEN // HEADS
-    writer.add_tensor("token_embd.weight", gguf_rows("q8_0", VOCAB, HIDDEN, seed=100),
-                      raw_dtype=QTYPES["q8_0"])
+    writer.add_tensor(
+        "token_embd.weight", gguf_rows("q8_0", VOCAB, HIDDEN, seed=100), raw_dtype=QTYPES["q8_0"]
+    )
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
-              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    shapes = {
+        "attn_q": (HIDDEN, HIDDEN),
+        "attn_k": (KV_HEADS * head_dim, HIDDEN),
+        "attn_v": (KV_HEADS * head_dim, HIDDEN),
+        "attn_output": (HIDDEN, HIDDEN),
+        "ffn_gate": (FFN, HIDDEN),
+        "ffn_up": (FFN, HIDDEN),
+        "ffn_down": (HIDDEN, FFN),
+    }
     for layer in range(layers):
         writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(HIDDEN, np.float32))
         writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
         for seed, (name, shape) in enumerate(shapes.items()):
-            writer.add_tensor(f"blk.{layer}.{name}.weight",
-                              gguf_rows("q4_1", *shape, seed=10 * layer + seed),
-                              raw_dtype=QTYPES["q4_1"])
+            writer.add_tensor(
+                f"blk.{layer}.{name}.weight",
+                gguf_rows("q4_1", *shape, seed=10 * layer + seed),
+                raw_dtype=QTYPES["q4_1"],
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -137,10 +145,13 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("gguf")
     write_tiny_gguf(folder / "tiny.gguf")
     model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file="tiny.gguf", quantization_config=GgufConfig(dequantize=True))
+        folder, gguf_file="tiny.gguf", quantization_config=GgufConfig(dequantize=True)
+    )
     model.save_pretrained(folder / "model")
-    gguf_blocks.save(gguf_blocks.read_gguf(folder / "tiny.gguf", model.config),
-                     folder / "model" / gguf_blocks.BLOCKS_FILE)
+    gguf_blocks.save(
+        gguf_blocks.read_gguf(folder / "tiny.gguf", model.config),
+        folder / "model" / gguf_blocks.BLOCKS_FILE,
+    )
     return folder / "model"
 
 
@@ -149,8 +160,7 @@ def load_fp32(folder: Path) -> torch.nn.Module:
 
 
 def block_layers(model: torch.nn.Module) -> list[PanelLinear]:
-    return [m for m in model.modules()
-            if isinstance(m, PanelLinear) and m.block_format is not None]
+    return [m for m in model.modules() if isinstance(m, PanelLinear) and m.block_format is not None]
 
 
 def test_read_blocks_widen_to_the_converted_weights(converted: Path) -> None:
@@ -175,13 +185,13 @@ def test_a_converted_model_serves_its_blocks_and_matches_generate(converted: Pat
     layers = [m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer)]
     assert all(layer.qkv_proj.block_format == gguf_blocks.Q4_1 for layer in layers)
     assert core.runner.model.fused_decode.route is DecodeRoute.STACK
-    outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=12,
-                                                    ignore_eos=True))
+    outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
 
 
 def test_blocks_that_do_not_hold_the_weights_are_left_alone(
-        converted: Path, caplog: pytest.LogCaptureFixture) -> None:
+    converted: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     blocks = gguf_blocks.load(converted / gguf_blocks.BLOCKS_FILE)
     name = "model.layers.1.mlp.up_proj"
     blocks[name] = (gguf_blocks.Q4_1, torch.from_numpy(gguf_rows("q4_1", FFN, HIDDEN, seed=999)))

@@ -19,9 +19,19 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from tests.helpers import reference_greedy, run_all, tiny_core, tiny_tokenizer, tokens_of
 
-COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              initializer_range=0.2, eos_token_id=0, bos_token_id=1, pad_token_id=0)
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    eos_token_id=0,
+    bos_token_id=1,
+    pad_token_id=0,
+)
 
 FAMILIES = {
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
@@ -58,8 +68,12 @@ def test_model_loads_from_a_local_folder(tmp_path):
     tokenizer = tiny_tokenizer()
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    config = EngineConfig(model=str(tmp_path), dtype="float32", device="cpu",
-                          cache=CacheConfig(num_blocks=64, block_size=8))
+    config = EngineConfig(
+        model=str(tmp_path),
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(num_blocks=64, block_size=8),
+    )
     core, loaded, info = create_engine_core(config)
     assert info.model_name == str(tmp_path) and info.max_model_len == 256
     assert info.num_blocks == 64 and info.dtype == "float32"

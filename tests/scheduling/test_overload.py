@@ -31,8 +31,15 @@ class Clock:
         return self.now
 
 
-def make(name: str, prompt_len: int = 4, max_tokens: int = 4, priority: int = 0,
-         arrival: float = 100.0, deadline: float | None = None, **params):
+def make(
+    name: str,
+    prompt_len: int = 4,
+    max_tokens: int = 4,
+    priority: int = 0,
+    arrival: float = 100.0,
+    deadline: float | None = None,
+    **params,
+):
     request = create_request(name, prompt_len=prompt_len, max_tokens=max_tokens, **params)
     request.priority, request.arrival_time, request.deadline = priority, arrival, deadline
     return request
@@ -43,6 +50,7 @@ def policy_scheduler(clock: Clock, **config):
 
 
 # ---- priorities ----------------------------------------------------------------------------
+
 
 def test_priority_policy_admits_by_priority_then_arrival():
     clock = Clock()
@@ -63,8 +71,9 @@ def test_fcfs_ignores_priority():
 
 def test_a_higher_priority_request_preempts_the_lowest_running_one():
     clock = Clock()
-    scheduler = policy_scheduler(clock, policy="priority", num_blocks=4, block_size=4,
-                                 max_model_len=16)
+    scheduler = policy_scheduler(
+        clock, policy="priority", num_blocks=4, block_size=4, max_model_len=16
+    )
     scheduler.add_request(make("low", prompt_len=4, max_tokens=8, priority=9))
     scheduler.add_request(make("mid", prompt_len=4, max_tokens=8, priority=5))
     step(scheduler)
@@ -98,10 +107,16 @@ def test_a_higher_priority_request_takes_the_slot_of_the_lowest_running_one():
 def test_the_paused_request_is_one_that_misses_its_deadline_anyway_or_has_most_to_spare():
     clock = Clock()
     scheduler = policy_scheduler(clock, policy="priority", max_num_seqs=3)
-    for name, arrival, deadline in (("roomy", 100.0, 200.0), ("doomed", 100.1, 105.0),
-                                    ("tight", 100.2, 115.0)):
-        scheduler.add_request(make(name, max_tokens=10, ignore_eos=True, priority=1,
-                                   arrival=arrival, deadline=deadline))
+    for name, arrival, deadline in (
+        ("roomy", 100.0, 200.0),
+        ("doomed", 100.1, 105.0),
+        ("tight", 100.2, 115.0),
+    ):
+        scheduler.add_request(
+            make(
+                name, max_tokens=10, ignore_eos=True, priority=1, arrival=arrival, deadline=deadline
+            )
+        )
     step(scheduler)
     scheduler.drain.record_step(1.0, 0, 3, prefill_tokens=0, decodes=3, sequences=3)
     scheduler.add_request(make("urgent-1", max_tokens=4, priority=0, arrival=101.0))
@@ -120,8 +135,9 @@ def test_requests_of_one_priority_class_never_take_each_others_slots():
 
 
 def test_slot_preemption_stops_at_the_token_budget():
-    scheduler = policy_scheduler(Clock(), policy="priority", max_num_seqs=3,
-                                 max_num_batched_tokens=12)
+    scheduler = policy_scheduler(
+        Clock(), policy="priority", max_num_seqs=3, max_num_batched_tokens=12
+    )
     for i in range(3):
         scheduler.add_request(make(f"low-{i}", max_tokens=20, priority=1, arrival=100 + i))
     step(scheduler)
@@ -135,8 +151,7 @@ def test_slot_preemption_stops_at_the_token_budget():
 
 def test_an_aged_request_takes_a_slot_from_a_fresher_low_priority_one():
     clock = Clock()
-    scheduler = policy_scheduler(clock, policy="priority", max_num_seqs=1,
-                                 max_priority_wait=5.0)
+    scheduler = policy_scheduler(clock, policy="priority", max_num_seqs=1, max_priority_wait=5.0)
     scheduler.add_request(make("busy", max_tokens=50, priority=1, arrival=100.0))
     step(scheduler)
     scheduler.add_request(make("patient", max_tokens=2, priority=1, arrival=100.1))
@@ -149,8 +164,9 @@ def test_an_aged_request_takes_a_slot_from_a_fresher_low_priority_one():
 
 
 def test_a_paused_request_gives_its_blocks_to_a_higher_priority_one():
-    scheduler = policy_scheduler(Clock(), policy="priority", max_num_seqs=1, num_blocks=4,
-                                 block_size=4, max_model_len=16)
+    scheduler = policy_scheduler(
+        Clock(), policy="priority", max_num_seqs=1, num_blocks=4, block_size=4, max_model_len=16
+    )
     scheduler.add_request(make("low", prompt_len=8, max_tokens=6, priority=1, arrival=100.0))
     step(scheduler)
     step(scheduler)
@@ -168,15 +184,28 @@ def test_random_priorities_under_block_and_slot_pressure_always_drain(seed):
     """Pausing, preempting and releasing held blocks never wedges the queue or leaks."""
     rng = random.Random(seed)
     clock = Clock()
-    scheduler = policy_scheduler(clock, policy="priority", max_num_seqs=3, num_blocks=10,
-                                 block_size=4, max_model_len=32, max_num_batched_tokens=16,
-                                 max_priority_wait=2.0)
+    scheduler = policy_scheduler(
+        clock,
+        policy="priority",
+        max_num_seqs=3,
+        num_blocks=10,
+        block_size=4,
+        max_model_len=32,
+        max_num_batched_tokens=16,
+        max_priority_wait=2.0,
+    )
     for i in range(40):
         if i < 30:
             prompt = rng.randint(1, 20)
-            scheduler.add_request(make(f"r{i}", prompt_len=prompt,
-                                       max_tokens=rng.randint(1, 31 - prompt),
-                                       priority=rng.randint(0, 3), arrival=clock.now))
+            scheduler.add_request(
+                make(
+                    f"r{i}",
+                    prompt_len=prompt,
+                    max_tokens=rng.randint(1, 31 - prompt),
+                    priority=rng.randint(0, 3),
+                    arrival=clock.now,
+                )
+            )
         step(scheduler)
         clock.now += 0.25
     for _ in range(2000):
@@ -200,14 +229,14 @@ def test_fcfs_does_not_preempt_for_a_newcomer():
 
 def test_aging_lets_a_starved_request_go_first():
     clock = Clock()
-    scheduler = policy_scheduler(clock, policy="priority", max_num_seqs=1,
-                                 max_priority_wait=5.0)
+    scheduler = policy_scheduler(clock, policy="priority", max_num_seqs=1, max_priority_wait=5.0)
     scheduler.add_request(make("starved", priority=9, arrival=90.0))  # waited 10 s already
     scheduler.add_request(make("fresh-high", priority=0, arrival=100.0))
     assert set(scheduled_counts(step(scheduler))) == {"starved"}
 
 
 # ---- admission -----------------------------------------------------------------------------
+
 
 def test_reserved_slots_keep_room_for_urgent_requests():
     scheduler = policy_scheduler(Clock(), policy="priority", max_num_seqs=4, reserved_seqs=1)
@@ -238,8 +267,9 @@ def test_reserved_slots_default_to_an_eighth_under_the_priority_policy():
     config = EngineConfig(scheduling_policy="priority", max_num_seqs=8, priority_reserved_seqs=3)
     assert config.scheduler_config(64).reserved_seqs == 3
     with pytest.raises(ValueError, match="reserved_seqs"):
-        EngineConfig(scheduling_policy="priority", max_num_seqs=2,
-                     priority_reserved_seqs=2).scheduler_config(64)
+        EngineConfig(
+            scheduling_policy="priority", max_num_seqs=2, priority_reserved_seqs=2
+        ).scheduler_config(64)
 
 
 def test_every_admission_outcome():
@@ -259,16 +289,17 @@ def test_every_admission_outcome():
 
 def test_retry_after_follows_the_drain_rate():
     drain = DrainRate()
-    drain.record_step(1.0, finished=2, tokens=100, prefill_tokens=0, decodes=100,
-                      sequences=100)
-    decision = decide(AdmissionLimits(max_waiting_requests=1), QueueState(1, 1000, 0.1), 10,
-                      False, drain)
+    drain.record_step(1.0, finished=2, tokens=100, prefill_tokens=0, decodes=100, sequences=100)
+    decision = decide(
+        AdmissionLimits(max_waiting_requests=1), QueueState(1, 1000, 0.1), 10, False, drain
+    )
     assert decision.retry_after == 10  # 1000 queued tokens at 100 tokens/s
 
 
 def test_deferred_requests_wait_for_the_cache_to_drain():
-    scheduler = policy_scheduler(Clock(), num_blocks=10, block_size=4, max_model_len=40,
-                                 admission_soft_limit=0.5)
+    scheduler = policy_scheduler(
+        Clock(), num_blocks=10, block_size=4, max_model_len=40, admission_soft_limit=0.5
+    )
     scheduler.add_request(make("big", prompt_len=24, max_tokens=2))
     step(scheduler)
     assert scheduler.block_manager.usage >= 0.5
@@ -290,6 +321,7 @@ def test_rejections_are_counted():
 
 
 # ---- deadlines -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("state", ["waiting", "prefilling", "decoding"])
 def test_deadline_expiry_in_every_state_frees_blocks(state):
@@ -331,8 +363,7 @@ def test_a_waiting_request_that_can_no_longer_make_it_is_dropped_early():
 
 def test_queue_limits_count_only_equal_or_higher_priorities_under_the_priority_policy():
     for policy, high_outcome in (("fcfs", Admission.REJECT), ("priority", Admission.ADMIT)):
-        scheduler = policy_scheduler(Clock(), policy=policy, max_waiting_requests=2,
-                                     max_num_seqs=1)
+        scheduler = policy_scheduler(Clock(), policy=policy, max_waiting_requests=2, max_num_seqs=1)
         for name in ("run", "low-1", "low-2"):
             scheduler.add_request(make(name, priority=1))
         step(scheduler)
@@ -371,7 +402,8 @@ def test_deadlines_are_judged_with_a_margin():
     drain.record_step(0.5, 0, 100, prefill_tokens=100, decodes=0, sequences=1)
     drain.record_step(0.05, 0, 4, prefill_tokens=0, decodes=4, sequences=4)
     assert drain.time_to_finish(100, 11, num_sequences=5) == pytest.approx(
-        DEADLINE_MARGIN * (0.5 + 10 * 0.05))
+        DEADLINE_MARGIN * (0.5 + 10 * 0.05)
+    )
     assert DEADLINE_MARGIN > 1
 
 
@@ -401,8 +433,9 @@ async def test_a_request_timing_out_in_the_queue_gets_504(monkeypatch):
             plain = await client.post("/v1/completions", json={"prompt": "x", "timeout": 0.2})
             assert plain.status_code == 504
             assert plain.json()["error"]["code"] == "timeout"
-            streamed = await client.post("/v1/completions", json={
-                "prompt": "x", "timeout": 0.2, "stream": True})
+            streamed = await client.post(
+                "/v1/completions", json={"prompt": "x", "timeout": 0.2, "stream": True}
+            )
             assert streamed.status_code == 504
             running.cancel()
             await asyncio.gather(running, return_exceptions=True)
@@ -419,8 +452,9 @@ async def test_a_request_generating_past_its_deadline_returns_what_it_has(monkey
         assert blocks_in_use(engine) == 0
     async with app_client() as (client, engine):
         sabotage_steps(engine.core, monkeypatch, fail_on=set(), delay=0.02)
-        async with client.stream("POST", "/v1/completions", json={
-                **LONG, "timeout": 0.5, "stream": True}) as response:
+        async with client.stream(
+            "POST", "/v1/completions", json={**LONG, "timeout": 0.5, "stream": True}
+        ) as response:
             events = sse_events((await response.aread()).decode())
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
         finishes = [e["choices"][0]["finish_reason"] for e in events[:-2] if e.get("choices")]
@@ -445,8 +479,10 @@ async def test_admission_rejections_and_waiting_reasons_are_metrics():
         await asyncio.sleep(0.05)
         text = (await client.get("/metrics")).text
         assert 'vllm:admission_rejections_total{engine="0",model_name="tiny"} 1.0' in text
-        assert 'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",' \
-               'reason="deferred"} 0.0' in text
+        assert (
+            'vllm:num_requests_waiting_by_reason{engine="0",model_name="tiny",'
+            'reason="deferred"} 0.0' in text
+        )
 
 
 def test_timeout_must_be_positive():

@@ -60,8 +60,7 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
 
 def test_chunked_prefill_off_needs_a_budget_of_the_context():
     with pytest.raises(ValueError):
-        create_scheduler(max_num_batched_tokens=16, max_model_len=64,
-                         enable_chunked_prefill=False)
+        create_scheduler(max_num_batched_tokens=16, max_model_len=64, enable_chunked_prefill=False)
 
 
 def test_finished_requests_free_blocks_in_the_same_step_and_waiting_ones_start_next():
@@ -117,10 +116,13 @@ def test_preempted_request_recomputes_prompt_and_outputs():
 
 def test_tiny_cache_never_deadlocks_and_everything_finishes():
     rng = random.Random(3)
-    scheduler = create_scheduler(num_blocks=6, block_size=4, max_model_len=24,
-                                 max_num_batched_tokens=16)
-    requests = [create_request(f"r{i}", prompt_len=rng.randint(1, 20),
-                               max_tokens=rng.randint(1, 12)) for i in range(20)]
+    scheduler = create_scheduler(
+        num_blocks=6, block_size=4, max_model_len=24, max_num_batched_tokens=16
+    )
+    requests = [
+        create_request(f"r{i}", prompt_len=rng.randint(1, 20), max_tokens=rng.randint(1, 12))
+        for i in range(20)
+    ]
     for request in requests:
         scheduler.add_request(request)
     for _ in range(2_000):
@@ -131,8 +133,9 @@ def test_tiny_cache_never_deadlocks_and_everything_finishes():
     assert scheduler.block_manager.num_free_blocks == 6
     for request in requests:
         assert request.is_finished and request.finish_reason is FinishReason.LENGTH
-        assert request.num_output_tokens == min(request.sampling_params.max_tokens,
-                                                24 - request.num_prompt_tokens)
+        assert request.num_output_tokens == min(
+            request.sampling_params.max_tokens, 24 - request.num_prompt_tokens
+        )
     assert scheduler.num_preemptions > 0
 
 
@@ -140,8 +143,9 @@ def test_tiny_cache_never_deadlocks_and_everything_finishes():
 def test_abort_in_every_state_frees_all_blocks(state):
     scheduler = create_scheduler(max_num_batched_tokens=8)
     scheduler.add_request(create_request("keep", prompt_len=4, max_tokens=20))
-    scheduler.add_request(create_request("x", prompt_len=20, max_tokens=20 if state != "finished"
-                                         else 1))
+    scheduler.add_request(
+        create_request("x", prompt_len=20, max_tokens=20 if state != "finished" else 1)
+    )
     if state != "waiting":
         step(scheduler)  # keep: 4, x: first chunk of 4
     if state in ("decoding", "finished"):
@@ -186,8 +190,9 @@ def test_output_is_clamped_to_the_longest_sequence_the_cache_can_hold():
 def test_eos_and_stop_token_ids_finish_with_stop():
     scheduler = create_scheduler()
     eos = create_request("eos", prompt_len=4, max_tokens=10)
-    stop = create_request("stop", prompt_len=4, max_tokens=10, stop_token_ids=(FAKE_TOKEN,),
-                          ignore_eos=True)
+    stop = create_request(
+        "stop", prompt_len=4, max_tokens=10, stop_token_ids=(FAKE_TOKEN,), ignore_eos=True
+    )
     ignore = create_request("ignore", prompt_len=4, max_tokens=3, ignore_eos=True)
     for request in (eos, stop, ignore):
         scheduler.add_request(request)

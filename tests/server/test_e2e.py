@@ -29,10 +29,25 @@ def free_port() -> int:
 def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
     """`python -m server` on a free port; returns once /health answers 200."""
     port = free_port()
-    command = [sys.executable, "-m", "server", "--port", str(port), "--dtype", "float32",
-               "--kv-cache-memory", "256MiB", *extra]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "server",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "256MiB",
+        *extra,
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600  # the first start fetches and converts the model
     while time.monotonic() < deadline:
@@ -81,16 +96,26 @@ def test_models_lists_the_default_model(server):
 
 def test_chat_answer_and_usage(server):
     reply = client(server).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-        temperature=0, max_tokens=30)
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=30,
+    )
     assert "Paris" in reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop"
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
 
 
 def test_completion_n2_logprobs_seed(server):
-    kwargs = dict(model=MODEL, prompt="The weather today is", max_tokens=8, n=2, logprobs=2,
-                  seed=123, temperature=1.0)
+    kwargs = dict(
+        model=MODEL,
+        prompt="The weather today is",
+        max_tokens=8,
+        n=2,
+        logprobs=2,
+        seed=123,
+        temperature=1.0,
+    )
     first = client(server).completions.create(**kwargs)
     second = client(server).completions.create(**kwargs)
     assert sorted(c.index for c in first.choices) == [0, 1]
@@ -103,8 +128,14 @@ def test_completion_n2_logprobs_seed(server):
 
 def test_streamed_chat_with_usage(server):
     stream = client(server).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12,
-        stream=True, stream_options={"include_usage": True}, logprobs=True, top_logprobs=1)
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
+        top_logprobs=1,
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage is not None and chunks[-1].choices == []
@@ -124,8 +155,13 @@ def test_streamed_completion_text_equals_non_streamed(server):
 def test_32_concurrent_streams_complete_and_leave_the_cache_empty(server):
     async def one(api: AsyncOpenAI, i: int) -> tuple[int, int]:
         stream = await api.completions.create(
-            model=MODEL, prompt=f"Request {i}: write a number", max_tokens=24, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model=MODEL,
+            prompt=f"Request {i}: write a number",
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         usage = None
         tokens_seen = 0
         async for chunk in stream:
@@ -150,8 +186,13 @@ def test_sigterm_lets_running_requests_finish_and_exits_0():
     process, url = start_server("--shutdown-timeout", "20")
     try:
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(client(url).completions.create, model=MODEL, prompt="Count:",
-                                  max_tokens=20, extra_body={"ignore_eos": True})
+            running = pool.submit(
+                client(url).completions.create,
+                model=MODEL,
+                prompt="Count:",
+                max_tokens=20,
+                extra_body={"ignore_eos": True},
+            )
             deadline = time.monotonic() + 30
             while metric(url, "vllm:num_requests_running") < 1:
                 assert time.monotonic() < deadline
@@ -172,9 +213,11 @@ def test_sigterm_ends_what_outlasts_the_shutdown_timeout_with_a_503():
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": 2000, "ignore_eos": True}
     try:
         with ThreadPoolExecutor(2) as pool:
+
             def stream_events() -> list[str]:
-                with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
-                                  timeout=120) as reply:
+                with httpx.stream(
+                    "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
+                ) as reply:
                     return [line for line in reply.iter_lines() if line.startswith("data: ")]
 
             streaming = pool.submit(stream_events)

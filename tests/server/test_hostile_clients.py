@@ -15,12 +15,14 @@ VICTIM = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True
 HOSTILE: list[tuple[str, dict[str, Any] | bytes, int]] = [
     ("top_k past int64", {"prompt": "Hi", "max_tokens": 4, "top_k": 2**63, "temperature": 1}, 200),
     ("temperature that underflows", {"prompt": "Hi", "max_tokens": 4, "temperature": 1e-38}, 200),
-    ("many long stop strings", {"prompt": "Hi", "max_tokens": 4, "stop": ["x" * 3000] * 100},
-     400),
+    ("many long stop strings", {"prompt": "Hi", "max_tokens": 4, "stop": ["x" * 3000] * 100}, 400),
     ("thousands of prompts", {"prompt": ["Hi"] * 4000, "max_tokens": 1}, 400),
     ("lone surrogate", b'{"prompt": "\\ud800", "max_tokens": 2}', 400),
-    ("huge logit_bias", {"prompt": "Hi", "max_tokens": 2,
-                         "logit_bias": {str(i): 1 for i in range(2000)}}, 400),
+    (
+        "huge logit_bias",
+        {"prompt": "Hi", "max_tokens": 2, "logit_bias": {str(i): 1 for i in range(2000)}},
+        400,
+    ),
     ("n in the billions", {"prompt": "Hi", "max_tokens": 2, "n": 10**9}, 400),
     ("negative max_tokens", {"prompt": "Hi", "max_tokens": -1}, 400),
     ("token id past the vocabulary", {"prompt": [1, 2, 10**12], "max_tokens": 2}, 400),
@@ -30,8 +32,9 @@ HOSTILE: list[tuple[str, dict[str, Any] | bytes, int]] = [
 
 
 async def victim_tokens(client, i: int) -> list[str]:
-    async with client.stream("POST", "/v1/completions",
-                             json={"prompt": f"Story {i}:", **VICTIM}) as reply:
+    async with client.stream(
+        "POST", "/v1/completions", json={"prompt": f"Story {i}:", **VICTIM}
+    ) as reply:
         assert reply.status_code == 200
         body = "".join([chunk async for chunk in reply.aiter_text()])
     events = sse_events(body)
@@ -41,8 +44,9 @@ async def victim_tokens(client, i: int) -> list[str]:
 
 async def send(client, body: dict[str, Any] | bytes):
     if isinstance(body, bytes):
-        return await client.post("/v1/completions", content=body,
-                                 headers={"content-type": "application/json"})
+        return await client.post(
+            "/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
     return await client.post("/v1/completions", json=body)
 
 
@@ -51,7 +55,8 @@ async def test_a_hostile_request_hurts_no_other_stream(name, body, status):
     async with app_client() as (client, engine):
         alone = [await victim_tokens(client, i) for i in range(4)]
         *victims, hostile = await asyncio.gather(
-            *(victim_tokens(client, i) for i in range(4)), send(client, body))
+            *(victim_tokens(client, i) for i in range(4)), send(client, body)
+        )
         assert hostile.status_code == status, hostile.text
         if status >= 400:
             assert set(hostile.json()["error"]) == {"message", "type", "param", "code"}

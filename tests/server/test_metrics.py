@@ -22,32 +22,49 @@ async def scrape(client) -> dict[str, dict[tuple, float]]:
     samples: dict[str, dict[tuple, float]] = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = \
-                sample.value
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
     return samples
 
 
 def value(samples, name: str, **labels) -> float:
-    matches = [v for key, v in samples[name].items()
-               if all((k, str(val)) in key for k, val in labels.items())]
+    matches = [
+        v
+        for key, v in samples[name].items()
+        if all((k, str(val)) in key for k, val in labels.items())
+    ]
     assert len(matches) == 1, (name, labels, samples.get(name))
     return matches[0]
 
 
 VLLM_NAMES = [
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:gpu_cache_usage_perc", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:num_preemptions_total", "vllm:request_success_total",
-    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:num_preemptions_total",
+    "vllm:request_success_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
     "vllm:request_time_per_output_token_seconds_bucket",
-    "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
-    "vllm:request_queue_time_seconds_bucket", "vllm:request_inference_time_seconds_bucket",
-    "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
-    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
-    "vllm:request_max_num_generation_tokens_bucket", "vllm:request_params_n_bucket",
-    "vllm:request_params_max_tokens_bucket", "vllm:iteration_tokens_total_bucket",
-    "vllm:cache_config_info", "process_cpu_seconds_total", "http_requests_total",
+    "vllm:time_per_output_token_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:request_queue_time_seconds_bucket",
+    "vllm:request_inference_time_seconds_bucket",
+    "vllm:request_prefill_time_seconds_bucket",
+    "vllm:request_decode_time_seconds_bucket",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "vllm:request_max_num_generation_tokens_bucket",
+    "vllm:request_params_n_bucket",
+    "vllm:request_params_max_tokens_bucket",
+    "vllm:iteration_tokens_total_bucket",
+    "vllm:cache_config_info",
+    "process_cpu_seconds_total",
+    "http_requests_total",
     "http_request_duration_seconds_bucket",
 ]
 
@@ -59,8 +76,13 @@ async def test_all_vllm_metric_names_are_exposed_with_the_model_label():
         for name in VLLM_NAMES:
             assert name in samples, name
         assert value(samples, "vllm:num_requests_running", model_name="tiny") == 0
-        info = value(samples, "vllm:cache_config_info", model_name="tiny", block_size=4,
-                     cache_dtype="float32")
+        info = value(
+            samples,
+            "vllm:cache_config_info",
+            model_name="tiny",
+            block_size=4,
+            cache_dtype="float32",
+        )
         assert info == 1
         buckets = {dict(k)["le"] for k in samples["vllm:request_prompt_tokens_bucket"]}
         assert buckets == {str(float(b)) for b in build_1_2_5_buckets(512)} | {"+Inf"}
@@ -72,15 +94,27 @@ async def test_counters_and_histograms_are_true(monkeypatch):
         engine.stat_loggers.append(seen.append)
         prompts = ["Hello world", "The quick brown fox", "Hello"]
         for prompt in prompts:
-            response = await client.post("/v1/completions", json={
-                "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+            response = await client.post(
+                "/v1/completions",
+                json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+            )
             assert response.json()["choices"][0]["finish_reason"] == "length"
-        full = (await client.post("/v1/completions", json={
-            "prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        )).json()["choices"][0]["text"]
-        stopped = await client.post("/v1/completions", json={
-            "prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-            "stop": full[3:7]})
+        full = (
+            await client.post(
+                "/v1/completions",
+                json={"prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True},
+            )
+        ).json()["choices"][0]["text"]
+        stopped = await client.post(
+            "/v1/completions",
+            json={
+                "prompt": "Hello",
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stop": full[3:7],
+            },
+        )
         assert stopped.json()["choices"][0]["finish_reason"] == "stop"
         stop_tokens = stopped.json()["usage"]["completion_tokens"]
 
@@ -96,8 +130,10 @@ async def test_counters_and_histograms_are_true(monkeypatch):
         await asyncio.sleep(0.05)
 
         samples = await scrape(client)
-        reasons = {r: value(samples, "vllm:request_success_total", finished_reason=r)
-                   for r in ("length", "stop", "abort", "error")}
+        reasons = {
+            r: value(samples, "vllm:request_success_total", finished_reason=r)
+            for r in ("length", "stop", "abort", "error")
+        }
         # three prompts and the 12-token run end by length; one stop; one abort; one failure
         assert reasons == {"length": 4, "stop": 1, "abort": 1, "error": 1}
 
@@ -117,10 +153,8 @@ async def test_counters_and_histograms_are_true(monkeypatch):
         assert value(samples, "vllm:num_requests_running") == 0
         assert value(samples, "vllm:num_requests_waiting") == 0
         assert value(samples, "vllm:kv_cache_usage_perc") == 0
-        assert value(samples, "http_requests_total", handler="/v1/completions",
-                     status="2xx") == 5
-        assert value(samples, "http_requests_total", handler="/v1/completions",
-                     status="5xx") == 1
+        assert value(samples, "http_requests_total", handler="/v1/completions", status="2xx") == 5
+        assert value(samples, "http_requests_total", handler="/v1/completions", status="5xx") == 1
 
         finished = [f for stats in seen for f in stats.finished]
         assert len(finished) == 7
@@ -156,9 +190,17 @@ async def test_max_generation_tokens_is_one_observation_per_request():
         before = await scrape(client)
         count = value(before, "vllm:request_max_num_generation_tokens_count")
         total = value(before, "vllm:request_max_num_generation_tokens_sum")
-        response = await client.post("/v1/completions", json={
-            "prompt": "Hello", "max_tokens": 6, "n": 3, "temperature": 1, "seed": 5,
-            "ignore_eos": True})
+        response = await client.post(
+            "/v1/completions",
+            json={
+                "prompt": "Hello",
+                "max_tokens": 6,
+                "n": 3,
+                "temperature": 1,
+                "seed": 5,
+                "ignore_eos": True,
+            },
+        )
         assert len(response.json()["choices"]) == 3
         samples = await scrape(client)
         assert value(samples, "vllm:request_max_num_generation_tokens_count") == count + 1
@@ -175,20 +217,34 @@ def test_max_generation_tokens_takes_the_longest_sequence_once_all_finish():
     from server.metrics import EngineMetrics
 
     registry = CollectorRegistry()
-    metrics = EngineMetrics(registry, "m", ServingInfo(model_name="m", max_model_len=64,
-                                                       dtype="float32", device="cpu",
-                                                       num_blocks=8, block_size=4))
+    metrics = EngineMetrics(
+        registry,
+        "m",
+        ServingInfo(
+            model_name="m",
+            max_model_len=64,
+            dtype="float32",
+            device="cpu",
+            num_blocks=8,
+            block_size=4,
+        ),
+    )
 
     def finished(parent: str, tokens: int, siblings: int) -> StepStats:
         stats = StepStats(0, 0, 0.0)
-        stats.finished.append(FinishedRequestStats("length", 3, tokens, 1.0, None, None, None,
-                                                   None, None, parent, siblings))
+        stats.finished.append(
+            FinishedRequestStats(
+                "length", 3, tokens, 1.0, None, None, None, None, None, parent, siblings
+            )
+        )
         return stats
 
     def observed() -> tuple[float, float]:
         name = "vllm:request_max_num_generation_tokens"
-        return (registry.get_sample_value(f"{name}_count", {"model_name": "m", "engine": "0"}),
-                registry.get_sample_value(f"{name}_sum", {"model_name": "m", "engine": "0"}))
+        return (
+            registry.get_sample_value(f"{name}_count", {"model_name": "m", "engine": "0"}),
+            registry.get_sample_value(f"{name}_sum", {"model_name": "m", "engine": "0"}),
+        )
 
     for tokens in (2, 7):
         metrics.record(finished("a", tokens, 3))
@@ -203,9 +259,20 @@ async def test_preemptions_are_counted():
     async with app_client(num_blocks=12, block_size=4) as (client, engine):
         seen: list[StepStats] = []
         engine.stat_loggers.append(seen.append)
-        replies = await asyncio.gather(*(client.post("/v1/completions", json={
-            "prompt": [40 + i, 41, 42, 43, 44], "max_tokens": 20, "temperature": 0,
-            "ignore_eos": True}) for i in range(3)))
+        replies = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/completions",
+                    json={
+                        "prompt": [40 + i, 41, 42, 43, 44],
+                        "max_tokens": 20,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                )
+                for i in range(3)
+            )
+        )
         assert all(r.status_code == 200 for r in replies)
         preempted = sum(s.num_preemptions for s in seen)
         assert preempted > 0

@@ -19,7 +19,8 @@ def test_the_document_lists_400s_in_openais_shape_and_no_422():
     assert "422" not in completions and "HTTPValidationError" not in schema["components"]["schemas"]
     assert {"200", "400", "401", "404", "500", "503", "504"} <= set(completions)
     assert completions["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
-        "/ErrorResponse")
+        "/ErrorResponse"
+    )
     assert "text/event-stream" in completions["200"]["content"]
     assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]
@@ -38,8 +39,19 @@ EXCLUDED = "positive_data_acceptance,not_a_server_error"
 async def test_schemathesis_finds_the_server_as_documented():
     async with live_server() as server:
         process = await asyncio.create_subprocess_exec(
-            "st", "run", f"{server.url}/openapi.json", "--seed", "1", "--max-examples", "25",
-            "--request-timeout", "20", "--exclude-checks", EXCLUDED,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            "st",
+            "run",
+            f"{server.url}/openapi.json",
+            "--seed",
+            "1",
+            "--max-examples",
+            "25",
+            "--request-timeout",
+            "20",
+            "--exclude-checks",
+            EXCLUDED,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         output, _ = await process.communicate()
     assert process.returncode == 0, output.decode(errors="replace")[-6000:]

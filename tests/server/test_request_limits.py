@@ -9,22 +9,26 @@ from server.limits import RequestLimits
 from server.settings import ServerSettings
 from tests.server_utils import app_client
 
-LIMITS = RequestLimits(max_stop_strings=3, max_stop_string_chars=8, max_prompts=2,
-                       max_logit_bias=2, max_messages=2)
+LIMITS = RequestLimits(
+    max_stop_strings=3, max_stop_string_chars=8, max_prompts=2, max_logit_bias=2, max_messages=2
+)
 SETTINGS = ServerSettings(served_model_name="tiny", limits=LIMITS)
 HELLO = [{"role": "user", "content": "Hello"}]
 
 
-@pytest.mark.parametrize(("path", "extra", "param"), [
-    ("/v1/completions", {"stop": ["a", "b", "c", "d"]}, "stop"),
-    ("/v1/completions", {"stop": "x" * 9}, "stop"),
-    ("/v1/completions", {"stop_token_ids": [1, 2, 3, 4]}, "stop_token_ids"),
-    ("/v1/completions", {"logit_bias": {"1": 1, "2": 1, "3": 1}}, "logit_bias"),
-    ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
-    ("/v1/completions", {"prompt": [[1, 2], [3], [4]]}, "prompt"),
-    ("/v1/chat/completions", {"messages": HELLO * 3}, "messages"),
-    ("/v1/chat/completions", {"stop": ["a", "b", "c", "d"]}, "stop"),
-])
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/v1/completions", {"stop": ["a", "b", "c", "d"]}, "stop"),
+        ("/v1/completions", {"stop": "x" * 9}, "stop"),
+        ("/v1/completions", {"stop_token_ids": [1, 2, 3, 4]}, "stop_token_ids"),
+        ("/v1/completions", {"logit_bias": {"1": 1, "2": 1, "3": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
+        ("/v1/completions", {"prompt": [[1, 2], [3], [4]]}, "prompt"),
+        ("/v1/chat/completions", {"messages": HELLO * 3}, "messages"),
+        ("/v1/chat/completions", {"stop": ["a", "b", "c", "d"]}, "stop"),
+    ],
+)
 async def test_a_request_past_a_limit_is_refused_naming_the_field(path, extra, param):
     body = {"prompt": "Hello"} if path == "/v1/completions" else {"messages": HELLO}
     async with app_client(SETTINGS) as (client, engine):
@@ -38,53 +42,86 @@ async def test_a_request_past_a_limit_is_refused_naming_the_field(path, extra, p
 
 async def test_a_request_at_the_limits_is_served():
     async with app_client(SETTINGS) as (client, _):
-        response = await client.post("/v1/completions", json={
-            "prompt": ["a", "b"], "max_tokens": 2, "stop": ["x" * 8, "b", "c"],
-            "logit_bias": {"1": 1, "2": 1}})
+        response = await client.post(
+            "/v1/completions",
+            json={
+                "prompt": ["a", "b"],
+                "max_tokens": 2,
+                "stop": ["x" * 8, "b", "c"],
+                "logit_bias": {"1": 1, "2": 1},
+            },
+        )
         assert response.status_code == 200, response.text
         assert len(response.json()["choices"]) == 2
 
 
 def test_the_limits_are_flags():
-    args = build_parser().parse_args(["serve", "--max-stop-strings", "5", "--max-prompts", "7",
-                                      "--max-stop-string-chars", "9", "--max-logit-bias", "11",
-                                      "--max-messages", "13"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--max-stop-strings",
+            "5",
+            "--max-prompts",
+            "7",
+            "--max-stop-string-chars",
+            "9",
+            "--max-logit-bias",
+            "11",
+            "--max-messages",
+            "13",
+        ]
+    )
     assert server_settings(args).limits == RequestLimits(5, 9, 7, 11, 13)
     defaults = server_settings(build_parser().parse_args(["serve"])).limits
     assert defaults == RequestLimits()
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
-    ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
-    ("/v1/completions", b'{"prompt": "a", "model": "\\ud800", "max_tokens": 2}', "model"),
-    ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
-    ("/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "messages"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"prompt": "a", "model": "\\ud800", "max_tokens": 2}', "model"),
+        ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
+            "messages",
+        ),
+    ],
+)
 async def test_a_lone_surrogate_is_a_400_and_the_server_carries_on(path, body, param):
     async with app_client() as (client, _):
-        response = await client.post(path, content=body,
-                                     headers={"content-type": "application/json"})
+        response = await client.post(
+            path, content=body, headers={"content-type": "application/json"}
+        )
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"].startswith(param) and "lone surrogate" in error["message"]
         assert (await client.get("/health")).status_code == 200
-        ok = await client.post("/v1/completions", json={"prompt": "a 🚀 b",
-                                                        "max_tokens": 2})
+        ok = await client.post("/v1/completions", json={"prompt": "a 🚀 b", "max_tokens": 2})
         assert ok.status_code == 200
 
 
-@pytest.mark.parametrize(("path", "size", "off_loop"), [
-    ("/v1/completions", 100, False), ("/v1/completions", 20_000, True),
-    ("/v1/chat/completions", 100, False), ("/v1/chat/completions", 20_000, True)])
+@pytest.mark.parametrize(
+    ("path", "size", "off_loop"),
+    [
+        ("/v1/completions", 100, False),
+        ("/v1/completions", 20_000, True),
+        ("/v1/chat/completions", 100, False),
+        ("/v1/chat/completions", 20_000, True),
+    ],
+)
 async def test_large_bodies_are_tokenized_off_the_event_loop(monkeypatch, path, size, off_loop):
     import threading
 
     from server import serving_chat, serving_completions
 
-    module, name = ((serving_completions, "prompt_token_ids") if "chat" not in path
-                    else (serving_chat, "chat_prompt"))
+    module, name = (
+        (serving_completions, "prompt_token_ids")
+        if "chat" not in path
+        else (serving_chat, "chat_prompt")
+    )
     real, threads = getattr(module, name), []
 
     def recorded(*args, **kwargs):
@@ -93,8 +130,11 @@ async def test_large_bodies_are_tokenized_off_the_event_loop(monkeypatch, path, 
 
     monkeypatch.setattr(module, name, recorded)
     text = "Hello " * (size // 6)
-    body = ({"prompt": text} if "chat" not in path
-            else {"messages": [{"role": "user", "content": text}]})
+    body = (
+        {"prompt": text}
+        if "chat" not in path
+        else {"messages": [{"role": "user", "content": text}]}
+    )
     async with app_client() as (client, _):
         await client.post(path, json={**body, "max_tokens": 1})
     assert len(threads) == 1

@@ -8,8 +8,7 @@ from server.settings import ServerSettings
 from tests.helpers import chat_tokenizer, tiny_tokenizer
 from tests.server_utils import app_client, blocks_in_use, sse_events
 
-MESSAGES = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Hello there"}]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
 GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
 
 
@@ -18,8 +17,9 @@ def counts(usage: dict) -> tuple[int, int, int]:
 
 
 async def chat(client, **body):
-    response = await client.post("/v1/chat/completions",
-                                 json={**GREEDY, "messages": MESSAGES, **body})
+    response = await client.post(
+        "/v1/chat/completions", json={**GREEDY, "messages": MESSAGES, **body}
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -33,19 +33,25 @@ async def test_chat_shape_usage_and_template():
         assert isinstance(choice["message"]["content"], str)
         assert choice["finish_reason"] == "length"
         tokenizer = chat_tokenizer()
-        text = tokenizer.apply_chat_template(MESSAGES, tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
         prompt_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 6,
-                                 "total_tokens": prompt_tokens + 6,
-                                 "prompt_tokens_details": {"cached_tokens": 0}}
+        assert body["usage"] == {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 6,
+            "total_tokens": prompt_tokens + 6,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         assert blocks_in_use(engine) == 0
 
 
 async def test_content_parts_equal_plain_content():
-    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "},
-                                            {"type": "text", "text": "brief."}]},
-             {"role": "user", "content": [{"type": "text", "text": "Hello there"}]}]
+    parts = [
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        },
+        {"role": "user", "content": [{"type": "text", "text": "Hello there"}]},
+    ]
     async with app_client() as (client, _):
         plain = await chat(client, max_tokens=5)
         from_parts = await chat(client, max_tokens=5, messages=parts)
@@ -79,9 +85,20 @@ async def test_chat_logprobs_and_top_logprobs():
 async def test_streaming_chat_role_first_finish_last():
     async with app_client() as (client, _):
         whole = await chat(client, max_tokens=8, n=2, temperature=1.0, seed=5)
-        async with client.stream("POST", "/v1/chat/completions", json={
-                **GREEDY, "messages": MESSAGES, "max_tokens": 8, "n": 2, "temperature": 1.0,
-                "seed": 5, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        async with client.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                **GREEDY,
+                "messages": MESSAGES,
+                "max_tokens": 8,
+                "n": 2,
+                "temperature": 1.0,
+                "seed": 5,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as r:
             events = sse_events((await r.aread()).decode())
         chunks = events[:-1]
         assert chunks[-1]["choices"] == []
@@ -98,8 +115,9 @@ async def test_streaming_chat_role_first_finish_last():
 
 async def test_model_without_chat_template_is_a_400():
     async with app_client(tokenizer=tiny_tokenizer()) as (client, _):
-        response = await client.post("/v1/chat/completions",
-                                     json={"messages": MESSAGES, "max_tokens": 3})
+        response = await client.post(
+            "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3}
+        )
         assert response.status_code == 400
         assert "chat template" in response.json()["error"]["message"]
         completion = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
@@ -110,7 +128,8 @@ async def test_served_model_name_defaults_to_the_model():
     async with app_client(ServerSettings()) as (client, _):
         models = (await client.get("/v1/models")).json()
         assert models["data"][0]["id"] == "tiny-llama"
-        ok = await client.post("/v1/chat/completions", json={
-            "model": "tiny-llama", "messages": MESSAGES, "max_tokens": 2})
+        ok = await client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 2},
+        )
         assert ok.status_code == 200
-

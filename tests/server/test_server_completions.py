@@ -27,9 +27,12 @@ async def test_completion_shape_and_usage():
         assert choice["index"] == 0 and choice["finish_reason"] == "length"
         assert choice["logprobs"] is None
         prompt_tokens = len(TOKENIZER("Hello world")["input_ids"])
-        assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 7,
-                                 "total_tokens": prompt_tokens + 7,
-                                 "prompt_tokens_details": {"cached_tokens": 0}}
+        assert body["usage"] == {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": 7,
+            "total_tokens": prompt_tokens + 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         assert blocks_in_use(engine) == 0
 
 
@@ -44,14 +47,16 @@ async def test_text_equals_the_engines_greedy_text():
         assert len(body["choices"][0]["logprobs"]["tokens"]) == 12
 
 
-@pytest.mark.parametrize("prompt", [
-    ["Hello world", "The quick brown"],
-    [[40, 41, 42], [50, 51]],
-])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        ["Hello world", "The quick brown"],
+        [[40, 41, 42], [50, 51]],
+    ],
+)
 async def test_several_prompts_and_n_give_indexed_choices(prompt):
     async with app_client() as (client, _):
-        body = await complete(client, prompt=prompt, max_tokens=3, n=2, temperature=1.0,
-                              seed=3)
+        body = await complete(client, prompt=prompt, max_tokens=3, n=2, temperature=1.0, seed=3)
         assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]
         assert body["usage"]["completion_tokens"] == 12
         if isinstance(prompt[0], list):
@@ -72,8 +77,9 @@ async def test_stop_string_split_across_tokens():
         choice = body["choices"][0]
         assert choice["text"] == full[: full.index(stop)]
         assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
-        kept = await complete(client, prompt="Hello world", max_tokens=24, stop=stop,
-                              include_stop_str_in_output=True)
+        kept = await complete(
+            client, prompt="Hello world", max_tokens=24, stop=stop, include_stop_str_in_output=True
+        )
         assert kept["choices"][0]["text"] == full[: full.index(stop) + len(stop)]
         assert blocks_in_use(engine) == 0
 
@@ -98,8 +104,9 @@ async def test_logprobs_alternatives_include_the_chosen_token():
     async with app_client() as (client, _):
         body = await complete(client, prompt="Hello", max_tokens=4, logprobs=3)
         logprobs = body["choices"][0]["logprobs"]
-        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"],
-                                       logprobs["top_logprobs"], strict=True):
+        for token, logprob, top in zip(
+            logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+        ):
             assert token in top and top[token] == pytest.approx(logprob)
             assert max(top.values()) == pytest.approx(logprob)  # greedy picks the best
             assert 1 <= len(top) <= 4  # distinct token texts among the 3 best and the chosen
@@ -125,25 +132,40 @@ async def test_seed_gives_the_same_sample():
 
 async def test_sampling_fields_vllm_accepts():
     async with app_client() as (client, _):
-        body = await complete(client, prompt="Hello", max_tokens=6, temperature=0.8, top_p=0.9,
-                              top_k=20, min_p=0.05, repetition_penalty=1.1,
-                              presence_penalty=0.5, frequency_penalty=0.5,
-                              logit_bias={"40": 2.0}, min_tokens=2, stop_token_ids=[3],
-                              skip_special_tokens=False, priority=1, user="me",
-                              unknown_field="ignored")
+        body = await complete(
+            client,
+            prompt="Hello",
+            max_tokens=6,
+            temperature=0.8,
+            top_p=0.9,
+            top_k=20,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            logit_bias={"40": 2.0},
+            min_tokens=2,
+            stop_token_ids=[3],
+            skip_special_tokens=False,
+            priority=1,
+            user="me",
+            unknown_field="ignored",
+        )
         assert body["usage"]["completion_tokens"] >= 2
 
 
 async def test_logit_bias_forces_a_token():
     async with app_client() as (client, _):
-        body = await complete(client, prompt="Hello", max_tokens=3, logit_bias={"77": 100},
-                              logprobs=0)
+        body = await complete(
+            client, prompt="Hello", max_tokens=3, logit_bias={"77": 100}, logprobs=0
+        )
         assert body["choices"][0]["logprobs"]["tokens"] == [TOKENIZER.decode([77])] * 3
 
 
 async def stream(client, **body) -> list:
-    async with client.stream("POST", "/v1/completions",
-                             json={**GREEDY, **body, "stream": True}) as response:
+    async with client.stream(
+        "POST", "/v1/completions", json={**GREEDY, **body, "stream": True}
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         return sse_events((await response.aread()).decode())
@@ -152,14 +174,14 @@ async def stream(client, **body) -> list:
 async def test_streaming_framing_text_and_usage():
     async with app_client() as (client, engine):
         whole = await complete(client, prompt="Hello world", max_tokens=10)
-        events = await stream(client, prompt="Hello world", max_tokens=10,
-                              stream_options={"include_usage": True})
+        events = await stream(
+            client, prompt="Hello world", max_tokens=10, stream_options={"include_usage": True}
+        )
         chunks = events[:-1]
         assert all(c["object"] == "text_completion" for c in chunks)
         assert len({c["id"] for c in chunks}) == 1
         text_chunks, usage_chunk = chunks[:-1], chunks[-1]
-        assert "".join(c["choices"][0]["text"] for c in text_chunks) == \
-            whole["choices"][0]["text"]
+        assert "".join(c["choices"][0]["text"] for c in text_chunks) == whole["choices"][0]["text"]
         assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == "length"
         assert all(c["choices"][0]["finish_reason"] is None for c in text_chunks[:-1])
         assert all("usage" not in c for c in text_chunks)
@@ -180,8 +202,9 @@ async def test_no_usage_chunk_unless_asked(options):
 
 async def test_streaming_n_choices_each_finish():
     async with app_client() as (client, _):
-        events = await stream(client, prompt=["Hello", "The quick"], max_tokens=5, n=2,
-                              temperature=1.0, seed=1)
+        events = await stream(
+            client, prompt=["Hello", "The quick"], max_tokens=5, n=2, temperature=1.0, seed=1
+        )
         finished = {}
         for event in events[:-1]:
             for choice in event["choices"]:
@@ -210,6 +233,8 @@ async def test_without_a_tokenizer_only_token_ids_are_served():
         assert text.status_code == 400 and "token ids" in text.json()["error"]["message"]
         ids = await complete(client, prompt=[40, 41, 42], max_tokens=2)
         assert ids["usage"]["completion_tokens"] == 2 and ids["choices"][0]["text"] == ""
-        chat = await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        )
         assert chat.status_code == 400

@@ -68,8 +68,10 @@ BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages.0.content"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages.0.content",
+    ),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": MESSAGES, "top_logprobs": 99, "logprobs": True}, "top_logprobs"),
     ({"messages": MESSAGES, "max_completion_tokens": -1}, "max_completion_tokens"),
@@ -88,8 +90,13 @@ async def test_bad_chat_requests_get_400(body, param):
 async def test_malformed_bodies_get_400():
     async with app_client() as (client, _):
         headers = {"content-type": "application/json"}
-        for raw in (b"{not json", b"\xff\xfe\x00garbage", b'{"prompt": "\xc3\x28"}', b"",
-                    b"[1, 2, 3]"):
+        for raw in (
+            b"{not json",
+            b"\xff\xfe\x00garbage",
+            b'{"prompt": "\xc3\x28"}',
+            b"",
+            b"[1, 2, 3]",
+        ):
             response = await client.post("/v1/completions", content=raw, headers=headers)
             assert_error(response, 400)
         assert (await client.get("/health")).status_code == 200
@@ -105,8 +112,9 @@ async def test_huge_body_gets_400():
             for _ in range(20):
                 yield b" " * 1000
 
-        response = await client.post("/v1/completions", content=chunks(),
-                                     headers={"content-type": "application/json"})
+        response = await client.post(
+            "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
         assert_error(response, 400, text="larger than the limit")
         assert (await client.get("/health")).status_code == 200
 
@@ -116,8 +124,9 @@ async def test_unknown_model_is_404():
         response = await client.post("/v1/completions", json={"model": "gpt-9", "prompt": "x"})
         error = assert_error(response, 404, "model")
         assert error["code"] == "model_not_found" and "gpt-9" in error["message"]
-        response = await client.post("/v1/chat/completions",
-                                     json={"model": "gpt-9", "messages": MESSAGES})
+        response = await client.post(
+            "/v1/chat/completions", json={"model": "gpt-9", "messages": MESSAGES}
+        )
         assert_error(response, 404, "model")
 
 
@@ -129,12 +138,12 @@ async def test_unknown_route_is_404_in_openai_shape():
 async def test_engine_failure_before_any_output_is_a_500(monkeypatch):
     async with app_client() as (client, engine):
         sabotage_steps(engine.core, monkeypatch, message="kernel exploded")
-        response = await client.post("/v1/completions", json={"prompt": "Hello",
-                                                              "max_tokens": 4})
+        response = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4})
         assert_error(response, 500, text="kernel exploded")
         # A stream starts with its first delta: a failure before it is a plain HTTP error.
-        streamed = await client.post("/v1/completions", json={
-            "prompt": "Hello", "max_tokens": 4, "stream": True})
+        streamed = await client.post(
+            "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "stream": True}
+        )
         assert_error(streamed, 500, text="kernel exploded")
         monkeypatch.undo()
         assert (await client.get("/health")).status_code == 200
@@ -146,8 +155,9 @@ async def test_engine_failure_before_any_output_is_a_500(monkeypatch):
 async def test_failure_after_tokens_streamed_ends_with_error_then_done(monkeypatch):
     async with app_client() as (client, engine):
         sabotage_steps(engine.core, monkeypatch, fail_on={3}, message="late failure")
-        async with client.stream("POST", "/v1/completions", json={
-                "prompt": "Hello", "max_tokens": 10, "stream": True}) as streamed:
+        async with client.stream(
+            "POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 10, "stream": True}
+        ) as streamed:
             events = sse_events((await streamed.aread()).decode())
         texts = [e for e in events[:-1] if "choices" in e]
         assert len(texts) == 2 and "late failure" in events[-2]["error"]["message"]

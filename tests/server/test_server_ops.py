@@ -43,8 +43,9 @@ async def test_tokenize_and_detokenize_round_trip():
         assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 128
         text = (await client.post("/detokenize", json={"tokens": body["tokens"]})).json()
         assert text["prompt"] == "Hello world"
-        chat = (await client.post("/tokenize", json={
-            "messages": [{"role": "user", "content": "Hi"}]})).json()
+        chat = (
+            await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+        ).json()
         assert chat["count"] > 2
         bad = await client.post("/detokenize", json={"tokens": [10**8]})
         assert bad.status_code == 400
@@ -57,12 +58,14 @@ async def test_api_key_guards_the_api_but_not_health():
         missing = await client.post("/v1/completions", json=body)
         assert missing.status_code == 401
         assert missing.json()["error"]["code"] == "invalid_api_key"
-        wrong = await client.post("/v1/completions", json=body,
-                                  headers={"Authorization": "Bearer nope"})
+        wrong = await client.post(
+            "/v1/completions", json=body, headers={"Authorization": "Bearer nope"}
+        )
         assert wrong.status_code == 401
         assert (await client.get("/v1/models")).status_code == 401
-        right = await client.post("/v1/completions", json=body,
-                                  headers={"Authorization": "Bearer sesame"})
+        right = await client.post(
+            "/v1/completions", json=body, headers={"Authorization": "Bearer sesame"}
+        )
         assert right.status_code == 200
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/version")).status_code == 200
@@ -139,8 +142,12 @@ async def test_draining_server_refuses_new_work_but_finishes_running():
     async with live_server() as server:
         engine = server.engine
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-            running = asyncio.create_task(client.post("/v1/completions", json={
-                "prompt": "Hello", "max_tokens": 30, "ignore_eos": True}))
+            running = asyncio.create_task(
+                client.post(
+                    "/v1/completions",
+                    json={"prompt": "Hello", "max_tokens": 30, "ignore_eos": True},
+                )
+            )
             await until(lambda: blocks_in_use(engine) > 0)
             server.app.state.draining = True  # what SIGTERM does
             refused = await client.post("/v1/completions", json={"prompt": "x"})
@@ -149,7 +156,6 @@ async def test_draining_server_refuses_new_work_but_finishes_running():
             finished = await running
             assert finished.status_code == 200
             assert finished.json()["usage"]["completion_tokens"] == 30
-
 
 
 async def test_a_wrong_key_is_refused_before_the_body_is_read():
@@ -161,8 +167,9 @@ async def test_a_wrong_key_is_refused_before_the_body_is_read():
             read.append(True)
             yield b'{"prompt": "Hello", "max_tokens": 2}'
 
-        refused = await client.post("/v1/completions", content=body(),
-                                    headers={"content-type": "application/json"})
+        refused = await client.post(
+            "/v1/completions", content=body(), headers={"content-type": "application/json"}
+        )
         assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
         assert refused.json()["error"]["code"] == "invalid_api_key"
         assert read == []  # the body was never pulled
@@ -174,8 +181,11 @@ async def test_a_wrong_key_is_refused_before_the_body_is_read():
 @pytest.mark.parametrize("given", ["x" * 129, "evil\tid", "a" * 10_000])
 async def test_a_long_or_odd_request_id_is_replaced_not_echoed(given):
     async with app_client() as (client, _):
-        reply = await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1},
-                                  headers={"X-Request-Id": given})
+        reply = await client.post(
+            "/v1/completions",
+            json={"prompt": "Hello", "max_tokens": 1},
+            headers={"X-Request-Id": given},
+        )
         assert reply.status_code == 200
         assert reply.headers["x-request-id"] != given
         assert len(reply.headers["x-request-id"]) == 32

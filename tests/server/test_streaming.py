@@ -19,7 +19,7 @@ from server.streaming import compact_json, sse
 
 PAYLOADS: list[Any] = [
     {"id": "cmpl-1", "choices": [{"index": 0, "text": " the", "logprobs": None}]},
-    {"text": "日本語 é \u2028 \U0001f600", "escapes": "quote \" backslash \\ tab \t nl \n \x00"},
+    {"text": "日本語 é \u2028 \U0001f600", "escapes": 'quote " backslash \\ tab \t nl \n \x00'},
     {"floats": [0.1, -2.5e-07, 1e300, 3.0], "ints": [0, -1, 2**70], "flags": [True, False, None]},
     {"nested": {"a": [{"b": []}, {}], "c": {"d": {"e": "f"}}}, "empty": ""},
     [1, "two", [3.5, {"four": None}]],
@@ -30,8 +30,7 @@ PAYLOADS: list[Any] = [
 
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_compact_json_is_json_dumps_compact_with_unicode_kept(payload):
-    assert compact_json(payload) == json.dumps(payload, ensure_ascii=False,
-                                               separators=(",", ":"))
+    assert compact_json(payload) == json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
 def test_compact_json_refuses_what_json_refuses():
@@ -57,25 +56,33 @@ class _TrailingFieldRenderer(_Renderer):
 
 FRAGMENTS = [
     [{"index": 0, "text": " the", "logprobs": None, "finish_reason": None}],
-    [{"index": 3, "text": "é\n\"", "logprobs": {"tokens": ["a"], "token_logprobs": [-0.5]},
-      "finish_reason": "stop", "stop_reason": 7}],
+    [
+        {
+            "index": 3,
+            "text": 'é\n"',
+            "logprobs": {"tokens": ["a"], "token_logprobs": [-0.5]},
+            "finish_reason": "stop",
+            "stop_reason": 7,
+        }
+    ],
     [],
 ]
 
 
 @pytest.mark.parametrize("renderer_class", [_Renderer, _TrailingFieldRenderer])
 def test_event_is_the_chunk_as_a_server_sent_event(renderer_class):
-    renderer = renderer_class("cmpl-xyz", "model \"q\" é", include_usage=False)
+    renderer = renderer_class("cmpl-xyz", 'model "q" é', include_usage=False)
     for fragments in FRAGMENTS * 2:  # the second pass reuses what the first cached
         event = renderer.event(fragments)
         assert event == sse(renderer.chunk(fragments))
         assert event.startswith("data: ") and event.endswith("\n\n")
-        assert json.loads(event[len("data: "):])["choices"] == fragments
+        assert json.loads(event[len("data: ") :])["choices"] == fragments
 
 
 def _output(index: int, token: int, finished: bool = False) -> RequestOutput:
-    return RequestOutput("req", index, [token], f"<{token}>", finished=finished,
-                         num_output_tokens=1)
+    return RequestOutput(
+        "req", index, [token], f"<{token}>", finished=finished, num_output_tokens=1
+    )
 
 
 async def test_collector_wakes_a_waiting_consumer():
@@ -96,7 +103,9 @@ async def test_collector_merges_what_a_lagging_consumer_has_not_read():
     collector.put(_output(0, 4))  # after its sequence finished: dropped
     outputs = await asyncio.wait_for(collector.get(), 30)
     assert {o.index: (o.new_token_ids, o.text, o.finished) for o in outputs} == {
-        0: ([1, 3], "<1><3>", True), 1: ([2], "<2>", False)}
+        0: ([1, 3], "<1><3>", True),
+        1: ([2], "<2>", False),
+    }
     assert collector.finished_indices == {0}
 
 
@@ -124,7 +133,7 @@ async def test_streaming_overhead_benchmark_runs_the_real_app():
     app_bytes = await _one_stream_text(module)
     events = [e for e in app_bytes.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == " a" * 5
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -134,6 +143,7 @@ async def _one_stream_text(module) -> str:
         body = json.dumps({"prompt": [5] * 4, "max_tokens": 5, "stream": True}).encode()
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            response = await client.post("/v1/completions", content=body,
-                                         headers={"content-type": "application/json"})
+            response = await client.post(
+                "/v1/completions", content=body, headers={"content-type": "application/json"}
+            )
             return response.text

@@ -64,12 +64,18 @@ def test_capture_sizes():
 def test_padded_decode_steps_match_generate():
     """Without a GPU the padded static path runs eagerly, through the Triton kernels in the
     interpreter: padded rows (length 0, slot -1) must neither disturb nor leak anything."""
-    core, _ = tiny_core(device=TRITON_DEVICE, attention_backend="triton", block_size=16,
-                        max_num_seqs=7, enforce_eager=True)
+    core, _ = tiny_core(
+        device=TRITON_DEVICE,
+        attention_backend="triton",
+        block_size=16,
+        max_num_seqs=7,
+        enforce_eager=True,
+    )
     assert core.runner.graphs is None
     runner = core.runner
-    runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_cache,
-                                 max_num_seqs=7, max_model_len=512)
+    runner.graphs = DecodeGraphs(
+        runner.model, runner.backend, runner.kv_cache, max_num_seqs=7, max_model_len=512
+    )
     sizes = spy_sizes(runner.graphs)
     check_greedy(core, 7)
     assert (7, 7) in sizes
@@ -97,16 +103,27 @@ def test_enforce_eager_captures_nothing(device):
 def batch_of(query_lens: list[int], width: int = 2) -> InputBatch:
     rows, tokens = len(query_lens), sum(query_lens)
     ids = np.zeros(tokens, dtype=np.int64)
-    return InputBatch(requests=[None] * rows, input_ids=ids, positions=ids, slot_mapping=ids,
-                      query_starts=np.cumsum([0, *query_lens[:-1]]),
-                      query_lens=np.array(query_lens), context_lens=np.ones(rows, np.int64),
-                      block_table=np.zeros((rows, width), np.int64),
-                      sample_rows=np.arange(rows))
+    return InputBatch(
+        requests=[None] * rows,
+        input_ids=ids,
+        positions=ids,
+        slot_mapping=ids,
+        query_starts=np.cumsum([0, *query_lens[:-1]]),
+        query_lens=np.array(query_lens),
+        context_lens=np.ones(rows, np.int64),
+        block_table=np.zeros((rows, width), np.int64),
+        sample_rows=np.arange(rows),
+    )
 
 
 def test_only_plain_decode_steps_take_the_static_path():
-    core, _ = tiny_core(device=TRITON_DEVICE, attention_backend="triton", block_size=16,
-                        max_num_seqs=4, enforce_eager=True)
+    core, _ = tiny_core(
+        device=TRITON_DEVICE,
+        attention_backend="triton",
+        block_size=16,
+        max_num_seqs=4,
+        enforce_eager=True,
+    )
     runner = core.runner
     graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_cache, 4, max_model_len=64)
     assert graphs.supports(batch_of([1, 1, 1]), np.arange(3))
@@ -124,7 +141,8 @@ def test_what_cannot_be_captured():
     assert "gathers" in _why_not_capturable(conveyor, get_backend("torch", device))
     transformers = build_causal_lm(hf_model, "transformers")
     assert "Hugging Face" in _why_not_capturable(transformers, get_backend("triton", device))
-    dynamic = build_causal_lm(tiny_llama(rope_parameters={"rope_type": "dynamic",
-                                                          "rope_theta": 10000.0,
-                                                          "factor": 2.0}), "conveyor")
+    dynamic = build_causal_lm(
+        tiny_llama(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+        "conveyor",
+    )
     assert "dynamic" in _why_not_capturable(dynamic, get_backend("triton", device))

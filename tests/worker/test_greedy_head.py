@@ -22,8 +22,9 @@ from tests.helpers import (
 )
 
 
-def head(out_features: int, in_features: int, bias: torch.Tensor | None = None,
-         seed: int = 0) -> PanelLinear:
+def head(
+    out_features: int, in_features: int, bias: torch.Tensor | None = None, seed: int = 0
+) -> PanelLinear:
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator)
     return PanelLinear(weight, bias, torch.bfloat16)
@@ -37,12 +38,14 @@ def choose(layer: PanelLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 @needs_bf16_panels
 @pytest.mark.usefixtures("bf16_products")
-@pytest.mark.parametrize(("out_features", "in_features"),
-                         [(5, 8), (37, 32), (1000, 64), (4099, 96), (49152, 64)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(5, 8), (37, 32), (1000, 64), (4099, 96), (49152, 64)]
+)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_fused_choice_is_the_argmax_of_the_logits(out_features: int, in_features: int,
-                                                      rows: int, with_bias: bool) -> None:
+def test_the_fused_choice_is_the_argmax_of_the_logits(
+    out_features: int, in_features: int, rows: int, with_bias: bool
+) -> None:
     bias = torch.randn(out_features) if with_bias else None
     layer = head(out_features, in_features, bias)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
@@ -55,10 +58,12 @@ def test_the_fused_choice_is_the_argmax_of_the_logits(out_features: int, in_feat
 
 @needs_bf16_panels
 @pytest.mark.usefixtures("bf16_products")
-@pytest.mark.parametrize(("out_features", "in_features", "rows"),
-                         [(37, 32, 3), (4099, 96, 64), (49152, 64, 5)])
-def test_the_fused_choice_is_torchs_best_logit(out_features: int, in_features: int,
-                                               rows: int) -> None:
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "rows"), [(37, 32, 3), (4099, 96, 64), (49152, 64, 5)]
+)
+def test_the_fused_choice_is_torchs_best_logit(
+    out_features: int, in_features: int, rows: int
+) -> None:
     """Against torch alone: the chosen column's logit, computed by torch in fp64 from the bf16
     rows and weights, is the row's largest up to fp32 summation error."""
     bias = torch.randn(out_features, generator=torch.Generator().manual_seed(1))

@@ -24,15 +24,23 @@ CACHED = (cpu_ops.panel_linear_available, cpu_ops.bf16_panels_available)
 
 
 def route_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.name == "engine.factory" and r.getMessage().startswith("routes: ")]
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "engine.factory" and r.getMessage().startswith("routes: ")
+    ]
 
 
 @pytest.fixture
 def no_kernels(monkeypatch):
     """The machine as one where nothing built (an arm64 host, or no compiler)."""
-    monkeypatch.setattr(cpu_ops, "build_result", lambda: BuildResult(
-        (), {group.name: "they are x86-64 code and this is aarch64" for group in GROUPS}))
+    monkeypatch.setattr(
+        cpu_ops,
+        "build_result",
+        lambda: BuildResult(
+            (), {group.name: "they are x86-64 code and this is aarch64" for group in GROUPS}
+        ),
+    )
     for probe in CACHED:
         probe.cache_clear()
     yield

@@ -10,10 +10,20 @@ from engine.worker.sampler import Sampler, takes_argmax
 VOCAB = 50
 
 
-def request(name: str = "r", output: list[int] | None = None, prompt: list[int] | None = None,
-            **params: object) -> Request:
-    req = Request(name, prompt or [1, 2, 3], SamplingParams(**params), 0.0, 10_000,
-                  eos_token_ids=frozenset({0}))
+def request(
+    name: str = "r",
+    output: list[int] | None = None,
+    prompt: list[int] | None = None,
+    **params: object,
+) -> Request:
+    req = Request(
+        name,
+        prompt or [1, 2, 3],
+        SamplingParams(**params),
+        0.0,
+        10_000,
+        eos_token_ids=frozenset({0}),
+    )
     for token in output or []:
         req.append_output(token)
     return req
@@ -35,8 +45,9 @@ def test_greedy_is_argmax():
     assert out.token_ids == values.argmax(dim=-1).tolist()
 
 
-@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0),
-                                    dict(temperature=1e-4)])
+@pytest.mark.parametrize(
+    "params", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0), dict(temperature=1e-4)]
+)
 def test_settings_that_leave_one_candidate_equal_greedy(params):
     values = logits(8, seed=3)
     requests = [request(str(i), **params) for i in range(8)]
@@ -47,8 +58,10 @@ def test_top_k_never_samples_outside_the_top_k():
     values = logits(1, seed=1)
     allowed = set(values[0].topk(3).indices.tolist())
     sampler = Sampler(VOCAB, torch.device("cpu"))
-    seen = {sample([request(top_k=3, temperature=2.0)], values, sampler).token_ids[0]
-            for _ in range(200)}
+    seen = {
+        sample([request(top_k=3, temperature=2.0)], values, sampler).token_ids[0]
+        for _ in range(200)
+    }
     assert seen <= allowed and len(seen) > 1
 
 
@@ -73,8 +86,7 @@ def test_sampling_follows_the_distribution():
 def test_seeded_request_is_reproducible_whatever_shares_the_batch():
     values = logits(1, seed=9)
     alone = Sampler(VOCAB, torch.device("cpu"))
-    tokens_alone = [sample([request("s", seed=42)], values, alone).token_ids[0]
-                    for _ in range(20)]
+    tokens_alone = [sample([request("s", seed=42)], values, alone).token_ids[0] for _ in range(20)]
     busy = Sampler(VOCAB, torch.device("cpu"), seed=123)
     tokens_busy = []
     for step in range(20):
@@ -88,9 +100,13 @@ def test_seeded_request_is_reproducible_whatever_shares_the_batch():
 
 def test_logit_bias_forces_and_bans_tokens():
     values = logits(2)
-    out = sample([request("a", temperature=0, logit_bias={17: 100.0}),
-                  request("b", temperature=0, logit_bias={int(values[1].argmax()): -100.0})],
-                 values)
+    out = sample(
+        [
+            request("a", temperature=0, logit_bias={17: 100.0}),
+            request("b", temperature=0, logit_bias={int(values[1].argmax()): -100.0}),
+        ],
+        values,
+    )
     assert out.token_ids[0] == 17
     assert out.token_ids[1] != int(values[1].argmax())
 
@@ -117,12 +133,15 @@ def test_presence_and_frequency_penalties_follow_openai():
     values = torch.zeros(1, VOCAB)
     values[0, 7], values[0, 8] = 2.0, 1.0
     out = [7, 7, 7]
-    assert sample([request(temperature=0, output=out, frequency_penalty=0.4)],
-                  values).token_ids == [8]  # 2.0 - 3 * 0.4 = 0.8 < 1.0
-    assert sample([request(temperature=0, output=out, presence_penalty=0.5)],
-                  values).token_ids == [7]  # 2.0 - 0.5 = 1.5 > 1.0
-    assert sample([request(temperature=0, output=out, presence_penalty=1.5)],
-                  values).token_ids == [8]
+    assert sample(
+        [request(temperature=0, output=out, frequency_penalty=0.4)], values
+    ).token_ids == [8]  # 2.0 - 3 * 0.4 = 0.8 < 1.0
+    assert sample([request(temperature=0, output=out, presence_penalty=0.5)], values).token_ids == [
+        7
+    ]  # 2.0 - 0.5 = 1.5 > 1.0
+    assert sample([request(temperature=0, output=out, presence_penalty=1.5)], values).token_ids == [
+        8
+    ]
 
 
 def test_logprobs_of_sampled_token_and_alternatives():
@@ -136,8 +155,9 @@ def test_logprobs_of_sampled_token_and_alternatives():
     assert first.logprob == pytest.approx(reference[0].max().item(), abs=1e-5)
     top_ids = [token for token, _ in first.top]
     assert top_ids == reference[0].topk(3).indices.tolist()
-    assert [lp for _, lp in first.top] == pytest.approx(reference[0].topk(3).values.tolist(),
-                                                         abs=1e-5)
+    assert [lp for _, lp in first.top] == pytest.approx(
+        reference[0].topk(3).values.tolist(), abs=1e-5
+    )
 
 
 def test_rank_of_a_sampled_token_that_was_not_the_best():
@@ -149,17 +169,20 @@ def test_rank_of_a_sampled_token_that_was_not_the_best():
     assert out.logprobs[0].top == ()
 
 
-@pytest.mark.parametrize(("req", "expected"), [
-    (request(temperature=0), True),
-    (request(temperature=0, seed=7, top_k=3, stop_token_ids=(4,)), True),
-    (request(temperature=0.7), False),
-    (request(temperature=0, logprobs=0), False),
-    (request(temperature=0, logit_bias={4: 3.0}), False),
-    (request(temperature=0, repetition_penalty=1.2), False),
-    (request(temperature=0, presence_penalty=0.5), False),
-    (request(temperature=0, min_tokens=2), False),
-    (request(output=[5, 5], temperature=0, min_tokens=2), True),
-])
+@pytest.mark.parametrize(
+    ("req", "expected"),
+    [
+        (request(temperature=0), True),
+        (request(temperature=0, seed=7, top_k=3, stop_token_ids=(4,)), True),
+        (request(temperature=0.7), False),
+        (request(temperature=0, logprobs=0), False),
+        (request(temperature=0, logit_bias={4: 3.0}), False),
+        (request(temperature=0, repetition_penalty=1.2), False),
+        (request(temperature=0, presence_penalty=0.5), False),
+        (request(temperature=0, min_tokens=2), False),
+        (request(output=[5, 5], temperature=0, min_tokens=2), True),
+    ],
+)
 def test_which_requests_take_the_argmax_of_raw_logits(req: Request, expected: bool) -> None:
     """The model may choose these rows' tokens itself (`ModelRunner` over a greedy LM head)."""
     assert takes_argmax([req]) is expected
@@ -168,8 +191,11 @@ def test_which_requests_take_the_argmax_of_raw_logits(req: Request, expected: bo
 
 def test_a_temperature_too_small_to_divide_by_samples_greedily():
     values = logits(3, seed=4)
-    rows = [request("tiny", temperature=1e-38, seed=1), request("zero", temperature=0),
-            request("warm", temperature=1e-4, seed=1)]
+    rows = [
+        request("tiny", temperature=1e-38, seed=1),
+        request("zero", temperature=0),
+        request("warm", temperature=1e-4, seed=1),
+    ]
     out = sample(rows, values)
     assert out.token_ids[:2] == values[:2].argmax(dim=-1).tolist()
     assert rows[0].sampling_params.greedy and not rows[2].sampling_params.greedy

@@ -55,8 +55,11 @@ GROUPS = (
     KernelGroup("attention", ("paged_decode.cpp", "paged_prefill.cpp", "kv_store.cpp")),
     KernelGroup("linear", ("panel_linear.cpp", "int8_panels.cpp", "bf16_panels.cpp")),
     KernelGroup("elementwise", ("rms_norm.cpp", "rotary.cpp", "silu_mul.cpp", "argmax.cpp")),
-    KernelGroup("fused_decode", ("decode_layer.cpp", "decode_stack.cpp"),
-                needs=("attention", "linear", "elementwise")),
+    KernelGroup(
+        "fused_decode",
+        ("decode_layer.cpp", "decode_stack.cpp"),
+        needs=("attention", "linear", "elementwise"),
+    ),
 )
 GROUP_NAMES = tuple(group.name for group in GROUPS)
 # Each group's sources sit in the folder named after it; the headers they share in `include/`.
@@ -127,16 +130,23 @@ def target_features() -> frozenset[str]:
     cxx = compiler()
     if cxx is None:
         return frozenset()
-    result = subprocess.run([cxx, f"-march={march()}", "-dM", "-E", "-x", "c++", os.devnull],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [cxx, f"-march={march()}", "-dM", "-E", "-x", "c++", os.devnull],
+        capture_output=True,
+        text=True,
+    )
     return frozenset(re.findall(r"^#define __([A-Z0-9_]+)__ 1$", result.stdout, re.MULTILINE))
 
 
 def build_name() -> str:
     """Unique per sources, headers, flags, CPU features and torch version."""
     digest = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES + HEADERS),
-                 " ".join(cflags()).encode(), cpu_flags().encode(), torch.__version__.encode()):
+    for part in (
+        *(source.read_bytes() for source in SOURCES + HEADERS),
+        " ".join(cflags()).encode(),
+        cpu_flags().encode(),
+        torch.__version__.encode(),
+    ):
         digest.update(part)
     return f"conveyor_cpu_{digest.hexdigest()[:16]}"
 
@@ -169,8 +179,12 @@ def build(root: Path, name: str | None = None) -> BuildResult:
         result = _build_groups(folder, name, _recorded_failures(folder))
         (folder / RECORD).write_text(json.dumps(result.failed, indent=1))
     for group, why in result.failed.items():
-        logger.warning("Conveyor's CPU kernels: the %s group did not build (%s); its routes "
-                       "fall back to torch", group, why)
+        logger.warning(
+            "Conveyor's CPU kernels: the %s group did not build (%s); its routes "
+            "fall back to torch",
+            group,
+            why,
+        )
     return result
 
 
@@ -210,15 +224,25 @@ def _compile(folder: Path, name: str, groups: tuple[str, ...]) -> None:
         name, folder = f"{name}_{tag}", folder / "+".join(groups)
         folder.mkdir(exist_ok=True)
     sources = [str(CSRC / g.name / s) for g in GROUPS if g.name in groups for s in g.sources]
-    load_extension(name, sources, extra_cflags=cflags(), extra_include_paths=[str(INCLUDE)],
-                   build_directory=str(folder), is_python_module=False, verbose=False)
+    load_extension(
+        name,
+        sources,
+        extra_cflags=cflags(),
+        extra_include_paths=[str(INCLUDE)],
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def _failed_groups(message: str, groups: tuple[str, ...]) -> set[str]:
     """The groups whose sources the builder's output names as failed (`FAILED: x.o`)."""
     objects = set(re.findall(r"FAILED: (?:\S*/)?([\w.]+)\.o\b", message))
-    return {g.name for g in GROUPS
-            if g.name in groups and any(Path(s).stem in objects for s in g.sources)}
+    return {
+        g.name
+        for g in GROUPS
+        if g.name in groups and any(Path(s).stem in objects for s in g.sources)
+    }
 
 
 def _reason(message: str) -> str:
@@ -250,8 +274,11 @@ def build_lock(folder: Path) -> Iterator[None]:
         except BlockingIOError:
             handle.seek(0)
             owner = handle.read().strip() or "another process"
-            logger.info("waiting for process %s, which is building Conveyor's CPU kernels in %s",
-                        owner, folder)
+            logger.info(
+                "waiting for process %s, which is building Conveyor's CPU kernels in %s",
+                owner,
+                folder,
+            )
             fcntl.flock(handle, fcntl.LOCK_EX)
         handle.seek(0)
         handle.truncate()
@@ -267,8 +294,11 @@ def _clear_stale_batons(folder: Path) -> None:
     """torch's builder waits while its `lock` file exists; under `build_lock` no live build owns
     one, so a file there was left by a build whose process died."""
     for baton in folder.rglob("lock"):
-        logger.warning("removing %s, left by a build of Conveyor's CPU kernels that stopped "
-                       "before it finished; building again", baton)
+        logger.warning(
+            "removing %s, left by a build of Conveyor's CPU kernels that stopped "
+            "before it finished; building again",
+            baton,
+        )
         baton.unlink(missing_ok=True)
 
 
@@ -290,8 +320,9 @@ def cross_compile(target: str, workdir: Path, jobs: int | None = None) -> list[C
     sources = sorted(CSRC.glob("*/*.cpp"))
 
     def one(source: Path) -> CompileFailure | None:
-        result = _run([*flags, "-include", str(header), "-c", str(source), "-o", os.devnull],
-                      check=False)
+        result = _run(
+            [*flags, "-include", str(header), "-c", str(source), "-o", os.devnull], check=False
+        )
         if result.returncode == 0:
             return None
         errors = "\n".join(line for line in result.stderr.splitlines() if "error" in line)
@@ -308,9 +339,18 @@ def _cross_flags(target: str) -> list[str]:
 
     includes = [*include_paths(), sysconfig.get_paths()["include"]]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [compiler() or "c++", "-std=c++20", "-fPIC", "-fopenmp", "-O0", f"-march={target}",
-            "-w", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-I{path}" for path in [*includes, INCLUDE])]
+    return [
+        compiler() or "c++",
+        "-std=c++20",
+        "-fPIC",
+        "-fopenmp",
+        "-O0",
+        f"-march={target}",
+        "-w",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{path}" for path in [*includes, INCLUDE]),
+    ]
 
 
 def _system_includes() -> list[str]:

@@ -90,11 +90,19 @@ def layer_weights(layer: FusibleLayer) -> LayerWeights:
     panels: list[Any] = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
     return LayerWeights(
         index=layer.index,
-        weights=[layer.input_norm.weight, panels[0].panels, panels[1].panels,
-                 layer.post_attention_norm.weight, panels[2].panels, panels[3].panels],
+        weights=[
+            layer.input_norm.weight,
+            panels[0].panels,
+            panels[1].panels,
+            layer.post_attention_norm.weight,
+            panels[2].panels,
+            panels[3].panels,
+        ],
         biases=[p.padded_bias for p in panels],
         heads=[layer.num_heads, layer.num_kv_heads, layer.head_dim],
-        eps=float(layer.input_norm.variance_epsilon), scale=layer.scaling)
+        eps=float(layer.input_norm.variance_epsilon),
+        scale=layer.scaling,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,26 +113,48 @@ class FusedDecode:
     layers: tuple[LayerWeights, ...] = ()
     reason: str = ""
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 step: DecodeStep) -> torch.Tensor:
+    def __call__(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: DecodeStep
+    ) -> torch.Tensor:
         if self.route is DecodeRoute.STACK:
             return self._stack(hidden, cos, sin, step)
         for layer in self.layers:
             hidden = cpu_ops.decode_layer(
-                hidden, layer.weights, layer.biases, layer.heads, cos, sin,
-                step.kv_cache.key(layer.index), step.kv_cache.value(layer.index),
-                step.slot_mapping, step.block_table, step.seq_lens, layer.eps, layer.scale)
+                hidden,
+                layer.weights,
+                layer.biases,
+                layer.heads,
+                cos,
+                sin,
+                step.kv_cache.key(layer.index),
+                step.kv_cache.value(layer.index),
+                step.slot_mapping,
+                step.block_table,
+                step.seq_lens,
+                layer.eps,
+                layer.scale,
+            )
         return hidden
 
-    def _stack(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               step: DecodeStep) -> torch.Tensor:
+    def _stack(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: DecodeStep
+    ) -> torch.Tensor:
         first, cache = self.layers[0], step.kv_cache
         return cpu_ops.decode_layers(
-            hidden, [w for layer in self.layers for w in layer.weights],
-            [b for layer in self.layers for b in layer.biases], first.heads, cos, sin,
+            hidden,
+            [w for layer in self.layers for w in layer.weights],
+            [b for layer in self.layers for b in layer.biases],
+            first.heads,
+            cos,
+            sin,
             [cache.key(layer.index) for layer in self.layers],
             [cache.value(layer.index) for layer in self.layers],
-            step.slot_mapping, step.block_table, step.seq_lens, first.eps, first.scale)
+            step.slot_mapping,
+            step.block_table,
+            step.seq_lens,
+            first.eps,
+            first.scale,
+        )
 
     def describe(self) -> str:
         return f"{self.route} ({self.reason})" if self.reason else str(self.route)

@@ -39,7 +39,7 @@ def huge_page_region(nbytes: int) -> torch.Tensor | None:
     offset = -raw.data_ptr() % HUGE_PAGE
     if not _advise(memory, offset, nbytes - nbytes % HUGE_PAGE):
         return None
-    return raw[offset:offset + nbytes]
+    return raw[offset : offset + nbytes]
 
 
 def _advise(memory: mmap.mmap, offset: int, length: int) -> bool:
@@ -65,7 +65,7 @@ def move_into_huge_pages(tensors: list[torch.Tensor]) -> int:
     offset = 0
     with torch.no_grad():
         for tensor, size in zip(tensors, sizes, strict=True):
-            part = region[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+            part = region[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
             part.copy_(tensor)
             tensor.set_(part)  # type: ignore[call-overload]  # a Tensor source is valid
             offset += size

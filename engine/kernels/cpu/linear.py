@@ -78,12 +78,12 @@ def onednn_linear_available() -> bool:
 
 def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 `[out, in]` weight reordered for oneDNN's GEMM (an opaque mkldnn tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(),
-                                                   ONEDNN_BATCH_HINT)
+    return torch.ops.mkldnn._reorder_linear_weight(
+        weight.detach().float().contiguous(), ONEDNN_BATCH_HINT
+    )
 
 
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -111,8 +111,10 @@ class PackedLinear(nn.Module):
         return PackedLinear(weight, bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight=fp32 (oneDNN-packed)")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"weight=fp32 (oneDNN-packed)"
+        )
 
 
 class PanelLinear(nn.Module):
@@ -122,14 +124,20 @@ class PanelLinear(nn.Module):
     panels: torch.Tensor
     padded_bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 storage: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, storage: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         self._hold(pack_panels(weight.detach(), storage), bias, *weight.shape)
 
     @classmethod
-    def of_blocks(cls, fmt: gguf_blocks.BlockFormat, rows: torch.Tensor,
-                  bias: torch.Tensor | None, int8_activations: bool = False) -> PanelLinear:
+    def of_blocks(
+        cls,
+        fmt: gguf_blocks.BlockFormat,
+        rows: torch.Tensor,
+        bias: torch.Tensor | None,
+        int8_activations: bool = False,
+    ) -> PanelLinear:
         """A layer over GGUF rows `[out, in / 32 * block_bytes]`, widened as it multiplies; or,
         with `int8_activations`, multiplied in 8-bit integers against inputs rounded to 8-bit
         blocks (approximate; `csrc/linear/int8_panels.cpp`)."""
@@ -145,28 +153,39 @@ class PanelLinear(nn.Module):
         """One layer whose outputs are `layers`' side by side, sharing their panels as held;
         None where a panel would mix two layers' columns or their storage differs."""
         first = layers[0]
-        if (any(layer.out_features % PANEL for layer in layers[:-1])
-                or any(layer.panels.shape[1:] != first.panels.shape[1:]
-                       or layer.panels.dtype != first.panels.dtype for layer in layers)
-                or len({layer.padded_bias is None for layer in layers}) > 1):
+        if (
+            any(layer.out_features % PANEL for layer in layers[:-1])
+            or any(
+                layer.panels.shape[1:] != first.panels.shape[1:]
+                or layer.panels.dtype != first.panels.dtype
+                for layer in layers
+            )
+            or len({layer.padded_bias is None for layer in layers}) > 1
+        ):
             return None
         # Every layer has a bias where the first does (checked above).
         biases = cast(list[torch.Tensor], [m.bias for m in layers])
         bias = None if first.padded_bias is None else torch.cat(biases)
-        return cls._of_panels(torch.cat([layer.panels for layer in layers]), bias,
-                              sum(layer.out_features for layer in layers), first.in_features)
+        return cls._of_panels(
+            torch.cat([layer.panels for layer in layers]),
+            bias,
+            sum(layer.out_features for layer in layers),
+            first.in_features,
+        )
 
     @classmethod
-    def _of_panels(cls, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                   in_features: int) -> PanelLinear:
+    def _of_panels(
+        cls, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, in_features: int
+    ) -> PanelLinear:
         """A layer over panels already packed."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._hold(panels, bias, out_features, in_features)
         return layer
 
-    def _hold(self, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-              in_features: int) -> None:
+    def _hold(
+        self, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, in_features: int
+    ) -> None:
         self.out_features, self.in_features = out_features, in_features
         self.register_buffer("panels", panels)
         padded = None if bias is None else pad_to_panels(bias.detach().float())
@@ -194,7 +213,7 @@ class PanelLinear(nn.Module):
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return None if self.padded_bias is None else self.padded_bias[:self.out_features]
+        return None if self.padded_bias is None else self.padded_bias[: self.out_features]
 
     @property
     def bf16_activations(self) -> bool:
@@ -207,8 +226,7 @@ class PanelLinear(nn.Module):
         the rows they would round fp32 ones to; the output is fp32."""
         skip = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
         rows = kernel_rows(x, self.in_features, self.bf16_activations)
-        out = cpu_ops.panel_linear(rows, self.panels, self.padded_bias, self.out_features,
-                                       skip)
+        out = cpu_ops.panel_linear(rows, self.panels, self.padded_bias, self.out_features, skip)
         return out.view(*x.shape[:-1], self.out_features)
 
     @property
@@ -235,16 +253,21 @@ class PanelLinear(nn.Module):
         """How the weight is held and multiplied: `q4_1 blocks`, `float16`, `q8_0 blocks x int8
         activations`, ..."""
         fmt = self.block_format
-        held = (f"{fmt.name} blocks" if fmt is not None
-                else str(self.panels.dtype).removeprefix("torch."))
+        held = (
+            f"{fmt.name} blocks"
+            if fmt is not None
+            else str(self.panels.dtype).removeprefix("torch.")
+        )
         return held + " x int8 activations" if self.int8_activations else held
 
     def extra_repr(self) -> str:
         storage = self.held_as
         if self.bf16_activations:
             storage += " x bf16 activations"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight={storage} (16-column panels)")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"weight={storage} (16-column panels)"
+        )
 
 
 class GatedPanelLinear(nn.Module):
@@ -263,20 +286,25 @@ class GatedPanelLinear(nn.Module):
         self.register_buffer("panels", torch.stack([gate.panels, up.panels], dim=1))
         bias = None
         if gate.padded_bias is not None and up.padded_bias is not None:
-            bias = torch.stack([gate.padded_bias.view(-1, PANEL),
-                                up.padded_bias.view(-1, PANEL)], dim=1).flatten()
+            bias = torch.stack(
+                [gate.padded_bias.view(-1, PANEL), up.padded_bias.view(-1, PANEL)], dim=1
+            ).flatten()
         self.register_buffer("padded_bias", bias)
 
     @classmethod
     def of(cls, gate: nn.Module, up: nn.Module) -> GatedPanelLinear | None:
         """The gated layer over these projections, where both are bf16 `PanelLinear`s of one
         shape, both with or both without bias, and the kernels run here; else None."""
-        if not (isinstance(gate, PanelLinear) and isinstance(up, PanelLinear)
-                and gate.bf16_activations and up.bf16_activations
-                and gate.panels.shape == up.panels.shape
-                and gate.out_features == up.out_features
-                and (gate.padded_bias is None) == (up.padded_bias is None)
-                and cpu_ops.bf16_panels_available()):
+        if not (
+            isinstance(gate, PanelLinear)
+            and isinstance(up, PanelLinear)
+            and gate.bf16_activations
+            and up.bf16_activations
+            and gate.panels.shape == up.panels.shape
+            and gate.out_features == up.out_features
+            and (gate.padded_bias is None) == (up.padded_bias is None)
+            and cpu_ops.bf16_panels_available()
+        ):
             return None
         return cls(gate, up)
 
@@ -285,20 +313,22 @@ class GatedPanelLinear(nn.Module):
         fp32 ones to, for the down projection, without the fp32 rows' pass over memory. `x`
         may be bf16 rows too (taken as they are)."""
         rows = kernel_rows(x, self.in_features, bf16_panels=True)
-        out = cpu_ops.gated_linear(rows, self.panels, self.padded_bias, self.out_features,
-                                       bf16_out)
+        out = cpu_ops.gated_linear(rows, self.panels, self.padded_bias, self.out_features, bf16_out)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight=bf16 x bf16 activations (gate/up panel pairs, silu(gate) * up)")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"weight=bf16 x bf16 activations (gate/up panel pairs, silu(gate) * up)"
+        )
 
 
 def takes_bf16_rows(layer: nn.Module) -> bool:
     """The layer multiplies bf16 panels by its inputs rounded to bf16, and so takes bf16 rows
     as they are: a producer can hand them over already rounded."""
-    return (isinstance(layer, GatedPanelLinear)
-            or (isinstance(layer, PanelLinear) and layer.bf16_activations))
+    return isinstance(layer, GatedPanelLinear) or (
+        isinstance(layer, PanelLinear) and layer.bf16_activations
+    )
 
 
 def kernel_rows(x: torch.Tensor, in_features: int, bf16_panels: bool) -> torch.Tensor:
@@ -344,7 +374,7 @@ def pad_to_panels(rows: torch.Tensor) -> torch.Tensor:
     """`rows` (a bias `[out]`, or a weight `[out, in]`) zero-padded to whole panels of 16 along
     the first dim, as the kernel reads them."""
     padded = rows.new_zeros((-(-rows.shape[0] // PANEL) * PANEL, *rows.shape[1:]))
-    padded[:rows.shape[0]] = rows
+    padded[: rows.shape[0]] = rows
     return padded
 
 
@@ -380,8 +410,9 @@ class HalfWeightLinear(nn.Module):
             if self.large is not None:
                 return onednn_linear(x, self.large, self.bias)
             return F.linear(x, self.weight, self.bias)
-        out = torch.fbgemm_linear_fp16_weight_fp32_activation(fp32_rows(x, self.in_features),
-                                                               self.packed, self.bias)
+        out = torch.fbgemm_linear_fp16_weight_fp32_activation(
+            fp32_rows(x, self.in_features), self.packed, self.bias
+        )
         return out.view(*x.shape[:-1], self.out_features)
 
     def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> HalfWeightLinear:
@@ -390,8 +421,10 @@ class HalfWeightLinear(nn.Module):
 
     def extra_repr(self) -> str:
         large = "oneDNN-packed" if self.large is not None else "plain"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight=fp16 (fbgemm-packed) + fp32 ({large})")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"weight=fp16 (fbgemm-packed) + fp32 ({large})"
+        )
 
 
 def fits_fp16(weight: torch.Tensor) -> bool:
@@ -430,8 +463,11 @@ def bf16_linears(model: nn.Module) -> int:
     """Swap every fp32 `nn.Linear` with an even number of inputs for a `PanelLinear` over its
     weight in bf16 panels, multiplied in bf16 dot products against inputs rounded to bf16 and
     summed in fp32; return how many were swapped."""
-    swapped = _swap(model, lambda w, b: PanelLinear(w, b, torch.bfloat16),
-                    lambda weight: weight.shape[1] % 2 == 0)
+    swapped = _swap(
+        model,
+        lambda w, b: PanelLinear(w, b, torch.bfloat16),
+        lambda weight: weight.shape[1] % 2 == 0,
+    )
     logger.info("%d linear layers hold bf16 weights in panels and multiply in bf16", swapped)
     return swapped
 
@@ -448,9 +484,11 @@ def pack_linears(model: nn.Module) -> int:
     return swapped
 
 
-def use_gguf_blocks(model: nn.Module,
-                    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]],
-                    int8_activations: bool = False) -> int:
+def use_gguf_blocks(
+    model: nn.Module,
+    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]],
+    int8_activations: bool = False,
+) -> int:
     """Swap each fp32 `nn.Linear` named in `blocks` for a `PanelLinear` over its GGUF blocks,
     where they widen to exactly its weight; return how many were swapped. With
     `int8_activations`, the blocks multiply against inputs rounded to 8-bit blocks instead
@@ -472,17 +510,23 @@ def use_gguf_blocks(model: nn.Module,
         swapped += 1
         rounded += candidate.int8_activations
     if mismatched:
-        logger.warning("GGUF blocks that do not hold their layer's weights: %d (%s, ...); "
-                       "those layers keep fp32 panels", len(mismatched), mismatched[0])
+        logger.warning(
+            "GGUF blocks that do not hold their layer's weights: %d (%s, ...); "
+            "those layers keep fp32 panels",
+            len(mismatched),
+            mismatched[0],
+        )
     logger.info("%d linear layers hold their GGUF blocks (exactly their fp32 weights)", swapped)
     if int8_activations:
         logger.info("%d of them multiply against activations rounded to 8-bit blocks", rounded)
     return swapped
 
 
-def _swap(model: nn.Module,
-          layer: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
-          accepts: Callable[[torch.Tensor], bool]) -> int:
+def _swap(
+    model: nn.Module,
+    layer: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
+    accepts: Callable[[torch.Tensor], bool],
+) -> int:
     swapped = 0
     for parent, name, linear in list(_linears(model)):
         if linear.weight.dtype != torch.float32 or not accepts(linear.weight):

@@ -35,9 +35,14 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    kept = (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-            and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
+    kept = (
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+        and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    )
     if kept:
-        logger.info("malloc keeps freed memory (mmap threshold %d MiB, trim threshold %d MiB)",
-                    MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
+        logger.info(
+            "malloc keeps freed memory (mmap threshold %d MiB, trim threshold %d MiB)",
+            MMAP_THRESHOLD >> 20,
+            TRIM_THRESHOLD >> 20,
+        )
     return kept

@@ -45,21 +45,33 @@ def has(group: str) -> bool:
     return group in build_result().built
 
 
-def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query token per row over its paged K/V: `[rows, heads, dim]` in and out.
 
     `key_cache`/`value_cache` are one layer's `[blocks, block_size, kv_heads, dim]`;
     `block_table` `[rows, width]` and `seq_lens` `[rows]` are int64.
     """
-    return torch.ops.conveyor.paged_decode(_heads_contiguous(query), key_cache, value_cache,
-                                           block_table, seq_lens, scale)
+    return torch.ops.conveyor.paged_decode(
+        _heads_contiguous(query), key_cache, value_cache, block_table, seq_lens, scale
+    )
 
 
-def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  blocks: torch.Tensor, context: int, scale: float,
-                  bf16: bool = False) -> torch.Tensor:
+def paged_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    context: int,
+    scale: float,
+    bf16: bool = False,
+) -> torch.Tensor:
     """A sequence's query tokens `[tokens, heads, dim]` (fp32) attending causally over its K/V
     in the paged cache: token i sits at position `context + i`. `blocks` are the sequence's
     block ids (int64), covering `context + tokens` positions; its K/V are already stored.
@@ -67,25 +79,49 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     The products are fp32, or with `bf16` (a bf16 cache, `bf16_prefill_available()`) bf16 dot
     products as torch's flash attention computes a bf16 model's: query rows and softmax weights
     rounded to bf16, sums and the softmax in fp32."""
-    return torch.ops.conveyor.paged_prefill(_heads_contiguous(query), key_cache, value_cache,
-                                            blocks, context, scale, bf16)
+    return torch.ops.conveyor.paged_prefill(
+        _heads_contiguous(query), key_cache, value_cache, blocks, context, scale, bf16
+    )
 
 
-def paged_prefill_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       out: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
-                       contexts: torch.Tensor, table: torch.Tensor, scale: float,
-                       bf16: bool = False) -> None:
+def paged_prefill_rows(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    out: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    contexts: torch.Tensor,
+    table: torch.Tensor,
+    scale: float,
+    bf16: bool = False,
+) -> None:
     """`paged_prefill` for a step's sequences in one call: sequence i's query rows `[starts[i],
     starts[i] + lens[i])` sit at positions `contexts[i]` on, over the blocks of `table[i]`;
     their attention goes to the same rows of `out` (contiguous fp32, the query's shape), other
     rows are left as they are. `starts`, `lens`, `contexts` `[n]` and `table` `[n, width]` are
     int64; the runs lie in order and apart."""
-    torch.ops.conveyor.paged_prefill_rows(_heads_contiguous(query), key_cache, value_cache, out,
-                                          starts, lens, contexts, table, scale, bf16)
+    torch.ops.conveyor.paged_prefill_rows(
+        _heads_contiguous(query),
+        key_cache,
+        value_cache,
+        out,
+        starts,
+        lens,
+        contexts,
+        table,
+        scale,
+        bf16,
+    )
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-             value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
     """New fp32 K and V `[tokens, kv_heads, dim]` (heads and dims contiguous, rows may be
     strided) to their slots (int64 `[tokens]`) of one layer's cache, rounded to its dtype as
     `Tensor.to` rounds."""
@@ -109,8 +145,7 @@ def panel_linear_available() -> bool:
 @cache
 def bf16_panels_available() -> bool:
     """The panel product runs over bf16 panels here: the CPU has AVX-512 BF16 dot products."""
-    return (panel_linear_available()
-            and _multiplies(torch.ones(1, 4, 32, dtype=torch.bfloat16)))
+    return panel_linear_available() and _multiplies(torch.ones(1, 4, 32, dtype=torch.bfloat16))
 
 
 def bf16_tiles_available() -> bool:
@@ -141,8 +176,13 @@ def _multiplies(panels: torch.Tensor) -> bool:
     return bool(torch.equal(out, torch.full((1, 3), 8.0)))
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                 out_features: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+def panel_linear(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`x W^T + b` for fp32 `x [rows, in]` and W packed as `[ceil(out / 16), in, 16]` panels
     (fp32 or fp16), as `[ceil(out / 16), in / 2, 32]` bf16 panels of input pairs (x rounded to
     bf16, or bf16 already; `cpu_linear.pack_panels`) or as GGUF block panels
@@ -151,16 +191,22 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.conveyor.panel_linear(x, panels, bias, out_features, residual)
 
 
-def panel_argmax(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                 out_features: int) -> torch.Tensor:
+def panel_argmax(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     """Each row's index of its largest output of `panel_linear` over bf16 panels, as
     `argmax(dim=-1)` picks it (the first of equal maxima; the first NaN where a row has one),
     without writing the outputs: int64 `[rows]`."""
     return torch.ops.conveyor.panel_argmax(x, panels, bias, out_features)
 
 
-def gated_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
-                 inter: int, bf16_out: bool = False) -> torch.Tensor:
+def gated_linear(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    bias: torch.Tensor | None,
+    inter: int,
+    bf16_out: bool = False,
+) -> torch.Tensor:
     """`silu(x Wg^T + bg) * (x Wu^T + bu)` for fp32 `x [rows, in]`, the gate and up weights
     in bf16 panels side by side, `[ceil(inter / 16), 2, in / 2, 32]`, and their biases likewise
     (`cpu_linear.GatedPanelLinear`): `[rows, inter]` in fp32, or with `bf16_out` rounded to
@@ -168,8 +214,9 @@ def gated_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.conveyor.gated_linear(x, panels, bias, inter, bf16_out)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             bf16_out: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, bf16_out: bool = False
+) -> torch.Tensor:
     """RMSNorm of fp32 rows `[rows, dim]` scaled by an fp32 `[dim]` weight; with `bf16_out`
     (AVX-512 BF16) rounded to bf16 as the bf16 panels round their input rows."""
     return torch.ops.conveyor.rms_norm(x, weight, eps, bf16_out)
@@ -191,11 +238,21 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.conveyor.argmax_rows(logits)
 
 
-def decode_layer(hidden: torch.Tensor, weights: list[torch.Tensor],
-                 biases: list[torch.Tensor | None], heads: list[int], cos: torch.Tensor,
-                 sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 slots: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 eps: float, scale: float) -> torch.Tensor:
+def decode_layer(
+    hidden: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    heads: list[int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
     """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
 
     `weights`: input norm, q/k/v panels, output panels, post-attention norm, gate/up panels,
@@ -203,28 +260,66 @@ def decode_layer(hidden: torch.Tensor, weights: list[torch.Tensor],
     kv heads, head dim. Each row's new K/V go to its slot of the layer cache (fp32, or bf16, fp16
     or fp8 e5m2 rounded as stored), then it attends over its blocks up to its length.
     """
-    return torch.ops.conveyor.decode_layer(hidden, weights, biases, heads, cos, sin, key_cache,
-                                           value_cache, slots, block_table, seq_lens, eps,
-                                           scale)
+    return torch.ops.conveyor.decode_layer(
+        hidden,
+        weights,
+        biases,
+        heads,
+        cos,
+        sin,
+        key_cache,
+        value_cache,
+        slots,
+        block_table,
+        seq_lens,
+        eps,
+        scale,
+    )
 
 
-def stack_region_applies(width: int, weights: list[torch.Tensor],
-                         biases: list[torch.Tensor | None], heads: list[int], cos: torch.Tensor,
-                         sin: torch.Tensor) -> bool:
+def stack_region_applies(
+    width: int,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    heads: list[int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> bool:
     """Whether `decode_layers` runs these layers in one parallel region
     (`csrc/fused_decode/decode_stack.cpp`): every projection over bf16 panels, gate/up as gated
     pairs."""
     return torch.ops.conveyor.stack_region_applies(width, weights, biases, heads, cos, sin)
 
 
-def decode_layers(hidden: torch.Tensor, weights: list[torch.Tensor],
-                  biases: list[torch.Tensor | None], heads: list[int], cos: torch.Tensor,
-                  sin: torch.Tensor, key_caches: list[torch.Tensor],
-                  value_caches: list[torch.Tensor], slots: torch.Tensor,
-                  block_table: torch.Tensor, seq_lens: torch.Tensor, eps: float,
-                  scale: float) -> torch.Tensor:
+def decode_layers(
+    hidden: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    heads: list[int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
     """`decode_layer` for every layer of a stack in turn, in one op: `weights` and `biases` are
     each layer's back to back, `key_caches`/`value_caches` one per layer."""
-    return torch.ops.conveyor.decode_layers(hidden, weights, biases, heads, cos, sin, key_caches,
-                                            value_caches, slots, block_table, seq_lens, eps,
-                                            scale)
+    return torch.ops.conveyor.decode_layers(
+        hidden,
+        weights,
+        biases,
+        heads,
+        cos,
+        sin,
+        key_caches,
+        value_caches,
+        slots,
+        block_table,
+        seq_lens,
+        eps,
+        scale,
+    )

@@ -53,16 +53,16 @@ void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows
               int64_t row_size, at::Tensor& key, at::Tensor& value) {
   switch (key.scalar_type()) {
     case at::kFloat:
-      store_both<float>(key_rows, key_stride, value_rows, value_stride, slots, begin, end,
-                        row_size, key, value);
+      store_both<float>(key_rows, key_stride, value_rows, value_stride, slots, begin, end, row_size,
+                        key, value);
       break;
     case at::kBFloat16:
-      store_both<c10::BFloat16>(key_rows, key_stride, value_rows, value_stride, slots, begin,
-                                end, row_size, key, value);
+      store_both<c10::BFloat16>(key_rows, key_stride, value_rows, value_stride, slots, begin, end,
+                                row_size, key, value);
       break;
     case at::kFloat8_e5m2:
-      store_both<c10::Float8_e5m2>(key_rows, key_stride, value_rows, value_stride, slots,
-                                   begin, end, row_size, key, value);
+      store_both<c10::Float8_e5m2>(key_rows, key_stride, value_rows, value_stride, slots, begin,
+                                   end, row_size, key, value);
       break;
     default:
       store_both<c10::Half>(key_rows, key_stride, value_rows, value_stride, slots, begin, end,
@@ -77,7 +77,8 @@ void check_cache(const at::Tensor& key, const at::Tensor& value, const char* op)
                   (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
                    dtype == at::kFloat8_e5m2) &&
                   key.is_contiguous() && value.is_contiguous(),
-              op, ": the cache must be contiguous fp32, bf16, fp16 or fp8 (e5m2) "
+              op,
+              ": the cache must be contiguous fp32, bf16, fp16 or fp8 (e5m2) "
               "[blocks, block_size, kv_heads, dim]");
 }
 
@@ -122,7 +123,8 @@ void store_new_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& ke
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slots) -> ()");
+  m.def(
+      "store_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slots) -> ()");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("store_kv", &store_new_kv); }

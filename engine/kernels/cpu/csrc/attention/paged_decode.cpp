@@ -114,10 +114,10 @@ inline void group_rows4(const float* q, int64_t dim, const C* k, int64_t stride,
   }
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g) {
-    const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]),
-                                       _mm256_hadd_ps(acc[g][2], acc[g][3]));
-    _mm_storeu_ps(out + g * out_stride, _mm_add_ps(_mm256_castps256_ps128(sums),
-                                                   _mm256_extractf128_ps(sums, 1)));
+    const __m256 sums =
+        _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+    _mm_storeu_ps(out + g * out_stride,
+                  _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
   }
 }
 
@@ -220,9 +220,8 @@ inline int64_t score_calls(int64_t count, int64_t group, int64_t dim) {
 // Scores of the `group` query heads of one kv head (queries back to back, `dim` each) against
 // `count` K rows, into out[g * out_stride + row], up to three heads sharing each K load.
 template <typename C>
-inline void group_scores(const float* q, int64_t group, const C* k, int64_t stride,
-                         int64_t count, int64_t dim, float* out, int64_t out_stride,
-                         Prefetcher& ahead) {
+inline void group_scores(const float* q, int64_t group, const C* k, int64_t stride, int64_t count,
+                         int64_t dim, float* out, int64_t out_stride, Prefetcher& ahead) {
   int64_t r = 0;
 #ifdef CONVEYOR_PAGED_SIMD
   if (dim % 8 == 0) {
@@ -381,8 +380,8 @@ void attend_sequence(const Q* query, const C* key, const C* value, const int64_t
     const C* v = value + blocks[b] * block_stride;
     ask_next(b + 1, false, kv_count * value_calls(group, dim));
     for (int64_t kv = 0; kv < kv_count; ++kv)
-      group_values(scores + kv * group * len + first, group, len, v + kv * dim, row,
-                   count, dim, acc + kv * group * dim, ahead);
+      group_values(scores + kv * group * len + first, group, len, v + kv * dim, row, count, dim,
+                   acc + kv * group * dim, ahead);
   }
   ahead.rest();
   for (int64_t h = 0; h < heads; ++h) {
@@ -431,8 +430,7 @@ struct Sequences {
 template <typename Q, typename C>
 void attend_share(const Sequences<Q, C>& work, int64_t begin, int64_t end) {
   for (int64_t task = begin; task < end; ++task)
-    work.attend(task,
-                [&]() { return task + 1 < end ? work.first_block(task + 1) : NextTask{}; });
+    work.attend(task, [&]() { return task + 1 < end ? work.first_block(task + 1) : NextTask{}; });
 }
 
 // This thread's whole sequences, each taken as it frees up. A thread takes its next as its
@@ -455,11 +453,10 @@ void take_sequences(const Sequences<Q, C>& work, std::atomic<int64_t>& next) {
 
 template <typename Q, typename C = Q>
 void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-         const at::Tensor& table, const at::Tensor& lens, at::Tensor& out,
-         const Shape& s) {
+         const at::Tensor& table, const at::Tensor& lens, at::Tensor& out, const Shape& s) {
   const Sequences<Q, C> work(query.data_ptr<Q>(), key.data_ptr<C>(), value.data_ptr<C>(),
-                             table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                             out.data_ptr<Q>(), s, query.size(0), at::get_num_threads());
+                             table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<Q>(),
+                             s, query.size(0), at::get_num_threads());
   if (work.splits > 1) {
     at::parallel_for(0, work.tasks, 1,
                      [&](int64_t begin, int64_t end) { attend_share(work, begin, end); });
@@ -475,10 +472,10 @@ void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
 template <typename C>
 void run_team(const conveyor::DecodeRows& rows, const at::Tensor& key, const at::Tensor& value,
               const conveyor::Team& team, std::atomic<int64_t>& next) {
-  const Shape s{rows.heads, key.size(2), key.size(3), key.size(1), rows.width,
-                rows.query_stride, rows.scale};
-  const Sequences<float, C> work(rows.query, key.data_ptr<C>(), value.data_ptr<C>(),
-                                 rows.table, rows.lens, rows.out, s, rows.seqs, team.size);
+  const Shape s{rows.heads, key.size(2),       key.size(3), key.size(1),
+                rows.width, rows.query_stride, rows.scale};
+  const Sequences<float, C> work(rows.query, key.data_ptr<C>(), value.data_ptr<C>(), rows.table,
+                                 rows.lens, rows.out, s, rows.seqs, team.size);
   if (work.splits > 1) {
     const conveyor::Share part = conveyor::share(team, work.tasks, 1);
     attend_share(work, part.begin, part.end);
@@ -520,15 +517,16 @@ void paged_decode_team(const DecodeRows& rows, const at::Tensor& key, const at::
 
 at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor table,
                         at::Tensor lens, double scale) {
-  TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(),
-              "paged_decode: query [seqs, heads, dim], key/value [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(
+      query.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(),
+      "paged_decode: query [seqs, heads, dim], key/value [blocks, block_size, kv_heads, dim]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2),
               "paged_decode: query heads and dims must be contiguous");
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(), "paged_decode: cache must be contiguous");
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous(),
+              "paged_decode: cache must be contiguous");
   const auto cache = key.scalar_type();
   const bool widened = query.scalar_type() == at::kFloat &&
-                       (cache == at::kBFloat16 || cache == at::kHalf ||
-                        cache == at::kFloat8_e5m2);
+                       (cache == at::kBFloat16 || cache == at::kHalf || cache == at::kFloat8_e5m2);
   TORCH_CHECK(query.scalar_type() == cache || widened,
               "paged_decode: the cache must hold the query's dtype, or 16 bits or fp8 (e5m2) "
               "under fp32");
@@ -538,17 +536,19 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
   lens = lens.to(at::kLong).contiguous();
   TORCH_CHECK(table.size(0) == query.size(0) && lens.size(0) == query.size(0),
               "paged_decode: one block table row and length per sequence");
-  const Shape s{query.size(1), key.size(2), query.size(2), key.size(1), table.size(1),
-                query.stride(0), static_cast<float>(scale)};
+  const Shape s{query.size(1),
+                key.size(2),
+                query.size(2),
+                key.size(1),
+                table.size(1),
+                query.stride(0),
+                static_cast<float>(scale)};
   check_decode_tables(table, lens, s.block_size, key.size(0));
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   if (widened) {
-    if (cache == at::kBFloat16)
-      run<float, c10::BFloat16>(query, key, value, table, lens, out, s);
-    else if (cache == at::kHalf)
-      run<float, c10::Half>(query, key, value, table, lens, out, s);
-    else
-      run<float, c10::Float8_e5m2>(query, key, value, table, lens, out, s);
+    if (cache == at::kBFloat16) run<float, c10::BFloat16>(query, key, value, table, lens, out, s);
+    else if (cache == at::kHalf) run<float, c10::Half>(query, key, value, table, lens, out, s);
+    else run<float, c10::Float8_e5m2>(query, key, value, table, lens, out, s);
     return out;
   }
   switch (query.scalar_type()) {
@@ -563,6 +563,8 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("paged_decode(Tensor query, Tensor key, Tensor value, Tensor table, Tensor lens, float scale) -> Tensor");
+  m.def(
+      "paged_decode(Tensor query, Tensor key, Tensor value, Tensor table, Tensor lens, float "
+      "scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(conveyor::paged_decode));
 }

@@ -55,10 +55,10 @@
 
 namespace {
 
-constexpr int64_t kKeys = 64;        // keys per tile
-constexpr int64_t kCols = 16;        // output columns of one micro-kernel call
-constexpr int64_t kItemRows = 48;    // query rows (tokens times group) an item aims for
-constexpr int kMaxRows = 6;          // rows per micro-kernel call
+constexpr int64_t kKeys = 64;      // keys per tile
+constexpr int64_t kCols = 16;      // output columns of one micro-kernel call
+constexpr int64_t kItemRows = 48;  // query rows (tokens times group) an item aims for
+constexpr int kMaxRows = 6;        // rows per micro-kernel call
 
 struct Problem {
   const float* query;
@@ -153,8 +153,7 @@ void transpose_keys(const Problem& p, const C* key, int64_t g, int64_t k0, int64
   const int64_t padded = (n + kCols - 1) / kCols * kCols;
   for (int64_t j0 = 0; j0 < padded; j0 += 8) {
     const C* rows[8];
-    for (int r = 0; r < 8; ++r)
-      rows[r] = j0 + r < n ? key + p.row_offset(k0 + j0 + r, g) : nullptr;
+    for (int r = 0; r < 8; ++r) rows[r] = j0 + r < n ? key + p.row_offset(k0 + j0 + r, g) : nullptr;
     for (int64_t c = 0; c < columns; c += 8) {
       __m256 block[8];
       for (int r = 0; r < 8; ++r)
@@ -223,8 +222,8 @@ inline float row_max(const float* s, int64_t n) {
 float raise_max(const float* s, int64_t seen, float* acc, int64_t dim, float& max, float& sum) {
   const float top = std::max(max, row_max(s, seen));
   if (top > max) {
-    const float rescale = max == -std::numeric_limits<float>::infinity()
-                              ? 0.f : conveyor::exp_clamped(max - top);
+    const float rescale =
+        max == -std::numeric_limits<float>::infinity() ? 0.f : conveyor::exp_clamped(max - top);
     sum *= rescale;
     for (int64_t d = 0; d < dim; ++d) acc[d] *= rescale;
     max = top;
@@ -259,8 +258,7 @@ int64_t seen_keys(const Problem& p, int64_t t0, int64_t r, int64_t k0, int64_t n
 }
 
 // Each row's scores for the tile of keys from k0 become its softmax weights.
-void softmax_rows(const Problem& p, int64_t t0, int64_t rows, int64_t k0, int64_t n,
-                  Workspace& w) {
+void softmax_rows(const Problem& p, int64_t t0, int64_t rows, int64_t k0, int64_t n, Workspace& w) {
   for (int64_t r = 0; r < rows; ++r)
     online_softmax(w.scores.data() + r * kKeys, n, seen_keys(p, t0, r, k0, n),
                    w.acc.data() + r * p.dim, p.dim, w.max[r], w.sum[r]);
@@ -291,8 +289,8 @@ void attend_item(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, in
     const float* kt = tiles.key(g, k0 / kKeys);
     product<false>(w.q.data(), dim, kt, kKeys, dim, w.scores.data(), kKeys, rows, padded);
     softmax_rows(p, t0, rows, k0, n, w);
-    product<true>(w.scores.data(), kKeys, tiles.value(g, k0 / kKeys), dim, n, w.acc.data(),
-                  dim, rows, dim);
+    product<true>(w.scores.data(), kKeys, tiles.value(g, k0 / kKeys), dim, n, w.acc.data(), dim,
+                  rows, dim);
   }
   finish_item(p, g, t0, rows, w);
 }
@@ -304,8 +302,8 @@ void attend_item(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, in
 // are only laid out, not widened: K as pairs of dims, word [d / 2][j] holding K[j][d] and
 // K[j][d + 1] (keys past n, up to a multiple of 16, zero), V as pairs of keys, word [j / 2][d]
 // holding V[j][d] and V[j + 1][d] (a zero row after an odd n).
-void pack_tile(const Problem& p, const c10::BFloat16* key, const c10::BFloat16* value,
-               int64_t g, int64_t k0, int64_t n, float* kt, float* v) {
+void pack_tile(const Problem& p, const c10::BFloat16* key, const c10::BFloat16* value, int64_t g,
+               int64_t k0, int64_t n, float* kt, float* v) {
   // A key's pairs i to i + 7, as 32-bit words.
   transpose_keys(p, key, g, k0, n, p.dim / 2, kt, [](const c10::BFloat16* row, int64_t i) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i);
@@ -313,8 +311,8 @@ void pack_tile(const Problem& p, const c10::BFloat16* key, const c10::BFloat16* 
   const __m256i zero = _mm256_setzero_si256();
   for (int64_t j = 0; j < n; j += 2) {
     const auto* even = reinterpret_cast<const __m256i*>(value + p.row_offset(k0 + j, g));
-    const auto* odd = j + 1 < n
-        ? reinterpret_cast<const __m256i*>(value + p.row_offset(k0 + j + 1, g)) : nullptr;
+    const auto* odd =
+        j + 1 < n ? reinterpret_cast<const __m256i*>(value + p.row_offset(k0 + j + 1, g)) : nullptr;
     auto* dst = reinterpret_cast<__m256i*>(v + j / 2 * p.dim);
     for (int64_t d = 0; d < p.dim / 16; ++d) {
       const __m256i a = _mm256_loadu_si256(even + d);
@@ -368,8 +366,8 @@ void attend_item_bf16(const Problem& p, const Tiles& tiles, int64_t g, int64_t t
                           w.p16.data() + r * kKeys, w.acc.data() + r * dim, dim, w.max[r],
                           w.sum[r]);
     const auto* vt = reinterpret_cast<const uint32_t*>(tiles.value(g, k0 / kKeys));
-    conveyor::bf16_pair_product<true>(w.p16.data(), kKeys, vt, dim, (n + 1) / 2, 1.f,
-                                      w.acc.data(), dim, rows, dim);
+    conveyor::bf16_pair_product<true>(w.p16.data(), kKeys, vt, dim, (n + 1) / 2, 1.f, w.acc.data(),
+                                      dim, rows, dim);
   }
   finish_item(p, g, t0, rows, w);
 }
@@ -377,8 +375,8 @@ void attend_item_bf16(const Problem& p, const Tiles& tiles, int64_t g, int64_t t
 
 // One tile of keys made ready for the items: widened to fp32, or laid out for bf16 products.
 template <typename C, bool Bf16>
-void prepare_tile(const Problem& p, const C* key, const C* value, int64_t g, int64_t k0,
-                  int64_t n, float* kt, float* v) {
+void prepare_tile(const Problem& p, const C* key, const C* value, int64_t g, int64_t k0, int64_t n,
+                  float* kt, float* v) {
 #ifdef CONVEYOR_PREFILL_BF16
   if constexpr (Bf16) {
     pack_tile(p, key, value, g, k0, n, kt, v);
@@ -389,8 +387,7 @@ void prepare_tile(const Problem& p, const C* key, const C* value, int64_t g, int
 }
 
 template <bool Bf16>
-void attend(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, int64_t t1,
-            Workspace& w) {
+void attend(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, int64_t t1, Workspace& w) {
 #ifdef CONVEYOR_PREFILL_BF16
   if constexpr (Bf16) {
     attend_item_bf16(p, tiles, g, t0, t1, w);
@@ -470,8 +467,8 @@ void run(const std::vector<Problem>& ps, const at::Tensor& key, const at::Tensor
     for (int64_t i = next_item++; i < count; i = next_item++) {
       const Work& w = items[i];
       const Problem& p = ps[w.seq];
-      attend<Bf16>(p, tiles.of[w.seq], w.g, w.first,
-                   std::min(p.tokens, w.first + p.token_tile()), space);
+      attend<Bf16>(p, tiles.of[w.seq], w.g, w.first, std::min(p.tokens, w.first + p.token_tile()),
+                   space);
     }
   }
 }
@@ -500,8 +497,8 @@ namespace {
 #ifdef CONVEYOR_PREFILL_SIMD
 // The query and the cache as both ops take them (a bf16 cache for bf16 products); the cache's
 // dtype.
-at::ScalarType check_shapes(const at::Tensor& query, const at::Tensor& key,
-                            const at::Tensor& value, bool bf16) {
+at::ScalarType check_shapes(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            bool bf16) {
   TORCH_CHECK(query.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(),
               "paged_prefill: query [tokens, heads, dim], key/value [blocks, block_size, "
               "kv_heads, dim]");
@@ -529,27 +526,33 @@ at::ScalarType check_shapes(const at::Tensor& query, const at::Tensor& key,
 // One sequence's query rows [start, start + tokens) after `context` cached tokens, its block ids
 // checked to cover it inside the cache; its output rows at out (row `start` first).
 Problem sequence(const at::Tensor& query, const at::Tensor& key, int64_t start, int64_t tokens,
-                 int64_t context, const int64_t* blocks, int64_t width, double scale,
-                 float* out) {
+                 int64_t context, const int64_t* blocks, int64_t width, double scale, float* out) {
   TORCH_CHECK(context >= 0, "paged_prefill: context must not be negative");
   const int64_t heads = query.size(1), kv_heads = key.size(2), dim = query.size(2);
   const int64_t block_size = key.size(1);
   const int64_t used = (context + tokens + block_size - 1) / block_size;
   TORCH_CHECK(width >= used, "paged_prefill: blocks do not cover the sequence");
   for (int64_t b = 0; b < used; ++b)
-    TORCH_CHECK(blocks[b] >= 0 && blocks[b] < key.size(0),
-                "paged_prefill: block id out of range");
-  return Problem{query.data_ptr<float>() + start * query.stride(0), query.stride(0), heads,
-                 kv_heads, heads / kv_heads, dim, block_size, tokens, context, blocks,
-                 static_cast<float>(scale), out};
+    TORCH_CHECK(blocks[b] >= 0 && blocks[b] < key.size(0), "paged_prefill: block id out of range");
+  return Problem{query.data_ptr<float>() + start * query.stride(0),
+                 query.stride(0),
+                 heads,
+                 kv_heads,
+                 heads / kv_heads,
+                 dim,
+                 block_size,
+                 tokens,
+                 context,
+                 blocks,
+                 static_cast<float>(scale),
+                 out};
 }
 #endif
 
 }  // namespace
 
-at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key,
-                         const at::Tensor& value, const at::Tensor& blocks, int64_t context,
-                         double scale, bool bf16) {
+at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const at::Tensor& blocks, int64_t context, double scale, bool bf16) {
 #ifndef CONVEYOR_PREFILL_SIMD
   TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
 #else
@@ -572,14 +575,14 @@ void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at
   TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
 #else
   const auto cache = check_shapes(query, key, value, bf16);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() &&
-                  out.sizes() == query.sizes(),
-              "paged_prefill_rows: out must be contiguous fp32 of the query's shape");
+  TORCH_CHECK(
+      out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == query.sizes(),
+      "paged_prefill_rows: out must be contiguous fp32 of the query's shape");
   const int64_t n = starts.numel();
   for (const at::Tensor* t : {&starts, &lens, &contexts})
-    TORCH_CHECK(t->dim() == 1 && t->numel() == n && t->scalar_type() == at::kLong &&
-                    t->is_contiguous(),
-                "paged_prefill_rows: starts, lens and contexts are int64 [sequences]");
+    TORCH_CHECK(
+        t->dim() == 1 && t->numel() == n && t->scalar_type() == at::kLong && t->is_contiguous(),
+        "paged_prefill_rows: starts, lens and contexts are int64 [sequences]");
   TORCH_CHECK(table.dim() == 2 && table.size(0) == n && table.scalar_type() == at::kLong &&
                   table.is_contiguous(),
               "paged_prefill_rows: table is int64 [sequences, width]");
@@ -604,11 +607,13 @@ void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("paged_prefill(Tensor query, Tensor key, Tensor value, Tensor blocks, int context, "
-        "float scale, bool bf16=False) -> Tensor");
-  m.def("paged_prefill_rows(Tensor query, Tensor key, Tensor value, Tensor(a!) out, "
-        "Tensor starts, Tensor lens, Tensor contexts, Tensor table, float scale, "
-        "bool bf16=False) -> ()");
+  m.def(
+      "paged_prefill(Tensor query, Tensor key, Tensor value, Tensor blocks, int context, "
+      "float scale, bool bf16=False) -> Tensor");
+  m.def(
+      "paged_prefill_rows(Tensor query, Tensor key, Tensor value, Tensor(a!) out, "
+      "Tensor starts, Tensor lens, Tensor contexts, Tensor table, float scale, "
+      "bool bf16=False) -> ()");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("paged_prefill", &conveyor::paged_prefill);

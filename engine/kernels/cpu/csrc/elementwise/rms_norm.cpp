@@ -37,8 +37,8 @@ __attribute__((noinline)) void normalize_row(const float* in, const float* w, fl
   for (int64_t d = 0; d < dim; ++d) out[d] = w[d] * (in[d] * inv);
 }
 
-void normalize_rows(const float* x, const float* w, float* y, int64_t dim, float eps,
-                    int64_t begin, int64_t end) {
+void normalize_rows(const float* x, const float* w, float* y, int64_t dim, float eps, int64_t begin,
+                    int64_t end) {
   for (int64_t row = begin; row < end; ++row)
     normalize_row(x + row * dim, w, y + row * dim, dim, eps);
 }
@@ -59,8 +59,8 @@ void normalize_rows_bf16(const float* x, const float* w, uint16_t* y, int64_t di
 
 namespace conveyor {
 
-void rms_norm_rows(const float* x, const float* weight, float* out32, uint16_t* out16,
-                   int64_t dim, float eps, int64_t begin, int64_t end) {
+void rms_norm_rows(const float* x, const float* weight, float* out32, uint16_t* out16, int64_t dim,
+                   float eps, int64_t begin, int64_t end) {
   if (out32 != nullptr) {
     normalize_rows(x, weight, out32, dim, eps, begin, end);
     return;
@@ -85,11 +85,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 #ifndef CONVEYOR_BF16_ROUND
   TORCH_CHECK(!bf16_out, "rms_norm: bf16 rows need AVX-512 BF16");
 #endif
-  at::Tensor out = bf16_out ? at::empty({rows, dim}, x.options().dtype(at::kBFloat16))
-                            : at::empty_like(x);
+  at::Tensor out =
+      bf16_out ? at::empty({rows, dim}, x.options().dtype(at::kBFloat16)) : at::empty_like(x);
   float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
-  uint16_t* out16 =
-      bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  uint16_t* out16 = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, rows, rows_per_task(dim), [&](int64_t begin, int64_t end) {
     rms_norm_rows(xp, wp, out32, out16, dim, e, begin, end);
   });

@@ -20,9 +20,11 @@
 
 namespace conveyor {
 
-__attribute__((optimize("fp-contract=off"))) void rotary_rows(
-    const float* x, int64_t x_stride, const float* cos, const float* sin, int64_t cs_stride,
-    float* out, int64_t heads, int64_t dim, int64_t begin, int64_t end) {
+__attribute__((optimize("fp-contract=off"))) void rotary_rows(const float* x, int64_t x_stride,
+                                                              const float* cos, const float* sin,
+                                                              int64_t cs_stride, float* out,
+                                                              int64_t heads, int64_t dim,
+                                                              int64_t begin, int64_t end) {
   const int64_t half = dim / 2;
   for (int64_t t = begin; t < end; ++t) {
     const float* c = cos + t * cs_stride;
@@ -69,7 +71,5 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 }  // namespace conveyor
 
-TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-}
+TORCH_LIBRARY_FRAGMENT(conveyor, m) { m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor"); }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("rotary", &conveyor::rotary); }

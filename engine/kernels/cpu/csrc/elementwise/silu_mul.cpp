@@ -45,8 +45,7 @@ void gate_rows(const float* x, float* out, int64_t inter, int64_t begin, int64_t
 namespace conveyor {
 
 at::Tensor silu_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0,
-              "silu_mul: x must be [rows, 2 * inter]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_mul: x must be [rows, 2 * inter]");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_mul: x must be fp32");
   TORCH_CHECK(x.is_contiguous(), "silu_mul: x must be contiguous");
   const int64_t rows = x.size(0), inter = x.size(1) / 2;

@@ -86,7 +86,7 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
            kv_size, key, value);
   at::Tensor attended = paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale);
   const at::Tensor residual = panel_linear(attended.view({rows, num_heads * dim}), weights[kOut],
-                                          biases.get(kOutBias), width, hidden);
+                                           biases.get(kOutBias), width, hidden);
 
   x = rms_norm(residual, weights[kPostNorm], eps, bf16(weights[kGateUp]));
   return panel_linear(gated(x, weights[kGateUp], biases.get(kGateUpBias), inter, weights[kDown]),
@@ -96,11 +96,10 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
 }  // namespace
 
 at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
-                        const c10::List<std::optional<at::Tensor>>& biases,
-                        at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
-                        at::Tensor& key, at::Tensor& value, const at::Tensor& slots,
-                        const at::Tensor& table, const at::Tensor& lens, double eps,
-                        double scale) {
+                        const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
+                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key,
+                        at::Tensor& value, const at::Tensor& slots, const at::Tensor& table,
+                        const at::Tensor& lens, double eps, double scale) {
   check_layer(weights, biases, heads, key, value);
   check_step(hidden, slots, key);
   return run_layer(hidden, weights, biases, heads, cos, sin, key, value, slots, table, lens, eps,
@@ -112,11 +111,10 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
 // One call instead of one a layer saves the Python and dispatch around each: a decode step for
 // one sequence of the default model ran about 0.9 ms (11%) shorter.
 at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
-                         const c10::List<std::optional<at::Tensor>>& biases,
-                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
-                         at::TensorList keys, at::TensorList values, const at::Tensor& slots,
-                         const at::Tensor& table, const at::Tensor& lens, double eps,
-                         double scale) {
+                         const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
+                         const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
+                         at::TensorList values, const at::Tensor& slots, const at::Tensor& table,
+                         const at::Tensor& lens, double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(values.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == layers * kWeights &&
@@ -125,20 +123,19 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
   std::vector<c10::List<std::optional<at::Tensor>>> layer_biases(layers);
   for (int64_t i = 0; i < layers; ++i) {
     for (int64_t b = 0; b < kBiases; ++b) layer_biases[i].push_back(biases.get(i * kBiases + b));
-    check_layer(weights.slice(i * kWeights, kWeights), layer_biases[i], heads, keys[i],
-                values[i]);
+    check_layer(weights.slice(i * kWeights, kWeights), layer_biases[i], heads, keys[i], values[i]);
     TORCH_CHECK(keys[i].sizes() == keys[0].sizes(), "decode_layers: caches of one size");
   }
   // A layer keeps the hidden size, so the rows and slots are checked once for all.
   check_step(hidden, slots, keys[0]);
   if (stack_region_applies(hidden.size(1), weights, biases, heads, cos, sin))
-    return decode_stack(hidden, weights, layer_biases, heads, cos, sin, keys, values, slots,
-                        table, lens, eps, scale);
+    return decode_stack(hidden, weights, layer_biases, heads, cos, sin, keys, values, slots, table,
+                        lens, eps, scale);
   at::Tensor x = hidden;
   for (int64_t i = 0; i < layers; ++i) {
     at::Tensor key = keys[i], value = values[i];
-    x = run_layer(x, weights.slice(i * kWeights, kWeights), layer_biases[i], heads, cos, sin,
-                  key, value, slots, table, lens, eps, scale);
+    x = run_layer(x, weights.slice(i * kWeights, kWeights), layer_biases[i], heads, cos, sin, key,
+                  value, slots, table, lens, eps, scale);
   }
   return x;
 }
@@ -146,12 +143,14 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("decode_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
-        "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
-        "Tensor lens, float eps, float scale) -> Tensor");
-  m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
-        "Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
-        "Tensor table, Tensor lens, float eps, float scale) -> Tensor");
+  m.def(
+      "decode_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
+      "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
+      "Tensor lens, float eps, float scale) -> Tensor");
+  m.def(
+      "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
+      "Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
+      "Tensor table, Tensor lens, float eps, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("decode_layer", &conveyor::decode_layer);

@@ -40,8 +40,7 @@ bool bf16_panels(const at::Tensor& p, int64_t out, int64_t in) {
 // Gated bf16 panels [ceil(inter / 16), 2, in / 2, 32], contiguous.
 bool gated_panels(const at::Tensor& p, int64_t inter, int64_t in) {
   return p.scalar_type() == at::kBFloat16 && p.dim() == 4 && p.is_contiguous() &&
-         p.size(0) == (inter + 15) / 16 && p.size(1) == 2 && p.size(2) * 2 == in &&
-         p.size(3) == 32;
+         p.size(0) == (inter + 15) / 16 && p.size(1) == 2 && p.size(2) * 2 == in && p.size(3) == 32;
 }
 
 // No bias, or an fp32 one of `values` (padded to the panels).
@@ -117,9 +116,9 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
   rms_norm_rows(in, layer.input_norm, nullptr, st.normed.get(), st.width, st.eps, part.begin,
                 part.end);
   barrier();
-  product({st.normed.get(), layer.qkv_bias, nullptr, st.qkv.get(), nullptr, M, st.width,
-           st.qkv_size},
-          layer.qkv, st.qkv_tasks, taken[0]);
+  product(
+      {st.normed.get(), layer.qkv_bias, nullptr, st.qkv.get(), nullptr, M, st.width, st.qkv_size},
+      layer.qkv, st.qkv_tasks, taken[0]);
   barrier();
   // q and k rotated, then this thread's rows' new K (rotated) and V to their slots.
   const int64_t qk_heads = st.heads + st.kv_heads;
@@ -127,8 +126,8 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
   rotary_rows(st.qkv.get(), st.qkv_size, st.cos, st.sin, st.cs_stride, st.qk.get(), qk_heads,
               st.dim, part.begin, part.end);
   at::Tensor key = layer.key, value = layer.value;
-  store_kv(st.qk.get() + st.attn_size, st.qk_size, st.qkv.get() + st.qk_size, st.qkv_size,
-           st.slots, part.begin, part.end, st.kv_heads * st.dim, key, value);
+  store_kv(st.qk.get() + st.attn_size, st.qk_size, st.qkv.get() + st.qk_size, st.qkv_size, st.slots,
+           part.begin, part.end, st.kv_heads * st.dim, key, value);
   barrier();
   paged_decode_team({st.qk.get(), st.qk_size, M, st.heads, st.table, st.table_width, st.lens,
                      st.scale, st.attended.get()},
@@ -151,9 +150,9 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
            st.inter},
           layer.gate_up, st.gated_tasks, taken[3]);
   barrier();
-  product({st.gated16.get(), layer.down_bias, st.residual.get(), out, nullptr, M, st.inter,
-           st.width},
-          layer.down, st.down_tasks, taken[4]);
+  product(
+      {st.gated16.get(), layer.down_bias, st.residual.get(), out, nullptr, M, st.inter, st.width},
+      layer.down, st.down_tasks, taken[4]);
   barrier();
 }
 
@@ -177,8 +176,8 @@ Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
 }  // namespace
 
 bool stack_region_applies(int64_t width, at::TensorList weights,
-                          const c10::List<std::optional<at::Tensor>>& biases,
-                          at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin) {
+                          const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
+                          const at::Tensor& cos, const at::Tensor& sin) {
 #ifndef CONVEYOR_BF16_ROUND
   return false;
 #else
@@ -190,8 +189,8 @@ bool stack_region_applies(int64_t width, at::TensorList weights,
   const int64_t inter = weights[kDown].size(1) * 2;
   const bool rotary = cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(1) == 1 &&
                       cos.size(2) == dim && cos.scalar_type() == at::kFloat &&
-                      sin.scalar_type() == at::kFloat && cos.stride(2) == 1 &&
-                      sin.stride(2) == 1 && cos.stride(0) == sin.stride(0);
+                      sin.scalar_type() == at::kFloat && cos.stride(2) == 1 && sin.stride(2) == 1 &&
+                      cos.stride(0) == sin.stride(0);
   if (!rotary) return false;
   const int64_t gated_panel_count = (inter + 15) / 16;
   for (int64_t i = 0; i < layers; ++i) {
@@ -214,17 +213,16 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
                         const std::vector<c10::List<std::optional<at::Tensor>>>& biases,
                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList keys, at::TensorList values, const at::Tensor& slots,
-                        const at::Tensor& table, const at::Tensor& lens, double eps,
-                        double scale) {
+                        const at::Tensor& table, const at::Tensor& lens, double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   const int64_t M = hidden.size(0), width = hidden.size(1);
   const at::Tensor blocks = table.to(at::kLong).contiguous();
   const at::Tensor lengths = lens.to(at::kLong).contiguous();
   TORCH_CHECK(cos.size(0) == M,
               "rotary: x [tokens, heads, dim] and cos/sin [tokens, 1, dim] do not match");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.size(0) == M && lengths.dim() == 1 &&
-                  lengths.size(0) == M,
-              "paged_decode: one block table row and length per sequence");
+  TORCH_CHECK(
+      blocks.dim() == 2 && blocks.size(0) == M && lengths.dim() == 1 && lengths.size(0) == M,
+      "paged_decode: one block table row and length per sequence");
   // Every layer's cache has one size: its blocks are checked once for all.
   check_decode_tables(blocks, lengths, keys[0].size(1), keys[0].size(0));
   at::Tensor out = at::empty({M, width}, hidden.options());
@@ -252,8 +250,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
   const int threads = std::max(1, at::get_num_threads());
   std::vector<Layer> stack;
   for (int64_t i = 0; i < layers; ++i)
-    stack.push_back(layer_of(weights.slice(i * kWeights, kWeights), biases[i], keys[i],
-                             values[i]));
+    stack.push_back(layer_of(weights.slice(i * kWeights, kWeights), biases[i], keys[i], values[i]));
   const Layer& first = stack[0];
   st.qkv_tasks = bf16_product_tasks(M, width, first.qkv.count, false, threads);
   st.out_tasks = bf16_product_tasks(M, st.attn_size, first.out.count, false, threads);
@@ -284,8 +281,9 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("stack_region_applies(int width, Tensor[] weights, Tensor?[] biases, int[] heads, "
-        "Tensor cos, Tensor sin) -> bool");
+  m.def(
+      "stack_region_applies(int width, Tensor[] weights, Tensor?[] biases, int[] heads, "
+      "Tensor cos, Tensor sin) -> bool");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("stack_region_applies", &conveyor::stack_region_applies);

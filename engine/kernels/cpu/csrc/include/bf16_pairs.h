@@ -46,13 +46,12 @@ __attribute__((noinline)) void bf16_pair_tile(const uint16_t* a, int64_t lda, co
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j)
-      _mm512_storeu_ps(c + m * ldc + 16 * j,
-                       Accumulate ? acc[m][j] : _mm512_mul_ps(acc[m][j], by));
+      _mm512_storeu_ps(c + m * ldc + 16 * j, Accumulate ? acc[m][j] : _mm512_mul_ps(acc[m][j], by));
 }
 
 template <int MR, bool Accumulate>
-void bf16_pair_rows(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
-                    int64_t pairs, float scale, float* c, int64_t ldc, int64_t blocks) {
+void bf16_pair_rows(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t pairs,
+                    float scale, float* c, int64_t ldc, int64_t blocks) {
   switch (blocks) {
     case 4: bf16_pair_tile<MR, 4, Accumulate>(a, lda, b, ldb, pairs, scale, c, ldc); break;
     case 3: bf16_pair_tile<MR, 3, Accumulate>(a, lda, b, ldb, pairs, scale, c, ldc); break;
@@ -66,8 +65,8 @@ template <bool Accumulate>
 void bf16_pair_product(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
                        int64_t pairs, float scale, float* c, int64_t ldc, int64_t rows,
                        int64_t cols) {
-  using Rows = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, float,
-                        float*, int64_t, int64_t);
+  using Rows = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, float, float*,
+                        int64_t, int64_t);
   static constexpr Rows kByRows[] = {
       &bf16_pair_rows<1, Accumulate>, &bf16_pair_rows<2, Accumulate>,
       &bf16_pair_rows<3, Accumulate>, &bf16_pair_rows<4, Accumulate>,

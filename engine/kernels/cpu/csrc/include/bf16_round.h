@@ -21,8 +21,7 @@ namespace conveyor {
 // in[0, count) as bf16 bit patterns at out.
 inline void round_to_bf16(const float* in, int64_t count, uint16_t* out) {
   for (int64_t i = 0; i < count; i += 16) {
-    const __mmask16 mask =
-        count - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - i)) - 1);
+    const __mmask16 mask = count - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - i)) - 1);
     const __m256bh half = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, in + i));
     _mm256_mask_storeu_epi16(out + i, mask, reinterpret_cast<const __m256i&>(half));
   }

@@ -37,8 +37,8 @@ constexpr int64_t kBlock = 32;
 // count (a multiple of 8) fp16 values at the start of a group, widened to fp32 (exactly).
 inline void widen_halves(const uint8_t* group, int count, float* out) {
   for (int i = 0; i < count; i += 8)
-    _mm256_store_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(
-                                 reinterpret_cast<const __m128i*>(group + 2 * i))));
+    _mm256_store_ps(
+        out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 2 * i))));
 }
 #endif
 
@@ -55,8 +55,7 @@ struct Q41 {
     const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
     const __m256i high = _mm256_srli_epi32(bytes, 4);
     w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_load_ps(s), _mm256_load_ps(s + 16));
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), _mm256_load_ps(s + 8),
-                           _mm256_load_ps(s + 24));
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), _mm256_load_ps(s + 8), _mm256_load_ps(s + 24));
   }
 #endif
 };

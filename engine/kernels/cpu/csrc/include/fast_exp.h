@@ -19,8 +19,8 @@ namespace conveyor {
 
 constexpr float kExpLow = -87.f, kExpHigh = 88.f, kLog2e = 1.44269504f;
 constexpr float kLn2High = 0.693145752f, kLn2Low = 1.42860677e-6f;
-constexpr float kExpPoly[7] = {1.38888889e-3f, 8.33333333e-3f, 4.16666667e-2f, 1.66666667e-1f,
-                               0.5f, 1.f, 1.f};
+constexpr float kExpPoly[7] = {
+    1.38888889e-3f, 8.33333333e-3f, 4.16666667e-2f, 1.66666667e-1f, 0.5f, 1.f, 1.f};
 
 inline float exp_clamped(float x) {
   x = std::min(std::max(x, kExpLow), kExpHigh);
@@ -43,8 +43,8 @@ inline __m256 exp8_clamped(__m256 x) {
                                     _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x));
   __m256 p = _mm256_set1_ps(kExpPoly[0]);
   for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #endif

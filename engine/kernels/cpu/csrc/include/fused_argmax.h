@@ -36,18 +36,17 @@ struct alignas(64) RowBest {
 // the one there when its sum is larger, or equal and the column earlier, whatever order the
 // panels come in; -inf sums take lanes still empty, so a row of -inf chooses its first column.
 inline void note_best(RowBest& best, __m512 sums, int64_t n0, int64_t N) {
-  const __mmask16 valid =
-      n0 + 16 <= N ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
+  const __mmask16 valid = n0 + 16 <= N ? __mmask16(0xFFFF) : __mmask16((1u << (N - n0)) - 1);
   const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, sums, sums, _CMP_UNORD_Q);
   if (nan != 0) best.nan = std::min<int64_t>(best.nan, n0 + __builtin_ctz(nan));
-  const __m512i columns = _mm512_add_epi32(
-      _mm512_set1_epi32(static_cast<int32_t>(n0)),
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i columns =
+      _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(n0)),
+                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
   const __m512 top = _mm512_load_ps(best.value);
   const __m512i at = _mm512_load_si512(best.column);
   const __mmask16 larger = _mm512_mask_cmp_ps_mask(valid, sums, top, _CMP_GT_OQ);
-  const __mmask16 equal = _mm512_mask_cmp_ps_mask(valid, sums, top, _CMP_EQ_OQ) &
-                          _mm512_cmplt_epi32_mask(columns, at);
+  const __mmask16 equal =
+      _mm512_mask_cmp_ps_mask(valid, sums, top, _CMP_EQ_OQ) & _mm512_cmplt_epi32_mask(columns, at);
   const __mmask16 take = larger | equal;
   _mm512_store_ps(best.value, _mm512_mask_mov_ps(top, take, sums));
   _mm512_store_si512(best.column, _mm512_mask_mov_epi32(at, take, columns));

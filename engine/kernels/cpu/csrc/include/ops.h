@@ -29,12 +29,10 @@ void int8_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& 
 // panel_linear's product over bf16 panels (AVX-512 BF16 dot products over x rounded to bf16),
 // plus a residual [M, out_features] where not null, its inputs already checked.
 void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& panels,
-                        const float* bias, const float* residual, float* out,
-                        int64_t out_features);
+                        const float* bias, const float* residual, float* out, int64_t out_features);
 // The same over rows already rounded to bf16 (`x` [M, K] bf16 bit patterns).
 void bf16_rows_product(const uint16_t* x, int64_t M, int64_t K, const at::Tensor& panels,
-                       const float* bias, const float* residual, float* out,
-                       int64_t out_features);
+                       const float* bias, const float* residual, float* out, int64_t out_features);
 // One product over bf16 panels as its threads see it: bf16 rows x [M, K] times the panels, plus
 // bias (padded to whole panels) and residual [M, N] where not null, to fp32 rows at out or, where
 // out16 is not null, to those rows rounded to bf16.
@@ -73,14 +71,15 @@ at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t inter,
                         bool bf16_out = false);
-// The input features of panels as `panel_linear` takes them (fp32, fp16, bf16 pairs or GGUF blocks).
+// The input features of panels as `panel_linear` takes them (fp32, fp16, bf16 pairs or GGUF
+// blocks).
 int64_t panel_in_features(const at::Tensor& panels);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
                     bool bf16_out = false);
 // rms_norm's rows [begin, end) of x [rows, dim]: to out32, or rounded to bf16 at out16 where
 // out32 is null (AVX-512 BF16).
-void rms_norm_rows(const float* x, const float* weight, float* out32, uint16_t* out16,
-                   int64_t dim, float eps, int64_t begin, int64_t end);
+void rms_norm_rows(const float* x, const float* weight, float* out32, uint16_t* out16, int64_t dim,
+                   float eps, int64_t begin, int64_t end);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // rotary's tokens [begin, end): x rows at x_stride, cos/sin rows at cs_stride, out contiguous.
 void rotary_rows(const float* x, int64_t x_stride, const float* cos, const float* sin,
@@ -120,13 +119,12 @@ void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows
 // (every projection over bf16 panels, gate/up gated), and the stack computed so, its inputs
 // already checked as `decode_layers` checks them.
 bool stack_region_applies(int64_t width, at::TensorList weights,
-                          const c10::List<std::optional<at::Tensor>>& biases,
-                          at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin);
+                          const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
+                          const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
                         const std::vector<c10::List<std::optional<at::Tensor>>>& biases,
                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList keys, at::TensorList values, const at::Tensor& slots,
-                        const at::Tensor& table, const at::Tensor& lens, double eps,
-                        double scale);
+                        const at::Tensor& table, const at::Tensor& lens, double eps, double scale);
 
 }  // namespace conveyor

@@ -113,8 +113,7 @@ InputRows input_rows(const at::Tensor& x) {
 
 // x must be contiguous fp32 or bf16 rows [rows, in].
 void check_rows(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.dim() == 2 &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.is_contiguous(),
               op, ": x must be contiguous fp32 (or bf16) [rows, in]");
 }
@@ -178,8 +177,8 @@ CONVEYOR_INLINE __m256 upper8(__m512 v) {
 CONVEYOR_INLINE __m512 silu_times(__m512 gate, __m512 up) {
   const __m256 low = silu_times8(_mm512_castps512_ps256(gate), _mm512_castps512_ps256(up));
   const __m256 high = silu_times8(upper8(gate), upper8(up));
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)),
-                                             _mm256_castps_pd(high), 1));
+  return _mm512_castpd_ps(
+      _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high), 1));
 }
 
 // One row's sums for NP panels from p (plus bias) through the epilogue E to its output columns.
@@ -190,8 +189,8 @@ CONVEYOR_INLINE void store_row(const Problem& pb, const __m512* sums, int64_t ro
 #pragma GCC unroll 8
     for (int j = 0; j < NP; j += 2)
       store_columns(
-          silu_times(with_bias(sums[j], pb, p + j), with_bias(sums[j + 1], pb, p + j + 1)), pb,
-          row, (p + j) / 2 * kPanel);
+          silu_times(with_bias(sums[j], pb, p + j), with_bias(sums[j + 1], pb, p + j + 1)), pb, row,
+          (p + j) / 2 * kPanel);
   } else if constexpr (E == Epilogue::kArgmax) {
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j)
@@ -257,8 +256,7 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const uint1
     __m512bh wv[NP];
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j)
-      wv[j] = reinterpret_cast<__m512bh>(
-          _mm512_loadu_si512(w + j * panel_size + k * kPairWidth));
+      wv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * panel_size + k * kPairWidth));
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
@@ -295,8 +293,8 @@ void rows_pass(const Problem& pb, int64_t m, int64_t mr, const uint16_t* panels,
 // alone); fetching at any number of rows, not only up to 32, took them from 49.1 to 42.3 ms at
 // 48 rows and from 56.9 to 51.2 at 64.
 template <int NP, Epilogue E>
-void rows_by_panels(const Problem& pb, int64_t m0, int64_t rows, const uint16_t* panels,
-                    int64_t p, const uint16_t* ahead) {
+void rows_by_panels(const Problem& pb, int64_t m0, int64_t rows, const uint16_t* panels, int64_t p,
+                    const uint16_t* ahead) {
   const int64_t passes = (rows + kMaxRows - 1) / kMaxRows, pairs = pb.K / 2;
   int64_t pass = 0;
   near_equal_passes(m0, rows, kMaxRows, [&](int64_t m, int64_t mr) {
@@ -331,8 +329,8 @@ using TileSums = float[kTileRows * kPanel];
 
 // Row m of the NP tiles of sums at `sums` (one block's), through the epilogue as output row `row`.
 template <int NP, Epilogue E>
-CONVEYOR_INLINE void store_tile_row(const Problem& pb, const TileSums* sums, int64_t row,
-                                    int m, int64_t p) {
+CONVEYOR_INLINE void store_tile_row(const Problem& pb, const TileSums* sums, int64_t row, int m,
+                                    int64_t p) {
   __m512 values[NP];
 #pragma GCC unroll 2
   for (int j = 0; j < NP; ++j) values[j] = _mm512_loadu_ps(sums[j] + m * kPanel);
@@ -421,16 +419,15 @@ template <int NP, Epilogue E>
 void tile_panels(const Problem& pb, const std::vector<const uint16_t*>& blocks, const Task& task,
                  const uint16_t* panels, int64_t p, int64_t count) {
   const int64_t blocks_count = static_cast<int64_t>(blocks.size());
-  const uint16_t* next = p + 2 * NP <= count ? panels + (p + NP) * (pb.K / 2 * kPairWidth)
-                                             : nullptr;
+  const uint16_t* next =
+      p + 2 * NP <= count ? panels + (p + NP) * (pb.K / 2 * kPairWidth) : nullptr;
   for (int64_t b = 0; b < blocks_count; b += 2) {
     const int64_t row = task.m0 + b * kTileRows;
     const int64_t valid = std::min(task.m1 - row, kTileBlock);
     const uint16_t* ahead = b == 0 ? next : nullptr;
     if (b + 1 < blocks_count)
       tile_micro<2, NP, E>(pb, blocks.data() + b, row, valid, panels, p, ahead);
-    else
-      tile_micro<1, NP, E>(pb, blocks.data() + b, row, valid, panels, p, ahead);
+    else tile_micro<1, NP, E>(pb, blocks.data() + b, row, valid, panels, p, ahead);
   }
 }
 
@@ -560,8 +557,8 @@ int product_threads(const std::vector<Task>& tasks) {
 template <Epilogue E>
 void run(const Problem& pb, const at::Tensor& panels, int64_t count) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(panels.data_ptr());
-  const std::vector<Task> tasks = plan_tasks<E>(pb.M, pb.K, count / kUnit<E>,
-                                                at::get_num_threads());
+  const std::vector<Task> tasks =
+      plan_tasks<E>(pb.M, pb.K, count / kUnit<E>, at::get_num_threads());
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(product_threads(tasks))
   take_tasks<E>(pb, w, count, tasks, next);
@@ -615,10 +612,8 @@ void bf16_take_tasks(const Bf16Product& pb, const uint16_t* panels, int64_t coun
 #ifndef CONVEYOR_BF16_PANELS
   TORCH_CHECK(false, "bf16 panels need AVX-512 BF16");
 #else
-  if (gated)
-    take_tasks<Epilogue::kGated>(pb, panels, count, tasks, next);
-  else
-    take_tasks<Epilogue::kPlain>(pb, panels, count, tasks, next);
+  if (gated) take_tasks<Epilogue::kGated>(pb, panels, count, tasks, next);
+  else take_tasks<Epilogue::kPlain>(pb, panels, count, tasks, next);
 #endif
 }
 
@@ -634,8 +629,7 @@ void bf16_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& 
 }
 
 void bf16_rows_product(const uint16_t* x, int64_t M, int64_t K, const at::Tensor& panels,
-                       const float* bias, const float* residual, float* out,
-                       int64_t out_features) {
+                       const float* bias, const float* residual, float* out, int64_t out_features) {
 #ifndef CONVEYOR_BF16_PANELS
   TORCH_CHECK(false, "bf16 panels need AVX-512 BF16");
 #else
@@ -674,8 +668,8 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK(false, "gated_linear needs AVX-512 BF16");
 #else
   check_rows(x, "gated_linear");
-  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
-                  panels.size(1) == 2 && panels.size(3) == 2 * kPanel && panels.is_contiguous(),
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.size(1) == 2 &&
+                  panels.size(3) == 2 * kPanel && panels.is_contiguous(),
               "gated_linear: panels must be contiguous bf16 [panels, 2, in / 2, 32]");
   TORCH_CHECK(x.size(1) > 0 && x.size(1) == 2 * panels.size(2),
               "gated_linear: x and panels' input sizes differ");
@@ -687,8 +681,7 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
   if (M == 0) return out;
   const InputRows in = input_rows(x);
   float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
-  uint16_t* out16 =
-      bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  uint16_t* out16 = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   run<Epilogue::kGated>(Problem{in.rows, b, nullptr, out32, out16, M, K, inter}, panels,
                         2 * panels.size(0));
   return out;
@@ -698,8 +691,9 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("gated_linear(Tensor x, Tensor panels, Tensor? bias, int inter, bool bf16_out=False) "
-        "-> Tensor");
+  m.def(
+      "gated_linear(Tensor x, Tensor panels, Tensor? bias, int inter, bool bf16_out=False) "
+      "-> Tensor");
   m.def("panel_argmax(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("bf16_tiles_available() -> bool", &conveyor::bf16_tiles_available);
   m.def("set_bf16_tiles(bool on) -> bool", &conveyor::set_bf16_tiles);

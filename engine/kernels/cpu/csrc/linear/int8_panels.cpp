@@ -83,11 +83,10 @@ void round_block(const float* x, int8_t* q, float* d, float* s) {
       _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
   *s = *d * horizontal_sum(_mm256_cvtepi32_ps(total));
   // packs interleave 128-bit lanes: [0-3 4-7 | ...] comes back in order after the permute.
-  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
-                                            _mm256_packs_epi32(n[2], n[3]));
+  const __m256i packed =
+      _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(packed, order));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(packed, order));
 }
 
 RoundedRows round_rows(const float* x, int64_t M, int64_t K) {
@@ -125,8 +124,7 @@ CONVEYOR_INLINE __m256i block_sums(__m256i acc) {
   return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
 }
 CONVEYOR_INLINE __m256i add_wide_products(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
-                                                 _mm256_set1_epi16(1)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 #endif
 
@@ -172,7 +170,7 @@ CONVEYOR_INLINE void store_rows(const float (&total)[MR][kPanel], float* out, in
 // ran 15% slower (GCC kept fewer of its values in registers).
 template <int MR>
 __attribute__((noinline)) void micro_q41(const RoundedRows& x, int64_t row, const int8_t* panel,
-                                     float* out, int64_t ldo, int64_t cols, const float* bias) {
+                                         float* out, int64_t ldo, int64_t cols, const float* bias) {
   const int64_t K = x.K, blocks = K / kBlock;
   const int8_t* q = x.q.get() + row * K;
   const float* xd = x.d.get() + row * blocks;
@@ -198,10 +196,10 @@ __attribute__((noinline)) void micro_q41(const RoundedRows& x, int64_t row, cons
     }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const __m256 dw = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16 * h)));
-      const __m256 mw = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 32 + 16 * h)));
+      const __m256 dw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16 * h)));
+      const __m256 mw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 32 + 16 * h)));
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(block_sums(acc[m][h])),
@@ -222,8 +220,7 @@ __attribute__((noinline)) void micro_q41(const RoundedRows& x, int64_t row, cons
 // to 32 bits at once and the block sums there (exact: at most 32 * 128 * 127).
 template <int MR>
 __attribute__((noinline)) void micro_q80(const RoundedRows& x, int64_t row, const int8_t* panel,
-                                         float* out, int64_t ldo, int64_t cols,
-                                         const float* bias) {
+                                         float* out, int64_t ldo, int64_t cols, const float* bias) {
   const int64_t K = x.K, blocks = K / kBlock;
   const int8_t* q = x.q.get() + row * K;
   const float* xd = x.d.get() + row * blocks;
@@ -253,12 +250,12 @@ __attribute__((noinline)) void micro_q80(const RoundedRows& x, int64_t row, cons
     }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const __m256 dw = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16 * h)));
+      const __m256 dw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 16 * h)));
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
-        const __m256 dots = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][h]),
-                                          _mm256_broadcast_ss(xd + m * blocks + b));
+        const __m256 dots =
+            _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][h]), _mm256_broadcast_ss(xd + m * blocks + b));
         _mm256_store_ps(total[m] + 8 * h,
                         _mm256_fmadd_ps(dots, dw, _mm256_load_ps(total[m] + 8 * h)));
       }
@@ -272,8 +269,8 @@ struct Q41Product {
   static constexpr int64_t kGroupBytes = Q41Int8::kGroupBytes;
   static constexpr int kMaxRows = 4;
   template <int MR>
-  static void micro(const RoundedRows& x, int64_t row, const int8_t* panel, float* out,
-                    int64_t ldo, int64_t cols, const float* bias) {
+  static void micro(const RoundedRows& x, int64_t row, const int8_t* panel, float* out, int64_t ldo,
+                    int64_t cols, const float* bias) {
     micro_q41<MR>(x, row, panel, out, ldo, cols, bias);
   }
 };
@@ -282,8 +279,8 @@ struct Q80Product {
   static constexpr int64_t kGroupBytes = Q80Int8::kGroupBytes;
   static constexpr int kMaxRows = 4;
   template <int MR>
-  static void micro(const RoundedRows& x, int64_t row, const int8_t* panel, float* out,
-                    int64_t ldo, int64_t cols, const float* bias) {
+  static void micro(const RoundedRows& x, int64_t row, const int8_t* panel, float* out, int64_t ldo,
+                    int64_t cols, const float* bias) {
     micro_q80<MR>(x, row, panel, out, ldo, cols, bias);
   }
 };
@@ -297,8 +294,7 @@ struct Problem {
 
 // Rows [m0, m0 + rows) times panel p, in passes of at most F::kMaxRows rows of near-equal size.
 template <typename F>
-void rows_by_panel(const Problem& pb, int64_t m0, int64_t rows, const int8_t* panel,
-                   int64_t p) {
+void rows_by_panel(const Problem& pb, int64_t m0, int64_t rows, const int8_t* panel, int64_t p) {
   const int64_t n0 = p * kPanel;
   const int64_t cols = std::min(kPanel, pb.N - n0);
   const float* bias = pb.bias == nullptr ? nullptr : pb.bias + n0;
@@ -320,8 +316,7 @@ void panel_range(const Problem& pb, const int8_t* panels, int64_t p0, int64_t p1
   const int64_t chunk = chunk_rows(pb.x.K, kChunkBytes, F::kMaxRows);
   for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
     const int64_t rows = std::min(chunk, pb.M - m0);
-    for (int64_t p = p0; p < p1; ++p)
-      rows_by_panel<F>(pb, m0, rows, panels + p * panel_bytes, p);
+    for (int64_t p = p0; p < p1; ++p) rows_by_panel<F>(pb, m0, rows, panels + p * panel_bytes, p);
   }
 }
 
@@ -344,10 +339,8 @@ void int8_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& 
 #else
   const RoundedRows rounded = round_rows(x, M, K);
   const Problem pb{rounded, bias, out, M, out_features};
-  if (panels.size(2) == conveyor::Q80Int8::kGroupBytes)
-    run<Q80Product>(pb, panels);
-  else
-    run<Q41Product>(pb, panels);
+  if (panels.size(2) == conveyor::Q80Int8::kGroupBytes) run<Q80Product>(pb, panels);
+  else run<Q41Product>(pb, panels);
 #endif
 }
 

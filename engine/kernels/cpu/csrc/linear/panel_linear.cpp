@@ -186,8 +186,7 @@ void rows_in_chunks(const Problem& pb, const W* first, int64_t p0, int64_t p1) {
   const int64_t chunk = chunk_rows(pb.K * 4, kChunkBytes, kMaxRows);
   for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
     const int64_t rows = std::min(chunk, pb.M - m0);
-    for (int64_t p = p0; p < p1; ++p)
-      rows_by_panel(pb, m0, rows, first + (p - p0) * panel_size, p);
+    for (int64_t p = p0; p < p1; ++p) rows_by_panel(pb, m0, rows, first + (p - p0) * panel_size, p);
   }
 }
 
@@ -236,8 +235,8 @@ void few_rows_blocks(const Problem& pb, const uint8_t* panels, int64_t p0, int64
   int64_t p = p0;
   for (; p + NP <= p1 && (p + NP) * kPanel <= pb.N; p += NP) {
     const float* bias = pb.bias == nullptr ? nullptr : pb.bias + p * kPanel;
-    micro_blocks<MR, NP, Q>(pb.x, pb.K, panels + p * panel_bytes, panel_bytes,
-                            pb.out + p * kPanel, pb.N, bias);
+    micro_blocks<MR, NP, Q>(pb.x, pb.K, panels + p * panel_bytes, panel_bytes, pb.out + p * kPanel,
+                            pb.N, bias);
   }
   for (; p < p1; ++p) {
     dequantize_panel<Q>(panels + p * panel_bytes, pb.K, scratch);
@@ -324,7 +323,8 @@ void check_layout(const at::Tensor& panels) {
                   " (Q8_0)]");
       break;
     default:
-      TORCH_CHECK(false, "panel_linear: panels must be fp32, fp16, bf16 pairs or uint8 blocks "
+      TORCH_CHECK(false,
+                  "panel_linear: panels must be fp32, fp16, bf16 pairs or uint8 blocks "
                   "(int8 for 8-bit activations)");
   }
 }
@@ -381,10 +381,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
     // The residual is added as each panel's sums leave the registers.
     const float* skip = has_residual ? residual->data_ptr<float>() : nullptr;
     if (bf16_rows)
-      bf16_rows_product(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K,
-                        panels, b, skip, o, out_features);
-    else
-      bf16_panel_product(x.data_ptr<float>(), M, K, panels, b, skip, o, out_features);
+      bf16_rows_product(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, panels,
+                        b, skip, o, out_features);
+    else bf16_panel_product(x.data_ptr<float>(), M, K, panels, b, skip, o, out_features);
     return out;
   }
   const Problem pb{x.data_ptr<float>(), b, o, M, K, out_features};
@@ -393,12 +392,9 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
     int8_panel_product(pb.x, M, K, panels, pb.bias, pb.out, out_features);
   else if (blocks && panels.size(2) == conveyor::Q41::kGroupBytes)
     run_blocks<conveyor::Q41>(pb, panels);
-  else if (blocks)
-    run_blocks<conveyor::Q80>(pb, panels);
-  else if (panels.scalar_type() == at::kHalf)
-    run<at::Half>(pb, panels);
-  else
-    run<float>(pb, panels);
+  else if (blocks) run_blocks<conveyor::Q80>(pb, panels);
+  else if (panels.scalar_type() == at::kHalf) run<at::Half>(pb, panels);
+  else run<float>(pb, panels);
   // out + residual is residual + out to the bit (IEEE addition commutes).
   if (has_residual) out.add_(*residual);
   return out;
@@ -408,7 +404,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, "
-        "Tensor? residual=None) -> Tensor");
+  m.def(
+      "panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features, "
+      "Tensor? residual=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("panel_linear", &conveyor::panel_linear); }
