@@ -54,11 +54,7 @@ def stack_args(
     fused: FusedDecode,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]]:
     """The stack's weights, biases and heads, as `decode_layers` takes them."""
-    return (
-        [w for layer in fused.layers for w in layer.weights],
-        [b for layer in fused.layers for b in layer.biases],
-        fused.layers[0].heads,
-    )
+    return list(fused.weights), list(fused.biases), fused.layers[0].heads
 
 
 # bf16 panels, whose gate/up pairs run the MLP's activation in the same op.
@@ -244,7 +240,7 @@ _build_paged = PagedLlamaForCausalLM.__init__
 
 def _without_stack(self: PagedLlamaForCausalLM, hf_model: object) -> None:
     _build_paged(self, hf_model)
-    self.fused_decode = FusedDecode(DecodeRoute.LAYERS, self.fused_decode.layers)
+    self.fused_decode = FusedDecode.of(DecodeRoute.LAYERS, self.fused_decode.layers)
 
 
 def paged_layers() -> list[PagedLlamaLayer]:

@@ -107,17 +107,46 @@ def layer_weights(layer: FusibleLayer) -> LayerWeights:
 
 @dataclass(frozen=True, slots=True)
 class FusedDecode:
-    """How decode steps run, chosen once: `layers` is empty on the op-by-op route."""
+    """How decode steps run, chosen once: `layers` is empty on the op-by-op route; the whole
+    stack's weights and biases are flattened once, as `decode_layers` takes them."""
 
     route: DecodeRoute
     layers: tuple[LayerWeights, ...] = ()
     reason: str = ""
+    weights: tuple[torch.Tensor, ...] = ()
+    biases: tuple[torch.Tensor | None, ...] = ()
+
+    @classmethod
+    def of(cls, route: DecodeRoute, layers: tuple[LayerWeights, ...], reason: str = ""):
+        return cls(
+            route,
+            layers,
+            reason,
+            tuple(w for layer in layers for w in layer.weights),
+            tuple(b for layer in layers for b in layer.biases),
+        )
 
     def __call__(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: DecodeStep
     ) -> torch.Tensor:
+        cache = step.kv_cache
         if self.route is DecodeRoute.STACK:
-            return self._stack(hidden, cos, sin, step)
+            first = self.layers[0]
+            return cpu_ops.decode_layers(
+                hidden,
+                list(self.weights),
+                list(self.biases),
+                first.heads,
+                cos,
+                sin,
+                [cache.key(layer.index) for layer in self.layers],
+                [cache.value(layer.index) for layer in self.layers],
+                step.slot_mapping,
+                step.block_table,
+                step.seq_lens,
+                first.eps,
+                first.scale,
+            )
         for layer in self.layers:
             hidden = cpu_ops.decode_layer(
                 hidden,
@@ -126,8 +155,8 @@ class FusedDecode:
                 layer.heads,
                 cos,
                 sin,
-                step.kv_cache.key(layer.index),
-                step.kv_cache.value(layer.index),
+                cache.key(layer.index),
+                cache.value(layer.index),
                 step.slot_mapping,
                 step.block_table,
                 step.seq_lens,
@@ -135,26 +164,6 @@ class FusedDecode:
                 layer.scale,
             )
         return hidden
-
-    def _stack(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: DecodeStep
-    ) -> torch.Tensor:
-        first, cache = self.layers[0], step.kv_cache
-        return cpu_ops.decode_layers(
-            hidden,
-            [w for layer in self.layers for w in layer.weights],
-            [b for layer in self.layers for b in layer.biases],
-            first.heads,
-            cos,
-            sin,
-            [cache.key(layer.index) for layer in self.layers],
-            [cache.value(layer.index) for layer in self.layers],
-            step.slot_mapping,
-            step.block_table,
-            step.seq_lens,
-            first.eps,
-            first.scale,
-        )
 
     def describe(self) -> str:
         return f"{self.route} ({self.reason})" if self.reason else str(self.route)
@@ -171,5 +180,5 @@ def choose(layers: Sequence[FusibleLayer]) -> FusedDecode:
     fused = tuple(layer_weights(layer) for layer in layers)
     first = fused[0]
     if all((f.heads, f.eps, f.scale) == (first.heads, first.eps, first.scale) for f in fused):
-        return FusedDecode(DecodeRoute.STACK, fused)
-    return FusedDecode(DecodeRoute.LAYERS, fused, reason="the layers differ in shape")
+        return FusedDecode.of(DecodeRoute.STACK, fused)
+    return FusedDecode.of(DecodeRoute.LAYERS, fused, reason="the layers differ in shape")
