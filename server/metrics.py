@@ -21,9 +21,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.core.config import ServingInfo
 from engine.core.request import FinishReason
+from engine.core.sampling_params import STRUCTURED_KINDS
 from engine.core.stats import FinishedRequestStats, StepStats
 
 LABELS = ["model_name", "engine"]
+COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 TTFT_BUCKETS = [
     0.001,
     0.005,
@@ -119,6 +121,7 @@ class EngineMetrics:
         self._define_gauges(registry, info)
         self._define_counters(registry)
         self._define_histograms(registry, info.max_model_len)
+        self._define_structured(registry)
 
     def _gauge(self, registry: CollectorRegistry, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, LABELS, registry=registry).labels(*self._labels)
@@ -202,6 +205,24 @@ class EngineMetrics:
         self.success = {
             str(reason): success.labels(*self._labels, str(reason)) for reason in FinishReason
         }
+
+    def _define_structured(self, registry: CollectorRegistry) -> None:
+        """Conveyor's own: requests that ask for an output format, and format compile times."""
+        structured = Counter(
+            "conveyor:structured_output_requests",
+            "Requests that asked for an output format, by kind.",
+            [*LABELS, "kind"],
+            registry=registry,
+        )
+        self.structured = {
+            kind: structured.labels(*self._labels, kind) for kind in STRUCTURED_KINDS
+        }
+        self.grammar_compile = self._histogram(
+            registry,
+            "conveyor:structured_output_compile_seconds",
+            "Seconds to compile an output format not compiled before.",
+            COMPILE_BUCKETS,
+        )
 
     def _define_histograms(self, registry: CollectorRegistry, max_model_len: int) -> None:
         tokens = build_1_2_5_buckets(max_model_len)
@@ -317,6 +338,10 @@ class EngineMetrics:
         for params in stats.new_requests:
             self.params_n.observe(params.n)
             self.params_max_tokens.observe(params.max_tokens)
+            if params.structured is not None:
+                self.structured[params.structured].inc()
+        for seconds in stats.grammar_compile_seconds:
+            self.grammar_compile.observe(seconds)
         for finished in stats.finished:
             self._record_finished(finished)
 

@@ -86,6 +86,34 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class FormatModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+
+class JsonSchemaFormat(FormatModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(FormatModel):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(FormatModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
@@ -116,6 +144,13 @@ class SamplingFields(RequestBody):
     skip_special_tokens: bool = True
     priority: Int = 0
     timeout: float | None = Field(default=None, gt=0)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    # vLLM's older names for the same formats, still sent by older clients.
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

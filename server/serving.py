@@ -20,6 +20,7 @@ from engine.core.stats import StepStats
 from server.errors import APIError
 from server.protocol import SamplingFields
 from server.streaming import DONE, merge, sse, sse_error, unless_disconnected
+from server.structured import structured_outputs
 from server.tokenization import require_tokenizer
 
 
@@ -48,6 +49,8 @@ class EngineClient(Protocol):
     ) -> AsyncGenerator[RequestOutput, None]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def prepare(self, params: SamplingParams) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,7 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
+        structured=structured_outputs(request),
     )
 
 

@@ -126,6 +126,7 @@ class ChatHandler:
         params = sampling_params(body, _max_tokens(body), _top_logprobs(body))
         request_id = new_id("chatcmpl")
         renderer = ChatRenderer(request_id, self.model.name, body, len(prompt), tokenizer)
+        await self.engine.prepare(params)
         streams = submit_all(self.engine, [prompt], params, request_id, request_options(body))
         return await respond(renderer, streams, bool(body.stream), request)
 

@@ -163,6 +163,7 @@ class CompletionHandler:
         params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         request_id = new_id("cmpl")
         renderer = CompletionRenderer(request_id, self.model.name, body, prompts, texts, tokenizer)
+        await self.engine.prepare(params)
         streams = submit_all(self.engine, prompts, params, request_id, request_options(body))
         return await respond(renderer, streams, bool(body.stream), request)
 

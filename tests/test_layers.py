@@ -1,6 +1,7 @@
-"""The layers keep to their side: the HTTP server and every module of the engine's core load no
-torch, the scheduling modules and the block manager neither torch nor transformers, and the engine
-never imports the server. Checked in a fresh interpreter, so the imports are real."""
+"""The layers keep to their side: the HTTP server and every module of the engine's core and of its
+structured outputs load no torch, the scheduling modules and the block manager neither torch nor
+transformers, and the engine never imports the server. Checked in a fresh interpreter, so the
+imports are real."""
 
 from __future__ import annotations
 
@@ -31,7 +32,15 @@ def loaded_after_import(module: str) -> set[str]:
 
 
 BOUNDARIES = [
-    *((module, {"torch"}) for module in ["server.app", "server.cli", *modules_of("engine.core")]),
+    *(
+        (module, {"torch"})
+        for module in [
+            "server.app",
+            "server.cli",
+            *modules_of("engine.core"),
+            *modules_of("engine.structured"),
+        ]
+    ),
     *(
         (module, {"torch", "transformers"})
         for module in [

@@ -96,6 +96,9 @@ class AsyncEngine:
         self.core = core
         self.info = info
         self._executor = executor or _step_executor()
+        self._grammar_executor = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="conveyor-grammar"
+        )
         self._collectors: dict[str, RequestCollector] = {}
         self._children: dict[str, list[str]] = {}
         self._adds: list[_PendingAdd] = []
@@ -143,6 +146,7 @@ class AsyncEngine:
             self._task = None
         self._abort_all_now()
         self._executor.shutdown(wait=True)
+        self._grammar_executor.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_running(self) -> bool:
@@ -173,6 +177,19 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         collector = self._submit(request_id, prompt_token_ids, params, options)
         return self._stream(request_id, collector)
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile the output format `params` asks for, if any, on a thread of its own (not the
+        event loop, not the step's), so that a large schema never stalls other requests and
+        queuing the request only copies the compiled grammar. Raises `InvalidRequestError` for
+        a format that does not compile."""
+        if params.structured is None:
+            return
+        grammars = self.core.grammars
+        if grammars is None:
+            return  # the core refuses the request: it has no tokenizer
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._grammar_executor, grammars.compile, params.structured)
 
     async def generate(
         self,
@@ -246,7 +263,10 @@ class AsyncEngine:
             )
         )
         self._pending_tokens += promised
-        self._new_requests.append(RequestParamsStats(params.n, promised - len(prompt_token_ids)))
+        kind = params.structured.kind if params.structured is not None else None
+        self._new_requests.append(
+            RequestParamsStats(params.n, promised - len(prompt_token_ids), kind)
+        )
         self._wake_loop()
         return collector
 

@@ -19,6 +19,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.stats import FinishedRequestStats, StepStats
 from engine.scheduling.admission import Admission, fewest_new_tokens, promised_tokens
 from engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:  # the runner owns torch; the core itself stays torch-free
     from engine.worker.model_runner import ModelRunner
@@ -43,6 +44,9 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.outputs = OutputProcessor(tokenizer)
+        self.grammars = (
+            GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
+        )
         self._stats = StepStats(0, 0, 0.0)
         # Each queued sequence's request and its number of sequences, for its finished stats.
         self._groups: dict[str, tuple[str, int]] = {}
@@ -65,6 +69,10 @@ class EngineCore:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer.", param="stop")
+        if params.structured is not None and self.grammars is None:
+            raise InvalidRequestError(
+                "structured outputs need a tokenizer.", param=params.structured.param
+            )
         self.scheduler.check_prompt(len(prompt_token_ids))
 
     def admit(
@@ -133,6 +141,8 @@ class EngineCore:
             deadline=None if timeout is None else arrival + timeout,
             deferred=deferred,
         )
+        if params.structured is not None and self.grammars is not None:
+            request.grammar = self.grammars.matcher(params.structured)
         self.scheduler.add_request(request, fork_of)
         self.outputs.add(request, parent_id or request_id, index)
         self._groups[request_id] = (parent_id or request_id, siblings)
@@ -168,6 +178,8 @@ class EngineCore:
         stats.prefix_cache_hits, scheduler.prefix_cache_hits = scheduler.prefix_cache_hits, 0
         stats.num_rejections, scheduler.num_rejections = scheduler.num_rejections, 0
         stats.num_waiting_deferred = scheduler.num_deferred()
+        if self.grammars is not None:
+            stats.grammar_compile_seconds = self.grammars.take_compile_times()
         return stats
 
     def _record_tokens(self, advanced: list[Request], now: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.sampling_params import SamplingParams
 
@@ -65,6 +66,9 @@ class Request:
     deadline: float | None = None
     deferred: bool = False
     timings: RequestTimings = field(default_factory=RequestTimings)
+    # The matcher of `sampling_params.structured`: which tokens may come next (llguidance's
+    # `LLMatcher`, advanced with each sampled token); None for free text.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -94,6 +98,8 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.consume_token(token_id)
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED
@@ -111,6 +117,10 @@ class Request:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.finish(FinishReason.STOP)
                 return True
+        if self.grammar is not None and self.grammar.is_stopped():
+            # The format is complete (nothing but EOS may follow): stop here, as at EOS.
+            self.finish(FinishReason.STOP)
+            return True
         if self.num_output_tokens >= self.max_output_tokens:
             self.finish(FinishReason.LENGTH)
             return True

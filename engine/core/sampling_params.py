@@ -12,6 +12,32 @@ MAX_N = 128
 GREEDY_TEMPERATURE = 1e-5
 
 
+# The output formats a request may ask for (`StructuredOutputs.kind`).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """One format the output must follow, enforced token by token.
+
+    `spec` is the JSON Schema as JSON text (`json`), the regular expression (`regex`), the
+    choices as a JSON list of strings (`choice`), or the grammar's text (`grammar`: Lark, or
+    GBNF with `::=`); empty for `json_object`. `param` names the request field it came from,
+    for errors.
+    """
+
+    kind: str
+    spec: str = ""
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in STRUCTURED_KINDS,
+            self.param,
+            f"unknown structured output kind {self.kind!r}; one of {', '.join(STRUCTURED_KINDS)}",
+        )
+
+
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(message, param=param)
@@ -46,6 +72,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         self._validate_counts()

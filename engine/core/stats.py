@@ -61,6 +61,8 @@ class RequestParamsStats:
 
     n: int
     max_tokens: int
+    # The kind of output format it asks for (`StructuredOutputs.kind`), None for free text.
+    structured: str | None = None
 
 
 @dataclass(slots=True)
@@ -80,3 +82,5 @@ class StepStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     new_requests: list[RequestParamsStats] = field(default_factory=list)
+    # Seconds each output format compiled since the last step took (cached formats do not).
+    grammar_compile_seconds: list[float] = field(default_factory=list)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.core.outputs import TokenLogprob
@@ -48,6 +49,7 @@ class Sampler:
     # ---- logits processing -----------------------------------------------------------------
 
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        _apply_grammars(logits, requests)
         _apply_logit_bias(logits, requests)
         for row, request in enumerate(requests):
             if request.sampling_params.needs_penalties:
@@ -147,6 +149,7 @@ def _argmax_of_raw_logits(request: Request) -> bool:
     params = request.sampling_params
     return (
         params.greedy
+        and request.grammar is None
         and params.logprobs is None
         and not params.logit_bias
         and not params.needs_penalties
@@ -190,6 +193,23 @@ def token_logprobs(
             top = tuple(zip(top_ids_list[row][:count], values_list[row][:count], strict=True))
         result.append(TokenLogprob(ids_list[row], chosen_list[row], ranks_list[row], top))
     return result
+
+
+def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Rule out every token a request's format does not allow next: each constrained row's
+    matcher fills its row of one bitmask for the step (a bit per token), and one masked fill
+    applies them all."""
+    rows = [row for row, request in enumerate(requests) if request.grammar is not None]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    bits = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.int32)
+    for k, row in enumerate(rows):
+        requests[row].grammar.unsafe_compute_mask_ptr(bits[k].ctypes.data, bits[k].nbytes)
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    index = torch.tensor(rows, device=logits.device)
+    banned = torch.from_numpy(allowed == 0).to(logits.device)
+    logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:

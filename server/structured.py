@@ -1,0 +1,107 @@
+"""The output format a request asks for, from whichever field it uses: OpenAI's
+`response_format`, vLLM's `structured_outputs`, or vLLM's older `guided_*` fields. A request
+that names a format always gets it enforced; naming two is an error."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.core.errors import InvalidRequestError
+from engine.core.sampling_params import StructuredOutputs
+from server.protocol import ResponseFormat, SamplingFields, StructuredOutputsFields
+
+
+def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
+    """The one format `body` asks for, or None for free text."""
+    found = [
+        spec
+        for spec in (
+            _response_format(body.response_format),
+            _structured_outputs(body.structured_outputs),
+            *_guided(body),
+        )
+        if spec is not None
+    ]
+    if len(found) > 1:
+        names = ", ".join(spec.param for spec in found)
+        raise InvalidRequestError(
+            f"Only one output format may be given; this request gives {names}.",
+            param=found[1].param,
+        )
+    return found[0] if found else None
+
+
+def _response_format(value: ResponseFormat | None) -> StructuredOutputs | None:
+    if value is None or value.type == "text":
+        return None
+    if value.type == "json_object":
+        return StructuredOutputs("json_object", param="response_format")
+    if value.json_schema is None:
+        raise InvalidRequestError(
+            "response_format of type json_schema needs a json_schema with a schema.",
+            param="response_format",
+        )
+    return StructuredOutputs("json", _schema_text(value.json_schema.schema_), "response_format")
+
+
+def _structured_outputs(value: StructuredOutputsFields | None) -> StructuredOutputs | None:
+    if value is None:
+        return None
+    given = [
+        kind
+        for kind, present in (
+            ("json", value.json_ is not None),
+            ("regex", value.regex is not None),
+            ("choice", value.choice is not None),
+            ("grammar", value.grammar is not None),
+            ("json_object", bool(value.json_object)),
+        )
+        if present
+    ]
+    if len(given) != 1:
+        raise InvalidRequestError(
+            "structured_outputs must give exactly one of json, regex, choice, grammar or "
+            f"json_object; it gives {len(given)}.",
+            param="structured_outputs",
+        )
+    kind = given[0]
+    param = f"structured_outputs.{kind}"
+    if kind == "json":
+        return StructuredOutputs("json", _schema_text(value.json_), param)
+    if kind == "regex":
+        return StructuredOutputs("regex", value.regex or "", param)
+    if kind == "choice":
+        return StructuredOutputs("choice", json.dumps(value.choice), param)
+    if kind == "grammar":
+        return StructuredOutputs("grammar", value.grammar or "", param)
+    return StructuredOutputs("json_object", param=param)
+
+
+def _guided(body: SamplingFields) -> list[StructuredOutputs | None]:
+    return [
+        None
+        if body.guided_json is None
+        else StructuredOutputs("json", _schema_text(body.guided_json), "guided_json"),
+        None
+        if body.guided_regex is None
+        else StructuredOutputs("regex", body.guided_regex, "guided_regex"),
+        None
+        if body.guided_choice is None
+        else StructuredOutputs("choice", json.dumps(body.guided_choice), "guided_choice"),
+        None
+        if body.guided_grammar is None
+        else StructuredOutputs("grammar", body.guided_grammar, "guided_grammar"),
+    ]
+
+
+def _schema_text(schema: Any) -> str:
+    """A schema as compact JSON text (its keys in their order: the properties' order is the
+    output's), so that equal schemas share one compiled grammar; a string is taken as JSON
+    text already."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return schema  # the compiler reports it as not JSON
+    return json.dumps(schema, separators=(",", ":"))
