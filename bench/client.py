@@ -76,6 +76,8 @@ def request_body(
         body["priority"] = request.priority
     if timeout is not None:
         body["timeout"] = timeout
+    if request.response_format is not None:
+        body["response_format"] = request.response_format
     if endpoint.endswith("/chat/completions"):
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:

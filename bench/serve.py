@@ -22,6 +22,7 @@ from bench.workloads import (
     shared_prefix_workload,
     token_pool,
     trace_workload,
+    with_json_schema,
     with_priorities,
 )
 
@@ -76,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="per-request deadline in seconds (the request field timeout)",
+    )
+    parser.add_argument(
+        "--json-schema",
+        choices=["none", "repeated", "fresh"],
+        default="none",
+        help="ask for a JSON object holding one string (response_format json_schema): the same "
+        "schema for every request, or a fresh one per request (each compiled anew)",
     )
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -132,6 +140,8 @@ def build_workload(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
         )
     if args.priority_mix > 0:
         requests = with_priorities(requests, args.priority_mix, args.seed)
+    if args.json_schema != "none":
+        requests = with_json_schema(requests, fresh=args.json_schema == "fresh")
     if args.endpoint.endswith("/chat/completions"):
         requests = as_text(requests, tokenizer)
     return requests

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ class BenchRequest:
     output_len: int
     arrival: float | None = None
     priority: int = 0
+    response_format: dict[str, Any] | None = None
 
 
 def token_pool(tokenizer: Any) -> list[int]:
@@ -93,6 +94,29 @@ def trace_workload(
 HIGH_PRIORITY, LOW_PRIORITY = 0, 1
 
 
+def answer_schema(name: str = "answer") -> dict[str, Any]:
+    """A JSON object holding one free string: the model writes for as long as it would
+    unconstrained, so a run with the schema and one without produce alike many tokens."""
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string"}},
+        "required": [name],
+        "additionalProperties": False,
+    }
+
+
+def with_json_schema(requests: list[BenchRequest], fresh: bool) -> list[BenchRequest]:
+    """Every request asks for `answer_schema` in `response_format`: the same schema for all
+    (compiled once by the server), or with `fresh` a schema of its own (compiled per request,
+    which shows in the time to first token)."""
+    out = []
+    for i, r in enumerate(requests):
+        name = f"answer_{i}" if fresh else "answer"
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": answer_schema(name)}}
+        out.append(replace(r, response_format=fmt))
+    return out
+
+
 def with_priorities(
     requests: list[BenchRequest], high_share: float, seed: int
 ) -> list[BenchRequest]:
@@ -105,6 +129,7 @@ def with_priorities(
             r.output_len,
             r.arrival,
             HIGH_PRIORITY if rng.random() < high_share else LOW_PRIORITY,
+            r.response_format,
         )
         for r in requests
     ]
@@ -116,7 +141,12 @@ def as_text(requests: list[BenchRequest], tokenizer: Any) -> list[BenchRequest]:
         r
         if isinstance(r.prompt, str)
         else BenchRequest(
-            tokenizer.decode(r.prompt), r.prompt_len, r.output_len, r.arrival, r.priority
+            tokenizer.decode(r.prompt),
+            r.prompt_len,
+            r.output_len,
+            r.arrival,
+            r.priority,
+            r.response_format,
         )
         for r in requests
     ]

@@ -39,6 +39,10 @@ class GrammarCompiler:
         self._compiled: OrderedDict[StructuredOutputs, Any] = OrderedDict()
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        """How many compiled formats are held."""
+        return len(self._compiled)
+
     def matcher(self, spec: StructuredOutputs) -> Any:
         """A fresh matcher for `spec` at its start (compiled now if it was not before)."""
         return self.compile(spec).deep_copy()

@@ -26,6 +26,7 @@ from bench.workloads import (
     random_workload,
     shared_prefix_workload,
     trace_workload,
+    with_json_schema,
     with_priorities,
 )
 from tests.helpers import tiny_llama, tiny_tokenizer
@@ -203,6 +204,22 @@ async def test_chat_endpoint_load():
         args = load_args(base_url=server.url, endpoint="/v1/chat/completions")
         results, _ = await run_load(args, text, progress=False)
     assert all(r.ok and r.output_len == 5 for r in results), [r.error for r in results]
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+async def test_json_schema_load_against_a_live_server(fresh: bool):
+    """Each request asks for a JSON object holding one string: the same schema for all (compiled
+    once), or a schema of its own (compiled per request)."""
+    requests = with_json_schema(random_workload(4, 8, 12, POOL, seed=6), fresh)
+    names = [r.response_format["json_schema"]["name"] for r in requests]
+    assert len(set(names)) == (4 if fresh else 1)
+    async with live_server() as server:
+        args = load_args(base_url=server.url, ignore_eos=False, temperature=1.0)
+        results, _ = await run_load(args, requests, progress=False)
+        await wait_until_idle(server.engine)
+        compiled = server.engine.core.grammars
+        assert compiled is not None and len(compiled) == (4 if fresh else 1)
+    assert all(r.ok for r in results), [r.error for r in results]
 
 
 def test_offline_comparison_writes_results_and_plots(tmp_path, monkeypatch):

@@ -199,3 +199,36 @@ def test_the_sampler_chooses_with_it_for_fp32_logits_on_the_cpu(monkeypatch):
     assert torch.equal(sampler.row_argmax(x), x.argmax(dim=-1))
     assert torch.equal(sampler.row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
     assert calls == [(3, 50)]  # bf16 went to torch
+
+
+def reference_token_mask(logits: torch.Tensor, bits: torch.Tensor, rows: list[int]) -> None:
+    """Bit j of word w allows token 32 * w + j; every other token of a listed row gets -inf."""
+    vocab = logits.shape[1]
+    for k, row in enumerate(rows):
+        for token in range(vocab):
+            word = int(bits[k, token // 32]) & 0xFFFFFFFF if token // 32 < bits.shape[1] else 0
+            if not (word >> (token % 32)) & 1:
+                logits[row, token] = float("-inf")
+
+
+@pytest.mark.parametrize("vocab", [64, 77, 320])
+def test_the_token_mask_bans_exactly_the_cleared_bits(vocab: int) -> None:
+    torch.manual_seed(vocab)
+    logits = torch.randn(5, vocab)
+    words = (vocab + 31) // 32
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, words), dtype=torch.int32)
+    bits[0] = -1  # everything allowed
+    bits[1, 0] = 0  # the first 32 tokens banned
+    rows = [4, 1, 2]
+    expected = logits.clone()
+    reference_token_mask(expected, bits, rows)
+    cpu_ops.apply_token_bitmask(logits, bits, torch.tensor(rows))
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[[0, 3]]).all() and torch.isfinite(logits[4]).all()
+
+
+def test_the_token_mask_refuses_rows_out_of_range() -> None:
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_ops.apply_token_bitmask(
+            torch.zeros(2, 32), torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2])
+        )

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
+from pydantic import BaseModel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.default_model]
 MODEL = "SmolLM2-135M-Instruct"
@@ -124,6 +125,41 @@ def test_completion_n2_logprobs_seed(server):
         assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs)
         assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs)
     assert first.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in first.choices)
+
+
+class Capital(BaseModel):
+    country: str
+    capital: str
+    population_millions: int
+
+
+def test_sdk_parse_returns_the_pydantic_object(server):
+    """The OpenAI SDK's `parse`: the schema of a pydantic model in `response_format`, the
+    reply parsed back into that model."""
+    reply = client(server).chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
+        response_format=Capital,
+        temperature=0,
+        max_tokens=80,
+    )
+    parsed = reply.choices[0].message.parsed
+    assert isinstance(parsed, Capital), reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_json_object_returns_an_object(server):
+    reply = client(server).chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "Reply with a JSON object with the keys city and country."}
+        ],
+        response_format={"type": "json_object"},
+        temperature=0,
+        max_tokens=300,
+    )
+    assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
 def test_streamed_chat_with_usage(server):

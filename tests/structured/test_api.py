@@ -4,12 +4,15 @@ and seeds; bad formats get a 400 naming the field."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 
 import jsonschema
 import pytest
 
+from engine.structured.compiler import GrammarCompiler
 from tests.helpers import tiny_tokenizer
 from tests.server_utils import app_client, blocks_in_use, sse_events, wait_until_idle
 
@@ -176,3 +179,24 @@ async def test_metrics_count_formats_and_compile_times():
         assert counted["json"] == "2.0" and counted["choice"] == "1.0" and counted["regex"] == "0.0"
         count = re.search(r"conveyor:structured_output_compile_seconds_count\{[^}]*\} (\S+)", text)
         assert count is not None and float(count.group(1)) == 2.0
+
+
+async def test_a_slow_compile_stalls_no_other_request(monkeypatch):
+    """Compiling runs on a thread of its own: a free request is served meanwhile."""
+    compile_ = GrammarCompiler._compile
+
+    def slow(self, spec):
+        time.sleep(1.5)
+        return compile_(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow)
+    async with app_client() as (client, _):
+        started = time.monotonic()
+        constrained = asyncio.create_task(complete(client, guided_regex="[a-z]{3}"))
+        await asyncio.sleep(0.1)
+        free = await complete(client, max_tokens=4, ignore_eos=True)
+        free_done = time.monotonic() - started
+        assert free["choices"][0]["finish_reason"] == "length"
+        assert free_done < 1.5 and not constrained.done()
+        body = await constrained
+        assert re.fullmatch("[a-z]{3}", body["choices"][0]["text"])

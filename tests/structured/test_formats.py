@@ -4,15 +4,20 @@ and a request without a format beside them is unchanged."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import re
+from types import SimpleNamespace
 
 import jsonschema
+import numpy as np
 import pytest
+import torch
 
 from engine.core.errors import InvalidRequestError
 from engine.core.request import FinishReason
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
+from engine.worker.sampler import _apply_grammars
 from tests.helpers import (
     reference_greedy,
     run_all,
@@ -210,3 +215,33 @@ def test_equal_formats_compile_once(model) -> None:
     first = grammars.compile(spec)
     assert grammars.compile(StructuredOutputs("json", json.dumps(SCHEMAS["nested"]))) is first
     assert grammars.matcher(spec) is not first
+
+
+class FixedMask:
+    """A matcher that always allows the same tokens."""
+
+    def __init__(self, words: np.ndarray) -> None:
+        self.words = words
+
+    def unsafe_compute_mask_ptr(self, pointer: int, size: int) -> None:
+        assert size == self.words.nbytes
+        ctypes.memmove(pointer, self.words.ctypes.data, size)
+
+
+def test_the_cpu_kernel_and_torch_apply_the_same_mask() -> None:
+    """fp32 logits on the CPU take the C++ pass; others (a GPU's) the torch ops."""
+    rng = np.random.default_rng(0)
+    vocab = 100
+    requests = [
+        SimpleNamespace(grammar=None),
+        SimpleNamespace(grammar=FixedMask(rng.integers(-(2**31), 2**31 - 1, 4, dtype=np.int32))),
+        SimpleNamespace(grammar=FixedMask(np.full(4, -1, dtype=np.int32))),
+        SimpleNamespace(grammar=FixedMask(rng.integers(-(2**31), 2**31 - 1, 4, dtype=np.int32))),
+    ]
+    logits = torch.randn(4, vocab)
+    by_kernel, by_torch = logits.clone(), logits.double()
+    _apply_grammars(by_kernel, requests)  # type: ignore[arg-type]
+    _apply_grammars(by_torch, requests)  # type: ignore[arg-type]
+    assert torch.equal(by_kernel, by_torch.float())
+    assert torch.equal(by_kernel[[0, 2]], logits[[0, 2]])
+    assert torch.isinf(by_kernel[1]).any() and torch.isinf(by_kernel[3]).any()

@@ -54,7 +54,10 @@ class KernelGroup:
 GROUPS = (
     KernelGroup("attention", ("paged_decode.cpp", "paged_prefill.cpp", "kv_store.cpp")),
     KernelGroup("linear", ("panel_linear.cpp", "int8_panels.cpp", "bf16_panels.cpp")),
-    KernelGroup("elementwise", ("rms_norm.cpp", "rotary.cpp", "silu_mul.cpp", "argmax.cpp")),
+    KernelGroup(
+        "elementwise",
+        ("rms_norm.cpp", "rotary.cpp", "silu_mul.cpp", "argmax.cpp", "token_mask.cpp"),
+    ),
     KernelGroup(
         "fused_decode",
         ("decode_layer.cpp", "decode_stack.cpp"),

@@ -238,6 +238,12 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.ops.conveyor.argmax_rows(logits)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set to -inf, in place, each token of `logits` row `rows[i]` whose bit in `bits[i]` is
+    clear (int32 words, bit j of word w for token 32 * w + j, as llguidance fills them)."""
+    torch.ops.conveyor.apply_token_bitmask(logits, bits, rows)
+
+
 def decode_layer(
     hidden: torch.Tensor,
     weights: list[torch.Tensor],
