@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -278,3 +279,22 @@ async def test_preemptions_are_counted():
         assert preempted > 0
         samples = await scrape(client)
         assert value(samples, "vllm:num_preemptions_total") == preempted
+
+
+async def test_docs_name_every_engine_metric():
+    """docs/metrics.md lists every `vllm:` and `conveyor:` family the server exports."""
+    documented = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    async with app_client() as (client, _):
+        response = await client.get("/metrics")
+    families = {
+        family.name
+        for family in text_string_to_metric_families(response.text)
+        if family.name.startswith(("vllm:", "conveyor:")) and not family.name.endswith("_created")
+    }
+    assert len(families) > 20
+    missing = [
+        name
+        for name in sorted(families)
+        if name not in documented and f"{name}_total" not in documented
+    ]
+    assert not missing, missing

@@ -160,6 +160,15 @@ def test_grammar_outputs_parse(model, grammar: str) -> None:
             assert re.fullmatch(r"\((\d{1,2}[+*])*\d{0,2}[+*]?", text), text
 
 
+def test_a_stop_string_cuts_the_formatted_text(model) -> None:
+    """Stop strings still apply: the text ends before the first one, with `stop`."""
+    sampling = params("regex", "[a-c]{12}", stop=("b",), max_tokens=40)
+    for outputs in run(model, sampling):
+        text = text_of(outputs)
+        assert re.fullmatch("[ac]{0,12}", text), text  # up to the first b, or all 12
+        assert outputs[-1].finish_reason == FinishReason.STOP
+
+
 def test_running_out_of_tokens_says_length(model) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     for outputs in run(model, params("json", json.dumps(schema), max_tokens=3)):
@@ -193,6 +202,9 @@ def test_preempted_requests_keep_their_format(model) -> None:
     [
         ("json", '{"type": "no such type"}', "Invalid"),
         ("json", "[1, 2", "not JSON"),
+        ("json", '{"not": {"type": "string"}}', "Unimplemented"),
+        ("json", '{"type": "string", "format": "idn-hostname"}', "Unknown format"),
+        ("json", '{"type": "string", "pattern": "(?<=a)b"}', "look-around"),
         ("regex", "(unclosed", "Invalid"),
         ("grammar", "start: undefined_rule", "Invalid"),
         ("choice", "[]", "must not be empty"),
