@@ -257,3 +257,31 @@ def test_the_cpu_kernel_and_torch_apply_the_same_mask() -> None:
     assert torch.equal(by_kernel, by_torch.float())
     assert torch.equal(by_kernel[[0, 2]], logits[[0, 2]])
     assert torch.isinf(by_kernel[1]).any() and torch.isinf(by_kernel[3]).any()
+
+
+def test_paused_requests_of_the_priority_policy_keep_their_format(model) -> None:
+    """Under the priority policy an urgent request pauses a running one, which resumes later
+    where its document stopped."""
+    schema = SCHEMAS["array"]
+    core, _ = tiny_core(model, max_num_seqs=2, scheduling_policy="priority")
+    sampling = params("json", json.dumps(schema), max_tokens=120)
+    for i in range(2):
+        core.add_request(f"low-{i}", list(range(40, 52)), sampling, priority=5)
+    outputs: dict[str, list] = {}
+
+    def step() -> None:
+        for output in core.step():
+            outputs.setdefault(output.request_id, []).append(output)
+
+    for _ in range(4):
+        step()
+    core.add_request("urgent", list(range(60, 70)), sampling, priority=0)
+    step()
+    paused = [r for r in core.scheduler.waiting if r.request_id.startswith("low")]
+    assert paused and paused[0].num_output_tokens > 0  # paused mid-document
+    while core.has_unfinished():
+        step()
+    assert set(outputs) == {"low-0", "low-1", "urgent"}
+    for request_outputs in outputs.values():
+        assert request_outputs[-1].finish_reason == FinishReason.STOP
+        jsonschema.validate(json.loads(text_of(request_outputs)), schema)
