@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -26,11 +26,14 @@ from server.serving import (
     usage,
 )
 from server.tokenization import TokenText, chat_prompt, messages_size, off_the_loop_if_large
+from server.tools import ForcedCalls, check_tools, forced_calls, template_tools, tool_call
 
 
 @dataclass(slots=True)
 class _Choice(ChoiceState):
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # The id of the named call being streamed (tool_choice naming a function).
+    call_id: str | None = None
 
 
 class ChatRenderer(ChunkRenderer):
@@ -45,9 +48,11 @@ class ChatRenderer(ChunkRenderer):
         body: ChatCompletionRequest,
         num_prompt_tokens: int,
         tokenizer: Any,
+        forced: ForcedCalls | None = None,
     ) -> None:
         super().__init__(request_id, model, body.include_usage)
         self.body = body
+        self.forced = forced
         self.num_prompt_tokens = num_prompt_tokens
         self.token_text = TokenText(tokenizer)
         self.choices = {i: _Choice(i) for i in range(body.n)}
@@ -65,32 +70,67 @@ class ChatRenderer(ChunkRenderer):
             choice.logprobs.extend(logprobs)
         choice.record(output, output.text)
         if output.text or logprobs or output.finished:
-            delta = {"content": output.text} if output.text else {}
+            delta = self._delta(choice, output)
             fragments.append(self._fragment(choice, delta, logprobs, output.finished))
         return fragments
 
-    @staticmethod
+    def _delta(self, choice: _Choice, output: RequestOutput) -> dict[str, Any]:
+        """Text as content; a forced call as `tool_calls` entries: the named call's arguments
+        as they come (its id, type and name in the first), all of a required set at the end."""
+        if self.forced is None:
+            return {"content": output.text} if output.text else {}
+        if self.forced.kind == "required":
+            calls = self.forced.calls(choice.text) if output.finished else []
+            return (
+                {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+                if calls
+                else {}
+            )
+        if not output.text:
+            return {}
+        entry: dict[str, Any] = {"index": 0, "function": {"arguments": output.text}}
+        if choice.call_id is None:
+            first = tool_call(self.forced.names[0], output.text)
+            choice.call_id = first["id"]
+            entry = {"index": 0, **first}
+        return {"tool_calls": [entry]}
+
+    def _finish_reason(self, choice: _Choice) -> str | None:
+        if self.forced is not None and choice.finish_reason == "stop":
+            return "tool_calls"
+        return choice.finish_reason
+
     def _fragment(
-        choice: _Choice, delta: dict[str, Any], logprobs: list | None = None, finished: bool = False
+        self,
+        choice: _Choice,
+        delta: dict[str, Any],
+        logprobs: list | None = None,
+        finished: bool = False,
     ) -> dict[str, Any]:
         return {
             "index": choice.index,
             "delta": delta,
             "logprobs": {"content": logprobs} if logprobs is not None else None,
-            **choice.ending(finished),
+            "finish_reason": self._finish_reason(choice) if finished else None,
+            "stop_reason": choice.stop_reason if finished else None,
         }
 
     def usage(self) -> dict[str, Any]:
         completion = sum(c.num_output_tokens for c in self.choices.values())
         return usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
 
+    def _message(self, choice: _Choice) -> dict[str, Any]:
+        if self.forced is None:
+            return {"role": "assistant", "content": choice.text}
+        return {"role": "assistant", "content": None, "tool_calls": self.forced.calls(choice.text)}
+
     def response(self) -> dict[str, Any]:
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": self._message(c),
                 "logprobs": {"content": c.logprobs} if self.body.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": self._finish_reason(c),
                 "stop_reason": c.stop_reason,
             }
             for c in self.choices.values()
@@ -116,16 +156,31 @@ class ChatHandler:
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.model.check(body.model)
         check_chat(body, self.limits)
+        check_tools(body)
         tokenizer = require_text_model(self.engine)
+        tools = template_tools(body)
         _, prompt = await off_the_loop_if_large(
             messages_size(body.messages),
             lambda: chat_prompt(
-                tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message
+                tokenizer,
+                body.messages,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                tools,
             ),
         )
         params = sampling_params(body, _max_tokens(body), _top_logprobs(body))
+        forced = forced_calls(body)
+        if forced is not None:
+            if params.structured is not None:
+                raise InvalidRequestError(
+                    "A tool_choice that forces a call cannot be combined with another output "
+                    f"format ({params.structured.param}).",
+                    param="tool_choice",
+                )
+            params = replace(params, structured=forced.format)
         request_id = new_id("chatcmpl")
-        renderer = ChatRenderer(request_id, self.model.name, body, len(prompt), tokenizer)
+        renderer = ChatRenderer(request_id, self.model.name, body, len(prompt), tokenizer, forced)
         await self.engine.prepare(params)
         streams = submit_all(self.engine, [prompt], params, request_id, request_options(body))
         return await respond(renderer, streams, bool(body.stream), request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, TypeVar, cast
@@ -77,8 +78,10 @@ def chat_prompt(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
-    """Render messages with the model's chat template; return the text and its token ids."""
+    """Render messages (and the tools offered, `tools=`) with the model's chat template; return
+    the text and its token ids."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot be used; "
@@ -90,10 +93,11 @@ def chat_prompt(
             "continue_final_message and add_generation_prompt cannot both be true.",
             param="continue_final_message",
         )
-    conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
+    conversation = [template_message(m) for m in messages]
     try:
         text = tokenizer.apply_chat_template(
             conversation,
+            tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
@@ -101,6 +105,35 @@ def chat_prompt(
     except Exception as exc:  # template errors (e.g. roles it refuses) are the client's
         raise InvalidRequestError(f"The chat template failed: {exc}", param="messages") from exc
     return text, encode_text(tokenizer, text, add_special_tokens=False)
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: the calls an assistant made, with their arguments
+    as objects where they parse (templates write them back as JSON), and the call a tool
+    message answers."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message_text(message)}
+    if message.tool_calls:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class TokenText:

@@ -1,0 +1,123 @@
+"""Tool calling: the tools a chat request offers, the calls a `tool_choice` forces (enforced as a
+structured output), and those calls read back from the output as OpenAI's `tool_calls`.
+
+A named `tool_choice` constrains the output to the function's `parameters` schema: the output
+is the call's arguments. `"required"` constrains it to an array of `{"name", "parameters"}`
+objects, each naming a listed function with arguments that fit its schema (exactly one with
+`parallel_tool_calls: false`), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from engine.core.errors import InvalidRequestError
+from engine.core.sampling_params import StructuredOutputs
+from server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedCalls:
+    """The calls a request's `tool_choice` forces: one call to `names[0]` (`named`), or one or
+    more calls to the listed functions (`required`)."""
+
+    kind: Literal["named", "required"]
+    names: tuple[str, ...]
+    format: StructuredOutputs
+
+    def calls(self, text: str) -> list[dict[str, Any]]:
+        """The output as `tool_calls`; an output cut short (out of tokens) keeps what it has:
+        the named call's partial arguments, or no calls for `required`."""
+        if self.kind == "named":
+            return [tool_call(self.names[0], text)]
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return []
+        return [tool_call(item["name"], json.dumps(item["parameters"])) for item in items]
+
+
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def check_tools(body: ChatCompletionRequest) -> None:
+    """400 for a `tool_choice` the tools cannot satisfy, tools named twice, or a tool message
+    that says nothing of which call it answers."""
+    names = [tool.function.name for tool in body.tools or []]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("Each tool must have a name of its own.", param="tools")
+    choice = body.tool_choice
+    if choice == "required" and not names:
+        raise InvalidRequestError(
+            'tool_choice "required" needs at least one tool in tools.', param="tool_choice"
+        )
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise InvalidRequestError(
+            f"tool_choice names the function {choice.function.name!r}, which is not in tools.",
+            param="tool_choice",
+        )
+    for i, message in enumerate(body.messages):
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidRequestError(
+                "A tool message needs the tool_call_id of the call it answers.",
+                param=f"messages[{i}].tool_call_id",
+            )
+
+
+def forced_calls(body: ChatCompletionRequest) -> ForcedCalls | None:
+    """The calls `tool_choice` forces, with the output format that enforces them."""
+    tools = {tool.function.name: tool for tool in body.tools or []}
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        schema = _parameters(tools[name])
+        return ForcedCalls("named", (name,), StructuredOutputs("json", _json(schema), "tools"))
+    if choice == "required":
+        calls: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": {"anyOf": [_call_schema(tool) for tool in tools.values()]},
+        }
+        if not body.parallel_tool_calls:
+            calls["maxItems"] = 1
+        return ForcedCalls(
+            "required", tuple(tools), StructuredOutputs("json", _json(calls), "tools")
+        )
+    return None
+
+
+def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools as chat templates take them (`tools=`), unless `tool_choice` is "none"."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in body.tools]
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters or ANY_OBJECT
+
+
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": [tool.function.name]},
+            "parameters": _parameters(tool),
+        },
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
+
+
+def _json(schema: dict[str, Any]) -> str:
+    return json.dumps(schema, separators=(",", ":"))

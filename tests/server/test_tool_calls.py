@@ -1,0 +1,197 @@
+"""Tool calling through /v1/chat/completions on a random-weight model: tools reach the chat
+template, a named or required `tool_choice` always yields well-formed calls whose arguments fit
+their schemas, streamed or not, and bad tool requests get a 400 naming the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import pytest
+
+from tests.helpers import tiny_tokenizer
+from tests.server_utils import app_client, blocks_in_use, sse_events
+
+# A chat template that renders tools, the calls an assistant made and tool results.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }}:"
+    "{{ t.function.parameters | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<call>{{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}{% endif %}"
+    "{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["c", "f"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "time", "description": "Now.", "parameters": TIME}},
+]
+SCHEMAS = {"weather": WEATHER, "time": TIME}
+MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
+BASE = {"model": "tiny", "max_tokens": 80, "seed": 5, "messages": MESSAGES, "tools": TOOLS}
+NAMED = {"type": "function", "function": {"name": "weather"}}
+
+
+def tool_tokenizer():
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = TOOL_TEMPLATE
+    return tokenizer
+
+
+async def chat(client, **body):
+    response = await client.post("/v1/chat/completions", json={**BASE, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def check_call(call: dict) -> None:
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    name = call["function"]["name"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[name])
+
+
+async def test_a_named_tool_choice_always_calls_it():
+    async with app_client(tokenizer=tool_tokenizer()) as (client, engine):
+        body = await chat(client, tool_choice=NAMED, n=2)
+        for choice in body["choices"]:
+            message = choice["message"]
+            assert message["content"] is None
+            [call] = message["tool_calls"]
+            assert call["function"]["name"] == "weather"
+            check_call(call)
+            assert choice["finish_reason"] == "tool_calls"
+        assert blocks_in_use(engine) == 0
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+async def test_required_makes_calls_to_listed_functions(parallel: bool):
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        body = await chat(client, tool_choice="required", parallel_tool_calls=parallel)
+        [choice] = body["choices"]
+        calls = choice["message"]["tool_calls"]
+        assert len(calls) >= 1 and (parallel or len(calls) == 1)
+        for call in calls:
+            check_call(call)
+        assert choice["finish_reason"] == "tool_calls"
+
+
+async def test_a_streamed_named_call_assembles_into_the_same_call():
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        whole = await chat(client, tool_choice=NAMED)
+        response = await client.post(
+            "/v1/chat/completions", json={**BASE, "tool_choice": NAMED, "stream": True}
+        )
+        events = [e for e in sse_events(response.text) if e != "[DONE]"]
+        entries = [
+            entry for e in events for entry in e["choices"][0]["delta"].get("tool_calls") or []
+        ]
+        assert entries[0]["id"].startswith("call_") and entries[0]["type"] == "function"
+        assert entries[0]["function"]["name"] == "weather"
+        assert all("id" not in entry and entry["index"] == 0 for entry in entries[1:])
+        arguments = "".join(entry["function"]["arguments"] for entry in entries)
+        [call] = whole["choices"][0]["message"]["tool_calls"]
+        assert arguments == call["function"]["arguments"]
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_streamed_required_calls_arrive_whole_at_the_end():
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        response = await client.post(
+            "/v1/chat/completions", json={**BASE, "tool_choice": "required", "stream": True}
+        )
+        events = [e for e in sse_events(response.text) if e != "[DONE]"]
+        with_calls = [e for e in events if e["choices"][0]["delta"].get("tool_calls")]
+        assert len(with_calls) == 1 and with_calls[0] is events[-1]
+        for i, entry in enumerate(with_calls[0]["choices"][0]["delta"]["tool_calls"]):
+            assert entry["index"] == i
+            check_call({k: v for k, v in entry.items() if k != "index"})
+
+
+async def test_tools_reach_the_template_unless_the_choice_is_none():
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        plain = await chat(client, tools=None, max_tokens=1)
+        offered = await chat(client, max_tokens=1)
+        none = await chat(client, tool_choice="none", max_tokens=1)
+        assert offered["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+        assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+
+async def test_a_tool_loop_round_trips_calls_and_results():
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        first = await chat(client, tool_choice=NAMED)
+        [call] = first["choices"][0]["message"]["tool_calls"]
+        turn = [
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "12 degrees"},
+        ]
+        second = await chat(client, messages=turn, tool_choice="none", max_tokens=4)
+        rendered = tool_tokenizer().apply_chat_template(
+            [
+                MESSAGES[0],
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "function": {
+                                "name": "weather",
+                                "arguments": json.loads(call["function"]["arguments"]),
+                            }
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": call["id"], "content": "12 degrees"},
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        expected = len(tool_tokenizer()(rendered, add_special_tokens=False)["input_ids"])
+        assert second["usage"]["prompt_tokens"] == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required", "tools": None}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+        (
+            {"messages": [*MESSAGES, {"role": "tool", "content": "12"}]},
+            "messages[1].tool_call_id",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "w", "parameters": {"type": 7}}}
+                ],
+                "tool_choice": {"type": "function", "function": {"name": "w"}},
+            },
+            "tools",
+        ),
+        ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
+    ],
+)
+async def test_bad_tool_requests_get_a_400_naming_the_field(body: dict, param: str):
+    async with app_client(tokenizer=tool_tokenizer()) as (client, engine):
+        response = await client.post("/v1/chat/completions", json={**BASE, **body})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+        assert blocks_in_use(engine) == 0
