@@ -92,7 +92,7 @@ def _openai_router(
 ) -> APIRouter:
     router = APIRouter(responses=errors(401) if settings.api_key else None)
     completions = CompletionHandler(engine, served, settings.limits)
-    chat = ChatHandler(engine, served, settings.limits)
+    chat = ChatHandler(engine, served, settings.limits, settings.tool_call_parser)
 
     @router.post("/v1/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

@@ -11,6 +11,7 @@ import sys
 from engine.core.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from server.limits import RequestLimits
 from server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from server.tool_parsers import PARSERS
 
 logger = logging.getLogger("conveyor")
 
@@ -203,6 +204,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help="messages in one /v1/chat/completions request",
     )
     server.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="how tool calls are read from the output under tool_choice auto "
+        "(default: the chat template's own format where it shows one)",
+    )
+    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -254,6 +262,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         allowed_origins=origins,
         max_body_bytes=args.max_request_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,

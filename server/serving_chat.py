@@ -26,6 +26,7 @@ from server.serving import (
     usage,
 )
 from server.tokenization import TokenText, chat_prompt, messages_size, off_the_loop_if_large
+from server.tool_parsers import HermesReader, parse_hermes, parser_for
 from server.tools import ForcedCalls, check_tools, forced_calls, template_tools, tool_call
 
 
@@ -34,6 +35,9 @@ class _Choice(ChoiceState):
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     # The id of the named call being streamed (tool_choice naming a function).
     call_id: str | None = None
+    # Reads calls out of the text as it streams (tool_choice "auto" with a parser).
+    reader: HermesReader | None = None
+    num_calls: int = 0
 
 
 class ChatRenderer(ChunkRenderer):
@@ -49,13 +53,18 @@ class ChatRenderer(ChunkRenderer):
         num_prompt_tokens: int,
         tokenizer: Any,
         forced: ForcedCalls | None = None,
+        parses_calls: bool = False,
     ) -> None:
         super().__init__(request_id, model, body.include_usage)
         self.body = body
         self.forced = forced
+        self.parses_calls = parses_calls
         self.num_prompt_tokens = num_prompt_tokens
         self.token_text = TokenText(tokenizer)
         self.choices = {i: _Choice(i) for i in range(body.n)}
+        if parses_calls:
+            for choice in self.choices.values():
+                choice.reader = HermesReader()
 
     def update(self, _source: int, output: RequestOutput) -> list[dict[str, Any]]:
         """Fold a delta into its choice; return the streaming fragments it produces."""
@@ -77,6 +86,8 @@ class ChatRenderer(ChunkRenderer):
     def _delta(self, choice: _Choice, output: RequestOutput) -> dict[str, Any]:
         """Text as content; a forced call as `tool_calls` entries: the named call's arguments
         as they come (its id, type and name in the first), all of a required set at the end."""
+        if choice.reader is not None:
+            return self._parsed_delta(choice, output)
         if self.forced is None:
             return {"content": output.text} if output.text else {}
         if self.forced.kind == "required":
@@ -95,8 +106,25 @@ class ChatRenderer(ChunkRenderer):
             entry = {"index": 0, **first}
         return {"tool_calls": [entry]}
 
+    @staticmethod
+    def _parsed_delta(choice: _Choice, output: RequestOutput) -> dict[str, Any]:
+        """Text outside calls as content (a possible tag held back), each call whole as soon as
+        its closing tag arrives."""
+        assert choice.reader is not None
+        content, calls = choice.reader.feed(output.text)
+        if output.finished:
+            content += choice.reader.finish()[0]
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [
+                {"index": choice.num_calls + i, **call} for i, call in enumerate(calls)
+            ]
+            choice.num_calls += len(calls)
+        return delta
+
     def _finish_reason(self, choice: _Choice) -> str | None:
-        if self.forced is not None and choice.finish_reason == "stop":
+        called = self.forced is not None or choice.num_calls > 0
+        if called and choice.finish_reason == "stop":
             return "tool_calls"
         return choice.finish_reason
 
@@ -120,15 +148,23 @@ class ChatRenderer(ChunkRenderer):
         return usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
 
     def _message(self, choice: _Choice) -> dict[str, Any]:
+        if self.parses_calls:
+            content, calls = parse_hermes(choice.text)
+            choice.num_calls = len(calls)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            return message
         if self.forced is None:
             return {"role": "assistant", "content": choice.text}
         return {"role": "assistant", "content": None, "tool_calls": self.forced.calls(choice.text)}
 
     def response(self) -> dict[str, Any]:
+        messages = {c.index: self._message(c) for c in self.choices.values()}
         choices = [
             {
                 "index": c.index,
-                "message": self._message(c),
+                "message": messages[c.index],
                 "logprobs": {"content": c.logprobs} if self.body.logprobs else None,
                 "finish_reason": self._finish_reason(c),
                 "stop_reason": c.stop_reason,
@@ -147,11 +183,20 @@ class ChatRenderer(ChunkRenderer):
 
 class ChatHandler:
     def __init__(
-        self, engine: EngineClient, model: ServedModel, limits: RequestLimits | None = None
+        self,
+        engine: EngineClient,
+        model: ServedModel,
+        limits: RequestLimits | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
         self.limits = limits or RequestLimits()
+        self.tool_call_parser = tool_call_parser
+
+    def _parser(self, tokenizer: Any) -> str | None:
+        """The tool-call parser for `auto`: `--tool-call-parser`, else the template's own."""
+        return parser_for(self.tool_call_parser, getattr(tokenizer, "chat_template", None))
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.model.check(body.model)
@@ -180,7 +225,10 @@ class ChatHandler:
                 )
             params = replace(params, structured=forced.format)
         request_id = new_id("chatcmpl")
-        renderer = ChatRenderer(request_id, self.model.name, body, len(prompt), tokenizer, forced)
+        parses_calls = bool(tools) and forced is None and self._parser(tokenizer) is not None
+        renderer = ChatRenderer(
+            request_id, self.model.name, body, len(prompt), tokenizer, forced, parses_calls
+        )
         await self.engine.prepare(params)
         streams = submit_all(self.engine, [prompt], params, request_id, request_options(body))
         return await respond(renderer, streams, bool(body.stream), request)

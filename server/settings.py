@@ -17,3 +17,5 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # How calls are read from free text under tool_choice "auto" (None: from the chat template).
+    tool_call_parser: str | None = None

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import jsonschema
 import pytest
 
+from server.settings import ServerSettings
 from tests.helpers import tiny_tokenizer
 from tests.server_utils import app_client, blocks_in_use, sse_events
 
@@ -195,3 +197,37 @@ async def test_bad_tool_requests_get_a_400_naming_the_field(body: dict, param: s
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param
         assert blocks_in_use(engine) == 0
+
+
+# Under tool_choice "auto" the model writes calls in its template's format; a regex makes the
+# random model write one, as a model taught the Hermes format would.
+HERMES_OUTPUT = 'Sure. <tool_call>{"name": "time", "arguments": {"zone": 3}}</tool_call>'
+FORCE_HERMES = {"structured_outputs": {"regex": re.escape(HERMES_OUTPUT)}}
+
+
+async def test_auto_reads_calls_out_of_the_text():
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="hermes")
+    async with app_client(settings, tokenizer=tool_tokenizer()) as (client, _):
+        body = await chat(client, tool_choice="auto", **FORCE_HERMES)
+        [choice] = body["choices"]
+        assert choice["message"]["content"] == "Sure. "
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "time", "arguments": '{"zone": 3}'}
+        assert choice["finish_reason"] == "tool_calls"
+        response = await client.post(
+            "/v1/chat/completions",
+            json={**BASE, "tool_choice": "auto", "stream": True, **FORCE_HERMES},
+        )
+        events = [e for e in sse_events(response.text) if e != "[DONE]"]
+        deltas = [e["choices"][0]["delta"] for e in events]
+        assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
+        streamed = [entry for d in deltas for entry in d.get("tool_calls") or []]
+        assert [(e["index"], e["function"]) for e in streamed] == [(0, call["function"])]
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_without_a_parser_auto_returns_the_text():
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        body = await chat(client, tool_choice="auto", **FORCE_HERMES)
+        assert body["choices"][0]["message"]["content"] == HERMES_OUTPUT
+        assert body["choices"][0]["finish_reason"] == "stop"
