@@ -26,7 +26,13 @@ from server.serving import (
     usage,
 )
 from server.tokenization import TokenText, chat_prompt, messages_size, off_the_loop_if_large
-from server.tool_parsers import HermesReader, parse_hermes, parser_for
+from server.tool_parsers import (
+    HermesReader,
+    Llama3JsonReader,
+    parse_calls,
+    parser_for,
+    reader_for,
+)
 from server.tools import ForcedCalls, check_tools, forced_calls, template_tools, tool_call
 
 
@@ -36,7 +42,7 @@ class _Choice(ChoiceState):
     # The id of the named call being streamed (tool_choice naming a function).
     call_id: str | None = None
     # Reads calls out of the text as it streams (tool_choice "auto" with a parser).
-    reader: HermesReader | None = None
+    reader: HermesReader | Llama3JsonReader | None = None
     num_calls: int = 0
 
 
@@ -53,18 +59,18 @@ class ChatRenderer(ChunkRenderer):
         num_prompt_tokens: int,
         tokenizer: Any,
         forced: ForcedCalls | None = None,
-        parses_calls: bool = False,
+        parser: str | None = None,
     ) -> None:
         super().__init__(request_id, model, body.include_usage)
         self.body = body
         self.forced = forced
-        self.parses_calls = parses_calls
+        self.parser = parser
         self.num_prompt_tokens = num_prompt_tokens
         self.token_text = TokenText(tokenizer)
         self.choices = {i: _Choice(i) for i in range(body.n)}
-        if parses_calls:
+        if parser is not None:
             for choice in self.choices.values():
-                choice.reader = HermesReader()
+                choice.reader = reader_for(parser)
 
     def update(self, _source: int, output: RequestOutput) -> list[dict[str, Any]]:
         """Fold a delta into its choice; return the streaming fragments it produces."""
@@ -113,7 +119,8 @@ class ChatRenderer(ChunkRenderer):
         assert choice.reader is not None
         content, calls = choice.reader.feed(output.text)
         if output.finished:
-            content += choice.reader.finish()[0]
+            rest, last = choice.reader.finish()
+            content, calls = content + rest, calls + last
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = [
@@ -148,8 +155,8 @@ class ChatRenderer(ChunkRenderer):
         return usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
 
     def _message(self, choice: _Choice) -> dict[str, Any]:
-        if self.parses_calls:
-            content, calls = parse_hermes(choice.text)
+        if self.parser is not None:
+            content, calls = parse_calls(self.parser, choice.text)
             choice.num_calls = len(calls)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
@@ -225,9 +232,9 @@ class ChatHandler:
                 )
             params = replace(params, structured=forced.format)
         request_id = new_id("chatcmpl")
-        parses_calls = bool(tools) and forced is None and self._parser(tokenizer) is not None
+        parser = self._parser(tokenizer) if tools and forced is None else None
         renderer = ChatRenderer(
-            request_id, self.model.name, body, len(prompt), tokenizer, forced, parses_calls
+            request_id, self.model.name, body, len(prompt), tokenizer, forced, parser
         )
         await self.engine.prepare(params)
         streams = submit_all(self.engine, [prompt], params, request_id, request_options(body))

@@ -1,9 +1,15 @@
 """Reading tool calls out of a model's free text (`tool_choice: "auto"`), in the format its chat
-template teaches. `hermes`: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-as Qwen2.5 and Qwen3 write them (vLLM's `hermes` parser reads the same).
+template teaches:
 
-The streaming reader holds back text that may be the start of a tag until it is known not to be,
-and hands out each call whole once its closing tag arrives; text outside the calls is content.
+- `hermes`: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5
+  and Qwen3 write them. The streaming reader holds back text that may be the start of a tag until
+  it is known not to be, and hands out each call whole once its closing tag arrives; text outside
+  the calls is content.
+- `llama3_json`: the whole reply is one or more `{"name": ..., "parameters": {...}}` objects
+  (after an optional `<|python_tag|>`, separated by `;`), as Llama 3.1-3.3 write them. A reply
+  that opens with `{` is held until it ends, then read; any other reply is content.
+
+(vLLM's parsers of the same names read the same formats.)
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from typing import Any
 from server.tools import tool_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes",)
+PYTHON_TAG = "<|python_tag|>"
+PARSERS = ("hermes", "llama3_json")
 
 
 def parser_for(name: str | None, chat_template: str | None) -> str | None:
@@ -25,17 +32,27 @@ def parser_for(name: str | None, chat_template: str | None) -> str | None:
         return name
     if chat_template and OPEN in chat_template:
         return "hermes"
+    if chat_template and PYTHON_TAG in chat_template:
+        return "llama3_json"
     return None
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def reader_for(parser: str) -> HermesReader | Llama3JsonReader:
+    return HermesReader() if parser == "hermes" else Llama3JsonReader()
+
+
+def parse_calls(parser: str, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """The text outside the calls (None if only blanks) and the calls, from a whole output."""
-    reader = HermesReader()
+    reader = reader_for(parser)
     content, calls = reader.feed(text)
     rest, more = reader.finish()
     content += rest
     calls += more
     return (content if content.strip() else None), calls
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    return parse_calls("hermes", text)
 
 
 @dataclass(slots=True)
@@ -82,6 +99,54 @@ class HermesReader:
         rest = (OPEN if self._in_call else "") + self._buffer
         self._buffer, self._in_call = "", False
         return rest, []
+
+
+@dataclass(slots=True)
+class Llama3JsonReader:
+    """Holds a reply that opens with `{` (or the python tag) until it ends; streams any other."""
+
+    _buffer: str = ""
+    _holding: bool | None = None  # None until the reply's first non-blank character
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._holding is False:
+            return text, []
+        self._buffer += text
+        start = self._buffer.lstrip()
+        if not start:
+            return "", []
+        if self._holding is None:
+            self._holding = start.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(start)
+        if self._holding:
+            return "", []
+        released, self._buffer = self._buffer, ""
+        return released, []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        text, self._buffer = self._buffer, ""
+        if not self._holding:
+            return text, []
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
+        calls = [_call(part) for part in _json_objects(body)]
+        if body and calls and all(call is not None for call in calls):
+            return "", [call for call in calls if call is not None]
+        return text, []
+
+
+def _json_objects(body: str) -> list[str]:
+    """`body` cut into the JSON objects it holds one after another (`;` or blanks between)."""
+    decoder = json.JSONDecoder()
+    parts, index = [], 0
+    while index < len(body):
+        try:
+            _, end = decoder.raw_decode(body, index)
+        except ValueError:
+            return [body]  # not a sequence of objects: read as one, which will fail
+        parts.append(body[index:end])
+        index = end
+        while index < len(body) and body[index] in "; \n\t":
+            index += 1
+    return parts
 
 
 def _call(body: str) -> dict[str, Any] | None:

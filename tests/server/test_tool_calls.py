@@ -231,3 +231,24 @@ async def test_without_a_parser_auto_returns_the_text():
         body = await chat(client, tool_choice="auto", **FORCE_HERMES)
         assert body["choices"][0]["message"]["content"] == HERMES_OUTPUT
         assert body["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_auto_reads_llama3_json_calls():
+    output = '{"name": "time", "parameters": {"zone": -2}}'
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="llama3_json")
+    force = {"structured_outputs": {"regex": re.escape(output)}}
+    async with app_client(settings, tokenizer=tool_tokenizer()) as (client, _):
+        body = await chat(client, tool_choice="auto", **force)
+        [choice] = body["choices"]
+        assert choice["message"]["content"] is None
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "time", "arguments": '{"zone": -2}'}
+        assert choice["finish_reason"] == "tool_calls"
+        response = await client.post(
+            "/v1/chat/completions",
+            json={**BASE, "tool_choice": "auto", "stream": True, **force},
+        )
+        deltas = [e["choices"][0]["delta"] for e in sse_events(response.text) if e != "[DONE]"]
+        assert not "".join(d.get("content") or "" for d in deltas)
+        [entry] = [entry for d in deltas for entry in d.get("tool_calls") or []]
+        assert entry["function"] == call["function"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server.tool_parsers import HermesReader, parse_hermes, parser_for
+from server.tool_parsers import HermesReader, parse_calls, parse_hermes, parser_for, reader_for
 
 CALL = '<tool_call>{"name": "time", "arguments": {"zone": 3}}</tool_call>'
 CALL2 = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
@@ -72,3 +72,40 @@ def test_the_parser_comes_from_the_flag_or_the_template() -> None:
     assert parser_for("hermes", None) == "hermes"
     assert parser_for(None, "{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert parser_for(None, "{{ messages }}") is None
+
+
+LLAMA_CALL = '{"name": "time", "parameters": {"zone": 3}}'
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (LLAMA_CALL, None, [("time", {"zone": 3})]),
+        ("<|python_tag|>" + LLAMA_CALL, None, [("time", {"zone": 3})]),
+        (
+            LLAMA_CALL + "; " + '{"name": "weather", "parameters": {"city": "Oslo"}}',
+            None,
+            [("time", {"zone": 3}), ("weather", {"city": "Oslo"})],
+        ),
+        ("It is sunny.", "It is sunny.", []),
+        ('{"name": "time", "parameters": {"zone"', '{"name": "time", "parameters": {"zone"', []),
+        ('{"answer": 42}', '{"answer": 42}', []),
+    ],
+    ids=["one", "python-tag", "parallel", "text", "cut-short", "not-a-call"],
+)
+def test_llama3_json_outputs(text: str, content: str | None, calls: list) -> None:
+    parsed_content, parsed_calls = parse_calls("llama3_json", text)
+    assert parsed_content == content
+    assert names_and_arguments(parsed_calls) == calls
+
+
+def test_llama3_json_streams_text_and_holds_a_call_until_the_end() -> None:
+    reader = reader_for("llama3_json")
+    assert reader.feed("It is ") == ("It is ", [])
+    assert reader.feed("sunny.") == ("sunny.", [])
+    holding = reader_for("llama3_json")
+    assert holding.feed(" <|python") == ("", [])
+    assert holding.feed('_tag|>{"name": "time", "parameters": {}}') == ("", [])
+    content, calls = holding.finish()
+    assert content == "" and names_and_arguments(calls) == [("time", {})]
+    assert parser_for(None, "{{ '<|python_tag|>' }}") == "llama3_json"
