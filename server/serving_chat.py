@@ -129,8 +129,9 @@ class ChatRenderer(ChunkRenderer):
             choice.num_calls += len(calls)
         return delta
 
-    def _finish_reason(self, choice: _Choice) -> str | None:
-        called = self.forced is not None or choice.num_calls > 0
+    @staticmethod
+    def _finish_reason(choice: _Choice, called: bool) -> str | None:
+        """`tool_calls` for a choice that ended on its own having made calls."""
         if called and choice.finish_reason == "stop":
             return "tool_calls"
         return choice.finish_reason
@@ -146,7 +147,11 @@ class ChatRenderer(ChunkRenderer):
             "index": choice.index,
             "delta": delta,
             "logprobs": {"content": logprobs} if logprobs is not None else None,
-            "finish_reason": self._finish_reason(choice) if finished else None,
+            "finish_reason": (
+                self._finish_reason(choice, self.forced is not None or choice.num_calls > 0)
+                if finished
+                else None
+            ),
             "stop_reason": choice.stop_reason if finished else None,
         }
 
@@ -157,7 +162,6 @@ class ChatRenderer(ChunkRenderer):
     def _message(self, choice: _Choice) -> dict[str, Any]:
         if self.parser is not None:
             content, calls = parse_calls(self.parser, choice.text)
-            choice.num_calls = len(calls)
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
@@ -173,7 +177,7 @@ class ChatRenderer(ChunkRenderer):
                 "index": c.index,
                 "message": messages[c.index],
                 "logprobs": {"content": c.logprobs} if self.body.logprobs else None,
-                "finish_reason": self._finish_reason(c),
+                "finish_reason": self._finish_reason(c, "tool_calls" in messages[c.index]),
                 "stop_reason": c.stop_reason,
             }
             for c in self.choices.values()

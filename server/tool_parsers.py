@@ -15,7 +15,7 @@ template teaches:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from server.tools import tool_call
@@ -51,17 +51,12 @@ def parse_calls(parser: str, text: str) -> tuple[str | None, list[dict[str, Any]
     return (content if content.strip() else None), calls
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    return parse_calls("hermes", text)
-
-
 @dataclass(slots=True)
 class HermesReader:
     """Reads calls out of text arriving in pieces cut anywhere."""
 
     _buffer: str = ""
     _in_call: bool = False
-    _calls: int = field(default=0)
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """Content that can be shown now, and the calls completed by `text`."""
@@ -91,7 +86,6 @@ class HermesReader:
             content.append(self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep :]
             break
-        self._calls += len(calls)
         return "".join(content), calls
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from server.tool_parsers import HermesReader, parse_calls, parse_hermes, parser_for, reader_for
+from server.tool_parsers import HermesReader, parse_calls, parser_for, reader_for
 
 CALL = '<tool_call>{"name": "time", "arguments": {"zone": 3}}</tool_call>'
 CALL2 = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
@@ -40,7 +40,7 @@ def names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
     ],
 )
 def test_whole_outputs(text: str, content: str | None, calls: list) -> None:
-    parsed_content, parsed_calls = parse_hermes(text)
+    parsed_content, parsed_calls = parse_calls("hermes", text)
     assert parsed_content == content
     assert names_and_arguments(parsed_calls) == calls
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in parsed_calls)
@@ -57,7 +57,7 @@ def test_pieces_cut_anywhere_give_the_whole_outputs_reading(text: str) -> None:
             content += piece
             calls += done
         content += reader.finish()[0]
-        whole_content, whole_calls = parse_hermes(text)
+        whole_content, whole_calls = parse_calls("hermes", text)
         assert (content if content.strip() else None) == whole_content
         assert names_and_arguments(calls) == names_and_arguments(whole_calls)
 
