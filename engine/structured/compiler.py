@@ -36,7 +36,7 @@ class GrammarCompiler:
         # Seconds each compile took, until the engine's stats take them.
         self._compile_times: deque[float] = deque()
         self._tokenizer: Any = None
-        self._compiled: OrderedDict[StructuredOutputs, Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -50,15 +50,16 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputs) -> Any:
         """The compiled matcher of `spec`, from the cache or compiled now; raises
         `InvalidRequestError` naming the request's field for a format that does not compile."""
+        key = (spec.kind, spec.spec)  # the same format from any request field
         with self._lock:
-            if spec in self._compiled:
-                self._compiled.move_to_end(spec)
-                return self._compiled[spec]
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
         started = time.perf_counter()
         compiled = self._compile(spec)
         self._compile_times.append(time.perf_counter() - started)
         with self._lock:
-            self._compiled[spec] = compiled
+            self._compiled[key] = compiled
             while len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
         return compiled
@@ -66,12 +67,8 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutputs) -> Any:
         from llguidance import LLMatcher
 
-        grammar = grammar_of(spec)
-        tokenizer = self.tokenizer()
-        error = LLMatcher.validate_grammar(grammar, tokenizer)
-        if error:
-            raise InvalidRequestError(f"Invalid {spec.param}: {error}", param=spec.param)
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        # The matcher compiles the grammar and holds its error, if any: no separate validation.
+        matcher = LLMatcher(self.tokenizer(), grammar_of(spec), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(
                 f"Invalid {spec.param}: {matcher.get_error()}", param=spec.param

@@ -226,6 +226,8 @@ def test_equal_formats_compile_once(model) -> None:
     spec = StructuredOutputs("json", json.dumps(SCHEMAS["nested"]))
     first = grammars.compile(spec)
     assert grammars.compile(StructuredOutputs("json", json.dumps(SCHEMAS["nested"]))) is first
+    from_guided_json = StructuredOutputs("json", json.dumps(SCHEMAS["nested"]), "guided_json")
+    assert grammars.compile(from_guided_json) is first and len(grammars) == 1
     assert grammars.matcher(spec) is not first
 
 
