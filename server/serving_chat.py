@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestOutput
+from server.call_array import CallArrayReader
 from server.limits import RequestLimits, check_chat
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
@@ -33,6 +34,7 @@ from server.tool_parsers import (
     parser_for,
     reader_for,
 )
+from server.tool_prompt import WRITTEN_TOOLS_PARSER, renders_tools
 from server.tools import ForcedCalls, check_tools, forced_calls, template_tools, tool_call
 
 
@@ -44,6 +46,8 @@ class _Choice(ChoiceState):
     # Reads calls out of the text as it streams (tool_choice "auto" with a parser).
     reader: HermesReader | Llama3JsonReader | None = None
     num_calls: int = 0
+    # Reads the calls of a required tool_choice as they stream.
+    calls_reader: CallArrayReader = field(default_factory=CallArrayReader)
 
 
 class ChatRenderer(ChunkRenderer):
@@ -78,7 +82,9 @@ class ChatRenderer(ChunkRenderer):
         fragments = []
         if not choice.started:
             choice.started = True
-            fragments.append(self._fragment(choice, {"role": "assistant", "content": ""}))
+            # A reply that is only calls has no content, as in the non-streamed message.
+            content = None if self.forced is not None else ""
+            fragments.append(self._fragment(choice, {"role": "assistant", "content": content}))
         logprobs = None
         if output.logprobs is not None and self.body.logprobs:
             logprobs = chat_logprobs(output.logprobs, self.token_text)
@@ -90,19 +96,15 @@ class ChatRenderer(ChunkRenderer):
         return fragments
 
     def _delta(self, choice: _Choice, output: RequestOutput) -> dict[str, Any]:
-        """Text as content; a forced call as `tool_calls` entries: the named call's arguments
-        as they come (its id, type and name in the first), all of a required set at the end."""
+        """Text as content; forced calls as `tool_calls` entries, each call's id, type and name
+        in its first, its arguments as they come in later ones."""
         if choice.reader is not None:
             return self._parsed_delta(choice, output)
         if self.forced is None:
             return {"content": output.text} if output.text else {}
         if self.forced.kind == "required":
-            calls = self.forced.calls(choice.text) if output.finished else []
-            return (
-                {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-                if calls
-                else {}
-            )
+            entries = choice.calls_reader.feed(output.text)
+            return {"tool_calls": entries} if entries else {}
         if not output.text:
             return {}
         entry: dict[str, Any] = {"index": 0, "function": {"arguments": output.text}}
@@ -206,7 +208,10 @@ class ChatHandler:
         self.tool_call_parser = tool_call_parser
 
     def _parser(self, tokenizer: Any) -> str | None:
-        """The tool-call parser for `auto`: `--tool-call-parser`, else the template's own."""
+        """The tool-call parser for `auto`: the format written tools teach for a template with no
+        tool section, else `--tool-call-parser`, else the template's own."""
+        if not renders_tools(tokenizer):
+            return WRITTEN_TOOLS_PARSER
         return parser_for(self.tool_call_parser, getattr(tokenizer, "chat_template", None))
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:

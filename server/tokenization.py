@@ -10,6 +10,7 @@ from typing import Any, TypeVar, cast
 
 from engine.core.errors import InvalidRequestError
 from server.protocol import ChatMessage, Prompt
+from server.tool_prompt import renders_tools, with_tools_written
 
 T = TypeVar("T")
 
@@ -81,7 +82,8 @@ def chat_prompt(
     tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """Render messages (and the tools offered, `tools=`) with the model's chat template; return
-    the text and its token ids."""
+    the text and its token ids. For a template with no tool section the conversation carries
+    the tools and earlier calls itself (`server.tool_prompt`)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot be used; "
@@ -94,6 +96,8 @@ def chat_prompt(
             param="continue_final_message",
         )
     conversation = [template_message(m) for m in messages]
+    if not renders_tools(tokenizer):
+        conversation, tools = with_tools_written(conversation, tools), None
     try:
         text = tokenizer.apply_chat_template(
             conversation,

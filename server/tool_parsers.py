@@ -2,9 +2,10 @@
 template teaches:
 
 - `hermes`: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5
-  and Qwen3 write them. The streaming reader holds back text that may be the start of a tag until
-  it is known not to be, and hands out each call whole once its closing tag arrives; text outside
-  the calls is content.
+  and Qwen3 write them (a block may also hold a list of such objects, as SmolLM2 writes them).
+  The streaming reader holds back text that may be the start of a tag until it is known not to
+  be, and hands out each call whole once its closing tag arrives; text outside the calls is
+  content.
 - `llama3_json`: the whole reply is one or more `{"name": ..., "parameters": {...}}` objects
   (after an optional `<|python_tag|>`, separated by `;`), as Llama 3.1-3.3 write them. A reply
   that opens with `{` is held until it ends, then read; any other reply is content.
@@ -70,11 +71,11 @@ class HermesReader:
                     break
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE) :]
                 self._in_call = False
-                call = _call(body)
-                if call is None:  # not a call after all: keep the text as it was written
+                block = _block_calls(body)
+                if block is None:  # not a call after all: keep the text as it was written
                     content.append(OPEN + body + CLOSE)
                 else:
-                    calls.append(call)
+                    calls.extend(block)
                 continue
             start = self._buffer.find(OPEN)
             if start >= 0:
@@ -143,11 +144,29 @@ def _json_objects(body: str) -> list[str]:
     return parts
 
 
+def _block_calls(body: str) -> list[dict[str, Any]] | None:
+    """The calls in one `<tool_call>` block: one object, or a list of them (the form SmolLM2 and
+    Conveyor's written tools use); None if it is not calls."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    items = parsed if isinstance(parsed, list) else [parsed]
+    calls = [_read_call(item) for item in items]
+    if any(call is None for call in calls):
+        return None
+    return [call for call in calls if call is not None]
+
+
 def _call(body: str) -> dict[str, Any] | None:
     try:
         parsed = json.loads(body)
     except ValueError:
         return None
+    return _read_call(parsed)
+
+
+def _read_call(parsed: Any) -> dict[str, Any] | None:
     if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
         return None
     arguments = parsed.get("arguments", parsed.get("parameters", {}))

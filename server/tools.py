@@ -10,12 +10,12 @@ objects, each naming a listed function with arguments that fit its schema (exact
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from engine.core.errors import InvalidRequestError
 from engine.core.sampling_params import StructuredOutputs
+from server.call_array import CallArrayReader, assemble, new_call_id
 from server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -31,28 +31,24 @@ class ForcedCalls:
     format: StructuredOutputs
 
     def calls(self, text: str) -> list[dict[str, Any]]:
-        """The output as `tool_calls`; an output cut short (out of tokens) keeps what it has:
-        the named call's partial arguments, or no calls for `required`."""
+        """The output as `tool_calls`; an output cut short (out of tokens) keeps what it has,
+        as the stream did: the partial arguments of its last call."""
         if self.kind == "named":
             return [tool_call(self.names[0], text)]
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return []
-        return [tool_call(item["name"], json.dumps(item["parameters"])) for item in items]
+        return assemble(CallArrayReader().feed(text))
 
 
 def tool_call(name: str, arguments: str) -> dict[str, Any]:
     return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "id": new_call_id(),
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
 
 
 def check_tools(body: ChatCompletionRequest) -> None:
-    """400 for a `tool_choice` the tools cannot satisfy, tools named twice, or a tool message
-    that says nothing of which call it answers."""
+    """400 for a `tool_choice` the tools cannot satisfy, tools named twice, parameters that
+    are not a JSON Schema, or a tool message that says nothing of which call it answers."""
     names = [tool.function.name for tool in body.tools or []]
     if len(set(names)) != len(names):
         raise InvalidRequestError("Each tool must have a name of its own.", param="tools")
@@ -66,12 +62,28 @@ def check_tools(body: ChatCompletionRequest) -> None:
             f"tool_choice names the function {choice.function.name!r}, which is not in tools.",
             param="tool_choice",
         )
+    for i, tool in enumerate(body.tools or []):
+        _check_parameters(tool, f"tools[{i}].function.parameters")
     for i, message in enumerate(body.messages):
         if message.role == "tool" and not message.tool_call_id:
             raise InvalidRequestError(
                 "A tool message needs the tool_call_id of the call it answers.",
                 param=f"messages[{i}].tool_call_id",
             )
+
+
+def _check_parameters(tool: Tool, param: str) -> None:
+    """400 for parameters that are not a JSON Schema, whatever the tool_choice (as OpenAI)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(_parameters(tool))
+    except SchemaError as exc:
+        raise InvalidRequestError(
+            f"The parameters of {tool.function.name!r} are not a valid JSON Schema: {exc.message}",
+            param=param,
+        ) from exc
 
 
 def forced_calls(body: ChatCompletionRequest) -> ForcedCalls | None:

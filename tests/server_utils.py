@@ -28,9 +28,9 @@ def shared_tiny_model():
     return _MODEL
 
 
-def tiny_engine(**core_options: Any) -> AsyncEngine:
+def tiny_engine(model: Any = None, **core_options: Any) -> AsyncEngine:
     options = {"tokenizer": chat_tokenizer(), **core_options}
-    return AsyncEngine(*tiny_core(shared_tiny_model(), **options))
+    return AsyncEngine(*tiny_core(model or shared_tiny_model(), **options))
 
 
 @asynccontextmanager

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import pytest
 from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel
@@ -160,6 +161,100 @@ def test_json_object_returns_an_object(server):
     )
     assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": WEATHER_PARAMETERS,
+    },
+}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+FIRST_CHOICE = {
+    "named": {"type": "function", "function": {"name": "get_weather"}},
+    "required": "required",
+}
+
+
+def ask(url: str, messages: list, tool_choice, stream: bool, **extra):
+    """One chat turn with the weather tool; streamed through the SDK's stream helper, which
+    assembles the deltas into a completion."""
+    kwargs = dict(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER_TOOL],
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=40,
+        **extra,
+    )
+    if not stream:
+        return client(url).chat.completions.create(**kwargs)
+    with client(url).chat.completions.stream(
+        stream_options={"include_usage": True}, **kwargs
+    ) as events:
+        return events.get_final_completion()
+
+
+def check_answer(reply) -> None:
+    """A well-formed turn: calls (each to the tool, with arguments that fit) iff the finish
+    reason says so, else text."""
+    choice = reply.choices[0]
+    calls = choice.message.tool_calls or []
+    assert (choice.finish_reason == "tool_calls") == bool(calls), choice
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
+    assert calls or choice.message.content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("first", ["named", "required"])
+def test_a_tool_loop_call_result_answer(server, first: str, stream: bool):
+    """The default model's template has no tool section, so the tools are written into the
+    prompt; a forced first turn calls the tool, the result goes back, the model answers."""
+    reply = ask(server, QUESTION, FIRST_CHOICE[first], stream)
+    check_answer(reply)
+    [call] = reply.choices[0].message.tool_calls
+    assert reply.choices[0].message.content is None
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"celsius": 14}'}
+    turn = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        result,
+    ]
+    answer = ask(server, turn, "auto", stream)
+    check_answer(answer)
+    assert answer.usage.prompt_tokens > reply.usage.prompt_tokens
+    # The first turn's prompt is a prefix of the second's: prefix caching reuses it.
+    assert answer.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens // 2
+
+
+def test_auto_decides_the_same_streamed_or_not(server):
+    """Under auto the model may answer or call; the stream assembles the same message. The
+    written tools are part of the prompt."""
+    whole = ask(server, QUESTION, "auto", False)
+    streamed = ask(server, QUESTION, "auto", True)
+    bare = client(server).chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=1
+    )
+    for reply in (whole, streamed):
+        check_answer(reply)
+    message, again = whole.choices[0].message, streamed.choices[0].message
+    assert (message.content, message.tool_calls and [c.function for c in message.tool_calls]) == (
+        again.content,
+        again.tool_calls and [c.function for c in again.tool_calls],
+    )
+    assert whole.usage.prompt_tokens > bare.usage.prompt_tokens + 50
 
 
 def test_streamed_chat_with_usage(server):

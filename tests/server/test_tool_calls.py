@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from server.settings import ServerSettings
-from tests.helpers import tiny_tokenizer
+from tests.helpers import chat_tokenizer, tiny_llama, tiny_tokenizer
 from tests.server_utils import app_client, blocks_in_use, sse_events
 
 # A chat template that renders tools, the calls an assistant made and tool results.
@@ -113,17 +113,30 @@ async def test_a_streamed_named_call_assembles_into_the_same_call():
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-async def test_streamed_required_calls_arrive_whole_at_the_end():
+async def test_streamed_required_calls_assemble_into_the_same_calls():
     async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        whole = await chat(client, tool_choice="required")
         response = await client.post(
             "/v1/chat/completions", json={**BASE, "tool_choice": "required", "stream": True}
         )
         events = [e for e in sse_events(response.text) if e != "[DONE]"]
-        with_calls = [e for e in events if e["choices"][0]["delta"].get("tool_calls")]
-        assert len(with_calls) == 1 and with_calls[0] is events[-1]
-        for i, entry in enumerate(with_calls[0]["choices"][0]["delta"]["tool_calls"]):
-            assert entry["index"] == i
-            check_call({k: v for k, v in entry.items() if k != "index"})
+        entries = [
+            entry for e in events for entry in e["choices"][0]["delta"].get("tool_calls") or []
+        ]
+        calls: dict[int, dict] = {}
+        for entry in entries:
+            if "id" in entry:  # a call's first entry: its id, type and name, before arguments
+                assert entry["index"] == len(calls)
+                calls[entry["index"]] = {k: v for k, v in entry.items() if k != "index"}
+            else:
+                assert set(entry) == {"index", "function"}
+                calls[entry["index"]]["function"]["arguments"] += entry["function"]["arguments"]
+        assert len(entries) > len(calls)  # the arguments came in pieces
+        expected = whole["choices"][0]["message"]["tool_calls"]
+        assert [c["function"] for c in calls.values()] == [c["function"] for c in expected]
+        for call in calls.values():
+            check_call(call)
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 async def test_tools_reach_the_template_unless_the_choice_is_none():
@@ -186,7 +199,19 @@ async def test_a_tool_loop_round_trips_calls_and_results():
                 ],
                 "tool_choice": {"type": "function", "function": {"name": "w"}},
             },
-            "tools",
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    TOOLS[0],
+                    {
+                        "type": "function",
+                        "function": {"name": "w", "parameters": {"minLength": -1}},
+                    },
+                ]
+            },
+            "tools[1].function.parameters",
         ),
         ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
     ],
@@ -252,3 +277,38 @@ async def test_auto_reads_llama3_json_calls():
         assert not "".join(d.get("content") or "" for d in deltas)
         [entry] = [entry for d in deltas for entry in d.get("tool_calls") or []]
         assert entry["function"] == call["function"]
+
+
+# A template with no tool section: the tools are written into the conversation in the Hermes
+# format, and calls in that format are read back without any parser flag.
+LIST_OUTPUT = (
+    '<tool_call>[{"name": "time", "arguments": {"zone": 3}}, '
+    '{"name": "weather", "arguments": {"city": "Oslo", "unit": "c"}}]</tool_call>'
+)
+
+
+async def test_without_a_tool_section_the_tools_are_written_and_calls_read_back():
+    long_context = tiny_llama(max_positions=2048)  # the written tools take ~800 tiny tokens
+    async with app_client(
+        tokenizer=chat_tokenizer(), model=long_context, max_model_len=2048, num_blocks=1024
+    ) as (client, engine):
+        plain = await chat(client, tools=None, max_tokens=1)
+        offered = await chat(client, max_tokens=1)
+        assert offered["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20
+        force = {"structured_outputs": {"regex": re.escape(LIST_OUTPUT)}}
+        body = await chat(client, tool_choice="auto", max_tokens=200, **force)
+        [choice] = body["choices"]
+        assert choice["message"]["content"] is None
+        calls = choice["message"]["tool_calls"]
+        assert [c["function"]["name"] for c in calls] == ["time", "weather"]
+        for call in calls:
+            check_call(call)
+        assert choice["finish_reason"] == "tool_calls"
+        turn = [
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls),
+        ]
+        second = await chat(client, messages=turn, max_tokens=1)
+        assert second["usage"]["prompt_tokens"] > offered["usage"]["prompt_tokens"]
+        assert blocks_in_use(engine) == 0
