@@ -41,6 +41,8 @@ HOSTILE: dict[str, dict[str, Any]] = {
         "ignore_eos": True,
         "stop": [f"{i:04d}" + "x" * 1020 for i in range(64)],
     },
+    "a 30 MB prompt": {"prompt": "hello " * 5_000_000, "max_tokens": 1},
+    "a 2,500-char prompt (tokenized, then too long)": {"prompt": "hi " * 833, "max_tokens": 1},
     "4,000 prompts": {"prompt": ["Hi"] * 4_000, "max_tokens": 1},
     "1,000 prompts (allowed)": {"prompt": ["Hi"] * 1_000, "max_tokens": 1},
 }

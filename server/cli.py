@@ -10,7 +10,12 @@ import sys
 
 from engine.core.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from server.limits import RequestLimits
-from server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from server.settings import (
+    DEFAULT_HEAD_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEAD_BYTES,
+    ServerSettings,
+)
 from server.tool_parsers import PARSERS
 
 logger = logging.getLogger("conveyor")
@@ -172,6 +177,18 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help="comma-separated CORS origins, e.g. '*' (default: CORS off)",
     )
     server.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES)
+    server.add_argument(
+        "--max-header-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_HEAD_BYTES,
+        help="bytes of a request's line and headers (more gets a 431)",
+    )
+    server.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEAD_TIMEOUT,
+        help="seconds a connection has to send a request's line and headers (then 408, closed)",
+    )
     defaults = RequestLimits()
     server.add_argument(
         "--max-stop-strings",
@@ -261,6 +278,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         api_key=args.api_key,
         allowed_origins=origins,
         max_body_bytes=args.max_request_bytes,
+        max_head_bytes=args.max_header_bytes,
+        head_timeout=args.header_timeout,
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
         limits=RequestLimits(
@@ -274,10 +293,9 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from engine.core.async_engine import AsyncEngine
     from server.app import build_app
+    from server.http_protocol import uvicorn_config
     from server.lifecycle import DrainingServer
 
     logging.basicConfig(
@@ -304,7 +322,7 @@ def serve(args: argparse.Namespace) -> int:
         args.host,
         args.port,
     )
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn_config(app, args.host, args.port, args.log_level, settings)
     DrainingServer(config, app, settings.shutdown_timeout).run()
     return 0
 

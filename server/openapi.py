@@ -24,11 +24,18 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": DESCRIPTIONS[code]} for code in codes}
 
 
+# One server-sent event of a stream: its `data` is a JSON chunk, an error, or `[DONE]`.
+SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+
 # /v1/completions and /v1/chat/completions: JSON, or server-sent events with `stream`.
 GENERATION: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The completion; with `stream`, its server-sent events",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"text/event-stream": {"schema": SSE_EVENT, "itemSchema": SSE_EVENT}},
     },
     **errors(400, 404, 500, 503, 504),
 }

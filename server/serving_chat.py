@@ -26,7 +26,13 @@ from server.serving import (
     submit_all,
     usage,
 )
-from server.tokenization import TokenText, chat_prompt, messages_size, off_the_loop_if_large
+from server.tokenization import (
+    TokenText,
+    chat_prompt,
+    check_fits,
+    messages_size,
+    off_the_loop_if_large,
+)
 from server.tool_parsers import (
     HermesReader,
     Llama3JsonReader,
@@ -220,8 +226,10 @@ class ChatHandler:
         check_tools(body)
         tokenizer = require_text_model(self.engine)
         tools = template_tools(body)
+        size = messages_size(body.messages)
+        check_fits(tokenizer, size, self.model.info.max_model_len, "messages")
         _, prompt = await off_the_loop_if_large(
-            messages_size(body.messages),
+            size,
             lambda: chat_prompt(
                 tokenizer,
                 body.messages,

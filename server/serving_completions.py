@@ -26,6 +26,7 @@ from server.serving import (
 )
 from server.tokenization import (
     TokenText,
+    check_fits,
     off_the_loop_if_large,
     prompt_size,
     prompt_token_ids,
@@ -155,6 +156,9 @@ class CompletionHandler:
         _check_unsupported(body)
         tokenizer = self.engine.tokenizer
         singles = split_prompts(body.prompt)
+        for single in singles:
+            if isinstance(single, str) and tokenizer is not None:
+                check_fits(tokenizer, len(single), self.model.info.max_model_len, "prompt")
         prompts = await off_the_loop_if_large(
             prompt_size(singles), lambda: prompt_token_ids(tokenizer, singles)
         )

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from server.limits import RequestLimits
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# A request's line and headers: at most this many bytes, arriving within this many seconds.
+DEFAULT_MAX_HEAD_BYTES = 64 * 1024
+DEFAULT_HEAD_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +18,8 @@ class ServerSettings:
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+    head_timeout: float = DEFAULT_HEAD_TIMEOUT
     shutdown_timeout: float = 30.0
     limits: RequestLimits = field(default_factory=RequestLimits)
     # How calls are read from free text under tool_choice "auto" (None: from the chat template).

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, TypeVar, cast
 
-from engine.core.errors import InvalidRequestError
+from engine.core.errors import InvalidRequestError, PromptTooLongError
 from server.protocol import ChatMessage, Prompt
 from server.tool_prompt import renders_tools, with_tools_written
 
@@ -44,6 +44,27 @@ async def off_the_loop_if_large(size: int, work: Callable[[], T]) -> T:
     if size <= OFF_LOOP_CHARS:
         return work()
     return await asyncio.to_thread(work)
+
+
+@lru_cache(maxsize=8)
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for: the longest entry of the vocabulary
+    (byte-level vocabularies spell each byte as one character, so this bounds characters)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+
+
+def check_fits(tokenizer: Any, chars: int, max_model_len: int, param: str) -> None:
+    """Refuse, before tokenizing it, text too long for the context whatever its tokens: no token
+    spells more than `longest_token_chars`, so it has at least chars / that many. (Tokenizing
+    30 MB of text takes tens of seconds.)"""
+    fewest = -(-chars // longest_token_chars(tokenizer))
+    if fewest >= max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has at least {fewest} tokens ({chars} characters), leaving no room for a "
+            f"completion. Please reduce the length of the prompt.",
+            param=param,
+        )
 
 
 def prompt_size(prompts: list[str | list[int]]) -> int:

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from engine.core.async_engine import AsyncEngine
 from server.app import build_app
+from server.http_protocol import uvicorn_config
 from server.settings import ServerSettings
 from tests.helpers import chat_tokenizer, tiny_core, tiny_llama
 
@@ -62,8 +63,9 @@ async def live_server(
 ) -> AsyncIterator[LiveServer]:
     """The app under uvicorn on a free local port, in this event loop."""
     engine = tiny_engine(**core_options)
-    app = build_app(engine, settings or ServerSettings(served_model_name="tiny"))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    settings = settings or ServerSettings(served_model_name="tiny")
+    app = build_app(engine, settings)
+    config = uvicorn_config(app, "127.0.0.1", 0, "warning", settings)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:

@@ -7,6 +7,7 @@ import pytest
 from server.cli import build_parser, server_settings
 from server.limits import RequestLimits
 from server.settings import ServerSettings
+from tests.helpers import tiny_llama
 from tests.server_utils import app_client
 
 LIMITS = RequestLimits(
@@ -135,7 +136,49 @@ async def test_large_bodies_are_tokenized_off_the_event_loop(monkeypatch, path, 
         if "chat" not in path
         else {"messages": [{"role": "user", "content": text}]}
     )
-    async with app_client() as (client, _):
+    # A context long enough that this much text may fit, so it is tokenized.
+    long_context = {"model": tiny_llama(max_positions=4096), "max_model_len": 4096}
+    async with app_client(**long_context, num_blocks=1024) as (client, _):
         await client.post(path, json={**body, "max_tokens": 1})
     assert len(threads) == 1
     assert (threads[0] is not threading.main_thread()) == off_loop
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_text_too_long_for_the_context_is_refused_without_tokenizing(monkeypatch, path):
+    """No token spells more than the vocabulary's longest entry, so longer text than the context
+    times that is refused at once; text just under it is tokenized and measured as before."""
+    from server import serving_chat, serving_completions
+    from server.tokenization import longest_token_chars
+
+    module, name = (
+        (serving_completions, "prompt_token_ids")
+        if "chat" not in path
+        else (serving_chat, "chat_prompt")
+    )
+    real, calls = getattr(module, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+    def body(chars: int) -> dict:
+        text = "a" * chars
+        if "chat" in path:
+            return {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        return {"prompt": text, "max_tokens": 1}
+
+    async with app_client(max_model_len=64) as (client, engine):
+        longest = longest_token_chars(engine.tokenizer)
+        response = await client.post(path, json=body(64 * longest))
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert "at least 64 tokens" in error["message"]
+        assert error["param"] == ("messages" if "chat" in path else "prompt")
+        assert calls == []
+        response = await client.post(path, json=body(63 * longest))
+        assert response.status_code == 400  # too long once tokenized, but it was tokenized
+        assert "at least" not in response.json()["error"]["message"]
+        assert calls == [1]

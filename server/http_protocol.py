@@ -1,0 +1,131 @@
+"""The HTTP/1.1 connection: uvicorn's httptools protocol with two guards on a request's head
+(its request line and headers), which httptools itself does not bound:
+
+- size: a head over `max_head_bytes` gets a 431 and the connection is closed, before the parser
+  has buffered more than that (a client cannot make the server hold a 200 MB header);
+- time: a head must arrive within `head_timeout` seconds of the connection opening or of the
+  previous response ending, so a connection that sends nothing, or trickles its headers a byte
+  at a time, is closed (with a 408 if it had begun a request).
+
+Idle keep-alive connections are closed after uvicorn's `timeout_keep_alive` (5 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from server.settings import DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES, ServerSettings
+
+REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """httptools with a bounded head; subclassed per server with its limits (`guarded`)."""
+
+    max_head_bytes = DEFAULT_MAX_HEAD_BYTES
+    head_timeout = DEFAULT_HEAD_TIMEOUT
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_bytes = 0
+        self._reading_head = True
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        """Count what arrives while a head is awaited; a chunk may end the head and go on into
+        the body, so only a head still unfinished after it counts as too large (the parser
+        then holds at most the limit plus one chunk)."""
+        if self._reading_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if (
+            self._reading_head
+            and self._head_bytes > self.max_head_bytes
+            and not self.transport.is_closing()
+        ):
+            self._refuse(431, f"The request head is over {self.max_head_bytes} bytes.")
+
+    def on_headers_complete(self) -> None:
+        self._reading_head = False
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # What follows on this connection is the head of the next request.
+        self._reading_head, self._head_bytes = True, 0
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout, self._head_too_slow)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or not self._reading_head:
+            return
+        if self._head_bytes:
+            self._refuse(408, f"The request head did not arrive within {self.head_timeout:g} s.")
+        else:
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """An error in OpenAI's shape, then close; while a response is still being sent on this
+        connection (pipelining), only close."""
+        self._reading_head = False
+        self._cancel_head_timer()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.close()
+            return
+        body = json.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+        ).encode()
+        head = (
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, REASONS[status], len(body))
+        )
+        self.transport.write(head + body)
+        self.transport.close()
+
+
+def guarded(max_head_bytes: int, head_timeout: float) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class with these limits."""
+    return type(
+        "GuardedHttpToolsProtocol",
+        (GuardedHttpToolsProtocol,),
+        {"max_head_bytes": max_head_bytes, "head_timeout": head_timeout},
+    )
+
+
+def uvicorn_config(
+    app: Any, host: str, port: int, log_level: str, settings: ServerSettings
+) -> uvicorn.Config:
+    """uvicorn's configuration for the app: the guarded protocol with `settings`' limits."""
+    protocol = guarded(settings.max_head_bytes, settings.head_timeout)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol)
