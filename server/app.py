@@ -30,6 +30,7 @@ from server.serving_chat import ChatHandler
 from server.serving_completions import CompletionHandler
 from server.settings import ServerSettings
 from server.tokenization import chat_prompt, encode_text
+from server.tracing import Tracing
 
 
 def conveyor_version() -> str:
@@ -43,13 +44,18 @@ def build_app(
     engine: EngineClient,
     settings: ServerSettings | None = None,
     registry: CollectorRegistry | None = None,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
-    """An app serving `engine`, with its metrics on `registry` (a fresh one by default). The
-    lifespan starts the engine loop and shuts it down."""
+    """An app serving `engine`, with its metrics on `registry` (a fresh one by default) and its
+    request spans through `tracing` (by default, as `settings` say). The lifespan starts the
+    engine loop and shuts it down."""
     settings = settings or ServerSettings()
     served = ServedModel(settings.served_model_name or engine.info.model_name, engine.info)
     registry = registry if registry is not None else build_registry()
     engine.stat_loggers.append(EngineMetrics(registry, served.name, engine.info).record)
+    tracing = tracing or Tracing.from_endpoint(settings.otlp_traces_endpoint)
+    if tracing.enabled:
+        engine.stat_loggers.append(tracing.record)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,6 +63,7 @@ def build_app(
         yield
         app.state.draining = True
         await engine.shutdown()
+        tracing.shutdown()
 
     app = FastAPI(title="Conveyor", version=conveyor_version(), lifespan=lifespan)
     app.state.engine = engine
@@ -65,7 +72,7 @@ def build_app(
     app.state.draining = False
     install_error_handlers(app)
     document_errors_as_sent(app)
-    app.include_router(_openai_router(engine, served, settings))
+    app.include_router(_openai_router(engine, served, settings, tracing))
     app.include_router(_ops_router(engine, registry))
     if settings.allowed_origins:
         app.add_middleware(
@@ -88,7 +95,7 @@ async def _accepting(request: Request) -> None:
 
 
 def _openai_router(
-    engine: EngineClient, served: ServedModel, settings: ServerSettings
+    engine: EngineClient, served: ServedModel, settings: ServerSettings, tracing: Tracing
 ) -> APIRouter:
     router = APIRouter(responses=errors(401) if settings.api_key else None)
     completions = CompletionHandler(engine, served, settings.limits)
@@ -96,11 +103,11 @@ def _openai_router(
 
     @router.post("/v1/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await completions(body, request)
+        return await tracing.traced("text_completion", served.name, body, request, completions)
 
     @router.post("/v1/chat/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await chat(body, request)
+        return await tracing.traced("chat", served.name, body, request, chat)
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -228,6 +228,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "(default: the chat template's own format where it shows one)",
     )
     server.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send a span per request over OTLP/HTTP to this URL, e.g. "
+        "http://localhost:4318/v1/traces (needs the otel extra; default: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing)",
+    )
+    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -282,6 +289,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         head_timeout=args.header_timeout,
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,
@@ -297,17 +305,19 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import build_app
     from server.http_protocol import uvicorn_config
     from server.lifecycle import DrainingServer
+    from server.tracing import Tracing
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    settings = server_settings(args)
     try:
+        tracing = Tracing.from_endpoint(settings.otlp_traces_endpoint)
         engine = AsyncEngine.from_config(engine_config(args))
     except (ValueError, OSError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
-    settings = server_settings(args)
-    app = build_app(engine, settings)
+    app = build_app(engine, settings, tracing=tracing)
     info = engine.info
     logger.info(
         "serving %s as '%s' (%s on %s, %d %s KV blocks of %d tokens, context %d) at http://%s:%d",

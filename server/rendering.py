@@ -47,6 +47,7 @@ class ChunkRenderer:
     """Frames fragments as `object_name` chunks; subclasses fold deltas and count usage."""
 
     object_name: ClassVar[str]
+    choices: dict[int, Any]
 
     def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
         self.request_id = request_id
@@ -57,6 +58,9 @@ class ChunkRenderer:
 
     def usage(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    def finish_reasons(self) -> list[str]:
+        return [choice.finish_reason or "abort" for choice in self.choices.values()]
 
     def event(self, choices: list[dict[str, Any]]) -> str:
         """The server-sent event of a chunk without usage: the same text as

@@ -19,9 +19,10 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.stats import StepStats
 from server.errors import APIError
 from server.protocol import SamplingFields
-from server.streaming import DONE, merge, sse, sse_error, unless_disconnected
+from server.streaming import CLIENT_GONE, DONE, merge, sse, sse_error, unless_disconnected
 from server.structured import structured_outputs
 from server.tokenization import require_tokenizer
+from server.tracing import RequestTrace, request_trace
 
 
 class EngineClient(Protocol):
@@ -126,6 +127,13 @@ def request_options(body: SamplingFields) -> RequestOptions:
     return RequestOptions(priority=body.priority, timeout=body.timeout)
 
 
+def bind_trace(request: Request, request_id: str) -> None:
+    """Give the request's span (if it is traced) the engine's id for it."""
+    trace = request_trace(request)
+    if trace is not None:
+        trace.bind(request_id)
+
+
 def submit_all(
     engine: EngineClient,
     prompts: list[list[int]],
@@ -167,6 +175,10 @@ class Renderer(Protocol):
 
     def update(self, source: int, output: RequestOutput) -> list[dict[str, Any]]: ...
 
+    def usage(self) -> dict[str, Any]: ...
+
+    def finish_reasons(self) -> list[str]: ...
+
     def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]: ...
 
     def event(self, choices: list[dict[str, Any]]) -> str: ...
@@ -177,24 +189,26 @@ class Renderer(Protocol):
 Streams = list[AsyncGenerator[RequestOutput, None]]
 
 
-# 499: the client closed the connection first (nobody reads the answer).
-CLIENT_GONE = 499
-
-
 async def respond(renderer: Renderer, streams: Streams, stream: bool, request: Request) -> Response:
     """Stream server-sent events, or wait for the whole answer, unless the client leaves.
 
     A stream starts only with the first delta, so an error before it (the deadline passed in
     the queue, say) still gets its own HTTP status."""
     merged = merge(streams)
+    trace = request_trace(request)
     if not stream:
         result = await unless_disconnected(request, _collect(renderer, merged))
-        return JSONResponse(result) if result is not None else Response(status_code=CLIENT_GONE)
+        if result is None:
+            return Response(status_code=CLIENT_GONE)
+        if trace is not None:
+            trace.output(result["usage"], renderer.finish_reasons())
+        return JSONResponse(result)
     first = await unless_disconnected(request, anext(merged))
     if first is None:
         await merged.aclose()
         return Response(status_code=CLIENT_GONE)
-    return StreamingResponse(_events(renderer, first, merged), media_type="text/event-stream")
+    events = _events(renderer, first, merged, trace)
+    return StreamingResponse(events, media_type="text/event-stream")
 
 
 async def _collect(
@@ -209,8 +223,9 @@ async def _events(
     renderer: Renderer,
     first: tuple[int, RequestOutput],
     merged: AsyncGenerator[tuple[int, RequestOutput], None],
+    trace: RequestTrace | None = None,
 ) -> AsyncIterator[str]:
-    timed_out = False
+    timed_out = completed = False
     try:
         source, output = first
         while True:
@@ -227,8 +242,16 @@ async def _events(
             yield sse_error(
                 RequestTimeoutError("The request's deadline passed; the answer above is cut short.")
             )
+        if trace is not None:
+            trace.output(renderer.usage(), renderer.finish_reasons())
+        completed = True
     except Exception as exc:
+        if trace is not None:
+            trace.fail(exc)
+        completed = True
         yield sse_error(exc)
     finally:
         await merged.aclose()
+        if trace is not None:  # a client gone mid-stream closes this generator early
+            trace.end(None if completed else CLIENT_GONE)
     yield DONE

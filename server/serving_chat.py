@@ -18,6 +18,7 @@ from server.rendering import ChoiceState, ChunkRenderer
 from server.serving import (
     EngineClient,
     ServedModel,
+    bind_trace,
     new_id,
     request_options,
     require_text_model,
@@ -249,6 +250,7 @@ class ChatHandler:
                 )
             params = replace(params, structured=forced.format)
         request_id = new_id("chatcmpl")
+        bind_trace(request, request_id)
         parser = self._parser(tokenizer) if tools and forced is None else None
         renderer = ChatRenderer(
             request_id, self.model.name, body, len(prompt), tokenizer, forced, parser

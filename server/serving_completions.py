@@ -17,6 +17,7 @@ from server.rendering import ChoiceState, ChunkRenderer
 from server.serving import (
     EngineClient,
     ServedModel,
+    bind_trace,
     new_id,
     request_options,
     respond,
@@ -166,6 +167,7 @@ class CompletionHandler:
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
         request_id = new_id("cmpl")
+        bind_trace(request, request_id)
         renderer = CompletionRenderer(request_id, self.model.name, body, prompts, texts, tokenizer)
         await self.engine.prepare(params)
         streams = submit_all(self.engine, prompts, params, request_id, request_options(body))

@@ -24,3 +24,5 @@ class ServerSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # How calls are read from free text under tool_choice "auto" (None: from the chat template).
     tool_call_parser: str | None = None
+    # Where request spans go over OTLP/HTTP (None: the environment's, else no tracing).
+    otlp_traces_endpoint: str | None = None

@@ -11,6 +11,9 @@ from starlette.requests import Request
 
 from server.errors import error_body, to_api_error
 
+# 499: the client closed the connection first (nobody reads the answer).
+CLIENT_GONE = 499
+
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 _END = object()

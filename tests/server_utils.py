@@ -17,6 +17,7 @@ from engine.core.async_engine import AsyncEngine
 from server.app import build_app
 from server.http_protocol import uvicorn_config
 from server.settings import ServerSettings
+from server.tracing import Tracing
 from tests.helpers import chat_tokenizer, tiny_core, tiny_llama
 
 _MODEL = None
@@ -36,11 +37,11 @@ def tiny_engine(model: Any = None, **core_options: Any) -> AsyncEngine:
 
 @asynccontextmanager
 async def app_client(
-    settings: ServerSettings | None = None, **core_options: Any
+    settings: ServerSettings | None = None, tracing: Tracing | None = None, **core_options: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngine]]:
     """An httpx client on the ASGI app (no socket); the engine loop runs meanwhile."""
     engine = tiny_engine(**core_options)
-    app = build_app(engine, settings or ServerSettings(served_model_name="tiny"))
+    app = build_app(engine, settings or ServerSettings(served_model_name="tiny"), tracing=tracing)
     await engine.start()
     transport = httpx.ASGITransport(app=app)
     try:
@@ -59,12 +60,12 @@ class LiveServer:
 
 @asynccontextmanager
 async def live_server(
-    settings: ServerSettings | None = None, **core_options: Any
+    settings: ServerSettings | None = None, tracing: Tracing | None = None, **core_options: Any
 ) -> AsyncIterator[LiveServer]:
     """The app under uvicorn on a free local port, in this event loop."""
     engine = tiny_engine(**core_options)
     settings = settings or ServerSettings(served_model_name="tiny")
-    app = build_app(engine, settings)
+    app = build_app(engine, settings, tracing=tracing)
     config = uvicorn_config(app, "127.0.0.1", 0, "warning", settings)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

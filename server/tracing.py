@@ -1,0 +1,220 @@
+"""Request tracing with OpenTelemetry: one server span per completion or chat request.
+
+Off unless `--otlp-traces-endpoint` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set; then
+spans go out over OTLP/HTTP through the OpenTelemetry SDK (the optional `otel` extra), which
+also reads the other standard `OTEL_EXPORTER_OTLP_*` variables. When off nothing is imported
+and a request costs one attribute lookup.
+
+A span is named as the GenAI conventions name it (`chat {model}`, `text_completion {model}`),
+continues the caller's W3C `traceparent`, and carries the request's settings, its usage and
+finish reasons, the timings the engine measured for its sequences (queue, time to first token,
+prefill, decode, end to end: the same as the Prometheus histograms), and an event for a client
+that went away or a deadline that passed. An error sets the span's status.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine.core.stats import FinishedRequestStats, StepStats
+from server.errors import to_api_error
+from server.streaming import CLIENT_GONE
+
+ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+
+# Engine timings (seconds) as span attributes, under the names vLLM's spans use.
+TIMING_ATTRIBUTES = {
+    "queue_time": "gen_ai.latency.time_in_queue",
+    "time_to_first_token": "gen_ai.latency.time_to_first_token",
+    "prefill_time": "gen_ai.latency.time_in_model_prefill",
+    "decode_time": "gen_ai.latency.time_in_model_decode",
+    "inference_time": "gen_ai.latency.time_in_model_inference",
+    "e2e_latency": "gen_ai.latency.e2e",
+}
+
+
+class RequestTrace:
+    """One request's span, open until its response (or stream) ends."""
+
+    def __init__(self, tracing: Tracing, span: Any) -> None:
+        self.tracing = tracing
+        self.span = span
+        self.request_id: str | None = None
+        self.sequences: list[FinishedRequestStats] = []
+        self.status = 200
+        self.failed = False
+        self.ended = False
+
+    def bind(self, request_id: str) -> None:
+        """The engine's id for the request, so that its sequences' timings find the span."""
+        self.request_id = request_id
+        self.span.set_attribute("gen_ai.response.id", request_id)
+        self.tracing.open[request_id] = self
+
+    def output(self, usage: Mapping[str, Any], finish_reasons: list[str]) -> None:
+        self.span.set_attribute("gen_ai.usage.input_tokens", usage["prompt_tokens"])
+        self.span.set_attribute("gen_ai.usage.output_tokens", usage["completion_tokens"])
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        self.span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached)
+        self.span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
+        if "timeout" in finish_reasons:
+            self.span.add_event("deadline expired")
+
+    def fail(self, exc: BaseException) -> None:
+        """An error the client gets (its status), or a stream cut short by one."""
+        self.status = to_api_error(exc).status if isinstance(exc, Exception) else 500
+        self.failed = True
+        self.span.record_exception(exc)
+        self.span.set_status(self.tracing.error_status(str(exc)))
+
+    def end(self, status: int | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if status is not None:
+            self.status = status
+        if self.status == CLIENT_GONE:
+            self.span.add_event("aborted", {"reason": "the client went away"})
+        elif self.status >= 400 and not self.failed:
+            self.span.set_status(self.tracing.error_status(f"HTTP {self.status}"))
+        self.span.set_attribute("http.response.status_code", self.status)
+        self._timings()
+        if self.request_id is not None:
+            self.tracing.open.pop(self.request_id, None)
+        self.span.end()
+
+    def _timings(self) -> None:
+        """The first sequence's queue and first-token times; the longest decode and total."""
+        if not self.sequences:
+            return
+        first = min(self.sequences, key=lambda s: s.time_to_first_token or float("inf"))
+        last = max(self.sequences, key=lambda s: s.e2e_latency)
+        for field, name in TIMING_ATTRIBUTES.items():
+            source = first if field in ("queue_time", "time_to_first_token") else last
+            value = getattr(source, field)
+            if value is not None:
+                self.span.set_attribute(name, value)
+
+
+class Tracing:
+    """Opens request spans when a tracer is configured; otherwise does nothing."""
+
+    def __init__(self, tracer: Any = None, provider: Any = None) -> None:
+        self.tracer = tracer
+        self.provider = provider
+        self.open: dict[str, RequestTrace] = {}
+
+    @classmethod
+    def from_endpoint(cls, endpoint: str | None) -> Tracing:
+        """Tracing that exports to `endpoint` (or the environment's), or none."""
+        endpoint = endpoint or os.environ.get(ENDPOINT_VARIABLE)
+        if not endpoint:
+            return cls()
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        except ImportError as exc:
+            raise ValueError(
+                "--otlp-traces-endpoint needs the OpenTelemetry packages: "
+                "pip install 'conveyor[otel]'"
+            ) from exc
+        return cls.with_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+
+    @classmethod
+    def with_processor(cls, processor: Any) -> Tracing:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+
+        provider = TracerProvider(resource=Resource.create({"service.name": "conveyor"}))
+        provider.add_span_processor(processor)
+        return cls(provider.get_tracer("conveyor"), provider)
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracer is not None
+
+    def start(self, operation: str, model: str, body: Any, request: Request) -> RequestTrace:
+        from opentelemetry.propagate import extract
+        from opentelemetry.trace import SpanKind
+
+        assert self.tracer is not None
+        span = self.tracer.start_span(
+            f"{operation} {model}",
+            context=extract(dict(request.headers)),
+            kind=SpanKind.SERVER,
+            attributes=_request_attributes(operation, model, body, request),
+        )
+        return RequestTrace(self, span)
+
+    async def traced(
+        self,
+        operation: str,
+        model: str,
+        body: Any,
+        request: Request,
+        handle: Callable[[Any, Request], Awaitable[Response]],
+    ) -> Response:
+        """`handle(body, request)` inside the request's span; a stream's span ends with it."""
+        if self.tracer is None:
+            return await handle(body, request)
+        trace = self.start(operation, model, body, request)
+        request.state.trace = trace
+        try:
+            response = await handle(body, request)
+        except BaseException as exc:
+            trace.fail(exc)
+            trace.end()
+            raise
+        if not isinstance(response, StreamingResponse):
+            trace.end(response.status_code)
+        return response
+
+    def record(self, stats: StepStats) -> None:
+        """A stats logger: the timings of finished sequences, for the spans still open."""
+        for sequence in stats.finished:
+            trace = self.open.get(sequence.parent_id) or self.open.get(
+                sequence.parent_id.rsplit("-", 1)[0]
+            )
+            if trace is not None:
+                trace.sequences.append(sequence)
+
+    def error_status(self, description: str) -> Any:
+        from opentelemetry.trace import Status, StatusCode
+
+        return Status(StatusCode.ERROR, description)
+
+    def shutdown(self) -> None:
+        """Send what is still buffered."""
+        if self.provider is not None:
+            self.provider.shutdown()
+
+
+def request_trace(request: Request) -> RequestTrace | None:
+    return getattr(request.state, "trace", None)
+
+
+def _request_attributes(operation: str, model: str, body: Any, request: Request) -> dict[str, Any]:
+    settings = {
+        "gen_ai.request.max_tokens": getattr(body, "max_completion_tokens", None)
+        or body.max_tokens,
+        "gen_ai.request.temperature": body.temperature,
+        "gen_ai.request.top_p": body.top_p,
+        "gen_ai.request.choice.count": body.n,
+        "gen_ai.request.seed": body.seed,
+    }
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": operation,
+        "gen_ai.request.model": model,
+        "gen_ai.response.model": model,
+        "conveyor.stream": bool(body.stream),
+        **{name: value for name, value in settings.items() if value is not None},
+    }
+    request_id = getattr(request.state, "request_id", None)
+    if request_id:
+        attributes["http.request.header.x-request-id"] = [request_id]
+    return attributes
