@@ -4,7 +4,7 @@
 # `conveyor bench serve` run at concurrency 16, alternating so that drifts in the machine's
 # speed hit both alike.
 #
-#   bash benchmarks/tracing_overhead.sh [PAIRS]      # default: 2 pairs, about 6 minutes
+#   bash benchmarks/tracing_overhead.sh [PAIRS]      # default: 4 pairs, about 5 minutes
 #
 # Results land in $OUT (default benchmarks/results/tracing) as one JSON per run.
 set -euo pipefail
@@ -12,9 +12,9 @@ set -euo pipefail
 OUT=${OUT:-benchmarks/results/tracing}
 PORT=${PORT:-8400}
 SINK=${SINK:-4318}
-PAIRS=${1:-2}
+PAIRS=${1:-4}
 LOAD=(--base-url "http://127.0.0.1:$PORT" --random-input-len 128 --random-output-len 128
-      --ignore-eos --max-concurrency 16 --num-prompts 64)
+      --ignore-eos --max-concurrency 16 --num-prompts "${NUM_PROMPTS:-128}")
 mkdir -p "$OUT"
 
 python benchmarks/otlp_sink.py --port "$SINK" &
