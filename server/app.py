@@ -53,7 +53,7 @@ def build_app(
     served = ServedModel(settings.served_model_name or engine.info.model_name, engine.info)
     registry = registry if registry is not None else build_registry()
     engine.stat_loggers.append(EngineMetrics(registry, served.name, engine.info).record)
-    tracing = tracing or Tracing.from_endpoint(settings.otlp_traces_endpoint)
+    tracing = tracing or Tracing.from_endpoint(settings.otlp_traces_endpoint, settings.log_requests)
     if tracing.enabled:
         engine.stat_loggers.append(tracing.record)
 

@@ -10,6 +10,7 @@ import sys
 
 from engine.core.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from server.limits import RequestLimits
+from server.log_format import FORMATS
 from server.settings import (
     DEFAULT_HEAD_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
@@ -243,6 +244,12 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    server.add_argument(
+        "--log-format",
+        default="plain",
+        choices=FORMATS,
+        help="json: one JSON object per line, and a line for every finished request",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -290,6 +297,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        log_requests=args.log_format == "json",
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,
@@ -305,14 +313,13 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import build_app
     from server.http_protocol import uvicorn_config
     from server.lifecycle import DrainingServer
+    from server.log_format import configure_logging
     from server.tracing import Tracing
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    log_config = configure_logging(args.log_level, args.log_format)
     settings = server_settings(args)
     try:
-        tracing = Tracing.from_endpoint(settings.otlp_traces_endpoint)
+        tracing = Tracing.from_endpoint(settings.otlp_traces_endpoint, settings.log_requests)
         engine = AsyncEngine.from_config(engine_config(args))
     except (ValueError, OSError) as exc:
         logger.error("cannot start: %s", exc)
@@ -332,7 +339,7 @@ def serve(args: argparse.Namespace) -> int:
         args.host,
         args.port,
     )
-    config = uvicorn_config(app, args.host, args.port, args.log_level, settings)
+    config = uvicorn_config(app, args.host, args.port, args.log_level, settings, log_config)
     DrainingServer(config, app, settings.shutdown_timeout).run()
     return 0
 

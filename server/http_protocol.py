@@ -124,8 +124,20 @@ def guarded(max_head_bytes: int, head_timeout: float) -> type[GuardedHttpToolsPr
 
 
 def uvicorn_config(
-    app: Any, host: str, port: int, log_level: str, settings: ServerSettings
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str,
+    settings: ServerSettings,
+    log_config: dict[str, Any] | None = None,
 ) -> uvicorn.Config:
-    """uvicorn's configuration for the app: the guarded protocol with `settings`' limits."""
-    protocol = guarded(settings.max_head_bytes, settings.head_timeout)
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol)
+    """uvicorn's configuration for the app: the guarded protocol with `settings`' limits, and
+    `log_config` for its loggers (None: uvicorn's own)."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=guarded(settings.max_head_bytes, settings.head_timeout),
+        log_config=log_config if log_config is not None else uvicorn.config.LOGGING_CONFIG,
+    )

@@ -35,7 +35,13 @@ SSE_EVENT: dict[str, Any] = {
 GENERATION: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The completion; with `stream`, its server-sent events",
-        "content": {"text/event-stream": {"schema": SSE_EVENT, "itemSchema": SSE_EVENT}},
+        "content": {
+            "text/event-stream": {
+                # The events one by one, and the stream as their sequence (OpenAPI 3.2).
+                "itemSchema": SSE_EVENT,
+                "schema": {"type": "array", "items": SSE_EVENT},
+            }
+        },
     },
     **errors(400, 404, 500, 503, 504),
 }

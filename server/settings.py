@@ -26,3 +26,5 @@ class ServerSettings:
     tool_call_parser: str | None = None
     # Where request spans go over OTLP/HTTP (None: the environment's, else no tracing).
     otlp_traces_endpoint: str | None = None
+    # A log line for every finished request (`--log-format json`).
+    log_requests: bool = False

@@ -1,4 +1,5 @@
-"""Request tracing with OpenTelemetry: one server span per completion or chat request.
+"""Request tracing with OpenTelemetry: one server span per completion or chat request; and,
+with `--log-format json`, one log line per request made of the same attributes.
 
 Off unless `--otlp-traces-endpoint` (or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set; then
 spans go out over OTLP/HTTP through the OpenTelemetry SDK (the optional `otel` extra), which
@@ -14,6 +15,7 @@ that went away or a deadline that passed. An error sets the span's status.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -37,40 +39,74 @@ TIMING_ATTRIBUTES = {
     "e2e_latency": "gen_ai.latency.e2e",
 }
 
+# A request's log line (`--log-format json`): attribute -> key.
+LOG_FIELDS = {
+    "http.request.header.x-request-id": "request_id",
+    "gen_ai.response.id": "response_id",
+    "gen_ai.operation.name": "operation",
+    "gen_ai.request.model": "model",
+    "conveyor.stream": "stream",
+    "http.response.status_code": "status",
+    "gen_ai.usage.input_tokens": "prompt_tokens",
+    "gen_ai.usage.output_tokens": "completion_tokens",
+    "gen_ai.usage.cache_read.input_tokens": "cached_tokens",
+    "gen_ai.response.finish_reasons": "finish_reasons",
+    "gen_ai.latency.time_in_queue": "queue_time_s",
+    "gen_ai.latency.time_to_first_token": "ttft_s",
+    "gen_ai.latency.time_in_model_prefill": "prefill_time_s",
+    "gen_ai.latency.time_in_model_decode": "decode_time_s",
+    "gen_ai.latency.e2e": "e2e_s",
+}
+REQUEST_LOG = logging.getLogger("conveyor.requests")
+
 
 class RequestTrace:
-    """One request's span, open until its response (or stream) ends."""
+    """One request, observed until its response (or stream) ends: its span when tracing, and
+    the attributes its log line is made of."""
 
-    def __init__(self, tracing: Tracing, span: Any) -> None:
+    def __init__(self, tracing: Tracing, span: Any, attributes: dict[str, Any]) -> None:
         self.tracing = tracing
         self.span = span
+        self.attributes = attributes
+        self.events: list[str] = []
+        self.error: str | None = None
         self.request_id: str | None = None
         self.sequences: list[FinishedRequestStats] = []
         self.status = 200
-        self.failed = False
         self.ended = False
 
+    def set(self, name: str, value: Any) -> None:
+        self.attributes[name] = value
+        if self.span is not None:
+            self.span.set_attribute(name, value)
+
+    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
+        self.events.append(name)
+        if self.span is not None:
+            self.span.add_event(name, attributes)
+
     def bind(self, request_id: str) -> None:
-        """The engine's id for the request, so that its sequences' timings find the span."""
+        """The engine's id for the request, so that its sequences' timings find it."""
         self.request_id = request_id
-        self.span.set_attribute("gen_ai.response.id", request_id)
+        self.set("gen_ai.response.id", request_id)
         self.tracing.open[request_id] = self
 
     def output(self, usage: Mapping[str, Any], finish_reasons: list[str]) -> None:
-        self.span.set_attribute("gen_ai.usage.input_tokens", usage["prompt_tokens"])
-        self.span.set_attribute("gen_ai.usage.output_tokens", usage["completion_tokens"])
+        self.set("gen_ai.usage.input_tokens", usage["prompt_tokens"])
+        self.set("gen_ai.usage.output_tokens", usage["completion_tokens"])
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        self.span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached)
-        self.span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
+        self.set("gen_ai.usage.cache_read.input_tokens", cached)
+        self.set("gen_ai.response.finish_reasons", finish_reasons)
         if "timeout" in finish_reasons:
-            self.span.add_event("deadline expired")
+            self.event("deadline expired")
 
     def fail(self, exc: BaseException) -> None:
         """An error the client gets (its status), or a stream cut short by one."""
         self.status = to_api_error(exc).status if isinstance(exc, Exception) else 500
-        self.failed = True
-        self.span.record_exception(exc)
-        self.span.set_status(self.tracing.error_status(str(exc)))
+        self.error = str(exc) or type(exc).__name__
+        if self.span is not None:
+            self.span.record_exception(exc)
+            self.span.set_status(self.tracing.error_status(self.error))
 
     def end(self, status: int | None = None) -> None:
         if self.ended:
@@ -79,14 +115,18 @@ class RequestTrace:
         if status is not None:
             self.status = status
         if self.status == CLIENT_GONE:
-            self.span.add_event("aborted", {"reason": "the client went away"})
-        elif self.status >= 400 and not self.failed:
-            self.span.set_status(self.tracing.error_status(f"HTTP {self.status}"))
-        self.span.set_attribute("http.response.status_code", self.status)
+            self.event("aborted", {"reason": "the client went away"})
+        elif self.status >= 400 and self.error is None:
+            self.error = f"HTTP {self.status}"
+            if self.span is not None:
+                self.span.set_status(self.tracing.error_status(self.error))
+        self.set("http.response.status_code", self.status)
         self._timings()
         if self.request_id is not None:
             self.tracing.open.pop(self.request_id, None)
-        self.span.end()
+        if self.span is not None:
+            self.span.end()
+        self.tracing.finished(self)
 
     def _timings(self) -> None:
         """The first sequence's queue and first-token times; the longest decode and total."""
@@ -98,23 +138,43 @@ class RequestTrace:
             source = first if field in ("queue_time", "time_to_first_token") else last
             value = getattr(source, field)
             if value is not None:
-                self.span.set_attribute(name, value)
+                self.set(name, value)
+
+    def log_fields(self) -> dict[str, Any]:
+        """The request's log line: its ids, outcome, token counts and timings."""
+        fields: dict[str, Any] = {"event": "request"}
+        for attribute, key in LOG_FIELDS.items():
+            value = self.attributes.get(attribute)
+            if attribute.startswith("http.request.header") and value:
+                value = value[0]
+            if value is not None:
+                fields[key] = round(value, 6) if isinstance(value, float) else value
+        if self.span is not None:
+            fields["trace_id"] = format(self.span.get_span_context().trace_id, "032x")
+        if self.error is not None:
+            fields["error"] = self.error
+        if self.events:
+            fields["events"] = self.events
+        return fields
 
 
 class Tracing:
-    """Opens request spans when a tracer is configured; otherwise does nothing."""
+    """Observes each completion and chat request when a tracer is configured (a span) or
+    request logging is on (a log line); otherwise does nothing."""
 
-    def __init__(self, tracer: Any = None, provider: Any = None) -> None:
+    def __init__(self, tracer: Any = None, provider: Any = None, log_requests: bool = False):
         self.tracer = tracer
         self.provider = provider
+        self.log_requests = log_requests
         self.open: dict[str, RequestTrace] = {}
 
     @classmethod
-    def from_endpoint(cls, endpoint: str | None) -> Tracing:
-        """Tracing that exports to `endpoint` (or the environment's), or none."""
+    def from_endpoint(cls, endpoint: str | None, log_requests: bool = False) -> Tracing:
+        """Tracing that exports to `endpoint` (or the environment's), or none; and a log line
+        per request with `log_requests`."""
         endpoint = endpoint or os.environ.get(ENDPOINT_VARIABLE)
         if not endpoint:
-            return cls()
+            return cls(log_requests=log_requests)
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -123,33 +183,40 @@ class Tracing:
                 "--otlp-traces-endpoint needs the OpenTelemetry packages: "
                 "pip install 'conveyor[otel]'"
             ) from exc
-        return cls.with_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        exporter = OTLPSpanExporter(endpoint=endpoint)
+        return cls.with_processor(BatchSpanProcessor(exporter), log_requests)
 
     @classmethod
-    def with_processor(cls, processor: Any) -> Tracing:
+    def with_processor(cls, processor: Any, log_requests: bool = False) -> Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
 
         provider = TracerProvider(resource=Resource.create({"service.name": "conveyor"}))
         provider.add_span_processor(processor)
-        return cls(provider.get_tracer("conveyor"), provider)
+        return cls(provider.get_tracer("conveyor"), provider, log_requests)
 
     @property
     def enabled(self) -> bool:
-        return self.tracer is not None
+        return self.tracer is not None or self.log_requests
 
     def start(self, operation: str, model: str, body: Any, request: Request) -> RequestTrace:
+        attributes = _request_attributes(operation, model, body, request)
+        if self.tracer is None:
+            return RequestTrace(self, None, attributes)
         from opentelemetry.propagate import extract
         from opentelemetry.trace import SpanKind
 
-        assert self.tracer is not None
         span = self.tracer.start_span(
             f"{operation} {model}",
             context=extract(dict(request.headers)),
             kind=SpanKind.SERVER,
-            attributes=_request_attributes(operation, model, body, request),
+            attributes=attributes,
         )
-        return RequestTrace(self, span)
+        return RequestTrace(self, span, attributes)
+
+    def finished(self, trace: RequestTrace) -> None:
+        if self.log_requests:
+            REQUEST_LOG.info("request", extra={"fields": trace.log_fields()})
 
     async def traced(
         self,
@@ -160,7 +227,7 @@ class Tracing:
         handle: Callable[[Any, Request], Awaitable[Response]],
     ) -> Response:
         """`handle(body, request)` inside the request's span; a stream's span ends with it."""
-        if self.tracer is None:
+        if not self.enabled:
             return await handle(body, request)
         trace = self.start(operation, model, body, request)
         request.state.trace = trace

@@ -314,7 +314,8 @@ def test_32_concurrent_streams_complete_and_leave_the_cache_empty(server):
 
 
 def test_sigterm_lets_running_requests_finish_and_exits_0():
-    process, url = start_server("--shutdown-timeout", "20")
+    """Also with JSON logs: uvicorn's records and a line for the finished request."""
+    process, url = start_server("--shutdown-timeout", "20", "--log-format", "json")
     try:
         with ThreadPoolExecutor(1) as pool:
             running = pool.submit(
@@ -332,11 +333,17 @@ def test_sigterm_lets_running_requests_finish_and_exits_0():
             answer = running.result(timeout=60)
         assert answer.usage.completion_tokens == 20
         assert answer.choices[0].finish_reason == "length"
-        process.communicate(timeout=60)
+        log = process.communicate(timeout=60)[0]
         assert process.returncode == 0
     finally:
         if process.poll() is None:
             process.kill()
+    records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert any(r["logger"].startswith("uvicorn") for r in records)
+    [request] = [r for r in records if r.get("event") == "request"]
+    assert request["status"] == 200 and request["completion_tokens"] == 20
+    assert request["response_id"] == answer.id and request["finish_reasons"] == ["length"]
+    assert request["e2e_s"] >= request["ttft_s"] > 0
 
 
 def test_sigterm_ends_what_outlasts_the_shutdown_timeout_with_a_503():

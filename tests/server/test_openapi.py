@@ -30,7 +30,8 @@ def test_the_document_lists_400s_in_openais_shape_and_no_422():
 
 
 async def test_each_streamed_event_fits_the_documented_event():
-    """A stream's events as schemathesis reads them (`data`, `event`) fit the schema."""
+    """A stream's events as schemathesis reads them (`data`, `event`) fit the event schema, and
+    the stream, their sequence, fits the body's."""
     async with app_client() as (client, _):
         schema = client._transport.app.openapi()  # type: ignore[attr-defined]
         content = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
@@ -44,9 +45,10 @@ async def test_each_streamed_event_fits_the_documented_event():
         response = await client.post("/v1/chat/completions", json=body)
         blocks = response.text.strip().split("\n\n")
         assert len(blocks) >= 3
-        for block in blocks:
-            event = {"data": block.removeprefix("data: "), "event": "message"}
+        events = [{"data": block.removeprefix("data: "), "event": "message"} for block in blocks]
+        for event in events:
             jsonschema.validate(event, event_schema)
+        jsonschema.validate(events, content["text/event-stream"]["schema"])
 
 
 # Left out: `positive_data_acceptance` (rules a schema cannot state: token ids below the

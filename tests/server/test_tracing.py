@@ -1,10 +1,13 @@
 """Request spans: one per completion or chat request, with the GenAI attributes, the engine's
-timings and the outcome, continuing the caller's traceparent; exported over OTLP/HTTP."""
+timings and the outcome, continuing the caller's traceparent; exported over OTLP/HTTP. And the
+JSON log line per request made of the same attributes."""
 
 from __future__ import annotations
 
 import asyncio
 import gzip
+import json
+import logging
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from threading import Thread
 from typing import ClassVar
@@ -20,6 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 )
 from opentelemetry.trace import SpanKind, StatusCode
 
+from server.log_format import JsonFormatter
 from server.settings import ServerSettings
 from server.tracing import Tracing
 from tests.server_utils import app_client, blocks_in_use, live_server
@@ -175,3 +179,48 @@ def test_tracing_is_off_without_an_endpoint(monkeypatch):
     assert not Tracing.from_endpoint(None).enabled
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/v1/traces")
     assert Tracing.from_endpoint(None).enabled
+
+
+async def test_a_log_line_per_request_ties_the_request_id_to_the_trace(caplog):
+    exporter = InMemorySpanExporter()
+    tracing = Tracing.with_processor(SimpleSpanProcessor(exporter), log_requests=True)
+    caplog.set_level("INFO", logger="conveyor.requests")
+    async with app_client(tracing=tracing) as (client, _):
+        ok = await client.post("/v1/completions", json=PROMPT, headers={"x-request-id": "r-1"})
+        bad = await client.post("/v1/completions", json={**PROMPT, "stop": ["x"] * 100})
+        assert (ok.status_code, bad.status_code) == (200, 400)
+        spans = await until_spans(exporter, 2)
+    lines = [r.fields for r in caplog.records if r.name == "conveyor.requests"]
+    assert len(lines) == 2
+    line = next(f for f in lines if f["status"] == 200)
+    assert line["request_id"] == "r-1" and line["response_id"] == ok.json()["id"]
+    assert (line["operation"], line["model"]) == ("text_completion", "tiny")
+    assert line["prompt_tokens"] > 0 and line["completion_tokens"] == 5
+    assert line["finish_reasons"] == ["length"] and line["e2e_s"] >= line["ttft_s"] > 0
+    span = next(s for s in spans if s.attributes["http.response.status_code"] == 200)
+    assert line["trace_id"] == format(span.context.trace_id, "032x")
+    refused = next(f for f in lines if f["status"] == 400)
+    assert "stop strings" in refused["error"]
+
+
+async def test_request_lines_without_tracing(caplog):
+    caplog.set_level("INFO", logger="conveyor.requests")
+    async with app_client(tracing=Tracing(log_requests=True)) as (client, _):
+        body = {**CHAT, "stream": True}
+        assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        for _ in range(100):
+            if caplog.records:
+                break
+            await asyncio.sleep(0.01)
+    [record] = [r for r in caplog.records if r.name == "conveyor.requests"]
+    assert record.fields["operation"] == "chat" and record.fields["stream"] is True
+    assert "trace_id" not in record.fields
+
+
+def test_the_json_formatter_writes_one_object_with_the_fields():
+    record = logging.LogRecord("conveyor.requests", logging.INFO, "", 0, "request", (), None)
+    record.fields = {"status": 200, "finish_reasons": ["stop"]}
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["level"] == "info" and entry["logger"] == "conveyor.requests"
+    assert (entry["message"], entry["status"]) == ("request", 200)
+    assert entry["finish_reasons"] == ["stop"]

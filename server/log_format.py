@@ -1,0 +1,50 @@
+"""Log output: the plain lines by default, or (`--log-format json`) one JSON object per line for
+every record, uvicorn's included; a record's `fields` (a request's ids, outcome, token counts
+and timings) become keys of its object."""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import UTC, datetime
+from typing import Any
+
+PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+FORMATS = ("plain", "json")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str, log_format: str) -> dict[str, Any] | None:
+    """Set up the root logger; return the logging configuration uvicorn should apply (None:
+    its own)."""
+    if log_format == "plain":
+        logging.basicConfig(level=level.upper(), format=PLAIN)
+        return None
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level.upper())
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": JsonFormatter}},
+        "handlers": {"json": {"class": "logging.StreamHandler", "formatter": "json"}},
+        "loggers": {
+            name: {"handlers": ["json"], "level": level.upper(), "propagate": False}
+            for name in ("uvicorn", "uvicorn.access")
+        },
+    }
