@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
+from urllib.parse import unquote
 
 import httpx
 import pytest
@@ -159,6 +160,27 @@ def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
         assert needed in titles
     for panel in dashboard["panels"]:
         assert panel["datasource"]["uid"] == datasource["uid"]
+
+
+def test_the_stack_sends_traces_to_jaeger_and_the_dashboard_links_to_them():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    for name in ("conveyor", "conveyor-cpu"):
+        endpoint = services[name]["environment"]["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+        assert endpoint == "http://jaeger:4318/v1/traces"
+    assert services["jaeger"]["image"].startswith("jaegertracing/all-in-one:")
+    assert "jaeger" in services["grafana"]["depends_on"]
+    jaeger = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/jaeger.yml").read_text())
+    source = jaeger["datasources"][0]
+    assert (source["type"], source["uid"], source["url"]) == (
+        "jaeger",
+        "jaeger",
+        "http://jaeger:16686",
+    )
+    [link] = json.loads(DASHBOARD.read_text())["links"]
+    panes = json.loads(unquote(link["url"].split("panes=", 1)[1]))
+    [pane] = panes.values()
+    assert pane["datasource"] == source["uid"] and pane["queries"][0]["service"] == "conveyor"
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool")
