@@ -9,14 +9,16 @@ and a request costs one attribute lookup.
 A span is named as the GenAI conventions name it (`chat {model}`, `text_completion {model}`),
 continues the caller's W3C `traceparent`, and carries the request's settings, its usage and
 finish reasons, the timings the engine measured for its sequences (queue, time to first token,
-prefill, decode, end to end: the same as the Prometheus histograms), and an event for a client
-that went away or a deadline that passed. An error sets the span's status.
+prefill, decode, end to end: the same as the Prometheus histograms), and events for what the
+scheduler did with it (deferred admission, preemption, pause, resumption), a client that went
+away or a deadline that passed. An error sets the span's status.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -80,10 +82,13 @@ class RequestTrace:
         if self.span is not None:
             self.span.set_attribute(name, value)
 
-    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
+    def event(
+        self, name: str, attributes: dict[str, Any] | None = None, at: int | None = None
+    ) -> None:
+        """An event now, or `at` (ns since the epoch)."""
         self.events.append(name)
         if self.span is not None:
-            self.span.add_event(name, attributes)
+            self.span.add_event(name, attributes, at)
 
     def bind(self, request_id: str) -> None:
         """The engine's id for the request, so that its sequences' timings find it."""
@@ -121,12 +126,20 @@ class RequestTrace:
             if self.span is not None:
                 self.span.set_status(self.tracing.error_status(self.error))
         self.set("http.response.status_code", self.status)
+        self._scheduler_events()
         self._timings()
         if self.request_id is not None:
             self.tracing.open.pop(self.request_id, None)
         if self.span is not None:
             self.span.end()
         self.tracing.finished(self)
+
+    def _scheduler_events(self) -> None:
+        """What the scheduler did with the sequences (deferred admission, preemption, pause,
+        resumption), at the times it did it."""
+        wall, monotonic = time.time_ns(), time.monotonic()
+        for when, name in sorted({event for s in self.sequences for event in s.events}):
+            self.event(name, at=wall - int((monotonic - when) * 1e9))
 
     def _timings(self) -> None:
         """The first sequence's queue and first-token times; the longest decode and total."""

@@ -141,6 +141,8 @@ class EngineCore:
             deadline=None if timeout is None else arrival + timeout,
             deferred=deferred,
         )
+        if deferred:
+            request.timings.events.append((arrival, "admission deferred"))
         if params.structured is not None and self.grammars is not None:
             request.grammar = self.grammars.matcher(params.structured)
         self.scheduler.add_request(request, fork_of)

@@ -32,6 +32,9 @@ class RequestTimings:
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
+    # What the scheduler did with it besides running it: (time, "admission deferred" |
+    # "preempted" | "paused" | "resumed").
+    events: list[tuple[float, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)

@@ -23,6 +23,8 @@ class FinishedRequestStats:
     # The request this sequence belongs to, and how many sequences it has (`n`).
     parent_id: str = ""
     siblings: int = 1
+    # What the scheduler did with it: (monotonic time, what), as `RequestTimings.events`.
+    events: tuple[tuple[float, str], ...] = ()
 
     @property
     def time_per_output_token(self) -> float | None:
@@ -48,6 +50,7 @@ class FinishedRequestStats:
             inference_time=_span(t.first_scheduled, t.last_token),
             parent_id=parent_id or request.request_id,
             siblings=siblings,
+            events=tuple(t.events),
         )
 
 

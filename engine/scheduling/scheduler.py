@@ -328,6 +328,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
+            else:
+                request.timings.events.append((now, "resumed"))
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_tokens))
             budget -= num_tokens
@@ -383,11 +385,12 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Back to the waiting queue without its blocks: it will be recomputed."""
         self._release(request)
-        self._pause(request)
+        self._pause(request, "preempted")
 
-    def _pause(self, request: Request) -> None:
+    def _pause(self, request: Request, event: str = "paused") -> None:
         """Back to the waiting queue keeping its blocks: it resumes where it stopped, unless
         the blocks are needed first."""
+        request.timings.events.append((time.monotonic(), event))
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1

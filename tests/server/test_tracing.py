@@ -224,3 +224,23 @@ def test_the_json_formatter_writes_one_object_with_the_fields():
     assert entry["level"] == "info" and entry["logger"] == "conveyor.requests"
     assert (entry["message"], entry["status"]) == ("request", 200)
     assert entry["finish_reasons"] == ["stop"]
+
+
+async def test_preemption_and_resumption_are_span_events_at_their_times():
+    """A cache too small for three growing sequences preempts one; its span says when it was
+    preempted and resumed, within the span."""
+    tracing, exporter = in_memory()
+    small = {"num_blocks": 20, "max_model_len": 64}  # 80 tokens for three of ~45
+    body = {**PROMPT, "max_tokens": 40, "ignore_eos": True}
+    async with app_client(tracing=tracing, **small) as (client, engine):
+        replies = await asyncio.gather(
+            *(client.post("/v1/completions", json=body) for _ in range(3))
+        )
+        assert all(r.status_code == 200 for r in replies)
+        spans = await until_spans(exporter, 3)
+        assert blocks_in_use(engine) == 0
+    events = [(span, event) for span in spans for event in span.events]
+    names = [event.name for _, event in events]
+    assert "preempted" in names and "resumed" in names
+    for span, event in events:
+        assert span.start_time <= event.timestamp <= span.end_time
