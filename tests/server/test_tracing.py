@@ -8,6 +8,7 @@ import asyncio
 import gzip
 import json
 import logging
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from threading import Thread
 from typing import ClassVar
@@ -244,3 +245,9 @@ async def test_preemption_and_resumption_are_span_events_at_their_times():
     assert "preempted" in names and "resumed" in names
     for span, event in events:
         assert span.start_time <= event.timestamp <= span.end_time
+
+
+def test_the_flag_without_the_otel_extra_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
+    with pytest.raises(ValueError, match=r"pip install 'conveyor\[otel\]'"):
+        Tracing.from_endpoint("http://127.0.0.1:4318/v1/traces")
