@@ -14,6 +14,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.core.errors import EngineDeadError
+from engine.core.paths import cache_dir
+from server.batches.files import LazyFileStore
+from server.batches.routes import files_router
 from server.errors import APIError, install_error_handlers
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
@@ -31,6 +34,8 @@ from server.serving_completions import CompletionHandler
 from server.settings import ServerSettings
 from server.tokenization import chat_prompt, encode_text
 from server.tracing import Tracing
+
+UPLOAD_ENVELOPE_BYTES = 1 << 20
 
 
 def conveyor_version() -> str:
@@ -57,6 +62,8 @@ def build_app(
     if tracing.enabled:
         engine.stat_loggers.append(tracing.record)
 
+    files = LazyFileStore(settings.state_dir or cache_dir() / "state")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
@@ -64,6 +71,7 @@ def build_app(
         app.state.draining = True
         await engine.shutdown()
         tracing.shutdown()
+        files.close()
 
     app = FastAPI(title="Conveyor", version=conveyor_version(), lifespan=lifespan)
     app.state.engine = engine
@@ -74,6 +82,7 @@ def build_app(
     document_errors_as_sent(app)
     app.include_router(_openai_router(engine, served, settings, tracing))
     app.include_router(_ops_router(engine, registry))
+    app.include_router(files_router(files, settings.max_file_bytes))
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -81,7 +90,9 @@ def build_app(
             allow_methods=["*"],
             allow_headers=["*"],
         )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # Uploads stream to disk under their own limit (plus room for the multipart envelope).
+    uploads = {"/v1/files": settings.max_file_bytes + UPLOAD_ENVELOPE_BYTES}
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, streamed=uploads)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(HTTPMetricsMiddleware, metrics=HTTPMetrics(registry))

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 
 from engine.core.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from server.limits import RequestLimits
@@ -14,6 +15,7 @@ from server.log_format import FORMATS
 from server.settings import (
     DEFAULT_HEAD_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_HEAD_BYTES,
     ServerSettings,
 )
@@ -229,6 +231,18 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "(default: the chat template's own format where it shows one)",
     )
     server.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="where uploaded files (/v1/files) are kept (default: state under the cache folder)",
+    )
+    server.add_argument(
+        "--max-file-bytes",
+        type=parse_bytes,
+        default=DEFAULT_MAX_FILE_BYTES,
+        help="the largest file /v1/files accepts",
+    )
+    server.add_argument(
         "--otlp-traces-endpoint",
         default=None,
         help="send a span per request over OTLP/HTTP to this URL, e.g. "
@@ -298,6 +312,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         tool_call_parser=args.tool_call_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         log_requests=args.log_format == "json",
+        state_dir=args.state_dir,
+        max_file_bytes=args.max_file_bytes,
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Scope
 
 from engine.core.errors import (
     ConveyorError,
@@ -112,6 +115,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"Invalid value for '{param}': {message}." if param else f"{message}."), param
 
 
+def _allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """Every method some route serves at this path (Starlette names only the first route's,
+    where a path has one route per method)."""
+    methods: set[str] = set()
+    for route in _leaf_routes(app.router.routes):
+        match, _ = route.matches({**scope, "method": ""})
+        if match != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
+def _leaf_routes(routes: list[Any]) -> Iterator[Any]:
+    """The routes themselves, through the routers included (without prefixes) in the app."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            yield from _leaf_routes(included.routes)
+        else:
+            yield route
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -119,9 +143,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        error = APIError(exc.status_code, str(exc.detail), type_, headers=dict(exc.headers or {}))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
+        error = APIError(exc.status_code, str(exc.detail), type_, headers=headers)
         return error_response(error)
 
     @app.exception_handler(APIError)

@@ -49,18 +49,27 @@ class BodyLimitMiddleware:
     """Refuse request bodies over `max_bytes` with a 400 in OpenAI's shape.
 
     The body is read up front (counting bytes even without a Content-Length) and replayed to
-    the app, so the refusal comes before any parsing.
+    the app, so the refusal comes before any parsing. Bodies of the `streamed` paths (uploads)
+    are not held in memory: they have a limit of their own, checked against their declared
+    length up front and counted as they stream (past it, the app sees the client leave).
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, streamed: dict[str, int] | None = None
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.streamed = streamed or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         declared = _header(scope, b"content-length")
+        limit = self.streamed.get(scope.get("path", ""))
+        if limit is not None:
+            await self._streamed(scope, receive, send, declared, limit)
+            return
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(send)
             return
@@ -75,6 +84,22 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _streamed(
+        self, scope: Scope, receive: Receive, send: Send, declared: bytes | None, limit: int
+    ) -> None:
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(send, limit)
+            return
+        size = 0
+
+        async def counted() -> Message:
+            nonlocal size
+            message = await receive()
+            size += len(message.get("body", b""))
+            return {"type": "http.disconnect"} if size > limit else message
+
+        await self.app(scope, counted, send)
 
     async def _read_body(self, receive: Receive) -> list[Message] | None:
         """The request's messages up to the end of its body, or None if it is too large."""
@@ -91,11 +116,11 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 return messages
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, send: Send, limit: int | None = None) -> None:
         await send_error(
             send,
             400,
-            f"The request body is larger than the limit of {self.max_bytes} bytes.",
+            f"The request body is larger than the limit of {limit or self.max_bytes} bytes.",
             "request_too_large",
         )
 

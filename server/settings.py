@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from server.limits import RequestLimits
 
@@ -10,6 +11,8 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # A request's line and headers: at most this many bytes, arriving within this many seconds.
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_HEAD_TIMEOUT = 30.0
+# An uploaded file (/v1/files), as OpenAI's limit for a batch's input.
+DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,3 +31,6 @@ class ServerSettings:
     otlp_traces_endpoint: str | None = None
     # A log line for every finished request (`--log-format json`).
     log_requests: bool = False
+    # Where uploaded files and batch jobs are kept (None: `state` under the cache folder).
+    state_dir: Path | None = None
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES

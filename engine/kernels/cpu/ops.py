@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 @cache
 def build_result() -> cpu_build.BuildResult:
     """Compile (once per machine) and load what builds here; registers `torch.ops.conveyor.*`."""
-    from engine.loading.default_model import cache_dir
+    from engine.core.paths import cache_dir
 
     return cpu_build.build(cache_dir() / "kernels")
 
