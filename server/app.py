@@ -16,7 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from engine.core.errors import EngineDeadError
 from engine.core.paths import cache_dir
 from server.batches.files import LazyFileStore
-from server.batches.routes import files_router
+from server.batches.jobs import LazyBatchStore
+from server.batches.routes import batches_router, files_router
+from server.batches.runner import BatchRunner
 from server.errors import APIError, install_error_handlers
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
@@ -62,16 +64,20 @@ def build_app(
     if tracing.enabled:
         engine.stat_loggers.append(tracing.record)
 
-    files = LazyFileStore(settings.state_dir or cache_dir() / "state")
+    state_dir = settings.state_dir or cache_dir() / "state"
+    files, jobs = LazyFileStore(state_dir), LazyBatchStore(state_dir)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
+        runner.start()
         yield
         app.state.draining = True
+        await runner.stop()
         await engine.shutdown()
         tracing.shutdown()
         files.close()
+        jobs.close()
 
     app = FastAPI(title="Conveyor", version=conveyor_version(), lifespan=lifespan)
     app.state.engine = engine
@@ -82,7 +88,9 @@ def build_app(
     document_errors_as_sent(app)
     app.include_router(_openai_router(engine, served, settings, tracing))
     app.include_router(_ops_router(engine, registry))
+    runner = BatchRunner(app, files, jobs, settings.api_key)
     app.include_router(files_router(files, settings.max_file_bytes))
+    app.include_router(batches_router(files, jobs, runner))
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -1,1 +1,2 @@
-"""The Batch API's durable state: uploaded files (`files.py`), and the routes of /v1/files."""
+"""The Batch API: uploaded files (`files.py`), batch jobs and their lines (`jobs.py`), the input
+checks (`validation.py`), the background runner (`runner.py`) and the routes (`routes.py`)."""

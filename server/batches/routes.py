@@ -1,4 +1,6 @@
-"""/v1/files as OpenAI serves it: upload (multipart), list (paged), retrieve, content, delete."""
+"""/v1/files and /v1/batches as OpenAI serves them: files uploaded (multipart), listed (paged),
+retrieved, read and deleted; batches created (validated up front), retrieved, listed and
+cancelled, run in the background by `BatchRunner`."""
 
 from __future__ import annotations
 
@@ -7,8 +9,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict
 
 from server.batches.files import FileRecord, FileStore, LazyFileStore
+from server.batches.jobs import Batch, LazyBatchStore, new_batch
+from server.batches.runner import BatchRunner
+from server.batches.validation import read_batch
 from server.errors import APIError
 from server.openapi import errors
 
@@ -91,3 +97,72 @@ async def _existing(store: FileStore, file_id: str) -> FileRecord:
 
 def _missing(file_id: str) -> APIError:
     return APIError(404, f"No such File object: {file_id}", param="id")
+
+
+class CreateBatch(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    input_file_id: str
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = None
+
+
+def batches_router(files: LazyFileStore, jobs: LazyBatchStore, runner: BatchRunner) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/batches", responses=errors(400))
+    async def create(body: CreateBatch) -> dict[str, Any]:
+        record = await asyncio.to_thread(files.get().get, body.input_file_id)
+        if record is None:
+            raise APIError(400, f"No such File object: {body.input_file_id}", param="input_file_id")
+        batch = new_batch(record.id, body.endpoint, body.metadata)
+        path = files.get().path(record.id)
+        lines, problems = await asyncio.to_thread(read_batch, path, body.endpoint)
+        store = jobs.get()
+        if problems:
+            batch.body["errors"] = {"object": "list", "data": problems}
+            await asyncio.to_thread(store.create, batch, [])
+            await asyncio.to_thread(store.move, batch, "failed")
+        else:
+            await asyncio.to_thread(store.create, batch, lines)
+            await asyncio.to_thread(store.move, batch, "in_progress")
+            runner.wake()
+        return batch.body
+
+    @router.get("/v1/batches/{batch_id}", responses=errors(404))
+    async def retrieve(batch_id: str) -> dict[str, Any]:
+        return (await _batch(jobs, batch_id)).body
+
+    @router.get("/v1/batches", responses=errors(400))
+    async def list_batches(
+        after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
+    ) -> dict[str, Any]:
+        batches, more = await asyncio.to_thread(jobs.get().page, limit, after)
+        data = [batch.body for batch in batches]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+
+    @router.post("/v1/batches/{batch_id}/cancel", responses=errors(400, 404))
+    async def cancel(batch_id: str) -> dict[str, Any]:
+        batch = await _batch(jobs, batch_id)
+        if batch.status not in ("validating", "in_progress", "cancelling"):
+            raise APIError(400, f"Cannot cancel a batch with status {batch.status}.")
+        if batch.status != "cancelling":
+            await asyncio.to_thread(jobs.get().move, batch, "cancelling")
+        runner.cancel(batch.id)
+        return batch.body
+
+    return router
+
+
+async def _batch(jobs: LazyBatchStore, batch_id: str) -> Batch:
+    batch = await asyncio.to_thread(jobs.get().get, batch_id)
+    if batch is None:
+        raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id")
+    return batch
