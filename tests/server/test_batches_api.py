@@ -167,3 +167,19 @@ async def test_a_batch_stopped_mid_run_resumes_with_each_line_once(tmp_path):
         assert batch.status == "completed" and batch.request_counts.completed == 40
         outputs = await file_lines(client, batch.output_file_id)
         assert sorted(o["custom_id"] for o in outputs) == sorted(i["custom_id"] for i in lines)
+
+
+async def test_a_batch_past_its_window_expires_with_its_lines_reported(tmp_path, monkeypatch):
+    from server.batches import jobs
+
+    monkeypatch.setattr(jobs, "WINDOW_SECONDS", -1)  # created already past its window
+    settings = ServerSettings(served_model_name="tiny", state_dir=tmp_path)
+    async with live_server(settings) as server:
+        client = sdk(server.url)
+        created = await submit(client, [line("a", "Hi"), line("b", "Yo")])
+        batch = await until_done(client, created.id)
+        assert batch.status == "expired" and batch.expired_at is not None
+        assert batch.output_file_id is None
+        errors = await file_lines(client, batch.error_file_id)
+        assert sorted(e["custom_id"] for e in errors) == ["a", "b"]
+        assert all(e["error"]["code"] == "batch_expired" for e in errors)
