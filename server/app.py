@@ -17,6 +17,7 @@ from engine.core.errors import EngineDeadError
 from engine.core.paths import cache_dir
 from server.batches.files import LazyFileStore
 from server.batches.jobs import LazyBatchStore
+from server.batches.metrics import BatchMetrics
 from server.batches.routes import batches_router, files_router
 from server.batches.runner import BatchRunner
 from server.errors import APIError, install_error_handlers
@@ -89,6 +90,7 @@ def build_app(
     app.include_router(_openai_router(engine, served, settings, tracing))
     app.include_router(_ops_router(engine, registry))
     runner = BatchRunner(app, files, jobs, settings.api_key)
+    BatchMetrics(registry, jobs, runner)
     app.include_router(files_router(files, settings.max_file_bytes))
     app.include_router(batches_router(files, jobs, runner))
     if settings.allowed_origins:

@@ -176,6 +176,25 @@ class BatchStore:
             ).fetchall()
         return [json.loads(r[0]) for r in rows]
 
+    def totals(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Batches by status, and their lines: total, completed and failed."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT json_extract(body, '$.status'), COUNT(*), "
+                "SUM(json_extract(body, '$.request_counts.total')), "
+                "SUM(json_extract(body, '$.request_counts.completed')), "
+                "SUM(json_extract(body, '$.request_counts.failed')) "
+                "FROM batches GROUP BY 1"
+            ).fetchall()
+        statuses = {row[0]: row[1] for row in rows}
+        unfinished = [row for row in rows if row[0] in UNFINISHED]
+        lines = {
+            "completed": sum(row[3] or 0 for row in rows),
+            "failed": sum(row[4] or 0 for row in rows),
+            "unfinished": sum((row[2] or 0) - (row[3] or 0) - (row[4] or 0) for row in unfinished),
+        }
+        return statuses, lines
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

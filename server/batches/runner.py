@@ -34,6 +34,9 @@ class BatchRunner:
         self.files = files
         self.lazy_jobs = jobs
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        # Lines being served now, and the tokens of batch lines served (for the metrics).
+        self.in_flight = 0
+        self.tokens = {"prompt": 0, "generation": 0}
         self._wake = asyncio.Event()
         self._cancelling: set[str] = set()
         self._task: asyncio.Task | None = None
@@ -98,9 +101,19 @@ class BatchRunner:
             if time.time() > batch.body["expires_at"]:
                 return
             line, custom_id, body = queue.pop(0)
-            response = await client.post(batch.body["endpoint"], json=body, headers=self.headers)
+            self.in_flight += 1
+            try:
+                response = await client.post(
+                    batch.body["endpoint"], json=body, headers=self.headers
+                )
+            finally:
+                self.in_flight -= 1
             result = _result(custom_id, response)
             ok = response.status_code == 200
+            if ok:
+                usage = result["response"]["body"].get("usage") or {}
+                self.tokens["prompt"] += usage.get("prompt_tokens", 0)
+                self.tokens["generation"] += usage.get("completion_tokens", 0)
             await asyncio.to_thread(self.jobs.finish_line, batch, line, result, ok)
 
     def _finalize(self, batch: Batch) -> None:

@@ -72,6 +72,11 @@ async def test_a_batch_runs_every_line_as_the_same_request_alone(tmp_path):
         assert batch.completed_at >= batch.in_progress_at >= batch.created_at
         outputs = await file_lines(client, batch.output_file_id)
         errors = await file_lines(client, batch.error_file_id)
+        metrics = (await http.get(f"{server.url}/metrics")).text
+        assert 'conveyor:batches{status="completed"} 1.0' in metrics
+        assert 'conveyor:batch_lines{state="completed"} 6.0' in metrics
+        assert 'conveyor:batch_lines{state="failed"} 1.0' in metrics
+        assert 'conveyor:batch_tokens_total{kind="generation"} 24.0' in metrics
         assert sorted(o["custom_id"] for o in outputs) == [f"req-{i}" for i in range(6)]
         [refused] = errors
         assert refused["custom_id"] == "refused" and refused["response"]["status_code"] == 400
