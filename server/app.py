@@ -90,6 +90,7 @@ def build_app(
     app.include_router(_openai_router(engine, served, settings, tracing))
     app.include_router(_ops_router(engine, registry))
     runner = BatchRunner(app, files, jobs, settings.api_key)
+    app.state.batches = runner
     BatchMetrics(registry, jobs, runner)
     app.include_router(files_router(files, settings.max_file_bytes))
     app.include_router(batches_router(files, jobs, runner))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine.core.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from server.limits import RequestLimits
-from server.log_format import FORMATS
+from server.log_format import FORMATS, PLAIN
 from server.settings import (
     DEFAULT_HEAD_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
@@ -374,8 +374,49 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="hub id (default: the embedded SmolLM2-135M-Instruct)"
     )
     download_parser.set_defaults(func=download)
+    _add_batch_commands(commands)
     _add_bench_commands(commands)
     return parser
+
+
+def _add_batch_commands(commands: argparse._SubParsersAction) -> None:
+    batch = commands.add_parser("batch", help="batch files").add_subparsers(
+        dest="batch_command", required=True
+    )
+    run = batch.add_parser(
+        "run",
+        help="run a batch file (OpenAI's batch input format) offline; run again to resume",
+    )
+    run.add_argument("input", type=Path, help="the batch's requests, one JSON object per line")
+    run.add_argument("output", type=Path, help="every line's result, one JSON object per line")
+    run.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="where the run's progress is kept (default: OUTPUT.state beside the output)",
+    )
+    run.add_argument("--served-model-name", default=None)
+    _add_engine_args(run)
+    run.set_defaults(func=batch_run)
+
+
+def batch_run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine.core.async_engine import AsyncEngine
+    from server.app import build_app
+    from server.batches.offline import run_file
+
+    logging.basicConfig(level=logging.WARNING, format=PLAIN)
+    state = args.state_dir or args.output.with_name(args.output.name + ".state")
+    settings = ServerSettings(served_model_name=args.served_model_name, state_dir=state)
+    try:
+        engine = AsyncEngine.from_config(engine_config(args))
+    except (ValueError, OSError) as exc:
+        logger.error("cannot start: %s", exc)
+        return 2
+    app = build_app(engine, settings)
+    return asyncio.run(run_file(app, engine, args.input, args.output))
 
 
 def download(args: argparse.Namespace) -> int:
