@@ -24,6 +24,9 @@ from server.batches.jobs import Batch, LazyBatchStore
 
 logger = logging.getLogger("conveyor.batches")
 LINES_IN_FLIGHT = 8
+# Batch lines that set no priority of their own rank below live requests: under
+# `--scheduling-policy priority` those go first and preempt them (aging still applies).
+BATCH_PRIORITY = 1_000_000
 
 
 class BatchRunner:
@@ -104,7 +107,9 @@ class BatchRunner:
             self.in_flight += 1
             try:
                 response = await client.post(
-                    batch.body["endpoint"], json=body, headers=self.headers
+                    batch.body["endpoint"],
+                    json={"priority": BATCH_PRIORITY, **body},
+                    headers=self.headers,
                 )
             finally:
                 self.in_flight -= 1
