@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# What a running batch costs live traffic: the default model served with
-# --scheduling-policy priority, loaded by `conveyor bench serve` at concurrency 4 without a
-# batch, then again while a 1,000-line batch runs; prints live TTFT / TPOT p50 and p99 for both
-# and the batch's throughput meanwhile.
+# What a running batch costs live traffic: the default model served and loaded by
+# `conveyor bench serve` at concurrency 4 (after a warm-up run) without a batch, then again
+# while a 1,000-line batch runs; prints live TTFT / TPOT p50 and p99 for both and the batch's
+# throughput meanwhile.
 #
 #   bash benchmarks/batch_interference.sh      # about 3 minutes
 #
@@ -13,11 +13,11 @@ OUT=${OUT:-benchmarks/results/batch}
 PORT=${PORT:-8400}
 URL="http://127.0.0.1:$PORT"
 LOAD=(--base-url "$URL" --random-input-len 128 --random-output-len 64 --ignore-eos
-      --max-concurrency 4 --num-prompts "${NUM_PROMPTS:-48}" --seed 3)
+      --max-concurrency 4 --num-prompts "${NUM_PROMPTS:-48}")
 mkdir -p "$OUT"
 rm -rf "$OUT/state"
 
-conveyor serve --port "$PORT" --scheduling-policy priority --state-dir "$OUT/state" \
+conveyor serve --port "$PORT" --state-dir "$OUT/state" \
     > "$OUT/serve.log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true' EXIT
@@ -26,7 +26,9 @@ for _ in $(seq 300); do
     sleep 1
 done
 
-conveyor bench serve "${LOAD[@]}" --json "$OUT/alone.json" > /dev/null
+# Each run its own prompts (seeds), so that none finds another's in the prefix cache.
+conveyor bench serve "${LOAD[@]}" --num-prompts 16 --seed 2 --json "$OUT/warmup.json" > /dev/null
+conveyor bench serve "${LOAD[@]}" --seed 3 --json "$OUT/alone.json" > /dev/null
 python - "$URL" "$OUT" <<'PY'
 import json
 import sys
@@ -50,7 +52,7 @@ PY
 sleep 5  # the batch fills the engine first
 before=$(curl -s "$URL/v1/batches/$(cat "$OUT/batch_id")" | python -c "import json,sys; print(json.load(sys.stdin)['request_counts']['completed'])")
 start=$(date +%s.%N)
-conveyor bench serve "${LOAD[@]}" --json "$OUT/with_batch.json" > /dev/null
+conveyor bench serve "${LOAD[@]}" --seed 4 --json "$OUT/with_batch.json" > /dev/null
 end=$(date +%s.%N)
 after=$(curl -s "$URL/v1/batches/$(cat "$OUT/batch_id")" | python -c "import json,sys; print(json.load(sys.stdin)['request_counts']['completed'])")
 curl -s -X POST "$URL/v1/batches/$(cat "$OUT/batch_id")/cancel" > /dev/null

@@ -123,8 +123,13 @@ def sampling_params(
     )
 
 
-def request_options(body: SamplingFields) -> RequestOptions:
-    return RequestOptions(priority=body.priority, timeout=body.timeout)
+# Sent by the batch runner: the request is a batch line, run only in capacity live ones leave.
+BACKGROUND_HEADER = "x-conveyor-background"
+
+
+def request_options(body: SamplingFields, request: Request | None = None) -> RequestOptions:
+    background = request is not None and request.headers.get(BACKGROUND_HEADER) == "1"
+    return RequestOptions(priority=body.priority, timeout=body.timeout, background=background)
 
 
 def bind_trace(request: Request, request_id: str) -> None:

@@ -256,7 +256,8 @@ class ChatHandler:
             request_id, self.model.name, body, len(prompt), tokenizer, forced, parser
         )
         await self.engine.prepare(params)
-        streams = submit_all(self.engine, [prompt], params, request_id, request_options(body))
+        options = request_options(body, request)
+        streams = submit_all(self.engine, [prompt], params, request_id, options)
         return await respond(renderer, streams, bool(body.stream), request)
 
 

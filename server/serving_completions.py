@@ -170,7 +170,8 @@ class CompletionHandler:
         bind_trace(request, request_id)
         renderer = CompletionRenderer(request_id, self.model.name, body, prompts, texts, tokenizer)
         await self.engine.prepare(params)
-        streams = submit_all(self.engine, prompts, params, request_id, request_options(body))
+        options = request_options(body, request)
+        streams = submit_all(self.engine, prompts, params, request_id, options)
         return await respond(renderer, streams, bool(body.stream), request)
 
 

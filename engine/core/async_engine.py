@@ -73,6 +73,8 @@ class RequestOptions:
 
     priority: int = 0
     timeout: float | None = None
+    # Background work (batch lines): runs only when no other request runs or waits.
+    background: bool = False
 
 
 @dataclass(slots=True)
@@ -347,6 +349,7 @@ class AsyncEngine:
                     arrival_time=add.arrival_time,
                     fork_of=children[0] if index else None,
                     priority=add.options.priority,
+                    background=add.options.background,
                     timeout=add.timeout,
                     deferred=add.deferred,
                     siblings=n,

@@ -124,6 +124,7 @@ class EngineCore:
         timeout: float | None = None,
         deferred: bool = False,
         siblings: int = 1,
+        background: bool = False,
     ) -> Request:
         """Queue a sequence, one of `siblings` of request `parent_id`. `fork_of` names a sibling
         with the same prompt whose prompt blocks this one shares once computed; `timeout` counts
@@ -140,6 +141,7 @@ class EngineCore:
             priority=priority,
             deadline=None if timeout is None else arrival + timeout,
             deferred=deferred,
+            background=background,
         )
         if deferred:
             request.timings.events.append((arrival, "admission deferred"))

@@ -68,6 +68,8 @@ class Request:
     priority: int = 0
     deadline: float | None = None
     deferred: bool = False
+    # A background request (a batch line) runs only in capacity no other request wants.
+    background: bool = False
     timings: RequestTimings = field(default_factory=RequestTimings)
     # The matcher of `sampling_params.structured`: which tokens may come next (llguidance's
     # `LLMatcher`, advanced with each sampled token); None for free text.

@@ -88,6 +88,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._batch_closed = False
+        self._others = False  # whether any request but background ones wants capacity
         self._forks: dict[str, list[Request]] = {}
 
     # ---- admission -------------------------------------------------------------------------
@@ -162,6 +163,7 @@ class Scheduler:
         output = SchedulerOutput()
         now = self.clock()
         self.policy.order_running(self.running, now)
+        self._yield_background()
         if self.policy.uses_priority:
             self._preempt_for_priority(output, now)
         budget, grew_out = self._schedule_running(output, self.config.max_num_batched_tokens)
@@ -184,8 +186,24 @@ class Scheduler:
             index += 1
         return budget, len(output.preempted) > preempted
 
+    def _yield_background(self) -> None:
+        """Background requests run only in capacity no other request wants: while another
+        runs, or waits able to start, running background requests pause (keeping their blocks
+        unless those are needed) and waiting ones stay waiting."""
+        self._others = any(not r.background for r in self.running) or any(
+            not r.background and self._eligible(r) for r in self.waiting
+        )
+        if not self._others:
+            return
+        for request in [r for r in self.running if r.background]:
+            self.running.remove(request)
+            self._pause(request)
+
     def _eligible(self, request: Request) -> bool:
-        """Deferred requests wait until the cache drops below the soft limit."""
+        """Deferred requests wait until the cache drops below the soft limit; background ones
+        while others want the capacity."""
+        if request.background and self._others:
+            return False
         if request.deferred and self.block_manager.usage < self.config.admission_soft_limit:
             request.deferred = False
         return not request.deferred

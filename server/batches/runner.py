@@ -1,5 +1,7 @@
 """Runs batches in the background, through the server's own routes (so a batch line is served
 exactly as the same live request), a few lines at a time; resumes what a restart interrupted.
+Its requests are marked background (`BACKGROUND_HEADER`): the scheduler runs them only in
+capacity no live request wants, pausing them while live ones run.
 
 Each finished line's result is committed with the batch's counts before the next is counted, so
 after a crash the lines without a result run again and the output files, written at the end from
@@ -21,12 +23,10 @@ import httpx
 
 from server.batches.files import LazyFileStore
 from server.batches.jobs import Batch, LazyBatchStore
+from server.serving import BACKGROUND_HEADER
 
 logger = logging.getLogger("conveyor.batches")
 LINES_IN_FLIGHT = 8
-# Batch lines that set no priority of their own rank below live requests: under
-# `--scheduling-policy priority` those go first and preempt them (aging still applies).
-BATCH_PRIORITY = 1_000_000
 
 
 class BatchRunner:
@@ -36,7 +36,9 @@ class BatchRunner:
         self.app = app
         self.files = files
         self.lazy_jobs = jobs
-        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = {BACKGROUND_HEADER: "1"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
         # Lines being served now, and the tokens of batch lines served (for the metrics).
         self.in_flight = 0
         self.tokens = {"prompt": 0, "generation": 0}
@@ -108,7 +110,7 @@ class BatchRunner:
             try:
                 response = await client.post(
                     batch.body["endpoint"],
-                    json={"priority": BATCH_PRIORITY, **body},
+                    json=body,
                     headers=self.headers,
                 )
             finally:

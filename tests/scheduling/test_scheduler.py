@@ -232,3 +232,39 @@ def test_continuous_batching_fills_a_freed_slot_at_once():
     scheduler.add_request(create_request("next", prompt_len=4, max_tokens=1))
     step(scheduler)
     assert scheduled_counts(step(scheduler)) == {"long": 1, "next": 4}
+
+
+def test_background_requests_pause_while_others_want_capacity_and_resume_after():
+    scheduler = create_scheduler()
+    batch = create_request("batch", prompt_len=4, max_tokens=12)
+    batch.background = True
+    scheduler.add_request(batch)
+    step(scheduler)
+    step(scheduler)
+    assert scheduler.running == [batch]
+    live = create_request("live", prompt_len=4, max_tokens=3)
+    scheduler.add_request(live)
+    while live.status is not RequestStatus.FINISHED:
+        output = step(scheduler)
+        assert [item.request for item in output.scheduled] == [live]
+        assert batch.block_ids  # paused, not preempted: its cache stays
+    computed = batch.num_computed_tokens
+    output = step(scheduler)
+    assert [item.request for item in output.scheduled] == [batch]
+    assert batch.num_computed_tokens > computed  # it goes on where it stopped
+    assert [name for _, name in batch.timings.events] == ["paused", "resumed"]
+
+
+def test_a_live_request_that_cannot_start_does_not_hold_up_background_work():
+    """A deferred live request is not counted: background work goes on (and frees the cache
+    the deferral waits for) instead of both waiting on each other."""
+    scheduler = create_scheduler(admission_soft_limit=0.01)  # any use of the cache defers
+    batch = create_request("batch", prompt_len=4, max_tokens=4)
+    batch.background = True
+    scheduler.add_request(batch)
+    step(scheduler)
+    live = create_request("live", prompt_len=4, max_tokens=2)
+    live.deferred = True
+    scheduler.add_request(live)
+    output = step(scheduler)
+    assert [item.request for item in output.scheduled] == [batch]
