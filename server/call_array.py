@@ -79,12 +79,7 @@ class CallArrayReader:
     def _lex(self, char: str) -> None:
         """Track strings and depth inside the arguments' value."""
         if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif char == "\\":
-                self._escape = True
-            elif char == '"':
-                self._in_string = False
+            self._string_ends(char)
         elif char == '"':
             self._in_string = True
         elif char in "{[":
@@ -113,13 +108,19 @@ class CallArrayReader:
             self._started = False
         return []
 
-    def _string_char(self, char: str) -> list[dict[str, Any]]:
+    def _string_ends(self, char: str) -> bool:
+        """Follow a string's escapes; whether `char` closes it."""
         if self._escape:
             self._escape = False
         elif char == "\\":
             self._escape = True
         elif char == '"':
             self._in_string = False
+            return True
+        return False
+
+    def _string_char(self, char: str) -> list[dict[str, Any]]:
+        if self._string_ends(char):
             if self._depth != 2:
                 return []
             value = json.loads('"' + "".join(self._string) + '"')

@@ -55,14 +55,7 @@ def files_router(files: LazyFileStore, max_file_bytes: int) -> APIRouter:
         records, more = await asyncio.to_thread(
             store().list, purpose, limit, after, order == "desc"
         )
-        data = [record.to_openai() for record in records]
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-        }
+        return _page([record.to_openai() for record in records], more)
 
     @router.get("/v1/files/{file_id}", responses=errors(404))
     async def retrieve(file_id: str) -> dict[str, Any]:
@@ -139,14 +132,7 @@ def batches_router(files: LazyFileStore, jobs: LazyBatchStore, runner: BatchRunn
         after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20
     ) -> dict[str, Any]:
         batches, more = await asyncio.to_thread(jobs.get().page, limit, after)
-        data = [batch.body for batch in batches]
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": more,
-        }
+        return _page([batch.body for batch in batches], more)
 
     @router.post("/v1/batches/{batch_id}/cancel", responses=errors(400, 404))
     async def cancel(batch_id: str) -> dict[str, Any]:
@@ -166,3 +152,14 @@ async def _batch(jobs: LazyBatchStore, batch_id: str) -> Batch:
     if batch is None:
         raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id")
     return batch
+
+
+def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
+    """OpenAI's list object: a page of items, its first and last ids, and whether more follow."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": more,
+    }
