@@ -8,6 +8,7 @@ import pytest
 from engine.core.detokenizer import (
     IncrementalDetokenizer,
     StopStringMatcher,
+    automaton_for,
     plain_decode,
 )
 from tests.helpers import tiny_tokenizer
@@ -197,3 +198,17 @@ def test_earliest_of_several_stop_strings_wins():
     emitted, stop = feed(matcher, ["hello world"])
     assert stop == "lo w"
     assert "".join(emitted) == "hel"
+
+
+def test_a_large_stop_set_builds_one_shared_automaton_and_still_matches():
+    """Requests giving the same large set share one automaton, built once; each matcher keeps
+    its own state over it."""
+    stops = tuple(f"{i:04d}" + "x" * 1020 for i in range(8))
+    assert automaton_for(stops) is automaton_for(stops)
+    small = ("ab", "cd")
+    assert automaton_for(small) is not automaton_for(small)
+    first, second = StopStringMatcher(stops), StopStringMatcher(stops)
+    assert first.add("hello 0003" + "x" * 500) == ("hello ", None)
+    assert second.add("nothing here") == ("nothing here", None)
+    emitted, hit = first.add("x" * 520 + " tail")
+    assert (emitted, hit) == ("", stops[3])
