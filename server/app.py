@@ -15,11 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from engine.core.errors import EngineDeadError
 from engine.core.paths import cache_dir
-from server.batches.files import LazyFileStore
-from server.batches.jobs import LazyBatchStore
+from server.batches.files import FileStore
+from server.batches.jobs import BatchStore
 from server.batches.metrics import BatchMetrics
 from server.batches.routes import batches_router, files_router
 from server.batches.runner import BatchRunner
+from server.batches.state import Lazy
 from server.errors import APIError, install_error_handlers
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
@@ -66,7 +67,7 @@ def build_app(
         engine.stat_loggers.append(tracing.record)
 
     state_dir = settings.state_dir or cache_dir() / "state"
-    files, jobs = LazyFileStore(state_dir), LazyBatchStore(state_dir)
+    files, jobs = Lazy(state_dir, FileStore), Lazy(state_dir, BatchStore)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import sqlite3
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from server.batches.state import open_db
 
 PURPOSES = ("batch", "batch_output", "user_data")
 
@@ -60,10 +61,7 @@ class FileStore:
         self.dir = state_dir / "files"
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(state_dir / "state.db", check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        self._db = open_db(state_dir, SCHEMA)
         self._remove_leftovers()
 
     def add(self, source: IO[bytes], filename: str, purpose: str) -> FileRecord:
@@ -136,25 +134,6 @@ class FileStore:
         for path in self.dir.iterdir():
             if path.suffix == ".partial" or path.name not in known:
                 path.unlink(missing_ok=True)
-
-
-class LazyFileStore:
-    """The store, opened on first use, so that a server nobody uploads to writes nothing."""
-
-    def __init__(self, state_dir: Path) -> None:
-        self.state_dir = state_dir
-        self._store: FileStore | None = None
-        self._lock = threading.Lock()
-
-    def get(self) -> FileStore:
-        with self._lock:
-            if self._store is None:
-                self._store = FileStore(self.state_dir)
-            return self._store
-
-    def close(self) -> None:
-        if self._store is not None:
-            self._store.close()
 
 
 def _sync_dir(directory: Path) -> None:

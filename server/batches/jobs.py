@@ -6,13 +6,14 @@ and the output holds every `custom_id` exactly once.
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from server.batches.state import open_db
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
@@ -88,12 +89,8 @@ def new_batch(input_file_id: str, endpoint: str, metadata: dict[str, str] | None
 
 class BatchStore:
     def __init__(self, state_dir: Path) -> None:
-        state_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(state_dir / "state.db", check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        self._db = open_db(state_dir, SCHEMA)
 
     def create(self, batch: Batch, lines: list[tuple[str, dict[str, Any]]]) -> None:
         """The batch and its lines (custom_id, request body), in one transaction."""
@@ -198,28 +195,3 @@ class BatchStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
-
-
-class LazyBatchStore:
-    """The store, opened on first use; `existing` opens it only if earlier runs made one (a
-    restart resumes their batches)."""
-
-    def __init__(self, state_dir: Path) -> None:
-        self.state_dir = state_dir
-        self._store: BatchStore | None = None
-        self._lock = threading.Lock()
-
-    def get(self) -> BatchStore:
-        with self._lock:
-            if self._store is None:
-                self._store = BatchStore(self.state_dir)
-            return self._store
-
-    def existing(self) -> BatchStore | None:
-        if self._store is None and not (self.state_dir / "state.db").exists():
-            return None
-        return self.get()
-
-    def close(self) -> None:
-        if self._store is not None:
-            self._store.close()

@@ -9,15 +9,16 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from server.batches.jobs import STAGE_TIMES, LazyBatchStore
+from server.batches.jobs import STAGE_TIMES, BatchStore
 from server.batches.runner import BatchRunner
+from server.batches.state import Lazy
 
 STATUSES = ("validating", *STAGE_TIMES)
 LINE_STATES = ("pending", "running", "completed", "failed")
 
 
 class BatchMetrics:
-    def __init__(self, registry: CollectorRegistry, jobs: LazyBatchStore, runner: BatchRunner):
+    def __init__(self, registry: CollectorRegistry, jobs: Lazy[BatchStore], runner: BatchRunner):
         self.jobs = jobs
         self.runner = runner
         registry.register(self)

@@ -34,7 +34,9 @@ async def run_file(app: Any, engine: Any, input_path: Path, output_path: Path) -
         batch = await _batch_for(app, runner, input_path)
         while batch.status not in FINAL:
             await asyncio.sleep(0.1)
-            batch = runner.jobs.get(batch.id)
+            stored = runner.jobs.get(batch.id)
+            assert stored is not None, "a batch is never removed from its store"
+            batch = stored
     finally:
         await runner.stop()
         await engine.shutdown()

@@ -11,9 +11,10 @@ from fastapi import APIRouter, File, Form, Query, UploadFile
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict
 
-from server.batches.files import FileRecord, FileStore, LazyFileStore
-from server.batches.jobs import Batch, LazyBatchStore, new_batch
+from server.batches.files import FileRecord, FileStore
+from server.batches.jobs import Batch, BatchStore, new_batch
 from server.batches.runner import BatchRunner
+from server.batches.state import Lazy
 from server.batches.validation import read_batch
 from server.errors import APIError
 from server.openapi import errors
@@ -22,7 +23,7 @@ from server.openapi import errors
 UPLOAD_PURPOSES = ("batch", "user_data")
 
 
-def files_router(files: LazyFileStore, max_file_bytes: int) -> APIRouter:
+def files_router(files: Lazy[FileStore], max_file_bytes: int) -> APIRouter:
     router = APIRouter()
 
     def store() -> FileStore:
@@ -101,7 +102,9 @@ class CreateBatch(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-def batches_router(files: LazyFileStore, jobs: LazyBatchStore, runner: BatchRunner) -> APIRouter:
+def batches_router(
+    files: Lazy[FileStore], jobs: Lazy[BatchStore], runner: BatchRunner
+) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/batches", responses=errors(400))
@@ -147,7 +150,7 @@ def batches_router(files: LazyFileStore, jobs: LazyBatchStore, runner: BatchRunn
     return router
 
 
-async def _batch(jobs: LazyBatchStore, batch_id: str) -> Batch:
+async def _batch(jobs: Lazy[BatchStore], batch_id: str) -> Batch:
     batch = await asyncio.to_thread(jobs.get().get, batch_id)
     if batch is None:
         raise APIError(404, f"No such Batch object: {batch_id}", param="batch_id")

@@ -21,8 +21,9 @@ from typing import Any
 
 import httpx
 
-from server.batches.files import LazyFileStore
-from server.batches.jobs import Batch, LazyBatchStore
+from server.batches.files import FileStore
+from server.batches.jobs import Batch, BatchStore
+from server.batches.state import Lazy
 from server.serving import BACKGROUND_HEADER
 
 logger = logging.getLogger("conveyor.batches")
@@ -31,7 +32,7 @@ LINES_IN_FLIGHT = 8
 
 class BatchRunner:
     def __init__(
-        self, app: Any, files: LazyFileStore, jobs: LazyBatchStore, api_key: str | None = None
+        self, app: Any, files: Lazy[FileStore], jobs: Lazy[BatchStore], api_key: str | None = None
     ) -> None:
         self.app = app
         self.files = files
@@ -75,7 +76,7 @@ class BatchRunner:
                 await self._wake.wait()
 
     @property
-    def jobs(self) -> Any:
+    def jobs(self) -> BatchStore:
         return self.lazy_jobs.get()
 
     def _unfinished(self) -> list[Batch]:
