@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from http import HTTPStatus
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from server.errors import error_body
 from server.settings import DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_HEAD_BYTES, ServerSettings
-
-REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -96,19 +96,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is not None and not self.cycle.response_complete:
             self.transport.close()
             return
-        body = json.dumps(
-            {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": None,
-                }
-            }
-        ).encode()
+        body = json.dumps(error_body(message, "invalid_request_error")).encode()
+        reason = HTTPStatus(status).phrase.encode()
         head = (
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n" % (status, REASONS[status], len(body))
+            b"connection: close\r\n\r\n" % (status, reason, len(body))
         )
         self.transport.write(head + body)
         self.transport.close()

@@ -65,17 +65,18 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        streamed = self.streamed.get(scope.get("path", ""))
+        limit = streamed if streamed is not None else self.max_bytes
         declared = _header(scope, b"content-length")
-        limit = self.streamed.get(scope.get("path", ""))
-        if limit is not None:
-            await self._streamed(scope, receive, send, declared, limit)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(send, limit)
             return
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
+        if streamed is not None:
+            await self.app(scope, _counted(receive, streamed), send)
             return
         buffered = await self._read_body(receive)
         if buffered is None:
-            await self._refuse(send)
+            await self._refuse(send, self.max_bytes)
             return
 
         async def replay() -> Message:
@@ -84,22 +85,6 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
-
-    async def _streamed(
-        self, scope: Scope, receive: Receive, send: Send, declared: bytes | None, limit: int
-    ) -> None:
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._refuse(send, limit)
-            return
-        size = 0
-
-        async def counted() -> Message:
-            nonlocal size
-            message = await receive()
-            size += len(message.get("body", b""))
-            return {"type": "http.disconnect"} if size > limit else message
-
-        await self.app(scope, counted, send)
 
     async def _read_body(self, receive: Receive) -> list[Message] | None:
         """The request's messages up to the end of its body, or None if it is too large."""
@@ -116,11 +101,11 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 return messages
 
-    async def _refuse(self, send: Send, limit: int | None = None) -> None:
+    async def _refuse(self, send: Send, limit: int) -> None:
         await send_error(
             send,
             400,
-            f"The request body is larger than the limit of {limit or self.max_bytes} bytes.",
+            f"The request body is larger than the limit of {limit} bytes.",
             "request_too_large",
         )
 
@@ -180,6 +165,20 @@ async def send_error(
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+def _counted(receive: Receive, limit: int) -> Receive:
+    """`receive` that counts the body as it streams; past `limit` the app sees the client
+    leave."""
+    size = 0
+
+    async def counted() -> Message:
+        nonlocal size
+        message = await receive()
+        size += len(message.get("body", b""))
+        return {"type": "http.disconnect"} if size > limit else message
+
+    return counted
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
