@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -22,6 +21,7 @@ from server.batches.routes import batches_router, files_router
 from server.batches.runner import BatchRunner
 from server.batches.state import Lazy
 from server.errors import APIError, install_error_handlers
+from server.fleet_api import fleet_router
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
 from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from server.openapi import GENERATION, document_errors_as_sent, errors
@@ -38,15 +38,9 @@ from server.serving_completions import CompletionHandler
 from server.settings import ServerSettings
 from server.tokenization import chat_prompt, encode_text
 from server.tracing import Tracing
+from server.version import conveyor_version
 
 UPLOAD_ENVELOPE_BYTES = 1 << 20
-
-
-def conveyor_version() -> str:
-    try:
-        return version("conveyor")
-    except PackageNotFoundError:
-        return "0.0.0+local"
 
 
 def build_app(
@@ -90,6 +84,7 @@ def build_app(
     document_errors_as_sent(app)
     app.include_router(_openai_router(engine, served, settings, tracing))
     app.include_router(_ops_router(engine, registry))
+    app.include_router(fleet_router(engine, served))
     runner = BatchRunner(app, files, jobs, settings.api_key)
     app.state.batches = runner
     BatchMetrics(registry, jobs, runner)

@@ -108,6 +108,7 @@ class AsyncEngine:
         # body of many prompts quadratic in its count.
         self._pending_tokens = 0
         self._aborts: list[str] = []
+        self._cache_resets: list[asyncio.Future[int]] = []
         self._new_requests: list[RequestParamsStats] = []
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         self._wake: asyncio.Event | None = None
@@ -146,6 +147,10 @@ class AsyncEngine:
             self._wake_loop()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        for done in self._cache_resets:
+            if not done.done():
+                done.set_exception(EngineDeadError("The engine is not running."))
+        self._cache_resets = []
         self._abort_all_now()
         self._executor.shutdown(wait=True)
         self._grammar_executor.shutdown(wait=False, cancel_futures=True)
@@ -286,6 +291,16 @@ class AsyncEngine:
 
     # ---- the loop --------------------------------------------------------------------------
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget the cached prefix blocks no request holds, between two steps; return how
+        many were forgotten."""
+        if not self.is_running:
+            raise EngineDeadError("The engine is not running.")
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._cache_resets.append(done)
+        self._wake_loop()
+        return await done
+
     def _wake_loop(self) -> None:
         if self._wake is not None:
             self._wake.set()
@@ -333,6 +348,10 @@ class AsyncEngine:
                 self._add_to_core(add)
         for request_id in aborts:
             self._abort_now(request_id)
+        resets, self._cache_resets = self._cache_resets, []
+        for done in resets:
+            if not done.done():
+                done.set_result(self.core.scheduler.block_manager.reset_cache())
 
     def _add_to_core(self, add: _PendingAdd) -> None:
         n = add.params.n

@@ -167,12 +167,14 @@ class BlockManager:
         del self._by_hash[block_hash]
         self._hashes[block] = None
 
-    def reset_cache(self) -> None:
-        """Forget every cached block that nobody holds."""
+    def reset_cache(self) -> int:
+        """Forget every cached block that nobody holds; return how many."""
+        forgotten = len(self._evictable)
         while self._evictable:
             block, _ = self._evictable.popitem(last=False)
             self._forget_hash(block)
             self._free.append(block)
+        return forgotten
 
     # ---- checks ----------------------------------------------------------------------------
 
