@@ -58,6 +58,11 @@ class Replica:
     model: Path
     log: Path
     args: tuple[str, ...] = ()
+    name: str = "tiny"
+    # Pure torch on one thread: the suite's replicas share a small machine.
+    env: dict[str, str] = field(
+        default_factory=lambda: {"CONVEYOR_CPU_KERNELS": "off", "OMP_NUM_THREADS": "1"}
+    )
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
 
@@ -73,9 +78,9 @@ class Replica:
     def launch(self) -> None:
         command = [
             sys.executable, "-m", "server", "--model", str(self.model), "--device", "cpu",
-            "--served-model-name", "tiny", "--port", str(self.port), *self.args,
+            "--served-model-name", self.name, "--port", str(self.port), *self.args,
         ]  # fmt: skip
-        env = {**os.environ, "CONVEYOR_CPU_KERNELS": "off", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **self.env}
         with self.log.open("a") as log:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env

@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -19,12 +20,13 @@ WORDS = sorted({word for line in CORPUS for word in line.split()})
 
 
 def shared_prefix_prompts(
-    groups: int, prefix_tokens: int, per_group: int, seed: int = 0
+    groups: int, prefix_tokens: int, per_group: int, seed: int = 0, tokenizer: Any = None
 ) -> list[str]:
-    """`per_group` prompts for each of `groups` prefixes of about `prefix_tokens` tokens, each
-    with its own short question, in a shuffled order (no policy gets affinity by accident)."""
+    """`per_group` prompts for each of `groups` prefixes of about `prefix_tokens` tokens (of
+    `tokenizer`, the tiny one by default), each with its own short question, in a shuffled
+    order (no policy gets affinity by accident)."""
     rng = random.Random(seed)
-    tokenizer = chat_tokenizer()
+    tokenizer = tokenizer or chat_tokenizer()
     prompts = []
     for group in range(groups):
         words = [f"document {group}:"]
@@ -38,8 +40,10 @@ def shared_prefix_prompts(
     return prompts
 
 
-async def time_to_first_token(client: httpx.AsyncClient, url: str, prompt: str) -> float:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": True, "temperature": 0}
+async def time_to_first_token(
+    client: httpx.AsyncClient, url: str, prompt: str, model: str = "tiny"
+) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "stream": True, "temperature": 0}
     start = time.perf_counter()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
@@ -51,14 +55,14 @@ async def time_to_first_token(client: httpx.AsyncClient, url: str, prompt: str) 
         return first
 
 
-async def ttft_p50(url: str, prompts: list[str], concurrency: int) -> float:
+async def ttft_p50(url: str, prompts: list[str], concurrency: int, model: str = "tiny") -> float:
     """Send `prompts` through `url`, `concurrency` at a time; the median time to first token."""
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=120) as client:
 
         async def one(prompt: str) -> float:
             async with gate:
-                return await time_to_first_token(client, url, prompt)
+                return await time_to_first_token(client, url, prompt, model)
 
         return statistics.median(await asyncio.gather(*(one(p) for p in prompts)))
 

