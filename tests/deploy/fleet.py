@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers import chat_tokenizer, tiny_llama
 
 ROUTER = shutil.which("vllm-router")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

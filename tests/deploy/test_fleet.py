@@ -5,6 +5,10 @@ request."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.fleet import ROUTER, Replica, Router, tiny_model_dir
+from tests.deploy.fleet import ROOT, ROUTER, Replica, Router, free_port, tiny_model_dir
 from tests.deploy.fleet_traffic import Outcomes, shared_prefix_prompts, steady_run, ttft_p50
 
 pytestmark = [
@@ -145,3 +149,51 @@ def test_replicas_killed_drained_and_restarted_cost_no_request(replicas, tmp_pat
     assert out.failed == [], out.failed
     assert out.hung == 0
     assert successes(b) > served_before, events
+
+
+def port_open(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+    except httpx.TransportError:
+        return False
+    return True
+
+
+def test_the_fleet_recipe_serves_through_its_router_and_stops_everything(model, tmp_path):
+    router_port, first = free_port(), free_port()
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "ROUTER_PORT": str(router_port),
+        "ROUTER_METRICS_PORT": str(free_port()),
+        "FIRST_PORT": str(first),
+        "LOGS": str(tmp_path / "logs"),
+        "CONVEYOR_CPU_KERNELS": "off",
+    }
+    serve = ["--model", str(model), "--device", "cpu", "--served-model-name", "tiny"]
+    fleet = subprocess.Popen(
+        ["bash", str(ROOT / "deploy" / "fleet.sh"), "2", *serve],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        router = Router([], tmp_path / "unused.log", port=router_port)
+
+        def listening() -> bool:
+            assert fleet.poll() is None, fleet.communicate()[0]
+            return port_open(router_port)
+
+        when(listening, "the router listening", 300)
+        when(lambda: router.healthy_workers() == 2, "both replicas healthy", 300)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+        response = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+    finally:
+        fleet.send_signal(signal.SIGTERM)
+        output = fleet.communicate(timeout=90)[0]
+    assert "router on" in output
+    for port in (router_port, first, first + 1):
+        assert not port_open(port), f"something still listens on {port}"
