@@ -160,23 +160,109 @@ def test_the_image_can_bake_the_default_model_before_its_volume():
     assert "HF_HOME=/data/huggingface" in text
 
 
+def kubernetes_manifests() -> list[dict]:
+    return [
+        doc for path in sorted((DEPLOY / "k8s").glob("*.yaml")) for doc in load_yaml_documents(path)
+    ]
+
+
+def one(manifests: list[dict], kind: str, name: str = "conveyor") -> dict:
+    (found,) = [m for m in manifests if m["kind"] == kind and m["metadata"]["name"] == name]
+    return found
+
+
+# Kinds that come from CRDs (KEDA, the Prometheus operator, Gateway API and its inference
+# extension): the Kubernetes schemas do not cover them, so their fields are checked by hand.
+CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor", "InferencePool", "HTTPRoute"}
+
+
+@pytest.mark.parametrize("version", ["1.31.0", "1.37.0"])
+def test_kubernetes_manifests_pass_the_kubernetes_schemas(version):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    checked = 0
+    for manifest in kubernetes_manifests():
+        if manifest["kind"] in CUSTOM_KINDS:
+            continue
+        kubernetes_validate.validate(manifest, version, strict=True)
+        checked += 1
+    assert checked >= 10
+
+
 def test_kubernetes_manifests():
-    manifests = {
-        doc["kind"]: doc
-        for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
-        for doc in load_yaml_documents(path)
-    }
-    assert {"Deployment", "Service", "ServiceMonitor", "ScaledObject"} <= set(manifests)
-    container = manifests["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    manifests = kubernetes_manifests()
+    kinds = {m["kind"] for m in manifests}
+    assert {"Deployment", "Service", "ServiceMonitor", "ScaledObject"} <= kinds
+    assert {"InferencePool", "HTTPRoute", "PodDisruptionBudget"} <= kinds
+    deployment = one(manifests, "Deployment")
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/health"
-    assert manifests["ServiceMonitor"]["spec"]["endpoints"][0]["path"] == "/metrics"
-    volumes = manifests["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    assert one(manifests, "ServiceMonitor")["spec"]["endpoints"][0]["path"] == "/metrics"
+    volumes = pod["spec"]["volumes"]
     claim = next(v for v in volumes if v["name"] == "data")["persistentVolumeClaim"]
-    assert claim["claimName"] == manifests["PersistentVolumeClaim"]["metadata"]["name"]
-    trigger = manifests["ScaledObject"]["spec"]["triggers"][0]
+    assert (
+        claim["claimName"]
+        == one(manifests, "PersistentVolumeClaim", "conveyor-data")["metadata"]["name"]
+    )
+    trigger = one(manifests, "ScaledObject")["spec"]["triggers"][0]
     assert "vllm:num_requests_waiting" in trigger["metadata"]["query"]
+
+
+def test_a_deleted_replica_leaves_the_rotation_then_drains_within_its_grace_period():
+    deployment = one(kubernetes_manifests(), "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    args = container["args"]
+    drain = float(args[args.index("--shutdown-timeout") + 1])
+    pre_stop = float(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert spec["terminationGracePeriodSeconds"] > pre_stop + drain
+    readiness, liveness = container["readinessProbe"], container["livenessProbe"]
+    assert readiness["periodSeconds"] * readiness["failureThreshold"] < pre_stop
+    # Liveness must not restart a replica mid-drain (its /health is 503 while draining).
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > drain
+
+
+def test_the_inference_pool_selects_the_replicas_and_names_its_endpoint_picker():
+    manifests = kubernetes_manifests()
+    deployment = one(manifests, "Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+    pool = one(manifests, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pool["spec"]["targetPorts"] == [{"number": port}]
+    for kind in ("PodDisruptionBudget", "Service"):
+        selector = one(manifests, kind)["spec"]["selector"]
+        assert selector.get("matchLabels", selector).items() <= labels.items()
+    picker = pool["spec"]["endpointPickerRef"]
+    epp_service = one(manifests, "Service", picker["name"])
+    assert picker["port"]["number"] in {p["port"] for p in epp_service["spec"]["ports"]}
+    epp = one(manifests, "Deployment", picker["name"])
+    args = epp["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--pool-name") + 1] == pool["metadata"]["name"]
+    route = one(manifests, "HTTPRoute")
+    (backend,) = route["spec"]["rules"][0]["backendRefs"]
+    assert (backend["kind"], backend["name"]) == ("InferencePool", pool["metadata"]["name"])
+    config = yaml.safe_load(
+        one(manifests, "ConfigMap", "conveyor-epp")["data"]["default-plugins.yaml"]
+    )
+    plugins = {p["type"] for p in config["plugins"]}
+    assert {"queue-scorer", "kv-cache-utilization-scorer", "prefix-cache-scorer"} <= plugins
+    refs = {p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]}
+    assert refs == plugins
+
+
+def test_every_vllm_metric_the_deployment_reads_is_one_conveyor_exports():
+    """The picker's defaults, the autoscaler and the docs name vLLM's metrics: each is in the
+    list of what Conveyor exports (which tests/server/test_metrics.py holds to the server)."""
+    exported = (ROOT / "docs" / "metrics.md").read_text()
+    text = "\n".join(p.read_text() for p in sorted((DEPLOY / "k8s").glob("*.yaml")))
+    named = set(re.findall(r"vllm:[a-z_]+", text))
+    assert {"vllm:num_requests_waiting", "vllm:lora_requests_info"} <= named
+    assert not [name for name in named if name not in exported], named
 
 
 def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
