@@ -113,9 +113,10 @@ class BodyLimitMiddleware:
 class ApiKeyMiddleware:
     """Refuse requests without the API key (`Authorization: Bearer <key>`) with a 401 in
     OpenAI's shape, before their body is read: an unauthenticated client cannot make the server
-    buffer or parse anything. `/health`, `/metrics`, `/version` and CORS preflights stay open."""
+    buffer or parse anything. `/health`, `/metrics`, `/version`, the load routers poll
+    (`/get_load`, `/load`: a count `/metrics` shows too) and CORS preflights stay open."""
 
-    OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+    OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/get_load", "/load"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app

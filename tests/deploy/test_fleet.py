@@ -197,3 +197,31 @@ def test_the_fleet_recipe_serves_through_its_router_and_stops_everything(model, 
     assert "router on" in output
     for port in (router_port, first, first + 1):
         assert not port_open(port), f"something still listens on {port}"
+
+
+def test_replicas_with_an_api_key_stay_healthy_to_the_router(model, tmp_path):
+    """The router polls /get_load without the client's key: a replica must answer it (else
+    the router counts it unhealthy and serves nothing). A client's key passes through."""
+    fleet = [
+        Replica(model, tmp_path / f"keyed-{i}.log", args=("--api-key", "sekret")) for i in range(2)
+    ]
+    for replica in fleet:
+        replica.launch()
+    try:
+        for replica in fleet:
+            replica.wait()
+        router = routed(fleet, tmp_path, "cache_aware")
+        try:
+            when(lambda: router.healthy_workers() == 2, "both keyed replicas healthy")
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
+            url = f"{router.url}/v1/completions"
+            key = {"Authorization": "Bearer sekret"}
+            assert httpx.post(url, json=body, headers=key, timeout=60).status_code == 200
+            assert httpx.post(url, json=body, timeout=60).status_code == 401
+            loads = httpx.get(f"{router.url}/get_loads", timeout=10).json()["workers"]
+            assert [w["load"] for w in loads] == [0, 0]  # read, not -1 (unknown)
+        finally:
+            router.stop()
+    finally:
+        for replica in fleet:
+            replica.stop()
