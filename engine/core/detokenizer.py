@@ -8,6 +8,7 @@ a stop string is held back until it is known not to be one.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, Protocol
@@ -90,50 +91,112 @@ class StopAutomaton:
     """The stop strings as one Aho-Corasick automaton over characters: fed text a character at a
     time, its state is the longest suffix of the text so far that begins some stop string, so
     every stop ending at a character is found, and what may still become one is known, in time
-    that grows with the text fed, not with the number or length of the stop strings."""
+    that grows with the text fed, not with the number or length of the stop strings.
+
+    Built lazily: a state (a trie node) exists once the text reaches it, found by binary search
+    in the sorted stops, and its fail link and transitions are worked out on first use. Text
+    that never resembles a stop touches a handful of states, so 64 stops of 1,024 characters
+    cost almost nothing until the output spells one (an eager build took about 75 ms and 18 MB).
+    A state is handed out only once "settled": its fail link, and every fail link along its fail
+    chain and of its ancestors, is known, so a transition never needs more than settled links
+    and no computation recurses."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
-        self.goto: list[dict[str, int]] = [{}]
-        self.depth = [0]
-        # The longest stop ending at each state (an index into `stops`, -1 for none): the one it
-        # spells, else its fail state's (filled in by `_link`).
-        self.longest: list[int] = [-1]
+        self._sorted = sorted(set(stops))
+        self._index: dict[str, int] = {}
         for index, stop in enumerate(stops):
-            self._insert(stop, index)
-        self.fail = [0] * len(self.goto)
-        self._link()
-
-    def _insert(self, stop: str, index: int) -> None:
-        state = 0
-        for char in stop:
-            nxt = self.goto[state].get(char)
-            if nxt is None:
-                nxt = len(self.goto)
-                self.goto[state][char] = nxt
-                self.goto.append({})
-                self.depth.append(self.depth[state] + 1)
-                self.longest.append(-1)
-            state = nxt
-        if self.longest[state] < 0:
-            self.longest[state] = index
-
-    def _link(self) -> None:
-        queue = list(self.goto[0].values())
-        for state in queue:  # breadth first: a state's fail link is shallower than it
-            for char, child in self.goto[state].items():
-                fallback = self.fail[state]
-                while fallback and char not in self.goto[fallback]:
-                    fallback = self.fail[fallback]
-                target = self.goto[fallback].get(char, 0)
-                self.fail[child] = target if target != child else 0
-                if self.longest[child] < 0:
-                    self.longest[child] = self.longest[self.fail[child]]
-                queue.append(child)
+            self._index.setdefault(stop, index)
+        # Per state: the stops it prefixes are _sorted[lo:hi]; its depth, parent and last char.
+        self._lo, self._hi = [0], [len(self._sorted)]
+        self.depth = [0]
+        self._parent, self._char = [0], [""]
+        self._kids: list[dict[str, int]] = [{}]  # child per char, -1 for none
+        self._moves: list[dict[str, int]] = [{}]  # full transitions, fail links followed
+        self.fail = [0]  # -1 until settled
+        # The longest stop ending at each settled state (an index into the stops, -1 for none).
+        self.longest = [self._spelled(0)]
 
     def step(self, state: int, char: str) -> int:
-        while state and char not in self.goto[state]:
-            state = self.fail[state]
-        return self.goto[state].get(char, 0)
+        """The state after `char` from a settled state; the result is settled."""
+        target = self._moves[state].get(char)
+        if target is None:
+            target = self._move(state, char)
+        if self.fail[target] < 0:
+            self._settle(target)
+        return target
+
+    def _spelled(self, state: int) -> int:
+        first = self._sorted[self._lo[state]] if self._lo[state] < self._hi[state] else None
+        return self._index[first] if first is not None and len(first) == self.depth[state] else -1
+
+    def _child(self, state: int, char: str) -> int:
+        known = self._kids[state].get(char)
+        if known is not None:
+            return known
+        depth, lo, hi = self.depth[state], self._lo[state], self._hi[state]
+        if lo < hi and len(self._sorted[lo]) == depth:
+            lo += 1  # the stop this state spells has no next character
+        start = bisect_left(self._sorted, char, lo, hi, key=lambda stop: stop[depth])
+        end = bisect_right(self._sorted, char, start, hi, key=lambda stop: stop[depth])
+        child = -1
+        if start < end:
+            child = len(self.depth)
+            self._lo.append(start)
+            self._hi.append(end)
+            self.depth.append(depth + 1)
+            self._parent.append(state)
+            self._char.append(char)
+            self._kids.append({})
+            self._moves.append({})
+            self.fail.append(-1)
+            self.longest.append(-1)
+        self._kids[state][char] = child
+        return child
+
+    def _move(self, state: int, char: str) -> int:
+        """The transition from a settled state: its child on `char`, else its fail state's."""
+        chain, node = [], state
+        while True:
+            known = self._moves[node].get(char)
+            if known is not None:
+                target = known
+                break
+            chain.append(node)
+            child = self._child(node, char)
+            if child >= 0 or node == 0:
+                target = max(child, 0)
+                break
+            node = self.fail[node]
+        for node in chain:
+            self._moves[node][char] = target
+        return target
+
+    def _settle(self, state: int) -> None:
+        path = []
+        while self.fail[state] < 0:  # the root is settled
+            path.append(state)
+            state = self._parent[state]
+        for node in reversed(path):  # shallowest first: each one's parent is settled
+            self._settle_below_settled(node)
+
+    def _settle_below_settled(self, state: int) -> None:
+        # A fail link is the move from the parent's fail state, whose chain is settled; the state
+        # it lands on is a child of a settled state, so it settles the same way, shallower.
+        pending = [state]
+        while pending:
+            node = pending[-1]
+            if self.fail[node] >= 0:
+                pending.pop()
+                continue
+            parent = self._parent[node]
+            target = 0 if parent == 0 else self._move(self.fail[parent], self._char[node])
+            if target != 0 and self.fail[target] < 0:
+                pending.append(target)
+                continue
+            self.fail[node] = target
+            spelled = self._spelled(node)
+            self.longest[node] = spelled if spelled >= 0 else self.longest[target]
+            pending.pop()
 
 
 # Stop-string sets whose automaton is worth sharing between requests that give the same set

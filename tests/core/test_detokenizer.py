@@ -7,6 +7,7 @@ import pytest
 
 from engine.core.detokenizer import (
     IncrementalDetokenizer,
+    StopAutomaton,
     StopStringMatcher,
     automaton_for,
     plain_decode,
@@ -212,3 +213,38 @@ def test_a_large_stop_set_builds_one_shared_automaton_and_still_matches():
     assert second.add("nothing here") == ("nothing here", None)
     emitted, hit = first.add("x" * 520 + " tail")
     assert (emitted, hit) == ("", stops[3])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_one_lazily_built_automaton_serves_many_texts_as_brute_force_says(seed):
+    """States and fail links are worked out as texts reach them: one automaton shared by many
+    matchers, over stops that overlap themselves, finds what brute force finds in each text."""
+    rng = random.Random(seed)
+    stops = tuple({"".join(rng.choice("ab") for _ in range(rng.randint(1, 9))) for _ in range(12)})
+    shared = StopAutomaton(stops)
+    for _ in range(30):
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        matcher, emitted, fed = StopStringMatcher(stops), "", ""
+        matcher._automaton = shared
+        for char in text:
+            fed += char
+            delta, hit = matcher.add(char)
+            emitted += delta
+            expected = first_stop(fed, stops)
+            if expected is not None:
+                assert hit == expected[1] and emitted == fed[: expected[0]]
+                break
+            assert hit is None and emitted == fed[: len(fed) - held(fed, stops)]
+
+
+def test_a_large_stop_set_costs_little_until_the_text_resembles_it():
+    stops = tuple(f"{i:04d}" + "x" * 1020 for i in range(64))
+    automaton = StopAutomaton(stops)
+    matcher = StopStringMatcher(stops)
+    matcher._automaton = automaton
+    matcher.add("an answer that resembles none of them " * 20)
+    assert len(automaton.depth) < 10  # states made, of the 65,000 an eager build makes
+    emitted, hit = matcher.add("0042" + "x" * 1020)
+    assert emitted == ""
+    assert hit == stops[42]
+    assert len(automaton.depth) < 1200
