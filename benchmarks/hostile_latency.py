@@ -1,9 +1,10 @@
-"""How much one hostile request slows everyone else: a victim's completion time alone and beside
-each hostile request, and the slowest /health answer meanwhile, against a live server on a tiny
-random-weight model (the costs measured are the server's own: parsing, validation, tokenizing,
-stop-string matching).
+"""How much one hostile request slows everyone else: a victim's completion time alone, and the
+slowest of victims sent one after another while each hostile request runs, with the slowest
+/health answer meanwhile, against a live server on a tiny random-weight model (the costs
+measured are the server's own: parsing, validation, tokenizing, stop-string matching; curl
+sends the hostile bodies from its own process).
 
-    PYTHONPATH=. python benchmarks/hostile_latency.py
+    PYTHONPATH=. python benchmarks/hostile_latency.py [only the cases whose name has this]
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -42,9 +46,19 @@ HOSTILE: dict[str, dict[str, Any]] = {
         "stop": [f"{i:04d}" + "x" * 1020 for i in range(64)],
     },
     "a 30 MB prompt": {"prompt": "hello " * 5_000_000, "max_tokens": 1},
+    "an 8 MB prompt (under the body limit, too long)": {
+        "prompt": "hello " * 1_390_000,
+        "max_tokens": 1,
+    },
     "a 2,500-char prompt (tokenized, then too long)": {"prompt": "hi " * 833, "max_tokens": 1},
     "4,000 prompts": {"prompt": ["Hi"] * 4_000, "max_tokens": 1},
     "1,000 prompts (allowed)": {"prompt": ["Hi"] * 1_000, "max_tokens": 1},
+    "1,000 prompts streamed, 16 tokens each (allowed)": {
+        "prompt": ["Hi"] * 1_000,
+        "max_tokens": 16,
+        "ignore_eos": True,
+        "stream": True,
+    },
 }
 
 
@@ -66,27 +80,53 @@ async def health_worst(client: httpx.AsyncClient, stop: asyncio.Event) -> float:
     return worst
 
 
-async def main() -> None:
+async def send_with_curl(url: str, payload: Path) -> int:
+    """The hostile request from another process (curl), so that writing its body costs this
+    process nothing: what the victim sees is the server's cost alone."""
+    curl = await asyncio.create_subprocess_exec(
+        "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+        "-H", "content-type: application/json", "--data-binary", f"@{payload}",
+        f"{url}/v1/completions",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await curl.communicate()
+    return int(out or 0)
+
+
+async def main(repeats: int = 3, only: str = "") -> None:
     victim = json.dumps(VICTIM).encode()
+    folder = Path(tempfile.mkdtemp(prefix="hostile-"))
     async with (
         live_server() as server,
         httpx.AsyncClient(base_url=server.url, timeout=600) as client,
     ):
-        alone = statistics.median([(await timed(client, victim))[0] for _ in range(5)])
-        print(f"victim alone: {alone * 1000:.0f} ms")
+        alone = statistics.median([(await timed(client, victim))[0] for _ in range(9)])
+        print(
+            f"victim alone: {alone * 1000:.0f} ms (median of 9); beside: the slowest of the "
+            f"victims sent while the request runs, median of {repeats} runs"
+        )
         print(
             f"{'hostile request':55} {'status':>6} {'victim':>8} {'ratio':>6} {'/health max':>12}"
         )
-        for name, body in HOSTILE.items():
-            payload = json.dumps(body).encode()
-            stop = asyncio.Event()
-            probe = asyncio.create_task(health_worst(client, stop))
-            hostile = asyncio.create_task(timed(client, payload))
-            await asyncio.sleep(0)
-            beside, _ = await timed(client, victim)
-            _, status = await hostile
-            stop.set()
-            worst = await probe
+        for index, (name, body) in enumerate(HOSTILE.items()):
+            if only not in name:
+                continue
+            payload = folder / f"{index}.json"
+            payload.write_bytes(json.dumps(body).encode())
+            besides, worst, status = [], 0.0, 0
+            for _ in range(repeats):
+                stop = asyncio.Event()
+                probe = asyncio.create_task(health_worst(client, stop))
+                hostile = asyncio.create_task(send_with_curl(server.url, payload))
+                # Victims one after another while the hostile request is in flight: the slowest.
+                slowest = (await timed(client, victim))[0]
+                while not hostile.done():
+                    slowest = max(slowest, (await timed(client, victim))[0])
+                besides.append(slowest)
+                status = await hostile
+                stop.set()
+                worst = max(worst, await probe)
+            beside = statistics.median(besides)
             print(
                 f"{name:55} {status:>6} {beside * 1000:6.0f}ms {beside / alone:6.2f} "
                 f"{worst * 1000:10.0f}ms"
@@ -94,4 +134,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(main(only=sys.argv[1] if len(sys.argv) > 1 else ""))

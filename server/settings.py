@@ -7,7 +7,7 @@ from pathlib import Path
 
 from server.limits import RequestLimits
 
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # A request's line and headers: at most this many bytes, arriving within this many seconds.
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_HEAD_TIMEOUT = 30.0

@@ -17,6 +17,10 @@ CLIENT_GONE = 499
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 _END = object()
+# Items a merged stream hands on in a row before other tasks get the loop: a request of a
+# thousand prompts has a thousand deltas ready after each step, and rendering and writing them
+# all at once would hold back every other client's chunks of that step.
+FAIR_SHARE = 16
 
 
 def _compact_json() -> Callable[[Any], str]:
@@ -87,7 +91,7 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int
             queue.put_nowait((index, _END, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
+    remaining, handed = len(tasks), 0
     try:
         while remaining:
             index, item, error = await queue.get()
@@ -97,6 +101,9 @@ async def merge(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int
                 remaining -= 1
                 continue
             yield index, item
+            handed += 1
+            if handed % FAIR_SHARE == 0:
+                await asyncio.sleep(0)
     finally:
         for task in tasks:
             task.cancel()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import pytest
 from engine.core.async_engine import RequestCollector
 from engine.core.outputs import RequestOutput
 from server.rendering import ChunkRenderer
-from server.streaming import compact_json, sse
+from server.streaming import FAIR_SHARE, compact_json, merge, sse
 
 PAYLOADS: list[Any] = [
     {"id": "cmpl-1", "choices": [{"index": 0, "text": " the", "logprobs": None}]},
@@ -147,3 +149,29 @@ async def _one_stream_text(module) -> str:
                 "/v1/completions", content=body, headers={"content-type": "application/json"}
             )
             return response.text
+
+
+async def test_a_merged_stream_of_many_prompts_lets_other_requests_in_between():
+    """A thousand ready deltas are not handed on in one go: other tasks (other clients'
+    streams) run after every FAIR_SHARE of them (a few dozen at most)."""
+
+    async def ready(count: int) -> AsyncIterator[int]:
+        for i in range(count):
+            yield i
+
+    handed: list[int] = []
+    seen_by_neighbour: list[int] = []
+
+    async def neighbour() -> None:
+        while len(handed) < 1000:
+            seen_by_neighbour.append(len(handed))
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(neighbour())
+    async for _, item in merge([ready(500), ready(500)]):
+        handed.append(item)
+    await other
+    gaps = [b - a for a, b in itertools.pairwise(seen_by_neighbour)]
+    assert FAIR_SHARE <= 64
+    assert len(seen_by_neighbour) >= 1000 // 64
+    assert max(gaps) <= 64
