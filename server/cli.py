@@ -328,7 +328,7 @@ def serve(args: argparse.Namespace) -> int:
     from engine.core.async_engine import AsyncEngine
     from server.app import build_app
     from server.http_protocol import uvicorn_config
-    from server.lifecycle import DrainingServer
+    from server.lifecycle import DrainingServer, freeze_heap
     from server.log_format import configure_logging
     from server.tracing import Tracing
 
@@ -356,6 +356,7 @@ def serve(args: argparse.Namespace) -> int:
         args.port,
     )
     config = uvicorn_config(app, args.host, args.port, args.log_level, settings, log_config)
+    logger.debug("%d objects of the loaded model frozen out of garbage collection", freeze_heap())
     DrainingServer(config, app, settings.shutdown_timeout).run()
     return 0
 
