@@ -1,12 +1,14 @@
 """Batched sampling: logits processing, greedy and random choice, logprobs.
 
-Every row's choice is tensor work over the whole batch. A request with a seed draws from its own
-generator, which advances only when that request samples, so its tokens do not depend on what
-else shares the batch.
+Every row's choice is tensor work over the whole batch: penalties, `min_tokens`, logit bias and
+grammars each touch all their rows in one operation, with no per-row device work or host sync.
+A request with a seed draws from its own generator, which advances only when that request
+samples, so its tokens do not depend on what else shares the batch.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,27 +53,10 @@ class Sampler:
     def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         _apply_grammars(logits, requests)
         _apply_logit_bias(logits, requests)
-        for row, request in enumerate(requests):
-            if request.sampling_params.needs_penalties:
-                self._apply_penalties(logits, row, request)
+        _apply_repetition_penalty(logits, requests)
+        _apply_frequency_presence(logits, requests)
         _apply_min_tokens(logits, requests)
         return logits
-
-    def _apply_penalties(self, logits: torch.Tensor, row: int, request: Request) -> None:
-        params = request.sampling_params
-        device = logits.device
-        if params.repetition_penalty != 1.0:
-            seen = torch.tensor(request.all_token_ids, device=device).unique()
-            values = logits[row, seen]
-            penalised = torch.where(
-                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
-            )
-            logits[row, seen] = penalised
-        if request.output_token_ids and (params.presence_penalty or params.frequency_penalty):
-            outputs = torch.tensor(request.output_token_ids, device=device)
-            counts = torch.bincount(outputs, minlength=logits.shape[1])[: logits.shape[1]]
-            logits[row] -= params.frequency_penalty * counts
-            logits[row] -= params.presence_penalty * (counts > 0).float()
 
     # ---- choice ----------------------------------------------------------------------------
 
@@ -235,7 +220,67 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
         logits.index_put_(index, torch.tensor(values, device=device), accumulate=True)
 
 
+def _token_rows(
+    token_lists: list[list[int]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, token) pairs of several rows' token lists as two index tensors, built in one
+    host pass and one transfer (tokens past the logits' width are dropped)."""
+    lengths = np.fromiter((len(tokens) for tokens in token_lists), np.int64, len(token_lists))
+    tokens = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, int(lengths.sum()))
+    rows = np.repeat(np.arange(len(token_lists)), lengths)
+    keep = tokens < vocab
+    return (
+        torch.from_numpy(rows[keep]).to(device),
+        torch.from_numpy(tokens[keep]).to(device),
+    )
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Divide positive and multiply negative logits of every token seen (prompt or output) by
+    the row's penalty: every such row at once."""
+    rows = [row for row, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    which, tokens = _token_rows([requests[row].all_token_ids for row in rows], vocab, device)
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    seen[which, tokens] = True
+    penalty = torch.tensor(
+        [requests[row].sampling_params.repetition_penalty for row in rows], device=device
+    )[:, None]
+    index = torch.tensor(rows, device=device)
+    values = logits[index]
+    penalised = torch.where(values > 0, values / penalty, values * penalty)
+    logits[index] = torch.where(seen, penalised, values)
+
+
+def _apply_frequency_presence(logits: torch.Tensor, requests: list[Request]) -> None:
+    """OpenAI's penalties: minus `frequency` times a token's count in the output, minus
+    `presence` if it occurs at all; every such row at once."""
+    rows = [
+        row
+        for row, r in enumerate(requests)
+        if r.output_token_ids
+        and (r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty)
+    ]
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    which, tokens = _token_rows([requests[row].output_token_ids for row in rows], vocab, device)
+    counts = torch.zeros(len(rows), vocab, device=device)
+    counts.index_put_((which, tokens), torch.ones_like(tokens, dtype=counts.dtype), True)
+    params = [requests[row].sampling_params for row in rows]
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index] - frequency * counts - presence * (counts > 0).float()
+
+
 def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Rule out EOS and the stop token ids of rows still short of `min_tokens`, in one write."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[1]
     for row, request in enumerate(requests):
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
@@ -243,28 +288,57 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= request.eos_token_ids
-        banned = [t for t in stops if t < logits.shape[1]]
-        if banned:
-            logits[row, banned] = float("-inf")
+        banned = [t for t in stops if t < vocab]
+        rows += [row] * len(banned)
+        cols += banned
+    if rows:
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=device))
+
+
+# How many candidates a top_p-only row is first searched in: an LLM's nucleus usually lies in
+# its first few hundred tokens; a flatter row is searched again sixteen times wider.
+NUCLEUS_FIRST_WIDTH = 256
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Mask everything outside each row's top-k and top-p nucleus (sort-based)."""
-    device = logits.device
+    """Mask everything outside each row's top-k and top-p nucleus (top-p over the top-k,
+    renormalised, as vLLM does). No row sorts the whole vocabulary unless it must: the
+    candidates are the batch's largest top_k, or the first NUCLEUS_FIRST_WIDTH (widened while
+    some top_p-only row's nucleus reaches past them), taken with `topk`."""
     vocab = logits.shape[1]
-    # A top_k past the vocabulary keeps every token (and would not fit an int64).
-    top_k = torch.tensor(
-        [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params], device=device
-    )
+    rows = [row for row, p in enumerate(params) if p.uses_top_k or p.top_p < 1.0]
+    if len(rows) < len(params):  # rows that keep every token stay as they are
+        index = torch.tensor(rows, device=logits.device)
+        kept = logits.clone()
+        kept[index] = _top_k_top_p(logits[index], [params[row] for row in rows])
+        return kept
+    device = logits.device
+    ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
+    top_k = torch.tensor(ks, device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    positions = torch.arange(vocab, device=device)[None, :]
-    remove = positions >= top_k[:, None]
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
+    limited = top_k < vocab
+    # Top-p of a row without top_k counts its mass against the whole vocabulary.
+    whole = torch.logsumexp(logits, dim=-1)
+    # Every row with a top_k: its largest. Else at least the first search width.
+    below = [k for k in ks if k < vocab]
+    first = max(below) if len(below) == len(ks) else max([*below, NUCLEUS_FIRST_WIDTH])
+    width = min(vocab, first)
+    while True:
+        candidates, order = logits.topk(width, dim=-1)
+        positions = torch.arange(width, device=device)[None, :]
+        beyond_k = positions >= top_k[:, None]
+        candidates = candidates.masked_fill(beyond_k, float("-inf"))
+        norm = torch.where(limited, torch.logsumexp(candidates, dim=-1), whole)
+        probs = (candidates - norm[:, None]).exp()
+        reached = limited | (probs.sum(dim=-1) >= top_p)
+        if width == vocab or bool(reached.all()):
+            break
+        width = min(vocab, width * 16)
     # Keep a token while the mass before it is below top_p; the best token always stays.
     mass_before = probs.cumsum(dim=-1) - probs
-    remove = remove | (mass_before >= top_p[:, None])
+    remove = beyond_k | (mass_before >= top_p[:, None])
     remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    kept = torch.full_like(logits, float("-inf"))
+    return kept.scatter_(1, order, candidates.masked_fill(remove, float("-inf")))
