@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -94,13 +95,17 @@ def when(condition: Callable[[], bool], what: str, timeout: float = 120) -> None
 
 
 def test_replicas_killed_drained_and_restarted_cost_no_request(replicas, tmp_path):
-    """200 requests or more (until the last replica is back), a quarter of them streamed:
-    replica A is SIGKILLed after 40 and started again; once the router takes it back, replica
-    B gets SIGTERM (a drain) and is started again. No plain request fails, a cut stream ends
-    with an error the client sees, none hangs, and the router sends traffic to both restarted
-    replicas."""
+    """200 requests or more (until the last replica is back), a quarter of them streamed, and
+    four long streams running on both replicas from the start: replica A is SIGKILLed after 40
+    and started again; once the router takes it back, replica B gets SIGTERM (a drain) and is
+    started again. No plain request fails, a stream cut by A's death ends with an error the
+    client sees (the router closes it mid-body), none hangs, the long streams on B finish, and
+    the router sends traffic to both restarted replicas."""
     a, b = replicas
     router = routed(replicas, tmp_path, "cache_aware")
+    pool = ThreadPoolExecutor(4)
+    long_streams = [pool.submit(long_stream, router.url, i) for i in range(4)]
+    when(lambda: all(running(r) >= 1 for r in replicas), "long streams on both replicas")
     events: list[str] = []
     progress = Outcomes()
     failure: list[BaseException] = []
@@ -139,16 +144,41 @@ def test_replicas_killed_drained_and_restarted_cost_no_request(replicas, tmp_pat
         )
         controller.join(timeout=300)
         assert not failure, failure
+        endings = [stream.result(timeout=300) for stream in long_streams]
         served_before = successes(b)
         asyncio.run(steady_run(router.url, 16, concurrency=4, streamed_every=1000))
         events.append(f"B served {successes(b) - served_before:.0f} of 16 requests after")
     finally:
         router.stop()
-    print(events, out)
+        pool.shutdown(wait=False, cancel_futures=True)
+    print(events, out, endings)
     assert out.done >= 200
     assert out.failed == [], out.failed
     assert out.hung == 0
     assert successes(b) > served_before, events
+    assert "cut" in endings and "done" in endings, endings
+
+
+def running(replica: Replica) -> float:
+    return replica.metrics().get("vllm:num_requests_running", 0.0)
+
+
+def long_stream(url: str, i: int) -> str:
+    """A stream of 2,000 tokens: "done" if it ends with [DONE], "cut" if the connection ends
+    before it (an error the client sees)."""
+    # Prompts that share no prefix, so that a cache-aware router spreads them.
+    prompt = ["alpha story", "bravo tale", "charlie news", "delta song"][i]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2000, "ignore_eos": True}
+    last = ""
+    try:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=120
+        ) as response:
+            for line in response.iter_lines():
+                last = line or last
+    except httpx.TransportError:
+        return "cut"
+    return "done" if last == "data: [DONE]" else f"ended with {last[:80]!r}"
 
 
 def port_open(port: int) -> bool:
