@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from engine.core.errors import EngineDeadError
 from engine.core.paths import cache_dir
+from engine.core.sampling_params import SamplingParams
 from server.batches.files import FileStore
 from server.batches.jobs import BatchStore
 from server.batches.metrics import BatchMetrics
@@ -32,7 +33,7 @@ from server.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
 )
-from server.serving import EngineClient, ServedModel, require_text_model
+from server.serving import EngineClient, ServedModel, new_id, require_text_model, sampling_fields
 from server.serving_chat import ChatHandler
 from server.serving_completions import CompletionHandler
 from server.settings import ServerSettings
@@ -126,6 +127,34 @@ def _openai_router(
     @router.post("/v1/chat/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await tracing.traced("chat", served.name, body, request, chat)
+
+    # vLLM's render routes: what the engine would run for a request, without running it. A
+    # router that routes on prompt tokens (vllm-router's cache-aware policy, the inference
+    # extension's precise prefix scorer) asks these first and /tokenize only on a 404.
+    @router.post("/v1/completions/render", responses=errors(400, 404))
+    async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
+        prompts, params = await completions.render(body)
+        request_id = new_id("cmpl")
+        ids = (
+            [request_id]
+            if len(prompts) == 1
+            else [f"{request_id}-{i}" for i in range(len(prompts))]
+        )
+        return [generate_request(i, p, params) for i, p in zip(ids, prompts, strict=True)]
+
+    @router.post("/v1/chat/completions/render", responses=errors(400, 404))
+    async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
+        prompt, params = await chat.render(body)
+        return generate_request(new_id("chatcmpl"), prompt, params)
+
+    def generate_request(request_id: str, tokens: list[int], params: SamplingParams) -> dict:
+        return {
+            "request_id": request_id,
+            "token_ids": tokens,
+            "sampling_params": sampling_fields(params),
+            "model": served.name,
+            "stream": False,
+        }
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:

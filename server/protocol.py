@@ -82,6 +82,8 @@ Prompt = (
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 

@@ -132,6 +132,24 @@ def sampling_params(
 BACKGROUND_HEADER = "x-conveyor-background"
 
 
+# The sampling parameters a render route hands back, by vLLM's names.
+RENDERED_FIELDS = (
+    "n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "logprobs", "prompt_logprobs",
+    "skip_special_tokens",
+)  # fmt: skip
+
+
+def sampling_fields(params: SamplingParams) -> dict[str, Any]:
+    """The plain fields of `params` as JSON (logit bias keyed by token id, as text)."""
+    fields: dict[str, Any] = {name: getattr(params, name) for name in RENDERED_FIELDS}
+    fields["stop"], fields["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
+    if params.logit_bias:
+        fields["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
+    return fields
+
+
 def request_options(body: SamplingFields, request: Request | None = None) -> RequestOptions:
     background = request is not None and request.headers.get(BACKGROUND_HEADER) == "1"
     return RequestOptions(priority=body.priority, timeout=body.timeout, background=background)

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from server.call_array import CallArrayReader
 from server.limits import RequestLimits, check_chat
 from server.logprobs import chat_logprobs
@@ -221,7 +222,15 @@ class ChatHandler:
             return WRITTEN_TOOLS_PARSER
         return parser_for(self.tool_call_parser, getattr(tokenizer, "chat_template", None))
 
-    async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def render(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """The request checked and made into what the engine runs: the templated prompt's token
+        ids and the sampling parameters (what `/v1/chat/completions/render` answers)."""
+        prompt, params, _ = await self._prepare(body)
+        return prompt, params
+
+    async def _prepare(
+        self, body: ChatCompletionRequest
+    ) -> tuple[list[int], SamplingParams, ForcedCalls | None]:
         self.model.check(body.model)
         check_chat(body, self.limits)
         check_tools(body)
@@ -249,6 +258,12 @@ class ChatHandler:
                     param="tool_choice",
                 )
             params = replace(params, structured=forced.format)
+        return prompt, params, forced
+
+    async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
+        prompt, params, forced = await self._prepare(body)
+        tokenizer = require_text_model(self.engine)
+        tools = template_tools(body)
         request_id = new_id("chatcmpl")
         bind_trace(request, request_id)
         parser = self._parser(tokenizer) if tools and forced is None else None

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
 from server.limits import RequestLimits, check_completion
 from server.logprobs import CompletionLogprobs
 from server.protocol import CompletionRequest
@@ -151,7 +152,15 @@ class CompletionHandler:
         self.model = model
         self.limits = limits or RequestLimits()
 
-    async def __call__(self, body: CompletionRequest, request: Request) -> Response:
+    async def render(self, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+        """The request checked and made into what the engine runs: each prompt's token ids and
+        the sampling parameters (what `/v1/completions/render` answers)."""
+        prompts, _, params = await self._prepare(body)
+        return prompts, params
+
+    async def _prepare(
+        self, body: CompletionRequest
+    ) -> tuple[list[list[int]], list[str | None], SamplingParams]:
         self.model.check(body.model)
         check_completion(body, self.limits)
         _check_unsupported(body)
@@ -166,6 +175,11 @@ class CompletionHandler:
         texts = [p if isinstance(p, str) else None for p in singles]
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+        return prompts, texts, params
+
+    async def __call__(self, body: CompletionRequest, request: Request) -> Response:
+        prompts, texts, params = await self._prepare(body)
+        tokenizer = self.engine.tokenizer
         request_id = new_id("cmpl")
         bind_trace(request, request_id)
         renderer = CompletionRenderer(request_id, self.model.name, body, prompts, texts, tokenizer)

@@ -112,6 +112,17 @@ class Replica:
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
         return totals
 
+    def requests_to(self, handler: str) -> float:
+        """HTTP requests this replica answered on `handler`."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "http_requests"
+            for sample in family.samples
+            if sample.name == "http_requests_total" and sample.labels.get("handler") == handler
+        )
+
     def prefix_hit_rate(self) -> float:
         metrics = self.metrics()
         queries = metrics.get("vllm:prefix_cache_queries_total", 0.0)

@@ -82,6 +82,9 @@ def test_cache_aware_routing_keeps_each_prefix_on_one_replica(replicas, tmp_path
             "ttft_p50_ms": round(p50 * 1000, 1),
         }
     print(report)
+    # The router took the prompts' tokens from the render route, never /tokenize.
+    assert sum(r.requests_to("/v1/completions/render") for r in replicas) >= 2 * len(prompts)
+    assert sum(r.requests_to("/tokenize") for r in replicas) == 0
     # Each group's first request misses: at best 3 of 4 requests hit, about 0.75 of the tokens.
     assert report["cache_aware"]["hit_rate"] > 0.65, report
     assert report["cache_aware"]["hit_rate"] > report["round_robin"]["hit_rate"] + 0.1, report

@@ -97,3 +97,43 @@ async def test_the_adapter_gauge_says_no_adapters():
         "running_lora_adapters": "",
     }
     assert sample.value > 1.7e9  # when it was last updated, in seconds since the epoch
+
+
+async def test_completion_render_gives_each_prompt_s_tokens_and_its_sampling_params():
+    async with app_client() as (client, _):
+        body = {"prompt": ["Hello there", "Bye"], "max_tokens": 7, "temperature": 0.5}
+        rendered = (await client.post("/v1/completions/render", json=body)).json()
+        assert [r["model"] for r in rendered] == ["tiny", "tiny"]
+        for text, one in zip(body["prompt"], rendered, strict=True):
+            tokens = (await client.post("/tokenize", json={"prompt": text})).json()["tokens"]
+            assert one["token_ids"] == tokens
+            assert one["sampling_params"]["max_tokens"] == 7
+            assert one["sampling_params"]["temperature"] == 0.5
+        assert rendered[0]["request_id"] != rendered[1]["request_id"]
+        ids = (await client.post("/v1/completions/render", json={"prompt": [5, 6, 7]})).json()
+        assert ids[0]["token_ids"] == [5, 6, 7]
+
+
+async def test_chat_render_gives_the_templated_prompt_s_tokens():
+    async with app_client() as (client, _):
+        messages = [{"role": "user", "content": "Hi there"}]
+        rendered = await client.post(
+            "/v1/chat/completions/render", json={"messages": messages, "max_tokens": 3}
+        )
+        tokenized = await client.post(
+            "/tokenize", json={"messages": messages, "add_generation_prompt": True}
+        )
+        assert rendered.json()["token_ids"] == tokenized.json()["tokens"]
+        assert rendered.json()["sampling_params"]["max_tokens"] == 3
+
+
+async def test_render_refuses_what_the_request_itself_would_refuse():
+    async with app_client() as (client, _):
+        too_long = await client.post("/v1/completions/render", json={"prompt": "hi " * 5000})
+        assert too_long.status_code == 400
+        assert too_long.json()["error"]["param"] == "prompt"
+        wrong_model = await client.post(
+            "/v1/chat/completions/render",
+            json={"model": "other", "messages": [{"role": "user", "content": "x"}]},
+        )
+        assert wrong_model.status_code == 404

@@ -162,3 +162,12 @@ async def test_failure_after_tokens_streamed_ends_with_error_then_done(monkeypat
         texts = [e for e in events[:-1] if "choices" in e]
         assert len(texts) == 2 and "late failure" in events[-2]["error"]["message"]
         assert blocks_in_use(engine) == 0
+
+
+async def test_stream_options_take_booleans_only():
+    """A 0 for a boolean was taken as false (schemathesis found it)."""
+    async with app_client() as (client, _):
+        body = {"prompt": "Hi", "stream_options": {"continuous_usage_stats": 0}}
+        for path in ("/v1/completions/render", "/v1/completions"):
+            refused = await client.post(path, json=body | {"max_tokens": 2})
+            assert refused.status_code == 400, path
