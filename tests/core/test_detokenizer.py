@@ -125,19 +125,33 @@ def test_the_automaton_agrees_with_brute_force(seed):
         }
     )
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
-    matcher, emitted, fed, hit = StopStringMatcher(stops), "", "", None
-    while fed != text:
-        piece = text[len(fed) : len(fed) + rng.randint(1, 4)]
+    pieces, start = [], 0
+    while start < len(text):
+        size = rng.randint(1, 4)
+        pieces.append(text[start : start + size])
+        start += size
+    matcher = StopStringMatcher(stops)
+    emitted, hit = feed_checked(matcher, pieces, stops)
+    if hit is None:
+        assert emitted + matcher.flush() == text
+
+
+def feed_checked(
+    matcher: StopStringMatcher, pieces: list[str], stops: tuple[str, ...]
+) -> tuple[str, str | None]:
+    """Feed `pieces` in turn; after each, what was emitted and any stop hit are what brute force
+    says. Returns the text emitted and the stop hit (None if none)."""
+    emitted, fed = "", ""
+    for piece in pieces:
         fed += piece
         delta, hit = matcher.add(piece)
         emitted += delta
         expected = first_stop(fed, stops)
         if expected is not None:
             assert hit == expected[1] and emitted == fed[: expected[0]]
-            break
+            return emitted, hit
         assert hit is None and emitted == fed[: len(fed) - held(fed, stops)]
-    if hit is None:
-        assert emitted + matcher.flush() == text
+    return emitted, None
 
 
 def test_many_long_stop_strings_cost_time_in_the_text_not_the_stops():
@@ -224,17 +238,9 @@ def test_one_lazily_built_automaton_serves_many_texts_as_brute_force_says(seed):
     shared = StopAutomaton(stops)
     for _ in range(30):
         text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
-        matcher, emitted, fed = StopStringMatcher(stops), "", ""
+        matcher = StopStringMatcher(stops)
         matcher._automaton = shared
-        for char in text:
-            fed += char
-            delta, hit = matcher.add(char)
-            emitted += delta
-            expected = first_stop(fed, stops)
-            if expected is not None:
-                assert hit == expected[1] and emitted == fed[: expected[0]]
-                break
-            assert hit is None and emitted == fed[: len(fed) - held(fed, stops)]
+        feed_checked(matcher, list(text), stops)
 
 
 def test_a_large_stop_set_costs_little_until_the_text_resembles_it():
