@@ -95,10 +95,12 @@ def test_the_fleet_router_fronts_the_replicas_that_prometheus_scrapes():
     # The second replica on a shared GPU sizes itself once the first holds its share.
     assert services["conveyor-2"]["depends_on"]["conveyor-1"]["condition"] == "service_healthy"
     config = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
-    (job,) = config["scrape_configs"]
-    (discovery,) = job["dns_sd_configs"]
-    assert set(discovery["names"]) == {"conveyor", "conveyor-1", "conveyor-2"}
-    assert discovery["port"] == 8000
+    jobs = {job["job_name"]: job["dns_sd_configs"][0] for job in config["scrape_configs"]}
+    assert set(jobs["conveyor"]["names"]) == {"conveyor", "conveyor-1", "conveyor-2"}
+    assert jobs["conveyor"]["port"] == 8000
+    metrics_port = command[command.index("--prometheus-port") + 1]
+    assert command[command.index("--prometheus-host") + 1] == "0.0.0.0"
+    assert (jobs["router"]["names"], str(jobs["router"]["port"])) == (["router"], metrics_port)
     dockerfile = (DEPLOY / "router" / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["vllm-router", "--host", "0.0.0.0", "--port", "8000"]' in dockerfile
 
