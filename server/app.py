@@ -33,7 +33,14 @@ from server.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
 )
-from server.serving import EngineClient, ServedModel, new_id, require_text_model, sampling_fields
+from server.serving import (
+    EngineClient,
+    ServedModel,
+    new_id,
+    prompt_ids,
+    require_text_model,
+    sampling_fields,
+)
 from server.serving_chat import ChatHandler
 from server.serving_completions import CompletionHandler
 from server.settings import ServerSettings
@@ -134,12 +141,7 @@ def _openai_router(
     @router.post("/v1/completions/render", responses=errors(400, 404))
     async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
         prompts, params = await completions.render(body)
-        request_id = new_id("cmpl")
-        ids = (
-            [request_id]
-            if len(prompts) == 1
-            else [f"{request_id}-{i}" for i in range(len(prompts))]
-        )
+        ids = prompt_ids(new_id("cmpl"), len(prompts))
         return [generate_request(i, p, params) for i, p in zip(ids, prompts, strict=True)]
 
     @router.post("/v1/chat/completions/render", responses=errors(400, 404))

@@ -162,6 +162,11 @@ def bind_trace(request: Request, request_id: str) -> None:
         trace.bind(request_id)
 
 
+def prompt_ids(request_id: str, count: int) -> list[str]:
+    """The engine's id for each prompt of a request: the request's own for one prompt."""
+    return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
+
+
 def submit_all(
     engine: EngineClient,
     prompts: list[list[int]],
@@ -171,7 +176,7 @@ def submit_all(
 ) -> list[AsyncGenerator[RequestOutput, None]]:
     """Queue every prompt, or none: a refusal aborts the ones already queued."""
     streams: list[AsyncGenerator[RequestOutput, None]] = []
-    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    ids = prompt_ids(request_id, len(prompts))
     try:
         for prompt, sub_id in zip(prompts, ids, strict=True):
             streams.append(engine.submit(prompt, params, sub_id, options))
