@@ -152,10 +152,13 @@ class BatchStore:
         return [(line, cid, json.loads(request)) for line, cid, request in rows]
 
     def finish_line(self, batch: Batch, line: int, result: dict[str, Any], ok: bool) -> None:
-        """A line's result and the batch's counts, committed together."""
-        counts = batch.body["request_counts"]
-        counts["completed" if ok else "failed"] += 1
+        """A line's result and the batch's counts, committed together. The count goes up under
+        the lock: lines finish on several threads, and a count raised before it would reach the
+        database in another line's commit, ahead of its own result (after a crash the line
+        then runs again and counts twice)."""
         with self._lock, self._db:
+            counts = batch.body["request_counts"]
+            counts["completed" if ok else "failed"] += 1
             self._db.execute(
                 "UPDATE batch_lines SET result = ? WHERE batch_id = ? AND line = ?",
                 (json.dumps(result), batch.id, line),
