@@ -241,7 +241,32 @@ async def respond(renderer: Renderer, streams: Streams, stream: bool, request: R
         await merged.aclose()
         return Response(status_code=CLIENT_GONE)
     events = _events(renderer, first, merged, trace)
-    return StreamingResponse(events, media_type="text/event-stream")
+    return EventStream(events, merged, trace)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose request ends with the response, whatever happens to it. The
+    events' own cleanup runs only once they have started; a client gone before the first write
+    leaves them unstarted, and their request would run on unread until the garbage collector
+    came by (at once, or not while a traceback held them)."""
+
+    def __init__(
+        self,
+        events: AsyncGenerator[str, None],
+        merged: AsyncGenerator[tuple[int, RequestOutput], None],
+        trace: RequestTrace | None,
+    ) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events, self._merged, self._trace = events, merged, trace
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            await self._merged.aclose()  # aborts what is still running
+            if self._trace is not None:
+                self._trace.end(CLIENT_GONE)  # unless the events ended it already
 
 
 async def _collect(
@@ -257,7 +282,7 @@ async def _events(
     first: tuple[int, RequestOutput],
     merged: AsyncGenerator[tuple[int, RequestOutput], None],
     trace: RequestTrace | None = None,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     timed_out = completed = False
     try:
         source, output = first

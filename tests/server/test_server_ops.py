@@ -4,13 +4,16 @@ shutdown."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
+from starlette.requests import ClientDisconnect
 
+from server.app import build_app
 from server.settings import ServerSettings
 from tests.helpers import chat_tokenizer, sabotage_steps
 from tests.server_utils import app_client, blocks_in_use, live_server, until, wait_until_idle
@@ -213,3 +216,42 @@ def test_the_loaded_model_is_frozen_out_of_full_collections():
     before, frozen, after = map(int, result.stdout.split())
     assert frozen >= before > 100_000
     assert after < before // 100
+
+
+async def test_a_stream_whose_client_left_before_its_first_write_is_aborted():
+    """The response's first send fails (the client went between the first delta and the
+    first write): the stream's generator never starts, yet its request is aborted, not left
+    running unread."""
+    async with app_client() as (_, engine):
+        app = build_app(engine, ServerSettings(served_model_name="tiny"))
+        finished: list[str] = []
+        engine.stat_loggers.append(
+            lambda stats: finished.extend(f.finish_reason for f in stats.finished)
+        )
+        body = {"prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        request = {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+        bodies = [request]
+
+        async def receive() -> dict:
+            if bodies:
+                return bodies.pop()
+            await asyncio.Event().wait()  # the disconnect shows only as the failed send
+            raise AssertionError("unreachable")
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                raise OSError("the client is gone")
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+            "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "root_path": "",
+        }  # fmt: skip
+        with pytest.raises(ClientDisconnect):
+            await app(scope, receive, send)
+        await until(lambda: bool(finished), what="the request finished")
+        assert finished == ["abort"]
+        await wait_until_idle(engine)
