@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from fastapi import FastAPI
 
@@ -21,6 +25,30 @@ from server.tracing import Tracing
 from tests.helpers import chat_tokenizer, tiny_core, tiny_llama
 
 _MODEL = None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Return once the server process at `url` answers /health with 200; fail the test with its
+    output if it exits first, or kill it if it is not healthy within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            output = process.stdout.read() if process.stdout else ""
+            pytest.fail(f"{url} exited early:\n{output}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    pytest.fail(f"{url} did not become healthy")
 
 
 def shared_tiny_model():

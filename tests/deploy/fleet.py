@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import chat_tokenizer, tiny_llama
+from tests.server_utils import free_port, wait_healthy
 
 ROUTER = shutil.which("vllm-router")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tiny_model_dir(folder: Path, max_positions: int = 4096) -> Path:
@@ -33,23 +27,6 @@ def tiny_model_dir(folder: Path, max_positions: int = 4096) -> Path:
     tiny_llama(max_positions=max_positions).save_pretrained(folder)
     chat_tokenizer().save_pretrained(folder)
     return folder
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"{url} exited early:\n{process.stdout.read() if process.stdout else ''}"
-            )
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"{url} did not become healthy")
 
 
 @dataclass

@@ -7,7 +7,6 @@ import asyncio
 import json
 import re
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 from urllib.parse import unquote
@@ -16,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.server_utils import live_server
+from tests.server_utils import free_port, live_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -336,12 +335,6 @@ def test_alert_rules_pass_promtool():
         ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def substitute(expr: str) -> str:

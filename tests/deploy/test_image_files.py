@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import chat_tokenizer, tiny_llama
+from tests.server_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,12 +93,6 @@ def fresh_venv(tmp_path: Path, src: Path) -> Path:
         check=True,
     )
     return venv
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.e2e

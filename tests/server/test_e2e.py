@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,10 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel
 
+from tests.server_utils import free_port, wait_healthy
+
 pytestmark = [pytest.mark.e2e, pytest.mark.default_model]
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
@@ -51,18 +46,8 @@ def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600  # the first start fetches and converts the model
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"server exited early:\n{process.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    pytest.fail("server did not become healthy")
+    wait_healthy(url, process, timeout=600)  # the first start fetches and converts the model
+    return process, url
 
 
 def stop_server(process: subprocess.Popen) -> str:
