@@ -8,6 +8,7 @@
 #
 # Results land in $OUT (default benchmarks/results/batch) as one JSON per run.
 set -euo pipefail
+source "$(dirname "$0")/serving.sh"
 
 OUT=${OUT:-benchmarks/results/batch}
 PORT=${PORT:-8400}
@@ -17,14 +18,8 @@ LOAD=(--base-url "$URL" --random-input-len 128 --random-output-len 64 --ignore-e
 mkdir -p "$OUT"
 rm -rf "$OUT/state"
 
-conveyor serve --port "$PORT" --state-dir "$OUT/state" \
-    > "$OUT/serve.log" 2>&1 &
-server=$!
+start_server "$OUT/serve.log" --port "$PORT" --state-dir "$OUT/state"
 trap 'kill -TERM $server 2>/dev/null || true' EXIT
-for _ in $(seq 300); do
-    curl -sf "$URL/health" > /dev/null && break
-    sleep 1
-done
 
 # Each run its own prompts (seeds), so that none finds another's in the prefix cache.
 conveyor bench serve "${LOAD[@]}" --num-prompts 16 --seed 2 --json "$OUT/warmup.json" > /dev/null

@@ -9,6 +9,7 @@
 # machine's speed hit both policies alike. Results land in $OUT (default
 # benchmarks/results/overload) as one JSON per run.
 set -euo pipefail
+source "$(dirname "$0")/serving.sh"
 
 OUT=${OUT:-benchmarks/results/overload}
 PORT=${PORT:-8400}
@@ -19,20 +20,9 @@ LOAD=(--base-url "http://127.0.0.1:$PORT" --random-input-len 64 --random-output-
 mkdir -p "$OUT"
 
 serve() {  # policy
-    conveyor serve "${SERVE[@]}" --scheduling-policy "$1" > "$OUT/serve_$1.log" 2>&1 &
-    server=$!
-    for _ in $(seq 300); do
-        curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && return
-        sleep 1
-    done
-    echo "the server did not start; see $OUT/serve_$1.log" >&2
-    exit 1
+    start_server "$OUT/serve_$1.log" "${SERVE[@]}" --scheduling-policy "$1"
 }
 
-stop() {
-    kill -TERM "$server"
-    wait "$server" || true
-}
 
 serve fcfs
 conveyor bench serve "${LOAD[@]}" --max-concurrency 32 --num-prompts 128 --seed 7 \
@@ -40,7 +30,7 @@ conveyor bench serve "${LOAD[@]}" --max-concurrency 32 --num-prompts 128 --seed 
 rate=$(python -c "import json; print(round(2 * json.load(open('$OUT/capacity.json'))['request_throughput'], 1))")
 conveyor bench serve "${LOAD[@]}" --request-rate 0.5 --duration 60 --seed 8 --priority-mix 0.2 \
     --timeout 20 --json "$OUT/unloaded.json" > /dev/null
-stop
+stop_server
 echo "capacity x 2 = $rate requests/s"
 
 for pair in $(seq "$PAIRS"); do
@@ -48,7 +38,7 @@ for pair in $(seq "$PAIRS"); do
         serve "$policy"
         conveyor bench serve "${LOAD[@]}" --request-rate "$rate" --duration 60 --seed 9 \
             --priority-mix 0.2 --timeout 20 --json "$OUT/${policy}_$pair.json" > /dev/null
-        stop
+        stop_server
     done
 done
 

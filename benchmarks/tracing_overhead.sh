@@ -8,6 +8,7 @@
 #
 # Results land in $OUT (default benchmarks/results/tracing) as one JSON per run.
 set -euo pipefail
+source "$(dirname "$0")/serving.sh"
 
 OUT=${OUT:-benchmarks/results/tracing}
 PORT=${PORT:-8400}
@@ -21,31 +22,14 @@ python benchmarks/otlp_sink.py --port "$SINK" &
 sink=$!
 trap 'kill $sink 2>/dev/null || true' EXIT
 
-serve() {  # name, extra flags...
-    local name=$1
-    shift
-    conveyor serve --port "$PORT" "$@" > "$OUT/serve_$name.log" 2>&1 &
-    server=$!
-    for _ in $(seq 300); do
-        curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && return
-        sleep 1
-    done
-    echo "the server did not start; see $OUT/serve_$name.log" >&2
-    exit 1
-}
-
-stop() {
-    kill -TERM "$server"
-    wait "$server" || true
-}
-
 for pair in $(seq "$PAIRS"); do
-    serve off
+    start_server "$OUT/serve_off.log" --port "$PORT"
     conveyor bench serve "${LOAD[@]}" --seed "$pair" --json "$OUT/off_$pair.json" > /dev/null
-    stop
-    serve on --otlp-traces-endpoint "http://127.0.0.1:$SINK/v1/traces"
+    stop_server
+    start_server "$OUT/serve_on.log" --port "$PORT" \
+        --otlp-traces-endpoint "http://127.0.0.1:$SINK/v1/traces"
     conveyor bench serve "${LOAD[@]}" --seed "$pair" --json "$OUT/on_$pair.json" > /dev/null
-    stop
+    stop_server
 done
 echo "spans received: $(curl -s "http://127.0.0.1:$SINK/count")"
 
