@@ -319,18 +319,21 @@ def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     top_k = torch.tensor(ks, device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     limited = top_k < vocab
-    # Top-p of a row without top_k counts its mass against the whole vocabulary.
-    whole = torch.logsumexp(logits, dim=-1)
-    # Every row with a top_k: its largest. Else at least the first search width.
     below = [k for k in ks if k < vocab]
-    first = max(below) if len(below) == len(ks) else max([*below, NUCLEUS_FIRST_WIDTH])
-    width = min(vocab, first)
+    # Every row with a top_k: its largest, and each row's mass counts against its own top_k.
+    # Else at least the first search width, and a row without top_k counts its mass against
+    # the whole vocabulary.
+    every_limited = len(below) == len(ks)
+    width = min(vocab, max(below) if every_limited else max([*below, NUCLEUS_FIRST_WIDTH]))
+    whole = None if every_limited else torch.logsumexp(logits, dim=-1)
     while True:
         candidates, order = logits.topk(width, dim=-1)
         positions = torch.arange(width, device=device)[None, :]
         beyond_k = positions >= top_k[:, None]
         candidates = candidates.masked_fill(beyond_k, float("-inf"))
-        norm = torch.where(limited, torch.logsumexp(candidates, dim=-1), whole)
+        norm = torch.logsumexp(candidates, dim=-1)
+        if whole is not None:
+            norm = torch.where(limited, norm, whole)
         probs = (candidates - norm[:, None]).exp()
         reached = limited | (probs.sum(dim=-1) >= top_p)
         if width == vocab or bool(reached.all()):
