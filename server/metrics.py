@@ -173,14 +173,15 @@ class EngineMetrics:
             registry=registry,
         ).labels(*self._labels, *cache_info.values()).set(1)
         # vLLM's adapter gauge, read by the Gateway API Inference Extension's endpoint picker;
-        # no adapters are served, and its value is when it was last updated.
+        # no adapters are served, and its value is when it was last updated: read at the
+        # scrape, so that no step pays for it.
         self.lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
             ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             registry=registry,
         ).labels("0", "", "")
-        self.lora_info.set_to_current_time()
+        self.lora_info.set_function(time.time)
 
     def _define_counters(self, registry: CollectorRegistry) -> None:
         self.prompt_tokens = self._counter(
@@ -329,7 +330,6 @@ class EngineMetrics:
         """Fold one step's stats in (the engine calls this after every step)."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
-        self.lora_info.set_to_current_time()
         self.waiting_deferred.set(stats.num_waiting_deferred)
         self.waiting_capacity.set(stats.num_waiting - stats.num_waiting_deferred)
         self.rejections.inc(stats.num_rejections)
