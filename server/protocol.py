@@ -164,6 +164,11 @@ class SamplingFields(RequestBody):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The most tokens the client asked for (None: as many as the context leaves)."""
+        return self.max_tokens
+
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
@@ -263,6 +268,13 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens`, OpenAI's newer name, before `max_tokens`."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
 
 class TokenizeCompletionRequest(RequestBody):

@@ -248,7 +248,7 @@ class ChatHandler:
                 tools,
             ),
         )
-        params = sampling_params(body, _max_tokens(body), _top_logprobs(body))
+        params = sampling_params(body, body.requested_max_tokens, _top_logprobs(body))
         forced = forced_calls(body)
         if forced is not None:
             if params.structured is not None:
@@ -274,12 +274,6 @@ class ChatHandler:
         options = request_options(body, request)
         streams = submit_all(self.engine, [prompt], params, request_id, options)
         return await respond(renderer, streams, bool(body.stream), request)
-
-
-def _max_tokens(body: ChatCompletionRequest) -> int | None:
-    if body.max_completion_tokens is not None:
-        return body.max_completion_tokens
-    return body.max_tokens
 
 
 def _top_logprobs(body: ChatCompletionRequest) -> int | None:

@@ -174,7 +174,7 @@ class CompletionHandler:
         )
         texts = [p if isinstance(p, str) else None for p in singles]
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        params = sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs)
+        params = sampling_params(body, body.requested_max_tokens, body.logprobs, prompt_logprobs)
         return prompts, texts, params
 
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:

@@ -280,8 +280,7 @@ def request_trace(request: Request) -> RequestTrace | None:
 
 def _request_attributes(operation: str, model: str, body: Any, request: Request) -> dict[str, Any]:
     settings = {
-        "gen_ai.request.max_tokens": getattr(body, "max_completion_tokens", None)
-        or body.max_tokens,
+        "gen_ai.request.max_tokens": body.requested_max_tokens,
         "gen_ai.request.temperature": body.temperature,
         "gen_ai.request.top_p": body.top_p,
         "gen_ai.request.choice.count": body.n,
