@@ -1,5 +1,6 @@
 """The engine options the benchmarks that drive `EngineCore` directly share, and the engine they
-build: the model, its dtype, the KV cache's dtype (in a 1 GiB cache) and 8-bit activations."""
+build: the model, its dtype, the KV cache's dtype (in a 1 GiB cache), 8-bit activations and the
+tensor-parallel size."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--int8-activations", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
 
 
 def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
@@ -22,6 +24,7 @@ def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         int8_activations=args.int8_activations,
+        tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(kv_cache_memory=1 << 30, dtype=args.kv_cache_dtype),
         **options,
     )

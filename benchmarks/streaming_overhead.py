@@ -57,6 +57,12 @@ class OneTokenCore:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def watch(self, on_failure: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def take_stats(self) -> StepStats:
         stats = StepStats(len(self.requests), 0, 0.0)
         stats.num_generation_tokens = len(self.requests)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from engine.core.config import (
     ServingInfo,
 )
 from engine.core.engine_core import EngineCore
+from engine.core.errors import WorkerFailedError
 from engine.kernels.cpu import huge_pages, malloc_tuning
 from engine.kernels.cpu.linear import silence_fbgemm_deprecation
 from engine.kv.block_manager import BlockManager
@@ -23,6 +25,9 @@ from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.loading.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.models import CausalLM, build_causal_lm
 from engine.models.llama import PagedLlamaForCausalLM
+from engine.parallel.group import ParallelGroup
+from engine.parallel.sharding import Shard
+from engine.parallel.workers import WorkerPool, rank_device
 from engine.scheduling.scheduler import Scheduler
 from engine.worker import memory_profile, routes
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -34,15 +39,53 @@ logger = logging.getLogger(__name__)
 
 def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, ServingInfo]:
     device = resolve_device(config.device)
+    if config.tensor_parallel_size == 1:
+        loaded, dtype = load_rank(config, device)
+        core, info = core_from_model(loaded, config, device, dtype)
+        return core, loaded, info
+    _check_parallel(config, device)
+    workers = WorkerPool.start(config, device)
+    try:
+        device = rank_device(device, 0)
+        loaded, dtype = load_rank(config, device, workers.group)
+        core, info = core_from_model(loaded, config, device, dtype, workers)
+        workers.wait_ready()
+    except BaseException as exc:
+        failure = workers.failure()
+        workers.close()
+        if failure and not isinstance(exc, ValueError):  # rank 0's own refusal says it best
+            raise WorkerFailedError(failure) from exc
+        raise
+    return core, loaded, info
+
+
+def _check_parallel(config: EngineConfig, device: torch.device) -> None:
+    """Refuse at once what tensor parallelism cannot run, before any worker starts."""
+    size = config.tensor_parallel_size
+    if config.model_impl == "transformers":
+        raise ValueError("tensor parallelism runs on Conveyor's model implementation only")
+    if device.type == "cuda":
+        first = device.index or 0
+        if first + size > torch.cuda.device_count():
+            raise ValueError(
+                f"--tensor-parallel-size {size} from {device} needs CUDA devices "
+                f"{first}..{first + size - 1}; {torch.cuda.device_count()} are visible"
+            )
+
+
+def load_rank(
+    config: EngineConfig, device: torch.device, group: ParallelGroup | None = None
+) -> tuple[LoadedModel, torch.dtype]:
+    """Load the model (this rank's share of it, in a `group`) and the dtype it runs in."""
     use_device(device)
     silence_fbgemm_deprecation()
     dtype = resolve_dtype(config.dtype, device, config.model, config.trust_remote_code)
     torch.manual_seed(config.seed)
+    rank = (group.rank, group.size) if group is not None else (0, 1)
     loaded = load_model(
-        config.model, dtype, device, config.trust_remote_code, config.int8_activations
+        config.model, dtype, device, config.trust_remote_code, config.int8_activations, rank
     )
-    core, info = core_from_model(loaded, config, device, dtype)
-    return core, loaded, info
+    return loaded, dtype
 
 
 def use_device(device: torch.device) -> None:
@@ -55,51 +98,100 @@ def use_device(device: torch.device) -> None:
         )
 
 
-def core_from_model(
-    loaded: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[EngineCore, ServingInfo]:
-    """Build the core around an already loaded model (tests pass tiny in-memory models)."""
-    model_config = loaded.model.config
+@dataclass(frozen=True, slots=True)
+class RankParts:
+    """What every rank builds alike: the model it steps, its attention and its KV cache."""
+
+    model: CausalLM
+    backend: AttentionBackend
+    kv_cache: KVCache
+    cache_dtype: torch.dtype
+
+
+def build_rank(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: Shard | None = None,
+) -> RankParts:
+    """The model, the attention backend and a KV cache sized for this rank (under tensor
+    parallelism, for its share of the KV heads, with as many blocks as every rank can hold)."""
     cache_dtype = kv_cache_dtype(config.cache.dtype, dtype, loaded.compute_dtype, device)
-    spec = KVCacheSpec.from_hf_config(model_config, cache_dtype, block_size(config.cache, device))
+    spec = KVCacheSpec.from_hf_config(
+        loaded.model.config, cache_dtype, block_size(config.cache, device)
+    )
+    if shard is not None:
+        spec = replace(spec, num_kv_heads=shard.shape.local_kv_heads)
     # Fused projections are new copies of the weights: built before the cache is sized.
-    model = build_causal_lm(loaded.model, config.model_impl)
+    model = build_causal_lm(loaded.model, config.model_impl, shard)
     if device.type == "cpu":
         _weights_into_huge_pages(model)
         malloc_tuning.keep_freed_memory()
     backend = get_backend(config.attention_backend, device, dtype)
     num_blocks = _num_blocks(config, spec, device, model, backend, loaded.max_model_len)
-    max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * spec.block_size)
+    if shard is not None:
+        num_blocks = shard.group.min_int(num_blocks, device)
     kv_cache = KVCache(spec, num_blocks, device)
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
+    return RankParts(model, backend, kv_cache, cache_dtype)
+
+
+def core_from_model(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    workers: WorkerPool | None = None,
+) -> tuple[EngineCore, ServingInfo]:
+    """Build the core around an already loaded model (tests pass tiny in-memory models);
+    `workers` are the other ranks under tensor parallelism."""
+    shard = None
+    if workers is not None:
+        assert loaded.shard is not None  # loaded as rank 0's share
+        shard = Shard(workers.group, loaded.shard)
+    parts = build_rank(loaded, config, device, dtype, shard)
+    model, backend, kv_cache = parts.model, parts.backend, parts.kv_cache
+    num_blocks, block_tokens = kv_cache.num_blocks, kv_cache.block_size
+    max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * block_tokens)
     scheduler = Scheduler(
         config.scheduler_config(max_model_len),
-        BlockManager(num_blocks, spec.block_size, config.enable_prefix_caching),
+        BlockManager(num_blocks, block_tokens, config.enable_prefix_caching),
     )
-    head = loaded.model.get_output_embeddings()
-    # Every linear layer type knows its width; packed ones would unpack their weight to say.
-    vocab_size = getattr(head, "out_features", None) or head.weight.shape[0]
+    vocab_size = _vocab_size(loaded, model)
     sampler = Sampler(vocab_size, device, seed=config.seed)
     logger.info(
         "routes: %s",
-        routes.describe(model, backend.name, dtype, loaded.compute_dtype, cache_dtype, device),
+        routes.describe(
+            model, backend.name, dtype, loaded.compute_dtype, parts.cache_dtype, device
+        ),
     )
     graphs = _decode_graphs(config, model, backend, kv_cache, max_model_len)
-    runner = ModelRunner(model, kv_cache, backend, sampler, graphs)
+    runner = ModelRunner(model, kv_cache, backend, sampler, graphs, workers)
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     info = ServingInfo(
         model_name=loaded.name,
         max_model_len=max_model_len,
         dtype=str(dtype).removeprefix("torch."),
-        kv_cache_dtype=str(cache_dtype).removeprefix("torch."),
+        kv_cache_dtype=str(parts.cache_dtype).removeprefix("torch."),
         device=str(device),
         num_blocks=num_blocks,
-        block_size=spec.block_size,
+        block_size=block_tokens,
         model_path=loaded.path,
         enable_prefix_caching=config.enable_prefix_caching,
         request_timeout=config.request_timeout,
+        tensor_parallel_size=config.tensor_parallel_size,
     )
     return core, info
+
+
+def _vocab_size(loaded: LoadedModel, model: CausalLM) -> int:
+    """The logits' width: the whole vocabulary also where each rank holds a share of the head."""
+    if isinstance(model, PagedLlamaForCausalLM):
+        return model.vocab_size
+    head = loaded.model.get_output_embeddings()
+    # Every linear layer type knows its width; packed ones would unpack their weight to say.
+    return getattr(head, "out_features", None) or head.weight.shape[0]
 
 
 # K/V element types the CPU's attention widens to fp32 as it reads them.
@@ -167,6 +259,8 @@ def _why_not_capturable(model: CausalLM, backend: AttentionBackend) -> str:
         return f"the {backend.name} attention backend gathers K/V into batch-sized copies"
     if not isinstance(model, PagedLlamaForCausalLM):
         return "the Hugging Face model implementation is not captured"
+    if model.shard is not None:
+        return "steps across tensor-parallel ranks are not captured"
     rope_type = getattr(model.rotary_emb, "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
         return f"{rope_type} rotary embeddings change with the sequence length"

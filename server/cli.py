@@ -52,6 +52,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model's weights across this many processes, one device each "
+        "(CUDA devices from --device on, NCCL; on a CPU, gloo, for testing)",
+    )
+    engine.add_argument(
         "--int8-activations",
         action="store_true",
         help="on a CPU in float32, multiply GGUF Q4_1 blocks against "
@@ -296,6 +304,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

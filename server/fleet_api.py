@@ -50,6 +50,7 @@ def fleet_router(engine: EngineClient, served: ServedModel) -> APIRouter:
             "num_gpu_blocks": info.num_blocks,
             "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
             "enable_prefix_caching": info.enable_prefix_caching,
+            "tensor_parallel_size": info.tensor_parallel_size,
             "version": conveyor_version(),
         }
 

@@ -172,6 +172,12 @@ class EngineMetrics:
             [*LABELS, *cache_info],
             registry=registry,
         ).labels(*self._labels, *cache_info.values()).set(1)
+        Gauge(
+            "conveyor:parallel_config_info",
+            "Information of the parallel configuration: the tensor-parallel ranks.",
+            [*LABELS, "tensor_parallel_size"],
+            registry=registry,
+        ).labels(*self._labels, str(info.tensor_parallel_size)).set(1)
         # vLLM's adapter gauge, read by the Gateway API Inference Extension's endpoint picker;
         # no adapters are served, and its value is when it was last updated: read at the
         # scrape, so that no step pays for it.

@@ -139,6 +139,12 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._stopping = False
         self._task = asyncio.create_task(self._run(), name="conveyor-engine-loop")
+        loop = asyncio.get_running_loop()
+
+        def on_failure(error: EngineDeadError) -> None:  # on the thread watching the workers
+            loop.call_soon_threadsafe(self._stop_dead, error)
+
+        self.core.watch(on_failure)
 
     async def shutdown(self) -> None:
         """Stop the loop; requests still in flight are aborted."""
@@ -154,6 +160,7 @@ class AsyncEngine:
         self._abort_all_now()
         self._executor.shutdown(wait=True)
         self._grammar_executor.shutdown(wait=False, cancel_futures=True)
+        self.core.close()
 
     @property
     def is_running(self) -> bool:
@@ -237,7 +244,8 @@ class AsyncEngine:
         options: RequestOptions,
     ) -> RequestCollector:
         if not self.is_running:
-            raise EngineDeadError("The engine is not running.")
+            reason = f": {self.last_error}" if self.last_error is not None else "."
+            raise EngineDeadError(f"The engine is not running{reason}")
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.core.validate(prompt_token_ids, params)
@@ -318,6 +326,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = await loop.run_in_executor(self._executor, self.core.step)
+            except EngineDeadError as exc:  # no further step can run (a worker died)
+                self._stop_dead(exc)
+                return
             except Exception as exc:  # a bug outside the model step: fail what is in flight
                 logger.exception("engine step crashed")
                 self.last_error = exc
@@ -326,6 +337,16 @@ class AsyncEngine:
             # while it runs instead of holding it up.
             self._dispatch(outputs)
             self._report_stats()
+
+    def _stop_dead(self, error: EngineDeadError) -> None:
+        """The engine cannot step again: every request in flight fails with `error`, health
+        turns unavailable and new requests are refused."""
+        if self.last_error is None:
+            logger.error("the engine stopped: %s", error)
+        self.last_error = error
+        self._stopping = True
+        self.fail_all(error)
+        self._wake_loop()
 
     def _report_stats(self) -> None:
         if not self.stat_loggers:

@@ -128,6 +128,14 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     trust_remote_code: bool = False
+    # Ranks (processes, one device each) the model's weights are split across.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -167,3 +175,4 @@ class ServingInfo:
     enable_prefix_caching: bool = False
     request_timeout: float | None = None
     kv_cache_dtype: str = ""
+    tensor_parallel_size: int = 1

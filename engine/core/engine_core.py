@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import (
+    EngineDeadError,
     InvalidRequestError,
     QueueFullError,
     RequestFailedError,
@@ -167,6 +169,15 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def watch(self, on_failure: Callable[[EngineDeadError], None]) -> None:
+        """Have `on_failure` called (from another thread) if a tensor-parallel worker dies."""
+        if self.runner.workers is not None:
+            self.runner.workers.watch(on_failure)
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel workers)."""
+        self.runner.close()
+
     # ---- stats -----------------------------------------------------------------------------
 
     def take_stats(self) -> StepStats:
@@ -216,6 +227,8 @@ class EngineCore:
         failed: list[RequestOutput] = []
         try:
             runner_output = self.runner.execute(scheduled)
+        except EngineDeadError:
+            raise  # nothing to isolate: the engine cannot run another step
         except Exception as exc:
             runner_output, scheduled, culprits = self._isolate(scheduled, exc)
             failed = self._fail_culprits(culprits)
@@ -294,6 +307,8 @@ class EngineCore:
             sub = _with(scheduled, part)
             try:
                 output = self.runner.execute(sub)
+            except EngineDeadError:
+                raise
             except Exception as sub_exc:
                 output, sub, found = self._isolate(sub, sub_exc)
                 culprits += found

@@ -46,3 +46,7 @@ class RequestTimeoutError(ConveyorError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="timeout")
+
+
+class WorkerFailedError(EngineDeadError):
+    """A tensor-parallel worker died or a step failed across the ranks: the engine stops."""

@@ -22,6 +22,7 @@ from engine.kernels.cpu.linear import (
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import gguf_blocks
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from engine.parallel.sharding import ShardShape, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: frozenset[int]
     compute_dtype: torch.dtype
+    # Under tensor parallelism, the share of the weights `model` holds.
+    shard: ShardShape | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -157,10 +160,12 @@ def load_model(
     device: torch.device,
     trust_remote_code: bool = False,
     int8_activations: bool = False,
+    rank: tuple[int, int] = (0, 1),
 ) -> LoadedModel:
     """Load weights and tokenizer; None loads the embedded default model. `int8_activations`
     multiplies the GGUF Q4_1 / Q8_0 blocks of an fp32 CPU model against inputs rounded to 8-bit
-    blocks (`cpu_linear.use_gguf_blocks`)."""
+    blocks (`cpu_linear.use_gguf_blocks`). `rank` is (rank, size) under tensor parallelism: the
+    model is cut to that rank's share before it moves to `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path is None:
@@ -173,15 +178,20 @@ def load_model(
     )
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
+    shard = shard_model(model, *rank) if rank[1] > 1 else None
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
-    use_linear_form(model, choose_linear_form(dtype, device), Path(path), int8_activations)
+    # A share's weights no longer match the GGUF blocks kept for the whole model.
+    folder = Path(path) if shard is None else None
+    use_linear_form(model, choose_linear_form(dtype, device), folder, int8_activations)
     if int8_activations and not any(getattr(m, "int8_activations", False) for m in model.modules()):
         logger.warning(
             "--int8-activations has no effect here: it needs float32 on a CPU and "
             "GGUF blocks beside the checkpoint"
         )
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return wrap_model(model, tokenizer, name=name, path=path)
+    loaded = wrap_model(model, tokenizer, name=name, path=path)
+    loaded.shard = shard
+    return loaded
 
 
 class LinearForm(StrEnum):

@@ -12,19 +12,28 @@ from typing import Any
 from engine.models.base import CausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, supports
+from engine.parallel.sharding import Shard
 
 MODEL_IMPLS = ("auto", "conveyor", "transformers")
 
 __all__ = ["MODEL_IMPLS", "CausalLM", "build_causal_lm"]
 
 
-def build_causal_lm(hf_model: Any, impl: str = "auto") -> CausalLM:
-    """`auto` takes Conveyor's implementation when it covers the architecture."""
+def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = None) -> CausalLM:
+    """`auto` takes Conveyor's implementation when it covers the architecture. A `shard` (one
+    rank's share under tensor parallelism) runs on Conveyor's implementation only."""
     if impl not in MODEL_IMPLS:
         raise ValueError(
             f"unknown model implementation {impl!r}; choose one of {', '.join(MODEL_IMPLS)}"
         )
     reason = supports(hf_model)
+    if shard is not None:
+        if impl == "transformers" or reason:
+            why = "--model-impl transformers" if impl == "transformers" else reason
+            raise ValueError(
+                f"tensor parallelism runs on Conveyor's model implementation only: {why}"
+            )
+        return PagedLlamaForCausalLM(hf_model, shard)
     if impl == "conveyor" and reason:
         raise ValueError(f"Conveyor's model implementation cannot run this model: {reason}")
     if impl == "transformers" or reason:

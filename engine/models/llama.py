@@ -26,6 +26,8 @@ from engine.kernels.cpu.linear import (
 )
 from engine.models.layers import add_projected, fuse, gated_activation, rms_norm, rotate
 from engine.models.rotary_table import RotaryTable
+from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, reduced
+from engine.parallel.sharding import Shard
 from engine.worker.sampler import row_argmax
 
 ARCHITECTURES = frozenset(
@@ -53,7 +55,10 @@ def supports(hf_model: Any) -> str:
 
 
 class PagedLlamaLayer(nn.Module):
-    def __init__(self, hf_layer: Any, index: int) -> None:
+    """One decoder layer; under tensor parallelism (`shard`) it holds the rank's heads and
+    channels, and the o and down projections sum their partial products over the ranks."""
+
+    def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.index = index
@@ -62,12 +67,13 @@ class PagedLlamaLayer(nn.Module):
         self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = attn.scaling
         self.qkv_proj = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_proj = attn.o_proj
+        group = shard.group if shard is not None else None
+        self.o_proj = reduced(attn.o_proj, group)
         self.silu = getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
         gated = GatedPanelLinear.of(mlp.gate_proj, mlp.up_proj) if self.silu else None
         # With `gated`, one op computes silu(gate) * up; else gate and up side by side.
         self.gate_up_proj = gated or fuse([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = mlp.down_proj
+        self.down_proj = reduced(mlp.down_proj, group)
         self.act_fn = mlp.act_fn
         self.intermediate = mlp.gate_proj.out_features
         self.input_norm = hf_layer.input_layernorm
@@ -148,19 +154,38 @@ class PagedLlamaLayer(nn.Module):
 class PagedLlamaForCausalLM(nn.Module):
     name = "conveyor"
 
-    def __init__(self, hf_model: Any) -> None:
+    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
+        """`shard`: `hf_model` holds one rank's share of the weights (`parallel.sharding`)."""
         super().__init__()
         base = hf_model.model
+        self.shard = shard
         self.embed_tokens = base.embed_tokens
+        self.lm_head = hf_model.lm_head
+        if shard is not None:
+            self.embed_tokens = VocabParallelEmbedding(
+                base.embed_tokens, shard.shape.vocab_start, shard.group
+            )
+            self.lm_head = VocabParallelHead(hf_model.lm_head, shard.shape.vocab_size, shard.group)
         self.rotary_emb = base.rotary_emb
         self.rotary = RotaryTable(
             base.rotary_emb, getattr(hf_model.config, "max_position_embeddings", 0)
         )
-        layers = [PagedLlamaLayer(layer, i) for i, layer in enumerate(base.layers)]
+        layers = [PagedLlamaLayer(layer, i, shard) for i, layer in enumerate(base.layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = base.norm
-        self.lm_head = hf_model.lm_head
-        self.fused_decode = fused_decode.choose(layers)
+        self.fused_decode = (
+            fused_decode.choose(layers)
+            if shard is None
+            else fused_decode.FusedDecode(DecodeRoute.OPS, reason="tensor parallel")
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """The logits' width (the whole vocabulary under tensor parallelism)."""
+        head = self.lm_head
+        if isinstance(head, VocabParallelHead):
+            return head.vocab_size
+        return getattr(head, "out_features", None) or head.weight.shape[0]
 
     def forward(
         self,

@@ -5,22 +5,32 @@ Where every row samples greedily from its raw logits, the model chooses the toke
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.core.errors import WorkerFailedError
 from engine.core.outputs import ModelRunnerOutput, TokenLogprob
 from engine.core.request import Request
 from engine.kv.kv_cache import KVCache
 from engine.models import CausalLM
+from engine.parallel.step import StepInputs
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.input_batch import InputBatch, build_input_batch
 from engine.worker.sampler import Sampler, takes_argmax, token_logprobs
 
+if TYPE_CHECKING:
+    from engine.parallel.workers import WorkerPool
+
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the sampler; knows nothing of queues."""
+    """Owns the model, the KV cache tensors and the sampler; knows nothing of queues. Under
+    tensor parallelism it is rank 0's: each step goes to the `workers` before the model runs."""
 
     def __init__(
         self,
@@ -29,8 +39,10 @@ class ModelRunner:
         backend: AttentionBackend,
         sampler: Sampler,
         graphs: DecodeGraphs | None = None,
+        workers: WorkerPool | None = None,
     ) -> None:
         self.model = model
+        self.workers = workers
         self.kv_cache = kv_cache
         self.backend = backend
         self.sampler = sampler
@@ -45,15 +57,33 @@ class ModelRunner:
         batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
         prompt_rows = _prompt_logprob_rows(batch)
         requests = _sampled_requests(batch)
-        if not prompt_rows and self._model_chooses(batch, requests):
-            return self._choose_in_model(batch, requests)
         prompt_indices = _prompt_logprob_indices(batch, prompt_rows)
-        logits = self.forward(batch, np.concatenate([prompt_indices, batch.sample_token_indices]))
+        indices = np.concatenate([prompt_indices, batch.sample_token_indices])
+        chooses = not prompt_rows and self._model_chooses(batch, requests)
+        if self.workers is not None:
+            self.workers.send(StepInputs.of(batch, indices, scheduler_output.block_copies))
+        with self._across_ranks():
+            if chooses:
+                return self._choose_in_model(batch, requests)
+            logits = self.forward(batch, indices)
         output = ModelRunnerOutput()
         if prompt_rows:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
         self._sample(requests, logits[len(prompt_indices) :], output)
         return output
+
+    @contextmanager
+    def _across_ranks(self) -> Iterator[None]:
+        """Under tensor parallelism, a forward pass that fails has left the other ranks in the
+        middle of the step: the engine cannot go on (`WorkerFailedError`)."""
+        if self.workers is None:
+            yield
+            return
+        try:
+            yield
+        except Exception as exc:
+            reason = self.workers.failure() or f"the step failed on rank 0: {exc}"
+            raise WorkerFailedError(reason) from exc
 
     def forward(self, batch: InputBatch, logits_indices: np.ndarray) -> torch.Tensor:
         """Logits `[len(logits_indices), vocab]` for the given flattened token positions."""
@@ -64,11 +94,7 @@ class ModelRunner:
     def _model_inputs(
         self, batch: InputBatch, logits_indices: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        metadata = self.backend.build_metadata(batch, self.kv_cache)
-        input_ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
-        positions = torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
-        keep = torch.from_numpy(logits_indices).to(self.device, non_blocking=True)
-        return input_ids, positions, metadata, keep
+        return model_inputs(self.backend, self.kv_cache, batch, logits_indices)
 
     def _model_chooses(self, batch: InputBatch, requests: list[Request]) -> bool:
         """Every sampled row (`requests`) takes the argmax of its raw logits, and no decode
@@ -128,6 +154,23 @@ class ModelRunner:
 
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)
+
+    def close(self) -> None:
+        """Stop the other ranks, if any."""
+        if self.workers is not None:
+            self.workers.close()
+
+
+def model_inputs(
+    backend: AttentionBackend, kv_cache: KVCache, batch: InputBatch, logits_indices: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """The model's arguments for one step, on the cache's device."""
+    device = kv_cache.device
+    metadata = backend.build_metadata(batch, kv_cache)
+    input_ids = torch.from_numpy(batch.input_ids).to(device, non_blocking=True)
+    positions = torch.from_numpy(batch.positions).to(device, non_blocking=True)
+    keep = torch.from_numpy(logits_indices).to(device, non_blocking=True)
+    return input_ids, positions, metadata, keep
 
 
 def _sampled_requests(batch: InputBatch) -> list[Request]:

@@ -68,6 +68,12 @@ def describe(
     ]
     if device.type == "cpu":
         parts += [f"decode: {decode_route(model)}", f"CPU kernels: {kernels_route()}"]
+    shard = getattr(model, "shard", None)
+    if shard is not None:
+        parts.append(
+            f"tensor parallel {shard.shape.size} (each rank: {shard.shape.local_heads} heads, "
+            f"{shard.shape.local_kv_heads} KV heads, {shard.shape.local_vocab} vocabulary rows)"
+        )
     return "; ".join(parts)
 
 

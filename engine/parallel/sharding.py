@@ -1,0 +1,194 @@
+"""Cutting a loaded Llama-family model down to one rank's share, Megatron-style.
+
+q, k, v, gate and up are split by output rows (whole heads, whole intermediate channels); o and
+down by input columns, so each rank's product is a partial sum that one all-reduce completes.
+The embedding and the LM head are split by vocabulary rows, padded to equal shares. Where the
+model has fewer KV heads than ranks, each rank keeps the one KV head its query heads read.
+
+The cut happens on the plain Hugging Face modules right after loading, before the linear layers
+take Conveyor's kernel forms, so every later step sees an ordinary (smaller) model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.parallel.group import ParallelGroup
+
+
+@dataclass(frozen=True, slots=True)
+class ShardShape:
+    """What one rank holds of each kind of row."""
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab_size: int
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.size)
+
+    @property
+    def first_kv_head(self) -> int:
+        """The first KV head this rank keeps: with fewer KV heads than ranks, the one its query
+        heads read (query head j reads KV head j * kv // heads)."""
+        return self.rank * self.num_kv_heads // self.size
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.intermediate // self.size
+
+    @property
+    def local_vocab(self) -> int:
+        return -(-self.vocab_size // self.size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.local_vocab
+
+    @classmethod
+    def of(cls, config: Any, rank: int, size: int, vocab_size: int) -> ShardShape:
+        heads = config.num_attention_heads
+        return cls(
+            rank=rank,
+            size=size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate=config.intermediate_size,
+            vocab_size=vocab_size,
+        )
+
+
+def why_not_shardable(config: Any, size: int) -> str:
+    """Empty where a model with this config splits over `size` ranks, else why not."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % size:
+        return f"its {heads} attention heads do not divide by {size}"
+    if kv_heads % size and size % kv_heads:
+        return f"its {kv_heads} KV heads neither divide by {size} nor divide {size}"
+    if config.intermediate_size % size:
+        return f"its intermediate size {config.intermediate_size} does not divide by {size}"
+    return ""
+
+
+def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
+    """Cut `hf_model` (a Llama-family causal LM) down to rank `rank`'s share in place; return
+    the shape of the share. Raises ValueError where the model does not divide."""
+    from engine.models.llama import supports  # the model module builds on this one
+
+    config = hf_model.config
+    reason = supports(hf_model) or why_not_shardable(config, size)
+    if reason:
+        raise ValueError(f"tensor parallelism over {size} ranks cannot split this model: {reason}")
+    head = hf_model.get_output_embeddings()
+    shape = ShardShape.of(config, rank, size, head.weight.shape[0])
+    for layer in hf_model.model.layers:
+        _shard_attention(layer.self_attn, shape)
+        _shard_mlp(layer.mlp, shape)
+    _shard_vocab(hf_model, shape)
+    return shape
+
+
+def _shard_attention(attn: Any, shape: ShardShape) -> None:
+    dim = shape.head_dim
+    q_rows = _span(shape.rank * shape.local_heads * dim, shape.local_heads * dim)
+    kv_rows = _span(shape.first_kv_head * dim, shape.local_kv_heads * dim)
+    attn.q_proj = _rows(attn.q_proj, q_rows)
+    attn.k_proj = _rows(attn.k_proj, kv_rows)
+    attn.v_proj = _rows(attn.v_proj, kv_rows)
+    attn.o_proj = _columns(attn.o_proj, q_rows, keep_bias=shape.rank == 0)
+
+
+def _shard_mlp(mlp: Any, shape: ShardShape) -> None:
+    channels = _span(shape.rank * shape.local_intermediate, shape.local_intermediate)
+    mlp.gate_proj = _rows(mlp.gate_proj, channels)
+    mlp.up_proj = _rows(mlp.up_proj, channels)
+    mlp.down_proj = _columns(mlp.down_proj, channels, keep_bias=shape.rank == 0)
+
+
+def _shard_vocab(hf_model: Any, shape: ShardShape) -> None:
+    """This rank's vocabulary rows of the embedding and the LM head, zero rows padding the last
+    share; a tied head keeps sharing the embedding's (new) weight."""
+    embedding = hf_model.get_input_embeddings()
+    head = hf_model.get_output_embeddings()
+    tied = head.weight is embedding.weight
+    rows = _span(shape.vocab_start, shape.local_vocab)
+    weight = nn.Parameter(_padded_rows(embedding.weight, rows), requires_grad=False)
+    new_embedding = nn.Embedding(weight.shape[0], weight.shape[1], device="meta")
+    new_embedding.weight = weight
+    hf_model.set_input_embeddings(new_embedding)
+    if tied:
+        new_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        new_head.weight = weight
+        if head.bias is not None:
+            new_head.bias = nn.Parameter(_padded_rows(head.bias, rows), requires_grad=False)
+    else:
+        new_head = _rows(head, rows, pad=True)
+    hf_model.set_output_embeddings(new_head)
+
+
+def _span(start: int, length: int) -> slice:
+    return slice(start, start + length)
+
+
+def _rows(linear: Any, rows: slice, pad: bool = False) -> nn.Linear:
+    """A linear layer computing only the output rows `rows` of `linear`."""
+    weight = _padded_rows(linear.weight, rows) if pad else linear.weight[rows]
+    bias = linear.bias
+    if bias is not None:
+        bias = _padded_rows(bias, rows) if pad else bias[rows]
+    return _linear(weight, bias)
+
+
+def _columns(linear: Any, columns: slice, keep_bias: bool) -> nn.Linear:
+    """A linear layer over the input columns `columns` of `linear`: a partial sum of its output;
+    the bias stays with one rank only, so the sum over ranks adds it once."""
+    bias = linear.bias if keep_bias else None
+    return _linear(linear.weight[:, columns], bias)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """A linear layer holding copies of `weight` and `bias`, so that the whole weights they
+    were cut from are freed."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = _parameter(weight)
+    if bias is not None:
+        linear.bias = _parameter(bias)
+    return linear
+
+
+def _parameter(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(
+        tensor.detach().clone(memory_format=torch.contiguous_format), requires_grad=False
+    )
+
+
+def _padded_rows(tensor: torch.Tensor, rows: slice) -> torch.Tensor:
+    """`tensor[rows]` as a copy, zero rows past the end."""
+    length = rows.stop - rows.start
+    out = torch.zeros((length, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    part = tensor[rows].detach()
+    out[: part.shape[0]] = part
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One rank's share of a model and the group it shares the model with."""
+
+    group: ParallelGroup
+    shape: ShardShape

@@ -1,0 +1,296 @@
+"""The worker processes of ranks 1..N-1, and rank 0's handle on them.
+
+Rank 0 (the engine's step thread) sends each step to every worker as one pickled `StepInputs`
+over a pipe; the workers run their share of the forward pass and meet rank 0 in the model's
+collectives. The pipes also carry start-up news ("ready", or an error), and a worker whose pipe
+closes (rank 0 is gone) exits, as does one whose parent process changes: no orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any, TypeVar
+
+import torch
+
+from engine.core.config import EngineConfig
+from engine.core.errors import WorkerFailedError
+from engine.parallel.group import ParallelGroup, connect, host_store, join_store
+from engine.parallel.step import StepInputs
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+READY, ERROR = "ready", "error"
+# How often a waiting rank 0 looks at its workers, and a worker at its parent.
+POLL_SECONDS = 0.1
+PARENT_POLL_SECONDS = 1.0
+JOIN_SECONDS = 10.0
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device: CUDA devices in order from the one asked for; the CPU is shared."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def split_threads(size: int) -> int:
+    """On the CPU, each rank takes its share of the cores; returns the threads it had."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, before // size))
+    return before
+
+
+class WorkerPool:
+    """Ranks 1..N-1 as seen from rank 0: start them, send them steps, watch them, stop them."""
+
+    def __init__(self, processes: list[Any], pipes: list[Connection]) -> None:
+        self.processes = processes
+        self.pipes = pipes
+        self.group = ParallelGroup()
+        self._errors: dict[int, str] = {}
+        self._closing = False
+        self._store: Any = None
+        self._threads = torch.get_num_threads()
+
+    @classmethod
+    def start(cls, config: EngineConfig, device: torch.device) -> WorkerPool:
+        """Spawn the workers and join them in one group (rank 0 here)."""
+        size = config.tensor_parallel_size
+        store, port = host_store(size)
+        context = multiprocessing.get_context("spawn")
+        processes, pipes = [], []
+        for rank in range(1, size):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=run_worker,
+                args=(config, rank, port, theirs, logging.getLogger().level),
+                name=f"conveyor-rank-{rank}",
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            processes.append(process)
+            pipes.append(ours)
+        pool = cls(processes, pipes)
+        pool._store = store
+        logger.info("tensor parallel: started %d worker processes", size - 1)
+        try:
+            pool.group = pool.watched(lambda: connect(store, 0, size, rank_device(device, 0)))
+        except BaseException:
+            pool.close()
+            raise
+        pool._threads = split_threads(size)
+        return pool
+
+    @property
+    def size(self) -> int:
+        return len(self.processes) + 1
+
+    # ---- start-up ---------------------------------------------------------------------------
+
+    def watched(self, work: Callable[[], T]) -> T:
+        """`work()` on a helper thread, given up on if a worker dies first (a collective whose
+        peer never joined waits for the store's timeout otherwise)."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = work()
+            except BaseException as exc:
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name="conveyor-rank-0-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(POLL_SECONDS)
+            if thread.is_alive() and self.failure():
+                raise WorkerFailedError(self.failure())
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def wait_ready(self) -> None:
+        """Until every worker says it is ready; raises with the first one's error otherwise."""
+        for rank, pipe in enumerate(self.pipes, start=1):
+            while not pipe.poll(POLL_SECONDS):
+                if not self.processes[rank - 1].is_alive():
+                    raise WorkerFailedError(self.failure())
+            kind, text = pipe.recv()
+            if kind != READY:
+                self._errors[rank] = text
+                raise WorkerFailedError(self.failure())
+        logger.info("tensor parallel: %d ranks ready", self.size)
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def send(self, step: StepInputs) -> None:
+        """Hand the step to every worker (pickled once)."""
+        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for pipe in self.pipes:
+                pipe.send_bytes(data)
+        except OSError as exc:
+            raise WorkerFailedError(self.failure() or f"a worker's pipe closed: {exc}") from exc
+
+    def failure(self) -> str:
+        """What went wrong with the workers ("" while every one runs)."""
+        problems = []
+        for rank, process in enumerate(self.processes, start=1):
+            self._read_error(rank)
+            if process.is_alive() and rank not in self._errors:
+                continue
+            problem = f"tensor-parallel rank {rank}"
+            if not process.is_alive():
+                problem += f" exited with code {process.exitcode}"
+            if rank in self._errors:
+                problem += f": {self._errors[rank]}"
+            problems.append(problem)
+        return "; ".join(problems)
+
+    def _read_error(self, rank: int) -> None:
+        pipe = self.pipes[rank - 1]
+        try:
+            while pipe.poll():
+                kind, text = pipe.recv()
+                if kind == ERROR:
+                    self._errors[rank] = text
+        except (EOFError, OSError):
+            pass
+
+    def watch(self, on_failure: Callable[[WorkerFailedError], None]) -> None:
+        """Call `on_failure` (from a thread of its own) when a worker exits before `close()`."""
+
+        def run() -> None:
+            sentinels = [process.sentinel for process in self.processes]
+            while not self._closing:
+                ended = wait(sentinels, timeout=POLL_SECONDS * 5)
+                if ended and not self._closing:
+                    for process in self.processes:
+                        if process.sentinel in ended:
+                            process.join(JOIN_SECONDS)  # its exit code, once reaped
+                    error = WorkerFailedError(self.failure())
+                    logger.error("the engine stops: %s", error)
+                    on_failure(error)
+                    return
+
+        threading.Thread(target=run, name="conveyor-rank-watch", daemon=True).start()
+
+    # ---- shutdown ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every worker: asked first, then terminated, then killed."""
+        self._closing = True
+        stop = pickle.dumps(None)
+        for pipe in self.pipes:
+            with contextlib.suppress(OSError):
+                pipe.send_bytes(stop)
+        deadline = time.monotonic() + JOIN_SECONDS
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                logger.warning("tensor-parallel %s did not stop; terminating it", process.name)
+                process.terminate()
+                process.join(2)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for pipe in self.pipes:
+            pipe.close()
+        self.group = ParallelGroup()
+        self._store = None
+        torch.set_num_threads(self._threads)
+
+
+# ---- the worker side ------------------------------------------------------------------------
+
+
+def run_worker(
+    config: EngineConfig, rank: int, port: int, pipe: Connection, log_level: int
+) -> None:
+    """A worker process: join the group, load this rank's share, then run steps until told to
+    stop or rank 0 goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
+    logging.basicConfig(
+        level=log_level or logging.INFO,
+        format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s",
+        force=True,
+    )
+    _exit_with_parent()
+    try:
+        steps = _start(config, rank, port)
+        pipe.send((READY, ""))
+    except BaseException as exc:
+        logger.exception("rank %d failed to start", rank)
+        _report(pipe, exc)
+        os._exit(1)
+    try:
+        _serve(pipe, steps)
+    except BaseException as exc:
+        logger.exception("rank %d failed a step", rank)
+        _report(pipe, exc)
+        os._exit(1)
+    os._exit(0)
+
+
+def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs], None]:
+    from engine.factory import build_rank, load_rank
+    from engine.loading.model_loader import resolve_device
+    from engine.parallel.sharding import Shard
+    from engine.worker.model_runner import model_inputs
+
+    size = config.tensor_parallel_size
+    device = rank_device(resolve_device(config.device), rank)
+    group = connect(join_store(port, size), rank, size, device)
+    split_threads(size)
+    loaded, dtype = load_rank(config, device, group)
+    assert loaded.shard is not None
+    parts = build_rank(loaded, config, device, dtype, Shard(group, loaded.shard))
+    model, backend, kv_cache = parts.model, parts.backend, parts.kv_cache
+
+    @torch.inference_mode()
+    def step(inputs: StepInputs) -> None:
+        kv_cache.copy_blocks(inputs.block_copies)
+        model(*model_inputs(backend, kv_cache, inputs.batch(), inputs.logits_indices))
+
+    return step
+
+
+def _serve(pipe: Connection, step: Callable[[StepInputs], None]) -> None:
+    while True:
+        try:
+            inputs = pickle.loads(pipe.recv_bytes())
+        except EOFError:
+            logger.info("rank 0 has gone; stopping")
+            return
+        if inputs is None:
+            return
+        step(inputs)
+
+
+def _report(pipe: Connection, exc: BaseException) -> None:
+    with contextlib.suppress(OSError):
+        pipe.send((ERROR, f"{type(exc).__name__}: {exc}"))
+
+
+def _exit_with_parent() -> None:
+    """Exit when the process that started this one is gone, whatever this one is doing."""
+    parent = os.getppid()
+
+    def run() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        os._exit(1)
+
+    threading.Thread(target=run, name="conveyor-parent-watch", daemon=True).start()

@@ -1,0 +1,118 @@
+"""`conveyor serve --tensor-parallel-size 2` as a user runs it: it serves, says its parallel size,
+turns unhealthy with the rank named when a worker dies, and leaves no process behind whether it
+is stopped with SIGTERM or killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import chat_tokenizer, tiny_llama
+from tests.server_utils import free_port, wait_healthy
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama().save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def serve(folder: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "server", "--model", str(folder), "--port", str(port)]
+    command += ["--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "16MiB"]
+    command += ["--tensor-parallel-size", "2"]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process, timeout=300)
+    return process, url
+
+
+def children(pid: int) -> set[int]:
+    """The process's direct children (Linux's /proc)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found.update(int(child) for child in (task / "children").read_text().split())
+    return found
+
+
+def worker_pid(pid: int) -> int:
+    for child in children(pid):
+        if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
+            return child
+    raise AssertionError("no worker process")
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent to reap it counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def gone_within(pids: set[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(alive(pid) for pid in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def complete(url: str) -> httpx.Response:
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_a_dead_worker_turns_the_server_unhealthy_and_sigterm_leaves_nothing(model_dir):
+    process, url = serve(model_dir)
+    try:
+        assert complete(url).json()["usage"]["completion_tokens"] == 5
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'conveyor:parallel_config_info{engine="0",' in metrics
+        assert 'tensor_parallel_size="2"} 1.0' in metrics
+        assert httpx.get(f"{url}/get_server_info").json()["tensor_parallel_size"] == 2
+        ours = children(process.pid)
+        os.kill(worker_pid(process.pid), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code == 200:
+            assert time.monotonic() < deadline, "still healthy without its worker"
+            time.sleep(0.1)
+        refused = complete(url)
+        assert refused.status_code == 503
+        assert "rank 1 exited with code -9" in refused.json()["error"]["message"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        log = process.communicate(timeout=60)[0]
+    assert process.returncode == 0, log
+    assert "tensor parallel 2" in log and "rank 1 exited" in log
+    assert gone_within(ours, 10), "a child process outlived the server"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_workers_exit_when_the_server_is_killed(model_dir):
+    process, _ = serve(model_dir)
+    worker = worker_pid(process.pid)
+    process.kill()
+    process.communicate(timeout=60)
+    assert gone_within({worker}, 15), "the worker outlived a killed server"

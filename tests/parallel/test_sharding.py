@@ -1,0 +1,205 @@
+"""One rank's share of a model, and the sharded layers against the whole model: the ranks run
+as threads of this process over a real gloo group, so the collectives are the ones served."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from engine.core.config import CacheConfig, EngineConfig
+from engine.factory import build_rank
+from engine.loading.model_loader import wrap_model
+from engine.models import build_causal_lm
+from engine.parallel.group import ParallelGroup, connect
+from engine.parallel.sharding import Shard, ShardShape, shard_model, why_not_shardable
+from engine.worker.input_batch import InputBatch
+from engine.worker.model_runner import model_inputs
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    eos_token_id=0,
+    bos_token_id=1,
+    pad_token_id=0,
+)
+# vocab_size 321 leaves the last rank's vocabulary share one row of padding; one KV head is
+# kept by both ranks; Qwen2 has q/k/v biases, Qwen3 per-head q/k norms.
+MODELS = {
+    "llama": lambda: LlamaConfig(**COMMON, vocab_size=320, num_key_value_heads=2),
+    "llama-odd-vocab": lambda: LlamaConfig(**COMMON, vocab_size=321, num_key_value_heads=2),
+    "llama-one-kv-head": lambda: LlamaConfig(**COMMON, vocab_size=320, num_key_value_heads=1),
+    "llama-tied": lambda: LlamaConfig(
+        **COMMON, vocab_size=320, num_key_value_heads=4, tie_word_embeddings=True
+    ),
+    "qwen2-biases": lambda: Qwen2Config(
+        **COMMON, vocab_size=320, num_key_value_heads=2, use_sliding_window=False
+    ),
+    "qwen3": lambda: Qwen3Config(
+        **COMMON, vocab_size=320, num_key_value_heads=2, head_dim=16, use_sliding_window=False
+    ),
+}
+
+
+def build(name: str) -> Any:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(MODELS[name]()).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.5)  # initialised to zero: make them count
+    return model
+
+
+def run_ranks(size: int, work: Callable[[ParallelGroup], Any]) -> list[Any]:
+    """`work(group)` on `size` threads, one per rank of a fresh gloo group; the results in rank
+    order (a rank's exception is raised here)."""
+    store = dist.HashStore()
+    results: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            results[rank] = work(connect(store, rank, size, torch.device("cpu")))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def prefill_batch(prompt: list[int], block_size: int) -> InputBatch:
+    n = len(prompt)
+    blocks = -(-n // block_size)
+    return InputBatch(
+        requests=[],
+        input_ids=np.asarray(prompt, dtype=np.int64),
+        positions=np.arange(n, dtype=np.int64),
+        slot_mapping=np.arange(n, dtype=np.int64),
+        query_starts=np.zeros(1, dtype=np.int64),
+        query_lens=np.asarray([n], dtype=np.int64),
+        context_lens=np.zeros(1, dtype=np.int64),
+        block_table=np.arange(blocks, dtype=np.int64)[None],
+        sample_rows=np.zeros(1, dtype=np.int64),
+    )
+
+
+def rank_logits(hf_model: Any, group: ParallelGroup, prompt: list[int]) -> torch.Tensor:
+    """Every position's logits of `prompt`, from this rank's share of `hf_model`."""
+    model = copy.deepcopy(hf_model)
+    shape = shard_model(model, group.rank, group.size)
+    config = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=16), dtype="float32")
+    loaded = wrap_model(model, None, name="tiny")
+    cpu = torch.device("cpu")
+    parts = build_rank(loaded, config, cpu, torch.float32, Shard(group, shape))
+    batch = prefill_batch(prompt, 4)
+    indices = np.arange(len(prompt), dtype=np.int64)
+    with torch.inference_mode():
+        return parts.model(*model_inputs(parts.backend, parts.kv_cache, batch, indices))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_two_ranks_compute_the_whole_models_logits(name):
+    hf_model = build(name)
+    prompt = [5, 17, 200, 3, 64, 9, 300, 11, 42]
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt])).logits[0]
+    both = run_ranks(2, lambda group: rank_logits(hf_model, group, prompt))
+    for rank, logits in enumerate(both):
+        assert logits.shape == expected.shape, rank
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_share_holds_its_heads_channels_and_vocabulary_rows():
+    model = build("llama-odd-vocab")
+    whole = copy.deepcopy(model)
+    shape = shard_model(model, 1, 2)
+    layer, full = model.model.layers[0], whole.model.layers[0]
+    assert (shape.local_heads, shape.local_kv_heads, shape.local_vocab) == (2, 1, 161)
+    assert torch.equal(layer.self_attn.q_proj.weight, full.self_attn.q_proj.weight[32:])
+    assert torch.equal(layer.self_attn.k_proj.weight, full.self_attn.k_proj.weight[16:])
+    assert torch.equal(layer.self_attn.o_proj.weight, full.self_attn.o_proj.weight[:, 32:])
+    assert torch.equal(layer.mlp.gate_proj.weight, full.mlp.gate_proj.weight[64:])
+    assert torch.equal(layer.mlp.down_proj.weight, full.mlp.down_proj.weight[:, 64:])
+    embedding = model.get_input_embeddings().weight
+    assert embedding.shape == (161, 64)
+    assert torch.equal(embedding[:160], whole.get_input_embeddings().weight[161:])
+    assert not embedding[160].any(), "the padding row is zero"
+
+
+def test_a_tied_head_keeps_sharing_the_embedding():
+    model = build("llama-tied")
+    shard_model(model, 0, 2)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_row_parallel_biases_are_added_once():
+    model = Qwen2Config(**COMMON, vocab_size=320, num_key_value_heads=2)
+    assert why_not_shardable(model, 2) == ""
+    hf_model = build("qwen2-biases")
+    with torch.no_grad():
+        hf_model.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.ones(64))
+    ranks = [copy.deepcopy(hf_model) for _ in range(2)]
+    for rank, share in enumerate(ranks):
+        shard_model(share, rank, 2)
+    biases = [share.model.layers[0].self_attn.o_proj.bias for share in ranks]
+    assert biases[0] is not None and biases[1] is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "size", "reason"),
+    [
+        (dict(num_attention_heads=4, num_key_value_heads=2), 3, "4 attention heads"),
+        (dict(num_attention_heads=8, num_key_value_heads=4, head_dim=8), 8, ""),
+        (dict(num_attention_heads=12, num_key_value_heads=3, hidden_size=96), 4, "3 KV heads"),
+        (dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=130), 4, "130"),
+    ],
+)
+def test_what_does_not_divide_is_named(overrides, size, reason):
+    config = LlamaConfig(**{**COMMON, "vocab_size": 320, **overrides})
+    found = why_not_shardable(config, size)
+    assert (reason in found and found) if reason else found == ""
+
+
+def test_a_model_that_does_not_divide_is_refused_before_loading_its_share():
+    model = build("llama")
+    with pytest.raises(ValueError, match="cannot split this model: its 4 attention heads"):
+        shard_model(model, 0, 3)
+
+
+def test_replicated_kv_heads_follow_the_query_heads():
+    config = LlamaConfig(**{**COMMON, "vocab_size": 320, "num_key_value_heads": 2})
+    shapes = [ShardShape.of(config, rank, 4, 320) for rank in range(4)]
+    # Query heads 0..3 read KV heads 0, 0, 1, 1: one query head and its KV head per rank.
+    assert [(s.local_heads, s.local_kv_heads, s.first_kv_head) for s in shapes] == [
+        (1, 1, 0),
+        (1, 1, 0),
+        (1, 1, 1),
+        (1, 1, 1),
+    ]
+
+
+def test_the_transformers_implementation_is_refused_for_a_share():
+    group = ParallelGroup()
+    model = build("llama")
+    shape = shard_model(model, 0, 2)
+    with pytest.raises(ValueError, match="Conveyor's model implementation only"):
+        build_causal_lm(model, "transformers", Shard(group, shape))

@@ -1,0 +1,138 @@
+"""Tensor parallelism over two gloo ranks (this process and one worker process): the same
+tokens as one rank and as transformers, under chunked prefill and preemption; seeded sampling
+alike at both sizes; a dead worker stops the engine with an error, and no process outlives it."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import random
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from engine.core.async_engine import AsyncEngine
+from engine.core.config import CacheConfig, EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.core.errors import EngineDeadError, WorkerFailedError
+from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
+from engine.parallel.workers import WorkerPool
+from tests.core.test_engine_greedy import record_chunking
+from tests.helpers import reference_greedy, run_all, tiny_llama, tiny_tokenizer, tokens_of
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(2, 320) for _ in range(n)] for n in (1, 4, 9, 17, 26, 33, 6, 40)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_llama().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def references() -> list[list[int]]:
+    model = tiny_llama()
+    return [reference_greedy(model, prompt, MAX_NEW) for prompt in prompts()]
+
+
+def config(folder: Path, size: int, num_blocks: int = 128, **options: object) -> EngineConfig:
+    return EngineConfig(
+        model=str(folder),
+        dtype="float32",
+        tensor_parallel_size=size,
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        **options,  # type: ignore[arg-type]
+    )
+
+
+@contextmanager
+def engine_core(engine_config: EngineConfig) -> Iterator[EngineCore]:
+    core, _, _ = create_engine_core(engine_config)
+    try:
+        yield core
+    finally:
+        core.close()
+
+
+def workers_of(core: EngineCore) -> WorkerPool:
+    workers = core.runner.workers
+    assert workers is not None
+    return workers
+
+
+def all_tokens(core: EngineCore, params: SamplingParams) -> list[list[int]]:
+    outputs = run_all(core, prompts(), params)
+    manager = core.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks, "blocks leaked"
+    return [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
+
+
+def test_two_ranks_give_one_ranks_tokens(model_dir, references):
+    with engine_core(config(model_dir, 1)) as one:
+        one_greedy, one_seeded = all_tokens(one, GREEDY), all_tokens(one, SEEDED)
+    with engine_core(config(model_dir, 2)) as two:
+        workers = workers_of(two)
+        assert two.runner.model.shard.shape.local_kv_heads == 1
+        assert all_tokens(two, GREEDY) == one_greedy == references
+        assert all_tokens(two, SEEDED) == one_seeded
+        assert one_seeded != one_greedy, "the seeded run sampled"
+    assert all(process.exitcode == 0 for process in workers.processes), "workers stopped cleanly"
+
+
+def test_chunked_prefill_and_preemption_across_ranks(model_dir, references):
+    tight = config(model_dir, 2, num_blocks=24, max_num_batched_tokens=16)
+    with engine_core(tight) as core:
+        chunked = record_chunking(core)
+        assert all_tokens(core, GREEDY) == references
+        assert core.scheduler.num_preemptions > 0
+        assert any(chunked)
+
+
+def test_a_model_that_does_not_divide_is_refused_and_leaves_no_worker(model_dir):
+    with pytest.raises(ValueError, match="4 attention heads do not divide by 3"):
+        create_engine_core(config(model_dir, 3))
+    assert multiprocessing.active_children() == []
+
+
+def test_the_transformers_implementation_is_refused_before_any_worker_starts(model_dir):
+    with pytest.raises(ValueError, match="Conveyor's model implementation only"):
+        create_engine_core(config(model_dir, 2, model_impl="transformers"))
+    assert multiprocessing.active_children() == []
+
+
+async def test_a_killed_worker_fails_its_requests_and_stops_the_engine(model_dir):
+    core, _, info = create_engine_core(config(model_dir, 2))
+    assert info.tensor_parallel_size == 2
+    engine = AsyncEngine(core, info)
+    await engine.start()
+    worker = workers_of(core).processes[0]
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    received = 0
+    try:
+        with pytest.raises(WorkerFailedError, match="rank 1 exited with code -9"):
+            async with asyncio.timeout(120):  # a hang guard, not a timing
+                async for output in engine.generate([5, 6, 7], long):
+                    received += len(output.new_token_ids)
+                    if received >= 3 and worker.is_alive():
+                        os.kill(worker.pid, signal.SIGKILL)
+        assert 3 <= received < 400
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            engine.submit([5], GREEDY)
+    finally:
+        await engine.shutdown()
+    assert multiprocessing.active_children() == []
