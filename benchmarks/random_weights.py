@@ -3,6 +3,9 @@ a machine that cannot fetch the real weights (speed does not depend on the value
 EOS ignored).
 
     python benchmarks/random_weights.py OUT_DIR [--like MODEL_DIR] [--dtype bfloat16]
+        [--set hidden_size=896 num_attention_heads=14 ...]
+
+`--set` changes fields of the config (another shape with the same tokenizer).
 """
 
 from __future__ import annotations
@@ -34,12 +37,16 @@ def main() -> None:
         "embedded default model, fetched if needed)",
     )
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=INT")
     args = parser.parse_args()
     if args.like is None:
         from engine.loading.default_model import ensure_default_model
 
         args.like = Path(ensure_default_model())
     config = AutoConfig.from_pretrained(args.like)
+    for field in args.set:
+        name, _, value = field.partition("=")
+        setattr(config, name, int(value))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
     model.save_pretrained(args.output)

@@ -234,14 +234,13 @@ def run_worker(
     except BaseException as exc:
         logger.exception("rank %d failed to start", rank)
         _report(pipe, exc)
-        os._exit(1)
+        raise SystemExit(1) from None
     try:
         _serve(pipe, steps)
     except BaseException as exc:
         logger.exception("rank %d failed a step", rank)
         _report(pipe, exc)
-        os._exit(1)
-    os._exit(0)
+        raise SystemExit(1) from None
 
 
 def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs], None]:
