@@ -28,7 +28,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def serve(folder: Path) -> tuple[subprocess.Popen, str]:
+def serve(folder: Path, own_group: bool = False) -> tuple[subprocess.Popen, str]:
+    """The server on a free port; `own_group`: in a process group of its own, as a terminal
+    starts it (Ctrl-C signals the whole group)."""
     port = free_port()
     command = [sys.executable, "-m", "server", "--model", str(folder), "--port", str(port)]
     command += ["--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "16MiB"]
@@ -39,6 +41,7 @@ def serve(folder: Path) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=own_group,
     )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process, timeout=300)
@@ -116,3 +119,14 @@ def test_workers_exit_when_the_server_is_killed(model_dir):
     process.kill()
     process.communicate(timeout=60)
     assert gone_within({worker}, 15), "the worker outlived a killed server"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
+def test_ctrl_c_stops_every_rank(model_dir):
+    process, url = serve(model_dir, own_group=True)
+    ours = children(process.pid)
+    assert complete(url).status_code == 200
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+    log = process.communicate(timeout=60)[0]
+    assert process.returncode == 0, log
+    assert gone_within(ours, 10), "a child process outlived the server"
