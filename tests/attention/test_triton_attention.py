@@ -33,6 +33,32 @@ def test_decode_matches_reference(dtype, heads, kv_heads, block_size):
     )
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_decode_matches_reference(dtype, splits):
+    """Sequences split into pieces, some of them empty (a row shorter than a tile per piece,
+    an empty row), combined to what one pass gives."""
+    lens = [0, 1, 31, 33, 97, 260]
+    case = random_case(dtype, 8, 2, 64, 16, lens, seed=splits)
+    out = kernels.paged_decode(*on_device(case), scale=0.125, splits=splits)
+    tol = TOLERANCE[dtype]
+    query, key_cache, value_cache, tables, lengths = case
+    expected = reference_decode(query[1:], key_cache, value_cache, tables[1:], lengths[1:], 0.125)
+    torch.testing.assert_close(out[1:].cpu().float(), expected, atol=tol, rtol=tol)
+    assert not out[0].cpu().any(), "a row of no tokens gives zeros"
+    one_pass = kernels.paged_decode(*on_device(case), scale=0.125, splits=1)
+    torch.testing.assert_close(out, one_pass, atol=tol, rtol=tol)
+
+
+def test_splits_fill_the_multiprocessors_from_the_batch_shape_alone(monkeypatch):
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    assert kernels.decode_splits(1, 8, cuda) == kernels.MAX_SPLITS  # 264 // 8 = 33, capped
+    assert kernels.decode_splits(8, 8, cuda) == 4  # 264 // 64
+    assert kernels.decode_splits(64, 8, cuda) == 1
+    assert kernels.decode_splits(1, 8, torch.device("cpu")) == 1
+
+
 def test_decode_reads_a_strided_query_and_gives_zeros_for_empty_rows():
     query, key_cache, value_cache, tables, lens = random_case(
         torch.float32, 6, 2, 24, 4, [3, 9, 14]

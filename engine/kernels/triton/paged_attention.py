@@ -2,8 +2,12 @@
 
 `paged_decode` attends one query token per sequence over that sequence's blocks, read in place
 through its block table: no gathered copy, no padding mask, and a cost set by each sequence's
-own length rather than the longest one in the batch. `store_kv` writes new tokens' K/V at their
-slots and skips slot -1, so padded rows of a fixed-size (CUDA graph) batch write nothing.
+own length rather than the longest one in the batch. The query heads that share a KV head meet
+each tile of 32 K/V tokens in one `tl.dot` (tensor cores), and a sequence's tokens are split
+into pieces attended by separate programs and then combined (flash-decoding), so that a few
+long sequences still give every streaming multiprocessor work. `store_kv` writes new tokens'
+K/V at their slots and skips slot -1, so padded rows of a fixed-size (CUDA graph) batch write
+nothing.
 
 Both run unchanged in Triton's interpreter (`TRITON_INTERPRET=1`), on CPU tensors, which is how
 the test suite checks them on machines without a GPU.
@@ -11,14 +15,39 @@ the test suite checks them on machines without a GPU.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
+
+# Tokens of K/V one step of the decode loop multiplies at a time: a tile of the products the
+# tensor cores take (`tl.dot` needs at least 16 on each side).
+TILE = 32
+# The most pieces one sequence's tokens are split into, and how many programs per streaming
+# multiprocessor the splits aim for.
+MAX_SPLITS = 16
+PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """`a @ b` summed in fp32: fp32 operands exactly (not in tf32); with WIDEN, 16-bit operands
+    widened first (Triton's interpreter multiplies bf16 as its raw bits), which gives the same
+    products, since those of two 16-bit floats are exact in fp32."""
+    if WIDEN:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit
 def _paged_decode_kernel(
     out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
     query_ptr,
     key_ptr,
     value_ptr,
@@ -36,50 +65,106 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
-    BLOCK_PAD: tl.constexpr,
     DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    TILE_TOKENS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
-    """One program per (sequence, kv head): the GROUP query heads sharing that kv head walk the
-    sequence's blocks once, with an online (streaming) softmax in fp32."""
+    """One program per (sequence, kv head, split): the GROUP query heads sharing that kv head
+    walk their split of the sequence's tokens a tile at a time, through the block table, with
+    an online softmax in fp32 and both products in `tl.dot`. With one split the program writes
+    the output; with several, its unnormalised sums, maximum and total for `_combine_kernel`."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     group = tl.arange(0, GROUP_PAD)
-    token = tl.arange(0, BLOCK_PAD)
     dim = tl.arange(0, DIM_PAD)
+    tile = tl.arange(0, TILE_TOKENS)
     heads = kv_head * GROUP + group
     q_mask = (group < GROUP)[:, None] & (dim < DIM)[None, :]
     q_offsets = seq * query_stride_token + heads[:, None] * query_stride_head + dim[None, :]
-    query = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale
+    query = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)
+    query = (query.to(tl.float32) * scale).to(query_ptr.dtype.element_ty)
 
     length = tl.load(lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), TILE_TOKENS) * TILE_TOKENS
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
     running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for index in range(0, tl.cdiv(length, BLOCK)):
-        block = tl.load(table_ptr + seq * table_stride + index)
-        valid = (token < BLOCK) & (index * BLOCK + token < length)
+    for first in range(start, end, TILE_TOKENS):
+        token = first + tile
+        valid = token < end
+        block = tl.load(table_ptr + seq * table_stride + token // BLOCK, mask=valid, other=0)
         offsets = (
-            block * cache_stride_block
-            + token[:, None] * cache_stride_slot
+            block[:, None] * cache_stride_block
+            + (token % BLOCK)[:, None] * cache_stride_slot
             + kv_head * cache_stride_head
             + dim[None, :]
         )
         kv_mask = valid[:, None] & (dim < DIM)[None, :]
-        key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(query[:, None, :] * key[None, :, :], axis=2)
+        key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0)
+        scores = _dot(query, tl.trans(key), IEEE, WIDEN)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         weights = tl.exp(scores - new_max[:, None])
         rescale = tl.exp(running_max - new_max)
-        value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * value[None, :, :], axis=1)
+        value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0)
+        mixed = _dot(weights.to(value.dtype), value, IEEE, WIDEN)
+        acc = acc * rescale[:, None] + mixed
         total = total * rescale + tl.sum(weights, axis=1)
         running_max = new_max
 
-    result = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
-    o_offsets = seq * out_stride_token + heads[:, None] * out_stride_head + dim[None, :]
-    tl.store(out_ptr + o_offsets, result.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if SPLITS == 1:
+        result = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
+        o_offsets = seq * out_stride_token + heads[:, None] * out_stride_head + dim[None, :]
+        tl.store(out_ptr + o_offsets, result.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        row = (seq * GROUP * tl.num_programs(1) + heads) * SPLITS + split
+        head_mask = group < GROUP
+        tl.store(part_max_ptr + row, running_max, mask=head_mask)
+        tl.store(part_sum_ptr + row, total, mask=head_mask)
+        tl.store(part_acc_ptr + row[:, None] * DIM_PAD + dim[None, :], acc, mask=q_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    out_stride_token,
+    out_stride_head,
+    HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """One program per (sequence, query head): the splits' partial softmaxes rescaled to their
+    common maximum and summed."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.arange(0, SPLITS_PAD)
+    dim = tl.arange(0, DIM_PAD)
+    rows = (seq * HEADS + head) * SPLITS + split
+    present = split < SPLITS
+    maxima = tl.load(part_max_ptr + rows, mask=present, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + rows, mask=present, other=0.0)
+    acc_mask = present[:, None] & (dim < DIM)[None, :]
+    accs = tl.load(part_acc_ptr + rows[:, None] * DIM_PAD + dim[None, :], mask=acc_mask, other=0.0)
+    top = tl.max(maxima, axis=0)
+    # Empty splits (maximum -inf) weigh nothing; all of a sequence with no tokens are empty.
+    top = tl.where(top > float("-inf"), top, 0.0)
+    weights = tl.exp(maxima - top)
+    total = tl.sum(weights * sums, axis=0)
+    mixed = tl.sum(weights[:, None] * accs, axis=0)
+    result = tl.where(total > 0, mixed / tl.maximum(total, 1e-30), 0.0)
+    offsets = seq * out_stride_token + head * out_stride_head + dim
+    tl.store(out_ptr + offsets, result.to(out_ptr.dtype.element_ty), mask=dim < DIM)
 
 
 @triton.jit
@@ -129,9 +214,15 @@ def paged_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """`query [seqs, heads, dim]` over caches `[blocks, block_size, kv_heads, dim]`; row i
-    reads `seq_lens[i]` tokens through `block_table[i]`. A row of length 0 gives zeros."""
+    reads `seq_lens[i]` tokens through `block_table[i]`. A row of length 0 gives zeros.
+
+    Each sequence's tokens are split into `splits` pieces attended in parallel and combined
+    (None: enough pieces to give every streaming multiprocessor work, `decode_splits`). The
+    count depends on the batch's shape only, never its lengths, so a captured graph replays
+    it for any lengths."""
     seqs, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     _check_cache(query, key_cache, value_cache, dim)
@@ -143,8 +234,17 @@ def paged_decode(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if seqs == 0:
         return out
-    _paged_decode_kernel[(seqs, kv_heads)](
+    splits = splits or decode_splits(seqs, kv_heads, query.device)
+    dim_pad = _pad(dim, 16)
+    parts = (seqs, heads, splits) if splits > 1 else (1, 1, 1)
+    part_acc = torch.empty((*parts, dim_pad), dtype=torch.float32, device=query.device)
+    part_max = torch.empty(parts, dtype=torch.float32, device=query.device)
+    part_sum = torch.empty(parts, dtype=torch.float32, device=query.device)
+    _paged_decode_kernel[(seqs, kv_heads, splits)](
         out,
+        part_acc,
+        part_max,
+        part_sum,
         query,
         key_cache,
         value_cache,
@@ -160,13 +260,45 @@ def paged_decode(
         key_cache.stride(2),
         block_table.stride(0),
         GROUP=group,
-        GROUP_PAD=_pad(group),
+        GROUP_PAD=_pad(group, 16),
         BLOCK=block_size,
-        BLOCK_PAD=_pad(block_size),
         DIM=dim,
-        DIM_PAD=_pad(dim),
+        DIM_PAD=dim_pad,
+        TILE_TOKENS=TILE,
+        SPLITS=splits,
+        IEEE=query.dtype == torch.float32,
+        WIDEN=query.device.type == "cpu",
     )
+    if splits > 1:
+        _combine_kernel[(seqs, heads)](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            out.stride(0),
+            out.stride(1),
+            HEADS=heads,
+            DIM=dim,
+            DIM_PAD=dim_pad,
+            SPLITS=splits,
+            SPLITS_PAD=_pad(splits),
+        )
     return out
+
+
+def decode_splits(seqs: int, kv_heads: int, device: torch.device) -> int:
+    """Pieces per sequence for a decode batch: on a GPU, enough for `PROGRAMS_PER_SM` programs
+    on every streaming multiprocessor (a single long sequence otherwise keeps a few busy), at
+    most `MAX_SPLITS`; one elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    target = PROGRAMS_PER_SM * _multiprocessors(device.index or 0)
+    return max(1, min(MAX_SPLITS, target // (seqs * kv_heads)))
+
+
+@cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def store_kv(
@@ -216,5 +348,5 @@ def _check_cache(
         raise ValueError(f"cache dtype {key_cache.dtype} differs from {tensor.dtype}")
 
 
-def _pad(n: int) -> int:
-    return max(triton.next_power_of_2(n), 1)
+def _pad(n: int, least: int = 1) -> int:
+    return max(triton.next_power_of_2(n), least)
