@@ -118,16 +118,31 @@ class TorchPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchPagedMetadata)
-        cache = metadata.kv_cache
-        self._store(cache, layer, metadata.slot_mapping, key, value)
+        self._store(metadata.kv_cache, layer, metadata.slot_mapping, key, value)
         if metadata.all_decode:
             return self._decode(layer, query, scale, metadata)
         out = query.new_empty(query.shape)
         if metadata.decode_tokens is not None:
             out[metadata.decode_tokens] = self._decode(layer, query, scale, metadata)
-        for span in metadata.prefills:
-            out[span.start : span.end] = self._prefill(layer, query, key, value, scale, span, cache)
+        self._prefill_rows(layer, query, key, value, scale, metadata, out)
         return out
+
+    def _prefill_rows(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        metadata: TorchPagedMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Write the multi-token rows' attention into their tokens of `out`: one SDPA call
+        per row here."""
+        for span in metadata.prefills:
+            out[span.start : span.end] = self._prefill(
+                layer, query, key, value, scale, span, metadata.kv_cache
+            )
 
     def _store(
         self,

@@ -1,5 +1,6 @@
-"""Paged attention for GPUs: Conveyor's Triton kernels write new K/V and run decode rows in
-place over the cache blocks; prefill rows keep the pure-torch path (SDPA).
+"""Paged attention for GPUs: Conveyor's Triton kernels write new K/V, run decode rows in place
+over the cache blocks, and run every prompt chunk of a step in one launch that reads the cached
+prefix in place.
 
 Triton is imported only when the backend is built, so machines without it can still load
 every other backend. It runs on CUDA tensors, or on CPU tensors under Triton's interpreter
@@ -11,13 +12,18 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
+from typing import Any
 
+import numpy as np
 import torch
 
-from engine.attention.in_place import InPlaceDecodeAttention
+from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
+from engine.attention.torch_paged import TorchPagedMetadata
 from engine.kv.kv_cache import KVCache
+from engine.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +64,51 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreted())
 
 
+@dataclass(slots=True, eq=False)
+class TritonMetadata(InPlaceMetadata):
+    # The step's multi-token rows as the prefill kernel takes them (`PrefillRows`), if any.
+    prefill_rows: Any = None
+
+
 class TritonPagedAttention(InPlaceDecodeAttention):
     name = "triton"
+
+    @staticmethod
+    def metadata_type() -> type[TorchPagedMetadata]:
+        return TritonMetadata
+
+    def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> TorchPagedMetadata:
+        meta = super().build_metadata(batch, kv_cache)
+        assert isinstance(meta, TritonMetadata)
+        rows = np.flatnonzero(batch.query_lens > 1)
+        if rows.size:
+            meta.prefill_rows = self._kernels.PrefillRows.of(
+                batch.query_starts[rows],
+                batch.query_lens[rows],
+                batch.context_lens[rows],
+                batch.block_table[rows],
+                kv_cache.device,
+            )
+        return meta
+
+    def _prefill_rows(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        metadata: TorchPagedMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Every multi-token row in one launch, over K/V as the cache holds them."""
+        assert isinstance(metadata, TritonMetadata)
+        if metadata.prefill_rows is None:
+            return
+        cache = metadata.kv_cache
+        self._kernels.paged_prefill(
+            out, query, cache.key(layer), cache.value(layer), metadata.prefill_rows, scale
+        )
 
     def __init__(self) -> None:
         if not available():

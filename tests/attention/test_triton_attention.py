@@ -3,6 +3,9 @@ else in Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +14,12 @@ pytest.importorskip("triton", reason="triton is not installed on this platform")
 from engine.attention import get_backend, resolve_backend_name, triton_paged
 from engine.kernels.triton import paged_attention as kernels
 from engine.kv.kv_cache import KVCache, KVCacheSpec
-from tests.attention.attention_cases import TOLERANCE, random_case, reference_decode
+from tests.attention.attention_cases import (
+    TOLERANCE,
+    random_case,
+    reference_decode,
+    reference_prefill,
+)
 from tests.conftest import TRITON_DEVICE
 
 
@@ -57,6 +65,64 @@ def test_splits_fill_the_multiprocessors_from_the_batch_shape_alone(monkeypatch)
     assert kernels.decode_splits(8, 8, cuda) == 4  # 264 // 64
     assert kernels.decode_splits(64, 8, cuda) == 1
     assert kernels.decode_splits(1, 8, torch.device("cpu")) == 1
+
+
+def prefill_step(dtype, heads, kv_heads, dim, block_size, rows, seed=0):
+    """One step's multi-token rows, `(cached tokens, query tokens)` each, over one cache of
+    scattered blocks holding every row's whole sequence; the query flattened as a step is."""
+    generator = torch.Generator().manual_seed(seed)
+    needed = [-(-(c + q) // block_size) for c, q in rows]
+    pool = sum(needed) + 3
+    key_cache = torch.randn(pool, block_size, kv_heads, dim, generator=generator).to(dtype)
+    value_cache = torch.randn(pool, block_size, kv_heads, dim, generator=generator).to(dtype)
+    free = list(range(pool))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in needed]
+    table = torch.zeros(len(rows), max(needed), dtype=torch.int64)
+    for row, blocks in enumerate(tables):
+        table[row, : len(blocks)] = torch.tensor(blocks)
+    lens = np.array([q for _, q in rows])
+    query = torch.randn(int(lens.sum()), heads, dim, generator=generator).to(dtype)
+    return query, key_cache, value_cache, table, lens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(4, 2, 16), (6, 3, 5), (4, 1, 1)])
+def test_prefill_rows_of_a_step_match_reference_in_one_call(dtype, heads, kv_heads, block_size):
+    """Fresh prompts and chunks after a cached prefix, shorter and longer than a tile, in one
+    launch; tokens of other rows (decodes) are left as they were."""
+    rows = [(0, 5), (9, 4), (0, 40), (37, 33), (0, 1)]
+    query, key_cache, value_cache, table, lens = prefill_step(
+        dtype, heads, kv_heads, 24, block_size, rows
+    )
+    contexts = np.array([c for c, _ in rows])
+    starts = np.cumsum(lens) - lens
+    # Row 4 stands for a decode row: not handed to the prefill kernel.
+    prefill = [0, 1, 2, 3]
+    device = torch.device(TRITON_DEVICE)
+    work = kernels.PrefillRows.of(
+        starts[prefill], lens[prefill], contexts[prefill], table[prefill].numpy(), device
+    )
+    out = torch.full_like(query, 7.0).to(device)
+    q, kc, vc = (t.to(device) for t in (query, key_cache, value_cache))
+    kernels.paged_prefill(out, q, kc, vc, work, scale=0.2)
+    out = out.cpu().float()
+    tol = TOLERANCE[dtype]
+    for row in prefill:
+        span = slice(int(starts[row]), int(starts[row] + lens[row]))
+        expected = reference_prefill(
+            query[span], key_cache, value_cache, table[row], int(contexts[row]), 0.2
+        )
+        torch.testing.assert_close(out[span], expected, atol=tol, rtol=tol, msg=f"row {row}")
+    assert torch.equal(out[-1], torch.full_like(out[-1], 7.0)), "the decode row is untouched"
+
+
+def test_prefill_work_list_tiles_every_row():
+    work = kernels.PrefillRows.of(
+        np.array([0, 3, 70]), np.array([3, 67, 32]), np.zeros(3), np.zeros((3, 1)), "cpu"
+    )
+    assert work.tile_rows.tolist() == [0, 1, 1, 1, 2]
+    assert work.tile_starts.tolist() == [0, 0, 32, 64, 0]
 
 
 def test_decode_reads_a_strided_query_and_gives_zeros_for_empty_rows():

@@ -1,5 +1,8 @@
 """Conveyor's Triton kernels for the paged KV cache on GPUs.
 
+`paged_prefill` attends every prompt chunk of a step in one launch: one program per tile of 32
+query tokens and query head, over the sequence's cached prefix and the chunk's own (already
+stored) K/V, read in place through the block table with the causal limit of each token.
 `paged_decode` attends one query token per sequence over that sequence's blocks, read in place
 through its block table: no gathered copy, no padding mask, and a cost set by each sequence's
 own length rather than the longest one in the batch. The query heads that share a KV head meet
@@ -15,8 +18,10 @@ the test suite checks them on machines without a GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -167,6 +172,94 @@ def _combine_kernel(
     tl.store(out_ptr + offsets, result.to(out_ptr.dtype.element_ty), mask=dim < DIM)
 
 
+# Query tokens of one prompt chunk a prefill program takes at a time.
+PREFILL_TILE = 32
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    out_ptr,
+    query_ptr,
+    key_ptr,
+    value_ptr,
+    table_ptr,
+    tile_rows_ptr,
+    tile_starts_ptr,
+    query_starts_ptr,
+    query_lens_ptr,
+    context_lens_ptr,
+    scale,
+    query_stride_token,
+    query_stride_head,
+    out_stride_token,
+    out_stride_head,
+    cache_stride_block,
+    cache_stride_slot,
+    cache_stride_head,
+    table_stride,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    TILE_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """One program per (tile of a chunk's query tokens, query head): the tile attends causally
+    over its sequence's K/V up to its last token, the cached prefix and the chunk's own tokens
+    alike read in place through the block table (the chunk's were stored before), with an
+    online softmax in fp32 and both products in `tl.dot`."""
+    tile_index = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    row = tl.load(tile_rows_ptr + tile_index)
+    first_query = tl.load(tile_starts_ptr + tile_index)
+    query_start = tl.load(query_starts_ptr + row)
+    query_len = tl.load(query_lens_ptr + row)
+    context = tl.load(context_lens_ptr + row)
+    offs_m = first_query + tl.arange(0, TILE_M)
+    dim = tl.arange(0, DIM_PAD)
+    m_valid = offs_m < query_len
+    q_mask = m_valid[:, None] & (dim < DIM)[None, :]
+    q_offsets = (query_start + offs_m)[:, None] * query_stride_token + head * query_stride_head
+    query = tl.load(query_ptr + q_offsets + dim[None, :], mask=q_mask, other=0.0)
+    query = (query.to(tl.float32) * scale).to(query_ptr.dtype.element_ty)
+    positions = context + offs_m
+    end = context + tl.minimum(first_query + TILE_M, query_len)
+
+    running_max = tl.full([TILE_M], float("-inf"), tl.float32)
+    total = tl.zeros([TILE_M], tl.float32)
+    acc = tl.zeros([TILE_M, DIM_PAD], tl.float32)
+    for first in range(0, end, TILE_N):
+        token = first + tl.arange(0, TILE_N)
+        valid = token < end
+        block = tl.load(table_ptr + row * table_stride + token // BLOCK, mask=valid, other=0)
+        offsets = (
+            block[:, None] * cache_stride_block
+            + (token % BLOCK)[:, None] * cache_stride_slot
+            + kv_head * cache_stride_head
+            + dim[None, :]
+        )
+        kv_mask = valid[:, None] & (dim < DIM)[None, :]
+        key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0)
+        scores = _dot(query, tl.trans(key), IEEE, WIDEN)
+        seen = valid[None, :] & (token[None, :] <= positions[:, None])
+        scores = tl.where(seen, scores, float("-inf"))
+        # Every row sees key 0 in the first tile, so the maximum is finite from there on.
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        weights = tl.exp(scores - new_max[:, None])
+        rescale = tl.exp(running_max - new_max)
+        value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0)
+        acc = acc * rescale[:, None] + _dot(weights.to(value.dtype), value, IEEE, WIDEN)
+        total = total * rescale + tl.sum(weights, axis=1)
+        running_max = new_max
+
+    result = acc / tl.maximum(total, 1e-30)[:, None]
+    o_offsets = (query_start + offs_m)[:, None] * out_stride_token + head * out_stride_head
+    tl.store(out_ptr + o_offsets + dim[None, :], result.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
 @triton.jit
 def _store_kv_kernel(
     key_ptr,
@@ -299,6 +392,99 @@ def decode_splits(seqs: int, kv_heads: int, device: torch.device) -> int:
 @cache
 def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRows:
+    """The multi-token rows of a step as `paged_prefill` takes them, on the device: each row's
+    first flattened query token, query count, cached tokens and block table, and the work list
+    of (row, first query token) tiles."""
+
+    query_starts: torch.Tensor
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    tile_rows: torch.Tensor
+    tile_starts: torch.Tensor
+
+    @classmethod
+    def of(
+        cls,
+        query_starts: np.ndarray,
+        query_lens: np.ndarray,
+        context_lens: np.ndarray,
+        block_table: np.ndarray,
+        device: torch.device,
+    ) -> PrefillRows:
+        tiles_per_row = -(-query_lens // PREFILL_TILE)
+        tile_rows = np.repeat(np.arange(len(query_lens)), tiles_per_row)
+        first_tile = np.cumsum(tiles_per_row) - tiles_per_row
+        tile_starts = (np.arange(len(tile_rows)) - first_tile[tile_rows]) * PREFILL_TILE
+
+        def to(array: np.ndarray) -> torch.Tensor:
+            contiguous = np.ascontiguousarray(array, dtype=np.int64)
+            return torch.from_numpy(contiguous).to(device, non_blocking=True)
+
+        return cls(
+            to(query_starts),
+            to(query_lens),
+            to(context_lens),
+            to(block_table),
+            to(tile_rows),
+            to(tile_starts),
+        )
+
+
+def paged_prefill(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    rows: PrefillRows,
+    scale: float,
+) -> None:
+    """Attend the query tokens of every multi-token row of a step (`query [tokens, heads, dim]`,
+    flattened as the step is) causally over their sequences in the cache, K/V of the new tokens
+    already stored; write each row's tokens of `out`, and leave the others as they are."""
+    _, heads, dim = query.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    _check_cache(query, key_cache, value_cache, dim)
+    if out.shape != query.shape or out.stride(-1) != 1:
+        raise ValueError("out must be shaped as the query, head dims contiguous")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not divide into {kv_heads} kv heads")
+    tiles = rows.tile_rows.shape[0]
+    if tiles == 0:
+        return
+    _paged_prefill_kernel[(tiles, heads)](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        rows.block_table,
+        rows.tile_rows,
+        rows.tile_starts,
+        rows.query_starts,
+        rows.query_lens,
+        rows.context_lens,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        rows.block_table.stride(0),
+        GROUP=heads // kv_heads,
+        BLOCK=block_size,
+        DIM=dim,
+        DIM_PAD=_pad(dim, 16),
+        TILE_M=PREFILL_TILE,
+        TILE_N=TILE,
+        IEEE=key_cache.dtype == torch.float32,
+        WIDEN=query.device.type == "cpu",
+    )
 
 
 def store_kv(
