@@ -22,7 +22,8 @@ from engine.kernels.cpu.linear import (
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import gguf_blocks
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from engine.parallel.sharding import ShardShape, shard_model
+from engine.parallel.loading import load_share
+from engine.parallel.sharding import ShardShape
 
 logger = logging.getLogger(__name__)
 
@@ -173,12 +174,15 @@ def load_model(
     else:
         path, name = name_or_path, name_or_path
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code
-    )
+    shard = None
+    if rank[1] > 1:
+        model, shard = load_share(path, dtype, *rank, trust_remote_code=trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
-    shard = shard_model(model, *rank) if rank[1] > 1 else None
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
     # A share's weights no longer match the GGUF blocks kept for the whole model.
     folder = Path(path) if shard is None else None

@@ -58,6 +58,27 @@ class ShardShape:
     def vocab_start(self) -> int:
         return self.rank * self.local_vocab
 
+    @property
+    def query_span(self) -> slice:
+        """This rank's rows of q (and columns of o)."""
+        width = self.local_heads * self.head_dim
+        return _span(self.rank * width, width)
+
+    @property
+    def kv_span(self) -> slice:
+        """This rank's rows of k and v."""
+        return _span(self.first_kv_head * self.head_dim, self.local_kv_heads * self.head_dim)
+
+    @property
+    def channel_span(self) -> slice:
+        """This rank's rows of gate and up (and columns of down)."""
+        return _span(self.rank * self.local_intermediate, self.local_intermediate)
+
+    @property
+    def vocab_span(self) -> slice:
+        """This rank's rows of the embedding and the LM head, past the end on the last rank."""
+        return _span(self.vocab_start, self.local_vocab)
+
     @classmethod
     def of(cls, config: Any, rank: int, size: int, vocab_size: int) -> ShardShape:
         heads = config.num_attention_heads
@@ -104,20 +125,16 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
 
 
 def _shard_attention(attn: Any, shape: ShardShape) -> None:
-    dim = shape.head_dim
-    q_rows = _span(shape.rank * shape.local_heads * dim, shape.local_heads * dim)
-    kv_rows = _span(shape.first_kv_head * dim, shape.local_kv_heads * dim)
-    attn.q_proj = _rows(attn.q_proj, q_rows)
-    attn.k_proj = _rows(attn.k_proj, kv_rows)
-    attn.v_proj = _rows(attn.v_proj, kv_rows)
-    attn.o_proj = _columns(attn.o_proj, q_rows, keep_bias=shape.rank == 0)
+    attn.q_proj = _rows(attn.q_proj, shape.query_span)
+    attn.k_proj = _rows(attn.k_proj, shape.kv_span)
+    attn.v_proj = _rows(attn.v_proj, shape.kv_span)
+    attn.o_proj = _columns(attn.o_proj, shape.query_span, keep_bias=shape.rank == 0)
 
 
 def _shard_mlp(mlp: Any, shape: ShardShape) -> None:
-    channels = _span(shape.rank * shape.local_intermediate, shape.local_intermediate)
-    mlp.gate_proj = _rows(mlp.gate_proj, channels)
-    mlp.up_proj = _rows(mlp.up_proj, channels)
-    mlp.down_proj = _columns(mlp.down_proj, channels, keep_bias=shape.rank == 0)
+    mlp.gate_proj = _rows(mlp.gate_proj, shape.channel_span)
+    mlp.up_proj = _rows(mlp.up_proj, shape.channel_span)
+    mlp.down_proj = _columns(mlp.down_proj, shape.channel_span, keep_bias=shape.rank == 0)
 
 
 def _shard_vocab(hf_model: Any, shape: ShardShape) -> None:
@@ -126,7 +143,7 @@ def _shard_vocab(hf_model: Any, shape: ShardShape) -> None:
     embedding = hf_model.get_input_embeddings()
     head = hf_model.get_output_embeddings()
     tied = head.weight is embedding.weight
-    rows = _span(shape.vocab_start, shape.local_vocab)
+    rows = shape.vocab_span
     weight = nn.Parameter(_padded_rows(embedding.weight, rows), requires_grad=False)
     new_embedding = nn.Embedding(weight.shape[0], weight.shape[1], device="meta")
     new_embedding.weight = weight

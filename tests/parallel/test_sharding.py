@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from engine.core.config import CacheConfig, EngineConfig
@@ -19,6 +20,7 @@ from engine.factory import build_rank
 from engine.loading.model_loader import wrap_model
 from engine.models import build_causal_lm
 from engine.parallel.group import ParallelGroup, connect
+from engine.parallel.loading import load_share
 from engine.parallel.sharding import Shard, ShardShape, shard_model, why_not_shardable
 from engine.worker.input_batch import InputBatch
 from engine.worker.model_runner import model_inputs
@@ -203,3 +205,45 @@ def test_the_transformers_implementation_is_refused_for_a_share():
     shape = shard_model(model, 0, 2)
     with pytest.raises(ValueError, match="Conveyor's model implementation only"):
         build_causal_lm(model, "transformers", Shard(group, shape))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_share_read_from_the_files_equals_the_share_cut_from_the_whole(
+    name, tmp_path, monkeypatch
+):
+    """The loader reads each rank's slices from the safetensors files (split over several
+    here) and never loads the whole model."""
+    whole = build(name)
+    whole.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *args, **kwargs: pytest.fail("loaded the whole model"),
+    )
+    for rank in range(2):
+        loaded, shape = load_share(str(tmp_path), torch.float32, rank, 2)
+        cut = copy.deepcopy(whole)
+        assert shard_model(cut, rank, 2) == shape
+        ours, theirs = dict(loaded.named_parameters()), dict(cut.named_parameters())
+        assert ours.keys() == theirs.keys()
+        for key, param in ours.items():
+            assert torch.equal(param, theirs[key]), key
+        tied = loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+        assert tied == (name == "llama-tied")
+        buffers = dict(loaded.named_buffers())
+        assert all(not b.is_meta for b in buffers.values())
+        for key, buffer in cut.named_buffers():
+            assert torch.equal(buffers[key], buffer), key
+
+
+def test_a_folder_without_safetensors_is_loaded_whole_and_cut(tmp_path):
+    whole = build("llama")
+    whole.config.save_pretrained(tmp_path)
+    torch.save(whole.state_dict(), tmp_path / "pytorch_model.bin")
+    loaded, shape = load_share(str(tmp_path), torch.float32, 1, 2)
+    cut = copy.deepcopy(whole)
+    shard_model(cut, 1, 2)
+    assert shape.local_heads == 2
+    for key, param in cut.named_parameters():
+        assert torch.equal(dict(loaded.named_parameters())[key], param), key
