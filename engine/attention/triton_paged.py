@@ -34,18 +34,13 @@ def available() -> bool:
 
 @cache
 def usable(device: str) -> bool:
-    """Triton is installed and its kernels compile and run on `device`: Triton builds a small
-    launcher with the machine's C compiler on first use, which a bare runtime image lacks."""
+    """Triton is installed and every kernel compiles, runs and gives the right answer on
+    `device`: Triton builds a small launcher with the machine's C compiler on first use, which
+    a bare runtime image lacks, and a Triton or driver version may reject a kernel."""
     if not available():
         return False
     try:
-        kernels = _kernels()
-        layer_cache = torch.zeros(1, 1, 1, 8, device=device)
-        row = torch.ones(1, 1, 8, device=device)
-        slot = torch.zeros(1, dtype=torch.long, device=device)
-        kernels.store_kv(row, row, layer_cache, layer_cache.clone(), slot)
-        if not bool(layer_cache.eq(1).all()):
-            raise RuntimeError("a test write did not land")
+        _self_test(_kernels(), torch.device(device))
     except Exception as error:  # no compiler, no driver support, a broken install
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         logger.warning(
@@ -53,6 +48,40 @@ def usable(device: str) -> bool:
         )
         return False
     return True
+
+
+def _self_test(kernels: ModuleType, device: torch.device) -> None:
+    """Store two tokens of one sequence, then attend over them as a prompt chunk and as decode
+    rows in one and in two splits; raises where a kernel fails or answers wrongly. Key 1
+    outweighs key 0 for the query, so the answers mix the two values unevenly."""
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    key_cache = torch.zeros(1, 16, 1, 16, dtype=dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    keys = torch.zeros(2, 1, 16, dtype=dtype, device=device)
+    keys[1, 0, 0] = 1.0
+    values = torch.stack([torch.zeros(1, 16), torch.ones(1, 16)]).to(device, dtype)
+    kernels.store_kv(keys, values, key_cache, value_cache, torch.arange(2, device=device))
+    if not bool(value_cache[0, 1].eq(1).all()):
+        raise RuntimeError("a test write did not land")
+    query = keys[1:].clone()  # [1 token, 1 head, 16]
+    table = torch.zeros(1, 1, dtype=torch.long, device=device)
+    length = torch.tensor([2], device=device)
+    weight = 1 / (1 + torch.exp(torch.tensor(-1.0))).item()  # softmax of scores 0 and 1
+    for splits in (1, 2):
+        out = kernels.paged_decode(query, key_cache, value_cache, table, length, 1.0, splits)
+        _expect(out, weight, f"decode in {splits} splits")
+    rows = kernels.PrefillRows.of(
+        np.array([0]), np.array([2]), np.array([0]), np.zeros((1, 1)), device
+    )
+    out = torch.zeros(2, 1, 16, dtype=dtype, device=device)
+    kernels.paged_prefill(out, keys.clone(), key_cache, value_cache, rows, 1.0)
+    _expect(out[0], 0.0, "prefill")  # token 0 sees only itself, value 0
+    _expect(out[1], weight, "prefill")
+
+
+def _expect(out: torch.Tensor, value: float, what: str) -> None:
+    if not torch.allclose(out.float().cpu(), torch.full(out.shape, value), atol=1e-2):
+        raise RuntimeError(f"the {what} kernel gave a wrong answer")
 
 
 def interpreted() -> bool:

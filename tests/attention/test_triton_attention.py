@@ -192,6 +192,30 @@ def test_usable_runs_the_kernels_and_reports_a_failure(monkeypatch, caplog):
     triton_paged.usable.cache_clear()
 
 
+@pytest.mark.parametrize("broken", ["paged_decode", "paged_prefill"])
+def test_usable_refuses_a_kernel_that_answers_wrongly(monkeypatch, caplog, broken):
+    """A kernel that runs but computes the wrong thing (a Triton or driver version that
+    miscompiles it) turns the backend down too."""
+
+    class Wrong:
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+    wrong = Wrong()
+    if broken == "paged_decode":
+        wrong.paged_decode = lambda query, *args: torch.zeros_like(query)
+    else:
+        wrong.paged_prefill = lambda out, *args: out.fill_(1.0)
+    monkeypatch.setattr(triton_paged, "_kernels", lambda: wrong)
+    triton_paged.usable.cache_clear()
+    try:
+        assert not triton_paged.usable(TRITON_DEVICE)
+    finally:
+        triton_paged.usable.cache_clear()
+    kind = "decode" if broken == "paged_decode" else "prefill"
+    assert f"the {kind}" in caplog.text and "wrong answer" in caplog.text
+
+
 def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="runs on CUDA devices"):
