@@ -198,9 +198,17 @@ def _vocab_size(loaded: LoadedModel, model: CausalLM) -> int:
 NARROW_CPU_CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e5m2)
 
 
+# fp8 K/V a GPU's attention (the Triton kernels, or torch's casts) widens as it reads them.
+FP8_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
 def cache_dtype_named(name: str) -> torch.dtype:
     """The torch dtype of a `--kv-cache-dtype` name other than `auto`."""
-    return torch.float8_e5m2 if name == "fp8_e5m2" else getattr(torch, name)
+    return FP8_CACHE_DTYPES.get(name) or getattr(torch, name)
 
 
 def kv_cache_dtype(
@@ -210,9 +218,12 @@ def kv_cache_dtype(
     K/V even where a CPU without native bf16 computes it in fp32. The cache holds the compute
     dtype, or, on the CPU under fp32 compute, bf16, fp16 or fp8 e5m2 (as vLLM's `fp8_e5m2`: the
     top byte of an fp16, no scale), rounded as K/V are stored and widened exactly as attention
-    reads them."""
+    reads them; on CUDA, fp8 (`fp8` and `fp8_e4m3` are e4m3, as vLLM's) under any compute
+    dtype, K/V saturated to the format's range as they are stored."""
     dtype = model_dtype if name == "auto" else cache_dtype_named(name)
     if dtype == compute_dtype:
+        return dtype
+    if device.type == "cuda" and dtype in FP8_CACHE_DTYPES.values():
         return dtype
     narrow = dtype in NARROW_CPU_CACHE_DTYPES
     if device.type == "cpu" and compute_dtype == torch.float32 and narrow:

@@ -95,7 +95,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=list(KV_CACHE_DTYPES),
         help="K/V element type (auto: the model's dtype; on CPU, bfloat16, "
-        "float16 or fp8_e5m2 under float32 compute)",
+        "float16 or fp8_e5m2 under float32 compute; on CUDA, fp8 (e4m3), fp8_e4m3 or fp8_e5m2)",
     )
     engine.add_argument("--max-num-seqs", type=int, default=128)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)

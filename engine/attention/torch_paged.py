@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.kv.kv_cache import KVCache
+from engine.kv.kv_cache import KVCache, narrowed
 from engine.worker.input_batch import InputBatch
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -210,7 +210,7 @@ def _as_cached(x: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """New K or V rounded to the cache's dtype and back, where the cache holds fewer bits."""
     if x.dtype == cache.spec.dtype:
         return x
-    return x.to(cache.spec.dtype).to(x.dtype)
+    return narrowed(x, cache.spec.dtype).to(x.dtype)
 
 
 def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,7 @@ class SchedulerConfig:
             )
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)

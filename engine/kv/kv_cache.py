@@ -84,7 +84,7 @@ class KVCache:
         """Store `[tokens, kv_heads, head_dim]` K/V of new tokens at their slots, rounded to
         the cache's dtype."""
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim
-        key, value = key.to(self.spec.dtype), value.to(self.spec.dtype)
+        key, value = narrowed(key, self.spec.dtype), narrowed(value, self.spec.dtype)
         for layer_cache, new in ((self.key(layer), key), (self.value(layer), value)):
             _as_bits(layer_cache).view(-1, heads, dim).index_copy_(0, slot_mapping, _as_bits(new))
 
@@ -102,6 +102,16 @@ class KVCache:
         return self.tensor.numel() * self.tensor.element_size()
 
 
+def narrowed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in `dtype`; into fp8, saturated to its largest finite value first (e5m2 would round
+    past it to infinity)."""
+    if dtype in (torch.float8_e5m2, torch.float8_e4m3fn) and x.dtype != dtype:
+        largest = torch.finfo(dtype).max
+        return x.clamp(-largest, largest).to(dtype)
+    return x.to(dtype)
+
+
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
     """fp8 values as their bytes, for the copies torch does not implement for fp8 on the CPU."""
-    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e5m2 else tensor
+    fp8 = tensor.dtype in (torch.float8_e5m2, torch.float8_e4m3fn)
+    return tensor.view(torch.uint8) if fp8 else tensor

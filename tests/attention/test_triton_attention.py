@@ -125,6 +125,71 @@ def test_prefill_work_list_tiles_every_row():
     assert work.tile_starts.tolist() == [0, 0, 32, 64, 0]
 
 
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def scaled(case, cache_dtype, key_scale, value_scale):
+    """The case with its caches in fp8 holding K/V divided by their scales, and the K/V those
+    caches stand for (what the reference attends over)."""
+    query, key_cache, value_cache, *rest = case
+    fp8_keys = (key_cache.float() / key_scale).to(cache_dtype)
+    fp8_values = (value_cache.float() / value_scale).to(cache_dtype)
+    seen = (fp8_keys.float() * key_scale, fp8_values.float() * value_scale)
+    return (query, fp8_keys, fp8_values, *rest), (query, *seen, *rest)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_reads_an_fp8_cache_with_scales(cache_dtype, query_dtype, splits):
+    case = random_case(query_dtype, 8, 2, 32, 16, [1, 30, 70], seed=5)
+    ours, reference = scaled(case, cache_dtype, 0.5, 2.0)
+    out = kernels.paged_decode(
+        *on_device(ours), scale=0.125, splits=splits, key_scale=0.5, value_scale=2.0
+    )
+    assert out.dtype == query_dtype
+    tol = TOLERANCE[query_dtype] * 4  # 2.0 times values of up to ~4
+    expected = reference_decode(*reference, scale=0.125)
+    torch.testing.assert_close(out.cpu().float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_prefill_reads_an_fp8_cache_with_scales(cache_dtype):
+    rows = [(0, 5), (9, 40)]
+    query, key_cache, value_cache, table, lens = prefill_step(
+        torch.bfloat16, 4, 2, 32, 16, rows, seed=2
+    )
+    (_, fp8_keys, fp8_values, *_), (_, keys, values, *_) = scaled(
+        (query, key_cache, value_cache), cache_dtype, 2.0, 0.5
+    )
+    contexts = np.array([c for c, _ in rows])
+    starts = np.cumsum(lens) - lens
+    device = torch.device(TRITON_DEVICE)
+    work = kernels.PrefillRows.of(starts, lens, contexts, table.numpy(), device)
+    out = torch.zeros_like(query).to(device)
+    q, kc, vc = (t.to(device) for t in (query, fp8_keys, fp8_values))
+    kernels.paged_prefill(out, q, kc, vc, work, 0.2, key_scale=2.0, value_scale=0.5)
+    for row in range(len(rows)):
+        span = slice(int(starts[row]), int(starts[row] + lens[row]))
+        expected = reference_prefill(query[span], keys, values, table[row], int(contexts[row]), 0.2)
+        torch.testing.assert_close(out[span].cpu().float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_store_into_fp8_divides_by_the_scales_and_saturates(cache_dtype):
+    key = torch.tensor([[[1.0, -3.0, 1e6, -1e6]]]).repeat(2, 1, 4).to(TRITON_DEVICE)
+    value = key / 2
+    key_cache = torch.zeros(2, 4, 1, 16, dtype=cache_dtype, device=TRITON_DEVICE)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.tensor([5, -1], device=TRITON_DEVICE)
+    kernels.store_kv(key, value, key_cache, value_cache, slots, key_scale=0.5, value_scale=4.0)
+    largest = torch.finfo(cache_dtype).max
+    stored_key, stored_value = key_cache[1, 1, 0].float().cpu(), value_cache[1, 1, 0].float().cpu()
+    assert stored_key[:4].tolist() == [2.0, -6.0, largest, -largest]
+    assert stored_value[:4].tolist() == [0.125, -0.375, largest, -largest]
+    assert key_cache[0].float().abs().sum() == 0 and key_cache[1, 0].float().abs().sum() == 0
+
+
 def test_decode_reads_a_strided_query_and_gives_zeros_for_empty_rows():
     query, key_cache, value_cache, tables, lens = random_case(
         torch.float32, 6, 2, 24, 4, [3, 9, 14]

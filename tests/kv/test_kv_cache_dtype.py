@@ -16,6 +16,7 @@ from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, toke
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F32, BF16, F16, FP8 = torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2
+E4M3 = torch.float8_e4m3fn
 PROMPTS = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
 
 
@@ -30,6 +31,10 @@ PROMPTS = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
         ("float32", BF16, F32, CPU, F32),
         ("fp8_e5m2", F32, F32, CPU, FP8),
         ("fp8_e5m2", BF16, F32, CPU, FP8),
+        # On CUDA the Triton kernels (and torch's casts) read fp8 under any compute dtype.
+        ("fp8", BF16, BF16, CUDA, E4M3),
+        ("fp8_e4m3", F16, F16, CUDA, E4M3),
+        ("fp8_e5m2", BF16, BF16, CUDA, FP8),
     ],
 )
 def test_what_the_cache_holds(
@@ -44,8 +49,8 @@ def test_what_the_cache_holds(
         ("float32", BF16, BF16, CPU),  # wider than the compute dtype
         ("float16", BF16, BF16, CUDA),
         ("bfloat16", F32, F32, CUDA),  # the GPU kernels read the compute dtype only
-        ("fp8_e5m2", BF16, BF16, CUDA),
         ("fp8_e5m2", BF16, BF16, CPU),  # the CPU kernels widen it under fp32 compute only
+        ("fp8_e4m3", F32, F32, CPU),  # and e5m2 only
     ],
 )
 def test_unsupported_combinations_are_refused(
@@ -61,10 +66,24 @@ def test_flag_and_config() -> None:
     assert engine_config(build_parser().parse_args(["serve"])).cache.dtype == "auto"
     fp8 = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e5m2"])
     assert engine_config(fp8).cache.dtype == "fp8_e5m2"
+    vllm_name = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    assert cache_dtype_named(engine_config(vllm_name).cache.dtype) == E4M3
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8_e4m2"])
     with pytest.raises(ValueError, match="unknown KV cache dtype"):
         CacheConfig(dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", [FP8, E4M3])
+def test_an_fp8_cache_saturates_what_it_stores(dtype: torch.dtype) -> None:
+    from engine.kv.kv_cache import KVCache, KVCacheSpec
+
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=dtype, block_size=2)
+    cache = KVCache(spec, num_blocks=2, device=CPU)
+    row = torch.tensor([[[1e6, -1e6, 2.0, -0.5]]])
+    cache.write(0, torch.tensor([3]), row, row)
+    largest = torch.finfo(dtype).max
+    assert cache.key(0)[1, 1, 0].float().tolist() == [largest, -largest, 2.0, -0.5]
 
 
 def test_the_same_budget_holds_twice_the_blocks() -> None:

@@ -29,6 +29,8 @@ import triton.language as tl
 # Tokens of K/V one step of the decode loop multiplies at a time: a tile of the products the
 # tensor cores take (`tl.dot` needs at least 16 on each side).
 TILE = 32
+# The fp8 K/V caches the kernels read and write, under any query dtype.
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The most pieces one sequence's tokens are split into, and how many programs per streaming
 # multiprocessor the splits aim for.
 MAX_SPLITS = 16
@@ -59,6 +61,7 @@ def _paged_decode_kernel(
     table_ptr,
     lens_ptr,
     scale,
+    value_scale,
     query_stride_token,
     query_stride_head,
     out_stride_token,
@@ -111,18 +114,19 @@ def _paged_decode_kernel(
             + dim[None, :]
         )
         kv_mask = valid[:, None] & (dim < DIM)[None, :]
-        key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0)
+        key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
         scores = _dot(query, tl.trans(key), IEEE, WIDEN)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         weights = tl.exp(scores - new_max[:, None])
         rescale = tl.exp(running_max - new_max)
-        value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0)
+        value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
         mixed = _dot(weights.to(value.dtype), value, IEEE, WIDEN)
         acc = acc * rescale[:, None] + mixed
         total = total * rescale + tl.sum(weights, axis=1)
         running_max = new_max
 
+    acc = acc * value_scale
     if SPLITS == 1:
         result = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
         o_offsets = seq * out_stride_token + heads[:, None] * out_stride_head + dim[None, :]
@@ -189,6 +193,7 @@ def _paged_prefill_kernel(
     query_lens_ptr,
     context_lens_ptr,
     scale,
+    value_scale,
     query_stride_token,
     query_stride_head,
     out_stride_token,
@@ -242,7 +247,7 @@ def _paged_prefill_kernel(
             + dim[None, :]
         )
         kv_mask = valid[:, None] & (dim < DIM)[None, :]
-        key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0)
+        key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
         scores = _dot(query, tl.trans(key), IEEE, WIDEN)
         seen = valid[None, :] & (token[None, :] <= positions[:, None])
         scores = tl.where(seen, scores, float("-inf"))
@@ -250,12 +255,12 @@ def _paged_prefill_kernel(
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         weights = tl.exp(scores - new_max[:, None])
         rescale = tl.exp(running_max - new_max)
-        value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0)
+        value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
         acc = acc * rescale[:, None] + _dot(weights.to(value.dtype), value, IEEE, WIDEN)
         total = total * rescale + tl.sum(weights, axis=1)
         running_max = new_max
 
-    result = acc / tl.maximum(total, 1e-30)[:, None]
+    result = acc * value_scale / tl.maximum(total, 1e-30)[:, None]
     o_offsets = (query_start + offs_m)[:, None] * out_stride_token + head * out_stride_head
     tl.store(out_ptr + o_offsets + dim[None, :], result.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -274,12 +279,17 @@ def _store_kv_kernel(
     cache_stride_block,
     cache_stride_slot,
     cache_stride_head,
+    key_scale,
+    value_scale,
     BLOCK: tl.constexpr,
     HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
+    """One program per token. Into an fp8 cache (`FP8_MAX`, its largest value) K/V go divided
+    by their scales and saturated to the format's range."""
     token = tl.program_id(0)
     slot = tl.load(slots_ptr + token)
     if slot >= 0:
@@ -296,8 +306,11 @@ def _store_kv_kernel(
         value = tl.load(
             value_ptr + token * value_stride_token + head * value_stride_head + dim, mask=mask
         )
-        tl.store(key_cache_ptr + cache, key, mask=mask)
-        tl.store(value_cache_ptr + cache, value, mask=mask)
+        if FP8_MAX > 0:
+            key = tl.clamp(key.to(tl.float32) / key_scale, -FP8_MAX, FP8_MAX)
+            value = tl.clamp(value.to(tl.float32) / value_scale, -FP8_MAX, FP8_MAX)
+        tl.store(key_cache_ptr + cache, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(value_cache_ptr + cache, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def paged_decode(
@@ -308,6 +321,8 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     splits: int | None = None,
+    key_scale: float = 1.0,
+    value_scale: float = 1.0,
 ) -> torch.Tensor:
     """`query [seqs, heads, dim]` over caches `[blocks, block_size, kv_heads, dim]`; row i
     reads `seq_lens[i]` tokens through `block_table[i]`. A row of length 0 gives zeros.
@@ -315,7 +330,7 @@ def paged_decode(
     Each sequence's tokens are split into `splits` pieces attended in parallel and combined
     (None: enough pieces to give every streaming multiprocessor work, `decode_splits`). The
     count depends on the batch's shape only, never its lengths, so a captured graph replays
-    it for any lengths."""
+    it for any lengths. An fp8 cache holds K/V divided by `key_scale` and `value_scale`."""
     seqs, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     _check_cache(query, key_cache, value_cache, dim)
@@ -343,7 +358,8 @@ def paged_decode(
         value_cache,
         block_table,
         seq_lens,
-        scale,
+        scale * key_scale,
+        value_scale,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -442,6 +458,8 @@ def paged_prefill(
     value_cache: torch.Tensor,
     rows: PrefillRows,
     scale: float,
+    key_scale: float = 1.0,
+    value_scale: float = 1.0,
 ) -> None:
     """Attend the query tokens of every multi-token row of a step (`query [tokens, heads, dim]`,
     flattened as the step is) causally over their sequences in the cache, K/V of the new tokens
@@ -467,7 +485,8 @@ def paged_prefill(
         rows.query_starts,
         rows.query_lens,
         rows.context_lens,
-        scale,
+        scale * key_scale,
+        value_scale,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -482,7 +501,7 @@ def paged_prefill(
         DIM_PAD=_pad(dim, 16),
         TILE_M=PREFILL_TILE,
         TILE_N=TILE,
-        IEEE=key_cache.dtype == torch.float32,
+        IEEE=query.dtype == torch.float32,
         WIDEN=query.device.type == "cpu",
     )
 
@@ -493,8 +512,11 @@ def store_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    key_scale: float = 1.0,
+    value_scale: float = 1.0,
 ) -> None:
-    """Write `[tokens, kv_heads, dim]` K/V at their slots; tokens whose slot is -1 are skipped."""
+    """Write `[tokens, kv_heads, dim]` K/V at their slots; tokens whose slot is -1 are skipped.
+    An fp8 cache takes them divided by `key_scale` and `value_scale`."""
     tokens, kv_heads, dim = key.shape
     _check_cache(key, key_cache, value_cache, dim)
     if value.shape != key.shape or slot_mapping.shape != (tokens,):
@@ -515,11 +537,14 @@ def store_kv(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
+        key_scale,
+        value_scale,
         BLOCK=block_size,
         HEADS=kv_heads,
         HEADS_PAD=_pad(kv_heads),
         DIM=dim,
         DIM_PAD=_pad(dim),
+        FP8_MAX=torch.finfo(key_cache.dtype).max if key_cache.dtype in FP8 else 0.0,
     )
 
 
@@ -530,7 +555,7 @@ def _check_cache(
         raise ValueError("key and value caches must have the same shape and layout")
     if key_cache.shape[-1] != dim or key_cache.stride(-1) != 1 or tensor.stride(-1) != 1:
         raise ValueError("head dims must match and be contiguous")
-    if key_cache.dtype != tensor.dtype:
+    if key_cache.dtype != tensor.dtype and key_cache.dtype not in FP8:
         raise ValueError(f"cache dtype {key_cache.dtype} differs from {tensor.dtype}")
 
 
