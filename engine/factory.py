@@ -51,7 +51,7 @@ def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, S
         core, info = core_from_model(loaded, config, device, dtype, workers)
         workers.wait_ready()
     except BaseException as exc:
-        failure = workers.failure()
+        failure = workers.failure(settle=1.0)
         workers.close()
         if failure and not isinstance(exc, ValueError):  # rank 0's own refusal says it best
             raise WorkerFailedError(failure) from exc

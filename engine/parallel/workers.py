@@ -35,6 +35,8 @@ READY, ERROR = "ready", "error"
 POLL_SECONDS = 0.1
 PARENT_POLL_SECONDS = 1.0
 JOIN_SECONDS = 10.0
+# How long rank 0 waits, after a collective or a pipe failed, for a dead worker to show.
+SETTLE_SECONDS = 2.0
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -60,6 +62,8 @@ class WorkerPool:
         self.group = ParallelGroup()
         self._errors: dict[int, str] = {}
         self._closing = False
+        # A step failed across the ranks: a worker may sit in a collective that will not end.
+        self._broken = False
         self._store: Any = None
         self._threads = torch.get_num_threads()
 
@@ -141,10 +145,27 @@ class WorkerPool:
             for pipe in self.pipes:
                 pipe.send_bytes(data)
         except OSError as exc:
-            raise WorkerFailedError(self.failure() or f"a worker's pipe closed: {exc}") from exc
+            reason = self.why_failed() or f"a worker's pipe closed: {exc}"
+            raise WorkerFailedError(reason) from exc
 
-    def failure(self) -> str:
-        """What went wrong with the workers ("" while every one runs)."""
+    def failure(self, settle: float = 0.0) -> str:
+        """What went wrong with the workers ("" while every one runs). `settle`: seconds to
+        wait for a worker's exit to show, after a collective failed because its connection
+        closed (a dying process closes its sockets a moment before it can be reaped)."""
+        deadline = time.monotonic() + settle
+        while True:
+            found = self._problems()
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(POLL_SECONDS / 5)
+
+    def why_failed(self) -> str:
+        """`failure()` once a dead worker has had time to show, after a collective or a pipe
+        failed."""
+        self._broken = True
+        return self.failure(SETTLE_SECONDS)
+
+    def _problems(self) -> str:
         problems = []
         for rank, process in enumerate(self.processes, start=1):
             self._read_error(rank)
@@ -195,12 +216,14 @@ class WorkerPool:
         for pipe in self.pipes:
             with contextlib.suppress(OSError):
                 pipe.send_bytes(stop)
-        deadline = time.monotonic() + JOIN_SECONDS
+        # After a failed step a worker may wait in a collective for good: no polite wait.
+        deadline = time.monotonic() + (POLL_SECONDS if self._broken else JOIN_SECONDS)
         for process in self.processes:
             process.join(max(0.0, deadline - time.monotonic()))
         for process in self.processes:
             if process.is_alive():
-                logger.warning("tensor-parallel %s did not stop; terminating it", process.name)
+                if not self._broken:
+                    logger.warning("tensor-parallel %s did not stop; terminating it", process.name)
                 process.terminate()
                 process.join(2)
             if process.is_alive():

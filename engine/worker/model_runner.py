@@ -82,7 +82,7 @@ class ModelRunner:
         try:
             yield
         except Exception as exc:
-            reason = self.workers.failure() or f"the step failed on rank 0: {exc}"
+            reason = self.workers.why_failed() or f"the step failed on rank 0: {exc}"
             raise WorkerFailedError(reason) from exc
 
     def forward(self, batch: InputBatch, logits_indices: np.ndarray) -> torch.Tensor:

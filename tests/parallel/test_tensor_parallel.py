@@ -81,15 +81,45 @@ def all_tokens(core: EngineCore, params: SamplingParams) -> list[list[int]]:
     return [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
 
 
+def forked_tokens(core: EngineCore) -> tuple[dict[str, list[int]], bool]:
+    """Two sampled sequences of one prompt (`n=2`: the second shares the first's prompt
+    blocks, its partial last block copied); their tokens, and whether a step copied blocks."""
+    copied = False
+    schedule = core.scheduler.schedule
+
+    def spy():
+        nonlocal copied
+        output = schedule()
+        copied = copied or bool(output.block_copies)
+        return output
+
+    core.scheduler.schedule = spy  # type: ignore[method-assign]
+    prompt = list(range(10, 23))  # 13 tokens: the last block of 4 is partly filled
+    for index, name in enumerate("ab"):
+        params = SamplingParams(temperature=0.8, seed=index, max_tokens=8, ignore_eos=True)
+        fork = "a" if index else None
+        core.add_request(name, prompt, params, "p", index, fork_of=fork, siblings=2)
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    while core.has_unfinished():
+        for output in core.step():
+            tokens["ab"[output.index]] += output.new_token_ids
+    core.scheduler.schedule = schedule  # type: ignore[method-assign]
+    return tokens, copied
+
+
 def test_two_ranks_give_one_ranks_tokens(model_dir, references):
     with engine_core(config(model_dir, 1)) as one:
         one_greedy, one_seeded = all_tokens(one, GREEDY), all_tokens(one, SEEDED)
+        one_forked, _ = forked_tokens(one)
     with engine_core(config(model_dir, 2)) as two:
         workers = workers_of(two)
         assert two.runner.model.shard.shape.local_kv_heads == 1
         assert all_tokens(two, GREEDY) == one_greedy == references
         assert all_tokens(two, SEEDED) == one_seeded
         assert one_seeded != one_greedy, "the seeded run sampled"
+        two_forked, copied = forked_tokens(two)
+        assert copied, "the fork copied a block on every rank"
+        assert two_forked == one_forked and two_forked["a"] != two_forked["b"]
     assert all(process.exitcode == 0 for process in workers.processes), "workers stopped cleanly"
 
 
@@ -100,6 +130,27 @@ def test_chunked_prefill_and_preemption_across_ranks(model_dir, references):
         assert all_tokens(core, GREEDY) == references
         assert core.scheduler.num_preemptions > 0
         assert any(chunked)
+
+
+def test_a_forward_pass_that_fails_on_rank_0_stops_the_engine(model_dir, monkeypatch):
+    """Rank 0 fails inside the step, after the workers started it: the ranks no longer agree,
+    so the step is not retried in halves; the engine stops and the workers go."""
+    core, _, _ = create_engine_core(config(model_dir, 2))
+    workers = workers_of(core)
+    try:
+        head = core.runner.model.lm_head
+
+        def broken(hidden):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(head, "forward", broken)
+        core.add_request("r", [5, 6, 7], GREEDY)
+        with pytest.raises(WorkerFailedError, match="the step failed on rank 0: boom"):
+            core.step()
+    finally:
+        core.close()
+    assert not any(process.is_alive() for process in workers.processes)
+    assert multiprocessing.active_children() == []
 
 
 def test_a_model_that_does_not_divide_is_refused_and_leaves_no_worker(model_dir):
