@@ -87,14 +87,25 @@ def new_batch(input_file_id: str, endpoint: str, metadata: dict[str, str] | None
     )
 
 
+def _stamp(batch: Batch, status: str) -> None:
+    """`status` and, for a stage, the time it was reached."""
+    batch.body["status"] = status
+    if status in STAGE_TIMES:
+        batch.body[STAGE_TIMES[status]] = int(time.time())
+
+
 class BatchStore:
     def __init__(self, state_dir: Path) -> None:
         self._lock = threading.Lock()
         self._db = open_db(state_dir, SCHEMA)
 
-    def create(self, batch: Batch, lines: list[tuple[str, dict[str, Any]]]) -> None:
-        """The batch and its lines (custom_id, request body), in one transaction."""
+    def create(
+        self, batch: Batch, lines: list[tuple[str, dict[str, Any]]], status: str = "validating"
+    ) -> None:
+        """The batch in `status` and its lines (custom_id, request body), in one transaction:
+        a crash leaves the batch ready to run, or nothing."""
         batch.body["request_counts"]["total"] = len(lines)
+        _stamp(batch, status)
         with self._lock, self._db:
             seq = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
             self._db.execute(
@@ -113,9 +124,7 @@ class BatchStore:
 
     def move(self, batch: Batch, status: str) -> None:
         """To `status`, stamping its stage time."""
-        batch.body["status"] = status
-        if status in STAGE_TIMES:
-            batch.body[STAGE_TIMES[status]] = int(time.time())
+        _stamp(batch, status)
         self.save(batch)
 
     def get(self, batch_id: str) -> Batch | None:

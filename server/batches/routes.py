@@ -118,11 +118,9 @@ def batches_router(
         store = jobs.get()
         if problems:
             batch.body["errors"] = {"object": "list", "data": problems}
-            await asyncio.to_thread(store.create, batch, [])
-            await asyncio.to_thread(store.move, batch, "failed")
+            await asyncio.to_thread(store.create, batch, [], "failed")
         else:
-            await asyncio.to_thread(store.create, batch, lines)
-            await asyncio.to_thread(store.move, batch, "in_progress")
+            await asyncio.to_thread(store.create, batch, lines, "in_progress")
             runner.wake()
         return batch.body
 

@@ -84,6 +84,9 @@ class BatchRunner:
         return store.unfinished() if store is not None else []
 
     async def _run(self, client: httpx.AsyncClient, batch: Batch) -> None:
+        if batch.status == "validating":
+            # Its lines were committed with it (left so by a version that moved it apart).
+            await asyncio.to_thread(self.jobs.move, batch, "in_progress")
         if batch.status == "in_progress":
             pending = await asyncio.to_thread(self.jobs.pending_lines, batch.id)
             queue = list(pending)

@@ -174,6 +174,26 @@ async def test_a_batch_stopped_mid_run_resumes_with_each_line_once(tmp_path):
         assert sorted(o["custom_id"] for o in outputs) == sorted(i["custom_id"] for i in lines)
 
 
+async def test_a_batch_is_stored_ready_to_run_in_one_commit(tmp_path):
+    """Created straight into `in_progress` with its lines; one left `validating` (as a crash
+    between two commits used to leave it) is run when the server starts."""
+    from server.batches.jobs import BatchStore, new_batch
+
+    settings = ServerSettings(served_model_name="tiny", state_dir=tmp_path)
+    async with live_server(settings) as server:
+        created = await submit(sdk(server.url), [line("a", "Hi")])
+        assert created.status == "in_progress" and created.in_progress_at is not None
+        await until_done(sdk(server.url), created.id)
+    store = BatchStore(tmp_path)
+    stranded = new_batch("file-none", "/v1/completions", None)
+    request = line("s", "Hello")
+    store.create(stranded, [(request["custom_id"], request["body"])])
+    assert store.get(stranded.id).status == "validating"
+    async with live_server(settings) as server:
+        batch = await until_done(sdk(server.url), stranded.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 1
+
+
 async def test_a_batch_past_its_window_expires_with_its_lines_reported(tmp_path, monkeypatch):
     from server.batches import jobs
 
