@@ -50,6 +50,65 @@ def _dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _attend(
+    query,
+    positions,
+    key_ptr,
+    value_ptr,
+    table_row_ptr,
+    kv_head,
+    start,
+    end,
+    cache_stride_block,
+    cache_stride_slot,
+    cache_stride_head,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """The `ROWS` query rows over one sequence's K/V tokens [start, end) of `kv_head`, read in
+    place through its block table row, TILE_N at a time, with an online softmax in fp32: the
+    unnormalised sums `[ROWS, DIM_PAD]`, the softmax totals and the maxima. With CAUSAL, row i
+    sees keys up to `positions[i]` only (every row sees token 0, so each maximum is finite
+    from the first tile on)."""
+    dim = tl.arange(0, DIM_PAD)
+    running_max = tl.full([ROWS], float("-inf"), tl.float32)
+    total = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+    for first in range(start, end, TILE_N):
+        token = first + tl.arange(0, TILE_N)
+        valid = token < end
+        block = tl.load(table_row_ptr + token // BLOCK, mask=valid, other=0)
+        offsets = (
+            block[:, None] * cache_stride_block
+            + (token % BLOCK)[:, None] * cache_stride_slot
+            + kv_head * cache_stride_head
+            + dim[None, :]
+        )
+        kv_mask = valid[:, None] & (dim < DIM)[None, :]
+        key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
+        scores = _dot(query, tl.trans(key), IEEE, WIDEN)
+        if CAUSAL:  # noqa: SIM108  (a branch taken when the kernel compiles)
+            seen = valid[None, :] & (token[None, :] <= positions[:, None])
+        else:
+            seen = valid[None, :]
+        scores = tl.where(seen, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        weights = tl.exp(scores - new_max[:, None])
+        rescale = tl.exp(running_max - new_max)
+        value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
+        acc = acc * rescale[:, None] + _dot(weights.to(value.dtype), value, IEEE, WIDEN)
+        total = total * rescale + tl.sum(weights, axis=1)
+        running_max = new_max
+    return acc, total, running_max
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,
     part_acc_ptr,
@@ -89,7 +148,6 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
     group = tl.arange(0, GROUP_PAD)
     dim = tl.arange(0, DIM_PAD)
-    tile = tl.arange(0, TILE_TOKENS)
     heads = kv_head * GROUP + group
     q_mask = (group < GROUP)[:, None] & (dim < DIM)[None, :]
     q_offsets = seq * query_stride_token + heads[:, None] * query_stride_head + dim[None, :]
@@ -100,32 +158,27 @@ def _paged_decode_kernel(
     chunk = tl.cdiv(tl.cdiv(length, SPLITS), TILE_TOKENS) * TILE_TOKENS
     start = split * chunk
     end = tl.minimum(start + chunk, length)
-    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for first in range(start, end, TILE_TOKENS):
-        token = first + tile
-        valid = token < end
-        block = tl.load(table_ptr + seq * table_stride + token // BLOCK, mask=valid, other=0)
-        offsets = (
-            block[:, None] * cache_stride_block
-            + (token % BLOCK)[:, None] * cache_stride_slot
-            + kv_head * cache_stride_head
-            + dim[None, :]
-        )
-        kv_mask = valid[:, None] & (dim < DIM)[None, :]
-        key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
-        scores = _dot(query, tl.trans(key), IEEE, WIDEN)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        weights = tl.exp(scores - new_max[:, None])
-        rescale = tl.exp(running_max - new_max)
-        value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
-        mixed = _dot(weights.to(value.dtype), value, IEEE, WIDEN)
-        acc = acc * rescale[:, None] + mixed
-        total = total * rescale + tl.sum(weights, axis=1)
-        running_max = new_max
-
+    acc, total, running_max = _attend(
+        query,
+        group,
+        key_ptr,
+        value_ptr,
+        table_ptr + seq * table_stride,
+        kv_head,
+        start,
+        end,
+        cache_stride_block,
+        cache_stride_slot,
+        cache_stride_head,
+        GROUP_PAD,
+        BLOCK,
+        DIM,
+        DIM_PAD,
+        TILE_TOKENS,
+        False,
+        IEEE,
+        WIDEN,
+    )
     acc = acc * value_scale
     if SPLITS == 1:
         result = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
@@ -233,33 +286,27 @@ def _paged_prefill_kernel(
     positions = context + offs_m
     end = context + tl.minimum(first_query + TILE_M, query_len)
 
-    running_max = tl.full([TILE_M], float("-inf"), tl.float32)
-    total = tl.zeros([TILE_M], tl.float32)
-    acc = tl.zeros([TILE_M, DIM_PAD], tl.float32)
-    for first in range(0, end, TILE_N):
-        token = first + tl.arange(0, TILE_N)
-        valid = token < end
-        block = tl.load(table_ptr + row * table_stride + token // BLOCK, mask=valid, other=0)
-        offsets = (
-            block[:, None] * cache_stride_block
-            + (token % BLOCK)[:, None] * cache_stride_slot
-            + kv_head * cache_stride_head
-            + dim[None, :]
-        )
-        kv_mask = valid[:, None] & (dim < DIM)[None, :]
-        key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
-        scores = _dot(query, tl.trans(key), IEEE, WIDEN)
-        seen = valid[None, :] & (token[None, :] <= positions[:, None])
-        scores = tl.where(seen, scores, float("-inf"))
-        # Every row sees key 0 in the first tile, so the maximum is finite from there on.
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        weights = tl.exp(scores - new_max[:, None])
-        rescale = tl.exp(running_max - new_max)
-        value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
-        acc = acc * rescale[:, None] + _dot(weights.to(value.dtype), value, IEEE, WIDEN)
-        total = total * rescale + tl.sum(weights, axis=1)
-        running_max = new_max
-
+    acc, total, _ = _attend(
+        query,
+        positions,
+        key_ptr,
+        value_ptr,
+        table_ptr + row * table_stride,
+        kv_head,
+        0,
+        end,
+        cache_stride_block,
+        cache_stride_slot,
+        cache_stride_head,
+        TILE_M,
+        BLOCK,
+        DIM,
+        DIM_PAD,
+        TILE_N,
+        True,
+        IEEE,
+        WIDEN,
+    )
     result = acc * value_scale / tl.maximum(total, 1e-30)[:, None]
     o_offsets = (query_start + offs_m)[:, None] * out_stride_token + head * out_stride_head
     tl.store(out_ptr + o_offsets + dim[None, :], result.to(out_ptr.dtype.element_ty), mask=q_mask)
