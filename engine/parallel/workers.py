@@ -284,7 +284,7 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
     @torch.inference_mode()
     def step(inputs: StepInputs) -> None:
         kv_cache.copy_blocks(inputs.block_copies)
-        model(*model_inputs(backend, kv_cache, inputs.batch(), inputs.logits_indices))
+        model(*model_inputs(backend, kv_cache, inputs.batch, inputs.logits_indices))
 
     return step
 
