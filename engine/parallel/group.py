@@ -78,6 +78,8 @@ def join_store(port: int, size: int) -> Any:
 def connect(store: Any, rank: int, size: int, device: torch.device) -> ParallelGroup:
     """Join the group (blocks until every rank has joined): NCCL on CUDA, gloo on the CPU."""
     if device.type == "cuda":
+        # NCCL builds its communicator on the calling thread's current device.
+        torch.cuda.set_device(device)
         options = dist.ProcessGroupNCCL.Options()
         group: Any = dist.ProcessGroupNCCL(store, rank, size, options)
         # NCCL needs a communicator on the device before the first collective.
