@@ -224,6 +224,11 @@ def kv_cache_dtype(
     if dtype == compute_dtype:
         return dtype
     if device.type == "cuda" and dtype in FP8_CACHE_DTYPES.values():
+        if dtype == torch.float8_e4m3fn and _capability(device) < (8, 9):
+            raise ValueError(
+                "an fp8 e4m3 KV cache needs a GPU of compute capability 8.9 or newer "
+                "(Ada, Hopper); use --kv-cache-dtype fp8_e5m2"
+            )
         return dtype
     narrow = dtype in NARROW_CPU_CACHE_DTYPES
     if device.type == "cpu" and compute_dtype == torch.float32 and narrow:
@@ -233,6 +238,10 @@ def kv_cache_dtype(
         f"a {str(dtype).removeprefix('torch.')} KV cache under {compute} compute "
         f"on {device.type} is not supported; use --kv-cache-dtype auto or {compute}"
     )
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _weights_into_huge_pages(model: CausalLM) -> None:

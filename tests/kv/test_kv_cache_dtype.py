@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import factory
 from engine.core.config import CacheConfig
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
@@ -38,9 +39,24 @@ PROMPTS = [[5, 9, 33, 2], list(range(40, 120)), [7] * 13]
     ],
 )
 def test_what_the_cache_holds(
-    name: str, model: torch.dtype, compute: torch.dtype, device: torch.device, expected: torch.dtype
+    name: str,
+    model: torch.dtype,
+    compute: torch.dtype,
+    device: torch.device,
+    expected: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(factory, "_capability", lambda device: (9, 0))  # a Hopper GPU
     assert kv_cache_dtype(name, model, compute, device) == expected
+
+
+def test_e4m3_needs_a_gpu_that_converts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before compute capability 8.9 (an A100 is 8.0) there are no e4m3 conversions: the
+    Triton kernels do not compile (`engine.kernels.triton.targets`); e5m2 is the way there."""
+    monkeypatch.setattr(factory, "_capability", lambda device: (8, 0))
+    with pytest.raises(ValueError, match=r"8\.9 or newer.*fp8_e5m2"):
+        kv_cache_dtype("fp8", BF16, BF16, CUDA)
+    assert kv_cache_dtype("fp8_e5m2", BF16, BF16, CUDA) == FP8
 
 
 @pytest.mark.parametrize(
