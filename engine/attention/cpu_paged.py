@@ -36,11 +36,6 @@ class PrefillRows:
     table: torch.Tensor
 
 
-@dataclass(slots=True, eq=False)
-class CpuPagedMetadata(InPlaceMetadata):
-    prefill_rows: PrefillRows | None = None
-
-
 class CpuPagedAttention(InPlaceDecodeAttention):
     name = "cpu"
 
@@ -52,17 +47,8 @@ class CpuPagedAttention(InPlaceDecodeAttention):
             )
         self.bf16_prompts = model_dtype == torch.bfloat16 and cpu_ops.bf16_prefill_available()
 
-    @staticmethod
-    def metadata_type() -> type[TorchPagedMetadata]:
-        return CpuPagedMetadata
-
-    def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> TorchPagedMetadata:
-        meta = super().build_metadata(batch, kv_cache)
-        assert isinstance(meta, CpuPagedMetadata)
-        rows = np.flatnonzero(batch.query_lens > 1)
-        if rows.size:
-            meta.prefill_rows = _prefill_rows(batch, rows, kv_cache.block_size, kv_cache.device)
-        return meta
+    def _prefill_work(self, batch: InputBatch, rows: np.ndarray, kv_cache: KVCache) -> PrefillRows:
+        return _kernel_rows(batch, rows, kv_cache.block_size, kv_cache.device)
 
     def decode_kernel(
         self,
@@ -75,26 +61,25 @@ class CpuPagedAttention(InPlaceDecodeAttention):
     ) -> torch.Tensor:
         return cpu_ops.paged_decode(query, key_cache, value_cache, block_table, seq_lens, scale)
 
-    def forward(
+    def _prefill_rows(
         self,
         layer: int,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
         scale: float,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+        metadata: TorchPagedMetadata,
+        out: torch.Tensor,
+    ) -> None:
         """Prefill chunks in one kernel call over K/V already stored, read in place: fresh
-        prompts and chunks after cached tokens alike. Shapes the kernel does not take (head
-        dims not a multiple of 16, a 16-bit model) keep the torch path."""
-        assert isinstance(metadata, CpuPagedMetadata)
+        prompts and chunks after cached tokens alike, written straight into `out`. Shapes the
+        kernel does not take (head dims not a multiple of 16, a 16-bit model) keep the torch
+        path."""
+        assert isinstance(metadata, InPlaceMetadata)
         rows, cache = metadata.prefill_rows, metadata.kv_cache
         if rows is None or not _kernel_takes(query, cache):
-            return super().forward(layer, query, key, value, scale, metadata)
-        self._store(cache, layer, metadata.slot_mapping, key, value)
-        out = torch.empty(query.shape, dtype=query.dtype)
-        if metadata.decode_tokens is not None:
-            out[metadata.decode_tokens] = self._decode(layer, query, scale, metadata)
+            super()._prefill_rows(layer, query, key, value, scale, metadata, out)
+            return
         bf16 = self.bf16_prompts and cache.spec.dtype == torch.bfloat16
         cpu_ops.paged_prefill_rows(
             query,
@@ -108,7 +93,6 @@ class CpuPagedAttention(InPlaceDecodeAttention):
             scale,
             bf16,
         )
-        return out
 
     @staticmethod
     def _store(
@@ -157,7 +141,7 @@ def _stores(key: torch.Tensor, value: torch.Tensor, cache: KVCache) -> bool:
     )
 
 
-def _prefill_rows(
+def _kernel_rows(
     batch: InputBatch, rows: np.ndarray, block_size: int, device: torch.device
 ) -> PrefillRows:
     seq_lens = batch.context_lens[rows] + batch.query_lens[rows]

@@ -3,24 +3,29 @@
 A kernel walks each row's own blocks up to its own length, so decode rows need only their
 block tables and lengths: no gathered copy and no padding mask. Such metadata has fixed shapes
 for a given number of rows, which is what lets decode steps be captured in CUDA graphs.
-Prefill rows keep the pure-torch path.
+Prefill rows keep the pure-torch path unless a subclass hands them to its own kernel
+(`_prefill_work`, `_prefill_rows`).
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, _to
 from engine.kv.kv_cache import KVCache
+from engine.worker.input_batch import InputBatch
 
 
 @dataclass(slots=True, eq=False)
 class InPlaceMetadata(TorchPagedMetadata):
     decode_seq_lens: torch.Tensor | None = None
+    # The step's multi-token rows as the subclass's prefill kernel takes them, if it has one.
+    prefill_rows: Any = None
 
 
 class InPlaceDecodeAttention(TorchPagedAttention):
@@ -30,6 +35,19 @@ class InPlaceDecodeAttention(TorchPagedAttention):
     @staticmethod
     def metadata_type() -> type[TorchPagedMetadata]:
         return InPlaceMetadata
+
+    def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> TorchPagedMetadata:
+        meta = super().build_metadata(batch, kv_cache)
+        assert isinstance(meta, InPlaceMetadata)
+        rows = np.flatnonzero(batch.query_lens > 1)
+        if rows.size:
+            meta.prefill_rows = self._prefill_work(batch, rows, kv_cache)
+        return meta
+
+    def _prefill_work(self, batch: InputBatch, rows: np.ndarray, kv_cache: KVCache) -> Any:
+        """The multi-token `rows` of the step as this backend's prefill kernel takes them (None:
+        no kernel, the torch path attends them)."""
+        return None
 
     @abstractmethod
     def decode_kernel(

@@ -25,20 +25,29 @@ _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTIO
 
 @dataclass(slots=True)
 class PrefillSpan:
-    """One multi-token row. `block_ids` are set only when a cached prefix exists; `mask`, its
-    offset causal mask, is made when the torch path first attends over that prefix (a backend
-    whose kernel reads the blocks itself never needs it)."""
+    """One multi-token row. `block_row` (its block ids, on the host) is set only when a cached
+    prefix exists; the ids on the device (`block_ids`) and `mask`, its offset causal mask, are
+    made when the torch path first attends over that prefix (a backend whose kernel reads the
+    blocks itself never needs them)."""
 
     start: int
     end: int
     seq_len: int
-    block_ids: torch.Tensor | None = None
+    block_row: np.ndarray | None = None
+    device_blocks: torch.Tensor | None = None
     mask: torch.Tensor | None = None
 
     @property
     def context(self) -> int:
         """Tokens cached before the chunk."""
         return self.seq_len - (self.end - self.start)
+
+    def block_ids(self, device: torch.device) -> torch.Tensor:
+        """The cached prefix's block ids on `device`, copied there once."""
+        if self.device_blocks is None:
+            assert self.block_row is not None  # set for every span with a cached prefix
+            self.device_blocks = _to(self.block_row, device)
+        return self.device_blocks
 
     def offset_mask(self, device: torch.device) -> torch.Tensor:
         """`[1, 1, tokens, seq_len]`: query token i (at position context + i) sees keys up to
@@ -82,7 +91,7 @@ class TorchPagedAttention(AttentionBackend):
         if decode_rows.size:
             self._decode_metadata(meta, batch, decode_rows, kv_cache.block_size, device)
         for row in np.flatnonzero(batch.query_lens > 1):
-            meta.prefills.append(_prefill_span(batch, int(row), kv_cache.block_size, device))
+            meta.prefills.append(_prefill_span(batch, int(row), kv_cache.block_size))
         return meta
 
     def _decode_metadata(
@@ -183,8 +192,7 @@ class TorchPagedAttention(AttentionBackend):
             v = _as_cached(value[span.start : span.end], cache).transpose(0, 1).unsqueeze(0)
             out = _sdpa(q, k, v, is_causal=True, scale=scale)
         else:
-            assert span.block_ids is not None
-            table = span.block_ids.unsqueeze(0)
+            table = span.block_ids(q.device).unsqueeze(0)
             k = _gather(cache.key(layer), table)[:, :, : span.seq_len].to(q.dtype)
             v = _gather(cache.value(layer), table)[:, :, : span.seq_len].to(q.dtype)
             out = _sdpa(q, k, v, attn_mask=span.offset_mask(q.device), scale=scale)
@@ -223,16 +231,14 @@ def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
     return gathered.view(rows, width * layer_cache.shape[1], *layer_cache.shape[2:]).transpose(1, 2)
 
 
-def _prefill_span(
-    batch: InputBatch, row: int, block_size: int, device: torch.device
-) -> PrefillSpan:
+def _prefill_span(batch: InputBatch, row: int, block_size: int) -> PrefillSpan:
     start = int(batch.query_starts[row])
     num = int(batch.query_lens[row])
     context = int(batch.context_lens[row])
     span = PrefillSpan(start=start, end=start + num, seq_len=context + num)
     if context:
         num_blocks = -(-span.seq_len // block_size)
-        span.block_ids = _to(batch.block_table[row, :num_blocks], device)
+        span.block_row = batch.block_table[row, :num_blocks]
     return span
 
 

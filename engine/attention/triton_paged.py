@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
 from typing import Any
@@ -93,32 +92,25 @@ def runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreted())
 
 
-@dataclass(slots=True, eq=False)
-class TritonMetadata(InPlaceMetadata):
-    # The step's multi-token rows as the prefill kernel takes them (`PrefillRows`), if any.
-    prefill_rows: Any = None
-
-
 class TritonPagedAttention(InPlaceDecodeAttention):
     name = "triton"
 
-    @staticmethod
-    def metadata_type() -> type[TorchPagedMetadata]:
-        return TritonMetadata
-
-    def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> TorchPagedMetadata:
-        meta = super().build_metadata(batch, kv_cache)
-        assert isinstance(meta, TritonMetadata)
-        rows = np.flatnonzero(batch.query_lens > 1)
-        if rows.size:
-            meta.prefill_rows = self._kernels.PrefillRows.of(
-                batch.query_starts[rows],
-                batch.query_lens[rows],
-                batch.context_lens[rows],
-                batch.block_table[rows],
-                kv_cache.device,
+    def __init__(self) -> None:
+        if not available():
+            raise RuntimeError(
+                "the triton attention backend needs the triton package; "
+                "use --attention-backend torch"
             )
-        return meta
+        self._kernels = _kernels()
+
+    def _prefill_work(self, batch: InputBatch, rows: np.ndarray, kv_cache: KVCache) -> Any:
+        return self._kernels.PrefillRows.of(
+            batch.query_starts[rows],
+            batch.query_lens[rows],
+            batch.context_lens[rows],
+            batch.block_table[rows],
+            kv_cache.device,
+        )
 
     def _prefill_rows(
         self,
@@ -131,21 +123,13 @@ class TritonPagedAttention(InPlaceDecodeAttention):
         out: torch.Tensor,
     ) -> None:
         """Every multi-token row in one launch, over K/V as the cache holds them."""
-        assert isinstance(metadata, TritonMetadata)
+        assert isinstance(metadata, InPlaceMetadata)
         if metadata.prefill_rows is None:
             return
         cache = metadata.kv_cache
         self._kernels.paged_prefill(
             out, query, cache.key(layer), cache.value(layer), metadata.prefill_rows, scale
         )
-
-    def __init__(self) -> None:
-        if not available():
-            raise RuntimeError(
-                "the triton attention backend needs the triton package; "
-                "use --attention-backend torch"
-            )
-        self._kernels = _kernels()
 
     def decode_kernel(
         self,
