@@ -9,6 +9,8 @@ import torch
 
 from engine.kernels.cpu import huge_pages
 
+FP8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
@@ -105,7 +107,7 @@ class KVCache:
 def narrowed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` in `dtype`; into fp8, saturated to its largest finite value first (e5m2 would round
     past it to infinity)."""
-    if dtype in (torch.float8_e5m2, torch.float8_e4m3fn) and x.dtype != dtype:
+    if dtype in FP8_DTYPES and x.dtype != dtype:
         largest = torch.finfo(dtype).max
         return x.clamp(-largest, largest).to(dtype)
     return x.to(dtype)
@@ -113,5 +115,4 @@ def narrowed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
     """fp8 values as their bytes, for the copies torch does not implement for fp8 on the CPU."""
-    fp8 = tensor.dtype in (torch.float8_e5m2, torch.float8_e4m3fn)
-    return tensor.view(torch.uint8) if fp8 else tensor
+    return tensor.view(torch.uint8) if tensor.dtype in FP8_DTYPES else tensor

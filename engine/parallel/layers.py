@@ -36,10 +36,6 @@ class VocabParallelEmbedding(nn.Module):
         self.start = start
         self.group = group
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.inner.weight.shape[0])

@@ -118,8 +118,9 @@ class WorkerPool:
         thread.start()
         while thread.is_alive():
             thread.join(POLL_SECONDS)
-            if thread.is_alive() and self.failure():
-                raise WorkerFailedError(self.failure())
+            failure = self.failure() if thread.is_alive() else ""
+            if failure:
+                raise WorkerFailedError(failure)
         if "error" in box:
             raise box["error"]
         return box["value"]
