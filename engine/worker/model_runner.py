@@ -64,7 +64,7 @@ class ModelRunner:
             self.workers.send(StepInputs.of(batch, indices, scheduler_output.block_copies))
         with self._across_ranks():
             if chooses:
-                return self._choose_in_model(batch, requests)
+                return self._choose_in_model(batch, requests, indices)
             logits = self.forward(batch, indices)
         output = ModelRunnerOutput()
         if prompt_rows:
@@ -106,8 +106,11 @@ class ModelRunner:
             and not (self.graphs is not None and self.graphs.supports(batch, indices))
         )
 
-    def _choose_in_model(self, batch: InputBatch, requests: list[Request]) -> ModelRunnerOutput:
-        tokens = self.model.greedy_tokens(*self._model_inputs(batch, batch.sample_token_indices))
+    def _choose_in_model(
+        self, batch: InputBatch, requests: list[Request], indices: np.ndarray
+    ) -> ModelRunnerOutput:
+        """`indices`: the sampled rows' positions (the step has no prompt logprobs)."""
+        tokens = self.model.greedy_tokens(*self._model_inputs(batch, indices))
         output = ModelRunnerOutput()
         for request, token in zip(requests, tokens.tolist(), strict=True):
             output.sampled_token_ids[request.request_id] = token
