@@ -10,7 +10,7 @@ Elsewhere (a hub id, another format) the whole model is loaded and cut.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,21 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.parallel.sharding import ShardShape, shard_model
+from engine.parallel.sharding import (
+    ShardShape,
+    column_share,
+    padded_rows,
+    row_share,
+    shard_model,
+)
 
 logger = logging.getLogger(__name__)
-
-# Where each parameter's share lies: its rows (0) or columns (1), by the end of its name.
-ROW_SHARES = {
-    "self_attn.q_proj": "query_span",
-    "self_attn.k_proj": "kv_span",
-    "self_attn.v_proj": "kv_span",
-    "mlp.gate_proj": "channel_span",
-    "mlp.up_proj": "channel_span",
-    "embed_tokens": "vocab_span",
-    "lm_head": "vocab_span",
-}
-COLUMN_SHARES = {"self_attn.o_proj": "query_span", "mlp.down_proj": "channel_span"}
 
 
 def load_share(
@@ -116,16 +110,14 @@ def _fill(model: nn.Module, index: dict[str, Path], shape: ShardShape, dtype: to
     the same name. Raises KeyError naming a parameter the checkpoint lacks."""
     from safetensors import safe_open
 
-    names = [name for name, _ in model.named_parameters()]
-    by_file: dict[Path, list[str]] = {}
-    for name in names:
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, _ in model.named_parameters():
         key = _checkpoint_key(name, index)
-        by_file.setdefault(index[key], []).append(name)
-    for file, file_names in by_file.items():
+        by_file.setdefault(index[key], []).append((name, key))
+    for file, names in by_file.items():
         with safe_open(str(file), "pt") as handle:
-            for name in file_names:
-                reader = handle.get_slice(_checkpoint_key(name, index))
-                tensor = _share(name, reader, shape).to(dtype)
+            for name, key in names:
+                tensor = _share(name, handle.get_slice(key), shape).to(dtype)
                 module_name, _, attr = name.rpartition(".")
                 module = model.get_submodule(module_name)
                 setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
@@ -141,29 +133,11 @@ def _checkpoint_key(name: str, index: dict[str, Path]) -> str:
 
 def _share(name: str, reader: Any, shape: ShardShape) -> torch.Tensor:
     """The rank's share of one checkpoint tensor, read from `reader` (a safetensors slice)."""
-    owner = name.rsplit(".", 1)[0]
-    kind = name.rsplit(".", 1)[1]
-    rows = _span_for(owner, ROW_SHARES, shape)
+    owner, _, kind = name.rpartition(".")
+    rows = row_share(owner, shape)
     if rows is not None:
-        return _padded(lambda span: reader[span], reader.get_shape()[0], rows)
-    columns = _span_for(owner, COLUMN_SHARES, shape)
+        return padded_rows(lambda span: reader[span], reader.get_shape()[0], rows)
+    columns = column_share(owner, shape)
     if columns is not None and kind == "weight":
         return reader[:, columns]
     return reader[:]
-
-
-def _span_for(owner: str, shares: dict[str, str], shape: ShardShape) -> slice | None:
-    for suffix, span in shares.items():
-        if owner.endswith(suffix):
-            return getattr(shape, span)
-    return None
-
-
-def _padded(read: Callable[[slice], torch.Tensor], length: int, rows: slice) -> torch.Tensor:
-    """Rows `rows` of a tensor of `length` rows, zero rows where they run past its end."""
-    part = read(slice(min(rows.start, length), min(rows.stop, length)))
-    missing = rows.stop - rows.start - part.shape[0]
-    if missing == 0:
-        return part
-    padding = torch.zeros((missing, *part.shape[1:]), dtype=part.dtype)
-    return torch.cat([part, padding])

@@ -11,6 +11,7 @@ take Conveyor's kernel forms, so every later step sees an ordinary (smaller) mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,24 +118,52 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
         raise ValueError(f"tensor parallelism over {size} ranks cannot split this model: {reason}")
     head = hf_model.get_output_embeddings()
     shape = ShardShape.of(config, rank, size, head.weight.shape[0])
-    for layer in hf_model.model.layers:
-        _shard_attention(layer.self_attn, shape)
-        _shard_mlp(layer.mlp, shape)
+    layers = hf_model.model.layers
+    for name, module in list(layers.named_modules()):
+        rows, columns = row_share(name, shape), column_share(name, shape)
+        if rows is not None:
+            share = _rows(module, rows)
+        elif columns is not None:
+            share = _columns(module, columns, keep_bias=shape.rank == 0)
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(layers.get_submodule(parent), child, share)
     _shard_vocab(hf_model, shape)
     return shape
 
 
-def _shard_attention(attn: Any, shape: ShardShape) -> None:
-    attn.q_proj = _rows(attn.q_proj, shape.query_span)
-    attn.k_proj = _rows(attn.k_proj, shape.kv_span)
-    attn.v_proj = _rows(attn.v_proj, shape.kv_span)
-    attn.o_proj = _columns(attn.o_proj, shape.query_span, keep_bias=shape.rank == 0)
+# Where each projection of a layer keeps the rank's share, by the end of the module's name: its
+# output rows (q, k, v, gate, up), or its input columns (o, down), as `ShardShape` spans.
+ROW_SHARES = {
+    "self_attn.q_proj": "query_span",
+    "self_attn.k_proj": "kv_span",
+    "self_attn.v_proj": "kv_span",
+    "mlp.gate_proj": "channel_span",
+    "mlp.up_proj": "channel_span",
+}
+COLUMN_SHARES = {"self_attn.o_proj": "query_span", "mlp.down_proj": "channel_span"}
+VOCAB_MODULES = ("embed_tokens", "lm_head")
 
 
-def _shard_mlp(mlp: Any, shape: ShardShape) -> None:
-    mlp.gate_proj = _rows(mlp.gate_proj, shape.channel_span)
-    mlp.up_proj = _rows(mlp.up_proj, shape.channel_span)
-    mlp.down_proj = _columns(mlp.down_proj, shape.channel_span, keep_bias=shape.rank == 0)
+def row_share(module_name: str, shape: ShardShape) -> slice | None:
+    """The output rows (the vocabulary rows of the embedding and the LM head) this rank keeps
+    of the module so named; None where it keeps no rows apart."""
+    if module_name.endswith(VOCAB_MODULES):
+        return shape.vocab_span
+    return _share_in(module_name, ROW_SHARES, shape)
+
+
+def column_share(module_name: str, shape: ShardShape) -> slice | None:
+    """The input columns this rank keeps of the module so named; None where not split so."""
+    return _share_in(module_name, COLUMN_SHARES, shape)
+
+
+def _share_in(module_name: str, shares: dict[str, str], shape: ShardShape) -> slice | None:
+    for suffix, span in shares.items():
+        if module_name.endswith(suffix):
+            return getattr(shape, span)
+    return None
 
 
 def _shard_vocab(hf_model: Any, shape: ShardShape) -> None:
@@ -196,11 +225,18 @@ def _parameter(tensor: torch.Tensor) -> nn.Parameter:
 
 def _padded_rows(tensor: torch.Tensor, rows: slice) -> torch.Tensor:
     """`tensor[rows]` as a copy, zero rows past the end."""
-    length = rows.stop - rows.start
-    out = torch.zeros((length, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    part = tensor[rows].detach()
-    out[: part.shape[0]] = part
-    return out
+    return padded_rows(lambda span: tensor[span].detach().clone(), tensor.shape[0], rows)
+
+
+def padded_rows(read: Callable[[slice], torch.Tensor], length: int, rows: slice) -> torch.Tensor:
+    """Rows `rows` of a tensor of `length` rows (`read(span)` gives any span of them), zero
+    rows where they run past its end."""
+    part = read(slice(min(rows.start, length), min(rows.stop, length)))
+    missing = rows.stop - rows.start - part.shape[0]
+    if missing == 0:
+        return part
+    padding = torch.zeros((missing, *part.shape[1:]), dtype=part.dtype, device=part.device)
+    return torch.cat([part, padding])
 
 
 @dataclass(frozen=True, slots=True)
