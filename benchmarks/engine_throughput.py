@@ -7,7 +7,10 @@ With `--both-bf16-products` (a bf16 model on a CPU with AMX-BF16) each concurren
 in turn with the products in AMX tiles and in AVX-512 BF16 dot products, each row tagged. With
 `--both-heads` the decode steps of each run take turns choosing their greedy tokens in the LM
 head and from logits handed to the sampler, and the median step of each way is reported (a
-difference of a few percent shows only step by step on a noisy machine).
+difference of a few percent shows only step by step on a noisy machine). With
+`--both-schedulings` each concurrency runs four times, steps in turn and overlapped (async
+scheduling) taking turns, each row tagged; on a GPU that is the figure async scheduling is
+for, with the median step of each (the engine's own decode step).
 """
 
 from __future__ import annotations
@@ -96,9 +99,12 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="on CUDA, no decode graphs")
     parser.add_argument("--both-bf16-products", action="store_true")
     parser.add_argument("--both-heads", action="store_true")
+    parser.add_argument("--both-schedulings", action="store_true")
     args = parser.parse_args()
     if args.both_bf16_products and not cpu_ops.bf16_tiles_available():
         raise SystemExit("the bf16 products have no AMX tiles here")
+    if args.both_bf16_products and args.both_schedulings:
+        raise SystemExit("compare the bf16 products or the schedulings, not both at once")
     config = engine_config(
         args,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -113,13 +119,20 @@ def main() -> None:
     )
     for _ in range(args.warmup):
         run(core, 2, 16, 4, seed=-1)
-    modes = ["tiles", "dot", "dot", "tiles"] if args.both_bf16_products else [None]
+    modes: list[str | None] = [None]
+    if args.both_bf16_products:
+        modes = ["tiles", "dot", "dot", "tiles"]
+    elif args.both_schedulings:
+        modes = ["in_turn", "overlapped", "overlapped", "in_turn"]
     for seed, concurrency in enumerate(args.concurrency):
         for turn, mode in enumerate(modes):
             tags = {}
-            if mode is not None:
+            if mode in ("tiles", "dot"):
                 cpu_ops.use_bf16_tiles(mode == "tiles")
                 tags = {"bf16_products": mode}
+            elif mode is not None:
+                core.overlap = mode == "overlapped"
+                tags = {"scheduling": mode}
             result = run(
                 core,
                 concurrency,

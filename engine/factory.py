@@ -160,15 +160,17 @@ def core_from_model(
     )
     vocab_size = _vocab_size(loaded, model)
     sampler = Sampler(vocab_size, device, seed=config.seed)
+    overlap = config.overlaps(device.type)
     logger.info(
         "routes: %s",
         routes.describe(
-            model, backend.name, dtype, loaded.compute_dtype, parts.cache_dtype, device
+            model, backend.name, dtype, loaded.compute_dtype, parts.cache_dtype, device, overlap
         ),
     )
     graphs = _decode_graphs(config, model, backend, kv_cache, max_model_len)
     runner = ModelRunner(model, kv_cache, backend, sampler, graphs, workers)
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
+    core.overlap = overlap
     info = ServingInfo(
         model_name=loaded.name,
         max_model_len=max_model_len,
@@ -181,6 +183,7 @@ def core_from_model(
         enable_prefix_caching=config.enable_prefix_caching,
         request_timeout=config.request_timeout,
         tensor_parallel_size=config.tensor_parallel_size,
+        async_scheduling=overlap,
     )
     return core, info
 

@@ -168,6 +168,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="on CUDA, run decode steps eagerly instead of replaying them from CUDA graphs",
     )
+    engine.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule and launch each step while the previous one still runs on the device, "
+        "so a GPU never waits for the host (default: on for a single CUDA device, off on a "
+        "CPU and under tensor parallelism)",
+    )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--trust-remote-code", action="store_true")
 
@@ -305,6 +313,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
         tensor_parallel_size=args.tensor_parallel_size,
+        async_scheduling=args.async_scheduling,
     )
 
 

@@ -51,6 +51,7 @@ def fleet_router(engine: EngineClient, served: ServedModel) -> APIRouter:
             "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
             "enable_prefix_caching": info.enable_prefix_caching,
             "tensor_parallel_size": info.tensor_parallel_size,
+            "async_scheduling": info.async_scheduling,
             "version": conveyor_version(),
         }
 

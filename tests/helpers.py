@@ -219,7 +219,7 @@ def sabotage_steps(
     RuntimeError(message); every call first sleeps `delay` seconds."""
     import time
 
-    execute = core.runner.execute
+    launch = core.runner.launch
     calls = 0
 
     def sabotaged(output):
@@ -228,9 +228,9 @@ def sabotage_steps(
         time.sleep(delay)
         if fail_on is None or calls in fail_on:
             raise RuntimeError(message)
-        return execute(output)
+        return launch(output)
 
-    monkeypatch.setattr(core.runner, "execute", sabotaged)
+    monkeypatch.setattr(core.runner, "launch", sabotaged)
 
 
 def round_to_int8_blocks(x: torch.Tensor) -> torch.Tensor:

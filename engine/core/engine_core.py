@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import (
@@ -24,7 +25,7 @@ from engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOu
 from engine.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:  # the runner owns torch; the core itself stays torch-free
-    from engine.worker.model_runner import ModelRunner
+    from engine.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,11 @@ class EngineCore:
         self._stats = StepStats(0, 0, 0.0)
         # Each queued sequence's request and its number of sequences, for its finished stats.
         self._groups: dict[str, tuple[str, int]] = {}
+        # Overlapped (async) scheduling: the next step is scheduled and launched while the
+        # last one still runs on the device.
+        self.overlap = False
+        self._in_flight: _InFlight | None = None
+        self._last_end = 0.0
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -163,11 +169,12 @@ class EngineCore:
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """End every request with an error (the loop hit something it cannot recover from)."""
+        self._in_flight = None  # its requests fail here; nothing of it is wanted
         ids = list(self.scheduler.requests)
         return self._fail(ids, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def watch(self, on_failure: Callable[[EngineDeadError], None]) -> None:
         """Have `on_failure` called (from another thread) if a tensor-parallel worker dies."""
@@ -218,12 +225,43 @@ class EngineCore:
     # ---- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; return the deltas of the step that completed. With
+        `overlap`, the step just launched is left in flight and the previous one's results are
+        taken while it runs, so a GPU never waits for the host between steps."""
         start = time.monotonic()
-        expired = self._expire(start)
+        results = self._expire(start)
+        if self._in_flight is not None and not self._in_flight.overlappable:
+            results += self._receive(self._take_in_flight())
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return expired
+            if self._in_flight is not None:
+                results += self._receive(self._take_in_flight())
+            return results
         self._stats.num_preemptions += len(scheduled.preempted)
+        if not self.overlap:
+            return results + self._run_now(scheduled, start)
+        try:
+            launched = self.runner.launch(scheduled)
+        except EngineDeadError:
+            raise  # nothing to isolate: the engine cannot run another step
+        except Exception as exc:
+            if self._in_flight is not None:
+                results += self._receive(self._take_in_flight())
+            # Run again, once the previous step's tokens are in, what did not finish with it.
+            logger.warning("a model step failed (%s); running it again without overlap", exc)
+            live = [item for item in scheduled.scheduled if not item.request.is_finished]
+            if live:
+                results += self._run_now(_with(scheduled, live), start)
+            return results
+        self.scheduler.advance(scheduled)
+        previous, self._in_flight = self._in_flight, _InFlight(scheduled, launched, start)
+        if previous is not None:
+            results += self._receive(previous)
+        return results
+
+    def _run_now(self, scheduled: SchedulerOutput, start: float) -> list[RequestOutput]:
+        """Run a step to completion and take its results. Should it fail, the requests that
+        make it fail are found and failed, and the others' results kept."""
         failed: list[RequestOutput] = []
         try:
             runner_output = self.runner.execute(scheduled)
@@ -232,8 +270,35 @@ class EngineCore:
         except Exception as exc:
             runner_output, scheduled, culprits = self._isolate(scheduled, exc)
             failed = self._fail_culprits(culprits)
+        self.scheduler.advance(scheduled)
+        return failed + self._complete(scheduled, runner_output, start)
+
+    def _take_in_flight(self) -> _InFlight:
+        in_flight, self._in_flight = self._in_flight, None
+        assert in_flight is not None
+        return in_flight
+
+    def _receive(self, in_flight: _InFlight) -> list[RequestOutput]:
+        """Wait for a step in flight and take its results. Should they fail to arrive, its
+        requests fail (their next step, if launched, is discarded with them)."""
+        try:
+            runner_output = in_flight.launched.result()
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            logger.exception("the results of a model step could not be read")
+            scheduled = in_flight.scheduled
+            self.scheduler.discard(scheduled)
+            ids = [item.request.request_id for item in scheduled.scheduled]
+            return self._fail(ids, RequestFailedError(f"The model step failed: {exc}"))
+        return self._complete(in_flight.scheduled, runner_output, in_flight.start)
+
+    def _complete(
+        self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput, start: float
+    ) -> list[RequestOutput]:
+        """Hand an advanced step's results to the scheduler and turn them into deltas."""
         self.outputs.collect_prompt_logprobs(runner_output)
-        advanced = self.scheduler.update_from_output(scheduled, runner_output)
+        advanced = self.scheduler.receive(scheduled, runner_output)
         end = time.monotonic()
         self._record_tokens(advanced, end)
         results = [self._output_for(r, runner_output.logprobs.get(r.request_id)) for r in advanced]
@@ -241,8 +306,10 @@ class EngineCore:
         for request in finished:
             self._record_finished(request)
         self.runner.release([r.request_id for r in finished])
-        self._record_speed(scheduled, end - start, len(finished))
-        return expired + failed + results
+        # Overlapped steps share the wall clock: each counts from the previous one's end.
+        self._record_speed(scheduled, end - max(start, self._last_end), len(finished))
+        self._last_end = end
+        return results
 
     def _expire(self, now: float) -> list[RequestOutput]:
         """Requests past their deadline: one that never produced a token fails with a timeout
@@ -331,6 +398,28 @@ class EngineCore:
                 results.append(self.outputs.final_output(request, error))
         self.runner.release(request_ids)
         return results
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose results have not been taken yet."""
+
+    scheduled: SchedulerOutput
+    launched: LaunchedStep
+    start: float
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether the next step may be scheduled before this one's tokens reach the host:
+        not if a request it samples needs its newest token there to choose the next one (a
+        grammar to advance, penalties to count)."""
+        sampled = (item.request for item in self.scheduled.scheduled if item.completes_sequence)
+        return all(_speculates(request) for request in sampled)
+
+
+def _speculates(request: Request) -> bool:
+    params = request.sampling_params
+    return request.grammar is None and not params.needs_penalties
 
 
 def _with(scheduled: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:

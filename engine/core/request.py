@@ -41,10 +41,12 @@ class RequestTimings:
 class Request:
     """A single sequence inside the engine.
 
-    `num_computed_tokens` counts the tokens whose K/V are in the cache; a preempted request drops to
-    zero and recomputes its prompt and outputs. `max_total_tokens` is the hard length of the
-    sequence (the context limit or the whole cache, whichever is smaller) and `max_output_tokens`
-    the user's limit clamped to it.
+    `num_computed_tokens` counts the tokens whose K/V are in the cache (or are being written by
+    the step in flight); a preempted request drops to zero and recomputes its prompt and outputs.
+    `num_pending_tokens` counts tokens sampled by a step still in flight (overlapped scheduling):
+    they count in `num_tokens` but are not in `all_token_ids` until the step's results arrive.
+    `max_total_tokens` is the hard length of the sequence (the context limit or the whole cache,
+    whichever is smaller) and `max_output_tokens` the user's limit clamped to it.
     """
 
     request_id: str
@@ -57,6 +59,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
@@ -88,7 +91,12 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens sampled so far, counting those of a step still in flight."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def max_output_tokens(self) -> int:

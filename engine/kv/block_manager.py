@@ -85,12 +85,15 @@ class BlockManager:
             request.block_ids.append(block)
         request.num_published_blocks = len(blocks)
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Publish the request's newly computed full blocks so later prompts can reuse them.
-        A block whose content is already cached elsewhere stays private."""
+    def cache_full_blocks(self, request: Request, computed: int | None = None) -> None:
+        """Publish the request's full blocks among its first `computed` tokens (default: its
+        computed ones) so later prompts can reuse them. A block whose content is already
+        cached elsewhere stays private."""
         if not self.enable_caching:
             return
-        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if computed is None or computed > request.num_computed_tokens:
+            computed = request.num_computed_tokens
+        full = min(computed // self.block_size, len(request.block_ids))
         extend_block_hashes(
             request.block_hashes, request.all_token_ids, self.block_size, full * self.block_size
         )

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engine.kernels.cpu import huge_pages
+from engine.worker.transfer import to_device
 
 FP8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
 
@@ -94,8 +95,8 @@ class KVCache:
         """Copy whole blocks (every layer, K and V): `(source, destination)` pairs."""
         if not pairs:
             return
-        source = torch.tensor([s for s, _ in pairs], device=self.device)
-        destination = torch.tensor([d for _, d in pairs], device=self.device)
+        source = to_device([s for s, _ in pairs], self.device)
+        destination = to_device([d for _, d in pairs], self.device)
         bits = _as_bits(self.tensor)
         bits[:, :, destination] = bits[:, :, source]
 

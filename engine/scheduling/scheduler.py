@@ -36,14 +36,22 @@ from engine.scheduling.policy import SchedulingPolicy
 
 @dataclass(slots=True)
 class ScheduledRequest:
+    """`num_tokens` of `request` to run from its `start` (its computed tokens when scheduled);
+    `completes_sequence` when they reach its last token, so the step samples a new one. Both
+    are fixed when scheduled: the request moves on before an overlapped step's results arrive."""
+
     request: Request
     num_tokens: int
+    start: int = field(init=False)
+    completes_sequence: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start = self.request.num_computed_tokens
+        self.completes_sequence = self.start + self.num_tokens >= self.request.num_tokens
 
     @property
-    def completes_sequence(self) -> bool:
-        """True when this chunk reaches the last known token, so a new token is sampled."""
-        request = self.request
-        return request.num_computed_tokens + self.num_tokens >= request.num_tokens
+    def end(self) -> int:
+        return self.start + self.num_tokens
 
 
 @dataclass(slots=True)
@@ -178,6 +186,9 @@ class Scheduler:
         preempted = len(output.preempted)
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.num_pending_tokens and _reached_length(request):
+                index += 1  # its step in flight sampled its last token: nothing more to run
+                continue
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_tokens, output):
                 break
@@ -201,8 +212,9 @@ class Scheduler:
 
     def _eligible(self, request: Request) -> bool:
         """Deferred requests wait until the cache drops below the soft limit; background ones
-        while others want the capacity."""
-        if request.background and self._others:
+        while others want the capacity; a preempted one until its step in flight has given its
+        token (it recomputes every token it has)."""
+        if request.num_pending_tokens or (request.background and self._others):
             return False
         if request.deferred and self.block_manager.usage < self.config.admission_soft_limit:
             request.deferred = False
@@ -419,21 +431,43 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        """Advance the scheduled requests; return those that received a new token.
+        """`advance` then `receive`: the step ran to completion before the next is scheduled."""
+        self.advance(output)
+        return self.receive(output, runner_output)
 
-        Requests that finish here free their blocks at once, so the next step can admit others.
+    def advance(self, output: SchedulerOutput) -> None:
+        """Move the scheduled requests past the step's tokens once it is launched: the next
+        step may be scheduled before its results arrive, each sampled token pending until
+        then (overlapped scheduling)."""
+        for item in output.scheduled:
+            item.request.num_computed_tokens += item.num_tokens
+            item.request.num_pending_tokens += item.completes_sequence
+
+    def discard(self, output: SchedulerOutput) -> None:
+        """Give up an advanced step's results (they could not be read): no token is pending."""
+        for item in output.scheduled:
+            item.request.num_pending_tokens -= item.completes_sequence
+
+    def receive(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Take an advanced step's sampled tokens; return the requests that received one.
+
+        A request ended while the step was in flight (a stop, an abort) gets nothing. Requests
+        that finish here free their blocks at once, so the next step can admit others.
         """
         advanced: list[Request] = []
         for item in output.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_tokens
-            self.block_manager.cache_full_blocks(request)
+            request.num_pending_tokens -= item.completes_sequence
+            if self.requests.get(request.request_id) is not request:
+                continue
+            self.block_manager.cache_full_blocks(request, item.end)
             token = runner_output.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue
             request.append_output(token)
             advanced.append(request)
-            self._release_forks(request, share=True)
+            # A leader preempted while its step was in flight has no prompt blocks to share.
+            self._release_forks(request, share=request.num_computed_tokens > 0)
             if request.check_token_stop():
                 self._remove(request)
         return advanced
@@ -537,3 +571,7 @@ class Scheduler:
             set(self.requests)
             == {r.request_id for r in self.running} | {r.request_id for r in self.waiting} | pending
         )
+
+
+def _reached_length(request: Request) -> bool:
+    return request.num_sampled_tokens >= request.max_output_tokens

@@ -99,20 +99,22 @@ class DecodeGraphs:
             time.perf_counter() - start,
         )
 
-    def run(self, batch: InputBatch) -> torch.Tensor:
-        """Logits `[rows, vocab]` of a step that `supports` accepts."""
+    def run(self, batch: InputBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits `[rows, vocab]` of a step that `supports` accepts (`input_ids`: its ids on
+        the device)."""
         rows = len(batch.requests)
         size = self.sizes[bisect.bisect_left(self.sizes, rows)]
-        self._fill(batch, rows, size)
+        self._fill(batch, input_ids, rows, size)
         graph = self.graphs.get(size)
         if graph is None:
             return self._forward(size)[:rows]
         graph.replay()
         return self.outputs[size][:rows]
 
-    def _fill(self, batch: InputBatch, rows: int, size: int) -> None:
+    def _fill(self, batch: InputBatch, input_ids: torch.Tensor, rows: int, size: int) -> None:
         pad = size - rows
-        self._copy(self.input_ids[:size], _padded(batch.input_ids, pad, 0))
+        self.input_ids[:rows].copy_(input_ids)
+        self.input_ids[rows:size].zero_()
         self._copy(self.positions[:size], _padded(batch.positions, pad, 0))
         self._copy(self.slot_mapping[:size], _padded(batch.slot_mapping, pad, PAD_SLOT))
         self._copy(self.seq_lens[:size], _padded(batch.seq_lens, pad, 0))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -15,7 +15,10 @@ class InputBatch:
     """Host-side inputs of one forward pass over all scheduled tokens (no padding).
 
     Row `i` is the i-th scheduled request: it runs `query_lens[i]` tokens starting at position
-    `context_lens[i]` (its tokens already cached), flattened at `query_starts[i]`.
+    `context_lens[i]` (its tokens already cached), flattened at `query_starts[i]`. Under
+    overlapped scheduling a row's last input may be the token its previous step is still
+    sampling: `input_ids` holds 0 at those flattened `placeholders`, whose tokens the runner
+    takes on the device from that step's output for the requests `placeholder_ids` names.
     """
 
     requests: list[Request]
@@ -27,6 +30,8 @@ class InputBatch:
     context_lens: np.ndarray
     block_table: np.ndarray
     sample_rows: np.ndarray
+    placeholders: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    placeholder_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -58,9 +63,10 @@ def build_input_batch(scheduled: list[ScheduledRequest], block_size: int) -> Inp
     sample_rows = np.flatnonzero(
         np.fromiter((item.completes_sequence for item in scheduled), bool, len(scheduled))
     )
+    input_ids, placeholders = _input_ids(scheduled)
     return InputBatch(
         requests=requests,
-        input_ids=_input_ids(scheduled),
+        input_ids=input_ids,
         positions=positions,
         slot_mapping=slot_mapping,
         query_starts=query_starts,
@@ -68,15 +74,24 @@ def build_input_batch(scheduled: list[ScheduledRequest], block_size: int) -> Inp
         context_lens=context_lens,
         block_table=block_table,
         sample_rows=sample_rows,
+        placeholders=np.asarray([index for index, _ in placeholders], dtype=np.int64),
+        placeholder_ids=[request_id for _, request_id in placeholders],
     )
 
 
-def _input_ids(scheduled: list[ScheduledRequest]) -> np.ndarray:
+def _input_ids(scheduled: list[ScheduledRequest]) -> tuple[np.ndarray, list[tuple[int, str]]]:
+    """The known input tokens, 0 for each one still being sampled, and (flattened index,
+    request id) of those."""
     ids: list[int] = []
+    placeholders: list[tuple[int, str]] = []
     for item in scheduled:
-        start = item.request.num_computed_tokens
-        ids.extend(item.request.all_token_ids[start : start + item.num_tokens])
-    return np.asarray(ids, dtype=np.int64)
+        request = item.request
+        known = request.all_token_ids[item.start : item.end]
+        ids.extend(known)
+        for _ in range(item.num_tokens - len(known)):
+            placeholders.append((len(ids), request.request_id))
+            ids.append(0)
+    return np.asarray(ids, dtype=np.int64), placeholders
 
 
 def _block_table(requests: list[Request]) -> np.ndarray:

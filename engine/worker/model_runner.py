@@ -22,7 +22,7 @@ from engine.parallel.step import StepInputs
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.input_batch import InputBatch, build_input_batch
-from engine.worker.sampler import Sampler, takes_argmax, token_logprobs
+from engine.worker.sampler import SampledTokens, Sampler, takes_argmax, token_logprobs
 
 if TYPE_CHECKING:
     from engine.parallel.workers import WorkerPool
@@ -50,9 +50,19 @@ class ModelRunner:
         self.device = kv_cache.device
         # False: every step hands its logits to the sampler (benchmarks compare the two ways).
         self.greedy_in_model = True
+        # The last step's sampled tokens on the device, and each request's row in them.
+        self._last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._last_rows: dict[str, int] = {}
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its results."""
+        return self.launch(scheduler_output).result()
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Run one step as far as the device lets the host go on: on a GPU its kernels are
+        queued and its sampled tokens stay there (the next step's inputs read them in place)
+        until `LaunchedStep.result()`."""
         self.kv_cache.copy_blocks(scheduler_output.block_copies)
         batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
         prompt_rows = _prompt_logprob_rows(batch)
@@ -60,17 +70,42 @@ class ModelRunner:
         prompt_indices = _prompt_logprob_indices(batch, prompt_rows)
         indices = np.concatenate([prompt_indices, batch.sample_token_indices])
         chooses = not prompt_rows and self._model_chooses(batch, requests)
-        if self.workers is not None:
+        if self.workers is not None:  # ranks run in turn: each step's ids are all known
+            assert not batch.placeholder_ids, "tensor parallelism runs without async scheduling"
             self.workers.send(StepInputs.of(batch, indices, scheduler_output.block_copies))
+        input_ids = self._device_input_ids(batch)
+        output = ModelRunnerOutput()
         with self._across_ranks():
             if chooses:
-                return self._choose_in_model(batch, requests, indices)
-            logits = self.forward(batch, indices)
-        output = ModelRunnerOutput()
+                tokens = self.model.greedy_tokens(*self._model_inputs(batch, indices, input_ids))
+                return self._launched(requests, SampledTokens(tokens, None), output)
+            logits = self.forward(batch, indices, input_ids)
         if prompt_rows:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
-        self._sample(requests, logits[len(prompt_indices) :], output)
-        return output
+        sampled = None
+        if requests:
+            sampled = self.sampler.sample(logits[len(prompt_indices) :], requests)
+        return self._launched(requests, sampled, output)
+
+    def _launched(
+        self, requests: list[Request], sampled: SampledTokens | None, output: ModelRunnerOutput
+    ) -> LaunchedStep:
+        """Remember where each request's token lies, for the next step's placeholders."""
+        if sampled is not None:
+            self._last_tokens = sampled.token_ids
+            self._last_rows = {r.request_id: row for row, r in enumerate(requests)}
+        return LaunchedStep(requests, sampled, output)
+
+    def _device_input_ids(self, batch: InputBatch) -> torch.Tensor:
+        """The step's input ids on the device, each placeholder taken from the tokens the
+        previous step sampled (a device-to-device gather: the host never waits for them)."""
+        input_ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
+        if batch.placeholder_ids:
+            rows = [self._last_rows[request_id] for request_id in batch.placeholder_ids]
+            source = torch.tensor(rows).to(self.device, non_blocking=True)
+            target = torch.from_numpy(batch.placeholders).to(self.device, non_blocking=True)
+            input_ids[target] = self._last_tokens[source].to(input_ids.dtype)
+        return input_ids
 
     @contextmanager
     def _across_ranks(self) -> Iterator[None]:
@@ -85,16 +120,24 @@ class ModelRunner:
             reason = self.workers.why_failed() or f"the step failed on rank 0: {exc}"
             raise WorkerFailedError(reason) from exc
 
-    def forward(self, batch: InputBatch, logits_indices: np.ndarray) -> torch.Tensor:
-        """Logits `[len(logits_indices), vocab]` for the given flattened token positions."""
+    def forward(
+        self,
+        batch: InputBatch,
+        logits_indices: np.ndarray,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits `[len(logits_indices), vocab]` for the given flattened token positions;
+        `input_ids` on the device, if already there."""
+        if input_ids is None:
+            input_ids = self._device_input_ids(batch)
         if self.graphs is not None and self.graphs.supports(batch, logits_indices):
-            return self.graphs.run(batch)
-        return self.model(*self._model_inputs(batch, logits_indices))
+            return self.graphs.run(batch, input_ids)
+        return self.model(*self._model_inputs(batch, logits_indices, input_ids))
 
     def _model_inputs(
-        self, batch: InputBatch, logits_indices: np.ndarray
+        self, batch: InputBatch, logits_indices: np.ndarray, input_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        return model_inputs(self.backend, self.kv_cache, batch, logits_indices)
+        return model_inputs(self.backend, self.kv_cache, batch, logits_indices, input_ids)
 
     def _model_chooses(self, batch: InputBatch, requests: list[Request]) -> bool:
         """Every sampled row (`requests`) takes the argmax of its raw logits, and no decode
@@ -105,29 +148,6 @@ class ModelRunner:
             and takes_argmax(requests)
             and not (self.graphs is not None and self.graphs.supports(batch, indices))
         )
-
-    def _choose_in_model(
-        self, batch: InputBatch, requests: list[Request], indices: np.ndarray
-    ) -> ModelRunnerOutput:
-        """`indices`: the sampled rows' positions (the step has no prompt logprobs)."""
-        tokens = self.model.greedy_tokens(*self._model_inputs(batch, indices))
-        output = ModelRunnerOutput()
-        for request, token in zip(requests, tokens.tolist(), strict=True):
-            output.sampled_token_ids[request.request_id] = token
-        return output
-
-    def _sample(
-        self, requests: list[Request], logits: torch.Tensor, output: ModelRunnerOutput
-    ) -> None:
-        if not requests:
-            return
-        sampled = self.sampler(logits, requests)
-        for request, token, logprob in zip(
-            requests, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            output.sampled_token_ids[request.request_id] = token
-            if logprob is not None:
-                output.logprobs[request.request_id] = logprob
 
     def _prompt_logprobs(
         self, batch: InputBatch, rows: list[int], logits: torch.Tensor, output: ModelRunnerOutput
@@ -164,13 +184,45 @@ class ModelRunner:
             self.workers.close()
 
 
+class LaunchedStep:
+    """A step whose tokens may still be computing, already on their way to the host;
+    `result()` waits for them."""
+
+    def __init__(
+        self, requests: list[Request], sampled: SampledTokens | None, output: ModelRunnerOutput
+    ) -> None:
+        self.requests = requests
+        self.output = output
+        self._copy = sampled.start_copy(requests) if sampled is not None else None
+
+    def result(self) -> ModelRunnerOutput:
+        output = self.output
+        if self._copy is None:
+            return output
+        chosen = self._copy.wait()
+        for request, token, logprob in zip(
+            self.requests, chosen.token_ids, chosen.logprobs, strict=True
+        ):
+            output.sampled_token_ids[request.request_id] = token
+            if logprob is not None:
+                output.logprobs[request.request_id] = logprob
+        self._copy = None
+        return output
+
+
 def model_inputs(
-    backend: AttentionBackend, kv_cache: KVCache, batch: InputBatch, logits_indices: np.ndarray
+    backend: AttentionBackend,
+    kv_cache: KVCache,
+    batch: InputBatch,
+    logits_indices: np.ndarray,
+    input_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-    """The model's arguments for one step, on the cache's device."""
+    """The model's arguments for one step, on the cache's device (`input_ids` if already
+    there)."""
     device = kv_cache.device
     metadata = backend.build_metadata(batch, kv_cache)
-    input_ids = torch.from_numpy(batch.input_ids).to(device, non_blocking=True)
+    if input_ids is None:
+        input_ids = torch.from_numpy(batch.input_ids).to(device, non_blocking=True)
     positions = torch.from_numpy(batch.positions).to(device, non_blocking=True)
     keep = torch.from_numpy(logits_indices).to(device, non_blocking=True)
     return input_ids, positions, metadata, keep

@@ -58,6 +58,7 @@ def describe(
     compute: torch.dtype,
     cache_dtype: torch.dtype,
     device: torch.device,
+    async_scheduling: bool = False,
 ) -> str:
     parts = [
         f"model implementation {getattr(model, 'name', type(model).__name__)}",
@@ -65,6 +66,7 @@ def describe(
         f"KV cache {_dtype(cache_dtype)}",
         f"attention {attention}",
         f"linear layers: {linear_forms(model)}",
+        f"async scheduling {'on' if async_scheduling else 'off'}",
     ]
     if device.type == "cpu":
         parts += [f"decode: {decode_route(model)}", f"CPU kernels: {kernels_route()}"]

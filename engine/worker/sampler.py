@@ -17,12 +17,49 @@ import torch
 from engine.core.outputs import TokenLogprob
 from engine.core.request import Request
 from engine.kernels.cpu import ops as cpu_ops
+from engine.worker.transfer import HostCopy, to_device
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """A step's choices still on the device: `token_ids[i]` is row i's token, and
+    `raw_logprobs` the rows' log-softmax when some row asked for logprobs."""
+
+    token_ids: torch.Tensor
+    raw_logprobs: torch.Tensor | None
+
+    def to_host(self, requests: list[Request]) -> SamplerOutput:
+        """Wait for the choices and bring them over, with each row's logprobs if it asked."""
+        return self.start_copy(requests).wait()
+
+    def start_copy(self, requests: list[Request]) -> SampledCopy:
+        """Start bringing the choices (and the logprobs the rows asked for) to the host; on a
+        GPU the copy is queued right behind the sampling, so waiting for it does not wait for
+        a step launched after."""
+        wanted = [r.sampling_params.logprobs for r in requests]
+        tensors = [self.token_ids]
+        if self.raw_logprobs is not None:
+            tensors += logprob_tensors(self.raw_logprobs, self.token_ids, wanted)
+        return SampledCopy(HostCopy(tensors), wanted if self.raw_logprobs is not None else None)
+
+
+@dataclass(slots=True)
+class SampledCopy:
+    copy: HostCopy
+    wanted: list[int | None] | None  # each row's logprobs count, when any row asked
+
+    def wait(self) -> SamplerOutput:
+        token_ids, *rest = self.copy.wait()
+        ids = token_ids.tolist()
+        if self.wanted is None:
+            return SamplerOutput(ids, [None] * len(ids))
+        return SamplerOutput(ids, logprob_entries(ids, rest, self.wanted))
 
 
 class Sampler:
@@ -39,14 +76,16 @@ class Sampler:
             self._request_generators.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        return self.sample(logits, requests).to_host(requests)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+        """Choose each row's token, leaving the result on the device."""
         logits = logits.float()
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._process(logits, requests)
-        token_ids = self._choose(logits, requests)
-        logprobs = self._logprobs(raw_logprobs, token_ids, requests)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        return SampledTokens(self._choose(logits, requests), raw_logprobs)
 
     # ---- logits processing -----------------------------------------------------------------
 
@@ -67,21 +106,19 @@ class Sampler:
         probs = self._probabilities(logits, requests)
         choice = row_argmax(probs.div_(self._exponential_noise(probs, requests)))
         if any(greedy):
-            mask = torch.tensor(greedy, device=logits.device)
+            mask = to_device(greedy, logits.device)
             choice = torch.where(mask, row_argmax(logits), choice)
         return choice
 
     def _probabilities(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
-        temps = torch.tensor(
-            [1.0 if p.greedy else p.temperature for p in params], device=logits.device
-        )
+        temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
         logits = logits / temps[:, None]
         if any(p.uses_top_k or p.top_p < 1.0 for p in params):
             logits = _top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+            min_p = to_device([p.min_p for p in params], logits.device)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
@@ -93,7 +130,7 @@ class Sampler:
         if len(unseeded) == len(requests):
             return noise.exponential_(generator=self._generator)
         if unseeded:
-            rows = torch.tensor(unseeded, device=probs.device)
+            rows = to_device(unseeded, probs.device)
             noise[rows] = torch.empty_like(noise[rows]).exponential_(generator=self._generator)
         for row, request in enumerate(requests):
             if request.sampling_params.seed is not None:
@@ -109,17 +146,6 @@ class Sampler:
             generator.manual_seed(seed % 2**64)
             self._request_generators[request.request_id] = generator
         return generator
-
-    # ---- logprobs --------------------------------------------------------------------------
-
-    @staticmethod
-    def _logprobs(
-        raw: torch.Tensor | None, token_ids: torch.Tensor, requests: list[Request]
-    ) -> list[TokenLogprob | None]:
-        if raw is None:
-            return [None] * len(requests)
-        wanted = [r.sampling_params.logprobs for r in requests]
-        return token_logprobs(raw, token_ids, wanted)
 
 
 def takes_argmax(requests: list[Request]) -> bool:
@@ -138,7 +164,7 @@ def _argmax_of_raw_logits(request: Request) -> bool:
         and params.logprobs is None
         and not params.logit_bias
         and not params.needs_penalties
-        and request.num_output_tokens >= params.min_tokens
+        and request.num_sampled_tokens >= params.min_tokens
     )
 
 
@@ -160,23 +186,39 @@ def token_logprobs(
 ) -> list[TokenLogprob | None]:
     """Logprob and rank of `token_ids[i]` in row i, with the row's `top_counts[i]` best
     alternatives; rows whose count is None get None. One host transfer for the batch."""
-    chosen = logprobs.gather(1, token_ids[:, None])
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    tensors = logprob_tensors(logprobs, token_ids, top_counts)
+    return logprob_entries(token_ids.tolist(), [t.cpu() for t in tensors], top_counts)
+
+
+def logprob_tensors(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, top_counts: list[int | None]
+) -> list[torch.Tensor]:
+    """On the device: each row's chosen logprob and its rank, then, when some row wants
+    alternatives, the values and ids of the most any row wants."""
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
     top_k = max((k for k in top_counts if k), default=0)
-    top_values, top_ids = logprobs.topk(top_k, dim=-1) if top_k else (None, None)
-    chosen_list, ranks_list = chosen[:, 0].tolist(), ranks.tolist()
-    ids_list = token_ids.tolist()
-    values_list = top_values.tolist() if top_values is not None else []
-    top_ids_list = top_ids.tolist() if top_ids is not None else []
+    if not top_k:
+        return [chosen, ranks]
+    top_values, top_ids = logprobs.topk(top_k, dim=-1)
+    return [chosen, ranks, top_values, top_ids]
+
+
+def logprob_entries(
+    token_ids: list[int], tensors: list[torch.Tensor], top_counts: list[int | None]
+) -> list[TokenLogprob | None]:
+    """`logprob_tensors`' results, on the host, as each row's entry."""
+    chosen, ranks, *top = (t.tolist() for t in tensors)
+    values, top_ids = top if top else ([], [])
     result: list[TokenLogprob | None] = []
     for row, count in enumerate(top_counts):
         if count is None:
             result.append(None)
             continue
-        top: tuple[tuple[int, float], ...] = ()
+        best: tuple[tuple[int, float], ...] = ()
         if count:
-            top = tuple(zip(top_ids_list[row][:count], values_list[row][:count], strict=True))
-        result.append(TokenLogprob(ids_list[row], chosen_list[row], ranks_list[row], top))
+            best = tuple(zip(top_ids[row][:count], values[row][:count], strict=True))
+        result.append(TokenLogprob(token_ids[row], chosen[row], ranks[row], best))
     return result
 
 
@@ -200,7 +242,7 @@ def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
         cpu_ops.apply_token_bitmask(logits, torch.from_numpy(bits), torch.tensor(rows))
         return
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(rows, logits.device)
     banned = torch.from_numpy(allowed == 0).to(logits.device)
     logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
@@ -216,8 +258,8 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
             values.append(bias)
     if rows:
         device = logits.device
-        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-        logits.index_put_(index, torch.tensor(values, device=device), accumulate=True)
+        index = (to_device(rows, device), to_device(cols, device))
+        logits.index_put_(index, to_device(values, device), accumulate=True)
 
 
 def _token_rows(
@@ -230,8 +272,8 @@ def _token_rows(
     rows = np.repeat(np.arange(len(token_lists)), lengths)
     keep = tokens < vocab
     return (
-        torch.from_numpy(rows[keep]).to(device),
-        torch.from_numpy(tokens[keep]).to(device),
+        torch.from_numpy(rows[keep]).to(device, non_blocking=True),
+        torch.from_numpy(tokens[keep]).to(device, non_blocking=True),
     )
 
 
@@ -245,10 +287,9 @@ def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request]) -> 
     which, tokens = _token_rows([requests[row].all_token_ids for row in rows], vocab, device)
     seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
     seen[which, tokens] = True
-    penalty = torch.tensor(
-        [requests[row].sampling_params.repetition_penalty for row in rows], device=device
-    )[:, None]
-    index = torch.tensor(rows, device=device)
+    penalty = to_device([requests[row].sampling_params.repetition_penalty for row in rows], device)
+    penalty = penalty[:, None]
+    index = to_device(rows, device)
     values = logits[index]
     penalised = torch.where(values > 0, values / penalty, values * penalty)
     logits[index] = torch.where(seen, penalised, values)
@@ -270,9 +311,9 @@ def _apply_frequency_presence(logits: torch.Tensor, requests: list[Request]) -> 
     counts = torch.zeros(len(rows), vocab, device=device)
     counts.index_put_((which, tokens), torch.ones_like(tokens, dtype=counts.dtype), True)
     params = [requests[row].sampling_params for row in rows]
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-    index = torch.tensor(rows, device=device)
+    frequency = to_device([p.frequency_penalty for p in params], device)[:, None]
+    presence = to_device([p.presence_penalty for p in params], device)[:, None]
+    index = to_device(rows, device)
     logits[index] = logits[index] - frequency * counts - presence * (counts > 0).float()
 
 
@@ -283,7 +324,7 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
     vocab = logits.shape[1]
     for row, request in enumerate(requests):
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        if request.num_sampled_tokens >= params.min_tokens:
             continue
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -293,8 +334,8 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
         cols += banned
     if rows:
         device = logits.device
-        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-        logits.index_put_(index, torch.tensor(float("-inf"), device=device))
+        index = (to_device(rows, device), to_device(cols, device))
+        logits[index] = float("-inf")
 
 
 # How many candidates a top_p-only row is first searched in: an LLM's nucleus usually lies in
@@ -310,14 +351,14 @@ def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     vocab = logits.shape[1]
     rows = [row for row, p in enumerate(params) if p.uses_top_k or p.top_p < 1.0]
     if len(rows) < len(params):  # rows that keep every token stay as they are
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(rows, logits.device)
         kept = logits.clone()
         kept[index] = _top_k_top_p(logits[index], [params[row] for row in rows])
         return kept
     device = logits.device
     ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
-    top_k = torch.tensor(ks, device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    top_k = to_device(ks, device)
+    top_p = to_device([p.top_p for p in params], device)
     limited = top_k < vocab
     below = [k for k in ks if k < vocab]
     # Every row with a top_k: its largest, and each row's mass counts against its own top_k.

@@ -20,15 +20,15 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 def poison_steps(core, monkeypatch) -> list[int]:
     """Wrap the runner: a step that runs a poisoned prompt raises. Returns each call's size."""
-    execute, sizes = core.runner.execute, []
+    launch, sizes = core.runner.launch, []
 
     def guarded(scheduled):
         sizes.append(len(scheduled.scheduled))
         if any(POISON in item.request.prompt_token_ids for item in scheduled.scheduled):
             raise RuntimeError("Overflow when unpacking long long")
-        return execute(scheduled)
+        return launch(scheduled)
 
-    monkeypatch.setattr(core.runner, "execute", guarded)
+    monkeypatch.setattr(core.runner, "launch", guarded)
     return sizes
 
 
@@ -70,7 +70,7 @@ def test_a_step_no_single_request_explains_still_fails_everything(monkeypatch, c
     def broken(scheduled):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(core.runner, "execute", broken)
+    monkeypatch.setattr(core.runner, "launch", broken)
     for i, prompt in enumerate(PROMPTS[:3]):
         core.add_request(f"r{i}", prompt, GREEDY)
     with caplog.at_level(logging.ERROR, logger="engine.core.engine_core"):

@@ -35,9 +35,9 @@ def spy_sizes(graphs: DecodeGraphs) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
     fill = graphs._fill
 
-    def spy(batch, rows, size):
+    def spy(batch, input_ids, rows, size):
         seen.append((rows, size))
-        fill(batch, rows, size)
+        fill(batch, input_ids, rows, size)
 
     graphs._fill = spy
     return seen

@@ -1,0 +1,340 @@
+"""Overlapped (async) scheduling: each step is scheduled and launched before the previous one's
+tokens reach the host, its last input taken on the device from that step's output. Every request
+must get exactly the tokens, text and ends it gets when steps run in turn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from dataclasses import replace
+
+import pytest
+
+from engine.core.errors import RequestFailedError
+from engine.core.sampling_params import SamplingParams, StructuredOutputs
+from tests.core.test_engine_greedy import check_greedy
+from tests.core.test_step_isolation import POISON, poison_steps, run_to_end
+from tests.helpers import reference_greedy, tiny_core, tiny_llama, tokens_of
+from tests.server_utils import app_client
+
+OVERLAP = {"async_scheduling": True}
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 320) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
+
+
+def spy_on_overlap(core) -> list[tuple[str, int]]:
+    """Record ("launch", step) and ("result", step) in the order they happen."""
+    events: list[tuple[str, int]] = []
+    launch = core.runner.launch
+
+    def spy(scheduled):
+        step = sum(kind == "launch" for kind, _ in events)
+        launched = launch(scheduled)
+        events.append(("launch", step))
+        result = launched.result
+
+        def traced():
+            events.append(("result", step))
+            return result()
+
+        launched.result = traced
+        return launched
+
+    core.runner.launch = spy
+    return events
+
+
+def count_placeholders(core) -> list[int]:
+    """Per step, how many input tokens were taken from the previous step on the device."""
+    counts: list[int] = []
+    device_ids = core.runner._device_input_ids
+
+    def spy(batch):
+        counts.append(len(batch.placeholder_ids))
+        return device_ids(batch)
+
+    core.runner._device_input_ids = spy
+    return counts
+
+
+def placeholder_requests(core) -> set[str]:
+    """The requests whose input was ever taken from the previous step on the device."""
+    seen: set[str] = set()
+    device_ids = core.runner._device_input_ids
+
+    def spy(batch):
+        seen.update(batch.placeholder_ids)
+        return device_ids(batch)
+
+    core.runner._device_input_ids = spy
+    return seen
+
+
+def run(core, requests: list[tuple[str, list[int], SamplingParams, str | None]]) -> dict:
+    """Add (id, prompt, params, fork_of) and step to the end; each id's outputs."""
+    for request_id, prompt, params, fork_of in requests:
+        core.add_request(request_id, prompt, params, fork_of=fork_of)
+    outputs: dict[str, list] = {request_id: [] for request_id, *_ in requests}
+    steps = 0
+    while core.has_unfinished():
+        for output in core.step():
+            outputs[output.request_id].append(output)
+        core.scheduler.check_invariants()
+        steps += 1
+        assert steps < 5_000, "no progress"
+    manager = core.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks, "a block leaked"
+    return outputs
+
+
+def summary(outputs: list) -> tuple:
+    """What a client sees of one sequence: tokens, text, end, and logprobs to 4 places."""
+    logprobs = [
+        (lp.token_id, round(lp.logprob, 4), lp.rank, tuple(t for t, _ in lp.top))
+        for o in outputs
+        for lp in o.logprobs or []
+    ]
+    last = outputs[-1]
+    return (
+        tokens_of(outputs),
+        "".join(o.text for o in outputs),
+        last.finish_reason,
+        last.stop_reason,
+        logprobs,
+    )
+
+
+def both_ways(requests, **core_options) -> tuple[dict, dict, object]:
+    """The outputs in turn and overlapped, and the overlapped core."""
+    model = tiny_llama()
+    in_turn, _ = tiny_core(model, async_scheduling=False, **core_options)
+    overlapped, _ = tiny_core(model, async_scheduling=True, **core_options)
+    placeholders = count_placeholders(overlapped)
+    expected, got = run(in_turn, requests), run(overlapped, requests)
+    assert sum(placeholders) > 0, "no step took its input from the step before"
+    return expected, got, overlapped
+
+
+def mixed_requests() -> list[tuple[str, list[int], SamplingParams, str | None]]:
+    """Greedy and seeded sampling with the options that end or shape a sequence early."""
+    p = prompts(12, seed=3)
+    seeded = {"temperature": 0.9, "seed": 11}
+    return [
+        ("greedy", p[0], SamplingParams(temperature=0, max_tokens=20), None),
+        ("seeded", p[1], SamplingParams(max_tokens=24, **seeded), None),
+        ("top", p[2], SamplingParams(max_tokens=16, top_k=20, top_p=0.8, **seeded), None),
+        ("eos", p[3], SamplingParams(temperature=0, max_tokens=64, min_tokens=5), None),
+        ("one", p[4], SamplingParams(temperature=0, max_tokens=1), None),
+        ("stop", p[5], SamplingParams(temperature=0, max_tokens=40, stop=("e", "a")), None),
+        ("stop-id", p[6], SamplingParams(max_tokens=40, stop_token_ids=(3, 7, 9), **seeded), None),
+        ("logprobs", p[7], SamplingParams(temperature=0, max_tokens=8, logprobs=3), None),
+        ("prompt-lp", p[8], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2), None),
+        ("fork-0", p[9], SamplingParams(max_tokens=12, **seeded), None),
+        ("fork-1", p[9], SamplingParams(max_tokens=12, temperature=0.9, seed=12), "fork-0"),
+        ("bias", p[10], SamplingParams(temperature=0, max_tokens=10, logit_bias={5: 3.0}), None),
+        ("min-p", p[11], SamplingParams(max_tokens=10, min_p=0.2, **seeded), None),
+    ]
+
+
+def test_overlapped_steps_launch_before_the_previous_results_are_read():
+    core, _ = tiny_core(tiny_llama(), async_scheduling=True)
+    events = spy_on_overlap(core)
+    placeholders = count_placeholders(core)
+    run(
+        core,
+        [
+            (f"r{i}", p, SamplingParams(temperature=0, max_tokens=6), None)
+            for i, p in enumerate(prompts(4))
+        ],
+    )
+    launches = [step for kind, step in events if kind == "launch"]
+    for step in launches[1:]:
+        # Step N's results are read only after step N + 1 was launched.
+        assert events.index(("launch", step)) < events.index(("result", step - 1))
+    assert placeholders[0] == 0 and all(n > 0 for n in placeholders[1:5])
+
+
+def test_steps_run_in_turn_without_async_scheduling():
+    core, info = tiny_core(tiny_llama(), async_scheduling=False)
+    events = spy_on_overlap(core)
+    placeholders = count_placeholders(core)
+    run(core, [("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=5), None)])
+    assert events == [(kind, step) for step in range(5) for kind in ("launch", "result")]
+    assert not any(placeholders) and not info.async_scheduling
+
+
+def test_overlapped_greedy_matches_generate():
+    core, _ = check_greedy("cpu", **OVERLAP)
+    assert core.scheduler.num_preemptions == 0
+
+
+def test_overlapped_greedy_matches_generate_under_preemption_and_chunking():
+    core, chunked = check_greedy(
+        "cpu", num_blocks=20, max_model_len=64, max_num_batched_tokens=10, **OVERLAP
+    )
+    assert core.scheduler.num_preemptions > 0 and any(chunked)
+
+
+def test_overlapped_outputs_equal_outputs_in_turn():
+    expected, got, _ = both_ways(mixed_requests())
+    for request_id in expected:
+        assert summary(got[request_id]) == summary(expected[request_id]), request_id
+    ends = {summary(outputs)[2] for outputs in got.values()}
+    assert ends == {"stop", "length"}  # the stops fired, mid-flight
+
+
+def test_overlapped_outputs_equal_outputs_in_turn_under_preemption():
+    seeded = SamplingParams(max_tokens=30, temperature=0.8, stop_token_ids=(9,))
+    requests = [(f"r{i}", p, replace(seeded, seed=i), None) for i, p in enumerate(prompts(10, 5))]
+    expected, got, core = both_ways(requests, num_blocks=24, max_model_len=64)
+    assert core.scheduler.num_preemptions > 0
+    for request_id in expected:
+        assert summary(got[request_id]) == summary(expected[request_id]), request_id
+
+
+def test_requests_that_need_their_last_token_on_the_host_wait_for_it():
+    """Penalties count the tokens and grammars advance on them: a step sampling such a request
+    is waited for before the next is scheduled, and each gets the tokens it gets in turn."""
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    seeded = {"temperature": 0.9, "seed": 3}
+    p = prompts(4, seed=9)
+    penalised = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, **seeded)
+    json_format = StructuredOutputs("json", schema)
+    requests = [
+        ("repeat", p[0], SamplingParams(repetition_penalty=1.5, max_tokens=20, **seeded), None),
+        ("presence", p[1], replace(penalised, max_tokens=20), None),
+        ("json", p[2], SamplingParams(structured=json_format, max_tokens=30, **seeded), None),
+        ("free", p[3], SamplingParams(max_tokens=60, ignore_eos=True, **seeded), None),
+    ]
+    model = tiny_llama()
+    in_turn, _ = tiny_core(model, async_scheduling=False)
+    overlapped, _ = tiny_core(model, async_scheduling=True)
+    placeholders = placeholder_requests(overlapped)
+    expected, got = run(in_turn, requests), run(overlapped, requests)
+    for request_id in expected:
+        assert summary(got[request_id]) == summary(expected[request_id]), request_id
+    assert placeholders and placeholders <= {"free"}  # overlapped once it ran alone
+
+
+def test_a_prefix_cached_prompt_gives_the_same_tokens_overlapped():
+    model = tiny_llama()
+    core, _ = tiny_core(model, async_scheduling=True, enable_prefix_caching=True)
+    prompt = prompts(1, seed=2)[0] * 3
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = run(core, [("a", prompt, greedy, None)])
+    second = run(core, [("b", prompt, greedy, None)])
+    assert second["b"][-1].num_cached_tokens > 0
+    expected = reference_greedy(model, prompt, 10)
+    assert tokens_of(first["a"]) == tokens_of(second["b"]) == expected
+
+
+def test_an_abort_while_a_step_is_in_flight_leaks_nothing():
+    model = tiny_llama()
+    core, _ = tiny_core(model, async_scheduling=True)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    p = prompts(3, seed=4)
+    for i, prompt in enumerate(p):
+        core.add_request(f"r{i}", prompt, greedy)
+    first = core.step() + core.step()
+    assert core._in_flight is not None and core._in_flight.scheduled.scheduled
+    aborted = core.abort_requests(["r1"])
+    assert [o.finish_reason for o in aborted] == ["abort"]
+    outputs = run_to_end(core)
+    assert "r1" not in outputs
+    for i in (0, 2):
+        got = tokens_of([o for o in first if o.request_id == f"r{i}"] + outputs[f"r{i}"])
+        assert got == reference_greedy(model, p[i], 12)
+    manager = core.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    assert not core.has_unfinished()
+
+
+def test_a_failing_launch_fails_only_its_culprit(monkeypatch, caplog):
+    model = tiny_llama()
+    core, _ = tiny_core(model, async_scheduling=True)
+    poison_steps(core, monkeypatch)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    p = [[t for t in prompt if t != POISON] or [2] for prompt in prompts(4, seed=6)]
+    for i, prompt in enumerate(p):
+        core.add_request(f"r{i}", prompt, greedy)
+    first = core.step()  # the clean requests are in flight when the poisoned one arrives
+    core.add_request("bad", [*p[0], POISON], greedy)
+    with caplog.at_level(logging.WARNING, logger="engine.core.engine_core"):
+        outputs = run_to_end(core)
+    assert outputs["bad"][-1].finish_reason == "error"
+    assert isinstance(outputs["bad"][-1].error, RequestFailedError)
+    assert "running it again without overlap" in caplog.text
+    for i, prompt in enumerate(p):
+        got = tokens_of([o for o in first if o.request_id == f"r{i}"] + outputs[f"r{i}"])
+        assert got == reference_greedy(model, prompt, 8)
+    manager = core.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_results_that_cannot_be_read_fail_their_step_only(monkeypatch, caplog):
+    core, _ = tiny_core(tiny_llama(), async_scheduling=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    launch, calls = core.runner.launch, []
+
+    def unreadable_second(scheduled):
+        launched = launch(scheduled)
+        calls.append(1)
+        if len(calls) == 2:
+
+            def broken():
+                raise RuntimeError("lost the tokens")
+
+            launched.result = broken
+        return launched
+
+    monkeypatch.setattr(core.runner, "launch", unreadable_second)
+    core.add_request("a", [5, 6, 7], greedy)
+    with caplog.at_level(logging.ERROR, logger="engine.core.engine_core"):
+        outputs = run_to_end(core)
+    assert outputs["a"][-1].finish_reason == "error" and "lost the tokens" in str(
+        outputs["a"][-1].error
+    )
+    assert len(tokens_of(outputs["a"])) == 1  # the first step's token came through
+    core.add_request("b", [5, 6, 7], greedy)
+    assert len(tokens_of(run_to_end(core)["b"])) == 6  # the engine goes on
+    manager = core.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_async_scheduling_is_refused_with_tensor_parallelism():
+    from engine.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(async_scheduling=True, tensor_parallel_size=2)
+    assert EngineConfig().overlaps("cuda") and not EngineConfig().overlaps("cpu")
+    assert not EngineConfig(tensor_parallel_size=2).overlaps("cuda")
+    assert EngineConfig(async_scheduling=True).overlaps("cpu")
+
+
+async def test_served_completions_are_the_same_with_async_scheduling():
+    bodies = [
+        {"prompt": f"Hello {i}", "max_tokens": 12, "temperature": 0.7, "seed": i, "n": 2}
+        for i in range(6)
+    ]
+    texts = {}
+    for flag in (False, True):
+        async with app_client(async_scheduling=flag) as (client, _):
+            info = (await client.get("/get_server_info")).json()
+            assert info["async_scheduling"] is flag
+            replies = await asyncio.gather(
+                *[client.post("/v1/completions", json=body) for body in bodies],
+                client.post("/v1/completions", json={**bodies[0], "stream": True}),
+            )
+            assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+            *plain, streamed = replies
+            texts[flag] = [
+                [(c["text"], c["finish_reason"]) for c in r.json()["choices"]] for r in plain
+            ]
+            events = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
+            assert events and streamed.text.rstrip().endswith("data: [DONE]")
+    assert texts[True] == texts[False]
