@@ -32,6 +32,7 @@ from engine.scheduling.scheduler import Scheduler
 from engine.worker import memory_profile, routes
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.worker.model_runner import ModelRunner
+from engine.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
 from engine.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -167,8 +168,8 @@ def core_from_model(
             model, backend.name, dtype, loaded.compute_dtype, parts.cache_dtype, device, overlap
         ),
     )
-    graphs = _decode_graphs(config, model, backend, kv_cache, max_model_len)
-    runner = ModelRunner(model, kv_cache, backend, sampler, graphs, workers)
+    graphs, piecewise = _graphs(config, model, backend, kv_cache, max_model_len)
+    runner = ModelRunner(model, kv_cache, backend, sampler, graphs, workers, piecewise)
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     core.overlap = overlap
     info = ServingInfo(
@@ -256,25 +257,33 @@ def _weights_into_huge_pages(model: CausalLM) -> None:
         logger.info("weights in huge pages: %.0f MiB", moved / 2**20)
 
 
-def _decode_graphs(
+def _graphs(
     config: EngineConfig,
     model: CausalLM,
     backend: AttentionBackend,
     kv_cache: KVCache,
     max_model_len: int,
-) -> DecodeGraphs | None:
-    """CUDA graphs for decode steps where every piece of the step can be captured: Conveyor's
-    own model, an attention backend that decodes in place, rotary tables fixed at load."""
+) -> tuple[DecodeGraphs | None, PiecewiseGraphs | None]:
+    """CUDA graphs where every piece of the step can be captured (Conveyor's own model, an
+    attention backend that decodes in place, rotary tables fixed at load): decode steps whole,
+    other steps of up to 512 tokens piece by piece around attention, in one memory pool."""
     if kv_cache.device.type != "cuda" or config.enforce_eager:
-        return None
+        return None, None
     reason = _why_not_capturable(model, backend)
     if reason:
-        logger.info("decode steps run eagerly: %s", reason)
-        return None
+        logger.info("steps run eagerly: %s", reason)
+        return None, None
     assert isinstance(backend, InPlaceDecodeAttention)  # _why_not_capturable checked its kind
+    assert isinstance(model, PagedLlamaForCausalLM)
     graphs = DecodeGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len)
-    graphs.capture()
-    return graphs
+    pool = graphs.capture()
+    piecewise = PiecewiseGraphs(model, config.max_num_batched_tokens)
+    try:
+        piecewise.capture(pool)
+    except Exception:  # the decode graphs do not depend on these
+        logger.exception("steps with prompt chunks run eagerly: their capture failed")
+        return graphs, None
+    return graphs, piecewise
 
 
 def _why_not_capturable(model: CausalLM, backend: AttentionBackend) -> str:
@@ -339,13 +348,16 @@ def _cuda_kv_budget(
         if config.enforce_eager or _why_not_capturable(model, backend)
         else (capture_sizes(config.max_num_seqs))
     )
-    decode = (
-        memory_profile.profile_forward(model, backend, spec, device, [1] * graph_sizes[-1])
-        if graph_sizes
-        else None
-    )
+    decode, graph_count = None, 0
+    if graph_sizes:
+        # The graphs' pool holds the larger of a decode step's and a piecewise bucket's peaks:
+        # both are about that many rows through the same ops.
+        buckets = bucket_sizes(config.max_num_batched_tokens)
+        rows = max(graph_sizes[-1], buckets[-1])
+        decode = memory_profile.profile_forward(model, backend, spec, device, [1] * rows)
+        graph_count = len(graph_sizes) + len(buckets)
     breakdown = memory_profile.measure(
-        device, config.cache.gpu_memory_utilization, prefill, decode, len(graph_sizes)
+        device, config.cache.gpu_memory_utilization, prefill, decode, graph_count
     )
     logger.info("%s", breakdown.describe())
     return breakdown.kv_cache

@@ -166,7 +166,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="on CUDA, run decode steps eagerly instead of replaying them from CUDA graphs",
+        help="on CUDA, run every step eagerly instead of replaying CUDA graphs",
     )
     engine.add_argument(
         "--async-scheduling",

@@ -100,43 +100,39 @@ class PagedLlamaLayer(nn.Module):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        normed = self._norm(self.input_norm, hidden, self.qkv_proj)
-        hidden = self._attention(normed, cos, sin, metadata, hidden)
-        return self._mlp(self._norm(self.post_attention_norm, hidden, self.gate_up_proj), hidden)
+        query, key, value = self.project_qkv(hidden, cos, sin)
+        out = metadata.backend.forward(self.index, query, key, value, self.scaling, metadata)
+        return self.after_attention(out, hidden)
 
     @staticmethod
     def _norm(norm: Any, hidden: torch.Tensor, projection: nn.Module) -> torch.Tensor:
         """The normalized rows for `projection`: in bf16 where it takes bf16 rows."""
         return rms_norm(hidden, norm.weight, norm.variance_epsilon, takes_bf16_rows(projection))
 
-    def _attention(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        metadata: AttentionMetadata,
-        residual: torch.Tensor,
-    ) -> torch.Tensor:
-        """`residual` plus the attention block's output."""
-        tokens = hidden.shape[0]
+    def project_qkv(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the layer does before attention: query, key and value of each row, normed,
+        projected and rotated. Every op is row by row (piecewise CUDA graphs capture it)."""
+        normed = self._norm(self.input_norm, hidden, self.qkv_proj)
+        tokens = normed.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(normed)
         qk = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
         qk = rotate(qk, cos, sin)
         value = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
-        out = metadata.backend.forward(
-            self.index,
-            qk[:, : self.num_heads],
-            qk[:, self.num_heads :],
-            value,
-            self.scaling,
-            metadata,
-        )
-        return add_projected(
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], value
+
+    def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """What the layer does after attention (`out`, `[tokens, heads, head_dim]`): the
+        output projection onto `residual`, then the MLP block. Row by row too."""
+        tokens = out.shape[0]
+        hidden = add_projected(
             self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), residual
         )
+        return self._mlp(self._norm(self.post_attention_norm, hidden, self.gate_up_proj), hidden)
 
     def _mlp(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` plus the MLP's output."""
@@ -194,7 +190,12 @@ class PagedLlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        return self.lm_head(self._final_hidden(input_ids, positions, metadata, logits_indices))
+        hidden = self._last_hidden(input_ids, positions, metadata)
+        return self.logits(hidden, logits_indices)
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The LM head over the last layer's rows at `logits_indices`, normalized."""
+        return self.lm_head(self._normed(hidden, logits_indices))
 
     def greedy_tokens(
         self,
@@ -206,19 +207,19 @@ class PagedLlamaForCausalLM(nn.Module):
         """`forward`'s logits' argmax per row, int64 `[len(logits_indices)]`: chosen as the LM
         head's sums leave the registers where it is bf16 panels (a decode step of 64 rows writes
         12.6 MB of the default model's logits otherwise, and reads them back to choose)."""
-        hidden = self._final_hidden(input_ids, positions, metadata, logits_indices)
+        hidden = self._normed(self._last_hidden(input_ids, positions, metadata), logits_indices)
         if isinstance(self.lm_head, PanelLinear) and self.lm_head.chooses_greedily:
             return self.lm_head.greedy(hidden)
         return row_argmax(self.lm_head(hidden).float())
 
-    def _final_hidden(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        logits_indices: torch.Tensor,
+    def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The kept rows normalized: the LM head's input."""
+        return rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)
+
+    def _last_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        """The normalized hidden rows of the kept positions, the LM head's input."""
+        """The last layer's output rows."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary(hidden, positions)
         step = self._fused_step(hidden, metadata)
@@ -227,7 +228,7 @@ class PagedLlamaForCausalLM(nn.Module):
         else:
             for layer in self.layers:
                 hidden = layer(hidden, cos, sin, metadata)
-        return rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)
+        return hidden
 
     def _fused_step(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> DecodeStep | None:
         """The step as the fused decode takes it, where this model's layers fuse, the rows are

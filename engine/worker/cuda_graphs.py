@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from engine.attention import InPlaceDecodeAttention
 from engine.kv.kv_cache import KVCache
 from engine.models import CausalLM
 from engine.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +83,9 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """One graph per size, largest first, all sharing one memory pool."""
+    def capture(self) -> _POOL_HANDLE | None:
+        """One graph per size, largest first, all sharing one memory pool (returned, for
+        other graphs that never run at the same time)."""
         start = time.perf_counter()
         pool = None
         for size in reversed(self.sizes):
@@ -98,6 +103,7 @@ class DecodeGraphs:
             self.sizes[-1],
             time.perf_counter() - start,
         )
+        return pool
 
     def run(self, batch: InputBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits `[rows, vocab]` of a step that `supports` accepts (`input_ids`: its ids on

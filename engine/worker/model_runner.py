@@ -22,6 +22,7 @@ from engine.parallel.step import StepInputs
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.input_batch import InputBatch, build_input_batch
+from engine.worker.piecewise_graphs import PiecewiseGraphs
 from engine.worker.sampler import SampledTokens, Sampler, takes_argmax, token_logprobs
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class ModelRunner:
         sampler: Sampler,
         graphs: DecodeGraphs | None = None,
         workers: WorkerPool | None = None,
+        piecewise: PiecewiseGraphs | None = None,
     ) -> None:
         self.model = model
         self.workers = workers
@@ -47,6 +49,7 @@ class ModelRunner:
         self.backend = backend
         self.sampler = sampler
         self.graphs = graphs
+        self.piecewise = piecewise
         self.device = kv_cache.device
         # False: every step hands its logits to the sampler (benchmarks compare the two ways).
         self.greedy_in_model = True
@@ -132,7 +135,11 @@ class ModelRunner:
             input_ids = self._device_input_ids(batch)
         if self.graphs is not None and self.graphs.supports(batch, logits_indices):
             return self.graphs.run(batch, input_ids)
-        return self.model(*self._model_inputs(batch, logits_indices, input_ids))
+        inputs = self._model_inputs(batch, logits_indices, input_ids)
+        if self.piecewise is not None and self.piecewise.supports(batch):
+            _, _, metadata, keep = inputs
+            return self.piecewise.run(batch, input_ids, metadata, keep)
+        return self.model(*inputs)
 
     def _model_inputs(
         self, batch: InputBatch, logits_indices: np.ndarray, input_ids: torch.Tensor
@@ -140,13 +147,14 @@ class ModelRunner:
         return model_inputs(self.backend, self.kv_cache, batch, logits_indices, input_ids)
 
     def _model_chooses(self, batch: InputBatch, requests: list[Request]) -> bool:
-        """Every sampled row (`requests`) takes the argmax of its raw logits, and no decode
-        graph would run the step (a replayed graph computes the logits anyway)."""
+        """Every sampled row (`requests`) takes the argmax of its raw logits, and no graphs
+        would run the step (replayed graphs compute the logits anyway)."""
         indices = batch.sample_token_indices
         return (
             self.greedy_in_model
             and takes_argmax(requests)
             and not (self.graphs is not None and self.graphs.supports(batch, indices))
+            and not (self.piecewise is not None and self.piecewise.supports(batch))
         )
 
     def _prompt_logprobs(

@@ -14,6 +14,7 @@ import pytest
 
 from engine.core.errors import RequestFailedError
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
+from tests.conftest import CUDA
 from tests.core.test_engine_greedy import check_greedy
 from tests.core.test_step_isolation import POISON, poison_steps, run_to_end
 from tests.helpers import reference_greedy, tiny_core, tiny_llama, tokens_of
@@ -338,3 +339,34 @@ async def test_served_completions_are_the_same_with_async_scheduling():
             events = [line for line in streamed.text.splitlines() if line.startswith("data: {")]
             assert events and streamed.text.rstrip().endswith("data: [DONE]")
     assert texts[True] == texts[False]
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_an_overlapped_launch_never_waits_for_the_device(device):
+    """Under torch's sync debug mode any transfer or read that drains the stream inside a
+    launch raises: decode steps, greedy and seeded, with logprobs and a stop token, queue
+    their work and return."""
+    import torch
+
+    core, _ = tiny_core(tiny_llama().to(device), device=device, async_scheduling=True)
+    launch = core.runner.launch
+    checked = []
+
+    def strict(scheduled):
+        if all(item.num_tokens == 1 for item in scheduled.scheduled):
+            torch.cuda.set_sync_debug_mode("error")
+            checked.append(len(scheduled.scheduled))
+        try:
+            return launch(scheduled)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    core.runner.launch = strict
+    seeded = SamplingParams(temperature=0.8, seed=1, max_tokens=10, logprobs=2)
+    requests = [
+        ("greedy", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10), None),
+        ("seeded", [8, 9], seeded, None),
+        ("stop", [10, 11], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=(4,)), None),
+    ]
+    run(core, requests)
+    assert checked

@@ -96,7 +96,7 @@ def test_cuda_graphs_replay_decode_steps(device):
 @pytest.mark.parametrize("device", [CUDA])
 def test_enforce_eager_captures_nothing(device):
     core, _ = tiny_core(device=device, enforce_eager=True)
-    assert core.runner.graphs is None
+    assert core.runner.graphs is None and core.runner.piecewise is None
     check_greedy(core, 3)
 
 

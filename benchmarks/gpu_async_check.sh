@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Async scheduling and CUDA graphs on a GPU, in one run: the CUDA tests (one fails if a launch
+# waits for the device, others replay the decode and piecewise graphs against generate), the
+# engine's own decode step with steps in turn and overlapped, and served throughput and TPOT
+# each way (under continuous arrivals most steps carry a prompt chunk: the piecewise graphs).
+# The figure to read: served TPOT p50 at 64 against the overlapped engine's median step at 64.
+#
+#   bash benchmarks/gpu_async_check.sh [MODEL_DIR] [OUT]
+#
+# Without MODEL_DIR, random bf16 weights of the default model's shape are written to /tmp/smol
+# (no network needed).
+set -euo pipefail
+MODEL=${1:-/tmp/smol}
+OUT=${2:-benchmarks/results/gpu_async}
+PORT=${PORT:-8411}
+mkdir -p "$OUT"
+[ -d "$MODEL" ] || python benchmarks/random_weights.py "$MODEL"
+# shellcheck source=benchmarks/serving.sh
+source "$(dirname "$0")/serving.sh"
+
+python -m pytest -q -m cuda tests > "$OUT/cuda_tests.log" 2>&1 || true
+tail -n 1 "$OUT/cuda_tests.log"
+python benchmarks/engine_throughput.py --model "$MODEL" --dtype bfloat16 \
+    --concurrency 1 16 64 256 --both-schedulings > "$OUT/engine.log"
+for mode in async-scheduling no-async-scheduling; do
+    start_server "$OUT/serve_$mode.log" --model "$MODEL" --dtype bfloat16 --port "$PORT" "--$mode"
+    for concurrency in 1 16 64 256; do
+        conveyor bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer "$MODEL" \
+            --ignore-eos --random-input-len 128 --random-output-len 128 \
+            --max-concurrency "$concurrency" --num-prompts "$((concurrency * 4))" \
+            --seed "$((100 + concurrency))" --json "$OUT/${mode}_c$concurrency.json" > /dev/null
+    done
+    stop_server
+done
+python benchmarks/summarize_results.py "$OUT" --out "$OUT/summary"
+cat "$OUT"/summary/*.md
