@@ -20,6 +20,23 @@ def launch(scheduler):
     return output
 
 
+def two_in_flight(scheduler, *requests: tuple[str, int, int]):
+    """Queue (id, prompt length, max tokens) requests, then launch two steps, the second
+    before the first's tokens arrive."""
+    for request_id, prompt_len, max_tokens in requests:
+        scheduler.add_request(create_request(request_id, prompt_len, max_tokens=max_tokens))
+    return launch(scheduler), launch(scheduler)
+
+
+def preempted_in_flight():
+    """Five blocks of 4: two prompts of 8 tokens take four; growing, a takes the fifth and b,
+    its step in flight, is preempted. Returns the scheduler and both steps."""
+    scheduler = create_scheduler(num_blocks=5, block_size=4)
+    first, second = two_in_flight(scheduler, ("a", 8, 8), ("b", 8, 8))
+    assert [r.request_id for r in second.preempted] == ["b"]
+    return scheduler, first, second
+
+
 def receive(scheduler, output, token: int = FAKE_TOKEN):
     advanced = scheduler.receive(output, fake_runner_output(output, token))
     scheduler.check_invariants()
@@ -47,10 +64,7 @@ def test_a_sampled_token_is_pending_and_its_position_runs_next():
 
 def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again():
     scheduler = create_scheduler()
-    scheduler.add_request(create_request("short", prompt_len=3, max_tokens=1))
-    scheduler.add_request(create_request("long", prompt_len=3, max_tokens=5))
-    first = launch(scheduler)
-    second = launch(scheduler)
+    first, second = two_in_flight(scheduler, ("short", 3, 1), ("long", 3, 5))
     assert scheduled_counts(second) == {"long": 1}
     receive(scheduler, first)
     assert scheduler.requests.get("short") is None  # finished by length on arrival
@@ -61,10 +75,7 @@ def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again():
 
 def test_a_request_ended_while_its_step_was_in_flight_gets_nothing_more():
     scheduler = create_scheduler()
-    scheduler.add_request(create_request("a", prompt_len=4, max_tokens=10))
-    scheduler.add_request(create_request("b", prompt_len=4, max_tokens=10))
-    first = launch(scheduler)
-    second = launch(scheduler)
+    first, second = two_in_flight(scheduler, ("a", 4, 10), ("b", 4, 10))
     receive(scheduler, first, token=0)  # EOS: both stop, though the second step runs them
     assert not scheduler.requests
     assert receive(scheduler, second) == []
@@ -72,13 +83,7 @@ def test_a_request_ended_while_its_step_was_in_flight_gets_nothing_more():
 
 
 def test_a_preempted_request_waits_for_its_token_then_recomputes_with_it():
-    # Five blocks of 4: two prompts of 8 tokens take four, and both cannot grow.
-    scheduler = create_scheduler(num_blocks=5, block_size=4)
-    scheduler.add_request(create_request("a", prompt_len=8, max_tokens=8))
-    scheduler.add_request(create_request("b", prompt_len=8, max_tokens=8))
-    first = launch(scheduler)
-    second = launch(scheduler)  # a grows into block 5; b has none left: preempted
-    assert [r.request_id for r in second.preempted] == ["b"]
+    scheduler, first, second = preempted_in_flight()
     b = scheduler.requests["b"]
     assert b.status is RequestStatus.WAITING and b.num_pending_tokens == 1
     assert b.num_computed_tokens == 0 and not b.block_ids
@@ -91,11 +96,6 @@ def test_a_preempted_request_waits_for_its_token_then_recomputes_with_it():
 
 
 def test_a_pending_request_is_not_readmitted_before_its_token_arrives():
-    scheduler = create_scheduler(num_blocks=5, block_size=4)
-    scheduler.add_request(create_request("a", prompt_len=8, max_tokens=8))
-    scheduler.add_request(create_request("b", prompt_len=8, max_tokens=8))
-    launch(scheduler)
-    second = launch(scheduler)
-    assert [r.request_id for r in second.preempted] == ["b"]
+    scheduler, _, _ = preempted_in_flight()
     scheduler.finish_request("a", FinishReason.ABORT)
     assert scheduler.schedule().is_empty  # b's token from the first step is still coming

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -11,46 +9,13 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed on this platform")
 
 from engine.attention import get_backend
-from engine.core.sampling_params import SamplingParams
 from engine.factory import _why_not_capturable
 from engine.models import build_causal_lm
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.worker.input_batch import InputBatch
 from tests.conftest import CUDA, TRITON_DEVICE
-from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
-
-
-def greedy(i: int) -> SamplingParams:
-    """Different lengths, so rows finish at different steps and batches shrink."""
-    return SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
-
-
-def prompts(count: int) -> list[list[int]]:
-    rng = random.Random(5)
-    return [[rng.randrange(2, 320) for _ in range(rng.randrange(1, 40))] for _ in range(count)]
-
-
-def spy_sizes(graphs: DecodeGraphs) -> list[tuple[int, int]]:
-    """(rows, padded size) of every step the graphs ran."""
-    seen: list[tuple[int, int]] = []
-    fill = graphs._fill
-
-    def spy(batch, input_ids, rows, size):
-        seen.append((rows, size))
-        fill(batch, input_ids, rows, size)
-
-    graphs._fill = spy
-    return seen
-
-
-def check_greedy(core, count: int) -> None:
-    model = tiny_llama().to(core.runner.device)
-    outputs = run_all(core, prompts(count), [greedy(i) for i in range(count)])
-    for i, prompt in enumerate(prompts(count)):
-        expected = reference_greedy(model, prompt, greedy(i).max_tokens)
-        assert tokens_of(outputs[f"req-{i}"]) == expected, f"prompt {i} differs"
-    manager = core.scheduler.block_manager
-    assert manager.num_free_blocks == manager.num_blocks
+from tests.helpers import tiny_core, tiny_llama
+from tests.worker.graph_checks import check_greedy, spy_padding
 
 
 def test_capture_sizes():
@@ -76,7 +41,7 @@ def test_padded_decode_steps_match_generate():
     runner.graphs = DecodeGraphs(
         runner.model, runner.backend, runner.kv_cache, max_num_seqs=7, max_model_len=512
     )
-    sizes = spy_sizes(runner.graphs)
+    sizes = spy_padding(runner.graphs)
     check_greedy(core, 7)
     assert (7, 7) in sizes
     assert any(size > rows for rows, size in sizes)  # some steps were padded
@@ -88,7 +53,7 @@ def test_cuda_graphs_replay_decode_steps(device):
     core, _ = tiny_core(device=device, max_num_seqs=8)
     graphs = core.runner.graphs
     assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8]
-    sizes = spy_sizes(graphs)
+    sizes = spy_padding(graphs)
     check_greedy(core, 6)
     assert {size for _, size in sizes} >= {8, 4}
 

@@ -3,47 +3,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from engine.core.sampling_params import SamplingParams
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
 from tests.conftest import CUDA, TRITON_DEVICE, needs_triton
-from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
-
-
-def greedy(i: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
-
-
-def prompts(count: int) -> list[list[int]]:
-    rng = random.Random(8)
-    return [[rng.randrange(2, 320) for _ in range(rng.randrange(1, 40))] for _ in range(count)]
-
-
-def spy_buckets(piecewise: PiecewiseGraphs) -> list[tuple[int, int]]:
-    """(tokens, padded size) of every step the pieces ran."""
-    seen: list[tuple[int, int]] = []
-    fill = piecewise._fill
-
-    def spy(batch, input_ids, tokens, size):
-        seen.append((tokens, size))
-        fill(batch, input_ids, tokens, size)
-
-    piecewise._fill = spy
-    return seen
-
-
-def check_greedy(core, count: int) -> None:
-    model = tiny_llama().to(core.runner.device)
-    outputs = run_all(core, prompts(count), [greedy(i) for i in range(count)])
-    for i, prompt in enumerate(prompts(count)):
-        expected = reference_greedy(model, prompt, greedy(i).max_tokens)
-        assert tokens_of(outputs[f"req-{i}"]) == expected, f"prompt {i} differs"
-    manager = core.scheduler.block_manager
-    assert manager.num_free_blocks == manager.num_blocks
+from tests.helpers import tiny_core
+from tests.worker.graph_checks import check_greedy, spy_padding
 
 
 def test_bucket_sizes():
@@ -59,13 +25,13 @@ def test_padded_pieces_match_generate_with_chunks_and_preemption(backend):
     on the real tokens only: padded rows must neither disturb nor leak anything."""
     core, _ = tiny_core(
         attention_backend=backend,
-        num_blocks=40,
+        num_blocks=28,
         max_model_len=64,
         max_num_batched_tokens=24,
     )
     runner = core.runner
     runner.piecewise = PiecewiseGraphs(runner.model, max_tokens=24)
-    buckets = spy_buckets(runner.piecewise)
+    buckets = spy_padding(runner.piecewise)
     check_greedy(core, 8)
     assert core.scheduler.num_preemptions > 0
     assert any(size > tokens for tokens, size in buckets)  # some steps were padded
@@ -77,7 +43,7 @@ def test_steps_past_the_largest_bucket_run_eagerly():
     core, _ = tiny_core(max_num_batched_tokens=256)
     runner = core.runner
     runner.piecewise = PiecewiseGraphs(runner.model, max_tokens=16)
-    buckets = spy_buckets(runner.piecewise)
+    buckets = spy_padding(runner.piecewise)
     check_greedy(core, 6)
     assert buckets and all(tokens <= 16 for tokens, _ in buckets)
 
@@ -100,7 +66,7 @@ def test_pieces_and_decode_graphs_together_with_async_scheduling():
         runner.model, runner.backend, runner.kv_cache, max_num_seqs=6, max_model_len=512
     )
     runner.piecewise = PiecewiseGraphs(runner.model, max_tokens=32)
-    buckets = spy_buckets(runner.piecewise)
+    buckets = spy_padding(runner.piecewise)
     check_greedy(core, 6)
     assert buckets and all(tokens > 1 or size == 8 for tokens, size in buckets)
 
@@ -110,6 +76,6 @@ def test_captured_pieces_match_generate(device):
     core, _ = tiny_core(device=device, max_num_seqs=8, max_num_batched_tokens=64)
     piecewise = core.runner.piecewise
     assert piecewise is not None and sorted(piecewise.graphs) == [8, 16, 32, 64]
-    buckets = spy_buckets(piecewise)
+    buckets = spy_padding(piecewise)
     check_greedy(core, 8)
     assert any(tokens > 8 for tokens, _ in buckets)
