@@ -173,8 +173,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="schedule and launch each step while the previous one still runs on the device, "
-        "so a GPU never waits for the host (default: on for a single CUDA device, off on a "
-        "CPU and under tensor parallelism)",
+        "so a GPU never waits for the host (default: on for CUDA, off on a CPU)",
     )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--trust-remote-code", action="store_true")

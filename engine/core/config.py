@@ -131,7 +131,7 @@ class EngineConfig:
     # Ranks (processes, one device each) the model's weights are split across.
     tensor_parallel_size: int = 1
     # Schedule and launch each step while the previous one still runs on the device; None:
-    # on a single CUDA device only (on a CPU the host computes the step itself).
+    # on CUDA devices only (on a CPU the host computes the step itself).
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
@@ -139,14 +139,12 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("async scheduling does not run with tensor parallelism yet")
 
     def overlaps(self, device_type: str) -> bool:
         """Whether steps are scheduled asynchronously on this kind of device."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return device_type == "cuda" and self.tensor_parallel_size == 1
+        return device_type == "cuda"
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -38,6 +38,12 @@ class ParallelGroup:
             self.process_group.allreduce([tensor]).wait()
         return tensor
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank, in place; returns it."""
+        if self.is_parallel:
+            self.process_group.broadcast([tensor]).wait()
+        return tensor
+
     def min_int(self, value: int, device: torch.device) -> int:
         """The smallest of the ranks' `value`s."""
         if not self.is_parallel:

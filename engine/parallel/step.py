@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -12,14 +12,26 @@ from engine.worker.input_batch import InputBatch
 @dataclass(frozen=True, slots=True)
 class StepInputs:
     """The flattened batch (without its requests: arrays only), the positions whose logits are
-    wanted and the KV blocks to copy first."""
+    wanted and the KV blocks to copy first. Under async scheduling the batch's placeholders
+    take the tokens rank 0 broadcasts once the step is received: its previous step's
+    `previous_count` sampled tokens, of which each placeholder reads row `previous_rows[i]`."""
 
     batch: InputBatch
     logits_indices: np.ndarray
     block_copies: list[tuple[int, int]]
+    previous_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    previous_count: int = 0
 
     @classmethod
     def of(
-        cls, batch: InputBatch, logits_indices: np.ndarray, block_copies: list[tuple[int, int]]
+        cls,
+        batch: InputBatch,
+        logits_indices: np.ndarray,
+        block_copies: list[tuple[int, int]],
+        previous_rows: list[int] | None = None,
+        previous_count: int = 0,
     ) -> StepInputs:
-        return cls(replace(batch, requests=[]), logits_indices, list(block_copies))
+        rows = np.asarray(previous_rows or [], dtype=np.int64)
+        return cls(
+            replace(batch, requests=[]), logits_indices, list(block_copies), rows, previous_count
+        )

@@ -271,7 +271,7 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
     from engine.factory import build_rank, load_rank
     from engine.loading.model_loader import resolve_device
     from engine.parallel.sharding import Shard
-    from engine.worker.model_runner import model_inputs
+    from engine.worker.model_runner import model_inputs, placed_input_ids
 
     size = config.tensor_parallel_size
     device = rank_device(resolve_device(config.device), rank)
@@ -285,7 +285,12 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
     @torch.inference_mode()
     def step(inputs: StepInputs) -> None:
         kv_cache.copy_blocks(inputs.block_copies)
-        model(*model_inputs(backend, kv_cache, inputs.batch, inputs.logits_indices))
+        previous = torch.zeros(0, dtype=torch.int64, device=device)
+        if len(inputs.previous_rows):  # async scheduling: rank 0's last tokens, on the device
+            previous = torch.empty(inputs.previous_count, dtype=torch.int64, device=device)
+            group.broadcast(previous)
+        input_ids = placed_input_ids(inputs.batch, previous, inputs.previous_rows, device)
+        model(*model_inputs(backend, kv_cache, inputs.batch, inputs.logits_indices, input_ids))
 
     return step
 

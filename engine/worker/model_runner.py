@@ -5,7 +5,7 @@ Where every row samples greedily from its raw logits, the model chooses the toke
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -73,10 +73,12 @@ class ModelRunner:
         prompt_indices = _prompt_logprob_indices(batch, prompt_rows)
         indices = np.concatenate([prompt_indices, batch.sample_token_indices])
         chooses = not prompt_rows and self._model_chooses(batch, requests)
-        if self.workers is not None:  # ranks run in turn: each step's ids are all known
-            assert not batch.placeholder_ids, "tensor parallelism runs without async scheduling"
-            self.workers.send(StepInputs.of(batch, indices, scheduler_output.block_copies))
-        input_ids = self._device_input_ids(batch)
+        rows = [self._last_rows[request_id] for request_id in batch.placeholder_ids]
+        if self.workers is not None:
+            copies = scheduler_output.block_copies
+            previous = len(self._last_tokens)
+            self.workers.send(StepInputs.of(batch, indices, copies, rows, previous))
+        input_ids = self._device_input_ids(batch, rows)
         output = ModelRunnerOutput()
         with self._across_ranks():
             if chooses:
@@ -99,16 +101,15 @@ class ModelRunner:
             self._last_rows = {r.request_id: row for row, r in enumerate(requests)}
         return LaunchedStep(requests, sampled, output)
 
-    def _device_input_ids(self, batch: InputBatch) -> torch.Tensor:
-        """The step's input ids on the device, each placeholder taken from the tokens the
-        previous step sampled (a device-to-device gather: the host never waits for them)."""
-        input_ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
-        if batch.placeholder_ids:
+    def _device_input_ids(self, batch: InputBatch, rows: list[int] | None = None) -> torch.Tensor:
+        """The step's input ids on the device, each placeholder taken from row `rows[i]` of the
+        tokens the previous step sampled (a gather on the device: the host never waits for
+        them). The other ranks get those tokens too, broadcast from this one."""
+        if rows is None:
             rows = [self._last_rows[request_id] for request_id in batch.placeholder_ids]
-            source = torch.tensor(rows).to(self.device, non_blocking=True)
-            target = torch.from_numpy(batch.placeholders).to(self.device, non_blocking=True)
-            input_ids[target] = self._last_tokens[source].to(input_ids.dtype)
-        return input_ids
+        if rows and self.workers is not None:
+            self.workers.group.broadcast(self._last_tokens)
+        return placed_input_ids(batch, self._last_tokens, rows, self.device)
 
     @contextmanager
     def _across_ranks(self) -> Iterator[None]:
@@ -216,6 +217,21 @@ class LaunchedStep:
                 output.logprobs[request.request_id] = logprob
         self._copy = None
         return output
+
+
+def placed_input_ids(
+    batch: InputBatch,
+    previous: torch.Tensor,
+    rows: Sequence[int] | np.ndarray,
+    device: torch.device,
+) -> torch.Tensor:
+    """`batch.input_ids` on `device` with each placeholder set to `previous[rows[i]]`."""
+    input_ids = torch.from_numpy(batch.input_ids).to(device, non_blocking=True)
+    if len(rows):
+        source = torch.as_tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        target = torch.from_numpy(batch.placeholders).to(device, non_blocking=True)
+        input_ids[target] = previous[source].to(input_ids.dtype)
+    return input_ids
 
 
 def model_inputs(

@@ -132,6 +132,34 @@ def test_chunked_prefill_and_preemption_across_ranks(model_dir, references):
         assert any(chunked)
 
 
+def test_overlapped_steps_across_ranks(model_dir, references):
+    """Async scheduling: each step's placeholders take the tokens rank 0 broadcasts from its
+    previous step, on every rank; seeded sampling and preemption as in turn."""
+    with engine_core(config(model_dir, 1)) as one:
+        one_seeded = all_tokens(one, SEEDED)
+    tight = config(model_dir, 2, num_blocks=24, async_scheduling=True)
+    with engine_core(tight) as core:
+        assert core.overlap
+        sent = spy_sent(core)
+        assert all_tokens(core, GREEDY) == references
+        assert core.scheduler.num_preemptions > 0
+        assert all_tokens(core, SEEDED) == one_seeded
+    assert any(len(inputs.previous_rows) for inputs in sent), "no step took a placeholder"
+
+
+def spy_sent(core: EngineCore) -> list:
+    """Every step description rank 0 sends to the workers."""
+    workers, sent = workers_of(core), []
+    send = workers.send
+
+    def spy(inputs):
+        sent.append(inputs)
+        send(inputs)
+
+    workers.send = spy  # type: ignore[method-assign]
+    return sent
+
+
 def test_a_forward_pass_that_fails_on_rank_0_stops_the_engine(model_dir, monkeypatch):
     """Rank 0 fails inside the step, after the workers started it: the ranks no longer agree,
     so the step is not retried in halves; the engine stops and the workers go."""
