@@ -411,15 +411,10 @@ class _InFlight:
     @property
     def overlappable(self) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host:
-        not if a request it samples needs its newest token there to choose the next one (a
-        grammar to advance, penalties to count)."""
+        not if a request it samples has a grammar, which must advance on its newest token
+        there to allow the next ones."""
         sampled = (item.request for item in self.scheduled.scheduled if item.completes_sequence)
-        return all(_speculates(request) for request in sampled)
-
-
-def _speculates(request: Request) -> bool:
-    params = request.sampling_params
-    return request.grammar is None and not params.needs_penalties
+        return all(request.grammar is None for request in sampled)
 
 
 def _with(scheduled: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:

@@ -23,7 +23,13 @@ from engine.scheduling.scheduler import SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.input_batch import InputBatch, build_input_batch
 from engine.worker.piecewise_graphs import PiecewiseGraphs
-from engine.worker.sampler import SampledTokens, Sampler, takes_argmax, token_logprobs
+from engine.worker.sampler import (
+    PendingTokens,
+    SampledTokens,
+    Sampler,
+    takes_argmax,
+    token_logprobs,
+)
 
 if TYPE_CHECKING:
     from engine.parallel.workers import WorkerPool
@@ -89,7 +95,8 @@ class ModelRunner:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
         sampled = None
         if requests:
-            sampled = self.sampler.sample(logits[len(prompt_indices) :], requests)
+            pending = PendingTokens(self._last_tokens, self._last_rows)
+            sampled = self.sampler.sample(logits[len(prompt_indices) :], requests, pending)
         return self._launched(requests, sampled, output)
 
     def _launched(

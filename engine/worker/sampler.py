@@ -78,22 +78,28 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.sample(logits, requests).to_host(requests)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
-        """Choose each row's token, leaving the result on the device."""
+    def sample(
+        self, logits: torch.Tensor, requests: list[Request], pending: PendingTokens | None = None
+    ) -> SampledTokens:
+        """Choose each row's token, leaving the result on the device. `pending` holds the
+        tokens a step still in flight sampled for some of these requests (async scheduling):
+        penalties count them there, without waiting for them."""
         logits = logits.float()
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._process(logits, requests)
+        logits = self._process(logits, requests, pending)
         return SampledTokens(self._choose(logits, requests), raw_logprobs)
 
     # ---- logits processing -----------------------------------------------------------------
 
-    def _process(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _process(
+        self, logits: torch.Tensor, requests: list[Request], pending: PendingTokens | None = None
+    ) -> torch.Tensor:
         _apply_grammars(logits, requests)
         _apply_logit_bias(logits, requests)
-        _apply_repetition_penalty(logits, requests)
-        _apply_frequency_presence(logits, requests)
+        _apply_repetition_penalty(logits, requests, pending)
+        _apply_frequency_presence(logits, requests, pending)
         _apply_min_tokens(logits, requests)
         return logits
 
@@ -262,29 +268,52 @@ def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
         logits.index_put_(index, to_device(values, device), accumulate=True)
 
 
+@dataclass(frozen=True, slots=True)
+class PendingTokens:
+    """What the step in flight sampled, on the device: request `r`'s token is
+    `tokens[rows[r]]`. It is not in the request's token lists yet."""
+
+    tokens: torch.Tensor
+    rows: dict[str, int]
+
+
 def _token_rows(
-    token_lists: list[list[int]], vocab: int, device: torch.device
+    requests: list[Request],
+    token_lists: list[list[int]],
+    vocab: int,
+    device: torch.device,
+    pending: PendingTokens | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The (row, token) pairs of several rows' token lists as two index tensors, built in one
-    host pass and one transfer (tokens past the logits' width are dropped)."""
+    host pass and one transfer (tokens past the logits' width are dropped); then each row's
+    pending token, taken on the device, if its request (`requests[row]`) has one."""
     lengths = np.fromiter((len(tokens) for tokens in token_lists), np.int64, len(token_lists))
     tokens = np.fromiter(itertools.chain.from_iterable(token_lists), np.int64, int(lengths.sum()))
     rows = np.repeat(np.arange(len(token_lists)), lengths)
     keep = tokens < vocab
+    which = torch.from_numpy(rows[keep]).to(device, non_blocking=True)
+    ids = torch.from_numpy(tokens[keep]).to(device, non_blocking=True)
+    waiting = [row for row, r in enumerate(requests) if r.num_pending_tokens]
+    if not waiting or pending is None:
+        return which, ids
+    source = to_device([pending.rows[requests[row].request_id] for row in waiting], device)
     return (
-        torch.from_numpy(rows[keep]).to(device, non_blocking=True),
-        torch.from_numpy(tokens[keep]).to(device, non_blocking=True),
+        torch.cat([which, to_device(waiting, device, torch.int64)]),
+        torch.cat([ids, pending.tokens[source]]),
     )
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_repetition_penalty(
+    logits: torch.Tensor, requests: list[Request], pending: PendingTokens | None = None
+) -> None:
     """Divide positive and multiply negative logits of every token seen (prompt or output) by
     the row's penalty: every such row at once."""
     rows = [row for row, r in enumerate(requests) if r.sampling_params.repetition_penalty != 1.0]
     if not rows:
         return
     device, vocab = logits.device, logits.shape[1]
-    which, tokens = _token_rows([requests[row].all_token_ids for row in rows], vocab, device)
+    chosen = [requests[row] for row in rows]
+    which, tokens = _token_rows(chosen, [r.all_token_ids for r in chosen], vocab, device, pending)
     seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
     seen[which, tokens] = True
     penalty = to_device([requests[row].sampling_params.repetition_penalty for row in rows], device)
@@ -295,19 +324,24 @@ def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request]) -> 
     logits[index] = torch.where(seen, penalised, values)
 
 
-def _apply_frequency_presence(logits: torch.Tensor, requests: list[Request]) -> None:
+def _apply_frequency_presence(
+    logits: torch.Tensor, requests: list[Request], pending: PendingTokens | None = None
+) -> None:
     """OpenAI's penalties: minus `frequency` times a token's count in the output, minus
     `presence` if it occurs at all; every such row at once."""
     rows = [
         row
         for row, r in enumerate(requests)
-        if r.output_token_ids
+        if r.num_sampled_tokens
         and (r.sampling_params.presence_penalty or r.sampling_params.frequency_penalty)
     ]
     if not rows:
         return
     device, vocab = logits.device, logits.shape[1]
-    which, tokens = _token_rows([requests[row].output_token_ids for row in rows], vocab, device)
+    chosen = [requests[row] for row in rows]
+    which, tokens = _token_rows(
+        chosen, [r.output_token_ids for r in chosen], vocab, device, pending
+    )
     counts = torch.zeros(len(rows), vocab, device=device)
     counts.index_put_((which, tokens), torch.ones_like(tokens, dtype=counts.dtype), True)
     params = [requests[row].sampling_params for row in rows]

@@ -97,15 +97,18 @@ def summary(outputs: list) -> tuple:
     )
 
 
-def both_ways(requests, **core_options) -> tuple[dict, dict, object]:
-    """The outputs in turn and overlapped, and the overlapped core."""
+def overlapped_like_in_turn(requests, **core_options) -> tuple[set[str], dict, object]:
+    """Run `requests` in turn and overlapped, and require the same outputs. Returns the
+    requests whose input was ever taken from the previous step on the device, the outputs
+    overlapped, and that core."""
     model = tiny_llama()
     in_turn, _ = tiny_core(model, async_scheduling=False, **core_options)
     overlapped, _ = tiny_core(model, async_scheduling=True, **core_options)
-    placeholders = placeholders_of(overlapped)
+    steps = placeholders_of(overlapped)
     expected, got = run(in_turn, requests), run(overlapped, requests)
-    assert any(placeholders), "no step took its input from the step before"
-    return expected, got, overlapped
+    for request_id in expected:
+        assert summary(got[request_id]) == summary(expected[request_id]), request_id
+    return {request_id for ids in steps for request_id in ids}, got, overlapped
 
 
 def mixed_requests() -> list[tuple[str, list[int], SamplingParams, str | None]]:
@@ -169,9 +172,8 @@ def test_overlapped_greedy_matches_generate_under_preemption_and_chunking():
 
 
 def test_overlapped_outputs_equal_outputs_in_turn():
-    expected, got, _ = both_ways(mixed_requests())
-    for request_id in expected:
-        assert summary(got[request_id]) == summary(expected[request_id]), request_id
+    taken, got, _ = overlapped_like_in_turn(mixed_requests())
+    assert taken
     ends = {summary(outputs)[2] for outputs in got.values()}
     assert ends == {"stop", "length"}  # the stops fired, mid-flight
 
@@ -179,34 +181,36 @@ def test_overlapped_outputs_equal_outputs_in_turn():
 def test_overlapped_outputs_equal_outputs_in_turn_under_preemption():
     seeded = SamplingParams(max_tokens=30, temperature=0.8, stop_token_ids=(9,))
     requests = [(f"r{i}", p, replace(seeded, seed=i), None) for i, p in enumerate(prompts(10, 5))]
-    expected, got, core = both_ways(requests, num_blocks=24, max_model_len=64)
-    assert core.scheduler.num_preemptions > 0
-    for request_id in expected:
-        assert summary(got[request_id]) == summary(expected[request_id]), request_id
+    taken, _, core = overlapped_like_in_turn(requests, num_blocks=24, max_model_len=64)
+    assert taken and core.scheduler.num_preemptions > 0
 
 
-def test_requests_that_need_their_last_token_on_the_host_wait_for_it():
-    """Penalties count the tokens and grammars advance on them: a step sampling such a request
-    is waited for before the next is scheduled, and each gets the tokens it gets in turn."""
+def test_penalties_count_the_token_still_in_flight():
+    """Repetition, presence and frequency penalties count each row's pending token on the
+    device, so penalised requests overlap and get the tokens they get in turn."""
+    seeded = {"temperature": 0.9, "seed": 3, "max_tokens": 24, "ignore_eos": True}
+    p = prompts(3, seed=9)
+    requests = [
+        ("repeat", p[0], SamplingParams(repetition_penalty=1.5, **seeded), None),
+        ("presence", p[1], SamplingParams(presence_penalty=1.5, **seeded), None),
+        ("frequency", p[2], SamplingParams(frequency_penalty=1.0, min_tokens=4, **seeded), None),
+    ]
+    taken, _, _ = overlapped_like_in_turn(requests)
+    assert taken == {"repeat", "presence", "frequency"}
+
+
+def test_a_step_sampling_a_grammar_row_is_waited_for():
+    """A grammar advances on each token on the host before it allows the next ones: a step
+    that samples a constrained row is read before the next is scheduled."""
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
     seeded = {"temperature": 0.9, "seed": 3}
-    p = prompts(4, seed=9)
-    penalised = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, **seeded)
+    p = prompts(2, seed=9)
     json_format = StructuredOutputs("json", schema)
     requests = [
-        ("repeat", p[0], SamplingParams(repetition_penalty=1.5, max_tokens=20, **seeded), None),
-        ("presence", p[1], replace(penalised, max_tokens=20), None),
-        ("json", p[2], SamplingParams(structured=json_format, max_tokens=30, **seeded), None),
-        ("free", p[3], SamplingParams(max_tokens=60, ignore_eos=True, **seeded), None),
+        ("json", p[0], SamplingParams(structured=json_format, max_tokens=30, **seeded), None),
+        ("free", p[1], SamplingParams(max_tokens=60, ignore_eos=True, **seeded), None),
     ]
-    model = tiny_llama()
-    in_turn, _ = tiny_core(model, async_scheduling=False)
-    overlapped, _ = tiny_core(model, async_scheduling=True)
-    steps = placeholders_of(overlapped)
-    expected, got = run(in_turn, requests), run(overlapped, requests)
-    for request_id in expected:
-        assert summary(got[request_id]) == summary(expected[request_id]), request_id
-    taken = {request_id for ids in steps for request_id in ids}
+    taken, _, _ = overlapped_like_in_turn(requests)
     assert taken == {"free"}  # overlapped once it ran alone
 
 
