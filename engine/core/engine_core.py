@@ -240,24 +240,24 @@ class EngineCore:
         self._stats.num_preemptions += len(scheduled.preempted)
         if not self.overlap:
             return results + self._run_now(scheduled, start)
+        return results + self._run_overlapped(scheduled, start)
+
+    def _run_overlapped(self, scheduled: SchedulerOutput, start: float) -> list[RequestOutput]:
+        """Launch the step and leave it in flight; take the previous one's results meanwhile.
+        A launch that fails takes the previous step's results first, then runs again in turn
+        what did not finish with them."""
         try:
             launched = self.runner.launch(scheduled)
         except EngineDeadError:
             raise  # nothing to isolate: the engine cannot run another step
         except Exception as exc:
-            if self._in_flight is not None:
-                results += self._receive(self._take_in_flight())
-            # Run again, once the previous step's tokens are in, what did not finish with it.
             logger.warning("a model step failed (%s); running it again without overlap", exc)
+            results = self._receive(self._take_in_flight()) if self._in_flight else []
             live = [item for item in scheduled.scheduled if not item.request.is_finished]
-            if live:
-                results += self._run_now(_with(scheduled, live), start)
-            return results
+            return results + (self._run_now(_with(scheduled, live), start) if live else [])
         self.scheduler.advance(scheduled)
         previous, self._in_flight = self._in_flight, _InFlight(scheduled, launched, start)
-        if previous is not None:
-            results += self._receive(previous)
-        return results
+        return self._receive(previous) if previous is not None else []
 
     def _run_now(self, scheduled: SchedulerOutput, start: float) -> list[RequestOutput]:
         """Run a step to completion and take its results. Should it fail, the requests that

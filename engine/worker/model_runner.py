@@ -84,9 +84,9 @@ class ModelRunner:
             copies = scheduler_output.block_copies
             previous = len(self._last_tokens)
             self.workers.send(StepInputs.of(batch, indices, copies, rows, previous))
-        input_ids = self._device_input_ids(batch, rows)
         output = ModelRunnerOutput()
         with self._across_ranks():
+            input_ids = self._device_input_ids(batch, rows)
             if chooses:
                 tokens = self.model.greedy_tokens(*self._model_inputs(batch, indices, input_ids))
                 return self._launched(requests, SampledTokens(tokens, None), output)
