@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Async scheduling and CUDA graphs on a GPU, in one run: the CUDA tests (one fails if a launch
 # waits for the device, others replay the decode and piecewise graphs against generate), the
-# engine's own decode step with steps in turn and overlapped, and served throughput and TPOT
-# each way (under continuous arrivals most steps carry a prompt chunk: the piecewise graphs).
+# engine's own decode step with steps in turn and overlapped, transformers' continuous batching
+# on the same prompts, and served throughput and TPOT each way (under continuous arrivals most
+# steps carry a prompt chunk: the piecewise graphs).
 # The figure to read: served TPOT p50 at 64 against the overlapped engine's median step at 64.
 #
 #   bash benchmarks/gpu_async_check.sh [MODEL_DIR] [OUT]
@@ -22,6 +23,8 @@ python -m pytest -q -m cuda tests > "$OUT/cuda_tests.log" 2>&1 || true
 tail -n 1 "$OUT/cuda_tests.log"
 python benchmarks/engine_throughput.py --model "$MODEL" --dtype bfloat16 \
     --concurrency 1 16 64 256 --both-schedulings > "$OUT/engine.log"
+python benchmarks/transformers_batch.py --model "$MODEL" --dtype bfloat16 \
+    --concurrency 1 16 64 256 > "$OUT/transformers_batch.log"
 for mode in async-scheduling no-async-scheduling; do
     start_server "$OUT/serve_$mode.log" --model "$MODEL" --dtype bfloat16 --port "$PORT" "--$mode"
     for concurrency in 1 16 64 256; do
