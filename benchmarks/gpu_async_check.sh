@@ -9,11 +9,12 @@
 #   bash benchmarks/gpu_async_check.sh [MODEL_DIR] [OUT]
 #
 # Without MODEL_DIR, random bf16 weights of the default model's shape are written to /tmp/smol
-# (no network needed).
+# (no network needed). CONCURRENCY overrides the concurrencies (a dry run on a CPU: "1 2").
 set -euo pipefail
 MODEL=${1:-/tmp/smol}
 OUT=${2:-benchmarks/results/gpu_async}
 PORT=${PORT:-8411}
+read -r -a LEVELS <<< "${CONCURRENCY:-1 16 64 256}"
 mkdir -p "$OUT"
 [ -d "$MODEL" ] || python benchmarks/random_weights.py "$MODEL"
 # shellcheck source=benchmarks/serving.sh
@@ -22,12 +23,12 @@ source "$(dirname "$0")/serving.sh"
 python -m pytest -q -m cuda tests > "$OUT/cuda_tests.log" 2>&1 || true
 tail -n 1 "$OUT/cuda_tests.log"
 python benchmarks/engine_throughput.py --model "$MODEL" --dtype bfloat16 \
-    --concurrency 1 16 64 256 --both-schedulings > "$OUT/engine.log"
+    --concurrency "${LEVELS[@]}" --both-schedulings > "$OUT/engine.log"
 python benchmarks/transformers_batch.py --model "$MODEL" --dtype bfloat16 \
-    --concurrency 1 16 64 256 > "$OUT/transformers_batch.log"
+    --concurrency "${LEVELS[@]}" > "$OUT/transformers_batch.log"
 for mode in async-scheduling no-async-scheduling; do
     start_server "$OUT/serve_$mode.log" --model "$MODEL" --dtype bfloat16 --port "$PORT" "--$mode"
-    for concurrency in 1 16 64 256; do
+    for concurrency in "${LEVELS[@]}"; do
         conveyor bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer "$MODEL" \
             --ignore-eos --random-input-len 128 --random-output-len 128 \
             --max-concurrency "$concurrency" --num-prompts "$((concurrency * 4))" \
@@ -35,5 +36,5 @@ for mode in async-scheduling no-async-scheduling; do
     done
     stop_server
 done
-python benchmarks/summarize_results.py "$OUT" --out "$OUT/summary"
+python benchmarks/summarize_results.py "$OUT" --root "$(dirname "$OUT")" --out "$OUT/summary"
 cat "$OUT"/summary/*.md
