@@ -139,7 +139,7 @@ class PiecewiseGraphs:
             layer.scaling,
             metadata,
         )
-        self.attended[:tokens].copy_(out.view(tokens, layer.num_heads, layer.head_dim))
+        self.attended[:tokens].copy_(out.reshape(tokens, layer.num_heads, layer.head_dim))
 
     def _piece(self, index: int, size: int) -> None:
         """Piece `index` over the first `size` rows of the buffers."""
