@@ -281,11 +281,12 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
     assert loaded.shard is not None
     parts = build_rank(loaded, config, device, dtype, Shard(group, loaded.shard))
     model, backend, kv_cache = parts.model, parts.backend, parts.kv_cache
+    no_tokens = torch.zeros(0, dtype=torch.int64, device=device)
 
     @torch.inference_mode()
     def step(inputs: StepInputs) -> None:
         kv_cache.copy_blocks(inputs.block_copies)
-        previous = torch.zeros(0, dtype=torch.int64, device=device)
+        previous = no_tokens
         if len(inputs.previous_rows):  # async scheduling: rank 0's last tokens, on the device
             previous = torch.empty(inputs.previous_count, dtype=torch.int64, device=device)
             group.broadcast(previous)

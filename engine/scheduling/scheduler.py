@@ -444,7 +444,8 @@ class Scheduler:
             item.request.num_pending_tokens += item.completes_sequence
 
     def discard(self, output: SchedulerOutput) -> None:
-        """Give up an advanced step's results (they could not be read): no token is pending."""
+        """Give up an advanced step's results (they could not be read, or have arrived): its
+        sampled tokens are no longer pending."""
         for item in output.scheduled:
             item.request.num_pending_tokens -= item.completes_sequence
 
@@ -454,10 +455,10 @@ class Scheduler:
         A request ended while the step was in flight (a stop, an abort) gets nothing. Requests
         that finish here free their blocks at once, so the next step can admit others.
         """
+        self.discard(output)
         advanced: list[Request] = []
         for item in output.scheduled:
             request = item.request
-            request.num_pending_tokens -= item.completes_sequence
             if self.requests.get(request.request_id) is not request:
                 continue
             self.block_manager.cache_full_blocks(request, item.end)

@@ -118,20 +118,13 @@ class DecodeGraphs:
         return self.outputs[size][:rows]
 
     def _fill(self, batch: InputBatch, input_ids: torch.Tensor, rows: int, size: int) -> None:
-        pad = size - rows
         self.input_ids[:rows].copy_(input_ids)
         self.input_ids[rows:size].zero_()
-        self._copy(self.positions[:size], _padded(batch.positions, pad, 0))
-        self._copy(self.slot_mapping[:size], _padded(batch.slot_mapping, pad, PAD_SLOT))
-        self._copy(self.seq_lens[:size], _padded(batch.seq_lens, pad, 0))
+        copy_padded(self.positions, batch.positions, size)
+        copy_padded(self.slot_mapping, batch.slot_mapping, size, PAD_SLOT)
+        copy_padded(self.seq_lens, batch.seq_lens, size)
         table = batch.block_table
-        self._copy(self.block_table[:rows, : table.shape[1]], table)
-
-    @staticmethod
-    def _copy(target: torch.Tensor, source: np.ndarray) -> None:
-        target.copy_(
-            torch.from_numpy(np.ascontiguousarray(source, dtype=np.int64)), non_blocking=True
-        )
+        _copy(self.block_table[:rows, : table.shape[1]], table)
 
     def _forward(self, size: int) -> torch.Tensor:
         metadata = self.backend.decode_metadata(
@@ -142,5 +135,12 @@ class DecodeGraphs:
         )
 
 
-def _padded(values: np.ndarray, pad: int, fill: int) -> np.ndarray:
-    return np.concatenate([values, np.full(pad, fill, dtype=np.int64)]) if pad else values
+def copy_padded(target: torch.Tensor, values: np.ndarray, size: int, fill: int = 0) -> None:
+    """Host `values` into the first `size` entries of a static `target`, the rest of those
+    `fill`: one transfer, which does not wait for the device."""
+    pad = size - len(values)
+    _copy(target[:size], np.concatenate([values, np.full(pad, fill)]) if pad else values)
+
+
+def _copy(target: torch.Tensor, source: np.ndarray) -> None:
+    target.copy_(torch.from_numpy(np.ascontiguousarray(source, dtype=np.int64)), non_blocking=True)

@@ -20,11 +20,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, cast
 
-import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.worker.cuda_graphs import copy_padded
 from engine.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
@@ -123,9 +123,7 @@ class PiecewiseGraphs:
     def _fill(self, batch: InputBatch, input_ids: torch.Tensor, tokens: int, size: int) -> None:
         self.input_ids[:tokens].copy_(input_ids)
         self.input_ids[tokens:size].zero_()
-        positions = torch.from_numpy(np.ascontiguousarray(batch.positions, dtype=np.int64))
-        self.positions[:tokens].copy_(positions, non_blocking=True)
-        self.positions[tokens:size].zero_()
+        copy_padded(self.positions, batch.positions, size)
 
     def _attend(self, index: int, tokens: int, metadata: AttentionMetadata) -> None:
         """Layer `index`'s attention over the step's real tokens, eagerly, into the buffer the

@@ -14,18 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import chat_tokenizer, tiny_llama
 from tests.server_utils import free_port, wait_healthy
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama().save_pretrained(folder)
-    chat_tokenizer().save_pretrained(folder)
-    return folder
 
 
 def serve(folder: Path, own_group: bool = False) -> tuple[subprocess.Popen, str]:

@@ -23,7 +23,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.parallel.workers import WorkerPool
 from tests.core.test_engine_greedy import record_chunking
-from tests.helpers import reference_greedy, run_all, tiny_llama, tiny_tokenizer, tokens_of
+from tests.helpers import reference_greedy, run_all, tiny_llama, tokens_of
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -33,14 +33,6 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=MAX_NEW,
 def prompts() -> list[list[int]]:
     rng = random.Random(3)
     return [[rng.randrange(2, 320) for _ in range(n)] for n in (1, 4, 9, 17, 26, 33, 6, 40)]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_llama().save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
