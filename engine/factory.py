@@ -22,6 +22,7 @@ from engine.kernels.cpu import huge_pages, malloc_tuning
 from engine.kernels.cpu.linear import silence_fbgemm_deprecation
 from engine.kv.block_manager import BlockManager
 from engine.kv.kv_cache import KVCache, KVCacheSpec
+from engine.kv.kv_scales import checkpoint_kv_scales
 from engine.loading.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from engine.models import CausalLM, build_causal_lm
 from engine.models.llama import PagedLlamaForCausalLM
@@ -107,6 +108,10 @@ class RankParts:
     backend: AttentionBackend
     kv_cache: KVCache
     cache_dtype: torch.dtype
+    # Where an fp8 cache's scales come from ("" for other caches), and whether the first step
+    # sets them (`KVCache.calibrating`, switched on once graphs are captured).
+    kv_scales: str = ""
+    calibrates: bool = False
 
 
 def build_rank(
@@ -135,7 +140,33 @@ def build_rank(
         num_blocks = shard.group.min_int(num_blocks, device)
     kv_cache = KVCache(spec, num_blocks, device)
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
-    return RankParts(model, backend, kv_cache, cache_dtype)
+    scales, calibrates = _kv_scales(kv_cache, backend, loaded.path, config.cache)
+    return RankParts(model, backend, kv_cache, cache_dtype, scales, calibrates)
+
+
+def _kv_scales(
+    kv_cache: KVCache, backend: AttentionBackend, path: str, cache: CacheConfig
+) -> tuple[str, bool]:
+    """Give an fp8 cache the checkpoint's scales where it has some; say where the scales come
+    from, and whether the first step is to calibrate them."""
+    calculate = cache.calculate_kv_scales
+    if not kv_cache.scaled:
+        if calculate:
+            logger.warning("--calculate-kv-scales applies to fp8 KV caches only: ignored")
+        return "", False
+    found = None if calculate else checkpoint_kv_scales(path, kv_cache.spec.num_layers)
+    if not backend.takes_kv_scales:
+        if calculate or found is not None:
+            logger.warning(
+                "the %s attention backend stores fp8 K/V unscaled: KV scales ignored", backend.name
+            )
+        return "", False
+    if calculate:
+        return "calibrated on the first step", True
+    if found is None:
+        return "1.0", False
+    kv_cache.scales.copy_(found)
+    return "from the checkpoint", False
 
 
 def core_from_model(
@@ -165,10 +196,18 @@ def core_from_model(
     logger.info(
         "routes: %s",
         routes.describe(
-            model, backend.name, dtype, loaded.compute_dtype, parts.cache_dtype, device, overlap
+            model,
+            backend.name,
+            dtype,
+            loaded.compute_dtype,
+            parts.cache_dtype,
+            device,
+            overlap,
+            parts.kv_scales,
         ),
     )
     graphs, piecewise = _graphs(config, model, backend, kv_cache, max_model_len)
+    kv_cache.calibrating = parts.calibrates  # after capture: graphs never calibrate
     runner = ModelRunner(model, kv_cache, backend, sampler, graphs, workers, piecewise)
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     core.overlap = overlap

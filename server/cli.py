@@ -97,6 +97,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="K/V element type (auto: the model's dtype; on CPU, bfloat16, "
         "float16 or fp8_e5m2 under float32 compute; on CUDA, fp8 (e4m3), fp8_e4m3 or fp8_e5m2)",
     )
+    engine.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="an fp8 KV cache on CUDA takes each layer's scales from the first step's K/V "
+        "(default: the checkpoint's scales, else 1.0)",
+    )
     engine.add_argument("--max-num-seqs", type=int, default=128)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument(
@@ -294,6 +300,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             dtype=args.kv_cache_dtype,
+            calculate_kv_scales=args.calculate_kv_scales,
         ),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

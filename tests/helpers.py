@@ -135,20 +135,25 @@ def tiny_core(
     tokenizer: PreTrainedTokenizerFast | None = None,
     kv_cache_dtype: str = "auto",
     kv_cache_memory: int | None = None,
+    calculate_kv_scales: bool = False,
+    model_path: str = "",
     **config_overrides: object,
 ) -> tuple[EngineCore, ServingInfo]:
+    """An engine core around `model` (a tiny random Llama by default); `model_path` is the
+    folder it was saved to, where a test reads something from its files."""
     model = model if model is not None else tiny_llama()
     torch_device = torch.device(device)
     model = model.to(torch_device)
     if tokenizer is None and with_tokenizer:
         tokenizer = tiny_tokenizer()
-    loaded = wrap_model(model, tokenizer, name="tiny-llama")
+    loaded = wrap_model(model, tokenizer, name="tiny-llama", path=model_path)
     config = EngineConfig(
         cache=CacheConfig(
             block_size=block_size,
             num_blocks=num_blocks,
             dtype=kv_cache_dtype,
             kv_cache_memory=kv_cache_memory,
+            calculate_kv_scales=calculate_kv_scales,
         ),
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,

@@ -35,6 +35,8 @@ class AttentionBackend(ABC):
     """Writes each layer's new K/V into the paged cache and attends over the block tables."""
 
     name: ClassVar[str]
+    # Whether an fp8 cache may hold K/V divided by per-layer scales other than 1.0 here.
+    takes_kv_scales: ClassVar[bool] = True
 
     @abstractmethod
     def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> AttentionMetadata:

@@ -38,6 +38,8 @@ class PrefillRows:
 
 class CpuPagedAttention(InPlaceDecodeAttention):
     name = "cpu"
+    # The kernels read an fp8 (e5m2) cache as the top bytes of fp16, unscaled (as vLLM's CPU).
+    takes_kv_scales = False
 
     def __init__(self, model_dtype: torch.dtype = torch.float32) -> None:
         if not cpu_ops.has("attention"):
@@ -58,7 +60,9 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        kv_scales: torch.Tensor,
     ) -> torch.Tensor:
+        # Caches here are never scaled (`takes_kv_scales`): the scales are 1.0.
         return cpu_ops.paged_decode(query, key_cache, value_cache, block_table, seq_lens, scale)
 
     def _prefill_rows(

@@ -30,7 +30,7 @@ class InPlaceMetadata(TorchPagedMetadata):
 
 class InPlaceDecodeAttention(TorchPagedAttention):
     """Subclasses give the kernel: `(query, key_cache, value_cache, block_table, seq_lens,
-    scale) -> out`, with the layout of `TorchPagedAttention`'s caches."""
+    scale, kv_scales) -> out`, with the layout of `TorchPagedAttention`'s caches."""
 
     @staticmethod
     def metadata_type() -> type[TorchPagedMetadata]:
@@ -58,8 +58,10 @@ class InPlaceDecodeAttention(TorchPagedAttention):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        kv_scales: torch.Tensor,
     ) -> torch.Tensor:
-        """Attend each query row over its own blocks, up to its own length."""
+        """Attend each query row over its own blocks, up to its own length; an fp8 cache holds
+        K/V divided by `kv_scales` (the layer's key and value scales, on the device)."""
 
     def decode_metadata(
         self,
@@ -102,4 +104,5 @@ class InPlaceDecodeAttention(TorchPagedAttention):
             meta.decode_block_table,
             meta.decode_seq_lens,
             scale,
+            cache.layer_scales(layer),
         )

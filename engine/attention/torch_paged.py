@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
-from engine.kv.kv_cache import KVCache, narrowed
+from engine.kv.kv_cache import KVCache
 from engine.worker.input_batch import InputBatch
 
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -127,6 +127,7 @@ class TorchPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchPagedMetadata)
+        metadata.kv_cache.calibrate(layer, key, value)
         self._store(metadata.kv_cache, layer, metadata.slot_mapping, key, value)
         if metadata.all_decode:
             return self._decode(layer, query, scale, metadata)
@@ -169,8 +170,7 @@ class TorchPagedAttention(AttentionBackend):
         cache = meta.kv_cache
         q = query if meta.all_decode else query[meta.decode_tokens]
         assert meta.decode_block_table is not None  # set for every step with decode rows
-        k = _gather(cache.key(layer), meta.decode_block_table).to(q.dtype)
-        v = _gather(cache.value(layer), meta.decode_block_table).to(q.dtype)
+        k, v = _read(cache, layer, meta.decode_block_table, q.dtype)
         out = _sdpa(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale)
         return out.squeeze(2)
 
@@ -188,13 +188,13 @@ class TorchPagedAttention(AttentionBackend):
         if not span.context:
             # As the cache holds them, so that a prompt attends alike whether its K/V come
             # fresh or, after a prefix hit or preemption, from the cache.
-            k = _as_cached(key[span.start : span.end], cache).transpose(0, 1).unsqueeze(0)
-            v = _as_cached(value[span.start : span.end], cache).transpose(0, 1).unsqueeze(0)
+            k = cache.round_trip(layer, 0, key[span.start : span.end])
+            v = cache.round_trip(layer, 1, value[span.start : span.end])
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             out = _sdpa(q, k, v, is_causal=True, scale=scale)
         else:
             table = span.block_ids(q.device).unsqueeze(0)
-            k = _gather(cache.key(layer), table)[:, :, : span.seq_len].to(q.dtype)
-            v = _gather(cache.value(layer), table)[:, :, : span.seq_len].to(q.dtype)
+            k, v = _read(cache, layer, table, q.dtype, span.seq_len)
             out = _sdpa(q, k, v, attn_mask=span.offset_mask(q.device), scale=scale)
         return out[0].transpose(0, 1)
 
@@ -214,11 +214,18 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> 
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
 
 
-def _as_cached(x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """New K or V rounded to the cache's dtype and back, where the cache holds fewer bits."""
-    if x.dtype == cache.spec.dtype:
-        return x
-    return narrowed(x, cache.spec.dtype).to(x.dtype)
+def _read(
+    cache: KVCache,
+    layer: int,
+    block_table: torch.Tensor,
+    dtype: torch.dtype,
+    length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer`'s K and V through a block table (`_gather`), their first `length` tokens, as
+    the K/V they stand for in `dtype`."""
+    k = _gather(cache.key(layer), block_table)[:, :, :length]
+    v = _gather(cache.value(layer), block_table)[:, :, :length]
+    return cache.widened(layer, 0, k, dtype), cache.widened(layer, 1, v, dtype)
 
 
 def _gather(layer_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

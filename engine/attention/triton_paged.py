@@ -128,7 +128,13 @@ class TritonPagedAttention(InPlaceDecodeAttention):
             return
         cache = metadata.kv_cache
         self._kernels.paged_prefill(
-            out, query, cache.key(layer), cache.value(layer), metadata.prefill_rows, scale
+            out,
+            query,
+            cache.key(layer),
+            cache.value(layer),
+            metadata.prefill_rows,
+            scale,
+            cache.layer_scales(layer),
         )
 
     def decode_kernel(
@@ -139,9 +145,10 @@ class TritonPagedAttention(InPlaceDecodeAttention):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        kv_scales: torch.Tensor,
     ) -> torch.Tensor:
         return self._kernels.paged_decode(
-            query, key_cache, value_cache, block_table, seq_lens, scale
+            query, key_cache, value_cache, block_table, seq_lens, scale, kv_scales=kv_scales
         )
 
     def _store(
@@ -152,7 +159,8 @@ class TritonPagedAttention(InPlaceDecodeAttention):
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> None:
-        self._kernels.store_kv(key, value, cache.key(layer), cache.value(layer), slot_mapping)
+        keys, values, scales = cache.key(layer), cache.value(layer), cache.layer_scales(layer)
+        self._kernels.store_kv(key, value, keys, values, slot_mapping, scales)
 
 
 def _kernels() -> ModuleType:

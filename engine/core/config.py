@@ -76,7 +76,9 @@ class CacheConfig:
     `block_size` is tokens per block, None for the device's default (`DEFAULT_BLOCK_SIZES`).
     `num_blocks` overrides both memory budgets. On CPU `kv_cache_memory` bytes are used; on CUDA
     the fraction `gpu_memory_utilization` of the device memory, less what the weights and a
-    profiling step took. `dtype` is the K/V element type: `auto` is the model's dtype.
+    profiling step took. `dtype` is the K/V element type: `auto` is the model's dtype. An fp8
+    cache takes its per-layer scales from the checkpoint, or with `calculate_kv_scales` from
+    the first step served (`engine/kv/kv_scales.py`).
     """
 
     block_size: int | None = None
@@ -84,6 +86,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:

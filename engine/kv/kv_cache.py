@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine.kernels.cpu import huge_pages
+from engine.kv.kv_scales import calibrated_scales
 from engine.worker.transfer import to_device
+
+logger = logging.getLogger(__name__)
 
 FP8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
 
@@ -54,6 +58,11 @@ class KVCache:
     Slot `s` of the flattened cache is token `s % block_size` of block `s // block_size`. The
     memory is zeroed once so slots never read as NaN before they are written; on the CPU it
     lies in huge pages where the kernel allows (`huge_pages`).
+
+    An fp8 cache holds each layer's K and V divided by that layer's scales (`scales`,
+    `[layers, 2]` in fp32 on the device: 1.0 unless a checkpoint gives others or the first
+    step calibrates them, `engine/kv/kv_scales.py`). The scales live on the device, so a graph
+    captured before they change reads the new ones.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
@@ -70,6 +79,15 @@ class KVCache:
         # Per-layer views, made once: every layer asks for its own on every step.
         self._keys = [self.tensor[layer, 0] for layer in range(spec.num_layers)]
         self._values = [self.tensor[layer, 1] for layer in range(spec.num_layers)]
+        self.scales = torch.ones(spec.num_layers, 2, dtype=torch.float32, device=device)
+        self._layer_scales = [self.scales[layer] for layer in range(spec.num_layers)]
+        # Set while the next step's K/V are to set every layer's scales (`calibrate`).
+        self.calibrating = False
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the cache holds K/V divided by the layers' scales (an fp8 cache does)."""
+        return self.spec.dtype in FP8_DTYPES
 
     @property
     def block_size(self) -> int:
@@ -81,15 +99,59 @@ class KVCache:
     def value(self, layer: int) -> torch.Tensor:
         return self._values[layer]
 
+    def layer_scales(self, layer: int) -> torch.Tensor:
+        """`layer`'s key and value scales, `[2]` on the device."""
+        return self._layer_scales[layer]
+
+    def calibrate(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """While calibrating, set `layer`'s scales from these K/V (on the device, no wait)."""
+        if self.calibrating and self.scaled:
+            self._layer_scales[layer].copy_(calibrated_scales(key, value))
+
+    def end_calibration(self) -> None:
+        """After the step that calibrated the scales: keep them, and log their range (the one
+        wait for the device this takes)."""
+        if not self.calibrating:
+            return
+        self.calibrating = False
+        keys, values = self.scales.T.tolist()
+        logger.info(
+            "fp8 KV cache scales calibrated on the first step: key %.4g to %.4g, "
+            "value %.4g to %.4g",
+            min(keys),
+            max(keys),
+            min(values),
+            max(values),
+        )
+
     def write(
         self, layer: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
         """Store `[tokens, kv_heads, head_dim]` K/V of new tokens at their slots, rounded to
-        the cache's dtype."""
+        the cache's dtype (an fp8 cache's divided by the layer's scales first)."""
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim
-        key, value = narrowed(key, self.spec.dtype), narrowed(value, self.spec.dtype)
+        key, value = self.stored(layer, 0, key), self.stored(layer, 1, value)
         for layer_cache, new in ((self.key(layer), key), (self.value(layer), value)):
             _as_bits(layer_cache).view(-1, heads, dim).index_copy_(0, slot_mapping, _as_bits(new))
+
+    def stored(self, layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
+        """K (`kind` 0) or V (1) of `layer` as the cache stores them."""
+        if self.scaled:
+            x = x.float() / self._layer_scales[layer][kind]
+        return narrowed(x, self.spec.dtype)
+
+    def widened(self, layer: int, kind: int, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Values `x` read from `layer`'s K (`kind` 0) or V (1) cache as the K/V they stand
+        for, in `dtype`."""
+        if self.scaled:
+            return (x.float() * self._layer_scales[layer][kind]).to(dtype)
+        return x.to(dtype)
+
+    def round_trip(self, layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:
+        """New K or V as attention reads them back from the cache, where it holds fewer bits."""
+        if x.dtype == self.spec.dtype:
+            return x
+        return self.widened(layer, kind, self.stored(layer, kind, x), x.dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (every layer, K and V): `(source, destination)` pairs."""

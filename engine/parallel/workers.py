@@ -281,6 +281,7 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
     assert loaded.shard is not None
     parts = build_rank(loaded, config, device, dtype, Shard(group, loaded.shard))
     model, backend, kv_cache = parts.model, parts.backend, parts.kv_cache
+    kv_cache.calibrating = parts.calibrates
     no_tokens = torch.zeros(0, dtype=torch.int64, device=device)
 
     @torch.inference_mode()
@@ -292,6 +293,7 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
             group.broadcast(previous)
         input_ids = placed_input_ids(inputs.batch, previous, inputs.previous_rows, device)
         model(*model_inputs(backend, kv_cache, inputs.batch, inputs.logits_indices, input_ids))
+        kv_cache.end_calibration()
 
     return step
 

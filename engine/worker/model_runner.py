@@ -89,8 +89,10 @@ class ModelRunner:
             input_ids = self._device_input_ids(batch, rows)
             if chooses:
                 tokens = self.model.greedy_tokens(*self._model_inputs(batch, indices, input_ids))
+                self.kv_cache.end_calibration()
                 return self._launched(requests, SampledTokens(tokens, None), output)
             logits = self.forward(batch, indices, input_ids)
+            self.kv_cache.end_calibration()
         if prompt_rows:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
         sampled = None
@@ -141,13 +143,27 @@ class ModelRunner:
         `input_ids` on the device, if already there."""
         if input_ids is None:
             input_ids = self._device_input_ids(batch)
-        if self.graphs is not None and self.graphs.supports(batch, logits_indices):
+        if self._replays_whole(batch, logits_indices):
+            assert self.graphs is not None
             return self.graphs.run(batch, input_ids)
         inputs = self._model_inputs(batch, logits_indices, input_ids)
-        if self.piecewise is not None and self.piecewise.supports(batch):
+        if self._runs_in_pieces(batch):
+            assert self.piecewise is not None
             _, _, metadata, keep = inputs
             return self.piecewise.run(batch, input_ids, metadata, keep)
         return self.model(*inputs)
+
+    def _replays_whole(self, batch: InputBatch, logits_indices: np.ndarray) -> bool:
+        """A decode graph runs the step. The step that calibrates the KV cache's scales runs
+        eagerly, as do those the graphs do not take."""
+        graphs = self.graphs
+        calibrating = self.kv_cache.calibrating
+        return graphs is not None and not calibrating and graphs.supports(batch, logits_indices)
+
+    def _runs_in_pieces(self, batch: InputBatch) -> bool:
+        """Piecewise graphs run the step (again not the calibrating one)."""
+        pieces = self.piecewise
+        return pieces is not None and not self.kv_cache.calibrating and pieces.supports(batch)
 
     def _model_inputs(
         self, batch: InputBatch, logits_indices: np.ndarray, input_ids: torch.Tensor
@@ -161,8 +177,8 @@ class ModelRunner:
         return (
             self.greedy_in_model
             and takes_argmax(requests)
-            and not (self.graphs is not None and self.graphs.supports(batch, indices))
-            and not (self.piecewise is not None and self.piecewise.supports(batch))
+            and not self._replays_whole(batch, indices)
+            and not self._runs_in_pieces(batch)
         )
 
     def _prompt_logprobs(

@@ -59,11 +59,13 @@ def describe(
     cache_dtype: torch.dtype,
     device: torch.device,
     async_scheduling: bool = False,
+    kv_scales: str = "",
 ) -> str:
+    scales = f" (scales {kv_scales})" if kv_scales else ""
     parts = [
         f"model implementation {getattr(model, 'name', type(model).__name__)}",
         f"dtype {_dtype(dtype)} (compute {_dtype(compute)})",
-        f"KV cache {_dtype(cache_dtype)}",
+        f"KV cache {_dtype(cache_dtype)}{scales}",
         f"attention {attention}",
         f"linear layers: {linear_forms(model)}",
         f"async scheduling {'on' if async_scheduling else 'off'}",

@@ -138,6 +138,11 @@ def scaled(case, cache_dtype, key_scale, value_scale):
     return (query, fp8_keys, fp8_values, *rest), (query, *seen, *rest)
 
 
+def scales_of(key_scale: float, value_scale: float) -> torch.Tensor:
+    """A layer's scales as the kernels read them: `[2]` fp32 on the device."""
+    return torch.tensor([key_scale, value_scale], device=TRITON_DEVICE)
+
+
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 3])
@@ -145,7 +150,7 @@ def test_decode_reads_an_fp8_cache_with_scales(cache_dtype, query_dtype, splits)
     case = random_case(query_dtype, 8, 2, 32, 16, [1, 30, 70], seed=5)
     ours, reference = scaled(case, cache_dtype, 0.5, 2.0)
     out = kernels.paged_decode(
-        *on_device(ours), scale=0.125, splits=splits, key_scale=0.5, value_scale=2.0
+        *on_device(ours), scale=0.125, splits=splits, kv_scales=scales_of(0.5, 2.0)
     )
     assert out.dtype == query_dtype
     tol = TOLERANCE[query_dtype] * 4  # 2.0 times values of up to ~4
@@ -168,7 +173,7 @@ def test_prefill_reads_an_fp8_cache_with_scales(cache_dtype):
     work = kernels.PrefillRows.of(starts, lens, contexts, table.numpy(), device)
     out = torch.zeros_like(query).to(device)
     q, kc, vc = (t.to(device) for t in (query, fp8_keys, fp8_values))
-    kernels.paged_prefill(out, q, kc, vc, work, 0.2, key_scale=2.0, value_scale=0.5)
+    kernels.paged_prefill(out, q, kc, vc, work, 0.2, kv_scales=scales_of(2.0, 0.5))
     for row in range(len(rows)):
         span = slice(int(starts[row]), int(starts[row] + lens[row]))
         expected = reference_prefill(query[span], keys, values, table[row], int(contexts[row]), 0.2)
@@ -182,7 +187,7 @@ def test_store_into_fp8_divides_by_the_scales_and_saturates(cache_dtype):
     key_cache = torch.zeros(2, 4, 1, 16, dtype=cache_dtype, device=TRITON_DEVICE)
     value_cache = torch.zeros_like(key_cache)
     slots = torch.tensor([5, -1], device=TRITON_DEVICE)
-    kernels.store_kv(key, value, key_cache, value_cache, slots, key_scale=0.5, value_scale=4.0)
+    kernels.store_kv(key, value, key_cache, value_cache, slots, kv_scales=scales_of(0.5, 4.0))
     largest = torch.finfo(cache_dtype).max
     stored_key, stored_value = key_cache[1, 1, 0].float().cpu(), value_cache[1, 1, 0].float().cpu()
     assert stored_key[:4].tolist() == [2.0, -6.0, largest, -largest]

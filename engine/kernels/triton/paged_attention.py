@@ -50,6 +50,18 @@ def _dot(a, b, IEEE: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def _scales(kv_scales_ptr, SCALED: tl.constexpr):
+    """The layer's key and value scales, read from the device (1.0 where the cache is not
+    scaled)."""
+    key_scale = 1.0
+    value_scale = 1.0
+    if SCALED:
+        key_scale = tl.load(kv_scales_ptr)
+        value_scale = tl.load(kv_scales_ptr + 1)
+    return key_scale, value_scale
+
+
+@triton.jit
 def _attend(
     query,
     positions,
@@ -119,8 +131,8 @@ def _paged_decode_kernel(
     value_ptr,
     table_ptr,
     lens_ptr,
+    kv_scales_ptr,
     scale,
-    value_scale,
     query_stride_token,
     query_stride_head,
     out_stride_token,
@@ -136,6 +148,7 @@ def _paged_decode_kernel(
     DIM_PAD: tl.constexpr,
     TILE_TOKENS: tl.constexpr,
     SPLITS: tl.constexpr,
+    SCALED: tl.constexpr,
     IEEE: tl.constexpr,
     WIDEN: tl.constexpr,
 ):
@@ -152,7 +165,8 @@ def _paged_decode_kernel(
     q_mask = (group < GROUP)[:, None] & (dim < DIM)[None, :]
     q_offsets = seq * query_stride_token + heads[:, None] * query_stride_head + dim[None, :]
     query = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)
-    query = (query.to(tl.float32) * scale).to(query_ptr.dtype.element_ty)
+    key_scale, value_scale = _scales(kv_scales_ptr, SCALED)
+    query = (query.to(tl.float32) * (scale * key_scale)).to(query_ptr.dtype.element_ty)
 
     length = tl.load(lens_ptr + seq)
     chunk = tl.cdiv(tl.cdiv(length, SPLITS), TILE_TOKENS) * TILE_TOKENS
@@ -245,8 +259,8 @@ def _paged_prefill_kernel(
     query_starts_ptr,
     query_lens_ptr,
     context_lens_ptr,
+    kv_scales_ptr,
     scale,
-    value_scale,
     query_stride_token,
     query_stride_head,
     out_stride_token,
@@ -261,6 +275,7 @@ def _paged_prefill_kernel(
     DIM_PAD: tl.constexpr,
     TILE_M: tl.constexpr,
     TILE_N: tl.constexpr,
+    SCALED: tl.constexpr,
     IEEE: tl.constexpr,
     WIDEN: tl.constexpr,
 ):
@@ -282,7 +297,8 @@ def _paged_prefill_kernel(
     q_mask = m_valid[:, None] & (dim < DIM)[None, :]
     q_offsets = (query_start + offs_m)[:, None] * query_stride_token + head * query_stride_head
     query = tl.load(query_ptr + q_offsets + dim[None, :], mask=q_mask, other=0.0)
-    query = (query.to(tl.float32) * scale).to(query_ptr.dtype.element_ty)
+    key_scale, value_scale = _scales(kv_scales_ptr, SCALED)
+    query = (query.to(tl.float32) * (scale * key_scale)).to(query_ptr.dtype.element_ty)
     positions = context + offs_m
     end = context + tl.minimum(first_query + TILE_M, query_len)
 
@@ -326,8 +342,7 @@ def _store_kv_kernel(
     cache_stride_block,
     cache_stride_slot,
     cache_stride_head,
-    key_scale,
-    value_scale,
+    kv_scales_ptr,
     BLOCK: tl.constexpr,
     HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
@@ -336,7 +351,7 @@ def _store_kv_kernel(
     FP8_MAX: tl.constexpr,
 ):
     """One program per token. Into an fp8 cache (`FP8_MAX`, its largest value) K/V go divided
-    by their scales and saturated to the format's range."""
+    by the layer's scales and saturated to the format's range."""
     token = tl.program_id(0)
     slot = tl.load(slots_ptr + token)
     if slot >= 0:
@@ -354,6 +369,8 @@ def _store_kv_kernel(
             value_ptr + token * value_stride_token + head * value_stride_head + dim, mask=mask
         )
         if FP8_MAX > 0:
+            key_scale = tl.load(kv_scales_ptr)
+            value_scale = tl.load(kv_scales_ptr + 1)
             key = tl.clamp(key.to(tl.float32) / key_scale, -FP8_MAX, FP8_MAX)
             value = tl.clamp(value.to(tl.float32) / value_scale, -FP8_MAX, FP8_MAX)
         tl.store(key_cache_ptr + cache, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
@@ -368,8 +385,7 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     splits: int | None = None,
-    key_scale: float = 1.0,
-    value_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`query [seqs, heads, dim]` over caches `[blocks, block_size, kv_heads, dim]`; row i
     reads `seq_lens[i]` tokens through `block_table[i]`. A row of length 0 gives zeros.
@@ -377,7 +393,8 @@ def paged_decode(
     Each sequence's tokens are split into `splits` pieces attended in parallel and combined
     (None: enough pieces to give every streaming multiprocessor work, `decode_splits`). The
     count depends on the batch's shape only, never its lengths, so a captured graph replays
-    it for any lengths. An fp8 cache holds K/V divided by `key_scale` and `value_scale`."""
+    it for any lengths. An fp8 cache holds K/V divided by `kv_scales` (`[2]` fp32 on the
+    device: the key and value scales; 1.0 when None)."""
     seqs, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     _check_cache(query, key_cache, value_cache, dim)
@@ -405,8 +422,8 @@ def paged_decode(
         value_cache,
         block_table,
         seq_lens,
-        scale * key_scale,
-        value_scale,
+        _scales_of(kv_scales, query.device),
+        scale,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -422,6 +439,7 @@ def paged_decode(
         DIM_PAD=dim_pad,
         TILE_TOKENS=TILE,
         SPLITS=splits,
+        SCALED=key_cache.dtype in FP8,
         IEEE=query.dtype == torch.float32,
         WIDEN=query.device.type == "cpu",
     )
@@ -505,12 +523,12 @@ def paged_prefill(
     value_cache: torch.Tensor,
     rows: PrefillRows,
     scale: float,
-    key_scale: float = 1.0,
-    value_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Attend the query tokens of every multi-token row of a step (`query [tokens, heads, dim]`,
     flattened as the step is) causally over their sequences in the cache, K/V of the new tokens
-    already stored; write each row's tokens of `out`, and leave the others as they are."""
+    already stored; write each row's tokens of `out`, and leave the others as they are. An fp8
+    cache holds K/V divided by `kv_scales`, as for `paged_decode`."""
     _, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     _check_cache(query, key_cache, value_cache, dim)
@@ -532,8 +550,8 @@ def paged_prefill(
         rows.query_starts,
         rows.query_lens,
         rows.context_lens,
-        scale * key_scale,
-        value_scale,
+        _scales_of(kv_scales, query.device),
+        scale,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -548,6 +566,7 @@ def paged_prefill(
         DIM_PAD=_pad(dim, 16),
         TILE_M=PREFILL_TILE,
         TILE_N=TILE,
+        SCALED=key_cache.dtype in FP8,
         IEEE=query.dtype == torch.float32,
         WIDEN=query.device.type == "cpu",
     )
@@ -559,11 +578,10 @@ def store_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    key_scale: float = 1.0,
-    value_scale: float = 1.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Write `[tokens, kv_heads, dim]` K/V at their slots; tokens whose slot is -1 are skipped.
-    An fp8 cache takes them divided by `key_scale` and `value_scale`."""
+    An fp8 cache takes them divided by `kv_scales`, as for `paged_decode`."""
     tokens, kv_heads, dim = key.shape
     _check_cache(key, key_cache, value_cache, dim)
     if value.shape != key.shape or slot_mapping.shape != (tokens,):
@@ -584,8 +602,7 @@ def store_kv(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
-        key_scale,
-        value_scale,
+        _scales_of(kv_scales, key.device),
         BLOCK=block_size,
         HEADS=kv_heads,
         HEADS_PAD=_pad(kv_heads),
@@ -593,6 +610,15 @@ def store_kv(
         DIM_PAD=_pad(dim),
         FP8_MAX=torch.finfo(key_cache.dtype).max if key_cache.dtype in FP8 else 0.0,
     )
+
+
+def _scales_of(kv_scales: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """`kv_scales`, checked, or scales of 1.0."""
+    if kv_scales is None:
+        return torch.ones(2, dtype=torch.float32, device=device)
+    if kv_scales.shape != (2,) or kv_scales.dtype != torch.float32:
+        raise ValueError("kv_scales must be [2] fp32: the key and the value scale")
+    return kv_scales
 
 
 def _check_cache(

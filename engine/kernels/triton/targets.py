@@ -33,7 +33,9 @@ INDEX_ARGS = (
     "query_lens_ptr",
     "context_lens_ptr",
 )
-FLOAT_ARGS = ("scale", "value_scale", "key_scale")
+FLOAT_ARGS = ("scale",)
+# The layer's key and value scales, read on the device.
+SCALES = {"kv_scales_ptr": "fp32"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +71,13 @@ def forms(arch: int) -> Iterator[Form]:
             if cache == "fp8e4nv" and arch < E4M3_FROM:
                 continue
             tag = f"{compute} query, {cache} cache"
-            yield from _attention_forms(compute, cache, tag)
+            yield from _attention_forms(compute, cache, tag, scaled=fp8_max > 0)
             yield Form(
                 f"store ({tag})",
                 kernels._store_kv_kernel,
                 {"key_ptr": compute, "value_ptr": compute}
-                | {"key_cache_ptr": cache, "value_cache_ptr": cache},
+                | {"key_cache_ptr": cache, "value_cache_ptr": cache}
+                | SCALES,
                 dict(BLOCK=16, HEADS=8, HEADS_PAD=8, DIM=128, DIM_PAD=128, FP8_MAX=fp8_max),
             )
     yield Form(
@@ -85,9 +88,10 @@ def forms(arch: int) -> Iterator[Form]:
     )
 
 
-def _attention_forms(compute: str, cache: str, tag: str) -> Iterator[Form]:
+def _attention_forms(compute: str, cache: str, tag: str, scaled: bool) -> Iterator[Form]:
     ieee = compute == "fp32"
     pointers = {"out_ptr": compute, "query_ptr": compute, "key_ptr": cache, "value_ptr": cache}
+    pointers |= SCALES
     for splits in (1, 4):
         yield Form(
             f"decode in {splits} split(s) ({tag})",
@@ -101,6 +105,7 @@ def _attention_forms(compute: str, cache: str, tag: str) -> Iterator[Form]:
                 DIM_PAD=128,
                 TILE_TOKENS=kernels.TILE,
                 SPLITS=splits,
+                SCALED=scaled,
                 IEEE=ieee,
                 WIDEN=False,
             ),
@@ -116,6 +121,7 @@ def _attention_forms(compute: str, cache: str, tag: str) -> Iterator[Form]:
             DIM_PAD=128,
             TILE_M=kernels.PREFILL_TILE,
             TILE_N=kernels.TILE,
+            SCALED=scaled,
             IEEE=ieee,
             WIDEN=False,
         ),
