@@ -139,6 +139,7 @@ def build_rank(
     if shard is not None:
         num_blocks = shard.group.min_int(num_blocks, device)
     kv_cache = KVCache(spec, num_blocks, device)
+    kv_cache.group = shard.group if shard is not None else None
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
     scales, calibrates = _kv_scales(kv_cache, backend, loaded.path, config.cache)
     return RankParts(model, backend, kv_cache, cache_dtype, scales, calibrates)

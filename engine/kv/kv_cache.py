@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.kernels.cpu import huge_pages
 from engine.kv.kv_scales import calibrated_scales
 from engine.worker.transfer import to_device
+
+if TYPE_CHECKING:
+    from engine.parallel.group import ParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,9 @@ class KVCache:
         self._layer_scales = [self.scales[layer] for layer in range(spec.num_layers)]
         # Set while the next step's K/V are to set every layer's scales (`calibrate`).
         self.calibrating = False
+        # Under tensor parallelism, the ranks that share the layers: each calibrates over the
+        # largest K/V of them all, so the scales are those of one rank holding every head.
+        self.group: ParallelGroup | None = None
 
     @property
     def scaled(self) -> bool:
@@ -106,7 +112,10 @@ class KVCache:
     def calibrate(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """While calibrating, set `layer`'s scales from these K/V (on the device, no wait)."""
         if self.calibrating and self.scaled:
-            self._layer_scales[layer].copy_(calibrated_scales(key, value))
+            scales = calibrated_scales(key, value)
+            if self.group is not None:
+                self.group.all_reduce_max(scales)
+            self._layer_scales[layer].copy_(scales)
 
     def end_calibration(self) -> None:
         """After the step that calibrated the scales: keep them, and log their range (the one

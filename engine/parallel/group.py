@@ -49,10 +49,17 @@ class ParallelGroup:
         if not self.is_parallel:
             return value
         tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        return int(self._reduce(tensor, dist.ReduceOp.MIN).item())
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The ranks' largest entries of `tensor`, in place; returns it."""
+        return self._reduce(tensor, dist.ReduceOp.MAX) if self.is_parallel else tensor
+
+    def _reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # torch stubs
+        options.reduceOp = op
         self.process_group.allreduce([tensor], options).wait()
-        return int(tensor.item())
+        return tensor
 
     def all_gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """The ranks' `[rows, cols]` tensors side by side: `[rows, size * cols]`, rank order."""

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.core.async_engine import AsyncEngine
 from engine.core.config import CacheConfig, EngineConfig
@@ -23,7 +24,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.parallel.workers import WorkerPool
 from tests.core.test_engine_greedy import record_chunking
-from tests.helpers import reference_greedy, run_all, tiny_llama, tokens_of
+from tests.helpers import chat_tokenizer, reference_greedy, run_all, tiny_llama, tokens_of
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -150,6 +151,31 @@ def spy_sent(core: EngineCore) -> list:
 
     workers.send = spy  # type: ignore[method-assign]
     return sent
+
+
+def test_calibrated_fp8_scales_are_the_same_on_every_rank(tmp_path):
+    """Calibrated on the first step, each layer's scales are the largest over all ranks' heads,
+    so two ranks store K/V as one rank does and give its tokens. K here reach far past e5m2's
+    largest value (57344): a rank left with scales of 1.0 saturates them and answers otherwise."""
+    model = tiny_llama()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(1e5)
+    model.save_pretrained(tmp_path)
+    chat_tokenizer().save_pretrained(tmp_path)
+
+    def tokens(size: int, calibrate: bool) -> list[list[int]]:
+        cache = CacheConfig(
+            block_size=4, num_blocks=128, dtype="fp8_e5m2", calculate_kv_scales=calibrate
+        )
+        options = dict(dtype="float32", attention_backend="torch", cache=cache)
+        engine = EngineConfig(model=str(tmp_path), tensor_parallel_size=size, **options)
+        with engine_core(engine) as core:
+            return all_tokens(core, GREEDY)
+
+    one = tokens(1, calibrate=True)
+    assert tokens(2, calibrate=True) == one
+    assert tokens(1, calibrate=False) != one
 
 
 def test_a_forward_pass_that_fails_on_rank_0_stops_the_engine(model_dir, monkeypatch):
