@@ -43,28 +43,38 @@ def _one_pass_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def fuse(linears: list[nn.Module]) -> nn.Module:
     """One projection whose output is the given projections' outputs side by side; panels are
-    joined as held where they line up (GGUF blocks stay blocks)."""
+    joined as held where they line up (GGUF blocks stay blocks). Plain linear layers keep no
+    second copy: each source's weight (and bias) becomes a view of its rows of the fused one, so
+    the model they came from still computes what it did, over the same memory."""
     if all(isinstance(m, PanelLinear) for m in linears):
         joined = PanelLinear.joined(cast(list[PanelLinear], linears))
         if joined is not None:
             return joined
-    weight = torch.cat([cast(torch.Tensor, m.weight) for m in linears])
-    biases = [cast(torch.Tensor | None, m.bias) for m in linears]
-    bias = None if biases[0] is None else torch.cat(cast(list[torch.Tensor], biases))
+    with torch.no_grad():
+        weight = torch.cat([cast(torch.Tensor, m.weight) for m in linears])
+        biases = [cast(torch.Tensor | None, m.bias) for m in linears]
+        bias = None if biases[0] is None else torch.cat(cast(list[torch.Tensor], biases))
     if isinstance(linears[0], CPU_LINEAR_TYPES):
         return linears[0].remade(weight, bias)
-    fused = nn.Linear(
-        weight.shape[1],
-        weight.shape[0],
-        bias=bias is not None,
-        device=weight.device,
-        dtype=weight.dtype,
-    )
-    with torch.no_grad():
-        fused.weight.copy_(weight)
-        if bias is not None:
-            fused.bias.copy_(bias)
+    with torch.device("meta"):
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    if all(isinstance(m, nn.Linear) for m in linears):
+        _share_rows(cast(list[nn.Linear], linears), fused)
     return fused
+
+
+def _share_rows(linears: list[nn.Linear], fused: nn.Linear) -> None:
+    """Point each of `linears` at its rows of `fused`, freeing its own copy."""
+    start = 0
+    for linear in linears:
+        rows = slice(start, start + linear.out_features)
+        linear.weight = nn.Parameter(fused.weight[rows], requires_grad=False)
+        if fused.bias is not None:
+            linear.bias = nn.Parameter(fused.bias[rows], requires_grad=False)
+        start = rows.stop
 
 
 def add_projected(projection: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -69,3 +69,39 @@ def test_fused_projections_share_no_storage_with_the_source() -> None:
     assert fused.shape[0] == 64 + 2 * 32
     torch.testing.assert_close(fused[:64], q_before)
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, q_before)
+
+
+def storages(*modules: torch.nn.Module) -> dict[int, int]:
+    """Bytes of every distinct storage the modules' parameters lie in."""
+    return {
+        p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+        for module in modules
+        for p in module.parameters()
+    }
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_projections_keep_no_second_copy(family: str) -> None:
+    """q/k/v and gate/up are fused without copying the weights twice: the source projections
+    become views of their rows of the fused ones, and the source model computes as before."""
+    model = tiny_llama() if family == "llama" else build(family)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    weight_bytes = sum(storages(model).values())
+    paged = build_causal_lm(model, "conveyor")
+    assert isinstance(paged, PagedLlamaForCausalLM)
+    for layer, source in zip(paged.layers, model.model.layers, strict=True):
+        attn, mlp = source.self_attn, source.mlp
+        for fused, parts in [
+            (layer.qkv_proj, (attn.q_proj, attn.k_proj, attn.v_proj)),
+            (layer.gate_up_proj, (mlp.gate_proj, mlp.up_proj)),
+        ]:
+            shared = {p.weight.untyped_storage().data_ptr() for p in parts}
+            assert shared == {fused.weight.untyped_storage().data_ptr()}
+            if fused.bias is not None:  # qwen2's q/k/v
+                assert attn.q_proj.bias.untyped_storage().data_ptr() == (
+                    fused.bias.untyped_storage().data_ptr()
+                )
+    assert sum(storages(model, paged).values()) == weight_bytes
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
