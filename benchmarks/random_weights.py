@@ -5,7 +5,9 @@ EOS ignored).
     python benchmarks/random_weights.py OUT_DIR [--like MODEL_DIR] [--dtype bfloat16]
         [--set hidden_size=896 num_attention_heads=14 ...]
 
-`--set` changes fields of the config (another shape with the same tokenizer).
+`--set` changes fields of the config (another shape with the same tokenizer). With
+`--config-only` no weights are written: serve the folder with `--load-format dummy`, which
+makes random weights of its shape where the model runs (a large shape takes no disk).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=INT")
+    parser.add_argument("--config-only", action="store_true")
     args = parser.parse_args()
     if args.like is None:
         from engine.loading.default_model import ensure_default_model
@@ -47,9 +50,13 @@ def main() -> None:
     for field in args.set:
         name, _, value = field.partition("=")
         setattr(config, name, int(value))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
-    model.save_pretrained(args.output)
+    if args.config_only:
+        config.dtype = args.dtype
+        config.save_pretrained(args.output)
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+        model.save_pretrained(args.output)
     for name in TOKENIZER_FILES:
         if (args.like / name).exists():
             shutil.copy(args.like / name, args.output / name)

@@ -85,7 +85,13 @@ def load_rank(
     torch.manual_seed(config.seed)
     rank = (group.rank, group.size) if group is not None else (0, 1)
     loaded = load_model(
-        config.model, dtype, device, config.trust_remote_code, config.int8_activations, rank
+        config.model,
+        dtype,
+        device,
+        config.trust_remote_code,
+        config.int8_activations,
+        rank,
+        random_weights=config.load_format == "dummy",
     )
     return loaded, dtype
 

@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from engine.core.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
+from engine.core.config import KV_CACHE_DTYPES, LOAD_FORMATS, CacheConfig, EngineConfig
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
 from server.settings import (
@@ -183,6 +183,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--trust-remote-code", action="store_true")
+    engine.add_argument(
+        "--load-format",
+        default="auto",
+        choices=list(LOAD_FORMATS),
+        help="auto: read the checkpoint's weights; dummy: random weights of the model's shape "
+        "(only its config and tokenizer are read), for measuring speed and memory",
+    )
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -318,6 +325,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
+        load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=args.async_scheduling,
     )

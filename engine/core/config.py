@@ -103,6 +103,11 @@ class CacheConfig:
             )
 
 
+# `auto` reads the checkpoint's weights; `dummy` (as vLLM's) gives the model random weights of
+# the checkpoint's shape, read from its config alone: for measuring speed and memory.
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything needed to build an engine. `model` is a folder or hub id; None means the default
@@ -131,6 +136,7 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     trust_remote_code: bool = False
+    load_format: str = "auto"
     # Ranks (processes, one device each) the model's weights are split across.
     tensor_parallel_size: int = 1
     # Schedule and launch each step while the previous one still runs on the device; None:
@@ -141,6 +147,10 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"unknown load format {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
             )
 
     def overlaps(self, device_type: str) -> bool:

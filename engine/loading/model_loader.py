@@ -23,7 +23,7 @@ from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import gguf_blocks
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from engine.parallel.loading import load_share
-from engine.parallel.sharding import ShardShape
+from engine.parallel.sharding import ShardShape, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +162,13 @@ def load_model(
     trust_remote_code: bool = False,
     int8_activations: bool = False,
     rank: tuple[int, int] = (0, 1),
+    random_weights: bool = False,
 ) -> LoadedModel:
     """Load weights and tokenizer; None loads the embedded default model. `int8_activations`
     multiplies the GGUF Q4_1 / Q8_0 blocks of an fp32 CPU model against inputs rounded to 8-bit
     blocks (`cpu_linear.use_gguf_blocks`). `rank` is (rank, size) under tensor parallelism: the
-    model is cut to that rank's share before it moves to `device`."""
+    model is cut to that rank's share before it moves to `device`. With `random_weights`
+    (`--load-format dummy`) no weight is read: the model gets random ones of its shape."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path is None:
@@ -175,7 +177,9 @@ def load_model(
         path, name = name_or_path, name_or_path
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     shard = None
-    if rank[1] > 1:
+    if random_weights:
+        model, shard = _random_model(path, dtype, device, rank, trust_remote_code)
+    elif rank[1] > 1:
         model, shard = load_share(path, dtype, *rank, trust_remote_code=trust_remote_code)
     else:
         model = AutoModelForCausalLM.from_pretrained(
@@ -184,8 +188,8 @@ def load_model(
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
-    # A share's weights no longer match the GGUF blocks kept for the whole model.
-    folder = Path(path) if shard is None else None
+    # A share's weights (and random ones) do not match the GGUF blocks kept beside the model.
+    folder = Path(path) if shard is None and not random_weights else None
     use_linear_form(model, choose_linear_form(dtype, device), folder, int8_activations)
     if int8_activations and not any(getattr(m, "int8_activations", False) for m in model.modules()):
         logger.warning(
@@ -196,6 +200,30 @@ def load_model(
     loaded = wrap_model(model, tokenizer, name=name, path=path)
     loaded.shard = shard
     return loaded
+
+
+def _random_model(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    rank: tuple[int, int],
+    trust_remote_code: bool,
+) -> tuple[Any, ShardShape | None]:
+    """The model at `path` built from its config with random weights (transformers' own
+    initialisation), made where it will run (a tensor-parallel rank cuts its share on the CPU
+    first); nothing else of the checkpoint is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    logger.warning("--load-format dummy: random weights, for measuring speed and memory only")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    parallel = rank[1] > 1
+    with torch.device("cpu" if parallel else device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    if (Path(path) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model, shard_model(model, *rank) if parallel else None
 
 
 class LinearForm(StrEnum):

@@ -105,3 +105,32 @@ def test_fused_projections_keep_no_second_copy(family: str) -> None:
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
 
+
+def test_dummy_load_format_serves_random_weights_from_the_config_alone(tmp_path) -> None:
+    """`--load-format dummy`: a folder with only a config and a tokenizer serves, over the
+    weights transformers' own initialisation gives that config under the engine's seed."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.core.config import EngineConfig
+    from engine.factory import create_engine_core
+    from tests.helpers import tiny_tokenizer
+
+    config = tiny_llama().config
+    config.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    engine = EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", load_format="dummy")
+    core, _, _ = create_engine_core(engine)
+    torch.manual_seed(engine.seed)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    prompts = [[5, 9, 33, 2], list(range(40, 60))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = run_all(core, prompts, params)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(reference, prompt, 6)
+    with pytest.raises(ValueError, match="unknown load format 'pt'"):
+        EngineConfig(load_format="pt")
+    from server.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["serve", "--load-format", "dummy"])
+    assert engine_config(args).load_format == "dummy"
