@@ -109,6 +109,48 @@ def naive_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 
 
+def mixed_step(
+    cache: KVCache,
+    history: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    contexts: list[int],
+    queries: list[int],
+) -> tuple[InputBatch, torch.Tensor, torch.Tensor]:
+    """One step over layer 0 for rows whose full K/V are `history[row]`: `contexts[row]` of
+    their tokens already cached (written as earlier steps would have, in scattered blocks) and
+    the next `queries[row]` new. Returns the step's batch and its new K and V."""
+    block_size, device = cache.block_size, cache.device
+    total = [c + q for c, q in zip(contexts, queries, strict=True)]
+    free = list(range(cache.num_blocks))
+    random.Random(1).shuffle(free)  # blocks are scattered, not contiguous
+    tables = [[free.pop() for _ in range(-(-t // block_size))] for t in total]
+    width = max(len(t) for t in tables)
+
+    def slots(row, positions):
+        return [tables[row][p // block_size] * block_size + p % block_size for p in positions]
+
+    for row, ctx in enumerate(contexts):
+        if ctx:
+            k, v = history[row]
+            cache.write(0, torch.tensor(slots(row, range(ctx)), device=device), k[:ctx], v[:ctx])
+    rows = range(len(contexts))
+    batch = InputBatch(
+        requests=[],
+        input_ids=np.zeros(sum(queries), dtype=np.int64),
+        positions=np.concatenate([np.arange(c, t) for c, t in zip(contexts, total, strict=True)]),
+        slot_mapping=np.array(
+            [s for row in rows for s in slots(row, range(contexts[row], total[row]))]
+        ),
+        query_starts=np.cumsum([0, *queries[:-1]]),
+        query_lens=np.array(queries),
+        context_lens=np.array(contexts),
+        block_table=np.array([t + [0] * (width - len(t)) for t in tables]),
+        sample_rows=np.arange(len(contexts)),
+    )
+    new_k = torch.cat([history[row][0][contexts[row] :] for row in rows])
+    new_v = torch.cat([history[row][1][contexts[row] :] for row in rows])
+    return batch, new_k, new_v
+
+
 BACKENDS_ON_DEVICES = [
     ("torch", "cpu"),
     ("cpu", "cpu"),
@@ -144,35 +186,9 @@ def test_backend_matches_naive_attention_per_sequence(block_size, dim, backend_n
         )
         for i, t in enumerate(total)
     }
-    free = list(range(64))
-    random.Random(1).shuffle(free)  # blocks are scattered, not contiguous
-    tables = [[free.pop() for _ in range(-(-t // block_size))] for t in total]
-    width = max(len(t) for t in tables)
-
-    def slots(row, positions):
-        return [tables[row][p // block_size] * block_size + p % block_size for p in positions]
-
-    for row, ctx in enumerate(contexts):  # pretend earlier steps cached the prefixes
-        if ctx:
-            k, v = history[row]
-            cache.write(0, torch.tensor(slots(row, range(ctx)), device=device), k[:ctx], v[:ctx])
-    query_starts = np.cumsum([0, *queries[:-1]])
-    batch = InputBatch(
-        requests=[],
-        input_ids=np.zeros(sum(queries), dtype=np.int64),
-        positions=np.concatenate([np.arange(c, t) for c, t in zip(contexts, total, strict=True)]),
-        slot_mapping=np.array(
-            [s for row in range(4) for s in slots(row, range(contexts[row], total[row]))]
-        ),
-        query_starts=query_starts,
-        query_lens=np.array(queries),
-        context_lens=np.array(contexts),
-        block_table=np.array([t + [0] * (width - len(t)) for t in tables]),
-        sample_rows=np.arange(4),
-    )
+    batch, new_k, new_v = mixed_step(cache, history, contexts, queries)
+    query_starts = batch.query_starts
     q = torch.randn(sum(queries), heads, dim, device=device)
-    new_k = torch.cat([history[r][0][contexts[r] :] for r in range(4)])
-    new_v = torch.cat([history[r][1][contexts[r] :] for r in range(4)])
     out = backend.forward(0, q, new_k, new_v, 0.5, backend.build_metadata(batch, cache))
     for row in range(4):
         start, n = int(query_starts[row]), queries[row]

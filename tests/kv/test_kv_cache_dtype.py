@@ -156,24 +156,41 @@ def test_narrow_cache_backends_agree(kv: str, packed: bool) -> None:
     same rounded K/V: their logprobs agree to fp32 accuracy."""
     cpu = greedy_with_logprobs(kv, "cpu", PROMPTS, packed)
     oracle = greedy_with_logprobs(kv, "torch", PROMPTS, packed)
-    for i in range(len(PROMPTS)):
-        assert tokens_of(cpu[f"req-{i}"]) == tokens_of(oracle[f"req-{i}"])
+    assert_agree(cpu, oracle, len(PROMPTS))
+
+
+def assert_agree(ours: dict[str, list[RequestOutput]], theirs: dict, count: int) -> None:
+    """Requests `req-0` ... of two runs chose the same tokens with logprobs equal to fp32
+    accuracy."""
+    for i in range(count):
+        assert tokens_of(ours[f"req-{i}"]) == tokens_of(theirs[f"req-{i}"])
         torch.testing.assert_close(
-            torch.tensor(chosen_logprobs(cpu[f"req-{i}"])),
-            torch.tensor(chosen_logprobs(oracle[f"req-{i}"])),
+            torch.tensor(chosen_logprobs(ours[f"req-{i}"])),
+            torch.tensor(chosen_logprobs(theirs[f"req-{i}"])),
             atol=1e-4,
             rtol=1e-4,
         )
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e5m2"])
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_a_prompt_attends_alike_fresh_and_from_the_prefix_cache(backend: str, kv: str) -> None:
-    """A fresh prompt attends over its new K/V rounded as the cache holds them, so a second
-    request that reads the first one's blocks from the prefix cache gets the same logprobs."""
+@pytest.mark.parametrize(
+    ("backend", "kv", "scaled"),
+    [
+        *[(backend, kv, False) for backend in ("cpu", "torch") for kv in ("bfloat16", "fp8_e5m2")],
+        ("torch", "fp8_e5m2", True),  # scales calibrated on the first step
+    ],
+)
+def test_a_prompt_attends_alike_fresh_and_from_the_prefix_cache(
+    backend: str, kv: str, scaled: bool
+) -> None:
+    """A fresh prompt attends over its new K/V rounded as the cache holds them (divided by the
+    layer's scales and back, where it has some), so a second request that reads the first
+    one's blocks from the prefix cache gets the same logprobs."""
     prompt = list(range(40, 80))
     model = tiny_llama()
-    core, _ = tiny_core(model, kv_cache_dtype=kv, attention_backend=backend)
+    core, _ = tiny_core(
+        model, kv_cache_dtype=kv, attention_backend=backend, calculate_kv_scales=scaled
+    )
+    scales = core.runner.kv_cache.scales
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     first = run_all(core, [prompt], params)["req-0"]
     core.add_request("again", prompt, params)
@@ -181,6 +198,7 @@ def test_a_prompt_attends_alike_fresh_and_from_the_prefix_cache(backend: str, kv
     while core.has_unfinished():
         second.extend(o for o in core.step() if o.request_id == "again")
     assert second[-1].num_cached_tokens > 0
+    assert torch.equal(scales, torch.ones_like(scales)) != scaled
     assert tokens_of(second) == tokens_of(first)
     torch.testing.assert_close(
         torch.tensor(chosen_logprobs(second)),

@@ -4,9 +4,7 @@ step (`--calculate-kv-scales`), stored and read back alike by every backend that
 from __future__ import annotations
 
 import logging
-import random
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -14,16 +12,15 @@ from safetensors.torch import load_file, save_file
 from engine.attention import get_backend, triton_paged
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.attention.triton_paged import TritonPagedAttention
-from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.kv.kv_scales import KEY_RANGE, VALUE_RANGE, calibrated_scales, checkpoint_kv_scales
 from engine.worker.cuda_graphs import DecodeGraphs
-from engine.worker.input_batch import InputBatch
 from server.cli import build_parser, engine_config
-from tests.attention.test_paged_attention import naive_attention
+from tests.attention.test_paged_attention import mixed_step, naive_attention
 from tests.conftest import CUDA, TRITON_DEVICE, needs_triton
 from tests.helpers import run_all, tiny_core, tiny_llama, tokens_of
+from tests.kv.test_kv_cache_dtype import assert_agree
 from tests.worker.graph_checks import spy_padding
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -145,34 +142,8 @@ def scaled_step(backend_name: str, device: str, calibrated: bool):
         keys, values = (torch.cat([h[i] for h in history.values()]) for i in (0, 1))
         cache.calibrate(0, keys, values)
         cache.end_calibration()
-    free = list(range(64))
-    random.Random(1).shuffle(free)
-    tables = [[free.pop() for _ in range(-(-t // block_size))] for t in total]
-    width = max(len(t) for t in tables)
-
-    def slots(row, positions):
-        return [tables[row][p // block_size] * block_size + p % block_size for p in positions]
-
-    for row, ctx in enumerate(contexts):  # earlier steps stored the prefixes (the torch way)
-        if ctx:
-            k, v = history[row]
-            cache.write(0, torch.tensor(slots(row, range(ctx)), device=device), k[:ctx], v[:ctx])
-    batch = InputBatch(
-        requests=[],
-        input_ids=np.zeros(sum(queries), dtype=np.int64),
-        positions=np.concatenate([np.arange(c, t) for c, t in zip(contexts, total, strict=True)]),
-        slot_mapping=np.array(
-            [s for row in range(4) for s in slots(row, range(contexts[row], total[row]))]
-        ),
-        query_starts=np.cumsum([0, *queries[:-1]]),
-        query_lens=np.array(queries),
-        context_lens=np.array(contexts),
-        block_table=np.array([t + [0] * (width - len(t)) for t in tables]),
-        sample_rows=np.arange(4),
-    )
+    batch, new_k, new_v = mixed_step(cache, history, contexts, queries)  # the torch path writes
     q = torch.randn(sum(queries), heads, dim, device=device)
-    new_k = torch.cat([history[r][0][contexts[r] :] for r in range(4)])
-    new_v = torch.cat([history[r][1][contexts[r] :] for r in range(4)])
     scale = 1 / (key_spread * dim**0.5)  # scores of order one
     out = backend.forward(0, q, new_k, new_v, scale, backend.build_metadata(batch, cache))
     errors = []
@@ -238,10 +209,6 @@ def test_the_first_step_calibrates_every_layer_once():
     assert torch.equal(cache.scales, scales)
 
 
-def chosen_logprobs(outputs: list[RequestOutput]) -> list[float]:
-    return [entry.logprob for o in outputs for entry in o.logprobs]
-
-
 @needs_triton
 @pytest.mark.usefixtures("torch_rounding_under_the_interpreter")
 def test_backends_agree_over_a_calibrated_cache():
@@ -259,31 +226,7 @@ def test_backends_agree_over_a_calibrated_cache():
         runs[backend] = (run_all(core, PROMPTS, greedy()), core.runner.kv_cache.scales.cpu())
     (torch_out, torch_scales), (triton_out, triton_scales) = runs["torch"], runs["triton"]
     torch.testing.assert_close(triton_scales, torch_scales)
-    for i in range(len(PROMPTS)):
-        assert tokens_of(triton_out[f"req-{i}"]) == tokens_of(torch_out[f"req-{i}"])
-        torch.testing.assert_close(
-            torch.tensor(chosen_logprobs(triton_out[f"req-{i}"])),
-            torch.tensor(chosen_logprobs(torch_out[f"req-{i}"])),
-            atol=1e-4,
-            rtol=1e-4,
-        )
-
-
-def test_a_prompt_attends_alike_fresh_and_from_the_prefix_cache_when_scaled():
-    prompt = list(range(40, 80))
-    core, _ = tiny_core(
-        kv_cache_dtype="fp8_e5m2", attention_backend="torch", calculate_kv_scales=True
-    )
-    first = run_all(core, [prompt], greedy(6))["req-0"]
-    core.add_request("again", prompt, greedy(6))
-    second: list[RequestOutput] = []
-    while core.has_unfinished():
-        second.extend(o for o in core.step() if o.request_id == "again")
-    assert second[-1].num_cached_tokens > 0
-    assert tokens_of(second) == tokens_of(first)
-    torch.testing.assert_close(
-        torch.tensor(chosen_logprobs(second)), torch.tensor(chosen_logprobs(first))
-    )
+    assert_agree(triton_out, torch_out, len(PROMPTS))
 
 
 def save_with_scales(folder, scales: list[tuple[float, float]]) -> None:
