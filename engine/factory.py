@@ -138,7 +138,7 @@ def build_rank(
     # Fused projections are new copies of the weights: built before the cache is sized.
     model = build_causal_lm(loaded.model, config.model_impl, shard)
     if device.type == "cpu":
-        _weights_into_huge_pages(model)
+        _weights_into_huge_pages(model, loaded.model)
         malloc_tuning.keep_freed_memory()
     backend = get_backend(config.attention_backend, device, dtype)
     num_blocks = _num_blocks(config, spec, device, model, backend, loaded.max_model_len)
@@ -294,11 +294,13 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _weights_into_huge_pages(model: CausalLM) -> None:
-    """The weights a step reads, moved into huge pages (where the kernel allows)."""
+def _weights_into_huge_pages(model: CausalLM, source: nn.Module) -> None:
+    """The weights a step reads, moved into huge pages (where the kernel allows), with the
+    views the model it was built from (`source`) holds of them."""
     if not isinstance(model, nn.Module):
         return
-    moved = huge_pages.move_into_huge_pages([*model.parameters(), *model.buffers()])
+    tensors = [*model.parameters(), *model.buffers(), *source.parameters(), *source.buffers()]
+    moved = huge_pages.move_into_huge_pages(tensors)
     if moved:
         logger.info("weights in huge pages: %.0f MiB", moved / 2**20)
 

@@ -31,11 +31,13 @@ from engine.loading.model_loader import (
     half_weights_in_fp32,
     use_linear_form,
 )
+from engine.models import build_causal_lm
 from engine.models.llama import PagedLlamaLayer
 from tests.helpers import (
     NO_BF16_PANELS,
     bf16_reference,
     needs_bf16_panels,
+    needs_panels,
     reference_greedy,
     run_all,
     tiny_core,
@@ -752,3 +754,46 @@ def test_a_bf16_checkpoint_served_with_auto_keeps_16_bits(
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = run_all(core, prompts, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))] == expected
+
+
+def weight_bytes(*modules: nn.Module) -> int:
+    """Bytes of every distinct storage the modules' parameters and buffers lie in."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for module in modules
+        for t in [*module.parameters(), *module.buffers()]
+    }
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        pytest.param(LinearForm.FP32_PANELS, marks=needs_panels),
+        pytest.param(LinearForm.BF16_PANELS, marks=needs_bf16_panels),  # gate/up gated
+    ],
+)
+def test_fused_panels_keep_no_second_copy(form: LinearForm) -> None:
+    """Joined q/k/v panels and gated gate/up panels are built from the loaded model's panels,
+    which then hold views of them: no weight is held twice, and the loaded model computes as
+    before (the gate and up views through a copy each)."""
+    model = tiny_llama(dtype=torch.bfloat16 if form is LinearForm.BF16_PANELS else torch.float32)
+    use_linear_form(model, form)
+    ids = torch.tensor([[5, 9, 33, 2, 70]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits
+    held = weight_bytes(model)
+    paged = build_causal_lm(model, "conveyor")
+    layer = next(m for m in paged.modules() if isinstance(m, PagedLlamaLayer))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.q_proj.panels.untyped_storage().data_ptr() == (
+        layer.qkv_proj.panels.untyped_storage().data_ptr()
+    )
+    if form is LinearForm.BF16_PANELS:
+        assert isinstance(layer.gate_up_proj, GatedPanelLinear)
+    assert mlp.up_proj.panels.untyped_storage().data_ptr() == (
+        layer.gate_up_proj.panels.untyped_storage().data_ptr()
+    )
+    assert weight_bytes(model, paged) == held
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)

@@ -71,6 +71,24 @@ def test_tensors_shared_twice_move_once(madvise: FakeAdvice) -> None:
     assert weight.data_ptr() == madvise.calls[0][0]
 
 
+def test_views_of_one_weight_stay_views_of_one_copy(madvise: FakeAdvice) -> None:
+    """A fused weight and the views other modules hold of its parts (some strided) move as
+    one span: one copy, every view at the same place in it."""
+    fused = torch.randn(2, 1024, 512)
+    first, second, strided = fused[0], fused[1], fused[:, 3]
+    expected = [t.clone() for t in (fused, first, second, strided)]
+    moved = huge_pages.move_into_huge_pages([first, fused, strided, second])
+    assert moved == fused.nbytes
+    storage = fused.untyped_storage().data_ptr()
+    assert storage == madvise.calls[0][0]
+    for tensor, old in zip((fused, first, second, strided), expected, strict=True):
+        assert tensor.untyped_storage().data_ptr() == storage
+        assert torch.equal(tensor, old)
+    assert second.data_ptr() == fused.data_ptr() + fused[0].nbytes
+    fused[1, 0, 0] = 7.0  # still one memory
+    assert second[0, 0] == 7.0
+
+
 def test_declined_advice_moves_nothing(madvise: FakeAdvice) -> None:
     madvise.taken = False
     tensors = some_weights()

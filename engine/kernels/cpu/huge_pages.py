@@ -8,7 +8,8 @@ faster so.
 Memory is mapped afresh and advised with `madvise(MADV_HUGEPAGE)` before its first touch, so
 the kernel backs it with huge pages as it faults in (THP `madvise` or `always`).
 `move_into_huge_pages` copies tensors into one such region and points each tensor at its part in
-place (`Tensor.set_`), so every holder of the tensor sees the move; `zeros` makes a new tensor
+place (`Tensor.set_`), so every holder of the tensor sees the move, and views of one weight stay
+views of one copy; `zeros` makes a new tensor
 there. Where the kernel declines (not Linux, THP `never`), tensors stay where they are and
 `zeros` is plain `torch.zeros`.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from dataclasses import dataclass
 
 import torch
 
@@ -51,10 +53,11 @@ def _advise(memory: mmap.mmap, offset: int, length: int) -> bool:
 
 
 def move_into_huge_pages(tensors: list[torch.Tensor]) -> int:
-    """Copies contiguous CPU `tensors` into one huge-page region and repoints each at its copy;
+    """Copies the memory CPU `tensors` lie in into one huge-page region and repoints each at
+    its place in the copy, so tensors that shared memory (views of one weight) still share it;
     returns the bytes moved (0 when the kernel declines the advice: nothing moves)."""
-    tensors = list({t.data_ptr(): t for t in tensors if _movable(t)}.values())
-    sizes = [-(-t.nbytes // ALIGNMENT) * ALIGNMENT for t in tensors]
+    spans = _spans([t for t in tensors if _movable(t)])
+    sizes = [-(-span.nbytes // ALIGNMENT) * ALIGNMENT for span in spans]
     total = sum(sizes)
     if total < HUGE_PAGE:
         return 0
@@ -64,12 +67,53 @@ def move_into_huge_pages(tensors: list[torch.Tensor]) -> int:
         return 0
     offset = 0
     with torch.no_grad():
-        for tensor, size in zip(tensors, sizes, strict=True):
-            part = region[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-            part.copy_(tensor)
-            tensor.set_(part)  # type: ignore[call-overload]  # a Tensor source is valid
+        for span, size in zip(spans, sizes, strict=True):
+            span.move_to(region, offset)
             offset += size
     return total
+
+
+@dataclass(slots=True)
+class _Span:
+    """The bytes of one storage that `tensors` lie in: `[start, start + nbytes)`. It holds no
+    reference to the storage itself, so each storage is freed as soon as its tensors move."""
+
+    start: int
+    nbytes: int
+    tensors: list[torch.Tensor]
+
+    def move_to(self, region: torch.Tensor, offset: int) -> None:
+        """Copy the span to `region[offset:]` and point every tensor at its place there."""
+        storage = self.tensors[0].untyped_storage()
+        source = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
+        part = region[offset : offset + self.nbytes]
+        part.copy_(source[self.start : self.start + self.nbytes])
+        base = part.storage_offset() - self.start
+        for tensor in self.tensors:
+            size = tensor.element_size()
+            at = (base + tensor.storage_offset() * size) // size
+            tensor.set_(part.untyped_storage(), at, tensor.shape, tensor.stride())
+
+
+def _spans(tensors: list[torch.Tensor]) -> list[_Span]:
+    """One span per storage, covering every byte of it that `tensors` reach."""
+    spans: dict[int, _Span] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        size = tensor.element_size()
+        first = int(tensor.storage_offset()) * size
+        reach = sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride(), strict=True))
+        last = first + (int(reach) + 1) * size
+        span = spans.get(storage.data_ptr())
+        if span is None:
+            spans[storage.data_ptr()] = _Span(first, last - first, [tensor])
+            continue
+        end = max(span.start + span.nbytes, last)
+        span.start = min(span.start, first)
+        span.nbytes = end - span.start
+        if all(held is not tensor for held in span.tensors):
+            span.tensors.append(tensor)
+    return list(spans.values())
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -83,4 +127,4 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _movable(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.numel() > 0
+    return tensor.device.type == "cpu" and tensor.numel() > 0

@@ -151,7 +151,8 @@ class PanelLinear(nn.Module):
     @classmethod
     def joined(cls, layers: list[PanelLinear]) -> PanelLinear | None:
         """One layer whose outputs are `layers`' side by side, sharing their panels as held;
-        None where a panel would mix two layers' columns or their storage differs."""
+        None where a panel would mix two layers' columns or their storage differs. Each of
+        `layers` then holds a view of its panels in the joined ones: no second copy."""
         first = layers[0]
         if (
             any(layer.out_features % PANEL for layer in layers[:-1])
@@ -166,12 +167,18 @@ class PanelLinear(nn.Module):
         # Every layer has a bias where the first does (checked above).
         biases = cast(list[torch.Tensor], [m.bias for m in layers])
         bias = None if first.padded_bias is None else torch.cat(biases)
-        return cls._of_panels(
+        joined = cls._of_panels(
             torch.cat([layer.panels for layer in layers]),
             bias,
             sum(layer.out_features for layer in layers),
             first.in_features,
         )
+        start = 0
+        for layer in layers:
+            count = layer.panels.shape[0]
+            layer.panels = joined.panels[start : start + count]
+            start += count
+        return joined
 
     @classmethod
     def _of_panels(
@@ -226,7 +233,7 @@ class PanelLinear(nn.Module):
         the rows they would round fp32 ones to; the output is fp32."""
         skip = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
         rows = kernel_rows(x, self.in_features, self.bf16_activations)
-        out = cpu_ops.panel_linear(rows, self.panels, self.padded_bias, self.out_features, skip)
+        out = cpu_ops.panel_linear(rows, self._panels(), self.padded_bias, self.out_features, skip)
         return out.view(*x.shape[:-1], self.out_features)
 
     @property
@@ -240,7 +247,12 @@ class PanelLinear(nn.Module):
         maxima, the first NaN where a row has one), without the outputs written: int64
         `[rows]`. Needs `chooses_greedily`."""
         rows = kernel_rows(x, self.in_features, bf16_panels=True)
-        return cpu_ops.panel_argmax(rows, self.panels, self.padded_bias, self.out_features)
+        return cpu_ops.panel_argmax(rows, self._panels(), self.padded_bias, self.out_features)
+
+    def _panels(self) -> torch.Tensor:
+        """The panels as the kernels take them: a layer whose panels are gate or up panels of a
+        `GatedPanelLinear` (every other panel of its pairs) multiplies through a copy."""
+        return self.panels if self.panels.is_contiguous() else self.panels.contiguous()
 
     def remade(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
         """A layer of the same kind over another weight (fused projections); block weights are
@@ -281,9 +293,11 @@ class GatedPanelLinear(nn.Module):
     padded_bias: torch.Tensor | None
 
     def __init__(self, gate: PanelLinear, up: PanelLinear) -> None:
+        """Over copies of `gate`'s and `up`'s panels, which then hold views of them."""
         super().__init__()
         self.in_features, self.out_features = gate.in_features, gate.out_features
         self.register_buffer("panels", torch.stack([gate.panels, up.panels], dim=1))
+        gate.panels, up.panels = self.panels[:, 0], self.panels[:, 1]
         bias = None
         if gate.padded_bias is not None and up.padded_bias is not None:
             bias = torch.stack(
