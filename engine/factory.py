@@ -135,7 +135,7 @@ def build_rank(
     )
     if shard is not None:
         spec = replace(spec, num_kv_heads=shard.shape.local_kv_heads)
-    # Fused projections are new copies of the weights: built before the cache is sized.
+    # The model is built (projections fused) before the cache is sized from what is left.
     model = build_causal_lm(loaded.model, config.model_impl, shard)
     if device.type == "cpu":
         _weights_into_huge_pages(model, loaded.model)

@@ -31,7 +31,7 @@ GRAPH_OVERHEAD_BYTES = 2 * 1024**2
 @dataclass(frozen=True, slots=True)
 class MemoryBreakdown:
     """The device's bytes as the KV cache is sized: `kv_cache` is what is left of the allowed
-    share once the weights (with their fused copies), the activations' peak, the CUDA graphs
+    share once the weights (as the model holds them, fused), the activations' peak, the CUDA graphs
     and memory torch does not hold (the CUDA context, other processes) are counted."""
 
     total: int
