@@ -296,13 +296,20 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 def _weights_into_huge_pages(model: CausalLM, source: nn.Module) -> None:
     """The weights a step reads, moved into huge pages (where the kernel allows), with the
-    views the model it was built from (`source`) holds of them."""
+    views the model it was built from (`source`) holds of them; what only `source` holds stays
+    where it is."""
     if not isinstance(model, nn.Module):
         return
-    tensors = [*model.parameters(), *model.buffers(), *source.parameters(), *source.buffers()]
-    moved = huge_pages.move_into_huge_pages(tensors)
+    weights = [*model.parameters(), *model.buffers()]
+    held = {t.untyped_storage().data_ptr() for t in weights}
+    views = [t for t in [*source.parameters(), *source.buffers()] if _storage_in(t, held)]
+    moved = huge_pages.move_into_huge_pages(weights + views)
     if moved:
         logger.info("weights in huge pages: %.0f MiB", moved / 2**20)
+
+
+def _storage_in(tensor: torch.Tensor, storages: set[int]) -> bool:
+    return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in storages
 
 
 def _graphs(

@@ -22,7 +22,7 @@ from engine.kernels.cpu.linear import (
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import gguf_blocks
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from engine.parallel.loading import load_share
+from engine.parallel.loading import load_share, model_from_config
 from engine.parallel.sharding import ShardShape, shard_model
 
 logger = logging.getLogger(__name__)
@@ -212,17 +212,10 @@ def _random_model(
     """The model at `path` built from its config with random weights (transformers' own
     initialisation), made where it will run (a tensor-parallel rank cuts its share on the CPU
     first); nothing else of the checkpoint is read."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
     logger.warning("--load-format dummy: random weights, for measuring speed and memory only")
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     parallel = rank[1] > 1
     with torch.device("cpu" if parallel else device):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=trust_remote_code
-        )
-    if (Path(path) / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(path)
+        model = model_from_config(path, dtype, trust_remote_code)
     return model, shard_model(model, *rank) if parallel else None
 
 

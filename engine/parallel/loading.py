@@ -59,21 +59,28 @@ def _share_from_files(
     size: int,
     trust_remote_code: bool,
 ) -> tuple[Any, ShardShape]:
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=trust_remote_code
-        )
-    if (Path(path) / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(path)
+        model = model_from_config(path, dtype, trust_remote_code)
     shape = shard_model(model, rank, size)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     _fill(model, _tensor_index(files), shape, dtype)
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     return model.eval(), shape
+
+
+def model_from_config(path: str, dtype: torch.dtype, trust_remote_code: bool) -> Any:
+    """The model at `path` built from its config alone, parameters made as the caller's context
+    makes them (on the meta device, or initialised on a device), with its generation config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    if (Path(path) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from engine.worker.cuda_graphs import DecodeGraphs
 from server.cli import build_parser, engine_config
 from tests.attention.test_paged_attention import mixed_step, naive_attention
 from tests.conftest import CUDA, TRITON_DEVICE, needs_triton
-from tests.helpers import run_all, tiny_core, tiny_llama, tokens_of
+from tests.helpers import needs_cpu_kernels, run_all, tiny_core, tiny_llama, tokens_of
 from tests.kv.test_kv_cache_dtype import assert_agree
 from tests.worker.graph_checks import spy_padding
 
@@ -255,12 +255,8 @@ def test_the_checkpoint_scales_reach_the_cache(tmp_path, caplog):
     torch.testing.assert_close(cache.scales, expected)
 
 
+@needs_cpu_kernels
 def test_the_cpu_kernels_keep_fp8_unscaled_and_say_so(tmp_path, caplog):
-    pytest.importorskip("engine.kernels.cpu.ops")
-    from engine.kernels.cpu import ops as cpu_ops
-
-    if not cpu_ops.has("attention"):
-        pytest.skip("the CPU attention kernel does not build on this platform")
     save_with_scales(tmp_path, [(0.02, 0.01), (0.03, 0.005)])
     with caplog.at_level(logging.WARNING):
         core, _ = tiny_core(

@@ -369,8 +369,7 @@ def _store_kv_kernel(
             value_ptr + token * value_stride_token + head * value_stride_head + dim, mask=mask
         )
         if FP8_MAX > 0:
-            key_scale = tl.load(kv_scales_ptr)
-            value_scale = tl.load(kv_scales_ptr + 1)
+            key_scale, value_scale = _scales(kv_scales_ptr, True)
             key = tl.clamp(key.to(tl.float32) / key_scale, -FP8_MAX, FP8_MAX)
             value = tl.clamp(value.to(tl.float32) / value_scale, -FP8_MAX, FP8_MAX)
         tl.store(key_cache_ptr + cache, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
