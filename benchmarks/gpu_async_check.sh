@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
-# Async scheduling and CUDA graphs on a GPU, in one run: the CUDA tests (one fails if a launch
-# waits for the device, others replay the decode and piecewise graphs against generate), the
-# engine's own decode step with steps in turn and overlapped, transformers' continuous batching
-# on the same prompts, and served throughput and TPOT each way (under continuous arrivals most
-# steps carry a prompt chunk: the piecewise graphs).
+# Async scheduling and CUDA graphs on a GPU, in one run: the engine's own decode step with
+# steps in turn and overlapped, transformers' continuous batching on the same prompts, and
+# served throughput and TPOT each way (under continuous arrivals most steps carry a prompt
+# chunk: the piecewise graphs).
 # The figure to read: served TPOT p50 at 64 against the overlapped engine's median step at 64.
 #
 #   bash benchmarks/gpu_async_check.sh [MODEL_DIR] [OUT]
 #
-# Without MODEL_DIR, random bf16 weights of the default model's shape are written to /tmp/smol
-# (no network needed). CONCURRENCY overrides the concurrencies (a dry run on a CPU: "1 2").
+# Without MODEL_DIR, random bf16 weights of the default model's shape are written to /tmp/smol;
+# with no network, LIKE names a folder with its config and tokenizer (`offline_kit.sh pack`),
+# and SHAPE changes config fields (a Qwen2.5-1.5B-like shape: SHAPE="hidden_size=1536
+# intermediate_size=8960 num_attention_heads=12 num_key_value_heads=2 head_dim=128
+# num_hidden_layers=28 vocab_size=151936" with another MODEL_DIR). CONCURRENCY overrides the
+# concurrencies (a dry run on a CPU: "1 2"). The GPU's tests are `gpu_tests.sh`.
 set -euo pipefail
 MODEL=${1:-/tmp/smol}
 OUT=${2:-benchmarks/results/gpu_async}
 PORT=${PORT:-8411}
 read -r -a LEVELS <<< "${CONCURRENCY:-1 16 64 256}"
 mkdir -p "$OUT"
-[ -d "$MODEL" ] || python benchmarks/random_weights.py "$MODEL"
+read -r -a FIELDS <<< "${SHAPE:-}"
+if [ ! -d "$MODEL" ]; then
+    python benchmarks/random_weights.py "$MODEL" ${LIKE:+--like "$LIKE"} --set "${FIELDS[@]}"
+fi
 # shellcheck source=benchmarks/serving.sh
 source "$(dirname "$0")/serving.sh"
 
-python -m pytest -q -m cuda tests > "$OUT/cuda_tests.log" 2>&1 || true
-tail -n 1 "$OUT/cuda_tests.log"
 python benchmarks/engine_throughput.py --model "$MODEL" --dtype bfloat16 \
     --concurrency "${LEVELS[@]}" --both-schedulings > "$OUT/engine.log"
 python benchmarks/transformers_batch.py --model "$MODEL" --dtype bfloat16 \

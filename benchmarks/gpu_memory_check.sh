@@ -10,7 +10,8 @@
 #
 # SHAPE overrides the config fields and PROMPTS the number of requests (a dry run on a CPU:
 # SHAPE="hidden_size=256 intermediate_size=512 num_attention_heads=4 num_key_value_heads=2
-# head_dim=64" PROMPTS=8, LAYERS 2).
+# head_dim=64" PROMPTS=8, LAYERS 2). With no network, LIKE names a folder with the default
+# model's config and tokenizer (`offline_kit.sh pack`).
 set -euo pipefail
 LAYERS=${1:-64}
 OUT=${2:-benchmarks/results/gpu_memory}
@@ -20,7 +21,7 @@ PROMPTS=${PROMPTS:-128}
 read -r -a FIELDS <<< "${SHAPE:-hidden_size=8192 intermediate_size=28672 num_attention_heads=64 num_key_value_heads=8 head_dim=128}"
 mkdir -p "$OUT"
 python benchmarks/random_weights.py "$MODEL" --config-only --dtype bfloat16 \
-    --set "${FIELDS[@]}" "num_hidden_layers=$LAYERS"
+    ${LIKE:+--like "$LIKE"} --set "${FIELDS[@]}" "num_hidden_layers=$LAYERS"
 # shellcheck source=benchmarks/serving.sh
 source "$(dirname "$0")/serving.sh"
 
