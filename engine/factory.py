@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, InPlaceDecodeAttention, get_backend
+from engine.attention import AttentionBackend, InPlaceDecodeAttention, get_backend, triton_paged
 from engine.core.config import (
     DEFAULT_BLOCK_SIZES,
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -198,7 +198,7 @@ def core_from_model(
         BlockManager(num_blocks, block_tokens, config.enable_prefix_caching),
     )
     vocab_size = _vocab_size(loaded, model)
-    sampler = Sampler(vocab_size, device, seed=config.seed)
+    sampler = Sampler(vocab_size, device, seed=config.seed, nucleus_kernel=_nucleus_kernel(device))
     overlap = config.overlaps(device.type)
     logger.info(
         "routes: %s",
@@ -211,6 +211,7 @@ def core_from_model(
             device,
             overlap,
             parts.kv_scales,
+            sampler.top_p_route,
         ),
     )
     graphs, piecewise = _graphs(config, model, backend, kv_cache, max_model_len)
@@ -242,6 +243,16 @@ def _vocab_size(loaded: LoadedModel, model: CausalLM) -> int:
     head = loaded.model.get_output_embeddings()
     # Every linear layer type knows its width; packed ones would unpack their weight to say.
     return getattr(head, "out_features", None) or head.weight.shape[0]
+
+
+def _nucleus_kernel(device: torch.device) -> bool:
+    """On a GPU, top-p rows draw in the Triton kernel, which needs nothing from the host (an
+    async step then never waits); on a CPU the host is where the work runs anyway."""
+    if device.type != "cuda" or not triton_paged.available():
+        return False
+    from engine.kernels.triton import sampling
+
+    return sampling.usable(str(device))
 
 
 # K/V element types the CPU's attention widens to fp32 as it reads them.

@@ -2,6 +2,8 @@
 
 Every row's choice is tensor work over the whole batch: penalties, `min_tokens`, logit bias and
 grammars each touch all their rows in one operation, with no per-row device work or host sync.
+Rows with top-p and no top-k are drawn on a GPU by a Triton kernel that needs nothing from the
+host; elsewhere a widening `topk` search reads one flag back per widening.
 A request with a seed draws from its own generator, which advances only when that request
 samples, so its tokens do not depend on what else shares the batch.
 """
@@ -16,6 +18,7 @@ import torch
 
 from engine.core.outputs import TokenLogprob
 from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
 from engine.worker.transfer import HostCopy, to_device
 
@@ -63,12 +66,26 @@ class SampledCopy:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        seed: int = 0,
+        nucleus_kernel: bool = False,
+    ) -> None:
+        """`nucleus_kernel`: rows with top-p and no top-k draw in the Triton kernel, which
+        needs nothing from the host (`engine.kernels.triton.sampling`), rather than in a
+        widening `topk` search that asks the host how wide to go."""
         self.vocab_size = vocab_size
         self.device = device
+        self.nucleus_kernel = nucleus_kernel
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+
+    @property
+    def top_p_route(self) -> str:
+        return "pivoting kernel" if self.nucleus_kernel else "widening topk"
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state of finished requests."""
@@ -109,25 +126,31 @@ class Sampler:
         greedy = [r.sampling_params.greedy for r in requests]
         if all(greedy):
             return row_argmax(logits)
-        probs = self._probabilities(logits, requests)
-        choice = row_argmax(probs.div_(self._exponential_noise(probs, requests)))
+        params = [r.sampling_params for r in requests]
+        temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
+        scaled = logits / temps[:, None]
+        nucleus = self._nucleus_rows(params)
+        probs = _probabilities(scaled, params, nucleus)
+        noise = self._exponential_noise(probs, requests)
+        choice = row_argmax(probs.div_(noise))
+        if nucleus:
+            choice[to_device(nucleus, logits.device)] = _nucleus_choice(
+                scaled, noise, [params[row] for row in nucleus], nucleus
+            )
         if any(greedy):
             mask = to_device(greedy, logits.device)
             choice = torch.where(mask, row_argmax(logits), choice)
         return choice
 
-    def _probabilities(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
-        temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
-        logits = logits / temps[:, None]
-        if any(p.uses_top_k or p.top_p < 1.0 for p in params):
-            logits = _top_k_top_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = to_device([p.min_p for p in params], logits.device)
-            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs
+    def _nucleus_rows(self, params: list[SamplingParams]) -> list[int]:
+        """The rows the nucleus kernel draws: top-p without top-k, not greedy."""
+        if not self.nucleus_kernel:
+            return []
+        return [
+            row
+            for row, p in enumerate(params)
+            if p.top_p < 1.0 and not p.uses_top_k and not p.greedy
+        ]
 
     def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Exp(1) noise: argmax(p / noise) is a sample from p (the exponential race)."""
@@ -152,6 +175,41 @@ class Sampler:
             generator.manual_seed(seed % 2**64)
             self._request_generators[request.request_id] = generator
         return generator
+
+
+def _probabilities(
+    logits: torch.Tensor, params: list[SamplingParams], nucleus: list[int]
+) -> torch.Tensor:
+    """Each row's distribution after top-k, top-p and min-p, from temperature-scaled logits;
+    the `nucleus` rows (drawn by the kernel instead) keep their whole vocabulary."""
+    drawn_apart = set(nucleus)
+    limited = [
+        (p.uses_top_k or p.top_p < 1.0) and row not in drawn_apart for row, p in enumerate(params)
+    ]
+    if any(limited):
+        kept = [p if limit else KEEP_ALL for p, limit in zip(params, limited, strict=True)]
+        logits = _top_k_top_p(logits, kept)
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0 for p in params):
+        min_p = to_device([p.min_p for p in params], logits.device)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def _nucleus_choice(
+    scaled: torch.Tensor, noise: torch.Tensor, params: list[SamplingParams], rows: list[int]
+) -> torch.Tensor:
+    from engine.kernels.triton.sampling import nucleus_sample
+
+    device = scaled.device
+    return nucleus_sample(
+        scaled,
+        noise,
+        to_device(rows, device, torch.int64),
+        to_device([p.top_p for p in params], device),
+        to_device([p.min_p for p in params], device),
+    )
 
 
 def takes_argmax(requests: list[Request]) -> bool:
@@ -375,13 +433,17 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
 # How many candidates a top_p-only row is first searched in: an LLM's nucleus usually lies in
 # its first few hundred tokens; a flatter row is searched again sixteen times wider.
 NUCLEUS_FIRST_WIDTH = 256
+# Parameters that keep every token (for rows whose top-p is applied elsewhere).
+KEEP_ALL = SamplingParams()
 
 
 def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus (top-p over the top-k,
     renormalised, as vLLM does). No row sorts the whole vocabulary unless it must: the
     candidates are the batch's largest top_k, or the first NUCLEUS_FIRST_WIDTH (widened while
-    some top_p-only row's nucleus reaches past them), taken with `topk`."""
+    some top_p-only row's nucleus reaches past them), taken with `topk`. Only top_p-only rows
+    make the search ask the host whether to widen; on a GPU the sampler draws those rows in
+    the nucleus kernel instead."""
     vocab = logits.shape[1]
     rows = [row for row, p in enumerate(params) if p.uses_top_k or p.top_p < 1.0]
     if len(rows) < len(params):  # rows that keep every token stay as they are
@@ -411,7 +473,7 @@ def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
             norm = torch.where(limited, norm, whole)
         probs = (candidates - norm[:, None]).exp()
         reached = limited | (probs.sum(dim=-1) >= top_p)
-        if width == vocab or bool(reached.all()):
+        if width == vocab or every_limited or bool(reached.all()):
             break
         width = min(vocab, width * 16)
     # Keep a token while the mass before it is below top_p; the best token always stays.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
@@ -59,6 +60,7 @@ def test_one_line_names_every_route(caplog):
     assert "linear layers: 9 torch (float32)" in line
     assert "decode: op by op (projections not in Conveyor's panels)" in line
     assert "CPU kernels: attention, linear, elementwise, fused_decode for -march=" in line
+    assert "top-p widening topk" in line
 
 
 @needs_panels
@@ -85,3 +87,11 @@ def test_nothing_built_serves_greedy_tokens_on_pure_torch(no_kernels, caplog):
     outputs = run_all(core, prompts, params)
     for i, prompt in enumerate(prompts):
         assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 8)
+
+
+def test_top_p_rows_draw_in_the_kernel_on_a_gpu_only(device):
+    """On a GPU the sampler takes the Triton top-p kernel, which needs nothing from the host;
+    on a CPU the widening search, whose host check costs nothing there."""
+    from engine.factory import _nucleus_kernel
+
+    assert _nucleus_kernel(torch.device(device)) == (device == "cuda")

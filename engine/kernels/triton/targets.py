@@ -1,6 +1,7 @@
 """Compile Conveyor's Triton kernels for GPU targets on any host, no GPU needed (Triton carries
 its own `ptxas`): every kernel in the forms the server launches (fp32, bf16 and fp16 queries;
-caches of the same dtype or fp8; one split or several), down to a cubin for each target. A
+caches of the same dtype or fp8; one split or several; the top-p sampler), down to a cubin for
+each target. A
 kernel that Triton's interpreter runs but the GPU compiler rejects fails here, before a GPU
 host meets it.
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.kernels.triton import paged_attention as kernels
+from engine.kernels.triton import sampling
 
 COMPUTE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 FP8 = {"fp8_e4m3": ("fp8e4nv", 448.0), "fp8_e5m2": ("fp8e5", 57344.0)}
@@ -46,6 +48,7 @@ class Form:
     kernel: Any
     pointers: dict[str, str]
     constants: dict[str, Any]
+    warps: int = 4  # Triton's default, as the attention kernels launch
 
     def signature(self) -> dict[str, str]:
         types = {}
@@ -80,6 +83,14 @@ def forms(arch: int) -> Iterator[Form]:
                 | SCALES,
                 dict(BLOCK=16, HEADS=8, HEADS_PAD=8, DIM=128, DIM_PAD=128, FP8_MAX=fp8_max),
             )
+    yield Form(
+        "nucleus sample",
+        sampling._nucleus_sample_kernel,
+        {"logits_ptr": "fp32", "noise_ptr": "fp32", "rows_ptr": "i64"}
+        | {"top_p_ptr": "fp32", "min_p_ptr": "fp32", "out_ptr": "i64"},
+        dict(BLOCK=sampling.BLOCK),
+        warps=sampling.WARPS,
+    )
     yield Form(
         "combine",
         kernels._combine_kernel,
@@ -138,7 +149,9 @@ def compile_for(arch: int) -> list[str]:
     for form in forms(arch):
         source = ASTSource(fn=form.kernel, signature=form.signature(), constexprs=form.constants)
         try:
-            compiled = triton_compile(source, target=GPUTarget("cuda", arch, 32))
+            compiled = triton_compile(
+                source, target=GPUTarget("cuda", arch, 32), options={"num_warps": form.warps}
+            )
             if not compiled.asm.get("cubin"):
                 raise RuntimeError("no cubin")
         except Exception as error:

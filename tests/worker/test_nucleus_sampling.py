@@ -1,0 +1,144 @@
+"""Top-p rows drawn in the Triton kernel (on the GPU; in Triton's interpreter here): the token
+is the exponential race's winner over the row's nucleus, as a sort of the whole vocabulary
+gives it, and the sampler's choices with the kernel are those of its torch route, with no value
+read back from the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.worker.sampler import Sampler
+from tests.conftest import TRITON_DEVICE, needs_triton
+
+pytestmark = needs_triton
+
+
+def sorted_race(
+    logits: torch.Tensor, noise: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Each row's nucleus from a full sort (a token stays while the mass before it is below
+    top_p), cut by min-p, then the race p / noise over what is left."""
+    probs = torch.softmax(logits, dim=-1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    keep_sorted = ordered.cumsum(dim=-1) - ordered < top_p[:, None]
+    keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+    keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return torch.where(keep, probs / noise, -1.0).argmax(dim=-1)
+
+
+def draw(logits, noise, top_p, min_p) -> torch.Tensor:
+    from engine.kernels.triton.sampling import nucleus_sample
+
+    device = torch.device(TRITON_DEVICE)
+    rows = torch.arange(logits.shape[0], device=device)
+    return nucleus_sample(
+        logits.to(device), noise.to(device), rows, top_p.to(device), min_p.to(device)
+    ).cpu()
+
+
+@pytest.mark.parametrize("spread", [0.05, 1.0, 4.0, 12.0])
+def test_the_kernel_draws_the_race_winner_over_the_nucleus(spread):
+    """Flat rows (a nucleus of most of the vocabulary, many rounds of pivoting) to peaked ones
+    (a nucleus of a few tokens), top_p from 0.01 to 0.99, some rows with min_p, one row with
+    most of its vocabulary ruled out."""
+    generator = torch.Generator().manual_seed(int(spread * 100))
+    rows, vocab = 24, 3000
+    logits = torch.randn(rows, vocab, generator=generator) * spread
+    logits[1, 7:] = float("-inf")
+    noise = torch.empty(rows, vocab).exponential_(generator=generator)
+    top_p = torch.rand(rows, generator=generator) * 0.98 + 0.01
+    min_p = torch.rand(rows, generator=generator) * 0.3 * (torch.arange(rows) % 3 == 0)
+    assert torch.equal(draw(logits, noise, top_p, min_p), sorted_race(logits, noise, top_p, min_p))
+
+
+def test_tokens_tied_at_the_edge_of_the_nucleus_stay_in_it_together():
+    """A sort would keep the first few of equal tokens by position; the kernel keeps every
+    token as likely as one the nucleus needs, so each of them can be drawn."""
+    logits = torch.full((400, 64), float("-inf"))
+    logits[:, 0] = 2.0
+    logits[:, 1:11] = 0.0  # p = 0.45 for token 0, 0.055 for each of ten tied tokens
+    noise = torch.empty_like(logits).exponential_(generator=torch.Generator().manual_seed(1))
+    drawn = draw(logits, noise, torch.full((400,), 0.5), torch.zeros(400))
+    assert set(drawn.tolist()) == set(range(11))
+
+
+def request(name: str, **params: object) -> Request:
+    return Request(name, [1, 2, 3], SamplingParams(**params), 0.0, 10_000)
+
+
+BATCH = [
+    dict(top_p=0.9),
+    dict(top_p=0.95, temperature=0.7),
+    dict(top_p=0.5, min_p=0.1),
+    dict(top_p=0.8, top_k=20),
+    dict(temperature=0.0),
+    dict(temperature=1.3),
+    dict(top_p=0.9, seed=7),
+    dict(min_p=0.05),
+    dict(top_p=0.99, temperature=2.0),
+]
+
+
+class NoHostReads:
+    """Fails a test that reads a value of a tensor back on the host while it is active."""
+
+    NAMES = ("__bool__", "item", "tolist")
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+        for name in self.NAMES:
+            setattr(torch.Tensor, name, self._refuse(name))
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+    @staticmethod
+    def _refuse(name):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name} read a value back on the host")
+
+        return refuse
+
+
+def test_the_sampler_with_the_kernel_chooses_as_its_torch_route_and_reads_nothing_back():
+    """Over steps of a batch with every kind of row (peaked and flat logits), the kernel route
+    gives the torch route's tokens; its sampling reads no tensor value on the host (the torch
+    route's widening search does, for its top-p-only rows)."""
+    device = torch.device(TRITON_DEVICE)
+    vocab = 2000
+    with_kernel = Sampler(vocab, device, seed=3, nucleus_kernel=True)
+    in_torch = Sampler(vocab, device, seed=3)
+    requests = [request(f"r{i}", **params) for i, params in enumerate(BATCH)]
+    generator = torch.Generator().manual_seed(11)
+    chosen = []
+    for step in range(6):
+        spread = torch.tensor([0.02 if (row + step) % 2 else 6.0 for row in range(len(BATCH))])
+        logits = (torch.randn(len(BATCH), vocab, generator=generator) * spread[:, None]).to(device)
+        with NoHostReads():
+            drawn = with_kernel.sample(logits.clone(), requests).token_ids
+        expected = in_torch.sample(logits.clone(), requests).token_ids
+        assert drawn.tolist() == expected.tolist()
+        chosen.append(drawn.tolist())
+    assert len({tuple(tokens) for tokens in chosen}) == len(chosen)
+    with pytest.raises(AssertionError, match="read a value back"), NoHostReads():
+        in_torch.sample(logits.clone(), requests[:1])
+
+
+def test_the_kernel_is_usable_here():
+    from engine.kernels.triton.sampling import usable
+
+    assert usable(TRITON_DEVICE)
+
+
+def test_rows_with_a_top_k_read_nothing_back_on_the_torch_route():
+    """A top_k bounds the candidates, so the torch route needs no answer from the device."""
+    device = torch.device(TRITON_DEVICE)
+    requests = [request("a", top_k=5), request("b", top_k=50, top_p=0.7), request("c")]
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(2)).to(device)
+    with NoHostReads():
+        drawn = Sampler(500, device).sample(logits, requests).token_ids
+    assert drawn.shape == (3,)
