@@ -198,7 +198,8 @@ def core_from_model(
         BlockManager(num_blocks, block_tokens, config.enable_prefix_caching),
     )
     vocab_size = _vocab_size(loaded, model)
-    sampler = Sampler(vocab_size, device, seed=config.seed, nucleus_kernel=_nucleus_kernel(device))
+    kernels = _sampling_kernels(device)
+    sampler = Sampler(vocab_size, device, seed=config.seed, triton_kernels=kernels)
     overlap = config.overlaps(device.type)
     logger.info(
         "routes: %s",
@@ -211,7 +212,7 @@ def core_from_model(
             device,
             overlap,
             parts.kv_scales,
-            sampler.top_p_route,
+            sampler.route,
         ),
     )
     graphs, piecewise = _graphs(config, model, backend, kv_cache, max_model_len)
@@ -245,9 +246,10 @@ def _vocab_size(loaded: LoadedModel, model: CausalLM) -> int:
     return getattr(head, "out_features", None) or head.weight.shape[0]
 
 
-def _nucleus_kernel(device: torch.device) -> bool:
-    """On a GPU, top-p rows draw in the Triton kernel, which needs nothing from the host (an
-    async step then never waits); on a CPU the host is where the work runs anyway."""
+def _sampling_kernels(device: torch.device) -> bool:
+    """On a GPU the sampler takes its Triton kernels: top-p rows drawn with nothing asked of the
+    host (an async step then never waits), seeded rows' noise in one launch. On a CPU the host
+    is where the work runs anyway."""
     if device.type != "cuda" or not triton_paged.available():
         return False
     from engine.kernels.triton import sampling

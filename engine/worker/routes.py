@@ -60,7 +60,7 @@ def describe(
     device: torch.device,
     async_scheduling: bool = False,
     kv_scales: str = "",
-    top_p: str = "",
+    sampling: str = "",
 ) -> str:
     scales = f" (scales {kv_scales})" if kv_scales else ""
     parts = [
@@ -71,8 +71,8 @@ def describe(
         f"linear layers: {linear_forms(model)}",
         f"async scheduling {'on' if async_scheduling else 'off'}",
     ]
-    if top_p:
-        parts.append(f"top-p {top_p}")
+    if sampling:
+        parts.append(f"sampling {sampling}")
     if device.type == "cpu":
         parts += [f"decode: {decode_route(model)}", f"CPU kernels: {kernels_route()}"]
     shard = getattr(model, "shard", None)

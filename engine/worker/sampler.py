@@ -71,26 +71,31 @@ class Sampler:
         vocab_size: int,
         device: torch.device,
         seed: int = 0,
-        nucleus_kernel: bool = False,
+        triton_kernels: bool = False,
     ) -> None:
-        """`nucleus_kernel`: rows with top-p and no top-k draw in the Triton kernel, which
-        needs nothing from the host (`engine.kernels.triton.sampling`), rather than in a
-        widening `topk` search that asks the host how wide to go."""
+        """`triton_kernels` (`engine.kernels.triton.sampling`): rows with top-p and no top-k
+        draw in a kernel that needs nothing from the host, rather than in a widening `topk`
+        search that asks the host how wide to go; seeded rows' noise comes from one launch
+        for them all, rather than from a generator per request, one call per row."""
         self.vocab_size = vocab_size
         self.device = device
-        self.nucleus_kernel = nucleus_kernel
+        self.triton_kernels = triton_kernels
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self._draws: dict[str, int] = {}  # tokens each seeded request drew (Triton route)
 
     @property
-    def top_p_route(self) -> str:
-        return "pivoting kernel" if self.nucleus_kernel else "widening topk"
+    def route(self) -> str:
+        if self.triton_kernels:
+            return "Triton kernels (top-p pivoting, seeded noise in one launch)"
+        return "torch (top-p by widening topk, a generator per seed)"
 
     def release(self, request_ids: list[str]) -> None:
         """Forget per-request state of finished requests."""
         for request_id in request_ids:
             self._request_generators.pop(request_id, None)
+            self._draws.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.sample(logits, requests).to_host(requests)
@@ -144,7 +149,7 @@ class Sampler:
 
     def _nucleus_rows(self, params: list[SamplingParams]) -> list[int]:
         """The rows the nucleus kernel draws: top-p without top-k, not greedy."""
-        if not self.nucleus_kernel:
+        if not self.triton_kernels:
             return []
         return [
             row
@@ -161,10 +166,23 @@ class Sampler:
         if unseeded:
             rows = to_device(unseeded, probs.device)
             noise[rows] = torch.empty_like(noise[rows]).exponential_(generator=self._generator)
-        for row, request in enumerate(requests):
-            if request.sampling_params.seed is not None:
-                noise[row].exponential_(generator=self._generator_for(request))
+        seeded = [row for row, r in enumerate(requests) if r.sampling_params.seed is not None]
+        if self.triton_kernels:
+            self._seeded_noise(noise, seeded, [requests[row] for row in seeded])
+            return noise
+        for row in seeded:
+            noise[row].exponential_(generator=self._generator_for(requests[row]))
         return noise
+
+    def _seeded_noise(self, noise: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+        from engine.kernels.triton.sampling import seeded_noise
+
+        seeds = [r.sampling_params.seed for r in requests]
+        draws = [self._draws.get(r.request_id, 0) for r in requests]
+        for request, drawn in zip(requests, draws, strict=True):
+            self._draws[request.request_id] = drawn + 1
+        rows_on_device = to_device(rows, noise.device, torch.int64)
+        seeded_noise(noise, rows_on_device, [s for s in seeds if s is not None], draws)
 
     def _generator_for(self, request: Request) -> torch.Generator:
         generator = self._request_generators.get(request.request_id)

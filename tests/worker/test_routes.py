@@ -60,7 +60,7 @@ def test_one_line_names_every_route(caplog):
     assert "linear layers: 9 torch (float32)" in line
     assert "decode: op by op (projections not in Conveyor's panels)" in line
     assert "CPU kernels: attention, linear, elementwise, fused_decode for -march=" in line
-    assert "top-p widening topk" in line
+    assert "sampling torch (top-p by widening topk, a generator per seed)" in line
 
 
 @needs_panels
@@ -89,9 +89,9 @@ def test_nothing_built_serves_greedy_tokens_on_pure_torch(no_kernels, caplog):
         assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 8)
 
 
-def test_top_p_rows_draw_in_the_kernel_on_a_gpu_only(device):
-    """On a GPU the sampler takes the Triton top-p kernel, which needs nothing from the host;
-    on a CPU the widening search, whose host check costs nothing there."""
-    from engine.factory import _nucleus_kernel
+def test_the_sampler_takes_its_triton_kernels_on_a_gpu_only(device):
+    """On a GPU the sampler takes its Triton kernels, which need nothing from the host; on a
+    CPU the torch route, whose host check costs nothing there."""
+    from engine.factory import _sampling_kernels
 
-    assert _nucleus_kernel(torch.device(device)) == (device == "cuda")
+    assert _sampling_kernels(torch.device(device)) == (device == "cuda")

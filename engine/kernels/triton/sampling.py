@@ -15,6 +15,10 @@ pass over the row, which also sums the mass above the current winner.
 `min_p` keeps only the tokens whose probability is at least min_p times the largest (the
 logits within log(min_p) of the largest); it is applied to the race's candidates.
 
+`seeded_noise` fills the rows of requests with a seed with their race's Exp(1) noise in one
+launch: Philox keyed by the seed, counting (token, draw), so a request's noise depends on its
+seed and how many tokens it has drawn, never on what shares its batch.
+
 Runs unchanged in Triton's interpreter (`TRITON_INTERPRET=1`) on CPU tensors.
 """
 
@@ -27,6 +31,7 @@ from functools import cache
 import torch
 import triton
 import triton.language as tl
+from triton.language.random import philox, uint_to_uniform_float
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +142,46 @@ def nucleus_sample(
             num_warps=WARPS,
         )
     return out
+
+
+@triton.jit
+def _seeded_noise_kernel(
+    noise_ptr, rows_ptr, keys_ptr, draws_ptr, vocab, noise_stride, BLOCK: tl.constexpr
+):
+    program = tl.program_id(0)
+    row = tl.load(rows_ptr + program)
+    key = tl.load(keys_ptr + program)
+    draw = tl.load(draws_ptr + program)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    zero = tl.zeros_like(offsets)
+    bits, _, _, _ = philox(key, offsets, zero + draw, zero, zero)
+    noise = -tl.log(1.0 - uint_to_uniform_float(bits))
+    # -log(1 - u) is 0 where u is 0, and p / 0 would win the race whatever p: the noise stays
+    # at least 2^-24 (torch's exponential keeps away from 0 the same way).
+    noise = tl.maximum(noise, 5.960464477539063e-08)
+    tl.store(noise_ptr + row * noise_stride + offsets, noise, mask=offsets < vocab)
+
+
+def seeded_noise(
+    noise: torch.Tensor, rows: torch.Tensor, seeds: list[int], draws: list[int]
+) -> None:
+    """Write Exp(1) noise into `noise[rows[i]]` for the request seeded `seeds[i]` drawing its
+    `draws[i]`-th token (counting from 0)."""
+    assert noise.dtype == torch.float32 and noise.stride(1) == 1
+    if not seeds:
+        return
+    keys = [seed % 2**64 - (2**64 if seed % 2**64 >= 2**63 else 0) for seed in seeds]
+    device = noise.device
+    vocab = noise.shape[1]
+    _seeded_noise_kernel[(len(seeds), triton.cdiv(vocab, BLOCK))](
+        noise,
+        rows,
+        torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True),
+        torch.tensor(draws, dtype=torch.int32).to(device, non_blocking=True),
+        vocab,
+        noise.stride(0),
+        BLOCK=BLOCK,
+    )
 
 
 @cache

@@ -1,10 +1,11 @@
-"""A step's sampling of top-p rows (top_p 0.9, no top-k) on a GPU, two ways taking turns: the
-Triton kernel that pivots on the device, and the widening `topk` search that asks the host
-whether its candidates hold each nucleus. Peaked logits (a nucleus of a few tokens) and flat
-ones (most of the vocabulary, several rounds of pivoting; the search widens to all of it).
-Prints the median milliseconds of `Sampler.sample` plus the wait for its tokens, each way.
+"""A step's sampling on a GPU, the sampler's two routes taking turns: its Triton kernels and
+torch. Top-p rows (top_p 0.9, no top-k) over peaked logits (a nucleus of a few tokens) and
+flat ones (most of the vocabulary: rounds of pivoting in the kernel, a search widened to all
+of it in torch, which asks the host how far to go); and seeded rows (noise from one launch
+against a generator call per row). Prints the median milliseconds of `Sampler.sample` plus
+the wait for its tokens, each way.
 
-    python benchmarks/gpu_top_p.py --rows 1 16 64 256 --vocab 151936
+    python benchmarks/gpu_sampling.py --rows 1 16 64 256 --vocab 151936
 
 `--device cpu` runs the same code in Triton's interpreter (`TRITON_INTERPRET=1`, tiny sizes
 only) to check the script itself.
@@ -49,23 +50,35 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = torch.device(args.device)
     ways = {
-        "kernel": Sampler(args.vocab, device, nucleus_kernel=True),
-        "widening topk": Sampler(args.vocab, device),
+        "triton": Sampler(args.vocab, device, triton_kernels=True),
+        "torch": Sampler(args.vocab, device),
+    }
+    cases = {
+        "top-p, peaked": (8.0, dict(top_p=args.top_p)),
+        "top-p, flat": (0.05, dict(top_p=args.top_p)),
+        "seeded": (1.0, {}),
     }
     generator = torch.Generator().manual_seed(0)
     for rows in args.rows:
-        requests = [
-            Request(str(i), [1], SamplingParams(top_p=args.top_p), 0.0, 100) for i in range(rows)
-        ]
-        for shape, spread in (("peaked", 8.0), ("flat", 0.05)):
+        for case, (spread, params) in cases.items():
+            requests = [
+                Request(
+                    str(i),
+                    [1],
+                    SamplingParams(seed=i if case == "seeded" else None, **params),
+                    0.0,
+                    100,
+                )
+                for i in range(rows)
+            ]
             logits = (torch.randn(rows, args.vocab, generator=generator) * spread).to(device)
             medians: dict[str, list[float]] = {way: [] for way in ways}
             for order in (list(ways), list(reversed(ways))):
                 for way in order:
                     medians[way].append(timed(ways[way], logits, requests, args.repeats))
             result = {way: round(min(times), 3) for way, times in medians.items()}
-            ratio = round(result["widening topk"] / result["kernel"], 2)
-            print(json.dumps({"rows": rows, "logits": shape, **result, "topk/kernel": ratio}))
+            ratio = round(result["torch"] / result["triton"], 2)
+            print(json.dumps({"rows": rows, "case": case, **result, "torch/triton": ratio}))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""Top-p rows drawn in the Triton kernel (on the GPU; in Triton's interpreter here): the token
-is the exponential race's winner over the row's nucleus, as a sort of the whole vocabulary
-gives it, and the sampler's choices with the kernel are those of its torch route, with no value
-read back from the device."""
+"""The sampler's Triton kernels (on the GPU; in Triton's interpreter here). Top-p rows: the
+token is the exponential race's winner over the row's nucleus, as a sort of the whole
+vocabulary gives it, and the sampler's choices with the kernel are those of its torch route,
+with no value read back from the device. Seeded rows: Exp(1) noise that depends on the seed
+and the draw alone."""
 
 from __future__ import annotations
 
@@ -57,11 +58,11 @@ def test_the_kernel_draws_the_race_winner_over_the_nucleus(spread):
 def test_tokens_tied_at_the_edge_of_the_nucleus_stay_in_it_together():
     """A sort would keep the first few of equal tokens by position; the kernel keeps every
     token as likely as one the nucleus needs, so each of them can be drawn."""
-    logits = torch.full((400, 64), float("-inf"))
+    logits = torch.full((200, 64), float("-inf"))
     logits[:, 0] = 2.0
     logits[:, 1:11] = 0.0  # p = 0.45 for token 0, 0.055 for each of ten tied tokens
     noise = torch.empty_like(logits).exponential_(generator=torch.Generator().manual_seed(1))
-    drawn = draw(logits, noise, torch.full((400,), 0.5), torch.zeros(400))
+    drawn = draw(logits, noise, torch.full((200,), 0.5), torch.zeros(200))
     assert set(drawn.tolist()) == set(range(11))
 
 
@@ -106,11 +107,12 @@ class NoHostReads:
 
 def test_the_sampler_with_the_kernel_chooses_as_its_torch_route_and_reads_nothing_back():
     """Over steps of a batch with every kind of row (peaked and flat logits), the kernel route
-    gives the torch route's tokens; its sampling reads no tensor value on the host (the torch
-    route's widening search does, for its top-p-only rows)."""
+    gives the torch route's tokens (seeded rows aside: their noise differs by route); its
+    sampling reads no tensor value on the host (the torch route's widening search does, for
+    its top-p-only rows)."""
     device = torch.device(TRITON_DEVICE)
     vocab = 2000
-    with_kernel = Sampler(vocab, device, seed=3, nucleus_kernel=True)
+    with_kernel = Sampler(vocab, device, seed=3, triton_kernels=True)
     in_torch = Sampler(vocab, device, seed=3)
     requests = [request(f"r{i}", **params) for i, params in enumerate(BATCH)]
     generator = torch.Generator().manual_seed(11)
@@ -121,7 +123,8 @@ def test_the_sampler_with_the_kernel_chooses_as_its_torch_route_and_reads_nothin
         with NoHostReads():
             drawn = with_kernel.sample(logits.clone(), requests).token_ids
         expected = in_torch.sample(logits.clone(), requests).token_ids
-        assert drawn.tolist() == expected.tolist()
+        unseeded = [row for row, params in enumerate(BATCH) if "seed" not in params]
+        assert drawn[unseeded].tolist() == expected[unseeded].tolist()
         chosen.append(drawn.tolist())
     assert len({tuple(tokens) for tokens in chosen}) == len(chosen)
     with pytest.raises(AssertionError, match="read a value back"), NoHostReads():
@@ -142,3 +145,56 @@ def test_rows_with_a_top_k_read_nothing_back_on_the_torch_route():
     with NoHostReads():
         drawn = Sampler(500, device).sample(logits, requests).token_ids
     assert drawn.shape == (3,)
+
+
+def test_seeded_noise_is_exponential_and_depends_on_the_seed_and_draw_alone():
+    from engine.kernels.triton.sampling import seeded_noise
+
+    device = torch.device(TRITON_DEVICE)
+    noise = torch.zeros(4, 40_000, device=device)
+    rows = torch.arange(4, device=device)
+    seeded_noise(noise, rows, [7, 7, 8, -1], [0, 1, 0, 0])
+    noise = noise.cpu()
+    assert torch.allclose(noise.mean(dim=1), torch.ones(4), atol=0.03)
+    assert torch.allclose(noise.var(dim=1), torch.ones(4), atol=0.06)
+    assert bool((noise > 0).all())
+    again = torch.zeros(3, 40_000, device=device)
+    seeded_noise(again, torch.tensor([2, 0, 1], device=device), [7, 8, 2**64 - 1], [1, 0, 0])
+    again = again.cpu()
+    assert torch.equal(again[2], noise[1]) and torch.equal(again[0], noise[2])
+    assert torch.equal(again[1], noise[3])  # -1 and 2**64 - 1 are one seed, as for generators
+    assert not torch.equal(noise[0], noise[1])
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
+    device = torch.device(TRITON_DEVICE)
+    vocab = 300
+    values = torch.randn(1, vocab, generator=torch.Generator().manual_seed(9)).to(device)
+    alone = Sampler(vocab, device, triton_kernels=True)
+    tokens_alone = [
+        alone.sample(values.clone(), [request("s", seed=42, top_p=0.9)]).token_ids.item()
+        for _ in range(12)
+    ]
+    busy = Sampler(vocab, device, seed=123, triton_kernels=True)
+    tokens_busy = []
+    for step in range(12):
+        mates = [request(f"m{i}", temperature=1.5, seed=i) for i in range(step % 4)]
+        batch = [*mates, request("s", seed=42, top_p=0.9)]
+        generator = torch.Generator().manual_seed(step)
+        mate_logits = torch.randn(len(mates), vocab, generator=generator).to(device)
+        drawn = busy.sample(torch.cat([mate_logits, values]), batch).token_ids
+        tokens_busy.append(drawn[-1].item())
+    assert tokens_alone == tokens_busy
+    assert len(set(tokens_alone)) > 1
+
+
+def test_seeded_draws_follow_the_distribution():
+    """Six hundred requests with their own seeds, each drawing once from p = (0.25, 0.75)."""
+    device = torch.device(TRITON_DEVICE)
+    values = torch.full((600, 8), -30.0)
+    values[:, 3], values[:, 4] = 0.0, float(torch.log(torch.tensor(3.0)))
+    requests = [request(f"r{i}", seed=1000 + i) for i in range(600)]
+    sampler = Sampler(8, device, triton_kernels=True)
+    picks = sampler.sample(values.to(device), requests).token_ids.tolist()
+    assert set(picks) == {3, 4}
+    assert 0.69 < picks.count(4) / len(picks) < 0.81
