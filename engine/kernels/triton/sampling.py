@@ -186,9 +186,9 @@ def seeded_noise(
 
 @cache
 def usable(device: str) -> bool:
-    """The kernel compiles and draws right on `device`: two rows of p = (0.25, 0.75) with noise
-    (1, 10), whose race picks token 0 (0.25 / 1 > 0.75 / 10); with top-p 0.5 the nucleus is
-    token 1 alone, with 0.9 both."""
+    """The kernels compile and answer right on `device`: two rows of p = (0.25, 0.75) with
+    noise (1, 10), whose race picks token 0 (0.25 / 1 > 0.75 / 10); with top-p 0.5 the nucleus
+    is token 1 alone, with 0.9 both. Then seeded noise, positive and finite."""
     try:
         logits = torch.tensor([[0.0, math.log(3.0)]] * 2, device=device)
         noise = torch.tensor([[1.0, 10.0]] * 2, device=device)
@@ -197,8 +197,13 @@ def usable(device: str) -> bool:
         drawn = nucleus_sample(logits, noise, rows, top_p, torch.zeros(2, device=device))
         if drawn.tolist() != [1, 0]:
             raise RuntimeError(f"drew {drawn.tolist()} instead of [1, 0]")
+        seeded_noise(noise, rows[:1], [1], [0])
+        if not bool(((noise[0] > 0) & noise[0].isfinite()).all()):
+            raise RuntimeError("seeded noise outside (0, inf)")
     except Exception as error:  # no compiler, no driver support, a broken install
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        logger.warning("the top-p sampling kernel is unusable on %s (%s)", device, message)
+        logger.warning(
+            "Triton sampling kernels unusable on %s (%s); sampling in torch", device, message
+        )
         return False
     return True

@@ -1,6 +1,6 @@
 """Compile Conveyor's Triton kernels for GPU targets on any host, no GPU needed (Triton carries
 its own `ptxas`): every kernel in the forms the server launches (fp32, bf16 and fp16 queries;
-caches of the same dtype or fp8; one split or several; the top-p sampler), down to a cubin for
+caches of the same dtype or fp8; one split or several; the sampler's), down to a cubin for
 each target. A
 kernel that Triton's interpreter runs but the GPU compiler rejects fails here, before a GPU
 host meets it.
@@ -90,6 +90,12 @@ def forms(arch: int) -> Iterator[Form]:
         | {"top_p_ptr": "fp32", "min_p_ptr": "fp32", "out_ptr": "i64"},
         dict(BLOCK=sampling.BLOCK),
         warps=sampling.WARPS,
+    )
+    yield Form(
+        "seeded noise",
+        sampling._seeded_noise_kernel,
+        {"noise_ptr": "fp32", "rows_ptr": "i64", "keys_ptr": "i64", "draws_ptr": "i32"},
+        dict(BLOCK=sampling.BLOCK),
     )
     yield Form(
         "combine",
