@@ -10,7 +10,6 @@ every other backend. It runs on CUDA tensors, or on CPU tensors under Triton's i
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from functools import cache
 from types import ModuleType
@@ -21,10 +20,9 @@ import torch
 
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
 from engine.attention.torch_paged import TorchPagedMetadata
+from engine.kernels.triton import self_test
 from engine.kv.kv_cache import KVCache
 from engine.worker.input_batch import InputBatch
-
-logger = logging.getLogger(__name__)
 
 
 def available() -> bool:
@@ -36,17 +34,12 @@ def usable(device: str) -> bool:
     """Triton is installed and every kernel compiles, runs and gives the right answer on
     `device`: Triton builds a small launcher with the machine's C compiler on first use, which
     a bare runtime image lacks, and a Triton or driver version may reject a kernel."""
-    if not available():
-        return False
-    try:
-        _self_test(_kernels(), torch.device(device))
-    except Exception as error:  # no compiler, no driver support, a broken install
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        logger.warning(
-            "Triton kernels unusable on %s (%s); using the torch attention backend", device, message
-        )
-        return False
-    return True
+    return available() and self_test.passes(
+        lambda: _self_test(_kernels(), torch.device(device)),
+        "Triton kernels",
+        device,
+        "using the torch attention backend",
+    )
 
 
 def _self_test(kernels: ModuleType, device: torch.device) -> None:

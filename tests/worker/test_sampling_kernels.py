@@ -131,10 +131,20 @@ def test_the_sampler_with_the_kernel_chooses_as_its_torch_route_and_reads_nothin
         in_torch.sample(logits.clone(), requests[:1])
 
 
-def test_the_kernel_is_usable_here():
-    from engine.kernels.triton.sampling import usable
+def test_the_kernels_are_usable_here_and_one_that_answers_wrongly_is_turned_down(
+    monkeypatch, caplog
+):
+    from engine.kernels.triton import sampling
 
-    assert usable(TRITON_DEVICE)
+    sampling.usable.cache_clear()
+    assert sampling.usable(TRITON_DEVICE)
+    monkeypatch.setattr(sampling, "nucleus_sample", lambda logits, *args: logits[:, 0].long())
+    sampling.usable.cache_clear()
+    try:
+        assert not sampling.usable(TRITON_DEVICE)
+    finally:
+        sampling.usable.cache_clear()
+    assert "Triton sampling kernels unusable" in caplog.text and "instead of [1, 0]" in caplog.text
 
 
 def test_rows_with_a_top_k_read_nothing_back_on_the_torch_route():

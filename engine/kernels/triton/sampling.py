@@ -24,7 +24,6 @@ Runs unchanged in Triton's interpreter (`TRITON_INTERPRET=1`) on CPU tensors.
 
 from __future__ import annotations
 
-import logging
 import math
 from functools import cache
 
@@ -33,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.random import philox, uint_to_uniform_float
 
-logger = logging.getLogger(__name__)
+from engine.kernels.triton import self_test
 
 # Tokens one step of a pass over the row reads, and the warps of a row's program: one program
 # per row, so a step of one or a few rows still reads its rows with many threads each.
@@ -186,24 +185,23 @@ def seeded_noise(
 
 @cache
 def usable(device: str) -> bool:
-    """The kernels compile and answer right on `device`: two rows of p = (0.25, 0.75) with
-    noise (1, 10), whose race picks token 0 (0.25 / 1 > 0.75 / 10); with top-p 0.5 the nucleus
-    is token 1 alone, with 0.9 both. Then seeded noise, positive and finite."""
-    try:
-        logits = torch.tensor([[0.0, math.log(3.0)]] * 2, device=device)
-        noise = torch.tensor([[1.0, 10.0]] * 2, device=device)
-        rows = torch.arange(2, device=device)
-        top_p = torch.tensor([0.5, 0.9], device=device)
-        drawn = nucleus_sample(logits, noise, rows, top_p, torch.zeros(2, device=device))
-        if drawn.tolist() != [1, 0]:
-            raise RuntimeError(f"drew {drawn.tolist()} instead of [1, 0]")
-        seeded_noise(noise, rows[:1], [1], [0])
-        if not bool(((noise[0] > 0) & noise[0].isfinite()).all()):
-            raise RuntimeError("seeded noise outside (0, inf)")
-    except Exception as error:  # no compiler, no driver support, a broken install
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        logger.warning(
-            "Triton sampling kernels unusable on %s (%s); sampling in torch", device, message
-        )
-        return False
-    return True
+    """The kernels compile and answer right on `device`."""
+    return self_test.passes(
+        lambda: _check(device), "Triton sampling kernels", device, "sampling in torch"
+    )
+
+
+def _check(device: str) -> None:
+    """Two rows of p = (0.25, 0.75) with noise (1, 10), whose race picks token 0 (0.25 / 1 >
+    0.75 / 10): with top-p 0.5 the nucleus is token 1 alone, with 0.9 both. Then seeded noise,
+    positive and finite."""
+    logits = torch.tensor([[0.0, math.log(3.0)]] * 2, device=device)
+    noise = torch.tensor([[1.0, 10.0]] * 2, device=device)
+    rows = torch.arange(2, device=device)
+    top_p = torch.tensor([0.5, 0.9], device=device)
+    drawn = nucleus_sample(logits, noise, rows, top_p, torch.zeros(2, device=device))
+    if drawn.tolist() != [1, 0]:
+        raise RuntimeError(f"drew {drawn.tolist()} instead of [1, 0]")
+    seeded_noise(noise, rows[:1], [1], [0])
+    if not bool(((noise[0] > 0) & noise[0].isfinite()).all()):
+        raise RuntimeError("seeded noise outside (0, inf)")
