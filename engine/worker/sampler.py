@@ -5,7 +5,8 @@ grammars each touch all their rows in one operation, with no per-row device work
 Rows with top-p and no top-k are drawn on a GPU by a Triton kernel that needs nothing from the
 host; elsewhere a widening `topk` search reads one flag back per widening.
 A request with a seed draws from its own generator, which advances only when that request
-samples, so its tokens do not depend on what else shares the batch.
+samples (on a GPU, from noise keyed by its seed and its count of draws), so its tokens do not
+depend on what else shares the batch.
 """
 
 from __future__ import annotations
@@ -177,12 +178,11 @@ class Sampler:
     def _seeded_noise(self, noise: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
         from engine.kernels.triton.sampling import seeded_noise
 
-        seeds = [r.sampling_params.seed for r in requests]
+        seeds = [seed for r in requests if (seed := r.sampling_params.seed) is not None]
         draws = [self._draws.get(r.request_id, 0) for r in requests]
         for request, drawn in zip(requests, draws, strict=True):
             self._draws[request.request_id] = drawn + 1
-        rows_on_device = to_device(rows, noise.device, torch.int64)
-        seeded_noise(noise, rows_on_device, [s for s in seeds if s is not None], draws)
+        seeded_noise(noise, to_device(rows, noise.device, torch.int64), seeds, draws)
 
     def _generator_for(self, request: Request) -> torch.Generator:
         generator = self._request_generators.get(request.request_id)
