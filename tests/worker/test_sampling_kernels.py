@@ -66,6 +66,18 @@ def test_tokens_tied_at_the_edge_of_the_nucleus_stay_in_it_together():
     assert set(drawn.tolist()) == set(range(11))
 
 
+# Triton's interpreter subtracts -inf from -inf in numpy for the all -inf row.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_a_row_with_nothing_to_draw_from_gets_token_0_and_ends():
+    logits = torch.randn(3, 100)
+    logits[0] = float("-inf")
+    logits[1, 5] = float("nan")
+    logits[2, :] = float("nan")
+    noise = torch.ones(3, 100)
+    drawn = draw(logits, noise, torch.full((3,), 0.9), torch.zeros(3))
+    assert drawn[0] == 0 and drawn[2] == 0 and 0 <= drawn[1] < 100
+
+
 def request(name: str, **params: object) -> Request:
     return Request(name, [1, 2, 3], SamplingParams(**params), 0.0, 10_000)
 

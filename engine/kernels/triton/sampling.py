@@ -109,7 +109,9 @@ def _nucleus_sample_kernel(
         accepted = (above < top_p * total) | (next_winner < 0)
         winner = tl.where(accepted, winner, next_winner)
         winner_logit = tl.where(accepted, winner_logit, next_logit)
-    tl.store(out_ptr + program, winner)
+    # A row with nothing to draw from (every logit -inf, or NaN) gets token 0, as torch's
+    # argmax over its NaN probabilities gives: never an id outside the vocabulary.
+    tl.store(out_ptr + program, tl.maximum(winner, 0))
 
 
 def nucleus_sample(
