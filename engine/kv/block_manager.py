@@ -62,8 +62,10 @@ class BlockManager:
 
     def cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks matching the longest run of the request's leading full blocks; the
-        last token is always left to compute (its logits give the next token)."""
-        if not self.enable_caching:
+        last token is always left to compute (its logits give the next token). A request that
+        wants its prompt's logprobs takes none: they come from computing every prompt token
+        (as in vLLM)."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         limit = (request.num_tokens - 1) // self.block_size

@@ -148,7 +148,7 @@ class Scheduler:
     def add_request(self, request: Request, fork_of: str | None = None) -> None:
         """Queue a request. With `fork_of` (a waiting request with the same prompt), it waits
         until that one has computed the prompt, then shares its blocks instead of recomputing
-        them."""
+        them, unless it wants its prompt's logprobs."""
         self.check_prompt(request.num_prompt_tokens)
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -160,6 +160,7 @@ class Scheduler:
             leader is not None
             and leader.num_output_tokens == 0
             and (leader.prompt_token_ids == request.prompt_token_ids)
+            and request.sampling_params.prompt_logprobs is None  # those compute their prompt
         ):
             self._forks.setdefault(leader.request_id, []).append(request)
         else:

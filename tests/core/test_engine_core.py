@@ -9,6 +9,7 @@ import torch
 
 from engine.core.config import CacheConfig
 from engine.core.errors import InvalidRequestError, PromptTooLongError, RequestFailedError
+from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.factory import block_size
 from server.cli import build_parser, engine_config
@@ -149,6 +150,34 @@ def test_prompt_logprobs_match_the_model(tiny_model, options):
             )
             assert entries[pos].top[0][0] == int(reference[pos - 1].argmax())
         assert all(o.prompt_logprobs is None for o in outputs[f"req-{i}"][1:])
+
+
+def test_prompt_logprobs_score_a_cached_prompt_and_each_sibling(tiny_model):
+    """A prompt already in the prefix cache, and siblings that would share one computed
+    prompt, still get an entry for every prompt token: a request that wants its prompt's
+    logprobs computes its prompt (as in vLLM)."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(2, 320) for _ in range(21)]
+    core, _ = tiny_core(tiny_model)
+    run_all(core, [prompt], greedy(max_tokens=2))  # its blocks are now cached
+    wants = greedy(max_tokens=2, prompt_logprobs=1)
+    core.add_request("a", prompt, wants, parent_id="p", index=0, siblings=2)
+    core.add_request("b", prompt, wants, parent_id="p", index=1, fork_of="a", siblings=2)
+    core.add_request("c", prompt, greedy(max_tokens=2))
+    firsts: dict[tuple[str, int], RequestOutput] = {}
+    while core.has_unfinished():
+        for output in core.step():
+            firsts.setdefault((output.request_id, output.index), output)
+        core.scheduler.check_invariants()
+    assert firsts["c", 0].num_cached_tokens > 0  # the cache did hold the prompt
+    reference = full_logprobs(tiny_model, prompt)
+    for index in (0, 1):
+        entries = firsts["p", index].prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+        for pos in range(1, len(prompt)):
+            assert entries[pos].logprob == pytest.approx(
+                reference[pos - 1, prompt[pos]].item(), abs=1e-4
+            )
 
 
 def test_abort_mid_generation_frees_blocks_and_reports(tiny_model):

@@ -100,6 +100,21 @@ async def test_echo_with_prompt_logprobs():
         assert plain["choices"][0]["text"] == choice["text"]
 
 
+async def test_echo_logprobs_of_a_cached_prompt_for_each_choice():
+    """The prompt is in the prefix cache and two choices share it: each choice still scores
+    every prompt token, as the first request did."""
+    prompt = list(range(40, 80))
+    async with app_client() as (client, engine):
+        first = await complete(client, prompt=prompt, max_tokens=2, echo=True, logprobs=1)
+        expected = first["choices"][0]["logprobs"]["token_logprobs"][: len(prompt)]
+        again = await complete(client, prompt=prompt, max_tokens=2, echo=True, logprobs=1, n=2)
+        for choice in again["choices"]:
+            scored = choice["logprobs"]["token_logprobs"]
+            assert len(scored) == len(prompt) + 2 and scored[0] is None
+            assert scored[1 : len(prompt)] == pytest.approx(expected[1:], abs=1e-4)
+        assert blocks_in_use(engine) == 0
+
+
 async def test_logprobs_alternatives_include_the_chosen_token():
     async with app_client() as (client, _):
         body = await complete(client, prompt="Hello", max_tokens=4, logprobs=3)
