@@ -24,7 +24,12 @@ from server.batches.state import Lazy
 from server.errors import APIError, install_error_handlers
 from server.fleet_api import fleet_router
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
-from server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+    UnexpectedErrorMiddleware,
+)
 from server.openapi import GENERATION, document_errors_as_sent, errors
 from server.protocol import (
     ChatCompletionRequest,
@@ -98,6 +103,8 @@ def build_app(
     BatchMetrics(registry, jobs, runner)
     app.include_router(files_router(files, settings.max_file_bytes))
     app.include_router(batches_router(files, jobs, runner))
+    # Innermost: an unexpected error's 500 still passes the metrics and gets a request id.
+    app.add_middleware(UnexpectedErrorMiddleware)
     if settings.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

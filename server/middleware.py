@@ -1,5 +1,5 @@
-"""Pure ASGI middleware (safe with streaming): request ids, the API key and a request body
-limit."""
+"""Pure ASGI middleware (safe with streaming): request ids, the API key, a request body limit
+and the last word on unexpected errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_body
+from server.errors import error_body, error_response
 
 REQUEST_ID_HEADER = b"x-request-id"
 # A client's request id longer than this, or with characters other than these, is replaced by a
@@ -187,3 +187,31 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+class UnexpectedErrorMiddleware:
+    """An exception no handler took, raised before the response started, becomes a 500 in
+    OpenAI's shape here (logged once with its traceback by `server.errors`). Left to the
+    framework's last handler, the same 500 would be sent and the exception raised on to the
+    server, which then closes the kept-alive connection under the client's next request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            await error_response(exc)(scope, receive, send)

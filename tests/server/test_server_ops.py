@@ -90,6 +90,32 @@ async def test_request_id_header_is_echoed_or_made():
         assert again.status_code == 200  # a reused client id does not clash inside the engine
 
 
+async def test_an_unexpected_error_is_a_500_in_openai_s_shape_and_goes_no_further(monkeypatch):
+    """A bug in a handler answers its request with a 500 (request id and all) and stops there:
+    the exception does not reach the server, which would drop the client's connection."""
+    from server.logprobs import CompletionLogprobs
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(CompletionLogprobs, "add", broken)
+    async with app_client() as (client, engine):  # the transport raises what reaches it
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "logprobs": 1}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 500
+        assert response.json()["error"] == {
+            "message": "Internal server error: ValueError",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+        assert response.headers["x-request-id"]
+        del body["logprobs"]
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        await wait_until_idle(engine)
+        assert blocks_in_use(engine) == 0
+
+
 async def test_cors_only_when_allowed():
     async with app_client(ServerSettings(allowed_origins=("https://ui.example",))) as (client, _):
         response = await client.get("/v1/models", headers={"Origin": "https://ui.example"})
