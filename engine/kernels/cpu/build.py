@@ -28,7 +28,7 @@ import re
 import shutil
 import subprocess
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -312,27 +312,38 @@ class CompileFailure:
     errors: str
 
 
-def cross_compile(target: str, workdir: Path, jobs: int | None = None) -> list[CompileFailure]:
-    """Compile every source for `-march=<target>` (object code thrown away, no optimisation),
-    whatever this host runs: a guard missing for a narrower instruction set fails here on any
-    machine. The torch headers are parsed once per target, as a precompiled header."""
-    flags = _cross_flags(target)
-    header = workdir / "torch_headers.h"
-    header.write_text("".join(f"#include <{h}>\n" for h in _system_includes()))
-    _run([*flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"])
+def cross_compile(
+    targets: Sequence[str], workdir: Path, jobs: int | None = None
+) -> list[CompileFailure]:
+    """Compile every source for each `-march=<target>` (object code thrown away, no
+    optimisation), whatever this host runs: a guard missing for a narrower instruction set
+    fails here on any machine. The torch headers are parsed once per target, as a precompiled
+    header; the targets' headers, then every (target, source) pair, share one pool of jobs."""
     sources = sorted(CSRC.glob("*/*.cpp"))
-
-    def one(source: Path) -> CompileFailure | None:
-        result = _run(
-            [*flags, "-include", str(header), "-c", str(source), "-o", os.devnull], check=False
-        )
-        if result.returncode == 0:
-            return None
-        errors = "\n".join(line for line in result.stderr.splitlines() if "error" in line)
-        return CompileFailure(target, source.name, errors or result.stderr[-2000:])
-
     with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
-        return [failure for failure in pool.map(one, sources) if failure is not None]
+        made = pool.map(lambda target: _torch_header(target, workdir), targets)
+        headers = dict(zip(targets, made, strict=True))
+        pairs = [(target, source) for target in targets for source in sources]
+        results = pool.map(lambda pair: _compile_for(pair[0], pair[1], headers[pair[0]]), pairs)
+        return [failure for failure in results if failure is not None]
+
+
+def _torch_header(target: str, workdir: Path) -> Path:
+    """The sources' system includes, precompiled for `target`."""
+    header = workdir / target / "torch_headers.h"
+    header.parent.mkdir(parents=True, exist_ok=True)
+    header.write_text("".join(f"#include <{h}>\n" for h in _system_includes()))
+    _run([*_cross_flags(target), "-x", "c++-header", str(header), "-o", f"{header}.gch"])
+    return header
+
+
+def _compile_for(target: str, source: Path, header: Path) -> CompileFailure | None:
+    command = [*_cross_flags(target), "-include", str(header), "-c", str(source), "-o", os.devnull]
+    result = _run(command, check=False)
+    if result.returncode == 0:
+        return None
+    errors = "\n".join(line for line in result.stderr.splitlines() if "error" in line)
+    return CompileFailure(target, source.name, errors or result.stderr[-2000:])
 
 
 def _cross_flags(target: str) -> list[str]:
