@@ -111,7 +111,7 @@ def test_dummy_load_format_serves_random_weights_from_the_config_alone(tmp_path)
     weights transformers' own initialisation gives that config under the engine's seed."""
     from transformers import AutoModelForCausalLM
 
-    from engine.core.config import EngineConfig
+    from engine.core.config import CacheConfig, EngineConfig
     from engine.factory import create_engine_core
     from tests.helpers import tiny_tokenizer
 
@@ -119,7 +119,13 @@ def test_dummy_load_format_serves_random_weights_from_the_config_alone(tmp_path)
     config.save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
-    engine = EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", load_format="dummy")
+    engine = EngineConfig(
+        model=str(tmp_path),
+        dtype="float32",
+        device="cpu",
+        load_format="dummy",
+        cache=CacheConfig(num_blocks=64, block_size=8),
+    )
     core, _, _ = create_engine_core(engine)
     torch.manual_seed(engine.seed)
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

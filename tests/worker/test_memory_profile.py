@@ -143,7 +143,7 @@ def test_the_cache_is_sized_after_the_projections_are_fused(monkeypatch):
     monkeypatch.setattr(
         factory, "_num_blocks", lambda *a: events.append("cache sized") or real_blocks(*a)
     )
-    tiny_core(tiny_llama(), num_blocks=None)
+    tiny_core(tiny_llama(), num_blocks=None, kv_cache_memory=16 << 20)
     assert events == ["model built", "cache sized"]
 
 

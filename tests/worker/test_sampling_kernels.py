@@ -211,12 +211,12 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
 
 
 def test_seeded_draws_follow_the_distribution():
-    """Six hundred requests with their own seeds, each drawing once from p = (0.25, 0.75)."""
+    """Three hundred requests with their own seeds, each drawing once from p = (0.25, 0.75)."""
     device = torch.device(TRITON_DEVICE)
-    values = torch.full((600, 8), -30.0)
+    values = torch.full((300, 8), -30.0)
     values[:, 3], values[:, 4] = 0.0, float(torch.log(torch.tensor(3.0)))
-    requests = [request(f"r{i}", seed=1000 + i) for i in range(600)]
+    requests = [request(f"r{i}", seed=1000 + i) for i in range(300)]
     sampler = Sampler(8, device, triton_kernels=True)
     picks = sampler.sample(values.to(device), requests).token_ids.tolist()
     assert set(picks) == {3, 4}
-    assert 0.69 < picks.count(4) / len(picks) < 0.81
+    assert 0.65 < picks.count(4) / len(picks) < 0.85  # four standard deviations
