@@ -220,3 +220,28 @@ def test_seeded_draws_follow_the_distribution():
     picks = sampler.sample(values.to(device), requests).token_ids.tolist()
     assert set(picks) == {3, 4}
     assert 0.65 < picks.count(4) / len(picks) < 0.85  # four standard deviations
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_engine_sampling_in_the_kernels_gives_the_torch_route_s_tokens(overlap):
+    """Whole requests through the engine, steps in turn or overlapped: top-p rows (some with
+    min-p) drawn by the kernel follow the tokens the torch route draws from the same noise."""
+    from tests.helpers import run_all, tiny_core, tiny_llama, tokens_of
+
+    model = tiny_llama()
+    prompts = [[5, 9, 33, 2], list(range(40, 60)), [7] * 9, [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = [
+        SamplingParams(top_p=0.9, max_tokens=12, ignore_eos=True),
+        SamplingParams(top_p=0.5, min_p=0.05, temperature=1.3, max_tokens=12, ignore_eos=True),
+        SamplingParams(top_p=0.99, temperature=2.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ]
+    tokens = []
+    for kernels in (True, False):
+        core, _ = tiny_core(model)
+        core.runner.sampler.triton_kernels = kernels
+        core.overlap = overlap
+        outputs = run_all(core, prompts, params)
+        tokens.append([tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))])
+    assert tokens[0] == tokens[1]
+    assert len({tuple(t) for t in tokens[0][:3]}) == 3
