@@ -1,4 +1,5 @@
-"""Top-p (nucleus) sampling on the GPU without a sort and without the host.
+"""The sampler's GPU kernels: top-p (nucleus) sampling without a sort and without the host,
+and seeded rows' noise in one launch.
 
 A row sampled with top-p and no top-k has a nucleus that may reach far down a flat
 distribution, so no fixed candidate width holds it, and a search that widens until it does
