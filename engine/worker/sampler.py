@@ -140,9 +140,8 @@ class Sampler:
         noise = self._exponential_noise(probs, requests)
         choice = row_argmax(probs.div_(noise))
         if nucleus:
-            choice[to_device(nucleus, logits.device)] = _nucleus_choice(
-                scaled, noise, [params[row] for row in nucleus], nucleus
-            )
+            rows = to_device(nucleus, logits.device, torch.int64)
+            choice[rows] = _nucleus_choice(scaled, noise, [params[row] for row in nucleus], rows)
         if any(greedy):
             mask = to_device(greedy, logits.device)
             choice = torch.where(mask, row_argmax(logits), choice)
@@ -216,18 +215,13 @@ def _probabilities(
 
 
 def _nucleus_choice(
-    scaled: torch.Tensor, noise: torch.Tensor, params: list[SamplingParams], rows: list[int]
+    scaled: torch.Tensor, noise: torch.Tensor, params: list[SamplingParams], rows: torch.Tensor
 ) -> torch.Tensor:
     from engine.kernels.triton.sampling import nucleus_sample
 
     device = scaled.device
-    return nucleus_sample(
-        scaled,
-        noise,
-        to_device(rows, device, torch.int64),
-        to_device([p.top_p for p in params], device),
-        to_device([p.min_p for p in params], device),
-    )
+    top_p = to_device([p.top_p for p in params], device)
+    return nucleus_sample(scaled, noise, rows, top_p, to_device([p.min_p for p in params], device))
 
 
 def takes_argmax(requests: list[Request]) -> bool:

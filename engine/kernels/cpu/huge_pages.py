@@ -9,9 +9,8 @@ Memory is mapped afresh and advised with `madvise(MADV_HUGEPAGE)` before its fir
 the kernel backs it with huge pages as it faults in (THP `madvise` or `always`).
 `move_into_huge_pages` copies tensors into one such region and points each tensor at its part in
 place (`Tensor.set_`), so every holder of the tensor sees the move, and views of one weight stay
-views of one copy; `zeros` makes a new tensor
-there. Where the kernel declines (not Linux, THP `never`), tensors stay where they are and
-`zeros` is plain `torch.zeros`.
+views of one copy; `zeros` makes a new tensor there. Where the kernel declines (not Linux, THP
+`never`), tensors stay where they are and `zeros` is plain `torch.zeros`.
 """
 
 from __future__ import annotations

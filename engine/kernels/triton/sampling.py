@@ -172,7 +172,8 @@ def seeded_noise(
     assert noise.dtype == torch.float32 and noise.stride(1) == 1
     if not seeds:
         return
-    keys = [seed % 2**64 - (2**64 if seed % 2**64 >= 2**63 else 0) for seed in seeds]
+    # Each seed as a 64-bit key (as a generator's `manual_seed(seed % 2**64)`), stored signed.
+    keys = [key - 2**64 if key >= 2**63 else key for key in (seed % 2**64 for seed in seeds)]
     device = noise.device
     vocab = noise.shape[1]
     _seeded_noise_kernel[(len(seeds), triton.cdiv(vocab, BLOCK))](

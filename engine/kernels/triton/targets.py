@@ -1,9 +1,8 @@
 """Compile Conveyor's Triton kernels for GPU targets on any host, no GPU needed (Triton carries
 its own `ptxas`): every kernel in the forms the server launches (fp32, bf16 and fp16 queries;
 caches of the same dtype or fp8; one split or several; the sampler's), down to a cubin for
-each target. A
-kernel that Triton's interpreter runs but the GPU compiler rejects fails here, before a GPU
-host meets it.
+each target. A kernel that Triton's interpreter runs but the GPU compiler rejects fails here,
+before a GPU host meets it.
 
     python -m engine.kernels.triton.targets 80 90      # Ampere and Hopper
 
