@@ -154,6 +154,16 @@ class SamplingFields(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        """As OpenAI and vLLM: stream_options that set anything belong to a streamed request."""
+        options = self.stream_options
+        if options is not None and options.model_fields_set and not self.stream:
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true.", param="stream_options"
+            )
+        return self
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

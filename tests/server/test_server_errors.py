@@ -51,6 +51,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, -4]}, "prompt", None),
     ({"prompt": [10**9]}, "prompt", None),
     ({"prompt": "x", "stream": "yes please"}, "stream", None),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"prompt": list(range(2, 80))}, "prompt", "maximum context length is 64 tokens"),
 ]
 
@@ -76,6 +77,10 @@ BAD_CHATS = [
     ({"messages": MESSAGES, "top_logprobs": 99, "logprobs": True}, "top_logprobs"),
     ({"messages": MESSAGES, "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"messages": "hello"}, "messages"),
+    (
+        {"messages": MESSAGES, "stream": False, "stream_options": {"include_usage": False}},
+        "stream_options",
+    ),
 ]
 
 
@@ -162,6 +167,14 @@ async def test_failure_after_tokens_streamed_ends_with_error_then_done(monkeypat
         texts = [e for e in events[:-1] if "choices" in e]
         assert len(texts) == 2 and "late failure" in events[-2]["error"]["message"]
         assert blocks_in_use(engine) == 0
+
+
+async def test_empty_stream_options_need_no_stream():
+    """Only stream_options that set something need a stream (vLLM's rule)."""
+    async with app_client() as (client, _):
+        for options in (None, {}):
+            body = {"prompt": "Hi", "max_tokens": 2, "stream_options": options}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
 
 
 async def test_stream_options_take_booleans_only():
