@@ -23,11 +23,17 @@ from engine.kernels.cpu.linear import silence_fbgemm_deprecation
 from engine.kv.block_manager import BlockManager
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.kv.kv_scales import checkpoint_kv_scales
-from engine.loading.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from engine.loading.model_loader import (
+    LoadedModel,
+    checkpoint_config,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
 from engine.models import CausalLM, build_causal_lm
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.parallel.group import ParallelGroup
-from engine.parallel.sharding import Shard
+from engine.parallel.sharding import Shard, not_shardable, why_not_shardable
 from engine.parallel.workers import WorkerPool, rank_device
 from engine.scheduling.scheduler import Scheduler
 from engine.worker import memory_profile, routes
@@ -66,6 +72,12 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
     size = config.tensor_parallel_size
     if config.model_impl == "transformers":
         raise ValueError("tensor parallelism runs on Conveyor's model implementation only")
+    # A config of another family (no heads to count) is refused by the model's own check.
+    checkpoint = checkpoint_config(config.model, config.trust_remote_code)
+    counted = all(hasattr(checkpoint, key) for key in ("num_attention_heads", "intermediate_size"))
+    reason = why_not_shardable(checkpoint, size) if counted else ""
+    if reason:
+        raise not_shardable(size, reason)
     if device.type == "cuda":
         first = device.index or 0
         if first + size > torch.cuda.device_count():

@@ -113,17 +113,25 @@ def checkpoint_dtype(
 ) -> torch.dtype | None:
     """The dtype a checkpoint's config says its weights are stored in; None where it says none
     or the config does not load (loading the model then reports why)."""
-    from transformers import AutoConfig
-
-    path = str(ensure_default_model()) if name_or_path is None else name_or_path
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):
+    config = checkpoint_config(name_or_path, trust_remote_code)
+    if config is None:
         return None
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(stored, str):
         stored = DTYPES.get(stored)
     return stored if isinstance(stored, torch.dtype) else None
+
+
+def checkpoint_config(name_or_path: str | None, trust_remote_code: bool = False) -> Any:
+    """A checkpoint's config (None: the default model's), or None where it does not load
+    (loading the model then reports why)."""
+    from transformers import AutoConfig
+
+    path = str(ensure_default_model()) if name_or_path is None else name_or_path
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
 
 
 def context_length(config: Any) -> int:

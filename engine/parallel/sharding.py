@@ -107,6 +107,10 @@ def why_not_shardable(config: Any, size: int) -> str:
     return ""
 
 
+def not_shardable(size: int, reason: str) -> ValueError:
+    return ValueError(f"tensor parallelism over {size} ranks cannot split this model: {reason}")
+
+
 def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     """Cut `hf_model` (a Llama-family causal LM) down to rank `rank`'s share in place; return
     the shape of the share. Raises ValueError where the model does not divide."""
@@ -115,7 +119,7 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     config = hf_model.config
     reason = supports(hf_model) or why_not_shardable(config, size)
     if reason:
-        raise ValueError(f"tensor parallelism over {size} ranks cannot split this model: {reason}")
+        raise not_shardable(size, reason)
     head = hf_model.get_output_embeddings()
     shape = ShardShape.of(config, rank, size, head.weight.shape[0])
     layers = hf_model.model.layers

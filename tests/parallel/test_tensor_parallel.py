@@ -199,10 +199,12 @@ def test_a_forward_pass_that_fails_on_rank_0_stops_the_engine(model_dir, monkeyp
     assert multiprocessing.active_children() == []
 
 
-def test_a_model_that_does_not_divide_is_refused_and_leaves_no_worker(model_dir):
+def test_a_model_that_does_not_divide_is_refused_before_any_worker_starts(model_dir, monkeypatch):
+    started = []
+    monkeypatch.setattr(WorkerPool, "start", lambda *args: started.append(args))
     with pytest.raises(ValueError, match="4 attention heads do not divide by 3"):
         create_engine_core(config(model_dir, 3))
-    assert multiprocessing.active_children() == []
+    assert started == [] and multiprocessing.active_children() == []
 
 
 def test_the_transformers_implementation_is_refused_before_any_worker_starts(model_dir):
