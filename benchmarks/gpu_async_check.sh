@@ -7,9 +7,11 @@
 #
 #   bash benchmarks/gpu_async_check.sh [MODEL_DIR] [OUT]
 #
-# Without MODEL_DIR, random bf16 weights of the default model's shape are written to /tmp/smol;
-# with no network, LIKE names a folder with its config and tokenizer (`offline_kit.sh pack`),
-# and SHAPE changes config fields (a Qwen2.5-1.5B-like shape: SHAPE="hidden_size=1536
+# Without MODEL_DIR, /tmp/smol gets the default model's config and tokenizer and no weights:
+# every run then takes random ones of that shape (`--load-format dummy`), so a large shape
+# writes nothing to disk. A MODEL_DIR with safetensors is read as it is. With no network, LIKE
+# names a folder with the default model's config and tokenizer (`offline_kit.sh pack`), and
+# SHAPE changes config fields (a Qwen2.5-1.5B-like shape: SHAPE="hidden_size=1536
 # intermediate_size=8960 num_attention_heads=12 num_key_value_heads=2 head_dim=128
 # num_hidden_layers=28 vocab_size=151936" with another MODEL_DIR). CONCURRENCY overrides the
 # concurrencies (a dry run on a CPU: "1 2"). The GPU's tests are `gpu_tests.sh`.
@@ -21,17 +23,21 @@ read -r -a LEVELS <<< "${CONCURRENCY:-1 16 64 256}"
 mkdir -p "$OUT"
 read -r -a FIELDS <<< "${SHAPE:-}"
 if [ ! -d "$MODEL" ]; then
-    python benchmarks/random_weights.py "$MODEL" ${LIKE:+--like "$LIKE"} --set "${FIELDS[@]}"
+    python benchmarks/random_weights.py "$MODEL" --config-only ${LIKE:+--like "$LIKE"} \
+        --set "${FIELDS[@]}"
 fi
+LOAD=()
+compgen -G "$MODEL/*.safetensors" > /dev/null || LOAD=(--load-format dummy)
 # shellcheck source=benchmarks/serving.sh
 source "$(dirname "$0")/serving.sh"
 
-python benchmarks/engine_throughput.py --model "$MODEL" --dtype bfloat16 \
+python benchmarks/engine_throughput.py --model "$MODEL" "${LOAD[@]}" --dtype bfloat16 \
     --concurrency "${LEVELS[@]}" --both-schedulings > "$OUT/engine.log"
-python benchmarks/transformers_batch.py --model "$MODEL" --dtype bfloat16 \
+python benchmarks/transformers_batch.py --model "$MODEL" "${LOAD[@]}" --dtype bfloat16 \
     --concurrency "${LEVELS[@]}" > "$OUT/transformers_batch.log"
 for mode in async-scheduling no-async-scheduling; do
-    start_server "$OUT/serve_$mode.log" --model "$MODEL" --dtype bfloat16 --port "$PORT" "--$mode"
+    start_server "$OUT/serve_$mode.log" --model "$MODEL" "${LOAD[@]}" --dtype bfloat16 \
+        --port "$PORT" "--$mode"
     for concurrency in "${LEVELS[@]}"; do
         conveyor bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer "$MODEL" \
             --ignore-eos --random-input-len 128 --random-output-len 128 \

@@ -4,6 +4,9 @@ prompts, fixed output lengths, EOS ignored, greedy, every request submitted at o
 taking turns (Conveyor, transformers, transformers, Conveyor) at each concurrency.
 
     python benchmarks/transformers_batch.py --dtype bfloat16 --concurrency 16 64
+
+With `--load-format dummy` both take random weights of the model's shape (the folder needs only
+its config and tokenizer), each its own: speed does not depend on the values.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 import torch
 from engine_setup import add_engine_arguments, engine_config
 from engine_throughput import run as run_engine
-from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from engine.factory import create_engine_core
 from engine.loading.default_model import ensure_default_model
@@ -52,6 +55,18 @@ def prompts_for(concurrency: int, input_len: int, vocab: int, seed: int) -> list
     return [[rng.randrange(100, vocab - 100) for _ in range(input_len)] for _ in range(concurrency)]
 
 
+def transformers_model(
+    folder: str, dtype: torch.dtype, device: str, load_format: str
+) -> torch.nn.Module:
+    if load_format == "dummy":
+        config = AutoConfig.from_pretrained(folder)
+        with torch.device(device):  # random weights made where they run
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+    return model.eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_engine_arguments(parser)
@@ -61,8 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     core, _, info = create_engine_core(engine_config(args))
     folder = args.model or str(ensure_default_model())
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, info.dtype))
-    hf = hf.to(info.device).eval()
+    hf = transformers_model(folder, getattr(torch, info.dtype), info.device, args.load_format)
     print(f"# {info.model_name} {info.dtype} on {info.device}")
     run_engine(core, 2, 16, 4, seed=-1)  # warm-up
     run_transformers(hf, prompts_for(2, 16, core.vocab_size, -1), 4)
