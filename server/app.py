@@ -187,7 +187,12 @@ def _openai_router(
         served.check(body.model)
         tokenizer = require_text_model(engine)
         if isinstance(body, TokenizeChatRequest):
-            _, tokens = chat_prompt(tokenizer, body.messages, body.add_generation_prompt)
+            _, tokens = chat_prompt(
+                tokenizer,
+                body.messages,
+                body.add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
+            )
         else:
             tokens = encode_text(tokenizer, body.prompt, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": served.info.max_model_len, "tokens": tokens}

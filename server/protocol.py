@@ -142,6 +142,9 @@ class SamplingFields(RequestBody):
     min_tokens: NonNegativeInt = 0
     ignore_eos: bool = False
     stop_token_ids: list[NonNegativeInt] | None = None
+    allowed_token_ids: list[NonNegativeInt] | None = None
+    # Keep only the prompt's last k tokens (-1: as many as leave room for one new token).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _WHOLE] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int = 0
@@ -278,6 +281,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -305,6 +309,7 @@ class TokenizeChatRequest(RequestBody):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # vLLM's two forms of a /tokenize body: a prompt, or messages.

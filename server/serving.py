@@ -119,6 +119,9 @@ def sampling_params(
         seed=request.seed,
         stop=request.stop_strings,
         stop_token_ids=tuple(request.stop_token_ids or ()),
+        allowed_token_ids=(
+            None if request.allowed_token_ids is None else tuple(request.allowed_token_ids)
+        ),
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logprobs=logprobs,
@@ -126,6 +129,22 @@ def sampling_params(
         skip_special_tokens=request.skip_special_tokens,
         structured=structured_outputs(request),
     )
+
+
+def prompt_truncation(request: SamplingFields, max_model_len: int) -> int | None:
+    """How many of each prompt's last tokens `truncate_prompt_tokens` keeps (None: all)."""
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return None
+    if keep == -1:
+        return max_model_len - 1
+    if not 1 <= keep <= max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens must be -1 or between 1 and the model's context "
+            f"({max_model_len}), got {keep}.",
+            param="truncate_prompt_tokens",
+        )
+    return keep
 
 
 # Sent by the batch runner: the request is a batch line, run only in capacity live ones leave.
@@ -147,6 +166,8 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
     fields["stop"], fields["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
     if params.logit_bias:
         fields["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
+    if params.allowed_token_ids is not None:
+        fields["allowed_token_ids"] = list(params.allowed_token_ids)
     return fields
 
 

@@ -21,6 +21,7 @@ from server.serving import (
     ServedModel,
     bind_trace,
     new_id,
+    prompt_truncation,
     request_options,
     require_text_model,
     respond,
@@ -237,7 +238,9 @@ class ChatHandler:
         tokenizer = require_text_model(self.engine)
         tools = template_tools(body)
         size = messages_size(body.messages)
-        check_fits(tokenizer, size, self.model.info.max_model_len, "messages")
+        keep = prompt_truncation(body, self.model.info.max_model_len)
+        if keep is None:
+            check_fits(tokenizer, size, self.model.info.max_model_len, "messages")
         _, prompt = await off_the_loop_if_large(
             size,
             lambda: chat_prompt(
@@ -246,8 +249,11 @@ class ChatHandler:
                 body.add_generation_prompt,
                 body.continue_final_message,
                 tools,
+                body.chat_template_kwargs,
             ),
         )
+        if keep is not None:
+            prompt = prompt[-keep:]
         params = sampling_params(body, body.requested_max_tokens, _top_logprobs(body))
         forced = forced_calls(body)
         if forced is not None:

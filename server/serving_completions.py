@@ -20,6 +20,7 @@ from server.serving import (
     ServedModel,
     bind_trace,
     new_id,
+    prompt_truncation,
     request_options,
     respond,
     sampling_params,
@@ -166,13 +167,19 @@ class CompletionHandler:
         _check_unsupported(body)
         tokenizer = self.engine.tokenizer
         singles = split_prompts(body.prompt)
+        keep = prompt_truncation(body, self.model.info.max_model_len)
         for single in singles:
-            if isinstance(single, str) and tokenizer is not None:
+            if isinstance(single, str) and tokenizer is not None and keep is None:
                 check_fits(tokenizer, len(single), self.model.info.max_model_len, "prompt")
         prompts = await off_the_loop_if_large(
             prompt_size(singles), lambda: prompt_token_ids(tokenizer, singles)
         )
-        texts = [p if isinstance(p, str) else None for p in singles]
+        # A truncated prompt echoes as its kept tokens read back, not as the text sent.
+        texts = [
+            p if isinstance(p, str) and (keep is None or len(ids) <= keep) else None
+            for p, ids in zip(singles, prompts, strict=True)
+        ]
+        prompts = [ids if keep is None else ids[-keep:] for ids in prompts]
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = sampling_params(body, body.requested_max_tokens, body.logprobs, prompt_logprobs)
         return prompts, texts, params

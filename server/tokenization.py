@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 from collections.abc import Callable
 from functools import lru_cache
@@ -101,10 +102,12 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
     """Render messages (and the tools offered, `tools=`) with the model's chat template; return
     the text and its token ids. For a template with no tool section the conversation carries
-    the tools and earlier calls itself (`server.tool_prompt`)."""
+    the tools and earlier calls itself (`server.tool_prompt`). `template_kwargs` are more
+    variables for the template (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot be used; "
@@ -116,6 +119,7 @@ def chat_prompt(
             "continue_final_message and add_generation_prompt cannot both be true.",
             param="continue_final_message",
         )
+    check_template_kwargs(tokenizer, template_kwargs)
     conversation = [template_message(m) for m in messages]
     if not renders_tools(tokenizer):
         conversation, tools = with_tools_written(conversation, tools), None
@@ -126,10 +130,30 @@ def chat_prompt(
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
     except Exception as exc:  # template errors (e.g. roles it refuses) are the client's
         raise InvalidRequestError(f"The chat template failed: {exc}", param="messages") from exc
     return text, encode_text(tokenizer, text, add_special_tokens=False)
+
+
+def check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | None) -> None:
+    """Template variables may not stand in for `apply_chat_template`'s own arguments (the
+    messages, the tools, whether to tokenize, the template itself): those come from the
+    request's fields or not at all."""
+    taken = sorted(set(template_kwargs or ()) & apply_template_arguments(tokenizer.__class__))
+    if taken:
+        raise InvalidRequestError(
+            f"chat_template_kwargs cannot set {', '.join(taken)}: "
+            "these are the chat template call's own arguments.",
+            param="chat_template_kwargs",
+        )
+
+
+@lru_cache(maxsize=8)
+def apply_template_arguments(tokenizer_class: Any) -> frozenset[str]:
+    parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is not p.VAR_KEYWORD) - {"self"}
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

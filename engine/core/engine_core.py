@@ -75,6 +75,12 @@ class EngineCore:
                 f"logit_bias token ids must be below the vocabulary size {self.vocab_size}.",
                 param="logit_bias",
             )
+        allowed = params.allowed_token_ids
+        if allowed and max(allowed) >= self.vocab_size:
+            raise InvalidRequestError(
+                f"allowed_token_ids must be below the vocabulary size {self.vocab_size}.",
+                param="allowed_token_ids",
+            )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer.", param="stop")
         if params.structured is not None and self.grammars is None:

@@ -64,6 +64,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled (vLLM's `allowed_token_ids`); None allows all.
+    allowed_token_ids: tuple[int, ...] | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -151,6 +153,12 @@ class SamplingParams:
                 _finite(bias) and -100 <= bias <= 100,
                 "logit_bias",
                 f"logit_bias values must be in [-100, 100], got {bias}.",
+            )
+        if self.allowed_token_ids is not None:
+            _check(
+                bool(self.allowed_token_ids) and min(self.allowed_token_ids) >= 0,
+                "allowed_token_ids",
+                "allowed_token_ids must hold at least one token id, none negative.",
             )
 
     def _validate_stops(self) -> None:

@@ -120,6 +120,7 @@ class Sampler:
         self, logits: torch.Tensor, requests: list[Request], pending: PendingTokens | None = None
     ) -> torch.Tensor:
         _apply_grammars(logits, requests)
+        _apply_allowed_tokens(logits, requests)
         _apply_logit_bias(logits, requests)
         _apply_repetition_penalty(logits, requests, pending)
         _apply_frequency_presence(logits, requests, pending)
@@ -239,6 +240,7 @@ def _argmax_of_raw_logits(request: Request) -> bool:
         and request.grammar is None
         and params.logprobs is None
         and not params.logit_bias
+        and params.allowed_token_ids is None
         and not params.needs_penalties
         and request.num_sampled_tokens >= params.min_tokens
     )
@@ -321,6 +323,21 @@ def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
     index = to_device(rows, logits.device)
     banned = torch.from_numpy(allowed == 0).to(logits.device)
     logits[index] = logits[index].masked_fill(banned, float("-inf"))
+
+
+def _apply_allowed_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Rule out every token outside a row's `allowed_token_ids`: every such row at once."""
+    rows = [r for r, request in enumerate(requests) if request.sampling_params.allowed_token_ids]
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    lists = [list(requests[row].sampling_params.allowed_token_ids or ()) for row in rows]
+    which = [k for k, tokens in enumerate(lists) for _ in tokens]
+    allowed = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    tokens = list(itertools.chain.from_iterable(lists))
+    allowed[to_device(which, device), to_device(tokens, device)] = True
+    index = to_device(rows, device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -111,6 +111,24 @@ def test_logit_bias_forces_and_bans_tokens():
     assert out.token_ids[1] != int(values[1].argmax())
 
 
+def test_allowed_token_ids_are_all_a_row_can_draw():
+    values = logits(3, seed=5)
+    allowed = (3, 11, 40)
+    rows = [
+        request("greedy", temperature=0, allowed_token_ids=allowed),
+        request("free", temperature=0),
+        request("hot", temperature=5.0, allowed_token_ids=allowed, seed=2),
+    ]
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    drawn = set()
+    for _ in range(40):
+        out = sample(rows, values, sampler)
+        assert out.token_ids[0] == max(allowed, key=lambda t: float(values[0, t]))
+        assert out.token_ids[1] == int(values[1].argmax())
+        drawn.add(out.token_ids[2])
+    assert drawn == set(allowed)
+
+
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     values = torch.zeros(1, VOCAB)
     values[0, 0] = 10.0  # EOS is the favourite
@@ -177,6 +195,7 @@ def test_rank_of_a_sampled_token_that_was_not_the_best():
         (request(temperature=0.7), False),
         (request(temperature=0, logprobs=0), False),
         (request(temperature=0, logit_bias={4: 3.0}), False),
+        (request(temperature=0, allowed_token_ids=(4, 5)), False),
         (request(temperature=0, repetition_penalty=1.2), False),
         (request(temperature=0, presence_penalty=0.5), False),
         (request(temperature=0, min_tokens=2), False),

@@ -1,0 +1,168 @@
+"""vLLM's extra request fields: `chat_template_kwargs`, `truncate_prompt_tokens` and
+`allowed_token_ids`."""
+
+from __future__ import annotations
+
+import copy
+
+from server.tokenization import TokenText
+from tests.helpers import CHAT_TEMPLATE, tiny_tokenizer
+from tests.server.test_server_errors import assert_error
+from tests.server_utils import app_client, blocks_in_use
+
+MESSAGES = [{"role": "user", "content": "Hi there"}]
+# Qwen3's switch: with enable_thinking false the template writes an empty thought.
+THINKING_TEMPLATE = CHAT_TEMPLATE + (
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+)
+
+
+def thinking_tokenizer():
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = THINKING_TEMPLATE
+    return tokenizer
+
+
+async def rendered_chat(client, **body) -> list[int]:
+    response = await client.post("/v1/chat/completions/render", json={"messages": MESSAGES, **body})
+    assert response.status_code == 200, response.text
+    return response.json()["token_ids"]
+
+
+async def test_chat_template_kwargs_reach_the_template():
+    tokenizer = thinking_tokenizer()
+    async with app_client(tokenizer=tokenizer) as (client, engine):
+        plain = await rendered_chat(client)
+        thinking = await rendered_chat(client, chat_template_kwargs={"enable_thinking": True})
+        quiet = await rendered_chat(client, chat_template_kwargs={"enable_thinking": False})
+        assert thinking == plain
+        written = tokenizer("<think></think>", add_special_tokens=False)["input_ids"]
+        assert quiet == plain + written
+        tokenized = await client.post(
+            "/tokenize",
+            json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}},
+        )
+        assert tokenized.json()["tokens"] == quiet
+        answer = await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": MESSAGES,
+                "max_tokens": 3,
+                "chat_template_kwargs": {"enable_thinking": False},
+            },
+        )
+        assert answer.json()["usage"]["prompt_tokens"] == len(quiet)
+        assert blocks_in_use(engine) == 0
+
+
+async def test_chat_template_kwargs_cannot_replace_the_call_s_own_arguments():
+    async with app_client(tokenizer=thinking_tokenizer()) as (client, _):
+        for key in ("tokenize", "chat_template", "tools", "add_generation_prompt"):
+            body = {"messages": MESSAGES, "chat_template_kwargs": {key: "x"}}
+            for path in ("/v1/chat/completions", "/tokenize"):
+                error = assert_error(await client.post(path, json=body), 400)
+                assert error["param"] == "chat_template_kwargs" and key in error["message"]
+
+
+async def test_truncate_prompt_tokens_keeps_the_last_tokens():
+    prompt = list(range(5, 45))
+    async with app_client(max_model_len=64) as (client, engine):
+        body = {"max_tokens": 6, "temperature": 0}
+        whole = await client.post("/v1/completions", json={"prompt": prompt[-10:], **body})
+        cut = await client.post(
+            "/v1/completions", json={"prompt": prompt, "truncate_prompt_tokens": 10, **body}
+        )
+        assert cut.status_code == 200, cut.text
+        assert cut.json()["usage"]["prompt_tokens"] == 10
+        assert cut.json()["choices"][0]["text"] == whole.json()["choices"][0]["text"]
+        [rendered] = (
+            await client.post(
+                "/v1/completions/render", json={"prompt": prompt, "truncate_prompt_tokens": 10}
+            )
+        ).json()
+        assert rendered["token_ids"] == prompt[-10:]
+        # -1: as many as leave room for a token; a prompt longer than the context then runs.
+        long = list(range(5, 105))
+        fitted = await client.post(
+            "/v1/completions", json={"prompt": long, "truncate_prompt_tokens": -1, **body}
+        )
+        assert fitted.status_code == 200, fitted.text
+        assert fitted.json()["usage"]["prompt_tokens"] == 63
+        assert fitted.json()["choices"][0]["finish_reason"] == "length"
+        assert blocks_in_use(engine) == 0
+
+
+async def test_a_truncated_text_prompt_echoes_what_was_kept():
+    tokenizer = tiny_tokenizer()
+    text = "one two three four five six seven eight"
+    ids = tokenizer(text)["input_ids"]
+    async with app_client() as (client, _):
+        response = await client.post(
+            "/v1/completions",
+            json={"prompt": text, "truncate_prompt_tokens": 3, "echo": True, "max_tokens": 1},
+        )
+        answer = response.json()["choices"][0]["text"]
+        assert answer.startswith(tokenizer.decode(ids[-3:])) and not answer.startswith(text)
+        kept = await client.post(
+            "/v1/completions",
+            json={"prompt": text, "truncate_prompt_tokens": 99, "echo": True, "max_tokens": 1},
+        )
+        assert kept.json()["choices"][0]["text"].startswith(text)
+
+
+async def test_chat_prompts_truncate_too():
+    async with app_client(tokenizer=thinking_tokenizer()) as (client, _):
+        full = await rendered_chat(client)
+        assert await rendered_chat(client, truncate_prompt_tokens=4) == full[-4:]
+
+
+async def test_a_truncation_beyond_the_context_or_of_nothing_is_refused():
+    async with app_client(max_model_len=64) as (client, engine):
+        for keep in (65, 0, -2):
+            response = await client.post(
+                "/v1/completions", json={"prompt": [5, 6], "truncate_prompt_tokens": keep}
+            )
+            assert_error(response, 400, "truncate_prompt_tokens")
+        assert blocks_in_use(engine) == 0
+
+
+async def test_allowed_token_ids_are_the_only_tokens_drawn():
+    tokenizer = tiny_tokenizer()
+    allowed = [40, 41, 77, 120]
+    texts = {TokenText(tokenizer)(token) for token in allowed}
+    assert len(texts) == len(allowed)
+    async with app_client() as (client, engine):
+        response = await client.post(
+            "/v1/completions",
+            json={
+                "prompt": "Hello",
+                "max_tokens": 24,
+                "temperature": 1.5,
+                "seed": 3,
+                "n": 2,
+                "logprobs": 0,
+                "ignore_eos": True,
+                "allowed_token_ids": allowed,
+            },
+        )
+        assert response.status_code == 200, response.text
+        drawn = [t for c in response.json()["choices"] for t in c["logprobs"]["tokens"]]
+        assert len(drawn) == 48 and set(drawn) <= texts and len(set(drawn)) > 1
+        [rendered] = (
+            await client.post(
+                "/v1/completions/render", json={"prompt": "Hi", "allowed_token_ids": allowed}
+            )
+        ).json()
+        assert rendered["sampling_params"]["allowed_token_ids"] == allowed
+        assert blocks_in_use(engine) == 0
+
+
+async def test_allowed_token_ids_outside_the_vocabulary_or_none_are_refused():
+    async with app_client() as (client, engine):
+        for allowed in ([5, 10**6], [], [-1]):
+            response = await client.post(
+                "/v1/completions", json={"prompt": "Hi", "allowed_token_ids": allowed}
+            )
+            error = assert_error(response, 400)
+            assert error["param"].startswith("allowed_token_ids")  # [-1]: "allowed_token_ids.0"
+        assert blocks_in_use(engine) == 0 and not engine.core.has_unfinished()
