@@ -132,7 +132,9 @@ def _openai_router(
 ) -> APIRouter:
     router = APIRouter(responses=errors(401) if settings.api_key else None)
     completions = CompletionHandler(engine, served, settings.limits)
-    chat = ChatHandler(engine, served, settings.limits, settings.tool_call_parser)
+    chat = ChatHandler(
+        engine, served, settings.limits, settings.tool_call_parser, settings.reasoning_parser
+    )
 
     @router.post("/v1/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:

@@ -12,6 +12,7 @@ from pathlib import Path
 from engine.core.config import KV_CACHE_DTYPES, LOAD_FORMATS, CacheConfig, EngineConfig
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
+from server.reasoning import PARSERS as REASONING_PARSERS
 from server.settings import (
     DEFAULT_HEAD_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
@@ -251,13 +252,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_messages,
         help="messages in one /v1/chat/completions request",
     )
-    server.add_argument(
-        "--tool-call-parser",
-        choices=PARSERS,
-        default=None,
-        help="how tool calls are read from the output under tool_choice auto "
-        "(default: the chat template's own format where it shows one)",
-    )
+    _add_reply_parsers(server)
     server.add_argument(
         "--state-dir",
         type=Path,
@@ -342,6 +337,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         head_timeout=args.header_timeout,
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         log_requests=args.log_format == "json",
         state_dir=args.state_dir,
@@ -412,6 +408,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_reply_parsers(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """How tool calls and reasoning are read out of a chat reply's text."""
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=PARSERS,
+        default=None,
+        help="how tool calls are read from the output under tool_choice auto "
+        "(default: the chat template's own format where it shows one)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="return a thinking model's <think> text as message.reasoning, apart from the "
+        "content (deepseek_r1 and qwen3 read the same tags)",
+    )
+
+
 def _add_batch_commands(commands: argparse._SubParsersAction) -> None:
     batch = commands.add_parser("batch", help="batch files").add_subparsers(
         dest="batch_command", required=True
@@ -429,6 +443,7 @@ def _add_batch_commands(commands: argparse._SubParsersAction) -> None:
         help="where the run's progress is kept (default: OUTPUT.state beside the output)",
     )
     run.add_argument("--served-model-name", default=None)
+    _add_reply_parsers(run)
     _add_engine_args(run)
     run.set_defaults(func=batch_run)
 
@@ -442,7 +457,12 @@ def batch_run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format=PLAIN)
     state = args.state_dir or args.output.with_name(args.output.name + ".state")
-    settings = ServerSettings(served_model_name=args.served_model_name, state_dir=state)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name,
+        state_dir=state,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
     try:
         engine = AsyncEngine.from_config(engine_config(args))
     except (ValueError, OSError) as exc:

@@ -27,18 +27,18 @@ class CompletionLogprobs:
     ) -> int:
         """Append tokens whose text starts at `offset`; return the offset after them."""
         for token_id, entry in zip(token_ids, entries, strict=True):
-            text = token_text(token_id)
-            self.tokens.append(text)
+            label = token_text.label(token_id)
+            self.tokens.append(label)
             self.text_offset.append(offset)
-            offset += len(text)
+            offset += len(token_text(token_id))
             if entry is None:
                 self.token_logprobs.append(None)
                 self.top_logprobs.append(None)
                 continue
             self.token_logprobs.append(entry.logprob)
-            top = {token_text(tid): lp for tid, lp in entry.top}
+            top = {token_text.label(tid): lp for tid, lp in entry.top}
             # The chosen token's own value wins where two tokens share a text.
-            top[text] = entry.logprob
+            top[label] = entry.logprob
             self.top_logprobs.append(top)
         return offset
 
@@ -55,20 +55,15 @@ def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> list[di
     """The `logprobs.content` list of a chat choice."""
     content = []
     for entry in entries:
-        text = token_text(entry.token_id)
         content.append(
             {
-                "token": text,
-                "logprob": entry.logprob,
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [
-                    {
-                        "token": token_text(tid),
-                        "logprob": lp,
-                        "bytes": list(token_text(tid).encode("utf-8")),
-                    }
-                    for tid, lp in entry.top
-                ],
+                **_chat_entry(entry.token_id, entry.logprob, token_text),
+                "top_logprobs": [_chat_entry(tid, lp, token_text) for tid, lp in entry.top],
             }
         )
     return content
+
+
+def _chat_entry(token_id: int, logprob: float, token_text: TokenText) -> dict[str, Any]:
+    label = token_text.label(token_id)
+    return {"token": label, "logprob": logprob, "bytes": list(label.encode("utf-8"))}

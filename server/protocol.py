@@ -145,6 +145,7 @@ class SamplingFields(RequestBody):
     allowed_token_ids: list[NonNegativeInt] | None = None
     # Keep only the prompt's last k tokens (-1: as many as leave room for one new token).
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), _WHOLE] | None = None
+    return_tokens_as_token_ids: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int = 0
@@ -240,6 +241,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's reasoning, as this server returns it (or by DeepSeek's name).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class FunctionDefinition(BaseModel):
@@ -282,6 +286,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # With a reasoning parser: whether the reply's reasoning is returned at all.
+    include_reasoning: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:

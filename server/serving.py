@@ -119,8 +119,10 @@ def sampling_params(
         seed=request.seed,
         stop=request.stop_strings,
         stop_token_ids=tuple(request.stop_token_ids or ()),
-        allowed_token_ids=(
-            None if request.allowed_token_ids is None else tuple(request.allowed_token_ids)
+        allowed_token_ids=(  # each id once, however often the list repeats it
+            None
+            if request.allowed_token_ids is None
+            else tuple(dict.fromkeys(request.allowed_token_ids))
         ),
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,

@@ -15,6 +15,7 @@ from server.call_array import CallArrayReader
 from server.limits import RequestLimits, check_chat
 from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest
+from server.reasoning import ThinkReader, opens_in_reasoning, split_reasoning
 from server.rendering import ChoiceState, ChunkRenderer
 from server.serving import (
     EngineClient,
@@ -57,6 +58,8 @@ class _Choice(ChoiceState):
     num_calls: int = 0
     # Reads the calls of a required tool_choice as they stream.
     calls_reader: CallArrayReader = field(default_factory=CallArrayReader)
+    # Splits reasoning from the answer as the text streams (`--reasoning-parser`).
+    thinker: ThinkReader | None = None
 
 
 class ChatRenderer(ChunkRenderer):
@@ -73,17 +76,23 @@ class ChatRenderer(ChunkRenderer):
         tokenizer: Any,
         forced: ForcedCalls | None = None,
         parser: str | None = None,
+        thinking: bool | None = None,
     ) -> None:
+        """`thinking`: None where the reply has no reasoning to split off, else whether it
+        starts inside it (`server.reasoning`)."""
         super().__init__(request_id, model, body.include_usage)
         self.body = body
         self.forced = forced
         self.parser = parser
+        self.thinking = thinking
         self.num_prompt_tokens = num_prompt_tokens
-        self.token_text = TokenText(tokenizer)
+        self.token_text = TokenText(tokenizer, body.return_tokens_as_token_ids)
         self.choices = {i: _Choice(i) for i in range(body.n)}
-        if parser is not None:
-            for choice in self.choices.values():
+        for choice in self.choices.values():
+            if parser is not None:
                 choice.reader = reader_for(parser)
+            if thinking is not None:
+                choice.thinker = ThinkReader(thinking)
 
     def update(self, _source: int, output: RequestOutput) -> list[dict[str, Any]]:
         """Fold a delta into its choice; return the streaming fragments it produces."""
@@ -100,36 +109,57 @@ class ChatRenderer(ChunkRenderer):
             choice.logprobs.extend(logprobs)
         choice.record(output, output.text)
         if output.text or logprobs or output.finished:
-            delta = self._delta(choice, output)
+            reasoning, text = self._reasoning(choice, output)
+            delta = self._delta(choice, text, output.finished)
+            if reasoning:
+                delta = {**self._reasoning_fields(reasoning), **delta}
             fragments.append(self._fragment(choice, delta, logprobs, output.finished))
         return fragments
 
-    def _delta(self, choice: _Choice, output: RequestOutput) -> dict[str, Any]:
+    @staticmethod
+    def _reasoning(choice: _Choice, output: RequestOutput) -> tuple[str, str]:
+        """The delta's reasoning and the rest of its text."""
+        if choice.thinker is None:
+            return "", output.text
+        reasoning, text = choice.thinker.feed(output.text)
+        if output.finished:
+            more, rest = choice.thinker.finish()
+            reasoning, text = reasoning + more, text + rest
+        return reasoning, text
+
+    def _reasoning_fields(self, reasoning: str) -> dict[str, str]:
+        """`reasoning` (vLLM's and OpenAI's name) and `reasoning_content` (DeepSeek's, which
+        some clients read), unless the request asked for none."""
+        if not self.body.include_reasoning:
+            return {}
+        return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+    def _delta(self, choice: _Choice, text: str, finished: bool) -> dict[str, Any]:
         """Text as content; forced calls as `tool_calls` entries, each call's id, type and name
         in its first, its arguments as they come in later ones."""
         if choice.reader is not None:
-            return self._parsed_delta(choice, output)
+            return self._parsed_delta(choice, text, finished)
         if self.forced is None:
-            return {"content": output.text} if output.text else {}
+            return {"content": text} if text else {}
         if self.forced.kind == "required":
-            entries = choice.calls_reader.feed(output.text)
+            entries = choice.calls_reader.feed(text)
             return {"tool_calls": entries} if entries else {}
-        if not output.text:
+        if not text:
             return {}
-        entry: dict[str, Any] = {"index": 0, "function": {"arguments": output.text}}
+        entry: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
         if choice.call_id is None:
-            first = tool_call(self.forced.names[0], output.text)
+            first = tool_call(self.forced.names[0], text)
             choice.call_id = first["id"]
             entry = {"index": 0, **first}
         return {"tool_calls": [entry]}
 
     @staticmethod
-    def _parsed_delta(choice: _Choice, output: RequestOutput) -> dict[str, Any]:
+    def _parsed_delta(choice: _Choice, text: str, finished: bool) -> dict[str, Any]:
         """Text outside calls as content (a possible tag held back), each call whole as soon as
         its closing tag arrives."""
         assert choice.reader is not None
-        content, calls = choice.reader.feed(output.text)
-        if output.finished:
+        content, calls = choice.reader.feed(text)
+        if finished:
             rest, last = choice.reader.finish()
             content, calls = content + rest, calls + last
         delta: dict[str, Any] = {"content": content} if content else {}
@@ -171,15 +201,25 @@ class ChatRenderer(ChunkRenderer):
         return usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
 
     def _message(self, choice: _Choice) -> dict[str, Any]:
+        if self.thinking is None:
+            return self._answer(choice.text)
+        reasoning, text = split_reasoning(choice.text, self.thinking)
+        message = self._answer(text or None)
+        if reasoning is not None:
+            message.update(self._reasoning_fields(reasoning))
+        return message
+
+    def _answer(self, text: str | None) -> dict[str, Any]:
+        """The message of a reply whose text (past any reasoning) is `text`."""
         if self.parser is not None:
-            content, calls = parse_calls(self.parser, choice.text)
+            content, calls = parse_calls(self.parser, text or "")
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
             return message
         if self.forced is None:
-            return {"role": "assistant", "content": choice.text}
-        return {"role": "assistant", "content": None, "tool_calls": self.forced.calls(choice.text)}
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": None, "tool_calls": self.forced.calls(text or "")}
 
     def response(self) -> dict[str, Any]:
         messages = {c.index: self._message(c) for c in self.choices.values()}
@@ -210,9 +250,11 @@ class ChatHandler:
         model: ServedModel,
         limits: RequestLimits | None = None,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
+        self.reasoning_parser = reasoning_parser
         self.limits = limits or RequestLimits()
         self.tool_call_parser = tool_call_parser
 
@@ -226,12 +268,12 @@ class ChatHandler:
     async def render(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """The request checked and made into what the engine runs: the templated prompt's token
         ids and the sampling parameters (what `/v1/chat/completions/render` answers)."""
-        prompt, params, _ = await self._prepare(body)
+        prompt, params, _, _ = await self._prepare(body)
         return prompt, params
 
     async def _prepare(
         self, body: ChatCompletionRequest
-    ) -> tuple[list[int], SamplingParams, ForcedCalls | None]:
+    ) -> tuple[list[int], SamplingParams, ForcedCalls | None, bool | None]:
         self.model.check(body.model)
         check_chat(body, self.limits)
         check_tools(body)
@@ -241,7 +283,7 @@ class ChatHandler:
         keep = prompt_truncation(body, self.model.info.max_model_len)
         if keep is None:
             check_fits(tokenizer, size, self.model.info.max_model_len, "messages")
-        _, prompt = await off_the_loop_if_large(
+        text, prompt = await off_the_loop_if_large(
             size,
             lambda: chat_prompt(
                 tokenizer,
@@ -264,17 +306,24 @@ class ChatHandler:
                     param="tool_choice",
                 )
             params = replace(params, structured=forced.format)
-        return prompt, params, forced
+        return prompt, params, forced, self._thinking(text, params)
+
+    def _thinking(self, prompt_text: str, params: SamplingParams) -> bool | None:
+        """Whether the reply starts in its reasoning; None where none is split off: no
+        reasoning parser, or an output format that holds from the first token."""
+        if self.reasoning_parser is None or params.structured is not None:
+            return None
+        return opens_in_reasoning(prompt_text)
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
-        prompt, params, forced = await self._prepare(body)
+        prompt, params, forced, thinking = await self._prepare(body)
         tokenizer = require_text_model(self.engine)
         tools = template_tools(body)
         request_id = new_id("chatcmpl")
         bind_trace(request, request_id)
         parser = self._parser(tokenizer) if tools and forced is None else None
         renderer = ChatRenderer(
-            request_id, self.model.name, body, len(prompt), tokenizer, forced, parser
+            request_id, self.model.name, body, len(prompt), tokenizer, forced, parser, thinking
         )
         await self.engine.prepare(params)
         options = request_options(body, request)

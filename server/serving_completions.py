@@ -63,7 +63,9 @@ class CompletionRenderer(ChunkRenderer):
         self.body = body
         self.prompts = prompts
         self.tokenizer = tokenizer
-        self.token_text = TokenText(tokenizer) if tokenizer is not None else None
+        self.token_text = (
+            TokenText(tokenizer, body.return_tokens_as_token_ids) if tokenizer is not None else None
+        )
         self.choices = {
             p * body.n + i: _Choice(p * body.n + i, prompt_ids=prompt, prompt_text=texts[p])
             for p, prompt in enumerate(prompts)

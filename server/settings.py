@@ -27,6 +27,8 @@ class ServerSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # How calls are read from free text under tool_choice "auto" (None: from the chat template).
     tool_call_parser: str | None = None
+    # Splits a thinking model's reasoning from its answer (None: the reply is all content).
+    reasoning_parser: str | None = None
     # Where request spans go over OTLP/HTTP (None: the environment's, else no tracing).
     otlp_traces_endpoint: str | None = None
     # A log line for every finished request (`--log-format json`).

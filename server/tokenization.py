@@ -175,6 +175,9 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
         ]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning or message.reasoning_content
+    if reasoning:  # by the name thinking models' templates read
+        rendered["reasoning_content"] = reasoning
     return rendered
 
 
@@ -186,12 +189,18 @@ def _arguments(text: str) -> Any:
 
 
 class TokenText:
-    """Text of single tokens for logprobs, cached per token id."""
+    """Text of single tokens for logprobs, cached per token id. `label` names a token in a
+    logprobs entry: its text, or with `as_ids` (vLLM's `return_tokens_as_token_ids`)
+    `token_id:N`, which stays exact where a token's text is not valid UTF-8 alone."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
         self._decode = lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
         )
+        self.as_ids = as_ids
 
     def __call__(self, token_id: int) -> str:
         return self._decode(token_id)
+
+    def label(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self._decode(token_id)

@@ -90,11 +90,12 @@ def _history_as_text(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]
             after_result = True
             continue
         after_result = False
-        content = message["content"]
+        # Other keys (an assistant turn's reasoning_content) stay for the template.
+        rest = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
         if message.get("tool_calls"):
             block = _calls_block(message["tool_calls"])
-            content = f"{content}\n{block}" if content else block
-        written.append({"role": message["role"], "content": content})
+            rest["content"] = f"{rest['content']}\n{block}" if rest["content"] else block
+        written.append(rest)
     return written
 
 

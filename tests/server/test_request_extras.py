@@ -166,3 +166,32 @@ async def test_allowed_token_ids_outside_the_vocabulary_or_none_are_refused():
             error = assert_error(response, 400)
             assert error["param"].startswith("allowed_token_ids")  # [-1]: "allowed_token_ids.0"
         assert blocks_in_use(engine) == 0 and not engine.core.has_unfinished()
+
+
+async def test_return_tokens_as_token_ids_names_each_token_by_its_id():
+    token_text = TokenText(tiny_tokenizer())
+    body = {"prompt": "Hello", "max_tokens": 8, "logprobs": 2, "temperature": 0}
+    async with app_client() as (client, _):
+        plain = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+        named = (
+            await client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": True})
+        ).json()["choices"][0]
+        ids = [int(label.removeprefix("token_id:")) for label in named["logprobs"]["tokens"]]
+        assert [token_text(i) for i in ids] == plain["logprobs"]["tokens"]
+        assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+        for top in named["logprobs"]["top_logprobs"]:
+            assert top and all(label.startswith("token_id:") for label in top)
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": MESSAGES,
+                "max_tokens": 4,
+                "logprobs": True,
+                "top_logprobs": 2,
+                "return_tokens_as_token_ids": True,
+            },
+        )
+        for entry in chat.json()["choices"][0]["logprobs"]["content"]:
+            entries = [entry, *entry["top_logprobs"]]
+            assert all(e["token"].startswith("token_id:") for e in entries)
+            assert all(e["bytes"] == list(e["token"].encode()) for e in entries)

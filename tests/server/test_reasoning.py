@@ -1,0 +1,204 @@
+"""A thinking model's reasoning apart from its answer (`--reasoning-parser`)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+
+from engine.core.outputs import RequestOutput
+from server.cli import build_parser, server_settings
+from server.protocol import ChatCompletionRequest
+from server.reasoning import ThinkReader, opens_in_reasoning, split_reasoning
+from server.serving_chat import ChatRenderer
+from server.settings import ServerSettings
+from tests.helpers import CHAT_TEMPLATE, chat_tokenizer, tiny_tokenizer
+from tests.server_utils import app_client, blocks_in_use, sse_events
+
+MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
+
+SPLITS = [
+    # (reply, starts in reasoning) -> (reasoning, answer)
+    (
+        ("<think>Rayleigh.</think>\n\nShort light scatters.", False),
+        ("Rayleigh.", "Short light scatters."),
+    ),
+    (("Rayleigh.</think>Short light.", True), ("Rayleigh.", "Short light.")),
+    (("\n<think>\nhm</think>ok", False), ("\nhm", "ok")),
+    (("Plain answer.", False), (None, "Plain answer.")),
+    (("Cut short while thinking", True), ("Cut short while thinking", "")),
+    (("<think>never closed", False), ("never closed", "")),
+    (("a < b </thin", True), ("a < b </thin", "")),
+    (("<thinking is not the tag", False), (None, "<thinking is not the tag")),
+    (("</think>", True), ("", "")),
+]
+
+
+@pytest.mark.parametrize(("reply", "expected"), SPLITS)
+def test_a_whole_reply_splits_into_reasoning_and_answer(reply, expected):
+    assert split_reasoning(*reply) == expected
+
+
+@pytest.mark.parametrize(("reply", "expected"), SPLITS)
+def test_a_reply_cut_anywhere_splits_as_the_whole(reply, expected):
+    text, open_at_start = reply
+    for seed in range(40):
+        rng = random.Random(seed)
+        reader = ThinkReader(open_at_start)
+        reasoning, answer, at = "", "", 0
+        while at < len(text):
+            step = rng.randint(1, 5)
+            more, rest = reader.feed(text[at : at + step])
+            reasoning, answer, at = reasoning + more, answer + rest, at + step
+        more, rest = reader.finish()
+        got = (reasoning + more if reader.reasoned else None, answer + rest)
+        assert got == expected
+
+
+def test_a_prompt_opens_the_reasoning_where_its_generation_part_ends_with_the_tag():
+    assert opens_in_reasoning("<|assistant|><think>\n")
+    assert not opens_in_reasoning("<|assistant|><think>\n\n</think>\n\n")
+    assert not opens_in_reasoning("<|assistant|>")
+
+
+def renderer(thinking: bool, parser: str | None = None, **body) -> ChatRenderer:
+    request = ChatCompletionRequest.model_validate({"messages": MESSAGES, **body})
+    return ChatRenderer("chatcmpl-1", "tiny", request, 5, tiny_tokenizer(), None, parser, thinking)
+
+
+def pieces(text: str, size: int = 3) -> list[RequestOutput]:
+    chunks = [text[i : i + size] for i in range(0, len(text), size)]
+    return [
+        RequestOutput(
+            "r", 0, [1], chunk, finished=k == len(chunks) - 1, finish_reason="stop",
+            num_output_tokens=k + 1,
+        )
+        for k, chunk in enumerate(chunks)
+    ]  # fmt: skip
+
+
+def streamed(render: ChatRenderer, text: str) -> list[dict]:
+    return [f["delta"] for out in pieces(text) for f in render.update(0, out)]
+
+
+def test_streamed_reasoning_and_calls_follow_each_other():
+    reply = (
+        '<think>Use the tool.</think>\n\nSure. <tool_call>{"name": "time", "arguments": '
+        '{"zone": 3}}</tool_call>'
+    )
+    deltas = streamed(renderer(False, "hermes"), reply)
+    reasoning = "".join(d.get("reasoning", "") for d in deltas)
+    assert reasoning == "Use the tool."
+    assert reasoning == "".join(d.get("reasoning_content", "") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
+    [call] = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert call["function"] == {"name": "time", "arguments": '{"zone": 3}'}
+    # No piece of a tag reaches the client.
+    assert not any("<" in d.get("reasoning", "") + (d.get("content") or "") for d in deltas)
+
+    whole = renderer(False, "hermes")
+    for out in pieces(reply):
+        whole.update(0, out)
+    message = whole.response()["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "Use the tool."
+    assert message["content"] == "Sure. " and len(message["tool_calls"]) == 1
+
+
+def test_include_reasoning_false_drops_the_reasoning():
+    reply = "Thinking it over.</think>Blue."
+    deltas = streamed(renderer(True, include_reasoning=False), reply)
+    assert not any("reasoning" in d for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "Blue."
+    whole = renderer(True, include_reasoning=False)
+    for out in pieces(reply):
+        whole.update(0, out)
+    assert whole.response()["choices"][0]["message"] == {"role": "assistant", "content": "Blue."}
+
+
+def test_a_reply_that_never_finishes_thinking_has_no_content():
+    whole = renderer(True)
+    for out in pieces("still thinking about it"):
+        whole.update(0, out)
+    message = whole.response()["choices"][0]["message"]
+    assert message["content"] is None and message["reasoning"] == "still thinking about it"
+
+
+# A thinking model's template opens the reasoning in the prompt (DeepSeek-R1, Qwen3 thinking).
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace("<|assistant|>", "<|assistant|><think>\n")
+
+
+def thinking_tokenizer():
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = THINKING_TEMPLATE
+    return tokenizer
+
+
+async def test_served_replies_of_a_thinking_template_are_reasoning():
+    """The random model never closes its thought: its whole reply is the reasoning."""
+    body = {"messages": MESSAGES, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    async with app_client(tokenizer=thinking_tokenizer()) as (client, _):
+        plain = (await client.post("/v1/chat/completions", json=body)).json()
+    text = plain["choices"][0]["message"]["content"]
+    assert "</think>" not in text and "reasoning" not in plain["choices"][0]["message"]
+    settings = ServerSettings(served_model_name="tiny", reasoning_parser="deepseek_r1")
+    async with app_client(settings, tokenizer=thinking_tokenizer()) as (client, engine):
+        message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0][
+            "message"
+        ]
+        assert message["reasoning"] == text and message["content"] is None
+        response = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        deltas = [e["choices"][0]["delta"] for e in sse_events(response.text) if e != "[DONE]"]
+        assert "".join(d.get("reasoning", "") for d in deltas) == text
+        assert not "".join(d.get("content") or "" for d in deltas)
+        # An output format holds from the first token: there is no reasoning to split off.
+        formatted = await client.post(
+            "/v1/chat/completions",
+            json={**body, "max_tokens": 30, "response_format": {"type": "json_object"}},
+        )
+        message = formatted.json()["choices"][0]["message"]
+        assert "reasoning" not in message and message["content"].startswith("{")
+        assert blocks_in_use(engine) == 0
+
+
+async def test_a_template_that_does_not_think_gives_plain_content():
+    settings = ServerSettings(served_model_name="tiny", reasoning_parser="qwen3")
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    async with app_client(tokenizer=chat_tokenizer()) as (client, _):
+        plain = (await client.post("/v1/chat/completions", json=body)).json()
+    async with app_client(settings, tokenizer=chat_tokenizer()) as (client, _):
+        parsed = (await client.post("/v1/chat/completions", json=body)).json()
+    assert parsed["choices"][0]["message"] == plain["choices"][0]["message"]
+
+
+async def test_earlier_reasoning_reaches_the_template():
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m.get('reasoning_content', '') }}"
+        "{{ m['content'] }}\n{% endfor %}"
+    )
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Why?"},
+    ]
+    async with app_client(tokenizer=tokenizer) as (client, _):
+        renders = []
+        for extra in ({}, {"reasoning": "Scattering."}, {"reasoning_content": "Scattering."}):
+            messages = copy.deepcopy(history)
+            messages[1].update(extra)
+            response = await client.post("/v1/chat/completions/render", json={"messages": messages})
+            renders.append(response.json()["token_ids"])
+    assert renders[1] == renders[2] != renders[0]
+    assert tokenizer.decode(renders[1]).count("Scattering.") == 1
+
+
+def test_serve_and_batch_run_take_the_reply_parsers():
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "qwen3"])
+    assert server_settings(args).reasoning_parser == "qwen3"
+    assert server_settings(build_parser().parse_args(["serve"])).reasoning_parser is None
+    batch = build_parser().parse_args(
+        ["batch", "run", "in.jsonl", "out.jsonl", "--reasoning-parser", "deepseek_r1",
+         "--tool-call-parser", "hermes"]
+    )  # fmt: skip
+    assert (batch.reasoning_parser, batch.tool_call_parser) == ("deepseek_r1", "hermes")
