@@ -451,8 +451,9 @@ def _step_executor() -> ThreadPoolExecutor:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample `index` of an `n > 1` request: one sequence, its own seed stream."""
+    """Sample `index` of an `n > 1` request: one sequence, its own seed stream. Seeds count
+    modulo 2^64, as generators take them, so the last seed's siblings wrap to 0, 1, ..."""
     if params.n == 1:
         return params
-    seed = None if params.seed is None else params.seed + index
+    seed = None if params.seed is None else (params.seed + index) % 2**64
     return replace(params, n=1, seed=seed)

@@ -98,6 +98,15 @@ async def test_n_samples_stream_with_their_own_index(engine):
     assert blocks_in_use(engine) == 0
 
 
+async def test_the_largest_seed_s_samples_wrap_around(engine):
+    """Seed 2^64 - 1 with n = 3 draws from seeds 2^64 - 1, 0 and 1 (it failed as out of range)."""
+    results = await collect(engine, SamplingParams(n=3, seed=2**64 - 1, max_tokens=6))
+    assert sorted(results) == [0, 1, 2]
+    wrapped = await collect(engine, SamplingParams(seed=0, max_tokens=6))
+    assert tokens_of(wrapped[0]) == tokens_of(results[1])
+    assert blocks_in_use(engine) == 0
+
+
 async def test_fail_all_ends_every_stream_with_the_error_and_frees_its_blocks(engine):
     long = SamplingParams(temperature=0, ignore_eos=True, max_tokens=500, n=2)
     streams = [engine.generate(PROMPT, long) for _ in range(3)]
