@@ -245,6 +245,13 @@ class ChatMessage(BaseModel):
     reasoning: str | None = None
     reasoning_content: str | None = None
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        """As OpenAI: every message has content, except an assistant's that makes calls."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)

@@ -77,6 +77,8 @@ BAD_CHATS = [
     ({"messages": MESSAGES, "top_logprobs": 99, "logprobs": True}, "top_logprobs"),
     ({"messages": MESSAGES, "max_completion_tokens": -1}, "max_completion_tokens"),
     ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages.0"),
+    ({"messages": [*MESSAGES, {"role": "assistant", "content": None}]}, "messages.1"),
     (
         {"messages": MESSAGES, "stream": False, "stream_options": {"include_usage": False}},
         "stream_options",
