@@ -51,6 +51,28 @@ class CompletionLogprobs:
         }
 
 
+def prompt_logprobs(
+    entries: list[TokenLogprob | None], token_text: TokenText, count: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: for each prompt token (None for the first, which nothing
+    predicts) its own entry and those of its `count` likeliest rivals, keyed by token id, each
+    `{"logprob", "rank", "decoded_token"}`."""
+    shown: list[dict[str, dict[str, Any]] | None] = []
+    for entry in entries:
+        if entry is None:
+            shown.append(None)
+            continue
+        ranked = [(entry.token_id, entry.logprob, entry.rank)]
+        ranked += [(tid, lp, rank) for rank, (tid, lp) in enumerate(entry.top[:count], 1)]
+        position: dict[str, dict[str, Any]] = {}
+        for tid, lp, rank in ranked:
+            position.setdefault(
+                str(tid), {"logprob": lp, "rank": rank, "decoded_token": token_text.label(tid)}
+            )
+        shown.append(position)
+    return shown
+
+
 def chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> list[dict[str, Any]]:
     """The `logprobs.content` list of a chat choice."""
     content = []

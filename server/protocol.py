@@ -146,6 +146,8 @@ class SamplingFields(RequestBody):
     # Keep only the prompt's last k tokens (-1: as many as leave room for one new token).
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), _WHOLE] | None = None
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the logprob of each prompt token and of its `prompt_logprobs` likeliest rivals.
+    prompt_logprobs: LogprobCount | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: Int = 0
@@ -165,6 +167,10 @@ class SamplingFields(RequestBody):
         if options is not None and options.model_fields_set and not self.stream:
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true.", param="stream_options"
+            )
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt_logprobs are not available when stream is true.", param="prompt_logprobs"
             )
         return self
 

@@ -13,7 +13,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from server.call_array import CallArrayReader
 from server.limits import RequestLimits, check_chat
-from server.logprobs import chat_logprobs
+from server.logprobs import chat_logprobs, prompt_logprobs
 from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkReader, opens_in_reasoning, split_reasoning
 from server.rendering import ChoiceState, ChunkRenderer
@@ -87,6 +87,8 @@ class ChatRenderer(ChunkRenderer):
         self.thinking = thinking
         self.num_prompt_tokens = num_prompt_tokens
         self.token_text = TokenText(tokenizer, body.return_tokens_as_token_ids)
+        # vLLM's prompt_logprobs (the prompt is every choice's, so the first's are shown).
+        self.prompt_logprobs: list | None = None
         self.choices = {i: _Choice(i) for i in range(body.n)}
         for choice in self.choices.values():
             if parser is not None:
@@ -98,6 +100,9 @@ class ChatRenderer(ChunkRenderer):
         """Fold a delta into its choice; return the streaming fragments it produces."""
         choice = self.choices[output.index]
         fragments = []
+        wanted = self.body.prompt_logprobs
+        if output.prompt_logprobs is not None and wanted is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = prompt_logprobs(output.prompt_logprobs, self.token_text, wanted)
         if not choice.started:
             choice.started = True
             # A reply that is only calls has no content, as in the non-streamed message.
@@ -240,6 +245,11 @@ class ChatRenderer(ChunkRenderer):
             "model": self.model,
             "choices": choices,
             "usage": self.usage(),
+            **(
+                {"prompt_logprobs": self.prompt_logprobs}
+                if self.body.prompt_logprobs is not None
+                else {}
+            ),
         }
 
 
@@ -296,7 +306,9 @@ class ChatHandler:
         )
         if keep is not None:
             prompt = prompt[-keep:]
-        params = sampling_params(body, body.requested_max_tokens, _top_logprobs(body))
+        params = sampling_params(
+            body, body.requested_max_tokens, _top_logprobs(body), body.prompt_logprobs
+        )
         forced = forced_calls(body)
         if forced is not None:
             if params.structured is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -12,7 +12,7 @@ from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from server.limits import RequestLimits, check_completion
-from server.logprobs import CompletionLogprobs
+from server.logprobs import CompletionLogprobs, prompt_logprobs
 from server.protocol import CompletionRequest
 from server.rendering import ChoiceState, ChunkRenderer
 from server.serving import (
@@ -43,6 +43,8 @@ class _Choice(ChoiceState):
     prompt_text: str | None = None
     logprobs: CompletionLogprobs | None = None
     offset: int = 0
+    # vLLM's prompt_logprobs, once the prompt's entries have arrived (first output).
+    prompt_logprobs: list | None = None
 
 
 class CompletionRenderer(ChunkRenderer):
@@ -76,6 +78,8 @@ class CompletionRenderer(ChunkRenderer):
         """Fold a delta into its choice; return the choice's streaming fragment."""
         choice = self.choices[prompt_index * self.body.n + output.index]
         text, logprobs = self._echo(choice, output) if not choice.started else ("", None)
+        if not choice.started and self.body.prompt_logprobs is not None:
+            choice.prompt_logprobs = self._prompt_logprobs(output)
         choice.started = True
         text += output.text
         if output.logprobs is not None:
@@ -106,8 +110,17 @@ class CompletionRenderer(ChunkRenderer):
         if output.prompt_logprobs is None:
             return text, None
         logprobs = CompletionLogprobs()
-        choice.offset = self._add_logprobs(logprobs, choice.prompt_ids, output.prompt_logprobs, 0)
+        # The engine computed as many rivals as either view asks for; echo shows `logprobs`.
+        count = self.body.logprobs or 0
+        entries = [e and replace(e, top=e.top[:count]) for e in output.prompt_logprobs]
+        choice.offset = self._add_logprobs(logprobs, choice.prompt_ids, entries, 0)
         return text, logprobs
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list | None:
+        if output.prompt_logprobs is None or self.body.prompt_logprobs is None:
+            return None
+        token_text = self.token_text or TokenText(None, as_ids=True)  # no tokenizer: ids
+        return prompt_logprobs(output.prompt_logprobs, token_text, self.body.prompt_logprobs)
 
     def _add_logprobs(
         self, logprobs: CompletionLogprobs, token_ids: list[int], entries: list, offset: int
@@ -141,6 +154,11 @@ class CompletionRenderer(ChunkRenderer):
                 "logprobs": c.logprobs.to_dict() if c.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **(
+                    {"prompt_logprobs": c.prompt_logprobs}
+                    if self.body.prompt_logprobs is not None
+                    else {}
+                ),
             }
             for c in sorted(self.choices.values(), key=lambda c: c.index)
         ]
@@ -182,8 +200,11 @@ class CompletionHandler:
             for p, ids in zip(singles, prompts, strict=True)
         ]
         prompts = [ids if keep is None else ids[-keep:] for ids in prompts]
-        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        params = sampling_params(body, body.requested_max_tokens, body.logprobs, prompt_logprobs)
+        echoed = body.logprobs if body.echo and body.logprobs is not None else None
+        wanted = [n for n in (echoed, body.prompt_logprobs) if n is not None]
+        params = sampling_params(
+            body, body.requested_max_tokens, body.logprobs, max(wanted) if wanted else None
+        )
         return prompts, texts, params
 
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from server.tokenization import TokenText
 from tests.helpers import CHAT_TEMPLATE, tiny_tokenizer
 from tests.server.test_server_errors import assert_error
@@ -195,3 +197,56 @@ async def test_return_tokens_as_token_ids_names_each_token_by_its_id():
             entries = [entry, *entry["top_logprobs"]]
             assert all(e["token"].startswith("token_id:") for e in entries)
             assert all(e["bytes"] == list(e["token"].encode()) for e in entries)
+
+
+async def test_prompt_logprobs_score_every_prompt_token_as_echo_does():
+    prompt = list(range(5, 15))
+    async with app_client() as (client, engine):
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+        scored = await client.post("/v1/completions", json={**body, "prompt_logprobs": 2, "n": 2})
+        echoed = await client.post("/v1/completions", json={**body, "echo": True, "logprobs": 1})
+        assert scored.status_code == 200, scored.text
+        echo_logprobs = echoed.json()["choices"][0]["logprobs"]
+        for choice in scored.json()["choices"]:
+            shown = choice["prompt_logprobs"]
+            assert len(shown) == len(prompt) and shown[0] is None
+            for position, token, expected in zip(
+                shown[1:], prompt[1:], echo_logprobs["token_logprobs"][1:10], strict=True
+            ):
+                own = position[str(token)]
+                assert own["logprob"] == pytest.approx(expected, abs=1e-5)
+                rivals = sorted(position.values(), key=lambda entry: entry["rank"])
+                assert rivals[0]["rank"] == 1 and len(position) <= 3
+                assert rivals[0]["logprob"] == max(e["logprob"] for e in position.values())
+                assert {e["decoded_token"] for e in position.values()} >= {own["decoded_token"]}
+        # Echo keeps its own count of rivals when prompt_logprobs asks for more.
+        both = await client.post(
+            "/v1/completions",
+            json={**body, "echo": True, "logprobs": 1, "prompt_logprobs": 4},
+        )
+        choice = both.json()["choices"][0]
+        assert choice["logprobs"]["top_logprobs"][1:10] == echo_logprobs["top_logprobs"][1:10]
+        assert max(len(p) for p in choice["prompt_logprobs"][1:]) == 5
+        assert blocks_in_use(engine) == 0
+
+
+async def test_chat_prompt_logprobs_cover_the_templated_prompt():
+    async with app_client() as (client, _):
+        response = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                  "prompt_logprobs": 0},
+        )  # fmt: skip
+        body = response.json()
+        shown = body["prompt_logprobs"]
+        assert len(shown) == body["usage"]["prompt_tokens"] and shown[0] is None
+        assert all(len(position) == 1 for position in shown[1:])
+
+
+async def test_prompt_logprobs_cannot_stream():
+    async with app_client() as (client, engine):
+        response = await client.post(
+            "/v1/completions", json={"prompt": "Hi", "stream": True, "prompt_logprobs": 1}
+        )
+        assert_error(response, 400, "prompt_logprobs")
+        assert blocks_in_use(engine) == 0
