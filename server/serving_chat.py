@@ -15,7 +15,7 @@ from server.call_array import CallArrayReader
 from server.limits import RequestLimits, check_chat
 from server.logprobs import chat_logprobs, prompt_logprobs
 from server.protocol import ChatCompletionRequest
-from server.reasoning import ThinkReader, opens_in_reasoning, split_reasoning
+from server.reasoning import END, ThinkReader, opens_in_reasoning, split_reasoning
 from server.rendering import ChoiceState, ChunkRenderer
 from server.serving import (
     EngineClient,
@@ -318,14 +318,20 @@ class ChatHandler:
                     param="tool_choice",
                 )
             params = replace(params, structured=forced.format)
-        return prompt, params, forced, self._thinking(text, params)
+        thinking = self._thinking(text, params)
+        if thinking and params.structured is not None:
+            # The format holds for the answer, once the thought has closed.
+            params = replace(params, structured=replace(params.structured, after=END))
+        return prompt, params, forced, thinking
 
     def _thinking(self, prompt_text: str, params: SamplingParams) -> bool | None:
         """Whether the reply starts in its reasoning; None where none is split off: no
-        reasoning parser, or an output format that holds from the first token."""
-        if self.reasoning_parser is None or params.structured is not None:
+        reasoning parser, or an output format that would hold from the first token (a reply
+        that may open its own thought with `<think>`)."""
+        if self.reasoning_parser is None:
             return None
-        return opens_in_reasoning(prompt_text)
+        opens = opens_in_reasoning(prompt_text)
+        return None if params.structured is not None and not opens else opens
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
         prompt, params, forced, thinking = await self._prepare(body)

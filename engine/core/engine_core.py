@@ -23,6 +23,7 @@ from engine.core.stats import FinishedRequestStats, StepStats
 from engine.scheduling.admission import Admission, fewest_new_tokens, promised_tokens
 from engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.structured.compiler import GrammarCompiler
+from engine.structured.deferred import DeferredGrammar
 
 if TYPE_CHECKING:  # the runner owns torch; the core itself stays torch-free
     from engine.worker.model_runner import LaunchedStep, ModelRunner
@@ -121,6 +122,12 @@ class EngineCore:
                 )
         return decision.outcome is Admission.DEFER
 
+    def _decoder(self, params: SamplingParams) -> Callable[[list[int]], str]:
+        """Token ids to text as the request's output shows it."""
+        tokenizer, skip = self.tokenizer, params.skip_special_tokens
+        assert tokenizer is not None  # formats are refused without one
+        return lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=skip)
+
     @property
     def max_tokens(self) -> int:
         return self.scheduler.max_sequence_tokens
@@ -160,7 +167,13 @@ class EngineCore:
         if deferred:
             request.timings.events.append((arrival, "admission deferred"))
         if params.structured is not None and self.grammars is not None:
-            request.grammar = self.grammars.matcher(params.structured)
+            matcher = self.grammars.matcher(params.structured)
+            if params.structured.after:
+                request.deferred_grammar = DeferredGrammar(
+                    matcher, params.structured.after, self._decoder(params)
+                )
+            else:
+                request.grammar = matcher
         self.scheduler.add_request(request, fork_of)
         self.outputs.add(request, parent_id or request_id, index)
         self._groups[request_id] = (parent_id or request_id, siblings)
@@ -418,9 +431,10 @@ class _InFlight:
     def overlappable(self) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host:
         not if a request it samples has a grammar, which must advance on its newest token
-        there to allow the next ones."""
+        there to allow the next ones, or one still waiting to start (its newest token may be
+        the one that starts it)."""
         sampled = (item.request for item in self.scheduled.scheduled if item.completes_sequence)
-        return all(request.grammar is None for request in sampled)
+        return all(r.grammar is None and r.deferred_grammar is None for r in sampled)
 
 
 def _with(scheduled: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:

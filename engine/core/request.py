@@ -77,6 +77,8 @@ class Request:
     # The matcher of `sampling_params.structured`: which tokens may come next (llguidance's
     # `LLMatcher`, advanced with each sampled token); None for free text.
     grammar: Any = None
+    # A format that starts later (`StructuredOutputs.after`): a `DeferredGrammar` until then.
+    deferred_grammar: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -113,6 +115,10 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.consume_token(token_id)
+        elif self.deferred_grammar is not None and self.deferred_grammar.opens(
+            self.output_token_ids
+        ):
+            self.grammar, self.deferred_grammar = self.deferred_grammar.matcher, None
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED

@@ -23,12 +23,14 @@ class StructuredOutputs:
     `spec` is the JSON Schema as JSON text (`json`), the regular expression (`regex`), the
     choices as a JSON list of strings (`choice`), or the grammar's text (`grammar`: Lark, or
     GBNF with `::=`); empty for `json_object`. `param` names the request field it came from,
-    for errors.
+    for errors. With `after`, the format holds only once the output has written that text (a
+    thinking model's `</think>`): what comes before runs free.
     """
 
     kind: str
     spec: str = ""
     param: str = "structured_outputs"
+    after: str = ""
 
     def __post_init__(self) -> None:
         _check(

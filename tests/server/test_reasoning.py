@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import random
+import re
 
 import pytest
 
@@ -13,7 +15,7 @@ from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkReader, opens_in_reasoning, split_reasoning
 from server.serving_chat import ChatRenderer
 from server.settings import ServerSettings
-from tests.helpers import CHAT_TEMPLATE, chat_tokenizer, tiny_tokenizer
+from tests.helpers import CHAT_TEMPLATE, chat_tokenizer, tiny_llama, tiny_tokenizer
 from tests.server_utils import app_client, blocks_in_use, sse_events
 
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
@@ -151,13 +153,51 @@ async def test_served_replies_of_a_thinking_template_are_reasoning():
         deltas = [e["choices"][0]["delta"] for e in sse_events(response.text) if e != "[DONE]"]
         assert "".join(d.get("reasoning", "") for d in deltas) == text
         assert not "".join(d.get("content") or "" for d in deltas)
-        # An output format holds from the first token: there is no reasoning to split off.
-        formatted = await client.post(
-            "/v1/chat/completions",
-            json={**body, "max_tokens": 30, "response_format": {"type": "json_object"}},
+        assert blocks_in_use(engine) == 0
+
+
+def marker_setup(template: str) -> tuple[dict, int]:
+    """A tokenizer with `</think>` as one token under `template`, and a model that has it."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.add_tokens(["</think>"])
+    tokenizer.chat_template = template
+    model = tiny_llama(vocab_size=len(tokenizer), max_positions=1024)  # room for written tools
+    return {"tokenizer": tokenizer, "model": model}, tokenizer.convert_tokens_to_ids("</think>")
+
+
+async def test_a_format_holds_for_the_answer_after_the_thought():
+    """The model closes its thought at once (a bias on `</think>`); the format then shapes the
+    answer, and the reasoning is apart."""
+    options, marker = marker_setup(THINKING_TEMPLATE)
+    settings = ServerSettings(served_model_name="tiny", reasoning_parser="qwen3")
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 40,
+        "seed": 4,
+        "logit_bias": {str(marker): 100},
+        "structured_outputs": {"regex": "[0-9]{3}"},
+    }
+    async with app_client(settings, **options) as (client, engine):
+        message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0][
+            "message"
+        ]
+        assert message["reasoning"] == "" and re.fullmatch("[0-9]{3}", message["content"])
+        weather = {
+            "type": "object",
+            "properties": {"unit": {"enum": ["c", "f"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        }
+        tools = [{"type": "function", "function": {"name": "weather", "parameters": weather}}]
+        named = {"type": "function", "function": {"name": "weather"}}
+        del body["structured_outputs"]
+        called = await client.post(
+            "/v1/chat/completions", json={**body, "tools": tools, "tool_choice": named}
         )
-        message = formatted.json()["choices"][0]["message"]
-        assert "reasoning" not in message and message["content"].startswith("{")
+        choice = called.json()["choices"][0]
+        [call] = choice["message"]["tool_calls"]
+        assert json.loads(call["function"]["arguments"])["unit"] in ("c", "f")
+        assert choice["message"]["reasoning"] == "" and choice["finish_reason"] == "tool_calls"
         assert blocks_in_use(engine) == 0
 
 
@@ -168,7 +208,14 @@ async def test_a_template_that_does_not_think_gives_plain_content():
         plain = (await client.post("/v1/chat/completions", json=body)).json()
     async with app_client(settings, tokenizer=chat_tokenizer()) as (client, _):
         parsed = (await client.post("/v1/chat/completions", json=body)).json()
+        # A format holds from the first token of a reply that may open its own thought.
+        formatted = await client.post(
+            "/v1/chat/completions",
+            json={**body, "max_tokens": 30, "response_format": {"type": "json_object"}},
+        )
     assert parsed["choices"][0]["message"] == plain["choices"][0]["message"]
+    message = formatted.json()["choices"][0]["message"]
+    assert "reasoning" not in message and message["content"].startswith("{")
 
 
 async def test_earlier_reasoning_reaches_the_template():

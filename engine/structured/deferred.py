@@ -1,0 +1,24 @@
+"""A format that holds only from a point in the output on: a thinking model's answer, after
+its reasoning has closed with `</think>`, while the reasoning itself runs free."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+class DeferredGrammar:
+    """A matcher at its start, waiting for `marker` to end the output's text so far."""
+
+    __slots__ = ("_decode", "marker", "matcher")
+
+    def __init__(self, matcher: Any, marker: str, decode: Callable[[list[int]], str]) -> None:
+        self.matcher = matcher
+        self.marker = marker
+        self._decode = decode
+
+    def opens(self, output_token_ids: list[int]) -> bool:
+        """Whether the newest token completed the marker. Each token spells at least one
+        character, so the marker lies within the text of its length's worth of last tokens."""
+        tail = self._decode(output_token_ids[-len(self.marker) :])
+        return tail.endswith(self.marker)
