@@ -18,7 +18,8 @@ class DeferredGrammar:
         self._decode = decode
 
     def opens(self, output_token_ids: list[int]) -> bool:
-        """Whether the newest token completed the marker. Each token spells at least one
-        character, so the marker lies within the text of its length's worth of last tokens."""
-        tail = self._decode(output_token_ids[-len(self.marker) :])
-        return tail.endswith(self.marker)
+        """Whether the newest token completed the marker (asked after every token, so the first
+        yes is that token's). Each token spells at least one character, so the marker lies
+        within the text of its length's worth of last tokens; a token may also carry text past
+        it (`</think>` merged with a newline)."""
+        return self.marker in self._decode(output_token_ids[-len(self.marker) :])

@@ -8,6 +8,7 @@ import re
 from dataclasses import replace
 
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
+from engine.structured.deferred import DeferredGrammar
 from tests.helpers import run_all, text_of, tiny_core, tiny_llama, tiny_tokenizer, tokens_of
 
 PROMPTS = [[5, 9, 33, 2], list(range(40, 70))]
@@ -62,3 +63,13 @@ def test_overlapped_steps_wait_for_the_marker_s_row():
     for request_id, outputs in got.items():
         assert text_of(outputs) == text_of(expected[request_id])
         assert re.fullmatch("</think>[0-9]{3}", text_of(outputs))
+
+
+def test_the_marker_is_found_inside_a_token_that_carries_more():
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.add_tokens(["</think>\n"])
+    merged = tokenizer.convert_tokens_to_ids("</think>\n")
+    deferred = DeferredGrammar(None, "</think>", tokenizer.decode)
+    thought = tokenizer("so it goes", add_special_tokens=False)["input_ids"]
+    assert not deferred.opens(thought)
+    assert deferred.opens([*thought, merged])
