@@ -194,6 +194,7 @@ def _openai_router(
                 body.messages,
                 body.add_generation_prompt,
                 template_kwargs=body.chat_template_kwargs,
+                add_special_tokens=body.add_special_tokens,
             )
         else:
             tokens = encode_text(tokenizer, body.prompt, body.add_special_tokens)

@@ -195,6 +195,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: LogprobCount | None = None
     suffix: str | None = None
+    # vLLM's: whether a text prompt gets the tokenizer's special tokens (a BOS).
+    add_special_tokens: bool = True
     best_of: int | None = None
 
     # Before the union's own checks, which would report an empty prompt as whichever member
@@ -299,6 +301,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the tokenizer's special tokens on top of what the template writes.
+    add_special_tokens: bool = False
     # With a reasoning parser: whether the reply's reasoning is returned at all.
     include_reasoning: bool = True
 
@@ -329,6 +333,7 @@ class TokenizeChatRequest(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
 
 
 # vLLM's two forms of a /tokenize body: a prompt, or messages.

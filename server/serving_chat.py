@@ -302,6 +302,7 @@ class ChatHandler:
                 body.continue_final_message,
                 tools,
                 body.chat_template_kwargs,
+                body.add_special_tokens,
             ),
         )
         if keep is not None:

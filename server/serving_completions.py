@@ -192,7 +192,8 @@ class CompletionHandler:
             if isinstance(single, str) and tokenizer is not None and keep is None:
                 check_fits(tokenizer, len(single), self.model.info.max_model_len, "prompt")
         prompts = await off_the_loop_if_large(
-            prompt_size(singles), lambda: prompt_token_ids(tokenizer, singles)
+            prompt_size(singles),
+            lambda: prompt_token_ids(tokenizer, singles, body.add_special_tokens),
         )
         # A truncated prompt echoes as its kept tokens read back, not as the text sent.
         texts = [

@@ -76,11 +76,17 @@ def messages_size(messages: list[ChatMessage]) -> int:
     return sum(len(message_text(m)) for m in messages)
 
 
-def prompt_token_ids(tokenizer: Any, prompts: list[str | list[int]]) -> list[list[int]]:
-    """Token ids of each single prompt; text needs the tokenizer."""
+def prompt_token_ids(
+    tokenizer: Any, prompts: list[str | list[int]], add_special_tokens: bool = True
+) -> list[list[int]]:
+    """Token ids of each single prompt (text with the tokenizer's special tokens, such as a
+    BOS, unless `add_special_tokens` is false); text needs the tokenizer."""
     if any(isinstance(p, str) for p in prompts):
         require_tokenizer(tokenizer, param="prompt")
-    return [encode_text(tokenizer, p) if isinstance(p, str) else list(p) for p in prompts]
+    return [
+        encode_text(tokenizer, p, add_special_tokens) if isinstance(p, str) else list(p)
+        for p in prompts
+    ]
 
 
 def message_text(message: ChatMessage) -> str:
@@ -103,11 +109,14 @@ def chat_prompt(
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool = False,
 ) -> tuple[str, list[int]]:
     """Render messages (and the tools offered, `tools=`) with the model's chat template; return
     the text and its token ids. For a template with no tool section the conversation carries
     the tools and earlier calls itself (`server.tool_prompt`). `template_kwargs` are more
-    variables for the template (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`)."""
+    variables for the template (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`). The
+    template writes the special tokens it wants; `add_special_tokens` adds the tokenizer's own
+    (such as a BOS) as well."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot be used; "
@@ -134,7 +143,7 @@ def chat_prompt(
         )
     except Exception as exc:  # template errors (e.g. roles it refuses) are the client's
         raise InvalidRequestError(f"The chat template failed: {exc}", param="messages") from exc
-    return text, encode_text(tokenizer, text, add_special_tokens=False)
+    return text, encode_text(tokenizer, text, add_special_tokens)
 
 
 def check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | None) -> None:

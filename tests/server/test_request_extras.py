@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from server.tokenization import TokenText
-from tests.helpers import CHAT_TEMPLATE, tiny_tokenizer
+from tests.helpers import CHAT_TEMPLATE, chat_tokenizer, tiny_tokenizer
 from tests.server.test_server_errors import assert_error
 from tests.server_utils import app_client, blocks_in_use
 
@@ -250,3 +250,34 @@ async def test_prompt_logprobs_cannot_stream():
         )
         assert_error(response, 400, "prompt_logprobs")
         assert blocks_in_use(engine) == 0
+
+
+def bos_tokenizer():
+    """The chat tokenizer with a BOS written before every encoded text."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = chat_tokenizer()
+    bos = tokenizer.bos_token_id
+    tokenizer._tokenizer.post_processor = TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", bos)]
+    )
+    return tokenizer, bos
+
+
+async def test_add_special_tokens_as_vllm_defaults_it():
+    tokenizer, bos = bos_tokenizer()
+    async with app_client(tokenizer=tokenizer) as (client, _):
+        [with_bos] = (await client.post("/v1/completions/render", json={"prompt": "Hi"})).json()
+        [without] = (
+            await client.post(
+                "/v1/completions/render", json={"prompt": "Hi", "add_special_tokens": False}
+            )
+        ).json()
+        assert with_bos["token_ids"] == [bos, *without["token_ids"]]
+        chat = await rendered_chat(client)
+        assert chat[0] != bos  # the template writes what it wants
+        assert await rendered_chat(client, add_special_tokens=True) == [bos, *chat]
+        tokenized = await client.post(
+            "/tokenize", json={"messages": MESSAGES, "add_special_tokens": True}
+        )
+        assert tokenized.json()["tokens"] == [bos, *chat]
