@@ -161,8 +161,9 @@ class SamplingFields(RequestBody):
     guided_grammar: str | None = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> SamplingFields:
-        """As OpenAI and vLLM: stream_options that set anything belong to a streamed request."""
+    def _streaming_fields(self) -> SamplingFields:
+        """As OpenAI and vLLM: stream_options that set anything belong to a streamed request,
+        and prompt_logprobs to one that is not streamed."""
         options = self.stream_options
         if options is not None and options.model_fields_set and not self.stream:
             raise InvalidRequestError(

@@ -14,6 +14,8 @@ this reader.)
 
 from __future__ import annotations
 
+from server.tool_parsers import partial_tag
+
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
 
@@ -61,7 +63,7 @@ class ThinkReader:
         if self._state == "thinking":
             end = self._buffer.find(END)
             if end < 0:
-                cut = len(self._buffer) - _partial_tag(self._buffer, END)
+                cut = len(self._buffer) - partial_tag(self._buffer, END)
                 reasoning, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return reasoning, ""
             reasoning = self._buffer[:end]
@@ -81,11 +83,3 @@ class ThinkReader:
         if self._state == "thinking":
             return rest, ""
         return "", rest.lstrip() if self._after_end else rest
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """How many of `text`'s last characters may begin `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0

@@ -83,7 +83,7 @@ class HermesReader:
                 self._buffer = self._buffer[start + len(OPEN) :]
                 self._in_call = True
                 continue
-            keep = _partial_tag(self._buffer)
+            keep = partial_tag(self._buffer, OPEN)
             content.append(self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep :]
             break
@@ -174,9 +174,9 @@ def _read_call(parsed: Any) -> dict[str, Any] | None:
     return tool_call(parsed["name"], text)
 
 
-def _partial_tag(text: str) -> int:
-    """How many characters at the end of `text` may begin the opening tag."""
-    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-size:]):
+def partial_tag(text: str, tag: str) -> int:
+    """How many of `text`'s last characters may begin `tag` (text a stream holds back)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0

@@ -8,7 +8,7 @@ from typing import Any
 
 
 class DeferredGrammar:
-    """A matcher at its start, waiting for `marker` to end the output's text so far."""
+    """A matcher at its start, waiting for `marker` to appear in the output's text."""
 
     __slots__ = ("_decode", "marker", "matcher")
 

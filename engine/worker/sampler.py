@@ -331,11 +331,11 @@ def _apply_allowed_tokens(logits: torch.Tensor, requests: list[Request]) -> None
     if not rows:
         return
     device, vocab = logits.device, logits.shape[1]
-    lists = [list(requests[row].sampling_params.allowed_token_ids or ()) for row in rows]
-    which = [k for k, tokens in enumerate(lists) for _ in tokens]
+    chosen = [requests[row] for row in rows]
+    lists = [list(r.sampling_params.allowed_token_ids or ()) for r in chosen]
+    which, tokens = _token_rows(chosen, lists, vocab, device, pending=None)
     allowed = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
-    tokens = list(itertools.chain.from_iterable(lists))
-    allowed[to_device(which, device), to_device(tokens, device)] = True
+    allowed[which, tokens] = True
     index = to_device(rows, device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
