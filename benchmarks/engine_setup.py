@@ -1,6 +1,7 @@
 """The engine options the benchmarks that drive `EngineCore` directly share, and the engine they
-build: the model, its dtype, the KV cache's dtype (in a 1 GiB cache), 8-bit activations and the
-tensor-parallel size, and `--load-format dummy` (random weights of the model's shape, none read)."""
+build: the model, its dtype, the KV cache's dtype (in a 1 GiB cache), 8-bit activations, the
+tensor-parallel size, `--compile`, and `--load-format dummy` (random weights of the model's
+shape, none read)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int8-activations", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the layers")
 
 
 def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
@@ -27,6 +29,7 @@ def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
         int8_activations=args.int8_activations,
         tensor_parallel_size=args.tensor_parallel_size,
         load_format=args.load_format,
+        compile=args.compile,
         cache=CacheConfig(kv_cache_memory=1 << 30, dtype=args.kv_cache_dtype),
         **options,
     )

@@ -27,6 +27,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.kernels.cpu import ops as cpu_ops
+from engine.worker.compilation import is_compiled
 
 
 def run(
@@ -113,9 +114,11 @@ def main() -> None:
     )
     core, _, info = create_engine_core(config)
     graphs = "CUDA graphs" if core.runner.graphs is not None else "eager"
+    layers = getattr(core.runner.model, "layers", [])
+    compiled = ", layers compiled" if any(is_compiled(layer) for layer in layers) else ""
     print(
         f"# {info.model_name} {info.dtype} on {info.device}, "
-        f"{core.runner.backend.name} attention, {graphs}"
+        f"{core.runner.backend.name} attention, {graphs}{compiled}"
     )
     for _ in range(args.warmup):
         run(core, 2, 16, 4, seed=-1)

@@ -14,7 +14,9 @@
 # SHAPE changes config fields (a Qwen2.5-1.5B-like shape: SHAPE="hidden_size=1536
 # intermediate_size=8960 num_attention_heads=12 num_key_value_heads=2 head_dim=128
 # num_hidden_layers=28 vocab_size=151936" with another MODEL_DIR). CONCURRENCY overrides the
-# concurrencies (a dry run on a CPU: "1 2"). The GPU's tests are `gpu_tests.sh`.
+# concurrencies (a dry run on a CPU: "1 2"). With COMPILE=1 (the default) the engine and the
+# server also run with `--compile`, after the eager runs (COMPILE=0 leaves them out: each
+# start compiles the layers first, a few seconds on a CPU). The GPU's tests are `gpu_tests.sh`.
 set -euo pipefail
 MODEL=${1:-/tmp/smol}
 OUT=${2:-benchmarks/results/gpu_async}
@@ -33,11 +35,19 @@ source "$(dirname "$0")/serving.sh"
 
 python benchmarks/engine_throughput.py --model "$MODEL" "${LOAD[@]}" --dtype bfloat16 \
     --concurrency "${LEVELS[@]}" --both-schedulings > "$OUT/engine.log"
+MODES=(async-scheduling no-async-scheduling)
+if [ "${COMPILE:-1}" = 1 ]; then
+    python benchmarks/engine_throughput.py --model "$MODEL" "${LOAD[@]}" --dtype bfloat16 \
+        --concurrency "${LEVELS[@]}" --both-schedulings --compile > "$OUT/engine_compiled.log"
+    MODES+=(compiled)
+fi
 python benchmarks/transformers_batch.py --model "$MODEL" "${LOAD[@]}" --dtype bfloat16 \
     --concurrency "${LEVELS[@]}" > "$OUT/transformers_batch.log"
-for mode in async-scheduling no-async-scheduling; do
+for mode in "${MODES[@]}"; do
+    flags=("--$mode")
+    [ "$mode" = compiled ] && flags=(--async-scheduling --compile)
     start_server "$OUT/serve_$mode.log" --model "$MODEL" "${LOAD[@]}" --dtype bfloat16 \
-        --port "$PORT" "--$mode"
+        --port "$PORT" "${flags[@]}"
     for concurrency in "${LEVELS[@]}"; do
         conveyor bench serve --base-url "http://127.0.0.1:$PORT" --tokenizer "$MODEL" \
             --ignore-eos --random-input-len 128 --random-output-len 128 \

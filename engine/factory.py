@@ -37,6 +37,7 @@ from engine.parallel.sharding import Shard, not_shardable, why_not_shardable
 from engine.parallel.workers import WorkerPool, rank_device
 from engine.scheduling.scheduler import Scheduler
 from engine.worker import memory_profile, routes
+from engine.worker.compilation import compile_layers
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.worker.model_runner import ModelRunner
 from engine.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
@@ -130,6 +131,8 @@ class RankParts:
     # sets them (`KVCache.calibrating`, switched on once graphs are captured).
     kv_scales: str = ""
     calibrates: bool = False
+    # How the layers' pieces between attention calls run (`--compile`): "" when eager.
+    compiled: str = ""
 
 
 def build_rank(
@@ -152,6 +155,8 @@ def build_rank(
     if device.type == "cpu":
         _weights_into_huge_pages(model, loaded.model)
         malloc_tuning.keep_freed_memory()
+    # Compiled over the weights where they stay, before the profiling pass measures the steps.
+    compiled = compile_layers(model) if config.compile else ""
     backend = get_backend(config.attention_backend, device, dtype)
     num_blocks = _num_blocks(config, spec, device, model, backend, loaded.max_model_len)
     if shard is not None:
@@ -160,7 +165,7 @@ def build_rank(
     kv_cache.group = shard.group if shard is not None else None
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
     scales, calibrates = _kv_scales(kv_cache, backend, loaded.path, config.cache)
-    return RankParts(model, backend, kv_cache, cache_dtype, scales, calibrates)
+    return RankParts(model, backend, kv_cache, cache_dtype, scales, calibrates, compiled)
 
 
 def _kv_scales(
@@ -225,6 +230,7 @@ def core_from_model(
             overlap,
             parts.kv_scales,
             sampler.route,
+            parts.compiled,
         ),
     )
     graphs, piecewise = _graphs(config, model, backend, kv_cache, max_model_len)

@@ -176,6 +176,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="on CUDA, run every step eagerly instead of replaying CUDA graphs",
     )
     engine.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile what each layer does between attention calls with torch.compile "
+        "(inductor) at start-up; CUDA graphs then replay the compiled code",
+    )
+    engine.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -318,6 +324,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         model_impl=args.model_impl,
         enforce_eager=args.enforce_eager,
+        compile=args.compile,
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
         load_format=args.load_format,

@@ -134,6 +134,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     model_impl: str = "auto"
     enforce_eager: bool = False
+    # Compile what each layer of Conveyor's decoder does between attention calls with
+    # torch.compile (`worker/compilation.py`).
+    compile: bool = False
     seed: int = 0
     trust_remote_code: bool = False
     load_format: str = "auto"

@@ -61,6 +61,7 @@ def describe(
     async_scheduling: bool = False,
     kv_scales: str = "",
     sampling: str = "",
+    compiled: str = "",
 ) -> str:
     scales = f" (scales {kv_scales})" if kv_scales else ""
     parts = [
@@ -73,6 +74,8 @@ def describe(
     ]
     if sampling:
         parts.append(f"sampling {sampling}")
+    if compiled:
+        parts.append(f"layers {compiled}")
     if device.type == "cpu":
         parts += [f"decode: {decode_route(model)}", f"CPU kernels: {kernels_route()}"]
     shard = getattr(model, "shard", None)

@@ -17,6 +17,7 @@ callers keep the pure-torch attention and torch's products.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -39,10 +40,34 @@ def load() -> bool:
     return bool(build_result().built)
 
 
+@torch.compiler.assume_constant_result
 def has(group: str) -> bool:
     """Whether the ops of this group (`cpu_build.GROUPS`: attention, linear, elementwise,
-    fused_decode) loaded."""
+    fused_decode) loaded. A constant to torch.compile (the build is done before it traces)."""
     return group in build_result().built
+
+
+@cache
+def register_fakes() -> None:
+    """Tell torch.compile the shapes and dtypes of what the ops a layer runs between attention
+    calls return (`worker/compilation.py`), so it traces them as opaque calls."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    fakes: dict[str, Callable[..., torch.Tensor]] = {
+        "rms_norm": lambda x, weight, eps, bf16_out=False: x.new_empty(
+            x.shape, dtype=bf16 if bf16_out else x.dtype
+        ),
+        "rotary": lambda x, cos, sin: x.new_empty(x.shape),
+        "silu_mul": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)),
+        "panel_linear": lambda x, panels, bias, out_features, residual=None: x.new_empty(
+            (x.shape[0], out_features), dtype=fp32
+        ),
+        "gated_linear": lambda x, panels, bias, inter, bf16_out=False: x.new_empty(
+            (x.shape[0], inter), dtype=bf16 if bf16_out else fp32
+        ),
+    }
+    for name, fake in fakes.items():
+        if hasattr(torch.ops.conveyor, name):
+            torch.library.register_fake(f"conveyor::{name}", fake)
 
 
 def paged_decode(
