@@ -38,6 +38,8 @@ from server.protocol import (
     TokenizeChatRequest,
     TokenizeRequest,
 )
+from server.response_store import ResponseStore
+from server.responses_protocol import ResponsesRequest
 from server.serving import (
     EngineClient,
     ServedModel,
@@ -48,6 +50,7 @@ from server.serving import (
 )
 from server.serving_chat import ChatHandler
 from server.serving_completions import CompletionHandler
+from server.serving_responses import ResponsesHandler
 from server.settings import ServerSettings
 from server.tokenization import chat_prompt, encode_text
 from server.tracing import Tracing
@@ -135,6 +138,8 @@ def _openai_router(
     chat = ChatHandler(
         engine, served, settings.limits, settings.tool_call_parser, settings.reasoning_parser
     )
+    stored = ResponseStore()
+    responses = ResponsesHandler(engine, chat, stored)
 
     @router.post("/v1/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -143,6 +148,19 @@ def _openai_router(
     @router.post("/v1/chat/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await tracing.traced("chat", served.name, body, request, chat)
+
+    @router.post("/v1/responses", dependencies=[Depends(_accepting)], responses=GENERATION)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await tracing.traced("chat", served.name, body, request, responses)
+
+    @router.get("/v1/responses/{response_id}", responses=errors(404))
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return stored.get(response_id)
+
+    @router.delete("/v1/responses/{response_id}", responses=errors(404))
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        stored.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     # vLLM's render routes: what the engine would run for a request, without running it. A
     # router that routes on prompt tokens (vllm-router's cache-aware policy, the inference

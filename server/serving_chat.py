@@ -62,6 +62,19 @@ class _Choice(ChoiceState):
     thinker: ThinkReader | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat request as the engine runs it, and what reads its reply back."""
+
+    prompt: list[int]
+    params: SamplingParams
+    forced: ForcedCalls | None
+    # The tool-call parser of a `tool_choice: auto` request with tools (None otherwise).
+    parser: str | None
+    # None where no reasoning is split off, else whether the reply starts inside it.
+    thinking: bool | None
+
+
 class ChatRenderer(ChunkRenderer):
     """Accumulates engine deltas into chat choices and `chat.completion.chunk` events."""
 
@@ -278,8 +291,32 @@ class ChatHandler:
     async def render(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
         """The request checked and made into what the engine runs: the templated prompt's token
         ids and the sampling parameters (what `/v1/chat/completions/render` answers)."""
-        prompt, params, _, _ = await self._prepare(body)
-        return prompt, params
+        prepared = await self.prepare(body)
+        return prepared.prompt, prepared.params
+
+    async def prepare(self, body: ChatCompletionRequest) -> PreparedChat:
+        """The request checked, templated and made into what the engine runs, with what reads
+        the reply back (forced calls, the tool-call parser, where reasoning starts)."""
+        prompt, params, forced, thinking = await self._prepare(body)
+        tokenizer = require_text_model(self.engine)
+        tools = template_tools(body)
+        parser = self._parser(tokenizer) if tools and forced is None else None
+        return PreparedChat(prompt, params, forced, parser, thinking)
+
+    def renderer(
+        self, request_id: str, body: ChatCompletionRequest, prepared: PreparedChat
+    ) -> ChatRenderer:
+        tokenizer = require_text_model(self.engine)
+        return ChatRenderer(
+            request_id,
+            self.model.name,
+            body,
+            len(prepared.prompt),
+            tokenizer,
+            prepared.forced,
+            prepared.parser,
+            prepared.thinking,
+        )
 
     async def _prepare(
         self, body: ChatCompletionRequest
@@ -335,18 +372,13 @@ class ChatHandler:
         return None if params.structured is not None and not opens else opens
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
-        prompt, params, forced, thinking = await self._prepare(body)
-        tokenizer = require_text_model(self.engine)
-        tools = template_tools(body)
+        prepared = await self.prepare(body)
         request_id = new_id("chatcmpl")
         bind_trace(request, request_id)
-        parser = self._parser(tokenizer) if tools and forced is None else None
-        renderer = ChatRenderer(
-            request_id, self.model.name, body, len(prompt), tokenizer, forced, parser, thinking
-        )
-        await self.engine.prepare(params)
+        renderer = self.renderer(request_id, body, prepared)
+        await self.engine.prepare(prepared.params)
         options = request_options(body, request)
-        streams = submit_all(self.engine, [prompt], params, request_id, options)
+        streams = submit_all(self.engine, [prepared.prompt], prepared.params, request_id, options)
         return await respond(renderer, streams, bool(body.stream), request)
 
 

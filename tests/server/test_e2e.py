@@ -134,6 +134,38 @@ def test_sdk_parse_returns_the_pydantic_object(server):
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_responses_answer_as_chat_does(server):
+    """The Responses API (`client.responses`) on the real model and template: the answer chat
+    gives for the same conversation, and `parse` into a pydantic model."""
+    api = client(server)
+    reply = api.responses.create(
+        model=MODEL,
+        instructions="Answer in one short sentence.",
+        input="What is the capital of France?",
+        temperature=0,
+        max_output_tokens=30,
+    )
+    chat = api.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Answer in one short sentence."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+        temperature=0,
+        max_tokens=30,
+    )
+    assert reply.status == "completed" and "Paris" in reply.output_text
+    assert reply.output_text == chat.choices[0].message.content
+    parsed = api.responses.parse(
+        model=MODEL,
+        input="Give the capital of France as JSON.",
+        text_format=Capital,
+        temperature=0,
+        max_output_tokens=80,
+    )
+    assert isinstance(parsed.output_parsed, Capital), parsed.output_text
+
+
 def test_json_object_returns_an_object(server):
     reply = client(server).chat.completions.create(
         model=MODEL,

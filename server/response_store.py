@@ -1,0 +1,71 @@
+"""Responses kept in memory (`store: true`, the Responses API's default): for `GET
+/v1/responses/{id}`, and for a request that continues one (`previous_response_id`).
+
+Each entry holds its own turn only (its input as chat messages, and its reply); a conversation
+is rebuilt by walking back through `previous_response_id`. The newest `capacity` responses are
+kept; a conversation whose older turns were dropped can no longer be continued. Like vLLM's
+store, it lives with the process: a restart forgets it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from server.errors import APIError
+
+DEFAULT_CAPACITY = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    response: dict[str, Any]
+    # This turn as chat messages: its input, then its reply.
+    messages: list[dict[str, Any]]
+    previous_id: str | None
+
+
+class ResponseStore:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(
+        self, response: dict[str, Any], messages: list[dict[str, Any]], previous_id: str | None
+    ) -> None:
+        self._entries[response["id"]] = StoredResponse(response, messages, previous_id)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> dict[str, Any]:
+        return self._entry(response_id, "response_id").response
+
+    def delete(self, response_id: str) -> None:
+        self._entry(response_id, "response_id")
+        del self._entries[response_id]
+
+    def history(self, response_id: str) -> list[dict[str, Any]]:
+        """The chat messages of the conversation up to and including `response_id`'s reply."""
+        turns: list[list[dict[str, Any]]] = []
+        current: str | None = response_id
+        while current is not None:
+            entry = self._entry(current, "previous_response_id")
+            turns.append(entry.messages)
+            current = entry.previous_id
+        return [message for turn in reversed(turns) for message in turn]
+
+    def _entry(self, response_id: str, param: str) -> StoredResponse:
+        entry = self._entries.get(response_id)
+        if entry is None:
+            raise APIError(
+                404,
+                f"No response with id '{response_id}' is stored (it was not stored, was "
+                f"deleted, or is older than the {self.capacity} kept).",
+                param=param,
+                code="response_not_found",
+            )
+        return entry

@@ -1,0 +1,325 @@
+"""OpenAI's Responses API request (`POST /v1/responses`), and the chat request it runs as.
+
+A Responses request is a conversation of typed items: messages, the function calls an earlier
+reply made and their outputs, earlier reasoning. Conveyor runs it as the chat completion those
+items spell (`as_chat`): instructions as the system message, function calls as an assistant
+turn's `tool_calls`, their outputs as `tool` messages, function tools and formats in chat's
+shape. Unknown fields are ignored, as elsewhere; item and tool types this server cannot run
+(images, files, hosted tools) are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.core.errors import InvalidRequestError
+from server.protocol import ChatCompletionRequest, NonNegativeInt, PositiveInt, RequestBody
+
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+class ContentPart(BaseModel):
+    """Text in a message: `input_text` from the user side, `output_text` of an earlier reply."""
+
+    model_config = _STRICT
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class MessageItem(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(BaseModel):
+    """A call an earlier reply made, sent back with the conversation."""
+
+    model_config = _STRICT
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class ReasoningText(BaseModel):
+    model_config = _STRICT
+
+    type: str
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """An earlier reply's reasoning: goes back to the template with the turn that follows."""
+
+    model_config = _STRICT
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in (self.content or self.summary))
+
+
+InputItem = Annotated[
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+    Field(discriminator="type"),
+]
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+class FunctionTool(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    """`text.format`: plain text, any JSON object, or JSON that follows a schema."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = _STRICT
+
+    format: TextFormat = TextFormat(type="text")
+
+
+class ResponsesRequest(RequestBody):
+    model_config = _STRICT
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig = TextConfig()
+    stream: bool = False
+    store: bool = True
+    background: bool = False
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    # vLLM's extra sampling fields, as on the chat route.
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: NonNegativeInt = 0
+    priority: int = 0
+    timeout: float | None = Field(default=None, gt=0)
+
+    # What the request span reads (`server.tracing`), by the chat request's names.
+    n: ClassVar[int] = 1
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _typed_items(cls, value: Any) -> Any:
+        """A message may leave out its type; a type this server cannot run is named."""
+        if not isinstance(value, list):
+            return value
+        if not value:
+            raise ValueError("input must not be empty")
+        items = []
+        for index, item in enumerate(value):
+            if isinstance(item, dict) and "type" not in item and "role" in item:
+                item = {**item, "type": "message"}
+            kind = item.get("type") if isinstance(item, dict) else None
+            if isinstance(kind, str) and kind not in ITEM_TYPES:
+                raise InvalidRequestError(
+                    f"input items of type '{kind}' are not supported; this server takes "
+                    f"{', '.join(ITEM_TYPES)}.",
+                    param=f"input.{index}.type",
+                )
+            items.append(_text_parts_only(item, index))
+        return items
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, value: Any) -> Any:
+        for index, tool in enumerate(value if isinstance(value, list) else []):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise InvalidRequestError(
+                    f"tools of type '{kind}' are not supported; only function tools are.",
+                    param=f"tools.{index}.type",
+                )
+        return value
+
+
+def _text_parts_only(item: Any, index: int) -> Any:
+    """A message's parts must be text: a text model reads no images, files or audio."""
+    is_message = isinstance(item, dict) and item.get("type") == "message"
+    content = item.get("content") if is_message else None
+    for number, part in enumerate(content if isinstance(content, list) else []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in ("input_text", "output_text", "text"):
+            raise InvalidRequestError(
+                f"content parts of type '{kind}' are not supported; this model reads text.",
+                param=f"input.{index}.content.{number}.type",
+            )
+    return item
+
+
+def as_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat completion that runs `body`, after the `history` of earlier turns (messages of
+    the response it continues, `previous_response_id`)."""
+    fields = {
+        "model": body.model,
+        "messages": chat_messages(body, history),
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "tools": [_chat_tool(tool) for tool in body.tools] or None,
+        "tool_choice": _chat_tool_choice(body),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": _chat_format(body.text.format),
+        "stream": body.stream,
+        "user": body.user,
+        "seed": body.seed,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "repetition_penalty": body.repetition_penalty,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "min_tokens": body.min_tokens,
+        "priority": body.priority,
+        "timeout": body.timeout,
+    }
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:  # a field checked only as chat checks it (top_k, ...)
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first.get("loc", ())) or None
+        raise InvalidRequestError(
+            f"Invalid value for '{param}': {first.get('msg', 'invalid')}.", param=param
+        ) from None
+
+
+def chat_messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as chat messages: the instructions first (they apply to this turn
+    only), then the earlier turns, then this request's input."""
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return messages + history + input_messages(body.input)
+
+
+def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
+    """Input items as chat messages: consecutive function calls join one assistant turn (the
+    assistant text before them too), reasoning rides on the assistant turn after it."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
+    reasoning = ""
+    for item in items:
+        if isinstance(item, ReasoningItem):
+            reasoning += item.text
+            continue
+        message: dict[str, Any]
+        if isinstance(item, FunctionCallOutputItem):
+            message = {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+            if item.call_id in names:
+                message["name"] = names[item.call_id]
+            messages.append(message)
+            continue
+        if isinstance(item, FunctionCallItem):
+            names[item.call_id] = item.name
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        else:
+            message = {"role": item.role, "content": item.text}
+        if reasoning and message["role"] == "assistant":
+            message["reasoning_content"], reasoning = reasoning, ""
+        messages.append(message)
+    return messages
+
+
+def _chat_tool(tool: FunctionTool) -> dict[str, Any]:
+    function = tool.model_dump(exclude={"type"}, exclude_none=True)
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(body: ResponsesRequest) -> Any:
+    if not body.tools:
+        return None
+    choice = body.tool_choice
+    if isinstance(choice, NamedFunction):
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice
+
+
+def _chat_format(text_format: TextFormat) -> dict[str, Any] | None:
+    if text_format.type == "text":
+        return None
+    if text_format.type == "json_object":
+        return {"type": "json_object"}
+    if text_format.schema_ is None:
+        raise InvalidRequestError(
+            "text.format of type json_schema needs a schema.", param="text.format.schema"
+        )
+    schema = {"name": text_format.name or "response", "schema": text_format.schema_}
+    if text_format.strict is not None:
+        schema["strict"] = text_format.strict
+    return {"type": "json_schema", "json_schema": schema}

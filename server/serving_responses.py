@@ -1,0 +1,256 @@
+"""POST /v1/responses (OpenAI's Responses API), run as the chat completion its items spell.
+
+The request becomes a chat request (`responses_protocol.as_chat`), which the chat handler
+checks, templates and submits as it does its own; the chat renderer splits the reply
+(reasoning, text, tool calls) and `OutputItems` makes typed output items of it. Streamed, each
+event is a server-sent event named by its type, numbered in order, from `response.created` to
+`response.completed` (or `response.incomplete`, or `response.failed`); there is no `[DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.core.errors import InvalidRequestError
+from engine.core.outputs import RequestOutput
+from server.errors import to_api_error
+from server.response_items import OutputItems, item_id
+from server.response_store import ResponseStore
+from server.responses_protocol import ResponsesRequest, as_chat, input_messages
+from server.serving import (
+    EngineClient,
+    EventStream,
+    bind_trace,
+    now,
+    request_options,
+    require_text_model,
+    submit_all,
+)
+from server.serving_chat import ChatHandler, ChatRenderer
+from server.streaming import CLIENT_GONE, compact_json, merge, unless_disconnected
+from server.tracing import RequestTrace, request_trace
+
+# How a reply that ended early says why (`incomplete_details.reason`).
+INCOMPLETE = {"length": "max_output_tokens", "timeout": "timeout"}
+
+
+class ResponsesHandler:
+    def __init__(self, engine: EngineClient, chat: ChatHandler, store: ResponseStore) -> None:
+        self.engine = engine
+        self.chat = chat
+        self.store = store
+
+    async def __call__(self, body: ResponsesRequest, request: Request) -> Response:
+        if body.background:
+            raise InvalidRequestError(
+                "background responses are not supported; leave background false.",
+                param="background",
+            )
+        previous = body.previous_response_id
+        history = self.store.history(previous) if previous is not None else []
+        chat_body = as_chat(body, history)
+        prepared = await self.chat.prepare(chat_body)
+        response_id = item_id("resp")
+        bind_trace(request, response_id)
+        renderer = self.chat.renderer(response_id, chat_body, prepared)
+        tokenizer = require_text_model(self.engine)
+        reply = Reply(response_id, self.chat.model.name, body, renderer, tokenizer)
+        await self.engine.prepare(prepared.params)
+        options = request_options(chat_body, request)
+        streams = submit_all(self.engine, [prepared.prompt], prepared.params, response_id, options)
+        merged = merge(streams)
+        trace = request_trace(request)
+        if not body.stream:
+            result = await unless_disconnected(request, self._collect(reply, merged))
+            if result is None:
+                return Response(status_code=CLIENT_GONE)
+            if trace is not None:
+                trace.output(renderer.usage(), renderer.finish_reasons())
+            self._keep(body, reply, result)
+            return JSONResponse(result)
+        first = await unless_disconnected(request, anext(merged))
+        if first is None:
+            await merged.aclose()
+            return Response(status_code=CLIENT_GONE)
+        return EventStream(self._events(body, reply, first[1], merged, trace), merged, trace)
+
+    @staticmethod
+    async def _collect(
+        reply: Reply, merged: AsyncGenerator[tuple[int, RequestOutput], None]
+    ) -> dict[str, Any]:
+        async for _, output in merged:
+            reply.update(output)
+        reply.finish()
+        return reply.response()
+
+    async def _events(
+        self,
+        body: ResponsesRequest,
+        reply: Reply,
+        output: RequestOutput,
+        merged: AsyncGenerator[tuple[int, RequestOutput], None],
+        trace: RequestTrace | None,
+    ) -> AsyncGenerator[str, None]:
+        stream = EventNumbers()
+        completed = False
+        try:
+            yield stream.event("response.created", response=reply.response("in_progress"))
+            yield stream.event("response.in_progress", response=reply.response("in_progress"))
+            while True:
+                for event in reply.update(output):
+                    yield stream.sse(event)
+                try:
+                    _, output = await anext(merged)
+                except StopAsyncIteration:
+                    break
+            for event in reply.finish():
+                yield stream.sse(event)
+            result = reply.response()
+            if trace is not None:
+                trace.output(reply.renderer.usage(), reply.renderer.finish_reasons())
+            self._keep(body, reply, result)
+            yield stream.event(f"response.{result['status']}", response=result)
+            completed = True
+        except Exception as exc:
+            if trace is not None:
+                trace.fail(exc)
+            completed = True
+            error = to_api_error(exc)
+            yield stream.event("error", code=error.code, message=error.message, param=error.param)
+            failed = reply.response("failed", {"code": error.code, "message": error.message})
+            yield stream.event("response.failed", response=failed)
+        finally:
+            await merged.aclose()
+            if trace is not None:
+                trace.end(None if completed else CLIENT_GONE)
+
+    def _keep(self, body: ResponsesRequest, reply: Reply, result: dict[str, Any]) -> None:
+        """Store the response with its turn (`store: true`), for GET and continuations."""
+        if body.store:
+            turn = [*input_messages(body.input), reply.chat_message()]
+            self.store.put(result, turn, body.previous_response_id)
+
+
+class EventNumbers:
+    """Server-sent events named by their type, each with the next sequence number."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def event(self, kind: str, **fields: Any) -> str:
+        return self.sse({"type": kind, **fields})
+
+    def sse(self, event: dict[str, Any]) -> str:
+        event = {**event, "sequence_number": self.next}
+        self.next += 1
+        return f"event: {event['type']}\ndata: {compact_json(event)}\n\n"
+
+
+class Reply:
+    """One response being built: the chat renderer's deltas made into output items."""
+
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        body: ResponsesRequest,
+        renderer: ChatRenderer,
+        tokenizer: Any,
+    ) -> None:
+        self.response_id = response_id
+        self.tokenizer = tokenizer
+        self.model = model
+        self.body = body
+        self.renderer = renderer
+        self.created_at = now()
+        self.items = OutputItems()
+
+    def update(self, output: RequestOutput) -> list[dict[str, Any]]:
+        events = []
+        for fragment in self.renderer.update(0, output):
+            events += self.items.delta(fragment["delta"])
+        return events
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self.items.finish()
+
+    def response(
+        self, status: str | None = None, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The response object: as it stands (`status` given), or as the reply ended."""
+        reason = self.renderer.choices[0].finish_reason
+        incomplete = None
+        if status is None:
+            incomplete = INCOMPLETE.get(reason or "")
+            status = "incomplete" if incomplete else "completed"
+        body = self.body
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": error,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": self.model,
+            "output": self.items.items if status != "in_progress" else [],
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": body.reasoning,
+            "store": body.store,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": body.text.model_dump(by_alias=True, exclude_none=True),
+            "tool_choice": (
+                body.tool_choice
+                if isinstance(body.tool_choice, str)
+                else body.tool_choice.model_dump()
+            ),
+            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools],
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": body.truncation,
+            "usage": self.usage() if status != "in_progress" else None,
+            "user": body.user,
+        }
+
+    def usage(self) -> dict[str, Any]:
+        chat = self.renderer.usage()
+        reasoning = self.items.reasoning
+        reasoning_tokens = (
+            len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        )
+        return {
+            "input_tokens": chat["prompt_tokens"],
+            "input_tokens_details": chat["prompt_tokens_details"],
+            "output_tokens": chat["completion_tokens"],
+            "output_tokens_details": {
+                "reasoning_tokens": min(reasoning_tokens, chat["completion_tokens"])
+            },
+            "total_tokens": chat["total_tokens"],
+        }
+
+    def chat_message(self) -> dict[str, Any]:
+        """The reply as the assistant turn a continuation sends back to the template."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.items.text or None}
+        calls = [
+            {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            for item in self.items.items
+            if item["type"] == "function_call"
+        ]
+        if calls:
+            message["tool_calls"] = calls
+        elif message["content"] is None:
+            message["content"] = ""
+        if self.items.reasoning:
+            message["reasoning_content"] = self.items.reasoning
+        return message

@@ -1,0 +1,403 @@
+"""OpenAI's Responses API (`/v1/responses`) on a random-weight model: the reply is the one chat
+gives for the same conversation, streamed as typed events that build the same output items,
+function calls as items and back as input, stored responses continued by id, and what the
+server cannot run refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+from openai import AsyncOpenAI
+
+from server.response_items import OutputItems
+from server.response_store import ResponseStore
+from server.responses_protocol import ResponsesRequest, input_messages
+from tests.server.test_tool_calls import SCHEMAS, TIME, WEATHER, tool_tokenizer
+from tests.server_utils import app_client, blocks_in_use, until
+
+BASE = {"model": "tiny", "temperature": 0, "max_output_tokens": 12}
+TOOLS = [
+    {"type": "function", "name": "weather", "parameters": WEATHER},
+    {"type": "function", "name": "time", "description": "Now.", "parameters": TIME},
+]
+
+
+def stream_events(body: str) -> list[dict]:
+    """Parse a Responses stream strictly: `event: TYPE` then `data: JSON` blocks, the data's
+    type the event's name, numbered from 0, and no `[DONE]`."""
+    assert body.endswith("\n\n")
+    events = []
+    for block in body[:-2].split("\n\n"):
+        head, data = block.split("\n")
+        assert head.startswith("event: ") and data.startswith("data: "), block
+        event = json.loads(data[len("data: ") :])
+        assert event["type"] == head[len("event: ") :]
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def output_text(response: dict) -> str:
+    return "".join(
+        part["text"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    )
+
+
+async def create(client: httpx.AsyncClient, **body) -> dict:
+    response = await client.post("/v1/responses", json={**BASE, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def test_the_reply_is_chats_for_the_same_conversation():
+    async with app_client() as (client, engine):
+        result = await create(client, instructions="Be brief.", input="Hello there")
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "temperature": 0,
+                "max_tokens": 12,
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hello there"},
+                ],
+            },
+        )
+        expected = chat.json()
+        assert result["object"] == "response" and result["id"].startswith("resp_")
+        assert output_text(result) == expected["choices"][0]["message"]["content"]
+        usage, ours = expected["usage"], result["usage"]
+        assert (ours["input_tokens"], ours["output_tokens"], ours["total_tokens"]) == (
+            usage["prompt_tokens"],
+            usage["completion_tokens"],
+            usage["total_tokens"],
+        )
+        assert ours["output_tokens_details"] == {"reasoning_tokens": 0}
+        # The chat request ran second, over the prefix this one left in the cache.
+        assert ours["input_tokens_details"] == {"cached_tokens": 0}
+        # 12 tokens of a random model: cut short by max_output_tokens.
+        assert result["status"] == "incomplete"
+        assert result["incomplete_details"] == {"reason": "max_output_tokens"}
+        [message] = result["output"]
+        assert message["type"] == "message" and message["role"] == "assistant"
+        assert message["status"] == "completed" and message["id"].startswith("msg_")
+        assert result["instructions"] == "Be brief." and result["max_output_tokens"] == 12
+        assert blocks_in_use(engine) == 0
+
+
+async def test_a_stream_builds_the_same_items_event_by_event():
+    async with app_client() as (client, _):
+        whole = await create(client, input="Tell me a story", max_output_tokens=16)
+        response = await client.post(
+            "/v1/responses",
+            json={**BASE, "input": "Tell me a story", "max_output_tokens": 16, "stream": True},
+        )
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = stream_events(response.text)
+        kinds = [e["type"] for e in events]
+        assert kinds[:4] == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+        ]
+        assert kinds[-4:] == [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ]
+        assert events[0]["response"]["status"] == "in_progress"
+        assert events[0]["response"]["output"] == []
+        deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+        final = events[-1]["response"]
+        assert "".join(deltas) == output_text(final) == output_text(whole)
+        assert final["output"][0]["id"] == events[2]["item"]["id"]
+        assert final["usage"]["output_tokens"] == whole["usage"]["output_tokens"] == 16
+        assert final["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+
+
+async def test_the_openai_sdk_reads_responses_and_their_streams():
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        api = AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=client)
+        result = await api.responses.create(
+            model="tiny", input="Hello", max_output_tokens=8, temperature=0
+        )
+        assert result.status == "incomplete" and result.output_text
+        assert result.usage is not None and result.usage.output_tokens == 8
+        texts, last = [], None
+        async with api.responses.stream(
+            model="tiny", input="Hello", max_output_tokens=8, temperature=0
+        ) as stream:
+            async for event in stream:
+                if event.type == "response.output_text.delta":
+                    texts.append(event.delta)
+                last = event
+        # Cut short, as OpenAI's: the stream ends with `response.incomplete`.
+        assert last is not None and last.type == "response.incomplete"
+        assert "".join(texts) == last.response.output_text == result.output_text
+        async with api.responses.stream(
+            model="tiny",
+            input="Weather?",
+            tools=TOOLS,
+            tool_choice={"type": "function", "name": "weather"},
+            max_output_tokens=80,
+            temperature=0,
+        ) as stream:
+            final = await stream.get_final_response()
+        assert final.status == "completed"
+        [call] = final.output
+        assert call.type == "function_call" and call.name == "weather"
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+
+
+async def test_a_forced_function_call_is_an_item_whose_arguments_fit_the_schema():
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        for choice in ({"type": "function", "name": "weather"}, "required"):
+            result = await create(
+                client,
+                input="Weather in Oslo?",
+                tools=TOOLS,
+                tool_choice=choice,
+                max_output_tokens=80,
+                temperature=1,
+                seed=5,
+            )
+            calls = [item for item in result["output"] if item["type"] == "function_call"]
+            assert calls and result["status"] == "completed"
+            for call in calls:
+                assert call["id"].startswith("fc_") and call["call_id"].startswith("call_")
+                jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+            if isinstance(choice, dict):
+                assert [call["name"] for call in calls] == ["weather"]
+            assert result["tools"][0]["name"] == "weather"
+
+
+async def test_a_streamed_call_grows_its_arguments_and_ends_as_the_whole():
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        body = {
+            **BASE,
+            "input": "Weather?",
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "name": "weather"},
+            "max_output_tokens": 80,
+            "stream": True,
+        }
+        events = stream_events((await client.post("/v1/responses", json=body)).text)
+        added = [e for e in events if e["type"] == "response.output_item.added"]
+        assert [e["item"]["type"] for e in added] == ["function_call"]
+        pieces = [
+            e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+        ]
+        [done] = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+        [call] = events[-1]["response"]["output"]
+        assert "".join(pieces) == done["arguments"] == call["arguments"]
+        jsonschema.validate(json.loads(call["arguments"]), WEATHER)
+
+
+async def test_function_call_outputs_go_back_as_tool_messages():
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "Ask."}],
+        },
+        {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "call_2", "name": "time", "arguments": '{"zone":1}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "noon"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Sunny."}],
+        },
+    ]
+    body = ResponsesRequest.model_validate({"input": items})
+    assert input_messages(body.input) == [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "Ask.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": "{}"},
+                },
+                {
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "time", "arguments": '{"zone":1}'},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny", "name": "weather"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "noon", "name": "time"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        result = await create(client, input=items, tools=TOOLS)
+        assert result["output"][0]["type"] == "message"
+
+
+async def test_a_stored_response_is_continued_by_its_id():
+    async with app_client() as (client, _):
+        first = await create(client, input="Hi", instructions="Only now.")
+        assert (await client.get(f"/v1/responses/{first['id']}")).json() == first
+        second = await create(client, input="And then?", previous_response_id=first["id"])
+        assert second["previous_response_id"] == first["id"]
+        conversation = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": output_text(first)},
+            {"role": "user", "content": "And then?"},
+        ]
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "temperature": 0, "max_tokens": 12, "messages": conversation},
+        )
+        # The earlier turn's instructions are not carried over, as in OpenAI's API.
+        assert output_text(second) == chat.json()["choices"][0]["message"]["content"]
+        deleted = await client.delete(f"/v1/responses/{first['id']}")
+        assert deleted.json() == {"id": first["id"], "object": "response.deleted", "deleted": True}
+        for response in (
+            await client.get(f"/v1/responses/{first['id']}"),
+            await client.post(
+                "/v1/responses", json={**BASE, "input": "x", "previous_response_id": first["id"]}
+            ),
+        ):
+            assert response.status_code == 404
+            assert response.json()["error"]["code"] == "response_not_found"
+        unstored = await create(client, input="Hi", store=False)
+        assert (await client.get(f"/v1/responses/{unstored['id']}")).status_code == 404
+
+
+def test_the_store_keeps_the_newest_and_rebuilds_conversations():
+    store = ResponseStore(capacity=2)
+    store.put({"id": "a"}, [{"role": "user", "content": "1"}], None)
+    store.put({"id": "b"}, [{"role": "user", "content": "2"}], "a")
+    assert [m["content"] for m in store.history("b")] == ["1", "2"]
+    store.put({"id": "c"}, [{"role": "user", "content": "3"}], "b")
+    assert len(store) == 2
+    with pytest.raises(Exception, match="No response with id 'a'"):
+        store.history("c")
+
+
+async def test_a_json_schema_format_holds_for_the_text():
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    text = {"format": {"type": "json_schema", "name": "num", "schema": schema, "strict": True}}
+    async with app_client() as (client, _):
+        result = await create(
+            client, input="A number", text=text, max_output_tokens=60, seed=3, temperature=1
+        )
+        jsonschema.validate(json.loads(output_text(result)), schema)
+        assert result["text"] == text
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": []}, "input"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.type",
+        ),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"input": "x", "background": True}, "background"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}},
+            "text.format.schema",
+        ),
+        ({"input": "x", "top_k": -5}, "top_k"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
+async def test_what_cannot_run_is_refused_by_name(body, param):
+    async with app_client() as (client, engine):
+        response = await client.post("/v1/responses", json={"model": "tiny", **body})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param
+        assert blocks_in_use(engine) == 0
+
+
+async def test_a_client_gone_mid_stream_frees_its_blocks():
+    async with app_client() as (client, engine):
+        body = {**BASE, "input": "Long", "max_output_tokens": 200, "stream": True}
+        async with client.stream("POST", "/v1/responses", json=body) as response:
+            async for line in response.aiter_lines():
+                if "output_text.delta" in line:
+                    break
+        await until(lambda: blocks_in_use(engine) == 0, what="blocks freed")
+
+
+def test_items_open_and_close_in_reply_order():
+    """Reasoning, then text, then two calls (the second's arguments in two pieces): each item
+    opens when its kind changes and closes before the next opens."""
+    items = OutputItems()
+    events = []
+    for delta in (
+        {"reasoning": "Think"},
+        {"reasoning": " more"},
+        {"content": "Calling."},
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": "{}"},
+                }
+            ]
+        },
+        {
+            "tool_calls": [
+                {
+                    "index": 1,
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "g", "arguments": '{"x"'},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": 1, "function": {"arguments": ":1}"}}]},
+    ):
+        events += items.delta(delta)
+    events += items.finish()
+    assert [item["type"] for item in items.items] == [
+        "reasoning",
+        "message",
+        "function_call",
+        "function_call",
+    ]
+    assert items.reasoning == "Think more" and items.text == "Calling."
+    assert items.items[3]["arguments"] == '{"x":1}' and items.items[3]["call_id"] == "call_b"
+    opened = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    closed = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert opened == closed == [0, 1, 2, 3]
+    added_at = {
+        e["output_index"]: i
+        for i, e in enumerate(events)
+        if e["type"] == "response.output_item.added"
+    }
+    done_at = {
+        e["output_index"]: i
+        for i, e in enumerate(events)
+        if e["type"] == "response.output_item.done"
+    }
+    assert all(done_at[i] < added_at[i + 1] for i in range(3))
+    assert all(item.get("status", "completed") == "completed" for item in items.items)
