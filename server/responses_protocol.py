@@ -244,7 +244,7 @@ def as_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComple
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:  # a field checked only as chat checks it (top_k, ...)
         first = exc.errors()[0]
-        param = ".".join(str(part) for part in first.get("loc", ())) or None
+        param = responses_param(".".join(str(part) for part in first.get("loc", ())) or None)
         raise InvalidRequestError(
             f"Invalid value for '{param}': {first.get('msg', 'invalid')}.", param=param
         ) from None
@@ -302,9 +302,9 @@ def _chat_tool(tool: FunctionTool) -> dict[str, Any]:
 
 
 def _chat_tool_choice(body: ResponsesRequest) -> Any:
-    if not body.tools:
-        return None
     choice = body.tool_choice
+    if not body.tools and choice == "auto":  # the default, whether tools came or not
+        return None
     if isinstance(choice, NamedFunction):
         return {"type": "function", "function": {"name": choice.name}}
     return choice
@@ -323,3 +323,27 @@ def _chat_format(text_format: TextFormat) -> dict[str, Any] | None:
     if text_format.strict is not None:
         schema["strict"] = text_format.strict
     return {"type": "json_schema", "json_schema": schema}
+
+
+# Chat's names for the fields a Responses request spells otherwise (an error names the field
+# the client sent).
+_CHAT_PARAMS = (
+    ("messages", "input"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("tool_choice.function", "tool_choice"),
+)
+
+
+def responses_param(param: str | None) -> str | None:
+    """The Responses request's name for a chat request's field (`messages.3` is in `input`)."""
+    if param is None:
+        return None
+    for chat, ours in _CHAT_PARAMS:
+        if param == chat or param.startswith(chat + "."):
+            return ours if chat == "messages" else ours + param[len(chat) :]
+    if param.startswith("tools"):
+        return param.replace(".function", "", 1)
+    return param

@@ -20,7 +20,12 @@ from engine.core.outputs import RequestOutput
 from server.errors import to_api_error
 from server.response_items import OutputItems, item_id
 from server.response_store import ResponseStore
-from server.responses_protocol import ResponsesRequest, as_chat, input_messages
+from server.responses_protocol import (
+    ResponsesRequest,
+    as_chat,
+    input_messages,
+    responses_param,
+)
 from server.serving import (
     EngineClient,
     EventStream,
@@ -53,13 +58,17 @@ class ResponsesHandler:
         previous = body.previous_response_id
         history = self.store.history(previous) if previous is not None else []
         chat_body = as_chat(body, history)
-        prepared = await self.chat.prepare(chat_body)
+        try:
+            prepared = await self.chat.prepare(chat_body)
+            await self.engine.prepare(prepared.params)  # compiles a format
+        except InvalidRequestError as exc:
+            exc.param = responses_param(exc.param)
+            raise
         response_id = item_id("resp")
         bind_trace(request, response_id)
         renderer = self.chat.renderer(response_id, chat_body, prepared)
         tokenizer = require_text_model(self.engine)
         reply = Reply(response_id, self.chat.model.name, body, renderer, tokenizer)
-        await self.engine.prepare(prepared.params)
         options = request_options(chat_body, request)
         streams = submit_all(self.engine, [prepared.prompt], prepared.params, response_id, options)
         merged = merge(streams)

@@ -15,6 +15,8 @@ from openai import AsyncOpenAI
 from server.response_items import OutputItems
 from server.response_store import ResponseStore
 from server.responses_protocol import ResponsesRequest, input_messages
+from server.settings import ServerSettings
+from tests.server.test_reasoning import thinking_tokenizer
 from tests.server.test_tool_calls import SCHEMAS, TIME, WEATHER, tool_tokenizer
 from tests.server_utils import app_client, blocks_in_use, until
 
@@ -324,10 +326,25 @@ async def test_a_json_schema_format_holds_for_the_text():
         ),
         ({"input": "x", "top_k": -5}, "top_k"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        # Checked as chat checks them, named as the client sent them.
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "no"}}}},
+            "text.format",
+        ),
+        (
+            {"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "no"}},
+            "tool_choice",
+        ),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+        (
+            {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": 5}}]},
+            "tools[0].parameters",
+        ),
+        ({"input": "x" * 5000}, "input"),
     ],
 )
 async def test_what_cannot_run_is_refused_by_name(body, param):
-    async with app_client() as (client, engine):
+    async with app_client(tokenizer=tool_tokenizer()) as (client, engine):
         response = await client.post("/v1/responses", json={"model": "tiny", **body})
         assert response.status_code == 400, response.text
         error = response.json()["error"]
@@ -343,6 +360,36 @@ async def test_a_client_gone_mid_stream_frees_its_blocks():
                 if "output_text.delta" in line:
                     break
         await until(lambda: blocks_in_use(engine) == 0, what="blocks freed")
+
+
+async def test_a_thinking_models_reasoning_is_an_item_of_its_own():
+    """The random model never closes the thought its template opens: the whole reply is one
+    reasoning item, chat's `reasoning`, streamed as reasoning deltas."""
+    settings = ServerSettings(served_model_name="tiny", reasoning_parser="deepseek_r1")
+    async with app_client(settings, tokenizer=thinking_tokenizer()) as (client, engine):
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "Why?"}],
+                "max_tokens": 12,
+                "temperature": 0,
+            },
+        )
+        reasoning = chat.json()["choices"][0]["message"]["reasoning"]
+        result = await create(client, input="Why?")
+        [item] = result["output"]
+        assert item["type"] == "reasoning" and item["id"].startswith("rs_")
+        assert item["content"] == [{"type": "reasoning_text", "text": reasoning}] and reasoning
+        assert 0 < result["usage"]["output_tokens_details"]["reasoning_tokens"] <= 12
+        response = await client.post(
+            "/v1/responses", json={**BASE, "input": "Why?", "stream": True}
+        )
+        events = stream_events(response.text)
+        deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
+        assert "".join(deltas) == reasoning
+        assert not [e for e in events if e["type"] == "response.output_text.delta"]
+        assert blocks_in_use(engine) == 0
 
 
 def test_items_open_and_close_in_reply_order():
