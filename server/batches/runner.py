@@ -114,7 +114,7 @@ class BatchRunner:
             try:
                 response = await client.post(
                     batch.body["endpoint"],
-                    json=body,
+                    json=_as_run(batch.body["endpoint"], body),
                     headers=self.headers,
                 )
             finally:
@@ -123,8 +123,10 @@ class BatchRunner:
             ok = response.status_code == 200
             if ok:
                 usage = result["response"]["body"].get("usage") or {}
-                self.tokens["prompt"] += usage.get("prompt_tokens", 0)
-                self.tokens["generation"] += usage.get("completion_tokens", 0)
+                self.tokens["prompt"] += usage.get("prompt_tokens", usage.get("input_tokens", 0))
+                self.tokens["generation"] += usage.get(
+                    "completion_tokens", usage.get("output_tokens", 0)
+                )
             await asyncio.to_thread(self.jobs.finish_line, batch, line, result, ok)
 
     def _finalize(self, batch: Batch) -> None:
@@ -147,6 +149,14 @@ class BatchRunner:
                 name = f"{batch.id}_{key.split('_')[0]}.jsonl"
                 batch.body[key] = store.add(io.BytesIO(data), name, "batch_output").id
         self.jobs.move(batch, final)
+
+
+def _as_run(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A line's body as sent: a Responses line is not kept in the response store unless it
+    asks to be (a large batch would push live conversations out of it)."""
+    if endpoint == "/v1/responses":
+        return {"store": False, **body}
+    return body
 
 
 def _result(custom_id: str, response: httpx.Response) -> dict[str, Any]:

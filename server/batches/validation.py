@@ -12,10 +12,12 @@ from pydantic import BaseModel, ValidationError
 
 from engine.core.errors import ConveyorError
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.responses_protocol import ResponsesRequest
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/responses": ResponsesRequest,
 }
 MAX_LINES = 50_000
 

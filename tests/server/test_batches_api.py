@@ -88,6 +88,40 @@ async def test_a_batch_runs_every_line_as_the_same_request_alone(tmp_path):
             assert texts == [c["text"] for c in alone.json()["choices"]]
 
 
+async def test_a_responses_batch_answers_as_the_requests_alone(tmp_path):
+    """Lines for /v1/responses: each answer the one the same request gets alone, kept out of
+    the response store unless the line asks, and counted in the batch's tokens."""
+    settings = ServerSettings(served_model_name="tiny", state_dir=tmp_path)
+    body = {"model": "tiny", "max_output_tokens": 4, "temperature": 0}
+    lines = [
+        {
+            "custom_id": f"r-{i}",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {**body, "input": f"Story {i}:"},
+        }
+        for i in range(3)
+    ]
+    lines[2]["body"]["store"] = True
+    async with live_server(settings) as server, httpx.AsyncClient() as http:
+        client = sdk(server.url)
+        batch = await until_done(client, (await submit(client, lines, "/v1/responses")).id)
+        assert batch.status == "completed" and batch.request_counts.completed == 3
+        outputs = {
+            o["custom_id"]: o["response"]["body"]
+            for o in await file_lines(client, batch.output_file_id)
+        }
+        for i in range(3):
+            alone = await http.post(
+                f"{server.url}/v1/responses", json={**body, "input": f"Story {i}:", "store": False}
+            )
+            assert outputs[f"r-{i}"]["output"][0]["content"] == alone.json()["output"][0]["content"]
+            stored = await http.get(f"{server.url}/v1/responses/{outputs[f'r-{i}']['id']}")
+            assert stored.status_code == (200 if i == 2 else 404)
+        metrics = (await http.get(f"{server.url}/metrics")).text
+        assert 'conveyor:batch_tokens_total{kind="generation"} 12.0' in metrics
+
+
 @pytest.mark.parametrize(
     ("bad", "code"),
     [
