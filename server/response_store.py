@@ -3,8 +3,9 @@
 
 Each entry holds its own turn only (its input as chat messages, and its reply); a conversation
 is rebuilt by walking back through `previous_response_id`. The newest `capacity` responses are
-kept; a conversation whose older turns were dropped can no longer be continued. Like vLLM's
-store, it lives with the process: a restart forgets it.
+kept, within `max_bytes` of JSON in all (so large inputs cannot fill the memory); a
+conversation whose older turns were dropped can no longer be continued. Like vLLM's store, it
+lives with the process: a restart forgets it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.errors import APIError
+from server.streaming import compact_json
 
 DEFAULT_CAPACITY = 1000
+DEFAULT_MAX_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,11 +27,17 @@ class StoredResponse:
     # This turn as chat messages: its input, then its reply.
     messages: list[dict[str, Any]]
     previous_id: str | None
+    # The response's and the messages' JSON size, what the store counts against `max_bytes`.
+    size: int
 
 
 class ResponseStore:
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self, capacity: int = DEFAULT_CAPACITY, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.size = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
@@ -37,15 +46,18 @@ class ResponseStore:
     def put(
         self, response: dict[str, Any], messages: list[dict[str, Any]], previous_id: str | None
     ) -> None:
-        self._entries[response["id"]] = StoredResponse(response, messages, previous_id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        size = len(compact_json(response)) + len(compact_json(messages))
+        self._entries[response["id"]] = StoredResponse(response, messages, previous_id, size)
+        self.size += size
+        while len(self._entries) > self.capacity or self.size > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.size -= dropped.size
 
     def get(self, response_id: str) -> dict[str, Any]:
         return self._entry(response_id, "response_id").response
 
     def delete(self, response_id: str) -> None:
-        self._entry(response_id, "response_id")
+        self.size -= self._entry(response_id, "response_id").size
         del self._entries[response_id]
 
     def history(self, response_id: str) -> list[dict[str, Any]]:
@@ -64,7 +76,7 @@ class ResponseStore:
             raise APIError(
                 404,
                 f"No response with id '{response_id}' is stored (it was not stored, was "
-                f"deleted, or is older than the {self.capacity} kept).",
+                "deleted, or is older than those kept).",
                 param=param,
                 code="response_not_found",
             )

@@ -291,6 +291,13 @@ def test_the_store_keeps_the_newest_and_rebuilds_conversations():
     assert len(store) == 2
     with pytest.raises(Exception, match="No response with id 'a'"):
         store.history("c")
+    # Past the byte budget the oldest go first, however few.
+    small = ResponseStore(capacity=100, max_bytes=300)
+    for name in "xyz":
+        small.put({"id": name}, [{"role": "user", "content": "w" * 100}], None)
+    assert len(small) == 2 and 0 < small.size <= 300
+    small.delete("z")
+    assert len(small) == 1 and small.size < 150
 
 
 async def test_a_json_schema_format_holds_for_the_text():
