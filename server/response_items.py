@@ -39,9 +39,10 @@ class OutputItems:
             events += self._call(entry)
         return events
 
-    def finish(self) -> list[dict[str, Any]]:
-        """Close what is open; a reply with no item at all gets an empty message."""
-        events = self._close()
+    def finish(self, cut_short: bool = False) -> list[dict[str, Any]]:
+        """Close what is open (`incomplete` where the reply was `cut_short`); a reply with no
+        item at all gets an empty message."""
+        events = self._close("incomplete" if cut_short else "completed")
         if not self.items:
             events += self._start("message")
             events += self._close()
@@ -135,7 +136,7 @@ class OutputItems:
         )
         return events
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         index = self._open
         if index is None:
             return []
@@ -168,7 +169,7 @@ class OutputItems:
             events.append(event)
             events.append(_part_event("response.content_part.done", index, item, part))
         if "status" in item:
-            item["status"] = "completed"
+            item["status"] = status
         events.append(_item_event("response.output_item.done", index, item))
         return events
 

@@ -185,7 +185,8 @@ class Reply:
         return events
 
     def finish(self) -> list[dict[str, Any]]:
-        return self.items.finish()
+        reason = self.renderer.choices[0].finish_reason or ""
+        return self.items.finish(cut_short=reason in INCOMPLETE)
 
     def response(
         self, status: str | None = None, error: dict[str, Any] | None = None
