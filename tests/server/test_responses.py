@@ -16,6 +16,7 @@ from server.response_items import OutputItems
 from server.response_store import ResponseStore
 from server.responses_protocol import ResponsesRequest, input_messages
 from server.settings import ServerSettings
+from server.tracing import Tracing
 from tests.server.test_reasoning import thinking_tokenizer
 from tests.server.test_tool_calls import SCHEMAS, TIME, WEATHER, tool_tokenizer
 from tests.server_utils import app_client, blocks_in_use, until
@@ -456,3 +457,19 @@ def test_items_open_and_close_in_reply_order():
     }
     assert all(done_at[i] < added_at[i + 1] for i in range(3))
     assert all(item.get("status", "completed") == "completed" for item in items.items)
+
+
+async def test_each_response_gets_its_request_log_line(caplog):
+    """Streamed or not, a response is logged as a chat request is: its tokens and how it
+    ended (`--log-requests`)."""
+    caplog.set_level("INFO", logger="conveyor.requests")
+    async with app_client(tracing=Tracing(log_requests=True)) as (client, _):
+        for stream in (False, True):
+            body = {**BASE, "input": "Hi", "max_output_tokens": 5, "stream": stream}
+            assert (await client.post("/v1/responses", json=body)).status_code == 200
+        await until(lambda: len(caplog.records) >= 2, what="two request lines")
+    lines = [r.fields for r in caplog.records if r.name == "conveyor.requests"]
+    assert [line["stream"] for line in lines] == [False, True]
+    for line in lines:
+        assert line["status"] == 200 and line["finish_reasons"] == ["length"]
+        assert line["operation"] == "chat" and line["completion_tokens"] == 5
