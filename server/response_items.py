@@ -27,14 +27,23 @@ class OutputItems:
         self._open: int | None = None
         # Chat's tool-call index -> the function_call item it grows.
         self._calls: dict[int, int] = {}
+        # Logprobs of tokens that added no text yet (a character's first bytes): they go with
+        # the text that follows.
+        self._pending: list[dict[str, Any]] = []
 
-    def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        """Fold one chat delta (reasoning, then content, then tool calls) into the items."""
+    def delta(
+        self, delta: dict[str, Any], logprobs: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """Fold one chat delta (reasoning, then content, then tool calls) into the items; its
+        tokens' `logprobs`, if asked for, go with its text."""
         events: list[dict[str, Any]] = []
+        self._pending.extend(logprobs or ())
         if delta.get("reasoning"):
+            self._pending.clear()  # a thought's tokens have no logprobs here
             events += self._grow("reasoning", delta["reasoning"])
         if delta.get("content"):
-            events += self._grow("message", delta["content"])
+            pending, self._pending = self._pending, []
+            events += self._grow("message", delta["content"], pending)
         for entry in delta.get("tool_calls") or ():
             events += self._call(entry)
         return events
@@ -42,7 +51,11 @@ class OutputItems:
     def finish(self, cut_short: bool = False) -> list[dict[str, Any]]:
         """Close what is open (`incomplete` where the reply was `cut_short`); a reply with no
         item at all gets an empty message."""
-        events = self._close("incomplete" if cut_short else "completed")
+        events = []
+        if self._pending and self._open is not None and self.items[self._open]["type"] == "message":
+            events += self._grow("message", "", self._pending)
+        self._pending = []
+        events += self._close("incomplete" if cut_short else "completed")
         if not self.items:
             events += self._start("message")
             events += self._close()
@@ -56,14 +69,17 @@ class OutputItems:
     def text(self) -> str:
         return "".join(_part_text(item) for item in self.items if item["type"] == "message")
 
-    def _grow(self, kind: str, text: str) -> list[dict[str, Any]]:
+    def _grow(
+        self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
         events = []
         if self._open is None or self.items[self._open]["type"] != kind:
             events = self._close() + self._start(kind)
         index = self._open
         assert index is not None
         item = self.items[index]
-        item["content"][0]["text"] += text
+        part = item["content"][0]
+        part["text"] += text
         name = (
             "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         )
@@ -75,7 +91,8 @@ class OutputItems:
             "delta": text,
         }
         if kind == "message":
-            event["logprobs"] = []
+            event["logprobs"] = logprobs or []
+            part["logprobs"].extend(event["logprobs"])
         return [*events, event]
 
     def _start(self, kind: str) -> list[dict[str, Any]]:
@@ -165,7 +182,7 @@ class OutputItems:
                 "text": part["text"],
             }
             if item["type"] == "message":
-                event["logprobs"] = []
+                event["logprobs"] = part["logprobs"]
             events.append(event)
             events.append(_part_event("response.content_part.done", index, item, part))
         if "status" in item:

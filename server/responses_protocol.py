@@ -15,7 +15,13 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.core.errors import InvalidRequestError
-from server.protocol import ChatCompletionRequest, NonNegativeInt, PositiveInt, RequestBody
+from server.protocol import (
+    ChatCompletionRequest,
+    LogprobCount,
+    NonNegativeInt,
+    PositiveInt,
+    RequestBody,
+)
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
@@ -90,6 +96,7 @@ InputItem = Annotated[
     Field(discriminator="type"),
 ]
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+LOGPROBS = "message.output_text.logprobs"
 
 
 class FunctionTool(BaseModel):
@@ -148,6 +155,10 @@ class ResponsesRequest(RequestBody):
     user: str | None = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
+    # "message.output_text.logprobs" returns each output token's logprob (with `top_logprobs`
+    # rivals); other inclusions name what this server does not make, and are ignored.
+    include: list[str] | None = None
+    top_logprobs: LogprobCount | None = None
     # vLLM's extra sampling fields, as on the chat route.
     seed: int | None = None
     top_k: int | None = None
@@ -165,6 +176,10 @@ class ResponsesRequest(RequestBody):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ()) or self.top_logprobs is not None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -228,6 +243,8 @@ def as_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComple
         "tool_choice": _chat_tool_choice(body),
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": _chat_format(body.text.format),
+        "logprobs": body.wants_logprobs,
+        "top_logprobs": body.top_logprobs if body.wants_logprobs else None,
         "stream": body.stream,
         "user": body.user,
         "seed": body.seed,

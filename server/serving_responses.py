@@ -181,7 +181,8 @@ class Reply:
     def update(self, output: RequestOutput) -> list[dict[str, Any]]:
         events = []
         for fragment in self.renderer.update(0, output):
-            events += self.items.delta(fragment["delta"])
+            logprobs = (fragment.get("logprobs") or {}).get("content")
+            events += self.items.delta(fragment["delta"], logprobs)
         return events
 
     def finish(self) -> list[dict[str, Any]]:
@@ -224,6 +225,7 @@ class Reply:
             ),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools],
             "top_p": 1.0 if body.top_p is None else body.top_p,
+            "top_logprobs": body.top_logprobs,
             "truncation": body.truncation,
             "usage": self.usage() if status != "in_progress" else None,
             "user": body.user,

@@ -473,3 +473,40 @@ async def test_each_response_gets_its_request_log_line(caplog):
     for line in lines:
         assert line["status"] == 200 and line["finish_reasons"] == ["length"]
         assert line["operation"] == "chat" and line["completion_tokens"] == 5
+
+
+async def test_logprobs_come_with_the_text_as_chat_gives_them():
+    async with app_client() as (client, _):
+        body = {"input": "Hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+        result = await create(client, **body)
+        chat = await client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "temperature": 0,
+                "max_tokens": 12,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        )
+        expected = chat.json()["choices"][0]["logprobs"]["content"]
+        [part] = result["output"][0]["content"]
+        # Every token's entry (those that end no character too), as chat's up to the last bits
+        # (the chat request reads the prompt's cached blocks).
+        assert len(part["logprobs"]) == len(expected) == 12
+        for ours, theirs in zip(part["logprobs"], expected, strict=True):
+            assert ours["token"] == theirs["token"] and ours["bytes"] == theirs["bytes"]
+            assert ours["logprob"] == pytest.approx(theirs["logprob"], abs=1e-4)
+            assert [t["token"] for t in ours["top_logprobs"]] == [
+                t["token"] for t in theirs["top_logprobs"]
+            ]
+        assert all(len(entry["top_logprobs"]) == 2 for entry in expected)
+        assert result["top_logprobs"] == 2
+        streamed = await client.post("/v1/responses", json={**BASE, **body, "stream": True})
+        events = stream_events(streamed.text)
+        pieces = [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"]
+        joined = [entry["token"] for piece in pieces for entry in piece]
+        assert joined == [entry["token"] for entry in part["logprobs"]]
+        plain = await create(client, input="Hi")
+        assert plain["output"][0]["content"][0]["logprobs"] == []
