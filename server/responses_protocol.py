@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from engine.core.errors import InvalidRequestError
 from server.protocol import (
@@ -97,6 +104,10 @@ InputItem = Annotated[
 ]
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 LOGPROBS = "message.output_text.logprobs"
+UNSUPPORTED = {
+    "conversation": "continue a conversation with previous_response_id",
+    "prompt": "send the prompt's text as instructions and input",
+}
 
 
 class FunctionTool(BaseModel):
@@ -180,6 +191,18 @@ class ResponsesRequest(RequestBody):
     @property
     def wants_logprobs(self) -> bool:
         return LOGPROBS in (self.include or ()) or self.top_logprobs is not None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_server_state(cls, data: Any) -> Any:
+        """Fields that point at state kept elsewhere (OpenAI's conversations and stored prompts)
+        would be ignored as unknown: the reply would lose that context, so they are refused."""
+        for name, instead in UNSUPPORTED.items():
+            if isinstance(data, dict) and data.get(name) is not None:
+                raise InvalidRequestError(
+                    f"{name} is not supported by this server; {instead}.", param=name
+                )
+        return data
 
     @field_validator("input", mode="before")
     @classmethod

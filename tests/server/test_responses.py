@@ -329,6 +329,8 @@ async def test_a_json_schema_format_holds_for_the_text():
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
+        ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
         (
             {"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}},
             "text.format.schema",
