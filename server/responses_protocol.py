@@ -253,12 +253,12 @@ def _text_parts_only(item: Any, index: int) -> Any:
     return item
 
 
-def as_chat(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat completion that runs `body`, after the `history` of earlier turns (messages of
-    the response it continues, `previous_response_id`)."""
+def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat completion that runs `body` over the conversation `messages`
+    (`chat_messages`)."""
     fields = {
         "model": body.model,
-        "messages": chat_messages(body, history),
+        "messages": messages,
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -369,6 +369,7 @@ def _chat_format(text_format: TextFormat) -> dict[str, Any] | None:
 # the client sent).
 _CHAT_PARAMS = (
     ("messages", "input"),
+    ("prompt", "input"),
     ("max_completion_tokens", "max_output_tokens"),
     ("max_tokens", "max_output_tokens"),
     ("response_format.json_schema", "text.format"),

@@ -15,14 +15,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.core.errors import InvalidRequestError
+from engine.core.errors import InvalidRequestError, PromptTooLongError
 from engine.core.outputs import RequestOutput
 from server.errors import to_api_error
+from server.protocol import ChatCompletionRequest
 from server.response_items import OutputItems, item_id
 from server.response_store import ResponseStore
 from server.responses_protocol import (
     ResponsesRequest,
     as_chat,
+    chat_messages,
     input_messages,
     responses_param,
 )
@@ -35,9 +37,10 @@ from server.serving import (
     require_text_model,
     submit_all,
 )
-from server.serving_chat import ChatHandler, ChatRenderer
+from server.serving_chat import ChatHandler, ChatRenderer, PreparedChat
 from server.streaming import CLIENT_GONE, compact_json, merge, unless_disconnected
 from server.tracing import RequestTrace, request_trace
+from server.truncation import drop_oldest, fits
 
 # How a reply that ended early says why (`incomplete_details.reason`).
 INCOMPLETE = {"length": "max_output_tokens", "timeout": "timeout"}
@@ -57,20 +60,21 @@ class ResponsesHandler:
             )
         previous = body.previous_response_id
         history = self.store.history(previous) if previous is not None else []
-        chat_body = as_chat(body, history)
+        response_id = item_id("resp")
         try:
-            prepared = await self.chat.prepare(chat_body)
+            chat_body, prepared = await self._prepare(body, chat_messages(body, history))
             await self.engine.prepare(prepared.params)  # compiles a format
+            options = request_options(chat_body, request)
+            streams = submit_all(
+                self.engine, [prepared.prompt], prepared.params, response_id, options
+            )
         except InvalidRequestError as exc:
             exc.param = responses_param(exc.param)
             raise
-        response_id = item_id("resp")
         bind_trace(request, response_id)
         renderer = self.chat.renderer(response_id, chat_body, prepared)
         tokenizer = require_text_model(self.engine)
         reply = Reply(response_id, self.chat.model.name, body, renderer, tokenizer)
-        options = request_options(chat_body, request)
-        streams = submit_all(self.engine, [prepared.prompt], prepared.params, response_id, options)
         merged = merge(streams)
         trace = request_trace(request)
         if not body.stream:
@@ -86,6 +90,26 @@ class ResponsesHandler:
             await merged.aclose()
             return Response(status_code=CLIENT_GONE)
         return EventStream(self._events(body, reply, first[1], merged, trace), merged, trace)
+
+    async def _prepare(
+        self, body: ResponsesRequest, messages: list[dict[str, Any]]
+    ) -> tuple[ChatCompletionRequest, PreparedChat]:
+        """The chat request of the conversation and what it runs; with `truncation: "auto"`,
+        the oldest turns dropped until it fits the context."""
+        max_model_len = self.chat.model.info.max_model_len
+        while True:
+            chat_body = as_chat(body, messages)
+            shorter = drop_oldest(messages) if body.truncation == "auto" else None
+            try:
+                prepared = await self.chat.prepare(chat_body)
+            except PromptTooLongError:
+                if shorter is None:
+                    raise
+                messages = shorter
+                continue
+            if shorter is None or fits(len(prepared.prompt), body.max_output_tokens, max_model_len):
+                return chat_body, prepared
+            messages = shorter
 
     @staticmethod
     async def _collect(

@@ -17,6 +17,7 @@ from server.response_store import ResponseStore
 from server.responses_protocol import ResponsesRequest, input_messages
 from server.settings import ServerSettings
 from server.tracing import Tracing
+from server.truncation import drop_oldest, fits
 from tests.server.test_reasoning import thinking_tokenizer
 from tests.server.test_tool_calls import SCHEMAS, TIME, WEATHER, tool_tokenizer
 from tests.server_utils import app_client, blocks_in_use, until
@@ -512,3 +513,30 @@ async def test_logprobs_come_with_the_text_as_chat_gives_them():
         assert joined == [entry["token"] for entry in part["logprobs"]]
         plain = await create(client, input="Hi")
         assert plain["output"][0]["content"][0]["logprobs"] == []
+
+
+def test_truncation_drops_the_oldest_turn_with_the_results_of_its_calls():
+    system = {"role": "system", "content": "rules"}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}
+    result = {"role": "tool", "tool_call_id": "c", "content": "r"}
+    last = {"role": "user", "content": "now"}
+    assert drop_oldest([system, call, result, result, last]) == [system, last]
+    assert drop_oldest([system, {"role": "user", "content": "a"}, last]) == [system, last]
+    assert drop_oldest([system, last]) is None and drop_oldest([last]) is None
+    assert fits(500, 12, 512) and not fits(501, 12, 512) and fits(511, None, 512)
+
+
+async def test_auto_truncation_keeps_the_newest_turns_that_fit():
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} " + "sky " * 12}
+        for i in range(12)
+    ]
+    async with app_client() as (client, _):
+        refused = await client.post("/v1/responses", json={**BASE, "input": turns})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "input"
+        result = await create(client, input=turns, truncation="auto", instructions="Be brief.")
+        usage = result["usage"]
+        assert usage["input_tokens"] + 12 <= 512 and result["truncation"] == "auto"
+        # More than the newest turn alone: only as much went as had to.
+        alone = await create(client, input=turns[-1:], instructions="Be brief.")
+        assert usage["input_tokens"] > alone["usage"]["input_tokens"] + 100
