@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -156,6 +156,15 @@ def _openai_router(
     @router.get("/v1/responses/{response_id}", responses=errors(404))
     async def get_response(response_id: str) -> dict[str, Any]:
         return stored.get(response_id)
+
+    @router.get("/v1/responses/{response_id}/input_items", responses=errors(400, 404))
+    async def list_input_items(
+        response_id: str,
+        limit: Annotated[int, Query(ge=1, le=100)] = 20,
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = None,
+    ) -> dict[str, Any]:
+        return stored.input_items(response_id, limit, order, after)
 
     @router.delete("/v1/responses/{response_id}", responses=errors(404))
     async def delete_response(response_id: str) -> dict[str, Any]:

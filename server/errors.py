@@ -94,7 +94,7 @@ def _param(location: tuple | list) -> str | None:
     union member pydantic tried (`str`, `list[int]`, `constrained-str`, ...) left out."""
     parts: list[str] = []
     for part in location:
-        if part == "body":
+        if part in ("body", "query", "path"):
             continue
         text = str(part)
         if not (isinstance(part, int) or text.isidentifier()) or text in _UNION_MEMBERS:

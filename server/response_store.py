@@ -27,7 +27,9 @@ class StoredResponse:
     # This turn as chat messages: its input, then its reply.
     messages: list[dict[str, Any]]
     previous_id: str | None
-    # The response's and the messages' JSON size, what the store counts against `max_bytes`.
+    # The request's input items as given, each with an id (`GET .../input_items`).
+    input_items: list[dict[str, Any]]
+    # The JSON size of all of it, what the store counts against `max_bytes`.
     size: int
 
 
@@ -44,10 +46,16 @@ class ResponseStore:
         return len(self._entries)
 
     def put(
-        self, response: dict[str, Any], messages: list[dict[str, Any]], previous_id: str | None
+        self,
+        response: dict[str, Any],
+        messages: list[dict[str, Any]],
+        previous_id: str | None,
+        input_items: list[dict[str, Any]] | None = None,
     ) -> None:
-        size = len(compact_json(response)) + len(compact_json(messages))
-        self._entries[response["id"]] = StoredResponse(response, messages, previous_id, size)
+        items = input_items or []
+        size = sum(len(compact_json(part)) for part in (response, messages, items))
+        entry = StoredResponse(response, messages, previous_id, items, size)
+        self._entries[response["id"]] = entry
         self.size += size
         while len(self._entries) > self.capacity or self.size > self.max_bytes:
             _, dropped = self._entries.popitem(last=False)
@@ -55,6 +63,27 @@ class ResponseStore:
 
     def get(self, response_id: str) -> dict[str, Any]:
         return self._entry(response_id, "response_id").response
+
+    def input_items(
+        self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> dict[str, Any]:
+        """A page of the response's input items, as OpenAI lists them: newest first by default,
+        from the item after `after`."""
+        items = self._entry(response_id, "response_id").input_items
+        ordered = list(reversed(items)) if order == "desc" else list(items)
+        if after is not None:
+            ids = [item["id"] for item in ordered]
+            if after not in ids:
+                raise APIError(404, f"No input item with id '{after}'.", param="after")
+            ordered = ordered[ids.index(after) + 1 :]
+        page = ordered[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(ordered) > limit,
+        }
 
     def delete(self, response_id: str) -> None:
         self.size -= self._entry(response_id, "response_id").size

@@ -10,6 +10,7 @@ shape. Unknown fields are ignored, as elsewhere; item and tool types this server
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -334,6 +335,29 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             message["reasoning_content"], reasoning = reasoning, ""
         messages.append(message)
     return messages
+
+
+ITEM_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def listed_items(items: str | list[Any]) -> list[dict[str, Any]]:
+    """The input as OpenAI lists it back: typed items, each with an id (one made where the
+    client gave none), a message's text as `input_text` parts."""
+    if isinstance(items, str):
+        items = [MessageItem(role="user", content=items)]
+    listed = []
+    for item in items:
+        entry = item.model_dump(by_alias=True, exclude_none=True)
+        if isinstance(item, MessageItem) and isinstance(item.content, str):
+            entry["content"] = [{"type": "input_text", "text": item.content}]
+        entry.setdefault("id", f"{ITEM_ID_PREFIXES[item.type]}_{uuid.uuid4().hex}")
+        listed.append(entry)
+    return listed
 
 
 def _chat_tool(tool: FunctionTool) -> dict[str, Any]:

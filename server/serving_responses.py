@@ -26,6 +26,7 @@ from server.responses_protocol import (
     as_chat,
     chat_messages,
     input_messages,
+    listed_items,
     responses_param,
 )
 from server.serving import (
@@ -165,7 +166,8 @@ class ResponsesHandler:
         """Store the response with its turn (`store: true`), for GET and continuations."""
         if body.store:
             turn = [*input_messages(body.input), reply.chat_message()]
-            self.store.put(result, turn, body.previous_response_id)
+            listed = listed_items(body.input)
+            self.store.put(result, turn, body.previous_response_id, listed)
 
 
 class EventNumbers:

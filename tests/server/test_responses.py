@@ -540,3 +540,31 @@ async def test_auto_truncation_keeps_the_newest_turns_that_fit():
         # More than the newest turn alone: only as much went as had to.
         alone = await create(client, input=turns[-1:], instructions="Be brief.")
         assert usage["input_tokens"] > alone["usage"]["input_tokens"] + 100
+
+
+async def test_a_stored_responses_input_items_are_listed_back():
+    items = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        result = await create(client, input=items, tools=TOOLS)
+        api = AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=client)
+        page = await api.responses.input_items.list(result["id"])
+        assert [item.type for item in page.data] == [
+            "function_call_output",
+            "function_call",
+            "message",
+        ]
+        assert page.data[2].content[0].text == "Weather?" and page.data[1].call_id == "call_1"
+        assert len({item.id for item in page.data}) == 3
+        url = f"/v1/responses/{result['id']}/input_items"
+        first = (await client.get(url, params={"limit": 2, "order": "asc"})).json()
+        assert [item["type"] for item in first["data"]] == ["message", "function_call"]
+        assert first["has_more"] and first["last_id"] == first["data"][1]["id"]
+        rest = (await client.get(url, params={"order": "asc", "after": first["last_id"]})).json()
+        assert [item["type"] for item in rest["data"]] == ["function_call_output"]
+        assert not rest["has_more"]
+        refused = await client.get(url, params={"limit": 0})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "limit"
