@@ -29,6 +29,10 @@ def check_sampling(body: SamplingFields, limits: RequestLimits) -> None:
         len(body.stop_token_ids or ()), limits.max_stop_strings, "stop_token_ids", "stop token ids"
     )
     _at_most(len(body.logit_bias or {}), limits.max_logit_bias, "logit_bias", "logit_bias entries")
+    words = body.bad_words or ()
+    _at_most(len(words), limits.max_stop_strings, "bad_words", "bad words")
+    longest_word = max((len(w) for w in words), default=0)
+    _at_most(longest_word, limits.max_stop_string_chars, "bad_words", "characters in a bad word")
 
 
 def check_completion(body: CompletionRequest, limits: RequestLimits) -> None:

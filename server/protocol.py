@@ -143,6 +143,7 @@ class SamplingFields(RequestBody):
     ignore_eos: bool = False
     stop_token_ids: list[NonNegativeInt] | None = None
     allowed_token_ids: list[NonNegativeInt] | None = None
+    bad_words: list[str] | None = None
     # Keep only the prompt's last k tokens (-1: as many as leave room for one new token).
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), _WHOLE] | None = None
     return_tokens_as_token_ids: bool = False

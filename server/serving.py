@@ -124,6 +124,7 @@ def sampling_params(
             if request.allowed_token_ids is None
             else tuple(dict.fromkeys(request.allowed_token_ids))
         ),
+        bad_words=tuple(request.bad_words or ()),
         ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         logprobs=logprobs,
@@ -166,6 +167,8 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
     """The plain fields of `params` as JSON (logit bias keyed by token id, as text)."""
     fields: dict[str, Any] = {name: getattr(params, name) for name in RENDERED_FIELDS}
     fields["stop"], fields["stop_token_ids"] = list(params.stop), list(params.stop_token_ids)
+    if params.bad_words:
+        fields["bad_words"] = list(params.bad_words)
     if params.logit_bias:
         fields["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
     if params.allowed_token_ids is not None:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.core.bad_words import bad_word_ids, needs_history
 from engine.core.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -84,6 +85,8 @@ class EngineCore:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer.", param="stop")
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidRequestError("bad_words need a tokenizer.", param="bad_words")
         if params.structured is not None and self.grammars is None:
             raise InvalidRequestError(
                 "structured outputs need a tokenizer.", param=params.structured.param
@@ -164,6 +167,8 @@ class EngineCore:
             deferred=deferred,
             background=background,
         )
+        if params.bad_words:
+            request.bad_words = bad_word_ids(self.tokenizer, params.bad_words)
         if deferred:
             request.timings.events.append((arrival, "admission deferred"))
         if params.structured is not None and self.grammars is not None:
@@ -434,7 +439,10 @@ class _InFlight:
         there to allow the next ones, or one still waiting to start (its newest token may be
         the one that starts it)."""
         sampled = (item.request for item in self.scheduled.scheduled if item.completes_sequence)
-        return all(r.grammar is None and r.deferred_grammar is None for r in sampled)
+        return all(
+            r.grammar is None and r.deferred_grammar is None and not needs_history(r.bad_words)
+            for r in sampled
+        )
 
 
 def _with(scheduled: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:

@@ -74,6 +74,8 @@ class Request:
     # A background request (a batch line) runs only in capacity no other request wants.
     background: bool = False
     timings: RequestTimings = field(default_factory=RequestTimings)
+    # The token sequences of `sampling_params.bad_words` (`core/bad_words.py`).
+    bad_words: tuple[tuple[int, ...], ...] = ()
     # The matcher of `sampling_params.structured`: which tokens may come next (llguidance's
     # `LLMatcher`, advanced with each sampled token); None for free text.
     grammar: Any = None

@@ -77,6 +77,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None
+    # Words the output may not write (vLLM's `bad_words`; `core/bad_words.py`).
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -165,6 +167,11 @@ class SamplingParams:
 
     def _validate_stops(self) -> None:
         _check(all(self.stop), "stop", "stop strings must not be empty.")
+        _check(
+            all(word.strip() for word in self.bad_words),
+            "bad_words",
+            "bad_words must not be empty or only spaces.",
+        )
         _check(
             all(t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.core.bad_words import banned_tokens
 from engine.core.outputs import TokenLogprob
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -121,6 +122,7 @@ class Sampler:
     ) -> torch.Tensor:
         _apply_grammars(logits, requests)
         _apply_allowed_tokens(logits, requests)
+        _apply_bad_words(logits, requests)
         _apply_logit_bias(logits, requests)
         _apply_repetition_penalty(logits, requests, pending)
         _apply_frequency_presence(logits, requests, pending)
@@ -241,6 +243,7 @@ def _argmax_of_raw_logits(request: Request) -> bool:
         and params.logprobs is None
         and not params.logit_bias
         and params.allowed_token_ids is None
+        and not request.bad_words
         and not params.needs_penalties
         and request.num_sampled_tokens >= params.min_tokens
     )
@@ -338,6 +341,20 @@ def _apply_allowed_tokens(logits: torch.Tensor, requests: list[Request]) -> None
     allowed[which, tokens] = True
     index = to_device(rows, device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def _apply_bad_words(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Rule out each row's tokens that would complete one of its bad words (`bad_words`), all
+    rows in one indexed write. A word spanning tokens needs the row's newest token on the host:
+    a step sampling such a row is waited for before the next is scheduled."""
+    rows = [r for r, request in enumerate(requests) if request.bad_words]
+    if not rows:
+        return
+    chosen = [requests[r] for r in rows]
+    lists = [banned_tokens(r.bad_words, r.output_token_ids) for r in chosen]
+    which, tokens = _token_rows(chosen, lists, logits.shape[-1], logits.device, None)
+    index = to_device(rows, logits.device, torch.int64)
+    logits[index[which], tokens] = float("-inf")
 
 
 def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
