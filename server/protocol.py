@@ -187,6 +187,13 @@ class SamplingFields(RequestBody):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     @property
+    def continuous_usage(self) -> bool:
+        """vLLM's `continuous_usage_stats`: every chunk carries the usage so far (with
+        `include_usage`, as vLLM reads it)."""
+        options = self.stream_options
+        return self.include_usage and bool(options and options.continuous_usage_stats)
+
+    @property
     def requested_max_tokens(self) -> int | None:
         """The most tokens the client asked for (None: as many as the context leaves)."""
         return self.max_tokens

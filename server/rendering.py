@@ -49,10 +49,14 @@ class ChunkRenderer:
     object_name: ClassVar[str]
     choices: dict[int, Any]
 
-    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, include_usage: bool, continuous_usage: bool = False
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.include_usage = include_usage
+        # Every chunk carries the usage so far (vLLM's `continuous_usage_stats`).
+        self.continuous_usage = continuous_usage
         self.created = now()
         self._event_head: str | None = None
 
@@ -64,7 +68,10 @@ class ChunkRenderer:
 
     def event(self, choices: list[dict[str, Any]]) -> str:
         """The server-sent event of a chunk without usage: the same text as
-        `sse(self.chunk(choices))`, with the fields that never change encoded once."""
+        `sse(self.chunk(choices))`, with the fields that never change encoded once; with
+        `continuous_usage`, the chunk and the usage so far."""
+        if self.continuous_usage:
+            return sse(self.chunk(choices, with_usage=True))
         if self._event_head is None:
             empty = compact_json(self.chunk([]))
             if not empty.endswith(_EMPTY_CHOICES_END):  # `choices` is not the last field

@@ -93,7 +93,7 @@ class ChatRenderer(ChunkRenderer):
     ) -> None:
         """`thinking`: None where the reply has no reasoning to split off, else whether it
         starts inside it (`server.reasoning`)."""
-        super().__init__(request_id, model, body.include_usage)
+        super().__init__(request_id, model, body.include_usage, body.continuous_usage)
         self.body = body
         self.forced = forced
         self.parser = parser

@@ -61,7 +61,7 @@ class CompletionRenderer(ChunkRenderer):
         texts: list[str | None],
         tokenizer: Any,
     ) -> None:
-        super().__init__(request_id, model, body.include_usage)
+        super().__init__(request_id, model, body.include_usage, body.continuous_usage)
         self.body = body
         self.prompts = prompts
         self.tokenizer = tokenizer

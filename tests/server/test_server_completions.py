@@ -206,6 +206,29 @@ async def test_streaming_framing_text_and_usage():
         assert blocks_in_use(engine) == 0
 
 
+async def test_continuous_usage_puts_the_usage_so_far_in_every_chunk():
+    """vLLM's `continuous_usage_stats` (with `include_usage`): each chunk counts the tokens
+    written so far; without `include_usage` it changes nothing, as in vLLM."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    async with app_client() as (client, _):
+        for route, body in (
+            ("/v1/completions", {"prompt": "Hello world"}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+        ):
+            full = {**GREEDY, **body, "max_tokens": 6, "stream": True, "stream_options": options}
+            events = sse_events((await client.post(route, json=full)).text)[:-1]
+            counts = [e["usage"]["completion_tokens"] for e in events]
+            assert counts == sorted(counts) and counts[-1] == 6 and counts[-2] == 6
+            assert len({e["usage"]["prompt_tokens"] for e in events}) == 1
+            assert all(
+                e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + n
+                for e, n in zip(events, counts, strict=True)
+            )
+            plain = {**full, "stream_options": {"continuous_usage_stats": True}}
+            events = sse_events((await client.post(route, json=plain)).text)[:-1]
+            assert all("usage" not in e for e in events)
+
+
 @pytest.mark.parametrize("options", [None, {}, {"include_usage": False}])
 async def test_no_usage_chunk_unless_asked(options):
     async with app_client() as (client, _):
