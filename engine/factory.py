@@ -208,6 +208,7 @@ def core_from_model(
         shard = Shard(workers.group, loaded.shard)
     parts = build_rank(loaded, config, device, dtype, shard)
     model, backend, kv_cache = parts.model, parts.backend, parts.kv_cache
+    _check_runner(config, model)
     num_blocks, block_tokens = kv_cache.num_blocks, kv_cache.block_size
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * block_tokens)
     scheduler = Scheduler(
@@ -236,6 +237,7 @@ def core_from_model(
     graphs, piecewise = _graphs(config, model, backend, kv_cache, max_model_len)
     kv_cache.calibrating = parts.calibrates  # after capture: graphs never calibrate
     runner = ModelRunner(model, kv_cache, backend, sampler, graphs, workers, piecewise)
+    runner.pooling = config.runner == "pooling"
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     core.overlap = overlap
     info = ServingInfo(
@@ -251,8 +253,19 @@ def core_from_model(
         request_timeout=config.request_timeout,
         tensor_parallel_size=config.tensor_parallel_size,
         async_scheduling=overlap,
+        runner=config.runner,
     )
     return core, info
+
+
+def _check_runner(config: EngineConfig, model: CausalLM) -> None:
+    """The pooling runner reads Conveyor's decoder's last hidden states, on one device."""
+    if config.runner != "pooling":
+        return
+    if not isinstance(model, PagedLlamaForCausalLM):
+        raise ValueError("--runner pooling needs Conveyor's model implementation (--model-impl)")
+    if config.tensor_parallel_size > 1:
+        raise ValueError("--runner pooling runs on one device (--tensor-parallel-size 1)")
 
 
 def _vocab_size(loaded: LoadedModel, model: CausalLM) -> int:
@@ -353,7 +366,7 @@ def _graphs(
     """CUDA graphs where every piece of the step can be captured (Conveyor's own model, an
     attention backend that decodes in place, rotary tables fixed at load): decode steps whole,
     other steps of up to 512 tokens piece by piece around attention, in one memory pool."""
-    if kv_cache.device.type != "cuda" or config.enforce_eager:
+    if kv_cache.device.type != "cuda" or not _captures(config):
         return None, None
     reason = _why_not_capturable(model, backend)
     if reason:
@@ -370,6 +383,12 @@ def _graphs(
         logger.exception("steps with prompt chunks run eagerly: their capture failed")
         return graphs, None
     return graphs, piecewise
+
+
+def _captures(config: EngineConfig) -> bool:
+    """Steps may replay CUDA graphs: not under `--enforce-eager`, nor for pooling (prompts
+    only, whose graphs would compute the LM head)."""
+    return not config.enforce_eager and config.runner != "pooling"
 
 
 def _why_not_capturable(model: CausalLM, backend: AttentionBackend) -> str:
@@ -431,7 +450,7 @@ def _cuda_kv_budget(
     prefill = memory_profile.profile_forward(model, backend, spec, device, lengths)
     graph_sizes = (
         []
-        if config.enforce_eager or _why_not_capturable(model, backend)
+        if not _captures(config) or _why_not_capturable(model, backend)
         else (capture_sizes(config.max_num_seqs))
     )
     decode, graph_count = None, 0

@@ -103,6 +103,10 @@ class CacheConfig:
             )
 
 
+# `generate` samples tokens; `pooling` (vLLM's `--runner pooling`) returns each prompt's last
+# hidden state instead, for embeddings.
+RUNNERS = ("generate", "pooling")
+
 # `auto` reads the checkpoint's weights; `dummy` (as vLLM's) gives the model random weights of
 # the checkpoint's shape, read from its config alone: for measuring speed and memory.
 LOAD_FORMATS = ("auto", "dummy")
@@ -145,8 +149,11 @@ class EngineConfig:
     # Schedule and launch each step while the previous one still runs on the device; None:
     # on CUDA devices only (on a CPU the host computes the step itself).
     async_scheduling: bool | None = None
+    runner: str = "generate"
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"unknown runner {self.runner!r}; choose one of {', '.join(RUNNERS)}")
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
@@ -157,7 +164,10 @@ class EngineConfig:
             )
 
     def overlaps(self, device_type: str) -> bool:
-        """Whether steps are scheduled asynchronously on this kind of device."""
+        """Whether steps are scheduled asynchronously on this kind of device (never for
+        pooling: a prompt's step is its last)."""
+        if self.runner == "pooling":
+            return False
         if self.async_scheduling is not None:
             return self.async_scheduling
         return device_type == "cuda"
@@ -202,3 +212,4 @@ class ServingInfo:
     kv_cache_dtype: str = ""
     tensor_parallel_size: int = 1
     async_scheduling: bool = False
+    runner: str = "generate"

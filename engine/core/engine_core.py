@@ -326,6 +326,8 @@ class EngineCore:
         end = time.monotonic()
         self._record_tokens(advanced, end)
         results = [self._output_for(r, runner_output.logprobs.get(r.request_id)) for r in advanced]
+        for request, result in zip(advanced, results, strict=True):
+            result.embedding = runner_output.embeddings.get(request.request_id)
         finished = [r for r in advanced if r.is_finished]
         for request in finished:
             self._record_finished(request)

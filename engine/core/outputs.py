@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
@@ -27,6 +29,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
+    # Under the pooling runner: each finished prompt's last hidden state (fp32, on the host).
+    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -46,6 +50,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: BaseException | None = None
+    # The prompt's last hidden state (fp32 `[hidden]`), under the pooling runner.
+    embedding: torch.Tensor | None = None
 
     def merge(self, later: RequestOutput) -> None:
         """Fold a later delta of the same sequence into this one (a lagging consumer)."""
@@ -60,3 +66,5 @@ class RequestOutput:
         self.stop_reason = later.stop_reason
         self.num_output_tokens = later.num_output_tokens
         self.error = later.error
+        if later.embedding is not None:
+            self.embedding = later.embedding

@@ -212,6 +212,17 @@ class PagedLlamaForCausalLM(nn.Module):
             return self.lm_head.greedy(hidden)
         return row_argmax(self.lm_head(hidden).float())
 
+    def pooled(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last layer's rows at `indices`, normalized (the LM head's input): the hidden
+        states an embedding model pools, `[len(indices), hidden]`."""
+        return self._normed(self._last_hidden(input_ids, positions, metadata), indices)
+
     def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """The kept rows normalized: the LM head's input."""
         return rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)

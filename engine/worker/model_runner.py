@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from engine.core.outputs import ModelRunnerOutput, TokenLogprob
 from engine.core.request import Request
 from engine.kv.kv_cache import KVCache
 from engine.models import CausalLM
+from engine.models.llama import PagedLlamaForCausalLM
 from engine.parallel.step import StepInputs
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs
@@ -59,6 +60,8 @@ class ModelRunner:
         self.device = kv_cache.device
         # False: every step hands its logits to the sampler (benchmarks compare the two ways).
         self.greedy_in_model = True
+        # The pooling runner: a prompt's last step returns its last hidden state, no token.
+        self.pooling = False
         # The last step's sampled tokens on the device, and each request's row in them.
         self._last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_rows: dict[str, int] = {}
@@ -85,6 +88,8 @@ class ModelRunner:
             previous = len(self._last_tokens)
             self.workers.send(StepInputs.of(batch, indices, copies, rows, previous))
         output = ModelRunnerOutput()
+        if self.pooling:
+            return self._pool(batch, requests, output)
         with self._across_ranks():
             input_ids = self._device_input_ids(batch, rows)
             if chooses:
@@ -100,6 +105,20 @@ class ModelRunner:
             pending = PendingTokens(self._last_tokens, self._last_rows)
             sampled = self.sampler.sample(logits[len(prompt_indices) :], requests, pending)
         return self._launched(requests, sampled, output)
+
+    def _pool(
+        self, batch: InputBatch, requests: list[Request], output: ModelRunnerOutput
+    ) -> LaunchedStep:
+        """The pooling runner's step: each finished prompt's last hidden state, on the host;
+        its request takes a placeholder token and ends (`max_tokens` 1)."""
+        model = cast(PagedLlamaForCausalLM, self.model)
+        indices = batch.sample_token_indices
+        inputs = self._model_inputs(batch, indices, self._device_input_ids(batch, []))
+        hidden = model.pooled(*inputs).float().cpu()
+        for row, request in enumerate(requests):
+            output.embeddings[request.request_id] = hidden[row]
+        tokens = torch.zeros(len(requests), dtype=torch.int64, device=self.device)
+        return self._launched(requests, SampledTokens(tokens, None), output)
 
     def _launched(
         self, requests: list[Request], sampled: SampledTokens | None, output: ModelRunnerOutput
