@@ -12,7 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from engine.core.errors import EngineDeadError
+from engine.core.errors import EngineDeadError, InvalidRequestError
 from engine.core.paths import cache_dir
 from engine.core.sampling_params import SamplingParams
 from server.batches.files import FileStore
@@ -30,11 +30,12 @@ from server.middleware import (
     RequestIdMiddleware,
     UnexpectedErrorMiddleware,
 )
-from server.openapi import GENERATION, document_errors_as_sent, errors
+from server.openapi import EMBEDDING, GENERATION, document_errors_as_sent, errors
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeChatRequest,
     TokenizeRequest,
 )
@@ -50,6 +51,7 @@ from server.serving import (
 )
 from server.serving_chat import ChatHandler
 from server.serving_completions import CompletionHandler
+from server.serving_embeddings import EmbeddingHandler
 from server.serving_responses import ResponsesHandler
 from server.settings import ServerSettings
 from server.tokenization import chat_prompt, encode_text
@@ -130,6 +132,17 @@ async def _accepting(request: Request) -> None:
         raise EngineDeadError("The server is shutting down.")
 
 
+async def _generating(request: Request) -> None:
+    """The generation routes need the generate runner."""
+    if request.app.state.model.info.runner == "pooling":
+        raise InvalidRequestError(
+            "This server runs the model for embeddings (--runner pooling); use /v1/embeddings."
+        )
+
+
+GENERATING = [Depends(_accepting), Depends(_generating)]
+
+
 def _openai_router(
     engine: EngineClient, served: ServedModel, settings: ServerSettings, tracing: Tracing
 ) -> APIRouter:
@@ -139,19 +152,24 @@ def _openai_router(
         engine, served, settings.limits, settings.tool_call_parser, settings.reasoning_parser
     )
     stored = ResponseStore()
+    embeddings = EmbeddingHandler(engine, served, settings.limits)
     responses = ResponsesHandler(engine, chat, stored)
 
-    @router.post("/v1/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
+    @router.post("/v1/completions", dependencies=GENERATING, responses=GENERATION)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await tracing.traced("text_completion", served.name, body, request, completions)
 
-    @router.post("/v1/chat/completions", dependencies=[Depends(_accepting)], responses=GENERATION)
+    @router.post("/v1/chat/completions", dependencies=GENERATING, responses=GENERATION)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await tracing.traced("chat", served.name, body, request, chat)
 
-    @router.post("/v1/responses", dependencies=[Depends(_accepting)], responses=GENERATION)
+    @router.post("/v1/responses", dependencies=GENERATING, responses=GENERATION)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await tracing.traced("chat", served.name, body, request, responses)
+
+    @router.post("/v1/embeddings", dependencies=[Depends(_accepting)], responses=EMBEDDING)
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        return await embeddings(body, request)
 
     @router.get("/v1/responses/{response_id}", responses=errors(404))
     async def get_response(response_id: str) -> dict[str, Any]:

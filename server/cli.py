@@ -176,6 +176,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="on CUDA, run every step eagerly instead of replaying CUDA graphs",
     )
     engine.add_argument(
+        "--runner",
+        choices=["generate", "pooling"],
+        default="generate",
+        help="generate: sample tokens; pooling: serve /v1/embeddings (each input's last hidden "
+        "state, L2-normalized) instead of the generation routes",
+    )
+    engine.add_argument(
         "--compile",
         action="store_true",
         help="compile what each layer does between attention calls with torch.compile "
@@ -325,6 +332,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model_impl=args.model_impl,
         enforce_eager=args.enforce_eager,
         compile=args.compile,
+        runner=args.runner,
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,
         load_format=args.load_format,

@@ -47,6 +47,13 @@ GENERATION: dict[int | str, dict[str, Any]] = {
 }
 
 
+# /v1/embeddings: JSON only.
+EMBEDDING: dict[int | str, dict[str, Any]] = {
+    200: {"description": "One embedding per input"},
+    **errors(400, 404, 500, 503, 504),
+}
+
+
 def document_errors_as_sent(app: FastAPI) -> None:
     """FastAPI documents a 422 for every body; Conveyor answers a bad body with a 400 in
     OpenAI's shape instead, so the 422 and its schemas are left out."""

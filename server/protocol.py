@@ -213,17 +213,47 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_not_empty(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            pieces: list = [value]
-        elif isinstance(value, list) and value and isinstance(value[0], list | str):
-            pieces = list(value)
-        elif isinstance(value, list):
-            pieces = [value]
-        else:
-            return value
-        if not pieces or any(isinstance(p, str | list) and len(p) == 0 for p in pieces):
-            raise ValueError("the prompt must not be empty")
+        return prompt_not_empty(value)
+
+
+def prompt_not_empty(value: Any) -> Any:
+    """A prompt (or embedding input) in any of its four forms, refused if it or a piece of it
+    is empty."""
+    if isinstance(value, str):
+        pieces: list = [value]
+    elif isinstance(value, list) and value and isinstance(value[0], list | str):
+        pieces = list(value)
+    elif isinstance(value, list):
+        pieces = [value]
+    else:
         return value
+    if not pieces or any(isinstance(p, str | list) and len(p) == 0 for p in pieces):
+        raise ValueError("the prompt must not be empty")
+    return value
+
+
+class EmbeddingRequest(RequestBody):
+    """OpenAI's embeddings request, with vLLM's extra fields."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    # Keep the first k numbers, normalized again (as OpenAI's text-embedding-3 models).
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+    # vLLM's: L2-normalize the vector, keep the prompt's last k tokens, add a BOS and such.
+    normalize: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _WHOLE] | None = None
+    add_special_tokens: bool = True
+    priority: Int = 0
+    timeout: float | None = Field(default=None, gt=0)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_not_empty(cls, value: Any) -> Any:
+        return prompt_not_empty(value)
 
 
 class TextPart(BaseModel):

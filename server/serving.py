@@ -136,7 +136,11 @@ def sampling_params(
 
 def prompt_truncation(request: SamplingFields, max_model_len: int) -> int | None:
     """How many of each prompt's last tokens `truncate_prompt_tokens` keeps (None: all)."""
-    keep = request.truncate_prompt_tokens
+    return kept_tokens(request.truncate_prompt_tokens, max_model_len)
+
+
+def kept_tokens(keep: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens a `truncate_prompt_tokens` of `keep` keeps."""
     if keep is None:
         return None
     if keep == -1:
