@@ -97,7 +97,7 @@ class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     input_file_id: str
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses"]
+    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"]
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = None
 

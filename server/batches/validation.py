@@ -11,13 +11,14 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from engine.core.errors import ConveyorError
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from server.responses_protocol import ResponsesRequest
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/embeddings": EmbeddingRequest,
 }
 MAX_LINES = 50_000
 

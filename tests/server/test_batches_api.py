@@ -122,6 +122,29 @@ async def test_a_responses_batch_answers_as_the_requests_alone(tmp_path):
         assert 'conveyor:batch_tokens_total{kind="generation"} 12.0' in metrics
 
 
+async def test_an_embeddings_batch_answers_as_the_requests_alone(tmp_path):
+    settings = ServerSettings(served_model_name="tiny", state_dir=tmp_path)
+    lines = [
+        {
+            "custom_id": f"e-{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"input": f"Story {i}"},
+        }
+        for i in range(3)
+    ]
+    async with live_server(settings, runner="pooling") as server, httpx.AsyncClient() as http:
+        client = sdk(server.url)
+        batch = await until_done(client, (await submit(client, lines, "/v1/embeddings")).id)
+        assert batch.status == "completed" and batch.request_counts.completed == 3
+        for output in await file_lines(client, batch.output_file_id):
+            text = f"Story {output['custom_id'].split('-')[1]}"
+            alone = await http.post(f"{server.url}/v1/embeddings", json={"input": text})
+            # The same vector up to the last bits (batched beside others, or read from the cache).
+            [ours], [theirs] = output["response"]["body"]["data"], alone.json()["data"]
+            assert ours["embedding"] == pytest.approx(theirs["embedding"], abs=1e-5)
+
+
 @pytest.mark.parametrize(
     ("bad", "code"),
     [
