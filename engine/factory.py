@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -208,7 +210,7 @@ def core_from_model(
         shard = Shard(workers.group, loaded.shard)
     parts = build_rank(loaded, config, device, dtype, shard)
     model, backend, kv_cache = parts.model, parts.backend, parts.kv_cache
-    _check_runner(config, model)
+    _check_runner(config, model, loaded.path)
     num_blocks, block_tokens = kv_cache.num_blocks, kv_cache.block_size
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * block_tokens)
     scheduler = Scheduler(
@@ -258,10 +260,17 @@ def core_from_model(
     return core, info
 
 
-def _check_runner(config: EngineConfig, model: CausalLM) -> None:
-    """The pooling runner reads Conveyor's decoder's last hidden states, on one device."""
+def _check_runner(config: EngineConfig, model: CausalLM, path: str = "") -> None:
+    """The pooling runner reads Conveyor's decoder's last hidden states, on one device, for a
+    model pooled by its last token (as its sentence-transformers config says, where it has one)."""
     if config.runner != "pooling":
         return
+    mode = pooling_mode(path)
+    if mode not in (None, "lasttoken"):
+        raise ValueError(
+            f"the model pools its embeddings by {mode} (1_Pooling/config.json); "
+            "--runner pooling pools the last token"
+        )
     if not isinstance(model, PagedLlamaForCausalLM):
         raise ValueError("--runner pooling needs Conveyor's model implementation (--model-impl)")
     if config.tensor_parallel_size > 1:
@@ -383,6 +392,22 @@ def _graphs(
         logger.exception("steps with prompt chunks run eagerly: their capture failed")
         return graphs, None
     return graphs, piecewise
+
+
+def pooling_mode(path: str) -> str | None:
+    """The pooling a sentence-transformers model folder names (`1_Pooling/config.json`:
+    `lasttoken`, `mean`, `cls`, ...), or None where it names none."""
+    config = Path(path) / "1_Pooling" / "config.json" if path else None
+    if config is None or not config.is_file():
+        return None
+    flags = json.loads(config.read_text())
+    modes = [
+        key.removeprefix("pooling_mode_")
+        for key, on in flags.items()
+        if key.startswith("pooling_mode_") and on is True
+    ]
+    modes = [mode.removesuffix("_token").removesuffix("_tokens") for mode in modes]
+    return "+".join(sorted(modes)) or None
 
 
 def _captures(config: EngineConfig) -> bool:

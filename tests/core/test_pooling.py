@@ -3,12 +3,15 @@ model computes it, whatever the chunking and the prefix cache; nothing sampled a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from engine.attention.hf import register
 from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
+from engine.factory import pooling_mode
 from engine.kernels.cpu.linear import pack_linears
 from tests.helpers import needs_panels, run_all, tiny_core, tiny_llama
 
@@ -71,3 +74,18 @@ def test_pooling_never_overlaps_and_names_what_it_needs():
         EngineConfig(runner="embed")
     with pytest.raises(ValueError, match="Conveyor's model implementation"):
         tiny_core(tiny_llama(), runner="pooling", model_impl="transformers")
+
+
+def test_a_model_pooled_otherwise_is_refused(tmp_path):
+    """A sentence-transformers folder names its pooling; only the last token's is served."""
+    pooling = tmp_path / "1_Pooling"
+    pooling.mkdir()
+    config = {"word_embedding_dimension": 64, "include_prompt": True}
+    (pooling / "config.json").write_text(json.dumps({**config, "pooling_mode_mean_tokens": True}))
+    assert pooling_mode(str(tmp_path)) == "mean"
+    with pytest.raises(ValueError, match="pools its embeddings by mean"):
+        tiny_core(tiny_llama(), runner="pooling", model_path=str(tmp_path))
+    (pooling / "config.json").write_text(json.dumps({**config, "pooling_mode_lasttoken": True}))
+    assert pooling_mode(str(tmp_path)) == "lasttoken"
+    tiny_core(tiny_llama(), runner="pooling", model_path=str(tmp_path))
+    assert pooling_mode("") is None and pooling_mode(str(tmp_path / "none")) is None
