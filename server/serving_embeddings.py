@@ -13,7 +13,6 @@ import base64
 from collections.abc import AsyncGenerator
 
 import numpy as np
-import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
@@ -116,25 +115,25 @@ class EmbeddingHandler:
 
 async def _collect(
     merged: AsyncGenerator[tuple[int, RequestOutput], None], count: int
-) -> list[torch.Tensor]:
-    """Each prompt's pooled state, in input order."""
-    vectors: list[torch.Tensor | None] = [None] * count
+) -> list[np.ndarray]:
+    """Each prompt's pooled state, in input order, as fp32 numbers."""
+    vectors: list[np.ndarray | None] = [None] * count
     async for index, output in merged:
         if output.embedding is not None:
-            vectors[index] = output.embedding
+            vectors[index] = np.asarray(output.embedding.numpy(), dtype=np.float32)
     missing = [i for i, vector in enumerate(vectors) if vector is None]
     if missing:  # ended without its state (aborted): not an answer
         raise InvalidRequestError(f"Input {missing[0]} produced no embedding.", param="input")
     return [vector for vector in vectors if vector is not None]
 
 
-def encode(vector: torch.Tensor, body: EmbeddingRequest) -> list[float] | str:
+def encode(vector: np.ndarray, body: EmbeddingRequest) -> list[float] | str:
     """The vector as the request asks: its first `dimensions`, normalized, as floats or as
     base64 of little-endian float32."""
     kept = vector[: body.dimensions] if body.dimensions is not None else vector
     if body.normalize:
-        kept = torch.nn.functional.normalize(kept, dim=0)
-    values = kept.numpy().astype("<f4")
+        kept = kept / max(float(np.linalg.norm(kept)), 1e-12)  # as torch's normalize
+    values = kept.astype("<f4")
     if body.encoding_format == "base64":
         return base64.b64encode(values.tobytes()).decode("ascii")
     return [float(x) for x in np.asarray(values, dtype=np.float64)]

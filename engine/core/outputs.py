@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the core loads no torch; the runner hands it tensors
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
