@@ -234,6 +234,7 @@ def core_from_model(
             parts.kv_scales,
             sampler.route,
             parts.compiled,
+            config.runner == "pooling",
         ),
     )
     graphs, piecewise = _graphs(config, model, backend, kv_cache, max_model_len)

@@ -62,6 +62,7 @@ def describe(
     kv_scales: str = "",
     sampling: str = "",
     compiled: str = "",
+    pooling: bool = False,
 ) -> str:
     scales = f" (scales {kv_scales})" if kv_scales else ""
     parts = [
@@ -72,7 +73,9 @@ def describe(
         f"linear layers: {linear_forms(model)}",
         f"async scheduling {'on' if async_scheduling else 'off'}",
     ]
-    if sampling:
+    if pooling:
+        parts.append("runner pooling (each prompt's last hidden state, no sampling)")
+    elif sampling:
         parts.append(f"sampling {sampling}")
     if compiled:
         parts.append(f"layers {compiled}")

@@ -4,6 +4,7 @@ model computes it, whatever the chunking and the prefix cache; nothing sampled a
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -66,6 +67,14 @@ def test_a_generating_engine_returns_no_embedding():
     core, _ = tiny_core(tiny_llama())
     outputs = run_all(core, PROMPTS[:1], POOL)
     assert all(o.embedding is None for o in outputs["req-0"])
+
+
+def test_the_routes_line_names_the_runner(caplog):
+    with caplog.at_level(logging.INFO, logger="engine.factory"):
+        tiny_core(tiny_llama(), runner="pooling")
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("routes: ")]
+    assert "runner pooling (each prompt's last hidden state, no sampling)" in line
+    assert "sampling torch" not in line
 
 
 def test_pooling_never_overlaps_and_names_what_it_needs():
