@@ -262,8 +262,9 @@ def core_from_model(
 
 
 def _check_runner(config: EngineConfig, model: CausalLM, path: str = "") -> None:
-    """The pooling runner reads Conveyor's decoder's last hidden states, on one device, for a
-    model pooled by its last token (as its sentence-transformers config says, where it has one)."""
+    """The pooling runner reads Conveyor's decoder's last hidden states, for a model pooled by
+    its last token (as its sentence-transformers config says, where it has one); that it runs
+    on one device the config checks itself."""
     if config.runner != "pooling":
         return
     mode = pooling_mode(path)
@@ -274,8 +275,6 @@ def _check_runner(config: EngineConfig, model: CausalLM, path: str = "") -> None
         )
     if not isinstance(model, PagedLlamaForCausalLM):
         raise ValueError("--runner pooling needs Conveyor's model implementation (--model-impl)")
-    if config.tensor_parallel_size > 1:
-        raise ValueError("--runner pooling runs on one device (--tensor-parallel-size 1)")
 
 
 def _vocab_size(loaded: LoadedModel, model: CausalLM) -> int:

@@ -154,6 +154,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"unknown runner {self.runner!r}; choose one of {', '.join(RUNNERS)}")
+        if self.runner == "pooling" and self.tensor_parallel_size > 1:
+            # Refused before any worker starts or weight loads.
+            raise ValueError("--runner pooling runs on one device (--tensor-parallel-size 1)")
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

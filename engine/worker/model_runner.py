@@ -77,8 +77,10 @@ class ModelRunner:
         until `LaunchedStep.result()`."""
         self.kv_cache.copy_blocks(scheduler_output.block_copies)
         batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
-        prompt_rows = _prompt_logprob_rows(batch)
         requests = _sampled_requests(batch)
+        if self.pooling:
+            return self._pool(batch, requests)
+        prompt_rows = _prompt_logprob_rows(batch)
         prompt_indices = _prompt_logprob_indices(batch, prompt_rows)
         indices = np.concatenate([prompt_indices, batch.sample_token_indices])
         chooses = not prompt_rows and self._model_chooses(batch, requests)
@@ -88,8 +90,6 @@ class ModelRunner:
             previous = len(self._last_tokens)
             self.workers.send(StepInputs.of(batch, indices, copies, rows, previous))
         output = ModelRunnerOutput()
-        if self.pooling:
-            return self._pool(batch, requests, output)
         with self._across_ranks():
             input_ids = self._device_input_ids(batch, rows)
             if chooses:
@@ -106,11 +106,11 @@ class ModelRunner:
             sampled = self.sampler.sample(logits[len(prompt_indices) :], requests, pending)
         return self._launched(requests, sampled, output)
 
-    def _pool(
-        self, batch: InputBatch, requests: list[Request], output: ModelRunnerOutput
-    ) -> LaunchedStep:
+    def _pool(self, batch: InputBatch, requests: list[Request]) -> LaunchedStep:
         """The pooling runner's step: each finished prompt's last hidden state, on the host;
-        its request takes a placeholder token and ends (`max_tokens` 1)."""
+        its request takes a placeholder token and ends (`max_tokens` 1). It runs on one device
+        and samples nothing, so none of a generating step's bookkeeping applies."""
+        output = ModelRunnerOutput()
         model = cast(PagedLlamaForCausalLM, self.model)
         indices = batch.sample_token_indices
         inputs = self._model_inputs(batch, indices, self._device_input_ids(batch, []))

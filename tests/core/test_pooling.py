@@ -81,6 +81,8 @@ def test_pooling_never_overlaps_and_names_what_it_needs():
     assert not EngineConfig(runner="pooling", async_scheduling=True).overlaps("cuda")
     with pytest.raises(ValueError, match="unknown runner"):
         EngineConfig(runner="embed")
+    with pytest.raises(ValueError, match="runs on one device"):
+        EngineConfig(runner="pooling", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="Conveyor's model implementation"):
         tiny_core(tiny_llama(), runner="pooling", model_impl="transformers")
 
