@@ -29,11 +29,8 @@ from server.serving import (
 )
 from server.tokenization import (
     TokenText,
-    check_fits,
-    off_the_loop_if_large,
-    prompt_size,
-    prompt_token_ids,
     split_prompts,
+    tokenize_prompts,
 )
 
 
@@ -187,13 +184,10 @@ class CompletionHandler:
         _check_unsupported(body)
         tokenizer = self.engine.tokenizer
         singles = split_prompts(body.prompt)
-        keep = prompt_truncation(body, self.model.info.max_model_len)
-        for single in singles:
-            if isinstance(single, str) and tokenizer is not None and keep is None:
-                check_fits(tokenizer, len(single), self.model.info.max_model_len, "prompt")
-        prompts = await off_the_loop_if_large(
-            prompt_size(singles),
-            lambda: prompt_token_ids(tokenizer, singles, body.add_special_tokens),
+        max_model_len = self.model.info.max_model_len
+        keep = prompt_truncation(body, max_model_len)
+        prompts = await tokenize_prompts(
+            tokenizer, singles, body.add_special_tokens, max_model_len, keep is not None, "prompt"
         )
         # A truncated prompt echoes as its kept tokens read back, not as the text sent.
         texts = [

@@ -32,11 +32,8 @@ from server.serving import (
 )
 from server.streaming import CLIENT_GONE, merge, unless_disconnected
 from server.tokenization import (
-    check_fits,
-    off_the_loop_if_large,
-    prompt_size,
-    prompt_token_ids,
     split_prompts,
+    tokenize_prompts,
 )
 
 # A pooled prompt runs to its last token and takes one placeholder token (never sent).
@@ -102,13 +99,13 @@ class EmbeddingHandler:
             )
         max_model_len = self.model.info.max_model_len
         keep = kept_tokens(body.truncate_prompt_tokens, max_model_len)
-        tokenizer = self.engine.tokenizer
-        for single in singles:
-            if isinstance(single, str) and tokenizer is not None and keep is None:
-                check_fits(tokenizer, len(single), max_model_len, "input")
-        prompts = await off_the_loop_if_large(
-            prompt_size(singles),
-            lambda: prompt_token_ids(tokenizer, singles, body.add_special_tokens),
+        prompts = await tokenize_prompts(
+            self.engine.tokenizer,
+            singles,
+            body.add_special_tokens,
+            max_model_len,
+            keep is not None,
+            "input",
         )
         return [ids if keep is None else ids[-keep:] for ids in prompts]
 

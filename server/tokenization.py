@@ -89,6 +89,25 @@ def prompt_token_ids(
     ]
 
 
+async def tokenize_prompts(
+    tokenizer: Any,
+    prompts: list[str | list[int]],
+    add_special_tokens: bool,
+    max_model_len: int,
+    truncating: bool,
+    param: str,
+) -> list[list[int]]:
+    """`prompt_token_ids` of single prompts (completions' prompts, embeddings' inputs), each
+    text first refused if it cannot fit the context (unless the request keeps only its last
+    tokens, `truncating`), tokenized off the loop when large."""
+    for prompt in prompts:
+        if isinstance(prompt, str) and tokenizer is not None and not truncating:
+            check_fits(tokenizer, len(prompt), max_model_len, param)
+    return await off_the_loop_if_large(
+        prompt_size(prompts), lambda: prompt_token_ids(tokenizer, prompts, add_special_tokens)
+    )
+
+
 def message_text(message: ChatMessage) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""

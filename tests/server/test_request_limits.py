@@ -116,12 +116,11 @@ async def test_a_lone_surrogate_is_a_400_and_the_server_carries_on(path, body, p
 async def test_large_bodies_are_tokenized_off_the_event_loop(monkeypatch, path, size, off_loop):
     import threading
 
-    from server import serving_chat, serving_completions
+    from server import serving_chat, tokenization
 
+    # A prompt is tokenized by the helper completions and embeddings share.
     module, name = (
-        (serving_completions, "prompt_token_ids")
-        if "chat" not in path
-        else (serving_chat, "chat_prompt")
+        (tokenization, "prompt_token_ids") if "chat" not in path else (serving_chat, "chat_prompt")
     )
     real, threads = getattr(module, name), []
 
@@ -148,13 +147,12 @@ async def test_large_bodies_are_tokenized_off_the_event_loop(monkeypatch, path, 
 async def test_text_too_long_for_the_context_is_refused_without_tokenizing(monkeypatch, path):
     """No token spells more than the vocabulary's longest entry, so longer text than the context
     times that is refused at once; text just under it is tokenized and measured as before."""
-    from server import serving_chat, serving_completions
+    from server import serving_chat, tokenization
     from server.tokenization import longest_token_chars
 
+    # A prompt is tokenized by the helper completions and embeddings share.
     module, name = (
-        (serving_completions, "prompt_token_ids")
-        if "chat" not in path
-        else (serving_chat, "chat_prompt")
+        (tokenization, "prompt_token_ids") if "chat" not in path else (serving_chat, "chat_prompt")
     )
     real, calls = getattr(module, name), []
 
