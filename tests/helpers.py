@@ -192,8 +192,11 @@ def text_of(outputs: list[RequestOutput]) -> str:
     return "".join(o.text for o in outputs)
 
 
-def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy generation, the oracle (EOS ignored so lengths are fixed)."""
+def reference_greedy(
+    model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int, **generate: object
+) -> list[int]:
+    """transformers' own greedy generation, the oracle (EOS ignored so lengths are fixed);
+    `generate` holds more of `model.generate`'s arguments (`bad_words_ids`)."""
     model.set_attn_implementation("sdpa")
     try:
         ids = torch.tensor([prompt], device=model.device)
@@ -205,6 +208,7 @@ def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens:
             min_new_tokens=max_new_tokens,
             eos_token_id=None,
             pad_token_id=0,
+            **generate,
         )
     finally:
         from engine.attention.hf import register

@@ -4,13 +4,17 @@ same tokens as steps in turn, and the server takes the field like vLLM."""
 
 from __future__ import annotations
 
-import torch
-
-from engine.attention.hf import register
 from engine.core.bad_words import bad_word_ids, banned_tokens, needs_history
 from engine.core.sampling_params import SamplingParams
 from tests.core.test_async_scheduling import overlapped_like_in_turn
-from tests.helpers import run_all, tiny_core, tiny_llama, tiny_tokenizer, tokens_of
+from tests.helpers import (
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tiny_llama,
+    tiny_tokenizer,
+    tokens_of,
+)
 from tests.server_utils import app_client
 
 PROMPTS = [[5, 9, 33, 2, 17], list(range(40, 70)), [7] * 13]
@@ -34,27 +38,6 @@ def test_each_word_as_it_stands_and_after_a_space():
     assert bad_word_ids(tokenizer, [" quick", "quick"]) == (bare, spaced)
 
 
-def transformers_greedy(
-    model, prompt: list[int], banned: list[list[int]], tokens: int
-) -> list[int]:
-    model.set_attn_implementation("sdpa")
-    try:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            eos_token_id=None,
-            pad_token_id=0,
-            bad_words_ids=banned,
-        )
-    finally:
-        model.set_attn_implementation(register())
-    return out[0, len(prompt) :].tolist()
-
-
 def test_greedy_tokens_match_transformers_bad_words_ids():
     """Words taken from the free greedy output (one token, and two): the banned output is
     transformers' with the same token sequences banned."""
@@ -74,7 +57,8 @@ def test_greedy_tokens_match_transformers_bad_words_ids():
         )
         core, _ = tiny_core(model, tokenizer=tokenizer)
         got = tokens_of(run_all(core, [prompt], params)["req-0"])
-        assert got == transformers_greedy(model, prompt, [list(s) for s in sequences], 12)
+        banned = [list(s) for s in sequences]
+        assert got == reference_greedy(model, prompt, 12, bad_words_ids=banned)
         assert got != written
         for sequence in sequences:
             n = len(sequence)

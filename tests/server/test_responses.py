@@ -53,6 +53,14 @@ def output_text(response: dict) -> str:
     )
 
 
+async def chat_reply(client: httpx.AsyncClient, messages: list[dict], **body) -> dict:
+    """Chat's whole answer for `messages`, with BASE's settings (12 greedy tokens)."""
+    payload = {"model": "tiny", "temperature": 0, "max_tokens": 12, "messages": messages}
+    response = await client.post("/v1/chat/completions", json={**payload, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
 async def create(client: httpx.AsyncClient, **body) -> dict:
     response = await client.post("/v1/responses", json={**BASE, **body})
     assert response.status_code == 200, response.text
@@ -62,19 +70,11 @@ async def create(client: httpx.AsyncClient, **body) -> dict:
 async def test_the_reply_is_chats_for_the_same_conversation():
     async with app_client() as (client, engine):
         result = await create(client, instructions="Be brief.", input="Hello there")
-        chat = await client.post(
-            "/v1/chat/completions",
-            json={
-                "model": "tiny",
-                "temperature": 0,
-                "max_tokens": 12,
-                "messages": [
-                    {"role": "system", "content": "Be brief."},
-                    {"role": "user", "content": "Hello there"},
-                ],
-            },
-        )
-        expected = chat.json()
+        messages = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello there"},
+        ]
+        expected = await chat_reply(client, messages)
         assert result["object"] == "response" and result["id"].startswith("resp_")
         assert output_text(result) == expected["choices"][0]["message"]["content"]
         usage, ours = expected["usage"], result["usage"]
@@ -265,12 +265,9 @@ async def test_a_stored_response_is_continued_by_its_id():
             {"role": "assistant", "content": output_text(first)},
             {"role": "user", "content": "And then?"},
         ]
-        chat = await client.post(
-            "/v1/chat/completions",
-            json={"model": "tiny", "temperature": 0, "max_tokens": 12, "messages": conversation},
-        )
+        chat = await chat_reply(client, conversation)
         # The earlier turn's instructions are not carried over, as in OpenAI's API.
-        assert output_text(second) == chat.json()["choices"][0]["message"]["content"]
+        assert output_text(second) == chat["choices"][0]["message"]["content"]
         deleted = await client.delete(f"/v1/responses/{first['id']}")
         assert deleted.json() == {"id": first["id"], "object": "response.deleted", "deleted": True}
         for response in (
@@ -379,16 +376,8 @@ async def test_a_thinking_models_reasoning_is_an_item_of_its_own():
     reasoning item, chat's `reasoning`, streamed as reasoning deltas."""
     settings = ServerSettings(served_model_name="tiny", reasoning_parser="deepseek_r1")
     async with app_client(settings, tokenizer=thinking_tokenizer()) as (client, engine):
-        chat = await client.post(
-            "/v1/chat/completions",
-            json={
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "Why?"}],
-                "max_tokens": 12,
-                "temperature": 0,
-            },
-        )
-        reasoning = chat.json()["choices"][0]["message"]["reasoning"]
+        chat = await chat_reply(client, [{"role": "user", "content": "Why?"}])
+        reasoning = chat["choices"][0]["message"]["reasoning"]
         result = await create(client, input="Why?")
         [item] = result["output"]
         assert item["type"] == "reasoning" and item["id"].startswith("rs_")
@@ -482,18 +471,9 @@ async def test_logprobs_come_with_the_text_as_chat_gives_them():
     async with app_client() as (client, _):
         body = {"input": "Hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
         result = await create(client, **body)
-        chat = await client.post(
-            "/v1/chat/completions",
-            json={
-                "model": "tiny",
-                "temperature": 0,
-                "max_tokens": 12,
-                "messages": [{"role": "user", "content": "Hi"}],
-                "logprobs": True,
-                "top_logprobs": 2,
-            },
-        )
-        expected = chat.json()["choices"][0]["logprobs"]["content"]
+        messages = [{"role": "user", "content": "Hi"}]
+        chat = await chat_reply(client, messages, logprobs=True, top_logprobs=2)
+        expected = chat["choices"][0]["logprobs"]["content"]
         [part] = result["output"][0]["content"]
         # Every token's entry (those that end no character too), as chat's up to the last bits
         # (the chat request reads the prompt's cached blocks).
