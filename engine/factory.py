@@ -32,6 +32,8 @@ from engine.loading.model_loader import (
     resolve_device,
     resolve_dtype,
 )
+from engine.lora.registry import LoRARegistry
+from engine.lora.slots import LoRASlots
 from engine.models import CausalLM, build_causal_lm
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.parallel.group import ParallelGroup
@@ -135,6 +137,8 @@ class RankParts:
     calibrates: bool = False
     # How the layers' pieces between attention calls run (`--compile`): "" when eager.
     compiled: str = ""
+    # The LoRA adapters' slots (`--enable-lora`).
+    lora: LoRASlots | None = None
 
 
 def build_rank(
@@ -159,6 +163,7 @@ def build_rank(
         malloc_tuning.keep_freed_memory()
     # Compiled over the weights where they stay, before the profiling pass measures the steps.
     compiled = compile_layers(model) if config.compile else ""
+    lora = lora_slots(config, model, device, dtype)
     backend = get_backend(config.attention_backend, device, dtype)
     num_blocks = _num_blocks(config, spec, device, model, backend, loaded.max_model_len)
     if shard is not None:
@@ -167,7 +172,40 @@ def build_rank(
     kv_cache.group = shard.group if shard is not None else None
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
     scales, calibrates = _kv_scales(kv_cache, backend, loaded.path, config.cache)
-    return RankParts(model, backend, kv_cache, cache_dtype, scales, calibrates, compiled)
+    return RankParts(model, backend, kv_cache, cache_dtype, scales, calibrates, compiled, lora)
+
+
+def lora_slots(
+    config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype
+) -> LoRASlots | None:
+    """With `--enable-lora`, the adapters' slots, attached to the model (before the KV cache is
+    sized: on a GPU they take their share first). The adapters compute in fp32 on a CPU."""
+    if not config.enable_lora:
+        return None
+    if not isinstance(model, PagedLlamaForCausalLM):
+        raise ValueError("LoRA adapters run on Conveyor's model implementation only")
+    lora_dtype = torch.float32 if device.type == "cpu" else dtype
+    slots = LoRASlots(
+        model.lora_shapes(), config.max_loras, config.max_lora_rank, device, lora_dtype
+    )
+    model.attach_lora(slots)
+    return slots
+
+
+def _serve_loras(core: EngineCore, config: EngineConfig) -> None:
+    """The adapters `--lora-modules` names, loaded and served (a failure stops the start)."""
+    if not config.enable_lora:
+        return
+    core.loras = LoRARegistry(config.max_loras, config.max_lora_rank)
+    for name, path in config.lora_modules:
+        lora, adapter = core.read_lora(name, path)
+        core.add_lora(lora, adapter)
+    logger.info(
+        "LoRA: %d slot(s) of rank %d; adapters: %s",
+        config.max_loras,
+        config.max_lora_rank,
+        ", ".join(f"{name} ({path})" for name, path in config.lora_modules) or "none yet",
+    )
 
 
 def _kv_scales(
@@ -241,8 +279,10 @@ def core_from_model(
     kv_cache.calibrating = parts.calibrates  # after capture: graphs never calibrate
     runner = ModelRunner(model, kv_cache, backend, sampler, graphs, workers, piecewise)
     runner.pooling = config.runner == "pooling"
+    runner.lora = parts.lora
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     core.overlap = overlap
+    _serve_loras(core, config)
     info = ServingInfo(
         model_name=loaded.name,
         max_model_len=max_model_len,
@@ -257,6 +297,7 @@ def core_from_model(
         tensor_parallel_size=config.tensor_parallel_size,
         async_scheduling=overlap,
         runner=config.runner,
+        max_loras=config.max_loras if config.enable_lora else 0,
     )
     return core, info
 

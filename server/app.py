@@ -52,6 +52,7 @@ from server.serving import (
 from server.serving_chat import ChatHandler
 from server.serving_completions import CompletionHandler
 from server.serving_embeddings import EmbeddingHandler
+from server.serving_lora import lora_router
 from server.serving_responses import ResponsesHandler
 from server.settings import ServerSettings
 from server.tokenization import chat_prompt, encode_text
@@ -71,7 +72,9 @@ def build_app(
     request spans through `tracing` (by default, as `settings` say). The lifespan starts the
     engine loop and shuts it down."""
     settings = settings or ServerSettings()
-    served = ServedModel(settings.served_model_name or engine.info.model_name, engine.info)
+    served = ServedModel(
+        settings.served_model_name or engine.info.model_name, engine.info, engine.loras
+    )
     registry = registry if registry is not None else build_registry()
     engine.stat_loggers.append(EngineMetrics(registry, served.name, engine.info).record)
     tracing = tracing or Tracing.from_endpoint(settings.otlp_traces_endpoint, settings.log_requests)
@@ -103,6 +106,8 @@ def build_app(
     app.include_router(_openai_router(engine, served, settings, tracing))
     app.include_router(_ops_router(engine, registry))
     app.include_router(fleet_router(engine, served))
+    if settings.runtime_lora_updating:
+        app.include_router(lora_router(engine, served))
     runner = BatchRunner(app, files, jobs, settings.api_key)
     app.state.batches = runner
     BatchMetrics(registry, jobs, runner)
@@ -214,18 +219,23 @@ def _openai_router(
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
+        """The base model, then each LoRA adapter served over it (its `parent`)."""
+        base = (served.name, served.info.model_path or served.name, None)
+        adapters = served.loras.adapters.values() if served.loras is not None else ()
+        cards = [base, *((lora.name, lora.path, served.name) for lora in adapters)]
         return {
             "object": "list",
             "data": [
                 {
-                    "id": served.name,
+                    "id": name,
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "conveyor",
-                    "root": served.info.model_path or served.name,
-                    "parent": None,
+                    "root": root,
+                    "parent": parent,
                     "max_model_len": served.info.max_model_len,
                 }
+                for name, root, parent in cards
             ],
         }
 

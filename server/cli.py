@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -39,6 +40,51 @@ def parse_bytes(text: str) -> int:
     base = 1024 if binary or unit == "" else 1000
     power = " kmgt".index(unit.lower() or " ")
     return int(float(number) * base**power)
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`name=path`, or vLLM's JSON form `{"name": ..., "path": ...}` (a `base_model_name` in it
+    is the served model anyway)."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            name, path = spec["name"], spec["path"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(
+                f'not a LoRA module: {text!r} (JSON needs "name" and "path")'
+            ) from None
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise argparse.ArgumentTypeError(f"not a LoRA module: {text!r} (name=path)")
+    return name, path
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters over the model: a request runs one by naming it as its model",
+    )
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters to serve from the start, each a PEFT adapter folder: name=path or "
+        '\'{"name": ..., "path": ...}\'',
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="adapters one step may run (a slot each; more wait their turn)",
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=16, help="the highest adapter rank served"
+    )
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -204,6 +250,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: read the checkpoint's weights; dummy: random weights of the model's shape "
         "(only its config and tokenizer are read), for measuring speed and memory",
     )
+    _add_lora_args(parser)
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -215,6 +262,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         default=os.environ.get("CONVEYOR_API_KEY"),
         help="require this Bearer token on /v1 (or set CONVEYOR_API_KEY)",
+    )
+    server.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        default=os.environ.get("CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter, which read any folder "
+        "a client names (or set CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING=1)",
     )
     server.add_argument(
         "--allowed-origins",
@@ -338,6 +392,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=args.async_scheduling,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_modules=tuple(args.lora_modules),
     )
 
 
@@ -357,6 +415,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         log_requests=args.log_format == "json",
         state_dir=args.state_dir,
         max_file_bytes=args.max_file_bytes,
+        runtime_lora_updating=args.allow_runtime_lora_updating,
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,

@@ -178,16 +178,18 @@ class EngineMetrics:
             [*LABELS, "tensor_parallel_size"],
             registry=registry,
         ).labels(*self._labels, str(info.tensor_parallel_size)).set(1)
-        # vLLM's adapter gauge, read by the Gateway API Inference Extension's endpoint picker;
-        # no adapters are served, and its value is when it was last updated: read at the
-        # scrape, so that no step pays for it.
-        self.lora_info = Gauge(
+        # vLLM's adapter gauge, read by the Gateway API Inference Extension's endpoint picker:
+        # the adapters running and waiting requests run (comma-separated), and how many one
+        # step may run; its value is when it was last updated, read at the scrape so that no
+        # step pays for it. One series at a time: a change of adapters replaces it.
+        self._lora_family = Gauge(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
             ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             registry=registry,
-        ).labels("0", "", "")
-        self.lora_info.set_function(time.time)
+        )
+        self._lora_labels = (str(info.max_loras), "", "")
+        self._lora_family.labels(*self._lora_labels).set_function(time.time)
 
     def _define_counters(self, registry: CollectorRegistry) -> None:
         self.prompt_tokens = self._counter(
@@ -360,6 +362,16 @@ class EngineMetrics:
             self.grammar_compile.observe(seconds)
         for finished in stats.finished:
             self._record_finished(finished)
+        if stats.running_loras is not None:
+            self._record_loras(stats.running_loras, stats.waiting_loras)
+
+    def _record_loras(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        labels = (self._lora_labels[0], ",".join(waiting), ",".join(running))
+        if labels == self._lora_labels:
+            return
+        self._lora_family.remove(*self._lora_labels)
+        self._lora_family.labels(*labels).set_function(time.time)
+        self._lora_labels = labels
 
     def _record_finished(self, finished: FinishedRequestStats) -> None:
         self.success[finished.finish_reason].inc()

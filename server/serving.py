@@ -17,6 +17,7 @@ from engine.core.errors import InvalidRequestError, RequestTimeoutError
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import StepStats
+from engine.lora.registry import LoRARegistry, LoRARequest
 from server.errors import APIError
 from server.protocol import SamplingFields
 from server.streaming import CLIENT_GONE, DONE, merge, sse, sse_error, unless_disconnected
@@ -58,20 +59,43 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> int: ...
 
+    @property
+    def loras(self) -> LoRARegistry | None: ...
+
+    async def add_lora(self, name: str, path: str) -> LoRARequest: ...
+
+    def remove_lora(self, name: str) -> LoRARequest | None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
+    """The base model by its served name, and the LoRA adapters served over it (`loras`, as
+    the engine keeps them: loaded and removed while serving)."""
+
     name: str
     info: ServingInfo
+    loras: LoRARegistry | None = None
 
     def check(self, requested: str | None) -> None:
-        if requested is not None and requested != self.name:
+        self.resolve(requested)
+
+    def resolve(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None for the base model (or no name)."""
+        if requested is None or requested == self.name:
+            return None
+        lora = self.loras.get(requested) if self.loras is not None else None
+        if lora is None:
             raise APIError(
                 404,
                 f"The model `{requested}` does not exist.",
                 param="model",
                 code="model_not_found",
             )
+        return lora
+
+    def name_for(self, lora: LoRARequest | None) -> str:
+        """The `model` a response names: the adapter's, where the request ran one."""
+        return self.name if lora is None else lora.name
 
 
 def new_id(prefix: str) -> str:
@@ -180,9 +204,13 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
     return fields
 
 
-def request_options(body: SamplingFields, request: Request | None = None) -> RequestOptions:
+def request_options(
+    body: SamplingFields, request: Request | None = None, lora: LoRARequest | None = None
+) -> RequestOptions:
     background = request is not None and request.headers.get(BACKGROUND_HEADER) == "1"
-    return RequestOptions(priority=body.priority, timeout=body.timeout, background=background)
+    return RequestOptions(
+        priority=body.priority, timeout=body.timeout, background=background, lora=lora
+    )
 
 
 def bind_trace(request: Request, request_id: str) -> None:

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
+from engine.lora.registry import LoRARequest
 from server.call_array import CallArrayReader
 from server.limits import RequestLimits, check_chat
 from server.logprobs import chat_logprobs, prompt_logprobs
@@ -73,6 +74,8 @@ class PreparedChat:
     parser: str | None
     # None where no reasoning is split off, else whether the reply starts inside it.
     thinking: bool | None
+    # The LoRA adapter the request's `model` names (None: the base model).
+    lora: LoRARequest | None = None
 
 
 class ChatRenderer(ChunkRenderer):
@@ -301,7 +304,8 @@ class ChatHandler:
         tokenizer = require_text_model(self.engine)
         tools = template_tools(body)
         parser = self._parser(tokenizer) if tools and forced is None else None
-        return PreparedChat(prompt, params, forced, parser, thinking)
+        lora = self.model.resolve(body.model)
+        return PreparedChat(prompt, params, forced, parser, thinking, lora)
 
     def renderer(
         self, request_id: str, body: ChatCompletionRequest, prepared: PreparedChat
@@ -309,7 +313,7 @@ class ChatHandler:
         tokenizer = require_text_model(self.engine)
         return ChatRenderer(
             request_id,
-            self.model.name,
+            self.model.name_for(prepared.lora),
             body,
             len(prepared.prompt),
             tokenizer,
@@ -377,7 +381,7 @@ class ChatHandler:
         bind_trace(request, request_id)
         renderer = self.renderer(request_id, body, prepared)
         await self.engine.prepare(prepared.params)
-        options = request_options(body, request)
+        options = request_options(body, request, prepared.lora)
         streams = submit_all(self.engine, [prepared.prompt], prepared.params, request_id, options)
         return await respond(renderer, streams, bool(body.stream), request)
 

@@ -207,9 +207,11 @@ class CompletionHandler:
         tokenizer = self.engine.tokenizer
         request_id = new_id("cmpl")
         bind_trace(request, request_id)
-        renderer = CompletionRenderer(request_id, self.model.name, body, prompts, texts, tokenizer)
+        lora = self.model.resolve(body.model)
+        model = self.model.name_for(lora)
+        renderer = CompletionRenderer(request_id, model, body, prompts, texts, tokenizer)
         await self.engine.prepare(params)
-        options = request_options(body, request)
+        options = request_options(body, request, lora)
         streams = submit_all(self.engine, prompts, params, request_id, options)
         return await respond(renderer, streams, bool(body.stream), request)
 

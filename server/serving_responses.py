@@ -65,7 +65,7 @@ class ResponsesHandler:
         try:
             chat_body, prepared = await self._prepare(body, chat_messages(body, history))
             await self.engine.prepare(prepared.params)  # compiles a format
-            options = request_options(chat_body, request)
+            options = request_options(chat_body, request, prepared.lora)
             streams = submit_all(
                 self.engine, [prepared.prompt], prepared.params, response_id, options
             )
@@ -75,7 +75,8 @@ class ResponsesHandler:
         bind_trace(request, response_id)
         renderer = self.chat.renderer(response_id, chat_body, prepared)
         tokenizer = require_text_model(self.engine)
-        reply = Reply(response_id, self.chat.model.name, body, renderer, tokenizer)
+        model = self.chat.model.name_for(prepared.lora)
+        reply = Reply(response_id, model, body, renderer, tokenizer)
         merged = merge(streams)
         trace = request_trace(request)
         if not body.stream:

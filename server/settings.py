@@ -36,3 +36,5 @@ class ServerSettings:
     # Where uploaded files and batch jobs are kept (None: `state` under the cache folder).
     state_dir: Path | None = None
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (clients then name folders to read).
+    runtime_lora_updating: bool = False

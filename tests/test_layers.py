@@ -47,6 +47,7 @@ BOUNDARIES = [
             *modules_of("engine.scheduling"),
             "engine.kv.block_manager",
             "engine.kv.block_hash",
+            "engine.lora.registry",
         ]
     ),
 ]

@@ -18,10 +18,11 @@ from typing import Any
 
 from engine.core.config import EngineConfig, ServingInfo
 from engine.core.engine_core import EngineCore
-from engine.core.errors import EngineDeadError, RequestFailedError
+from engine.core.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import RequestParamsStats, StepStats
+from engine.lora.registry import LoRARegistry, LoRARequest
 from engine.scheduling.admission import promised_tokens
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class RequestOptions:
     timeout: float | None = None
     # Background work (batch lines): runs only when no other request runs or waits.
     background: bool = False
+    # The LoRA adapter to run under (the `model` a request names); None: the base model.
+    lora: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -109,6 +112,9 @@ class AsyncEngine:
         self._pending_tokens = 0
         self._aborts: list[str] = []
         self._cache_resets: list[asyncio.Future[int]] = []
+        # Adapters read and waiting to be served, and adapters removed, between two steps.
+        self._lora_adds: list[tuple[LoRARequest, Any, asyncio.Future[LoRARequest]]] = []
+        self._lora_removals: list[LoRARequest] = []
         self._new_requests: list[RequestParamsStats] = []
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         self._wake: asyncio.Event | None = None
@@ -153,10 +159,12 @@ class AsyncEngine:
             self._wake_loop()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        for done in self._cache_resets:
+        waiting: list[asyncio.Future[Any]] = [*self._cache_resets]
+        waiting += [done for _, _, done in self._lora_adds]
+        for done in waiting:
             if not done.done():
                 done.set_exception(EngineDeadError("The engine is not running."))
-        self._cache_resets = []
+        self._cache_resets, self._lora_adds = [], []
         self._abort_all_now()
         self._executor.shutdown(wait=True)
         self._grammar_executor.shutdown(wait=False, cancel_futures=True)
@@ -248,7 +256,7 @@ class AsyncEngine:
             raise EngineDeadError(f"The engine is not running{reason}")
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.core.validate(prompt_token_ids, params)
+        self.core.validate(prompt_token_ids, params, options.lora)
         timeout = options.timeout if options.timeout is not None else self.info.request_timeout
         try:
             deferred = self.core.admit(
@@ -308,6 +316,69 @@ class AsyncEngine:
         self._cache_resets.append(done)
         self._wake_loop()
         return await done
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+
+    @property
+    def loras(self) -> LoRARegistry | None:
+        """The adapters served by name (None without `--enable-lora`)."""
+        return self.core.loras
+
+    async def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Read the adapter in folder `path` off the loop and serve it as `name` from the next
+        step on. Raises `InvalidRequestError` where adapters are not served, the name is
+        taken or the folder holds no adapter this model can run."""
+        if not self.is_running:
+            raise EngineDeadError("The engine is not running.")
+        self._check_new_lora(name)
+        loop = asyncio.get_running_loop()
+        try:
+            lora, adapter = await loop.run_in_executor(
+                self._grammar_executor, self.core.read_lora, name, path
+            )
+        except ValueError as exc:  # `LoRAError`: the folder's adapter cannot be served
+            raise InvalidRequestError(str(exc), param="lora_path") from None
+        done: asyncio.Future[LoRARequest] = loop.create_future()
+        self._lora_adds.append((lora, adapter, done))
+        self._wake_loop()
+        return await done
+
+    def remove_lora(self, name: str) -> LoRARequest | None:
+        """Stop serving adapter `name` (None if there is none): new requests cannot name it,
+        those that did run to their end, then its weights are freed."""
+        registry = self.core.loras
+        lora = registry.remove(name) if registry is not None else None
+        if lora is not None:
+            self._lora_removals.append(lora)
+            self._wake_loop()
+        return lora
+
+    def _check_new_lora(self, name: str) -> None:
+        registry = self.core.loras
+        if registry is None:
+            raise InvalidRequestError("LoRA adapters are served only with --enable-lora.")
+        loading = any(lora.name == name for lora, _, _ in self._lora_adds)
+        if name in registry or loading:
+            raise InvalidRequestError(
+                f"The LoRA adapter `{name}` has already been loaded.", param="lora_name"
+            )
+
+    def _apply_lora_changes(self) -> None:
+        adds, self._lora_adds = self._lora_adds, []
+        for lora, adapter, done in adds:
+            if done.done():
+                continue
+            try:
+                self._check_new_lora(lora.name)  # another load of the name may have won
+            except InvalidRequestError as exc:
+                done.set_exception(exc)
+                continue
+            self.core.add_lora(lora, adapter)
+            done.set_result(lora)
+        removals, self._lora_removals = self._lora_removals, []
+        for lora in removals:
+            self.core.retire_lora(lora)
+        self.core.drop_retired()
 
     def _wake_loop(self) -> None:
         if self._wake is not None:
@@ -373,6 +444,7 @@ class AsyncEngine:
         for done in resets:
             if not done.done():
                 done.set_result(self.core.scheduler.block_manager.reset_cache())
+        self._apply_lora_changes()
 
     def _add_to_core(self, add: _PendingAdd) -> None:
         n = add.params.n
@@ -390,6 +462,7 @@ class AsyncEngine:
                     fork_of=children[0] if index else None,
                     priority=add.options.priority,
                     background=add.options.background,
+                    lora=add.options.lora,
                     timeout=add.timeout,
                     deferred=add.deferred,
                     siblings=n,

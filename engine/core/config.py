@@ -27,6 +27,9 @@ class SchedulerConfig:
     Under `priority`, `reserved_seqs` sequence slots are kept for requests of priority 0 or
     more urgent: low-priority ones (priority > 0) occupy at most `max_num_seqs - reserved_seqs`
     slots, so an urgent request finds a free slot instead of waiting for one to finish.
+
+    `max_loras` (with LoRA adapters served) bounds the adapters among the running requests:
+    every step then fits the model's adapter slots.
     """
 
     max_model_len: int
@@ -40,6 +43,7 @@ class SchedulerConfig:
     max_queued_tokens: int | None = None
     admission_soft_limit: float = 0.9
     reserved_seqs: int = 0
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -58,6 +62,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"reserved_seqs must be in [0, max_num_seqs), got {self.reserved_seqs}"
             )
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens "
@@ -150,6 +156,12 @@ class EngineConfig:
     # on CUDA devices only (on a CPU the host computes the step itself).
     async_scheduling: bool | None = None
     runner: str = "generate"
+    # LoRA adapters (`engine/lora/`): served at all, how many one step may run, the highest
+    # rank, and those loaded at start-up as (name, folder).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -157,6 +169,7 @@ class EngineConfig:
         if self.runner == "pooling" and self.tensor_parallel_size > 1:
             # Refused before any worker starts or weight loads.
             raise ValueError("--runner pooling runs on one device (--tensor-parallel-size 1)")
+        self._check_lora()
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
@@ -165,6 +178,24 @@ class EngineConfig:
             raise ValueError(
                 f"unknown load format {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
             )
+
+    def _check_lora(self) -> None:
+        """What LoRA adapters run with is refused before anything loads."""
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters run on one device (--tensor-parallel-size 1)")
+        if self.runner == "pooling":
+            raise ValueError("LoRA adapters run with the generating runner, not --runner pooling")
+        if self.model_impl == "transformers":
+            raise ValueError("LoRA adapters run on Conveyor's model implementation only")
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError("--lora-modules names each adapter once")
 
     def overlaps(self, device_type: str) -> bool:
         """Whether steps are scheduled asynchronously on this kind of device (never for
@@ -188,6 +219,7 @@ class EngineConfig:
             max_queued_tokens=self.max_queued_tokens,
             admission_soft_limit=self.admission_soft_limit,
             reserved_seqs=self._reserved_seqs(),
+            max_loras=self.max_loras if self.enable_lora else None,
         )
 
     def _reserved_seqs(self) -> int:
@@ -216,3 +248,5 @@ class ServingInfo:
     tensor_parallel_size: int = 1
     async_scheduling: bool = False
     runner: str = "generate"
+    # With LoRA adapters served: how many one step may run (0: none served).
+    max_loras: int = 0

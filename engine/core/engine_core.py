@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from engine.core.outputs import ModelRunnerOutput, RequestOutput
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import FinishedRequestStats, StepStats
+from engine.lora.registry import LoRARegistry, LoRARequest
 from engine.scheduling.admission import Admission, fewest_new_tokens, promised_tokens
 from engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from engine.structured.compiler import GrammarCompiler
@@ -60,11 +61,21 @@ class EngineCore:
         self.overlap = False
         self._in_flight: _InFlight | None = None
         self._last_end = 0.0
+        # The LoRA adapters served (None: `--enable-lora` is off), and those removed whose
+        # weights stay until no request runs them.
+        self.loras: LoRARegistry | None = None
+        self._retired: dict[int, LoRARequest] = {}
 
     # ---- requests --------------------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
+    ) -> None:
         """Raise a typed error for a request that can never run; touches no queue."""
+        if lora is not None and not self.runner.has_lora(lora.lora_id):
+            raise InvalidRequestError(
+                f"The LoRA adapter `{lora.name}` is not loaded.", param="model"
+            )
         if not prompt_token_ids:
             raise InvalidRequestError("The prompt is empty.", param="prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
@@ -149,11 +160,12 @@ class EngineCore:
         deferred: bool = False,
         siblings: int = 1,
         background: bool = False,
+        lora: LoRARequest | None = None,
     ) -> Request:
         """Queue a sequence, one of `siblings` of request `parent_id`. `fork_of` names a sibling
         with the same prompt whose prompt blocks this one shares once computed; `timeout` counts
-        from `arrival_time`."""
-        self.validate(prompt_token_ids, params)
+        from `arrival_time`; `lora` is the adapter it runs under (None: the base model)."""
+        self.validate(prompt_token_ids, params, lora)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         request = Request(
             request_id=request_id,
@@ -166,6 +178,7 @@ class EngineCore:
             deadline=None if timeout is None else arrival + timeout,
             deferred=deferred,
             background=background,
+            lora=lora,
         )
         if params.bad_words:
             request.bad_words = bad_word_ids(self.tokenizer, params.bad_words)
@@ -200,6 +213,37 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
+    # ---- LoRA adapters ---------------------------------------------------------------------
+
+    def read_lora(self, name: str, path: str) -> tuple[LoRARequest, Any]:
+        """Read and check an adapter's folder (any thread: it touches no queue or slot); raises
+        `LoRAError` for one that cannot be served."""
+        if self.loras is None:
+            raise InvalidRequestError("LoRA adapters are served only with --enable-lora.")
+        lora = self.loras.new_request(name, path)
+        return lora, self.runner.read_lora(path)
+
+    def add_lora(self, lora: LoRARequest, adapter: Any) -> None:
+        """Serve an adapter `read_lora` read (between steps)."""
+        assert self.loras is not None
+        self.runner.add_lora(lora.lora_id, adapter)
+        self.loras.add(lora)
+
+    def retire_lora(self, lora: LoRARequest) -> None:
+        """Forget an adapter removed from the registry once no request runs it."""
+        self._retired[lora.lora_id] = lora
+        self.drop_retired()
+
+    def drop_retired(self) -> None:
+        """Free the weights of removed adapters that no request runs any more."""
+        if not self._retired:
+            return
+        requests = self.scheduler.requests.values()
+        in_use = {r.lora.lora_id for r in requests if r.lora is not None}
+        for lora_id in [i for i in self._retired if i not in in_use]:
+            self.runner.remove_lora(lora_id)
+            del self._retired[lora_id]
+
     def watch(self, on_failure: Callable[[EngineDeadError], None]) -> None:
         """Have `on_failure` called (from another thread) if a tensor-parallel worker dies."""
         if self.runner.workers is not None:
@@ -224,6 +268,9 @@ class EngineCore:
         stats.prefix_cache_hits, scheduler.prefix_cache_hits = scheduler.prefix_cache_hits, 0
         stats.num_rejections, scheduler.num_rejections = scheduler.num_rejections, 0
         stats.num_waiting_deferred = scheduler.num_deferred()
+        if self.loras is not None:
+            stats.running_loras = _lora_names(scheduler.running)
+            stats.waiting_loras = _lora_names(scheduler.waiting)
         if self.grammars is not None:
             stats.grammar_compile_seconds = self.grammars.take_compile_times()
         return stats
@@ -457,3 +504,8 @@ def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
     into.sampled_token_ids.update(part.sampled_token_ids)
     into.logprobs.update(part.logprobs)
     into.prompt_logprobs.update(part.prompt_logprobs)
+
+
+def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The adapters `requests` run, each once, by name."""
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.sampling_params import SamplingParams
+from engine.lora.registry import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -81,6 +82,8 @@ class Request:
     grammar: Any = None
     # A format that starts later (`StructuredOutputs.after`): a `DeferredGrammar` until then.
     deferred_grammar: Any = None
+    # The LoRA adapter the request runs under; None: the base model.
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -87,3 +87,6 @@ class StepStats:
     new_requests: list[RequestParamsStats] = field(default_factory=list)
     # Seconds each output format compiled since the last step took (cached formats do not).
     grammar_compile_seconds: list[float] = field(default_factory=list)
+    # With LoRA adapters served: the adapters running and waiting requests run, by name.
+    running_loras: tuple[str, ...] | None = None
+    waiting_loras: tuple[str, ...] = ()

@@ -21,12 +21,17 @@ def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
 
 
 def extend_block_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_tokens: int | None = None
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    block_size: int,
+    num_tokens: int | None = None,
+    root: bytes = ROOT_HASH,
 ) -> None:
     """Append the hashes of every full block among the first `num_tokens` of `token_ids`
-    (default: all of them) not hashed yet."""
+    (default: all of them) not hashed yet; the first block's parent is `root` (a LoRA
+    adapter's own, so its blocks never match the base model's)."""
     limit = len(token_ids) if num_tokens is None else num_tokens
     for index in range(len(hashes), limit // block_size):
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else root
         start = index * block_size
         hashes.append(hash_block(parent, token_ids[start : start + block_size]))

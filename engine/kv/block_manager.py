@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from engine.core.request import Request
-from engine.kv.block_hash import extend_block_hashes
+from engine.kv.block_hash import ROOT_HASH, extend_block_hashes
 
 
 class BlockManager:
@@ -67,7 +67,9 @@ class BlockManager:
         (as in vLLM)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, root=_root(request)
+        )
         limit = (request.num_tokens - 1) // self.block_size
         blocks = []
         for block_hash in request.block_hashes[:limit]:
@@ -97,7 +99,11 @@ class BlockManager:
             computed = request.num_computed_tokens
         full = min(computed // self.block_size, len(request.block_ids))
         extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, full * self.block_size
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            full * self.block_size,
+            _root(request),
         )
         for index in range(request.num_published_blocks, full):
             block = request.block_ids[index]
@@ -196,3 +202,8 @@ class BlockManager:
         assert all(self._hashes[b] is not None for b in evictable), "cached block has no hash"
         for block_hash, block in self._by_hash.items():
             assert self._hashes[block] == block_hash, "hash index out of date"
+
+
+def _root(request: Request) -> bytes:
+    """The parent hash of the request's first block: its LoRA adapter's, if it runs one."""
+    return ROOT_HASH if request.lora is None else request.lora.hash_root

@@ -10,7 +10,7 @@ is built. The Hugging Face model stays the oracle: greedy tokens from both must 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -24,6 +24,8 @@ from engine.kernels.cpu.linear import (
     PanelLinear,
     takes_bf16_rows,
 )
+from engine.lora.adapter import Shapes
+from engine.lora.slots import LoRASlots
 from engine.models.layers import add_projected, fuse, gated_activation, rms_norm, rotate
 from engine.models.rotary_table import RotaryTable
 from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, reduced
@@ -74,12 +76,36 @@ class PagedLlamaLayer(nn.Module):
         # With `gated`, one op computes silu(gate) * up; else gate and up side by side.
         self.gate_up_proj = gated or fuse([mlp.gate_proj, mlp.up_proj])
         self.down_proj = reduced(mlp.down_proj, group)
+        # Gate and up one by one, for a step whose adapters change their outputs before the
+        # activation (a tuple: the modules stay the loaded model's, over the same weights).
+        self._gate_and_up = (mlp.gate_proj, mlp.up_proj)
         self.act_fn = mlp.act_fn
         self.intermediate = mlp.gate_proj.out_features
         self.input_norm = hf_layer.input_layernorm
         self.post_attention_norm = hf_layer.post_attention_layernorm
         self.qk_norm_weight = self._qk_norm_weight(attn)
         self.qk_norm_eps = attn.q_norm.variance_epsilon if self.qk_norm_weight is not None else 0.0
+        # LoRA adapters' slots (`--enable-lora`), shared by every layer.
+        self.lora: LoRASlots | None = None
+        self._lora_shapes = self._target_shapes()
+
+    def lora_shapes(self) -> Shapes:
+        """`(in, out)` of each projection an adapter may target."""
+        return self._lora_shapes
+
+    def _target_shapes(self) -> Shapes:
+        hidden = self.input_norm.weight.shape[0]
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        inter = self.intermediate
+        return {
+            "q_proj": (hidden, q),
+            "k_proj": (hidden, kv),
+            "v_proj": (hidden, kv),
+            "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter),
+            "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden),
+        }
 
     def _qk_norm_weight(self, attn: Any) -> torch.Tensor | None:
         """Qwen3 normalises each q and k head; one `[q heads + kv heads, dim]` weight does both
@@ -100,8 +126,14 @@ class PagedLlamaLayer(nn.Module):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        query, key, value = self.project_qkv(hidden, cos, sin)
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        if lora is not None:  # eagerly: compiled pieces and graphs run the base model only
+            query, key, value = PagedLlamaLayer.project_qkv(self, hidden, cos, sin, lora)
+        else:
+            query, key, value = self.project_qkv(hidden, cos, sin)
         out = metadata.backend.forward(self.index, query, key, value, self.scaling, metadata)
+        if lora is not None:
+            return PagedLlamaLayer.after_attention(self, out, hidden, lora)
         return self.after_attention(out, hidden)
 
     @staticmethod
@@ -110,14 +142,21 @@ class PagedLlamaLayer(nn.Module):
         return rms_norm(hidden, norm.weight, norm.variance_epsilon, takes_bf16_rows(projection))
 
     def project_qkv(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: LoRASlots | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What the layer does before attention: query, key and value of each row, normed,
-        projected and rotated. Every op is row by row (piecewise CUDA graphs capture it)."""
+        projected (plus the step's adapters' deltas) and rotated. Every op is row by row
+        (piecewise CUDA graphs capture it)."""
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         tokens = normed.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(normed)
+        if lora is not None:
+            self._adapt(lora, qkv, normed, ("q_proj", "k_proj", "v_proj"))
         qk = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
@@ -125,26 +164,60 @@ class PagedLlamaLayer(nn.Module):
         value = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], value
 
-    def after_attention(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def after_attention(
+        self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
+    ) -> torch.Tensor:
         """What the layer does after attention (`out`, `[tokens, heads, head_dim]`): the
         output projection onto `residual`, then the MLP block. Row by row too."""
         tokens = out.shape[0]
-        hidden = add_projected(
-            self.o_proj, out.reshape(tokens, self.num_heads * self.head_dim), residual
-        )
-        return self._mlp(self._norm(self.post_attention_norm, hidden, self.gate_up_proj), hidden)
+        attended = out.reshape(tokens, self.num_heads * self.head_dim)
+        hidden = add_projected(self.o_proj, attended, residual)
+        if lora is not None:
+            self._adapt(lora, hidden, attended, ("o_proj",))
+        normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
+        return self._mlp(normed, hidden, lora)
 
-    def _mlp(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def _mlp(
+        self, hidden: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
+    ) -> torch.Tensor:
         """`residual` plus the MLP's output."""
-        return add_projected(self.down_proj, self._activation(hidden), residual)
+        activated = self._activation(hidden, lora)
+        out = add_projected(self.down_proj, activated, residual)
+        if lora is not None:
+            self._adapt(lora, out, activated, ("down_proj",))
+        return out
 
-    def _activation(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _adapt(
+        self, lora: LoRASlots, out: torch.Tensor, x: torch.Tensor, targets: tuple[str, ...]
+    ) -> None:
+        """Add the step's adapters' deltas of `targets` (side by side in `out`'s columns, in
+        that order) over input rows `x`, where an adapter of the step targets them."""
+        start = 0
+        for target in targets:
+            width = self._lora_shapes[target][1]
+            if target in lora.targets:
+                columns = out[:, start : start + width]
+                columns += lora.delta(self.index, target, x).to(out.dtype)
+            start += width
+
+    def _activation(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
+        if lora is not None and lora.targets & {"gate_proj", "up_proj"}:
+            gate_up = self._gate_up(hidden)
+            self._adapt(lora, gate_up, hidden, ("gate_proj", "up_proj"))
+            return gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)
         if isinstance(self.gate_up_proj, GatedPanelLinear):
             # bf16 down panels take the rows rounded as they leave the gated product.
             return self.gate_up_proj(hidden, bf16_out=takes_bf16_rows(self.down_proj))
         return gated_activation(
             self.gate_up_proj(hidden), self.act_fn, self.intermediate, self.silu
         )
+
+    def _gate_up(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Gate and up side by side, before the activation (the gated op never writes them)."""
+        if isinstance(self.gate_up_proj, GatedPanelLinear):
+            gate, up = self._gate_and_up
+            return torch.cat([gate(hidden), up(hidden)], dim=-1)
+        return self.gate_up_proj(hidden)
 
 
 class PagedLlamaForCausalLM(nn.Module):
@@ -174,6 +247,20 @@ class PagedLlamaForCausalLM(nn.Module):
             if shard is None
             else fused_decode.FusedDecode(DecodeRoute.OPS, reason="tensor parallel")
         )
+        self.lora: LoRASlots | None = None
+
+    def attach_lora(self, slots: LoRASlots) -> None:
+        """Serve LoRA adapters from `slots`: a step that runs any takes the layers op by op."""
+        self.lora = slots
+        for layer in self._paged_layers:
+            layer.lora = slots
+
+    def lora_shapes(self) -> list[Shapes]:
+        return [layer.lora_shapes() for layer in self._paged_layers]
+
+    @property
+    def _paged_layers(self) -> list[PagedLlamaLayer]:
+        return [cast(PagedLlamaLayer, layer) for layer in self.layers]
 
     @property
     def vocab_size(self) -> int:
@@ -244,7 +331,8 @@ class PagedLlamaForCausalLM(nn.Module):
     def _fused_step(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> DecodeStep | None:
         """The step as the fused decode takes it, where this model's layers fuse, the rows are
         fp32 and the attention backend hands one out (every row decodes); else None."""
-        if self.fused_decode.route is DecodeRoute.OPS or not _fp32_rows(hidden):
+        adapted = self.lora is not None and self.lora.active
+        if self.fused_decode.route is DecodeRoute.OPS or adapted or not _fp32_rows(hidden):
             return None
         return metadata.backend.decode_step(metadata)
 

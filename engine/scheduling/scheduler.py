@@ -23,6 +23,7 @@ from engine.core.errors import PromptTooLongError
 from engine.core.outputs import ModelRunnerOutput
 from engine.core.request import FinishReason, Request, RequestStatus
 from engine.kv.block_manager import BlockManager
+from engine.scheduling.adapters import adapter_gate
 from engine.scheduling.admission import (
     AdmissionLimits,
     Decision,
@@ -223,7 +224,21 @@ class Scheduler:
 
     def _admissible(self) -> Callable[[Request], bool]:
         """Eligible requests, less low-priority ones once they fill their share of the slots
-        (the rest are reserved for urgent requests)."""
+        (the rest are reserved for urgent requests), and less those whose LoRA adapter would be
+        one too many (`adapters.py`)."""
+        eligible = self._slot_share()
+        max_loras = self.config.max_loras
+        if max_loras is None:
+            return eligible
+        now = self.clock()
+        ranked = [r for r in self.waiting if eligible(r)]
+        if self.policy.uses_priority:
+            ranked.sort(key=lambda r: self.policy.key(r, now))
+        fits = adapter_gate(self.running, ranked, max_loras)
+        return lambda r: eligible(r) and fits(r)
+
+    def _slot_share(self) -> Callable[[Request], bool]:
+        """Eligible requests, less low-priority ones once they fill their share of the slots."""
         reserved = self.config.reserved_seqs if self.policy.uses_priority else 0
         if not reserved:
             return self._eligible

@@ -17,6 +17,8 @@ from engine.core.errors import WorkerFailedError
 from engine.core.outputs import ModelRunnerOutput, TokenLogprob
 from engine.core.request import Request
 from engine.kv.kv_cache import KVCache
+from engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+from engine.lora.slots import LoRASlots
 from engine.models import CausalLM
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.parallel.step import StepInputs
@@ -62,6 +64,8 @@ class ModelRunner:
         self.greedy_in_model = True
         # The pooling runner: a prompt's last step returns its last hidden state, no token.
         self.pooling = False
+        # LoRA adapters' slots (`--enable-lora`); each step sets which rows run which.
+        self.lora: LoRASlots | None = None
         # The last step's sampled tokens on the device, and each request's row in them.
         self._last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_rows: dict[str, int] = {}
@@ -77,6 +81,8 @@ class ModelRunner:
         until `LaunchedStep.result()`."""
         self.kv_cache.copy_blocks(scheduler_output.block_copies)
         batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
+        if self.lora is not None:
+            self.lora.begin([r.lora for r in batch.requests], batch.query_lens)
         requests = _sampled_requests(batch)
         if self.pooling:
             return self._pool(batch, requests)
@@ -176,13 +182,20 @@ class ModelRunner:
         """A decode graph runs the step. The step that calibrates the KV cache's scales runs
         eagerly, as do those the graphs do not take."""
         graphs = self.graphs
-        calibrating = self.kv_cache.calibrating
-        return graphs is not None and not calibrating and graphs.supports(batch, logits_indices)
+        if graphs is None or not self._graphs_run_it():
+            return False
+        return graphs.supports(batch, logits_indices)
 
     def _runs_in_pieces(self, batch: InputBatch) -> bool:
         """Piecewise graphs run the step (again not the calibrating one)."""
         pieces = self.piecewise
-        return pieces is not None and not self.kv_cache.calibrating and pieces.supports(batch)
+        return pieces is not None and self._graphs_run_it() and pieces.supports(batch)
+
+    def _graphs_run_it(self) -> bool:
+        """The step is one graphs can replay: it neither calibrates the KV cache's scales nor
+        runs a LoRA adapter (the graphs hold the base model's products)."""
+        adapted = self.lora is not None and self.lora.active
+        return not self.kv_cache.calibrating and not adapted
 
     def _model_inputs(
         self, batch: InputBatch, logits_indices: np.ndarray, input_ids: torch.Tensor
@@ -228,6 +241,25 @@ class ModelRunner:
 
     def release(self, request_ids: list[str]) -> None:
         self.sampler.release(request_ids)
+
+    def has_lora(self, lora_id: int) -> bool:
+        return self.lora is not None and lora_id in self.lora.adapters
+
+    def read_lora(self, path: str) -> LoRAAdapter:
+        """The adapter in folder `path`, checked against this model (`LoRAError` if it does not
+        fit)."""
+        if self.lora is None:
+            raise LoRAError("LoRA adapters are served only with --enable-lora")
+        model = cast(PagedLlamaForCausalLM, self.model)
+        return load_adapter(path, model.lora_shapes(), self.lora.rank)
+
+    def add_lora(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        assert self.lora is not None
+        self.lora.add(lora_id, adapter)
+
+    def remove_lora(self, lora_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_id)
 
     def close(self) -> None:
         """Stop the other ranks, if any."""

@@ -1,0 +1,177 @@
+"""One LoRA adapter read from its folder, as PEFT saves it (`adapter_config.json` and
+`adapter_model.safetensors` or `.bin`): for each layer's projection it targets, `A` `[r, in]`
+and `B` `[out, r]` with the adapter's scale folded into `B`, so that the projection's output
+gains `x A^T B^T`.
+
+What the served delta cannot express is refused with the reason: DoRA, LoRA biases, modules
+saved whole, embedding or LM-head adapters, per-module alphas, a rank over `--max-lora-rank`,
+shapes that are not the base model's."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# The projections of a Llama-family layer an adapter may target, by PEFT's module names.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+_KEY = re.compile(
+    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGETS) + r")\.lora_([AB])\.weight"
+)
+# Settings that make the adapter compute something else than plain LoRA where they are set
+# (plain LoRA leaves each false, null or empty).
+_NOT_PLAIN = (
+    "use_dora",
+    "lora_bias",
+    "fan_in_fan_out",
+    "modules_to_save",
+    "alpha_pattern",
+    "layer_replication",
+    "trainable_token_indices",
+    "alora_invocation_tokens",
+)
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served, and why."""
+
+
+# `(in_features, out_features)` of each target projection of one layer.
+Shapes = dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAWeights:
+    """One projection's adapter: `a` `[r, in]`, `b` `[out, r]` already scaled."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAAdapter:
+    """An adapter's weights by `(layer index, projection name)`, on the host in fp32."""
+
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], LoRAWeights]
+
+    @property
+    def targets(self) -> set[str]:
+        return {name for _, name in self.weights}
+
+
+def load_adapter(path: str, layer_shapes: list[Shapes], max_rank: int) -> LoRAAdapter:
+    """Read and check the adapter in folder `path` against the base model's layers."""
+    folder = Path(path)
+    if not (folder / CONFIG_FILE).is_file():
+        raise LoRAError(f"no LoRA adapter at {path!r}: {CONFIG_FILE} not found")
+    config = _read_config(folder / CONFIG_FILE)
+    tensors = _read_tensors(folder)
+    pairs = _pairs(tensors, len(layer_shapes))
+    weights: dict[tuple[int, str], LoRAWeights] = {}
+    ranks = set()
+    for (layer, name), (a, b) in sorted(pairs.items()):
+        _check_shapes(layer, name, a, b, layer_shapes[layer][name])
+        rank = a.shape[0]
+        if rank > max_rank:
+            raise LoRAError(
+                f"the adapter's rank {rank} is above --max-lora-rank {max_rank}; "
+                "raise --max-lora-rank to serve it"
+            )
+        ranks.add(rank)
+        scale = _scale(config, rank)
+        weights[layer, name] = LoRAWeights(a.float().contiguous(), (b.float() * scale).contiguous())
+    if not weights:
+        raise LoRAError(f"the adapter at {path!r} holds no LoRA weights of a layer's projection")
+    return LoRAAdapter(str(folder), max(ranks), weights)
+
+
+def _read_config(file: Path) -> dict:
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LoRAError(f"{file} is not readable JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"{file} does not hold an object")
+    kind = config.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise LoRAError(f"the adapter is {kind}, not LORA")
+    for key in _NOT_PLAIN:
+        if config.get(key):
+            raise LoRAError(f"adapters with {key}={config[key]!r} are not supported")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"adapters with bias={config['bias']!r} are not supported")
+    alpha = config.get("lora_alpha")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or alpha <= 0:
+        raise LoRAError(f"{file} needs a positive lora_alpha")
+    return config
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    for name in WEIGHT_FILES:
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(file))
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise LoRAError(f"{file} could not be read: {exc}") from None
+    raise LoRAError(f"no adapter weights in {folder} (looked for {', '.join(WEIGHT_FILES)})")
+
+
+def _pairs(
+    tensors: dict[str, torch.Tensor], num_layers: int
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Each targeted projection's (A, B); any other tensor is refused by name."""
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.fullmatch(key)
+        if match is None:
+            raise LoRAError(
+                f"the adapter holds {key!r}: only LoRA weights of the layers' projections "
+                f"({', '.join(TARGETS)}) can be served"
+            )
+        layer = int(match.group(1))
+        if layer >= num_layers:
+            raise LoRAError(f"{key!r} names layer {layer}; the model has {num_layers} layers")
+        found.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor
+    pairs = {}
+    for (layer, name), pair in found.items():
+        if set(pair) != {"A", "B"}:
+            raise LoRAError(f"layer {layer}'s {name} has lora_A or lora_B but not both")
+        pairs[layer, name] = (pair["A"], pair["B"])
+    return pairs
+
+
+def _check_shapes(
+    layer: int, name: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int]
+) -> None:
+    in_features, out_features = shape
+    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+        raise LoRAError(f"layer {layer}'s {name}: lora_A and lora_B do not make a low-rank pair")
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise LoRAError(
+            f"layer {layer}'s {name} adapts a {a.shape[1]} -> {b.shape[0]} projection; "
+            f"the model's is {in_features} -> {out_features} (an adapter of another model?)"
+        )
+
+
+def _scale(config: dict, rank: int) -> float:
+    """PEFT's scale: alpha / r, or alpha / sqrt(r) for rank-stabilized LoRA."""
+    alpha = float(config["lora_alpha"])
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank

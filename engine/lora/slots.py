@@ -1,0 +1,129 @@
+"""The adapters the model can run, and the `max_loras` slots one step runs them in.
+
+Every layer's projection holds the slots' weights stacked: `A` `[slots * rank, in]` and `B`
+`[out, slots * rank]`, each adapter zero-padded to `--max-lora-rank`. A step sets a mask
+`[tokens, slots * rank]` that keeps, for each token, the columns of its request's slot (none
+for a base-model request), so a projection's delta for a whole mixed batch is two products and
+a multiply, `((x A^T) * mask) B^T`, whatever adapters its rows use. An adapter enters a slot
+when a step first needs it, taking the least recently used slot the step does not need (the
+scheduler never runs more adapters in a step than there are slots)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+
+from engine.lora.adapter import TARGETS, LoRAAdapter, Shapes
+from engine.lora.registry import LoRARequest
+
+
+class LoRASlots:
+    def __init__(
+        self,
+        layer_shapes: list[Shapes],
+        max_loras: int,
+        max_rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        """`dtype`: what the adapters compute in (fp32 on a CPU: the products are small)."""
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        self.layer_shapes = layer_shapes
+        self.num_slots, self.rank = max_loras, max_rank
+        self.device, self.dtype = device, dtype
+        width = max_loras * max_rank
+        self.a = [_stack(shapes, lambda i, o: (width, i), device, dtype) for shapes in layer_shapes]
+        self.b = [_stack(shapes, lambda i, o: (o, width), device, dtype) for shapes in layer_shapes]
+        # The slot each column of the stacked products belongs to.
+        self._columns = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
+        self.adapters: dict[int, LoRAAdapter] = {}
+        self._held: list[int | None] = [None] * max_loras
+        self._used: list[int] = [0] * max_loras
+        self._clock = 0
+        # The running step's token-by-column mask, and the projections its adapters target
+        # (None and empty while the step runs the base model alone).
+        self.mask: torch.Tensor | None = None
+        self.targets: frozenset[str] = frozenset()
+
+    @property
+    def active(self) -> bool:
+        return self.mask is not None
+
+    def add(self, lora_id: int, adapter: LoRAAdapter) -> None:
+        self.adapters[lora_id] = adapter
+
+    def remove(self, lora_id: int) -> None:
+        """Forget the adapter's weights, and the slot it held."""
+        self.adapters.pop(lora_id, None)
+        for slot, held in enumerate(self._held):
+            if held == lora_id:
+                self._held[slot] = None
+
+    def begin(self, loras: list[LoRARequest | None], query_lens: np.ndarray) -> bool:
+        """Set the step up for rows of `query_lens` tokens run under `loras` (None: the base
+        model); False, with no mask, when no row takes an adapter."""
+        ids = {lora.lora_id for lora in loras if lora is not None}
+        if not ids:
+            self.mask, self.targets = None, frozenset()
+            return False
+        if len(ids) > self.num_slots:
+            raise RuntimeError(f"a step runs {len(ids)} adapters; there are {self.num_slots} slots")
+        slot_of = {lora_id: self._slot_for(lora_id, ids) for lora_id in sorted(ids)}
+        row_slots = np.fromiter(
+            (-1 if lora is None else slot_of[lora.lora_id] for lora in loras), np.int64, len(loras)
+        )
+        token_slots = torch.from_numpy(np.repeat(row_slots, query_lens)).to(self.device)
+        self.mask = (token_slots[:, None] == self._columns[None, :]).to(self.dtype)
+        self.targets = frozenset(t for i in ids for t in self.adapters[i].targets)
+        return True
+
+    def delta(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor:
+        """What the step's adapters add to `target`'s output over rows `x`."""
+        assert self.mask is not None
+        a, b = self.a[layer][target], self.b[layer][target]
+        return ((x.to(self.dtype) @ a.T) * self.mask) @ b.T
+
+    def _slot_for(self, lora_id: int, needed: Iterable[int]) -> int:
+        """The slot holding the adapter, loading it into a free or the least recently used
+        slot no adapter of the step holds."""
+        self._clock += 1
+        if lora_id in self._held:
+            slot = self._held.index(lora_id)
+        else:
+            keep = set(needed)
+            free = [s for s, held in enumerate(self._held) if held is None or held not in keep]
+            slot = min(free, key=lambda s: (self._held[s] is not None, self._used[s]))
+            self._load(slot, self.adapters[lora_id])
+            self._held[slot] = lora_id
+        self._used[slot] = self._clock
+        return slot
+
+    @torch.inference_mode()
+    def _load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy the adapter into the slot's columns, zeros where it targets nothing."""
+        cols = slice(slot * self.rank, (slot + 1) * self.rank)
+        for layer in range(len(self.layer_shapes)):
+            for target in TARGETS:
+                a, b = self.a[layer][target][cols], self.b[layer][target][:, cols]
+                a.zero_()
+                b.zero_()
+                weights = adapter.weights.get((layer, target))
+                if weights is not None:
+                    a[: weights.rank].copy_(weights.a)
+                    b[:, : weights.rank].copy_(weights.b)
+
+
+def _stack(
+    shapes: Shapes,
+    shape_of: Callable[[int, int], tuple[int, int]],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """One zero tensor per target, shaped from its `(in, out)`."""
+    return {
+        target: torch.zeros(shape_of(*shapes[target]), device=device, dtype=dtype)
+        for target in TARGETS
+    }

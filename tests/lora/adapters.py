@@ -1,0 +1,45 @@
+"""LoRA adapters for the tiny test model, written by PEFT as users' training runs write them,
+and PEFT's own model with the adapter merged: the oracle for what serving one computes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import LlamaForCausalLM
+
+from tests.helpers import tiny_llama
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+def save_adapter(
+    folder: Path,
+    targets: list[str],
+    seed: int,
+    rank: int = 4,
+    zero: bool = False,
+    **config: Any,
+) -> str:
+    """An adapter of the tiny model saved in `folder`: random A and B wide enough to change its
+    greedy tokens (or, with `zero`, B left at zero as PEFT initializes it: a delta of nothing)."""
+    torch.manual_seed(seed)
+    lora = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=zero, **config
+    )
+    model = get_peft_model(tiny_llama(), lora)
+    if not zero:
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if "lora_B" in name:
+                    weight.normal_(std=0.3)
+    model.save_pretrained(str(folder))
+    return str(folder)
+
+
+def merged(path: str, **tiny: Any) -> LlamaForCausalLM:
+    """The tiny model with the adapter at `path` merged into its weights, by PEFT."""
+    return PeftModel.from_pretrained(tiny_llama(**tiny), path).merge_and_unload()

@@ -1,0 +1,158 @@
+"""Serving LoRA adapters: greedy tokens under an adapter equal PEFT's merged model's, whatever
+else shares the step; the rows of the base model are untouched by the adapters beside them;
+at most `max_loras` adapters run in a step; cached prefixes never cross adapters; a removed
+adapter serves the requests that named it before its weights go."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.core.sampling_params import SamplingParams
+from engine.kernels.cpu.linear import GatedPanelLinear
+from engine.lora.registry import LoRARequest
+from tests.helpers import reference_greedy, tiny_core, tiny_llama, tokens_of
+from tests.kernels.test_decode_layer import BF16, packed
+from tests.lora.adapters import ATTENTION, MLP, merged, save_adapter
+
+PROMPTS = [[5, 9, 33, 2, 17], list(range(40, 70)), [7] * 13]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, str]:
+    """One adapter of the attention's projections (rank 4), one of the MLP's and q (rank 8)."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "attn": save_adapter(root / "attn", ATTENTION, seed=1, rank=4),
+        "mlp": save_adapter(root / "mlp", [*MLP, "q_proj"], seed=2, rank=8),
+    }
+
+
+def lora_core(adapters: dict[str, str], max_loras: int = 2, model=None, **options):
+    model = model if model is not None else tiny_llama()
+    return tiny_core(
+        model,
+        enable_lora=True,
+        max_loras=max_loras,
+        lora_modules=tuple(adapters.items()),
+        **options,
+    )[0]
+
+
+def run(core, requests: list[tuple[list[int], str | None]], params=GREEDY) -> list[list[int]]:
+    """Each (prompt, adapter name or None) as one request, all queued at once; their tokens."""
+    for i, (prompt, name) in enumerate(requests):
+        lora = core.loras.get(name) if name is not None else None
+        core.add_request(f"r{i}", prompt, params, lora=lora)
+    outputs: dict[str, list] = {f"r{i}": [] for i in range(len(requests))}
+    while core.has_unfinished():
+        for output in core.step():
+            outputs[output.request_id].append(output)
+        core.scheduler.check_invariants()
+    return [tokens_of(outputs[f"r{i}"]) for i in range(len(requests))]
+
+
+def oracle(adapters: dict[str, str], prompt: list[int], name: str | None) -> list[int]:
+    model = tiny_llama() if name is None else merged(adapters[name])
+    return reference_greedy(model, prompt, GREEDY.max_tokens)
+
+
+def mixed(names: list[str | None]) -> list[tuple[list[int], str | None]]:
+    """Every prompt under every name: base-model and adapter rows in the same steps."""
+    return [(prompt, name) for name in names for prompt in PROMPTS]
+
+
+def test_greedy_tokens_under_each_adapter_equal_peft_merged_models(adapters):
+    requests = mixed([None, "attn", "mlp"])
+    got = run(lora_core(adapters), requests)
+    for (prompt, name), tokens in zip(requests, got, strict=True):
+        assert tokens == oracle(adapters, prompt, name), (prompt, name)
+    base = got[: len(PROMPTS)]
+    assert all(adapted != base for adapted in (got[3:6], got[6:9]))  # the adapters act
+
+
+def test_one_slot_runs_one_adapter_a_step_and_every_request_still_gets_its_own(adapters):
+    core = lora_core(adapters, max_loras=1)
+    slots = core.runner.lora
+    seen: list[set[int]] = []
+    begin = slots.begin
+
+    def counting(loras: list[LoRARequest | None], query_lens: np.ndarray) -> bool:
+        seen.append({lora.lora_id for lora in loras if lora is not None})
+        return begin(loras, query_lens)
+
+    slots.begin = counting
+    requests = [(PROMPTS[0], "attn"), (PROMPTS[1], "mlp"), (PROMPTS[2], "attn"), (PROMPTS[0], None)]
+    got = run(core, requests)
+    for (prompt, name), tokens in zip(requests, got, strict=True):
+        assert tokens == oracle(adapters, prompt, name), (prompt, name)
+    assert max(len(ids) for ids in seen) == 1
+    assert len({frozenset(ids) for ids in seen if ids}) == 2  # both ran, in turn
+
+
+@pytest.mark.parametrize("weights", ["fp32", BF16])
+def test_base_rows_beside_adapter_rows_are_the_base_models_own(tmp_path, adapters, weights):
+    """An adapter whose B is zero (as PEFT starts one) changes nothing, so every row of a step
+    that runs adapters takes the adapted path (layer by layer where decode steps otherwise
+    run the fused stack; gate and up apart where bf16 panels otherwise compute them gated) and
+    must still give the tokens the base model gives alone, over the panels served here."""
+    zero = save_adapter(tmp_path / "zero", [*ATTENTION, *MLP], seed=3, zero=True)
+    alone = run(tiny_core(packed(tiny_llama(), weights))[0], mixed([None]))
+    core = lora_core({**adapters, "zero": zero}, model=packed(tiny_llama(), weights))
+    layer = core.runner.model.layers[0]
+    assert (weights == "bf16") == isinstance(layer.gate_up_proj, GatedPanelLinear)
+    got = run(core, mixed([None, "zero", "mlp"]))
+    assert got[:3] == alone and got[3:6] == alone
+    assert got[6:] != alone
+
+
+def test_async_steps_give_the_tokens_of_steps_in_turn(adapters):
+    requests = mixed([None, "attn", "mlp"])
+    in_turn = run(lora_core(adapters, async_scheduling=False), requests)
+    assert run(lora_core(adapters, async_scheduling=True), requests) == in_turn
+
+
+def test_cached_blocks_are_reused_under_the_same_adapter_only(adapters):
+    core = lora_core(adapters)
+    prompt = list(range(100, 140))
+
+    def cached(request_id: str, name: str | None) -> int:
+        lora = core.loras.get(name) if name is not None else None
+        request = core.add_request(request_id, prompt, GREEDY, lora=lora)
+        while core.has_unfinished():
+            core.step()
+        assert request.output_token_ids == oracle(adapters, prompt, name)
+        return request.num_cached_tokens
+
+    assert cached("base", None) == 0
+    assert cached("attn", "attn") == 0  # the base model's blocks are not its own
+    assert cached("attn-again", "attn") > 0
+    assert cached("mlp", "mlp") == 0
+    assert cached("base-again", None) > 0
+
+
+def test_a_removed_adapter_finishes_its_requests_then_frees_its_weights(adapters):
+    core = lora_core(adapters)
+    lora = core.loras.get("attn")
+    request = core.add_request("r", PROMPTS[1], GREEDY, lora=lora)
+    core.step()
+    core.loras.remove("attn")
+    core.retire_lora(lora)
+    assert core.runner.has_lora(lora.lora_id)
+    while core.has_unfinished():
+        core.step()
+        core.drop_retired()
+    assert request.output_token_ids == oracle(adapters, PROMPTS[1], "attn")
+    assert not core.runner.has_lora(lora.lora_id)
+    with pytest.raises(Exception, match="not loaded"):
+        core.add_request("late", PROMPTS[0], GREEDY, lora=lora)
+
+
+def test_the_step_stats_name_the_adapters_running_and_waiting(adapters):
+    core = lora_core(adapters, max_loras=1, max_num_seqs=2)
+    for i, name in enumerate(["attn", "attn", "mlp"]):
+        core.add_request(f"r{i}", PROMPTS[i], GREEDY, lora=core.loras.get(name))
+    core.step()
+    stats = core.take_stats()
+    assert stats.running_loras == ("attn",) and stats.waiting_loras == ("mlp",)
