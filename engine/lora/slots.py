@@ -10,13 +10,22 @@ scheduler never runs more adapters in a step than there are slots)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
-from engine.lora.adapter import TARGETS, LoRAAdapter, Shapes
+from engine.lora.adapter import LoRAAdapter, Shapes
 from engine.lora.registry import LoRARequest
+
+# The projections that share an input, in the order the model's fused outputs hold them: a
+# group's delta is one product pair over its targets' slots side by side.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 
 
 class LoRASlots:
@@ -34,23 +43,24 @@ class LoRASlots:
         self.layer_shapes = layer_shapes
         self.num_slots, self.rank = max_loras, max_rank
         self.device, self.dtype = device, dtype
-        width = max_loras * max_rank
-        self.a = [_stack(shapes, lambda i, o: (width, i), device, dtype) for shapes in layer_shapes]
-        self.b = [_stack(shapes, lambda i, o: (o, width), device, dtype) for shapes in layer_shapes]
-        # The slot each column of the stacked products belongs to.
+        # Per layer and group: A `[targets * slots * rank, in]`, and B `[sum of outs, targets *
+        # slots * rank]`, block-diagonal (each target's rows read its own columns only).
+        self.a = [self._stacks(shapes, "a") for shapes in layer_shapes]
+        self.b = [self._stacks(shapes, "b") for shapes in layer_shapes]
+        # The slot each column of a one-target group's products belongs to.
         self._columns = torch.arange(max_loras, device=device).repeat_interleave(max_rank)
         self.adapters: dict[int, LoRAAdapter] = {}
         self._held: list[int | None] = [None] * max_loras
         self._used: list[int] = [0] * max_loras
         self._clock = 0
-        # The running step's token-by-column mask, and the projections its adapters target
-        # (None and empty while the step runs the base model alone).
-        self.mask: torch.Tensor | None = None
-        self.targets: frozenset[str] = frozenset()
+        # The running step's token-by-column mask per group size (None while the step runs
+        # the base model alone), and the groups its adapters target.
+        self._masks: dict[int, torch.Tensor] | None = None
+        self.groups: frozenset[str] = frozenset()
 
     @property
     def active(self) -> bool:
-        return self.mask is not None
+        return self._masks is not None
 
     def add(self, lora_id: int, adapter: LoRAAdapter) -> None:
         self.adapters[lora_id] = adapter
@@ -67,7 +77,7 @@ class LoRASlots:
         model); False, with no mask, when no row takes an adapter."""
         ids = {lora.lora_id for lora in loras if lora is not None}
         if not ids:
-            self.mask, self.targets = None, frozenset()
+            self._masks, self.groups = None, frozenset()
             return False
         if len(ids) > self.num_slots:
             raise RuntimeError(f"a step runs {len(ids)} adapters; there are {self.num_slots} slots")
@@ -76,15 +86,31 @@ class LoRASlots:
             (-1 if lora is None else slot_of[lora.lora_id] for lora in loras), np.int64, len(loras)
         )
         token_slots = torch.from_numpy(np.repeat(row_slots, query_lens)).to(self.device)
-        self.mask = (token_slots[:, None] == self._columns[None, :]).to(self.dtype)
-        self.targets = frozenset(t for i in ids for t in self.adapters[i].targets)
+        mask = (token_slots[:, None] == self._columns[None, :]).to(self.dtype)
+        sizes = {len(targets) for targets in GROUPS.values()}
+        self._masks = {size: mask.repeat(1, size) for size in sizes}
+        targets = {t for i in ids for t in self.adapters[i].targets}
+        self.groups = frozenset(g for g, members in GROUPS.items() if targets & set(members))
         return True
 
-    def delta(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor:
-        """What the step's adapters add to `target`'s output over rows `x`."""
-        assert self.mask is not None
-        a, b = self.a[layer][target], self.b[layer][target]
-        return ((x.to(self.dtype) @ a.T) * self.mask) @ b.T
+    def delta(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
+        """What the step's adapters add to `group`'s outputs (side by side) over rows `x`."""
+        assert self._masks is not None
+        a, b = self.a[layer][group], self.b[layer][group]
+        mask = self._masks[len(GROUPS[group])]
+        return ((x.to(self.dtype) @ a.T) * mask) @ b.T
+
+    def _stacks(self, shapes: Shapes, side: str) -> dict[str, torch.Tensor]:
+        width = self.num_slots * self.rank
+        stacks = {}
+        for group, targets in GROUPS.items():
+            columns = len(targets) * width
+            if side == "a":
+                shape = (columns, shapes[targets[0]][0])
+            else:
+                shape = (sum(shapes[t][1] for t in targets), columns)
+            stacks[group] = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        return stacks
 
     def _slot_for(self, lora_id: int, needed: Iterable[int]) -> int:
         """The slot holding the adapter, loading it into a free or the least recently used
@@ -104,26 +130,19 @@ class LoRASlots:
     @torch.inference_mode()
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Copy the adapter into the slot's columns, zeros where it targets nothing."""
-        cols = slice(slot * self.rank, (slot + 1) * self.rank)
-        for layer in range(len(self.layer_shapes)):
-            for target in TARGETS:
-                a, b = self.a[layer][target][cols], self.b[layer][target][:, cols]
-                a.zero_()
-                b.zero_()
-                weights = adapter.weights.get((layer, target))
-                if weights is not None:
-                    a[: weights.rank].copy_(weights.a)
-                    b[:, : weights.rank].copy_(weights.b)
-
-
-def _stack(
-    shapes: Shapes,
-    shape_of: Callable[[int, int], tuple[int, int]],
-    device: torch.device,
-    dtype: torch.dtype,
-) -> dict[str, torch.Tensor]:
-    """One zero tensor per target, shaped from its `(in, out)`."""
-    return {
-        target: torch.zeros(shape_of(*shapes[target]), device=device, dtype=dtype)
-        for target in TARGETS
-    }
+        width = self.num_slots * self.rank
+        for layer, shapes in enumerate(self.layer_shapes):
+            for group, targets in GROUPS.items():
+                row = 0
+                for index, target in enumerate(targets):
+                    start = index * width + slot * self.rank
+                    cols = slice(start, start + self.rank)
+                    rows = slice(row, row + shapes[target][1])
+                    a, b = self.a[layer][group][cols], self.b[layer][group][rows, cols]
+                    a.zero_()
+                    b.zero_()
+                    weights = adapter.weights.get((layer, target))
+                    if weights is not None:
+                        a[: weights.rank].copy_(weights.a)
+                        b[:, : weights.rank].copy_(weights.b)
+                    row = rows.stop

@@ -76,9 +76,6 @@ class PagedLlamaLayer(nn.Module):
         # With `gated`, one op computes silu(gate) * up; else gate and up side by side.
         self.gate_up_proj = gated or fuse([mlp.gate_proj, mlp.up_proj])
         self.down_proj = reduced(mlp.down_proj, group)
-        # Gate and up one by one, for a step whose adapters change their outputs before the
-        # activation (a tuple: the modules stay the loaded model's, over the same weights).
-        self._gate_and_up = (mlp.gate_proj, mlp.up_proj)
         self.act_fn = mlp.act_fn
         self.intermediate = mlp.gate_proj.out_features
         self.input_norm = hf_layer.input_layernorm
@@ -155,8 +152,8 @@ class PagedLlamaLayer(nn.Module):
         tokens = normed.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(normed)
-        if lora is not None:
-            self._adapt(lora, qkv, normed, ("q_proj", "k_proj", "v_proj"))
+        if lora is not None and "qkv" in lora.groups:
+            qkv += lora.delta(self.index, "qkv", normed).to(qkv.dtype)
         qk = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
         if self.qk_norm_weight is not None:
             qk = rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
@@ -172,8 +169,8 @@ class PagedLlamaLayer(nn.Module):
         tokens = out.shape[0]
         attended = out.reshape(tokens, self.num_heads * self.head_dim)
         hidden = add_projected(self.o_proj, attended, residual)
-        if lora is not None:
-            self._adapt(lora, hidden, attended, ("o_proj",))
+        if lora is not None and "o" in lora.groups:
+            hidden += lora.delta(self.index, "o", attended).to(hidden.dtype)
         normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
         return self._mlp(normed, hidden, lora)
 
@@ -183,27 +180,14 @@ class PagedLlamaLayer(nn.Module):
         """`residual` plus the MLP's output."""
         activated = self._activation(hidden, lora)
         out = add_projected(self.down_proj, activated, residual)
-        if lora is not None:
-            self._adapt(lora, out, activated, ("down_proj",))
+        if lora is not None and "down" in lora.groups:
+            out += lora.delta(self.index, "down", activated).to(out.dtype)
         return out
 
-    def _adapt(
-        self, lora: LoRASlots, out: torch.Tensor, x: torch.Tensor, targets: tuple[str, ...]
-    ) -> None:
-        """Add the step's adapters' deltas of `targets` (side by side in `out`'s columns, in
-        that order) over input rows `x`, where an adapter of the step targets them."""
-        start = 0
-        for target in targets:
-            width = self._lora_shapes[target][1]
-            if target in lora.targets:
-                columns = out[:, start : start + width]
-                columns += lora.delta(self.index, target, x).to(out.dtype)
-            start += width
-
     def _activation(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
-        if lora is not None and lora.targets & {"gate_proj", "up_proj"}:
+        if lora is not None and "gate_up" in lora.groups:
             gate_up = self._gate_up(hidden)
-            self._adapt(lora, gate_up, hidden, ("gate_proj", "up_proj"))
+            gate_up += lora.delta(self.index, "gate_up", hidden).to(gate_up.dtype)
             return gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)
         if isinstance(self.gate_up_proj, GatedPanelLinear):
             # bf16 down panels take the rows rounded as they leave the gated product.
@@ -215,8 +199,7 @@ class PagedLlamaLayer(nn.Module):
     def _gate_up(self, hidden: torch.Tensor) -> torch.Tensor:
         """Gate and up side by side, before the activation (the gated op never writes them)."""
         if isinstance(self.gate_up_proj, GatedPanelLinear):
-            gate, up = self._gate_and_up
-            return torch.cat([gate(hidden), up(hidden)], dim=-1)
+            return self.gate_up_proj.gate_and_up(hidden)
         return self.gate_up_proj(hidden)
 
 

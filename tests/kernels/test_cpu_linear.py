@@ -419,6 +419,26 @@ def test_gated_panels_equal_the_projection_then_the_activation(
 @needs_bf16_panels
 @pytest.mark.parametrize(
     ("rows", "in_features", "inter"),
+    [(1, 8, 1), (2, 14, 5), (3, 96, 17), (16, 38, 64), (70, 576, 200)],
+)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_gated_panels_give_gate_and_up_before_the_activation(
+    rows: int, in_features: int, inter: int, with_bias: bool
+) -> None:
+    """What LoRA adapters change before the activation: gate and up from the panel pairs in one
+    pass, in order, equal to the bit each projection's own product, and activated they are the
+    gated op's output."""
+    gate, up, gated = gate_and_up(in_features, inter, with_bias)
+    x = torch.randn(rows, in_features)
+    both = gated.gate_and_up(x)
+    assert both.shape == (rows, 2 * inter)
+    assert torch.equal(both, torch.cat([gate(x), up(x)], dim=1))
+    assert torch.equal(cpu_ops.silu_mul(both), gated(x))
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize(
+    ("rows", "in_features", "inter"),
     [(1, 64, 200), (3, 40, 72), (16, 96, 330), (150, 2000, 200), (70, 576, 200)],
 )
 @pytest.mark.usefixtures("bf16_products")

@@ -330,6 +330,17 @@ class GatedPanelLinear(nn.Module):
         out = cpu_ops.gated_linear(rows, self.panels, self.padded_bias, self.out_features, bf16_out)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def gate_and_up(self, x: torch.Tensor) -> torch.Tensor:
+        """Gate and up side by side before the activation, fp32 `[rows, 2 * out]`: the panel
+        pairs taken as one layer's panels in one pass, its columns then put in order (for
+        whoever changes them before the activation: LoRA adapters)."""
+        pairs = self.panels.shape[0]
+        rows = kernel_rows(x, self.in_features, bf16_panels=True)
+        panels = self.panels.view(2 * pairs, *self.panels.shape[2:])
+        out = cpu_ops.panel_linear(rows, panels, self.padded_bias, 2 * pairs * PANEL, None)
+        halves = out.view(-1, pairs, 2, PANEL).transpose(1, 2).reshape(-1, 2, pairs * PANEL)
+        return halves[:, :, : self.out_features].reshape(-1, 2 * self.out_features).contiguous()
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "

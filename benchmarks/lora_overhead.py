@@ -1,0 +1,109 @@
+"""Output tokens/s of the engine serving LoRA adapters, against the same model without them,
+in one run: random prompts, fixed output lengths, EOS ignored, all requests at once.
+
+    python benchmarks/lora_overhead.py --concurrency 1 16 64
+
+Two random adapters of `--rank` over all seven projections of every layer are written with PEFT
+first. Each concurrency runs four ways in turn, twice in mirrored order: `off` (an engine
+without `--enable-lora`), `base` (the LoRA engine, no request naming an adapter), `one` (every
+request under one adapter) and `two` (requests alternating between the two, `--max-loras 2`).
+Each row gives a way's median tok/s and its ratio to `off`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from engine_setup import add_engine_arguments, engine_config
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.core.engine_core import EngineCore
+from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
+from engine.loading.default_model import ensure_default_model
+from engine.lora.registry import LoRARequest
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ORDER = ["off", "base", "one", "two", "two", "one", "base", "off"]
+
+
+def write_adapter(model: str, folder: Path, rank: int, seed: int) -> str:
+    """A random adapter of the model's shape (its weights are not read)."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    lora = LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False)
+    adapted = get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, weight in adapted.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(std=0.02)
+    adapted.save_pretrained(str(folder))
+    return str(folder)
+
+
+def run(
+    core: EngineCore, loras: list[LoRARequest | None], concurrency: int, args, seed: int
+) -> float:
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    for i in range(concurrency):
+        prompt = [rng.randrange(100, core.vocab_size - 100) for _ in range(args.input_len)]
+        core.add_request(f"bench-{seed}-{i}", prompt, params, lora=loras[i % len(loras)])
+    start, produced = time.perf_counter(), 0
+    while core.has_unfinished():
+        produced += sum(len(output.new_token_ids) for output in core.step())
+    return produced / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_engine_arguments(parser)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--rank", type=int, default=16)
+    args = parser.parse_args()
+    model = args.model or str(ensure_default_model())
+    with tempfile.TemporaryDirectory() as folder:
+        adapters = tuple(
+            (name, write_adapter(model, Path(folder) / name, args.rank, seed))
+            for seed, name in enumerate("ab")
+        )
+        off, _, info = create_engine_core(engine_config(args))
+        on, _, _ = create_engine_core(
+            engine_config(
+                args,
+                enable_lora=True,
+                max_loras=2,
+                max_lora_rank=args.rank,
+                lora_modules=adapters,
+            )
+        )
+    assert on.loras is not None
+    a, b = on.loras.get("a"), on.loras.get("b")
+    ways = {"off": (off, [None]), "base": (on, [None]), "one": (on, [a]), "two": (on, [a, b])}
+    print(f"# {info.model_name} {info.dtype} on {info.device}, adapters of rank {args.rank}")
+    for core, loras in ways.values():
+        run(core, loras, 2, argparse.Namespace(input_len=16, output_len=4), seed=-1)
+    for concurrency in args.concurrency:
+        rates: dict[str, list[float]] = {way: [] for way in ways}
+        for turn, way in enumerate(ORDER):
+            core, loras = ways[way]
+            rates[way].append(run(core, loras, concurrency, args, seed=turn))
+        baseline = statistics.median(rates["off"])
+        for way, values in rates.items():
+            rate = statistics.median(values)
+            row = {"concurrency": concurrency, "way": way, "output_tok_per_s": round(rate, 1)}
+            print(json.dumps({**row, "vs_off": round(rate / baseline, 3)}))
+
+
+if __name__ == "__main__":
+    main()
