@@ -31,11 +31,15 @@ class OneTokenCore:
 
     max_tokens = 1 << 20
     tokenizer = None
+    loras = None  # no LoRA adapters
 
     def __init__(self) -> None:
         self.requests: dict[str, list[int]] = {}
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: Any) -> None:
+        pass
+
+    def drop_retired(self) -> None:
         pass
 
     def admit(self, *args: Any) -> bool:

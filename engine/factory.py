@@ -25,6 +25,7 @@ from engine.kernels.cpu.linear import silence_fbgemm_deprecation
 from engine.kv.block_manager import BlockManager
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.kv.kv_scales import checkpoint_kv_scales
+from engine.loading.generation_config import sampling_defaults
 from engine.loading.model_loader import (
     LoadedModel,
     checkpoint_config,
@@ -298,8 +299,19 @@ def core_from_model(
         async_scheduling=overlap,
         runner=config.runner,
         max_loras=config.max_loras if config.enable_lora else 0,
+        sampling_defaults=_sampling_defaults(config, loaded),
     )
     return core, info
+
+
+def _sampling_defaults(config: EngineConfig, loaded: LoadedModel) -> dict[str, float]:
+    """The model's recommended sampling defaults (logged, as vLLM logs them)."""
+    defaults = sampling_defaults(
+        config.generation_config, loaded.model, config.override_generation_config
+    )
+    if defaults:
+        logger.info("default sampling parameters from the generation config: %s", defaults)
+    return defaults
 
 
 def _check_runner(config: EngineConfig, model: CausalLM, path: str = "") -> None:

@@ -42,6 +42,16 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * base**power)
 
 
+def parse_json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 def parse_lora_module(text: str) -> tuple[str, str]:
     """`name=path`, or vLLM's JSON form `{"name": ..., "path": ...}` (a `base_model_name` in it
     is the served model anyway)."""
@@ -250,6 +260,20 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: read the checkpoint's weights; dummy: random weights of the model's shape "
         "(only its config and tokenizer are read), for measuring speed and memory",
     )
+    engine.add_argument(
+        "--generation-config",
+        default="auto",
+        help="where requests' sampling defaults come from: auto (the model's "
+        "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens, where it sets them), vllm (OpenAI's defaults alone) or a folder",
+    )
+    engine.add_argument(
+        "--override-generation-config",
+        type=parse_json_object,
+        default={},
+        metavar="JSON",
+        help="generation config fields set on top, e.g. '{\"temperature\": 0.5}'",
+    )
     _add_lora_args(parser)
 
 
@@ -396,6 +420,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         lora_modules=tuple(args.lora_modules),
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
     )
 
 

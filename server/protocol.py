@@ -199,6 +199,10 @@ class SamplingFields(RequestBody):
         return self.max_tokens
 
 
+# What `/v1/completions` generates when `max_tokens` is left out (OpenAI's and vLLM's default).
+COMPLETION_MAX_TOKENS = 16
+
+
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     echo: bool = False
@@ -207,6 +211,14 @@ class CompletionRequest(SamplingFields):
     # vLLM's: whether a text prompt gets the tokenizer's special tokens (a BOS).
     add_special_tokens: bool = True
     best_of: int | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """16 where `max_tokens` is left out, as OpenAI's completions and vLLM's (an explicit
+        null: as many as the context leaves)."""
+        if "max_tokens" not in self.model_fields_set:
+            return COMPLETION_MAX_TOKENS
+        return self.max_tokens
 
     # Before the union's own checks, which would report an empty prompt as whichever member
     # failed last ("Input should be a valid string").

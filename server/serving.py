@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -122,23 +122,26 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    defaults: Mapping[str, float] | None = None,
 ) -> SamplingParams:
-    """OpenAI defaults (temperature 1, top_p 1, no penalties) for fields left out."""
+    """For fields left out, the model's `defaults` (its generation config's, as vLLM applies
+    them), else OpenAI's (temperature 1, top_p 1, no penalties, up to the context's end)."""
+    model = defaults or {}
 
-    def pick(value: float | None, default: float) -> float:
-        return default if value is None else value
+    def pick(value: float | None, name: str, default: float) -> float:
+        return model.get(name, default) if value is None else value
 
     return SamplingParams(
         n=request.n,
-        max_tokens=max_tokens,
+        max_tokens=max_tokens if max_tokens is not None else _whole(model.get("max_tokens")),
         min_tokens=request.min_tokens,
-        temperature=pick(request.temperature, 1.0),
-        top_p=pick(request.top_p, 1.0),
-        top_k=request.top_k if request.top_k is not None else 0,
-        min_p=pick(request.min_p, 0.0),
-        repetition_penalty=pick(request.repetition_penalty, 1.0),
-        presence_penalty=pick(request.presence_penalty, 0.0),
-        frequency_penalty=pick(request.frequency_penalty, 0.0),
+        temperature=pick(request.temperature, "temperature", 1.0),
+        top_p=pick(request.top_p, "top_p", 1.0),
+        top_k=int(pick(request.top_k, "top_k", 0)),
+        min_p=pick(request.min_p, "min_p", 0.0),
+        repetition_penalty=pick(request.repetition_penalty, "repetition_penalty", 1.0),
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
         logit_bias=logit_bias(request.logit_bias),
         seed=request.seed,
         stop=request.stop_strings,
@@ -156,6 +159,10 @@ def sampling_params(
         skip_special_tokens=request.skip_special_tokens,
         structured=structured_outputs(request),
     )
+
+
+def _whole(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def prompt_truncation(request: SamplingFields, max_model_len: int) -> int | None:

@@ -349,7 +349,11 @@ class ChatHandler:
         if keep is not None:
             prompt = prompt[-keep:]
         params = sampling_params(
-            body, body.requested_max_tokens, _top_logprobs(body), body.prompt_logprobs
+            body,
+            body.requested_max_tokens,
+            _top_logprobs(body),
+            body.prompt_logprobs,
+            self.model.info.sampling_defaults,
         )
         forced = forced_calls(body)
         if forced is not None:

@@ -198,7 +198,11 @@ class CompletionHandler:
         echoed = body.logprobs if body.echo and body.logprobs is not None else None
         wanted = [n for n in (echoed, body.prompt_logprobs) if n is not None]
         params = sampling_params(
-            body, body.requested_max_tokens, body.logprobs, max(wanted) if wanted else None
+            body,
+            body.requested_max_tokens,
+            body.logprobs,
+            max(wanted) if wanted else None,
+            self.model.info.sampling_defaults,
         )
         return prompts, texts, params
 

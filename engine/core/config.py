@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
 # Tokens per KV block unless asked otherwise. The CPU's attention kernels read each block as one
@@ -162,6 +163,11 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Where requests' sampling defaults come from (`loading/generation_config.py`): `auto`
+    # (the model's generation_config.json), `vllm` (OpenAI's alone) or a folder; and fields set
+    # on top of them.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -250,3 +256,6 @@ class ServingInfo:
     runner: str = "generate"
     # With LoRA adapters served: how many one step may run (0: none served).
     max_loras: int = 0
+    # What a request that leaves a sampling field out gets, by the request's field name, where
+    # the model's generation config says (`loading/generation_config.py`).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
