@@ -73,8 +73,13 @@ def build_app(
     engine loop and shuts it down."""
     settings = settings or ServerSettings()
     served = ServedModel(
-        settings.served_model_name or engine.info.model_name, engine.info, engine.loras
+        settings.served_model_name or engine.info.model_name,
+        engine.info,
+        engine.loras,
+        settings.served_model_aliases,
     )
+    if settings.chat_template is not None and engine.tokenizer is not None:
+        engine.tokenizer.chat_template = settings.chat_template
     registry = registry if registry is not None else build_registry()
     engine.stat_loggers.append(EngineMetrics(registry, served.name, engine.info).record)
     tracing = tracing or Tracing.from_endpoint(settings.otlp_traces_endpoint, settings.log_requests)
@@ -220,9 +225,10 @@ def _openai_router(
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         """The base model, then each LoRA adapter served over it (its `parent`)."""
-        base = (served.name, served.info.model_path or served.name, None)
+        root = served.info.model_path or served.name
+        bases = [(name, root, None) for name in (served.name, *served.aliases)]
         adapters = served.loras.adapters.values() if served.loras is not None else ()
-        cards = [base, *((lora.name, lora.path, served.name) for lora in adapters)]
+        cards = [*bases, *((lora.name, lora.path, served.name) for lora in adapters)]
         return {
             "object": "list",
             "data": [

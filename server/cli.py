@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
 import os
@@ -40,6 +41,17 @@ def parse_bytes(text: str) -> int:
     base = 1024 if binary or unit == "" else 1000
     power = " kmgt".index(unit.lower() or " ")
     return int(float(number) * base**power)
+
+
+def load_chat_template(text: str) -> str:
+    """A Jinja file's text, or `text` itself where it is a template (it holds `{{` or `{%`),
+    its escapes (`\\n`) read as vLLM reads a one-line template."""
+    path = Path(text)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in text or "{%" in text:
+        return codecs.decode(text, "unicode_escape")
+    raise argparse.ArgumentTypeError(f"no chat template file at {text!r}")
 
 
 def parse_json_object(text: str) -> dict:
@@ -281,7 +293,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--served-model-name", default=None)
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names clients send as model (the first is the one replies give)",
+    )
     server.add_argument(
         "--api-key",
         default=os.environ.get("CONVEYOR_API_KEY"),
@@ -428,7 +446,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def server_settings(args: argparse.Namespace) -> ServerSettings:
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     return ServerSettings(
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        served_model_aliases=tuple(args.served_model_name or ())[1:],
+        chat_template=args.chat_template,
         api_key=args.api_key,
         allowed_origins=origins,
         max_body_bytes=args.max_request_bytes,
@@ -509,7 +529,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_reply_parsers(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """How tool calls and reasoning are read out of a chat reply's text."""
+    """How chat requests are templated, and tool calls and reasoning read out of a reply."""
+    parser.add_argument(
+        "--chat-template",
+        type=load_chat_template,
+        default=None,
+        help="the chat template to use instead of the model's: a Jinja file, or the template "
+        "itself",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM's command lines: tool_choice auto is always served",
+    )
     parser.add_argument(
         "--tool-call-parser",
         choices=PARSERS,
@@ -542,7 +574,7 @@ def _add_batch_commands(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="where the run's progress is kept (default: OUTPUT.state beside the output)",
     )
-    run.add_argument("--served-model-name", default=None)
+    run.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME")
     _add_reply_parsers(run)
     _add_engine_args(run)
     run.set_defaults(func=batch_run)
@@ -558,7 +590,9 @@ def batch_run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format=PLAIN)
     state = args.state_dir or args.output.with_name(args.output.name + ".state")
     settings = ServerSettings(
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
+        served_model_aliases=tuple(args.served_model_name or ())[1:],
+        chat_template=args.chat_template,
         state_dir=state,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

@@ -75,13 +75,15 @@ class ServedModel:
     name: str
     info: ServingInfo
     loras: LoRARegistry | None = None
+    # More names a request may give for the base model.
+    aliases: tuple[str, ...] = ()
 
     def check(self, requested: str | None) -> None:
         self.resolve(requested)
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model (or no name)."""
-        if requested is None or requested == self.name:
+        if requested is None or requested == self.name or requested in self.aliases:
             return None
         lora = self.loras.get(requested) if self.loras is not None else None
         if lora is None:

@@ -18,6 +18,10 @@ DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     served_model_name: str | None = None
+    # More names clients may send as `model` for the served model.
+    served_model_aliases: tuple[str, ...] = ()
+    # A chat template used instead of the model's own (`--chat-template`).
+    chat_template: str | None = None
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
