@@ -41,6 +41,7 @@ from server.protocol import (
 )
 from server.response_store import ResponseStore
 from server.responses_protocol import ResponsesRequest
+from server.score_protocol import RerankRequest, ScoreRequest
 from server.serving import (
     EngineClient,
     ServedModel,
@@ -54,6 +55,7 @@ from server.serving_completions import CompletionHandler
 from server.serving_embeddings import EmbeddingHandler
 from server.serving_lora import lora_router
 from server.serving_responses import ResponsesHandler
+from server.serving_score import ScoreHandler
 from server.settings import ServerSettings
 from server.tokenization import chat_prompt, encode_text
 from server.tracing import Tracing
@@ -163,6 +165,7 @@ def _openai_router(
     )
     stored = ResponseStore()
     embeddings = EmbeddingHandler(engine, served, settings.limits)
+    scores = ScoreHandler(embeddings)
     responses = ResponsesHandler(engine, chat, stored)
 
     @router.post("/v1/completions", dependencies=GENERATING, responses=GENERATION)
@@ -180,6 +183,18 @@ def _openai_router(
     @router.post("/v1/embeddings", dependencies=[Depends(_accepting)], responses=EMBEDDING)
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
         return await embeddings(body, request)
+
+    # vLLM's score and rerank routes (and the older paths it also serves), for embedding models.
+    @router.post("/v1/score", dependencies=[Depends(_accepting)], responses=EMBEDDING)
+    @router.post("/score", dependencies=[Depends(_accepting)], responses=EMBEDDING)
+    async def create_score(body: ScoreRequest, request: Request) -> Response:
+        return await scores.score(body, request)
+
+    @router.post("/v1/rerank", dependencies=[Depends(_accepting)], responses=EMBEDDING)
+    @router.post("/rerank", dependencies=[Depends(_accepting)], responses=EMBEDDING)
+    @router.post("/v2/rerank", dependencies=[Depends(_accepting)], responses=EMBEDDING)
+    async def create_rerank(body: RerankRequest, request: Request) -> Response:
+        return await scores.rerank(body, request)
 
     @router.get("/v1/responses/{response_id}", responses=errors(404))
     async def get_response(response_id: str) -> dict[str, Any]:

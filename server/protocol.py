@@ -70,6 +70,8 @@ Int = Annotated[int, _WHOLE]
 NonNegativeInt = Annotated[int, Field(ge=0), _WHOLE]
 PositiveInt = Annotated[int, Field(ge=1), _WHOLE]
 LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _WHOLE]
+# vLLM's `truncate_prompt_tokens`: keep a prompt's last k tokens (-1: as many as fit).
+TruncateTokens = Annotated[int, Field(ge=-1), _WHOLE]
 Text = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[NonNegativeInt], Field(min_length=1)]
 # A prompt and every piece of one is non-empty, as the schema says and the server checks.
@@ -145,7 +147,7 @@ class SamplingFields(RequestBody):
     allowed_token_ids: list[NonNegativeInt] | None = None
     bad_words: list[str] | None = None
     # Keep only the prompt's last k tokens (-1: as many as leave room for one new token).
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _WHOLE] | None = None
+    truncate_prompt_tokens: TruncateTokens | None = None
     return_tokens_as_token_ids: bool = False
     # vLLM's: the logprob of each prompt token and of its `prompt_logprobs` likeliest rivals.
     prompt_logprobs: LogprobCount | None = None
@@ -257,7 +259,7 @@ class EmbeddingRequest(RequestBody):
     user: str | None = None
     # vLLM's: L2-normalize the vector, keep the prompt's last k tokens, add a BOS and such.
     normalize: bool = True
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _WHOLE] | None = None
+    truncate_prompt_tokens: TruncateTokens | None = None
     add_special_tokens: bool = True
     priority: Int = 0
     timeout: float | None = Field(default=None, gt=0)

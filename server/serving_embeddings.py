@@ -21,7 +21,7 @@ from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from server.limits import RequestLimits
-from server.protocol import EmbeddingRequest
+from server.protocol import EmbeddingRequest, Prompt
 from server.serving import (
     EngineClient,
     ServedModel,
@@ -49,26 +49,18 @@ class EmbeddingHandler:
         self.limits = limits or RequestLimits()
 
     async def __call__(self, body: EmbeddingRequest, request: Request) -> Response:
-        if self.model.info.runner != "pooling":
-            raise InvalidRequestError(
-                "This server runs the model for generation; start it with --runner pooling "
-                "to serve embeddings.",
-                param="model",
-            )
-        self.model.check(body.model)
-        prompts = await self._prompts(body)
-        request_id = new_id("embd")
-        bind_trace(request, request_id)
-        options = RequestOptions(priority=body.priority, timeout=body.timeout)
-        try:
-            streams = submit_all(self.engine, prompts, POOL, request_id, options)
-        except InvalidRequestError as exc:
-            if exc.param == "prompt":  # too long for the context: the input's
-                exc.param = "input"
-            raise
-        vectors = await unless_disconnected(request, _collect(merge(streams), len(prompts)))
-        if vectors is None:
+        embedded = await self.embed(
+            body.input,
+            body.truncate_prompt_tokens,
+            body.priority,
+            body.timeout,
+            request,
+            body.model,
+            body.add_special_tokens,
+        )
+        if embedded is None:
             return Response(status_code=CLIENT_GONE)
+        vectors, tokens = embedded
         size = len(vectors[0])
         if body.dimensions is not None and body.dimensions > size:
             raise InvalidRequestError(
@@ -79,7 +71,6 @@ class EmbeddingHandler:
             {"object": "embedding", "index": i, "embedding": encode(vector, body)}
             for i, vector in enumerate(vectors)
         ]
-        tokens = sum(len(prompt) for prompt in prompts)
         return JSONResponse(
             {
                 "object": "list",
@@ -89,8 +80,44 @@ class EmbeddingHandler:
             }
         )
 
-    async def _prompts(self, body: EmbeddingRequest) -> list[list[int]]:
-        singles = split_prompts(body.input)
+    async def embed(
+        self,
+        inputs: Prompt,
+        truncate: int | None,
+        priority: int,
+        timeout: float | None,
+        request: Request,
+        model: str | None,
+        add_special_tokens: bool = True,
+    ) -> tuple[list[np.ndarray], int] | None:
+        """Each input's pooled state, in input order, and the prompt tokens they took; None
+        when the client went away first (`/v1/score` and `/v1/rerank` embed through here)."""
+        if self.model.info.runner != "pooling":
+            raise InvalidRequestError(
+                "This server runs the model for generation; start it with --runner pooling "
+                "to serve embeddings.",
+                param="model",
+            )
+        self.model.check(model)
+        prompts = await self._prompts(inputs, truncate, add_special_tokens)
+        request_id = new_id("embd")
+        bind_trace(request, request_id)
+        options = RequestOptions(priority=priority, timeout=timeout)
+        try:
+            streams = submit_all(self.engine, prompts, POOL, request_id, options)
+        except InvalidRequestError as exc:
+            if exc.param == "prompt":  # too long for the context: the input's
+                exc.param = "input"
+            raise
+        vectors = await unless_disconnected(request, _collect(merge(streams), len(prompts)))
+        if vectors is None:
+            return None
+        return vectors, sum(len(prompt) for prompt in prompts)
+
+    async def _prompts(
+        self, inputs: Prompt, truncate: int | None, add_special_tokens: bool
+    ) -> list[list[int]]:
+        singles = split_prompts(inputs)
         if len(singles) > self.limits.max_prompts:
             raise InvalidRequestError(
                 f"At most {self.limits.max_prompts} inputs are allowed in a request, got "
@@ -98,11 +125,11 @@ class EmbeddingHandler:
                 param="input",
             )
         max_model_len = self.model.info.max_model_len
-        keep = kept_tokens(body.truncate_prompt_tokens, max_model_len)
+        keep = kept_tokens(truncate, max_model_len)
         prompts = await tokenize_prompts(
             self.engine.tokenizer,
             singles,
-            body.add_special_tokens,
+            add_special_tokens,
             max_model_len,
             keep is not None,
             "input",

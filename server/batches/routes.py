@@ -97,7 +97,14 @@ class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     input_file_id: str
-    endpoint: Literal["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"]
+    endpoint: Literal[
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
+    ]
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = None
 

@@ -13,12 +13,15 @@ from pydantic import BaseModel, ValidationError
 from engine.core.errors import ConveyorError
 from server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from server.responses_protocol import ResponsesRequest
+from server.score_protocol import RerankRequest, ScoreRequest
 
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/score": ScoreRequest,
+    "/v1/rerank": RerankRequest,
 }
 MAX_LINES = 50_000
 

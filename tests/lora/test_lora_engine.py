@@ -63,9 +63,9 @@ def mixed(names: list[str | None]) -> list[tuple[list[int], str | None]]:
     return [(prompt, name) for name in names for prompt in PROMPTS]
 
 
-def test_greedy_tokens_under_each_adapter_equal_peft_merged_models(adapters):
+def test_greedy_tokens_under_each_adapter_equal_peft_merged_models(adapters, device):
     requests = mixed([None, "attn", "mlp"])
-    got = run(lora_core(adapters), requests)
+    got = run(lora_core(adapters, device=device), requests)
     for (prompt, name), tokens in zip(requests, got, strict=True):
         assert tokens == oracle(adapters, prompt, name), (prompt, name)
     base = got[: len(PROMPTS)]
@@ -156,3 +156,24 @@ def test_the_step_stats_name_the_adapters_running_and_waiting(adapters):
     core.step()
     stats = core.take_stats()
     assert stats.running_loras == ("attn",) and stats.waiting_loras == ("mlp",)
+
+
+def test_adapter_steps_bypass_what_runs_the_base_model_alone(adapters, monkeypatch):
+    """Compiled pieces and graphs hold the base model's products: a step with adapter rows
+    must not call them (they stand in here as the layers' instance attributes, as
+    `--compile` installs them), while a step of the base model alone still does."""
+    core = lora_core(adapters)
+    calls: list[str] = []
+    for layer in core.runner.model.layers:
+        for piece in ("project_qkv", "after_attention"):
+            original = getattr(layer, piece)
+
+            def counted(*args, _original=original, _piece=piece):
+                calls.append(_piece)
+                return _original(*args)
+
+            monkeypatch.setattr(layer, piece, counted, raising=False)
+    [adapted] = run(core, [(PROMPTS[0], "attn")])
+    assert calls == [] and adapted == oracle(adapters, PROMPTS[0], "attn")
+    run(core, [(PROMPTS[1], None)])
+    assert calls  # the prompt's step of the base model took the installed pieces

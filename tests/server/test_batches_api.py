@@ -145,6 +145,27 @@ async def test_an_embeddings_batch_answers_as_the_requests_alone(tmp_path):
             assert ours["embedding"] == pytest.approx(theirs["embedding"], abs=1e-5)
 
 
+async def test_score_and_rerank_batches_answer_as_the_requests_alone(tmp_path):
+    settings = ServerSettings(served_model_name="tiny", state_dir=tmp_path)
+    bodies = {
+        "/v1/score": {"text_1": "Story 1", "text_2": ["Story 2", "A tale"]},
+        "/v1/rerank": {"query": "Story 1", "documents": ["Story 2", "A tale", "Story 1"]},
+    }
+    async with live_server(settings, runner="pooling") as server, httpx.AsyncClient() as http:
+        client = sdk(server.url)
+        for url, body in bodies.items():
+            lines = [{"custom_id": "x", "method": "POST", "url": url, "body": body}]
+            batch = await until_done(client, (await submit(client, lines, url)).id)
+            assert batch.status == "completed", batch
+            [output] = await file_lines(client, batch.output_file_id)
+            alone = (await http.post(f"{server.url}{url}", json=body)).json()
+            ours = output["response"]["body"]
+            key, value = ("data", "score") if url == "/v1/score" else ("results", "relevance_score")
+            assert [r[value] for r in ours[key]] == pytest.approx(
+                [r[value] for r in alone[key]], abs=1e-5
+            )
+
+
 @pytest.mark.parametrize(
     ("bad", "code"),
     [
