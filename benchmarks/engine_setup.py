@@ -21,6 +21,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the layers")
 
 
+def add_load_arguments(
+    parser: argparse.ArgumentParser, concurrency: list[int] | None = None, output_len: int = 128
+) -> None:
+    """The load a run puts on the engine: requests in flight, and their random prompts' and
+    outputs' lengths in tokens."""
+    default = concurrency if concurrency is not None else [1, 16, 64]
+    parser.add_argument("--concurrency", type=int, nargs="+", default=default)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=output_len)
+
+
 def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
     """The engine `args` ask for, with any other `EngineConfig` fields in `options`."""
     return EngineConfig(

@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from engine_setup import add_engine_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
@@ -91,9 +91,7 @@ def step_medians_by_head(step_times: list[float], decode_steps: int) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_engine_arguments(parser)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    add_load_arguments(parser)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--attention-backend", default="auto")

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from engine_setup import add_engine_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -66,9 +66,7 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_engine_arguments(parser)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    add_load_arguments(parser)
     parser.add_argument("--rank", type=int, default=16)
     args = parser.parse_args()
     model = args.model or str(ensure_default_model())

@@ -14,7 +14,7 @@ import argparse
 import json
 import statistics
 
-from engine_setup import add_engine_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config
 from engine_throughput import run
 
 from engine.factory import create_engine_core
@@ -60,9 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_engine_arguments(parser)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+    add_load_arguments(parser, output_len=64)
     args = parser.parse_args()
     rows = []
     for round_ in range(ROUNDS):

@@ -17,7 +17,7 @@ import random
 import time
 
 import torch
-from engine_setup import add_engine_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config
 from engine_throughput import run as run_engine
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -70,9 +70,7 @@ def transformers_model(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_engine_arguments(parser)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    add_load_arguments(parser, concurrency=[16, 64])
     args = parser.parse_args()
     core, _, info = create_engine_core(engine_config(args))
     folder = args.model or str(ensure_default_model())
