@@ -391,6 +391,16 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     server.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="a log line for every finished request (on by default with --log-format json)",
+    )
+    server.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="no log line per request, whatever the log format",
+    )
+    server.add_argument(
         "--log-format",
         default="plain",
         choices=FORMATS,
@@ -458,7 +468,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
-        log_requests=args.log_format == "json",
+        log_requests=(args.log_format == "json" or args.enable_log_requests)
+        and not args.disable_log_requests,
         state_dir=args.state_dir,
         max_file_bytes=args.max_file_bytes,
         runtime_lora_updating=args.allow_runtime_lora_updating,

@@ -1,6 +1,6 @@
 """Log output: the plain lines by default, or (`--log-format json`) one JSON object per line for
 every record, uvicorn's included; a record's `fields` (a request's ids, outcome, token counts
-and timings) become keys of its object."""
+and timings) become keys of its object, or `key=value` pairs after a plain line's message."""
 
 from __future__ import annotations
 
@@ -11,6 +11,15 @@ from typing import Any
 
 PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FORMATS = ("plain", "json")
+
+
+class PlainFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = getattr(record, "fields", None)
+        if not fields:
+            return line
+        return line + " " + " ".join(f"{key}={json.dumps(value)}" for key, value in fields.items())
 
 
 class JsonFormatter(logging.Formatter):
@@ -31,7 +40,9 @@ def configure_logging(level: str, log_format: str) -> dict[str, Any] | None:
     """Set up the root logger; return the logging configuration uvicorn should apply (None:
     its own)."""
     if log_format == "plain":
-        logging.basicConfig(level=level.upper(), format=PLAIN)
+        plain = logging.StreamHandler()
+        plain.setFormatter(PlainFormatter(PLAIN))
+        logging.basicConfig(level=level.upper(), handlers=[plain])
         return None
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())

@@ -1,11 +1,15 @@
 """vLLM's serve flags that command lines copied from it carry: several served model names,
-`--chat-template` (a file or the template itself) and `--enable-auto-tool-choice`."""
+`--chat-template` (a file or the template itself), `--enable-auto-tool-choice`, and
+`--enable-log-requests` / `--disable-log-requests`."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
 from server.cli import build_parser, server_settings
+from server.log_format import PlainFormatter
 from tests.server_utils import app_client
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>>"
@@ -45,3 +49,17 @@ async def test_a_chat_template_replaces_the_models_own(tmp_path, form):
 def test_a_chat_template_that_is_neither_file_nor_template_is_refused():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--chat-template", "/no/such/template.jinja"])
+
+
+def test_request_log_lines_follow_vllms_flags_in_either_format():
+    assert not settings_of().log_requests
+    assert settings_of("--log-format", "json").log_requests
+    assert not settings_of("--log-format", "json", "--disable-log-requests").log_requests
+    assert settings_of("--enable-log-requests").log_requests
+    record = logging.LogRecord("conveyor.requests", logging.INFO, "", 0, "request", None, None)
+    record.fields = {"request_id": "r-1", "prompt_tokens": 3, "finish_reasons": ["stop"]}
+    line = PlainFormatter("%(name)s: %(message)s").format(record)
+    assert (
+        line
+        == 'conveyor.requests: request request_id="r-1" prompt_tokens=3 finish_reasons=["stop"]'
+    )
