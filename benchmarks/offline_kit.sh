@@ -32,6 +32,8 @@ pack() {
     mkdir -p "$dir/wheels" "$dir/like"
     python -m pip download --quiet --only-binary=:all: --implementation cp \
         --python-version "$python_version" "${platform_args[@]}" -d "$dir/wheels" "${WANTED[@]}"
+    # PEFT, the LoRA tests' oracle, without its requirements (torch among them).
+    python -m pip download --quiet --no-deps -d "$dir/wheels" "peft>=0.13"
     python - "$dir/like" <<'EOF'
 import shutil
 import sys
@@ -52,6 +54,8 @@ install() {
     python3 -m pip install --quiet --no-index --find-links "$dir/wheels" --no-build-isolation \
         -e . pytest-asyncio
     python3 -c "import fastapi, llguidance, server.app" && command -v conveyor
+    python3 -m pip install --quiet --no-index --find-links "$dir/wheels" peft \
+        || echo "PEFT's requirements are missing here: the LoRA tests will be skipped" >&2
     if ! command -v python > /dev/null; then
         echo "the scripts call 'python', which is not on the PATH: link it to python3" >&2
         return 1

@@ -6,11 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
 from tests.helpers import tiny_llama
+
+# A dev requirement; a GPU host given only the offline kit may lack what it needs to install.
+peft = pytest.importorskip("peft", reason="peft is not installed on this host")
+LoraConfig, PeftModel, get_peft_model = peft.LoraConfig, peft.PeftModel, peft.get_peft_model
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]

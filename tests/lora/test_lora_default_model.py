@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from engine.core.config import CacheConfig, EngineConfig
@@ -13,7 +12,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.loading.default_model import default_model_dir
 from tests.helpers import reference_greedy
-from tests.lora.adapters import ATTENTION, MLP
+from tests.lora.adapters import ATTENTION, MLP, LoraConfig, PeftModel, get_peft_model
 
 pytestmark = pytest.mark.default_model
 TOKENS = 16
