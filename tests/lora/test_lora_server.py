@@ -77,6 +77,10 @@ async def test_a_request_names_its_adapter_as_its_model(adapters):
             json={"model": "mlp", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
         )
         assert chat.status_code == 200 and chat.json()["model"] == "mlp"
+        response = await client.post(
+            "/v1/responses", json={"model": "attn", "input": "hi", "max_output_tokens": 3}
+        )
+        assert response.status_code == 200 and response.json()["model"] == "attn"
         status, error = await completion_tokens(client, "nope")
         assert status == 404 and error["error"]["code"] == "model_not_found"
 
