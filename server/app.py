@@ -80,6 +80,7 @@ def build_app(
         engine.loras,
         settings.served_model_aliases,
     )
+    _check_adapter_names(served)
     if settings.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = settings.chat_template
     registry = registry if registry is not None else build_registry()
@@ -137,6 +138,15 @@ def build_app(
     app.add_middleware(HTTPMetricsMiddleware, metrics=HTTPMetrics(registry))
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def _check_adapter_names(served: ServedModel) -> None:
+    """A LoRA adapter may not take a name of the base model's: requests naming it would never
+    reach it."""
+    adapters = served.loras.adapters if served.loras is not None else {}
+    taken = sorted({served.name, *served.aliases} & set(adapters))
+    if taken:
+        raise ValueError(f"the LoRA adapter {taken[0]!r} has the served model's name")
 
 
 async def _accepting(request: Request) -> None:
@@ -221,19 +231,24 @@ def _openai_router(
     async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
         prompts, params = await completions.render(body)
         ids = prompt_ids(new_id("cmpl"), len(prompts))
-        return [generate_request(i, p, params) for i, p in zip(ids, prompts, strict=True)]
+        model = served.name_for(served.resolve(body.model))
+        return [generate_request(i, p, params, model) for i, p in zip(ids, prompts, strict=True)]
 
     @router.post("/v1/chat/completions/render", responses=errors(400, 404))
     async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
         prompt, params = await chat.render(body)
-        return generate_request(new_id("chatcmpl"), prompt, params)
+        model = served.name_for(served.resolve(body.model))
+        return generate_request(new_id("chatcmpl"), prompt, params, model)
 
-    def generate_request(request_id: str, tokens: list[int], params: SamplingParams) -> dict:
+    def generate_request(
+        request_id: str, tokens: list[int], params: SamplingParams, model: str
+    ) -> dict:
+        """What the engine would run, under `model` (the base model's name or an adapter's)."""
         return {
             "request_id": request_id,
             "token_ids": tokens,
             "sampling_params": sampling_fields(params),
-            "model": served.name,
+            "model": model,
             "stream": False,
         }
 

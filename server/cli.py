@@ -496,10 +496,10 @@ def serve(args: argparse.Namespace) -> int:
     try:
         tracing = Tracing.from_endpoint(settings.otlp_traces_endpoint, settings.log_requests)
         engine = AsyncEngine.from_config(engine_config(args))
+        app = build_app(engine, settings, tracing=tracing)
     except (ValueError, OSError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
-    app = build_app(engine, settings, tracing=tracing)
     info = engine.info
     logger.info(
         "serving %s as '%s' (%s on %s, %d %s KV blocks of %d tokens, context %d) at http://%s:%d",
@@ -610,10 +610,10 @@ def batch_run(args: argparse.Namespace) -> int:
     )
     try:
         engine = AsyncEngine.from_config(engine_config(args))
+        app = build_app(engine, settings)
     except (ValueError, OSError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
-    app = build_app(engine, settings)
     return asyncio.run(run_file(app, engine, args.input, args.output))
 
 

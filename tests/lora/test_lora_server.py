@@ -12,12 +12,13 @@ from prometheus_client import CollectorRegistry
 
 from engine.core.config import EngineConfig, ServingInfo
 from engine.core.stats import StepStats
+from server.app import build_app
 from server.cli import build_parser, engine_config, parse_lora_module, server_settings
 from server.metrics import EngineMetrics
 from server.settings import ServerSettings
 from tests.helpers import reference_greedy, tiny_llama
 from tests.lora.adapters import ATTENTION, MLP, merged, save_adapter
-from tests.server_utils import app_client
+from tests.server_utils import app_client, tiny_engine
 
 PROMPT = [5, 9, 33, 2, 17, 40, 41]
 MAX_TOKENS = 8
@@ -81,6 +82,8 @@ async def test_a_request_names_its_adapter_as_its_model(adapters):
             "/v1/responses", json={"model": "attn", "input": "hi", "max_output_tokens": 3}
         )
         assert response.status_code == 200 and response.json()["model"] == "attn"
+        render = await client.post("/v1/completions/render", json={"model": "mlp", "prompt": "a"})
+        assert render.json()[0]["model"] == "mlp"
         status, error = await completion_tokens(client, "nope")
         assert status == 404 and error["error"]["code"] == "model_not_found"
 
@@ -190,3 +193,9 @@ def test_the_command_line_takes_vllms_lora_flags(tmp_path):
 def test_what_adapters_cannot_run_with_is_refused_before_loading(options, refusal):
     with pytest.raises(ValueError, match=refusal):
         EngineConfig(**options)
+
+
+def test_an_adapter_may_not_take_the_served_models_name(adapters):
+    engine = tiny_engine(enable_lora=True, lora_modules=(("tiny", adapters["attn"]),))
+    with pytest.raises(ValueError, match="'tiny' has the served model's name"):
+        build_app(engine, ServerSettings(served_model_name="tiny"))
