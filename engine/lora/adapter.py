@@ -24,6 +24,8 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(
     r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGETS) + r")\.lora_([AB])\.weight"
 )
+# A hub repository id, `owner/name`.
+_REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # Settings that make the adapter compute something else than plain LoRA where they are set
 # (plain LoRA leaves each false, null or empty).
 _NOT_PLAIN = (
@@ -72,8 +74,9 @@ class LoRAAdapter:
 
 
 def load_adapter(path: str, layer_shapes: list[Shapes], max_rank: int) -> LoRAAdapter:
-    """Read and check the adapter in folder `path` against the base model's layers."""
-    folder = Path(path)
+    """Read and check the adapter in folder `path` (or hub repository `path`) against the
+    base model's layers."""
+    folder = adapter_folder(path)
     if not (folder / CONFIG_FILE).is_file():
         raise LoRAError(f"no LoRA adapter at {path!r}: {CONFIG_FILE} not found")
     config = _read_config(folder / CONFIG_FILE)
@@ -95,6 +98,23 @@ def load_adapter(path: str, layer_shapes: list[Shapes], max_rank: int) -> LoRAAd
     if not weights:
         raise LoRAError(f"the adapter at {path!r} holds no LoRA weights of a layer's projection")
     return LoRAAdapter(str(folder), max(ranks), weights)
+
+
+def adapter_folder(path: str) -> Path:
+    """The folder `path` names or, where there is none and `path` reads as a hub repository
+    (`owner/name`), that repository's adapter files in the Hugging Face cache (`$HF_HOME`),
+    fetched there first unless `HF_HUB_OFFLINE` is set, as vLLM resolves adapter paths."""
+    folder = Path(path).expanduser()
+    if folder.exists() or not _REPO.fullmatch(path):
+        return folder
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=path, allow_patterns=[CONFIG_FILE, *WEIGHT_FILES]))
+    except Exception as exc:
+        raise LoRAError(
+            f"no LoRA adapter at {path!r}: no such folder, and the hub gave none ({exc})"
+        ) from None
 
 
 def _read_config(file: Path) -> dict:

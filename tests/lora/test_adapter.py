@@ -94,3 +94,26 @@ def test_a_folder_without_an_adapter_is_refused(tmp_path):
     (tmp_path / "adapter_model.safetensors").write_bytes(b"not a tensor file")
     with pytest.raises(LoRAError, match="could not be read"):
         load_adapter(str(tmp_path), SHAPES, max_rank=16)
+
+
+def test_a_hub_repository_reads_from_its_snapshot_in_the_cache(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    path = save_adapter(tmp_path / "snapshot", ["q_proj"], seed=8)
+    asked: list[str] = []
+
+    def snapshot(repo_id: str, allow_patterns: list[str]) -> str:
+        asked.append(repo_id)
+        if repo_id != "owner/sql-lora":
+            raise huggingface_hub.errors.RepositoryNotFoundError("no such repository")
+        assert "adapter_config.json" in allow_patterns
+        return path
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    adapter = load_adapter("owner/sql-lora", SHAPES, max_rank=16)
+    assert adapter.targets == {"q_proj"} and asked == ["owner/sql-lora"]
+    with pytest.raises(LoRAError, match="no such folder, and the hub gave none"):
+        load_adapter("owner/missing", SHAPES, max_rank=16)
+    with pytest.raises(LoRAError, match="not found"):  # a path, not a repository: no hub
+        load_adapter("./owner/sql-lora", SHAPES, max_rank=16)
+    assert asked == ["owner/sql-lora", "owner/missing"]
