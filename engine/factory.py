@@ -197,7 +197,7 @@ def _serve_loras(core: EngineCore, config: EngineConfig) -> None:
     """The adapters `--lora-modules` names, loaded and served (a failure stops the start)."""
     if not config.enable_lora:
         return
-    core.loras = LoRARegistry(config.max_loras, config.max_lora_rank)
+    core.loras = LoRARegistry()
     for name, path in config.lora_modules:
         lora, adapter = core.read_lora(name, path)
         core.add_lora(lora, adapter)

@@ -144,7 +144,7 @@ def _check_adapter_names(served: ServedModel) -> None:
     """A LoRA adapter may not take a name of the base model's: requests naming it would never
     reach it."""
     adapters = served.loras.adapters if served.loras is not None else {}
-    taken = sorted({served.name, *served.aliases} & set(adapters))
+    taken = sorted(set(served.names) & set(adapters))
     if taken:
         raise ValueError(f"the LoRA adapter {taken[0]!r} has the served model's name")
 
@@ -229,15 +229,13 @@ def _openai_router(
     # extension's precise prefix scorer) asks these first and /tokenize only on a 404.
     @router.post("/v1/completions/render", responses=errors(400, 404))
     async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
-        prompts, params = await completions.render(body)
+        prompts, params, model = await completions.render(body)
         ids = prompt_ids(new_id("cmpl"), len(prompts))
-        model = served.name_for(served.resolve(body.model))
         return [generate_request(i, p, params, model) for i, p in zip(ids, prompts, strict=True)]
 
     @router.post("/v1/chat/completions/render", responses=errors(400, 404))
     async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
-        prompt, params = await chat.render(body)
-        model = served.name_for(served.resolve(body.model))
+        prompt, params, model = await chat.render(body)
         return generate_request(new_id("chatcmpl"), prompt, params, model)
 
     def generate_request(
@@ -256,7 +254,7 @@ def _openai_router(
     async def list_models() -> dict[str, Any]:
         """The base model, then each LoRA adapter served over it (its `parent`)."""
         root = served.info.model_path or served.name
-        bases = [(name, root, None) for name in (served.name, *served.aliases)]
+        bases = [(name, root, None) for name in served.names]
         adapters = served.loras.adapters.values() if served.loras is not None else ()
         cards = [*bases, *((lora.name, lora.path, served.name) for lora in adapters)]
         return {

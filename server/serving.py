@@ -78,12 +78,17 @@ class ServedModel:
     # More names a request may give for the base model.
     aliases: tuple[str, ...] = ()
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name the base model answers to, the one replies give first."""
+        return (self.name, *self.aliases)
+
     def check(self, requested: str | None) -> None:
         self.resolve(requested)
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model (or no name)."""
-        if requested is None or requested == self.name or requested in self.aliases:
+        if requested is None or requested in self.names:
             return None
         lora = self.loras.get(requested) if self.loras is not None else None
         if lora is None:

@@ -291,20 +291,21 @@ class ChatHandler:
             return WRITTEN_TOOLS_PARSER
         return parser_for(self.tool_call_parser, getattr(tokenizer, "chat_template", None))
 
-    async def render(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    async def render(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, str]:
         """The request checked and made into what the engine runs: the templated prompt's token
-        ids and the sampling parameters (what `/v1/chat/completions/render` answers)."""
+        ids, the sampling parameters and the model it runs as (what
+        `/v1/chat/completions/render` answers)."""
         prepared = await self.prepare(body)
-        return prepared.prompt, prepared.params
+        return prepared.prompt, prepared.params, self.model.name_for(prepared.lora)
 
     async def prepare(self, body: ChatCompletionRequest) -> PreparedChat:
         """The request checked, templated and made into what the engine runs, with what reads
         the reply back (forced calls, the tool-call parser, where reasoning starts)."""
+        lora = self.model.resolve(body.model)
         prompt, params, forced, thinking = await self._prepare(body)
         tokenizer = require_text_model(self.engine)
         tools = template_tools(body)
         parser = self._parser(tokenizer) if tools and forced is None else None
-        lora = self.model.resolve(body.model)
         return PreparedChat(prompt, params, forced, parser, thinking, lora)
 
     def renderer(
@@ -325,7 +326,6 @@ class ChatHandler:
     async def _prepare(
         self, body: ChatCompletionRequest
     ) -> tuple[list[int], SamplingParams, ForcedCalls | None, bool | None]:
-        self.model.check(body.model)
         check_chat(body, self.limits)
         check_tools(body)
         tokenizer = require_text_model(self.engine)

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
+from engine.lora.registry import LoRARequest
 from server.limits import RequestLimits, check_completion
 from server.logprobs import CompletionLogprobs, prompt_logprobs
 from server.protocol import CompletionRequest
@@ -170,16 +171,16 @@ class CompletionHandler:
         self.model = model
         self.limits = limits or RequestLimits()
 
-    async def render(self, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams]:
-        """The request checked and made into what the engine runs: each prompt's token ids and
-        the sampling parameters (what `/v1/completions/render` answers)."""
-        prompts, _, params = await self._prepare(body)
-        return prompts, params
+    async def render(self, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams, str]:
+        """The request checked and made into what the engine runs: each prompt's token ids, the
+        sampling parameters and the model it runs as (what `/v1/completions/render` answers)."""
+        prompts, _, params, lora = await self._prepare(body)
+        return prompts, params, self.model.name_for(lora)
 
     async def _prepare(
         self, body: CompletionRequest
-    ) -> tuple[list[list[int]], list[str | None], SamplingParams]:
-        self.model.check(body.model)
+    ) -> tuple[list[list[int]], list[str | None], SamplingParams, LoRARequest | None]:
+        lora = self.model.resolve(body.model)
         check_completion(body, self.limits)
         _check_unsupported(body)
         tokenizer = self.engine.tokenizer
@@ -204,14 +205,13 @@ class CompletionHandler:
             max(wanted) if wanted else None,
             self.model.info.sampling_defaults,
         )
-        return prompts, texts, params
+        return prompts, texts, params, lora
 
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:
-        prompts, texts, params = await self._prepare(body)
+        prompts, texts, params, lora = await self._prepare(body)
         tokenizer = self.engine.tokenizer
         request_id = new_id("cmpl")
         bind_trace(request, request_id)
-        lora = self.model.resolve(body.model)
         model = self.model.name_for(lora)
         renderer = CompletionRenderer(request_id, model, body, prompts, texts, tokenizer)
         await self.engine.prepare(params)

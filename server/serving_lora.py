@@ -26,7 +26,7 @@ def lora_router(engine: EngineClient, served: ServedModel) -> APIRouter:
 
     @router.post("/v1/load_lora_adapter", responses=errors(400))
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
-        if body.lora_name in (served.name, *served.aliases):
+        if body.lora_name in served.names:
             raise APIError(400, f"`{body.lora_name}` is the base model's name.", param="lora_name")
         await engine.add_lora(body.lora_name, body.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")

@@ -62,15 +62,15 @@ class LoRAWeights:
 
 @dataclass(frozen=True, slots=True)
 class LoRAAdapter:
-    """An adapter's weights by `(layer index, projection name)`, on the host in fp32."""
+    """An adapter's weights by `(layer index, projection name)`, on the host in fp32, and the
+    projections they target (read by every step that runs the adapter)."""
 
-    path: str
-    rank: int
     weights: dict[tuple[int, str], LoRAWeights]
+    targets: frozenset[str]
 
     @property
-    def targets(self) -> set[str]:
-        return {name for _, name in self.weights}
+    def rank(self) -> int:
+        return max(pair.rank for pair in self.weights.values())
 
 
 def load_adapter(path: str, layer_shapes: list[Shapes], max_rank: int) -> LoRAAdapter:
@@ -83,7 +83,6 @@ def load_adapter(path: str, layer_shapes: list[Shapes], max_rank: int) -> LoRAAd
     tensors = _read_tensors(folder)
     pairs = _pairs(tensors, len(layer_shapes))
     weights: dict[tuple[int, str], LoRAWeights] = {}
-    ranks = set()
     for (layer, name), (a, b) in sorted(pairs.items()):
         _check_shapes(layer, name, a, b, layer_shapes[layer][name])
         rank = a.shape[0]
@@ -92,12 +91,11 @@ def load_adapter(path: str, layer_shapes: list[Shapes], max_rank: int) -> LoRAAd
                 f"the adapter's rank {rank} is above --max-lora-rank {max_rank}; "
                 "raise --max-lora-rank to serve it"
             )
-        ranks.add(rank)
         scale = _scale(config, rank)
         weights[layer, name] = LoRAWeights(a.float().contiguous(), (b.float() * scale).contiguous())
     if not weights:
         raise LoRAError(f"the adapter at {path!r} holds no LoRA weights of a layer's projection")
-    return LoRAAdapter(str(folder), max(ranks), weights)
+    return LoRAAdapter(weights, frozenset(name for _, name in weights))
 
 
 def adapter_folder(path: str) -> Path:

@@ -30,10 +30,8 @@ class LoRARequest:
 
 @dataclass(slots=True)
 class LoRARegistry:
-    """Adapter names to the loaded adapters; `max_loras` of them may run in one step."""
+    """Adapter names to the loaded adapters."""
 
-    max_loras: int = 1
-    max_lora_rank: int = 16
     adapters: dict[str, LoRARequest] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
@@ -52,6 +50,3 @@ class LoRARegistry:
 
     def __contains__(self, name: object) -> bool:
         return name in self.adapters
-
-    def __len__(self) -> int:
-        return len(self.adapters)

@@ -1,10 +1,11 @@
 """The adapters the model can run, and the `max_loras` slots one step runs them in.
 
-Every layer's projection holds the slots' weights stacked: `A` `[slots * rank, in]` and `B`
-`[out, slots * rank]`, each adapter zero-padded to `--max-lora-rank`. A step sets a mask
-`[tokens, slots * rank]` that keeps, for each token, the columns of its request's slot (none
-for a base-model request), so a projection's delta for a whole mixed batch is two products and
-a multiply, `((x A^T) * mask) B^T`, whatever adapters its rows use. An adapter enters a slot
+Each layer holds the slots' weights stacked per group of projections that share an input
+(`GROUPS`): `A` `[targets * slots * rank, in]` and a block-diagonal `B` `[sum of outs,
+targets * slots * rank]`, each adapter zero-padded to `--max-lora-rank`. A step sets a mask
+that keeps, for each token, the columns of its request's slot (none for a base-model
+request), so a group's delta for a whole mixed batch is two products and a multiply,
+`((x A^T) * mask) B^T`, whatever adapters its rows use. An adapter enters a slot
 when a step first needs it, taking the least recently used slot the step does not need (the
 scheduler never runs more adapters in a step than there are slots)."""
 
@@ -26,6 +27,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+# How many targets the groups have: a step's mask is built once for each.
+_GROUP_SIZES = frozenset(len(targets) for targets in GROUPS.values())
 
 
 class LoRASlots:
@@ -38,8 +41,6 @@ class LoRASlots:
         dtype: torch.dtype,
     ) -> None:
         """`dtype`: what the adapters compute in (fp32 on a CPU: the products are small)."""
-        if max_loras < 1 or max_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be at least 1")
         self.layer_shapes = layer_shapes
         self.num_slots, self.rank = max_loras, max_rank
         self.device, self.dtype = device, dtype
@@ -87,8 +88,7 @@ class LoRASlots:
         )
         token_slots = torch.from_numpy(np.repeat(row_slots, query_lens)).to(self.device)
         mask = (token_slots[:, None] == self._columns[None, :]).to(self.dtype)
-        sizes = {len(targets) for targets in GROUPS.values()}
-        self._masks = {size: mask.repeat(1, size) for size in sizes}
+        self._masks = {size: mask.repeat(1, size) for size in _GROUP_SIZES}
         targets = {t for i in ids for t in self.adapters[i].targets}
         self.groups = frozenset(g for g, members in GROUPS.items() if targets & set(members))
         return True

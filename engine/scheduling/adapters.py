@@ -14,15 +14,18 @@ from engine.core.request import Request
 
 
 def adapter_gate(
-    running: Iterable[Request], ranked_waiting: Iterable[Request], max_loras: int
+    running: Iterable[Request],
+    ranked_waiting: Callable[[], Iterable[Request]],
+    max_loras: int,
 ) -> Callable[[Request], bool]:
-    """Which waiting requests may start now; `ranked_waiting` are the eligible waiting requests
-    in the order the policy would start them."""
+    """Which waiting requests may start now; `ranked_waiting` gives the eligible waiting
+    requests in the order the policy would start them (asked for only while the running
+    requests' adapters fill every slot)."""
     active = {r.lora.lora_id for r in running if r.lora is not None}
     if len(active) < max_loras:
         return lambda request: True
     ahead: set[int] = set()
-    for request in ranked_waiting:
+    for request in ranked_waiting():
         if request.lora is not None and request.lora.lora_id not in active:
             break
         ahead.add(id(request))

@@ -230,12 +230,16 @@ class Scheduler:
         max_loras = self.config.max_loras
         if max_loras is None:
             return eligible
-        now = self.clock()
-        ranked = [r for r in self.waiting if eligible(r)]
-        if self.policy.uses_priority:
-            ranked.sort(key=lambda r: self.policy.key(r, now))
-        fits = adapter_gate(self.running, ranked, max_loras)
+        fits = adapter_gate(self.running, lambda: self._ranked(eligible), max_loras)
         return lambda r: eligible(r) and fits(r)
+
+    def _ranked(self, eligible: Callable[[Request], bool]) -> Iterable[Request]:
+        """The eligible waiting requests in the order the policy would start them."""
+        ranked = (r for r in self.waiting if eligible(r))
+        if not self.policy.uses_priority:
+            return ranked
+        now = self.clock()
+        return sorted(ranked, key=lambda r: self.policy.key(r, now))
 
     def _slot_share(self) -> Callable[[Request], bool]:
         """Eligible requests, less low-priority ones once they fill their share of the slots."""

@@ -250,8 +250,7 @@ class ModelRunner:
         fit)."""
         if self.lora is None:
             raise LoRAError("LoRA adapters are served only with --enable-lora")
-        model = cast(PagedLlamaForCausalLM, self.model)
-        return load_adapter(path, model.lora_shapes(), self.lora.rank)
+        return load_adapter(path, self.lora.layer_shapes, self.lora.rank)
 
     def add_lora(self, lora_id: int, adapter: LoRAAdapter) -> None:
         assert self.lora is not None
