@@ -5,7 +5,9 @@ EOS ignored).
     python benchmarks/random_weights.py OUT_DIR [--like MODEL_DIR] [--dtype bfloat16]
         [--set hidden_size=896 num_attention_heads=14 ...]
 
-`--set` changes fields of the config (another shape with the same tokenizer). With
+`--set` changes fields of the config (another shape with the same tokenizer), and
+`--model-type` makes it another family's (`qwen3_moe`, `mixtral`: a mixture of experts with the
+same attention and tokenizer; set its expert fields with `--set`). With
 `--config-only` no weights are written: serve the folder with `--load-format dummy`, which
 makes random weights of its shape where the model runs (a large shape takes no disk).
 """
@@ -41,12 +43,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=INT")
     parser.add_argument("--config-only", action="store_true")
+    parser.add_argument("--model-type", default=None, help="another family's config")
     args = parser.parse_args()
     if args.like is None:
         from engine.loading.default_model import ensure_default_model
 
         args.like = Path(ensure_default_model())
     config = AutoConfig.from_pretrained(args.like)
+    if args.model_type is not None:
+        fields = config.to_dict()
+        for key in ("model_type", "architectures", "transformers_version"):
+            fields.pop(key, None)
+        config = AutoConfig.for_model(args.model_type, **fields)
     for field in args.set:
         name, _, value = field.partition("=")
         setattr(config, name, int(value))

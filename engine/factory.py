@@ -36,6 +36,7 @@ from engine.loading.model_loader import (
 from engine.lora.registry import LoRARegistry
 from engine.lora.slots import LoRASlots
 from engine.models import CausalLM, build_causal_lm
+from engine.models.experts import SPARSE_ON_HOST
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.parallel.group import ParallelGroup
 from engine.parallel.sharding import Shard, not_shardable, why_not_shardable
@@ -185,6 +186,8 @@ def lora_slots(
         return None
     if not isinstance(model, PagedLlamaForCausalLM):
         raise ValueError("LoRA adapters run on Conveyor's model implementation only")
+    if model.sparse:
+        raise ValueError("LoRA adapters run on dense models only: this model has experts")
     lora_dtype = torch.float32 if device.type == "cpu" else dtype
     slots = LoRASlots(
         model.lora_shapes(), config.max_loras, config.max_lora_rank, device, lora_dtype
@@ -476,6 +479,8 @@ def _why_not_capturable(model: CausalLM, backend: AttentionBackend) -> str:
         return "the Hugging Face model implementation is not captured"
     if model.shard is not None:
         return "steps across tensor-parallel ranks are not captured"
+    if model.sparse:
+        return SPARSE_ON_HOST
     rope_type = getattr(model.rotary_emb, "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
         return f"{rope_type} rotary embeddings change with the sequence length"

@@ -22,6 +22,7 @@ from engine.kernels.cpu.linear import (
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import gguf_blocks
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from engine.models.experts import unfuse_experts
 from engine.parallel.loading import load_share, model_from_config
 from engine.parallel.sharding import ShardShape, shard_model
 
@@ -256,6 +257,7 @@ def use_linear_form(
     `folder`, if any. 16-bit weights were already rounded to the model's dtype: fp16 holds every
     bf16 value between 2**-17 and 65504 exactly."""
     logger.info("linear layers: %s", form)
+    unfuse_experts(model)
     if form in (LinearForm.BF16_PANELS, LinearForm.HALF_WEIGHTS):
         dtype = model.get_input_embeddings().weight.dtype
         model.float()

@@ -1,4 +1,5 @@
-"""Conveyor's own decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+"""Conveyor's own decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), and its
+mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE), whose layers differ only in the MLP.
 
 It takes its weights from the loaded Hugging Face model and computes the same thing with fewer
 kernel launches: q, k and v come from one fused projection and gate and up from another, rotary
@@ -26,6 +27,7 @@ from engine.kernels.cpu.linear import (
 )
 from engine.lora.adapter import Shapes
 from engine.lora.slots import LoRASlots
+from engine.models.experts import SparseMoE, is_sparse
 from engine.models.layers import add_projected, fuse, gated_activation, rms_norm, rotate
 from engine.models.rotary_table import RotaryTable
 from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, reduced
@@ -33,7 +35,15 @@ from engine.parallel.sharding import Shard
 from engine.worker.sampler import row_argmax
 
 ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
 
@@ -43,16 +53,13 @@ def supports(hf_model: Any) -> str:
     name = type(hf_model).__name__
     if name not in ARCHITECTURES:
         return f"{name} is not one of {', '.join(sorted(ARCHITECTURES))}"
-    layer = hf_model.model.layers[0]
-    projections = (
-        layer.self_attn.q_proj,
-        layer.self_attn.k_proj,
-        layer.self_attn.v_proj,
-        layer.mlp.gate_proj,
-        layer.mlp.up_proj,
-    )
-    if not all(type(p) in LINEAR_TYPES for p in projections):
-        return "its projections are not plain linear layers (quantized weights?)"
+    for layer in hf_model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        if not is_sparse(mlp):
+            projections += [mlp.gate_proj, mlp.up_proj]
+        if not all(type(p) in LINEAR_TYPES for p in projections):
+            return "its projections are not plain linear layers (quantized weights?)"
     return ""
 
 
@@ -71,13 +78,12 @@ class PagedLlamaLayer(nn.Module):
         self.qkv_proj = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         group = shard.group if shard is not None else None
         self.o_proj = reduced(attn.o_proj, group)
-        self.silu = getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
-        gated = GatedPanelLinear.of(mlp.gate_proj, mlp.up_proj) if self.silu else None
-        # With `gated`, one op computes silu(gate) * up; else gate and up side by side.
-        self.gate_up_proj = gated or fuse([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = reduced(mlp.down_proj, group)
-        self.act_fn = mlp.act_fn
-        self.intermediate = mlp.gate_proj.out_features
+        # A mixture of experts in place of the gated MLP (summed over the ranks as a whole).
+        self.moe = reduced(SparseMoE(mlp), group) if is_sparse(mlp) else None
+        if self.moe is None:
+            self._gated_mlp(mlp, group)
+        else:
+            self.silu = False
         self.input_norm = hf_layer.input_layernorm
         self.post_attention_norm = hf_layer.post_attention_layernorm
         self.qk_norm_weight = self._qk_norm_weight(attn)
@@ -86,6 +92,15 @@ class PagedLlamaLayer(nn.Module):
         self.lora: LoRASlots | None = None
         self._lora_shapes = self._target_shapes()
 
+    def _gated_mlp(self, mlp: Any, group: Any) -> None:
+        self.silu = getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
+        gated = GatedPanelLinear.of(mlp.gate_proj, mlp.up_proj) if self.silu else None
+        # With `gated`, one op computes silu(gate) * up; else gate and up side by side.
+        self.gate_up_proj = gated or fuse([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = reduced(mlp.down_proj, group)
+        self.act_fn = mlp.act_fn
+        self.intermediate = mlp.gate_proj.out_features
+
     def lora_shapes(self) -> Shapes:
         """`(in, out)` of each projection an adapter may target."""
         return self._lora_shapes
@@ -93,16 +108,20 @@ class PagedLlamaLayer(nn.Module):
     def _target_shapes(self) -> Shapes:
         hidden = self.input_norm.weight.shape[0]
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        inter = self.intermediate
-        return {
+        shapes = {
             "q_proj": (hidden, q),
             "k_proj": (hidden, kv),
             "v_proj": (hidden, kv),
             "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter),
-            "up_proj": (hidden, inter),
-            "down_proj": (inter, hidden),
         }
+        if self.moe is None:
+            inter = self.intermediate
+            shapes |= {
+                "gate_proj": (hidden, inter),
+                "up_proj": (hidden, inter),
+                "down_proj": (inter, hidden),
+            }
+        return shapes
 
     def _qk_norm_weight(self, attn: Any) -> torch.Tensor | None:
         """Qwen3 normalises each q and k head; one `[q heads + kv heads, dim]` weight does both
@@ -171,13 +190,16 @@ class PagedLlamaLayer(nn.Module):
         hidden = add_projected(self.o_proj, attended, residual)
         if lora is not None and "o" in lora.groups:
             hidden += lora.delta(self.index, "o", attended).to(hidden.dtype)
-        normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
+        mlp_input = self.gate_up_proj if self.moe is None else self.moe
+        normed = self._norm(self.post_attention_norm, hidden, mlp_input)
         return self._mlp(normed, hidden, lora)
 
     def _mlp(
         self, hidden: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
     ) -> torch.Tensor:
         """`residual` plus the MLP's output."""
+        if self.moe is not None:
+            return residual + self.moe(hidden)
         activated = self._activation(hidden, lora)
         out = add_projected(self.down_proj, activated, residual)
         if lora is not None and "down" in lora.groups:
@@ -240,6 +262,11 @@ class PagedLlamaForCausalLM(nn.Module):
 
     def lora_shapes(self) -> list[Shapes]:
         return [layer.lora_shapes() for layer in self._paged_layers]
+
+    @property
+    def sparse(self) -> bool:
+        """Whether some layer's MLP is a mixture of experts."""
+        return any(layer.moe is not None for layer in self._paged_layers)
 
     @property
     def _paged_layers(self) -> list[PagedLlamaLayer]:

@@ -9,9 +9,10 @@ Elsewhere (a hub id, another format) the whole model is loaded and cut.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -113,34 +114,58 @@ def _tensor_index(files: list[Path]) -> dict[str, Path]:
 
 
 def _fill(model: nn.Module, index: dict[str, Path], shape: ShardShape, dtype: torch.dtype) -> None:
-    """Every parameter of the (meta, cut) `model` read as its share of the checkpoint tensor of
-    the same name. Raises KeyError naming a parameter the checkpoint lacks."""
-    from safetensors import safe_open
-
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, _ in model.named_parameters():
-        key = _checkpoint_key(name, index)
-        by_file.setdefault(index[key], []).append((name, key))
-    for file, names in by_file.items():
-        with safe_open(str(file), "pt") as handle:
-            for name, key in names:
-                tensor = _share(name, handle.get_slice(key), shape).to(dtype)
-                module_name, _, attr = name.rpartition(".")
-                module = model.get_submodule(module_name)
-                setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+    """Every parameter of the (meta, cut) `model` read as its share of the checkpoint tensors of
+    its name. Raises KeyError naming a parameter the checkpoint lacks."""
+    with _Checkpoint(index) as checkpoint:
+        for name, _ in list(model.named_parameters()):
+            tensor = _read_share(name, checkpoint, shape).to(dtype)
+            module_name, _, attr = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
 
 
-def _checkpoint_key(name: str, index: dict[str, Path]) -> str:
-    """The checkpoint's name for a parameter: the same, or without the base model's prefix."""
-    for key in (name, name.removeprefix("model.")):
-        if key in index:
-            return key
-    raise KeyError(name)
+class _Checkpoint:
+    """The checkpoint's tensors by name, each file opened once."""
+
+    def __init__(self, index: dict[str, Path]) -> None:
+        self.index = index
+        self._files = ExitStack()
+        self._handles: dict[Path, Any] = {}
+
+    def __enter__(self) -> _Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._files.close()
+
+    def key(self, name: str) -> str:
+        """The checkpoint's name for a parameter: the same, without the base model's prefix,
+        or with Mixtral's `block_sparse_moe` for `mlp`."""
+        for candidate in (name, name.replace(".mlp.", ".block_sparse_moe.")):
+            for key in (candidate, candidate.removeprefix("model.")):
+                if key in self.index:
+                    return key
+        raise KeyError(name)
+
+    def slice(self, key: str) -> Any:
+        from safetensors import safe_open
+
+        file = self.index[key]
+        if file not in self._handles:
+            self._handles[file] = self._files.enter_context(safe_open(str(file), "pt"))
+        return self._handles[file].get_slice(key)
 
 
-def _share(name: str, reader: Any, shape: ShardShape) -> torch.Tensor:
-    """The rank's share of one checkpoint tensor, read from `reader` (a safetensors slice)."""
+# Each expert's own tensors, as checkpoints name them: (gate, up, down), Qwen's and Mixtral's.
+EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _read_share(name: str, checkpoint: _Checkpoint, shape: ShardShape) -> torch.Tensor:
+    """The rank's share of the checkpoint tensor(s) behind parameter `name`."""
     owner, _, kind = name.rpartition(".")
+    if owner.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):
+        return _expert_share(owner, kind, checkpoint, shape.expert_span)
+    reader = checkpoint.slice(checkpoint.key(name))
     rows = row_share(owner, shape)
     if rows is not None:
         return padded_rows(lambda span: reader[span], reader.get_shape()[0], rows)
@@ -148,3 +173,27 @@ def _share(name: str, reader: Any, shape: ShardShape) -> torch.Tensor:
     if columns is not None and kind == "weight":
         return reader[:, columns]
     return reader[:]
+
+
+def _expert_share(owner: str, kind: str, checkpoint: _Checkpoint, channels: slice) -> torch.Tensor:
+    """A layer's experts stacked as Hugging Face holds them (`[experts, 2 * inter, hidden]`,
+    gate above up; `[experts, hidden, inter]`), each cut to the rank's channels, read from the
+    checkpoint's tensors of each expert."""
+    for gate, up, down in EXPERT_NAMES:
+        try:
+            checkpoint.key(f"{owner}.0.{gate}.weight")
+        except KeyError:
+            continue
+        shares = []
+        for expert in itertools.count():
+            prefix = f"{owner}.{expert}"
+            try:
+                keys = [checkpoint.key(f"{prefix}.{part}.weight") for part in (gate, up, down)]
+            except KeyError:
+                break
+            if kind == "down_proj":
+                shares.append(checkpoint.slice(keys[2])[:, channels])
+            else:
+                shares.append(torch.cat([checkpoint.slice(k)[channels] for k in keys[:2]]))
+        return torch.stack(shares)
+    raise KeyError(f"{owner}.{kind}")

@@ -4,6 +4,8 @@ q, k, v, gate and up are split by output rows (whole heads, whole intermediate c
 down by input columns, so each rank's product is a partial sum that one all-reduce completes.
 The embedding and the LM head are split by vocabulary rows, padded to equal shares. Where the
 model has fewer KV heads than ranks, each rank keeps the one KV head its query heads read.
+Experts are cut as gated MLPs are, each to the rank's channels, the router kept whole: every
+rank routes a token alike, and one all-reduce sums the experts' and shared expert's partials.
 
 The cut happens on the plain Hugging Face modules right after loading, before the linear layers
 take Conveyor's kernel forms, so every later step sees an ordinary (smaller) model.
@@ -20,6 +22,10 @@ from torch import nn
 
 from engine.parallel.group import ParallelGroup
 
+# Hugging Face's expert classes that hold gate above up, untransposed, without biases (Conveyor
+# runs them: `models.experts`).
+FUSED_EXPERTS = frozenset({"MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts"})
+
 
 @dataclass(frozen=True, slots=True)
 class ShardShape:
@@ -32,6 +38,9 @@ class ShardShape:
     head_dim: int
     intermediate: int
     vocab_size: int
+    # Each expert's intermediate size, and the shared expert's (0: none), in models with experts.
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
 
     @property
     def local_heads(self) -> int:
@@ -76,6 +85,18 @@ class ShardShape:
         return _span(self.rank * self.local_intermediate, self.local_intermediate)
 
     @property
+    def expert_span(self) -> slice:
+        """This rank's channels of each expert (rows of its gate and up, columns of its down)."""
+        width = self.expert_intermediate // self.size
+        return _span(self.rank * width, width)
+
+    @property
+    def shared_span(self) -> slice:
+        """This rank's channels of the shared expert."""
+        width = self.shared_intermediate // self.size
+        return _span(self.rank * width, width)
+
+    @property
     def vocab_span(self) -> slice:
         """This rank's rows of the embedding and the LM head, past the end on the last rank."""
         return _span(self.vocab_start, self.local_vocab)
@@ -91,7 +112,17 @@ class ShardShape:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             intermediate=config.intermediate_size,
             vocab_size=vocab_size,
+            expert_intermediate=_expert_intermediate(config),
+            shared_intermediate=getattr(config, "shared_expert_intermediate_size", None) or 0,
         )
+
+
+def _expert_intermediate(config: Any) -> int:
+    """Each expert's intermediate size (Mixtral's experts take the config's own); 0 without
+    experts."""
+    if not (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
+        return 0
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
 
 
 def why_not_shardable(config: Any, size: int) -> str:
@@ -102,8 +133,17 @@ def why_not_shardable(config: Any, size: int) -> str:
         return f"its {heads} attention heads do not divide by {size}"
     if kv_heads % size and size % kv_heads:
         return f"its {kv_heads} KV heads neither divide by {size} nor divide {size}"
-    if config.intermediate_size % size:
-        return f"its intermediate size {config.intermediate_size} does not divide by {size}"
+    sizes = {
+        "intermediate size": config.intermediate_size,
+        "experts' intermediate size": _expert_intermediate(config),
+        "shared expert's intermediate size": getattr(
+            config, "shared_expert_intermediate_size", None
+        )
+        or 0,
+    }
+    for what, channels in sizes.items():
+        if channels % size:
+            return f"its {what} {channels} does not divide by {size}"
     return ""
 
 
@@ -133,8 +173,21 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
             continue
         parent, _, child = name.rpartition(".")
         setattr(layers.get_submodule(parent), child, share)
+    for module in layers.modules():
+        if type(module).__name__ in FUSED_EXPERTS:
+            _shard_experts(module, shape.expert_span)
     _shard_vocab(hf_model, shape)
     return shape
+
+
+def _shard_experts(experts: Any, channels: slice) -> None:
+    """Every expert cut to the rank's channels, as a gated MLP is: the rows of its gate and of
+    its up (held one above the other), the columns of its down. The router stays whole."""
+    inter = experts.down_proj.shape[2]
+    gate_up = experts.gate_up_proj
+    up = slice(inter + channels.start, inter + channels.stop)
+    experts.gate_up_proj = _parameter(torch.cat([gate_up[:, channels], gate_up[:, up]], dim=1))
+    experts.down_proj = _parameter(experts.down_proj[:, :, channels])
 
 
 # Where each projection of a layer keeps the rank's share, by the end of the module's name: its
@@ -145,8 +198,14 @@ ROW_SHARES = {
     "self_attn.v_proj": "kv_span",
     "mlp.gate_proj": "channel_span",
     "mlp.up_proj": "channel_span",
+    "mlp.shared_expert.gate_proj": "shared_span",
+    "mlp.shared_expert.up_proj": "shared_span",
 }
-COLUMN_SHARES = {"self_attn.o_proj": "query_span", "mlp.down_proj": "channel_span"}
+COLUMN_SHARES = {
+    "self_attn.o_proj": "query_span",
+    "mlp.down_proj": "channel_span",
+    "mlp.shared_expert.down_proj": "shared_span",
+}
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 
 

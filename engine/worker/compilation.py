@@ -25,6 +25,7 @@ import torch
 from engine.core.paths import cache_dir
 from engine.kernels.cpu import ops as cpu_ops
 from engine.models import CausalLM
+from engine.models.experts import SPARSE_ON_HOST
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ def why_not_compiled(model: CausalLM) -> str:
         return "the Hugging Face model implementation is not compiled"
     if model.shard is not None:
         return "steps across tensor-parallel ranks are not compiled"
+    if model.sparse:
+        return SPARSE_ON_HOST
     return ""
 
 

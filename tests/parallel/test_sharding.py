@@ -13,7 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.factory import build_rank
@@ -50,6 +58,30 @@ MODELS = {
     ),
     "qwen3": lambda: Qwen3Config(
         **COMMON, vocab_size=320, num_key_value_heads=2, head_dim=16, use_sliding_window=False
+    ),
+    # Experts: Mixtral's; Qwen2-MoE's with a shared expert and a dense layer; Qwen3-MoE's.
+    "mixtral": lambda: MixtralConfig(
+        **COMMON, vocab_size=320, num_key_value_heads=2, num_local_experts=4
+    ),
+    "qwen2-moe": lambda: Qwen2MoeConfig(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=6,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+    ),
+    "qwen3-moe": lambda: Qwen3MoeConfig(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=6,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
     ),
 }
 

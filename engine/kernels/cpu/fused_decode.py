@@ -69,6 +69,8 @@ def why_not_fused(layer: FusibleLayer) -> str:
     """Why the fused layer does not compute this layer ("" where it does): it needs projections
     in Conveyor's panels, fp32 norms with one epsilon, silu gating, no per-head q/k norm, and the
     kernels built."""
+    if getattr(layer, "moe", None) is not None:
+        return "a mixture-of-experts MLP"
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     norms = (layer.input_norm, layer.post_attention_norm)
     if not cpu_ops.has("fused_decode"):

@@ -1,0 +1,158 @@
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k
+experts, each expert is a gated MLP of its own, and their outputs are summed with the router's
+weights (plus, in Qwen2-MoE, a shared expert every token runs, behind a sigmoid gate).
+
+Hugging Face holds a layer's experts as two 3-d tensors (`gate_up_proj [experts, 2 * inter,
+hidden]` with gate above up, `down_proj [experts, hidden, inter]`). `ExpertLinears` holds them
+as one gate/up and one down linear layer per expert instead (views of the same memory), so the
+linear-layer forms (`kernels/cpu/linear.py`) take experts as they take any projection: bf16
+panels on AVX-512 BF16 and AMX CPUs, fp16 or fp32 panels elsewhere, torch's own on a GPU. It
+keeps Hugging Face's `forward(hidden, top_k_index, top_k_weights)`, so the Hugging Face model
+runs over it unchanged. `SparseMoE` is Conveyor's whole block: routing, experts, shared expert.
+
+Tokens are grouped by expert on the host (one sort and one count per layer), and only the
+experts some token chose run, each over its tokens at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import gated_activation
+from engine.parallel.sharding import FUSED_EXPERTS
+
+# Why steps of such a model run eagerly: no CUDA graph or compiled piece holds a host sync.
+SPARSE_ON_HOST = "mixture-of-experts layers group their tokens by expert on the host"
+
+
+def is_sparse(mlp: Any) -> bool:
+    """Whether a decoder layer's MLP is a mixture of experts Conveyor runs."""
+    experts = getattr(mlp, "experts", None)
+    return isinstance(experts, ExpertLinears) or type(experts).__name__ in FUSED_EXPERTS
+
+
+def unfuse_experts(model: nn.Module) -> int:
+    """Swap each of Hugging Face's fused expert modules in `model` for an `ExpertLinears` over
+    the same memory; return how many were swapped. Run before the linear layers take their
+    form, which then takes every expert's."""
+    swapped = 0
+    for parent in list(model.modules()):
+        experts = getattr(parent, "experts", None)
+        if type(experts).__name__ in FUSED_EXPERTS:
+            parent.experts = ExpertLinears.of(experts)
+            swapped += 1
+    return swapped
+
+
+def _view_linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free linear layer over `weight` `[out, in]` itself (no copy)."""
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
+class ExpertLinears(nn.Module):
+    """A layer's experts, each a gate/up projection (`[2 * inter, hidden]`, gate first) and a
+    down projection, computing `down(act(gate) * up)` for the tokens routed to it."""
+
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module], act_fn: nn.Module) -> None:
+        super().__init__()
+        self.gate_up = nn.ModuleList(gate_up)
+        self.down = nn.ModuleList(down)
+        self.act_fn = act_fn
+        self.num_experts = len(gate_up)
+        self.intermediate = int(cast(nn.Linear, down[0]).in_features)
+        self.silu = isinstance(act_fn, nn.SiLU)
+
+    @classmethod
+    def of(cls, experts: Any) -> ExpertLinears:
+        """Over Hugging Face's fused experts' memory, or `experts` itself where it is one."""
+        if isinstance(experts, ExpertLinears):
+            return experts
+        gate_up = experts.gate_up_proj.detach()
+        down = experts.down_proj.detach()
+        return cls(
+            [_view_linear(w) for w in gate_up],
+            [_view_linear(w) for w in down],
+            experts.act_fn,
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's experts' outputs `[rows, hidden]`, weighted and summed: row `i` ran
+        through experts `top_k_index[i]` with weights `top_k_weights[i]`."""
+        out = torch.zeros_like(hidden)
+        top_k = top_k_index.shape[1]
+        flat = top_k_index.flatten()
+        order = flat.argsort(stable=True)
+        weights = top_k_weights.flatten()[order].unsqueeze(1)
+        rows = order // top_k
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
+            if count == 0:
+                continue
+            taken = rows[start : start + count]
+            out.index_add_(0, taken, self._expert(expert, hidden[taken], weights[start:][:count]))
+            start += count
+        return out
+
+    def _expert(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up[expert](x)
+        activated = gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)
+        return (self.down[expert](activated) * weights).to(x.dtype)
+
+
+class SparseMoE(nn.Module):
+    """Conveyor's mixture-of-experts block over a Hugging Face one (`Qwen2MoeSparseMoeBlock`,
+    `Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`): the same routing, experts and shared
+    expert over the same weights."""
+
+    def __init__(self, block: Any) -> None:
+        super().__init__()
+        router = block.gate
+        self.router_weight = router.weight
+        self.top_k = int(router.top_k)
+        # Mixtral always renormalizes the top-k weights and keeps them in fp32; Qwen's MoE
+        # models renormalize where the config says so and cast them to the logits' dtype.
+        self.renormalize = bool(getattr(router, "norm_topk_prob", True))
+        self.cast_weights = hasattr(router, "norm_topk_prob")
+        self.experts = ExpertLinears.of(block.experts)
+        shared = getattr(block, "shared_expert", None)
+        self.shared_expert = shared
+        self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
+
+    @property
+    def num_experts(self) -> int:
+        return self.experts.num_experts
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k experts `[rows, k]` and their weights."""
+        logits = F.linear(x, self.router_weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if self.cast_weights:
+            weights = weights.to(logits.dtype)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output for the normalized rows `x` `[rows, hidden]`."""
+        weights, experts = self.route(x)
+        out = self.experts(x, experts, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+    def extra_repr(self) -> str:
+        shared = ", shared expert" if self.shared_expert is not None else ""
+        return f"experts={self.num_experts}, top_k={self.top_k}{shared}"
