@@ -60,14 +60,16 @@ class ExpertLinears(nn.Module):
     """A layer's experts, each a gate/up projection (`[2 * inter, hidden]`, gate first) and a
     down projection, computing `down(act(gate) * up)` for the tokens routed to it."""
 
-    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module], act_fn: nn.Module) -> None:
+    def __init__(
+        self, gate_up: list[nn.Module], down: list[nn.Module], act_fn: nn.Module, silu: bool
+    ) -> None:
         super().__init__()
         self.gate_up = nn.ModuleList(gate_up)
         self.down = nn.ModuleList(down)
         self.act_fn = act_fn
+        self.silu = silu
         self.num_experts = len(gate_up)
         self.intermediate = int(cast(nn.Linear, down[0]).in_features)
-        self.silu = isinstance(act_fn, nn.SiLU)
 
     @classmethod
     def of(cls, experts: Any) -> ExpertLinears:
@@ -80,32 +82,33 @@ class ExpertLinears(nn.Module):
             [_view_linear(w) for w in gate_up],
             [_view_linear(w) for w in down],
             experts.act_fn,
+            getattr(experts.config, "hidden_act", None) == "silu",
         )
 
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """Each row's experts' outputs `[rows, hidden]`, weighted and summed: row `i` ran
-        through experts `top_k_index[i]` with weights `top_k_weights[i]`."""
-        out = torch.zeros_like(hidden)
+        through experts `top_k_index[i]` with weights `top_k_weights[i]`. The rows are taken
+        in expert order once; each expert runs over its own run of them, and one indexed add
+        sums each row's outputs in expert order (as Hugging Face's loop over experts does)."""
         top_k = top_k_index.shape[1]
         flat = top_k_index.flatten()
         order = flat.argsort(stable=True)
-        weights = top_k_weights.flatten()[order].unsqueeze(1)
         rows = order // top_k
-        start = 0
+        taken = hidden[rows]
+        outputs, start = [], 0
         for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
-            if count == 0:
-                continue
-            taken = rows[start : start + count]
-            out.index_add_(0, taken, self._expert(expert, hidden[taken], weights[start:][:count]))
-            start += count
-        return out
+            if count:
+                outputs.append(self._expert(expert, taken[start : start + count]))
+                start += count
+        weighted = torch.cat(outputs) * top_k_weights.flatten()[order].unsqueeze(1)
+        return torch.zeros_like(hidden).index_add_(0, rows, weighted.to(hidden.dtype))
 
-    def _expert(self, expert: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up[expert](x)
         activated = gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)
-        return (self.down[expert](activated) * weights).to(x.dtype)
+        return self.down[expert](activated)
 
 
 class SparseMoE(nn.Module):
