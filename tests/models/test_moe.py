@@ -87,10 +87,12 @@ def engine_tokens(model, **options: object) -> tuple[list[list[int]], object]:
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_experts_greedy_matches_generate_under_chunking_and_preemption(name):
-    model = build(name)
+def test_experts_greedy_matches_generate_under_chunking_and_preemption(name, device):
+    model = build(name).to(device)
     expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
-    core, _ = tiny_core(model, num_blocks=24, max_model_len=64, max_num_batched_tokens=10)
+    core, _ = tiny_core(
+        model, num_blocks=24, max_model_len=64, max_num_batched_tokens=10, device=device
+    )
     chunked = record_chunking(core)
     outputs = run_all(core, prompts(), GREEDY)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
@@ -172,6 +174,10 @@ def test_experts_take_the_models_linear_form(form):
     tokens, core = engine_tokens(model)
     assert tokens == expected
     assert "mixture-of-experts" in core.runner.model.fused_decode.describe()
+    # transformers' own model runs over the same experts.
+    tokens, core = engine_tokens(model, model_impl="transformers")
+    assert not isinstance(core.runner.model, PagedLlamaForCausalLM)
+    assert tokens == expected
 
 
 def test_lora_compile_and_graphs_refuse_experts_with_the_reason():
