@@ -6,9 +6,14 @@ shape, none read)."""
 from __future__ import annotations
 
 import argparse
+import random
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from engine.core.config import CacheConfig, EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.core.sampling_params import SamplingParams
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,3 +49,24 @@ def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:
         cache=CacheConfig(kv_cache_memory=1 << 30, dtype=args.kv_cache_dtype),
         **options,
     )
+
+
+def output_rate(
+    core: EngineCore,
+    concurrency: int,
+    args: argparse.Namespace,
+    seed: int,
+    loras: Sequence[Any] = (None,),
+) -> float:
+    """Output tokens/s of `concurrency` requests of random `args.input_len`-token prompts and
+    `args.output_len` greedy tokens (EOS ignored) all at once, request `i` under
+    `loras[i % len(loras)]`."""
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    for i in range(concurrency):
+        prompt = [rng.randrange(100, core.vocab_size - 100) for _ in range(args.input_len)]
+        core.add_request(f"bench-{seed}-{i}", prompt, params, lora=loras[i % len(loras)])
+    start, produced = time.perf_counter(), 0
+    while core.has_unfinished():
+        produced += sum(len(output.new_token_ids) for output in core.step())
+    return produced / (time.perf_counter() - start)

@@ -14,22 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config, output_rate
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.core.engine_core import EngineCore
-from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.loading.default_model import ensure_default_model
-from engine.lora.registry import LoRARequest
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ORDER = ["off", "base", "one", "two", "two", "one", "base", "off"]
@@ -47,20 +42,6 @@ def write_adapter(model: str, folder: Path, rank: int, seed: int) -> str:
                 weight.normal_(std=0.02)
     adapted.save_pretrained(str(folder))
     return str(folder)
-
-
-def run(
-    core: EngineCore, loras: list[LoRARequest | None], concurrency: int, args, seed: int
-) -> float:
-    rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    for i in range(concurrency):
-        prompt = [rng.randrange(100, core.vocab_size - 100) for _ in range(args.input_len)]
-        core.add_request(f"bench-{seed}-{i}", prompt, params, lora=loras[i % len(loras)])
-    start, produced = time.perf_counter(), 0
-    while core.has_unfinished():
-        produced += sum(len(output.new_token_ids) for output in core.step())
-    return produced / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -90,12 +71,12 @@ def main() -> None:
     ways = {"off": (off, [None]), "base": (on, [None]), "one": (on, [a]), "two": (on, [a, b])}
     print(f"# {info.model_name} {info.dtype} on {info.device}, adapters of rank {args.rank}")
     for core, loras in ways.values():
-        run(core, loras, 2, argparse.Namespace(input_len=16, output_len=4), seed=-1)
+        output_rate(core, 2, argparse.Namespace(input_len=16, output_len=4), -1, loras)
     for concurrency in args.concurrency:
         rates: dict[str, list[float]] = {way: [] for way in ways}
         for turn, way in enumerate(ORDER):
             core, loras = ways[way]
-            rates[way].append(run(core, loras, concurrency, args, seed=turn))
+            rates[way].append(output_rate(core, concurrency, args, turn, loras))
         baseline = statistics.median(rates["off"])
         for way, values in rates.items():
             rate = statistics.median(values)

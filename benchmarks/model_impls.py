@@ -13,29 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
-import time
 
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config, output_rate
 
-from engine.core.engine_core import EngineCore
-from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 
 ORDER = ["transformers", "conveyor", "conveyor", "transformers"]
-
-
-def run(core: EngineCore, concurrency: int, args: argparse.Namespace, seed: int) -> float:
-    rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    for i in range(concurrency):
-        prompt = [rng.randrange(100, core.vocab_size - 100) for _ in range(args.input_len)]
-        core.add_request(f"bench-{seed}-{i}", prompt, params)
-    start, produced = time.perf_counter(), 0
-    while core.has_unfinished():
-        produced += sum(len(output.new_token_ids) for output in core.step())
-    return produced / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -49,11 +33,11 @@ def main() -> None:
     print(f"# {info.model_name} {info.dtype} on {info.device}")
     short = argparse.Namespace(input_len=16, output_len=4)
     for core in cores.values():
-        run(core, 2, short, seed=-1)
+        output_rate(core, 2, short, -1)
     for concurrency in args.concurrency:
         rates: dict[str, list[float]] = {impl: [] for impl in cores}
         for turn, impl in enumerate(ORDER):
-            rates[impl].append(run(cores[impl], concurrency, args, seed=turn))
+            rates[impl].append(output_rate(cores[impl], concurrency, args, turn))
         baseline = statistics.median(rates["transformers"])
         for impl, values in rates.items():
             rate = statistics.median(values)

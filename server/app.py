@@ -23,6 +23,7 @@ from server.batches.runner import BatchRunner
 from server.batches.state import Lazy
 from server.errors import APIError, install_error_handlers
 from server.fleet_api import fleet_router
+from server.messages_protocol import CountTokensRequest, MessagesRequest
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
 from server.middleware import (
     ApiKeyMiddleware,
@@ -30,7 +31,14 @@ from server.middleware import (
     RequestIdMiddleware,
     UnexpectedErrorMiddleware,
 )
-from server.openapi import EMBEDDING, GENERATION, document_errors_as_sent, errors
+from server.openapi import (
+    EMBEDDING,
+    GENERATION,
+    MESSAGES,
+    anthropic_errors,
+    document_errors_as_sent,
+    errors,
+)
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +62,7 @@ from server.serving_chat import ChatHandler
 from server.serving_completions import CompletionHandler
 from server.serving_embeddings import EmbeddingHandler
 from server.serving_lora import lora_router
+from server.serving_messages import MessagesHandler
 from server.serving_responses import ResponsesHandler
 from server.serving_score import ScoreHandler
 from server.settings import ServerSettings
@@ -177,6 +186,7 @@ def _openai_router(
     embeddings = EmbeddingHandler(engine, served, settings.limits)
     scores = ScoreHandler(embeddings)
     responses = ResponsesHandler(engine, chat, stored)
+    messages = MessagesHandler(engine, chat)
 
     @router.post("/v1/completions", dependencies=GENERATING, responses=GENERATION)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -189,6 +199,16 @@ def _openai_router(
     @router.post("/v1/responses", dependencies=GENERATING, responses=GENERATION)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await tracing.traced("chat", served.name, body, request, responses)
+
+    @router.post("/v1/messages", dependencies=GENERATING, responses=MESSAGES)
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        return await tracing.traced("chat", served.name, body, request, messages)
+
+    @router.post(
+        "/v1/messages/count_tokens", dependencies=GENERATING, responses=anthropic_errors(400, 404)
+    )
+    async def count_message_tokens(body: CountTokensRequest) -> dict[str, int]:
+        return await messages.count_tokens(body)
 
     @router.post("/v1/embeddings", dependencies=[Depends(_accepting)], responses=EMBEDDING)
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:

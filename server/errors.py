@@ -1,4 +1,5 @@
-"""Every error a client can see, in OpenAI's shape, mapped in one place."""
+"""Every error a client can see, in OpenAI's shape (Anthropic's on its Messages routes), mapped
+in one place."""
 
 from __future__ import annotations
 
@@ -76,13 +77,37 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(500, f"Internal server error: {type(exc).__name__}", "server_error")
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+# Anthropic's error types by status (`/v1/messages` answers in Anthropic's shape).
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    """`{"type": "error", "error": {"type", "message"}}`, as Anthropic's API and SDKs shape an
+    error (a 5xx other than an overload is an `api_error`)."""
+    fallback = "invalid_request_error" if error.status < 500 else "api_error"
+    kind = ANTHROPIC_TYPES.get(error.status, fallback)
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_json(error: APIError, path: str = "") -> dict[str, Any]:
+    """The error's body, in Anthropic's shape on its routes and OpenAI's elsewhere."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_body(error)
+    return error_body(error.message, error.type, error.param, error.code)
+
+
+def error_response(exc: BaseException, path: str = "") -> JSONResponse:
     error = to_api_error(exc)
-    return JSONResponse(
-        error_body(error.message, error.type, error.param, error.code),
-        status_code=error.status,
-        headers=error.headers,
-    )
+    return JSONResponse(error_json(error, path), status_code=error.status, headers=error.headers)
 
 
 # Names pydantic gives the members of a union in an error's location: not the client's fields.
@@ -138,9 +163,9 @@ def _leaf_routes(routes: list[Any]) -> Iterator[Any]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(APIError(400, message, param=param))
+        return error_response(APIError(400, message, param=param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -149,16 +174,16 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 405:
             headers["Allow"] = ", ".join(_allowed_methods(app, request.scope))
         error = APIError(exc.status_code, str(exc.detail), type_, headers=headers)
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(ConveyorError)
-    async def _engine(_: Request, exc: ConveyorError) -> JSONResponse:
-        return error_response(exc)
+    async def _engine(request: Request, exc: ConveyorError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(exc)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc, request.url.path)

@@ -9,7 +9,7 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_body, error_response
+from server.errors import APIError, error_json, error_response
 
 REQUEST_ID_HEADER = b"x-request-id"
 # A client's request id longer than this, or with characters other than these, is replaced by a
@@ -69,14 +69,14 @@ class BodyLimitMiddleware:
         limit = streamed if streamed is not None else self.max_bytes
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await self._refuse(send, limit)
+            await self._refuse(send, scope, limit)
             return
         if streamed is not None:
             await self.app(scope, _counted(receive, streamed), send)
             return
         buffered = await self._read_body(receive)
         if buffered is None:
-            await self._refuse(send, self.max_bytes)
+            await self._refuse(send, scope, self.max_bytes)
             return
 
         async def replay() -> Message:
@@ -101,9 +101,10 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 return messages
 
-    async def _refuse(self, send: Send, limit: int) -> None:
+    async def _refuse(self, send: Send, scope: Scope, limit: int) -> None:
         await send_error(
             send,
+            scope,
             400,
             f"The request body is larger than the limit of {limit} bytes.",
             "request_too_large",
@@ -111,7 +112,8 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Refuse requests without the API key (`Authorization: Bearer <key>`) with a 401 in
+    """Refuse requests without the API key (`Authorization: Bearer <key>`, or Anthropic's
+    `x-api-key`) with a 401 in
     OpenAI's shape, before their body is read: an unauthenticated client cannot make the server
     buffer or parse anything. `/health`, `/metrics`, `/version`, the load routers poll
     (`/get_load`, `/load`: a count `/metrics` shows too) and CORS preflights stay open."""
@@ -133,6 +135,7 @@ class ApiKeyMiddleware:
             return
         await send_error(
             send,
+            scope,
             401,
             "Incorrect API key provided.",
             "invalid_api_key",
@@ -140,20 +143,27 @@ class ApiKeyMiddleware:
         )
 
     def _authorized(self, scope: Scope) -> bool:
+        """`Authorization: Bearer <key>`, or `x-api-key: <key>` as Anthropic's clients send
+        it."""
         scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token, self.key):
+            return True
+        other = _header(scope, b"x-api-key")
+        return other is not None and hmac.compare_digest(other, self.key)
 
 
 async def send_error(
     send: Send,
+    scope: Scope,
     status: int,
     message: str,
     code: str,
     headers: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
-    """A whole error response in OpenAI's shape, sent from middleware (the app's error
-    handlers are not reached)."""
-    body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
+    """A whole error response in the route's shape (OpenAI's, or Anthropic's on its Messages
+    routes), sent from middleware (the app's error handlers are not reached)."""
+    error = APIError(status, message, code=code)
+    body = json.dumps(error_json(error, scope.get("path", ""))).encode()
     await send(
         {
             "type": "http.response.start",
@@ -214,4 +224,4 @@ class UnexpectedErrorMiddleware:
         except Exception as exc:
             if started:
                 raise
-            await error_response(exc)(scope, receive, send)
+            await error_response(exc, scope.get("path", ""))(scope, receive, send)

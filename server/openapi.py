@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from server.messages_protocol import AnthropicErrorResponse
 from server.protocol import ErrorResponse
 
 DESCRIPTIONS = {
@@ -22,6 +23,13 @@ DESCRIPTIONS = {
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": DESCRIPTIONS[code]} for code in codes}
+
+
+def anthropic_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The same errors in Anthropic's shape (the Messages routes)."""
+    return {
+        code: {"model": AnthropicErrorResponse, "description": DESCRIPTIONS[code]} for code in codes
+    }
 
 
 # One server-sent event of a stream: its `data` is a JSON chunk, an error, or `[DONE]`.
@@ -44,6 +52,13 @@ GENERATION: dict[int | str, dict[str, Any]] = {
         },
     },
     **errors(400, 404, 500, 503, 504),
+}
+
+
+# /v1/messages: Anthropic's message, or its server-sent events with `stream`.
+MESSAGES: dict[int | str, dict[str, Any]] = {
+    200: GENERATION[200],
+    **anthropic_errors(400, 404, 500, 503, 504),
 }
 
 

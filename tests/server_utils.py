@@ -121,6 +121,20 @@ def sse_events(body: str) -> list[Any]:
     return events
 
 
+def named_events(body: str) -> list[dict[str, Any]]:
+    """Parse a stream of named events strictly (the Responses and Messages APIs): `event: TYPE`
+    then `data: JSON` blocks, the data's type the event's name, and no `[DONE]`."""
+    assert body.endswith("\n\n")
+    events = []
+    for block in body[:-2].split("\n\n"):
+        head, data = block.split("\n")
+        assert head.startswith("event: ") and data.startswith("data: "), block
+        event = json.loads(data[len("data: ") :])
+        assert event["type"] == head[len("event: ") :]
+        events.append(event)
+    return events
+
+
 def blocks_in_use(engine: AsyncEngine) -> int:
     return engine.core.scheduler.block_manager.num_used_blocks
 

@@ -20,7 +20,7 @@ from server.tracing import Tracing
 from server.truncation import drop_oldest, fits
 from tests.server.test_reasoning import thinking_tokenizer
 from tests.server.test_tool_calls import SCHEMAS, TIME, WEATHER, tool_tokenizer
-from tests.server_utils import app_client, blocks_in_use, until
+from tests.server_utils import app_client, blocks_in_use, named_events, until
 
 BASE = {"model": "tiny", "temperature": 0, "max_output_tokens": 12}
 TOOLS = [
@@ -30,16 +30,8 @@ TOOLS = [
 
 
 def stream_events(body: str) -> list[dict]:
-    """Parse a Responses stream strictly: `event: TYPE` then `data: JSON` blocks, the data's
-    type the event's name, numbered from 0, and no `[DONE]`."""
-    assert body.endswith("\n\n")
-    events = []
-    for block in body[:-2].split("\n\n"):
-        head, data = block.split("\n")
-        assert head.startswith("event: ") and data.startswith("data: "), block
-        event = json.loads(data[len("data: ") :])
-        assert event["type"] == head[len("event: ") :]
-        events.append(event)
+    """Parse a Responses stream strictly (`named_events`), its events numbered from 0."""
+    events = named_events(body)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
 
