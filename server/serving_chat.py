@@ -39,14 +39,21 @@ from server.tokenization import (
     off_the_loop_if_large,
 )
 from server.tool_parsers import (
-    HermesReader,
-    Llama3JsonReader,
+    KEEPS_SPECIAL_TOKENS,
+    CallReader,
     parse_calls,
     parser_for,
     reader_for,
 )
 from server.tool_prompt import WRITTEN_TOOLS_PARSER, renders_tools
-from server.tools import ForcedCalls, check_tools, forced_calls, template_tools, tool_call
+from server.tools import (
+    ForcedCalls,
+    check_tools,
+    forced_calls,
+    template_tools,
+    tool_call,
+    tool_schemas,
+)
 
 
 @dataclass(slots=True)
@@ -55,7 +62,7 @@ class _Choice(ChoiceState):
     # The id of the named call being streamed (tool_choice naming a function).
     call_id: str | None = None
     # Reads calls out of the text as it streams (tool_choice "auto" with a parser).
-    reader: HermesReader | Llama3JsonReader | None = None
+    reader: CallReader | None = None
     num_calls: int = 0
     # Reads the calls of a required tool_choice as they stream.
     calls_reader: CallArrayReader = field(default_factory=CallArrayReader)
@@ -108,7 +115,7 @@ class ChatRenderer(ChunkRenderer):
         self.choices = {i: _Choice(i) for i in range(body.n)}
         for choice in self.choices.values():
             if parser is not None:
-                choice.reader = reader_for(parser)
+                choice.reader = reader_for(parser, tool_schemas(body))
             if thinking is not None:
                 choice.thinker = ThinkReader(thinking)
 
@@ -233,7 +240,7 @@ class ChatRenderer(ChunkRenderer):
     def _answer(self, text: str | None) -> dict[str, Any]:
         """The message of a reply whose text (past any reasoning) is `text`."""
         if self.parser is not None:
-            content, calls = parse_calls(self.parser, text or "")
+            content, calls = parse_calls(self.parser, text or "", tool_schemas(self.body))
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
@@ -306,6 +313,8 @@ class ChatHandler:
         tokenizer = require_text_model(self.engine)
         tools = template_tools(body)
         parser = self._parser(tokenizer) if tools and forced is None else None
+        if parser in KEEPS_SPECIAL_TOKENS:  # its tag is a special token the text must keep
+            params = replace(params, skip_special_tokens=False)
         return PreparedChat(prompt, params, forced, parser, thinking, lora)
 
     def renderer(

@@ -133,3 +133,8 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
 
 def _json(schema: dict[str, Any]) -> str:
     return json.dumps(schema, separators=(",", ":"))
+
+
+def tool_schemas(body: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
+    """Each tool's parameters schema by its name (what types a parser reads values as)."""
+    return {tool.function.name: tool.function.parameters or {} for tool in body.tools or ()}

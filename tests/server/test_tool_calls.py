@@ -312,3 +312,36 @@ async def test_without_a_tool_section_the_tools_are_written_and_calls_read_back(
         second = await chat(client, messages=turn, max_tokens=1)
         assert second["usage"]["prompt_tokens"] > offered["usage"]["prompt_tokens"]
         assert blocks_in_use(engine) == 0
+
+
+# Qwen3-Coder writes each argument as its own element; the schema types the values.
+CODER_OUTPUT = (
+    "<tool_call>\n<function=weather>\n<parameter=city>\n1234\n</parameter>\n"
+    "<parameter=unit>\nc\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+async def test_auto_reads_qwen3_coder_calls_typed_by_the_schema():
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="qwen3_coder")
+    force = {"structured_outputs": {"regex": re.escape(CODER_OUTPUT)}}
+    async with app_client(settings, tokenizer=tool_tokenizer()) as (client, _):
+        body = await chat(client, tool_choice="auto", max_tokens=200, **force)
+        [choice] = body["choices"]
+        [call] = choice["message"]["tool_calls"]
+        # The weather schema's city is a string: "1234" stays text.
+        assert json.loads(call["function"]["arguments"]) == {"city": "1234", "unit": "c"}
+        assert choice["finish_reason"] == "tool_calls"
+
+
+async def test_a_mistral_parser_keeps_the_special_tokens_its_tag_is():
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="mistral")
+    output = '[TOOL_CALLS][{"name": "time", "arguments": {"zone": 2}}]'
+    force = {"structured_outputs": {"regex": re.escape(output)}}
+    async with app_client(settings, tokenizer=tool_tokenizer()) as (client, _):
+        rendered = await client.post("/v1/chat/completions/render", json=BASE)
+        assert rendered.json()["sampling_params"]["skip_special_tokens"] is False
+        plain = await client.post("/v1/chat/completions/render", json={**BASE, "tools": None})
+        assert plain.json()["sampling_params"]["skip_special_tokens"] is True
+        body = await chat(client, tool_choice="auto", **force)
+        [call] = body["choices"][0]["message"]["tool_calls"]
+        assert call["function"] == {"name": "time", "arguments": '{"zone": 2}'}

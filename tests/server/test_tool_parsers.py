@@ -109,3 +109,126 @@ def test_llama3_json_streams_text_and_holds_a_call_until_the_end() -> None:
     content, calls = holding.finish()
     assert content == "" and names_and_arguments(calls) == [("time", {})]
     assert parser_for(None, "{{ '<|python_tag|>' }}") == "llama3_json"
+
+
+SCHEMAS = {
+    "time": {"type": "object", "properties": {"zone": {"type": "integer"}}},
+    "weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "array"}},
+    },
+}
+CODER_CALL = (
+    "<tool_call>\n<function=weather>\n<parameter=city>\n42\n</parameter>\n"
+    "<parameter=days>\n[1, 2]\n</parameter>\n</function>\n</tool_call>"
+)
+CODER_TIME = (
+    "<tool_call>\n<function=time>\n<parameter=zone>\n-3\n</parameter>\n</function>\n</tool_call>"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        # The schema says city is a string: "42" stays text; days is an array.
+        (CODER_CALL, None, [("weather", {"city": "42", "days": [1, 2]})]),
+        (
+            "Two calls. " + CODER_CALL + "\n" + CODER_TIME,
+            "Two calls. \n",
+            [("weather", {"city": "42", "days": [1, 2]}), ("time", {"zone": -3})],
+        ),
+        (
+            "<tool_call>\n<function=ping>\n</function>\n</tool_call>",
+            None,
+            [("ping", {})],
+        ),
+        (
+            "<tool_call>\n<function=time>\n<parameter=zone>\n3\n</function>\n</tool_call>",
+            "<tool_call>\n<function=time>\n<parameter=zone>\n3\n</function>\n</tool_call>",
+            [],
+        ),
+        ("No call here.", "No call here.", []),
+    ],
+    ids=["typed", "text-and-two", "no-parameters", "unclosed-parameter", "text"],
+)
+def test_qwen3_coder_outputs(text: str, content: str | None, calls: list) -> None:
+    parsed_content, parsed_calls = parse_calls("qwen3_coder", text, SCHEMAS)
+    assert parsed_content == content
+    assert names_and_arguments(parsed_calls) == calls
+
+
+PYTHONIC = '[time(zone=3), weather(city="Oslo", days=[1, 2])]'
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (PYTHONIC, None, [("time", {"zone": 3}), ("weather", {"city": "Oslo", "days": [1, 2]})]),
+        ("<|python_start|>[ping()]<|python_end|>", None, [("ping", {})]),
+        ("[1, 2, 3]", "[1, 2, 3]", []),
+        ("[time(3)]", "[time(3)]", []),  # positional arguments have no names
+        ("[time(zone=os.sep)]", "[time(zone=os.sep)]", []),  # not a literal
+        ("Sunny today.", "Sunny today.", []),
+    ],
+    ids=["two", "tags", "not-calls", "positional", "not-literal", "text"],
+)
+def test_pythonic_outputs(text: str, content: str | None, calls: list) -> None:
+    parsed_content, parsed_calls = parse_calls("pythonic", text)
+    assert parsed_content == content
+    assert names_and_arguments(parsed_calls) == calls
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (
+            'Sure.[TOOL_CALLS][{"name": "time", "arguments": {"zone": 3}}]',
+            "Sure.",
+            [("time", {"zone": 3})],
+        ),
+        (
+            '[TOOL_CALLS]time[ARGS]{"zone": 3}[TOOL_CALLS]weather[ARGS]{"city": "Oslo"}',
+            None,
+            [("time", {"zone": 3}), ("weather", {"city": "Oslo"})],
+        ),
+        ('[TOOL_CALLS]time{"zone": 1}', None, [("time", {"zone": 1})]),
+        ("[TOOL_CALLS]not calls", "[TOOL_CALLS]not calls", []),
+        ("[TOOL nothing", "[TOOL nothing", []),
+    ],
+    ids=["json-list", "args-form", "bare-form", "malformed", "lookalike"],
+)
+def test_mistral_outputs(text: str, content: str | None, calls: list) -> None:
+    parsed_content, parsed_calls = parse_calls("mistral", text)
+    assert parsed_content == content
+    assert names_and_arguments(parsed_calls) == calls
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("qwen3_coder", "Hi " + CODER_CALL + " and " + CODER_TIME),
+        ("pythonic", PYTHONIC),
+        ("pythonic", "Just text [not a call"),
+        ("mistral", 'Let me see.[TOOL_CALLS]time[ARGS]{"zone": 3}'),
+        ("mistral", "[TOOL_CALL but no"),
+    ],
+)
+def test_every_parser_reads_pieces_cut_anywhere_as_the_whole(parser: str, text: str) -> None:
+    whole_content, whole_calls = parse_calls(parser, text, SCHEMAS)
+    for size in (1, 3, 7):
+        reader = reader_for(parser, SCHEMAS)
+        content, calls = "", []
+        for start in range(0, len(text), size):
+            piece, done = reader.feed(text[start : start + size])
+            content += piece
+            calls += done
+        rest, more = reader.finish()
+        content, calls = content + rest, calls + more
+        assert (content if content.strip() else None) == whole_content
+        assert names_and_arguments(calls) == names_and_arguments(whole_calls)
+
+
+def test_the_template_shows_qwen3_coder_and_mistral_formats() -> None:
+    coder = "<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>\n</tool_call>"
+    assert parser_for(None, coder) == "qwen3_coder"
+    assert parser_for(None, "{{ '[TOOL_CALLS]' }}") == "mistral"
