@@ -10,7 +10,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.attention import AUTO as AUTO_BACKEND
 from engine.attention import AttentionBackend, InPlaceDecodeAttention, get_backend, triton_paged
+from engine.attention.hf import attention_features
+from engine.attention.torch_paged import TorchPagedAttention
 from engine.core.config import (
     DEFAULT_BLOCK_SIZES,
     DEFAULT_CPU_KV_CACHE_BYTES,
@@ -166,7 +169,7 @@ def build_rank(
     # Compiled over the weights where they stay, before the profiling pass measures the steps.
     compiled = compile_layers(model) if config.compile else ""
     lora = lora_slots(config, model, device, dtype)
-    backend = get_backend(config.attention_backend, device, dtype)
+    backend = get_backend(_attention_backend(config, loaded), device, dtype)
     num_blocks = _num_blocks(config, spec, device, model, backend, loaded.max_model_len)
     if shard is not None:
         num_blocks = shard.group.min_int(num_blocks, device)
@@ -175,6 +178,23 @@ def build_rank(
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
     scales, calibrates = _kv_scales(kv_cache, backend, loaded.path, config.cache)
     return RankParts(model, backend, kv_cache, cache_dtype, scales, calibrates, compiled, lora)
+
+
+def _attention_backend(config: EngineConfig, loaded: LoadedModel) -> str:
+    """The backend the config names; for a model whose attention has features only the torch
+    backend computes (a sliding window shorter than the context, soft-capped scores, sinks),
+    torch where the config leaves it `auto`, else a refusal naming them."""
+    limit = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    needs = attention_features(loaded.model, limit)
+    if not needs:
+        return config.attention_backend
+    if config.attention_backend not in (AUTO_BACKEND, TorchPagedAttention.name):
+        raise ValueError(
+            f"the {config.attention_backend} attention backend cannot compute this model's "
+            f"{', '.join(needs)}; use --attention-backend torch (or auto)"
+        )
+    logger.info("attention: torch, which computes the model's %s", ", ".join(needs))
+    return TorchPagedAttention.name
 
 
 def lora_slots(

@@ -193,11 +193,16 @@ def text_of(outputs: list[RequestOutput]) -> str:
 
 
 def reference_greedy(
-    model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int, **generate: object
+    model: LlamaForCausalLM,
+    prompt: list[int],
+    max_new_tokens: int,
+    attention: str = "sdpa",
+    **generate: object,
 ) -> list[int]:
-    """transformers' own greedy generation, the oracle (EOS ignored so lengths are fixed);
-    `generate` holds more of `model.generate`'s arguments (`bad_words_ids`)."""
-    model.set_attn_implementation("sdpa")
+    """transformers' own greedy generation, the oracle (EOS ignored so lengths are fixed), with
+    its `attention` implementation (`eager` computes soft caps and sinks); `generate` holds
+    more of `model.generate`'s arguments (`bad_words_ids`)."""
+    model.set_attn_implementation(attention)
     try:
         ids = torch.tensor([prompt], device=model.device)
         out = model.generate(

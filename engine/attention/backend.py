@@ -31,12 +31,38 @@ class DecodeStep:
     seq_lens: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What a layer's attention computes beyond `softmax(q k^T * scale) v` over its causal
+    past, as Hugging Face's models pass it: a sliding `window` (a token sees its last `window`
+    positions, itself included), a `softcap` of the scores (`tanh(s / cap) * cap`, Gemma 2),
+    and per-head `sinks`, logits with no value that join each softmax (gpt-oss)."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @classmethod
+    def of(
+        cls, window: object = None, softcap: object = None, sinks: object = None
+    ) -> LayerAttention | None:
+        """The features set (None where the layer's attention is plain)."""
+        windowed = window if isinstance(window, int) and window > 0 else None
+        capped = float(softcap) if isinstance(softcap, int | float) and softcap else None
+        sunk = sinks if isinstance(sinks, torch.Tensor) else None
+        if windowed is None and capped is None and sunk is None:
+            return None
+        return cls(windowed, capped, sunk)
+
+
 class AttentionBackend(ABC):
     """Writes each layer's new K/V into the paged cache and attends over the block tables."""
 
     name: ClassVar[str]
     # Whether an fp8 cache may hold K/V divided by per-layer scales other than 1.0 here.
     takes_kv_scales: ClassVar[bool] = True
+    # Whether `forward` computes a layer's `LayerAttention` (windows, soft caps, sinks).
+    takes_layer_features: ClassVar[bool] = False
 
     @abstractmethod
     def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> AttentionMetadata:
@@ -51,12 +77,14 @@ class AttentionBackend(ABC):
         value: torch.Tensor,
         scale: float,
         metadata: AttentionMetadata,
+        features: LayerAttention | None = None,
     ) -> torch.Tensor:
         """Attend for all flattened tokens.
 
         `query` is `[tokens, heads, head_dim]`, `key`/`value` `[tokens, kv_heads, head_dim]`;
         returns `[tokens, heads, head_dim]`. Each token sees its own sequence's cached prefix and
-        the new tokens before it.
+        the new tokens before it (within the layer's window, with its `features`, where the
+        backend `takes_layer_features`).
         """
 
     def decode_step(self, metadata: AttentionMetadata) -> DecodeStep | None:

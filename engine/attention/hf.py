@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, LayerAttention
 
 ATTN_IMPLEMENTATION = "conveyor_paged"
 METADATA_KWARG = "conveyor_attention"
@@ -28,7 +28,8 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF calling convention: `[1, heads, tokens, dim]` in, `[1, tokens, heads, dim]` out."""
+    """HF calling convention: `[1, heads, tokens, dim]` in, `[1, tokens, heads, dim]` out. A
+    layer's `sliding_window`, `softcap` and sinks (`s_aux`) go to the backend with it."""
     metadata: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if metadata is None:
         raise RuntimeError(
@@ -43,6 +44,7 @@ def paged_attention_forward(
         value[0].transpose(0, 1),
         scaling,
         metadata,
+        LayerAttention.of(kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")),
     )
     return out.unsqueeze(0), None
 
@@ -51,3 +53,29 @@ def register() -> str:
     """Register the paged attention with transformers (idempotent); return its name."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     return ATTN_IMPLEMENTATION
+
+
+def attention_features(hf_model: Any, max_model_len: int) -> list[str]:
+    """What the model's attention layers compute beyond plain causal attention over
+    `max_model_len` tokens (a sliding window shorter than that, soft-capped scores, sinks), in
+    words; empty where there is nothing."""
+    found: dict[str, None] = {}
+    for module in hf_model.modules():
+        if not hasattr(module, "layer_idx"):  # the attention modules (and decoder layers)
+            continue
+        window = layer_window(module)
+        if isinstance(window, int) and 0 < window < max_model_len:
+            found[f"sliding window of {window} tokens"] = None
+        if getattr(module, "attn_logit_softcapping", None):
+            found["soft-capped attention scores"] = None
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            found["attention sinks"] = None
+    return list(found)
+
+
+def layer_window(attention: Any) -> Any:
+    """An attention module's sliding window: its own (Qwen2's, Gemma's: None on full layers),
+    else its config's (Mistral's, the same for every layer)."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    return getattr(getattr(attention, "config", None), "sliding_window", None)

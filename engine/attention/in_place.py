@@ -30,7 +30,10 @@ class InPlaceMetadata(TorchPagedMetadata):
 
 class InPlaceDecodeAttention(TorchPagedAttention):
     """Subclasses give the kernel: `(query, key_cache, value_cache, block_table, seq_lens,
-    scale, kv_scales) -> out`, with the layout of `TorchPagedAttention`'s caches."""
+    scale, kv_scales) -> out`, with the layout of `TorchPagedAttention`'s caches. Their
+    kernels attend over whole sequences, plainly."""
+
+    takes_layer_features = False
 
     @staticmethod
     def metadata_type() -> type[TorchPagedMetadata]:

@@ -4,6 +4,10 @@ Rows with a single query token (decodes) are batched into one call over their ga
 tables. Rows with several query tokens (prefill chunks) run one by one: a fresh prompt attends
 causally over its own new K/V; a chunk after a cached prefix reads its whole sequence back from
 the cache with an offset causal mask.
+
+It alone computes a layer's `LayerAttention` (sliding windows, soft-capped scores, sinks): the
+masks then also hide what lies before each token's window, and scores that are capped or meet
+sinks are computed explicitly in fp32 (SDPA takes neither).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, LayerAttention
 from engine.kv.kv_cache import KVCache
 from engine.worker.input_batch import InputBatch
 
@@ -74,6 +78,7 @@ class TorchPagedMetadata(AttentionMetadata):
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
+    takes_layer_features = True
 
     @staticmethod
     def metadata_type() -> type[TorchPagedMetadata]:
@@ -125,10 +130,18 @@ class TorchPagedAttention(AttentionBackend):
         value: torch.Tensor,
         scale: float,
         metadata: AttentionMetadata,
+        features: LayerAttention | None = None,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchPagedMetadata)
+        if features is not None and not self.takes_layer_features:
+            raise ValueError(
+                f"the {self.name} attention backend computes plain causal attention, not a "
+                "sliding window, soft-capped scores or sinks"
+            )
         metadata.kv_cache.calibrate(layer, key, value)
         self._store(metadata.kv_cache, layer, metadata.slot_mapping, key, value)
+        if features is not None:
+            return self._featured(layer, query, key, value, scale, metadata, features)
         if metadata.all_decode:
             return self._decode(layer, query, scale, metadata)
         out = query.new_empty(query.shape)
@@ -153,6 +166,43 @@ class TorchPagedAttention(AttentionBackend):
             out[span.start : span.end] = self._prefill(
                 layer, query, key, value, scale, span, metadata.kv_cache
             )
+
+    def _featured(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        meta: TorchPagedMetadata,
+        features: LayerAttention,
+    ) -> torch.Tensor:
+        """Every row's attention with the layer's features: the decode rows batched, each
+        prompt chunk over its whole sequence so far."""
+        cache = meta.kv_cache
+        out = query.new_empty(query.shape)
+        if meta.decode_tokens is not None:
+            assert meta.decode_block_table is not None and meta.decode_mask is not None
+            q = query[meta.decode_tokens].unsqueeze(2)
+            k, v = _read(cache, layer, meta.decode_block_table, q.dtype)
+            lengths = meta.decode_mask.sum(-1, keepdim=True)
+            seen = _visible(lengths - 1, k.shape[2], features.window)
+            out[meta.decode_tokens] = _attend(q, k, v, seen, scale, features).squeeze(2)
+        for span in meta.prefills:
+            q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            if span.context:
+                table = span.block_ids(q.device).unsqueeze(0)
+                k, v = _read(cache, layer, table, q.dtype, span.seq_len)
+            else:
+                k = cache.round_trip(layer, 0, key[span.start : span.end])
+                v = cache.round_trip(layer, 1, value[span.start : span.end])
+                k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            positions = torch.arange(span.context, span.seq_len, device=q.device)
+            seen = _visible(positions[:, None], span.seq_len, features.window)
+            out[span.start : span.end] = _attend(q, k, v, seen[None, None], scale, features)[
+                0
+            ].transpose(0, 1)
+        return out
 
     def _store(
         self,
@@ -212,6 +262,44 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> 
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     with sdpa_kernel(_CUDA_SDPA_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
+
+
+def _visible(positions: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
+    """Which of `keys` key positions a query at each of `positions` (a column) sees: those up
+    to its own, and within its window (the last `window` positions, its own included)."""
+    key = torch.arange(keys, device=positions.device)
+    seen = key <= positions
+    if window is not None:
+        seen &= key > positions - window
+    return seen
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seen: torch.Tensor,
+    scale: float,
+    features: LayerAttention,
+) -> torch.Tensor:
+    """Attention of `q` `[rows, heads, tokens, dim]` over grouped `k`/`v` where `seen`: SDPA
+    for a window alone, else the scores in fp32, capped, and joined by the sinks in the
+    softmax, as Hugging Face's eager attention computes them."""
+    if features.softcap is None and features.sinks is None:
+        return _sdpa(q, k, v, attn_mask=seen, scale=scale)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if features.softcap is not None:
+        scores = torch.tanh(scores / features.softcap) * features.softcap
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if features.sinks is not None:
+        sinks = features.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sinks], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if features.sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def _read(

@@ -139,19 +139,8 @@ def context_length(config: Any) -> int:
     for key in CONTEXT_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
-            return _sliding_window_limit(config, value)
+            return value
     return 2048
-
-
-def _sliding_window_limit(config: Any, length: int) -> int:
-    """The torch backend attends over whole sequences; a model with a sliding window shorter
-    than its context is served up to the window, where both agree."""
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", True)
-    if uses_window and isinstance(window, int) and 0 < window < length:
-        logger.warning("limiting the context to the sliding window of %d tokens", window)
-        return window
-    return length
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

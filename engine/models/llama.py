@@ -16,7 +16,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionMetadata, DecodeStep
+from engine.attention.backend import AttentionMetadata, DecodeStep, LayerAttention
+from engine.attention.hf import layer_window
 from engine.kernels.cpu import fused_decode
 from engine.kernels.cpu.fused_decode import DecodeRoute
 from engine.kernels.cpu.linear import (
@@ -75,6 +76,8 @@ class PagedLlamaLayer(nn.Module):
         self.num_heads = attn.q_proj.out_features // self.head_dim
         self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = attn.scaling
+        # A sliding window (Mistral's, Qwen2's sliding layers), or None.
+        self.attention = LayerAttention.of(layer_window(attn))
         self.qkv_proj = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         group = shard.group if shard is not None else None
         self.o_proj = reduced(attn.o_proj, group)
@@ -147,7 +150,9 @@ class PagedLlamaLayer(nn.Module):
             query, key, value = PagedLlamaLayer.project_qkv(self, hidden, cos, sin, lora)
         else:
             query, key, value = self.project_qkv(hidden, cos, sin)
-        out = metadata.backend.forward(self.index, query, key, value, self.scaling, metadata)
+        out = metadata.backend.forward(
+            self.index, query, key, value, self.scaling, metadata, self.attention
+        )
         if lora is not None:
             return PagedLlamaLayer.after_attention(self, out, hidden, lora)
         return self.after_attention(out, hidden)

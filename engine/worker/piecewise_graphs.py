@@ -136,6 +136,7 @@ class PiecewiseGraphs:
             self.value[:tokens],
             layer.scaling,
             metadata,
+            layer.attention,
         )
         self.attended[:tokens].copy_(out.reshape(tokens, layer.num_heads, layer.head_dim))
 

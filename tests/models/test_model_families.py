@@ -82,10 +82,3 @@ def test_model_loads_from_a_local_folder(tmp_path):
     outputs = run_all(core, [prompt], params)["req-0"]
     assert tokens_of(outputs) == reference_greedy(model, prompt, 6)
     assert loaded.tokenizer.decode(tokens_of(outputs)) == "".join(o.text for o in outputs)
-
-
-def test_sliding_window_shorter_than_the_context_limits_it():
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(MistralConfig(**COMMON, sliding_window=64)).eval()
-    _, info = tiny_core(model)
-    assert info.max_model_len == 64

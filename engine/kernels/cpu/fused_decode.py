@@ -71,6 +71,8 @@ def why_not_fused(layer: FusibleLayer) -> str:
     kernels built."""
     if getattr(layer, "moe", None) is not None:
         return "a mixture-of-experts MLP"
+    if getattr(layer, "attention", None) is not None:
+        return "a sliding window"
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     norms = (layer.input_norm, layer.post_attention_norm)
     if not cpu_ops.has("fused_decode"):

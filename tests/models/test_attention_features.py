@@ -1,0 +1,155 @@
+"""Attention beyond plain causal attention, as Hugging Face's models compute it: sliding
+windows (Mistral, Qwen2's sliding layers, Gemma 2, gpt-oss), soft-capped scores (Gemma 2) and
+sinks (gpt-oss). The torch backend computes them, over the whole context; greedy tokens equal
+transformers' `generate`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GptOssConfig,
+    MistralConfig,
+    Qwen2Config,
+)
+
+from engine.attention import resolve_backend_name
+from engine.attention.torch_paged import TorchPagedAttention
+from engine.core.sampling_params import SamplingParams
+from engine.models.llama import PagedLlamaForCausalLM
+from tests.core.test_engine_greedy import record_chunking
+from tests.helpers import reference_greedy, run_all, tiny_core, tokens_of
+
+COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    eos_token_id=0,
+    bos_token_id=1,
+    pad_token_id=0,
+)
+WINDOW = 6
+MODELS = {
+    # Conveyor's decoder, every layer windowed.
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=WINDOW),
+    # Conveyor's decoder, the first layer full and the second windowed.
+    "qwen2": lambda: Qwen2Config(
+        **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+    ),
+    # transformers' model: soft-capped scores, windowed and full layers in turn.
+    "gemma2": lambda: Gemma2Config(
+        **{**COMMON, "initializer_range": 0.05},  # wider, and its scaled embeddings saturate
+        head_dim=16,
+        sliding_window=WINDOW,
+        attn_logit_softcapping=1.0,
+        query_pre_attn_scalar=4,
+    ),
+    # transformers' model: sinks, windowed and full layers, experts.
+    "gpt-oss": lambda: GptOssConfig(
+        **{**COMMON, "intermediate_size": 32},
+        head_dim=16,
+        sliding_window=WINDOW,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+}
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def build(name: str, **overrides: object):
+    torch.manual_seed(0)
+    config = MODELS[name]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if parameter_name.endswith("sinks"):  # initialised to zero: make them count
+                parameter.normal_(0, 2.0)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(2)
+    return [[rng.randrange(2, 320) for _ in range(n)] for n in (3, 9, 17, 30, 24)]
+
+
+def engine_tokens(model, **options: object) -> tuple[list[list[int]], object]:
+    core, info = tiny_core(model, **options)
+    outputs = run_all(core, prompts(), GREEDY)
+    assert core.scheduler.block_manager.num_used_blocks == 0
+    return [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))], (core, info)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_greedy_matches_generate_past_the_window(name):
+    model = build(name)
+    expected = [reference_greedy(model, p, MAX_NEW, attention="eager") for p in prompts()]
+    tokens, (core, info) = engine_tokens(model, num_blocks=64, max_num_batched_tokens=64)
+    assert tokens == expected
+    # The whole context is served, on the backend that computes the features.
+    assert info.max_model_len == 256
+    assert isinstance(core.runner.backend, TorchPagedAttention)
+    assert not core.runner.backend.__class__.__name__.startswith(("Cpu", "Triton"))
+    conveyors = name in ("mistral", "qwen2")
+    assert isinstance(core.runner.model, PagedLlamaForCausalLM) == conveyors
+
+
+@pytest.mark.parametrize("name", ["mistral", "gpt-oss"])
+def test_windows_hold_under_chunked_prefill_prefix_hits_and_preemption(name):
+    model = build(name)
+    shared = list(range(40, 60))
+    cases = [[*shared, 7, 8], [*shared, 9], *prompts()[:3]]
+    expected = [reference_greedy(model, p, MAX_NEW, attention="eager") for p in cases]
+    core, _ = tiny_core(model, num_blocks=18, max_model_len=64, max_num_batched_tokens=8)
+    chunked = record_chunking(core)
+    outputs = run_all(core, cases, GREEDY)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(cases))] == expected
+    assert any(chunked)
+    assert core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "plain"),
+    [
+        ("mistral", {"sliding_window": None}),
+        ("gemma2", {"attn_logit_softcapping": None}),
+    ],
+)
+def test_the_features_change_the_tokens(name, plain):
+    """The oracle sees them: without the window (or the cap) the same weights answer
+    otherwise."""
+    featured, _ = engine_tokens(build(name))
+    without, _ = engine_tokens(build(name, **plain))
+    assert featured != without
+
+
+def test_a_backend_that_cannot_compute_them_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match=r"sliding window of 6 tokens.*--attention-backend torch"):
+        tiny_core(build("mistral"), attention_backend="cpu")
+    # A context no longer than the window needs none of it: the usual backend serves it.
+    core, info = tiny_core(build("mistral"), max_model_len=WINDOW)
+    assert info.max_model_len == WINDOW
+    assert core.runner.backend.name == resolve_backend_name("auto", torch.device("cpu"))
+
+
+def test_sinks_change_the_tokens():
+    with_sinks = build("gpt-oss")
+    without = build("gpt-oss")
+    with torch.no_grad():
+        for name, parameter in without.named_parameters():
+            if name.endswith("sinks"):
+                parameter.fill_(-30.0)  # exp(-30): as if there were none
+    assert engine_tokens(with_sinks)[0] != engine_tokens(without)[0]
+    expected = [reference_greedy(without, p, MAX_NEW, attention="eager") for p in prompts()]
+    assert engine_tokens(without)[0] == expected
