@@ -11,8 +11,14 @@ import torch
 from torch import nn
 
 from engine.attention import AUTO as AUTO_BACKEND
-from engine.attention import AttentionBackend, InPlaceDecodeAttention, get_backend, triton_paged
-from engine.attention.hf import attention_features
+from engine.attention import (
+    AttentionBackend,
+    InPlaceDecodeAttention,
+    backend_class,
+    get_backend,
+    triton_paged,
+)
+from engine.attention.hf import attention_features, describe
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.core.config import (
     DEFAULT_BLOCK_SIZES,
@@ -169,7 +175,7 @@ def build_rank(
     # Compiled over the weights where they stay, before the profiling pass measures the steps.
     compiled = compile_layers(model) if config.compile else ""
     lora = lora_slots(config, model, device, dtype)
-    backend = get_backend(_attention_backend(config, loaded), device, dtype)
+    backend = get_backend(_attention_backend(config, loaded, device), device, dtype)
     num_blocks = _num_blocks(config, spec, device, model, backend, loaded.max_model_len)
     if shard is not None:
         num_blocks = shard.group.min_int(num_blocks, device)
@@ -180,20 +186,22 @@ def build_rank(
     return RankParts(model, backend, kv_cache, cache_dtype, scales, calibrates, compiled, lora)
 
 
-def _attention_backend(config: EngineConfig, loaded: LoadedModel) -> str:
-    """The backend the config names; for a model whose attention has features only the torch
-    backend computes (a sliding window shorter than the context, soft-capped scores, sinks),
-    torch where the config leaves it `auto`, else a refusal naming them."""
+def _attention_backend(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> str:
+    """The backend the config names where it computes the model's attention features (a
+    sliding window shorter than the context, soft-capped scores, sinks); else the torch
+    backend, which computes them all, where the config leaves it `auto`; else a refusal naming
+    them."""
     limit = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
     needs = attention_features(loaded.model, limit)
-    if not needs:
+    named = backend_class(config.attention_backend, device)
+    if all(named.takes(features) for features in needs):
         return config.attention_backend
-    if config.attention_backend not in (AUTO_BACKEND, TorchPagedAttention.name):
+    if config.attention_backend != AUTO_BACKEND:
         raise ValueError(
-            f"the {config.attention_backend} attention backend cannot compute this model's "
-            f"{', '.join(needs)}; use --attention-backend torch (or auto)"
+            f"the {named.name} attention backend cannot compute this model's {describe(needs)}; "
+            "use --attention-backend torch (or auto)"
         )
-    logger.info("attention: torch, which computes the model's %s", ", ".join(needs))
+    logger.info("attention: torch, which computes the model's %s", describe(needs))
     return TorchPagedAttention.name
 
 

@@ -36,6 +36,16 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return TorchPagedAttention.name
 
 
+def backend_class(name: str, device: torch.device) -> type[AttentionBackend]:
+    """The class of the backend `name` resolves to on `device`."""
+    resolved = resolve_backend_name(name, device)
+    if resolved not in _BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {resolved!r}; choose one of {available_backends()}"
+        )
+    return _BACKENDS[resolved]
+
+
 def get_backend(
     name: str, device: torch.device | None = None, model_dtype: torch.dtype = torch.float32
 ) -> AttentionBackend:
@@ -63,6 +73,7 @@ __all__ = [
     "AttentionMetadata",
     "InPlaceDecodeAttention",
     "available_backends",
+    "backend_class",
     "get_backend",
     "resolve_backend_name",
 ]

@@ -61,8 +61,6 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     # Whether an fp8 cache may hold K/V divided by per-layer scales other than 1.0 here.
     takes_kv_scales: ClassVar[bool] = True
-    # Whether `forward` computes a layer's `LayerAttention` (windows, soft caps, sinks).
-    takes_layer_features: ClassVar[bool] = False
 
     @abstractmethod
     def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> AttentionMetadata:
@@ -84,8 +82,13 @@ class AttentionBackend(ABC):
         `query` is `[tokens, heads, head_dim]`, `key`/`value` `[tokens, kv_heads, head_dim]`;
         returns `[tokens, heads, head_dim]`. Each token sees its own sequence's cached prefix and
         the new tokens before it (within the layer's window, with its `features`, where the
-        backend `takes_layer_features`).
+        backend `takes` them).
         """
+
+    @classmethod
+    def takes(cls, features: LayerAttention) -> bool:
+        """Whether `forward` computes a layer with these features."""
+        return False
 
     def decode_step(self, metadata: AttentionMetadata) -> DecodeStep | None:
         """The step as a fused decoder layer takes it, where this backend's attention is what

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionMetadata, DecodeStep
+from engine.attention.backend import AttentionMetadata, DecodeStep, LayerAttention
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
 from engine.attention.torch_paged import TorchPagedMetadata, _to
 from engine.kernels.cpu import ops as cpu_ops
@@ -48,6 +48,33 @@ class CpuPagedAttention(InPlaceDecodeAttention):
                 "build here; use --attention-backend torch"
             )
         self.bf16_prompts = model_dtype == torch.bfloat16 and cpu_ops.bf16_prefill_available()
+
+    @classmethod
+    def takes(cls, features: LayerAttention) -> bool:
+        """A sliding window: its decode kernel starts each row at its window (prompt chunks
+        then attend through the torch path's masks); not soft caps or sinks."""
+        return features.softcap is None and features.sinks is None
+
+    def _featured_decode(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        scale: float,
+        meta: TorchPagedMetadata,
+        features: LayerAttention,
+    ) -> torch.Tensor:
+        assert isinstance(meta, InPlaceMetadata) and meta.decode_seq_lens is not None
+        assert meta.decode_block_table is not None
+        cache = meta.kv_cache
+        return cpu_ops.paged_decode(
+            query,
+            cache.key(layer),
+            cache.value(layer),
+            meta.decode_block_table,
+            meta.decode_seq_lens,
+            scale,
+            features.window or 0,
+        )
 
     def _prefill_work(self, batch: InputBatch, rows: np.ndarray, kv_cache: KVCache) -> PrefillRows:
         return _kernel_rows(batch, rows, kv_cache.block_size, kv_cache.device)

@@ -55,22 +55,37 @@ def register() -> str:
     return ATTN_IMPLEMENTATION
 
 
-def attention_features(hf_model: Any, max_model_len: int) -> list[str]:
-    """What the model's attention layers compute beyond plain causal attention over
-    `max_model_len` tokens (a sliding window shorter than that, soft-capped scores, sinks), in
-    words; empty where there is nothing."""
-    found: dict[str, None] = {}
+def attention_features(hf_model: Any, max_model_len: int) -> list[LayerAttention]:
+    """The distinct features of the model's attention layers beyond plain causal attention
+    over `max_model_len` tokens (a sliding window shorter than that, soft-capped scores,
+    sinks); empty where there are none."""
+    found: dict[tuple[Any, ...], LayerAttention] = {}
     for module in hf_model.modules():
         if not hasattr(module, "layer_idx"):  # the attention modules (and decoder layers)
             continue
         window = layer_window(module)
-        if isinstance(window, int) and 0 < window < max_model_len:
-            found[f"sliding window of {window} tokens"] = None
-        if getattr(module, "attn_logit_softcapping", None):
-            found["soft-capped attention scores"] = None
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):
-            found["attention sinks"] = None
-    return list(found)
+        features = LayerAttention.of(
+            window if isinstance(window, int) and window < max_model_len else None,
+            getattr(module, "attn_logit_softcapping", None),
+            getattr(module, "sinks", None),
+        )
+        if features is not None:
+            key = (features.window, features.softcap, features.sinks is not None)
+            found.setdefault(key, features)
+    return list(found.values())
+
+
+def describe(features: list[LayerAttention]) -> str:
+    """The features in words, each once."""
+    words: dict[str, None] = {}
+    for feature in features:
+        if feature.window is not None:
+            words[f"sliding window of {feature.window} tokens"] = None
+        if feature.softcap is not None:
+            words["soft-capped attention scores"] = None
+        if feature.sinks is not None:
+            words["attention sinks"] = None
+    return ", ".join(words)
 
 
 def layer_window(attention: Any) -> Any:

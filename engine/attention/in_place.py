@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.attention.backend import LayerAttention
 from engine.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, _to
 from engine.kv.kv_cache import KVCache
 from engine.worker.input_batch import InputBatch
@@ -31,9 +32,11 @@ class InPlaceMetadata(TorchPagedMetadata):
 class InPlaceDecodeAttention(TorchPagedAttention):
     """Subclasses give the kernel: `(query, key_cache, value_cache, block_table, seq_lens,
     scale, kv_scales) -> out`, with the layout of `TorchPagedAttention`'s caches. Their
-    kernels attend over whole sequences, plainly."""
+    kernels attend plainly, unless a subclass says it `takes` more."""
 
-    takes_layer_features = False
+    @classmethod
+    def takes(cls, features: LayerAttention) -> bool:
+        return False
 
     @staticmethod
     def metadata_type() -> type[TorchPagedMetadata]:

@@ -78,7 +78,10 @@ class TorchPagedMetadata(AttentionMetadata):
 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
-    takes_layer_features = True
+
+    @classmethod
+    def takes(cls, features: LayerAttention) -> bool:
+        return True
 
     @staticmethod
     def metadata_type() -> type[TorchPagedMetadata]:
@@ -133,7 +136,7 @@ class TorchPagedAttention(AttentionBackend):
         features: LayerAttention | None = None,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchPagedMetadata)
-        if features is not None and not self.takes_layer_features:
+        if features is not None and not self.takes(features):
             raise ValueError(
                 f"the {self.name} attention backend computes plain causal attention, not a "
                 "sliding window, soft-capped scores or sinks"
@@ -179,15 +182,42 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         """Every row's attention with the layer's features: the decode rows batched, each
         prompt chunk over its whole sequence so far."""
-        cache = meta.kv_cache
         out = query.new_empty(query.shape)
         if meta.decode_tokens is not None:
-            assert meta.decode_block_table is not None and meta.decode_mask is not None
-            q = query[meta.decode_tokens].unsqueeze(2)
-            k, v = _read(cache, layer, meta.decode_block_table, q.dtype)
-            lengths = meta.decode_mask.sum(-1, keepdim=True)
-            seen = _visible(lengths - 1, k.shape[2], features.window)
-            out[meta.decode_tokens] = _attend(q, k, v, seen, scale, features).squeeze(2)
+            rows = query[meta.decode_tokens]
+            out[meta.decode_tokens] = self._featured_decode(layer, rows, scale, meta, features)
+        self._featured_prefill(layer, query, key, value, scale, meta, features, out)
+        return out
+
+    def _featured_decode(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        scale: float,
+        meta: TorchPagedMetadata,
+        features: LayerAttention,
+    ) -> torch.Tensor:
+        """The decode rows' attention (`query`: theirs alone) with the layer's features."""
+        assert meta.decode_block_table is not None and meta.decode_mask is not None
+        q = query.unsqueeze(2)
+        k, v = _read(meta.kv_cache, layer, meta.decode_block_table, q.dtype)
+        lengths = meta.decode_mask.sum(-1, keepdim=True)
+        seen = _visible(lengths - 1, k.shape[2], features.window)
+        return _attend(q, k, v, seen, scale, features).squeeze(2)
+
+    @staticmethod
+    def _featured_prefill(
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        meta: TorchPagedMetadata,
+        features: LayerAttention,
+        out: torch.Tensor,
+    ) -> None:
+        """Each prompt chunk's attention with the layer's features, into its tokens of `out`."""
+        cache = meta.kv_cache
         for span in meta.prefills:
             q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
             if span.context:
@@ -199,10 +229,8 @@ class TorchPagedAttention(AttentionBackend):
                 k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             positions = torch.arange(span.context, span.seq_len, device=q.device)
             seen = _visible(positions[:, None], span.seq_len, features.window)
-            out[span.start : span.end] = _attend(q, k, v, seen[None, None], scale, features)[
-                0
-            ].transpose(0, 1)
-        return out
+            attended = _attend(q, k, v, seen[None, None], scale, features)
+            out[span.start : span.end] = attended[0].transpose(0, 1)
 
     def _store(
         self,

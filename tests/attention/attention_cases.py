@@ -10,13 +10,15 @@ import torch.nn.functional as F
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def reference_decode(query, key_cache, value_cache, tables, lens, scale):
-    """Each row's K/V gathered token by token, then plain softmax attention in fp32."""
+def reference_decode(query, key_cache, value_cache, tables, lens, scale, window=0):
+    """Each row's K/V gathered token by token (its last `window` tokens only, where given),
+    then plain softmax attention in fp32."""
     rows, heads, _ = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     out = []
     for row in range(rows):
-        positions = range(int(lens[row]))
+        length = int(lens[row])
+        positions = range(max(0, length - window) if window else 0, length)
         blocks = [int(tables[row, p // block_size]) for p in positions]
         k = torch.stack(
             [key_cache[b, p % block_size] for b, p in zip(blocks, positions, strict=True)]

@@ -48,6 +48,24 @@ def test_kernel_matches_reference_for_each_head_dim_path(dtype, dim, block_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 4, 5, 9, 64])
+@pytest.mark.parametrize("rows", [2, 40])  # by (sequence, kv head), and by sequence
+def test_a_window_attends_to_each_rows_last_tokens_only(dtype, window, rows):
+    """Windows shorter than a block, of a block, across blocks and longer than the rows:
+    each row starts mid-block where its window does."""
+    rng = random.Random(window)
+    lens = [rng.randrange(1, 60) for _ in range(rows)]
+    case = random_case(dtype, 8, 2, 32, 5, lens, seed=window)
+    out = cpu_ops.paged_decode(*case, scale=0.125, window=window)
+    tol = TOLERANCE[dtype]
+    expected = reference_decode(*case, scale=0.125, window=window)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    if window < max(lens):
+        whole = reference_decode(*case, scale=0.125)
+        assert not torch.allclose(out.float(), whole, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_splits_work_by_sequence_or_by_head_alike(dtype):
     """Many rows run one task per sequence, few rows one task per kv head: same numbers."""
     lens = [random.Random(row).randrange(1, 90) for row in range(4 * torch.get_num_threads() + 8)]

@@ -20,9 +20,14 @@ from transformers import (
 from engine.attention import resolve_backend_name
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.core.sampling_params import SamplingParams
+from engine.kernels.cpu import ops as cpu_ops
 from engine.models.llama import PagedLlamaForCausalLM
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import reference_greedy, run_all, tiny_core, tokens_of
+
+needs_kernels = pytest.mark.skipif(
+    not cpu_ops.has("attention"), reason="Conveyor's C++ kernels do not build on this machine"
+)
 
 COMMON = dict(
     vocab_size=320,
@@ -97,12 +102,21 @@ def test_greedy_matches_generate_past_the_window(name):
     expected = [reference_greedy(model, p, MAX_NEW, attention="eager") for p in prompts()]
     tokens, (core, info) = engine_tokens(model, num_blocks=64, max_num_batched_tokens=64)
     assert tokens == expected
-    # The whole context is served, on the backend that computes the features.
+    # The whole context is served, on a backend that computes the features: the usual one
+    # for windows alone (the C++ kernels take them), torch for soft caps and sinks.
     assert info.max_model_len == 256
-    assert isinstance(core.runner.backend, TorchPagedAttention)
-    assert not core.runner.backend.__class__.__name__.startswith(("Cpu", "Triton"))
-    conveyors = name in ("mistral", "qwen2")
-    assert isinstance(core.runner.model, PagedLlamaForCausalLM) == conveyors
+    windows_only = name in ("mistral", "qwen2")
+    usual = resolve_backend_name("auto", torch.device("cpu"))
+    assert core.runner.backend.name == (usual if windows_only else TorchPagedAttention.name)
+    assert isinstance(core.runner.model, PagedLlamaForCausalLM) == windows_only
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+def test_the_torch_backend_computes_windows_as_the_kernels_do(name):
+    model = build(name)
+    expected = [reference_greedy(model, p, MAX_NEW, attention="eager") for p in prompts()]
+    tokens, (core, _) = engine_tokens(model, attention_backend="torch")
+    assert core.runner.backend.name == "torch" and tokens == expected
 
 
 @pytest.mark.parametrize("name", ["mistral", "gpt-oss"])
@@ -134,13 +148,15 @@ def test_the_features_change_the_tokens(name, plain):
     assert featured != without
 
 
+@needs_kernels
 def test_a_backend_that_cannot_compute_them_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match=r"sliding window of 6 tokens.*--attention-backend torch"):
-        tiny_core(build("mistral"), attention_backend="cpu")
-    # A context no longer than the window needs none of it: the usual backend serves it.
-    core, info = tiny_core(build("mistral"), max_model_len=WINDOW)
-    assert info.max_model_len == WINDOW
-    assert core.runner.backend.name == resolve_backend_name("auto", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"soft-capped attention scores.*--attention-backend"):
+        tiny_core(build("gemma2"), attention_backend="cpu")
+    with pytest.raises(ValueError, match=r"sliding window of 6 tokens.*--attention-backend"):
+        tiny_core(build("mistral"), attention_backend="triton")
+    # Windows alone: the C++ kernels serve them.
+    core, _ = tiny_core(build("mistral"), attention_backend="cpu")
+    assert core.runner.backend.name == "cpu"
 
 
 def test_sinks_change_the_tokens():

@@ -77,14 +77,16 @@ def paged_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per row over its paged K/V: `[rows, heads, dim]` in and out.
 
     `key_cache`/`value_cache` are one layer's `[blocks, block_size, kv_heads, dim]`;
-    `block_table` `[rows, width]` and `seq_lens` `[rows]` are int64.
+    `block_table` `[rows, width]` and `seq_lens` `[rows]` are int64. With a `window`, a row
+    attends to its last `window` tokens only.
     """
     return torch.ops.conveyor.paged_decode(
-        _heads_contiguous(query), key_cache, value_cache, block_table, seq_lens, scale
+        _heads_contiguous(query), key_cache, value_cache, block_table, seq_lens, scale, window
     )
 
 

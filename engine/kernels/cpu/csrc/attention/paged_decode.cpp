@@ -7,6 +7,8 @@
 //            for a model computed in fp32)
 // table      [seqs, width] int64 block ids
 // lens       [seqs] int64 tokens to attend to
+// window     a sliding window: only each sequence's last `window` tokens are attended to (0:
+//            all of them)
 // returns    [seqs, heads, head_dim] in the query's dtype
 //
 // Work is split over sequences, each to whichever thread is free (or over (sequence, kv head)
@@ -49,10 +51,23 @@ namespace {
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, width, query_stride;
   float scale;
+  int64_t window = 0;
 
   // Cache elements from one block to the next: its tokens' rows of every kv head.
   int64_t block_stride() const { return block_size * kv_heads * dim; }
 };
+
+// What a sequence of `len` tokens attends to: from its block `block` on, `len` tokens counted
+// from that block's start, the first `skip` of them outside the window.
+struct Span {
+  int64_t block, len, skip;
+};
+
+inline Span span_of(int64_t len, const Shape& s) {
+  const int64_t start = s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0;
+  const int64_t block = start / s.block_size;
+  return Span{block, len - block * s.block_size, start - block * s.block_size};
+}
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t dim) {
@@ -336,8 +351,8 @@ struct SequenceScratch {
 // thread's next task as the last V block starts, and returns that task's first K block.
 template <typename Q, typename C, typename Claim>
 void attend_sequence(const Q* query, const C* key, const C* value, const int64_t* blocks,
-                     int64_t len, int64_t kv_first, int64_t kv_last, const Shape& s, Q* out,
-                     Claim&& claim) {
+                     int64_t len, int64_t skip, int64_t kv_first, int64_t kv_last,
+                     const Shape& s, Q* out, Claim&& claim) {
   const int64_t group = s.heads / s.kv_heads, dim = s.dim, bs = s.block_size;
   const int64_t kv_count = kv_last - kv_first, heads = kv_count * group, row = s.kv_heads * dim;
   const int64_t block_stride = s.block_stride();
@@ -374,7 +389,11 @@ void attend_sequence(const Q* query, const C* key, const C* value, const int64_t
       group_scores(q + kv * group * dim, group, k + kv * dim, row, count, dim,
                    scores + kv * group * len + first, len, ahead);
   }
-  for (int64_t h = 0; h < heads; ++h) softmax_weights(scores + h * len, len, total[h]);
+  // Tokens before the window weigh nothing.
+  for (int64_t h = 0; h < heads; ++h) {
+    softmax_weights(scores + h * len + skip, len - skip, total[h]);
+    std::fill(scores + h * len, scores + h * len + skip, 0.f);
+  }
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t first = b * bs, count = std::min(bs, len - first);
     const C* v = value + blocks[b] * block_stride;
@@ -411,15 +430,18 @@ struct Sequences {
 
   NextTask first_block(int64_t task) const {
     const int64_t seq = task / splits, kv_first = task % splits * per_split;
-    return NextTask{k + blocks[seq * s.width] * s.block_stride() + kv_first * s.dim,
-                    std::min(s.block_size, seq_lens[seq])};
+    const Span span = span_of(seq_lens[seq], s);
+    return NextTask{k + blocks[seq * s.width + span.block] * s.block_stride() + kv_first * s.dim,
+                    std::min(s.block_size, span.len)};
   }
 
   template <typename Claim>
   void attend(int64_t task, Claim&& claim) const {
     const int64_t seq = task / splits, kv_first = task % splits * per_split;
-    attend_sequence<Q, C>(q + seq * s.query_stride, k, v, blocks + seq * s.width, seq_lens[seq],
-                          kv_first, kv_first + per_split, s, o + seq * s.heads * s.dim, claim);
+    const Span span = span_of(seq_lens[seq], s);
+    attend_sequence<Q, C>(q + seq * s.query_stride, k, v, blocks + seq * s.width + span.block,
+                          span.len, span.skip, kv_first, kv_first + per_split, s,
+                          o + seq * s.heads * s.dim, claim);
   }
 };
 
@@ -516,7 +538,7 @@ void paged_decode_team(const DecodeRows& rows, const at::Tensor& key, const at::
 }
 
 at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor table,
-                        at::Tensor lens, double scale) {
+                        at::Tensor lens, double scale, int64_t window) {
   TORCH_CHECK(
       query.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(),
       "paged_decode: query [seqs, heads, dim], key/value [blocks, block_size, kv_heads, dim]");
@@ -542,7 +564,8 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
                 key.size(1),
                 table.size(1),
                 query.stride(0),
-                static_cast<float>(scale)};
+                static_cast<float>(scale),
+                std::max<int64_t>(window, 0)};
   check_decode_tables(table, lens, s.block_size, key.size(0));
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   if (widened) {
@@ -565,6 +588,6 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "paged_decode(Tensor query, Tensor key, Tensor value, Tensor table, Tensor lens, float "
-      "scale) -> Tensor");
+      "scale, int window=0) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(conveyor::paged_decode));
 }

@@ -17,7 +17,7 @@
 namespace conveyor {
 
 at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor table,
-                        at::Tensor lens, double scale);
+                        at::Tensor lens, double scale, int64_t window = 0);
 // x W^T + bias (+ residual, where given).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t out_features,
