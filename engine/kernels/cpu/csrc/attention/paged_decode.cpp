@@ -351,8 +351,8 @@ struct SequenceScratch {
 // thread's next task as the last V block starts, and returns that task's first K block.
 template <typename Q, typename C, typename Claim>
 void attend_sequence(const Q* query, const C* key, const C* value, const int64_t* blocks,
-                     int64_t len, int64_t skip, int64_t kv_first, int64_t kv_last,
-                     const Shape& s, Q* out, Claim&& claim) {
+                     int64_t len, int64_t skip, int64_t kv_first, int64_t kv_last, const Shape& s,
+                     Q* out, Claim&& claim) {
   const int64_t group = s.heads / s.kv_heads, dim = s.dim, bs = s.block_size;
   const int64_t kv_count = kv_last - kv_first, heads = kv_count * group, row = s.kv_heads * dim;
   const int64_t block_stride = s.block_stride();
