@@ -205,8 +205,8 @@ class TorchPagedAttention(AttentionBackend):
         seen = _visible(lengths - 1, k.shape[2], features.window)
         return _attend(q, k, v, seen, scale, features).squeeze(2)
 
-    @staticmethod
     def _featured_prefill(
+        self,
         layer: int,
         query: torch.Tensor,
         key: torch.Tensor,

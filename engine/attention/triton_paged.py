@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.attention.backend import LayerAttention
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
 from engine.attention.torch_paged import TorchPagedMetadata
 from engine.kernels.triton import self_test
@@ -95,6 +96,60 @@ class TritonPagedAttention(InPlaceDecodeAttention):
                 "use --attention-backend torch"
             )
         self._kernels = _kernels()
+
+    @classmethod
+    def takes(cls, features: LayerAttention) -> bool:
+        """A sliding window (both kernels start each row's keys at its window); not soft caps
+        or sinks."""
+        return features.softcap is None and features.sinks is None
+
+    def _featured_decode(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        scale: float,
+        meta: TorchPagedMetadata,
+        features: LayerAttention,
+    ) -> torch.Tensor:
+        assert isinstance(meta, InPlaceMetadata) and meta.decode_seq_lens is not None
+        assert meta.decode_block_table is not None
+        cache = meta.kv_cache
+        return self._kernels.paged_decode(
+            query,
+            cache.key(layer),
+            cache.value(layer),
+            meta.decode_block_table,
+            meta.decode_seq_lens,
+            scale,
+            kv_scales=cache.layer_scales(layer),
+            window=features.window or 0,
+        )
+
+    def _featured_prefill(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        meta: TorchPagedMetadata,
+        features: LayerAttention,
+        out: torch.Tensor,
+    ) -> None:
+        assert isinstance(meta, InPlaceMetadata)
+        if meta.prefill_rows is None:
+            return
+        cache = meta.kv_cache
+        self._kernels.paged_prefill(
+            out,
+            query,
+            cache.key(layer),
+            cache.value(layer),
+            meta.prefill_rows,
+            scale,
+            cache.layer_scales(layer),
+            window=features.window or 0,
+        )
 
     def _prefill_work(self, batch: InputBatch, rows: np.ndarray, kv_cache: KVCache) -> Any:
         return self._kernels.PrefillRows.of(

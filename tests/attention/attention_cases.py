@@ -50,9 +50,10 @@ def random_case(dtype, heads, kv_heads, dim, block_size, lens, seed=0):
     return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int64)
 
 
-def reference_prefill(query, key_cache, value_cache, blocks, context, scale):
+def reference_prefill(query, key_cache, value_cache, blocks, context, scale, window=0):
     """Query token i at position context + i over the sequence's K/V gathered token by token,
-    causally, with plain softmax attention in fp32."""
+    causally (its last `window` positions only, where given), with plain softmax attention in
+    fp32."""
     tokens, heads, _ = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     positions = range(context + tokens)
@@ -67,7 +68,11 @@ def reference_prefill(query, key_cache, value_cache, blocks, context, scale):
         .repeat_interleave(heads // kv_heads, dim=1)
     )
     scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
-    seen = torch.arange(context + tokens)[None, :] <= (context + torch.arange(tokens))[:, None]
+    key = torch.arange(context + tokens)[None, :]
+    position = (context + torch.arange(tokens))[:, None]
+    seen = key <= position
+    if window:
+        seen &= key > position - window
     scores = scores.masked_fill(~seen, float("-inf"))
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 

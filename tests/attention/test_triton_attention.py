@@ -58,6 +58,41 @@ def test_split_decode_matches_reference(dtype, splits):
     torch.testing.assert_close(out, one_pass, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_windowed_decode_attends_to_each_rows_last_tokens(window, splits):
+    lens = [1, 5, 17, 33, 70]
+    case = random_case(torch.float32, 8, 2, 32, 5, lens, seed=window)
+    out = kernels.paged_decode(*on_device(case), scale=0.125, splits=splits, window=window)
+    expected = reference_decode(*case, scale=0.125, window=window)
+    tol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(out.cpu().float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [1, 7, 20])
+def test_windowed_prefill_rows_attend_within_their_windows(window):
+    """Windows shorter than a tile and longer, over fresh prompts and chunks after a cached
+    prefix: a tile's keys start where its first token's window does."""
+    rows = [(0, 40), (37, 33), (3, 9)]
+    query, key_cache, value_cache, table, lens = prefill_step(
+        torch.float32, 4, 2, 16, 5, rows, seed=window
+    )
+    contexts = np.array([c for c, _ in rows])
+    starts = np.cumsum(lens) - lens
+    device = torch.device(TRITON_DEVICE)
+    work = kernels.PrefillRows.of(starts, lens, contexts, table.numpy(), device)
+    out = torch.zeros_like(query).to(device)
+    q, kc, vc = (t.to(device) for t in (query, key_cache, value_cache))
+    kernels.paged_prefill(out, q, kc, vc, work, scale=0.2, window=window)
+    tol = TOLERANCE[torch.float32]
+    for row in range(len(rows)):
+        span = slice(int(starts[row]), int(starts[row] + lens[row]))
+        expected = reference_prefill(
+            query[span], key_cache, value_cache, table[row], int(contexts[row]), 0.2, window
+        )
+        torch.testing.assert_close(out.cpu()[span], expected, atol=tol, rtol=tol)
+
+
 def test_splits_fill_the_multiprocessors_from_the_batch_shape_alone(monkeypatch):
     monkeypatch.setattr(kernels, "_multiprocessors", lambda index: 132)
     cuda = torch.device("cuda", 0)

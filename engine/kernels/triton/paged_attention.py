@@ -71,6 +71,7 @@ def _attend(
     kv_head,
     start,
     end,
+    window,
     cache_stride_block,
     cache_stride_slot,
     cache_stride_head,
@@ -86,8 +87,8 @@ def _attend(
     """The `ROWS` query rows over one sequence's K/V tokens [start, end) of `kv_head`, read in
     place through its block table row, TILE_N at a time, with an online softmax in fp32: the
     unnormalised sums `[ROWS, DIM_PAD]`, the softmax totals and the maxima. With CAUSAL, row i
-    sees keys up to `positions[i]` only (every row sees token 0, so each maximum is finite
-    from the first tile on)."""
+    sees keys up to `positions[i]` only, and with a `window` (0: none) only its last `window`
+    of them. A row that sees no key of a tile yet keeps a zero sum and an infinite maximum."""
     dim = tl.arange(0, DIM_PAD)
     running_max = tl.full([ROWS], float("-inf"), tl.float32)
     total = tl.zeros([ROWS], tl.float32)
@@ -105,14 +106,17 @@ def _attend(
         kv_mask = valid[:, None] & (dim < DIM)[None, :]
         key = tl.load(key_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
         scores = _dot(query, tl.trans(key), IEEE, WIDEN)
-        if CAUSAL:  # noqa: SIM108  (a branch taken when the kernel compiles)
+        if CAUSAL:  # a branch taken when the kernel compiles
             seen = valid[None, :] & (token[None, :] <= positions[:, None])
+            seen = seen & ((window == 0) | (token[None, :] > positions[:, None] - window))
         else:
             seen = valid[None, :]
         scores = tl.where(seen, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        weights = tl.exp(scores - new_max[:, None])
-        rescale = tl.exp(running_max - new_max)
+        # A row with no key seen so far subtracts 0, not an infinity (which would give NaN).
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        weights = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(running_max - shift)
         value = tl.load(value_ptr + offsets, mask=kv_mask, other=0.0).to(query.dtype)
         acc = acc * rescale[:, None] + _dot(weights.to(value.dtype), value, IEEE, WIDEN)
         total = total * rescale + tl.sum(weights, axis=1)
@@ -133,6 +137,7 @@ def _paged_decode_kernel(
     lens_ptr,
     kv_scales_ptr,
     scale,
+    window,
     query_stride_token,
     query_stride_head,
     out_stride_token,
@@ -169,8 +174,10 @@ def _paged_decode_kernel(
     query = (query.to(tl.float32) * (scale * key_scale)).to(query_ptr.dtype.element_ty)
 
     length = tl.load(lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(length, SPLITS), TILE_TOKENS) * TILE_TOKENS
-    start = split * chunk
+    # With a window, the sequence's last `window` tokens only, split alike.
+    first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    chunk = tl.cdiv(tl.cdiv(length - first, SPLITS), TILE_TOKENS) * TILE_TOKENS
+    start = first + split * chunk
     end = tl.minimum(start + chunk, length)
     acc, total, running_max = _attend(
         query,
@@ -181,6 +188,7 @@ def _paged_decode_kernel(
         kv_head,
         start,
         end,
+        0,
         cache_stride_block,
         cache_stride_slot,
         cache_stride_head,
@@ -261,6 +269,7 @@ def _paged_prefill_kernel(
     context_lens_ptr,
     kv_scales_ptr,
     scale,
+    window,
     query_stride_token,
     query_stride_head,
     out_stride_token,
@@ -301,6 +310,8 @@ def _paged_prefill_kernel(
     query = (query.to(tl.float32) * (scale * key_scale)).to(query_ptr.dtype.element_ty)
     positions = context + offs_m
     end = context + tl.minimum(first_query + TILE_M, query_len)
+    # With a window, from the first key the tile's first token sees.
+    start = tl.where(window > 0, tl.maximum(context + first_query - window + 1, 0), 0)
 
     acc, total, _ = _attend(
         query,
@@ -309,8 +320,9 @@ def _paged_prefill_kernel(
         value_ptr,
         table_ptr + row * table_stride,
         kv_head,
-        0,
+        start,
         end,
+        window,
         cache_stride_block,
         cache_stride_slot,
         cache_stride_head,
@@ -385,9 +397,11 @@ def paged_decode(
     scale: float,
     splits: int | None = None,
     kv_scales: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`query [seqs, heads, dim]` over caches `[blocks, block_size, kv_heads, dim]`; row i
-    reads `seq_lens[i]` tokens through `block_table[i]`. A row of length 0 gives zeros.
+    reads `seq_lens[i]` tokens through `block_table[i]` (its last `window` only, where given).
+    A row of length 0 gives zeros.
 
     Each sequence's tokens are split into `splits` pieces attended in parallel and combined
     (None: enough pieces to give every streaming multiprocessor work, `decode_splits`). The
@@ -423,6 +437,7 @@ def paged_decode(
         seq_lens,
         _scales_of(kv_scales, query.device),
         scale,
+        window,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -523,11 +538,13 @@ def paged_prefill(
     rows: PrefillRows,
     scale: float,
     kv_scales: torch.Tensor | None = None,
+    window: int = 0,
 ) -> None:
     """Attend the query tokens of every multi-token row of a step (`query [tokens, heads, dim]`,
-    flattened as the step is) causally over their sequences in the cache, K/V of the new tokens
-    already stored; write each row's tokens of `out`, and leave the others as they are. An fp8
-    cache holds K/V divided by `kv_scales`, as for `paged_decode`."""
+    flattened as the step is) causally over their sequences in the cache (within a `window`,
+    where given), K/V of the new tokens already stored; write each row's tokens of `out`, and
+    leave the others as they are. An fp8 cache holds K/V divided by `kv_scales`, as for
+    `paged_decode`."""
     _, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     _check_cache(query, key_cache, value_cache, dim)
@@ -551,6 +568,7 @@ def paged_prefill(
         rows.context_lens,
         _scales_of(kv_scales, query.device),
         scale,
+        window,
         query.stride(0),
         query.stride(1),
         out.stride(0),
