@@ -509,6 +509,8 @@ def _why_not_capturable(model: CausalLM, backend: AttentionBackend) -> str:
         return "steps across tensor-parallel ranks are not captured"
     if model.sparse:
         return SPARSE_ON_HOST
+    if any(layer.attention is not None for layer in model.layers):
+        return "sliding-window layers are not captured"
     rope_type = getattr(model.rotary_emb, "rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
         return f"{rope_type} rotary embeddings change with the sequence length"
