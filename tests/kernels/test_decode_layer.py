@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM, MistralConfig
 
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.core.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ from tests.helpers import (
     tiny_llama,
     tokens_of,
 )
+from tests.models.test_model_families import COMMON as FAMILY_COMMON
 from tests.models.test_model_families import build
 
 pytestmark = needs_panels
@@ -135,6 +136,32 @@ def test_fused_step_equals_the_layers_op_by_op(
     assert fused_cache.dtype == cache_dtype_named(kv)
     assert torch.equal(fused_cache, plain_cache)
     assert fused_cache.float().abs().sum() > 0
+
+
+@pytest.mark.parametrize("weights", ["fp32", BF16])  # bf16: the stack in one region
+def test_a_windowed_stack_equals_the_layers_op_by_op(
+    weights: str, calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mistral's sliding window (6 tokens, shorter than every prompt but one) in the fused
+    stack: the decode kernel starts each row at its window in both, so the logits and every K/V
+    written are equal to the bit."""
+    model = mistral(weights, window=6)
+    fused = PagedLlamaForCausalLM(model).fused_decode
+    assert fused.route is DecodeRoute.STACK and fused.layers[0].window == 6
+    fused_logits, fused_cache = decode_step(model, True, monkeypatch, "bfloat16")
+    assert len(calls) == 3 * model.config.num_hidden_layers
+    plain_logits, plain_cache = decode_step(model, False, monkeypatch, "bfloat16")
+    assert torch.equal(fused_logits, plain_logits)
+    assert torch.equal(fused_cache, plain_cache)
+    wide_logits, _ = decode_step(mistral(weights, window=None), True, monkeypatch, "bfloat16")
+    assert not torch.equal(fused_logits, wide_logits), "the window changed the answer"
+
+
+def mistral(weights: str, window: int | None) -> LlamaForCausalLM:
+    """A tiny Mistral with a sliding window (the same weights whatever the window), packed."""
+    torch.manual_seed(0)
+    config = MistralConfig(**FAMILY_COMMON, sliding_window=window)
+    return packed(AutoModelForCausalLM.from_config(config).eval(), weights)
 
 
 def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,6 +45,8 @@ class FusibleLayer(Protocol):
     scaling: float
     silu: bool
     qk_norm_weight: torch.Tensor | None
+    # A sliding window, or None (`LayerAttention`).
+    attention: Any
     input_norm: Any
     post_attention_norm: Any
     qkv_proj: nn.Module
@@ -63,6 +65,7 @@ class LayerWeights:
     heads: list[int]
     eps: float
     scale: float
+    window: int = 0
 
 
 def why_not_fused(layer: FusibleLayer) -> str:
@@ -71,8 +74,9 @@ def why_not_fused(layer: FusibleLayer) -> str:
     kernels built."""
     if getattr(layer, "moe", None) is not None:
         return "a mixture-of-experts MLP"
-    if getattr(layer, "attention", None) is not None:
-        return "a sliding window"
+    features = getattr(layer, "attention", None)
+    if features is not None and (features.softcap is not None or features.sinks is not None):
+        return "soft-capped scores or sinks"
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     norms = (layer.input_norm, layer.post_attention_norm)
     if not cpu_ops.has("fused_decode"):
@@ -106,6 +110,7 @@ def layer_weights(layer: FusibleLayer) -> LayerWeights:
         heads=[layer.num_heads, layer.num_kv_heads, layer.head_dim],
         eps=float(layer.input_norm.variance_epsilon),
         scale=layer.scaling,
+        window=(layer.attention.window or 0) if layer.attention is not None else 0,
     )
 
 
@@ -150,6 +155,7 @@ class FusedDecode:
                 step.seq_lens,
                 first.eps,
                 first.scale,
+                first.window,
             )
         for layer in self.layers:
             hidden = cpu_ops.decode_layer(
@@ -166,6 +172,7 @@ class FusedDecode:
                 step.seq_lens,
                 layer.eps,
                 layer.scale,
+                layer.window,
             )
         return hidden
 
@@ -175,14 +182,15 @@ class FusedDecode:
 
 def choose(layers: Sequence[FusibleLayer]) -> FusedDecode:
     """The decode route for these layers: the whole stack as one op where every layer fuses
-    with the same heads, epsilon and scale; one op per layer where every layer fuses; else op
-    by op, with the first layer's reason."""
+    with the same heads, epsilon, scale and window; one op per layer where every layer fuses;
+    else op by op, with the first layer's reason."""
     reasons = [why_not_fused(layer) for layer in layers]
     if not layers or any(reasons):
         reason = next((r for r in reasons if r), "no layers")
         return FusedDecode(DecodeRoute.OPS, reason=reason)
     fused = tuple(layer_weights(layer) for layer in layers)
     first = fused[0]
-    if all((f.heads, f.eps, f.scale) == (first.heads, first.eps, first.scale) for f in fused):
+    shape = (first.heads, first.eps, first.scale, first.window)
+    if all((f.heads, f.eps, f.scale, f.window) == shape for f in fused):
         return FusedDecode.of(DecodeRoute.STACK, fused)
     return FusedDecode.of(DecodeRoute.LAYERS, fused, reason="the layers differ in shape")

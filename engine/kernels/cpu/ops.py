@@ -285,13 +285,15 @@ def decode_layer(
     seq_lens: torch.Tensor,
     eps: float,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
 
     `weights`: input norm, q/k/v panels, output panels, post-attention norm, gate/up panels,
     down panels; `biases`: the four projections' padded biases or None; `heads`: query heads,
     kv heads, head dim. Each row's new K/V go to its slot of the layer cache (fp32, or bf16, fp16
-    or fp8 e5m2 rounded as stored), then it attends over its blocks up to its length.
+    or fp8 e5m2 rounded as stored), then it attends over its blocks up to its length (its last
+    `window` tokens only, where given).
     """
     return torch.ops.conveyor.decode_layer(
         hidden,
@@ -307,6 +309,7 @@ def decode_layer(
         seq_lens,
         eps,
         scale,
+        window,
     )
 
 
@@ -338,9 +341,11 @@ def decode_layers(
     seq_lens: torch.Tensor,
     eps: float,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """`decode_layer` for every layer of a stack in turn, in one op: `weights` and `biases` are
-    each layer's back to back, `key_caches`/`value_caches` one per layer."""
+    each layer's back to back, `key_caches`/`value_caches` one per layer; one `window` for
+    all."""
     return torch.ops.conveyor.decode_layers(
         hidden,
         weights,
@@ -355,4 +360,5 @@ def decode_layers(
         seq_lens,
         eps,
         scale,
+        window,
     )

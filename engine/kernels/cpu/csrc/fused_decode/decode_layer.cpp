@@ -14,6 +14,7 @@
 //           or fp8 (e5m2), contiguous (new K/V are rounded to its dtype as they are stored)
 // slots     [rows] int64 cache slot of each row's new token
 // table     [rows, width] int64 block ids; lens [rows] int64 tokens to attend to
+// window    a sliding window: each row attends to its last `window` tokens only (0: all)
 // returns   [rows, hidden] fp32, the layer's output
 //
 // It calls the same kernels, in the same order, as the layer does op by op from Python, so the
@@ -69,7 +70,7 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
                      const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key,
                      at::Tensor& value, const at::Tensor& slots, const at::Tensor& table,
-                     const at::Tensor& lens, double eps, double scale) {
+                     const at::Tensor& lens, double eps, double scale, int64_t window) {
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const int64_t num_heads = heads[0], kv_heads = heads[1], dim = heads[2];
   const int64_t qk_heads = num_heads + kv_heads, kv_size = kv_heads * dim;
@@ -84,7 +85,8 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
            qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots.data_ptr<int64_t>(), 0, rows,
            kv_size, key, value);
-  at::Tensor attended = paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale);
+  at::Tensor attended =
+      paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale, window);
   const at::Tensor residual = panel_linear(attended.view({rows, num_heads * dim}), weights[kOut],
                                            biases.get(kOutBias), width, hidden);
 
@@ -99,11 +101,11 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
                         const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key,
                         at::Tensor& value, const at::Tensor& slots, const at::Tensor& table,
-                        const at::Tensor& lens, double eps, double scale) {
+                        const at::Tensor& lens, double eps, double scale, int64_t window) {
   check_layer(weights, biases, heads, key, value);
   check_step(hidden, slots, key);
   return run_layer(hidden, weights, biases, heads, cos, sin, key, value, slots, table, lens, eps,
-                   scale);
+                   scale, window);
 }
 
 // Every layer of a decoder stack in turn, in one op: weights and biases are each layer's
@@ -114,7 +116,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
                          const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
                          const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
                          at::TensorList values, const at::Tensor& slots, const at::Tensor& table,
-                         const at::Tensor& lens, double eps, double scale) {
+                         const at::Tensor& lens, double eps, double scale, int64_t window) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(values.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == layers * kWeights &&
@@ -130,12 +132,12 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
   check_step(hidden, slots, keys[0]);
   if (stack_region_applies(hidden.size(1), weights, biases, heads, cos, sin))
     return decode_stack(hidden, weights, layer_biases, heads, cos, sin, keys, values, slots, table,
-                        lens, eps, scale);
+                        lens, eps, scale, window);
   at::Tensor x = hidden;
   for (int64_t i = 0; i < layers; ++i) {
     at::Tensor key = keys[i], value = values[i];
     x = run_layer(x, weights.slice(i * kWeights, kWeights), layer_biases[i], heads, cos, sin, key,
-                  value, slots, table, lens, eps, scale);
+                  value, slots, table, lens, eps, scale, window);
   }
   return x;
 }
@@ -146,11 +148,11 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "decode_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
       "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
-      "Tensor lens, float eps, float scale) -> Tensor");
+      "Tensor lens, float eps, float scale, int window=0) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
       "Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
-      "Tensor table, Tensor lens, float eps, float scale) -> Tensor");
+      "Tensor table, Tensor lens, float eps, float scale, int window=0) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("decode_layer", &conveyor::decode_layer);

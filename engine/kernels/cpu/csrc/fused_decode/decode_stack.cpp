@@ -79,6 +79,7 @@ struct Stack {
   const int64_t *slots, *table, *lens;
   int64_t table_width;
   float scale;
+  int64_t window;
   std::vector<ProductTask> qkv_tasks, out_tasks, gated_tasks, down_tasks;
   conveyor::Scratch<uint16_t> normed, attended16, gated16;
   conveyor::Scratch<float> qkv, qk, attended, residual;
@@ -130,7 +131,7 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
            part.begin, part.end, st.kv_heads * st.dim, key, value);
   barrier();
   paged_decode_team({st.qk.get(), st.qk_size, M, st.heads, st.table, st.table_width, st.lens,
-                     st.scale, st.attended.get()},
+                     st.scale, st.attended.get(), st.window},
                     key, value, team, taken[1]);
   barrier();
   part = rows_of(team, st, st.attn_size);
@@ -213,7 +214,8 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
                         const std::vector<c10::List<std::optional<at::Tensor>>>& biases,
                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList keys, at::TensorList values, const at::Tensor& slots,
-                        const at::Tensor& table, const at::Tensor& lens, double eps, double scale) {
+                        const at::Tensor& table, const at::Tensor& lens, double eps, double scale,
+                        int64_t window) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   const int64_t M = hidden.size(0), width = hidden.size(1);
   const at::Tensor blocks = table.to(at::kLong).contiguous();
@@ -247,6 +249,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
   st.lens = lengths.data_ptr<int64_t>();
   st.table_width = blocks.size(1);
   st.scale = static_cast<float>(scale);
+  st.window = std::max<int64_t>(window, 0);
   const int threads = std::max(1, at::get_num_threads());
   std::vector<Layer> stack;
   for (int64_t i = 0; i < layers; ++i)

@@ -95,7 +95,8 @@ struct DecodeRows {
   int64_t width;
   const int64_t* lens;
   float scale;
-  float* out;  // [seqs, heads, dim]
+  float* out;          // [seqs, heads, dim]
+  int64_t window = 0;  // a sliding window (0: none), as paged_decode takes it
 };
 void paged_decode_team(const DecodeRows& rows, const at::Tensor& key, const at::Tensor& value,
                        const Team& team, std::atomic<int64_t>& next);
@@ -125,6 +126,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
                         const std::vector<c10::List<std::optional<at::Tensor>>>& biases,
                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList keys, at::TensorList values, const at::Tensor& slots,
-                        const at::Tensor& table, const at::Tensor& lens, double eps, double scale);
+                        const at::Tensor& table, const at::Tensor& lens, double eps, double scale,
+                        int64_t window);
 
 }  // namespace conveyor
