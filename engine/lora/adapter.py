@@ -84,7 +84,13 @@ def load_adapter(path: str, layer_shapes: list[Shapes], max_rank: int) -> LoRAAd
     pairs = _pairs(tensors, len(layer_shapes))
     weights: dict[tuple[int, str], LoRAWeights] = {}
     for (layer, name), (a, b) in sorted(pairs.items()):
-        _check_shapes(layer, name, a, b, layer_shapes[layer][name])
+        shape = layer_shapes[layer].get(name)
+        if shape is None:
+            raise LoRAError(
+                f"layer {layer} has no {name} to adapt: its MLP is a mixture of experts "
+                "(adapters of its attention are served)"
+            )
+        _check_shapes(layer, name, a, b, shape)
         rank = a.shape[0]
         if rank > max_rank:
             raise LoRAError(

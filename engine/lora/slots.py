@@ -104,6 +104,8 @@ class LoRASlots:
         width = self.num_slots * self.rank
         stacks = {}
         for group, targets in GROUPS.items():
+            if not all(target in shapes for target in targets):
+                continue  # a layer without them (a mixture of experts has no gated MLP)
             columns = len(targets) * width
             if side == "a":
                 shape = (columns, shapes[targets[0]][0])
@@ -133,6 +135,8 @@ class LoRASlots:
         width = self.num_slots * self.rank
         for layer, shapes in enumerate(self.layer_shapes):
             for group, targets in GROUPS.items():
+                if group not in self.a[layer]:
+                    continue
                 row = 0
                 for index, target in enumerate(targets):
                     start = index * width + slot * self.rank

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from engine.core.config import CacheConfig, EngineConfig
@@ -16,6 +17,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.kernels.cpu.linear import PanelLinear
 from engine.loading.model_loader import LinearForm, use_linear_form
+from engine.lora.adapter import LoRAError
 from engine.models import build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST, ExpertLinears, SparseMoE, unfuse_experts
 from engine.models.llama import PagedLlamaForCausalLM
@@ -180,12 +182,51 @@ def test_experts_take_the_models_linear_form(form):
     assert tokens == expected
 
 
-def test_lora_compile_and_graphs_refuse_experts_with_the_reason():
-    model = build("mixtral")
-    with pytest.raises(ValueError, match="LoRA adapters run on dense models only"):
-        tiny_core(model, enable_lora=True)
+def test_compile_and_graphs_refuse_experts_with_the_reason():
     paged = build_causal_lm(build("mixtral"))
     assert why_not_compiled(paged) == SPARSE_ON_HOST
+
+
+def test_lora_adapters_of_the_attention_are_served_and_of_the_experts_refused(tmp_path):
+    """A PEFT adapter of the attention's projections (the experts are 3-d tensors PEFT's
+    LoRA layers do not target): greedy tokens equal PEFT's merged model."""
+    peft = pytest.importorskip("peft", reason="peft is not installed on this host")
+    torch.manual_seed(3)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
+    )
+    adapted = peft.get_peft_model(build("qwen3-moe"), config)
+    with torch.no_grad():
+        for name, weight in adapted.named_parameters():
+            if "lora_B" in name:
+                weight.normal_(std=0.3)
+    adapted.save_pretrained(str(tmp_path / "attn"))
+    merged = peft.PeftModel.from_pretrained(build("qwen3-moe"), str(tmp_path / "attn"))
+    merged = merged.merge_and_unload()
+    expected = [reference_greedy(merged, p, MAX_NEW) for p in prompts()]
+    core, _ = tiny_core(
+        build("qwen3-moe"), enable_lora=True, lora_modules=(("attn", str(tmp_path / "attn")),)
+    )
+    lora = core.loras.get("attn")
+    for i, prompt in enumerate(prompts()):
+        core.add_request(f"r{i}", prompt, GREEDY, lora=lora)
+    outputs = {f"r{i}": [] for i in range(len(prompts()))}
+    while core.has_unfinished():
+        for output in core.step():
+            outputs[output.request_id].append(output)
+    assert [tokens_of(outputs[f"r{i}"]) for i in range(len(prompts()))] == expected
+    base = [reference_greedy(build("qwen3-moe"), p, MAX_NEW) for p in prompts()]
+    assert expected != base, "the adapter acts"
+    # An adapter of a projection a layer of experts does not have is refused by name.
+    stored = tmp_path / "attn" / "adapter_model.safetensors"
+    tensors = load_file(str(stored))
+    a = torch.zeros(4, COMMON["hidden_size"])
+    b = torch.zeros(32, 4)
+    tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight"] = a
+    tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"] = b
+    save_file(tensors, str(stored))
+    with pytest.raises(LoRAError, match="layer 0 has no gate_proj to adapt"):
+        core.read_lora("mlp", str(tmp_path / "attn"))
 
 
 @pytest.fixture(scope="module")
