@@ -12,6 +12,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3TextConfig,
     GptOssConfig,
     MistralConfig,
     Qwen2Config,
@@ -60,6 +61,14 @@ MODELS = {
         attn_logit_softcapping=1.0,
         query_pre_attn_scalar=4,
     ),
+    # transformers' model: windowed and full layers (every sixth full), per-head q/k norms.
+    "gemma3": lambda: Gemma3TextConfig(
+        **{**COMMON, "initializer_range": 0.05, "num_hidden_layers": 3},
+        head_dim=16,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
     # transformers' model: sinks, windowed and full layers, experts.
     "gpt-oss": lambda: GptOssConfig(
         **{**COMMON, "intermediate_size": 32},
@@ -107,10 +116,11 @@ def test_greedy_matches_generate_past_the_window(name):
     # The whole context is served, on a backend that computes the features: the usual one
     # for windows alone (the C++ kernels take them), torch for soft caps and sinks.
     assert info.max_model_len == 256
-    windows_only = name in ("mistral", "qwen2")
+    windows_only = name in ("mistral", "qwen2", "gemma3")
     usual = resolve_backend_name("auto", torch.device("cpu"))
     assert core.runner.backend.name == (usual if windows_only else TorchPagedAttention.name)
-    assert isinstance(core.runner.model, PagedLlamaForCausalLM) == windows_only
+    conveyors = name in ("mistral", "qwen2")
+    assert isinstance(core.runner.model, PagedLlamaForCausalLM) == conveyors
 
 
 @pytest.mark.parametrize("name", ["mistral", "qwen2"])
@@ -140,6 +150,7 @@ def test_windows_hold_under_chunked_prefill_prefix_hits_and_preemption(name):
     [
         ("mistral", {"sliding_window": None}),
         ("gemma2", {"attn_logit_softcapping": None}),
+        ("gemma3", {"sliding_window": 200}),  # wider than every prompt here
     ],
 )
 def test_the_features_change_the_tokens(name, plain):
