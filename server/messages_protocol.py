@@ -134,8 +134,8 @@ class OutputFormat(BaseModel):
 
 
 class OutputConfig(BaseModel):
-    """`format`: JSON that follows a schema (structured outputs); `effort` is accepted and has
-    no effect here."""
+    """`format`: JSON that follows a schema (structured outputs); `effort`: how hard a reasoning
+    model thinks, handed to the template as `reasoning_effort`."""
 
     model_config = _STRICT
 
@@ -241,6 +241,7 @@ def as_chat(body: CountTokensRequest) -> ChatCompletionRequest:
             "priority": body.priority,
             "timeout": body.timeout,
             "response_format": _chat_format(body.output_config),
+            "reasoning_effort": _effort(body.output_config),
         }
     try:
         return ChatCompletionRequest.model_validate(fields)
@@ -320,6 +321,14 @@ def _chat_tool(tool: Tool) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
+def _effort(config: OutputConfig | None) -> str | None:
+    """`output_config.effort` as chat's `reasoning_effort` (Anthropic's `max` is its
+    `xhigh`)."""
+    if config is None or config.effort is None:
+        return None
+    return "xhigh" if config.effort == "max" else config.effort
+
+
 def _chat_format(config: OutputConfig | None) -> dict[str, Any] | None:
     if config is None or config.format is None:
         return None
@@ -352,6 +361,7 @@ _CHAT_PARAMS = (
     ("max_completion_tokens", "max_tokens"),
     ("response_format.json_schema.schema", "output_config.format.schema"),
     ("response_format", "output_config.format"),
+    ("reasoning_effort", "output_config.effort"),
 )
 
 

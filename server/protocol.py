@@ -354,10 +354,21 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: how hard a reasoning model thinks, handed to the template as
+    # `reasoning_effort` (gpt-oss's templates read it; others ignore it).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     # vLLM's: the tokenizer's special tokens on top of what the template writes.
     add_special_tokens: bool = False
     # With a reasoning parser: whether the reply's reasoning is returned at all.
     include_reasoning: bool = True
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The template's extra variables: `chat_template_kwargs`, and `reasoning_effort`
+        unless they set it."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @property
     def requested_max_tokens(self) -> int | None:

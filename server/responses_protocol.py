@@ -280,6 +280,7 @@ def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompl
         "min_tokens": body.min_tokens,
         "priority": body.priority,
         "timeout": body.timeout,
+        "reasoning_effort": (body.reasoning or {}).get("effort"),
     }
     try:
         return ChatCompletionRequest.model_validate(fields)
@@ -399,6 +400,7 @@ _CHAT_PARAMS = (
     ("response_format.json_schema", "text.format"),
     ("response_format", "text.format"),
     ("tool_choice.function", "tool_choice"),
+    ("reasoning_effort", "reasoning.effort"),
 )
 
 

@@ -351,7 +351,7 @@ class ChatHandler:
                 body.add_generation_prompt,
                 body.continue_final_message,
                 tools,
-                body.chat_template_kwargs,
+                body.template_kwargs,
                 body.add_special_tokens,
             ),
         )

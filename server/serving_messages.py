@@ -84,7 +84,12 @@ class MessagesHandler:
         _, prompt = await off_the_loop_if_large(
             sum(len(m.model_dump_json()) for m in body.messages),
             lambda: chat_prompt(
-                tokenizer, chat_body.messages, True, False, template_tools(chat_body)
+                tokenizer,
+                chat_body.messages,
+                True,
+                False,
+                template_tools(chat_body),
+                chat_body.template_kwargs,
             ),
         )
         return {"input_tokens": len(prompt)}

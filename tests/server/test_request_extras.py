@@ -281,3 +281,58 @@ async def test_add_special_tokens_as_vllm_defaults_it():
             "/tokenize", json={"messages": MESSAGES, "add_special_tokens": True}
         )
         assert tokenized.json()["tokens"] == [bos, *chat]
+
+
+# gpt-oss's templates read how hard to think from `reasoning_effort`.
+EFFORT_TEMPLATE = CHAT_TEMPLATE + (
+    "{% if reasoning_effort is defined %}[effort={{ reasoning_effort }}]{% endif %}"
+)
+
+
+async def test_reasoning_effort_reaches_the_template_from_every_api():
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = EFFORT_TEMPLATE
+
+    def written(effort: str) -> list[int]:
+        return tokenizer(f"[effort={effort}]", add_special_tokens=False)["input_ids"]
+
+    async with app_client(tokenizer=tokenizer) as (client, engine):
+        plain = await rendered_chat(client)
+        assert await rendered_chat(client, reasoning_effort="high") == plain + written("high")
+        # chat_template_kwargs, the more specific, wins.
+        both = await rendered_chat(
+            client, reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}
+        )
+        assert both == plain + written("low")
+        response = await client.post(
+            "/v1/responses",
+            json={"input": "Hi there", "reasoning": {"effort": "low"}, "max_output_tokens": 2},
+        )
+        responses_plain = await client.post(
+            "/v1/responses", json={"input": "Hi there", "max_output_tokens": 2}
+        )
+        grown = response.json()["usage"]["input_tokens"]
+        assert grown == responses_plain.json()["usage"]["input_tokens"] + len(written("low"))
+        counted = await client.post(
+            "/v1/messages/count_tokens", json={"messages": [{"role": "user", "content": "Hi"}]}
+        )
+        message = await client.post(
+            "/v1/messages",
+            json={
+                "max_tokens": 2,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "output_config": {"effort": "max"},
+            },
+        )
+        usage = message.json()["usage"]
+        seen = usage["input_tokens"] + usage["cache_read_input_tokens"]
+        assert seen == counted.json()["input_tokens"] + len(written("xhigh"))
+        for path, body, param in [
+            ("/v1/chat/completions/render", {"messages": MESSAGES, "reasoning_effort": "x"}, None),
+            ("/v1/responses", {"input": "Hi", "reasoning": {"effort": "x"}}, "reasoning.effort"),
+        ]:
+            refused = await client.post(path, json=body)
+            assert refused.status_code == 400, refused.text
+            if param is not None:
+                assert refused.json()["error"]["param"] == param
+        assert blocks_in_use(engine) == 0
