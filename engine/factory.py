@@ -18,6 +18,7 @@ from engine.attention import (
     get_backend,
     triton_paged,
 )
+from engine.attention.backend import LayerAttention
 from engine.attention.hf import attention_features, describe
 from engine.attention.torch_paged import TorchPagedAttention
 from engine.core.config import (
@@ -150,6 +151,8 @@ class RankParts:
     compiled: str = ""
     # The LoRA adapters' slots (`--enable-lora`).
     lora: LoRASlots | None = None
+    # What the model's attention computes beyond plain causal attention, in words ("" none).
+    attention_features: str = ""
 
 
 def build_rank(
@@ -175,7 +178,9 @@ def build_rank(
     # Compiled over the weights where they stay, before the profiling pass measures the steps.
     compiled = compile_layers(model) if config.compile else ""
     lora = lora_slots(config, model, device, dtype)
-    backend = get_backend(_attention_backend(config, loaded, device), device, dtype)
+    limit = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    features = attention_features(loaded.model, limit)
+    backend = get_backend(_attention_backend(config, features, device), device, dtype)
     num_blocks = _num_blocks(config, spec, device, model, backend, loaded.max_model_len)
     if shard is not None:
         num_blocks = shard.group.min_int(num_blocks, device)
@@ -183,16 +188,26 @@ def build_rank(
     kv_cache.group = shard.group if shard is not None else None
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
     scales, calibrates = _kv_scales(kv_cache, backend, loaded.path, config.cache)
-    return RankParts(model, backend, kv_cache, cache_dtype, scales, calibrates, compiled, lora)
+    return RankParts(
+        model,
+        backend,
+        kv_cache,
+        cache_dtype,
+        scales,
+        calibrates,
+        compiled,
+        lora,
+        attention_features=describe(features),
+    )
 
 
-def _attention_backend(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> str:
-    """The backend the config names where it computes the model's attention features (a
-    sliding window shorter than the context, soft-capped scores, sinks); else the torch
+def _attention_backend(
+    config: EngineConfig, needs: list[LayerAttention], device: torch.device
+) -> str:
+    """The backend the config names where it computes the model's attention features `needs`
+    (a sliding window shorter than the context, soft-capped scores, sinks); else the torch
     backend, which computes them all, where the config leaves it `auto`; else a refusal naming
     them."""
-    limit = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
-    needs = attention_features(loaded.model, limit)
     named = backend_class(config.attention_backend, device)
     if all(named.takes(features) for features in needs):
         return config.attention_backend
@@ -303,6 +318,7 @@ def core_from_model(
             sampler.route,
             parts.compiled,
             config.runner == "pooling",
+            parts.attention_features,
         ),
     )
     graphs, piecewise = _graphs(config, model, backend, kv_cache, max_model_len)

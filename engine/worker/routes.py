@@ -63,13 +63,15 @@ def describe(
     sampling: str = "",
     compiled: str = "",
     pooling: bool = False,
+    attention_features: str = "",
 ) -> str:
     scales = f" (scales {kv_scales})" if kv_scales else ""
+    features = f" ({attention_features})" if attention_features else ""
     parts = [
         f"model implementation {getattr(model, 'name', type(model).__name__)}",
         f"dtype {_dtype(dtype)} (compute {_dtype(compute)})",
         f"KV cache {_dtype(cache_dtype)}{scales}",
-        f"attention {attention}",
+        f"attention {attention}{features}",
         f"linear layers: {linear_forms(model)}",
         f"async scheduling {'on' if async_scheduling else 'off'}",
     ]

@@ -5,6 +5,7 @@ transformers' `generate`."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -201,3 +202,10 @@ def test_sinks_change_the_tokens():
     assert engine_tokens(with_sinks)[0] != engine_tokens(without)[0]
     expected = [reference_greedy(without, p, MAX_NEW, attention="eager") for p in prompts()]
     assert engine_tokens(without)[0] == expected
+
+
+def test_the_routes_line_names_the_features(caplog):
+    with caplog.at_level(logging.INFO, logger="engine.factory"):
+        tiny_core(build("gemma2"))
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("routes: ")]
+    assert "attention torch (sliding window of 6 tokens, soft-capped attention scores)" in line
