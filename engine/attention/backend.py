@@ -55,6 +55,11 @@ class LayerAttention:
         return cls(windowed, capped, sunk)
 
 
+def window_of(features: LayerAttention | None) -> int:
+    """The window a kernel takes: the layer's, or 0 for none."""
+    return features.window or 0 if features is not None else 0
+
+
 class AttentionBackend(ABC):
     """Writes each layer's new K/V into the paged cache and attends over the block tables."""
 

@@ -51,30 +51,9 @@ class CpuPagedAttention(InPlaceDecodeAttention):
 
     @classmethod
     def takes(cls, features: LayerAttention) -> bool:
-        """A sliding window: its decode kernel starts each row at its window (prompt chunks
-        then attend through the torch path's masks); not soft caps or sinks."""
+        """A sliding window: its decode kernel starts each row at its window (prompt chunks of
+        windowed layers attend through the torch path's masks); not soft caps or sinks."""
         return features.softcap is None and features.sinks is None
-
-    def _featured_decode(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        scale: float,
-        meta: TorchPagedMetadata,
-        features: LayerAttention,
-    ) -> torch.Tensor:
-        assert isinstance(meta, InPlaceMetadata) and meta.decode_seq_lens is not None
-        assert meta.decode_block_table is not None
-        cache = meta.kv_cache
-        return cpu_ops.paged_decode(
-            query,
-            cache.key(layer),
-            cache.value(layer),
-            meta.decode_block_table,
-            meta.decode_seq_lens,
-            scale,
-            features.window or 0,
-        )
 
     def _prefill_work(self, batch: InputBatch, rows: np.ndarray, kv_cache: KVCache) -> PrefillRows:
         return _kernel_rows(batch, rows, kv_cache.block_size, kv_cache.device)
@@ -88,9 +67,12 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         seq_lens: torch.Tensor,
         scale: float,
         kv_scales: torch.Tensor,
+        window: int = 0,
     ) -> torch.Tensor:
         # Caches here are never scaled (`takes_kv_scales`): the scales are 1.0.
-        return cpu_ops.paged_decode(query, key_cache, value_cache, block_table, seq_lens, scale)
+        return cpu_ops.paged_decode(
+            query, key_cache, value_cache, block_table, seq_lens, scale, window
+        )
 
     def _prefill_rows(
         self,
@@ -101,15 +83,16 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         scale: float,
         metadata: TorchPagedMetadata,
         out: torch.Tensor,
+        features: LayerAttention | None = None,
     ) -> None:
         """Prefill chunks in one kernel call over K/V already stored, read in place: fresh
         prompts and chunks after cached tokens alike, written straight into `out`. Shapes the
-        kernel does not take (head dims not a multiple of 16, a 16-bit model) keep the torch
-        path."""
+        kernel does not take (head dims not a multiple of 16, a 16-bit model) and windowed
+        layers keep the torch path."""
         assert isinstance(metadata, InPlaceMetadata)
         rows, cache = metadata.prefill_rows, metadata.kv_cache
-        if rows is None or not _kernel_takes(query, cache):
-            super()._prefill_rows(layer, query, key, value, scale, metadata, out)
+        if rows is None or features is not None or not _kernel_takes(query, cache):
+            super()._prefill_rows(layer, query, key, value, scale, metadata, out, features)
             return
         bf16 = self.bf16_prompts and cache.spec.dtype == torch.bfloat16
         cpu_ops.paged_prefill_rows(

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention.backend import LayerAttention
+from engine.attention.backend import LayerAttention, window_of
 from engine.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, _to
 from engine.kv.kv_cache import KVCache
 from engine.worker.input_batch import InputBatch
@@ -65,9 +65,11 @@ class InPlaceDecodeAttention(TorchPagedAttention):
         seq_lens: torch.Tensor,
         scale: float,
         kv_scales: torch.Tensor,
+        window: int = 0,
     ) -> torch.Tensor:
-        """Attend each query row over its own blocks, up to its own length; an fp8 cache holds
-        K/V divided by `kv_scales` (the layer's key and value scales, on the device)."""
+        """Attend each query row over its own blocks, up to its own length (its last `window`
+        tokens only, where a subclass `takes` windows); an fp8 cache holds K/V divided by
+        `kv_scales` (the layer's key and value scales, on the device)."""
 
     def decode_metadata(
         self,
@@ -97,7 +99,12 @@ class InPlaceDecodeAttention(TorchPagedAttention):
         meta.decode_seq_lens = _to(seq_lens.astype(np.int64), device)
 
     def _decode(
-        self, layer: int, query: torch.Tensor, scale: float, meta: TorchPagedMetadata
+        self,
+        layer: int,
+        query: torch.Tensor,
+        scale: float,
+        meta: TorchPagedMetadata,
+        features: LayerAttention | None = None,
     ) -> torch.Tensor:
         assert isinstance(meta, InPlaceMetadata) and meta.decode_seq_lens is not None
         assert meta.decode_block_table is not None
@@ -111,4 +118,5 @@ class InPlaceDecodeAttention(TorchPagedAttention):
             meta.decode_seq_lens,
             scale,
             cache.layer_scales(layer),
+            window_of(features),
         )

@@ -143,14 +143,12 @@ class TorchPagedAttention(AttentionBackend):
             )
         metadata.kv_cache.calibrate(layer, key, value)
         self._store(metadata.kv_cache, layer, metadata.slot_mapping, key, value)
-        if features is not None:
-            return self._featured(layer, query, key, value, scale, metadata, features)
         if metadata.all_decode:
-            return self._decode(layer, query, scale, metadata)
+            return self._decode(layer, query, scale, metadata, features)
         out = query.new_empty(query.shape)
         if metadata.decode_tokens is not None:
-            out[metadata.decode_tokens] = self._decode(layer, query, scale, metadata)
-        self._prefill_rows(layer, query, key, value, scale, metadata, out)
+            out[metadata.decode_tokens] = self._decode(layer, query, scale, metadata, features)
+        self._prefill_rows(layer, query, key, value, scale, metadata, out, features)
         return out
 
     def _prefill_rows(
@@ -162,75 +160,14 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
         metadata: TorchPagedMetadata,
         out: torch.Tensor,
+        features: LayerAttention | None = None,
     ) -> None:
         """Write the multi-token rows' attention into their tokens of `out`: one SDPA call
         per row here."""
         for span in metadata.prefills:
             out[span.start : span.end] = self._prefill(
-                layer, query, key, value, scale, span, metadata.kv_cache
+                layer, query, key, value, scale, span, metadata.kv_cache, features
             )
-
-    def _featured(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-        meta: TorchPagedMetadata,
-        features: LayerAttention,
-    ) -> torch.Tensor:
-        """Every row's attention with the layer's features: the decode rows batched, each
-        prompt chunk over its whole sequence so far."""
-        out = query.new_empty(query.shape)
-        if meta.decode_tokens is not None:
-            rows = query[meta.decode_tokens]
-            out[meta.decode_tokens] = self._featured_decode(layer, rows, scale, meta, features)
-        self._featured_prefill(layer, query, key, value, scale, meta, features, out)
-        return out
-
-    def _featured_decode(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        scale: float,
-        meta: TorchPagedMetadata,
-        features: LayerAttention,
-    ) -> torch.Tensor:
-        """The decode rows' attention (`query`: theirs alone) with the layer's features."""
-        assert meta.decode_block_table is not None and meta.decode_mask is not None
-        q = query.unsqueeze(2)
-        k, v = _read(meta.kv_cache, layer, meta.decode_block_table, q.dtype)
-        lengths = meta.decode_mask.sum(-1, keepdim=True)
-        seen = _visible(lengths - 1, k.shape[2], features.window)
-        return _attend(q, k, v, seen, scale, features).squeeze(2)
-
-    def _featured_prefill(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-        meta: TorchPagedMetadata,
-        features: LayerAttention,
-        out: torch.Tensor,
-    ) -> None:
-        """Each prompt chunk's attention with the layer's features, into its tokens of `out`."""
-        cache = meta.kv_cache
-        for span in meta.prefills:
-            q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            if span.context:
-                table = span.block_ids(q.device).unsqueeze(0)
-                k, v = _read(cache, layer, table, q.dtype, span.seq_len)
-            else:
-                k = cache.round_trip(layer, 0, key[span.start : span.end])
-                v = cache.round_trip(layer, 1, value[span.start : span.end])
-                k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            positions = torch.arange(span.context, span.seq_len, device=q.device)
-            seen = _visible(positions[:, None], span.seq_len, features.window)
-            attended = _attend(q, k, v, seen[None, None], scale, features)
-            out[span.start : span.end] = attended[0].transpose(0, 1)
 
     def _store(
         self,
@@ -243,14 +180,23 @@ class TorchPagedAttention(AttentionBackend):
         cache.write(layer, slot_mapping, key, value)
 
     def _decode(
-        self, layer: int, query: torch.Tensor, scale: float, meta: TorchPagedMetadata
+        self,
+        layer: int,
+        query: torch.Tensor,
+        scale: float,
+        meta: TorchPagedMetadata,
+        features: LayerAttention | None = None,
     ) -> torch.Tensor:
         cache = meta.kv_cache
-        q = query if meta.all_decode else query[meta.decode_tokens]
+        q = (query if meta.all_decode else query[meta.decode_tokens]).unsqueeze(2)
         assert meta.decode_block_table is not None  # set for every step with decode rows
+        assert meta.decode_mask is not None
         k, v = _read(cache, layer, meta.decode_block_table, q.dtype)
-        out = _sdpa(q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scale)
-        return out.squeeze(2)
+        if features is None:
+            return _sdpa(q, k, v, attn_mask=meta.decode_mask, scale=scale).squeeze(2)
+        lengths = meta.decode_mask.sum(-1, keepdim=True)
+        seen = _visible(lengths - 1, k.shape[2], features.window)
+        return _attend(q, k, v, seen, scale, features).squeeze(2)
 
     @staticmethod
     def _prefill(
@@ -261,19 +207,26 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
         span: PrefillSpan,
         cache: KVCache,
+        features: LayerAttention | None = None,
     ) -> torch.Tensor:
         q = query[span.start : span.end].transpose(0, 1).unsqueeze(0)
-        if not span.context:
+        if span.context:
+            table = span.block_ids(q.device).unsqueeze(0)
+            k, v = _read(cache, layer, table, q.dtype, span.seq_len)
+        else:
             # As the cache holds them, so that a prompt attends alike whether its K/V come
             # fresh or, after a prefix hit or preemption, from the cache.
             k = cache.round_trip(layer, 0, key[span.start : span.end])
             v = cache.round_trip(layer, 1, value[span.start : span.end])
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-            out = _sdpa(q, k, v, is_causal=True, scale=scale)
-        else:
-            table = span.block_ids(q.device).unsqueeze(0)
-            k, v = _read(cache, layer, table, q.dtype, span.seq_len)
+        if features is not None:
+            positions = torch.arange(span.context, span.seq_len, device=q.device)
+            seen = _visible(positions[:, None], span.seq_len, features.window)
+            out = _attend(q, k, v, seen[None, None], scale, features)
+        elif span.context:
             out = _sdpa(q, k, v, attn_mask=span.offset_mask(q.device), scale=scale)
+        else:
+            out = _sdpa(q, k, v, is_causal=True, scale=scale)
         return out[0].transpose(0, 1)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention.backend import LayerAttention
+from engine.attention.backend import LayerAttention, window_of
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
 from engine.attention.torch_paged import TorchPagedMetadata
 from engine.kernels.triton import self_test
@@ -103,54 +103,6 @@ class TritonPagedAttention(InPlaceDecodeAttention):
         or sinks."""
         return features.softcap is None and features.sinks is None
 
-    def _featured_decode(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        scale: float,
-        meta: TorchPagedMetadata,
-        features: LayerAttention,
-    ) -> torch.Tensor:
-        assert isinstance(meta, InPlaceMetadata) and meta.decode_seq_lens is not None
-        assert meta.decode_block_table is not None
-        cache = meta.kv_cache
-        return self._kernels.paged_decode(
-            query,
-            cache.key(layer),
-            cache.value(layer),
-            meta.decode_block_table,
-            meta.decode_seq_lens,
-            scale,
-            kv_scales=cache.layer_scales(layer),
-            window=features.window or 0,
-        )
-
-    def _featured_prefill(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scale: float,
-        meta: TorchPagedMetadata,
-        features: LayerAttention,
-        out: torch.Tensor,
-    ) -> None:
-        assert isinstance(meta, InPlaceMetadata)
-        if meta.prefill_rows is None:
-            return
-        cache = meta.kv_cache
-        self._kernels.paged_prefill(
-            out,
-            query,
-            cache.key(layer),
-            cache.value(layer),
-            meta.prefill_rows,
-            scale,
-            cache.layer_scales(layer),
-            window=features.window or 0,
-        )
-
     def _prefill_work(self, batch: InputBatch, rows: np.ndarray, kv_cache: KVCache) -> Any:
         return self._kernels.PrefillRows.of(
             batch.query_starts[rows],
@@ -169,6 +121,7 @@ class TritonPagedAttention(InPlaceDecodeAttention):
         scale: float,
         metadata: TorchPagedMetadata,
         out: torch.Tensor,
+        features: LayerAttention | None = None,
     ) -> None:
         """Every multi-token row in one launch, over K/V as the cache holds them."""
         assert isinstance(metadata, InPlaceMetadata)
@@ -183,6 +136,7 @@ class TritonPagedAttention(InPlaceDecodeAttention):
             metadata.prefill_rows,
             scale,
             cache.layer_scales(layer),
+            window=window_of(features),
         )
 
     def decode_kernel(
@@ -194,9 +148,17 @@ class TritonPagedAttention(InPlaceDecodeAttention):
         seq_lens: torch.Tensor,
         scale: float,
         kv_scales: torch.Tensor,
+        window: int = 0,
     ) -> torch.Tensor:
         return self._kernels.paged_decode(
-            query, key_cache, value_cache, block_table, seq_lens, scale, kv_scales=kv_scales
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            scale,
+            kv_scales=kv_scales,
+            window=window,
         )
 
     def _store(
