@@ -28,24 +28,12 @@ from engine.models.llama import PagedLlamaForCausalLM
 from tests.conftest import TRITON_DEVICE
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import reference_greedy, run_all, tiny_core, tokens_of
+from tests.models.test_model_families import COMMON
 
 needs_kernels = pytest.mark.skipif(
     not cpu_ops.has("attention"), reason="Conveyor's C++ kernels do not build on this machine"
 )
 
-COMMON = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    eos_token_id=0,
-    bos_token_id=1,
-    pad_token_id=0,
-)
 WINDOW = 6
 MODELS = {
     # Conveyor's decoder, every layer windowed.

@@ -32,19 +32,13 @@ from tests.helpers import (
     tiny_core,
     tokens_of,
 )
+from tests.models.test_model_families import COMMON as FAMILY_COMMON
 
-COMMON = dict(
-    vocab_size=320,
-    hidden_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    eos_token_id=0,
-    bos_token_id=1,
-    pad_token_id=0,
-)
+# The other families' tiny shape, three layers deep; each family sets its own MLP sizes.
+COMMON = {
+    **{key: value for key, value in FAMILY_COMMON.items() if key != "intermediate_size"},
+    "num_hidden_layers": 3,
+}
 FAMILIES = {
     "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=8),
     # A shared expert behind its sigmoid gate; layer 1 keeps a dense MLP.
