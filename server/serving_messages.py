@@ -25,7 +25,7 @@ from server.errors import anthropic_error_body, to_api_error
 from server.messages_protocol import CountTokensRequest, MessagesRequest, as_chat, messages_param
 from server.serving import EngineClient, EventStream, bind_trace, request_options, submit_all
 from server.serving_chat import ChatHandler, ChatRenderer
-from server.streaming import CLIENT_GONE, compact_json, merge, unless_disconnected
+from server.streaming import CLIENT_GONE, merge, named_sse, unless_disconnected
 from server.tokenization import chat_prompt, off_the_loop_if_large, require_tokenizer
 from server.tools import check_tools, template_tools
 from server.tracing import RequestTrace, request_trace
@@ -112,37 +112,33 @@ async def _events(
 ) -> AsyncGenerator[str, None]:
     completed = False
     try:
-        yield sse({"type": "message_start", "message": reply.message(started=True)})
-        yield sse({"type": "ping"})
+        yield named_sse({"type": "message_start", "message": reply.message(started=True)})
+        yield named_sse({"type": "ping"})
         while True:
             for event in reply.update(output):
-                yield sse(event)
+                yield named_sse(event)
             try:
                 _, output = await anext(merged)
             except StopAsyncIteration:
                 break
         for event in reply.blocks.finish():
-            yield sse(event)
+            yield named_sse(event)
         result = reply.message()
         if trace is not None:
             trace.output(reply.renderer.usage(), reply.renderer.finish_reasons())
         stop = {key: result[key] for key in ("stop_reason", "stop_sequence")}
-        yield sse({"type": "message_delta", "delta": stop, "usage": result["usage"]})
-        yield sse({"type": "message_stop"})
+        yield named_sse({"type": "message_delta", "delta": stop, "usage": result["usage"]})
+        yield named_sse({"type": "message_stop"})
         completed = True
     except Exception as exc:
         if trace is not None:
             trace.fail(exc)
         completed = True
-        yield sse(anthropic_error_body(to_api_error(exc)))
+        yield named_sse(anthropic_error_body(to_api_error(exc)))
     finally:
         await merged.aclose()
         if trace is not None:
             trace.end(None if completed else CLIENT_GONE)
-
-
-def sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {compact_json(event)}\n\n"
 
 
 class Reply:

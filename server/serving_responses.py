@@ -39,7 +39,7 @@ from server.serving import (
     submit_all,
 )
 from server.serving_chat import ChatHandler, ChatRenderer, PreparedChat
-from server.streaming import CLIENT_GONE, compact_json, merge, unless_disconnected
+from server.streaming import CLIENT_GONE, merge, named_sse, unless_disconnected
 from server.tracing import RequestTrace, request_trace
 from server.truncation import drop_oldest, fits
 
@@ -183,7 +183,7 @@ class EventNumbers:
     def sse(self, event: dict[str, Any]) -> str:
         event = {**event, "sequence_number": self.next}
         self.next += 1
-        return f"event: {event['type']}\ndata: {compact_json(event)}\n\n"
+        return named_sse(event)
 
 
 class Reply:

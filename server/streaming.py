@@ -64,6 +64,11 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {compact_json(payload)}\n\n"
 
 
+def named_sse(event: dict[str, Any]) -> str:
+    """A server-sent event named by its `type` (the Responses and Messages APIs' streams)."""
+    return f"event: {event['type']}\ndata: {compact_json(event)}\n\n"
+
+
 def sse_error(exc: BaseException) -> str:
     """An error after streaming began: sent as an event, followed by [DONE] by the caller."""
     error = to_api_error(exc)
