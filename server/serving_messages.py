@@ -26,7 +26,12 @@ from server.messages_protocol import CountTokensRequest, MessagesRequest, as_cha
 from server.serving import EngineClient, EventStream, bind_trace, request_options, submit_all
 from server.serving_chat import ChatHandler, ChatRenderer
 from server.streaming import CLIENT_GONE, merge, named_sse, unless_disconnected
-from server.tokenization import chat_prompt, off_the_loop_if_large, require_tokenizer
+from server.tokenization import (
+    chat_prompt,
+    messages_size,
+    off_the_loop_if_large,
+    require_tokenizer,
+)
 from server.tools import check_tools, template_tools
 from server.tracing import RequestTrace, request_trace
 
@@ -82,7 +87,7 @@ class MessagesHandler:
             raise
         tokenizer = require_tokenizer(self.engine.tokenizer)
         _, prompt = await off_the_loop_if_large(
-            sum(len(m.model_dump_json()) for m in body.messages),
+            messages_size(chat_body.messages),
             lambda: chat_prompt(
                 tokenizer,
                 chat_body.messages,
