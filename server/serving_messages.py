@@ -91,10 +91,11 @@ class MessagesHandler:
             lambda: chat_prompt(
                 tokenizer,
                 chat_body.messages,
-                True,
-                False,
+                chat_body.add_generation_prompt,
+                chat_body.continue_final_message,
                 template_tools(chat_body),
                 chat_body.template_kwargs,
+                chat_body.add_special_tokens,
             ),
         )
         return {"input_tokens": len(prompt)}

@@ -142,6 +142,11 @@ async def test_a_last_assistant_turn_is_a_prefill_the_reply_continues():
         assert text_of(result) == expected["choices"][0]["message"]["content"]
         fresh = await create(client, messages=conversation[:1])
         assert text_of(fresh) != text_of(result)
+        # Counted as it runs: the prefill continues, no new assistant turn opens.
+        counted = await client.post("/v1/messages/count_tokens", json={"messages": conversation})
+        usage = result["usage"]
+        seen = usage["input_tokens"] + usage["cache_read_input_tokens"]
+        assert counted.json()["input_tokens"] == seen
 
 
 async def test_a_stop_sequence_ends_the_message_and_is_named():
