@@ -31,12 +31,13 @@ class OneTokenCore:
 
     max_tokens = 1 << 20
     tokenizer = None
+    processor = None  # a text model
     loras = None  # no LoRA adapters
 
     def __init__(self) -> None:
         self.requests: dict[str, list[int]] = {}
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: Any) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, *extras: Any) -> None:
         pass
 
     def drop_retired(self) -> None:

@@ -48,6 +48,7 @@ from engine.lora.slots import LoRASlots
 from engine.models import CausalLM, build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST
 from engine.models.llama import PagedLlamaForCausalLM
+from engine.models.vision import TransformersImageTextLM, is_image_text
 from engine.parallel.group import ParallelGroup
 from engine.parallel.sharding import Shard, not_shardable, why_not_shardable
 from engine.parallel.workers import WorkerPool, rank_device
@@ -91,6 +92,8 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
         raise ValueError("tensor parallelism runs on Conveyor's model implementation only")
     # A config of another family (no heads to count) is refused by the model's own check.
     checkpoint = checkpoint_config(config.model, config.trust_remote_code)
+    if checkpoint is not None and is_image_text(checkpoint):
+        raise ValueError("tensor parallelism serves text models only, not image-text ones")
     counted = all(hasattr(checkpoint, key) for key in ("num_attention_heads", "intermediate_size"))
     reason = why_not_shardable(checkpoint, size) if counted else ""
     if reason:
@@ -166,7 +169,7 @@ def build_rank(
     parallelism, for its share of the KV heads, with as many blocks as every rank can hold)."""
     cache_dtype = kv_cache_dtype(config.cache.dtype, dtype, loaded.compute_dtype, device)
     spec = KVCacheSpec.from_hf_config(
-        loaded.model.config, cache_dtype, block_size(config.cache, device)
+        loaded.model.config.get_text_config(), cache_dtype, block_size(config.cache, device)
     )
     if shard is not None:
         spec = replace(spec, num_kv_heads=shard.shape.local_kv_heads)
@@ -328,6 +331,7 @@ def core_from_model(
     runner.lora = parts.lora
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     core.overlap = overlap
+    core.processor = loaded.processor
     _serve_loras(core, config)
     info = ServingInfo(
         model_name=loaded.name,
@@ -345,6 +349,7 @@ def core_from_model(
         runner=config.runner,
         max_loras=config.max_loras if config.enable_lora else 0,
         sampling_defaults=_sampling_defaults(config, loaded),
+        image_token_id=model.image_token_id if isinstance(model, TransformersImageTextLM) else None,
     )
     return core, info
 

@@ -66,7 +66,7 @@ from server.serving_messages import MessagesHandler
 from server.serving_responses import ResponsesHandler
 from server.serving_score import ScoreHandler
 from server.settings import ServerSettings
-from server.tokenization import chat_prompt, encode_text
+from server.tokenization import encode_text
 from server.tracing import Tracing
 from server.version import conveyor_version
 
@@ -298,13 +298,13 @@ def _openai_router(
         served.check(body.model)
         tokenizer = require_text_model(engine)
         if isinstance(body, TokenizeChatRequest):
-            _, tokens = chat_prompt(
-                tokenizer,
-                body.messages,
-                body.add_generation_prompt,
-                template_kwargs=body.chat_template_kwargs,
+            conversation = ChatCompletionRequest(
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                chat_template_kwargs=body.chat_template_kwargs,
                 add_special_tokens=body.add_special_tokens,
             )
+            _, tokens, _ = await chat.templated(conversation, fits=False)
         else:
             tokens = encode_text(tokenizer, body.prompt, body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": served.info.max_model_len, "tokens": tokens}

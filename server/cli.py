@@ -64,6 +64,17 @@ def parse_json_object(text: str) -> dict:
     return value
 
 
+def parse_media_limits(text: str) -> int:
+    """vLLM's `--limit-mm-per-prompt`, `'{"image": N}'`: the most images in one request."""
+    value = parse_json_object(text)
+    count = value.get("image")
+    if set(value) - {"image"} or not isinstance(count, int) or count < 0:
+        raise argparse.ArgumentTypeError(
+            f"not a media limit: {text!r} (Conveyor reads images only: '{{\"image\": N}}')"
+        )
+    return count
+
+
 def parse_lora_module(text: str) -> tuple[str, str]:
     """`name=path`, or vLLM's JSON form `{"name": ..., "path": ...}` (a `base_model_name` in it
     is the served model anyway)."""
@@ -361,6 +372,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_messages,
         help="messages in one /v1/chat/completions request",
     )
+    server.add_argument(
+        "--limit-mm-per-prompt",
+        type=parse_media_limits,
+        default=defaults.max_images,
+        metavar="JSON",
+        help=f"images in one request, as '{{\"image\": N}}' (default {defaults.max_images})",
+    )
     _add_reply_parsers(server)
     server.add_argument(
         "--state-dir",
@@ -479,6 +497,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
             args.max_prompts,
             args.max_logit_bias,
             args.max_messages,
+            args.limit_mm_per_prompt,
         ),
     )
 

@@ -18,6 +18,8 @@ class RequestLimits:
     max_prompts: int = 1024
     max_logit_bias: int = 1024
     max_messages: int = 2048
+    # Images in one chat request (vLLM's `--limit-mm-per-prompt '{"image": N}'`).
+    max_images: int = 16
 
 
 def check_sampling(body: SamplingFields, limits: RequestLimits) -> None:

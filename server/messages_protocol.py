@@ -5,9 +5,9 @@ A Messages request is a conversation of user and assistant turns whose content i
 blocks: the assistant's `tool_use` calls and `thinking`, the user's `tool_result`s. Conveyor
 runs it as the chat completion they spell (`as_chat`): `system` as the system message, each
 `tool_use` as an assistant turn's `tool_calls` entry, each `tool_result` as a `tool` message,
-`thinking` as the turn's reasoning, tools and `tool_choice` in chat's shape. Unknown fields are
-ignored, as elsewhere; blocks this server cannot read (images, documents) and server-side tools
-are refused by name.
+`thinking` as the turn's reasoning, `image` blocks as chat's image parts (for an image-text
+model), tools and `tool_choice` in chat's shape. Unknown fields are ignored, as elsewhere; blocks
+this server cannot read (documents) and server-side tools are refused by name.
 """
 
 from __future__ import annotations
@@ -28,6 +28,40 @@ class TextBlock(BaseModel):
 
     type: Literal["text"]
     text: str
+
+
+class Base64Source(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class URLSource(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(BaseModel):
+    """An image in a user turn, inline or by URL."""
+
+    model_config = _STRICT
+
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+    def chat_part(self) -> dict[str, Any]:
+        """The image as chat's `image_url` part."""
+        source = self.source
+        url = (
+            source.url
+            if isinstance(source, URLSource)
+            else f"data:{source.media_type};base64,{source.data}"
+        )
+        return {"type": "image_url", "image_url": {"url": url}}
 
 
 class ToolUseBlock(BaseModel):
@@ -74,10 +108,10 @@ class RedactedThinkingBlock(BaseModel):
 
 
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
-BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 class Message(BaseModel):
@@ -89,8 +123,7 @@ class Message(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _known_blocks(cls, value: Any) -> Any:
-        """A block this server cannot read is named (a text model reads no images or
-        documents)."""
+        """A block this server cannot read is named (documents)."""
         for block in value if isinstance(value, list) else []:
             kind = block.get("type") if isinstance(block, dict) else None
             if isinstance(kind, str) and kind not in BLOCK_TYPES:
@@ -307,9 +340,20 @@ def _user_turn(blocks: list[Any], names: dict[str, str]) -> list[dict[str, Any]]
                 result["name"] = names[block.tool_use_id]
             turns.append(result)
     text = "".join(block.text for block in blocks if isinstance(block, TextBlock))
-    if text or not turns:
+    if any(isinstance(block, ImageBlock) for block in blocks):
+        turns.append({"role": "user", "content": _parts(blocks)})
+    elif text or not turns:
         turns.append({"role": "user", "content": text})
     return turns
+
+
+def _parts(blocks: list[Any]) -> list[dict[str, Any]]:
+    """A user turn's text and images, in order, as chat's content parts."""
+    return [
+        block.chat_part() if isinstance(block, ImageBlock) else {"type": "text", "text": block.text}
+        for block in blocks
+        if isinstance(block, (ImageBlock, TextBlock))
+    ]
 
 
 def _chat_tool(tool: Tool) -> dict[str, Any]:

@@ -277,6 +277,26 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    # A `data:image/...;base64,` URL, or an http(s) URL the server fetches.
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    """An image in a message, read by an image-text model (OpenAI's `image_url` part)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -298,7 +318,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -311,7 +331,16 @@ class ChatMessage(BaseModel):
         """As OpenAI: every message has content, except an assistant's that makes calls."""
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
+        if self.role != "user" and self.image_urls:
+            raise ValueError(f"images go in user messages, not in a {self.role} message")
         return self
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's images, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 class FunctionDefinition(BaseModel):

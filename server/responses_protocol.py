@@ -4,8 +4,9 @@ A Responses request is a conversation of typed items: messages, the function cal
 reply made and their outputs, earlier reasoning. Conveyor runs it as the chat completion those
 items spell (`as_chat`): instructions as the system message, function calls as an assistant
 turn's `tool_calls`, their outputs as `tool` messages, function tools and formats in chat's
-shape. Unknown fields are ignored, as elsewhere; item and tool types this server cannot run
-(images, files, hosted tools) are refused by name.
+shape, images (by URL, for an image-text model) as chat's image parts. Unknown fields are
+ignored, as elsewhere; item and tool types this server cannot run (files, hosted tools) are
+refused by name.
 """
 
 from __future__ import annotations
@@ -43,18 +44,41 @@ class ContentPart(BaseModel):
     text: str
 
 
+class ImagePart(BaseModel):
+    """An image in a user message, for an image-text model: a data or http(s) URL."""
+
+    model_config = _STRICT
+
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class MessageItem(BaseModel):
     model_config = _STRICT
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
+    content: str | list[Annotated[ContentPart | ImagePart, Field(discriminator="type")]]
 
     @property
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, ContentPart))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as chat's: its text, or where it holds images, chat's parts in order."""
+        if isinstance(self.content, str) or not any(
+            isinstance(part, ImagePart) for part in self.content
+        ):
+            return self.text
+        return [
+            {"type": "image_url", "image_url": {"url": part.image_url}}
+            if isinstance(part, ImagePart)
+            else {"type": "text", "text": part.text}
+            for part in self.content
+        ]
 
 
 class FunctionCallItem(BaseModel):
@@ -241,17 +265,26 @@ class ResponsesRequest(RequestBody):
 
 
 def _text_parts_only(item: Any, index: int) -> Any:
-    """A message's parts must be text: a text model reads no images, files or audio."""
+    """A message's parts must be text or images (by URL): files and audio are not read."""
     is_message = isinstance(item, dict) and item.get("type") == "message"
     content = item.get("content") if is_message else None
     for number, part in enumerate(content if isinstance(content, list) else []):
         kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind not in ("input_text", "output_text", "text"):
+        if isinstance(kind, str) and kind not in READ_PARTS:
             raise InvalidRequestError(
-                f"content parts of type '{kind}' are not supported; this model reads text.",
+                f"content parts of type '{kind}' are not supported; this server reads "
+                f"{', '.join(READ_PARTS)}.",
                 param=f"input.{index}.content.{number}.type",
             )
+        if kind == "input_image" and not part.get("image_url"):
+            raise InvalidRequestError(
+                "an input_image needs an image_url (images by file_id are not read).",
+                param=f"input.{index}.content.{number}.image_url",
+            )
     return item
+
+
+READ_PARTS = ("input_text", "output_text", "text", "input_image")
 
 
 def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -331,7 +364,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                 continue
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
         else:
-            message = {"role": item.role, "content": item.text}
+            message = {"role": item.role, "content": item.chat_content()}
         if reasoning and message["role"] == "assistant":
             message["reasoning_content"], reasoning = reasoning, ""
         messages.append(message)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.core.async_engine import RequestOptions
 from engine.core.config import ServingInfo
 from engine.core.errors import InvalidRequestError, RequestTimeoutError
+from engine.core.images import ImageInputs
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import StepStats
@@ -34,6 +35,9 @@ class EngineClient(Protocol):
 
     @property
     def tokenizer(self) -> Any: ...
+
+    @property
+    def processor(self) -> Any: ...
 
     @property
     def is_running(self) -> bool: ...
@@ -219,11 +223,18 @@ def sampling_fields(params: SamplingParams) -> dict[str, Any]:
 
 
 def request_options(
-    body: SamplingFields, request: Request | None = None, lora: LoRARequest | None = None
+    body: SamplingFields,
+    request: Request | None = None,
+    lora: LoRARequest | None = None,
+    images: ImageInputs | None = None,
 ) -> RequestOptions:
     background = request is not None and request.headers.get(BACKGROUND_HEADER) == "1"
     return RequestOptions(
-        priority=body.priority, timeout=body.timeout, background=background, lora=lora
+        priority=body.priority,
+        timeout=body.timeout,
+        background=background,
+        lora=lora,
+        images=images,
     )
 
 

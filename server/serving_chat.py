@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -9,10 +10,12 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.core.errors import InvalidRequestError
+from engine.core.images import ImageInputs
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.lora.registry import LoRARequest
 from server.call_array import CallArrayReader
+from server.images import image_urls, load_images, processed_prompt
 from server.limits import RequestLimits, check_chat
 from server.logprobs import chat_logprobs, prompt_logprobs
 from server.protocol import ChatCompletionRequest
@@ -83,6 +86,8 @@ class PreparedChat:
     thinking: bool | None
     # The LoRA adapter the request's `model` names (None: the base model).
     lora: LoRARequest | None = None
+    # The prompt's images (for an image-text model), placeholders expanded in `prompt`.
+    images: ImageInputs | None = None
 
 
 class ChatRenderer(ChunkRenderer):
@@ -309,13 +314,13 @@ class ChatHandler:
         """The request checked, templated and made into what the engine runs, with what reads
         the reply back (forced calls, the tool-call parser, where reasoning starts)."""
         lora = self.model.resolve(body.model)
-        prompt, params, forced, thinking = await self._prepare(body)
+        prompt, params, forced, thinking, images = await self._prepare(body)
         tokenizer = require_text_model(self.engine)
         tools = template_tools(body)
         parser = self._parser(tokenizer) if tools and forced is None else None
         if parser in KEEPS_SPECIAL_TOKENS:  # its tag is a special token the text must keep
             params = replace(params, skip_special_tokens=False)
-        return PreparedChat(prompt, params, forced, parser, thinking, lora)
+        return PreparedChat(prompt, params, forced, parser, thinking, lora, images)
 
     def renderer(
         self, request_id: str, body: ChatCompletionRequest, prepared: PreparedChat
@@ -334,27 +339,16 @@ class ChatHandler:
 
     async def _prepare(
         self, body: ChatCompletionRequest
-    ) -> tuple[list[int], SamplingParams, ForcedCalls | None, bool | None]:
+    ) -> tuple[list[int], SamplingParams, ForcedCalls | None, bool | None, ImageInputs | None]:
         check_chat(body, self.limits)
         check_tools(body)
-        tokenizer = require_text_model(self.engine)
-        tools = template_tools(body)
-        size = messages_size(body.messages)
         keep = prompt_truncation(body, self.model.info.max_model_len)
-        if keep is None:
-            check_fits(tokenizer, size, self.model.info.max_model_len, "messages")
-        text, prompt = await off_the_loop_if_large(
-            size,
-            lambda: chat_prompt(
-                tokenizer,
-                body.messages,
-                body.add_generation_prompt,
-                body.continue_final_message,
-                tools,
-                body.template_kwargs,
-                body.add_special_tokens,
-            ),
-        )
+        if keep is not None and image_urls(body.messages):
+            raise InvalidRequestError(
+                "truncate_prompt_tokens cannot cut a prompt that holds images.",
+                param="truncate_prompt_tokens",
+            )
+        text, prompt, images = await self.templated(body, fits=keep is None)
         if keep is not None:
             prompt = prompt[-keep:]
         params = sampling_params(
@@ -377,7 +371,42 @@ class ChatHandler:
         if thinking and params.structured is not None:
             # The format holds for the answer, once the thought has closed.
             params = replace(params, structured=replace(params.structured, after=END))
-        return prompt, params, forced, thinking
+        return prompt, params, forced, thinking, images
+
+    async def templated(
+        self, body: ChatCompletionRequest, fits: bool = True
+    ) -> tuple[str, list[int], ImageInputs | None]:
+        """The conversation through the model's template with the tools offered: its text, its
+        token ids (for an image-text model, each image's placeholders expanded by the model's
+        processor) and its images. With `fits`, text that cannot fit the context is refused
+        before it is tokenized."""
+        tokenizer = require_text_model(self.engine)
+        size = messages_size(body.messages)
+        if fits:
+            check_fits(tokenizer, size, self.model.info.max_model_len, "messages")
+        token = self.model.info.image_token_id
+        text, prompt = await off_the_loop_if_large(
+            size,
+            lambda: chat_prompt(
+                tokenizer,
+                body.messages,
+                body.add_generation_prompt,
+                body.continue_final_message,
+                template_tools(body),
+                body.template_kwargs,
+                body.add_special_tokens,
+                images=token is not None,
+            ),
+        )
+        urls = image_urls(body.messages)
+        if not urls:
+            return text, prompt, None
+        assert token is not None  # the template refused images otherwise
+        loaded = await load_images(urls, self.limits.max_images)
+        prompt, images = await asyncio.to_thread(
+            processed_prompt, self.engine.processor, token, text, loaded, body.add_special_tokens
+        )
+        return text, prompt, images
 
     def _thinking(self, prompt_text: str, params: SamplingParams) -> bool | None:
         """Whether the reply starts in its reasoning; None where none is split off: no
@@ -394,7 +423,7 @@ class ChatHandler:
         bind_trace(request, request_id)
         renderer = self.renderer(request_id, body, prepared)
         await self.engine.prepare(prepared.params)
-        options = request_options(body, request, prepared.lora)
+        options = request_options(body, request, prepared.lora, prepared.images)
         streams = submit_all(self.engine, [prepared.prompt], prepared.params, request_id, options)
         return await respond(renderer, streams, bool(body.stream), request)
 

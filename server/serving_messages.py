@@ -26,13 +26,7 @@ from server.messages_protocol import CountTokensRequest, MessagesRequest, as_cha
 from server.serving import EngineClient, EventStream, bind_trace, request_options, submit_all
 from server.serving_chat import ChatHandler, ChatRenderer
 from server.streaming import CLIENT_GONE, merge, named_sse, unless_disconnected
-from server.tokenization import (
-    chat_prompt,
-    messages_size,
-    off_the_loop_if_large,
-    require_tokenizer,
-)
-from server.tools import check_tools, template_tools
+from server.tools import check_tools
 from server.tracing import RequestTrace, request_trace
 
 # How chat's finish reasons read as Anthropic's stop reasons (a stop string: `stop_sequence`).
@@ -50,7 +44,7 @@ class MessagesHandler:
             prepared = await self.chat.prepare(chat_body)
             await self.engine.prepare(prepared.params)  # compiles a format
             message_id = f"msg_{uuid.uuid4().hex}"
-            options = request_options(chat_body, request, prepared.lora)
+            options = request_options(chat_body, request, prepared.lora, prepared.images)
             streams = submit_all(
                 self.engine, [prepared.prompt], prepared.params, message_id, options
             )
@@ -85,19 +79,7 @@ class MessagesHandler:
         except InvalidRequestError as exc:
             exc.param = messages_param(exc.param)
             raise
-        tokenizer = require_tokenizer(self.engine.tokenizer)
-        _, prompt = await off_the_loop_if_large(
-            messages_size(chat_body.messages),
-            lambda: chat_prompt(
-                tokenizer,
-                chat_body.messages,
-                chat_body.add_generation_prompt,
-                chat_body.continue_final_message,
-                template_tools(chat_body),
-                chat_body.template_kwargs,
-                chat_body.add_special_tokens,
-            ),
-        )
+        _, prompt, _ = await self.chat.templated(chat_body, fits=False)
         return {"input_tokens": len(prompt)}
 
 

@@ -65,7 +65,7 @@ class ResponsesHandler:
         try:
             chat_body, prepared = await self._prepare(body, chat_messages(body, history))
             await self.engine.prepare(prepared.params)  # compiles a format
-            options = request_options(chat_body, request, prepared.lora)
+            options = request_options(chat_body, request, prepared.lora, prepared.images)
             streams = submit_all(
                 self.engine, [prepared.prompt], prepared.params, response_id, options
             )

@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Any, TypeVar, cast
 
 from engine.core.errors import InvalidRequestError, PromptTooLongError
-from server.protocol import ChatMessage, Prompt
+from server.protocol import ChatMessage, Prompt, TextPart
 from server.tool_prompt import renders_tools, with_tools_written
 
 T = TypeVar("T")
@@ -109,16 +109,29 @@ async def tokenize_prompts(
 
 
 def message_text(message: ChatMessage) -> str:
+    """The message's text, its parts joined (images left out)."""
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
-    pieces = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
-            raise InvalidRequestError(
-                f"Only text content parts are supported, got '{part.type}'.", param="messages"
-            )
-        pieces.append(part.text)
-    return "".join(pieces)
+    return "".join(part.text for part in message.content if isinstance(part, TextPart))
+
+
+def message_content(message: ChatMessage, images: bool) -> str | list[dict[str, Any]]:
+    """The content as the template reads it: text for a text model; for an image-text model
+    the parts as its processor's templates take them (`{"type": "image"}` where each image
+    goes; `as_parts` makes the text of the others parts too, once tools are written). An image
+    sent to a text model is refused."""
+    if not message.image_urls:
+        return message_text(message)
+    if not images:
+        raise InvalidRequestError(
+            "This model does not take images: image_url parts need an image-text model.",
+            param="messages",
+        )
+    assert isinstance(message.content, list)
+    return [
+        {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+        for part in message.content
+    ]
 
 
 def chat_prompt(
@@ -129,13 +142,14 @@ def chat_prompt(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
+    images: bool = False,
 ) -> tuple[str, list[int]]:
     """Render messages (and the tools offered, `tools=`) with the model's chat template; return
     the text and its token ids. For a template with no tool section the conversation carries
     the tools and earlier calls itself (`server.tool_prompt`). `template_kwargs` are more
     variables for the template (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`). The
     template writes the special tokens it wants; `add_special_tokens` adds the tokenizer's own
-    (such as a BOS) as well."""
+    (such as a BOS) as well. For an image-text model (`images`) the content goes as parts."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot be used; "
@@ -148,9 +162,11 @@ def chat_prompt(
             param="continue_final_message",
         )
     check_template_kwargs(tokenizer, template_kwargs)
-    conversation = [template_message(m) for m in messages]
+    conversation = [template_message(m, images) for m in messages]
     if not renders_tools(tokenizer):
         conversation, tools = with_tools_written(conversation, tools), None
+    if images:
+        conversation = [as_parts(message) for message in conversation]
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -163,6 +179,15 @@ def chat_prompt(
     except Exception as exc:  # template errors (e.g. roles it refuses) are the client's
         raise InvalidRequestError(f"The chat template failed: {exc}", param="messages") from exc
     return text, encode_text(tokenizer, text, add_special_tokens)
+
+
+def as_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A templated message with text content as one text part, as image-text models'
+    templates read every message."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": [{"type": "text", "text": content}]}
+    return message
 
 
 def check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | None) -> None:
@@ -184,11 +209,11 @@ def apply_template_arguments(tokenizer_class: Any) -> frozenset[str]:
     return frozenset(p.name for p in parameters if p.kind is not p.VAR_KEYWORD) - {"self"}
 
 
-def template_message(message: ChatMessage) -> dict[str, Any]:
+def template_message(message: ChatMessage, images: bool = False) -> dict[str, Any]:
     """A message as chat templates take it: the calls an assistant made, with their arguments
     as objects where they parse (templates write them back as JSON), and the call a tool
     message answers."""
-    rendered: dict[str, Any] = {"role": message.role, "content": message_text(message)}
+    rendered: dict[str, Any] = {"role": message.role, "content": message_content(message, images)}
     if message.tool_calls:
         rendered["tool_calls"] = [
             {

@@ -137,16 +137,18 @@ def tiny_core(
     kv_cache_memory: int | None = None,
     calculate_kv_scales: bool = False,
     model_path: str = "",
+    processor: object = None,
     **config_overrides: object,
 ) -> tuple[EngineCore, ServingInfo]:
     """An engine core around `model` (a tiny random Llama by default); `model_path` is the
-    folder it was saved to, where a test reads something from its files."""
+    folder it was saved to, where a test reads something from its files; `processor` an
+    image-text model's."""
     model = model if model is not None else tiny_llama()
     torch_device = torch.device(device)
     model = model.to(torch_device)
     if tokenizer is None and with_tokenizer:
         tokenizer = tiny_tokenizer()
-    loaded = wrap_model(model, tokenizer, name="tiny-llama", path=model_path)
+    loaded = wrap_model(model, tokenizer, "tiny-llama", model_path, processor)
     config = EngineConfig(
         cache=CacheConfig(
             block_size=block_size,

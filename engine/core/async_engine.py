@@ -19,6 +19,7 @@ from typing import Any
 from engine.core.config import EngineConfig, ServingInfo
 from engine.core.engine_core import EngineCore
 from engine.core.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from engine.core.images import ImageInputs
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import RequestParamsStats, StepStats
@@ -78,6 +79,8 @@ class RequestOptions:
     background: bool = False
     # The LoRA adapter to run under (the `model` a request names); None: the base model.
     lora: LoRARequest | None = None
+    # The prompt's images, for a model that reads them.
+    images: ImageInputs | None = None
 
 
 @dataclass(slots=True)
@@ -136,6 +139,11 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Any:
         return self.core.tokenizer
+
+    @property
+    def processor(self) -> Any:
+        """An image-text model's processor (None for a text model)."""
+        return self.core.processor
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -256,7 +264,7 @@ class AsyncEngine:
             raise EngineDeadError(f"The engine is not running{reason}")
         if request_id in self._collectors:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.core.validate(prompt_token_ids, params, options.lora)
+        self.core.validate(prompt_token_ids, params, options.lora, options.images)
         timeout = options.timeout if options.timeout is not None else self.info.request_timeout
         try:
             deferred = self.core.admit(
@@ -463,6 +471,7 @@ class AsyncEngine:
                     priority=add.options.priority,
                     background=add.options.background,
                     lora=add.options.lora,
+                    images=add.options.images,
                     timeout=add.timeout,
                     deferred=add.deferred,
                     siblings=n,

@@ -16,6 +16,7 @@ from engine.core.errors import (
     RequestFailedError,
     RequestTimeoutError,
 )
+from engine.core.images import ImageInputs
 from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import ModelRunnerOutput, RequestOutput
 from engine.core.request import FinishReason, Request
@@ -47,6 +48,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
+        # An image-text model's processor, which the server runs its requests' images through.
+        self.processor: Any = None
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.outputs = OutputProcessor(tokenizer)
@@ -69,9 +72,15 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------------
 
     def validate(
-        self, prompt_token_ids: list[int], params: SamplingParams, lora: LoRARequest | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora: LoRARequest | None = None,
+        images: ImageInputs | None = None,
     ) -> None:
         """Raise a typed error for a request that can never run; touches no queue."""
+        if images is not None and not self.runner.takes_images:
+            raise InvalidRequestError("This model does not take images.", param="messages")
         if lora is not None and not self.runner.has_lora(lora.lora_id):
             raise InvalidRequestError(
                 f"The LoRA adapter `{lora.name}` is not loaded.", param="model"
@@ -161,11 +170,13 @@ class EngineCore:
         siblings: int = 1,
         background: bool = False,
         lora: LoRARequest | None = None,
+        images: ImageInputs | None = None,
     ) -> Request:
         """Queue a sequence, one of `siblings` of request `parent_id`. `fork_of` names a sibling
         with the same prompt whose prompt blocks this one shares once computed; `timeout` counts
-        from `arrival_time`; `lora` is the adapter it runs under (None: the base model)."""
-        self.validate(prompt_token_ids, params, lora)
+        from `arrival_time`; `lora` is the adapter it runs under (None: the base model);
+        `images` are the prompt's images, for a model that reads them."""
+        self.validate(prompt_token_ids, params, lora, images)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         request = Request(
             request_id=request_id,
@@ -179,6 +190,7 @@ class EngineCore:
             deferred=deferred,
             background=background,
             lora=lora,
+            images=images,
         )
         if params.bad_words:
             request.bad_words = bad_word_ids(self.tokenizer, params.bad_words)

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.images import ImageInputs
 from engine.core.sampling_params import SamplingParams
 from engine.lora.registry import LoRARequest
 
@@ -84,6 +85,8 @@ class Request:
     deferred_grammar: Any = None
     # The LoRA adapter the request runs under; None: the base model.
     lora: LoRARequest | None = None
+    # The prompt's images (an image-text model's); None for a text prompt.
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

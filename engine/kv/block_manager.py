@@ -68,7 +68,11 @@ class BlockManager:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, root=_root(request)
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            root=_root(request),
+            extras=_image_starts(request),
         )
         limit = (request.num_tokens - 1) // self.block_size
         blocks = []
@@ -104,6 +108,7 @@ class BlockManager:
             self.block_size,
             full * self.block_size,
             _root(request),
+            _image_starts(request),
         )
         for index in range(request.num_published_blocks, full):
             block = request.block_ids[index]
@@ -207,3 +212,8 @@ class BlockManager:
 def _root(request: Request) -> bytes:
     """The parent hash of the request's first block: its LoRA adapter's, if it runs one."""
     return ROOT_HASH if request.lora is None else request.lora.hash_root
+
+
+def _image_starts(request: Request) -> tuple[tuple[int, bytes], ...]:
+    """Where each of the prompt's images starts, with its digest (none for a text prompt)."""
+    return () if request.images is None else request.images.starts

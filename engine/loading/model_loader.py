@@ -23,6 +23,7 @@ from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import gguf_blocks
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from engine.models.experts import unfuse_experts
+from engine.models.vision import is_image_text, why_not_served
 from engine.parallel.loading import load_share, model_from_config
 from engine.parallel.sharding import ShardShape, shard_model
 
@@ -52,6 +53,8 @@ class LoadedModel:
     compute_dtype: torch.dtype
     # Under tensor parallelism, the share of the weights `model` holds.
     shard: ShardShape | None = None
+    # An image-text model's processor (it turns images into pixels and placeholders).
+    processor: Any = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -136,6 +139,7 @@ def checkpoint_config(name_or_path: str | None, trust_remote_code: bool = False)
 
 
 def context_length(config: Any) -> int:
+    config = config.get_text_config()  # an image-text model's language model's
     for key in CONTEXT_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
@@ -145,7 +149,11 @@ def context_length(config: Any) -> int:
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
+    for source in (
+        getattr(model, "generation_config", None),
+        model.config,
+        model.config.get_text_config(),
+    ):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         ids.update(value if isinstance(value, list) else [value] if value is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -167,7 +175,7 @@ def load_model(
     blocks (`cpu_linear.use_gguf_blocks`). `rank` is (rank, size) under tensor parallelism: the
     model is cut to that rank's share before it moves to `device`. With `random_weights`
     (`--load-format dummy`) no weight is read: the model gets random ones of its shape."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if name_or_path is None:
         path, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
@@ -180,7 +188,7 @@ def load_model(
     elif rank[1] > 1:
         model, shard = load_share(path, dtype, *rank, trust_remote_code=trust_remote_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_model_class(path, trust_remote_code).from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code
         )
     if getattr(model.config, "is_encoder_decoder", False):
@@ -195,9 +203,36 @@ def load_model(
             "GGUF blocks beside the checkpoint"
         )
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    loaded = wrap_model(model, tokenizer, name=name, path=path)
+    processor = image_processor(model.config, path, trust_remote_code)
+    if processor is not None and getattr(tokenizer, "chat_template", None) is None:
+        tokenizer.chat_template = getattr(processor, "chat_template", None)  # kept with it
+    loaded = wrap_model(model, tokenizer, name=name, path=path, processor=processor)
     loaded.shard = shard
     return loaded
+
+
+def auto_model_class(path: str, trust_remote_code: bool = False) -> Any:
+    """transformers' auto class for the checkpoint: image-text models (LLaVA and its kin) have
+    their own; every other model is a causal LM. An image-text family whose images Conveyor does
+    not serve is refused here, by name."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = checkpoint_config(path, trust_remote_code)
+    if config is None or not is_image_text(config):
+        return AutoModelForCausalLM
+    reason = why_not_served(config)
+    if reason:
+        raise ValueError(f"{path} is an image-text model Conveyor does not serve: {reason}")
+    return AutoModelForImageTextToText
+
+
+def image_processor(config: Any, path: str, trust_remote_code: bool = False) -> Any:
+    """An image-text model's processor (None for a text model)."""
+    if not is_image_text(config):
+        return None
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def _random_model(
@@ -266,9 +301,16 @@ def use_gguf_blocks_beside(model: Any, folder: Path, int8_activations: bool = Fa
         use_gguf_blocks(model, gguf_blocks.load(blocks_file), int8_activations)
 
 
-def wrap_model(model: Any, tokenizer: Any, name: str, path: str = "") -> LoadedModel:
-    """Describe an already loaded model (tests build tiny ones in memory)."""
-    model.set_attn_implementation(hf_attention.register())
+def wrap_model(
+    model: Any, tokenizer: Any, name: str, path: str = "", processor: Any = None
+) -> LoadedModel:
+    """Describe an already loaded model (tests build tiny ones in memory). An image-text
+    model's vision encoder keeps SDPA: the paged attention is its language model's."""
+    paged = hf_attention.register()
+    if is_image_text(model.config):
+        model.set_attn_implementation({"": paged, "text_config": paged, "vision_config": "sdpa"})
+    else:
+        model.set_attn_implementation(paged)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -277,4 +319,5 @@ def wrap_model(model: Any, tokenizer: Any, name: str, path: str = "") -> LoadedM
         max_model_len=context_length(model.config),
         eos_token_ids=eos_token_ids(model, tokenizer),
         compute_dtype=model.get_input_embeddings().weight.dtype,
+        processor=processor,
     )

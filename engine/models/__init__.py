@@ -12,6 +12,7 @@ from typing import Any
 from engine.models.base import CausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, supports
+from engine.models.vision import TransformersImageTextLM, is_image_text
 from engine.parallel.sharding import Shard
 
 MODEL_IMPLS = ("auto", "conveyor", "transformers")
@@ -26,6 +27,13 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
         raise ValueError(
             f"unknown model implementation {impl!r}; choose one of {', '.join(MODEL_IMPLS)}"
         )
+    if is_image_text(hf_model.config):
+        if impl == "conveyor" or shard is not None:
+            raise ValueError(
+                "image-text models run on transformers' implementation (--model-impl "
+                "transformers), on one device"
+            )
+        return TransformersImageTextLM(hf_model)
     reason = supports(hf_model)
     if shard is not None:
         if impl == "transformers" or reason:

@@ -73,12 +73,17 @@ def _share_from_files(
 def model_from_config(path: str, dtype: torch.dtype, trust_remote_code: bool) -> Any:
     """The model at `path` built from its config alone, parameters made as the caller's context
     makes them (on the meta device, or initialised on a device), with its generation config."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        GenerationConfig,
+    )
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=dtype, trust_remote_code=trust_remote_code
-    )
+    image_text = getattr(config, "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     if (Path(path) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model

@@ -21,9 +21,11 @@ from engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from engine.lora.slots import LoRASlots
 from engine.models import CausalLM
 from engine.models.llama import PagedLlamaForCausalLM
+from engine.models.vision import TransformersImageTextLM
 from engine.parallel.step import StepInputs
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.image_features import StepFeatures, step_image_features
 from engine.worker.input_batch import InputBatch, build_input_batch
 from engine.worker.piecewise_graphs import PiecewiseGraphs
 from engine.worker.sampler import (
@@ -70,6 +72,11 @@ class ModelRunner:
         self._last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_rows: dict[str, int] = {}
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model reads images (an image-text model's prompts may carry some)."""
+        return isinstance(self.model, TransformersImageTextLM)
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its results."""
         return self.launch(scheduler_output).result()
@@ -98,11 +105,16 @@ class ModelRunner:
         output = ModelRunnerOutput()
         with self._across_ranks():
             input_ids = self._device_input_ids(batch, rows)
+            images = self._image_features(batch)
             if chooses:
-                tokens = self.model.greedy_tokens(*self._model_inputs(batch, indices, input_ids))
+                inputs = self._model_inputs(batch, indices, input_ids)
+                if images is not None:
+                    tokens = self._image_text().greedy_tokens(*inputs, image_features=images)
+                else:
+                    tokens = self.model.greedy_tokens(*inputs)
                 self.kv_cache.end_calibration()
                 return self._launched(requests, SampledTokens(tokens, None), output)
-            logits = self.forward(batch, indices, input_ids)
+            logits = self.forward(batch, indices, input_ids, images)
             self.kv_cache.end_calibration()
         if prompt_rows:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
@@ -163,11 +175,16 @@ class ModelRunner:
         batch: InputBatch,
         logits_indices: np.ndarray,
         input_ids: torch.Tensor | None = None,
+        images: StepFeatures | None = None,
     ) -> torch.Tensor:
         """Logits `[len(logits_indices), vocab]` for the given flattened token positions;
-        `input_ids` on the device, if already there."""
+        `input_ids` on the device, if already there. A step with `images` (features that
+        replace some tokens' embeddings) runs eagerly."""
         if input_ids is None:
             input_ids = self._device_input_ids(batch)
+        if images is not None:
+            inputs = self._model_inputs(batch, logits_indices, input_ids)
+            return self._image_text()(*inputs, image_features=images)
         if self._replays_whole(batch, logits_indices):
             assert self.graphs is not None
             return self.graphs.run(batch, input_ids)
@@ -177,6 +194,15 @@ class ModelRunner:
             _, _, metadata, keep = inputs
             return self.piecewise.run(batch, input_ids, metadata, keep)
         return self.model(*inputs)
+
+    def _image_features(self, batch: InputBatch) -> StepFeatures | None:
+        """The features of the images whose placeholders the step computes (None for none)."""
+        if not self.takes_images:
+            return None
+        return step_image_features(batch, self._image_text(), self.device)
+
+    def _image_text(self) -> TransformersImageTextLM:
+        return cast(TransformersImageTextLM, self.model)
 
     def _replays_whole(self, batch: InputBatch, logits_indices: np.ndarray) -> bool:
         """A decode graph runs the step. The step that calibrates the KV cache's scales runs

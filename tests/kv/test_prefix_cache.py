@@ -41,6 +41,18 @@ def test_block_hashes_chain_the_whole_prefix():
     assert len(a) == 2  # the third block is not full within 11 tokens
 
 
+def test_an_image_keys_the_block_it_starts_in_and_every_block_after():
+    tokens = [1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 7, 8]  # an image's placeholders at 4..9
+    plain, cat, dog, cat_again = [], [], [], []
+    extend_block_hashes(plain, tokens, 4)
+    extend_block_hashes(cat, tokens, 4, extras=[(4, b"cat")])
+    extend_block_hashes(dog, tokens, 4, extras=[(4, b"dog")])
+    extend_block_hashes(cat_again, tokens, 4, extras=[(4, b"cat")])
+    assert plain[0] == cat[0] == dog[0]  # the text before the image is shared
+    assert all(c != d and c != p for c, d, p in zip(cat[1:], dog[1:], plain[1:], strict=True))
+    assert cat == cat_again
+
+
 def test_cached_blocks_are_found_and_shared_by_reference():
     manager = BlockManager(16, 4, enable_caching=True)
     first = request_with(list(range(10, 20)), "a")  # 2 full blocks + 2 tokens

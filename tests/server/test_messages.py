@@ -326,10 +326,10 @@ def test_content_blocks_close_one_before_the_next_opens():
     [
         ({"max_tokens": None}, 400, "invalid_request_error", "max_tokens"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
             400,
             "invalid_request_error",
-            "'image' are not supported",
+            "'document' are not supported",
         ),
         (
             {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},

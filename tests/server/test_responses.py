@@ -313,8 +313,12 @@ async def test_a_json_schema_format_holds_for_the_text():
     [
         ({"input": []}, "input"),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
             "input.0.content.0.type",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "x"}]}]},
+            "input.0.content.0.image_url",
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),

@@ -1,6 +1,6 @@
 """vLLM's serve flags that command lines copied from it carry: several served model names,
-`--chat-template` (a file or the template itself), `--enable-auto-tool-choice`, and
-`--enable-log-requests` / `--disable-log-requests`."""
+`--chat-template` (a file or the template itself), `--enable-auto-tool-choice`,
+`--enable-log-requests` / `--disable-log-requests`, and `--limit-mm-per-prompt`."""
 
 from __future__ import annotations
 
@@ -63,3 +63,11 @@ def test_request_log_lines_follow_vllms_flags_in_either_format():
         line
         == 'conveyor.requests: request request_id="r-1" prompt_tokens=3 finish_reasons=["stop"]'
     )
+
+
+def test_the_image_limit_takes_vllms_json_and_refuses_other_media():
+    assert settings_of().limits.max_images == 16
+    assert settings_of("--limit-mm-per-prompt", '{"image": 2}').limits.max_images == 2
+    for bad in ('{"video": 1}', '{"image": -1}', '{"image": "2"}', "2"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--limit-mm-per-prompt", bad])

@@ -1,0 +1,139 @@
+"""Images in chat messages: fetched or decoded, checked, and run through the model's processor
+into the prompt's token ids (each image's placeholders expanded) and the encoder's inputs.
+
+URLs are `data:image/...;base64,...` or http(s) (fetched here, as vLLM fetches them, within a
+size and a time limit). Anything that does not decode to an image is the client's error."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from engine.core.errors import InvalidRequestError
+from engine.core.images import ImageInputs
+from server.protocol import ChatMessage
+
+FETCH_TIMEOUT = 10.0
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+PARAM = "messages"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedImage:
+    image: Any  # a PIL image in RGB
+    digest: bytes  # SHA-256 of the image's bytes as sent
+
+
+def image_urls(messages: list[ChatMessage]) -> list[str]:
+    return [url for message in messages for url in message.image_urls]
+
+
+async def load_images(urls: list[str], limit: int) -> list[LoadedImage]:
+    """Every image the URLs name, decoded; at most `limit` of them."""
+    if len(urls) > limit:
+        raise InvalidRequestError(
+            f"At most {limit} images may be sent in one request; got {len(urls)}.", param=PARAM
+        )
+    raw = await asyncio.gather(*(image_bytes(url) for url in urls))
+    return await asyncio.to_thread(lambda: [decode(data) for data in raw])
+
+
+async def image_bytes(url: str) -> bytes:
+    """The bytes a data URL holds or an http(s) URL serves."""
+    if url.startswith("data:"):
+        return _data_url_bytes(url)
+    if url.startswith(("http://", "https://")):
+        return await _fetched(url)
+    scheme = url.split(":", 1)[0] if ":" in url else url[:16]
+    raise InvalidRequestError(
+        f"Image URLs must be data: or http(s) URLs, not {scheme!r}.", param=PARAM
+    )
+
+
+def _data_url_bytes(url: str) -> bytes:
+    head, _, payload = url.partition(",")
+    if not head.startswith("data:image/") or not head.endswith(";base64"):
+        raise InvalidRequestError(
+            "An image data URL must read data:image/<type>;base64,<data>.", param=PARAM
+        )
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError("An image data URL holds invalid base64.", param=PARAM) from None
+
+
+async def _fetched(url: str) -> bytes:
+    try:
+        async with (
+            httpx.AsyncClient(timeout=FETCH_TIMEOUT, follow_redirects=True) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code != 200:
+                raise InvalidRequestError(
+                    f"Fetching the image {url} answered HTTP {response.status_code}.", param=PARAM
+                )
+            chunks, size = [], 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_IMAGE_BYTES:
+                    raise InvalidRequestError(
+                        f"The image {url} is larger than {MAX_IMAGE_BYTES} bytes.", param=PARAM
+                    )
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except httpx.HTTPError as exc:
+        why = f"The image {url} could not be fetched: {exc}"
+        raise InvalidRequestError(why, param=PARAM) from exc
+
+
+def decode(data: bytes) -> LoadedImage:
+    """The image in `data`, in RGB; a file that is not one (or would decompress to an
+    unreasonable size) is refused."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            image.load()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombWarning) as exc:
+        raise InvalidRequestError(f"An image could not be read: {exc}", param=PARAM) from None
+    except Image.DecompressionBombError as exc:
+        raise InvalidRequestError(f"An image is too large: {exc}", param=PARAM) from None
+    return LoadedImage(image.convert("RGB"), hashlib.sha256(data).digest())
+
+
+def processed_prompt(
+    processor: Any,
+    image_token_id: int,
+    text: str,
+    images: list[LoadedImage],
+    add_special_tokens: bool,
+) -> tuple[list[int], ImageInputs]:
+    """The templated `text` and its images through the model's processor: the prompt's token
+    ids, each image's placeholder expanded, and what the encoder reads."""
+    try:
+        processed = processor(
+            text=[text],
+            images=[image.image for image in images],
+            return_tensors="pt",
+            add_special_tokens=add_special_tokens,
+        )
+    except (ValueError, TypeError) as exc:  # e.g. placeholders that do not match the images
+        raise InvalidRequestError(f"The images could not be processed: {exc}", param=PARAM) from exc
+    ids = processed["input_ids"][0].tolist()
+    try:
+        inputs = ImageInputs.of(ids, image_token_id, [image.digest for image in images], processed)
+    except ValueError:
+        raise InvalidRequestError(
+            "The chat template placed none of the images in the prompt.", param=PARAM
+        ) from None
+    return ids, inputs

@@ -1,0 +1,190 @@
+"""Image-text models in the engine: greedy tokens equal transformers' `generate` over the same
+processed prompt, with images cut by chunked prefill, beside text requests, after preemption
+and from the prefix cache; the encoder runs once per request and never for a cached image."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from transformers import Gemma3Config, Qwen2VLConfig
+
+from engine.core.config import EngineConfig
+from engine.core.errors import InvalidRequestError, RequestFailedError
+from engine.core.images import ImageInputs, image_starts
+from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
+from engine.loading.model_loader import auto_model_class
+from engine.models.vision import TransformersImageTextLM
+from tests.helpers import tiny_core, tokens_of
+from tests.vision_utils import (
+    TOKENS_PER_IMAGE,
+    image_prompt,
+    processor_of,
+    random_image,
+    reference_tokens,
+    save_tiny,
+    tiny_image_text,
+    tiny_llava,
+)
+
+FAMILIES = ["llava", "idefics3"]
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def image_text_core(family: str = "llava", **options):
+    processor = processor_of(family)
+    model = tiny_image_text(family)
+    return tiny_core(model, tokenizer=processor.tokenizer, processor=processor, **options)[0]
+
+
+def count_encodings(core, monkeypatch) -> list[int]:
+    """Record the number of feature rows of each encoder run."""
+    model = core.runner.model
+    assert isinstance(model, TransformersImageTextLM)
+    encode, runs = model.encode_images, []
+
+    def counted(data):
+        features = encode(data)
+        runs.append(features.shape[0])
+        return features
+
+    monkeypatch.setattr(model, "encode_images", counted)
+    return runs
+
+
+def submit(core, request_id: str, parts: list, family: str = "llava"):
+    """Queue a user turn of `parts`; return the processor's output and the prompt's number of
+    image placeholders."""
+    processed, ids, images = image_prompt(parts, family)
+    core.add_request(request_id, ids, GREEDY, images=images)
+    return processed, len(images.positions)
+
+
+def run(core) -> dict[str, list]:
+    """Step until every request ends, checking the blocks' invariants after each step."""
+    outputs: dict[str, list] = {}
+    while core.has_unfinished():
+        for output in core.step():
+            outputs.setdefault(output.request_id, []).append(output)
+        core.scheduler.check_invariants()
+    return outputs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("budget", [512, 10, 3])
+def test_greedy_tokens_equal_generate_with_images_cut_by_chunks(monkeypatch, family, budget):
+    core = image_text_core(family, max_num_batched_tokens=budget)
+    encodings = count_encodings(core, monkeypatch)
+    one, rows_one = submit(core, "one", [random_image(1), "The quick brown fox"], family)
+    wide = random_image(3, width=60)  # tiled 2x1 (plus the whole) by Idefics3
+    two, rows_two = submit(core, "two", ["Hello", random_image(2), "and", wide], family)
+    outputs = run(core)
+    reference = tiny_image_text(family)
+    assert tokens_of(outputs["one"]) == reference_tokens(reference, one, 8)
+    assert tokens_of(outputs["two"]) == reference_tokens(reference, two, 8)
+    # Each request's encoder ran once, over all of its images, however its prompt was cut.
+    assert sorted(encodings) == sorted([rows_one, rows_two])
+
+
+def test_the_images_change_the_tokens():
+    """The oracle sees the pixels: the same text with another image gives other tokens."""
+    core = image_text_core()
+    submit(core, "a", [random_image(1), "The quick brown fox"])
+    submit(core, "b", [random_image(4), "The quick brown fox"])
+    outputs = run(core)
+    assert tokens_of(outputs["a"]) != tokens_of(outputs["b"])
+
+
+def test_text_requests_run_beside_image_requests_unchanged():
+    processor = processor_of("llava")
+    core = image_text_core(max_num_batched_tokens=16)
+    text = processor.tokenizer("Hello world! Hello there.")["input_ids"]
+    core.add_request("text", text, GREEDY)
+    image, _ = submit(core, "image", ["Paged attention", random_image(5)])
+    outputs = run(core)
+    alone = image_text_core()
+    alone.add_request("text", text, GREEDY)
+    assert tokens_of(outputs["text"]) == tokens_of(run(alone)["text"])
+    assert tokens_of(outputs["image"]) == reference_tokens(tiny_llava(), image, 8)
+
+
+def test_a_cached_image_skips_the_encoder_and_another_image_misses(monkeypatch):
+    core = image_text_core(block_size=4)
+    encodings = count_encodings(core, monkeypatch)
+    parts = [random_image(6), "Continuous batching admits new requests"]
+    first, _ = submit(core, "first", parts)
+    run(core)
+    again, _ = submit(core, "again", parts)
+    submit(core, "other", [random_image(7), *parts[1:]])
+    outputs = run(core)
+    reference = tiny_llava()
+    assert tokens_of(outputs["again"]) == reference_tokens(reference, again, 8)
+    assert tokens_of(outputs["again"]) == reference_tokens(reference, first, 8)
+    cached = {rid: outputs[rid][-1].num_cached_tokens for rid in ("again", "other")}
+    # The repeat found every full block cached, images included: its encoder never ran.
+    assert cached["again"] >= 8 + TOKENS_PER_IMAGE
+    # The other image shares the text before it only (the turn's opening tokens).
+    assert cached["other"] < 8 + TOKENS_PER_IMAGE
+    assert encodings == [TOKENS_PER_IMAGE, TOKENS_PER_IMAGE]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preempted_image_requests_recompute_the_same_tokens(monkeypatch, family):
+    blocks = 14 if family == "llava" else 24  # Idefics3's prompts are longer (tile markers)
+    core = image_text_core(family, num_blocks=blocks, block_size=4, max_num_batched_tokens=8)
+    encodings = count_encodings(core, monkeypatch)
+    processed = {
+        rid: submit(core, rid, [random_image(10 + i), "Paged attention stores keys"], family)[0]
+        for i, rid in enumerate(("a", "b", "c"))
+    }
+    outputs = run(core)
+    reference = tiny_image_text(family)
+    assert core.scheduler.num_preemptions > 0
+    for rid, inputs in processed.items():
+        assert tokens_of(outputs[rid]) == reference_tokens(reference, inputs, 8)
+    # Features stay with their request: a recomputed prompt does not run the encoder again.
+    assert len(encodings) == 3
+
+
+def test_features_that_do_not_fit_the_placeholders_fail_that_request_alone():
+    core = image_text_core()
+    _, ids, images = image_prompt([random_image(8), "The quick"])
+    broken = ImageInputs(images.positions[:-1], images.starts, images.data)
+    core.add_request("broken", ids, GREEDY, images=broken)
+    fine, _ = submit(core, "fine", [random_image(9), "The quick"])
+    outputs = run(core)
+    last = outputs["broken"][-1]
+    assert last.finish_reason == "error" and isinstance(last.error, RequestFailedError)
+    assert "feature rows" in str(last.error)
+    assert tokens_of(outputs["fine"]) == reference_tokens(tiny_llava(), fine, 8)
+    assert core.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_text_model_refuses_images(tiny_model):
+    core, _ = tiny_core(tiny_model)
+    _, ids, images = image_prompt([random_image(1), "hi"])
+    with pytest.raises(InvalidRequestError, match="does not take images"):
+        core.add_request("r", [i % 300 for i in ids], GREEDY, images=images)
+
+
+def test_each_run_of_placeholders_starts_an_image_or_all_count_from_the_first():
+    positions = np.array([3, 4, 5, 9, 10, 11])
+    assert image_starts(positions, [b"a", b"b"]) == ((3, b"a"), (9, b"b"))
+    # Three runs for two images (tiles with text between): one digest of both, at the first.
+    tiled = np.array([3, 4, 7, 8, 12])
+    ((start, digest),) = image_starts(tiled, [b"a", b"b"])
+    assert start == 3 and digest not in (b"a", b"b")
+    assert image_starts(tiled, [b"a", b"c"])[0][1] != digest
+
+
+def test_unserved_image_text_families_and_parallel_runs_are_refused_by_name(tmp_path):
+    for config in (Qwen2VLConfig(), Gemma3Config()):
+        folder = tmp_path / config.model_type
+        config.save_pretrained(folder)
+        with pytest.raises(ValueError, match=f"images of {config.model_type} models"):
+            auto_model_class(str(folder))
+    llava = save_tiny(tmp_path / "llava")
+    parallel = EngineConfig(model=str(llava), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="text models only"):
+        create_engine_core(parallel)

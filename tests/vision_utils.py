@@ -1,0 +1,208 @@
+"""Tiny random-weight image-text models with their processors: LLaVA (a CLIP vision tower, one
+run of placeholders an image) and Idefics3 (SmolVLM's family: a SigLIP tower, each image cut
+into tiles with row and column tokens between them); random images; and the reference,
+transformers' own `generate` over the same inputs."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import io
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import (
+    CLIPImageProcessorPil,
+    CLIPVisionConfig,
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
+    Idefics3ImageProcessorPil,
+    Idefics3Processor,
+    Idefics3VisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    LlavaProcessor,
+)
+
+from engine.core.images import ImageInputs
+from tests.helpers import tiny_tokenizer
+
+IMAGE_TOKEN = "<image>"
+# 28x28 pixels in 14x14 patches: four placeholders an image (the CLS feature is dropped).
+IMAGE_SIZE, PATCH = 28, 14
+TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
+# Content as parts, as image-text models' templates take it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@lru_cache(maxsize=1)
+def llava_processor() -> LlavaProcessor:
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    images = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE}, crop_size=size)
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+@lru_cache(maxsize=1)
+def idefics3_processor() -> Idefics3Processor:
+    """Images resized to at most 56 pixels a side and cut into 28-pixel tiles, plus the whole
+    image as a global tile: one placeholder a tile (`image_seq_len`)."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    specials = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials + grid})
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": 2 * IMAGE_SIZE},
+        max_image_size={"longest_edge": IMAGE_SIZE},
+        do_image_splitting=True,
+    )
+    return Idefics3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_len=1, chat_template=CHAT_TEMPLATE
+    )
+
+
+def processor_of(family: str) -> Any:
+    return llava_processor() if family == "llava" else idefics3_processor()
+
+
+def _text_config(tokenizer: Any) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        eos_token_id=0,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+
+
+def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
+    """A tiny random model of `family` (`llava` or `idefics3`), in fp32."""
+    return tiny_llava(seed) if family == "llava" else tiny_idefics3(seed)
+
+
+def tiny_idefics3(seed: int = 0) -> Idefics3ForConditionalGeneration:
+    tokenizer = idefics3_processor().tokenizer
+    vision = Idefics3VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+    config = Idefics3Config(
+        vision_config=vision.to_dict(),
+        text_config=_text_config(tokenizer).to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        scale_factor=2,
+    )
+    torch.manual_seed(seed)
+    return Idefics3ForConditionalGeneration(config).eval()
+
+
+def tiny_llava(seed: int = 0) -> LlavaForConditionalGeneration:
+    tokenizer = llava_processor().tokenizer
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=_text_config(tokenizer),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(seed)
+    return LlavaForConditionalGeneration(config).eval()
+
+
+def save_tiny(folder: Path, family: str = "llava", seed: int = 0) -> Path:
+    """The model and its processor in a folder, as `conveyor serve --model` reads them."""
+    tiny_image_text(family, seed).save_pretrained(folder)
+    processor_of(family).save_pretrained(folder)
+    return folder
+
+
+def random_image(seed: int, width: int = 40, height: int = 32) -> Any:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def png_bytes(image: Any) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(image: Any) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def image_prompt(
+    parts: list[Any], family: str = "llava"
+) -> tuple[dict[str, Any], list[int], ImageInputs]:
+    """A user turn of text strings and images through the template and `family`'s processor:
+    the processor's output, the prompt's ids, and its images as the engine carries them."""
+    processor = processor_of(family)
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts
+    ]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    images = [p for p in parts if not isinstance(p, str)]
+    batch = images if family == "llava" else [images]  # Idefics3 takes images per prompt
+    processed = dict(processor(text=[text], images=batch, return_tensors="pt"))
+    ids = processed["input_ids"][0].tolist()
+    digests = [hashlib.sha256(png_bytes(image)).digest() for image in images]
+    token = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    return processed, ids, ImageInputs.of(ids, token, digests, processed)
+
+
+def reference_tokens(
+    model: LlavaForConditionalGeneration, processed: dict[str, Any], max_new_tokens: int
+) -> list[int]:
+    """transformers' greedy tokens for the processed prompt, EOS ignored (`model` must be an
+    instance the engine does not run: the engine's runs Conveyor's attention)."""
+    prompt_len = processed["input_ids"].shape[1]
+    with torch.no_grad():
+        out = model.generate(
+            **processed,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+        )
+    return out[0, prompt_len:].tolist()
