@@ -36,6 +36,14 @@ IMAGE_TOKEN = "<image>"
 # 28x28 pixels in 14x14 patches: four placeholders an image (the CLS feature is dropped).
 IMAGE_SIZE, PATCH = 28, 14
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
+VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": IMAGE_SIZE,
+    "patch_size": PATCH,
+}
 # Content as parts, as image-text models' templates take it.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>"
@@ -108,16 +116,8 @@ def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
 
 def tiny_idefics3(seed: int = 0) -> Idefics3ForConditionalGeneration:
     tokenizer = idefics3_processor().tokenizer
-    vision = Idefics3VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-    )
     config = Idefics3Config(
-        vision_config=vision.to_dict(),
+        vision_config=Idefics3VisionConfig(**VISION).to_dict(),
         text_config=_text_config(tokenizer).to_dict(),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         scale_factor=2,
@@ -128,16 +128,8 @@ def tiny_idefics3(seed: int = 0) -> Idefics3ForConditionalGeneration:
 
 def tiny_llava(seed: int = 0) -> LlavaForConditionalGeneration:
     tokenizer = llava_processor().tokenizer
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-    )
     config = LlavaConfig(
-        vision_config=vision,
+        vision_config=CLIPVisionConfig(**VISION),
         text_config=_text_config(tokenizer),
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_layer=-1,

@@ -24,12 +24,22 @@ class TransformersCausalLM:
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
+        return self.logits(positions, metadata, logits_indices, input_ids=input_ids[None])
+
+    def logits(
+        self,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        **inputs: torch.Tensor,
+    ) -> torch.Tensor:
+        """The model's logits over the step's `inputs` (its `input_ids` or `inputs_embeds`)."""
         out = self.hf_model(
-            input_ids=input_ids[None],
             position_ids=positions[None],
             use_cache=False,
             logits_to_keep=logits_indices,
             **{METADATA_KWARG: metadata},
+            **inputs,
         )
         return out.logits[0]
 

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionMetadata
-from engine.attention.hf import METADATA_KWARG
 from engine.models.hf import TransformersCausalLM
 from engine.worker.sampler import row_argmax
 
@@ -89,14 +88,7 @@ class TransformersImageTextLM(TransformersCausalLM):
         embeds = self._embed(input_ids)
         rows, features = image_features
         embeds = embeds.index_copy(0, rows, features.to(embeds.dtype))
-        out = self.hf_model(
-            inputs_embeds=embeds[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=logits_indices,
-            **{METADATA_KWARG: metadata},
-        )
-        return out.logits[0]
+        return self.logits(positions, metadata, logits_indices, inputs_embeds=embeds[None])
 
     def greedy_tokens(
         self,
