@@ -15,6 +15,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.loading.model_loader import auto_model_class
 from engine.models.vision import TransformersImageTextLM
+from tests.conftest import CUDA
 from tests.helpers import tiny_core, tokens_of
 from tests.vision_utils import (
     TOKENS_PER_IMAGE,
@@ -85,6 +86,19 @@ def test_greedy_tokens_equal_generate_with_images_cut_by_chunks(monkeypatch, fam
     assert tokens_of(outputs["two"]) == reference_tokens(reference, two, 8)
     # Each request's encoder ran once, over all of its images, however its prompt was cut.
     assert sorted(encodings) == sorted([rows_one, rows_two])
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_generate_on_a_gpu(device, family):
+    """The encoder's inputs and rows, and the step's indices, go where the model runs."""
+    core = image_text_core(family, device=device, max_num_batched_tokens=10)
+    one, _ = submit(core, "one", [random_image(1), "The quick brown fox"], family)
+    two, _ = submit(core, "two", ["Hello", random_image(2), "and", random_image(3)], family)
+    outputs = run(core)
+    reference = tiny_image_text(family)
+    assert tokens_of(outputs["one"]) == reference_tokens(reference, one, 8)
+    assert tokens_of(outputs["two"]) == reference_tokens(reference, two, 8)
 
 
 def test_the_images_change_the_tokens():
