@@ -121,9 +121,9 @@ def main() -> None:
     hf = AutoModelForImageTextToText.from_pretrained(args.model, dtype=getattr(torch, info.dtype))
     hf.eval()
     pad = loaded.tokenizer.pad_token_id or 0
-    tokens = prompts(loaded.processor, 1, args.image_size, seed=-1)[0]["input_ids"].shape[1]
+    tokens = prompts(loaded.processor, 1, args.image_size, seed=0)[0]["input_ids"].shape[1]
     print(f"# {info.model_name} {info.dtype} on {info.device}; {tokens} prompt tokens a request")
-    warm = prompts(loaded.processor, 2, args.image_size, seed=-1)
+    warm = prompts(loaded.processor, 2, args.image_size, seed=0)
     run_conveyor(core, warm, info.image_token_id, 4)
     run_transformers(hf, warm, pad, 4)
     for concurrency in args.concurrency:

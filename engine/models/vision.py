@@ -58,6 +58,7 @@ class TransformersImageTextLM(TransformersCausalLM):
         self.image_token_id = token
         self._encoder_keys = _named_parameters(hf_model.model.get_image_features)
         self._embed = hf_model.get_input_embeddings()
+        self._encoder_dtype = _encoder_dtype(hf_model)
 
     @torch.inference_mode()
     def encode_images(self, data: dict[str, Any]) -> torch.Tensor:
@@ -65,7 +66,7 @@ class TransformersImageTextLM(TransformersCausalLM):
         `[rows, hidden]`, as transformers' own forward places them."""
         device, dtype = self._embed.weight.device, self._embed.weight.dtype
         inputs = {
-            key: _to(value, device, dtype)
+            key: _to(value, device, self._encoder_dtype)
             for key, value in data.items()
             if key in self._encoder_keys or key == "pixel_values"
         }
@@ -100,6 +101,14 @@ class TransformersImageTextLM(TransformersCausalLM):
     ) -> torch.Tensor:
         logits = self(input_ids, positions, metadata, logits_indices, image_features)
         return row_argmax(logits.float())
+
+
+def _encoder_dtype(hf_model: Any) -> torch.dtype:
+    """The dtype the vision encoder computes in (it may differ from the language model's:
+    `model_loader.widened_parts`)."""
+    decoder = {id(p) for p in hf_model.get_decoder().parameters()}
+    found = (p.dtype for p in hf_model.model.parameters() if id(p) not in decoder)
+    return next((d for d in found if d.is_floating_point), torch.float32)
 
 
 def _named_parameters(function: Any) -> frozenset[str]:

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from transformers import Gemma3Config, Qwen2VLConfig
+import torch
+from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen2VLConfig
 
 from engine.core.config import EngineConfig
 from engine.core.errors import InvalidRequestError, RequestFailedError
 from engine.core.images import ImageInputs, image_starts
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
-from engine.loading.model_loader import auto_model_class
+from engine.loading.model_loader import auto_model_class, load_model
+from engine.models import build_causal_lm
 from engine.models.vision import TransformersImageTextLM
 from tests.conftest import CUDA
 from tests.helpers import tiny_core, tokens_of
@@ -202,3 +204,26 @@ def test_unserved_image_text_families_and_parallel_runs_are_refused_by_name(tmp_
     parallel = EngineConfig(model=str(llava), device="cpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="text models only"):
         create_engine_core(parallel)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_16_bit_model_keeps_its_vision_encoder_in_torch_and_its_dtype(tmp_path, family):
+    """Under a 16-bit form only the language model widens to fp32 between layers: the encoder
+    stays transformers' own bf16 layers, and its rows are exactly transformers' bf16 rows."""
+    folder = save_tiny(tmp_path / family, family)
+    loaded = load_model(str(folder), torch.bfloat16, torch.device("cpu"))
+    model = build_causal_lm(loaded.model)
+    assert isinstance(model, TransformersImageTextLM)
+    decoder = {id(p) for p in loaded.model.get_decoder().parameters()}
+    encoder = [p for p in loaded.model.model.parameters() if id(p) not in decoder]
+    assert encoder and all(p.dtype == torch.bfloat16 for p in encoder)
+    processed, _, images = image_prompt([random_image(12), "hi"], family)
+    rows = model.encode_images(images.data)
+    reference = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16)
+    inputs = {k: v for k, v in processed.items() if k not in ("input_ids", "attention_mask")}
+    inputs["pixel_values"] = inputs["pixel_values"].bfloat16()
+    with torch.inference_mode():
+        found = reference.model.get_image_features(**inputs).pooler_output
+    expected = torch.cat([piece.reshape(-1, rows.shape[-1]) for piece in found])
+    assert rows.dtype == loaded.compute_dtype
+    assert torch.equal(rows, expected.to(rows.dtype))
