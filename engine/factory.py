@@ -6,6 +6,7 @@ import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ from engine.lora.slots import LoRASlots
 from engine.models import CausalLM, build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST
 from engine.models.llama import PagedLlamaForCausalLM
-from engine.models.vision import TransformersImageTextLM, is_image_text
+from engine.models.vision import ImageTextLM, is_image_text, takes_images
 from engine.parallel.group import ParallelGroup
 from engine.parallel.sharding import Shard, not_shardable, why_not_shardable
 from engine.parallel.workers import WorkerPool, rank_device
@@ -232,6 +233,8 @@ def lora_slots(
         return None
     if not isinstance(model, PagedLlamaForCausalLM):
         raise ValueError("LoRA adapters run on Conveyor's model implementation only")
+    if takes_images(model):
+        raise ValueError("LoRA adapters are served over text models only, not image-text ones")
     lora_dtype = torch.float32 if device.type == "cpu" else dtype
     slots = LoRASlots(
         model.lora_shapes(), config.max_loras, config.max_lora_rank, device, lora_dtype
@@ -349,9 +352,14 @@ def core_from_model(
         runner=config.runner,
         max_loras=config.max_loras if config.enable_lora else 0,
         sampling_defaults=_sampling_defaults(config, loaded),
-        image_token_id=model.image_token_id if isinstance(model, TransformersImageTextLM) else None,
+        image_token_id=_image_token(model),
     )
     return core, info
+
+
+def _image_token(model: CausalLM) -> int | None:
+    """An image-text model's image placeholder token (None for a text model)."""
+    return cast(ImageTextLM, model).image_encoder.image_token_id if takes_images(model) else None
 
 
 def _sampling_defaults(config: EngineConfig, loaded: LoadedModel) -> dict[str, float]:
@@ -376,8 +384,10 @@ def _check_runner(config: EngineConfig, model: CausalLM, path: str = "") -> None
             f"the model pools its embeddings by {mode} (1_Pooling/config.json); "
             "--runner pooling pools the last token"
         )
-    if not isinstance(model, PagedLlamaForCausalLM):
-        raise ValueError("--runner pooling needs Conveyor's model implementation (--model-impl)")
+    if not isinstance(model, PagedLlamaForCausalLM) or takes_images(model):
+        raise ValueError(
+            "--runner pooling needs Conveyor's model implementation (--model-impl) of a text model"
+        )
 
 
 def _vocab_size(loaded: LoadedModel, model: CausalLM) -> int:

@@ -12,7 +12,12 @@ from typing import Any
 from engine.models.base import CausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, supports
-from engine.models.vision import TransformersImageTextLM, is_image_text
+from engine.models.vision import (
+    PagedImageTextLM,
+    TransformersImageTextLM,
+    decoder_supports,
+    is_image_text,
+)
 from engine.parallel.sharding import Shard
 
 MODEL_IMPLS = ("auto", "conveyor", "transformers")
@@ -28,12 +33,7 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
             f"unknown model implementation {impl!r}; choose one of {', '.join(MODEL_IMPLS)}"
         )
     if is_image_text(hf_model.config):
-        if impl == "conveyor" or shard is not None:
-            raise ValueError(
-                "image-text models run on transformers' implementation (--model-impl "
-                "transformers), on one device"
-            )
-        return TransformersImageTextLM(hf_model)
+        return _image_text_lm(hf_model, impl, shard)
     reason = supports(hf_model)
     if shard is not None:
         if impl == "transformers" or reason:
@@ -47,3 +47,16 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
     if impl == "transformers" or reason:
         return TransformersCausalLM(hf_model)
     return PagedLlamaForCausalLM(hf_model)
+
+
+def _image_text_lm(hf_model: Any, impl: str, shard: Shard | None) -> CausalLM:
+    """An image-text model on one device: Conveyor's decoder for its language model where
+    that is of the Llama family (`auto`, `conveyor`), else transformers' model whole."""
+    if shard is not None:
+        raise ValueError("tensor parallelism serves text models only, not image-text ones")
+    reason = decoder_supports(hf_model)
+    if impl == "conveyor" and reason:
+        raise ValueError(f"Conveyor's model implementation cannot run this model: {reason}")
+    if impl == "transformers" or reason:
+        return TransformersImageTextLM(hf_model)
+    return PagedImageTextLM(hf_model)

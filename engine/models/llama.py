@@ -47,6 +47,8 @@ ARCHITECTURES = frozenset(
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
+# The flattened indices of a step's tokens that image features stand for, and those rows.
+ImageRows = tuple[torch.Tensor, torch.Tensor]
 
 
 def supports(hf_model: Any) -> str:
@@ -54,7 +56,13 @@ def supports(hf_model: Any) -> str:
     name = type(hf_model).__name__
     if name not in ARCHITECTURES:
         return f"{name} is not one of {', '.join(sorted(ARCHITECTURES))}"
-    for layer in hf_model.model.layers:
+    return plain_projections(hf_model.model.layers)
+
+
+def plain_projections(layers: Any) -> str:
+    """Empty where every layer's projections are plain linear layers (in any of Conveyor's
+    forms), else why not."""
+    for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections = [attn.q_proj, attn.k_proj, attn.v_proj]
         if not is_sparse(mlp):
@@ -291,8 +299,11 @@ class PagedLlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
+        image_features: ImageRows | None = None,
     ) -> torch.Tensor:
-        hidden = self._last_hidden(input_ids, positions, metadata)
+        """Logits of the step; `image_features` (an image-text model's: the flattened indices
+        of the tokens they stand for, and the rows) replace those tokens' embeddings."""
+        hidden = self._last_hidden(input_ids, positions, metadata, image_features)
         return self.logits(hidden, logits_indices)
 
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -305,11 +316,13 @@ class PagedLlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
+        image_features: ImageRows | None = None,
     ) -> torch.Tensor:
         """`forward`'s logits' argmax per row, int64 `[len(logits_indices)]`: chosen as the LM
         head's sums leave the registers where it is bf16 panels (a decode step of 64 rows writes
         12.6 MB of the default model's logits otherwise, and reads them back to choose)."""
-        hidden = self._normed(self._last_hidden(input_ids, positions, metadata), logits_indices)
+        hidden = self._last_hidden(input_ids, positions, metadata, image_features)
+        hidden = self._normed(hidden, logits_indices)
         if isinstance(self.lm_head, PanelLinear) and self.lm_head.chooses_greedily:
             return self.lm_head.greedy(hidden)
         return row_argmax(self.lm_head(hidden).float())
@@ -330,10 +343,17 @@ class PagedLlamaForCausalLM(nn.Module):
         return rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)
 
     def _last_hidden(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        image_features: ImageRows | None = None,
     ) -> torch.Tensor:
         """The last layer's output rows."""
         hidden = self.embed_tokens(input_ids)
+        if image_features is not None:
+            rows, features = image_features
+            hidden = hidden.index_copy(0, rows, features.to(hidden.dtype))
         cos, sin = self.rotary(hidden, positions)
         step = self._fused_step(hidden, metadata)
         if step is not None:

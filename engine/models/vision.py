@@ -1,5 +1,6 @@
-"""Image-text models (LLaVA and its kin): transformers' own vision encoder and projector, and its
-language model over Conveyor's paged attention, fed embeddings where the prompt holds images.
+"""Image-text models (LLaVA, Idefics3): transformers' own vision encoder and projector, and the
+language model (Conveyor's decoder where it is of the Llama family, else transformers' own over
+the paged attention) fed embeddings where the prompt holds images.
 
 The encoder runs once per request, on the step that first reaches the request's image
 placeholders (`engine/worker/image_features.py`); its rows replace those placeholders'
@@ -9,18 +10,22 @@ embeddings in whichever steps compute them, so chunked prefill may cut an image 
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.models.hf import TransformersCausalLM
+from engine.models.llama import ImageRows, PagedLlamaForCausalLM, plain_projections
 from engine.worker.sampler import row_argmax
 
 # The families whose images are served: one position per token (no multi-axis rotary), and
 # image tokens that attend causally as text does (Gemma 3 lets an image's tokens see each
 # other both ways, which paged causal attention does not compute).
 IMAGE_TEXT_TYPES = ("llava", "idefics3")
+# Language models Conveyor's decoder runs (the Llama family's dense members).
+TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def is_image_text(config: Any) -> bool:
@@ -45,36 +50,43 @@ def image_token_id(config: Any) -> int | None:
     return found if isinstance(found, int) else None
 
 
-class TransformersImageTextLM(TransformersCausalLM):
-    """The Hugging Face image-text model; a step may carry image features (`image_features`:
-    the flattened indices of the step's tokens they replace, and the rows)."""
-
-    name = "transformers (image-text)"
+class ImageEncoder:
+    """transformers' own vision encoder and projector of an image-text model: a prompt's images
+    in, one row per placeholder out."""
 
     def __init__(self, hf_model: Any) -> None:
-        super().__init__(hf_model)
         token = image_token_id(hf_model.config)
         assert token is not None, "checked by why_not_served"
         self.image_token_id = token
-        self._encoder_keys = _named_parameters(hf_model.model.get_image_features)
+        self.hf_model = hf_model
+        self._keys = _named_parameters(hf_model.model.get_image_features)
         self._embed = hf_model.get_input_embeddings()
-        self._encoder_dtype = _encoder_dtype(hf_model)
+        self._dtype = _encoder_dtype(hf_model)
 
     @torch.inference_mode()
-    def encode_images(self, data: dict[str, Any]) -> torch.Tensor:
+    def __call__(self, data: dict[str, Any]) -> torch.Tensor:
         """The projected features of a prompt's images, one row per placeholder in order
-        `[rows, hidden]`, as transformers' own forward places them."""
-        device, dtype = self._embed.weight.device, self._embed.weight.dtype
+        `[rows, hidden]` in the language model's dtype, as transformers' own forward places
+        them."""
+        device = self._embed.weight.device
         inputs = {
-            key: _to(value, device, self._encoder_dtype)
+            key: _to(value, device, self._dtype)
             for key, value in data.items()
-            if key in self._encoder_keys or key == "pixel_values"
+            if key in self._keys or key == "pixel_values"
         }
         found = self.hf_model.model.get_image_features(**inputs)
         features = getattr(found, "pooler_output", found)
         pieces = features if isinstance(features, (list, tuple)) else [features]
         hidden = self._embed.weight.shape[-1]
-        return torch.cat([piece.reshape(-1, hidden) for piece in pieces]).to(dtype)
+        rows = torch.cat([piece.reshape(-1, hidden) for piece in pieces])
+        return rows.to(self._embed.weight.dtype)
+
+
+class ImageTextLM(Protocol):
+    """What the runner needs of an image-text model: its encoder, and steps whose
+    `image_features` replace some tokens' embeddings."""
+
+    image_encoder: ImageEncoder
 
     def __call__(
         self,
@@ -82,11 +94,43 @@ class TransformersImageTextLM(TransformersCausalLM):
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
-        image_features: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image_features: ImageRows | None = None,
+    ) -> torch.Tensor: ...
+
+    def greedy_tokens(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        image_features: ImageRows | None = None,
+    ) -> torch.Tensor: ...
+
+
+def takes_images(model: Any) -> bool:
+    return isinstance(model, (TransformersImageTextLM, PagedImageTextLM))
+
+
+class TransformersImageTextLM(TransformersCausalLM):
+    """The Hugging Face image-text model whole, its language model on the paged attention."""
+
+    name = "transformers (image-text)"
+
+    def __init__(self, hf_model: Any) -> None:
+        super().__init__(hf_model)
+        self.image_encoder = ImageEncoder(hf_model)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        image_features: ImageRows | None = None,
     ) -> torch.Tensor:
         if image_features is None:
             return super().__call__(input_ids, positions, metadata, logits_indices)
-        embeds = self._embed(input_ids)
+        embeds = self.hf_model.get_input_embeddings()(input_ids)
         rows, features = image_features
         embeds = embeds.index_copy(0, rows, features.to(embeds.dtype))
         return self.logits(positions, metadata, logits_indices, inputs_embeds=embeds[None])
@@ -97,10 +141,43 @@ class TransformersImageTextLM(TransformersCausalLM):
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
-        image_features: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image_features: ImageRows | None = None,
     ) -> torch.Tensor:
         logits = self(input_ids, positions, metadata, logits_indices, image_features)
         return row_argmax(logits.float())
+
+
+@dataclass(frozen=True, slots=True)
+class LanguageModel:
+    """An image-text model's language model in the shape Conveyor's decoder reads a causal LM:
+    the decoder (`model`: embeddings, layers, norm, rotary), the head, the text config."""
+
+    model: Any
+    lm_head: Any
+    config: Any
+
+
+class PagedImageTextLM(PagedLlamaForCausalLM):
+    """An image-text model whose language model is of the Llama family: Conveyor's decoder
+    over its weights (decode steps take the fused stack), transformers' encoder for images."""
+
+    name = "conveyor (image-text)"
+
+    def __init__(self, hf_model: Any) -> None:
+        language = LanguageModel(
+            hf_model.get_decoder(), hf_model.get_output_embeddings(), hf_model.config.text_config
+        )
+        super().__init__(language)
+        self.image_encoder = ImageEncoder(hf_model)
+
+
+def decoder_supports(hf_model: Any) -> str:
+    """Empty where Conveyor's decoder runs the image-text model's language model, else why
+    not."""
+    kind = hf_model.config.get_text_config().model_type
+    if kind not in TEXT_TYPES:
+        return f"its language model is {kind}, not one of {', '.join(TEXT_TYPES)}"
+    return plain_projections(hf_model.get_decoder().layers)
 
 
 def _encoder_dtype(hf_model: Any) -> torch.dtype:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from engine.core.images import ImageInputs
-from engine.models.vision import TransformersImageTextLM
+from engine.models.vision import ImageTextLM
 from engine.worker.input_batch import InputBatch
 
 # The flattened indices of the step's tokens that take image features, and the rows.
@@ -17,7 +17,7 @@ StepFeatures = tuple[torch.Tensor, torch.Tensor]
 
 
 def step_image_features(
-    batch: InputBatch, model: TransformersImageTextLM, device: torch.device
+    batch: InputBatch, model: ImageTextLM, device: torch.device
 ) -> StepFeatures | None:
     """The step's image features, or None where it computes no image placeholder."""
     indices: list[np.ndarray] = []
@@ -39,11 +39,11 @@ def step_image_features(
     return flat, torch.cat(rows)
 
 
-def encoded(images: ImageInputs, model: TransformersImageTextLM) -> torch.Tensor:
+def encoded(images: ImageInputs, model: ImageTextLM) -> torch.Tensor:
     """The request's image features, computed on first use; a count that does not match the
     placeholders is the request's fault, raised (the step's isolation fails it alone)."""
     if images.features is None:
-        features = model.encode_images(images.data)
+        features = model.image_encoder(images.data)
         if features.shape[0] != len(images.positions):
             raise ValueError(
                 f"the images gave {features.shape[0]} feature rows for "

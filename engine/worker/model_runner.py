@@ -21,7 +21,7 @@ from engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from engine.lora.slots import LoRASlots
 from engine.models import CausalLM
 from engine.models.llama import PagedLlamaForCausalLM
-from engine.models.vision import TransformersImageTextLM
+from engine.models.vision import ImageTextLM, takes_images
 from engine.parallel.step import StepInputs
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs
@@ -75,7 +75,7 @@ class ModelRunner:
     @property
     def takes_images(self) -> bool:
         """Whether the model reads images (an image-text model's prompts may carry some)."""
-        return isinstance(self.model, TransformersImageTextLM)
+        return takes_images(self.model)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its results."""
@@ -201,8 +201,8 @@ class ModelRunner:
             return None
         return step_image_features(batch, self._image_text(), self.device)
 
-    def _image_text(self) -> TransformersImageTextLM:
-        return cast(TransformersImageTextLM, self.model)
+    def _image_text(self) -> ImageTextLM:
+        return cast(ImageTextLM, self.model)
 
     def _replays_whole(self, batch: InputBatch, logits_indices: np.ndarray) -> bool:
         """A decode graph runs the step. The step that calibrates the KV cache's scales runs

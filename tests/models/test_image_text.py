@@ -16,7 +16,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.loading.model_loader import auto_model_class, load_model
 from engine.models import build_causal_lm
-from engine.models.vision import TransformersImageTextLM
+from engine.models.vision import PagedImageTextLM, TransformersImageTextLM, takes_images
 from tests.conftest import CUDA
 from tests.helpers import tiny_core, tokens_of
 from tests.vision_utils import (
@@ -44,15 +44,15 @@ def image_text_core(family: str = "llava", **options):
 def count_encodings(core, monkeypatch) -> list[int]:
     """Record the number of feature rows of each encoder run."""
     model = core.runner.model
-    assert isinstance(model, TransformersImageTextLM)
-    encode, runs = model.encode_images, []
+    assert takes_images(model)
+    encode, runs = model.image_encoder, []
 
     def counted(data):
         features = encode(data)
         runs.append(features.shape[0])
         return features
 
-    monkeypatch.setattr(model, "encode_images", counted)
+    monkeypatch.setattr(model, "image_encoder", counted)
     return runs
 
 
@@ -74,10 +74,15 @@ def run(core) -> dict[str, list]:
     return outputs
 
 
+@pytest.mark.parametrize("impl", ["conveyor", "transformers"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("budget", [512, 10, 3])
-def test_greedy_tokens_equal_generate_with_images_cut_by_chunks(monkeypatch, family, budget):
-    core = image_text_core(family, max_num_batched_tokens=budget)
+def test_greedy_tokens_equal_generate_with_images_cut_by_chunks(monkeypatch, impl, family, budget):
+    """Conveyor's decoder for the language model, or transformers' model whole: the same tokens
+    as transformers' `generate`."""
+    core = image_text_core(family, model_impl=impl, max_num_batched_tokens=budget)
+    expected = PagedImageTextLM if impl == "conveyor" else TransformersImageTextLM
+    assert type(core.runner.model) is expected
     encodings = count_encodings(core, monkeypatch)
     one, rows_one = submit(core, "one", [random_image(1), "The quick brown fox"], family)
     wide = random_image(3, width=60)  # tiled 2x1 (plus the whole) by Idefics3
@@ -204,6 +209,9 @@ def test_unserved_image_text_families_and_parallel_runs_are_refused_by_name(tmp_
     parallel = EngineConfig(model=str(llava), device="cpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="text models only"):
         create_engine_core(parallel)
+    for options, words in (({"enable_lora": True}, "LoRA"), ({"runner": "pooling"}, "text")):
+        with pytest.raises(ValueError, match=words):
+            create_engine_core(EngineConfig(model=str(llava), device="cpu", **options))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -212,13 +220,13 @@ def test_a_16_bit_model_keeps_its_vision_encoder_in_torch_and_its_dtype(tmp_path
     stays transformers' own bf16 layers, and its rows are exactly transformers' bf16 rows."""
     folder = save_tiny(tmp_path / family, family)
     loaded = load_model(str(folder), torch.bfloat16, torch.device("cpu"))
-    model = build_causal_lm(loaded.model)
+    model = build_causal_lm(loaded.model, "transformers")
     assert isinstance(model, TransformersImageTextLM)
     decoder = {id(p) for p in loaded.model.get_decoder().parameters()}
     encoder = [p for p in loaded.model.model.parameters() if id(p) not in decoder]
     assert encoder and all(p.dtype == torch.bfloat16 for p in encoder)
     processed, _, images = image_prompt([random_image(12), "hi"], family)
-    rows = model.encode_images(images.data)
+    rows = model.image_encoder(images.data)
     reference = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16)
     inputs = {k: v for k, v in processed.items() if k not in ("input_ids", "attention_mask")}
     inputs["pixel_values"] = inputs["pixel_values"].bfloat16()
