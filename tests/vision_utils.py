@@ -1,7 +1,8 @@
 """Tiny random-weight image-text models with their processors: LLaVA (a CLIP vision tower, one
-run of placeholders an image) and Idefics3 (SmolVLM's family: a SigLIP tower, each image cut
-into tiles with row and column tokens between them); random images; and the reference,
-transformers' own `generate` over the same inputs."""
+run of placeholders an image), LLaVA-NeXT (tiles on a grid, rows ended by a newline feature)
+and Idefics3 (SmolVLM's family: a SigLIP tower, each image cut into tiles with row and column
+tokens between them); random images; and the reference, transformers' own `generate` over the
+same inputs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    LlavaNextConfig,
+    LlavaNextForConditionalGeneration,
+    LlavaNextImageProcessorPil,
+    LlavaNextProcessor,
     LlavaProcessor,
 )
 
@@ -71,6 +76,29 @@ def llava_processor() -> LlavaProcessor:
     )
 
 
+# LLaVA-NeXT's grids: an image is cut into the tiles of the nearest, plus the whole, and its
+# features unpadded with a newline feature after each row.
+GRIDS = [[IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE], [2 * IMAGE_SIZE] * 2]
+
+
+@lru_cache(maxsize=1)
+def llava_next_processor() -> LlavaNextProcessor:
+    tokenizer = llava_processor().tokenizer
+    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    images = LlavaNextImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size=size, image_grid_pinpoints=GRIDS
+    )
+    return LlavaNextProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
 @lru_cache(maxsize=1)
 def idefics3_processor() -> Idefics3Processor:
     """Images resized to at most 56 pixels a side and cut into 28-pixel tiles, plus the whole
@@ -90,7 +118,12 @@ def idefics3_processor() -> Idefics3Processor:
 
 
 def processor_of(family: str) -> Any:
-    return llava_processor() if family == "llava" else idefics3_processor()
+    makers = {
+        "llava": llava_processor,
+        "llava_next": llava_next_processor,
+        "idefics3": idefics3_processor,
+    }
+    return makers[family]()
 
 
 def _text_config(tokenizer: Any) -> LlamaConfig:
@@ -110,8 +143,23 @@ def _text_config(tokenizer: Any) -> LlamaConfig:
 
 
 def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
-    """A tiny random model of `family` (`llava` or `idefics3`), in fp32."""
-    return tiny_llava(seed) if family == "llava" else tiny_idefics3(seed)
+    """A tiny random model of `family` (`llava`, `llava_next` or `idefics3`), in fp32."""
+    makers = {"llava": tiny_llava, "llava_next": tiny_llava_next, "idefics3": tiny_idefics3}
+    return makers[family](seed)
+
+
+def tiny_llava_next(seed: int = 0) -> LlavaNextForConditionalGeneration:
+    tokenizer = llava_next_processor().tokenizer
+    config = LlavaNextConfig(
+        vision_config=CLIPVisionConfig(**VISION).to_dict(),
+        text_config=_text_config(tokenizer).to_dict(),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        image_grid_pinpoints=GRIDS,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    torch.manual_seed(seed)
+    return LlavaNextForConditionalGeneration(config).eval()
 
 
 def tiny_idefics3(seed: int = 0) -> Idefics3ForConditionalGeneration:
@@ -176,7 +224,7 @@ def image_prompt(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
     images = [p for p in parts if not isinstance(p, str)]
-    batch = images if family == "llava" else [images]  # Idefics3 takes images per prompt
+    batch = [images] if family == "idefics3" else images  # Idefics3 takes images per prompt
     processed = dict(processor(text=[text], images=batch, return_tensors="pt"))
     ids = processed["input_ids"][0].tolist()
     digests = [hashlib.sha256(png_bytes(image)).digest() for image in images]

@@ -1,6 +1,6 @@
-"""Image-text models (LLaVA, Idefics3): transformers' own vision encoder and projector, and the
-language model (Conveyor's decoder where it is of the Llama family, else transformers' own over
-the paged attention) fed embeddings where the prompt holds images.
+"""Image-text models (LLaVA, LLaVA-NeXT, Idefics3): transformers' own vision encoder and
+projector, and the language model (Conveyor's decoder where it is of the Llama family, else
+transformers' own over the paged attention) fed embeddings where the prompt holds images.
 
 The encoder runs once per request, on the step that first reaches the request's image
 placeholders (`engine/worker/image_features.py`); its rows replace those placeholders'
@@ -23,7 +23,7 @@ from engine.worker.sampler import row_argmax
 # The families whose images are served: one position per token (no multi-axis rotary), and
 # image tokens that attend causally as text does (Gemma 3 lets an image's tokens see each
 # other both ways, which paged causal attention does not compute).
-IMAGE_TEXT_TYPES = ("llava", "idefics3")
+IMAGE_TEXT_TYPES = ("llava", "llava_next", "idefics3")
 # Language models Conveyor's decoder runs (the Llama family's dense members).
 TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -30,7 +30,7 @@ from tests.vision_utils import (
     tiny_llava,
 )
 
-FAMILIES = ["llava", "idefics3"]
+FAMILIES = ["llava", "llava_next", "idefics3"]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
