@@ -45,6 +45,13 @@ class SchedulerConfig:
     admission_soft_limit: float = 0.9
     reserved_seqs: int = 0
     max_loras: int | None = None
+    # Image feature rows one step may encode (None: `max_num_batched_tokens`, as vLLM's
+    # `max_num_encoder_input_tokens`); a step always encodes one request's images at least.
+    max_num_encoder_input_tokens: int | None = None
+
+    @property
+    def encoder_rows(self) -> int:
+        return self.max_num_encoder_input_tokens or self.max_num_batched_tokens
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -157,6 +164,8 @@ class EngineConfig:
     # on CUDA devices only (on a CPU the host computes the step itself).
     async_scheduling: bool | None = None
     runner: str = "generate"
+    # Image feature rows one step may encode (None: `max_num_batched_tokens`).
+    max_num_encoder_input_tokens: int | None = None
     # LoRA adapters (`engine/lora/`): served at all, how many one step may run, the highest
     # rank, and those loaded at start-up as (name, folder).
     enable_lora: bool = False
@@ -226,6 +235,7 @@ class EngineConfig:
             admission_soft_limit=self.admission_soft_limit,
             reserved_seqs=self._reserved_seqs(),
             max_loras=self.max_loras if self.enable_lora else None,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
         )
 
     def _reserved_seqs(self) -> int:

@@ -31,6 +31,8 @@ class ImageInputs:
     starts: tuple[tuple[int, bytes], ...]
     data: dict[str, Any]
     features: Any = None
+    # Set by the scheduler once a step that encodes them is scheduled (its encoder budget).
+    encoder_scheduled: bool = False
 
     @classmethod
     def of(

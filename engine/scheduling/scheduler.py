@@ -32,6 +32,7 @@ from engine.scheduling.admission import (
     decide,
     fewest_new_tokens,
 )
+from engine.scheduling.encoder_budget import EncoderBudget
 from engine.scheduling.policy import SchedulingPolicy
 
 
@@ -176,14 +177,20 @@ class Scheduler:
         self._yield_background()
         if self.policy.uses_priority:
             self._preempt_for_priority(output, now)
-        budget, grew_out = self._schedule_running(output, self.config.max_num_batched_tokens)
+        encoder = EncoderBudget(self.config.encoder_rows, self.config.enable_chunked_prefill)
+        budget, grew_out = self._schedule_running(
+            output, self.config.max_num_batched_tokens, encoder
+        )
         if not grew_out:
-            self._schedule_waiting(output, budget, now)
+            self._schedule_waiting(output, budget, now, encoder)
         output.block_copies = self.block_manager.take_copies()
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> tuple[int, bool]:
-        """Schedule running requests; also say whether one had to be preempted to grow."""
+    def _schedule_running(
+        self, output: SchedulerOutput, budget: int, encoder: EncoderBudget
+    ) -> tuple[int, bool]:
+        """Schedule running requests; also say whether one had to be preempted to grow. A
+        prompt's next chunk stops before images the step's encoder budget cannot take."""
         index = 0
         preempted = len(output.preempted)
         while index < len(self.running) and budget > 0:
@@ -192,6 +199,10 @@ class Scheduler:
                 index += 1  # its step in flight sampled its last token: nothing more to run
                 continue
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = encoder.cut(request, num_tokens)
+            if num_tokens == 0:  # its images wait for a step with encoder budget left
+                index += 1
+                continue
             if not self._allocate_or_preempt(request, num_tokens, output):
                 break
             output.scheduled.append(ScheduledRequest(request, num_tokens))
@@ -343,20 +354,25 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> None:
+    def _schedule_waiting(
+        self, output: SchedulerOutput, budget: int, now: float, encoder: EncoderBudget
+    ) -> None:
         if self.config.static_batching:
             if not self.running:
                 self._batch_closed = False
             if self._batch_closed:
                 return
-        self._admit(output, budget, now)
+        self._admit(output, budget, now, encoder)
         if self.config.static_batching and (
             not self.waiting or len(self.running) >= self.config.max_num_seqs
         ):
             self._batch_closed = True
 
-    def _admit(self, output: SchedulerOutput, budget: int, now: float) -> None:
-        """Start waiting requests in policy order while budget, slots and blocks last."""
+    def _admit(
+        self, output: SchedulerOutput, budget: int, now: float, encoder: EncoderBudget
+    ) -> None:
+        """Start waiting requests in policy order while budget, slots and blocks last (and the
+        step's encoder budget, for a first chunk that reaches images)."""
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.policy.pick(self.waiting, now, self._admissible())
             if request is None:
@@ -367,7 +383,7 @@ class Scheduler:
             num_tokens = request.num_tokens - request.num_computed_tokens
             if num_tokens > budget and not self.config.enable_chunked_prefill:
                 num_tokens = 0
-            num_tokens = min(num_tokens, budget)
+            num_tokens = encoder.cut(request, min(num_tokens, budget))
             if num_tokens == 0 or not self._allocate_waiting(request, num_tokens, now):
                 if fresh:  # stays waiting: hold nothing
                     self._release(request)

@@ -235,3 +235,39 @@ def test_a_16_bit_model_keeps_its_vision_encoder_in_torch_and_its_dtype(tmp_path
     expected = torch.cat([piece.reshape(-1, rows.shape[-1]) for piece in found])
     assert rows.dtype == loaded.compute_dtype
     assert torch.equal(rows, expected.to(rows.dtype))
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_each_step_encodes_within_its_encoder_budget_and_at_least_one_request(monkeypatch, chunked):
+    """With room for one image's rows a step, three image requests arriving together are
+    encoded on three steps (the one with two images, over the budget, on a step of its own);
+    the text before a deferred image still runs, where chunks may be cut."""
+    core = image_text_core(
+        max_num_encoder_input_tokens=TOKENS_PER_IMAGE, enable_chunked_prefill=chunked
+    )
+    steps: list[int] = []
+    step_sizes: list[dict[str, int]] = []
+    encode, schedule = core.runner.model.image_encoder, core.scheduler.schedule
+
+    def recorded(data):
+        steps.append(len(step_sizes) - 1)
+        return encode(data)
+
+    def scheduled():
+        output = schedule()
+        step_sizes.append({item.request.request_id: item.num_tokens for item in output.scheduled})
+        return output
+
+    monkeypatch.setattr(core.runner.model, "image_encoder", recorded)
+    monkeypatch.setattr(core.scheduler, "schedule", scheduled)
+    two, _ = submit(core, "two", ["A long line of text first", random_image(20), random_image(21)])
+    one, _ = submit(core, "one", ["Hello there", random_image(22)])
+    other, _ = submit(core, "other", [random_image(23), "Hello"])
+    outputs = run(core)
+    assert steps == [0, 1, 2]
+    reference = tiny_llava()
+    for rid, processed in (("two", two), ("one", one), ("other", other)):
+        assert tokens_of(outputs[rid]) == reference_tokens(reference, processed, 8)
+    # In the first step "one" ran its text up to its image (chunked), or waited whole.
+    prompt_one = image_prompt(["Hello there", random_image(22)])[2].positions[0]
+    assert step_sizes[0].get("one", 0) == (prompt_one if chunked else 0)
