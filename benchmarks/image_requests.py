@@ -6,11 +6,17 @@ The two take turns (Conveyor, transformers, transformers, Conveyor) at each conc
 
     python benchmarks/random_vlm.py /tmp/smolvlm
     python benchmarks/image_requests.py --model /tmp/smolvlm --concurrency 1 8
+
+With `--beside-text N`, N text requests decode while the image requests arrive instead, on
+Conveyor alone, with the step's encoder budget and without it (every image encoded in the step
+that reaches it), in turn: the text requests' longest wait between two tokens, and the image
+requests' mean TTFT.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import time
@@ -51,9 +57,7 @@ def run_conveyor(
     start = time.perf_counter()
     first: dict[str, float] = {}
     for i, inputs in enumerate(processed):
-        ids = inputs["input_ids"][0].tolist()
-        digest = hashlib.sha256(inputs["pixel_values"].numpy().tobytes()).digest()
-        images = ImageInputs.of(ids, image_token, [digest], inputs)
+        ids, images = _request(inputs, image_token)
         core.add_request(f"r{i}", ids, params, images=images)
     produced = 0
     while core.has_unfinished():
@@ -62,6 +66,48 @@ def run_conveyor(
             first.setdefault(output.request_id, time.perf_counter() - start)
     elapsed = time.perf_counter() - start
     return _figures(produced, elapsed, list(first.values()))
+
+
+def run_beside_text(
+    core: EngineCore, processed: list[dict[str, Any]], image_token: int, texts: int
+) -> dict[str, float]:
+    """Text requests decoding (64-token prompts, long outputs) while the image requests
+    arrive after their first token; the text requests' longest gap between tokens."""
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    for i in range(texts):
+        core.add_request(f"t{i}", list(range(100, 164)), params)
+    core.step()  # their prompts
+    last = dict.fromkeys((f"t{i}" for i in range(texts)), time.perf_counter())
+    start, gap, first = time.perf_counter(), 0.0, {}
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i, inputs in enumerate(processed):
+        ids, images = _request(inputs, image_token)
+        core.add_request(f"r{i}", ids, short, images=images)
+    while len(first) < len(processed) or any(r.startswith("r") for r in _unfinished(core)):
+        for output in core.step():
+            now = time.perf_counter()
+            if output.request_id in last:
+                gap = max(gap, now - last[output.request_id])
+                last[output.request_id] = now
+            else:
+                first.setdefault(output.request_id, now - start)
+    core.abort_requests(list(last))
+    return {
+        "text_longest_gap_s": round(gap, 2),
+        "image_mean_ttft_s": round(sum(first.values()) / len(first), 2),
+    }
+
+
+def _request(inputs: dict[str, Any], image_token: int) -> tuple[list[int], ImageInputs]:
+    """A processed turn's prompt ids and its image, as the engine takes them."""
+    ids = inputs["input_ids"][0].tolist()
+    digest = hashlib.sha256(inputs["pixel_values"].numpy().tobytes()).digest()
+    return ids, ImageInputs.of(ids, image_token, [digest], inputs)
+
+
+def _unfinished(core: EngineCore) -> list[str]:
+    scheduler = core.scheduler
+    return [r.request_id for r in [*scheduler.running, *scheduler.waiting]]
 
 
 def run_transformers(
@@ -115,7 +161,11 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=512)
+    parser.add_argument("--beside-text", type=int, default=0, metavar="N")
     args = parser.parse_args()
+    if args.beside_text:
+        beside_text(args)
+        return
     core, loaded, info = create_engine_core(engine_config(args))
     assert info.image_token_id is not None, "--model must be an image-text model"
     hf = AutoModelForImageTextToText.from_pretrained(args.model, dtype=getattr(torch, info.dtype))
@@ -137,6 +187,24 @@ def main() -> None:
                 figures = run_transformers(hf, processed, pad, args.output_len)
             runs[who].append(figures)
         print(json.dumps({"concurrency": concurrency, **runs}))
+
+
+def beside_text(args: argparse.Namespace) -> None:
+    core, loaded, info = create_engine_core(engine_config(args))
+    assert info.image_token_id is not None, "--model must be an image-text model"
+    budgeted = core.scheduler.config
+    unlimited = dataclasses.replace(budgeted, max_num_encoder_input_tokens=1 << 30)
+    print(f"# {info.model_name} {info.dtype} on {info.device}; {args.beside_text} text requests")
+    for concurrency in args.concurrency:
+        runs: dict[str, list[dict[str, float]]] = {"budget": [], "no budget": []}
+        for way in ("budget", "no budget", "no budget", "budget"):
+            core.scheduler.config = budgeted if way == "budget" else unlimited
+            core.scheduler.block_manager.reset_cache()
+            processed = prompts(loaded.processor, concurrency, args.image_size, seed=len(runs[way]))
+            runs[way].append(
+                run_beside_text(core, processed, info.image_token_id, args.beside_text)
+            )
+        print(json.dumps({"images": concurrency, **runs}))
 
 
 if __name__ == "__main__":
