@@ -247,6 +247,7 @@ def as_chat(body: CountTokensRequest) -> ChatCompletionRequest:
         "tools": [_chat_tool(tool) for tool in body.tools] or None,
         "tool_choice": _chat_tool_choice(body),
         "max_tokens": 1,
+        "chat_template_kwargs": _template_kwargs(body),
     }
     if body.tool_choice is not None and body.tool_choice.disable_parallel_tool_use:
         fields["parallel_tool_calls"] = False
@@ -270,7 +271,6 @@ def as_chat(body: CountTokensRequest) -> ChatCompletionRequest:
             "min_tokens": body.min_tokens,
             "ignore_eos": body.ignore_eos,
             "stop_token_ids": body.stop_token_ids,
-            "chat_template_kwargs": body.chat_template_kwargs,
             "priority": body.priority,
             "timeout": body.timeout,
             "response_format": _chat_format(body.output_config),
@@ -363,6 +363,19 @@ def _chat_tool(tool: Tool) -> dict[str, Any]:
     if tool.strict is not None:
         function["strict"] = tool.strict
     return {"type": "function", "function": function}
+
+
+def _template_kwargs(body: CountTokensRequest) -> dict[str, Any] | None:
+    """`thinking` as the template variables thinking models read (Qwen3's `enable_thinking`,
+    Granite's and DeepSeek's `thinking`): on where it is `enabled`, off where `disabled`, the
+    template's own default where `adaptive` or absent. `chat_template_kwargs` override them."""
+    kwargs: dict[str, Any] = {}
+    if body.thinking is not None and body.thinking.type != "adaptive":
+        on = body.thinking.type == "enabled"
+        kwargs = {"enable_thinking": on, "thinking": on}
+    if isinstance(body, MessagesRequest):
+        kwargs |= body.chat_template_kwargs or {}
+    return kwargs or None
 
 
 def _effort(config: OutputConfig | None) -> str | None:

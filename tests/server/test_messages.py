@@ -5,6 +5,7 @@ blocks, token counts, errors in Anthropic's shape, and the Anthropic SDK reading
 
 from __future__ import annotations
 
+import copy
 import json
 
 import anthropic
@@ -16,6 +17,7 @@ from anthropic import AsyncAnthropic
 from server.messages_protocol import MessagesRequest, chat_messages
 from server.serving_messages import ContentBlocks
 from server.settings import ServerSettings
+from tests.helpers import tiny_tokenizer
 from tests.server.test_reasoning import thinking_tokenizer
 from tests.server.test_tool_calls import SCHEMAS, TIME, WEATHER, tool_tokenizer
 from tests.server_utils import app_client, blocks_in_use, live_server, named_events
@@ -386,3 +388,42 @@ async def test_the_sdk_raises_its_own_errors_and_the_api_key_may_come_as_x_api_k
             await good.messages.create(
                 model="tiny", max_tokens=4, messages=messages, extra_body={"temperature": 5}
             )
+
+
+async def test_thinking_reaches_the_template_as_thinking_models_read_it():
+    """`thinking` sets Qwen3's `enable_thinking` and Granite's `thinking`; `adaptive` (and no
+    `thinking`) leave the template's default; chat_template_kwargs win."""
+    template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined %}[think={{ enable_thinking }}]{% endif %}"
+        "{% if thinking is defined %}[granite={{ thinking }}]{% endif %}"
+    )
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = template
+    messages = [{"role": "user", "content": "Hello world"}]
+    cases = {
+        "enabled": (
+            {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+            "[think=True][granite=True]",
+        ),
+        "disabled": ({"thinking": {"type": "disabled"}}, "[think=False][granite=False]"),
+        "adaptive": ({"thinking": {"type": "adaptive"}}, ""),
+        "absent": ({}, ""),
+        "overridden": (
+            {"thinking": {"type": "disabled"}, "chat_template_kwargs": {"enable_thinking": True}},
+            "[think=True][granite=False]",
+        ),
+    }
+    async with app_client(tokenizer=tokenizer) as (client, _):
+        for name, (fields, suffix) in cases.items():
+            expected = len(tokenizer("Hello world" + suffix, add_special_tokens=False)["input_ids"])
+            reply = await client.post(
+                "/v1/messages", json={**BASE, "messages": messages, "max_tokens": 1, **fields}
+            )
+            usage = reply.json()["usage"]
+            assert usage["input_tokens"] + usage["cache_read_input_tokens"] == expected, name
+            if name != "overridden":  # count_tokens takes no chat_template_kwargs
+                count = await client.post(
+                    "/v1/messages/count_tokens", json={"messages": messages, **fields}
+                )
+                assert count.json() == {"input_tokens": expected}, name
