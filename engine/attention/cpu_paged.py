@@ -51,9 +51,10 @@ class CpuPagedAttention(InPlaceDecodeAttention):
 
     @classmethod
     def takes(cls, features: LayerAttention) -> bool:
-        """A sliding window: its decode kernel starts each row at its window (prompt chunks of
-        windowed layers attend through the torch path's masks); not soft caps or sinks."""
-        return features.softcap is None and features.sinks is None
+        """All of them: its decode kernel starts each row at its window, caps the scores and
+        adds the sinks to each softmax; prompt chunks of such layers attend through the torch
+        path, which computes them too."""
+        return True
 
     def _prefill_work(self, batch: InputBatch, rows: np.ndarray, kv_cache: KVCache) -> PrefillRows:
         return _kernel_rows(batch, rows, kv_cache.block_size, kv_cache.device)
@@ -68,10 +69,12 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         scale: float,
         kv_scales: torch.Tensor,
         window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Caches here are never scaled (`takes_kv_scales`): the scales are 1.0.
         return cpu_ops.paged_decode(
-            query, key_cache, value_cache, block_table, seq_lens, scale, window
+            query, key_cache, value_cache, block_table, seq_lens, scale, window, softcap, sinks
         )
 
     def _prefill_rows(

@@ -66,10 +66,13 @@ class InPlaceDecodeAttention(TorchPagedAttention):
         scale: float,
         kv_scales: torch.Tensor,
         window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend each query row over its own blocks, up to its own length (its last `window`
-        tokens only, where a subclass `takes` windows); an fp8 cache holds K/V divided by
-        `kv_scales` (the layer's key and value scales, on the device)."""
+        tokens only, its scores capped by `softcap`, `sinks` in its softmax, where a subclass
+        `takes` them); an fp8 cache holds K/V divided by `kv_scales` (the layer's key and value
+        scales, on the device)."""
 
     def decode_metadata(
         self,
@@ -119,4 +122,6 @@ class InPlaceDecodeAttention(TorchPagedAttention):
             scale,
             cache.layer_scales(layer),
             window_of(features),
+            (features.softcap or 0.0) if features is not None else 0.0,
+            features.sinks if features is not None else None,
         )

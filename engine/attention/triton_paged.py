@@ -149,7 +149,10 @@ class TritonPagedAttention(InPlaceDecodeAttention):
         scale: float,
         kv_scales: torch.Tensor,
         window: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        assert not softcap and sinks is None, "the Triton kernels take windows only (`takes`)"
         return self._kernels.paged_decode(
             query,
             key_cache,

@@ -10,9 +10,12 @@ import torch.nn.functional as F
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def reference_decode(query, key_cache, value_cache, tables, lens, scale, window=0):
+def reference_decode(
+    query, key_cache, value_cache, tables, lens, scale, window=0, softcap=0.0, sinks=None
+):
     """Each row's K/V gathered token by token (its last `window` tokens only, where given),
-    then plain softmax attention in fp32."""
+    then softmax attention in fp32: scores capped by `softcap`, each head's `sinks` logit in
+    its softmax, where given."""
     rows, heads, _ = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     out = []
@@ -29,6 +32,12 @@ def reference_decode(query, key_cache, value_cache, tables, lens, scale, window=
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("hd,thd->ht", query[row].float(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if sinks is not None:  # a column of logits with no value
+            scores = torch.cat([scores, sinks.float()[:, None]], dim=1)
+            out.append(torch.einsum("ht,thd->hd", F.softmax(scores, dim=-1)[:, :-1], v))
+            continue
         out.append(torch.einsum("ht,thd->hd", F.softmax(scores, dim=-1), v))
     return torch.stack(out)
 

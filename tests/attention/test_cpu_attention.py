@@ -48,6 +48,26 @@ def test_kernel_matches_reference_for_each_head_dim_path(dtype, dim, block_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("rows", [2, 40])  # by (sequence, kv head), and by sequence
+@pytest.mark.parametrize(("softcap", "sunk"), [(0.5, False), (0.0, True), (2.0, True)])
+def test_capped_scores_and_sinks_match_the_reference(dtype, window, rows, softcap, sunk):
+    """Gemma 2's soft cap and gpt-oss's sinks, alone and together, with and without a window,
+    over each way the work is cut."""
+    rng = random.Random(rows)
+    lens = [rng.randrange(1, 60) for _ in range(rows)]
+    case = random_case(dtype, 8, 2, 32, 5, lens, seed=rows)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(3)) * 2 if sunk else None
+    options = {"scale": 0.5, "window": window, "softcap": softcap, "sinks": sinks}
+    out = cpu_ops.paged_decode(*case, **options)
+    expected = reference_decode(*case, **options)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    plain = reference_decode(*case, scale=0.5, window=window)
+    assert (expected - plain).abs().max() > 1e-2  # the features change the rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 4, 5, 9, 64])
 @pytest.mark.parametrize("rows", [2, 40])  # by (sequence, kv head), and by sequence
 def test_a_window_attends_to_each_rows_last_tokens_only(dtype, window, rows):

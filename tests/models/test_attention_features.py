@@ -1,7 +1,7 @@
 """Attention beyond plain causal attention, as Hugging Face's models compute it: sliding
 windows (Mistral, Qwen2's sliding layers, Gemma 2, gpt-oss), soft-capped scores (Gemma 2) and
-sinks (gpt-oss). The torch backend computes them, over the whole context; greedy tokens equal
-transformers' `generate`."""
+sinks (gpt-oss). The C++ kernels and the torch backend compute them all, the Triton kernels
+windows, over the whole context; greedy tokens equal transformers' `generate`."""
 
 from __future__ import annotations
 
@@ -20,12 +20,11 @@ from transformers import (
 )
 
 from engine.attention import resolve_backend_name
-from engine.attention.torch_paged import TorchPagedAttention
 from engine.core.sampling_params import SamplingParams
 from engine.factory import _why_not_capturable
 from engine.kernels.cpu import ops as cpu_ops
 from engine.models.llama import PagedLlamaForCausalLM
-from tests.conftest import TRITON_DEVICE
+from tests.conftest import TRITON_DEVICE, needs_triton
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import reference_greedy, run_all, tiny_core, tokens_of
 from tests.models.test_model_families import COMMON
@@ -102,18 +101,15 @@ def test_greedy_matches_generate_past_the_window(name):
     expected = [reference_greedy(model, p, MAX_NEW, attention="eager") for p in prompts()]
     tokens, (core, info) = engine_tokens(model, num_blocks=64, max_num_batched_tokens=64)
     assert tokens == expected
-    # The whole context is served, on a backend that computes the features: the usual one
-    # for windows alone (the C++ kernels take them), torch for soft caps and sinks.
+    # The whole context is served, on the usual backend: the C++ kernels take every feature.
     assert info.max_model_len == 256
-    windows_only = name in ("mistral", "qwen2", "gemma3")
-    usual = resolve_backend_name("auto", torch.device("cpu"))
-    assert core.runner.backend.name == (usual if windows_only else TorchPagedAttention.name)
+    assert core.runner.backend.name == resolve_backend_name("auto", torch.device("cpu"))
     conveyors = name in ("mistral", "qwen2")
     assert isinstance(core.runner.model, PagedLlamaForCausalLM) == conveyors
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2"])
-def test_the_torch_backend_computes_windows_as_the_kernels_do(name):
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma2", "gpt-oss"])
+def test_the_torch_backend_computes_the_features_as_the_kernels_do(name):
     model = build(name)
     expected = [reference_greedy(model, p, MAX_NEW, attention="eager") for p in prompts()]
     tokens, (core, _) = engine_tokens(model, attention_backend="torch")
@@ -169,15 +165,36 @@ def test_the_triton_kernels_compute_windows_as_transformers():
     assert reason == "sliding-window layers are not captured"
 
 
-@needs_kernels
+@needs_triton
 def test_a_backend_that_cannot_compute_them_is_refused_with_the_reason():
+    """The Triton kernels take windows, not soft caps or sinks."""
     with pytest.raises(ValueError, match=r"soft-capped attention scores.*--attention-backend"):
-        tiny_core(build("gemma2"), attention_backend="cpu")
+        tiny_core(build("gemma2"), attention_backend="triton", device=TRITON_DEVICE)
     with pytest.raises(ValueError, match=r"attention sinks.*--attention-backend"):
-        tiny_core(build("gpt-oss"), attention_backend="cpu")
-    # Windows alone: the C++ kernels serve them.
-    core, _ = tiny_core(build("mistral"), attention_backend="cpu")
-    assert core.runner.backend.name == "cpu"
+        tiny_core(build("gpt-oss"), attention_backend="triton", device=TRITON_DEVICE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["gemma2", "gpt-oss"])
+def test_the_cpu_kernels_decode_capped_and_sunk_layers(name):
+    """Decode rows of such layers go through the C++ kernel (prompt chunks the torch path)."""
+    model = build(name)
+    core, _ = tiny_core(model, attention_backend="cpu")
+    calls = []
+    kernel = cpu_ops.paged_decode
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("softcap", args[7] if len(args) > 7 else 0.0))
+        return kernel(*args, **kwargs)
+
+    cpu_ops.paged_decode = counted
+    try:
+        outputs = run_all(core, prompts()[:2], GREEDY)
+    finally:
+        cpu_ops.paged_decode = kernel
+    expected = [reference_greedy(model, p, MAX_NEW, attention="eager") for p in prompts()[:2]]
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(2)] == expected
+    assert calls and (name != "gemma2" or all(cap == 1.0 for cap in calls))
 
 
 def test_sinks_change_the_tokens():
@@ -196,4 +213,5 @@ def test_the_routes_line_names_the_features(caplog):
     with caplog.at_level(logging.INFO, logger="engine.factory"):
         tiny_core(build("gemma2"))
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("routes: ")]
-    assert "attention torch (sliding window of 6 tokens, soft-capped attention scores)" in line
+    usual = resolve_backend_name("auto", torch.device("cpu"))
+    assert f"attention {usual} (sliding window of 6 tokens, soft-capped attention scores)" in line

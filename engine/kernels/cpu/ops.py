@@ -78,15 +78,27 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per row over its paged K/V: `[rows, heads, dim]` in and out.
 
     `key_cache`/`value_cache` are one layer's `[blocks, block_size, kv_heads, dim]`;
     `block_table` `[rows, width]` and `seq_lens` `[rows]` are int64. With a `window`, a row
-    attends to its last `window` tokens only.
+    attends to its last `window` tokens only; a `softcap` caps each score as
+    `softcap * tanh(score / softcap)`; `sinks` (`[heads]`) join each head's softmax with no
+    value.
     """
     return torch.ops.conveyor.paged_decode(
-        _heads_contiguous(query), key_cache, value_cache, block_table, seq_lens, scale, window
+        _heads_contiguous(query),
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        scale,
+        window,
+        softcap,
+        sinks,
     )
 
 

@@ -9,6 +9,8 @@
 // lens       [seqs] int64 tokens to attend to
 // window     a sliding window: only each sequence's last `window` tokens are attended to (0:
 //            all of them)
+// softcap    scores capped as softcap * tanh(score / softcap) before the softmax (0: not)
+// sinks      [heads] fp32 logits with no value that join each head's softmax, or undefined
 // returns    [seqs, heads, head_dim] in the query's dtype
 //
 // Work is split over sequences, each to whichever thread is free (or over (sequence, kv head)
@@ -52,6 +54,8 @@ struct Shape {
   int64_t heads, kv_heads, dim, block_size, width, query_stride;
   float scale;
   int64_t window = 0;
+  float softcap = 0.f;
+  const float* sinks = nullptr;  // [heads], or none
 
   // Cache elements from one block to the next: its tokens' rows of every kv head.
   int64_t block_stride() const { return block_size * kv_heads * dim; }
@@ -315,6 +319,22 @@ inline void softmax_weights(float* scores, int64_t len, float& total) {
   total = conveyor::exp_shifted_sum(scores, len, largest(scores, len));
 }
 
+// The softmax weights of one head's scores as the layer's attention has them: capped first
+// (Gemma 2), and with a sink (gpt-oss) that joins the denominator with no value of its own.
+inline void featured_weights(float* scores, int64_t len, float softcap, const float* sink,
+                             float& total) {
+  if (softcap > 0.f) {
+    const float inv = 1.f / softcap;
+    for (int64_t i = 0; i < len; ++i) scores[i] = softcap * std::tanh(scores[i] * inv);
+  }
+  if (sink == nullptr) {
+    softmax_weights(scores, len, total);
+    return;
+  }
+  const float peak = std::max(largest(scores, len), *sink);
+  total = conveyor::exp_shifted_sum(scores, len, peak) + std::exp(*sink - peak);
+}
+
 // The first K block of the task a thread takes next, asked for while its current task's last V
 // block is computed; base is null when no task is left.
 struct NextTask {
@@ -390,9 +410,14 @@ void attend_sequence(const Q* query, const C* key, const C* value, const int64_t
                    scores + kv * group * len + first, len, ahead);
   }
   // Tokens before the window weigh nothing.
+  const float* sinks = s.sinks != nullptr ? s.sinks + kv_first * group : nullptr;
   for (int64_t h = 0; h < heads; ++h) {
-    softmax_weights(scores + h * len + skip, len - skip, total[h]);
-    std::fill(scores + h * len, scores + h * len + skip, 0.f);
+    float* row_scores = scores + h * len;
+    if (s.softcap > 0.f || sinks != nullptr)
+      featured_weights(row_scores + skip, len - skip, s.softcap,
+                       sinks != nullptr ? sinks + h : nullptr, total[h]);
+    else softmax_weights(row_scores + skip, len - skip, total[h]);
+    std::fill(row_scores, row_scores + skip, 0.f);
   }
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t first = b * bs, count = std::min(bs, len - first);
@@ -538,7 +563,8 @@ void paged_decode_team(const DecodeRows& rows, const at::Tensor& key, const at::
 }
 
 at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor table,
-                        at::Tensor lens, double scale, int64_t window) {
+                        at::Tensor lens, double scale, int64_t window, double softcap,
+                        const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(
       query.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(),
       "paged_decode: query [seqs, heads, dim], key/value [blocks, block_size, kv_heads, dim]");
@@ -558,6 +584,12 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
   lens = lens.to(at::kLong).contiguous();
   TORCH_CHECK(table.size(0) == query.size(0) && lens.size(0) == query.size(0),
               "paged_decode: one block table row and length per sequence");
+  at::Tensor sink_logits;
+  if (sinks.has_value() && sinks->defined()) {
+    sink_logits = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_logits.dim() == 1 && sink_logits.size(0) == query.size(1),
+                "paged_decode: one sink per query head");
+  }
   const Shape s{query.size(1),
                 key.size(2),
                 query.size(2),
@@ -565,7 +597,9 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
                 table.size(1),
                 query.stride(0),
                 static_cast<float>(scale),
-                std::max<int64_t>(window, 0)};
+                std::max<int64_t>(window, 0),
+                static_cast<float>(std::max(softcap, 0.0)),
+                sink_logits.defined() ? sink_logits.data_ptr<float>() : nullptr};
   check_decode_tables(table, lens, s.block_size, key.size(0));
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   if (widened) {
@@ -588,6 +622,6 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "paged_decode(Tensor query, Tensor key, Tensor value, Tensor table, Tensor lens, float "
-      "scale, int window=0) -> Tensor");
+      "scale, int window=0, float softcap=0., Tensor? sinks=None) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(conveyor::paged_decode));
 }

@@ -17,7 +17,8 @@
 namespace conveyor {
 
 at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::Tensor table,
-                        at::Tensor lens, double scale, int64_t window = 0);
+                        at::Tensor lens, double scale, int64_t window = 0, double softcap = 0.0,
+                        const std::optional<at::Tensor>& sinks = std::nullopt);
 // x W^T + bias (+ residual, where given).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t out_features,
