@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from engine.models.base import CausalLM
+from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
 from engine.models.hf import TransformersCausalLM
-from engine.models.llama import PagedLlamaForCausalLM, supports
+from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
 from engine.models.vision import (
     PagedImageTextLM,
     TransformersImageTextLM,
@@ -34,7 +35,10 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
         )
     if is_image_text(hf_model.config):
         return _image_text_lm(hf_model, impl, shard)
-    reason = supports(hf_model)
+    gemma = type(hf_model).__name__ in GEMMA_ARCHITECTURES
+    reason = plain_projections(hf_model.model.layers) if gemma else supports(hf_model)
+    if shard is not None and gemma:
+        raise ValueError("tensor parallelism runs the Llama family's models only, not Gemma")
     if shard is not None:
         if impl == "transformers" or reason:
             why = "--model-impl transformers" if impl == "transformers" else reason
@@ -46,7 +50,7 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
         raise ValueError(f"Conveyor's model implementation cannot run this model: {reason}")
     if impl == "transformers" or reason:
         return TransformersCausalLM(hf_model)
-    return PagedLlamaForCausalLM(hf_model)
+    return PagedGemmaForCausalLM(hf_model) if gemma else PagedLlamaForCausalLM(hf_model)
 
 
 def _image_text_lm(hf_model: Any, impl: str, shard: Shard | None) -> CausalLM:

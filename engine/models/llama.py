@@ -47,6 +47,8 @@ ARCHITECTURES = frozenset(
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
+# The activation modules that compute silu (torch's, and transformers' own).
+SILU_MODULES = frozenset({"SiLU", "SiLUActivation"})
 # The flattened indices of a step's tokens that image features stand for, and those rows.
 ImageRows = tuple[torch.Tensor, torch.Tensor]
 
@@ -57,6 +59,12 @@ def supports(hf_model: Any) -> str:
     if name not in ARCHITECTURES:
         return f"{name} is not one of {', '.join(sorted(ARCHITECTURES))}"
     return plain_projections(hf_model.model.layers)
+
+
+def norm_eps(norm: Any) -> float:
+    """An RMSNorm's epsilon, by either name transformers' families give it."""
+    found = getattr(norm, "variance_epsilon", None)
+    return float(found if found is not None else norm.eps)
 
 
 def plain_projections(layers: Any) -> str:
@@ -98,13 +106,14 @@ class PagedLlamaLayer(nn.Module):
         self.input_norm = hf_layer.input_layernorm
         self.post_attention_norm = hf_layer.post_attention_layernorm
         self.qk_norm_weight = self._qk_norm_weight(attn)
-        self.qk_norm_eps = attn.q_norm.variance_epsilon if self.qk_norm_weight is not None else 0.0
+        self.qk_norm_eps = norm_eps(attn.q_norm) if self.qk_norm_weight is not None else 0.0
         # LoRA adapters' slots (`--enable-lora`), shared by every layer.
         self.lora: LoRASlots | None = None
         self._lora_shapes = self._target_shapes()
 
     def _gated_mlp(self, mlp: Any, group: Any) -> None:
-        self.silu = getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
+        # By the module the MLP runs, not a config field (a family may name its own field).
+        self.silu = type(mlp.act_fn).__name__ in SILU_MODULES
         gated = GatedPanelLinear.of(mlp.gate_proj, mlp.up_proj) if self.silu else None
         # With `gated`, one op computes silu(gate) * up; else gate and up side by side.
         self.gate_up_proj = gated or fuse([mlp.gate_proj, mlp.up_proj])
@@ -154,15 +163,17 @@ class PagedLlamaLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         lora = self.lora if self.lora is not None and self.lora.active else None
-        if lora is not None:  # eagerly: compiled pieces and graphs run the base model only
-            query, key, value = PagedLlamaLayer.project_qkv(self, hidden, cos, sin, lora)
+        # Eagerly (the class's own methods, not compiled ones set on the layer): compiled pieces
+        # and graphs run the base model only.
+        if lora is not None:
+            query, key, value = type(self).project_qkv(self, hidden, cos, sin, lora)
         else:
             query, key, value = self.project_qkv(hidden, cos, sin)
         out = metadata.backend.forward(
             self.index, query, key, value, self.scaling, metadata, self.attention
         )
         if lora is not None:
-            return PagedLlamaLayer.after_attention(self, out, hidden, lora)
+            return type(self).after_attention(self, out, hidden, lora)
         return self.after_attention(out, hidden)
 
     @staticmethod
@@ -188,10 +199,15 @@ class PagedLlamaLayer(nn.Module):
             qkv += lora.delta(self.index, "qkv", normed).to(qkv.dtype)
         qk = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
         if self.qk_norm_weight is not None:
-            qk = rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
+            qk = self._qk_norm(qk)
         qk = rotate(qk, cos, sin)
         value = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], value
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """Each q and k head normalised (`[tokens, q heads + kv heads, head_dim]`)."""
+        assert self.qk_norm_weight is not None
+        return rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
 
     def after_attention(
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
@@ -240,6 +256,8 @@ class PagedLlamaLayer(nn.Module):
 
 class PagedLlamaForCausalLM(nn.Module):
     name = "conveyor"
+    # The layer each of the model's decoder layers becomes (a family may have its own).
+    layer_class: type[PagedLlamaLayer] = PagedLlamaLayer
 
     def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
         """`shard`: `hf_model` holds one rank's share of the weights (`parallel.sharding`)."""
@@ -257,7 +275,7 @@ class PagedLlamaForCausalLM(nn.Module):
         self.rotary = RotaryTable(
             base.rotary_emb, getattr(hf_model.config, "max_position_embeddings", 0)
         )
-        layers = [PagedLlamaLayer(layer, i, shard) for i, layer in enumerate(base.layers)]
+        layers = [self.layer_class(layer, i, shard) for i, layer in enumerate(base.layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = base.norm
         self.fused_decode = (

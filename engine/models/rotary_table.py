@@ -30,8 +30,10 @@ class RotaryTable:
     def __init__(self, rotary: Any, max_positions: int) -> None:
         self.rotary = rotary
         self.max_positions = max_positions
-        self.enabled = getattr(rotary, "rope_type", None) in FIXED_ROPE_TYPES and _whole_vectors(
-            rotary
+        # Per layer type (Gemma 3), a rope type is a mapping: such modules are looked up per type.
+        rope_type = getattr(rotary, "rope_type", None)
+        self.enabled = (
+            isinstance(rope_type, str) and rope_type in FIXED_ROPE_TYPES and _whole_vectors(rotary)
         )
         # One table per dtype asked for; all on the CPU, the only device that looks rows up.
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -104,8 +104,8 @@ def test_greedy_matches_generate_past_the_window(name):
     # The whole context is served, on the usual backend: the C++ kernels take every feature.
     assert info.max_model_len == 256
     assert core.runner.backend.name == resolve_backend_name("auto", torch.device("cpu"))
-    conveyors = name in ("mistral", "qwen2")
-    assert isinstance(core.runner.model, PagedLlamaForCausalLM) == conveyors
+    # Conveyor's decoder runs the Llama family and Gemma; gpt-oss runs on transformers' model.
+    assert isinstance(core.runner.model, PagedLlamaForCausalLM) == (name != "gpt-oss")
 
 
 @pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma2", "gpt-oss"])
@@ -116,7 +116,7 @@ def test_the_torch_backend_computes_the_features_as_the_kernels_do(name):
     assert core.runner.backend.name == "torch" and tokens == expected
 
 
-@pytest.mark.parametrize("name", ["mistral", "gpt-oss"])
+@pytest.mark.parametrize("name", ["mistral", "gemma2", "gemma3", "gpt-oss"])
 def test_windows_hold_under_chunked_prefill_prefix_hits_and_preemption(name):
     model = build(name)
     shared = list(range(40, 60))
@@ -215,3 +215,57 @@ def test_the_routes_line_names_the_features(caplog):
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("routes: ")]
     usual = resolve_backend_name("auto", torch.device("cpu"))
     assert f"attention {usual} (sliding window of 6 tokens, soft-capped attention scores)" in line
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemmas_prompt_logprobs_equal_transformers(name):
+    """Finer than greedy tokens: every prompt token's logprob as transformers scores it. The
+    config also names a `hidden_act` of silu, as a config converted from another family may;
+    Gemma's MLP runs GELU whatever it says, and so does Conveyor's layer."""
+    model = build(name, hidden_act="silu")
+    prompt = prompts()[3]
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    core, _ = tiny_core(model, num_blocks=64, max_num_batched_tokens=8)
+    assert isinstance(core.runner.model, PagedLlamaForCausalLM)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+    outputs = run_all(core, [prompt], params)
+    entries = [e for o in outputs["req-0"] for e in (o.prompt_logprobs or [])]
+    got = torch.tensor([e.logprob for e in entries[1:]])
+    want = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_adapters_over_gemma_score_as_peft_merged_models(tmp_path):
+    """An adapter of every projection, written by PEFT: each prompt token's logprob under it
+    as PEFT's merged model scores it (the adapter's deltas go through Gemma's own layer)."""
+    peft = pytest.importorskip("peft", reason="peft is not installed on this host")
+    torch.manual_seed(5)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    adapted = peft.get_peft_model(build("gemma3"), config)
+    with torch.no_grad():
+        for parameter_name, parameter in adapted.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.normal_(std=0.3)
+    adapted.save_pretrained(str(tmp_path / "adapter"))
+    merged = peft.PeftModel.from_pretrained(build("gemma3"), str(tmp_path / "adapter"))
+    merged = merged.merge_and_unload()
+    prompt = prompts()[3]
+    with torch.no_grad():
+        expected = torch.log_softmax(merged(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    core, _ = tiny_core(
+        build("gemma3"),
+        enable_lora=True,
+        lora_modules=(("adapter", str(tmp_path / "adapter")),),
+        max_num_batched_tokens=8,
+    )
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+    core.add_request("r", prompt, params, lora=core.loras.get("adapter"))
+    entries = []
+    while core.has_unfinished():
+        for output in core.step():
+            entries += output.prompt_logprobs or []
+    got = torch.tensor([e.logprob for e in entries[1:]])
+    want = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

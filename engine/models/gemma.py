@@ -1,0 +1,167 @@
+"""Gemma 2 and Gemma 3 (text) on Conveyor's decoder: the Llama family's layer with Gemma's
+differences. Each norm scales by one plus its weight; the attention's and the MLP's outputs are
+normed again before they join the residual (four norms a layer); the MLP gates with GELU; the
+embeddings are scaled by the square root of the hidden size. Gemma 2 caps its attention scores
+and its logits; Gemma 3 normalises each q and k head instead, and rotates local (windowed) and
+global layers with their own frequencies. Decode steps run op by op: the fused C++ stack computes
+the Llama layer only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.backend import AttentionMetadata, LayerAttention
+from engine.attention.hf import layer_window
+from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
+from engine.kernels.cpu.linear import takes_bf16_rows
+from engine.lora.slots import LoRASlots
+from engine.models.layers import rms_norm
+from engine.models.llama import ImageRows, PagedLlamaForCausalLM, PagedLlamaLayer, norm_eps
+from engine.models.rotary_table import RotaryTable
+from engine.parallel.sharding import Shard
+
+GEMMA_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+
+
+class ShiftedNorm(nn.Module):
+    """A Gemma RMSNorm as Conveyor's norm takes it: its weight plus one, in fp32."""
+
+    def __init__(self, norm: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + norm.weight.detach().float(), requires_grad=False)
+        self.variance_epsilon = norm_eps(norm)
+
+
+def gemma_norm(
+    hidden: torch.Tensor, norm: ShiftedNorm, projection: nn.Module | None = None
+) -> torch.Tensor:
+    """As Gemma computes it: normalised and scaled in fp32, then in the rows' dtype (Conveyor's
+    one-pass kernel for fp32 rows; rounded to bf16 for bf16 panels, where `projection` takes
+    them)."""
+    if hidden.dtype == torch.float32:
+        bf16_rows = projection is not None and takes_bf16_rows(projection)
+        return rms_norm(hidden, norm.weight, norm.variance_epsilon, bf16_rows)
+    h = hidden.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return (h * norm.weight).to(hidden.dtype)
+
+
+class PagedGemmaLayer(PagedLlamaLayer):
+    def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
+        super().__init__(hf_layer, index, shard)
+        attn = hf_layer.self_attn
+        self.input_norm = ShiftedNorm(hf_layer.input_layernorm)
+        # On the attention's output, before it joins the residual (the Llama layer's norm of
+        # that name comes before the MLP instead).
+        self.post_attention_norm = ShiftedNorm(hf_layer.post_attention_layernorm)
+        self.pre_mlp_norm = ShiftedNorm(hf_layer.pre_feedforward_layernorm)
+        self.post_mlp_norm = ShiftedNorm(hf_layer.post_feedforward_layernorm)
+        self.attention = LayerAttention.of(
+            layer_window(attn), getattr(attn, "attn_logit_softcapping", None)
+        )
+        # Gemma 3's local and global layers rotate with their own frequencies.
+        self.layer_type: str | None = getattr(attn, "layer_type", None)
+
+    def _qk_norm_weight(self, attn: Any) -> torch.Tensor | None:
+        weight = super()._qk_norm_weight(attn)
+        return None if weight is None else 1.0 + weight.float()
+
+    @staticmethod
+    def _norm(norm: Any, hidden: torch.Tensor, projection: nn.Module) -> torch.Tensor:
+        return gemma_norm(hidden, norm, projection)
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """As Gemma computes it: in fp32, by one more than the weights, cast after."""
+        assert self.qk_norm_weight is not None
+        h = qk.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.qk_norm_eps)
+        return (h * self.qk_norm_weight).to(qk.dtype)
+
+    def after_attention(
+        self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
+    ) -> torch.Tensor:
+        """The output projection normed onto `residual`, then the MLP between its two norms."""
+        tokens = out.shape[0]
+        attended = out.reshape(tokens, self.num_heads * self.head_dim)
+        projected = self.o_proj(attended)
+        if lora is not None and "o" in lora.groups:
+            projected = projected + lora.delta(self.index, "o", attended).to(projected.dtype)
+        hidden = residual + gemma_norm(projected, self.post_attention_norm)
+        normed = gemma_norm(hidden, self.pre_mlp_norm, self.gate_up_proj)
+        activated = self._activation(normed, lora)
+        mlp_out = self.down_proj(activated)
+        if lora is not None and "down" in lora.groups:
+            mlp_out = mlp_out + lora.delta(self.index, "down", activated).to(mlp_out.dtype)
+        return hidden + gemma_norm(mlp_out, self.post_mlp_norm)
+
+
+class LayerTypeRotary:
+    """Gemma 3's rotary embedding for one layer type, called as any model's rotary is."""
+
+    def __init__(self, rotary: Any, layer_type: str) -> None:
+        self.rotary = rotary
+        self.layer_type = layer_type
+        self.rope_type = rotary.rope_type[layer_type]
+        self.inv_freq = getattr(rotary, f"{layer_type}_inv_freq")
+
+    def __call__(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(x, position_ids, self.layer_type)
+
+
+class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    layer_class = PagedGemmaLayer
+
+    def __init__(self, hf_model: Any) -> None:
+        super().__init__(hf_model)
+        config = hf_model.config
+        self.fused_decode = FusedDecode(DecodeRoute.OPS, reason="Gemma's layers")
+        self.norm = ShiftedNorm(hf_model.model.norm)
+        # Gemma 3's embedding scales itself; Gemma 2's model scales its output.
+        self.embed_scale = (
+            None if hasattr(self.embed_tokens, "embed_scale") else config.hidden_size**0.5
+        )
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        rotary = hf_model.model.rotary_emb
+        positions = getattr(config, "max_position_embeddings", 0)
+        self.rotaries: dict[str | None, RotaryTable] = {None: self.rotary}
+        if isinstance(getattr(rotary, "rope_type", None), dict):
+            self.rotaries = {
+                kind: RotaryTable(LayerTypeRotary(rotary, kind), positions)
+                for kind in rotary.rope_type
+            }
+
+    def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        return gemma_norm(hidden[logits_indices], self.norm)
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Gemma 2 caps its logits (which leaves each row's argmax where it was)."""
+        logits = super().logits(hidden, logits_indices)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _last_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        image_features: ImageRows | None = None,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        if image_features is not None:
+            rows, features = image_features
+            hidden = hidden.index_copy(0, rows, features.to(hidden.dtype))
+        tables = {kind: table(hidden, positions) for kind, table in self.rotaries.items()}
+        for layer in self._paged_layers:
+            kind = getattr(layer, "layer_type", None)
+            hidden = layer(hidden, *tables[kind if kind in tables else None], metadata)
+        return hidden
