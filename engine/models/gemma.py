@@ -20,7 +20,13 @@ from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.kernels.cpu.linear import takes_bf16_rows
 from engine.lora.slots import LoRASlots
 from engine.models.layers import rms_norm
-from engine.models.llama import ImageRows, PagedLlamaForCausalLM, PagedLlamaLayer, norm_eps
+from engine.models.llama import (
+    ImageRows,
+    PagedLlamaForCausalLM,
+    PagedLlamaLayer,
+    norm_eps,
+    with_image_rows,
+)
 from engine.models.rotary_table import RotaryTable
 from engine.parallel.sharding import Shard
 
@@ -157,9 +163,7 @@ class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        if image_features is not None:
-            rows, features = image_features
-            hidden = hidden.index_copy(0, rows, features.to(hidden.dtype))
+        hidden = with_image_rows(hidden, image_features)
         tables = {kind: table(hidden, positions) for kind, table in self.rotaries.items()}
         for layer in self._paged_layers:
             kind = getattr(layer, "layer_type", None)

@@ -368,10 +368,7 @@ class PagedLlamaForCausalLM(nn.Module):
         image_features: ImageRows | None = None,
     ) -> torch.Tensor:
         """The last layer's output rows."""
-        hidden = self.embed_tokens(input_ids)
-        if image_features is not None:
-            rows, features = image_features
-            hidden = hidden.index_copy(0, rows, features.to(hidden.dtype))
+        hidden = with_image_rows(self.embed_tokens(input_ids), image_features)
         cos, sin = self.rotary(hidden, positions)
         step = self._fused_step(hidden, metadata)
         if step is not None:
@@ -388,6 +385,14 @@ class PagedLlamaForCausalLM(nn.Module):
         if self.fused_decode.route is DecodeRoute.OPS or adapted or not _fp32_rows(hidden):
             return None
         return metadata.backend.decode_step(metadata)
+
+
+def with_image_rows(hidden: torch.Tensor, image_features: ImageRows | None) -> torch.Tensor:
+    """The step's embeddings with image features in place of their tokens' (if any)."""
+    if image_features is None:
+        return hidden
+    rows, features = image_features
+    return hidden.index_copy(0, rows, features.to(hidden.dtype))
 
 
 def _fp32_rows(hidden: torch.Tensor) -> bool:

@@ -17,7 +17,12 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.models.hf import TransformersCausalLM
-from engine.models.llama import ImageRows, PagedLlamaForCausalLM, plain_projections
+from engine.models.llama import (
+    ImageRows,
+    PagedLlamaForCausalLM,
+    plain_projections,
+    with_image_rows,
+)
 from engine.worker.sampler import row_argmax
 
 # The families whose images are served: one position per token (no multi-axis rotary), and
@@ -130,9 +135,7 @@ class TransformersImageTextLM(TransformersCausalLM):
     ) -> torch.Tensor:
         if image_features is None:
             return super().__call__(input_ids, positions, metadata, logits_indices)
-        embeds = self.hf_model.get_input_embeddings()(input_ids)
-        rows, features = image_features
-        embeds = embeds.index_copy(0, rows, features.to(embeds.dtype))
+        embeds = with_image_rows(self.hf_model.get_input_embeddings()(input_ids), image_features)
         return self.logits(positions, metadata, logits_indices, inputs_embeds=embeds[None])
 
     def greedy_tokens(
