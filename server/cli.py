@@ -379,6 +379,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help=f"images in one request, as '{{\"image\": N}}' (default {defaults.max_images})",
     )
+    server.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="hosts image URLs may be fetched from (default: any)",
+    )
     _add_reply_parsers(server)
     server.add_argument(
         "--state-dir",
@@ -498,6 +505,9 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
             args.max_logit_bias,
             args.max_messages,
             args.limit_mm_per_prompt,
+            frozenset(d.lower() for d in args.allowed_media_domains)
+            if args.allowed_media_domains
+            else None,
         ),
     )
 

@@ -14,6 +14,7 @@ import io
 import warnings
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -36,14 +37,31 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
     return [url for message in messages for url in message.image_urls]
 
 
-async def load_images(urls: list[str], limit: int) -> list[LoadedImage]:
-    """Every image the URLs name, decoded; at most `limit` of them."""
+async def load_images(
+    urls: list[str], limit: int, domains: frozenset[str] | None = None
+) -> list[LoadedImage]:
+    """Every image the URLs name, decoded; at most `limit` of them, http(s) ones from the
+    `domains` only (where given)."""
     if len(urls) > limit:
         raise InvalidRequestError(
             f"At most {limit} images may be sent in one request; got {len(urls)}.", param=PARAM
         )
+    for url in urls:
+        check_domain(url, domains)
     raw = await asyncio.gather(*(image_bytes(url) for url in urls))
     return await asyncio.to_thread(lambda: [decode(data) for data in raw])
+
+
+def check_domain(url: str, domains: frozenset[str] | None) -> None:
+    """An http(s) URL's host must be one of `domains` where the server names some."""
+    if domains is None or not url.startswith(("http://", "https://")):
+        return
+    host = (urlsplit(url).hostname or "").lower()
+    if host not in domains:
+        raise InvalidRequestError(
+            f"Images are fetched from {', '.join(sorted(domains))} only, not {host!r}.",
+            param=PARAM,
+        )
 
 
 async def image_bytes(url: str) -> bytes:

@@ -20,6 +20,8 @@ class RequestLimits:
     max_messages: int = 2048
     # Images in one chat request (vLLM's `--limit-mm-per-prompt '{"image": N}'`).
     max_images: int = 16
+    # Hosts image URLs may name (vLLM's `--allowed-media-domains`); None: any.
+    allowed_media_domains: frozenset[str] | None = None
 
 
 def check_sampling(body: SamplingFields, limits: RequestLimits) -> None:

@@ -402,7 +402,7 @@ class ChatHandler:
         if not urls:
             return text, prompt, None
         assert token is not None  # the template refused images otherwise
-        loaded = await load_images(urls, self.limits.max_images)
+        loaded = await load_images(urls, self.limits.max_images, self.limits.allowed_media_domains)
         prompt, images = await asyncio.to_thread(
             processed_prompt, self.engine.processor, token, text, loaded, body.add_special_tokens
         )

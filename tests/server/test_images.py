@@ -279,3 +279,27 @@ async def test_the_messages_and_responses_apis_send_images_as_chat_does():
     assert counted.json() == {"input_tokens": prompt_len}
     assert response.status_code == 200, response.text
     assert response.json()["output"][0]["content"][0]["text"] == text
+
+
+async def test_fetches_keep_to_the_allowed_domains():
+    """`--allowed-media-domains`: a host outside them is refused before any fetch; data URLs
+    and the hosts named go on as before."""
+    image = random_image(13)
+    with image_host({"i.png": png_bytes(image)}) as host:
+        url = f"{host}/i.png"
+        answers = {}
+        for domains in (frozenset({"images.example"}), frozenset({"127.0.0.1"})):
+            settings = ServerSettings(
+                served_model_name="tiny", limits=RequestLimits(allowed_media_domains=domains)
+            )
+            async with llava_client(settings=settings) as (client, _):
+                for name, link in (("fetched", url), ("inline", data_url(image))):
+                    answers[(min(domains), name)] = await client.post(
+                        "/v1/chat/completions",
+                        json={**BASE, "messages": user(image_part(link), "hi")},
+                    )
+    refused = answers[("images.example", "fetched")]
+    assert refused.status_code == 400
+    assert "images.example only, not '127.0.0.1'" in refused.json()["error"]["message"]
+    for key in (("images.example", "inline"), ("127.0.0.1", "fetched"), ("127.0.0.1", "inline")):
+        assert answers[key].status_code == 200, (key, answers[key].text)

@@ -1,6 +1,7 @@
 """vLLM's serve flags that command lines copied from it carry: several served model names,
 `--chat-template` (a file or the template itself), `--enable-auto-tool-choice`,
-`--enable-log-requests` / `--disable-log-requests`, and `--limit-mm-per-prompt`."""
+`--enable-log-requests` / `--disable-log-requests`, `--limit-mm-per-prompt` and
+`--allowed-media-domains`."""
 
 from __future__ import annotations
 
@@ -71,3 +72,9 @@ def test_the_image_limit_takes_vllms_json_and_refuses_other_media():
     for bad in ('{"video": 1}', '{"image": -1}', '{"image": "2"}', "2"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--limit-mm-per-prompt", bad])
+
+
+def test_the_allowed_media_domains_are_read_as_lower_case_hosts():
+    assert settings_of().limits.allowed_media_domains is None
+    limits = settings_of("--allowed-media-domains", "Images.Example", "cdn.example").limits
+    assert limits.allowed_media_domains == frozenset({"images.example", "cdn.example"})
