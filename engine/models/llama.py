@@ -1,5 +1,6 @@
-"""Conveyor's own decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), and its
-mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE), whose layers differ only in the MLP.
+"""Conveyor's own decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, whose
+NoPE layers rotate nothing), and its mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE),
+whose layers differ only in the MLP.
 
 It takes its weights from the loaded Hugging Face model and computes the same thing with fewer
 kernel launches: q, k and v come from one fused projection and gate and up from another, rotary
@@ -44,6 +45,7 @@ ARCHITECTURES = frozenset(
         "MixtralForCausalLM",
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
+        "SmolLM3ForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
@@ -94,6 +96,8 @@ class PagedLlamaLayer(nn.Module):
         self.scaling = attn.scaling
         # A sliding window (Mistral's, Qwen2's sliding layers), or None.
         self.attention = LayerAttention.of(layer_window(attn))
+        # SmolLM3's NoPE layers rotate neither q nor k.
+        self.rotates = bool(getattr(attn, "use_rope", True))
         self.qkv_proj = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         group = shard.group if shard is not None else None
         self.o_proj = reduced(attn.o_proj, group)
@@ -200,7 +204,8 @@ class PagedLlamaLayer(nn.Module):
         qk = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
         if self.qk_norm_weight is not None:
             qk = self._qk_norm(qk)
-        qk = rotate(qk, cos, sin)
+        if self.rotates:
+            qk = rotate(qk, cos, sin)
         value = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], value
 

@@ -12,11 +12,14 @@ from transformers import (
     MistralConfig,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
+from engine.kernels.cpu.fused_decode import why_not_fused
+from engine.models.llama import PagedLlamaForCausalLM
 from tests.helpers import reference_greedy, run_all, tiny_core, tiny_tokenizer, tokens_of
 
 COMMON = dict(
@@ -37,6 +40,8 @@ FAMILIES = {
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=False),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16, use_sliding_window=False),
+    # The second layer a NoPE one: no rotary embedding of its q and k.
+    "smollm3": lambda: SmolLM3Config(**COMMON, no_rope_layers=[1, 0], use_sliding_window=False),
 }
 
 
@@ -82,3 +87,28 @@ def test_model_loads_from_a_local_folder(tmp_path):
     outputs = run_all(core, [prompt], params)["req-0"]
     assert tokens_of(outputs) == reference_greedy(model, prompt, 6)
     assert loaded.tokenizer.decode(tokens_of(outputs)) == "".join(o.text for o in outputs)
+
+
+def test_smollm3s_nope_layers_run_on_conveyors_decoder_and_matter():
+    """Prompt logprobs equal transformers' (finer than greedy tokens), on Conveyor's decoder,
+    whose decode steps go op by op; the same weights with every layer rotated score otherwise."""
+    model = build("smollm3")
+    rng = random.Random(3)
+    prompt = [rng.randrange(2, 320) for _ in range(24)]
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+        roped = build("smollm3")
+        roped.config.no_rope_layers = [1, 1]
+        for layer in roped.model.layers:
+            layer.self_attn.use_rope = True
+        rotated = torch.log_softmax(roped(torch.tensor([prompt])).logits[0], dim=-1)
+    core, _ = tiny_core(model, max_num_batched_tokens=8)
+    assert isinstance(core.runner.model, PagedLlamaForCausalLM)
+    nope = core.runner.model.layers[1]
+    assert not nope.rotates and "NoPE" in why_not_fused(nope)  # the fused stack rotates all
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+    entries = [e for o in run_all(core, [prompt], params)["req-0"] for e in o.prompt_logprobs or []]
+    got = torch.tensor([e.logprob for e in entries[1:]])
+    index = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+    torch.testing.assert_close(got, expected[index], atol=1e-4, rtol=1e-4)
+    assert (rotated[index] - expected[index]).abs().max() > 1e-2

@@ -79,6 +79,8 @@ def why_not_fused(layer: FusibleLayer) -> str:
         return "soft-capped scores or sinks"
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     norms = (layer.input_norm, layer.post_attention_norm)
+    if not getattr(layer, "rotates", True):
+        return "a layer without rotary embeddings (NoPE)"
     if not cpu_ops.has("fused_decode"):
         return "the fused_decode kernels are not built"
     if not layer.silu:
