@@ -19,14 +19,9 @@ from engine.attention.hf import layer_window
 from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.kernels.cpu.linear import takes_bf16_rows
 from engine.lora.slots import LoRASlots
+from engine.models.base import ImageRows, with_image_rows
 from engine.models.layers import rms_norm
-from engine.models.llama import (
-    ImageRows,
-    PagedLlamaForCausalLM,
-    PagedLlamaLayer,
-    norm_eps,
-    with_image_rows,
-)
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, norm_eps
 from engine.models.rotary_table import RotaryTable
 from engine.parallel.sharding import Shard
 
@@ -51,9 +46,15 @@ def gemma_norm(
     if hidden.dtype == torch.float32:
         bf16_rows = projection is not None and takes_bf16_rows(projection)
         return rms_norm(hidden, norm.weight, norm.variance_epsilon, bf16_rows)
-    h = hidden.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return (h * norm.weight).to(hidden.dtype)
+    return scaled_in_fp32(hidden, norm.weight, norm.variance_epsilon)
+
+
+def scaled_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm of 16-bit rows (or heads): normalised and scaled by `weight` (one more
+    than the checkpoint's, fp32) in fp32, cast to the rows' dtype after."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight).to(x.dtype)
 
 
 class PagedGemmaLayer(PagedLlamaLayer):
@@ -83,9 +84,7 @@ class PagedGemmaLayer(PagedLlamaLayer):
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """As Gemma computes it: in fp32, by one more than the weights, cast after."""
         assert self.qk_norm_weight is not None
-        h = qk.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.qk_norm_eps)
-        return (h * self.qk_norm_weight).to(qk.dtype)
+        return scaled_in_fp32(qk, self.qk_norm_weight, self.qk_norm_eps)
 
     def after_attention(
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
@@ -129,7 +128,8 @@ class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
         config = hf_model.config
         self.fused_decode = FusedDecode(DecodeRoute.OPS, reason="Gemma's layers")
         self.norm = ShiftedNorm(hf_model.model.norm)
-        # Gemma 3's embedding scales itself; Gemma 2's model scales its output.
+        # transformers' scaled embedding scales itself; a model with a plain embedding scales
+        # its output in its forward (as Gemma's first modelling did), and so does this.
         self.embed_scale = (
             None if hasattr(self.embed_tokens, "embed_scale") else config.hidden_size**0.5
         )

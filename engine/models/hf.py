@@ -8,6 +8,7 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.hf import METADATA_KWARG
+from engine.models.base import ImageRows, with_image_rows
 from engine.worker.sampler import row_argmax
 
 
@@ -23,8 +24,12 @@ class TransformersCausalLM:
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
+        image_features: ImageRows | None = None,
     ) -> torch.Tensor:
-        return self.logits(positions, metadata, logits_indices, input_ids=input_ids[None])
+        if image_features is None:
+            return self.logits(positions, metadata, logits_indices, input_ids=input_ids[None])
+        embeds = with_image_rows(self.hf_model.get_input_embeddings()(input_ids), image_features)
+        return self.logits(positions, metadata, logits_indices, inputs_embeds=embeds[None])
 
     def logits(
         self,
@@ -49,6 +54,8 @@ class TransformersCausalLM:
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         logits_indices: torch.Tensor,
+        image_features: ImageRows | None = None,
     ) -> torch.Tensor:
         """The argmax of each row's logits, as the sampler takes it."""
-        return row_argmax(self(input_ids, positions, metadata, logits_indices).float())
+        logits = self(input_ids, positions, metadata, logits_indices, image_features)
+        return row_argmax(logits.float())

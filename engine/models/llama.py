@@ -29,6 +29,7 @@ from engine.kernels.cpu.linear import (
 )
 from engine.lora.adapter import Shapes
 from engine.lora.slots import LoRASlots
+from engine.models.base import ImageRows, with_image_rows
 from engine.models.experts import SparseMoE, is_sparse
 from engine.models.layers import add_projected, fuse, gated_activation, rms_norm, rotate
 from engine.models.rotary_table import RotaryTable
@@ -51,8 +52,6 @@ ARCHITECTURES = frozenset(
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
 # The activation modules that compute silu (torch's, and transformers' own).
 SILU_MODULES = frozenset({"SiLU", "SiLUActivation"})
-# The flattened indices of a step's tokens that image features stand for, and those rows.
-ImageRows = tuple[torch.Tensor, torch.Tensor]
 
 
 def supports(hf_model: Any) -> str:
@@ -390,14 +389,6 @@ class PagedLlamaForCausalLM(nn.Module):
         if self.fused_decode.route is DecodeRoute.OPS or adapted or not _fp32_rows(hidden):
             return None
         return metadata.backend.decode_step(metadata)
-
-
-def with_image_rows(hidden: torch.Tensor, image_features: ImageRows | None) -> torch.Tensor:
-    """The step's embeddings with image features in place of their tokens' (if any)."""
-    if image_features is None:
-        return hidden
-    rows, features = image_features
-    return hidden.index_copy(0, rows, features.to(hidden.dtype))
 
 
 def _fp32_rows(hidden: torch.Tensor) -> bool:

@@ -15,15 +15,9 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
+from engine.models.base import CausalLM
 from engine.models.hf import TransformersCausalLM
-from engine.models.llama import (
-    ImageRows,
-    PagedLlamaForCausalLM,
-    plain_projections,
-    with_image_rows,
-)
-from engine.worker.sampler import row_argmax
+from engine.models.llama import PagedLlamaForCausalLM, plain_projections
 
 # The families whose images are served: one position per token (no multi-axis rotary), and
 # image tokens that attend causally as text does (Gemma 3 lets an image's tokens see each
@@ -87,29 +81,11 @@ class ImageEncoder:
         return rows.to(self._embed.weight.dtype)
 
 
-class ImageTextLM(Protocol):
-    """What the runner needs of an image-text model: its encoder, and steps whose
-    `image_features` replace some tokens' embeddings."""
+class ImageTextLM(CausalLM, Protocol):
+    """What the runner needs of an image-text model: its encoder beside the calling convention
+    (whose `image_features` replace some tokens' embeddings)."""
 
     image_encoder: ImageEncoder
-
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        logits_indices: torch.Tensor,
-        image_features: ImageRows | None = None,
-    ) -> torch.Tensor: ...
-
-    def greedy_tokens(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        logits_indices: torch.Tensor,
-        image_features: ImageRows | None = None,
-    ) -> torch.Tensor: ...
 
 
 def takes_images(model: Any) -> bool:
@@ -124,30 +100,6 @@ class TransformersImageTextLM(TransformersCausalLM):
     def __init__(self, hf_model: Any) -> None:
         super().__init__(hf_model)
         self.image_encoder = ImageEncoder(hf_model)
-
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        logits_indices: torch.Tensor,
-        image_features: ImageRows | None = None,
-    ) -> torch.Tensor:
-        if image_features is None:
-            return super().__call__(input_ids, positions, metadata, logits_indices)
-        embeds = with_image_rows(self.hf_model.get_input_embeddings()(input_ids), image_features)
-        return self.logits(positions, metadata, logits_indices, inputs_embeds=embeds[None])
-
-    def greedy_tokens(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        logits_indices: torch.Tensor,
-        image_features: ImageRows | None = None,
-    ) -> torch.Tensor:
-        logits = self(input_ids, positions, metadata, logits_indices, image_features)
-        return row_argmax(logits.float())
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,16 +9,14 @@ import numpy as np
 import torch
 
 from engine.core.images import ImageInputs
+from engine.models.base import ImageRows
 from engine.models.vision import ImageTextLM
 from engine.worker.input_batch import InputBatch
-
-# The flattened indices of the step's tokens that take image features, and the rows.
-StepFeatures = tuple[torch.Tensor, torch.Tensor]
 
 
 def step_image_features(
     batch: InputBatch, model: ImageTextLM, device: torch.device
-) -> StepFeatures | None:
+) -> ImageRows | None:
     """The step's image features, or None where it computes no image placeholder."""
     indices: list[np.ndarray] = []
     rows: list[torch.Tensor] = []

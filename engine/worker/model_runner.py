@@ -20,12 +20,13 @@ from engine.kv.kv_cache import KVCache
 from engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from engine.lora.slots import LoRASlots
 from engine.models import CausalLM
+from engine.models.base import ImageRows
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.models.vision import ImageTextLM, takes_images
 from engine.parallel.step import StepInputs
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs
-from engine.worker.image_features import StepFeatures, step_image_features
+from engine.worker.image_features import step_image_features
 from engine.worker.input_batch import InputBatch, build_input_batch
 from engine.worker.piecewise_graphs import PiecewiseGraphs
 from engine.worker.sampler import (
@@ -108,10 +109,7 @@ class ModelRunner:
             images = self._image_features(batch)
             if chooses:
                 inputs = self._model_inputs(batch, indices, input_ids)
-                if images is not None:
-                    tokens = self._image_text().greedy_tokens(*inputs, image_features=images)
-                else:
-                    tokens = self.model.greedy_tokens(*inputs)
+                tokens = self.model.greedy_tokens(*inputs, image_features=images)
                 self.kv_cache.end_calibration()
                 return self._launched(requests, SampledTokens(tokens, None), output)
             logits = self.forward(batch, indices, input_ids, images)
@@ -175,7 +173,7 @@ class ModelRunner:
         batch: InputBatch,
         logits_indices: np.ndarray,
         input_ids: torch.Tensor | None = None,
-        images: StepFeatures | None = None,
+        images: ImageRows | None = None,
     ) -> torch.Tensor:
         """Logits `[len(logits_indices), vocab]` for the given flattened token positions;
         `input_ids` on the device, if already there. A step with `images` (features that
@@ -184,7 +182,7 @@ class ModelRunner:
             input_ids = self._device_input_ids(batch)
         if images is not None:
             inputs = self._model_inputs(batch, logits_indices, input_ids)
-            return self._image_text()(*inputs, image_features=images)
+            return self.model(*inputs, image_features=images)
         if self._replays_whole(batch, logits_indices):
             assert self.graphs is not None
             return self.graphs.run(batch, input_ids)
@@ -195,14 +193,11 @@ class ModelRunner:
             return self.piecewise.run(batch, input_ids, metadata, keep)
         return self.model(*inputs)
 
-    def _image_features(self, batch: InputBatch) -> StepFeatures | None:
+    def _image_features(self, batch: InputBatch) -> ImageRows | None:
         """The features of the images whose placeholders the step computes (None for none)."""
         if not self.takes_images:
             return None
-        return step_image_features(batch, self._image_text(), self.device)
-
-    def _image_text(self) -> ImageTextLM:
-        return cast(ImageTextLM, self.model)
+        return step_image_features(batch, cast(ImageTextLM, self.model), self.device)
 
     def _replays_whole(self, batch: InputBatch, logits_indices: np.ndarray) -> bool:
         """A decode graph runs the step. The step that calibrates the KV cache's scales runs
