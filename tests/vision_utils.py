@@ -58,22 +58,24 @@ CHAT_TEMPLATE = (
 )
 
 
+CROP = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+# How both LLaVA processors expand `<image>`: a placeholder a patch, the CLS feature dropped.
+LLAVA_PROCESSING: dict[str, Any] = {
+    "patch_size": PATCH,
+    "vision_feature_select_strategy": "default",
+    "image_token": IMAGE_TOKEN,
+    "num_additional_image_tokens": 1,
+    "chat_template": CHAT_TEMPLATE,
+}
+
+
 @lru_cache(maxsize=1)
 def llava_processor() -> LlavaProcessor:
     tokenizer = copy.deepcopy(tiny_tokenizer())
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.chat_template = CHAT_TEMPLATE
-    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    images = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE}, crop_size=size)
-    return LlavaProcessor(
-        image_processor=images,
-        tokenizer=tokenizer,
-        patch_size=PATCH,
-        vision_feature_select_strategy="default",
-        image_token=IMAGE_TOKEN,
-        num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE,
-    )
+    images = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIZE}, crop_size=CROP)
+    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, **LLAVA_PROCESSING)
 
 
 # LLaVA-NeXT's grids: an image is cut into the tiles of the nearest, plus the whole, and its
@@ -84,19 +86,10 @@ GRIDS = [[IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE], [2 * IMAGE_
 @lru_cache(maxsize=1)
 def llava_next_processor() -> LlavaNextProcessor:
     tokenizer = llava_processor().tokenizer
-    size = {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     images = LlavaNextImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size=size, image_grid_pinpoints=GRIDS
+        size={"shortest_edge": IMAGE_SIZE}, crop_size=CROP, image_grid_pinpoints=GRIDS
     )
-    return LlavaNextProcessor(
-        image_processor=images,
-        tokenizer=tokenizer,
-        patch_size=PATCH,
-        vision_feature_select_strategy="default",
-        image_token=IMAGE_TOKEN,
-        num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE,
-    )
+    return LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, **LLAVA_PROCESSING)
 
 
 @lru_cache(maxsize=1)

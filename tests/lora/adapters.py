@@ -3,6 +3,7 @@ and PEFT's own model with the adapter merged: the oracle for what serving one co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +27,17 @@ def save_adapter(
     seed: int,
     rank: int = 4,
     zero: bool = False,
+    base: Callable[[], torch.nn.Module] = tiny_llama,
     **config: Any,
 ) -> str:
-    """An adapter of the tiny model saved in `folder`: random A and B wide enough to change its
-    greedy tokens (or, with `zero`, B left at zero as PEFT initializes it: a delta of nothing)."""
+    """An adapter of the tiny model (or of the model `base` builds) saved in `folder`: random A
+    and B wide enough to change its greedy tokens (or, with `zero`, B left at zero as PEFT
+    initializes it: a delta of nothing)."""
     torch.manual_seed(seed)
     lora = LoraConfig(
         r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=zero, **config
     )
-    model = get_peft_model(tiny_llama(), lora)
+    model = get_peft_model(base(), lora)
     if not zero:
         with torch.no_grad():
             for name, weight in model.named_parameters():
@@ -44,6 +47,8 @@ def save_adapter(
     return str(folder)
 
 
-def merged(path: str, **tiny: Any) -> LlamaForCausalLM:
-    """The tiny model with the adapter at `path` merged into its weights, by PEFT."""
-    return PeftModel.from_pretrained(tiny_llama(**tiny), path).merge_and_unload()
+def merged(path: str, base: torch.nn.Module | None = None, **tiny: Any) -> LlamaForCausalLM:
+    """The tiny model (or `base`) with the adapter at `path` merged into its weights, by
+    PEFT."""
+    model = base if base is not None else tiny_llama(**tiny)
+    return PeftModel.from_pretrained(model, path).merge_and_unload()

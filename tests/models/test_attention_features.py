@@ -239,25 +239,18 @@ def test_gemmas_prompt_logprobs_equal_transformers(name):
 def test_lora_adapters_over_gemma_score_as_peft_merged_models(tmp_path):
     """An adapter of every projection, written by PEFT: each prompt token's logprob under it
     as PEFT's merged model scores it (the adapter's deltas go through Gemma's own layer)."""
-    peft = pytest.importorskip("peft", reason="peft is not installed on this host")
-    torch.manual_seed(5)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-    adapted = peft.get_peft_model(build("gemma3"), config)
-    with torch.no_grad():
-        for parameter_name, parameter in adapted.named_parameters():
-            if "lora_B" in parameter_name:
-                parameter.normal_(std=0.3)
-    adapted.save_pretrained(str(tmp_path / "adapter"))
-    merged = peft.PeftModel.from_pretrained(build("gemma3"), str(tmp_path / "adapter"))
-    merged = merged.merge_and_unload()
+    pytest.importorskip("peft", reason="peft is not installed on this host")
+    from tests.lora.adapters import ATTENTION, MLP, merged, save_adapter
+
+    path = save_adapter(tmp_path / "adapter", ATTENTION + MLP, seed=5, base=lambda: build("gemma3"))
     prompt = prompts()[3]
     with torch.no_grad():
-        expected = torch.log_softmax(merged(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        logits = merged(path, build("gemma3"))(torch.tensor([prompt])).logits[0]
+        expected = torch.log_softmax(logits.float(), dim=-1)
     core, _ = tiny_core(
         build("gemma3"),
         enable_lora=True,
-        lora_modules=(("adapter", str(tmp_path / "adapter")),),
+        lora_modules=(("adapter", path),),
         max_num_batched_tokens=8,
     )
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)

@@ -184,20 +184,13 @@ def test_compile_and_graphs_refuse_experts_with_the_reason():
 def test_lora_adapters_of_the_attention_are_served_and_of_the_experts_refused(tmp_path):
     """A PEFT adapter of the attention's projections (the experts are 3-d tensors PEFT's
     LoRA layers do not target): greedy tokens equal PEFT's merged model."""
-    peft = pytest.importorskip("peft", reason="peft is not installed on this host")
-    torch.manual_seed(3)
-    config = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False
+    pytest.importorskip("peft", reason="peft is not installed on this host")
+    from tests.lora.adapters import merged, save_adapter
+
+    path = save_adapter(
+        tmp_path / "attn", ["q_proj", "v_proj", "o_proj"], seed=3, base=lambda: build("qwen3-moe")
     )
-    adapted = peft.get_peft_model(build("qwen3-moe"), config)
-    with torch.no_grad():
-        for name, weight in adapted.named_parameters():
-            if "lora_B" in name:
-                weight.normal_(std=0.3)
-    adapted.save_pretrained(str(tmp_path / "attn"))
-    merged = peft.PeftModel.from_pretrained(build("qwen3-moe"), str(tmp_path / "attn"))
-    merged = merged.merge_and_unload()
-    expected = [reference_greedy(merged, p, MAX_NEW) for p in prompts()]
+    expected = [reference_greedy(merged(path, build("qwen3-moe")), p, MAX_NEW) for p in prompts()]
     core, _ = tiny_core(
         build("qwen3-moe"), enable_lora=True, lora_modules=(("attn", str(tmp_path / "attn")),)
     )
