@@ -1,8 +1,9 @@
 """Tiny random-weight image-text models with their processors: LLaVA (a CLIP vision tower, one
-run of placeholders an image), LLaVA-NeXT (tiles on a grid, rows ended by a newline feature)
-and Idefics3 (SmolVLM's family: a SigLIP tower, each image cut into tiles with row and column
-tokens between them); random images; and the reference, transformers' own `generate` over the
-same inputs."""
+run of placeholders an image), LLaVA-NeXT (tiles on a grid, rows ended by a newline feature),
+Idefics3 (SmolVLM's family: a SigLIP tower, each image cut into tiles with row and column
+tokens between them) and Gemma 3 (a SigLIP tower, each image's placeholders attending to each
+other both ways, a Gemma decoder with local and global layers); random images; and the
+reference, transformers' own `generate` over the same inputs."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ import torch
 from transformers import (
     CLIPImageProcessorPil,
     CLIPVisionConfig,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3ImageProcessorPil,
+    Gemma3Processor,
+    Gemma3TextConfig,
     Idefics3Config,
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessorPil,
@@ -32,6 +38,8 @@ from transformers import (
     LlavaNextImageProcessorPil,
     LlavaNextProcessor,
     LlavaProcessor,
+    PreTrainedTokenizerFast,
+    SiglipVisionConfig,
 )
 
 from engine.core.images import ImageInputs
@@ -110,11 +118,42 @@ def idefics3_processor() -> Idefics3Processor:
     )
 
 
+# Gemma 3's processor expands its begin-of-image token into the image's placeholders between
+# that token and an end-of-image one.
+GEMMA_IMAGE_TOKENS = {
+    "image_token": "<image_soft_token>",
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+}
+
+
+@lru_cache(maxsize=1)
+def gemma3_processor() -> Gemma3Processor:
+    """Images resized to 28 pixels a side: four placeholders an image (`image_seq_length`)."""
+    base = tiny_tokenizer()
+    template = CHAT_TEMPLATE.replace(IMAGE_TOKEN, GEMMA_IMAGE_TOKENS["boi_token"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=copy.deepcopy(base.backend_tokenizer),
+        eos_token=base.eos_token,
+        bos_token=base.bos_token,
+        extra_special_tokens=GEMMA_IMAGE_TOKENS,
+        chat_template=template,
+    )
+    images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    return Gemma3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_length=TOKENS_PER_IMAGE,
+        chat_template=template,
+    )
+
+
 def processor_of(family: str) -> Any:
     makers = {
         "llava": llava_processor,
         "llava_next": llava_next_processor,
         "idefics3": idefics3_processor,
+        "gemma3": gemma3_processor,
     }
     return makers[family]()
 
@@ -136,9 +175,50 @@ def _text_config(tokenizer: Any) -> LlamaConfig:
 
 
 def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
-    """A tiny random model of `family` (`llava`, `llava_next` or `idefics3`), in fp32."""
-    makers = {"llava": tiny_llava, "llava_next": tiny_llava_next, "idefics3": tiny_idefics3}
+    """A tiny random model of `family` (`llava`, `llava_next`, `idefics3` or `gemma3`), in
+    fp32."""
+    makers = {
+        "llava": tiny_llava,
+        "llava_next": tiny_llava_next,
+        "idefics3": tiny_idefics3,
+        "gemma3": tiny_gemma3,
+    }
     return makers[family](seed)
+
+
+def tiny_gemma3(seed: int = 0) -> Gemma3ForConditionalGeneration:
+    """Local layers of an 8-token window, then a global one. Its greedy tokens change where the
+    image tokens attend causally instead of both ways."""
+    tokenizer = gemma3_processor().tokenizer
+    text = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        initializer_range=0.2,
+        tie_word_embeddings=False,  # tied, a random model repeats its last token
+        eos_token_id=0,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    config = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=SiglipVisionConfig(**VISION).to_dict(),
+        mm_tokens_per_image=TOKENS_PER_IMAGE,
+        image_token_index=tokenizer.image_token_id,
+        boi_token_index=tokenizer.boi_token_id,
+        eoi_token_index=tokenizer.eoi_token_id,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return Gemma3ForConditionalGeneration(config).eval()
 
 
 def tiny_llava_next(seed: int = 0) -> LlavaNextForConditionalGeneration:
@@ -217,12 +297,16 @@ def image_prompt(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
     images = [p for p in parts if not isinstance(p, str)]
-    batch = [images] if family == "idefics3" else images  # Idefics3 takes images per prompt
+    per_prompt = family in ("idefics3", "gemma3")  # they take a list of images per prompt
+    batch = [images] if per_prompt else images
     processed = dict(processor(text=[text], images=batch, return_tensors="pt"))
     ids = processed["input_ids"][0].tolist()
     digests = [hashlib.sha256(png_bytes(image)).digest() for image in images]
-    token = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-    return processed, ids, ImageInputs.of(ids, token, digests, processed)
+    placeholder = GEMMA_IMAGE_TOKENS["image_token"] if family == "gemma3" else IMAGE_TOKEN
+    token = processor.tokenizer.convert_tokens_to_ids(placeholder)
+    inputs = ImageInputs.of(ids, token, digests, processed)
+    inputs.both_ways = family == "gemma3"
+    return processed, ids, inputs
 
 
 def reference_tokens(

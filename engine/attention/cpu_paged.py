@@ -90,8 +90,8 @@ class CpuPagedAttention(InPlaceDecodeAttention):
     ) -> None:
         """Prefill chunks in one kernel call over K/V already stored, read in place: fresh
         prompts and chunks after cached tokens alike, written straight into `out`. Shapes the
-        kernel does not take (head dims not a multiple of 16, a 16-bit model) and windowed
-        layers keep the torch path."""
+        kernel does not take (head dims not a multiple of 16, a 16-bit model), windowed layers
+        and chunks whose image tokens see past themselves keep the torch path."""
         assert isinstance(metadata, InPlaceMetadata)
         rows, cache = metadata.prefill_rows, metadata.kv_cache
         if rows is None or features is not None or not _kernel_takes(query, cache):
@@ -110,6 +110,7 @@ class CpuPagedAttention(InPlaceDecodeAttention):
             scale,
             bf16,
         )
+        self._prefill_spans(layer, query, key, value, scale, metadata, out, limited_only=True)
 
     @staticmethod
     def _store(

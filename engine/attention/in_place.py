@@ -45,7 +45,11 @@ class InPlaceDecodeAttention(TorchPagedAttention):
     def build_metadata(self, batch: InputBatch, kv_cache: KVCache) -> TorchPagedMetadata:
         meta = super().build_metadata(batch, kv_cache)
         assert isinstance(meta, InPlaceMetadata)
-        rows = np.flatnonzero(batch.query_lens > 1)
+        # Rows whose image tokens see past themselves take the torch path (`_prefill_spans`).
+        rows = np.array(
+            [row for row in np.flatnonzero(batch.query_lens > 1) if row not in batch.key_limits],
+            dtype=np.int64,
+        )
         if rows.size:
             meta.prefill_rows = self._prefill_work(batch, rows, kv_cache)
         return meta

@@ -7,7 +7,8 @@ the cache with an offset causal mask.
 
 It alone computes a layer's `LayerAttention` (sliding windows, soft-capped scores, sinks): the
 masks then also hide what lies before each token's window, and scores that are capped or meet
-sinks are computed explicitly in fp32 (SDPA takes neither).
+sinks are computed explicitly in fp32 (SDPA takes neither). It also attends the chunks whose
+image tokens see their whole run both ways (`InputBatch.key_limits`), for every backend.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class PrefillSpan:
     start: int
     end: int
     seq_len: int
+    # Where its image tokens see past themselves: the last key position each query token
+    # sees (`InputBatch.key_limits`).
+    limits: np.ndarray | None = None
     block_row: np.ndarray | None = None
     device_blocks: torch.Tensor | None = None
     mask: torch.Tensor | None = None
@@ -61,6 +65,13 @@ class PrefillSpan:
             seen = np.arange(self.seq_len)[None, :] <= query_pos[:, None]
             self.mask = _to(seen, device)[None, None]
         return self.mask
+
+    def visible(self, device: torch.device, window: int | None) -> torch.Tensor:
+        """`[tokens, seq_len]`: the keys each query token sees, within its `window` (None:
+        all before it) and up to its limit (its own position but where `limits` say more)."""
+        positions = torch.arange(self.context, self.seq_len, device=device)[:, None]
+        limits = positions if self.limits is None else _to(self.limits, device)[:, None]
+        return _visible(positions, self.seq_len, window, limits)
 
 
 @dataclass(slots=True, eq=False)
@@ -164,7 +175,26 @@ class TorchPagedAttention(AttentionBackend):
     ) -> None:
         """Write the multi-token rows' attention into their tokens of `out`: one SDPA call
         per row here."""
+        self._prefill_spans(layer, query, key, value, scale, metadata, out, features)
+
+    def _prefill_spans(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        metadata: TorchPagedMetadata,
+        out: torch.Tensor,
+        features: LayerAttention | None = None,
+        limited_only: bool = False,
+    ) -> None:
+        """Write the multi-token rows' attention into `out`, one SDPA call a row: every row, or
+        (`limited_only`) those whose image tokens see past themselves, which a faster backend's
+        kernel leaves to this path."""
         for span in metadata.prefills:
+            if limited_only and span.limits is None:
+                continue
             out[span.start : span.end] = self._prefill(
                 layer, query, key, value, scale, span, metadata.kv_cache, features
             )
@@ -219,9 +249,8 @@ class TorchPagedAttention(AttentionBackend):
             k = cache.round_trip(layer, 0, key[span.start : span.end])
             v = cache.round_trip(layer, 1, value[span.start : span.end])
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        if features is not None:
-            positions = torch.arange(span.context, span.seq_len, device=q.device)
-            seen = _visible(positions[:, None], span.seq_len, features.window)
+        if features is not None or span.limits is not None:
+            seen = span.visible(q.device, features.window if features is not None else None)
             out = _attend(q, k, v, seen[None, None], scale, features)
         elif span.context:
             out = _sdpa(q, k, v, attn_mask=span.offset_mask(q.device), scale=scale)
@@ -245,11 +274,14 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> 
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **options)
 
 
-def _visible(positions: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
+def _visible(
+    positions: torch.Tensor, keys: int, window: int | None, limits: torch.Tensor | None = None
+) -> torch.Tensor:
     """Which of `keys` key positions a query at each of `positions` (a column) sees: those up
-    to its own, and within its window (the last `window` positions, its own included)."""
+    to its own (or to its `limits`, a column), and within its window (the last `window`
+    positions, its own included)."""
     key = torch.arange(keys, device=positions.device)
-    seen = key <= positions
+    seen = key <= (positions if limits is None else limits)
     if window is not None:
         seen &= key > positions - window
     return seen
@@ -261,12 +293,12 @@ def _attend(
     v: torch.Tensor,
     seen: torch.Tensor,
     scale: float,
-    features: LayerAttention,
+    features: LayerAttention | None,
 ) -> torch.Tensor:
     """Attention of `q` `[rows, heads, tokens, dim]` over grouped `k`/`v` where `seen`: SDPA
-    for a window alone, else the scores in fp32, capped, and joined by the sinks in the
+    for a mask alone, else the scores in fp32, capped, and joined by the sinks in the
     softmax, as Hugging Face's eager attention computes them."""
-    if features.softcap is None and features.sinks is None:
+    if features is None or (features.softcap is None and features.sinks is None):
         return _sdpa(q, k, v, attn_mask=seen, scale=scale)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -311,7 +343,9 @@ def _prefill_span(batch: InputBatch, row: int, block_size: int) -> PrefillSpan:
     start = int(batch.query_starts[row])
     num = int(batch.query_lens[row])
     context = int(batch.context_lens[row])
-    span = PrefillSpan(start=start, end=start + num, seq_len=context + num)
+    span = PrefillSpan(
+        start=start, end=start + num, seq_len=context + num, limits=batch.key_limits.get(row)
+    )
     if context:
         num_blocks = -(-span.seq_len // block_size)
         span.block_row = batch.block_table[row, :num_blocks]

@@ -123,20 +123,23 @@ class TritonPagedAttention(InPlaceDecodeAttention):
         out: torch.Tensor,
         features: LayerAttention | None = None,
     ) -> None:
-        """Every multi-token row in one launch, over K/V as the cache holds them."""
+        """Every multi-token row in one launch, over K/V as the cache holds them (but those whose
+        image tokens see past themselves, which take the torch path)."""
         assert isinstance(metadata, InPlaceMetadata)
-        if metadata.prefill_rows is None:
-            return
         cache = metadata.kv_cache
-        self._kernels.paged_prefill(
-            out,
-            query,
-            cache.key(layer),
-            cache.value(layer),
-            metadata.prefill_rows,
-            scale,
-            cache.layer_scales(layer),
-            window=window_of(features),
+        if metadata.prefill_rows is not None:
+            self._kernels.paged_prefill(
+                out,
+                query,
+                cache.key(layer),
+                cache.value(layer),
+                metadata.prefill_rows,
+                scale,
+                cache.layer_scales(layer),
+                window=window_of(features),
+            )
+        self._prefill_spans(
+            layer, query, key, value, scale, metadata, out, features, limited_only=True
         )
 
     def decode_kernel(

@@ -79,8 +79,8 @@ class EngineCore:
         images: ImageInputs | None = None,
     ) -> None:
         """Raise a typed error for a request that can never run; touches no queue."""
-        if images is not None and not self.runner.takes_images:
-            raise InvalidRequestError("This model does not take images.", param="messages")
+        if images is not None:
+            self._validate_images(images)
         if lora is not None and not self.runner.has_lora(lora.lora_id):
             raise InvalidRequestError(
                 f"The LoRA adapter `{lora.name}` is not loaded.", param="model"
@@ -112,6 +112,20 @@ class EngineCore:
                 "structured outputs need a tokenizer.", param=params.structured.param
             )
         self.scheduler.check_prompt(len(prompt_token_ids))
+
+    def _validate_images(self, images: ImageInputs) -> None:
+        """The model reads images; where an image's tokens see each other both ways, each
+        image fits one step's token budget (it is computed in one step)."""
+        if not self.runner.takes_images:
+            raise InvalidRequestError("This model does not take images.", param="messages")
+        images.both_ways = self.runner.images_both_ways
+        budget = self.scheduler.config.max_num_batched_tokens
+        if images.both_ways and images.longest_run() > budget:
+            raise InvalidRequestError(
+                f"An image takes {images.longest_run()} tokens, which this model computes in "
+                f"one step, but a step holds at most {budget} (--max-num-batched-tokens).",
+                param="messages",
+            )
 
     def admit(
         self,

@@ -14,10 +14,10 @@ from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
 from engine.models.vision import (
-    PagedImageTextLM,
     TransformersImageTextLM,
     decoder_supports,
     is_image_text,
+    paged_image_text,
 )
 from engine.parallel.sharding import Shard
 
@@ -55,7 +55,8 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
 
 def _image_text_lm(hf_model: Any, impl: str, shard: Shard | None) -> CausalLM:
     """An image-text model on one device: Conveyor's decoder for its language model where
-    that is of the Llama family (`auto`, `conveyor`), else transformers' model whole."""
+    that is of the Llama family or Gemma 3 (`auto`, `conveyor`), else transformers' model
+    whole."""
     if shard is not None:
         raise ValueError("tensor parallelism serves text models only, not image-text ones")
     reason = decoder_supports(hf_model)
@@ -63,4 +64,4 @@ def _image_text_lm(hf_model: Any, impl: str, shard: Shard | None) -> CausalLM:
         raise ValueError(f"Conveyor's model implementation cannot run this model: {reason}")
     if impl == "transformers" or reason:
         return TransformersImageTextLM(hf_model)
-    return PagedImageTextLM(hf_model)
+    return paged_image_text(hf_model)

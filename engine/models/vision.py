@@ -1,10 +1,13 @@
-"""Image-text models (LLaVA, LLaVA-NeXT, Idefics3): transformers' own vision encoder and
-projector, and the language model (Conveyor's decoder where it is of the Llama family, else
-transformers' own over the paged attention) fed embeddings where the prompt holds images.
+"""Image-text models (LLaVA, LLaVA-NeXT, Idefics3, Gemma 3): transformers' own vision encoder
+and projector, and the language model (Conveyor's decoder where it is of the Llama family or
+Gemma 3, else transformers' own over the paged attention) fed embeddings where the prompt holds
+images.
 
 The encoder runs once per request, on the step that first reaches the request's image
 placeholders (`engine/worker/image_features.py`); its rows replace those placeholders'
-embeddings in whichever steps compute them, so chunked prefill may cut an image anywhere.
+embeddings in whichever steps compute them, so chunked prefill may cut an image anywhere, except
+in a model whose image tokens see each other both ways (Gemma 3): there each image's run of
+placeholders is computed in one step (`ImageInputs.whole_runs`).
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ from typing import Any, Protocol
 import torch
 
 from engine.models.base import CausalLM
+from engine.models.gemma import PagedGemmaForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections
 
-# The families whose images are served: one position per token (no multi-axis rotary), and
-# image tokens that attend causally as text does (Gemma 3 lets an image's tokens see each
-# other both ways, which paged causal attention does not compute).
-IMAGE_TEXT_TYPES = ("llava", "llava_next", "idefics3")
-# Language models Conveyor's decoder runs (the Llama family's dense members).
-TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The families whose images are served: one position per token (no multi-axis rotary).
+IMAGE_TEXT_TYPES = ("llava", "llava_next", "idefics3", "gemma3")
+# Those whose image tokens see their whole image's run both ways, not causally.
+BOTH_WAYS_TYPES = ("gemma3",)
+# Language models Conveyor's decoder runs (the Llama family's dense members, Gemma 3's).
+TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 def is_image_text(config: Any) -> bool:
@@ -61,6 +65,8 @@ class ImageEncoder:
         self._keys = _named_parameters(hf_model.model.get_image_features)
         self._embed = hf_model.get_input_embeddings()
         self._dtype = _encoder_dtype(hf_model)
+        # Whether an image's placeholders attend both ways within their run (`ImageInputs`).
+        self.both_ways = hf_model.config.model_type in BOTH_WAYS_TYPES
 
     @torch.inference_mode()
     def __call__(self, data: dict[str, Any]) -> torch.Tensor:
@@ -114,7 +120,8 @@ class LanguageModel:
 
 class PagedImageTextLM(PagedLlamaForCausalLM):
     """An image-text model whose language model is of the Llama family: Conveyor's decoder
-    over its weights (decode steps take the fused stack), transformers' encoder for images."""
+    over its weights (decode steps take the fused stack), transformers' encoder for images.
+    `paged_image_text` builds it, or its Gemma twin."""
 
     name = "conveyor (image-text)"
 
@@ -124,6 +131,17 @@ class PagedImageTextLM(PagedLlamaForCausalLM):
         )
         super().__init__(language)
         self.image_encoder = ImageEncoder(hf_model)
+
+
+class PagedGemmaImageTextLM(PagedImageTextLM, PagedGemmaForCausalLM):
+    """Gemma 3's image-text model: Conveyor's Gemma decoder for its language model."""
+
+
+def paged_image_text(hf_model: Any) -> PagedImageTextLM:
+    """Conveyor's decoder for the image-text model's language model (`decoder_supports`)."""
+    if hf_model.config.get_text_config().model_type.startswith("gemma"):
+        return PagedGemmaImageTextLM(hf_model)
+    return PagedImageTextLM(hf_model)
 
 
 def decoder_supports(hf_model: Any) -> str:

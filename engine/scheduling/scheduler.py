@@ -190,7 +190,8 @@ class Scheduler:
         self, output: SchedulerOutput, budget: int, encoder: EncoderBudget
     ) -> tuple[int, bool]:
         """Schedule running requests; also say whether one had to be preempted to grow. A
-        prompt's next chunk stops before images the step's encoder budget cannot take."""
+        prompt's next chunk stops before images the step's encoder budget cannot take, or
+        whose run of tokens it cannot compute whole where they attend both ways."""
         index = 0
         preempted = len(output.preempted)
         while index < len(self.running) and budget > 0:
@@ -199,8 +200,8 @@ class Scheduler:
                 index += 1  # its step in flight sampled its last token: nothing more to run
                 continue
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_tokens = encoder.cut(request, num_tokens)
-            if num_tokens == 0:  # its images wait for a step with encoder budget left
+            num_tokens = _image_cut(request, num_tokens, encoder)
+            if num_tokens == 0:  # its images wait for a step with room for them
                 index += 1
                 continue
             if not self._allocate_or_preempt(request, num_tokens, output):
@@ -383,7 +384,7 @@ class Scheduler:
             num_tokens = request.num_tokens - request.num_computed_tokens
             if num_tokens > budget and not self.config.enable_chunked_prefill:
                 num_tokens = 0
-            num_tokens = encoder.cut(request, min(num_tokens, budget))
+            num_tokens = _image_cut(request, min(num_tokens, budget), encoder)
             if num_tokens == 0 or not self._allocate_waiting(request, num_tokens, now):
                 if fresh:  # stays waiting: hold nothing
                     self._release(request)
@@ -612,3 +613,13 @@ class Scheduler:
 
 def _reached_length(request: Request) -> bool:
     return request.num_sampled_tokens >= request.max_output_tokens
+
+
+def _image_cut(request: Request, num_tokens: int, encoder: EncoderBudget) -> int:
+    """How many of `num_tokens` the request's next chunk runs, given its images: it never ends
+    inside a run of image tokens that attend both ways, nor reaches images the step's encoder
+    budget cannot take (either way it stops before them, which may leave none)."""
+    images = request.images
+    if images is not None:
+        num_tokens = images.whole_runs(request.num_computed_tokens, num_tokens)
+    return encoder.cut(request, num_tokens) if num_tokens else 0

@@ -19,6 +19,8 @@ class InputBatch:
     overlapped scheduling a row's last input may be the token its previous step is still
     sampling: `input_ids` holds 0 at those flattened `placeholders`, whose tokens the runner
     takes on the device from that step's output for the requests `placeholder_ids` names.
+    `key_limits` maps a row whose image tokens see their whole run both ways to the last key
+    position each of its query tokens sees (`ImageInputs.key_limits`); other rows are causal.
     """
 
     requests: list[Request]
@@ -32,6 +34,7 @@ class InputBatch:
     sample_rows: np.ndarray
     placeholders: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     placeholder_ids: list[str] = field(default_factory=list)
+    key_limits: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +79,21 @@ def build_input_batch(scheduled: list[ScheduledRequest], block_size: int) -> Inp
         sample_rows=sample_rows,
         placeholders=np.asarray([index for index, _ in placeholders], dtype=np.int64),
         placeholder_ids=[request_id for _, request_id in placeholders],
+        key_limits=_key_limits(scheduled),
     )
+
+
+def _key_limits(scheduled: list[ScheduledRequest]) -> dict[int, np.ndarray]:
+    """The rows whose chunk holds image tokens that attend both ways, with their limits."""
+    limits: dict[int, np.ndarray] = {}
+    for row, item in enumerate(scheduled):
+        images = item.request.images
+        if images is None or not images.both_ways:
+            continue
+        found = images.key_limits(item.start, item.end)
+        if found is not None:
+            limits[row] = found
+    return limits
 
 
 def _input_ids(scheduled: list[ScheduledRequest]) -> tuple[np.ndarray, list[tuple[int, str]]]:

@@ -56,6 +56,10 @@ class ModelRunner:
         piecewise: PiecewiseGraphs | None = None,
     ) -> None:
         self.model = model
+        # Whether the model's image tokens see their whole run both ways (`ImageInputs`).
+        self.images_both_ways = (
+            takes_images(model) and cast(ImageTextLM, model).image_encoder.both_ways
+        )
         self.workers = workers
         self.kv_cache = kv_cache
         self.backend = backend

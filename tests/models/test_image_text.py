@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen2VLConfig
+from transformers import AutoModelForImageTextToText, MllamaConfig, Qwen2VLConfig
 
 from engine.core.config import EngineConfig
 from engine.core.errors import InvalidRequestError, RequestFailedError
@@ -16,7 +16,12 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.loading.model_loader import auto_model_class, load_model
 from engine.models import build_causal_lm
-from engine.models.vision import PagedImageTextLM, TransformersImageTextLM, takes_images
+from engine.models.vision import (
+    PagedGemmaImageTextLM,
+    PagedImageTextLM,
+    TransformersImageTextLM,
+    takes_images,
+)
 from tests.conftest import CUDA
 from tests.helpers import tiny_core, tokens_of
 from tests.vision_utils import (
@@ -30,7 +35,7 @@ from tests.vision_utils import (
     tiny_llava,
 )
 
-FAMILIES = ["llava", "llava_next", "idefics3"]
+FAMILIES = ["llava", "llava_next", "idefics3", "gemma3"]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -80,9 +85,11 @@ def run(core) -> dict[str, list]:
 def test_greedy_tokens_equal_generate_with_images_cut_by_chunks(monkeypatch, impl, family, budget):
     """Conveyor's decoder for the language model, or transformers' model whole: the same tokens
     as transformers' `generate`."""
+    if family == "gemma3":  # its images are computed whole: a step holds one and a token
+        budget = max(budget, TOKENS_PER_IMAGE + 1)
     core = image_text_core(family, model_impl=impl, max_num_batched_tokens=budget)
-    expected = PagedImageTextLM if impl == "conveyor" else TransformersImageTextLM
-    assert type(core.runner.model) is expected
+    paged = PagedGemmaImageTextLM if family == "gemma3" else PagedImageTextLM
+    assert type(core.runner.model) is (paged if impl == "conveyor" else TransformersImageTextLM)
     encodings = count_encodings(core, monkeypatch)
     one, rows_one = submit(core, "one", [random_image(1), "The quick brown fox"], family)
     wide = random_image(3, width=60)  # tiled 2x1 (plus the whole) by Idefics3
@@ -152,7 +159,8 @@ def test_a_cached_image_skips_the_encoder_and_another_image_misses(monkeypatch):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preempted_image_requests_recompute_the_same_tokens(monkeypatch, family):
-    blocks = 14 if family == "llava" else 24  # Idefics3's prompts are longer (tile markers)
+    # Room for one request at a time (prompts differ in length: tiles, image markers).
+    blocks = {"llava": 14, "gemma3": 16}.get(family, 24)
     core = image_text_core(family, num_blocks=blocks, block_size=4, max_num_batched_tokens=8)
     encodings = count_encodings(core, monkeypatch)
     processed = {
@@ -200,7 +208,7 @@ def test_each_run_of_placeholders_starts_an_image_or_all_count_from_the_first():
 
 
 def test_unserved_image_text_families_and_parallel_runs_are_refused_by_name(tmp_path):
-    for config in (Qwen2VLConfig(), Gemma3Config()):
+    for config in (Qwen2VLConfig(), MllamaConfig()):
         folder = tmp_path / config.model_type
         config.save_pretrained(folder)
         with pytest.raises(ValueError, match=f"images of {config.model_type} models"):
