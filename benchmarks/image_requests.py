@@ -140,8 +140,18 @@ def _padded(processed: list[dict[str, Any]], pad: int) -> dict[str, torch.Tensor
     batch = {"input_ids": ids, "attention_mask": mask}
     for key in processed[0]:
         if key not in batch:
-            batch[key] = torch.cat([p[key] for p in processed])
+            batch[key] = torch.cat([_left_padded(p, key, width) for p in processed])
     return batch
+
+
+def _left_padded(processed: dict[str, Any], key: str, width: int) -> torch.Tensor:
+    """A turn's `key`, left-padded with zeros to `width` where it has one entry a token (Gemma
+    3's `token_type_ids`)."""
+    value = processed[key]
+    length = processed["input_ids"].shape[1]
+    if value.dim() != 2 or value.shape[1] != length or length == width:
+        return value
+    return torch.nn.functional.pad(value, (width - length, 0))
 
 
 def _figures(produced: int, elapsed: float, ttfts: list[float]) -> dict[str, float]:

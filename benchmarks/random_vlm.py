@@ -1,9 +1,12 @@
-"""An Idefics3 model folder shaped like SmolVLM-256M (a SigLIP tower of 12 layers of 768 over
-512-pixel tiles in 16-pixel patches, 64 image tokens a tile, SmolLM2-135M's language model) with
-random weights and a processor built on the default model's tokenizer, for timing image
-requests on a machine that cannot fetch the real weights (run with EOS ignored).
+"""A random-weight image-text model folder with a processor built on the default model's
+tokenizer, for timing image requests on a machine that cannot fetch the real weights (run with
+EOS ignored). `--family idefics3` (the default) is shaped like SmolVLM-256M: a SigLIP tower of
+12 layers of 768 over 512-pixel tiles in 16-pixel patches, 64 image tokens a tile, SmolLM2-135M's
+language model. `--family gemma3` is a Gemma 3 with Gemma 3 270M's language model (18 layers of
+640, five local layers of a 512-token window to one global) and a SigLIP tower of the same size
+over 448-pixel images in 14-pixel patches, pooled to 256 image tokens an image as Gemma 3's are.
 
-    python benchmarks/random_vlm.py OUT_DIR [--dtype bfloat16] [--config-only]
+    python benchmarks/random_vlm.py OUT_DIR [--family gemma3] [--dtype bfloat16] [--config-only]
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import torch
 from transformers import (
     AutoConfig,
     AutoTokenizer,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3ImageProcessorPil,
+    Gemma3Processor,
+    Gemma3TextConfig,
     Idefics3Config,
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessorPil,
@@ -41,7 +49,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def processor() -> Idefics3Processor:
+def idefics3_processor() -> Idefics3Processor:
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
     grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
     specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
@@ -60,13 +68,30 @@ def processor() -> Idefics3Processor:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("output", type=Path)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--config-only", action="store_true")
-    args = parser.parse_args()
-    made = processor()
+GEMMA_VISION = {**VISION, "image_size": 448, "patch_size": 14}  # 32x32 patches, pooled 2x2
+GEMMA_TOKENS = {
+    "image_token": "<image_soft_token>",
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+}
+GEMMA_TEMPLATE = CHAT_TEMPLATE.replace("<image>", GEMMA_TOKENS["boi_token"])
+
+
+def gemma3_processor() -> Gemma3Processor:
+    tokenizer = AutoTokenizer.from_pretrained(
+        ensure_default_model(), extra_special_tokens=GEMMA_TOKENS
+    )
+    size = GEMMA_VISION["image_size"]
+    images = Gemma3ImageProcessorPil(size={"height": size, "width": size})
+    return Gemma3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        image_seq_length=256,
+        chat_template=GEMMA_TEMPLATE,
+    )
+
+
+def idefics3_model(made: Idefics3Processor) -> tuple[Idefics3Config, type]:
     text = AutoConfig.from_pretrained(ensure_default_model())
     text.vocab_size = len(made.tokenizer)
     config = Idefics3Config(
@@ -76,12 +101,60 @@ def main() -> None:
         scale_factor=SCALE_FACTOR,
         tie_word_embeddings=text.tie_word_embeddings,
     )
+    return config, Idefics3ForConditionalGeneration
+
+
+def gemma3_model(made: Gemma3Processor) -> tuple[Gemma3Config, type]:
+    tokenizer = made.tokenizer
+    text = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=640,
+        intermediate_size=2048,
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        layer_types=[("full" if (i + 1) % 6 == 0 else "sliding") + "_attention" for i in range(18)],
+        max_position_embeddings=32768,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
+    config = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=GEMMA_VISION,
+        mm_tokens_per_image=256,
+        image_token_index=tokenizer.convert_tokens_to_ids(GEMMA_TOKENS["image_token"]),
+        boi_token_index=tokenizer.convert_tokens_to_ids(GEMMA_TOKENS["boi_token"]),
+        eoi_token_index=tokenizer.convert_tokens_to_ids(GEMMA_TOKENS["eoi_token"]),
+    )
+    return config, Gemma3ForConditionalGeneration
+
+
+FAMILIES = {
+    "idefics3": (idefics3_processor, idefics3_model),
+    "gemma3": (gemma3_processor, gemma3_model),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("output", type=Path)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="idefics3")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--config-only", action="store_true")
+    args = parser.parse_args()
+    make_processor, make_model = FAMILIES[args.family]
+    made = make_processor()
+    config, model_class = make_model(made)
     config.dtype = args.dtype
     if args.config_only:
         config.save_pretrained(args.output)
     else:
         torch.manual_seed(0)
-        model = Idefics3ForConditionalGeneration(config).to(getattr(torch, args.dtype))
+        model = model_class(config).to(getattr(torch, args.dtype))
         model.save_pretrained(args.output)
     made.save_pretrained(args.output)
     print(args.output)
