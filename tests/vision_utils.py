@@ -1,8 +1,9 @@
 """Tiny random-weight image-text models with their processors: LLaVA (a CLIP vision tower, one
 run of placeholders an image), LLaVA-NeXT (tiles on a grid, rows ended by a newline feature),
 Idefics3 (SmolVLM's family: a SigLIP tower, each image cut into tiles with row and column
-tokens between them) and Gemma 3 (a SigLIP tower, each image's placeholders attending to each
-other both ways, a Gemma decoder with local and global layers); random images; and the
+tokens between them), Gemma 3 (a SigLIP tower, each image's placeholders attending to each
+other both ways, a Gemma decoder with local and global layers) and Qwen2-VL and Qwen2.5-VL (an
+image's tokens on its grid of merged patches, rotated on three axes); random images; and the
 reference, transformers' own `generate` over the same inputs."""
 
 from __future__ import annotations
@@ -39,10 +40,18 @@ from transformers import (
     LlavaNextProcessor,
     LlavaProcessor,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLProcessor,
     SiglipVisionConfig,
 )
 
 from engine.core.images import ImageInputs
+from engine.loading.processors import images_only
 from tests.helpers import tiny_tokenizer
 
 IMAGE_TOKEN = "<image>"
@@ -148,6 +157,36 @@ def gemma3_processor() -> Gemma3Processor:
     )
 
 
+# Qwen2-VL's processor expands its image token into one per merged patch of the image's grid.
+QWEN_VL_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+}
+# Images resized to whole 28-pixel cells (14-pixel patches merged 2x2), 4 to 12 cells an image.
+QWEN_VL_IMAGES = {"min_pixels": 4 * 28 * 28, "max_pixels": 12 * 28 * 28, "patch_size": PATCH}
+
+
+@lru_cache(maxsize=2)
+def qwen_vl_processor(family: str) -> Any:
+    """Qwen2-VL's or Qwen2.5-VL's processor without its video half (`images_only`)."""
+    base = tiny_tokenizer()
+    template = CHAT_TEMPLATE.replace(IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=copy.deepcopy(base.backend_tokenizer),
+        eos_token=base.eos_token,
+        bos_token=base.bos_token,
+        extra_special_tokens=QWEN_VL_TOKENS,
+        chat_template=template,
+    )
+    images = Qwen2VLImageProcessorPil(**QWEN_VL_IMAGES)
+    processor = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen2VLProcessor
+    return images_only(processor)(
+        image_processor=images, tokenizer=tokenizer, chat_template=template
+    )
+
+
 def processor_of(family: str) -> Any:
     makers = {
         "llava": llava_processor,
@@ -155,7 +194,17 @@ def processor_of(family: str) -> Any:
         "idefics3": idefics3_processor,
         "gemma3": gemma3_processor,
     }
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        return qwen_vl_processor(family)
     return makers[family]()
+
+
+# The token each family's processor expands into an image's placeholders.
+PLACEHOLDERS = {
+    "gemma3": GEMMA_IMAGE_TOKENS["image_token"],
+    "qwen2_vl": QWEN_VL_TOKENS["image_token"],
+    "qwen2_5_vl": QWEN_VL_TOKENS["image_token"],
+}
 
 
 def _text_config(tokenizer: Any) -> LlamaConfig:
@@ -175,15 +224,82 @@ def _text_config(tokenizer: Any) -> LlamaConfig:
 
 
 def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
-    """A tiny random model of `family` (`llava`, `llava_next`, `idefics3` or `gemma3`), in
-    fp32."""
+    """A tiny random model of `family` (`llava`, `llava_next`, `idefics3`, `gemma3`,
+    `qwen2_vl` or `qwen2_5_vl`), in fp32."""
     makers = {
         "llava": tiny_llava,
         "llava_next": tiny_llava_next,
         "idefics3": tiny_idefics3,
         "gemma3": tiny_gemma3,
+        "qwen2_vl": tiny_qwen2_vl,
+        "qwen2_5_vl": tiny_qwen2_5_vl,
     }
     return makers[family](seed)
+
+
+def _qwen_vl_text(tokenizer: Any) -> dict[str, Any]:
+    """A Qwen2 of head dim 16, its 8 frequencies rotated by time, height and width 2, 3, 3."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rope_parameters": rope,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+        "eos_token_id": 0,
+        "bos_token_id": 1,
+        "pad_token_id": 0,
+    }
+
+
+def _qwen_vl_tokens(tokenizer: Any) -> dict[str, int]:
+    return {
+        "image_token_id": tokenizer.image_token_id,
+        "video_token_id": tokenizer.video_token_id,
+        "vision_start_token_id": tokenizer.vision_start_token_id,
+        "vision_end_token_id": tokenizer.vision_end_token_id,
+    }
+
+
+def tiny_qwen2_vl(seed: int = 0) -> Qwen2VLForConditionalGeneration:
+    tokenizer = qwen_vl_processor("qwen2_vl").tokenizer
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 2}
+    config = Qwen2VLConfig(
+        text_config=_qwen_vl_text(tokenizer),
+        vision_config={**vision, "patch_size": PATCH},
+        tie_word_embeddings=False,
+        **_qwen_vl_tokens(tokenizer),
+    )
+    torch.manual_seed(seed)
+    return Qwen2VLForConditionalGeneration(config).eval()
+
+
+def tiny_qwen2_5_vl(seed: int = 0) -> Qwen2_5_VLForConditionalGeneration:
+    """Its tower attends within windows of 2x2 tokens in the first layer, whole in the second."""
+    tokenizer = qwen_vl_processor("qwen2_5_vl").tokenizer
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": PATCH,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    }
+    config = Qwen2_5_VLConfig(
+        text_config=_qwen_vl_text(tokenizer),
+        vision_config=vision,
+        tie_word_embeddings=False,
+        **_qwen_vl_tokens(tokenizer),
+    )
+    torch.manual_seed(seed)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 def tiny_gemma3(seed: int = 0) -> Gemma3ForConditionalGeneration:
@@ -302,8 +418,7 @@ def image_prompt(
     processed = dict(processor(text=[text], images=batch, return_tensors="pt"))
     ids = processed["input_ids"][0].tolist()
     digests = [hashlib.sha256(png_bytes(image)).digest() for image in images]
-    placeholder = GEMMA_IMAGE_TOKENS["image_token"] if family == "gemma3" else IMAGE_TOKEN
-    token = processor.tokenizer.convert_tokens_to_ids(placeholder)
+    token = processor.tokenizer.convert_tokens_to_ids(PLACEHOLDERS.get(family, IMAGE_TOKEN))
     inputs = ImageInputs.of(ids, token, digests, processed)
     inputs.both_ways = family == "gemma3"
     return processed, ids, inputs

@@ -17,6 +17,7 @@ from engine.core.errors import (
     RequestTimeoutError,
 )
 from engine.core.images import ImageInputs
+from engine.core.mrope import grid_positions
 from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import ModelRunnerOutput, RequestOutput
 from engine.core.request import FinishReason, Request
@@ -80,7 +81,7 @@ class EngineCore:
     ) -> None:
         """Raise a typed error for a request that can never run; touches no queue."""
         if images is not None:
-            self._validate_images(images)
+            self._validate_images(len(prompt_token_ids), images)
         if lora is not None and not self.runner.has_lora(lora.lora_id):
             raise InvalidRequestError(
                 f"The LoRA adapter `{lora.name}` is not loaded.", param="model"
@@ -113,12 +114,24 @@ class EngineCore:
             )
         self.scheduler.check_prompt(len(prompt_token_ids))
 
-    def _validate_images(self, images: ImageInputs) -> None:
+    def _validate_images(self, prompt_len: int, images: ImageInputs) -> None:
         """The model reads images; where an image's tokens see each other both ways, each
-        image fits one step's token budget (it is computed in one step)."""
+        image fits one step's token budget (it is computed in one step); where they lie on
+        their grids, the prompt's positions on three axes."""
         if not self.runner.takes_images:
             raise InvalidRequestError("This model does not take images.", param="messages")
         images.both_ways = self.runner.images_both_ways
+        merge = self.runner.grid_merge
+        if merge is not None and images.grid is None:
+            grids = images.data.get("image_grid_thw")
+            try:
+                if grids is None:
+                    raise ValueError("the processor gave no image grids")
+                images.grid = grid_positions(prompt_len, images.runs(), grids.tolist(), merge)
+            except ValueError as exc:
+                raise InvalidRequestError(
+                    f"The images do not fit their placeholders: {exc}", param="messages"
+                ) from None
         budget = self.scheduler.config.max_num_batched_tokens
         if images.both_ways and images.longest_run() > budget:
             raise InvalidRequestError(

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.core.mrope import GridPositions
+
 # What of a processor's output is the prompt itself, not what the vision encoder reads.
 TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
 
@@ -40,6 +42,9 @@ class ImageInputs:
     # Whether each run of placeholders attends both ways within itself (set by the engine
     # from its model: `ImageEncoder.both_ways`).
     both_ways: bool = False
+    # The sequence's rotary positions on three axes, for a model that lays images out on
+    # their grids (set by the engine: `engine/core/mrope.py`).
+    grid: GridPositions | None = None
 
     @classmethod
     def of(

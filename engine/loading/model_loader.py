@@ -22,6 +22,7 @@ from engine.kernels.cpu.linear import (
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import gguf_blocks
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from engine.loading.processors import load_processor
 from engine.models.experts import unfuse_experts
 from engine.models.vision import is_image_text, why_not_served
 from engine.parallel.loading import load_share, model_from_config
@@ -230,9 +231,7 @@ def image_processor(config: Any, path: str, trust_remote_code: bool = False) -> 
     """An image-text model's processor (None for a text model)."""
     if not is_image_text(config):
         return None
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return load_processor(path, config.model_type, trust_remote_code)
 
 
 def _random_model(

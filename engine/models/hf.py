@@ -39,8 +39,10 @@ class TransformersCausalLM:
         **inputs: torch.Tensor,
     ) -> torch.Tensor:
         """The model's logits over the step's `inputs` (its `input_ids` or `inputs_embeds`)."""
+        # Positions on three axes (`[3, tokens]`) take the batch dimension second.
+        position_ids = positions[None] if positions.dim() == 1 else positions[:, None]
         out = self.hf_model(
-            position_ids=positions[None],
+            position_ids=position_ids,
             use_cache=False,
             logits_to_keep=logits_indices,
             **{METADATA_KWARG: metadata},

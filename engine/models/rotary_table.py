@@ -89,3 +89,34 @@ def _whole_vectors(rotary: Any) -> bool:
     way, none in a scalar tail that may round a cosine differently."""
     inv_freq = getattr(rotary, "inv_freq", None)
     return inv_freq is not None and (2 * inv_freq.numel()) % _VECTOR_FLOATS == 0
+
+
+class AxisRotary:
+    """cos, sin for positions on three axes (`[3, tokens]`, `engine/core/mrope.py`) as Qwen2-VL's
+    rotary composes them: the head's frequencies fall in `sections` (time, height, width, in
+    turn), and each takes its cos and sin from its own axis's position; `[tokens]` positions
+    are the same on every axis."""
+
+    def __init__(self, table: RotaryTable, sections: list[int]) -> None:
+        self.table = table
+        half = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])
+        self.axis = torch.cat([half, half])  # one axis per column of the head
+
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return self.table(x, positions)
+        per_axis = [self.table(x, positions[axis]) for axis in range(3)]
+        cos = torch.stack([c for c, _ in per_axis])  # [3, tokens, 1, head_dim]
+        sin = torch.stack([s for _, s in per_axis])
+        index = self.axis.to(cos.device).view(1, 1, 1, -1).expand(1, *cos.shape[1:])
+        return cos.gather(0, index)[0], sin.gather(0, index)[0]
+
+
+def axis_sections(config: Any) -> list[int] | None:
+    """The rotary sections of a text config whose positions lie on three axes (None where they
+    lie on one)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+    return list(sections) if sections else None

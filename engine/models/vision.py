@@ -22,13 +22,25 @@ from engine.models.base import CausalLM
 from engine.models.gemma import PagedGemmaForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections
+from engine.models.rotary_table import AxisRotary, axis_sections
 
-# The families whose images are served: one position per token (no multi-axis rotary).
-IMAGE_TEXT_TYPES = ("llava", "llava_next", "idefics3", "gemma3")
+# The families whose images are served.
+IMAGE_TEXT_TYPES = ("llava", "llava_next", "idefics3", "gemma3", "qwen2_vl", "qwen2_5_vl")
 # Those whose image tokens see their whole image's run both ways, not causally.
 BOTH_WAYS_TYPES = ("gemma3",)
-# Language models Conveyor's decoder runs (the Llama family's dense members, Gemma 3's).
-TEXT_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Those whose rotary positions lie on three axes, an image's tokens on its grid (M-RoPE).
+GRID_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# Language models Conveyor's decoder runs (the Llama family's dense members, Gemma 3's, and
+# Qwen2-VL's, a Qwen2 rotated on three axes).
+TEXT_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "qwen2_vl_text",
+    "qwen2_5_vl_text",
+)
 
 
 def is_image_text(config: Any) -> bool:
@@ -65,8 +77,12 @@ class ImageEncoder:
         self._keys = _named_parameters(hf_model.model.get_image_features)
         self._embed = hf_model.get_input_embeddings()
         self._dtype = _encoder_dtype(hf_model)
+        kind = hf_model.config.model_type
         # Whether an image's placeholders attend both ways within their run (`ImageInputs`).
-        self.both_ways = hf_model.config.model_type in BOTH_WAYS_TYPES
+        self.both_ways = kind in BOTH_WAYS_TYPES
+        # Where images lie on their grids (`engine/core/mrope.py`): patches merged a token.
+        vision = hf_model.config.vision_config
+        self.grid_merge: int | None = vision.spatial_merge_size if kind in GRID_TYPES else None
 
     @torch.inference_mode()
     def __call__(self, data: dict[str, Any]) -> torch.Tensor:
@@ -131,6 +147,9 @@ class PagedImageTextLM(PagedLlamaForCausalLM):
         )
         super().__init__(language)
         self.image_encoder = ImageEncoder(hf_model)
+        sections = axis_sections(language.config)
+        if sections is not None:
+            self.rotary = AxisRotary(self.rotary, sections)  # type: ignore[assignment]
 
 
 class PagedGemmaImageTextLM(PagedImageTextLM, PagedGemmaForCausalLM):

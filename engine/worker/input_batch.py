@@ -21,6 +21,8 @@ class InputBatch:
     takes on the device from that step's output for the requests `placeholder_ids` names.
     `key_limits` maps a row whose image tokens see their whole run both ways to the last key
     position each of its query tokens sees (`ImageInputs.key_limits`); other rows are causal.
+    `rope_positions` `[3, tokens]`, where a row's images lie on their grids (`engine/core/
+    mrope.py`), are the rotary positions on three axes (None: `positions` on each).
     """
 
     requests: list[Request]
@@ -35,6 +37,7 @@ class InputBatch:
     placeholders: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     placeholder_ids: list[str] = field(default_factory=list)
     key_limits: dict[int, np.ndarray] = field(default_factory=dict)
+    rope_positions: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +83,7 @@ def build_input_batch(scheduled: list[ScheduledRequest], block_size: int) -> Inp
         placeholders=np.asarray([index for index, _ in placeholders], dtype=np.int64),
         placeholder_ids=[request_id for _, request_id in placeholders],
         key_limits=_key_limits(scheduled),
+        rope_positions=_rope_positions(scheduled, positions, query_starts),
     )
 
 
@@ -94,6 +98,25 @@ def _key_limits(scheduled: list[ScheduledRequest]) -> dict[int, np.ndarray]:
         if found is not None:
             limits[row] = found
     return limits
+
+
+def _rope_positions(
+    scheduled: list[ScheduledRequest], positions: np.ndarray, query_starts: np.ndarray
+) -> np.ndarray | None:
+    """`[3, tokens]` where some row's images lie on their grids: those rows' grid positions,
+    every other row's positions on all three axes (None where no row has any)."""
+    grids = {
+        row: images.grid
+        for row, item in enumerate(scheduled)
+        if (images := item.request.images) is not None and images.grid is not None
+    }
+    if not grids:
+        return None
+    found = np.repeat(positions[None], 3, axis=0)
+    for row, grid in grids.items():
+        item, start = scheduled[row], int(query_starts[row])
+        found[:, start : start + item.num_tokens] = grid.of(item.start, item.end)
+    return found
 
 
 def _input_ids(scheduled: list[ScheduledRequest]) -> tuple[np.ndarray, list[tuple[int, str]]]:

@@ -56,10 +56,11 @@ class ModelRunner:
         piecewise: PiecewiseGraphs | None = None,
     ) -> None:
         self.model = model
-        # Whether the model's image tokens see their whole run both ways (`ImageInputs`).
-        self.images_both_ways = (
-            takes_images(model) and cast(ImageTextLM, model).image_encoder.both_ways
-        )
+        encoder = cast(ImageTextLM, model).image_encoder if takes_images(model) else None
+        # Whether the model's image tokens see their whole run both ways (`ImageInputs`), and
+        # where its images lie on their grids, the patches merged a token (`mrope.py`).
+        self.images_both_ways = encoder is not None and encoder.both_ways
+        self.grid_merge = encoder.grid_merge if encoder is not None else None
         self.workers = workers
         self.kv_cache = kv_cache
         self.backend = backend
@@ -207,20 +208,21 @@ class ModelRunner:
         """A decode graph runs the step. The step that calibrates the KV cache's scales runs
         eagerly, as do those the graphs do not take."""
         graphs = self.graphs
-        if graphs is None or not self._graphs_run_it():
+        if graphs is None or not self._graphs_run_it(batch):
             return False
         return graphs.supports(batch, logits_indices)
 
     def _runs_in_pieces(self, batch: InputBatch) -> bool:
         """Piecewise graphs run the step (again not the calibrating one)."""
         pieces = self.piecewise
-        return pieces is not None and self._graphs_run_it() and pieces.supports(batch)
+        return pieces is not None and self._graphs_run_it(batch) and pieces.supports(batch)
 
-    def _graphs_run_it(self) -> bool:
+    def _graphs_run_it(self, batch: InputBatch) -> bool:
         """The step is one graphs can replay: it neither calibrates the KV cache's scales nor
-        runs a LoRA adapter (the graphs hold the base model's products)."""
+        runs a LoRA adapter (the graphs hold the base model's products), and its positions lie
+        on one axis (the graphs copy those alone)."""
         adapted = self.lora is not None and self.lora.active
-        return not self.kv_cache.calibrating and not adapted
+        return not self.kv_cache.calibrating and not adapted and batch.rope_positions is None
 
     def _model_inputs(
         self, batch: InputBatch, logits_indices: np.ndarray, input_ids: torch.Tensor
@@ -345,7 +347,8 @@ def model_inputs(
     metadata = backend.build_metadata(batch, kv_cache)
     if input_ids is None:
         input_ids = torch.from_numpy(batch.input_ids).to(device, non_blocking=True)
-    positions = torch.from_numpy(batch.positions).to(device, non_blocking=True)
+    on_axes = batch.positions if batch.rope_positions is None else batch.rope_positions
+    positions = torch.from_numpy(on_axes).to(device, non_blocking=True)
     keep = torch.from_numpy(logits_indices).to(device, non_blocking=True)
     return input_ids, positions, metadata, keep
 

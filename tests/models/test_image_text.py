@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, MllamaConfig, Qwen2VLConfig
+from transformers import AutoModelForImageTextToText, MllamaConfig, Qwen3VLConfig
 
 from engine.core.config import EngineConfig
 from engine.core.errors import InvalidRequestError, RequestFailedError
@@ -35,7 +35,7 @@ from tests.vision_utils import (
     tiny_llava,
 )
 
-FAMILIES = ["llava", "llava_next", "idefics3", "gemma3"]
+FAMILIES = ["llava", "llava_next", "idefics3", "gemma3", "qwen2_vl", "qwen2_5_vl"]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -208,7 +208,7 @@ def test_each_run_of_placeholders_starts_an_image_or_all_count_from_the_first():
 
 
 def test_unserved_image_text_families_and_parallel_runs_are_refused_by_name(tmp_path):
-    for config in (Qwen2VLConfig(), MllamaConfig()):
+    for config in (Qwen3VLConfig(), MllamaConfig()):
         folder = tmp_path / config.model_type
         config.save_pretrained(folder)
         with pytest.raises(ValueError, match=f"images of {config.model_type} models"):

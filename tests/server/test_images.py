@@ -184,7 +184,9 @@ async def test_a_text_model_refuses_images_by_name():
     assert text_only.status_code == 200
 
 
-@pytest.mark.parametrize("family", ["llava", "llava_next", "idefics3", "gemma3"])
+@pytest.mark.parametrize(
+    "family", ["llava", "llava_next", "idefics3", "gemma3", "qwen2_vl", "qwen2_5_vl"]
+)
 def test_a_saved_model_loads_with_its_processor_and_matches_generate(tmp_path: Path, family):
     """From a folder, as `conveyor serve --model` loads it: transformers' image-text class, the
     processor beside it, its template on the tokenizer; fp32 over Conveyor's linear layers."""
