@@ -5,8 +5,12 @@ EOS ignored). `--family idefics3` (the default) is shaped like SmolVLM-256M: a S
 language model. `--family gemma3` is a Gemma 3 with Gemma 3 270M's language model (18 layers of
 640, five local layers of a 512-token window to one global) and a SigLIP tower of the same size
 over 448-pixel images in 14-pixel patches, pooled to 256 image tokens an image as Gemma 3's are.
+`--family qwen2_5_vl` is a Qwen2.5-VL with Qwen2.5-0.5B's language model (24 layers of 896,
+rotated on three axes) and a Qwen2.5-VL tower of 12 layers of 768 (windows of 112 pixels but
+in four layers), a 448-pixel image in 14-pixel patches merged 2x2 into 256 tokens.
 
-    python benchmarks/random_vlm.py OUT_DIR [--family gemma3] [--dtype bfloat16] [--config-only]
+    python benchmarks/random_vlm.py OUT_DIR [--family gemma3|qwen2_5_vl] [--dtype bfloat16]
+        [--config-only]
 """
 
 from __future__ import annotations
@@ -27,9 +31,14 @@ from transformers import (
     Idefics3ForConditionalGeneration,
     Idefics3ImageProcessorPil,
     Idefics3Processor,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2VLImageProcessorPil,
 )
 
 from engine.loading.default_model import ensure_default_model
+from engine.loading.processors import images_only
 
 VISION = {
     "hidden_size": 768,
@@ -133,9 +142,69 @@ def gemma3_model(made: Gemma3Processor) -> tuple[Gemma3Config, type]:
     return config, Gemma3ForConditionalGeneration
 
 
+QWEN_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+}
+QWEN_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+QWEN_PIXELS = 448 * 448  # every 448-pixel square image: 32x32 patches
+
+
+def qwen2_5_vl_processor() -> Qwen2_5_VLProcessor:
+    tokenizer = AutoTokenizer.from_pretrained(
+        ensure_default_model(), extra_special_tokens=QWEN_TOKENS
+    )
+    images = Qwen2VLImageProcessorPil(min_pixels=QWEN_PIXELS, max_pixels=QWEN_PIXELS)
+    made: Qwen2_5_VLProcessor = images_only(Qwen2_5_VLProcessor)(
+        image_processor=images, tokenizer=tokenizer, chat_template=QWEN_TEMPLATE
+    )
+    return made
+
+
+def qwen2_5_vl_model(made: Qwen2_5_VLProcessor) -> tuple[Qwen2_5_VLConfig, type]:
+    tokenizer = made.tokenizer
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "mrope_section": [8, 12, 12],  # of head dim 64
+        },
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": tokenizer.pad_token_id or 0,
+    }
+    vision = {
+        "depth": 12,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_heads": 12,
+        "out_hidden_size": 896,
+        "fullatt_block_indexes": [2, 5, 8, 11],
+    }
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer.image_token_id,
+        video_token_id=tokenizer.video_token_id,
+        vision_start_token_id=tokenizer.vision_start_token_id,
+        vision_end_token_id=tokenizer.vision_end_token_id,
+    )
+    return config, Qwen2_5_VLForConditionalGeneration
+
+
 FAMILIES = {
     "idefics3": (idefics3_processor, idefics3_model),
     "gemma3": (gemma3_processor, gemma3_model),
+    "qwen2_5_vl": (qwen2_5_vl_processor, qwen2_5_vl_model),
 }
 
 
