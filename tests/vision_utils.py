@@ -2,8 +2,9 @@
 run of placeholders an image), LLaVA-NeXT (tiles on a grid, rows ended by a newline feature),
 Idefics3 (SmolVLM's family: a SigLIP tower, each image cut into tiles with row and column
 tokens between them), Gemma 3 (a SigLIP tower, each image's placeholders attending to each
-other both ways, a Gemma decoder with local and global layers) and Qwen2-VL and Qwen2.5-VL (an
-image's tokens on its grid of merged patches, rotated on three axes); random images; and the
+other both ways, a Gemma decoder with local and global layers) and Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL (an image's tokens on its grid of merged patches, rotated on three axes; Qwen3-VL's
+tower also feeding its first decoder layers); random images; and the
 reference, transformers' own `generate` over the same inputs."""
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
     SiglipVisionConfig,
 )
 
@@ -168,9 +172,17 @@ QWEN_VL_TOKENS = {
 QWEN_VL_IMAGES = {"min_pixels": 4 * 28 * 28, "max_pixels": 12 * 28 * 28, "patch_size": PATCH}
 
 
-@lru_cache(maxsize=2)
+QWEN_VL_FAMILIES = {
+    "qwen2_vl": Qwen2VLProcessor,
+    "qwen2_5_vl": Qwen2_5_VLProcessor,
+    "qwen3_vl": Qwen3VLProcessor,
+}
+
+
+@lru_cache(maxsize=3)
 def qwen_vl_processor(family: str) -> Any:
-    """Qwen2-VL's or Qwen2.5-VL's processor without its video half (`images_only`)."""
+    """Qwen2-VL's, Qwen2.5-VL's or Qwen3-VL's processor without its video half
+    (`images_only`)."""
     base = tiny_tokenizer()
     template = CHAT_TEMPLATE.replace(IMAGE_TOKEN, "<|vision_start|><|image_pad|><|vision_end|>")
     tokenizer = PreTrainedTokenizerFast(
@@ -181,10 +193,8 @@ def qwen_vl_processor(family: str) -> Any:
         chat_template=template,
     )
     images = Qwen2VLImageProcessorPil(**QWEN_VL_IMAGES)
-    processor = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen2VLProcessor
-    return images_only(processor)(
-        image_processor=images, tokenizer=tokenizer, chat_template=template
-    )
+    processor = images_only(QWEN_VL_FAMILIES[family])
+    return processor(image_processor=images, tokenizer=tokenizer, chat_template=template)
 
 
 def processor_of(family: str) -> Any:
@@ -194,7 +204,7 @@ def processor_of(family: str) -> Any:
         "idefics3": idefics3_processor,
         "gemma3": gemma3_processor,
     }
-    if family in ("qwen2_vl", "qwen2_5_vl"):
+    if family in QWEN_VL_FAMILIES:
         return qwen_vl_processor(family)
     return makers[family]()
 
@@ -204,6 +214,7 @@ PLACEHOLDERS = {
     "gemma3": GEMMA_IMAGE_TOKENS["image_token"],
     "qwen2_vl": QWEN_VL_TOKENS["image_token"],
     "qwen2_5_vl": QWEN_VL_TOKENS["image_token"],
+    "qwen3_vl": QWEN_VL_TOKENS["image_token"],
 }
 
 
@@ -225,7 +236,7 @@ def _text_config(tokenizer: Any) -> LlamaConfig:
 
 def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
     """A tiny random model of `family` (`llava`, `llava_next`, `idefics3`, `gemma3`,
-    `qwen2_vl` or `qwen2_5_vl`), in fp32."""
+    `qwen2_vl`, `qwen2_5_vl` or `qwen3_vl`), in fp32."""
     makers = {
         "llava": tiny_llava,
         "llava_next": tiny_llava_next,
@@ -233,6 +244,7 @@ def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
         "gemma3": tiny_gemma3,
         "qwen2_vl": tiny_qwen2_vl,
         "qwen2_5_vl": tiny_qwen2_5_vl,
+        "qwen3_vl": tiny_qwen3_vl,
     }
     return makers[family](seed)
 
@@ -255,6 +267,32 @@ def _qwen_vl_text(tokenizer: Any) -> dict[str, Any]:
         "bos_token_id": 1,
         "pad_token_id": 0,
     }
+
+
+def tiny_qwen3_vl(seed: int = 0) -> Qwen3VLForConditionalGeneration:
+    """A Qwen3 language model of three layers (its frequencies interleaved over the three axes);
+    its tower's two layers each feed one of the first two decoder layers (deepstack)."""
+    tokenizer = qwen_vl_processor("qwen3_vl").tokenizer
+    text = {**_qwen_vl_text(tokenizer), "num_hidden_layers": 3, "head_dim": 16}
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": PATCH,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 1],
+        "initializer_range": 0.2,
+    }
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        **_qwen_vl_tokens(tokenizer),
+    )
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(config).eval()
 
 
 def _qwen_vl_tokens(tokenizer: Any) -> dict[str, int]:

@@ -17,6 +17,7 @@ from engine.models.vision import (
     TransformersImageTextLM,
     decoder_supports,
     is_image_text,
+    needs_decoder,
     paged_image_text,
 )
 from engine.parallel.sharding import Shard
@@ -60,8 +61,14 @@ def _image_text_lm(hf_model: Any, impl: str, shard: Shard | None) -> CausalLM:
     if shard is not None:
         raise ValueError("tensor parallelism serves text models only, not image-text ones")
     reason = decoder_supports(hf_model)
-    if impl == "conveyor" and reason:
+    if (impl == "conveyor" or needs_decoder(hf_model)) and reason:
         raise ValueError(f"Conveyor's model implementation cannot run this model: {reason}")
+    if impl == "transformers" and needs_decoder(hf_model):
+        raise ValueError(
+            "this image-text model runs on Conveyor's model implementation only: its vision "
+            "encoder feeds decoder layers, which transformers' model takes from its own "
+            "forward alone"
+        )
     if impl == "transformers" or reason:
         return TransformersImageTextLM(hf_model)
     return paged_image_text(hf_model)

@@ -8,7 +8,9 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 
-# The flattened indices of a step's tokens that image features stand for, and those rows.
+# The flattened indices of a step's tokens that image features stand for, and those rows:
+# `[tokens, hidden]`, or `[tokens, (1 + layers) * hidden]` where the encoder also gives rows the
+# first `layers` decoder layers add to their outputs (`with_layer_rows`).
 ImageRows = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -45,4 +47,20 @@ def with_image_rows(hidden: torch.Tensor, image_features: ImageRows | None) -> t
     if image_features is None:
         return hidden
     rows, features = image_features
-    return hidden.index_copy(0, rows, features.to(hidden.dtype))
+    width = hidden.shape[-1]
+    return hidden.index_copy(0, rows, features[:, :width].to(hidden.dtype))
+
+
+def with_layer_rows(
+    hidden: torch.Tensor, image_features: ImageRows | None, layer: int
+) -> torch.Tensor:
+    """Decoder layer `layer`'s output with the image rows the encoder gives it added at their
+    tokens (Qwen3-VL's first layers; unchanged where there are none)."""
+    if image_features is None:
+        return hidden
+    rows, features = image_features
+    width = hidden.shape[-1]
+    start = (layer + 1) * width
+    if features.shape[-1] <= start:
+        return hidden
+    return hidden.index_add(0, rows, features[:, start : start + width].to(hidden.dtype))

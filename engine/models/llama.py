@@ -29,7 +29,7 @@ from engine.kernels.cpu.linear import (
 )
 from engine.lora.adapter import Shapes
 from engine.lora.slots import LoRASlots
-from engine.models.base import ImageRows, with_image_rows
+from engine.models.base import ImageRows, with_image_rows, with_layer_rows
 from engine.models.experts import SparseMoE, is_sparse
 from engine.models.layers import add_projected, fuse, gated_activation, rms_norm, rotate
 from engine.models.rotary_table import RotaryTable
@@ -378,8 +378,8 @@ class PagedLlamaForCausalLM(nn.Module):
         if step is not None:
             hidden = self.fused_decode(hidden, cos, sin, step)
         else:
-            for layer in self.layers:
-                hidden = layer(hidden, cos, sin, metadata)
+            for index, layer in enumerate(self.layers):
+                hidden = with_layer_rows(layer(hidden, cos, sin, metadata), image_features, index)
         return hidden
 
     def _fused_step(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> DecodeStep | None:

@@ -93,14 +93,13 @@ def _whole_vectors(rotary: Any) -> bool:
 
 class AxisRotary:
     """cos, sin for positions on three axes (`[3, tokens]`, `engine/core/mrope.py`) as Qwen2-VL's
-    rotary composes them: the head's frequencies fall in `sections` (time, height, width, in
-    turn), and each takes its cos and sin from its own axis's position; `[tokens]` positions
-    are the same on every axis."""
+    and Qwen3-VL's rotaries compose them: each of the head's frequencies takes its cos and sin
+    from the axis `axes` names for it (`rotary_axes`); `[tokens]` positions are the same on
+    every axis."""
 
-    def __init__(self, table: RotaryTable, sections: list[int]) -> None:
+    def __init__(self, table: RotaryTable, axes: torch.Tensor) -> None:
         self.table = table
-        half = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])
-        self.axis = torch.cat([half, half])  # one axis per column of the head
+        self.axis = torch.cat([axes, axes])  # one axis per column of the head
 
     def __call__(
         self, x: torch.Tensor, positions: torch.Tensor
@@ -114,9 +113,23 @@ class AxisRotary:
         return cos.gather(0, index)[0], sin.gather(0, index)[0]
 
 
-def axis_sections(config: Any) -> list[int] | None:
-    """The rotary sections of a text config whose positions lie on three axes (None where they
-    lie on one)."""
+# Text models whose three axes take interleaved frequencies (time, height, width, time, ...)
+# rather than a section each.
+INTERLEAVED_AXES = ("qwen3_vl_text",)
+
+
+def rotary_axes(config: Any) -> torch.Tensor | None:
+    """The axis (0 time, 1 height, 2 width) of each frequency of a text config whose positions
+    lie on three axes, by its `mrope_section`: a run of frequencies per axis (Qwen2-VL), or
+    interleaved, height and width each on every third frequency up to three times its section
+    (Qwen3-VL); None where positions lie on one axis."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     sections = rope.get("mrope_section") if isinstance(rope, dict) else None
-    return list(sections) if sections else None
+    if not sections:
+        return None
+    if getattr(config, "model_type", None) not in INTERLEAVED_AXES:
+        return torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])
+    axes = torch.zeros(sum(sections), dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis : 3 * sections[axis] : 3] = axis
+    return axes

@@ -22,14 +22,25 @@ from engine.models.base import CausalLM
 from engine.models.gemma import PagedGemmaForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections
-from engine.models.rotary_table import AxisRotary, axis_sections
+from engine.models.rotary_table import AxisRotary, rotary_axes
 
 # The families whose images are served.
-IMAGE_TEXT_TYPES = ("llava", "llava_next", "idefics3", "gemma3", "qwen2_vl", "qwen2_5_vl")
+IMAGE_TEXT_TYPES = (
+    "llava",
+    "llava_next",
+    "idefics3",
+    "gemma3",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+)
 # Those whose image tokens see their whole image's run both ways, not causally.
 BOTH_WAYS_TYPES = ("gemma3",)
 # Those whose rotary positions lie on three axes, an image's tokens on its grid (M-RoPE).
-GRID_TYPES = ("qwen2_vl", "qwen2_5_vl")
+GRID_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+# Those whose encoder also feeds the first decoder layers' outputs at the image tokens
+# (Qwen3-VL's "deepstack"), which only Conveyor's decoder takes.
+LAYER_ROWS_TYPES = ("qwen3_vl",)
 # Language models Conveyor's decoder runs (the Llama family's dense members, Gemma 3's, and
 # Qwen2-VL's, a Qwen2 rotated on three axes).
 TEXT_TYPES = (
@@ -40,6 +51,7 @@ TEXT_TYPES = (
     "gemma3_text",
     "qwen2_vl_text",
     "qwen2_5_vl_text",
+    "qwen3_vl_text",
 )
 
 
@@ -67,7 +79,8 @@ def image_token_id(config: Any) -> int | None:
 
 class ImageEncoder:
     """transformers' own vision encoder and projector of an image-text model: a prompt's images
-    in, one row per placeholder out."""
+    in, one row per placeholder out. A model whose encoder also feeds its first decoder layers
+    (Qwen3-VL) gets those layers' rows beside each row (`ImageRows`)."""
 
     def __init__(self, hf_model: Any) -> None:
         token = image_token_id(hf_model.config)
@@ -88,7 +101,8 @@ class ImageEncoder:
     def __call__(self, data: dict[str, Any]) -> torch.Tensor:
         """The projected features of a prompt's images, one row per placeholder in order
         `[rows, hidden]` in the language model's dtype, as transformers' own forward places
-        them."""
+        them (`[rows, (1 + layers) * hidden]` with the rows each of the first decoder layers
+        adds to its output, where the encoder gives those)."""
         device = self._embed.weight.device
         inputs = {
             key: _to(value, device, self._dtype)
@@ -97,10 +111,15 @@ class ImageEncoder:
         }
         found = self.hf_model.model.get_image_features(**inputs)
         features = getattr(found, "pooler_output", found)
+        layers = getattr(found, "deepstack_features", None) or []
+        parts = [self._rows(features), *(self._rows(layer) for layer in layers)]
+        return torch.cat(parts, dim=-1).to(self._embed.weight.dtype)
+
+    def _rows(self, features: Any) -> torch.Tensor:
+        """`[rows, hidden]`: the features of every image (a tensor or one per image)."""
         pieces = features if isinstance(features, (list, tuple)) else [features]
         hidden = self._embed.weight.shape[-1]
-        rows = torch.cat([piece.reshape(-1, hidden) for piece in pieces])
-        return rows.to(self._embed.weight.dtype)
+        return torch.cat([piece.reshape(-1, hidden) for piece in pieces])
 
 
 class ImageTextLM(CausalLM, Protocol):
@@ -147,9 +166,9 @@ class PagedImageTextLM(PagedLlamaForCausalLM):
         )
         super().__init__(language)
         self.image_encoder = ImageEncoder(hf_model)
-        sections = axis_sections(language.config)
-        if sections is not None:
-            self.rotary = AxisRotary(self.rotary, sections)  # type: ignore[assignment]
+        axes = rotary_axes(language.config)
+        if axes is not None:
+            self.rotary = AxisRotary(self.rotary, axes)  # type: ignore[assignment]
 
 
 class PagedGemmaImageTextLM(PagedImageTextLM, PagedGemmaForCausalLM):
@@ -161,6 +180,12 @@ def paged_image_text(hf_model: Any) -> PagedImageTextLM:
     if hf_model.config.get_text_config().model_type.startswith("gemma"):
         return PagedGemmaImageTextLM(hf_model)
     return PagedImageTextLM(hf_model)
+
+
+def needs_decoder(hf_model: Any) -> bool:
+    """Whether only Conveyor's decoder runs the model's language model: transformers' takes
+    no rows for its layers from outside its own forward (Qwen3-VL's deepstack)."""
+    return hf_model.config.model_type in LAYER_ROWS_TYPES
 
 
 def decoder_supports(hf_model: Any) -> str:

@@ -1,7 +1,7 @@
-"""Images on their grids (Qwen2-VL, Qwen2.5-VL): rotary positions on three axes equal
-transformers' own, beside text requests in the same steps and from the prefix cache; a prompt
-whose placeholders do not fit its images is refused; the processor loads without its video
-half."""
+"""Images on their grids (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): rotary positions on three axes
+equal transformers' own, beside text requests in the same steps and from the prefix cache; a
+prompt whose placeholders do not fit its images is refused; the processor loads without its
+video half; Qwen3-VL's tower feeds its first decoder layers, on Conveyor's decoder only."""
 
 from __future__ import annotations
 
@@ -15,10 +15,16 @@ from engine.core.mrope import grid_positions
 from engine.loading.processors import load_processor
 from tests.helpers import tokens_of
 from tests.models.test_image_text import GREEDY, image_text_core, run, submit
-from tests.vision_utils import image_prompt, random_image, reference_tokens, save_tiny
+from tests.vision_utils import (
+    QWEN_VL_FAMILIES,
+    image_prompt,
+    random_image,
+    reference_tokens,
+    save_tiny,
+)
 from tests.vision_utils import tiny_image_text as tiny
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 # Three grids: 4x6 cells, 6x2 (tall) and 2x2 (the smallest), with text between.
 PARTS = [
     "Hello",
@@ -86,8 +92,7 @@ def test_the_processor_loads_without_its_video_half(tmp_path, family):
     the folder names transformers' own class, and the loaded processor gives the same inputs."""
     folder = save_tiny(tmp_path / family, family)
     loaded = load_processor(str(folder), family)
-    expected = "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen2VLProcessor"
-    assert type(loaded).__name__ == expected
+    assert type(loaded).__name__ == QWEN_VL_FAMILIES[family].__name__
     processed, _, _ = image_prompt(PARTS, family)
     text = loaded.apply_chat_template(
         [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "image"}]}],
@@ -99,3 +104,17 @@ def test_the_processor_loads_without_its_video_half(tmp_path, family):
         again["pixel_values"], processed["pixel_values"][: len(again["pixel_values"])]
     )
     assert again["image_grid_thw"].tolist() == processed["image_grid_thw"][:1].tolist()
+
+
+def test_qwen3_vl_feeds_its_first_layers_and_refuses_transformers_model():
+    """Without the rows its tower feeds the first decoder layers the tokens are not
+    transformers'; its model whole cannot take them, so `--model-impl transformers` is refused."""
+    core = image_text_core("qwen3_vl")
+    processed, _ = submit(core, "r", PARTS, "qwen3_vl")
+    width = tiny("qwen3_vl").config.text_config.hidden_size
+    encode = core.runner.model.image_encoder
+    core.runner.model.image_encoder = lambda data: encode(data)[:, :width]
+    tokens = tokens_of(run(core)["r"])
+    assert tokens != reference_tokens(tiny("qwen3_vl"), processed, 8)
+    with pytest.raises(ValueError, match="Conveyor's model implementation only"):
+        image_text_core("qwen3_vl", model_impl="transformers")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, MllamaConfig, Qwen3VLConfig
+from transformers import AutoModelForImageTextToText, Mistral3Config, MllamaConfig
 
 from engine.core.config import EngineConfig
 from engine.core.errors import InvalidRequestError, RequestFailedError
-from engine.core.images import ImageInputs, image_starts
+from engine.core.images import TEXT_KEYS, ImageInputs, image_starts
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.loading.model_loader import auto_model_class, load_model
@@ -35,7 +35,7 @@ from tests.vision_utils import (
     tiny_llava,
 )
 
-FAMILIES = ["llava", "llava_next", "idefics3", "gemma3", "qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["llava", "llava_next", "idefics3", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -79,8 +79,16 @@ def run(core) -> dict[str, list]:
     return outputs
 
 
-@pytest.mark.parametrize("impl", ["conveyor", "transformers"])
-@pytest.mark.parametrize("family", FAMILIES)
+# Qwen3-VL's tower feeds decoder layers, which only Conveyor's decoder takes from outside.
+IMPLS = [
+    (impl, family)
+    for impl in ("conveyor", "transformers")
+    for family in FAMILIES
+    if impl == "conveyor" or family != "qwen3_vl"
+]
+
+
+@pytest.mark.parametrize(("impl", "family"), IMPLS)
 @pytest.mark.parametrize("budget", [512, 10, 3])
 def test_greedy_tokens_equal_generate_with_images_cut_by_chunks(monkeypatch, impl, family, budget):
     """Conveyor's decoder for the language model, or transformers' model whole: the same tokens
@@ -208,7 +216,7 @@ def test_each_run_of_placeholders_starts_an_image_or_all_count_from_the_first():
 
 
 def test_unserved_image_text_families_and_parallel_runs_are_refused_by_name(tmp_path):
-    for config in (Qwen3VLConfig(), MllamaConfig()):
+    for config in (Mistral3Config(), MllamaConfig()):
         folder = tmp_path / config.model_type
         config.save_pretrained(folder)
         with pytest.raises(ValueError, match=f"images of {config.model_type} models"):
@@ -228,19 +236,22 @@ def test_a_16_bit_model_keeps_its_vision_encoder_in_torch_and_its_dtype(tmp_path
     stays transformers' own bf16 layers, and its rows are exactly transformers' bf16 rows."""
     folder = save_tiny(tmp_path / family, family)
     loaded = load_model(str(folder), torch.bfloat16, torch.device("cpu"))
-    model = build_causal_lm(loaded.model, "transformers")
-    assert isinstance(model, TransformersImageTextLM)
+    model = build_causal_lm(loaded.model)
+    assert takes_images(model)
     decoder = {id(p) for p in loaded.model.get_decoder().parameters()}
     encoder = [p for p in loaded.model.model.parameters() if id(p) not in decoder]
     assert encoder and all(p.dtype == torch.bfloat16 for p in encoder)
     processed, _, images = image_prompt([random_image(12), "hi"], family)
     rows = model.image_encoder(images.data)
     reference = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.bfloat16)
-    inputs = {k: v for k, v in processed.items() if k not in ("input_ids", "attention_mask")}
+    inputs = {k: v for k, v in processed.items() if k not in TEXT_KEYS}
     inputs["pixel_values"] = inputs["pixel_values"].bfloat16()
     with torch.inference_mode():
-        found = reference.model.get_image_features(**inputs).pooler_output
-    expected = torch.cat([piece.reshape(-1, rows.shape[-1]) for piece in found])
+        found = reference.model.get_image_features(**inputs)
+    # The embeddings' rows, then (Qwen3-VL) those each fed decoder layer adds, side by side.
+    hidden = loaded.model.config.get_text_config().hidden_size
+    parts = [found.pooler_output, *(getattr(found, "deepstack_features", None) or [])]
+    expected = torch.cat([torch.cat([p.reshape(-1, hidden) for p in part]) for part in parts], -1)
     assert rows.dtype == loaded.compute_dtype
     assert torch.equal(rows, expected.to(rows.dtype))
 
