@@ -26,6 +26,7 @@ from tests.vision_utils import (
     image_prompt,
     llava_processor,
     png_bytes,
+    processor_of,
     random_image,
     reference_tokens,
     save_tiny,
@@ -305,3 +306,22 @@ async def test_fetches_keep_to_the_allowed_domains():
     assert "images.example only, not '127.0.0.1'" in refused.json()["error"]["message"]
     for key in (("images.example", "inline"), ("127.0.0.1", "fetched"), ("127.0.0.1", "inline")):
         assert answers[key].status_code == 200, (key, answers[key].text)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "qwen3_vl"])
+async def test_chat_with_images_that_attend_both_ways_or_lie_on_grids(family):
+    """Through the chat route: Gemma 3's image tokens seeing each other both ways, the Qwen VL
+    models' positions on three axes; the reply is transformers' greedy one."""
+    first, second = random_image(2), random_image(3, width=60)
+    processor = processor_of(family)
+    options = {"max_num_batched_tokens": 16}
+    async with app_client(
+        model=tiny_image_text(family), tokenizer=processor.tokenizer, processor=processor, **options
+    ) as (client, engine):
+        messages = user("Hello", image_part(data_url(first)), "and", image_part(data_url(second)))
+        response = await client.post("/v1/chat/completions", json={**BASE, "messages": messages})
+        assert blocks_in_use(engine) == 0
+    assert response.status_code == 200, response.text
+    processed, _, _ = image_prompt(["Hello", first, "and", second], family)
+    tokens = reference_tokens(tiny_image_text(family), processed, 8)
+    assert response.json()["choices"][0]["message"]["content"] == processor.tokenizer.decode(tokens)
