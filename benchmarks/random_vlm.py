@@ -8,8 +8,11 @@ over 448-pixel images in 14-pixel patches, pooled to 256 image tokens an image a
 `--family qwen2_5_vl` is a Qwen2.5-VL with Qwen2.5-0.5B's language model (24 layers of 896,
 rotated on three axes) and a Qwen2.5-VL tower of 12 layers of 768 (windows of 112 pixels but
 in four layers), a 448-pixel image in 14-pixel patches merged 2x2 into 256 tokens.
+`--family qwen3_vl` is a Qwen3-VL with Qwen3-0.6B's language model (28 layers of 1024) and a
+Qwen3-VL tower of 12 layers of 768 whose layers 3, 7 and 11 feed the first three decoder layers,
+a 448-pixel image in 16-pixel patches merged 2x2 into 196 tokens.
 
-    python benchmarks/random_vlm.py OUT_DIR [--family gemma3|qwen2_5_vl] [--dtype bfloat16]
+    python benchmarks/random_vlm.py OUT_DIR [--family gemma3|qwen2_5_vl|qwen3_vl] [--dtype bfloat16]
         [--config-only]
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -35,6 +39,9 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
     Qwen2VLImageProcessorPil,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
 )
 
 from engine.loading.default_model import ensure_default_model
@@ -152,14 +159,25 @@ QWEN_TEMPLATE = CHAT_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><
 QWEN_PIXELS = 448 * 448  # every 448-pixel square image: 32x32 patches
 
 
-def qwen2_5_vl_processor() -> Qwen2_5_VLProcessor:
+def qwen_processor(processor_class: type, patch: int) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(
         ensure_default_model(), extra_special_tokens=QWEN_TOKENS
     )
-    images = Qwen2VLImageProcessorPil(min_pixels=QWEN_PIXELS, max_pixels=QWEN_PIXELS)
-    made: Qwen2_5_VLProcessor = images_only(Qwen2_5_VLProcessor)(
+    images = Qwen2VLImageProcessorPil(
+        min_pixels=QWEN_PIXELS, max_pixels=QWEN_PIXELS, patch_size=patch
+    )
+    return images_only(processor_class)(
         image_processor=images, tokenizer=tokenizer, chat_template=QWEN_TEMPLATE
     )
+
+
+def qwen2_5_vl_processor() -> Qwen2_5_VLProcessor:
+    made: Qwen2_5_VLProcessor = qwen_processor(Qwen2_5_VLProcessor, 14)
+    return made
+
+
+def qwen3_vl_processor() -> Qwen3VLProcessor:
+    made: Qwen3VLProcessor = qwen_processor(Qwen3VLProcessor, 16)
     return made
 
 
@@ -190,21 +208,56 @@ def qwen2_5_vl_model(made: Qwen2_5_VLProcessor) -> tuple[Qwen2_5_VLConfig, type]
         "out_hidden_size": 896,
         "fullatt_block_indexes": [2, 5, 8, 11],
     }
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=tokenizer.image_token_id,
-        video_token_id=tokenizer.video_token_id,
-        vision_start_token_id=tokenizer.vision_start_token_id,
-        vision_end_token_id=tokenizer.vision_end_token_id,
-    )
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **qwen_tokens(tokenizer))
     return config, Qwen2_5_VLForConditionalGeneration
+
+
+def qwen3_vl_model(made: Qwen3VLProcessor) -> tuple[Qwen3VLConfig, type]:
+    tokenizer = made.tokenizer
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+        },
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": tokenizer.pad_token_id or 0,
+    }
+    vision = {
+        "depth": 12,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_heads": 12,
+        "out_hidden_size": 1024,
+        "deepstack_visual_indexes": [3, 7, 11],
+    }
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, **qwen_tokens(tokenizer))
+    return config, Qwen3VLForConditionalGeneration
+
+
+def qwen_tokens(tokenizer: Any) -> dict[str, int]:
+    return {
+        "image_token_id": tokenizer.image_token_id,
+        "video_token_id": tokenizer.video_token_id,
+        "vision_start_token_id": tokenizer.vision_start_token_id,
+        "vision_end_token_id": tokenizer.vision_end_token_id,
+    }
 
 
 FAMILIES = {
     "idefics3": (idefics3_processor, idefics3_model),
     "gemma3": (gemma3_processor, gemma3_model),
     "qwen2_5_vl": (qwen2_5_vl_processor, qwen2_5_vl_model),
+    "qwen3_vl": (qwen3_vl_processor, qwen3_vl_model),
 }
 
 

@@ -50,6 +50,8 @@ from transformers import (
     Qwen2VLProcessor,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
     Qwen3VLProcessor,
     SiglipVisionConfig,
 )
@@ -176,10 +178,11 @@ QWEN_VL_FAMILIES = {
     "qwen2_vl": Qwen2VLProcessor,
     "qwen2_5_vl": Qwen2_5_VLProcessor,
     "qwen3_vl": Qwen3VLProcessor,
+    "qwen3_vl_moe": Qwen3VLProcessor,
 }
 
 
-@lru_cache(maxsize=3)
+@lru_cache(maxsize=4)
 def qwen_vl_processor(family: str) -> Any:
     """Qwen2-VL's, Qwen2.5-VL's or Qwen3-VL's processor without its video half
     (`images_only`)."""
@@ -215,6 +218,7 @@ PLACEHOLDERS = {
     "qwen2_vl": QWEN_VL_TOKENS["image_token"],
     "qwen2_5_vl": QWEN_VL_TOKENS["image_token"],
     "qwen3_vl": QWEN_VL_TOKENS["image_token"],
+    "qwen3_vl_moe": QWEN_VL_TOKENS["image_token"],
 }
 
 
@@ -236,7 +240,7 @@ def _text_config(tokenizer: Any) -> LlamaConfig:
 
 def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
     """A tiny random model of `family` (`llava`, `llava_next`, `idefics3`, `gemma3`,
-    `qwen2_vl`, `qwen2_5_vl` or `qwen3_vl`), in fp32."""
+    `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl` or `qwen3_vl_moe`), in fp32."""
     makers = {
         "llava": tiny_llava,
         "llava_next": tiny_llava_next,
@@ -245,6 +249,7 @@ def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
         "qwen2_vl": tiny_qwen2_vl,
         "qwen2_5_vl": tiny_qwen2_5_vl,
         "qwen3_vl": tiny_qwen3_vl,
+        "qwen3_vl_moe": tiny_qwen3_vl_moe,
     }
     return makers[family](seed)
 
@@ -269,11 +274,14 @@ def _qwen_vl_text(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def tiny_qwen3_vl(seed: int = 0) -> Qwen3VLForConditionalGeneration:
+def tiny_qwen3_vl(seed: int = 0, family: str = "qwen3_vl") -> Any:
     """A Qwen3 language model of three layers (its frequencies interleaved over the three axes);
-    its tower's two layers each feed one of the first two decoder layers (deepstack)."""
-    tokenizer = qwen_vl_processor("qwen3_vl").tokenizer
+    its tower's two layers each feed one of the first two decoder layers (deepstack). As
+    `qwen3_vl_moe`, each layer's MLP is four experts, two a token."""
+    tokenizer = qwen_vl_processor(family).tokenizer
     text = {**_qwen_vl_text(tokenizer), "num_hidden_layers": 3, "head_dim": 16}
+    if family == "qwen3_vl_moe":
+        text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
     vision = {
         "depth": 2,
         "hidden_size": 32,
@@ -285,14 +293,20 @@ def tiny_qwen3_vl(seed: int = 0) -> Qwen3VLForConditionalGeneration:
         "deepstack_visual_indexes": [0, 1],
         "initializer_range": 0.2,
     }
-    config = Qwen3VLConfig(
+    moe = family == "qwen3_vl_moe"
+    config = (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=text,
         vision_config=vision,
         tie_word_embeddings=False,
         **_qwen_vl_tokens(tokenizer),
     )
     torch.manual_seed(seed)
-    return Qwen3VLForConditionalGeneration(config).eval()
+    model = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+    return model(config).eval()
+
+
+def tiny_qwen3_vl_moe(seed: int = 0) -> Qwen3VLMoeForConditionalGeneration:
+    return tiny_qwen3_vl(seed, "qwen3_vl_moe")
 
 
 def _qwen_vl_tokens(tokenizer: Any) -> dict[str, int]:

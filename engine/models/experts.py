@@ -1,6 +1,7 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k
-experts, each expert is a gated MLP of its own, and their outputs are summed with the router's
-weights (plus, in Qwen2-MoE, a shared expert every token runs, behind a sigmoid gate).
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-VL-MoE's language model): a
+router picks each token's top-k experts, each expert is a gated MLP of its own, and their
+outputs are summed with the router's weights (plus, in Qwen2-MoE, a shared expert every token
+runs, behind a sigmoid gate).
 
 Hugging Face holds a layer's experts as two 3-d tensors (`gate_up_proj [experts, 2 * inter,
 hidden]` with gate above up, `down_proj [experts, hidden, inter]`). `ExpertLinears` holds them
@@ -25,6 +26,8 @@ from torch import nn
 from engine.models.layers import gated_activation
 from engine.parallel.sharding import FUSED_EXPERTS
 
+# Routers without `norm_topk_prob` that still cast their weights to the logits' dtype.
+CASTING_ROUTERS = frozenset({"Qwen3VLMoeTextTopKRouter"})
 # Why steps of such a model run eagerly: no CUDA graph or compiled piece holds a host sync.
 SPARSE_ON_HOST = "mixture-of-experts layers group their tokens by expert on the host"
 
@@ -122,9 +125,12 @@ class SparseMoE(nn.Module):
         self.router_weight = router.weight
         self.top_k = int(router.top_k)
         # Mixtral always renormalizes the top-k weights and keeps them in fp32; Qwen's MoE
-        # models renormalize where the config says so and cast them to the logits' dtype.
+        # models renormalize where the config says so (Qwen3-VL's always) and cast them to the
+        # logits' dtype.
         self.renormalize = bool(getattr(router, "norm_topk_prob", True))
-        self.cast_weights = hasattr(router, "norm_topk_prob")
+        self.cast_weights = (
+            hasattr(router, "norm_topk_prob") or type(router).__name__ in CASTING_ROUTERS
+        )
         self.experts = ExpertLinears.of(block.experts)
         shared = getattr(block, "shared_expert", None)
         self.shared_expert = shared

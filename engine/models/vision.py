@@ -33,16 +33,17 @@ IMAGE_TEXT_TYPES = (
     "qwen2_vl",
     "qwen2_5_vl",
     "qwen3_vl",
+    "qwen3_vl_moe",
 )
 # Those whose image tokens see their whole image's run both ways, not causally.
 BOTH_WAYS_TYPES = ("gemma3",)
 # Those whose rotary positions lie on three axes, an image's tokens on its grid (M-RoPE).
-GRID_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+GRID_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Those whose encoder also feeds the first decoder layers' outputs at the image tokens
 # (Qwen3-VL's "deepstack"), which only Conveyor's decoder takes.
-LAYER_ROWS_TYPES = ("qwen3_vl",)
+LAYER_ROWS_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # Language models Conveyor's decoder runs (the Llama family's dense members, Gemma 3's, and
-# Qwen2-VL's, a Qwen2 rotated on three axes).
+# the Qwen VL models', rotated on three axes, Qwen3-VL-MoE's with its experts).
 TEXT_TYPES = (
     "llama",
     "mistral",
@@ -52,6 +53,7 @@ TEXT_TYPES = (
     "qwen2_vl_text",
     "qwen2_5_vl_text",
     "qwen3_vl_text",
+    "qwen3_vl_moe_text",
 )
 
 

@@ -24,7 +24,9 @@ from engine.parallel.group import ParallelGroup
 
 # Hugging Face's expert classes that hold gate above up, untransposed, without biases (Conveyor
 # runs them: `models.experts`).
-FUSED_EXPERTS = frozenset({"MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts"})
+FUSED_EXPERTS = frozenset(
+    {"MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "Qwen3VLMoeTextExperts"}
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from tests.vision_utils import (
 )
 from tests.vision_utils import tiny_image_text as tiny
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
 # Three grids: 4x6 cells, 6x2 (tall) and 2x2 (the smallest), with text between.
 PARTS = [
     "Hello",
@@ -71,6 +71,7 @@ def test_text_and_image_requests_share_steps_and_the_cache(family):
     """A text request beside image requests (the step's positions on three axes for some rows,
     one for the other), then the same image turn again from the prefix cache."""
     core = image_text_core(family, block_size=4, max_num_batched_tokens=16)
+    assert core.runner.model.sparse == (family == "qwen3_vl_moe")  # its experts, Conveyor's
     text = core.tokenizer("Paged attention stores keys and values.")["input_ids"]
     core.add_request("text", text, GREEDY)
     first, _ = submit(core, "first", PARTS, family)

@@ -35,7 +35,16 @@ from tests.vision_utils import (
     tiny_llava,
 )
 
-FAMILIES = ["llava", "llava_next", "idefics3", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = [
+    "llava",
+    "llava_next",
+    "idefics3",
+    "gemma3",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -84,7 +93,7 @@ IMPLS = [
     (impl, family)
     for impl in ("conveyor", "transformers")
     for family in FAMILIES
-    if impl == "conveyor" or family != "qwen3_vl"
+    if impl == "conveyor" or not family.startswith("qwen3_vl")
 ]
 
 

@@ -186,7 +186,17 @@ async def test_a_text_model_refuses_images_by_name():
 
 
 @pytest.mark.parametrize(
-    "family", ["llava", "llava_next", "idefics3", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+    "family",
+    [
+        "llava",
+        "llava_next",
+        "idefics3",
+        "gemma3",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+    ],
 )
 def test_a_saved_model_loads_with_its_processor_and_matches_generate(tmp_path: Path, family):
     """From a folder, as `conveyor serve --model` loads it: transformers' image-text class, the
