@@ -594,7 +594,8 @@ def _add_reply_parsers(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         choices=REASONING_PARSERS,
         default=None,
         help="return a thinking model's <think> text as message.reasoning, apart from the "
-        "content (deepseek_r1 and qwen3 read the same tags)",
+        "content (deepseek_r1 and qwen3 read the same tags; openai_gptoss reads gpt-oss's "
+        "analysis channel, as a Harmony chat template does without the flag)",
     )
 
 

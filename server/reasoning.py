@@ -17,7 +17,8 @@ from __future__ import annotations
 from server.tool_parsers import partial_tag
 
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+# `openai_gptoss` reads gpt-oss's Harmony channels instead (`server/harmony.py`).
+PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 
 
 def opens_in_reasoning(prompt_text: str) -> bool:

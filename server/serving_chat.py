@@ -15,6 +15,9 @@ from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.lora.registry import LoRARequest
 from server.call_array import CallArrayReader
+from server.harmony import FINAL, HarmonyReader, is_harmony, split_harmony
+from server.harmony import PARSER as HARMONY
+from server.harmony import REASONING_PARSER as HARMONY_REASONING
 from server.images import image_urls, load_images, processed_prompt
 from server.limits import RequestLimits, check_chat
 from server.logprobs import chat_logprobs, prompt_logprobs
@@ -71,6 +74,8 @@ class _Choice(ChoiceState):
     calls_reader: CallArrayReader = field(default_factory=CallArrayReader)
     # Splits reasoning from the answer as the text streams (`--reasoning-parser`).
     thinker: ThinkReader | None = None
+    # Splits a Harmony reply (gpt-oss) into reasoning, content and calls as it streams.
+    harmony: HarmonyReader | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +85,8 @@ class PreparedChat:
     prompt: list[int]
     params: SamplingParams
     forced: ForcedCalls | None
-    # The tool-call parser of a `tool_choice: auto` request with tools (None otherwise).
+    # The tool-call parser of a `tool_choice: auto` request with tools (None otherwise;
+    # `openai` for every request to a model that writes Harmony's messages).
     parser: str | None
     # None where no reasoning is split off, else whether the reply starts inside it.
     thinking: bool | None
@@ -119,7 +125,9 @@ class ChatRenderer(ChunkRenderer):
         self.prompt_logprobs: list | None = None
         self.choices = {i: _Choice(i) for i in range(body.n)}
         for choice in self.choices.values():
-            if parser is not None:
+            if parser == HARMONY:
+                choice.harmony = HarmonyReader()
+            elif parser is not None:
                 choice.reader = reader_for(parser, tool_schemas(body))
             if thinking is not None:
                 choice.thinker = ThinkReader(thinking)
@@ -142,8 +150,11 @@ class ChatRenderer(ChunkRenderer):
             choice.logprobs.extend(logprobs)
         choice.record(output, output.text)
         if output.text or logprobs or output.finished:
-            reasoning, text = self._reasoning(choice, output)
-            delta = self._delta(choice, text, output.finished)
+            if choice.harmony is not None:
+                reasoning, delta = self._harmony_delta(choice, output)
+            else:
+                reasoning, text = self._reasoning(choice, output)
+                delta = self._delta(choice, text, output.finished)
             if reasoning:
                 delta = {**self._reasoning_fields(reasoning), **delta}
             fragments.append(self._fragment(choice, delta, logprobs, output.finished))
@@ -159,6 +170,19 @@ class ChatRenderer(ChunkRenderer):
             more, rest = choice.thinker.finish()
             reasoning, text = reasoning + more, text + rest
         return reasoning, text
+
+    def _harmony_delta(self, choice: _Choice, output: RequestOutput) -> tuple[str, dict[str, Any]]:
+        """A Harmony reply's delta: its reasoning, and its content and whole calls (or, for
+        forced calls the model did not write as messages to functions, its answer's text as
+        their arguments)."""
+        assert choice.harmony is not None
+        reasoning, content, calls = choice.harmony.feed(output.text)
+        if output.finished:
+            more, rest, last = choice.harmony.finish()
+            reasoning, content, calls = reasoning + more, content + rest, calls + last
+        if self.forced is not None and not calls and not choice.num_calls:
+            return reasoning, self._delta(choice, content, output.finished)
+        return reasoning, self._with_calls(choice, content, calls)
 
     def _reasoning_fields(self, reasoning: str) -> dict[str, str]:
         """`reasoning` (vLLM's and OpenAI's name) and `reasoning_content` (DeepSeek's, which
@@ -195,6 +219,11 @@ class ChatRenderer(ChunkRenderer):
         if finished:
             rest, last = choice.reader.finish()
             content, calls = content + rest, calls + last
+        return ChatRenderer._with_calls(choice, content, calls)
+
+    @staticmethod
+    def _with_calls(choice: _Choice, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """A delta of `content` and whole `calls`, numbered after the choice's earlier ones."""
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = [
@@ -234,11 +263,30 @@ class ChatRenderer(ChunkRenderer):
         return usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
 
     def _message(self, choice: _Choice) -> dict[str, Any]:
+        if self.parser == HARMONY:
+            return self._harmony_message(choice.text)
         if self.thinking is None:
             return self._answer(choice.text)
         reasoning, text = split_reasoning(choice.text, self.thinking)
         message = self._answer(text or None)
         if reasoning is not None:
+            message.update(self._reasoning_fields(reasoning))
+        return message
+
+    def _harmony_message(self, text: str) -> dict[str, Any]:
+        """The message of a whole Harmony reply."""
+        reasoning, content, calls = split_harmony(text)
+        if self.forced is not None and not calls:  # the answer's body holds the call
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": self.forced.calls(content),
+            }
+        else:
+            message = {"role": "assistant", "content": content or None}
+            if calls:
+                message["tool_calls"] = calls
+        if reasoning:
             message.update(self._reasoning_fields(reasoning))
         return message
 
@@ -318,6 +366,8 @@ class ChatHandler:
         tokenizer = require_text_model(self.engine)
         tools = template_tools(body)
         parser = self._parser(tokenizer) if tools and forced is None else None
+        if self._harmony(tokenizer):  # every reply is Harmony's messages
+            parser = HARMONY
         if parser in KEEPS_SPECIAL_TOKENS:  # its tag is a special token the text must keep
             params = replace(params, skip_special_tokens=False)
         return PreparedChat(prompt, params, forced, parser, thinking, lora, images)
@@ -371,6 +421,10 @@ class ChatHandler:
         if thinking and params.structured is not None:
             # The format holds for the answer, once the thought has closed.
             params = replace(params, structured=replace(params.structured, after=END))
+        harmony = self._harmony(require_text_model(self.engine))
+        if harmony and params.structured is not None:
+            # The format holds for the final channel's body.
+            params = replace(params, structured=replace(params.structured, after=FINAL))
         return prompt, params, forced, thinking, images
 
     async def templated(
@@ -408,11 +462,20 @@ class ChatHandler:
         )
         return text, prompt, images
 
+    def _harmony(self, tokenizer: Any) -> bool:
+        """Whether replies are Harmony's messages (gpt-oss): the parsers say so, or the chat
+        template writes them."""
+        return (
+            self.reasoning_parser == HARMONY_REASONING
+            or self.tool_call_parser == HARMONY
+            or is_harmony(getattr(tokenizer, "chat_template", None))
+        )
+
     def _thinking(self, prompt_text: str, params: SamplingParams) -> bool | None:
         """Whether the reply starts in its reasoning; None where none is split off: no
         reasoning parser, or an output format that would hold from the first token (a reply
-        that may open its own thought with `<think>`)."""
-        if self.reasoning_parser is None:
+        that may open its own thought with `<think>`). Harmony's replies are read apart."""
+        if self.reasoning_parser is None or self._harmony(require_text_model(self.engine)):
             return None
         opens = opens_in_reasoning(prompt_text)
         return None if params.structured is not None and not opens else opens

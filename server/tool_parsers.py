@@ -38,9 +38,10 @@ PYTHON_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 FUNCTION, PARAMETER = "<function=", "<parameter="
-PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+# `openai` reads gpt-oss's Harmony messages to functions (`server/harmony.py`).
+PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder")
 # Parsers whose tags are special tokens, which a reply's text must keep to be read.
-KEEPS_SPECIAL_TOKENS = frozenset({"mistral"})
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai"})
 
 # The JSON schemas of the request's tools' parameters, by tool name.
 Schemas = dict[str, dict[str, Any]]
