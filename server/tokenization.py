@@ -229,8 +229,8 @@ def template_message(message: ChatMessage, images: bool = False) -> dict[str, An
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     reasoning = message.reasoning or message.reasoning_content
-    if reasoning:  # by the name thinking models' templates read
-        rendered["reasoning_content"] = reasoning
+    if reasoning:  # by the names thinking models' templates read (gpt-oss's: `thinking`)
+        rendered["reasoning_content"] = rendered["thinking"] = reasoning
     return rendered
 
 

@@ -218,10 +218,12 @@ async def test_a_template_that_does_not_think_gives_plain_content():
     assert "reasoning" not in message and message["content"].startswith("{")
 
 
-async def test_earlier_reasoning_reaches_the_template():
+@pytest.mark.parametrize("key", ["reasoning_content", "thinking"])
+async def test_earlier_reasoning_reaches_the_template(key):
+    """By the name Qwen3's and DeepSeek's templates read, or gpt-oss's."""
     tokenizer = copy.deepcopy(tiny_tokenizer())
     tokenizer.chat_template = (
-        "{% for m in messages %}<|{{ m['role'] }}|>{{ m.get('reasoning_content', '') }}"
+        f"{{% for m in messages %}}<|{{{{ m['role'] }}}}|>{{{{ m.get('{key}', '') }}}}"
         "{{ m['content'] }}\n{% endfor %}"
     )
     history = [
