@@ -233,8 +233,6 @@ def lora_slots(
         return None
     if not isinstance(model, PagedLlamaForCausalLM):
         raise ValueError("LoRA adapters run on Conveyor's model implementation only")
-    if takes_images(model):
-        raise ValueError("LoRA adapters are served over text models only, not image-text ones")
     lora_dtype = torch.float32 if device.type == "cpu" else dtype
     slots = LoRASlots(
         model.lora_shapes(), config.max_loras, config.max_lora_rank, device, lora_dtype

@@ -24,6 +24,9 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _KEY = re.compile(
     r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGETS) + r")\.lora_([AB])\.weight"
 )
+# The parts of an image-text model outside its language model, which adapters are not served
+# over (a CLIP tower's layers would otherwise read as the language model's).
+_VISION = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|visual|multi_modal_projector)\.")
 # A hub repository id, `owner/name`.
 _REPO = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # Settings that make the adapter compute something else than plain LoRA where they are set
@@ -164,6 +167,11 @@ def _pairs(
     """Each targeted projection's (A, B); any other tensor is refused by name."""
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
+        if _VISION.search(key):
+            raise LoRAError(
+                f"the adapter holds {key!r}, of the vision encoder: adapters of an image-text "
+                "model's language model alone are served"
+            )
         match = _KEY.fullmatch(key)
         if match is None:
             raise LoRAError(
