@@ -298,6 +298,7 @@ def core_from_model(
     parts = build_rank(loaded, config, device, dtype, shard)
     model, backend, kv_cache = parts.model, parts.backend, parts.kv_cache
     _check_runner(config, model, loaded.path)
+    _check_image_step(config, model)
     num_blocks, block_tokens = kv_cache.num_blocks, kv_cache.block_size
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * block_tokens)
     scheduler = Scheduler(
@@ -353,6 +354,21 @@ def core_from_model(
         image_token_id=_image_token(model),
     )
     return core, info
+
+
+def _check_image_step(config: EngineConfig, model: CausalLM) -> None:
+    """A model whose images are computed in one step each (Gemma 3: their tokens see each
+    other both ways) needs steps that hold one image."""
+    if not takes_images(model):
+        return
+    encoder = cast(ImageTextLM, model).image_encoder
+    tokens, budget = encoder.image_tokens, config.max_num_batched_tokens
+    if encoder.both_ways and tokens is not None and budget < tokens:
+        raise ValueError(
+            f"--max-num-batched-tokens {budget} is below the {tokens} tokens of one image, "
+            "which this model computes in one step (its image tokens attend to each other); "
+            f"raise it to at least {tokens}"
+        )
 
 
 def _image_token(model: CausalLM) -> int | None:

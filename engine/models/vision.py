@@ -93,8 +93,10 @@ class ImageEncoder:
         self._embed = hf_model.get_input_embeddings()
         self._dtype = _encoder_dtype(hf_model)
         kind = hf_model.config.model_type
-        # Whether an image's placeholders attend both ways within their run (`ImageInputs`).
+        # Whether an image's placeholders attend both ways within their run (`ImageInputs`),
+        # and then how many an image has (Gemma 3's fixed count), which one step must hold.
         self.both_ways = kind in BOTH_WAYS_TYPES
+        self.image_tokens: int | None = getattr(hf_model.config, "mm_tokens_per_image", None)
         # Where images lie on their grids (`engine/core/mrope.py`): patches merged a token.
         vision = hf_model.config.vision_config
         self.grid_merge: int | None = vision.spatial_merge_size if kind in GRID_TYPES else None

@@ -5,6 +5,8 @@ may end inside a run, and an image longer than a step is refused. The tokens are
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -109,8 +111,13 @@ def test_a_cached_prefix_that_ends_inside_an_image_run():
     assert tokens_of(outputs["second"]) == reference_tokens(tiny("gemma3"), processed, 8)
 
 
-def test_an_image_longer_than_a_step_is_refused():
-    core = gemma3_core(max_num_batched_tokens=TOKENS_PER_IMAGE - 1)
+def test_steps_smaller_than_an_image_are_refused_at_start_and_per_request():
+    with pytest.raises(ValueError, match=f"at least {TOKENS_PER_IMAGE}"):
+        gemma3_core(max_num_batched_tokens=TOKENS_PER_IMAGE - 1)
+    # An image longer than the model's own count (a processor set apart from the model).
+    core = gemma3_core()
+    small = replace(core.scheduler.config, max_num_batched_tokens=TOKENS_PER_IMAGE - 1)
+    core.scheduler.config = small
     _, ids, images = image_prompt(TWO_IMAGES, "gemma3")
     with pytest.raises(InvalidRequestError, match="one step"):
         core.add_request("r", ids, GREEDY, images=images)
