@@ -108,7 +108,11 @@ def _one_pass_gate(gate_up: torch.Tensor) -> bool:
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in Hugging Face's half-split layout, the same operations in the same
-    order: `x * cos + rotate_half(x) * sin` over `[tokens, heads, dim]`."""
+    order: `x * cos + rotate_half(x) * sin` over `[tokens, heads, dim]`. Where `cos` is
+    narrower than the heads (a partial rotary), only each head's first dims rotate."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat([rotate(x[..., :width], cos, sin), x[..., width:]], dim=-1)
     if _one_pass_rotary(x, cos):
         return cpu_ops.rotary(x, cos, sin)
     half = x.shape[-1] // 2

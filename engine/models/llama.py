@@ -47,6 +47,7 @@ ARCHITECTURES = frozenset(
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
         "SmolLM3ForCausalLM",
+        "Phi3ForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
@@ -73,12 +74,29 @@ def plain_projections(layers: Any) -> str:
     forms), else why not."""
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+        projections = query_projections(attn)
         if not is_sparse(mlp):
-            projections += [mlp.gate_proj, mlp.up_proj]
+            projections += gate_projections(mlp)
         if not all(type(p) in LINEAR_TYPES for p in projections):
             return "its projections are not plain linear layers (quantized weights?)"
     return ""
+
+
+def query_projections(attn: Any) -> list[Any]:
+    """q, k and v's projections, or the one that holds all three (Phi-3's `qkv_proj`)."""
+    fused = getattr(attn, "qkv_proj", None)
+    return [fused] if fused is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+
+
+def gate_projections(mlp: Any) -> list[Any]:
+    """Gate and up's projections, or the one that holds both, gate first (Phi-3's)."""
+    fused = getattr(mlp, "gate_up_proj", None)
+    return [mlp.gate_proj, mlp.up_proj] if fused is None else [fused]
+
+
+def fused_projections(layers: Any) -> bool:
+    """Whether the layers hold q/k/v or gate/up as one projection each (Phi-3)."""
+    return any(len(query_projections(layer.self_attn)) == 1 for layer in layers)
 
 
 class PagedLlamaLayer(nn.Module):
@@ -90,14 +108,22 @@ class PagedLlamaLayer(nn.Module):
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.index = index
         self.head_dim = attn.head_dim
-        self.num_heads = attn.q_proj.out_features // self.head_dim
-        self.num_kv_heads = attn.k_proj.out_features // self.head_dim
+        fused_qkv = getattr(attn, "qkv_proj", None)
+        if fused_qkv is not None:  # Phi-3: q, k and v in one projection already
+            self.num_heads = attn.config.num_attention_heads
+            self.num_kv_heads = attn.config.num_key_value_heads
+        else:
+            self.num_heads = attn.q_proj.out_features // self.head_dim
+            self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = attn.scaling
+        # Dims of each head that rotate, the first ones (Phi-4-mini's partial rotary).
+        factor = getattr(getattr(attn, "config", None), "partial_rotary_factor", None) or 1.0
+        self.rotary_dim = int(self.head_dim * factor)
         # A sliding window (Mistral's, Qwen2's sliding layers), or None.
         self.attention = LayerAttention.of(layer_window(attn))
         # SmolLM3's NoPE layers rotate neither q nor k.
         self.rotates = bool(getattr(attn, "use_rope", True))
-        self.qkv_proj = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv_proj = fused_qkv or fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         group = shard.group if shard is not None else None
         self.o_proj = reduced(attn.o_proj, group)
         # A mixture of experts in place of the gated MLP (summed over the ranks as a whole).
@@ -116,13 +142,17 @@ class PagedLlamaLayer(nn.Module):
 
     def _gated_mlp(self, mlp: Any, group: Any) -> None:
         # By the module the MLP runs, not a config field (a family may name its own field).
-        self.silu = type(mlp.act_fn).__name__ in SILU_MODULES
+        self.act_fn = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3's name
+        self.silu = type(self.act_fn).__name__ in SILU_MODULES
+        self.down_proj = reduced(mlp.down_proj, group)
+        projections = gate_projections(mlp)
+        self.intermediate = int(projections[0].out_features) // (3 - len(projections))
+        if len(projections) == 1:  # Phi-3: gate and up in one projection already
+            self.gate_up_proj = projections[0]
+            return
         gated = GatedPanelLinear.of(mlp.gate_proj, mlp.up_proj) if self.silu else None
         # With `gated`, one op computes silu(gate) * up; else gate and up side by side.
         self.gate_up_proj = gated or fuse([mlp.gate_proj, mlp.up_proj])
-        self.down_proj = reduced(mlp.down_proj, group)
-        self.act_fn = mlp.act_fn
-        self.intermediate = mlp.gate_proj.out_features
 
     def lora_shapes(self) -> Shapes:
         """`(in, out)` of each projection an adapter may target."""

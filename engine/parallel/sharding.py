@@ -156,10 +156,12 @@ def not_shardable(size: int, reason: str) -> ValueError:
 def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     """Cut `hf_model` (a Llama-family causal LM) down to rank `rank`'s share in place; return
     the shape of the share. Raises ValueError where the model does not divide."""
-    from engine.models.llama import supports  # the model module builds on this one
+    from engine.models.llama import fused_projections, supports  # it builds on this module
 
     config = hf_model.config
     reason = supports(hf_model) or why_not_shardable(config, size)
+    if not reason and fused_projections(hf_model.model.layers):
+        reason = "its q, k and v (and gate and up) are one projection each (Phi-3), not split"
     if reason:
         raise not_shardable(size, reason)
     head = hf_model.get_output_embeddings()

@@ -10,6 +10,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
@@ -42,6 +43,10 @@ FAMILIES = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16, use_sliding_window=False),
     # The second layer a NoPE one: no rotary embedding of its q and k.
     "smollm3": lambda: SmolLM3Config(**COMMON, no_rope_layers=[1, 0], use_sliding_window=False),
+    # q/k/v and gate/up each one projection; Phi-4-mini's shape rotates 3/4 of each head and
+    # ties its embeddings.
+    "phi3": lambda: Phi3Config(**COMMON, tie_word_embeddings=False),
+    "phi4_mini": lambda: Phi3Config(**COMMON, partial_rotary_factor=0.75, tie_word_embeddings=True),
 }
 
 
@@ -112,3 +117,30 @@ def test_smollm3s_nope_layers_run_on_conveyors_decoder_and_matter():
     index = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
     torch.testing.assert_close(got, expected[index], atol=1e-4, rtol=1e-4)
     assert (rotated[index] - expected[index]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["phi3", "phi4_mini"])
+def test_phi3s_fused_projections_load_into_the_fast_routes(tmp_path, family):
+    """From a folder, as served: Phi-3's one q/k/v and one gate/up projection take Conveyor's
+    linear forms as they are; a full rotary decodes through the fused stack where it is built,
+    a partial one (Phi-4-mini's) op by op; greedy tokens are transformers'."""
+    model = build(family)
+    tokenizer = tiny_tokenizer()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), dtype="float32", device="cpu")
+    core, _, _ = create_engine_core(config)
+    ours = core.runner.model
+    assert isinstance(ours, PagedLlamaForCausalLM)
+    layer = ours.layers[0]
+    assert layer.qkv_proj.out_features == (4 + 2 * 2) * 16  # q, k and v heads as held
+    if family == "phi4_mini":
+        assert layer.rotary_dim == 12 and "partial rotary" in why_not_fused(layer)
+    else:
+        assert layer.rotary_dim == layer.head_dim and "rotary" not in why_not_fused(layer)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 320) for _ in range(n)] for n in (4, 19)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = run_all(core, prompts, params)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 8)
