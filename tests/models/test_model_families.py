@@ -21,6 +21,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.kernels.cpu.fused_decode import why_not_fused
 from engine.models.llama import PagedLlamaForCausalLM
+from engine.parallel.sharding import shard_model
 from tests.helpers import reference_greedy, run_all, tiny_core, tiny_tokenizer, tokens_of
 
 COMMON = dict(
@@ -144,3 +145,8 @@ def test_phi3s_fused_projections_load_into_the_fast_routes(tmp_path, family):
     outputs = run_all(core, prompts, params)
     for i, prompt in enumerate(prompts):
         assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 8)
+
+
+def test_tensor_parallelism_refuses_phi3s_fused_projections():
+    with pytest.raises(ValueError, match="one projection each"):
+        shard_model(build("phi3"), 0, 2)
