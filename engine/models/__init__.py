@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.models.base import CausalLM
 from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
+from engine.models.granite import GRANITE_ARCHITECTURES, PagedGraniteForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
 from engine.models.vision import (
@@ -40,18 +41,23 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
     reason = plain_projections(hf_model.model.layers) if gemma else supports(hf_model)
     if shard is not None and gemma:
         raise ValueError("tensor parallelism runs the Llama family's models only, not Gemma")
+    decoder = (
+        PagedGraniteForCausalLM
+        if type(hf_model).__name__ in GRANITE_ARCHITECTURES
+        else PagedLlamaForCausalLM
+    )
     if shard is not None:
         if impl == "transformers" or reason:
             why = "--model-impl transformers" if impl == "transformers" else reason
             raise ValueError(
                 f"tensor parallelism runs on Conveyor's model implementation only: {why}"
             )
-        return PagedLlamaForCausalLM(hf_model, shard)
+        return decoder(hf_model, shard)
     if impl == "conveyor" and reason:
         raise ValueError(f"Conveyor's model implementation cannot run this model: {reason}")
     if impl == "transformers" or reason:
         return TransformersCausalLM(hf_model)
-    return PagedGemmaForCausalLM(hf_model) if gemma else PagedLlamaForCausalLM(hf_model)
+    return PagedGemmaForCausalLM(hf_model) if gemma else decoder(hf_model)
 
 
 def _image_text_lm(hf_model: Any, impl: str, shard: Shard | None) -> CausalLM:

@@ -48,6 +48,7 @@ ARCHITECTURES = frozenset(
         "Qwen3MoeForCausalLM",
         "SmolLM3ForCausalLM",
         "Phi3ForCausalLM",
+        "GraniteForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    GraniteConfig,
     MistralConfig,
     Phi3Config,
     Qwen2Config,
@@ -48,6 +49,14 @@ FAMILIES = {
     # ties its embeddings.
     "phi3": lambda: Phi3Config(**COMMON, tie_word_embeddings=False),
     "phi4_mini": lambda: Phi3Config(**COMMON, partial_rotary_factor=0.75, tie_word_embeddings=True),
+    # Granite 3's scalars (its 2B's): embeddings, scores, residual adds and logits scaled.
+    "granite": lambda: GraniteConfig(
+        **COMMON,
+        embedding_multiplier=12.0,
+        attention_multiplier=0.0078125,
+        residual_multiplier=0.22,
+        logits_scaling=8.0,
+    ),
 }
 
 
@@ -120,25 +129,26 @@ def test_smollm3s_nope_layers_run_on_conveyors_decoder_and_matter():
     assert (rotated[index] - expected[index]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("family", ["phi3", "phi4_mini"])
-def test_phi3s_fused_projections_load_into_the_fast_routes(tmp_path, family):
-    """From a folder, as served: Phi-3's one q/k/v and one gate/up projection take Conveyor's
-    linear forms as they are; a full rotary decodes through the fused stack where it is built,
-    a partial one (Phi-4-mini's) op by op; greedy tokens are transformers'."""
+@pytest.mark.parametrize(
+    ("family", "op_by_op"),
+    [("phi3", ""), ("phi4_mini", "partial rotary"), ("granite", "scaled residual")],
+)
+def test_families_load_from_a_folder_into_their_routes(tmp_path, family, op_by_op):
+    """From a folder, as served, on Conveyor's decoder over its linear forms: Phi-3's one q/k/v
+    and one gate/up projection taken as they are, its full rotary decoding through the fused
+    stack where it is built; Phi-4-mini's partial rotary and Granite's scaled residual adds
+    decoding op by op; greedy tokens are transformers'."""
     model = build(family)
     tokenizer = tiny_tokenizer()
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     config = EngineConfig(model=str(tmp_path), dtype="float32", device="cpu")
     core, _, _ = create_engine_core(config)
-    ours = core.runner.model
-    assert isinstance(ours, PagedLlamaForCausalLM)
-    layer = ours.layers[0]
+    layer = core.runner.model.layers[0]
+    assert isinstance(core.runner.model, PagedLlamaForCausalLM)
     assert layer.qkv_proj.out_features == (4 + 2 * 2) * 16  # q, k and v heads as held
-    if family == "phi4_mini":
-        assert layer.rotary_dim == 12 and "partial rotary" in why_not_fused(layer)
-    else:
-        assert layer.rotary_dim == layer.head_dim and "rotary" not in why_not_fused(layer)
+    reason = why_not_fused(layer)
+    assert op_by_op in reason if op_by_op else "rotary" not in reason and "residual" not in reason
     rng = random.Random(5)
     prompts = [[rng.randrange(2, 320) for _ in range(n)] for n in (4, 19)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

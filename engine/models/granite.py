@@ -1,0 +1,77 @@
+"""Granite (IBM's Granite 3) on Conveyor's decoder: the Llama layer with four scalars from its
+config. The embeddings are multiplied by `embedding_multiplier`; attention scales its scores by
+`attention_multiplier` (the layer's own `scaling`, read as any model's); each sublayer's output
+is multiplied by `residual_multiplier` before it joins the residual; the logits are divided by
+`logits_scaling`. The scaled residual adds run op by op: the fused C++ stack adds them plainly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.lora.slots import LoRASlots
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.parallel.sharding import Shard
+
+GRANITE_ARCHITECTURES = frozenset({"GraniteForCausalLM"})
+
+
+class PagedGraniteLayer(PagedLlamaLayer):
+    def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
+        super().__init__(hf_layer, index, shard)
+        self.residual_multiplier = float(hf_layer.residual_multiplier)
+
+    def after_attention(
+        self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
+    ) -> torch.Tensor:
+        tokens = out.shape[0]
+        attended = out.reshape(tokens, self.num_heads * self.head_dim)
+        projected = self.o_proj(attended)
+        if lora is not None and "o" in lora.groups:
+            projected = projected + lora.delta(self.index, "o", attended).to(projected.dtype)
+        hidden = residual + projected * self.residual_multiplier
+        normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
+        return self._mlp(normed, hidden, lora)
+
+    def _mlp(
+        self, hidden: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
+    ) -> torch.Tensor:
+        activated = self._activation(hidden, lora)
+        out = self.down_proj(activated)
+        if lora is not None and "down" in lora.groups:
+            out = out + lora.delta(self.index, "down", activated).to(out.dtype)
+        return residual + out * self.residual_multiplier
+
+
+class ScaledEmbedding(nn.Module):
+    """An embedding whose rows are multiplied by a constant (Granite's `embedding_multiplier`)."""
+
+    def __init__(self, embedding: nn.Module, multiplier: float) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.multiplier = multiplier
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embedding.weight  # type: ignore[return-value]  # an embedding's weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(input_ids) * self.multiplier
+
+
+class PagedGraniteForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    layer_class = PagedGraniteLayer
+
+    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
+        super().__init__(hf_model, shard)
+        config = hf_model.config
+        self.embed_tokens = ScaledEmbedding(self.embed_tokens, float(config.embedding_multiplier))
+        self.logits_scaling = float(config.logits_scaling)
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """The LM head's output divided by `logits_scaling` (each row's argmax stays)."""
+        return super().logits(hidden, logits_indices) / self.logits_scaling
