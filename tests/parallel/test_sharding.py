@@ -15,6 +15,7 @@ import torch.distributed as dist
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    GraniteConfig,
     LlamaConfig,
     MixtralConfig,
     Qwen2Config,
@@ -82,6 +83,16 @@ MODELS = {
         num_experts=6,
         num_experts_per_tok=3,
         norm_topk_prob=True,
+    ),
+    # Granite's multipliers ride on every rank (the residual's after the all-reduce).
+    "granite": lambda: GraniteConfig(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        embedding_multiplier=12.0,
+        attention_multiplier=0.0078125,
+        residual_multiplier=0.22,
+        logits_scaling=8.0,
     ),
 }
 
