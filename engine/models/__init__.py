@@ -14,6 +14,7 @@ from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
 from engine.models.granite import GRANITE_ARCHITECTURES, PagedGraniteForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
+from engine.models.olmo2 import OLMO2_ARCHITECTURES, PagedOlmo2ForCausalLM
 from engine.models.vision import (
     TransformersImageTextLM,
     decoder_supports,
@@ -41,11 +42,7 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
     reason = plain_projections(hf_model.model.layers) if gemma else supports(hf_model)
     if shard is not None and gemma:
         raise ValueError("tensor parallelism runs the Llama family's models only, not Gemma")
-    decoder = (
-        PagedGraniteForCausalLM
-        if type(hf_model).__name__ in GRANITE_ARCHITECTURES
-        else PagedLlamaForCausalLM
-    )
+    decoder = _decoder_class(type(hf_model).__name__)
     if shard is not None:
         if impl == "transformers" or reason:
             why = "--model-impl transformers" if impl == "transformers" else reason
@@ -58,6 +55,15 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
     if impl == "transformers" or reason:
         return TransformersCausalLM(hf_model)
     return PagedGemmaForCausalLM(hf_model) if gemma else decoder(hf_model)
+
+
+def _decoder_class(architecture: str) -> type[PagedLlamaForCausalLM]:
+    """Conveyor's decoder for a Llama-family architecture (a family may have its own layer)."""
+    if architecture in GRANITE_ARCHITECTURES:
+        return PagedGraniteForCausalLM
+    if architecture in OLMO2_ARCHITECTURES:
+        return PagedOlmo2ForCausalLM
+    return PagedLlamaForCausalLM
 
 
 def _image_text_lm(hf_model: Any, impl: str, shard: Shard | None) -> CausalLM:

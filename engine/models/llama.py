@@ -49,6 +49,7 @@ ARCHITECTURES = frozenset(
         "SmolLM3ForCausalLM",
         "Phi3ForCausalLM",
         "GraniteForCausalLM",
+        "Olmo2ForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
@@ -133,7 +134,8 @@ class PagedLlamaLayer(nn.Module):
             self._gated_mlp(mlp, group)
         else:
             self.silu = False
-        self.input_norm = hf_layer.input_layernorm
+        # None where nothing is normed before the attention (OLMo 2 norms after it instead).
+        self.input_norm = getattr(hf_layer, "input_layernorm", None)
         self.post_attention_norm = hf_layer.post_attention_layernorm
         self.qk_norm_weight = self._qk_norm_weight(attn)
         self.qk_norm_eps = norm_eps(attn.q_norm) if self.qk_norm_weight is not None else 0.0
@@ -160,7 +162,7 @@ class PagedLlamaLayer(nn.Module):
         return self._lora_shapes
 
     def _target_shapes(self) -> Shapes:
-        hidden = self.input_norm.weight.shape[0]
+        hidden = cast(int, self.qkv_proj.in_features)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes = {
             "q_proj": (hidden, q),

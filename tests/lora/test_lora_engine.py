@@ -14,6 +14,7 @@ from engine.lora.registry import LoRARequest
 from tests.helpers import reference_greedy, tiny_core, tiny_llama, tokens_of
 from tests.kernels.test_decode_layer import BF16, packed
 from tests.lora.adapters import ATTENTION, MLP, merged, save_adapter
+from tests.models.test_model_families import build
 
 PROMPTS = [[5, 9, 33, 2, 17], list(range(40, 70)), [7] * 13]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -177,3 +178,15 @@ def test_adapter_steps_bypass_what_runs_the_base_model_alone(adapters, monkeypat
     assert calls == [] and adapted == oracle(adapters, PROMPTS[0], "attn")
     run(core, [(PROMPTS[1], None)])
     assert calls  # the prompt's step of the base model took the installed pieces
+
+
+@pytest.mark.parametrize("family", ["granite", "olmo2"])
+def test_adapters_of_families_with_their_own_layers_equal_peft_merged(tmp_path, family):
+    """Granite's scaled residual adds and OLMo 2's moved norms take the adapters' deltas where
+    PEFT's merged weights put them."""
+    path = save_adapter(tmp_path / family, [*ATTENTION, *MLP], seed=5, base=lambda: build(family))
+    core = lora_core({"a": path}, model=build(family))
+    got = run(core, [(PROMPTS[1], None), (PROMPTS[1], "a")])
+    assert got[0] == reference_greedy(build(family), PROMPTS[1], GREEDY.max_tokens)
+    assert got[1] == reference_greedy(merged(path, build(family)), PROMPTS[1], GREEDY.max_tokens)
+    assert got[0] != got[1]

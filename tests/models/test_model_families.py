@@ -11,6 +11,7 @@ from transformers import (
     AutoModelForCausalLM,
     GraniteConfig,
     MistralConfig,
+    Olmo2Config,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -57,6 +58,8 @@ FAMILIES = {
         residual_multiplier=0.22,
         logits_scaling=8.0,
     ),
+    # Norms after the attention and the MLP, q and k normed over all their heads.
+    "olmo2": lambda: Olmo2Config(**COMMON),
 }
 
 
@@ -131,13 +134,18 @@ def test_smollm3s_nope_layers_run_on_conveyors_decoder_and_matter():
 
 @pytest.mark.parametrize(
     ("family", "op_by_op"),
-    [("phi3", ""), ("phi4_mini", "partial rotary"), ("granite", "scaled residual")],
+    [
+        ("phi3", ""),
+        ("phi4_mini", "partial rotary"),
+        ("granite", "scaled residual"),
+        ("olmo2", "OLMo 2"),
+    ],
 )
 def test_families_load_from_a_folder_into_their_routes(tmp_path, family, op_by_op):
     """From a folder, as served, on Conveyor's decoder over its linear forms: Phi-3's one q/k/v
     and one gate/up projection taken as they are, its full rotary decoding through the fused
-    stack where it is built; Phi-4-mini's partial rotary and Granite's scaled residual adds
-    decoding op by op; greedy tokens are transformers'."""
+    stack where it is built; Phi-4-mini's partial rotary, Granite's scaled residual adds and
+    OLMo 2's moved norms decoding op by op; greedy tokens are transformers'."""
     model = build(family)
     tokenizer = tiny_tokenizer()
     model.save_pretrained(tmp_path)
@@ -160,3 +168,8 @@ def test_families_load_from_a_folder_into_their_routes(tmp_path, family, op_by_o
 def test_tensor_parallelism_refuses_phi3s_fused_projections():
     with pytest.raises(ValueError, match="one projection each"):
         shard_model(build("phi3"), 0, 2)
+
+
+def test_tensor_parallelism_refuses_olmo2s_norms_over_all_heads():
+    with pytest.raises(ValueError, match="all heads at once"):
+        shard_model(build("olmo2"), 0, 2)

@@ -81,6 +81,8 @@ def why_not_fused(layer: FusibleLayer) -> str:
     norms = (layer.input_norm, layer.post_attention_norm)
     if not getattr(layer, "rotates", True):
         return "a layer without rotary embeddings (NoPE)"
+    if layer.input_norm is None:
+        return "no norm before the attention (OLMo 2)"
     if getattr(layer, "residual_multiplier", None) is not None:
         return "scaled residual adds (Granite)"
     if getattr(layer, "rotary_dim", None) not in (None, getattr(layer, "head_dim", None)):

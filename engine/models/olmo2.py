@@ -1,0 +1,75 @@
+"""OLMo 2 on Conveyor's decoder: the Llama layer with its norms moved. No norm comes before the
+attention or the MLP; each one's output is normed before it joins the residual; q and k are
+normed over all their heads at once (one weight of `heads x head_dim`), before the rotary. The
+norms are the model's own modules (fp32 inside, scaled before the cast back, as OLMo 2
+computes them). Decode steps run op by op: the fused C++ stack computes the Llama layer only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
+from engine.lora.slots import LoRASlots
+from engine.models.layers import rotate
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.parallel.sharding import Shard
+
+OLMO2_ARCHITECTURES = frozenset({"Olmo2ForCausalLM"})
+
+
+class PagedOlmo2Layer(PagedLlamaLayer):
+    def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
+        super().__init__(hf_layer, index, shard)
+        attn = hf_layer.self_attn
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.post_mlp_norm = hf_layer.post_feedforward_layernorm
+
+    def _qk_norm_weight(self, attn: Any) -> torch.Tensor | None:
+        return None  # normed over all heads at once, in `project_qkv`
+
+    def project_qkv(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: LoRASlots | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        if lora is not None and "qkv" in lora.groups:
+            qkv = qkv + lora.delta(self.index, "qkv", hidden).to(qkv.dtype)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        query = self.q_norm(qkv[:, :q_size]).view(tokens, self.num_heads, self.head_dim)
+        key = self.k_norm(qkv[:, q_size : q_size + kv_size])
+        key = key.view(tokens, self.num_kv_heads, self.head_dim)
+        value = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        return rotate(query, cos, sin), rotate(key, cos, sin), value
+
+    def after_attention(
+        self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
+    ) -> torch.Tensor:
+        """The output projection normed onto `residual`, then the MLP's output normed onto
+        that."""
+        tokens = out.shape[0]
+        attended = out.reshape(tokens, self.num_heads * self.head_dim)
+        projected = self.o_proj(attended)
+        if lora is not None and "o" in lora.groups:
+            projected = projected + lora.delta(self.index, "o", attended).to(projected.dtype)
+        hidden = residual + self.post_attention_norm(projected)
+        activated = self._activation(hidden, lora)
+        mlp_out = self.down_proj(activated)
+        if lora is not None and "down" in lora.groups:
+            mlp_out = mlp_out + lora.delta(self.index, "down", activated).to(mlp_out.dtype)
+        return hidden + self.post_mlp_norm(mlp_out)
+
+
+class PagedOlmo2ForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    layer_class = PagedOlmo2Layer
+
+    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
+        super().__init__(hf_model, shard)
+        self.fused_decode = FusedDecode(DecodeRoute.OPS, reason="OLMo 2's layers")
