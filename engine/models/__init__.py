@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.models.base import CausalLM
 from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
+from engine.models.glm import GLM_ARCHITECTURES, PagedGlmForCausalLM
 from engine.models.granite import GRANITE_ARCHITECTURES, PagedGraniteForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
@@ -63,6 +64,8 @@ def _decoder_class(architecture: str) -> type[PagedLlamaForCausalLM]:
         return PagedGraniteForCausalLM
     if architecture in OLMO2_ARCHITECTURES:
         return PagedOlmo2ForCausalLM
+    if architecture in GLM_ARCHITECTURES:
+        return PagedGlmForCausalLM
     return PagedLlamaForCausalLM
 
 

@@ -50,6 +50,8 @@ ARCHITECTURES = frozenset(
         "Phi3ForCausalLM",
         "GraniteForCausalLM",
         "Olmo2ForCausalLM",
+        "GlmForCausalLM",
+        "Glm4ForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
@@ -84,6 +86,16 @@ def plain_projections(layers: Any) -> str:
     return ""
 
 
+def partial_rotary(config: Any) -> float:
+    """The share of each head's dims that rotate (1.0 but for Phi-4-mini, GLM and the like), a
+    config field or one of its rope parameters."""
+    found = getattr(config, "partial_rotary_factor", None)
+    if found is None:
+        rope = getattr(config, "rope_parameters", None)
+        found = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    return float(found or 1.0)
+
+
 def query_projections(attn: Any) -> list[Any]:
     """q, k and v's projections, or the one that holds all three (Phi-3's `qkv_proj`)."""
     fused = getattr(attn, "qkv_proj", None)
@@ -97,8 +109,12 @@ def gate_projections(mlp: Any) -> list[Any]:
 
 
 def fused_projections(layers: Any) -> bool:
-    """Whether the layers hold q/k/v or gate/up as one projection each (Phi-3)."""
-    return any(len(query_projections(layer.self_attn)) == 1 for layer in layers)
+    """Whether the layers hold q/k/v or gate/up as one projection each (Phi-3, GLM)."""
+    return any(
+        len(query_projections(layer.self_attn)) == 1
+        or (not is_sparse(layer.mlp) and len(gate_projections(layer.mlp)) == 1)
+        for layer in layers
+    )
 
 
 class PagedLlamaLayer(nn.Module):
@@ -119,8 +135,7 @@ class PagedLlamaLayer(nn.Module):
             self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = attn.scaling
         # Dims of each head that rotate, the first ones (Phi-4-mini's partial rotary).
-        factor = getattr(getattr(attn, "config", None), "partial_rotary_factor", None) or 1.0
-        self.rotary_dim = int(self.head_dim * factor)
+        self.rotary_dim = int(self.head_dim * partial_rotary(getattr(attn, "config", None)))
         # A sliding window (Mistral's, Qwen2's sliding layers), or None.
         self.attention = LayerAttention.of(layer_window(attn))
         # SmolLM3's NoPE layers rotate neither q nor k.
@@ -237,9 +252,14 @@ class PagedLlamaLayer(nn.Module):
         if self.qk_norm_weight is not None:
             qk = self._qk_norm(qk)
         if self.rotates:
-            qk = rotate(qk, cos, sin)
+            qk = self._rotate(qk, cos, sin)
         value = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], value
+
+    @staticmethod
+    def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q and k heads rotated (Hugging Face's half-split layout)."""
+        return rotate(qk, cos, sin)
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """Each q and k head normalised (`[tokens, q heads + kv heads, head_dim]`)."""

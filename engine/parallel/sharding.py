@@ -161,7 +161,7 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     config = hf_model.config
     reason = supports(hf_model) or why_not_shardable(config, size)
     if not reason and fused_projections(hf_model.model.layers):
-        reason = "its q, k and v (and gate and up) are one projection each (Phi-3), not split"
+        reason = "its q, k and v or its gate and up are one projection (Phi-3, GLM), not split"
     if not reason and type(hf_model).__name__ == "Olmo2ForCausalLM":
         reason = "its q and k are normed over all heads at once (OLMo 2), not per rank"
     if reason:

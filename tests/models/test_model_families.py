@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Glm4Config,
+    GlmConfig,
     GraniteConfig,
     MistralConfig,
     Olmo2Config,
@@ -60,6 +62,10 @@ FAMILIES = {
     ),
     # Norms after the attention and the MLP, q and k normed over all their heads.
     "olmo2": lambda: Olmo2Config(**COMMON),
+    # Half of each head turned in neighbouring pairs, gate and up one projection, q/k/v biases;
+    # GLM-4-0414's outputs normed again before the residual.
+    "glm": lambda: GlmConfig(**COMMON, head_dim=16, attention_bias=True),
+    "glm4": lambda: Glm4Config(**COMMON, head_dim=16, attention_bias=True),
 }
 
 
@@ -139,6 +145,7 @@ def test_smollm3s_nope_layers_run_on_conveyors_decoder_and_matter():
         ("phi4_mini", "partial rotary"),
         ("granite", "scaled residual"),
         ("olmo2", "OLMo 2"),
+        ("glm4", "partial rotary"),
     ],
 )
 def test_families_load_from_a_folder_into_their_routes(tmp_path, family, op_by_op):
@@ -165,9 +172,11 @@ def test_families_load_from_a_folder_into_their_routes(tmp_path, family, op_by_o
         assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 8)
 
 
-def test_tensor_parallelism_refuses_phi3s_fused_projections():
-    with pytest.raises(ValueError, match="one projection each"):
-        shard_model(build("phi3"), 0, 2)
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_tensor_parallelism_refuses_fused_projections(family):
+    """Phi-3's q/k/v and GLM's gate/up, each one projection, are not split by rank yet."""
+    with pytest.raises(ValueError, match="one projection"):
+        shard_model(build(family), 0, 2)
 
 
 def test_tensor_parallelism_refuses_olmo2s_norms_over_all_heads():
