@@ -90,17 +90,10 @@ class PagedGemmaLayer(PagedLlamaLayer):
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
     ) -> torch.Tensor:
         """The output projection normed onto `residual`, then the MLP between its two norms."""
-        tokens = out.shape[0]
-        attended = out.reshape(tokens, self.num_heads * self.head_dim)
-        projected = self.o_proj(attended)
-        if lora is not None and "o" in lora.groups:
-            projected = projected + lora.delta(self.index, "o", attended).to(projected.dtype)
+        projected = self._attention_output(out, lora)
         hidden = residual + gemma_norm(projected, self.post_attention_norm)
         normed = gemma_norm(hidden, self.pre_mlp_norm, self.gate_up_proj)
-        activated = self._activation(normed, lora)
-        mlp_out = self.down_proj(activated)
-        if lora is not None and "down" in lora.groups:
-            mlp_out = mlp_out + lora.delta(self.index, "down", activated).to(mlp_out.dtype)
+        mlp_out = self._mlp_output(normed, lora)
         return hidden + gemma_norm(mlp_out, self.post_mlp_norm)
 
 

@@ -27,23 +27,10 @@ class PagedGraniteLayer(PagedLlamaLayer):
     def after_attention(
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
     ) -> torch.Tensor:
-        tokens = out.shape[0]
-        attended = out.reshape(tokens, self.num_heads * self.head_dim)
-        projected = self.o_proj(attended)
-        if lora is not None and "o" in lora.groups:
-            projected = projected + lora.delta(self.index, "o", attended).to(projected.dtype)
+        projected = self._attention_output(out, lora)
         hidden = residual + projected * self.residual_multiplier
         normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
-        return self._mlp(normed, hidden, lora)
-
-    def _mlp(
-        self, hidden: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
-    ) -> torch.Tensor:
-        activated = self._activation(hidden, lora)
-        out = self.down_proj(activated)
-        if lora is not None and "down" in lora.groups:
-            out = out + lora.delta(self.index, "down", activated).to(out.dtype)
-        return residual + out * self.residual_multiplier
+        return hidden + self._mlp_output(normed, lora) * self.residual_multiplier
 
 
 class ScaledEmbedding(nn.Module):

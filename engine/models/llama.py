@@ -292,6 +292,24 @@ class PagedLlamaLayer(nn.Module):
             out += lora.delta(self.index, "down", activated).to(out.dtype)
         return out
 
+    def _attention_output(self, out: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
+        """The output projection of the attention's `out` (`[tokens, heads, head_dim]`), with
+        the step's adapters' deltas: what a family that norms or scales it before the residual
+        (Gemma, Granite, OLMo 2, GLM) adds."""
+        attended = out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        projected = self.o_proj(attended)
+        if lora is not None and "o" in lora.groups:
+            projected = projected + lora.delta(self.index, "o", attended).to(projected.dtype)
+        return projected
+
+    def _mlp_output(self, normed: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
+        """The gated MLP's output for its normed input, with the step's adapters' deltas."""
+        activated = self._activation(normed, lora)
+        out = self.down_proj(activated)
+        if lora is not None and "down" in lora.groups:
+            out = out + lora.delta(self.index, "down", activated).to(out.dtype)
+        return out
+
     def _activation(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
         if lora is not None and "gate_up" in lora.groups:
             gate_up = self._gate_up(hidden)

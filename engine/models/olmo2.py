@@ -53,16 +53,9 @@ class PagedOlmo2Layer(PagedLlamaLayer):
     ) -> torch.Tensor:
         """The output projection normed onto `residual`, then the MLP's output normed onto
         that."""
-        tokens = out.shape[0]
-        attended = out.reshape(tokens, self.num_heads * self.head_dim)
-        projected = self.o_proj(attended)
-        if lora is not None and "o" in lora.groups:
-            projected = projected + lora.delta(self.index, "o", attended).to(projected.dtype)
+        projected = self._attention_output(out, lora)
         hidden = residual + self.post_attention_norm(projected)
-        activated = self._activation(hidden, lora)
-        mlp_out = self.down_proj(activated)
-        if lora is not None and "down" in lora.groups:
-            mlp_out = mlp_out + lora.delta(self.index, "down", activated).to(mlp_out.dtype)
+        mlp_out = self._mlp_output(hidden, lora)
         return hidden + self.post_mlp_norm(mlp_out)
 
 
