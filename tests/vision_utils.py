@@ -39,11 +39,16 @@ from transformers import (
     LlavaNextForConditionalGeneration,
     LlavaNextImageProcessorPil,
     LlavaNextProcessor,
+    LlavaOnevisionConfig,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionImageProcessorPil,
+    LlavaOnevisionProcessor,
     LlavaProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
+    Qwen2Config,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
@@ -113,6 +118,24 @@ def llava_next_processor() -> LlavaNextProcessor:
         size={"shortest_edge": IMAGE_SIZE}, crop_size=CROP, image_grid_pinpoints=GRIDS
     )
     return LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, **LLAVA_PROCESSING)
+
+
+@lru_cache(maxsize=1)
+def llava_onevision_processor() -> Any:
+    """LLaVA-OneVision's tiles on the same grids, each tile's patches all kept (a SigLIP tower
+    has no CLS feature), without its video half (`images_only`)."""
+    tokenizer = copy.deepcopy(llava_processor().tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<video>"]})
+    images = LlavaOnevisionImageProcessorPil(size=CROP, image_grid_pinpoints=GRIDS)
+    return images_only(LlavaOnevisionProcessor)(
+        image_processor=images,
+        tokenizer=tokenizer,
+        num_image_tokens=TOKENS_PER_IMAGE,
+        vision_feature_select_strategy="full",
+        image_token=IMAGE_TOKEN,
+        video_token="<video>",
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 @lru_cache(maxsize=1)
@@ -204,6 +227,7 @@ def processor_of(family: str) -> Any:
     makers = {
         "llava": llava_processor,
         "llava_next": llava_next_processor,
+        "llava_onevision": llava_onevision_processor,
         "idefics3": idefics3_processor,
         "gemma3": gemma3_processor,
     }
@@ -244,6 +268,7 @@ def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
     makers = {
         "llava": tiny_llava,
         "llava_next": tiny_llava_next,
+        "llava_onevision": tiny_llava_onevision,
         "idefics3": tiny_idefics3,
         "gemma3": tiny_gemma3,
         "qwen2_vl": tiny_qwen2_vl,
@@ -401,6 +426,23 @@ def tiny_llava_next(seed: int = 0) -> LlavaNextForConditionalGeneration:
     )
     torch.manual_seed(seed)
     return LlavaNextForConditionalGeneration(config).eval()
+
+
+def tiny_llava_onevision(seed: int = 0) -> LlavaOnevisionForConditionalGeneration:
+    """A SigLIP tower and a Qwen2 language model, as LLaVA-OneVision's."""
+    tokenizer = llava_onevision_processor().tokenizer
+    text = Qwen2Config(**_text_config(tokenizer).to_dict(), use_sliding_window=False)
+    config = LlavaOnevisionConfig(
+        vision_config=SiglipVisionConfig(**VISION).to_dict(),
+        text_config=text.to_dict(),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        video_token_index=tokenizer.convert_tokens_to_ids("<video>"),
+        image_grid_pinpoints=GRIDS,
+        vision_feature_select_strategy="full",
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(seed)
+    return LlavaOnevisionForConditionalGeneration(config).eval()
 
 
 def tiny_idefics3(seed: int = 0) -> Idefics3ForConditionalGeneration:

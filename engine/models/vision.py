@@ -28,6 +28,7 @@ from engine.models.rotary_table import AxisRotary, rotary_axes
 IMAGE_TEXT_TYPES = (
     "llava",
     "llava_next",
+    "llava_onevision",
     "idefics3",
     "gemma3",
     "qwen2_vl",

@@ -38,6 +38,7 @@ from tests.vision_utils import (
 FAMILIES = [
     "llava",
     "llava_next",
+    "llava_onevision",
     "idefics3",
     "gemma3",
     "qwen2_vl",

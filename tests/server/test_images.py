@@ -190,6 +190,7 @@ async def test_a_text_model_refuses_images_by_name():
     [
         "llava",
         "llava_next",
+        "llava_onevision",
         "idefics3",
         "gemma3",
         "qwen2_vl",
