@@ -59,6 +59,11 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
     Qwen3VLProcessor,
     SiglipVisionConfig,
+    SmolVLMConfig,
+    SmolVLMForConditionalGeneration,
+    SmolVLMImageProcessorPil,
+    SmolVLMProcessor,
+    SmolVLMVisionConfig,
 )
 
 from engine.core.images import ImageInputs
@@ -223,12 +228,29 @@ def qwen_vl_processor(family: str) -> Any:
     return processor(image_processor=images, tokenizer=tokenizer, chat_template=template)
 
 
+@lru_cache(maxsize=1)
+def smolvlm_processor() -> Any:
+    """SmolVLM2's: Idefics3's tiles and tokens, its processor without its video half; its
+    template on the tokenizer, as served (its processor's own needs the video half)."""
+    tokenizer = copy.deepcopy(idefics3_processor().tokenizer)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    images = SmolVLMImageProcessorPil(
+        size={"longest_edge": 2 * IMAGE_SIZE},
+        max_image_size={"longest_edge": IMAGE_SIZE},
+        do_image_splitting=True,
+    )
+    return images_only(SmolVLMProcessor)(
+        image_processor=images, tokenizer=tokenizer, image_seq_len=1, chat_template=CHAT_TEMPLATE
+    )
+
+
 def processor_of(family: str) -> Any:
     makers = {
         "llava": llava_processor,
         "llava_next": llava_next_processor,
         "llava_onevision": llava_onevision_processor,
         "idefics3": idefics3_processor,
+        "smolvlm": smolvlm_processor,
         "gemma3": gemma3_processor,
     }
     if family in QWEN_VL_FAMILIES:
@@ -270,6 +292,7 @@ def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
         "llava_next": tiny_llava_next,
         "llava_onevision": tiny_llava_onevision,
         "idefics3": tiny_idefics3,
+        "smolvlm": tiny_smolvlm,
         "gemma3": tiny_gemma3,
         "qwen2_vl": tiny_qwen2_vl,
         "qwen2_5_vl": tiny_qwen2_5_vl,
@@ -445,6 +468,18 @@ def tiny_llava_onevision(seed: int = 0) -> LlavaOnevisionForConditionalGeneratio
     return LlavaOnevisionForConditionalGeneration(config).eval()
 
 
+def tiny_smolvlm(seed: int = 0) -> SmolVLMForConditionalGeneration:
+    tokenizer = smolvlm_processor().tokenizer
+    config = SmolVLMConfig(
+        vision_config=SmolVLMVisionConfig(**VISION).to_dict(),
+        text_config=_text_config(tokenizer).to_dict(),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        scale_factor=2,
+    )
+    torch.manual_seed(seed)
+    return SmolVLMForConditionalGeneration(config).eval()
+
+
 def tiny_idefics3(seed: int = 0) -> Idefics3ForConditionalGeneration:
     tokenizer = idefics3_processor().tokenizer
     config = Idefics3Config(
@@ -503,11 +538,12 @@ def image_prompt(
     content = [
         {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts
     ]
-    text = processor.apply_chat_template(
+    templating = processor.tokenizer if family == "smolvlm" else processor
+    text = templating.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
     images = [p for p in parts if not isinstance(p, str)]
-    per_prompt = family in ("idefics3", "gemma3")  # they take a list of images per prompt
+    per_prompt = family in ("idefics3", "smolvlm", "gemma3")  # a list of images per prompt
     batch = [images] if per_prompt else images
     processed = dict(processor(text=[text], images=batch, return_tensors="pt"))
     ids = processed["input_ids"][0].tolist()

@@ -26,10 +26,16 @@ def images_only(processor_class: Any) -> Any:
     class ImagesOnly(processor_class):  # type: ignore[misc]  # a class made at run time
         video_processor = None
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("video_processor", None)  # SmolVLM's requires one
+            super().__init__(*args, **kwargs)
+
         @classmethod
         def get_attributes(cls) -> list[str]:
             return [name for name in super().get_attributes() if "video" not in name]
 
+    # transformers reads a processor's parts from its `__init__`'s parameters.
+    ImagesOnly.__init__.__signature__ = inspect.signature(processor_class.__init__)  # type: ignore[attr-defined]
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
     return ImagesOnly
 

@@ -30,6 +30,7 @@ IMAGE_TEXT_TYPES = (
     "llava_next",
     "llava_onevision",
     "idefics3",
+    "smolvlm",
     "gemma3",
     "qwen2_vl",
     "qwen2_5_vl",

@@ -40,6 +40,7 @@ FAMILIES = [
     "llava_next",
     "llava_onevision",
     "idefics3",
+    "smolvlm",
     "gemma3",
     "qwen2_vl",
     "qwen2_5_vl",

@@ -192,6 +192,7 @@ async def test_a_text_model_refuses_images_by_name():
         "llava_next",
         "llava_onevision",
         "idefics3",
+        "smolvlm",
         "gemma3",
         "qwen2_vl",
         "qwen2_5_vl",
