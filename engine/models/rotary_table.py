@@ -100,6 +100,8 @@ class AxisRotary:
     def __init__(self, table: RotaryTable, axes: torch.Tensor) -> None:
         self.table = table
         self.axis = torch.cat([axes, axes])  # one axis per column of the head
+        # The axes where the steps run, copied there once (a copy per step would wait on it).
+        self._axis_on: dict[torch.device, torch.Tensor] = {}
 
     def __call__(
         self, x: torch.Tensor, positions: torch.Tensor
@@ -109,7 +111,10 @@ class AxisRotary:
         per_axis = [self.table(x, positions[axis]) for axis in range(3)]
         cos = torch.stack([c for c, _ in per_axis])  # [3, tokens, 1, head_dim]
         sin = torch.stack([s for _, s in per_axis])
-        index = self.axis.to(cos.device).view(1, 1, 1, -1).expand(1, *cos.shape[1:])
+        axis = self._axis_on.get(cos.device)
+        if axis is None:
+            axis = self._axis_on.setdefault(cos.device, self.axis.to(cos.device))
+        index = axis.view(1, 1, 1, -1).expand(1, *cos.shape[1:])
         return cos.gather(0, index)[0], sin.gather(0, index)[0]
 
 

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine.models.rotary_table import RotaryTable
+from engine.models.rotary_table import AxisRotary, RotaryTable, rotary_axes
 from tests.helpers import tiny_llama
+from tests.vision_utils import tiny_image_text
 
 
 def _module(rotary, x, positions):
@@ -76,3 +78,21 @@ def test_a_table_that_disagrees_with_the_module_is_dropped():
     assert not table.enabled
     want_cos, want_sin = _module(rotary, torch.zeros(1), positions)
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_positions_on_three_axes_equal_the_modules_answer(family):
+    """Qwen2.5-VL's sections and Qwen3-VL's interleaved frequencies, looked up per axis."""
+    language = tiny_image_text(family).model.language_model
+    rotary = language.rotary_emb
+    axes = rotary_axes(language.config)
+    assert axes is not None
+    looked_up = AxisRotary(RotaryTable(rotary, 512), axes)
+    positions = torch.randint(0, 300, (3, 23), generator=torch.Generator().manual_seed(1))
+    x = torch.zeros(1)
+    cos, sin = looked_up(x, positions)
+    want_cos, want_sin = rotary(x, positions[:, None])
+    assert torch.equal(cos[:, 0], want_cos[0]) and torch.equal(sin[:, 0], want_sin[0])
+    # The same position on every axis is the one-axis table's.
+    same = looked_up(x, positions[0].expand(3, -1))[0]
+    assert torch.equal(same, looked_up(x, positions[0])[0])
