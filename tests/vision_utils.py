@@ -240,7 +240,11 @@ def smolvlm_processor() -> Any:
         do_image_splitting=True,
     )
     return images_only(SmolVLMProcessor)(
-        image_processor=images, tokenizer=tokenizer, image_seq_len=1, chat_template=CHAT_TEMPLATE
+        image_processor=images,
+        tokenizer=tokenizer,
+        video_processor=None,
+        image_seq_len=1,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -16,26 +16,23 @@ def load_processor(path: str, model_type: str, trust_remote_code: bool = False) 
     found = _processor_class(model_type)
     if found is None or is_torchvision_available() or not _takes_videos(found):
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return images_only(found).from_pretrained(path, trust_remote_code=trust_remote_code)
+    # None for the video processor, which some (SmolVLM's) require as an argument.
+    return images_only(found).from_pretrained(
+        path, trust_remote_code=trust_remote_code, video_processor=None
+    )
 
 
 def images_only(processor_class: Any) -> Any:
     """`processor_class` without its video processor (it keeps the class's name, so a folder it
-    saves names the real class)."""
+    saves names the real class). Give it `video_processor=None` where the class requires one."""
 
     class ImagesOnly(processor_class):  # type: ignore[misc]  # a class made at run time
         video_processor = None
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs.setdefault("video_processor", None)  # SmolVLM's requires one
-            super().__init__(*args, **kwargs)
 
         @classmethod
         def get_attributes(cls) -> list[str]:
             return [name for name in super().get_attributes() if "video" not in name]
 
-    # transformers reads a processor's parts from its `__init__`'s parameters.
-    ImagesOnly.__init__.__signature__ = inspect.signature(processor_class.__init__)  # type: ignore[attr-defined]
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
     return ImagesOnly
 
