@@ -93,7 +93,8 @@ class ImageEncoder:
         self.hf_model = hf_model
         self._keys = _named_parameters(hf_model.model.get_image_features)
         self._embed = hf_model.get_input_embeddings()
-        self._dtype = _encoder_dtype(hf_model)
+        # The dtype the encoder computes in (the checkpoint's, whatever the language model's).
+        self.dtype = _encoder_dtype(hf_model)
         kind = hf_model.config.model_type
         # Whether an image's placeholders attend both ways within their run (`ImageInputs`),
         # and then how many an image has (Gemma 3's fixed count), which one step must hold.
@@ -102,6 +103,8 @@ class ImageEncoder:
         # Where images lie on their grids (`engine/core/mrope.py`): patches merged a token.
         vision = hf_model.config.vision_config
         self.grid_merge: int | None = vision.spatial_merge_size if kind in GRID_TYPES else None
+        # Whether its rows also feed the first decoder layers (Qwen3-VL's deepstack).
+        self.feeds_layers = kind in LAYER_ROWS_TYPES
 
     @torch.inference_mode()
     def __call__(self, data: dict[str, Any]) -> torch.Tensor:
@@ -111,7 +114,7 @@ class ImageEncoder:
         adds to its output, where the encoder gives those)."""
         device = self._embed.weight.device
         inputs = {
-            key: _to(value, device, self._dtype)
+            key: _to(value, device, self.dtype)
             for key, value in data.items()
             if key in self._keys or key == "pixel_values"
         }

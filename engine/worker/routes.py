@@ -42,6 +42,22 @@ def decode_route(model: object) -> str:
     return "Hugging Face layers" if fused is None else fused.describe()
 
 
+def images_route(model: object) -> str:
+    """How an image-text model takes its images ("" for a text model): the dtype its vision
+    encoder computes in, and how the image tokens attend and are placed where that differs."""
+    encoder = getattr(model, "image_encoder", None)
+    if encoder is None:
+        return ""
+    parts = [f"encoder in {_dtype(encoder.dtype)}"]
+    if encoder.both_ways:
+        parts.append("each image's tokens attend both ways, an image computed in one step")
+    if encoder.grid_merge is not None:
+        parts.append("positions on three axes")
+    if encoder.feeds_layers:
+        parts.append("encoder rows added after the first decoder layers")
+    return ", ".join(parts)
+
+
 def kernels_route() -> str:
     """Which CPU kernel groups loaded, for which instruction-set target."""
     result = cpu_ops.build_result()
@@ -81,6 +97,9 @@ def describe(
         parts.append(f"sampling {sampling}")
     if compiled:
         parts.append(f"layers {compiled}")
+    images = images_route(model)
+    if images:
+        parts.append(f"images: {images}")
     if device.type == "cpu":
         parts += [f"decode: {decode_route(model)}", f"CPU kernels: {kernels_route()}"]
     shard = getattr(model, "shard", None)

@@ -20,6 +20,7 @@ from tests.helpers import (
     tiny_llama,
     tokens_of,
 )
+from tests.vision_utils import processor_of, tiny_image_text
 
 CACHED = (cpu_ops.panel_linear_available, cpu_ops.bf16_panels_available)
 
@@ -95,3 +96,21 @@ def test_the_sampler_takes_its_triton_kernels_on_a_gpu_only(device):
     from engine.factory import _sampling_kernels
 
     assert _sampling_kernels(torch.device(device)) == (device == "cuda")
+
+
+@pytest.mark.parametrize(
+    ("family", "words"),
+    [
+        ("llava", ["images: encoder in float32"]),
+        ("gemma3", ["each image's tokens attend both ways"]),
+        ("qwen3_vl", ["positions on three axes", "encoder rows added after the first"]),
+    ],
+)
+def test_the_line_says_how_an_image_text_model_takes_its_images(caplog, family, words):
+    processor = processor_of(family)
+    with caplog.at_level(logging.INFO, logger="engine.factory"):
+        tiny_core(tiny_image_text(family), tokenizer=processor.tokenizer, processor=processor)
+        tiny_core(tiny_llama())
+    image_line, text_line = route_lines(caplog)
+    assert all(word in image_line for word in words)
+    assert "images:" not in text_line
