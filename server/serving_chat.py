@@ -343,6 +343,8 @@ class ChatHandler:
         self.reasoning_parser = reasoning_parser
         self.limits = limits or RequestLimits()
         self.tool_call_parser = tool_call_parser
+        # Whether replies are Harmony's messages, read from the template on first use.
+        self._harmony_replies: bool | None = None
 
     def _parser(self, tokenizer: Any) -> str | None:
         """The tool-call parser for `auto`: the format written tools teach for a template with no
@@ -366,7 +368,7 @@ class ChatHandler:
         tokenizer = require_text_model(self.engine)
         tools = template_tools(body)
         parser = self._parser(tokenizer) if tools and forced is None else None
-        if self._harmony(tokenizer):  # every reply is Harmony's messages
+        if self._harmony():  # every reply is Harmony's messages
             parser = HARMONY
         if parser in KEEPS_SPECIAL_TOKENS:  # its tag is a special token the text must keep
             params = replace(params, skip_special_tokens=False)
@@ -417,14 +419,13 @@ class ChatHandler:
                     param="tool_choice",
                 )
             params = replace(params, structured=forced.format)
-        thinking = self._thinking(text, params)
-        if thinking and params.structured is not None:
-            # The format holds for the answer, once the thought has closed.
-            params = replace(params, structured=replace(params.structured, after=END))
-        harmony = self._harmony(require_text_model(self.engine))
-        if harmony and params.structured is not None:
-            # The format holds for the final channel's body.
-            params = replace(params, structured=replace(params.structured, after=FINAL))
+        harmony = self._harmony()
+        thinking = None if harmony else self._thinking(text, params)
+        # The format holds for the final channel's body, or for the answer once the thought
+        # has closed.
+        after = FINAL if harmony else END if thinking else None
+        if after is not None and params.structured is not None:
+            params = replace(params, structured=replace(params.structured, after=after))
         return prompt, params, forced, thinking, images
 
     async def templated(
@@ -462,20 +463,23 @@ class ChatHandler:
         )
         return text, prompt, images
 
-    def _harmony(self, tokenizer: Any) -> bool:
+    def _harmony(self) -> bool:
         """Whether replies are Harmony's messages (gpt-oss): the parsers say so, or the chat
         template writes them."""
-        return (
-            self.reasoning_parser == HARMONY_REASONING
-            or self.tool_call_parser == HARMONY
-            or is_harmony(getattr(tokenizer, "chat_template", None))
-        )
+        if self._harmony_replies is None:
+            template = getattr(require_text_model(self.engine), "chat_template", None)
+            self._harmony_replies = (
+                self.reasoning_parser == HARMONY_REASONING
+                or self.tool_call_parser == HARMONY
+                or is_harmony(template)
+            )
+        return self._harmony_replies
 
     def _thinking(self, prompt_text: str, params: SamplingParams) -> bool | None:
         """Whether the reply starts in its reasoning; None where none is split off: no
         reasoning parser, or an output format that would hold from the first token (a reply
-        that may open its own thought with `<think>`). Harmony's replies are read apart."""
-        if self.reasoning_parser is None or self._harmony(require_text_model(self.engine)):
+        that may open its own thought with `<think>`)."""
+        if self.reasoning_parser is None:
             return None
         opens = opens_in_reasoning(prompt_text)
         return None if params.structured is not None and not opens else opens

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ class ImageInputs:
     # The sequence's rotary positions on three axes, for a model that lays images out on
     # their grids (set by the engine: `engine/core/mrope.py`).
     grid: GridPositions | None = None
+    _runs: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
     def of(
@@ -69,8 +70,11 @@ class ImageInputs:
         return int(first), int(last)
 
     def runs(self) -> np.ndarray:
-        """`[runs, 2]`: each run of consecutive placeholders as prompt tokens `[start, end)`."""
-        return placeholder_runs(self.positions)
+        """`[runs, 2]`: each run of consecutive placeholders as prompt tokens `[start, end)`,
+        found once (the scheduler asks every step)."""
+        if self._runs is None:
+            self._runs = placeholder_runs(self.positions)
+        return self._runs
 
     def longest_run(self) -> int:
         runs = self.runs()
