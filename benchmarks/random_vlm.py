@@ -183,23 +183,15 @@ def qwen3_vl_processor() -> Qwen3VLProcessor:
 
 def qwen2_5_vl_model(made: Qwen2_5_VLProcessor) -> tuple[Qwen2_5_VLConfig, type]:
     tokenizer = made.tokenizer
-    text = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 32768,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 1000000.0,
-            "mrope_section": [8, 12, 12],  # of head dim 64
-        },
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "pad_token_id": tokenizer.pad_token_id or 0,
-    }
+    text = qwen_text(
+        tokenizer,
+        (1000000.0, [8, 12, 12]),  # sections of head dim 64
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    )
     vision = {
         "depth": 12,
         "hidden_size": 768,
@@ -214,24 +206,16 @@ def qwen2_5_vl_model(made: Qwen2_5_VLProcessor) -> tuple[Qwen2_5_VLConfig, type]
 
 def qwen3_vl_model(made: Qwen3VLProcessor) -> tuple[Qwen3VLConfig, type]:
     tokenizer = made.tokenizer
-    text = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 32768,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 5000000.0,
-            "mrope_section": [24, 20, 20],
-        },
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "pad_token_id": tokenizer.pad_token_id or 0,
-    }
+    text = qwen_text(
+        tokenizer,
+        (5000000.0, [24, 20, 20]),
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
     vision = {
         "depth": 12,
         "hidden_size": 768,
@@ -242,6 +226,21 @@ def qwen3_vl_model(made: Qwen3VLProcessor) -> tuple[Qwen3VLConfig, type]:
     }
     config = Qwen3VLConfig(text_config=text, vision_config=vision, **qwen_tokens(tokenizer))
     return config, Qwen3VLForConditionalGeneration
+
+
+def qwen_text(tokenizer: Any, rope: tuple[float, list[int]], **shape: Any) -> dict[str, Any]:
+    """A Qwen VL language model's config of `shape`, its `(theta, mrope sections)` and the
+    tokenizer's vocabulary and special ids."""
+    theta, sections = rope
+    return {
+        **shape,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": 32768,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta, "mrope_section": sections},
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "pad_token_id": tokenizer.pad_token_id or 0,
+    }
 
 
 def qwen_tokens(tokenizer: Any) -> dict[str, int]:

@@ -288,9 +288,23 @@ def _text_config(tokenizer: Any) -> LlamaConfig:
     )
 
 
+# Every family these helpers build, each an image-text type Conveyor serves.
+FAMILIES = (
+    "llava",
+    "llava_next",
+    "llava_onevision",
+    "idefics3",
+    "smolvlm",
+    "gemma3",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+)
+
+
 def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
-    """A tiny random model of `family` (`llava`, `llava_next`, `idefics3`, `gemma3`,
-    `qwen2_vl`, `qwen2_5_vl`, `qwen3_vl` or `qwen3_vl_moe`), in fp32."""
+    """A tiny random model of `family` (one of `FAMILIES`), in fp32."""
     makers = {
         "llava": tiny_llava,
         "llava_next": tiny_llava_next,
@@ -473,27 +487,25 @@ def tiny_llava_onevision(seed: int = 0) -> LlavaOnevisionForConditionalGeneratio
 
 
 def tiny_smolvlm(seed: int = 0) -> SmolVLMForConditionalGeneration:
-    tokenizer = smolvlm_processor().tokenizer
-    config = SmolVLMConfig(
-        vision_config=SmolVLMVisionConfig(**VISION).to_dict(),
-        text_config=_text_config(tokenizer).to_dict(),
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        scale_factor=2,
-    )
-    torch.manual_seed(seed)
-    return SmolVLMForConditionalGeneration(config).eval()
+    parts = (SmolVLMConfig, SmolVLMVisionConfig, SmolVLMForConditionalGeneration)
+    return _tiled(*parts, smolvlm_processor().tokenizer, seed)
 
 
 def tiny_idefics3(seed: int = 0) -> Idefics3ForConditionalGeneration:
-    tokenizer = idefics3_processor().tokenizer
-    config = Idefics3Config(
-        vision_config=Idefics3VisionConfig(**VISION).to_dict(),
+    parts = (Idefics3Config, Idefics3VisionConfig, Idefics3ForConditionalGeneration)
+    return _tiled(*parts, idefics3_processor().tokenizer, seed)
+
+
+def _tiled(config: Any, vision: Any, model: Any, tokenizer: Any, seed: int) -> Any:
+    """Idefics3's shape (SmolVLM2's too): a SigLIP tower whose features are merged 2x2."""
+    made = config(
+        vision_config=vision(**VISION).to_dict(),
         text_config=_text_config(tokenizer).to_dict(),
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         scale_factor=2,
     )
     torch.manual_seed(seed)
-    return Idefics3ForConditionalGeneration(config).eval()
+    return model(made).eval()
 
 
 def tiny_llava(seed: int = 0) -> LlavaForConditionalGeneration:

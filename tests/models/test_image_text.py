@@ -17,6 +17,7 @@ from engine.factory import create_engine_core
 from engine.loading.model_loader import auto_model_class, load_model
 from engine.models import build_causal_lm
 from engine.models.vision import (
+    IMAGE_TEXT_TYPES,
     PagedGemmaImageTextLM,
     PagedImageTextLM,
     TransformersImageTextLM,
@@ -25,6 +26,7 @@ from engine.models.vision import (
 from tests.conftest import CUDA
 from tests.helpers import tiny_core, tokens_of
 from tests.vision_utils import (
+    FAMILIES,
     TOKENS_PER_IMAGE,
     image_prompt,
     processor_of,
@@ -34,19 +36,6 @@ from tests.vision_utils import (
     tiny_image_text,
     tiny_llava,
 )
-
-FAMILIES = [
-    "llava",
-    "llava_next",
-    "llava_onevision",
-    "idefics3",
-    "smolvlm",
-    "gemma3",
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -224,6 +213,10 @@ def test_each_run_of_placeholders_starts_an_image_or_all_count_from_the_first():
     ((start, digest),) = image_starts(tiled, [b"a", b"b"])
     assert start == 3 and digest not in (b"a", b"b")
     assert image_starts(tiled, [b"a", b"c"])[0][1] != digest
+
+
+def test_every_served_family_is_built_here():
+    assert sorted(FAMILIES) == sorted(IMAGE_TEXT_TYPES)
 
 
 def test_unserved_image_text_families_parallel_and_pooling_runs_are_refused_by_name(tmp_path):

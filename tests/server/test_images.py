@@ -22,6 +22,7 @@ from server.limits import RequestLimits
 from server.settings import ServerSettings
 from tests.server_utils import app_client, blocks_in_use, sse_events
 from tests.vision_utils import (
+    FAMILIES,
     data_url,
     image_prompt,
     llava_processor,
@@ -185,21 +186,7 @@ async def test_a_text_model_refuses_images_by_name():
     assert text_only.status_code == 200
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "llava",
-        "llava_next",
-        "llava_onevision",
-        "idefics3",
-        "smolvlm",
-        "gemma3",
-        "qwen2_vl",
-        "qwen2_5_vl",
-        "qwen3_vl",
-        "qwen3_vl_moe",
-    ],
-)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_saved_model_loads_with_its_processor_and_matches_generate(tmp_path: Path, family):
     """From a folder, as `conveyor serve --model` loads it: transformers' image-text class, the
     processor beside it, its template on the tokenizer; fp32 over Conveyor's linear layers."""
