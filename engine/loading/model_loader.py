@@ -22,6 +22,7 @@ from engine.kernels.cpu.linear import (
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import gguf_blocks
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from engine.loading.gguf_file import ensure_converted, is_gguf_file
 from engine.loading.processors import load_processor
 from engine.models.experts import unfuse_experts
 from engine.models.vision import is_image_text, why_not_served
@@ -132,11 +133,21 @@ def checkpoint_config(name_or_path: str | None, trust_remote_code: bool = False)
     (loading the model then reports why)."""
     from transformers import AutoConfig
 
-    path = str(ensure_default_model()) if name_or_path is None else name_or_path
+    path = checkpoint_path(name_or_path)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         return None
+
+
+def checkpoint_path(name_or_path: str | None) -> str:
+    """Where the checkpoint `--model` names is read from: the default model's folder (None) or a
+    GGUF file's, converted into the cache on first use; else the folder or hub id itself."""
+    if name_or_path is None:
+        return str(ensure_default_model())
+    if is_gguf_file(name_or_path):
+        return str(ensure_converted(name_or_path))
+    return name_or_path
 
 
 def context_length(config: Any) -> int:
@@ -170,18 +181,19 @@ def load_model(
     int8_activations: bool = False,
     rank: tuple[int, int] = (0, 1),
     random_weights: bool = False,
+    tokenizer_name: str | None = None,
 ) -> LoadedModel:
-    """Load weights and tokenizer; None loads the embedded default model. `int8_activations`
+    """Load weights and tokenizer; None loads the embedded default model, a `.gguf` file its
+    conversion (`gguf_file.py`); `tokenizer_name` (`--tokenizer`) is a folder or hub id to take
+    the tokenizer and chat template from instead of the model's. `int8_activations`
     multiplies the GGUF Q4_1 / Q8_0 blocks of an fp32 CPU model against inputs rounded to 8-bit
     blocks (`cpu_linear.use_gguf_blocks`). `rank` is (rank, size) under tensor parallelism: the
     model is cut to that rank's share before it moves to `device`. With `random_weights`
     (`--load-format dummy`) no weight is read: the model gets random ones of its shape."""
     from transformers import AutoTokenizer
 
-    if name_or_path is None:
-        path, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
-    else:
-        path, name = name_or_path, name_or_path
+    path = checkpoint_path(name_or_path)
+    name = DEFAULT_MODEL_NAME if name_or_path is None else name_or_path
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     shard = None
     if random_weights:
@@ -203,7 +215,9 @@ def load_model(
             "--int8-activations has no effect here: it needs float32 on a CPU and "
             "GGUF blocks beside the checkpoint"
         )
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_name or path, trust_remote_code=trust_remote_code
+    )
     processor = image_processor(model.config, path, trust_remote_code)
     if processor is not None and getattr(tokenizer, "chat_template", None) is None:
         tokenizer.chat_template = getattr(processor, "chat_template", None)  # kept with it

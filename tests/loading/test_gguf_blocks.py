@@ -26,7 +26,11 @@ from tests.helpers import needs_panels, reference_greedy, run_all, tiny_core, to
 
 pytestmark = needs_panels
 
-QTYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+QTYPES = {
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "q4_1": GGMLQuantizationType.Q4_1,
+    "q8_0": GGMLQuantizationType.Q8_0,
+}
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 64, 96, 4, 2, 96
 PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
 
@@ -48,6 +52,20 @@ def test_rows_dequantize_as_gguf_does(fmt: str) -> None:
     rows = gguf_rows(fmt, 24, 96)
     ours = gguf_blocks.dequantize_rows(gguf_blocks.FORMATS[fmt], torch.from_numpy(rows))
     assert torch.equal(ours, torch.from_numpy(dequantize(rows, QTYPES[fmt])))
+
+
+def test_q4_0_rows_become_q4_1_rows_of_the_same_weights() -> None:
+    """`d * (q - 8)` as `d * q + m` with `m = -8 d`: exact, in GGUF's dequantization and in the
+    panels; a scale whose minimum would overflow fp16 keeps the layer in fp32."""
+    rows = torch.from_numpy(gguf_rows("q4_0", 24, 96))
+    as_q4_1 = gguf_blocks.q4_0_as_q4_1(rows)
+    assert as_q4_1 is not None and as_q4_1.shape == (24, 3 * 20)
+    expected = torch.from_numpy(dequantize(rows.numpy(), QTYPES["q4_0"]))
+    assert torch.equal(gguf_blocks.dequantize_rows(gguf_blocks.Q4_1, as_q4_1), expected)
+    assert torch.equal(PanelLinear.of_blocks(gguf_blocks.Q4_1, as_q4_1, None).weight, expected)
+    huge = rows.clone().view(24, 3, 18)
+    huge[0, 1, 0:2] = torch.tensor([60000.0], dtype=torch.float16).view(torch.uint8)
+    assert gguf_blocks.q4_0_as_q4_1(huge.view(24, -1)) is None
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
@@ -149,7 +167,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     model.save_pretrained(folder / "model")
     gguf_blocks.save(
-        gguf_blocks.read_gguf(folder / "tiny.gguf", model.config),
+        gguf_blocks.read_gguf(folder / "tiny.gguf", model),
         folder / "model" / gguf_blocks.BLOCKS_FILE,
     )
     return folder / "model"

@@ -193,6 +193,7 @@ class PanelLinear(nn.Module):
     def _hold(
         self, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, in_features: int
     ) -> None:
+        cpu_ops.load()  # the product's op is registered when the kernels load
         self.out_features, self.in_features = out_features, in_features
         self.register_buffer("panels", panels)
         padded = None if bias is None else pad_to_panels(bias.detach().float())

@@ -1,0 +1,92 @@
+"""A GGUF file as `--model`: `conveyor serve --model ./qwen2.5-0.5b-instruct-q4_0.gguf`, as
+llama.cpp's server and vLLM take one.
+
+The first start converts the file once into Conveyor's cache: transformers reads its config, its
+tokenizer (with the chat template the file carries) and its weights, dequantized to fp32, and
+Conveyor saves them as a checkpoint folder; the Q4_0, Q4_1 and Q8_0 blocks of its linear layers
+are kept beside (`gguf_blocks`), for the CPU's panel product to read instead of the fp32 weights.
+Later starts load that folder in seconds. The folder's name holds the file's path, size and
+modification time, so an edited or replaced file converts again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from engine.core.paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".gguf"
+# Written last into a converted folder: its presence says the conversion finished.
+SOURCE_FILE = "conveyor-gguf.json"
+
+
+def is_gguf_file(name: str | None) -> bool:
+    """Whether `--model` names a GGUF file (by its suffix, as vLLM tells them apart)."""
+    return name is not None and name.lower().endswith(SUFFIX)
+
+
+def converted_folder(path: Path) -> Path:
+    """Where the conversion of the GGUF file at `path` lives in the cache."""
+    stat = path.stat()
+    source = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return cache_dir() / "models" / "gguf" / f"{path.stem}-{key}"
+
+
+def ensure_converted(name: str) -> Path:
+    """The checkpoint folder converted from the GGUF file `name`, converting it on first use."""
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--model {name}: no such GGUF file")
+    target = converted_folder(path)
+    if (target / SOURCE_FILE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as scratch:
+        staged = Path(scratch) / "converted"
+        blocks = convert(path, staged, path.stem)
+        (staged / SOURCE_FILE).write_text(
+            json.dumps({"gguf": str(path.resolve()), "blocks": blocks}) + "\n"
+        )
+        if not (target / SOURCE_FILE).is_file():  # another process may have finished first
+            shutil.rmtree(target, ignore_errors=True)
+            staged.rename(target)
+    logger.info("%s converted into %s", path.name, target)
+    return target
+
+
+def convert(gguf: Path, out: Path, name: str) -> int:
+    """Dequantize the GGUF file `gguf` with transformers' GGUF support into a checkpoint folder
+    `out` (weights, config, tokenizer and chat template) whose model is called `name`, with its
+    linear layers' Q4_0 / Q4_1 / Q8_0 blocks beside; return how many layers kept blocks."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    from engine.loading import gguf_blocks
+
+    logger.info("converting %s to a checkpoint (weights dequantized to fp32) ...", gguf.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise ValueError(f"{gguf.name}: transformers cannot read this GGUF file: {exc}") from exc
+    model.config.name_or_path = name
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    blocks = gguf_blocks.read_gguf(gguf, model)
+    if blocks:
+        gguf_blocks.save(blocks, out / gguf_blocks.BLOCKS_FILE)
+    logger.info("%d linear layers keep their GGUF blocks", len(blocks))
+    return len(blocks)

@@ -1,0 +1,86 @@
+"""GGUF files written from tiny transformers models, as llama.cpp's converter lays them out: GGUF's
+tensor names, a Llama's q and k rows permuted for its rotary layout, projections quantized by
+GGUF's own code, and the tokenizer (vocabulary, merges, special tokens, chat template) as
+metadata."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
+from gguf.quants import quantize
+
+ARCHITECTURES = {"llama": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2}
+
+
+def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's layout of a Llama's q or k rows (the inverse of loading's unpermute)."""
+    half = weight.shape[0] // heads // 2
+    return weight.reshape(heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(
+    path: Path,
+    model: Any,
+    tokenizer: Any,
+    qtype: Callable[[str], GGMLQuantizationType],
+) -> None:
+    """`model` (a Llama or a Qwen2) and `tokenizer` (byte-level BPE) as a GGUF file; `qtype` of a
+    GGUF tensor name gives the type its 2-D weight is stored in (norms and biases stay F32)."""
+    config = model.config
+    arch = config.model_type
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_vocab_size(config.vocab_size)
+    _add_tokenizer(writer, tokenizer, config.vocab_size)
+    names = get_tensor_name_map(ARCHITECTURES[arch], config.num_hidden_layers)
+    tied = config.tie_word_embeddings
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        name = f"{names.get_name(base)}.{suffix}"
+        weight = tensor.float().numpy()
+        if arch == "llama" and ".attn_q." in name:
+            weight = permute_rows(weight, config.num_attention_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            weight = permute_rows(weight, config.num_key_value_heads)
+        if weight.ndim == 2 and qtype(name) != GGMLQuantizationType.F32:
+            writer.add_tensor(name, quantize(weight, qtype(name)), raw_dtype=qtype(name))
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(weight))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_tokenizer(writer: GGUFWriter, tokenizer: Any, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer as GGUF metadata, its vocabulary padded to the model's."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    tokens = [token for token, _ in vocab]
+    tokens += [f"[PAD{i}]" for i in range(vocab_size - len(tokens))]
+    special = set(tokenizer.all_special_tokens)
+    types = [3 if token in special else 1 for token in tokens]  # control, normal
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    if tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)

@@ -1,0 +1,188 @@
+"""A GGUF file as `--model` (`engine/loading/gguf_file.py`): converted once into the cache with
+its tokenizer and chat template, served with transformers' greedy tokens for the same file, its
+Q4_0 / Q4_1 / Q8_0 projections held as blocks on the CPU, and converted again when the file
+changes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engine.core.config import CacheConfig, EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
+from engine.kernels.cpu.linear import PanelLinear
+from engine.loading import gguf_blocks, gguf_file
+from server.cli import build_parser, engine_config
+from server.cli import main as cli_main
+from tests.gguf_files import write_gguf
+from tests.helpers import (
+    CHAT_TEMPLATE,
+    NO_PANELS,
+    chat_tokenizer,
+    reference_greedy,
+    run_all,
+    tiny_llama,
+    tokens_of,
+)
+
+PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
+
+
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        bos_token_id=1,
+    )
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config).eval()
+    for name, param in model.named_parameters():  # q/k/v biases that matter
+        if name.endswith("bias"):
+            param.data.normal_(0, 0.2)
+    return model
+
+
+def llama_types(name: str) -> QType:
+    """Q4_0 projections, a Q8_0 embedding (the tied LM head's too)."""
+    return QType.Q8_0 if name.startswith("token_embd") else QType.Q4_0
+
+
+def qwen2_types(name: str) -> QType:
+    """Q4_1 projections but Q5_0 MLP down projections (no blocks: they stay fp32), a Q8_0
+    output head and an F32 embedding."""
+    if name.startswith("output"):
+        return QType.Q8_0
+    if name.startswith("token_embd"):
+        return QType.F32
+    return QType.Q5_0 if ".ffn_down." in name else QType.Q4_1
+
+
+# (family, builder, types, layers holding blocks: 2 layers of 7 projections, and the head)
+FILES = {
+    "llama": (tiny_llama, llama_types, 2 * 7 + 1),
+    "qwen2": (tiny_qwen2, qwen2_types, 2 * 6 + 1),
+}
+
+
+@pytest.fixture(autouse=True)
+def conversions_in(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """Conversions go to a folder of the test session, not the user's cache."""
+    folder = tmp_path_factory.getbasetemp() / "conveyor-cache"
+    monkeypatch.setattr(gguf_file, "cache_dir", lambda: folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(FILES))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A GGUF file of the family, the engine serving it in fp32, and transformers' own model
+    loaded from the same file."""
+    family = request.param
+    build, types, _ = FILES[family]
+    folder = tmp_path_factory.mktemp(family)
+    path = folder / f"tiny-{family}.Q4.gguf"
+    write_gguf(path, build(), chat_tokenizer(), types)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_file, "cache_dir", lambda: folder / "cache")
+        config = EngineConfig(model=str(path), dtype="float32", cache=CacheConfig(num_blocks=64))
+        core, loaded, info = create_engine_core(config)
+    reference = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=path.name, dtype=torch.float32
+    )
+    return family, path, core, loaded, info, reference.eval()
+
+
+def test_a_gguf_file_serves_transformers_tokens_for_that_file(served) -> None:
+    _, path, core, _, info, reference = served
+    assert info.model_name == str(path)
+    expected = [reference_greedy(reference, p, 10) for p in PROMPTS]
+    outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+
+
+def test_the_file_s_tokenizer_and_chat_template_come_with_it(served) -> None:
+    loaded = served[3]
+    tokenizer = chat_tokenizer()
+    assert loaded.tokenizer.chat_template == CHAT_TEMPLATE
+    text = "Café, naïve, 東京 🚀"
+    assert (
+        loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+        == tokenizer(text)["input_ids"]
+    )
+    assert loaded.tokenizer.eos_token_id in loaded.eos_token_ids
+
+
+@pytest.mark.skipif(bool(NO_PANELS), reason=NO_PANELS)
+def test_quantized_projections_are_held_as_their_blocks(served) -> None:
+    """Q4_0 (as Q4_1 with minimum -8 d), Q4_1 and Q8_0 projections keep their blocks, a Llama's
+    q and k rows unpermuted to match; Q5_0 ones, which have no block panels, stay fp32."""
+    family, _, _, loaded, _, _ = served
+    held = [
+        name
+        for name, module in loaded.model.named_modules()
+        if isinstance(module, PanelLinear) and module.block_format is not None
+    ]
+    assert len(held) == FILES[family][2], held
+    assert ("model.layers.0.mlp.down_proj" in held) == (family == "llama")
+
+
+def test_a_conversion_is_reused_until_the_file_changes(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_llama(), chat_tokenizer(), llama_types)
+    first = gguf_file.ensure_converted(str(path))
+    assert (first / gguf_blocks.BLOCKS_FILE).is_file()
+
+    def no_conversion(*_: object) -> int:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf_file, "convert", no_conversion)
+    assert gguf_file.ensure_converted(str(path)) == first
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(AssertionError, match="converted again"):
+        gguf_file.ensure_converted(str(path))
+
+
+def test_a_missing_or_unreadable_file_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such GGUF file"):
+        create_engine_core(EngineConfig(model=str(tmp_path / "absent.gguf")))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ValueError, match=r"broken\.gguf"):
+        gguf_file.ensure_converted(str(broken))
+
+
+def test_download_converts_the_file_ahead_of_serving(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_llama(), chat_tokenizer(), llama_types)
+    assert cli_main(["download", "--model", str(path)]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert folder == gguf_file.converted_folder(path)
+    assert (folder / gguf_file.SOURCE_FILE).is_file()
+
+
+def test_tokenizer_flag_takes_another_folder_s_tokenizer(tmp_path: Path) -> None:
+    """`--tokenizer` (vLLM's flag): the model's folder has no chat template, the other has."""
+    model_dir, tokenizer_dir = tmp_path / "model", tmp_path / "tokenizer"
+    tiny_llama().save_pretrained(model_dir)
+    plain = chat_tokenizer()
+    plain.chat_template = None
+    plain.save_pretrained(model_dir)
+    chat_tokenizer().save_pretrained(tokenizer_dir)
+    argv = ["serve", "--model", str(model_dir), "--tokenizer", str(tokenizer_dir)]
+    config = engine_config(build_parser().parse_args([*argv, "--num-blocks", "16"]))
+    _, loaded, _ = create_engine_core(config)
+    assert loaded.tokenizer.chat_template == CHAT_TEMPLATE
