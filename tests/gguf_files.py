@@ -15,6 +15,30 @@ from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_m
 from gguf.quants import quantize
 
 ARCHITECTURES = {"llama": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2}
+# Where a K-quant super-block keeps its fp16 scales (d, dmin), and their size for random blocks
+# whose weights stay within about 0.5.
+K_SCALES = {
+    GGMLQuantizationType.Q4_K: (144, {0: 4e-4, 2: 4e-4}),
+    GGMLQuantizationType.Q6_K: (210, {208: 1e-4}),
+}
+
+
+def k_quant_rows(qtype: GGMLQuantizationType, out: int, in_features: int, seed: int = 0):
+    """`[out, in / 256 * block_bytes]` uint8 rows of random K-quant super-blocks."""
+    block_bytes, scales = K_SCALES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (out, in_features // 256, block_bytes), dtype=np.uint8)
+    for offset, size in scales.items():
+        d = rng.uniform(0.5 * size, size, (out, in_features // 256)).astype(np.float16)
+        blocks[..., offset : offset + 2] = d.view(np.uint8).reshape(out, -1, 2)
+    return blocks.reshape(out, -1)
+
+
+def stored(weight: np.ndarray, qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    """`weight [out, in]` in `qtype`: quantized by GGUF's code, or random K-quant blocks."""
+    if qtype in K_SCALES:
+        return k_quant_rows(qtype, *weight.shape, seed=seed)
+    return quantize(weight, qtype)
 
 
 def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -30,7 +54,8 @@ def write_gguf(
     qtype: Callable[[str], GGMLQuantizationType],
 ) -> None:
     """`model` (a Llama or a Qwen2) and `tokenizer` (byte-level BPE) as a GGUF file; `qtype` of a
-    GGUF tensor name gives the type its 2-D weight is stored in (norms and biases stay F32)."""
+    GGUF tensor name gives the type its 2-D weight is stored in (norms and biases stay F32; a
+    K-quant weight is random blocks of that type, not the model's weight)."""
     config = model.config
     arch = config.model_type
     writer = GGUFWriter(str(path), arch)
@@ -47,7 +72,7 @@ def write_gguf(
     _add_tokenizer(writer, tokenizer, config.vocab_size)
     names = get_tensor_name_map(ARCHITECTURES[arch], config.num_hidden_layers)
     tied = config.tie_word_embeddings
-    for hf_name, tensor in model.state_dict().items():
+    for seed, (hf_name, tensor) in enumerate(model.state_dict().items()):
         if tied and hf_name == "lm_head.weight":
             continue
         base, _, suffix = hf_name.rpartition(".")
@@ -58,7 +83,7 @@ def write_gguf(
         elif arch == "llama" and ".attn_k." in name:
             weight = permute_rows(weight, config.num_key_value_heads)
         if weight.ndim == 2 and qtype(name) != GGMLQuantizationType.F32:
-            writer.add_tensor(name, quantize(weight, qtype(name)), raw_dtype=qtype(name))
+            writer.add_tensor(name, stored(weight, qtype(name), seed), raw_dtype=qtype(name))
         else:
             writer.add_tensor(name, np.ascontiguousarray(weight))
     writer.write_header_to_file()

@@ -27,26 +27,45 @@ PANEL = 16
 
 @dataclass(frozen=True, slots=True)
 class BlockFormat:
-    """How GGUF stores one 32-wide block of a row, and how a panel group holds 16 of them."""
+    """How GGUF stores a block of a row, and how a panel group holds 16 columns of 32 inputs."""
 
     name: str
-    block_bytes: int  # per block of one row in the GGUF file
+    block_bytes: int  # per GGUF block of one row
     # per 16 columns and 32 input features in a panel (`csrc/include/block_panels.h`)
     group_bytes: int
     has_min: bool
+    nibbles: bool  # 4-bit q, two columns to a byte in panels
+    block: int = BLOCK  # a GGUF block's inputs (a K-quant's super-block: 256)
 
 
-Q4_1 = BlockFormat("q4_1", block_bytes=20, group_bytes=64 + BLOCK * 8, has_min=True)
-Q8_0 = BlockFormat("q8_0", block_bytes=34, group_bytes=32 + BLOCK * 16, has_min=False)
-FORMATS = {f.name: f for f in (Q4_1, Q8_0)}
-GROUP_FORMATS = {f.group_bytes: f for f in (Q4_1, Q8_0)}
+Q4_1 = BlockFormat("q4_1", 20, group_bytes=64 + BLOCK * 8, has_min=True, nibbles=True)
+Q8_0 = BlockFormat("q8_0", 34, group_bytes=32 + BLOCK * 16, has_min=False, nibbles=False)
+# K-quants, cut into 32-wide blocks whose scales (products of two GGUF scales, exact in fp32 but
+# not in fp16) panels hold in fp32: Q4_K a scale and a minimum per 32 inputs, Q6_K a scale per 16.
+Q4_K = BlockFormat("q4_k", 144, 128 + BLOCK * 8, has_min=True, nibbles=True, block=256)
+Q6_K = BlockFormat("q6_k", 210, 128 + BLOCK * 16, has_min=False, nibbles=False, block=256)
+FORMATS = {f.name: f for f in (Q4_1, Q8_0, Q4_K, Q6_K)}
+# Those with a layout for 8-bit products against activations rounded to 8-bit blocks.
+INT8_FORMATS = (Q4_1, Q8_0)
+GROUP_FORMATS = {f.group_bytes: f for f in FORMATS.values()}
+
+
+def in_features(fmt: BlockFormat, rows: torch.Tensor) -> int:
+    """The input features of GGUF rows `[out, in / block * block_bytes]`."""
+    return rows.shape[1] // fmt.block_bytes * fmt.block
 
 
 def split_rows(
     fmt: BlockFormat, rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """GGUF rows `[out, in / 32 * block_bytes]` uint8 as (d, m or None, q): d and m fp16
-    `[out, in / 32]`, q `[out, in / 32, 32]` (uint8 0..15 for Q4_1, int8 for Q8_0)."""
+    """GGUF rows uint8 as (d, m or None, q) per 32-wide block: weight = d * q (+ m). d and m
+    `[out, in / 32]`, fp16 for Q4_1 and Q8_0, fp32 for Q4_K (m is minus its minimum); Q6_K's d
+    `[out, in / 32, 2]` fp32, one per 16 inputs. q `[out, in / 32, 32]`: uint8 0..15 (Q4_1,
+    Q4_K), int8 (Q8_0, and Q6_K's -32..31)."""
+    if fmt is Q4_K:
+        return _split_q4_k(rows)
+    if fmt is Q6_K:
+        return _split_q6_k(rows)
     blocks = rows.reshape(rows.shape[0], -1, fmt.block_bytes)
     d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
     if fmt.has_min:
@@ -57,17 +76,57 @@ def split_rows(
     return d, None, blocks[..., 2:].contiguous().view(torch.int8)
 
 
+def _split_q4_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks (d, dmin fp16; 8 six-bit scales and minima in 12 bytes; 128 bytes of
+    nibbles, each 32 bytes holding two blocks: low halves, then high halves) as 32-wide blocks
+    with `d * scale` and `-dmin * min`, both exact in fp32."""
+    out = rows.shape[0]
+    blocks = rows.reshape(out, -1, Q4_K.block_bytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    packed = blocks[..., 4:16].view(out, -1, 3, 4).to(torch.int32)
+    low, high, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    scale = torch.cat([low & 63, (rest & 15) | ((low >> 2) & 48)], dim=-1)
+    least = torch.cat([high & 63, (rest >> 4) | ((high >> 2) & 48)], dim=-1)
+    nibbles = blocks[..., 16:].reshape(out, -1, 4, 1, 32)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(out, -1, 32)
+    return (d * scale).reshape(out, -1), (-dmin * least).reshape(out, -1), q
+
+
+def _split_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
+    """Q6_K super-blocks (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d
+    fp16) as 32-wide blocks with a scale `d * scale` (exact in fp32) per 16 inputs."""
+    out = rows.shape[0]
+    blocks = rows.reshape(out, -1, Q6_K.block_bytes)
+    low = blocks[..., 0:128].reshape(out, -1, 2, 1, 64)
+    low = torch.cat([low & 0x0F, low >> 4], dim=3).reshape(out, -1, 8, 32)
+    high = blocks[..., 128:192].reshape(out, -1, 2, 1, 32)
+    high = torch.cat([(high >> shift) & 3 for shift in (0, 2, 4, 6)], dim=3)
+    q = (low | (high.reshape(out, -1, 8, 32) << 4)).to(torch.int8) - 32
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    d = blocks[..., 208:210].contiguous().view(torch.float16).float()
+    return (d * scales).reshape(out, -1, 2), None, q.reshape(out, -1, 32)
+
+
 def dequantize_rows(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
     """GGUF rows to fp32 `[out, in]`, as GGUF's own dequantization computes them."""
     d, m, q = split_rows(fmt, rows)
-    weight = d.float().unsqueeze(-1) * q.float()
+    weight = _per_input(d.float()) * q.float()
     if m is not None:
         weight = weight + m.float().unsqueeze(-1)
     return weight.reshape(rows.shape[0], -1)
 
 
+def _per_input(d: torch.Tensor) -> torch.Tensor:
+    """Scales `[..., blocks]` (or `[..., blocks, 2]`, one per 16 inputs) broadcast over each
+    block's 32 inputs."""
+    if d.dim() == 2:
+        return d.unsqueeze(-1)
+    return d.repeat_interleave(BLOCK // d.shape[-1], dim=-1)
+
+
 def pack_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
-    """GGUF rows `[out, in / 32 * block_bytes]` to block panels `[ceil(out / 16), in / 32,
+    """GGUF rows `[out, in / block * block_bytes]` to block panels `[ceil(out / 16), in / 32,
     group_bytes]` uint8; spare columns of the last panel hold zero weights."""
     d, m, q = split_rows(fmt, rows)
     out = rows.shape[0]
@@ -77,7 +136,7 @@ def pack_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
         parts.append(_columns_last(_pad(m, padded)).view(torch.uint8))
     # [panels, 16, blocks, 32] -> [panels, blocks, 32, 16]: per input feature, its 16 columns.
     by_feature = _pad(q, padded).view(padded // PANEL, PANEL, *q.shape[1:]).permute(0, 2, 3, 1)
-    if fmt.has_min:
+    if fmt.nibbles:
         by_feature = by_feature[..., :8] | (by_feature[..., 8:] << 4)
     parts.append(by_feature.contiguous().view(torch.uint8).flatten(2))
     return torch.cat([part.flatten(2) for part in parts], dim=2).contiguous()
@@ -118,14 +177,19 @@ def dequantize_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
         return _dequantize_int8_panels(panels, out_features)
     fmt = GROUP_FORMATS[panels.shape[2]]
     count, blocks, _ = panels.shape
-    scales = 64 if fmt.has_min else 32
-    d = _halves(panels, 0).unsqueeze(2)
-    packed = panels[..., scales:].reshape(count, blocks, BLOCK, -1)
-    if fmt.has_min:
-        m = _halves(panels, 32).unsqueeze(2)
-        weight = d * torch.cat([packed & 0x0F, packed >> 4], dim=-1).float() + m
+    scale_bytes = fmt.group_bytes - BLOCK * (8 if fmt.nibbles else 16)
+    wide = torch.float32 if fmt.block > BLOCK else torch.float16
+    scales = panels[..., :scale_bytes].contiguous().view(wide).float()
+    packed = panels[..., scale_bytes:].reshape(count, blocks, BLOCK, -1)
+    if fmt.nibbles:
+        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
     else:
-        weight = d * packed.view(torch.int8).float()
+        q = packed.view(torch.int8).float()
+    if fmt.has_min:
+        weight = scales[..., None, :PANEL] * q + scales[..., None, PANEL:]
+    else:  # a scale per column, or (Q6_K) per column and 16 inputs
+        halves = scales.view(count, blocks, -1, PANEL)
+        weight = halves.repeat_interleave(BLOCK // halves.shape[2], dim=2) * q
     # [panels, blocks, 32, 16] -> [panels * 16, in]
     rows = weight.permute(0, 3, 1, 2).reshape(count * PANEL, blocks * BLOCK)
     return rows[:out_features]
@@ -158,8 +222,8 @@ def _halves(panels: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def _columns_last(scales: torch.Tensor) -> torch.Tensor:
-    """Per-row, per-block scales `[padded out, blocks]` as `[panels, blocks, 16]`."""
-    return scales.view(-1, PANEL, scales.shape[1]).transpose(1, 2).contiguous()
+    """Per-row, per-block scales `[padded out, blocks, ...]` as `[panels, blocks, ..., 16]`."""
+    return scales.view(-1, PANEL, *scales.shape[1:]).movedim(1, -1).contiguous()
 
 
 def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
@@ -171,16 +235,18 @@ def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def read_gguf(path: Path, model: Any) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
-    """The Q4_0, Q4_1 and Q8_0 linear weights of a GGUF file, by the module of `model` (the
-    file's model as transformers loads it) each one loads into, rows in the order that model
-    holds them (a Llama file's q and k rows unpermuted, as loading does). Q4_0 blocks come as
-    the Q4_1 blocks that hold the same weights."""
+    """The Q4_0, Q4_1, Q8_0, Q4_K and Q6_K linear weights of a GGUF file, by the module of
+    `model` (the file's model as transformers loads it) each one loads into, rows in the order
+    that model holds them (a Llama file's q and k rows unpermuted, as loading does). Q4_0
+    blocks come as the Q4_1 blocks that hold the same weights."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     types = {
         GGMLQuantizationType.Q4_0: Q4_1,
         GGMLQuantizationType.Q4_1: Q4_1,
         GGMLQuantizationType.Q8_0: Q8_0,
+        GGMLQuantizationType.Q4_K: Q4_K,
+        GGMLQuantizationType.Q6_K: Q6_K,
     }
     reader = GGUFReader(path)
     architecture = _text_field(reader, "general.architecture")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 from transformers import AutoModelForCausalLM, GgufConfig
 
 from engine.core.sampling_params import SamplingParams
@@ -22,6 +22,7 @@ from engine.kernels.cpu.linear import PanelLinear, pack_linears, use_gguf_blocks
 from engine.loading import gguf_blocks
 from engine.loading.model_loader import use_gguf_blocks_beside
 from engine.models.llama import PagedLlamaLayer
+from tests.gguf_files import stored
 from tests.helpers import needs_panels, reference_greedy, run_all, tiny_core, tokens_of
 
 pytestmark = needs_panels
@@ -30,15 +31,23 @@ QTYPES = {
     "q4_0": GGMLQuantizationType.Q4_0,
     "q4_1": GGMLQuantizationType.Q4_1,
     "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_k": GGMLQuantizationType.Q4_K,
+    "q6_k": GGMLQuantizationType.Q6_K,
 }
+# The panel formats: GGUF's 32-wide blocks, and K-quants' 256-wide super-blocks cut to 32.
+BLOCK_FORMATS = ["q4_1", "q8_0", "q4_k", "q6_k"]
+# Input features per test layer: a span of 128 and one of 32 for 32-wide blocks, and two
+# super-blocks for K-quants.
+INPUTS = {"q4_1": 160, "q8_0": 160, "q4_k": 512, "q6_k": 512}
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 64, 96, 4, 2, 96
 PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
 
 
 def gguf_rows(fmt: str, out: int, in_features: int, seed: int = 0) -> np.ndarray:
-    """A random `[out, in]` weight quantized by GGUF's own code: rows of blocks, uint8."""
+    """A random `[out, in]` weight quantized by GGUF's own code (K-quants: random super-blocks,
+    which GGUF's code only dequantizes): rows of blocks, uint8."""
     weight = np.random.default_rng(seed).standard_normal((out, in_features)).astype(np.float32)
-    return quantize(weight, QTYPES[fmt])
+    return stored(weight, QTYPES[fmt], seed)
 
 
 def block_layer(fmt: str, out: int, in_features: int, seed: int = 0) -> PanelLinear:
@@ -47,9 +56,11 @@ def block_layer(fmt: str, out: int, in_features: int, seed: int = 0) -> PanelLin
     )
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_rows_dequantize_as_gguf_does(fmt: str) -> None:
-    rows = gguf_rows(fmt, 24, 96)
+    """Split into 32-wide blocks (K-quants' scales multiplied out), then widened: GGUF's own
+    dequantization, to the bit."""
+    rows = gguf_rows(fmt, 24, INPUTS[fmt])
     ours = gguf_blocks.dequantize_rows(gguf_blocks.FORMATS[fmt], torch.from_numpy(rows))
     assert torch.equal(ours, torch.from_numpy(dequantize(rows, QTYPES[fmt])))
 
@@ -68,29 +79,29 @@ def test_q4_0_rows_become_q4_1_rows_of_the_same_weights() -> None:
     assert gguf_blocks.q4_0_as_q4_1(huge.view(24, -1)) is None
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 @pytest.mark.parametrize("out", [40, 48])
 def test_block_panels_hold_the_rows_exactly(fmt: str, out: int) -> None:
     """Packed in panels of 16 columns (the last one partly filled for 40), widened back."""
-    block = gguf_blocks.FORMATS[fmt]
-    rows = torch.from_numpy(gguf_rows(fmt, out, 160))
+    block, inputs = gguf_blocks.FORMATS[fmt], INPUTS[fmt]
+    rows = torch.from_numpy(gguf_rows(fmt, out, inputs))
     layer = PanelLinear.of_blocks(block, rows, None)
-    assert (layer.in_features, layer.out_features, layer.block_format) == (160, out, block)
-    assert layer.panels.shape == (-(-out // 16), 160 // 32, block.group_bytes)
+    assert (layer.in_features, layer.out_features, layer.block_format) == (inputs, out, block)
+    assert layer.panels.shape == (-(-out // 16), inputs // 32, block.group_bytes)
     assert torch.equal(layer.weight, gguf_blocks.dequantize_rows(block, rows))
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_product_over_blocks_equals_fp32_panels_to_the_bit(fmt: str) -> None:
     """Widened in registers (up to 6 rows) or span by span into a scratch panel (more rows),
-    the weights and the order of the sums are those of fp32 panels: equal to the bit. 160
-    input features are a span of 128 and one of 32; 40 outputs leave a partly filled panel."""
+    the weights and the order of the sums are those of fp32 panels: equal to the bit. 40
+    outputs leave a partly filled panel."""
     torch.manual_seed(0)
-    rows = torch.from_numpy(gguf_rows(fmt, 40, 160))
+    rows = torch.from_numpy(gguf_rows(fmt, 40, INPUTS[fmt]))
     bias = torch.randn(40)
     blocks = PanelLinear.of_blocks(gguf_blocks.FORMATS[fmt], rows, bias)
     dense = PanelLinear(blocks.weight, bias)
-    x = torch.randn(130, 160)
+    x = torch.randn(130, INPUTS[fmt])
     for count in (1, 2, 3, 4, 5, 6, 7, 8, 13, 64, 130):
         assert torch.equal(blocks(x[:count]), dense(x[:count])), count
     torch.testing.assert_close(blocks(x), F.linear(x, blocks.weight, bias), rtol=1e-5, atol=1e-4)

@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
@@ -56,6 +62,23 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
     return model
 
 
+def wide_llama() -> LlamaForCausalLM:
+    """Rows of 256 and 512 inputs: K-quants' super-blocks are 256 wide."""
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        bos_token_id=1,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
 def llama_types(name: str) -> QType:
     """Q4_0 projections, a Q8_0 embedding (the tied LM head's too)."""
     return QType.Q8_0 if name.startswith("token_embd") else QType.Q4_0
@@ -71,10 +94,20 @@ def qwen2_types(name: str) -> QType:
     return QType.Q5_0 if ".ffn_down." in name else QType.Q4_1
 
 
+def k_quant_types(name: str) -> QType:
+    """Q4_K_M's mix: Q4_K projections, but Q6_K values, MLP down projections and head."""
+    if name.startswith("token_embd"):
+        return QType.F32
+    if name.startswith("output") or ".attn_v." in name or ".ffn_down." in name:
+        return QType.Q6_K
+    return QType.Q4_K
+
+
 # (family, builder, types, layers holding blocks: 2 layers of 7 projections, and the head)
 FILES = {
     "llama": (tiny_llama, llama_types, 2 * 7 + 1),
     "qwen2": (tiny_qwen2, qwen2_types, 2 * 6 + 1),
+    "llama_k": (wide_llama, k_quant_types, 2 * 7 + 1),
 }
 
 
@@ -127,8 +160,9 @@ def test_the_file_s_tokenizer_and_chat_template_come_with_it(served) -> None:
 
 @pytest.mark.skipif(bool(NO_PANELS), reason=NO_PANELS)
 def test_quantized_projections_are_held_as_their_blocks(served) -> None:
-    """Q4_0 (as Q4_1 with minimum -8 d), Q4_1 and Q8_0 projections keep their blocks, a Llama's
-    q and k rows unpermuted to match; Q5_0 ones, which have no block panels, stay fp32."""
+    """Q4_0 (as Q4_1 with minimum -8 d), Q4_1, Q8_0, Q4_K and Q6_K projections keep their
+    blocks, a Llama's q and k rows unpermuted to match; Q5_0 ones, which have no block panels,
+    stay fp32."""
     family, _, _, loaded, _, _ = served
     held = [
         name
@@ -136,7 +170,7 @@ def test_quantized_projections_are_held_as_their_blocks(served) -> None:
         if isinstance(module, PanelLinear) and module.block_format is not None
     ]
     assert len(held) == FILES[family][2], held
-    assert ("model.layers.0.mlp.down_proj" in held) == (family == "llama")
+    assert ("model.layers.0.mlp.down_proj" in held) == (family != "qwen2")
 
 
 def test_a_conversion_is_reused_until_the_file_changes(tmp_path: Path, monkeypatch) -> None:

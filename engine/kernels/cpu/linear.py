@@ -138,11 +138,11 @@ class PanelLinear(nn.Module):
         bias: torch.Tensor | None,
         int8_activations: bool = False,
     ) -> PanelLinear:
-        """A layer over GGUF rows `[out, in / 32 * block_bytes]`, widened as it multiplies; or,
-        with `int8_activations`, multiplied in 8-bit integers against inputs rounded to 8-bit
-        blocks (approximate; `csrc/linear/int8_panels.cpp`)."""
-        in_features = rows.shape[1] // fmt.block_bytes * gguf_blocks.BLOCK
-        if int8_activations:
+        """A layer over GGUF rows `[out, in / block * block_bytes]`, widened as it multiplies;
+        or, with `int8_activations` (Q4_1 and Q8_0 only), multiplied in 8-bit integers against
+        inputs rounded to 8-bit blocks (approximate; `csrc/linear/int8_panels.cpp`)."""
+        in_features = gguf_blocks.in_features(fmt, rows)
+        if int8_activations and fmt in gguf_blocks.INT8_FORMATS:
             panels = gguf_blocks.pack_int8_panels(fmt, rows)
         else:
             panels = gguf_blocks.pack_panels(fmt, rows)

@@ -8,6 +8,12 @@
 // Q8_0 (544 bytes): d[16] fp16, then per input feature 16 int8 q, one per column;
 //                   weight = d * q
 //
+// Q4_K (384 bytes): d[16] fp32, m[16] fp32, then the nibbles as Q4_1's; a GGUF Q4_K
+//                   super-block cut into 32-wide blocks, d = d_super * scale and m = -dmin *
+//                   min (products exact in fp32, not in fp16); weight = d * q + m
+// Q6_K (640 bytes): d[2][16] fp32 (a scale per column for inputs 0..15, then 16..31), then per
+//                   input feature 16 int8 q (-32..31); weight = d * q
+//
 // Q4_1 for 8-bit products (320 bytes, int8 panels; `int8_panels.cpp`): d[16], m[16] fp16, then
 //                   for columns 8h..8h+7 (h = 0, 1) and step s = 0..3, 32 bytes whose byte
 //                   4c + i holds column 8h + c's q of input feature 4s + i in its low half and
@@ -18,8 +24,8 @@
 //                   input feature 4s + i
 //
 // A weight widens to exactly the fp32 value GGUF's dequantization gives: d * q is exact in fp32
-// (11 by 4 or 8 significant bits), so one fused multiply-add rounds d * q + m once, as the
-// product and the sum done apart do.
+// (11 by 4 or 8 significant bits; Q4_K's 17 by 4), so one fused multiply-add rounds d * q + m
+// once, as the product and the sum done apart do; Q6_K's d * q is rounded once, as GGUF's is.
 #pragma once
 
 #include <cstdint>
@@ -71,6 +77,47 @@ struct Q80 {
     w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_load_ps(s));
     w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
                          _mm256_load_ps(s + 8));
+  }
+#endif
+};
+
+// count fp32 values at the start of a group (a K-quant's scales), copied to aligned storage.
+#ifdef CONVEYOR_BLOCK_PANELS
+inline void copy_floats(const uint8_t* group, int count, float* out) {
+  for (int i = 0; i < count; i += 8)
+    _mm256_store_ps(out + i, _mm256_loadu_ps(reinterpret_cast<const float*>(group) + i));
+}
+#endif
+
+struct Q4K {
+  static constexpr int64_t kBlock = conveyor::kBlock;
+  static constexpr int64_t kGroupBytes = 128 + kBlock * 8;
+  static constexpr int kScales = 32;  // d[16], m[16]
+#ifdef CONVEYOR_BLOCK_PANELS
+  static inline void scales(const uint8_t* group, float* out) { copy_floats(group, kScales, out); }
+  static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
+    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + 128 + kk * 8));
+    const __m256i bytes = _mm256_cvtepu8_epi32(packed);
+    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+    const __m256i high = _mm256_srli_epi32(bytes, 4);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_load_ps(s), _mm256_load_ps(s + 16));
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), _mm256_load_ps(s + 8), _mm256_load_ps(s + 24));
+  }
+#endif
+};
+
+struct Q6K {
+  static constexpr int64_t kBlock = conveyor::kBlock;
+  static constexpr int64_t kGroupBytes = 128 + kBlock * 16;
+  static constexpr int kScales = 32;  // d[2][16]
+#ifdef CONVEYOR_BLOCK_PANELS
+  static inline void scales(const uint8_t* group, float* out) { copy_floats(group, kScales, out); }
+  static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 128 + kk * 16));
+    const float* d = s + (kk < 16 ? 0 : 16);
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_load_ps(d));
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
+                         _mm256_load_ps(d + 8));
   }
 #endif
 };

@@ -288,6 +288,16 @@ void run_blocks(const Problem& pb, const at::Tensor& panels) {
                    [&](int64_t p0, int64_t p1) { block_panel_range<Q>(pb, w, p0, p1); });
 }
 
+// Block panels of whichever format their group size names (checked by `check_layout`).
+void run_block_format(const Problem& pb, const at::Tensor& panels) {
+  switch (panels.size(2)) {
+    case conveyor::Q41::kGroupBytes: run_blocks<conveyor::Q41>(pb, panels); return;
+    case conveyor::Q80::kGroupBytes: run_blocks<conveyor::Q80>(pb, panels); return;
+    case conveyor::Q4K::kGroupBytes: run_blocks<conveyor::Q4K>(pb, panels); return;
+    default: run_blocks<conveyor::Q6K>(pb, panels); return;
+  }
+}
+
 template <typename W>
 void run(const Problem& pb, const at::Tensor& panels) {
   const W* w = panels.data_ptr<W>();
@@ -310,10 +320,13 @@ void check_layout(const at::Tensor& panels) {
       break;
     case at::kByte:
       TORCH_CHECK(panels.size(2) == conveyor::Q41::kGroupBytes ||
-                      panels.size(2) == conveyor::Q80::kGroupBytes,
+                      panels.size(2) == conveyor::Q80::kGroupBytes ||
+                      panels.size(2) == conveyor::Q4K::kGroupBytes ||
+                      panels.size(2) == conveyor::Q6K::kGroupBytes,
                   "panel_linear: block panels must be [panels, in / 32, ",
-                  conveyor::Q41::kGroupBytes, " (Q4_1) or ", conveyor::Q80::kGroupBytes,
-                  " (Q8_0)]");
+                  conveyor::Q41::kGroupBytes, " (Q4_1), ", conveyor::Q80::kGroupBytes, " (Q8_0), ",
+                  conveyor::Q4K::kGroupBytes, " (Q4_K) or ", conveyor::Q6K::kGroupBytes,
+                  " (Q6_K)]");
       break;
     case at::kChar:
       TORCH_CHECK(panels.size(2) == conveyor::Q41Int8::kGroupBytes ||
@@ -390,9 +403,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   const bool blocks = panels.scalar_type() == at::kByte;
   if (panels.scalar_type() == at::kChar)
     int8_panel_product(pb.x, M, K, panels, pb.bias, pb.out, out_features);
-  else if (blocks && panels.size(2) == conveyor::Q41::kGroupBytes)
-    run_blocks<conveyor::Q41>(pb, panels);
-  else if (blocks) run_blocks<conveyor::Q80>(pb, panels);
+  else if (blocks) run_block_format(pb, panels);
   else if (panels.scalar_type() == at::kHalf) run<at::Half>(pb, panels);
   else run<float>(pb, panels);
   // out + residual is residual + out to the bit (IEEE addition commutes).
