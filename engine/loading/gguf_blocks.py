@@ -44,7 +44,10 @@ Q8_0 = BlockFormat("q8_0", 34, group_bytes=32 + BLOCK * 16, has_min=False, nibbl
 # not in fp16) panels hold in fp32: Q4_K a scale and a minimum per 32 inputs, Q6_K a scale per 16.
 Q4_K = BlockFormat("q4_k", 144, 128 + BLOCK * 8, has_min=True, nibbles=True, block=256)
 Q6_K = BlockFormat("q6_k", 210, 128 + BLOCK * 16, has_min=False, nibbles=False, block=256)
-FORMATS = {f.name: f for f in (Q4_1, Q8_0, Q4_K, Q6_K)}
+# Not GGUF's: any of the above as 8-bit q with a scale per 16 inputs and a minimum per 32, all
+# fp32, so that projections stored in different types join into one (`as_q8_k`).
+Q8_K = BlockFormat("q8_k", 0, 192 + BLOCK * 16, has_min=True, nibbles=False)
+FORMATS = {f.name: f for f in (Q4_1, Q8_0, Q4_K, Q6_K, Q8_K)}
 # Those with a layout for 8-bit products against activations rounded to 8-bit blocks.
 INT8_FORMATS = (Q4_1, Q8_0)
 GROUP_FORMATS = {f.group_bytes: f for f in FORMATS.values()}
@@ -175,24 +178,45 @@ def dequantize_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """Block panels back to the fp32 weight `[out, in]` they hold."""
     if panels.dtype == torch.int8:
         return _dequantize_int8_panels(panels, out_features)
-    fmt = GROUP_FORMATS[panels.shape[2]]
     count, blocks, _ = panels.shape
-    scale_bytes = fmt.group_bytes - BLOCK * (8 if fmt.nibbles else 16)
-    wide = torch.float32 if fmt.block > BLOCK else torch.float16
-    scales = panels[..., :scale_bytes].contiguous().view(wide).float()
-    packed = panels[..., scale_bytes:].reshape(count, blocks, BLOCK, -1)
-    if fmt.nibbles:
-        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-    else:
-        q = packed.view(torch.int8).float()
-    if fmt.has_min:
-        weight = scales[..., None, :PANEL] * q + scales[..., None, PANEL:]
-    else:  # a scale per column, or (Q6_K) per column and 16 inputs
-        halves = scales.view(count, blocks, -1, PANEL)
-        weight = halves.repeat_interleave(BLOCK // halves.shape[2], dim=2) * q
+    halves, least, q = _unpack_panels(panels)
+    weight = halves.repeat_interleave(BLOCK // 2, dim=2) * q.float()
+    if least is not None:
+        weight = weight + least.unsqueeze(2)
     # [panels, blocks, 32, 16] -> [panels * 16, in]
     rows = weight.permute(0, 3, 1, 2).reshape(count * PANEL, blocks * BLOCK)
     return rows[:out_features]
+
+
+def as_q8_k(panels: torch.Tensor) -> torch.Tensor:
+    """Block panels of any format as Q8_K panels of the same weights (each widens to the same
+    fp32 value: the scales and minima widen exactly, q fits int8, and `d * q + 0` rounds as
+    `d * q` does)."""
+    halves, least, q = _unpack_panels(panels)
+    if least is None:
+        least = halves.new_zeros(halves[:, :, 0].shape)
+    parts = [halves.flatten(2), least, q.to(torch.int8).flatten(2)]
+    return torch.cat([part.contiguous().view(torch.uint8) for part in parts], dim=2)
+
+
+def _unpack_panels(
+    panels: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Block panels as (scales `[panels, blocks, 2, 16]` fp32, one per column and 16 inputs;
+    minima `[panels, blocks, 16]` fp32 or None; q `[panels, blocks, 32, 16]`, uint8 or int8)."""
+    fmt = GROUP_FORMATS[panels.shape[2]]
+    count, blocks, _ = panels.shape
+    scale_bytes = fmt.group_bytes - BLOCK * (8 if fmt.nibbles else 16)
+    wide = torch.float32 if fmt.block > BLOCK or fmt is Q8_K else torch.float16
+    scales = panels[..., :scale_bytes].contiguous().view(wide).float()
+    scales = scales.view(count, blocks, -1, PANEL)  # sets of 16: d, d and m, or d, d, m
+    packed = panels[..., scale_bytes:].reshape(count, blocks, BLOCK, -1)
+    q = torch.cat([packed & 0x0F, packed >> 4], dim=-1) if fmt.nibbles else packed.view(torch.int8)
+    least = scales[:, :, -1] if fmt.has_min else None
+    halves = scales[:, :, :-1] if fmt.has_min else scales
+    if halves.shape[2] == 1:  # one scale per 32 inputs
+        halves = halves.expand(-1, -1, 2, -1)
+    return halves, least, q
 
 
 def _dequantize_int8_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -118,6 +118,42 @@ def test_joined_projections_keep_their_blocks() -> None:
     assert PanelLinear.joined([block_layer("q4_1", 40, 64), parts[1]]) is None
 
 
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_any_block_panels_widen_as_q8_k_panels_to_the_same_product(fmt: str) -> None:
+    """Q8_K (8-bit q, fp32 scales per 16 inputs and minima per 32) holds every format's
+    weights exactly, and the product over it equals the fp32 panels' to the bit."""
+    torch.manual_seed(0)
+    layer = block_layer(fmt, 40, INPUTS[fmt])
+    wide = gguf_blocks.as_q8_k(layer.panels)
+    assert wide.shape == (3, INPUTS[fmt] // 32, gguf_blocks.Q8_K.group_bytes)
+    assert torch.equal(gguf_blocks.dequantize_panels(wide, 40), layer.weight)
+    x = torch.randn(9, INPUTS[fmt])
+    dense = PanelLinear(layer.weight, None)
+    for count in (1, 2, 9):
+        product = cpu_ops.panel_linear(x[:count], wide, None, 40)
+        assert torch.equal(product, dense(x[:count])), count
+
+
+@pytest.mark.parametrize(("q_fmt", "v_fmt"), [("q4_k", "q6_k"), ("q4_1", "q8_0")])
+def test_projections_of_two_formats_join_as_q8_k(q_fmt: str, v_fmt: str) -> None:
+    """A Q4_K_M layer's q and k (Q4_K) and v (Q6_K) joined into one projection: Q8_K panels of
+    the same weights, each part a view of its own, the product unchanged to the bit."""
+    inputs = INPUTS[q_fmt]
+    parts = [
+        block_layer(fmt, out, inputs, seed)
+        for seed, (fmt, out) in enumerate([(q_fmt, 64), (q_fmt, 32), (v_fmt, 32)])
+    ]
+    weights = [p.weight for p in parts]
+    x = torch.randn(3, inputs)
+    products = [p(x) for p in parts]
+    joined = PanelLinear.joined(parts)
+    assert joined is not None and joined.block_format == gguf_blocks.Q8_K
+    assert torch.equal(joined.weight, torch.cat(weights))
+    assert torch.equal(joined(x), torch.cat(products, dim=1))
+    assert all(p.panels._base is joined.panels for p in parts)
+    assert all(torch.equal(p.weight, w) for p, w in zip(parts, weights, strict=True))
+
+
 def test_kernel_refuses_bad_block_panels() -> None:
     layer = block_layer("q8_0", 16, 64)
     with pytest.raises(RuntimeError, match="input sizes differ"):

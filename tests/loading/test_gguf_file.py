@@ -24,6 +24,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.kernels.cpu.linear import PanelLinear
 from engine.loading import gguf_blocks, gguf_file
+from engine.models.llama import PagedLlamaLayer
 from server.cli import build_parser, engine_config
 from server.cli import main as cli_main
 from tests.gguf_files import write_gguf
@@ -171,6 +172,11 @@ def test_quantized_projections_are_held_as_their_blocks(served) -> None:
     ]
     assert len(held) == FILES[family][2], held
     assert ("model.layers.0.mlp.down_proj" in held) == (family != "qwen2")
+    # Conveyor's decoder joins q, k and v: a Q4_K_M layer's two formats as Q8_K panels.
+    layers = [m for m in served[2].runner.model.modules() if isinstance(m, PagedLlamaLayer)]
+    joined = {layer.qkv_proj.block_format for layer in layers}
+    expected = {"llama": gguf_blocks.Q4_1, "qwen2": gguf_blocks.Q4_1, "llama_k": gguf_blocks.Q8_K}
+    assert joined == {expected[family]}
 
 
 def test_a_conversion_is_reused_until_the_file_changes(tmp_path: Path, monkeypatch) -> None:

@@ -151,19 +151,25 @@ class PanelLinear(nn.Module):
     @classmethod
     def joined(cls, layers: list[PanelLinear]) -> PanelLinear | None:
         """One layer whose outputs are `layers`' side by side, sharing their panels as held;
-        None where a panel would mix two layers' columns or their storage differs. Each of
-        `layers` then holds a view of its panels in the joined ones: no second copy."""
+        None where a panel would mix two layers' columns or their storage differs. Block panels
+        of different formats (a Q4_K_M layer's q and k in Q4_K, v in Q6_K) join as Q8_K panels
+        of the same weights. Each of `layers` then holds a view of its panels in the joined
+        ones: no second copy."""
         first = layers[0]
+        mixed = _mixed_blocks(layers)
         if (
             any(layer.out_features % PANEL for layer in layers[:-1])
             or any(
-                layer.panels.shape[1:] != first.panels.shape[1:]
+                layer.panels.shape[1 : 3 - mixed] != first.panels.shape[1 : 3 - mixed]
                 or layer.panels.dtype != first.panels.dtype
                 for layer in layers
             )
             or len({layer.padded_bias is None for layer in layers}) > 1
         ):
             return None
+        if mixed:
+            for layer in layers:
+                layer.panels = gguf_blocks.as_q8_k(layer.panels)
         # Every layer has a bias where the first does (checked above).
         biases = cast(list[torch.Tensor], [m.bias for m in layers])
         bias = None if first.padded_bias is None else torch.cat(biases)
@@ -508,6 +514,17 @@ def pack_linears(model: nn.Module) -> int:
         swapped = _swap(model, PackedLinear, lambda weight: True)
         logger.info("%d linear layers hold weights packed for oneDNN", swapped)
     return swapped
+
+
+def _mixed_blocks(layers: list[PanelLinear]) -> bool:
+    """Whether `layers` hold block panels (multiplied widened, not against 8-bit activations)
+    of more than one format over the same inputs."""
+    formats = {layer.panels.shape[2] for layer in layers}
+    return (
+        len(formats) > 1
+        and all(layer.panels.dtype == torch.uint8 for layer in layers)
+        and len({layer.in_features for layer in layers}) == 1
+    )
 
 
 def use_gguf_blocks(

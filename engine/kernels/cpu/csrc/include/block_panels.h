@@ -13,6 +13,9 @@
 //                   min (products exact in fp32, not in fp16); weight = d * q + m
 // Q6_K (640 bytes): d[2][16] fp32 (a scale per column for inputs 0..15, then 16..31), then per
 //                   input feature 16 int8 q (-32..31); weight = d * q
+// Q8_K (704 bytes): d[2][16] fp32, m[16] fp32, then per input feature 16 int8 q; not GGUF's:
+//                   any of the above widened to it (`gguf_blocks.as_q8_k`), so projections
+//                   stored in two formats join into one; weight = d * q + m
 //
 // Q4_1 for 8-bit products (320 bytes, int8 panels; `int8_panels.cpp`): d[16], m[16] fp16, then
 //                   for columns 8h..8h+7 (h = 0, 1) and step s = 0..3, 32 bytes whose byte
@@ -118,6 +121,23 @@ struct Q6K {
     w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_load_ps(d));
     w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
                          _mm256_load_ps(d + 8));
+  }
+#endif
+};
+
+struct Q8K {
+  static constexpr int64_t kBlock = conveyor::kBlock;
+  static constexpr int64_t kGroupBytes = 192 + kBlock * 16;
+  static constexpr int kScales = 48;  // d[2][16], m[16]
+#ifdef CONVEYOR_BLOCK_PANELS
+  static inline void scales(const uint8_t* group, float* out) { copy_floats(group, kScales, out); }
+  static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 192 + kk * 16));
+    const float* d = s + (kk < 16 ? 0 : 16);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_load_ps(d),
+                           _mm256_load_ps(s + 32));
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
+                           _mm256_load_ps(d + 8), _mm256_load_ps(s + 40));
   }
 #endif
 };
