@@ -181,12 +181,14 @@ async def run_load(
 ) -> tuple[list[RequestResult], float]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # No connection limit and no deadline: --max-concurrency shapes the load, --timeout is the
-    # server's business.
+    # server's business. A connection per request, as vLLM's benchmark opens: servers that close
+    # a kept-alive connection after a few requests (llama.cpp's, after 5) would otherwise fail
+    # the request sent on it as it closes.
     base_url = args.base_url.rstrip("/")
     session = aiohttp.ClientSession(
         headers=headers,
         timeout=aiohttp.ClientTimeout(total=None),
-        connector=aiohttp.TCPConnector(limit=0),
+        connector=aiohttp.TCPConnector(limit=0, force_close=True),
     )
     async with session:
         model = args.model or await _model_name(session, base_url)

@@ -186,6 +186,47 @@ async def test_load_run_against_a_live_server(shape):
     assert 1 <= peak_concurrency(results) <= shape.get("max_concurrency", len(requests))
 
 
+async def test_load_survives_a_server_that_closes_kept_alive_connections():
+    """A server that answers one request per connection and drops the connection when a second
+    one arrives on it (llama.cpp's server closes after 5): every request still gets through."""
+    import asyncio
+
+    reply = (
+        b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
+        b'data: {"choices": [{"text": "b", "finish_reason": "length"}], '
+        b'"usage": {"completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+    )
+
+    async def one_request_per_connection(reader, writer) -> None:
+        served = 0
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.lower().split(b"\r\n")
+                if line.startswith(b"content-length")
+            )
+            await reader.readexactly(length)
+            if served:  # a second request on a kept-alive connection: dropped unanswered
+                writer.close()
+                return
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(reply), reply)
+            )
+            await writer.drain()
+            served += 1
+
+    server = await asyncio.start_server(one_request_per_connection, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        requests = random_workload(6, 8, 2, POOL, seed=6)
+        args = load_args(base_url=f"http://127.0.0.1:{port}", model="m", max_concurrency=1)
+        results, _ = await run_load(args, requests, progress=False)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert [r.output_len for r in results] == [2] * 6
+
+
 def test_load_runs_on_uvloop_where_installed():
     """The client shares the machine with the server it loads: it takes uvloop's lighter loop."""
     import uvloop
