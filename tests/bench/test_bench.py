@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import random
@@ -189,8 +190,6 @@ async def test_load_run_against_a_live_server(shape):
 async def test_load_survives_a_server_that_closes_kept_alive_connections():
     """A server that answers one request per connection and drops the connection when a second
     one arrives on it (llama.cpp's server closes after 5): every request still gets through."""
-    import asyncio
-
     reply = (
         b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n'
         b'data: {"choices": [{"text": "b", "finish_reason": "length"}], '
