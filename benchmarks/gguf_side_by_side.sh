@@ -6,6 +6,8 @@
 #   LLAMA_SERVER=/path/to/llama-server bash benchmarks/gguf_side_by_side.sh FILE.gguf
 #   SERVERS="conveyor-fp32 conveyor-bf16" bash benchmarks/gguf_side_by_side.sh FILE.gguf
 #   DENSE=/path/to/hf-folder SERVERS=dense-fp32 bash benchmarks/gguf_side_by_side.sh FILE.gguf
+#   SERVERS=conveyor-fp32 CONVEYOR_ARGS=--int8-activations CONVEYOR_TAG=int8 \
+#       bash benchmarks/gguf_side_by_side.sh FILE.gguf      # extra serve flags, own files
 #
 # Servers: `llama.cpp` (llama-server, a thread per core, 16 slots), `conveyor-fp32`
 # (`--dtype float32`: the file's blocks in the panel product), `conveyor-bf16` (`--dtype
@@ -30,16 +32,18 @@ PORT=${PORT:-8300}
 SERVERS=${SERVERS:-llama.cpp conveyor-fp32}
 LLAMA_SERVER=${LLAMA_SERVER:-llama-server}
 THREADS=${THREADS:-$(nproc)}
-RUNS=${RUNS:-"1:8 16:48"}
+CONVEYOR_ARGS=${CONVEYOR_ARGS:-}
+RUNS=${RUNS:-"1:8 16:48 64:128"}
 mkdir -p "$OUT"
 tokenizer=$(python -c "from engine.loading.model_loader import checkpoint_path as c; print(c('$FILE'))")
 
-wait_healthy() {
+wait_healthy() {  # while the server started last runs
     for _ in $(seq 600); do
         curl -sf "localhost:$PORT/health" > /dev/null && return 0
+        kill -0 "$pid" 2> /dev/null || break
         sleep 1
     done
-    echo "server on port $PORT did not come up" >&2
+    echo "server on port $PORT did not come up; see $OUT" >&2
     return 1
 }
 
@@ -55,14 +59,26 @@ bench() {  # NAME: every server gets the same prompts, different ones per run
     done
 }
 
+pid=
+stop() {
+    [ -n "$pid" ] || return 0
+    kill -TERM "$pid" 2> /dev/null || true
+    wait "$pid" 2> /dev/null || true
+    pid=
+}
+trap stop EXIT
+
 run_server() {  # NAME COMMAND...: serve, bench, stop
     local name=$1
     shift
+    if curl -sf "localhost:$PORT/health" > /dev/null; then
+        echo "something already serves port $PORT" >&2
+        exit 1
+    fi
     "$@" > "$OUT/$name.log" 2>&1 &
-    local pid=$!
+    pid=$!
     wait_healthy && bench "$name"
-    kill -TERM "$pid" 2> /dev/null || true
-    wait "$pid" 2> /dev/null || true
+    stop
 }
 
 for server in $SERVERS; do
@@ -72,8 +88,9 @@ for server in $SERVERS; do
                 -np 16 -c $((16 * 320)) --alias default ;;
         conveyor-fp32 | conveyor-bf16)
             dtype=$([ "$server" = conveyor-fp32 ] && echo float32 || echo bfloat16)
-            run_server "$server" conveyor serve --model "$FILE" --dtype "$dtype" \
-                --port "$PORT" --served-model-name default ;;
+            # shellcheck disable=SC2086  # CONVEYOR_ARGS holds several flags
+            run_server "$server${CONVEYOR_TAG:+-$CONVEYOR_TAG}" conveyor serve --model "$FILE" \
+                --dtype "$dtype" --port "$PORT" --served-model-name default $CONVEYOR_ARGS ;;
         dense-fp32)
             run_server "$server" conveyor serve --model "${DENSE:?set DENSE}" \
                 --dtype float32 --port "$PORT" --served-model-name default ;;
