@@ -20,6 +20,7 @@ ARCHITECTURES = {"llama": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2}
 K_SCALES = {
     GGMLQuantizationType.Q4_K: (144, {0: 4e-4, 2: 4e-4}),
     GGMLQuantizationType.Q6_K: (210, {208: 1e-4}),
+    GGMLQuantizationType.Q5_K: (176, {0: 2e-4, 2: 2e-4}),
 }
 
 

@@ -44,13 +44,19 @@ Q8_0 = BlockFormat("q8_0", 34, group_bytes=32 + BLOCK * 16, has_min=False, nibbl
 # not in fp16) panels hold in fp32: Q4_K a scale and a minimum per 32 inputs, Q6_K a scale per 16.
 Q4_K = BlockFormat("q4_k", 144, 128 + BLOCK * 8, has_min=True, nibbles=True, block=256)
 Q6_K = BlockFormat("q6_k", 210, 128 + BLOCK * 16, has_min=False, nibbles=False, block=256)
-# Not GGUF's: any of the above as 8-bit q with a scale per 16 inputs and a minimum per 32, all
-# fp32, so that projections stored in different types join into one (`as_q8_k`).
+# Not GGUF's: 8-bit q with a scale per 16 inputs and a minimum per 32, all fp32. It holds any
+# of the above exactly, so that projections stored in different types join into one
+# (`as_q8_k`), and GGUF's 5-bit types, which have no panels of their own.
 Q8_K = BlockFormat("q8_k", 0, 192 + BLOCK * 16, has_min=True, nibbles=False)
-FORMATS = {f.name: f for f in (Q4_1, Q8_0, Q4_K, Q6_K, Q8_K)}
+PANEL_FORMATS = (Q4_1, Q8_0, Q4_K, Q6_K, Q8_K)
+Q5_0 = BlockFormat("q5_0", 22, Q8_K.group_bytes, has_min=True, nibbles=False)
+Q5_1 = BlockFormat("q5_1", 24, Q8_K.group_bytes, has_min=True, nibbles=False)
+Q5_K = BlockFormat("q5_k", 176, Q8_K.group_bytes, has_min=True, nibbles=False, block=256)
+FORMATS = {f.name: f for f in (*PANEL_FORMATS, Q5_0, Q5_1, Q5_K)}
 # Those with a layout for 8-bit products against activations rounded to 8-bit blocks.
 INT8_FORMATS = (Q4_1, Q8_0)
-GROUP_FORMATS = {f.group_bytes: f for f in FORMATS.values()}
+# The format block panels hold, by their group size.
+GROUP_FORMATS = {f.group_bytes: f for f in PANEL_FORMATS}
 
 
 def in_features(fmt: BlockFormat, rows: torch.Tensor) -> int:
@@ -69,6 +75,8 @@ def split_rows(
         return _split_q4_k(rows)
     if fmt is Q6_K:
         return _split_q6_k(rows)
+    if fmt in (Q5_0, Q5_1, Q5_K):
+        return _split_5_bit(fmt, rows)
     blocks = rows.reshape(rows.shape[0], -1, fmt.block_bytes)
     d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
     if fmt.has_min:
@@ -85,15 +93,54 @@ def _split_q4_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     with `d * scale` and `-dmin * min`, both exact in fp32."""
     out = rows.shape[0]
     blocks = rows.reshape(out, -1, Q4_K.block_bytes)
+    d, least = _k_scales(blocks)
+    nibbles = blocks[..., 16:].reshape(out, -1, 4, 1, 32)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(out, -1, 32)
+    return d, least, q
+
+
+def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's scales `d * scale` and minima `-dmin * min` per 32-wide block (`[out,
+    in / 32]` fp32) from super-blocks `[out, count, bytes]` that start with d, dmin and the 12
+    bytes of six-bit scales and minima."""
+    out = blocks.shape[0]
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()
     dmin = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    packed = blocks[..., 4:16].view(out, -1, 3, 4).to(torch.int32)
+    packed = blocks[..., 4:16].reshape(out, -1, 3, 4).to(torch.int32)
     low, high, rest = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
     scale = torch.cat([low & 63, (rest & 15) | ((low >> 2) & 48)], dim=-1)
     least = torch.cat([high & 63, (rest >> 4) | ((high >> 2) & 48)], dim=-1)
-    nibbles = blocks[..., 16:].reshape(out, -1, 4, 1, 32)
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(out, -1, 32)
-    return (d * scale).reshape(out, -1), (-dmin * least).reshape(out, -1), q
+    return (d * scale).reshape(out, -1), (-dmin * least).reshape(out, -1)
+
+
+def _split_5_bit(
+    fmt: BlockFormat, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_0 (`d * (q - 16)`), Q5_1 (`d * q + m`) and Q5_K (Q4_K's scales, a fifth bit per q) as
+    Q8_K's parts: scales `[out, in / 32, 2]` and minima `[out, in / 32]` fp32, q int8."""
+    out = rows.shape[0]
+    blocks = rows.reshape(out, -1, fmt.block_bytes)
+    if fmt is Q5_K:
+        d, least = _k_scales(blocks)
+        high = blocks[..., 16:48].reshape(out, -1, 1, 32)
+        high = torch.cat([(high >> bit) & 1 for bit in range(8)], dim=2)  # [.., block, 32]
+        low = blocks[..., 48:].reshape(out, -1, 4, 1, 32)
+        low = torch.cat([low & 0x0F, low >> 4], dim=3).reshape(out, -1, 8, 32)
+        q = (low | (high << 4)).to(torch.int8).reshape(out, -1, 32)
+        return d.view(out, -1, 1).expand(-1, -1, 2), least, q
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    start = 4 if fmt is Q5_1 else 2
+    bits = blocks[..., start : start + 4].to(torch.int64)
+    bits = bits[..., 0] | bits[..., 1] << 8 | bits[..., 2] << 16 | bits[..., 3] << 24
+    high = (bits.unsqueeze(-1) >> torch.arange(32)) & 1
+    packed = blocks[..., start + 4 :]
+    low = torch.cat([packed & 0x0F, packed >> 4], dim=-1).to(torch.int64)
+    q = low | (high << 4)
+    if fmt is Q5_1:
+        least = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    else:
+        q, least = q - 16, torch.zeros_like(d)
+    return d.expand(-1, -1, 2), least.squeeze(-1), q.to(torch.int8)
 
 
 def _split_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
@@ -259,7 +306,8 @@ def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def read_gguf(path: Path, model: Any) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
-    """The Q4_0, Q4_1, Q8_0, Q4_K and Q6_K linear weights of a GGUF file, by the module of
+    """The linear weights of a GGUF file in the types panels hold (Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0, Q4_K, Q5_K, Q6_K), by the module of
     `model` (the file's model as transformers loads it) each one loads into, rows in the order
     that model holds them (a Llama file's q and k rows unpermuted, as loading does). Q4_0
     blocks come as the Q4_1 blocks that hold the same weights."""
@@ -271,6 +319,9 @@ def read_gguf(path: Path, model: Any) -> dict[str, tuple[BlockFormat, torch.Tens
         GGMLQuantizationType.Q8_0: Q8_0,
         GGMLQuantizationType.Q4_K: Q4_K,
         GGMLQuantizationType.Q6_K: Q6_K,
+        GGMLQuantizationType.Q5_0: Q5_0,
+        GGMLQuantizationType.Q5_1: Q5_1,
+        GGMLQuantizationType.Q5_K: Q5_K,
     }
     reader = GGUFReader(path)
     architecture = _text_field(reader, "general.architecture")

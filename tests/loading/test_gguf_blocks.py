@@ -33,12 +33,16 @@ QTYPES = {
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_k": GGMLQuantizationType.Q4_K,
     "q6_k": GGMLQuantizationType.Q6_K,
+    "q5_0": GGMLQuantizationType.Q5_0,
+    "q5_1": GGMLQuantizationType.Q5_1,
+    "q5_k": GGMLQuantizationType.Q5_K,
 }
-# The panel formats: GGUF's 32-wide blocks, and K-quants' 256-wide super-blocks cut to 32.
-BLOCK_FORMATS = ["q4_1", "q8_0", "q4_k", "q6_k"]
+# GGUF's types panels hold: 32-wide blocks, K-quants' 256-wide super-blocks cut to 32, and the
+# 5-bit types as Q8_K panels.
+BLOCK_FORMATS = ["q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "q5_k"]
 # Input features per test layer: a span of 128 and one of 32 for 32-wide blocks, and two
 # super-blocks for K-quants.
-INPUTS = {"q4_1": 160, "q8_0": 160, "q4_k": 512, "q6_k": 512}
+INPUTS = {fmt: 512 if fmt.endswith("_k") else 160 for fmt in BLOCK_FORMATS}
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 64, 96, 4, 2, 96
 PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
 
@@ -86,7 +90,8 @@ def test_block_panels_hold_the_rows_exactly(fmt: str, out: int) -> None:
     block, inputs = gguf_blocks.FORMATS[fmt], INPUTS[fmt]
     rows = torch.from_numpy(gguf_rows(fmt, out, inputs))
     layer = PanelLinear.of_blocks(block, rows, None)
-    assert (layer.in_features, layer.out_features, layer.block_format) == (inputs, out, block)
+    held = gguf_blocks.GROUP_FORMATS[block.group_bytes]  # the 5-bit types: Q8_K
+    assert (layer.in_features, layer.out_features, layer.block_format) == (inputs, out, held)
     assert layer.panels.shape == (-(-out // 16), inputs // 32, block.group_bytes)
     assert torch.equal(layer.weight, gguf_blocks.dequantize_rows(block, rows))
 

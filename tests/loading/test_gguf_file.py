@@ -86,21 +86,24 @@ def llama_types(name: str) -> QType:
 
 
 def qwen2_types(name: str) -> QType:
-    """Q4_1 projections but Q5_0 MLP down projections (no blocks: they stay fp32), a Q8_0
+    """Q4_1 projections but F16 MLP down projections (no blocks: they stay fp32), a Q8_0
     output head and an F32 embedding."""
     if name.startswith("output"):
         return QType.Q8_0
     if name.startswith("token_embd"):
         return QType.F32
-    return QType.Q5_0 if ".ffn_down." in name else QType.Q4_1
+    return QType.F16 if ".ffn_down." in name else QType.Q4_1
 
 
 def k_quant_types(name: str) -> QType:
-    """Q4_K_M's mix: Q4_K projections, but Q6_K values, MLP down projections and head."""
+    """Q4_K_M's mix (Q4_K projections, but Q6_K values, MLP down projections and head) with
+    Q5_K_M's Q5_K in the attention's output and the MLP's up projections."""
     if name.startswith("token_embd"):
         return QType.F32
     if name.startswith("output") or ".attn_v." in name or ".ffn_down." in name:
         return QType.Q6_K
+    if ".attn_output." in name or ".ffn_up." in name:
+        return QType.Q5_K
     return QType.Q4_K
 
 
@@ -161,9 +164,8 @@ def test_the_file_s_tokenizer_and_chat_template_come_with_it(served) -> None:
 
 @pytest.mark.skipif(bool(NO_PANELS), reason=NO_PANELS)
 def test_quantized_projections_are_held_as_their_blocks(served) -> None:
-    """Q4_0 (as Q4_1 with minimum -8 d), Q4_1, Q8_0, Q4_K and Q6_K projections keep their
-    blocks, a Llama's q and k rows unpermuted to match; Q5_0 ones, which have no block panels,
-    stay fp32."""
+    """Q4_0 (as Q4_1 with minimum -8 d), Q4_1, Q8_0, Q4_K, Q5_K (as Q8_K) and Q6_K projections
+    keep their blocks, a Llama's q and k rows unpermuted to match; F16 ones stay fp32."""
     family, _, _, loaded, _, _ = served
     held = [
         name
