@@ -1,5 +1,6 @@
 """A GGUF file as `--model`: `conveyor serve --model ./qwen2.5-0.5b-instruct-q4_0.gguf`, as
-llama.cpp's server and vLLM take one.
+llama.cpp's server and vLLM take one, or `--model unsloth/Qwen3-0.6B-GGUF:Q4_K_M` (vLLM's
+`REPO:QUANT`: the repository's one file of that type, fetched into the Hugging Face cache).
 
 The first start converts the file once into Conveyor's cache: transformers reads its config, its
 tokenizer (with the chat template the file carries) and its weights, dequantized to fp32, and
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,9 +29,51 @@ SUFFIX = ".gguf"
 SOURCE_FILE = "conveyor-gguf.json"
 
 
+# `REPO:QUANT`, vLLM's form for a GGUF file of a hub repository (`unsloth/Qwen3-0.6B-GGUF:Q4_K_M`).
+HUB_FILE = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+):(?P<quant>\w+)$")
+
+
 def is_gguf_file(name: str | None) -> bool:
-    """Whether `--model` names a GGUF file (by its suffix, as vLLM tells them apart)."""
-    return name is not None and name.lower().endswith(SUFFIX)
+    """Whether `--model` names a GGUF file: a path ending in `.gguf` (as vLLM tells them
+    apart), or `REPO:QUANT`."""
+    if name is None:
+        return False
+    return name.lower().endswith(SUFFIX) or HUB_FILE.match(name) is not None
+
+
+def gguf_path(name: str) -> Path:
+    """The local GGUF file `--model` names, fetched into the Hugging Face cache for
+    `REPO:QUANT`."""
+    match = HUB_FILE.match(name)
+    if match is None:
+        return Path(name).expanduser()
+    return hub_file(match["repo"], match["quant"])
+
+
+def hub_file(repo: str, quant: str) -> Path:
+    """The one GGUF file of `repo` whose name holds `quant` (in any case), fetched (or found in
+    the cache when offline); refused where none or several match."""
+    from huggingface_hub import snapshot_download
+
+    patterns = sorted({f"*{q}*{SUFFIX}" for q in (quant, quant.upper(), quant.lower())})
+    try:
+        folder = Path(snapshot_download(repo, allow_patterns=patterns))
+    except OSError as exc:
+        raise ValueError(f"--model {repo}:{quant}: cannot fetch it: {exc}") from exc
+    found = sorted(
+        path
+        for path in folder.rglob(f"*{SUFFIX}")
+        if quant.lower() in path.name.lower() and path.is_file()
+    )
+    if not found:
+        raise ValueError(f"--model {repo}:{quant}: the repository has no {quant} GGUF file")
+    if len(found) > 1:
+        names = ", ".join(path.name for path in found)
+        raise ValueError(
+            f"--model {repo}:{quant}: several GGUF files match ({names}); name one more "
+            "closely, or give a file's path (a file split in parts is not served)"
+        )
+    return found[0]
 
 
 def converted_folder(path: Path) -> Path:
@@ -41,8 +85,9 @@ def converted_folder(path: Path) -> Path:
 
 
 def ensure_converted(name: str) -> Path:
-    """The checkpoint folder converted from the GGUF file `name`, converting it on first use."""
-    path = Path(name).expanduser()
+    """The checkpoint folder converted from the GGUF file `name` (a path or `REPO:QUANT`),
+    converting it on first use."""
+    path = gguf_path(name)
     if not path.is_file():
         raise ValueError(f"--model {name}: no such GGUF file")
     target = converted_folder(path)

@@ -228,3 +228,57 @@ def test_tokenizer_flag_takes_another_folder_s_tokenizer(tmp_path: Path) -> None
     config = engine_config(build_parser().parse_args([*argv, "--num-blocks", "16"]))
     _, loaded, _ = create_engine_core(config)
     assert loaded.tokenizer.chat_template == CHAT_TEMPLATE
+
+
+@pytest.fixture
+def hub_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """A hub repository of two GGUF files in the Hugging Face cache: `snapshot_download`
+    answers from a folder, keeping the files its patterns match (and records the patterns)."""
+    import fnmatch
+
+    import huggingface_hub
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for qtype in ("Q4_0", "Q8_0"):
+        write_gguf(repo / f"tiny-{qtype}.gguf", tiny_llama(), chat_tokenizer(), llama_types)
+    asked: list[list[str]] = []
+
+    def snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
+        if repo_id != "org/tiny-GGUF":
+            raise OSError(f"{repo_id} is not a repository")
+        asked.append(allow_patterns)
+        fetched = tmp_path / "fetched" / str(len(asked))
+        fetched.mkdir(parents=True)
+        for path in repo.iterdir():
+            if any(fnmatch.fnmatchcase(path.name, pattern) for pattern in allow_patterns):
+                (fetched / path.name).write_bytes(path.read_bytes())
+        return str(fetched)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return asked
+
+
+def test_a_hub_repository_s_file_is_named_by_its_type(hub_repo: list[list[str]]) -> None:
+    """vLLM's `REPO:QUANT`: the one file of that type (named in either case) is fetched alone
+    and served under the name given."""
+    assert gguf_file.is_gguf_file("org/tiny-GGUF:q4_0")
+    assert not gguf_file.is_gguf_file("org/tiny")
+    config = EngineConfig(model="org/tiny-GGUF:q4_0", cache=CacheConfig(num_blocks=16))
+    _, loaded, info = create_engine_core(config)
+    assert info.model_name == "org/tiny-GGUF:q4_0"
+    assert Path(loaded.path).name.startswith("tiny-Q4_0-")
+    assert all("Q8_0" not in pattern for pattern in hub_repo[0])
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        ("org/tiny-GGUF:Q5_K_M", "has no Q5_K_M GGUF file"),
+        ("org/tiny-GGUF:0", r"several GGUF files match \(tiny-Q4_0.gguf, tiny-Q8_0.gguf\)"),
+        ("org/absent-GGUF:Q4_0", "cannot fetch it: org/absent-GGUF is not a repository"),
+    ],
+)
+def test_a_hub_file_that_is_not_one_is_refused(hub_repo, model: str, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        gguf_file.ensure_converted(model)
