@@ -24,7 +24,9 @@ K_SCALES = {
 }
 
 
-def k_quant_rows(qtype: GGMLQuantizationType, out: int, in_features: int, seed: int = 0):
+def k_quant_rows(
+    qtype: GGMLQuantizationType, out: int, in_features: int, seed: int = 0
+) -> np.ndarray:
     """`[out, in / 256 * block_bytes]` uint8 rows of random K-quant super-blocks."""
     block_bytes, scales = K_SCALES[qtype]
     rng = np.random.default_rng(seed)

@@ -2,12 +2,13 @@
 
 A model converted from a GGUF file (the default model comes dequantized from Q4_1; any
 `--model FILE.gguf` is converted the same way, `gguf_file.py`) has fp32 weights that are exactly
-`d * q + m` (Q4_1, and Q4_0 with `m = -8 d`) or `d * q` (Q8_0) per 32-wide block. Kept beside
-the checkpoint (`gguf_blocks/blocks.safetensors`: each linear layer's blocks, rows as GGUF
-stores them, under the layer's module name), those blocks let the CPU's panel product stream a
-fifth (Q4_1) or a quarter (Q8_0) of the fp32 bytes and widen each weight to the same fp32 value
-in registers. A layer uses its blocks only where they widen to exactly the weights loaded from the
-checkpoint, so outputs do not change, only the bytes read.
+`d * q + m` or `d * q` per block of 32 (or, for K-quants, 16) inputs. Kept beside the checkpoint
+(`gguf_blocks/blocks.safetensors`: each linear layer's blocks, rows as GGUF stores them, under
+the layer's module name), those blocks let the CPU's panel product stream a fifth to a third of
+the fp32 bytes (Q4_0 and Q4_1, Q4_K, Q8_0, Q6_K; the 5-bit types as Q8_K panels, about a third)
+and widen each weight to the same fp32 value in registers. A layer uses its blocks only where
+they widen to exactly the weights loaded from the checkpoint, so outputs do not change, only
+the bytes read.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def split_rows(
     fmt: BlockFormat, rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """GGUF rows uint8 as (d, m or None, q) per 32-wide block: weight = d * q (+ m). d and m
-    `[out, in / 32]`, fp16 for Q4_1 and Q8_0, fp32 for Q4_K (m is minus its minimum); Q6_K's d
-    `[out, in / 32, 2]` fp32, one per 16 inputs. q `[out, in / 32, 32]`: uint8 0..15 (Q4_1,
-    Q4_K), int8 (Q8_0, and Q6_K's -32..31)."""
+    `[out, in / 32]`, fp16 for Q4_1 and Q8_0, fp32 for Q4_K (m is minus its minimum); Q6_K's and
+    the 5-bit types' d `[out, in / 32, 2]` fp32, one per 16 inputs. q `[out, in / 32, 32]`:
+    uint8 0..15 (Q4_1, Q4_K), int8 (Q8_0, Q6_K's -32..31, the 5-bit types')."""
     if fmt is Q4_K:
         return _split_q4_k(rows)
     if fmt is Q6_K:
@@ -307,10 +308,10 @@ def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
 
 def read_gguf(path: Path, model: Any) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
     """The linear weights of a GGUF file in the types panels hold (Q4_0, Q4_1, Q5_0, Q5_1,
-    Q8_0, Q4_K, Q5_K, Q6_K), by the module of
-    `model` (the file's model as transformers loads it) each one loads into, rows in the order
-    that model holds them (a Llama file's q and k rows unpermuted, as loading does). Q4_0
-    blocks come as the Q4_1 blocks that hold the same weights."""
+    Q8_0, Q4_K, Q5_K, Q6_K), by the module of `model` (the file's model as transformers loads
+    it) each one loads into, rows in the order that model holds them (a Llama file's q and k
+    rows unpermuted, as loading does). Q4_0 blocks come as the Q4_1 blocks of the same
+    weights."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     types = {

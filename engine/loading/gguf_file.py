@@ -4,8 +4,9 @@ llama.cpp's server and vLLM take one, or `--model unsloth/Qwen3-0.6B-GGUF:Q4_K_M
 
 The first start converts the file once into Conveyor's cache: transformers reads its config, its
 tokenizer (with the chat template the file carries) and its weights, dequantized to fp32, and
-Conveyor saves them as a checkpoint folder; the Q4_0, Q4_1 and Q8_0 blocks of its linear layers
-are kept beside (`gguf_blocks`), for the CPU's panel product to read instead of the fp32 weights.
+Conveyor saves them as a checkpoint folder; the blocks of its linear layers, in the types panels
+hold, are kept beside (`gguf_blocks`), for the CPU's panel product to read instead of the fp32
+weights.
 Later starts load that folder in seconds. The folder's name holds the file's path, size and
 modification time, so an edited or replaced file converts again.
 """
@@ -27,8 +28,6 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".gguf"
 # Written last into a converted folder: its presence says the conversion finished.
 SOURCE_FILE = "conveyor-gguf.json"
-
-
 # `REPO:QUANT`, vLLM's form for a GGUF file of a hub repository (`unsloth/Qwen3-0.6B-GGUF:Q4_K_M`).
 HUB_FILE = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+):(?P<quant>\w+)$")
 
@@ -110,7 +109,7 @@ def ensure_converted(name: str) -> Path:
 def convert(gguf: Path, out: Path, name: str) -> int:
     """Dequantize the GGUF file `gguf` with transformers' GGUF support into a checkpoint folder
     `out` (weights, config, tokenizer and chat template) whose model is called `name`, with its
-    linear layers' Q4_0 / Q4_1 / Q8_0 blocks beside; return how many layers kept blocks."""
+    linear layers' blocks beside; return how many layers kept blocks."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 

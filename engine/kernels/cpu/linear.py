@@ -157,10 +157,11 @@ class PanelLinear(nn.Module):
         ones: no second copy."""
         first = layers[0]
         mixed = _mixed_blocks(layers)
+        alike = slice(1, 2) if mixed else slice(1, 3)  # mixed formats: groups differ in size
         if (
             any(layer.out_features % PANEL for layer in layers[:-1])
             or any(
-                layer.panels.shape[1 : 3 - mixed] != first.panels.shape[1 : 3 - mixed]
+                layer.panels.shape[alike] != first.panels.shape[alike]
                 or layer.panels.dtype != first.panels.dtype
                 for layer in layers
             )
