@@ -36,6 +36,7 @@ from engine.kernels.cpu.linear import silence_fbgemm_deprecation
 from engine.kv.block_manager import BlockManager
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.kv.kv_scales import checkpoint_kv_scales
+from engine.loading.classifiers import is_classifier
 from engine.loading.generation_config import sampling_defaults
 from engine.loading.model_loader import (
     LoadedModel,
@@ -95,6 +96,8 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
     checkpoint = checkpoint_config(config.model, config.trust_remote_code)
     if checkpoint is not None and is_image_text(checkpoint):
         raise ValueError("tensor parallelism serves text models only, not image-text ones")
+    if checkpoint is not None and is_classifier(checkpoint):
+        raise ValueError("a sequence classifier runs on one device (--runner pooling)")
     counted = all(hasattr(checkpoint, key) for key in ("num_attention_heads", "intermediate_size"))
     reason = why_not_shardable(checkpoint, size) if counted else ""
     if reason:
@@ -298,7 +301,7 @@ def core_from_model(
         shard = Shard(workers.group, loaded.shard)
     parts = build_rank(loaded, config, device, dtype, shard)
     model, backend, kv_cache = parts.model, parts.backend, parts.kv_cache
-    _check_runner(config, model, loaded.path)
+    _check_runner(config, model, loaded.path, bool(loaded.labels))
     _check_image_step(config, model)
     num_blocks, block_tokens = kv_cache.num_blocks, kv_cache.block_size
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * block_tokens)
@@ -331,6 +334,7 @@ def core_from_model(
     kv_cache.calibrating = parts.calibrates  # after capture: graphs never calibrate
     runner = ModelRunner(model, kv_cache, backend, sampler, graphs, workers, piecewise)
     runner.pooling = config.runner == "pooling"
+    runner.classifies = bool(loaded.labels)
     runner.lora = parts.lora
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     core.overlap = overlap
@@ -353,6 +357,7 @@ def core_from_model(
         max_loras=config.max_loras if config.enable_lora else 0,
         sampling_defaults=_sampling_defaults(config, loaded),
         image_token_id=_image_token(model),
+        labels=loaded.labels,
     )
     return core, info
 
@@ -387,10 +392,16 @@ def _sampling_defaults(config: EngineConfig, loaded: LoadedModel) -> dict[str, f
     return defaults
 
 
-def _check_runner(config: EngineConfig, model: CausalLM, path: str = "") -> None:
+def _check_runner(
+    config: EngineConfig, model: CausalLM, path: str = "", classifier: bool = False
+) -> None:
     """The pooling runner reads Conveyor's decoder's last hidden states, for a model pooled by
     its last token (as its sentence-transformers config says, where it has one); that it runs
-    on one device the config checks itself."""
+    on one device the config checks itself. A sequence classifier runs under it only."""
+    if classifier and config.runner != "pooling":
+        raise ValueError(
+            "the model is a sequence classifier: serve it with --runner pooling (/classify)"
+        )
     if config.runner != "pooling":
         return
     mode = pooling_mode(path)
@@ -406,7 +417,10 @@ def _check_runner(config: EngineConfig, model: CausalLM, path: str = "") -> None
 
 
 def _vocab_size(loaded: LoadedModel, model: CausalLM) -> int:
-    """The logits' width: the whole vocabulary also where each rank holds a share of the head."""
+    """The logits' width: the whole vocabulary also where each rank holds a share of the head;
+    a classifier's (whose head has a logit per label) is its embedding's."""
+    if loaded.labels:
+        return int(loaded.model.get_input_embeddings().weight.shape[0])
     if isinstance(model, PagedLlamaForCausalLM):
         return model.vocab_size
     head = loaded.model.get_output_embeddings()

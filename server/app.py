@@ -41,6 +41,7 @@ from server.openapi import (
 )
 from server.protocol import (
     ChatCompletionRequest,
+    ClassifyRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -59,6 +60,7 @@ from server.serving import (
     sampling_fields,
 )
 from server.serving_chat import ChatHandler
+from server.serving_classify import ClassifyHandler
 from server.serving_completions import CompletionHandler
 from server.serving_embeddings import EmbeddingHandler
 from server.serving_lora import lora_router
@@ -185,6 +187,7 @@ def _openai_router(
     stored = ResponseStore()
     embeddings = EmbeddingHandler(engine, served, settings.limits)
     scores = ScoreHandler(embeddings)
+    classify = ClassifyHandler(embeddings)
     responses = ResponsesHandler(engine, chat, stored)
     messages = MessagesHandler(engine, chat)
 
@@ -225,6 +228,12 @@ def _openai_router(
     @router.post("/v2/rerank", dependencies=[Depends(_accepting)], responses=EMBEDDING)
     async def create_rerank(body: RerankRequest, request: Request) -> Response:
         return await scores.rerank(body, request)
+
+    # vLLM's classification route (SGLang serves it under /v1 too), for sequence classifiers.
+    @router.post("/classify", dependencies=[Depends(_accepting)], responses=EMBEDDING)
+    @router.post("/v1/classify", dependencies=[Depends(_accepting)], responses=EMBEDDING)
+    async def create_classification(body: ClassifyRequest, request: Request) -> Response:
+        return await classify(body, request)
 
     @router.get("/v1/responses/{response_id}", responses=errors(404))
     async def get_response(response_id: str) -> dict[str, Any]:

@@ -270,6 +270,25 @@ class EmbeddingRequest(RequestBody):
         return prompt_not_empty(value)
 
 
+class ClassifyRequest(RequestBody):
+    """vLLM's classification request (`/classify`): inputs for a sequence classifier."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    input: Prompt
+    user: str | None = None
+    truncate_prompt_tokens: TruncateTokens | None = None
+    add_special_tokens: bool = True
+    priority: Int = 0
+    timeout: float | None = Field(default=None, gt=0)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_not_empty(cls, value: Any) -> Any:
+        return prompt_not_empty(value)
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 

@@ -89,13 +89,23 @@ class EmbeddingHandler:
         request: Request,
         model: str | None,
         add_special_tokens: bool = True,
+        classify: bool = False,
     ) -> tuple[list[np.ndarray], int] | None:
         """Each input's pooled state, in input order, and the prompt tokens they took; None
-        when the client went away first (`/v1/score` and `/v1/rerank` embed through here)."""
+        when the client went away first (`/v1/score` and `/v1/rerank` embed through here, and
+        `/classify`, whose classifier's pooled rows are its labels' logits)."""
         if self.model.info.runner != "pooling":
             raise InvalidRequestError(
                 "This server runs the model for generation; start it with --runner pooling "
-                "to serve embeddings.",
+                f"to serve {'classifications' if classify else 'embeddings'}.",
+                param="model",
+            )
+        if classify != bool(self.model.info.labels):
+            raise InvalidRequestError(
+                "This model classifies: use /classify."
+                if self.model.info.labels
+                else "This model is not a sequence classifier (*ForSequenceClassification); "
+                "/classify serves one.",
                 param="model",
             )
         self.model.check(model)

@@ -270,6 +270,8 @@ class ServingInfo:
     max_loras: int = 0
     # An image-text model's image placeholder token (None: the model reads no images).
     image_token_id: int | None = None
+    # A sequence classifier's labels in logit order (`/classify`); () for other models.
+    labels: tuple[str, ...] = ()
     # What a request that leaves a sampling field out gets, by the request's field name, where
     # the model's generation config says (`loading/generation_config.py`).
     sampling_defaults: dict[str, float] = field(default_factory=dict)

@@ -21,6 +21,7 @@ from engine.kernels.cpu.linear import (
 )
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import gguf_blocks
+from engine.loading.classifiers import as_causal_lm, is_classifier, labels
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from engine.loading.gguf_file import ensure_converted, is_gguf_file
 from engine.loading.processors import load_processor
@@ -57,6 +58,8 @@ class LoadedModel:
     shard: ShardShape | None = None
     # An image-text model's processor (it turns images into pixels and placeholders).
     processor: Any = None
+    # A sequence classifier's labels, in logit order (its head is the score head).
+    labels: tuple[str, ...] = ()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -206,6 +209,9 @@ def load_model(
         )
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
+    classes = labels(model.config) if is_classifier(model.config) else ()
+    if classes:
+        model = as_causal_lm(model)
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
     # A share's weights (and random ones) do not match the GGUF blocks kept beside the model.
     folder = Path(path) if shard is None and not random_weights else None
@@ -223,16 +229,23 @@ def load_model(
         tokenizer.chat_template = getattr(processor, "chat_template", None)  # kept with it
     loaded = wrap_model(model, tokenizer, name=name, path=path, processor=processor)
     loaded.shard = shard
+    loaded.labels = classes
     return loaded
 
 
 def auto_model_class(path: str, trust_remote_code: bool = False) -> Any:
-    """transformers' auto class for the checkpoint: image-text models (LLaVA and its kin) have
-    their own; every other model is a causal LM. An image-text family whose images Conveyor does
-    not serve is refused here, by name."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    """transformers' auto class for the checkpoint: image-text models (LLaVA and its kin) and
+    sequence classifiers have their own; every other model is a causal LM. An image-text family
+    whose images Conveyor does not serve is refused here, by name."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
     config = checkpoint_config(path, trust_remote_code)
+    if config is not None and is_classifier(config):
+        return AutoModelForSequenceClassification
     if config is None or not is_image_text(config):
         return AutoModelForCausalLM
     reason = why_not_served(config)

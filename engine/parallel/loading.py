@@ -77,12 +77,17 @@ def model_from_config(path: str, dtype: torch.dtype, trust_remote_code: bool) ->
         AutoConfig,
         AutoModelForCausalLM,
         AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
         GenerationConfig,
     )
 
+    from engine.loading.classifiers import is_classifier
+
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     image_text = getattr(config, "vision_config", None) is not None
-    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    auto: Any = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    if is_classifier(config):
+        auto = AutoModelForSequenceClassification
     model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     if (Path(path) / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)

@@ -72,6 +72,9 @@ class ModelRunner:
         self.greedy_in_model = True
         # The pooling runner: a prompt's last step returns its last hidden state, no token.
         self.pooling = False
+        # A sequence classifier's pooled rows go through its head (the score head): one logit
+        # per label instead of the hidden state.
+        self.classifies = False
         # LoRA adapters' slots (`--enable-lora`); each step sets which rows run which.
         self.lora: LoRASlots | None = None
         # The last step's sampled tokens on the device, and each request's row in them.
@@ -135,7 +138,10 @@ class ModelRunner:
         model = cast(PagedLlamaForCausalLM, self.model)
         indices = batch.sample_token_indices
         inputs = self._model_inputs(batch, indices, self._device_input_ids(batch, []))
-        hidden = model.pooled(*inputs).float().cpu()
+        hidden = model.pooled(*inputs)
+        if self.classifies:
+            hidden = model.lm_head(hidden)
+        hidden = hidden.float().cpu()
         for row, request in enumerate(requests):
             output.embeddings[request.request_id] = hidden[row]
         tokens = torch.zeros(len(requests), dtype=torch.int64, device=self.device)
