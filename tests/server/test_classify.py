@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers import AutoModelForSequenceClassification, LlamaConfig, Qwen2Config
 
 from engine.core.async_engine import AsyncEngine
 from engine.core.config import CacheConfig, EngineConfig
@@ -25,10 +25,12 @@ TEXTS = ["The quick brown fox", "Paged attention stores keys", "Hello world!"]
 LABELS = ("negative", "neutral", "positive")
 
 
-@pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with a three-label score head, saved with its tokenizer."""
-    config = LlamaConfig(
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def classifier_dir(request: pytest.FixtureRequest, tmp_path_factory) -> Path:
+    """A tiny random Llama (or Qwen2) with a three-label score head, saved with its
+    tokenizer."""
+    family = LlamaConfig if request.param == "llama" else Qwen2Config
+    config = family(
         vocab_size=320,
         hidden_size=64,
         intermediate_size=128,
@@ -43,17 +45,17 @@ def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("classifier")
-    LlamaForSequenceClassification(config).eval().save_pretrained(folder)
+    AutoModelForSequenceClassification.from_config(config).eval().save_pretrained(folder)
     chat_tokenizer().save_pretrained(folder)
     return folder
 
 
 def reference_probs(folder: Path, text: str) -> torch.Tensor:
     """transformers' classifier: the last token's logits, softmaxed."""
-    model = LlamaForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
     ids = chat_tokenizer()(text, return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        return torch.softmax(model(ids).logits[0], dim=-1)
+        return torch.softmax(model.eval()(ids).logits[0], dim=-1)
 
 
 @asynccontextmanager
