@@ -6,9 +6,8 @@ The first start converts the file once into Conveyor's cache: transformers reads
 tokenizer (with the chat template the file carries) and its weights, dequantized to fp32, and
 Conveyor saves them as a checkpoint folder; the blocks of its linear layers, in the types panels
 hold, are kept beside (`gguf_blocks`), for the CPU's panel product to read instead of the fp32
-weights.
-Later starts load that folder in seconds. The folder's name holds the file's path, size and
-modification time, so an edited or replaced file converts again.
+weights. Later starts load that folder in seconds. The folder's name holds the file's path, size
+and modification time, so an edited or replaced file converts again.
 """
 
 from __future__ import annotations
