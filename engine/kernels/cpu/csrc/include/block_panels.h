@@ -49,6 +49,40 @@ inline void widen_halves(const uint8_t* group, int count, float* out) {
     _mm256_store_ps(
         out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 2 * i))));
 }
+
+// count fp32 values at the start of a group (a K-quant's scales), copied to aligned storage.
+inline void copy_floats(const uint8_t* group, int count, float* out) {
+  for (int i = 0; i < count; i += 8)
+    _mm256_store_ps(out + i, _mm256_loadu_ps(reinterpret_cast<const float*>(group) + i));
+}
+
+// One input feature's 16 4-bit q (8 bytes: column j in byte j's low half, column j + 8 in its
+// high half) as fp32, columns 0..7 and 8..15.
+inline void widen_nibbles(const uint8_t* packed, __m256* q) {
+  const __m256i bytes =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed)));
+  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)));
+  q[1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+}
+
+// One input feature's 16 int8 q (16 bytes, one per column) as fp32, columns 0..7 and 8..15.
+inline void widen_bytes(const uint8_t* bytes, __m256* q) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(packed));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(packed, 8)));
+}
+
+// The 16 weights d * q + m, one fused multiply-add (rounded once) per column.
+inline void scaled_with_min(const __m256* q, const float* d, const float* m, __m256* w) {
+  w[0] = _mm256_fmadd_ps(q[0], _mm256_load_ps(d), _mm256_load_ps(m));
+  w[1] = _mm256_fmadd_ps(q[1], _mm256_load_ps(d + 8), _mm256_load_ps(m + 8));
+}
+
+// The 16 weights d * q, one product (rounded once) per column.
+inline void scaled(const __m256* q, const float* d, __m256* w) {
+  w[0] = _mm256_mul_ps(q[0], _mm256_load_ps(d));
+  w[1] = _mm256_mul_ps(q[1], _mm256_load_ps(d + 8));
+}
 #endif
 
 struct Q41 {
@@ -59,12 +93,9 @@ struct Q41 {
   static inline void scales(const uint8_t* group, float* out) { widen_halves(group, kScales, out); }
   // The 16 weights of input feature kk of the group.
   static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
-    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + 64 + kk * 8));
-    const __m256i bytes = _mm256_cvtepu8_epi32(packed);
-    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
-    const __m256i high = _mm256_srli_epi32(bytes, 4);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_load_ps(s), _mm256_load_ps(s + 16));
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), _mm256_load_ps(s + 8), _mm256_load_ps(s + 24));
+    __m256 q[2];
+    widen_nibbles(group + 64 + kk * 8, q);
+    scaled_with_min(q, s, s + 16, w);
   }
 #endif
 };
@@ -76,21 +107,12 @@ struct Q80 {
 #ifdef CONVEYOR_BLOCK_PANELS
   static inline void scales(const uint8_t* group, float* out) { widen_halves(group, kScales, out); }
   static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 32 + kk * 16));
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_load_ps(s));
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
-                         _mm256_load_ps(s + 8));
+    __m256 q[2];
+    widen_bytes(group + 32 + kk * 16, q);
+    scaled(q, s, w);
   }
 #endif
 };
-
-// count fp32 values at the start of a group (a K-quant's scales), copied to aligned storage.
-#ifdef CONVEYOR_BLOCK_PANELS
-inline void copy_floats(const uint8_t* group, int count, float* out) {
-  for (int i = 0; i < count; i += 8)
-    _mm256_store_ps(out + i, _mm256_loadu_ps(reinterpret_cast<const float*>(group) + i));
-}
-#endif
 
 struct Q4K {
   static constexpr int64_t kBlock = conveyor::kBlock;
@@ -99,12 +121,9 @@ struct Q4K {
 #ifdef CONVEYOR_BLOCK_PANELS
   static inline void scales(const uint8_t* group, float* out) { copy_floats(group, kScales, out); }
   static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
-    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + 128 + kk * 8));
-    const __m256i bytes = _mm256_cvtepu8_epi32(packed);
-    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
-    const __m256i high = _mm256_srli_epi32(bytes, 4);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low), _mm256_load_ps(s), _mm256_load_ps(s + 16));
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high), _mm256_load_ps(s + 8), _mm256_load_ps(s + 24));
+    __m256 q[2];
+    widen_nibbles(group + 128 + kk * 8, q);
+    scaled_with_min(q, s, s + 16, w);
   }
 #endif
 };
@@ -116,11 +135,9 @@ struct Q6K {
 #ifdef CONVEYOR_BLOCK_PANELS
   static inline void scales(const uint8_t* group, float* out) { copy_floats(group, kScales, out); }
   static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 128 + kk * 16));
-    const float* d = s + (kk < 16 ? 0 : 16);
-    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_load_ps(d));
-    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
-                         _mm256_load_ps(d + 8));
+    __m256 q[2];
+    widen_bytes(group + 128 + kk * 16, q);
+    scaled(q, s + (kk < 16 ? 0 : 16), w);
   }
 #endif
 };
@@ -132,12 +149,9 @@ struct Q8K {
 #ifdef CONVEYOR_BLOCK_PANELS
   static inline void scales(const uint8_t* group, float* out) { copy_floats(group, kScales, out); }
   static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(group + 192 + kk * 16));
-    const float* d = s + (kk < 16 ? 0 : 16);
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_load_ps(d),
-                           _mm256_load_ps(s + 32));
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))),
-                           _mm256_load_ps(d + 8), _mm256_load_ps(s + 40));
+    __m256 q[2];
+    widen_bytes(group + 192 + kk * 16, q);
+    scaled_with_min(q, s + (kk < 16 ? 0 : 16), s + 32, w);
   }
 #endif
 };
