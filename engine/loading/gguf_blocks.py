@@ -37,18 +37,19 @@ class BlockFormat:
     has_min: bool
     nibbles: bool  # 4-bit q, two columns to a byte in panels
     block: int = BLOCK  # a GGUF block's inputs (a K-quant's super-block: 256)
+    wide_scales: bool = False  # panels hold its scales and minima in fp32 (else fp16)
 
 
 Q4_1 = BlockFormat("q4_1", 20, group_bytes=64 + BLOCK * 8, has_min=True, nibbles=True)
 Q8_0 = BlockFormat("q8_0", 34, group_bytes=32 + BLOCK * 16, has_min=False, nibbles=False)
 # K-quants, cut into 32-wide blocks whose scales (products of two GGUF scales, exact in fp32 but
 # not in fp16) panels hold in fp32: Q4_K a scale and a minimum per 32 inputs, Q6_K a scale per 16.
-Q4_K = BlockFormat("q4_k", 144, 128 + BLOCK * 8, has_min=True, nibbles=True, block=256)
-Q6_K = BlockFormat("q6_k", 210, 128 + BLOCK * 16, has_min=False, nibbles=False, block=256)
+Q4_K = BlockFormat("q4_k", 144, 128 + BLOCK * 8, True, nibbles=True, block=256, wide_scales=True)
+Q6_K = BlockFormat("q6_k", 210, 128 + BLOCK * 16, False, nibbles=False, block=256, wide_scales=True)
 # Not GGUF's: 8-bit q with a scale per 16 inputs and a minimum per 32, all fp32. It holds any
 # of the above exactly, so that projections stored in different types join into one
 # (`as_q8_k`), and GGUF's 5-bit types, which have no panels of their own.
-Q8_K = BlockFormat("q8_k", 0, 192 + BLOCK * 16, has_min=True, nibbles=False)
+Q8_K = BlockFormat("q8_k", 0, 192 + BLOCK * 16, has_min=True, nibbles=False, wide_scales=True)
 PANEL_FORMATS = (Q4_1, Q8_0, Q4_K, Q6_K, Q8_K)
 Q5_0 = BlockFormat("q5_0", 22, Q8_K.group_bytes, has_min=True, nibbles=False)
 Q5_1 = BlockFormat("q5_1", 24, Q8_K.group_bytes, has_min=True, nibbles=False)
@@ -255,7 +256,7 @@ def _unpack_panels(
     fmt = GROUP_FORMATS[panels.shape[2]]
     count, blocks, _ = panels.shape
     scale_bytes = fmt.group_bytes - BLOCK * (8 if fmt.nibbles else 16)
-    wide = torch.float32 if fmt.block > BLOCK or fmt is Q8_K else torch.float16
+    wide = torch.float32 if fmt.wide_scales else torch.float16
     scales = panels[..., :scale_bytes].contiguous().view(wide).float()
     scales = scales.view(count, blocks, -1, PANEL)  # sets of 16: d, d and m, or d, d, m
     packed = panels[..., scale_bytes:].reshape(count, blocks, BLOCK, -1)

@@ -12,6 +12,7 @@ and modification time, so an edited or replaced file converts again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -48,9 +49,11 @@ def gguf_path(name: str) -> Path:
     return hub_file(match["repo"], match["quant"])
 
 
+@functools.cache
 def hub_file(repo: str, quant: str) -> Path:
     """The one GGUF file of `repo` whose name holds `quant` (in any case), fetched (or found in
-    the cache when offline); refused where none or several match."""
+    the cache when offline) once per process: a start asks for the checkpoint several times;
+    refused where none or several match."""
     from huggingface_hub import snapshot_download
 
     patterns = sorted({f"*{q}*{SUFFIX}" for q in (quant, quant.upper(), quant.lower())})

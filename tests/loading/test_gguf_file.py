@@ -6,6 +6,7 @@ changes."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.kernels.cpu.linear import PanelLinear
 from engine.loading import gguf_blocks, gguf_file
+from engine.loading.model_loader import checkpoint_path
 from engine.models.llama import PagedLlamaLayer
 from server.cli import build_parser, engine_config
 from server.cli import main as cli_main
@@ -231,7 +233,7 @@ def test_tokenizer_flag_takes_another_folder_s_tokenizer(tmp_path: Path) -> None
 
 
 @pytest.fixture
-def hub_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+def hub_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
     """A hub repository of two GGUF files in the Hugging Face cache: `snapshot_download`
     answers from a folder, keeping the files its patterns match (and records the patterns)."""
     import fnmatch
@@ -256,7 +258,9 @@ def hub_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]
         return str(fetched)
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    return asked
+    gguf_file.hub_file.cache_clear()
+    yield asked
+    gguf_file.hub_file.cache_clear()
 
 
 def test_a_hub_repository_s_file_is_named_by_its_type(hub_repo: list[list[str]]) -> None:
@@ -269,6 +273,10 @@ def test_a_hub_repository_s_file_is_named_by_its_type(hub_repo: list[list[str]])
     assert info.model_name == "org/tiny-GGUF:q4_0"
     assert Path(loaded.path).name.startswith("tiny-Q4_0-")
     assert all("Q8_0" not in pattern for pattern in hub_repo[0])
+    # Fetched once, though a start may read the checkpoint several times (its dtype, under
+    # tensor parallelism its shape, then its weights).
+    assert checkpoint_path("org/tiny-GGUF:q4_0") == loaded.path
+    assert len(hub_repo) == 1
 
 
 @pytest.mark.parametrize(
