@@ -246,47 +246,39 @@ def prompt_not_empty(value: Any) -> Any:
     return value
 
 
-class EmbeddingRequest(RequestBody):
-    """OpenAI's embeddings request, with vLLM's extra fields."""
+class PooledRequest(RequestBody):
+    """The inputs of a request the pooling runner answers (embeddings, classifications), with
+    vLLM's fields for them."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     input: Prompt
+    user: str | None = None
+    # vLLM's: keep the prompt's last k tokens, add a BOS and such.
+    truncate_prompt_tokens: TruncateTokens | None = None
+    add_special_tokens: bool = True
+    priority: Int = 0
+    timeout: float | None = Field(default=None, gt=0)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_not_empty(cls, value: Any) -> Any:
+        return prompt_not_empty(value)
+
+
+class EmbeddingRequest(PooledRequest):
+    """OpenAI's embeddings request, with vLLM's extra fields."""
+
     encoding_format: Literal["float", "base64"] = "float"
     # Keep the first k numbers, normalized again (as OpenAI's text-embedding-3 models).
     dimensions: PositiveInt | None = None
-    user: str | None = None
-    # vLLM's: L2-normalize the vector, keep the prompt's last k tokens, add a BOS and such.
+    # vLLM's: L2-normalize the vector.
     normalize: bool = True
-    truncate_prompt_tokens: TruncateTokens | None = None
-    add_special_tokens: bool = True
-    priority: Int = 0
-    timeout: float | None = Field(default=None, gt=0)
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _input_not_empty(cls, value: Any) -> Any:
-        return prompt_not_empty(value)
 
 
-class ClassifyRequest(RequestBody):
+class ClassifyRequest(PooledRequest):
     """vLLM's classification request (`/classify`): inputs for a sequence classifier."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    model: str | None = None
-    input: Prompt
-    user: str | None = None
-    truncate_prompt_tokens: TruncateTokens | None = None
-    add_special_tokens: bool = True
-    priority: Int = 0
-    timeout: float | None = Field(default=None, gt=0)
-
-    @field_validator("input", mode="before")
-    @classmethod
-    def _input_not_empty(cls, value: Any) -> Any:
-        return prompt_not_empty(value)
 
 
 class TextPart(BaseModel):
