@@ -13,6 +13,7 @@ import base64
 import copy
 import hashlib
 import io
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -288,36 +289,9 @@ def _text_config(tokenizer: Any) -> LlamaConfig:
     )
 
 
-# Every family these helpers build, each an image-text type Conveyor serves.
-FAMILIES = (
-    "llava",
-    "llava_next",
-    "llava_onevision",
-    "idefics3",
-    "smolvlm",
-    "gemma3",
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "qwen3_vl_moe",
-)
-
-
 def tiny_image_text(family: str = "llava", seed: int = 0) -> Any:
     """A tiny random model of `family` (one of `FAMILIES`), in fp32."""
-    makers = {
-        "llava": tiny_llava,
-        "llava_next": tiny_llava_next,
-        "llava_onevision": tiny_llava_onevision,
-        "idefics3": tiny_idefics3,
-        "smolvlm": tiny_smolvlm,
-        "gemma3": tiny_gemma3,
-        "qwen2_vl": tiny_qwen2_vl,
-        "qwen2_5_vl": tiny_qwen2_5_vl,
-        "qwen3_vl": tiny_qwen3_vl,
-        "qwen3_vl_moe": tiny_qwen3_vl_moe,
-    }
-    return makers[family](seed)
+    return MAKERS[family](seed)
 
 
 def _qwen_vl_text(tokenizer: Any) -> dict[str, Any]:
@@ -584,3 +558,19 @@ def reference_tokens(
             min_new_tokens=max_new_tokens,
         )
     return out[0, prompt_len:].tolist()
+
+
+# The tiny model of every family these helpers build, each an image-text type Conveyor serves.
+MAKERS: dict[str, Callable[[int], Any]] = {
+    "llava": tiny_llava,
+    "llava_next": tiny_llava_next,
+    "llava_onevision": tiny_llava_onevision,
+    "idefics3": tiny_idefics3,
+    "smolvlm": tiny_smolvlm,
+    "gemma3": tiny_gemma3,
+    "qwen2_vl": tiny_qwen2_vl,
+    "qwen2_5_vl": tiny_qwen2_5_vl,
+    "qwen3_vl": tiny_qwen3_vl,
+    "qwen3_vl_moe": tiny_qwen3_vl_moe,
+}
+FAMILIES = tuple(MAKERS)
