@@ -4,6 +4,7 @@ engine cores around them."""
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import pytest
 import torch
@@ -83,6 +84,20 @@ def chat_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+# The shape of the tests' tiny decoders (any family's config takes these fields), with a wide
+# init so that logits are well separated and greedy is stable.
+TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+)
+
+
 def tiny_llama(
     vocab_size: int = 320,
     num_layers: int = 2,
@@ -93,14 +108,12 @@ def tiny_llama(
 ) -> LlamaForCausalLM:
     """Random weights with a wide init, so logits are well separated and greedy is stable."""
     config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        initializer_range=0.2,
+        **TINY_SHAPE
+        | dict(
+            vocab_size=vocab_size,
+            num_hidden_layers=num_layers,
+            max_position_embeddings=max_positions,
+        ),
         eos_token_id=0,
         bos_token_id=1,
         pad_token_id=0,

@@ -33,6 +33,7 @@ from tests.gguf_files import write_gguf
 from tests.helpers import (
     CHAT_TEMPLATE,
     NO_PANELS,
+    TINY_SHAPE,
     chat_tokenizer,
     reference_greedy,
     run_all,
@@ -44,19 +45,7 @@ PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
 
 
 def tiny_qwen2() -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        eos_token_id=0,
-        bos_token_id=1,
-    )
+    config = Qwen2Config(**TINY_SHAPE, tie_word_embeddings=False, eos_token_id=0, bos_token_id=1)
     torch.manual_seed(1)
     model = Qwen2ForCausalLM(config).eval()
     for name, param in model.named_parameters():  # q/k/v biases that matter
@@ -67,18 +56,8 @@ def tiny_qwen2() -> Qwen2ForCausalLM:
 
 def wide_llama() -> LlamaForCausalLM:
     """Rows of 256 and 512 inputs: K-quants' super-blocks are 256 wide."""
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=0,
-        bos_token_id=1,
-    )
+    shape = TINY_SHAPE | dict(hidden_size=256, intermediate_size=512, initializer_range=0.02)
+    config = LlamaConfig(**shape, tie_word_embeddings=False, eos_token_id=0, bos_token_id=1)
     return LlamaForCausalLM(config).eval()
 
 

@@ -18,7 +18,7 @@ from engine.core.async_engine import AsyncEngine
 from engine.core.config import CacheConfig, EngineConfig
 from server.app import build_app
 from server.settings import ServerSettings
-from tests.helpers import chat_tokenizer
+from tests.helpers import TINY_SHAPE, chat_tokenizer
 from tests.server_utils import app_client, blocks_in_use
 
 TEXTS = ["The quick brown fox", "Paged attention stores keys", "Hello world!"]
@@ -31,17 +31,10 @@ def classifier_dir(request: pytest.FixtureRequest, tmp_path_factory) -> Path:
     tokenizer."""
     family = LlamaConfig if request.param == "llama" else Qwen2Config
     config = family(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        **TINY_SHAPE | dict(max_position_embeddings=256),
         num_labels=3,
         id2label=dict(enumerate(LABELS)),
         label2id={label: i for i, label in enumerate(LABELS)},
-        initializer_range=0.2,
     )
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("classifier")
