@@ -659,11 +659,13 @@ def batch_run(args: argparse.Namespace) -> int:
 
 
 def download(args: argparse.Namespace) -> int:
-    """Fetch the default model or convert a GGUF file (into Conveyor's cache), or fetch a hub
-    model (into the Hugging Face cache, `$HF_HOME`), so that `serve` later needs no network and
-    starts in seconds."""
+    """Fetch the default model or convert a GGUF file or an AWQ or GPTQ checkpoint (into
+    Conveyor's cache), or fetch a hub model (into the Hugging Face cache, `$HF_HOME`), so that
+    `serve` later needs no network and starts in seconds."""
+    from engine.loading.quantized_checkpoint import quantized_folder
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.model is None or is_gguf_file(args.model):
+    if args.model is None or is_gguf_file(args.model) or quantized_folder(args.model):
         from engine.loading.model_loader import checkpoint_path
 
         try:

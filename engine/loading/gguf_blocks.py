@@ -8,7 +8,8 @@ the layer's module name), those blocks let the CPU's panel product stream a fift
 the fp32 bytes (Q4_0 and Q4_1, Q4_K, Q8_0, Q6_K; the 5-bit types as Q8_K panels, about a third)
 and widen each weight to the same fp32 value in registers. A layer uses its blocks only where
 they widen to exactly the weights loaded from the checkpoint, so outputs do not change, only
-the bytes read.
+the bytes read. An AWQ or GPTQ checkpoint's 4- and 8-bit groups are kept the same way
+(`quantized_checkpoint.py`), in formats of their own (Q4_G, Q8_G).
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ PANEL_FORMATS = (Q4_1, Q8_0, Q4_K, Q6_K, Q8_K)
 Q5_0 = BlockFormat("q5_0", 22, Q8_K.group_bytes, has_min=True, nibbles=False)
 Q5_1 = BlockFormat("q5_1", 24, Q8_K.group_bytes, has_min=True, nibbles=False)
 Q5_K = BlockFormat("q5_k", 176, Q8_K.group_bytes, has_min=True, nibbles=False, block=256)
-FORMATS = {f.name: f for f in (*PANEL_FORMATS, Q5_0, Q5_1, Q5_K)}
+# Not GGUF's: an AWQ or GPTQ group's rows cut into 32-wide blocks (`quantized_checkpoint.py`),
+# each its fp32 scale and minimum (`-scale * zero`) and its 4-bit q as Q4_1 holds them, or its
+# 8-bit q less 128 (int8); held in Q4_K's and Q8_K's panels.
+Q4_G = BlockFormat("q4_g", 24, Q4_K.group_bytes, has_min=True, nibbles=True, wide_scales=True)
+Q8_G = BlockFormat("q8_g", 40, Q8_K.group_bytes, has_min=True, nibbles=False, wide_scales=True)
+FORMATS = {f.name: f for f in (*PANEL_FORMATS, Q5_0, Q5_1, Q5_K, Q4_G, Q8_G)}
 # Those with a layout for 8-bit products against activations rounded to 8-bit blocks.
 INT8_FORMATS = (Q4_1, Q8_0)
 # The format block panels hold, by their group size.
@@ -70,9 +76,10 @@ def split_rows(
     fmt: BlockFormat, rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """GGUF rows uint8 as (d, m or None, q) per 32-wide block: weight = d * q (+ m). d and m
-    `[out, in / 32]`, fp16 for Q4_1 and Q8_0, fp32 for Q4_K (m is minus its minimum); Q6_K's and
-    the 5-bit types' d `[out, in / 32, 2]` fp32, one per 16 inputs. q `[out, in / 32, 32]`:
-    uint8 0..15 (Q4_1, Q4_K), int8 (Q8_0, Q6_K's -32..31, the 5-bit types')."""
+    `[out, in / 32]`, fp16 for Q4_1 and Q8_0, fp32 for Q4_K and Q4_G (m is minus its minimum);
+    Q6_K's, Q8_G's and the 5-bit types' d `[out, in / 32, 2]` fp32, one per 16 inputs. q `[out,
+    in / 32, 32]`: uint8 0..15 (Q4_1, Q4_K, Q4_G), int8 (Q8_0, Q8_G, Q6_K's -32..31, the 5-bit
+    types')."""
     if fmt is Q4_K:
         return _split_q4_k(rows)
     if fmt is Q6_K:
@@ -80,13 +87,15 @@ def split_rows(
     if fmt in (Q5_0, Q5_1, Q5_K):
         return _split_5_bit(fmt, rows)
     blocks = rows.reshape(rows.shape[0], -1, fmt.block_bytes)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
-    if fmt.has_min:
-        m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
-        packed = blocks[..., 4:]
-        q = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
-        return d, m, q
-    return d, None, blocks[..., 2:].contiguous().view(torch.int8)
+    width, dtype = (4, torch.float32) if fmt.wide_scales else (2, torch.float16)
+    d = blocks[..., :width].contiguous().view(dtype).squeeze(-1)
+    if not fmt.has_min:
+        return d, None, blocks[..., width:].contiguous().view(torch.int8)
+    m = blocks[..., width : 2 * width].contiguous().view(dtype).squeeze(-1)
+    packed = blocks[..., 2 * width :]
+    if not fmt.nibbles:  # Q8_G, in Q8_K's panels: a scale per 16 inputs
+        return d.unsqueeze(-1).expand(*d.shape, 2), m, packed.contiguous().view(torch.int8)
+    return d, m, torch.cat([packed & 0x0F, packed >> 4], dim=-1)
 
 
 def _split_q4_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,6 +167,17 @@ def _split_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
     scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
     d = blocks[..., 208:210].contiguous().view(torch.float16).float()
     return (d * scales).reshape(out, -1, 2), None, q.reshape(out, -1, 32)
+
+
+def group_rows(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_G rows (q uint8 0..15) or Q8_G rows (q int8) `[out, in / 32 * bytes]` of 32-wide
+    blocks: scales `d` and minima `m` `[out, in / 32]` fp32, q `[out, in / 32, 32]`."""
+    if q.dtype == torch.uint8:
+        q = q[..., :16] | (q[..., 16:] << 4)
+    parts = [d.float().unsqueeze(-1), m.float().unsqueeze(-1)]
+    body = q.contiguous().view(torch.uint8)
+    blocks = torch.cat([part.view(torch.uint8) for part in parts] + [body], dim=-1)
+    return blocks.reshape(q.shape[0], -1)
 
 
 def dequantize_rows(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:

@@ -13,15 +13,12 @@ and modification time, so an edited or replaced file converts again.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 from engine.core.paths import cache_dir
+from engine.loading.conversions import convert_once, source_key
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +76,7 @@ def hub_file(repo: str, quant: str) -> Path:
 
 def converted_folder(path: Path) -> Path:
     """Where the conversion of the GGUF file at `path` lives in the cache."""
-    stat = path.stat()
-    source = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    key = hashlib.sha256(source.encode()).hexdigest()[:16]
-    return cache_dir() / "models" / "gguf" / f"{path.stem}-{key}"
+    return cache_dir() / "models" / "gguf" / f"{path.stem}-{source_key([path])}"
 
 
 def ensure_converted(name: str) -> Path:
@@ -92,20 +86,13 @@ def ensure_converted(name: str) -> Path:
     if not path.is_file():
         raise ValueError(f"--model {name}: no such GGUF file")
     target = converted_folder(path)
-    if (target / SOURCE_FILE).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as scratch:
-        staged = Path(scratch) / "converted"
+
+    def converted(staged: Path) -> dict[str, object]:
         blocks = convert(path, staged, path.stem)
-        (staged / SOURCE_FILE).write_text(
-            json.dumps({"gguf": str(path.resolve()), "blocks": blocks}) + "\n"
-        )
-        if not (target / SOURCE_FILE).is_file():  # another process may have finished first
-            shutil.rmtree(target, ignore_errors=True)
-            staged.rename(target)
-    logger.info("%s converted into %s", path.name, target)
-    return target
+        logger.info("%s converted into %s", path.name, target)
+        return {"gguf": str(path.resolve()), "blocks": blocks}
+
+    return convert_once(target, SOURCE_FILE, converted)
 
 
 def convert(gguf: Path, out: Path, name: str) -> int:

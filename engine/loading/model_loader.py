@@ -25,6 +25,8 @@ from engine.loading.classifiers import as_causal_lm, is_classifier, labels
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from engine.loading.gguf_file import ensure_converted, is_gguf_file
 from engine.loading.processors import load_processor
+from engine.loading.quantized_checkpoint import ensure_converted as ensure_dequantized
+from engine.loading.quantized_checkpoint import quantized_folder
 from engine.models.experts import unfuse_experts
 from engine.models.vision import is_image_text, why_not_served
 from engine.parallel.loading import load_share, model_from_config
@@ -144,12 +146,15 @@ def checkpoint_config(name_or_path: str | None, trust_remote_code: bool = False)
 
 
 def checkpoint_path(name_or_path: str | None) -> str:
-    """Where the checkpoint `--model` names is read from: the default model's folder (None) or a
-    GGUF file's, converted into the cache on first use; else the folder or hub id itself."""
+    """Where the checkpoint `--model` names is read from: the default model's folder (None), a
+    GGUF file's or an AWQ or GPTQ checkpoint's, converted into the cache on first use; else the
+    folder or hub id itself."""
     if name_or_path is None:
         return str(ensure_default_model())
     if is_gguf_file(name_or_path):
         return str(ensure_converted(name_or_path))
+    if quantized_folder(name_or_path) is not None:
+        return str(ensure_dequantized(name_or_path))
     return name_or_path
 
 
@@ -218,8 +223,8 @@ def load_model(
     use_linear_form(model, choose_linear_form(dtype, device), folder, int8_activations)
     if int8_activations and not any(getattr(m, "int8_activations", False) for m in model.modules()):
         logger.warning(
-            "--int8-activations has no effect here: it needs float32 on a CPU and "
-            "GGUF blocks beside the checkpoint"
+            "--int8-activations has no effect here: it needs float32 on a CPU and a GGUF "
+            "file's Q4_0, Q4_1 or Q8_0 blocks beside the checkpoint"
         )
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_name or path, trust_remote_code=trust_remote_code
@@ -283,7 +288,7 @@ class LinearForm(StrEnum):
 
     BF16_PANELS = "bf16 panels, fp32 between layers"
     HALF_WEIGHTS = "16-bit weights, computed in fp32"
-    FP32_PANELS = "fp32 panels (GGUF blocks where kept beside the checkpoint)"
+    FP32_PANELS = "fp32 panels (quantized blocks where kept beside the checkpoint)"
     TORCH = "torch's own"
 
 

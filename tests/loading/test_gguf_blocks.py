@@ -39,7 +39,10 @@ QTYPES = {
 }
 # GGUF's types panels hold: 32-wide blocks, K-quants' 256-wide super-blocks cut to 32, and the
 # 5-bit types as Q8_K panels.
-BLOCK_FORMATS = ["q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "q5_k"]
+GGUF_FORMATS = ["q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "q5_k"]
+# Not GGUF's: AWQ's and GPTQ's groups as 32-wide blocks with fp32 scales and minima.
+GROUP_FORMATS = ["q4_g", "q8_g"]
+BLOCK_FORMATS = GGUF_FORMATS + GROUP_FORMATS
 # Input features per test layer: a span of 128 and one of 32 for 32-wide blocks, and two
 # super-blocks for K-quants.
 INPUTS = {fmt: 512 if fmt.endswith("_k") else 160 for fmt in BLOCK_FORMATS}
@@ -49,9 +52,28 @@ PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
 
 def gguf_rows(fmt: str, out: int, in_features: int, seed: int = 0) -> np.ndarray:
     """A random `[out, in]` weight quantized by GGUF's own code (K-quants: random super-blocks,
-    which GGUF's code only dequantizes): rows of blocks, uint8."""
+    which GGUF's code only dequantizes), or random groups: rows of blocks, uint8."""
+    if fmt in GROUP_FORMATS:
+        return group_rows(fmt, out, in_features, seed)[0].numpy()
     weight = np.random.default_rng(seed).standard_normal((out, in_features)).astype(np.float32)
     return stored(weight, QTYPES[fmt], seed)
+
+
+def group_rows(fmt: str, out: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Q4_G or Q8_G rows of random blocks (fp16 scales, minima `-scale * zero`), and the
+    weight `[out, in]` they stand for: `scale * (q - zero)`."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = in_features // 32
+    d = (torch.rand(out, blocks, generator=generator) * 0.1 + 0.01).half().float()
+    bits = 4 if fmt == "q4_g" else 8
+    q = torch.randint(0, 2**bits, (out, blocks, 32), generator=generator)
+    zero = torch.randint(0, 2**bits, (out, blocks, 1), generator=generator)
+    weight = (d.unsqueeze(-1).double() * (q - zero)).float().reshape(out, -1)
+    if bits == 4:
+        rows = gguf_blocks.group_rows(d, -d * zero[..., 0], q.to(torch.uint8))
+    else:
+        rows = gguf_blocks.group_rows(d, d * (128 - zero[..., 0]), (q - 128).to(torch.int8))
+    return rows, weight
 
 
 def block_layer(fmt: str, out: int, in_features: int, seed: int = 0) -> PanelLinear:
@@ -60,7 +82,16 @@ def block_layer(fmt: str, out: int, in_features: int, seed: int = 0) -> PanelLin
     )
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("fmt", GROUP_FORMATS)
+def test_group_rows_dequantize_to_scale_times_q_less_zero(fmt: str) -> None:
+    """AWQ's and GPTQ's weights, `scale * (q - zero)` with fp16 scales: exact as `d * q + m` in
+    fp32, through the rows and through the panels."""
+    rows, weight = group_rows(fmt, 40, 160)
+    assert torch.equal(gguf_blocks.dequantize_rows(gguf_blocks.FORMATS[fmt], rows), weight)
+    assert torch.equal(PanelLinear.of_blocks(gguf_blocks.FORMATS[fmt], rows, None).weight, weight)
+
+
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
 def test_rows_dequantize_as_gguf_does(fmt: str) -> None:
     """Split into 32-wide blocks (K-quants' scales multiplied out), then widened: GGUF's own
     dequantization, to the bit."""

@@ -555,12 +555,12 @@ def use_gguf_blocks(
         rounded += candidate.int8_activations
     if mismatched:
         logger.warning(
-            "GGUF blocks that do not hold their layer's weights: %d (%s, ...); "
+            "quantized blocks that do not hold their layer's weights: %d (%s, ...); "
             "those layers keep fp32 panels",
             len(mismatched),
             mismatched[0],
         )
-    logger.info("%d linear layers hold their GGUF blocks (exactly their fp32 weights)", swapped)
+    logger.info("%d linear layers hold quantized blocks (exactly their fp32 weights)", swapped)
     if int8_activations:
         logger.info("%d of them multiply against activations rounded to 8-bit blocks", rounded)
     return swapped

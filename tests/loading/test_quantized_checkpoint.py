@@ -1,0 +1,252 @@
+"""AWQ and GPTQ checkpoints as `--model` (`engine/loading/quantized_checkpoint.py`): converted once
+into the cache, each quantized layer's weight exactly `scale * (q - zero)`, served with
+transformers' greedy tokens for those weights, their 4- and 8-bit groups held as blocks on the
+CPU, and refused by name where the packing is one Conveyor does not read."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from engine.core.config import CacheConfig, EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
+from engine.kernels.cpu.linear import PanelLinear
+from engine.loading import gguf_blocks, quantized_checkpoint
+from engine.loading.model_loader import checkpoint_path
+from engine.models.llama import PagedLlamaLayer
+from server.cli import main as cli_main
+from tests.helpers import (
+    CHAT_TEMPLATE,
+    NO_PANELS,
+    TINY_SHAPE,
+    chat_tokenizer,
+    reference_greedy,
+    run_all,
+    tiny_llama,
+    tokens_of,
+)
+from tests.quantized_checkpoints import write_quantized
+
+PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
+WIDE = dict(hidden_size=128, intermediate_size=256)
+
+
+def tiny_qwen2(**shape: int) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        **TINY_SHAPE | shape, tie_word_embeddings=False, eos_token_id=0, bos_token_id=1
+    )
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config).eval()
+    for name, param in model.named_parameters():  # q/k/v biases that matter
+        if name.endswith("bias"):
+            param.data.normal_(0, 0.2)
+    return model
+
+
+# name: (model, method, bits, group size, act order, GPTQ v2, block format held or None)
+CHECKPOINTS = {
+    "awq": (lambda: tiny_llama(), "awq", 4, 32, False, False, gguf_blocks.Q4_K),
+    "awq_g128_qwen2": (lambda: tiny_qwen2(**WIDE), "awq", 4, 128, False, False, gguf_blocks.Q4_K),
+    "gptq": (lambda: tiny_qwen2(), "gptq", 4, 64, False, False, gguf_blocks.Q4_K),
+    "gptq_8bit_rows_v2": (lambda: tiny_llama(), "gptq", 8, -1, False, True, gguf_blocks.Q8_K),
+    "gptq_act_order": (lambda: tiny_llama(), "gptq", 4, 32, True, False, None),
+    "gptq_2bit": (lambda: tiny_llama(), "gptq", 2, 32, False, False, None),
+}
+
+
+@pytest.fixture(autouse=True)
+def conversions_in(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """Conversions go to a folder of the test session, not the user's cache."""
+    folder = tmp_path_factory.getbasetemp() / "conveyor-cache"
+    monkeypatch.setattr(quantized_checkpoint, "cache_dir", lambda: folder)
+    return folder
+
+
+def quantized_checkpoint_in(folder: Path, name: str = "awq") -> tuple[torch.nn.Module, int]:
+    build, method, bits, group, act_order, v2, _ = CHECKPOINTS[name]
+    model = build()
+    count = write_quantized(folder, model, chat_tokenizer(), method, bits, group, act_order, v2)
+    return model, count
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A checkpoint of the kind, the engine serving it in fp32, and transformers' model holding
+    the weights it stands for."""
+    folder = tmp_path_factory.mktemp(request.param)
+    reference, count = quantized_checkpoint_in(folder, request.param)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantized_checkpoint, "cache_dir", lambda: folder / "cache")
+        config = EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(num_blocks=64))
+        core, loaded, info = create_engine_core(config)
+    return request.param, folder, core, loaded, info, reference, count
+
+
+def test_a_quantized_checkpoint_serves_the_tokens_of_its_weights(served) -> None:
+    _, folder, core, _, info, reference, _ = served
+    assert info.model_name == str(folder)
+    expected = [reference_greedy(reference, p, 10) for p in PROMPTS]
+    outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+
+
+def test_the_conversion_holds_exactly_the_weights_in_fp32(served) -> None:
+    """Each quantized layer's weight is `scale * (q - zero)` to the bit; fp16 tensors widen."""
+    _, _, _, loaded, _, reference, count = served
+    folder = Path(loaded.path)
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config and config["torch_dtype"] == "float32"
+    held: dict[str, torch.Tensor] = {}
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as weights:
+            held |= {name: weights.get_tensor(name) for name in weights.keys()}  # noqa: SIM118
+    expected = reference.state_dict()
+    assert set(held) == set(expected)
+    for name, tensor in expected.items():
+        assert held[name].dtype == torch.float32
+        assert torch.equal(held[name], tensor), name
+    assert sum(".layers." in name and name.endswith("proj.weight") for name in held) == count
+
+
+@pytest.mark.skipif(bool(NO_PANELS), reason=NO_PANELS)
+def test_groups_of_whole_blocks_are_held_as_blocks(served) -> None:
+    """4-bit groups as Q4_K's panels, 8-bit ones as Q8_K's; act-order and 2-bit layers stay
+    fp32 panels. Conveyor's decoder joins q, k and v over the same blocks."""
+    name, _, core, loaded, _, _, count = served
+    expected = CHECKPOINTS[name][-1]
+    held = [
+        module.block_format
+        for module in loaded.model.modules()
+        if isinstance(module, PanelLinear) and module.block_format is not None
+    ]
+    assert held == ([expected] * count if expected else [])
+    layers = [m for m in core.runner.model.modules() if isinstance(m, PagedLlamaLayer)]
+    assert {layer.qkv_proj.block_format for layer in layers} == {expected}
+
+
+def test_the_tokenizer_and_chat_template_come_with_it(served) -> None:
+    loaded = served[3]
+    assert loaded.tokenizer.chat_template == CHAT_TEMPLATE
+    assert loaded.tokenizer.eos_token_id in loaded.eos_token_ids
+
+
+def test_a_conversion_is_reused_until_the_weights_change(tmp_path: Path, monkeypatch) -> None:
+    quantized_checkpoint_in(tmp_path)
+    first = quantized_checkpoint.ensure_converted(str(tmp_path))
+    assert (first / gguf_blocks.BLOCKS_FILE).is_file()
+    assert checkpoint_path(str(tmp_path)) == str(first)
+
+    def no_conversion(*_: object) -> int:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(quantized_checkpoint, "convert", no_conversion)
+    assert quantized_checkpoint.ensure_converted(str(tmp_path)) == first
+    weights = next(tmp_path.glob("*.safetensors"))
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(AssertionError, match="converted again"):
+        quantized_checkpoint.ensure_converted(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("settings", "reason"),
+    [
+        ({"version": "gemv"}, r"AWQ checkpoint of 4 bits, version 'gemv'"),
+        ({"bits": 3, "quant_method": "gptq"}, r"GPTQ checkpoint of 3 bits"),
+        ({"quant_method": "gptq", "checkpoint_format": "marlin"}, r"in format 'marlin'"),
+    ],
+)
+def test_packings_not_read_are_refused_by_what_they_are(
+    tmp_path: Path, settings: dict, reason: str
+) -> None:
+    quantized_checkpoint_in(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] |= settings
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=reason):
+        create_engine_core(EngineConfig(model=str(tmp_path)))
+
+
+def test_a_checkpoint_without_safetensors_is_refused(tmp_path: Path) -> None:
+    quantized_checkpoint_in(tmp_path)
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ValueError, match="needs safetensors files"):
+        checkpoint_path(str(tmp_path))
+
+
+def test_an_older_gptq_checkpoint_s_own_settings_file_is_read(tmp_path: Path) -> None:
+    """GPTQ checkpoints from before transformers read them keep their settings in
+    `quantize_config.json`, not in the config."""
+    quantized_checkpoint_in(tmp_path, "gptq")
+    config = json.loads((tmp_path / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    settings.pop("quant_method")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "quantize_config.json").write_text(json.dumps(settings))
+    scheme = quantized_checkpoint.scheme_of(tmp_path)
+    assert scheme == quantized_checkpoint.Scheme("gptq", 4, 64, zero_offset=1)
+    converted = Path(checkpoint_path(str(tmp_path)))
+    assert not (converted / "quantize_config.json").exists()
+
+
+def test_download_converts_the_checkpoint_ahead_of_serving(tmp_path: Path, capsys) -> None:
+    quantized_checkpoint_in(tmp_path)
+    assert cli_main(["download", "--model", str(tmp_path)]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert folder == quantized_checkpoint.converted_folder(tmp_path, str(tmp_path))
+    assert (folder / quantized_checkpoint.SOURCE_FILE).is_file()
+
+
+@pytest.fixture
+def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Two hub repositories in the Hugging Face cache, an AWQ one and a plain one: the hub's
+    download functions answer from folders (and record what was asked)."""
+    import huggingface_hub
+
+    repos = {"org/tiny-AWQ": tmp_path / "awq", "org/tiny": tmp_path / "plain"}
+    for folder in repos.values():
+        folder.mkdir()
+    quantized_checkpoint_in(repos["org/tiny-AWQ"])
+    tiny_llama().save_pretrained(repos["org/tiny"])
+    asked: list[str] = []
+
+    def hf_hub_download(repo_id: str, filename: str) -> str:
+        asked.append(f"{repo_id}/{filename}")
+        if repo_id not in repos:
+            raise OSError(f"{repo_id} is not a repository")
+        return str(repos[repo_id] / filename)
+
+    def snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
+        asked.append(f"{repo_id} snapshot")
+        return str(repos[repo_id])
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    quantized_checkpoint._hub_checkpoint.cache_clear()
+    yield asked
+    quantized_checkpoint._hub_checkpoint.cache_clear()
+
+
+def test_a_hub_checkpoint_is_fetched_once_and_served_under_its_id(hub: list[str]) -> None:
+    config = EngineConfig(model="org/tiny-AWQ", cache=CacheConfig(num_blocks=16))
+    _, loaded, info = create_engine_core(config)
+    assert info.model_name == "org/tiny-AWQ"
+    assert Path(loaded.path).name.startswith("tiny-AWQ-")
+    assert checkpoint_path("org/tiny-AWQ") == loaded.path
+    assert hub == ["org/tiny-AWQ/config.json", "org/tiny-AWQ snapshot"]
+
+
+def test_other_hub_ids_and_names_are_left_as_they_are(hub: list[str], tmp_path: Path) -> None:
+    assert checkpoint_path("org/tiny") == "org/tiny"
+    assert checkpoint_path("org/absent") == "org/absent"
+    assert checkpoint_path("no-organisation") == "no-organisation"
+    assert hub == ["org/tiny/config.json", "org/absent/config.json"]

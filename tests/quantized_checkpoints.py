@@ -1,0 +1,177 @@
+"""AWQ and GPTQ checkpoints written from tiny transformers models, as AutoAWQ and GPTQ's tools lay
+them out: each decoder projection as random integers, zeros and fp16 scales packed into int32
+words (AutoAWQ: eight outputs to a word in its interleaved order; GPTQ: inputs down the columns,
+zeros less one in its own format), every other tensor in fp16, the settings in the config's
+`quantization_config`. The model is given the weights those stand for, so it is the oracle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+# AutoAWQ's packing: field s of a word holds column 8c + AWQ_PACK_ORDER[s].
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_words(fields: np.ndarray, bits: int) -> np.ndarray:
+    """`[..., n]` integers below 2**bits as int32 words `[..., n * bits / 32]`, field j of each
+    word at bit j * bits."""
+    per_word = 32 // bits
+    grouped = fields.astype(np.uint64).reshape(*fields.shape[:-1], -1, per_word)
+    words = np.zeros(grouped.shape[:-1], dtype=np.uint64)
+    for j in range(per_word):
+        words |= grouped[..., j] << np.uint64(j * bits)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def quantized_layer(
+    out: int,
+    inputs: int,
+    method: str,
+    bits: int,
+    group_size: int,
+    act_order: bool,
+    v2: bool,
+    rng: np.random.Generator,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A layer of random integers, zeros and scales: its stored tensors, and the fp32 weight
+    `[out, in]` they stand for."""
+    size = inputs if group_size <= 0 else group_size
+    q = rng.integers(0, 2**bits, (inputs, out))
+    zeros = rng.integers(1 if method == "gptq" and not v2 else 0, 2**bits, (inputs // size, out))
+    top = 0.3 / 2 ** (bits - 1)
+    scales = rng.uniform(0.5 * top, top, zeros.shape).astype(np.float16)
+    g_idx = np.arange(inputs) // size
+    if act_order:
+        g_idx = g_idx[rng.permutation(inputs)]
+    return _stored(q, zeros, scales, g_idx, method, bits, v2)
+
+
+def rounded_layer(
+    weight: np.ndarray, method: str, bits: int, group_size: int, v2: bool
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """`weight [out, in]` rounded to the nearest of its group's `2**bits` levels between the
+    group's least and greatest weight (not AWQ's or GPTQ's search, the same storage)."""
+    out, inputs = weight.shape
+    size = inputs if group_size <= 0 else group_size
+    grouped = weight.T.reshape(inputs // size, size, out)
+    low, high = np.minimum(grouped.min(1), 0), np.maximum(grouped.max(1), 0)
+    scales = np.maximum((high - low) / (2**bits - 1), 1e-8).astype(np.float16)
+    lowest = 1 if method == "gptq" and not v2 else 0  # GPTQ's own format stores zero - 1
+    zeros = np.clip(np.round(-low / scales.astype(np.float64)), lowest, 2**bits - 1)
+    g_idx = np.arange(inputs) // size
+    q = np.round(weight.T / scales[g_idx].astype(np.float64)) + zeros[g_idx]
+    q = np.clip(q, 0, 2**bits - 1).astype(np.int64)
+    return _stored(q, zeros.astype(np.int64), scales, g_idx, method, bits, v2)
+
+
+def _stored(
+    q: np.ndarray,
+    zeros: np.ndarray,
+    scales: np.ndarray,
+    g_idx: np.ndarray,
+    method: str,
+    bits: int,
+    v2: bool,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Integers `q [in, out]`, zeros and fp16 scales `[groups, out]` and each input's group as
+    the method stores them, and the fp32 weight `[out, in]` they stand for."""
+    out = q.shape[1]
+    weight = scales[g_idx].astype(np.float64) * (q - zeros[g_idx])
+    stored_zeros = zeros - (1 if method == "gptq" and not v2 else 0)
+    if method == "awq":
+        order = np.asarray(AWQ_PACK_ORDER)
+        columns = ((np.arange(out) // 8 * 8).reshape(-1, 8) + order).ravel()
+        tensors = {
+            "qweight": pack_words(q[:, columns], bits),
+            "qzeros": pack_words(stored_zeros[:, columns], bits),
+        }
+    else:
+        tensors = {
+            "qweight": pack_words(q.T, bits).T.copy(),
+            "qzeros": pack_words(stored_zeros, bits),
+            "g_idx": g_idx.astype(np.int32),
+        }
+    tensors["scales"] = scales
+    found = {name: torch.from_numpy(np.ascontiguousarray(t)) for name, t in tensors.items()}
+    return found, torch.from_numpy(weight.T.astype(np.float32)).contiguous()
+
+
+def write_quantized(
+    folder: Path,
+    model: Any,
+    tokenizer: Any,
+    method: str,
+    bits: int = 4,
+    group_size: int = 32,
+    act_order: bool = False,
+    v2: bool = False,
+    seed: int = 0,
+    rounded: bool = False,
+) -> int:
+    """Save `model` as an AWQ or GPTQ checkpoint in two weight files with an index, and set its
+    weights to what the checkpoint holds; return how many layers are quantized. Its decoder's
+    projections are random integers, or with `rounded` its own weights rounded to them."""
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    quantized = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and ".layers." in name:
+                if rounded:
+                    dense = module.weight.float().numpy()
+                    parts, weight = rounded_layer(dense, method, bits, group_size, v2)
+                else:
+                    parts, weight = quantized_layer(
+                        *module.weight.shape, method, bits, group_size, act_order, v2, rng
+                    )
+                tensors.update({f"{name}.{part}": t for part, t in parts.items()})
+                module.weight.copy_(weight)
+                quantized += 1
+        for name, param in model.named_parameters():
+            if f"{name.removesuffix('.weight')}.qweight" not in tensors:
+                param.copy_(param.half().float())  # stored in fp16
+                tensors.setdefault(name, param.half().contiguous())
+    _save_two_files(folder, tensors)
+    config = model.config.to_dict()
+    config["torch_dtype"] = "float16"
+    config["quantization_config"] = _settings(method, bits, group_size, act_order, v2)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(folder)
+    return quantized
+
+
+def _settings(method: str, bits: int, group_size: int, act_order: bool, v2: bool) -> dict:
+    if method == "awq":
+        return {
+            "quant_method": "awq",
+            "bits": bits,
+            "group_size": group_size,
+            "version": "gemm",
+            "zero_point": True,
+        }
+    return {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size,
+        "desc_act": act_order,
+        "sym": False,
+        "checkpoint_format": "gptq_v2" if v2 else "gptq",
+    }
+
+
+def _save_two_files(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    names = sorted(tensors)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map = {}
+    for number, half in enumerate(halves, 1):
+        file = f"model-{number:05d}-of-00002.safetensors"
+        save_file({name: tensors[name] for name in half}, str(folder / file))
+        weight_map.update(dict.fromkeys(half, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
