@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from engine.core.config import CacheConfig, EngineConfig, ServingInfo
 from engine.core.engine_core import EngineCore
@@ -121,6 +127,19 @@ def tiny_llama(
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_qwen2(**shape: int) -> Qwen2ForCausalLM:
+    """A Qwen2 of `TINY_SHAPE` (or `shape` over it) with q/k/v biases that matter."""
+    config = Qwen2Config(
+        **TINY_SHAPE | shape, tie_word_embeddings=False, eos_token_id=0, bos_token_id=1
+    )
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config).eval()
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.data.normal_(0, 0.2)
+    return model
 
 
 def bf16_reference(half_weights: str) -> torch.nn.Module:

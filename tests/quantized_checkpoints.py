@@ -175,3 +175,132 @@ def _save_two_files(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
         weight_map.update(dict.fromkeys(half, file))
     index = {"metadata": {}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def write_compressed_tensors(
+    folder: Path,
+    model: Any,
+    tokenizer: Any,
+    bits: int = 4,
+    group_size: int | None = 32,
+    symmetric: bool = False,
+    fp8: bool = False,
+    int8: bool = False,
+) -> int:
+    """Save `model` as llm-compressor saves a checkpoint, with compressed-tensors' own code: its
+    decoder projections quantized from the model's weights in bf16 (integers of `bits` in
+    groups of `group_size` inputs, or one scale per row for None: the W4A16 and W8A16 schemes,
+    packed; with `fp8`, FP8 weights with a scale per row, the FP8 W8A8 scheme; with `int8`,
+    unpacked INT8 weights with a scale per row, the W8A8 scheme); set the model's
+    weights to what the checkpoint holds, dequantized in float64 from the saved tensors (with
+    compressed-tensors' unpacking); return how many layers are quantized."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    strategy = "channel" if group_size is None or fp8 else "group"
+    weights = QuantizationArgs(
+        num_bits=8 if fp8 else bits,
+        type="float" if fp8 else "int",
+        symmetric=symmetric or fp8,
+        strategy=strategy,
+        group_size=None if strategy == "channel" else group_size,
+    )
+    activations = None
+    if fp8 or int8:
+        kind = "float" if fp8 else "int"
+        activations = QuantizationArgs(num_bits=8, type=kind, strategy="token", dynamic=True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
+    stored = type(model)(model.config).to(torch.bfloat16).eval()
+    stored.load_state_dict(model.state_dict())
+    apply_quantization_config(
+        stored, QuantizationConfig(config_groups={"g": scheme}, ignore=["lm_head"])
+    )
+    quantized = 0
+    for module in stored.modules():
+        if hasattr(module, "weight_scale"):
+            weight = module.weight.data
+            width = weight.shape[1] if strategy == "channel" else group_size
+            grouped = weight.view(weight.shape[0], -1, width)
+            scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), weights)
+            module.weight_scale.data.copy_(scale.view_as(module.weight_scale))
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.data.copy_(zero.view_as(module.weight_zero_point))
+            quantized += 1
+    compressor = ModelCompressor.from_pretrained_model(stored)
+    compressor.compress_model(stored)
+    stored.save_pretrained(folder)
+    compressor.update_config(str(folder))
+    tokenizer.save_pretrained(folder)
+    _hold_what_was_saved(folder, model, bits)
+    return quantized
+
+
+def _hold_what_was_saved(folder: Path, model: Any, bits: int) -> None:
+    """Set `model`'s weights to the checkpoint's in `folder`: bf16 tensors widened, quantized
+    layers `scale * (q - zero)` in float64 from compressed-tensors' unpacking."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as saved:
+        tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118
+    held = {}
+    for name, tensor in tensors.items():
+        layer, _, part = name.rpartition(".")
+        if part in ("weight_packed", "weight") and f"{layer}.weight_scale" in tensors:
+            scale = tensors[f"{layer}.weight_scale"].double()
+            if part == "weight_packed":
+                shape = tuple(tensors[f"{layer}.weight_shape"].tolist())
+                q = unpack_from_int32(tensor, bits, torch.Size(shape)).double()
+            else:
+                q = tensor.double()  # FP8
+            zero = tensors.get(f"{layer}.weight_zero_point")
+            if zero is not None:
+                zero_shape = torch.Size((shape[0], scale.shape[1]))
+                q = q - unpack_from_int32(
+                    zero, bits, zero_shape, packed_dim=0
+                ).double().repeat_interleave(q.shape[1] // scale.shape[1], dim=1)
+            held[f"{layer}.weight"] = (
+                q * scale.repeat_interleave(q.shape[1] // scale.shape[1], dim=1)
+            ).float()
+        elif part not in ("weight_scale", "weight_zero_point", "weight_shape", "weight_packed"):
+            held[name] = tensor.float()
+    model.load_state_dict(held, strict=True)
+
+
+def write_fp8_blocks(folder: Path, model: Any, tokenizer: Any, block: int = 32) -> int:
+    """Save `model` as a fine-grained FP8 checkpoint (DeepSeek's and Qwen's `-FP8` ones): each
+    decoder projection in float8_e4m3fn with an fp32 scale per `block` x `block` tile
+    (`weight_scale_inv`), every other tensor in bf16; set the model's weights to what it holds;
+    return how many layers are quantized."""
+    tensors, held, quantized = {}, {}, 0
+    for name, tensor in model.state_dict().items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            out, inputs = tensor.shape
+            tiles = tensor.abs().reshape(out // block, block, inputs // block, block)
+            scale = tiles.amax((1, 3)) / 448
+            wide = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+            q = (tensor / wide).to(torch.float8_e4m3fn)
+            tensors[name], tensors[f"{name}_scale_inv"] = q, scale.float()
+            held[name] = (q.double() * wide.double()).float()
+            quantized += 1
+        else:
+            tensors[name] = tensor.to(torch.bfloat16)
+            held[name] = tensors[name].float()
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = model.config.to_dict()
+    config["torch_dtype"] = "bfloat16"
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(folder)
+    model.load_state_dict(held)
+    return quantized

@@ -1,15 +1,17 @@
-"""AWQ and GPTQ checkpoints as `--model`: `conveyor serve --model Qwen/Qwen2.5-0.5B-Instruct-AWQ`
-(or a folder of one), as `vllm serve` takes them.
+"""Quantized checkpoints as `--model`: `conveyor serve --model Qwen/Qwen2.5-0.5B-Instruct-AWQ` (or a
+folder of one), as `vllm serve` takes them: AWQ, GPTQ, compressed-tensors (llm-compressor's
+W4A16, W8A16, W8A8 and FP8 schemes) and FP8 checkpoints.
 
-A checkpoint whose config says `quant_method` `awq` (AutoAWQ's GEMM packing, 4-bit) or `gptq`
-(4- or 8-bit, 2-bit too; GPTQ's own format or its v2) is converted once into Conveyor's cache:
-each quantized layer's weight `scale * (q - zero)`, computed in fp32, where it is exact (scales
-in fp16 or bf16), saved as a plain checkpoint with every other file of the folder (tokenizer,
-chat template, generation config). Where each 32 inputs of a row share one group (groups of 32,
-64, 128 or a whole row, not GPTQ's act-order groups), the layer's 4- or 8-bit groups are kept
-beside in blocks (`gguf_blocks.Q4_G`, `Q8_G`) that widen to exactly those weights, for the CPU's
-panel product to read instead of the fp32 weights, as a GGUF file's blocks are. Later starts load
-the folder in seconds; changed weight files convert again.
+Such a checkpoint is converted once into Conveyor's cache as a plain one with fp32 weights and
+every other file of its folder (tokenizer, chat template, generation config). The weights are
+read here (`packed_weights.py`): integers packed in words (AWQ's GEMM packing, GPTQ's 2, 4 or 8
+bits in its own format or its v2, compressed-tensors' pack-quantized schemes) or stored
+unpacked (INT8), each weight `scale * (q - zero)`, exact in fp32; FP8 weights times their scale
+per row, group, tensor or tile. Where each 32 inputs of a row share one group, a layer's 4- or
+8-bit integers are kept beside as blocks that widen to exactly its weights, for the CPU's panel
+product to read instead, as a GGUF file's blocks are. compressed-tensors' other formats (NVFP4,
+MXFP4) are dequantized by transformers. Later starts load the folder in seconds; changed weight
+files convert again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import logging
 import re
 import shutil
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,18 +30,16 @@ from typing import Any
 import torch
 
 from engine.core.paths import cache_dir
-from engine.loading import gguf_blocks
+from engine.loading import gguf_blocks, packed_weights
 from engine.loading.conversions import convert_once, source_key
 
 logger = logging.getLogger(__name__)
 
 # Written last into a converted folder: its presence says the conversion finished.
 SOURCE_FILE = "conveyor-quantized.json"
-METHODS = ("awq", "gptq")
-# AutoAWQ packs eight 4-bit outputs in a word in this order; column k of 8 sits in field
-# AWQ_FIELDS[k].
-AWQ_FIELDS = (0, 4, 1, 5, 2, 6, 3, 7)
-QUANTIZED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+MARKERS = packed_weights.MARKERS
+# compressed-tensors' formats read here; transformers dequantizes the others (NVFP4, MXFP4).
+READ_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # fp32 bytes per converted weight file.
 SHARD_BYTES = 2 << 30
@@ -52,16 +53,23 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tik
 class Scheme:
     """How a checkpoint's quantized layers are stored."""
 
-    method: str  # awq or gptq
-    bits: int
-    group_size: int  # -1: one group per row
+    method: str  # awq, gptq, compressed-tensors or fp8
+    bits: int = 0  # 0: each layer's own (compressed-tensors)
+    group_size: int = 0  # -1: one group per row; 0: each layer's own
     zero_offset: int = 0  # GPTQ's own format stores each zero less one
+    packed: bool = True  # integers packed in words, read here; else transformers dequantizes
+
+    def describe(self) -> str:
+        if self.method in ("awq", "gptq"):
+            return f"{self.method.upper()}, {self.bits}-bit, groups of {self.group_size}"
+        return self.method + ("" if self.packed else ", dequantized by transformers")
 
 
 def scheme_of(folder: Path) -> Scheme | None:
-    """The AWQ or GPTQ scheme of the checkpoint in `folder` (its config's `quantization_config`,
-    or an older GPTQ checkpoint's `quantize_config.json`); None for any other checkpoint.
-    Refused, by what it is, where the packing is one Conveyor does not read."""
+    """The quantization scheme of the checkpoint in `folder` (its config's
+    `quantization_config`, or an older GPTQ checkpoint's `quantize_config.json`); None for a
+    checkpoint of any other kind. Refused, by what it is, where the packing is one Conveyor
+    does not read."""
     config = _read_json(folder / "config.json")
     settings = config.get("quantization_config")
     if settings is None and (folder / "quantize_config.json").is_file():
@@ -73,6 +81,10 @@ def scheme_of(folder: Path) -> Scheme | None:
         return _awq_scheme(settings)
     if method == "gptq":
         return _gptq_scheme(settings)
+    if method == "compressed-tensors":
+        return Scheme(method, packed=_all_read_here(settings))
+    if method == "fp8":
+        return Scheme(method, bits=8)
     return None
 
 
@@ -99,6 +111,25 @@ def _gptq_scheme(settings: dict[str, Any]) -> Scheme:
             "in GPTQ's own format (or its v2) are served"
         )
     return Scheme("gptq", bits, group, zero_offset=1 if packing == "gptq" else 0)
+
+
+def _all_read_here(settings: dict[str, Any]) -> bool:
+    """Whether every scheme of a compressed-tensors config stores weights read here: integers of
+    2, 4 or 8 bits packed in words (W4A16, W8A16) or INT8 ones unpacked (W8A8), in runs of
+    inputs, or FP8 weights (FP8 W8A8, FP8 blocks)."""
+    groups = settings.get("config_groups") or {}
+    formats = settings.get("format")
+
+    def read(group: dict[str, Any]) -> bool:
+        weights = group.get("weights") or {}
+        fmt = group.get("format") or formats
+        if fmt not in READ_FORMATS or weights.get("actorder") not in (None, "weight"):
+            return False
+        if weights.get("type") == "float":
+            return weights.get("num_bits") == 8
+        return weights.get("num_bits") in ((2, 4, 8) if fmt == "pack-quantized" else (8,))
+
+    return bool(groups) and all(read(group) for group in groups.values())
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -157,22 +188,17 @@ def ensure_converted(name: str) -> Path:
 
 
 def convert(folder: Path, out: Path) -> int:
-    """Write the checkpoint in `folder` to `out` with each quantized layer's weight in fp32 and
-    its blocks beside where they hold it; return how many layers kept blocks."""
-    from safetensors.torch import save_file
-
+    """Write the checkpoint in `folder` to `out` with fp32 weights and, where they hold them,
+    its layers' blocks beside; return how many layers kept blocks."""
     scheme = scheme_of(folder)
     assert scheme is not None
     files = _weight_files(folder)
     if not files:
-        raise ValueError(f"{folder}: an {scheme.method.upper()} checkpoint needs safetensors files")
-    logger.info(
-        "converting %s (%s, %d-bit, groups of %d) to a checkpoint with fp32 weights ...",
-        folder,
-        scheme.method.upper(),
-        scheme.bits,
-        scheme.group_size,
-    )
+        raise ValueError(f"{folder}: a {scheme.method} checkpoint needs safetensors files")
+    logger.info("converting %s (%s) to fp32 weights ...", folder, scheme.describe())
+    if not scheme.packed:
+        _dequantize_with_transformers(folder, out, scheme)
+        return 0
     out.mkdir(parents=True)
     blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]] = {}
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -180,8 +206,9 @@ def convert(folder: Path, out: Path) -> int:
         if shards[-1] and sum(t.nbytes for t in shards[-1].values()) >= SHARD_BYTES:
             shards.append({})
         shards[-1][name] = tensor
-    _save_shards(shards, out, save_file)
+    _save_shards(shards, out)
     _copy_other_files(folder, out)
+    _write_config(folder, out)
     if blocks:
         gguf_blocks.save(blocks, out / gguf_blocks.BLOCKS_FILE)
     logger.info("%d linear layers keep their quantized groups as blocks", len(blocks))
@@ -204,94 +231,72 @@ def _dense_tensors(
 
     opened = [safe_open(str(path), framework="pt") for path in files]
     where = {name: handle for handle in opened for name in handle.keys()}  # noqa: SIM118
-    layers = sorted(n.removesuffix(".qweight") for n in where if n.endswith(".qweight"))
-    parts = {f"{layer}.{part}" for layer in layers for part in QUANTIZED_PARTS}
+    layers = sorted(
+        {name.rpartition(".")[0] for name in where if name.rpartition(".")[2] in MARKERS}
+    )
     for layer in layers:
-        found = {
+        parts = {
             part: where[f"{layer}.{part}"].get_tensor(f"{layer}.{part}")
-            for part in QUANTIZED_PARTS
+            for part in packed_weights.PARTS
             if f"{layer}.{part}" in where
         }
         try:
-            weight, held = dequantize(scheme, found)
+            weight, held = _read_layer(scheme, parts)
         except (KeyError, RuntimeError, ValueError) as exc:
             raise ValueError(f"{folder}: cannot read the quantized layer {layer}: {exc}") from exc
         if held is not None:
             blocks[layer] = held
         yield f"{layer}.weight", weight
+    read = {f"{layer}.{part}" for layer in layers for part in packed_weights.PARTS}
     for name, handle in where.items():
-        if name not in parts:
+        if name not in read and name.rpartition(".")[2] not in packed_weights.DROPPED:
             tensor = handle.get_tensor(name)
             yield name, tensor.float() if tensor.is_floating_point() else tensor
 
 
-def dequantize(
+def _read_layer(
     scheme: Scheme, parts: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, tuple[gguf_blocks.BlockFormat, torch.Tensor] | None]:
-    """A quantized layer's `qweight`, `qzeros`, `scales` (and GPTQ's `g_idx`) as its fp32 weight
-    `[out, in]`, and its blocks where each 32 inputs of a row share a group and the bits fit."""
-    if scheme.method == "awq":
-        q = _awq_columns(_fields(parts["qweight"], 4))  # [in, out]
-        zeros = _awq_columns(_fields(parts["qzeros"], 4))  # [groups, out]
+    """A quantized layer's fp32 weight, and its blocks where it has them."""
+    if "qweight" in parts and scheme.method == "awq":
+        integers = packed_weights.awq(parts)
+    elif "qweight" in parts:
+        integers = packed_weights.gptq(parts, scheme.bits, scheme.group_size, scheme.zero_offset)
+    elif "weight_packed" in parts:
+        integers = packed_weights.pack_quantized(parts)
     else:
-        words = parts["qweight"]  # [in * bits / 32, out], inputs packed down the columns
-        q = _fields(words.t(), scheme.bits).t()
-        zeros = _fields(parts["qzeros"], scheme.bits) + scheme.zero_offset
-    scales = parts["scales"].float()  # [groups, out]
-    groups = _group_of_input(scheme, parts.get("g_idx"), q.shape[0])
-    q = q.t()  # [out, in]
-    zero = zeros[groups].t()  # per input, [out, in]
-    scale = scales[groups].t()
-    weight = (q - zero).float() * scale
-    return weight.contiguous(), _blocks(scheme, groups, q, zero, scale)
+        found = packed_weights.unpacked(parts)
+        if isinstance(found, torch.Tensor):
+            return found, None
+        integers = found
+    scales = parts.get("scales", parts.get("weight_scale"))
+    assert scales is not None  # every integer layer has them
+    return integers.weight(), packed_weights.blocks_of(integers, scales)
 
 
-def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 words `[rows, n]` as their `32 / bits` fields each, lowest first: `[rows, n * 32 /
-    bits]` int32."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    fields = (words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return fields.flatten(-2)
+def _dequantize_with_transformers(folder: Path, out: Path, scheme: Scheme) -> None:
+    """A scheme whose weights are not packed integers (FP8, unpacked INT8): transformers loads
+    the model dequantized to fp32, and it is saved as it loaded."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
+
+    compressed = scheme.method == "compressed-tensors"
+    kind = CompressedTensorsConfig if compressed else FineGrainedFP8Config
+    try:
+        with warnings.catch_warnings():  # that the checkpoint's settings are kept but this one
+            warnings.filterwarnings("ignore", message=r".*already has a `quantization_config`")
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, quantization_config=kind(dequantize=True), dtype=torch.float32
+            )
+    except (ImportError, KeyError, NotImplementedError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"{folder}: transformers cannot dequantize it: {exc}") from exc
+    model.save_pretrained(out)
+    _copy_other_files(folder, out)
 
 
-def _awq_columns(fields: torch.Tensor) -> torch.Tensor:
-    """AutoAWQ's fields `[rows, out]` in column order."""
-    order = torch.tensor(AWQ_FIELDS)
-    index = (torch.arange(fields.shape[1]) // 8 * 8).view(-1, 8) + order
-    return fields[:, index.flatten()]
-
-
-def _group_of_input(scheme: Scheme, g_idx: torch.Tensor | None, inputs: int) -> torch.Tensor:
-    """Each input feature's group: GPTQ's `g_idx` where the checkpoint has one (act-order
-    checkpoints' groups are not runs of inputs), else runs of `group_size` inputs."""
-    if g_idx is not None:
-        return g_idx.long()
-    size = inputs if scheme.group_size <= 0 else scheme.group_size
-    return torch.arange(inputs) // size
-
-
-def _blocks(
-    scheme: Scheme, groups: torch.Tensor, q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor
-) -> tuple[gguf_blocks.BlockFormat, torch.Tensor] | None:
-    """Q4_G or Q8_G rows of the layer, where each 32-wide block of inputs is in one group."""
-    out, inputs = q.shape
-    if scheme.bits not in (4, 8) or inputs % gguf_blocks.BLOCK:
-        return None
-    runs = groups.view(-1, gguf_blocks.BLOCK)
-    if not torch.equal(runs, runs[:, :1].expand_as(runs)):
-        return None
-    first = slice(None, None, gguf_blocks.BLOCK)  # each block's first input holds its group's
-    d, zeros = scale[:, first], zero[:, first]
-    blocks = q.view(out, -1, gguf_blocks.BLOCK)
-    if scheme.bits == 4:  # d * q - d * zero
-        return gguf_blocks.Q4_G, gguf_blocks.group_rows(d, -d * zeros, blocks.to(torch.uint8))
-    # 8-bit q as int8 q - 128: d * (q - 128) + d * (128 - zero)
-    shifted = (blocks - 128).to(torch.int8)
-    return gguf_blocks.Q8_G, gguf_blocks.group_rows(d, d * (128 - zeros), shifted)
-
-
-def _save_shards(shards: list[dict[str, torch.Tensor]], out: Path, save_file: Any) -> None:
+def _save_shards(shards: list[dict[str, torch.Tensor]], out: Path) -> None:
     """Weights as one `model.safetensors`, or numbered files with an index."""
+    from safetensors.torch import save_file
+
     if len(shards) == 1:
         save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -306,12 +311,21 @@ def _save_shards(shards: list[dict[str, torch.Tensor]], out: Path, save_file: An
 
 
 def _copy_other_files(folder: Path, out: Path) -> None:
-    """Every file but the weights and the quantization settings, the config without them (and
-    saying fp32)."""
+    """Every file but the weights, the config and the quantization settings, where `out` has
+    none of that name yet."""
     skipped = {"model.safetensors.index.json", "quantize_config.json", "config.json"}
     for path in folder.iterdir():
-        if path.is_file() and path.suffix not in WEIGHT_SUFFIXES and path.name not in skipped:
+        if (
+            path.is_file()
+            and path.suffix not in WEIGHT_SUFFIXES
+            and path.name not in skipped
+            and not (out / path.name).exists()
+        ):
             shutil.copyfile(path, out / path.name)
+
+
+def _write_config(folder: Path, out: Path) -> None:
+    """The config without its quantization settings, saying fp32."""
     config = _read_json(folder / "config.json")
     config.pop("quantization_config", None)
     config["dtype"] = config["torch_dtype"] = "float32"

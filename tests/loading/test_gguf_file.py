@@ -16,8 +16,6 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from engine.core.config import CacheConfig, EngineConfig
@@ -38,20 +36,11 @@ from tests.helpers import (
     reference_greedy,
     run_all,
     tiny_llama,
+    tiny_qwen2,
     tokens_of,
 )
 
 PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
-
-
-def tiny_qwen2() -> Qwen2ForCausalLM:
-    config = Qwen2Config(**TINY_SHAPE, tie_word_embeddings=False, eos_token_id=0, bos_token_id=1)
-    torch.manual_seed(1)
-    model = Qwen2ForCausalLM(config).eval()
-    for name, param in model.named_parameters():  # q/k/v biases that matter
-        if name.endswith("bias"):
-            param.data.normal_(0, 0.2)
-    return model
 
 
 def wide_llama() -> LlamaForCausalLM:

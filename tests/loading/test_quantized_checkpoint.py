@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
@@ -26,39 +26,69 @@ from server.cli import main as cli_main
 from tests.helpers import (
     CHAT_TEMPLATE,
     NO_PANELS,
-    TINY_SHAPE,
     chat_tokenizer,
     reference_greedy,
     run_all,
     tiny_llama,
+    tiny_qwen2,
     tokens_of,
 )
-from tests.quantized_checkpoints import write_quantized
+from tests.quantized_checkpoints import (
+    write_compressed_tensors,
+    write_fp8_blocks,
+    write_quantized,
+)
 
 PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
 WIDE = dict(hidden_size=128, intermediate_size=256)
 
 
-def tiny_qwen2(**shape: int) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        **TINY_SHAPE | shape, tie_word_embeddings=False, eos_token_id=0, bos_token_id=1
-    )
-    torch.manual_seed(1)
-    model = Qwen2ForCausalLM(config).eval()
-    for name, param in model.named_parameters():  # q/k/v biases that matter
-        if name.endswith("bias"):
-            param.data.normal_(0, 0.2)
-    return model
+def packed(
+    build: Callable[[], torch.nn.Module],
+    method: str,
+    bits: int,
+    group: int,
+    act_order: bool = False,
+    v2: bool = False,
+) -> Callable[[Path], tuple[torch.nn.Module, int]]:
+    """An AWQ or GPTQ checkpoint of random integers."""
+
+    def write(folder: Path) -> tuple[torch.nn.Module, int]:
+        model = build()
+        tokenizer = chat_tokenizer()
+        return model, write_quantized(folder, model, tokenizer, method, bits, group, act_order, v2)
+
+    return write
 
 
-# name: (model, method, bits, group size, act order, GPTQ v2, block format held or None)
+def compressed(**scheme: Any) -> Callable[[Path], tuple[torch.nn.Module, int]]:
+    """A compressed-tensors checkpoint of a tiny Llama, written by compressed-tensors."""
+
+    def write(folder: Path) -> tuple[torch.nn.Module, int]:
+        model = tiny_llama()
+        return model, write_compressed_tensors(folder, model, chat_tokenizer(), **scheme)
+
+    return write
+
+
+def fp8_blocks(folder: Path) -> tuple[torch.nn.Module, int]:
+    model = tiny_llama()
+    return model, write_fp8_blocks(folder, model, chat_tokenizer())
+
+
+# name: (writer of the checkpoint and its oracle, the block format its layers are held in)
 CHECKPOINTS = {
-    "awq": (lambda: tiny_llama(), "awq", 4, 32, False, False, gguf_blocks.Q4_K),
-    "awq_g128_qwen2": (lambda: tiny_qwen2(**WIDE), "awq", 4, 128, False, False, gguf_blocks.Q4_K),
-    "gptq": (lambda: tiny_qwen2(), "gptq", 4, 64, False, False, gguf_blocks.Q4_K),
-    "gptq_8bit_rows_v2": (lambda: tiny_llama(), "gptq", 8, -1, False, True, gguf_blocks.Q8_K),
-    "gptq_act_order": (lambda: tiny_llama(), "gptq", 4, 32, True, False, None),
-    "gptq_2bit": (lambda: tiny_llama(), "gptq", 2, 32, False, False, None),
+    "awq": (packed(tiny_llama, "awq", 4, 32), gguf_blocks.Q4_K),
+    "awq_g128_qwen2": (packed(lambda: tiny_qwen2(**WIDE), "awq", 4, 128), gguf_blocks.Q4_K),
+    "gptq": (packed(tiny_qwen2, "gptq", 4, 64), gguf_blocks.Q4_K),
+    "gptq_8bit_rows_v2": (packed(tiny_llama, "gptq", 8, -1, v2=True), gguf_blocks.Q8_K),
+    "gptq_act_order": (packed(tiny_llama, "gptq", 4, 32, act_order=True), None),
+    "gptq_2bit": (packed(tiny_llama, "gptq", 2, 32), None),
+    "w4a16": (compressed(bits=4, group_size=32), gguf_blocks.Q4_K),
+    "w8a16_rows_symmetric": (compressed(bits=8, group_size=None, symmetric=True), gguf_blocks.Q8_K),
+    "w8a8_int8": (compressed(bits=8, group_size=None, symmetric=True, int8=True), gguf_blocks.Q8_K),
+    "fp8_w8a8": (compressed(fp8=True), None),
+    "fp8_blocks": (fp8_blocks, None),
 }
 
 
@@ -71,10 +101,7 @@ def conversions_in(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
 
 
 def quantized_checkpoint_in(folder: Path, name: str = "awq") -> tuple[torch.nn.Module, int]:
-    build, method, bits, group, act_order, v2, _ = CHECKPOINTS[name]
-    model = build()
-    count = write_quantized(folder, model, chat_tokenizer(), method, bits, group, act_order, v2)
-    return model, count
+    return CHECKPOINTS[name][0](folder)
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
@@ -103,7 +130,7 @@ def test_the_conversion_holds_exactly_the_weights_in_fp32(served) -> None:
     _, _, _, loaded, _, reference, count = served
     folder = Path(loaded.path)
     config = json.loads((folder / "config.json").read_text())
-    assert "quantization_config" not in config and config["torch_dtype"] == "float32"
+    assert "quantization_config" not in config and config["dtype"] == "float32"
     held: dict[str, torch.Tensor] = {}
     for file in folder.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as weights:
@@ -121,7 +148,7 @@ def test_groups_of_whole_blocks_are_held_as_blocks(served) -> None:
     """4-bit groups as Q4_K's panels, 8-bit ones as Q8_K's; act-order and 2-bit layers stay
     fp32 panels. Conveyor's decoder joins q, k and v over the same blocks."""
     name, _, core, loaded, _, _, count = served
-    expected = CHECKPOINTS[name][-1]
+    expected = CHECKPOINTS[name][1]
     held = [
         module.block_format
         for module in loaded.model.modules()
@@ -250,3 +277,26 @@ def test_other_hub_ids_and_names_are_left_as_they_are(hub: list[str], tmp_path: 
     assert checkpoint_path("org/absent") == "org/absent"
     assert checkpoint_path("no-organisation") == "no-organisation"
     assert hub == ["org/tiny/config.json", "org/absent/config.json"]
+
+
+def test_formats_not_read_here_are_dequantized_by_transformers(tmp_path: Path, monkeypatch) -> None:
+    """compressed-tensors' formats Conveyor does not read (NVFP4, MXFP4) go to transformers'
+    own dequantization: here a fine-grained FP8 checkpoint sent that way converts to the same
+    weights as read here."""
+    settings = {"format": "nvfp4-pack-quantized", "config_groups": {"g": {"weights": {}}}}
+    scheme = quantized_checkpoint._all_read_here(settings)
+    assert scheme is False
+    reference, _ = quantized_checkpoint_in(tmp_path, "fp8_blocks")
+    read_here = Path(checkpoint_path(str(tmp_path)))
+    monkeypatch.setattr(
+        quantized_checkpoint,
+        "scheme_of",
+        lambda folder: quantized_checkpoint.Scheme("fp8", 8, packed=False),
+    )
+    out = tmp_path / "by-transformers"
+    assert quantized_checkpoint.convert(tmp_path, out) == 0
+    for folder in (read_here, out):
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as weights:
+            for name, tensor in reference.state_dict().items():
+                assert torch.equal(weights.get_tensor(name), tensor), (folder, name)
+    assert (out / "tokenizer.json").is_file()
