@@ -45,6 +45,7 @@ from engine.loading.model_loader import (
     resolve_device,
     resolve_dtype,
 )
+from engine.loading.quantized_checkpoint import check_requested
 from engine.lora.registry import LoRARegistry
 from engine.lora.slots import LoRASlots
 from engine.models import CausalLM, build_causal_lm
@@ -66,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 
 def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, ServingInfo]:
+    check_requested(config.model, config.quantization)
     device = resolve_device(config.device)
     if config.tensor_parallel_size == 1:
         loaded, dtype = load_rank(config, device)

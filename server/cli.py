@@ -11,7 +11,13 @@ import re
 import sys
 from pathlib import Path
 
-from engine.core.config import KV_CACHE_DTYPES, LOAD_FORMATS, CacheConfig, EngineConfig
+from engine.core.config import (
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    EngineConfig,
+)
 from engine.loading.gguf_file import is_gguf_file
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
@@ -134,6 +140,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="folder or hub id of the tokenizer (and chat template) to use instead of the "
         "model's own",
+    )
+    engine.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=QUANTIZATION_METHODS,
+        help="the checkpoint's quantization method, checked against it (by default read from "
+        "the checkpoint; models are not quantized as they load)",
     )
     engine.add_argument(
         "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
@@ -445,6 +459,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         tokenizer=args.tokenizer,
+        quantization=args.quantization,
         dtype=args.dtype,
         device=args.device,
         int8_activations=args.int8_activations,

@@ -124,6 +124,18 @@ RUNNERS = ("generate", "pooling")
 # `auto` reads the checkpoint's weights; `dummy` (as vLLM's) gives the model random weights of
 # the checkpoint's shape, read from its config alone: for measuring speed and memory.
 LOAD_FORMATS = ("auto", "dummy")
+# vLLM's `--quantization` names of the methods of the checkpoints Conveyor serves.
+QUANTIZATION_METHODS = (
+    "awq",
+    "awq_marlin",
+    "gptq",
+    "gptq_marlin",
+    "marlin",
+    "compressed-tensors",
+    "compressed_tensors",
+    "fp8",
+    "gguf",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +146,8 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    # vLLM's `--quantization`: checked against the checkpoint's own method.
+    quantization: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     int8_activations: bool = False

@@ -44,6 +44,13 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # fp32 bytes per converted weight file.
 SHARD_BYTES = 2 << 30
 # Files of a hub checkpoint a conversion reads (not its `.bin` or other frameworks' copies).
+# vLLM's `--quantization` names, by the method of the checkpoints they serve.
+METHOD_NAMES = {
+    "awq_marlin": "awq",
+    "gptq_marlin": "gptq",
+    "marlin": "gptq",
+    "compressed_tensors": "compressed-tensors",
+}
 # A hub repository's id, `org/name`.
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
@@ -162,6 +169,30 @@ def _hub_checkpoint(repo: str) -> Path | None:
     if scheme_of(config.parent) is None:
         return None
     return Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS))
+
+
+def check_requested(name: str | None, requested: str | None) -> None:
+    """`--quantization` (vLLM's flag) names the checkpoint's own method, or is refused: Conveyor
+    serves quantized checkpoints and GGUF files as they are stored, and quantizes no model as it
+    loads. vLLM's names of its kernels for a method (`awq_marlin`) are that method."""
+    if requested is None:
+        return
+    from engine.loading.gguf_file import is_gguf_file
+
+    wanted = METHOD_NAMES.get(requested, requested)
+    folder = None if name is None or is_gguf_file(name) else quantized_folder(name)
+    scheme = scheme_of(folder) if folder is not None else None
+    stored = "gguf" if name is None or is_gguf_file(name) else scheme and scheme.method
+    if stored is None:
+        raise ValueError(
+            f"--quantization {requested}: {name} is not a quantized checkpoint, and Conveyor "
+            "does not quantize a model as it loads; serve an AWQ, GPTQ, compressed-tensors, "
+            "FP8 or GGUF checkpoint instead"
+        )
+    if stored != wanted:
+        raise ValueError(
+            f"--quantization {requested} does not match the checkpoint's quantization ({stored})"
+        )
 
 
 def converted_folder(folder: Path, label: str) -> Path:

@@ -22,6 +22,7 @@ from engine.kernels.cpu.linear import PanelLinear
 from engine.loading import gguf_blocks, quantized_checkpoint
 from engine.loading.model_loader import checkpoint_path
 from engine.models.llama import PagedLlamaLayer
+from server.cli import build_parser, engine_config
 from server.cli import main as cli_main
 from tests.helpers import (
     CHAT_TEMPLATE,
@@ -300,3 +301,20 @@ def test_formats_not_read_here_are_dequantized_by_transformers(tmp_path: Path, m
             for name, tensor in reference.state_dict().items():
                 assert torch.equal(weights.get_tensor(name), tensor), (folder, name)
     assert (out / "tokenizer.json").is_file()
+
+
+def test_the_quantization_flag_must_name_the_checkpoint_s_method(tmp_path: Path) -> None:
+    """vLLM's `--quantization`: the checkpoint's own method (or vLLM's kernel names for it)
+    starts; another, or any on a plain checkpoint, is refused before anything loads."""
+    (tmp_path / "awq").mkdir()
+    quantized_checkpoint_in(tmp_path / "awq")
+    plain = tmp_path / "plain"
+    tiny_llama().save_pretrained(plain)
+    argv = ["serve", "--model", str(tmp_path / "awq"), "-q", "awq_marlin", "--num-blocks", "16"]
+    _, loaded, _ = create_engine_core(engine_config(build_parser().parse_args(argv)))
+    assert Path(loaded.path).parent.name == "quantized"
+    quantized_checkpoint.check_requested(None, "gguf")  # the default model: a GGUF file
+    with pytest.raises(ValueError, match=r"--quantization gptq does not match .* \(awq\)"):
+        create_engine_core(EngineConfig(model=str(tmp_path / "awq"), quantization="gptq"))
+    with pytest.raises(ValueError, match="does not quantize a model as it loads"):
+        create_engine_core(EngineConfig(model=str(plain), quantization="fp8"))
