@@ -39,6 +39,13 @@ from tests.quantized_checkpoints import (
     write_fp8_blocks,
     write_quantized,
 )
+from tests.vision_utils import (
+    image_prompt,
+    processor_of,
+    random_image,
+    reference_tokens,
+    tiny_qwen2_5_vl,
+)
 
 PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
 WIDE = dict(hidden_size=128, intermediate_size=256)
@@ -318,3 +325,24 @@ def test_the_quantization_flag_must_name_the_checkpoint_s_method(tmp_path: Path)
         create_engine_core(EngineConfig(model=str(tmp_path / "awq"), quantization="gptq"))
     with pytest.raises(ValueError, match="does not quantize a model as it loads"):
         create_engine_core(EngineConfig(model=str(plain), quantization="fp8"))
+
+
+def test_an_image_text_checkpoint_s_language_model_is_read_and_held_as_blocks(tmp_path) -> None:
+    """Qwen2.5-VL-AWQ's kind: the language model's projections quantized, the vision tower
+    kept in 16 bits; served with an image, transformers' tokens for the weights it holds."""
+    family = "qwen2_5_vl"
+    model, processor = tiny_qwen2_5_vl(), processor_of(family)
+    count = write_quantized(tmp_path, model, processor.tokenizer, "awq", 4, 32)
+    processor.save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), dtype="float32", cache=CacheConfig(num_blocks=64))
+    core, loaded, _ = create_engine_core(config)
+    processed, ids, images = image_prompt([random_image(1), "The quick brown fox"], family)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    core.add_request("one", ids, greedy, images=images)
+    outputs = []
+    while core.has_unfinished():
+        outputs.extend(core.step())
+    assert tokens_of(outputs) == reference_tokens(model, processed, 8)
+    if not NO_PANELS:
+        held = [m for m in loaded.model.modules() if getattr(m, "block_format", None)]
+        assert len(held) == count
