@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.quantized_checkpoints import write_quantized
+from tests.quantized_checkpoints import Layout, write_quantized
 
 
 def main() -> None:
@@ -25,18 +25,13 @@ def main() -> None:
     parser.add_argument("--method", choices=("awq", "gptq"), default="awq")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--symmetric", action="store_true", help="GPTQ's sym: zeros in the middle")
     args = parser.parse_args()
     model = AutoModelForCausalLM.from_pretrained(args.dense, dtype=torch.float32)
     args.out.mkdir(parents=True, exist_ok=True)
-    count = write_quantized(
-        args.out,
-        model,
-        AutoTokenizer.from_pretrained(args.dense),
-        args.method,
-        args.bits,
-        args.group_size,
-        rounded=True,
-    )
+    layout = Layout(args.method, args.bits, args.group_size, symmetric=args.symmetric)
+    tokenizer = AutoTokenizer.from_pretrained(args.dense)
+    count = write_quantized(args.out, model, tokenizer, layout, rounded=True)
     for name in ("generation_config.json", "chat_template.jinja"):
         if (args.dense / name).is_file():
             shutil.copyfile(args.dense / name, args.out / name)

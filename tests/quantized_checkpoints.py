@@ -7,6 +7,7 @@ zeros less one in its own format), every other tensor in fp16, the settings in t
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,62 +30,75 @@ def pack_words(fields: np.ndarray, bits: int) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How an AWQ or GPTQ checkpoint stores its layers."""
+
+    method: str  # awq or gptq
+    bits: int = 4
+    group_size: int = 32  # -1: one group per row
+    act_order: bool = False  # GPTQ's groups of inputs in a shuffled order
+    v2: bool = False  # GPTQ's v2 format: zeros as they are, not less one
+    symmetric: bool = False  # every zero 2**(bits - 1)
+
+    @property
+    def least_zero(self) -> int:
+        """GPTQ's own format stores each zero less one: zero 0 cannot be stored."""
+        return 1 if self.method == "gptq" and not self.v2 else 0
+
+
 def quantized_layer(
-    out: int,
-    inputs: int,
-    method: str,
-    bits: int,
-    group_size: int,
-    act_order: bool,
-    v2: bool,
-    rng: np.random.Generator,
+    out: int, inputs: int, layout: Layout, rng: np.random.Generator
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """A layer of random integers, zeros and scales: its stored tensors, and the fp32 weight
     `[out, in]` they stand for."""
-    size = inputs if group_size <= 0 else group_size
+    bits = layout.bits
+    size = inputs if layout.group_size <= 0 else layout.group_size
     q = rng.integers(0, 2**bits, (inputs, out))
-    zeros = rng.integers(1 if method == "gptq" and not v2 else 0, 2**bits, (inputs // size, out))
+    zeros = rng.integers(layout.least_zero, 2**bits, (inputs // size, out))
+    if layout.symmetric:
+        zeros[:] = 1 << (bits - 1)
     top = 0.3 / 2 ** (bits - 1)
     scales = rng.uniform(0.5 * top, top, zeros.shape).astype(np.float16)
     g_idx = np.arange(inputs) // size
-    if act_order:
+    if layout.act_order:
         g_idx = g_idx[rng.permutation(inputs)]
-    return _stored(q, zeros, scales, g_idx, method, bits, v2)
+    return _stored(q, zeros, scales, g_idx, layout)
 
 
 def rounded_layer(
-    weight: np.ndarray, method: str, bits: int, group_size: int, v2: bool
+    weight: np.ndarray, layout: Layout
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`weight [out, in]` rounded to the nearest of its group's `2**bits` levels between the
     group's least and greatest weight (not AWQ's or GPTQ's search, the same storage)."""
+    bits = layout.bits
     out, inputs = weight.shape
-    size = inputs if group_size <= 0 else group_size
+    size = inputs if layout.group_size <= 0 else layout.group_size
     grouped = weight.T.reshape(inputs // size, size, out)
     low, high = np.minimum(grouped.min(1), 0), np.maximum(grouped.max(1), 0)
+    if layout.symmetric:  # GPTQ's: levels around zero 2**(bits - 1)
+        high = np.maximum(high, -low)
+        low = -high
     scales = np.maximum((high - low) / (2**bits - 1), 1e-8).astype(np.float16)
-    lowest = 1 if method == "gptq" and not v2 else 0  # GPTQ's own format stores zero - 1
-    zeros = np.clip(np.round(-low / scales.astype(np.float64)), lowest, 2**bits - 1)
+    zeros = np.clip(np.round(-low / scales.astype(np.float64)), layout.least_zero, 2**bits - 1)
+    if layout.symmetric:
+        zeros[:] = 1 << (bits - 1)
     g_idx = np.arange(inputs) // size
     q = np.round(weight.T / scales[g_idx].astype(np.float64)) + zeros[g_idx]
     q = np.clip(q, 0, 2**bits - 1).astype(np.int64)
-    return _stored(q, zeros.astype(np.int64), scales, g_idx, method, bits, v2)
+    return _stored(q, zeros.astype(np.int64), scales, g_idx, layout)
 
 
 def _stored(
-    q: np.ndarray,
-    zeros: np.ndarray,
-    scales: np.ndarray,
-    g_idx: np.ndarray,
-    method: str,
-    bits: int,
-    v2: bool,
+    q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, g_idx: np.ndarray, layout: Layout
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Integers `q [in, out]`, zeros and fp16 scales `[groups, out]` and each input's group as
     the method stores them, and the fp32 weight `[out, in]` they stand for."""
+    bits = layout.bits
     out = q.shape[1]
     weight = scales[g_idx].astype(np.float64) * (q - zeros[g_idx])
-    stored_zeros = zeros - (1 if method == "gptq" and not v2 else 0)
-    if method == "awq":
+    stored_zeros = zeros - layout.least_zero
+    if layout.method == "awq":
         order = np.asarray(AWQ_PACK_ORDER)
         columns = ((np.arange(out) // 8 * 8).reshape(-1, 8) + order).ravel()
         tensors = {
@@ -106,11 +120,7 @@ def write_quantized(
     folder: Path,
     model: Any,
     tokenizer: Any,
-    method: str,
-    bits: int = 4,
-    group_size: int = 32,
-    act_order: bool = False,
-    v2: bool = False,
+    layout: Layout,
     seed: int = 0,
     rounded: bool = False,
 ) -> int:
@@ -124,12 +134,9 @@ def write_quantized(
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and ".layers." in name:
                 if rounded:
-                    dense = module.weight.float().numpy()
-                    parts, weight = rounded_layer(dense, method, bits, group_size, v2)
+                    parts, weight = rounded_layer(module.weight.float().numpy(), layout)
                 else:
-                    parts, weight = quantized_layer(
-                        *module.weight.shape, method, bits, group_size, act_order, v2, rng
-                    )
+                    parts, weight = quantized_layer(*module.weight.shape, layout, rng)
                 tensors.update({f"{name}.{part}": t for part, t in parts.items()})
                 module.weight.copy_(weight)
                 quantized += 1
@@ -140,28 +147,28 @@ def write_quantized(
     _save_two_files(folder, tensors)
     config = model.config.to_dict()
     config["torch_dtype"] = "float16"
-    config["quantization_config"] = _settings(method, bits, group_size, act_order, v2)
+    config["quantization_config"] = _settings(layout)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(folder)
     return quantized
 
 
-def _settings(method: str, bits: int, group_size: int, act_order: bool, v2: bool) -> dict:
-    if method == "awq":
+def _settings(layout: Layout) -> dict:
+    if layout.method == "awq":
         return {
             "quant_method": "awq",
-            "bits": bits,
-            "group_size": group_size,
+            "bits": layout.bits,
+            "group_size": layout.group_size,
             "version": "gemm",
             "zero_point": True,
         }
     return {
         "quant_method": "gptq",
-        "bits": bits,
-        "group_size": group_size,
-        "desc_act": act_order,
-        "sym": False,
-        "checkpoint_format": "gptq_v2" if v2 else "gptq",
+        "bits": layout.bits,
+        "group_size": layout.group_size,
+        "desc_act": layout.act_order,
+        "sym": layout.symmetric,
+        "checkpoint_format": "gptq_v2" if layout.v2 else "gptq",
     }
 
 

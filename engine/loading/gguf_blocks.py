@@ -169,12 +169,15 @@ def _split_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
     return (d * scales).reshape(out, -1, 2), None, q.reshape(out, -1, 32)
 
 
-def group_rows(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Q4_G rows (q uint8 0..15) or Q8_G rows (q int8) `[out, in / 32 * bytes]` of 32-wide
-    blocks: scales `d` and minima `m` `[out, in / 32]` fp32, q `[out, in / 32, 32]`."""
+def group_rows(
+    d: torch.Tensor, m: torch.Tensor | None, q: torch.Tensor, scales: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Rows `[out, in / 32 * bytes]` of 32-wide blocks, each its scale `d` and minimum `m`
+    (`[out, in / 32]`, stored in `scales`) and its q (`[out, in / 32, 32]`): Q4_G (fp32, q uint8
+    0..15), Q8_G (fp32, q int8), Q4_1 (fp16, q uint8 0..15) or Q8_0 (fp16, q int8, no m)."""
     if q.dtype == torch.uint8:
         q = q[..., :16] | (q[..., 16:] << 4)
-    parts = [d.float().unsqueeze(-1), m.float().unsqueeze(-1)]
+    parts = [d.to(scales).unsqueeze(-1)] + ([] if m is None else [m.to(scales).unsqueeze(-1)])
     body = q.contiguous().view(torch.uint8)
     blocks = torch.cat([part.view(torch.uint8) for part in parts] + [body], dim=-1)
     return blocks.reshape(q.shape[0], -1)

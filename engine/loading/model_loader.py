@@ -223,8 +223,8 @@ def load_model(
     use_linear_form(model, choose_linear_form(dtype, device), folder, int8_activations)
     if int8_activations and not any(getattr(m, "int8_activations", False) for m in model.modules()):
         logger.warning(
-            "--int8-activations has no effect here: it needs float32 on a CPU and a GGUF "
-            "file's Q4_0, Q4_1 or Q8_0 blocks beside the checkpoint"
+            "--int8-activations has no effect here: it needs float32 on a CPU and Q4_0, Q4_1 "
+            "or Q8_0 blocks (a GGUF file's, or a quantized checkpoint's symmetric groups)"
         )
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_name or path, trust_remote_code=trust_remote_code

@@ -5,7 +5,8 @@ group of inputs (AWQ and GPTQ `[groups, out]`, inputs running down the rows; com
 `[out, groups]`), and its weight is `scale * (q - zero)`. Here they become that weight in fp32
 (exact: 16-bit scales times integers below 2**9) and, where each 32 inputs of a row share one
 group and q has 4 or 8 bits, blocks that widen to the same weight for the CPU's panel product
-(`gguf_blocks.Q4_G`, `Q8_G`).
+(`gguf_blocks.Q4_G`, `Q8_G`; symmetric groups in GGUF's Q4_1 and Q8_0, which also multiply
+against 8-bit activations).
 """
 
 from __future__ import annotations
@@ -129,8 +130,10 @@ def unpacked(parts: dict[str, torch.Tensor]) -> Integers | torch.Tensor:
 def blocks_of(
     integers: Integers, scales: torch.Tensor
 ) -> tuple[gguf_blocks.BlockFormat, torch.Tensor] | None:
-    """Q4_G or Q8_G rows of the layer, where each 32-wide block of inputs is in one group, q
-    has 4 or 8 bits and the stored `scales` are 16-bit (so `d * q + m` is exactly its weight)."""
+    """Blocks of the layer, where each 32-wide block of inputs is in one group, q has 4 or 8 bits
+    and the stored `scales` are 16-bit (so `d * q + m` is exactly its weight): GGUF's Q4_1 or
+    Q8_0 for symmetric groups (zero `2**(bits - 1)`) whose scales fp16 holds, which also multiply
+    against 8-bit activations; else Q4_G or Q8_G."""
     out, inputs = integers.q.shape
     exact = scales.dtype in EXACT_SCALES
     if integers.bits not in (4, 8) or inputs % gguf_blocks.BLOCK or not exact:
@@ -142,10 +145,29 @@ def blocks_of(
     d = integers.scales[:, group].float()
     zeros = integers.zeros[:, group]
     q = integers.q.view(out, -1, gguf_blocks.BLOCK)
+    if torch.all(zeros == 1 << (integers.bits - 1)) and _fp16_holds(d, integers.bits):
+        return _symmetric_blocks(d, q, integers.bits)
     if integers.bits == 4:  # d * q - d * zero
         return gguf_blocks.Q4_G, gguf_blocks.group_rows(d, -d * zeros, q.to(torch.uint8))
     # 8-bit q as int8 q - 128: d * (q - 128) + d * (128 - zero)
     return gguf_blocks.Q8_G, gguf_blocks.group_rows(d, d * (128 - zeros), (q - 128).to(torch.int8))
+
+
+def _symmetric_blocks(
+    d: torch.Tensor, q: torch.Tensor, bits: int
+) -> tuple[gguf_blocks.BlockFormat, torch.Tensor]:
+    """Symmetric groups in GGUF's formats: 4-bit `d * (q - 8)` as Q4_1's `d * q + m` with
+    `m = -8 d`, 8-bit `d * (q - 128)` as Q8_0's `d * q` with q less 128; fp16 scales."""
+    half = torch.float16
+    if bits == 4:
+        return gguf_blocks.Q4_1, gguf_blocks.group_rows(d, -8 * d, q.to(torch.uint8), half)
+    return gguf_blocks.Q8_0, gguf_blocks.group_rows(d, None, (q - 128).to(torch.int8), half)
+
+
+def _fp16_holds(d: torch.Tensor, bits: int) -> bool:
+    """Whether fp16 holds every scale exactly, and for 4 bits Q4_1's minimum `-8 d` too."""
+    held = [d] if bits == 8 else [d, 8 * d]
+    return all(torch.equal(values.half().float(), values) for values in held)
 
 
 def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""AWQ and GPTQ checkpoints as `--model` (`engine/loading/quantized_checkpoint.py`): converted once
-into the cache, each quantized layer's weight exactly `scale * (q - zero)`, served with
-transformers' greedy tokens for those weights, their 4- and 8-bit groups held as blocks on the
-CPU, and refused by name where the packing is one Conveyor does not read."""
+"""Quantized checkpoints as `--model` (`engine/loading/quantized_checkpoint.py`): AWQ, GPTQ,
+compressed-tensors (written by compressed-tensors itself) and FP8 ones converted once into the
+cache, each quantized layer's weight exactly what it stores, served with transformers' greedy
+tokens for those weights, their 4- and 8-bit groups held as blocks on the CPU (symmetric ones in
+GGUF's Q4_1 and Q8_0, which take 8-bit activations), and refused by name where the packing is
+one Conveyor does not read."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from tests.helpers import (
     CHAT_TEMPLATE,
     NO_PANELS,
     chat_tokenizer,
+    int8_layer_errors,
     reference_greedy,
     run_all,
     tiny_llama,
@@ -35,6 +38,7 @@ from tests.helpers import (
     tokens_of,
 )
 from tests.quantized_checkpoints import (
+    Layout,
     write_compressed_tensors,
     write_fp8_blocks,
     write_quantized,
@@ -52,19 +56,14 @@ WIDE = dict(hidden_size=128, intermediate_size=256)
 
 
 def packed(
-    build: Callable[[], torch.nn.Module],
-    method: str,
-    bits: int,
-    group: int,
-    act_order: bool = False,
-    v2: bool = False,
+    build: Callable[[], torch.nn.Module], method: str, bits: int, group: int, **layout: bool
 ) -> Callable[[Path], tuple[torch.nn.Module, int]]:
     """An AWQ or GPTQ checkpoint of random integers."""
 
     def write(folder: Path) -> tuple[torch.nn.Module, int]:
         model = build()
-        tokenizer = chat_tokenizer()
-        return model, write_quantized(folder, model, tokenizer, method, bits, group, act_order, v2)
+        stored = Layout(method, bits, group, **layout)
+        return model, write_quantized(folder, model, chat_tokenizer(), stored)
 
     return write
 
@@ -89,12 +88,14 @@ CHECKPOINTS = {
     "awq": (packed(tiny_llama, "awq", 4, 32), gguf_blocks.Q4_K),
     "awq_g128_qwen2": (packed(lambda: tiny_qwen2(**WIDE), "awq", 4, 128), gguf_blocks.Q4_K),
     "gptq": (packed(tiny_qwen2, "gptq", 4, 64), gguf_blocks.Q4_K),
+    "gptq_symmetric": (packed(tiny_llama, "gptq", 4, 64, symmetric=True), gguf_blocks.Q4_1),
     "gptq_8bit_rows_v2": (packed(tiny_llama, "gptq", 8, -1, v2=True), gguf_blocks.Q8_K),
     "gptq_act_order": (packed(tiny_llama, "gptq", 4, 32, act_order=True), None),
     "gptq_2bit": (packed(tiny_llama, "gptq", 2, 32), None),
     "w4a16": (compressed(bits=4, group_size=32), gguf_blocks.Q4_K),
-    "w8a16_rows_symmetric": (compressed(bits=8, group_size=None, symmetric=True), gguf_blocks.Q8_K),
-    "w8a8_int8": (compressed(bits=8, group_size=None, symmetric=True, int8=True), gguf_blocks.Q8_K),
+    "w4a16_symmetric": (compressed(bits=4, group_size=64, symmetric=True), gguf_blocks.Q4_1),
+    "w8a16_rows_symmetric": (compressed(bits=8, group_size=None, symmetric=True), gguf_blocks.Q8_0),
+    "w8a8_int8": (compressed(bits=8, group_size=None, symmetric=True, int8=True), gguf_blocks.Q8_0),
     "fp8_w8a8": (compressed(fp8=True), None),
     "fp8_blocks": (fp8_blocks, None),
 }
@@ -332,7 +333,7 @@ def test_an_image_text_checkpoint_s_language_model_is_read_and_held_as_blocks(tm
     kept in 16 bits; served with an image, transformers' tokens for the weights it holds."""
     family = "qwen2_5_vl"
     model, processor = tiny_qwen2_5_vl(), processor_of(family)
-    count = write_quantized(tmp_path, model, processor.tokenizer, "awq", 4, 32)
+    count = write_quantized(tmp_path, model, processor.tokenizer, Layout("awq"))
     processor.save_pretrained(tmp_path)
     config = EngineConfig(model=str(tmp_path), dtype="float32", cache=CacheConfig(num_blocks=64))
     core, loaded, _ = create_engine_core(config)
@@ -346,3 +347,28 @@ def test_an_image_text_checkpoint_s_language_model_is_read_and_held_as_blocks(tm
     if not NO_PANELS:
         held = [m for m in loaded.model.modules() if getattr(m, "block_format", None)]
         assert len(held) == count
+
+
+@pytest.mark.skipif(bool(NO_PANELS), reason=NO_PANELS)
+@pytest.mark.parametrize("name", ["gptq_symmetric", "w4a16_symmetric", "w8a8_int8"])
+def test_symmetric_groups_multiply_against_8_bit_activations_on_request(
+    tmp_path: Path, name: str
+) -> None:
+    """Symmetric groups, held in GGUF's Q4_1 and Q8_0 blocks, take `--int8-activations`: each
+    projection the engine runs gives its weights times its inputs rounded to 8-bit blocks (a
+    W8A8 checkpoint's INT8 products, as it was made for)."""
+    quantized_checkpoint_in(tmp_path, name)
+    config = EngineConfig(
+        model=str(tmp_path),
+        dtype="float32",
+        int8_activations=True,
+        cache=CacheConfig(num_blocks=64),
+    )
+    core, _, _ = create_engine_core(config)
+    layers = [
+        m for m in core.runner.model.modules() if isinstance(m, PanelLinear) and m.int8_activations
+    ]
+    assert len(layers) == 2 * 4  # q/k/v and gate/up joined, o and down; the head stays fp32
+    errors = int8_layer_errors(layers)
+    run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=1))
+    assert len(errors) == 2 * 4 and max(errors) < 1e-3
