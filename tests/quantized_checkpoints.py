@@ -311,3 +311,36 @@ def write_fp8_blocks(folder: Path, model: Any, tokenizer: Any, block: int = 32) 
     tokenizer.save_pretrained(folder)
     model.load_state_dict(held)
     return quantized
+
+
+def quantize_saved(folder: Path, layout: Layout, seed: int = 0) -> Path:
+    """Turn the dense checkpoint saved in `folder` (one `model.safetensors`, names as on disk:
+    a mixture's experts one by one) into an AWQ or GPTQ one, every decoder projection random
+    integers; return the folder of the dense checkpoint they stand for (the oracle's)."""
+    from safetensors import safe_open
+
+    rng = np.random.default_rng(seed)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as saved:
+        dense = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118
+    tensors, held = {}, {}
+    for name, tensor in dense.items():
+        if ".layers." in name and name.endswith("proj.weight") and tensor.dim() == 2:
+            parts, weight = quantized_layer(*tensor.shape, layout, rng)
+            layer = name.removesuffix(".weight")
+            tensors.update({f"{layer}.{part}": t for part, t in parts.items()})
+            held[name] = weight
+        else:
+            tensors[name] = tensor.half()
+            held[name] = tensors[name].float()
+    oracle = folder / "dense"
+    oracle.mkdir()
+    for path in folder.iterdir():
+        if path.is_file() and path.suffix != ".safetensors":
+            (oracle / path.name).write_bytes(path.read_bytes())
+    save_file(held, str(oracle / "model.safetensors"))
+    _save_two_files(folder, tensors)
+    (folder / "model.safetensors").unlink()
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = _settings(layout)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return oracle

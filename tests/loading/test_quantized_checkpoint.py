@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
@@ -37,8 +38,10 @@ from tests.helpers import (
     tiny_qwen2,
     tokens_of,
 )
+from tests.models.test_moe import build
 from tests.quantized_checkpoints import (
     Layout,
+    quantize_saved,
     write_compressed_tensors,
     write_fp8_blocks,
     write_quantized,
@@ -372,3 +375,24 @@ def test_symmetric_groups_multiply_against_8_bit_activations_on_request(
     errors = int8_layer_errors(layers)
     run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=1))
     assert len(errors) == 2 * 4 and max(errors) < 1e-3
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_a_mixture_s_experts_are_read_one_by_one(tmp_path: Path, family: str) -> None:
+    """A GPTQ checkpoint of a mixture of experts stores each expert's projections (Qwen3-30B-A3B
+    GPTQ's kind): read one by one and joined into the experts transformers loads, which run on
+    their weights; the attention projections are held as blocks. transformers' tokens for the
+    weights it holds."""
+    torch.manual_seed(0)
+    build(family).save_pretrained(tmp_path)
+    chat_tokenizer().save_pretrained(tmp_path)
+    oracle = quantize_saved(tmp_path, Layout("gptq", 4, 32, symmetric=True))
+    reference = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
+    config = EngineConfig(model=str(tmp_path), dtype="float32", cache=CacheConfig(num_blocks=64))
+    core, loaded, _ = create_engine_core(config)
+    expected = [reference_greedy(reference, p, 10) for p in PROMPTS]
+    outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+    if not NO_PANELS:
+        held = [m for m in loaded.model.modules() if getattr(m, "block_format", None)]
+        assert len(held) == 4 * 3  # q, k, v and o of each layer
