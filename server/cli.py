@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import ssl
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from server.settings import (
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_HEAD_BYTES,
     ServerSettings,
+    TlsFiles,
 )
 from server.tool_parsers import PARSERS
 
@@ -438,6 +440,30 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     server.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error", "critical", "trace"],
+        help="the level of uvicorn's own log lines (default: --log-level)",
+    )
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    server.add_argument("--ssl-certfile", default=None, help="and this certificate chain")
+    server.add_argument(
+        "--ssl-ca-certs", default=None, help="certificates of the authority clients' must be of"
+    )
+    server.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=ssl.CERT_NONE,
+        choices=[ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED],
+        help="whether clients must show a certificate: 0 no, 1 optional, 2 required "
+        "(Python's ssl.CERT_* values, as vLLM takes them)",
+    )
+    server.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy serves the app under, for the links it writes",
+    )
+    server.add_argument(
         "--enable-log-requests",
         action="store_true",
         help="a log line for every finished request (on by default with --log-format json)",
@@ -510,6 +536,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         chat_template=args.chat_template,
         api_key=args.api_key,
         allowed_origins=origins,
+        tls=_tls_files(args),
+        root_path=args.root_path,
         max_body_bytes=args.max_request_bytes,
         max_head_bytes=args.max_header_bytes,
         head_timeout=args.header_timeout,
@@ -536,6 +564,26 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     )
 
 
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """HTTPS's files, or None for plain HTTP; a key without a certificate (or the other way
+    round) is refused."""
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None:
+            raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+        return None
+    if args.ssl_keyfile is None or args.ssl_certfile is None:
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    # Read now, so that a wrong file stops the start before the model loads.
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot read the TLS files: {exc}") from exc
+    return TlsFiles(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+
+
 def serve(args: argparse.Namespace) -> int:
     from engine.core.async_engine import AsyncEngine
     from server.app import build_app
@@ -544,9 +592,10 @@ def serve(args: argparse.Namespace) -> int:
     from server.log_format import configure_logging
     from server.tracing import Tracing
 
-    log_config = configure_logging(args.log_level, args.log_format)
-    settings = server_settings(args)
+    uvicorn_level = args.uvicorn_log_level or args.log_level
+    log_config = configure_logging(args.log_level, args.log_format, uvicorn_level)
     try:
+        settings = server_settings(args)
         tracing = Tracing.from_endpoint(settings.otlp_traces_endpoint, settings.log_requests)
         engine = AsyncEngine.from_config(engine_config(args))
         app = build_app(engine, settings, tracing=tracing)
@@ -555,7 +604,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     info = engine.info
     logger.info(
-        "serving %s as '%s' (%s on %s, %d %s KV blocks of %d tokens, context %d) at http://%s:%d",
+        "serving %s as '%s' (%s on %s, %d %s KV blocks of %d tokens, context %d) at %s://%s:%d",
         info.model_path or info.model_name,
         app.state.model.name,
         info.dtype,
@@ -564,10 +613,11 @@ def serve(args: argparse.Namespace) -> int:
         info.kv_cache_dtype,
         info.block_size,
         info.max_model_len,
+        "https" if settings.tls else "http",
         args.host,
         args.port,
     )
-    config = uvicorn_config(app, args.host, args.port, args.log_level, settings, log_config)
+    config = uvicorn_config(app, args.host, args.port, uvicorn_level, settings, log_config)
     logger.debug("%d objects of the loaded model frozen out of garbage collection", freeze_heap())
     DrainingServer(config, app, settings.shutdown_timeout).run()
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from http import HTTPStatus
 from typing import Any
 
@@ -123,8 +124,9 @@ def uvicorn_config(
     settings: ServerSettings,
     log_config: dict[str, Any] | None = None,
 ) -> uvicorn.Config:
-    """uvicorn's configuration for the app: the guarded protocol with `settings`' limits, and
-    `log_config` for its loggers (None: uvicorn's own)."""
+    """uvicorn's configuration for the app: the guarded protocol with `settings`' limits, its
+    TLS files and root path, and `log_config` for its loggers (None: uvicorn's own)."""
+    tls = settings.tls
     return uvicorn.Config(
         app,
         host=host,
@@ -132,4 +134,9 @@ def uvicorn_config(
         log_level=log_level,
         http=guarded(settings.max_head_bytes, settings.head_timeout),
         log_config=log_config if log_config is not None else uvicorn.config.LOGGING_CONFIG,
+        root_path=settings.root_path,
+        ssl_keyfile=tls.keyfile if tls else None,
+        ssl_certfile=tls.certfile if tls else None,
+        ssl_ca_certs=tls.ca_certs if tls else None,
+        ssl_cert_reqs=tls.cert_reqs if tls else ssl.CERT_NONE,
     )

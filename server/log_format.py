@@ -36,14 +36,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(level: str, log_format: str) -> dict[str, Any] | None:
+def configure_logging(
+    level: str, log_format: str, uvicorn_level: str | None = None
+) -> dict[str, Any] | None:
     """Set up the root logger; return the logging configuration uvicorn should apply (None:
-    its own)."""
+    its own), its own loggers at `uvicorn_level` (default: `level`)."""
     if log_format == "plain":
         plain = logging.StreamHandler()
         plain.setFormatter(PlainFormatter(PLAIN))
         logging.basicConfig(level=level.upper(), handlers=[plain])
         return None
+    uvicorn_level = uvicorn_level or level
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
@@ -55,7 +58,7 @@ def configure_logging(level: str, log_format: str) -> dict[str, Any] | None:
         "formatters": {"json": {"()": JsonFormatter}},
         "handlers": {"json": {"class": "logging.StreamHandler", "formatter": "json"}},
         "loggers": {
-            name: {"handlers": ["json"], "level": level.upper(), "propagate": False}
+            name: {"handlers": ["json"], "level": uvicorn_level.upper(), "propagate": False}
             for name in ("uvicorn", "uvicorn.access")
         },
     }

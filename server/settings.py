@@ -16,6 +16,17 @@ DEFAULT_MAX_FILE_BYTES = 200 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """HTTPS (`--ssl-keyfile`, `--ssl-certfile`; `--ssl-ca-certs` and `--ssl-cert-reqs` to ask
+    clients for certificates of that authority): files as uvicorn reads them."""
+
+    keyfile: str
+    certfile: str
+    ca_certs: str | None = None
+    cert_reqs: int = 0  # ssl.CERT_NONE; 1 optional, 2 required
+
+
+@dataclass(frozen=True, slots=True)
 class ServerSettings:
     served_model_name: str | None = None
     # More names clients may send as `model` for the served model.
@@ -24,6 +35,10 @@ class ServerSettings:
     chat_template: str | None = None
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
+    # HTTPS with these files (None: plain HTTP).
+    tls: TlsFiles | None = None
+    # The path a proxy serves the app under (`--root-path`), for the links the app writes.
+    root_path: str = ""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
     head_timeout: float = DEFAULT_HEAD_TIMEOUT

@@ -103,7 +103,8 @@ async def live_server(
                 task.result()
             await asyncio.sleep(0.01)
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield LiveServer(f"http://127.0.0.1:{port}", engine, app)
+        scheme = "https" if settings.tls else "http"
+        yield LiveServer(f"{scheme}://127.0.0.1:{port}", engine, app)
     finally:
         server.should_exit = True
         await task

@@ -1,17 +1,19 @@
 """vLLM's serve flags that command lines copied from it carry: several served model names,
 `--chat-template` (a file or the template itself), `--enable-auto-tool-choice`,
 `--enable-log-requests` / `--disable-log-requests`, `--limit-mm-per-prompt` and
-`--allowed-media-domains`."""
+`--allowed-media-domains`, HTTPS (`--ssl-*`), `--root-path` and `--uvicorn-log-level`."""
 
 from __future__ import annotations
 
 import logging
+import ssl
 
+import httpx
 import pytest
 
 from server.cli import build_parser, server_settings
-from server.log_format import PlainFormatter
-from tests.server_utils import app_client
+from server.log_format import PlainFormatter, configure_logging
+from tests.server_utils import app_client, live_server
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>>"
 HELLO = [{"role": "user", "content": "hello"}]
@@ -78,3 +80,83 @@ def test_the_allowed_media_domains_are_read_as_lower_case_hosts():
     assert settings_of().limits.allowed_media_domains is None
     limits = settings_of("--allowed-media-domains", "Images.Example", "cdn.example").limits
     assert limits.allowed_media_domains == frozenset({"images.example", "cdn.example"})
+
+
+@pytest.fixture(scope="module")
+def authority(tmp_path_factory):
+    """A certificate authority, and a server certificate of it for 127.0.0.1 in files."""
+    import trustme
+
+    folder = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    server.private_key_pem.write_to_path(str(folder / "key.pem"))
+    server.cert_chain_pems[0].write_to_path(str(folder / "cert.pem"))
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    return ca, folder
+
+
+def tls_flags(folder, *more: str, key: str = "key.pem") -> list[str]:
+    return ["--ssl-keyfile", str(folder / key), "--ssl-certfile", str(folder / "cert.pem"), *more]
+
+
+async def test_https_serves_with_the_given_certificate_and_refuses_plain_http(authority):
+    _, folder = authority
+    async with live_server(settings_of(*tls_flags(folder))) as server:
+        assert server.url.startswith("https://")
+        context = ssl.create_default_context(cafile=str(folder / "ca.pem"))
+        async with httpx.AsyncClient(verify=context) as client:
+            reply = await client.get(f"{server.url}/v1/models")
+            assert reply.status_code == 200 and reply.json()["data"]
+        async with httpx.AsyncClient() as client:
+            with pytest.raises(httpx.HTTPError):
+                await client.get(server.url.replace("https://", "http://") + "/health")
+
+
+async def test_clients_must_show_a_certificate_of_the_authority_when_required(authority):
+    ca, folder = authority
+    flags = tls_flags(folder, "--ssl-ca-certs", str(folder / "ca.pem"), "--ssl-cert-reqs", "2")
+    client_cert = ca.issue_cert("client.example")
+    async with live_server(settings_of(*flags)) as server:
+        anonymous = ssl.create_default_context(cafile=str(folder / "ca.pem"))
+        async with httpx.AsyncClient(verify=anonymous) as client:
+            with pytest.raises(httpx.HTTPError):
+                (await client.get(f"{server.url}/health")).raise_for_status()
+        known = ssl.create_default_context(cafile=str(folder / "ca.pem"))
+        client_cert.configure_cert(known)
+        async with httpx.AsyncClient(verify=known) as client:
+            assert (await client.get(f"{server.url}/health")).status_code == 200
+
+
+def test_tls_files_are_read_before_the_model_loads(authority, tmp_path):
+    _, folder = authority
+    with pytest.raises(ValueError, match="both --ssl-keyfile and --ssl-certfile"):
+        settings_of("--ssl-keyfile", str(folder / "key.pem"))
+    with pytest.raises(ValueError, match="cannot read the TLS files"):
+        settings_of(*tls_flags(folder, key="ca.pem"))  # a certificate is not the key
+    with pytest.raises(ValueError, match="cannot read the TLS files"):
+        settings_of(*tls_flags(folder, "--ssl-ca-certs", str(tmp_path / "absent.pem")))
+
+
+async def test_a_root_path_names_the_proxy_s_prefix():
+    """`--root-path` (a proxy serves the app under `/llm` and strips it, as uvicorn and FastAPI
+    take it): the routes answer as ever, and the API description and its page name the prefix,
+    so that their links go through the proxy."""
+    settings = settings_of("--root-path", "/llm")
+    async with live_server(settings) as server, httpx.AsyncClient() as client:
+        assert (await client.get(f"{server.url}/v1/models")).status_code == 200
+        described = (await client.get(f"{server.url}/openapi.json")).json()
+        assert described["servers"] == [{"url": "/llm"}]
+        assert "/llm/openapi.json" in (await client.get(f"{server.url}/docs")).text
+
+
+def test_uvicorn_s_level_is_its_own_or_the_server_s(monkeypatch):
+    """`--uvicorn-log-level` sets uvicorn's loggers apart from Conveyor's `--log-level`."""
+    config = configure_logging("info", "json", "warning")
+    assert config is not None
+    assert {spec["level"] for spec in config["loggers"].values()} == {"WARNING"}
+    config = configure_logging("debug", "json")
+    assert config is not None
+    assert {spec["level"] for spec in config["loggers"].values()} == {"DEBUG"}
+    args = build_parser().parse_args(["serve", "--uvicorn-log-level", "trace"])
+    assert args.uvicorn_log_level == "trace"
