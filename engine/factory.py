@@ -339,6 +339,7 @@ def core_from_model(
     runner.classifies = bool(loaded.labels)
     runner.lora = parts.lora
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
+    core.max_logprobs = vocab_size if config.max_logprobs < 0 else config.max_logprobs
     core.overlap = overlap
     core.processor = loaded.processor
     _serve_loras(core, config)
@@ -360,6 +361,7 @@ def core_from_model(
         sampling_defaults=_sampling_defaults(config, loaded),
         image_token_id=_image_token(model),
         labels=loaded.labels,
+        max_logprobs=core.max_logprobs,
     )
     return core, info
 

@@ -19,6 +19,7 @@ from engine.core.config import (
     CacheConfig,
     EngineConfig,
 )
+from engine.core.sampling_params import MAX_LOGPROBS
 from engine.loading.gguf_file import is_gguf_file
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
@@ -142,6 +143,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="folder or hub id of the tokenizer (and chat template) to use instead of the "
         "model's own",
+    )
+    engine.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=MAX_LOGPROBS,
+        help="the most log probabilities a request may ask for per token (logprobs, "
+        "top_logprobs, prompt_logprobs); -1: the whole vocabulary",
     )
     engine.add_argument(
         "--quantization",
@@ -486,6 +494,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         tokenizer=args.tokenizer,
         quantization=args.quantization,
+        max_logprobs=args.max_logprobs,
         dtype=args.dtype,
         device=args.device,
         int8_activations=args.int8_activations,

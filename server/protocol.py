@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from engine.core.errors import InvalidRequestError
-from engine.core.sampling_params import MAX_LOGPROBS, MAX_N
+from engine.core.sampling_params import MAX_N
 
 
 def lone_surrogate_at(value: Any, path: str = "") -> str | None:
@@ -69,7 +69,8 @@ _WHOLE = BeforeValidator(_whole_number)
 Int = Annotated[int, _WHOLE]
 NonNegativeInt = Annotated[int, Field(ge=0), _WHOLE]
 PositiveInt = Annotated[int, Field(ge=1), _WHOLE]
-LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _WHOLE]
+# Up to the engine's `--max-logprobs` (checked there, as vLLM does).
+LogprobCount = Annotated[int, Field(ge=0), _WHOLE]
 # vLLM's `truncate_prompt_tokens`: keep a prompt's last k tokens (-1: as many as fit).
 TruncateTokens = Annotated[int, Field(ge=-1), _WHOLE]
 Text = Annotated[str, Field(min_length=1)]

@@ -406,7 +406,7 @@ class ChatHandler:
         params = sampling_params(
             body,
             body.requested_max_tokens,
-            _top_logprobs(body),
+            _top_logprobs(body, self.model.info.max_logprobs),
             body.prompt_logprobs,
             self.model.info.sampling_defaults,
         )
@@ -495,7 +495,15 @@ class ChatHandler:
         return await respond(renderer, streams, bool(body.stream), request)
 
 
-def _top_logprobs(body: ChatCompletionRequest) -> int | None:
+def _top_logprobs(body: ChatCompletionRequest, most: int) -> int | None:
+    """The top log probabilities the request asks for, up to `most` (the engine checks the
+    same; here the error names the chat request's own field)."""
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs to be true.", param="top_logprobs")
+    if (body.top_logprobs or 0) > most:
+        raise InvalidRequestError(
+            f"Requested top_logprobs of {body.top_logprobs}, which is greater than max "
+            f"allowed: {most} (--max-logprobs).",
+            param="top_logprobs",
+        )
     return (body.top_logprobs or 0) if body.logprobs else None

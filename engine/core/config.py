@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.sampling_params import MAX_LOGPROBS
+
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
 # Tokens per KV block unless asked otherwise. The CPU's attention kernels read each block as one
 # run of memory, and longer runs stream faster: decode attention over 64 sequences of 136-250
@@ -148,6 +150,8 @@ class EngineConfig:
     tokenizer: str | None = None
     # vLLM's `--quantization`: checked against the checkpoint's own method.
     quantization: str | None = None
+    # The most log probabilities a request may ask for per token; -1: the whole vocabulary.
+    max_logprobs: int = MAX_LOGPROBS
     dtype: str = "auto"
     device: str = "auto"
     int8_activations: bool = False
@@ -286,6 +290,8 @@ class ServingInfo:
     image_token_id: int | None = None
     # A sequence classifier's labels in logit order (`/classify`); () for other models.
     labels: tuple[str, ...] = ()
+    # The most log probabilities a request may ask for per token (`--max-logprobs`).
+    max_logprobs: int = MAX_LOGPROBS
     # What a request that leaves a sampling field out gets, by the request's field name, where
     # the model's generation config says (`loading/generation_config.py`).
     sampling_defaults: dict[str, float] = field(default_factory=dict)

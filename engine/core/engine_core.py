@@ -21,7 +21,7 @@ from engine.core.mrope import grid_positions
 from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import ModelRunnerOutput, RequestOutput
 from engine.core.request import FinishReason, Request
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.core.stats import FinishedRequestStats, StepStats
 from engine.lora.registry import LoRARegistry, LoRARequest
 from engine.scheduling.admission import Admission, fewest_new_tokens, promised_tokens
@@ -53,6 +53,8 @@ class EngineCore:
         self.processor: Any = None
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
+        # The most log probabilities a request may ask for, per token (`--max-logprobs`).
+        self.max_logprobs = MAX_LOGPROBS
         self.outputs = OutputProcessor(tokenizer)
         self.grammars = (
             GrammarCompiler(tokenizer, vocab_size, eos_token_ids) if tokenizer is not None else None
@@ -88,6 +90,14 @@ class EngineCore:
             )
         if not prompt_token_ids:
             raise InvalidRequestError("The prompt is empty.", param="prompt")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"Requested {name} of {asked}, which is greater than max allowed: "
+                    f"{self.max_logprobs} (--max-logprobs).",
+                    param=name,
+                )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise InvalidRequestError(
                 f"Prompt token ids must be in [0, {self.vocab_size}).", param="prompt"

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from engine.core.errors import InvalidRequestError
 
+# The most log probabilities a request may ask for per token, unless `--max-logprobs` says
+# otherwise (OpenAI's limit for chat, and vLLM's default).
 MAX_LOGPROBS = 20
 MAX_N = 128
 # Temperatures below this sample greedily, as in vLLM: dividing logits by less overflows.
@@ -108,11 +110,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(
-                    0 <= value <= MAX_LOGPROBS,
-                    name,
-                    f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}.",
-                )
+                # The most an engine returns is its own (`EngineCore.max_logprobs`).
+                _check(value >= 0, name, f"{name} must be non-negative, got {value}.")
         if self.seed is not None:
             _check(-(2**63) <= self.seed < 2**64, "seed", "seed is out of range.")
 

@@ -241,7 +241,7 @@ def test_stop_strings_need_a_tokenizer(tiny_model):
         (dict(top_k=-2), "top_k"),
         (dict(n=0), "n"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=-1), "logprobs"),
         (dict(presence_penalty=3), "presence_penalty"),
         (dict(min_p=2), "min_p"),
         (dict(repetition_penalty=0), "repetition_penalty"),

@@ -336,3 +336,32 @@ async def test_reasoning_effort_reaches_the_template_from_every_api():
             if param is not None:
                 assert refused.json()["error"]["param"] == param
         assert blocks_in_use(engine) == 0
+
+
+async def test_the_most_logprobs_a_request_may_ask_for_is_the_server_s():
+    """vLLM's `--max-logprobs`: 20 by default, as OpenAI's chat limit; more is a 400 naming the
+    field and the limit, whatever the route; a server started with a higher limit returns
+    that many, and -1 lets a request ask for the whole vocabulary."""
+    completion = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    chat = {"messages": MESSAGES, "max_tokens": 2, "logprobs": True}
+    async with app_client() as (client, engine):
+        for route, body, field in (
+            ("/v1/completions", {**completion, "logprobs": 21}, "logprobs"),
+            ("/v1/completions", {**completion, "prompt_logprobs": 21}, "prompt_logprobs"),
+            ("/v1/chat/completions", {**chat, "top_logprobs": 21}, "top_logprobs"),
+        ):
+            reply = await client.post(route, json=body)
+            assert_error(reply, 400, field, "greater than max allowed: 20")
+        assert blocks_in_use(engine) == 0
+    named = {**completion, "return_tokens_as_token_ids": True}  # one key per token id
+    async with app_client(max_logprobs=50) as (client, _):
+        reply = await client.post("/v1/completions", json={**named, "logprobs": 30})
+        assert reply.status_code == 200, reply.text
+        tops = reply.json()["choices"][0]["logprobs"]["top_logprobs"]
+        assert [len(top) for top in tops] == [30, 30]
+    async with app_client(max_logprobs=-1) as (client, engine):
+        vocabulary = engine.core.vocab_size
+        reply = await client.post("/v1/completions", json={**named, "logprobs": vocabulary})
+        assert reply.status_code == 200, reply.text
+        tops = reply.json()["choices"][0]["logprobs"]["top_logprobs"]
+        assert [len(top) for top in tops] == [vocabulary, vocabulary]
