@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -68,6 +69,7 @@ from server.serving_messages import MessagesHandler
 from server.serving_responses import ResponsesHandler
 from server.serving_score import ScoreHandler
 from server.settings import ServerSettings
+from server.stats_log import StatsLog
 from server.tokenization import encode_text
 from server.tracing import Tracing
 from server.version import conveyor_version
@@ -103,11 +105,19 @@ def build_app(
     state_dir = settings.state_dir or cache_dir() / "state"
     files, jobs = Lazy(state_dir, FileStore), Lazy(state_dir, BatchStore)
 
+    stats_log = StatsLog()
+    if settings.log_stats_interval is not None:
+        engine.stat_loggers.append(stats_log.record)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         runner.start()
+        interval = settings.log_stats_interval
+        lines = None if interval is None else asyncio.create_task(stats_log.run(interval))
         yield
+        if lines is not None:
+            lines.cancel()
         app.state.draining = True
         await runner.stop()
         await engine.shutdown()

@@ -32,6 +32,7 @@ from server.settings import (
     ServerSettings,
     TlsFiles,
 )
+from server.stats_log import INTERVAL as STATS_INTERVAL
 from server.tool_parsers import PARSERS
 
 logger = logging.getLogger("conveyor")
@@ -448,6 +449,11 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     server.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no stats line (throughput, requests, KV cache use) every 10 s while serving",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default=None,
         choices=["debug", "info", "warning", "error", "critical", "trace"],
@@ -547,6 +553,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         allowed_origins=origins,
         tls=_tls_files(args),
         root_path=args.root_path,
+        log_stats_interval=None if args.disable_log_stats else STATS_INTERVAL,
         max_body_bytes=args.max_request_bytes,
         max_head_bytes=args.max_header_bytes,
         head_timeout=args.header_timeout,

@@ -1,6 +1,7 @@
 """Log output: the plain lines by default, or (`--log-format json`) one JSON object per line for
 every record, uvicorn's included; a record's `fields` (a request's ids, outcome, token counts
-and timings) become keys of its object, or `key=value` pairs after a plain line's message."""
+and timings) become keys of its object, or `key=value` pairs after a plain line's message
+(unless the record says its message holds them: `fields_in_message`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class PlainFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         fields = getattr(record, "fields", None)
-        if not fields:
+        if not fields or getattr(record, "fields_in_message", False):
             return line
         return line + " " + " ".join(f"{key}={json.dumps(value)}" for key, value in fields.items())
 

@@ -39,6 +39,8 @@ class ServerSettings:
     tls: TlsFiles | None = None
     # The path a proxy serves the app under (`--root-path`), for the links the app writes.
     root_path: str = ""
+    # Seconds between the engine's stats lines in the log (None: none, `--disable-log-stats`).
+    log_stats_interval: float | None = 10.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
     head_timeout: float = DEFAULT_HEAD_TIMEOUT
