@@ -125,7 +125,15 @@ def build_app(
         files.close()
         jobs.close()
 
-    app = FastAPI(title="Conveyor", version=conveyor_version(), lifespan=lifespan)
+    shown = settings.api_docs  # else no /openapi.json, /docs or /redoc
+    app = FastAPI(
+        title="Conveyor",
+        version=conveyor_version(),
+        lifespan=lifespan,
+        openapi_url="/openapi.json" if shown else None,
+        docs_url="/docs" if shown else None,
+        redoc_url="/redoc" if shown else None,
+    )
     app.state.engine = engine
     app.state.model = served
     app.state.settings = settings

@@ -449,6 +449,16 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     server.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no uvicorn line per HTTP request",
+    )
+    server.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="serve no API description (/openapi.json) and no pages at /docs and /redoc",
+    )
+    server.add_argument(
         "--disable-log-stats",
         action="store_true",
         help="no stats line (throughput, requests, KV cache use) every 10 s while serving",
@@ -554,6 +564,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         tls=_tls_files(args),
         root_path=args.root_path,
         log_stats_interval=None if args.disable_log_stats else STATS_INTERVAL,
+        access_log=not args.disable_uvicorn_access_log,
+        api_docs=not args.disable_fastapi_docs,
         max_body_bytes=args.max_request_bytes,
         max_head_bytes=args.max_header_bytes,
         head_timeout=args.header_timeout,

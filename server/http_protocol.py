@@ -135,6 +135,7 @@ def uvicorn_config(
         http=guarded(settings.max_head_bytes, settings.head_timeout),
         log_config=log_config if log_config is not None else uvicorn.config.LOGGING_CONFIG,
         root_path=settings.root_path,
+        access_log=settings.access_log,
         ssl_keyfile=tls.keyfile if tls else None,
         ssl_certfile=tls.certfile if tls else None,
         ssl_ca_certs=tls.ca_certs if tls else None,

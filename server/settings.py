@@ -41,6 +41,10 @@ class ServerSettings:
     root_path: str = ""
     # Seconds between the engine's stats lines in the log (None: none, `--disable-log-stats`).
     log_stats_interval: float | None = 10.0
+    # uvicorn's line per HTTP request (`--disable-uvicorn-access-log`).
+    access_log: bool = True
+    # The API's description and its pages at /docs and /redoc (`--disable-fastapi-docs`).
+    api_docs: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
     head_timeout: float = DEFAULT_HEAD_TIMEOUT

@@ -1,7 +1,8 @@
 """vLLM's serve flags that command lines copied from it carry: several served model names,
 `--chat-template` (a file or the template itself), `--enable-auto-tool-choice`,
 `--enable-log-requests` / `--disable-log-requests`, `--limit-mm-per-prompt` and
-`--allowed-media-domains`, HTTPS (`--ssl-*`), `--root-path` and `--uvicorn-log-level`."""
+`--allowed-media-domains`, HTTPS (`--ssl-*`), `--root-path`, `--uvicorn-log-level`,
+`--disable-uvicorn-access-log` and `--disable-fastapi-docs`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from server.cli import build_parser, server_settings
+from server.http_protocol import uvicorn_config
 from server.log_format import PlainFormatter, configure_logging
 from tests.server_utils import app_client, live_server
 
@@ -160,3 +162,17 @@ def test_uvicorn_s_level_is_its_own_or_the_server_s(monkeypatch):
     assert {spec["level"] for spec in config["loggers"].values()} == {"DEBUG"}
     args = build_parser().parse_args(["serve", "--uvicorn-log-level", "trace"])
     assert args.uvicorn_log_level == "trace"
+
+
+async def test_the_api_description_and_its_pages_can_be_turned_off():
+    for argv, status in (((), 200), (("--disable-fastapi-docs",), 404)):
+        async with app_client(settings_of(*argv)) as (client, _):
+            for path in ("/openapi.json", "/docs", "/redoc"):
+                assert (await client.get(path)).status_code == status, (argv, path)
+            assert (await client.get("/v1/models")).status_code == 200
+
+
+def test_uvicorn_s_line_per_request_can_be_turned_off():
+    for argv, lines in (((), True), (("--disable-uvicorn-access-log",), False)):
+        config = uvicorn_config(None, "127.0.0.1", 0, "info", settings_of(*argv))
+        assert config.access_log is lines
