@@ -38,6 +38,7 @@ from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.kv.kv_scales import checkpoint_kv_scales
 from engine.loading.classifiers import is_classifier
 from engine.loading.generation_config import sampling_defaults
+from engine.loading.hub import fetched
 from engine.loading.model_loader import (
     LoadedModel,
     checkpoint_config,
@@ -67,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 
 def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, ServingInfo]:
+    config = fetched(config)
     check_requested(config.model, config.quantization)
     device = resolve_device(config.device)
     if config.tensor_parallel_size == 1:
@@ -131,6 +133,7 @@ def load_rank(
         rank,
         random_weights=config.load_format == "dummy",
         tokenizer_name=config.tokenizer,
+        served_name=config.model_name,
     )
     return loaded, dtype
 

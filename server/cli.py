@@ -146,6 +146,25 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "model's own",
     )
     engine.add_argument(
+        "--revision", default=None, help="a hub model's branch, tag or commit (default: main)"
+    )
+    engine.add_argument(
+        "--tokenizer-revision",
+        default=None,
+        help="the tokenizer's branch, tag or commit (default: the model's)",
+    )
+    engine.add_argument(
+        "--download-dir",
+        default=None,
+        help="the Hugging Face cache folder to fetch a hub model into (default: $HF_HOME's)",
+    )
+    engine.add_argument(
+        "--hf-token",
+        default=None,
+        help="the token to fetch a gated or private hub model with (default: $HF_TOKEN, or "
+        "the login's)",
+    )
+    engine.add_argument(
         "--max-logprobs",
         type=int,
         default=MAX_LOGPROBS,
@@ -511,6 +530,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tokenizer=args.tokenizer,
         quantization=args.quantization,
         max_logprobs=args.max_logprobs,
+        revision=args.revision,
+        tokenizer_revision=args.tokenizer_revision,
+        download_dir=args.download_dir,
+        hf_token=args.hf_token,
         dtype=args.dtype,
         device=args.device,
         int8_activations=args.int8_activations,
@@ -666,6 +689,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="hub id, or a GGUF file to convert (default: the embedded SmolLM2-135M-Instruct)",
     )
+    download_parser.add_argument("--revision", default=None, help="the branch, tag or commit")
+    download_parser.add_argument("--download-dir", default=None, help="the cache folder")
+    download_parser.add_argument("--hf-token", default=None, help="for gated models")
     download_parser.set_defaults(func=download)
     _add_batch_commands(commands)
     _add_bench_commands(commands)
@@ -752,24 +778,34 @@ def batch_run(args: argparse.Namespace) -> int:
 
 
 def download(args: argparse.Namespace) -> int:
-    """Fetch the default model or convert a GGUF file or an AWQ or GPTQ checkpoint (into
-    Conveyor's cache), or fetch a hub model (into the Hugging Face cache, `$HF_HOME`), so that
-    `serve` later needs no network and starts in seconds."""
+    """Fetch the default model or convert a GGUF file or a quantized checkpoint (into
+    Conveyor's cache), or fetch a hub model (into the Hugging Face cache, `$HF_HOME`, or
+    `--download-dir`, at `--revision`), so that `serve` later needs no network and starts in
+    seconds."""
+    from engine.loading.hub import fetched
     from engine.loading.quantized_checkpoint import quantized_folder
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.model is None or is_gguf_file(args.model) or quantized_folder(args.model):
-        from engine.loading.model_loader import checkpoint_path
+    wanted = EngineConfig(
+        model=args.model,
+        revision=args.revision,
+        download_dir=args.download_dir,
+        hf_token=args.hf_token,
+    )
+    try:
+        model = fetched(wanted).model
+        if model is None or is_gguf_file(model) or quantized_folder(model):
+            from engine.loading.model_loader import checkpoint_path
 
-        try:
-            print(checkpoint_path(args.model))
-        except ValueError as exc:
-            logger.error("cannot convert: %s", exc)
-            return 2
-        return 0
-    from huggingface_hub import snapshot_download
+            model = checkpoint_path(model)
+    except ValueError as exc:
+        logger.error("cannot fetch or convert: %s", exc)
+        return 2
+    if model == args.model:  # a hub id no flag asked to fetch otherwise
+        from huggingface_hub import snapshot_download
 
-    print(snapshot_download(args.model))
+        model = snapshot_download(args.model)
+    print(model)
     return 0
 
 

@@ -148,6 +148,13 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    # A hub model's revision, its tokenizer's, the cache folder and token it is fetched with
+    # (`loading/hub.py`); the name replies give the model (default: `model` as given).
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    hf_token: str | None = None
+    model_name: str | None = None
     # vLLM's `--quantization`: checked against the checkpoint's own method.
     quantization: str | None = None
     # The most log probabilities a request may ask for per token; -1: the whole vocabulary.

@@ -190,10 +190,12 @@ def load_model(
     rank: tuple[int, int] = (0, 1),
     random_weights: bool = False,
     tokenizer_name: str | None = None,
+    served_name: str | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer; None loads the embedded default model, a `.gguf` file its
     conversion (`gguf_file.py`); `tokenizer_name` (`--tokenizer`) is a folder or hub id to take
-    the tokenizer and chat template from instead of the model's. `int8_activations`
+    the tokenizer and chat template from instead of the model's; `served_name` the name
+    replies give the model (default: as `name_or_path` says). `int8_activations`
     multiplies the GGUF Q4_1 / Q8_0 blocks of an fp32 CPU model against inputs rounded to 8-bit
     blocks (`cpu_linear.use_gguf_blocks`). `rank` is (rank, size) under tensor parallelism: the
     model is cut to that rank's share before it moves to `device`. With `random_weights`
@@ -201,7 +203,7 @@ def load_model(
     from transformers import AutoTokenizer
 
     path = checkpoint_path(name_or_path)
-    name = DEFAULT_MODEL_NAME if name_or_path is None else name_or_path
+    name = served_name or (DEFAULT_MODEL_NAME if name_or_path is None else name_or_path)
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     shard = None
     if random_weights:

@@ -1,0 +1,64 @@
+"""A hub model fetched as vLLM's flags ask: `--revision` (a branch, tag or commit of the model's
+repository), `--tokenizer-revision` (the tokenizer's), `--download-dir` (a Hugging Face cache
+folder of its own) and `--hf-token` (for gated or private repositories). Where any is given,
+the repository's files are fetched at that revision into that folder once at start-up and
+every later read (the config, the weights, under tensor parallelism each worker's share, the
+tokenizer) takes the local folder; replies still name the model as `--model` gave it. Without
+them, transformers fetches a hub id as it always does."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+from engine.core.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# The files a model is read from (not other frameworks' copies of its weights).
+MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
+TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
+
+
+def is_hub_id(name: str | None) -> bool:
+    """Whether `--model` names a hub repository (`org/name` or `name`), not a local folder or
+    file, nor a GGUF file's `REPO:QUANT`."""
+    if name is None or Path(name).expanduser().exists():
+        return False
+    return ":" not in name and not name.lower().endswith(".gguf") and name.count("/") <= 1
+
+
+def fetched(config: EngineConfig) -> EngineConfig:
+    """`config` with its hub model and tokenizer as local folders, fetched as the flags ask;
+    unchanged where no flag asks or the model is not a hub id."""
+    wanted = (config.revision, config.tokenizer_revision, config.download_dir, config.hf_token)
+    if not any(value is not None for value in wanted):
+        return config
+    model, name, tokenizer = config.model, config.model_name, config.tokenizer
+    if model is not None and is_hub_id(model):
+        name = name or model
+        model = str(_snapshot(model, config.revision, MODEL_FILES, config))
+    source = config.tokenizer or (config.model if config.tokenizer_revision else None)
+    if source is not None and is_hub_id(source):
+        tokenizer = str(_snapshot(source, config.tokenizer_revision, TOKENIZER_FILES, config))
+    return dataclasses.replace(config, model=model, model_name=name, tokenizer=tokenizer)
+
+
+def _snapshot(repo: str, revision: str | None, patterns: list[str], config: EngineConfig) -> Path:
+    """The repository's files at `revision` in the Hugging Face cache (`--download-dir`'s)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(
+            repo,
+            revision=revision,
+            cache_dir=config.download_dir,
+            token=config.hf_token,
+            allow_patterns=patterns,
+        )
+    except (OSError, ValueError) as exc:
+        at = f" at revision {revision}" if revision else ""
+        raise ValueError(f"cannot fetch {repo}{at}: {exc}") from exc
+    logger.info("%s%s fetched into %s", repo, f" ({revision})" if revision else "", folder)
+    return Path(folder)
