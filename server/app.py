@@ -46,6 +46,7 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    StreamOptions,
     TokenizeChatRequest,
     TokenizeRequest,
 )
@@ -194,6 +195,18 @@ async def _generating(request: Request) -> None:
 GENERATING = [Depends(_accepting), Depends(_generating)]
 
 
+def _server_defaults(
+    body: CompletionRequest | ChatCompletionRequest, settings: ServerSettings
+) -> None:
+    """What the server gives every completion and chat request (vLLM's flags): a streamed
+    request's usage last, logprobs naming tokens by their ids."""
+    if settings.force_include_usage and body.stream:
+        options = body.stream_options or StreamOptions()
+        body.stream_options = options.model_copy(update={"include_usage": True})
+    if settings.return_tokens_as_token_ids:
+        body.return_tokens_as_token_ids = True
+
+
 def _openai_router(
     engine: EngineClient, served: ServedModel, settings: ServerSettings, tracing: Tracing
 ) -> APIRouter:
@@ -211,10 +224,12 @@ def _openai_router(
 
     @router.post("/v1/completions", dependencies=GENERATING, responses=GENERATION)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        _server_defaults(body, settings)
         return await tracing.traced("text_completion", served.name, body, request, completions)
 
     @router.post("/v1/chat/completions", dependencies=GENERATING, responses=GENERATION)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        _server_defaults(body, settings)
         return await tracing.traced("chat", served.name, body, request, chat)
 
     @router.post("/v1/responses", dependencies=GENERATING, responses=GENERATION)

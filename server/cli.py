@@ -468,6 +468,17 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     server.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every streamed completion and chat request gets its usage last, as if it asked "
+        "with stream_options.include_usage",
+    )
+    server.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name every token as token_id:N, as if each request asked",
+    )
+    server.add_argument(
         "--disable-uvicorn-access-log",
         action="store_true",
         help="no uvicorn line per HTTP request",
@@ -589,6 +600,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         log_stats_interval=None if args.disable_log_stats else STATS_INTERVAL,
         access_log=not args.disable_uvicorn_access_log,
         api_docs=not args.disable_fastapi_docs,
+        force_include_usage=args.enable_force_include_usage,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         max_body_bytes=args.max_request_bytes,
         max_head_bytes=args.max_header_bytes,
         head_timeout=args.header_timeout,

@@ -45,6 +45,11 @@ class ServerSettings:
     access_log: bool = True
     # The API's description and its pages at /docs and /redoc (`--disable-fastapi-docs`).
     api_docs: bool = True
+    # What every completion and chat request gets, whatever it asks (vLLM's flags): a streamed
+    # one its usage last (`--enable-force-include-usage`), logprobs naming tokens by their ids
+    # (`--return-tokens-as-token-ids`).
+    force_include_usage: bool = False
+    return_tokens_as_token_ids: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
     head_timeout: float = DEFAULT_HEAD_TIMEOUT

@@ -2,7 +2,8 @@
 `--chat-template` (a file or the template itself), `--enable-auto-tool-choice`,
 `--enable-log-requests` / `--disable-log-requests`, `--limit-mm-per-prompt` and
 `--allowed-media-domains`, HTTPS (`--ssl-*`), `--root-path`, `--uvicorn-log-level`,
-`--disable-uvicorn-access-log` and `--disable-fastapi-docs`."""
+`--disable-uvicorn-access-log`, `--disable-fastapi-docs`, `--enable-force-include-usage` and
+`--return-tokens-as-token-ids`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from server.cli import build_parser, server_settings
 from server.http_protocol import uvicorn_config
 from server.log_format import PlainFormatter, configure_logging
-from tests.server_utils import app_client, live_server
+from tests.server_utils import app_client, live_server, sse_events
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>>"
 HELLO = [{"role": "user", "content": "hello"}]
@@ -176,3 +177,21 @@ def test_uvicorn_s_line_per_request_can_be_turned_off():
     for argv, lines in (((), True), (("--disable-uvicorn-access-log",), False)):
         config = uvicorn_config(None, "127.0.0.1", 0, "info", settings_of(*argv))
         assert config.access_log is lines
+
+
+async def test_a_server_can_give_every_streamed_request_its_usage():
+    body = {"prompt": "Hello", "max_tokens": 3, "stream": True, "temperature": 0}
+    for argv, usage in (((), False), (("--enable-force-include-usage",), True)):
+        async with app_client(settings_of(*argv)) as (client, _):
+            reply = await client.post("/v1/completions", json=body)
+            chunks = [event for event in sse_events(reply.text) if event != "[DONE]"]
+            assert (chunks[-1].get("usage") is not None) is usage, argv
+            if usage:
+                assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+async def test_a_server_can_name_every_logprob_s_token_by_its_id():
+    body = {"prompt": "Hello", "max_tokens": 3, "logprobs": 1, "temperature": 0}
+    async with app_client(settings_of("--return-tokens-as-token-ids")) as (client, _):
+        tokens = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+        assert all(t.startswith("token_id:") for t in tokens["logprobs"]["tokens"])
