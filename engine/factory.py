@@ -46,6 +46,7 @@ from engine.loading.model_loader import (
     resolve_device,
     resolve_dtype,
 )
+from engine.loading.overrides import overridden
 from engine.loading.quantized_checkpoint import check_requested
 from engine.lora.registry import LoRARegistry
 from engine.lora.slots import LoRASlots
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, ServingInfo]:
     config = fetched(config)
     check_requested(config.model, config.quantization)
+    config = overridden(config)
     device = resolve_device(config.device)
     if config.tensor_parallel_size == 1:
         loaded, dtype = load_rank(config, device)

@@ -11,6 +11,7 @@ import re
 import ssl
 import sys
 from pathlib import Path
+from typing import Any
 
 from engine.core.config import (
     KV_CACHE_DTYPES,
@@ -163,6 +164,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the token to fetch a gated or private hub model with (default: $HF_TOKEN, or "
         "the login's)",
+    )
+    engine.add_argument(
+        "--hf-overrides",
+        type=_json_object,
+        default=None,
+        help="a JSON object of fields of the model's config to replace, e.g. a longer context "
+        'by YaRN: \'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
+        '"original_max_position_embeddings": 32768}}\'',
     )
     engine.add_argument(
         "--max-logprobs",
@@ -545,6 +554,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tokenizer_revision=args.tokenizer_revision,
         download_dir=args.download_dir,
         hf_token=args.hf_token,
+        hf_overrides=args.hf_overrides,
         dtype=args.dtype,
         device=args.device,
         int8_activations=args.int8_activations,
@@ -626,6 +636,17 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
             else None,
         ),
     )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object (`--hf-overrides`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _tls_files(args: argparse.Namespace) -> TlsFiles | None:

@@ -155,6 +155,8 @@ class EngineConfig:
     download_dir: str | None = None
     hf_token: str | None = None
     model_name: str | None = None
+    # Fields of the model's config replaced (`--hf-overrides`, `loading/overrides.py`).
+    hf_overrides: dict[str, Any] | None = None
     # vLLM's `--quantization`: checked against the checkpoint's own method.
     quantization: str | None = None
     # The most log probabilities a request may ask for per token; -1: the whole vocabulary.

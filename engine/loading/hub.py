@@ -38,14 +38,14 @@ def fetched(config: EngineConfig) -> EngineConfig:
     model, name, tokenizer = config.model, config.model_name, config.tokenizer
     if model is not None and is_hub_id(model):
         name = name or model
-        model = str(_snapshot(model, config.revision, MODEL_FILES, config))
+        model = str(snapshot(model, config.revision, MODEL_FILES, config))
     source = config.tokenizer or (config.model if config.tokenizer_revision else None)
     if source is not None and is_hub_id(source):
-        tokenizer = str(_snapshot(source, config.tokenizer_revision, TOKENIZER_FILES, config))
+        tokenizer = str(snapshot(source, config.tokenizer_revision, TOKENIZER_FILES, config))
     return dataclasses.replace(config, model=model, model_name=name, tokenizer=tokenizer)
 
 
-def _snapshot(repo: str, revision: str | None, patterns: list[str], config: EngineConfig) -> Path:
+def snapshot(repo: str, revision: str | None, patterns: list[str], config: EngineConfig) -> Path:
     """The repository's files at `revision` in the Hugging Face cache (`--download-dir`'s)."""
     from huggingface_hub import snapshot_download
 
