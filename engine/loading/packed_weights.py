@@ -60,13 +60,12 @@ class Integers:
         return ((self.q - zero).float() * self.scales[:, self.groups].float()).contiguous()
 
 
-def awq(parts: dict[str, torch.Tensor]) -> Integers:
+def awq(parts: dict[str, torch.Tensor], group_size: int) -> Integers:
     """AutoAWQ's GEMM packing: `qweight [in, out / 8]`, `qzeros [groups, out / 8]`, eight
     4-bit fields a word in its interleaved order, `scales [groups, out]`."""
     q = _awq_columns(_fields(parts["qweight"], 4)).t()
     zeros = _awq_columns(_fields(parts["qzeros"], 4)).t()
-    groups = _runs(q.shape[1], q.shape[1] // zeros.shape[1])
-    return Integers(q, zeros, parts["scales"].t(), groups, 4)
+    return Integers(q, zeros, parts["scales"].t(), _runs(q.shape[1], group_size), 4)
 
 
 def gptq(parts: dict[str, torch.Tensor], bits: int, group_size: int, zero_offset: int) -> Integers:
@@ -101,7 +100,7 @@ def pack_quantized(parts: dict[str, torch.Tensor]) -> Integers:
         zeros = _fields(zero.t(), bits)[:, :out].t()
     else:
         zeros = zero.to(torch.int32).expand(out, -1) + offset
-    return Integers(q, zeros, scales, _runs(inputs, inputs // scales.shape[1]), bits)
+    return Integers(q, zeros, scales, _runs_of(inputs, scales.shape[1]), bits)
 
 
 def unpacked(parts: dict[str, torch.Tensor]) -> Integers | torch.Tensor:
@@ -118,7 +117,7 @@ def unpacked(parts: dict[str, torch.Tensor]) -> Integers | torch.Tensor:
         wide = scale.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)[:out, :inputs]
         return stored.float() * wide.float()
     scales = scale.reshape(-1, scale.shape[-1] if scale.dim() else 1).expand(out, -1)
-    groups = _runs(inputs, inputs // scales.shape[1])
+    groups = _runs_of(inputs, scales.shape[1])
     if stored.dtype != torch.int8:
         return stored.float() * scales[:, groups].float()
     zero = parts.get("weight_zero_point")
@@ -182,6 +181,14 @@ def _awq_columns(fields: torch.Tensor) -> torch.Tensor:
     """AutoAWQ's fields `[rows, out]` in column order."""
     index = (torch.arange(fields.shape[1]) // 8 * 8).view(-1, 8) + torch.tensor(AWQ_FIELDS)
     return fields[:, index.flatten()]
+
+
+def _runs_of(inputs: int, groups: int) -> torch.Tensor:
+    """Each input's group for `groups` equal runs of inputs (scales stored `[out, groups]`,
+    which say the runs' number, not their size)."""
+    if inputs % groups:
+        raise ValueError(f"{groups} groups of scales do not divide {inputs} inputs")
+    return _runs(inputs, inputs // groups)
 
 
 def _runs(inputs: int, size: int) -> torch.Tensor:

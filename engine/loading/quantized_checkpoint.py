@@ -290,7 +290,7 @@ def _read_layer(
 ) -> tuple[torch.Tensor, tuple[gguf_blocks.BlockFormat, torch.Tensor] | None]:
     """A quantized layer's fp32 weight, and its blocks where it has them."""
     if "qweight" in parts and scheme.method == "awq":
-        integers = packed_weights.awq(parts)
+        integers = packed_weights.awq(parts, scheme.group_size)
     elif "qweight" in parts:
         integers = packed_weights.gptq(parts, scheme.bits, scheme.group_size, scheme.zero_offset)
     elif "weight_packed" in parts:
