@@ -157,13 +157,15 @@ def quantized_folder(name: str) -> Path | None:
 
 @functools.cache
 def _hub_checkpoint(repo: str) -> Path | None:
-    """The hub checkpoint `repo`, fetched, where its config says AWQ or GPTQ; None where it says
-    otherwise or cannot be read (loading it then reports why). Once per process: a start asks
-    for the checkpoint several times."""
-    from huggingface_hub import hf_hub_download, snapshot_download
+    """The hub checkpoint `repo`, fetched, where its config says it is quantized; None where it
+    says otherwise or cannot be read (loading it then reports why). The config is read from the
+    Hugging Face cache where it is there (an offline host asks the hub nothing), else fetched.
+    Once per process: a start asks for the checkpoint several times."""
+    from huggingface_hub import hf_hub_download, snapshot_download, try_to_load_from_cache
 
     try:
-        config = Path(hf_hub_download(repo, "config.json"))
+        cached = try_to_load_from_cache(repo, "config.json")
+        config = Path(cached if isinstance(cached, str) else hf_hub_download(repo, "config.json"))
     except Exception:  # not a hub id, offline, no such file: loading reports it
         return None
     if scheme_of(config.parent) is None:

@@ -270,6 +270,7 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *_: None)
     quantized_checkpoint._hub_checkpoint.cache_clear()
     yield asked
     quantized_checkpoint._hub_checkpoint.cache_clear()
@@ -396,3 +397,22 @@ def test_a_mixture_s_experts_are_read_one_by_one(tmp_path: Path, family: str) ->
     if not NO_PANELS:
         held = [m for m in loaded.model.modules() if getattr(m, "block_format", None)]
         assert len(held) == 4 * 3  # q, k, v and o of each layer
+
+
+def test_a_cached_hub_config_is_read_without_asking_the_hub(
+    hub: list[str], tmp_path: Path, monkeypatch
+) -> None:
+    """An offline host with the models in its Hugging Face cache: their configs are read from
+    there, the hub is not asked whether they are quantized (a quantized one's files are then
+    fetched, from the cache offline)."""
+    import huggingface_hub
+
+    cached = {"org/tiny": tmp_path / "plain", "org/tiny-AWQ": tmp_path / "awq"}
+    monkeypatch.setattr(
+        huggingface_hub,
+        "try_to_load_from_cache",
+        lambda repo, name: str(cached[repo] / name) if repo in cached else None,
+    )
+    assert checkpoint_path("org/tiny") == "org/tiny"
+    assert quantized_checkpoint.quantized_folder("org/tiny-AWQ") == tmp_path / "awq"
+    assert hub == ["org/tiny-AWQ snapshot"]
