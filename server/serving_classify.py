@@ -23,16 +23,7 @@ class ClassifyHandler:
         self.embeddings = embeddings
 
     async def __call__(self, body: ClassifyRequest, request: Request) -> Response:
-        scored = await self.embeddings.embed(
-            body.input,
-            body.truncate_prompt_tokens,
-            body.priority,
-            body.timeout,
-            request,
-            body.model,
-            body.add_special_tokens,
-            classify=True,
-        )
+        scored = await self.embeddings.embed_request(body, request, classify=True)
         if scored is None:
             return Response(status_code=CLIENT_GONE)
         logits, tokens = scored

@@ -21,7 +21,7 @@ from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from server.limits import RequestLimits
-from server.protocol import EmbeddingRequest, Prompt
+from server.protocol import EmbeddingRequest, PooledRequest, Prompt
 from server.serving import (
     EngineClient,
     ServedModel,
@@ -49,15 +49,7 @@ class EmbeddingHandler:
         self.limits = limits or RequestLimits()
 
     async def __call__(self, body: EmbeddingRequest, request: Request) -> Response:
-        embedded = await self.embed(
-            body.input,
-            body.truncate_prompt_tokens,
-            body.priority,
-            body.timeout,
-            request,
-            body.model,
-            body.add_special_tokens,
-        )
+        embedded = await self.embed_request(body, request)
         if embedded is None:
             return Response(status_code=CLIENT_GONE)
         vectors, tokens = embedded
@@ -78,6 +70,21 @@ class EmbeddingHandler:
                 "model": self.model.name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
+        )
+
+    async def embed_request(
+        self, body: PooledRequest, request: Request, classify: bool = False
+    ) -> tuple[list[np.ndarray], int] | None:
+        """`embed` over an embeddings or classification request's own inputs and fields."""
+        return await self.embed(
+            body.input,
+            body.truncate_prompt_tokens,
+            body.priority,
+            body.timeout,
+            request,
+            body.model,
+            body.add_special_tokens,
+            classify,
         )
 
     async def embed(
