@@ -69,7 +69,7 @@ from transformers import (
 
 from engine.core.images import ImageInputs
 from engine.loading.processors import images_only
-from tests.helpers import tiny_tokenizer
+from tests.helpers import TINY_SHAPE, tiny_tokenizer
 
 IMAGE_TOKEN = "<image>"
 # 28x28 pixels in 14x14 patches: four placeholders an image (the CLS feature is dropped).
@@ -275,14 +275,7 @@ PLACEHOLDERS = {
 
 def _text_config(tokenizer: Any) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
+        **TINY_SHAPE | dict(vocab_size=len(tokenizer)),
         eos_token_id=0,
         bos_token_id=1,
         pad_token_id=0,

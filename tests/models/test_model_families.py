@@ -26,17 +26,17 @@ from engine.factory import create_engine_core
 from engine.kernels.cpu.fused_decode import why_not_fused
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.parallel.sharding import shard_model
-from tests.helpers import reference_greedy, run_all, tiny_core, tiny_tokenizer, tokens_of
+from tests.helpers import (
+    TINY_SHAPE,
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tiny_tokenizer,
+    tokens_of,
+)
 
 COMMON = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.2,
+    **TINY_SHAPE | dict(max_position_embeddings=256),
     eos_token_id=0,
     bos_token_id=1,
     pad_token_id=0,
