@@ -32,6 +32,7 @@ import torch
 from engine.core.paths import cache_dir
 from engine.loading import gguf_blocks, packed_weights
 from engine.loading.conversions import convert_once, source_key
+from engine.loading.hub import MODEL_FILES
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ READ_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-qua
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # fp32 bytes per converted weight file.
 SHARD_BYTES = 2 << 30
-# Files of a hub checkpoint a conversion reads (not its `.bin` or other frameworks' copies).
 # vLLM's `--quantization` names, by the method of the checkpoints they serve.
 METHOD_NAMES = {
     "awq_marlin": "awq",
@@ -53,7 +53,6 @@ METHOD_NAMES = {
 }
 # A hub repository's id, `org/name`.
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +63,12 @@ class Scheme:
     bits: int = 0  # 0: each layer's own (compressed-tensors)
     group_size: int = 0  # -1: one group per row; 0: each layer's own
     zero_offset: int = 0  # GPTQ's own format stores each zero less one
-    packed: bool = True  # integers packed in words, read here; else transformers dequantizes
+    read_here: bool = True  # weights read by `packed_weights`; else transformers dequantizes
 
     def describe(self) -> str:
         if self.method in ("awq", "gptq"):
             return f"{self.method.upper()}, {self.bits}-bit, groups of {self.group_size}"
-        return self.method + ("" if self.packed else ", dequantized by transformers")
+        return self.method + ("" if self.read_here else ", dequantized by transformers")
 
 
 def scheme_of(folder: Path) -> Scheme | None:
@@ -89,7 +88,7 @@ def scheme_of(folder: Path) -> Scheme | None:
     if method == "gptq":
         return _gptq_scheme(settings)
     if method == "compressed-tensors":
-        return Scheme(method, packed=_all_read_here(settings))
+        return Scheme(method, read_here=_all_read_here(settings))
     if method == "fp8":
         return Scheme(method, bits=8)
     return None
@@ -147,7 +146,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def quantized_folder(name: str) -> Path | None:
-    """The local folder of the AWQ or GPTQ checkpoint `--model` names (a folder, or a hub id
+    """The local folder of the quantized checkpoint `--model` names (a folder, or a hub id
     fetched into the Hugging Face cache); None where `name` is no such checkpoint."""
     folder = Path(name).expanduser()
     if folder.is_dir():
@@ -170,7 +169,7 @@ def _hub_checkpoint(repo: str) -> Path | None:
         return None
     if scheme_of(config.parent) is None:
         return None
-    return Path(snapshot_download(repo, allow_patterns=HUB_PATTERNS))
+    return Path(snapshot_download(repo, allow_patterns=MODEL_FILES))
 
 
 def check_requested(name: str | None, requested: str | None) -> None:
@@ -181,10 +180,13 @@ def check_requested(name: str | None, requested: str | None) -> None:
         return
     from engine.loading.gguf_file import is_gguf_file
 
+    if name is None or is_gguf_file(name):
+        stored: str | None = "gguf"
+    else:
+        folder = quantized_folder(name)
+        scheme = scheme_of(folder) if folder is not None else None
+        stored = scheme.method if scheme is not None else None
     wanted = METHOD_NAMES.get(requested, requested)
-    folder = None if name is None or is_gguf_file(name) else quantized_folder(name)
-    scheme = scheme_of(folder) if folder is not None else None
-    stored = "gguf" if name is None or is_gguf_file(name) else scheme and scheme.method
     if stored is None:
         raise ValueError(
             f"--quantization {requested}: {name} is not a quantized checkpoint, and Conveyor "
@@ -205,11 +207,11 @@ def converted_folder(folder: Path, label: str) -> Path:
 
 
 def ensure_converted(name: str) -> Path:
-    """The plain checkpoint folder converted from the AWQ or GPTQ checkpoint `name` (a folder
-    or hub id), converting it on first use."""
+    """The plain checkpoint folder converted from the quantized checkpoint `name` (a folder or
+    hub id), converting it on first use."""
     folder = quantized_folder(name)
     if folder is None:
-        raise ValueError(f"--model {name}: not an AWQ or GPTQ checkpoint")
+        raise ValueError(f"--model {name}: not a quantized checkpoint")
     target = converted_folder(folder, name)
 
     def converted(staged: Path) -> dict[str, object]:
@@ -229,16 +231,19 @@ def convert(folder: Path, out: Path) -> int:
     if not files:
         raise ValueError(f"{folder}: a {scheme.method} checkpoint needs safetensors files")
     logger.info("converting %s (%s) to fp32 weights ...", folder, scheme.describe())
-    if not scheme.packed:
+    if not scheme.read_here:
         _dequantize_with_transformers(folder, out, scheme)
         return 0
     out.mkdir(parents=True)
     blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]] = {}
     shards: list[dict[str, torch.Tensor]] = [{}]
+    held = 0  # bytes in the last shard
     for name, tensor in _dense_tensors(folder, files, scheme, blocks):
-        if shards[-1] and sum(t.nbytes for t in shards[-1].values()) >= SHARD_BYTES:
+        if held >= SHARD_BYTES:
             shards.append({})
+            held = 0
         shards[-1][name] = tensor
+        held += tensor.nbytes
     _save_shards(shards, out)
     _copy_other_files(folder, out)
     _write_config(folder, out)
@@ -308,8 +313,8 @@ def _read_layer(
 
 
 def _dequantize_with_transformers(folder: Path, out: Path, scheme: Scheme) -> None:
-    """A scheme whose weights are not packed integers (FP8, unpacked INT8): transformers loads
-    the model dequantized to fp32, and it is saved as it loaded."""
+    """A scheme whose weights are not read here (compressed-tensors' NVFP4, MXFP4): transformers
+    loads the model dequantized to fp32, and it is saved as it loaded."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrainedFP8Config
 
     compressed = scheme.method == "compressed-tensors"

@@ -304,7 +304,7 @@ def test_formats_not_read_here_are_dequantized_by_transformers(tmp_path: Path, m
     monkeypatch.setattr(
         quantized_checkpoint,
         "scheme_of",
-        lambda folder: quantized_checkpoint.Scheme("fp8", 8, packed=False),
+        lambda folder: quantized_checkpoint.Scheme("fp8", 8, read_here=False),
     )
     out = tmp_path / "by-transformers"
     assert quantized_checkpoint.convert(tmp_path, out) == 0
