@@ -1,10 +1,11 @@
 """A hub model fetched as vLLM's flags ask: `--revision` (a branch, tag or commit of the model's
 repository), `--tokenizer-revision` (the tokenizer's), `--download-dir` (a Hugging Face cache
-folder of its own) and `--hf-token` (for gated or private repositories). Where any is given,
-the repository's files are fetched at that revision into that folder once at start-up and
-every later read (the config, the weights, under tensor parallelism each worker's share, the
-tokenizer) takes the local folder; replies still name the model as `--model` gave it. Without
-them, transformers fetches a hub id as it always does."""
+folder of its own) and `--hf-token` (for gated or private repositories). Where any is given (or
+`--hf-overrides`, which overlays a local folder), the repository's files are fetched at that
+revision into that folder once at start-up and every later read (the config, the weights, under
+tensor parallelism each worker's share, the tokenizer) takes the local folder; replies still
+name the model as `--model` gave it. Without them, transformers fetches a hub id as it always
+does."""
 
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ def is_hub_id(name: str | None) -> bool:
 
 
 def fetched(config: EngineConfig) -> EngineConfig:
-    """`config` with its hub model and tokenizer as local folders, fetched as the flags ask;
-    unchanged where no flag asks or the model is not a hub id."""
+    """`config` with its hub model and tokenizer as local folders, fetched as the flags ask
+    (`--hf-overrides` too: the overlay of a config needs the folder it overlays); unchanged
+    where no flag asks or the model is not a hub id."""
     wanted = (config.revision, config.tokenizer_revision, config.download_dir, config.hf_token)
-    if not any(value is not None for value in wanted):
+    if not any(value is not None for value in wanted) and not config.hf_overrides:
         return config
     model, name, tokenizer = config.model, config.model_name, config.tokenizer
     if model is not None and is_hub_id(model):

@@ -22,7 +22,6 @@ from typing import Any
 from engine.core.config import EngineConfig
 from engine.core.paths import cache_dir
 from engine.loading.conversions import convert_once
-from engine.loading.hub import MODEL_FILES, is_hub_id, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +30,12 @@ SOURCE_FILE = "conveyor-overrides.json"
 
 def overridden(config: EngineConfig) -> EngineConfig:
     """`config` whose model is the overlay of its checkpoint with `hf_overrides`; unchanged
-    without overrides."""
+    without overrides. A hub model was fetched to a folder first (`hub.fetched`)."""
     if not config.hf_overrides:
         return config
     from engine.loading.model_loader import checkpoint_path
 
-    model = config.model
-    if model is not None and is_hub_id(model):
-        model = str(snapshot(model, config.revision, MODEL_FILES, config))
-    folder = Path(checkpoint_path(model)).resolve()
+    folder = Path(checkpoint_path(config.model)).resolve()
     if not (folder / "config.json").is_file():
         raise ValueError(f"--hf-overrides: {folder} has no config.json to override")
     overlay = overlay_folder(folder, config.hf_overrides)

@@ -113,3 +113,10 @@ def test_download_fetches_the_revision_ahead_of_serving(hub: list[dict], capsys)
     assert capsys.readouterr().out.strip().endswith("v2")
     assert [(call["repo"], call["revision"]) for call in hub] == [("org/tiny", "v2")]
     assert cli_main(["download", "--model", "org/tiny", "--revision", "v9"]) == 2
+
+
+def test_overrides_of_a_hub_model_fetch_the_folder_they_overlay(hub: list[dict]) -> None:
+    config = fetched(EngineConfig(model="org/tiny", hf_overrides={"rope_theta": 1e6}))
+    assert [(call["repo"], call["revision"]) for call in hub] == [("org/tiny", None)]
+    assert config.model is not None and config.model.endswith("main")
+    assert config.model_name == "org/tiny"
