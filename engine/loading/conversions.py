@@ -1,7 +1,8 @@
 """Checkpoints converted once into Conveyor's cache (a GGUF file, an AWQ or GPTQ checkpoint):
 staged in a scratch folder beside the target, moved into place whole, and marked finished by a
 file written last, so that a start stopped halfway converts again and two starts at once do not
-see each other's half-written files."""
+see each other's half-written files. Weights are written shard by shard as they are read, so a
+conversion holds at most one shard in memory."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+import torch
+
+# The layout of converted folders (kept in the marker file): a folder of an older layout
+# converts again, in place.
+LAYOUT = 2
+# fp32 bytes per converted weight file.
+SHARD_BYTES = 1 << 30
 
 
 def source_key(paths: Iterable[Path]) -> str:
@@ -27,14 +36,69 @@ def source_key(paths: Iterable[Path]) -> str:
 def convert_once(target: Path, marker: str, convert: Callable[[Path], dict[str, Any]]) -> Path:
     """`target`, a folder `convert(folder)` fills, converted on first use; `convert`'s answer is
     kept in the file `marker`, written last, which says the conversion finished."""
-    if (target / marker).is_file():
+    if finished(target, marker):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as scratch:
         staged = Path(scratch) / "converted"
-        record = convert(staged)
+        record = convert(staged) | {"layout": LAYOUT}
         (staged / marker).write_text(json.dumps(record) + "\n")
-        if not (target / marker).is_file():  # another process may have finished first
+        if not finished(target, marker):  # another process may have finished first
             shutil.rmtree(target, ignore_errors=True)
             staged.rename(target)
     return target
+
+
+def finished(target: Path, marker: str) -> bool:
+    """Whether `target` holds a finished conversion of the current layout."""
+    try:
+        record = json.loads((target / marker).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("layout") == LAYOUT
+
+
+class ShardWriter:
+    """Tensors written into a checkpoint folder's safetensors files as they come: a shard is
+    saved once it holds `SHARD_BYTES`; one shard is named `model.safetensors`, several are
+    numbered, with an index."""
+
+    def __init__(self, out: Path, shard_bytes: int = SHARD_BYTES) -> None:
+        self.out = out
+        self.shard_bytes = shard_bytes
+        self._shard: dict[str, torch.Tensor] = {}
+        self._held = 0
+        self._files: list[list[str]] = []
+        self._total = 0
+        out.mkdir(parents=True, exist_ok=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._held >= self.shard_bytes:
+            self._save()
+        self._shard[name] = tensor.contiguous()
+        self._held += tensor.nbytes
+
+    def close(self) -> None:
+        """Save the last shard and name the files."""
+        if not self._files or self._shard:
+            self._save()
+        if len(self._files) == 1:
+            (self.out / "shard-1.safetensors").rename(self.out / "model.safetensors")
+            return
+        weight_map = {}
+        count = len(self._files)
+        for number, names in enumerate(self._files, 1):
+            file = f"model-{number:05d}-of-{count:05d}.safetensors"
+            (self.out / f"shard-{number}.safetensors").rename(self.out / file)
+            weight_map.update(dict.fromkeys(names, file))
+        index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    def _save(self) -> None:
+        from safetensors.torch import save_file
+
+        self._files.append(list(self._shard))
+        file = self.out / f"shard-{len(self._files)}.safetensors"
+        save_file(self._shard, str(file), metadata={"format": "pt"})
+        self._total += self._held
+        self._shard, self._held = {}, 0

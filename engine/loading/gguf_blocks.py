@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -330,68 +329,6 @@ def _pad(rows: torch.Tensor, count: int) -> torch.Tensor:
     return padded
 
 
-def read_gguf(path: Path, model: Any) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
-    """The linear weights of a GGUF file in the types panels hold (Q4_0, Q4_1, Q5_0, Q5_1,
-    Q8_0, Q4_K, Q5_K, Q6_K), by the module of `model` (the file's model as transformers loads
-    it) each one loads into, rows in the order that model holds them (a Llama file's q and k
-    rows unpermuted, as loading does). Q4_0 blocks come as the Q4_1 blocks of the same
-    weights."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    types = {
-        GGMLQuantizationType.Q4_0: Q4_1,
-        GGMLQuantizationType.Q4_1: Q4_1,
-        GGMLQuantizationType.Q8_0: Q8_0,
-        GGMLQuantizationType.Q4_K: Q4_K,
-        GGMLQuantizationType.Q6_K: Q6_K,
-        GGMLQuantizationType.Q5_0: Q5_0,
-        GGMLQuantizationType.Q5_1: Q5_1,
-        GGMLQuantizationType.Q5_K: Q5_K,
-    }
-    reader = GGUFReader(path)
-    architecture = _text_field(reader, "general.architecture")
-    modules = module_names(model, architecture, [t.name for t in reader.tensors])
-    config = model.config.get_text_config()
-    found: dict[str, tuple[BlockFormat, torch.Tensor]] = {}
-    for tensor in reader.tensors:
-        module = modules.get(tensor.name)
-        if module is None or tensor.tensor_type not in types or len(tensor.shape) != 2:
-            continue
-        rows = torch.from_numpy(tensor.data.copy()).reshape(int(tensor.shape[-1]), -1)
-        if tensor.tensor_type == GGMLQuantizationType.Q4_0:
-            as_q4_1 = q4_0_as_q4_1(rows)
-            if as_q4_1 is None:
-                continue
-            rows = as_q4_1
-        if architecture == "llama":
-            rows = unpermute_rows(tensor.name, rows, config)
-        found[module] = (types[tensor.tensor_type], rows)
-    return found
-
-
-def module_names(model: Any, architecture: str, tensors: list[str]) -> dict[str, str]:
-    """The module each of a GGUF file's 2-D weights loads into, by the tensor's name, as
-    transformers' GGUF loading maps them; a file without `output.weight` ties the LM head to the
-    token embedding."""
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
-
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
-    weights = get_gguf_hf_weights_map(model, processor)
-    names = {
-        tensor: hf_name.removesuffix(".weight")
-        for tensor, hf_name in weights.items()
-        if tensor.endswith(".weight") and hf_name.endswith(".weight")
-    }
-    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
-    if tied and "output.weight" not in tensors:
-        names["token_embd.weight"] = "lm_head"
-    return names
-
-
 def q4_0_as_q4_1(rows: torch.Tensor) -> torch.Tensor | None:
     """Q4_0 rows (`d * (q - 8)`, 18 bytes a block) as the Q4_1 rows of the same weights: the
     minimum `-8 d` is exact in fp16, and `d * q - 8 d` exact in fp32. None where a scale is too
@@ -405,22 +342,9 @@ def q4_0_as_q4_1(rows: torch.Tensor) -> torch.Tensor | None:
     return q41.reshape(rows.shape[0], -1).contiguous()
 
 
-def _text_field(reader: Any, key: str) -> str:
-    field = reader.fields.get(key)
-    return "" if field is None else bytes(field.parts[field.data[0]]).decode()
-
-
-def unpermute_rows(tensor: str, rows: torch.Tensor, config: Any) -> torch.Tensor:
-    """GGUF stores a Llama's q and k rows interleaved for its rotary layout; undo it as loading
-    does."""
-    if ".attn_q." in tensor:
-        heads = config.num_attention_heads
-    elif ".attn_k." in tensor:
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    else:
-        return rows
-    half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, half, 2, -1).transpose(1, 2).reshape(rows.shape).contiguous()
+def holds(fmt: BlockFormat, rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the blocks `rows` widen to exactly `weight` (`[out, in]`, fp32)."""
+    return rows.shape[0] == weight.shape[0] and torch.equal(dequantize_rows(fmt, rows), weight)
 
 
 def save(blocks: dict[str, tuple[BlockFormat, torch.Tensor]], path: Path) -> None:

@@ -96,29 +96,40 @@ def ensure_converted(name: str) -> Path:
 
 
 def convert(gguf: Path, out: Path, name: str) -> int:
-    """Dequantize the GGUF file `gguf` with transformers' GGUF support into a checkpoint folder
-    `out` (weights, config, tokenizer and chat template) whose model is called `name`, with its
-    linear layers' blocks beside; return how many layers kept blocks."""
+    """Convert the GGUF file `gguf` into a checkpoint folder `out` (weights, config, tokenizer
+    and chat template, as transformers reads them from the file) whose model is called `name`,
+    with its linear layers' blocks beside; return how many layers kept blocks. Tensors are read
+    and written one at a time (`gguf_tensors`)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from engine.loading import gguf_blocks
+    from engine.loading.checkpoint_tensors import parameters_on_meta
+    from engine.loading.conversions import ShardWriter
+    from engine.loading.gguf_tensors import model_tensors
 
     logger.info("converting %s to a checkpoint (weights dequantized to fp32) ...", gguf.name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent,
-            gguf_file=gguf.name,
-            quantization_config=GgufConfig(dequantize=True),
-            dtype=torch.float32,
-        )
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config.name_or_path = name
+        config.dtype = torch.float32
+        with parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        config.architectures = [type(model).__name__]
+        writer = ShardWriter(out)
+        blocks = {}
+        for tensor in model_tensors(gguf, model):
+            writer.add(tensor.name, tensor.tensor)
+            if tensor.blocks is not None:
+                layer, fmt, rows = tensor.blocks
+                blocks[layer] = (fmt, rows)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise ValueError(f"{gguf.name}: transformers cannot read this GGUF file: {exc}") from exc
-    model.config.name_or_path = name
-    model.save_pretrained(out)
+    writer.close()
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    blocks = gguf_blocks.read_gguf(gguf, model)
     if blocks:
         gguf_blocks.save(blocks, out / gguf_blocks.BLOCKS_FILE)
     logger.info("%d linear layers keep their GGUF blocks", len(blocks))

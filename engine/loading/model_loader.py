@@ -21,6 +21,8 @@ from engine.kernels.cpu.linear import (
 )
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import gguf_blocks
+from engine.loading.block_model import load_with_blocks
+from engine.loading.checkpoint_tensors import model_from_config
 from engine.loading.classifiers import as_causal_lm, is_classifier, labels
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from engine.loading.gguf_file import ensure_converted, is_gguf_file
@@ -29,7 +31,7 @@ from engine.loading.quantized_checkpoint import ensure_converted as ensure_dequa
 from engine.loading.quantized_checkpoint import quantized_folder
 from engine.models.experts import unfuse_experts
 from engine.models.vision import is_image_text, why_not_served
-from engine.parallel.loading import load_share, model_from_config
+from engine.parallel.loading import load_share
 from engine.parallel.sharding import ShardShape, shard_model
 
 logger = logging.getLogger(__name__)
@@ -205,12 +207,18 @@ def load_model(
     path = checkpoint_path(name_or_path)
     name = served_name or (DEFAULT_MODEL_NAME if name_or_path is None else name_or_path)
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
-    shard = None
+    form = choose_linear_form(dtype, device)
+    shard, model = None, None
     if random_weights:
         model, shard = _random_model(path, dtype, device, rank, trust_remote_code)
     elif rank[1] > 1:
         model, shard = load_share(path, dtype, *rank, trust_remote_code=trust_remote_code)
-    else:
+    elif form is LinearForm.FP32_PANELS and holds_blocks(path):
+        model = load_with_blocks(path, int8_activations, trust_remote_code)
+    # Blocks are taken up once: as the model loads, or after it loaded whole; a share's weights
+    # (and random ones) do not match them.
+    take_blocks = model is None
+    if model is None:
         model = auto_model_class(path, trust_remote_code).from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code
         )
@@ -220,9 +228,7 @@ def load_model(
     if classes:
         model = as_causal_lm(model)
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
-    # A share's weights (and random ones) do not match the GGUF blocks kept beside the model.
-    folder = Path(path) if shard is None and not random_weights else None
-    use_linear_form(model, choose_linear_form(dtype, device), folder, int8_activations)
+    use_linear_form(model, form, Path(path) if take_blocks else None, int8_activations)
     if int8_activations and not any(getattr(m, "int8_activations", False) for m in model.modules()):
         logger.warning(
             "--int8-activations has no effect here: it needs float32 on a CPU and Q4_0, Q4_1 "
@@ -336,13 +342,18 @@ def widened_parts(model: Any) -> list[Any]:
     return [model]
 
 
+def holds_blocks(path: str) -> bool:
+    """Whether the checkpoint folder `path` keeps blocks beside its weights that Conveyor's
+    panel kernel can read."""
+    return (Path(path) / gguf_blocks.BLOCKS_FILE).is_file() and panel_linear_available()
+
+
 def use_gguf_blocks_beside(model: Any, folder: Path, int8_activations: bool = False) -> None:
     """Hold fp32 linear layers in the GGUF blocks kept beside the checkpoint, if any (the default
     model keeps its Q4_1 and Q8_0 blocks), where they widen to exactly the loaded weights and
     Conveyor's panel kernel runs."""
-    blocks_file = folder / gguf_blocks.BLOCKS_FILE
-    if blocks_file.is_file() and panel_linear_available():
-        use_gguf_blocks(model, gguf_blocks.load(blocks_file), int8_activations)
+    if holds_blocks(str(folder)):
+        use_gguf_blocks(model, gguf_blocks.load(folder / gguf_blocks.BLOCKS_FILE), int8_activations)
 
 
 def wrap_model(

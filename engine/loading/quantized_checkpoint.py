@@ -31,7 +31,7 @@ import torch
 
 from engine.core.paths import cache_dir
 from engine.loading import gguf_blocks, packed_weights
-from engine.loading.conversions import convert_once, source_key
+from engine.loading.conversions import ShardWriter, convert_once, source_key
 from engine.loading.hub import MODEL_FILES
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,6 @@ MARKERS = packed_weights.MARKERS
 # compressed-tensors' formats read here; transformers dequantizes the others (NVFP4, MXFP4).
 READ_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-# fp32 bytes per converted weight file.
-SHARD_BYTES = 2 << 30
 # vLLM's `--quantization` names, by the method of the checkpoints they serve.
 METHOD_NAMES = {
     "awq_marlin": "awq",
@@ -234,17 +232,11 @@ def convert(folder: Path, out: Path) -> int:
     if not scheme.read_here:
         _dequantize_with_transformers(folder, out, scheme)
         return 0
-    out.mkdir(parents=True)
     blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]] = {}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    held = 0  # bytes in the last shard
+    writer = ShardWriter(out)
     for name, tensor in _dense_tensors(folder, files, scheme, blocks):
-        if held >= SHARD_BYTES:
-            shards.append({})
-            held = 0
-        shards[-1][name] = tensor
-        held += tensor.nbytes
-    _save_shards(shards, out)
+        writer.add(name, tensor)
+    writer.close()
     _copy_other_files(folder, out)
     _write_config(folder, out)
     if blocks:
@@ -282,7 +274,7 @@ def _dense_tensors(
             weight, held = _read_layer(scheme, parts)
         except (KeyError, RuntimeError, ValueError) as exc:
             raise ValueError(f"{folder}: cannot read the quantized layer {layer}: {exc}") from exc
-        if held is not None:
+        if held is not None and gguf_blocks.holds(*held, weight):
             blocks[layer] = held
         yield f"{layer}.weight", weight
     read = {f"{layer}.{part}" for layer in layers for part in packed_weights.PARTS}
@@ -329,23 +321,6 @@ def _dequantize_with_transformers(folder: Path, out: Path, scheme: Scheme) -> No
         raise ValueError(f"{folder}: transformers cannot dequantize it: {exc}") from exc
     model.save_pretrained(out)
     _copy_other_files(folder, out)
-
-
-def _save_shards(shards: list[dict[str, torch.Tensor]], out: Path) -> None:
-    """Weights as one `model.safetensors`, or numbered files with an index."""
-    from safetensors.torch import save_file
-
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for number, shard in enumerate(shards, 1):
-        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.nbytes for shard in shards for t in shard.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _copy_other_files(folder: Path, out: Path) -> None:

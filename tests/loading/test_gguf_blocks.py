@@ -20,6 +20,7 @@ from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.fused_decode import DecodeRoute
 from engine.kernels.cpu.linear import PanelLinear, pack_linears, use_gguf_blocks
 from engine.loading import gguf_blocks
+from engine.loading.gguf_tensors import model_tensors
 from engine.loading.model_loader import use_gguf_blocks_beside
 from engine.models.llama import PagedLlamaLayer
 from tests.gguf_files import stored
@@ -249,10 +250,12 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
         folder, gguf_file="tiny.gguf", quantization_config=GgufConfig(dequantize=True)
     )
     model.save_pretrained(folder / "model")
-    gguf_blocks.save(
-        gguf_blocks.read_gguf(folder / "tiny.gguf", model),
-        folder / "model" / gguf_blocks.BLOCKS_FILE,
-    )
+    blocks = {
+        held[0]: held[1:]
+        for tensor in model_tensors(folder / "tiny.gguf", model)
+        if (held := tensor.blocks) is not None
+    }
+    gguf_blocks.save(blocks, folder / "model" / gguf_blocks.BLOCKS_FILE)
     return folder / "model"
 
 

@@ -1,0 +1,169 @@
+"""A model's parameters read one at a time from a checkpoint's safetensors files.
+
+The model is built from its config with its parameters on the meta device (no memory), and each
+parameter is then read from the checkpoint tensor(s) of its name, whole or as one rank's share
+of them (`parallel.loading`): no moment holds the model twice, and a caller can first put other
+layers in place of some (`block_model`: quantized layers held as their blocks), whose weights
+are then never read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def model_from_config(path: str, dtype: torch.dtype, trust_remote_code: bool) -> Any:
+    """The model at `path` built from its config alone, parameters made as the caller's context
+    makes them (on the meta device, or initialised on a device), with its generation config."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+        GenerationConfig,
+    )
+
+    from engine.loading.classifiers import is_classifier
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    image_text = getattr(config, "vision_config", None) is not None
+    auto: Any = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    if is_classifier(config):
+        auto = AutoModelForSequenceClassification
+    model = auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    if (Path(path) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside hold their parameters on the meta device (no memory, no
+    initialisation); buffers, computed at construction (rotary frequencies), stay real."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:  # a tied one is shared as it is
+            kind = type(param)
+            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def tensor_index(files: list[Path]) -> dict[str, Path]:
+    """The file holding each tensor of the safetensors `files`."""
+    from safetensors import safe_open
+
+    index: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as handle:
+            index.update(dict.fromkeys(handle.keys(), file))
+    return index
+
+
+class CheckpointTensors:
+    """The checkpoint's tensors by name, each file opened once."""
+
+    def __init__(self, index: dict[str, Path]) -> None:
+        self.index = index
+        self._files = ExitStack()
+        self._handles: dict[Path, Any] = {}
+
+    def __enter__(self) -> CheckpointTensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._files.close()
+
+    def key(self, name: str) -> str:
+        """The checkpoint's name for a parameter: the same, without the base model's prefix,
+        or with Mixtral's `block_sparse_moe` for `mlp`."""
+        for candidate in (name, name.replace(".mlp.", ".block_sparse_moe.")):
+            for key in (candidate, candidate.removeprefix("model.")):
+                if key in self.index:
+                    return key
+        raise KeyError(name)
+
+    def slice(self, key: str) -> Any:
+        """A reader of the tensor `key` that reads only what it is indexed with."""
+        from safetensors import safe_open
+
+        file = self.index[key]
+        if file not in self._handles:
+            self._handles[file] = self._files.enter_context(safe_open(str(file), "pt"))
+        return self._handles[file].get_slice(key)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole checkpoint tensor behind parameter `name`."""
+        return self.slice(self.key(name))[:]
+
+
+# Each expert's own tensors, as checkpoints name them: (gate, up, down), Qwen's and Mixtral's.
+EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def fill(
+    model: nn.Module,
+    checkpoint: CheckpointTensors,
+    dtype: torch.dtype,
+    read: Callable[[str, CheckpointTensors], torch.Tensor] | None = None,
+) -> None:
+    """Every parameter of `model` still on the meta device read from `checkpoint`, as
+    `read(name, checkpoint)` gives it (default: whole). Raises KeyError naming a parameter the
+    checkpoint lacks."""
+    read = read or whole_tensor
+    for name, param in list(model.named_parameters()):
+        if not param.is_meta:
+            continue
+        tensor = read(name, checkpoint).to(dtype)
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def whole_tensor(name: str, checkpoint: CheckpointTensors) -> torch.Tensor:
+    """Parameter `name` whole: its checkpoint tensor, or a layer's experts stacked."""
+    owner, _, kind = name.rpartition(".")
+    try:
+        return checkpoint.tensor(name)
+    except KeyError:
+        if owner.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):
+            return stacked_experts(owner, kind, checkpoint, slice(None))
+        raise
+
+
+def stacked_experts(
+    owner: str, kind: str, checkpoint: CheckpointTensors, channels: slice
+) -> torch.Tensor:
+    """A layer's experts stacked as Hugging Face holds them (`[experts, 2 * inter, hidden]`,
+    gate above up; `[experts, hidden, inter]`), each cut to `channels`, read from the
+    checkpoint's tensors of each expert."""
+    for gate, up, down in EXPERT_NAMES:
+        try:
+            checkpoint.key(f"{owner}.0.{gate}.weight")
+        except KeyError:
+            continue
+        shares = []
+        for expert in itertools.count():
+            prefix = f"{owner}.{expert}"
+            try:
+                keys = [checkpoint.key(f"{prefix}.{part}.weight") for part in (gate, up, down)]
+            except KeyError:
+                break
+            if kind == "down_proj":
+                shares.append(checkpoint.slice(keys[2])[:, channels])
+            else:
+                shares.append(torch.cat([checkpoint.slice(k)[channels] for k in keys[:2]]))
+        return torch.stack(shares)
+    raise KeyError(f"{owner}.{kind}")
