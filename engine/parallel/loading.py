@@ -4,6 +4,7 @@ From a local folder of safetensors files, the model is built with its parameters
 device (no memory), cut to the rank's shapes (`sharding.shard_model`), and each parameter is then
 read as the slice of its checkpoint tensor the rank keeps: a rank of N holds about 1/N of the
 weights from the start, so N ranks on one host need about one model's worth of memory, not N.
+A converted checkpoint's layers kept only as blocks are read as their blocks dequantized.
 Elsewhere (a hub id, another format) the whole model is loaded and cut.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.loading.block_model import fill_from_blocks, read_blocks
 from engine.loading.checkpoint_tensors import (
     CheckpointTensors,
     fill,
@@ -50,9 +52,12 @@ def load_share(
                 "share from it",
                 missing,
             )
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
     )
+    model, info = loaded
+    if info.get("missing_keys") and Path(path).is_dir():
+        fill_from_blocks(model, list(info["missing_keys"]), read_blocks(path))
     return model, shard_model(model, rank, size)
 
 
@@ -68,7 +73,7 @@ def _share_from_files(
         model = model_from_config(path, dtype, trust_remote_code)
     shape = shard_model(model, rank, size)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    with CheckpointTensors(tensor_index(files)) as checkpoint:
+    with CheckpointTensors(tensor_index(files), read_blocks(path)) as checkpoint:
         fill(model, checkpoint, dtype, lambda name, tensors: _read_share(name, tensors, shape))
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight

@@ -1,14 +1,17 @@
-"""A converted checkpoint's quantized layers held as their blocks from the start
-(`engine/loading/block_model.py`): their fp32 weights are never read, and the model still gives
-transformers' greedy tokens for the file; what that reading cannot place loads whole. Converted
+"""A converted checkpoint's quantized layers kept as their blocks only
+(`engine/loading/block_model.py`): held as block layers from the start on a CPU in fp32 (the
+model gives transformers' greedy tokens for the file), their blocks dequantized in 16-bit forms,
+a whole load and a tensor-parallel share; what the reading cannot place loads whole. Converted
 weights are written shard by shard (`conversions.ShardWriter`), and a folder converted in an
 older layout converts again."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +24,9 @@ from engine.factory import create_engine_core
 from engine.kernels.cpu.linear import PanelLinear
 from engine.loading import block_model, conversions, gguf_blocks, gguf_file
 from engine.loading.gguf_tensors import block_rows
+from engine.loading.model_loader import load_model, load_whole
+from engine.parallel.loading import load_share
+from engine.parallel.sharding import shard_model
 from tests.gguf_files import write_gguf
 from tests.helpers import (
     chat_tokenizer,
@@ -33,52 +39,118 @@ from tests.helpers import (
 from tests.loading.test_gguf_file import k_quant_types, llama_types, wide_llama
 
 PROMPTS = [[5, 9, 33, 2], list(range(10, 60))]
+# Each family's tiny model: Q4_0 projections with a Q8_0 tied embedding, Q4_K_M's mix.
+FILES = {"q4_0": (tiny_llama, llama_types), "k": (wide_llama, k_quant_types)}
 
 
-def converted_without_block_weights(tmp_path: Path, build, types) -> tuple[Path, Path, int]:
-    """A GGUF file, and its conversion copied with every weight its blocks hold taken out of
-    the safetensors: a model read from it can only have come from the blocks. Returns the
-    file, the copy and how many layers keep blocks."""
+@pytest.fixture(params=list(FILES))
+def converted(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path, Any]:
+    """A GGUF file, its conversion, and transformers' own model of the file."""
+    build, types = FILES[request.param]
     path = tmp_path / "tiny.gguf"
     write_gguf(path, build(), chat_tokenizer(), types)
     folder = tmp_path / "converted"
     gguf_file.convert(path, folder, "tiny")
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    )
+    return path, folder, reference.eval()
+
+
+def stored_weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def test_a_conversion_keeps_quantized_layers_as_their_blocks_only(converted, tmp_path) -> None:
+    """No fp32 weight is written for a layer kept as blocks (a tied head's embedding stays);
+    `plain` writes both, a checkpoint transformers loads whole."""
+    path, folder, reference = converted
     blocks = gguf_blocks.load(folder / gguf_blocks.BLOCKS_FILE)
-    weights = load_file(folder / "model.safetensors")
-    kept = {name: t for name, t in weights.items() if name.removesuffix(".weight") not in blocks}
-    assert len(weights) - len(kept) >= len(blocks) - 1  # a tied head has no weight of its own
-    save_file(kept, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return path, folder, len(blocks)
+    assert len(blocks) == 2 * 7 + 1
+    expected = reference.state_dict()
+    saved = set(expected) - ({"lm_head.weight"} if reference.config.tie_word_embeddings else set())
+    weights = stored_weights(folder)
+    assert set(weights) == saved - {f"{layer}.weight" for layer in blocks}
+    assert "model.embed_tokens.weight" in weights
+    gguf_file.convert(path, tmp_path / "plain", "tiny", plain=True)
+    plain = stored_weights(tmp_path / "plain")
+    assert set(plain) == saved
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in plain.items())
 
 
 @needs_panels
-@pytest.mark.parametrize(
-    ("build", "types"), [(tiny_llama, llama_types), (wide_llama, k_quant_types)], ids=["q4_0", "k"]
-)
-def test_block_layers_load_without_their_fp32_weights(tmp_path: Path, build, types) -> None:
-    path, folder, count = converted_without_block_weights(tmp_path, build, types)
+def test_block_layers_load_without_fp32_weights_and_serve_transformers_tokens(
+    converted,
+) -> None:
+    _, folder, reference = converted
     config = EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(num_blocks=64))
     core, loaded, _ = create_engine_core(config)
     held = [m for m in loaded.model.modules() if isinstance(m, PanelLinear) and m.block_format]
-    assert len(held) == count == 2 * 7 + 1
-    reference = AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    assert len(held) == 2 * 7 + 1
     expected = [reference_greedy(reference, prompt, 8) for prompt in PROMPTS]
     outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
 
 
+def linear_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every projection's and the head's weight, as held, in fp32."""
+    return {
+        name: module.weight.float()
+        for name, module in model.named_modules()
+        if name.endswith(("_proj", "lm_head"))
+    }
+
+
+@pytest.fixture
+def no_whole_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading the model whole by transformers fails the test."""
+    monkeypatch.setattr(
+        AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *args, **kwargs: pytest.fail("loaded the whole model"),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_forms_read_the_blocks_dequantized(converted, dtype, no_whole_load) -> None:
+    _, folder, reference = converted
+    loaded = load_model(str(folder), dtype, torch.device("cpu"))
+    ours, theirs = linear_weights(loaded.model), linear_weights(reference)
+    assert ours.keys() == theirs.keys() and len(ours) == 2 * 7 + 1
+    for name, weight in theirs.items():
+        assert torch.equal(ours[name], weight.to(dtype).float()), name
+
+
+def test_a_rank_s_share_reads_the_blocks_dequantized(converted, no_whole_load) -> None:
+    _, folder, reference = converted
+    share, shape = load_share(str(folder), torch.float32, 1, 2)
+    cut = copy.deepcopy(reference)
+    assert shard_model(cut, 1, 2) == shape
+    theirs = dict(cut.named_parameters())
+    for name, param in share.named_parameters():
+        assert torch.equal(param, theirs[name]), name
+
+
+def test_a_whole_load_gives_the_layers_kept_as_blocks_their_weights(converted) -> None:
+    """Where transformers loads the model (a layout the reading above does not know), a weight
+    kept as blocks is its blocks dequantized, not transformers' random initialisation."""
+    _, folder, reference = converted
+    whole = load_whole(str(folder), torch.float32)
+    expected = reference.state_dict()
+    for name, param in whole.named_parameters():
+        assert torch.equal(param, expected[name]), name
+
+
 @needs_panels
 def test_a_parameter_the_checkpoint_lacks_leaves_the_model_to_load_whole(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    converted, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _, folder, _ = converted_without_block_weights(tmp_path, tiny_llama, llama_types)
-    weights = load_file(folder / "model.safetensors")
+    folder = converted[1]
+    weights = stored_weights(folder)
     del weights["model.norm.weight"]
     save_file(weights, str(folder / "model.safetensors"))
     with caplog.at_level("INFO", logger=block_model.__name__):
-        assert block_model.load_with_blocks(str(folder)) is None
+        assert block_model.load_converted(str(folder), torch.float32, hold=True) is None
     assert "model.norm.weight" in caplog.text
 
 

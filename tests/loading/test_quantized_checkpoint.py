@@ -138,7 +138,8 @@ def test_a_quantized_checkpoint_serves_the_tokens_of_its_weights(served) -> None
 
 
 def test_the_conversion_holds_exactly_the_weights_in_fp32(served) -> None:
-    """Each quantized layer's weight is `scale * (q - zero)` to the bit; fp16 tensors widen."""
+    """Each quantized layer's weight is `scale * (q - zero)` to the bit, in fp32 or as the
+    blocks kept instead; fp16 tensors widen."""
     _, _, _, loaded, _, reference, count = served
     folder = Path(loaded.path)
     config = json.loads((folder / "config.json").read_text())
@@ -147,6 +148,10 @@ def test_the_conversion_holds_exactly_the_weights_in_fp32(served) -> None:
     for file in folder.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as weights:
             held |= {name: weights.get_tensor(name) for name in weights.keys()}  # noqa: SIM118
+    blocks = folder / gguf_blocks.BLOCKS_FILE
+    for layer, (fmt, rows) in (gguf_blocks.load(blocks) if blocks.is_file() else {}).items():
+        assert f"{layer}.weight" not in held, layer
+        held[f"{layer}.weight"] = gguf_blocks.dequantize_rows(fmt, rows)
     expected = reference.state_dict()
     assert set(held) == set(expected)
     for name, tensor in expected.items():
