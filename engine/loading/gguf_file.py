@@ -2,11 +2,12 @@
 llama.cpp's server and vLLM take one, or `--model unsloth/Qwen3-0.6B-GGUF:Q4_K_M` (vLLM's
 `REPO:QUANT`: the repository's one file of that type, fetched into the Hugging Face cache).
 
-The first start converts the file once into Conveyor's cache: transformers reads its config, its
-tokenizer (with the chat template the file carries) and its weights, dequantized to fp32, and
-Conveyor saves them as a checkpoint folder; the blocks of its linear layers, in the types panels
-hold, are kept beside (`gguf_blocks`), for the CPU's panel product to read instead of the fp32
-weights. Later starts load that folder in seconds. The folder's name holds the file's path, size
+The first start converts the file once into Conveyor's cache: transformers reads its config and
+its tokenizer (with the chat template the file carries), and its tensors are read one at a time
+(`gguf_tensors`) into a checkpoint folder: a linear layer stored in a type panels hold is kept
+as its blocks (`gguf_blocks`), which the CPU's panel product reads and other forms dequantize
+as they load (`block_model`), every other tensor in fp32. Later starts load that folder in
+seconds. The folder's name holds the file's path, size
 and modification time, so an edited or replaced file converts again.
 """
 
@@ -109,7 +110,7 @@ def convert(gguf: Path, out: Path, name: str, plain: bool = False) -> int:
     from engine.loading.conversions import ShardWriter
     from engine.loading.gguf_tensors import model_tensors
 
-    logger.info("converting %s to a checkpoint (weights dequantized to fp32) ...", gguf.name)
+    logger.info("converting %s to a checkpoint, a tensor at a time ...", gguf.name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
