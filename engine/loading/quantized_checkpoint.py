@@ -3,16 +3,15 @@ folder of one), as `vllm serve` takes them: AWQ, GPTQ, compressed-tensors (llm-c
 W4A16, W8A16, W8A8 and FP8 schemes) and FP8 checkpoints.
 
 Such a checkpoint is converted once into Conveyor's cache, a layer at a time, as one with fp32
-weights and every other file of its folder (tokenizer, chat template, generation config). The weights are
-read here (`packed_weights.py`): integers packed in words (AWQ's GEMM packing, GPTQ's 2, 4 or 8
-bits in its own format or its v2, compressed-tensors' pack-quantized schemes) or stored
-unpacked (INT8), each weight `scale * (q - zero)`, exact in fp32; FP8 weights times their scale
-per row, group, tensor or tile. Where each 32 inputs of a row share one group, a layer's 4- or
-8-bit integers are kept as blocks that widen to exactly its weights, instead of its fp32
-weight, as a GGUF file's blocks are: the CPU's panel product reads them, other forms dequantize
-them as they load (`block_model`). compressed-tensors' other formats (NVFP4,
-MXFP4) are dequantized by transformers. Later starts load the folder in seconds; changed weight
-files convert again.
+weights and every other file of its folder (tokenizer, chat template, generation config). The
+weights are read here (`packed_weights.py`): integers packed in words (AWQ's GEMM packing, GPTQ's
+2, 4 or 8 bits in its own format or its v2, compressed-tensors' pack-quantized schemes) or stored
+unpacked (INT8), each weight `scale * (q - zero)`, exact in fp32; FP8 weights times their scale per
+row, group, tensor or tile. Where each 32 inputs of a row share one group, a layer's 4- or 8-bit
+integers are kept as blocks that widen to exactly its weights, instead of its fp32 weight, as a
+GGUF file's blocks are: the CPU's panel product reads them, other forms dequantize them as they
+load (`block_model`). compressed-tensors' other formats (NVFP4, MXFP4) are dequantized by
+transformers. Later starts load the folder in seconds; changed weight files convert again.
 """
 
 from __future__ import annotations
