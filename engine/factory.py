@@ -136,6 +136,7 @@ def load_rank(
         random_weights=config.load_format == "dummy",
         tokenizer_name=config.tokenizer,
         served_name=config.model_name,
+        slow_tokenizer=config.tokenizer_mode == "slow",
     )
     return loaded, dtype
 

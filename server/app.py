@@ -212,9 +212,7 @@ def _openai_router(
 ) -> APIRouter:
     router = APIRouter(responses=errors(401) if settings.api_key else None)
     completions = CompletionHandler(engine, served, settings.limits)
-    chat = ChatHandler(
-        engine, served, settings.limits, settings.tool_call_parser, settings.reasoning_parser
-    )
+    chat = ChatHandler(engine, served, settings)
     stored = ResponseStore()
     embeddings = EmbeddingHandler(engine, served, settings.limits)
     scores = ScoreHandler(embeddings)

@@ -22,6 +22,7 @@ from engine.core.config import (
 )
 from engine.core.sampling_params import MAX_LOGPROBS
 from engine.loading.gguf_file import is_gguf_file
+from server.content_format import CONTENT_FORMATS
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
 from server.reasoning import PARSERS as REASONING_PARSERS
@@ -64,6 +65,19 @@ def load_chat_template(text: str) -> str:
     if "{{" in text or "{%" in text:
         return codecs.decode(text, "unicode_escape")
     raise argparse.ArgumentTypeError(f"no chat template file at {text!r}")
+
+
+def tokenizer_mode(text: str) -> str:
+    """vLLM's `--tokenizer-mode`: `hf` is `auto`; `mistral` and `custom` are refused."""
+    mode = text.lower()
+    if mode in ("auto", "hf"):
+        return "auto"
+    if mode == "slow":
+        return mode
+    raise argparse.ArgumentTypeError(
+        f"tokenizer mode {text!r} is not served: Conveyor reads Hugging Face tokenizer files "
+        "(auto, hf or slow)"
+    )
 
 
 def parse_json_object(text: str) -> dict:
@@ -145,6 +159,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="folder or hub id of the tokenizer (and chat template) to use instead of the "
         "model's own",
+    )
+    engine.add_argument(
+        "--tokenizer-mode",
+        type=tokenizer_mode,
+        default="auto",
+        help="auto (or hf): the fast tokenizer; slow: the Python one (vLLM's flag; its mistral "
+        "mode is refused: Conveyor reads Hugging Face tokenizer files)",
     )
     engine.add_argument(
         "--revision", default=None, help="a hub model's branch, tag or commit (default: main)"
@@ -548,6 +569,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         tokenizer=args.tokenizer,
+        tokenizer_mode=args.tokenizer_mode,
         quantization=args.quantization,
         max_logprobs=args.max_logprobs,
         revision=args.revision,
@@ -616,6 +638,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_head_bytes=args.max_header_bytes,
         head_timeout=args.header_timeout,
         shutdown_timeout=args.shutdown_timeout,
+        chat_content_format=args.chat_template_content_format,
+        response_role=args.response_role,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -740,6 +764,19 @@ def _add_reply_parsers(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         default=None,
         help="the chat template to use instead of the model's: a Jinja file, or the template "
         "itself",
+    )
+    parser.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        default="auto",
+        help="how the chat template takes a message's content: string, or openai (a list of "
+        '{"type": "text", ...} parts); auto reads it from the template (vLLM\'s flag)',
+    )
+    parser.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat replies when add_generation_prompt is true (else the last "
+        "message's role)",
     )
     parser.add_argument(
         "--enable-auto-tool-choice",

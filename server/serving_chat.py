@@ -15,11 +15,12 @@ from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.lora.registry import LoRARequest
 from server.call_array import CallArrayReader
+from server.content_format import content_format
 from server.harmony import FINAL, HarmonyReader, is_harmony, split_harmony
 from server.harmony import PARSER as HARMONY
 from server.harmony import REASONING_PARSER as HARMONY_REASONING
 from server.images import image_urls, load_images, processed_prompt
-from server.limits import RequestLimits, check_chat
+from server.limits import check_chat
 from server.logprobs import chat_logprobs, prompt_logprobs
 from server.protocol import ChatCompletionRequest
 from server.reasoning import END, ThinkReader, opens_in_reasoning, split_reasoning
@@ -37,6 +38,7 @@ from server.serving import (
     submit_all,
     usage,
 )
+from server.settings import ServerSettings
 from server.tokenization import (
     TokenText,
     chat_prompt,
@@ -111,11 +113,13 @@ class ChatRenderer(ChunkRenderer):
         forced: ForcedCalls | None = None,
         parser: str | None = None,
         thinking: bool | None = None,
+        role: str = "assistant",
     ) -> None:
         """`thinking`: None where the reply has no reasoning to split off, else whether it
-        starts inside it (`server.reasoning`)."""
+        starts inside it (`server.reasoning`). `role`: the reply message's role."""
         super().__init__(request_id, model, body.include_usage, body.continuous_usage)
         self.body = body
+        self.role = role
         self.forced = forced
         self.parser = parser
         self.thinking = thinking
@@ -143,7 +147,7 @@ class ChatRenderer(ChunkRenderer):
             choice.started = True
             # A reply that is only calls has no content, as in the non-streamed message.
             content = None if self.forced is not None else ""
-            fragments.append(self._fragment(choice, {"role": "assistant", "content": content}))
+            fragments.append(self._fragment(choice, {"role": self.role, "content": content}))
         logprobs = None
         if output.logprobs is not None and self.body.logprobs:
             logprobs = chat_logprobs(output.logprobs, self.token_text)
@@ -278,12 +282,12 @@ class ChatRenderer(ChunkRenderer):
         reasoning, content, calls = split_harmony(text)
         if self.forced is not None and not calls:  # the answer's body holds the call
             message = {
-                "role": "assistant",
+                "role": self.role,
                 "content": None,
                 "tool_calls": self.forced.calls(content),
             }
         else:
-            message = {"role": "assistant", "content": content or None}
+            message = {"role": self.role, "content": content or None}
             if calls:
                 message["tool_calls"] = calls
         if reasoning:
@@ -294,13 +298,13 @@ class ChatRenderer(ChunkRenderer):
         """The message of a reply whose text (past any reasoning) is `text`."""
         if self.parser is not None:
             content, calls = parse_calls(self.parser, text or "", tool_schemas(self.body))
-            message: dict[str, Any] = {"role": "assistant", "content": content}
+            message: dict[str, Any] = {"role": self.role, "content": content}
             if calls:
                 message["tool_calls"] = calls
             return message
         if self.forced is None:
-            return {"role": "assistant", "content": text}
-        return {"role": "assistant", "content": None, "tool_calls": self.forced.calls(text or "")}
+            return {"role": self.role, "content": text}
+        return {"role": self.role, "content": None, "tool_calls": self.forced.calls(text or "")}
 
     def response(self) -> dict[str, Any]:
         messages = {c.index: self._message(c) for c in self.choices.values()}
@@ -331,18 +335,16 @@ class ChatRenderer(ChunkRenderer):
 
 class ChatHandler:
     def __init__(
-        self,
-        engine: EngineClient,
-        model: ServedModel,
-        limits: RequestLimits | None = None,
-        tool_call_parser: str | None = None,
-        reasoning_parser: str | None = None,
+        self, engine: EngineClient, model: ServedModel, settings: ServerSettings | None = None
     ) -> None:
+        settings = settings or ServerSettings()
         self.engine = engine
         self.model = model
-        self.reasoning_parser = reasoning_parser
-        self.limits = limits or RequestLimits()
-        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = settings.reasoning_parser
+        self.limits = settings.limits
+        self.tool_call_parser = settings.tool_call_parser
+        self.response_role = settings.response_role
+        self.content_format = settings.chat_content_format
         # Whether replies are Harmony's messages, read from the template on first use.
         self._harmony_replies: bool | None = None
 
@@ -387,6 +389,7 @@ class ChatHandler:
             prepared.forced,
             prepared.parser,
             prepared.thinking,
+            self.response_role if body.add_generation_prompt else body.messages[-1].role,
         )
 
     async def _prepare(
@@ -451,6 +454,7 @@ class ChatHandler:
                 body.template_kwargs,
                 body.add_special_tokens,
                 images=token is not None,
+                parts=content_format(self.content_format, tokenizer.chat_template) == "openai",
             ),
         )
         urls = image_urls(body.messages)

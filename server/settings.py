@@ -55,6 +55,10 @@ class ServerSettings:
     head_timeout: float = DEFAULT_HEAD_TIMEOUT
     shutdown_timeout: float = 30.0
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # How chat templates take a message's content (`--chat-template-content-format`: auto,
+    # string or openai) and the role of a chat reply (`--response-role`).
+    chat_content_format: str = "auto"
+    response_role: str = "assistant"
     # How calls are read from free text under tool_choice "auto" (None: from the chat template).
     tool_call_parser: str | None = None
     # Splits a thinking model's reasoning from its answer (None: the reply is all content).

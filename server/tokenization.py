@@ -115,12 +115,18 @@ def message_text(message: ChatMessage) -> str:
     return "".join(part.text for part in message.content if isinstance(part, TextPart))
 
 
-def message_content(message: ChatMessage, images: bool) -> str | list[dict[str, Any]]:
-    """The content as the template reads it: text for a text model; for an image-text model
-    the parts as its processor's templates take them (`{"type": "image"}` where each image
-    goes; `as_parts` makes the text of the others parts too, once tools are written). An image
-    sent to a text model is refused."""
+def message_content(
+    message: ChatMessage, images: bool, parts: bool = False
+) -> str | list[dict[str, Any]]:
+    """The content as the template reads it: text for a text model (its text parts as sent,
+    for a template that takes `parts`); for an image-text model the parts as its processor's
+    templates take them (`{"type": "image"}` where each image goes; `as_parts` makes the text
+    of the others parts too, once tools are written). An image sent to a text model is
+    refused."""
     if not message.image_urls:
+        if parts and isinstance(message.content, list):
+            texts = [part.text for part in message.content if isinstance(part, TextPart)]
+            return [{"type": "text", "text": text} for text in texts]
         return message_text(message)
     if not images:
         raise InvalidRequestError(
@@ -143,13 +149,15 @@ def chat_prompt(
     template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
     images: bool = False,
+    parts: bool = False,
 ) -> tuple[str, list[int]]:
     """Render messages (and the tools offered, `tools=`) with the model's chat template; return
     the text and its token ids. For a template with no tool section the conversation carries
     the tools and earlier calls itself (`server.tool_prompt`). `template_kwargs` are more
     variables for the template (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`). The
     template writes the special tokens it wants; `add_special_tokens` adds the tokenizer's own
-    (such as a BOS) as well. For an image-text model (`images`) the content goes as parts."""
+    (such as a BOS) as well. For an image-text model (`images`), and for a template that takes
+    OpenAI's list of parts (`parts`, `server.content_format`), the content goes as parts."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot be used; "
@@ -162,10 +170,10 @@ def chat_prompt(
             param="continue_final_message",
         )
     check_template_kwargs(tokenizer, template_kwargs)
-    conversation = [template_message(m, images) for m in messages]
+    conversation = [template_message(m, images, parts) for m in messages]
     if not renders_tools(tokenizer):
         conversation, tools = with_tools_written(conversation, tools), None
-    if images:
+    if images or parts:
         conversation = [as_parts(message) for message in conversation]
     try:
         text = tokenizer.apply_chat_template(
@@ -209,11 +217,14 @@ def apply_template_arguments(tokenizer_class: Any) -> frozenset[str]:
     return frozenset(p.name for p in parameters if p.kind is not p.VAR_KEYWORD) - {"self"}
 
 
-def template_message(message: ChatMessage, images: bool = False) -> dict[str, Any]:
+def template_message(
+    message: ChatMessage, images: bool = False, parts: bool = False
+) -> dict[str, Any]:
     """A message as chat templates take it: the calls an assistant made, with their arguments
     as objects where they parse (templates write them back as JSON), and the call a tool
     message answers."""
-    rendered: dict[str, Any] = {"role": message.role, "content": message_content(message, images)}
+    content = message_content(message, images, parts)
+    rendered: dict[str, Any] = {"role": message.role, "content": content}
     if message.tool_calls:
         rendered["tool_calls"] = [
             {

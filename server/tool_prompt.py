@@ -71,10 +71,23 @@ def with_tools_written(
         return written
     instructions = TOOL_INSTRUCTIONS.format(tools=json.dumps(tools))
     if written and written[0]["role"] == "system":
-        system = written[0]["content"]
-        content = f"{system}\n\n{instructions}" if system else instructions
+        content = _appended(written[0]["content"], instructions, "\n\n")
         return [{"role": "system", "content": content}, *written[1:]]
     return [{"role": "system", "content": instructions}, *written]
+
+
+def _appended(content: str | list[dict[str, Any]] | None, text: str, joint: str) -> Any:
+    """`text` after a message's content: a string joined on `joint`, or OpenAI's list of parts
+    with a text part more."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": text}]
+    return f"{content}{joint}{text}" if content else text
+
+
+def _text(content: str | list[dict[str, Any]] | None) -> str:
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content)
+    return content or ""
 
 
 def _history_as_text(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -82,7 +95,7 @@ def _history_as_text(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]
     after_result = False
     for message in conversation:
         if message["role"] == "tool":
-            response = f"<tool_response>\n{message['content']}\n</tool_response>"
+            response = f"<tool_response>\n{_text(message['content'])}\n</tool_response>"
             if after_result:
                 written[-1]["content"] += "\n" + response
             else:
@@ -94,7 +107,7 @@ def _history_as_text(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]
         rest = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
         if message.get("tool_calls"):
             block = _calls_block(message["tool_calls"])
-            rest["content"] = f"{rest['content']}\n{block}" if rest["content"] else block
+            rest["content"] = _appended(rest["content"], block, "\n")
         written.append(rest)
     return written
 

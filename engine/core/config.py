@@ -148,6 +148,8 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    # vLLM's `--tokenizer-mode`: auto (or hf) takes the fast tokenizer, slow the Python one.
+    tokenizer_mode: str = "auto"
     # A hub model's revision, its tokenizer's, the cache folder and token it is fetched with
     # (`loading/hub.py`); the name replies give the model (default: `model` as given).
     revision: str | None = None

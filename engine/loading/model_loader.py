@@ -192,10 +192,12 @@ def load_model(
     random_weights: bool = False,
     tokenizer_name: str | None = None,
     served_name: str | None = None,
+    slow_tokenizer: bool = False,
 ) -> LoadedModel:
     """Load weights and tokenizer; None loads the embedded default model, a `.gguf` file its
     conversion (`gguf_file.py`); `tokenizer_name` (`--tokenizer`) is a folder or hub id to take
-    the tokenizer and chat template from instead of the model's; `served_name` the name
+    the tokenizer and chat template from instead of the model's (`slow_tokenizer`: its Python
+    implementation, not the fast one); `served_name` the name
     replies give the model (default: as `name_or_path` says). `int8_activations`
     multiplies the GGUF Q4_1 / Q8_0 blocks of an fp32 CPU model against inputs rounded to 8-bit
     blocks (`cpu_linear.use_gguf_blocks`). `rank` is (rank, size) under tensor parallelism: the
@@ -233,7 +235,7 @@ def load_model(
             "or Q8_0 blocks (a GGUF file's, or a quantized checkpoint's symmetric groups)"
         )
     tokenizer = AutoTokenizer.from_pretrained(
-        tokenizer_name or path, trust_remote_code=trust_remote_code
+        tokenizer_name or path, trust_remote_code=trust_remote_code, use_fast=not slow_tokenizer
     )
     processor = image_processor(model.config, path, trust_remote_code)
     if processor is not None and getattr(tokenizer, "chat_template", None) is None:

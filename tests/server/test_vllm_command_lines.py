@@ -2,8 +2,9 @@
 `--chat-template` (a file or the template itself), `--enable-auto-tool-choice`,
 `--enable-log-requests` / `--disable-log-requests`, `--limit-mm-per-prompt` and
 `--allowed-media-domains`, HTTPS (`--ssl-*`), `--root-path`, `--uvicorn-log-level`,
-`--disable-uvicorn-access-log`, `--disable-fastapi-docs`, `--enable-force-include-usage` and
-`--return-tokens-as-token-ids`."""
+`--disable-uvicorn-access-log`, `--disable-fastapi-docs`, `--enable-force-include-usage`,
+`--return-tokens-as-token-ids`, `--chat-template-content-format`, `--response-role` and
+`--tokenizer-mode`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import ssl
 import httpx
 import pytest
 
-from server.cli import build_parser, server_settings
+from server.cli import build_parser, engine_config, server_settings
 from server.http_protocol import uvicorn_config
 from server.log_format import PlainFormatter, configure_logging
 from tests.server_utils import app_client, live_server, sse_events
@@ -195,3 +196,72 @@ async def test_a_server_can_name_every_logprob_s_token_by_its_id():
     async with app_client(settings_of("--return-tokens-as-token-ids")) as (client, _):
         tokens = (await client.post("/v1/completions", json=body)).json()["choices"][0]
         assert all(t.startswith("token_id:") for t in tokens["logprobs"]["tokens"])
+
+
+# A template for OpenAI's list of parts: it loops over each message's content (the newline
+# after a block tag goes, as transformers renders templates).
+PARTS_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}]"
+    "{% for part in m['content'] %}{{ part['text'] }}|{% endfor %}\n{% endfor %}>>"
+)
+TWO_PARTS = [
+    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+]
+
+
+@pytest.mark.parametrize(
+    ("template", "flag", "rendered"),
+    [
+        (PARTS_TEMPLATE, "auto", "[user]a|b|>>"),
+        (PARTS_TEMPLATE, "openai", "[user]a|b|>>"),
+        (TEMPLATE, "auto", "[user] ab\n>>"),
+        (TEMPLATE, "string", "[user] ab\n>>"),
+    ],
+)
+async def test_the_content_goes_to_the_template_in_the_form_it_reads(template, flag, rendered):
+    """`--chat-template-content-format`: `auto` gives parts to a template that loops over a
+    message's content, a string to one that prints it; a string or parts sent alike."""
+    settings = settings_of("--chat-template", template, "--chat-template-content-format", flag)
+    async with app_client(settings) as (client, engine):
+        expected = engine.tokenizer.encode(rendered, add_special_tokens=False)
+        for messages in (TWO_PARTS, [{"role": "user", "content": "ab"}]):
+            if template is PARTS_TEMPLATE and isinstance(messages[0]["content"], str):
+                expected = engine.tokenizer.encode("[user]ab|>>", add_special_tokens=False)
+            reply = await client.post("/v1/chat/completions/render", json={"messages": messages})
+            assert reply.json()["token_ids"] == expected, messages
+
+
+def test_content_formats_are_vllm_s():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--chat-template-content-format", "parts"])
+    assert settings_of().chat_content_format == "auto"
+
+
+async def test_replies_take_the_response_role_under_a_generation_prompt():
+    """`--response-role`: the role of a reply after the template's generation prompt; a reply
+    that continues the last message takes that message's role, as vLLM's does."""
+    async with app_client(settings_of("--response-role", "bot")) as (client, _):
+        body = {"messages": HELLO, "max_tokens": 2, "temperature": 0}
+        reply = await client.post("/v1/chat/completions", json=body)
+        assert reply.json()["choices"][0]["message"]["role"] == "bot"
+        streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        first = next(iter(sse_events(streamed.text)))
+        assert first["choices"][0]["delta"]["role"] == "bot"
+        prefix = [*HELLO, {"role": "assistant", "content": "Sure"}]
+        continued = {**body, "messages": prefix, "add_generation_prompt": False}
+        continued["continue_final_message"] = True
+        reply = await client.post("/v1/chat/completions", json=continued)
+        assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+    async with app_client(settings_of()) as (client, _):
+        reply = await client.post("/v1/chat/completions", json=body)
+        assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_the_tokenizer_mode_takes_vllm_s_names():
+    def mode(*argv: str) -> str:
+        return engine_config(build_parser().parse_args(["serve", *argv])).tokenizer_mode
+
+    assert mode() == "auto" and mode("--tokenizer-mode", "hf") == "auto"
+    assert mode("--tokenizer-mode", "slow") == "slow"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tokenizer-mode", "mistral"])
