@@ -357,7 +357,9 @@ def core_from_model(
         device=str(device),
         num_blocks=num_blocks,
         block_size=block_tokens,
-        model_path=loaded.path,
+        # What `--model` named (a GGUF file, a hub id), not the folder it was converted or
+        # fetched into; the default model's folder.
+        model_path=config.model_name or config.model or loaded.path,
         enable_prefix_caching=config.enable_prefix_caching,
         request_timeout=config.request_timeout,
         tensor_parallel_size=config.tensor_parallel_size,

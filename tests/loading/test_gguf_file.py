@@ -114,7 +114,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def test_a_gguf_file_serves_transformers_tokens_for_that_file(served) -> None:
     _, path, core, _, info, reference = served
-    assert info.model_name == str(path)
+    assert info.model_name == info.model_path == str(path)  # not the converted folder
     expected = [reference_greedy(reference, p, 10) for p in PROMPTS]
     outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected

@@ -59,7 +59,7 @@ def test_the_revision_and_folder_reach_the_download_and_replies_keep_the_name(
     argv += ["--hf-token", "secret", "--num-blocks", "16"]
     config = engine_config(build_parser().parse_args(argv))
     _, loaded, info = create_engine_core(config)
-    assert info.model_name == "org/tiny"
+    assert info.model_name == info.model_path == "org/tiny"
     assert hub == [
         {
             "repo": "org/tiny",

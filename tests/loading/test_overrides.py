@@ -39,7 +39,7 @@ def test_a_longer_context_by_yarn_serves_transformers_tokens_for_that_config(tmp
     argv += ["--num-blocks", "96", "--dtype", "float32"]
     config = engine_config(build_parser().parse_args(argv))
     core, loaded, info = create_engine_core(config)
-    assert info.model_name == str(tmp_path) and info.max_model_len == 1024
+    assert info.model_name == info.model_path == str(tmp_path) and info.max_model_len == 1024
     assert loaded.model.config.rope_parameters["rope_type"] == "yarn"
     reference = AutoModelForCausalLM.from_pretrained(Path(loaded.path), dtype=torch.float32)
     assert reference.config.rope_parameters["factor"] == 2.0
