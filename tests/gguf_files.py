@@ -11,34 +11,44 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
+from gguf import (
+    GGML_QUANT_SIZES,
+    MODEL_ARCH,
+    GGMLQuantizationType,
+    GGUFWriter,
+    get_tensor_name_map,
+)
 from gguf.quants import quantize
 
 ARCHITECTURES = {"llama": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2}
-# Where a K-quant super-block keeps its fp16 scales (d, dmin), and their size for random blocks
-# whose weights stay within about 0.5.
+# Where a block (a K-quant's super-block) of the types GGUF's code does not quantize keeps its
+# fp16 scales (d, dmin), and their size for random blocks whose weights stay within about 0.5.
 K_SCALES = {
-    GGMLQuantizationType.Q4_K: (144, {0: 4e-4, 2: 4e-4}),
-    GGMLQuantizationType.Q6_K: (210, {208: 1e-4}),
-    GGMLQuantizationType.Q5_K: (176, {0: 2e-4, 2: 2e-4}),
+    GGMLQuantizationType.Q4_K: {0: 4e-4, 2: 4e-4},
+    GGMLQuantizationType.Q6_K: {208: 1e-4},
+    GGMLQuantizationType.Q5_K: {0: 2e-4, 2: 2e-4},
+    GGMLQuantizationType.Q3_K: {108: 4e-3},
+    GGMLQuantizationType.IQ4_NL: {0: 4e-3},
+    GGMLQuantizationType.IQ4_XS: {0: 1e-4},
 }
 
 
 def k_quant_rows(
     qtype: GGMLQuantizationType, out: int, in_features: int, seed: int = 0
 ) -> np.ndarray:
-    """`[out, in / 256 * block_bytes]` uint8 rows of random K-quant super-blocks."""
-    block_bytes, scales = K_SCALES[qtype]
+    """`[out, in / block * block_bytes]` uint8 rows of random blocks of `qtype`."""
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (out, in_features // 256, block_bytes), dtype=np.uint8)
-    for offset, size in scales.items():
-        d = rng.uniform(0.5 * size, size, (out, in_features // 256)).astype(np.float16)
+    blocks = rng.integers(0, 256, (out, in_features // block, block_bytes), dtype=np.uint8)
+    for offset, size in K_SCALES[qtype].items():
+        d = rng.uniform(0.5 * size, size, (out, in_features // block)).astype(np.float16)
         blocks[..., offset : offset + 2] = d.view(np.uint8).reshape(out, -1, 2)
     return blocks.reshape(out, -1)
 
 
 def stored(weight: np.ndarray, qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
-    """`weight [out, in]` in `qtype`: quantized by GGUF's code, or random K-quant blocks."""
+    """`weight [out, in]` in `qtype`: quantized by GGUF's code, or random blocks of the types
+    it does not quantize (K-quants, IQ4)."""
     if qtype in K_SCALES:
         return k_quant_rows(qtype, *weight.shape, seed=seed)
     return quantize(weight, qtype)

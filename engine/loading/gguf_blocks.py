@@ -54,12 +54,21 @@ PANEL_FORMATS = (Q4_1, Q8_0, Q4_K, Q6_K, Q8_K)
 Q5_0 = BlockFormat("q5_0", 22, Q8_K.group_bytes, has_min=True, nibbles=False)
 Q5_1 = BlockFormat("q5_1", 24, Q8_K.group_bytes, has_min=True, nibbles=False)
 Q5_K = BlockFormat("q5_k", 176, Q8_K.group_bytes, has_min=True, nibbles=False, block=256)
+# Q3_K (3-bit q under a 6-bit scale per 16 inputs) and the non-linear 4-bit types (each q an
+# index into 16 int8 levels: IQ4_NL under a scale per 32, IQ4_XS under a super-block's d times
+# a 6-bit scale per 32), all held as Q8_K's parts.
+Q3_K = BlockFormat("q3_k", 110, Q8_K.group_bytes, has_min=True, nibbles=False, block=256)
+IQ4_NL = BlockFormat("iq4_nl", 18, Q8_K.group_bytes, has_min=True, nibbles=False)
+IQ4_XS = BlockFormat("iq4_xs", 136, Q8_K.group_bytes, has_min=True, nibbles=False, block=256)
+# IQ4's 16 levels, as GGUF defines them.
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # Not GGUF's: an AWQ or GPTQ group's rows cut into 32-wide blocks (`quantized_checkpoint.py`),
 # each its fp32 scale and minimum (`-scale * zero`) and its 4-bit q as Q4_1 holds them, or its
 # 8-bit q less 128 (int8); held in Q4_K's and Q8_K's panels.
 Q4_G = BlockFormat("q4_g", 24, Q4_K.group_bytes, has_min=True, nibbles=True, wide_scales=True)
 Q8_G = BlockFormat("q8_g", 40, Q8_K.group_bytes, has_min=True, nibbles=False, wide_scales=True)
-FORMATS = {f.name: f for f in (*PANEL_FORMATS, Q5_0, Q5_1, Q5_K, Q4_G, Q8_G)}
+AS_Q8_K = (Q5_0, Q5_1, Q5_K, Q3_K, IQ4_NL, IQ4_XS)
+FORMATS = {f.name: f for f in (*PANEL_FORMATS, *AS_Q8_K, Q4_G, Q8_G)}
 # Those with a layout for 8-bit products against activations rounded to 8-bit blocks.
 INT8_FORMATS = (Q4_1, Q8_0)
 # The format block panels hold, by their group size.
@@ -85,6 +94,10 @@ def split_rows(
         return _split_q6_k(rows)
     if fmt in (Q5_0, Q5_1, Q5_K):
         return _split_5_bit(fmt, rows)
+    if fmt is Q3_K:
+        return _split_q3_k(rows)
+    if fmt in (IQ4_NL, IQ4_XS):
+        return _split_iq4(fmt, rows)
     blocks = rows.reshape(rows.shape[0], -1, fmt.block_bytes)
     width, dtype = (4, torch.float32) if fmt.wide_scales else (2, torch.float16)
     d = blocks[..., :width].contiguous().view(dtype).squeeze(-1)
@@ -151,6 +164,52 @@ def _split_5_bit(
     else:
         q, least = q - 16, torch.zeros_like(d)
     return d.expand(-1, -1, 2), least.squeeze(-1), q.to(torch.int8)
+
+
+def _split_q3_k(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q3_K super-blocks (32 bytes of high bits, 64 of low bit pairs, 12 bytes of 6-bit scales,
+    d fp16) as Q8_K's parts: a scale `d * (scale - 32)` (exact in fp32) per 16 inputs, no
+    minimum, q -4..3 (its high bit set means no offset, clear means -4)."""
+    out = rows.shape[0]
+    blocks = rows.reshape(out, -1, Q3_K.block_bytes).to(torch.int32)
+    hmask, low, packed = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    d = blocks[..., 108:110].to(torch.uint8).contiguous().view(torch.float16).float()
+    # Scale j's low 4 bits: byte j % 8, its low or high nibble; its high 2 bits: byte 8 + j % 4,
+    # bits 2 * (j // 4).
+    j = torch.arange(16)
+    lows = (packed[..., j % 8] >> (4 * (j // 8))) & 0x0F
+    highs = (packed[..., 8 + j % 4] >> (2 * (j // 4))) & 0x03
+    scales = d * ((lows | (highs << 4)) - 32).float()  # [out, count, 16]
+    pairs = low.reshape(out, -1, 2, 1, 32) >> (2 * torch.arange(4)).view(1, 1, 1, 4, 1)
+    bits = hmask.reshape(out, -1, 1, 32) >> torch.arange(8).view(1, 1, 8, 1)
+    q = (pairs.reshape(out, -1, 256) & 3) - 4 * (1 - (bits.reshape(out, -1, 256) & 1))
+    d16 = scales.reshape(out, -1, 2)  # 16-input groups two to a 32-wide block
+    return d16, torch.zeros(d16.shape[:2]), q.to(torch.int8).reshape(out, -1, 32)
+
+
+def _split_iq4(
+    fmt: BlockFormat, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IQ4_NL (d fp16, 16 bytes of indices: the low nibbles are the block's first 16 inputs)
+    and IQ4_XS (d fp16, 6-bit scales less 32 per 32 inputs in 2 + 4 bytes, 128 bytes of
+    indices) as Q8_K's parts: the scale per 32 inputs (`d * scale` exact in fp32), no minimum,
+    q the int8 level each index names."""
+    out = rows.shape[0]
+    blocks = rows.reshape(out, -1, fmt.block_bytes)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [out, count, 1]
+    indices = blocks[..., 2:] if fmt is IQ4_NL else blocks[..., 8:]
+    indices = indices.reshape(out, -1, 1, 16)
+    indices = torch.cat([indices & 0x0F, indices >> 4], dim=2).reshape(out, -1, 32)
+    q = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[indices.long()]
+    if fmt is IQ4_NL:
+        scale = d.reshape(out, -1)
+    else:
+        j = torch.arange(8)
+        high = blocks[..., 2:4].to(torch.int32)
+        high = (high[..., 0] | high[..., 1] << 8).unsqueeze(-1) >> (2 * j) & 0x03
+        low = blocks[..., 4 + j // 2].to(torch.int32) >> (4 * (j % 2)) & 0x0F
+        scale = (d * ((low | high << 4) - 32).float()).reshape(out, -1)
+    return scale.unsqueeze(-1).expand(-1, -1, 2), torch.zeros_like(scale), q
 
 
 def _split_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:

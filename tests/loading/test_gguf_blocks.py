@@ -37,16 +37,19 @@ QTYPES = {
     "q5_0": GGMLQuantizationType.Q5_0,
     "q5_1": GGMLQuantizationType.Q5_1,
     "q5_k": GGMLQuantizationType.Q5_K,
+    "q3_k": GGMLQuantizationType.Q3_K,
+    "iq4_nl": GGMLQuantizationType.IQ4_NL,
+    "iq4_xs": GGMLQuantizationType.IQ4_XS,
 }
 # GGUF's types panels hold: 32-wide blocks, K-quants' 256-wide super-blocks cut to 32, and the
-# 5-bit types as Q8_K panels.
-GGUF_FORMATS = ["q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "q5_k"]
+# 5-bit types, Q3_K and the IQ4 types as Q8_K panels.
+GGUF_FORMATS = ["q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "q5_k", "q3_k", "iq4_nl", "iq4_xs"]
 # Not GGUF's: AWQ's and GPTQ's groups as 32-wide blocks with fp32 scales and minima.
 GROUP_FORMATS = ["q4_g", "q8_g"]
 BLOCK_FORMATS = GGUF_FORMATS + GROUP_FORMATS
 # Input features per test layer: a span of 128 and one of 32 for 32-wide blocks, and two
 # super-blocks for K-quants.
-INPUTS = {fmt: 512 if fmt.endswith("_k") else 160 for fmt in BLOCK_FORMATS}
+INPUTS = {fmt: 512 if gguf_blocks.FORMATS[fmt].block == 256 else 160 for fmt in BLOCK_FORMATS}
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 64, 96, 4, 2, 96
 PROMPTS = [[5, 9, 33, 2], list(range(10, 90)), [7] * 13]
 

@@ -77,11 +77,26 @@ def k_quant_types(name: str) -> QType:
     return QType.Q4_K
 
 
+def iq_types(name: str) -> QType:
+    """IQ4_XS projections (an IQ4_XS file's), IQ4_NL attention outputs, Q3_K MLP up and down
+    projections (a Q3_K_M file's), a Q6_K head."""
+    if name.startswith("token_embd"):
+        return QType.F32
+    if name.startswith("output"):
+        return QType.Q6_K
+    if ".attn_output." in name:
+        return QType.IQ4_NL
+    if ".ffn_up." in name or ".ffn_down." in name:
+        return QType.Q3_K
+    return QType.IQ4_XS
+
+
 # (family, builder, types, layers holding blocks: 2 layers of 7 projections, and the head)
 FILES = {
     "llama": (tiny_llama, llama_types, 2 * 7 + 1),
     "qwen2": (tiny_qwen2, qwen2_types, 2 * 6 + 1),
     "llama_k": (wide_llama, k_quant_types, 2 * 7 + 1),
+    "llama_iq": (wide_llama, iq_types, 2 * 7 + 1),
 }
 
 
@@ -147,7 +162,8 @@ def test_quantized_projections_are_held_as_their_blocks(served) -> None:
     # Conveyor's decoder joins q, k and v: a Q4_K_M layer's two formats as Q8_K panels.
     layers = [m for m in served[2].runner.model.modules() if isinstance(m, PagedLlamaLayer)]
     joined = {layer.qkv_proj.block_format for layer in layers}
-    expected = {"llama": gguf_blocks.Q4_1, "qwen2": gguf_blocks.Q4_1, "llama_k": gguf_blocks.Q8_K}
+    expected = {"llama": gguf_blocks.Q4_1, "qwen2": gguf_blocks.Q4_1}
+    expected |= {"llama_k": gguf_blocks.Q8_K, "llama_iq": gguf_blocks.Q8_K}
     assert joined == {expected[family]}
 
 
