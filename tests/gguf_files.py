@@ -20,7 +20,13 @@ from gguf import (
 )
 from gguf.quants import quantize
 
-ARCHITECTURES = {"llama": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2}
+ARCHITECTURES = {
+    "llama": MODEL_ARCH.LLAMA,
+    "qwen2": MODEL_ARCH.QWEN2,
+    "qwen3_moe": MODEL_ARCH.QWEN3MOE,
+}
+# GGUF's architecture names where they are not transformers' model types.
+GGUF_ARCHITECTURES = {"qwen3_moe": "qwen3moe"}
 # Where a block (a K-quant's super-block) of the types GGUF's code does not quantize keeps its
 # fp16 scales (d, dmin), and their size for random blocks whose weights stay within about 0.5.
 K_SCALES = {
@@ -66,12 +72,13 @@ def write_gguf(
     tokenizer: Any,
     qtype: Callable[[str], GGMLQuantizationType],
 ) -> None:
-    """`model` (a Llama or a Qwen2) and `tokenizer` (byte-level BPE) as a GGUF file; `qtype` of a
-    GGUF tensor name gives the type its 2-D weight is stored in (norms and biases stay F32; a
-    K-quant weight is random blocks of that type, not the model's weight)."""
+    """`model` (a Llama, a Qwen2 or a Qwen3-MoE) and `tokenizer` (byte-level BPE) as a GGUF file;
+    `qtype` of a GGUF tensor name gives the type its 2-D weight (or its experts' 3-D one) is
+    stored in (norms and biases stay F32; a K-quant weight is random blocks of that type, not
+    the model's weight)."""
     config = model.config
     arch = config.model_type
-    writer = GGUFWriter(str(path), arch)
+    writer = GGUFWriter(str(path), GGUF_ARCHITECTURES.get(arch, arch))
     writer.add_name(f"tiny-{arch}")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -82,27 +89,52 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "num_experts", None):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     _add_tokenizer(writer, tokenizer, config.vocab_size)
     names = get_tensor_name_map(ARCHITECTURES[arch], config.num_hidden_layers)
     tied = config.tie_word_embeddings
-    for seed, (hf_name, tensor) in enumerate(model.state_dict().items()):
+    for seed, (hf_name, weight) in enumerate(_gguf_weights(model)):
         if tied and hf_name == "lm_head.weight":
             continue
         base, _, suffix = hf_name.rpartition(".")
         name = f"{names.get_name(base)}.{suffix}"
-        weight = tensor.float().numpy()
         if arch == "llama" and ".attn_q." in name:
             weight = permute_rows(weight, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
             weight = permute_rows(weight, config.num_key_value_heads)
-        if weight.ndim == 2 and qtype(name) != GGMLQuantizationType.F32:
-            writer.add_tensor(name, stored(weight, qtype(name), seed), raw_dtype=qtype(name))
+        if weight.ndim >= 2 and qtype(name) != GGMLQuantizationType.F32:
+            rows = stored(weight.reshape(-1, weight.shape[-1]), qtype(name), seed)
+            rows = rows.reshape(*weight.shape[:-1], -1)
+            writer.add_tensor(name, rows, raw_dtype=qtype(name))
         else:
             writer.add_tensor(name, np.ascontiguousarray(weight))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _gguf_weights(model: Any) -> list[tuple[str, np.ndarray]]:
+    """The model's weights as GGUF lays them out, under Hugging Face names whose module GGUF's
+    name map knows: a layer's fused experts (`gate_up_proj`, gate above up) as their gate, up
+    and down weights stacked over the experts."""
+    weights = []
+    for hf_name, tensor in model.state_dict().items():
+        weight = tensor.float().numpy()
+        owner, _, kind = hf_name.rpartition(".")
+        if owner.endswith(".experts") and kind == "gate_up_proj":
+            gate, up = np.split(weight, 2, axis=1)
+            weights += [(f"{owner}.gate_proj.weight", gate), (f"{owner}.up_proj.weight", up)]
+        elif owner.endswith(".experts") and kind == "down_proj":
+            weights.append((f"{owner}.down_proj.weight", weight))
+        else:
+            weights.append((hf_name, weight))
+    return weights
 
 
 def _add_tokenizer(writer: GGUFWriter, tokenizer: Any, vocab_size: int) -> None:

@@ -14,6 +14,7 @@ exactly the layer's weights, so outputs equal the fp32 model's.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any, cast
 
@@ -30,8 +31,12 @@ from engine.loading.checkpoint_tensors import (
     parameters_on_meta,
     tensor_index,
 )
+from engine.models.experts import unfuse_experts
 
 logger = logging.getLogger(__name__)
+
+# The layers `ExpertLinears` makes of a layer's experts (`...experts.gate_up.3`).
+EXPERT_LAYER = re.compile(r"\.experts\.(gate_up|down)\.\d+$")
 
 
 def has_blocks(path: str) -> bool:
@@ -63,6 +68,8 @@ def load_converted(
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
     blocks = read_blocks(path)
+    if hold and any(EXPERT_LAYER.search(name) for name in blocks):
+        unfuse_experts(model)  # one linear layer per expert, each to hold its blocks
     try:
         with CheckpointTensors(tensor_index(files), blocks) as checkpoint:
             held = hold_blocks(model, blocks, checkpoint, int8_activations) if hold else []
@@ -109,13 +116,15 @@ def fill_from_blocks(model: nn.Module, missing: list[str], blocks: Blocks) -> in
     """Give each weight in `missing` (those a whole load did not find in the checkpoint) whose
     layer keeps blocks its blocks dequantized; return how many."""
     filled = 0
-    for name in missing:
-        layer = name.removesuffix(".weight")
-        if layer not in blocks:
-            continue
-        module = model.get_submodule(layer)
-        dtype = cast(torch.Tensor, module.weight).dtype
-        weight = gguf_blocks.dequantize_rows(*blocks[layer]).to(dtype)
-        module.weight = nn.Parameter(weight, requires_grad=False)
-        filled += 1
+    with CheckpointTensors({}, blocks) as checkpoint:
+        for name in missing:
+            try:
+                reader = checkpoint.slice(checkpoint.key(name))
+            except KeyError:
+                continue
+            owner, _, attr = name.rpartition(".")
+            module = model.get_submodule(owner)
+            dtype = cast(torch.Tensor, getattr(module, attr)).dtype
+            setattr(module, attr, nn.Parameter(reader[:].to(dtype), requires_grad=False))
+            filled += 1
     return filled

@@ -101,21 +101,34 @@ class CheckpointTensors:
         or with Mixtral's `block_sparse_moe` for `mlp`."""
         for candidate in (name, name.replace(".mlp.", ".block_sparse_moe.")):
             for key in (candidate, candidate.removeprefix("model.")):
-                if key in self.index or self._block_layer(key) is not None:
+                if key in self.index or self._from_blocks(key) is not None:
                     return key
         raise KeyError(name)
 
-    def _block_layer(self, key: str) -> str | None:
+    def _from_blocks(self, key: str) -> DequantizedRows | None:
+        """A reader of the weight `key` the checkpoint keeps only as blocks: a layer's, or a
+        layer's experts' (`gate_up_proj`, `down_proj`) from each expert's layer's blocks."""
+        if key in self.index:
+            return None
         layer = key.removesuffix(".weight")
-        return layer if layer != key and key not in self.index and layer in self.blocks else None
+        if layer != key and layer in self.blocks:
+            return DequantizedRows([self.blocks[layer]])
+        owner, _, kind = key.rpartition(".")
+        if kind not in ("gate_up_proj", "down_proj"):
+            return None
+        part = kind.removesuffix("_proj")
+        experts: list[tuple[BlockFormat, torch.Tensor]] = []
+        while f"{owner}.{part}.{len(experts)}" in self.blocks:
+            experts.append(self.blocks[f"{owner}.{part}.{len(experts)}"])
+        return DequantizedRows(experts, stacked=True) if experts else None
 
     def slice(self, key: str) -> Any:
         """A reader of the tensor `key` that reads only what it is indexed with."""
         from safetensors import safe_open
 
-        layer = self._block_layer(key)
-        if layer is not None:
-            return DequantizedRows(*self.blocks[layer])
+        held = self._from_blocks(key)
+        if held is not None:
+            return held
         file = self.index[key]
         if file not in self._handles:
             self._handles[file] = self._files.enter_context(safe_open(str(file), "pt"))
@@ -127,17 +140,22 @@ class CheckpointTensors:
 
 
 class DequantizedRows:
-    """A layer's blocks read as its fp32 weight, as a safetensors slice is read."""
+    """A layer's blocks read as its fp32 weight (or, `stacked`, the blocks of each of a layer's
+    experts as the experts' weights one above the other), as a safetensors slice is read."""
 
-    def __init__(self, fmt: BlockFormat, rows: torch.Tensor) -> None:
-        self.fmt = fmt
-        self.rows = rows
+    def __init__(self, parts: list[tuple[BlockFormat, torch.Tensor]], stacked: bool = False):
+        self.parts = parts
+        self.stacked = stacked
 
     def get_shape(self) -> list[int]:
-        return [self.rows.shape[0], gguf_blocks.in_features(self.fmt, self.rows)]
+        fmt, rows = self.parts[0]
+        shape = [rows.shape[0], gguf_blocks.in_features(fmt, rows)]
+        return [len(self.parts), *shape] if self.stacked else shape
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        return gguf_blocks.dequantize_rows(self.fmt, self.rows)[index].contiguous()
+        weights = [gguf_blocks.dequantize_rows(fmt, rows) for fmt, rows in self.parts]
+        whole = torch.stack(weights) if self.stacked else weights[0]
+        return whole[index].contiguous()
 
 
 # Each expert's own tensors, as checkpoints name them: (gate, up, down), Qwen's and Mixtral's.

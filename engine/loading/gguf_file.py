@@ -120,14 +120,10 @@ def convert(gguf: Path, out: Path, name: str, plain: bool = False) -> int:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         config.architectures = [type(model).__name__]
         writer = ShardWriter(out)
-        blocks = {}
+        blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]] = {}
         for tensor in model_tensors(gguf, model):
-            as_blocks = False  # the tensor is the weight of a layer kept as its blocks
-            if tensor.blocks is not None:
-                layer, fmt, rows = tensor.blocks
-                blocks[layer] = (fmt, rows)
-                as_blocks = tensor.name == f"{layer}.weight"  # not a tied head's embedding
-            if plain or not as_blocks:
+            blocks.update(tensor.blocks)
+            if plain or not tensor.whole:  # a tied head's embedding is kept, for one
                 writer.add(tensor.name, tensor.tensor)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise ValueError(f"{gguf.name}: transformers cannot read this GGUF file: {exc}") from exc

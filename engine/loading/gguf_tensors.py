@@ -11,8 +11,10 @@ fp32 model.
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +25,30 @@ from torch import nn
 from engine.loading import gguf_blocks
 from engine.loading.gguf_blocks import BlockFormat
 
+Blocks = dict[str, tuple[BlockFormat, torch.Tensor]]
+# The parts of a layer's experts GGUF stores (`ffn_gate_exps`, ...) and the linear layers of
+# `ExpertLinears` they make: gate and up rows joined, one layer per expert.
+EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(?P<part>gate|up|down)_exps\.weight$")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelTensor:
     """One of the model's parameters as read from the file: `name` as transformers loads it,
-    fp32; for a linear layer's weight stored in a panel type, its blocks and the layer's name."""
+    fp32; the blocks of the linear layers it makes, by layer name (a layer's weight, or each
+    expert of a layer's experts), where a type panels hold stores it; `whole` where those
+    blocks stand for all of it (it need not be kept in fp32 too)."""
 
     name: str
     tensor: torch.Tensor
-    blocks: tuple[str, BlockFormat, torch.Tensor] | None = None
+    blocks: Blocks = field(default_factory=dict)
+    whole: bool = False
 
 
 def model_tensors(path: Path, model: Any) -> Iterator[ModelTensor]:
     """Every tensor of the GGUF file at `path` that `model` (the file's model as transformers
-    builds it from the file's config; on the meta device is enough) loads."""
+    builds it from the file's config; on the meta device is enough) loads. A layer's experts,
+    which transformers' processing joins from several of the file's tensors, come once all
+    of those are read."""
     from gguf import GGUFReader, dequantize
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -51,6 +63,8 @@ def model_tensors(path: Path, model: Any) -> Iterator[ModelTensor]:
     linears = linear_names(model, names, [t.name for t in reader.tensors])
     config = model.config.get_text_config()
     merged: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}  # MoE experts, joined
+    unread = Counter(_target(names, t.name) for t in reader.tensors)
+    experts = ExpertBlocks()
     for tensor in reader.tensors:
         result = processor.process(
             weights=dequantize(tensor.data, tensor.tensor_type),
@@ -58,16 +72,93 @@ def model_tensors(path: Path, model: Any) -> Iterator[ModelTensor]:
             tensor_key_mapping=names,
             parsed_parameters=merged,
         )
-        if result.name not in names:
-            continue
-        weight = torch.from_numpy(np.copy(result.weights)).float()
-        blocks = None
-        if tensor.name in linears:
-            blocks = block_rows(tensor, architecture, config, weight)
-        held = None if blocks is None else (linears[tensor.name], *blocks)
-        yield ModelTensor(names[result.name], weight, held)
-    for name, weight in merged["tensors"].items():
-        yield ModelTensor(name, weight.float())
+        target = _target(names, tensor.name)
+        unread[target] -= 1
+        if EXPERT_TENSOR.match(tensor.name) and target is not None:
+            experts.add(target, tensor)
+        elif result.name in names:
+            weight = torch.from_numpy(np.copy(result.weights)).float()
+            held = (
+                block_rows(tensor, architecture, config, weight) if tensor.name in linears else None
+            )
+            if held is None:
+                yield ModelTensor(names[result.name], weight)
+            else:
+                layer = linears[tensor.name]
+                name = names[result.name]
+                yield ModelTensor(name, weight, {layer: held}, name == f"{layer}.weight")
+        for name in [n for n in merged["tensors"] if unread[n] == 0]:
+            weight = merged["tensors"].pop(name).float()
+            blocks = experts.checked(name, weight)
+            yield ModelTensor(name, weight, blocks, bool(blocks))
+
+
+def _target(names: dict[str, str], tensor: str) -> str | None:
+    """The parameter a GGUF tensor loads into (experts' tensors are mapped without `.weight`)."""
+    return names.get(tensor) or names.get(tensor.removesuffix(".weight"))
+
+
+class ExpertBlocks:
+    """Each expert's blocks of a layer's experts, gathered from the file's gate, up and down
+    tensors (gate rows above up rows, as Hugging Face joins them), then kept where all of them
+    widen to exactly the joined weights."""
+
+    def __init__(self) -> None:
+        self._gates: dict[str, tuple[BlockFormat, torch.Tensor]] = {}
+        self._found: dict[str, list[tuple[BlockFormat, torch.Tensor]] | None] = {}
+
+    def add(self, target: str, tensor: Any) -> None:
+        """A layer's `ffn_gate_exps`, `ffn_up_exps` or `ffn_down_exps` tensor, loading into the
+        experts' parameter `target`."""
+        held = expert_rows(tensor)
+        part = EXPERT_TENSOR.match(tensor.name)["part"]  # type: ignore[index]
+        if part == "gate":
+            if held is not None:
+                self._gates[target] = held
+            else:
+                self._found[target] = None
+            return
+        if part == "up":
+            gate = self._gates.pop(target, None)
+            if held is None or gate is None or gate[0] is not held[0]:
+                self._found[target] = None
+                return
+            held = (held[0], torch.cat([gate[1], held[1]], dim=1))
+        if held is None or self._found.get(target, []) is None:
+            self._found[target] = None
+            return
+        fmt, rows = held
+        self._found[target] = [(fmt, rows[expert]) for expert in range(rows.shape[0])]
+
+    def checked(self, target: str, weight: torch.Tensor) -> Blocks:
+        """The blocks of each expert of the parameter `target`, by `ExpertLinears`' layer
+        names, where all of them give exactly `weight` (`[experts, out, in]`); else none."""
+        found = self._found.pop(target, None)
+        if not found or len(found) != weight.shape[0]:
+            return {}
+        if not all(gguf_blocks.holds(fmt, rows, weight[e]) for e, (fmt, rows) in enumerate(found)):
+            return {}
+        owner, _, kind = target.rpartition(".")
+        part = kind.removesuffix("_proj")  # gate_up or down
+        return {f"{owner}.{part}.{expert}": held for expert, held in enumerate(found)}
+
+
+def expert_rows(tensor: Any) -> tuple[BlockFormat, torch.Tensor] | None:
+    """A 3-D experts' tensor's blocks, `[experts, out, row bytes]`, where panels hold its
+    type (Q4_0 as Q4_1); else None."""
+    from gguf import GGMLQuantizationType
+
+    fmt = _block_types().get(tensor.tensor_type)
+    if fmt is None or len(tensor.shape) != 3:
+        return None
+    count, out = int(tensor.shape[-1]), int(tensor.shape[-2])
+    rows = torch.from_numpy(np.asarray(tensor.data).copy()).reshape(count * out, -1)
+    if tensor.tensor_type == GGMLQuantizationType.Q4_0:
+        as_q4_1 = gguf_blocks.q4_0_as_q4_1(rows)
+        if as_q4_1 is None:
+            return None
+        rows = as_q4_1
+    return fmt, rows.reshape(count, out, -1)
 
 
 def linear_names(model: Any, names: dict[str, str], tensors: list[str]) -> dict[str, str]:

@@ -84,7 +84,11 @@ def _read_share(name: str, checkpoint: CheckpointTensors, shape: ShardShape) -> 
     """The rank's share of the checkpoint tensor(s) behind parameter `name`."""
     owner, _, kind = name.rpartition(".")
     if owner.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):
-        return stacked_experts(owner, kind, checkpoint, shape.expert_span)
+        try:
+            whole = checkpoint.slice(checkpoint.key(name))[:]
+        except KeyError:  # each expert's own tensors
+            return stacked_experts(owner, kind, checkpoint, shape.expert_span)
+        return experts_share(kind, whole, shape.expert_span)
     reader = checkpoint.slice(checkpoint.key(name))
     rows = row_share(owner, shape)
     if rows is not None:
@@ -93,3 +97,13 @@ def _read_share(name: str, checkpoint: CheckpointTensors, shape: ShardShape) -> 
     if columns is not None and kind == "weight":
         return reader[:, columns]
     return reader[:]
+
+
+def experts_share(kind: str, stacked: torch.Tensor, channels: slice) -> torch.Tensor:
+    """A layer's experts stacked whole (`[experts, 2 * inter, hidden]`, gate above up; or
+    `[experts, hidden, inter]`) cut to the rank's intermediate channels."""
+    if kind == "down_proj":
+        return stacked[:, :, channels].contiguous()
+    inter = stacked.shape[1] // 2
+    up = slice(inter + channels.start, inter + channels.stop)
+    return torch.cat([stacked[:, channels], stacked[:, up]], dim=1)

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ from engine.parallel.loading import load_share
 from engine.parallel.sharding import shard_model
 from tests.gguf_files import write_gguf
 from tests.helpers import (
+    TINY_SHAPE,
     chat_tokenizer,
     needs_panels,
     reference_greedy,
@@ -39,14 +41,49 @@ from tests.helpers import (
 from tests.loading.test_gguf_file import k_quant_types, llama_types, wide_llama
 
 PROMPTS = [[5, 9, 33, 2], list(range(10, 60))]
-# Each family's tiny model: Q4_0 projections with a Q8_0 tied embedding, Q4_K_M's mix.
-FILES = {"q4_0": (tiny_llama, llama_types), "k": (wide_llama, k_quant_types)}
+
+
+def tiny_qwen3_moe() -> Qwen3MoeForCausalLM:
+    """Rows of 256 and 768 inputs for K-quants; 768 is also the experts' width transformers
+    gives a GGUF Qwen3-MoE (its GGUF config names none)."""
+    shape = TINY_SHAPE | dict(hidden_size=256, intermediate_size=512, initializer_range=0.02)
+    config = Qwen3MoeConfig(
+        **shape,
+        moe_intermediate_size=768,
+        num_experts=4,
+        num_experts_per_tok=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        bos_token_id=1,
+    )
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+def moe_types(name: str) -> QType:
+    """Q4_K_M's experts (Q4_K gate and up, Q6_K down), Q8_0 attention and head."""
+    if "_exps" in name:
+        return QType.Q6_K if ".ffn_down_" in name else QType.Q4_K
+    if name.startswith("output") or (".attn_" in name and not name.endswith("norm.weight")):
+        return QType.Q8_0
+    return QType.F32
+
+
+# Each family's tiny model: Q4_0 projections with a Q8_0 tied embedding, Q4_K_M's mix, and a
+# mixture of experts; and how many layers keep blocks (a Qwen3-MoE: 4 attention projections
+# and 4 experts' two layers in each of 2 layers, and the head).
+FILES = {
+    "q4_0": (tiny_llama, llama_types, 2 * 7 + 1),
+    "k": (wide_llama, k_quant_types, 2 * 7 + 1),
+    "moe": (tiny_qwen3_moe, moe_types, 2 * (4 + 4 * 2) + 1),
+}
 
 
 @pytest.fixture(params=list(FILES))
-def converted(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path, Any]:
-    """A GGUF file, its conversion, and transformers' own model of the file."""
-    build, types = FILES[request.param]
+def converted(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path, Any, int]:
+    """A GGUF file, its conversion, transformers' own model of the file, and how many layers
+    keep blocks."""
+    build, types, count = FILES[request.param]
     path = tmp_path / "tiny.gguf"
     write_gguf(path, build(), chat_tokenizer(), types)
     folder = tmp_path / "converted"
@@ -54,7 +91,20 @@ def converted(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Pat
     reference = AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32
     )
-    return path, folder, reference.eval()
+    return path, folder, reference.eval(), count
+
+
+def held_weights(blocks: dict[str, Any]) -> set[str]:
+    """The parameters that blocks of these layers stand for: each layer's weight, a layer's
+    experts' stacked weights."""
+    found = set()
+    for layer in blocks:
+        expert = block_model.EXPERT_LAYER.search(layer)
+        if expert is None:
+            found.add(f"{layer}.weight")
+        else:
+            found.add(f"{layer[: expert.start()]}.experts.{expert[1]}_proj")
+    return found
 
 
 def stored_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -64,13 +114,13 @@ def stored_weights(folder: Path) -> dict[str, torch.Tensor]:
 def test_a_conversion_keeps_quantized_layers_as_their_blocks_only(converted, tmp_path) -> None:
     """No fp32 weight is written for a layer kept as blocks (a tied head's embedding stays);
     `plain` writes both, a checkpoint transformers loads whole."""
-    path, folder, reference = converted
+    path, folder, reference, count = converted
     blocks = gguf_blocks.load(folder / gguf_blocks.BLOCKS_FILE)
-    assert len(blocks) == 2 * 7 + 1
+    assert len(blocks) == count
     expected = reference.state_dict()
     saved = set(expected) - ({"lm_head.weight"} if reference.config.tie_word_embeddings else set())
     weights = stored_weights(folder)
-    assert set(weights) == saved - {f"{layer}.weight" for layer in blocks}
+    assert set(weights) == saved - held_weights(blocks)
     assert "model.embed_tokens.weight" in weights
     gguf_file.convert(path, tmp_path / "plain", "tiny", plain=True)
     plain = stored_weights(tmp_path / "plain")
@@ -82,23 +132,29 @@ def test_a_conversion_keeps_quantized_layers_as_their_blocks_only(converted, tmp
 def test_block_layers_load_without_fp32_weights_and_serve_transformers_tokens(
     converted,
 ) -> None:
-    _, folder, reference = converted
+    _, folder, reference, count = converted
     config = EngineConfig(model=str(folder), dtype="float32", cache=CacheConfig(num_blocks=64))
     core, loaded, _ = create_engine_core(config)
     held = [m for m in loaded.model.modules() if isinstance(m, PanelLinear) and m.block_format]
-    assert len(held) == 2 * 7 + 1
+    assert len(held) == count
     expected = [reference_greedy(reference, prompt, 8) for prompt in PROMPTS]
     outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
 
 
 def linear_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every projection's and the head's weight, as held, in fp32."""
-    return {
-        name: module.weight.float()
-        for name, module in model.named_modules()
-        if name.endswith(("_proj", "lm_head"))
-    }
+    """Every projection's, expert's and the head's weight, as held, in fp32 (Hugging Face's
+    fused experts by `ExpertLinears`' layer names)."""
+    found = {}
+    for name, module in model.named_modules():
+        if name.endswith(("_proj", "lm_head")) or block_model.EXPERT_LAYER.search(name):
+            found[name] = module.weight.float()
+        fused = getattr(module, "gate_up_proj", None)
+        if isinstance(fused, torch.Tensor):
+            for expert in range(fused.shape[0]):
+                found[f"{name}.gate_up.{expert}"] = fused[expert].float()
+                found[f"{name}.down.{expert}"] = module.down_proj[expert].float()
+    return found
 
 
 @pytest.fixture
@@ -113,16 +169,16 @@ def no_whole_load(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sixteen_bit_forms_read_the_blocks_dequantized(converted, dtype, no_whole_load) -> None:
-    _, folder, reference = converted
+    _, folder, reference, count = converted
     loaded = load_model(str(folder), dtype, torch.device("cpu"))
     ours, theirs = linear_weights(loaded.model), linear_weights(reference)
-    assert ours.keys() == theirs.keys() and len(ours) == 2 * 7 + 1
+    assert ours.keys() == theirs.keys() and len(ours) == count
     for name, weight in theirs.items():
         assert torch.equal(ours[name], weight.to(dtype).float()), name
 
 
 def test_a_rank_s_share_reads_the_blocks_dequantized(converted, no_whole_load) -> None:
-    _, folder, reference = converted
+    _, folder, reference, _ = converted
     share, shape = load_share(str(folder), torch.float32, 1, 2)
     cut = copy.deepcopy(reference)
     assert shard_model(cut, 1, 2) == shape
@@ -134,7 +190,7 @@ def test_a_rank_s_share_reads_the_blocks_dequantized(converted, no_whole_load) -
 def test_a_whole_load_gives_the_layers_kept_as_blocks_their_weights(converted) -> None:
     """Where transformers loads the model (a layout the reading above does not know), a weight
     kept as blocks is its blocks dequantized, not transformers' random initialisation."""
-    _, folder, reference = converted
+    _, folder, reference, _ = converted
     whole = load_whole(str(folder), torch.float32)
     expected = reference.state_dict()
     for name, param in whole.named_parameters():

@@ -253,11 +253,9 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
         folder, gguf_file="tiny.gguf", quantization_config=GgufConfig(dequantize=True)
     )
     model.save_pretrained(folder / "model")
-    blocks = {
-        held[0]: held[1:]
-        for tensor in model_tensors(folder / "tiny.gguf", model)
-        if (held := tensor.blocks) is not None
-    }
+    blocks = {}
+    for tensor in model_tensors(folder / "tiny.gguf", model):
+        blocks |= tensor.blocks
     gguf_blocks.save(blocks, folder / "model" / gguf_blocks.BLOCKS_FILE)
     return folder / "model"
 
