@@ -324,7 +324,8 @@ def quantize_saved(folder: Path, layout: Layout, seed: int = 0) -> Path:
         dense = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118
     tensors, held = {}, {}
     for name, tensor in dense.items():
-        if ".layers." in name and name.endswith("proj.weight") and tensor.dim() == 2:
+        projection = name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
+        if ".layers." in name and projection and tensor.dim() == 2:  # Mixtral's experts: w1..3
             parts, weight = quantized_layer(*tensor.shape, layout, rng)
             layer = name.removesuffix(".weight")
             tensors.update({f"{layer}.{part}": t for part, t in parts.items()})

@@ -14,7 +14,6 @@ exactly the layer's weights, so outputs equal the fp32 model's.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,12 +30,10 @@ from engine.loading.checkpoint_tensors import (
     parameters_on_meta,
     tensor_index,
 )
+from engine.loading.expert_blocks import EXPERT_LAYER
 from engine.models.experts import unfuse_experts
 
 logger = logging.getLogger(__name__)
-
-# The layers `ExpertLinears` makes of a layer's experts (`...experts.gate_up.3`).
-EXPERT_LAYER = re.compile(r"\.experts\.(gate_up|down)\.\d+$")
 
 
 def has_blocks(path: str) -> bool:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engine.loading import gguf_blocks
+from engine.loading.expert_blocks import expert_layer
 from engine.loading.gguf_blocks import BlockFormat
 
 Blocks = dict[str, tuple[BlockFormat, torch.Tensor]]
@@ -140,7 +141,7 @@ class ExpertBlocks:
             return {}
         owner, _, kind = target.rpartition(".")
         part = kind.removesuffix("_proj")  # gate_up or down
-        return {f"{owner}.{part}.{expert}": held for expert, held in enumerate(found)}
+        return {expert_layer(owner, part, expert): held for expert, held in enumerate(found)}
 
 
 def expert_rows(tensor: Any) -> tuple[BlockFormat, torch.Tensor] | None:

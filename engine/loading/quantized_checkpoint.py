@@ -33,6 +33,7 @@ from engine.core.paths import cache_dir
 from engine.loading import gguf_blocks, packed_weights
 from engine.loading.checkpoint_tensors import model_from_config, parameters_on_meta
 from engine.loading.conversions import ShardWriter, convert_once, source_key
+from engine.loading.expert_blocks import CHECKPOINT_EXPERT, join_checkpoint_experts
 from engine.loading.hub import MODEL_FILES
 
 logger = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ def convert(folder: Path, out: Path) -> int:
     _write_config(folder, out)
     blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]] = {}
     writer = ShardWriter(out)
-    for name, tensor in _dense_tensors(folder, files, scheme, blocks, linear_layers(out)):
+    for name, tensor in _dense_tensors(folder, files, scheme, blocks, model_layout(out)):
         writer.add(name, tensor)
     writer.close()
     if blocks:
@@ -257,11 +258,12 @@ def _dense_tensors(
     files: list[Path],
     scheme: Scheme,
     blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]],
-    linears: set[str],
+    layout: ModelLayout,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, a quantized layer's parts as its fp32 `weight`, floating
     point ones in fp32; the blocks of the layers that have them go into `blocks`, and a layer of
-    `linears` kept so has no `weight`."""
+    the model's linear layers kept so has no `weight`; nor has an expert's projection whose
+    layer's experts are all kept so (joined, `expert_blocks`)."""
     from safetensors import safe_open
 
     opened = [safe_open(str(path), framework="pt") for path in files]
@@ -269,21 +271,23 @@ def _dense_tensors(
     layers = sorted(
         {name.rpartition(".")[0] for name in where if name.rpartition(".")[2] in MARKERS}
     )
+    experts = []
     for layer in layers:
-        parts = {
-            part: where[f"{layer}.{part}"].get_tensor(f"{layer}.{part}")
-            for part in packed_weights.PARTS
-            if f"{layer}.{part}" in where
-        }
-        try:
-            weight, held = _read_layer(scheme, parts)
-        except (KeyError, RuntimeError, ValueError) as exc:
-            raise ValueError(f"{folder}: cannot read the quantized layer {layer}: {exc}") from exc
+        weight, held = _layer(folder, scheme, where, layer)
         if held is not None and gguf_blocks.holds(*held, weight):
             blocks[layer] = held
-            if layer in linears:
+            if layer in layout.linears:
+                continue
+            if layout.experts and CHECKPOINT_EXPERT.match(layer):
+                experts.append(layer)  # written below unless its layer's experts all join
                 continue
         yield f"{layer}.weight", weight
+    joined, leftover = join_checkpoint_experts(blocks, experts, layout.experts)
+    for layer in experts:
+        del blocks[layer]
+    blocks.update(joined)
+    for layer in leftover:
+        yield f"{layer}.weight", _layer(folder, scheme, where, layer)[0]
     read = {f"{layer}.{part}" for layer in layers for part in packed_weights.PARTS}
     for name, handle in where.items():
         if name not in read and name.rpartition(".")[2] not in packed_weights.DROPPED:
@@ -291,8 +295,31 @@ def _dense_tensors(
             yield name, tensor.float() if tensor.is_floating_point() else tensor
 
 
-def linear_layers(out: Path) -> set[str]:
-    """The names of the linear layers of the model whose config is in folder `out` (none where
+def _layer(
+    folder: Path, scheme: Scheme, where: dict[str, Any], layer: str
+) -> tuple[torch.Tensor, tuple[gguf_blocks.BlockFormat, torch.Tensor] | None]:
+    """The quantized layer `layer`'s fp32 weight, and its blocks where it has them."""
+    parts = {
+        part: where[f"{layer}.{part}"].get_tensor(f"{layer}.{part}")
+        for part in packed_weights.PARTS
+        if f"{layer}.{part}" in where
+    }
+    try:
+        return _read_layer(scheme, parts)
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"{folder}: cannot read the quantized layer {layer}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    """The names of the model's linear layers and of its experts modules."""
+
+    linears: frozenset[str] = frozenset()
+    experts: frozenset[str] = frozenset()
+
+
+def model_layout(out: Path) -> ModelLayout:
+    """The linear layers and experts of the model whose config is in folder `out` (none where
     transformers cannot build it: every layer then keeps its fp32 weight too)."""
     from torch import nn
 
@@ -301,8 +328,12 @@ def linear_layers(out: Path) -> set[str]:
             model = model_from_config(str(out), torch.float32, trust_remote_code=False)
     except (ImportError, KeyError, OSError, ValueError) as exc:
         logger.info("keeping every layer's fp32 weight: the model cannot be built here (%s)", exc)
-        return set()
-    return {name for name, module in model.named_modules() if type(module) is nn.Linear}
+        return ModelLayout()
+    modules = list(model.named_modules())
+    return ModelLayout(
+        frozenset(name for name, module in modules if type(module) is nn.Linear),
+        frozenset(name for name, module in modules if hasattr(module, "gate_up_proj")),
+    )
 
 
 def _read_layer(

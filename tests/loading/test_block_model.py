@@ -24,6 +24,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.kernels.cpu.linear import PanelLinear
 from engine.loading import block_model, conversions, gguf_blocks, gguf_file
+from engine.loading.expert_blocks import EXPERT_LAYER
 from engine.loading.gguf_tensors import block_rows
 from engine.loading.model_loader import load_model, load_whole
 from engine.parallel.loading import load_share
@@ -99,7 +100,7 @@ def held_weights(blocks: dict[str, Any]) -> set[str]:
     experts' stacked weights."""
     found = set()
     for layer in blocks:
-        expert = block_model.EXPERT_LAYER.search(layer)
+        expert = EXPERT_LAYER.search(layer)
         if expert is None:
             found.add(f"{layer}.weight")
         else:
@@ -147,7 +148,7 @@ def linear_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     fused experts by `ExpertLinears`' layer names)."""
     found = {}
     for name, module in model.named_modules():
-        if name.endswith(("_proj", "lm_head")) or block_model.EXPERT_LAYER.search(name):
+        if name.endswith(("_proj", "lm_head")) or EXPERT_LAYER.search(name):
             found[name] = module.weight.float()
         fused = getattr(module, "gate_up_proj", None)
         if isinstance(fused, torch.Tensor):

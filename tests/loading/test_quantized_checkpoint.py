@@ -386,9 +386,9 @@ def test_symmetric_groups_multiply_against_8_bit_activations_on_request(
 @pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
 def test_a_mixture_s_experts_are_read_one_by_one(tmp_path: Path, family: str) -> None:
     """A GPTQ checkpoint of a mixture of experts stores each expert's projections (Qwen3-30B-A3B
-    GPTQ's kind): read one by one and joined into the experts transformers loads, which run on
-    their weights; the attention projections are held as blocks. transformers' tokens for the
-    weights it holds."""
+    GPTQ's kind): each expert's gate and up blocks joined and its down blocks are held as one
+    block layer each (their fp32 weights not kept), as are the attention projections;
+    transformers' tokens for the weights they stand for."""
     torch.manual_seed(0)
     build(family).save_pretrained(tmp_path)
     chat_tokenizer().save_pretrained(tmp_path)
@@ -399,9 +399,15 @@ def test_a_mixture_s_experts_are_read_one_by_one(tmp_path: Path, family: str) ->
     expected = [reference_greedy(reference, p, 10) for p in PROMPTS]
     outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+    converted = Path(loaded.path)
+    with safe_open(str(converted / "model.safetensors"), framework="pt") as weights:
+        assert not any(".experts." in name for name in weights.keys())  # noqa: SIM118
     if not NO_PANELS:
         held = [m for m in loaded.model.modules() if getattr(m, "block_format", None)]
-        assert len(held) == 4 * 3  # q, k, v and o of each layer
+        experts = loaded.model.config.get_text_config()
+        count = getattr(experts, "num_experts", None) or experts.num_local_experts
+        # q, k, v and o, and each expert's two layers, of each of 3 layers
+        assert len(held) == 3 * (4 + 2 * count)
 
 
 def test_a_cached_hub_config_is_read_without_asking_the_hub(
