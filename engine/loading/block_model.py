@@ -91,6 +91,9 @@ def hold_blocks(
     bias read from `checkpoint`; return the layers put in place. Each layer's rows are taken out
     of `blocks` as its panels are made, so the two are not held whole at once."""
     held = []
+    rounded = {
+        name for name in blocks if int8_activations and gguf_blocks.rounds_inputs(name, blocks)
+    }
     for name in list(blocks):
         try:
             linear = model.get_submodule(name)
@@ -100,7 +103,7 @@ def hold_blocks(
             continue
         fmt, rows = blocks.pop(name)
         bias = None if linear.bias is None else checkpoint.tensor(f"{name}.bias").float()
-        layer = PanelLinear.of_blocks(fmt, rows, bias, int8_activations)
+        layer = PanelLinear.of_blocks(fmt, rows, bias, name in rounded)
         if (layer.out_features, layer.in_features) != tuple(linear.weight.shape):
             raise ValueError(f"{name}: blocks of shape {tuple(rows.shape)} do not fit the layer")
         parent, _, child = name.rpartition(".")

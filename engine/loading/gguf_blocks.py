@@ -69,8 +69,13 @@ Q4_G = BlockFormat("q4_g", 24, Q4_K.group_bytes, has_min=True, nibbles=True, wid
 Q8_G = BlockFormat("q8_g", 40, Q8_K.group_bytes, has_min=True, nibbles=False, wide_scales=True)
 AS_Q8_K = (Q5_0, Q5_1, Q5_K, Q3_K, IQ4_NL, IQ4_XS)
 FORMATS = {f.name: f for f in (*PANEL_FORMATS, *AS_Q8_K, Q4_G, Q8_G)}
-# Those with a layout for 8-bit products against activations rounded to 8-bit blocks.
-INT8_FORMATS = (Q4_1, Q8_0)
+# Those with a layout for 8-bit products against activations rounded to 8-bit blocks: Q4_1's
+# and Q8_0's own, and Q4_K's and 4-bit groups' (fp32 scales and minima) as Q4_1's with theirs
+# rounded to fp16: a relative change of at most 2**-11, far below the activations' rounding.
+INT8_FORMATS = (Q4_1, Q8_0, Q4_K, Q4_G)
+# Projections Conveyor's decoder joins into one product (`models.layers.fuse_linears`): their
+# panels join only where they share a layout.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # The format block panels hold, by their group size.
 GROUP_FORMATS = {f.group_bytes: f for f in PANEL_FORMATS}
 
@@ -275,12 +280,18 @@ def pack_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([part.flatten(2) for part in parts], dim=2).contiguous()
 
 
-def pack_int8_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
-    """Q4_1 or Q8_0 GGUF rows to int8 block panels `[ceil(out / 16), in / 32, 320 or 544]`, laid
-    out for 8-bit products against activations rounded to 8-bit blocks
-    (`csrc/include/block_panels.h`)."""
+def pack_int8_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor | None:
+    """Rows of one of `INT8_FORMATS` to int8 block panels `[ceil(out / 16), in / 32, 320 or
+    544]`, laid out for 8-bit products against activations rounded to 8-bit blocks
+    (`csrc/include/block_panels.h`); None where a Q4_K or 4-bit group's scale or minimum is too
+    large for fp16."""
     if fmt is Q8_0:
         return _pack_q8_0_int8_panels(rows)
+    if fmt is not Q4_1:
+        rounded = rounded_to_q4_1(fmt, rows)
+        if rounded is None:
+            return None
+        rows = rounded
     d, m, q = split_rows(Q4_1, rows)
     assert m is not None  # Q4_1 blocks hold a minimum
     padded = -(-rows.shape[0] // PANEL) * PANEL
@@ -291,6 +302,39 @@ def pack_int8_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
     packed = (by_step[..., 0] | (by_step[..., 1] << 4)).contiguous().flatten(2)
     scales = [_columns_last(_pad(part, padded)).view(torch.uint8) for part in (d, m)]
     return torch.cat([*scales, packed], dim=2).view(torch.int8).contiguous()
+
+
+def int8_layout(fmt: BlockFormat) -> BlockFormat | None:
+    """The int8 panels blocks of `fmt` take (Q4_1's or Q8_0's); None where they take none."""
+    if fmt in (Q4_1, Q4_K, Q4_G):
+        return Q4_1
+    return Q8_0 if fmt is Q8_0 else None
+
+
+def rounds_inputs(layer: str, blocks: dict[str, tuple[BlockFormat, torch.Tensor]]) -> bool:
+    """Whether `layer` of `blocks` takes int8 panels under `--int8-activations`: its format has
+    them, and each projection it is joined with has blocks of the same int8 layout (a Q4_K_M
+    layer's Q4_K q and k beside its Q6_K v keep their exact blocks, which join as Q8_K)."""
+    layout = int8_layout(blocks[layer][0])
+    if layout is None:
+        return False
+    owner, _, leaf = layer.rpartition(".")
+    for group in SIBLINGS:
+        if leaf in group:
+            names = [f"{owner}.{sibling}" for sibling in group]
+            return all(n in blocks and int8_layout(blocks[n][0]) is layout for n in names)
+    return True
+
+
+def rounded_to_q4_1(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor | None:
+    """Q4_K or Q4_G rows as Q4_1 rows of the same q, their fp32 scales and minima rounded to
+    fp16; None where one does not fit fp16."""
+    d, m, q = split_rows(fmt, rows)
+    assert m is not None  # both hold a minimum
+    half_d, half_m = d.half(), m.half()
+    if not (torch.isfinite(half_d).all() and torch.isfinite(half_m).all()):
+        return None
+    return group_rows(half_d, half_m, q, scales=torch.float16)
 
 
 def _pack_q8_0_int8_panels(rows: torch.Tensor) -> torch.Tensor:

@@ -231,8 +231,8 @@ def load_model(
     use_linear_form(model, form, Path(path) if take_blocks else None, int8_activations)
     if int8_activations and not any(getattr(m, "int8_activations", False) for m in model.modules()):
         logger.warning(
-            "--int8-activations has no effect here: it needs float32 on a CPU and Q4_0, Q4_1 "
-            "or Q8_0 blocks (a GGUF file's, or a quantized checkpoint's symmetric groups)"
+            "--int8-activations has no effect here: it needs float32 on a CPU and Q4_0, Q4_1, "
+            "Q8_0 or Q4_K blocks (a GGUF file's) or a quantized checkpoint's 4-bit groups"
         )
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_name or path, trust_remote_code=trust_remote_code, use_fast=not slow_tokenizer

@@ -1,7 +1,7 @@
-"""Q4_1 and Q8_0 blocks multiplied against activations rounded to 8-bit blocks
-(`--int8-activations`, `csrc/linear/int8_panels.cpp`): each product equals the weights times the
-rounded inputs, a row does not depend on its batch, and a model served this way rounds its own
-activations alike, through the fused decode layer and the LM head too."""
+"""Q4_1, Q8_0 and Q4_K blocks and 4-bit groups multiplied against activations rounded to 8-bit
+blocks (`--int8-activations`, `csrc/linear/int8_panels.cpp`): each product equals the weights
+times the rounded inputs, a row does not depend on its batch, and a model served this way rounds
+its own activations alike, through the fused decode layer and the LM head too."""
 
 from __future__ import annotations
 
@@ -10,16 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QType
 
+from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.fused_decode import DecodeRoute
 from engine.kernels.cpu.linear import PanelLinear, pack_linears, use_gguf_blocks
-from engine.loading import gguf_blocks
+from engine.loading import gguf_blocks, gguf_file
 from engine.loading.model_loader import load_model
 from engine.models.llama import PagedLlamaLayer
 from server.cli import build_parser, engine_config
+from tests.gguf_files import write_gguf
 from tests.helpers import (
+    chat_tokenizer,
     int8_layer_errors,
     needs_panels,
     round_to_int8_blocks,
@@ -29,6 +34,7 @@ from tests.helpers import (
 )
 from tests.kernels.test_decode_layer import decode_step
 from tests.loading.test_gguf_blocks import PROMPTS, converted, gguf_rows, load_fp32  # noqa: F401
+from tests.loading.test_gguf_file import wide_llama
 
 pytestmark = needs_panels
 
@@ -98,6 +104,38 @@ def test_a_row_does_not_depend_on_its_batch(fmt: str) -> None:
     batched = layer(x)
     for row in (0, 4, 8):
         assert torch.equal(layer(x[row : row + 1]), batched[row : row + 1])
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q4_g"])
+def test_q4_k_and_4_bit_groups_multiply_as_q4_1_with_fp16_scales(fmt: str) -> None:
+    """Q4_K's blocks and AWQ's or GPTQ's 4-bit groups (fp32 scales and minima) take Q4_1's int8
+    panels, their scales and minima rounded to fp16 (each within 2**-11 of itself, or fp16's
+    smallest step), and the product is those weights times the rounded inputs."""
+    block = gguf_blocks.FORMATS[fmt]
+    rows = torch.from_numpy(gguf_rows(fmt, 40, 512))
+    layer = PanelLinear.of_blocks(block, rows, None, int8_activations=True)
+    assert layer.int8_activations and layer.block_format == gguf_blocks.Q4_1
+    d, m, q = gguf_blocks.split_rows(block, rows)
+    assert m is not None
+    rounded = d.half().float().unsqueeze(-1) * q.float() + m.half().float().unsqueeze(-1)
+    assert torch.equal(layer.weight, rounded.reshape(40, 512))
+    exact = gguf_blocks.dequantize_rows(block, rows)
+    terms = (d.abs().unsqueeze(-1) * q.float() + m.abs().unsqueeze(-1)).reshape(40, 512)
+    assert not torch.equal(layer.weight, exact)
+    assert ((layer.weight - exact).abs() <= 2**-11 * terms * 1.001 + 2**-24 * 17).all()
+    x = torch.randn(13, 512)
+    expected = F.linear(round_to_int8_blocks(x).double(), layer.weight.double())
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_scale_too_large_for_fp16_keeps_the_exact_blocks() -> None:
+    rows = torch.from_numpy(gguf_rows("q4_g", 16, 64))
+    d, m, q = gguf_blocks.split_rows(gguf_blocks.Q4_G, rows)
+    d[3, 1] = 1e6
+    huge = gguf_blocks.group_rows(d, m, q)
+    layer = PanelLinear.of_blocks(gguf_blocks.Q4_G, huge, None, int8_activations=True)
+    assert not layer.int8_activations and layer.block_format == gguf_blocks.Q4_K
+    assert torch.equal(layer.weight, gguf_blocks.dequantize_rows(gguf_blocks.Q4_G, huge))
 
 
 def test_joined_int8_projections() -> None:
@@ -180,3 +218,57 @@ def test_loading_asks_for_int8_panels_only_where_they_apply(
     assert "has no effect" not in caplog.text
     load_model(str(converted), torch.bfloat16, cpu, int8_activations=True)
     assert "--int8-activations has no effect here" in caplog.text
+
+
+def q4_k_m_types(name: str) -> QType:
+    """llama.cpp's Q4_K_M: Q4_K throughout, but Q6_K values and MLP down projections in some
+    layers (here the first) and the head."""
+    if name.startswith("token_embd"):
+        return QType.F32
+    if name.startswith("output") or (
+        name.startswith("blk.0.") and (".attn_v." in name or ".ffn_down." in name)
+    ):
+        return QType.Q6_K
+    return QType.Q4_K
+
+
+def test_a_q4_k_m_file_s_q4_k_layers_round_their_inputs(tmp_path: Path) -> None:
+    """A GGUF file in Q4_K_M's mix: its Q4_K projections multiply against rounded inputs, as Q4_1
+    int8 panels, but not q and k beside a Q6_K v (joined, they keep exact blocks); the Q6_K
+    ones keep their exact blocks."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, wide_llama(), chat_tokenizer(), q4_k_m_types)
+    folder = tmp_path / "converted"
+    gguf_file.convert(path, folder, "tiny")
+    config = EngineConfig(
+        model=str(folder), dtype="float32", int8_activations=True, cache=CacheConfig(num_blocks=64)
+    )
+    core, loaded, _ = create_engine_core(config)
+    rounded = {
+        name
+        for name, m in loaded.model.named_modules()
+        if isinstance(m, PanelLinear) and m.int8_activations
+    }
+    first = {
+        f"model.layers.0.{part}" for part in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj")
+    }
+    second = {f"model.layers.1.{part}" for part in PROJECTIONS}
+    assert rounded == first | second
+    layers = [
+        m for m in core.runner.model.modules() if isinstance(m, PanelLinear) and m.int8_activations
+    ]
+    assert len(layers) == 2 + 4  # layer 0's o and joined gate/up; layer 1's qkv, o, gate/up, down
+    errors = int8_layer_errors(layers)
+    run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=2))
+    assert errors and max(errors) < 1e-3
+
+
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)

@@ -139,12 +139,14 @@ class PanelLinear(nn.Module):
         int8_activations: bool = False,
     ) -> PanelLinear:
         """A layer over GGUF rows `[out, in / block * block_bytes]`, widened as it multiplies;
-        or, with `int8_activations` (Q4_1 and Q8_0 only), multiplied in 8-bit integers against
-        inputs rounded to 8-bit blocks (approximate; `csrc/linear/int8_panels.cpp`)."""
+        or, with `int8_activations` (Q4_1, Q8_0, Q4_K and 4-bit groups), multiplied in 8-bit
+        integers against inputs rounded to 8-bit blocks (approximate;
+        `csrc/linear/int8_panels.cpp`)."""
         in_features = gguf_blocks.in_features(fmt, rows)
+        panels = None
         if int8_activations and fmt in gguf_blocks.INT8_FORMATS:
             panels = gguf_blocks.pack_int8_panels(fmt, rows)
-        else:
+        if panels is None:
             panels = gguf_blocks.pack_panels(fmt, rows)
         return cls._of_panels(panels, bias, rows.shape[0], in_features)
 
@@ -546,10 +548,11 @@ def use_gguf_blocks(
             continue
         if type(linear) is not nn.Linear or linear.weight.dtype != torch.float32:
             continue
-        candidate = PanelLinear.of_blocks(fmt, rows, linear.bias, int8_activations)
-        if not torch.equal(candidate.weight, linear.weight):
+        if not gguf_blocks.holds(fmt, rows, linear.weight):
             mismatched.append(name)
             continue
+        rounding = int8_activations and gguf_blocks.rounds_inputs(name, blocks)
+        candidate = PanelLinear.of_blocks(fmt, rows, linear.bias, rounding)
         setattr(model.get_submodule(parent_name), child, candidate)
         swapped += 1
         rounded += candidate.int8_activations
