@@ -17,6 +17,7 @@ import functools
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 from engine.core.paths import cache_dir
 from engine.loading.conversions import convert_once, source_key
@@ -114,6 +115,7 @@ def convert(gguf: Path, out: Path, name: str, plain: bool = False) -> int:
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with_experts_settings(config, gguf)
         config.name_or_path = name
         config.dtype = torch.float32
         with parameters_on_meta():
@@ -135,3 +137,37 @@ def convert(gguf: Path, out: Path, name: str, plain: bool = False) -> int:
         gguf_blocks.save(blocks, out / gguf_blocks.BLOCKS_FILE)
     logger.info("%d linear layers keep their GGUF blocks", len(blocks))
     return len(blocks)
+
+
+# A mixture's settings transformers' GGUF reading leaves at its config's defaults (a Qwen3-MoE's
+# experts 768 wide, whatever the file says): the GGUF keys (under the architecture's name) that
+# hold them, by config field.
+EXPERT_KEYS = {
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+    "norm_topk_prob": "expert_weights_norm",
+}
+
+
+def with_experts_settings(config: Any, gguf: Path) -> None:
+    """Give a mixture of experts' `config` the experts' widths (and whether its router
+    renormalizes the top-k weights) where the GGUF file holds them."""
+    if getattr(config, "num_experts", None) is None:
+        return
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf)
+    architecture = _field(reader, "general.architecture")
+    for setting, key in EXPERT_KEYS.items():
+        value = _field(reader, f"{architecture}.{key}")
+        if value is not None and hasattr(config, setting):
+            current = getattr(config, setting)
+            setattr(config, setting, value if current is None else type(current)(value))
+
+
+def _field(reader: Any, key: str) -> Any:
+    """The scalar or string GGUF metadata `key` holds; None where the file has none."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents()

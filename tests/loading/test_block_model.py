@@ -17,7 +17,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
@@ -45,12 +46,14 @@ PROMPTS = [[5, 9, 33, 2], list(range(10, 60))]
 
 
 def tiny_qwen3_moe() -> Qwen3MoeForCausalLM:
-    """Rows of 256 and 768 inputs for K-quants; 768 is also the experts' width transformers
-    gives a GGUF Qwen3-MoE (its GGUF config names none)."""
+    """Rows of 256 and 512 inputs for K-quants; experts 512 wide (transformers' GGUF reading
+    would take 768, its config class's default) and their top-k weights renormalized, as
+    Qwen3's mixtures are."""
     shape = TINY_SHAPE | dict(hidden_size=256, intermediate_size=512, initializer_range=0.02)
     config = Qwen3MoeConfig(
         **shape,
-        moe_intermediate_size=768,
+        moe_intermediate_size=512,
+        norm_topk_prob=True,
         num_experts=4,
         num_experts_per_tok=2,
         head_dim=64,
@@ -86,13 +89,23 @@ def converted(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Pat
     keep blocks."""
     build, types, count = FILES[request.param]
     path = tmp_path / "tiny.gguf"
-    write_gguf(path, build(), chat_tokenizer(), types)
+    model = build()
+    write_gguf(path, model, chat_tokenizer(), types)
     folder = tmp_path / "converted"
     gguf_file.convert(path, folder, "tiny")
-    reference = AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32
-    )
-    return path, folder, reference.eval(), count
+    return path, folder, reference_of(path, model.config), count
+
+
+def reference_of(path: Path, config: Any) -> torch.nn.Module:
+    """transformers' model of `config` (the one the file was written from) holding the weights
+    transformers' GGUF reading makes of the file."""
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=reference)
+    missing, unexpected = reference.load_state_dict(tensors["tensors"], strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    if config.tie_word_embeddings:
+        reference.tie_weights()
+    return reference.eval()
 
 
 def held_weights(blocks: dict[str, Any]) -> set[str]:
@@ -271,3 +284,16 @@ def test_a_folder_converted_in_an_older_layout_converts_again(tmp_path: Path) ->
     conversions.convert_once(target, "marker.json", convert)
     assert len(runs) == 2 and (target / "weights").read_text() == "1"
     shutil.rmtree(target)
+
+
+def test_a_mixture_s_settings_come_from_the_file(tmp_path: Path) -> None:
+    """The experts' width the file holds, which transformers' GGUF reading leaves at its config
+    class's default (768); Qwen3's top-k weights renormalized."""
+    path = tmp_path / "tiny.gguf"
+    model = tiny_qwen3_moe()
+    write_gguf(path, model, chat_tokenizer(), moe_types)
+    gguf_file.convert(path, tmp_path / "converted", "tiny")
+    config = json.loads((tmp_path / "converted" / "config.json").read_text())
+    assert config["moe_intermediate_size"] == 512 and config["norm_topk_prob"] is True
+    read = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name)
+    assert read.moe_intermediate_size == 768
