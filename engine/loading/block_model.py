@@ -23,7 +23,6 @@ from torch import nn
 from engine.kernels.cpu.linear import PanelLinear
 from engine.loading import gguf_blocks
 from engine.loading.checkpoint_tensors import (
-    Blocks,
     CheckpointTensors,
     fill,
     model_from_config,
@@ -31,6 +30,7 @@ from engine.loading.checkpoint_tensors import (
     tensor_index,
 )
 from engine.loading.expert_blocks import EXPERT_LAYER
+from engine.loading.gguf_blocks import Blocks
 from engine.models.experts import unfuse_experts
 
 logger = logging.getLogger(__name__)

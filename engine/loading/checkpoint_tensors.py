@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 from engine.loading import gguf_blocks
-from engine.loading.gguf_blocks import BlockFormat
-
-Blocks = dict[str, tuple[BlockFormat, torch.Tensor]]
+from engine.loading.expert_blocks import expert_layer
+from engine.loading.gguf_blocks import BlockFormat, Blocks
 
 
 def model_from_config(path: str, dtype: torch.dtype, trust_remote_code: bool) -> Any:
@@ -118,8 +117,8 @@ class CheckpointTensors:
             return None
         part = kind.removesuffix("_proj")
         experts: list[tuple[BlockFormat, torch.Tensor]] = []
-        while f"{owner}.{part}.{len(experts)}" in self.blocks:
-            experts.append(self.blocks[f"{owner}.{part}.{len(experts)}"])
+        while expert_layer(owner, part, len(experts)) in self.blocks:
+            experts.append(self.blocks[expert_layer(owner, part, len(experts))])
         return DequantizedRows(experts, stacked=True) if experts else None
 
     def slice(self, key: str) -> Any:

@@ -14,9 +14,8 @@ from collections import defaultdict
 
 import torch
 
-from engine.loading.gguf_blocks import BlockFormat
+from engine.loading.gguf_blocks import Blocks
 
-Blocks = dict[str, tuple[BlockFormat, torch.Tensor]]
 # The layers `ExpertLinears` makes of a layer's experts.
 EXPERT_LAYER = re.compile(r"\.experts\.(gate_up|down)\.\d+$")
 # An expert's own projection in a checkpoint: Qwen's names, or Mixtral's (w1 gate, w3 up).

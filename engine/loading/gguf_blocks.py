@@ -78,6 +78,8 @@ INT8_FORMATS = (Q4_1, Q8_0, Q4_K, Q4_G)
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # The format block panels hold, by their group size.
 GROUP_FORMATS = {f.group_bytes: f for f in PANEL_FORMATS}
+# Blocks by the name of the linear layer they hold: its format and its rows.
+Blocks = dict[str, tuple[BlockFormat, torch.Tensor]]
 
 
 def in_features(fmt: BlockFormat, rows: torch.Tensor) -> int:
@@ -311,7 +313,7 @@ def int8_layout(fmt: BlockFormat) -> BlockFormat | None:
     return Q8_0 if fmt is Q8_0 else None
 
 
-def rounds_inputs(layer: str, blocks: dict[str, tuple[BlockFormat, torch.Tensor]]) -> bool:
+def rounds_inputs(layer: str, blocks: Blocks) -> bool:
     """Whether `layer` of `blocks` takes int8 panels under `--int8-activations`: its format has
     them, and each projection it is joined with has blocks of the same int8 layout (a Q4_K_M
     layer's Q4_K q and k beside its Q6_K v keep their exact blocks, which join as Q8_K)."""
@@ -450,7 +452,7 @@ def holds(fmt: BlockFormat, rows: torch.Tensor, weight: torch.Tensor) -> bool:
     return rows.shape[0] == weight.shape[0] and torch.equal(dequantize_rows(fmt, rows), weight)
 
 
-def save(blocks: dict[str, tuple[BlockFormat, torch.Tensor]], path: Path) -> None:
+def save(blocks: Blocks, path: Path) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -461,7 +463,7 @@ def save(blocks: dict[str, tuple[BlockFormat, torch.Tensor]], path: Path) -> Non
     )
 
 
-def load(path: Path) -> dict[str, tuple[BlockFormat, torch.Tensor]]:
+def load(path: Path) -> Blocks:
     from safetensors import safe_open
 
     found = {}

@@ -122,7 +122,7 @@ def convert(gguf: Path, out: Path, name: str, plain: bool = False) -> int:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         config.architectures = [type(model).__name__]
         writer = ShardWriter(out)
-        blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]] = {}
+        blocks: gguf_blocks.Blocks = {}
         for tensor in model_tensors(gguf, model):
             blocks.update(tensor.blocks)
             if plain or not tensor.whole:  # a tied head's embedding is kept, for one

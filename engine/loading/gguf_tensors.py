@@ -24,9 +24,8 @@ from torch import nn
 
 from engine.loading import gguf_blocks
 from engine.loading.expert_blocks import expert_layer
-from engine.loading.gguf_blocks import BlockFormat
+from engine.loading.gguf_blocks import BlockFormat, Blocks
 
-Blocks = dict[str, tuple[BlockFormat, torch.Tensor]]
 # The parts of a layer's experts GGUF stores (`ffn_gate_exps`, ...) and the linear layers of
 # `ExpertLinears` they make: gate and up rows joined, one layer per expert.
 EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(?P<part>gate|up|down)_exps\.weight$")

@@ -238,7 +238,7 @@ def convert(folder: Path, out: Path) -> int:
     out.mkdir(parents=True)
     _copy_other_files(folder, out)
     _write_config(folder, out)
-    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]] = {}
+    blocks: gguf_blocks.Blocks = {}
     writer = ShardWriter(out)
     for name, tensor in _dense_tensors(folder, files, scheme, blocks, model_layout(out)):
         writer.add(name, tensor)
@@ -257,7 +257,7 @@ def _dense_tensors(
     folder: Path,
     files: list[Path],
     scheme: Scheme,
-    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]],
+    blocks: gguf_blocks.Blocks,
     layout: ModelLayout,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, a quantized layer's parts as its fp32 `weight`, floating

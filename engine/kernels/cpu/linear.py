@@ -532,7 +532,7 @@ def _mixed_blocks(layers: list[PanelLinear]) -> bool:
 
 def use_gguf_blocks(
     model: nn.Module,
-    blocks: dict[str, tuple[gguf_blocks.BlockFormat, torch.Tensor]],
+    blocks: gguf_blocks.Blocks,
     int8_activations: bool = False,
 ) -> int:
     """Swap each fp32 `nn.Linear` named in `blocks` for a `PanelLinear` over its GGUF blocks,
