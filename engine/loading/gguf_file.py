@@ -156,18 +156,12 @@ def with_experts_settings(config: Any, gguf: Path) -> None:
         return
     from gguf import GGUFReader
 
+    from engine.loading.gguf_tensors import metadata
+
     reader = GGUFReader(gguf)
-    architecture = _field(reader, "general.architecture")
+    architecture = metadata(reader, "general.architecture")
     for setting, key in EXPERT_KEYS.items():
-        value = _field(reader, f"{architecture}.{key}")
+        value = metadata(reader, f"{architecture}.{key}")
         if value is not None and hasattr(config, setting):
             current = getattr(config, setting)
             setattr(config, setting, value if current is None else type(current)(value))
-
-
-def _field(reader: Any, key: str) -> Any:
-    """The scalar or string GGUF metadata `key` holds; None where the file has none."""
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    return field.contents()

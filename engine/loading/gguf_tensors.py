@@ -57,7 +57,7 @@ def model_tensors(path: Path, model: Any) -> Iterator[ModelTensor]:
     )
 
     reader = GGUFReader(path)
-    architecture = text_field(reader, "general.architecture")
+    architecture = metadata(reader, "general.architecture") or ""
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
     linears = linear_names(model, names, [t.name for t in reader.tensors])
@@ -146,19 +146,32 @@ class ExpertBlocks:
 def expert_rows(tensor: Any) -> tuple[BlockFormat, torch.Tensor] | None:
     """A 3-D experts' tensor's blocks, `[experts, out, row bytes]`, where panels hold its
     type (Q4_0 as Q4_1); else None."""
+    if len(tensor.shape) != 3:
+        return None
+    held = panel_rows(tensor)
+    if held is None:
+        return None
+    fmt, rows = held
+    return fmt, rows.reshape(int(tensor.shape[-1]), int(tensor.shape[-2]), -1)
+
+
+def panel_rows(tensor: Any) -> tuple[BlockFormat, torch.Tensor] | None:
+    """The GGUF tensor's rows of blocks (`[rows, row bytes]`, an experts' tensor's experts one
+    above the other) in the format panels hold its type in (Q4_0 as Q4_1); None where they hold
+    none."""
     from gguf import GGMLQuantizationType
 
     fmt = _block_types().get(tensor.tensor_type)
-    if fmt is None or len(tensor.shape) != 3:
+    if fmt is None:
         return None
-    count, out = int(tensor.shape[-1]), int(tensor.shape[-2])
-    rows = torch.from_numpy(np.asarray(tensor.data).copy()).reshape(count * out, -1)
+    rows = torch.from_numpy(np.asarray(tensor.data).copy())
+    rows = rows.reshape(rows.shape[:-1].numel(), -1)
     if tensor.tensor_type == GGMLQuantizationType.Q4_0:
         as_q4_1 = gguf_blocks.q4_0_as_q4_1(rows)
         if as_q4_1 is None:
             return None
         rows = as_q4_1
-    return fmt, rows.reshape(count, out, -1)
+    return fmt, rows
 
 
 def linear_names(model: Any, names: dict[str, str], tensors: list[str]) -> dict[str, str]:
@@ -208,25 +221,20 @@ def block_rows(
     """The GGUF tensor's blocks in a type panels hold, rows in the order the model holds them
     (Q4_0 as the Q4_1 blocks of the same weights), where they widen to exactly `weight`; else
     None."""
-    from gguf import GGMLQuantizationType
-
-    fmt = _block_types().get(tensor.tensor_type)
-    if fmt is None or len(tensor.shape) != 2:
+    held = panel_rows(tensor) if len(tensor.shape) == 2 else None
+    if held is None:
         return None
-    rows = torch.from_numpy(tensor.data.copy()).reshape(int(tensor.shape[-1]), -1)
-    if tensor.tensor_type == GGMLQuantizationType.Q4_0:
-        as_q4_1 = gguf_blocks.q4_0_as_q4_1(rows)
-        if as_q4_1 is None:
-            return None
-        rows = as_q4_1
+    fmt, rows = held
     if architecture == "llama":
         rows = unpermute_rows(tensor.name, rows, config)
     return (fmt, rows) if gguf_blocks.holds(fmt, rows, weight) else None
 
 
-def text_field(reader: Any, key: str) -> str:
+def metadata(reader: Any, key: str) -> Any:
+    """The value (a number, a string) the GGUF file's metadata `key` holds; None where the
+    file has none."""
     field = reader.fields.get(key)
-    return "" if field is None else bytes(field.parts[field.data[0]]).decode()
+    return None if field is None else field.contents()
 
 
 def unpermute_rows(tensor: str, rows: torch.Tensor, config: Any) -> torch.Tensor:
