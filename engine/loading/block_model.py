@@ -112,10 +112,22 @@ def hold_blocks(
     return held
 
 
-def fill_from_blocks(model: nn.Module, missing: list[str], blocks: Blocks) -> int:
-    """Give each weight in `missing` (those a whole load did not find in the checkpoint) whose
-    layer keeps blocks its blocks dequantized; return how many."""
-    filled = 0
+def load_whole(auto: Any, path: str, dtype: torch.dtype, trust_remote_code: bool) -> Any:
+    """The model at `path` loaded whole by transformers' auto class `auto`; a converted
+    checkpoint's layers kept only as blocks (which that load does not find) get their blocks
+    dequantized."""
+    loaded: Any = auto.from_pretrained(
+        path, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+    )
+    model, info = loaded
+    missing = list(info.get("missing_keys", ()))
+    if missing and has_blocks(path):
+        _fill_from_blocks(model, missing, read_blocks(path))
+    return model
+
+
+def _fill_from_blocks(model: nn.Module, missing: list[str], blocks: Blocks) -> None:
+    """Give each weight in `missing` whose layer keeps blocks its blocks dequantized."""
     with CheckpointTensors({}, blocks) as checkpoint:
         for name in missing:
             try:
@@ -126,5 +138,3 @@ def fill_from_blocks(model: nn.Module, missing: list[str], blocks: Blocks) -> in
             module = model.get_submodule(owner)
             dtype = cast(torch.Tensor, getattr(module, attr)).dtype
             setattr(module, attr, nn.Parameter(reader[:].to(dtype), requires_grad=False))
-            filled += 1
-    return filled

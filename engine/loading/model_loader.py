@@ -20,7 +20,8 @@ from engine.kernels.cpu.linear import (
     use_gguf_blocks,
 )
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
-from engine.loading.block_model import fill_from_blocks, has_blocks, load_converted, read_blocks
+from engine.loading import block_model
+from engine.loading.block_model import has_blocks, load_converted, read_blocks
 from engine.loading.checkpoint_tensors import model_from_config
 from engine.loading.classifiers import as_causal_lm, is_classifier, labels
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -247,16 +248,10 @@ def load_model(
 
 
 def load_whole(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> Any:
-    """The model at `path` loaded by transformers; a converted checkpoint's layers kept only as
-    blocks get their blocks dequantized."""
-    loaded: Any = auto_model_class(path, trust_remote_code).from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
-    )
-    model, info = loaded
-    missing = list(info.get("missing_keys", ()))
-    if missing and has_blocks(path):
-        fill_from_blocks(model, missing, read_blocks(path))
-    return model
+    """The model at `path` loaded by transformers, by its auto class (`block_model.load_whole`:
+    a converted checkpoint's layers kept only as blocks get their blocks dequantized)."""
+    auto = auto_model_class(path, trust_remote_code)
+    return block_model.load_whole(auto, path, dtype, trust_remote_code)
 
 
 def auto_model_class(path: str, trust_remote_code: bool = False) -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.loading.block_model import fill_from_blocks, read_blocks
+from engine.loading.block_model import load_whole, read_blocks
 from engine.loading.checkpoint_tensors import (
     CheckpointTensors,
     fill,
@@ -52,12 +52,7 @@ def load_share(
                 "share from it",
                 missing,
             )
-    loaded: Any = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
-    )
-    model, info = loaded
-    if info.get("missing_keys") and Path(path).is_dir():
-        fill_from_blocks(model, list(info["missing_keys"]), read_blocks(path))
+    model = load_whole(AutoModelForCausalLM, path, dtype, trust_remote_code)
     return model, shard_model(model, rank, size)
 
 
