@@ -200,8 +200,9 @@ def load_model(
     the tokenizer and chat template from instead of the model's (`slow_tokenizer`: its Python
     implementation, not the fast one); `served_name` the name
     replies give the model (default: as `name_or_path` says). `int8_activations`
-    multiplies the GGUF Q4_1 / Q8_0 blocks of an fp32 CPU model against inputs rounded to 8-bit
-    blocks (`cpu_linear.use_gguf_blocks`). `rank` is (rank, size) under tensor parallelism: the
+    multiplies the blocks of an fp32 CPU model that have int8 panels (`gguf_blocks.INT8_FORMATS`)
+    against inputs rounded to 8-bit blocks. A converted folder's block layers are built as the
+    model loads (`block_model`). `rank` is (rank, size) under tensor parallelism: the
     model is cut to that rank's share before it moves to `device`. With `random_weights`
     (`--load-format dummy`) no weight is read: the model gets random ones of its shape."""
     from transformers import AutoTokenizer
