@@ -35,7 +35,7 @@ def layer_sets() -> dict[str, list[PanelLinear]]:
     }
     if not named:
         raise SystemExit("the default model loaded without its GGUF blocks")
-    rows = gguf_blocks.load(Path(loaded.path) / gguf_blocks.BLOCKS_FILE)
+    rows = gguf_blocks.load(Path(loaded.path))
     blocks = list(named.values())
     sets = {
         "blocks": blocks,

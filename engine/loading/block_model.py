@@ -38,12 +38,12 @@ logger = logging.getLogger(__name__)
 
 def has_blocks(path: str) -> bool:
     """Whether the checkpoint folder `path` keeps blocks beside its weights."""
-    return (Path(path) / gguf_blocks.BLOCKS_FILE).is_file()
+    return bool(gguf_blocks.block_files(Path(path)))
 
 
 def read_blocks(path: str) -> Blocks:
     """The blocks kept beside the checkpoint in folder `path`, by layer name (none: empty)."""
-    return gguf_blocks.load(Path(path) / gguf_blocks.BLOCKS_FILE) if has_blocks(path) else {}
+    return gguf_blocks.load(Path(path))
 
 
 def load_converted(

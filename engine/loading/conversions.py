@@ -60,23 +60,28 @@ def finished(target: Path, marker: str) -> bool:
 
 
 class ShardWriter:
-    """Tensors written into a checkpoint folder's safetensors files as they come: a shard is
-    saved once it holds `SHARD_BYTES`; one shard is named `model.safetensors`, several are
-    numbered, with an index."""
+    """Tensors written into a folder's safetensors files as they come: a shard is saved once it
+    holds `shard_bytes`; one shard is named `STEM.safetensors` (`model.safetensors`), several
+    are numbered, with an index. A tensor's `note` goes into its shard's metadata under its
+    name."""
 
-    def __init__(self, out: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    def __init__(self, out: Path, shard_bytes: int = SHARD_BYTES, stem: str = "model") -> None:
         self.out = out
         self.shard_bytes = shard_bytes
+        self.stem = stem
         self._shard: dict[str, torch.Tensor] = {}
+        self._notes: dict[str, str] = {}
         self._held = 0
         self._files: list[list[str]] = []
         self._total = 0
         out.mkdir(parents=True, exist_ok=True)
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, note: str | None = None) -> None:
         if self._held >= self.shard_bytes:
             self._save()
         self._shard[name] = tensor.contiguous()
+        if note is not None:
+            self._notes[name] = note
         self._held += tensor.nbytes
 
     def close(self) -> None:
@@ -84,22 +89,23 @@ class ShardWriter:
         if not self._files or self._shard:
             self._save()
         if len(self._files) == 1:
-            (self.out / "shard-1.safetensors").rename(self.out / "model.safetensors")
+            (self.out / "shard-1.safetensors").rename(self.out / f"{self.stem}.safetensors")
             return
         weight_map = {}
         count = len(self._files)
         for number, names in enumerate(self._files, 1):
-            file = f"model-{number:05d}-of-{count:05d}.safetensors"
+            file = f"{self.stem}-{number:05d}-of-{count:05d}.safetensors"
             (self.out / f"shard-{number}.safetensors").rename(self.out / file)
             weight_map.update(dict.fromkeys(names, file))
         index = {"metadata": {"total_size": self._total}, "weight_map": weight_map}
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        index_file = self.out / f"{self.stem}.safetensors.index.json"
+        index_file.write_text(json.dumps(index, indent=2) + "\n")
 
     def _save(self) -> None:
         from safetensors.torch import save_file
 
         self._files.append(list(self._shard))
         file = self.out / f"shard-{len(self._files)}.safetensors"
-        save_file(self._shard, str(file), metadata={"format": "pt"})
+        save_file(self._shard, str(file), metadata={"format": "pt", **self._notes})
         self._total += self._held
-        self._shard, self._held = {}, 0
+        self._shard, self._notes, self._held = {}, {}, 0

@@ -32,9 +32,9 @@ def default_model_dir() -> Path:
 
 
 def is_ready(folder: Path) -> bool:
-    return all(
-        (folder / name).is_file()
-        for name in ("config.json", "tokenizer.json", gguf_blocks.BLOCKS_FILE)
+    files = ("config.json", "tokenizer.json")
+    return all((folder / name).is_file() for name in files) and bool(
+        gguf_blocks.block_files(folder)
     )
 
 

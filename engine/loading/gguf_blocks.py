@@ -3,8 +3,8 @@
 A model converted from a GGUF file (the default model comes dequantized from Q4_1; any
 `--model FILE.gguf` is converted the same way, `gguf_file.py`) has fp32 weights that are exactly
 `d * q + m` or `d * q` per block of 32 (or, for K-quants, 16) inputs. Kept beside the checkpoint
-(`gguf_blocks/blocks.safetensors`: each linear layer's blocks, rows as GGUF stores them, under
-the layer's module name), those blocks let the CPU's panel product stream a fifth to a third of
+(in `gguf_blocks/`: each linear layer's blocks, rows as GGUF stores them, under the layer's
+module name), those blocks let the CPU's panel product stream a fifth to a third of
 the fp32 bytes (Q4_0 and Q4_1, Q4_K, Q8_0, Q6_K; the 5-bit types as Q8_K panels, about a third)
 and widen each weight to the same fp32 value in registers. A layer uses its blocks only where
 they widen to exactly the weights loaded from the checkpoint, so outputs do not change, only
@@ -19,9 +19,13 @@ from pathlib import Path
 
 import torch
 
+from engine.loading.conversions import ShardWriter
+
 # In a subfolder: servers that load every `*.safetensors` at a checkpoint's top level (vLLM)
-# must not take the blocks for weights.
-BLOCKS_FILE = "gguf_blocks/blocks.safetensors"
+# must not take the blocks for weights. One file (`blocks.safetensors`), or numbered shards of
+# `BLOCK_SHARD_BYTES` with an index.
+BLOCKS_DIR = "gguf_blocks"
+BLOCK_SHARD_BYTES = 256 << 20
 BLOCK = 32
 PANEL = 16
 
@@ -452,25 +456,55 @@ def holds(fmt: BlockFormat, rows: torch.Tensor, weight: torch.Tensor) -> bool:
     return rows.shape[0] == weight.shape[0] and torch.equal(dequantize_rows(fmt, rows), weight)
 
 
-def save(blocks: Blocks, path: Path) -> None:
-    from safetensors.torch import save_file
+class BlockWriter:
+    """Layers' blocks written beside a checkpoint in folder `out` as they come
+    (`BLOCKS_DIR`, in shards of `BLOCK_SHARD_BYTES`), so a conversion holds at most one shard
+    of them; nothing is written where no layer keeps blocks."""
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {name: rows for name, (_, rows) in blocks.items()},
-        str(path),
-        metadata={name: fmt.name for name, (fmt, _) in blocks.items()},
-    )
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.layers = 0
+        self._writer: ShardWriter | None = None
+
+    def add(self, name: str, fmt: BlockFormat, rows: torch.Tensor) -> None:
+        if self._writer is None:
+            self._writer = ShardWriter(self.out / BLOCKS_DIR, BLOCK_SHARD_BYTES, stem="blocks")
+        self._writer.add(name, rows, note=fmt.name)
+        self.layers += 1
+
+    def add_all(self, blocks: Blocks) -> None:
+        for name, (fmt, rows) in blocks.items():
+            self.add(name, fmt, rows)
+
+    def close(self) -> int:
+        """Save the last shard; return how many layers kept blocks."""
+        if self._writer is not None:
+            self._writer.close()
+        return self.layers
 
 
-def load(path: Path) -> Blocks:
+def save(blocks: Blocks, out: Path) -> None:
+    """Keep `blocks` beside the checkpoint in folder `out`."""
+    writer = BlockWriter(out)
+    writer.add_all(blocks)
+    writer.close()
+
+
+def block_files(folder: Path) -> list[Path]:
+    """The files of blocks kept beside the checkpoint in `folder` (none: empty)."""
+    return sorted((folder / BLOCKS_DIR).glob("*.safetensors"))
+
+
+def load(folder: Path) -> Blocks:
+    """The blocks kept beside the checkpoint in `folder`, by layer name (none: empty)."""
     from safetensors import safe_open
 
     found = {}
-    with safe_open(str(path), framework="pt") as blocks:
-        formats = blocks.metadata() or {}
-        for name in blocks.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            fmt = FORMATS.get(formats.get(name, ""))
-            if fmt is not None:
-                found[name] = (fmt, blocks.get_tensor(name))
+    for file in block_files(folder):
+        with safe_open(str(file), framework="pt") as blocks:
+            formats = blocks.metadata() or {}
+            for name in blocks.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                fmt = FORMATS.get(formats.get(name, ""))
+                if fmt is not None:
+                    found[name] = (fmt, blocks.get_tensor(name))
     return found

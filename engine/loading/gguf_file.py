@@ -102,7 +102,7 @@ def convert(gguf: Path, out: Path, name: str, plain: bool = False) -> int:
     and chat template, as transformers reads them from the file) whose model is called `name`,
     a linear layer in a type panels hold kept as its blocks instead of fp32 weights (`plain`:
     as both, a checkpoint other programs load whole); return how many layers kept blocks.
-    Tensors are read and written one at a time (`gguf_tensors`)."""
+    Tensors are read and written one at a time (`gguf_tensors`), blocks too."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -122,21 +122,20 @@ def convert(gguf: Path, out: Path, name: str, plain: bool = False) -> int:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         config.architectures = [type(model).__name__]
         writer = ShardWriter(out)
-        blocks: gguf_blocks.Blocks = {}
+        blocks = gguf_blocks.BlockWriter(out)
         for tensor in model_tensors(gguf, model):
-            blocks.update(tensor.blocks)
+            blocks.add_all(tensor.blocks)
             if plain or not tensor.whole:  # a tied head's embedding is kept, for one
                 writer.add(tensor.name, tensor.tensor)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise ValueError(f"{gguf.name}: transformers cannot read this GGUF file: {exc}") from exc
     writer.close()
+    kept = blocks.close()
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    if blocks:
-        gguf_blocks.save(blocks, out / gguf_blocks.BLOCKS_FILE)
-    logger.info("%d linear layers keep their GGUF blocks", len(blocks))
-    return len(blocks)
+    logger.info("%d linear layers keep their GGUF blocks", kept)
+    return kept
 
 
 # A mixture's settings transformers' GGUF reading leaves at its config's defaults (a Qwen3-MoE's

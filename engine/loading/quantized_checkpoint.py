@@ -238,15 +238,14 @@ def convert(folder: Path, out: Path) -> int:
     out.mkdir(parents=True)
     _copy_other_files(folder, out)
     _write_config(folder, out)
-    blocks: gguf_blocks.Blocks = {}
+    blocks = gguf_blocks.BlockWriter(out)
     writer = ShardWriter(out)
     for name, tensor in _dense_tensors(folder, files, scheme, blocks, model_layout(out)):
         writer.add(name, tensor)
     writer.close()
-    if blocks:
-        gguf_blocks.save(blocks, out / gguf_blocks.BLOCKS_FILE)
-    logger.info("%d linear layers keep their quantized groups as blocks", len(blocks))
-    return len(blocks)
+    kept = blocks.close()
+    logger.info("%d linear layers keep their quantized groups as blocks", kept)
+    return kept
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -257,13 +256,14 @@ def _dense_tensors(
     folder: Path,
     files: list[Path],
     scheme: Scheme,
-    blocks: gguf_blocks.Blocks,
+    blocks: gguf_blocks.BlockWriter,
     layout: ModelLayout,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, a quantized layer's parts as its fp32 `weight`, floating
     point ones in fp32; the blocks of the layers that have them go into `blocks`, and a layer of
     the model's linear layers kept so has no `weight`; nor has an expert's projection whose
-    layer's experts are all kept so (joined, `expert_blocks`)."""
+    layer's experts are all kept so (joined, `expert_blocks`: experts' blocks are held until
+    the end)."""
     from safetensors import safe_open
 
     opened = [safe_open(str(path), framework="pt") for path in files]
@@ -271,21 +271,19 @@ def _dense_tensors(
     layers = sorted(
         {name.rpartition(".")[0] for name in where if name.rpartition(".")[2] in MARKERS}
     )
-    experts = []
+    experts: gguf_blocks.Blocks = {}
     for layer in layers:
         weight, held = _layer(folder, scheme, where, layer)
         if held is not None and gguf_blocks.holds(*held, weight):
-            blocks[layer] = held
+            if layer not in layout.linears and layout.experts and CHECKPOINT_EXPERT.match(layer):
+                experts[layer] = held  # written below unless its layer's experts all join
+                continue
+            blocks.add(layer, *held)
             if layer in layout.linears:
                 continue
-            if layout.experts and CHECKPOINT_EXPERT.match(layer):
-                experts.append(layer)  # written below unless its layer's experts all join
-                continue
         yield f"{layer}.weight", weight
-    joined, leftover = join_checkpoint_experts(blocks, experts, layout.experts)
-    for layer in experts:
-        del blocks[layer]
-    blocks.update(joined)
+    joined, leftover = join_checkpoint_experts(experts, list(experts), layout.experts)
+    blocks.add_all(joined)
     for layer in leftover:
         yield f"{layer}.weight", _layer(folder, scheme, where, layer)[0]
     read = {f"{layer}.{part}" for layer in layers for part in packed_weights.PARTS}

@@ -158,7 +158,7 @@ def test_kernel_refuses_bad_int8_panels() -> None:
 def int8_model(converted: Path) -> torch.nn.Module:  # noqa: F811
     """The tiny converted GGUF model with int8 projections and LM head (Q8_0)."""
     model = load_fp32(converted)
-    blocks = gguf_blocks.load(converted / gguf_blocks.BLOCKS_FILE)
+    blocks = gguf_blocks.load(converted)
     assert use_gguf_blocks(model, blocks, int8_activations=True) == 2 * 7 + 1
     pack_linears(model)
     rounded = [

@@ -129,7 +129,7 @@ def test_a_conversion_keeps_quantized_layers_as_their_blocks_only(converted, tmp
     """No fp32 weight is written for a layer kept as blocks (a tied head's embedding stays);
     `plain` writes both, a checkpoint transformers loads whole."""
     path, folder, reference, count = converted
-    blocks = gguf_blocks.load(folder / gguf_blocks.BLOCKS_FILE)
+    blocks = gguf_blocks.load(folder)
     assert len(blocks) == count
     expected = reference.state_dict()
     saved = set(expected) - ({"lm_head.weight"} if reference.config.tie_word_embeddings else set())
@@ -262,6 +262,35 @@ def test_weights_are_written_shard_by_shard(tmp_path: Path) -> None:
         assert read.keys() == tensors.keys()
         assert all(torch.equal(read[name], tensors[name]) for name in tensors)
     assert index["weight_map"]["layer.4.weight"] == files[2]
+
+
+def test_blocks_are_written_shard_by_shard_and_read_back_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversion writes the blocks as they come, in shards of `BLOCK_SHARD_BYTES` (so it
+    never holds them all); the shards read back as the blocks one file holds, and serve."""
+    path = tmp_path / "tiny.gguf"
+    model = tiny_llama()
+    write_gguf(path, model, chat_tokenizer(), llama_types)
+    gguf_file.convert(path, tmp_path / "single", "tiny")
+    monkeypatch.setattr(gguf_blocks, "BLOCK_SHARD_BYTES", 4096)
+    gguf_file.convert(path, tmp_path / "several", "tiny")
+    single = gguf_blocks.block_files(tmp_path / "single")
+    several = gguf_blocks.block_files(tmp_path / "several")
+    assert [file.name for file in single] == ["blocks.safetensors"]
+    assert len(several) > 2 and several[0].name.endswith(f"-of-{len(several):05d}.safetensors")
+    whole, sharded = gguf_blocks.load(tmp_path / "single"), gguf_blocks.load(tmp_path / "several")
+    assert sharded.keys() == whole.keys() and len(whole) == FILES["q4_0"][2]
+    for name, (fmt, rows) in whole.items():
+        assert sharded[name][0] is fmt and torch.equal(sharded[name][1], rows), name
+    config = EngineConfig(
+        model=str(tmp_path / "several"), dtype="float32", cache=CacheConfig(num_blocks=64)
+    )
+    core, _, _ = create_engine_core(config)
+    outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    reference = reference_of(path, model.config)
+    expected = [reference_greedy(reference, prompt, 8) for prompt in PROMPTS]
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
 
 
 def test_a_folder_converted_in_an_older_layout_converts_again(tmp_path: Path) -> None:

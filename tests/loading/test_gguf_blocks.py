@@ -256,7 +256,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     blocks = {}
     for tensor in model_tensors(folder / "tiny.gguf", model):
         blocks |= tensor.blocks
-    gguf_blocks.save(blocks, folder / "model" / gguf_blocks.BLOCKS_FILE)
+    gguf_blocks.save(blocks, folder / "model")
     return folder / "model"
 
 
@@ -270,7 +270,7 @@ def block_layers(model: torch.nn.Module) -> list[PanelLinear]:
 
 def test_read_blocks_widen_to_the_converted_weights(converted: Path) -> None:
     """Every projection (q and k rows unpermuted as transformers does) and the tied LM head."""
-    blocks = gguf_blocks.load(converted / gguf_blocks.BLOCKS_FILE)
+    blocks = gguf_blocks.load(converted)
     model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
     assert len(blocks) == 2 * 7 + 1
     assert blocks["lm_head"][0] == gguf_blocks.Q8_0
@@ -297,7 +297,7 @@ def test_a_converted_model_serves_its_blocks_and_matches_generate(converted: Pat
 def test_blocks_that_do_not_hold_the_weights_are_left_alone(
     converted: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    blocks = gguf_blocks.load(converted / gguf_blocks.BLOCKS_FILE)
+    blocks = gguf_blocks.load(converted)
     name = "model.layers.1.mlp.up_proj"
     blocks[name] = (gguf_blocks.Q4_1, torch.from_numpy(gguf_rows("q4_1", FFN, HIDDEN, seed=999)))
     model = load_fp32(converted)

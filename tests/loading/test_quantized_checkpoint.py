@@ -148,8 +148,7 @@ def test_the_conversion_holds_exactly_the_weights_in_fp32(served) -> None:
     for file in folder.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as weights:
             held |= {name: weights.get_tensor(name) for name in weights.keys()}  # noqa: SIM118
-    blocks = folder / gguf_blocks.BLOCKS_FILE
-    for layer, (fmt, rows) in (gguf_blocks.load(blocks) if blocks.is_file() else {}).items():
+    for layer, (fmt, rows) in gguf_blocks.load(folder).items():
         assert f"{layer}.weight" not in held, layer
         held[f"{layer}.weight"] = gguf_blocks.dequantize_rows(fmt, rows)
     expected = reference.state_dict()
@@ -185,7 +184,7 @@ def test_the_tokenizer_and_chat_template_come_with_it(served) -> None:
 def test_a_conversion_is_reused_until_the_weights_change(tmp_path: Path, monkeypatch) -> None:
     quantized_checkpoint_in(tmp_path)
     first = quantized_checkpoint.ensure_converted(str(tmp_path))
-    assert (first / gguf_blocks.BLOCKS_FILE).is_file()
+    assert gguf_blocks.block_files(first)
     assert checkpoint_path(str(tmp_path)) == str(first)
 
     def no_conversion(*_: object) -> int:
