@@ -18,7 +18,7 @@ set -euo pipefail
 WANTED=(
     "fastapi>=0.110" "uvicorn[standard]>=0.29" "pydantic>=2.6" "prometheus-client>=0.20"
     "httpx>=0.27" "aiohttp>=3.9" "gguf>=0.10" "llguidance>=1.3,<2" "jsonschema>=4"
-    "python-multipart>=0.0.9" "pytest-asyncio>=0.24"
+    "python-multipart>=0.0.9" "pyyaml>=6" "pytest-asyncio>=0.24"
 )
 PLATFORMS=(manylinux1 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28
     manylinux_2_31 manylinux_2_34 manylinux_2_35)

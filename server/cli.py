@@ -22,6 +22,7 @@ from engine.core.config import (
 )
 from engine.core.sampling_params import MAX_LOGPROBS
 from engine.loading.gguf_file import is_gguf_file
+from server.config_file import CONFIG_OPTION, with_config_file
 from server.content_format import CONTENT_FORMATS
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
@@ -736,6 +737,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor inference server")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="serve a model over an OpenAI-compatible API")
+    serve_parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as --model (vLLM's `vllm serve MODEL`)",
+    )
+    serve_parser.add_argument(
+        CONFIG_OPTION,
+        default=None,
+        metavar="FILE",
+        help="a YAML file of options (keys are the long option names, `max-model-len: 4096`); "
+        "options given on the command line take precedence",
+    )
     _add_engine_args(serve_parser)
     _add_server_args(serve_parser)
     serve_parser.set_defaults(func=serve)
@@ -896,8 +911,36 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    argv = given
+    if given[:1] == ["serve"]:
+        argv = ["serve", *with_config_file(_command_parser(parser, "serve"), given[1:])]
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        _take_model_tag(parser, args, given)
     return args.func(args)
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[command]
+
+
+def _take_model_tag(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, given: list[str]
+) -> None:
+    """The model given as the command's first argument taken as `--model` (over a config
+    file's `model`; refused beside another `--model` on the command line). `--config` must be
+    written in full: an abbreviation reaches argparse unread."""
+    if args.config is not None:
+        parser.error(f"write {CONFIG_OPTION} in full")
+    if args.model_tag is None:
+        return
+    on_command_line = any(a == "--model" or a.startswith("--model=") for a in given)
+    if on_command_line and args.model != args.model_tag:
+        parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+    args.model = args.model_tag
 
 
 if __name__ == "__main__":

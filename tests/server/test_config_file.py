@@ -1,0 +1,144 @@
+"""`conveyor serve --config FILE` (vLLM's YAML file of options) and the model as the command's
+first argument (`vllm serve MODEL`): what the file gives reaches the engine and the server, the
+command line wins over the file, and a file that is not one is refused by what is wrong."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server import cli
+from server.cli import engine_config, server_settings
+from tests.helpers import chat_tokenizer, tiny_llama
+from tests.server_utils import free_port, wait_healthy
+
+CONFIG = """\
+model: /models/from-the-file
+max-model-len: 512
+max_num_seqs: 8
+enable-prefix-caching: false
+enable-auto-tool-choice: true
+trust-remote-code: false
+tool-call-parser: hermes
+served-model-name: [main, alias]
+hf-overrides: {rope_theta: 20000.0}
+"""
+
+
+def parsed(monkeypatch: pytest.MonkeyPatch, *argv: str) -> argparse.Namespace:
+    """The arguments `conveyor serve ARGV` runs the server with (the server not started)."""
+    taken: list[argparse.Namespace] = []
+    monkeypatch.setattr(cli, "serve", lambda args: taken.append(args) or 0)
+    assert cli.main(["serve", *argv]) == 0
+    return taken[0]
+
+
+def config_file(tmp_path: Path, text: str = CONFIG) -> str:
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_config_file_gives_serve_its_options(tmp_path, monkeypatch) -> None:
+    args = parsed(monkeypatch, "--config", config_file(tmp_path))
+    engine, settings = engine_config(args), server_settings(args)
+    assert engine.model == "/models/from-the-file"
+    assert (engine.max_model_len, engine.max_num_seqs) == (512, 8)
+    assert not engine.enable_prefix_caching
+    assert engine.hf_overrides == {"rope_theta": 20000.0}
+    assert not engine.trust_remote_code
+    assert (settings.served_model_name, settings.served_model_aliases) == ("main", ("alias",))
+    assert args.enable_auto_tool_choice and settings.tool_call_parser == "hermes"
+
+
+def test_the_command_line_wins_over_the_file(tmp_path, monkeypatch) -> None:
+    path = config_file(tmp_path)
+    for argv in (
+        ["--max-num-seqs", "4", "--config", path, "--enable-prefix-caching"],
+        [f"--config={path}", "--max-num-seqs", "4", "--enable-prefix-caching"],
+    ):
+        engine = engine_config(parsed(monkeypatch, *argv))
+        assert engine.max_num_seqs == 4 and engine.enable_prefix_caching
+        assert engine.max_model_len == 512  # still the file's
+
+
+def test_the_model_may_come_first_as_with_vllm_serve(tmp_path, monkeypatch) -> None:
+    assert parsed(monkeypatch, "/models/first", "--port", "9000").model == "/models/first"
+    assert parsed(monkeypatch, "--port", "9000").model is None
+    path = config_file(tmp_path)
+    assert parsed(monkeypatch, "/models/first", "--config", path).model == "/models/first"
+    assert parsed(monkeypatch, "/models/same", "--model", "/models/same").model == "/models/same"
+    for twice in (["/models/a", "--model", "/models/b"], ["/models/a", "--model=/models/b"]):
+        with pytest.raises(SystemExit):
+            parsed(monkeypatch, *twice)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("max-num-seqs: 8\nno-such-option: 1\n", "unknown option 'no-such-option'"),
+        ("- max-num-seqs\n- 8\n", "must hold a mapping of options"),
+        ("max-num-seqs: [8\n", "not YAML"),
+        ("enable-auto-tool-choice: 1\n", "'enable-auto-tool-choice' is a switch"),
+        ("config: other.yaml\n", "unknown option 'config'"),
+        ("max-num-seqs: eight\n", "invalid int value"),
+    ],
+)
+def test_a_file_that_is_not_one_is_refused_by_what_is_wrong(
+    tmp_path, monkeypatch, capsys, text: str, reason: str
+) -> None:
+    with pytest.raises(SystemExit):
+        parsed(monkeypatch, "--config", config_file(tmp_path, text))
+    assert reason in capsys.readouterr().err
+
+
+def test_a_missing_file_or_an_abbreviated_option_is_refused(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        parsed(monkeypatch, "--config", str(tmp_path / "missing.yaml"))
+    assert "cannot read the file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parsed(monkeypatch, "--conf", config_file(tmp_path))
+    assert "write --config in full" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parsed(monkeypatch, "--config")
+
+
+@pytest.mark.e2e
+def test_a_server_starts_from_its_model_and_a_config_file(tmp_path) -> None:
+    """`python -m server FOLDER --config FILE`, as `vllm serve FOLDER --config FILE`."""
+    folder = tmp_path / "tiny"
+    tiny_llama().save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)
+    config = "served-model-name: [tiny-from-file]\nmax-model-len: 96\n"
+    config += "dtype: float32\nkv-cache-memory: 16MiB\n"
+    port = free_port()
+    command = [sys.executable, "-m", "server", str(folder), "--port", str(port)]
+    command += ["--config", config_file(tmp_path, config)]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, process, timeout=300)
+        models = httpx.get(f"{url}/v1/models").json()["data"]
+        assert [(m["id"], m["root"], m["max_model_len"]) for m in models] == [
+            ("tiny-from-file", str(folder), 96)
+        ]
+        body = {"model": "tiny-from-file", "prompt": "hello", "max_tokens": 3}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        process.send_signal(signal.SIGTERM)
+        log = process.communicate(timeout=60)[0]
+    assert process.returncode == 0, log
