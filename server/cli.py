@@ -37,6 +37,7 @@ from server.settings import (
 )
 from server.stats_log import INTERVAL as STATS_INTERVAL
 from server.tool_parsers import PARSERS
+from server.vllm_only_flags import add_vllm_only_flags
 
 logger = logging.getLogger("conveyor")
 
@@ -753,6 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_args(serve_parser)
     _add_server_args(serve_parser)
+    add_vllm_only_flags(serve_parser)
     serve_parser.set_defaults(func=serve)
     download_parser = commands.add_parser(
         "download", help="fetch a model into the cache ahead of serving (an offline image)"

@@ -3,8 +3,9 @@
 `--enable-log-requests` / `--disable-log-requests`, `--limit-mm-per-prompt` and
 `--allowed-media-domains`, HTTPS (`--ssl-*`), `--root-path`, `--uvicorn-log-level`,
 `--disable-uvicorn-access-log`, `--disable-fastapi-docs`, `--enable-force-include-usage`,
-`--return-tokens-as-token-ids`, `--chat-template-content-format`, `--response-role` and
-`--tokenizer-mode`."""
+`--return-tokens-as-token-ids`, `--chat-template-content-format`, `--response-role`,
+`--tokenizer-mode`, and the flags recipes carry that have nothing to set here (accepted at
+Conveyor's own values, refused by name otherwise)."""
 
 from __future__ import annotations
 
@@ -265,3 +266,35 @@ def test_the_tokenizer_mode_takes_vllm_s_names():
     assert mode("--tokenizer-mode", "slow") == "slow"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tokenizer-mode", "mistral"])
+
+
+# A recipe's command line: flags with nothing to set here, at the values Conveyor serves.
+RECIPE = [
+    "--swap-space", "16", "--disable-custom-all-reduce", "--distributed-executor-backend", "mp",
+    "--max-parallel-loading-workers", "2", "--enable-prompt-tokens-details",
+    "--pipeline-parallel-size", "1", "-dp", "1",
+]  # fmt: skip
+
+
+def test_a_recipe_s_flags_with_nothing_to_set_change_nothing():
+    plain = build_parser().parse_args(["serve", "--max-num-seqs", "8"])
+    recipe = build_parser().parse_args(["serve", "--max-num-seqs", "8", *RECIPE])
+    assert engine_config(recipe) == engine_config(plain)
+    assert server_settings(recipe) == server_settings(plain)
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (["--pipeline-parallel-size", "2"], "pipeline parallelism is not built"),
+        (["-pp", "2"], "pipeline parallelism is not built"),
+        (["--data-parallel-size", "4"], "behind a router"),
+        (["--distributed-executor-backend", "ray"], "'ray' is not served"),
+        (["--speculative-config", '{"method": "ngram"}'], "speculative decoding is not built"),
+        (["--swap-space", "-1"], "must be 0 or more"),
+    ],
+)
+def test_what_a_recipe_asks_that_is_not_served_is_refused_by_name(capsys, flags, reason):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *flags])
+    assert reason in capsys.readouterr().err
