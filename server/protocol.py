@@ -150,6 +150,12 @@ class SamplingFields(RequestBody):
     # Keep only the prompt's last k tokens (-1: as many as leave room for one new token).
     truncate_prompt_tokens: TruncateTokens | None = None
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the prompt's token ids and each choice's generated ones beside the text (streamed:
+    # the prompt's in the first chunk, each chunk's new ones in it).
+    return_token_ids: bool = False
+    # vLLM's: only requests with the same salt share cached prefix blocks, so one tenant cannot
+    # tell from response times what another sent.
+    cache_salt: str | None = Field(default=None, min_length=1)
     # vLLM's: the logprob of each prompt token and of its `prompt_logprobs` likeliest rivals.
     prompt_logprobs: LogprobCount | None = None
     include_stop_str_in_output: bool = False

@@ -23,9 +23,13 @@ class ChoiceState:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     started: bool = False
+    # The generated token ids, kept where the request asked for them (`return_token_ids`).
+    token_ids: list[int] | None = None
 
     def record(self, output: RequestOutput, text: str) -> None:
         self.pieces.append(text)
+        if self.token_ids is not None:
+            self.token_ids.extend(output.new_token_ids)
         self.num_output_tokens = output.num_output_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.finished:

@@ -235,6 +235,7 @@ def request_options(
         background=background,
         lora=lora,
         images=images,
+        cache_salt=body.cache_salt,
     )
 
 

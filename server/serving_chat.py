@@ -39,6 +39,7 @@ from server.serving import (
     usage,
 )
 from server.settings import ServerSettings
+from server.streaming import sse
 from server.tokenization import (
     TokenText,
     chat_prompt,
@@ -108,7 +109,7 @@ class ChatRenderer(ChunkRenderer):
         request_id: str,
         model: str,
         body: ChatCompletionRequest,
-        num_prompt_tokens: int,
+        prompt: list[int],
         tokenizer: Any,
         forced: ForcedCalls | None = None,
         parser: str | None = None,
@@ -123,11 +124,16 @@ class ChatRenderer(ChunkRenderer):
         self.forced = forced
         self.parser = parser
         self.thinking = thinking
-        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt = prompt
+        self.num_prompt_tokens = len(prompt)
+        # Whether a streamed chunk carried the prompt's token ids yet (`return_token_ids`).
+        self._prompt_ids_sent = False
         self.token_text = TokenText(tokenizer, body.return_tokens_as_token_ids)
         # vLLM's prompt_logprobs (the prompt is every choice's, so the first's are shown).
         self.prompt_logprobs: list | None = None
-        self.choices = {i: _Choice(i) for i in range(body.n)}
+        self.choices = {
+            i: _Choice(i, token_ids=[] if body.return_token_ids else None) for i in range(body.n)
+        }
         for choice in self.choices.values():
             if parser == HARMONY:
                 choice.harmony = HarmonyReader()
@@ -153,7 +159,8 @@ class ChatRenderer(ChunkRenderer):
             logprobs = chat_logprobs(output.logprobs, self.token_text)
             choice.logprobs.extend(logprobs)
         choice.record(output, output.text)
-        if output.text or logprobs or output.finished:
+        with_ids = choice.token_ids is not None and bool(output.new_token_ids)
+        if output.text or logprobs or output.finished or with_ids:
             if choice.harmony is not None:
                 reasoning, delta = self._harmony_delta(choice, output)
             else:
@@ -161,8 +168,19 @@ class ChatRenderer(ChunkRenderer):
                 delta = self._delta(choice, text, output.finished)
             if reasoning:
                 delta = {**self._reasoning_fields(reasoning), **delta}
-            fragments.append(self._fragment(choice, delta, logprobs, output.finished))
+            fragment = self._fragment(choice, delta, logprobs, output.finished)
+            if choice.token_ids is not None:
+                fragment["token_ids"] = output.new_token_ids
+            fragments.append(fragment)
         return fragments
+
+    def event(self, choices: list[dict[str, Any]]) -> str:
+        """A chunk's event; the first carries the prompt's token ids where the request asked
+        for them (`return_token_ids`), as vLLM's."""
+        if self.body.return_token_ids and not self._prompt_ids_sent:
+            self._prompt_ids_sent = True
+            return sse({**self.chunk(choices), "prompt_token_ids": self.prompt})
+        return super().event(choices)
 
     @staticmethod
     def _reasoning(choice: _Choice, output: RequestOutput) -> tuple[str, str]:
@@ -315,6 +333,7 @@ class ChatRenderer(ChunkRenderer):
                 "logprobs": {"content": c.logprobs} if self.body.logprobs else None,
                 "finish_reason": self._finish_reason(c, "tool_calls" in messages[c.index]),
                 "stop_reason": c.stop_reason,
+                **({"token_ids": c.token_ids} if c.token_ids is not None else {}),
             }
             for c in self.choices.values()
         ]
@@ -330,6 +349,7 @@ class ChatRenderer(ChunkRenderer):
                 if self.body.prompt_logprobs is not None
                 else {}
             ),
+            **({"prompt_token_ids": self.prompt} if self.body.return_token_ids else {}),
         }
 
 
@@ -384,7 +404,7 @@ class ChatHandler:
             request_id,
             self.model.name_for(prepared.lora),
             body,
-            len(prepared.prompt),
+            prepared.prompt,
             tokenizer,
             prepared.forced,
             prepared.parser,

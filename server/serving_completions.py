@@ -67,7 +67,12 @@ class CompletionRenderer(ChunkRenderer):
             TokenText(tokenizer, body.return_tokens_as_token_ids) if tokenizer is not None else None
         )
         self.choices = {
-            p * body.n + i: _Choice(p * body.n + i, prompt_ids=prompt, prompt_text=texts[p])
+            p * body.n + i: _Choice(
+                p * body.n + i,
+                prompt_ids=prompt,
+                prompt_text=texts[p],
+                token_ids=[] if body.return_token_ids else None,
+            )
             for p, prompt in enumerate(prompts)
             for i in range(body.n)
         }
@@ -75,8 +80,9 @@ class CompletionRenderer(ChunkRenderer):
     def update(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
         """Fold a delta into its choice; return the choice's streaming fragment."""
         choice = self.choices[prompt_index * self.body.n + output.index]
-        text, logprobs = self._echo(choice, output) if not choice.started else ("", None)
-        if not choice.started and self.body.prompt_logprobs is not None:
+        first = not choice.started
+        text, logprobs = self._echo(choice, output) if first else ("", None)
+        if first and self.body.prompt_logprobs is not None:
             choice.prompt_logprobs = self._prompt_logprobs(output)
         choice.started = True
         text += output.text
@@ -87,14 +93,17 @@ class CompletionRenderer(ChunkRenderer):
             )
         choice.record(output, text)
         self._merge_logprobs(choice, logprobs)
-        return [
-            {
-                "index": choice.index,
-                "text": text,
-                "logprobs": logprobs.to_dict() if logprobs is not None else None,
-                **choice.ending(output.finished),
-            }
-        ]
+        fragment = {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs.to_dict() if logprobs is not None else None,
+            **choice.ending(output.finished),
+        }
+        if self.body.return_token_ids:
+            if first:
+                fragment["prompt_token_ids"] = choice.prompt_ids
+            fragment["token_ids"] = output.new_token_ids
+        return [fragment]
 
     def _echo(
         self, choice: _Choice, output: RequestOutput
@@ -155,6 +164,11 @@ class CompletionRenderer(ChunkRenderer):
                 **(
                     {"prompt_logprobs": c.prompt_logprobs}
                     if self.body.prompt_logprobs is not None
+                    else {}
+                ),
+                **(
+                    {"prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids}
+                    if c.token_ids is not None
                     else {}
                 ),
             }

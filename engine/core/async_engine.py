@@ -81,6 +81,8 @@ class RequestOptions:
     lora: LoRARequest | None = None
     # The prompt's images, for a model that reads them.
     images: ImageInputs | None = None
+    # Only requests with the same salt share cached prefix blocks (vLLM's `cache_salt`).
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -472,6 +474,7 @@ class AsyncEngine:
                     background=add.options.background,
                     lora=add.options.lora,
                     images=add.options.images,
+                    cache_salt=add.options.cache_salt,
                     timeout=add.timeout,
                     deferred=add.deferred,
                     siblings=n,

@@ -208,11 +208,13 @@ class EngineCore:
         background: bool = False,
         lora: LoRARequest | None = None,
         images: ImageInputs | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queue a sequence, one of `siblings` of request `parent_id`. `fork_of` names a sibling
         with the same prompt whose prompt blocks this one shares once computed; `timeout` counts
         from `arrival_time`; `lora` is the adapter it runs under (None: the base model);
-        `images` are the prompt's images, for a model that reads them."""
+        `images` are the prompt's images, for a model that reads them; only requests with the
+        same `cache_salt` share cached prefix blocks."""
         self.validate(prompt_token_ids, params, lora, images)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         request = Request(
@@ -228,6 +230,7 @@ class EngineCore:
             background=background,
             lora=lora,
             images=images,
+            cache_salt=cache_salt,
         )
         if params.bad_words:
             request.bad_words = bad_word_ids(self.tokenizer, params.bad_words)

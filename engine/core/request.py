@@ -87,6 +87,9 @@ class Request:
     lora: LoRARequest | None = None
     # The prompt's images (an image-text model's); None for a text prompt.
     images: ImageInputs | None = None
+    # A tenant's salt of the prefix cache's hashes (vLLM's `cache_salt`): only requests with the
+    # same salt share cached blocks.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -24,6 +24,12 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extras: Sequence[bytes] 
     return digest.digest()
 
 
+def salted(root: bytes, salt: str) -> bytes:
+    """The first block's parent hash under a cache salt: prompts under another salt, or none,
+    never reach the same blocks, so one tenant cannot learn from cache hits what another sent."""
+    return hashlib.sha256(root + b"\0cache_salt\0" + salt.encode()).digest()
+
+
 def extend_block_hashes(
     hashes: list[bytes],
     token_ids: Sequence[int],

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from engine.core.request import Request
-from engine.kv.block_hash import ROOT_HASH, extend_block_hashes
+from engine.kv.block_hash import ROOT_HASH, extend_block_hashes, salted
 
 
 class BlockManager:
@@ -210,8 +210,10 @@ class BlockManager:
 
 
 def _root(request: Request) -> bytes:
-    """The parent hash of the request's first block: its LoRA adapter's, if it runs one."""
-    return ROOT_HASH if request.lora is None else request.lora.hash_root
+    """The parent hash of the request's first block: its LoRA adapter's, if it runs one, under
+    its cache salt, if it has one."""
+    root = ROOT_HASH if request.lora is None else request.lora.hash_root
+    return root if request.cache_salt is None else salted(root, request.cache_salt)
 
 
 def _image_starts(request: Request) -> tuple[tuple[int, bytes], ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
+import threading
 
 import jsonschema
 import pytest
@@ -182,21 +182,26 @@ async def test_metrics_count_formats_and_compile_times():
 
 
 async def test_a_slow_compile_stalls_no_other_request(monkeypatch):
-    """Compiling runs on a thread of its own: a free request is served meanwhile."""
+    """Compiling runs on a thread of its own: a free request is served while a compile waits
+    for it to finish (a compile on the event loop would hold the free request back until its
+    wait gave up)."""
     compile_ = GrammarCompiler._compile
+    started, released = threading.Event(), threading.Event()
+    waits: list[bool] = []
 
     def slow(self, spec):
-        time.sleep(1.5)
+        started.set()
+        waits.append(released.wait(timeout=60))
         return compile_(self, spec)
 
     monkeypatch.setattr(GrammarCompiler, "_compile", slow)
     async with app_client() as (client, _):
-        started = time.monotonic()
         constrained = asyncio.create_task(complete(client, guided_regex="[a-z]{3}"))
-        await asyncio.sleep(0.1)
+        assert await asyncio.to_thread(started.wait, 60)
         free = await complete(client, max_tokens=4, ignore_eos=True)
-        free_done = time.monotonic() - started
         assert free["choices"][0]["finish_reason"] == "length"
-        assert free_done < 1.5 and not constrained.done()
+        assert not constrained.done()
+        released.set()
         body = await constrained
+        assert waits == [True]  # released by the free request's end, not by the wait giving up
         assert re.fullmatch("[a-z]{3}", body["choices"][0]["text"])
