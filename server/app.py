@@ -24,6 +24,7 @@ from server.batches.runner import BatchRunner
 from server.batches.state import Lazy
 from server.errors import APIError, install_error_handlers
 from server.fleet_api import fleet_router
+from server.invocations import INVOCATION_BODY, invocation_body, validated
 from server.messages_protocol import CountTokensRequest, MessagesRequest
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
 from server.middleware import (
@@ -266,6 +267,30 @@ def _openai_router(
     async def create_classification(body: ClassifyRequest, request: Request) -> Response:
         return await classify(body, request)
 
+    # SageMaker's route, as vLLM serves it: one endpoint whose body says which API it is for.
+    @router.post(
+        "/invocations",
+        dependencies=[Depends(_accepting)],
+        responses=GENERATION,
+        openapi_extra=INVOCATION_BODY,
+    )
+    async def invoke(request: Request) -> Response:
+        body = await invocation_body(request)
+        if "messages" in body:
+            await _generating(request)
+            return await create_chat_completion(validated(ChatCompletionRequest, body), request)
+        if "prompt" in body:
+            await _generating(request)
+            return await create_completion(validated(CompletionRequest, body), request)
+        if "input" in body and served.info.labels:
+            return await create_classification(validated(ClassifyRequest, body), request)
+        if "input" in body:
+            return await create_embedding(validated(EmbeddingRequest, body), request)
+        raise InvalidRequestError(
+            "An invocation is a chat request (messages), a completion request (prompt) or an "
+            "embedding request (input)."
+        )
+
     @router.get("/v1/responses/{response_id}", responses=errors(404))
     async def get_response(response_id: str) -> dict[str, Any]:
         return stored.get(response_id)
@@ -378,6 +403,12 @@ def _ops_router(engine: EngineClient, registry: CollectorRegistry) -> APIRouter:
         if engine.is_running and not request.app.state.draining:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    # SageMaker's health check, as vLLM serves it.
+    @router.get("/ping", responses={503: {"description": "As /health"}})
+    @router.post("/ping", responses={503: {"description": "As /health"}})
+    async def ping(request: Request) -> Response:
+        return await health(request)
 
     @router.get("/version")
     async def get_version() -> dict[str, str]:

@@ -115,10 +115,11 @@ class ApiKeyMiddleware:
     """Refuse requests without the API key (`Authorization: Bearer <key>`, or Anthropic's
     `x-api-key`) with a 401 in
     OpenAI's shape, before their body is read: an unauthenticated client cannot make the server
-    buffer or parse anything. `/health`, `/metrics`, `/version`, the load routers poll
-    (`/get_load`, `/load`: a count `/metrics` shows too) and CORS preflights stay open."""
+    buffer or parse anything. `/health` (and SageMaker's `/ping`), `/metrics`, `/version`, the
+    load routers poll (`/get_load`, `/load`: a count `/metrics` shows too) and CORS preflights
+    stay open."""
 
-    OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/get_load", "/load"})
+    OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/get_load", "/load"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
