@@ -335,28 +335,35 @@ def _openai_router(
             "stream": False,
         }
 
-    @router.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        """The base model, then each LoRA adapter served over it (its `parent`)."""
+    def model_cards() -> list[dict[str, Any]]:
+        """The base model under each of its names, then each LoRA adapter served over it (its
+        `parent`)."""
         root = served.info.model_path or served.name
         bases = [(name, root, None) for name in served.names]
         adapters = served.loras.adapters.values() if served.loras is not None else ()
         cards = [*bases, *((lora.name, lora.path, served.name) for lora in adapters)]
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "conveyor",
-                    "root": root,
-                    "parent": parent,
-                    "max_model_len": served.info.max_model_len,
-                }
-                for name, root, parent in cards
-            ],
-        }
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "conveyor",
+                "root": root,
+                "parent": parent,
+                "max_model_len": served.info.max_model_len,
+            }
+            for name, root, parent in cards
+        ]
+
+    @router.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": model_cards()}
+
+    # OpenAI's retrieve (`client.models.retrieve`); a hub id's slash stays in the path.
+    @router.get("/v1/models/{model_id:path}", responses=errors(404))
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        served.check(model_id)
+        return next(card for card in model_cards() if card["id"] == model_id)
 
     @router.post("/tokenize", responses=errors(400, 404))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -34,6 +34,20 @@ async def test_models_health_version():
         assert (await client.get("/version")).json()["version"]
 
 
+async def test_a_model_is_retrieved_by_any_name_it_is_served_under():
+    """OpenAI's `GET /v1/models/{model}` (the SDK's `models.retrieve`), a hub id's slash kept."""
+    settings = ServerSettings(served_model_name="org/tiny", served_model_aliases=("alias",))
+    async with app_client(settings) as (client, _):
+        listed = (await client.get("/v1/models")).json()["data"]
+        for card in listed:
+            retrieved = await client.get(f"/v1/models/{card['id']}")
+            assert retrieved.status_code == 200
+            assert {**retrieved.json(), "created": 0} == {**card, "created": 0}
+        missing = await client.get("/v1/models/org/other")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+
+
 async def test_health_is_503_when_the_engine_is_down():
     async with app_client() as (client, engine):
         await engine.shutdown()
