@@ -19,6 +19,11 @@ template teaches:
   `{"name", "arguments"}` objects (Mistral's v3 tokenizers) or `NAME[ARGS]{...}` per call
   (later ones). The tag is a special token, so such requests keep special tokens in their
   text.
+- `granite`: the whole reply is a JSON list of `{"name", "arguments"}` objects after
+  `<|tool_call|>` (Granite 3.0's special token) or `<tool_call>` (Granite 3.1's text), as IBM's
+  Granite 3 models write them; held and read as `llama3_json`'s.
+- `phi4_mini_json`: the whole reply is `functools[...]`, the same JSON list, as Phi-4-mini
+  writes it; held and read alike.
 
 (vLLM's parsers of the same names read the same formats.)
 """
@@ -38,8 +43,19 @@ PYTHON_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 FUNCTION, PARAMETER = "<function=", "<parameter="
+GRANITE_TOOL_CALL = "<|tool_call|>"
+FUNCTOOLS, PHI4_TOOLS = "functools", "<|tool|>"
 # `openai` reads gpt-oss's Harmony messages to functions (`server/harmony.py`).
-PARSERS = ("hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder")
+PARSERS = (
+    "granite",
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "openai",
+    "phi4_mini_json",
+    "pythonic",
+    "qwen3_coder",
+)
 # Parsers whose tags are special tokens, which a reply's text must keep to be read.
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai"})
 
@@ -59,6 +75,10 @@ def parser_for(name: str | None, chat_template: str | None) -> str | None:
     if name is not None:
         return name
     template = chat_template or ""
+    if GRANITE_TOOL_CALL in template:
+        return "granite"
+    if FUNCTOOLS in template or PHI4_TOOLS in template:
+        return "phi4_mini_json"
     if OPEN in template and FUNCTION in template and PARAMETER in template:
         return "qwen3_coder"
     if OPEN in template:
@@ -80,6 +100,10 @@ def reader_for(parser: str, schemas: Schemas | None = None) -> CallReader:
         return WholeReplyReader((PYTHON_START, "["), _pythonic_calls)
     if parser == "mistral":
         return MistralReader()
+    if parser == "granite":
+        return WholeReplyReader((GRANITE_TOOL_CALL, OPEN, "["), _granite_calls)
+    if parser == "phi4_mini_json":
+        return WholeReplyReader((FUNCTOOLS + "[",), _functools_calls)
     return HermesReader()
 
 
@@ -206,6 +230,22 @@ def _pythonic_calls(text: str) -> list[dict[str, Any]] | None:
     except (SyntaxError, ValueError, TypeError):
         return None
     return calls
+
+
+def _granite_calls(text: str) -> list[dict[str, Any]] | None:
+    """`<|tool_call|>[...]` or `<tool_call>[...]` (or the bare list): a JSON list of calls."""
+    body = text.removeprefix(GRANITE_TOOL_CALL).removeprefix(OPEN).strip()
+    return _listed_calls(body)
+
+
+def _functools_calls(text: str) -> list[dict[str, Any]] | None:
+    """`functools[...]`: a JSON list of calls."""
+    return _listed_calls(text.removeprefix(FUNCTOOLS).strip())
+
+
+def _listed_calls(body: str) -> list[dict[str, Any]] | None:
+    """A JSON list of `{"name", "arguments"}` objects; None where `body` is not one."""
+    return _block_calls(body) if body.startswith("[") else None
 
 
 @dataclass(slots=True)

@@ -232,3 +232,49 @@ def test_the_template_shows_qwen3_coder_and_mistral_formats() -> None:
     coder = "<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>\n</tool_call>"
     assert parser_for(None, coder) == "qwen3_coder"
     assert parser_for(None, "{{ '[TOOL_CALLS]' }}") == "mistral"
+
+
+GRANITE_CALLS = '[{"name": "time", "arguments": {"zone": 3}}, {"name": "weather", "arguments": {}}]'
+TWO = [("time", {"zone": 3}), ("weather", {})]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "calls"),
+    [
+        ("granite", "<|tool_call|>" + GRANITE_CALLS, None, TWO),
+        ("granite", "<tool_call>" + GRANITE_CALLS, None, TWO),
+        ("granite", " " + GRANITE_CALLS, None, TWO),
+        ("granite", "It is sunny.", "It is sunny.", []),
+        ("granite", "<|tool_call|>[{\"name\": ", "<|tool_call|>[{\"name\": ", []),
+        ("granite", "[1, 2]", "[1, 2]", []),
+        ("phi4_mini_json", "functools" + GRANITE_CALLS, None, TWO),
+        ("phi4_mini_json", "functools[]", "functools[]", []),
+        ("phi4_mini_json", "Use functools[...] here.", "Use functools[...] here.", []),
+    ],
+    ids=["granite-3.0", "granite-3.1", "granite-bare", "granite-text", "granite-cut-short",
+         "granite-not-calls", "phi4", "phi4-empty", "phi4-text"],
+)  # fmt: skip
+def test_granite_and_phi4_mini_outputs(parser, text, content, calls) -> None:
+    parsed_content, parsed_calls = parse_calls(parser, text)
+    assert parsed_content == content
+    assert names_and_arguments(parsed_calls) == calls
+
+
+@pytest.mark.parametrize("parser", ["granite", "phi4_mini_json"])
+def test_whole_reply_calls_stream_held_until_the_end(parser) -> None:
+    opener = "<|tool_call|>" if parser == "granite" else "functools"
+    reader = reader_for(parser)
+    pieces = [opener[:4], opener[4:] + GRANITE_CALLS[:9], GRANITE_CALLS[9:]]
+    assert [reader.feed(piece) for piece in pieces] == [("", [])] * 3
+    content, calls = reader.finish()
+    assert content == "" and [c["function"]["name"] for c in calls] == ["time", "weather"]
+    text = reader_for(parser)
+    assert text.feed("Sunny ") == ("Sunny ", []) and text.feed("today.") == ("today.", [])
+
+
+def test_granite_and_phi4_templates_name_their_parsers() -> None:
+    granite = "{%- if tools %}<|start_of_role|>available_tools<|end_of_role|>{%- endif %}"
+    granite += "{{- '<|tool_call|>' + message.tool_calls | tojson }}"
+    assert parser_for(None, granite) == "granite"
+    phi4 = "{{ '<|system|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' }}"
+    assert parser_for(None, phi4) == "phi4_mini_json"
