@@ -78,7 +78,7 @@ def renderer(**body) -> ChatRenderer:
     request = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "Weather in Paris?"}], **body}
     )
-    return ChatRenderer("chatcmpl-1", "tiny", request, 5, tiny_tokenizer(), None, "openai")
+    return ChatRenderer("chatcmpl-1", "tiny", request, [1] * 5, tiny_tokenizer(), None, "openai")
 
 
 def pieces(text: str, size: int = 4) -> list[RequestOutput]:

@@ -66,7 +66,7 @@ def test_a_prompt_opens_the_reasoning_where_its_generation_part_ends_with_the_ta
 
 def renderer(thinking: bool, parser: str | None = None, **body) -> ChatRenderer:
     request = ChatCompletionRequest.model_validate({"messages": MESSAGES, **body})
-    return ChatRenderer("chatcmpl-1", "tiny", request, 5, tiny_tokenizer(), None, parser, thinking)
+    return ChatRenderer("chatcmpl-1", "tiny", request, [1] * 5, tiny_tokenizer(), None, parser, thinking)
 
 
 def pieces(text: str, size: int = 3) -> list[RequestOutput]:
