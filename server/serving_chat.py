@@ -23,7 +23,14 @@ from server.images import image_urls, load_images, processed_prompt
 from server.limits import check_chat
 from server.logprobs import chat_logprobs, prompt_logprobs
 from server.protocol import ChatCompletionRequest
-from server.reasoning import END, ThinkReader, opens_in_reasoning, split_reasoning
+from server.reasoning import (
+    THINK,
+    ThinkReader,
+    ThoughtTags,
+    opens_in_reasoning,
+    split_reasoning,
+    tags_for,
+)
 from server.rendering import ChoiceState, ChunkRenderer
 from server.serving import (
     EngineClient,
@@ -115,6 +122,7 @@ class ChatRenderer(ChunkRenderer):
         parser: str | None = None,
         thinking: bool | None = None,
         role: str = "assistant",
+        thought: ThoughtTags = THINK,
     ) -> None:
         """`thinking`: None where the reply has no reasoning to split off, else whether it
         starts inside it (`server.reasoning`). `role`: the reply message's role."""
@@ -124,6 +132,7 @@ class ChatRenderer(ChunkRenderer):
         self.forced = forced
         self.parser = parser
         self.thinking = thinking
+        self.thought = thought
         self.prompt = prompt
         self.num_prompt_tokens = len(prompt)
         # Whether a streamed chunk carried the prompt's token ids yet (`return_token_ids`).
@@ -140,7 +149,7 @@ class ChatRenderer(ChunkRenderer):
             elif parser is not None:
                 choice.reader = reader_for(parser, tool_schemas(body))
             if thinking is not None:
-                choice.thinker = ThinkReader(thinking)
+                choice.thinker = ThinkReader(thinking, thought)
 
     def update(self, _source: int, output: RequestOutput) -> list[dict[str, Any]]:
         """Fold a delta into its choice; return the streaming fragments it produces."""
@@ -289,7 +298,7 @@ class ChatRenderer(ChunkRenderer):
             return self._harmony_message(choice.text)
         if self.thinking is None:
             return self._answer(choice.text)
-        reasoning, text = split_reasoning(choice.text, self.thinking)
+        reasoning, text = split_reasoning(choice.text, self.thinking, self.thought)
         message = self._answer(text or None)
         if reasoning is not None:
             message.update(self._reasoning_fields(reasoning))
@@ -392,7 +401,9 @@ class ChatHandler:
         parser = self._parser(tokenizer) if tools and forced is None else None
         if self._harmony():  # every reply is Harmony's messages
             parser = HARMONY
-        if parser in KEEPS_SPECIAL_TOKENS:  # its tag is a special token the text must keep
+        # A tag of the calls' or the reasoning's is a special token the text must keep.
+        thought = tags_for(self.reasoning_parser) if thinking is not None else None
+        if parser in KEEPS_SPECIAL_TOKENS or (thought is not None and thought.special):
             params = replace(params, skip_special_tokens=False)
         return PreparedChat(prompt, params, forced, parser, thinking, lora, images)
 
@@ -410,6 +421,7 @@ class ChatHandler:
             prepared.parser,
             prepared.thinking,
             self.response_role if body.add_generation_prompt else body.messages[-1].role,
+            tags_for(self.reasoning_parser),
         )
 
     async def _prepare(
@@ -446,7 +458,7 @@ class ChatHandler:
         thinking = None if harmony else self._thinking(text, params)
         # The format holds for the final channel's body, or for the answer once the thought
         # has closed.
-        after = FINAL if harmony else END if thinking else None
+        after = FINAL if harmony else tags_for(self.reasoning_parser).ends[0] if thinking else None
         if after is not None and params.structured is not None:
             params = replace(params, structured=replace(params.structured, after=after))
         return prompt, params, forced, thinking, images
@@ -505,7 +517,7 @@ class ChatHandler:
         that may open its own thought with `<think>`)."""
         if self.reasoning_parser is None:
             return None
-        opens = opens_in_reasoning(prompt_text)
+        opens = opens_in_reasoning(prompt_text, tags_for(self.reasoning_parser))
         return None if params.structured is not None and not opens else opens
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:

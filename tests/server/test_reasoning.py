@@ -12,7 +12,7 @@ import pytest
 from engine.core.outputs import RequestOutput
 from server.cli import build_parser, server_settings
 from server.protocol import ChatCompletionRequest
-from server.reasoning import ThinkReader, opens_in_reasoning, split_reasoning
+from server.reasoning import ThinkReader, opens_in_reasoning, split_reasoning, tags_for
 from server.serving_chat import ChatRenderer
 from server.settings import ServerSettings
 from tests.helpers import CHAT_TEMPLATE, chat_tokenizer, tiny_llama, tiny_tokenizer
@@ -66,7 +66,9 @@ def test_a_prompt_opens_the_reasoning_where_its_generation_part_ends_with_the_ta
 
 def renderer(thinking: bool, parser: str | None = None, **body) -> ChatRenderer:
     request = ChatCompletionRequest.model_validate({"messages": MESSAGES, **body})
-    return ChatRenderer("chatcmpl-1", "tiny", request, [1] * 5, tiny_tokenizer(), None, parser, thinking)
+    return ChatRenderer(
+        "chatcmpl-1", "tiny", request, [1] * 5, tiny_tokenizer(), None, parser, thinking
+    )
 
 
 def pieces(text: str, size: int = 3) -> list[RequestOutput]:
@@ -251,3 +253,92 @@ def test_serve_and_batch_run_take_the_reply_parsers():
          "--tool-call-parser", "hermes"]
     )  # fmt: skip
     assert (batch.reasoning_parser, batch.tool_call_parser) == ("deepseek_r1", "hermes")
+
+
+# Magistral's tags are special tokens; Granite 3.2's are phrases.
+OTHER_SPLITS = [
+    # (parser, reply, starts in reasoning) -> (reasoning, answer)
+    (("mistral", "[THINK]Rayleigh.[/THINK]\n\nShort light.", False), ("Rayleigh.", "Short light.")),
+    (("mistral", "Rayleigh.[/THINK]Short.", True), ("Rayleigh.", "Short.")),
+    (("mistral", "[THINKING] is text", False), (None, "[THINKING] is text")),
+    (("mistral", "<think>not hers</think>ok", False), (None, "<think>not hers</think>ok")),
+    (
+        ("granite", "Here is my thought process: Rayleigh. Here is my response: Blue.", False),
+        (" Rayleigh. ", "Blue."),
+    ),
+    (
+        ("granite", "Here's my thought process:\nhm\nHere's my response:\nBlue.", False),
+        ("\nhm\n", "Blue."),
+    ),
+    (("granite", "Here is the answer: blue.", False), (None, "Here is the answer: blue.")),
+    (("granite", "Here is my thought process: cut", False), (" cut", "")),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("reply", "expected"), OTHER_SPLITS)
+def test_other_parsers_tags_split_a_reply_cut_anywhere_as_the_whole(reply, expected):
+    parser, text, open_at_start = reply
+    tags = tags_for(parser)
+    assert split_reasoning(text, open_at_start, tags) == expected
+    for seed in range(20):
+        rng = random.Random(seed)
+        reader = ThinkReader(open_at_start, tags)
+        reasoning, answer, at = "", "", 0
+        while at < len(text):
+            step = rng.randint(1, 5)
+            more, rest = reader.feed(text[at : at + step])
+            reasoning, answer, at = reasoning + more, answer + rest, at + step
+        more, rest = reader.finish()
+        assert (reasoning + more if reader.reasoned else None, answer + rest) == expected
+
+
+def test_a_prompt_opens_the_reasoning_with_the_parser_s_own_tag():
+    assert opens_in_reasoning("[INST]hi[/INST][THINK]", tags_for("mistral"))
+    assert not opens_in_reasoning("[INST]hi[/INST][THINK]", tags_for("qwen3"))
+    assert opens_in_reasoning("<think>\n", tags_for(None))
+
+
+def test_a_granite_reply_s_thought_and_response_come_apart_streamed_or_whole():
+    reply = "Here is my thought process: light scatters. Here is my response: Blue."
+    request = ChatCompletionRequest.model_validate({"messages": MESSAGES})
+
+    def granite() -> ChatRenderer:
+        return ChatRenderer(
+            "chatcmpl-1", "tiny", request, [1], tiny_tokenizer(), thinking=False,
+            thought=tags_for("granite"),
+        )  # fmt: skip
+
+    deltas = streamed(granite(), reply)
+    assert "".join(d.get("reasoning", "") for d in deltas) == " light scatters. "
+    assert "".join(d.get("content") or "" for d in deltas) == "Blue."
+    whole = granite()
+    for out in pieces(reply):
+        whole.update(0, out)
+    message = whole.response()["choices"][0]["message"]
+    assert message["reasoning"] == " light scatters. " and message["content"] == "Blue."
+
+
+async def test_magistral_s_special_tags_are_kept_in_the_text_to_be_read():
+    """The template opens the thought with `[THINK]`; the model closes it at once (a bias on
+    the special token `[/THINK]`), and the format shapes the answer after it."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[THINK]", "[/THINK]"]})
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("<|assistant|>", "<|assistant|>[THINK]")
+    model = tiny_llama(vocab_size=len(tokenizer))
+    marker = tokenizer.convert_tokens_to_ids("[/THINK]")
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 40,
+        "seed": 4,
+        "logit_bias": {str(marker): 100},
+        "structured_outputs": {"regex": "[0-9]{3}"},
+    }
+    for parser, kept in (("mistral", True), ("qwen3", False)):
+        settings = ServerSettings(served_model_name="tiny", reasoning_parser=parser)
+        async with app_client(settings, tokenizer=tokenizer, model=model) as (client, _):
+            render = await client.post("/v1/chat/completions/render", json=body)
+            assert render.json()["sampling_params"]["skip_special_tokens"] is not kept
+            if parser == "mistral":
+                reply = await client.post("/v1/chat/completions", json=body)
+                message = reply.json()["choices"][0]["message"]
+                assert message["reasoning"] == "" and re.fullmatch("[0-9]{3}", message["content"])
