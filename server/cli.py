@@ -273,6 +273,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
     engine.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="the most prompt tokens one request computes in a step, so a long prompt leaves "
+        "room in each step for other prompts (vLLM's flag; 0: as many as the budget leaves)",
+    )
+    engine.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -594,6 +601,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_prefix_caching=args.enable_prefix_caching,
         max_waiting_requests=args.max_waiting_requests,
         max_queued_tokens=args.max_queued_tokens,

@@ -39,6 +39,10 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # vLLM's `long_prefill_token_threshold`: the most prompt tokens one request computes in a
+    # step (0: as many as the budget leaves), so a long prompt's chunks leave room in each step
+    # for other requests' prompts.
+    long_prefill_token_threshold: int = 0
     max_waiting_requests: int | None = None
     static_batching: bool = False
     policy: str = "fcfs"
@@ -74,6 +78,10 @@ class SchedulerConfig:
             )
         if self.max_loras is not None and self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be 0 or more")
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_token_threshold needs chunked prefill")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with chunked prefill disabled, max_num_batched_tokens "
@@ -171,6 +179,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     max_waiting_requests: int | None = None
     static_batching: bool = False
     enable_prefix_caching: bool = True
@@ -258,6 +267,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_waiting_requests=self.max_waiting_requests,
             static_batching=self.static_batching,
             policy=self.scheduling_policy,

@@ -199,8 +199,7 @@ class Scheduler:
             if request.num_pending_tokens and _reached_length(request):
                 index += 1  # its step in flight sampled its last token: nothing more to run
                 continue
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            num_tokens = _image_cut(request, num_tokens, encoder)
+            num_tokens = self._chunk(request, budget, encoder)
             if num_tokens == 0:  # its images wait for a step with room for them
                 index += 1
                 continue
@@ -210,6 +209,19 @@ class Scheduler:
             budget -= num_tokens
             index += 1
         return budget, len(output.preempted) > preempted
+
+    def _chunk(self, request: Request, budget: int, encoder: EncoderBudget) -> int:
+        """The tokens `request` computes this step: what it has left, within the budget and
+        `long_prefill_token_threshold`, stopping before images the step cannot take (where the
+        threshold would leave a run of image tokens that attend both ways unstarted, the step
+        runs as much as the budget allows, so the run is never put off for good)."""
+        left = min(request.num_tokens - request.num_computed_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < left:
+            capped = _image_cut(request, threshold, encoder)
+            if capped:
+                return capped
+        return _image_cut(request, left, encoder)
 
     def _yield_background(self) -> None:
         """Background requests run only in capacity no other request wants: while another
@@ -384,7 +396,8 @@ class Scheduler:
             num_tokens = request.num_tokens - request.num_computed_tokens
             if num_tokens > budget and not self.config.enable_chunked_prefill:
                 num_tokens = 0
-            num_tokens = _image_cut(request, min(num_tokens, budget), encoder)
+            else:
+                num_tokens = self._chunk(request, budget, encoder)
             if num_tokens == 0 or not self._allocate_waiting(request, num_tokens, now):
                 if fresh:  # stays waiting: hold nothing
                     self._release(request)

@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from engine.core.errors import PromptTooLongError
+from engine.core.images import ImageInputs
 from engine.core.request import FinishReason, RequestStatus
 from tests.scheduler_utils import (
     FAKE_TOKEN,
@@ -36,6 +38,36 @@ def test_token_budget_limits_the_step_and_long_prompts_are_chunked():
     assert counts[2] == {"long": 5, "short": 3}
     long = scheduler.requests["long"]
     assert long.num_computed_tokens == 25 and long.output_token_ids == [FAKE_TOKEN]
+
+
+def test_a_long_prefill_threshold_leaves_room_in_each_step_for_other_prompts():
+    """vLLM's `long_prefill_token_threshold`: a long prompt computes at most that many tokens a
+    step, so a short prompt behind it starts in the first step instead of the third."""
+    scheduler = create_scheduler(max_num_batched_tokens=10, long_prefill_token_threshold=4)
+    scheduler.add_request(create_request("long", prompt_len=25))
+    scheduler.add_request(create_request("short", prompt_len=3))
+    scheduler.add_request(create_request("other", prompt_len=8))
+    assert scheduled_counts(step(scheduler)) == {"long": 4, "short": 3, "other": 3}
+    assert scheduled_counts(step(scheduler)) == {"long": 4, "short": 1, "other": 4}
+    long = scheduler.requests["long"]
+    while scheduler.has_unfinished():
+        counts = scheduled_counts(step(scheduler))
+        assert all(count <= 4 for count in counts.values())
+    assert long.num_computed_tokens >= 25 and long.output_token_ids[0] == FAKE_TOKEN
+    with pytest.raises(ValueError):
+        create_scheduler(long_prefill_token_threshold=4, enable_chunked_prefill=False)
+
+
+def test_a_threshold_shorter_than_an_image_run_never_holds_the_run_up():
+    """An image whose tokens attend both ways is computed in one step: a threshold that would
+    cut it lets that step run as the budget allows."""
+    scheduler = create_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=3)
+    request = create_request("image", prompt_len=20)
+    request.images = ImageInputs(np.arange(4, 12), (), {})
+    request.images.both_ways = True
+    scheduler.add_request(request)
+    chunks = [scheduled_counts(step(scheduler))["image"] for _ in range(3)]
+    assert chunks == [3, 1, 16]  # up to the run; the run (and what the budget leaves) whole
 
 
 def test_running_decodes_go_before_new_prefills():
