@@ -379,7 +379,13 @@ def _openai_router(
             _, tokens, _ = await chat.templated(conversation, fits=False)
         else:
             tokens = encode_text(tokenizer, body.prompt, body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": served.info.max_model_len, "tokens": tokens}
+        strings = tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {
+            "count": len(tokens),
+            "max_model_len": served.info.max_model_len,
+            "tokens": tokens,
+            "token_strs": strings,
+        }
 
     @router.post("/detokenize", responses=errors(400, 404))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:

@@ -433,6 +433,8 @@ class TokenizeCompletionRequest(RequestBody):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+    # vLLM's: each token's string as the tokenizer writes it, beside its id.
+    return_token_strs: bool = False
 
 
 class TokenizeChatRequest(RequestBody):
@@ -445,6 +447,7 @@ class TokenizeChatRequest(RequestBody):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    return_token_strs: bool = False
 
 
 # vLLM's two forms of a /tokenize body: a prompt, or messages.

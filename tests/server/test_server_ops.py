@@ -71,6 +71,12 @@ async def test_tokenize_and_detokenize_round_trip():
         assert chat["count"] > 2
         bad = await client.post("/detokenize", json={"tokens": [10**8]})
         assert bad.status_code == 400
+        assert body["token_strs"] is None  # vLLM's field, filled only when asked for
+        for asked in ({"prompt": "Hello world"}, {"messages": [{"role": "user", "content": "Hi"}]}):
+            named = await client.post("/tokenize", json={**asked, "return_token_strs": True})
+            named_body = named.json()
+            expected = tokenizer.convert_ids_to_tokens(named_body["tokens"])
+            assert named_body["token_strs"] == expected and len(expected) == named_body["count"]
 
 
 async def test_api_key_guards_the_api_but_not_health():
