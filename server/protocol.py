@@ -400,6 +400,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: a reply that continues the last message (its role's) starts with that message.
+    echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's: how hard a reasoning model thinks, handed to the template as
     # `reasoning_effort` (gpt-oss's templates read it; others ignore it).

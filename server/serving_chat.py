@@ -51,6 +51,7 @@ from server.tokenization import (
     TokenText,
     chat_prompt,
     check_fits,
+    message_text,
     messages_size,
     off_the_loop_if_large,
 )
@@ -133,6 +134,9 @@ class ChatRenderer(ChunkRenderer):
         self.parser = parser
         self.thinking = thinking
         self.thought = thought
+        # vLLM's `echo`: the last message's text, where the reply continues it (its role's).
+        last = body.messages[-1]
+        self.echoed = message_text(last) if body.echo and last.role == role else ""
         self.prompt = prompt
         self.num_prompt_tokens = len(prompt)
         # Whether a streamed chunk carried the prompt's token ids yet (`return_token_ids`).
@@ -163,6 +167,8 @@ class ChatRenderer(ChunkRenderer):
             # A reply that is only calls has no content, as in the non-streamed message.
             content = None if self.forced is not None else ""
             fragments.append(self._fragment(choice, {"role": self.role, "content": content}))
+            if self.echoed:
+                fragments.append(self._fragment(choice, {"content": self.echoed}))
         logprobs = None
         if output.logprobs is not None and self.body.logprobs:
             logprobs = chat_logprobs(output.logprobs, self.token_text)
@@ -304,6 +310,12 @@ class ChatRenderer(ChunkRenderer):
             message.update(self._reasoning_fields(reasoning))
         return message
 
+    def _echoed(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The message with the echoed last message before its content (vLLM's `echo`)."""
+        if not self.echoed:
+            return message
+        return {**message, "content": self.echoed + (message.get("content") or "")}
+
     def _harmony_message(self, text: str) -> dict[str, Any]:
         """The message of a whole Harmony reply."""
         reasoning, content, calls = split_harmony(text)
@@ -334,7 +346,7 @@ class ChatRenderer(ChunkRenderer):
         return {"role": self.role, "content": None, "tool_calls": self.forced.calls(text or "")}
 
     def response(self) -> dict[str, Any]:
-        messages = {c.index: self._message(c) for c in self.choices.values()}
+        messages = {c.index: self._echoed(self._message(c)) for c in self.choices.values()}
         choices = [
             {
                 "index": c.index,

@@ -10,7 +10,7 @@ import pytest
 from server.tokenization import TokenText
 from tests.helpers import CHAT_TEMPLATE, chat_tokenizer, tiny_tokenizer
 from tests.server.test_server_errors import assert_error
-from tests.server_utils import app_client, blocks_in_use
+from tests.server_utils import app_client, blocks_in_use, sse_events
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 # Qwen3's switch: with enable_thinking false the template writes an empty thought.
@@ -365,3 +365,37 @@ async def test_the_most_logprobs_a_request_may_ask_for_is_the_server_s():
         assert reply.status_code == 200, reply.text
         tops = reply.json()["choices"][0]["logprobs"]["top_logprobs"]
         assert [len(top) for top in tops] == [vocabulary, vocabulary]
+
+
+async def test_chat_echo_starts_a_continued_message_with_that_message():
+    """vLLM's `echo`: with `continue_final_message`, the reply's content is the last (assistant)
+    message and its continuation, whole or streamed; a reply in a new turn echoes nothing."""
+    prefix = "The answer is"
+    continued = [*MESSAGES, {"role": "assistant", "content": prefix}]
+    body = {
+        "messages": continued,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    async with app_client(tokenizer=chat_tokenizer()) as (client, engine):
+        plain = (await client.post("/v1/chat/completions", json=body)).json()
+        echoed = (await client.post("/v1/chat/completions", json={**body, "echo": True})).json()
+        continuation = plain["choices"][0]["message"]["content"]
+        assert echoed["choices"][0]["message"]["content"] == prefix + continuation
+        usage = ("prompt_tokens", "completion_tokens")
+        assert [echoed["usage"][k] for k in usage] == [plain["usage"][k] for k in usage]
+        streamed = await client.post(
+            "/v1/chat/completions", json={**body, "echo": True, "stream": True}
+        )
+        deltas = [e["choices"][0]["delta"] for e in sse_events(streamed.text) if e != "[DONE]"]
+        assert deltas[0]["role"] == "assistant"
+        assert "".join(d.get("content") or "" for d in deltas) == prefix + continuation
+        new_turn = {"messages": MESSAGES, "max_tokens": 5, "temperature": 0, "echo": True}
+        fresh = (await client.post("/v1/chat/completions", json=new_turn)).json()
+        unechoed = {**new_turn, "echo": False}
+        alone = (await client.post("/v1/chat/completions", json=unechoed)).json()
+        assert fresh["choices"][0]["message"] == alone["choices"][0]["message"]
+        assert blocks_in_use(engine) == 0
