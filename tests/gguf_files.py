@@ -71,14 +71,19 @@ def write_gguf(
     model: Any,
     tokenizer: Any,
     qtype: Callable[[str], GGMLQuantizationType],
+    split_max_tensors: int = 0,
 ) -> None:
     """`model` (a Llama, a Qwen2 or a Qwen3-MoE) and `tokenizer` (byte-level BPE) as a GGUF file;
     `qtype` of a GGUF tensor name gives the type its 2-D weight (or its experts' 3-D one) is
     stored in (norms and biases stay F32; a K-quant weight is random blocks of that type, not
-    the model's weight)."""
+    the model's weight). With `split_max_tensors`, split in parts of that many tensors as
+    llama.cpp's `gguf-split` does (`STEM-00001-of-0000N.gguf` beside `path`, the metadata in
+    the first)."""
     config = model.config
     arch = config.model_type
-    writer = GGUFWriter(str(path), GGUF_ARCHITECTURES.get(arch, arch))
+    writer = GGUFWriter(
+        str(path), GGUF_ARCHITECTURES.get(arch, arch), split_max_tensors=split_max_tensors
+    )
     writer.add_name(f"tiny-{arch}")
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)

@@ -1,6 +1,7 @@
 """A GGUF file as `--model`: `conveyor serve --model ./qwen2.5-0.5b-instruct-q4_0.gguf`, as
 llama.cpp's server and vLLM take one, or `--model unsloth/Qwen3-0.6B-GGUF:Q4_K_M` (vLLM's
-`REPO:QUANT`: the repository's one file of that type, fetched into the Hugging Face cache).
+`REPO:QUANT`: the repository's one file of that type, fetched into the Hugging Face cache). A
+file split in parts (`NAME-00001-of-00003.gguf`, llama.cpp's) is named by its first part.
 
 The first start converts the file once into Conveyor's cache: transformers reads its config and
 its tokenizer (with the chat template the file carries), and its tensors are read one at a time
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.paths import cache_dir
+from engine.loading import gguf_parts
 from engine.loading.conversions import convert_once, source_key
 
 logger = logging.getLogger(__name__)
@@ -68,29 +70,37 @@ def hub_file(repo: str, quant: str) -> Path:
     if not found:
         raise ValueError(f"--model {repo}:{quant}: the repository has no {quant} GGUF file")
     if len(found) > 1:
+        first = gguf_parts.first_of_one_set(found)
+        if first is not None:  # the parts of one split file
+            return first
         names = ", ".join(path.name for path in found)
         raise ValueError(
             f"--model {repo}:{quant}: several GGUF files match ({names}); name one more "
-            "closely, or give a file's path (a file split in parts is not served)"
+            "closely, or give a file's path"
         )
     return found[0]
 
 
 def converted_folder(path: Path) -> Path:
-    """Where the conversion of the GGUF file at `path` lives in the cache."""
-    return cache_dir() / "models" / "gguf" / f"{path.stem}-{source_key([path])}"
+    """Where the conversion of the GGUF file at `path` (a split file's first part: its every
+    part counts) lives in the cache."""
+    key = source_key(gguf_parts.parts(path))
+    return cache_dir() / "models" / "gguf" / f"{gguf_parts.model_name(path)}-{key}"
 
 
 def ensure_converted(name: str) -> Path:
-    """The checkpoint folder converted from the GGUF file `name` (a path or `REPO:QUANT`),
-    converting it on first use."""
+    """The checkpoint folder converted from the GGUF file `name` (a path or `REPO:QUANT`; a
+    file split in parts named by its first), converting it on first use."""
     path = gguf_path(name)
     if not path.is_file():
         raise ValueError(f"--model {name}: no such GGUF file")
-    target = converted_folder(path)
+    try:
+        target = converted_folder(path)
+    except ValueError as exc:
+        raise ValueError(f"--model {name}: {exc}") from exc
 
     def converted(staged: Path) -> dict[str, object]:
-        blocks = convert(path, staged, path.stem)
+        blocks = convert(path, staged, gguf_parts.model_name(path))
         logger.info("%s converted into %s", path.name, target)
         return {"gguf": str(path.resolve()), "blocks": blocks}
 

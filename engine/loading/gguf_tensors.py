@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.loading import gguf_blocks
+from engine.loading import gguf_blocks, gguf_parts
 from engine.loading.expert_blocks import expert_layer
 from engine.loading.gguf_blocks import BlockFormat, Blocks
 
@@ -45,8 +45,9 @@ class ModelTensor:
 
 
 def model_tensors(path: Path, model: Any) -> Iterator[ModelTensor]:
-    """Every tensor of the GGUF file at `path` that `model` (the file's model as transformers
-    builds it from the file's config; on the meta device is enough) loads. A layer's experts,
+    """Every tensor of the GGUF file at `path` (every part of a split file's, `gguf_parts`)
+    that `model` (the file's model as transformers builds it from the file's config; on the
+    meta device is enough) loads. A layer's experts,
     which transformers' processing joins from several of the file's tensors, come once all
     of those are read."""
     from gguf import GGUFReader, dequantize
@@ -56,16 +57,17 @@ def model_tensors(path: Path, model: Any) -> Iterator[ModelTensor]:
         get_gguf_hf_weights_map,
     )
 
-    reader = GGUFReader(path)
-    architecture = metadata(reader, "general.architecture") or ""
+    readers = [GGUFReader(part) for part in gguf_parts.parts(path)]
+    tensors = [tensor for reader in readers for tensor in reader.tensors]
+    architecture = metadata(readers[0], "general.architecture") or ""
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)
-    linears = linear_names(model, names, [t.name for t in reader.tensors])
+    linears = linear_names(model, names, [t.name for t in tensors])
     config = model.config.get_text_config()
     merged: dict[str, dict[str, torch.Tensor]] = {"tensors": {}}  # MoE experts, joined
-    unread = Counter(_target(names, t.name) for t in reader.tensors)
+    unread = Counter(_target(names, t.name) for t in tensors)
     experts = ExpertBlocks()
-    for tensor in reader.tensors:
+    for tensor in tensors:
         result = processor.process(
             weights=dequantize(tensor.data, tensor.tensor_type),
             name=tensor.name,

@@ -274,3 +274,56 @@ def test_a_hub_repository_s_file_is_named_by_its_type(hub_repo: list[list[str]])
 def test_a_hub_file_that_is_not_one_is_refused(hub_repo, model: str, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
         gguf_file.ensure_converted(model)
+
+
+def test_a_file_split_in_parts_serves_as_the_whole_file(tmp_path: Path) -> None:
+    """llama.cpp's `gguf-split` parts, named by the first: the conversion reads every part, and
+    the tokens are transformers' for the same model written whole."""
+    model = tiny_llama()
+    split = tmp_path / "split"
+    for folder in (tmp_path / "whole", split):
+        folder.mkdir()
+    write_gguf(tmp_path / "whole" / "tiny.gguf", model, chat_tokenizer(), llama_types)
+    write_gguf(split / "tiny.gguf", model, chat_tokenizer(), llama_types, split_max_tensors=8)
+    names = sorted(path.name for path in split.iterdir())
+    assert names == [f"tiny-0000{n}-of-00003.gguf" for n in (1, 2, 3)]
+    first = split / names[0]
+    config = EngineConfig(model=str(first), dtype="float32", cache=CacheConfig(num_blocks=64))
+    core, loaded, _ = create_engine_core(config)
+    assert Path(loaded.path).name.startswith("tiny-")  # named without the part numbers
+    assert Path(loaded.path) == gguf_file.converted_folder(first)
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "whole", gguf_file="tiny.gguf", dtype=torch.float32
+    )
+    expected = [reference_greedy(reference.eval(), prompt, 8) for prompt in PROMPTS]
+    outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+    assert len(gguf_blocks.load(Path(loaded.path))) == FILES["llama"][2]  # every part's blocks
+
+
+def test_a_later_or_missing_part_is_refused_by_name(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "tiny.gguf", tiny_llama(), chat_tokenizer(), llama_types, 8)
+    with pytest.raises(ValueError, match=r"later part .* name tiny-00001-of-00003\.gguf"):
+        gguf_file.ensure_converted(str(tmp_path / "tiny-00002-of-00003.gguf"))
+    (tmp_path / "tiny-00003-of-00003.gguf").unlink()
+    with pytest.raises(ValueError, match=r"missing: tiny-00003-of-00003\.gguf"):
+        gguf_file.ensure_converted(str(tmp_path / "tiny-00001-of-00003.gguf"))
+
+
+def test_a_hub_file_split_in_parts_is_named_by_its_type(tmp_path, monkeypatch) -> None:
+    """`REPO:QUANT` where the type's file is split: its parts are fetched and served as one."""
+    import huggingface_hub
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_gguf(repo / "tiny-Q4_0.gguf", tiny_llama(), chat_tokenizer(), llama_types, 8)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *_, **__: str(repo))
+    gguf_file.hub_file.cache_clear()
+    try:
+        assert gguf_file.hub_file("org/tiny-GGUF", "q4_0").name == "tiny-Q4_0-00001-of-00003.gguf"
+        (repo / "tiny-Q4_0-extra.gguf").write_bytes(b"")
+        gguf_file.hub_file.cache_clear()
+        with pytest.raises(ValueError, match="several GGUF files match"):
+            gguf_file.hub_file("org/tiny-GGUF", "q4_0")
+    finally:
+        gguf_file.hub_file.cache_clear()
