@@ -240,7 +240,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="tokens per KV block (default: 32 on a CPU, 16 on CUDA)",
     )
     engine.add_argument(
-        "--num-blocks", type=int, default=None, help="KV blocks (overrides the memory budgets)"
+        "--num-blocks",
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="KV blocks (overrides the memory budgets; vLLM's --num-gpu-blocks-override)",
     )
     engine.add_argument(
         "--kv-cache-memory",

@@ -6,6 +6,7 @@ as it would under vLLM or says what it cannot have."""
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 
 # The executor backends whose ranks are local worker processes, as Conveyor's are.
@@ -44,6 +45,30 @@ def executor(text: str) -> str:
             f"({' or '.join(LOCAL_EXECUTORS)})"
         )
     return text
+
+
+# vLLM's structured-output backends: Conveyor compiles every format with llguidance (vLLM's
+# `guidance`), which reads the same schemas, regexes, choices and grammars.
+BACKENDS = ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
+
+
+def backend(text: str) -> str:
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"not a structured-output backend: {text!r}")
+    return text
+
+
+def backend_config(text: str) -> dict:
+    """`--structured-outputs-config`'s JSON object; only its `backend` is read."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("not a JSON object") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    if "backend" in value:
+        backend(str(value["backend"]))
+    return value
 
 
 def refused(reason: str) -> Callable[[str], str]:
@@ -104,6 +129,19 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
             "Scaling out section)"
         ),
         default=1,
+    )
+    flags.add_argument(
+        "--guided-decoding-backend",
+        type=backend,
+        default=None,
+        help="accepted: structured outputs are always compiled by llguidance (vLLM's guidance "
+        "backend), whichever backend is named",
+    )
+    flags.add_argument(
+        "--structured-outputs-config",
+        type=backend_config,
+        default=None,
+        help="accepted as --guided-decoding-backend (its backend)",
     )
     flags.add_argument(
         "--speculative-config",

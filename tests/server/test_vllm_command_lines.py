@@ -272,8 +272,14 @@ def test_the_tokenizer_mode_takes_vllm_s_names():
 RECIPE = [
     "--swap-space", "16", "--disable-custom-all-reduce", "--distributed-executor-backend", "mp",
     "--max-parallel-loading-workers", "2", "--enable-prompt-tokens-details",
-    "--pipeline-parallel-size", "1", "-dp", "1",
+    "--pipeline-parallel-size", "1", "-dp", "1", "--guided-decoding-backend", "xgrammar",
+    "--structured-outputs-config", '{"backend": "guidance"}',
 ]  # fmt: skip
+
+
+def test_vllm_s_name_for_the_block_count_sets_it():
+    config = engine_config(build_parser().parse_args(["serve", "--num-gpu-blocks-override", "99"]))
+    assert config.cache.num_blocks == 99
 
 
 def test_a_recipe_s_flags_with_nothing_to_set_change_nothing():
@@ -292,6 +298,8 @@ def test_a_recipe_s_flags_with_nothing_to_set_change_nothing():
         (["--distributed-executor-backend", "ray"], "'ray' is not served"),
         (["--speculative-config", '{"method": "ngram"}'], "speculative decoding is not built"),
         (["--swap-space", "-1"], "must be 0 or more"),
+        (["--guided-decoding-backend", "regex"], "not a structured-output backend"),
+        (["--structured-outputs-config", "[1]"], "not a JSON object"),
     ],
 )
 def test_what_a_recipe_asks_that_is_not_served_is_refused_by_name(capsys, flags, reason):
