@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -49,6 +51,26 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> N
         time.sleep(0.2)
     process.kill()
     pytest.fail(f"{url} did not become healthy")
+
+
+def server_process(
+    *argv: str, timeout: float = 300, own_group: bool = False
+) -> tuple[subprocess.Popen, str]:
+    """`python -m server ARGV` (as `conveyor serve ARGV`) on a free port, its output piped;
+    returns once /health answers 200. `own_group`: in a process group of its own, as a terminal
+    starts it (Ctrl-C signals the whole group)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "server", "--port", str(port), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=own_group,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process, timeout=timeout)
+    return process, url
 
 
 def shared_tiny_model():

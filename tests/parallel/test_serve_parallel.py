@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server_utils import free_port, wait_healthy
+from tests.server_utils import server_process
 
 pytestmark = pytest.mark.e2e
 
@@ -22,21 +21,9 @@ pytestmark = pytest.mark.e2e
 def serve(folder: Path, own_group: bool = False) -> tuple[subprocess.Popen, str]:
     """The server on a free port; `own_group`: in a process group of its own, as a terminal
     starts it (Ctrl-C signals the whole group)."""
-    port = free_port()
-    command = [sys.executable, "-m", "server", "--model", str(folder), "--port", str(port)]
-    command += ["--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "16MiB"]
-    command += ["--tensor-parallel-size", "2"]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        start_new_session=own_group,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, process, timeout=300)
-    return process, url
+    options = ["--model", str(folder), "--served-model-name", "tiny", "--dtype", "float32"]
+    options += ["--kv-cache-memory", "16MiB", "--tensor-parallel-size", "2"]
+    return server_process(*options, own_group=own_group)
 
 
 def children(pid: int) -> set[int]:

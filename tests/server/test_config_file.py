@@ -5,10 +5,7 @@ command line wins over the file, and a file that is not one is refused by what i
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -17,7 +14,7 @@ import pytest
 from server import cli
 from server.cli import engine_config, server_settings
 from tests.helpers import chat_tokenizer, tiny_llama
-from tests.server_utils import free_port, wait_healthy
+from tests.server_utils import server_process
 
 CONFIG = """\
 model: /models/from-the-file
@@ -118,19 +115,8 @@ def test_a_server_starts_from_its_model_and_a_config_file(tmp_path) -> None:
     chat_tokenizer().save_pretrained(folder)
     config = "served-model-name: [tiny-from-file]\nmax-model-len: 96\n"
     config += "dtype: float32\nkv-cache-memory: 16MiB\n"
-    port = free_port()
-    command = [sys.executable, "-m", "server", str(folder), "--port", str(port)]
-    command += ["--config", config_file(tmp_path, config)]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    process, url = server_process(str(folder), "--config", config_file(tmp_path, config))
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, process, timeout=300)
         models = httpx.get(f"{url}/v1/models").json()["data"]
         assert [(m["id"], m["root"], m["max_model_len"]) for m in models] == [
             ("tiny-from-file", str(folder), 96)

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,37 +15,17 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 from pydantic import BaseModel
 
-from tests.server_utils import free_port, wait_healthy
+from tests.server_utils import server_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.default_model]
 MODEL = "SmolLM2-135M-Instruct"
 
 
 def start_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    """`python -m server` on a free port; returns once /health answers 200."""
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "server",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory",
-        "256MiB",
-        *extra,
-    ]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, process, timeout=600)  # the first start fetches and converts the model
-    return process, url
+    """`python -m server` on a free port; returns once /health answers 200 (the first start
+    fetches and converts the model)."""
+    options = ["--dtype", "float32", "--kv-cache-memory", "256MiB"]
+    return server_process(*options, *extra, timeout=600)
 
 
 def stop_server(process: subprocess.Popen) -> str:

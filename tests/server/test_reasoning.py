@@ -12,7 +12,14 @@ import pytest
 from engine.core.outputs import RequestOutput
 from server.cli import build_parser, server_settings
 from server.protocol import ChatCompletionRequest
-from server.reasoning import ThinkReader, opens_in_reasoning, split_reasoning, tags_for
+from server.reasoning import (
+    THINK,
+    ThinkReader,
+    ThoughtTags,
+    opens_in_reasoning,
+    split_reasoning,
+    tags_for,
+)
 from server.serving_chat import ChatRenderer
 from server.settings import ServerSettings
 from tests.helpers import CHAT_TEMPLATE, chat_tokenizer, tiny_llama, tiny_tokenizer
@@ -42,20 +49,24 @@ def test_a_whole_reply_splits_into_reasoning_and_answer(reply, expected):
     assert split_reasoning(*reply) == expected
 
 
+def split_in_pieces(
+    text: str, open_at_start: bool, seed: int, tags: ThoughtTags = THINK
+) -> tuple[str | None, str]:
+    """What a reader makes of `text` fed in random pieces of 1 to 5 characters."""
+    rng = random.Random(seed)
+    reader = ThinkReader(open_at_start, tags)
+    reasoning, answer, at = "", "", 0
+    while at < len(text):
+        step = rng.randint(1, 5)
+        more, rest = reader.feed(text[at : at + step])
+        reasoning, answer, at = reasoning + more, answer + rest, at + step
+    more, rest = reader.finish()
+    return (reasoning + more if reader.reasoned else None, answer + rest)
+
+
 @pytest.mark.parametrize(("reply", "expected"), SPLITS)
 def test_a_reply_cut_anywhere_splits_as_the_whole(reply, expected):
-    text, open_at_start = reply
-    for seed in range(40):
-        rng = random.Random(seed)
-        reader = ThinkReader(open_at_start)
-        reasoning, answer, at = "", "", 0
-        while at < len(text):
-            step = rng.randint(1, 5)
-            more, rest = reader.feed(text[at : at + step])
-            reasoning, answer, at = reasoning + more, answer + rest, at + step
-        more, rest = reader.finish()
-        got = (reasoning + more if reader.reasoned else None, answer + rest)
-        assert got == expected
+    assert all(split_in_pieces(*reply, seed) == expected for seed in range(40))
 
 
 def test_a_prompt_opens_the_reasoning_where_its_generation_part_ends_with_the_tag():
@@ -167,18 +178,24 @@ def marker_setup(template: str) -> tuple[dict, int]:
     return {"tokenizer": tokenizer, "model": model}, tokenizer.convert_tokens_to_ids("</think>")
 
 
-async def test_a_format_holds_for_the_answer_after_the_thought():
-    """The model closes its thought at once (a bias on `</think>`); the format then shapes the
-    answer, and the reasoning is apart."""
-    options, marker = marker_setup(THINKING_TEMPLATE)
-    settings = ServerSettings(served_model_name="tiny", reasoning_parser="qwen3")
-    body = {
+def closed_at_once(marker: int) -> dict:
+    """A request whose reply closes its thought at once (a bias on the closing token `marker`)
+    and then writes three digits."""
+    return {
         "messages": MESSAGES,
         "max_tokens": 40,
         "seed": 4,
         "logit_bias": {str(marker): 100},
         "structured_outputs": {"regex": "[0-9]{3}"},
     }
+
+
+async def test_a_format_holds_for_the_answer_after_the_thought():
+    """The model closes its thought at once (a bias on `</think>`); the format then shapes the
+    answer, and the reasoning is apart."""
+    options, marker = marker_setup(THINKING_TEMPLATE)
+    settings = ServerSettings(served_model_name="tiny", reasoning_parser="qwen3")
+    body = closed_at_once(marker)
     async with app_client(settings, **options) as (client, engine):
         message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0][
             "message"
@@ -280,16 +297,7 @@ def test_other_parsers_tags_split_a_reply_cut_anywhere_as_the_whole(reply, expec
     parser, text, open_at_start = reply
     tags = tags_for(parser)
     assert split_reasoning(text, open_at_start, tags) == expected
-    for seed in range(20):
-        rng = random.Random(seed)
-        reader = ThinkReader(open_at_start, tags)
-        reasoning, answer, at = "", "", 0
-        while at < len(text):
-            step = rng.randint(1, 5)
-            more, rest = reader.feed(text[at : at + step])
-            reasoning, answer, at = reasoning + more, answer + rest, at + step
-        more, rest = reader.finish()
-        assert (reasoning + more if reader.reasoned else None, answer + rest) == expected
+    assert all(split_in_pieces(text, open_at_start, seed, tags) == expected for seed in range(20))
 
 
 def test_a_prompt_opens_the_reasoning_with_the_parser_s_own_tag():
@@ -326,13 +334,7 @@ async def test_magistral_s_special_tags_are_kept_in_the_text_to_be_read():
     tokenizer.chat_template = CHAT_TEMPLATE.replace("<|assistant|>", "<|assistant|>[THINK]")
     model = tiny_llama(vocab_size=len(tokenizer))
     marker = tokenizer.convert_tokens_to_ids("[/THINK]")
-    body = {
-        "messages": MESSAGES,
-        "max_tokens": 40,
-        "seed": 4,
-        "logit_bias": {str(marker): 100},
-        "structured_outputs": {"regex": "[0-9]{3}"},
-    }
+    body = closed_at_once(marker)
     for parser, kept in (("mistral", True), ("qwen3", False)):
         settings = ServerSettings(served_model_name="tiny", reasoning_parser=parser)
         async with app_client(settings, tokenizer=tokenizer, model=model) as (client, _):

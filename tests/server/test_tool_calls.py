@@ -258,9 +258,17 @@ async def test_without_a_parser_auto_returns_the_text():
         assert body["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_auto_reads_llama3_json_calls():
-    output = '{"name": "time", "parameters": {"zone": -2}}'
-    settings = ServerSettings(served_model_name="tiny", tool_call_parser="llama3_json")
+@pytest.mark.parametrize(
+    ("parser", "output"),
+    [
+        ("llama3_json", '{"name": "time", "parameters": {"zone": -2}}'),
+        ("granite", '<tool_call>[{"name": "time", "arguments": {"zone": -2}}]'),
+        ("phi4_mini_json", 'functools[{"name": "time", "arguments": {"zone": -2}}]'),
+    ],
+)
+async def test_auto_reads_whole_reply_calls(parser: str, output: str):
+    """Parsers that hold a reply that opens as calls until it ends, then read it whole."""
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser=parser)
     force = {"structured_outputs": {"regex": re.escape(output)}}
     async with app_client(settings, tokenizer=tool_tokenizer()) as (client, _):
         body = await chat(client, tool_choice="auto", **force)
@@ -345,30 +353,3 @@ async def test_a_mistral_parser_keeps_the_special_tokens_its_tag_is():
         body = await chat(client, tool_choice="auto", **force)
         [call] = body["choices"][0]["message"]["tool_calls"]
         assert call["function"] == {"name": "time", "arguments": '{"zone": 2}'}
-
-
-@pytest.mark.parametrize(
-    ("parser", "output"),
-    [
-        ("granite", '<tool_call>[{"name": "time", "arguments": {"zone": 1}}]'),
-        ("phi4_mini_json", 'functools[{"name": "time", "arguments": {"zone": 1}}]'),
-    ],
-)
-async def test_auto_reads_granite_and_phi4_mini_calls(parser: str, output: str):
-    settings = ServerSettings(served_model_name="tiny", tool_call_parser=parser)
-    force = {"structured_outputs": {"regex": re.escape(output)}}
-    async with app_client(settings, tokenizer=tool_tokenizer()) as (client, _):
-        body = await chat(client, tool_choice="auto", **force)
-        [choice] = body["choices"]
-        assert choice["message"]["content"] is None
-        [call] = choice["message"]["tool_calls"]
-        assert call["function"] == {"name": "time", "arguments": '{"zone": 1}'}
-        assert choice["finish_reason"] == "tool_calls"
-        response = await client.post(
-            "/v1/chat/completions",
-            json={**BASE, "tool_choice": "auto", "stream": True, **force},
-        )
-        deltas = [e["choices"][0]["delta"] for e in sse_events(response.text) if e != "[DONE]"]
-        assert not "".join(d.get("content") or "" for d in deltas)
-        [entry] = [entry for d in deltas for entry in d.get("tool_calls") or []]
-        assert entry["function"] == call["function"]
