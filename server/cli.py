@@ -653,6 +653,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         head_timeout=args.header_timeout,
         shutdown_timeout=args.shutdown_timeout,
         chat_content_format=args.chat_template_content_format,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
         response_role=args.response_role,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
@@ -793,6 +794,13 @@ def _add_reply_parsers(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         default=None,
         help="the chat template to use instead of the model's: a Jinja file, or the template "
         "itself",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        type=parse_json_object,
+        default=None,
+        help="more variables for the chat template on every chat request, under what a "
+        "request's chat_template_kwargs sets (vLLM's flag), e.g. '{\"enable_thinking\": false}'",
     )
     parser.add_argument(
         "--chat-template-content-format",

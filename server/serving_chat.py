@@ -49,6 +49,7 @@ from server.settings import ServerSettings
 from server.streaming import sse
 from server.tokenization import (
     TokenText,
+    call_arguments_among,
     chat_prompt,
     check_fits,
     message_text,
@@ -386,6 +387,14 @@ class ChatHandler:
         self.tool_call_parser = settings.tool_call_parser
         self.response_role = settings.response_role
         self.content_format = settings.chat_content_format
+        self.default_template_kwargs = settings.default_chat_template_kwargs or {}
+        tokenizer = getattr(engine, "tokenizer", None)
+        taken = call_arguments_among(tokenizer, self.default_template_kwargs) if tokenizer else []
+        if taken:
+            raise ValueError(
+                f"--default-chat-template-kwargs cannot set {', '.join(taken)}: these are the "
+                "chat template call's own arguments"
+            )
         # Whether replies are Harmony's messages, read from the template on first use.
         self._harmony_replies: bool | None = None
 
@@ -495,7 +504,7 @@ class ChatHandler:
                 body.add_generation_prompt,
                 body.continue_final_message,
                 template_tools(body),
-                body.template_kwargs,
+                {**self.default_template_kwargs, **(body.template_kwargs or {})} or None,
                 body.add_special_tokens,
                 images=token is not None,
                 parts=content_format(self.content_format, tokenizer.chat_template) == "openai",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from server.limits import RequestLimits
 
@@ -59,6 +60,8 @@ class ServerSettings:
     # string or openai) and the role of a chat reply (`--response-role`).
     chat_content_format: str = "auto"
     response_role: str = "assistant"
+    # Template variables of every chat request, under its own `chat_template_kwargs`.
+    default_chat_template_kwargs: dict[str, Any] | None = None
     # How calls are read from free text under tool_choice "auto" (None: from the chat template).
     tool_call_parser: str | None = None
     # Splits a thinking model's reasoning from its answer (None: the reply is all content).

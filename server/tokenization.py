@@ -202,13 +202,18 @@ def check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | None
     """Template variables may not stand in for `apply_chat_template`'s own arguments (the
     messages, the tools, whether to tokenize, the template itself): those come from the
     request's fields or not at all."""
-    taken = sorted(set(template_kwargs or ()) & apply_template_arguments(tokenizer.__class__))
+    taken = call_arguments_among(tokenizer, template_kwargs)
     if taken:
         raise InvalidRequestError(
             f"chat_template_kwargs cannot set {', '.join(taken)}: "
             "these are the chat template call's own arguments.",
             param="chat_template_kwargs",
         )
+
+
+def call_arguments_among(tokenizer: Any, template_kwargs: dict[str, Any] | None) -> list[str]:
+    """The names among `template_kwargs` that are `apply_chat_template`'s own arguments."""
+    return sorted(set(template_kwargs or ()) & apply_template_arguments(tokenizer.__class__))
 
 
 @lru_cache(maxsize=8)

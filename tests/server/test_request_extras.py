@@ -7,10 +7,13 @@ import copy
 
 import pytest
 
+from server.app import build_app
+from server.cli import build_parser, server_settings
+from server.settings import ServerSettings
 from server.tokenization import TokenText
 from tests.helpers import CHAT_TEMPLATE, chat_tokenizer, tiny_tokenizer
 from tests.server.test_server_errors import assert_error
-from tests.server_utils import app_client, blocks_in_use, sse_events
+from tests.server_utils import app_client, blocks_in_use, sse_events, tiny_engine
 
 MESSAGES = [{"role": "user", "content": "Hi there"}]
 # Qwen3's switch: with enable_thinking false the template writes an empty thought.
@@ -399,3 +402,23 @@ async def test_chat_echo_starts_a_continued_message_with_that_message():
         alone = (await client.post("/v1/chat/completions", json=unechoed)).json()
         assert fresh["choices"][0]["message"] == alone["choices"][0]["message"]
         assert blocks_in_use(engine) == 0
+
+
+async def test_server_wide_template_kwargs_sit_under_each_request_s_own():
+    """vLLM's `--default-chat-template-kwargs`: every chat request (and a chat /tokenize) renders
+    with them, a request's own `chat_template_kwargs` win; one that names the template call's own
+    arguments stops the start."""
+    argv = ["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}']
+    settings = server_settings(build_parser().parse_args(argv))
+    assert settings.default_chat_template_kwargs == {"enable_thinking": False}
+    async with app_client(tokenizer=thinking_tokenizer()) as (client, _):
+        plain = await rendered_chat(client)
+        quiet = await rendered_chat(client, chat_template_kwargs={"enable_thinking": False})
+    async with app_client(settings, tokenizer=thinking_tokenizer()) as (client, _):
+        assert await rendered_chat(client) == quiet
+        assert await rendered_chat(client, chat_template_kwargs={"enable_thinking": True}) == plain
+        tokenized = await client.post("/tokenize", json={"messages": MESSAGES})
+        assert tokenized.json()["tokens"] == quiet
+    clashing = ServerSettings(served_model_name="tiny", default_chat_template_kwargs={"tools": []})
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs cannot set tools"):
+        build_app(tiny_engine(tokenizer=thinking_tokenizer()), clashing)
