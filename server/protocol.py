@@ -156,6 +156,8 @@ class SamplingFields(RequestBody):
     # vLLM's: only requests with the same salt share cached prefix blocks, so one tenant cannot
     # tell from response times what another sent.
     cache_salt: str | None = Field(default=None, min_length=1)
+    # vLLM's: the response's id is `PREFIX-request_id` (the `X-Request-Id` header wins).
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
     # vLLM's: the logprob of each prompt token and of its `prompt_logprobs` likeliest rivals.
     prompt_logprobs: LogprobCount | None = None
     include_stop_str_in_output: bool = False

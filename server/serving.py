@@ -113,6 +113,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_ids(prefix: str, request: Request, given: str | None) -> tuple[str, str]:
+    """The id a response shows and the engine's id for the request. As vLLM: the response's id
+    is `PREFIX-` and the client's `X-Request-Id` (a plain token, as `RequestIdMiddleware`
+    echoes it), else the body's `request_id`, else a fresh one; a client's id may come twice,
+    so the engine's then has a suffix of its own."""
+    header = request.headers.get("x-request-id")
+    echoed = getattr(request.state, "request_id", None)
+    base = header if header is not None and header == echoed else given
+    if base is None:
+        fresh = new_id(prefix)
+        return fresh, fresh
+    shown = f"{prefix}-{base}"
+    return shown, f"{shown}-{uuid.uuid4().hex[:8]}"
+
+
 def now() -> int:
     return int(time.time())
 
@@ -239,11 +254,11 @@ def request_options(
     )
 
 
-def bind_trace(request: Request, request_id: str) -> None:
-    """Give the request's span (if it is traced) the engine's id for it."""
+def bind_trace(request: Request, request_id: str, response_id: str | None = None) -> None:
+    """Give the request's span (if it is traced) the engine's id for it and its response's."""
     trace = request_trace(request)
     if trace is not None:
-        trace.bind(request_id)
+        trace.bind(request_id, response_id)
 
 
 def prompt_ids(request_id: str, count: int) -> list[str]:

@@ -36,8 +36,8 @@ from server.serving import (
     EngineClient,
     ServedModel,
     bind_trace,
-    new_id,
     prompt_truncation,
+    request_ids,
     request_options,
     require_text_model,
     respond,
@@ -543,9 +543,9 @@ class ChatHandler:
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
         prepared = await self.prepare(body)
-        request_id = new_id("chatcmpl")
-        bind_trace(request, request_id)
-        renderer = self.renderer(request_id, body, prepared)
+        shown, request_id = request_ids("chatcmpl", request, body.request_id)
+        bind_trace(request, request_id, shown)
+        renderer = self.renderer(shown, body, prepared)
         await self.engine.prepare(prepared.params)
         options = request_options(body, request, prepared.lora, prepared.images)
         streams = submit_all(self.engine, [prepared.prompt], prepared.params, request_id, options)

@@ -20,8 +20,8 @@ from server.serving import (
     EngineClient,
     ServedModel,
     bind_trace,
-    new_id,
     prompt_truncation,
+    request_ids,
     request_options,
     respond,
     sampling_params,
@@ -224,10 +224,10 @@ class CompletionHandler:
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:
         prompts, texts, params, lora = await self._prepare(body)
         tokenizer = self.engine.tokenizer
-        request_id = new_id("cmpl")
-        bind_trace(request, request_id)
+        shown, request_id = request_ids("cmpl", request, body.request_id)
+        bind_trace(request, request_id, shown)
         model = self.model.name_for(lora)
-        renderer = CompletionRenderer(request_id, model, body, prompts, texts, tokenizer)
+        renderer = CompletionRenderer(shown, model, body, prompts, texts, tokenizer)
         await self.engine.prepare(params)
         options = request_options(body, request, lora)
         streams = submit_all(self.engine, prompts, params, request_id, options)

@@ -90,10 +90,11 @@ class RequestTrace:
         if self.span is not None:
             self.span.add_event(name, attributes, at)
 
-    def bind(self, request_id: str) -> None:
-        """The engine's id for the request, so that its sequences' timings find it."""
+    def bind(self, request_id: str, response_id: str | None = None) -> None:
+        """The engine's id for the request, so that its sequences' timings find it, and the id
+        its response shows (the same, unless the client named the request)."""
         self.request_id = request_id
-        self.set("gen_ai.response.id", request_id)
+        self.set("gen_ai.response.id", response_id or request_id)
         self.tracing.open[request_id] = self
 
     def output(self, usage: Mapping[str, Any], finish_reasons: list[str]) -> None:

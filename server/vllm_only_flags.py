@@ -131,6 +131,11 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
         default=1,
     )
     flags.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="no effect: every response carries its X-Request-Id",
+    )
+    flags.add_argument(
         "--guided-decoding-backend",
         type=backend,
         default=None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -301,3 +302,29 @@ async def test_a_stream_whose_client_left_before_its_first_write_is_aborted():
         await until(lambda: bool(finished), what="the request finished")
         assert finished == ["abort"]
         await wait_until_idle(engine)
+
+
+async def test_a_response_s_id_carries_the_client_s_request_id():
+    """As vLLM: `PREFIX-` and the `X-Request-Id` header, else the body's `request_id`, else a
+    fresh one; the same id twice at once serves both."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    async with app_client() as (client, engine):
+        headed = await client.post(
+            "/v1/chat/completions", json=chat, headers={"X-Request-Id": "gateway-7"}
+        )
+        assert headed.json()["id"] == "chatcmpl-gateway-7"
+        assert headed.headers["x-request-id"] == "gateway-7"
+        named = await client.post("/v1/completions", json={"prompt": "Hi", "request_id": "job-3"})
+        assert named.json()["id"] == "cmpl-job-3"
+        both = await client.post(
+            "/v1/completions",
+            json={"prompt": "Hi", "request_id": "job-3", "max_tokens": 2},
+            headers={"X-Request-Id": "gateway-8"},
+        )
+        assert both.json()["id"] == "cmpl-gateway-8"
+        fresh = (await client.post("/v1/completions", json={"prompt": "Hi"})).json()["id"]
+        assert re.fullmatch("cmpl-[0-9a-f]{32}", fresh)
+        same = {"prompt": "Hi", "request_id": "same", "max_tokens": 8, "ignore_eos": True}
+        twice = await asyncio.gather(*(client.post("/v1/completions", json=same) for _ in range(2)))
+        assert [r.json()["id"] for r in twice] == ["cmpl-same", "cmpl-same"]
+        assert blocks_in_use(engine) == 0

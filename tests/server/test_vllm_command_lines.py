@@ -273,7 +273,7 @@ RECIPE = [
     "--swap-space", "16", "--disable-custom-all-reduce", "--distributed-executor-backend", "mp",
     "--max-parallel-loading-workers", "2", "--enable-prompt-tokens-details",
     "--pipeline-parallel-size", "1", "-dp", "1", "--guided-decoding-backend", "xgrammar",
-    "--structured-outputs-config", '{"backend": "guidance"}',
+    "--structured-outputs-config", '{"backend": "guidance"}', "--enable-request-id-headers",
 ]  # fmt: skip
 
 
