@@ -82,6 +82,13 @@ def tokenizer_mode(text: str) -> str:
     )
 
 
+def existing_folder(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"no such folder: {text}")
+    return path
+
+
 def parse_json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -481,6 +488,14 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="HOST",
         help="hosts image URLs may be fetched from (default: any)",
     )
+    server.add_argument(
+        "--allowed-local-media-path",
+        type=existing_folder,
+        default=None,
+        metavar="DIR",
+        help="let image URLs be file:// paths under this folder (vLLM's flag; only for "
+        "trusted clients: they read the server's files there)",
+    )
     _add_reply_parsers(server)
     server.add_argument(
         "--state-dir",
@@ -673,6 +688,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
             frozenset(d.lower() for d in args.allowed_media_domains)
             if args.allowed_media_domains
             else None,
+            args.allowed_local_media_path,
         ),
     )
 

@@ -2,7 +2,8 @@
 into the prompt's token ids (each image's placeholders expanded) and the encoder's inputs.
 
 URLs are `data:image/...;base64,...` or http(s) (fetched here, as vLLM fetches them, within a
-size and a time limit). Anything that does not decode to an image is the client's error."""
+size and a time limit), or `file://` paths under `--allowed-local-media-path`. Anything that
+does not decode to an image is the client's error."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import hashlib
 import io
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httpx
 
@@ -38,17 +40,21 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
 
 
 async def load_images(
-    urls: list[str], limit: int, domains: frozenset[str] | None = None
+    urls: list[str],
+    limit: int,
+    domains: frozenset[str] | None = None,
+    local: Path | None = None,
 ) -> list[LoadedImage]:
     """Every image the URLs name, decoded; at most `limit` of them, http(s) ones from the
-    `domains` only (where given)."""
+    `domains` only (where given), `file://` ones from under the folder `local` only (vLLM's
+    `--allowed-local-media-path`; none without it)."""
     if len(urls) > limit:
         raise InvalidRequestError(
             f"At most {limit} images may be sent in one request; got {len(urls)}.", param=PARAM
         )
     for url in urls:
         check_domain(url, domains)
-    raw = await asyncio.gather(*(image_bytes(url) for url in urls))
+    raw = await asyncio.gather(*(image_bytes(url, local) for url in urls))
     return await asyncio.to_thread(lambda: [decode(data) for data in raw])
 
 
@@ -64,16 +70,38 @@ def check_domain(url: str, domains: frozenset[str] | None) -> None:
         )
 
 
-async def image_bytes(url: str) -> bytes:
-    """The bytes a data URL holds or an http(s) URL serves."""
+async def image_bytes(url: str, local: Path | None = None) -> bytes:
+    """The bytes a data URL holds, an http(s) URL serves or a `file://` URL under `local`
+    names."""
     if url.startswith("data:"):
         return _data_url_bytes(url)
     if url.startswith(("http://", "https://")):
         return await _fetched(url)
+    if url.startswith("file:") and local is not None:
+        return await asyncio.to_thread(_local_file_bytes, url, local)
     scheme = url.split(":", 1)[0] if ":" in url else url[:16]
+    also = ", or file: URLs under --allowed-local-media-path" if scheme == "file" else ""
     raise InvalidRequestError(
-        f"Image URLs must be data: or http(s) URLs, not {scheme!r}.", param=PARAM
+        f"Image URLs must be data: or http(s) URLs{also}, not {scheme!r}.", param=PARAM
     )
+
+
+def _local_file_bytes(url: str, local: Path) -> bytes:
+    """The file a `file://` URL names, which must lie under the folder `local` once links are
+    followed (a path that leaves it is refused as one that is not there would be)."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise InvalidRequestError(f"A file URL names no other host: {url}.", param=PARAM)
+    path = Path(unquote(parts.path)).resolve()
+    if not path.is_relative_to(local.resolve()) or not path.is_file():
+        raise InvalidRequestError(
+            f"The image {url} is not a file under the allowed local media path.", param=PARAM
+        )
+    if path.stat().st_size > MAX_IMAGE_BYTES:
+        raise InvalidRequestError(
+            f"The image {url} is larger than {MAX_IMAGE_BYTES} bytes.", param=PARAM
+        )
+    return path.read_bytes()
 
 
 def _data_url_bytes(url: str) -> bytes:

@@ -5,6 +5,7 @@ Each is a `conveyor serve` flag; a request past one gets a 400 naming the field.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.core.errors import InvalidRequestError
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -22,6 +23,9 @@ class RequestLimits:
     max_images: int = 16
     # Hosts image URLs may name (vLLM's `--allowed-media-domains`); None: any.
     allowed_media_domains: frozenset[str] | None = None
+    # The folder `file://` image URLs may read from (vLLM's `--allowed-local-media-path`);
+    # None: no file URLs.
+    allowed_local_media_path: Path | None = None
 
 
 def check_sampling(body: SamplingFields, limits: RequestLimits) -> None:

@@ -514,7 +514,13 @@ class ChatHandler:
         if not urls:
             return text, prompt, None
         assert token is not None  # the template refused images otherwise
-        loaded = await load_images(urls, self.limits.max_images, self.limits.allowed_media_domains)
+        limits = self.limits
+        loaded = await load_images(
+            urls,
+            limits.max_images,
+            limits.allowed_media_domains,
+            limits.allowed_local_media_path,
+        )
         prompt, images = await asyncio.to_thread(
             processed_prompt, self.engine.processor, token, text, loaded, body.add_special_tokens
         )

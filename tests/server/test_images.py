@@ -324,3 +324,35 @@ async def test_chat_with_images_that_attend_both_ways_or_lie_on_grids(family):
     processed, _, _ = image_prompt(["Hello", first, "and", second], family)
     tokens = reference_tokens(tiny_image_text(family), processed, 8)
     assert response.json()["choices"][0]["message"]["content"] == processor.tokenizer.decode(tokens)
+
+
+async def test_file_urls_read_only_under_the_allowed_local_media_path(tmp_path):
+    """vLLM's `--allowed-local-media-path`: a `file://` image under it reads as the same image
+    sent inline; one outside it (or reached by a link out of it), or any without the flag, is
+    refused."""
+    image = random_image(13)
+    allowed, other = tmp_path / "media", tmp_path / "private"
+    allowed.mkdir()
+    other.mkdir()
+    (allowed / "i.png").write_bytes(png_bytes(image))
+    (other / "secret.png").write_bytes(png_bytes(image))
+    (allowed / "escape.png").symlink_to(other / "secret.png")
+    limits = RequestLimits(allowed_local_media_path=allowed)
+    settings = ServerSettings(served_model_name="tiny", limits=limits)
+
+    async def ask(client, link: str):
+        body = {**BASE, "messages": user(image_part(link), "hi")}
+        return await client.post("/v1/chat/completions", json=body)
+
+    async with llava_client(settings=settings) as (client, _):
+        local = await ask(client, (allowed / "i.png").as_uri())
+        inline = await ask(client, data_url(image))
+        assert local.status_code == 200, local.text
+        assert local.json()["choices"] == inline.json()["choices"]
+        for path in (other / "secret.png", allowed / "escape.png", allowed / "absent.png"):
+            refused = await ask(client, path.as_uri())
+            assert refused.status_code == 400
+            assert "not a file under the allowed local media path" in refused.text
+    async with llava_client() as (client, _):
+        refused = await ask(client, (allowed / "i.png").as_uri())
+        assert refused.status_code == 400 and "--allowed-local-media-path" in refused.text

@@ -306,3 +306,11 @@ def test_what_a_recipe_asks_that_is_not_served_is_refused_by_name(capsys, flags,
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *flags])
     assert reason in capsys.readouterr().err
+
+
+def test_the_local_media_path_must_be_a_folder(tmp_path):
+    settings = settings_of("--allowed-local-media-path", str(tmp_path))
+    assert settings.limits.allowed_local_media_path == tmp_path
+    assert settings_of().limits.allowed_local_media_path is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--allowed-local-media-path", str(tmp_path / "no")])
