@@ -156,8 +156,9 @@ class SamplingFields(RequestBody):
     # vLLM's: only requests with the same salt share cached prefix blocks, so one tenant cannot
     # tell from response times what another sent.
     cache_salt: str | None = Field(default=None, min_length=1)
-    # vLLM's: the response's id is `PREFIX-request_id` (the `X-Request-Id` header wins).
-    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM's: the response's id is `PREFIX-request_id` (the `X-Request-Id` header wins); a plain
+    # token, as the header must be to be echoed, since it reaches the logs.
+    request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
     # vLLM's: the logprob of each prompt token and of its `prompt_logprobs` likeliest rivals.
     prompt_logprobs: LogprobCount | None = None
     include_stop_str_in_output: bool = False

@@ -327,4 +327,6 @@ async def test_a_response_s_id_carries_the_client_s_request_id():
         same = {"prompt": "Hi", "request_id": "same", "max_tokens": 8, "ignore_eos": True}
         twice = await asyncio.gather(*(client.post("/v1/completions", json=same) for _ in range(2)))
         assert [r.json()["id"] for r in twice] == ["cmpl-same", "cmpl-same"]
+        odd = await client.post("/v1/completions", json={"prompt": "Hi", "request_id": "a\nb"})
+        assert odd.status_code == 400 and odd.json()["error"]["param"] == "request_id"
         assert blocks_in_use(engine) == 0
