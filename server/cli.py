@@ -799,7 +799,20 @@ def build_parser() -> argparse.ArgumentParser:
     download_parser.set_defaults(func=download)
     _add_batch_commands(commands)
     _add_bench_commands(commands)
+    _add_client_commands(commands)
     return parser
+
+
+def _add_client_commands(commands: argparse._SubParsersAction) -> None:
+    """`conveyor chat` and `conveyor complete`: terminal clients of a running server."""
+    from server import client_cli
+
+    chat = commands.add_parser("chat", help="chat with a running server from the terminal")
+    client_cli.add_chat_arguments(chat)
+    chat.set_defaults(func=client_cli.main(client_cli.chat))
+    complete = commands.add_parser("complete", help="complete prompts on a running server")
+    client_cli.add_arguments(complete)
+    complete.set_defaults(func=client_cli.main(client_cli.complete))
 
 
 def _add_reply_parsers(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
