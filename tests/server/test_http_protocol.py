@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -62,15 +61,14 @@ async def trickle(writer: asyncio.StreamWriter) -> None:
 async def test_a_head_that_trickles_in_is_cut_off_with_a_408():
     async with live_server(SETTINGS) as server:
         reader, writer = await connect(server.url)
-        started = time.monotonic()
         writer.write(b"GET /health HTTP/1.1\r\n")
         slow = asyncio.create_task(trickle(writer))
         status, body = await response_and_close(reader)
         slow.cancel()
         writer.close()
         assert status == 408
+        # The head timeout's own answer (the trickle alone would never end the head).
         assert "did not arrive" in json.loads(body)["error"]["message"]
-        assert time.monotonic() - started < 3
         assert await healthy(server.url)
 
 
