@@ -22,6 +22,7 @@ import httpx
 
 from engine.core.errors import InvalidRequestError
 from engine.core.images import ImageInputs
+from server.limits import RequestLimits
 from server.protocol import ChatMessage
 
 FETCH_TIMEOUT = 10.0
@@ -39,21 +40,18 @@ def image_urls(messages: list[ChatMessage]) -> list[str]:
     return [url for message in messages for url in message.image_urls]
 
 
-async def load_images(
-    urls: list[str],
-    limit: int,
-    domains: frozenset[str] | None = None,
-    local: Path | None = None,
-) -> list[LoadedImage]:
-    """Every image the URLs name, decoded; at most `limit` of them, http(s) ones from the
-    `domains` only (where given), `file://` ones from under the folder `local` only (vLLM's
-    `--allowed-local-media-path`; none without it)."""
+async def load_images(urls: list[str], limits: RequestLimits) -> list[LoadedImage]:
+    """Every image the URLs name, decoded; at most `limits.max_images` of them, http(s) ones
+    from its `allowed_media_domains` only (where given), `file://` ones from under its
+    `allowed_local_media_path` only (none without it)."""
+    limit = limits.max_images
     if len(urls) > limit:
         raise InvalidRequestError(
             f"At most {limit} images may be sent in one request; got {len(urls)}.", param=PARAM
         )
     for url in urls:
-        check_domain(url, domains)
+        check_domain(url, limits.allowed_media_domains)
+    local = limits.allowed_local_media_path
     raw = await asyncio.gather(*(image_bytes(url, local) for url in urls))
     return await asyncio.to_thread(lambda: [decode(data) for data in raw])
 

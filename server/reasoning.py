@@ -32,7 +32,6 @@ class ThoughtTags:
 
 
 THINK = ThoughtTags(("<think>",), ("</think>",))
-START, END = THINK.starts[0], THINK.ends[0]
 MISTRAL = ThoughtTags(("[THINK]",), ("[/THINK]",), special=True)
 GRANITE = ThoughtTags(
     ("Here is my thought process:", "Here's my thought process:"),
@@ -40,7 +39,7 @@ GRANITE = ThoughtTags(
 )
 # `openai_gptoss` reads gpt-oss's Harmony channels instead (`server/harmony.py`).
 TAGS = {"deepseek_r1": THINK, "qwen3": THINK, "mistral": MISTRAL, "granite": GRANITE}
-PARSERS = ("deepseek_r1", "qwen3", "mistral", "granite", "openai_gptoss")
+PARSERS = (*TAGS, "openai_gptoss")
 
 
 def tags_for(parser: str | None) -> ThoughtTags:

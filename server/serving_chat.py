@@ -383,6 +383,8 @@ class ChatHandler:
         self.engine = engine
         self.model = model
         self.reasoning_parser = settings.reasoning_parser
+        # The tags that parser reads a reply's reasoning between.
+        self.thought = tags_for(settings.reasoning_parser)
         self.limits = settings.limits
         self.tool_call_parser = settings.tool_call_parser
         self.response_role = settings.response_role
@@ -423,8 +425,7 @@ class ChatHandler:
         if self._harmony():  # every reply is Harmony's messages
             parser = HARMONY
         # A tag of the calls' or the reasoning's is a special token the text must keep.
-        thought = tags_for(self.reasoning_parser) if thinking is not None else None
-        if parser in KEEPS_SPECIAL_TOKENS or (thought is not None and thought.special):
+        if parser in KEEPS_SPECIAL_TOKENS or (thinking is not None and self.thought.special):
             params = replace(params, skip_special_tokens=False)
         return PreparedChat(prompt, params, forced, parser, thinking, lora, images)
 
@@ -442,7 +443,7 @@ class ChatHandler:
             prepared.parser,
             prepared.thinking,
             self.response_role if body.add_generation_prompt else body.messages[-1].role,
-            tags_for(self.reasoning_parser),
+            self.thought,
         )
 
     async def _prepare(
@@ -479,7 +480,7 @@ class ChatHandler:
         thinking = None if harmony else self._thinking(text, params)
         # The format holds for the final channel's body, or for the answer once the thought
         # has closed.
-        after = FINAL if harmony else tags_for(self.reasoning_parser).ends[0] if thinking else None
+        after = FINAL if harmony else self.thought.ends[0] if thinking else None
         if after is not None and params.structured is not None:
             params = replace(params, structured=replace(params.structured, after=after))
         return prompt, params, forced, thinking, images
@@ -514,13 +515,7 @@ class ChatHandler:
         if not urls:
             return text, prompt, None
         assert token is not None  # the template refused images otherwise
-        limits = self.limits
-        loaded = await load_images(
-            urls,
-            limits.max_images,
-            limits.allowed_media_domains,
-            limits.allowed_local_media_path,
-        )
+        loaded = await load_images(urls, self.limits)
         prompt, images = await asyncio.to_thread(
             processed_prompt, self.engine.processor, token, text, loaded, body.add_special_tokens
         )
@@ -544,7 +539,7 @@ class ChatHandler:
         that may open its own thought with `<think>`)."""
         if self.reasoning_parser is None:
             return None
-        opens = opens_in_reasoning(prompt_text, tags_for(self.reasoning_parser))
+        opens = opens_in_reasoning(prompt_text, self.thought)
         return None if params.structured is not None and not opens else opens
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
