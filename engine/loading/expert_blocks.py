@@ -31,15 +31,13 @@ def expert_layer(owner: str, part: str, expert: int) -> str:
     return f"{owner}.{part}.{expert}"
 
 
-def join_checkpoint_experts(
-    blocks: Blocks, layers: list[str], owners: frozenset[str]
-) -> tuple[Blocks, list[str]]:
+def join_checkpoint_experts(blocks: Blocks, owners: frozenset[str]) -> tuple[Blocks, list[str]]:
     """Each expert's gate and up blocks joined and its down blocks, by `ExpertLinears`' names,
     for the experts of `owners` (the model's experts modules) whose every expert's three
-    projections are among `layers` (a checkpoint's expert layers whose `blocks` hold them),
-    gate and up in one format; and the layers of the other experts, which keep fp32 weights."""
+    projections are among `blocks` (a checkpoint's expert layers that hold blocks), gate and up
+    in one format; and the layers of the other experts, which keep fp32 weights."""
     grouped: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
-    for layer in layers:
+    for layer in blocks:
         match = CHECKPOINT_EXPERT.match(layer)
         assert match is not None  # the caller passes expert layers only
         owner = match["owner"].replace(".block_sparse_moe.", ".mlp.")

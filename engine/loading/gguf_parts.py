@@ -44,12 +44,12 @@ def model_name(path: Path) -> str:
 
 def first_of_one_set(paths: list[Path]) -> Path | None:
     """The first part, where `paths` are the parts of one split file and nothing else."""
-    matches = [PART.match(path.name) for path in paths]
-    if not all(matches) or len({(m["stem"], m["count"]) for m in matches if m}) != 1:
+    firsts = [
+        path for path in paths if (match := PART.match(path.name)) and match["number"] == "00001"
+    ]
+    if len(firsts) != 1:
         return None
-    numbered = sorted(zip((int(m["number"]) for m in matches if m), paths, strict=True))
-    if [number for number, _ in numbered] != list(range(1, len(paths) + 1)):
+    try:
+        return firsts[0] if sorted(parts(firsts[0])) == sorted(paths) else None
+    except ValueError:  # a part missing
         return None
-    first_match = matches[0]
-    assert first_match is not None
-    return numbered[0][1] if int(first_match["count"]) == len(paths) else None

@@ -282,7 +282,7 @@ def _dense_tensors(
             if layer in layout.linears:
                 continue
         yield f"{layer}.weight", weight
-    joined, leftover = join_checkpoint_experts(experts, list(experts), layout.experts)
+    joined, leftover = join_checkpoint_experts(experts, layout.experts)
     blocks.add_all(joined)
     for layer in leftover:
         yield f"{layer}.weight", _layer(folder, scheme, where, layer)[0]
