@@ -393,11 +393,11 @@ class Scheduler:
             fresh = not request.block_ids  # forked requests arrive holding their prompt
             if fresh:
                 self._claim_cached_prefix(request)
-            num_tokens = request.num_tokens - request.num_computed_tokens
-            if num_tokens > budget and not self.config.enable_chunked_prefill:
-                num_tokens = 0
-            else:
+            whole = request.num_tokens - request.num_computed_tokens <= budget
+            if whole or self.config.enable_chunked_prefill:
                 num_tokens = self._chunk(request, budget, encoder)
+            else:
+                num_tokens = 0
             if num_tokens == 0 or not self._allocate_waiting(request, num_tokens, now):
                 if fresh:  # stays waiting: hold nothing
                     self._release(request)
