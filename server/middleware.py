@@ -18,6 +18,12 @@ MAX_REQUEST_ID = 128
 REQUEST_ID_CHARS = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
 
 
+def plain_request_id(request_id: bytes) -> bool:
+    """Whether a client's request id is echoed (and logged) as it is: short, and of plain
+    characters only."""
+    return len(request_id) <= MAX_REQUEST_ID and set(request_id) <= REQUEST_ID_CHARS
+
+
 class RequestIdMiddleware:
     """Echo the client's X-Request-Id where it is a short plain token, or give the response a
     fresh one."""
@@ -30,9 +36,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = _header(scope, REQUEST_ID_HEADER)
-        plain = (
-            given is not None and len(given) <= MAX_REQUEST_ID and set(given) <= (REQUEST_ID_CHARS)
-        )
+        plain = given is not None and plain_request_id(given)
         request_id = given if given is not None and plain else uuid.uuid4().hex.encode()
         scope.setdefault("state", {})["request_id"] = request_id.decode("latin-1")
 

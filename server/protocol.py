@@ -16,6 +16,7 @@ from pydantic import (
 
 from engine.core.errors import InvalidRequestError
 from engine.core.sampling_params import MAX_N
+from server.middleware import MAX_REQUEST_ID, plain_request_id
 
 
 def lone_surrogate_at(value: Any, path: str = "") -> str | None:
@@ -156,9 +157,9 @@ class SamplingFields(RequestBody):
     # vLLM's: only requests with the same salt share cached prefix blocks, so one tenant cannot
     # tell from response times what another sent.
     cache_salt: str | None = Field(default=None, min_length=1)
-    # vLLM's: the response's id is `PREFIX-request_id` (the `X-Request-Id` header wins); a plain
-    # token, as the header must be to be echoed, since it reaches the logs.
-    request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    # vLLM's: the response's id is `PREFIX-request_id` (the `X-Request-Id` header wins); plain,
+    # as the header must be to be echoed, since it reaches the logs.
+    request_id: str | None = Field(default=None, min_length=1)
     # vLLM's: the logprob of each prompt token and of its `prompt_logprobs` likeliest rivals.
     prompt_logprobs: LogprobCount | None = None
     include_stop_str_in_output: bool = False
@@ -172,6 +173,15 @@ class SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    @field_validator("request_id")
+    @classmethod
+    def _plain_request_id(cls, value: str | None) -> str | None:
+        if value is not None and not plain_request_id(value.encode()):
+            raise ValueError(
+                f"must be at most {MAX_REQUEST_ID} letters, digits and '-_.:' (as X-Request-Id)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _streaming_fields(self) -> SamplingFields:
