@@ -104,10 +104,15 @@ class JsonSchemaFormat(FormatModel):
 
 
 class ResponseFormat(FormatModel):
-    """OpenAI's `response_format`."""
+    """OpenAI's `response_format`, and vLLM's `structural_tag` type: a `format`, or
+    `structures` and `triggers`."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    at_least_one: bool | None = None
 
 
 class StructuredOutputsFields(FormatModel):
@@ -118,6 +123,7 @@ class StructuredOutputsFields(FormatModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
 
 class SamplingFields(RequestBody):

@@ -37,12 +37,16 @@ def _response_format(value: ResponseFormat | None) -> StructuredOutputs | None:
         return None
     if value.type == "json_object":
         return StructuredOutputs("json_object", param="response_format")
+    if value.type == "structural_tag":
+        fields = value.model_dump(include={"format", "structures", "triggers", "at_least_one"})
+        tag = {name: given for name, given in fields.items() if given is not None}
+        return StructuredOutputs("structural_tag", json.dumps(tag), "response_format")
     if value.json_schema is None:
         raise InvalidRequestError(
             "response_format of type json_schema needs a json_schema with a schema.",
             param="response_format",
         )
-    return StructuredOutputs("json", _schema_text(value.json_schema.schema_), "response_format")
+    return StructuredOutputs("json", _compact_json(value.json_schema.schema_), "response_format")
 
 
 def _structured_outputs(value: StructuredOutputsFields | None) -> StructuredOutputs | None:
@@ -56,25 +60,28 @@ def _structured_outputs(value: StructuredOutputsFields | None) -> StructuredOutp
             ("choice", value.choice is not None),
             ("grammar", value.grammar is not None),
             ("json_object", bool(value.json_object)),
+            ("structural_tag", value.structural_tag is not None),
         )
         if present
     ]
     if len(given) != 1:
         raise InvalidRequestError(
-            "structured_outputs must give exactly one of json, regex, choice, grammar or "
-            f"json_object; it gives {len(given)}.",
+            "structured_outputs must give exactly one of json, regex, choice, grammar, "
+            f"json_object or structural_tag; it gives {len(given)}.",
             param="structured_outputs",
         )
     kind = given[0]
     param = f"structured_outputs.{kind}"
     if kind == "json":
-        return StructuredOutputs("json", _schema_text(value.json_), param)
+        return StructuredOutputs("json", _compact_json(value.json_), param)
     if kind == "regex":
         return StructuredOutputs("regex", value.regex or "", param)
     if kind == "choice":
         return StructuredOutputs("choice", json.dumps(value.choice), param)
     if kind == "grammar":
         return StructuredOutputs("grammar", value.grammar or "", param)
+    if kind == "structural_tag":
+        return StructuredOutputs("structural_tag", _compact_json(value.structural_tag), param)
     return StructuredOutputs("json_object", param=param)
 
 
@@ -82,7 +89,7 @@ def _guided(body: SamplingFields) -> list[StructuredOutputs | None]:
     return [
         None
         if body.guided_json is None
-        else StructuredOutputs("json", _schema_text(body.guided_json), "guided_json"),
+        else StructuredOutputs("json", _compact_json(body.guided_json), "guided_json"),
         None
         if body.guided_regex is None
         else StructuredOutputs("regex", body.guided_regex, "guided_regex"),
@@ -95,10 +102,10 @@ def _guided(body: SamplingFields) -> list[StructuredOutputs | None]:
     ]
 
 
-def _schema_text(schema: Any) -> str:
-    """A schema as compact JSON text (its keys in their order: the properties' order is the
-    output's), so that equal schemas share one compiled grammar; a string is taken as JSON
-    text already."""
+def _compact_json(schema: Any) -> str:
+    """A schema or structural tag as compact JSON text (its keys in their order: the
+    properties' order is the output's), so that equal ones share one compiled grammar; a
+    string is taken as JSON text already."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)

@@ -15,7 +15,7 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 # The output formats a request may ask for (`StructuredOutputs.kind`).
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,10 +23,11 @@ class StructuredOutputs:
     """One format the output must follow, enforced token by token.
 
     `spec` is the JSON Schema as JSON text (`json`), the regular expression (`regex`), the
-    choices as a JSON list of strings (`choice`), or the grammar's text (`grammar`: Lark, or
-    GBNF with `::=`); empty for `json_object`. `param` names the request field it came from,
-    for errors. With `after`, the format holds only once the output has written that text (a
-    thinking model's `</think>`): what comes before runs free.
+    choices as a JSON list of strings (`choice`), the grammar's text (`grammar`: Lark, or
+    GBNF with `::=`), or a structural tag as JSON text (`structural_tag`: see
+    `engine.structured.structural_tag`); empty for `json_object`. `param` names the request
+    field it came from, for errors. With `after`, the format holds only once the output has
+    written that text (a thinking model's `</think>`): what comes before runs free.
     """
 
     kind: str

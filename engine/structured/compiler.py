@@ -68,7 +68,7 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         # The matcher compiles the grammar and holds its error, if any: no separate validation.
-        matcher = LLMatcher(self.tokenizer(), grammar_of(spec), log_level=0)
+        matcher = LLMatcher(self.tokenizer(), grammar_of(spec, self.special_tokens()), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(
                 f"Invalid {spec.param}: {matcher.get_error()}", param=spec.param
@@ -81,6 +81,11 @@ class GrammarCompiler:
         while self._compile_times:
             times.append(self._compile_times.popleft())
         return times
+
+    def special_tokens(self) -> dict[str, int]:
+        """The tokenizer's special tokens by their text."""
+        added = getattr(self._hf_tokenizer, "added_tokens_decoder", {})
+        return {token.content: i for i, token in added.items() if token.special}
 
     def tokenizer(self) -> Any:
         """llguidance's view of the model's tokenizer, made on first use (about a second for a

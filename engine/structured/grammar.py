@@ -24,10 +24,19 @@ JSON_OPTIONS: JsonCompileOptions = {
 }
 
 
-def grammar_of(spec: StructuredOutputs) -> str:
+def grammar_of(spec: StructuredOutputs, special: dict[str, int] | None = None) -> str:
     """llguidance's grammar for `spec`; raises `InvalidRequestError` naming `spec.param` for a
-    format that cannot be read (not JSON, not a list of strings, empty)."""
+    format that cannot be read (not JSON, not a list of strings, empty). `special` maps the
+    tokenizer's special tokens to their ids, for a structural tag's literals."""
     from llguidance import LLMatcher
+
+    if spec.kind == "structural_tag":
+        from engine.structured.structural_tag import FormatError, structural_tag_grammar
+
+        try:
+            return structural_tag_grammar(spec.spec, special or {})
+        except FormatError as error:
+            raise InvalidRequestError(f"Invalid {spec.param}: {error}.", param=spec.param) from None
 
     if spec.kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
@@ -39,7 +48,7 @@ def grammar_of(spec: StructuredOutputs) -> str:
     if spec.kind == "choice":
         return LLMatcher.grammar_from_lark(_choice_lark(spec))
     _require(bool(spec.spec.strip()), spec, "the grammar is empty")
-    return LLMatcher.grammar_from_lark(_lark(spec.spec))
+    return LLMatcher.grammar_from_lark(lark_of(spec.spec))
 
 
 def _schema(spec: StructuredOutputs) -> dict[str, Any]:
@@ -69,7 +78,7 @@ def _choice_lark(spec: StructuredOutputs) -> str:
     return "start: " + " | ".join(json.dumps(c) for c in choices)
 
 
-def _lark(text: str) -> str:
+def lark_of(text: str) -> str:
     """Lark as written; GBNF (`root ::= ...`, as llama.cpp and vLLM take it) converted."""
     if "::=" not in text:
         return text

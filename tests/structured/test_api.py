@@ -29,6 +29,19 @@ SCHEMA = {
 MESSAGES = [{"role": "user", "content": "Describe a city."}]
 BASE = {"model": "tiny", "max_tokens": 80, "seed": 3}
 CLOSERS = [tiny_tokenizer().convert_tokens_to_ids(c) for c in ('"', "}")]
+# Structural tags a random model must open at once.
+FORCED_CALL = {
+    "structures": [{"begin": "<call=city>", "schema": SCHEMA, "end": "</call>"}],
+    "triggers": ["<call="],
+    "at_least_one": True,
+}
+FORCED_FORMAT = {
+    "type": "sequence",
+    "elements": [
+        {"type": "const_string", "value": "Answer: "},
+        {"type": "regex", "pattern": "yes|no"},
+    ],
+}
 
 
 async def chat(client, **body):
@@ -94,6 +107,21 @@ async def test_response_format_text_is_free_text():
         ),
         ({"structured_outputs": {"json_object": True}}, lambda t: t.startswith("{")),
         ({"guided_grammar": 'start: "x" ("y" | "z")'}, lambda t: t in ("xy", "xz")),
+        (
+            {"response_format": {"type": "structural_tag", **FORCED_CALL}},
+            # the call first; free text may follow it
+            re.compile(
+                r'<call=city>\{"city": "[^"]*", "population": \d+, "coastal": \w+\}</call>'
+            ).match,
+        ),
+        (
+            {"response_format": {"type": "structural_tag", "format": FORCED_FORMAT}},
+            re.compile(r"Answer: (yes|no)").fullmatch,
+        ),
+        (
+            {"structured_outputs": {"structural_tag": json.dumps(FORCED_CALL)}},
+            lambda t: t.startswith("<call=city>{") and "}</call>" in t,
+        ),
     ],
     ids=[
         "choice",
@@ -104,6 +132,9 @@ async def test_response_format_text_is_free_text():
         "guided_json",
         "json_object",
         "guided_grammar",
+        "structural_tag",
+        "structural_tag_format",
+        "structured_outputs_structural_tag",
     ],
 )
 async def test_vllm_fields(field: dict, check) -> None:
@@ -149,6 +180,12 @@ async def test_logprobs_with_a_format():
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        (
+            {"response_format": {"type": "structural_tag", "format": {"type": "xml"}}},
+            "response_format",
+        ),
+        ({"structured_outputs": {"structural_tag": "{no"}}, "structured_outputs.structural_tag"),
     ],
 )
 async def test_bad_formats_get_a_400_naming_the_field(field: dict, param: str | None):
