@@ -47,6 +47,7 @@ from server.serving import (
 )
 from server.settings import ServerSettings
 from server.streaming import sse
+from server.strict_tools import strict_calls_format
 from server.tokenization import (
     TokenText,
     call_arguments_among,
@@ -424,6 +425,12 @@ class ChatHandler:
         parser = self._parser(tokenizer) if tools and forced is None else None
         if self._harmony():  # every reply is Harmony's messages
             parser = HARMONY
+        # A reply not opened in its reasoning may open it itself before any call.
+        may_think = self.thought if thinking is False else None
+        strict = None if params.structured else strict_calls_format(body, parser, may_think)
+        if strict is not None:
+            after = self.thought.ends[0] if thinking else ""
+            params = replace(params, structured=replace(strict, after=after))
         # A tag of the calls' or the reasoning's is a special token the text must keep.
         if parser in KEEPS_SPECIAL_TOKENS or (thinking is not None and self.thought.special):
             params = replace(params, skip_special_tokens=False)

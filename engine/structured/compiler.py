@@ -83,9 +83,16 @@ class GrammarCompiler:
         return times
 
     def special_tokens(self) -> dict[str, int]:
-        """The tokenizer's special tokens by their text."""
+        """The tokens llguidance holds apart from text, by their text: every token added to
+        the vocabulary (Qwen's `<tool_call>` and `<think>` as much as its `<|im_end|>`), which
+        no string in a grammar spells."""
         added = getattr(self._hf_tokenizer, "added_tokens_decoder", {})
-        return {token.content: i for i, token in added.items() if token.special}
+        tokenizer = self.tokenizer()
+        return {
+            token.content: i
+            for i, token in added.items()
+            if i < self.vocab_size and tokenizer.is_special_token(i)
+        }
 
     def tokenizer(self) -> Any:
         """llguidance's view of the model's tokenizer, made on first use (about a second for a

@@ -12,8 +12,9 @@ Free text (`any_text`, and the text around triggered tags) runs to the end of th
 the literal that closes it (the end of the tag it sits in); it ends at the first place that
 literal appears. Elsewhere, followed by a format that could begin anywhere, it is refused.
 
-A literal that is one of the tokenizer's special tokens (`<|python_tag|>`) stands for that
-token, not for its spelling in text."""
+A literal that is one of the tokenizer's special tokens (`<|python_tag|>`, and any token added
+to the vocabulary, such as Qwen's `<tool_call>`) stands for that token, not for its spelling
+in text; free text holds no such token."""
 
 from __future__ import annotations
 

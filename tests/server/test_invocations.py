@@ -4,6 +4,8 @@ and `/ping` answers as `/health`."""
 
 from __future__ import annotations
 
+import pytest
+
 from server.settings import ServerSettings
 from tests.server.test_classify import TEXTS, classifier_client, classifier_dir  # noqa: F401
 from tests.server.test_server_errors import assert_error
@@ -44,7 +46,12 @@ async def test_an_input_body_is_an_embedding_under_the_pooling_runner():
         body = {"input": ["Hello there", "Count: 1 2 3"]}
         own = (await client.post("/v1/embeddings", json=body)).json()
         invoked = (await client.post("/invocations", json=body)).json()
-        assert invoked["data"] == own["data"] and invoked["object"] == "list"
+        assert invoked["object"] == "list" and len(invoked["data"]) == len(own["data"]) == 2
+        # The second request reads the first's cached prefix, which may move the last float
+        # bits on some CPUs' kernels.
+        for mine, theirs in zip(invoked["data"], own["data"], strict=True):
+            assert mine["index"] == theirs["index"]
+            assert mine["embedding"] == pytest.approx(theirs["embedding"], abs=1e-5)
         refused = await client.post("/invocations", json={"messages": MESSAGES})
         assert_error(refused, 400, text="--runner pooling")
 

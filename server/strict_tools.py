@@ -1,0 +1,118 @@
+"""Strict functions under `tool_choice: "auto"`: the reply runs free, but a call it opens in the
+tool-call parser's format must name one of the request's functions, and a function marked
+`strict` gets arguments that fit its `parameters` schema (others get any JSON object). With
+`parallel_tool_calls: false` the reply ends after its first call.
+
+Enforced as a structural tag (`engine.structured.structural_tag`) for the parsers whose calls
+are JSON in a fixed frame: `hermes`, `llama3_json`, `granite` and `phi4_mini_json`. For the
+others the calls are read as written. A reply that may open its own reasoning may do so first
+(its tags are tokens of their own that free text does not hold)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from engine.core.sampling_params import StructuredOutputs
+from server.protocol import ChatCompletionRequest, Tool
+from server.reasoning import ThoughtTags
+from server.tool_parsers import FUNCTOOLS, GRANITE_TOOL_CALL, OPEN, PYTHON_TAG
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def strict_calls_format(
+    body: ChatCompletionRequest, parser: str | None, thought: ThoughtTags | None = None
+) -> StructuredOutputs | None:
+    """The structural tag that enforces the request's strict functions in `parser`'s format,
+    after an optional `thought` where the reply may open one; None where no function is
+    strict, or the format is not one a tag can hold."""
+    tools = body.tools or []
+    if parser not in FORMATS or not any(tool.function.strict for tool in tools):
+        return None
+    single = not body.parallel_tool_calls
+    tag = FORMATS[parser](tools, single)
+    if thought is not None:
+        tag = {"type": "sequence", "elements": [_optional_thought(thought), tag]}
+    return StructuredOutputs("structural_tag", json.dumps({"format": tag}), "tools")
+
+
+def _optional_thought(thought: ThoughtTags) -> dict[str, Any]:
+    text = {"type": "any_text"}
+    tags = [
+        {"type": "tag", "begin": start, "content": text, "end": thought.ends[0]}
+        for start in thought.starts
+    ]
+    return {"type": "or", "elements": [*tags, {"type": "const_string", "value": ""}]}
+
+
+def _hermes(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the tags on lines of their
+    own or not, as Qwen writes them."""
+    frames = [("<tool_call>\n", "}\n</tool_call>"), ("<tool_call>", "}</tool_call>")]
+    tags = [
+        _tag(opening + _opening(tool, "arguments"), tool, closing)
+        for tool in tools
+        for opening, closing in frames
+    ]
+    return _triggered(["<tool_call>"], tags, single)
+
+
+def _llama3_json(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """`{"name": ..., "parameters": ...}`, after `<|python_tag|>` or not, as Llama 3.1 writes
+    them."""
+    tags = [
+        _tag(prefix + _opening(tool, "parameters"), tool, "}")
+        for tool in tools
+        for prefix in ("", PYTHON_TAG)
+    ]
+    return _triggered(['{"name": ', PYTHON_TAG], tags, single)
+
+
+def _json_list(*triggers: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
+    """`TRIGGER[{"name": ..., "arguments": ...}, ...]`: one list of calls (one call in it with
+    `single`), after any of the triggers."""
+
+    def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
+        calls = {
+            "type": "tags_with_separator",
+            "tags": [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools],
+            "separator": ", ",
+            "at_least_one": True,
+            "stop_after_first": single,
+        }
+        lists = [
+            {"type": "tag", "begin": trigger + "[", "content": calls, "end": "]"}
+            for trigger in triggers
+        ]
+        return _triggered(list(triggers), lists, single=True)  # the list ends the reply
+
+    return format_
+
+
+FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
+    "hermes": _hermes,
+    "llama3_json": _llama3_json,
+    "granite": _json_list(GRANITE_TOOL_CALL, OPEN),
+    "phi4_mini_json": _json_list(FUNCTOOLS),
+}
+
+
+def _triggered(triggers: list[str], tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
+    return {
+        "type": "triggered_tags",
+        "triggers": triggers,
+        "tags": tags,
+        "stop_after_first": single,
+    }
+
+
+def _opening(tool: Tool, key: str) -> str:
+    return f'{{"name": {json.dumps(tool.function.name)}, "{key}": '
+
+
+def _tag(begin: str, tool: Tool, end: str) -> dict[str, Any]:
+    schema = (tool.function.parameters or ANY_OBJECT) if tool.function.strict else ANY_OBJECT
+    content = {"type": "json_schema", "json_schema": schema}
+    return {"type": "tag", "begin": begin, "content": content, "end": end}

@@ -1,0 +1,182 @@
+"""Strict functions under `tool_choice: "auto"`: the reply runs free, but a call it opens in the
+parser's format names a listed function, a strict function's arguments fit its schema, and
+`parallel_tool_calls: false` ends the reply after the first call. Checked on the compiled
+format with texts, and end to end on a random model pushed toward the call tag."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import pytest
+
+from engine.core.sampling_params import StructuredOutputs
+from engine.structured.compiler import GrammarCompiler
+from server.protocol import ChatCompletionRequest
+from server.reasoning import THINK
+from server.settings import ServerSettings
+from server.strict_tools import strict_calls_format
+from tests.helpers import tiny_llama, tiny_tokenizer
+from tests.server.test_tool_calls import TOOL_TEMPLATE, WEATHER
+from tests.server_utils import app_client
+
+STRICT_WEATHER = {
+    "type": "function",
+    "function": {"name": "weather", "parameters": WEATHER, "strict": True},
+}
+LOOSE_TIME = {
+    "type": "function",
+    "function": {"name": "time", "parameters": {"type": "object", "required": ["zone"]}},
+}
+MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
+OSLO = '{"city": "Oslo", "unit": "c"}'
+KELVIN = '{"city": "Oslo", "unit": "k"}'  # not in the strict schema's enum
+
+
+def request(parallel: bool = True, tools: list | None = None) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {
+            "model": "tiny",
+            "messages": MESSAGES,
+            "tools": tools or [STRICT_WEATHER, LOOSE_TIME],
+            "parallel_tool_calls": parallel,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    tokenizer = tiny_tokenizer()
+    return GrammarCompiler(tokenizer, 320, frozenset({tokenizer.eos_token_id}))
+
+
+def allows(compiler: GrammarCompiler, spec: StructuredOutputs, text: str) -> bool:
+    matcher = compiler.matcher(spec)
+    ids = compiler._hf_tokenizer.encode(text, add_special_tokens=False)
+    return bool(matcher.consume_tokens(ids) and matcher.is_accepting())
+
+
+def hermes(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+CASES = {
+    "hermes": [
+        ("Just an answer.", True, True),
+        ("Sure. " + hermes("weather", OSLO), True, True),
+        (f'<tool_call>{{"name": "weather", "arguments": {OSLO}}}</tool_call>', True, True),
+        (hermes("weather", KELVIN), False, False),
+        (hermes("time", '{"zone": "whatever"}'), True, True),  # not strict: any object
+        (hermes("time", '"no object"'), False, False),
+        (hermes("news", "{}"), False, False),
+        (hermes("weather", OSLO) + " and " + hermes("time", '{"zone": 1}'), True, False),
+    ],
+    "llama3_json": [
+        (f'{{"name": "weather", "parameters": {OSLO}}}', True, True),
+        (f'{{"name": "weather", "parameters": {KELVIN}}}', False, False),
+        (f'<|python_tag|>{{"name": "weather", "parameters": {OSLO}}}', True, True),
+        ("No call.", True, True),
+    ],
+    "granite": [
+        (f'<|tool_call|>[{{"name": "weather", "arguments": {OSLO}}}]', True, True),
+        (f'<|tool_call|>[{{"name": "weather", "arguments": {KELVIN}}}]', False, False),
+        (
+            f'<|tool_call|>[{{"name": "weather", "arguments": {OSLO}}}, '
+            '{"name": "time", "arguments": {"zone": 2}}]',
+            True,
+            False,
+        ),
+        (f'<|tool_call|>[{{"name": "weather", "arguments": {OSLO}}}] more', False, False),
+        (f'<tool_call>[{{"name": "weather", "arguments": {OSLO}}}]', True, True),
+    ],
+    "phi4_mini_json": [
+        (f'functools[{{"name": "weather", "arguments": {OSLO}}}]', True, True),
+        (f'functools[{{"name": "weather", "arguments": {KELVIN}}}]', False, False),
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "parallel_ok", "single_ok"),
+    [(parser, *case) for parser, cases in CASES.items() for case in cases],
+)
+def test_calls_in_each_format(compiler, parser, text, parallel_ok, single_ok) -> None:
+    for parallel, allowed in ((True, parallel_ok), (False, single_ok)):
+        spec = strict_calls_format(request(parallel), parser)
+        assert spec is not None and spec.param == "tools"
+        assert allows(compiler, spec, text) == allowed, (parallel, text)
+
+
+def test_no_strict_function_or_no_tag_format_leaves_the_reply_free() -> None:
+    assert strict_calls_format(request(tools=[LOOSE_TIME]), "hermes") is None
+    assert strict_calls_format(request(), "pythonic") is None
+    assert strict_calls_format(request(), None) is None
+
+
+CALL_TAGS = ["<tool_call>", "</tool_call>"]
+
+
+def tag_tokenizer():
+    """The tiny tokenizer with Qwen's call tags as tokens of their own (not special)."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.add_tokens(CALL_TAGS)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    return tokenizer
+
+
+async def test_a_random_model_pushed_into_a_call_makes_a_valid_one() -> None:
+    """A bias makes the model open `<tool_call>` at once, and keep opening it; strict, its one
+    call (parallel calls off) is well formed and fits the schema, and the reply ends there."""
+    tokenizer = tag_tokenizer()
+    [opening] = tokenizer.convert_tokens_to_ids(CALL_TAGS[:1])
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="hermes")
+    model = tiny_llama(vocab_size=len(tokenizer))
+    async with app_client(settings, model=model, tokenizer=tokenizer) as (client, _):
+        body = {
+            "model": "tiny",
+            "messages": MESSAGES,
+            "tools": [STRICT_WEATHER],
+            "parallel_tool_calls": False,
+            "logit_bias": {str(opening): 100},
+            "max_tokens": 250,
+            "seed": 1,
+        }
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        [choice] = response.json()["choices"]
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "weather"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+        assert choice["finish_reason"] == "tool_calls"
+        assert not (choice["message"]["content"] or "").strip()
+
+        loose = {
+            **body,
+            "tools": [
+                {**STRICT_WEATHER, "function": {**STRICT_WEATHER["function"], "strict": False}}
+            ],
+        }
+        response = await client.post("/v1/chat/completions", json=loose)
+        [choice] = response.json()["choices"]
+        assert not choice["message"].get("tool_calls")  # unconstrained: tag after tag
+
+
+def test_a_reply_may_open_its_reasoning_before_calls() -> None:
+    """Where the reply may open its own thought, `<think>` (a token of its own, as in Qwen3)
+    may come first; free text alone does not hold that token."""
+    tokenizer = copy.deepcopy(tag_tokenizer())
+    tokenizer.add_tokens(["<think>", "</think>"])
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    ids = [
+        think,
+        *tokenizer.encode("Oslo, so weather.", add_special_tokens=False),
+        end_think,
+        *tokenizer.encode(hermes("weather", OSLO), add_special_tokens=False),
+    ]
+    for thought, allowed in ((THINK, True), (None, False)):
+        spec = strict_calls_format(request(), "hermes", thought)
+        assert spec is not None
+        matcher = compiler.matcher(spec)
+        assert bool(matcher.consume_tokens(ids) and matcher.is_accepting()) == allowed
