@@ -73,7 +73,7 @@ from server.serving_score import ScoreHandler
 from server.settings import ServerSettings
 from server.stats_log import StatsLog
 from server.tokenization import encode_text
-from server.tracing import Tracing
+from server.tracing import Tracing, output_logging
 from server.version import conveyor_version
 
 UPLOAD_ENVELOPE_BYTES = 1 << 20
@@ -100,7 +100,9 @@ def build_app(
         engine.tokenizer.chat_template = settings.chat_template
     registry = registry if registry is not None else build_registry()
     engine.stat_loggers.append(EngineMetrics(registry, served.name, engine.info).record)
-    tracing = tracing or Tracing.from_endpoint(settings.otlp_traces_endpoint, settings.log_requests)
+    tracing = tracing or Tracing.from_endpoint(
+        settings.otlp_traces_endpoint, settings.log_requests, output_logging(settings)
+    )
     if tracing.enabled:
         engine.stat_loggers.append(tracing.record)
 

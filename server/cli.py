@@ -89,6 +89,13 @@ def existing_folder(text: str) -> Path:
     return path
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def parse_json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -586,6 +593,17 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help="no log line per request, whatever the log format",
     )
     server.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="each request's log line holds each choice's text (needs request log lines)",
+    )
+    server.add_argument(
+        "--max-log-len",
+        type=_non_negative_int,
+        default=None,
+        help="the characters of each text a log line holds (default: all)",
+    )
+    server.add_argument(
         "--log-format",
         default="plain",
         choices=FORMATS,
@@ -673,8 +691,9 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
-        log_requests=(args.log_format == "json" or args.enable_log_requests)
-        and not args.disable_log_requests,
+        log_requests=_log_requests(args),
+        log_outputs=_log_outputs(args),
+        max_log_len=args.max_log_len,
         state_dir=args.state_dir,
         max_file_bytes=args.max_file_bytes,
         runtime_lora_updating=args.allow_runtime_lora_updating,
@@ -724,19 +743,34 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
     return TlsFiles(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
 
 
+def _log_requests(args: argparse.Namespace) -> bool:
+    return (args.log_format == "json" or args.enable_log_requests) and not args.disable_log_requests
+
+
+def _log_outputs(args: argparse.Namespace) -> bool:
+    if args.enable_log_outputs and not _log_requests(args):
+        raise ValueError(
+            "--enable-log-outputs writes outputs into request log lines, which are off: add "
+            "--enable-log-requests (or --log-format json)"
+        )
+    return bool(args.enable_log_outputs)
+
+
 def serve(args: argparse.Namespace) -> int:
     from engine.core.async_engine import AsyncEngine
     from server.app import build_app
     from server.http_protocol import uvicorn_config
     from server.lifecycle import DrainingServer, freeze_heap
     from server.log_format import configure_logging
-    from server.tracing import Tracing
+    from server.tracing import Tracing, output_logging
 
     uvicorn_level = args.uvicorn_log_level or args.log_level
     log_config = configure_logging(args.log_level, args.log_format, uvicorn_level)
     try:
         settings = server_settings(args)
-        tracing = Tracing.from_endpoint(settings.otlp_traces_endpoint, settings.log_requests)
+        tracing = Tracing.from_endpoint(
+            settings.otlp_traces_endpoint, settings.log_requests, output_logging(settings)
+        )
         engine = AsyncEngine.from_config(engine_config(args))
         app = build_app(engine, settings, tracing=tracing)
     except (ValueError, OSError) as exc:

@@ -70,6 +70,10 @@ class ChunkRenderer:
     def finish_reasons(self) -> list[str]:
         return [choice.finish_reason or "abort" for choice in self.choices.values()]
 
+    def texts(self) -> list[str]:
+        """Each choice's text as the model wrote it."""
+        return [choice.text for choice in self.choices.values()]
+
     def event(self, choices: list[dict[str, Any]]) -> str:
         """The server-sent event of a chunk without usage: the same text as
         `sse(self.chunk(choices))`, with the fields that never change encoded once; with

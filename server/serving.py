@@ -311,6 +311,8 @@ class Renderer(Protocol):
 
     def finish_reasons(self) -> list[str]: ...
 
+    def texts(self) -> list[str]: ...
+
     def chunk(self, choices: list[dict[str, Any]], with_usage: bool = False) -> dict[str, Any]: ...
 
     def event(self, choices: list[dict[str, Any]]) -> str: ...
@@ -333,7 +335,7 @@ async def respond(renderer: Renderer, streams: Streams, stream: bool, request: R
         if result is None:
             return Response(status_code=CLIENT_GONE)
         if trace is not None:
-            trace.output(result["usage"], renderer.finish_reasons())
+            trace.output(result["usage"], renderer.finish_reasons(), renderer.texts())
         return JSONResponse(result)
     first = await unless_disconnected(request, anext(merged))
     if first is None:
@@ -400,7 +402,7 @@ async def _events(
                 RequestTimeoutError("The request's deadline passed; the answer above is cut short.")
             )
         if trace is not None:
-            trace.output(renderer.usage(), renderer.finish_reasons())
+            trace.output(renderer.usage(), renderer.finish_reasons(), renderer.texts())
         completed = True
     except Exception as exc:
         if trace is not None:

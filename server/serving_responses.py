@@ -84,7 +84,7 @@ class ResponsesHandler:
             if result is None:
                 return Response(status_code=CLIENT_GONE)
             if trace is not None:
-                trace.output(renderer.usage(), renderer.finish_reasons())
+                trace.output(renderer.usage(), renderer.finish_reasons(), renderer.texts())
             self._keep(body, reply, result)
             return JSONResponse(result)
         first = await unless_disconnected(request, anext(merged))
@@ -146,7 +146,9 @@ class ResponsesHandler:
                 yield stream.sse(event)
             result = reply.response()
             if trace is not None:
-                trace.output(reply.renderer.usage(), reply.renderer.finish_reasons())
+                trace.output(
+                    reply.renderer.usage(), reply.renderer.finish_reasons(), reply.renderer.texts()
+                )
             self._keep(body, reply, result)
             yield stream.event(f"response.{result['status']}", response=result)
             completed = True

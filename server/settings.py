@@ -70,6 +70,10 @@ class ServerSettings:
     otlp_traces_endpoint: str | None = None
     # A log line for every finished request (`--log-format json`).
     log_requests: bool = False
+    # That line holds each choice's text (`--enable-log-outputs`), cut to `max_log_len`
+    # characters (`--max-log-len`; None: whole).
+    log_outputs: bool = False
+    max_log_len: int | None = None
     # Where uploaded files and batch jobs are kept (None: `state` under the cache folder).
     state_dir: Path | None = None
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -27,6 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine.core.stats import FinishedRequestStats, StepStats
 from server.errors import to_api_error
+from server.settings import ServerSettings
 from server.streaming import CLIENT_GONE
 
 ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
@@ -62,6 +64,17 @@ LOG_FIELDS = {
 REQUEST_LOG = logging.getLogger("conveyor.requests")
 
 
+@dataclass(frozen=True, slots=True)
+class OutputLogging:
+    """Each choice's text in the request's log line (vLLM's `--enable-log-outputs`), cut to
+    `max_len` characters (`--max-log-len`; None: whole)."""
+
+    max_len: int | None = None
+
+    def cut(self, text: str) -> str:
+        return text if self.max_len is None else text[: self.max_len]
+
+
 class RequestTrace:
     """One request, observed until its response (or stream) ends: its span when tracing, and
     the attributes its log line is made of."""
@@ -74,6 +87,7 @@ class RequestTrace:
         self.error: str | None = None
         self.request_id: str | None = None
         self.sequences: list[FinishedRequestStats] = []
+        self.outputs: list[str] | None = None
         self.status = 200
         self.ended = False
 
@@ -97,7 +111,13 @@ class RequestTrace:
         self.set("gen_ai.response.id", response_id or request_id)
         self.tracing.open[request_id] = self
 
-    def output(self, usage: Mapping[str, Any], finish_reasons: list[str]) -> None:
+    def output(
+        self, usage: Mapping[str, Any], finish_reasons: list[str], texts: Sequence[str] = ()
+    ) -> None:
+        """What the request produced: usage, finish reasons, and each choice's text (which
+        reaches the log line only where output logging is on)."""
+        if self.tracing.outputs is not None:
+            self.outputs = [self.tracing.outputs.cut(text) for text in texts]
         self.set("gen_ai.usage.input_tokens", usage["prompt_tokens"])
         self.set("gen_ai.usage.output_tokens", usage["completion_tokens"])
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -169,6 +189,8 @@ class RequestTrace:
             fields["error"] = self.error
         if self.events:
             fields["events"] = self.events
+        if self.outputs is not None:
+            fields["outputs"] = self.outputs
         return fields
 
 
@@ -176,19 +198,29 @@ class Tracing:
     """Observes each completion and chat request when a tracer is configured (a span) or
     request logging is on (a log line); otherwise does nothing."""
 
-    def __init__(self, tracer: Any = None, provider: Any = None, log_requests: bool = False):
+    def __init__(
+        self,
+        tracer: Any = None,
+        provider: Any = None,
+        log_requests: bool = False,
+        outputs: OutputLogging | None = None,
+    ):
         self.tracer = tracer
         self.provider = provider
         self.log_requests = log_requests
+        # What of each choice's text the log line holds (None: nothing).
+        self.outputs = outputs if log_requests else None
         self.open: dict[str, RequestTrace] = {}
 
     @classmethod
-    def from_endpoint(cls, endpoint: str | None, log_requests: bool = False) -> Tracing:
+    def from_endpoint(
+        cls, endpoint: str | None, log_requests: bool = False, outputs: OutputLogging | None = None
+    ) -> Tracing:
         """Tracing that exports to `endpoint` (or the environment's), or none; and a log line
-        per request with `log_requests`."""
+        per request with `log_requests`, holding its outputs with `outputs`."""
         endpoint = endpoint or os.environ.get(ENDPOINT_VARIABLE)
         if not endpoint:
-            return cls(log_requests=log_requests)
+            return cls(log_requests=log_requests, outputs=outputs)
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -198,16 +230,18 @@ class Tracing:
                 "pip install 'conveyor[otel]'"
             ) from exc
         exporter = OTLPSpanExporter(endpoint=endpoint)
-        return cls.with_processor(BatchSpanProcessor(exporter), log_requests)
+        return cls.with_processor(BatchSpanProcessor(exporter), log_requests, outputs)
 
     @classmethod
-    def with_processor(cls, processor: Any, log_requests: bool = False) -> Tracing:
+    def with_processor(
+        cls, processor: Any, log_requests: bool = False, outputs: OutputLogging | None = None
+    ) -> Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
 
         provider = TracerProvider(resource=Resource.create({"service.name": "conveyor"}))
         provider.add_span_processor(processor)
-        return cls(provider.get_tracer("conveyor"), provider, log_requests)
+        return cls(provider.get_tracer("conveyor"), provider, log_requests, outputs)
 
     @property
     def enabled(self) -> bool:
@@ -273,6 +307,11 @@ class Tracing:
         """Send what is still buffered."""
         if self.provider is not None:
             self.provider.shutdown()
+
+
+def output_logging(settings: ServerSettings) -> OutputLogging | None:
+    """What of each output the request log lines hold, as the settings ask."""
+    return OutputLogging(settings.max_log_len) if settings.log_outputs else None
 
 
 def request_trace(request: Request) -> RequestTrace | None:

@@ -26,8 +26,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from server.log_format import JsonFormatter
 from server.settings import ServerSettings
-from server.tracing import Tracing
-from tests.server_utils import app_client, blocks_in_use, live_server
+from server.tracing import OutputLogging, Tracing, output_logging
+from tests.server_utils import app_client, blocks_in_use, live_server, until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -251,3 +251,53 @@ def test_the_flag_without_the_otel_extra_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
     with pytest.raises(ValueError, match=r"pip install 'conveyor\[otel\]'"):
         Tracing.from_endpoint("http://127.0.0.1:4318/v1/traces")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_log_lines_hold_each_outputs_text_cut_to_the_length(caplog, stream: bool):
+    """`--enable-log-outputs`: each choice's text, cut to `--max-log-len` characters; without
+    it the line holds no text."""
+    caplog.set_level("INFO", logger="conveyor.requests")
+    body = {
+        "model": "tiny",
+        "prompt": "Hi",
+        "max_tokens": 12,
+        "n": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    full = {**body, "stream": False}
+    for outputs in (OutputLogging(max_len=5), None):
+        caplog.clear()
+        tracing = Tracing(log_requests=True, outputs=outputs)
+        async with app_client(tracing=tracing) as (client, _):
+            texts = [
+                c["text"]
+                for c in (await client.post("/v1/completions", json=full)).json()["choices"]
+            ]
+            caplog.clear()
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            await until(lambda: caplog.records, what="the log line")
+        [record] = [r for r in caplog.records if r.name == "conveyor.requests"]
+        if outputs is None:
+            assert "outputs" not in record.fields
+        else:
+            assert record.fields["outputs"] == [text[:5] for text in texts]
+            assert all(len(text) > 5 for text in texts)  # so the cut shows
+
+
+def test_output_log_lines_need_request_log_lines():
+    from server.cli import build_parser, server_settings
+
+    def settings(*argv: str):
+        return server_settings(build_parser().parse_args(["serve", *argv]))
+
+    chosen = settings("--enable-log-requests", "--enable-log-outputs", "--max-log-len", "40")
+    assert chosen.log_outputs and chosen.max_log_len == 40
+    assert output_logging(chosen) == OutputLogging(40)
+    assert output_logging(settings("--enable-log-requests")) is None
+    with pytest.raises(ValueError, match="--enable-log-requests"):
+        settings("--enable-log-outputs")
+    with pytest.raises(SystemExit):
+        settings("--max-log-len", "-1")
