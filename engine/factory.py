@@ -370,6 +370,7 @@ def core_from_model(
         image_token_id=_image_token(model),
         labels=loaded.labels,
         max_logprobs=core.max_logprobs,
+        eos_token_ids=loaded.eos_token_ids,
     )
     return core, info
 

@@ -170,6 +170,10 @@ class SamplingFields(RequestBody):
     prompt_logprobs: LogprobCount | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: the `n` best of a beam search instead of sampling (`server/beam_search.py`),
+    # ranked by cumulative logprob over length to the power `length_penalty`.
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
     priority: Int = 0
     timeout: float | None = Field(default=None, gt=0)
     response_format: ResponseFormat | None = None

@@ -14,6 +14,7 @@ from engine.core.images import ImageInputs
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.lora.registry import LoRARequest
+from server import beam_search
 from server.call_array import CallArrayReader
 from server.content_format import content_format
 from server.harmony import FINAL, HarmonyReader, is_harmony, split_harmony
@@ -42,7 +43,6 @@ from server.serving import (
     require_text_model,
     respond,
     sampling_params,
-    submit_all,
     usage,
 )
 from server.settings import ServerSettings
@@ -556,7 +556,9 @@ class ChatHandler:
         renderer = self.renderer(shown, body, prepared)
         await self.engine.prepare(prepared.params)
         options = request_options(body, request, prepared.lora, prepared.images)
-        streams = submit_all(self.engine, [prepared.prompt], prepared.params, request_id, options)
+        streams = beam_search.submit(
+            self.engine, [prepared.prompt], prepared.params, body, request_id, options
+        )
         return await respond(renderer, streams, bool(body.stream), request)
 
 

@@ -12,6 +12,7 @@ from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.lora.registry import LoRARequest
+from server import beam_search
 from server.limits import RequestLimits, check_completion
 from server.logprobs import CompletionLogprobs, prompt_logprobs
 from server.protocol import CompletionRequest
@@ -25,7 +26,6 @@ from server.serving import (
     request_options,
     respond,
     sampling_params,
-    submit_all,
     usage,
 )
 from server.tokenization import (
@@ -230,7 +230,7 @@ class CompletionHandler:
         renderer = CompletionRenderer(shown, model, body, prompts, texts, tokenizer)
         await self.engine.prepare(params)
         options = request_options(body, request, lora)
-        streams = submit_all(self.engine, prompts, params, request_id, options)
+        streams = beam_search.submit(self.engine, prompts, params, body, request_id, options)
         return await respond(renderer, streams, bool(body.stream), request)
 
 

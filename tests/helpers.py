@@ -3,6 +3,8 @@ engine cores around them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -236,8 +238,7 @@ def reference_greedy(
     """transformers' own greedy generation, the oracle (EOS ignored so lengths are fixed), with
     its `attention` implementation (`eager` computes soft caps and sinks); `generate` holds
     more of `model.generate`'s arguments (`bad_words_ids`)."""
-    model.set_attn_implementation(attention)
-    try:
+    with transformers_attention(model, attention):
         ids = torch.tensor([prompt], device=model.device)
         out = model.generate(
             ids,
@@ -249,11 +250,20 @@ def reference_greedy(
             pad_token_id=0,
             **generate,
         )
+    return out[0, len(prompt) :].tolist()
+
+
+@contextmanager
+def transformers_attention(model: Any, attention: str = "sdpa") -> Iterator[None]:
+    """`model` runs on transformers' own `attention` meanwhile, whether or not an engine was
+    built around it (which sets Conveyor's paged attention); Conveyor's after."""
+    model.set_attn_implementation(attention)
+    try:
+        yield
     finally:
         from engine.attention.hf import register
 
         model.set_attn_implementation(register())
-    return out[0, len(prompt) :].tolist()
 
 
 def sabotage_steps(

@@ -313,6 +313,8 @@ class ServingInfo:
     labels: tuple[str, ...] = ()
     # The most log probabilities a request may ask for per token (`--max-logprobs`).
     max_logprobs: int = MAX_LOGPROBS
+    # The tokens that end a sequence (the model's end-of-sequence tokens).
+    eos_token_ids: frozenset[int] = frozenset()
     # What a request that leaves a sampling field out gets, by the request's field name, where
     # the model's generation config says (`loading/generation_config.py`).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
