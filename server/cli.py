@@ -808,13 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="the model, as --model (vLLM's `vllm serve MODEL`)",
     )
-    serve_parser.add_argument(
-        CONFIG_OPTION,
-        default=None,
-        metavar="FILE",
-        help="a YAML file of options (keys are the long option names, `max-model-len: 4096`); "
-        "options given on the command line take precedence",
-    )
+    _add_config_option(serve_parser)
     _add_engine_args(serve_parser)
     _add_server_args(serve_parser)
     add_vllm_only_flags(serve_parser)
@@ -917,9 +911,20 @@ def _add_batch_commands(commands: argparse._SubParsersAction) -> None:
         help="where the run's progress is kept (default: OUTPUT.state beside the output)",
     )
     run.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME")
+    _add_config_option(run)
     _add_reply_parsers(run)
     _add_engine_args(run)
     run.set_defaults(func=batch_run)
+
+
+def _add_config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        CONFIG_OPTION,
+        default=None,
+        metavar="FILE",
+        help="a YAML file of options (keys are the long option names, `max-model-len: 4096`); "
+        "options given on the command line take precedence",
+    )
 
 
 def batch_run(args: argparse.Namespace) -> int:
@@ -999,27 +1004,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     given = sys.argv[1:] if argv is None else argv
     argv = given
-    if given[:1] == ["serve"]:
-        argv = ["serve", *with_config_file(_command_parser(parser, "serve"), given[1:])]
+    for command in CONFIGURED_COMMANDS:  # their options may come from a `--config` file
+        if given[: len(command)] == list(command):
+            options = given[len(command) :]
+            argv = [*command, *with_config_file(_command_parser(parser, command), options)]
     args = parser.parse_args(argv)
+    if getattr(args, "config", None) is not None:  # an abbreviation reaches argparse unread
+        parser.error(f"write {CONFIG_OPTION} in full")
     if args.command == "serve":
         _take_model_tag(parser, args, given)
     return args.func(args)
 
 
-def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return commands.choices[command]
+# The commands whose options a `--config` file may give.
+CONFIGURED_COMMANDS = (("serve",), ("batch", "run"))
+
+
+def _command_parser(
+    parser: argparse.ArgumentParser, command: tuple[str, ...]
+) -> argparse.ArgumentParser:
+    for name in command:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = commands.choices[name]
+    return parser
 
 
 def _take_model_tag(
     parser: argparse.ArgumentParser, args: argparse.Namespace, given: list[str]
 ) -> None:
     """The model given as the command's first argument taken as `--model` (over a config
-    file's `model`; refused beside another `--model` on the command line). `--config` must be
-    written in full: an abbreviation reaches argparse unread."""
-    if args.config is not None:
-        parser.error(f"write {CONFIG_OPTION} in full")
+    file's `model`; refused beside another `--model` on the command line)."""
     if args.model_tag is None:
         return
     on_command_line = any(a == "--model" or a.startswith("--model=") for a in given)

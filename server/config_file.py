@@ -1,4 +1,5 @@
-"""`conveyor serve --config FILE`: a YAML file of the command's options, as vLLM's `--config`.
+"""`conveyor serve --config FILE` (and `conveyor batch run`): a YAML file of the command's
+options, as vLLM's `--config`.
 
 Each key is an option's long name, with dashes or underscores (`max-model-len: 4096`,
 `max_num_seqs: 64`); a switch takes `true` (or `false`: left off, or `--no-NAME` where the option
@@ -43,7 +44,7 @@ def _config_path(argv: list[str]) -> tuple[str | None, list[str]]:
         if argument == CONFIG_OPTION:
             path = next(arguments, None)
             if path is None:
-                raise SystemExit(f"conveyor serve: {CONFIG_OPTION} needs a file")
+                raise SystemExit(f"{CONFIG_OPTION} needs a file")
         elif argument.startswith(CONFIG_OPTION + "="):
             path = argument.partition("=")[2]
         else:

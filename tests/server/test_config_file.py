@@ -128,3 +128,27 @@ def test_a_server_starts_from_its_model_and_a_config_file(tmp_path) -> None:
         process.send_signal(signal.SIGTERM)
         log = process.communicate(timeout=60)[0]
     assert process.returncode == 0, log
+
+
+def test_a_config_file_gives_batch_run_its_options(tmp_path, monkeypatch) -> None:
+    """`conveyor batch run IN OUT --config FILE`, as vLLM's run-batch takes one."""
+    taken: list[argparse.Namespace] = []
+    monkeypatch.setattr(cli, "batch_run", lambda args: taken.append(args) or 0)
+    path = config_file(tmp_path, "max-model-len: 256\nmax_num_seqs: 3\nmodel: /models/m\n")
+    argv = ["batch", "run", "in.jsonl", "out.jsonl", "--config", path, "--max-num-seqs", "5"]
+    assert cli.main(argv) == 0
+    [args] = taken
+    engine = engine_config(args)
+    assert (engine.model, engine.max_model_len, engine.max_num_seqs) == ("/models/m", 256, 5)
+    assert args.input == Path("in.jsonl")
+    with pytest.raises(SystemExit):
+        cli.main(
+            [
+                "batch",
+                "run",
+                "in.jsonl",
+                "out.jsonl",
+                "--config",
+                config_file(tmp_path, "port: 1\n"),
+            ]
+        )
