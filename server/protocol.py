@@ -413,10 +413,40 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class AllowedTool(BaseModel):
+    """A function `allowed_tools` lets the reply call: `{"type": "function", "function":
+    {"name": ...}}` as chat names it (the Responses API's `{"type": "function", "name": ...}`
+    arrives in this shape)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AllowedTools(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    mode: Literal["auto", "required"]
+    tools: list[AllowedTool] = Field(min_length=1)
+
+
+class AllowedToolsChoice(BaseModel):
+    """OpenAI's `allowed_tools`: the reply may call (`auto`) or must call (`required`) only
+    these of the request's tools, while the template still shows them all."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: (
+        Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None
+    ) = None
     parallel_tool_calls: bool = True
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False

@@ -152,6 +152,16 @@ class NamedFunction(BaseModel):
     name: str
 
 
+class AllowedTools(BaseModel):
+    """`{"type": "allowed_tools", "mode", "tools": [{"type": "function", "name"}]}`."""
+
+    model_config = _STRICT
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[NamedFunction] = Field(min_length=1)
+
+
 class TextFormat(BaseModel):
     """`text.format`: plain text, any JSON object, or JSON that follows a schema."""
 
@@ -180,7 +190,7 @@ class ResponsesRequest(RequestBody):
     temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     tools: list[FunctionTool] = Field(default_factory=list)
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | AllowedTools = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig = TextConfig()
     stream: bool = False
@@ -405,6 +415,9 @@ def _chat_tool_choice(body: ResponsesRequest) -> Any:
         return None
     if isinstance(choice, NamedFunction):
         return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, AllowedTools):
+        tools = [{"type": "function", "function": {"name": tool.name}} for tool in choice.tools]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": tools}}
     return choice
 
 

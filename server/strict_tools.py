@@ -1,6 +1,7 @@
 """Strict functions under `tool_choice: "auto"`: the reply runs free, but a call it opens in the
-tool-call parser's format must name one of the request's functions, and a function marked
-`strict` gets arguments that fit its `parameters` schema (others get any JSON object). With
+tool-call parser's format must name one of the request's functions (one of those
+`allowed_tools` names, where the choice names some), and a function marked `strict` gets
+arguments that fit its `parameters` schema (others get any JSON object). With
 `parallel_tool_calls: false` the reply ends after its first call.
 
 Enforced as a structural tag (`engine.structured.structural_tag`) for the parsers whose calls
@@ -15,9 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.core.sampling_params import StructuredOutputs
-from server.protocol import ChatCompletionRequest, Tool
+from server.protocol import AllowedToolsChoice, ChatCompletionRequest, Tool
 from server.reasoning import ThoughtTags
 from server.tool_parsers import FUNCTOOLS, GRANITE_TOOL_CALL, OPEN, PYTHON_TAG
+from server.tools import callable_tools
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -25,11 +27,12 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 def strict_calls_format(
     body: ChatCompletionRequest, parser: str | None, thought: ThoughtTags | None = None
 ) -> StructuredOutputs | None:
-    """The structural tag that enforces the request's strict functions in `parser`'s format,
-    after an optional `thought` where the reply may open one; None where no function is
-    strict, or the format is not one a tag can hold."""
-    tools = body.tools or []
-    if parser not in FORMATS or not any(tool.function.strict for tool in tools):
+    """The structural tag that enforces the request's calls in `parser`'s format, after an
+    optional `thought` where the reply may open one; None where no function is strict and no
+    `allowed_tools` narrow the calls, or the format is not one a tag can hold."""
+    tools = callable_tools(body)
+    restricted = isinstance(body.tool_choice, AllowedToolsChoice)
+    if parser not in FORMATS or not (restricted or any(tool.function.strict for tool in tools)):
         return None
     single = not body.parallel_tool_calls
     tag = FORMATS[parser](tools, single)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from engine.core.errors import InvalidRequestError
 from engine.core.sampling_params import StructuredOutputs
 from server.call_array import CallArrayReader, assemble, new_call_id
-from server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from server.protocol import AllowedToolsChoice, ChatCompletionRequest, NamedToolChoice, Tool
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -62,6 +62,14 @@ def check_tools(body: ChatCompletionRequest) -> None:
             f"tool_choice names the function {choice.function.name!r}, which is not in tools.",
             param="tool_choice",
         )
+    if isinstance(choice, AllowedToolsChoice):
+        for i, allowed in enumerate(choice.allowed_tools.tools):
+            if allowed.function.name not in names:
+                raise InvalidRequestError(
+                    f"allowed_tools names the function {allowed.function.name!r}, which is not "
+                    "in tools.",
+                    param=f"tool_choice.allowed_tools.tools[{i}]",
+                )
     for i, tool in enumerate(body.tools or []):
         _check_parameters(tool, f"tools[{i}].function.parameters")
     for i, message in enumerate(body.messages):
@@ -86,14 +94,25 @@ def _check_parameters(tool: Tool, param: str) -> None:
         ) from exc
 
 
+def callable_tools(body: ChatCompletionRequest) -> list[Tool]:
+    """The tools the reply may call: those `allowed_tools` names, else all."""
+    choice = body.tool_choice
+    if not isinstance(choice, AllowedToolsChoice):
+        return list(body.tools or [])
+    allowed = {tool.function.name for tool in choice.allowed_tools.tools}
+    return [tool for tool in body.tools or [] if tool.function.name in allowed]
+
+
 def forced_calls(body: ChatCompletionRequest) -> ForcedCalls | None:
     """The calls `tool_choice` forces, with the output format that enforces them."""
-    tools = {tool.function.name: tool for tool in body.tools or []}
+    tools = {tool.function.name: tool for tool in callable_tools(body)}
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         schema = _parameters(tools[name])
         return ForcedCalls("named", (name,), StructuredOutputs("json", _json(schema), "tools"))
+    if isinstance(choice, AllowedToolsChoice) and choice.allowed_tools.mode == "required":
+        choice = "required"
     if choice == "required":
         calls: dict[str, Any] = {
             "type": "array",

@@ -177,6 +177,22 @@ async def test_a_forced_function_call_is_an_item_whose_arguments_fit_the_schema(
             assert result["tools"][0]["name"] == "weather"
 
 
+async def test_allowed_tools_narrow_the_forced_calls():
+    """`{"type": "allowed_tools", "mode": "required", "tools": [...]}`: calls only to those."""
+    choice = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": TOOLS[-1]["name"]}],
+    }
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        result = await create(
+            client, input="Time?", tools=TOOLS, tool_choice=choice, max_output_tokens=80, seed=5
+        )
+        calls = [item for item in result["output"] if item["type"] == "function_call"]
+        assert calls and {call["name"] for call in calls} == {TOOLS[-1]["name"]}
+        assert result["tool_choice"] == choice
+
+
 async def test_a_streamed_call_grows_its_arguments_and_ends_as_the_whole():
     async with app_client(tokenizer=tool_tokenizer()) as (client, _):
         body = {

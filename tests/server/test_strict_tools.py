@@ -18,7 +18,7 @@ from server.reasoning import THINK
 from server.settings import ServerSettings
 from server.strict_tools import strict_calls_format
 from tests.helpers import tiny_llama, tiny_tokenizer
-from tests.server.test_tool_calls import TOOL_TEMPLATE, WEATHER
+from tests.server.test_tool_calls import TOOL_TEMPLATE, WEATHER, tool_tokenizer
 from tests.server_utils import app_client
 
 STRICT_WEATHER = {
@@ -34,13 +34,16 @@ OSLO = '{"city": "Oslo", "unit": "c"}'
 KELVIN = '{"city": "Oslo", "unit": "k"}'  # not in the strict schema's enum
 
 
-def request(parallel: bool = True, tools: list | None = None) -> ChatCompletionRequest:
+def request(
+    parallel: bool = True, tools: list | None = None, tool_choice: dict | None = None
+) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(
         {
             "model": "tiny",
             "messages": MESSAGES,
             "tools": tools or [STRICT_WEATHER, LOOSE_TIME],
             "parallel_tool_calls": parallel,
+            "tool_choice": tool_choice,
         }
     )
 
@@ -180,3 +183,43 @@ def test_a_reply_may_open_its_reasoning_before_calls() -> None:
         assert spec is not None
         matcher = compiler.matcher(spec)
         assert bool(matcher.consume_tokens(ids) and matcher.is_accepting()) == allowed
+
+
+def allowed(mode: str, *names: str) -> dict:
+    tools = [{"type": "function", "function": {"name": name}} for name in names]
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+
+
+def test_allowed_tools_under_auto_narrow_the_calls(compiler) -> None:
+    """`allowed_tools` in `auto` mode: a call may name only the allowed functions, strict or
+    not; free text stays free."""
+    spec = strict_calls_format(request(tool_choice=allowed("auto", "time")), "hermes")
+    assert spec is not None
+    assert allows(compiler, spec, "No call needed.")
+    assert allows(compiler, spec, hermes("time", '{"zone": 4}'))
+    assert not allows(compiler, spec, hermes("weather", OSLO))
+
+
+async def test_allowed_tools_required_calls_only_the_allowed_ones() -> None:
+    """`required` mode: every call names an allowed function; the template still shows all
+    the tools (so a prompt cached with them stays cached)."""
+    tokenizer = tool_tokenizer()
+    async with app_client(tokenizer=tokenizer) as (client, _):
+        body = {
+            "model": "tiny",
+            "messages": MESSAGES,
+            "tools": [STRICT_WEATHER, LOOSE_TIME],
+            "tool_choice": allowed("required", "weather"),
+            "max_tokens": 120,
+            "seed": 3,
+        }
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        [choice] = response.json()["choices"]
+        calls = choice["message"]["tool_calls"]
+        assert calls and {call["function"]["name"] for call in calls} == {"weather"}
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+        rendered = await client.post("/v1/chat/completions/render", json=body)
+        prompt = tokenizer.decode(rendered.json()["token_ids"])
+        assert "weather:" in prompt and "time:" in prompt

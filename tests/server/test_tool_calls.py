@@ -214,6 +214,18 @@ async def test_a_tool_loop_round_trips_calls_and_results():
             "tools[1].function.parameters",
         ),
         ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
+        (
+            {
+                "tool_choice": {
+                    "type": "allowed_tools",
+                    "allowed_tools": {
+                        "mode": "auto",
+                        "tools": [{"type": "function", "function": {"name": "news"}}],
+                    },
+                }
+            },
+            "tool_choice.allowed_tools.tools[0]",
+        ),
     ],
 )
 async def test_bad_tool_requests_get_a_400_naming_the_field(body: dict, param: str):
