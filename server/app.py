@@ -108,6 +108,7 @@ def build_app(
 
     state_dir = settings.state_dir or cache_dir() / "state"
     files, jobs = Lazy(state_dir, FileStore), Lazy(state_dir, BatchStore)
+    stored = ResponseStore()
 
     stats_log = StatsLog()
     if settings.log_stats_interval is not None:
@@ -124,6 +125,7 @@ def build_app(
             lines.cancel()
         app.state.draining = True
         await runner.stop()
+        await stored.close()  # background responses still running
         await engine.shutdown()
         tracing.shutdown()
         files.close()
@@ -144,7 +146,7 @@ def build_app(
     app.state.draining = False
     install_error_handlers(app)
     document_errors_as_sent(app)
-    app.include_router(_openai_router(engine, served, settings, tracing))
+    app.include_router(_openai_router(engine, served, settings, tracing, stored))
     app.include_router(_ops_router(engine, registry))
     app.include_router(fleet_router(engine, served))
     if settings.runtime_lora_updating:
@@ -211,12 +213,15 @@ def _server_defaults(
 
 
 def _openai_router(
-    engine: EngineClient, served: ServedModel, settings: ServerSettings, tracing: Tracing
+    engine: EngineClient,
+    served: ServedModel,
+    settings: ServerSettings,
+    tracing: Tracing,
+    stored: ResponseStore,
 ) -> APIRouter:
     router = APIRouter(responses=errors(401) if settings.api_key else None)
     completions = CompletionHandler(engine, served, settings.limits)
     chat = ChatHandler(engine, served, settings)
-    stored = ResponseStore()
     embeddings = EmbeddingHandler(engine, served, settings.limits)
     scores = ScoreHandler(embeddings)
     classify = ClassifyHandler(embeddings)
@@ -306,8 +311,13 @@ def _openai_router(
     ) -> dict[str, Any]:
         return stored.input_items(response_id, limit, order, after)
 
+    @router.post("/v1/responses/{response_id}/cancel", responses=errors(400, 404))
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        return await stored.cancel(response_id)
+
     @router.delete("/v1/responses/{response_id}", responses=errors(404))
     async def delete_response(response_id: str) -> dict[str, Any]:
+        await stored.stop(response_id)  # a running background response is cancelled first
         stored.delete(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 

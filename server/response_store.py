@@ -6,11 +6,17 @@ is rebuilt by walking back through `previous_response_id`. The newest `capacity`
 kept, within `max_bytes` of JSON in all (so large inputs cannot fill the memory); a
 conversation whose older turns were dropped can no longer be continued. Like vLLM's store, it
 lives with the process: a restart forgets it.
+
+A background response (`background: true`) is held as running, with what its response object
+says so far, until it ends and is stored as any other; cancelling it stops its request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +39,14 @@ class StoredResponse:
     size: int
 
 
+@dataclass(frozen=True, slots=True)
+class Running:
+    """A background response under way: what its response object says now, and its task."""
+
+    snapshot: Callable[[], dict[str, Any]]
+    task: asyncio.Task[None]
+
+
 class ResponseStore:
     def __init__(
         self, capacity: int = DEFAULT_CAPACITY, max_bytes: int = DEFAULT_MAX_BYTES
@@ -41,6 +55,38 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.size = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._running: dict[str, Running] = {}
+
+    def start(
+        self, response_id: str, snapshot: Callable[[], dict[str, Any]], task: asyncio.Task[None]
+    ) -> None:
+        """Hold a background response as running until its task ends (having stored it)."""
+        self._running[response_id] = Running(snapshot, task)
+        task.add_done_callback(lambda _: self._running.pop(response_id, None))
+
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """Stop a running background response (its task stores it as cancelled) and return
+        it; a response that has ended is returned as it ended."""
+        running = self._running.get(response_id)
+        if running is None:
+            response = self.get(response_id)
+            if not response.get("background"):
+                raise APIError(
+                    400, "Only a background response can be cancelled.", param="response_id"
+                )
+            return response
+        running.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running.task
+        self._running.pop(response_id, None)
+        return self.get(response_id)
+
+    async def close(self) -> None:
+        """Cancel what still runs (at shutdown)."""
+        for running in list(self._running.values()):
+            running.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running.task
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -62,6 +108,9 @@ class ResponseStore:
             self.size -= dropped.size
 
     def get(self, response_id: str) -> dict[str, Any]:
+        running = self._running.get(response_id)
+        if running is not None:
+            return running.snapshot()
         return self._entry(response_id, "response_id").response
 
     def input_items(
@@ -69,6 +118,10 @@ class ResponseStore:
     ) -> dict[str, Any]:
         """A page of the response's input items, as OpenAI lists them: newest first by default,
         from the item after `after`."""
+        if response_id in self._running:
+            raise APIError(
+                400, f"The response '{response_id}' is still in progress.", param="response_id"
+            )
         items = self._entry(response_id, "response_id").input_items
         ordered = list(reversed(items)) if order == "desc" else list(items)
         if after is not None:
@@ -85,12 +138,23 @@ class ResponseStore:
             "has_more": len(ordered) > limit,
         }
 
+    async def stop(self, response_id: str) -> None:
+        """Cancel the response if it is a background one still running."""
+        if response_id in self._running:
+            await self.cancel(response_id)
+
     def delete(self, response_id: str) -> None:
         self.size -= self._entry(response_id, "response_id").size
         del self._entries[response_id]
 
     def history(self, response_id: str) -> list[dict[str, Any]]:
         """The chat messages of the conversation up to and including `response_id`'s reply."""
+        if response_id in self._running:
+            raise APIError(
+                400,
+                f"The response '{response_id}' is still in progress; continue it once it ends.",
+                param="previous_response_id",
+            )
         turns: list[list[dict[str, Any]]] = []
         current: str | None = response_id
         while current is not None:

@@ -9,6 +9,7 @@ event is a server-sent event named by its type, numbered in order, from `respons
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -54,11 +55,7 @@ class ResponsesHandler:
         self.store = store
 
     async def __call__(self, body: ResponsesRequest, request: Request) -> Response:
-        if body.background:
-            raise InvalidRequestError(
-                "background responses are not supported; leave background false.",
-                param="background",
-            )
+        _check_background(body)
         previous = body.previous_response_id
         history = self.store.history(previous) if previous is not None else []
         response_id = item_id("resp")
@@ -79,6 +76,13 @@ class ResponsesHandler:
         reply = Reply(response_id, model, body, renderer, tokenizer)
         merged = merge(streams)
         trace = request_trace(request)
+        if body.background:
+            task = asyncio.create_task(self._in_background(body, reply, merged))
+            self.store.start(response_id, reply.response, task)
+            # Let the task start its stream, so that a cancel, however soon, finds it running
+            # (a stream never started would not abort its request when closed).
+            await asyncio.sleep(0)
+            return JSONResponse(reply.response())
         if not body.stream:
             result = await unless_disconnected(request, self._collect(reply, merged))
             if result is None:
@@ -112,6 +116,26 @@ class ResponsesHandler:
             if shorter is None or fits(len(prepared.prompt), body.max_output_tokens, max_model_len):
                 return chat_body, prepared
             messages = shorter
+
+    async def _in_background(
+        self,
+        body: ResponsesRequest,
+        reply: Reply,
+        merged: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> None:
+        """Run a background response to its end and store it: completed or incomplete,
+        failed with its error, or cancelled."""
+        try:
+            result = await self._collect(reply, merged)
+        except asyncio.CancelledError:
+            self._keep(body, reply, reply.response("cancelled"))
+            raise
+        except Exception as exc:
+            error = to_api_error(exc)
+            result = reply.response("failed", {"code": error.code, "message": error.message})
+        finally:
+            await merged.aclose()  # aborts what still runs
+        self._keep(body, reply, result)
 
     @staticmethod
     async def _collect(
@@ -173,6 +197,21 @@ class ResponsesHandler:
             self.store.put(result, turn, body.previous_response_id, listed)
 
 
+def _check_background(body: ResponsesRequest) -> None:
+    """A background response is stored (GET reads it) and does not stream."""
+    if not body.background:
+        return
+    if not body.store:
+        raise InvalidRequestError(
+            "A background response must be stored: leave store true.", param="background"
+        )
+    if body.stream:
+        raise InvalidRequestError(
+            "A background response does not stream; poll GET /v1/responses/{id}.",
+            param="stream",
+        )
+
+
 class EventNumbers:
     """Server-sent events named by their type, each with the next sequence number."""
 
@@ -206,8 +245,13 @@ class Reply:
         self.renderer = renderer
         self.created_at = now()
         self.items = OutputItems()
+        # Whether any output came yet (a background response is `queued` until it does), and
+        # whether the reply has ended.
+        self.started = False
+        self.ended = False
 
     def update(self, output: RequestOutput) -> list[dict[str, Any]]:
+        self.started = True
         events = []
         for fragment in self.renderer.update(0, output):
             logprobs = (fragment.get("logprobs") or {}).get("content")
@@ -216,14 +260,19 @@ class Reply:
 
     def finish(self) -> list[dict[str, Any]]:
         reason = self.renderer.choices[0].finish_reason or ""
+        self.ended = True
         return self.items.finish(cut_short=reason in INCOMPLETE)
 
     def response(
         self, status: str | None = None, error: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """The response object: as it stands (`status` given), or as the reply ended."""
+        """The response object: with `status` given, as it stands; otherwise as the reply
+        ended, or, until it has, as a background response's progress (`queued`, then
+        `in_progress`)."""
         reason = self.renderer.choices[0].finish_reason
         incomplete = None
+        if status is None and not self.ended:
+            status = "in_progress" if self.started else "queued"
         if status is None:
             incomplete = INCOMPLETE.get(reason or "")
             status = "incomplete" if incomplete else "completed"
@@ -233,14 +282,14 @@ class Reply:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "background": False,
+            "background": body.background,
             "error": error,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {},
             "model": self.model,
-            "output": self.items.items if status != "in_progress" else [],
+            "output": self.items.items if status not in ("queued", "in_progress") else [],
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
             "reasoning": body.reasoning,
@@ -256,7 +305,7 @@ class Reply:
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "top_logprobs": body.top_logprobs,
             "truncation": body.truncation,
-            "usage": self.usage() if status != "in_progress" else None,
+            "usage": self.usage() if status not in ("queued", "in_progress") else None,
             "user": body.user,
         }
 

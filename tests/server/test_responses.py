@@ -5,6 +5,7 @@ server cannot run refused by name."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -20,7 +21,7 @@ from server.tracing import Tracing
 from server.truncation import drop_oldest, fits
 from tests.server.test_reasoning import thinking_tokenizer
 from tests.server.test_tool_calls import SCHEMAS, TIME, WEATHER, tool_tokenizer
-from tests.server_utils import app_client, blocks_in_use, named_events, until
+from tests.server_utils import app_client, blocks_in_use, named_events, until, wait_until_idle
 
 BASE = {"model": "tiny", "temperature": 0, "max_output_tokens": 12}
 TOOLS = [
@@ -338,7 +339,8 @@ async def test_a_json_schema_format_holds_for_the_text():
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
-        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "background": True, "store": False}, "background"),
+        ({"input": "x", "background": True, "stream": True}, "stream"),
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
         (
@@ -560,3 +562,59 @@ async def test_a_stored_responses_input_items_are_listed_back():
         assert not rest["has_more"]
         refused = await client.get(url, params={"limit": 0})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "limit"
+
+
+async def poll(client: httpx.AsyncClient, response_id: str, *done: str) -> dict:
+    """GET the response until its status is one of `done`."""
+    result: dict = {}
+
+    async def ended() -> bool:
+        nonlocal result
+        result = (await client.get(f"/v1/responses/{response_id}")).json()
+        return result["status"] in done
+
+    for _ in range(1000):
+        if await ended():
+            return result
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{response_id} still {result.get('status')}")
+
+
+async def test_a_background_response_is_polled_to_its_end():
+    """`background: true` answers at once, queued; GET follows it to the same response a
+    foreground request gets, and a continuation reads it."""
+    async with app_client() as (client, engine):
+        foreground = await create(client, input="Hello there")
+        started = await create(client, input="Hello there", background=True)
+        assert started["status"] in ("queued", "in_progress") and started["background"]
+        assert started["output"] == [] and started["usage"] is None
+        ended = await poll(client, started["id"], "completed", "incomplete")
+        assert ended["status"] == foreground["status"]
+        assert ended["output"][0]["content"][0]["text"] == output_text(foreground)
+        assert ended["usage"]["output_tokens"] == foreground["usage"]["output_tokens"]
+        again = await client.post(f"/v1/responses/{started['id']}/cancel")
+        assert again.json()["status"] == ended["status"]  # an ended one stays as it ended
+        follow = await create(client, input="And then?", previous_response_id=started["id"])
+        assert follow["previous_response_id"] == started["id"]
+        assert blocks_in_use(engine) == 0
+
+
+async def test_cancelling_a_background_response_stops_its_request():
+    async with app_client() as (client, engine):
+        body = {"input": "Count", "max_output_tokens": 400, "min_tokens": 400}
+        started = await create(client, **body, background=True)
+        cancelled = await client.post(f"/v1/responses/{started['id']}/cancel")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        assert (await client.get(f"/v1/responses/{started['id']}")).json()["status"] == (
+            "cancelled"
+        )
+        await wait_until_idle(engine)
+        assert blocks_in_use(engine) == 0
+        foreground = await create(client, input="Hi")
+        refused = await client.post(f"/v1/responses/{foreground['id']}/cancel")
+        assert refused.status_code == 400  # only background responses are cancelled
+        started = await create(client, **body, background=True)
+        assert (await client.delete(f"/v1/responses/{started['id']}")).status_code == 200
+        assert (await client.get(f"/v1/responses/{started['id']}")).status_code == 404
+        await wait_until_idle(engine)
+        assert blocks_in_use(engine) == 0
