@@ -21,7 +21,7 @@ from transformers import (
 from engine.core.config import CacheConfig, EngineConfig, ServingInfo
 from engine.core.engine_core import EngineCore
 from engine.core.outputs import RequestOutput
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from engine.factory import core_from_model
 from engine.kernels.cpu import build as cpu_build
 from engine.loading.model_loader import wrap_model
@@ -333,3 +333,19 @@ def teacher_forced_argmax(model: LlamaForCausalLM, ids: list[int]) -> list[int]:
 
         model.set_attn_implementation(register())
     return logits.argmax(-1).tolist()
+
+
+def grammar_compiler(tokenizer: Any = None) -> Any:
+    """A grammar compiler for `tokenizer` (the tiny one by default) over its whole vocabulary."""
+    from engine.structured.compiler import GrammarCompiler
+
+    tokenizer = tokenizer if tokenizer is not None else tiny_tokenizer()
+    return GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+
+
+def format_allows(compiler: Any, spec: StructuredOutputs, text: str) -> bool:
+    """Whether `text`, ended there, is an output the format `spec` allows (its tokens fed to
+    a fresh matcher)."""
+    matcher = compiler.matcher(spec)
+    ids = compiler._hf_tokenizer.encode(text, add_special_tokens=False)
+    return bool(matcher.consume_tokens(ids) and matcher.is_accepting())

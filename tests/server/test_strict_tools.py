@@ -11,13 +11,12 @@ import json
 import jsonschema
 import pytest
 
-from engine.core.sampling_params import StructuredOutputs
 from engine.structured.compiler import GrammarCompiler
 from server.protocol import ChatCompletionRequest
 from server.reasoning import THINK
 from server.settings import ServerSettings
 from server.strict_tools import strict_calls_format
-from tests.helpers import tiny_llama, tiny_tokenizer
+from tests.helpers import format_allows, grammar_compiler, tiny_llama, tiny_tokenizer
 from tests.server.test_tool_calls import TOOL_TEMPLATE, WEATHER, tool_tokenizer
 from tests.server_utils import app_client
 
@@ -50,14 +49,7 @@ def request(
 
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
-    tokenizer = tiny_tokenizer()
-    return GrammarCompiler(tokenizer, 320, frozenset({tokenizer.eos_token_id}))
-
-
-def allows(compiler: GrammarCompiler, spec: StructuredOutputs, text: str) -> bool:
-    matcher = compiler.matcher(spec)
-    ids = compiler._hf_tokenizer.encode(text, add_special_tokens=False)
-    return bool(matcher.consume_tokens(ids) and matcher.is_accepting())
+    return grammar_compiler()
 
 
 def hermes(name: str, arguments: str) -> str:
@@ -108,7 +100,7 @@ def test_calls_in_each_format(compiler, parser, text, parallel_ok, single_ok) ->
     for parallel, allowed in ((True, parallel_ok), (False, single_ok)):
         spec = strict_calls_format(request(parallel), parser)
         assert spec is not None and spec.param == "tools"
-        assert allows(compiler, spec, text) == allowed, (parallel, text)
+        assert format_allows(compiler, spec, text) == allowed, (parallel, text)
 
 
 def test_no_strict_function_or_no_tag_format_leaves_the_reply_free() -> None:
@@ -170,7 +162,7 @@ def test_a_reply_may_open_its_reasoning_before_calls() -> None:
     may come first; free text alone does not hold that token."""
     tokenizer = copy.deepcopy(tag_tokenizer())
     tokenizer.add_tokens(["<think>", "</think>"])
-    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    compiler = grammar_compiler(tokenizer)
     think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     ids = [
         think,
@@ -195,9 +187,9 @@ def test_allowed_tools_under_auto_narrow_the_calls(compiler) -> None:
     not; free text stays free."""
     spec = strict_calls_format(request(tool_choice=allowed("auto", "time")), "hermes")
     assert spec is not None
-    assert allows(compiler, spec, "No call needed.")
-    assert allows(compiler, spec, hermes("time", '{"zone": 4}'))
-    assert not allows(compiler, spec, hermes("weather", OSLO))
+    assert format_allows(compiler, spec, "No call needed.")
+    assert format_allows(compiler, spec, hermes("time", '{"zone": 4}'))
+    assert not format_allows(compiler, spec, hermes("weather", OSLO))
 
 
 async def test_allowed_tools_required_calls_only_the_allowed_ones() -> None:

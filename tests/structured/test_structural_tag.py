@@ -14,7 +14,14 @@ from engine.core.errors import InvalidRequestError
 from engine.core.request import FinishReason
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from engine.structured.compiler import GrammarCompiler
-from tests.helpers import run_all, text_of, tiny_core, tiny_llama, tiny_tokenizer
+from tests.helpers import (
+    format_allows,
+    grammar_compiler,
+    run_all,
+    text_of,
+    tiny_core,
+    tiny_llama,
+)
 
 CITY = {
     "type": "object",
@@ -32,18 +39,12 @@ NUMBER = {
 
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
-    tokenizer = tiny_tokenizer()
-    return GrammarCompiler(tokenizer, 320, frozenset({tokenizer.eos_token_id}))
+    return grammar_compiler()
 
 
 def accepts(compiler: GrammarCompiler, tag: dict, text: str) -> bool:
     """Whether `text`, ended there, is an output the tag allows."""
-    matcher = compiler.matcher(StructuredOutputs("structural_tag", json.dumps(tag)))
-    tokenizer = compiler._hf_tokenizer
-    return bool(
-        matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
-        and matcher.is_accepting()
-    )
+    return format_allows(compiler, StructuredOutputs("structural_tag", json.dumps(tag)), text)
 
 
 def fmt(format_: dict) -> dict:
