@@ -13,6 +13,7 @@ from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.lora.registry import LoRARequest
 from server import beam_search
+from server.fill_in_middle import check_suffix, fill_in_middle_prompts
 from server.limits import RequestLimits, check_completion
 from server.logprobs import CompletionLogprobs, prompt_logprobs
 from server.protocol import CompletionRequest
@@ -30,6 +31,8 @@ from server.serving import (
 )
 from server.tokenization import (
     TokenText,
+    off_the_loop_if_large,
+    prompt_size,
     split_prompts,
     tokenize_prompts,
 )
@@ -197,13 +200,10 @@ class CompletionHandler:
         lora = self.model.resolve(body.model)
         check_completion(body, self.limits)
         _check_unsupported(body)
-        tokenizer = self.engine.tokenizer
         singles = split_prompts(body.prompt)
         max_model_len = self.model.info.max_model_len
         keep = prompt_truncation(body, max_model_len)
-        prompts = await tokenize_prompts(
-            tokenizer, singles, body.add_special_tokens, max_model_len, keep is not None, "prompt"
-        )
+        prompts = await self._prompt_ids(body, singles, keep is not None)
         # A truncated prompt echoes as its kept tokens read back, not as the text sent.
         texts = [
             p if isinstance(p, str) and (keep is None or len(ids) <= keep) else None
@@ -221,6 +221,23 @@ class CompletionHandler:
         )
         return prompts, texts, params, lora
 
+    async def _prompt_ids(
+        self, body: CompletionRequest, singles: list[str | list[int]], truncating: bool
+    ) -> list[list[int]]:
+        """Each prompt's token ids; with `suffix`, framed to fill in the middle."""
+        tokenizer = self.engine.tokenizer
+        if not body.suffix:
+            max_model_len = self.model.info.max_model_len
+            return await tokenize_prompts(
+                tokenizer, singles, body.add_special_tokens, max_model_len, truncating, "prompt"
+            )
+        suffix = body.suffix
+        check_suffix(bool(body.echo), truncating)
+        return await off_the_loop_if_large(
+            prompt_size(singles) + len(suffix),
+            lambda: fill_in_middle_prompts(tokenizer, singles, suffix, body.add_special_tokens),
+        )
+
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:
         prompts, texts, params, lora = await self._prepare(body)
         tokenizer = self.engine.tokenizer
@@ -235,7 +252,5 @@ class CompletionHandler:
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
-    if body.suffix:
-        raise InvalidRequestError("suffix is not supported.", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequestError("best_of is not supported; use n.", param="best_of")
