@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from engine.core.errors import EngineDeadError, InvalidRequestError
@@ -298,8 +298,17 @@ def _openai_router(
             "embedding request (input)."
         )
 
-    @router.get("/v1/responses/{response_id}", responses=errors(404))
-    async def get_response(response_id: str) -> dict[str, Any]:
+    @router.get("/v1/responses/{response_id}", responses=errors(400, 404), response_model=None)
+    async def get_response(
+        response_id: str,
+        stream: bool = False,
+        starting_after: Annotated[int, Query(ge=-1)] = -1,
+    ) -> dict[str, Any] | StreamingResponse:
+        """The response; with `stream`, a background response's events after the one numbered
+        `starting_after`, then each as it comes."""
+        if stream:
+            events = stored.events(response_id).follow(starting_after)
+            return StreamingResponse(events, media_type="text/event-stream")
         return stored.get(response_id)
 
     @router.get("/v1/responses/{response_id}/input_items", responses=errors(400, 404))

@@ -8,7 +8,9 @@ conversation whose older turns were dropped can no longer be continued. Like vLL
 lives with the process: a restart forgets it.
 
 A background response (`background: true`) is held as running, with what its response object
-says so far, until it ends and is stored as any other; cancelling it stops its request.
+says so far and the events of its stream, until it ends and is stored as any other (with its
+events, so that a client may stream it from any point, as long as it is kept); cancelling it
+stops its request.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,13 +39,51 @@ class StoredResponse:
     input_items: list[dict[str, Any]]
     # The JSON size of all of it, what the store counts against `max_bytes`.
     size: int
+    # A background response's stream, event by event (None for others).
+    events: EventLog | None = None
+
+
+class EventLog:
+    """A background response's stream as it is written: every server-sent event, numbered by
+    its place, which any number of readers follow from any point."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.done = False
+        self._changed = asyncio.Event()
+
+    def append(self, event: str) -> None:
+        self.events.append(event)
+        self._changed.set()
+
+    def close(self) -> None:
+        self.done = True
+        self._changed.set()
+
+    @property
+    def size(self) -> int:
+        return sum(map(len, self.events))
+
+    async def follow(self, after: int = -1) -> AsyncIterator[str]:
+        """The events numbered after `after`, then each as it comes, until the stream ends."""
+        index = after + 1
+        while True:
+            while index < len(self.events):
+                yield self.events[index]
+                index += 1
+            if self.done:
+                return
+            self._changed.clear()
+            await self._changed.wait()
 
 
 @dataclass(frozen=True, slots=True)
 class Running:
-    """A background response under way: what its response object says now, and its task."""
+    """A background response under way: what its response object says now, its stream so far
+    and its task."""
 
     snapshot: Callable[[], dict[str, Any]]
+    events: EventLog
     task: asyncio.Task[None]
 
 
@@ -58,11 +98,25 @@ class ResponseStore:
         self._running: dict[str, Running] = {}
 
     def start(
-        self, response_id: str, snapshot: Callable[[], dict[str, Any]], task: asyncio.Task[None]
+        self,
+        response_id: str,
+        snapshot: Callable[[], dict[str, Any]],
+        events: EventLog,
+        task: asyncio.Task[None],
     ) -> None:
         """Hold a background response as running until its task ends (having stored it)."""
-        self._running[response_id] = Running(snapshot, task)
+        self._running[response_id] = Running(snapshot, events, task)
         task.add_done_callback(lambda _: self._running.pop(response_id, None))
+
+    def events(self, response_id: str) -> EventLog:
+        """The stream of a background response, running or kept."""
+        running = self._running.get(response_id)
+        if running is not None:
+            return running.events
+        events = self._entry(response_id, "response_id").events
+        if events is None:
+            raise APIError(400, "Only a background response can be streamed again.", param="stream")
+        return events
 
     async def cancel(self, response_id: str) -> dict[str, Any]:
         """Stop a running background response (its task stores it as cancelled) and return
@@ -97,10 +151,12 @@ class ResponseStore:
         messages: list[dict[str, Any]],
         previous_id: str | None,
         input_items: list[dict[str, Any]] | None = None,
+        events: EventLog | None = None,
     ) -> None:
         items = input_items or []
         size = sum(len(compact_json(part)) for part in (response, messages, items))
-        entry = StoredResponse(response, messages, previous_id, items, size)
+        size += events.size if events is not None else 0
+        entry = StoredResponse(response, messages, previous_id, items, size, events)
         self._entries[response["id"]] = entry
         self.size += size
         while len(self._entries) > self.capacity or self.size > self.max_bytes:

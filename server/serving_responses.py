@@ -14,14 +14,14 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.errors import InvalidRequestError, PromptTooLongError
 from engine.core.outputs import RequestOutput
 from server.errors import to_api_error
 from server.protocol import ChatCompletionRequest
 from server.response_items import OutputItems, item_id
-from server.response_store import ResponseStore
+from server.response_store import EventLog, ResponseStore
 from server.responses_protocol import (
     ResponsesRequest,
     as_chat,
@@ -77,11 +77,16 @@ class ResponsesHandler:
         merged = merge(streams)
         trace = request_trace(request)
         if body.background:
-            task = asyncio.create_task(self._in_background(body, reply, merged))
-            self.store.start(response_id, reply.response, task)
+            events = EventLog()
+            task = asyncio.create_task(self._in_background(body, reply, merged, events))
+            self.store.start(response_id, reply.response, events, task)
             # Let the task start its stream, so that a cancel, however soon, finds it running
             # (a stream never started would not abort its request when closed).
             await asyncio.sleep(0)
+            if trace is not None:  # the request's span is its HTTP exchange alone
+                trace.end(200)
+            if body.stream:  # a client that goes away stops reading, not the response
+                return StreamingResponse(events.follow(), media_type="text/event-stream")
             return JSONResponse(reply.response())
         if not body.stream:
             result = await unless_disconnected(request, self._collect(reply, merged))
@@ -122,20 +127,25 @@ class ResponsesHandler:
         body: ResponsesRequest,
         reply: Reply,
         merged: AsyncGenerator[tuple[int, RequestOutput], None],
+        events: EventLog,
     ) -> None:
-        """Run a background response to its end and store it: completed or incomplete,
-        failed with its error, or cancelled."""
+        """Run a background response to its end, writing its stream's events, and store it:
+        completed or incomplete, failed with its error, or cancelled."""
         try:
-            result = await self._collect(reply, merged)
+            try:
+                _, first = await anext(merged)
+            except Exception as exc:  # before any output: the deadline passed in the queue
+                for event in self._failed(body, reply, EventNumbers(), exc, events):
+                    events.append(event)
+                return
+            async for event in self._events(body, reply, first, merged, None, events):
+                events.append(event)
         except asyncio.CancelledError:
-            self._keep(body, reply, reply.response("cancelled"))
+            self._keep(body, reply, reply.response("cancelled"), events)
             raise
-        except Exception as exc:
-            error = to_api_error(exc)
-            result = reply.response("failed", {"code": error.code, "message": error.message})
         finally:
+            events.close()
             await merged.aclose()  # aborts what still runs
-        self._keep(body, reply, result)
 
     @staticmethod
     async def _collect(
@@ -153,7 +163,9 @@ class ResponsesHandler:
         output: RequestOutput,
         merged: AsyncGenerator[tuple[int, RequestOutput], None],
         trace: RequestTrace | None,
+        log: EventLog | None = None,
     ) -> AsyncGenerator[str, None]:
+        """The response's stream; `log` is kept with the response (a background one's)."""
         stream = EventNumbers()
         completed = False
         try:
@@ -173,42 +185,57 @@ class ResponsesHandler:
                 trace.output(
                     reply.renderer.usage(), reply.renderer.finish_reasons(), reply.renderer.texts()
                 )
-            self._keep(body, reply, result)
+            self._keep(body, reply, result, log)
             yield stream.event(f"response.{result['status']}", response=result)
             completed = True
         except Exception as exc:
             if trace is not None:
                 trace.fail(exc)
             completed = True
-            error = to_api_error(exc)
-            yield stream.event("error", code=error.code, message=error.message, param=error.param)
-            failed = reply.response("failed", {"code": error.code, "message": error.message})
-            yield stream.event("response.failed", response=failed)
+            for ending in self._failed(body, reply, stream, exc, log):
+                yield ending
         finally:
             await merged.aclose()
             if trace is not None:
                 trace.end(None if completed else CLIENT_GONE)
 
-    def _keep(self, body: ResponsesRequest, reply: Reply, result: dict[str, Any]) -> None:
-        """Store the response with its turn (`store: true`), for GET and continuations."""
+    def _failed(
+        self,
+        body: ResponsesRequest,
+        reply: Reply,
+        stream: EventNumbers,
+        exc: Exception,
+        log: EventLog | None,
+    ) -> list[str]:
+        """The events that end a stream on `exc`, the response stored as failed."""
+        error = to_api_error(exc)
+        failed = reply.response("failed", {"code": error.code, "message": error.message})
+        self._keep(body, reply, failed, log)
+        return [
+            stream.event("error", code=error.code, message=error.message, param=error.param),
+            stream.event("response.failed", response=failed),
+        ]
+
+    def _keep(
+        self,
+        body: ResponsesRequest,
+        reply: Reply,
+        result: dict[str, Any],
+        events: EventLog | None = None,
+    ) -> None:
+        """Store the response with its turn (`store: true`), for GET and continuations, with a
+        background response's stream."""
         if body.store:
             turn = [*input_messages(body.input), reply.chat_message()]
             listed = listed_items(body.input)
-            self.store.put(result, turn, body.previous_response_id, listed)
+            self.store.put(result, turn, body.previous_response_id, listed, events)
 
 
 def _check_background(body: ResponsesRequest) -> None:
-    """A background response is stored (GET reads it) and does not stream."""
-    if not body.background:
-        return
-    if not body.store:
+    """A background response is stored: GET reads it, or streams it again."""
+    if body.background and not body.store:
         raise InvalidRequestError(
             "A background response must be stored: leave store true.", param="background"
-        )
-    if body.stream:
-        raise InvalidRequestError(
-            "A background response does not stream; poll GET /v1/responses/{id}.",
-            param="stream",
         )
 
 

@@ -340,7 +340,6 @@ async def test_a_json_schema_format_holds_for_the_text():
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": "x", "background": True, "store": False}, "background"),
-        ({"input": "x", "background": True, "stream": True}, "stream"),
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
         (
@@ -617,4 +616,29 @@ async def test_cancelling_a_background_response_stops_its_request():
         assert (await client.delete(f"/v1/responses/{started['id']}")).status_code == 200
         assert (await client.get(f"/v1/responses/{started['id']}")).status_code == 404
         await wait_until_idle(engine)
+        assert blocks_in_use(engine) == 0
+
+
+async def test_a_background_stream_is_read_again_from_any_event():
+    """`background` with `stream`: the events stream as a foreground stream's do, and GET
+    with `stream=true` reads them again, whole or after `starting_after`, while the response
+    runs or once it has ended; a foreground response cannot be streamed again."""
+    async with app_client() as (client, engine):
+        body = {**BASE, "input": "Hello there", "background": True, "stream": True}
+        response = await client.post("/v1/responses", json=body)
+        assert response.status_code == 200
+        events = stream_events(response.text)
+        assert events[-1]["type"] in ("response.completed", "response.incomplete")
+        response_id = events[0]["response"]["id"]
+        again = await client.get(f"/v1/responses/{response_id}", params={"stream": "true"})
+        assert stream_events(again.text) == events
+        later = await client.get(
+            f"/v1/responses/{response_id}", params={"stream": "true", "starting_after": 3}
+        )
+        assert named_events(later.text) == events[4:]
+        stored = (await client.get(f"/v1/responses/{response_id}")).json()
+        assert stored == events[-1]["response"]
+        foreground = await create(client, input="Hi")
+        refused = await client.get(f"/v1/responses/{foreground['id']}?stream=true")
+        assert refused.status_code == 400
         assert blocks_in_use(engine) == 0
