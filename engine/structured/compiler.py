@@ -36,6 +36,7 @@ class GrammarCompiler:
         # Seconds each compile took, until the engine's stats take them.
         self._compile_times: deque[float] = deque()
         self._tokenizer: Any = None
+        self._special: dict[str, int] | None = None
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -86,13 +87,15 @@ class GrammarCompiler:
         """The tokens llguidance holds apart from text, by their text: every token added to
         the vocabulary (Qwen's `<tool_call>` and `<think>` as much as its `<|im_end|>`), which
         no string in a grammar spells."""
-        added = getattr(self._hf_tokenizer, "added_tokens_decoder", {})
-        tokenizer = self.tokenizer()
-        return {
-            token.content: i
-            for i, token in added.items()
-            if i < self.vocab_size and tokenizer.is_special_token(i)
-        }
+        if self._special is None:
+            added = getattr(self._hf_tokenizer, "added_tokens_decoder", {})
+            tokenizer = self.tokenizer()
+            self._special = {
+                token.content: i
+                for i, token in added.items()
+                if i < self.vocab_size and tokenizer.is_special_token(i)
+            }
+        return self._special
 
     def tokenizer(self) -> Any:
         """llguidance's view of the model's tokenizer, made on first use (about a second for a

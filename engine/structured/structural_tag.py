@@ -52,6 +52,8 @@ class _Grammar:
     subgrammars: list[dict[str, str]] = field(default_factory=list)
     # Rules and terminals by their text, so that equal ones are written once.
     names: dict[str, str] = field(default_factory=dict)
+    # Splits text at the special tokens (made on first use).
+    splitter: re.Pattern[str] | None = None
 
     def name(self, prefix: str) -> str:
         return f"{prefix}{len(self.lines) + len(self.subgrammars)}"
@@ -75,8 +77,10 @@ class _Grammar:
             return []
         if not self.special:
             return [_string(text)]
-        tokens = sorted(self.special, key=len, reverse=True)
-        parts = re.split("(" + "|".join(map(re.escape, tokens)) + ")", text)
+        if self.splitter is None:
+            tokens = sorted(self.special, key=len, reverse=True)
+            self.splitter = re.compile("(" + "|".join(map(re.escape, tokens)) + ")")
+        parts = self.splitter.split(text)
         return [
             f"<[{self.special[part]}]>" if part in self.special else _string(part)
             for part in parts
