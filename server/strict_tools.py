@@ -52,14 +52,20 @@ def _optional_thought(thought: ThoughtTags) -> dict[str, Any]:
 
 def _hermes(tools: list[Tool], single: bool) -> dict[str, Any]:
     """`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the tags on lines of their
-    own or not, as Qwen writes them."""
+    own or not, as Qwen writes them; or a JSON list of such calls in one block, as the tools
+    Conveyor writes for a template without a tool section teach (`server/tool_prompt.py`)."""
     frames = [("<tool_call>\n", "}\n</tool_call>"), ("<tool_call>", "}</tool_call>")]
     tags = [
         _tag(opening + _opening(tool, "arguments"), tool, closing)
         for tool in tools
         for opening, closing in frames
     ]
-    return _triggered(["<tool_call>"], tags, single)
+    calls = [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools]
+    lists = [
+        _list_tag("<tool_call>[", calls, ", ", "]</tool_call>", single),
+        _list_tag("<tool_call>[\n", calls, ",\n", "\n]</tool_call>", single),
+    ]
+    return _triggered(["<tool_call>"], tags + lists, single)
 
 
 def _llama3_json(tools: list[Tool], single: bool) -> dict[str, Any]:
@@ -78,17 +84,8 @@ def _json_list(*triggers: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
     `single`), after any of the triggers."""
 
     def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
-        calls = {
-            "type": "tags_with_separator",
-            "tags": [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools],
-            "separator": ", ",
-            "at_least_one": True,
-            "stop_after_first": single,
-        }
-        lists = [
-            {"type": "tag", "begin": trigger + "[", "content": calls, "end": "]"}
-            for trigger in triggers
-        ]
+        calls = [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools]
+        lists = [_list_tag(trigger + "[", calls, ", ", "]", single) for trigger in triggers]
         return _triggered(list(triggers), lists, single=True)  # the list ends the reply
 
     return format_
@@ -100,6 +97,20 @@ FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "granite": _json_list(GRANITE_TOOL_CALL, OPEN),
     "phi4_mini_json": _json_list(FUNCTOOLS),
 }
+
+
+def _list_tag(
+    begin: str, calls: list[dict[str, Any]], separator: str, end: str, single: bool
+) -> dict[str, Any]:
+    """`BEGIN call SEPARATOR call ... END`: at least one call (only one with `single`)."""
+    content = {
+        "type": "tags_with_separator",
+        "tags": calls,
+        "separator": separator,
+        "at_least_one": True,
+        "stop_after_first": single,
+    }
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
 
 
 def _triggered(triggers: list[str], tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:

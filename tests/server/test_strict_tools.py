@@ -66,6 +66,16 @@ CASES = {
         (hermes("time", '"no object"'), False, False),
         (hermes("news", "{}"), False, False),
         (hermes("weather", OSLO) + " and " + hermes("time", '{"zone": 1}'), True, False),
+        # one block of a JSON list, as the tools written for a template without a tool section
+        # teach, on one line or on its own lines
+        (f'<tool_call>[{{"name": "weather", "arguments": {OSLO}}}]</tool_call>', True, True),
+        (
+            f'<tool_call>[\n{{"name": "weather", "arguments": {OSLO}}},\n'
+            '{"name": "time", "arguments": {"zone": 1}}\n]</tool_call>',
+            True,
+            False,
+        ),
+        (f'<tool_call>[{{"name": "weather", "arguments": {KELVIN}}}]</tool_call>', False, False),
     ],
     "llama3_json": [
         (f'{{"name": "weather", "parameters": {OSLO}}}', True, True),
