@@ -425,8 +425,9 @@ class ChatHandler:
         parser = self._parser(tokenizer) if tools and forced is None else None
         if self._harmony():  # every reply is Harmony's messages
             parser = HARMONY
-        # A reply not opened in its reasoning may open it itself before any call.
-        may_think = self.thought if thinking is False else None
+        # A reply not opened in its reasoning may open it itself before any call (with or
+        # without a reasoning parser: Qwen3's `<think>` is a token free text cannot hold).
+        may_think = None if thinking else self.thought
         strict = None if params.structured else strict_calls_format(body, parser, may_think)
         if strict is not None:
             after = self.thought.ends[0] if thinking else ""

@@ -225,3 +225,25 @@ async def test_allowed_tools_required_calls_only_the_allowed_ones() -> None:
         rendered = await client.post("/v1/chat/completions/render", json=body)
         prompt = tokenizer.decode(rendered.json()["token_ids"])
         assert "weather:" in prompt and "time:" in prompt
+
+
+async def test_strict_tools_leave_a_thinking_model_its_thought() -> None:
+    """Without a reasoning parser too, a reply may open `<think>` (a token of its own, which
+    free text under the format does not hold) before it calls or answers."""
+    tokenizer = copy.deepcopy(tag_tokenizer())
+    tokenizer.add_tokens(["<think>", "</think>"])
+    [think] = tokenizer.convert_tokens_to_ids(["<think>"])
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="hermes")
+    model = tiny_llama(vocab_size=len(tokenizer))
+    async with app_client(settings, model=model, tokenizer=tokenizer) as (client, _):
+        body = {
+            "model": "tiny",
+            "messages": MESSAGES,
+            "tools": [STRICT_WEATHER],
+            "logit_bias": {str(think): 100},
+            "max_tokens": 4,
+            "seed": 1,
+        }
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"].startswith("<think>")
