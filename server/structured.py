@@ -109,6 +109,6 @@ def _compact_json(schema: Any) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError:
+        except (ValueError, RecursionError):
             return schema  # the compiler reports it as not JSON
     return json.dumps(schema, separators=(",", ":"))

@@ -92,6 +92,10 @@ def _check_parameters(tool: Tool, param: str) -> None:
             f"The parameters of {tool.function.name!r} are not a valid JSON Schema: {exc.message}",
             param=param,
         ) from exc
+    except RecursionError:
+        raise InvalidRequestError(
+            f"The parameters of {tool.function.name!r} nest too deeply.", param=param
+        ) from None
 
 
 def callable_tools(body: ChatCompletionRequest) -> list[Tool]:

@@ -54,7 +54,7 @@ def grammar_of(spec: StructuredOutputs, special: dict[str, int] | None = None) -
 def _schema(spec: StructuredOutputs) -> dict[str, Any]:
     try:
         schema = json.loads(spec.spec)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:
         raise InvalidRequestError(
             f"Invalid {spec.param}: the JSON Schema is not JSON ({error}).", param=spec.param
         ) from None

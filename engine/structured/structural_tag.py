@@ -98,8 +98,13 @@ def structural_tag_grammar(spec: str, special: dict[str, int]) -> str:
         value = json.loads(spec)
     except ValueError as error:
         raise FormatError(f"the structural tag is not JSON ({error})") from None
+    except RecursionError:
+        raise FormatError("the structural tag nests too deeply") from None
     grammar = _Grammar(special)
-    start = _format(grammar, _top_format(value), "format", END_OF_OUTPUT)
+    try:
+        start = _format(grammar, _top_format(value), "format", END_OF_OUTPUT)
+    except RecursionError:
+        raise FormatError("the structural tag nests too deeply") from None
     main = "\n".join(["%llguidance {}", f"start: {start or _EMPTY}", *grammar.lines])
     if not grammar.subgrammars:
         return main

@@ -12,6 +12,11 @@ import pytest
 from tests.server_utils import app_client, blocks_in_use, sse_events, wait_until_idle
 
 VICTIM = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True}
+# Formats sent as JSON text, which the body's own parser does not hold to its nesting limit.
+DEEP_SCHEMA = '{"type": "object", "properties": {"a": ' * 5000 + "{}" + "}}" * 5000
+DEEP_TAG = (
+    '{"format": ' + '{"type": "or", "elements": [' * 600 + '{"type": "any_text"}' + "]}" * 600 + "}"
+)
 HOSTILE: list[tuple[str, dict[str, Any] | bytes, int]] = [
     ("top_k past int64", {"prompt": "Hi", "max_tokens": 4, "top_k": 2**63, "temperature": 1}, 200),
     ("temperature that underflows", {"prompt": "Hi", "max_tokens": 4, "temperature": 1e-38}, 200),
@@ -28,6 +33,12 @@ HOSTILE: list[tuple[str, dict[str, Any] | bytes, int]] = [
     ("token id past the vocabulary", {"prompt": [1, 2, 10**12], "max_tokens": 2}, 400),
     ("penalty out of range", {"prompt": "Hi", "max_tokens": 2, "presence_penalty": 1e308}, 400),
     ("logprobs past the limit", {"prompt": "Hi", "max_tokens": 2, "logprobs": 10**6}, 400),
+    ("schema nested 5000 deep", {"prompt": "Hi", "max_tokens": 2, "guided_json": DEEP_SCHEMA}, 400),
+    (
+        "structural tag nested 600 deep",
+        {"prompt": "Hi", "max_tokens": 2, "structured_outputs": {"structural_tag": DEEP_TAG}},
+        400,
+    ),
 ]
 
 

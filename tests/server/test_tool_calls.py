@@ -49,6 +49,9 @@ SCHEMAS = {"weather": WEATHER, "time": TIME}
 MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
 BASE = {"model": "tiny", "max_tokens": 80, "seed": 5, "messages": MESSAGES, "tools": TOOLS}
 NAMED = {"type": "function", "function": {"name": "weather"}}
+DEEP: dict = {}
+for _ in range(320):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 
 
 def tool_tokenizer():
@@ -214,6 +217,10 @@ async def test_a_tool_loop_round_trips_calls_and_results():
             "tools[1].function.parameters",
         ),
         ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "tool_choice"),
+        (  # deeper than the schema checker's recursion reaches
+            {"tools": [{"type": "function", "function": {"name": "w", "parameters": DEEP}}]},
+            "tools[0].function.parameters",
+        ),
         (
             {
                 "tool_choice": {
