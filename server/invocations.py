@@ -4,7 +4,6 @@ a classification)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -12,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from engine.core.errors import InvalidRequestError
+from server import json_text
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -32,8 +32,8 @@ INVOCATION_BODY: dict[str, Any] = {
 async def invocation_body(request: Request) -> dict[str, Any]:
     """The request's JSON object."""
     try:
-        body = json.loads(await request.body())
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        body = json_text.loads(await request.body())
+    except ValueError:  # not UTF-8, not JSON, or nested past reading
         raise InvalidRequestError("The request body is not valid JSON.") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("The request body must be a JSON object.")

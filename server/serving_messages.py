@@ -11,7 +11,6 @@ tool calls) and `ContentBlocks` makes Anthropic's content blocks of it (`thinkin
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -21,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.core.errors import InvalidRequestError
 from engine.core.outputs import RequestOutput
+from server import json_text
 from server.errors import anthropic_error_body, to_api_error
 from server.messages_protocol import CountTokensRequest, MessagesRequest, as_chat, messages_param
 from server.serving import EngineClient, EventStream, bind_trace, request_options, submit_all
@@ -268,7 +268,7 @@ class ContentBlocks:
 
 def _parsed(arguments: str) -> dict[str, Any]:
     try:
-        value = json.loads(arguments or "{}")
+        value = json_text.loads(arguments or "{}")
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, TypeVar, cast
 
 from engine.core.errors import InvalidRequestError, PromptTooLongError
+from server import json_text
 from server.protocol import ChatMessage, Prompt, TextPart
 from server.tool_prompt import renders_tools, with_tools_written
 
@@ -252,7 +252,7 @@ def template_message(
 
 def _arguments(text: str) -> Any:
     try:
-        return json.loads(text)
+        return json_text.loads(text)
     except ValueError:
         return text
 

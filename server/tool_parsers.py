@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from server import json_text
 from server.tools import tool_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -284,7 +285,7 @@ def _mistral_calls(body: str) -> list[dict[str, Any]] | None:
     its own `[TOOL_CALLS]`."""
     if body.startswith(("[", "{")):
         try:
-            parsed = json.loads(body)
+            parsed = json_text.loads(body)
         except ValueError:
             return _llama3_calls(body)
         items = parsed if isinstance(parsed, list) else [parsed]
@@ -297,7 +298,7 @@ def _mistral_calls(body: str) -> list[dict[str, Any]] | None:
         brace = part.find("{")
         name = part[:brace].removesuffix(ARGS).strip() if brace > 0 else ""
         try:
-            arguments = json.loads(part[brace:])
+            arguments = json_text.loads(part[brace:])
         except ValueError:
             return None
         if not name or not isinstance(arguments, dict):
@@ -339,13 +340,17 @@ def _typed(value: str, schema: Any) -> Any:
     if kind == "string" or (isinstance(kind, list) and "string" in kind):
         return value
     try:
-        return json.loads(value)
+        return json_text.loads(value)
     except ValueError:
         return value
 
 
 def _json_objects(body: str) -> list[str]:
     """`body` cut into the JSON objects it holds one after another (`;` or blanks between)."""
+    try:
+        json_text.check_depth(body)
+    except ValueError:
+        return [body]  # read as one, which will fail
     decoder = json.JSONDecoder()
     parts, index = [], 0
     while index < len(body):
@@ -364,7 +369,7 @@ def _block_calls(body: str) -> list[dict[str, Any]] | None:
     """The calls in one `<tool_call>` block: one object, or a list of them (the form SmolLM2 and
     Conveyor's written tools use); None if it is not calls."""
     try:
-        parsed = json.loads(body)
+        parsed = json_text.loads(body)
     except ValueError:
         return None
     items = parsed if isinstance(parsed, list) else [parsed]
@@ -376,7 +381,7 @@ def _block_calls(body: str) -> list[dict[str, Any]] | None:
 
 def _call(body: str) -> dict[str, Any] | None:
     try:
-        parsed = json.loads(body)
+        parsed = json_text.loads(body)
     except ValueError:
         return None
     return _read_call(parsed)

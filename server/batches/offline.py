@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from server import json_text
 from server.batches.jobs import Batch
 from server.batches.runner import BatchRunner
 from server.batches.validation import ENDPOINTS
@@ -82,7 +83,7 @@ def _endpoint(input_path: Path) -> str:
         for raw in source:
             if raw.strip():
                 try:
-                    url = json.loads(raw).get("url")
+                    url = json_text.loads(raw).get("url")
                 except (ValueError, AttributeError):
                     break
                 if url in ENDPOINTS:

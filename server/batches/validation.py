@@ -4,13 +4,13 @@ fails the whole batch with per-line errors in OpenAI's shape; nothing is half-ac
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from engine.core.errors import ConveyorError
+from server import json_text
 from server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from server.responses_protocol import ResponsesRequest
 from server.score_protocol import RerankRequest, ScoreRequest
@@ -60,7 +60,7 @@ class _LineError(Exception):
 
 def _read_line(raw: bytes, endpoint: str, seen: set[str]) -> tuple[str, dict[str, Any]]:
     try:
-        item = json.loads(raw)
+        item = json_text.loads(raw)
     except ValueError as exc:
         raise _LineError("invalid_json_line", "This line is not valid JSON.") from exc
     if not isinstance(item, dict):

@@ -278,3 +278,31 @@ def test_granite_and_phi4_templates_name_their_parsers() -> None:
     assert parser_for(None, granite) == "granite"
     phi4 = "{{ '<|system|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' }}"
     assert parser_for(None, phi4) == "phi4_mini_json"
+
+
+DEEP = "[" * 3000 + "]" * 3000
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("hermes", f"<tool_call>{DEEP}</tool_call>"),
+        ("llama3_json", '{"name": "f", "parameters": ' + DEEP + "}"),
+        ("mistral", f"[TOOL_CALLS]{DEEP}"),
+        ("granite", f"<|tool_call|>{DEEP}"),
+        ("phi4_mini_json", f"functools{DEEP}"),
+        ("pythonic", DEEP),
+    ],
+)
+def test_a_reply_nested_past_reading_is_no_call(parser: str, text: str) -> None:
+    """A model led to write thousands of brackets gets no call from them, not an error."""
+    assert parse_calls(parser, text)[1] == []
+
+
+def test_json_text_counts_only_the_brackets_outside_strings() -> None:
+    from server.json_text import MAX_DEPTH, loads
+
+    assert loads('{"a": "' + "[" * 5000 + '"}') == {"a": "[" * 5000}
+    assert loads("[" * MAX_DEPTH + "]" * MAX_DEPTH) is not None
+    with pytest.raises(ValueError, match="nested deeper"):
+        loads("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1))
