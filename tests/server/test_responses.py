@@ -642,3 +642,33 @@ async def test_a_background_stream_is_read_again_from_any_event():
         refused = await client.get(f"/v1/responses/{foreground['id']}?stream=true")
         assert refused.status_code == 400
         assert blocks_in_use(engine) == 0
+
+
+async def test_the_openai_sdk_runs_background_responses():
+    """The SDK's `background=True`, `retrieve` (also as a stream from an event on) and
+    `cancel` against the server."""
+    async with app_client() as (client, engine):
+        api = AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=client)
+        started = await api.responses.create(
+            model="tiny", input="Hello", max_output_tokens=8, temperature=0, background=True
+        )
+        assert started.status in ("queued", "in_progress") and started.background
+        ended = started
+        while ended.status in ("queued", "in_progress"):
+            await asyncio.sleep(0.01)
+            ended = await api.responses.retrieve(started.id)
+        assert ended.status == "incomplete" and ended.output_text
+        replay = await api.responses.retrieve(started.id, stream=True, starting_after=1)
+        kinds = [event.type async for event in replay]
+        assert kinds[0] != "response.created" and kinds[-1] == "response.incomplete"
+        running = await api.responses.create(
+            model="tiny",
+            input="Count",
+            max_output_tokens=400,
+            background=True,
+            extra_body={"min_tokens": 400},
+        )
+        cancelled = await api.responses.cancel(running.id)
+        assert cancelled.status == "cancelled"
+        await wait_until_idle(engine)
+        assert blocks_in_use(engine) == 0
