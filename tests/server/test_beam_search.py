@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import copy
 
+import httpx
 import pytest
 import torch
 
 from tests.helpers import tiny_llama, transformers_attention
-from tests.server_utils import app_client, blocks_in_use, shared_tiny_model, sse_events
+from tests.server_utils import (
+    app_client,
+    blocks_in_use,
+    live_server,
+    shared_tiny_model,
+    sse_events,
+    until,
+)
 
 PROMPT = [5, 9, 33, 2, 17, 40]
 
@@ -142,3 +150,25 @@ async def test_what_beam_search_cannot_honour_is_refused(fields: dict, param: st
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param
         assert blocks_in_use(engine) == 0 and (await client.get("/health")).status_code == 200
+
+
+async def test_a_client_that_leaves_mid_search_stops_it(monkeypatch) -> None:
+    """The search ends with the client: no more rounds are sent, no request stays queued or
+    running, and every block returns."""
+    body = completions_body(n=4, max_tokens=400, ignore_eos=True)
+    async with live_server() as server, httpx.AsyncClient() as client:
+        engine = server.engine
+        sent = []
+        submit = engine.submit
+        monkeypatch.setattr(engine, "submit", lambda *a, **k: sent.append(1) or submit(*a, **k))
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+        seen = [-1]
+
+        def settled() -> bool:  # no request sent since the last look
+            settled, seen[0] = seen[0] == len(sent), len(sent)
+            return settled and not engine.core.has_unfinished()
+
+        await until(settled, timeout=30, what="a search that sends no more rounds")
+        assert 0 < len(sent) < 400 * 4  # it stopped before its last round
+        assert blocks_in_use(engine) == 0
