@@ -275,6 +275,7 @@ def as_chat(body: CountTokensRequest) -> ChatCompletionRequest:
             "timeout": body.timeout,
             "response_format": _chat_format(body.output_config),
             "reasoning_effort": _effort(body.output_config),
+            "thinking_token_budget": _budget(body.thinking),
         }
     try:
         return ChatCompletionRequest.model_validate(fields)
@@ -376,6 +377,13 @@ def _template_kwargs(body: CountTokensRequest) -> dict[str, Any] | None:
     if isinstance(body, MessagesRequest):
         kwargs |= body.chat_template_kwargs or {}
     return kwargs or None
+
+
+def _budget(thinking: Thinking | None) -> int | None:
+    """`thinking.budget_tokens` of enabled thinking, as chat's `thinking_token_budget`."""
+    if thinking is None or thinking.type != "enabled":
+        return None
+    return thinking.budget_tokens
 
 
 def _effort(config: OutputConfig | None) -> str | None:

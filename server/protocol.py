@@ -456,6 +456,8 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: a reply that continues the last message (its role's) starts with that message.
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: at most this many reasoning tokens, after which the thought is closed for it.
+    thinking_token_budget: NonNegativeInt | None = None
     # OpenAI's: how hard a reasoning model thinks, handed to the template as
     # `reasoning_effort` (gpt-oss's templates read it; others ignore it).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None

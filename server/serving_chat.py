@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from engine.core.errors import InvalidRequestError
 from engine.core.images import ImageInputs
 from engine.core.outputs import RequestOutput
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, ThoughtBudget
 from engine.lora.registry import LoRARequest
 from server import beam_search
 from server.call_array import CallArrayReader
@@ -486,6 +486,8 @@ class ChatHandler:
             params = replace(params, structured=forced.format)
         harmony = self._harmony()
         thinking = None if harmony else self._thinking(text, params)
+        if body.thinking_token_budget is not None:
+            params = replace(params, thought_budget=self._budget(body, text, harmony))
         # The format holds for the final channel's body, or for the answer once the thought
         # has closed.
         after = FINAL if harmony else self.thought.ends[0] if thinking else None
@@ -540,6 +542,22 @@ class ChatHandler:
                 or is_harmony(template)
             )
         return self._harmony_replies
+
+    def _budget(
+        self, body: ChatCompletionRequest, prompt_text: str, harmony: bool
+    ) -> ThoughtBudget:
+        """The request's `thinking_token_budget` over the reasoning tags the server reads (the
+        `--reasoning-parser`'s, `<think>` without one)."""
+        if harmony:
+            raise InvalidRequestError(
+                "thinking_token_budget does not apply to Harmony replies (gpt-oss), whose "
+                "reasoning is a channel, not a tagged thought.",
+                param="thinking_token_budget",
+            )
+        assert body.thinking_token_budget is not None
+        tags = self.thought
+        opened = opens_in_reasoning(prompt_text, tags)
+        return ThoughtBudget(body.thinking_token_budget, tags.starts, tags.ends[0], opened)
 
     def _thinking(self, prompt_text: str, params: SamplingParams) -> bool | None:
         """Whether the reply starts in its reasoning; None where none is split off: no

@@ -21,8 +21,9 @@ from engine.core.mrope import grid_positions
 from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import ModelRunnerOutput, RequestOutput
 from engine.core.request import FinishReason, Request
-from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, ThoughtBudget
 from engine.core.stats import FinishedRequestStats, StepStats
+from engine.core.thought_budget import ThoughtCounter
 from engine.lora.registry import LoRARegistry, LoRARequest
 from engine.scheduling.admission import Admission, fewest_new_tokens, promised_tokens
 from engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -118,6 +119,10 @@ class EngineCore:
             raise InvalidRequestError("stop strings need a tokenizer.", param="stop")
         if params.bad_words and self.tokenizer is None:
             raise InvalidRequestError("bad_words need a tokenizer.", param="bad_words")
+        if params.thought_budget is not None and self.tokenizer is None:
+            raise InvalidRequestError(
+                "thinking_token_budget needs a tokenizer.", param="thinking_token_budget"
+            )
         if params.structured is not None and self.grammars is None:
             raise InvalidRequestError(
                 "structured outputs need a tokenizer.", param=params.structured.param
@@ -182,6 +187,18 @@ class EngineCore:
                 )
         return decision.outcome is Admission.DEFER
 
+    def _thought_counter(self, budget: ThoughtBudget) -> ThoughtCounter:
+        tokenizer = self.tokenizer
+        assert tokenizer is not None  # a budget is refused without one
+        return ThoughtCounter(
+            budget.tokens,
+            budget.starts,
+            budget.end,
+            tokenizer.encode(budget.end, add_special_tokens=False),
+            budget.open_at_start,
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        )
+
     def _decoder(self, params: SamplingParams) -> Callable[[list[int]], str]:
         """Token ids to text as the request's output shows it."""
         tokenizer, skip = self.tokenizer, params.skip_special_tokens
@@ -236,6 +253,8 @@ class EngineCore:
             request.bad_words = bad_word_ids(self.tokenizer, params.bad_words)
         if deferred:
             request.timings.events.append((arrival, "admission deferred"))
+        if params.thought_budget is not None:
+            request.thought = self._thought_counter(params.thought_budget)
         if params.structured is not None and self.grammars is not None:
             matcher = self.grammars.matcher(params.structured)
             if params.structured.after:
@@ -540,10 +559,7 @@ class _InFlight:
         there to allow the next ones, or one still waiting to start (its newest token may be
         the one that starts it)."""
         sampled = (item.request for item in self.scheduled.scheduled if item.completes_sequence)
-        return all(
-            r.grammar is None and r.deferred_grammar is None and not needs_history(r.bad_words)
-            for r in sampled
-        )
+        return all(not r.follows_its_tokens and not needs_history(r.bad_words) for r in sampled)
 
 
 def _with(scheduled: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:

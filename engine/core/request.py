@@ -83,6 +83,9 @@ class Request:
     grammar: Any = None
     # A format that starts later (`StructuredOutputs.after`): a `DeferredGrammar` until then.
     deferred_grammar: Any = None
+    # The reasoning tokens counted against `sampling_params.thought_budget` (a
+    # `ThoughtCounter`); None without a budget.
+    thought: Any = None
     # The LoRA adapter the request runs under; None: the base model.
     lora: LoRARequest | None = None
     # The prompt's images (an image-text model's); None for a text prompt.
@@ -121,9 +124,23 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def forced_token(self) -> int | None:
+        """The token the next step must sample (a spent thought budget's closing tag)."""
+        return None if self.thought is None else self.thought.forced_token
+
+    @property
+    def follows_its_tokens(self) -> bool:
+        """Whether the next token depends on the newest one (a format, a thought budget still
+        counting), so that a step's tokens must reach the host before the next is scheduled."""
+        counting = self.thought is not None and not self.thought.done
+        return self.grammar is not None or self.deferred_grammar is not None or counting
+
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.thought is not None:
+            self.thought.append(self.output_token_ids)
         if self.grammar is not None:
             self.grammar.consume_token(token_id)
         elif self.deferred_grammar is not None and self.deferred_grammar.opens(

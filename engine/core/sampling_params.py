@@ -49,6 +49,25 @@ def _check(ok: bool, param: str, message: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class ThoughtBudget:
+    """At most `tokens` reasoning tokens (vLLM's `thinking_token_budget`): the thought opens
+    with one of `starts` (or is open from the first token, `open_at_start`) and is closed with
+    `end`, forced once the budget is spent (`core/thought_budget.py`)."""
+
+    tokens: int
+    starts: tuple[str, ...]
+    end: str
+    open_at_start: bool = False
+
+    def __post_init__(self) -> None:
+        _check(
+            self.tokens >= 0,
+            "thinking_token_budget",
+            f"thinking_token_budget must be non-negative, got {self.tokens}.",
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling and stopping settings of one request.
 
@@ -82,6 +101,8 @@ class SamplingParams:
     structured: StructuredOutputs | None = None
     # Words the output may not write (vLLM's `bad_words`; `core/bad_words.py`).
     bad_words: tuple[str, ...] = ()
+    # A cap on a thinking model's reasoning tokens.
+    thought_budget: ThoughtBudget | None = None
 
     def __post_init__(self) -> None:
         self._validate_counts()

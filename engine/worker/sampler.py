@@ -127,6 +127,7 @@ class Sampler:
         _apply_repetition_penalty(logits, requests, pending)
         _apply_frequency_presence(logits, requests, pending)
         _apply_min_tokens(logits, requests)
+        _apply_forced(logits, requests)
         return logits
 
     # ---- choice ----------------------------------------------------------------------------
@@ -240,6 +241,7 @@ def _argmax_of_raw_logits(request: Request) -> bool:
     return (
         params.greedy
         and request.grammar is None
+        and request.forced_token is None
         and params.logprobs is None
         and not params.logit_bias
         and params.allowed_token_ids is None
@@ -301,6 +303,16 @@ def logprob_entries(
             best = tuple(zip(top_ids[row][:count], values[row][:count], strict=True))
         result.append(TokenLogprob(token_ids[row], chosen[row], ranks[row], best))
     return result
+
+
+def _apply_forced(logits: torch.Tensor, requests: list[Request]) -> None:
+    """A row whose next token is forced (a spent thought budget's closing tag) can sample only
+    that token, whatever else ruled on it."""
+    for row, request in enumerate(requests):
+        token = request.forced_token
+        if token is not None:
+            logits[row].fill_(float("-inf"))
+            logits[row, token] = 0.0
 
 
 def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
