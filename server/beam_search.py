@@ -36,6 +36,7 @@ UNSUPPORTED = {
     "logit_bias": lambda p: bool(p.logit_bias),
     "bad_words": lambda p: bool(p.bad_words),
     "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
+    "thinking_token_budget": lambda p: p.thought_budget is not None,
 }
 
 
