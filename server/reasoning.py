@@ -37,8 +37,20 @@ GRANITE = ThoughtTags(
     ("Here is my thought process:", "Here's my thought process:"),
     ("Here is my response:", "Here's my response:"),
 )
-# `openai_gptoss` reads gpt-oss's Harmony channels instead (`server/harmony.py`).
-TAGS = {"deepseek_r1": THINK, "qwen3": THINK, "mistral": MISTRAL, "granite": GRANITE}
+SEED = ThoughtTags(("<seed:think>",), ("</seed:think>",))
+# `openai_gptoss` reads gpt-oss's Harmony channels instead (`server/harmony.py`). The names are
+# vLLM's; theirs for GLM-4.5, Kimi K2, OLMo 3 and DeepSeek-V3.1 read `<think>` as `qwen3` does.
+TAGS = {
+    "deepseek_r1": THINK,
+    "qwen3": THINK,
+    "deepseek_v3": THINK,
+    "glm45": THINK,
+    "kimi_k2": THINK,
+    "olmo3": THINK,
+    "mistral": MISTRAL,
+    "granite": GRANITE,
+    "seed_oss": SEED,
+}
 PARSERS = (*TAGS, "openai_gptoss")
 
 

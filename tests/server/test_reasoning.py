@@ -289,6 +289,10 @@ OTHER_SPLITS = [
     ),
     (("granite", "Here is the answer: blue.", False), (None, "Here is the answer: blue.")),
     (("granite", "Here is my thought process: cut", False), (" cut", "")),
+    (("seed_oss", "<seed:think>Sky.</seed:think>Blue.", False), ("Sky.", "Blue.")),
+    (("seed_oss", "<think>not its</think>ok", False), (None, "<think>not its</think>ok")),
+    (("glm45", "<think>Sky.</think>Blue.", False), ("Sky.", "Blue.")),
+    (("olmo3", "Sky.</think>Blue.", True), ("Sky.", "Blue.")),
 ]  # fmt: skip
 
 
