@@ -47,6 +47,8 @@ FUNCTION, PARAMETER = "<function=", "<parameter="
 GRANITE_TOOL_CALL = "<|tool_call|>"
 FUNCTOOLS, PHI4_TOOLS = "functools", "<|tool|>"
 # `openai` reads gpt-oss's Harmony messages to functions (`server/harmony.py`).
+# vLLM's other names for formats read here.
+ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "qwen3_xml": "qwen3_coder"}
 PARSERS = (
     "granite",
     "hermes",
@@ -56,6 +58,7 @@ PARSERS = (
     "phi4_mini_json",
     "pythonic",
     "qwen3_coder",
+    *ALIASES,
 )
 # Parsers whose tags are special tokens, which a reply's text must keep to be read.
 KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai"})
@@ -74,7 +77,7 @@ def parser_for(name: str | None, chat_template: str | None) -> str | None:
     """The parser `--tool-call-parser` names, else the one the chat template's own tags show,
     else None (calls are not read from free text)."""
     if name is not None:
-        return name
+        return ALIASES.get(name, name)
     template = chat_template or ""
     if GRANITE_TOOL_CALL in template:
         return "granite"

@@ -70,6 +70,8 @@ def test_a_partial_tag_is_held_back_until_it_is_known() -> None:
 
 def test_the_parser_comes_from_the_flag_or_the_template() -> None:
     assert parser_for("hermes", None) == "hermes"
+    assert parser_for("qwen3_xml", None) == "qwen3_coder"  # vLLM's other names
+    assert parser_for("llama4_pythonic", "<tool_call>") == "pythonic"
     assert parser_for(None, "{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert parser_for(None, "{{ messages }}") is None
 
