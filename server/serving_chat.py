@@ -48,6 +48,7 @@ from server.serving import (
 from server.settings import ServerSettings
 from server.streaming import sse
 from server.strict_tools import strict_calls_format
+from server.structured import thought_first
 from server.tokenization import (
     TokenText,
     call_arguments_among,
@@ -485,7 +486,9 @@ class ChatHandler:
                 )
             params = replace(params, structured=forced.format)
         harmony = self._harmony()
-        thinking = None if harmony else self._thinking(text, params)
+        thinking = None if harmony else self._thinking(text)
+        if thinking is False and params.structured is not None:  # may think, then the format
+            params = replace(params, structured=thought_first(params.structured, self.thought))
         if body.thinking_token_budget is not None:
             params = replace(params, thought_budget=self._budget(body, text, harmony))
         # The format holds for the final channel's body, or for the answer once the thought
@@ -559,14 +562,12 @@ class ChatHandler:
         opened = opens_in_reasoning(prompt_text, tags)
         return ThoughtBudget(body.thinking_token_budget, tags.starts, tags.ends[0], opened)
 
-    def _thinking(self, prompt_text: str, params: SamplingParams) -> bool | None:
-        """Whether the reply starts in its reasoning; None where none is split off: no
-        reasoning parser, or an output format that would hold from the first token (a reply
-        that may open its own thought with `<think>`)."""
+    def _thinking(self, prompt_text: str) -> bool | None:
+        """Whether the reply starts in its reasoning (else it may open it itself); None where
+        none is split off (no reasoning parser)."""
         if self.reasoning_parser is None:
             return None
-        opens = opens_in_reasoning(prompt_text, self.thought)
-        return None if params.structured is not None and not opens else opens
+        return opens_in_reasoning(prompt_text, self.thought)
 
     async def __call__(self, body: ChatCompletionRequest, request: Request) -> Response:
         prepared = await self.prepare(body)

@@ -9,7 +9,9 @@ from typing import Any
 
 from engine.core.errors import InvalidRequestError
 from engine.core.sampling_params import StructuredOutputs
+from server import json_text
 from server.protocol import ResponseFormat, SamplingFields, StructuredOutputsFields
+from server.reasoning import ThoughtTags
 
 
 def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
@@ -112,3 +114,41 @@ def _compact_json(schema: Any) -> str:
         except (ValueError, RecursionError):
             return schema  # the compiler reports it as not JSON
     return json.dumps(schema, separators=(",", ":"))
+
+
+def thought_first(spec: StructuredOutputs, tags: ThoughtTags) -> StructuredOutputs:
+    """`spec` after an optional thought between `tags`: for a thinking model whose reply may
+    open its own thought (Qwen3's template leaves `<think>` to the reply), which may think
+    first and then writes the format. A structural tag, which says where thoughts go itself,
+    and a format that cannot be read (its compile reports it) are kept as they are."""
+    node = _format_node(spec)
+    if node is None:
+        return spec
+    thoughts = [
+        {"type": "tag", "begin": start, "content": {"type": "any_text"}, "end": tags.ends[0]}
+        for start in tags.starts
+    ]
+    optional = {"type": "or", "elements": [*thoughts, {"type": "const_string", "value": ""}]}
+    tag = {"format": {"type": "sequence", "elements": [optional, node]}}
+    return StructuredOutputs("structural_tag", json.dumps(tag), spec.param)
+
+
+def _format_node(spec: StructuredOutputs) -> dict[str, Any] | None:
+    """The structural tag node of a format, or None."""
+    if spec.kind == "json_object":
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if spec.kind == "regex" and spec.spec:
+        return {"type": "regex", "pattern": spec.spec}
+    if spec.kind == "grammar" and spec.spec.strip():
+        return {"type": "grammar", "grammar": spec.spec}
+    try:
+        value = json_text.loads(spec.spec) if spec.kind in ("json", "choice") else None
+    except ValueError:
+        return None
+    if spec.kind == "json" and isinstance(value, dict | bool):
+        return {"type": "json_schema", "json_schema": value}
+    if spec.kind != "choice" or not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(choice, str) and choice for choice in value):
+        return None
+    return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in value]}

@@ -227,7 +227,7 @@ async def test_a_template_that_does_not_think_gives_plain_content():
         plain = (await client.post("/v1/chat/completions", json=body)).json()
     async with app_client(settings, tokenizer=chat_tokenizer()) as (client, _):
         parsed = (await client.post("/v1/chat/completions", json=body)).json()
-        # A format holds from the first token of a reply that may open its own thought.
+        # A reply that may open its own thought and does not: the format from its first token.
         formatted = await client.post(
             "/v1/chat/completions",
             json={**body, "max_tokens": 30, "response_format": {"type": "json_object"}},
@@ -235,6 +235,30 @@ async def test_a_template_that_does_not_think_gives_plain_content():
     assert parsed["choices"][0]["message"] == plain["choices"][0]["message"]
     message = formatted.json()["choices"][0]["message"]
     assert "reasoning" not in message and message["content"].startswith("{")
+
+
+async def test_a_reply_that_opens_its_own_thought_thinks_then_follows_the_format():
+    """Qwen3's template leaves `<think>` to the reply: the reply may think first (a bias opens
+    its thought, then closes it), the format then shapes the answer, and the reasoning is
+    apart. The tags are tokens of their own, as Qwen3's are."""
+    tokenizer = copy.deepcopy(chat_tokenizer())
+    tokenizer.add_tokens(["<think>", "</think>"])
+    think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    model = tiny_llama(vocab_size=len(tokenizer))
+    settings = ServerSettings(served_model_name="tiny", reasoning_parser="qwen3")
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 40,
+        "seed": 4,
+        "logit_bias": {str(think): 100, str(end): 30},
+        "structured_outputs": {"regex": "[0-9]{3}"},
+    }
+    async with app_client(settings, model=model, tokenizer=tokenizer) as (client, engine):
+        response = await client.post("/v1/chat/completions", json=body)
+        message = response.json()["choices"][0]["message"]
+        assert message["reasoning"] is not None
+        assert re.fullmatch("[0-9]{3}", message["content"]), message
+        assert blocks_in_use(engine) == 0
 
 
 @pytest.mark.parametrize("key", ["reasoning_content", "thinking"])
