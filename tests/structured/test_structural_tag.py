@@ -311,3 +311,30 @@ def test_a_special_token_trigger(compiler) -> None:
             *tokenizer.encode(after, add_special_tokens=False),
         ]
         assert bool(matcher.consume_tokens(ids) and matcher.is_accepting()) == allowed
+
+
+CONST_BANG = {"type": "const_string", "value": "!"}
+
+
+@pytest.mark.parametrize(
+    ("stop_after_first", "text", "allowed"),
+    [
+        (False, '<calls>hi <function=count>{"n": 1}</function> bye</calls>!', True),
+        (False, "<calls>hi</calls>!", True),
+        (False, "<calls>x</calls>extra", False),
+        (False, '<calls>a <function=count>{"n": "x"}</function></calls>!', False),
+        (True, '<calls>hi <function=count>{"n": 1}</function></calls>!', True),
+        (True, '<calls>hi <function=count>{"n": 1}</function> more</calls>!', False),
+    ],
+)
+def test_triggered_tags_inside_a_tag_end_at_its_end(compiler, stop_after_first, text, allowed):
+    """The text around triggered tags inside a tag runs to that tag's end, and what follows
+    the tag follows it."""
+    calls = {
+        "type": "triggered_tags",
+        "triggers": ["<function="],
+        "tags": FUNCTIONS,
+        "stop_after_first": stop_after_first,
+    }
+    shape = {"type": "sequence", "elements": [tag("<calls>", calls, "</calls>"), CONST_BANG]}
+    assert accepts(compiler, fmt(shape), text) == allowed
