@@ -5,9 +5,11 @@ arguments that fit its `parameters` schema (others get any JSON object). With
 `parallel_tool_calls: false` the reply ends after its first call.
 
 Enforced as a structural tag (`engine.structured.structural_tag`) for the parsers whose calls
-are JSON in a fixed frame: `hermes`, `llama3_json`, `granite` and `phi4_mini_json`. For the
-others the calls are read as written. A reply that may open its own reasoning may do so first
-(its tags are tokens of their own that free text does not hold)."""
+are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`), and for
+`qwen3_coder`'s XML parameters (each one's value its schema's JSON, or raw text for a string,
+in the schema's order). For the others the calls are read as written. A reply that may open
+its own reasoning may do so first (its tags are tokens of their own that free text does not
+hold)."""
 
 from __future__ import annotations
 
@@ -79,6 +81,64 @@ def _llama3_json(tools: list[Tool], single: bool) -> dict[str, Any]:
     return _triggered(['{"name": ', PYTHON_TAG], tags, single)
 
 
+def _qwen3_coder(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>
+    \n</tool_call>`, as Qwen3-Coder writes them."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": f"<tool_call>\n<function={tool.function.name}>\n",
+            "content": _xml_parameters(tool),
+            "end": "</function>\n</tool_call>",
+        }
+        for tool in tools
+    ]
+    return _triggered(["<tool_call>"], tags, single)
+
+
+def _xml_parameters(tool: Tool) -> dict[str, Any]:
+    """A strict function's parameters in its schema's order, each required one once and each
+    other at most once; any text for a function that is not strict."""
+    schema = tool.function.parameters or ANY_OBJECT
+    if not tool.function.strict:
+        return {"type": "any_text"}
+    required = set(schema.get("required", []))
+    elements = []
+    for key, value in (schema.get("properties") or {}).items():
+        parameter = {
+            "type": "tag",
+            "begin": f"<parameter={key}>\n",
+            "content": _xml_value(value),
+            "end": "\n</parameter>\n",
+        }
+        elements.append(parameter if key in required else _optional(parameter))
+    return {"type": "sequence", "elements": elements} if elements else _NOTHING
+
+
+def _xml_value(schema: Any) -> dict[str, Any]:
+    """A parameter's value: raw text for a string (one of its `enum` where it has one), the
+    schema's JSON otherwise."""
+    if not isinstance(schema, dict):
+        return {"type": "json_schema", "json_schema": True}
+    choices = schema.get("enum")
+    if schema.get("type") == "string" and choices is None:
+        return {"type": "any_text"}
+    if choices and all(isinstance(choice, str) and choice for choice in choices):
+        return {"type": "or", "elements": [_literal(choice) for choice in choices]}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _optional(node: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "or", "elements": [node, _NOTHING]}
+
+
+def _literal(text: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": text}
+
+
+_NOTHING = {"type": "const_string", "value": ""}
+
+
 def _json_list(*triggers: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
     """`TRIGGER[{"name": ..., "arguments": ...}, ...]`: one list of calls (one call in it with
     `single`), after any of the triggers."""
@@ -96,6 +156,7 @@ FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "llama3_json": _llama3_json,
     "granite": _json_list(GRANITE_TOOL_CALL, OPEN),
     "phi4_mini_json": _json_list(FUNCTOOLS),
+    "qwen3_coder": _qwen3_coder,
 }
 
 

@@ -16,6 +16,7 @@ from server.protocol import ChatCompletionRequest
 from server.reasoning import THINK
 from server.settings import ServerSettings
 from server.strict_tools import strict_calls_format
+from server.tool_parsers import parse_calls
 from tests.helpers import format_allows, grammar_compiler, tiny_llama, tiny_tokenizer
 from tests.server.test_tool_calls import TOOL_TEMPLATE, WEATHER, tool_tokenizer
 from tests.server_utils import app_client
@@ -247,3 +248,30 @@ async def test_strict_tools_leave_a_thinking_model_its_thought() -> None:
         response = await client.post("/v1/chat/completions", json=body)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["message"]["content"].startswith("<think>")
+
+
+def coder_call(name: str, *parameters: tuple[str, str]) -> str:
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("text", "allowed"),
+    [
+        ("Plain text.", True),
+        (coder_call("weather", ("city", "Oslo"), ("unit", "c")), True),
+        (coder_call("weather", ("city", "New\nYork"), ("unit", "f")), True),  # raw text
+        (coder_call("weather", ("city", "Oslo"), ("unit", "k")), False),  # not in the enum
+        (coder_call("weather", ("unit", "c")), False),  # a required parameter left out
+        (coder_call("weather", ("unit", "c"), ("city", "Oslo")), False),  # out of order
+        (coder_call("time", ("anything", "[1, 2]")), True),  # not strict: any parameters
+        (coder_call("news", ("q", "x")), False),
+    ],
+)
+def test_qwen3_coder_calls_follow_the_schema(compiler, text: str, allowed: bool) -> None:
+    spec = strict_calls_format(request(), "qwen3_coder")
+    assert spec is not None
+    assert format_allows(compiler, spec, text) == allowed
+    if allowed and text.startswith("<tool_call>"):  # the parser reads what the format allows
+        [call] = parse_calls("qwen3_coder", text, {"weather": WEATHER})[1]
+        assert call["function"]["name"] in ("weather", "time")
