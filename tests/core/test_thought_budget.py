@@ -131,3 +131,26 @@ async def test_the_messages_api_budget_is_the_thinking_budget(model_and_tokenize
         capped = {**body, "thinking": {"type": "enabled", "budget_tokens": 4}}
         reply = (await client.post("/v1/messages", json=capped)).json()
         assert [block["type"] for block in reply["content"]] == ["thinking", "text"]
+
+
+async def test_each_sample_of_a_request_counts_its_own_thought(model_and_tokenizer) -> None:
+    """`n` samples, drawn at random: each is forced to close its thought at its own budget."""
+    model, tokenizer = model_and_tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    [end] = tokenizer.convert_tokens_to_ids(TAGS[1:])
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "n": 3,
+        "seed": 3,
+        "max_tokens": 10,
+        "ignore_eos": True,
+        "thinking_token_budget": 4,
+        "return_token_ids": True,
+    }
+    async with app_client(model=model, tokenizer=tokenizer) as (client, _):
+        choices = (await client.post("/v1/chat/completions", json=body)).json()["choices"]
+    samples = [choice["token_ids"] for choice in choices]
+    assert len(samples) == 3 and len({tuple(s) for s in samples}) > 1
+    for tokens in samples:
+        assert end in tokens[:5]  # closed by itself, or forced as its fifth token
