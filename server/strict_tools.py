@@ -20,10 +20,9 @@ from typing import Any
 from engine.core.sampling_params import StructuredOutputs
 from server.protocol import AllowedToolsChoice, ChatCompletionRequest, Tool
 from server.reasoning import ThoughtTags
+from server.structured import NOTHING, after_optional_thought, optional
 from server.tool_parsers import FUNCTOOLS, GRANITE_TOOL_CALL, OPEN, PYTHON_TAG
-from server.tools import callable_tools
-
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
+from server.tools import ANY_OBJECT, callable_tools, parameters
 
 
 def strict_calls_format(
@@ -39,17 +38,8 @@ def strict_calls_format(
     single = not body.parallel_tool_calls
     tag = FORMATS[parser](tools, single)
     if thought is not None:
-        tag = {"type": "sequence", "elements": [_optional_thought(thought), tag]}
+        tag = after_optional_thought(tag, thought)
     return StructuredOutputs("structural_tag", json.dumps({"format": tag}), "tools")
-
-
-def _optional_thought(thought: ThoughtTags) -> dict[str, Any]:
-    text = {"type": "any_text"}
-    tags = [
-        {"type": "tag", "begin": start, "content": text, "end": thought.ends[0]}
-        for start in thought.starts
-    ]
-    return {"type": "or", "elements": [*tags, {"type": "const_string", "value": ""}]}
 
 
 def _hermes(tools: list[Tool], single: bool) -> dict[str, Any]:
@@ -99,9 +89,9 @@ def _qwen3_coder(tools: list[Tool], single: bool) -> dict[str, Any]:
 def _xml_parameters(tool: Tool) -> dict[str, Any]:
     """A strict function's parameters in its schema's order, each required one once and each
     other at most once; any text for a function that is not strict."""
-    schema = tool.function.parameters or ANY_OBJECT
     if not tool.function.strict:
         return {"type": "any_text"}
+    schema = parameters(tool)
     required = set(schema.get("required", []))
     elements = []
     for key, value in (schema.get("properties") or {}).items():
@@ -111,8 +101,8 @@ def _xml_parameters(tool: Tool) -> dict[str, Any]:
             "content": _xml_value(value),
             "end": "\n</parameter>\n",
         }
-        elements.append(parameter if key in required else _optional(parameter))
-    return {"type": "sequence", "elements": elements} if elements else _NOTHING
+        elements.append(parameter if key in required else optional(parameter))
+    return {"type": "sequence", "elements": elements} if elements else NOTHING
 
 
 def _xml_value(schema: Any) -> dict[str, Any]:
@@ -128,15 +118,8 @@ def _xml_value(schema: Any) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema}
 
 
-def _optional(node: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "or", "elements": [node, _NOTHING]}
-
-
 def _literal(text: str) -> dict[str, Any]:
     return {"type": "const_string", "value": text}
-
-
-_NOTHING = {"type": "const_string", "value": ""}
 
 
 def _json_list(*triggers: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
@@ -188,6 +171,6 @@ def _opening(tool: Tool, key: str) -> str:
 
 
 def _tag(begin: str, tool: Tool, end: str) -> dict[str, Any]:
-    schema = (tool.function.parameters or ANY_OBJECT) if tool.function.strict else ANY_OBJECT
+    schema = parameters(tool) if tool.function.strict else ANY_OBJECT
     content = {"type": "json_schema", "json_schema": schema}
     return {"type": "tag", "begin": begin, "content": content, "end": end}

@@ -124,13 +124,25 @@ def thought_first(spec: StructuredOutputs, tags: ThoughtTags) -> StructuredOutpu
     node = _format_node(spec)
     if node is None:
         return spec
+    tag = {"format": after_optional_thought(node, tags)}
+    return StructuredOutputs("structural_tag", json.dumps(tag), spec.param)
+
+
+# Structural tag nodes: nothing at all, and a choice of nodes or nothing.
+NOTHING: dict[str, Any] = {"type": "const_string", "value": ""}
+
+
+def optional(*nodes: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "or", "elements": [*nodes, NOTHING]}
+
+
+def after_optional_thought(node: dict[str, Any], tags: ThoughtTags) -> dict[str, Any]:
+    """The structural tag node of `node` after a thought between `tags`, or none."""
     thoughts = [
         {"type": "tag", "begin": start, "content": {"type": "any_text"}, "end": tags.ends[0]}
         for start in tags.starts
     ]
-    optional = {"type": "or", "elements": [*thoughts, {"type": "const_string", "value": ""}]}
-    tag = {"format": {"type": "sequence", "elements": [optional, node]}}
-    return StructuredOutputs("structural_tag", json.dumps(tag), spec.param)
+    return {"type": "sequence", "elements": [optional(*thoughts), node]}
 
 
 def _format_node(spec: StructuredOutputs) -> dict[str, Any] | None:

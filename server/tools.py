@@ -86,7 +86,7 @@ def _check_parameters(tool: Tool, param: str) -> None:
     from jsonschema.exceptions import SchemaError
 
     try:
-        Draft202012Validator.check_schema(_parameters(tool))
+        Draft202012Validator.check_schema(parameters(tool))
     except SchemaError as exc:
         raise InvalidRequestError(
             f"The parameters of {tool.function.name!r} are not a valid JSON Schema: {exc.message}",
@@ -113,7 +113,7 @@ def forced_calls(body: ChatCompletionRequest) -> ForcedCalls | None:
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
-        schema = _parameters(tools[name])
+        schema = parameters(tools[name])
         return ForcedCalls("named", (name,), StructuredOutputs("json", _json(schema), "tools"))
     if isinstance(choice, AllowedToolsChoice) and choice.allowed_tools.mode == "required":
         choice = "required"
@@ -138,7 +138,8 @@ def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [tool.model_dump(exclude_none=True) for tool in body.tools]
 
 
-def _parameters(tool: Tool) -> dict[str, Any]:
+def parameters(tool: Tool) -> dict[str, Any]:
+    """The function's `parameters` schema (any object where it gives none)."""
     return tool.function.parameters or ANY_OBJECT
 
 
@@ -147,7 +148,7 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
         "type": "object",
         "properties": {
             "name": {"type": "string", "enum": [tool.function.name]},
-            "parameters": _parameters(tool),
+            "parameters": parameters(tool),
         },
         "required": ["name", "parameters"],
         "additionalProperties": False,
