@@ -110,9 +110,9 @@ def _compact_json(schema: Any) -> str:
     string is taken as JSON text already."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
-        except (ValueError, RecursionError):
-            return schema  # the compiler reports it as not JSON
+            schema = json_text.loads(schema)
+        except ValueError:
+            return schema  # the compiler reads it, or reports it as not JSON
     return json.dumps(schema, separators=(",", ":"))
 
 
