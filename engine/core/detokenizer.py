@@ -52,6 +52,18 @@ def _plain_backend(tokenizer: Any) -> Any | None:
     return backend
 
 
+def wrote(
+    markers: tuple[str, ...], output_token_ids: list[int], decode: Callable[[list[int]], str]
+) -> bool:
+    """Whether the newest token completed one of `markers` (asked after every token, so the
+    first yes is that token's). Each token spells at least one character, so a marker lies
+    within the text of its length's worth of last tokens; a token may also carry text past it
+    (`</think>` merged with a newline)."""
+    longest = max(map(len, markers))
+    text = decode(output_token_ids[-longest:])
+    return any(marker in text for marker in markers)
+
+
 class IncrementalDetokenizer:
     """Turns a growing token list into text deltas that never split a character."""
 

@@ -4,12 +4,13 @@ are forced, one a step, and the reply goes on to its answer.
 
 The thought starts at the beginning of the output where the prompt opened it, else where the
 output writes one of the opening tags; it ends early where the output writes the closing tag
-itself. Tags are found in the text of the output's last tokens, as `DeferredGrammar` finds its
-marker."""
+itself. Tags are found in the text of the output's last tokens (`detokenizer.wrote`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from engine.core.detokenizer import wrote
 
 
 class ThoughtCounter:
@@ -64,11 +65,11 @@ class ThoughtCounter:
                 self.forcing, self.done = None, True
             return
         if not self.inside:
-            self.inside = self._wrote(output_token_ids, self._starts)
+            self.inside = wrote(self._starts, output_token_ids, self._decode)
             self._spent()
             return
         self.count += 1
-        if self._wrote(output_token_ids, (self._end,)):
+        if wrote((self._end,), output_token_ids, self._decode):
             self.done = True  # the thought closed on its own
             return
         self._spent()
@@ -77,8 +78,3 @@ class ThoughtCounter:
         if self.inside and not self.done and self.count >= self.budget:
             self.forcing = 0 if self.closing else None
             self.done = not self.closing
-
-    def _wrote(self, output_token_ids: list[int], tags: tuple[str, ...]) -> bool:
-        longest = max(map(len, tags))
-        text = self._decode(output_token_ids[-longest:])
-        return any(tag in text for tag in tags)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from engine.core.detokenizer import wrote
+
 
 class DeferredGrammar:
     """A matcher at its start, waiting for `marker` to appear in the output's text."""
@@ -18,8 +20,5 @@ class DeferredGrammar:
         self._decode = decode
 
     def opens(self, output_token_ids: list[int]) -> bool:
-        """Whether the newest token completed the marker (asked after every token, so the first
-        yes is that token's). Each token spells at least one character, so the marker lies
-        within the text of its length's worth of last tokens; a token may also carry text past
-        it (`</think>` merged with a newline)."""
-        return self.marker in self._decode(output_token_ids[-len(self.marker) :])
+        """Whether the newest token completed the marker."""
+        return wrote((self.marker,), output_token_ids, self._decode)
