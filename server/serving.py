@@ -335,7 +335,7 @@ async def respond(renderer: Renderer, streams: Streams, stream: bool, request: R
         if result is None:
             return Response(status_code=CLIENT_GONE)
         if trace is not None:
-            trace.output(result["usage"], renderer.finish_reasons(), renderer.texts())
+            trace.output(renderer)
         return JSONResponse(result)
     first = await unless_disconnected(request, anext(merged))
     if first is None:
@@ -402,7 +402,7 @@ async def _events(
                 RequestTimeoutError("The request's deadline passed; the answer above is cut short.")
             )
         if trace is not None:
-            trace.output(renderer.usage(), renderer.finish_reasons(), renderer.texts())
+            trace.output(renderer)
         completed = True
     except Exception as exc:
         if trace is not None:

@@ -61,7 +61,7 @@ class MessagesHandler:
             if result is None:
                 return Response(status_code=CLIENT_GONE)
             if trace is not None:
-                trace.output(renderer.usage(), renderer.finish_reasons(), renderer.texts())
+                trace.output(renderer)
             return JSONResponse(result)
         first = await unless_disconnected(request, anext(merged))
         if first is None:
@@ -113,9 +113,7 @@ async def _events(
             yield named_sse(event)
         result = reply.message()
         if trace is not None:
-            trace.output(
-                reply.renderer.usage(), reply.renderer.finish_reasons(), reply.renderer.texts()
-            )
+            trace.output(reply.renderer)
         stop = {key: result[key] for key in ("stop_reason", "stop_sequence")}
         yield named_sse({"type": "message_delta", "delta": stop, "usage": result["usage"]})
         yield named_sse({"type": "message_stop"})

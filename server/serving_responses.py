@@ -93,7 +93,7 @@ class ResponsesHandler:
             if result is None:
                 return Response(status_code=CLIENT_GONE)
             if trace is not None:
-                trace.output(renderer.usage(), renderer.finish_reasons(), renderer.texts())
+                trace.output(renderer)
             self._keep(body, reply, result)
             return JSONResponse(result)
         first = await unless_disconnected(request, anext(merged))
@@ -182,9 +182,7 @@ class ResponsesHandler:
                 yield stream.sse(event)
             result = reply.response()
             if trace is not None:
-                trace.output(
-                    reply.renderer.usage(), reply.renderer.finish_reasons(), reply.renderer.texts()
-                )
+                trace.output(reply.renderer)
             self._keep(body, reply, result, log)
             yield stream.event(f"response.{result['status']}", response=result)
             completed = True

@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -62,6 +62,16 @@ LOG_FIELDS = {
     "gen_ai.latency.e2e": "e2e_s",
 }
 REQUEST_LOG = logging.getLogger("conveyor.requests")
+
+
+class Produced(Protocol):
+    """What a request's renderer tells of its output."""
+
+    def usage(self) -> dict[str, Any]: ...
+
+    def finish_reasons(self) -> list[str]: ...
+
+    def texts(self) -> list[str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,13 +121,12 @@ class RequestTrace:
         self.set("gen_ai.response.id", response_id or request_id)
         self.tracing.open[request_id] = self
 
-    def output(
-        self, usage: Mapping[str, Any], finish_reasons: list[str], texts: Sequence[str] = ()
-    ) -> None:
+    def output(self, produced: Produced) -> None:
         """What the request produced: usage, finish reasons, and each choice's text (which
         reaches the log line only where output logging is on)."""
         if self.tracing.outputs is not None:
-            self.outputs = [self.tracing.outputs.cut(text) for text in texts]
+            self.outputs = [self.tracing.outputs.cut(text) for text in produced.texts()]
+        usage, finish_reasons = produced.usage(), produced.finish_reasons()
         self.set("gen_ai.usage.input_tokens", usage["prompt_tokens"])
         self.set("gen_ai.usage.output_tokens", usage["completion_tokens"])
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
