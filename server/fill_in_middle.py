@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.core.errors import InvalidRequestError
+from server.tokenization import encode_text
 
 # The fill-in-the-middle tokens of each family: before the prefix, before the suffix, before
 # the middle the model writes.
@@ -56,12 +57,12 @@ def fill_in_middle_prompts(
             "fill-in-the-middle tokens.",
             param="suffix",
         )
-    lead = tokenizer.encode("", add_special_tokens=add_special_tokens)
-    after = tokenizer.encode(suffix, add_special_tokens=False)
+    lead = encode_text(tokenizer, "", add_special_tokens)
+    after = encode_text(tokenizer, suffix, False)
     framed = []
     for prompt in prompts:
         if isinstance(prompt, str):
-            before = [*lead, *tokenizer.encode(prompt, add_special_tokens=False)]
+            before = [*lead, *encode_text(tokenizer, prompt, False)]
         else:
             before = list(prompt)
         head, body = _split_lead(before, lead)
