@@ -129,18 +129,23 @@ class ResponseStore:
                     400, "Only a background response can be cancelled.", param="response_id"
                 )
             return response
-        running.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await running.task
-        self._running.pop(response_id, None)
+        await self.stop(response_id)
         return self.get(response_id)
 
-    async def close(self) -> None:
-        """Cancel what still runs (at shutdown)."""
-        for running in list(self._running.values()):
+    async def stop(self, response_id: str) -> None:
+        """Cancel the response if it is a background one still running; its task stores it
+        as cancelled before this returns."""
+        running = self._running.get(response_id)
+        if running is not None:
             running.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await running.task
+            self._running.pop(response_id, None)
+
+    async def close(self) -> None:
+        """Cancel what still runs (at shutdown)."""
+        for response_id in list(self._running):
+            await self.stop(response_id)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -193,11 +198,6 @@ class ResponseStore:
             "last_id": page[-1]["id"] if page else None,
             "has_more": len(ordered) > limit,
         }
-
-    async def stop(self, response_id: str) -> None:
-        """Cancel the response if it is a background one still running."""
-        if response_id in self._running:
-            await self.cancel(response_id)
 
     def delete(self, response_id: str) -> None:
         self.size -= self._entry(response_id, "response_id").size
