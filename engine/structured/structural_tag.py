@@ -236,18 +236,16 @@ def _triggered(grammar: _Grammar, node: dict[str, Any], path: str, follow: str) 
         bare.append(_join(grammar.literal(begin), rest))
         lead = _free_text(grammar, trigger, f"{path}.tags[{i}]")
         triggered.append(_join(lead, grammar.literal(begin[len(trigger) :]), rest))
-    first = grammar.rule(" | ".join(bare if at_least_one else triggered))
-    closing = _closing(grammar, follow)
+    then = grammar.rule(" | ".join(triggered))  # a tag after free text
+    first = grammar.rule(" | ".join(bare)) if at_least_one else then
     if stop_after_first:
+        once = _join(first, _closing(grammar, follow))
         if at_least_one:
-            return _join(first, closing)
+            return once
         rest_of_output = _free_text(grammar, follow, f"{path} (text without a tag)")
-        return grammar.rule(f"{_join(first, closing)} | {rest_of_output}")
-    then = grammar.rule(" | ".join(triggered))
+        return grammar.rule(f"{once} | {rest_of_output}")
     tail = _free_text(grammar, follow, f"{path} (text after the tags)")
-    if at_least_one:
-        return _join(first, f"{then}*", tail)
-    return _join(f"{then}*", tail)
+    return _join(first if at_least_one else "", f"{then}*", tail)
 
 
 def _separated(grammar: _Grammar, node: dict[str, Any], path: str, follow: str) -> str:
