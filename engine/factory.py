@@ -31,6 +31,7 @@ from engine.core.config import (
 )
 from engine.core.engine_core import EngineCore
 from engine.core.errors import WorkerFailedError
+from engine.core.speculation import Drafter
 from engine.kernels.cpu import huge_pages, malloc_tuning
 from engine.kernels.cpu.linear import silence_fbgemm_deprecation
 from engine.kv.block_manager import BlockManager
@@ -348,6 +349,15 @@ def core_from_model(
     core.max_logprobs = vocab_size if config.max_logprobs < 0 else config.max_logprobs
     core.overlap = overlap
     core.processor = loaded.processor
+    spec = config.speculative
+    if spec is not None:
+        core.drafter = Drafter(spec)
+        logger.info(
+            "speculation: n-gram drafts of up to %d tokens from matches of the last %d-%d tokens",
+            spec.num_speculative_tokens,
+            spec.prompt_lookup_min,
+            spec.prompt_lookup_max,
+        )
     _serve_loras(core, config)
     info = ServingInfo(
         model_name=loaded.name,
@@ -371,6 +381,7 @@ def core_from_model(
         labels=loaded.labels,
         max_logprobs=core.max_logprobs,
         eos_token_ids=loaded.eos_token_ids,
+        num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
     )
     return core, info
 

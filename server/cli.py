@@ -21,6 +21,7 @@ from engine.core.config import (
     EngineConfig,
 )
 from engine.core.sampling_params import MAX_LOGPROBS
+from engine.core.speculation import SpeculativeConfig
 from engine.loading.gguf_file import is_gguf_file
 from server.config_file import CONFIG_OPTION, with_config_file
 from server.content_format import CONTENT_FORMATS
@@ -383,6 +384,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="schedule and launch each step while the previous one still runs on the device, "
         "so a GPU never waits for the host (default: on for CUDA, off on a CPU)",
     )
+    engine.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help="speculative decoding as vLLM's JSON config, n-gram drafts only: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        "(either lookup length alone sets both; default 5); turns --async-scheduling off",
+    )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--trust-remote-code", action="store_true")
     engine.add_argument(
@@ -657,6 +666,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=args.async_scheduling,
+        speculative=args.speculative_config,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
@@ -721,6 +731,14 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return value
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """`--speculative-config`: vLLM's JSON object, its n-gram fields."""
+    try:
+        return SpeculativeConfig.of(_json_object(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _tls_files(args: argparse.Namespace) -> TlsFiles | None:

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.core.config import ServingInfo
 from engine.core.request import FinishReason
 from engine.core.sampling_params import STRUCTURED_KINDS
-from engine.core.stats import FinishedRequestStats, StepStats
+from engine.core.stats import DraftStats, FinishedRequestStats, StepStats
 
 LABELS = ["model_name", "engine"]
 COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
@@ -111,6 +111,35 @@ def build_1_2_5_buckets(limit: int) -> list[int]:
         exponent += 1
 
 
+class _DraftCounters:
+    """vLLM's speculative decoding counters, registered where drafts are verified: drafts,
+    draft tokens, tokens kept, and tokens kept at each position of a draft."""
+
+    def __init__(self, registry: CollectorRegistry, labels: tuple[str, str], most: int) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=registry).labels(*labels)
+
+        self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+        )
+        per_position = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*LABELS, "position"],
+            registry=registry,
+        )
+        self.per_position = [per_position.labels(*labels, str(p)) for p in range(most)]
+
+    def record(self, stats: DraftStats) -> None:
+        self.drafts.inc(stats.num_drafts)
+        self.draft_tokens.inc(stats.num_draft_tokens)
+        self.accepted.inc(stats.num_accepted_tokens)
+        for position, count in enumerate(stats.accepted_per_position):
+            self.per_position[position].inc(count)
+
+
 class EngineMetrics:
     """The `vllm:` metrics of one served model."""
 
@@ -122,6 +151,9 @@ class EngineMetrics:
         self._define_counters(registry)
         self._define_histograms(registry, info.max_model_len)
         self._define_structured(registry)
+        self._drafts: _DraftCounters | None = None
+        if info.num_speculative_tokens:
+            self._drafts = _DraftCounters(registry, self._labels, info.num_speculative_tokens)
 
     def _gauge(self, registry: CollectorRegistry, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, LABELS, registry=registry).labels(*self._labels)
@@ -364,6 +396,8 @@ class EngineMetrics:
             self._record_finished(finished)
         if stats.running_loras is not None:
             self._record_loras(stats.running_loras, stats.waiting_loras)
+        if self._drafts is not None:
+            self._drafts.record(stats.drafts)
 
     def _record_loras(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
         labels = (self._lora_labels[0], ",".join(waiting), ",".join(running))

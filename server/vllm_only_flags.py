@@ -71,13 +71,6 @@ def backend_config(text: str) -> dict:
     return value
 
 
-def refused(reason: str) -> Callable[[str], str]:
-    def parse(_: str) -> str:
-        raise argparse.ArgumentTypeError(reason)
-
-    return parse
-
-
 def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     flags = parser.add_argument_group(
         "vLLM flags with nothing to set here (accepted where their value is Conveyor's own)"
@@ -147,10 +140,4 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
         type=backend_config,
         default=None,
         help="accepted as --guided-decoding-backend (its backend)",
-    )
-    flags.add_argument(
-        "--speculative-config",
-        type=refused("speculative decoding is not built: drafts are not verified here"),
-        default=None,
-        help="refused: speculative decoding is not built",
     )

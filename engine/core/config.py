@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.sampling_params import MAX_LOGPROBS
+from engine.core.speculation import SpeculativeConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
 # Tokens per KV block unless asked otherwise. The CPU's attention kernels read each block as one
@@ -217,10 +218,19 @@ class EngineConfig:
     # on top of them.
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict)
+    # N-gram speculation (`core/speculation.py`); None: one token a step.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"unknown runner {self.runner!r}; choose one of {', '.join(RUNNERS)}")
+        if self.speculative is not None and self.runner == "pooling":
+            raise ValueError("speculative decoding drafts generated tokens: not --runner pooling")
+        if self.speculative is not None and self.async_scheduling:
+            raise ValueError(
+                "speculative decoding and --async-scheduling do not run together: drafts are "
+                "made from each step's tokens before the next step is scheduled"
+            )
         if self.runner == "pooling" and self.tensor_parallel_size > 1:
             # Refused before any worker starts or weight loads.
             raise ValueError("--runner pooling runs on one device (--tensor-parallel-size 1)")
@@ -254,8 +264,9 @@ class EngineConfig:
 
     def overlaps(self, device_type: str) -> bool:
         """Whether steps are scheduled asynchronously on this kind of device (never for
-        pooling: a prompt's step is its last)."""
-        if self.runner == "pooling":
+        pooling: a prompt's step is its last; nor with speculation: drafts are made from each
+        step's tokens on the host before the next step is scheduled)."""
+        if self.runner == "pooling" or self.speculative is not None:
             return False
         if self.async_scheduling is not None:
             return self.async_scheduling
@@ -315,6 +326,8 @@ class ServingInfo:
     max_logprobs: int = MAX_LOGPROBS
     # The tokens that end a sequence (the model's end-of-sequence tokens).
     eos_token_ids: frozenset[int] = frozenset()
+    # The most tokens n-gram speculation drafts for a step (0: no speculation).
+    num_speculative_tokens: int = 0
     # What a request that leaves a sampling field out gets, by the request's field name, where
     # the model's generation config says (`loading/generation_config.py`).
     sampling_defaults: dict[str, float] = field(default_factory=dict)

@@ -22,6 +22,7 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import ModelRunnerOutput, RequestOutput
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, ThoughtBudget
+from engine.core.speculation import Drafter
 from engine.core.stats import FinishedRequestStats, StepStats
 from engine.core.thought_budget import ThoughtCounter
 from engine.lora.registry import LoRARegistry, LoRARequest
@@ -72,6 +73,9 @@ class EngineCore:
         # weights stay until no request runs them.
         self.loras: LoRARegistry | None = None
         self._retired: dict[int, LoRARequest] = {}
+        # N-gram speculation (`--speculative-config`): drafts each running request's next
+        # tokens for its next step to verify; None: one token a step.
+        self.drafter: Drafter | None = None
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -272,8 +276,14 @@ class EngineCore:
         aborted = self.scheduler.abort_requests(request_ids)
         for request in aborted:
             self._record_finished(request)
-        self.runner.release([r.request_id for r in aborted])
+        self._release([r.request_id for r in aborted])
         return [self.outputs.final_output(r) for r in aborted if r.request_id in self.outputs]
+
+    def _release(self, request_ids: list[str]) -> None:
+        """Forget what the runner and the drafter keep of requests that ended."""
+        self.runner.release(request_ids)
+        if self.drafter is not None:
+            self.drafter.release(request_ids)
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """End every request with an error (the loop hit something it cannot recover from)."""
@@ -356,7 +366,16 @@ class EngineCore:
             elif timings.last_token is not None:
                 stats.inter_token_latencies.append(now - timings.last_token)
             timings.last_token = now
-            stats.num_generation_tokens += 1
+            stats.num_generation_tokens += request.num_new_tokens
+
+    def _record_drafts(self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """Count the step's verified drafts: drafts, draft tokens, and those kept by position."""
+        stats = self._stats
+        for item in scheduled.scheduled:
+            if not item.drafts:
+                continue
+            kept = len(runner_output.accepted_drafts.get(item.request.request_id, []))
+            stats.drafts.record(len(item.drafts), kept)
 
     def _record_finished(self, request: Request) -> None:
         parent, siblings = self._groups.pop(request.request_id, ("", 1))
@@ -442,14 +461,18 @@ class EngineCore:
         self.outputs.collect_prompt_logprobs(runner_output)
         advanced = self.scheduler.receive(scheduled, runner_output)
         end = time.monotonic()
-        self._record_tokens(advanced, end)
         results = [self._output_for(r, runner_output.logprobs.get(r.request_id)) for r in advanced]
+        self._record_tokens(advanced, end)
+        self._record_drafts(scheduled, runner_output)
+        if self.drafter is not None:
+            for request in advanced:
+                self.drafter.draft(request)
         for request, result in zip(advanced, results, strict=True):
             result.embedding = runner_output.embeddings.get(request.request_id)
         finished = [r for r in advanced if r.is_finished]
         for request in finished:
             self._record_finished(request)
-        self.runner.release([r.request_id for r in finished])
+        self._release([r.request_id for r in finished])
         # Overlapped steps share the wall clock: each counts from the previous one's end.
         self._record_speed(scheduled, end - max(start, self._last_end), len(finished))
         self._last_end = end
@@ -461,7 +484,7 @@ class EngineCore:
         results = []
         for request in self.scheduler.expire_deadlines(now):
             self._record_finished(request)
-            self.runner.release([request.request_id])
+            self._release([request.request_id])
             if request.request_id not in self.outputs:
                 continue
             error = None
@@ -471,8 +494,9 @@ class EngineCore:
         return results
 
     def _record_speed(self, scheduled: SchedulerOutput, seconds: float, finished: int) -> None:
-        prefill = sum(item.num_tokens for item in scheduled.scheduled if item.num_tokens > 1)
-        decodes = sum(item.num_tokens == 1 for item in scheduled.scheduled)
+        items = scheduled.scheduled
+        prefill = sum(item.num_tokens for item in items if item.num_tokens > 1 and not item.drafts)
+        decodes = sum(item.num_tokens == 1 or bool(item.drafts) for item in items)
         self.scheduler.drain.record_step(
             seconds,
             finished,
@@ -540,7 +564,7 @@ class EngineCore:
             if request is not None and request_id in self.outputs:
                 self._record_finished(request)
                 results.append(self.outputs.final_output(request, error))
-        self.runner.release(request_ids)
+        self._release(request_ids)
         return results
 
 
@@ -558,8 +582,12 @@ class _InFlight:
         not if a request it samples has a grammar, which must advance on its newest token
         there to allow the next ones, or one still waiting to start (its newest token may be
         the one that starts it)."""
-        sampled = (item.request for item in self.scheduled.scheduled if item.completes_sequence)
-        return all(not r.follows_its_tokens and not needs_history(r.bad_words) for r in sampled)
+        items = self.scheduled.scheduled
+        sampled = (item.request for item in items if item.completes_sequence)
+        verifies = any(item.drafts for item in items)
+        return not verifies and all(
+            not r.follows_its_tokens and not needs_history(r.bad_words) for r in sampled
+        )
 
 
 def _with(scheduled: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:

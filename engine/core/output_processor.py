@@ -48,11 +48,20 @@ class OutputProcessor:
                 state.prompt_logprobs.extend(chunk)
 
     def new_text(self, request: Request) -> tuple[str, str | None]:
-        """Text delta for the request's newest token, and the stop string it completed."""
+        """Text delta for the request's newest tokens (those its last step appended), and the
+        stop string they completed. Tokens after the one that completes a stop string (drafts
+        a step kept past it) are taken off the request: they were never written."""
         state = self._states[request.request_id]
         if state.detokenizer is None:
             return "", None
-        text, stop = state.matcher.add(state.detokenizer.add(request.output_token_ids[-1:]))
+        new = request.output_token_ids[len(request.output_token_ids) - request.num_new_tokens :]
+        text, stop = "", None
+        for count, token in enumerate(new, start=1):
+            piece, stop = state.matcher.add(state.detokenizer.add([token]))
+            text += piece
+            if stop is not None:
+                request.drop_last_outputs(len(new) - count)
+                break
         if stop is None and request.is_finished:
             tail, stop = _flush(state)
             text += tail
@@ -65,7 +74,9 @@ class OutputProcessor:
         output = RequestOutput(
             request_id=state.parent_id,
             index=state.index,
-            new_token_ids=request.output_token_ids[-1:],
+            new_token_ids=request.output_token_ids[
+                len(request.output_token_ids) - request.num_new_tokens :
+            ],
             text=text,
             finished=request.is_finished,
             finish_reason=_reason(request),

@@ -93,6 +93,11 @@ class Request:
     # A tenant's salt of the prefix cache's hashes (vLLM's `cache_salt`): only requests with the
     # same salt share cached blocks.
     cache_salt: str | None = None
+    # Tokens drafted for the next step to verify (`core/speculation.py`); [] for none.
+    draft_token_ids: list[int] = field(default_factory=list)
+    # The output tokens the last step that gave this request any appended (more than one where
+    # it accepted drafts).
+    num_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -147,6 +152,15 @@ class Request:
             self.output_token_ids
         ):
             self.grammar, self.deferred_grammar = self.deferred_grammar.matcher, None
+
+    def drop_last_outputs(self, count: int) -> None:
+        """Take back the newest `count` output tokens of the last step (drafts kept past a
+        stop string); only a request without a format or thought budget has several."""
+        if count <= 0:
+            return
+        del self.output_token_ids[-count:]
+        del self.all_token_ids[-count:]
+        self.num_new_tokens -= count
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED

@@ -69,6 +69,26 @@ class RequestParamsStats:
 
 
 @dataclass(slots=True)
+class DraftStats:
+    """Speculation since the last report (vLLM's `spec_decode` counters): drafts verified,
+    their tokens, the tokens kept, and how many were kept at each position of a draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, kept: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += kept
+        missing = kept - len(self.accepted_per_position)
+        self.accepted_per_position.extend([0] * max(0, missing))
+        for position in range(kept):
+            self.accepted_per_position[position] += 1
+
+
+@dataclass(slots=True)
 class StepStats:
     """Queue and cache state after a step, what the step produced, and who finished."""
 
@@ -90,3 +110,4 @@ class StepStats:
     # With LoRA adapters served: the adapters running and waiting requests run, by name.
     running_loras: tuple[str, ...] | None = None
     waiting_loras: tuple[str, ...] = ()
+    drafts: DraftStats = field(default_factory=DraftStats)

@@ -40,10 +40,13 @@ from engine.scheduling.policy import SchedulingPolicy
 class ScheduledRequest:
     """`num_tokens` of `request` to run from its `start` (its computed tokens when scheduled);
     `completes_sequence` when they reach its last token, so the step samples a new one. Both
-    are fixed when scheduled: the request moves on before an overlapped step's results arrive."""
+    are fixed when scheduled: the request moves on before an overlapped step's results arrive.
+    A decoding request may also run `drafts`, tokens drafted to follow its last one
+    (`core/speculation.py`): `num_tokens` counts them, and the step verifies them."""
 
     request: Request
     num_tokens: int
+    drafts: list[int] = field(default_factory=list)
     start: int = field(init=False)
     completes_sequence: bool = field(init=False)
 
@@ -203,12 +206,30 @@ class Scheduler:
             if num_tokens == 0:  # its images wait for a step with room for them
                 index += 1
                 continue
-            if not self._allocate_or_preempt(request, num_tokens, output):
-                break
-            output.scheduled.append(ScheduledRequest(request, num_tokens))
-            budget -= num_tokens
+            item = self._with_drafts(request, num_tokens, budget)
+            if item is None:
+                if not self._allocate_or_preempt(request, num_tokens, output):
+                    break
+                item = ScheduledRequest(request, num_tokens)
+            output.scheduled.append(item)
+            budget -= item.num_tokens
             index += 1
         return budget, len(output.preempted) > preempted
+
+    def _with_drafts(
+        self, request: Request, num_tokens: int, budget: int
+    ) -> ScheduledRequest | None:
+        """A decoding request's step with its drafts, as many as the budget, its length and
+        free blocks allow (drafts never preempt anyone); None where it runs none."""
+        drafts = request.draft_token_ids
+        if not drafts or num_tokens != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return None
+        room = request.max_total_tokens - request.num_tokens - 1
+        drafts = drafts[: max(0, min(budget - 1, room))]
+        target = request.num_computed_tokens + 1 + len(drafts)
+        if not drafts or not self.block_manager.allocate(request, target):
+            return None
+        return ScheduledRequest(request, 1 + len(drafts), list(drafts))
 
     def _chunk(self, request: Request, budget: int, encoder: EncoderBudget) -> int:
         """The tokens `request` computes this step: what it has left, within the budget and
@@ -511,17 +532,43 @@ class Scheduler:
             request = item.request
             if self.requests.get(request.request_id) is not request:
                 continue
+            if item.drafts:
+                if self._receive_verified(item, runner_output):
+                    advanced.append(request)
+                continue
             self.block_manager.cache_full_blocks(request, item.end)
             token = runner_output.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue
             request.append_output(token)
+            request.num_new_tokens = 1
             advanced.append(request)
             # A leader preempted while its step was in flight has no prompt blocks to share.
             self._release_forks(request, share=request.num_computed_tokens > 0)
             if request.check_token_stop():
                 self._remove(request)
         return advanced
+
+    def _receive_verified(self, item: ScheduledRequest, runner_output: ModelRunnerOutput) -> bool:
+        """Take a step that verified drafts: the drafts the model agreed with, then its own
+        token, each checked for a stop; False where the step gave it nothing. The K/V of the
+        drafts it refused are dropped (their slots are written again by the next step)."""
+        request = item.request
+        accepted = runner_output.accepted_drafts.get(request.request_id, [])
+        token = runner_output.sampled_token_ids.get(request.request_id)
+        request.num_computed_tokens = item.start + (0 if token is None else 1 + len(accepted))
+        if token is None:
+            return False
+        request.num_new_tokens = 0
+        for new in [*accepted, token]:
+            request.append_output(new)
+            request.num_new_tokens += 1
+            if request.check_token_stop():
+                break
+        self.block_manager.cache_full_blocks(request, request.num_computed_tokens)
+        if request.is_finished:
+            self._remove(request)
+        return True
 
     def _release_forks(self, leader: Request, share: bool) -> None:
         """Queue the requests waiting on `leader`'s prompt: sharing its blocks (they compute

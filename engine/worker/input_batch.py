@@ -23,6 +23,9 @@ class InputBatch:
     position each of its query tokens sees (`ImageInputs.key_limits`); other rows are causal.
     `rope_positions` `[3, tokens]`, where a row's images lie on their grids (`engine/core/
     mrope.py`), are the rotary positions on three axes (None: `positions` on each).
+    A request that verifies `drafts` (by request id) runs one decode row per token, its last
+    known one and each draft, every row sampled: its rows are consecutive, and each one's K/V
+    are stored before any attends, so row i sees the drafts before it as a prompt chunk would.
     """
 
     requests: list[Request]
@@ -38,6 +41,7 @@ class InputBatch:
     placeholder_ids: list[str] = field(default_factory=list)
     key_limits: dict[int, np.ndarray] = field(default_factory=dict)
     rope_positions: np.ndarray | None = None
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -54,10 +58,11 @@ class InputBatch:
         return self.query_starts[rows] + self.query_lens[rows] - 1
 
 
-def build_input_batch(scheduled: list[ScheduledRequest], block_size: int) -> InputBatch:
+def build_input_batch(items: list[ScheduledRequest], block_size: int) -> InputBatch:
+    scheduled = _rows(items)
     requests = [item.request for item in scheduled]
     query_lens = np.fromiter((item.num_tokens for item in scheduled), np.int64, len(scheduled))
-    context_lens = np.fromiter((r.num_computed_tokens for r in requests), np.int64, len(requests))
+    context_lens = np.fromiter((_context(item) for item in scheduled), np.int64, len(scheduled))
     query_starts = np.cumsum(query_lens) - query_lens
     token_rows = np.repeat(np.arange(len(requests)), query_lens)
     offsets = np.arange(int(query_lens.sum())) - query_starts[token_rows]
@@ -84,10 +89,47 @@ def build_input_batch(scheduled: list[ScheduledRequest], block_size: int) -> Inp
         placeholder_ids=[request_id for _, request_id in placeholders],
         key_limits=_key_limits(scheduled),
         rope_positions=_rope_positions(scheduled, positions, query_starts),
+        drafts={item.request.request_id: item.drafts for item in items if item.drafts},
     )
 
 
-def _key_limits(scheduled: list[ScheduledRequest]) -> dict[int, np.ndarray]:
+@dataclass(slots=True)
+class _Row:
+    """One row of a verifying request (`ScheduledRequest.drafts`): one token, `token_id`, at
+    position `start`, sampled."""
+
+    request: Request
+    start: int
+    token_id: int
+    num_tokens: int = 1
+    completes_sequence: bool = True
+
+    @property
+    def end(self) -> int:
+        return self.start + 1
+
+
+def _context(item: ScheduledRequest | _Row) -> int:
+    """The tokens cached before the row's first one."""
+    return item.start if isinstance(item, _Row) else item.request.num_computed_tokens
+
+
+def _rows(items: list[ScheduledRequest]) -> list[ScheduledRequest | _Row]:
+    """The step's rows: a verifying request's item split into one row per token."""
+    if not any(item.drafts for item in items):
+        return list(items)
+    rows: list[ScheduledRequest | _Row] = []
+    for item in items:
+        if not item.drafts:
+            rows.append(item)
+            continue
+        last = item.request.all_token_ids[item.start]
+        for offset, token in enumerate([last, *item.drafts]):
+            rows.append(_Row(item.request, item.start + offset, token))
+    return rows
+
+
+def _key_limits(scheduled: list[ScheduledRequest | _Row]) -> dict[int, np.ndarray]:
     """The rows whose chunk holds image tokens that attend both ways, with their limits."""
     limits: dict[int, np.ndarray] = {}
     for row, item in enumerate(scheduled):
@@ -101,7 +143,7 @@ def _key_limits(scheduled: list[ScheduledRequest]) -> dict[int, np.ndarray]:
 
 
 def _rope_positions(
-    scheduled: list[ScheduledRequest], positions: np.ndarray, query_starts: np.ndarray
+    scheduled: list[ScheduledRequest | _Row], positions: np.ndarray, query_starts: np.ndarray
 ) -> np.ndarray | None:
     """`[3, tokens]` where some row's images lie on their grids: those rows' grid positions,
     every other row's positions on all three axes (None where no row has any)."""
@@ -119,13 +161,18 @@ def _rope_positions(
     return found
 
 
-def _input_ids(scheduled: list[ScheduledRequest]) -> tuple[np.ndarray, list[tuple[int, str]]]:
+def _input_ids(
+    scheduled: list[ScheduledRequest | _Row],
+) -> tuple[np.ndarray, list[tuple[int, str]]]:
     """The known input tokens, 0 for each one still being sampled, and (flattened index,
     request id) of those."""
     ids: list[int] = []
     placeholders: list[tuple[int, str]] = []
     for item in scheduled:
         request = item.request
+        if isinstance(item, _Row):
+            ids.append(item.token_id)
+            continue
         known = request.all_token_ids[item.start : item.end]
         ids.extend(known)
         for _ in range(item.num_tokens - len(known)):

@@ -36,6 +36,13 @@ from engine.worker.sampler import (
     takes_argmax,
     token_logprobs,
 )
+from engine.worker.verify import (
+    Verified,
+    VerifyGroup,
+    groups_of,
+    verify_chosen,
+    verify_sampled,
+)
 
 if TYPE_CHECKING:
     from engine.parallel.workers import WorkerPool
@@ -119,16 +126,70 @@ class ModelRunner:
                 inputs = self._model_inputs(batch, indices, input_ids)
                 tokens = self.model.greedy_tokens(*inputs, image_features=images)
                 self.kv_cache.end_calibration()
+                if batch.drafts:
+                    return self._verified_choices(requests, tokens.tolist(), batch.drafts, output)
                 return self._launched(requests, SampledTokens(tokens, None), output)
             logits = self.forward(batch, indices, input_ids, images)
             self.kv_cache.end_calibration()
         if prompt_rows:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
+        if batch.drafts:
+            sampled_logits = logits[len(prompt_indices) :]
+            return self._verified(sampled_logits, requests, batch.drafts, output)
         sampled = None
         if requests:
             pending = PendingTokens(self._last_tokens, self._last_rows)
             sampled = self.sampler.sample(logits[len(prompt_indices) :], requests, pending)
         return self._launched(requests, sampled, output)
+
+    def _verified_choices(
+        self,
+        requests: list[Request],
+        tokens: list[int],
+        drafts: dict[str, list[int]],
+        output: ModelRunnerOutput,
+    ) -> LaunchedStep:
+        """A step whose sampled rows (`requests`, a verifying request once a row) took their
+        argmax tokens in the model: each verifying request keeps the drafts equal to them."""
+        groups = groups_of(requests, drafts)
+        for row in _plain_rows(len(requests), groups):
+            output.sampled_token_ids[requests[row].request_id] = tokens[row]
+        for group in groups:
+            _take_verified(output, group, verify_chosen(tokens, group))
+        return self._synchronous(output)
+
+    def _verified(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        drafts: dict[str, list[int]],
+        output: ModelRunnerOutput,
+    ) -> LaunchedStep:
+        """A step with verifying requests, its sampled rows' `logits` in hand: the other
+        requests sample as ever, the verifying ones keep what `verify_sampled` keeps."""
+        groups = groups_of(requests, drafts)
+        plain = _plain_rows(len(requests), groups)
+        if plain:
+            chosen = [requests[row] for row in plain]
+            rows = torch.tensor(plain, device=logits.device)
+            sampled = self.sampler.sample(logits[rows], chosen).to_host(chosen)
+            for request, token, logprob in zip(
+                chosen, sampled.token_ids, sampled.logprobs, strict=True
+            ):
+                output.sampled_token_ids[request.request_id] = token
+                if logprob is not None:
+                    output.logprobs[request.request_id] = logprob
+        for group, verified in zip(
+            groups, verify_sampled(self.sampler, logits, groups), strict=True
+        ):
+            _take_verified(output, group, verified)
+        return self._synchronous(output)
+
+    def _synchronous(self, output: ModelRunnerOutput) -> LaunchedStep:
+        """A step whose results are on the host already (a speculating engine does not
+        overlap its steps: no later step reads this one's tokens on the device)."""
+        self._last_rows = {}
+        return LaunchedStep([], None, output)
 
     def _pool(self, batch: InputBatch, requests: list[Request]) -> LaunchedStep:
         """The pooling runner's step: each finished prompt's last hidden state, on the host;
@@ -357,6 +418,18 @@ def model_inputs(
     positions = torch.from_numpy(on_axes).to(device, non_blocking=True)
     keep = torch.from_numpy(logits_indices).to(device, non_blocking=True)
     return input_ids, positions, metadata, keep
+
+
+def _plain_rows(count: int, groups: list[VerifyGroup]) -> list[int]:
+    """The sampled rows outside every verifying group."""
+    taken = {row for group in groups for row in group.rows}
+    return [row for row in range(count) if row not in taken]
+
+
+def _take_verified(output: ModelRunnerOutput, group: VerifyGroup, verified: Verified) -> None:
+    request_id = group.request.request_id
+    output.sampled_token_ids[request_id] = verified.token
+    output.accepted_drafts[request_id] = verified.accepted
 
 
 def _sampled_requests(batch: InputBatch) -> list[Request]:

@@ -115,6 +115,39 @@ class Sampler:
         logits = self._process(logits, requests, pending)
         return SampledTokens(self._choose(logits, requests), raw_logprobs)
 
+    def distributions(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's distribution as `sample` draws from it, `[rows, vocab]` (a greedy row's
+        mass all on its argmax): for rows whose processing reads nothing but the row itself
+        (no penalties, which count tokens before it). Speculation verifies drafts against it."""
+        logits = self._process(logits.float(), requests)
+        params = [r.sampling_params for r in requests]
+        temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
+        probs = _probabilities(logits / temps[:, None], params, [])
+        greedy = [row for row, p in enumerate(params) if p.greedy]
+        if greedy:
+            rows = to_device(greedy, logits.device, torch.int64)
+            best = row_argmax(logits[rows])
+            probs[rows] = 0.0
+            probs[rows, best] = 1.0
+        return probs
+
+    def draw(self, weights: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """A token from each row's `weights` (not necessarily normalized), drawn from the
+        request's own generator where it has a seed."""
+        noise = torch.empty_like(weights)
+        for row, request in enumerate(requests):
+            noise[row].exponential_(generator=self.generator_of(request))
+        return row_argmax(weights / noise)
+
+    def uniforms(self, count: int, request: Request) -> torch.Tensor:
+        """`count` draws from U[0, 1) from the request's generator (its own where seeded)."""
+        return torch.rand(count, generator=self.generator_of(request), device=self.device)
+
+    def generator_of(self, request: Request) -> torch.Generator:
+        if request.sampling_params.seed is None:
+            return self._generator
+        return self._generator_for(request)
+
     # ---- logits processing -----------------------------------------------------------------
 
     def _process(

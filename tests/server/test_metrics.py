@@ -7,6 +7,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.core.speculation import SpeculativeConfig
 from engine.core.stats import StepStats
 from server.metrics import build_1_2_5_buckets
 from tests.helpers import chat_tokenizer, sabotage_steps
@@ -298,3 +299,45 @@ async def test_docs_name_every_engine_metric():
         if name not in documented and f"{name}_total" not in documented
     ]
     assert not missing, missing
+
+
+async def test_speculation_counters_are_true():
+    """vLLM's `spec_decode` counters hold what the engine verified, registered only where it
+    speculates; generation tokens count every kept draft."""
+    spec = SpeculativeConfig(3, 1, 2)
+    async with app_client(speculative=spec) as (client, engine):
+        seen: list[StepStats] = []
+        engine.stat_loggers.append(seen.append)
+        loop = [40, 41, 42, 43] * 6
+        replies = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/completions",
+                    json={
+                        "prompt": loop[i:],
+                        "max_tokens": 30,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                )
+                for i in range(3)
+            )
+        )
+        assert all(r.json()["usage"]["completion_tokens"] == 30 for r in replies)
+        samples = await scrape(client)
+    drafts = sum(s.drafts.num_drafts for s in seen)
+    accepted = sum(s.drafts.num_accepted_tokens for s in seen)
+    assert drafts > 0
+    assert value(samples, "vllm:spec_decode_num_drafts_total") == drafts
+    assert value(samples, "vllm:spec_decode_num_draft_tokens_total") == sum(
+        s.drafts.num_draft_tokens for s in seen
+    )
+    assert value(samples, "vllm:spec_decode_num_accepted_tokens_total") == accepted
+    positions = [
+        value(samples, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=p)
+        for p in range(3)
+    ]
+    assert sum(positions) == accepted and positions == sorted(positions, reverse=True)
+    assert value(samples, "vllm:generation_tokens_total") == 90
+    async with app_client() as (client, _):
+        assert "vllm:spec_decode_num_drafts_total" not in await scrape(client)

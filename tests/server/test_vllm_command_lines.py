@@ -15,6 +15,7 @@ import ssl
 import httpx
 import pytest
 
+from engine.core.speculation import SpeculativeConfig
 from server.cli import build_parser, engine_config, server_settings
 from server.http_protocol import uvicorn_config
 from server.log_format import PlainFormatter, configure_logging
@@ -296,7 +297,8 @@ def test_a_recipe_s_flags_with_nothing_to_set_change_nothing():
         (["-pp", "2"], "pipeline parallelism is not built"),
         (["--data-parallel-size", "4"], "behind a router"),
         (["--distributed-executor-backend", "ray"], "'ray' is not served"),
-        (["--speculative-config", '{"method": "ngram"}'], "speculative decoding is not built"),
+        (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "'eagle'"),
+        (["--speculative-config", '{"method": "ngram"}'], "needs num_speculative_tokens"),
         (["--swap-space", "-1"], "must be 0 or more"),
         (["--guided-decoding-backend", "regex"], "not a structured-output backend"),
         (["--structured-outputs-config", "[1]"], "not a JSON object"),
@@ -314,3 +316,17 @@ def test_the_local_media_path_must_be_a_folder(tmp_path):
     assert settings_of().limits.allowed_local_media_path is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-local-media-path", str(tmp_path / "no")])
+
+
+def test_an_n_gram_speculative_config_is_served():
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}',
+        ]
+    )
+    assert engine_config(args).speculative == SpeculativeConfig(4, 3, 3)
+    both = ["serve", "--async-scheduling", "--speculative-config", '{"num_speculative_tokens": 2}']
+    with pytest.raises(ValueError, match="--async-scheduling"):
+        engine_config(build_parser().parse_args(both))

@@ -1,0 +1,121 @@
+"""N-gram speculation against one token a step, in one engine and one run: each concurrency runs
+four times, off, on, on, off, and reports output tokens/s of each way (the mean of its two runs),
+their ratio, and the share of draft tokens kept.
+
+    python benchmarks/speculation.py --concurrency 1 16 64 --workload copy
+
+`--workload copy`: chat requests that ask the model to repeat or lightly edit a passage (code and
+prose), where a reply quotes its prompt, as in code editing, summaries that cite, or retrieval
+answers; `random`: random prompt tokens (vLLM's `random` dataset), where little repeats and
+speculation can only cost. Greedy, EOS ignored, `--output-len` tokens each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config
+
+from engine.core.engine_core import EngineCore
+from engine.core.sampling_params import SamplingParams
+from engine.core.speculation import Drafter, SpeculativeConfig
+from engine.factory import create_engine_core
+
+PASSAGES = [
+    "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
+    "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n"
+    "    return sum((v - m) ** 2 for v in values) / len(values)\n",
+    "The museum opens at nine in the morning and closes at six in the evening. Tickets are "
+    "sold at the main entrance and online. Children under twelve enter for free, and students "
+    "pay half price on weekdays. Guided tours leave every hour from the main hall.",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def empty(self):\n        return not self.items\n",
+    "Water boils at one hundred degrees Celsius at sea level. At higher altitudes the air "
+    "pressure is lower, so water boils at a lower temperature, and food takes longer to cook. "
+    "A pressure cooker raises the pressure, and with it the boiling point.",
+]
+ASKS = [
+    "Repeat the following text exactly, then stop:\n\n",
+    "Rewrite the following text, changing nothing but fixing any mistakes:\n\n",
+]
+
+
+def copy_prompts(core: EngineCore, count: int) -> list[list[int]]:
+    tokenizer = core.tokenizer
+    prompts = []
+    for i in range(count):
+        text = ASKS[i % len(ASKS)] + PASSAGES[i % len(PASSAGES)]
+        messages = [{"role": "user", "content": text}]
+        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return prompts
+
+
+def random_prompts(core: EngineCore, count: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = core.vocab_size
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
+
+
+def run(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", prompt, params)
+    core.take_stats()
+    start, produced = time.perf_counter(), 0
+    drafted = kept = 0
+    while core.has_unfinished():
+        produced += sum(len(output.new_token_ids) for output in core.step())
+        drafts = core.take_stats().drafts
+        drafted += drafts.num_draft_tokens
+        kept += drafts.num_accepted_tokens
+    elapsed = time.perf_counter() - start
+    return {"tok_per_s": produced / elapsed, "drafted": drafted, "kept": kept}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_engine_arguments(parser)
+    add_load_arguments(parser)
+    parser.add_argument("--workload", choices=("copy", "random"), default="copy")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    args = parser.parse_args()
+    spec = SpeculativeConfig(
+        args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max
+    )
+    core, _, info = create_engine_core(engine_config(args, speculative=spec))
+    drafter = core.drafter
+    print(f"# {info.model_name} {info.dtype} on {info.device}, {args.workload} workload, {spec}")
+    run(core, copy_prompts(core, 2), 8, "warmup")
+    for seed, concurrency in enumerate(args.concurrency):
+        if args.workload == "copy":
+            prompts = copy_prompts(core, concurrency)
+        else:
+            prompts = random_prompts(core, concurrency, args.input_len, seed)
+        rates: dict[str, list[float]] = {"off": [], "on": []}
+        kept_share = 0.0
+        for turn, way in enumerate(["off", "on", "on", "off"]):
+            core.drafter = drafter if way == "on" else None
+            result = run(core, prompts, args.output_len, f"c{concurrency}-{turn}")
+            rates[way].append(result["tok_per_s"])
+            if way == "on" and result["drafted"]:
+                kept_share = result["kept"] / result["drafted"]
+        off, on = (sum(rates[w]) / 2 for w in ("off", "on"))
+        row = {
+            "concurrency": concurrency,
+            "off_tok_per_s": round(off, 1),
+            "on_tok_per_s": round(on, 1),
+            "on_over_off": round(on / off, 2),
+            "drafts_kept": round(kept_share, 2),
+        }
+        print(json.dumps(row), flush=True)
+    core.drafter = drafter
+
+
+if __name__ == "__main__":
+    main()

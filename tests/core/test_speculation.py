@@ -1,0 +1,233 @@
+"""N-gram speculation: drafts from the sequence itself, verified in one step of decode rows,
+change no greedy token (transformers' `generate` stays the oracle) and no sampled distribution,
+and leave the KV cache as they found it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.speculation import Drafter, NgramIndex, SpeculativeConfig, speculates
+from tests.helpers import (
+    reference_greedy,
+    run_all,
+    text_of,
+    tiny_core,
+    tiny_llama,
+    tokens_of,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def brute_force_draft(tokens: list[int], shortest: int, longest: int, count: int) -> list[int]:
+    """The latest earlier occurrence of the longest suffix that occurred before, searched
+    position by position."""
+    length = len(tokens)
+    for n in range(min(longest, length - 1), shortest - 1, -1):
+        suffix = tokens[length - n :]
+        for end in range(length - 1, n - 1, -1):
+            if tokens[end - n : end] == suffix:
+                return tokens[end : end + count]
+    return []
+
+
+def test_an_index_grown_token_by_token_drafts_as_a_search_of_the_whole_sequence():
+    rng = random.Random(0)
+    for trial in range(40):
+        shortest, longest = rng.choice([(1, 1), (1, 3), (2, 4), (3, 5)])
+        index = NgramIndex(shortest, longest)
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+        for _ in range(60):
+            count = rng.randrange(1, 6)
+            assert index.draft(tokens, count) == brute_force_draft(
+                tokens, shortest, longest, count
+            ), (trial, tokens)
+            tokens.extend(rng.randrange(4) for _ in range(rng.randrange(1, 4)))
+
+
+def test_the_longest_match_wins_and_a_sequence_never_matches_itself():
+    index = NgramIndex(1, 3)
+    #        0  1  2  3  4  5  6  7  8
+    tokens = [5, 1, 2, 9, 7, 2, 8, 1, 2]
+    # "1 2" ended at 3 (followed by 9 7 2); "2" alone last ended at 6 (followed by 8).
+    assert index.draft(tokens, 3) == [9, 7, 2]
+    assert NgramIndex(1, 1).draft(tokens, 2) == [8, 1]
+    assert NgramIndex(1, 3).draft([4, 5, 6], 2) == []
+    assert NgramIndex(1, 3).draft([4], 2) == []
+
+
+def test_the_config_reads_vllm_s_fields_and_refuses_the_rest():
+    assert SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 3}) == (
+        SpeculativeConfig(3, 5, 5)
+    )
+    assert SpeculativeConfig.of({"num_speculative_tokens": 2, "prompt_lookup_max": 4}) == (
+        SpeculativeConfig(2, 4, 4)
+    )
+    assert SpeculativeConfig.of(
+        {"num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 6}
+    ) == SpeculativeConfig(2, 2, 6)
+    for fields, message in [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not served"),
+        ({"method": "ngram"}, "needs num_speculative_tokens"),
+        ({"num_speculative_tokens": 2, "model": "x"}, "unknown speculative config fields: model"),
+        ({"num_speculative_tokens": "2"}, "must be an integer"),
+        ({"num_speculative_tokens": 0}, "in [1, 16]"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "min"),
+    ]:
+        with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+            SpeculativeConfig.of(fields)
+
+
+def _request(**params: object) -> Request:
+    return Request("r", [1, 2, 3, 1, 2], SamplingParams(**params), 0.0, 100)
+
+
+def test_only_requests_whose_tokens_depend_on_their_row_alone_draft():
+    assert speculates(_request(temperature=0.7, top_p=0.9, logit_bias={3: 1.0}))
+    for params in [
+        {"logprobs": 2},
+        {"repetition_penalty": 1.2},
+        {"presence_penalty": 0.5},
+        {"min_tokens": 4},
+    ]:
+        assert not speculates(_request(**params)), params
+    drafter = Drafter(SpeculativeConfig(4, 1, 2))
+    request = _request(max_tokens=10)
+    drafter.draft(request)
+    assert request.draft_token_ids == [3, 1, 2]
+    # The drafts leave room for the token after them within max_tokens.
+    request = _request(max_tokens=2)
+    drafter.draft(request)
+    assert request.draft_token_ids == [3]
+    request = _request(max_tokens=1)
+    drafter.draft(request)
+    assert request.draft_token_ids == []
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts from each request's known greedy continuation, every `wrong`-th draft token
+    replaced by another: the engine must keep exactly the right ones."""
+
+    def __init__(self, continuations: dict[str, list[int]], wrong: int, count: int) -> None:
+        super().__init__(SpeculativeConfig(count, 1, 1))
+        self.continuations = continuations
+        self.wrong = wrong
+        self.calls = 0
+
+    def draft(self, request: Request) -> None:
+        truth = self.continuations[request.request_id]
+        done = request.num_output_tokens
+        drafts = truth[done : done + self.config.num_speculative_tokens]
+        drafts = drafts[: max(0, request.max_output_tokens - done - 1)]
+        for position in range(len(drafts)):
+            self.calls += 1
+            if self.wrong and self.calls % self.wrong == 0:
+                drafts[position] = (drafts[position] + 1) % 320
+        request.draft_token_ids = drafts if not request.is_finished else []
+
+
+def _prompts(count: int = 6) -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(2, 320) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("wrong", [0, 3, 1])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"num_blocks": 30, "max_model_len": 64},  # preemptions
+        {"max_num_batched_tokens": 9},  # chunked prompts; drafts cut to the budget
+        {"attention_backend": "torch"},
+    ],
+    ids=["plain", "preempted", "tight-budget", "torch-attention"],
+)
+def test_greedy_tokens_equal_generate_whatever_the_drafts(wrong: int, options: dict):
+    model = tiny_llama()
+    prompts = _prompts()
+    truths = {f"req-{i}": reference_greedy(model, p, 24) for i, p in enumerate(prompts)}
+    core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(4, 1, 1), **options)
+    core.drafter = ScriptedDrafter(truths, wrong, 4)
+    outputs = run_all(core, prompts, GREEDY)
+    for request_id, truth in truths.items():
+        assert tokens_of(outputs[request_id]) == truth, request_id
+    drafts = core.take_stats().drafts
+    assert drafts.num_drafts > 0
+    if wrong == 0:
+        assert drafts.num_accepted_tokens == drafts.num_draft_tokens
+    elif wrong == 1:
+        assert drafts.num_accepted_tokens == 0
+    else:
+        assert 0 < drafts.num_accepted_tokens < drafts.num_draft_tokens
+    manager = core.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_n_gram_drafts_are_kept_where_the_model_repeats_itself():
+    """The tiny model falls into loops; drafts from the loop so far are kept."""
+    model = tiny_llama()
+    rng = random.Random(0)
+    base = [[rng.randrange(2, 320) for _ in range(n)] for n in (5, 9, 14, 3, 20)]
+    prompts = [p * 3 for p in base] + base
+    core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(3, 1, 3))
+    outputs = run_all(core, prompts, GREEDY)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 24)
+    drafts = core.take_stats().drafts
+    assert drafts.num_accepted_tokens > 0
+    assert sum(drafts.accepted_per_position) == drafts.num_accepted_tokens
+
+
+def _finished(outputs: dict) -> dict:
+    return {
+        request_id: (tokens_of(parts), text_of(parts), parts[-1].finish_reason)
+        for request_id, parts in outputs.items()
+    }
+
+
+def test_stops_inside_kept_drafts_end_the_sequence_where_one_token_a_step_would():
+    """A stop string, a stop token or max_tokens reached inside a step's kept drafts ends
+    the output there, tokens and text, as without speculation."""
+    model = tiny_llama()
+    prompts = _prompts(4)
+    plain, _ = tiny_core(tiny_llama())
+    free = _finished(run_all(plain, prompts, GREEDY))
+    params = []
+    for i in range(len(prompts)):
+        tokens, text, _ = free[f"req-{i}"]
+        if i == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=24, stop=[text[10:14]]))
+        elif i == 1:
+            params.append(SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[tokens[7]]))
+        elif i == 2:
+            params.append(SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
+        else:
+            params.append(
+                SamplingParams(
+                    temperature=0, max_tokens=24, stop=[text[5:8]], include_stop_str_in_output=True
+                )
+            )
+    truths = {f"req-{i}": reference_greedy(model, p, 24) for i, p in enumerate(prompts)}
+    expected = _finished(run_all(tiny_core(tiny_llama())[0], prompts, params))
+    core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(6, 1, 1))
+    core.drafter = ScriptedDrafter(truths, 0, 6)
+    assert _finished(run_all(core, prompts, params)) == expected
+    assert expected["req-0"][2] == "stop" and expected["req-2"][2] == "length"
+    assert len(expected["req-2"][0]) == 9
+
+
+def test_sampled_requests_with_a_seed_repeat_themselves_and_hold_no_blocks():
+    prompts = _prompts(4)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(3, 1, 2))
+        runs.append(_finished(run_all(core, prompts, params)))
+        manager = core.scheduler.block_manager
+        assert manager.num_free_blocks == manager.num_blocks
+    assert runs[0] == runs[1]
+    assert all(len(tokens) == 20 for tokens, _, _ in runs[0].values())

@@ -1,0 +1,98 @@
+"""A server started with `--speculative-config` answers greedy requests exactly as one without:
+texts, token ids, usage and finish reasons, streamed or not, with `n`, logprobs and stops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.core.request import Request
+from engine.core.speculation import Drafter, SpeculativeConfig, speculates
+from tests.server_utils import app_client, sse_events
+
+LOOP = [40, 41, 42, 43] * 5
+BODIES: list[dict[str, Any]] = [
+    {"prompt": LOOP, "max_tokens": 24},
+    {"prompt": LOOP[3:], "max_tokens": 20, "n": 2, "return_token_ids": True},
+    {"prompt": "Hello world Hello world Hello", "max_tokens": 16, "logprobs": 2},
+    {"prompt": LOOP, "max_tokens": 24, "stream": True, "return_token_ids": True},
+    {"prompt": "Hello world Hello world Hello", "max_tokens": 16, "stop": ["o w"]},
+]
+
+
+async def _answers(client) -> list[Any]:
+    answers = []
+    for body in BODIES:
+        body = {"temperature": 0, "ignore_eos": True, **body}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        if body.get("stream"):
+            events = sse_events(response.text)[:-1]
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+            ids = [
+                t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []
+            ]
+            answers.append((text, ids))
+            continue
+        reply = response.json()
+        for choice in reply["choices"]:
+            choice.pop("index", None)
+            _round(choice["logprobs"])
+        # What an earlier pass left cached, which also moves the last bits of logprobs.
+        reply["usage"].pop("prompt_tokens_details", None)
+        answers.append((reply["choices"], reply["usage"]))
+    return answers
+
+
+def _round(logprobs: dict | None) -> None:
+    if logprobs is not None:
+        logprobs["token_logprobs"] = [round(x, 4) for x in logprobs["token_logprobs"]]
+        logprobs["top_logprobs"] = [
+            {token: round(x, 4) for token, x in top.items()} for top in logprobs["top_logprobs"]
+        ]
+
+
+class KnownDrafter(Drafter):
+    """Drafts each prompt's known greedy continuation, every third draft token wrong."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__(SpeculativeConfig(4, 1, 1))
+        self.continuations = continuations
+        self.made = 0
+
+    def draft(self, request: Request) -> None:
+        request.draft_token_ids = []
+        if not speculates(request):
+            return
+        truth = self.continuations[tuple(request.prompt_token_ids)]
+        done = request.num_output_tokens
+        drafts = truth[done : min(done + 4, request.max_output_tokens - 1)]
+        for position in range(len(drafts)):
+            self.made += 1
+            if self.made % 3 == 0:
+                drafts[position] += 1
+        request.draft_token_ids = drafts
+
+
+async def _continuations(client) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's first 30 greedy tokens, with its token ids."""
+    found = {}
+    for prompt in {str(body["prompt"]): body["prompt"] for body in BODIES}.values():
+        body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+        reply = await client.post("/v1/completions", json={**body, "return_token_ids": True})
+        choice = reply.json()["choices"][0]
+        found[tuple(choice["prompt_token_ids"])] = choice["token_ids"]
+    return found
+
+
+async def test_greedy_answers_are_those_of_a_server_without_speculation():
+    async with app_client() as (client, _):
+        plain = await _answers(client)
+        continuations = await _continuations(client)
+    async with app_client(speculative=SpeculativeConfig(4, 1, 3)) as (client, engine):
+        assert await _answers(client) == plain  # n-gram drafts
+        engine.core.drafter = KnownDrafter(continuations)
+        seen = []
+        engine.stat_loggers.append(seen.append)
+        assert await _answers(client) == plain
+    kept = sum(s.drafts.num_accepted_tokens for s in seen)
+    assert 0 < kept < sum(s.drafts.num_draft_tokens for s in seen)
