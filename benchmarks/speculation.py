@@ -21,7 +21,7 @@ from engine_setup import add_engine_arguments, add_load_arguments, engine_config
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
-from engine.core.speculation import Drafter, SpeculativeConfig
+from engine.core.speculation import SpeculativeConfig
 from engine.factory import create_engine_core
 
 PASSAGES = [
@@ -50,7 +50,8 @@ def copy_prompts(core: EngineCore, count: int) -> list[list[int]]:
     for i in range(count):
         text = ASKS[i % len(ASKS)] + PASSAGES[i % len(PASSAGES)]
         messages = [{"role": "user", "content": text}]
-        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
     return prompts
 
 
@@ -84,9 +85,13 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None)
     args = parser.parse_args()
     spec = SpeculativeConfig(
-        args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max
+        args.num_speculative_tokens,
+        args.prompt_lookup_min,
+        args.prompt_lookup_max,
+        disable_by_batch_size=args.disable_by_batch_size,
     )
     core, _, info = create_engine_core(engine_config(args, speculative=spec))
     drafter = core.drafter

@@ -465,8 +465,7 @@ class EngineCore:
         self._record_tokens(advanced, end)
         self._record_drafts(scheduled, runner_output)
         if self.drafter is not None:
-            for request in advanced:
-                self.drafter.draft(request)
+            self.drafter.draft_step(advanced, self.scheduler.num_running)
         for request, result in zip(advanced, results, strict=True):
             result.embedding = runner_output.embeddings.get(request.request_id)
         finished = [r for r in advanced if r.is_finished]

@@ -24,12 +24,15 @@ DEFAULT_LOOKUP = 5
 class SpeculativeConfig:
     """vLLM's `--speculative-config` for the `ngram` method: draft up to
     `num_speculative_tokens` tokens from the longest match of the sequence's last
-    `prompt_lookup_max` .. `prompt_lookup_min` tokens."""
+    `prompt_lookup_max` .. `prompt_lookup_min` tokens; none while more than
+    `disable_by_batch_size` requests run (where a step's rows already keep the device busy,
+    more rows cost more than the tokens they keep)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
     prompt_lookup_max: int = DEFAULT_LOOKUP
     method: str = "ngram"
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -41,19 +44,29 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must be 1 <= min <= max")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be at least 1")
 
     @classmethod
     def of(cls, fields: dict[str, Any]) -> SpeculativeConfig:
         """The config a `--speculative-config` JSON object gives: only the fields n-gram
         speculation reads; either lookup length alone sets both, as in vLLM."""
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "disable_by_batch_size",
+        }
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f"unknown speculative config fields: {', '.join(unknown)}")
         if "num_speculative_tokens" not in fields:
             raise ValueError("the speculative config needs num_speculative_tokens")
         for name, value in fields.items():
-            if name != "method" and (not isinstance(value, int) or isinstance(value, bool)):
+            if name == "method" or (name == "disable_by_batch_size" and value is None):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"speculative config field {name} must be an integer")
         lower = fields.get("prompt_lookup_min")
         upper = fields.get("prompt_lookup_max")
@@ -64,6 +77,7 @@ class SpeculativeConfig:
             prompt_lookup_min=lower,
             prompt_lookup_max=upper,
             method=str(fields.get("method", "ngram")),
+            disable_by_batch_size=fields.get("disable_by_batch_size"),
         )
 
 
@@ -108,6 +122,16 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._indexes: dict[str, NgramIndex] = {}
+
+    def draft_step(self, requests: list[Request], running: int) -> None:
+        """Draft for the requests a step just advanced, `running` requests in all: none while
+        more run than `disable_by_batch_size`."""
+        limit = self.config.disable_by_batch_size
+        for request in requests:
+            if limit is not None and running > limit:
+                request.draft_token_ids = []
+            else:
+                self.draft(request)
 
     def draft(self, request: Request) -> None:
         """Set `request.draft_token_ids` for its next step: none where it cannot speculate

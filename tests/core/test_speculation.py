@@ -70,12 +70,19 @@ def test_the_config_reads_vllm_s_fields_and_refuses_the_rest():
     assert SpeculativeConfig.of(
         {"num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 6}
     ) == SpeculativeConfig(2, 2, 6)
+    assert (
+        SpeculativeConfig.of(
+            {"num_speculative_tokens": 2, "disable_by_batch_size": 8}
+        ).disable_by_batch_size
+        == 8
+    )
     for fields, message in [
         ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not served"),
         ({"method": "ngram"}, "needs num_speculative_tokens"),
         ({"num_speculative_tokens": 2, "model": "x"}, "unknown speculative config fields: model"),
         ({"num_speculative_tokens": "2"}, "must be an integer"),
         ({"num_speculative_tokens": 0}, "in [1, 16]"),
+        ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "at least 1"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "min"),
     ]:
         with pytest.raises(ValueError, match=message.replace("[", r"\[")):
@@ -112,8 +119,10 @@ class ScriptedDrafter(Drafter):
     """Drafts from each request's known greedy continuation, every `wrong`-th draft token
     replaced by another: the engine must keep exactly the right ones."""
 
-    def __init__(self, continuations: dict[str, list[int]], wrong: int, count: int) -> None:
-        super().__init__(SpeculativeConfig(count, 1, 1))
+    def __init__(
+        self, continuations: dict[str, list[int]], wrong: int, count: int, limit: int | None = None
+    ) -> None:
+        super().__init__(SpeculativeConfig(count, 1, 1, disable_by_batch_size=limit))
         self.continuations = continuations
         self.wrong = wrong
         self.calls = 0
@@ -231,3 +240,28 @@ def test_sampled_requests_with_a_seed_repeat_themselves_and_hold_no_blocks():
         assert manager.num_free_blocks == manager.num_blocks
     assert runs[0] == runs[1]
     assert all(len(tokens) == 20 for tokens, _, _ in runs[0].values())
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
+    model = tiny_llama()
+    prompts = _prompts(3)
+    truths = {f"req-{i}": reference_greedy(model, p, 24) for i, p in enumerate(prompts)}
+    spec = SpeculativeConfig(4, 1, 1, disable_by_batch_size=2)
+    core, _ = tiny_core(tiny_llama(), speculative=spec)
+    core.drafter = ScriptedDrafter(truths, 0, 4, limit=2)
+    lengths = [4, 24, 24]
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True)
+        core.add_request(f"req-{i}", prompt, params)
+    verified_with: list[int] = []
+    tokens: dict[str, list[int]] = {f"req-{i}": [] for i in range(3)}
+    while core.has_unfinished():
+        running = core.scheduler.num_running
+        for output in core.step():
+            tokens[output.request_id] += output.new_token_ids
+        if core.take_stats().drafts.num_drafts:
+            verified_with.append(running)
+    assert verified_with and max(verified_with) <= 2
+    for request_id, truth in truths.items():
+        assert tokens[request_id] == truth[: len(tokens[request_id])]
+    assert [len(t) for t in tokens.values()] == lengths
