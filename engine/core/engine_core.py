@@ -19,7 +19,7 @@ from engine.core.errors import (
 from engine.core.images import ImageInputs
 from engine.core.mrope import grid_positions
 from engine.core.output_processor import OutputProcessor
-from engine.core.outputs import ModelRunnerOutput, RequestOutput
+from engine.core.outputs import ModelRunnerOutput, RequestOutput, TokenLogprob
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, ThoughtBudget
 from engine.core.speculation import Drafter
@@ -461,7 +461,7 @@ class EngineCore:
         self.outputs.collect_prompt_logprobs(runner_output)
         advanced = self.scheduler.receive(scheduled, runner_output)
         end = time.monotonic()
-        results = [self._output_for(r, runner_output.logprobs.get(r.request_id)) for r in advanced]
+        results = [self._output_for(r, _logprobs_of(r, runner_output)) for r in advanced]
         self._record_tokens(advanced, end)
         self._record_drafts(scheduled, runner_output)
         if self.drafter is not None:
@@ -505,14 +505,16 @@ class EngineCore:
             len(scheduled.scheduled),
         )
 
-    def _output_for(self, request: Request, logprob: Any) -> RequestOutput:
+    def _output_for(self, request: Request, logprobs: list[TokenLogprob]) -> RequestOutput:
+        """The request's delta for its newest tokens, with their `logprobs` (one per token the
+        step gave, where it asked; a stop may have taken the later tokens back)."""
         text, stop = self.outputs.new_text(request)
         if stop is not None:
             if request.is_finished:
                 request.finish(FinishReason.STOP, stop)
             else:
                 self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop)
-        return self.outputs.make_output(request, text, logprob)
+        return self.outputs.make_output(request, text, logprobs[: request.num_new_tokens] or None)
 
     def _isolate(
         self, scheduled: SchedulerOutput, exc: Exception
@@ -595,8 +597,18 @@ def _with(scheduled: SchedulerOutput, items: list[ScheduledRequest]) -> Schedule
     return SchedulerOutput(items, scheduled.preempted, scheduled.block_copies)
 
 
+def _logprobs_of(request: Request, output: ModelRunnerOutput) -> list[TokenLogprob]:
+    """The logprobs of each token a step gave the request, in order ([] where it asked none)."""
+    last = output.logprobs.get(request.request_id)
+    if last is None:
+        return []
+    return [*output.accepted_logprobs.get(request.request_id, []), last]
+
+
 def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
     into.sampled_token_ids.update(part.sampled_token_ids)
+    into.accepted_drafts.update(part.accepted_drafts)
+    into.accepted_logprobs.update(part.accepted_logprobs)
     into.logprobs.update(part.logprobs)
     into.prompt_logprobs.update(part.prompt_logprobs)
 

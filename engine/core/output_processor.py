@@ -68,7 +68,7 @@ class OutputProcessor:
         return text, stop
 
     def make_output(
-        self, request: Request, text: str, logprob: TokenLogprob | None
+        self, request: Request, text: str, logprobs: list[TokenLogprob] | None
     ) -> RequestOutput:
         state = self._states[request.request_id]
         output = RequestOutput(
@@ -81,7 +81,7 @@ class OutputProcessor:
             finished=request.is_finished,
             finish_reason=_reason(request),
             stop_reason=request.stop_reason,
-            logprobs=[logprob] if logprob is not None else None,
+            logprobs=logprobs,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,

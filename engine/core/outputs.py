@@ -32,6 +32,9 @@ class ModelRunnerOutput:
     # Per request that verified drafts: the drafts its model agreed with, which come before its
     # sampled token (`core/speculation.py`).
     accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
+    # The logprobs of those kept drafts, where the request asked (its sampled token's are in
+    # `logprobs`).
+    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
     # Under the pooling runner: each finished prompt's last hidden state (fp32, on the host).

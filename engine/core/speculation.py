@@ -5,8 +5,8 @@ the drafts its model agrees with, plus the token of the first row that disagreed
 row): several tokens for the price of a slightly wider decode step.
 
 Only requests whose next token depends on nothing but the logits of its row draft: a format, a
-thought budget, penalties, bad words, logprobs, a `min_tokens` ban in force or images make a
-request decode one token a step.
+thought budget, penalties, bad words, a `min_tokens` ban in force or images make a request
+decode one token a step.
 """
 
 from __future__ import annotations
@@ -155,15 +155,14 @@ class Drafter:
 
 def speculates(request: Request) -> bool:
     """Whether the request's next tokens may be drafted: each depends only on its row's logits
-    (as `Sampler` processes them: temperature, top-k/p, min-p, a logit bias, allowed tokens),
-    and its tokens are all on the host."""
+    (as `Sampler` processes them: temperature, top-k/p, min-p, a logit bias, allowed tokens;
+    its logprobs are its row's too), and its tokens are all on the host."""
     params = request.sampling_params
     return (
         request.num_pending_tokens == 0
         and not request.follows_its_tokens
         and request.forced_token is None
         and not request.bad_words
-        and params.logprobs is None
         and not params.needs_penalties
         and request.num_output_tokens >= params.min_tokens
         and request.images is None

@@ -40,6 +40,7 @@ from engine.worker.verify import (
     Verified,
     VerifyGroup,
     groups_of,
+    verified_logprobs,
     verify_chosen,
     verify_sampled,
 )
@@ -183,6 +184,10 @@ class ModelRunner:
             groups, verify_sampled(self.sampler, logits, groups), strict=True
         ):
             _take_verified(output, group, verified)
+            if group.request.sampling_params.logprobs is not None:
+                *kept, last = verified_logprobs(logits, group, verified)
+                output.accepted_logprobs[group.request.request_id] = kept
+                output.logprobs[group.request.request_id] = last
         return self._synchronous(output)
 
     def _synchronous(self, output: ModelRunnerOutput) -> LaunchedStep:

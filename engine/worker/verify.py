@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.core.outputs import TokenLogprob
 from engine.core.request import Request
-from engine.worker.sampler import Sampler
+from engine.worker.sampler import Sampler, token_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,19 @@ def verify_sampled(
         Verified(group.drafts[:kept], token)
         for group, kept, token in zip(groups, kept_counts, tokens, strict=True)
     ]
+
+
+def verified_logprobs(
+    logits: torch.Tensor, group: VerifyGroup, verified: Verified
+) -> list[TokenLogprob]:
+    """The logprobs of each token the group keeps (its drafts, then its token), each from the
+    raw logits of the row that chose it, as a one-token step reports them."""
+    kept = [*verified.accepted, verified.token]
+    rows = logits[group.first : group.first + len(kept)].float()
+    count = group.request.sampling_params.logprobs
+    tokens = torch.tensor(kept, device=logits.device)
+    entries = token_logprobs(torch.log_softmax(rows, dim=-1), tokens, [count] * len(kept))
+    return [entry for entry in entries if entry is not None]
 
 
 def _local_rows(groups: list[VerifyGroup]) -> list[int]:

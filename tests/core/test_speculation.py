@@ -94,9 +94,8 @@ def _request(**params: object) -> Request:
 
 
 def test_only_requests_whose_tokens_depend_on_their_row_alone_draft():
-    assert speculates(_request(temperature=0.7, top_p=0.9, logit_bias={3: 1.0}))
+    assert speculates(_request(temperature=0.7, top_p=0.9, logit_bias={3: 1.0}, logprobs=2))
     for params in [
-        {"logprobs": 2},
         {"repetition_penalty": 1.2},
         {"presence_penalty": 0.5},
         {"min_tokens": 4},
@@ -265,3 +264,23 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
     for request_id, truth in truths.items():
         assert tokens[request_id] == truth[: len(tokens[request_id])]
     assert [len(t) for t in tokens.values()] == lengths
+
+
+def test_logprobs_of_kept_drafts_are_those_of_one_token_a_step():
+    model = tiny_llama()
+    prompts = _prompts(4)
+    truths = {f"req-{i}": reference_greedy(model, p, 24) for i, p in enumerate(prompts)}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    plain = run_all(tiny_core(tiny_llama())[0], prompts, params)
+    core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(4, 1, 1))
+    core.drafter = ScriptedDrafter(truths, 3, 4)
+    speculated = run_all(core, prompts, params)
+    assert core.take_stats().drafts.num_accepted_tokens > 0
+    for request_id in truths:
+        want = [entry for part in plain[request_id] for entry in part.logprobs or []]
+        got = [entry for part in speculated[request_id] for entry in part.logprobs or []]
+        assert len(got) == len(want) == 24
+        for a, b in zip(got, want, strict=True):
+            assert (a.token_id, a.rank) == (b.token_id, b.rank)
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
