@@ -155,12 +155,14 @@ class Request:
 
     def drop_last_outputs(self, count: int) -> None:
         """Take back the newest `count` output tokens of the last step (drafts kept past a
-        stop string); only a request without a format or thought budget has several."""
+        stop string; its format, if any, takes them back too)."""
         if count <= 0:
             return
         del self.output_token_ids[-count:]
         del self.all_token_ids[-count:]
         self.num_new_tokens -= count
+        if self.grammar is not None:
+            self.grammar.rollback(count)
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED

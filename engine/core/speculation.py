@@ -4,9 +4,10 @@ its output so far. A step then runs each draft as one more decode row of the seq
 the drafts its model agrees with, plus the token of the first row that disagreed (or of the last
 row): several tokens for the price of a slightly wider decode step.
 
-Only requests whose next token depends on nothing but the logits of its row draft: a format, a
-thought budget, penalties, bad words, a `min_tokens` ban in force or images make a request
-decode one token a step.
+Only requests whose next token depends on nothing but the logits of its row (and, under an
+output format, the tokens before it) draft: a format that has not started yet, a thought budget
+still counting, penalties, bad words, a `min_tokens` ban in force or images make a request decode
+one token a step.
 """
 
 from __future__ import annotations
@@ -146,7 +147,10 @@ class Drafter:
             index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
             self._indexes[request.request_id] = index
         count = min(self.config.num_speculative_tokens, room)
-        request.draft_token_ids = index.draft(request.all_token_ids, count)
+        drafts = index.draft(request.all_token_ids, count)
+        if drafts and request.grammar is not None:  # the drafts its format allows
+            drafts = drafts[: request.grammar.validate_tokens(drafts)]
+        request.draft_token_ids = drafts
 
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -156,11 +160,13 @@ class Drafter:
 def speculates(request: Request) -> bool:
     """Whether the request's next tokens may be drafted: each depends only on its row's logits
     (as `Sampler` processes them: temperature, top-k/p, min-p, a logit bias, allowed tokens;
-    its logprobs are its row's too), and its tokens are all on the host."""
+    its logprobs are its row's too) and its format's state after the tokens before it, and
+    its tokens are all on the host."""
     params = request.sampling_params
     return (
         request.num_pending_tokens == 0
-        and not request.follows_its_tokens
+        and request.deferred_grammar is None
+        and (request.thought is None or request.thought.done)
         and request.forced_token is None
         and not request.bad_words
         and not params.needs_penalties

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -115,11 +116,14 @@ class Sampler:
         logits = self._process(logits, requests, pending)
         return SampledTokens(self._choose(logits, requests), raw_logprobs)
 
-    def distributions(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def distributions(
+        self, logits: torch.Tensor, requests: list[Request], masks: GrammarMasks | None = None
+    ) -> torch.Tensor:
         """Each row's distribution as `sample` draws from it, `[rows, vocab]` (a greedy row's
         mass all on its argmax): for rows whose processing reads nothing but the row itself
-        (no penalties, which count tokens before it). Speculation verifies drafts against it."""
-        logits = self._process(logits.float(), requests)
+        (no penalties, which count tokens before it), their formats' masks given (`masks`:
+        each row's own state of its matcher). Speculation verifies drafts against it."""
+        logits = self._process(logits.float(), requests, masks=masks)
         params = [r.sampling_params for r in requests]
         temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
         probs = _probabilities(logits / temps[:, None], params, [])
@@ -151,9 +155,15 @@ class Sampler:
     # ---- logits processing -----------------------------------------------------------------
 
     def _process(
-        self, logits: torch.Tensor, requests: list[Request], pending: PendingTokens | None = None
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        pending: PendingTokens | None = None,
+        masks: GrammarMasks | None = None,
     ) -> torch.Tensor:
-        _apply_grammars(logits, requests)
+        if masks is None:
+            masks = grammar_masks(requests, logits.shape[1])
+        apply_grammar_masks(logits, masks)
         _apply_allowed_tokens(logits, requests)
         _apply_bad_words(logits, requests)
         _apply_logit_bias(logits, requests)
@@ -348,17 +358,44 @@ def _apply_forced(logits: torch.Tensor, requests: list[Request]) -> None:
             logits[row, token] = 0.0
 
 
-def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
-    """Rule out every token a request's format does not allow next: each constrained row's
-    matcher fills its row of one bitmask for the step (a bit per token), applied to all those
-    rows at once (in one C++ pass over fp32 logits on the CPU)."""
+@dataclass(frozen=True, slots=True)
+class GrammarMasks:
+    """The constrained `rows` of a step and, for each, the tokens its format allows next: one
+    bit per token (`bits[k]` for `rows[k]`)."""
+
+    rows: list[int]
+    bits: np.ndarray
+
+    @classmethod
+    def empty(cls, count: int, vocab: int) -> GrammarMasks:
+        return cls([], np.zeros((count, (vocab + 31) // 32), dtype=np.int32))
+
+
+def grammar_masks(requests: list[Request], vocab: int) -> GrammarMasks | None:
+    """Each constrained row's mask over `vocab` tokens, as its request's matcher stands (None:
+    no row is constrained)."""
     rows = [row for row, request in enumerate(requests) if request.grammar is not None]
     if not rows:
-        return
-    vocab = logits.shape[1]
-    bits = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.int32)
+        return None
+    masks = GrammarMasks.empty(len(rows), vocab)
+    masks.rows.extend(rows)
     for k, row in enumerate(rows):
-        requests[row].grammar.unsafe_compute_mask_ptr(bits[k].ctypes.data, bits[k].nbytes)
+        fill_mask(requests[row].grammar, masks.bits[k])
+    return masks
+
+
+def fill_mask(matcher: Any, bits: np.ndarray) -> None:
+    """The tokens `matcher` allows next, into `bits`."""
+    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+
+
+def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks | None) -> None:
+    """Rule out every token a request's format does not allow next: each constrained row's
+    matcher has filled its row of one bitmask for the step (a bit per token), applied to all
+    those rows at once (in one C++ pass over fp32 logits on the CPU)."""
+    if masks is None or not masks.rows:
+        return
+    rows, bits, vocab = masks.rows, masks.bits, logits.shape[1]
     if (
         logits.is_cpu
         and logits.dtype == torch.float32

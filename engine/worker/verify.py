@@ -17,7 +17,7 @@ import torch
 
 from engine.core.outputs import TokenLogprob
 from engine.core.request import Request
-from engine.worker.sampler import Sampler, token_logprobs
+from engine.worker.sampler import GrammarMasks, Sampler, fill_mask, token_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +77,9 @@ def verify_sampled(
     device = logits.device
     rows = [row for group in groups for row in group.rows]
     owners = [group.request for group in groups for _ in group.rows]
-    probs = sampler.distributions(logits[torch.tensor(rows, device=device)], owners)
     local = _local_rows(groups)
+    masks = draft_masks(groups, local, logits.shape[1])
+    probs = sampler.distributions(logits[torch.tensor(rows, device=device)], owners, masks)
     draft_rows = [local[g] + i for g, group in enumerate(groups) for i in range(len(group.drafts))]
     draft_ids = [token for group in groups for token in group.drafts]
     chances = probs[
@@ -103,6 +104,33 @@ def verify_sampled(
         Verified(group.drafts[:kept], token)
         for group, kept, token in zip(groups, kept_counts, tokens, strict=True)
     ]
+
+
+def draft_masks(groups: list[VerifyGroup], local: list[int], vocab: int) -> GrammarMasks | None:
+    """Each constrained group's rows' masks, row i's after the matcher takes the drafts before
+    it (then taken back): the format rules each draft as it would rule a sampled token. A draft
+    the matcher refuses (drafts are checked when made, so none should be) leaves the rows after
+    it the mask before it: that draft is refused there anyway, and they are never used."""
+    constrained = [g for g, group in enumerate(groups) if group.request.grammar is not None]
+    if not constrained:
+        return None
+    count = sum(len(groups[g].drafts) + 1 for g in constrained)
+    masks = GrammarMasks.empty(count, vocab)
+    at = 0
+    for g in constrained:
+        group, matcher = groups[g], groups[g].request.grammar
+        valid = matcher.validate_tokens(group.drafts)  # consuming a refused one would break it
+        for i in range(len(group.drafts) + 1):
+            masks.rows.append(local[g] + i)
+            if i > valid:
+                masks.bits[at + i] = masks.bits[at + i - 1]
+                continue
+            fill_mask(matcher, masks.bits[at + i])
+            if i < valid:
+                matcher.consume_token(group.drafts[i])
+        matcher.rollback(valid)
+        at += len(group.drafts) + 1
+    return masks
 
 
 def verified_logprobs(

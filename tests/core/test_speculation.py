@@ -4,12 +4,14 @@ and leave the KV cache as they found it."""
 
 from __future__ import annotations
 
+import json
 import random
 
+import jsonschema
 import pytest
 
 from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from engine.core.speculation import Drafter, NgramIndex, SpeculativeConfig, speculates
 from tests.helpers import (
     reference_greedy,
@@ -284,3 +286,42 @@ def test_logprobs_of_kept_drafts_are_those_of_one_token_a_step():
             assert (a.token_id, a.rank) == (b.token_id, b.rank)
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4},
+        "name": {"type": "string", "maxLength": 8},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["tags", "name", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_formats_rule_each_draft_as_a_sampled_token(temperature: float):
+    """Under a JSON schema every kept draft fits the format, and greedy replies are those of
+    one token a step; drafts the format refuses (every second one wrong, unchecked) are
+    refused at their row."""
+    structured = StructuredOutputs("json", json.dumps(SCHEMA))
+    params = SamplingParams(temperature=temperature, max_tokens=80, seed=5, structured=structured)
+    prompts = _prompts(4)
+    plain = run_all(tiny_core(tiny_llama())[0], prompts, params)
+    truths = {request_id: tokens_of(parts) for request_id, parts in plain.items()}
+    for drafter in ["scripted", "n-gram"]:
+        core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(4, 1, 2))
+        if drafter == "scripted":
+            core.drafter = ScriptedDrafter(truths, 2, 4)
+        outputs = run_all(core, prompts, params)
+        drafts = core.take_stats().drafts
+        assert drafts.num_drafts > 0, drafter
+        for request_id, parts in outputs.items():
+            jsonschema.validate(json.loads(text_of(parts)), SCHEMA)
+            if temperature == 0:
+                assert _finished({request_id: parts}) == _finished(
+                    {request_id: plain[request_id]}
+                ), (drafter, request_id)
+        if drafter == "scripted" and temperature == 0:
+            assert 0 < drafts.num_accepted_tokens < drafts.num_draft_tokens
