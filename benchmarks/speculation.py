@@ -6,8 +6,10 @@ their ratio, and the share of draft tokens kept.
 
 `--workload copy`: chat requests that ask the model to repeat or lightly edit a passage (code and
 prose), where a reply quotes its prompt, as in code editing, summaries that cite, or retrieval
-answers; `random`: random prompt tokens (vLLM's `random` dataset), where little repeats and
-speculation can only cost. Greedy, EOS ignored, `--output-len` tokens each.
+answers; `json`: chat requests for a list of records under a JSON schema (the format enforced),
+whose keys and punctuation repeat; `random`: random prompt tokens (vLLM's `random` dataset),
+after which a small model soon repeats itself. Greedy, EOS ignored, `--output-len` tokens each
+(a JSON reply ends where its document does).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from engine_setup import add_engine_arguments, add_load_arguments, engine_config
 
 from engine.core.engine_core import EngineCore
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from engine.core.speculation import SpeculativeConfig
 from engine.factory import create_engine_core
 
@@ -55,14 +57,57 @@ def copy_prompts(core: EngineCore, count: int) -> list[list[int]]:
     return prompts
 
 
+RECORDS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 24},
+                    "colour": {"type": "string", "maxLength": 12},
+                    "price": {"type": "number"},
+                },
+                "required": ["name", "colour", "price"],
+                "additionalProperties": False,
+            },
+            "maxItems": 12,
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
+TOPICS = ["fruits", "vegetables", "flowers", "birds", "cars", "fabrics"]
+
+
+def json_prompts(core: EngineCore, count: int) -> list[list[int]]:
+    tokenizer = core.tokenizer
+    prompts = []
+    for i in range(count):
+        text = (
+            f"List ten {TOPICS[i % len(TOPICS)]} as JSON: an object whose items each have a "
+            "name, a colour and a price."
+        )
+        messages = [{"role": "user", "content": text}]
+        chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
+    return prompts
+
+
 def random_prompts(core: EngineCore, count: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     vocab = core.vocab_size
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(count)]
 
 
-def run(core: EngineCore, prompts: list[list[int]], output_len: int, tag: str) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def run(
+    core: EngineCore, prompts: list[list[int]], output_len: int, tag: str, schema: bool = False
+) -> dict:
+    structured = StructuredOutputs("json", json.dumps(RECORDS_SCHEMA)) if schema else None
+    params = SamplingParams(
+        temperature=0, max_tokens=output_len, ignore_eos=True, structured=structured
+    )
     for i, prompt in enumerate(prompts):
         core.add_request(f"{tag}-{i}", prompt, params)
     core.take_stats()
@@ -81,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_engine_arguments(parser)
     add_load_arguments(parser)
-    parser.add_argument("--workload", choices=("copy", "random"), default="copy")
+    parser.add_argument("--workload", choices=("copy", "json", "random"), default="copy")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
@@ -100,13 +145,16 @@ def main() -> None:
     for seed, concurrency in enumerate(args.concurrency):
         if args.workload == "copy":
             prompts = copy_prompts(core, concurrency)
+        elif args.workload == "json":
+            prompts = json_prompts(core, concurrency)
         else:
             prompts = random_prompts(core, concurrency, args.input_len, seed)
         rates: dict[str, list[float]] = {"off": [], "on": []}
         kept_share = 0.0
         for turn, way in enumerate(["off", "on", "on", "off"]):
             core.drafter = drafter if way == "on" else None
-            result = run(core, prompts, args.output_len, f"c{concurrency}-{turn}")
+            tag = f"c{concurrency}-{turn}"
+            result = run(core, prompts, args.output_len, tag, args.workload == "json")
             rates[way].append(result["tok_per_s"])
             if way == "on" and result["drafted"]:
                 kept_share = result["kept"] / result["drafted"]
