@@ -1,6 +1,8 @@
 """N-gram speculation against one token a step, in one engine and one run: each concurrency runs
-four times, off, on, on, off, and reports output tokens/s of each way (the mean of its two runs),
-their ratio, and the share of draft tokens kept.
+four times, off, on, on, off, each run serving `--rounds` requests per slot with the slots kept
+full (a request that ends is replaced by the next, as under steady load), its prompts cached by
+a run before; it reports output tokens/s of each way (the mean of its two runs), their ratio,
+and the share of draft tokens kept.
 
     python benchmarks/speculation.py --concurrency 1 16 64 --workload copy
 
@@ -8,8 +10,9 @@ their ratio, and the share of draft tokens kept.
 prose), where a reply quotes its prompt, as in code editing, summaries that cite, or retrieval
 answers; `json`: chat requests for a list of records under a JSON schema (the format enforced),
 whose keys and punctuation repeat; `random`: random prompt tokens (vLLM's `random` dataset),
-after which a small model soon repeats itself. Greedy, EOS ignored, `--output-len` tokens each
-(a JSON reply ends where its document does).
+after which a small model soon repeats itself. Greedy, EOS ignored, from half to one and a half
+times `--output-len` tokens each, the same lengths each run (a JSON reply ends where its document
+does).
 """
 
 from __future__ import annotations
@@ -102,19 +105,42 @@ def random_prompts(core: EngineCore, count: int, length: int, seed: int) -> list
 
 
 def run(
-    core: EngineCore, prompts: list[list[int]], output_len: int, tag: str, schema: bool = False
+    core: EngineCore,
+    prompts: list[list[int]],
+    output_len: int,
+    tag: str,
+    schema: bool = False,
+    rounds: int = 1,
 ) -> dict:
+    """Serve each prompt `rounds` times, `len(prompts)` requests in flight: a request that
+    ends is replaced by the next, as a server under steady load sees them (so requests that
+    drafts speed up leave no tail of steps with few rows)."""
     structured = StructuredOutputs("json", json.dumps(RECORDS_SCHEMA)) if schema else None
-    params = SamplingParams(
-        temperature=0, max_tokens=output_len, ignore_eos=True, structured=structured
-    )
-    for i, prompt in enumerate(prompts):
-        core.add_request(f"{tag}-{i}", prompt, params)
+    queue = [prompt for _ in range(rounds) for prompt in prompts]
+    # Lengths from half to one and a half times `output_len`, the same in every run: requests
+    # end at different steps either way, as a server's do.
+    rng = random.Random(len(queue))
+    lengths = [rng.randint(max(1, output_len // 2), max(1, 3 * output_len // 2)) for _ in queue]
+    submitted = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        params = SamplingParams(
+            temperature=0, max_tokens=lengths[submitted], ignore_eos=True, structured=structured
+        )
+        core.add_request(f"{tag}-{submitted}", queue[submitted], params)
+        submitted += 1
+
+    for _ in prompts:
+        submit()
     core.take_stats()
     start, produced = time.perf_counter(), 0
     drafted = kept = 0
     while core.has_unfinished():
-        produced += sum(len(output.new_token_ids) for output in core.step())
+        for output in core.step():
+            produced += len(output.new_token_ids)
+            if output.finished and submitted < len(queue):
+                submit()
         drafts = core.take_stats().drafts
         drafted += drafts.num_draft_tokens
         kept += drafts.num_accepted_tokens
@@ -131,6 +157,9 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="requests per slot, each replaced as it ends"
+    )
     args = parser.parse_args()
     spec = SpeculativeConfig(
         args.num_speculative_tokens,
@@ -149,12 +178,14 @@ def main() -> None:
             prompts = json_prompts(core, concurrency)
         else:
             prompts = random_prompts(core, concurrency, args.input_len, seed)
+        core.drafter = None
+        run(core, prompts, 1, f"c{concurrency}-cached")  # every run then finds them cached
         rates: dict[str, list[float]] = {"off": [], "on": []}
         kept_share = 0.0
         for turn, way in enumerate(["off", "on", "on", "off"]):
             core.drafter = drafter if way == "on" else None
             tag = f"c{concurrency}-{turn}"
-            result = run(core, prompts, args.output_len, tag, args.workload == "json")
+            result = run(core, prompts, args.output_len, tag, args.workload == "json", args.rounds)
             rates[way].append(result["tok_per_s"])
             if way == "on" and result["drafted"]:
                 kept_share = result["kept"] / result["drafted"]

@@ -76,6 +76,7 @@ class EngineCore:
         # N-gram speculation (`--speculative-config`): drafts each running request's next
         # tokens for its next step to verify; None: one token a step.
         self.drafter: Drafter | None = None
+        self._drafting_seconds = 0.0
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -376,6 +377,21 @@ class EngineCore:
                 continue
             kept = len(runner_output.accepted_drafts.get(item.request.request_id, []))
             stats.drafts.record(len(item.drafts), kept)
+            if self.drafter is not None:
+                self.drafter.kept(item.request.request_id, len(item.drafts), kept)
+
+    def _draft(self, scheduled: SchedulerOutput, advanced: list[Request], seconds: float) -> None:
+        """Tell the drafter what a decode step (one with no prompt chunk) gave in `seconds`
+        and the drafting before it, then draft for the next one, timed for the step after."""
+        assert self.drafter is not None
+        items = scheduled.scheduled
+        if all(item.num_tokens == 1 or item.drafts for item in items):
+            tokens = sum(request.num_new_tokens for request in advanced)
+            drafted = any(item.drafts for item in items)
+            self.drafter.observe(len(items), drafted, tokens, seconds + self._drafting_seconds)
+        began = time.monotonic()
+        self.drafter.draft_step(advanced, self.scheduler.num_running)
+        self._drafting_seconds = time.monotonic() - began
 
     def _record_finished(self, request: Request) -> None:
         parent, siblings = self._groups.pop(request.request_id, ("", 1))
@@ -465,7 +481,7 @@ class EngineCore:
         self._record_tokens(advanced, end)
         self._record_drafts(scheduled, runner_output)
         if self.drafter is not None:
-            self.drafter.draft_step(advanced, self.scheduler.num_running)
+            self._draft(scheduled, advanced, end - max(start, self._last_end))
         for request, result in zip(advanced, results, strict=True):
             result.embedding = runner_output.embeddings.get(request.request_id)
         finished = [r for r in advanced if r.is_finished]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.core.draft_gate import DraftGate
 from engine.core.request import Request
 
 # vLLM's default n-gram lengths where the config names neither.
@@ -27,7 +28,8 @@ class SpeculativeConfig:
     `num_speculative_tokens` tokens from the longest match of the sequence's last
     `prompt_lookup_max` .. `prompt_lookup_min` tokens; none while more than
     `disable_by_batch_size` requests run (where a step's rows already keep the device busy,
-    more rows cost more than the tokens they keep)."""
+    more rows cost more than the tokens they keep). Without it, drafts are made where steps
+    of the same size have been faster with them (`draft_gate.py`)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
@@ -123,16 +125,27 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self._indexes: dict[str, NgramIndex] = {}
+        # The most tokens each request drafts next (`kept`); absent: num_speculative_tokens.
+        self._lengths: dict[str, int] = {}
+        # Without `disable_by_batch_size`, whether drafts pay is measured (`draft_gate.py`).
+        self.gate = DraftGate()
 
     def draft_step(self, requests: list[Request], running: int) -> None:
         """Draft for the requests a step just advanced, `running` requests in all: none while
-        more run than `disable_by_batch_size`."""
+        more run than `disable_by_batch_size`, or, without it, where the gate finds that steps
+        of this size gain nothing by drafts."""
         limit = self.config.disable_by_batch_size
+        wanted = running <= limit if limit is not None else self.gate.drafts(running)
         for request in requests:
-            if limit is not None and running > limit:
-                request.draft_token_ids = []
-            else:
+            if wanted:
                 self.draft(request)
+            else:
+                request.draft_token_ids = []
+
+    def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode step of `rows` requests, with drafts or without, gave `tokens` output
+        tokens in `seconds` (its drafting included)."""
+        self.gate.observe(rows, drafted, tokens, seconds)
 
     def draft(self, request: Request) -> None:
         """Set `request.draft_token_ids` for its next step: none where it cannot speculate
@@ -146,15 +159,23 @@ class Drafter:
             config = self.config
             index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
             self._indexes[request.request_id] = index
-        count = min(self.config.num_speculative_tokens, room)
-        drafts = index.draft(request.all_token_ids, count)
+        most = self._lengths.get(request.request_id, self.config.num_speculative_tokens)
+        drafts = index.draft(request.all_token_ids, min(most, room))
         if drafts and request.grammar is not None:  # the drafts its format allows
             drafts = drafts[: request.grammar.validate_tokens(drafts)]
         request.draft_token_ids = drafts
 
+    def kept(self, request_id: str, drafted: int, kept: int) -> None:
+        """A step kept `kept` of the request's `drafted` drafts: it drafts one more next time
+        after keeping them all, else one more than it kept (so a request whose text stops
+        repeating spends one row a step on drafts, and one that repeats grows back)."""
+        most = self.config.num_speculative_tokens
+        self._lengths[request_id] = min(kept + 1, most)
+
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._indexes.pop(request_id, None)
+            self._lengths.pop(request_id, None)
 
 
 def speculates(request: Request) -> bool:

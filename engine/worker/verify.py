@@ -71,15 +71,28 @@ def verify_sampled(
     sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup]
 ) -> list[Verified]:
     """Each group verified against its rows' distributions (`logits` holds the rows of the
-    step's sampled rows, indexed as the groups say)."""
+    step's sampled rows, indexed as the groups say): groups without a format all at once,
+    constrained ones row by row (`_verify_constrained`)."""
+    free = [group for group in groups if group.request.grammar is None]
+    found = dict(zip(map(id, free), _verify_free(sampler, logits, free), strict=True))
+    for group in groups:
+        if group.request.grammar is not None:
+            found[id(group)] = _verify_constrained(sampler, logits, group)
+    return [found[id(group)] for group in groups]
+
+
+def _verify_free(
+    sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup]
+) -> list[Verified]:
+    """Groups without a format: every row's distribution at once, then each group's drafts
+    kept by its draws."""
     if not groups:
         return []
     device = logits.device
     rows = [row for group in groups for row in group.rows]
     owners = [group.request for group in groups for _ in group.rows]
     local = _local_rows(groups)
-    masks = draft_masks(groups, local, logits.shape[1])
-    probs = sampler.distributions(logits[torch.tensor(rows, device=device)], owners, masks)
+    probs = sampler.distributions(logits[torch.tensor(rows, device=device)], owners)
     draft_rows = [local[g] + i for g, group in enumerate(groups) for i in range(len(group.drafts))]
     draft_ids = [token for group in groups for token in group.drafts]
     chances = probs[
@@ -106,31 +119,35 @@ def verify_sampled(
     ]
 
 
-def draft_masks(groups: list[VerifyGroup], local: list[int], vocab: int) -> GrammarMasks | None:
-    """Each constrained group's rows' masks, row i's after the matcher takes the drafts before
-    it (then taken back): the format rules each draft as it would rule a sampled token. A draft
-    the matcher refuses (drafts are checked when made, so none should be) leaves the rows after
-    it the mask before it: that draft is refused there anyway, and they are never used."""
-    constrained = [g for g, group in enumerate(groups) if group.request.grammar is not None]
-    if not constrained:
-        return None
-    count = sum(len(groups[g].drafts) + 1 for g in constrained)
-    masks = GrammarMasks.empty(count, vocab)
-    at = 0
-    for g in constrained:
-        group, matcher = groups[g], groups[g].request.grammar
-        valid = matcher.validate_tokens(group.drafts)  # consuming a refused one would break it
-        for i in range(len(group.drafts) + 1):
-            masks.rows.append(local[g] + i)
-            if i > valid:
-                masks.bits[at + i] = masks.bits[at + i - 1]
-                continue
-            fill_mask(matcher, masks.bits[at + i])
-            if i < valid:
-                matcher.consume_token(group.drafts[i])
-        matcher.rollback(valid)
-        at += len(group.drafts) + 1
-    return masks
+def _verify_constrained(sampler: Sampler, logits: torch.Tensor, group: VerifyGroup) -> Verified:
+    """A group under a format, row by row: row i masked by the matcher as it stands after the
+    drafts kept before it, and no row's mask computed past the first refused draft (a mask
+    costs more than a row's sampling; a step then computes one per token it gives, as
+    without drafts). The matcher is taken back to where it was; `receive` advances it over
+    the kept tokens as over any."""
+    request, matcher = group.request, group.request.grammar
+    valid = matcher.validate_tokens(group.drafts)  # consuming a refused one would break it
+    kept = 0
+    try:
+        while True:
+            masks = GrammarMasks.empty(1, logits.shape[1])
+            masks.rows.append(0)
+            fill_mask(matcher, masks.bits[0])
+            row = logits[group.first + kept : group.first + kept + 1]
+            probs = sampler.distributions(row, [request], masks)
+            if kept == len(group.drafts):
+                break
+            draft = group.drafts[kept]
+            chance = float(probs[0, draft])
+            if kept >= valid or float(sampler.uniforms(1, request)[0]) >= chance:
+                _without(probs[0], draft)
+                break
+            matcher.consume_token(draft)
+            kept += 1
+        token = int(sampler.draw(probs, [request])[0])
+    finally:
+        matcher.rollback(kept)
+    return Verified(group.drafts[:kept], token)
 
 
 def verified_logprobs(

@@ -116,6 +116,29 @@ def test_only_requests_whose_tokens_depend_on_their_row_alone_draft():
     assert request.draft_token_ids == []
 
 
+def test_a_request_drafts_one_more_than_it_last_kept():
+    drafter = Drafter(SpeculativeConfig(4, 1, 1))
+    request = _request(max_tokens=50)
+    request.prompt_token_ids[:] = request.all_token_ids[:] = [1, 2, 3, 4, 5, 6, 1]
+    drafter.draft(request)
+    assert request.draft_token_ids == [2, 3, 4, 5]
+    drafter.kept("r", 4, 0)
+    drafter.draft(request)
+    assert request.draft_token_ids == [2]
+    drafter.kept("r", 1, 1)
+    drafter.draft(request)
+    assert request.draft_token_ids == [2, 3]
+    drafter.kept("r", 2, 2)
+    drafter.kept("r", 3, 3)
+    drafter.kept("r", 4, 4)
+    drafter.draft(request)
+    assert request.draft_token_ids == [2, 3, 4, 5]
+    drafter.release(["r"])
+    drafter.kept("s", 4, 1)
+    drafter.draft(request)
+    assert len(request.draft_token_ids) == 4
+
+
 class ScriptedDrafter(Drafter):
     """Drafts from each request's known greedy continuation, every `wrong`-th draft token
     replaced by another: the engine must keep exactly the right ones."""

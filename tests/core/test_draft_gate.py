@@ -1,0 +1,120 @@
+"""The draft gate drafts where steps with drafts have given more tokens per second than steps
+without, per size class of steps, and keeps trying the other way now and then."""
+
+from __future__ import annotations
+
+import time
+
+from engine.core.draft_gate import DraftGate, size_class
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.speculation import Drafter, SpeculativeConfig
+from tests.helpers import reference_greedy, tiny_core, tiny_llama
+
+
+def decisions(gate: DraftGate, rows: int, count: int) -> list[bool]:
+    return [gate.drafts(rows) for _ in range(count)]
+
+
+def test_size_classes_double():
+    assert [size_class(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 63, 64, 65)] == [
+        0,
+        0,
+        1,
+        2,
+        2,
+        3,
+        3,
+        4,
+        6,
+        6,
+        7,
+    ]
+
+
+def test_a_size_class_measures_both_ways_first():
+    gate = DraftGate()
+    assert not gate.drafts(4)  # until a step without drafts is seen
+    assert not gate.drafts(4)
+    gate.observe(4, drafted=False, tokens=4, seconds=0.01)
+    assert gate.drafts(4) and gate.drafts(4)  # until a step with drafts is seen
+    gate.observe(4, drafted=True, tokens=9, seconds=0.012)
+    assert gate.drafts(4)
+    assert not gate.drafts(1)  # another size class starts over
+
+
+def test_the_faster_way_wins_in_its_own_size_class_and_the_other_is_tried_less_and_less():
+    gate = DraftGate()
+    for _ in range(5):
+        gate.observe(1, drafted=True, tokens=3, seconds=0.01)  # 300 tok/s
+        gate.observe(1, drafted=False, tokens=1, seconds=0.008)  # 125 tok/s
+        gate.observe(32, drafted=True, tokens=60, seconds=0.2)  # 300 tok/s
+        gate.observe(32, drafted=False, tokens=32, seconds=0.05)  # 640 tok/s
+    small = decisions(gate, 1, 200)
+    large = decisions(gate, 30, 200)
+    # Tries of the other way after 8, then 8, 16, 32, 64, 128 decisions.
+    tries = [i + 1 for i, drafted in enumerate(large) if drafted]
+    assert tries == [8, 16, 32, 64, 128]
+    assert [i + 1 for i, drafted in enumerate(small) if not drafted] == tries
+    drafted, plain = gate.rates(30)
+    assert drafted is not None and plain is not None and drafted < plain
+
+
+def test_rates_follow_the_traffic():
+    gate = DraftGate()
+    gate.observe(2, drafted=True, tokens=2, seconds=0.01)
+    gate.observe(2, drafted=False, tokens=2, seconds=0.005)
+    assert not gate.drafts(2)
+    for _ in range(20):  # drafts start being kept
+        gate.observe(2, drafted=True, tokens=8, seconds=0.01)
+    assert gate.drafts(2)
+    gate.observe(2, drafted=False, tokens=2, seconds=1.0)  # one stalled step turns nothing
+    assert gate.drafts(2)
+
+
+class KnownDrafter(Drafter):
+    """Drafts the request's known greedy continuation, as far as the gate lets it."""
+
+    def __init__(self, truth: list[int]) -> None:
+        super().__init__(SpeculativeConfig(3, 1, 1))
+        self.truth = truth
+
+    def draft(self, request: Request) -> None:
+        done = request.num_output_tokens
+        request.draft_token_ids = self.truth[done : min(done + 3, request.max_output_tokens - 1)]
+
+
+def slowed_engine(slow_drafted: bool, truth: list[int]):
+    """An engine whose steps with drafts (or without) take 30 ms more: the gate must learn
+    which way is faster from the steps alone."""
+    core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(3, 1, 1))
+    core.drafter = KnownDrafter(truth)
+    execute = core.runner.execute
+    drafted_steps: list[bool] = []
+
+    def slowed(scheduled):
+        drafted = any(item.drafts for item in scheduled.scheduled)
+        if all(item.num_tokens == 1 or item.drafts for item in scheduled.scheduled):
+            drafted_steps.append(drafted)
+        if drafted == slow_drafted:
+            time.sleep(0.03)
+        return execute(scheduled)
+
+    core.runner.execute = slowed
+    return core, drafted_steps
+
+
+def test_an_engine_stops_drafting_where_drafted_steps_are_slower_and_keeps_on_where_faster():
+    prompt = [7, 8, 9] * 6
+    truth = reference_greedy(tiny_llama(), prompt, 90)
+    params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    shares = {}
+    for slow_drafted in (True, False):
+        core, drafted_steps = slowed_engine(slow_drafted, truth)
+        core.add_request("r", prompt, params)
+        while core.has_unfinished():
+            core.step()
+        later = drafted_steps[len(drafted_steps) // 2 :]
+        shares[slow_drafted] = sum(later) / len(later)
+    # The other way is tried now and then.
+    assert shares[True] <= 0.2 and shares[False] >= 0.8
