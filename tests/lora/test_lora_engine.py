@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from engine.core.sampling_params import SamplingParams
+from engine.core.speculation import SpeculativeConfig
 from engine.kernels.cpu.linear import GatedPanelLinear
 from engine.lora.registry import LoRARequest
+from tests.core.test_speculation import ScriptedDrafter
 from tests.helpers import reference_greedy, tiny_core, tiny_llama, tokens_of
 from tests.kernels.test_decode_layer import BF16, packed
 from tests.lora.adapters import ATTENTION, MLP, merged, save_adapter
@@ -190,3 +192,16 @@ def test_adapters_of_families_with_their_own_layers_equal_peft_merged(tmp_path, 
     assert got[0] == reference_greedy(build(family), PROMPTS[1], GREEDY.max_tokens)
     assert got[1] == reference_greedy(merged(path, build(family)), PROMPTS[1], GREEDY.max_tokens)
     assert got[0] != got[1]
+
+
+def test_drafts_are_verified_under_each_request_s_adapter(adapters):
+    """Speculation: a request's draft rows run under its own adapter, beside base rows."""
+    requests = mixed([None, "attn", "mlp"])
+    truths = {f"r{i}": oracle(adapters, prompt, name) for i, (prompt, name) in enumerate(requests)}
+    spec = SpeculativeConfig(3, 1, 1, disable_by_batch_size=64)
+    core = lora_core(adapters, speculative=spec)
+    core.drafter = ScriptedDrafter(truths, 3, 3, limit=64)
+    got = run(core, requests)
+    assert got == [truths[f"r{i}"] for i in range(len(requests))]
+    drafts = core.take_stats().drafts
+    assert 0 < drafts.num_accepted_tokens < drafts.num_draft_tokens

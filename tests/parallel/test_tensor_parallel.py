@@ -21,9 +21,11 @@ from engine.core.config import CacheConfig, EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.errors import EngineDeadError, WorkerFailedError
 from engine.core.sampling_params import SamplingParams
+from engine.core.speculation import SpeculativeConfig
 from engine.factory import create_engine_core
 from engine.parallel.workers import WorkerPool
 from tests.core.test_engine_greedy import record_chunking
+from tests.core.test_speculation import ScriptedDrafter
 from tests.helpers import chat_tokenizer, reference_greedy, run_all, tiny_llama, tokens_of
 
 MAX_NEW = 12
@@ -235,3 +237,15 @@ async def test_a_killed_worker_fails_its_requests_and_stops_the_engine(model_dir
     finally:
         await engine.shutdown()
     assert multiprocessing.active_children() == []
+
+
+def test_drafts_verified_across_ranks(model_dir, references):
+    """Speculation: a step's draft rows run on every rank as decode rows, and the greedy
+    tokens stay one rank's."""
+    spec = SpeculativeConfig(3, 1, 1, disable_by_batch_size=64)
+    with engine_core(config(model_dir, 2, num_blocks=48, speculative=spec)) as core:
+        truths = {f"req-{i}": truth for i, truth in enumerate(references)}
+        core.drafter = ScriptedDrafter(truths, 3, 3, limit=64)
+        assert all_tokens(core, GREEDY) == references
+        drafts = core.take_stats().drafts
+        assert 0 < drafts.num_accepted_tokens < drafts.num_draft_tokens
