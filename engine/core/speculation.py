@@ -4,10 +4,10 @@ its output so far. A step then runs each draft as one more decode row of the seq
 the drafts its model agrees with, plus the token of the first row that disagreed (or of the last
 row): several tokens for the price of a slightly wider decode step.
 
-Only requests whose next token depends on nothing but the logits of its row (and, under an
-output format, the tokens before it) draft: a format that has not started yet, a thought budget
-still counting, penalties, bad words, a `min_tokens` ban in force or images make a request decode
-one token a step.
+Only requests whose next token depends on nothing but the logits of its row and the tokens
+before it (penalties, bad words, `min_tokens` and an output format read those, drafts
+included) draft: a format that has not started yet, a thought budget still counting or images
+make a request decode one token a step.
 """
 
 from __future__ import annotations
@@ -180,17 +180,12 @@ class Drafter:
 
 def speculates(request: Request) -> bool:
     """Whether the request's next tokens may be drafted: each depends only on its row's logits
-    (as `Sampler` processes them: temperature, top-k/p, min-p, a logit bias, allowed tokens;
-    its logprobs are its row's too) and its format's state after the tokens before it, and
+    and the tokens before it (as `Sampler` processes them; its logprobs are its row's too), and
     its tokens are all on the host."""
-    params = request.sampling_params
     return (
         request.num_pending_tokens == 0
         and request.deferred_grammar is None
         and (request.thought is None or request.thought.done)
         and request.forced_token is None
-        and not request.bad_words
-        and not params.needs_penalties
-        and request.num_output_tokens >= params.min_tokens
         and request.images is None
     )

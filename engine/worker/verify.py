@@ -11,6 +11,7 @@ and each token follows the model's distribution exactly as decoding one at a tim
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +91,7 @@ def _verify_free(
         return []
     device = logits.device
     rows = [row for group in groups for row in group.rows]
-    owners = [group.request for group in groups for _ in group.rows]
+    owners = [as_row_sees(group, i) for group in groups for i in range(len(group.drafts) + 1)]
     local = _local_rows(groups)
     probs = sampler.distributions(logits[torch.tensor(rows, device=device)], owners)
     draft_rows = [local[g] + i for g, group in enumerate(groups) for i in range(len(group.drafts))]
@@ -134,7 +135,7 @@ def _verify_constrained(sampler: Sampler, logits: torch.Tensor, group: VerifyGro
             masks.rows.append(0)
             fill_mask(matcher, masks.bits[0])
             row = logits[group.first + kept : group.first + kept + 1]
-            probs = sampler.distributions(row, [request], masks)
+            probs = sampler.distributions(row, [as_row_sees(group, kept)], masks)
             if kept == len(group.drafts):
                 break
             draft = group.drafts[kept]
@@ -148,6 +149,21 @@ def _verify_constrained(sampler: Sampler, logits: torch.Tensor, group: VerifyGro
     finally:
         matcher.rollback(kept)
     return Verified(group.drafts[:kept], token)
+
+
+def as_row_sees(group: VerifyGroup, row: int) -> Request:
+    """The request as its group's row `row` sees it: its tokens and the drafts before the row,
+    where its sampling reads them (penalties count them, bad words and `min_tokens` go by
+    them); else the request itself."""
+    request = group.request
+    params = request.sampling_params
+    reads = params.needs_penalties or request.bad_words or params.min_tokens
+    if row == 0 or not reads:
+        return request
+    view = copy.copy(request)
+    view.output_token_ids = [*request.output_token_ids, *group.drafts[:row]]
+    view.all_token_ids = [*request.all_token_ids, *group.drafts[:row]]
+    return view
 
 
 def verified_logprobs(

@@ -19,6 +19,7 @@ from tests.helpers import (
     text_of,
     tiny_core,
     tiny_llama,
+    tiny_tokenizer,
     tokens_of,
 )
 
@@ -95,14 +96,15 @@ def _request(**params: object) -> Request:
     return Request("r", [1, 2, 3, 1, 2], SamplingParams(**params), 0.0, 100)
 
 
-def test_only_requests_whose_tokens_depend_on_their_row_alone_draft():
-    assert speculates(_request(temperature=0.7, top_p=0.9, logit_bias={3: 1.0}, logprobs=2))
+def test_requests_whose_tokens_follow_their_rows_and_the_tokens_before_draft():
     for params in [
-        {"repetition_penalty": 1.2},
-        {"presence_penalty": 0.5},
-        {"min_tokens": 4},
+        {"temperature": 0.7, "top_p": 0.9, "logit_bias": {3: 1.0}, "logprobs": 2},
+        {"repetition_penalty": 1.2, "presence_penalty": 0.5, "min_tokens": 4},
     ]:
-        assert not speculates(_request(**params)), params
+        assert speculates(_request(**params)), params
+    waiting = _request()
+    waiting.num_pending_tokens = 1  # its newest token is still on the device
+    assert not speculates(waiting)
     drafter = Drafter(SpeculativeConfig(4, 1, 2))
     request = _request(max_tokens=10)
     drafter.draft(request)
@@ -348,3 +350,51 @@ def test_formats_rule_each_draft_as_a_sampled_token(temperature: float):
                 ), (drafter, request_id)
         if drafter == "scripted" and temperature == 0:
             assert 0 < drafts.num_accepted_tokens < drafts.num_draft_tokens
+
+
+def _pairs_written(prompts: list[list[int]]) -> list[str]:
+    """A two-token word the tiny model writes greedily from each prompt a few tokens in (its
+    own two tokens again when encoded), where its first token is likely a draft: as a bad word
+    it bans its second token right after its first, in that draft's row."""
+    tokenizer = tiny_tokenizer()
+    free = run_all(tiny_core(tiny_llama())[0], prompts, GREEDY)
+    words = []
+    for parts in free.values():
+        tokens = tokens_of(parts)
+        for start in range(2, 9):
+            pair = tokens[start : start + 2]
+            word = tokenizer.decode(pair)
+            if tokenizer.encode(word, add_special_tokens=False) == pair:
+                words.append(word)
+                break
+    return words
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"repetition_penalty": 1.5},
+        {"frequency_penalty": 0.8, "presence_penalty": 0.4},
+        # Half the vocabulary ends a reply, once 14 tokens are written.
+        {"min_tokens": 14, "stop_token_ids": list(range(2, 160))},
+        {"bad_words": "written pairs"},
+    ],
+    ids=["repetition", "frequency-presence", "min-tokens", "bad-words"],
+)
+def test_what_reads_the_tokens_before_a_row_reads_the_drafts_before_it(fields: dict):
+    """Penalties count, bad words and `min_tokens` go by the kept drafts before each row: the
+    greedy tokens are those of one token a step."""
+    prompts = _prompts(4)
+    if fields.get("bad_words"):
+        fields = {"bad_words": _pairs_written(prompts)}
+        assert len(fields["bad_words"]) >= 2
+    params = SamplingParams(temperature=0, max_tokens=20, **fields)
+    plain = run_all(tiny_core(tiny_llama())[0], prompts, params)
+    truths = {request_id: tokens_of(parts) for request_id, parts in plain.items()}
+    for wrong in (0, 3):  # all drafts right, then every third wrong
+        spec = SpeculativeConfig(4, 1, 1, disable_by_batch_size=64)
+        core, _ = tiny_core(tiny_llama(), speculative=spec)
+        core.drafter = ScriptedDrafter(truths, wrong, 4, limit=64)
+        speculated = run_all(core, prompts, params)
+        assert _finished(speculated) == _finished(plain), wrong
+        assert core.take_stats().drafts.num_accepted_tokens > 0
