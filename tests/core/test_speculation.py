@@ -10,6 +10,7 @@ import random
 import jsonschema
 import pytest
 
+from engine.core.config import EngineConfig
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from engine.core.speculation import Drafter, NgramIndex, SpeculativeConfig, speculates
@@ -90,6 +91,15 @@ def test_the_config_reads_vllm_s_fields_and_refuses_the_rest():
     ]:
         with pytest.raises(ValueError, match=message.replace("[", r"\[")):
             SpeculativeConfig.of(fields)
+
+
+def test_what_speculation_cannot_run_with_is_refused_before_anything_loads():
+    spec = SpeculativeConfig(2)
+    with pytest.raises(ValueError, match="not --runner pooling"):
+        EngineConfig(runner="pooling", speculative=spec)
+    with pytest.raises(ValueError, match="--async-scheduling"):
+        EngineConfig(async_scheduling=True, speculative=spec)
+    assert not EngineConfig(speculative=spec).overlaps("cuda")
 
 
 def _request(**params: object) -> Request:
