@@ -115,14 +115,16 @@ class _DraftCounters:
     """vLLM's speculative decoding counters, registered where drafts are verified: drafts,
     draft tokens, tokens kept, and tokens kept at each position of a draft."""
 
-    def __init__(self, registry: CollectorRegistry, labels: tuple[str, str], most: int) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=registry).labels(*labels)
-
-        self.drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+    def __init__(self, metrics: EngineMetrics, registry: CollectorRegistry, most: int) -> None:
+        labels, counter = metrics._labels, metrics._counter
+        self.drafts = counter(
+            registry, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."
+        )
+        self.draft_tokens = counter(
+            registry, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
         self.accepted = counter(
-            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+            registry, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
         )
         per_position = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
@@ -153,7 +155,7 @@ class EngineMetrics:
         self._define_structured(registry)
         self._drafts: _DraftCounters | None = None
         if info.num_speculative_tokens:
-            self._drafts = _DraftCounters(registry, self._labels, info.num_speculative_tokens)
+            self._drafts = _DraftCounters(self, registry, info.num_speculative_tokens)
 
     def _gauge(self, registry: CollectorRegistry, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, LABELS, registry=registry).labels(*self._labels)

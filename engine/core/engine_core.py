@@ -385,7 +385,7 @@ class EngineCore:
         and the drafting before it, then draft for the next one, timed for the step after."""
         assert self.drafter is not None
         items = scheduled.scheduled
-        if all(item.num_tokens == 1 or item.drafts for item in items):
+        if all(item.decodes for item in items):
             tokens = sum(request.num_new_tokens for request in advanced)
             drafted = any(item.drafts for item in items)
             self.drafter.observe(len(items), drafted, tokens, seconds + self._drafting_seconds)
@@ -480,16 +480,17 @@ class EngineCore:
         results = [self._output_for(r, _logprobs_of(r, runner_output)) for r in advanced]
         self._record_tokens(advanced, end)
         self._record_drafts(scheduled, runner_output)
+        # Overlapped steps share the wall clock: each counts from the previous one's end.
+        seconds = end - max(start, self._last_end)
         if self.drafter is not None:
-            self._draft(scheduled, advanced, end - max(start, self._last_end))
+            self._draft(scheduled, advanced, seconds)
         for request, result in zip(advanced, results, strict=True):
             result.embedding = runner_output.embeddings.get(request.request_id)
         finished = [r for r in advanced if r.is_finished]
         for request in finished:
             self._record_finished(request)
         self._release([r.request_id for r in finished])
-        # Overlapped steps share the wall clock: each counts from the previous one's end.
-        self._record_speed(scheduled, end - max(start, self._last_end), len(finished))
+        self._record_speed(scheduled, seconds, len(finished))
         self._last_end = end
         return results
 
@@ -510,8 +511,8 @@ class EngineCore:
 
     def _record_speed(self, scheduled: SchedulerOutput, seconds: float, finished: int) -> None:
         items = scheduled.scheduled
-        prefill = sum(item.num_tokens for item in items if item.num_tokens > 1 and not item.drafts)
-        decodes = sum(item.num_tokens == 1 or bool(item.drafts) for item in items)
+        prefill = sum(item.num_tokens for item in items if not item.decodes)
+        decodes = sum(item.decodes for item in items)
         self.scheduler.drain.record_step(
             seconds,
             finished,

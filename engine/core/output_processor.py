@@ -54,7 +54,7 @@ class OutputProcessor:
         state = self._states[request.request_id]
         if state.detokenizer is None:
             return "", None
-        new = request.output_token_ids[len(request.output_token_ids) - request.num_new_tokens :]
+        new = request.new_token_ids
         text, stop = "", None
         for count, token in enumerate(new, start=1):
             piece, stop = state.matcher.add(state.detokenizer.add([token]))
@@ -74,9 +74,7 @@ class OutputProcessor:
         output = RequestOutput(
             request_id=state.parent_id,
             index=state.index,
-            new_token_ids=request.output_token_ids[
-                len(request.output_token_ids) - request.num_new_tokens :
-            ],
+            new_token_ids=request.new_token_ids,
             text=text,
             finished=request.is_finished,
             finish_reason=_reason(request),

@@ -120,6 +120,11 @@ class Request:
         return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
+    def new_token_ids(self) -> list[int]:
+        """The output tokens the last step that gave this request any appended."""
+        return self.output_token_ids[len(self.output_token_ids) - self.num_new_tokens :]
+
+    @property
     def max_output_tokens(self) -> int:
         room = self.max_total_tokens - self.num_prompt_tokens
         limit = self.sampling_params.max_tokens

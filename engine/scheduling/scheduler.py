@@ -58,6 +58,11 @@ class ScheduledRequest:
     def end(self) -> int:
         return self.start + self.num_tokens
 
+    @property
+    def decodes(self) -> bool:
+        """A decode step's item: one token, or one and the drafts after it."""
+        return self.num_tokens == 1 or bool(self.drafts)
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

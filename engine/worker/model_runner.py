@@ -173,13 +173,7 @@ class ModelRunner:
         if plain:
             chosen = [requests[row] for row in plain]
             rows = torch.tensor(plain, device=logits.device)
-            sampled = self.sampler.sample(logits[rows], chosen).to_host(chosen)
-            for request, token, logprob in zip(
-                chosen, sampled.token_ids, sampled.logprobs, strict=True
-            ):
-                output.sampled_token_ids[request.request_id] = token
-                if logprob is not None:
-                    output.logprobs[request.request_id] = logprob
+            LaunchedStep(chosen, self.sampler.sample(logits[rows], chosen), output).result()
         for group, verified in zip(
             groups, verify_sampled(self.sampler, logits, groups), strict=True
         ):

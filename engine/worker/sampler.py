@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -116,14 +115,12 @@ class Sampler:
         logits = self._process(logits, requests, pending)
         return SampledTokens(self._choose(logits, requests), raw_logprobs)
 
-    def distributions(
-        self, logits: torch.Tensor, requests: list[Request], masks: GrammarMasks | None = None
-    ) -> torch.Tensor:
+    def distributions(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each row's distribution as `sample` draws from it, `[rows, vocab]` (a greedy row's
-        mass all on its argmax): for rows whose processing reads nothing but the row itself
-        (no penalties, which count tokens before it), their formats' masks given (`masks`:
-        each row's own state of its matcher). Speculation verifies drafts against it."""
-        logits = self._process(logits.float(), requests, masks=masks)
+        mass all on its argmax), from what `requests[row]` holds as it stands: its tokens
+        (penalties, bad words, `min_tokens`) and its matcher's state. Speculation verifies
+        drafts against it."""
+        logits = self._process(logits.float(), requests)
         params = [r.sampling_params for r in requests]
         temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
         probs = _probabilities(logits / temps[:, None], params, [])
@@ -138,32 +135,20 @@ class Sampler:
     def draw(self, weights: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """A token from each row's `weights` (not necessarily normalized), drawn from the
         request's own generator where it has a seed."""
-        noise = torch.empty_like(weights)
-        for row, request in enumerate(requests):
-            noise[row].exponential_(generator=self.generator_of(request))
-        return row_argmax(weights / noise)
+        return row_argmax(weights / self._exponential_noise(weights, requests))
 
     def uniforms(self, count: int, request: Request) -> torch.Tensor:
         """`count` draws from U[0, 1) from the request's generator (its own where seeded)."""
-        return torch.rand(count, generator=self.generator_of(request), device=self.device)
-
-    def generator_of(self, request: Request) -> torch.Generator:
-        if request.sampling_params.seed is None:
-            return self._generator
-        return self._generator_for(request)
+        seeded = request.sampling_params.seed is not None
+        generator = self._generator_for(request) if seeded else self._generator
+        return torch.rand(count, generator=generator, device=self.device)
 
     # ---- logits processing -----------------------------------------------------------------
 
     def _process(
-        self,
-        logits: torch.Tensor,
-        requests: list[Request],
-        pending: PendingTokens | None = None,
-        masks: GrammarMasks | None = None,
+        self, logits: torch.Tensor, requests: list[Request], pending: PendingTokens | None = None
     ) -> torch.Tensor:
-        if masks is None:
-            masks = grammar_masks(requests, logits.shape[1])
-        apply_grammar_masks(logits, masks)
+        _apply_grammars(logits, requests)
         _apply_allowed_tokens(logits, requests)
         _apply_bad_words(logits, requests)
         _apply_logit_bias(logits, requests)
@@ -358,44 +343,17 @@ def _apply_forced(logits: torch.Tensor, requests: list[Request]) -> None:
             logits[row, token] = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class GrammarMasks:
-    """The constrained `rows` of a step and, for each, the tokens its format allows next: one
-    bit per token (`bits[k]` for `rows[k]`)."""
-
-    rows: list[int]
-    bits: np.ndarray
-
-    @classmethod
-    def empty(cls, count: int, vocab: int) -> GrammarMasks:
-        return cls([], np.zeros((count, (vocab + 31) // 32), dtype=np.int32))
-
-
-def grammar_masks(requests: list[Request], vocab: int) -> GrammarMasks | None:
-    """Each constrained row's mask over `vocab` tokens, as its request's matcher stands (None:
-    no row is constrained)."""
+def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Rule out every token a request's format does not allow next: each constrained row's
+    matcher fills its row of one bitmask for the step (a bit per token), applied to all those
+    rows at once (in one C++ pass over fp32 logits on the CPU)."""
     rows = [row for row, request in enumerate(requests) if request.grammar is not None]
     if not rows:
-        return None
-    masks = GrammarMasks.empty(len(rows), vocab)
-    masks.rows.extend(rows)
-    for k, row in enumerate(rows):
-        fill_mask(requests[row].grammar, masks.bits[k])
-    return masks
-
-
-def fill_mask(matcher: Any, bits: np.ndarray) -> None:
-    """The tokens `matcher` allows next, into `bits`."""
-    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-
-
-def apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks | None) -> None:
-    """Rule out every token a request's format does not allow next: each constrained row's
-    matcher has filled its row of one bitmask for the step (a bit per token), applied to all
-    those rows at once (in one C++ pass over fp32 logits on the CPU)."""
-    if masks is None or not masks.rows:
         return
-    rows, bits, vocab = masks.rows, masks.bits, logits.shape[1]
+    vocab = logits.shape[1]
+    bits = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.int32)
+    for k, row in enumerate(rows):
+        requests[row].grammar.unsafe_compute_mask_ptr(bits[k].ctypes.data, bits[k].nbytes)
     if (
         logits.is_cpu
         and logits.dtype == torch.float32

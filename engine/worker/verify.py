@@ -18,7 +18,7 @@ import torch
 
 from engine.core.outputs import TokenLogprob
 from engine.core.request import Request
-from engine.worker.sampler import GrammarMasks, Sampler, fill_mask, token_logprobs
+from engine.worker.sampler import Sampler, token_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +74,11 @@ def verify_sampled(
     """Each group verified against its rows' distributions (`logits` holds the rows of the
     step's sampled rows, indexed as the groups say): groups without a format all at once,
     constrained ones row by row (`_verify_constrained`)."""
-    free = [group for group in groups if group.request.grammar is None]
-    found = dict(zip(map(id, free), _verify_free(sampler, logits, free), strict=True))
-    for group in groups:
-        if group.request.grammar is not None:
-            found[id(group)] = _verify_constrained(sampler, logits, group)
-    return [found[id(group)] for group in groups]
+    free = iter(_verify_free(sampler, logits, [g for g in groups if g.request.grammar is None]))
+    return [
+        next(free) if group.request.grammar is None else _verify_constrained(sampler, logits, group)
+        for group in groups
+    ]
 
 
 def _verify_free(
@@ -131,11 +130,8 @@ def _verify_constrained(sampler: Sampler, logits: torch.Tensor, group: VerifyGro
     kept = 0
     try:
         while True:
-            masks = GrammarMasks.empty(1, logits.shape[1])
-            masks.rows.append(0)
-            fill_mask(matcher, masks.bits[0])
             row = logits[group.first + kept : group.first + kept + 1]
-            probs = sampler.distributions(row, [as_row_sees(group, kept)], masks)
+            probs = sampler.distributions(row, [as_row_sees(group, kept)])
             if kept == len(group.drafts):
                 break
             draft = group.drafts[kept]

@@ -17,7 +17,7 @@ import torch
 from engine.core.errors import InvalidRequestError
 from engine.core.request import FinishReason
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
-from engine.worker.sampler import apply_grammar_masks, grammar_masks
+from engine.worker.sampler import _apply_grammars
 from tests.helpers import (
     reference_greedy,
     run_all,
@@ -254,9 +254,8 @@ def test_the_cpu_kernel_and_torch_apply_the_same_mask() -> None:
     ]
     logits = torch.randn(4, vocab)
     by_kernel, by_torch = logits.clone(), logits.double()
-    masks = grammar_masks(requests, vocab)  # type: ignore[arg-type]
-    apply_grammar_masks(by_kernel, masks)
-    apply_grammar_masks(by_torch, masks)
+    _apply_grammars(by_kernel, requests)  # type: ignore[arg-type]
+    _apply_grammars(by_torch, requests)  # type: ignore[arg-type]
     assert torch.equal(by_kernel, by_torch.float())
     assert torch.equal(by_kernel[[0, 2]], logits[[0, 2]])
     assert torch.isinf(by_kernel[1]).any() and torch.isinf(by_kernel[3]).any()
