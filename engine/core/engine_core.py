@@ -370,15 +370,16 @@ class EngineCore:
             stats.num_generation_tokens += request.num_new_tokens
 
     def _record_drafts(self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
-        """Count the step's verified drafts: drafts, draft tokens, and those kept by position."""
-        stats = self._stats
+        """Count the step's verified drafts (drafts, draft tokens, and those kept by position)
+        and tell the drafter how many each request kept."""
+        drafter = self.drafter
+        assert drafter is not None  # only a drafter's requests have drafts
         for item in scheduled.scheduled:
             if not item.drafts:
                 continue
             kept = len(runner_output.accepted_drafts.get(item.request.request_id, []))
-            stats.drafts.record(len(item.drafts), kept)
-            if self.drafter is not None:
-                self.drafter.kept(item.request.request_id, len(item.drafts), kept)
+            self._stats.drafts.record(len(item.drafts), kept)
+            drafter.kept(item.request.request_id, len(item.drafts), kept)
 
     def _draft(self, scheduled: SchedulerOutput, advanced: list[Request], seconds: float) -> None:
         """Tell the drafter what a decode step (one with no prompt chunk) gave in `seconds`
@@ -479,10 +480,10 @@ class EngineCore:
         end = time.monotonic()
         results = [self._output_for(r, _logprobs_of(r, runner_output)) for r in advanced]
         self._record_tokens(advanced, end)
-        self._record_drafts(scheduled, runner_output)
         # Overlapped steps share the wall clock: each counts from the previous one's end.
         seconds = end - max(start, self._last_end)
         if self.drafter is not None:
+            self._record_drafts(scheduled, runner_output)
             self._draft(scheduled, advanced, seconds)
         for request, result in zip(advanced, results, strict=True):
             result.embedding = runner_output.embeddings.get(request.request_id)
