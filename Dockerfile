@@ -37,7 +37,7 @@ COPY pyproject.toml README.md /src/
 COPY engine /src/engine
 COPY server /src/server
 COPY bench /src/bench
-RUN pip install --no-cache-dir "/src[otel]" && rm -rf /src
+RUN pip install --no-cache-dir "/src[otel,kv-events]" && rm -rf /src
 RUN useradd --create-home --uid 1000 conveyor && mkdir -p /data && chown conveyor /data
 USER 1000
 # Before VOLUME: what is written to /data here is what a new volume starts with.

@@ -35,6 +35,8 @@ from engine.core.speculation import Drafter
 from engine.kernels.cpu import huge_pages, malloc_tuning
 from engine.kernels.cpu.linear import silence_fbgemm_deprecation
 from engine.kv.block_manager import BlockManager
+from engine.kv.event_publisher import ZmqEventPublisher
+from engine.kv.events import EventLog
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.kv.kv_scales import checkpoint_kv_scales
 from engine.loading.classifiers import is_classifier
@@ -74,6 +76,23 @@ def create_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, S
     check_requested(config.model, config.quantization)
     config = overridden(config)
     device = resolve_device(config.device)
+    # Opened before the model loads, so that a taken port is refused at once.
+    publisher = _kv_event_publisher(config, device)
+    try:
+        core, loaded, info = _create_core(config, device)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
+    if publisher is not None:
+        core.scheduler.block_manager.events = EventLog()
+        core.kv_events = publisher
+    return core, loaded, info
+
+
+def _create_core(
+    config: EngineConfig, device: torch.device
+) -> tuple[EngineCore, LoadedModel, ServingInfo]:
     if config.tensor_parallel_size == 1:
         loaded, dtype = load_rank(config, device)
         core, info = core_from_model(loaded, config, device, dtype)
@@ -384,6 +403,17 @@ def core_from_model(
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
     )
     return core, info
+
+
+def _kv_event_publisher(config: EngineConfig, device: torch.device) -> ZmqEventPublisher | None:
+    """The publisher of the prefix cache's events (`--kv-events-config`), if asked for."""
+    if config.kv_events is None or not config.kv_events.publishes:
+        return None
+    publisher = ZmqEventPublisher(config.kv_events, "GPU" if device.type == "cuda" else "CPU")
+    replay = f", replays at {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+    topic = config.kv_events.topic
+    logger.info("KV events: publishing on %s (topic %r)%s", publisher.endpoint, topic, replay)
+    return publisher
 
 
 def _check_image_step(config: EngineConfig, model: CausalLM) -> None:

@@ -22,6 +22,7 @@ from engine.core.config import (
 )
 from engine.core.sampling_params import MAX_LOGPROBS
 from engine.core.speculation import SpeculativeConfig
+from engine.kv.events import KVEventsConfig
 from engine.loading.gguf_file import is_gguf_file
 from server.config_file import CONFIG_OPTION, with_config_file
 from server.content_format import CONTENT_FORMATS
@@ -303,6 +304,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse the KV blocks of shared prompt prefixes",
+    )
+    engine.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        help="publish what the prefix cache stores and evicts over ZeroMQ for KV-aware routers, "
+        "as vLLM's JSON config: "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv"}\' '
+        "(also replay_endpoint, buffer_steps, hwm, max_queue_size; needs the kv-events extra)",
     )
     engine.add_argument(
         "--max-waiting-requests",
@@ -667,6 +677,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=args.async_scheduling,
         speculative=args.speculative_config,
+        kv_events=args.kv_events_config,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
@@ -737,6 +748,14 @@ def _speculative_config(text: str) -> SpeculativeConfig:
     """`--speculative-config`: vLLM's JSON object, its n-gram fields."""
     try:
         return SpeculativeConfig.of(_json_object(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    """`--kv-events-config`: vLLM's JSON object."""
+    try:
+        return KVEventsConfig.of(_json_object(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -454,6 +454,8 @@ class AsyncEngine:
         for done in resets:
             if not done.done():
                 done.set_result(self.core.scheduler.block_manager.reset_cache())
+        if resets:
+            self.core.publish_kv_events()
         self._apply_lora_changes()
 
     def _add_to_core(self, add: _PendingAdd) -> None:

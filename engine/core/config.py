@@ -7,6 +7,7 @@ from typing import Any
 
 from engine.core.sampling_params import MAX_LOGPROBS
 from engine.core.speculation import SpeculativeConfig
+from engine.kv.events import KVEventsConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
 # Tokens per KV block unless asked otherwise. The CPU's attention kernels read each block as one
@@ -220,6 +221,8 @@ class EngineConfig:
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     # N-gram speculation (`core/speculation.py`); None: one token a step.
     speculative: SpeculativeConfig | None = None
+    # The prefix cache's events for routers (`kv/events.py`); None: not published.
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -234,6 +237,12 @@ class EngineConfig:
         if self.runner == "pooling" and self.tensor_parallel_size > 1:
             # Refused before any worker starts or weight loads.
             raise ValueError("--runner pooling runs on one device (--tensor-parallel-size 1)")
+        publishes = self.kv_events is not None and self.kv_events.publishes
+        if publishes and not self.enable_prefix_caching:
+            raise ValueError(
+                "--kv-events-config publishes what the prefix cache stores: it needs "
+                "prefix caching (drop --no-enable-prefix-caching)"
+            )
         self._check_lora()
         if self.tensor_parallel_size < 1:
             raise ValueError(

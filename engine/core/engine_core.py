@@ -25,6 +25,7 @@ from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, ThoughtBud
 from engine.core.speculation import Drafter
 from engine.core.stats import FinishedRequestStats, StepStats
 from engine.core.thought_budget import ThoughtCounter
+from engine.kv.events import EventSink
 from engine.lora.registry import LoRARegistry, LoRARequest
 from engine.scheduling.admission import Admission, fewest_new_tokens, promised_tokens
 from engine.scheduling.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -77,6 +78,8 @@ class EngineCore:
         # tokens for its next step to verify; None: one token a step.
         self.drafter: Drafter | None = None
         self._drafting_seconds = 0.0
+        # Where the prefix cache's events go (`--kv-events-config`); None: nowhere.
+        self.kv_events: EventSink | None = None
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -332,8 +335,17 @@ class EngineCore:
             self.runner.workers.watch(on_failure)
 
     def close(self) -> None:
-        """Release what the runner holds outside this process (tensor-parallel workers)."""
+        """Release what the runner holds outside this process (tensor-parallel workers) and
+        stop publishing events."""
         self.runner.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def publish_kv_events(self) -> None:
+        """Send what the prefix cache stored and forgot since the last call, as one batch."""
+        log = self.scheduler.block_manager.events
+        if self.kv_events is not None and log is not None and log.events:
+            self.kv_events.publish(log.take())
 
     # ---- stats -----------------------------------------------------------------------------
 
@@ -405,7 +417,13 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return the deltas of the step that completed. With
         `overlap`, the step just launched is left in flight and the previous one's results are
-        taken while it runs, so a GPU never waits for the host between steps."""
+        taken while it runs, so a GPU never waits for the host between steps. What the step
+        did to the prefix cache is published after it."""
+        results = self._step()
+        self.publish_kv_events()
+        return results
+
+    def _step(self) -> list[RequestOutput]:
         start = time.monotonic()
         results = self._expire(start)
         if self._in_flight is not None and not self._in_flight.overlappable:

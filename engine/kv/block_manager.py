@@ -13,6 +13,7 @@ from collections import OrderedDict, deque
 
 from engine.core.request import Request
 from engine.kv.block_hash import ROOT_HASH, extend_block_hashes, salted
+from engine.kv.events import BlockStored, EventLog, external_hash
 
 
 class BlockManager:
@@ -28,6 +29,8 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
+        # What the prefix cache stored and forgot, for routers (`events.py`); None: not kept.
+        self.events: EventLog | None = None
 
     # ---- counts ----------------------------------------------------------------------------
 
@@ -110,13 +113,41 @@ class BlockManager:
             _root(request),
             _image_starts(request),
         )
+        stored = []
         for index in range(request.num_published_blocks, full):
             block = request.block_ids[index]
             block_hash = request.block_hashes[index]
             if self._hashes[block] is None and block_hash not in self._by_hash:
                 self._hashes[block] = block_hash
                 self._by_hash[block_hash] = block
+                stored.append(index)
         request.num_published_blocks = max(request.num_published_blocks, full)
+        if self.events is not None and stored:
+            self._record_stored(request, stored)
+
+    def _record_stored(self, request: Request, indices: list[int]) -> None:
+        """One event per run of consecutive blocks the request has just published."""
+        assert self.events is not None
+        runs: list[list[int]] = []
+        for index in indices:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        hashes, size = request.block_hashes, self.block_size
+        lora = request.lora
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self.events.stored(
+                BlockStored(
+                    [external_hash(hashes[index]) for index in run],
+                    external_hash(hashes[first - 1]) if first > 0 else None,
+                    list(request.all_token_ids[first * size : end * size]),
+                    size,
+                    None if lora is None else lora.lora_id,
+                    None if lora is None else lora.name,
+                )
+            )
 
     # ---- allocation ------------------------------------------------------------------------
 
@@ -176,20 +207,26 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def _forget_hash(self, block: int) -> None:
+    def _forget_hash(self, block: int, recorded: bool = True) -> None:
         """Drop an evictable block's hash: every evictable block holds one."""
         block_hash = self._hashes[block]
         assert block_hash is not None
         del self._by_hash[block_hash]
         self._hashes[block] = None
+        if self.events is not None and recorded:
+            self.events.removed(external_hash(block_hash))
 
     def reset_cache(self) -> int:
         """Forget every cached block that nobody holds; return how many."""
         forgotten = len(self._evictable)
+        # Forgetting every cached block is one event, not one per block.
+        clears_all = forgotten > 0 and forgotten == len(self._by_hash)
         while self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            self._forget_hash(block)
+            self._forget_hash(block, recorded=not clears_all)
             self._free.append(block)
+        if self.events is not None and clears_all:
+            self.events.cleared()
         return forgotten
 
     # ---- checks ----------------------------------------------------------------------------

@@ -302,6 +302,7 @@ def test_a_recipe_s_flags_with_nothing_to_set_change_nothing():
         (["--swap-space", "-1"], "must be 0 or more"),
         (["--guided-decoding-backend", "regex"], "not a structured-output backend"),
         (["--structured-outputs-config", "[1]"], "not a JSON object"),
+        (["--kv-events-config", '{"publisher": "nats"}'], "unknown KV events publisher"),
     ],
 )
 def test_what_a_recipe_asks_that_is_not_served_is_refused_by_name(capsys, flags, reason):
@@ -330,3 +331,16 @@ def test_an_n_gram_speculative_config_is_served():
     both = ["serve", "--async-scheduling", "--speculative-config", '{"num_speculative_tokens": 2}']
     with pytest.raises(ValueError, match="--async-scheduling"):
         engine_config(build_parser().parse_args(both))
+
+
+def test_a_kv_events_config_is_served_with_prefix_caching_only():
+    events = '{"enable_kv_cache_events": true, "topic": "kv@pod@model"}'
+    config = engine_config(build_parser().parse_args(["serve", "--kv-events-config", events]))
+    assert config.kv_events is not None and config.kv_events.publishes
+    assert config.kv_events.topic == "kv@pod@model" and config.kv_events.endpoint == "tcp://*:5557"
+    uncached = ["serve", "--no-enable-prefix-caching", "--kv-events-config", events]
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        engine_config(build_parser().parse_args(uncached))
+    # Events off (vLLM's default) publish nothing and need nothing.
+    off = ["serve", "--no-enable-prefix-caching", "--kv-events-config", "{}"]
+    assert not engine_config(build_parser().parse_args(off)).kv_events.publishes
