@@ -579,8 +579,12 @@ def _graphs(
         return None, None
     assert isinstance(backend, InPlaceDecodeAttention)  # _why_not_capturable checked its kind
     assert isinstance(model, PagedLlamaForCausalLM)
-    graphs = DecodeGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len)
+    sizes = _graph_sizes(config)
+    graphs = DecodeGraphs(model, backend, kv_cache, config.max_num_seqs, max_model_len, sizes)
     pool = graphs.capture()
+    if not config.mixed_step_graphs:
+        logger.info("steps with prompt chunks run eagerly (decode graphs only)")
+        return graphs, None
     piecewise = PiecewiseGraphs(model, config.max_num_batched_tokens)
     try:
         piecewise.capture(pool)
@@ -604,6 +608,10 @@ def pooling_mode(path: str) -> str | None:
     ]
     modes = [mode.removesuffix("_token").removesuffix("_tokens") for mode in modes]
     return "+".join(sorted(modes)) or None
+
+
+def _graph_sizes(config: EngineConfig) -> list[int]:
+    return capture_sizes(config.max_num_seqs, config.cuda_graph_sizes, config.max_cuda_graph_size)
 
 
 def _captures(config: EngineConfig) -> bool:
@@ -674,16 +682,14 @@ def _cuda_kv_budget(
     )
     prefill = memory_profile.profile_forward(model, backend, spec, device, lengths)
     graph_sizes = (
-        []
-        if not _captures(config) or _why_not_capturable(model, backend)
-        else (capture_sizes(config.max_num_seqs))
+        [] if not _captures(config) or _why_not_capturable(model, backend) else _graph_sizes(config)
     )
     decode, graph_count = None, 0
     if graph_sizes:
         # The graphs' pool holds the larger of a decode step's and a piecewise bucket's peaks:
         # both are about that many rows through the same ops.
-        buckets = bucket_sizes(config.max_num_batched_tokens)
-        rows = max(graph_sizes[-1], buckets[-1])
+        buckets = bucket_sizes(config.max_num_batched_tokens) if config.mixed_step_graphs else []
+        rows = max([graph_sizes[-1], *buckets])
         decode = memory_profile.profile_forward(model, backend, spec, device, [1] * rows)
         graph_count = len(graph_sizes) + len(buckets)
     breakdown = memory_profile.measure(

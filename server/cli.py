@@ -39,7 +39,7 @@ from server.settings import (
 )
 from server.stats_log import INTERVAL as STATS_INTERVAL
 from server.tool_parsers import PARSERS
-from server.vllm_only_flags import add_vllm_only_flags
+from server.vllm_only_flags import add_vllm_only_flags, graph_choice
 
 logger = logging.getLogger("conveyor")
 
@@ -631,6 +631,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    graphs = graph_choice(args)
     return EngineConfig(
         model=args.model,
         tokenizer=args.tokenizer,
@@ -668,7 +669,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         request_timeout=args.request_timeout,
         attention_backend=args.attention_backend,
         model_impl=args.model_impl,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager or graphs.eager,
+        cuda_graph_sizes=graphs.sizes,
+        max_cuda_graph_size=graphs.largest,
+        mixed_step_graphs=graphs.mixed,
         compile=args.compile,
         runner=args.runner,
         seed=args.seed,
@@ -951,6 +955,7 @@ def _add_batch_commands(commands: argparse._SubParsersAction) -> None:
     _add_config_option(run)
     _add_reply_parsers(run)
     _add_engine_args(run)
+    add_vllm_only_flags(run)
     run.set_defaults(func=batch_run)
 
 

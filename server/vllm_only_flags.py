@@ -1,13 +1,16 @@
-"""vLLM serve flags that command lines copied from vLLM's recipes carry and that have nothing to
-set here: accepted where what they ask for is what Conveyor does anyway, refused with the reason
-where it is not (another value than Conveyor's only one), so a copied command line either serves
-as it would under vLLM or says what it cannot have."""
+"""vLLM serve flags that command lines copied from vLLM's recipes carry and that Conveyor has no
+flag of its own for: accepted where what they ask for is what Conveyor does anyway, mapped onto
+Conveyor's settings where it has them (CUDA graphs from a compilation config), refused with the
+reason where it has not (another value than Conveyor's only one), so a copied command line either
+serves as it would under vLLM or says what it cannot have."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 # The executor backends whose ranks are local worker processes, as Conveyor's are.
 LOCAL_EXECUTORS = ("mp", "uni")
@@ -71,9 +74,111 @@ def backend_config(text: str) -> dict:
     return value
 
 
+# What Conveyor replays from CUDA graphs for each of vLLM's `cudagraph_mode`s: decode steps
+# whole and steps with prompt chunks piece by piece around attention (its one way for every
+# mode that asks for graphs), decode steps only, or nothing.
+GRAPH_MODES = {
+    "NONE": "none",
+    "PIECEWISE": "all",
+    "FULL": "all",
+    "FULL_AND_PIECEWISE": "all",
+    "FULL_DECODE_ONLY": "decode",
+}
+# Keys of vLLM's compilation config that tune its own torch.compile pipeline (passes, custom
+# ops, caches): accepted and changing nothing, since Conveyor's layers compile with --compile.
+COMPILE_INTERNALS = frozenset(
+    {
+        "level",
+        "mode",
+        "backend",
+        "custom_ops",
+        "splitting_ops",
+        "compile_sizes",
+        "compile_ranges_split_points",
+        "use_inductor",
+        "inductor_compile_config",
+        "inductor_passes",
+        "pass_config",
+        "use_inductor_graph_partition",
+        "cudagraph_num_of_warmups",
+        "cudagraph_copy_inputs",
+        "cudagraph_specialize_lora",
+        "full_cuda_graph",
+        "debug_dump_path",
+        "cache_dir",
+        "local_cache_dir",
+        "compile_cache_save_format",
+        "compile_mm_encoder",
+        "dynamic_shapes_config",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GraphChoice:
+    """What a vLLM compilation config or optimization level asks of CUDA graphs."""
+
+    eager: bool = False
+    sizes: tuple[int, ...] = ()
+    largest: int | None = None
+    mixed: bool = True
+
+
+def compilation_config(text: str) -> GraphChoice:
+    """`--compilation-config` (or `-O`): an optimization level (0: no graphs; 1-3: Conveyor's
+    graphs) or vLLM's JSON object, of which the CUDA graph keys are read."""
+    if text.strip().isdigit():
+        level = int(text)
+        if level > 3:
+            raise argparse.ArgumentTypeError(f"optimization levels are 0-3, not {level}")
+        return GraphChoice(eager=level == 0)
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("an optimization level (0-3) or a JSON object") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("an optimization level (0-3) or a JSON object")
+    try:
+        return _graph_choice(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _graph_choice(fields: dict[str, Any]) -> GraphChoice:
+    graph_keys = {"cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size"}
+    unknown = sorted(set(fields) - graph_keys - COMPILE_INTERNALS - {"use_cudagraph"})
+    if unknown:
+        raise ValueError(f"unknown compilation config fields: {', '.join(unknown)}")
+    mode = str(fields.get("cudagraph_mode", "FULL_AND_PIECEWISE")).upper()
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"cudagraph_mode {mode!r} is not one of {', '.join(GRAPH_MODES)}")
+    sizes = fields.get("cudagraph_capture_sizes") or []
+    largest = fields.get("max_cudagraph_capture_size")
+    if not isinstance(sizes, list) or not all(_positive(n) for n in sizes):
+        raise ValueError("cudagraph_capture_sizes must be a list of positive integers")
+    if largest is not None and not _positive(largest):
+        raise ValueError("max_cudagraph_capture_size must be a positive integer")
+    eager = GRAPH_MODES[mode] == "none" or fields.get("use_cudagraph") is False
+    return GraphChoice(eager, tuple(sizes), largest, GRAPH_MODES[mode] == "all")
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def graph_choice(args: argparse.Namespace) -> GraphChoice:
+    """The CUDA graphs a command line's vLLM flags ask for, together (`--cuda-graph-sizes`
+    names the sizes where the compilation config does not)."""
+    choices = [c for c in (args.compilation_config, args.optimization_level) if c is not None]
+    eager = any(c.eager for c in choices)
+    sizes = next((c.sizes for c in choices if c.sizes), tuple(args.cuda_graph_sizes or ()))
+    largest = next((c.largest for c in choices if c.largest is not None), None)
+    return GraphChoice(eager, sizes, largest, all(c.mixed for c in choices))
+
+
 def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     flags = parser.add_argument_group(
-        "vLLM flags with nothing to set here (accepted where their value is Conveyor's own)"
+        "vLLM's own flags (accepted where Conveyor does what they ask, or mapped onto its settings)"
     )
     flags.add_argument(
         "--swap-space",
@@ -140,4 +245,48 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
         type=backend_config,
         default=None,
         help="accepted as --guided-decoding-backend (its backend)",
+    )
+    flags.add_argument(
+        "--compilation-config",
+        "-cc",
+        type=compilation_config,
+        default=None,
+        help="vLLM's JSON object: cudagraph_mode NONE runs every step eagerly, FULL_DECODE_ONLY "
+        "replays decode steps only, the others Conveyor's graphs (decode steps whole, other "
+        "steps piecewise); cudagraph_capture_sizes and max_cudagraph_capture_size choose the "
+        "decode sizes captured; the torch.compile keys change nothing (see --compile)",
+    )
+    flags.add_argument(
+        "-O",
+        "--optimization-level",
+        type=compilation_config,
+        default=None,
+        help="0: every step eagerly (no CUDA graphs); 1, 2, 3: Conveyor's graphs; a JSON object "
+        "as --compilation-config",
+    )
+    flags.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the decode batch sizes replayed from CUDA graphs",
+    )
+    flags.add_argument(
+        "--max-seq-len-to-capture",
+        type=int,
+        default=None,
+        help="no effect: decode graphs cover every sequence length",
+    )
+    flags.add_argument(
+        "--enable-expert-parallel",
+        "-ep",
+        action="store_true",
+        help="accepted: under --tensor-parallel-size each rank holds its share of every "
+        "expert's channels (the same tokens, one all-reduce per layer) rather than whole experts",
+    )
+    flags.add_argument(
+        "--mm-encoder-tp-mode",
+        choices=["weights", "data"],
+        default=None,
+        help="no effect: an image encoder runs on one device",
     )

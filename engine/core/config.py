@@ -194,6 +194,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     model_impl: str = "auto"
     enforce_eager: bool = False
+    # The decode batch sizes replayed from CUDA graphs (vLLM's `cudagraph_capture_sizes`; ()
+    # for Conveyor's own choice), the largest of that choice, and whether steps with prompt
+    # chunks replay graphs too (piecewise around attention) or run eagerly.
+    cuda_graph_sizes: tuple[int, ...] = ()
+    max_cuda_graph_size: int | None = None
+    mixed_step_graphs: bool = True
     # Compile what each layer of Conveyor's decoder does between attention calls with
     # torch.compile (`worker/compilation.py`).
     compile: bool = False

@@ -38,9 +38,15 @@ PAD_SLOT = -1
 MAX_CAPTURE_SIZE = 512
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8, up to and including `max_num_seqs` (at most 512)."""
-    largest = min(max_num_seqs, MAX_CAPTURE_SIZE)
+def capture_sizes(
+    max_num_seqs: int, chosen: tuple[int, ...] = (), largest: int | None = None
+) -> list[int]:
+    """The decode batch sizes captured: those `chosen` (vLLM's `cudagraph_capture_sizes`) up
+    to `max_num_seqs`; else 1, 2, 4, then every multiple of 8, up to and including
+    `max_num_seqs` or `largest` (vLLM's `max_cudagraph_capture_size`; default 512)."""
+    if chosen:
+        return sorted({n for n in chosen if n <= max_num_seqs} or {max_num_seqs})
+    largest = min(max_num_seqs, largest or MAX_CAPTURE_SIZE)
     sizes = [n for n in (1, 2, 4) if n < largest]
     sizes += range(8, largest, 8)
     return sorted({*sizes, largest})
@@ -56,11 +62,12 @@ class DecodeGraphs:
         kv_cache: KVCache,
         max_num_seqs: int,
         max_model_len: int,
+        sizes: list[int] | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.kv_cache = kv_cache
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = sizes or capture_sizes(max_num_seqs)
         rows, device = self.sizes[-1], kv_cache.device
         self.width = -(-max_model_len // kv_cache.block_size)
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)

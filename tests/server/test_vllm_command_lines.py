@@ -275,6 +275,8 @@ RECIPE = [
     "--max-parallel-loading-workers", "2", "--enable-prompt-tokens-details",
     "--pipeline-parallel-size", "1", "-dp", "1", "--guided-decoding-backend", "xgrammar",
     "--structured-outputs-config", '{"backend": "guidance"}', "--enable-request-id-headers",
+    "-O3", "--compilation-config", '{"level": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}',
+    "--max-seq-len-to-capture", "8192", "--enable-expert-parallel", "--mm-encoder-tp-mode", "data",
 ]  # fmt: skip
 
 
@@ -303,6 +305,10 @@ def test_a_recipe_s_flags_with_nothing_to_set_change_nothing():
         (["--guided-decoding-backend", "regex"], "not a structured-output backend"),
         (["--structured-outputs-config", "[1]"], "not a JSON object"),
         (["--kv-events-config", '{"publisher": "nats"}'], "unknown KV events publisher"),
+        (["-O4"], "optimization levels are 0-3"),
+        (["--compilation-config", '{"cudagraph_mode": "ALL"}'], "'ALL' is not one of NONE"),
+        (["--compilation-config", '{"graphs": 1}'], "unknown compilation config fields: graphs"),
+        (["-cc", '{"cudagraph_capture_sizes": [0]}'], "list of positive integers"),
     ],
 )
 def test_what_a_recipe_asks_that_is_not_served_is_refused_by_name(capsys, flags, reason):
@@ -344,3 +350,29 @@ def test_a_kv_events_config_is_served_with_prefix_caching_only():
     # Events off (vLLM's default) publish nothing and need nothing.
     off = ["serve", "--no-enable-prefix-caching", "--kv-events-config", "{}"]
     assert not engine_config(build_parser().parse_args(off)).kv_events.publishes
+
+
+def graphs_of(*flags: str) -> tuple[bool, tuple[int, ...], int | None, bool]:
+    config = engine_config(build_parser().parse_args(["serve", *flags]))
+    return (
+        config.enforce_eager,
+        config.cuda_graph_sizes,
+        config.max_cuda_graph_size,
+        config.mixed_step_graphs,
+    )
+
+
+def test_a_recipe_s_cuda_graph_flags_set_conveyor_s_graphs():
+    assert graphs_of() == (False, (), None, True)
+    assert graphs_of("-O0") == graphs_of("-O", "0") == (True, (), None, True)
+    assert graphs_of("--compilation-config", '{"cudagraph_mode": "NONE"}')[0] is True
+    assert graphs_of("-cc", '{"use_cudagraph": false}')[0] is True
+    decode_only = '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]}'
+    assert graphs_of("--compilation-config", decode_only) == (False, (1, 2, 4), None, False)
+    assert graphs_of("-cc", '{"max_cudagraph_capture_size": 64}') == (False, (), 64, True)
+    assert graphs_of("--cuda-graph-sizes", "1", "8", "32") == (False, (1, 8, 32), None, True)
+    # The compilation config's own sizes win over the older flag's.
+    both = ["--cuda-graph-sizes", "1", "--compilation-config", '{"cudagraph_capture_sizes": [2]}']
+    assert graphs_of(*both)[1] == (2,)
+    run = build_parser().parse_args(["batch", "run", "in.jsonl", "out.jsonl", "-O0"])
+    assert engine_config(run).enforce_eager

@@ -24,6 +24,11 @@ def test_capture_sizes():
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes(64) == [1, 2, 4, *range(8, 65, 8)]
     assert capture_sizes(2000)[-1] == 512
+    # vLLM's cudagraph_capture_sizes, and its max_cudagraph_capture_size over the same steps.
+    assert capture_sizes(64, (16, 1, 4, 128)) == [1, 4, 16]
+    assert capture_sizes(8, (16, 32)) == [8]
+    assert capture_sizes(2000, largest=1024) == [1, 2, 4, *range(8, 1025, 8)]
+    assert capture_sizes(64, largest=20) == [1, 2, 4, 8, 16, 20]
 
 
 def test_padded_decode_steps_match_generate():
