@@ -63,6 +63,37 @@ def test_cuda_graphs_replay_decode_steps(device):
     assert {size for _, size in sizes} >= {8, 4}
 
 
+def test_decode_steps_pad_to_the_chosen_sizes_only():
+    """vLLM's `cudagraph_capture_sizes`: batches pad to the next size chosen, and the tokens
+    stay generate()'s."""
+    core, _ = tiny_core(
+        device=TRITON_DEVICE,
+        attention_backend="triton",
+        block_size=16,
+        max_num_seqs=7,
+        enforce_eager=True,
+    )
+    runner = core.runner
+    runner.graphs = DecodeGraphs(
+        runner.model, runner.backend, runner.kv_cache, 7, 512, capture_sizes(7, (3, 7))
+    )
+    sizes = spy_padding(runner.graphs)
+    check_greedy(core, 7)
+    assert {size for _, size in sizes} == {3, 7}
+    assert all(size == (3 if rows <= 3 else 7) for rows, size in sizes)
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_chosen_sizes_and_decode_only_graphs_are_captured_as_asked(device):
+    core, _ = tiny_core(
+        device=device, max_num_seqs=8, cuda_graph_sizes=(2, 8), mixed_step_graphs=False
+    )
+    graphs = core.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == [2, 8]
+    assert core.runner.piecewise is None
+    check_greedy(core, 6)
+
+
 @pytest.mark.parametrize("device", [CUDA])
 def test_enforce_eager_captures_nothing(device):
     core, _ = tiny_core(device=device, enforce_eager=True)
