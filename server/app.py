@@ -24,6 +24,7 @@ from server.batches.runner import BatchRunner
 from server.batches.state import Lazy
 from server.errors import APIError, install_error_handlers
 from server.fleet_api import fleet_router
+from server.images import check_processor_kwargs
 from server.invocations import INVOCATION_BODY, invocation_body, validated
 from server.messages_protocol import CountTokensRequest, MessagesRequest
 from server.metrics import EngineMetrics, HTTPMetrics, HTTPMetricsMiddleware, build_registry
@@ -98,6 +99,7 @@ def build_app(
     _check_adapter_names(served)
     if settings.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = settings.chat_template
+    check_processor_kwargs(engine.processor, settings.mm_processor_kwargs)
     registry = registry if registry is not None else build_registry()
     engine.stat_loggers.append(EngineMetrics(registry, served.name, engine.info).record)
     tracing = tracing or Tracing.from_endpoint(

@@ -508,6 +508,14 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"images in one request, as '{{\"image\": N}}' (default {defaults.max_images})",
     )
     server.add_argument(
+        "--mm-processor-kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="more arguments of every call of an image-text model's processor, as a JSON "
+        "object (vLLM's flag), e.g. '{\"max_pixels\": 1003520}' for Qwen2-VL's largest image",
+    )
+    server.add_argument(
         "--allowed-media-domains",
         nargs="+",
         default=None,
@@ -722,6 +730,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         state_dir=args.state_dir,
         max_file_bytes=args.max_file_bytes,
         runtime_lora_updating=args.allow_runtime_lora_updating,
+        mm_processor_kwargs=args.mm_processor_kwargs,
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,

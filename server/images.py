@@ -161,15 +161,18 @@ def processed_prompt(
     text: str,
     images: list[LoadedImage],
     add_special_tokens: bool,
+    processor_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], ImageInputs]:
-    """The templated `text` and its images through the model's processor: the prompt's token
-    ids, each image's placeholder expanded, and what the encoder reads."""
+    """The templated `text` and its images through the model's processor (with the server's
+    `processor_kwargs`): the prompt's token ids, each image's placeholder expanded, and what
+    the encoder reads."""
     try:
         processed = processor(
             text=[text],
             images=[image.image for image in images],
             return_tensors="pt",
             add_special_tokens=add_special_tokens,
+            **(processor_kwargs or {}),
         )
     except (ValueError, TypeError) as exc:  # e.g. placeholders that do not match the images
         raise InvalidRequestError(f"The images could not be processed: {exc}", param=PARAM) from exc
@@ -181,3 +184,44 @@ def processed_prompt(
             "The chat template placed none of the images in the prompt.", param=PARAM
         ) from None
     return ids, inputs
+
+
+def processor_arguments(processor: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`--mm-processor-kwargs` as the processor takes them: Qwen-VL's `min_pixels` and
+    `max_pixels` (as vLLM's recipes give them) become the bounds of its image processor's
+    `size`, which transformers reads in their place."""
+    pixels = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
+    image_processor = getattr(processor, "image_processor", None)
+    size = getattr(image_processor, "size", None)
+    bounds = {edge: getattr(size, edge, None) for edge in pixels.values()}
+    if "size" in kwargs or not set(kwargs) & set(pixels) or None in bounds.values():
+        return kwargs
+    for name, edge in pixels.items():
+        if name in kwargs:
+            bounds[edge] = kwargs[name]
+    rest = {key: value for key, value in kwargs.items() if key not in pixels}
+    return {**rest, "size": bounds}
+
+
+def check_processor_kwargs(processor: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse at start `--mm-processor-kwargs` for a model that reads no images, or that its
+    processor fails on where it processes a small image without them."""
+    if not kwargs:
+        return
+    if processor is None:
+        raise ValueError("--mm-processor-kwargs: this model reads no images")
+    kwargs = processor_arguments(processor, kwargs)
+    token = getattr(processor, "image_token", None)
+    if not isinstance(token, str):
+        return
+    from PIL import Image
+
+    probe = {"text": [token], "images": [Image.new("RGB", (64, 64))], "return_tensors": "pt"}
+    try:
+        processor(**probe)
+    except Exception:  # the probe itself does not suit this processor: nothing to compare
+        return
+    try:
+        processor(**probe, **kwargs)
+    except Exception as exc:
+        raise ValueError(f"--mm-processor-kwargs: the processor refuses them: {exc}") from None

@@ -465,6 +465,9 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     # With a reasoning parser: whether the reply's reasoning is returned at all.
     include_reasoning: bool = True
+    # vLLM's per-request processor arguments: refused, the server sets them
+    # (`--mm-processor-kwargs`), since one request's could make its images any size.
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def template_kwargs(self) -> dict[str, Any] | None:

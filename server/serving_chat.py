@@ -20,7 +20,7 @@ from server.content_format import content_format
 from server.harmony import FINAL, HarmonyReader, is_harmony, split_harmony
 from server.harmony import PARSER as HARMONY
 from server.harmony import REASONING_PARSER as HARMONY_REASONING
-from server.images import image_urls, load_images, processed_prompt
+from server.images import image_urls, load_images, processed_prompt, processor_arguments
 from server.limits import check_chat
 from server.logprobs import chat_logprobs, prompt_logprobs
 from server.protocol import ChatCompletionRequest
@@ -392,6 +392,9 @@ class ChatHandler:
         self.response_role = settings.response_role
         self.content_format = settings.chat_content_format
         self.default_template_kwargs = settings.default_chat_template_kwargs or {}
+        self.processor_kwargs = processor_arguments(
+            getattr(engine, "processor", None), settings.mm_processor_kwargs
+        )
         tokenizer = getattr(engine, "tokenizer", None)
         taken = call_arguments_among(tokenizer, self.default_template_kwargs) if tokenizer else []
         if taken:
@@ -460,6 +463,12 @@ class ChatHandler:
     ) -> tuple[list[int], SamplingParams, ForcedCalls | None, bool | None, ImageInputs | None]:
         check_chat(body, self.limits)
         check_tools(body)
+        if body.mm_processor_kwargs:
+            raise InvalidRequestError(
+                "mm_processor_kwargs are the server's to set (--mm-processor-kwargs), not a "
+                "request's.",
+                param="mm_processor_kwargs",
+            )
         keep = prompt_truncation(body, self.model.info.max_model_len)
         if keep is not None and image_urls(body.messages):
             raise InvalidRequestError(
@@ -530,7 +539,13 @@ class ChatHandler:
         assert token is not None  # the template refused images otherwise
         loaded = await load_images(urls, self.limits)
         prompt, images = await asyncio.to_thread(
-            processed_prompt, self.engine.processor, token, text, loaded, body.add_special_tokens
+            processed_prompt,
+            self.engine.processor,
+            token,
+            text,
+            loaded,
+            body.add_special_tokens,
+            self.processor_kwargs,
         )
         return text, prompt, images
 

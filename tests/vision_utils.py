@@ -513,10 +513,11 @@ def data_url(image: Any) -> str:
 
 
 def image_prompt(
-    parts: list[Any], family: str = "llava"
+    parts: list[Any], family: str = "llava", **processor_kwargs: Any
 ) -> tuple[dict[str, Any], list[int], ImageInputs]:
-    """A user turn of text strings and images through the template and `family`'s processor:
-    the processor's output, the prompt's ids, and its images as the engine carries them."""
+    """A user turn of text strings and images through the template and `family`'s processor
+    (called with `processor_kwargs`): the processor's output, the prompt's ids, and its images
+    as the engine carries them."""
     processor = processor_of(family)
     content = [
         {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts
@@ -528,7 +529,7 @@ def image_prompt(
     images = [p for p in parts if not isinstance(p, str)]
     per_prompt = family in ("idefics3", "smolvlm", "gemma3")  # a list of images per prompt
     batch = [images] if per_prompt else images
-    processed = dict(processor(text=[text], images=batch, return_tensors="pt"))
+    processed = dict(processor(text=[text], images=batch, return_tensors="pt", **processor_kwargs))
     ids = processed["input_ids"][0].tolist()
     digests = [hashlib.sha256(png_bytes(image)).digest() for image in images]
     token = processor.tokenizer.convert_tokens_to_ids(PLACEHOLDERS.get(family, IMAGE_TOKEN))

@@ -18,6 +18,7 @@ from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.factory import core_from_model
 from engine.loading.model_loader import load_model
+from server.images import check_processor_kwargs, processor_arguments
 from server.limits import RequestLimits
 from server.settings import ServerSettings
 from tests.server_utils import app_client, blocks_in_use, sse_events
@@ -356,3 +357,47 @@ async def test_file_urls_read_only_under_the_allowed_local_media_path(tmp_path):
     async with llava_client() as (client, _):
         refused = await ask(client, (allowed / "i.png").as_uri())
         assert refused.status_code == 400 and "--allowed-local-media-path" in refused.text
+
+
+async def test_the_servers_processor_arguments_shape_every_image():
+    """vLLM's `--mm-processor-kwargs`: Qwen2.5-VL's `max_pixels` shrinks each image to fewer
+    placeholders, and the reply is transformers' for the same processing."""
+    image = random_image(4, width=150)
+    processor = processor_of("qwen2_5_vl")
+    smaller = {"max_pixels": 4 * 28 * 28}
+    settings = ServerSettings(served_model_name="tiny", mm_processor_kwargs=smaller)
+    model = tiny_image_text("qwen2_5_vl")
+    async with app_client(
+        settings, model=model, tokenizer=processor.tokenizer, processor=processor
+    ) as (client, _):
+        messages = user("Hello", image_part(data_url(image)))
+        response = await client.post("/v1/chat/completions", json={**BASE, "messages": messages})
+        larger = {"max_pixels": 10**9, "min_pixels": 10**9}
+        body = {**BASE, "messages": messages, "mm_processor_kwargs": larger}
+        refused = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    bounds = {"shortest_edge": 4 * 28 * 28, "longest_edge": 4 * 28 * 28}
+    processed, ids, _ = image_prompt(["Hello", image], "qwen2_5_vl", size=bounds)
+    assert response.json()["usage"]["prompt_tokens"] == len(ids)
+    assert len(ids) < len(image_prompt(["Hello", image], "qwen2_5_vl")[1])
+    tokens = reference_tokens(tiny_image_text("qwen2_5_vl"), processed, 8)
+    assert response.json()["choices"][0]["message"]["content"] == processor.tokenizer.decode(tokens)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "mm_processor_kwargs"
+
+
+def test_processor_arguments_are_refused_at_start_for_a_text_model_or_that_fail():
+    with pytest.raises(ValueError, match="this model reads no images"):
+        check_processor_kwargs(None, {"max_pixels": 1000})
+    check_processor_kwargs(None, {})
+    processor = processor_of("qwen2_5_vl")
+    check_processor_kwargs(processor, {"max_pixels": 4 * 28 * 28})
+    with pytest.raises(ValueError, match="the processor refuses them: math domain error"):
+        check_processor_kwargs(processor, {"max_pixels": -5})
+    # Qwen-VL's pixel bounds, as vLLM's recipes give them, become its image processor's size.
+    assert processor_arguments(processor, {"max_pixels": 5000, "do_convert_rgb": True}) == {
+        "do_convert_rgb": True,
+        "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 5000},
+    }
+    llava = processor_of("llava")
+    assert processor_arguments(llava, {"max_pixels": 5000}) == {"max_pixels": 5000}
