@@ -397,6 +397,7 @@ def _openai_router(
                 messages=body.messages,
                 add_generation_prompt=body.add_generation_prompt,
                 chat_template_kwargs=body.chat_template_kwargs,
+                chat_template=body.chat_template,
                 add_special_tokens=body.add_special_tokens,
             )
             _, tokens, _ = await chat.templated(conversation, fits=False)

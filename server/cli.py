@@ -508,6 +508,12 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"images in one request, as '{{\"image\": N}}' (default {defaults.max_images})",
     )
     server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run a chat template a request brings (`chat_template`) instead of the model's; "
+        "without it such a request gets a 400 (a template runs code on the server)",
+    )
+    server.add_argument(
         "--mm-processor-kwargs",
         type=_json_object,
         default={},
@@ -731,6 +737,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_file_bytes=args.max_file_bytes,
         runtime_lora_updating=args.allow_runtime_lora_updating,
         mm_processor_kwargs=args.mm_processor_kwargs,
+        trust_request_chat_template=args.trust_request_chat_template,
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,

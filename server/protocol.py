@@ -465,6 +465,8 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     # With a reasoning parser: whether the reply's reasoning is returned at all.
     include_reasoning: bool = True
+    # vLLM's: the request's own chat template (with --trust-request-chat-template).
+    chat_template: str | None = None
     # vLLM's per-request processor arguments: refused, the server sets them
     # (`--mm-processor-kwargs`), since one request's could make its images any size.
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -506,6 +508,7 @@ class TokenizeChatRequest(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
 

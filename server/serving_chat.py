@@ -392,6 +392,7 @@ class ChatHandler:
         self.response_role = settings.response_role
         self.content_format = settings.chat_content_format
         self.default_template_kwargs = settings.default_chat_template_kwargs or {}
+        self.trust_request_template = settings.trust_request_chat_template
         self.processor_kwargs = processor_arguments(
             getattr(engine, "processor", None), settings.mm_processor_kwargs
         )
@@ -405,12 +406,24 @@ class ChatHandler:
         # Whether replies are Harmony's messages, read from the template on first use.
         self._harmony_replies: bool | None = None
 
-    def _parser(self, tokenizer: Any) -> str | None:
+    def _parser(self, tokenizer: Any, template: str | None) -> str | None:
         """The tool-call parser for `auto`: the format written tools teach for a template with no
-        tool section, else `--tool-call-parser`, else the template's own."""
-        if not renders_tools(tokenizer):
+        tool section, else `--tool-call-parser`, else the template's own (the request's
+        `template`, else the model's)."""
+        if not renders_tools(tokenizer, template):
             return WRITTEN_TOOLS_PARSER
-        return parser_for(self.tool_call_parser, getattr(tokenizer, "chat_template", None))
+        return parser_for(self.tool_call_parser, template or tokenizer.chat_template)
+
+    def _template(self, body: ChatCompletionRequest) -> str | None:
+        """The request's own chat template, where the server trusts requests with one (vLLM's
+        `--trust-request-chat-template`): a template runs code on the server."""
+        if body.chat_template is not None and not self.trust_request_template:
+            raise InvalidRequestError(
+                "A chat template in the request is refused: this server does not run requests' "
+                "own templates (--trust-request-chat-template).",
+                param="chat_template",
+            )
+        return body.chat_template
 
     async def render(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, str]:
         """The request checked and made into what the engine runs: the templated prompt's token
@@ -426,7 +439,7 @@ class ChatHandler:
         prompt, params, forced, thinking, images = await self._prepare(body)
         tokenizer = require_text_model(self.engine)
         tools = template_tools(body)
-        parser = self._parser(tokenizer) if tools and forced is None else None
+        parser = self._parser(tokenizer, self._template(body)) if tools and forced is None else None
         if self._harmony():  # every reply is Harmony's messages
             parser = HARMONY
         # A reply not opened in its reasoning may open it itself before any call (with or
@@ -515,6 +528,7 @@ class ChatHandler:
         processor) and its images. With `fits`, text that cannot fit the context is refused
         before it is tokenized."""
         tokenizer = require_text_model(self.engine)
+        template = self._template(body)
         size = messages_size(body.messages)
         if fits:
             check_fits(tokenizer, size, self.model.info.max_model_len, "messages")
@@ -530,7 +544,9 @@ class ChatHandler:
                 {**self.default_template_kwargs, **(body.template_kwargs or {})} or None,
                 body.add_special_tokens,
                 images=token is not None,
-                parts=content_format(self.content_format, tokenizer.chat_template) == "openai",
+                parts=content_format(self.content_format, template or tokenizer.chat_template)
+                == "openai",
+                template=template,
             ),
         )
         urls = image_urls(body.messages)

@@ -150,6 +150,7 @@ def chat_prompt(
     add_special_tokens: bool = False,
     images: bool = False,
     parts: bool = False,
+    template: str | None = None,
 ) -> tuple[str, list[int]]:
     """Render messages (and the tools offered, `tools=`) with the model's chat template; return
     the text and its token ids. For a template with no tool section the conversation carries
@@ -157,8 +158,9 @@ def chat_prompt(
     variables for the template (`chat_template_kwargs`, e.g. Qwen3's `enable_thinking`). The
     template writes the special tokens it wants; `add_special_tokens` adds the tokenizer's own
     (such as a BOS) as well. For an image-text model (`images`), and for a template that takes
-    OpenAI's list of parts (`parts`, `server.content_format`), the content goes as parts."""
-    if getattr(tokenizer, "chat_template", None) is None:
+    OpenAI's list of parts (`parts`, `server.content_format`), the content goes as parts.
+    `template` is a request's own chat template, used instead of the model's."""
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot be used; "
             "use /v1/completions with a plain prompt instead.",
@@ -171,13 +173,14 @@ def chat_prompt(
         )
     check_template_kwargs(tokenizer, template_kwargs)
     conversation = [template_message(m, images, parts) for m in messages]
-    if not renders_tools(tokenizer):
+    if not renders_tools(tokenizer, template):
         conversation, tools = with_tools_written(conversation, tools), None
     if images or parts:
         conversation = [as_parts(message) for message in conversation]
     try:
         text = tokenizer.apply_chat_template(
             conversation,
+            chat_template=template,
             tools=tools,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,

@@ -36,22 +36,27 @@ Give arguments of the type each function's parameters ask for. If no function fi
 plain text instead."""
 
 _renders: dict[str, bool] = {}
+MAX_PROBED = 64
 
 
-def renders_tools(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template writes the tools it is given into the prompt."""
-    template = getattr(tokenizer, "chat_template", None)
+def renders_tools(tokenizer: Any, template: str | None = None) -> bool:
+    """Whether the chat template (`template`, else the tokenizer's) writes the tools it is
+    given into the prompt."""
+    template = template if template is not None else getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
         return False
     if template not in _renders:
-        _renders[template] = _probe(tokenizer)
+        if len(_renders) >= MAX_PROBED:  # requests' own templates: keep the memory bounded
+            _renders.clear()
+        _renders[template] = _probe(tokenizer, template)
     return _renders[template]
 
 
-def _probe(tokenizer: Any) -> bool:
+def _probe(tokenizer: Any, template: str) -> bool:
     try:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": "hi"}],
+            chat_template=template,
             tools=PROBE_TOOLS,
             tokenize=False,
             add_generation_prompt=True,
