@@ -73,7 +73,7 @@ from server.serving_responses import ResponsesHandler
 from server.serving_score import ScoreHandler
 from server.settings import ServerSettings
 from server.stats_log import StatsLog
-from server.tokenization import encode_text
+from server.tokenization import encode_text, tokenizer_info
 from server.tracing import Tracing, output_logging
 from server.version import conveyor_version
 
@@ -419,6 +419,12 @@ def _openai_router(
         if any(token < 0 or token >= vocab for token in body.tokens):
             raise APIError(400, f"Token ids must be in [0, {vocab}).", param="tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
+
+    if settings.tokenizer_info_endpoint:
+
+        @router.get("/tokenizer_info", responses=errors(400))
+        async def get_tokenizer_info() -> dict[str, Any]:
+            return tokenizer_info(require_text_model(engine))
 
     return router
 

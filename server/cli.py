@@ -508,6 +508,12 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"images in one request, as '{{\"image\": N}}' (default {defaults.max_images})",
     )
     server.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info: the tokenizer's config (class, special and added "
+        "tokens, chat template), as vLLM's",
+    )
+    server.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="run a chat template a request brings (`chat_template`) instead of the model's; "
@@ -738,6 +744,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         runtime_lora_updating=args.allow_runtime_lora_updating,
         mm_processor_kwargs=args.mm_processor_kwargs,
         trust_request_chat_template=args.trust_request_chat_template,
+        tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,

@@ -79,6 +79,8 @@ class ServerSettings:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (clients then name folders to read).
     runtime_lora_updating: bool = False
+    # GET /tokenizer_info (`--enable-tokenizer-info-endpoint`).
+    tokenizer_info_endpoint: bool = False
     # Requests may bring their own chat template (`--trust-request-chat-template`).
     trust_request_chat_template: bool = False
     # More arguments of every call of an image-text model's processor (`--mm-processor-kwargs`,

@@ -276,3 +276,31 @@ class TokenText:
 
     def label(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.as_ids else self._decode(token_id)
+
+
+def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
+    """What the tokenizer was made from, as its `tokenizer_config.json` holds it (vLLM's
+    `/tokenizer_info`): its class, special tokens, added tokens and the chat template served,
+    each value as JSON writes it."""
+    info = {name: _json_safe(value) for name, value in tokenizer.init_kwargs.items()}
+    info.setdefault("tokenizer_class", type(tokenizer).__name__)
+    template = getattr(tokenizer, "chat_template", None)
+    if template is not None:
+        info["chat_template"] = template
+    return info
+
+
+def _json_safe(value: Any) -> Any:
+    """A tokenizer setting as JSON holds it: added tokens as their fields, anything else that
+    JSON has no form for as its text."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, dict):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_json_safe(item) for item in value]
+    state = getattr(value, "__getstate__", None)
+    fields = state() if callable(state) else None
+    if isinstance(fields, dict) and "content" in fields:  # an AddedToken
+        return _json_safe(fields)
+    return str(value)

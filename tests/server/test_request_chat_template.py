@@ -1,6 +1,7 @@
 """A request's own chat template (vLLM's `chat_template` field): refused unless the server
 trusts requests with one (`--trust-request-chat-template`), and then used everywhere the
-model's would be: the prompt, /tokenize, the render route and the tools' written form."""
+model's would be: the prompt, /tokenize, the render route and the tools' written form. And the
+template served, with the rest of the tokenizer's config, at /tokenizer_info."""
 
 from __future__ import annotations
 
@@ -73,3 +74,27 @@ async def test_a_request_template_without_a_tool_section_gets_the_tools_written_
     text = chat_tokenizer().decode(tokenized.json()["token_ids"])
     assert text.startswith("[system]") and "lookup_weather" in text
     assert text.endswith("[user]Hi there[assistant]")
+
+
+async def test_the_tokenizer_info_route_serves_the_tokenizers_config_when_enabled():
+    settings = ServerSettings(served_model_name="tiny", tokenizer_info_endpoint=True)
+    async with app_client(settings) as (client, _):
+        info = await client.get("/tokenizer_info")
+    async with app_client() as (client, _):
+        hidden = await client.get("/tokenizer_info")
+    assert info.status_code == 200 and hidden.status_code == 404
+    tokenizer = chat_tokenizer()
+    body = info.json()
+    assert body["chat_template"] == tokenizer.chat_template
+    assert body["eos_token"] == tokenizer.eos_token and body["tokenizer_class"]
+
+
+def test_added_tokens_in_the_tokenizer_info_are_their_fields():
+    from tokenizers import AddedToken
+
+    from server.tokenization import _json_safe
+
+    held = {5: AddedToken("<x>", special=True), "ids": {1, 2}, "other": object}
+    safe = _json_safe(held)
+    assert safe["5"]["content"] == "<x>" and safe["5"]["special"] is True
+    assert sorted(safe["ids"]) == [1, 2] and safe["other"] == str(object)
