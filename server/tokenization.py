@@ -299,8 +299,8 @@ def _json_safe(value: Any) -> Any:
         return {str(key): _json_safe(item) for key, item in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         return [_json_safe(item) for item in value]
-    state = getattr(value, "__getstate__", None)
-    fields = state() if callable(state) else None
-    if isinstance(fields, dict) and "content" in fields:  # an AddedToken
-        return _json_safe(fields)
+    if not isinstance(value, type) and isinstance(getattr(value, "content", None), str):
+        fields = value.__getstate__()  # an AddedToken: its content and flags
+        if isinstance(fields, dict):
+            return _json_safe(fields)
     return str(value)
