@@ -164,8 +164,9 @@ def build_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(settings.allowed_origins),
-            allow_methods=["*"],
-            allow_headers=["*"],
+            allow_methods=list(settings.cors.methods),
+            allow_headers=list(settings.cors.headers),
+            allow_credentials=settings.cors.credentials,
         )
     # Uploads stream to disk under their own limit (plus room for the multipart envelope).
     uploads = {"/v1/files": settings.max_file_bytes + UPLOAD_ENVELOPE_BYTES}

@@ -34,6 +34,7 @@ from server.settings import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_HEAD_BYTES,
+    CorsOptions,
     ServerSettings,
     TlsFiles,
 )
@@ -453,8 +454,33 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--allowed-origins",
-        default="",
-        help="comma-separated CORS origins, e.g. '*' (default: CORS off)",
+        type=_name_list,
+        default=(),
+        help="CORS origins, comma-separated or as vLLM's JSON list: '*', 'https://a.example' "
+        "or '[\"https://a.example\"]' (default: CORS off)",
+    )
+    server.add_argument(
+        "--allowed-methods",
+        type=_name_list,
+        default=("*",),
+        help="with CORS, the methods browsers may send (vLLM's flag; default all)",
+    )
+    server.add_argument(
+        "--allowed-headers",
+        type=_name_list,
+        default=("*",),
+        help="with CORS, the headers browsers may send (vLLM's flag; default all)",
+    )
+    server.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="with CORS, browsers may send cookies and credentials (vLLM's flag)",
+    )
+    server.add_argument(
+        "--uds",
+        default=None,
+        metavar="PATH",
+        help="listen on this Unix domain socket instead of --host and --port (vLLM's flag)",
     )
     server.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES)
     server.add_argument(
@@ -712,13 +738,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:
-    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     return ServerSettings(
         served_model_name=args.served_model_name[0] if args.served_model_name else None,
         served_model_aliases=tuple(args.served_model_name or ())[1:],
         chat_template=args.chat_template,
         api_key=args.api_key,
-        allowed_origins=origins,
+        allowed_origins=args.allowed_origins,
+        cors=CorsOptions(args.allowed_methods, args.allowed_headers, args.allow_credentials),
         tls=_tls_files(args),
         root_path=args.root_path,
         log_stats_interval=None if args.disable_log_stats else STATS_INTERVAL,
@@ -777,6 +803,19 @@ def _speculative_config(text: str) -> SpeculativeConfig:
         return SpeculativeConfig.of(_json_object(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    """Names given comma-separated, or as a JSON list of strings (vLLM's form)."""
+    if text.lstrip().startswith("["):
+        try:
+            names = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return tuple(n.strip() for n in names if n.strip())
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def _kv_events_config(text: str) -> KVEventsConfig:
@@ -852,10 +891,12 @@ def serve(args: argparse.Namespace) -> int:
         info.block_size,
         info.max_model_len,
         "https" if settings.tls else "http",
-        args.host,
+        args.host if args.uds is None else "unix:" + args.uds,
         args.port,
     )
-    config = uvicorn_config(app, args.host, args.port, uvicorn_level, settings, log_config)
+    config = uvicorn_config(
+        app, args.host, args.port, uvicorn_level, settings, log_config, uds=args.uds
+    )
     logger.debug("%d objects of the loaded model frozen out of garbage collection", freeze_heap())
     DrainingServer(config, app, settings.shutdown_timeout).run()
     return 0

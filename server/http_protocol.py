@@ -123,14 +123,17 @@ def uvicorn_config(
     log_level: str,
     settings: ServerSettings,
     log_config: dict[str, Any] | None = None,
+    uds: str | None = None,
 ) -> uvicorn.Config:
     """uvicorn's configuration for the app: the guarded protocol with `settings`' limits, its
-    TLS files and root path, and `log_config` for its loggers (None: uvicorn's own)."""
+    TLS files and root path, and `log_config` for its loggers (None: uvicorn's own); on the
+    Unix domain socket `uds` instead of `host` and `port` where one is named."""
     tls = settings.tls
     return uvicorn.Config(
         app,
         host=host,
         port=port,
+        uds=uds,
         log_level=log_level,
         http=guarded(settings.max_head_bytes, settings.head_timeout),
         log_config=log_config if log_config is not None else uvicorn.config.LOGGING_CONFIG,

@@ -28,6 +28,15 @@ class TlsFiles:
 
 
 @dataclass(frozen=True, slots=True)
+class CorsOptions:
+    """vLLM's `--allowed-methods`, `--allowed-headers` and `--allow-credentials`."""
+
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ServerSettings:
     served_model_name: str | None = None
     # More names clients may send as `model` for the served model.
@@ -36,6 +45,8 @@ class ServerSettings:
     chat_template: str | None = None
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
+    # What browsers may send under CORS (only where `allowed_origins` turns it on).
+    cors: CorsOptions = CorsOptions()
     # HTTPS with these files (None: plain HTTP).
     tls: TlsFiles | None = None
     # The path a proxy serves the app under (`--root-path`), for the links the app writes.

@@ -6,18 +6,29 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 from starlette.requests import ClientDisconnect
 
 from server.app import build_app
+from server.cli import build_parser, server_settings
+from server.http_protocol import uvicorn_config
 from server.settings import ServerSettings
 from tests.helpers import chat_tokenizer, sabotage_steps
-from tests.server_utils import app_client, blocks_in_use, live_server, until, wait_until_idle
+from tests.server_utils import (
+    app_client,
+    blocks_in_use,
+    live_server,
+    tiny_engine,
+    until,
+    wait_until_idle,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,6 +155,49 @@ async def test_cors_only_when_allowed():
     async with app_client() as (client, _):
         response = await client.get("/v1/models", headers={"Origin": "https://ui.example"})
         assert "access-control-allow-origin" not in response.headers
+
+
+async def test_vllm_s_cors_flags_reach_the_preflight_answer():
+    argv = ["serve", "--allowed-origins", '["https://ui.example"]', "--allowed-methods", "GET,POST"]
+    argv += ["--allowed-headers", '["Authorization"]', "--allow-credentials"]
+    settings = server_settings(build_parser().parse_args(argv))
+    assert settings.allowed_origins == ("https://ui.example",)
+    async with app_client(settings) as (client, _):
+        preflight = await client.options(
+            "/v1/chat/completions",
+            headers={
+                "Origin": "https://ui.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "Authorization",
+            },
+        )
+        refused = await client.options(
+            "/v1/chat/completions",
+            headers={"Origin": "https://ui.example", "Access-Control-Request-Method": "DELETE"},
+        )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-credentials"] == "true"
+    assert set(preflight.headers["access-control-allow-methods"].split(", ")) == {"GET", "POST"}
+    assert refused.status_code == 400
+
+
+async def test_a_unix_domain_socket_serves_instead_of_a_port(tmp_path):
+    """vLLM's `--uds`: uvicorn listens on the socket file, and a client reaches it there."""
+    path = str(tmp_path / "conveyor.sock")
+    settings = ServerSettings(served_model_name="tiny")
+    app = build_app(tiny_engine(), settings)
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, "warning", settings, uds=path))
+    task = asyncio.create_task(server.serve())
+    try:
+        await until(lambda: server.started or task.done(), what="the server to start")
+        transport = httpx.AsyncHTTPTransport(uds=path)
+        async with httpx.AsyncClient(transport=transport, base_url="http://conveyor") as client:
+            models = await client.get("/v1/models")
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+        assert server.servers[0].sockets[0].family == socket.AF_UNIX
+    finally:
+        server.should_exit = True
+        await task
 
 
 async def test_full_queue_gets_503_with_retry_after(monkeypatch):
