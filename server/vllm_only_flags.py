@@ -55,6 +55,14 @@ def executor(text: str) -> str:
 BACKENDS = ("auto", "guidance", "xgrammar", "outlines", "lm-format-enforcer")
 
 
+def preemption_mode(text: str) -> str:
+    if text != "recompute":
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not served: a preempted request's KV is recomputed (recompute)"
+        )
+    return text
+
+
 def backend(text: str) -> str:
     if text not in BACKENDS:
         raise argparse.ArgumentTypeError(f"not a structured-output backend: {text!r}")
@@ -283,6 +291,39 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted: under --tensor-parallel-size each rank holds its share of every "
         "expert's channels (the same tokens, one all-reduce per layer) rather than whole experts",
+    )
+    flags.add_argument(
+        "--api-server-count",
+        type=only_one(
+            "one process serves HTTP beside the engine loop; scale out with replicas behind a "
+            "router (the README's Scaling out section)"
+        ),
+        default=1,
+    )
+    flags.add_argument(
+        "--num-scheduler-steps",
+        type=only_one("each step is scheduled on its own (overlapped with --async-scheduling)"),
+        default=1,
+    )
+    flags.add_argument(
+        "--preemption-mode",
+        type=preemption_mode,
+        default=None,
+        help="recompute: a preempted request's KV is recomputed (swap is refused)",
+    )
+    for name, why in (
+        ("--disable-frontend-multiprocessing", "HTTP and the engine loop share one process"),
+        ("--use-v2-block-manager", "Conveyor has one block manager"),
+        ("--disable-cascade-attn", "attention reads shared prefixes in place, without cascades"),
+        ("--kv-sharing-fast-prefill", "no layers share KV here"),
+        ("--fully-sharded-loras", "adapters run on one device"),
+    ):
+        flags.add_argument(name, action="store_true", help=f"no effect: {why}")
+    flags.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="no effect: adapters stay loaded until unloaded (--max-loras run in one step)",
     )
     flags.add_argument(
         "--mm-encoder-tp-mode",

@@ -277,6 +277,9 @@ RECIPE = [
     "--structured-outputs-config", '{"backend": "guidance"}', "--enable-request-id-headers",
     "-O3", "--compilation-config", '{"level": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}',
     "--max-seq-len-to-capture", "8192", "--enable-expert-parallel", "--mm-encoder-tp-mode", "data",
+    "--api-server-count", "1", "--num-scheduler-steps", "1", "--preemption-mode", "recompute",
+    "--disable-frontend-multiprocessing", "--use-v2-block-manager", "--disable-cascade-attn",
+    "--kv-sharing-fast-prefill", "--fully-sharded-loras", "--max-cpu-loras", "4",
 ]  # fmt: skip
 
 
@@ -306,6 +309,8 @@ def test_a_recipe_s_flags_with_nothing_to_set_change_nothing():
         (["--structured-outputs-config", "[1]"], "not a JSON object"),
         (["--kv-events-config", '{"publisher": "nats"}'], "unknown KV events publisher"),
         (["-O4"], "optimization levels are 0-3"),
+        (["--api-server-count", "4"], "scale out with replicas"),
+        (["--preemption-mode", "swap"], "'swap' is not served"),
         (["--compilation-config", '{"cudagraph_mode": "ALL"}'], "'ALL' is not one of NONE"),
         (["--compilation-config", '{"graphs": 1}'], "unknown compilation config fields: graphs"),
         (["-cc", '{"cudagraph_capture_sizes": [0]}'], "list of positive integers"),
