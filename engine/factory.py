@@ -339,7 +339,13 @@ def core_from_model(
     )
     vocab_size = _vocab_size(loaded, model)
     kernels = _sampling_kernels(device)
-    sampler = Sampler(vocab_size, device, seed=config.seed, triton_kernels=kernels)
+    sampler = Sampler(
+        vocab_size,
+        device,
+        seed=config.seed,
+        triton_kernels=kernels,
+        logprobs_mode=config.logprobs_mode,
+    )
     overlap = config.overlaps(device.type)
     logger.info(
         "routes: %s",

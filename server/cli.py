@@ -16,6 +16,7 @@ from typing import Any
 from engine.core.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    LOGPROBS_MODES,
     QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
@@ -396,6 +397,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "so a GPU never waits for the host (default: on for CUDA, off on a CPU)",
     )
     engine.add_argument(
+        "--logprobs-mode",
+        choices=list(LOGPROBS_MODES),
+        default="raw_logprobs",
+        help="what logprobs report (vLLM's flag): the log-softmax of the model's logits or the "
+        "logits, raw, or processed as sampling draws from them (after logit bias, penalties, "
+        "temperature, top-k, top-p and min-p; tokens they rule out at -9999)",
+    )
+    engine.add_argument(
         "--speculative-config",
         type=_speculative_config,
         default=None,
@@ -728,6 +737,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         speculative=args.speculative_config,
         kv_events=args.kv_events_config,
+        logprobs_mode=args.logprobs_mode,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

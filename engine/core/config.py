@@ -136,6 +136,10 @@ RUNNERS = ("generate", "pooling")
 # `auto` reads the checkpoint's weights; `dummy` (as vLLM's) gives the model random weights of
 # the checkpoint's shape, read from its config alone: for measuring speed and memory.
 LOAD_FORMATS = ("auto", "dummy")
+# What logprobs report (vLLM's `--logprobs-mode`): the log-softmax of the model's logits or the
+# logits themselves, raw or as processed for sampling (after bias, penalties, temperature,
+# top-k, top-p and min-p; tokens those rule out at -inf, reported as -9999).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # vLLM's `--quantization` names of the methods of the checkpoints Conveyor serves.
 QUANTIZATION_METHODS = (
     "awq",
@@ -229,10 +233,21 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # The prefix cache's events for routers (`kv/events.py`); None: not published.
     kv_events: KVEventsConfig | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"unknown runner {self.runner!r}; choose one of {', '.join(RUNNERS)}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"unknown logprobs mode {self.logprobs_mode!r}; choose one of "
+                f"{', '.join(LOGPROBS_MODES)}"
+            )
+        if self.speculative is not None and self.logprobs_mode.startswith("processed"):
+            raise ValueError(
+                f"--logprobs-mode {self.logprobs_mode} and speculative decoding do not run "
+                "together: drafted rows report raw logprobs or logits"
+            )
         if self.speculative is not None and self.runner == "pooling":
             raise ValueError("speculative decoding drafts generated tokens: not --runner pooling")
         if self.speculative is not None and self.async_scheduling:

@@ -179,7 +179,8 @@ class ModelRunner:
         ):
             _take_verified(output, group, verified)
             if group.request.sampling_params.logprobs is not None:
-                *kept, last = verified_logprobs(logits, group, verified)
+                mode = self.sampler.logprobs_mode
+                *kept, last = verified_logprobs(logits, group, verified, mode)
                 output.accepted_logprobs[group.request.request_id] = kept
                 output.logprobs[group.request.request_id] = last
         return self._synchronous(output)

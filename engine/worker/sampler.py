@@ -24,6 +24,10 @@ from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
 from engine.worker.transfer import HostCopy, to_device
 
+# A token processing ruled out has a logprob of -inf, which JSON cannot carry: reported as this,
+# as vLLM reports it.
+LOWEST_LOGPROB = -9999.0
+
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -33,11 +37,11 @@ class SamplerOutput:
 
 @dataclass(slots=True)
 class SampledTokens:
-    """A step's choices still on the device: `token_ids[i]` is row i's token, and
-    `raw_logprobs` the rows' log-softmax when some row asked for logprobs."""
+    """A step's choices still on the device: `token_ids[i]` is row i's token, and `logprobs`
+    the rows' scores as `--logprobs-mode` reports them, when some row asked for logprobs."""
 
     token_ids: torch.Tensor
-    raw_logprobs: torch.Tensor | None
+    logprobs: torch.Tensor | None
 
     def to_host(self, requests: list[Request]) -> SamplerOutput:
         """Wait for the choices and bring them over, with each row's logprobs if it asked."""
@@ -49,9 +53,9 @@ class SampledTokens:
         a step launched after."""
         wanted = [r.sampling_params.logprobs for r in requests]
         tensors = [self.token_ids]
-        if self.raw_logprobs is not None:
-            tensors += logprob_tensors(self.raw_logprobs, self.token_ids, wanted)
-        return SampledCopy(HostCopy(tensors), wanted if self.raw_logprobs is not None else None)
+        if self.logprobs is not None:
+            tensors += logprob_tensors(self.logprobs, self.token_ids, wanted)
+        return SampledCopy(HostCopy(tensors), wanted if self.logprobs is not None else None)
 
 
 @dataclass(slots=True)
@@ -74,14 +78,17 @@ class Sampler:
         device: torch.device,
         seed: int = 0,
         triton_kernels: bool = False,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         """`triton_kernels` (`engine.kernels.triton.sampling`): rows with top-p and no top-k
         draw in a kernel that needs nothing from the host, rather than in a widening `topk`
         search that asks the host how wide to go; seeded rows' noise comes from one launch
-        for them all, rather than from a generator per request, one call per row."""
+        for them all, rather than from a generator per request, one call per row.
+        `logprobs_mode`: what logprobs report (`engine.core.config.LOGPROBS_MODES`)."""
         self.vocab_size = vocab_size
         self.device = device
         self.triton_kernels = triton_kernels
+        self.logprobs_mode = logprobs_mode
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
@@ -109,11 +116,15 @@ class Sampler:
         tokens a step still in flight sampled for some of these requests (async scheduling):
         penalties count them there, without waiting for them."""
         logits = logits.float()
-        raw_logprobs = None
-        if any(r.sampling_params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        wanted = any(r.sampling_params.logprobs is not None for r in requests)
+        raw = self.logprobs_mode.startswith("raw")
+        scores = raw_scores(logits, self.logprobs_mode) if wanted and raw else None
         logits = self._process(logits, requests, pending)
-        return SampledTokens(self._choose(logits, requests), raw_logprobs)
+        if wanted and not raw:
+            processed = sampled_scores(logits, [r.sampling_params for r in requests])
+            logits_only = self.logprobs_mode == "processed_logits"
+            scores = processed if logits_only else torch.log_softmax(processed, dim=-1)
+        return SampledTokens(self._choose(logits, requests), scores)
 
     def distributions(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each row's distribution as `sample` draws from it, `[rows, vocab]` (a greedy row's
@@ -246,6 +257,30 @@ def _probabilities(
     return probs
 
 
+def raw_scores(logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """The model's own scores as a raw `--logprobs-mode` reports them: their log-softmax, or a
+    copy of the logits (processing then changes the logits in place)."""
+    return logits.clone() if mode == "raw_logits" else torch.log_softmax(logits, dim=-1)
+
+
+def sampled_scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The processed logits as sampling draws from them: each sampled row divided by its
+    temperature, and the tokens its top-k, top-p and min-p rule out at -inf (a greedy row as
+    the processing left it)."""
+    temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
+    scores = logits / temps[:, None]
+    limited = [(p.uses_top_k or p.top_p < 1.0) and not p.greedy for p in params]
+    if any(limited):
+        kept = [p if limit else KEEP_ALL for p, limit in zip(params, limited, strict=True)]
+        scores = _top_k_top_p(scores, kept)
+    min_p = [0.0 if p.greedy else p.min_p for p in params]
+    if any(min_p):
+        probs = torch.softmax(scores, dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * to_device(min_p, logits.device)[:, None]
+        scores = scores.masked_fill(probs < floor, float("-inf"))
+    return scores
+
+
 def _nucleus_choice(
     scaled: torch.Tensor, noise: torch.Tensor, params: list[SamplingParams], rows: torch.Tensor
 ) -> torch.Tensor:
@@ -328,8 +363,10 @@ def logprob_entries(
             continue
         best: tuple[tuple[int, float], ...] = ()
         if count:
-            best = tuple(zip(top_ids[row][:count], values[row][:count], strict=True))
-        result.append(TokenLogprob(token_ids[row], chosen[row], ranks[row], best))
+            shown = (max(value, LOWEST_LOGPROB) for value in values[row][:count])
+            best = tuple(zip(top_ids[row][:count], shown, strict=False))
+        chosen_value = max(chosen[row], LOWEST_LOGPROB)
+        result.append(TokenLogprob(token_ids[row], chosen_value, ranks[row], best))
     return result
 
 

@@ -18,7 +18,7 @@ import torch
 
 from engine.core.outputs import TokenLogprob
 from engine.core.request import Request
-from engine.worker.sampler import Sampler, token_logprobs
+from engine.worker.sampler import Sampler, raw_scores, token_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,15 +163,16 @@ def as_row_sees(group: VerifyGroup, row: int) -> Request:
 
 
 def verified_logprobs(
-    logits: torch.Tensor, group: VerifyGroup, verified: Verified
+    logits: torch.Tensor, group: VerifyGroup, verified: Verified, mode: str = "raw_logprobs"
 ) -> list[TokenLogprob]:
     """The logprobs of each token the group keeps (its drafts, then its token), each from the
-    raw logits of the row that chose it, as a one-token step reports them."""
+    raw logits of the row that chose it (a raw `--logprobs-mode`: the processed ones do not
+    speculate), as a one-token step reports them."""
     kept = [*verified.accepted, verified.token]
     rows = logits[group.first : group.first + len(kept)].float()
     count = group.request.sampling_params.logprobs
     tokens = torch.tensor(kept, device=logits.device)
-    entries = token_logprobs(torch.log_softmax(rows, dim=-1), tokens, [count] * len(kept))
+    entries = token_logprobs(raw_scores(rows, mode), tokens, [count] * len(kept))
     return [entry for entry in entries if entry is not None]
 
 

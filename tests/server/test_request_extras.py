@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 
@@ -422,3 +423,16 @@ async def test_server_wide_template_kwargs_sit_under_each_request_s_own():
     clashing = ServerSettings(served_model_name="tiny", default_chat_template_kwargs={"tools": []})
     with pytest.raises(ValueError, match="--default-chat-template-kwargs cannot set tools"):
         build_app(tiny_engine(tokenizer=thinking_tokenizer()), clashing)
+
+
+async def test_processed_logprobs_show_the_tokens_top_k_rules_out_at_minus_9999():
+    """`--logprobs-mode processed_logprobs`: a completion's top logprobs past its top-k are
+    -9999 (JSON has no -inf), and those within it make up the whole distribution."""
+    async with app_client(logprobs_mode="processed_logprobs") as (client, _):
+        body = {"prompt": "Hello", "max_tokens": 3, "top_k": 2, "temperature": 1.0, "seed": 3}
+        reply = await client.post("/v1/completions", json={**body, "logprobs": 4})
+    assert reply.status_code == 200, reply.text
+    for top in reply.json()["choices"][0]["logprobs"]["top_logprobs"]:
+        values = sorted(top.values(), reverse=True)
+        assert values[2:] == [-9999.0] * (len(values) - 2)
+        assert sum(math.exp(v) for v in values[:2]) == pytest.approx(1.0, abs=1e-4)

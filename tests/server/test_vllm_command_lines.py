@@ -381,3 +381,14 @@ def test_a_recipe_s_cuda_graph_flags_set_conveyor_s_graphs():
     assert graphs_of(*both)[1] == (2,)
     run = build_parser().parse_args(["batch", "run", "in.jsonl", "out.jsonl", "-O0"])
     assert engine_config(run).enforce_eager
+
+
+def test_a_logprobs_mode_is_served_but_processed_ones_not_beside_speculation():
+    args = build_parser().parse_args(["serve", "--logprobs-mode", "processed_logits"])
+    assert engine_config(args).logprobs_mode == "processed_logits"
+    both = ["serve", "--logprobs-mode", "processed_logprobs"]
+    both += ["--speculative-config", '{"num_speculative_tokens": 2}']
+    with pytest.raises(ValueError, match="do not run together"):
+        engine_config(build_parser().parse_args(both))
+    raw = ["serve", "--logprobs-mode", "raw_logits", "--speculative-config"]
+    assert engine_config(build_parser().parse_args([*raw, '{"num_speculative_tokens": 2}']))

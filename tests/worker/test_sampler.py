@@ -329,3 +329,55 @@ def test_top_p_rows_search_a_few_candidates_and_widen_only_when_the_nucleus_is_w
     assert len(full_sort_nucleus(values[0], 0.9)) < 50
     assert len(full_sort_nucleus(values[1], 0.9)) > 10_000
     assert torch.equal(kept[2], values[2])
+
+
+def mode_sampler(mode: str) -> Sampler:
+    return Sampler(VOCAB, torch.device("cpu"), logprobs_mode=mode)
+
+
+def test_raw_logits_mode_reports_the_model_s_logits():
+    values = logits(1, seed=6)
+    out = sample(
+        [request(temperature=0.8, top_k=3, logprobs=4)], values, mode_sampler("raw_logits")
+    )
+    entry = out.logprobs[0]
+    assert entry.logprob == pytest.approx(values[0, entry.token_id].item())
+    assert [lp for _, lp in entry.top] == pytest.approx(values[0].topk(4).values.tolist())
+
+
+def test_processed_logprobs_are_the_distribution_sampling_draws_from():
+    """vLLM's `processed_logprobs`: after the penalty and temperature, the top-k's tokens
+    renormalized and the others at -inf, reported as -9999."""
+    values = logits(1, seed=7)
+    seen = values[0].topk(2).indices.tolist()  # the penalty changes which tokens lead
+    params = {"temperature": 0.7, "top_k": 4, "repetition_penalty": 1.3, "logprobs": 6}
+    row = request(output=seen, **params)
+    out = sample([row], values, mode_sampler("processed_logprobs"))
+    penalised = values[0].clone()
+    for token in {1, 2, 3, *seen}:  # the prompt's tokens and the output's
+        value = penalised[token]
+        penalised[token] = value / 1.3 if value > 0 else value * 1.3
+    scaled = penalised / 0.7
+    kept = scaled.topk(4).indices
+    reference = torch.full_like(scaled, float("-inf"))
+    reference[kept] = torch.log_softmax(scaled[kept], dim=-1)
+    entry = out.logprobs[0]
+    assert entry.token_id in kept.tolist()
+    assert entry.logprob == pytest.approx(reference[entry.token_id].item(), abs=1e-5)
+    shown = [lp for _, lp in entry.top]
+    assert shown[:4] == pytest.approx(reference[kept].sort(descending=True).values.tolist())
+    assert shown[4:] == [-9999.0, -9999.0]
+
+
+def test_processed_logits_of_a_greedy_row_carry_its_bias_but_no_temperature():
+    values = logits(2, seed=8)
+    rows = [
+        request("g", temperature=0, logit_bias={5: 3.0}, logprobs=1),
+        request("s", temperature=2.0, logprobs=1),
+    ]
+    out = sample(rows, values, mode_sampler("processed_logits"))
+    biased = values[0].clone()
+    biased[5] += 3.0
+    assert out.logprobs[0].logprob == pytest.approx(biased.max().item())
+    chosen = out.logprobs[1].token_id
+    assert out.logprobs[1].logprob == pytest.approx(values[1, chosen].item() / 2.0)
