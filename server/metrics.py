@@ -238,6 +238,21 @@ class EngineMetrics:
         self.rejections = self._counter(
             registry, "vllm:admission_rejections", "Requests turned away by admission control."
         )
+        self.cached_prompt_tokens = self._counter(
+            registry,
+            "vllm:prompt_tokens_cached",
+            "Prompt tokens read from the prefix cache rather than computed.",
+        )
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from.",
+            [*LABELS, "source"],
+            registry=registry,
+        )
+        self.prompt_sources = {
+            source: by_source.labels(*self._labels, source)
+            for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        }
         self.prefix_queries = self._counter(
             registry,
             "vllm:prefix_cache_queries",
@@ -337,6 +352,12 @@ class EngineMetrics:
         self.prompt_len = h(
             registry, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens
         )
+        self.computed_len = h(
+            registry,
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens each request computed (those not found in the prefix cache).",
+            tokens,
+        )
         self.generation_len = h(
             registry,
             "vllm:request_generation_tokens",
@@ -379,6 +400,10 @@ class EngineMetrics:
         self.gpu_kv_usage.set(stats.kv_cache_usage)
         self.preemptions.inc(stats.num_preemptions)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
+        cached = stats.num_cached_prompt_tokens
+        self.cached_prompt_tokens.inc(cached)
+        self.prompt_sources["local_cache_hit"].inc(cached)
+        self.prompt_sources["local_compute"].inc(stats.num_prompt_tokens - cached)
         self.generation_tokens.inc(stats.num_generation_tokens)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
@@ -413,6 +438,7 @@ class EngineMetrics:
         self.success[finished.finish_reason].inc()
         self.e2e.observe(finished.e2e_latency)
         self.prompt_len.observe(finished.num_prompt_tokens)
+        self.computed_len.observe(finished.num_prompt_tokens - finished.num_cached_tokens)
         self.generation_len.observe(finished.num_generation_tokens)
         self._observe_max_generation(finished)
         optional = (

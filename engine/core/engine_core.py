@@ -376,6 +376,7 @@ class EngineCore:
             if timings.first_token is None:
                 timings.first_token = now
                 stats.num_prompt_tokens += request.num_prompt_tokens
+                stats.num_cached_prompt_tokens += request.num_cached_tokens
             elif timings.last_token is not None:
                 stats.inter_token_latencies.append(now - timings.last_token)
             timings.last_token = now

@@ -25,6 +25,8 @@ class FinishedRequestStats:
     siblings: int = 1
     # What the scheduler did with it: (monotonic time, what), as `RequestTimings.events`.
     events: tuple[tuple[float, str], ...] = ()
+    # Its prompt tokens found in the prefix cache rather than computed.
+    num_cached_tokens: int = 0
 
     @property
     def time_per_output_token(self) -> float | None:
@@ -51,6 +53,7 @@ class FinishedRequestStats:
             parent_id=parent_id or request.request_id,
             siblings=siblings,
             events=tuple(t.events),
+            num_cached_tokens=request.num_cached_tokens,
         )
 
 
@@ -97,6 +100,8 @@ class StepStats:
     kv_cache_usage: float
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
+    # Of those, the tokens the prefix cache held (the rest were computed).
+    num_cached_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

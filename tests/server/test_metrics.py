@@ -341,3 +341,31 @@ async def test_speculation_counters_are_true():
     assert value(samples, "vllm:generation_tokens_total") == 90
     async with app_client() as (client, _):
         assert "vllm:spec_decode_num_drafts_total" not in await scrape(client)
+
+
+async def test_cached_prompt_tokens_split_the_prompt_tokens_by_where_their_kv_came_from():
+    """A prompt sent twice reads its full blocks from the prefix cache the second time: the
+    cached and computed counts add up to the prompt tokens, and match the usage's."""
+    async with app_client(enable_prefix_caching=True) as (client, engine):
+        body = {"prompt": "the quick brown fox jumps over the lazy dog", "max_tokens": 2}
+        usages = [
+            (await client.post("/v1/completions", json=body)).json()["usage"] for _ in range(2)
+        ]
+        await wait_until_idle(engine)
+        samples = await scrape(client)
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert cached > 0
+    assert value(samples, "vllm:prompt_tokens_total") == prompt
+    assert value(samples, "vllm:prompt_tokens_cached_total") == cached
+    split = {
+        source: value(samples, "vllm:prompt_tokens_by_source_total", source=source)
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+    assert split == {
+        "local_compute": prompt - cached,
+        "local_cache_hit": cached,
+        "external_kv_transfer": 0,
+    }
+    assert value(samples, "vllm:request_prefill_kv_computed_tokens_sum") == prompt - cached
+    assert value(samples, "vllm:request_prefill_kv_computed_tokens_count") == 2
