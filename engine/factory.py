@@ -407,6 +407,7 @@ def core_from_model(
         max_logprobs=core.max_logprobs,
         eos_token_ids=loaded.eos_token_ids,
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        logprobs_mode=config.logprobs_mode,
     )
     return core, info
 

@@ -73,6 +73,12 @@ def submit(
         return submit_all(engine, prompts, params, request_id, options)
     info = engine.info
     check_beam_search(params, body.n, info.max_logprobs)
+    if info.logprobs_mode.endswith("logits"):
+        raise InvalidRequestError(
+            "use_beam_search ranks beams by their log probabilities, which this server does "
+            f"not report (--logprobs-mode {info.logprobs_mode}).",
+            param="use_beam_search",
+        )
 
     def search(prompt: list[int]) -> BeamSearch:
         room = info.max_model_len - len(prompt)

@@ -358,6 +358,8 @@ class ServingInfo:
     eos_token_ids: frozenset[int] = frozenset()
     # The most tokens n-gram speculation drafts for a step (0: no speculation).
     num_speculative_tokens: int = 0
+    # What logprobs report (`--logprobs-mode`).
+    logprobs_mode: str = "raw_logprobs"
     # What a request that leaves a sampling field out gets, by the request's field name, where
     # the model's generation config says (`loading/generation_config.py`).
     sampling_defaults: dict[str, float] = field(default_factory=dict)

@@ -152,6 +152,15 @@ async def test_what_beam_search_cannot_honour_is_refused(fields: dict, param: st
         assert blocks_in_use(engine) == 0 and (await client.get("/health")).status_code == 200
 
 
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logits"])
+async def test_beam_search_is_refused_where_logprobs_are_logits(mode: str) -> None:
+    async with app_client(logprobs_mode=mode) as (client, _):
+        response = await client.post("/v1/completions", json=completions_body())
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "use_beam_search"
+    assert f"--logprobs-mode {mode}" in response.json()["error"]["message"]
+
+
 async def test_a_client_that_leaves_mid_search_stops_it(monkeypatch) -> None:
     """The search ends with the client: no more rounds are sent, no request stays queued or
     running, and every block returns."""
