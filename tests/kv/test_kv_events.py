@@ -9,7 +9,6 @@ import random
 import pytest
 
 from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
 from engine.kv.block_manager import BlockManager
 from engine.kv.events import (
     AllBlocksCleared,
@@ -21,18 +20,7 @@ from engine.kv.events import (
     external_hash,
 )
 from engine.lora.registry import LoRARequest
-
-
-def request_with(tokens: list[int], name: str = "r", lora: LoRARequest | None = None) -> Request:
-    return Request(
-        name,
-        list(tokens),
-        SamplingParams(max_tokens=4),
-        0.0,
-        10_000,
-        eos_token_ids=frozenset({0}),
-        lora=lora,
-    )
+from tests.kv.traffic import arrive, request_with
 
 
 def recording(num_blocks: int = 16, block_size: int = 4) -> BlockManager:
@@ -175,17 +163,8 @@ def test_a_mirror_of_the_events_holds_exactly_the_cached_blocks_under_random_tra
             manager.reset_cache()
         elif live and roll < 0.45:
             manager.free(live.pop(rng.randrange(len(live))))
-        else:
-            tokens = rng.choice(prefixes) + [rng.randrange(300) for _ in range(rng.randint(1, 9))]
-            request = request_with(tokens, str(i))
-            manager.claim(request, manager.cached_prefix(request))
-            request.num_computed_tokens = len(request.block_ids) * 4
-            if manager.allocate(request, request.num_tokens):
-                request.num_computed_tokens = request.num_tokens
-                manager.cache_full_blocks(request)
-                live.append(request)
-            else:
-                manager.free(request)
+        elif (request := arrive(manager, rng, prefixes, str(i), 300)) is not None:
+            live.append(request)
         mirror.apply(manager.events.take())
         cached = {external_hash(h): h for h in manager._by_hash}
         assert set(mirror.blocks) == set(cached)

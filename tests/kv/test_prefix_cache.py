@@ -11,6 +11,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.kv.block_hash import ROOT_HASH, extend_block_hashes, hash_block
 from engine.kv.block_manager import BlockManager
 from tests.helpers import run_all, tiny_core, tokens_of
+from tests.kv.traffic import arrive
 from tests.scheduler_utils import create_request, create_scheduler, drain, scheduled_counts, step
 
 
@@ -122,17 +123,8 @@ def test_free_plus_cached_plus_used_is_total_under_random_traffic():
     for i in range(400):
         if live and rng.random() < 0.45:
             manager.free(live.pop(rng.randrange(len(live))))
-        else:
-            tokens = rng.choice(prefixes) + [rng.randrange(100) for _ in range(rng.randint(1, 9))]
-            request = request_with(tokens, str(i))
-            manager.claim(request, manager.cached_prefix(request))
-            request.num_computed_tokens = len(request.block_ids) * 4
-            if manager.allocate(request, request.num_tokens):
-                request.num_computed_tokens = request.num_tokens
-                manager.cache_full_blocks(request)
-                live.append(request)
-            else:
-                manager.free(request)
+        elif (request := arrive(manager, rng, prefixes, str(i), 100)) is not None:
+            live.append(request)
         manager.check_invariants()
 
 

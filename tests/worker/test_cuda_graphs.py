@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed on this platform")
 
 from engine.attention import get_backend
+from engine.core.engine_core import EngineCore
 from engine.factory import _why_not_capturable
 from engine.models import build_causal_lm
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -31,16 +32,23 @@ def test_capture_sizes():
     assert capture_sizes(64, largest=20) == [1, 2, 4, 8, 16, 20]
 
 
-def test_padded_decode_steps_match_generate():
-    """Without a GPU the padded static path runs eagerly, through the Triton kernels in the
-    interpreter: padded rows (length 0, slot -1) must neither disturb nor leak anything."""
+def eager_triton_core(max_num_seqs: int) -> EngineCore:
+    """A core without graphs whose attention runs the Triton kernels (in the interpreter
+    without a GPU), for a test to give its own decode graphs."""
     core, _ = tiny_core(
         device=TRITON_DEVICE,
         attention_backend="triton",
         block_size=16,
-        max_num_seqs=7,
+        max_num_seqs=max_num_seqs,
         enforce_eager=True,
     )
+    return core
+
+
+def test_padded_decode_steps_match_generate():
+    """Without a GPU the padded static path runs eagerly, through the Triton kernels in the
+    interpreter: padded rows (length 0, slot -1) must neither disturb nor leak anything."""
+    core = eager_triton_core(7)
     assert core.runner.graphs is None
     runner = core.runner
     runner.graphs = DecodeGraphs(
@@ -66,13 +74,7 @@ def test_cuda_graphs_replay_decode_steps(device):
 def test_decode_steps_pad_to_the_chosen_sizes_only():
     """vLLM's `cudagraph_capture_sizes`: batches pad to the next size chosen, and the tokens
     stay generate()'s."""
-    core, _ = tiny_core(
-        device=TRITON_DEVICE,
-        attention_backend="triton",
-        block_size=16,
-        max_num_seqs=7,
-        enforce_eager=True,
-    )
+    core = eager_triton_core(7)
     runner = core.runner
     runner.graphs = DecodeGraphs(
         runner.model, runner.backend, runner.kv_cache, 7, 512, capture_sizes(7, (3, 7))
@@ -118,13 +120,7 @@ def batch_of(query_lens: list[int], width: int = 2) -> InputBatch:
 
 
 def test_only_plain_decode_steps_take_the_static_path():
-    core, _ = tiny_core(
-        device=TRITON_DEVICE,
-        attention_backend="triton",
-        block_size=16,
-        max_num_seqs=4,
-        enforce_eager=True,
-    )
+    core = eager_triton_core(4)
     runner = core.runner
     graphs = DecodeGraphs(runner.model, runner.backend, runner.kv_cache, 4, max_model_len=64)
     assert graphs.supports(batch_of([1, 1, 1]), np.arange(3))
