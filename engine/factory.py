@@ -408,6 +408,8 @@ def core_from_model(
         eos_token_ids=loaded.eos_token_ids,
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         logprobs_mode=config.logprobs_mode,
+        hidden_size=int(getattr(loaded.model.config, "hidden_size", 0) or 0),
+        embeds_prompts=runner.embeds_prompts,
     )
     return core, info
 

@@ -100,6 +100,11 @@ def build_app(
     if settings.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.chat_template = settings.chat_template
     check_processor_kwargs(engine.processor, settings.mm_processor_kwargs)
+    if settings.enable_prompt_embeds and not engine.info.embeds_prompts:
+        raise ValueError(
+            "--enable-prompt-embeds: this model cannot take prompts as embeddings (Conveyor's "
+            "text decoder on one device takes them; not Gemma's or Granite's, which scale them)"
+        )
     registry = registry if registry is not None else build_registry()
     engine.stat_loggers.append(EngineMetrics(registry, served.name, engine.info).record)
     tracing = tracing or Tracing.from_endpoint(
@@ -223,7 +228,7 @@ def _openai_router(
     stored: ResponseStore,
 ) -> APIRouter:
     router = APIRouter(responses=errors(401) if settings.api_key else None)
-    completions = CompletionHandler(engine, served, settings.limits)
+    completions = CompletionHandler(engine, served, settings.limits, settings.enable_prompt_embeds)
     chat = ChatHandler(engine, served, settings)
     embeddings = EmbeddingHandler(engine, served, settings.limits)
     scores = ScoreHandler(embeddings)

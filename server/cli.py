@@ -543,6 +543,12 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"images in one request, as '{{\"image\": N}}' (default {defaults.max_images})",
     )
     server.add_argument(
+        "--enable-prompt-embeds",
+        action="store_true",
+        help="/v1/completions takes prompts as embedding rows (`prompt_embeds`: base64 of a "
+        "torch.save'd [tokens, hidden] tensor), as vLLM's flag",
+    )
+    server.add_argument(
         "--enable-tokenizer-info-endpoint",
         action="store_true",
         help="serve GET /tokenizer_info: the tokenizer's config (class, special and added "
@@ -781,6 +787,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         mm_processor_kwargs=args.mm_processor_kwargs,
         trust_request_chat_template=args.trust_request_chat_template,
         tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_prompt_embeds=args.enable_prompt_embeds,
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,

@@ -236,13 +236,31 @@ COMPLETION_MAX_TOKENS = 16
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Prompt
+    # Required, unless the prompt comes as `prompt_embeds`.
+    prompt: Prompt | None = None
     echo: bool = False
     logprobs: LogprobCount | None = None
     suffix: str | None = None
     # vLLM's: whether a text prompt gets the tokenizer's special tokens (a BOS).
     add_special_tokens: bool = True
     best_of: int | None = None
+    # vLLM's: each prompt as its embedding rows, a base64 `torch.save` of a `[tokens, hidden]`
+    # tensor (with --enable-prompt-embeds).
+    prompt_embeds: str | list[str] | None = None
+
+    @model_validator(mode="after")
+    def _a_prompt(self) -> CompletionRequest:
+        if self.prompt is None and self.prompt_embeds is None:
+            raise InvalidRequestError("prompt is required.", param="prompt")
+        if self.prompt is not None and self.prompt_embeds is not None:
+            raise InvalidRequestError(
+                "Give the prompt as prompt or as prompt_embeds, not both.", param="prompt_embeds"
+            )
+        if self.prompt_embeds is not None and (
+            not self.prompt_embeds or any(not e for e in self.prompt_embeds)
+        ):
+            raise InvalidRequestError("prompt_embeds must not be empty.", param="prompt_embeds")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -272,13 +272,16 @@ def submit_all(
     params: SamplingParams,
     request_id: str,
     options: RequestOptions,
+    rows: list[ImageInputs] | None = None,
 ) -> list[AsyncGenerator[RequestOutput, None]]:
-    """Queue every prompt, or none: a refusal aborts the ones already queued."""
+    """Queue every prompt, or none: a refusal aborts the ones already queued. `rows`: each
+    prompt's own embedding rows, for prompts given as embeddings."""
     streams: list[AsyncGenerator[RequestOutput, None]] = []
     ids = prompt_ids(request_id, len(prompts))
     try:
-        for prompt, sub_id in zip(prompts, ids, strict=True):
-            streams.append(engine.submit(prompt, params, sub_id, options))
+        for index, (prompt, sub_id) in enumerate(zip(prompts, ids, strict=True)):
+            own = options if rows is None else replace(options, images=rows[index])
+            streams.append(engine.submit(prompt, params, sub_id, own))
     except BaseException:
         for sub_id in ids[: len(streams)]:
             engine.abort(sub_id)

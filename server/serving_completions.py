@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.core.errors import InvalidRequestError
+from engine.core.images import ImageInputs
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.lora.registry import LoRARequest
@@ -16,6 +17,7 @@ from server import beam_search
 from server.fill_in_middle import check_suffix, fill_in_middle_prompts
 from server.limits import RequestLimits, check_completion
 from server.logprobs import CompletionLogprobs, prompt_logprobs
+from server.prompt_embeds import embedded_prompts
 from server.protocol import CompletionRequest
 from server.rendering import ChoiceState, ChunkRenderer
 from server.serving import (
@@ -27,6 +29,7 @@ from server.serving import (
     request_options,
     respond,
     sampling_params,
+    submit_all,
     usage,
 )
 from server.tokenization import (
@@ -182,24 +185,44 @@ class CompletionRenderer(ChunkRenderer):
 
 class CompletionHandler:
     def __init__(
-        self, engine: EngineClient, model: ServedModel, limits: RequestLimits | None = None
+        self,
+        engine: EngineClient,
+        model: ServedModel,
+        limits: RequestLimits | None = None,
+        prompt_embeds: bool = False,
     ) -> None:
         self.engine = engine
         self.model = model
         self.limits = limits or RequestLimits()
+        # Prompts may come as embedding rows (`--enable-prompt-embeds`).
+        self.prompt_embeds = prompt_embeds
 
     async def render(self, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams, str]:
         """The request checked and made into what the engine runs: each prompt's token ids, the
         sampling parameters and the model it runs as (what `/v1/completions/render` answers)."""
-        prompts, _, params, lora = await self._prepare(body)
+        prompts, _, params, lora, _ = await self._prepare(body)
         return prompts, params, self.model.name_for(lora)
 
     async def _prepare(
         self, body: CompletionRequest
-    ) -> tuple[list[list[int]], list[str | None], SamplingParams, LoRARequest | None]:
+    ) -> tuple[
+        list[list[int]],
+        list[str | None],
+        SamplingParams,
+        LoRARequest | None,
+        list[ImageInputs] | None,
+    ]:
+        """Each prompt's token ids and text (to echo), the sampling parameters, the adapter,
+        and each prompt's embedding rows where the prompts came as `prompt_embeds`."""
         lora = self.model.resolve(body.model)
         check_completion(body, self.limits)
         _check_unsupported(body)
+        params = self._params(body)
+        if body.prompt_embeds is not None:
+            embedded = embedded_prompts(body, self.model.info, self.prompt_embeds)
+            ids = [prompt for prompt, _ in embedded]
+            return ids, [None] * len(ids), params, lora, [rows for _, rows in embedded]
+        assert body.prompt is not None  # the request's validation asks for one or the other
         singles = split_prompts(body.prompt)
         max_model_len = self.model.info.max_model_len
         keep = prompt_truncation(body, max_model_len)
@@ -210,16 +233,18 @@ class CompletionHandler:
             for p, ids in zip(singles, prompts, strict=True)
         ]
         prompts = [ids if keep is None else ids[-keep:] for ids in prompts]
+        return prompts, texts, params, lora, None
+
+    def _params(self, body: CompletionRequest) -> SamplingParams:
         echoed = body.logprobs if body.echo and body.logprobs is not None else None
         wanted = [n for n in (echoed, body.prompt_logprobs) if n is not None]
-        params = sampling_params(
+        return sampling_params(
             body,
             body.requested_max_tokens,
             body.logprobs,
             max(wanted) if wanted else None,
             self.model.info.sampling_defaults,
         )
-        return prompts, texts, params, lora
 
     async def _prompt_ids(
         self, body: CompletionRequest, singles: list[str | list[int]], truncating: bool
@@ -239,7 +264,7 @@ class CompletionHandler:
         )
 
     async def __call__(self, body: CompletionRequest, request: Request) -> Response:
-        prompts, texts, params, lora = await self._prepare(body)
+        prompts, texts, params, lora, rows = await self._prepare(body)
         tokenizer = self.engine.tokenizer
         shown, request_id = request_ids("cmpl", request, body.request_id)
         bind_trace(request, request_id, shown)
@@ -247,7 +272,10 @@ class CompletionHandler:
         renderer = CompletionRenderer(shown, model, body, prompts, texts, tokenizer)
         await self.engine.prepare(params)
         options = request_options(body, request, lora)
-        streams = beam_search.submit(self.engine, prompts, params, body, request_id, options)
+        if rows is not None:
+            streams = submit_all(self.engine, prompts, params, request_id, options, rows)
+        else:
+            streams = beam_search.submit(self.engine, prompts, params, body, request_id, options)
         return await respond(renderer, streams, bool(body.stream), request)
 
 

@@ -90,6 +90,8 @@ class ServerSettings:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (clients then name folders to read).
     runtime_lora_updating: bool = False
+    # /v1/completions takes `prompt_embeds` (`--enable-prompt-embeds`).
+    enable_prompt_embeds: bool = False
     # GET /tokenizer_info (`--enable-tokenizer-info-endpoint`).
     tokenizer_info_endpoint: bool = False
     # Requests may bring their own chat template (`--trust-request-chat-template`).

@@ -360,6 +360,9 @@ class ServingInfo:
     num_speculative_tokens: int = 0
     # What logprobs report (`--logprobs-mode`).
     logprobs_mode: str = "raw_logprobs"
+    # The model's width, and whether a prompt may come as embedding rows of it.
+    hidden_size: int = 0
+    embeds_prompts: bool = False
     # What a request that leaves a sampling field out gets, by the request's field name, where
     # the model's generation config says (`loading/generation_config.py`).
     sampling_defaults: dict[str, float] = field(default_factory=dict)

@@ -141,6 +141,12 @@ class EngineCore:
         """The model reads images; where an image's tokens see each other both ways, each
         image fits one step's token budget (it is computed in one step); where they lie on
         their grids, the prompt's positions on three axes."""
+        if images.given:
+            if not self.runner.embeds_prompts:
+                raise InvalidRequestError(
+                    "This model does not take prompt embeddings.", param="prompt_embeds"
+                )
+            return
         if not self.runner.takes_images:
             raise InvalidRequestError("This model does not take images.", param="messages")
         images.both_ways = self.runner.images_both_ways

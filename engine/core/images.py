@@ -45,7 +45,16 @@ class ImageInputs:
     # The sequence's rotary positions on three axes, for a model that lays images out on
     # their grids (set by the engine: `engine/core/mrope.py`).
     grid: GridPositions | None = None
+    # Rows the request gave itself (prompt embeddings, `given`), not an encoder's.
+    given: bool = False
     _runs: np.ndarray | None = field(default=None, repr=False)
+
+    @classmethod
+    def embeddings(cls, rows: Any, count: int, digest: bytes) -> ImageInputs:
+        """A prompt given as `count` embedding rows (`rows`, on the host) rather than tokens:
+        every position takes its row, and `digest` keys the prefix cache on them."""
+        positions = np.arange(count, dtype=np.int64)
+        return cls(positions, ((0, digest),), {}, rows, encoder_scheduled=True, given=True)
 
     @classmethod
     def of(

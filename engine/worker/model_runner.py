@@ -21,6 +21,8 @@ from engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from engine.lora.slots import LoRASlots
 from engine.models import CausalLM
 from engine.models.base import ImageRows
+from engine.models.gemma import PagedGemmaForCausalLM
+from engine.models.granite import PagedGraniteForCausalLM
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.models.vision import ImageTextLM, takes_images
 from engine.parallel.step import StepInputs
@@ -93,6 +95,19 @@ class ModelRunner:
     def takes_images(self) -> bool:
         """Whether the model reads images (an image-text model's prompts may carry some)."""
         return takes_images(self.model)
+
+    @property
+    def embeds_prompts(self) -> bool:
+        """Whether a prompt may come as embedding rows in place of its tokens' (vLLM's
+        `prompt_embeds`): on Conveyor's text decoder on one device, where the rows enter as
+        transformers' `inputs_embeds` would (not Gemma's or Granite's, which scale those)."""
+        model = self.model
+        return (
+            isinstance(model, PagedLlamaForCausalLM)
+            and not isinstance(model, PagedGemmaForCausalLM | PagedGraniteForCausalLM)
+            and not takes_images(model)
+            and model.shard is None
+        )
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its results."""
@@ -267,9 +282,10 @@ class ModelRunner:
 
     def _image_features(self, batch: InputBatch) -> ImageRows | None:
         """The features of the images whose placeholders the step computes (None for none)."""
-        if not self.takes_images:
+        if not self.takes_images and all(r.images is None for r in batch.requests):
             return None
-        return step_image_features(batch, cast(ImageTextLM, self.model), self.device)
+        encoder = cast(ImageTextLM, self.model).image_encoder if self.takes_images else None
+        return step_image_features(batch, encoder, self.device)
 
     def _replays_whole(self, batch: InputBatch, logits_indices: np.ndarray) -> bool:
         """A decode graph runs the step. The step that calibrates the KV cache's scales runs
