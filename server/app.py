@@ -228,7 +228,9 @@ def _openai_router(
     stored: ResponseStore,
 ) -> APIRouter:
     router = APIRouter(responses=errors(401) if settings.api_key else None)
-    completions = CompletionHandler(engine, served, settings.limits, settings.enable_prompt_embeds)
+    completions = CompletionHandler(
+        engine, served, settings.limits, settings.enable_prompt_embeds, settings.json_style
+    )
     chat = ChatHandler(engine, served, settings)
     embeddings = EmbeddingHandler(engine, served, settings.limits)
     scores = ScoreHandler(embeddings)

@@ -27,6 +27,7 @@ from engine.kv.events import KVEventsConfig
 from engine.loading.gguf_file import is_gguf_file
 from server.config_file import CONFIG_OPTION, with_config_file
 from server.content_format import CONTENT_FORMATS
+from server.json_style import JsonStyle
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
 from server.reasoning import PARSERS as REASONING_PARSERS
@@ -788,6 +789,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         trust_request_chat_template=args.trust_request_chat_template,
         tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_prompt_embeds=args.enable_prompt_embeds,
+        json_style=JsonStyle.of(args.structured_outputs_config or {}),
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,

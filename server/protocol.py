@@ -124,6 +124,12 @@ class StructuredOutputsFields(FormatModel):
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: dict[str, Any] | str | None = None
+    # How a JSON format is written (`server/json_style.py`); `disable_fallback` has nothing to
+    # turn off (one backend compiles every format).
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
 
 
 class SamplingFields(RequestBody):

@@ -20,6 +20,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.stats import StepStats
 from engine.lora.registry import LoRARegistry, LoRARequest
 from server.errors import APIError
+from server.json_style import PLAIN, JsonStyle
 from server.protocol import SamplingFields
 from server.streaming import CLIENT_GONE, DONE, merge, sse, sse_error, unless_disconnected
 from server.structured import structured_outputs
@@ -149,9 +150,11 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     defaults: Mapping[str, float] | None = None,
+    json_style: JsonStyle = PLAIN,
 ) -> SamplingParams:
     """For fields left out, the model's `defaults` (its generation config's, as vLLM applies
-    them), else OpenAI's (temperature 1, top_p 1, no penalties, up to the context's end)."""
+    them), else OpenAI's (temperature 1, top_p 1, no penalties, up to the context's end); an
+    output format's JSON written in the server's `json_style`."""
     model = defaults or {}
 
     def pick(value: float | None, name: str, default: float) -> float:
@@ -183,7 +186,7 @@ def sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
-        structured=structured_outputs(request),
+        structured=structured_outputs(request, json_style),
     )
 
 

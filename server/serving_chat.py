@@ -393,6 +393,7 @@ class ChatHandler:
         self.content_format = settings.chat_content_format
         self.default_template_kwargs = settings.default_chat_template_kwargs or {}
         self.trust_request_template = settings.trust_request_chat_template
+        self.json_style = settings.json_style
         self.processor_kwargs = processor_arguments(
             getattr(engine, "processor", None), settings.mm_processor_kwargs
         )
@@ -497,6 +498,7 @@ class ChatHandler:
             _top_logprobs(body, self.model.info.max_logprobs),
             body.prompt_logprobs,
             self.model.info.sampling_defaults,
+            self.json_style,
         )
         forced = forced_calls(body)
         if forced is not None:

@@ -15,6 +15,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.lora.registry import LoRARequest
 from server import beam_search
 from server.fill_in_middle import check_suffix, fill_in_middle_prompts
+from server.json_style import PLAIN, JsonStyle
 from server.limits import RequestLimits, check_completion
 from server.logprobs import CompletionLogprobs, prompt_logprobs
 from server.prompt_embeds import embedded_prompts
@@ -190,12 +191,14 @@ class CompletionHandler:
         model: ServedModel,
         limits: RequestLimits | None = None,
         prompt_embeds: bool = False,
+        json_style: JsonStyle = PLAIN,
     ) -> None:
         self.engine = engine
         self.model = model
         self.limits = limits or RequestLimits()
         # Prompts may come as embedding rows (`--enable-prompt-embeds`).
         self.prompt_embeds = prompt_embeds
+        self.json_style = json_style
 
     async def render(self, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams, str]:
         """The request checked and made into what the engine runs: each prompt's token ids, the
@@ -244,6 +247,7 @@ class CompletionHandler:
             body.logprobs,
             max(wanted) if wanted else None,
             self.model.info.sampling_defaults,
+            self.json_style,
         )
 
     async def _prompt_ids(

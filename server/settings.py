@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from server.json_style import PLAIN, JsonStyle
 from server.limits import RequestLimits
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -90,6 +91,8 @@ class ServerSettings:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (clients then name folders to read).
     runtime_lora_updating: bool = False
+    # How enforced JSON is written (`--structured-outputs-config`'s options).
+    json_style: JsonStyle = PLAIN
     # /v1/completions takes `prompt_embeds` (`--enable-prompt-embeds`).
     enable_prompt_embeds: bool = False
     # GET /tokenizer_info (`--enable-tokenizer-info-endpoint`).

@@ -10,12 +10,14 @@ from typing import Any
 from engine.core.errors import InvalidRequestError
 from engine.core.sampling_params import StructuredOutputs
 from server import json_text
+from server.json_style import PLAIN, JsonStyle
 from server.protocol import ResponseFormat, SamplingFields, StructuredOutputsFields
 from server.reasoning import ThoughtTags
 
 
-def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
-    """The one format `body` asks for, or None for free text."""
+def structured_outputs(body: SamplingFields, style: JsonStyle = PLAIN) -> StructuredOutputs | None:
+    """The one format `body` asks for, or None for free text; a JSON one written in the
+    server's `style` with the request's own options on top."""
     found = [
         spec
         for spec in (
@@ -31,7 +33,11 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
             f"Only one output format may be given; this request gives {names}.",
             param=found[1].param,
         )
-    return found[0] if found else None
+    if not found:
+        return None
+    options = body.structured_outputs
+    asked = JsonStyle.of(options.model_dump()) if options is not None else PLAIN
+    return asked.over(style).applied(found[0])
 
 
 def _response_format(value: ResponseFormat | None) -> StructuredOutputs | None:

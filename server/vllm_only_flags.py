@@ -69,16 +69,42 @@ def backend(text: str) -> str:
     return text
 
 
+# vLLM's structured-outputs options: their kinds. The JSON ones set how enforced JSON is
+# written (`server/json_style.py`); the others have nothing to set (one backend, no fallback;
+# reasoning is parsed by --reasoning-parser and formats wait for the reasoning to end).
+STRUCTURED_OPTIONS: dict[str, type | tuple[type, ...]] = {
+    "backend": str,
+    "disable_fallback": bool,
+    "disable_any_whitespace": bool,
+    "disable_additional_properties": bool,
+    "whitespace_pattern": (str, type(None)),
+    "reasoning_parser": str,
+    "reasoning_parser_plugin": str,
+    "enable_in_reasoning": bool,
+}
+
+
 def backend_config(text: str) -> dict:
-    """`--structured-outputs-config`'s JSON object; only its `backend` is read."""
+    """`--structured-outputs-config`'s JSON object: vLLM's options, checked."""
     try:
         value = json.loads(text)
     except ValueError:
         raise argparse.ArgumentTypeError("not a JSON object") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("not a JSON object")
+    unknown = sorted(set(value) - set(STRUCTURED_OPTIONS))
+    if unknown:
+        names = ", ".join(unknown)
+        raise argparse.ArgumentTypeError(f"unknown structured outputs options: {names}")
+    for name, given in value.items():
+        if not isinstance(given, STRUCTURED_OPTIONS[name]):
+            raise argparse.ArgumentTypeError(f"structured outputs option {name}: wrong type")
     if "backend" in value:
-        backend(str(value["backend"]))
+        backend(value["backend"])
+    if value.get("enable_in_reasoning"):
+        raise argparse.ArgumentTypeError(
+            "enable_in_reasoning is not served: a format holds once the reasoning has ended"
+        )
     return value
 
 
@@ -252,7 +278,9 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
         "--structured-outputs-config",
         type=backend_config,
         default=None,
-        help="accepted as --guided-decoding-backend (its backend)",
+        help="vLLM's JSON object: its backend as --guided-decoding-backend; "
+        "disable_any_whitespace, disable_additional_properties and whitespace_pattern set how "
+        "enforced JSON is written, for every request",
     )
     flags.add_argument(
         "--compilation-config",
