@@ -296,7 +296,7 @@ def _openai_router(
         if "messages" in body:
             await _generating(request)
             return await create_chat_completion(validated(ChatCompletionRequest, body), request)
-        if "prompt" in body:
+        if "prompt" in body or "prompt_embeds" in body:
             await _generating(request)
             return await create_completion(validated(CompletionRequest, body), request)
         if "input" in body and served.info.labels:
@@ -304,8 +304,8 @@ def _openai_router(
         if "input" in body:
             return await create_embedding(validated(EmbeddingRequest, body), request)
         raise InvalidRequestError(
-            "An invocation is a chat request (messages), a completion request (prompt) or an "
-            "embedding request (input)."
+            "An invocation is a chat request (messages), a completion request (prompt or "
+            "prompt_embeds) or an embedding request (input)."
         )
 
     @router.get("/v1/responses/{response_id}", responses=errors(400, 404), response_model=None)

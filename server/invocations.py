@@ -1,6 +1,6 @@
 """SageMaker's `/invocations` body, as vLLM reads it: any JSON object, made into the request
-of the API its fields name (`messages`: chat, `prompt`: a completion, `input`: an embedding or
-a classification)."""
+of the API its fields name (`messages`: chat, `prompt` or `prompt_embeds`: a completion,
+`input`: an embedding or a classification)."""
 
 from __future__ import annotations
 

@@ -124,3 +124,11 @@ async def test_prompt_embeds_need_the_flag():
         response = await client.post("/v1/completions", json=body)
     assert response.status_code == 400
     assert "--enable-prompt-embeds" in response.json()["error"]["message"]
+
+
+async def test_an_invocation_with_prompt_embeds_is_a_completion():
+    rows = rows_of([5, 9, 33, 2], 6)
+    async with app_client(ENABLED) as (client, _):
+        answer = await client.post("/invocations", json={**BODY, "prompt_embeds": encoded(rows)})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["token_ids"] == reference(rows)
