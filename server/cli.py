@@ -777,6 +777,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         response_role=args.response_role,
         tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         reasoning_parser=args.reasoning_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         log_requests=_log_requests(args),
@@ -1002,6 +1003,12 @@ def _add_reply_parsers(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         help="accepted for vLLM's command lines: tool_choice auto is always served",
     )
     parser.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="leave the tools out of the prompt of a tool_choice 'none' request (by default "
+        "the template shows them and the reply is read as text, as vLLM's)",
+    )
+    parser.add_argument(
         "--tool-call-parser",
         choices=PARSERS,
         default=None,
@@ -1067,6 +1074,7 @@ def batch_run(args: argparse.Namespace) -> int:
         chat_template=args.chat_template,
         state_dir=state,
         tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         reasoning_parser=args.reasoning_parser,
     )
     try:

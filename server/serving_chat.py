@@ -394,6 +394,7 @@ class ChatHandler:
         self.default_template_kwargs = settings.default_chat_template_kwargs or {}
         self.trust_request_template = settings.trust_request_chat_template
         self.json_style = settings.json_style
+        self.exclude_tools_when_none = settings.exclude_tools_when_tool_choice_none
         self.processor_kwargs = processor_arguments(
             getattr(engine, "processor", None), settings.mm_processor_kwargs
         )
@@ -414,6 +415,17 @@ class ChatHandler:
         if not renders_tools(tokenizer, template):
             return WRITTEN_TOOLS_PARSER
         return parser_for(self.tool_call_parser, template or tokenizer.chat_template)
+
+    def _offered_tools(
+        self, body: ChatCompletionRequest, tokenizer: Any, template: str | None
+    ) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows. Under `tool_choice` "none" a template that writes no
+        tool section gets none: the tools Conveyor would write in its place tell the model
+        how to call them."""
+        tools = template_tools(body, self.exclude_tools_when_none)
+        if tools and body.tool_choice == "none" and not renders_tools(tokenizer, template):
+            return None
+        return tools
 
     def _template(self, body: ChatCompletionRequest) -> str | None:
         """The request's own chat template, where the server trusts requests with one (vLLM's
@@ -439,8 +451,8 @@ class ChatHandler:
         lora = self.model.resolve(body.model)
         prompt, params, forced, thinking, images = await self._prepare(body)
         tokenizer = require_text_model(self.engine)
-        tools = template_tools(body)
-        parser = self._parser(tokenizer, self._template(body)) if tools and forced is None else None
+        reads_calls = body.tools and body.tool_choice != "none" and forced is None
+        parser = self._parser(tokenizer, self._template(body)) if reads_calls else None
         if self._harmony():  # every reply is Harmony's messages
             parser = HARMONY
         # A reply not opened in its reasoning may open it itself before any call (with or
@@ -542,7 +554,7 @@ class ChatHandler:
                 body.messages,
                 body.add_generation_prompt,
                 body.continue_final_message,
-                template_tools(body),
+                self._offered_tools(body, tokenizer, template),
                 {**self.default_template_kwargs, **(body.template_kwargs or {})} or None,
                 body.add_special_tokens,
                 images=token is not None,

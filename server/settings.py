@@ -76,6 +76,9 @@ class ServerSettings:
     default_chat_template_kwargs: dict[str, Any] | None = None
     # How calls are read from free text under tool_choice "auto" (None: from the chat template).
     tool_call_parser: str | None = None
+    # Under `tool_choice` "none" the prompt leaves the tools out
+    # (`--exclude-tools-when-tool-choice-none`); by default it shows them, as vLLM's.
+    exclude_tools_when_tool_choice_none: bool = False
     # Splits a thinking model's reasoning from its answer (None: the reply is all content).
     reasoning_parser: str | None = None
     # Where request spans go over OTLP/HTTP (None: the environment's, else no tracing).

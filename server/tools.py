@@ -131,9 +131,13 @@ def forced_calls(body: ChatCompletionRequest) -> ForcedCalls | None:
     return None
 
 
-def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools as chat templates take them (`tools=`), unless `tool_choice` is "none"."""
-    if not body.tools or body.tool_choice == "none":
+def template_tools(
+    body: ChatCompletionRequest, exclude_when_none: bool = False
+) -> list[dict[str, Any]] | None:
+    """The tools as chat templates take them (`tools=`): under `tool_choice` "none" too, as
+    vLLM and OpenAI keep them in the prompt (the reply is then read as text alone), unless
+    `exclude_when_none` (vLLM's `--exclude-tools-when-tool-choice-none`)."""
+    if not body.tools or (exclude_when_none and body.tool_choice == "none"):
         return None
     return [tool.model_dump(exclude_none=True) for tool in body.tools]
 

@@ -142,13 +142,31 @@ async def test_streamed_required_calls_assemble_into_the_same_calls():
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-async def test_tools_reach_the_template_unless_the_choice_is_none():
+async def test_tools_reach_the_template_under_none_too_unless_the_server_leaves_them_out():
+    """As vLLM's: tool_choice "none" keeps the tools in the prompt (the same prefix as the
+    turns that may call, for the prefix cache) and reads the reply as text alone;
+    `--exclude-tools-when-tool-choice-none` leaves them out."""
     async with app_client(tokenizer=tool_tokenizer()) as (client, _):
         plain = await chat(client, tools=None, max_tokens=1)
         offered = await chat(client, max_tokens=1)
+        none = await chat(client, tool_choice="none", max_tokens=8, ignore_eos=True)
+    assert offered["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+    assert none["usage"]["prompt_tokens"] == offered["usage"]["prompt_tokens"]
+    assert not none["choices"][0]["message"].get("tool_calls")
+    assert none["choices"][0]["finish_reason"] == "length"
+    settings = ServerSettings(served_model_name="tiny", exclude_tools_when_tool_choice_none=True)
+    async with app_client(settings, tokenizer=tool_tokenizer()) as (client, _):
+        left_out = await chat(client, tool_choice="none", max_tokens=1)
+    assert left_out["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+
+async def test_a_template_without_a_tool_section_shows_no_tools_under_none():
+    """The tools Conveyor writes for such a template teach the model to call them: under
+    "none" the prompt leaves them out."""
+    async with app_client() as (client, _):
+        plain = await chat(client, tools=None, max_tokens=1)
         none = await chat(client, tool_choice="none", max_tokens=1)
-        assert offered["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
-        assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
 
 
 async def test_a_tool_loop_round_trips_calls_and_results():
@@ -178,6 +196,7 @@ async def test_a_tool_loop_round_trips_calls_and_results():
                 },
                 {"role": "tool", "tool_call_id": call["id"], "content": "12 degrees"},
             ],
+            tools=TOOLS,  # shown under tool_choice "none" too, as vLLM shows them
             tokenize=False,
             add_generation_prompt=True,
         )
