@@ -74,8 +74,10 @@ def read_rows(text: str, info: ServingInfo) -> Any:
     try:
         rows = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     except Exception as exc:  # whatever the unpickler makes of the client's bytes
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise InvalidRequestError(
-            f"prompt_embeds must be base64 of a tensor saved by torch.save ({exc}).", param=PARAM
+            f"prompt_embeds must be base64 of a tensor saved by torch.save ({reason}).",
+            param=PARAM,
         ) from None
     if not isinstance(rows, torch.Tensor) or not rows.is_floating_point():
         raise InvalidRequestError("prompt_embeds must hold a floating-point tensor.", param=PARAM)
