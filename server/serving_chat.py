@@ -420,12 +420,13 @@ class ChatHandler:
         self, body: ChatCompletionRequest, tokenizer: Any, template: str | None
     ) -> list[dict[str, Any]] | None:
         """The tools the prompt shows. Under `tool_choice` "none" a template that writes no
-        tool section gets none: the tools Conveyor would write in its place tell the model
-        how to call them."""
+        tool section gets none (the tools Conveyor would write in its place tell the model
+        how to call them), nor does a Harmony one (gpt-oss's replies are read as messages,
+        calls included, whatever the choice)."""
         tools = template_tools(body, self.exclude_tools_when_none)
-        if tools and body.tool_choice == "none" and not renders_tools(tokenizer, template):
-            return None
-        return tools
+        if not tools or body.tool_choice != "none":
+            return tools
+        return None if self._harmony() or not renders_tools(tokenizer, template) else tools
 
     def _template(self, body: ChatCompletionRequest) -> str | None:
         """The request's own chat template, where the server trusts requests with one (vLLM's

@@ -153,3 +153,25 @@ async def test_a_harmony_template_keeps_special_tokens_and_reads_its_replies():
     assert reply.status_code == 200, reply.text
     message = reply.json()["choices"][0]["message"]
     assert "<|" not in (message["content"] or "") + message.get("reasoning", "")
+
+
+async def test_a_harmony_reply_under_tool_choice_none_is_offered_no_tools():
+    """gpt-oss's replies are read as messages, calls included, whatever the choice: under
+    tool_choice "none" its template is given no tools to call."""
+    tokenizer = harmony_tokenizer()
+    tokenizer.chat_template = HARMONY_TEMPLATE.replace(
+        "{% for m in messages %}",
+        "{% if tools %}<|start|>developer<|message|>{{ tools | tojson }}<|end|>{% endif %}"
+        "{% for m in messages %}",
+    )
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {}}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "tools": [tool]}
+    model = tiny_llama(vocab_size=len(tokenizer))
+    async with app_client(model=model, tokenizer=tokenizer) as (client, _):
+        offered = await client.post("/v1/chat/completions/render", json=body)
+        none = await client.post(
+            "/v1/chat/completions/render", json={**body, "tool_choice": "none"}
+        )
+        plain = await client.post("/v1/chat/completions/render", json={**body, "tools": None})
+    assert len(offered.json()["token_ids"]) > len(plain.json()["token_ids"])
+    assert none.json()["token_ids"] == plain.json()["token_ids"]
