@@ -201,7 +201,10 @@ class WorkerPool:
                     for process in self.processes:
                         if process.sentinel in ended:
                             process.join(JOIN_SECONDS)  # its exit code, once reaped
-                    error = WorkerFailedError(self.failure())
+                    # Another thread may be reaping it at the same moment (its exit then shows
+                    # to this one a poll later): wait for it to show.
+                    reason = self.failure(SETTLE_SECONDS) or "a tensor-parallel worker exited"
+                    error = WorkerFailedError(reason)
                     logger.error("the engine stops: %s", error)
                     on_failure(error)
                     return
