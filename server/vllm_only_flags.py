@@ -340,6 +340,8 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
         help="recompute: a preempted request's KV is recomputed (swap is refused)",
     )
     for name, why in (
+        ("--enable-server-load-tracking", "/load and /get_load always answer"),
+        ("--log-error-stack", "an unexpected error is always logged with its traceback"),
         ("--disable-frontend-multiprocessing", "HTTP and the engine loop share one process"),
         ("--use-v2-block-manager", "Conveyor has one block manager"),
         ("--disable-cascade-attn", "attention reads shared prefixes in place, without cascades"),

@@ -280,6 +280,7 @@ RECIPE = [
     "--api-server-count", "1", "--num-scheduler-steps", "1", "--preemption-mode", "recompute",
     "--disable-frontend-multiprocessing", "--use-v2-block-manager", "--disable-cascade-attn",
     "--kv-sharing-fast-prefill", "--fully-sharded-loras", "--max-cpu-loras", "4",
+    "--enable-server-load-tracking", "--log-error-stack",
 ]  # fmt: skip
 
 
