@@ -152,4 +152,7 @@ class Router:
                 self.process.wait()
 
     def healthy_workers(self) -> int:
-        return int(httpx.get(f"{self.url}/readiness", timeout=5).json()["healthy_workers"])
+        """How many workers the router counts healthy: 0 while its readiness answer holds no
+        count (before it has checked any, it answers in another shape)."""
+        answer = httpx.get(f"{self.url}/readiness", timeout=5).json()
+        return int(answer.get("healthy_workers", 0)) if isinstance(answer, dict) else 0
