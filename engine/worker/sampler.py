@@ -133,9 +133,8 @@ class Sampler:
         drafts against it."""
         logits = self._process(logits.float(), requests)
         params = [r.sampling_params for r in requests]
-        temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
-        probs = _probabilities(logits / temps[:, None], params, [])
-        greedy = [row for row, p in enumerate(params) if p.greedy]
+        greedy = _greedy_rows(params)
+        probs = torch.softmax(_kept_logits(_scaled(logits, params), params, greedy), dim=-1)
         if greedy:
             rows = to_device(greedy, logits.device, torch.int64)
             best = row_argmax(logits[rows])
@@ -176,10 +175,11 @@ class Sampler:
         if all(greedy):
             return row_argmax(logits)
         params = [r.sampling_params for r in requests]
-        temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
-        scaled = logits / temps[:, None]
+        scaled = _scaled(logits, params)
         nucleus = self._nucleus_rows(params)
-        probs = _probabilities(scaled, params, nucleus)
+        # The nucleus rows are drawn by the kernel instead: their whole vocabulary is kept.
+        kept = _kept_logits(scaled, params, [*nucleus, *_greedy_rows(params)])
+        probs = torch.softmax(kept, dim=-1)
         noise = self._exponential_noise(probs, requests)
         choice = row_argmax(probs.div_(noise))
         if nucleus:
@@ -237,24 +237,33 @@ class Sampler:
         return generator
 
 
-def _probabilities(
-    logits: torch.Tensor, params: list[SamplingParams], nucleus: list[int]
+def _greedy_rows(params: list[SamplingParams]) -> list[int]:
+    return [row for row, p in enumerate(params) if p.greedy]
+
+
+def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each sampled row divided by its temperature (a greedy row as it is)."""
+    temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
+    return logits / temps[:, None]
+
+
+def _kept_logits(
+    scaled: torch.Tensor, params: list[SamplingParams], whole: list[int]
 ) -> torch.Tensor:
-    """Each row's distribution after top-k, top-p and min-p, from temperature-scaled logits;
-    the `nucleus` rows (drawn by the kernel instead) keep their whole vocabulary."""
-    drawn_apart = set(nucleus)
-    limited = [
-        (p.uses_top_k or p.top_p < 1.0) and row not in drawn_apart for row, p in enumerate(params)
-    ]
+    """Temperature-scaled logits with the tokens each row's top-k, top-p and min-p rule out at
+    -inf (its softmax is the distribution sampling draws from); the rows in `whole` keep every
+    token."""
+    apart = set(whole)
+    limited = [(p.uses_top_k or p.top_p < 1.0) and row not in apart for row, p in enumerate(params)]
     if any(limited):
         kept = [p if limit else KEEP_ALL for p, limit in zip(params, limited, strict=True)]
-        logits = _top_k_top_p(logits, kept)
-    probs = torch.softmax(logits, dim=-1)
-    if any(p.min_p > 0 for p in params):
-        min_p = to_device([p.min_p for p in params], logits.device)
-        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return probs
+        scaled = _top_k_top_p(scaled, kept)
+    min_p = [0.0 if row in apart else p.min_p for row, p in enumerate(params)]
+    if any(min_p):
+        probs = torch.softmax(scaled, dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * to_device(min_p, scaled.device)[:, None]
+        scaled = scaled.masked_fill(probs < floor, float("-inf"))
+    return scaled
 
 
 def raw_scores(logits: torch.Tensor, mode: str) -> torch.Tensor:
@@ -267,18 +276,7 @@ def sampled_scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     """The processed logits as sampling draws from them: each sampled row divided by its
     temperature, and the tokens its top-k, top-p and min-p rule out at -inf (a greedy row as
     the processing left it)."""
-    temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
-    scores = logits / temps[:, None]
-    limited = [(p.uses_top_k or p.top_p < 1.0) and not p.greedy for p in params]
-    if any(limited):
-        kept = [p if limit else KEEP_ALL for p, limit in zip(params, limited, strict=True)]
-        scores = _top_k_top_p(scores, kept)
-    min_p = [0.0 if p.greedy else p.min_p for p in params]
-    if any(min_p):
-        probs = torch.softmax(scores, dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * to_device(min_p, logits.device)[:, None]
-        scores = scores.masked_fill(probs < floor, float("-inf"))
-    return scores
+    return _kept_logits(_scaled(logits, params), params, _greedy_rows(params))
 
 
 def _nucleus_choice(

@@ -23,12 +23,18 @@ TRIALS = 6000
 
 
 def expected(params: SamplingParams) -> torch.Tensor:
-    """Each row's distribution, computed here: temperature, then the top-k tokens kept."""
+    """Each row's distribution, computed here: temperature, then the top-k tokens kept, then
+    those at least min_p of the likeliest."""
     probs = torch.softmax(LOGITS / params.temperature, dim=-1)
     if params.top_k > 0:
         kept = probs.topk(params.top_k, dim=-1).indices
         mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, kept, True)
         probs = torch.where(mask, probs, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if params.min_p > 0:
+        probs = torch.where(
+            probs >= probs.max(dim=-1, keepdim=True).values * params.min_p, probs, 0
+        )
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
@@ -55,6 +61,7 @@ def test_sampled_tokens_follow_the_model_s_rows():
     for params in [
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.6, top_k=3),
+        SamplingParams(temperature=1.0, min_p=0.5),
     ]:
         want = expected(params)
         first, second = outcomes(params)
