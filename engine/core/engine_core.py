@@ -398,7 +398,7 @@ class EngineCore:
                 continue
             kept = len(runner_output.accepted_drafts.get(item.request.request_id, []))
             self._stats.drafts.record(len(item.drafts), kept)
-            drafter.kept(item.request.request_id, len(item.drafts), kept)
+            drafter.kept(item.request.request_id, kept)
 
     def _draft(self, scheduled: SchedulerOutput, advanced: list[Request], seconds: float) -> None:
         """Tell the drafter what a decode step (one with no prompt chunk) gave in `seconds`

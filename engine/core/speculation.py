@@ -165,10 +165,10 @@ class Drafter:
             drafts = drafts[: request.grammar.validate_tokens(drafts)]
         request.draft_token_ids = drafts
 
-    def kept(self, request_id: str, drafted: int, kept: int) -> None:
-        """A step kept `kept` of the request's `drafted` drafts: it drafts one more next time
-        after keeping them all, else one more than it kept (so a request whose text stops
-        repeating spends one row a step on drafts, and one that repeats grows back)."""
+    def kept(self, request_id: str, kept: int) -> None:
+        """A step kept `kept` of the request's drafts: it drafts one more than that next time
+        (so a request whose text stops repeating spends one row a step on drafts, and one that
+        repeats grows back)."""
         most = self.config.num_speculative_tokens
         self._lengths[request_id] = min(kept + 1, most)
 

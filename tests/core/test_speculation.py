@@ -134,19 +134,19 @@ def test_a_request_drafts_one_more_than_it_last_kept():
     request.prompt_token_ids[:] = request.all_token_ids[:] = [1, 2, 3, 4, 5, 6, 1]
     drafter.draft(request)
     assert request.draft_token_ids == [2, 3, 4, 5]
-    drafter.kept("r", 4, 0)
+    drafter.kept("r", 0)
     drafter.draft(request)
     assert request.draft_token_ids == [2]
-    drafter.kept("r", 1, 1)
+    drafter.kept("r", 1)
     drafter.draft(request)
     assert request.draft_token_ids == [2, 3]
-    drafter.kept("r", 2, 2)
-    drafter.kept("r", 3, 3)
-    drafter.kept("r", 4, 4)
+    drafter.kept("r", 2)
+    drafter.kept("r", 3)
+    drafter.kept("r", 4)
     drafter.draft(request)
     assert request.draft_token_ids == [2, 3, 4, 5]
     drafter.release(["r"])
-    drafter.kept("s", 4, 1)
+    drafter.kept("s", 1)
     drafter.draft(request)
     assert len(request.draft_token_ids) == 4
 
