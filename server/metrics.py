@@ -7,7 +7,7 @@ an ASGI middleware. Nothing here touches a global registry.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -163,6 +163,13 @@ class EngineMetrics:
     def _counter(self, registry: CollectorRegistry, name: str, doc: str) -> Counter:
         return Counter(name, doc, LABELS, registry=registry).labels(*self._labels)
 
+    def _counters_by(
+        self, registry: CollectorRegistry, name: str, doc: str, label: str, values: Iterable[str]
+    ) -> dict[str, Counter]:
+        """One counter per value of `label` (each series there from the start, at 0)."""
+        family = Counter(name, doc, [*LABELS, label], registry=registry)
+        return {value: family.labels(*self._labels, value) for value in values}
+
     def _histogram(
         self, registry: CollectorRegistry, name: str, doc: str, buckets: Sequence[float]
     ) -> Histogram:
@@ -243,16 +250,13 @@ class EngineMetrics:
             "vllm:prompt_tokens_cached",
             "Prompt tokens read from the prefix cache rather than computed.",
         )
-        by_source = Counter(
+        self.prompt_sources = self._counters_by(
+            registry,
             "vllm:prompt_tokens_by_source",
             "Prompt tokens by where their KV came from.",
-            [*LABELS, "source"],
-            registry=registry,
+            "source",
+            ("local_compute", "local_cache_hit", "external_kv_transfer"),
         )
-        self.prompt_sources = {
-            source: by_source.labels(*self._labels, source)
-            for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
-        }
         self.prefix_queries = self._counter(
             registry,
             "vllm:prefix_cache_queries",
@@ -263,27 +267,23 @@ class EngineMetrics:
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
         )
-        success = Counter(
+        self.success = self._counters_by(
+            registry,
             "vllm:request_success",
             "Count of successfully processed requests.",
-            [*LABELS, "finished_reason"],
-            registry=registry,
+            "finished_reason",
+            (str(reason) for reason in FinishReason),
         )
-        self.success = {
-            str(reason): success.labels(*self._labels, str(reason)) for reason in FinishReason
-        }
 
     def _define_structured(self, registry: CollectorRegistry) -> None:
         """Conveyor's own: requests that ask for an output format, and format compile times."""
-        structured = Counter(
+        self.structured = self._counters_by(
+            registry,
             "conveyor:structured_output_requests",
             "Requests that asked for an output format, by kind.",
-            [*LABELS, "kind"],
-            registry=registry,
+            "kind",
+            STRUCTURED_KINDS,
         )
-        self.structured = {
-            kind: structured.labels(*self._labels, kind) for kind in STRUCTURED_KINDS
-        }
         self.grammar_compile = self._histogram(
             registry,
             "conveyor:structured_output_compile_seconds",
