@@ -11,7 +11,6 @@ import re
 import ssl
 import sys
 from pathlib import Path
-from typing import Any
 
 from engine.core.config import (
     KV_CACHE_DTYPES,
@@ -27,6 +26,7 @@ from engine.kv.events import KVEventsConfig
 from engine.loading.gguf_file import is_gguf_file
 from server.config_file import CONFIG_OPTION, with_config_file
 from server.content_format import CONTENT_FORMATS
+from server.flag_values import json_object
 from server.json_style import JsonStyle
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
@@ -101,19 +101,9 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
-def parse_json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
-    return value
-
-
 def parse_media_limits(text: str) -> int:
     """vLLM's `--limit-mm-per-prompt`, `'{"image": N}'`: the most images in one request."""
-    value = parse_json_object(text)
+    value = json_object(text)
     count = value.get("image")
     if set(value) - {"image"} or not isinstance(count, int) or count < 0:
         raise argparse.ArgumentTypeError(
@@ -209,7 +199,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--hf-overrides",
-        type=_json_object,
+        type=json_object,
         default=None,
         help="a JSON object of fields of the model's config to replace, e.g. a longer context "
         'by YaRN: \'{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, '
@@ -431,7 +421,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--override-generation-config",
-        type=parse_json_object,
+        type=json_object,
         default={},
         metavar="JSON",
         help="generation config fields set on top, e.g. '{\"temperature\": 0.5}'",
@@ -563,7 +553,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--mm-processor-kwargs",
-        type=_json_object,
+        type=json_object,
         default={},
         metavar="JSON",
         help="more arguments of every call of an image-text model's processor, as a JSON "
@@ -806,21 +796,10 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     )
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    """A flag's JSON object (`--hf-overrides`)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
-
-
 def _speculative_config(text: str) -> SpeculativeConfig:
     """`--speculative-config`: vLLM's JSON object, its n-gram fields."""
     try:
-        return SpeculativeConfig.of(_json_object(text))
+        return SpeculativeConfig.of(json_object(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -841,7 +820,7 @@ def _name_list(text: str) -> tuple[str, ...]:
 def _kv_events_config(text: str) -> KVEventsConfig:
     """`--kv-events-config`: vLLM's JSON object."""
     try:
-        return KVEventsConfig.of(_json_object(text))
+        return KVEventsConfig.of(json_object(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -979,7 +958,7 @@ def _add_reply_parsers(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     )
     parser.add_argument(
         "--default-chat-template-kwargs",
-        type=parse_json_object,
+        type=json_object,
         default=None,
         help="more variables for the chat template on every chat request, under what a "
         "request's chat_template_kwargs sets (vLLM's flag), e.g. '{\"enable_thinking\": false}'",

@@ -7,10 +7,11 @@ serves as it would under vLLM or says what it cannot have."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from server.flag_values import json_object
 
 # The executor backends whose ranks are local worker processes, as Conveyor's are.
 LOCAL_EXECUTORS = ("mp", "uni")
@@ -86,12 +87,7 @@ STRUCTURED_OPTIONS: dict[str, type | tuple[type, ...]] = {
 
 def backend_config(text: str) -> dict:
     """`--structured-outputs-config`'s JSON object: vLLM's options, checked."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("not a JSON object") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("not a JSON object")
+    value = json_object(text)
     unknown = sorted(set(value) - set(STRUCTURED_OPTIONS))
     if unknown:
         names = ", ".join(unknown)
@@ -167,11 +163,11 @@ def compilation_config(text: str) -> GraphChoice:
             raise argparse.ArgumentTypeError(f"optimization levels are 0-3, not {level}")
         return GraphChoice(eager=level == 0)
     try:
-        value = json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("an optimization level (0-3) or a JSON object") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("an optimization level (0-3) or a JSON object")
+        value = json_object(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"an optimization level (0-3) or a JSON object ({exc})"
+        ) from None
     try:
         return _graph_choice(value)
     except ValueError as exc:
