@@ -45,10 +45,8 @@ def check_sampling(body: SamplingFields, limits: RequestLimits) -> None:
 
 def check_completion(body: CompletionRequest, limits: RequestLimits) -> None:
     check_sampling(body, limits)
-    embeds = body.prompt_embeds
     count = len(split_prompts(body.prompt)) if body.prompt is not None else 0
-    count += (1 if isinstance(embeds, str) else len(embeds)) if embeds is not None else 0
-    _at_most(count, limits.max_prompts, "prompt", "prompts")
+    _at_most(count + len(body.embedded_prompts), limits.max_prompts, "prompt", "prompts")
 
 
 def check_chat(body: ChatCompletionRequest, limits: RequestLimits) -> None:

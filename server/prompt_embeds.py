@@ -27,15 +27,13 @@ def embedded_prompts(
     body: CompletionRequest, info: ServingInfo, enabled: bool
 ) -> list[tuple[list[int], ImageInputs]]:
     """Each prompt's placeholder token ids and its rows, checked against the model."""
-    assert body.prompt_embeds is not None
     if not enabled:
         raise InvalidRequestError(
             "prompt_embeds needs a server started with --enable-prompt-embeds.", param=PARAM
         )
     check_fields(body)
-    encoded = [body.prompt_embeds] if isinstance(body.prompt_embeds, str) else body.prompt_embeds
     prompts = []
-    for text in encoded:
+    for text in body.embedded_prompts:
         rows = read_rows(text, info)
         count = int(rows.shape[0])
         digest = hashlib.sha256(rows.numpy().tobytes()).digest()

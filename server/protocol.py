@@ -262,11 +262,15 @@ class CompletionRequest(SamplingFields):
             raise InvalidRequestError(
                 "Give the prompt as prompt or as prompt_embeds, not both.", param="prompt_embeds"
             )
-        if self.prompt_embeds is not None and (
-            not self.prompt_embeds or any(not e for e in self.prompt_embeds)
-        ):
+        if self.prompt_embeds is not None and not all(self.embedded_prompts or [""]):
             raise InvalidRequestError("prompt_embeds must not be empty.", param="prompt_embeds")
         return self
+
+    @property
+    def embedded_prompts(self) -> list[str]:
+        """Each prompt's `prompt_embeds` (none where the prompts come as text or tokens)."""
+        embeds = self.prompt_embeds
+        return [embeds] if isinstance(embeds, str) else list(embeds or ())
 
     @property
     def requested_max_tokens(self) -> int | None:
