@@ -134,7 +134,8 @@ class Sampler:
         logits = self._process(logits.float(), requests)
         params = [r.sampling_params for r in requests]
         greedy = _greedy_rows(params)
-        probs = torch.softmax(_kept_logits(_scaled(logits, params), params, greedy), dim=-1)
+        _, probs = _kept(_scaled(logits, params), params, greedy)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p's tokens taken out
         if greedy:
             rows = to_device(greedy, logits.device, torch.int64)
             best = row_argmax(logits[rows])
@@ -178,8 +179,7 @@ class Sampler:
         scaled = _scaled(logits, params)
         nucleus = self._nucleus_rows(params)
         # The nucleus rows are drawn by the kernel instead: their whole vocabulary is kept.
-        kept = _kept_logits(scaled, params, [*nucleus, *_greedy_rows(params)])
-        probs = torch.softmax(kept, dim=-1)
+        _, probs = _kept(scaled, params, [*nucleus, *_greedy_rows(params)])
         noise = self._exponential_noise(probs, requests)
         choice = row_argmax(probs.div_(noise))
         if nucleus:
@@ -247,23 +247,25 @@ def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits / temps[:, None]
 
 
-def _kept_logits(
+def _kept(
     scaled: torch.Tensor, params: list[SamplingParams], whole: list[int]
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature-scaled logits with the tokens each row's top-k, top-p and min-p rule out at
-    -inf (its softmax is the distribution sampling draws from); the rows in `whole` keep every
-    token."""
+    -inf, and each row's probabilities with those tokens at 0 (not renormalized after min-p:
+    sampling draws the same either way); the rows in `whole` keep every token."""
     apart = set(whole)
     limited = [(p.uses_top_k or p.top_p < 1.0) and row not in apart for row, p in enumerate(params)]
     if any(limited):
         kept = [p if limit else KEEP_ALL for p, limit in zip(params, limited, strict=True)]
         scaled = _top_k_top_p(scaled, kept)
+    probs = torch.softmax(scaled, dim=-1)
     min_p = [0.0 if row in apart else p.min_p for row, p in enumerate(params)]
     if any(min_p):
-        probs = torch.softmax(scaled, dim=-1)
         floor = probs.max(dim=-1, keepdim=True).values * to_device(min_p, scaled.device)[:, None]
-        scaled = scaled.masked_fill(probs < floor, float("-inf"))
-    return scaled
+        below = probs < floor
+        scaled = scaled.masked_fill(below, float("-inf"))
+        probs = probs.masked_fill(below, 0.0)
+    return scaled, probs
 
 
 def raw_scores(logits: torch.Tensor, mode: str) -> torch.Tensor:
@@ -276,7 +278,8 @@ def sampled_scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     """The processed logits as sampling draws from them: each sampled row divided by its
     temperature, and the tokens its top-k, top-p and min-p rule out at -inf (a greedy row as
     the processing left it)."""
-    return _kept_logits(_scaled(logits, params), params, _greedy_rows(params))
+    scores, _ = _kept(_scaled(logits, params), params, _greedy_rows(params))
+    return scores
 
 
 def _nucleus_choice(
