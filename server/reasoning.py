@@ -39,7 +39,8 @@ GRANITE = ThoughtTags(
 )
 SEED = ThoughtTags(("<seed:think>",), ("</seed:think>",))
 # `openai_gptoss` reads gpt-oss's Harmony channels instead (`server/harmony.py`). The names are
-# vLLM's; theirs for GLM-4.5, Kimi K2, OLMo 3 and DeepSeek-V3.1 read `<think>` as `qwen3` does.
+# vLLM's; theirs for GLM-4.5, Kimi K2, OLMo 3, DeepSeek-V3.1, MiniMax-M2 and ERNIE 4.5 read
+# `<think>` as `qwen3` does.
 TAGS = {
     "deepseek_r1": THINK,
     "qwen3": THINK,
@@ -47,6 +48,8 @@ TAGS = {
     "glm45": THINK,
     "kimi_k2": THINK,
     "olmo3": THINK,
+    "minimax_m2": THINK,
+    "ernie45": THINK,
     "mistral": MISTRAL,
     "granite": GRANITE,
     "seed_oss": SEED,

@@ -59,8 +59,8 @@ from server.tokenization import (
     off_the_loop_if_large,
 )
 from server.tool_parsers import (
-    KEEPS_SPECIAL_TOKENS,
     CallReader,
+    keeps_special_tokens,
     parse_calls,
     parser_for,
     reader_for,
@@ -464,7 +464,8 @@ class ChatHandler:
             after = self.thought.ends[0] if thinking else ""
             params = replace(params, structured=replace(strict, after=after))
         # A tag of the calls' or the reasoning's is a special token the text must keep.
-        if parser in KEEPS_SPECIAL_TOKENS or (thinking is not None and self.thought.special):
+        keeps = keeps_special_tokens(parser, tokenizer)
+        if keeps or (thinking is not None and self.thought.special):
             params = replace(params, skip_special_tokens=False)
         return PreparedChat(prompt, params, forced, parser, thinking, lora, images)
 

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.core.sampling_params import StructuredOutputs
+from server.call_formats import FUNCTOOLS, GRANITE_TOOL_CALL, OPEN, PYTHON_TAG
 from server.protocol import AllowedToolsChoice, ChatCompletionRequest, Tool
 from server.reasoning import ThoughtTags
 from server.structured import NOTHING, after_optional_thought, optional
-from server.tool_parsers import FUNCTOOLS, GRANITE_TOOL_CALL, OPEN, PYTHON_TAG
 from server.tools import ANY_OBJECT, callable_tools, parameters
 
 

@@ -1,76 +1,161 @@
 """Reading tool calls out of a model's free text (`tool_choice: "auto"`), in the format its chat
-template teaches:
+template teaches (`--tool-call-parser`, vLLM's names; `server/call_formats.py` reads each
+format's calls):
 
-- `hermes`: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5
-  and Qwen3 write them (a block may also hold a list of such objects, as SmolLM2 writes them).
-  The streaming reader holds back text that may be the start of a tag until it is known not to
-  be, and hands out each call whole once its closing tag arrives; text outside the calls is
-  content.
-- `qwen3_coder`: the same tags around `<function=NAME>` with one `<parameter=KEY>` element per
-  argument, as Qwen3-Coder writes them; each value is read by the type the tool's schema gives
-  it (a string stays text, a number, boolean, array or object is read as JSON).
-- `llama3_json`: the whole reply is one or more `{"name": ..., "parameters": {...}}` objects
-  (after an optional `<|python_tag|>`, separated by `;`), as Llama 3.1-3.3 write them. A reply
-  that opens with `{` is held until it ends, then read; any other reply is content.
-- `pythonic`: the whole reply is a Python list of calls, `[get_weather(city="Oslo"), ...]`
-  (inside an optional `<|python_start|>` ... `<|python_end|>`), as Llama 3.2 and Llama 4 write
-  them; held and read as `llama3_json`'s.
+- Calls between tags, text around them content. The streaming reader holds back text that may
+  be the start of a tag until it is known not to be, and hands out the calls of a block whole
+  once its closing tag arrives.
+  - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5 and Qwen3
+    write them (a block may also hold a list of such objects, as SmolLM2 writes them).
+  - `qwen3_coder`: the same tags around `<function=NAME>` with one `<parameter=KEY>` element per
+    argument (Qwen3-Coder); `seed_oss`: the same inside `<seed:tool_call>` (Seed-OSS).
+  - `glm45` (and `glm47`): `<tool_call>NAME` then `<arg_key>` / `<arg_value>` pairs (GLM-4.5
+    to 4.7).
+  - `minimax_m2`: `<minimax:tool_call>` around `<invoke name=...>` elements of
+    `<parameter name=...>` elements (MiniMax-M2).
+  - `kimi_k2`: `<|tool_calls_section_begin|>` around `<|tool_call_begin|>functions.NAME:N
+    <|tool_call_argument_begin|>{...}<|tool_call_end|>` calls (Kimi K2).
+  - `deepseek_v3` and `deepseek_v31`: `<｜tool▁calls▁begin｜>` around DeepSeek-V3's calls (the
+    arguments in a fenced JSON block) or V3.1's (`NAME<｜tool▁sep｜>{...}`).
+  - `hunyuan_a13b`, `jamba` and `minimax`: `<tool_calls>` around a JSON list of calls or one
+    call object per line.
+  - `internlm`: `<|action_start|><|plugin|>` ... `<|action_end|>` around one JSON call
+    (InternLM 2.5); `longcat`: `<longcat_tool_call>` around one (LongCat-Flash).
+  - `olmo3`: `<function_calls>` around one Python call per line (OLMo 3).
+- Calls that are the whole reply, held from its first character until it ends, then read
+  (any other reply is content, streamed):
+  - `llama3_json`: one or more `{"name": ..., "parameters": {...}}` objects (after an optional
+    `<|python_tag|>`, separated by `;`), as Llama 3.1-3.3 write them.
+  - `pythonic`: a Python list of calls, `[get_weather(city="Oslo"), ...]` (inside an optional
+    `<|python_start|>` ... `<|python_end|>`), as Llama 3.2 and Llama 4 write them.
+  - `granite`: a JSON list of `{"name", "arguments"}` objects after `<|tool_call|>` (Granite
+    3.0's special token) or `<tool_call>` (Granite 3.1's text); `phi4_mini_json`: the same
+    list after `functools`; `xlam`: the list bare or in a fenced code block.
 - `mistral`: text, then `[TOOL_CALLS]` and the calls to the end of the reply: a JSON list of
-  `{"name", "arguments"}` objects (Mistral's v3 tokenizers) or `NAME[ARGS]{...}` per call
-  (later ones). The tag is a special token, so such requests keep special tokens in their
-  text.
-- `granite`: the whole reply is a JSON list of `{"name", "arguments"}` objects after
-  `<|tool_call|>` (Granite 3.0's special token) or `<tool_call>` (Granite 3.1's text), as IBM's
-  Granite 3 models write them; held and read as `llama3_json`'s.
-- `phi4_mini_json`: the whole reply is `functools[...]`, the same JSON list, as Phi-4-mini
-  writes it; held and read alike.
+  `{"name", "arguments"}` objects (Mistral's v3 tokenizers) or `NAME[ARGS]{...}` per call.
 
-(vLLM's parsers of the same names read the same formats.)
+A request whose parser's tags are special tokens of the tokenizer (Kimi's, DeepSeek's,
+InternLM's, and any other where the model's tokenizer marks them so) keeps special tokens in
+its text, which the tags must be in to be read.
 """
 
 from __future__ import annotations
 
-import ast
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
-from server import json_text
-from server.tools import tool_call
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PYTHON_TAG = "<|python_tag|>"
-PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
-TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
-FUNCTION, PARAMETER = "<function=", "<parameter="
-GRANITE_TOOL_CALL = "<|tool_call|>"
-FUNCTOOLS, PHI4_TOOLS = "functools", "<|tool|>"
-# `openai` reads gpt-oss's Harmony messages to functions (`server/harmony.py`).
-# vLLM's other names for formats read here.
-ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "qwen3_xml": "qwen3_coder"}
-PARSERS = (
-    "granite",
-    "hermes",
-    "llama3_json",
-    "mistral",
-    "openai",
-    "phi4_mini_json",
-    "pythonic",
-    "qwen3_coder",
-    *ALIASES,
+from server import call_formats as formats
+from server.call_formats import (
+    ARG_KEY,
+    CLOSE,
+    DEEPSEEK_CALL,
+    DEEPSEEK_CALL_END,
+    DEEPSEEK_SEP,
+    FUNCTION,
+    FUNCTOOLS,
+    GRANITE_TOOL_CALL,
+    KIMI_ARGUMENTS,
+    KIMI_CALL,
+    KIMI_CALL_END,
+    OPEN,
+    PARAMETER,
+    PHI4_TOOLS,
+    PYTHON_START,
+    PYTHON_TAG,
+    TOOL_CALLS,
+    Calls,
+    Schemas,
 )
-# Parsers whose tags are special tokens, which a reply's text must keep to be read.
-KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai"})
 
-# The JSON schemas of the request's tools' parameters, by tool name.
-Schemas = dict[str, dict[str, Any]]
+
+class BlockReader(Protocol):
+    """A format's reading of one block (or one whole reply) of calls."""
+
+    def __call__(self, text: str, /, schemas: Schemas | None = None) -> Calls | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Tagged:
+    """Calls between `open` and `close`, read by `read`; `inner`: the format's other tags."""
+
+    open: str
+    close: str
+    read: BlockReader
+    inner: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WholeReply:
+    """A reply that opens with one of `openers` is calls, read whole by `read`."""
+
+    openers: tuple[str, ...]
+    read: BlockReader
+
+
+TOOL_CALLS_BLOCK = Tagged("<tool_calls>", "</tool_calls>", formats.json_lines)
+DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+DEEPSEEK_INNER = (DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
+FORMATS: dict[str, Tagged | WholeReply] = {
+    "hermes": Tagged(OPEN, CLOSE, formats.json_block),
+    "qwen3_coder": Tagged(OPEN, CLOSE, formats.function_elements),
+    "seed_oss": Tagged("<seed:tool_call>", "</seed:tool_call>", formats.function_elements),
+    "glm45": Tagged(OPEN, CLOSE, formats.glm, (ARG_KEY, "<arg_value>")),
+    "minimax_m2": Tagged("<minimax:tool_call>", "</minimax:tool_call>", formats.invokes),
+    "kimi_k2": Tagged(
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        formats.kimi,
+        (KIMI_CALL, KIMI_ARGUMENTS, KIMI_CALL_END),
+    ),
+    "deepseek_v3": Tagged(*DEEPSEEK, formats.deepseek_v3, DEEPSEEK_INNER),
+    "deepseek_v31": Tagged(*DEEPSEEK, formats.deepseek_v31, DEEPSEEK_INNER),
+    "hunyuan_a13b": TOOL_CALLS_BLOCK,
+    "jamba": TOOL_CALLS_BLOCK,
+    "minimax": TOOL_CALLS_BLOCK,
+    "internlm": Tagged("<|action_start|><|plugin|>", "<|action_end|>", formats.json_block),
+    "longcat": Tagged("<longcat_tool_call>", "</longcat_tool_call>", formats.json_block),
+    "olmo3": Tagged("<function_calls>", "</function_calls>", formats.pythonic_lines),
+    "llama3_json": WholeReply((PYTHON_TAG, "{"), formats.llama3),
+    "pythonic": WholeReply((PYTHON_START, "["), formats.pythonic),
+    "granite": WholeReply((GRANITE_TOOL_CALL, OPEN, "["), formats.granite),
+    "phi4_mini_json": WholeReply((FUNCTOOLS + "[",), formats.functools),
+    "xlam": WholeReply(("[", "```"), formats.xlam),
+}
+# `openai` reads gpt-oss's Harmony messages to functions (`server/harmony.py`); `mistral` has a
+# reader of its own.
+# vLLM's other names for formats read here.
+ALIASES = {
+    "llama4_json": "llama3_json",
+    "llama4_pythonic": "pythonic",
+    "qwen3_xml": "qwen3_coder",
+    "glm47": "glm45",
+}
+PARSERS = tuple(sorted({*FORMATS, "mistral", "openai", *ALIASES}))
+# Parsers whose tags are special tokens in every tokenizer that writes them.
+KEEPS_SPECIAL_TOKENS = frozenset({"mistral", "openai"})
+# Tags a chat template writes, and the parser of the format they open, most specific first.
+TEMPLATE_TAGS = (
+    (GRANITE_TOOL_CALL, "granite"),
+    (FUNCTOOLS, "phi4_mini_json"),
+    (PHI4_TOOLS, "phi4_mini_json"),
+    ("<|tool_calls_section_begin|>", "kimi_k2"),
+    (DEEPSEEK_CALL, "deepseek"),
+    ("<minimax:tool_call>", "minimax_m2"),
+    ("<seed:tool_call>", "seed_oss"),
+    ("<longcat_tool_call>", "longcat"),
+    ("<|plugin|>", "internlm"),
+    ("<function_calls>", "olmo3"),
+    ("<tool_calls>", "hunyuan_a13b"),
+    (ARG_KEY, "glm45"),
+)
 
 
 class CallReader(Protocol):
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]: ...
+    def feed(self, text: str) -> tuple[str, Calls]: ...
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]: ...
+    def finish(self) -> tuple[str, Calls]: ...
 
 
 def parser_for(name: str | None, chat_template: str | None) -> str | None:
@@ -79,10 +164,11 @@ def parser_for(name: str | None, chat_template: str | None) -> str | None:
     if name is not None:
         return ALIASES.get(name, name)
     template = chat_template or ""
-    if GRANITE_TOOL_CALL in template:
-        return "granite"
-    if FUNCTOOLS in template or PHI4_TOOLS in template:
-        return "phi4_mini_json"
+    for tag, parser in TEMPLATE_TAGS:
+        if tag in template:
+            if parser == "deepseek":  # V3 writes the arguments in a fenced block, V3.1 bare
+                return "deepseek_v3" if "```json" in template else "deepseek_v31"
+            return parser
     if OPEN in template and FUNCTION in template and PARAMETER in template:
         return "qwen3_coder"
     if OPEN in template:
@@ -95,25 +181,34 @@ def parser_for(name: str | None, chat_template: str | None) -> str | None:
 
 
 def reader_for(parser: str, schemas: Schemas | None = None) -> CallReader:
-    """A streaming reader of `parser`'s calls; `schemas` type `qwen3_coder`'s values."""
-    if parser == "qwen3_coder":
-        return HermesReader(lambda body: _xml_calls(body, schemas or {}))
-    if parser == "llama3_json":
-        return WholeReplyReader((PYTHON_TAG, "{"), _llama3_calls)
-    if parser == "pythonic":
-        return WholeReplyReader((PYTHON_START, "["), _pythonic_calls)
+    """A streaming reader of `parser`'s calls; `schemas` type the values of formats that write
+    them as text."""
     if parser == "mistral":
         return MistralReader()
-    if parser == "granite":
-        return WholeReplyReader((GRANITE_TOOL_CALL, OPEN, "["), _granite_calls)
-    if parser == "phi4_mini_json":
-        return WholeReplyReader((FUNCTOOLS + "[",), _functools_calls)
-    return HermesReader()
+    form = FORMATS.get(ALIASES.get(parser, parser), FORMATS["hermes"])
+    read = partial(form.read, schemas=schemas)
+    if isinstance(form, WholeReply):
+        return WholeReplyReader(form.openers, read)
+    return TaggedReader(form.open, form.close, read)
 
 
-def parse_calls(
-    parser: str, text: str, schemas: Schemas | None = None
-) -> tuple[str | None, list[dict[str, Any]]]:
+def keeps_special_tokens(parser: str | None, tokenizer: Any) -> bool:
+    """Whether a reply read by `parser` must keep special tokens in its text: its tags are
+    special tokens of `tokenizer`, or always are."""
+    if parser in KEEPS_SPECIAL_TOKENS:
+        return True
+    form = FORMATS.get(ALIASES.get(parser or "", parser or ""))
+    if not isinstance(form, Tagged):
+        return False
+    special = {
+        token.content
+        for token in getattr(tokenizer, "added_tokens_decoder", {}).values()
+        if getattr(token, "special", False)
+    }
+    return any(tag in special for tag in (form.open, form.close, *form.inner))
+
+
+def parse_calls(parser: str, text: str, schemas: Schemas | None = None) -> tuple[str | None, Calls]:
     """The text outside the calls (None if only blanks) and the calls, from a whole output."""
     reader = reader_for(parser, schemas)
     content, calls = reader.feed(text)
@@ -123,52 +218,51 @@ def parse_calls(
     return (content if content.strip() else None), calls
 
 
-def _hermes_block(body: str) -> list[dict[str, Any]] | None:
-    return _block_calls(body)
-
-
 @dataclass(slots=True)
-class HermesReader:
-    """Reads calls between `<tool_call>` tags out of text arriving in pieces cut anywhere;
-    `read_block` reads one block's calls (None: not calls)."""
+class TaggedReader:
+    """Reads calls between `open` and `close` tags out of text arriving in pieces cut anywhere;
+    `read` reads one block's calls (None: not calls, and the block stays text)."""
 
-    read_block: Callable[[str], list[dict[str, Any]] | None] = _hermes_block
+    open: str
+    close: str
+    read: Callable[[str], Calls | None]
     _buffer: str = ""
     _in_call: bool = False
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, text: str) -> tuple[str, Calls]:
         """Content that can be shown now, and the calls completed by `text`."""
         self._buffer += text
         content: list[str] = []
-        calls: list[dict[str, Any]] = []
+        calls: Calls = []
         while True:
             if self._in_call:
-                end = self._buffer.find(CLOSE)
+                end = self._buffer.find(self.close)
                 if end < 0:
                     break
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE) :]
+                body = self._buffer[:end]
+                self._buffer = self._buffer[end + len(self.close) :]
                 self._in_call = False
-                block = self.read_block(body)
+                block = self.read(body)
                 if block is None:  # not a call after all: keep the text as it was written
-                    content.append(OPEN + body + CLOSE)
+                    content.append(self.open + body + self.close)
                 else:
                     calls.extend(block)
                 continue
-            start = self._buffer.find(OPEN)
+            start = self._buffer.find(self.open)
             if start >= 0:
                 content.append(self._buffer[:start])
-                self._buffer = self._buffer[start + len(OPEN) :]
+                self._buffer = self._buffer[start + len(self.open) :]
                 self._in_call = True
                 continue
-            keep = partial_tag(self._buffer, OPEN)
+            keep = partial_tag(self._buffer, self.open)
             content.append(self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep :]
             break
         return "".join(content), calls
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self) -> tuple[str, Calls]:
         """What is left when the output ends: an unclosed call, or a partial tag, as text."""
-        rest = (OPEN if self._in_call else "") + self._buffer
+        rest = (self.open if self._in_call else "") + self._buffer
         self._buffer, self._in_call = "", False
         return rest, []
 
@@ -180,11 +274,11 @@ class WholeReplyReader:
     other reply."""
 
     openers: tuple[str, ...]
-    read: Callable[[str], list[dict[str, Any]] | None]
+    read: Callable[[str], Calls | None]
     _buffer: str = ""
     _holding: bool | None = None  # None until the reply's first non-blank character
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, text: str) -> tuple[str, Calls]:
         if self._holding is False:
             return text, []
         self._buffer += text
@@ -200,56 +294,12 @@ class WholeReplyReader:
         released, self._buffer = self._buffer, ""
         return released, []
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self) -> tuple[str, Calls]:
         text, self._buffer = self._buffer, ""
         if not self._holding:
             return text, []
         calls = self.read(text.strip())
         return ("", calls) if calls else (text, [])
-
-
-def _llama3_calls(text: str) -> list[dict[str, Any]] | None:
-    body = text.removeprefix(PYTHON_TAG).strip()
-    calls = [_call(part) for part in _json_objects(body)]
-    if not body or not calls or any(call is None for call in calls):
-        return None
-    return [call for call in calls if call is not None]
-
-
-def _pythonic_calls(text: str) -> list[dict[str, Any]] | None:
-    """`[name(key=value, ...), ...]`, each value a Python literal."""
-    body = text.removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
-    try:
-        tree = ast.parse(body, mode="eval").body
-        if not isinstance(tree, ast.List) or not tree.elts:
-            return None
-        calls = []
-        for node in tree.elts:
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-                return None
-            if node.args or any(keyword.arg is None for keyword in node.keywords):
-                return None
-            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-            calls.append(tool_call(node.func.id, json.dumps(arguments)))
-    except (SyntaxError, ValueError, TypeError):
-        return None
-    return calls
-
-
-def _granite_calls(text: str) -> list[dict[str, Any]] | None:
-    """`<|tool_call|>[...]` or `<tool_call>[...]` (or the bare list): a JSON list of calls."""
-    body = text.removeprefix(GRANITE_TOOL_CALL).removeprefix(OPEN).strip()
-    return _listed_calls(body)
-
-
-def _functools_calls(text: str) -> list[dict[str, Any]] | None:
-    """`functools[...]`: a JSON list of calls."""
-    return _listed_calls(text.removeprefix(FUNCTOOLS).strip())
-
-
-def _listed_calls(body: str) -> list[dict[str, Any]] | None:
-    """A JSON list of `{"name", "arguments"}` objects; None where `body` is not one."""
-    return _block_calls(body) if body.startswith("[") else None
 
 
 @dataclass(slots=True)
@@ -260,7 +310,7 @@ class MistralReader:
     _buffer: str = ""
     _calls: bool = False
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+    def feed(self, text: str) -> tuple[str, Calls]:
         self._buffer += text
         if self._calls:
             return "", []
@@ -275,127 +325,12 @@ class MistralReader:
         self._buffer = self._buffer[len(self._buffer) - keep :]
         return content, []
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self) -> tuple[str, Calls]:
         text, self._buffer = self._buffer, ""
         if not self._calls:
             return text, []
-        calls = _mistral_calls(text.strip())
+        calls = formats.mistral(text.strip())
         return ("", calls) if calls else (TOOL_CALLS + text, [])
-
-
-def _mistral_calls(body: str) -> list[dict[str, Any]] | None:
-    """A JSON list (or objects) of calls, or `NAME[ARGS]{...}` / `NAME{...}` calls each after
-    its own `[TOOL_CALLS]`."""
-    if body.startswith(("[", "{")):
-        try:
-            parsed = json_text.loads(body)
-        except ValueError:
-            return _llama3_calls(body)
-        items = parsed if isinstance(parsed, list) else [parsed]
-        calls = [_read_call(item) for item in items]
-        if not calls or any(call is None for call in calls):
-            return None
-        return [call for call in calls if call is not None]
-    named = []
-    for part in body.split(TOOL_CALLS):
-        brace = part.find("{")
-        name = part[:brace].removesuffix(ARGS).strip() if brace > 0 else ""
-        try:
-            arguments = json_text.loads(part[brace:])
-        except ValueError:
-            return None
-        if not name or not isinstance(arguments, dict):
-            return None
-        named.append(tool_call(name, json.dumps(arguments)))
-    return named
-
-
-def _xml_calls(body: str, schemas: Schemas) -> list[dict[str, Any]] | None:
-    """One `<function=NAME>` element of `<parameter=KEY>VALUE</parameter>` elements (Qwen3-Coder's
-    call), each value read by the type its tool's schema gives it; None if it is not one."""
-    text = body.strip()
-    if not (text.startswith(FUNCTION) and text.endswith("</function>")):
-        return None
-    name, _, rest = text[len(FUNCTION) : -len("</function>")].partition(">")
-    properties = (schemas.get(name.strip()) or {}).get("properties") or {}
-    arguments: dict[str, Any] = {}
-    while True:
-        rest = rest.strip()
-        if not rest:
-            break
-        if not rest.startswith(PARAMETER):
-            return None
-        key, found, rest = rest[len(PARAMETER) :].partition(">")
-        value, closed, rest = rest.partition("</parameter>")
-        if not (found and closed):
-            return None
-        value = value.removeprefix("\n").removesuffix("\n")
-        arguments[key.strip()] = _typed(value, properties.get(key.strip()))
-    if not name.strip():
-        return None
-    return [tool_call(name.strip(), json.dumps(arguments))]
-
-
-def _typed(value: str, schema: Any) -> Any:
-    """A parameter's text as its schema's type: text where the schema says string (or says
-    nothing and the text is not JSON), else the JSON it spells."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if kind == "string" or (isinstance(kind, list) and "string" in kind):
-        return value
-    try:
-        return json_text.loads(value)
-    except ValueError:
-        return value
-
-
-def _json_objects(body: str) -> list[str]:
-    """`body` cut into the JSON objects it holds one after another (`;` or blanks between)."""
-    try:
-        json_text.check_depth(body)
-    except ValueError:
-        return [body]  # read as one, which will fail
-    decoder = json.JSONDecoder()
-    parts, index = [], 0
-    while index < len(body):
-        try:
-            _, end = decoder.raw_decode(body, index)
-        except ValueError:
-            return [body]  # not a sequence of objects: read as one, which will fail
-        parts.append(body[index:end])
-        index = end
-        while index < len(body) and body[index] in "; \n\t":
-            index += 1
-    return parts
-
-
-def _block_calls(body: str) -> list[dict[str, Any]] | None:
-    """The calls in one `<tool_call>` block: one object, or a list of them (the form SmolLM2 and
-    Conveyor's written tools use); None if it is not calls."""
-    try:
-        parsed = json_text.loads(body)
-    except ValueError:
-        return None
-    items = parsed if isinstance(parsed, list) else [parsed]
-    calls = [_read_call(item) for item in items]
-    if any(call is None for call in calls):
-        return None
-    return [call for call in calls if call is not None]
-
-
-def _call(body: str) -> dict[str, Any] | None:
-    try:
-        parsed = json_text.loads(body)
-    except ValueError:
-        return None
-    return _read_call(parsed)
-
-
-def _read_call(parsed: Any) -> dict[str, Any] | None:
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-        return None
-    arguments = parsed.get("arguments", parsed.get("parameters", {}))
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return tool_call(parsed["name"], text)
 
 
 def partial_tag(text: str, tag: str) -> int:

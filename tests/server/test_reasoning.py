@@ -294,6 +294,10 @@ def test_serve_and_batch_run_take_the_reply_parsers():
          "--tool-call-parser", "hermes"]
     )  # fmt: skip
     assert (batch.reasoning_parser, batch.tool_call_parser) == ("deepseek_r1", "hermes")
+    for reasoning, tools in [("minimax_m2", "minimax_m2"), ("ernie45", "glm47"), ("kimi_k2",) * 2]:
+        argv = ["serve", "--reasoning-parser", reasoning, "--tool-call-parser", tools]
+        settings = server_settings(build_parser().parse_args(argv))  # vLLM's names taken
+        assert (settings.reasoning_parser, settings.tool_call_parser) == (reasoning, tools)
 
 
 # Magistral's tags are special tokens; Granite 3.2's are phrases.

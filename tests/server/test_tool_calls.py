@@ -391,3 +391,46 @@ async def test_a_mistral_parser_keeps_the_special_tokens_its_tag_is():
         body = await chat(client, tool_choice="auto", **force)
         [call] = body["choices"][0]["message"]["tool_calls"]
         assert call["function"] == {"name": "time", "arguments": '{"zone": 2}'}
+
+
+# The formats of GLM, Kimi K2, DeepSeek-V3.1, MiniMax-M2 and Seed-OSS, written by the random
+# model under a regex as those models write them.
+NATIVE_OUTPUTS = {
+    "glm45": "<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
+    "<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>",
+    "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.weather:0"
+    '<|tool_call_argument_begin|>{"city": "Oslo", "unit": "c"}<|tool_call_end|>'
+    "<|tool_calls_section_end|>",
+    "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>weather<｜tool▁sep｜>"
+    '{"city": "Oslo", "unit": "c"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    "minimax_m2": '<minimax:tool_call>\n<invoke name="weather">\n<parameter name="city">Oslo'
+    '</parameter>\n<parameter name="unit">c</parameter>\n</invoke>\n</minimax:tool_call>',
+    "seed_oss": "<seed:tool_call>\n<function=weather>\n<parameter=city>Oslo</parameter>\n"
+    "<parameter=unit>c</parameter>\n</function>\n</seed:tool_call>",
+}
+
+
+@pytest.mark.parametrize("parser", sorted(NATIVE_OUTPUTS))
+async def test_auto_reads_each_models_native_calls_streamed_or_not(parser: str):
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser=parser)
+    force = {"structured_outputs": {"regex": re.escape("Sure. " + NATIVE_OUTPUTS[parser])}}
+    request = {**BASE, "tool_choice": "auto", "max_tokens": 300, **force}
+    long_context = tiny_llama(max_positions=1024)
+    async with app_client(
+        settings, tokenizer=tool_tokenizer(), model=long_context, max_model_len=1024
+    ) as (client, engine):
+        body = await chat(client, tool_choice="auto", max_tokens=300, **force)
+        [choice] = body["choices"]
+        assert choice["message"]["content"] == "Sure. "
+        [call] = choice["message"]["tool_calls"]
+        assert json.loads(call["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+        assert choice["finish_reason"] == "tool_calls"
+        if parser == "kimi_k2":  # Kimi's template writes the id it gave back into the prompt
+            assert call["id"] == "functions.weather:0"
+        response = await client.post("/v1/chat/completions", json={**request, "stream": True})
+        deltas = [e["choices"][0]["delta"] for e in sse_events(response.text) if e != "[DONE]"]
+        assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
+        [entry] = [entry for d in deltas for entry in d.get("tool_calls") or []]
+        assert entry["function"] == call["function"]
+        assert (entry["id"] == call["id"]) == (parser == "kimi_k2")  # others: a fresh id each
+        assert blocks_in_use(engine) == 0

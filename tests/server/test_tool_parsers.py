@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from server.tool_parsers import HermesReader, parse_calls, parser_for, reader_for
+from server.tool_parsers import parse_calls, parser_for, reader_for
+from tests.server.call_reading import names_and_arguments, read_in_pieces
 
 CALL = '<tool_call>{"name": "time", "arguments": {"zone": 3}}</tool_call>'
 CALL2 = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
-
-
-def names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
 @pytest.mark.parametrize(
@@ -49,7 +44,7 @@ def test_whole_outputs(text: str, content: str | None, calls: list) -> None:
 @pytest.mark.parametrize("text", ["Hi " + CALL + " bye " + CALL2, "x <tool y", CALL[:-3]])
 def test_pieces_cut_anywhere_give_the_whole_outputs_reading(text: str) -> None:
     for size in (1, 2, 5, 13):
-        reader = HermesReader()
+        reader = reader_for("hermes")
         content, calls = "", []
         for start in range(0, len(text), size):
             piece, done = reader.feed(text[start : start + size])
@@ -63,7 +58,7 @@ def test_pieces_cut_anywhere_give_the_whole_outputs_reading(text: str) -> None:
 
 
 def test_a_partial_tag_is_held_back_until_it_is_known() -> None:
-    reader = HermesReader()
+    reader = reader_for("hermes")
     assert reader.feed("Checking <tool")[0] == "Checking "
     assert reader.feed("box>")[0] == "<toolbox>"
 
@@ -218,15 +213,8 @@ def test_mistral_outputs(text: str, content: str | None, calls: list) -> None:
 def test_every_parser_reads_pieces_cut_anywhere_as_the_whole(parser: str, text: str) -> None:
     whole_content, whole_calls = parse_calls(parser, text, SCHEMAS)
     for size in (1, 3, 7):
-        reader = reader_for(parser, SCHEMAS)
-        content, calls = "", []
-        for start in range(0, len(text), size):
-            piece, done = reader.feed(text[start : start + size])
-            content += piece
-            calls += done
-        rest, more = reader.finish()
-        content, calls = content + rest, calls + more
-        assert (content if content.strip() else None) == whole_content
+        content, calls = read_in_pieces(parser, text, size, SCHEMAS)
+        assert content == whole_content
         assert names_and_arguments(calls) == names_and_arguments(whole_calls)
 
 

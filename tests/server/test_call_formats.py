@@ -1,0 +1,186 @@
+"""The call formats of GLM, Kimi K2, DeepSeek, MiniMax, Seed-OSS, Hunyuan, Jamba, InternLM,
+LongCat, OLMo 3 and xLAM read out of replies, whole or arriving in pieces; the parser a chat
+template's tags show; and which parsers keep special tokens in a reply's text."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from server.tool_parsers import keeps_special_tokens, parse_calls, parser_for
+from tests.helpers import tiny_tokenizer
+from tests.server.call_reading import names_and_arguments, read_in_pieces
+
+SCHEMAS = {
+    "time": {"type": "object", "properties": {"zone": {"type": "integer"}}},
+    "weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "array"}},
+    },
+}
+TIME = ("time", {"zone": 3})
+OSLO = ("weather", {"city": "Oslo"})
+
+GLM = (
+    "<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n"
+    "<arg_key>days</arg_key>\n<arg_value>[1]</arg_value>\n</tool_call>"
+)
+KIMI = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.time:0<|tool_call_argument_begin|>"
+    '{"zone": 3}<|tool_call_end|><|tool_call_begin|>functions.weather:1'
+    '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>'
+)
+DEEPSEEK_V3 = (
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>time\n```json\n"
+    '{"zone": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+)
+DEEPSEEK_V31 = (
+    '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>time<｜tool▁sep｜>{"zone": 3}<｜tool▁call▁end｜>'
+    '<｜tool▁call▁begin｜>weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+    "<｜tool▁calls▁end｜>"
+)
+MINIMAX_M2 = (
+    '<minimax:tool_call>\n<invoke name="time">\n<parameter name="zone">3</parameter>\n'
+    '</invoke>\n<invoke name="weather">\n<parameter name="city">Oslo</parameter>\n</invoke>\n'
+    "</minimax:tool_call>"
+)
+SEED = (
+    "<seed:tool_call>\n<function=weather>\n<parameter=city>\n42\n</parameter>\n</function>\n"
+    "</seed:tool_call>"
+)
+TOOL_CALLS_LIST = '<tool_calls>[{"name": "time", "arguments": {"zone": 3}}]</tool_calls>'
+TOOL_CALLS_LINES = (
+    '<tool_calls>\n{"name": "time", "arguments": {"zone": 3}}\n'
+    '{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_calls>'
+)
+INTERNLM = '<|action_start|><|plugin|>\n{"name": "time", "parameters": {"zone": 3}}<|action_end|>'
+LONGCAT = '<longcat_tool_call>{"name": "time", "arguments": {"zone": 3}}</longcat_tool_call>'
+OLMO3 = (
+    '<function_calls>\ntime(zone=3)\nweather(city="Oslo", days=[1], exact=true)\n</function_calls>'
+)
+XLAM = (
+    '[{"name": "time", "arguments": {"zone": 3}}, '
+    '{"name": "weather", "arguments": {"city": "Oslo"}}]'
+)
+GLM_TIME = "<tool_call>time<arg_key>zone</arg_key><arg_value>3</arg_value></tool_call>"
+KIMI_UNNUMBERED = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>time<|tool_call_argument_begin|>{}"
+    "<|tool_call_end|><|tool_calls_section_end|>"
+)
+
+CALLS = [
+    ("glm45", "Let me look. " + GLM, "Let me look. ", [("weather", {"city": "42", "days": [1]})]),
+    ("glm47", GLM_TIME, None, [TIME]),
+    ("glm45", "<tool_call>ping\n</tool_call>", None, [("ping", {})]),
+    ("kimi_k2", "Checking." + KIMI, "Checking.", [TIME, OSLO]),
+    ("deepseek_v3", DEEPSEEK_V3, None, [TIME]),
+    ("deepseek_v31", "Sure. " + DEEPSEEK_V31, "Sure. ", [TIME, OSLO]),
+    ("minimax_m2", MINIMAX_M2, None, [TIME, OSLO]),
+    ("seed_oss", SEED, None, [("weather", {"city": "42"})]),
+    ("hunyuan_a13b", TOOL_CALLS_LIST, None, [TIME]),
+    ("jamba", TOOL_CALLS_LIST, None, [TIME]),
+    ("minimax", TOOL_CALLS_LINES, None, [TIME, OSLO]),
+    ("internlm", "Let me check." + INTERNLM, "Let me check.", [TIME]),
+    ("longcat", LONGCAT, None, [TIME]),
+    ("olmo3", OLMO3, None, [TIME, ("weather", {"city": "Oslo", "days": [1], "exact": True})]),
+    ("xlam", XLAM, None, [TIME, OSLO]),
+    ("xlam", "```json\n" + XLAM + "\n```", None, [TIME, OSLO]),
+]  # fmt: skip
+# Text in a format's tags that is not calls in it stays content, as written.
+NOT_CALLS = [
+    ("glm45", "<tool_call>time<arg_key>zone</arg_key>3</tool_call>"),
+    ("glm45", '<tool_call>{"name": "time"}</tool_call>'),
+    ("kimi_k2", KIMI_UNNUMBERED),
+    ("deepseek_v3", DEEPSEEK_V31),
+    ("deepseek_v31", DEEPSEEK_V31.replace('{"zone": 3}', "zone=3")),
+    ("minimax_m2", "<minimax:tool_call>stray</minimax:tool_call>"),
+    ("minimax", "<tool_calls>\n{not json}\n</tool_calls>"),
+    ("olmo3", "<function_calls>\ntime(3)\n</function_calls>"),
+    ("xlam", "[1, 2]"),
+    ("xlam", "It is sunny."),
+]
+CASES = CALLS + [(parser, text, text, []) for parser, text in NOT_CALLS]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_each_format_reads_its_calls_and_leaves_other_text_as_content(
+    parser: str, text: str, content: str | None, calls: list
+) -> None:
+    parsed_content, parsed_calls = parse_calls(parser, text, SCHEMAS)
+    assert parsed_content == content
+    assert names_and_arguments(parsed_calls) == calls
+    assert all(call["type"] == "function" for call in parsed_calls)
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_pieces_cut_anywhere_read_as_the_whole(
+    parser: str, text: str, content: str | None, calls: list
+) -> None:
+    text = "Before. " + text if parser != "xlam" else text
+    whole_content, whole_calls = parse_calls(parser, text, SCHEMAS)
+    for size in (1, 4, 11):
+        content, calls = read_in_pieces(parser, text, size, SCHEMAS)
+        assert content == whole_content
+        assert names_and_arguments(calls) == names_and_arguments(whole_calls)
+
+
+def test_kimi_calls_keep_the_id_the_model_wrote():
+    """Kimi's template writes a call's id back into the conversation; vLLM keeps it too."""
+    _, calls = parse_calls("kimi_k2", KIMI)
+    assert [call["id"] for call in calls] == ["functions.time:0", "functions.weather:1"]
+    _, others = parse_calls("deepseek_v31", DEEPSEEK_V31)
+    assert all(call["id"].startswith("call_") for call in others)
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [
+        ("{{ '<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key><arg_value>", "glm45"),
+        ("{{ '<|tool_calls_section_begin|>' }}{{ '<|tool_call_begin|>' + id }}", "kimi_k2"),
+        ("{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n' + '```json'}}",
+         "deepseek_v3"),
+        ("{{'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments}}", "deepseek_v31"),
+        ('<minimax:tool_call>\n<invoke name="{{ name }}">', "minimax_m2"),
+        ("<seed:tool_call>\n<function={{ name }}>", "seed_oss"),
+        ("<tool_calls>{{ calls | tojson }}</tool_calls>", "hunyuan_a13b"),
+        ("<|action_start|><|plugin|>\n{{ call }}<|action_end|>", "internlm"),
+        ("<longcat_tool_call>{{ call }}</longcat_tool_call>", "longcat"),
+        ("<function_calls>{{ call }}</function_calls>", "olmo3"),
+        ("<tool_call>\n{{ call | tojson }}\n</tool_call>", "hermes"),
+    ],
+)  # fmt: skip
+def test_the_template_tags_show_the_format(template: str, parser: str):
+    assert parser_for(None, template) == parser
+    assert parser_for("glm47", template) == "glm45"  # the flag wins; vLLM's other names read
+
+
+def tokenizer_with(tags: list[str], special: bool):
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.add_tokens(tags, special_tokens=special)
+    return tokenizer
+
+
+KIMI_TAGS = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"]
+
+
+def test_a_parser_keeps_special_tokens_where_its_tags_are_special_tokens():
+    assert keeps_special_tokens("kimi_k2", tokenizer_with(KIMI_TAGS, special=True))
+    assert not keeps_special_tokens("kimi_k2", tokenizer_with(KIMI_TAGS, special=False))
+    assert not keeps_special_tokens("hermes", tokenizer_with(KIMI_TAGS, special=True))
+    assert keeps_special_tokens("glm45", tokenizer_with(["<arg_key>"], special=True))
+    assert keeps_special_tokens("mistral", tiny_tokenizer())  # Mistral's tag always is one
+    assert not keeps_special_tokens("llama3_json", tokenizer_with(["<|python_tag|>"], True))
+    assert not keeps_special_tokens(None, tiny_tokenizer())
+
+
+@pytest.mark.parametrize(
+    "nested",
+    ["-" * 20000 + "1", "not " * 20000 + "1", "1+" * 20000 + "1", "a" + ".a" * 20000],
+    ids=["signs", "nots", "sums", "attributes"],
+)
+def test_python_calls_nested_past_parsing_are_no_calls(nested: str):
+    """A model led to write thousands of signs gets no call from them, not an error (Python's
+    parser refuses such text with a RecursionError or MemoryError)."""
+    assert parse_calls("pythonic", f"[f(a={nested})]")[1] == []
+    assert parse_calls("olmo3", f"<function_calls>f(a={nested})</function_calls>")[1] == []
