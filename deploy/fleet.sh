@@ -8,7 +8,9 @@
 #
 # On CPUs, give each replica its share of the cores (OMP_NUM_THREADS, default: cores / N); on a
 # GPU host, pass --gpu-memory-utilization to share one GPU, or set CUDA_VISIBLE_DEVICES per
-# replica with FLEET_GPUS="0 1". ROUTER_PORT, ROUTER_METRICS_PORT (the router's own Prometheus
+# replica with FLEET_GPUS="0 1". Replica i runs as data-parallel rank i: its metrics carry
+# engine="i", and with --kv-events-config its events go out on the configured ports plus i, as
+# vLLM's ranks send theirs. ROUTER_PORT, ROUTER_METRICS_PORT (the router's own Prometheus
 # metrics, 29000), FIRST_PORT, POLICY and LOGS override the defaults.
 set -euo pipefail
 
@@ -36,7 +38,8 @@ for ((i = 0; i < replicas; i++)); do
     port=$((first_port + i))
     gpu=${gpus[i]:-${CUDA_VISIBLE_DEVICES:-}}
     CUDA_VISIBLE_DEVICES=$gpu OMP_NUM_THREADS=$threads \
-        conveyor serve --port "$port" "$@" > "$logs/replica-$i.log" 2>&1 &
+        conveyor serve --port "$port" --data-parallel-size "$replicas" --data-parallel-rank "$i" \
+        "$@" > "$logs/replica-$i.log" 2>&1 &
     pids+=($!)
     urls+=("http://127.0.0.1:$port")
 done

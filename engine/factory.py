@@ -398,6 +398,7 @@ def core_from_model(
         enable_prefix_caching=config.enable_prefix_caching,
         request_timeout=config.request_timeout,
         tensor_parallel_size=config.tensor_parallel_size,
+        data_parallel_rank=config.data_parallel_rank,
         async_scheduling=overlap,
         runner=config.runner,
         max_loras=config.max_loras if config.enable_lora else 0,
@@ -418,7 +419,9 @@ def _kv_event_publisher(config: EngineConfig, device: torch.device) -> ZmqEventP
     """The publisher of the prefix cache's events (`--kv-events-config`), if asked for."""
     if config.kv_events is None or not config.kv_events.publishes:
         return None
-    publisher = ZmqEventPublisher(config.kv_events, "GPU" if device.type == "cuda" else "CPU")
+    rank = config.data_parallel_rank
+    medium = "GPU" if device.type == "cuda" else "CPU"
+    publisher = ZmqEventPublisher(config.kv_events.for_rank(rank), medium, rank)
     replay = f", replays at {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
     topic = config.kv_events.topic
     logger.info("KV events: publishing on %s (topic %r)%s", publisher.endpoint, topic, replay)

@@ -42,7 +42,7 @@ from server.settings import (
 )
 from server.stats_log import INTERVAL as STATS_INTERVAL
 from server.tool_parsers import PARSERS
-from server.vllm_only_flags import add_vllm_only_flags, graph_choice
+from server.vllm_only_flags import add_vllm_only_flags, data_parallel_rank, graph_choice
 
 logger = logging.getLogger("conveyor")
 
@@ -731,6 +731,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         trust_remote_code=args.trust_remote_code,
         load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_rank=data_parallel_rank(args),
         async_scheduling=args.async_scheduling,
         speculative=args.speculative_config,
         kv_events=args.kv_events_config,

@@ -146,7 +146,7 @@ class EngineMetrics:
     """The `vllm:` metrics of one served model."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, info: ServingInfo) -> None:
-        self._labels = (model_name, "0")
+        self._labels = (model_name, str(info.data_parallel_rank))
         # Requests with sequences still running: (sequences finished, most tokens so far).
         self._generation_groups: dict[str, tuple[int, int]] = {}
         self._define_gauges(registry, info)

@@ -17,19 +17,53 @@ from server.flag_values import json_object
 LOCAL_EXECUTORS = ("mp", "uni")
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
 def only_one(reason: str) -> Callable[[str], int]:
     """An integer flag whose only value here is 1."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        value = _integer(text)
         if value != 1:
             raise argparse.ArgumentTypeError(f"only 1 is served: {reason}")
         return value
 
     return parse
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """An integer flag of `least` or more."""
+
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be {least} or more")
+        return value
+
+    return parse
+
+
+def data_parallel_rank(args: argparse.Namespace) -> int:
+    """The server's data-parallel rank: 0 alone; with `--data-parallel-rank`, the rank among
+    `--data-parallel-size` servers behind a router. A size above 1 without a rank asks one
+    server to run several replicas, which it does not."""
+    size, rank = args.data_parallel_size, args.data_parallel_rank
+    if rank is None:
+        if size > 1:
+            raise ValueError(
+                f"--data-parallel-size {size}: one server serves one replica; run one server "
+                "per device behind a router, each with its --data-parallel-rank (the README's "
+                "Scaling out section, deploy/fleet.sh)"
+            )
+        return 0
+    if rank >= size:
+        raise ValueError(f"--data-parallel-rank {rank} is not below --data-parallel-size {size}")
+    return rank
 
 
 def non_negative(text: str) -> float:
@@ -252,11 +286,43 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
     flags.add_argument(
         "--data-parallel-size",
         "-dp",
-        type=only_one(
-            "for data parallelism run one server per device behind a router (the README's "
-            "Scaling out section)"
-        ),
+        type=at_least(1),
         default=1,
+        help="with --data-parallel-rank: how many servers share the traffic behind a router; "
+        "one server does not split itself into several",
+    )
+    flags.add_argument(
+        "--data-parallel-rank",
+        "-dpn",
+        type=at_least(0),
+        default=None,
+        help="this server's rank among --data-parallel-size servers behind a router (vLLM's "
+        "external load balancing): its metrics' engine label, and its KV events' ports are "
+        "the configured ones plus the rank",
+    )
+    flags.add_argument(
+        "--data-parallel-size-local",
+        "-dpl",
+        type=only_one("each data-parallel rank is a server of its own (--data-parallel-rank)"),
+        default=None,
+    )
+    flags.add_argument(
+        "--data-parallel-external-lb",
+        action="store_true",
+        help="no effect: data-parallel ranks are servers behind a router of their own",
+    )
+    flags.add_argument(
+        "--data-parallel-address",
+        "-dpa",
+        default=None,
+        help="no effect: data-parallel ranks serve apart, with nothing to coordinate",
+    )
+    flags.add_argument(
+        "--data-parallel-rpc-port",
+        "-dpp",
+        type=int,
+        default=None,
+        help="no effect: data-parallel ranks serve apart, with nothing to coordinate",
     )
     flags.add_argument(
         "--enable-request-id-headers",

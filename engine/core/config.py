@@ -212,6 +212,9 @@ class EngineConfig:
     load_format: str = "auto"
     # Ranks (processes, one device each) the model's weights are split across.
     tensor_parallel_size: int = 1
+    # This server's rank among data-parallel replicas behind a router (vLLM's
+    # `--data-parallel-rank`): its metrics' `engine` label and its KV events' ports and batches.
+    data_parallel_rank: int = 0
     # Schedule and launch each step while the previous one still runs on the device; None:
     # on CUDA devices only (on a CPU the host computes the step itself).
     async_scheduling: bool | None = None
@@ -269,6 +272,8 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        if self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be 0 or more, got {self.data_parallel_rank}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"unknown load format {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
@@ -344,6 +349,7 @@ class ServingInfo:
     request_timeout: float | None = None
     kv_cache_dtype: str = ""
     tensor_parallel_size: int = 1
+    data_parallel_rank: int = 0
     async_scheduling: bool = False
     runner: str = "generate"
     # With LoRA adapters served: how many one step may run (0: none served).

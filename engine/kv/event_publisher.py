@@ -35,9 +35,12 @@ POLL_SECONDS = 0.05
 CLOSE_SECONDS = 1.0
 
 
-def encode_batch(timestamp: float, events: list[KVEvent], medium: str, encode: Any) -> bytes:
-    """One batch in vLLM's array form (`encode`: a MessagePack encoder's `encode`)."""
-    return encode([timestamp, [_event_fields(event, medium) for event in events], 0])
+def encode_batch(
+    timestamp: float, events: list[KVEvent], medium: str, encode: Any, rank: int = 0
+) -> bytes:
+    """One batch in vLLM's array form (`encode`: a MessagePack encoder's `encode`; `rank`: the
+    server's data-parallel rank)."""
+    return encode([timestamp, [_event_fields(event, medium) for event in events], rank])
 
 
 def _event_fields(event: KVEvent, medium: str) -> list[Any]:
@@ -68,10 +71,13 @@ class ZmqEventPublisher:
     """Publishes event batches from a thread of its own. Create, `publish` each step's events,
     `close` once."""
 
-    def __init__(self, config: KVEventsConfig, medium: str) -> None:
+    def __init__(self, config: KVEventsConfig, medium: str, rank: int = 0) -> None:
+        """`rank`: the server's data-parallel rank, which its batches carry; `config` is the
+        rank's own (`KVEventsConfig.for_rank`)."""
         zmq, msgspec = _libraries()
         self.config = config
         self.medium = medium
+        self.rank = rank
         self._zmq = zmq
         self._encode = msgspec.msgpack.Encoder().encode
         context = zmq.Context.instance()
@@ -154,7 +160,7 @@ class ZmqEventPublisher:
                 logger.exception("KV events: a batch could not be sent")
 
     def _send(self, seq: int, timestamp: float, events: list[KVEvent]) -> None:
-        payload = encode_batch(timestamp, events, self.medium, self._encode)
+        payload = encode_batch(timestamp, events, self.medium, self._encode, self.rank)
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._sent.append((seq, payload))
 

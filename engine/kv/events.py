@@ -11,7 +11,7 @@ evicted or forgotten (`BlockRemoved`), and when a reset leaves nothing cached
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 # vLLM's `--kv-events-config` fields and their defaults.
@@ -87,6 +87,19 @@ class KVEventsConfig:
         if not self.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"KV events endpoint {self.endpoint!r} is not a ZeroMQ address")
 
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """The config of data-parallel rank `rank` (one of several servers behind a router):
+        its sockets at the endpoints' ports plus the rank, or with `_dp{rank}` after an
+        `ipc://` or `inproc://` address, as vLLM's ranks open theirs."""
+        if rank == 0:
+            return self
+        replay = self.replay_endpoint
+        return replace(
+            self,
+            endpoint=rank_endpoint(self.endpoint, rank),
+            replay_endpoint=None if replay is None else rank_endpoint(replay, rank),
+        )
+
     @property
     def publishes(self) -> bool:
         """Whether events are recorded and sent anywhere."""
@@ -115,6 +128,19 @@ class KVEventsConfig:
                 kind = "an integer" if integer else kinds[name][0].__name__
                 raise ValueError(f"KV events config field {name} must be {kind}")
         return cls(**fields)
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """`endpoint` for data-parallel rank `rank`: a TCP port plus the rank (a wildcard port stays
+    one), an `ipc://` or `inproc://` name with `_dp{rank}` after it."""
+    if rank == 0 or not endpoint.startswith("tcp://"):
+        return endpoint if rank == 0 else f"{endpoint}_dp{rank}"
+    host, colon, port = endpoint.rpartition(":")
+    if not colon or host == "tcp" or port == "*":
+        return endpoint
+    if not port.isdigit() or int(port) + rank > 65535:
+        raise ValueError(f"KV events endpoint {endpoint!r} has no port for rank {rank}")
+    return f"{host}:{int(port) + rank}"
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import yaml
 
+from server.cli import build_parser, engine_config
 from tests.server_utils import free_port, live_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,9 +89,13 @@ def test_the_fleet_router_fronts_the_replicas_that_prometheus_scrapes():
     workers = command[command.index("--worker-urls") + 1 : command.index("--policy")]
     assert workers == ["http://conveyor-1:8000", "http://conveyor-2:8000"]
     assert command[command.index("--policy") + 1] == "cache_aware"
-    for name in ("conveyor-1", "conveyor-2"):
+    for rank, name in enumerate(("conveyor-1", "conveyor-2")):
         assert services[name]["image"] == "conveyor:cuda"
         assert services[name]["build"]["args"]["VARIANT"] == "cuda"
+        # Each replica is a data-parallel rank of its own (its metrics' engine label).
+        argv = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg) for arg in services[name]["command"]]
+        args = build_parser().parse_args(["serve", *argv])  # compose's defaults filled in
+        assert engine_config(args).data_parallel_rank == rank
     # The second replica on a shared GPU sizes itself once the first holds its share.
     assert services["conveyor-2"]["depends_on"]["conveyor-1"]["condition"] == "service_healthy"
     config = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())

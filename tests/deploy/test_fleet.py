@@ -5,6 +5,7 @@ request."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -204,6 +205,9 @@ def test_the_fleet_recipe_serves_through_its_router_and_stops_everything(model, 
         "CONVEYOR_CPU_KERNELS": "off",
     }
     serve = ["--model", str(model), "--device", "cpu", "--served-model-name", "tiny"]
+    # One KV events config for both: each replica publishes on its own port (the port + rank).
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}"}
+    serve += ["--kv-events-config", json.dumps(events)]
     fleet = subprocess.Popen(
         ["bash", str(ROOT / "deploy" / "fleet.sh"), "2", *serve],
         env=env,
@@ -224,6 +228,12 @@ def test_the_fleet_recipe_serves_through_its_router_and_stops_everything(model, 
         response = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 4
+        for rank in (0, 1):  # each replica is its own data-parallel rank
+            metrics = httpx.get(f"http://127.0.0.1:{first + rank}/metrics", timeout=30).text
+            running = [
+                m for m in metrics.splitlines() if m.startswith("vllm:num_requests_running{")
+            ]
+            assert len(running) == 1 and f'engine="{rank}"' in running[0], running
     finally:
         fleet.send_signal(signal.SIGTERM)
         output = fleet.communicate(timeout=90)[0]

@@ -65,9 +65,9 @@ DECODER = msgspec.msgpack.Decoder(VllmBatch)
 LOCAL = "tcp://127.0.0.1:*"
 
 
-def publisher(**fields: object) -> ZmqEventPublisher:
+def publisher(rank: int = 0, **fields: object) -> ZmqEventPublisher:
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=LOCAL, **fields)  # type: ignore[arg-type]
-    return ZmqEventPublisher(config, "CPU")
+    return ZmqEventPublisher(config, "CPU", rank)
 
 
 def subscribed(endpoint: str, topic: str, probe: ZmqEventPublisher) -> tuple[zmq.Socket, int]:
@@ -262,3 +262,17 @@ async def test_a_served_request_stores_its_prompt_and_a_flush_clears_it_at_once(
     assert isinstance(events[0], VllmBlockStored)
     assert events[0].token_ids[:8] == [5, 6, 7, 8, 9, 10, 11, 12]
     assert isinstance(events[-1], VllmAllBlocksCleared)
+
+
+def test_a_data_parallel_rank_s_batches_carry_its_rank():
+    sender = publisher(rank=3)
+    try:
+        socket, _ = subscribed(sender.endpoint, "", sender)
+        sender.publish([AllBlocksCleared()])
+        assert socket.poll(30_000)
+        _, _, payload = socket.recv_multipart()
+        socket.close(linger=0)
+    finally:
+        sender.close()
+    batch = DECODER.decode(payload)
+    assert batch.data_parallel_rank == 3 and batch.events == [VllmAllBlocksCleared()]

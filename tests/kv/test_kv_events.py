@@ -18,6 +18,7 @@ from engine.kv.events import (
     KVEvent,
     KVEventsConfig,
     external_hash,
+    rank_endpoint,
 )
 from engine.lora.registry import LoRARequest
 from tests.kv.traffic import arrive, request_with
@@ -194,3 +195,24 @@ def test_the_config_reads_vllms_fields_and_refuses_others():
     ]:
         with pytest.raises(ValueError, match=message):
             KVEventsConfig.of(fields)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "rank", "expected"),
+    [
+        ("tcp://*:5557", 0, "tcp://*:5557"),
+        ("tcp://*:5557", 2, "tcp://*:5559"),
+        ("tcp://[::1]:6000", 1, "tcp://[::1]:6001"),
+        ("tcp://127.0.0.1:*", 3, "tcp://127.0.0.1:*"),  # a port picked when bound
+        ("ipc:///tmp/kv", 1, "ipc:///tmp/kv_dp1"),
+        ("inproc://cache", 2, "inproc://cache_dp2"),
+    ],
+)
+def test_each_data_parallel_rank_publishes_on_its_own_endpoint(endpoint, rank, expected):
+    """vLLM's ranks add their rank to the configured ports, so one config serves a fleet."""
+    assert rank_endpoint(endpoint, rank) == expected
+    config = KVEventsConfig(endpoint=endpoint, replay_endpoint=endpoint).for_rank(rank)
+    assert (config.endpoint, config.replay_endpoint) == (expected, expected)
+    assert KVEventsConfig(endpoint=endpoint).for_rank(rank).replay_endpoint is None
+    with pytest.raises(ValueError, match="no port for rank 1"):
+        rank_endpoint("tcp://*:65535", 1)

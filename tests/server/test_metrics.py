@@ -369,3 +369,12 @@ async def test_cached_prompt_tokens_split_the_prompt_tokens_by_where_their_kv_ca
     }
     assert value(samples, "vllm:request_prefill_kv_computed_tokens_sum") == prompt - cached
     assert value(samples, "vllm:request_prefill_kv_computed_tokens_count") == 2
+
+
+async def test_a_data_parallel_rank_labels_its_metrics_with_its_engine():
+    """vLLM labels each rank's metrics with its engine index: a fleet's replicas stay apart in
+    one Prometheus (`--data-parallel-rank`)."""
+    async with app_client(tokenizer=TOKENIZER, data_parallel_rank=2) as (client, _):
+        samples = await scrape(client)
+        engines = {dict(key).get("engine") for key in samples["vllm:num_requests_running"]}
+        assert engines == {"2"}

@@ -301,7 +301,6 @@ def test_a_recipe_s_flags_with_nothing_to_set_change_nothing():
     [
         (["--pipeline-parallel-size", "2"], "pipeline parallelism is not built"),
         (["-pp", "2"], "pipeline parallelism is not built"),
-        (["--data-parallel-size", "4"], "behind a router"),
         (["--distributed-executor-backend", "ray"], "'ray' is not served"),
         (["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'], "'eagle'"),
         (["--speculative-config", '{"method": "ngram"}'], "needs num_speculative_tokens"),
@@ -393,3 +392,24 @@ def test_a_logprobs_mode_is_served_but_processed_ones_not_beside_speculation():
         engine_config(build_parser().parse_args(both))
     raw = ["serve", "--logprobs-mode", "raw_logits", "--speculative-config"]
     assert engine_config(build_parser().parse_args([*raw, '{"num_speculative_tokens": 2}']))
+
+
+def test_a_data_parallel_rank_serves_as_one_of_a_fleet():
+    """vLLM's external load balancing: each rank is a server of its own behind a router."""
+    args = build_parser().parse_args(
+        ["serve", "-dp", "4", "--data-parallel-rank", "3", "--data-parallel-external-lb",
+         "--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "13345",
+         "--data-parallel-size-local", "1"]
+    )  # fmt: skip
+    assert engine_config(args).data_parallel_rank == 3
+    assert engine_config(build_parser().parse_args(["serve"])).data_parallel_rank == 0
+    for argv, message in [
+        (["-dp", "4"], "one server serves one replica"),
+        (["-dp", "2", "-dpn", "2"], "is not below --data-parallel-size 2"),
+        (["-dpn", "1"], "is not below --data-parallel-size 1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            engine_config(build_parser().parse_args(["serve", *argv]))
+    for argv in (["-dp", "0"], ["-dpn", "-1"], ["--data-parallel-size-local", "2"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *argv])
