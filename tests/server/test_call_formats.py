@@ -1,14 +1,17 @@
 """The call formats of GLM, Kimi K2, DeepSeek, MiniMax, Seed-OSS, Hunyuan, Jamba, InternLM,
 LongCat, OLMo 3 and xLAM read out of replies, whole or arriving in pieces; the parser a chat
-template's tags show; and which parsers keep special tokens in a reply's text."""
+template's tags show; which parsers keep special tokens in a reply's text; and every parser on
+random replies."""
 
 from __future__ import annotations
 
 import copy
+import json
+import random
 
 import pytest
 
-from server.tool_parsers import keeps_special_tokens, parse_calls, parser_for
+from server.tool_parsers import PARSERS, keeps_special_tokens, parse_calls, parser_for
 from tests.helpers import tiny_tokenizer
 from tests.server.call_reading import names_and_arguments, read_in_pieces
 
@@ -184,3 +187,36 @@ def test_python_calls_nested_past_parsing_are_no_calls(nested: str):
     parser refuses such text with a RecursionError or MemoryError)."""
     assert parse_calls("pythonic", f"[f(a={nested})]")[1] == []
     assert parse_calls("olmo3", f"<function_calls>f(a={nested})</function_calls>")[1] == []
+
+
+# Pieces of every format's tags and bodies, for replies stitched together at random.
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+    "<minimax:tool_call>", "</minimax:tool_call>", '<invoke name="f">', "</invoke>",
+    '<parameter name="a">', "</parameter>", "<seed:tool_call>", "</seed:tool_call>",
+    "<function=f>", "</function>", "<parameter=a>", "<tool_calls>", "</tool_calls>",
+    "<|action_start|><|plugin|>", "<|action_end|>", "<longcat_tool_call>", "</longcat_tool_call>",
+    "<function_calls>", "</function_calls>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+    "functools", "```json", "```", "\n", " ", "{", "}", "[", "]", '"', ":", ",", "(", ")", "=",
+    '{"name": "f", "arguments": {"a": 1}}', '{"a": 1}', "f(a=1)", "functions.f:0", "function",
+    "f", "1", "true", "null", "-", "xxx",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("parser", sorted(set(PARSERS) - {"openai"}))
+def test_any_reply_reads_the_same_streamed_or_whole_and_never_raises(parser: str):
+    """Random replies stitched from every format's pieces: a parser never raises on them,
+    reads them streamed in any piece size as it reads them whole, and every call it finds has
+    JSON arguments."""
+    rng = random.Random(parser)
+    schemas = {"f": {"properties": {"a": {"type": "integer"}}}}
+    for _ in range(300):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 25)))
+        content, calls = parse_calls(parser, text, schemas)
+        streamed, streamed_calls = read_in_pieces(parser, text, rng.randint(1, 9), schemas)
+        assert streamed == content, text
+        assert [c["function"] for c in streamed_calls] == [c["function"] for c in calls], text
+        assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls), text
