@@ -5,9 +5,10 @@ arguments that fit its `parameters` schema (others get any JSON object). With
 `parallel_tool_calls: false` the reply ends after its first call.
 
 Enforced as a structural tag (`engine.structured.structural_tag`) for the parsers whose calls
-are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`), and for
-`qwen3_coder`'s XML parameters (each one's value its schema's JSON, or raw text for a string,
-in the schema's order). For the others the calls are read as written. A reply that may open
+are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`, `kimi_k2`,
+`deepseek_v3`, `deepseek_v31`), and for those that write each parameter as text (`qwen3_coder`,
+`glm45`, `glm47`, `minimax_m2`: each value its schema's JSON, or raw text for a string, in the
+schema's order). For the others the calls are read as written. A reply that may open
 its own reasoning may do so first (its tags are tokens of their own that free text does not
 hold)."""
 
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.core.sampling_params import StructuredOutputs
-from server.call_formats import FUNCTOOLS, GRANITE_TOOL_CALL, OPEN, PYTHON_TAG
+from server import call_formats
 from server.protocol import AllowedToolsChoice, ChatCompletionRequest, Tool
 from server.reasoning import ThoughtTags
 from server.structured import NOTHING, after_optional_thought, optional
@@ -66,43 +67,114 @@ def _llama3_json(tools: list[Tool], single: bool) -> dict[str, Any]:
     tags = [
         _tag(prefix + _opening(tool, "parameters"), tool, "}")
         for tool in tools
-        for prefix in ("", PYTHON_TAG)
+        for prefix in ("", call_formats.PYTHON_TAG)
     ]
-    return _triggered(['{"name": ', PYTHON_TAG], tags, single)
+    return _triggered(['{"name": ', call_formats.PYTHON_TAG], tags, single)
 
 
 def _qwen3_coder(tools: list[Tool], single: bool) -> dict[str, Any]:
     """`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>
     \n</tool_call>`, as Qwen3-Coder writes them."""
     tags = [
-        {
-            "type": "tag",
-            "begin": f"<tool_call>\n<function={tool.function.name}>\n",
-            "content": _xml_parameters(tool),
-            "end": "</function>\n</tool_call>",
-        }
+        _element(
+            f"<tool_call>\n<function={tool.function.name}>\n",
+            _text_parameters(tool, lambda key: f"<parameter={key}>\n", "\n</parameter>\n"),
+            "</function>\n</tool_call>",
+        )
         for tool in tools
     ]
     return _triggered(["<tool_call>"], tags, single)
 
 
-def _xml_parameters(tool: Tool) -> dict[str, Any]:
-    """A strict function's parameters in its schema's order, each required one once and each
-    other at most once; any text for a function that is not strict."""
+def _glm(separator: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
+    """`<tool_call>NAME` and `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pairs, each
+    piece followed by `separator` (GLM-4.5 writes a line break, GLM-4.7 nothing)."""
+
+    def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
+        def pair(key: str) -> str:
+            return f"<arg_key>{key}</arg_key>{separator}<arg_value>"
+
+        tags = [
+            _element(
+                f"<tool_call>{tool.function.name}{separator}",
+                _text_parameters(tool, pair, f"</arg_value>{separator}"),
+                "</tool_call>",
+            )
+            for tool in tools
+        ]
+        return _triggered(["<tool_call>"], tags, single)
+
+    return format_
+
+
+def _minimax_m2(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """`<minimax:tool_call>\n` around `<invoke name="NAME">\n` elements of `<parameter
+    name="KEY">VALUE</parameter>\n` elements, as MiniMax-M2 writes them."""
+    invokes = [
+        _element(
+            f'<invoke name="{tool.function.name}">\n',
+            _text_parameters(tool, lambda key: f'<parameter name="{key}">', "</parameter>\n"),
+            "</invoke>\n",
+        )
+        for tool in tools
+    ]
+    section = _list_tag("<minimax:tool_call>\n", invokes, "", "</minimax:tool_call>", single)
+    return _triggered(["<minimax:tool_call>"], [section], single=True)
+
+
+def _kimi_k2(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """`<|tool_calls_section_begin|>` around `<|tool_call_begin|>functions.NAME:N
+    <|tool_call_argument_begin|>{...}<|tool_call_end|>` calls, as Kimi K2 writes them."""
+    index = {"type": "regex", "pattern": "[0-9]+"}
+    calls = [
+        _element(
+            f"{call_formats.KIMI_CALL}functions.{tool.function.name}:",
+            _sequence(index, _literal(call_formats.KIMI_ARGUMENTS), _arguments(tool)),
+            call_formats.KIMI_CALL_END,
+        )
+        for tool in tools
+    ]
+    begin, end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    return _triggered([begin], [_list_tag(begin, calls, "", end, single)], single=True)
+
+
+def _deepseek(version: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
+    """`<｜tool▁calls▁begin｜>` around DeepSeek-V3's calls (`function<｜tool▁sep｜>NAME` and the
+    arguments in a fenced JSON block, a line break between calls) or V3.1's
+    (`NAME<｜tool▁sep｜>{...}`, nothing between)."""
+
+    def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
+        if version == "v3":
+            frames = [
+                (f"function{call_formats.DEEPSEEK_SEP}{tool.function.name}\n```json\n", "\n```")
+                for tool in tools
+            ]
+        else:
+            frames = [(f"{tool.function.name}{call_formats.DEEPSEEK_SEP}", "") for tool in tools]
+        calls = [
+            _tag(call_formats.DEEPSEEK_CALL + head, tool, tail + call_formats.DEEPSEEK_CALL_END)
+            for tool, (head, tail) in zip(tools, frames, strict=True)
+        ]
+        begin, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+        separator = "\n" if version == "v3" else ""
+        return _triggered([begin], [_list_tag(begin, calls, separator, end, single)], single=True)
+
+    return format_
+
+
+def _text_parameters(tool: Tool, begin: Callable[[str], str], end: str) -> dict[str, Any]:
+    """A strict function's parameters written as text between `begin(KEY)` and `end`, in its
+    schema's order, each required one once and each other at most once; any text for a
+    function that is not strict."""
     if not tool.function.strict:
         return {"type": "any_text"}
     schema = parameters(tool)
     required = set(schema.get("required", []))
     elements = []
     for key, value in (schema.get("properties") or {}).items():
-        parameter = {
-            "type": "tag",
-            "begin": f"<parameter={key}>\n",
-            "content": _xml_value(value),
-            "end": "\n</parameter>\n",
-        }
+        parameter = _element(begin(key), _xml_value(value), end)
         elements.append(parameter if key in required else optional(parameter))
-    return {"type": "sequence", "elements": elements} if elements else NOTHING
+    return _sequence(*elements) if elements else NOTHING
 
 
 def _xml_value(schema: Any) -> dict[str, Any]:
@@ -137,9 +209,15 @@ def _json_list(*triggers: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
 FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "hermes": _hermes,
     "llama3_json": _llama3_json,
-    "granite": _json_list(GRANITE_TOOL_CALL, OPEN),
-    "phi4_mini_json": _json_list(FUNCTOOLS),
+    "granite": _json_list(call_formats.GRANITE_TOOL_CALL, call_formats.OPEN),
+    "phi4_mini_json": _json_list(call_formats.FUNCTOOLS),
     "qwen3_coder": _qwen3_coder,
+    "glm45": _glm("\n"),
+    "glm47": _glm(""),
+    "minimax_m2": _minimax_m2,
+    "kimi_k2": _kimi_k2,
+    "deepseek_v3": _deepseek("v3"),
+    "deepseek_v31": _deepseek("v31"),
 }
 
 
@@ -171,6 +249,19 @@ def _opening(tool: Tool, key: str) -> str:
 
 
 def _tag(begin: str, tool: Tool, end: str) -> dict[str, Any]:
-    schema = parameters(tool) if tool.function.strict else ANY_OBJECT
-    content = {"type": "json_schema", "json_schema": schema}
+    return _element(begin, _arguments(tool), end)
+
+
+def _element(begin: str, content: dict[str, Any], end: str) -> dict[str, Any]:
     return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def _sequence(*elements: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "sequence", "elements": list(elements)}
+
+
+def _arguments(tool: Tool) -> dict[str, Any]:
+    """A call's arguments as JSON: a strict function's fit its schema, another's are any
+    object."""
+    schema = parameters(tool) if tool.function.strict else ANY_OBJECT
+    return {"type": "json_schema", "json_schema": schema}

@@ -9,8 +9,8 @@ format's calls):
     write them (a block may also hold a list of such objects, as SmolLM2 writes them).
   - `qwen3_coder`: the same tags around `<function=NAME>` with one `<parameter=KEY>` element per
     argument (Qwen3-Coder); `seed_oss`: the same inside `<seed:tool_call>` (Seed-OSS).
-  - `glm45` (and `glm47`): `<tool_call>NAME` then `<arg_key>` / `<arg_value>` pairs (GLM-4.5
-    to 4.7).
+  - `glm45` and `glm47`: `<tool_call>NAME` then `<arg_key>` / `<arg_value>` pairs (GLM-4.5 and
+    4.6 on lines of their own, GLM-4.7 without line breaks; either reads both).
   - `minimax_m2`: `<minimax:tool_call>` around `<invoke name=...>` elements of
     `<parameter name=...>` elements (MiniMax-M2).
   - `kimi_k2`: `<|tool_calls_section_begin|>` around `<|tool_call_begin|>functions.NAME:N
@@ -95,13 +95,16 @@ class WholeReply:
 
 
 TOOL_CALLS_BLOCK = Tagged("<tool_calls>", "</tool_calls>", formats.json_lines)
+# GLM-4.5 and 4.7 (which writes no line breaks between the pieces) read alike.
+GLM = Tagged(OPEN, CLOSE, formats.glm, (ARG_KEY, "<arg_value>"))
 DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 DEEPSEEK_INNER = (DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
 FORMATS: dict[str, Tagged | WholeReply] = {
     "hermes": Tagged(OPEN, CLOSE, formats.json_block),
     "qwen3_coder": Tagged(OPEN, CLOSE, formats.function_elements),
     "seed_oss": Tagged("<seed:tool_call>", "</seed:tool_call>", formats.function_elements),
-    "glm45": Tagged(OPEN, CLOSE, formats.glm, (ARG_KEY, "<arg_value>")),
+    "glm45": GLM,
+    "glm47": GLM,
     "minimax_m2": Tagged("<minimax:tool_call>", "</minimax:tool_call>", formats.invokes),
     "kimi_k2": Tagged(
         "<|tool_calls_section_begin|>",
@@ -130,7 +133,6 @@ ALIASES = {
     "llama4_json": "llama3_json",
     "llama4_pythonic": "pythonic",
     "qwen3_xml": "qwen3_coder",
-    "glm47": "glm45",
 }
 PARSERS = tuple(sorted({*FORMATS, "mistral", "openai", *ALIASES}))
 # Parsers whose tags are special tokens in every tokenizer that writes them.

@@ -155,7 +155,7 @@ def test_kimi_calls_keep_the_id_the_model_wrote():
 )  # fmt: skip
 def test_the_template_tags_show_the_format(template: str, parser: str):
     assert parser_for(None, template) == parser
-    assert parser_for("glm47", template) == "glm45"  # the flag wins; vLLM's other names read
+    assert parser_for("qwen3_xml", template) == "qwen3_coder"  # the flag wins, vLLM's names
 
 
 def tokenizer_with(tags: list[str], special: bool):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import jsonschema
 import pytest
@@ -131,6 +132,32 @@ def tag_tokenizer():
     return tokenizer
 
 
+def pushed_into(opening: int) -> dict:
+    """A request whose bias makes the model open a call at once, and keep opening it."""
+    return {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "tools": [STRICT_WEATHER],
+        "parallel_tool_calls": False,
+        "logit_bias": {str(opening): 100},
+        "max_tokens": 250,
+        "seed": 1,
+    }
+
+
+async def one_strict_call(client, body: dict) -> tuple[dict, dict]:
+    """The reply's choice and its one call, which names the strict function and fits its
+    schema."""
+    response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    [choice] = response.json()["choices"]
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
+    assert choice["finish_reason"] == "tool_calls"
+    return choice, call
+
+
 async def test_a_random_model_pushed_into_a_call_makes_a_valid_one() -> None:
     """A bias makes the model open `<tool_call>` at once, and keep opening it; strict, its one
     call (parallel calls off) is well formed and fits the schema, and the reply ends there."""
@@ -139,22 +166,8 @@ async def test_a_random_model_pushed_into_a_call_makes_a_valid_one() -> None:
     settings = ServerSettings(served_model_name="tiny", tool_call_parser="hermes")
     model = tiny_llama(vocab_size=len(tokenizer))
     async with app_client(settings, model=model, tokenizer=tokenizer) as (client, _):
-        body = {
-            "model": "tiny",
-            "messages": MESSAGES,
-            "tools": [STRICT_WEATHER],
-            "parallel_tool_calls": False,
-            "logit_bias": {str(opening): 100},
-            "max_tokens": 250,
-            "seed": 1,
-        }
-        response = await client.post("/v1/chat/completions", json=body)
-        assert response.status_code == 200, response.text
-        [choice] = response.json()["choices"]
-        [call] = choice["message"]["tool_calls"]
-        assert call["function"]["name"] == "weather"
-        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
-        assert choice["finish_reason"] == "tool_calls"
+        body = pushed_into(opening)
+        choice, _ = await one_strict_call(client, body)
         assert not (choice["message"]["content"] or "").strip()
 
         loose = {
@@ -275,3 +288,116 @@ def test_qwen3_coder_calls_follow_the_schema(compiler, text: str, allowed: bool)
     if allowed and text.startswith("<tool_call>"):  # the parser reads what the format allows
         [call] = parse_calls("qwen3_coder", text, {"weather": WEATHER})[1]
         assert call["function"]["name"] in ("weather", "time")
+
+
+def glm_call(name: str, *pairs: tuple[str, str], separator: str = "\n") -> str:
+    body = "".join(
+        f"<arg_key>{key}</arg_key>{separator}<arg_value>{value}</arg_value>{separator}"
+        for key, value in pairs
+    )
+    return f"<tool_call>{name}{separator}{body}</tool_call>"
+
+
+def minimax_call(*invokes: tuple[str, list[tuple[str, str]]]) -> str:
+    body = "".join(
+        f'<invoke name="{name}">\n'
+        + "".join(f'<parameter name="{key}">{value}</parameter>\n' for key, value in pairs)
+        + "</invoke>\n"
+        for name, pairs in invokes
+    )
+    return f"<minimax:tool_call>\n{body}</minimax:tool_call>"
+
+
+def kimi_calls(*calls: tuple[str, str]) -> str:
+    body = "".join(
+        f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{arguments}"
+        "<|tool_call_end|>"
+        for i, (name, arguments) in enumerate(calls)
+    )
+    return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
+
+
+def deepseek_calls(*calls: tuple[str, str], version: str) -> str:
+    if version == "v3":
+        each = [
+            f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{arguments}\n```"
+            "<｜tool▁call▁end｜>"
+            for name, arguments in calls
+        ]
+    else:
+        each = [
+            f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>"
+            for name, arguments in calls
+        ]
+    separator = "\n" if version == "v3" else ""
+    return f"<｜tool▁calls▁begin｜>{separator.join(each)}<｜tool▁calls▁end｜>"
+
+
+OSLO_PAIRS = [("city", "Oslo"), ("unit", "c")]
+NATIVE_CASES = [
+    # (parser, text, allowed with parallel calls, allowed with one call)
+    ("glm45", "Plain text.", True, True),
+    ("glm45", "Let me see. " + glm_call("weather", *OSLO_PAIRS), True, True),
+    ("glm45", glm_call("weather", ("city", "New\nYork"), ("unit", "f")), True, True),
+    ("glm45", glm_call("weather", ("city", "Oslo"), ("unit", "k")), False, False),
+    ("glm45", glm_call("weather", ("unit", "c")), False, False),
+    ("glm45", glm_call("time", ("anything", "[1]")), True, True),
+    ("glm45", glm_call("news", ("q", "x")), False, False),
+    ("glm45", glm_call("weather", *OSLO_PAIRS) + "\n" + glm_call("time"), True, False),
+    ("glm47", glm_call("weather", *OSLO_PAIRS, separator=""), True, True),
+    ("glm47", glm_call("weather", ("city", "Oslo"), ("unit", "k"), separator=""), False, False),
+    ("minimax_m2", minimax_call(("weather", OSLO_PAIRS)), True, True),
+    ("minimax_m2", minimax_call(("weather", [("city", "Oslo"), ("unit", "k")])), False, False),
+    ("minimax_m2", minimax_call(("weather", OSLO_PAIRS), ("time", [("zone", "1")])), True, False),
+    ("minimax_m2", minimax_call(("news", [])), False, False),
+    ("kimi_k2", "Checking. " + kimi_calls(("weather", OSLO)), True, True),
+    ("kimi_k2", kimi_calls(("weather", KELVIN)), False, False),
+    ("kimi_k2", kimi_calls(("weather", OSLO), ("time", '{"zone": 1}')), True, False),
+    ("kimi_k2", kimi_calls(("news", "{}")), False, False),
+    ("deepseek_v3", deepseek_calls(("weather", OSLO), version="v3"), True, True),
+    ("deepseek_v3", deepseek_calls(("weather", KELVIN), version="v3"), False, False),
+    ("deepseek_v3", deepseek_calls(("weather", OSLO), ("time", "{}"), version="v3"), True, False),
+    ("deepseek_v31", "Sure. " + deepseek_calls(("weather", OSLO), version="v31"), True, True),
+    ("deepseek_v31", deepseek_calls(("weather", KELVIN), version="v31"), False, False),
+    ("deepseek_v31", deepseek_calls(("time", '"no object"'), version="v31"), False, False),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "parallel_ok", "single_ok"), NATIVE_CASES)
+def test_native_formats_follow_the_schema(compiler, parser, text, parallel_ok, single_ok):
+    """GLM's, MiniMax-M2's, Kimi K2's and DeepSeek's calls: a strict function's in its schema,
+    others free, only listed names, one call without parallel calls; what the format allows,
+    the parser reads as calls."""
+    for parallel, allowed in ((True, parallel_ok), (False, single_ok)):
+        spec = strict_calls_format(request(parallel), parser)
+        assert spec is not None
+        assert format_allows(compiler, spec, text) == allowed, (parallel, text)
+    if parallel_ok and "weather" in text:
+        calls = parse_calls(parser, text, {"weather": WEATHER})[1]
+        assert calls and calls[0]["function"]["name"] == "weather"
+        if "Oslo" in text:
+            assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+
+
+KIMI_TAGS = [
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+]
+
+
+async def test_a_model_whose_call_tags_are_special_tokens_makes_and_returns_a_valid_call():
+    """Kimi K2's tags are special tokens: the format writes them as those tokens, the reply's
+    text keeps them (the parser's tags are special in this tokenizer), and the call is read
+    back, its id as Kimi's template writes it."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.add_tokens(KIMI_TAGS, special_tokens=True)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    opening = tokenizer.convert_tokens_to_ids(KIMI_TAGS[0])
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="kimi_k2")
+    model = tiny_llama(vocab_size=len(tokenizer))
+    async with app_client(settings, model=model, tokenizer=tokenizer) as (client, _):
+        _, call = await one_strict_call(client, pushed_into(opening))
+        assert re.fullmatch(r"functions\.weather:[0-9]+", call["id"]), call["id"]
