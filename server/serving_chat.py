@@ -340,10 +340,9 @@ class ChatRenderer(ChunkRenderer):
         """The message of a reply whose text (past any reasoning) is `text`."""
         if self.parser is not None:
             content, calls = parse_calls(self.parser, text or "", tool_schemas(self.body))
-            message: dict[str, Any] = {"role": self.role, "content": content}
-            if calls:
-                message["tool_calls"] = calls
-            return message
+            if not calls:  # the text as it streamed, blanks and all
+                return {"role": self.role, "content": text}
+            return {"role": self.role, "content": content, "tool_calls": calls}
         if self.forced is None:
             return {"role": self.role, "content": text}
         return {"role": self.role, "content": None, "tool_calls": self.forced.calls(text or "")}

@@ -434,3 +434,18 @@ async def test_auto_reads_each_models_native_calls_streamed_or_not(parser: str):
         assert entry["function"] == call["function"]
         assert (entry["id"] == call["id"]) == (parser == "kimi_k2")  # others: a fresh id each
         assert blocks_in_use(engine) == 0
+
+
+@pytest.mark.parametrize("text", ["\n\n", "Nothing to call.\n"])
+async def test_a_reply_without_calls_reads_the_same_streamed_or_not(text: str):
+    """Under a parser, a reply that holds no call is its text as it streamed, blanks and all."""
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="qwen3_coder")
+    request = {**BASE, "tool_choice": "auto", "structured_outputs": {"regex": re.escape(text)}}
+    async with app_client(settings, tokenizer=tool_tokenizer()) as (client, _):
+        body = await chat(client, **{k: request[k] for k in ("tool_choice", "structured_outputs")})
+        [choice] = body["choices"]
+        assert choice["message"]["content"] == text and "tool_calls" not in choice["message"]
+        assert choice["finish_reason"] == "stop"
+        response = await client.post("/v1/chat/completions", json={**request, "stream": True})
+        deltas = [e["choices"][0]["delta"] for e in sse_events(response.text) if e != "[DONE]"]
+        assert "".join(d.get("content") or "" for d in deltas) == text
