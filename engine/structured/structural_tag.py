@@ -37,6 +37,7 @@ FORMATS = (*LEAVES, "sequence", "or", "tag", *TAG_LISTS)
 
 # Metacharacters of llguidance's regular expressions, with the slash that delimits a terminal.
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+_CONTROL_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 class FormatError(ValueError):
@@ -347,9 +348,17 @@ def _regex_escape(text: str) -> str:
 
 
 def _slashes_escaped(pattern: str) -> str:
-    """`pattern` with each unescaped `/` escaped, to sit between slashes."""
+    """`pattern` to sit between slashes: each unescaped `/` escaped, and each line break, tab or
+    other control character, raw or escaped by a backslash (as `re.escape` writes one), spelled
+    as an escape (a Lark regex holds none raw)."""
     out, escaped = [], False
     for char in pattern:
+        if not char.isprintable():
+            if escaped:
+                out.pop()  # the backslash escaped the character itself
+            out.append(_CONTROL_ESCAPES.get(char, f"\\x{{{ord(char):x}}}"))
+            escaped = False
+            continue
         if char == "/" and not escaped:
             out.append("\\")
         out.append(char)

@@ -258,6 +258,13 @@ async def test_a_reply_that_opens_its_own_thought_thinks_then_follows_the_format
         message = response.json()["choices"][0]["message"]
         assert message["reasoning"] is not None
         assert re.fullmatch("[0-9]{3}", message["content"]), message
+        # A line break in the regex, raw or escaped, holds after the thought too.
+        for pattern in ("[0-9]\n[0-9]", re.escape("1\n2")):
+            lines = {**body, "structured_outputs": {"regex": pattern}}
+            response = await client.post("/v1/chat/completions", json=lines)
+            assert response.status_code == 200, response.text
+            answer = response.json()["choices"][0]["message"]["content"]
+            assert re.fullmatch("[0-9]\n[0-9]", answer), answer
         assert blocks_in_use(engine) == 0
 
 

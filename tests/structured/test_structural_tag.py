@@ -180,6 +180,16 @@ def test_a_sequence_of_thinking_then_calls(compiler, text: str, allowed: bool) -
         (tag("[", {"type": "any_text", "excluded_str": ["bad"]}, "]"), "[not bad]", False),
         (tag("[", {"type": "any_text"}, "]"), "[a]b]", False),  # text ends at the first end
         ({"type": "any_text"}, "anything\nat all", True),
+        # A line break or tab in a regex, raw or escaped (as `re.escape` writes one).
+        ({"type": "regex", "pattern": "a\nb\tc"}, "a\nb\tc", True),
+        ({"type": "regex", "pattern": re.escape("a\nb\tc")}, "a\nb\tc", True),
+        ({"type": "regex", "pattern": re.escape("a\nb")}, "a\\nb", False),
+        ({"type": "regex", "pattern": "[^\n]+\n"}, "line\n", True),
+        (
+            {"type": "regex", "pattern": "x\\\\\n"},
+            "x\\\n",
+            True,
+        ),  # an escaped backslash, then a break
     ],
 )
 def test_leaf_and_combined_formats(compiler, format_: dict, text: str, allowed: bool) -> None:
