@@ -351,7 +351,8 @@ def _slashes_escaped(pattern: str) -> str:
     """`pattern` to sit between slashes: each unescaped `/` escaped, and each line break, tab or
     other control character, raw or escaped by a backslash (as `re.escape` writes one), spelled
     as an escape (a Lark regex holds none raw)."""
-    out, escaped = [], False
+    out: list[str] = []
+    escaped = False
     for char in pattern:
         if not char.isprintable():
             if escaped:
