@@ -406,6 +406,7 @@ def _openai_router(
                 add_generation_prompt=body.add_generation_prompt,
                 chat_template_kwargs=body.chat_template_kwargs,
                 chat_template=body.chat_template,
+                documents=body.documents,
                 add_special_tokens=body.add_special_tokens,
             )
             _, tokens, _ = await chat.templated(conversation, fits=False)

@@ -484,6 +484,9 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: a reply that continues the last message (its role's) starts with that message.
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents for a template that grounds its answer in them (Command R's, Granite's),
+    # each a mapping of strings such as {"title": ..., "text": ...}.
+    documents: list[dict[str, str]] | None = None
     # vLLM's: at most this many reasoning tokens, after which the thought is closed for it.
     thinking_token_budget: NonNegativeInt | None = None
     # OpenAI's: how hard a reasoning model thinks, handed to the template as
@@ -537,6 +540,7 @@ class TokenizeChatRequest(RequestBody):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
 

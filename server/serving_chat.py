@@ -562,6 +562,7 @@ class ChatHandler:
                 parts=content_format(self.content_format, template or tokenizer.chat_template)
                 == "openai",
                 template=template,
+                documents=body.documents,
             ),
         )
         urls = image_urls(body.messages)

@@ -151,6 +151,7 @@ def chat_prompt(
     images: bool = False,
     parts: bool = False,
     template: str | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> tuple[str, list[int]]:
     """Render messages (and the tools offered, `tools=`) with the model's chat template; return
     the text and its token ids. For a template with no tool section the conversation carries
@@ -159,7 +160,8 @@ def chat_prompt(
     template writes the special tokens it wants; `add_special_tokens` adds the tokenizer's own
     (such as a BOS) as well. For an image-text model (`images`), and for a template that takes
     OpenAI's list of parts (`parts`, `server.content_format`), the content goes as parts.
-    `template` is a request's own chat template, used instead of the model's."""
+    `template` is a request's own chat template, used instead of the model's; `documents` are
+    what a retrieval-grounded template (Command R's, Granite's) writes as sources."""
     if template is None and getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequestError(
             "This model has no chat template, so /v1/chat/completions cannot be used; "
@@ -182,6 +184,7 @@ def chat_prompt(
             conversation,
             chat_template=template,
             tools=tools,
+            documents=documents,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,

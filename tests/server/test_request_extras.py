@@ -436,3 +436,35 @@ async def test_processed_logprobs_show_the_tokens_top_k_rules_out_at_minus_9999(
         values = sorted(top.values(), reverse=True)
         assert values[2:] == [-9999.0] * (len(values) - 2)
         assert sum(math.exp(v) for v in values[:2]) == pytest.approx(1.0, abs=1e-4)
+
+
+# A template that grounds its answer in documents, as Command R's and Granite's do.
+DOCUMENTS_TEMPLATE = (
+    "{% for d in documents or [] %}<doc {{ d.title }}>{{ d.text }}</doc>\n{% endfor %}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}<|assistant|>"
+)
+DOCUMENTS = [{"title": "Oslo", "text": "Rain all week."}, {"title": "Rome", "text": "Sun."}]
+
+
+async def test_documents_reach_a_grounded_template():
+    """vLLM's `documents`: the template writes them (chat, its render and /tokenize alike)."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = DOCUMENTS_TEMPLATE
+    messages = [{"role": "user", "content": "Weather?"}]
+    async with app_client(tokenizer=tokenizer) as (client, engine):
+        counted = await client.post(
+            "/tokenize", json={"model": "tiny", "messages": messages, "documents": DOCUMENTS}
+        )
+        assert counted.status_code == 200, counted.text
+        text = tokenizer.decode(counted.json()["tokens"])
+        assert text.startswith("<doc Oslo>Rain all week.</doc>\n<doc Rome>Sun.</doc>\n<|user|>")
+        body = {"model": "tiny", "messages": messages, "documents": DOCUMENTS, "max_tokens": 2}
+        rendered = await client.post("/v1/chat/completions/render", json=body)
+        assert rendered.json()["token_ids"] == counted.json()["tokens"]
+        plain = await client.post("/v1/chat/completions", json={**body, "documents": None})
+        grounded = await client.post("/v1/chat/completions", json=body)
+        assert grounded.json()["usage"]["prompt_tokens"] == counted.json()["count"]
+        assert plain.json()["usage"]["prompt_tokens"] < counted.json()["count"]
+        bad = await client.post("/v1/chat/completions", json={**body, "documents": [{"a": 1}]})
+        assert_error(bad, 400, "documents.0.a")
+        assert blocks_in_use(engine) == 0
