@@ -5,8 +5,9 @@ format's calls):
 - Calls between tags, text around them content. The streaming reader holds back text that may
   be the start of a tag until it is known not to be, and hands out the calls of a block whole
   once its closing tag arrives.
-  - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5 and Qwen3
-    write them (a block may also hold a list of such objects, as SmolLM2 writes them).
+  - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5, Qwen3 and
+    ERNIE 4.5 (`ernie45`) write them (a block may also hold a list of such objects, as SmolLM2
+    writes them).
   - `qwen3_coder`: the same tags around `<function=NAME>` with one `<parameter=KEY>` element per
     argument (Qwen3-Coder); `seed_oss`: the same inside `<seed:tool_call>` (Seed-OSS).
   - `glm45` and `glm47`: `<tool_call>NAME` then `<arg_key>` / `<arg_value>` pairs (GLM-4.5 and
@@ -133,6 +134,7 @@ ALIASES = {
     "llama4_json": "llama3_json",
     "llama4_pythonic": "pythonic",
     "qwen3_xml": "qwen3_coder",
+    "ernie45": "hermes",
 }
 PARSERS = tuple(sorted({*FORMATS, "mistral", "openai", *ALIASES}))
 # Parsers whose tags are special tokens in every tokenizer that writes them.

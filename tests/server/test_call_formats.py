@@ -86,6 +86,7 @@ CALLS = [
     ("minimax", TOOL_CALLS_LINES, None, [TIME, OSLO]),
     ("internlm", "Let me check." + INTERNLM, "Let me check.", [TIME]),
     ("longcat", LONGCAT, None, [TIME]),
+    ("ernie45", LONGCAT.replace("longcat_tool_call", "tool_call"), None, [TIME]),
     ("olmo3", OLMO3, None, [TIME, ("weather", {"city": "Oslo", "days": [1], "exact": True})]),
     ("xlam", XLAM, None, [TIME, OSLO]),
     ("xlam", "```json\n" + XLAM + "\n```", None, [TIME, OSLO]),
