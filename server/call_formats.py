@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from functools import cache
 from typing import Any
 
 from server import json_text
@@ -39,8 +40,8 @@ DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END = (
     "<｜tool▁call▁end｜>",
 )
 
-_INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.DOTALL)
-_NAMED_PARAMETER = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
+# DeepSeek-V3.2's prefix of its call tags (`<｜DSML｜invoke ...>`).
+DSML = "｜DSML｜"
 _FENCED_JSON = re.compile(r"\A```(?:json)?\s*(.*?)\s*```\Z", re.DOTALL)
 _KIMI_ID = re.compile(r"\A(?:functions\.)?([^:\s]+):\d+\Z")
 JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -184,19 +185,58 @@ def glm(body: str, schemas: Schemas | None = None) -> Calls | None:
 def invokes(body: str, schemas: Schemas | None = None) -> Calls | None:
     """`<invoke name="NAME">` elements of `<parameter name="KEY">VALUE</parameter>` elements
     (MiniMax-M2's calls)."""
-    if _INVOKE.sub("", body).strip():
+    return _invokes(body, schemas, "")
+
+
+def dsml(body: str, schemas: Schemas | None = None) -> Calls | None:
+    """The same elements with `｜DSML｜` after each `<` (DeepSeek-V3.2's calls), a parameter
+    marked `string="true"` (text) or `string="false"` (JSON), or an invoke whose body is the
+    arguments' JSON object."""
+    return _invokes(body, schemas, DSML)
+
+
+@cache
+def _invoke_patterns(prefix: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    tag = re.escape(prefix)
+    return (
+        re.compile(rf'<{tag}invoke name="([^"]+)">(.*?)</{tag}invoke>', re.DOTALL),
+        re.compile(
+            rf'<{tag}parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</{tag}parameter>',
+            re.DOTALL,
+        ),
+    )
+
+
+def _invokes(body: str, schemas: Schemas | None, prefix: str) -> Calls | None:
+    invoke, parameter = _invoke_patterns(prefix)
+    if invoke.sub("", body).strip():
         return None
     calls = []
-    for name, inner in _INVOKE.findall(body):
-        if _NAMED_PARAMETER.sub("", inner).strip():
-            return None
+    for name, inner in invoke.findall(body):
         properties = _properties(schemas, name)
-        arguments = {
-            key: typed(value.removeprefix("\n").removesuffix("\n"), properties.get(key))
-            for key, value in _NAMED_PARAMETER.findall(inner)
-        }
+        if inner.strip().startswith("{"):
+            arguments = _json_object(inner)
+        else:
+            arguments = _named_parameters(inner, parameter, properties)
+        if arguments is None:
+            return None
         calls.append(tool_call(name, json.dumps(arguments)))
     return calls or None
+
+
+def _named_parameters(
+    inner: str, parameter: re.Pattern[str], properties: dict[str, Any]
+) -> dict[str, Any] | None:
+    """`<parameter name="KEY">` elements: a value marked `string="true"` stays text, one marked
+    `string="false"` is read as JSON, an unmarked one as its schema types it."""
+    if parameter.sub("", inner).strip():
+        return None
+    arguments: dict[str, Any] = {}
+    for key, string, value in parameter.findall(inner):
+        value = value.removeprefix("\n").removesuffix("\n")
+        schema = {"type": "string"} if string == "true" else None if string else properties.get(key)
+        arguments[key] = typed(value, schema)
+    return arguments
 
 
 def kimi(body: str, schemas: Schemas | None = None) -> Calls | None:

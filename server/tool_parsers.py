@@ -17,7 +17,9 @@ format's calls):
   - `kimi_k2`: `<|tool_calls_section_begin|>` around `<|tool_call_begin|>functions.NAME:N
     <|tool_call_argument_begin|>{...}<|tool_call_end|>` calls (Kimi K2).
   - `deepseek_v3` and `deepseek_v31`: `<｜tool▁calls▁begin｜>` around DeepSeek-V3's calls (the
-    arguments in a fenced JSON block) or V3.1's (`NAME<｜tool▁sep｜>{...}`).
+    arguments in a fenced JSON block) or V3.1's (`NAME<｜tool▁sep｜>{...}`); `deepseek_v32`:
+    `<｜DSML｜function_calls>` around `<｜DSML｜invoke name=...>` elements of `<｜DSML｜parameter
+    name=... string="true|false">` elements or a JSON object (DeepSeek-V3.2).
   - `hunyuan_a13b`, `jamba` and `minimax`: `<tool_calls>` around a JSON list of calls or one
     call object per line.
   - `internlm`: `<|action_start|><|plugin|>` ... `<|action_end|>` around one JSON call
@@ -54,6 +56,7 @@ from server.call_formats import (
     DEEPSEEK_CALL,
     DEEPSEEK_CALL_END,
     DEEPSEEK_SEP,
+    DSML,
     FUNCTION,
     FUNCTOOLS,
     GRANITE_TOOL_CALL,
@@ -115,6 +118,9 @@ FORMATS: dict[str, Tagged | WholeReply] = {
     ),
     "deepseek_v3": Tagged(*DEEPSEEK, formats.deepseek_v3, DEEPSEEK_INNER),
     "deepseek_v31": Tagged(*DEEPSEEK, formats.deepseek_v31, DEEPSEEK_INNER),
+    "deepseek_v32": Tagged(
+        f"<{DSML}function_calls>", f"</{DSML}function_calls>", formats.dsml, (DSML,)
+    ),
     "hunyuan_a13b": TOOL_CALLS_BLOCK,
     "jamba": TOOL_CALLS_BLOCK,
     "minimax": TOOL_CALLS_BLOCK,
@@ -145,6 +151,7 @@ TEMPLATE_TAGS = (
     (FUNCTOOLS, "phi4_mini_json"),
     (PHI4_TOOLS, "phi4_mini_json"),
     ("<|tool_calls_section_begin|>", "kimi_k2"),
+    (DSML, "deepseek_v32"),
     (DEEPSEEK_CALL, "deepseek"),
     ("<minimax:tool_call>", "minimax_m2"),
     ("<seed:tool_call>", "seed_oss"),

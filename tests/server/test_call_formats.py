@@ -48,6 +48,12 @@ MINIMAX_M2 = (
     '</invoke>\n<invoke name="weather">\n<parameter name="city">Oslo</parameter>\n</invoke>\n'
     "</minimax:tool_call>"
 )
+DSML = (
+    '<｜DSML｜function_calls>\n<｜DSML｜invoke name="weather">\n<｜DSML｜parameter name="city" '
+    'string="true">42</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">[1]'
+    '</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name="time">\n{"zone": 3}\n'
+    "</｜DSML｜invoke>\n</｜DSML｜function_calls>"
+)
 SEED = (
     "<seed:tool_call>\n<function=weather>\n<parameter=city>\n42\n</parameter>\n</function>\n"
     "</seed:tool_call>"
@@ -80,6 +86,10 @@ CALLS = [
     ("deepseek_v3", DEEPSEEK_V3, None, [TIME]),
     ("deepseek_v31", "Sure. " + DEEPSEEK_V31, "Sure. ", [TIME, OSLO]),
     ("minimax_m2", MINIMAX_M2, None, [TIME, OSLO]),
+    ("deepseek_v32", "Sure. " + DSML, "Sure. ", [("weather", {"city": "42", "days": [1]}), TIME]),
+    # unmarked: typed by the schema (zone is an integer)
+    ("deepseek_v32", DSML.replace(' string="true"', "").replace("42", "Oslo"), None,
+     [("weather", {"city": "Oslo", "days": [1]}), TIME]),
     ("seed_oss", SEED, None, [("weather", {"city": "42"})]),
     ("hunyuan_a13b", TOOL_CALLS_LIST, None, [TIME]),
     ("jamba", TOOL_CALLS_LIST, None, [TIME]),
@@ -99,6 +109,7 @@ NOT_CALLS = [
     ("deepseek_v3", DEEPSEEK_V31),
     ("deepseek_v31", DEEPSEEK_V31.replace('{"zone": 3}', "zone=3")),
     ("minimax_m2", "<minimax:tool_call>stray</minimax:tool_call>"),
+    ("deepseek_v32", DSML.replace('{"zone": 3}', "{zone}")),
     ("minimax", "<tool_calls>\n{not json}\n</tool_calls>"),
     ("olmo3", "<function_calls>\ntime(3)\n</function_calls>"),
     ("xlam", "[1, 2]"),
@@ -145,6 +156,7 @@ def test_kimi_calls_keep_the_id_the_model_wrote():
         ("{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n' + '```json'}}",
          "deepseek_v3"),
         ("{{'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments}}", "deepseek_v31"),
+        ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="{{ name }}">', "deepseek_v32"),
         ('<minimax:tool_call>\n<invoke name="{{ name }}">', "minimax_m2"),
         ("<seed:tool_call>\n<function={{ name }}>", "seed_oss"),
         ("<tool_calls>{{ calls | tojson }}</tool_calls>", "hunyuan_a13b"),
@@ -197,6 +209,8 @@ FRAGMENTS = [
     "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<｜tool▁calls▁begin｜>",
     "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
     "<minimax:tool_call>", "</minimax:tool_call>", '<invoke name="f">', "</invoke>",
+    "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", '<｜DSML｜invoke name="f">',
+    "</｜DSML｜invoke>", '<｜DSML｜parameter name="a" string="false">', "</｜DSML｜parameter>",
     '<parameter name="a">', "</parameter>", "<seed:tool_call>", "</seed:tool_call>",
     "<function=f>", "</function>", "<parameter=a>", "<tool_calls>", "</tool_calls>",
     "<|action_start|><|plugin|>", "<|action_end|>", "<longcat_tool_call>", "</longcat_tool_call>",
