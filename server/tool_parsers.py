@@ -179,6 +179,8 @@ def parser_for(name: str | None, chat_template: str | None) -> str | None:
         if tag in template:
             if parser == "deepseek":  # V3 writes the arguments in a fenced block, V3.1 bare
                 return "deepseek_v3" if "```json" in template else "deepseek_v31"
+            if parser == "glm45" and "</arg_key><arg_value>" in template:
+                return "glm47"  # GLM-4.7 writes no line breaks between the pieces
             return parser
     if OPEN in template and FUNCTION in template and PARAMETER in template:
         return "qwen3_coder"

@@ -151,7 +151,8 @@ def test_kimi_calls_keep_the_id_the_model_wrote():
 @pytest.mark.parametrize(
     ("template", "parser"),
     [
-        ("{{ '<tool_call>' + tc.name }}<arg_key>{{ k }}</arg_key><arg_value>", "glm45"),
+        ("{{ '<tool_call>' + tc.name }}\n<arg_key>{{ k }}</arg_key>\n<arg_value>", "glm45"),
+        ("{{- '<tool_call>' ~ tc.name -}}<arg_key>{{ k }}</arg_key><arg_value>", "glm47"),
         ("{{ '<|tool_calls_section_begin|>' }}{{ '<|tool_call_begin|>' + id }}", "kimi_k2"),
         ("{{'<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n' + '```json'}}",
          "deepseek_v3"),
