@@ -7,8 +7,8 @@ arguments that fit its `parameters` schema (others get any JSON object). With
 Enforced as a structural tag (`engine.structured.structural_tag`) for the parsers whose calls
 are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`, `kimi_k2`,
 `deepseek_v3`, `deepseek_v31`), and for those that write each parameter as text (`qwen3_coder`,
-`glm45`, `glm47`, `minimax_m2`: each value its schema's JSON, or raw text for a string, in the
-schema's order). For the others the calls are read as written. A reply that may open
+`seed_oss`, `glm45`, `glm47`, `minimax_m2`: each value its schema's JSON, or raw text for a
+string, in the schema's order). For the others the calls are read as written. A reply that may open
 its own reasoning may do so first (its tags are tokens of their own that free text does not
 hold)."""
 
@@ -72,18 +72,26 @@ def _llama3_json(tools: list[Tool], single: bool) -> dict[str, Any]:
     return _triggered(['{"name": ', call_formats.PYTHON_TAG], tags, single)
 
 
-def _qwen3_coder(tools: list[Tool], single: bool) -> dict[str, Any]:
-    """`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>
-    \n</tool_call>`, as Qwen3-Coder writes them."""
-    tags = [
-        _element(
-            f"<tool_call>\n<function={tool.function.name}>\n",
-            _text_parameters(tool, lambda key: f"<parameter={key}>\n", "\n</parameter>\n"),
-            "</function>\n</tool_call>",
-        )
-        for tool in tools
-    ]
-    return _triggered(["<tool_call>"], tags, single)
+def _function_elements(tag: str, value_break: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
+    """`<TAG>\n<function=NAME>\n<parameter=KEY>VALUE</parameter>\n...</function>\n</TAG>`,
+    each VALUE between `value_break`s: Qwen3-Coder's (`<tool_call>`, its values on lines of
+    their own) and Seed-OSS's (`<seed:tool_call>`, its values inline)."""
+
+    def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
+        def parameter(key: str) -> str:
+            return f"<parameter={key}>{value_break}"
+
+        tags = [
+            _element(
+                f"<{tag}>\n<function={tool.function.name}>\n",
+                _text_parameters(tool, parameter, f"{value_break}</parameter>\n"),
+                f"</function>\n</{tag}>",
+            )
+            for tool in tools
+        ]
+        return _triggered([f"<{tag}>"], tags, single)
+
+    return format_
 
 
 def _glm(separator: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
@@ -211,7 +219,8 @@ FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "llama3_json": _llama3_json,
     "granite": _json_list(call_formats.GRANITE_TOOL_CALL, call_formats.OPEN),
     "phi4_mini_json": _json_list(call_formats.FUNCTOOLS),
-    "qwen3_coder": _qwen3_coder,
+    "qwen3_coder": _function_elements("tool_call", "\n"),
+    "seed_oss": _function_elements("seed:tool_call", ""),
     "glm45": _glm("\n"),
     "glm47": _glm(""),
     "minimax_m2": _minimax_m2,

@@ -333,6 +333,11 @@ def deepseek_calls(*calls: tuple[str, str], version: str) -> str:
     return f"<｜tool▁calls▁begin｜>{separator.join(each)}<｜tool▁calls▁end｜>"
 
 
+def seed_call(name: str, *pairs: tuple[str, str]) -> str:
+    body = "".join(f"<parameter={key}>{value}</parameter>\n" for key, value in pairs)
+    return f"<seed:tool_call>\n<function={name}>\n{body}</function>\n</seed:tool_call>"
+
+
 OSLO_PAIRS = [("city", "Oslo"), ("unit", "c")]
 NATIVE_CASES = [
     # (parser, text, allowed with parallel calls, allowed with one call)
@@ -346,6 +351,10 @@ NATIVE_CASES = [
     ("glm45", glm_call("weather", *OSLO_PAIRS) + "\n" + glm_call("time"), True, False),
     ("glm47", glm_call("weather", *OSLO_PAIRS, separator=""), True, True),
     ("glm47", glm_call("weather", ("city", "Oslo"), ("unit", "k"), separator=""), False, False),
+    ("seed_oss", "Sure. " + seed_call("weather", *OSLO_PAIRS), True, True),
+    ("seed_oss", seed_call("weather", ("city", "Oslo"), ("unit", "k")), False, False),
+    ("seed_oss", seed_call("weather", ("unit", "c"), ("city", "Oslo")), False, False),
+    ("seed_oss", seed_call("weather", *OSLO_PAIRS) + "\n" + seed_call("time"), True, False),
     ("minimax_m2", minimax_call(("weather", OSLO_PAIRS)), True, True),
     ("minimax_m2", minimax_call(("weather", [("city", "Oslo"), ("unit", "k")])), False, False),
     ("minimax_m2", minimax_call(("weather", OSLO_PAIRS), ("time", [("zone", "1")])), True, False),
@@ -365,9 +374,9 @@ NATIVE_CASES = [
 
 @pytest.mark.parametrize(("parser", "text", "parallel_ok", "single_ok"), NATIVE_CASES)
 def test_native_formats_follow_the_schema(compiler, parser, text, parallel_ok, single_ok):
-    """GLM's, MiniMax-M2's, Kimi K2's and DeepSeek's calls: a strict function's in its schema,
-    others free, only listed names, one call without parallel calls; what the format allows,
-    the parser reads as calls."""
+    """GLM's, Seed-OSS's, MiniMax-M2's, Kimi K2's and DeepSeek's calls: a strict function's in
+    its schema, others free, only listed names, one call without parallel calls; what the
+    format allows, the parser reads as calls."""
     for parallel, allowed in ((True, parallel_ok), (False, single_ok)):
         spec = strict_calls_format(request(parallel), parser)
         assert spec is not None
