@@ -2,9 +2,9 @@
 a whole reply): each reader returns the calls, or None where the text is not calls in its
 format (the text then stays content). `server/tool_parsers.py` finds the blocks in a reply.
 
-Values written as text (Qwen3-Coder's, Seed-OSS's, GLM's and MiniMax-M2's parameters) are read
-by the type the tool's schema gives them: a string stays text, anything else is read as JSON
-(and stays text where it is not JSON)."""
+Values written as text (Qwen3-Coder's, Seed-OSS's, GLM's, MiniMax-M2's and DeepSeek-V3.2's
+unmarked parameters) are read by the type the tool's schema gives them: a string stays text,
+anything else is read as JSON (and stays text where it is not JSON)."""
 
 from __future__ import annotations
 
