@@ -78,17 +78,13 @@ def _function_elements(tag: str, value_break: str) -> Callable[[list[Tool], bool
     their own) and Seed-OSS's (`<seed:tool_call>`, its values inline)."""
 
     def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
-        def parameter(key: str) -> str:
-            return f"<parameter={key}>{value_break}"
-
-        tags = [
-            _element(
-                f"<{tag}>\n<function={tool.function.name}>\n",
-                _text_parameters(tool, parameter, f"{value_break}</parameter>\n"),
-                f"</function>\n</{tag}>",
-            )
-            for tool in tools
-        ]
+        tags = _text_calls(
+            tools,
+            lambda name: f"<{tag}>\n<function={name}>\n",
+            lambda key: f"<parameter={key}>{value_break}",
+            f"{value_break}</parameter>\n",
+            f"</function>\n</{tag}>",
+        )
         return _triggered([f"<{tag}>"], tags, single)
 
     return format_
@@ -99,17 +95,13 @@ def _glm(separator: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
     piece followed by `separator` (GLM-4.5 writes a line break, GLM-4.7 nothing)."""
 
     def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
-        def pair(key: str) -> str:
-            return f"<arg_key>{key}</arg_key>{separator}<arg_value>"
-
-        tags = [
-            _element(
-                f"<tool_call>{tool.function.name}{separator}",
-                _text_parameters(tool, pair, f"</arg_value>{separator}"),
-                "</tool_call>",
-            )
-            for tool in tools
-        ]
+        tags = _text_calls(
+            tools,
+            lambda name: f"<tool_call>{name}{separator}",
+            lambda key: f"<arg_key>{key}</arg_key>{separator}<arg_value>",
+            f"</arg_value>{separator}",
+            "</tool_call>",
+        )
         return _triggered(["<tool_call>"], tags, single)
 
     return format_
@@ -118,14 +110,13 @@ def _glm(separator: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
 def _minimax_m2(tools: list[Tool], single: bool) -> dict[str, Any]:
     """`<minimax:tool_call>\n` around `<invoke name="NAME">\n` elements of `<parameter
     name="KEY">VALUE</parameter>\n` elements, as MiniMax-M2 writes them."""
-    invokes = [
-        _element(
-            f'<invoke name="{tool.function.name}">\n',
-            _text_parameters(tool, lambda key: f'<parameter name="{key}">', "</parameter>\n"),
-            "</invoke>\n",
-        )
-        for tool in tools
-    ]
+    invokes = _text_calls(
+        tools,
+        lambda name: f'<invoke name="{name}">\n',
+        lambda key: f'<parameter name="{key}">',
+        "</parameter>\n",
+        "</invoke>\n",
+    )
     section = _list_tag("<minimax:tool_call>\n", invokes, "", "</minimax:tool_call>", single)
     return _triggered(["<minimax:tool_call>"], [section], single=True)
 
@@ -168,6 +159,21 @@ def _deepseek(version: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
         return _triggered([begin], [_list_tag(begin, calls, separator, end, single)], single=True)
 
     return format_
+
+
+def _text_calls(
+    tools: list[Tool],
+    head: Callable[[str], str],
+    parameter: Callable[[str], str],
+    parameter_end: str,
+    tail: str,
+) -> list[dict[str, Any]]:
+    """Each tool's call whose parameters are written as text: `head(NAME)`, each parameter
+    between `parameter(KEY)` and `parameter_end`, then `tail`."""
+    return [
+        _element(head(tool.function.name), _text_parameters(tool, parameter, parameter_end), tail)
+        for tool in tools
+    ]
 
 
 def _text_parameters(tool: Tool, begin: Callable[[str], str], end: str) -> dict[str, Any]:
