@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Protocol
 
 from server import call_formats as formats
@@ -213,12 +213,19 @@ def keeps_special_tokens(parser: str | None, tokenizer: Any) -> bool:
     form = FORMATS.get(ALIASES.get(parser or "", parser or ""))
     if not isinstance(form, Tagged):
         return False
-    special = {
+    special = special_texts(tokenizer)
+    return any(tag in special for tag in (form.open, form.close, *form.inner))
+
+
+@lru_cache(maxsize=8)
+def special_texts(tokenizer: Any) -> frozenset[str]:
+    """The texts of the tokenizer's added tokens marked special (which decoding with
+    `skip_special_tokens` drops), read once per tokenizer."""
+    return frozenset(
         token.content
         for token in getattr(tokenizer, "added_tokens_decoder", {}).values()
         if getattr(token, "special", False)
-    }
-    return any(tag in special for tag in (form.open, form.close, *form.inner))
+    )
 
 
 def parse_calls(parser: str, text: str, schemas: Schemas | None = None) -> tuple[str | None, Calls]:
