@@ -26,7 +26,7 @@ from engine.kv.events import KVEventsConfig
 from engine.loading.gguf_file import is_gguf_file
 from server.config_file import CONFIG_OPTION, with_config_file
 from server.content_format import CONTENT_FORMATS
-from server.flag_values import json_object
+from server.flag_values import at_least, json_object
 from server.json_style import JsonStyle
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
@@ -92,13 +92,6 @@ def existing_folder(text: str) -> Path:
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"no such folder: {text}")
     return path
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
 
 
 def parse_media_limits(text: str) -> int:
@@ -670,7 +663,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--max-log-len",
-        type=_non_negative_int,
+        type=at_least(0),
         default=None,
         help="the characters of each text a log line holds (default: all)",
     )

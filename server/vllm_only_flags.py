@@ -11,38 +11,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.flag_values import json_object
+from server.flag_values import at_least, integer, json_object
 
 # The executor backends whose ranks are local worker processes, as Conveyor's are.
 LOCAL_EXECUTORS = ("mp", "uni")
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
 def only_one(reason: str) -> Callable[[str], int]:
     """An integer flag whose only value here is 1."""
 
     def parse(text: str) -> int:
-        value = _integer(text)
+        value = integer(text)
         if value != 1:
             raise argparse.ArgumentTypeError(f"only 1 is served: {reason}")
-        return value
-
-    return parse
-
-
-def at_least(least: int) -> Callable[[str], int]:
-    """An integer flag of `least` or more."""
-
-    def parse(text: str) -> int:
-        value = _integer(text)
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be {least} or more")
         return value
 
     return parse
