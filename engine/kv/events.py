@@ -133,8 +133,10 @@ class KVEventsConfig:
 def rank_endpoint(endpoint: str, rank: int) -> str:
     """`endpoint` for data-parallel rank `rank`: a TCP port plus the rank (a wildcard port stays
     one), an `ipc://` or `inproc://` name with `_dp{rank}` after it."""
-    if rank == 0 or not endpoint.startswith("tcp://"):
-        return endpoint if rank == 0 else f"{endpoint}_dp{rank}"
+    if rank == 0:
+        return endpoint
+    if not endpoint.startswith("tcp://"):
+        return f"{endpoint}_dp{rank}"
     host, colon, port = endpoint.rpartition(":")
     if not colon or host == "tcp" or port == "*":
         return endpoint
