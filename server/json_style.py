@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.core.sampling_params import StructuredOutputs
+from server import json_text
 
 # Schema keywords whose value is a map of names to schemas, a list of schemas, or one schema.
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -64,7 +65,7 @@ class JsonStyle:
             schema: Any = {"type": "object"}
         else:
             try:
-                schema = json.loads(spec.spec)
+                schema = json_text.loads(spec.spec)  # nested no deeper than can be rewritten
             except ValueError:
                 return spec  # the compiler reports it, naming the field
         if not isinstance(schema, dict):

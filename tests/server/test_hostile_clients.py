@@ -35,6 +35,15 @@ HOSTILE: list[tuple[str, dict[str, Any] | bytes, int]] = [
     ("logprobs past the limit", {"prompt": "Hi", "max_tokens": 2, "logprobs": 10**6}, 400),
     ("schema nested 5000 deep", {"prompt": "Hi", "max_tokens": 2, "guided_json": DEEP_SCHEMA}, 400),
     (
+        "deep schema with a JSON option",
+        {
+            "prompt": "Hi",
+            "max_tokens": 2,
+            "structured_outputs": {"json": DEEP_SCHEMA, "disable_additional_properties": True},
+        },
+        400,
+    ),
+    (
         "structural tag nested 600 deep",
         {"prompt": "Hi", "max_tokens": 2, "structured_outputs": {"structural_tag": DEEP_TAG}},
         400,
