@@ -149,7 +149,7 @@ def function_elements(body: str, schemas: Schemas | None = None) -> Calls | None
             return None
         element, closed, rest = rest[len(FUNCTION) :].partition("</function>")
         name, _, parameters = element.partition(">")
-        arguments = _xml_parameters(parameters, _properties(schemas, name.strip()))
+        arguments = _xml_parameters(parameters, properties_of(schemas, name.strip()))
         if not (closed and name.strip()) or arguments is None:
             return None
         calls.append(tool_call(name.strip(), json.dumps(arguments)))
@@ -162,7 +162,7 @@ def glm(body: str, schemas: Schemas | None = None) -> Calls | None:
     them or not (GLM-4.5 to 4.7's call)."""
     name, _, rest = body.partition(ARG_KEY)
     name = name.strip()
-    properties = _properties(schemas, name)
+    properties = properties_of(schemas, name)
     arguments: dict[str, Any] = {}
     rest = ARG_KEY + rest if rest else ""
     while rest.strip():
@@ -213,7 +213,7 @@ def _invokes(body: str, schemas: Schemas | None, prefix: str) -> Calls | None:
         return None
     calls = []
     for name, inner in invoke.findall(body):
-        properties = _properties(schemas, name)
+        properties = properties_of(schemas, name)
         if inner.strip().startswith("{"):
             arguments = _json_object(inner)
         else:
@@ -245,14 +245,25 @@ def kimi(body: str, schemas: Schemas | None = None) -> Calls | None:
     Kimi's template writes back."""
     calls = []
     for head, arguments in _delimited(body, KIMI_CALL, KIMI_ARGUMENTS, KIMI_CALL_END) or []:
-        named = _KIMI_ID.match(head)
+        named = kimi_head(head)
         parsed = _json_object(arguments)
         if named is None or parsed is None:
             return None
-        call = tool_call(named.group(1), json.dumps(parsed))
-        call["id"] = head
+        call = tool_call(named[0], json.dumps(parsed))
+        call["id"] = named[1]
         calls.append(call)
     return calls or None
+
+
+def kimi_head(head: str) -> tuple[str, str | None] | None:
+    """The name and id (the head itself) of a Kimi call's `functions.NAME:INDEX`."""
+    named = _KIMI_ID.match(head)
+    return None if named is None else (named.group(1), head)
+
+
+def plain_head(head: str) -> tuple[str, str | None] | None:
+    """A head that is the call's name (DeepSeek-V3.1's), with no id of its own."""
+    return (head, None) if head else None
 
 
 def deepseek_v3(body: str, schemas: Schemas | None = None) -> Calls | None:
@@ -274,7 +285,7 @@ def deepseek_v31(body: str, schemas: Schemas | None = None) -> Calls | None:
     calls = []
     for name, arguments in _delimited(body, DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END) or []:
         parsed = _json_object(arguments)
-        if not name or parsed is None:
+        if plain_head(name) is None or parsed is None:
             return None
         calls.append(tool_call(name, json.dumps(parsed)))
     return calls or None
@@ -283,13 +294,19 @@ def deepseek_v31(body: str, schemas: Schemas | None = None) -> Calls | None:
 def typed(value: str, schema: Any) -> Any:
     """A parameter's text as its schema's type: text where the schema says string (or says
     nothing and the text is not JSON), else the JSON it spells."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if kind == "string" or (isinstance(kind, list) and "string" in kind):
+    if is_text(schema):
         return value
     try:
         return json_text.loads(value)
     except ValueError:
         return value
+
+
+def is_text(schema: Any) -> bool:
+    """Whether a parameter's schema types it as text (a string, or a list of types holding
+    one)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
 
 
 def read_call(parsed: Any) -> dict[str, Any] | None:
@@ -392,7 +409,7 @@ def _xml_parameters(text: str, properties: dict[str, Any]) -> dict[str, Any] | N
     return arguments
 
 
-def _properties(schemas: Schemas | None, name: str) -> dict[str, Any]:
+def properties_of(schemas: Schemas | None, name: str) -> dict[str, Any]:
     properties = ((schemas or {}).get(name) or {}).get("properties")
     return properties if isinstance(properties, dict) else {}
 

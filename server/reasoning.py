@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from server.tool_parsers import partial_tag
+from server.call_stream import partial_tag
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,14 +252,19 @@ class ChatRenderer(ChunkRenderer):
 
     @staticmethod
     def _parsed_delta(choice: _Choice, text: str, finished: bool) -> dict[str, Any]:
-        """Text outside calls as content (a possible tag held back), each call whole as soon as
-        its closing tag arrives."""
+        """Text outside calls as content (a possible tag held back), and the calls' entries:
+        each call's name and arguments as they are written where its format streams, else
+        the call whole once its block closes."""
         assert choice.reader is not None
-        content, calls = choice.reader.feed(text)
+        content, entries = choice.reader.feed(text)
         if finished:
             rest, last = choice.reader.finish()
-            content, calls = content + rest, calls + last
-        return ChatRenderer._with_calls(choice, content, calls)
+            content, entries = content + rest, entries + last
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if entries:
+            delta["tool_calls"] = entries
+            choice.num_calls += sum("id" in entry for entry in entries)
+        return delta
 
     @staticmethod
     def _with_calls(choice: _Choice, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:

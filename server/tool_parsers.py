@@ -3,8 +3,10 @@ template teaches (`--tool-call-parser`, vLLM's names; `server/call_formats.py` r
 format's calls):
 
 - Calls between tags, text around them content. The streaming reader holds back text that may
-  be the start of a tag until it is known not to be, and hands out the calls of a block whole
-  once its closing tag arrives.
+  be the start of a tag until it is known not to be. The calls of `hermes`, `internlm`,
+  `longcat`, `qwen3_coder`, `seed_oss`, `kimi_k2` and `deepseek_v31` stream as they are
+  written (`server/call_stream.py`: each call's name, then its arguments as they grow); the
+  others' come whole once their block closes.
   - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5, Qwen3 and
     ERNIE 4.5 (`ernie45`) write them (a block may also hold a list of such objects, as SmolLM2
     writes them).
@@ -45,11 +47,12 @@ its text, which the tags must be in to be read.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import Any, Protocol
 
 from server import call_formats as formats
+from server.call_array import assemble
 from server.call_formats import (
     ARG_KEY,
     CLOSE,
@@ -72,6 +75,15 @@ from server.call_formats import (
     Calls,
     Schemas,
 )
+from server.call_stream import (
+    BlockScanner,
+    CallNumbers,
+    DelimitedCalls,
+    FunctionElements,
+    JsonCalls,
+    partial_tag,
+    settle,
+)
 
 
 class BlockReader(Protocol):
@@ -88,6 +100,9 @@ class Tagged:
     close: str
     read: BlockReader
     inner: tuple[str, ...] = ()
+    # Reads a block while it arrives, for its calls to stream (None: each call whole once
+    # its block closes).
+    scan: Callable[[Schemas | None], BlockScanner] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,15 +113,22 @@ class WholeReply:
     read: BlockReader
 
 
+def json_calls(_schemas: Schemas | None) -> JsonCalls:
+    return JsonCalls()
+
+
 TOOL_CALLS_BLOCK = Tagged("<tool_calls>", "</tool_calls>", formats.json_lines)
 # GLM-4.5 and 4.7 (which writes no line breaks between the pieces) read alike.
 GLM = Tagged(OPEN, CLOSE, formats.glm, (ARG_KEY, "<arg_value>"))
 DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 DEEPSEEK_INNER = (DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
+KIMI_TAGS = (KIMI_CALL, KIMI_ARGUMENTS, KIMI_CALL_END)
 FORMATS: dict[str, Tagged | WholeReply] = {
-    "hermes": Tagged(OPEN, CLOSE, formats.json_block),
-    "qwen3_coder": Tagged(OPEN, CLOSE, formats.function_elements),
-    "seed_oss": Tagged("<seed:tool_call>", "</seed:tool_call>", formats.function_elements),
+    "hermes": Tagged(OPEN, CLOSE, formats.json_block, scan=json_calls),
+    "qwen3_coder": Tagged(OPEN, CLOSE, formats.function_elements, scan=FunctionElements),
+    "seed_oss": Tagged(
+        "<seed:tool_call>", "</seed:tool_call>", formats.function_elements, scan=FunctionElements
+    ),
     "glm45": GLM,
     "glm47": GLM,
     "minimax_m2": Tagged("<minimax:tool_call>", "</minimax:tool_call>", formats.invokes),
@@ -114,18 +136,28 @@ FORMATS: dict[str, Tagged | WholeReply] = {
         "<|tool_calls_section_begin|>",
         "<|tool_calls_section_end|>",
         formats.kimi,
-        (KIMI_CALL, KIMI_ARGUMENTS, KIMI_CALL_END),
+        KIMI_TAGS,
+        scan=lambda _schemas: DelimitedCalls(*KIMI_TAGS, formats.kimi_head),
     ),
     "deepseek_v3": Tagged(*DEEPSEEK, formats.deepseek_v3, DEEPSEEK_INNER),
-    "deepseek_v31": Tagged(*DEEPSEEK, formats.deepseek_v31, DEEPSEEK_INNER),
+    "deepseek_v31": Tagged(
+        *DEEPSEEK,
+        formats.deepseek_v31,
+        DEEPSEEK_INNER,
+        scan=lambda _schemas: DelimitedCalls(*DEEPSEEK_INNER, formats.plain_head),
+    ),
     "deepseek_v32": Tagged(
         f"<{DSML}function_calls>", f"</{DSML}function_calls>", formats.dsml, (DSML,)
     ),
     "hunyuan_a13b": TOOL_CALLS_BLOCK,
     "jamba": TOOL_CALLS_BLOCK,
     "minimax": TOOL_CALLS_BLOCK,
-    "internlm": Tagged("<|action_start|><|plugin|>", "<|action_end|>", formats.json_block),
-    "longcat": Tagged("<longcat_tool_call>", "</longcat_tool_call>", formats.json_block),
+    "internlm": Tagged(
+        "<|action_start|><|plugin|>", "<|action_end|>", formats.json_block, scan=json_calls
+    ),
+    "longcat": Tagged(
+        "<longcat_tool_call>", "</longcat_tool_call>", formats.json_block, scan=json_calls
+    ),
     "olmo3": Tagged("<function_calls>", "</function_calls>", formats.pythonic_lines),
     "llama3_json": WholeReply((PYTHON_TAG, "{"), formats.llama3),
     "pythonic": WholeReply((PYTHON_START, "["), formats.pythonic),
@@ -163,10 +195,15 @@ TEMPLATE_TAGS = (
 )
 
 
-class CallReader(Protocol):
-    def feed(self, text: str) -> tuple[str, Calls]: ...
+# OpenAI's `delta.tool_calls` entries: a call's first carries its `index`, `id`, `type` and
+# `function` (`name` and the start of its `arguments`), later ones more of its arguments.
+Entries = list[dict[str, Any]]
 
-    def finish(self) -> tuple[str, Calls]: ...
+
+class CallReader(Protocol):
+    def feed(self, text: str) -> tuple[str, Entries]: ...
+
+    def finish(self) -> tuple[str, Entries]: ...
 
 
 def parser_for(name: str | None, chat_template: str | None) -> str | None:
@@ -202,7 +239,8 @@ def reader_for(parser: str, schemas: Schemas | None = None) -> CallReader:
     read = partial(form.read, schemas=schemas)
     if isinstance(form, WholeReply):
         return WholeReplyReader(form.openers, read)
-    return TaggedReader(form.open, form.close, read)
+    scanner = None if form.scan is None else partial(form.scan, schemas)
+    return TaggedReader(form.open, form.close, read, scanner)
 
 
 def keeps_special_tokens(parser: str | None, tokenizer: Any) -> bool:
@@ -231,60 +269,95 @@ def special_texts(tokenizer: Any) -> frozenset[str]:
 def parse_calls(parser: str, text: str, schemas: Schemas | None = None) -> tuple[str | None, Calls]:
     """The text outside the calls (None if only blanks) and the calls, from a whole output."""
     reader = reader_for(parser, schemas)
-    content, calls = reader.feed(text)
+    content, entries = reader.feed(text)
     rest, more = reader.finish()
     content += rest
-    calls += more
-    return (content if content.strip() else None), calls
+    return (content if content.strip() else None), assemble(entries + more)
 
 
 @dataclass(slots=True)
 class TaggedReader:
     """Reads calls between `open` and `close` tags out of text arriving in pieces cut anywhere;
-    `read` reads one block's calls (None: not calls, and the block stays text)."""
+    `read` reads one block's calls (None: not calls, and the block stays text). With `scan`, a
+    block's calls stream as it arrives (`server/call_stream.py`), else each whole once its
+    block closes."""
 
     open: str
     close: str
     read: Callable[[str], Calls | None]
+    scan: Callable[[], BlockScanner] | None = None
     _buffer: str = ""
     _in_call: bool = False
+    _body: list[str] = field(default_factory=list)  # the open block's text so far
+    _scanner: BlockScanner | None = None
+    _calls: CallNumbers = field(default_factory=CallNumbers)
 
-    def feed(self, text: str) -> tuple[str, Calls]:
-        """Content that can be shown now, and the calls completed by `text`."""
+    def feed(self, text: str) -> tuple[str, Entries]:
+        """Content that can be shown now, and the tool-call entries `text` completes."""
         self._buffer += text
         content: list[str] = []
-        calls: Calls = []
+        entries: Entries = []
         while True:
             if self._in_call:
                 end = self._buffer.find(self.close)
                 if end < 0:
+                    keep = partial_tag(self._buffer, self.close)
+                    entries += self._block_text(self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep :]
                     break
-                body = self._buffer[:end]
+                entries += self._block_text(self._buffer[:end])
                 self._buffer = self._buffer[end + len(self.close) :]
-                self._in_call = False
-                block = self.read(body)
-                if block is None:  # not a call after all: keep the text as it was written
-                    content.append(self.open + body + self.close)
-                else:
-                    calls.extend(block)
+                kept, done = self._end_block(closed=True)
+                content.append(kept)
+                entries += done
                 continue
             start = self._buffer.find(self.open)
             if start >= 0:
                 content.append(self._buffer[:start])
                 self._buffer = self._buffer[start + len(self.open) :]
-                self._in_call = True
+                self._in_call, self._body = True, []
+                self._scanner = None if self.scan is None else self.scan()
                 continue
             keep = partial_tag(self._buffer, self.open)
             content.append(self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep :]
             break
-        return "".join(content), calls
+        return "".join(content), entries
 
-    def finish(self) -> tuple[str, Calls]:
-        """What is left when the output ends: an unclosed call, or a partial tag, as text."""
-        rest = (self.open if self._in_call else "") + self._buffer
-        self._buffer, self._in_call = "", False
-        return rest, []
+    def _block_text(self, text: str) -> Entries:
+        """Take more of the open block; the entries its calls have grown by."""
+        if not text:
+            return []
+        self._body.append(text)
+        if self._scanner is None:
+            return []
+        self._scanner.feed(text)
+        return self._calls.entries(self._scanner.calls)
+
+    def _end_block(self, closed: bool) -> tuple[str, Entries]:
+        """The block has ended (closed, or the reply ended inside it): its calls, or its text
+        where it holds none."""
+        body = "".join(self._body)
+        self._in_call, self._body = False, []
+        streamed = [] if self._scanner is None else self._scanner.calls
+        self._scanner = None
+        calls = settle(streamed, self.read(body) if closed else None)
+        if not calls:
+            return self.open + body + (self.close if closed else ""), []
+        entries = self._calls.entries(calls)
+        self._calls.next_block()
+        return "", entries
+
+    def finish(self) -> tuple[str, Entries]:
+        """What is left when the output ends: the calls of a block left open (or its text, where
+        it holds none), or a partial tag, as text."""
+        if not self._in_call:
+            rest, self._buffer = self._buffer, ""
+            return rest, []
+        entries = self._block_text(self._buffer)
+        self._buffer = ""
+        text, done = self._end_block(closed=False)
+        return text, entries + done
 
 
 @dataclass(slots=True)
@@ -298,7 +371,7 @@ class WholeReplyReader:
     _buffer: str = ""
     _holding: bool | None = None  # None until the reply's first non-blank character
 
-    def feed(self, text: str) -> tuple[str, Calls]:
+    def feed(self, text: str) -> tuple[str, Entries]:
         if self._holding is False:
             return text, []
         self._buffer += text
@@ -314,12 +387,12 @@ class WholeReplyReader:
         released, self._buffer = self._buffer, ""
         return released, []
 
-    def finish(self) -> tuple[str, Calls]:
+    def finish(self) -> tuple[str, Entries]:
         text, self._buffer = self._buffer, ""
         if not self._holding:
             return text, []
         calls = self.read(text.strip())
-        return ("", calls) if calls else (text, [])
+        return ("", CallNumbers().whole(calls)) if calls else (text, [])
 
 
 @dataclass(slots=True)
@@ -330,7 +403,7 @@ class MistralReader:
     _buffer: str = ""
     _calls: bool = False
 
-    def feed(self, text: str) -> tuple[str, Calls]:
+    def feed(self, text: str) -> tuple[str, Entries]:
         self._buffer += text
         if self._calls:
             return "", []
@@ -345,17 +418,9 @@ class MistralReader:
         self._buffer = self._buffer[len(self._buffer) - keep :]
         return content, []
 
-    def finish(self) -> tuple[str, Calls]:
+    def finish(self) -> tuple[str, Entries]:
         text, self._buffer = self._buffer, ""
         if not self._calls:
             return text, []
         calls = formats.mistral(text.strip())
-        return ("", calls) if calls else (TOOL_CALLS + text, [])
-
-
-def partial_tag(text: str, tag: str) -> int:
-    """How many of `text`'s last characters may begin `tag` (text a stream holds back)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
+        return ("", CallNumbers().whole(calls)) if calls else (TOOL_CALLS + text, [])

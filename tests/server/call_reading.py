@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from server.call_array import assemble
 from server.tool_parsers import reader_for
 
 
@@ -19,11 +20,11 @@ def read_in_pieces(
     """What `parser`'s streaming reader makes of `text` fed `size` characters at a time: the
     content (None if only blanks, as `parse_calls` gives it) and the calls."""
     reader = reader_for(parser, schemas)
-    content, calls = "", []
+    content, entries = "", []
     for start in range(0, len(text), size):
-        piece, done = reader.feed(text[start : start + size])
+        piece, more = reader.feed(text[start : start + size])
         content += piece
-        calls += done
+        entries += more
     rest, more = reader.finish()
-    content, calls = content + rest, calls + more
-    return (content if content.strip() else None), calls
+    content, entries = content + rest, entries + more
+    return (content if content.strip() else None), assemble(entries)

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from engine.core.outputs import RequestOutput
+from server.call_array import assemble
 from server.cli import build_parser, server_settings
 from server.protocol import ChatCompletionRequest
 from server.reasoning import (
@@ -107,7 +108,7 @@ def test_streamed_reasoning_and_calls_follow_each_other():
     assert reasoning == "Use the tool."
     assert reasoning == "".join(d.get("reasoning_content", "") for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
-    [call] = [c for d in deltas for c in d.get("tool_calls", [])]
+    [call] = assemble([c for d in deltas for c in d.get("tool_calls", [])])
     assert call["function"] == {"name": "time", "arguments": '{"zone": 3}'}
     # No piece of a tag reaches the client.
     assert not any("<" in d.get("reasoning", "") + (d.get("content") or "") for d in deltas)

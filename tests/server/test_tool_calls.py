@@ -11,6 +11,7 @@ import re
 import jsonschema
 import pytest
 
+from server.call_array import assemble
 from server.settings import ServerSettings
 from tests.helpers import chat_tokenizer, tiny_llama, tiny_tokenizer
 from tests.server_utils import app_client, blocks_in_use, sse_events
@@ -284,8 +285,12 @@ async def test_auto_reads_calls_out_of_the_text():
         events = [e for e in sse_events(response.text) if e != "[DONE]"]
         deltas = [e["choices"][0]["delta"] for e in events]
         assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
-        streamed = [entry for d in deltas for entry in d.get("tool_calls") or []]
-        assert [(e["index"], e["function"]) for e in streamed] == [(0, call["function"])]
+        entries = [entry for d in deltas for entry in d.get("tool_calls") or []]
+        # The name comes first, then the arguments as they are written.
+        assert entries[0]["function"] == {"name": "time", "arguments": ""}
+        assert len(entries) > 2 and {e["index"] for e in entries} == {0}
+        [streamed] = assemble(entries)
+        assert streamed["function"] == call["function"]
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -410,6 +415,9 @@ NATIVE_OUTPUTS = {
 }
 
 
+STREAMED_FORMATS = {"seed_oss", "kimi_k2", "deepseek_v31"}
+
+
 @pytest.mark.parametrize("parser", sorted(NATIVE_OUTPUTS))
 async def test_auto_reads_each_models_native_calls_streamed_or_not(parser: str):
     settings = ServerSettings(served_model_name="tiny", tool_call_parser=parser)
@@ -430,9 +438,13 @@ async def test_auto_reads_each_models_native_calls_streamed_or_not(parser: str):
         response = await client.post("/v1/chat/completions", json={**request, "stream": True})
         deltas = [e["choices"][0]["delta"] for e in sse_events(response.text) if e != "[DONE]"]
         assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
-        [entry] = [entry for d in deltas for entry in d.get("tool_calls") or []]
-        assert entry["function"] == call["function"]
-        assert (entry["id"] == call["id"]) == (parser == "kimi_k2")  # others: a fresh id each
+        entries = [entry for d in deltas for entry in d.get("tool_calls") or []]
+        [streamed] = assemble(entries)
+        assert streamed["function"] == call["function"]
+        assert (streamed["id"] == call["id"]) == (parser == "kimi_k2")  # others: a fresh id each
+        # Seed-OSS's, Kimi's and DeepSeek's arguments stream as they are written, the others'
+        # come whole.
+        assert (len(entries) > 1) == (parser in STREAMED_FORMATS)
         assert blocks_in_use(engine) == 0
 
 

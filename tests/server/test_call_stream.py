@@ -1,0 +1,207 @@
+"""Calls that stream while their block arrives (Hermes' JSON objects, Qwen3-Coder's elements,
+Kimi K2's and DeepSeek-V3.1's delimited calls):
+the name as soon as it is written, the arguments as they grow, and, cut anywhere, the same
+calls a whole reply gives."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from server.call_array import assemble
+from server.tool_parsers import parse_calls, reader_for
+from tests.server.test_json_stream import TEXTS, random_value, written_as
+
+SCHEMAS = {
+    "write": {
+        "type": "object",
+        "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+    },
+    "weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "array"}},
+    },
+}
+
+
+def fed(parser: str, pieces: list[str], schemas: dict | None = None) -> list[list[dict]]:
+    """The entries each piece gave (the last list: what the end of the reply gave)."""
+    reader = reader_for(parser, schemas)
+    out = [reader.feed(piece)[1] for piece in pieces]
+    return [*out, reader.finish()[1]]
+
+
+def test_a_hermes_call_streams_its_name_then_its_arguments() -> None:
+    pieces = [
+        '<tool_call>{"name": "weather", "argu',
+        'ments": {"city": "Os',
+        'lo"}}',
+        "</tool_call>",
+    ]
+    first, second, third, closing, end = fed("hermes", pieces)
+    [announced] = first
+    assert announced["function"] == {"name": "weather", "arguments": ""}
+    assert announced["index"] == 0 and announced["type"] == "function"
+    assert announced["id"].startswith("call_")
+    assert second == [{"index": 0, "function": {"arguments": '{"city": "Os'}}]
+    assert third == [{"index": 0, "function": {"arguments": 'lo"}'}}]
+    assert closing == [] and end == []
+
+
+def test_a_second_call_is_numbered_after_the_first() -> None:
+    call = '<tool_call>{"name": "%s", "arguments": {}}</tool_call>'
+    entries = [e for step in fed("hermes", [call % "a", "\n", call % "b"]) for e in step]
+    assert [(e["index"], e["function"]["name"]) for e in entries if "id" in e] == [
+        (0, "a"),
+        (1, "b"),
+    ]
+    assert [c["function"]["arguments"] for c in assemble(entries)] == ["{}", "{}"]
+
+
+def test_a_list_of_calls_in_one_block_streams_each() -> None:
+    text = '<tool_call>[{"name": "a", "arguments": {"x": 1}}, {"arguments": {"y": 2}, "name": "b"}]'
+    steps = fed("hermes", [text[:40], text[40:], "</tool_call>"])
+    assert [e["function"]["name"] for e in steps[0]] == ["a"]
+    # b's arguments came before its name: they are sent with it.
+    assert [e["function"] for e in steps[1] if "id" in e] == [
+        {"name": "b", "arguments": '{"y": 2}'}
+    ]
+
+
+def test_qwen3_coder_streams_a_text_parameter_as_it_is_written() -> None:
+    pieces = [
+        "<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n",
+        "def f():\n",
+        '    return "x"\n',
+        "</parameter>\n</function>\n</tool_call>",
+    ]
+    head, body, more, closing, end = fed("qwen3_coder", pieces, SCHEMAS)
+    # The first entry carries what the arguments have grown to when the name is sent.
+    assert [e["function"] for e in head] == [
+        {"name": "write", "arguments": '{"path": "a.py", "content": "'}
+    ]
+    # The line break that may end the value waits for what follows it.
+    assert body == [{"index": 0, "function": {"arguments": "def f():"}}]
+    assert more == [{"index": 0, "function": {"arguments": '\\n    return \\"x\\"'}}]
+    assert closing == [{"index": 0, "function": {"arguments": '"}'}}]
+    [call] = assemble(head + body + more + closing + end)
+    assert json.loads(call["function"]["arguments"]) == {
+        "path": "a.py",
+        "content": 'def f():\n    return "x"',
+    }
+
+
+def test_qwen3_coder_sends_a_typed_value_whole() -> None:
+    pieces = ["<tool_call>\n<function=weather>\n<parameter=days>\n[1, ", "2]\n</parameter>\n"]
+    head, rest, end = fed("qwen3_coder", pieces, SCHEMAS)
+    assert [e["function"] for e in head] == [{"name": "weather", "arguments": '{"days": '}]
+    assert rest == [{"index": 0, "function": {"arguments": "[1, 2]"}}]
+    # The reply ended inside the call: it keeps what it has, closed as it was read.
+    assert end == []
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "arguments"),
+    [
+        ("hermes", '<tool_call>{"name": "write", "arguments": {"path": "a', '{"path": "a'),
+        ("hermes", '<tool_call>{"name": "write"', "{}"),
+        ("qwen3_coder", "<tool_call>\n<function=write>\n<parameter=path>\nb", '{"path": "b'),
+        # Begun and then not in the format: kept as far as it was read.
+        ("hermes", '<tool_call>{"name": "write", "arguments": {"a": 1}</tool_call>', '{"a": 1}'),
+    ],
+)
+def test_a_call_cut_short_or_malformed_keeps_what_was_streamed(
+    parser: str, text: str, arguments: str
+) -> None:
+    content, calls = parse_calls(parser, text, SCHEMAS)
+    assert content is None
+    assert [c["function"] for c in calls] == [{"name": "write", "arguments": arguments}]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["<tool_call>{not json}</tool_call>", '<tool_call>{"zone": 3}</tool_call>', "<tool_call>{"],
+)
+def test_a_block_that_never_names_a_call_stays_text(text: str) -> None:
+    assert parse_calls("hermes", text) == (text, [])
+
+
+def random_arguments(rng: random.Random) -> dict[str, Any]:
+    return {f"k{i}{rng.choice(TEXTS)}": random_value(rng) for i in range(rng.randrange(4))}
+
+
+def hermes_reply(rng: random.Random, calls: list[tuple[str, dict]]) -> str:
+    blocks = []
+    for name, arguments in calls:
+        key = rng.choice(["arguments", "parameters"])
+        blocks.append(
+            f"<tool_call>\n{written_as(rng, {'name': name, key: arguments})}\n</tool_call>"
+        )
+    return "Let me see.\n" + "\n".join(blocks)
+
+
+def coder_reply(rng: random.Random, calls: list[tuple[str, dict]]) -> str:
+    functions = []
+    for name, arguments in calls:
+        parameters = "".join(
+            f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value)}\n"
+            "</parameter>\n"
+            for key, value in arguments.items()
+        )
+        functions.append(f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>")
+    return "Sure.\n" + "\n".join(functions)
+
+
+def delimited_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]]) -> str:
+    if parser == "kimi_k2":
+        written = "".join(
+            f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>"
+            f"{written_as(rng, arguments)}<|tool_call_end|>"
+            for i, (name, arguments) in enumerate(calls)
+        )
+        return f"Checking.<|tool_calls_section_begin|>{written}<|tool_calls_section_end|>"
+    written = "".join(
+        f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{written_as(rng, arguments)}<｜tool▁call▁end｜>"
+        for name, arguments in calls
+    )
+    return f"Sure.<｜tool▁calls▁begin｜>{written}<｜tool▁calls▁end｜>"
+
+
+def cut(rng: random.Random, text: str) -> list[str]:
+    bounds = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(1, 40))))
+    return [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "kimi_k2", "deepseek_v31"])
+def test_random_calls_cut_anywhere_stream_to_the_whole_replys_calls(parser: str, seed: int) -> None:
+    rng = random.Random(seed)
+    names = ["write", "weather", "other"]
+    calls = [(rng.choice(names), random_arguments(rng)) for _ in range(rng.randrange(1, 4))]
+    if parser == "qwen3_coder":  # values are text, typed by the schema: make them text
+        calls = [(name, {f"p{i}": str(v) for i, v in enumerate(args.values())})
+                 for name, args in calls]  # fmt: skip
+        text_parameters = {f"p{i}": {"type": "string"} for i in range(4)}
+        schemas = {name: {"properties": text_parameters} for name in names}
+        text = coder_reply(rng, calls)
+    elif parser == "hermes":
+        schemas, text = None, hermes_reply(rng, calls)
+    else:
+        schemas, text = None, delimited_reply(rng, parser, calls)
+    whole_content, whole = parse_calls(parser, text, schemas)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole] == calls
+    reader, entries, content = reader_for(parser, schemas), [], ""
+    for piece in cut(rng, text):
+        more_content, more = reader.feed(piece)
+        content, entries = content + more_content, entries + more
+    rest, more = reader.finish()
+    assert content + rest == whole_content
+    streamed = assemble(entries + more)
+    assert [c["function"] for c in streamed] == [c["function"] for c in whole]
+    if parser == "kimi_k2":  # Kimi's ids are its own, streamed or not
+        assert [c["id"] for c in streamed] == [c["id"] for c in whole]
+    announced = [e for e in entries + more if "id" in e]
+    assert [e["index"] for e in announced] == list(range(len(calls)))
