@@ -160,8 +160,10 @@ def function_elements(body: str, schemas: Schemas | None = None) -> Calls | None
 def glm(body: str, schemas: Schemas | None = None) -> Calls | None:
     """`NAME` then `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pairs, blanks between
     them or not (GLM-4.5 to 4.7's call)."""
-    name, _, rest = body.partition(ARG_KEY)
-    name = name.strip()
+    head, _, rest = body.partition(ARG_KEY)
+    name = glm_name(head)
+    if name is None:
+        return None
     properties = properties_of(schemas, name)
     arguments: dict[str, Any] = {}
     rest = ARG_KEY + rest if rest else ""
@@ -177,9 +179,13 @@ def glm(body: str, schemas: Schemas | None = None) -> Calls | None:
         if not found_value:
             return None
         arguments[key.strip()] = typed(value, properties.get(key.strip()))
-    if not name or any(character in name for character in "<>{}\n"):
-        return None
     return [tool_call(name, json.dumps(arguments))]
+
+
+def glm_name(head: str) -> str | None:
+    """The name a GLM call's head spells (None where it cannot be one)."""
+    name = head.strip()
+    return None if not name or any(character in name for character in "<>{}\n") else name
 
 
 def invokes(body: str, schemas: Schemas | None = None) -> Calls | None:
@@ -234,9 +240,14 @@ def _named_parameters(
     arguments: dict[str, Any] = {}
     for key, string, value in parameter.findall(inner):
         value = value.removeprefix("\n").removesuffix("\n")
-        schema = {"type": "string"} if string == "true" else None if string else properties.get(key)
-        arguments[key] = typed(value, schema)
+        arguments[key] = typed(value, marked_schema(string, properties.get(key)))
     return arguments
+
+
+def marked_schema(string: str, schema: Any) -> Any:
+    """The schema of a parameter marked `string="true"` (text) or `string="false"` (JSON), or
+    unmarked (`""`: the tool's schema for it)."""
+    return {"type": "string"} if string == "true" else None if string else schema
 
 
 def kimi(body: str, schemas: Schemas | None = None) -> Calls | None:

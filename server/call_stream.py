@@ -2,19 +2,18 @@
 as soon as it is written and its arguments as they grow (as vLLM's parsers stream them).
 
 A scanner reads one block's text in pieces and keeps the calls it has seen so far: a call once
-its name is complete, and of its arguments the text that cannot change, written as the whole
+it has begun in its format, and of its arguments the text that cannot change, written as the whole
 block's reader (`server/call_formats.py`) writes them. When the block ends, `settle` chooses
 the calls it holds: the reader's where they go on from what was streamed, else the scanner's
-(a block that turned out malformed, or a reply cut short, keeps the calls it began). A block
+(a block that turned out malformed, or a reply cut short, keeps the calls that began). A block
 fed whole and one fed in pieces settle alike, so a stream and a whole reply agree.
 
 - `JsonCalls`: a `{"name", "arguments"}` object or a list of them (`hermes`, `internlm`,
   `longcat`): an object's or a list's arguments stream as JSON.
 - `DelimitedCalls`: `BEGIN head SEP {...} END` calls (`kimi_k2`, `deepseek_v31`): the name
   (and Kimi's id) once the head is written, the arguments' JSON object as it grows.
-- `FunctionElements`: `<function=NAME>` elements of `<parameter=KEY>` elements (`qwen3_coder`,
-  `seed_oss`): each parameter once its key is written, a string's text as it arrives, any other
-  value once its element closes.
+
+Formats that write calls as elements of parameters are read by `server/call_elements.py`.
 """
 
 from __future__ import annotations
@@ -25,10 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from server.call_array import new_call_id
-from server.call_formats import FUNCTION, PARAMETER, Calls, Schemas, is_text, properties_of, typed
-from server.json_stream import JsonWriter, escaped
+from server.call_formats import Calls
+from server.json_stream import JsonWriter
 
-FUNCTION_END, PARAMETER_END = "</function>", "</parameter>"
 ARGUMENT_KEYS = ("arguments", "parameters")
 
 
@@ -213,18 +211,32 @@ class JsonCalls:
 
 
 @dataclass(slots=True, kw_only=True)
-class _TagScanner:
+class TagScanner:
     """What the scanners of tagged formats share: a buffer read in states, the tags that may
     come next, and text up to a closing tag."""
 
     calls: list[PartialCall] = field(default_factory=list)
     _buffer: str = ""
     _state: str = "between"
+    # The call being read; it joins `calls` once its text shows it is a call in the format.
+    _call: PartialCall = field(default_factory=lambda: PartialCall(""))
+    _shown: bool = True
 
     def feed(self, text: str) -> None:
         self._buffer += text
         while self._buffer and self._state != "failed" and self._step():
             pass
+
+    def _begin(self, call: PartialCall) -> None:
+        self._call, self._shown = call, False
+
+    def _show(self) -> None:
+        if not self._shown:
+            self.calls.append(self._call)
+            self._shown = True
+
+    def _write(self, text: str) -> None:
+        self._call.arguments += text
 
     def _step(self) -> bool:
         """Read what the buffer holds in the current state; whether to go on."""
@@ -256,7 +268,7 @@ class _TagScanner:
 
 
 @dataclass(slots=True)
-class DelimitedCalls(_TagScanner):
+class DelimitedCalls(TagScanner):
     """`begin` HEAD `sep` ARGUMENTS `end` calls, blanks between them: `head` reads a head's
     name and id (None: not a call), the arguments are a JSON object."""
 
@@ -265,7 +277,6 @@ class DelimitedCalls(_TagScanner):
     end: str
     head: Callable[[str], tuple[str, str | None] | None]
     _writer: JsonWriter = field(default_factory=JsonWriter)
-    _named: tuple[str, str | None] | None = None  # a call whose arguments have not begun
 
     def _step(self) -> bool:
         if self._state == "between":
@@ -283,10 +294,11 @@ class DelimitedCalls(_TagScanner):
         sep = self._buffer.find(self.sep)
         if sep < 0:
             return False
-        self._named = self.head(self._buffer[:sep].strip())
-        if self._named is None:
+        named = self.head(self._buffer[:sep].strip())
+        if named is None:
             self._state = "failed"
             return False
+        self._begin(PartialCall(named[0], id=named[1]))
         self._buffer, self._state = self._buffer[sep + len(self.sep) :], "arguments"
         self._writer = JsonWriter()
         return True
@@ -295,94 +307,16 @@ class DelimitedCalls(_TagScanner):
         """The call once its arguments begin as an object (anything else is not a call in the
         format), then their text as it grows."""
         for char in text:
-            if self._named is not None:
+            if not self._shown:
                 if char in " \t\r\n":
                     continue
                 if char != "{":
                     self._state = "failed"
                     return
-                name, call_id = self._named
-                self.calls.append(PartialCall(name, id=call_id))
-                self._named = None
+                self._show()
             if self._writer.done or self._writer.failed:
                 return
-            self.calls[-1].arguments += self._writer.push(char)[0]
-
-
-@dataclass(slots=True)
-class FunctionElements(_TagScanner):
-    """`<function=NAME>` elements of `<parameter=KEY>VALUE</parameter>` elements, the values
-    typed by `schemas` as the whole block's reader types them."""
-
-    schemas: Schemas | None = None
-    _properties: dict[str, Any] = field(default_factory=dict)
-    _schema: Any = None
-    _text: bool = False  # whether the value being read is a string, streamed as it comes
-    _begun: bool = False  # whether the value's first character has come
-    _held: str = ""  # a line break that may end the value, and so not be part of it
-    _value: list[str] = field(default_factory=list)  # a value read whole
-    _keys: int = 0
-
-    def _step(self) -> bool:
-        if self._state == "between":
-            return self._expect(((FUNCTION, "name"),)) is not None
-        if self._state == "parameters":
-            tag = self._expect(((PARAMETER, "key"), (FUNCTION_END, "between")))
-            if tag == FUNCTION_END:
-                self.calls[-1].arguments += "}" if self._keys else "{}"
-            return tag is not None
-        if self._state in ("name", "key"):
-            end = self._buffer.find(">")
-            if end < 0:
-                return False
-            head, self._buffer = self._buffer[:end].strip(), self._buffer[end + 1 :]
-            (self._named if self._state == "name" else self._keyed)(head)
-            return True
-        return self._value_step()
-
-    def _named(self, name: str) -> None:
-        if not name:
-            self._state = "failed"
-            return
-        self.calls.append(PartialCall(name))
-        self._properties = properties_of(self.schemas, name)
-        self._keys, self._state = 0, "parameters"
-
-    def _keyed(self, key: str) -> None:
-        self._schema = self._properties.get(key)
-        self._text = is_text(self._schema)
-        opening = ("{" if self._keys == 0 else ", ") + json.dumps(key) + ": "
-        self.calls[-1].arguments += opening + ('"' if self._text else "")
-        self._keys += 1
-        self._begun, self._held, self._value, self._state = False, "", [], "value"
-
-    def _value_step(self) -> bool:
-        text, ended = self._until(PARAMETER_END)
-        self._value_text(text)
-        if not ended:
-            return False
-        self._held = ""  # a line break before the closing tag is not the value's
-        if self._text:
-            self.calls[-1].arguments += '"'
-        else:
-            value = "".join(self._value).removeprefix("\n").removesuffix("\n")
-            self.calls[-1].arguments += json.dumps(typed(value, self._schema))
-        self._state = "parameters"
-        return True
-
-    def _value_text(self, text: str) -> None:
-        if not text:
-            return
-        if not self._text:
-            self._value.append(text)
-            return
-        if not self._begun:
-            self._begun = True
-            text = text.removeprefix("\n")
-        text, self._held = self._held + text, ""
-        if text.endswith("\n"):
-            text, self._held = text[:-1], "\n"
-        self.calls[-1].arguments += escaped(text)
+            self._write(self._writer.push(char)[0])
 
 
 def partial_tag(text: str, tag: str) -> int:

@@ -4,9 +4,10 @@ format's calls):
 
 - Calls between tags, text around them content. The streaming reader holds back text that may
   be the start of a tag until it is known not to be. The calls of `hermes`, `internlm`,
-  `longcat`, `qwen3_coder`, `seed_oss`, `kimi_k2` and `deepseek_v31` stream as they are
-  written (`server/call_stream.py`: each call's name, then its arguments as they grow); the
-  others' come whole once their block closes.
+  `longcat`, `qwen3_coder`, `seed_oss`, `glm45`, `glm47`, `minimax_m2`, `kimi_k2`,
+  `deepseek_v31` and `deepseek_v32` stream as they are written (`server/call_stream.py`: each
+  call's name, then its arguments as they grow); the others' come whole once their block
+  closes. A block the reply leaves open is read as if it closed there.
   - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5, Qwen3 and
     ERNIE 4.5 (`ernie45`) write them (a block may also hold a list of such objects, as SmolLM2
     writes them).
@@ -53,6 +54,7 @@ from typing import Any, Protocol
 
 from server import call_formats as formats
 from server.call_array import assemble
+from server.call_elements import DSML_INVOKES, FUNCTION_ELEMENTS, INVOKES, Elements, GlmCall
 from server.call_formats import (
     ARG_KEY,
     CLOSE,
@@ -79,7 +81,6 @@ from server.call_stream import (
     BlockScanner,
     CallNumbers,
     DelimitedCalls,
-    FunctionElements,
     JsonCalls,
     partial_tag,
     settle,
@@ -117,21 +118,34 @@ def json_calls(_schemas: Schemas | None) -> JsonCalls:
     return JsonCalls()
 
 
+def function_elements(schemas: Schemas | None) -> Elements:
+    return Elements(FUNCTION_ELEMENTS, schemas)
+
+
+def glm_call(schemas: Schemas | None) -> GlmCall:
+    return GlmCall(schemas=schemas)
+
+
 TOOL_CALLS_BLOCK = Tagged("<tool_calls>", "</tool_calls>", formats.json_lines)
 # GLM-4.5 and 4.7 (which writes no line breaks between the pieces) read alike.
-GLM = Tagged(OPEN, CLOSE, formats.glm, (ARG_KEY, "<arg_value>"))
+GLM = Tagged(OPEN, CLOSE, formats.glm, (ARG_KEY, "<arg_value>"), scan=glm_call)
 DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
 DEEPSEEK_INNER = (DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
 KIMI_TAGS = (KIMI_CALL, KIMI_ARGUMENTS, KIMI_CALL_END)
 FORMATS: dict[str, Tagged | WholeReply] = {
     "hermes": Tagged(OPEN, CLOSE, formats.json_block, scan=json_calls),
-    "qwen3_coder": Tagged(OPEN, CLOSE, formats.function_elements, scan=FunctionElements),
+    "qwen3_coder": Tagged(OPEN, CLOSE, formats.function_elements, scan=function_elements),
     "seed_oss": Tagged(
-        "<seed:tool_call>", "</seed:tool_call>", formats.function_elements, scan=FunctionElements
+        "<seed:tool_call>", "</seed:tool_call>", formats.function_elements, scan=function_elements
     ),
     "glm45": GLM,
     "glm47": GLM,
-    "minimax_m2": Tagged("<minimax:tool_call>", "</minimax:tool_call>", formats.invokes),
+    "minimax_m2": Tagged(
+        "<minimax:tool_call>",
+        "</minimax:tool_call>",
+        formats.invokes,
+        scan=lambda schemas: Elements(INVOKES, schemas),
+    ),
     "kimi_k2": Tagged(
         "<|tool_calls_section_begin|>",
         "<|tool_calls_section_end|>",
@@ -147,7 +161,11 @@ FORMATS: dict[str, Tagged | WholeReply] = {
         scan=lambda _schemas: DelimitedCalls(*DEEPSEEK_INNER, formats.plain_head),
     ),
     "deepseek_v32": Tagged(
-        f"<{DSML}function_calls>", f"</{DSML}function_calls>", formats.dsml, (DSML,)
+        f"<{DSML}function_calls>",
+        f"</{DSML}function_calls>",
+        formats.dsml,
+        (DSML,),
+        scan=lambda schemas: Elements(DSML_INVOKES, schemas),
     ),
     "hunyuan_a13b": TOOL_CALLS_BLOCK,
     "jamba": TOOL_CALLS_BLOCK,
@@ -335,13 +353,13 @@ class TaggedReader:
         return self._calls.entries(self._scanner.calls)
 
     def _end_block(self, closed: bool) -> tuple[str, Entries]:
-        """The block has ended (closed, or the reply ended inside it): its calls, or its text
-        where it holds none."""
+        """The block has ended (closed, or the reply ended inside it, which reads it as if
+        closed): its calls, or its text where it holds none."""
         body = "".join(self._body)
         self._in_call, self._body = False, []
         streamed = [] if self._scanner is None else self._scanner.calls
         self._scanner = None
-        calls = settle(streamed, self.read(body) if closed else None)
+        calls = settle(streamed, self.read(body))
         if not calls:
             return self.open + body + (self.close if closed else ""), []
         entries = self._calls.entries(calls)

@@ -1,7 +1,7 @@
-"""Calls that stream while their block arrives (Hermes' JSON objects, Qwen3-Coder's elements,
-Kimi K2's and DeepSeek-V3.1's delimited calls):
-the name as soon as it is written, the arguments as they grow, and, cut anywhere, the same
-calls a whole reply gives."""
+"""Calls that stream while their block arrives (JSON objects, Kimi K2's and DeepSeek-V3.1's
+delimited calls, and the parameter elements of Qwen3-Coder, Seed-OSS, GLM, MiniMax-M2 and
+DeepSeek-V3.2): a call as soon as it has begun, its arguments as they grow, and, cut anywhere,
+the same calls a whole reply gives."""
 
 from __future__ import annotations
 
@@ -104,6 +104,42 @@ def test_qwen3_coder_sends_a_typed_value_whole() -> None:
 
 
 @pytest.mark.parametrize(
+    ("parser", "opening", "closing"),
+    [
+        ("glm45", "<tool_call>write\n<arg_key>content</arg_key>\n<arg_value>", "</arg_value>\n"),
+        ("minimax_m2", '<minimax:tool_call>\n<invoke name="write">\n<parameter name="content">',
+         "</parameter>\n</invoke>\n"),
+        ("deepseek_v32", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="write">\n'
+         '<｜DSML｜parameter name="content" string="true">',
+         "</｜DSML｜parameter>\n</｜DSML｜invoke>\n"),
+    ],
+)  # fmt: skip
+def test_a_text_parameter_streams_in_each_parameter_format(
+    parser: str, opening: str, closing: str
+) -> None:
+    steps = fed(parser, [opening, "line one;", " line two", closing], SCHEMAS)
+    [announced] = steps[0]
+    assert announced["function"] == {"name": "write", "arguments": '{"content": "'}
+    assert [e["function"]["arguments"] for e in steps[1] + steps[2]] == ["line one;", " line two"]
+    [call] = assemble([entry for step in steps for entry in step])
+    assert call["function"]["arguments"] == '{"content": "line one; line two"}'
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("glm45", "<tool_call>time<arg_key>zone</arg_key>3</tool_call>"),
+        ("minimax_m2", '<minimax:tool_call><invoke name="time">3</invoke></minimax:tool_call>'),
+        ("deepseek_v32", '<｜DSML｜function_calls><｜DSML｜invoke name="t">\n{zone}'
+         "</｜DSML｜invoke></｜DSML｜function_calls>"),
+    ],
+)  # fmt: skip
+def test_a_call_shows_only_once_its_arguments_begin_in_the_format(parser: str, text: str) -> None:
+    """A name followed by text not in the format is no call: the block stays text."""
+    assert parse_calls(parser, text, SCHEMAS) == (text, [])
+
+
+@pytest.mark.parametrize(
     ("parser", "text", "arguments"),
     [
         ("hermes", '<tool_call>{"name": "write", "arguments": {"path": "a', '{"path": "a'),
@@ -119,6 +155,22 @@ def test_a_call_cut_short_or_malformed_keeps_what_was_streamed(
     content, calls = parse_calls(parser, text, SCHEMAS)
     assert content is None
     assert [c["function"] for c in calls] == [{"name": "write", "arguments": arguments}]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        ("hermes", '<tool_call>{"name": "time", "arguments": {"zone": 3}}'),
+        ("glm47", "<tool_call>time<arg_key>zone</arg_key><arg_value>3</arg_value>"),
+        ("hunyuan_a13b", '<tool_calls>[{"name": "time", "arguments": {"zone": 3}}]'),
+        ("olmo3", "<function_calls>\ntime(zone=3)\n"),
+    ],
+)
+def test_a_block_the_reply_leaves_open_reads_as_if_closed(parser: str, text: str) -> None:
+    schemas = {"time": {"properties": {"zone": {"type": "integer"}}}}
+    content, calls = parse_calls(parser, "Sure. " + text, schemas)
+    assert content == "Sure. "
+    assert [c["function"] for c in calls] == [{"name": "time", "arguments": '{"zone": 3}'}]
 
 
 @pytest.mark.parametrize(
@@ -143,16 +195,42 @@ def hermes_reply(rng: random.Random, calls: list[tuple[str, dict]]) -> str:
     return "Let me see.\n" + "\n".join(blocks)
 
 
-def coder_reply(rng: random.Random, calls: list[tuple[str, dict]]) -> str:
-    functions = []
+def parameters_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]]) -> str:
+    """Calls as elements of parameters (`p*` values text, `extra` JSON), in `parser`'s tags."""
+
+    def value(key: str, written: Any) -> str:
+        return written if key.startswith("p") else json.dumps(written)
+
+    blocks = []
     for name, arguments in calls:
-        parameters = "".join(
-            f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value)}\n"
-            "</parameter>\n"
-            for key, value in arguments.items()
-        )
-        functions.append(f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>")
-    return "Sure.\n" + "\n".join(functions)
+        items = arguments.items()
+        if parser in ("qwen3_coder", "seed_oss"):
+            inner = "".join(f"<parameter={k}>\n{value(k, v)}\n</parameter>\n" for k, v in items)
+            tag = "tool_call" if parser == "qwen3_coder" else "seed:tool_call"
+            blocks.append(f"<{tag}>\n<function={name}>\n{inner}</function>\n</{tag}>")
+        elif parser in ("glm45", "glm47"):
+            gap = "\n" if parser == "glm45" else ""
+            inner = "".join(
+                f"<arg_key>{k}</arg_key>{gap}<arg_value>{value(k, v)}</arg_value>{gap}"
+                for k, v in items
+            )
+            blocks.append(f"<tool_call>{name}{gap}{inner}</tool_call>")
+        else:
+            prefix = "｜DSML｜" if parser == "deepseek_v32" else ""
+            if prefix and rng.random() < 0.3:  # the arguments' JSON object as the body
+                inner = written_as(rng, arguments)
+            else:
+                inner = "".join(
+                    f'<{prefix}parameter name="{k}">\n{value(k, v)}\n</{prefix}parameter>\n'
+                    for k, v in items
+                )
+            invoke = f'<{prefix}invoke name="{name}">\n{inner}\n</{prefix}invoke>'
+            tag = f"{prefix}function_calls" if prefix else "minimax:tool_call"
+            blocks.append(f"<{tag}>\n{invoke}\n</{tag}>")
+    return "Sure.\n" + "\n".join(blocks)
+
+
+PARAMETER_FORMATS = ["qwen3_coder", "seed_oss", "glm45", "glm47", "minimax_m2", "deepseek_v32"]
 
 
 def delimited_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]]) -> str:
@@ -176,17 +254,19 @@ def cut(rng: random.Random, text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("seed", range(30))
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "kimi_k2", "deepseek_v31"])
+@pytest.mark.parametrize("parser", ["hermes", "kimi_k2", "deepseek_v31", *PARAMETER_FORMATS])
 def test_random_calls_cut_anywhere_stream_to_the_whole_replys_calls(parser: str, seed: int) -> None:
     rng = random.Random(seed)
     names = ["write", "weather", "other"]
     calls = [(rng.choice(names), random_arguments(rng)) for _ in range(rng.randrange(1, 4))]
-    if parser == "qwen3_coder":  # values are text, typed by the schema: make them text
-        calls = [(name, {f"p{i}": str(v) for i, v in enumerate(args.values())})
-                 for name, args in calls]  # fmt: skip
-        text_parameters = {f"p{i}": {"type": "string"} for i in range(4)}
-        schemas = {name: {"properties": text_parameters} for name in names}
-        text = coder_reply(rng, calls)
+    if parser in PARAMETER_FORMATS:  # `p*` values text, `extra` any JSON, as the schema says
+        calls = [
+            (name, {**{f"p{i}": str(v) for i, v in enumerate(args.values())}, "extra": args})
+            for name, args in calls
+        ]
+        properties = {f"p{i}": {"type": "string"} for i in range(4)}
+        schemas = {name: {"properties": {**properties, "extra": {}}} for name in names}
+        text = parameters_reply(rng, parser, calls)
     elif parser == "hermes":
         schemas, text = None, hermes_reply(rng, calls)
     else:
