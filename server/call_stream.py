@@ -10,8 +10,9 @@ fed whole and one fed in pieces settle alike, so a stream and a whole reply agre
 
 - `JsonCalls`: a `{"name", "arguments"}` object or a list of them (`hermes`, `internlm`,
   `longcat`): an object's or a list's arguments stream as JSON.
-- `DelimitedCalls`: `BEGIN head SEP {...} END` calls (`kimi_k2`, `deepseek_v31`): the name
-  (and Kimi's id) once the head is written, the arguments' JSON object as it grows.
+- `DelimitedCalls`: `BEGIN head SEP {...} END` calls (`kimi_k2`, `deepseek_v31`, and
+  `deepseek_v3` with the arguments fenced): a call once its arguments' JSON object begins, then
+  that object as it grows.
 
 Formats that write calls as elements of parameters are read by `server/call_elements.py`.
 """
@@ -24,10 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from server.call_array import new_call_id
-from server.call_formats import Calls
+from server.call_formats import ARGS as MISTRAL_ARGS
+from server.call_formats import TOOL_CALLS as MISTRAL_CALLS
+from server.call_formats import Calls, plain_head
 from server.json_stream import JsonWriter
 
 ARGUMENT_KEYS = ("arguments", "parameters")
+FENCE, JSON_FENCE = "```", "```json"
 
 
 @dataclass(slots=True)
@@ -41,7 +45,8 @@ class PartialCall:
 
 
 class BlockScanner(Protocol):
-    calls: list[PartialCall]
+    @property
+    def calls(self) -> list[PartialCall]: ...
 
     def feed(self, text: str) -> None: ...
 
@@ -109,17 +114,20 @@ class CallNumbers:
 
 @dataclass(slots=True)
 class _Object:
-    """One call object being read: its keys' values as far as they go."""
+    """One call object being read: the call as far as it goes. It shows once it has a name and
+    its arguments have begun as an object, or once the object ends with a name."""
 
-    name: str | None = None
-    arguments: list[str] = field(default_factory=list)  # before the name is known
+    call: PartialCall = field(default_factory=lambda: PartialCall(""))
+    named: bool = False
+    opened: bool = False  # whether its arguments have begun as an object
     argued: bool = False  # whether an arguments key has been read (later ones are not)
-    call: PartialCall | None = None
+    shown: bool = False
 
 
 @dataclass(slots=True)
 class JsonCalls:
-    """A call object, or a list of them, read a character at a time."""
+    """Call objects, or lists of them, one after another (`;` or `,` between them or not), read a
+    character at a time."""
 
     calls: list[PartialCall] = field(default_factory=list)
     _state: str = "start"
@@ -139,7 +147,7 @@ class JsonCalls:
             elif self._state == "key":
                 self._key_char(char)
                 continue
-            if char in " \t\r\n" or self._state in ("end", "failed"):
+            if char in " \t\r\n" or self._state == "failed":
                 continue
             self._structural(char)
 
@@ -149,15 +157,18 @@ class JsonCalls:
             self._in_list, self._state = True, "list"
         elif state in ("start", "list") and char == "{":
             self._object, self._state = _Object(), "keys"
-        elif state == "list" and char == ",":
+        elif state in ("start", "list") and char in ",;":
             pass
         elif state == "list" and char == "]":
-            self._state = "end"
+            self._in_list, self._state = False, "start"
         elif state == "keys" and char == '"':
             self._writer, self._state = JsonWriter(), "key"
             self._value = [self._writer.push(char)[0]]
-        elif state == "keys" and char in ",}":
-            self._state = "keys" if char == "," else ("list" if self._in_list else "end")
+        elif state == "keys" and char == ",":
+            pass
+        elif state == "keys" and char == "}":
+            self._show(True)
+            self._state = "list" if self._in_list else "start"
         elif state == "colon" and char == ":":
             self._writer, self._value, self._begun = JsonWriter(), [], False
             self._state = "value"
@@ -178,10 +189,13 @@ class JsonCalls:
         writer, current = self._writer, self._object
         arguments = self._key in ARGUMENT_KEYS and not current.argued
         if not self._begun:
-            self._begun, self._streams = True, arguments and char in "{["
+            self._begun, self._streams = True, arguments and char == "{"
+            if self._streams:
+                current.opened = True
+                self._show(current.named)
         written, took = writer.push(char)
         if self._streams:
-            self._argument_text(written)
+            current.call.arguments += written
         elif self._key == "name":
             self._value.append(written)
         if writer.failed:
@@ -190,24 +204,22 @@ class JsonCalls:
             self._value_done(arguments)
         return took
 
-    def _argument_text(self, text: str) -> None:
-        current = self._object
-        if current.call is not None:
-            current.call.arguments += text
-        else:
-            current.arguments.append(text)
-
     def _value_done(self, arguments: bool) -> None:
         current = self._object
         if arguments:
             current.argued = True
-        elif self._key == "name" and current.name is None:
+        elif self._key == "name" and not current.named:
             name = json.loads("".join(self._value))
             if isinstance(name, str):
-                current.name = name
-                current.call = PartialCall(name, "".join(current.arguments))
-                self.calls.append(current.call)
+                current.call.name, current.named = name, True
+                self._show(current.opened)
         self._state = "keys"
+
+    def _show(self, ready: bool) -> None:
+        current = self._object
+        if ready and current.named and not current.shown:
+            self.calls.append(current.call)
+            current.shown = True
 
 
 @dataclass(slots=True, kw_only=True)
@@ -270,12 +282,15 @@ class TagScanner:
 @dataclass(slots=True)
 class DelimitedCalls(TagScanner):
     """`begin` HEAD `sep` ARGUMENTS `end` calls, blanks between them: `head` reads a head's
-    name and id (None: not a call), the arguments are a JSON object."""
+    name and id (None: not a call), the arguments are a JSON object. `fenced`: DeepSeek-V3's,
+    where the head is `function`, the name a line after `sep`, then the arguments in a fenced
+    block."""
 
     begin: str
     sep: str
     end: str
     head: Callable[[str], tuple[str, str | None] | None]
+    fenced: bool = False
     _writer: JsonWriter = field(default_factory=JsonWriter)
 
     def _step(self) -> bool:
@@ -283,6 +298,10 @@ class DelimitedCalls(TagScanner):
             return self._expect(((self.begin, "head"),)) is not None
         if self._state == "head":
             return self._head()
+        if self._state == "name":
+            return self._name_line()
+        if self._state == "fence":
+            return self._fence()
         text, ended = self._until(self.end)
         self._arguments(text)
         if ended and self._state != "failed":
@@ -294,13 +313,43 @@ class DelimitedCalls(TagScanner):
         sep = self._buffer.find(self.sep)
         if sep < 0:
             return False
-        named = self.head(self._buffer[:sep].strip())
+        head, self._buffer = self._buffer[:sep].strip(), self._buffer[sep + len(self.sep) :]
+        if self.fenced:
+            self._state = "name" if head == "function" else "failed"
+            return self._state == "name"
+        named = self.head(head)
         if named is None:
             self._state = "failed"
             return False
         self._begin(PartialCall(named[0], id=named[1]))
-        self._buffer, self._state = self._buffer[sep + len(self.sep) :], "arguments"
-        self._writer = JsonWriter()
+        self._state, self._writer = "arguments", JsonWriter()
+        return True
+
+    def _name_line(self) -> bool:
+        end = self._buffer.find("\n")
+        if end < 0:
+            return False
+        name, self._buffer = self._buffer[:end].strip(), self._buffer[end + 1 :]
+        if not name:
+            self._state = "failed"
+            return False
+        self._begin(PartialCall(name))
+        self._state = "fence"
+        return True
+
+    def _fence(self) -> bool:
+        """Past the fence (` ``` ` or ` ```json `) that opens the arguments."""
+        rest = self._buffer.lstrip()
+        if rest.startswith(JSON_FENCE):
+            self._buffer = rest[len(JSON_FENCE) :]
+        elif JSON_FENCE.startswith(rest):
+            return False  # it may still be either
+        elif rest.startswith(FENCE):
+            self._buffer = rest[len(FENCE) :]
+        else:
+            self._state = "failed"
+            return False
+        self._state, self._writer = "arguments", JsonWriter()
         return True
 
     def _arguments(self, text: str) -> None:
@@ -317,6 +366,65 @@ class DelimitedCalls(TagScanner):
             if self._writer.done or self._writer.failed:
                 return
             self._write(self._writer.push(char)[0])
+
+
+@dataclass(slots=True)
+class MistralCalls:
+    """What follows Mistral's `[TOOL_CALLS]`: a JSON list (or objects) of calls, or
+    `NAME[ARGS]{...}` calls, each after its own `[TOOL_CALLS]`."""
+
+    _inner: BlockScanner | None = None
+    _start: str = ""
+
+    @property
+    def calls(self) -> list[PartialCall]:
+        return [] if self._inner is None else self._inner.calls
+
+    def feed(self, text: str) -> None:
+        if self._inner is None:
+            self._start += text
+            start = self._start.lstrip()
+            if not start:
+                return
+            self._inner = (
+                JsonCalls()
+                if start[0] in "[{"
+                else DelimitedCalls("", MISTRAL_ARGS, MISTRAL_CALLS, plain_head)
+            )
+            text, self._start = start, ""
+        self._inner.feed(text)
+
+
+@dataclass(slots=True)
+class HeldCalls:
+    """Calls streamed out of a reply held to be read whole at its end: `scan` starts once the
+    text is past whichever of `skip` (a tag that opens the calls) it begins with."""
+
+    scan: Callable[[], BlockScanner] | None
+    skip: tuple[str, ...] = ()
+    numbers: CallNumbers = field(default_factory=CallNumbers)
+    _scanner: BlockScanner | None = None
+    _start: str = ""
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """The entries `text` (more of the held reply) lets be sent."""
+        if self.scan is None:
+            return []
+        if self._scanner is None:
+            self._start += text
+            start = self._start.lstrip()
+            if not start or any(tag.startswith(start) and tag != start for tag in self.skip):
+                return []  # an opening tag may still be arriving
+            opening = next((tag for tag in self.skip if start.startswith(tag)), "")
+            self._scanner, self._start, text = self.scan(), "", start[len(opening) :]
+        self._scanner.feed(text)
+        return self.numbers.entries(self._scanner.calls)
+
+    def end(self, whole: Calls | None) -> tuple[bool, list[dict[str, Any]]]:
+        """Whether the reply holds calls once it has ended (`whole`: its reader's), and the
+        entries left to send."""
+        calls = settle([] if self._scanner is None else self._scanner.calls, whole)
+        return bool(calls), self.numbers.entries(calls)
 
 
 def partial_tag(text: str, tag: str) -> int:

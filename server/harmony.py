@@ -13,7 +13,9 @@ and a tool call is a message to a function, its body the call's JSON arguments:
 reasoning, `final` its answer, `commentary` to a function a call, and `commentary` to no one a
 preamble shown as content. The markers are special tokens, so such replies keep special tokens
 in their text. The streaming reader holds back text that may begin a marker until it is known
-not to; a reply cut short ends its last message where it stops.
+not to; a reply cut short ends its last message where it stops. A call streams as OpenAI's
+`delta.tool_calls` entries: its name once its header is read, then its body (blanks around it
+left out) as it arrives.
 
 (vLLM reads gpt-oss's replies this way under `--reasoning-parser openai_gptoss` and
 `--tool-call-parser openai`.)
@@ -24,7 +26,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from server.tools import tool_call
+from server.call_array import assemble
+from server.call_stream import CallNumbers, PartialCall
 
 MESSAGE, CHANNEL, START = "<|message|>", "<|channel|>", "<|start|>"
 # What ends a message's body: the end of a turn, a call, the end of the reply.
@@ -36,6 +39,7 @@ REASONING_PARSER = "openai_gptoss"
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 
+# The reasoning, the content and the `delta.tool_calls` entries a piece of a reply gives.
 Delta = tuple[str, str, list[dict[str, Any]]]
 
 
@@ -48,42 +52,44 @@ def is_harmony(chat_template: str | None) -> bool:
 def split_harmony(text: str) -> Delta:
     """The reasoning, the content and the calls of a whole reply."""
     reader = HarmonyReader()
-    reasoning, content, calls = reader.feed(text)
+    reasoning, content, entries = reader.feed(text)
     more, rest, last = reader.finish()
-    return reasoning + more, content + rest, calls + last
+    return reasoning + more, content + rest, assemble(entries + last)
 
 
 class HarmonyReader:
     """Splits a Harmony reply arriving in pieces cut anywhere into reasoning, content and
     calls."""
 
-    __slots__ = ("_body", "_buffer", "_channel", "_header", "_recipient", "reasoned")
+    __slots__ = ("_blanks", "_buffer", "_call", "_channel", "_header", "_numbers", "reasoned")
 
     def __init__(self) -> None:
         self._buffer = ""
         # In a header (until `<|message|>`) or in a body.
         self._header = True
         self._channel = "final"
-        self._recipient: str | None = None
-        # A call's arguments, gathered until its message ends.
-        self._body = ""
+        # The call a message to a function makes, its arguments as far as they are known.
+        self._call: PartialCall | None = None
+        self._blanks = ""  # blanks at the end of its body so far, which may end it
+        self._numbers = CallNumbers()
         self.reasoned = False
 
     def feed(self, text: str) -> Delta:
-        """Reasoning, content and whole calls that can be shown now."""
+        """Reasoning, content and call entries that can be shown now."""
         self._buffer += text
-        reasoning, content, calls = "", "", []
+        reasoning, content, entries = "", "", []
         while self._header is False or self._read_header():
             end, marker = _first_end(self._buffer)
             shown = end if end >= 0 else len(self._buffer) - _held(self._buffer)
             more, rest = self._emit(self._buffer[:shown])
             reasoning, content = reasoning + more, content + rest
+            entries += self._call_entries()
             if end < 0:
                 self._buffer = self._buffer[shown:]
                 break
-            calls += self._end_message()
+            self._end_message()
             self._buffer = self._buffer[end + len(marker) :]
-        return reasoning, content, calls
+        return reasoning, content, entries
 
     def finish(self) -> Delta:
         """What is left at the end of the reply: a message cut short ends there."""
@@ -92,7 +98,9 @@ class HarmonyReader:
             plain = rest.strip() and not rest.lstrip().startswith("<|")
             return "", rest if plain else "", []
         reasoning, content = self._emit(rest)
-        return reasoning, content, self._end_message()
+        entries = self._call_entries()
+        self._end_message()
+        return reasoning, content, entries
 
     def _read_header(self) -> bool:
         """Read a whole header, if it has arrived; False while it has not. A reply that opens
@@ -101,36 +109,47 @@ class HarmonyReader:
         if at < 0:
             opening = self._buffer.lstrip()
             if opening and not "<|".startswith(opening[:2]):  # text, not a marker
-                self._header, self._channel, self._recipient = False, "final", None
+                self._header, self._channel, self._call = False, "final", None
                 return True
             return False
         header, self._buffer = self._buffer[:at], self._buffer[at + len(MESSAGE) :]
         channel = _CHANNEL.search(header)
         recipient = _RECIPIENT.search(header)
         self._channel = channel.group(1) if channel else "final"
-        self._recipient = recipient.group(1) if recipient else None
+        self._call = PartialCall(recipient.group(1)) if recipient else None
         self._header = False
         return True
 
     def _emit(self, text: str) -> tuple[str, str]:
-        """A body's text as reasoning or content (a call's arguments are kept until it ends)."""
+        """A body's text as reasoning, content or a call's arguments."""
         if not text:
             return "", ""
-        if self._recipient is not None:
-            self._body += text
+        if self._call is not None:
+            self._arguments(text)
             return "", ""
         if self._channel == "analysis":
             self.reasoned = True
             return text, ""
         return "", text
 
-    def _end_message(self) -> list[dict[str, Any]]:
-        """Close the message: a call's whole arguments make a call."""
-        calls = []
-        if self._recipient is not None:
-            calls.append(tool_call(self._recipient, self._body.strip()))
-        self._header, self._recipient, self._body = True, None, ""
-        return calls
+    def _arguments(self, text: str) -> None:
+        """More of a call's body: blanks before it are not its, blanks after held until more
+        follows them."""
+        assert self._call is not None
+        if not self._call.arguments:
+            text = text.lstrip()
+        text = self._blanks + text
+        body = text.rstrip()
+        self._call.arguments += body
+        self._blanks = text[len(body) :] if self._call.arguments else ""
+
+    def _call_entries(self) -> list[dict[str, Any]]:
+        return [] if self._call is None else self._numbers.entries([self._call])
+
+    def _end_message(self) -> None:
+        if self._call is not None:
+            self._numbers.next_block()
+        self._header, self._call, self._blanks = True, None, ""
 
 
 def _first_end(text: str) -> tuple[int, str]:

@@ -212,17 +212,17 @@ class ChatRenderer(ChunkRenderer):
         return reasoning, text
 
     def _harmony_delta(self, choice: _Choice, output: RequestOutput) -> tuple[str, dict[str, Any]]:
-        """A Harmony reply's delta: its reasoning, and its content and whole calls (or, for
-        forced calls the model did not write as messages to functions, its answer's text as
-        their arguments)."""
+        """A Harmony reply's delta: its reasoning, and its content and calls as they are written
+        (or, for forced calls the model did not write as messages to functions, its answer's
+        text as their arguments)."""
         assert choice.harmony is not None
-        reasoning, content, calls = choice.harmony.feed(output.text)
+        reasoning, content, entries = choice.harmony.feed(output.text)
         if output.finished:
             more, rest, last = choice.harmony.finish()
-            reasoning, content, calls = reasoning + more, content + rest, calls + last
-        if self.forced is not None and not calls and not choice.num_calls:
+            reasoning, content, entries = reasoning + more, content + rest, entries + last
+        if self.forced is not None and not entries and not choice.num_calls:
             return reasoning, self._delta(choice, content, output.finished)
-        return reasoning, self._with_calls(choice, content, calls)
+        return reasoning, self._with_calls(choice, content, entries)
 
     def _reasoning_fields(self, reasoning: str) -> dict[str, str]:
         """`reasoning` (vLLM's and OpenAI's name) and `reasoning_content` (DeepSeek's, which
@@ -260,21 +260,15 @@ class ChatRenderer(ChunkRenderer):
         if finished:
             rest, last = choice.reader.finish()
             content, entries = content + rest, entries + last
+        return ChatRenderer._with_calls(choice, content, entries)
+
+    @staticmethod
+    def _with_calls(choice: _Choice, content: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """A delta of `content` and calls' `delta.tool_calls` entries; counts the calls begun."""
         delta: dict[str, Any] = {"content": content} if content else {}
         if entries:
             delta["tool_calls"] = entries
             choice.num_calls += sum("id" in entry for entry in entries)
-        return delta
-
-    @staticmethod
-    def _with_calls(choice: _Choice, content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        """A delta of `content` and whole `calls`, numbered after the choice's earlier ones."""
-        delta: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = [
-                {"index": choice.num_calls + i, **call} for i, call in enumerate(calls)
-            ]
-            choice.num_calls += len(calls)
         return delta
 
     @staticmethod

@@ -1,13 +1,13 @@
 """Reading tool calls out of a model's free text (`tool_choice: "auto"`), in the format its chat
 template teaches (`--tool-call-parser`, vLLM's names; `server/call_formats.py` reads each
-format's calls):
+format's calls). Calls stream as they are written (`server/call_stream.py`,
+`server/call_elements.py`: each call once it has begun in its format, then its arguments as
+they grow), but for `olmo3`'s and `pythonic`'s, which come whole once their block or reply
+ends.
 
 - Calls between tags, text around them content. The streaming reader holds back text that may
-  be the start of a tag until it is known not to be. The calls of `hermes`, `internlm`,
-  `longcat`, `qwen3_coder`, `seed_oss`, `glm45`, `glm47`, `minimax_m2`, `kimi_k2`,
-  `deepseek_v31` and `deepseek_v32` stream as they are written (`server/call_stream.py`: each
-  call's name, then its arguments as they grow); the others' come whole once their block
-  closes. A block the reply leaves open is read as if it closed there.
+  be the start of a tag until it is known not to be. A block the reply leaves open is read as
+  if it closed there.
   - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5, Qwen3 and
     ERNIE 4.5 (`ernie45`) write them (a block may also hold a list of such objects, as SmolLM2
     writes them).
@@ -29,7 +29,7 @@ format's calls):
     (InternLM 2.5); `longcat`: `<longcat_tool_call>` around one (LongCat-Flash).
   - `olmo3`: `<function_calls>` around one Python call per line (OLMo 3).
 - Calls that are the whole reply, held from its first character until it ends, then read
-  (any other reply is content, streamed):
+  (any other reply is content, streamed as it comes):
   - `llama3_json`: one or more `{"name": ..., "parameters": {...}}` objects (after an optional
     `<|python_tag|>`, separated by `;`), as Llama 3.1-3.3 write them.
   - `pythonic`: a Python list of calls, `[get_weather(city="Oslo"), ...]` (inside an optional
@@ -81,7 +81,9 @@ from server.call_stream import (
     BlockScanner,
     CallNumbers,
     DelimitedCalls,
+    HeldCalls,
     JsonCalls,
+    MistralCalls,
     partial_tag,
     settle,
 )
@@ -112,6 +114,10 @@ class WholeReply:
 
     openers: tuple[str, ...]
     read: BlockReader
+    # Reads the calls while they arrive, past whichever of `skip` opens them (None: the calls
+    # come whole once the reply ends).
+    scan: Callable[[], BlockScanner] | None = None
+    skip: tuple[str, ...] = ()
 
 
 def json_calls(_schemas: Schemas | None) -> JsonCalls:
@@ -126,7 +132,7 @@ def glm_call(schemas: Schemas | None) -> GlmCall:
     return GlmCall(schemas=schemas)
 
 
-TOOL_CALLS_BLOCK = Tagged("<tool_calls>", "</tool_calls>", formats.json_lines)
+TOOL_CALLS_BLOCK = Tagged("<tool_calls>", "</tool_calls>", formats.json_lines, scan=json_calls)
 # GLM-4.5 and 4.7 (which writes no line breaks between the pieces) read alike.
 GLM = Tagged(OPEN, CLOSE, formats.glm, (ARG_KEY, "<arg_value>"), scan=glm_call)
 DEEPSEEK = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
@@ -153,7 +159,12 @@ FORMATS: dict[str, Tagged | WholeReply] = {
         KIMI_TAGS,
         scan=lambda _schemas: DelimitedCalls(*KIMI_TAGS, formats.kimi_head),
     ),
-    "deepseek_v3": Tagged(*DEEPSEEK, formats.deepseek_v3, DEEPSEEK_INNER),
+    "deepseek_v3": Tagged(
+        *DEEPSEEK,
+        formats.deepseek_v3,
+        DEEPSEEK_INNER,
+        scan=lambda _schemas: DelimitedCalls(*DEEPSEEK_INNER, formats.plain_head, fenced=True),
+    ),
     "deepseek_v31": Tagged(
         *DEEPSEEK,
         formats.deepseek_v31,
@@ -177,11 +188,13 @@ FORMATS: dict[str, Tagged | WholeReply] = {
         "<longcat_tool_call>", "</longcat_tool_call>", formats.json_block, scan=json_calls
     ),
     "olmo3": Tagged("<function_calls>", "</function_calls>", formats.pythonic_lines),
-    "llama3_json": WholeReply((PYTHON_TAG, "{"), formats.llama3),
+    "llama3_json": WholeReply((PYTHON_TAG, "{"), formats.llama3, JsonCalls, (PYTHON_TAG,)),
     "pythonic": WholeReply((PYTHON_START, "["), formats.pythonic),
-    "granite": WholeReply((GRANITE_TOOL_CALL, OPEN, "["), formats.granite),
-    "phi4_mini_json": WholeReply((FUNCTOOLS + "[",), formats.functools),
-    "xlam": WholeReply(("[", "```"), formats.xlam),
+    "granite": WholeReply(
+        (GRANITE_TOOL_CALL, OPEN, "["), formats.granite, JsonCalls, (GRANITE_TOOL_CALL, OPEN)
+    ),
+    "phi4_mini_json": WholeReply((FUNCTOOLS + "[",), formats.functools, JsonCalls, (FUNCTOOLS,)),
+    "xlam": WholeReply(("[", "```"), formats.xlam, JsonCalls, ("```json", "```")),
 }
 # `openai` reads gpt-oss's Harmony messages to functions (`server/harmony.py`); `mistral` has a
 # reader of its own.
@@ -252,11 +265,11 @@ def reader_for(parser: str, schemas: Schemas | None = None) -> CallReader:
     """A streaming reader of `parser`'s calls; `schemas` type the values of formats that write
     them as text."""
     if parser == "mistral":
-        return MistralReader()
+        return MistralReader(HeldCalls(MistralCalls))
     form = FORMATS.get(ALIASES.get(parser, parser), FORMATS["hermes"])
     read = partial(form.read, schemas=schemas)
     if isinstance(form, WholeReply):
-        return WholeReplyReader(form.openers, read)
+        return WholeReplyReader(form.openers, read, HeldCalls(form.scan, form.skip))
     scanner = None if form.scan is None else partial(form.scan, schemas)
     return TaggedReader(form.open, form.close, read, scanner)
 
@@ -381,11 +394,12 @@ class TaggedReader:
 @dataclass(slots=True)
 class WholeReplyReader:
     """Holds a reply that opens with one of `openers` until it ends, then reads it whole
-    (`read`: the calls, or None where it is not calls, and the reply is content); streams any
-    other reply."""
+    (`read`: the calls, or None where it is not calls, and the reply is content), its calls
+    streamed meanwhile where `held` can; streams any other reply."""
 
     openers: tuple[str, ...]
     read: Callable[[str], Calls | None]
+    held: HeldCalls
     _buffer: str = ""
     _holding: bool | None = None  # None until the reply's first non-blank character
 
@@ -400,8 +414,9 @@ class WholeReplyReader:
             self._holding = start.startswith(self.openers) or any(
                 opener.startswith(start) for opener in self.openers
             )
+            text = self._buffer  # all of the reply so far goes to the calls' reading
         if self._holding:
-            return "", []
+            return "", self.held.feed(text)
         released, self._buffer = self._buffer, ""
         return released, []
 
@@ -409,28 +424,29 @@ class WholeReplyReader:
         text, self._buffer = self._buffer, ""
         if not self._holding:
             return text, []
-        calls = self.read(text.strip())
-        return ("", CallNumbers().whole(calls)) if calls else (text, [])
+        called, entries = self.held.end(self.read(text.strip()))
+        return ("", entries) if called else (text, [])
 
 
 @dataclass(slots=True)
 class MistralReader:
     """Streams text until `[TOOL_CALLS]` (a partial tag held back), then holds the rest of the
-    reply and reads it whole as calls."""
+    reply, its calls streamed where `held` can, and reads it whole at the end."""
 
+    held: HeldCalls
     _buffer: str = ""
     _calls: bool = False
 
     def feed(self, text: str) -> tuple[str, Entries]:
         self._buffer += text
         if self._calls:
-            return "", []
+            return "", self.held.feed(text)
         start = self._buffer.find(TOOL_CALLS)
         if start >= 0:
             content = self._buffer[:start]
             self._buffer = self._buffer[start + len(TOOL_CALLS) :]
             self._calls = True
-            return content, []
+            return content, self.held.feed(self._buffer)
         keep = partial_tag(self._buffer, TOOL_CALLS)
         content = self._buffer[: len(self._buffer) - keep]
         self._buffer = self._buffer[len(self._buffer) - keep :]
@@ -440,5 +456,5 @@ class MistralReader:
         text, self._buffer = self._buffer, ""
         if not self._calls:
             return text, []
-        calls = formats.mistral(text.strip())
-        return ("", CallNumbers().whole(calls)) if calls else (TOOL_CALLS + text, [])
+        called, entries = self.held.end(formats.mistral(text.strip()))
+        return ("", entries) if called else (TOOL_CALLS + text, [])

@@ -34,19 +34,21 @@ def fed(parser: str, pieces: list[str], schemas: dict | None = None) -> list[lis
     return [*out, reader.finish()[1]]
 
 
-def test_a_hermes_call_streams_its_name_then_its_arguments() -> None:
+def test_a_hermes_call_streams_once_its_arguments_begin_then_as_they_grow() -> None:
     pieces = [
         '<tool_call>{"name": "weather", "argu',
-        'ments": {"city": "Os',
+        'ments": {',
+        '"city": "Os',
         'lo"}}',
         "</tool_call>",
     ]
-    first, second, third, closing, end = fed("hermes", pieces)
+    named, first, second, third, closing, end = fed("hermes", pieces)
+    assert named == []  # a name alone is not yet a call: its arguments must begin as an object
     [announced] = first
-    assert announced["function"] == {"name": "weather", "arguments": ""}
+    assert announced["function"] == {"name": "weather", "arguments": "{"}
     assert announced["index"] == 0 and announced["type"] == "function"
     assert announced["id"].startswith("call_")
-    assert second == [{"index": 0, "function": {"arguments": '{"city": "Os'}}]
+    assert second == [{"index": 0, "function": {"arguments": '"city": "Os'}}]
     assert third == [{"index": 0, "function": {"arguments": 'lo"}'}}]
     assert closing == [] and end == []
 
@@ -143,7 +145,6 @@ def test_a_call_shows_only_once_its_arguments_begin_in_the_format(parser: str, t
     ("parser", "text", "arguments"),
     [
         ("hermes", '<tool_call>{"name": "write", "arguments": {"path": "a', '{"path": "a'),
-        ("hermes", '<tool_call>{"name": "write"', "{}"),
         ("qwen3_coder", "<tool_call>\n<function=write>\n<parameter=path>\nb", '{"path": "b'),
         # Begun and then not in the format: kept as far as it was read.
         ("hermes", '<tool_call>{"name": "write", "arguments": {"a": 1}</tool_call>', '{"a": 1}'),
@@ -175,7 +176,12 @@ def test_a_block_the_reply_leaves_open_reads_as_if_closed(parser: str, text: str
 
 @pytest.mark.parametrize(
     "text",
-    ["<tool_call>{not json}</tool_call>", '<tool_call>{"zone": 3}</tool_call>', "<tool_call>{"],
+    [
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"zone": 3}</tool_call>',
+        "<tool_call>{",
+        '<tool_call>{"name": "write"',  # cut short before its arguments began
+    ],
 )
 def test_a_block_that_never_names_a_call_stays_text(text: str) -> None:
     assert parse_calls("hermes", text) == (text, [])
@@ -241,10 +247,24 @@ def delimited_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict
             for i, (name, arguments) in enumerate(calls)
         )
         return f"Checking.<|tool_calls_section_begin|>{written}<|tool_calls_section_end|>"
-    written = "".join(
-        f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{written_as(rng, arguments)}<｜tool▁call▁end｜>"
-        for name, arguments in calls
-    )
+    if parser == "minimax":  # `<tool_calls>`: a JSON list, or an object a line
+        objects = [{"name": name, "arguments": arguments} for name, arguments in calls]
+        if rng.random() < 0.5:
+            return f"Sure.<tool_calls>\n{written_as(rng, objects)}\n</tool_calls>"
+        lines = "\n".join(json.dumps(item, ensure_ascii=rng.random() < 0.5) for item in objects)
+        return f"Sure.<tool_calls>\n{lines}\n</tool_calls>"
+    if parser == "deepseek_v3":
+        written = "".join(
+            f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n"
+            f"{written_as(rng, arguments)}\n```<｜tool▁call▁end｜>"
+            for name, arguments in calls
+        )
+    else:
+        written = "".join(
+            f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{written_as(rng, arguments)}"
+            "<｜tool▁call▁end｜>"
+            for name, arguments in calls
+        )
     return f"Sure.<｜tool▁calls▁begin｜>{written}<｜tool▁calls▁end｜>"
 
 
@@ -253,8 +273,32 @@ def cut(rng: random.Random, text: str) -> list[str]:
     return [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
 
 
+DELIMITED_FORMATS = ["kimi_k2", "deepseek_v3", "deepseek_v31", "minimax"]
+WHOLE_REPLY_FORMATS = ["llama3_json", "granite", "phi4_mini_json", "xlam", "mistral"]
+
+
+def whole_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]]) -> str:
+    """Calls written as a reply of nothing else (or, for Mistral, after `[TOOL_CALLS]`)."""
+    listed = written_as(rng, [{"name": name, "arguments": args} for name, args in calls])
+    if parser == "llama3_json":
+        objects = [written_as(rng, {"name": name, "parameters": args}) for name, args in calls]
+        return rng.choice(["", "<|python_tag|>"]) + "; ".join(objects)
+    if parser == "granite":
+        return rng.choice(["<|tool_call|>", "<tool_call>"]) + listed
+    if parser == "phi4_mini_json":
+        return "functools" + listed
+    if parser == "xlam":
+        return rng.choice([listed, f"```json\n{listed}\n```"])
+    if rng.random() < 0.5:
+        return "Sure. [TOOL_CALLS]" + listed
+    named = "".join(f"[TOOL_CALLS]{name}[ARGS]{written_as(rng, args)}" for name, args in calls)
+    return "Sure. " + named
+
+
 @pytest.mark.parametrize("seed", range(30))
-@pytest.mark.parametrize("parser", ["hermes", "kimi_k2", "deepseek_v31", *PARAMETER_FORMATS])
+@pytest.mark.parametrize(
+    "parser", ["hermes", *DELIMITED_FORMATS, *PARAMETER_FORMATS, *WHOLE_REPLY_FORMATS]
+)
 def test_random_calls_cut_anywhere_stream_to_the_whole_replys_calls(parser: str, seed: int) -> None:
     rng = random.Random(seed)
     names = ["write", "weather", "other"]
@@ -269,6 +313,8 @@ def test_random_calls_cut_anywhere_stream_to_the_whole_replys_calls(parser: str,
         text = parameters_reply(rng, parser, calls)
     elif parser == "hermes":
         schemas, text = None, hermes_reply(rng, calls)
+    elif parser in WHOLE_REPLY_FORMATS:
+        schemas, text = None, whole_reply(rng, parser, calls)
     else:
         schemas, text = None, delimited_reply(rng, parser, calls)
     whole_content, whole = parse_calls(parser, text, schemas)
@@ -278,7 +324,8 @@ def test_random_calls_cut_anywhere_stream_to_the_whole_replys_calls(parser: str,
         more_content, more = reader.feed(piece)
         content, entries = content + more_content, entries + more
     rest, more = reader.finish()
-    assert content + rest == whole_content
+    content += rest
+    assert (content if content.strip() else None) == whole_content
     streamed = assemble(entries + more)
     assert [c["function"] for c in streamed] == [c["function"] for c in whole]
     if parser == "kimi_k2":  # Kimi's ids are its own, streamed or not

@@ -11,6 +11,7 @@ import random
 import pytest
 
 from engine.core.outputs import RequestOutput
+from server.call_array import assemble
 from server.harmony import HarmonyReader, is_harmony, split_harmony
 from server.protocol import ChatCompletionRequest
 from server.serving_chat import ChatRenderer
@@ -71,7 +72,8 @@ def test_a_reply_cut_anywhere_splits_as_the_whole(reply, expected):
                 at + step,
             )
         more, text, found = reader.finish()
-        assert (reasoning + more, content + text, calls_of(calls + found)) == expected
+        whole = assemble(calls + found)
+        assert (reasoning + more, content + text, calls_of(whole)) == expected
 
 
 def renderer(**body) -> ChatRenderer:
@@ -99,8 +101,12 @@ def test_streamed_and_whole_messages_carry_reasoning_content_and_calls():
     deltas = [f["delta"] for f in fragments]
     assert "".join(d.get("reasoning", "") for d in deltas) == "The user wants the weather; 3 < 4."
     assert "".join(d.get("content") or "" for d in deltas) == "One moment."
-    [call] = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
+    entries = [c for d in deltas for c in d.get("tool_calls", [])]
+    # The name once the message's header is read, then the arguments as they arrive.
+    assert len(entries) > 1 and entries[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert {entry["index"] for entry in entries} == {0}
+    [call] = assemble(entries)
+    assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert fragments[-1]["finish_reason"] == "tool_calls"
     # No piece of a marker reaches the client.

@@ -287,7 +287,7 @@ async def test_auto_reads_calls_out_of_the_text():
         assert "".join(d.get("content") or "" for d in deltas) == "Sure. "
         entries = [entry for d in deltas for entry in d.get("tool_calls") or []]
         # The name comes first, then the arguments as they are written.
-        assert entries[0]["function"] == {"name": "time", "arguments": ""}
+        assert entries[0]["function"] == {"name": "time", "arguments": "{"}
         assert len(entries) > 2 and {e["index"] for e in entries} == {0}
         [streamed] = assemble(entries)
         assert streamed["function"] == call["function"]
@@ -310,7 +310,8 @@ async def test_without_a_parser_auto_returns_the_text():
     ],
 )
 async def test_auto_reads_whole_reply_calls(parser: str, output: str):
-    """Parsers that hold a reply that opens as calls until it ends, then read it whole."""
+    """Parsers that hold a reply that opens as calls until it ends, then read it whole (its
+    calls streamed meanwhile)."""
     settings = ServerSettings(served_model_name="tiny", tool_call_parser=parser)
     force = {"structured_outputs": {"regex": re.escape(output)}}
     async with app_client(settings, tokenizer=tool_tokenizer()) as (client, _):
@@ -326,8 +327,10 @@ async def test_auto_reads_whole_reply_calls(parser: str, output: str):
         )
         deltas = [e["choices"][0]["delta"] for e in sse_events(response.text) if e != "[DONE]"]
         assert not "".join(d.get("content") or "" for d in deltas)
-        [entry] = [entry for d in deltas for entry in d.get("tool_calls") or []]
-        assert entry["function"] == call["function"]
+        # The calls stream while the reply is held: as soon as they begin.
+        entries = [entry for d in deltas for entry in d.get("tool_calls") or []]
+        [streamed] = assemble(entries)
+        assert streamed["function"] == call["function"] and len(entries) > 1
 
 
 # A template with no tool section: the tools are written into the conversation in the Hermes
