@@ -382,11 +382,20 @@ def _python_call(node: ast.expr, json_names: bool = False) -> dict[str, Any] | N
         return None
     if node.args or any(keyword.arg is None for keyword in node.keywords):
         return None
+    values = [python_json(keyword.value, json_names) for keyword in node.keywords]
+    if any(value is None for value in values):
+        return None
+    pairs = [f"{json.dumps(k.arg)}: {v}" for k, v in zip(node.keywords, values, strict=True)]
+    return tool_call(node.func.id, "{" + ", ".join(pairs) + "}")
+
+
+def python_json(node: ast.expr, json_names: bool = False) -> str | None:
+    """A call's argument written as a Python literal, as JSON text; None where it is no literal
+    or one JSON cannot hold (a set, bytes, a complex number)."""
     try:
-        arguments = {k.arg: _literal(k.value, json_names) for k in node.keywords}
+        return json.dumps(_literal(node, json_names))
     except (*PYTHON_TOO_DEEP, ValueError, TypeError, SyntaxError):
         return None
-    return tool_call(node.func.id, json.dumps(arguments))
 
 
 def _python_expression(text: str) -> ast.expr | None:

@@ -115,6 +115,10 @@ NOT_CALLS = [
     ("minimax_m2", "<minimax:tool_call>stray</minimax:tool_call>"),
     ("minimax", "<tool_calls>\n{not json}\n</tool_calls>"),
     ("olmo3", "<function_calls>\ntime(3)\n</function_calls>"),
+    # Python literals JSON cannot hold (a set, bytes, a complex number): no call, not an error.
+    ("pythonic", "[time(zone={1, 2})]"),
+    ("pythonic", '[weather(city=b"Oslo")]'),
+    ("olmo3", "<function_calls>\ntime(zone=1j)\n</function_calls>"),
     ("xlam", "[1, 2]"),
     ("xlam", "It is sunny."),
 ]
