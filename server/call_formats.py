@@ -83,7 +83,7 @@ def llama3(text: str, schemas: Schemas | None = None) -> Calls | None:
 def pythonic(text: str, schemas: Schemas | None = None) -> Calls | None:
     """`[name(key=value, ...), ...]`, each value a Python literal (inside an optional
     `<|python_start|>` ... `<|python_end|>`)."""
-    tree = _python_expression(text.removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip())
+    tree = python_expression(text.removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip())
     if not isinstance(tree, ast.List) or not tree.elts:
         return None
     return _all_calls([_python_call(node) for node in tree.elts])
@@ -96,7 +96,7 @@ def pythonic_lines(body: str, schemas: Schemas | None = None) -> Calls | None:
     for line in (line.strip() for line in body.splitlines()):
         if not line:
             continue
-        node = _python_expression(line)
+        node = python_expression(line)
         if node is None:
             return None
         calls.append(_python_call(node, json_names=True))
@@ -398,7 +398,7 @@ def python_json(node: ast.expr, json_names: bool = False) -> str | None:
         return None
 
 
-def _python_expression(text: str) -> ast.expr | None:
+def python_expression(text: str) -> ast.expr | None:
     """`text` parsed as one Python expression; None where it is not one."""
     try:
         return ast.parse(text, mode="eval").body

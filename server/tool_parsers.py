@@ -1,9 +1,8 @@
 """Reading tool calls out of a model's free text (`tool_choice: "auto"`), in the format its chat
 template teaches (`--tool-call-parser`, vLLM's names; `server/call_formats.py` reads each
 format's calls). Calls stream as they are written (`server/call_stream.py`,
-`server/call_elements.py`: each call once it has begun in its format, then its arguments as
-they grow), but for `olmo3`'s and `pythonic`'s, which come whole once their block or reply
-ends.
+`server/call_elements.py`, `server/call_python.py`): each call once it has begun in its format,
+then its arguments as they grow.
 
 - Calls between tags, text around them content. The streaming reader holds back text that may
   be the start of a tag until it is known not to be. A block the reply leaves open is read as
@@ -77,6 +76,7 @@ from server.call_formats import (
     Calls,
     Schemas,
 )
+from server.call_python import PythonCalls
 from server.call_stream import (
     BlockScanner,
     CallNumbers,
@@ -187,9 +187,14 @@ FORMATS: dict[str, Tagged | WholeReply] = {
     "longcat": Tagged(
         "<longcat_tool_call>", "</longcat_tool_call>", formats.json_block, scan=json_calls
     ),
-    "olmo3": Tagged("<function_calls>", "</function_calls>", formats.pythonic_lines),
+    "olmo3": Tagged(
+        "<function_calls>",
+        "</function_calls>",
+        formats.pythonic_lines,
+        scan=lambda _schemas: PythonCalls(listed=False, json_names=True),
+    ),
     "llama3_json": WholeReply((PYTHON_TAG, "{"), formats.llama3, JsonCalls, (PYTHON_TAG,)),
-    "pythonic": WholeReply((PYTHON_START, "["), formats.pythonic),
+    "pythonic": WholeReply((PYTHON_START, "["), formats.pythonic, PythonCalls, (PYTHON_START,)),
     "granite": WholeReply(
         (GRANITE_TOOL_CALL, OPEN, "["), formats.granite, JsonCalls, (GRANITE_TOOL_CALL, OPEN)
     ),

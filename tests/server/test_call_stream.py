@@ -141,6 +141,39 @@ def test_a_call_shows_only_once_its_arguments_begin_in_the_format(parser: str, t
     assert parse_calls(parser, text, SCHEMAS) == (text, [])
 
 
+def test_a_python_call_shows_once_its_first_argument_is_read() -> None:
+    pieces = ["[get_weather(city=", '"Oslo", ', "days=[1, 2]", ")]"]
+    named, first, second, closing, end = fed("pythonic", pieces)
+    assert named == []
+    assert [e["function"] for e in first] == [
+        {"name": "get_weather", "arguments": '{"city": "Oslo"'}
+    ]
+    assert [e["function"] for e in second + closing] == [
+        {"arguments": ', "days": '},  # the value waits for the `,` or `)` that ends it
+        {"arguments": "[1, 2]}"},
+    ]
+    assert end == []
+
+
+def test_a_python_value_is_read_once_however_many_commas_its_string_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The end of a value is found by following its strings and brackets, so a long string
+    full of `,` and `)` is parsed once, not once a comma."""
+    import server.call_python
+
+    parsed = []
+    real = server.call_python.python_expression
+    monkeypatch.setattr(
+        server.call_python, "python_expression", lambda text: parsed.append(text) or real(text)
+    )
+    text = '[f(a="' + ",)" * 3000 + "\", b='''x, \"y\")''')]"
+    steps = fed("pythonic", [text[i : i + 3] for i in range(0, len(text), 3)])
+    [call] = assemble([entry for step in steps for entry in step])
+    assert json.loads(call["function"]["arguments"]) == {"a": ",)" * 3000, "b": 'x, "y")'}
+    assert len(parsed) == 2  # one value, then the other
+
+
 @pytest.mark.parametrize(
     ("parser", "text", "arguments"),
     [
@@ -277,6 +310,21 @@ DELIMITED_FORMATS = ["kimi_k2", "deepseek_v3", "deepseek_v31", "minimax"]
 WHOLE_REPLY_FORMATS = ["llama3_json", "granite", "phi4_mini_json", "xlam", "mistral"]
 
 
+PYTHON_FORMATS = ["pythonic", "olmo3"]
+
+
+def python_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]]) -> str:
+    """Calls written as Python: a list of them, or one a line in OLMo 3's block."""
+    written = [
+        f"{name}({', '.join(f'{key}={value!r}' for key, value in arguments.items())})"
+        for name, arguments in calls
+    ]
+    if parser == "olmo3":
+        return "Sure.<function_calls>\n" + "\n".join(written) + "\n</function_calls>"
+    listed = "[" + rng.choice([", ", ",\n"]).join(written) + "]"
+    return rng.choice([listed, f"<|python_start|>{listed}<|python_end|>"])
+
+
 def whole_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]]) -> str:
     """Calls written as a reply of nothing else (or, for Mistral, after `[TOOL_CALLS]`)."""
     listed = written_as(rng, [{"name": name, "arguments": args} for name, args in calls])
@@ -297,7 +345,8 @@ def whole_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]]) 
 
 @pytest.mark.parametrize("seed", range(30))
 @pytest.mark.parametrize(
-    "parser", ["hermes", *DELIMITED_FORMATS, *PARAMETER_FORMATS, *WHOLE_REPLY_FORMATS]
+    "parser",
+    ["hermes", *DELIMITED_FORMATS, *PARAMETER_FORMATS, *WHOLE_REPLY_FORMATS, *PYTHON_FORMATS],
 )
 def test_random_calls_cut_anywhere_stream_to_the_whole_replys_calls(parser: str, seed: int) -> None:
     rng = random.Random(seed)
@@ -313,6 +362,9 @@ def test_random_calls_cut_anywhere_stream_to_the_whole_replys_calls(parser: str,
         text = parameters_reply(rng, parser, calls)
     elif parser == "hermes":
         schemas, text = None, hermes_reply(rng, calls)
+    elif parser in PYTHON_FORMATS:  # keywords are names: the values as they came
+        calls = [(name, {f"p{i}": v for i, v in enumerate(args.values())}) for name, args in calls]
+        schemas, text = None, python_reply(rng, parser, calls)
     elif parser in WHOLE_REPLY_FORMATS:
         schemas, text = None, whole_reply(rng, parser, calls)
     else:
