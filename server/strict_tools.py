@@ -6,7 +6,8 @@ arguments that fit its `parameters` schema (others get any JSON object). With
 
 Enforced as a structural tag (`engine.structured.structural_tag`) for the parsers whose calls
 are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`, `kimi_k2`,
-`deepseek_v3`, `deepseek_v31`), and for those that write each parameter as text (`qwen3_coder`,
+`deepseek_v3`, `deepseek_v31`, `longcat`, `internlm`, and `hunyuan_a13b`, `jamba` and
+`minimax`'s `<tool_calls>` blocks), and for those that write each parameter as text (`qwen3_coder`,
 `seed_oss`, `glm45`, `glm47`, `minimax_m2`: each value its schema's JSON, or raw text for a
 string, in the schema's order). For the others the calls are read as written. A reply that may open
 its own reasoning may do so first (its tags are tokens of their own that free text does not
@@ -47,18 +48,51 @@ def _hermes(tools: list[Tool], single: bool) -> dict[str, Any]:
     """`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the tags on lines of their
     own or not, as Qwen writes them; or a JSON list of such calls in one block, as the tools
     Conveyor writes for a template without a tool section teach (`server/tool_prompt.py`)."""
-    frames = [("<tool_call>\n", "}\n</tool_call>"), ("<tool_call>", "}</tool_call>")]
-    tags = [
-        _tag(opening + _opening(tool, "arguments"), tool, closing)
-        for tool in tools
-        for opening, closing in frames
-    ]
     calls = [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools]
     lists = [
         _list_tag("<tool_call>[", calls, ", ", "]</tool_call>", single),
         _list_tag("<tool_call>[\n", calls, ",\n", "\n]</tool_call>", single),
     ]
-    return _triggered(["<tool_call>"], tags + lists, single)
+    frames = [("<tool_call>\n", "}\n</tool_call>"), ("<tool_call>", "}</tool_call>")]
+    blocks = _blocks(frames, ("arguments",), tools)
+    return _triggered(["<tool_call>"], blocks + lists, single)
+
+
+def _json_blocks(
+    open_: str, close: str, keys: tuple[str, ...]
+) -> Callable[[list[Tool], bool], dict[str, Any]]:
+    """One call a block, a line break after the opening tag or before the closing one or
+    not: LongCat's (`arguments`) and InternLM's (`parameters` or `arguments`)."""
+    frames = [(open_ + a, "}" + b + close) for a in ("", "\n") for b in ("", "\n")]
+
+    def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
+        return _triggered([open_], _blocks(frames, keys, tools), single)
+
+    return format_
+
+
+def _blocks(
+    frames: list[tuple[str, str]], keys: tuple[str, ...], tools: list[Tool]
+) -> list[dict[str, Any]]:
+    """`OPENING{"name": ..., KEY: ...}CLOSING` for each tool, key and frame."""
+    return [
+        _tag(opening + _opening(tool, key), tool, closing)
+        for tool in tools
+        for key in keys
+        for opening, closing in frames
+    ]
+
+
+def _tool_calls_block(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """`<tool_calls>` around a JSON list of calls (Hunyuan-A13B's, Jamba's) or one call object
+    a line (MiniMax-M1's)."""
+    calls = [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools]
+    blocks = [
+        _list_tag("<tool_calls>[", calls, ", ", "]</tool_calls>", single),
+        _list_tag("<tool_calls>\n[", calls, ", ", "]\n</tool_calls>", single),
+        _list_tag("<tool_calls>\n", calls, "\n", "\n</tool_calls>", single),
+    ]
+    return _triggered(["<tool_calls>"], blocks, single)
 
 
 def _llama3_json(tools: list[Tool], single: bool) -> dict[str, Any]:
@@ -233,6 +267,13 @@ FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "kimi_k2": _kimi_k2,
     "deepseek_v3": _deepseek("v3"),
     "deepseek_v31": _deepseek("v31"),
+    "longcat": _json_blocks("<longcat_tool_call>", "</longcat_tool_call>", ("arguments",)),
+    "internlm": _json_blocks(
+        "<|action_start|><|plugin|>", "<|action_end|>", ("parameters", "arguments")
+    ),
+    "hunyuan_a13b": _tool_calls_block,
+    "jamba": _tool_calls_block,
+    "minimax": _tool_calls_block,
 }
 
 

@@ -338,6 +338,14 @@ def seed_call(name: str, *pairs: tuple[str, str]) -> str:
     return f"<seed:tool_call>\n<function={name}>\n{body}</function>\n</seed:tool_call>"
 
 
+def json_call(name: str, arguments: str, key: str = "arguments") -> str:
+    return f'{{"name": "{name}", "{key}": {arguments}}}'
+
+
+def longcat(*calls: str) -> str:
+    return "".join(f"<longcat_tool_call>{call}</longcat_tool_call>" for call in calls)
+
+
 OSLO_PAIRS = [("city", "Oslo"), ("unit", "c")]
 NATIVE_CASES = [
     # (parser, text, allowed with parallel calls, allowed with one call)
@@ -369,12 +377,46 @@ NATIVE_CASES = [
     ("deepseek_v31", "Sure. " + deepseek_calls(("weather", OSLO), version="v31"), True, True),
     ("deepseek_v31", deepseek_calls(("weather", KELVIN), version="v31"), False, False),
     ("deepseek_v31", deepseek_calls(("time", '"no object"'), version="v31"), False, False),
+    ("longcat", "Sure. " + longcat(json_call("weather", OSLO)), True, True),
+    ("longcat", longcat(json_call("weather", KELVIN)), False, False),
+    ("longcat", longcat(json_call("weather", OSLO), json_call("time", "{}")), True, False),
+    (
+        "internlm",
+        "<|action_start|><|plugin|>\n"
+        + json_call("weather", OSLO, "parameters")
+        + "<|action_end|>",
+        True,
+        True,
+    ),
+    (
+        "internlm",
+        "<|action_start|><|plugin|>" + json_call("weather", KELVIN) + "<|action_end|>",
+        False,
+        False,
+    ),
+    ("hunyuan_a13b", f"<tool_calls>[{json_call('weather', OSLO)}]</tool_calls>", True, True),
+    ("hunyuan_a13b", f"<tool_calls>[{json_call('weather', KELVIN)}]</tool_calls>", False, False),
+    (
+        "jamba",
+        f"<tool_calls>[{json_call('weather', OSLO)}, {json_call('time', '{}')}]</tool_calls>",
+        True,
+        False,
+    ),
+    ("jamba", f"<tool_calls>[{json_call('news', '{}')}]</tool_calls>", False, False),
+    (
+        "minimax",
+        f"<tool_calls>\n{json_call('weather', OSLO)}\n{json_call('time', '{}')}\n</tool_calls>",
+        True,
+        False,
+    ),
+    ("minimax", f"<tool_calls>\n{json_call('weather', KELVIN)}\n</tool_calls>", False, False),
 ]
 
 
 @pytest.mark.parametrize(("parser", "text", "parallel_ok", "single_ok"), NATIVE_CASES)
 def test_native_formats_follow_the_schema(compiler, parser, text, parallel_ok, single_ok):
-    """GLM's, Seed-OSS's, MiniMax-M2's, Kimi K2's and DeepSeek's calls: a strict function's in
+    """GLM's, Seed-OSS's, MiniMax's, Kimi K2's, DeepSeek's, LongCat's, InternLM's, Hunyuan's and
+    Jamba's calls: a strict function's in
     its schema, others free, only listed names, one call without parallel calls; what the
     format allows, the parser reads as calls."""
     for parallel, allowed in ((True, parallel_ok), (False, single_ok)):
