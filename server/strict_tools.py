@@ -7,11 +7,11 @@ arguments that fit its `parameters` schema (others get any JSON object). With
 Enforced as a structural tag (`engine.structured.structural_tag`) for the parsers whose calls
 are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`, `kimi_k2`,
 `deepseek_v3`, `deepseek_v31`, `longcat`, `internlm`, and `hunyuan_a13b`, `jamba` and
-`minimax`'s `<tool_calls>` blocks), and for those that write each parameter as text (`qwen3_coder`,
-`seed_oss`, `glm45`, `glm47`, `minimax_m2`: each value its schema's JSON, or raw text for a
-string, in the schema's order). For the others the calls are read as written. A reply that may open
-its own reasoning may do so first (its tags are tokens of their own that free text does not
-hold)."""
+`minimax`'s `<tool_calls>` blocks), and for those that write each parameter as text
+(`qwen3_coder`, `seed_oss`, `glm45`, `glm47`, `minimax_m2`, `deepseek_v32`: each value its
+schema's JSON, or raw text for a string, in the schema's order). For the others the calls are
+read as written. A reply that may open its own reasoning may do so first (its tags are tokens
+of their own that free text does not hold)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _function_elements(tag: str, value_break: str) -> Callable[[list[Tool], bool
         tags = _text_calls(
             tools,
             lambda name: f"<{tag}>\n<function={name}>\n",
-            lambda key: f"<parameter={key}>{value_break}",
+            lambda key, _schema: f"<parameter={key}>{value_break}",
             f"{value_break}</parameter>\n",
             f"</function>\n</{tag}>",
         )
@@ -132,7 +132,7 @@ def _glm(separator: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
         tags = _text_calls(
             tools,
             lambda name: f"<tool_call>{name}{separator}",
-            lambda key: f"<arg_key>{key}</arg_key>{separator}<arg_value>",
+            lambda key, _schema: f"<arg_key>{key}</arg_key>{separator}<arg_value>",
             f"</arg_value>{separator}",
             "</tool_call>",
         )
@@ -147,12 +147,33 @@ def _minimax_m2(tools: list[Tool], single: bool) -> dict[str, Any]:
     invokes = _text_calls(
         tools,
         lambda name: f'<invoke name="{name}">\n',
-        lambda key: f'<parameter name="{key}">',
+        lambda key, _schema: f'<parameter name="{key}">',
         "</parameter>\n",
         "</invoke>\n",
     )
     section = _list_tag("<minimax:tool_call>\n", invokes, "", "</minimax:tool_call>", single)
     return _triggered(["<minimax:tool_call>"], [section], single=True)
+
+
+def _dsml(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """`<｜DSML｜function_calls>\n` around `<｜DSML｜invoke name="NAME">\n` elements of
+    `<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>\n` elements,
+    as DeepSeek-V3.2 writes them (`string="true"` for a string's raw text, else JSON)."""
+    dsml = call_formats.DSML
+
+    def parameter(key: str, schema: Any) -> str:
+        raw = _xml_value(schema)["type"] != "json_schema"  # a string, or one of its `enum`
+        return f'<{dsml}parameter name="{key}" string="{"true" if raw else "false"}">'
+
+    invokes = _text_calls(
+        tools,
+        lambda name: f'<{dsml}invoke name="{name}">\n',
+        parameter,
+        f"</{dsml}parameter>\n",
+        f"</{dsml}invoke>\n",
+    )
+    begin, end = f"<{dsml}function_calls>\n", f"</{dsml}function_calls>"
+    return _triggered([begin.strip()], [_list_tag(begin, invokes, "", end, single)], single=True)
 
 
 def _kimi_k2(tools: list[Tool], single: bool) -> dict[str, Any]:
@@ -198,19 +219,19 @@ def _deepseek(version: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
 def _text_calls(
     tools: list[Tool],
     head: Callable[[str], str],
-    parameter: Callable[[str], str],
+    parameter: Callable[[str, Any], str],
     parameter_end: str,
     tail: str,
 ) -> list[dict[str, Any]]:
     """Each tool's call whose parameters are written as text: `head(NAME)`, each parameter
-    between `parameter(KEY)` and `parameter_end`, then `tail`."""
+    between `parameter(KEY, its schema)` and `parameter_end`, then `tail`."""
     return [
         _element(head(tool.function.name), _text_parameters(tool, parameter, parameter_end), tail)
         for tool in tools
     ]
 
 
-def _text_parameters(tool: Tool, begin: Callable[[str], str], end: str) -> dict[str, Any]:
+def _text_parameters(tool: Tool, begin: Callable[[str, Any], str], end: str) -> dict[str, Any]:
     """A strict function's parameters written as text between `begin(KEY)` and `end`, in its
     schema's order, each required one once and each other at most once; any text for a
     function that is not strict."""
@@ -220,7 +241,7 @@ def _text_parameters(tool: Tool, begin: Callable[[str], str], end: str) -> dict[
     required = set(schema.get("required", []))
     elements = []
     for key, value in (schema.get("properties") or {}).items():
-        parameter = _element(begin(key), _xml_value(value), end)
+        parameter = _element(begin(key, value), _xml_value(value), end)
         elements.append(parameter if key in required else optional(parameter))
     return _sequence(*elements) if elements else NOTHING
 
@@ -267,6 +288,7 @@ FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "kimi_k2": _kimi_k2,
     "deepseek_v3": _deepseek("v3"),
     "deepseek_v31": _deepseek("v31"),
+    "deepseek_v32": _dsml,
     "longcat": _json_blocks("<longcat_tool_call>", "</longcat_tool_call>", ("arguments",)),
     "internlm": _json_blocks(
         "<|action_start|><|plugin|>", "<|action_end|>", ("parameters", "arguments")

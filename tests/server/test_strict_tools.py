@@ -338,6 +338,16 @@ def seed_call(name: str, *pairs: tuple[str, str]) -> str:
     return f"<seed:tool_call>\n<function={name}>\n{body}</function>\n</seed:tool_call>"
 
 
+def dsml_call(name: str, *parameters: tuple[str, str, str]) -> str:
+    """DeepSeek-V3.2's calls block of one call, each parameter `(key, string mark, value)`."""
+    body = "".join(
+        f'<｜DSML｜parameter name="{key}" string="{mark}">{value}</｜DSML｜parameter>\n'
+        for key, mark, value in parameters
+    )
+    invoke = f'<｜DSML｜invoke name="{name}">\n{body}</｜DSML｜invoke>\n'
+    return f"<｜DSML｜function_calls>\n{invoke}</｜DSML｜function_calls>"
+
+
 def json_call(name: str, arguments: str, key: str = "arguments") -> str:
     return f'{{"name": "{name}", "{key}": {arguments}}}'
 
@@ -377,6 +387,26 @@ NATIVE_CASES = [
     ("deepseek_v31", "Sure. " + deepseek_calls(("weather", OSLO), version="v31"), True, True),
     ("deepseek_v31", deepseek_calls(("weather", KELVIN), version="v31"), False, False),
     ("deepseek_v31", deepseek_calls(("time", '"no object"'), version="v31"), False, False),
+    (
+        "deepseek_v32",
+        "Sure. " + dsml_call("weather", ("city", "true", "Oslo"), ("unit", "true", "c")),
+        True,
+        True,
+    ),
+    (
+        "deepseek_v32",
+        dsml_call("weather", ("city", "true", "Oslo"), ("unit", "true", "k")),
+        False,
+        False,
+    ),
+    # A string is marked as one.
+    (
+        "deepseek_v32",
+        dsml_call("weather", ("city", "false", '"Oslo"'), ("unit", "true", "c")),
+        False,
+        False,
+    ),
+    ("deepseek_v32", dsml_call("news"), False, False),
     ("longcat", "Sure. " + longcat(json_call("weather", OSLO)), True, True),
     ("longcat", longcat(json_call("weather", KELVIN)), False, False),
     ("longcat", longcat(json_call("weather", OSLO), json_call("time", "{}")), True, False),
