@@ -1,20 +1,23 @@
-"""Tool calls read while their block is still arriving, so a stream hands out each call's name
-as soon as it is written and its arguments as they grow (as vLLM's parsers stream them).
+"""Tool calls read while they are still arriving, so a stream hands out each call as soon as it
+has begun in its format and its arguments as they grow (as vLLM's parsers stream them).
 
-A scanner reads one block's text in pieces and keeps the calls it has seen so far: a call once
-it has begun in its format, and of its arguments the text that cannot change, written as the whole
-block's reader (`server/call_formats.py`) writes them. When the block ends, `settle` chooses
-the calls it holds: the reader's where they go on from what was streamed, else the scanner's
-(a block that turned out malformed, or a reply cut short, keeps the calls that began). A block
-fed whole and one fed in pieces settle alike, so a stream and a whole reply agree.
+A scanner reads a block's (or a held reply's) text in pieces and keeps the calls it has seen so
+far: a call once it has begun in its format, and of its arguments the text that cannot change,
+written as the whole reader (`server/call_formats.py`) writes them. When the block ends,
+`settle` chooses the calls it holds: the reader's where they go on from what was streamed, else
+the scanner's (a block that turned out malformed, or a reply cut short, keeps the calls that
+began). A block fed whole and one fed in pieces settle alike, so a stream and a whole reply
+agree. `CallNumbers` turns the calls into OpenAI's `delta.tool_calls` entries.
 
-- `JsonCalls`: a `{"name", "arguments"}` object or a list of them (`hermes`, `internlm`,
-  `longcat`): an object's or a list's arguments stream as JSON.
-- `DelimitedCalls`: `BEGIN head SEP {...} END` calls (`kimi_k2`, `deepseek_v31`, and
-  `deepseek_v3` with the arguments fenced): a call once its arguments' JSON object begins, then
-  that object as it grows.
+- `JsonCalls`: `{"name", "arguments"}` objects or lists of them (`hermes`, `internlm`,
+  `longcat`, the `<tool_calls>` blocks, and the JSON whole-reply formats): a call once it is
+  named and its arguments' object begins, then that object as it grows.
+- `DelimitedCalls`: `BEGIN head SEP {...} END` calls (`kimi_k2`, `deepseek_v31`, Mistral's
+  `NAME[ARGS]{...}`, and `deepseek_v3` with the arguments fenced), the same way.
+- `HeldCalls`: the calls of a reply held whole until it ends (`llama3_json`, `mistral`, ...).
 
-Formats that write calls as elements of parameters are read by `server/call_elements.py`.
+Calls written as elements of parameters are read by `server/call_elements.py`, calls written
+as Python by `server/call_python.py`.
 """
 
 from __future__ import annotations
@@ -81,35 +84,29 @@ class CallNumbers:
     reply's earlier ones, announced once, then its arguments' new text."""
 
     _base: int = 0  # calls of the reply's earlier blocks
-    _sent: list[tuple[str, int]] = field(default_factory=list)  # id, arguments sent, per call
+    _sent: list[int] = field(default_factory=list)  # how much of each call's arguments is sent
 
     def entries(self, calls: list[PartialCall]) -> list[dict[str, Any]]:
+        """The entries that bring the client up to `calls` (the current block's so far)."""
         entries: list[dict[str, Any]] = []
         for number, call in enumerate(calls):
             index = self._base + number
             if number == len(self._sent):
-                call_id = call.id or new_call_id()
                 function = {"name": call.name, "arguments": call.arguments}
+                call_id = call.id or new_call_id()
                 entries.append(
                     {"index": index, "id": call_id, "type": "function", "function": function}
                 )
-                self._sent.append((call_id, len(call.arguments)))
-                continue
-            call_id, sent = self._sent[number]
-            if len(call.arguments) > sent:
-                entries.append({"index": index, "function": {"arguments": call.arguments[sent:]}})
-                self._sent[number] = (call_id, len(call.arguments))
+                self._sent.append(len(call.arguments))
+            elif len(call.arguments) > self._sent[number]:
+                more = call.arguments[self._sent[number] :]
+                entries.append({"index": index, "function": {"arguments": more}})
+                self._sent[number] = len(call.arguments)
         return entries
 
     def next_block(self) -> None:
         self._base += len(self._sent)
         self._sent = []
-
-    def whole(self, calls: Calls) -> list[dict[str, Any]]:
-        """list[dict[str, Any]] of whole calls, numbered after the earlier ones."""
-        entries = self.entries([_partial(call) for call in calls])
-        self.next_block()
-        return entries
 
 
 @dataclass(slots=True)
@@ -137,7 +134,7 @@ class JsonCalls:
     _writer: JsonWriter = field(default_factory=JsonWriter)
     _value: list[str] = field(default_factory=list)
     _begun: bool = False  # whether the value being read has its first character
-    _streams: bool = False  # whether it is arguments begun as an object or array
+    _streams: bool = False  # whether it is arguments begun as an object
 
     def feed(self, text: str) -> None:
         for char in text:
