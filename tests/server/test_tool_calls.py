@@ -9,12 +9,13 @@ import json
 import re
 
 import jsonschema
+import openai
 import pytest
 
 from server.call_array import assemble
 from server.settings import ServerSettings
 from tests.helpers import chat_tokenizer, tiny_llama, tiny_tokenizer
-from tests.server_utils import app_client, blocks_in_use, sse_events
+from tests.server_utils import app_client, blocks_in_use, live_server, sse_events
 
 # A chat template that renders tools, the calls an assistant made and tool results.
 TOOL_TEMPLATE = (
@@ -292,6 +293,35 @@ async def test_auto_reads_calls_out_of_the_text():
         [streamed] = assemble(entries)
         assert streamed["function"] == call["function"]
         assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_the_openai_sdk_assembles_calls_streamed_as_they_are_written():
+    """The OpenAI SDK's stream helper reads the pieces of a call as it reads OpenAI's own: the
+    argument deltas, then the call whole, the same as the reply not streamed."""
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="hermes")
+    long_output = (
+        'Sure. <tool_call>{"name": "weather", "arguments": {"city": "' + "Oslo " * 20 + '"}}'
+        "</tool_call>"
+    )
+    request = {**BASE, "tool_choice": "auto", "max_tokens": 300}
+    extra = {"structured_outputs": {"regex": re.escape(long_output)}}
+    async with live_server(settings, tokenizer=tool_tokenizer(), max_model_len=1024,
+                           model=tiny_llama(max_positions=1024)) as server:  # fmt: skip
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+        whole = await client.chat.completions.create(**request, extra_body=extra)
+        deltas = []
+        async with client.chat.completions.stream(**request, extra_body=extra) as stream:
+            async for event in stream:
+                if event.type == "tool_calls.function.arguments.delta":
+                    deltas.append(event.arguments_delta)
+            streamed = await stream.get_final_completion()
+    [call] = whole.choices[0].message.tool_calls or []
+    [again] = streamed.choices[0].message.tool_calls or []
+    assert again.function.name == call.function.name == "weather"
+    assert again.function.arguments == call.function.arguments
+    assert json.loads(call.function.arguments) == {"city": "Oslo " * 20}
+    assert len(deltas) > 5 and "".join(deltas) == call.function.arguments
+    assert streamed.choices[0].finish_reason == "tool_calls"
 
 
 async def test_without_a_parser_auto_returns_the_text():
