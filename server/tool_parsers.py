@@ -406,7 +406,7 @@ class WholeReplyReader:
     read: Callable[[str], Calls | None]
     held: HeldCalls
     _buffer: str = ""
-    _holding: bool | None = None  # None until the reply's first non-blank character
+    _holding: bool | None = None  # None until the reply's start shows whether it opens calls
 
     def feed(self, text: str) -> tuple[str, Entries]:
         if self._holding is False:
@@ -416,9 +416,9 @@ class WholeReplyReader:
         if not start:
             return "", []
         if self._holding is None:
-            self._holding = start.startswith(self.openers) or any(
-                opener.startswith(start) for opener in self.openers
-            )
+            if any(opener.startswith(start) and opener != start for opener in self.openers):
+                return "", []  # it may still open as calls: hold it until it shows
+            self._holding = start.startswith(self.openers)
             text = self._buffer  # all of the reply so far goes to the calls' reading
         if self._holding:
             return "", self.held.feed(text)

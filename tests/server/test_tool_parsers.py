@@ -263,6 +263,13 @@ def test_whole_reply_calls_stream_while_the_reply_is_held(parser) -> None:
     assert text.feed("Sunny ") == ("Sunny ", []) and text.feed("today.") == ("today.", [])
 
 
+@pytest.mark.parametrize("size", [1, 3, 9, 100])
+def test_a_reply_that_begins_like_calls_and_is_not_stays_text_in_any_pieces(size) -> None:
+    text = 'functools, {"name": "time", "arguments": {}} and so on.'
+    assert read_in_pieces("phi4_mini_json", text, size) == (text, [])
+    assert parse_calls("phi4_mini_json", text) == (text, [])
+
+
 def test_granite_and_phi4_templates_name_their_parsers() -> None:
     granite = "{%- if tools %}<|start_of_role|>available_tools<|end_of_role|>{%- endif %}"
     granite += "{{- '<|tool_call|>' + message.tool_calls | tojson }}"
