@@ -5,8 +5,8 @@ arguments that fit its `parameters` schema (others get any JSON object). With
 `parallel_tool_calls: false` the reply ends after its first call.
 
 Enforced as a structural tag (`engine.structured.structural_tag`) for the parsers whose calls
-are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`, `kimi_k2`,
-`deepseek_v3`, `deepseek_v31`, `longcat`, `internlm`, and `hunyuan_a13b`, `jamba` and
+are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`, `mistral`,
+`kimi_k2`, `deepseek_v3`, `deepseek_v31`, `longcat`, `internlm`, and `hunyuan_a13b`, `jamba` and
 `minimax`'s `<tool_calls>` blocks), and for those that write each parameter as text
 (`qwen3_coder`, `seed_oss`, `glm45`, `glm47`, `minimax_m2`, `deepseek_v32`: each value its
 schema's JSON, or raw text for a string, in the schema's order). For the others the calls are
@@ -176,6 +176,22 @@ def _dsml(tools: list[Tool], single: bool) -> dict[str, Any]:
     return _triggered([begin.strip()], [_list_tag(begin, invokes, "", end, single)], single=True)
 
 
+def _mistral(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """`[TOOL_CALLS]` and then the calls to the end of the reply: `NAME[ARGS]{...}` each after
+    its own `[TOOL_CALLS]` (Mistral's v11 tokenizers and later), or a JSON list of
+    `{"name", "arguments"}` objects (earlier ones)."""
+    named = [_tag(f"{tool.function.name}{call_formats.ARGS}", tool, "") for tool in tools]
+    calls = [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools]
+    forms = [
+        _list_tag(call_formats.TOOL_CALLS, named, call_formats.TOOL_CALLS, "", single),
+        *(
+            _list_tag(f"{call_formats.TOOL_CALLS}{space}[", calls, ", ", "]", single)
+            for space in ("", " ")
+        ),
+    ]
+    return _triggered([call_formats.TOOL_CALLS], forms, single=True)  # the calls end the reply
+
+
 def _kimi_k2(tools: list[Tool], single: bool) -> dict[str, Any]:
     """`<|tool_calls_section_begin|>` around `<|tool_call_begin|>functions.NAME:N
     <|tool_call_argument_begin|>{...}<|tool_call_end|>` calls, as Kimi K2 writes them."""
@@ -289,6 +305,7 @@ FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "deepseek_v3": _deepseek("v3"),
     "deepseek_v31": _deepseek("v31"),
     "deepseek_v32": _dsml,
+    "mistral": _mistral,
     "longcat": _json_blocks("<longcat_tool_call>", "</longcat_tool_call>", ("arguments",)),
     "internlm": _json_blocks(
         "<|action_start|><|plugin|>", "<|action_end|>", ("parameters", "arguments")
