@@ -495,3 +495,17 @@ async def test_a_model_whose_call_tags_are_special_tokens_makes_and_returns_a_va
     async with app_client(settings, model=model, tokenizer=tokenizer) as (client, _):
         _, call = await one_strict_call(client, pushed_into(opening))
         assert re.fullmatch(r"functions\.weather:[0-9]+", call["id"]), call["id"]
+
+
+async def test_a_mistral_model_makes_and_returns_a_valid_call():
+    """Mistral's `[TOOL_CALLS]` and `[ARGS]` are special tokens: pushed into `[TOOL_CALLS]`, a
+    random model writes one call in either of Mistral's forms, and it is read back whole."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.add_tokens(["[TOOL_CALLS]", "[ARGS]"], special_tokens=True)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    opening = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="mistral")
+    model = tiny_llama(vocab_size=len(tokenizer))
+    async with app_client(settings, model=model, tokenizer=tokenizer) as (client, _):
+        choice, _ = await one_strict_call(client, pushed_into(opening))
+        assert choice["message"]["content"] is None
