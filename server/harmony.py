@@ -30,8 +30,9 @@ from server.call_array import assemble
 from server.call_stream import CallNumbers, PartialCall
 
 MESSAGE, CHANNEL, START = "<|message|>", "<|channel|>", "<|start|>"
+CALL, CONSTRAIN = "<|call|>", "<|constrain|>"
 # What ends a message's body: the end of a turn, a call, the end of the reply.
-ENDS = ("<|end|>", "<|call|>", "<|return|>")
+ENDS = ("<|end|>", CALL, "<|return|>")
 # Where a structured output begins: the answer's body.
 FINAL = f"{CHANNEL}final{MESSAGE}"
 PARSER = "openai"

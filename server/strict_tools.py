@@ -6,12 +6,12 @@ arguments that fit its `parameters` schema (others get any JSON object). With
 
 Enforced as a structural tag (`engine.structured.structural_tag`) for the parsers whose calls
 are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`, `mistral`,
-`kimi_k2`, `deepseek_v3`, `deepseek_v31`, `longcat`, `internlm`, and `hunyuan_a13b`, `jamba` and
-`minimax`'s `<tool_calls>` blocks), and for those that write each parameter as text
-(`qwen3_coder`, `seed_oss`, `glm45`, `glm47`, `minimax_m2`, `deepseek_v32`: each value its
-schema's JSON, or raw text for a string, in the schema's order). For the others the calls are
-read as written. A reply that may open its own reasoning may do so first (its tags are tokens
-of their own that free text does not hold)."""
+`kimi_k2`, `deepseek_v3`, `deepseek_v31`, `longcat`, `internlm`, `hunyuan_a13b`, `jamba` and
+`minimax`'s `<tool_calls>` blocks, gpt-oss's Harmony messages to functions), and for those that
+write each parameter as text (`qwen3_coder`, `seed_oss`, `glm45`, `glm47`, `minimax_m2`,
+`deepseek_v32`: each value its schema's JSON, or raw text for a string, in the schema's order).
+For the others the calls are read as written. A reply that may open its own reasoning may do
+so first (its tags are tokens of their own that free text does not hold)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from typing import Any
 
 from engine.core.sampling_params import StructuredOutputs
 from server import call_formats
+from server.harmony import CALL, CHANNEL, CONSTRAIN, MESSAGE
+from server.harmony import PARSER as HARMONY
 from server.protocol import AllowedToolsChoice, ChatCompletionRequest, Tool
 from server.reasoning import ThoughtTags
 from server.structured import NOTHING, after_optional_thought, optional
@@ -192,6 +194,26 @@ def _mistral(tools: list[Tool], single: bool) -> dict[str, Any]:
     return _triggered([call_formats.TOOL_CALLS], forms, single=True)  # the calls end the reply
 
 
+# How gpt-oss's header goes on after a message's recipient: its channel where the recipient
+# came first, and the body's format.
+HARMONY_HEADERS = tuple(
+    channel + constraint + MESSAGE
+    for channel in ("", f"{CHANNEL}commentary")
+    for constraint in (f" {CONSTRAIN}json", " json", "")
+)
+
+
+def _harmony(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """gpt-oss's messages to `functions.NAME` (`to=functions.NAME` in a Harmony header, before
+    its channel or after it), the body the arguments, then `<|call|>`."""
+    header = {"type": "or", "elements": [_literal(rest) for rest in HARMONY_HEADERS]}
+    calls = [
+        _element(f"to=functions.{tool.function.name}", _sequence(header, _arguments(tool)), CALL)
+        for tool in tools
+    ]
+    return _triggered(["to=functions."], calls, single)
+
+
 def _kimi_k2(tools: list[Tool], single: bool) -> dict[str, Any]:
     """`<|tool_calls_section_begin|>` around `<|tool_call_begin|>functions.NAME:N
     <|tool_call_argument_begin|>{...}<|tool_call_end|>` calls, as Kimi K2 writes them."""
@@ -306,6 +328,7 @@ FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "deepseek_v31": _deepseek("v31"),
     "deepseek_v32": _dsml,
     "mistral": _mistral,
+    HARMONY: _harmony,
     "longcat": _json_blocks("<longcat_tool_call>", "</longcat_tool_call>", ("arguments",)),
     "internlm": _json_blocks(
         "<|action_start|><|plugin|>", "<|action_end|>", ("parameters", "arguments")

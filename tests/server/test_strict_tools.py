@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from engine.structured.compiler import GrammarCompiler
+from server.harmony import split_harmony
 from server.protocol import ChatCompletionRequest
 from server.reasoning import THINK
 from server.settings import ServerSettings
@@ -509,3 +510,32 @@ async def test_a_mistral_model_makes_and_returns_a_valid_call():
     async with app_client(settings, model=model, tokenizer=tokenizer) as (client, _):
         choice, _ = await one_strict_call(client, pushed_into(opening))
         assert choice["message"]["content"] is None
+
+
+ANALYSIS = "<|channel|>analysis<|message|>Call the tool.<|end|><|start|>assistant"
+HARMONY_CASES = [
+    (ANALYSIS + "<|channel|>commentary to=functions.weather <|constrain|>json<|message|>"
+     + OSLO + "<|call|>", True),
+    ("<|start|>assistant to=functions.weather<|channel|>commentary json<|message|>" + OSLO
+     + "<|call|>", True),
+    (ANALYSIS + "<|channel|>commentary to=functions.weather <|constrain|>json<|message|>"
+     + KELVIN + "<|call|>", False),
+    (ANALYSIS + "<|channel|>commentary to=functions.news <|constrain|>json<|message|>{}<|call|>",
+     False),
+    # A name that begins with a listed one is not that one.
+    (ANALYSIS + "<|channel|>commentary to=functions.weathers<|message|>{}<|call|>", False),
+    (ANALYSIS + "<|channel|>final<|message|>It is sunny.<|return|>", True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "allowed"), HARMONY_CASES)
+def test_harmony_calls_follow_the_schema(compiler, text: str, allowed: bool) -> None:
+    """gpt-oss's messages to functions: only listed ones, a strict function's body in its
+    schema, the header as gpt-oss writes it; what the format allows reads as the call."""
+    spec = strict_calls_format(request(True), "openai")
+    assert spec is not None
+    assert format_allows(compiler, spec, text) == allowed
+    if allowed and "functions." in text:
+        [call] = split_harmony(text)[2]
+        assert call["function"]["name"] == "weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
