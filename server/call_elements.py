@@ -201,12 +201,9 @@ class Elements(TagScanner):
 
     def _json(self) -> bool:
         text, ended = self._until(self.tags.function_end)
-        for char in text:
-            if self._writer.done or self._writer.failed:
-                break
-            self._write(self._writer.push(char)[0])
-            if len(self._call.arguments) > 1:  # a key, or the end: the object has begun well
-                self._show()
+        self._write_json(self._writer, text)
+        if self._call.size > 1:  # a key, or the end: the object has begun well
+            self._show()
         if ended:
             self._state = "between"
         return ended
@@ -275,7 +272,7 @@ class GlmCall(TagScanner):
         key = self._buffer[:end].strip()
         self._buffer = self._buffer[end + len(ARG_KEY_END) :]
         self._value = _Value(self._properties.get(key), trim=False)
-        opening = ("{" if self._call.arguments == "" else ", ") + json.dumps(key) + ": "
+        opening = ("{" if self._call.size == 0 else ", ") + json.dumps(key) + ": "
         self._write(opening + self._value.opening())
         self._state = "open"
         return True

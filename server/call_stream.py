@@ -39,12 +39,38 @@ FENCE, JSON_FENCE = "```", "```json"
 
 @dataclass(slots=True)
 class PartialCall:
-    """A call as far as it is known: its name, the start of its arguments' text, and its id
-    where the format writes one (Kimi's)."""
+    """A call as far as it is known: its name, the start of its arguments' text (kept in the
+    pieces it came in, `size` characters), and its id where the format writes one (Kimi's)."""
 
     name: str
-    arguments: str = ""
     id: str | None = None
+    size: int = 0
+    _pieces: list[str] = field(default_factory=list)
+
+    @classmethod
+    def whole(cls, name: str, arguments: str, call_id: str | None = None) -> PartialCall:
+        call = cls(name, call_id)
+        call.write(arguments)
+        return call
+
+    @property
+    def arguments(self) -> str:
+        return "".join(self._pieces)
+
+    def write(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+            self.size += len(text)
+
+    def since(self, start: int) -> str:
+        """The arguments' text from character `start` on (read from the last pieces back)."""
+        tail, at = [], self.size
+        for piece in reversed(self._pieces):
+            if at <= start:
+                break
+            at -= len(piece)
+            tail.append(piece[max(start - at, 0) :])
+        return "".join(reversed(tail))
 
 
 class BlockScanner(Protocol):
@@ -59,11 +85,12 @@ def settle(partial: list[PartialCall], whole: Calls | None) -> list[PartialCall]
     `partial` (what the scanner streamed), else `partial`, each with arguments at least `{}`."""
     if whole is not None and _goes_on(partial, whole):
         return [_partial(call) for call in whole]
-    return [PartialCall(call.name, call.arguments or "{}", call.id) for call in partial]
+    return [PartialCall.whole(call.name, call.arguments or "{}", call.id) for call in partial]
 
 
 def _partial(call: dict[str, Any]) -> PartialCall:
-    return PartialCall(call["function"]["name"], call["function"]["arguments"], call["id"])
+    function = call["function"]
+    return PartialCall.whole(function["name"], function["arguments"], call["id"])
 
 
 def _goes_on(partial: list[PartialCall], whole: Calls) -> bool:
@@ -97,11 +124,11 @@ class CallNumbers:
                 entries.append(
                     {"index": index, "id": call_id, "type": "function", "function": function}
                 )
-                self._sent.append(len(call.arguments))
-            elif len(call.arguments) > self._sent[number]:
-                more = call.arguments[self._sent[number] :]
+                self._sent.append(call.size)
+            elif call.size > self._sent[number]:
+                more = call.since(self._sent[number])
                 entries.append({"index": index, "function": {"arguments": more}})
-                self._sent[number] = len(call.arguments)
+                self._sent[number] = call.size
         return entries
 
     def next_block(self) -> None:
@@ -137,7 +164,16 @@ class JsonCalls:
     _streams: bool = False  # whether it is arguments begun as an object
 
     def feed(self, text: str) -> None:
-        for char in text:
+        at = 0
+        while at < len(text):
+            if self._state == "value" and self._streams:  # a string's plain run at once
+                written, end = self._writer.run(text, at)
+                if end > at:
+                    self._object.call.write(written)
+                    at = end
+                    continue
+            char = text[at]
+            at += 1
             if self._state == "value":
                 if self._value_char(char):
                     continue
@@ -192,7 +228,7 @@ class JsonCalls:
                 self._show(current.named)
         written, took = writer.push(char)
         if self._streams:
-            current.call.arguments += written
+            current.call.write(written)
         elif self._key == "name":
             self._value.append(written)
         if writer.failed:
@@ -245,7 +281,18 @@ class TagScanner:
             self._shown = True
 
     def _write(self, text: str) -> None:
-        self._call.arguments += text
+        self._call.write(text)
+
+    def _write_json(self, writer: JsonWriter, text: str) -> None:
+        """Feed `text` to `writer` until its value ends, writing what it writes into the call
+        (a string's plain runs at once)."""
+        at = 0
+        while at < len(text) and not (writer.done or writer.failed):
+            written, end = writer.run(text, at)
+            if end == at:
+                written, end = writer.push(text[at])[0], at + 1
+            self._write(written)
+            at = end
 
     def _step(self) -> bool:
         """Read what the buffer holds in the current state; whether to go on."""
@@ -352,17 +399,15 @@ class DelimitedCalls(TagScanner):
     def _arguments(self, text: str) -> None:
         """The call once its arguments begin as an object (anything else is not a call in the
         format), then their text as it grows."""
-        for char in text:
-            if not self._shown:
-                if char in " \t\r\n":
-                    continue
-                if char != "{":
-                    self._state = "failed"
-                    return
-                self._show()
-            if self._writer.done or self._writer.failed:
+        if not self._shown:
+            text = text.lstrip()
+            if not text:
                 return
-            self._write(self._writer.push(char)[0])
+            if not text.startswith("{"):
+                self._state = "failed"
+                return
+            self._show()
+        self._write_json(self._writer, text)
 
 
 @dataclass(slots=True)

@@ -137,12 +137,12 @@ class HarmonyReader:
         """More of a call's body: blanks before it are not its, blanks after held until more
         follows them."""
         assert self._call is not None
-        if not self._call.arguments:
+        if self._call.size == 0:
             text = text.lstrip()
         text = self._blanks + text
         body = text.rstrip()
-        self._call.arguments += body
-        self._blanks = text[len(body) :] if self._call.arguments else ""
+        self._call.write(body)
+        self._blanks = text[len(body) :] if self._call.size else ""
 
     def _call_entries(self) -> list[dict[str, Any]]:
         return [] if self._call is None else self._numbers.entries([self._call])

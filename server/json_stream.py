@@ -10,6 +10,7 @@ A model's tool-call arguments stream through it while the text of the call is st
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -18,6 +19,7 @@ from server.json_text import MAX_DEPTH
 _SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r"}
 _SIMPLE_ESCAPES["t"] = "\t"
 _HEX = frozenset("0123456789abcdefABCDEF")
+_PLAIN = re.compile(r'[^"\\]+')
 _SCALAR_ENDS = frozenset(',]}:"[{ \t\r\n')
 
 
@@ -73,6 +75,16 @@ class JsonWriter:
             more, took = self._structural(char)
             return written + more, took
         return self._structural(char)
+
+    def run(self, text: str, at: int) -> tuple[str, int]:
+        """Inside a string value (no escape begun): its plain characters from `at` up to the next
+        quote or backslash, written at once, and where they end (`at` where there are none)."""
+        if not self._string or self._escape is not None or self._key is not None:
+            return "", at
+        plain = _PLAIN.match(text, at)
+        if plain is None:
+            return "", at
+        return escaped(plain.group()), plain.end()
 
     def _structural(self, char: str) -> tuple[str, bool]:
         if char in " \t\r\n":

@@ -405,28 +405,28 @@ class WholeReplyReader:
     openers: tuple[str, ...]
     read: Callable[[str], Calls | None]
     held: HeldCalls
-    _buffer: str = ""
+    _pieces: list[str] = field(default_factory=list)  # the reply held so far
+    _start: str = ""  # its start past blanks, while undecided
     _holding: bool | None = None  # None until the reply's start shows whether it opens calls
 
     def feed(self, text: str) -> tuple[str, Entries]:
         if self._holding is False:
             return text, []
-        self._buffer += text
-        start = self._buffer.lstrip()
-        if not start:
-            return "", []
+        self._pieces.append(text)
         if self._holding is None:
-            if any(opener.startswith(start) and opener != start for opener in self.openers):
+            self._start += text if self._start else text.lstrip()
+            start = self._start
+            if not start or any(o.startswith(start) and o != start for o in self.openers):
                 return "", []  # it may still open as calls: hold it until it shows
             self._holding = start.startswith(self.openers)
-            text = self._buffer  # all of the reply so far goes to the calls' reading
+            text = "".join(self._pieces)  # all of the reply so far goes to the calls' reading
         if self._holding:
             return "", self.held.feed(text)
-        released, self._buffer = self._buffer, ""
+        released, self._pieces = "".join(self._pieces), []
         return released, []
 
     def finish(self) -> tuple[str, Entries]:
-        text, self._buffer = self._buffer, ""
+        text, self._pieces = "".join(self._pieces), []
         if not self._holding:
             return text, []
         called, entries = self.held.end(self.read(text.strip()))
@@ -439,27 +439,28 @@ class MistralReader:
     reply, its calls streamed where `held` can, and reads it whole at the end."""
 
     held: HeldCalls
-    _buffer: str = ""
-    _calls: bool = False
+    _buffer: str = ""  # text that may begin the tag
+    _calls: list[str] | None = None  # the reply after the tag, once it has come
 
     def feed(self, text: str) -> tuple[str, Entries]:
-        self._buffer += text
-        if self._calls:
+        if self._calls is not None:
+            self._calls.append(text)
             return "", self.held.feed(text)
+        self._buffer += text
         start = self._buffer.find(TOOL_CALLS)
         if start >= 0:
-            content = self._buffer[:start]
-            self._buffer = self._buffer[start + len(TOOL_CALLS) :]
-            self._calls = True
-            return content, self.held.feed(self._buffer)
+            content, rest = self._buffer[:start], self._buffer[start + len(TOOL_CALLS) :]
+            self._buffer, self._calls = "", [rest]
+            return content, self.held.feed(rest)
         keep = partial_tag(self._buffer, TOOL_CALLS)
         content = self._buffer[: len(self._buffer) - keep]
         self._buffer = self._buffer[len(self._buffer) - keep :]
         return content, []
 
     def finish(self) -> tuple[str, Entries]:
-        text, self._buffer = self._buffer, ""
-        if not self._calls:
+        if self._calls is None:
+            text, self._buffer = self._buffer, ""
             return text, []
+        text, self._calls = "".join(self._calls), None
         called, entries = self.held.end(formats.mistral(text.strip()))
         return ("", entries) if called else (TOOL_CALLS + text, [])
