@@ -11,8 +11,9 @@ from __future__ import annotations
 import ast
 import json
 import re
+import warnings
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
 
 from server import json_text
 from server.tools import tool_call
@@ -20,6 +21,13 @@ from server.tools import tool_call
 Calls = list[dict[str, Any]]
 # The JSON schemas of the request's tools' parameters, by tool name.
 Schemas = dict[str, dict[str, Any]]
+
+
+class BlockReader(Protocol):
+    """A format's reading of one block (or one whole reply) of calls."""
+
+    def __call__(self, text: str, /, schemas: Schemas | None = None) -> Calls | None: ...
+
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -399,9 +407,13 @@ def python_json(node: ast.expr, json_names: bool = False) -> str | None:
 
 
 def python_expression(text: str) -> ast.expr | None:
-    """`text` parsed as one Python expression; None where it is not one."""
+    """`text` parsed as one Python expression; None where it is not one. (Python's warnings
+    about the text, `1f` being an odd number say, are the model's, not the server's: none is
+    printed.)"""
     try:
-        return ast.parse(text, mode="eval").body
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SyntaxWarning)
+            return ast.parse(text, mode="eval").body
     except (*PYTHON_TOO_DEEP, SyntaxError, ValueError):
         return None
 

@@ -17,7 +17,7 @@ agree. `CallNumbers` turns the calls into OpenAI's `delta.tool_calls` entries.
 - `HeldCalls`: the calls of a reply held whole until it ends (`llama3_json`, `mistral`, ...).
 
 Calls written as elements of parameters are read by `server/call_elements.py`, calls written
-as Python by `server/call_python.py`.
+as Python by `server/call_python.py`, Gemma's call syntax by `server/call_gemma.py`.
 """
 
 from __future__ import annotations

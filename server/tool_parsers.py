@@ -1,8 +1,8 @@
 """Reading tool calls out of a model's free text (`tool_choice: "auto"`), in the format its chat
 template teaches (`--tool-call-parser`, vLLM's names; `server/call_formats.py` reads each
 format's calls). Calls stream as they are written (`server/call_stream.py`,
-`server/call_elements.py`, `server/call_python.py`): each call once it has begun in its format,
-then its arguments as they grow.
+`server/call_elements.py`, `server/call_python.py`, `server/call_gemma.py`): each call once it
+has begun in its format, then its arguments as they grow.
 
 - Calls between tags, text around them content. The streaming reader holds back text that may
   be the start of a tag until it is known not to be. A block the reply leaves open is read as
@@ -26,7 +26,11 @@ then its arguments as they grow.
     call object per line.
   - `internlm`: `<|action_start|><|plugin|>` ... `<|action_end|>` around one JSON call
     (InternLM 2.5); `longcat`: `<longcat_tool_call>` around one (LongCat-Flash).
-  - `olmo3`: `<function_calls>` around one Python call per line (OLMo 3).
+  - `olmo3`: `<function_calls>` around one Python call per line (OLMo 3); `lfm2`:
+    `<|tool_call_start|>` around a Python list of calls (LFM2).
+  - `gemma4`: `<|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|>`, Gemma 4's own syntax;
+    `functiongemma`: the same between `<start_function_call>` and `<end_function_call>`, its
+    strings between `<escape>` (`server/call_gemma.py`).
 - Calls that are the whole reply, held from its first character until it ends, then read
   (any other reply is content, streamed as it comes):
   - `llama3_json`: one or more `{"name": ..., "parameters": {...}}` objects (after an optional
@@ -73,9 +77,11 @@ from server.call_formats import (
     PYTHON_START,
     PYTHON_TAG,
     TOOL_CALLS,
+    BlockReader,
     Calls,
     Schemas,
 )
+from server.call_gemma import FUNCTIONGEMMA_STRING, GEMMA4_STRING, GemmaCalls, gemma_reader
 from server.call_python import PythonCalls
 from server.call_stream import (
     BlockScanner,
@@ -87,12 +93,6 @@ from server.call_stream import (
     partial_tag,
     settle,
 )
-
-
-class BlockReader(Protocol):
-    """A format's reading of one block (or one whole reply) of calls."""
-
-    def __call__(self, text: str, /, schemas: Schemas | None = None) -> Calls | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +187,26 @@ FORMATS: dict[str, Tagged | WholeReply] = {
     "longcat": Tagged(
         "<longcat_tool_call>", "</longcat_tool_call>", formats.json_block, scan=json_calls
     ),
+    "gemma4": Tagged(
+        "<|tool_call>",
+        "<tool_call|>",
+        gemma_reader(GEMMA4_STRING),
+        (GEMMA4_STRING,),
+        scan=lambda _schemas: GemmaCalls(quote=GEMMA4_STRING),
+    ),
+    "functiongemma": Tagged(
+        "<start_function_call>",
+        "<end_function_call>",
+        gemma_reader(FUNCTIONGEMMA_STRING),
+        (FUNCTIONGEMMA_STRING,),
+        scan=lambda _schemas: GemmaCalls(quote=FUNCTIONGEMMA_STRING),
+    ),
+    "lfm2": Tagged(
+        "<|tool_call_start|>",
+        "<|tool_call_end|>",
+        formats.pythonic,
+        scan=lambda _schemas: PythonCalls(),
+    ),
     "olmo3": Tagged(
         "<function_calls>",
         "</function_calls>",
@@ -209,6 +229,8 @@ ALIASES = {
     "llama4_pythonic": "pythonic",
     "qwen3_xml": "qwen3_coder",
     "ernie45": "hermes",
+    "granite4": "hermes",
+    "mimo": "qwen3_coder",
 }
 PARSERS = tuple(sorted({*FORMATS, "mistral", "openai", *ALIASES}))
 # Parsers whose tags are special tokens in every tokenizer that writes them.
@@ -225,6 +247,9 @@ TEMPLATE_TAGS = (
     ("<seed:tool_call>", "seed_oss"),
     ("<longcat_tool_call>", "longcat"),
     ("<|plugin|>", "internlm"),
+    ("<|tool_call>", "gemma4"),
+    ("<start_function_call>", "functiongemma"),
+    ("<|tool_call_start|>", "lfm2"),
     ("<function_calls>", "olmo3"),
     ("<tool_calls>", "hunyuan_a13b"),
     (ARG_KEY, "glm45"),

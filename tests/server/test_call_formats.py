@@ -79,6 +79,13 @@ KIMI_UNNUMBERED = (
     "<|tool_call_end|><|tool_calls_section_end|>"
 )
 
+GEMMA4 = (
+    '<|tool_call>call:weather{city:<|"|>Oslo<|"|>,days:[1]}<tool_call|>'
+    "<|tool_call>call:time{zone:3}<tool_call|>"
+)
+FUNCTIONGEMMA = "<start_function_call>call:weather{city:<escape>Oslo<escape>}<end_function_call>"
+LFM2 = '<|tool_call_start|>[time(zone=3), weather(city="Oslo")]<|tool_call_end|>'
+
 CALLS = [
     ("glm45", "Let me look. " + GLM, "Let me look. ", [("weather", {"city": "42", "days": [1]})]),
     ("glm47", GLM_TIME, None, [TIME]),
@@ -104,6 +111,9 @@ CALLS = [
     ("ernie45", LONGCAT.replace("longcat_tool_call", "tool_call"), None, [TIME]),
     ("olmo3", OLMO3, None, [TIME, ("weather", {"city": "Oslo", "days": [1], "exact": True})]),
     ("xlam", XLAM, None, [TIME, OSLO]),
+    ("gemma4", "Sure. " + GEMMA4, "Sure. ", [("weather", {"city": "Oslo", "days": [1]}), TIME]),
+    ("functiongemma", FUNCTIONGEMMA, None, [OSLO]),
+    ("lfm2", "Checking. " + LFM2 + " Done.", "Checking.  Done.", [TIME, OSLO]),
     ("xlam", "```json\n" + XLAM + "\n```", None, [TIME, OSLO]),
 ]  # fmt: skip
 # Text in a format's tags that is not calls in it stays content, as written.
@@ -121,6 +131,8 @@ NOT_CALLS = [
     ("pythonic", '[weather(city=b"Oslo")]'),
     ("olmo3", "<function_calls>\ntime(zone=1j)\n</function_calls>"),
     ("xlam", "[1, 2]"),
+    ("gemma4", "<|tool_call>call:time zone{zone:3}<tool_call|>"),
+    ("lfm2", "<|tool_call_start|>time(zone=3)<|tool_call_end|>"),
     ("xlam", "It is sunny."),
 ]
 CASES = CALLS + [(parser, text, text, []) for parser, text in NOT_CALLS]
@@ -172,6 +184,10 @@ def test_kimi_calls_keep_the_id_the_model_wrote():
         ("<|action_start|><|plugin|>\n{{ call }}<|action_end|>", "internlm"),
         ("<longcat_tool_call>{{ call }}</longcat_tool_call>", "longcat"),
         ("<function_calls>{{ call }}</function_calls>", "olmo3"),
+        ("{{- '<|tool_call>call:' + name + '{' -}}", "gemma4"),
+        ("<start_function_call>call:{{ name }}{", "functiongemma"),
+        ("<|tool_call_start|>[{{ calls }}]<|tool_call_end|>", "lfm2"),
+        ("{{- '<|tool_call|>' + calls | tojson }}", "granite"),
         ("<tool_call>\n{{ call | tojson }}\n</tool_call>", "hermes"),
     ],
 )  # fmt: skip
@@ -224,6 +240,8 @@ FRAGMENTS = [
     "<function=f>", "</function>", "<parameter=a>", "<tool_calls>", "</tool_calls>",
     "<|action_start|><|plugin|>", "<|action_end|>", "<longcat_tool_call>", "</longcat_tool_call>",
     "<function_calls>", "</function_calls>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+    "<|tool_call>", "<tool_call|>", "call:f{", '<|"|>', "<start_function_call>",
+    "<end_function_call>", "<escape>", "<|tool_call_start|>", "a:", "[f(a=1)]",
     "functools", "```json", "```", "\n", " ", "{", "}", "[", "]", '"', ":", ",", "(", ")", "=",
     '{"name": "f", "arguments": {"a": 1}}', '{"a": 1}', "f(a=1)", "functions.f:0", "function",
     "f", "1", "true", "null", "-", "xxx",

@@ -310,7 +310,40 @@ DELIMITED_FORMATS = ["kimi_k2", "deepseek_v3", "deepseek_v31", "minimax"]
 WHOLE_REPLY_FORMATS = ["llama3_json", "granite", "phi4_mini_json", "xlam", "mistral"]
 
 
-PYTHON_FORMATS = ["pythonic", "olmo3"]
+PYTHON_FORMATS = ["pythonic", "olmo3", "lfm2"]
+GEMMA_FORMATS = ["gemma4", "functiongemma"]
+
+
+def gemma_value(value: Any, quote: str) -> str:
+    """`value` in Gemma's call syntax (bare keys, strings between `quote`s)."""
+    if isinstance(value, str):
+        return quote + value + quote
+    if isinstance(value, list):
+        return "[" + ",".join(gemma_value(item, quote) for item in value) + "]"
+    if isinstance(value, dict):
+        pairs = (f"{key}:{gemma_value(item, quote)}" for key, item in value.items())
+        return "{" + ",".join(pairs) + "}"
+    return json.dumps(value)
+
+
+def simple_keys(value: Any) -> Any:
+    """`value` with its objects' keys made plain names, as Gemma's bare keys are."""
+    if isinstance(value, list):
+        return [simple_keys(item) for item in value]
+    if isinstance(value, dict):
+        return {f"k{i}": simple_keys(item) for i, item in enumerate(value.values())}
+    return value
+
+
+def gemma_reply(parser: str, calls: list[tuple[str, dict]]) -> str:
+    quote, (open_, close) = (
+        ('<|"|>', ("<|tool_call>", "<tool_call|>"))
+        if parser == "gemma4"
+        else ("<escape>", ("<start_function_call>", "<end_function_call>"))
+    )
+    return "Sure. " + "".join(
+        f"{open_}call:{name}{gemma_value(arguments, quote)}{close}" for name, arguments in calls
+    )
 
 
 def python_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]]) -> str:
@@ -321,6 +354,8 @@ def python_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]])
     ]
     if parser == "olmo3":
         return "Sure.<function_calls>\n" + "\n".join(written) + "\n</function_calls>"
+    if parser == "lfm2":
+        return "Sure.<|tool_call_start|>[" + ", ".join(written) + "]<|tool_call_end|>"
     listed = "[" + rng.choice([", ", ",\n"]).join(written) + "]"
     return rng.choice([listed, f"<|python_start|>{listed}<|python_end|>"])
 
@@ -346,7 +381,14 @@ def whole_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]]) 
 @pytest.mark.parametrize("seed", range(30))
 @pytest.mark.parametrize(
     "parser",
-    ["hermes", *DELIMITED_FORMATS, *PARAMETER_FORMATS, *WHOLE_REPLY_FORMATS, *PYTHON_FORMATS],
+    [
+        "hermes",
+        *DELIMITED_FORMATS,
+        *PARAMETER_FORMATS,
+        *WHOLE_REPLY_FORMATS,
+        *PYTHON_FORMATS,
+        *GEMMA_FORMATS,
+    ],
 )
 def test_random_calls_cut_anywhere_stream_to_the_whole_replys_calls(parser: str, seed: int) -> None:
     rng = random.Random(seed)
@@ -365,6 +407,9 @@ def test_random_calls_cut_anywhere_stream_to_the_whole_replys_calls(parser: str,
     elif parser in PYTHON_FORMATS:  # keywords are names: the values as they came
         calls = [(name, {f"p{i}": v for i, v in enumerate(args.values())}) for name, args in calls]
         schemas, text = None, python_reply(rng, parser, calls)
+    elif parser in GEMMA_FORMATS:
+        calls = [(name, simple_keys(arguments)) for name, arguments in calls]
+        schemas, text = None, gemma_reply(parser, calls)
     elif parser in WHOLE_REPLY_FORMATS:
         schemas, text = None, whole_reply(rng, parser, calls)
     else:

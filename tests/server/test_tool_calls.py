@@ -431,8 +431,8 @@ async def test_a_mistral_parser_keeps_the_special_tokens_its_tag_is():
         assert call["function"] == {"name": "time", "arguments": '{"zone": 2}'}
 
 
-# The formats of GLM, Kimi K2, DeepSeek-V3.1, MiniMax-M2 and Seed-OSS, written by the random
-# model under a regex as those models write them.
+# The formats of GLM, Kimi K2, DeepSeek-V3.1, MiniMax-M2, Seed-OSS, Gemma 4 and LFM2, written by
+# the random model under a regex as those models write them.
 NATIVE_OUTPUTS = {
     "glm45": "<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
     "<arg_key>unit</arg_key>\n<arg_value>c</arg_value>\n</tool_call>",
@@ -445,6 +445,8 @@ NATIVE_OUTPUTS = {
     '</parameter>\n<parameter name="unit">c</parameter>\n</invoke>\n</minimax:tool_call>',
     "seed_oss": "<seed:tool_call>\n<function=weather>\n<parameter=city>Oslo</parameter>\n"
     "<parameter=unit>c</parameter>\n</function>\n</seed:tool_call>",
+    "gemma4": '<|tool_call>call:weather{city:<|"|>Oslo<|"|>,unit:<|"|>c<|"|>}<tool_call|>',
+    "lfm2": '<|tool_call_start|>[weather(city="Oslo", unit="c")]<|tool_call_end|>',
 }
 
 
