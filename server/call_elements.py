@@ -23,6 +23,10 @@ from server.call_formats import (
     DSML,
     FUNCTION,
     PARAMETER,
+    STEP3_CALL,
+    STEP3_CALL_END,
+    STEP3_SEP,
+    STEPTML,
     Schemas,
     glm_name,
     is_text,
@@ -122,12 +126,13 @@ FUNCTION_ELEMENTS = ElementTags(
 )
 
 
-def invoke_elements(prefix: str) -> ElementTags:
+def invoke_elements(prefix: str, before: str = "", after: str = "") -> ElementTags:
     """MiniMax-M2's `<invoke name="NAME">` of `<parameter name="KEY">` elements, or with a
-    prefix after each `<` (DeepSeek-V3.2's `｜DSML｜`)."""
+    prefix after each `<` (DeepSeek-V3.2's `｜DSML｜`, Step3's `steptml:`), each invoke
+    after `before` and before `after` (Step3's call tags)."""
     return ElementTags(
-        f'<{prefix}invoke name="',
-        f"</{prefix}invoke>",
+        f'{before}<{prefix}invoke name="',
+        f"</{prefix}invoke>{after}",
         f'<{prefix}parameter name="',
         f"</{prefix}parameter>",
         _quoted,
@@ -137,6 +142,7 @@ def invoke_elements(prefix: str) -> ElementTags:
 
 
 INVOKES, DSML_INVOKES = invoke_elements(""), invoke_elements(DSML)
+STEP3_INVOKES = invoke_elements(STEPTML, f"{STEP3_CALL}function{STEP3_SEP}", STEP3_CALL_END)
 
 
 @dataclass(slots=True)

@@ -48,6 +48,12 @@ DEEPSEEK_CALL, DEEPSEEK_SEP, DEEPSEEK_CALL_END = (
     "<｜tool▁call▁end｜>",
 )
 
+STEP3_CALL, STEP3_SEP, STEP3_CALL_END = (
+    "<｜tool_call_begin｜>",
+    "<｜tool_sep｜>",
+    "<｜tool_call_end｜>",
+)
+STEPTML = "steptml:"
 # DeepSeek-V3.2's prefix of its call tags (`<｜DSML｜invoke ...>`).
 DSML = "｜DSML｜"
 _FENCED_JSON = re.compile(r"\A```(?:json)?\s*(.*?)\s*```\Z", re.DOTALL)
@@ -256,6 +262,18 @@ def marked_schema(string: str, schema: Any) -> Any:
     """The schema of a parameter marked `string="true"` (text) or `string="false"` (JSON), or
     unmarked (`""`: the tool's schema for it)."""
     return {"type": "string"} if string == "true" else None if string else schema
+
+
+def step3(body: str, schemas: Schemas | None = None) -> Calls | None:
+    """`<｜tool_call_begin｜>function<｜tool_sep｜>` before each `<steptml:invoke name="NAME">`
+    element of `<steptml:parameter name="KEY">` elements, `<｜tool_call_end｜>` after it (Step3's
+    calls)."""
+    invokes = []
+    for kind, invoke in _delimited(body, STEP3_CALL, STEP3_SEP, STEP3_CALL_END) or []:
+        if kind != "function":
+            return None
+        invokes.append(invoke)
+    return _invokes("\n".join(invokes), schemas, STEPTML) if invokes else None
 
 
 def kimi(body: str, schemas: Schemas | None = None) -> Calls | None:

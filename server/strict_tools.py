@@ -9,9 +9,9 @@ are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`,
 `kimi_k2`, `deepseek_v3`, `deepseek_v31`, `longcat`, `internlm`, `hunyuan_a13b`, `jamba` and
 `minimax`'s `<tool_calls>` blocks, gpt-oss's Harmony messages to functions), and for those that
 write each parameter as text (`qwen3_coder`, `seed_oss`, `glm45`, `glm47`, `minimax_m2`,
-`deepseek_v32`: each value its schema's JSON, or raw text for a string, in the schema's order).
-For the others the calls are read as written. A reply that may open its own reasoning may do
-so first (its tags are tokens of their own that free text does not hold)."""
+`deepseek_v32`, `step3`: each value its schema's JSON, or raw text for a string, in the
+schema's order). For the others the calls are read as written. A reply that may open its own
+reasoning may do so first (its tags are tokens of their own that free text does not hold)."""
 
 from __future__ import annotations
 
@@ -155,6 +155,22 @@ def _minimax_m2(tools: list[Tool], single: bool) -> dict[str, Any]:
     )
     section = _list_tag("<minimax:tool_call>\n", invokes, "", "</minimax:tool_call>", single)
     return _triggered(["<minimax:tool_call>"], [section], single=True)
+
+
+def _step3(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """`<｜tool_calls_begin｜>` around calls, each `<｜tool_call_begin｜>function<｜tool_sep｜>`,
+    a `<steptml:invoke name="NAME">` element of `<steptml:parameter name="KEY">VALUE
+    </steptml:parameter>` elements, then `<｜tool_call_end｜>`, as Step3 writes them."""
+    head = f"{call_formats.STEP3_CALL}function{call_formats.STEP3_SEP}"
+    invokes = _text_calls(
+        tools,
+        lambda name: f'{head}<steptml:invoke name="{name}">',
+        lambda key, _schema: f'<steptml:parameter name="{key}">',
+        "</steptml:parameter>",
+        f"</steptml:invoke>{call_formats.STEP3_CALL_END}",
+    )
+    begin, end = "<｜tool_calls_begin｜>", "<｜tool_calls_end｜>"
+    return _triggered([begin], [_list_tag(begin, invokes, "", end, single)], single=True)
 
 
 def _dsml(tools: list[Tool], single: bool) -> dict[str, Any]:
@@ -327,6 +343,7 @@ FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "deepseek_v3": _deepseek("v3"),
     "deepseek_v31": _deepseek("v31"),
     "deepseek_v32": _dsml,
+    "step3": _step3,
     "mistral": _mistral,
     HARMONY: _harmony,
     "longcat": _json_blocks("<longcat_tool_call>", "</longcat_tool_call>", ("arguments",)),

@@ -28,6 +28,8 @@ has begun in its format, then its arguments as they grow.
     (InternLM 2.5); `longcat`: `<longcat_tool_call>` around one (LongCat-Flash).
   - `olmo3`: `<function_calls>` around one Python call per line (OLMo 3); `lfm2`:
     `<|tool_call_start|>` around a Python list of calls (LFM2).
+  - `step3`: `<｜tool_calls_begin｜>` around calls of `<steptml:invoke name=...>` elements,
+    each after `<｜tool_call_begin｜>function<｜tool_sep｜>` (Step3).
   - `gemma4`: `<|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|>`, Gemma 4's own syntax;
     `functiongemma`: the same between `<start_function_call>` and `<end_function_call>`, its
     strings between `<escape>` (`server/call_gemma.py`).
@@ -57,7 +59,14 @@ from typing import Any, Protocol
 
 from server import call_formats as formats
 from server.call_array import assemble
-from server.call_elements import DSML_INVOKES, FUNCTION_ELEMENTS, INVOKES, Elements, GlmCall
+from server.call_elements import (
+    DSML_INVOKES,
+    FUNCTION_ELEMENTS,
+    INVOKES,
+    STEP3_INVOKES,
+    Elements,
+    GlmCall,
+)
 from server.call_formats import (
     ARG_KEY,
     CLOSE,
@@ -178,6 +187,13 @@ FORMATS: dict[str, Tagged | WholeReply] = {
         (DSML,),
         scan=lambda schemas: Elements(DSML_INVOKES, schemas),
     ),
+    "step3": Tagged(
+        "<｜tool_calls_begin｜>",
+        "<｜tool_calls_end｜>",
+        formats.step3,
+        (formats.STEP3_CALL, formats.STEP3_SEP, formats.STEP3_CALL_END),
+        scan=lambda schemas: Elements(STEP3_INVOKES, schemas),
+    ),
     "hunyuan_a13b": TOOL_CALLS_BLOCK,
     "jamba": TOOL_CALLS_BLOCK,
     "minimax": TOOL_CALLS_BLOCK,
@@ -250,6 +266,7 @@ TEMPLATE_TAGS = (
     ("<|tool_call>", "gemma4"),
     ("<start_function_call>", "functiongemma"),
     ("<|tool_call_start|>", "lfm2"),
+    ("<steptml:invoke", "step3"),
     ("<function_calls>", "olmo3"),
     ("<tool_calls>", "hunyuan_a13b"),
     (ARG_KEY, "glm45"),

@@ -84,6 +84,13 @@ GEMMA4 = (
     "<|tool_call>call:time{zone:3}<tool_call|>"
 )
 FUNCTIONGEMMA = "<start_function_call>call:weather{city:<escape>Oslo<escape>}<end_function_call>"
+STEP3 = (
+    "<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜>"
+    '<steptml:invoke name="weather"><steptml:parameter name="city">Oslo</steptml:parameter>'
+    "</steptml:invoke><｜tool_call_end｜><｜tool_call_begin｜>function<｜tool_sep｜>"
+    '<steptml:invoke name="time"><steptml:parameter name="zone">3</steptml:parameter>'
+    "</steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>"
+)
 LFM2 = '<|tool_call_start|>[time(zone=3), weather(city="Oslo")]<|tool_call_end|>'
 
 CALLS = [
@@ -113,6 +120,7 @@ CALLS = [
     ("xlam", XLAM, None, [TIME, OSLO]),
     ("gemma4", "Sure. " + GEMMA4, "Sure. ", [("weather", {"city": "Oslo", "days": [1]}), TIME]),
     ("functiongemma", FUNCTIONGEMMA, None, [OSLO]),
+    ("step3", "Sure. " + STEP3, "Sure. ", [OSLO, TIME]),
     ("lfm2", "Checking. " + LFM2 + " Done.", "Checking.  Done.", [TIME, OSLO]),
     ("xlam", "```json\n" + XLAM + "\n```", None, [TIME, OSLO]),
 ]  # fmt: skip
@@ -133,6 +141,7 @@ NOT_CALLS = [
     ("xlam", "[1, 2]"),
     ("gemma4", "<|tool_call>call:time zone{zone:3}<tool_call|>"),
     ("lfm2", "<|tool_call_start|>time(zone=3)<|tool_call_end|>"),
+    ("step3", STEP3.replace("function<｜tool_sep｜>", "call<｜tool_sep｜>")),
     ("xlam", "It is sunny."),
 ]
 CASES = CALLS + [(parser, text, text, []) for parser, text in NOT_CALLS]
@@ -187,6 +196,7 @@ def test_kimi_calls_keep_the_id_the_model_wrote():
         ("{{- '<|tool_call>call:' + name + '{' -}}", "gemma4"),
         ("<start_function_call>call:{{ name }}{", "functiongemma"),
         ("<|tool_call_start|>[{{ calls }}]<|tool_call_end|>", "lfm2"),
+        ('<｜tool_sep｜><steptml:invoke name="{{ name }}">', "step3"),
         ("{{- '<|tool_call|>' + calls | tojson }}", "granite"),
         ("<tool_call>\n{{ call | tojson }}\n</tool_call>", "hermes"),
     ],
@@ -242,6 +252,8 @@ FRAGMENTS = [
     "<function_calls>", "</function_calls>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
     "<|tool_call>", "<tool_call|>", "call:f{", '<|"|>', "<start_function_call>",
     "<end_function_call>", "<escape>", "<|tool_call_start|>", "a:", "[f(a=1)]",
+    "<｜tool_calls_begin｜>", "<｜tool_call_begin｜>", '<steptml:invoke name="f">',
+    "</steptml:invoke>", '<steptml:parameter name="a">', "</steptml:parameter>",
     "functools", "```json", "```", "\n", " ", "{", "}", "[", "]", '"', ":", ",", "(", ")", "=",
     '{"name": "f", "arguments": {"a": 1}}', '{"a": 1}', "f(a=1)", "functions.f:0", "function",
     "f", "1", "true", "null", "-", "xxx",

@@ -254,6 +254,16 @@ def parameters_reply(rng: random.Random, parser: str, calls: list[tuple[str, dic
                 for k, v in items
             )
             blocks.append(f"<tool_call>{name}{gap}{inner}</tool_call>")
+        elif parser == "step3":
+            inner = "".join(
+                f'<steptml:parameter name="{k}">\n{value(k, v)}\n</steptml:parameter>'
+                for k, v in items
+            )
+            blocks.append(
+                "<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜>"
+                f'<steptml:invoke name="{name}">{inner}</steptml:invoke><｜tool_call_end｜>'
+                "<｜tool_calls_end｜>"
+            )
         else:
             prefix = "｜DSML｜" if parser == "deepseek_v32" else ""
             if prefix and rng.random() < 0.3:  # the arguments' JSON object as the body
@@ -269,7 +279,15 @@ def parameters_reply(rng: random.Random, parser: str, calls: list[tuple[str, dic
     return "Sure.\n" + "\n".join(blocks)
 
 
-PARAMETER_FORMATS = ["qwen3_coder", "seed_oss", "glm45", "glm47", "minimax_m2", "deepseek_v32"]
+PARAMETER_FORMATS = [
+    "qwen3_coder",
+    "seed_oss",
+    "glm45",
+    "glm47",
+    "minimax_m2",
+    "deepseek_v32",
+    "step3",
+]
 
 
 def delimited_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict]]) -> str:

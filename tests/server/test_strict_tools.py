@@ -349,6 +349,15 @@ def dsml_call(name: str, *parameters: tuple[str, str, str]) -> str:
     return f"<｜DSML｜function_calls>\n{invoke}</｜DSML｜function_calls>"
 
 
+def step3_call(name: str, *pairs: tuple[str, str]) -> str:
+    body = "".join(f'<steptml:parameter name="{k}">{v}</steptml:parameter>' for k, v in pairs)
+    return (
+        "<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜>"
+        f'<steptml:invoke name="{name}">{body}</steptml:invoke><｜tool_call_end｜>'
+        "<｜tool_calls_end｜>"
+    )
+
+
 def json_call(name: str, arguments: str, key: str = "arguments") -> str:
     return f'{{"name": "{name}", "{key}": {arguments}}}'
 
@@ -421,6 +430,9 @@ NATIVE_CASES = [
         False,
     ),
     ("mistral", f"[TOOL_CALLS][{json_call('weather', KELVIN)}]", False, False),
+    ("step3", "Sure. " + step3_call("weather", *OSLO_PAIRS), True, True),
+    ("step3", step3_call("weather", ("city", "Oslo"), ("unit", "k")), False, False),
+    ("step3", step3_call("news", ("q", "x")), False, False),
     ("longcat", "Sure. " + longcat(json_call("weather", OSLO)), True, True),
     ("longcat", longcat(json_call("weather", KELVIN)), False, False),
     ("longcat", longcat(json_call("weather", OSLO), json_call("time", "{}")), True, False),
