@@ -1,7 +1,8 @@
 """Tool calls written as elements of parameter elements, read while they arrive (see
 `server/call_stream.py`): Qwen3-Coder's and Seed-OSS's `<function=NAME>` of `<parameter=KEY>`
-elements, MiniMax-M2's and DeepSeek-V3.2's `<invoke name="NAME">` of `<parameter name="KEY">`
-elements, and GLM's `NAME` of `<arg_key>` / `<arg_value>` pairs.
+elements, MiniMax-M2's, DeepSeek-V3.2's and Step3's `<invoke name="NAME">` of `<parameter
+name="KEY">` elements (with their prefixes), and GLM's `NAME` of `<arg_key>` / `<arg_value>`
+pairs.
 
 A call shows once its first parameter (or the end of its element) is written; each parameter
 goes into the arguments once its key is written, a value the schema types as a string as its
