@@ -20,6 +20,7 @@ from typing import Any
 from server.call_formats import BlockReader, Calls, Schemas
 from server.call_stream import PartialCall, TagScanner, partial_tag
 from server.json_stream import escaped
+from server.json_text import MAX_DEPTH
 from server.tools import tool_call
 
 CALL = "call:"
@@ -66,9 +67,12 @@ class GemmaCalls(TagScanner):
         self._begin(PartialCall(name))
         self._show()  # `call:NAME{`: the call has begun
         self._open("{")
-        return True
+        return self._state != "failed"
 
     def _open(self, bracket: str) -> None:
+        if len(self._stack) >= MAX_DEPTH:  # deeper than JSON is read back anywhere
+            self._state = "failed"
+            return
         self._stack.append(bracket)
         self._write(bracket)
         self._first, self._state = True, "key" if bracket == "{" else "value"
@@ -107,7 +111,7 @@ class GemmaCalls(TagScanner):
             self._buffer = buffer[1:]
             self._write(separator)
             self._open(buffer[0])
-            return True
+            return self._state != "failed"
         end = _BARE_ENDS.search(buffer)
         if end is None:
             return False

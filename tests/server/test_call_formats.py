@@ -225,6 +225,14 @@ def test_a_parser_keeps_special_tokens_where_its_tags_are_special_tokens():
     assert not keeps_special_tokens(None, tiny_tokenizer())
 
 
+def test_gemma_calls_nested_past_reading_keep_what_was_read():
+    """Gemma's syntax nested deeper than JSON is read back anywhere stops being read there."""
+    text = "<|tool_call>call:f{" + "a:{" * 300 + "b:1" + "}" * 301 + "<tool_call|>"
+    _, [call] = parse_calls("gemma4", text)
+    arguments = call["function"]["arguments"]
+    assert arguments.count("{") == 256 and json_or_its_start(arguments)
+
+
 @pytest.mark.parametrize(
     "nested",
     ["-" * 20000 + "1", "not " * 20000 + "1", "1+" * 20000 + "1", "a" + ".a" * 20000],
