@@ -16,6 +16,7 @@ from engine.core.sampling_params import SamplingParams, ThoughtBudget
 from engine.lora.registry import LoRARequest
 from server import beam_search
 from server.call_array import CallArrayReader
+from server.call_readers import CallReader
 from server.content_format import content_format
 from server.harmony import FINAL, HarmonyReader, is_harmony, split_harmony
 from server.harmony import PARSER as HARMONY
@@ -58,13 +59,7 @@ from server.tokenization import (
     messages_size,
     off_the_loop_if_large,
 )
-from server.tool_parsers import (
-    CallReader,
-    keeps_special_tokens,
-    parse_calls,
-    parser_for,
-    reader_for,
-)
+from server.tool_parsers import keeps_special_tokens, parse_calls, parser_for, reader_for
 from server.tool_prompt import WRITTEN_TOOLS_PARSER, renders_tools
 from server.tools import (
     ForcedCalls,

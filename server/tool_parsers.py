@@ -4,9 +4,9 @@ format's calls). Calls stream as they are written (`server/call_stream.py`,
 `server/call_elements.py`, `server/call_python.py`, `server/call_gemma.py`): each call once it
 has begun in its format, then its arguments as they grow.
 
-- Calls between tags, text around them content. The streaming reader holds back text that may
-  be the start of a tag until it is known not to be. A block the reply leaves open is read as
-  if it closed there.
+- Calls between tags, text around them content. The streaming reader (`server/call_readers.py`)
+  holds back text that may be the start of a tag until it is known not to be. A block the reply
+  leaves open is read as if it closed there.
   - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Qwen2.5, Qwen3 and
     ERNIE 4.5 (`ernie45`) write them (a block may also hold a list of such objects, as SmolLM2
     writes them).
@@ -53,9 +53,9 @@ its text, which the tags must be in to be read.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Any, Protocol
+from typing import Any
 
 from server import call_formats as formats
 from server.call_array import assemble
@@ -92,16 +92,13 @@ from server.call_formats import (
 )
 from server.call_gemma import FUNCTIONGEMMA_STRING, GEMMA4_STRING, GemmaCalls, gemma_reader
 from server.call_python import PythonCalls
-from server.call_stream import (
-    BlockScanner,
-    CallNumbers,
-    DelimitedCalls,
-    HeldCalls,
-    JsonCalls,
-    MistralCalls,
-    partial_tag,
-    settle,
+from server.call_readers import (
+    CallReader,
+    MistralReader,
+    TaggedReader,
+    WholeReplyReader,
 )
+from server.call_stream import BlockScanner, DelimitedCalls, HeldCalls, JsonCalls, MistralCalls
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,17 +270,6 @@ TEMPLATE_TAGS = (
 )
 
 
-# OpenAI's `delta.tool_calls` entries: a call's first carries its `index`, `id`, `type` and
-# `function` (`name` and the start of its `arguments`), later ones more of its arguments.
-Entries = list[dict[str, Any]]
-
-
-class CallReader(Protocol):
-    def feed(self, text: str) -> tuple[str, Entries]: ...
-
-    def finish(self) -> tuple[str, Entries]: ...
-
-
 def parser_for(name: str | None, chat_template: str | None) -> str | None:
     """The parser `--tool-call-parser` names, else the one the chat template's own tags show,
     else None (calls are not read from free text)."""
@@ -351,158 +337,3 @@ def parse_calls(parser: str, text: str, schemas: Schemas | None = None) -> tuple
     rest, more = reader.finish()
     content += rest
     return (content if content.strip() else None), assemble(entries + more)
-
-
-@dataclass(slots=True)
-class TaggedReader:
-    """Reads calls between `open` and `close` tags out of text arriving in pieces cut anywhere;
-    `read` reads one block's calls (None: not calls, and the block stays text). With `scan`, a
-    block's calls stream as it arrives (`server/call_stream.py`), else each whole once its
-    block closes."""
-
-    open: str
-    close: str
-    read: Callable[[str], Calls | None]
-    scan: Callable[[], BlockScanner] | None = None
-    _buffer: str = ""
-    _in_call: bool = False
-    _body: list[str] = field(default_factory=list)  # the open block's text so far
-    _scanner: BlockScanner | None = None
-    _calls: CallNumbers = field(default_factory=CallNumbers)
-
-    def feed(self, text: str) -> tuple[str, Entries]:
-        """Content that can be shown now, and the tool-call entries `text` completes."""
-        self._buffer += text
-        content: list[str] = []
-        entries: Entries = []
-        while True:
-            if self._in_call:
-                end = self._buffer.find(self.close)
-                if end < 0:
-                    keep = partial_tag(self._buffer, self.close)
-                    entries += self._block_text(self._buffer[: len(self._buffer) - keep])
-                    self._buffer = self._buffer[len(self._buffer) - keep :]
-                    break
-                entries += self._block_text(self._buffer[:end])
-                self._buffer = self._buffer[end + len(self.close) :]
-                kept, done = self._end_block(closed=True)
-                content.append(kept)
-                entries += done
-                continue
-            start = self._buffer.find(self.open)
-            if start >= 0:
-                content.append(self._buffer[:start])
-                self._buffer = self._buffer[start + len(self.open) :]
-                self._in_call, self._body = True, []
-                self._scanner = None if self.scan is None else self.scan()
-                continue
-            keep = partial_tag(self._buffer, self.open)
-            content.append(self._buffer[: len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep :]
-            break
-        return "".join(content), entries
-
-    def _block_text(self, text: str) -> Entries:
-        """Take more of the open block; the entries its calls have grown by."""
-        if not text:
-            return []
-        self._body.append(text)
-        if self._scanner is None:
-            return []
-        self._scanner.feed(text)
-        return self._calls.entries(self._scanner.calls)
-
-    def _end_block(self, closed: bool) -> tuple[str, Entries]:
-        """The block has ended (closed, or the reply ended inside it, which reads it as if
-        closed): its calls, or its text where it holds none."""
-        body = "".join(self._body)
-        self._in_call, self._body = False, []
-        streamed = [] if self._scanner is None else self._scanner.calls
-        self._scanner = None
-        calls = settle(streamed, self.read(body))
-        if not calls:
-            return self.open + body + (self.close if closed else ""), []
-        entries = self._calls.entries(calls)
-        self._calls.next_block()
-        return "", entries
-
-    def finish(self) -> tuple[str, Entries]:
-        """What is left when the output ends: the calls of a block left open (or its text, where
-        it holds none), or a partial tag, as text."""
-        if not self._in_call:
-            rest, self._buffer = self._buffer, ""
-            return rest, []
-        entries = self._block_text(self._buffer)
-        self._buffer = ""
-        text, done = self._end_block(closed=False)
-        return text, entries + done
-
-
-@dataclass(slots=True)
-class WholeReplyReader:
-    """Holds a reply that opens with one of `openers` until it ends, then reads it whole
-    (`read`: the calls, or None where it is not calls, and the reply is content), its calls
-    streamed meanwhile where `held` can; streams any other reply."""
-
-    openers: tuple[str, ...]
-    read: Callable[[str], Calls | None]
-    held: HeldCalls
-    _pieces: list[str] = field(default_factory=list)  # the reply held so far
-    _start: str = ""  # its start past blanks, while undecided
-    _holding: bool | None = None  # None until the reply's start shows whether it opens calls
-
-    def feed(self, text: str) -> tuple[str, Entries]:
-        if self._holding is False:
-            return text, []
-        self._pieces.append(text)
-        if self._holding is None:
-            self._start += text if self._start else text.lstrip()
-            start = self._start
-            if not start or any(o.startswith(start) and o != start for o in self.openers):
-                return "", []  # it may still open as calls: hold it until it shows
-            self._holding = start.startswith(self.openers)
-            text = "".join(self._pieces)  # all of the reply so far goes to the calls' reading
-        if self._holding:
-            return "", self.held.feed(text)
-        released, self._pieces = "".join(self._pieces), []
-        return released, []
-
-    def finish(self) -> tuple[str, Entries]:
-        text, self._pieces = "".join(self._pieces), []
-        if not self._holding:
-            return text, []
-        called, entries = self.held.end(self.read(text.strip()))
-        return ("", entries) if called else (text, [])
-
-
-@dataclass(slots=True)
-class MistralReader:
-    """Streams text until `[TOOL_CALLS]` (a partial tag held back), then holds the rest of the
-    reply, its calls streamed where `held` can, and reads it whole at the end."""
-
-    held: HeldCalls
-    _buffer: str = ""  # text that may begin the tag
-    _calls: list[str] | None = None  # the reply after the tag, once it has come
-
-    def feed(self, text: str) -> tuple[str, Entries]:
-        if self._calls is not None:
-            self._calls.append(text)
-            return "", self.held.feed(text)
-        self._buffer += text
-        start = self._buffer.find(TOOL_CALLS)
-        if start >= 0:
-            content, rest = self._buffer[:start], self._buffer[start + len(TOOL_CALLS) :]
-            self._buffer, self._calls = "", [rest]
-            return content, self.held.feed(rest)
-        keep = partial_tag(self._buffer, TOOL_CALLS)
-        content = self._buffer[: len(self._buffer) - keep]
-        self._buffer = self._buffer[len(self._buffer) - keep :]
-        return content, []
-
-    def finish(self) -> tuple[str, Entries]:
-        if self._calls is None:
-            text, self._buffer = self._buffer, ""
-            return text, []
-        text, self._calls = "".join(self._calls), None
-        called, entries = self.held.end(formats.mistral(text.strip()))
-        return ("", entries) if called else (TOOL_CALLS + text, [])
