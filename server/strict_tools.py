@@ -9,9 +9,10 @@ are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`,
 `kimi_k2`, `deepseek_v3`, `deepseek_v31`, `longcat`, `internlm`, `hunyuan_a13b`, `jamba` and
 `minimax`'s `<tool_calls>` blocks, gpt-oss's Harmony messages to functions), and for those that
 write each parameter as text (`qwen3_coder`, `seed_oss`, `glm45`, `glm47`, `minimax_m2`,
-`deepseek_v32`, `step3`: each value its schema's JSON, or raw text for a string, in the
-schema's order). For the others the calls are read as written. A reply that may open its own
-reasoning may do so first (its tags are tokens of their own that free text does not hold)."""
+`deepseek_v32`, `deepseek_v4`, `step3`: each value its schema's JSON, or raw text for a
+string, in the schema's order). For the others the calls are read as written. A reply that may
+open its own reasoning may do so first (its tags are tokens of their own that free text does
+not hold)."""
 
 from __future__ import annotations
 
@@ -173,10 +174,19 @@ def _step3(tools: list[Tool], single: bool) -> dict[str, Any]:
     return _triggered([begin], [_list_tag(begin, invokes, "", end, single)], single=True)
 
 
-def _dsml(tools: list[Tool], single: bool) -> dict[str, Any]:
-    """`<｜DSML｜function_calls>\n` around `<｜DSML｜invoke name="NAME">\n` elements of
-    `<｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>\n` elements,
-    as DeepSeek-V3.2 writes them (`string="true"` for a string's raw text, else JSON)."""
+def _dsml(block: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
+    """`<｜DSML｜BLOCK>\n` around `<｜DSML｜invoke name="NAME">\n` elements of `<｜DSML｜parameter
+    name="KEY" string="true|false">VALUE</｜DSML｜parameter>\n` elements (`string="true"` for a
+    string's raw text, else JSON), as DeepSeek-V3.2 (`function_calls`) and V4 (`tool_calls`)
+    write them."""
+
+    def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
+        return _dsml_calls(tools, single, block)
+
+    return format_
+
+
+def _dsml_calls(tools: list[Tool], single: bool, block: str) -> dict[str, Any]:
     dsml = call_formats.DSML
 
     def parameter(key: str, schema: Any) -> str:
@@ -190,7 +200,7 @@ def _dsml(tools: list[Tool], single: bool) -> dict[str, Any]:
         f"</{dsml}parameter>\n",
         f"</{dsml}invoke>\n",
     )
-    begin, end = f"<{dsml}function_calls>\n", f"</{dsml}function_calls>"
+    begin, end = f"<{dsml}{block}>\n", f"</{dsml}{block}>"
     return _triggered([begin.strip()], [_list_tag(begin, invokes, "", end, single)], single=True)
 
 
@@ -342,7 +352,8 @@ FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "kimi_k2": _kimi_k2,
     "deepseek_v3": _deepseek("v3"),
     "deepseek_v31": _deepseek("v31"),
-    "deepseek_v32": _dsml,
+    "deepseek_v32": _dsml("function_calls"),
+    "deepseek_v4": _dsml("tool_calls"),
     "step3": _step3,
     "mistral": _mistral,
     HARMONY: _harmony,

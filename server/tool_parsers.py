@@ -21,7 +21,8 @@ has begun in its format, then its arguments as they grow.
   - `deepseek_v3` and `deepseek_v31`: `<｜tool▁calls▁begin｜>` around DeepSeek-V3's calls (the
     arguments in a fenced JSON block) or V3.1's (`NAME<｜tool▁sep｜>{...}`); `deepseek_v32`:
     `<｜DSML｜function_calls>` around `<｜DSML｜invoke name=...>` elements of `<｜DSML｜parameter
-    name=... string="true|false">` elements or a JSON object (DeepSeek-V3.2).
+    name=... string="true|false">` elements or a JSON object (DeepSeek-V3.2); `deepseek_v4`:
+    the same in `<｜DSML｜tool_calls>` (DeepSeek-V4).
   - `hunyuan_a13b`, `jamba` and `minimax`: `<tool_calls>` around a JSON list of calls or one
     call object per line.
   - `internlm`: `<|action_start|><|plugin|>` ... `<|action_end|>` around one JSON call
@@ -184,6 +185,14 @@ FORMATS: dict[str, Tagged | WholeReply] = {
         (DSML,),
         scan=lambda schemas: Elements(DSML_INVOKES, schemas),
     ),
+    # DeepSeek-V4 keeps V3.2's elements in a block of another name.
+    "deepseek_v4": Tagged(
+        f"<{DSML}tool_calls>",
+        f"</{DSML}tool_calls>",
+        formats.dsml,
+        (DSML,),
+        scan=lambda schemas: Elements(DSML_INVOKES, schemas),
+    ),
     "step3": Tagged(
         "<｜tool_calls_begin｜>",
         "<｜tool_calls_end｜>",
@@ -254,6 +263,7 @@ TEMPLATE_TAGS = (
     (FUNCTOOLS, "phi4_mini_json"),
     (PHI4_TOOLS, "phi4_mini_json"),
     ("<|tool_calls_section_begin|>", "kimi_k2"),
+    (f"<{DSML}tool_calls>", "deepseek_v4"),
     (DSML, "deepseek_v32"),
     (DEEPSEEK_CALL, "deepseek"),
     ("<minimax:tool_call>", "minimax_m2"),

@@ -121,6 +121,8 @@ CALLS = [
     ("gemma4", "Sure. " + GEMMA4, "Sure. ", [("weather", {"city": "Oslo", "days": [1]}), TIME]),
     ("functiongemma", FUNCTIONGEMMA, None, [OSLO]),
     ("step3", "Sure. " + STEP3, "Sure. ", [OSLO, TIME]),
+    ("deepseek_v4", DSML.replace("function_calls>", "tool_calls>"), None,
+     [("weather", {"city": "42", "days": [1]}), TIME]),
     ("lfm2", "Checking. " + LFM2 + " Done.", "Checking.  Done.", [TIME, OSLO]),
     ("xlam", "```json\n" + XLAM + "\n```", None, [TIME, OSLO]),
 ]  # fmt: skip
@@ -197,6 +199,7 @@ def test_kimi_calls_keep_the_id_the_model_wrote():
         ("<start_function_call>call:{{ name }}{", "functiongemma"),
         ("<|tool_call_start|>[{{ calls }}]<|tool_call_end|>", "lfm2"),
         ('<｜tool_sep｜><steptml:invoke name="{{ name }}">', "step3"),
+        ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{{ name }}">', "deepseek_v4"),
         ("{{- '<|tool_call|>' + calls | tojson }}", "granite"),
         ("<tool_call>\n{{ call | tojson }}\n</tool_call>", "hermes"),
     ],

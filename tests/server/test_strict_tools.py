@@ -417,6 +417,22 @@ NATIVE_CASES = [
         False,
     ),
     ("deepseek_v32", dsml_call("news"), False, False),
+    (
+        "deepseek_v4",
+        dsml_call("weather", ("city", "true", "Oslo"), ("unit", "true", "c")).replace(
+            "function_calls>", "tool_calls>"
+        ),
+        True,
+        True,
+    ),
+    (
+        "deepseek_v4",
+        dsml_call("weather", ("city", "true", "Oslo"), ("unit", "true", "k")).replace(
+            "function_calls>", "tool_calls>"
+        ),
+        False,
+        False,
+    ),
     ("mistral", "Sure. [TOOL_CALLS]weather[ARGS]" + OSLO, True, True),
     ("mistral", "[TOOL_CALLS]weather[ARGS]" + KELVIN, False, False),
     ("mistral", "[TOOL_CALLS]weather[ARGS]" + OSLO + "[TOOL_CALLS]time[ARGS]{}", True, False),
