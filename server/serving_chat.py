@@ -248,8 +248,7 @@ class ChatRenderer(ChunkRenderer):
     @staticmethod
     def _parsed_delta(choice: _Choice, text: str, finished: bool) -> dict[str, Any]:
         """Text outside calls as content (a possible tag held back), and the calls' entries:
-        each call's name and arguments as they are written where its format streams, else
-        the call whole once its block closes."""
+        each call once it has begun, then its arguments as they are written."""
         assert choice.reader is not None
         content, entries = choice.reader.feed(text)
         if finished:
