@@ -179,6 +179,7 @@ class ChatRenderer(ChunkRenderer):
             else:
                 reasoning, text = self._reasoning(choice, output)
                 delta = self._delta(choice, text, output.finished)
+            delta = self._first_call_only(delta)
             if reasoning:
                 delta = {**self._reasoning_fields(reasoning), **delta}
             fragment = self._fragment(choice, delta, logprobs, output.finished)
@@ -340,8 +341,26 @@ class ChatRenderer(ChunkRenderer):
             return {"role": self.role, "content": text}
         return {"role": self.role, "content": None, "tool_calls": self.forced.calls(text or "")}
 
+    def _first_call_only(self, message: dict[str, Any]) -> dict[str, Any]:
+        """A message, or a delta, with only its first call where the request allows no
+        parallel calls (`parallel_tool_calls: false`), as vLLM's: a reply that runs free in its
+        format may have written more."""
+        calls = message.get("tool_calls")
+        if self.body.parallel_tool_calls or not calls:
+            return message
+        if "index" in calls[0]:  # a delta's entries: those of the first call
+            kept = [entry for entry in calls if entry["index"] == 0]
+        else:
+            kept = calls[:1]
+        if kept:
+            return {**message, "tool_calls": kept}
+        return {key: value for key, value in message.items() if key != "tool_calls"}
+
     def response(self) -> dict[str, Any]:
-        messages = {c.index: self._echoed(self._message(c)) for c in self.choices.values()}
+        messages = {
+            c.index: self._echoed(self._first_call_only(self._message(c)))
+            for c in self.choices.values()
+        }
         choices = [
             {
                 "index": c.index,

@@ -324,6 +324,35 @@ async def test_the_openai_sdk_assembles_calls_streamed_as_they_are_written():
     assert streamed.choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.parametrize("parallel", [True, False])
+async def test_auto_calls_without_parallel_calls_keep_only_the_first(parallel: bool):
+    """`parallel_tool_calls: false` under auto: a reply that wrote two calls gives the first,
+    streamed or not, as vLLM's does (the reply runs free, so it may write more)."""
+    settings = ServerSettings(served_model_name="tiny", tool_call_parser="hermes")
+    two = (
+        '<tool_call>{"name": "time", "arguments": {"zone": 3}}</tool_call>'
+        '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    )
+    force = {"structured_outputs": {"regex": re.escape(two)}}
+    request = {**BASE, "tool_choice": "auto", "parallel_tool_calls": parallel, "max_tokens": 200}
+    expected = ["time", "weather"] if parallel else ["time"]
+    async with app_client(settings, tokenizer=tool_tokenizer()) as (client, engine):
+        body = await chat(client, **{**request, **force})
+        [choice] = body["choices"]
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == expected
+        assert choice["finish_reason"] == "tool_calls"
+        response = await client.post(
+            "/v1/chat/completions", json={**request, **force, "stream": True}
+        )
+        events = [e for e in sse_events(response.text) if e != "[DONE]"]
+        entries = [
+            entry for e in events for entry in e["choices"][0]["delta"].get("tool_calls") or []
+        ]
+        assert [c["function"]["name"] for c in assemble(entries)] == expected
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        assert blocks_in_use(engine) == 0
+
+
 async def test_without_a_parser_auto_returns_the_text():
     async with app_client(tokenizer=tool_tokenizer()) as (client, _):
         body = await chat(client, tool_choice="auto", **FORCE_HERMES)
