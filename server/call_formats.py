@@ -76,6 +76,25 @@ def json_block(body: str, schemas: Schemas | None = None) -> Calls | None:
     return _all_calls([read_call(item) for item in items])
 
 
+def keyed_list(body: str, schemas: Schemas | None = None) -> Calls | None:
+    """A JSON list of `{"NAME": {...arguments}}` objects, each call keyed by its name
+    (Apertus')."""
+    try:
+        parsed = json_text.loads(body.strip())
+    except ValueError:
+        return None
+    items = parsed if isinstance(parsed, list) else [parsed]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or len(item) != 1:
+            return None
+        [(name, arguments)] = item.items()
+        if not isinstance(arguments, dict):
+            return None
+        calls.append(tool_call(name, json.dumps(arguments)))
+    return calls or None
+
+
 def json_lines(body: str, schemas: Schemas | None = None) -> Calls | None:
     """A JSON list of calls (Hunyuan-A13B, Jamba), or one call object per line (MiniMax-M1)."""
     text = body.strip()

@@ -10,8 +10,9 @@ began). A block fed whole and one fed in pieces settle alike, so a stream and a 
 agree. `CallNumbers` turns the calls into OpenAI's `delta.tool_calls` entries.
 
 - `JsonCalls`: `{"name", "arguments"}` objects or lists of them (`hermes`, `internlm`,
-  `longcat`, the `<tool_calls>` blocks, and the JSON whole-reply formats): a call once it is
-  named and its arguments' object begins, then that object as it grows.
+  `longcat`, the `<tool_calls>` blocks, and the JSON whole-reply formats), or Apertus'
+  `{"NAME": {...}}`: a call once it is named and its arguments' object begins, then that object
+  as it grows.
 - `DelimitedCalls`: `BEGIN head SEP {...} END` calls (`kimi_k2`, `deepseek_v31`, Mistral's
   `NAME[ARGS]{...}`, and `deepseek_v3` with the arguments fenced), the same way.
 - `HeldCalls`: the calls of a reply held whole until it ends (`llama3_json`, `mistral`, ...).
@@ -151,8 +152,10 @@ class _Object:
 @dataclass(slots=True)
 class JsonCalls:
     """Call objects, or lists of them, one after another (`;` or `,` between them or not), read a
-    character at a time."""
+    character at a time; `keyed`: each object's key is the call's name and its value the
+    arguments (`{"NAME": {...}}`, Apertus')."""
 
+    keyed: bool = False
     calls: list[PartialCall] = field(default_factory=list)
     _state: str = "start"
     _in_list: bool = False
@@ -213,6 +216,9 @@ class JsonCalls:
         self._value.append(written)
         if self._writer.done:
             self._key, self._value = json.loads("".join(self._value)), []
+            current = self._object
+            if self.keyed and not current.named:
+                current.call.name, current.named = self._key or "", bool(self._key)
             self._state = "colon"
 
     def _value_char(self, char: str) -> bool:
@@ -220,7 +226,7 @@ class JsonCalls:
         if not self._begun and char in " \t\r\n":
             return True
         writer, current = self._writer, self._object
-        arguments = self._key in ARGUMENT_KEYS and not current.argued
+        arguments = (self.keyed or self._key in ARGUMENT_KEYS) and not current.argued
         if not self._begun:
             self._begun, self._streams = True, arguments and char == "{"
             if self._streams:
@@ -241,7 +247,7 @@ class JsonCalls:
         current = self._object
         if arguments:
             current.argued = True
-        elif self._key == "name" and not current.named:
+        elif not self.keyed and self._key == "name" and not current.named:
             name = json.loads("".join(self._value))
             if isinstance(name, str):
                 current.call.name, current.named = name, True

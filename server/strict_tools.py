@@ -6,13 +6,13 @@ arguments that fit its `parameters` schema (others get any JSON object). With
 
 Enforced as a structural tag (`engine.structured.structural_tag`) for the parsers whose calls
 are JSON in a fixed frame (`hermes`, `llama3_json`, `granite`, `phi4_mini_json`, `mistral`,
-`kimi_k2`, `deepseek_v3`, `deepseek_v31`, `longcat`, `internlm`, `hunyuan_a13b`, `jamba` and
-`minimax`'s `<tool_calls>` blocks, gpt-oss's Harmony messages to functions), and for those that
-write each parameter as text (`qwen3_coder`, `seed_oss`, `glm45`, `glm47`, `minimax_m2`,
-`deepseek_v32`, `deepseek_v4`, `step3`: each value its schema's JSON, or raw text for a
-string, in the schema's order). For the others the calls are read as written. A reply that may
-open its own reasoning may do so first (its tags are tokens of their own that free text does
-not hold)."""
+`kimi_k2`, `deepseek_v3`, `deepseek_v31`, `longcat`, `internlm`, `apertus`, `hunyuan_a13b`,
+`jamba` and `minimax`'s `<tool_calls>` blocks, gpt-oss's Harmony messages to functions), and
+for those that write each parameter as text (`qwen3_coder`, `seed_oss`, `glm45`, `glm47`,
+`minimax_m2`, `deepseek_v32`, `deepseek_v4`, `step3`: each value its schema's JSON, or raw
+text for a string, in the schema's order). For the others the calls are read as written. A
+reply that may open its own reasoning may do so first (its tags are tokens of their own that
+free text does not hold)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,14 @@ def _blocks(
         for key in keys
         for opening, closing in frames
     ]
+
+
+def _apertus(tools: list[Tool], single: bool) -> dict[str, Any]:
+    """`<|tools_prefix|>[{"NAME": {...}}, ...]<|tools_suffix|>`, each call keyed by its name,
+    as Apertus writes them."""
+    calls = [_tag(f"{{{json.dumps(tool.function.name)}: ", tool, "}") for tool in tools]
+    begin, end = "<|tools_prefix|>", "<|tools_suffix|>"
+    return _triggered([begin], [_list_tag(begin + "[", calls, ", ", "]" + end, single)], single)
 
 
 def _tool_calls_block(tools: list[Tool], single: bool) -> dict[str, Any]:
@@ -356,6 +364,7 @@ FORMATS: dict[str, Callable[[list[Tool], bool], dict[str, Any]]] = {
     "deepseek_v4": _dsml("tool_calls"),
     "step3": _step3,
     "mistral": _mistral,
+    "apertus": _apertus,
     HARMONY: _harmony,
     "longcat": _json_blocks("<longcat_tool_call>", "</longcat_tool_call>", ("arguments",)),
     "internlm": _json_blocks(

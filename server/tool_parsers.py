@@ -29,6 +29,8 @@ has begun in its format, then its arguments as they grow.
     (InternLM 2.5); `longcat`: `<longcat_tool_call>` around one (LongCat-Flash).
   - `olmo3`: `<function_calls>` around one Python call per line (OLMo 3); `lfm2`:
     `<|tool_call_start|>` around a Python list of calls (LFM2).
+  - `apertus`: `<|tools_prefix|>` around a JSON list of `{"NAME": {...arguments}}` objects
+    (Apertus).
   - `step3`: `<｜tool_calls_begin｜>` around calls of `<steptml:invoke name=...>` elements,
     each after `<｜tool_call_begin｜>function<｜tool_sep｜>` (Step3).
   - `gemma4`: `<|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|>`, Gemma 4's own syntax;
@@ -229,6 +231,12 @@ FORMATS: dict[str, Tagged | WholeReply] = {
         formats.pythonic,
         scan=lambda _schemas: PythonCalls(),
     ),
+    "apertus": Tagged(
+        "<|tools_prefix|>",
+        "<|tools_suffix|>",
+        formats.keyed_list,
+        scan=lambda _schemas: JsonCalls(keyed=True),
+    ),
     "olmo3": Tagged(
         "<function_calls>",
         "</function_calls>",
@@ -274,6 +282,7 @@ TEMPLATE_TAGS = (
     ("<start_function_call>", "functiongemma"),
     ("<|tool_call_start|>", "lfm2"),
     ("<steptml:invoke", "step3"),
+    ("<|tools_prefix|>", "apertus"),
     ("<function_calls>", "olmo3"),
     ("<tool_calls>", "hunyuan_a13b"),
     (ARG_KEY, "glm45"),

@@ -91,6 +91,7 @@ STEP3 = (
     '<steptml:invoke name="time"><steptml:parameter name="zone">3</steptml:parameter>'
     "</steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>"
 )
+APERTUS = '<|tools_prefix|>[{"weather": {"city": "Oslo"}}, {"time": {"zone": 3}}]<|tools_suffix|>'
 LFM2 = '<|tool_call_start|>[time(zone=3), weather(city="Oslo")]<|tool_call_end|>'
 
 CALLS = [
@@ -121,6 +122,7 @@ CALLS = [
     ("gemma4", "Sure. " + GEMMA4, "Sure. ", [("weather", {"city": "Oslo", "days": [1]}), TIME]),
     ("functiongemma", FUNCTIONGEMMA, None, [OSLO]),
     ("step3", "Sure. " + STEP3, "Sure. ", [OSLO, TIME]),
+    ("apertus", "Sure. " + APERTUS + " Done.", "Sure.  Done.", [OSLO, TIME]),
     ("deepseek_v4", DSML.replace("function_calls>", "tool_calls>"), None,
      [("weather", {"city": "42", "days": [1]}), TIME]),
     ("lfm2", "Checking. " + LFM2 + " Done.", "Checking.  Done.", [TIME, OSLO]),
@@ -143,6 +145,7 @@ NOT_CALLS = [
     ("xlam", "[1, 2]"),
     ("gemma4", "<|tool_call>call:time zone{zone:3}<tool_call|>"),
     ("lfm2", "<|tool_call_start|>time(zone=3)<|tool_call_end|>"),
+    ("apertus", "<|tools_prefix|>[1, 2]<|tools_suffix|>"),
     ("step3", STEP3.replace("function<｜tool_sep｜>", "call<｜tool_sep｜>")),
     ("xlam", "It is sunny."),
 ]
@@ -199,6 +202,7 @@ def test_kimi_calls_keep_the_id_the_model_wrote():
         ("<start_function_call>call:{{ name }}{", "functiongemma"),
         ("<|tool_call_start|>[{{ calls }}]<|tool_call_end|>", "lfm2"),
         ('<｜tool_sep｜><steptml:invoke name="{{ name }}">', "step3"),
+        ("{{ '<|tools_prefix|>' + calls | tojson + '<|tools_suffix|>' }}", "apertus"),
         ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{{ name }}">', "deepseek_v4"),
         ("{{- '<|tool_call|>' + calls | tojson }}", "granite"),
         ("<tool_call>\n{{ call | tojson }}\n</tool_call>", "hermes"),
@@ -265,6 +269,7 @@ FRAGMENTS = [
     "<end_function_call>", "<escape>", "<|tool_call_start|>", "a:", "[f(a=1)]",
     "<｜tool_calls_begin｜>", "<｜tool_call_begin｜>", '<steptml:invoke name="f">',
     "</steptml:invoke>", '<steptml:parameter name="a">', "</steptml:parameter>",
+    "<|tools_prefix|>", "<|tools_suffix|>", '{"f": {"a": 1}}',
     "functools", "```json", "```", "\n", " ", "{", "}", "[", "]", '"', ":", ",", "(", ")", "=",
     '{"name": "f", "arguments": {"a": 1}}', '{"a": 1}', "f(a=1)", "functions.f:0", "function",
     "f", "1", "true", "null", "-", "xxx",

@@ -298,6 +298,9 @@ def delimited_reply(rng: random.Random, parser: str, calls: list[tuple[str, dict
             for i, (name, arguments) in enumerate(calls)
         )
         return f"Checking.<|tool_calls_section_begin|>{written}<|tool_calls_section_end|>"
+    if parser == "apertus":  # a JSON list of `{"NAME": {...}}` objects
+        keyed = written_as(rng, [{name: arguments} for name, arguments in calls])
+        return f"Sure.<|tools_prefix|>{keyed}<|tools_suffix|>"
     if parser == "minimax":  # `<tool_calls>`: a JSON list, or an object a line
         objects = [{"name": name, "arguments": arguments} for name, arguments in calls]
         if rng.random() < 0.5:
@@ -324,7 +327,7 @@ def cut(rng: random.Random, text: str) -> list[str]:
     return [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
 
 
-DELIMITED_FORMATS = ["kimi_k2", "deepseek_v3", "deepseek_v31", "minimax"]
+DELIMITED_FORMATS = ["kimi_k2", "deepseek_v3", "deepseek_v31", "minimax", "apertus"]
 WHOLE_REPLY_FORMATS = ["llama3_json", "granite", "phi4_mini_json", "xlam", "mistral"]
 
 
