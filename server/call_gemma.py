@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.call_formats import BlockReader, Calls, Schemas
-from server.call_stream import PartialCall, TagScanner, partial_tag
+from server.call_stream import PartialCall, TagScanner
 from server.json_stream import escaped
 from server.json_text import MAX_DEPTH
 from server.tools import tool_call
@@ -120,15 +120,11 @@ class GemmaCalls(TagScanner):
         return True
 
     def _string(self) -> bool:
-        end = self._buffer.find(self.quote)
-        if end < 0:
-            keep = partial_tag(self._buffer, self.quote)
-            self._write(escaped(self._buffer[: len(self._buffer) - keep]))
-            self._buffer = self._buffer[len(self._buffer) - keep :]
-            return False
-        self._write(escaped(self._buffer[:end]) + '"')
-        self._buffer, self._state = self._buffer[end + len(self.quote) :], "after"
-        return True
+        text, ended = self._until(self.quote)
+        self._write(escaped(text) + ('"' if ended else ""))
+        if ended:
+            self._state = "after"
+        return ended
 
     def _after(self) -> bool:
         char, self._buffer = self._buffer[0], self._buffer[1:]

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from server import call_formats as formats
 from server.call_formats import TOOL_CALLS, Calls
-from server.call_stream import BlockScanner, CallNumbers, HeldCalls, partial_tag, settle
+from server.call_stream import BlockScanner, CallNumbers, HeldCalls, cut_at, settle
 
 # OpenAI's `delta.tool_calls` entries: a call's first carries its `index`, `id`, `type` and
 # `function` (`name` and the start of its `arguments`), later ones more of its arguments.
@@ -55,29 +55,20 @@ class TaggedReader:
         entries: Entries = []
         while True:
             if self._in_call:
-                end = self._buffer.find(self.close)
-                if end < 0:
-                    keep = partial_tag(self._buffer, self.close)
-                    entries += self._block_text(self._buffer[: len(self._buffer) - keep])
-                    self._buffer = self._buffer[len(self._buffer) - keep :]
+                body, closed, self._buffer = cut_at(self._buffer, self.close)
+                entries += self._block_text(body)
+                if not closed:
                     break
-                entries += self._block_text(self._buffer[:end])
-                self._buffer = self._buffer[end + len(self.close) :]
                 kept, done = self._end_block(closed=True)
                 content.append(kept)
                 entries += done
                 continue
-            start = self._buffer.find(self.open)
-            if start >= 0:
-                content.append(self._buffer[:start])
-                self._buffer = self._buffer[start + len(self.open) :]
-                self._in_call, self._body = True, []
-                self._scanner = None if self.scan is None else self.scan()
-                continue
-            keep = partial_tag(self._buffer, self.open)
-            content.append(self._buffer[: len(self._buffer) - keep])
-            self._buffer = self._buffer[len(self._buffer) - keep :]
-            break
+            before, opened, self._buffer = cut_at(self._buffer, self.open)
+            content.append(before)
+            if not opened:
+                break
+            self._in_call, self._body = True, []
+            self._scanner = None if self.scan is None else self.scan()
         return "".join(content), entries
 
     def _block_text(self, text: str) -> Entries:
@@ -166,16 +157,12 @@ class MistralReader:
         if self._calls is not None:
             self._calls.append(text)
             return "", self.held.feed(text)
-        self._buffer += text
-        start = self._buffer.find(TOOL_CALLS)
-        if start >= 0:
-            content, rest = self._buffer[:start], self._buffer[start + len(TOOL_CALLS) :]
-            self._buffer, self._calls = "", [rest]
-            return content, self.held.feed(rest)
-        keep = partial_tag(self._buffer, TOOL_CALLS)
-        content = self._buffer[: len(self._buffer) - keep]
-        self._buffer = self._buffer[len(self._buffer) - keep :]
-        return content, []
+        content, found, rest = cut_at(self._buffer + text, TOOL_CALLS)
+        if not found:
+            self._buffer = rest
+            return content, []
+        self._buffer, self._calls = "", [rest]
+        return content, self.held.feed(rest)
 
     def finish(self) -> tuple[str, Entries]:
         if self._calls is None:

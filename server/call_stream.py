@@ -319,14 +319,8 @@ class TagScanner:
     def _until(self, tag: str) -> tuple[str, bool]:
         """The buffer's text before `tag` and whether the tag has come (the buffer then goes on
         after it); text that may begin the tag is held back."""
-        end = self._buffer.find(tag)
-        if end >= 0:
-            text, self._buffer = self._buffer[:end], self._buffer[end + len(tag) :]
-            return text, True
-        keep = partial_tag(self._buffer, tag)
-        text = self._buffer[: len(self._buffer) - keep]
-        self._buffer = self._buffer[len(self._buffer) - keep :]
-        return text, False
+        text, ended, self._buffer = cut_at(self._buffer, tag)
+        return text, ended
 
 
 @dataclass(slots=True)
@@ -473,6 +467,16 @@ class HeldCalls:
         entries left to send."""
         calls = settle([] if self._scanner is None else self._scanner.calls, whole)
         return bool(calls), self.numbers.entries(calls)
+
+
+def cut_at(text: str, tag: str) -> tuple[str, bool, str]:
+    """`text` before `tag`, whether the tag has come, and what is left to read: the text after
+    the tag, or, where it has not come, the end of `text` that may begin it (held back)."""
+    end = text.find(tag)
+    if end >= 0:
+        return text[:end], True, text[end + len(tag) :]
+    ready = len(text) - partial_tag(text, tag)
+    return text[:ready], False, text[ready:]
 
 
 def partial_tag(text: str, tag: str) -> int:
