@@ -51,7 +51,7 @@ def _hermes(tools: list[Tool], single: bool) -> dict[str, Any]:
     """`<tool_call>{"name": ..., "arguments": ...}</tool_call>`, the tags on lines of their
     own or not, as Qwen writes them; or a JSON list of such calls in one block, as the tools
     Conveyor writes for a template without a tool section teach (`server/tool_prompt.py`)."""
-    calls = [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools]
+    calls = _call_objects(tools)
     lists = [
         _list_tag("<tool_call>[", calls, ", ", "]</tool_call>", single),
         _list_tag("<tool_call>[\n", calls, ",\n", "\n]</tool_call>", single),
@@ -97,7 +97,7 @@ def _apertus(tools: list[Tool], single: bool) -> dict[str, Any]:
 def _tool_calls_block(tools: list[Tool], single: bool) -> dict[str, Any]:
     """`<tool_calls>` around a JSON list of calls (Hunyuan-A13B's, Jamba's) or one call object
     a line (MiniMax-M1's)."""
-    calls = [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools]
+    calls = _call_objects(tools)
     blocks = [
         _list_tag("<tool_calls>[", calls, ", ", "]</tool_calls>", single),
         _list_tag("<tool_calls>\n[", calls, ", ", "]\n</tool_calls>", single),
@@ -121,33 +121,39 @@ def _function_elements(tag: str, value_break: str) -> Callable[[list[Tool], bool
     """`<TAG>\n<function=NAME>\n<parameter=KEY>VALUE</parameter>\n...</function>\n</TAG>`,
     each VALUE between `value_break`s: Qwen3-Coder's (`<tool_call>`, its values on lines of
     their own) and Seed-OSS's (`<seed:tool_call>`, its values inline)."""
-
-    def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
-        tags = _text_calls(
-            tools,
-            lambda name: f"<{tag}>\n<function={name}>\n",
-            lambda key, _schema: f"<parameter={key}>{value_break}",
-            f"{value_break}</parameter>\n",
-            f"</function>\n</{tag}>",
-        )
-        return _triggered([f"<{tag}>"], tags, single)
-
-    return format_
+    return _text_format(
+        f"<{tag}>",
+        lambda name: f"<{tag}>\n<function={name}>\n",
+        lambda key, _schema: f"<parameter={key}>{value_break}",
+        f"{value_break}</parameter>\n",
+        f"</function>\n</{tag}>",
+    )
 
 
 def _glm(separator: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
     """`<tool_call>NAME` and `<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>` pairs, each
     piece followed by `separator` (GLM-4.5 writes a line break, GLM-4.7 nothing)."""
+    return _text_format(
+        "<tool_call>",
+        lambda name: f"<tool_call>{name}{separator}",
+        lambda key, _schema: f"<arg_key>{key}</arg_key>{separator}<arg_value>",
+        f"</arg_value>{separator}",
+        "</tool_call>",
+    )
+
+
+def _text_format(
+    trigger: str,
+    head: Callable[[str], str],
+    parameter: Callable[[str, Any], str],
+    parameter_end: str,
+    tail: str,
+) -> Callable[[list[Tool], bool], dict[str, Any]]:
+    """Calls whose parameters are written as text (`_text_calls`), each opened by `trigger`."""
 
     def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
-        tags = _text_calls(
-            tools,
-            lambda name: f"<tool_call>{name}{separator}",
-            lambda key, _schema: f"<arg_key>{key}</arg_key>{separator}<arg_value>",
-            f"</arg_value>{separator}",
-            "</tool_call>",
-        )
-        return _triggered(["<tool_call>"], tags, single)
+        tags = _text_calls(tools, head, parameter, parameter_end, tail)
+        return _triggered([trigger], tags, single)
 
     return format_
 
@@ -162,8 +168,7 @@ def _minimax_m2(tools: list[Tool], single: bool) -> dict[str, Any]:
         "</parameter>\n",
         "</invoke>\n",
     )
-    section = _list_tag("<minimax:tool_call>\n", invokes, "", "</minimax:tool_call>", single)
-    return _triggered(["<minimax:tool_call>"], [section], single=True)
+    return _section("<minimax:tool_call>\n", invokes, "", "</minimax:tool_call>", single)
 
 
 def _step3(tools: list[Tool], single: bool) -> dict[str, Any]:
@@ -178,8 +183,7 @@ def _step3(tools: list[Tool], single: bool) -> dict[str, Any]:
         "</steptml:parameter>",
         f"</steptml:invoke>{call_formats.STEP3_CALL_END}",
     )
-    begin, end = "<｜tool_calls_begin｜>", "<｜tool_calls_end｜>"
-    return _triggered([begin], [_list_tag(begin, invokes, "", end, single)], single=True)
+    return _section("<｜tool_calls_begin｜>", invokes, "", "<｜tool_calls_end｜>", single)
 
 
 def _dsml(block: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
@@ -187,29 +191,23 @@ def _dsml(block: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
     name="KEY" string="true|false">VALUE</｜DSML｜parameter>\n` elements (`string="true"` for a
     string's raw text, else JSON), as DeepSeek-V3.2 (`function_calls`) and V4 (`tool_calls`)
     write them."""
-
-    def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
-        return _dsml_calls(tools, single, block)
-
-    return format_
-
-
-def _dsml_calls(tools: list[Tool], single: bool, block: str) -> dict[str, Any]:
     dsml = call_formats.DSML
 
     def parameter(key: str, schema: Any) -> str:
         raw = _xml_value(schema)["type"] != "json_schema"  # a string, or one of its `enum`
         return f'<{dsml}parameter name="{key}" string="{"true" if raw else "false"}">'
 
-    invokes = _text_calls(
-        tools,
-        lambda name: f'<{dsml}invoke name="{name}">\n',
-        parameter,
-        f"</{dsml}parameter>\n",
-        f"</{dsml}invoke>\n",
-    )
-    begin, end = f"<{dsml}{block}>\n", f"</{dsml}{block}>"
-    return _triggered([begin.strip()], [_list_tag(begin, invokes, "", end, single)], single=True)
+    def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
+        invokes = _text_calls(
+            tools,
+            lambda name: f'<{dsml}invoke name="{name}">\n',
+            parameter,
+            f"</{dsml}parameter>\n",
+            f"</{dsml}invoke>\n",
+        )
+        return _section(f"<{dsml}{block}>\n", invokes, "", f"</{dsml}{block}>", single)
+
+    return format_
 
 
 def _mistral(tools: list[Tool], single: bool) -> dict[str, Any]:
@@ -217,7 +215,7 @@ def _mistral(tools: list[Tool], single: bool) -> dict[str, Any]:
     its own `[TOOL_CALLS]` (Mistral's v11 tokenizers and later), or a JSON list of
     `{"name", "arguments"}` objects (earlier ones)."""
     named = [_tag(f"{tool.function.name}{call_formats.ARGS}", tool, "") for tool in tools]
-    calls = [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools]
+    calls = _call_objects(tools)
     forms = [
         _list_tag(call_formats.TOOL_CALLS, named, call_formats.TOOL_CALLS, "", single),
         *(
@@ -261,7 +259,7 @@ def _kimi_k2(tools: list[Tool], single: bool) -> dict[str, Any]:
         for tool in tools
     ]
     begin, end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-    return _triggered([begin], [_list_tag(begin, calls, "", end, single)], single=True)
+    return _section(begin, calls, "", end, single)
 
 
 def _deepseek(version: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
@@ -282,8 +280,7 @@ def _deepseek(version: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
             for tool, (head, tail) in zip(tools, frames, strict=True)
         ]
         begin, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-        separator = "\n" if version == "v3" else ""
-        return _triggered([begin], [_list_tag(begin, calls, separator, end, single)], single=True)
+        return _section(begin, calls, "\n" if version == "v3" else "", end, single)
 
     return format_
 
@@ -340,7 +337,7 @@ def _json_list(*triggers: str) -> Callable[[list[Tool], bool], dict[str, Any]]:
     `single`), after any of the triggers."""
 
     def format_(tools: list[Tool], single: bool) -> dict[str, Any]:
-        calls = [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools]
+        calls = _call_objects(tools)
         lists = [_list_tag(trigger + "[", calls, ", ", "]", single) for trigger in triggers]
         return _triggered(list(triggers), lists, single=True)  # the list ends the reply
 
@@ -388,6 +385,19 @@ def _list_tag(
         "stop_after_first": single,
     }
     return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def _section(
+    begin: str, calls: list[dict[str, Any]], separator: str, end: str, single: bool
+) -> dict[str, Any]:
+    """A reply that runs free until `begin` (blanks after it aside), then holds its calls in
+    one `_list_tag` section, which ends the reply."""
+    return _triggered([begin.strip()], [_list_tag(begin, calls, separator, end, single)], True)
+
+
+def _call_objects(tools: list[Tool]) -> list[dict[str, Any]]:
+    """Each tool's `{"name": ..., "arguments": ...}` object, the arguments its schema's."""
+    return [_tag(_opening(tool, "arguments"), tool, "}") for tool in tools]
 
 
 def _triggered(triggers: list[str], tags: list[dict[str, Any]], single: bool) -> dict[str, Any]:
