@@ -12,6 +12,7 @@ import ast
 import json
 import re
 import warnings
+from collections.abc import Callable
 from functools import cache
 from typing import Any, Protocol
 
@@ -68,31 +69,31 @@ PYTHON_TOO_DEEP = (RecursionError, MemoryError)
 def json_block(body: str, schemas: Schemas | None = None) -> Calls | None:
     """One `{"name", "arguments"}` object (or `"parameters"`), or a list of them (the form
     SmolLM2 and Conveyor's written tools use)."""
-    try:
-        parsed = json_text.loads(body)
-    except ValueError:
-        return None
-    items = parsed if isinstance(parsed, list) else [parsed]
-    return _all_calls([read_call(item) for item in items])
+    return _json_calls(body, read_call)
 
 
 def keyed_list(body: str, schemas: Schemas | None = None) -> Calls | None:
     """A JSON list of `{"NAME": {...arguments}}` objects, each call keyed by its name
     (Apertus')."""
+    return _json_calls(body, _keyed_call)
+
+
+def _json_calls(body: str, read: Callable[[Any], dict[str, Any] | None]) -> Calls | None:
+    """A JSON call object, or a list of them, each read by `read`; None where any is not one."""
     try:
-        parsed = json_text.loads(body.strip())
+        parsed = json_text.loads(body)
     except ValueError:
         return None
     items = parsed if isinstance(parsed, list) else [parsed]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or len(item) != 1:
-            return None
-        [(name, arguments)] = item.items()
-        if not isinstance(arguments, dict):
-            return None
-        calls.append(tool_call(name, json.dumps(arguments)))
-    return calls or None
+    return _all_calls([read(item) for item in items])
+
+
+def _keyed_call(item: Any) -> dict[str, Any] | None:
+    """`{"NAME": {...arguments}}` as a call; None for anything else."""
+    if not isinstance(item, dict) or len(item) != 1:
+        return None
+    [(name, arguments)] = item.items()
+    return tool_call(name, json.dumps(arguments)) if isinstance(arguments, dict) else None
 
 
 def json_lines(body: str, schemas: Schemas | None = None) -> Calls | None:

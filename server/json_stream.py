@@ -16,8 +16,17 @@ from enum import Enum, auto
 
 from server.json_text import MAX_DEPTH
 
-_SIMPLE_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r"}
-_SIMPLE_ESCAPES["t"] = "\t"
+# What each one-character escape (after its backslash) stands for.
+_SIMPLE_ESCAPES = {
+    '"': '"',
+    "\\": "\\",
+    "/": "/",
+    "b": "\b",
+    "f": "\f",
+    "n": "\n",
+    "r": "\r",
+    "t": "\t",
+}
 _HEX = frozenset("0123456789abcdefABCDEF")
 _PLAIN = re.compile(r'[^"\\]+')
 _SCALAR_ENDS = frozenset(',]}:"[{ \t\r\n')
