@@ -18,7 +18,14 @@ from typing import Any, Protocol
 
 from server import call_formats as formats
 from server.call_formats import TOOL_CALLS, Calls
-from server.call_stream import BlockScanner, CallNumbers, HeldCalls, cut_at, settle
+from server.call_stream import (
+    BlockScanner,
+    CallNumbers,
+    HeldCalls,
+    cut_at,
+    may_still_begin,
+    settle,
+)
 
 # OpenAI's `delta.tool_calls` entries: a call's first carries its `index`, `id`, `type` and
 # `function` (`name` and the start of its `arguments`), later ones more of its arguments.
@@ -127,7 +134,7 @@ class WholeReplyReader:
         if self._holding is None:
             self._start += text if self._start else text.lstrip()
             start = self._start
-            if not start or any(o.startswith(start) and o != start for o in self.openers):
+            if not start or may_still_begin(start, self.openers):
                 return "", []  # it may still open as calls: hold it until it shows
             self._holding = start.startswith(self.openers)
             text = "".join(self._pieces)  # all of the reply so far goes to the calls' reading

@@ -455,7 +455,7 @@ class HeldCalls:
         if self._scanner is None:
             self._start += text
             start = self._start.lstrip()
-            if not start or any(tag.startswith(start) and tag != start for tag in self.skip):
+            if not start or may_still_begin(start, self.skip):
                 return []  # an opening tag may still be arriving
             opening = next((tag for tag in self.skip if start.startswith(tag)), "")
             self._scanner, self._start, text = self.scan(), "", start[len(opening) :]
@@ -467,6 +467,11 @@ class HeldCalls:
         entries left to send."""
         calls = settle([] if self._scanner is None else self._scanner.calls, whole)
         return bool(calls), self.numbers.entries(calls)
+
+
+def may_still_begin(start: str, tags: tuple[str, ...]) -> bool:
+    """Whether `start` is a proper beginning of one of `tags` (more text will tell)."""
+    return any(tag.startswith(start) and tag != start for tag in tags)
 
 
 def cut_at(text: str, tag: str) -> tuple[str, bool, str]:
