@@ -1,10 +1,12 @@
-"""N-gram speculation against one token a step, in one engine and one run: each concurrency runs
+"""Speculation (n-gram drafts, or a draft model's with `--draft-model`) against one token a
+step, in one engine and one run: each concurrency runs
 four times, off, on, on, off, each run serving `--rounds` requests per slot with the slots kept
 full (a request that ends is replaced by the next, as under steady load), its prompts cached by
 a run before; it reports output tokens/s of each way (the mean of its two runs), their ratio,
 and the share of draft tokens kept.
 
     python benchmarks/speculation.py --concurrency 1 16 64 --workload copy
+    python benchmarks/speculation.py --concurrency 1 4 --draft-model ./small-model
 
 `--workload copy`: chat requests that ask the model to repeat or lightly edit a passage (code and
 prose), where a reply quotes its prompt, as in code editing, summaries that cite, or retrieval
@@ -158,6 +160,9 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--disable-by-batch-size", type=int, default=None)
     parser.add_argument(
+        "--draft-model", default=None, help="a model of the same tokenizer drafts (draft_model)"
+    )
+    parser.add_argument(
         "--rounds", type=int, default=3, help="requests per slot, each replaced as it ends"
     )
     args = parser.parse_args()
@@ -165,7 +170,9 @@ def main() -> None:
         args.num_speculative_tokens,
         args.prompt_lookup_min,
         args.prompt_lookup_max,
+        method="draft_model" if args.draft_model else "ngram",
         disable_by_batch_size=args.disable_by_batch_size,
+        model=args.draft_model,
     )
     core, _, info = create_engine_core(engine_config(args, speculative=spec))
     drafter = core.drafter

@@ -64,6 +64,7 @@ from engine.scheduling.scheduler import Scheduler
 from engine.worker import memory_profile, routes
 from engine.worker.compilation import compile_layers
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.worker.draft_model import DraftLimits, ModelDrafter
 from engine.worker.model_runner import ModelRunner
 from engine.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
 from engine.worker.sampler import Sampler
@@ -197,9 +198,12 @@ def build_rank(
     device: torch.device,
     dtype: torch.dtype,
     shard: Shard | None = None,
+    draft_block_bytes: int = 0,
 ) -> RankParts:
     """The model, the attention backend and a KV cache sized for this rank (under tensor
-    parallelism, for its share of the KV heads, with as many blocks as every rank can hold)."""
+    parallelism, for its share of the KV heads, with as many blocks as every rank can hold);
+    where a draft model's cache takes `draft_block_bytes` a block beside it, the budget holds
+    both."""
     cache_dtype = kv_cache_dtype(config.cache.dtype, dtype, loaded.compute_dtype, device)
     spec = KVCacheSpec.from_hf_config(
         loaded.model.config.get_text_config(), cache_dtype, block_size(config.cache, device)
@@ -217,7 +221,9 @@ def build_rank(
     limit = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
     features = attention_features(loaded.model, limit)
     backend = get_backend(_attention_backend(config, features, device), device, dtype)
-    num_blocks = _num_blocks(config, spec, device, model, backend, loaded.max_model_len)
+    num_blocks = _num_blocks(
+        config, spec, device, model, backend, loaded.max_model_len, draft_block_bytes
+    )
     if shard is not None:
         num_blocks = shard.group.min_int(num_blocks, device)
     kv_cache = KVCache(spec, num_blocks, device)
@@ -327,7 +333,9 @@ def core_from_model(
     if workers is not None:
         assert loaded.shard is not None  # loaded as rank 0's share
         shard = Shard(workers.group, loaded.shard)
-    parts = build_rank(loaded, config, device, dtype, shard)
+    draft = _load_draft(config, device, dtype, loaded)
+    draft_bytes = draft.cache.bytes_per_block if draft is not None else 0
+    parts = build_rank(loaded, config, device, dtype, shard, draft_bytes)
     model, backend, kv_cache = parts.model, parts.backend, parts.kv_cache
     _check_runner(config, model, loaded.path, bool(loaded.labels))
     _check_image_step(config, model)
@@ -376,13 +384,9 @@ def core_from_model(
     core.processor = loaded.processor
     spec = config.speculative
     if spec is not None:
-        core.drafter = Drafter(spec)
-        logger.info(
-            "speculation: n-gram drafts of up to %d tokens from matches of the last %d-%d tokens",
-            spec.num_speculative_tokens,
-            spec.prompt_lookup_min,
-            spec.prompt_lookup_max,
-        )
+        limits = DraftLimits(0, vocab_size, config.max_num_batched_tokens)
+        core.drafter = Drafter(spec) if draft is None else draft.drafter(config, num_blocks, limits)
+        logger.info("speculation: %s", spec.describe())
     _serve_loras(core, config)
     info = ServingInfo(
         model_name=loaded.name,
@@ -413,6 +417,78 @@ def core_from_model(
         embeds_prompts=runner.embeds_prompts,
     )
     return core, info
+
+
+@dataclass(frozen=True, slots=True)
+class DraftParts:
+    """A draft model (`--speculative-config`'s `draft_model`), loaded before the served
+    model's KV cache is sized: its weights, attention, sampler and the shape of its cache."""
+
+    loaded: LoadedModel
+    model: CausalLM
+    backend: AttentionBackend
+    cache: KVCacheSpec
+    sampler: Sampler
+
+    def drafter(self, config: EngineConfig, num_blocks: int, limits: DraftLimits) -> Drafter:
+        """The drafter over a cache of `num_blocks` blocks (as many as the served model's),
+        drafting over sequences as long as its context, the config's limit and its cache
+        allow; `limits` gives the rest. On a GPU its steps replay CUDA graphs of their own
+        where they can be captured."""
+        spec = config.speculative
+        assert spec is not None
+        kv_cache = KVCache(self.cache, num_blocks, self.sampler.device)
+        blocks = BlockManager(num_blocks, self.cache.block_size)
+        context = self.loaded.max_model_len
+        if spec.draft_max_model_len is not None:
+            context = min(context, spec.draft_max_model_len)
+        limits = replace(limits, max_len=min(context, blocks.num_tokens_capacity))
+        try:
+            graphs, piecewise = _graphs(config, self.model, self.backend, kv_cache, limits.max_len)
+        except Exception:  # the served model's graphs do not depend on these
+            logger.exception("the draft model's steps run eagerly: their capture failed")
+            graphs, piecewise = None, None
+        runner = ModelRunner(
+            self.model, kv_cache, self.backend, self.sampler, graphs, None, piecewise
+        )
+        return ModelDrafter(spec, runner, blocks, limits)
+
+
+def _load_draft(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, served: LoadedModel
+) -> DraftParts | None:
+    """The draft model a `draft_model` config names, in the served model's dtype, on its
+    device; refused where its tokenizer is not the served model's (drafts are token ids)."""
+    spec = config.speculative
+    if spec is None or not spec.uses_model:
+        return None
+    assert spec.model is not None
+    loaded = load_model(spec.model, dtype, device, config.trust_remote_code)
+    _check_draft_tokenizer(loaded, served)
+    if spec.draft_max_model_len is not None and spec.draft_max_model_len > loaded.max_model_len:
+        raise ValueError(
+            f"the draft's max_model_len {spec.draft_max_model_len} is larger than its "
+            f"context of {loaded.max_model_len} tokens"
+        )
+    model = build_causal_lm(loaded.model, config.model_impl, None)
+    features = attention_features(loaded.model, loaded.max_model_len)
+    backend = get_backend(_attention_backend(config, features, device), device, dtype)
+    cache_dtype = kv_cache_dtype("auto", dtype, loaded.compute_dtype, device)
+    text = loaded.model.config.get_text_config()
+    cache = KVCacheSpec.from_hf_config(text, cache_dtype, block_size(config.cache, device))
+    sampler = Sampler(_vocab_size(loaded, model), device, seed=config.seed)
+    logger.info("draft model: %s, %d bytes of KV a token", spec.model, cache.bytes_per_token)
+    return DraftParts(loaded, model, backend, cache, sampler)
+
+
+def _check_draft_tokenizer(draft: LoadedModel, served: LoadedModel) -> None:
+    if draft.tokenizer is None or served.tokenizer is None:
+        return
+    if draft.tokenizer.get_vocab() != served.tokenizer.get_vocab():
+        raise ValueError(
+            "the draft model's tokenizer is not the served model's: drafts are token ids, "
+            "so both must share one vocabulary"
+        )
 
 
 def _kv_event_publisher(config: EngineConfig, device: torch.device) -> ZmqEventPublisher | None:
@@ -663,6 +739,7 @@ def _num_blocks(
     model: CausalLM,
     backend: AttentionBackend,
     model_len: int,
+    draft_block_bytes: int = 0,
 ) -> int:
     cache = config.cache
     if cache.num_blocks is not None:
@@ -671,7 +748,9 @@ def _num_blocks(
         budget = _cuda_kv_budget(config, spec, device, model, backend, model_len)
     else:
         budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
-    num_blocks = spec.num_blocks_for(budget)
+    # A draft model's cache has as many blocks: each block of the budget pays for both.
+    share = budget * spec.bytes_per_block // (spec.bytes_per_block + draft_block_bytes)
+    num_blocks = spec.num_blocks_for(share)
     if num_blocks < 1:
         raise ValueError(
             f"the KV cache budget of {budget} bytes holds no block of {spec.bytes_per_block} bytes"

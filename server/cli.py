@@ -392,9 +392,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-config",
         type=_speculative_config,
         default=None,
-        help="speculative decoding as vLLM's JSON config, n-gram drafts only: "
-        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
-        "(either lookup length alone sets both; default 5); turns --async-scheduling off",
+        help="speculative decoding as vLLM's JSON config: n-gram drafts "
+        '(\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; '
+        "either lookup length alone sets both, default 5) or a draft model's "
+        '(\'{"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4}\', a smaller model '
+        "of the same tokenizer); turns --async-scheduling off",
     )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--trust-remote-code", action="store_true")
@@ -791,7 +793,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
-    """`--speculative-config`: vLLM's JSON object, its n-gram fields."""
+    """`--speculative-config`: vLLM's JSON object, its n-gram and draft-model fields."""
     try:
         return SpeculativeConfig.of(json_object(text))
     except ValueError as exc:

@@ -232,7 +232,8 @@ class EngineConfig:
     # on top of them.
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = field(default_factory=dict)
-    # N-gram speculation (`core/speculation.py`); None: one token a step.
+    # Speculation (`core/speculation.py`): n-gram drafts or a draft model's; None: one token
+    # a step.
     speculative: SpeculativeConfig | None = None
     # The prefix cache's events for routers (`kv/events.py`); None: not published.
     kv_events: KVEventsConfig | None = None
@@ -258,6 +259,9 @@ class EngineConfig:
                 "speculative decoding and --async-scheduling do not run together: drafts are "
                 "made from each step's tokens before the next step is scheduled"
             )
+        spec = self.speculative
+        if spec is not None and spec.uses_model and self.tensor_parallel_size > 1:
+            raise ValueError("a draft model drafts on one device: --tensor-parallel-size 1")
         if self.runner == "pooling" and self.tensor_parallel_size > 1:
             # Refused before any worker starts or weight loads.
             raise ValueError("--runner pooling runs on one device (--tensor-parallel-size 1)")

@@ -1,8 +1,9 @@
-"""N-gram speculation (vLLM's `ngram` method, "prompt lookup"): draft the next tokens of a
+"""Speculation's drafts. vLLM's `ngram` method ("prompt lookup") drafts the next tokens of a
 sequence from what followed the latest earlier match of its last few tokens, in its prompt or
-its output so far. A step then runs each draft as one more decode row of the sequence and keeps
-the drafts its model agrees with, plus the token of the first row that disagreed (or of the last
-row): several tokens for the price of a slightly wider decode step.
+its output so far; its `draft_model` method has a smaller model write them
+(`worker/draft_model.py`). A step then runs each draft as one more decode row of the sequence
+and keeps the drafts its model agrees with, plus the token of the first row that disagreed (or
+of the last row): several tokens for the price of a slightly wider decode step.
 
 Only requests whose next token depends on nothing but the logits of its row and the tokens
 before it (penalties, bad words, `min_tokens` and an output format read those, drafts
@@ -22,13 +23,22 @@ from engine.core.request import Request
 DEFAULT_LOOKUP = 5
 
 
+# The fields each served method reads (besides `method` and `num_speculative_tokens`).
+METHOD_FIELDS = {
+    "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
+    "draft_model": {"model", "draft_tensor_parallel_size", "max_model_len"},
+}
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` for the `ngram` method: draft up to
-    `num_speculative_tokens` tokens from the longest match of the sequence's last
-    `prompt_lookup_max` .. `prompt_lookup_min` tokens; none while more than
+    """vLLM's `--speculative-config`. `ngram`: draft up to `num_speculative_tokens` tokens
+    from the longest match of the sequence's last `prompt_lookup_max` .. `prompt_lookup_min`
+    tokens. `draft_model`: a smaller `model` of the same tokenizer drafts them, greedily, one
+    after another (`worker/draft_model.py`), over sequences up to `draft_max_model_len`
+    tokens (None: its own context). Either way no drafts while more than
     `disable_by_batch_size` requests run (where a step's rows already keep the device busy,
-    more rows cost more than the tokens they keep). Without it, drafts are made where steps
+    more rows cost more than the tokens they keep); without it, drafts are made where steps
     of the same size have been faster with them (`draft_gate.py`)."""
 
     num_speculative_tokens: int
@@ -36,52 +46,99 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_LOOKUP
     method: str = "ngram"
     disable_by_batch_size: int | None = None
+    model: str | None = None
+    draft_max_model_len: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in METHOD_FIELDS:
             raise ValueError(
-                f"speculative method {self.method!r} is not served: only 'ngram' (drafts "
-                "from the sequence itself) is; draft models, EAGLE and MTP are not"
+                f"speculative method {self.method!r} is not served: 'ngram' (drafts from the "
+                "sequence itself) and 'draft_model' (a smaller model of the same tokenizer) "
+                "are; EAGLE, Medusa, MLP speculators, MTP and suffix decoding are not"
             )
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('the draft_model method needs the draft\'s "model" (a path or id)')
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must be 1 <= min <= max")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be at least 1")
+        if self.draft_max_model_len is not None and self.draft_max_model_len < 2:
+            raise ValueError("the draft's max_model_len must be at least 2")
+
+    @property
+    def uses_model(self) -> bool:
+        """Whether a draft model makes the drafts (`draft_model`), not the sequence itself."""
+        return self.method == "draft_model"
+
+    def describe(self) -> str:
+        """The start-up line's words for what drafts."""
+        count = self.num_speculative_tokens
+        if self.uses_model:
+            return f"drafts of up to {count} tokens from the draft model {self.model}"
+        return (
+            f"n-gram drafts of up to {count} tokens from matches of the last "
+            f"{self.prompt_lookup_min}-{self.prompt_lookup_max} tokens"
+        )
 
     @classmethod
     def of(cls, fields: dict[str, Any]) -> SpeculativeConfig:
-        """The config a `--speculative-config` JSON object gives: only the fields n-gram
-        speculation reads; either lookup length alone sets both, as in vLLM."""
-        known = {
-            "method",
-            "num_speculative_tokens",
-            "prompt_lookup_min",
-            "prompt_lookup_max",
-            "disable_by_batch_size",
-        }
+        """The config a `--speculative-config` JSON object gives. As in vLLM, a `model` with
+        no `method` names the method: `ngram` or `[ngram]` n-gram drafts, an EAGLE head's
+        name EAGLE (refused), any other a draft model; either lookup length alone sets both."""
+        method = _method_of(fields)
+        if method not in METHOD_FIELDS:
+            cls(1, method=method)  # refused by name
+        known = {"method", "num_speculative_tokens", "disable_by_batch_size"}
+        known |= METHOD_FIELDS[method] | ({"model"} if method == "ngram" else set())
         unknown = sorted(set(fields) - known)
         if unknown:
-            raise ValueError(f"unknown speculative config fields: {', '.join(unknown)}")
+            raise ValueError(
+                f"unknown speculative config fields for {method}: {', '.join(unknown)}"
+            )
         if "num_speculative_tokens" not in fields:
             raise ValueError("the speculative config needs num_speculative_tokens")
         for name, value in fields.items():
-            if name == "method" or (name == "disable_by_batch_size" and value is None):
+            if name in ("method", "model") or (value is None and name != "num_speculative_tokens"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"speculative config field {name} must be an integer")
+        if fields.get("draft_tensor_parallel_size") not in (None, 1):
+            raise ValueError("a draft model runs on one device: draft_tensor_parallel_size 1")
         lower = fields.get("prompt_lookup_min")
         upper = fields.get("prompt_lookup_max")
         lower = lower if lower is not None else upper if upper is not None else DEFAULT_LOOKUP
         upper = upper if upper is not None else lower
+        model = fields.get("model") if method == "draft_model" else None
+        if model is not None and not isinstance(model, str):
+            raise ValueError("the speculative config's model must be a string")
         return cls(
             num_speculative_tokens=fields["num_speculative_tokens"],
             prompt_lookup_min=lower,
             prompt_lookup_max=upper,
-            method=str(fields.get("method", "ngram")),
+            method=method,
             disable_by_batch_size=fields.get("disable_by_batch_size"),
+            model=model,
+            draft_max_model_len=fields.get("max_model_len"),
         )
+
+
+def _method_of(fields: dict[str, Any]) -> str:
+    """The method a config names, or its `model` implies (vLLM's reading); `ngram` for
+    neither."""
+    method = fields.get("method")
+    if method is not None:
+        return str(method)
+    model = fields.get("model")
+    if model is None or model in ("ngram", "[ngram]"):
+        return "ngram"
+    name = str(model).lower()
+    if "eagle3" in name:
+        return "eagle3"
+    if "eagle" in name:
+        return "eagle"
+    return "draft_model"
 
 
 class NgramIndex:
@@ -120,7 +177,8 @@ class NgramIndex:
 
 
 class Drafter:
-    """Drafts each running request's next tokens before a step is scheduled."""
+    """Drafts each running request's next tokens before a step is scheduled: from the
+    sequence itself (n-gram), or, in `ModelDrafter` (`worker/draft_model.py`), by a model."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -137,33 +195,50 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         wanted = running <= limit if limit is not None else self.gate.drafts(running)
         for request in requests:
-            if wanted:
-                self.draft(request)
-            else:
-                request.draft_token_ids = []
+            request.draft_token_ids = []
+        if wanted:
+            self.draft_all(requests)
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step of `rows` requests, with drafts or without, gave `tokens` output
         tokens in `seconds` (its drafting included)."""
         self.gate.observe(rows, drafted, tokens, seconds)
 
+    def draft_all(self, requests: list[Request]) -> None:
+        """Set each request's `draft_token_ids` for its next step."""
+        for request in requests:
+            self.draft(request)
+
     def draft(self, request: Request) -> None:
         """Set `request.draft_token_ids` for its next step: none where it cannot speculate
         or may write at most one more token."""
         request.draft_token_ids = []
-        room = request.max_output_tokens - request.num_output_tokens - 1
-        if room <= 0 or request.is_finished or not speculates(request):
+        count = self.wanted(request)
+        if not count:
             return
         index = self._indexes.get(request.request_id)
         if index is None:
             config = self.config
             index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
             self._indexes[request.request_id] = index
+        request.draft_token_ids = self.allowed(request, index.draft(request.all_token_ids, count))
+
+    def wanted(self, request: Request) -> int:
+        """How many tokens to draft for the request's next step: 0 where it cannot speculate
+        or may write at most one more token, else one more than it last kept, as far as its
+        length allows."""
+        room = request.max_output_tokens - request.num_output_tokens - 1
+        if room <= 0 or request.is_finished or not speculates(request):
+            return 0
         most = self._lengths.get(request.request_id, self.config.num_speculative_tokens)
-        drafts = index.draft(request.all_token_ids, min(most, room))
-        if drafts and request.grammar is not None:  # the drafts its format allows
-            drafts = drafts[: request.grammar.validate_tokens(drafts)]
-        request.draft_token_ids = drafts
+        return min(most, room)
+
+    @staticmethod
+    def allowed(request: Request, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one the request's format refuses."""
+        if drafts and request.grammar is not None:
+            return drafts[: request.grammar.validate_tokens(drafts)]
+        return drafts
 
     def kept(self, request_id: str, kept: int) -> None:
         """A step kept `kept` of the request's drafts: it drafts one more than that next time

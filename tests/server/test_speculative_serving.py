@@ -1,5 +1,6 @@
-"""A server started with `--speculative-config` answers greedy requests exactly as one without:
-texts, token ids, usage and finish reasons, streamed or not, with `n`, logprobs and stops."""
+"""A server started with `--speculative-config` (n-gram drafts or a draft model's) answers
+greedy requests exactly as one without: texts, token ids, usage and finish reasons, streamed or
+not, with `n`, logprobs and stops."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 from engine.core.request import Request
 from engine.core.speculation import Drafter, SpeculativeConfig, speculates
-from tests.server_utils import app_client, sse_events
+from tests.helpers import chat_tokenizer
+from tests.server_utils import app_client, shared_tiny_model, sse_events
 
 LOOP = [40, 41, 42, 43] * 5
 BODIES: list[dict[str, Any]] = [
@@ -96,3 +98,25 @@ async def test_greedy_answers_are_those_of_a_server_without_speculation():
         assert await _answers(client) == plain
     kept = sum(s.drafts.num_accepted_tokens for s in seen)
     assert 0 < kept < sum(s.drafts.num_draft_tokens for s in seen)
+
+
+def _metric(text: str, name: str) -> float:
+    """A counter's value in /metrics' text (its one series)."""
+    lines = [line for line in text.splitlines() if line.startswith(name + "{")]
+    assert len(lines) == 1, lines
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+async def test_a_draft_model_s_server_answers_as_one_without_and_counts_its_drafts(tmp_path):
+    """The draft is the served model saved to a folder: every draft is kept."""
+    shared_tiny_model().save_pretrained(tmp_path)
+    chat_tokenizer().save_pretrained(tmp_path)
+    async with app_client() as (client, _):
+        plain = await _answers(client)
+    fields = {"model": str(tmp_path), "num_speculative_tokens": 3, "disable_by_batch_size": 8}
+    async with app_client(speculative=SpeculativeConfig.of(fields)) as (client, _):
+        assert await _answers(client) == plain
+        metrics = (await client.get("/metrics")).text
+    drafted = _metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
+    assert drafted > 0
+    assert _metric(metrics, "vllm:spec_decode_num_accepted_tokens_total") == drafted

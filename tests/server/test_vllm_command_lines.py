@@ -344,6 +344,16 @@ def test_an_n_gram_speculative_config_is_served():
         engine_config(build_parser().parse_args(both))
 
 
+def test_a_draft_model_speculative_config_is_served():
+    config = '{"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 5, "method": "draft_model"}'
+    args = build_parser().parse_args(["serve", "--speculative-config", config])
+    spec = engine_config(args).speculative
+    assert spec == SpeculativeConfig(5, method="draft_model", model="Qwen/Qwen3-0.6B")
+    sharded = ["serve", "-tp", "2", "--speculative-config", config]
+    with pytest.raises(ValueError, match="one device"):
+        engine_config(build_parser().parse_args(sharded))
+
+
 def test_a_kv_events_config_is_served_with_prefix_caching_only():
     events = '{"enable_kv_cache_events": true, "topic": "kv@pod@model"}'
     config = engine_config(build_parser().parse_args(["serve", "--kv-events-config", events]))
