@@ -28,7 +28,7 @@ from engine_setup import add_engine_arguments, add_load_arguments, engine_config
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
-from engine.core.speculation import SpeculativeConfig
+from engine.core.speculation import Drafter, SpeculativeConfig
 from engine.factory import create_engine_core
 
 PASSAGES = [
@@ -185,12 +185,12 @@ def main() -> None:
             prompts = json_prompts(core, concurrency)
         else:
             prompts = random_prompts(core, concurrency, args.input_len, seed)
-        core.drafter = None
+        core.drafter = Drafter()
         run(core, prompts, 1, f"c{concurrency}-cached")  # every run then finds them cached
         rates: dict[str, list[float]] = {"off": [], "on": []}
         kept_share = 0.0
         for turn, way in enumerate(["off", "on", "on", "off"]):
-            core.drafter = drafter if way == "on" else None
+            core.drafter = drafter if way == "on" else Drafter()
             tag = f"c{concurrency}-{turn}"
             result = run(core, prompts, args.output_len, tag, args.workload == "json", args.rounds)
             rates[way].append(result["tok_per_s"])

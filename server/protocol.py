@@ -346,6 +346,21 @@ class TextPart(BaseModel):
     text: str
 
 
+class PredictedContent(BaseModel):
+    """OpenAI's Predicted Outputs: the reply as the client expects it (`prediction`)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class ImageURL(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -501,6 +516,8 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's per-request processor arguments: refused, the server sets them
     # (`--mm-processor-kwargs`), since one request's could make its images any size.
     mm_processor_kwargs: dict[str, Any] | None = None
+    # OpenAI's Predicted Outputs: the expected reply, which the steps draft from.
+    prediction: PredictedContent | None = None
 
     @property
     def template_kwargs(self) -> dict[str, Any] | None:

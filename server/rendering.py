@@ -22,6 +22,9 @@ class ChoiceState:
     stop_reason: int | str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # Drafts from the request's prediction (Predicted Outputs) kept and refused.
+    num_prediction_kept: int = 0
+    num_prediction_refused: int = 0
     started: bool = False
     # The generated token ids, kept where the request asked for them (`return_token_ids`).
     token_ids: list[int] | None = None
@@ -32,6 +35,8 @@ class ChoiceState:
             self.token_ids.extend(output.new_token_ids)
         self.num_output_tokens = output.num_output_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        self.num_prediction_kept = output.num_prediction_kept
+        self.num_prediction_refused = output.num_prediction_refused
         if output.finished:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
 

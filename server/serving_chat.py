@@ -58,6 +58,7 @@ from server.tokenization import (
     message_text,
     messages_size,
     off_the_loop_if_large,
+    prediction_tokens,
 )
 from server.tool_parsers import keeps_special_tokens, parse_calls, parser_for, reader_for
 from server.tool_prompt import WRITTEN_TOOLS_PARSER, renders_tools
@@ -137,6 +138,7 @@ class ChatRenderer(ChunkRenderer):
         self.echoed = message_text(last) if body.echo and last.role == role else ""
         self.prompt = prompt
         self.num_prompt_tokens = len(prompt)
+        self.predicted = body.prediction is not None
         # Whether a streamed chunk carried the prompt's token ids yet (`return_token_ids`).
         self._prompt_ids_sent = False
         self.token_text = TokenText(tokenizer, body.return_tokens_as_token_ids)
@@ -293,8 +295,17 @@ class ChatRenderer(ChunkRenderer):
         }
 
     def usage(self) -> dict[str, Any]:
-        completion = sum(c.num_output_tokens for c in self.choices.values())
-        return usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
+        """OpenAI's usage; with a prediction, how many of its tokens the reply kept and how
+        many it refused after drafting them (`completion_tokens_details`)."""
+        choices = self.choices.values()
+        completion = sum(c.num_output_tokens for c in choices)
+        found = usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
+        if self.predicted:
+            found["completion_tokens_details"] = {
+                "accepted_prediction_tokens": sum(c.num_prediction_kept for c in choices),
+                "rejected_prediction_tokens": sum(c.num_prediction_refused for c in choices),
+            }
+        return found
 
     def _message(self, choice: _Choice) -> dict[str, Any]:
         if self.parser == HARMONY:
@@ -540,6 +551,11 @@ class ChatHandler:
             params = replace(params, structured=thought_first(params.structured, self.thought))
         if body.thinking_token_budget is not None:
             params = replace(params, thought_budget=self._budget(body, text, harmony))
+        if body.prediction is not None:
+            tokenizer = require_text_model(self.engine)
+            limit = self.model.info.max_model_len
+            predicted = await prediction_tokens(tokenizer, body.prediction.text, limit)
+            params = replace(params, prediction=predicted)
         # The format holds for the final channel's body, or for the answer once the thought
         # has closed.
         after = FINAL if harmony else self.thought.ends[0] if thinking else None

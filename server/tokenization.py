@@ -68,6 +68,21 @@ def check_fits(tokenizer: Any, chars: int, max_model_len: int, param: str) -> No
         )
 
 
+async def prediction_tokens(tokenizer: Any, text: str, max_model_len: int) -> tuple[int, ...]:
+    """A chat request's `prediction` (OpenAI's Predicted Outputs) as tokens: refused where it
+    could not fit the context (a reply cannot be that long), tokenized off the loop when
+    large."""
+    fewest = -(-len(text) // longest_token_chars(tokenizer))
+    if fewest >= max_model_len:
+        raise InvalidRequestError(
+            f"The prediction has at least {fewest} tokens ({len(text)} characters), more than "
+            f"this model's context of {max_model_len} tokens.",
+            param="prediction",
+        )
+    tokens = await off_the_loop_if_large(len(text), lambda: encode_text(tokenizer, text, False))
+    return tuple(tokens)
+
+
 def prompt_size(prompts: list[str | list[int]]) -> int:
     return sum(len(p) for p in prompts)
 

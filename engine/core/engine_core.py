@@ -76,7 +76,7 @@ class EngineCore:
         self._retired: dict[int, LoRARequest] = {}
         # N-gram speculation (`--speculative-config`): drafts each running request's next
         # tokens for its next step to verify; None: one token a step.
-        self.drafter: Drafter | None = None
+        self.drafter = Drafter()
         self._drafting_seconds = 0.0
         # Where the prefix cache's events go (`--kv-events-config`); None: nowhere.
         self.kv_events: EventSink | None = None
@@ -292,8 +292,7 @@ class EngineCore:
     def _release(self, request_ids: list[str]) -> None:
         """Forget what the runner and the drafter keep of requests that ended."""
         self.runner.release(request_ids)
-        if self.drafter is not None:
-            self.drafter.release(request_ids)
+        self.drafter.release(request_ids)
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:
         """End every request with an error (the loop hit something it cannot recover from)."""
@@ -391,21 +390,22 @@ class EngineCore:
     def _record_drafts(self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
         """Count the step's verified drafts (drafts, draft tokens, and those kept by position)
         and tell the drafter how many each request kept."""
-        drafter = self.drafter
-        assert drafter is not None  # only a drafter's requests have drafts
         for item in scheduled.scheduled:
             if not item.drafts:
                 continue
-            kept = len(runner_output.accepted_drafts.get(item.request.request_id, []))
+            request = item.request
+            kept = len(runner_output.accepted_drafts.get(request.request_id, []))
             self._stats.drafts.record(len(item.drafts), kept)
-            drafter.kept(item.request.request_id, kept)
+            self.drafter.kept(request.request_id, kept)
+            if request.sampling_params.prediction:
+                request.num_prediction_kept += kept
+                request.num_prediction_refused += len(item.drafts) - kept
 
     def _draft(self, scheduled: SchedulerOutput, advanced: list[Request], seconds: float) -> None:
         """Tell the drafter what a decode step (one with no prompt chunk) gave in `seconds`
         and the drafting before it, then draft for the next one, timed for the step after."""
-        assert self.drafter is not None
         items = scheduled.scheduled
-        if all(item.decodes for item in items):
+        if self.drafter.config is not None and all(_measured(item) for item in items):
             tokens = sum(request.num_new_tokens for request in advanced)
             drafted = any(item.drafts for item in items)
             self.drafter.observe(len(items), drafted, tokens, seconds + self._drafting_seconds)
@@ -502,14 +502,13 @@ class EngineCore:
         """Hand an advanced step's results to the scheduler and turn them into deltas."""
         self.outputs.collect_prompt_logprobs(runner_output)
         advanced = self.scheduler.receive(scheduled, runner_output)
+        self._record_drafts(scheduled, runner_output)  # before the outputs, which count them
         end = time.monotonic()
         results = [self._output_for(r, _logprobs_of(r, runner_output)) for r in advanced]
         self._record_tokens(advanced, end)
         # Overlapped steps share the wall clock: each counts from the previous one's end.
         seconds = end - max(start, self._last_end)
-        if self.drafter is not None:
-            self._record_drafts(scheduled, runner_output)
-            self._draft(scheduled, advanced, seconds)
+        self._draft(scheduled, advanced, seconds)
         for request, result in zip(advanced, results, strict=True):
             result.embedding = runner_output.embeddings.get(request.request_id)
         finished = [r for r in advanced if r.is_finished]
@@ -632,6 +631,12 @@ class _InFlight:
         return not verifies and all(
             not r.follows_its_tokens and not needs_history(r.bad_words) for r in sampled
         )
+
+
+def _measured(item: ScheduledRequest) -> bool:
+    """A decode step's item that tells the gate what drafting by the config's method gives
+    (not one whose drafts come from its prediction)."""
+    return item.decodes and not item.request.sampling_params.prediction
 
 
 def _with(scheduled: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:

@@ -83,6 +83,8 @@ class OutputProcessor:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            num_prediction_kept=request.num_prediction_kept,
+            num_prediction_refused=request.num_prediction_refused,
         )
         if not state.sent_first and request.sampling_params.prompt_logprobs is not None:
             output.prompt_logprobs = state.prompt_logprobs
@@ -105,6 +107,8 @@ class OutputProcessor:
             finish_reason=_reason(request),
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
+            num_prediction_kept=request.num_prediction_kept,
+            num_prediction_refused=request.num_prediction_refused,
             error=error,
         )
 

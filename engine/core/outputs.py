@@ -57,6 +57,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    # Drafts from the request's prediction its steps kept and refused, so far.
+    num_prediction_kept: int = 0
+    num_prediction_refused: int = 0
     error: BaseException | None = None
     # The prompt's last hidden state (fp32 `[hidden]`), under the pooling runner.
     embedding: torch.Tensor | None = None
@@ -73,6 +76,8 @@ class RequestOutput:
         self.finish_reason = later.finish_reason
         self.stop_reason = later.stop_reason
         self.num_output_tokens = later.num_output_tokens
+        self.num_prediction_kept = later.num_prediction_kept
+        self.num_prediction_refused = later.num_prediction_refused
         self.error = later.error
         if later.embedding is not None:
             self.embedding = later.embedding

@@ -98,6 +98,9 @@ class Request:
     # The output tokens the last step that gave this request any appended (more than one where
     # it accepted drafts).
     num_new_tokens: int = 0
+    # Drafts from `sampling_params.prediction` its steps kept and refused (Predicted Outputs).
+    num_prediction_kept: int = 0
+    num_prediction_refused: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -142,9 +145,11 @@ class Request:
     @property
     def follows_its_tokens(self) -> bool:
         """Whether the next token depends on the newest one (a format, a thought budget still
-        counting), so that a step's tokens must reach the host before the next is scheduled."""
+        counting), or the next step's drafts do (a prediction), so that a step's tokens must
+        reach the host before the next is scheduled."""
         counting = self.thought is not None and not self.thought.done
-        return self.grammar is not None or self.deferred_grammar is not None or counting
+        formats = self.grammar is not None or self.deferred_grammar is not None
+        return formats or counting or bool(self.sampling_params.prediction)
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -103,6 +103,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     # A cap on a thinking model's reasoning tokens.
     thought_budget: ThoughtBudget | None = None
+    # The reply as the client expects it, in tokens (OpenAI's Predicted Outputs): steps draft
+    # from it (`core/prediction.py`); () for none.
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self._validate_counts()

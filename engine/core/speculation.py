@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.core.draft_gate import DraftGate
+from engine.core.prediction import Prediction
 from engine.core.request import Request
 
 # vLLM's default n-gram lengths where the config names neither.
@@ -176,28 +177,41 @@ class NgramIndex:
         self._indexed = max(self._indexed, last)
 
 
-class Drafter:
-    """Drafts each running request's next tokens before a step is scheduled: from the
-    sequence itself (n-gram), or, in `ModelDrafter` (`worker/draft_model.py`), by a model."""
+# The most tokens a request with a prediction drafts a step (OpenAI's Predicted Outputs).
+PREDICTION_DRAFTS = 8
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+
+class Drafter:
+    """Drafts each running request's next tokens before a step is scheduled: from its
+    prediction where it has one (OpenAI's Predicted Outputs, `core/prediction.py`), and, with
+    a speculative `config`, the others' from the sequence itself (n-gram), or, in
+    `ModelDrafter` (`worker/draft_model.py`), by a draft model."""
+
+    def __init__(self, config: SpeculativeConfig | None = None) -> None:
         self.config = config
         self._indexes: dict[str, NgramIndex] = {}
+        self._predictions: dict[str, Prediction] = {}
         # The most tokens each request drafts next (`kept`); absent: num_speculative_tokens.
         self._lengths: dict[str, int] = {}
         # Without `disable_by_batch_size`, whether drafts pay is measured (`draft_gate.py`).
         self.gate = DraftGate()
 
     def draft_step(self, requests: list[Request], running: int) -> None:
-        """Draft for the requests a step just advanced, `running` requests in all: none while
-        more run than `disable_by_batch_size`, or, without it, where the gate finds that steps
-        of this size gain nothing by drafts."""
-        limit = self.config.disable_by_batch_size
-        wanted = running <= limit if limit is not None else self.gate.drafts(running)
+        """Draft for the requests a step just advanced, `running` requests in all: those with
+        a prediction always; the others none while more run than `disable_by_batch_size`, or,
+        without it, where the gate finds that steps of this size gain nothing by drafts."""
+        others = []
         for request in requests:
             request.draft_token_ids = []
-        if wanted:
-            self.draft_all(requests)
+            if request.sampling_params.prediction:
+                self.draft_prediction(request)
+            else:
+                others.append(request)
+        if self.config is None or not others:
+            return
+        limit = self.config.disable_by_batch_size
+        if running <= limit if limit is not None else self.gate.drafts(running):
+            self.draft_all(others)
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step of `rows` requests, with drafts or without, gave `tokens` output
@@ -213,24 +227,40 @@ class Drafter:
         """Set `request.draft_token_ids` for its next step: none where it cannot speculate
         or may write at most one more token."""
         request.draft_token_ids = []
-        count = self.wanted(request)
+        count = self.wanted(request, self.most(request))
         if not count:
             return
         index = self._indexes.get(request.request_id)
         if index is None:
             config = self.config
+            assert config is not None
             index = NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
             self._indexes[request.request_id] = index
         request.draft_token_ids = self.allowed(request, index.draft(request.all_token_ids, count))
 
-    def wanted(self, request: Request) -> int:
-        """How many tokens to draft for the request's next step: 0 where it cannot speculate
-        or may write at most one more token, else one more than it last kept, as far as its
-        length allows."""
+    def draft_prediction(self, request: Request) -> None:
+        """Set `request.draft_token_ids` from its prediction, where the reply stands in it."""
+        prediction = self._predictions.get(request.request_id)
+        if prediction is None:
+            prediction = Prediction(request.sampling_params.prediction)
+            self._predictions[request.request_id] = prediction
+        count = self.wanted(request, PREDICTION_DRAFTS)
+        drafts = prediction.draft(request.output_token_ids, count) if count else []
+        request.draft_token_ids = self.allowed(request, drafts)
+
+    def most(self, request: Request) -> int:
+        """The most tokens the request drafts next by the config's method: one more than its
+        last step kept, up to `num_speculative_tokens`."""
+        assert self.config is not None
+        return self._lengths.get(request.request_id, self.config.num_speculative_tokens)
+
+    @staticmethod
+    def wanted(request: Request, most: int) -> int:
+        """How many tokens, up to `most`, to draft for the request's next step: 0 where it
+        cannot speculate or may write at most one more token."""
         room = request.max_output_tokens - request.num_output_tokens - 1
         if room <= 0 or request.is_finished or not speculates(request):
             return 0
-        most = self._lengths.get(request.request_id, self.config.num_speculative_tokens)
         return min(most, room)
 
     @staticmethod
@@ -243,13 +273,14 @@ class Drafter:
     def kept(self, request_id: str, kept: int) -> None:
         """A step kept `kept` of the request's drafts: it drafts one more than that next time
         (so a request whose text stops repeating spends one row a step on drafts, and one that
-        repeats grows back)."""
-        most = self.config.num_speculative_tokens
-        self._lengths[request_id] = min(kept + 1, most)
+        repeats grows back); a prediction's drafts stay as long as its reply allows."""
+        if self.config is not None:
+            self._lengths[request_id] = min(kept + 1, self.config.num_speculative_tokens)
 
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._indexes.pop(request_id, None)
+            self._predictions.pop(request_id, None)
             self._lengths.pop(request_id, None)
 
 

@@ -72,7 +72,7 @@ class ModelDrafter(Drafter):
         self._failures = 0
 
     def draft_all(self, requests: list[Request]) -> None:
-        wanted = {r.request_id: count for r in requests if (count := self.wanted(r))}
+        wanted = {r.request_id: count for r in requests if (count := self.wanted(r, self.most(r)))}
         if not wanted:
             return
         chosen = [r for r in requests if r.request_id in wanted]

@@ -102,13 +102,18 @@ def _assert_released(core) -> None:
 def test_greedy_tokens_equal_generate_whatever_the_draft(
     drafts: dict[str, str], draft: str, options: dict
 ):
+    core, _ = tiny_core(tiny_llama(), speculative=_spec(drafts[draft]), **options)
+    _check_greedy(core, draft)
+
+
+def _check_greedy(core, draft: str) -> None:
+    """The core's greedy replies are generate's; a draft that is the served model is always
+    kept, a noisy copy of it sometimes; both caches are given back."""
     model = tiny_llama()
     prompts = _prompts()
-    truths = [reference_greedy(model, p, 24) for p in prompts]
-    core, _ = tiny_core(tiny_llama(), speculative=_spec(drafts[draft]), **options)
     outputs = run_all(core, prompts, GREEDY)
-    for i, truth in enumerate(truths):
-        assert tokens_of(outputs[f"req-{i}"]) == truth, i
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 24), i
     stats = core.take_stats().drafts
     assert stats.num_drafts > 0
     if draft == "same":
@@ -123,21 +128,11 @@ def test_greedy_tokens_equal_generate_whatever_the_draft(
 def test_on_a_gpu_both_models_replay_their_graphs_and_tokens_stay_generate_s(
     drafts: dict[str, str], draft: str, device: str
 ):
-    model = tiny_llama()
-    prompts = _prompts()
-    truths = [reference_greedy(model, p, 24) for p in prompts]
     core, _ = tiny_core(tiny_llama(), device=device, speculative=_spec(drafts[draft]))
     drafter = core.drafter
     assert isinstance(drafter, ModelDrafter)
     assert core.runner.graphs is not None and drafter.runner.graphs is not None
-    outputs = run_all(core, prompts, GREEDY)
-    for i, truth in enumerate(truths):
-        assert tokens_of(outputs[f"req-{i}"]) == truth, i
-    stats = core.take_stats().drafts
-    assert stats.num_accepted_tokens > 0
-    if draft == "same":
-        assert stats.num_accepted_tokens == stats.num_draft_tokens
-    _assert_released(core)
+    _check_greedy(core, draft)
 
 
 def test_a_draft_that_is_the_served_model_writes_its_replies_in_fewer_steps(drafts):
