@@ -380,6 +380,7 @@ def core_from_model(
     runner.lora = parts.lora
     core = EngineCore(scheduler, runner, loaded.tokenizer, loaded.eos_token_ids, vocab_size)
     core.max_logprobs = vocab_size if config.max_logprobs < 0 else config.max_logprobs
+    core.spec_metrics = config.spec_metrics
     core.overlap = overlap
     core.processor = loaded.processor
     spec = config.speculative
@@ -413,6 +414,7 @@ def core_from_model(
         eos_token_ids=loaded.eos_token_ids,
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         logprobs_mode=config.logprobs_mode,
+        spec_metrics=config.spec_metrics,
         hidden_size=int(getattr(loaded.model.config, "hidden_size", 0) or 0),
         embeds_prompts=runner.embeds_prompts,
     )

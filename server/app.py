@@ -229,7 +229,12 @@ def _openai_router(
 ) -> APIRouter:
     router = APIRouter(responses=errors(401) if settings.api_key else None)
     completions = CompletionHandler(
-        engine, served, settings.limits, settings.enable_prompt_embeds, settings.json_style
+        engine,
+        served,
+        settings.limits,
+        settings.enable_prompt_embeds,
+        settings.json_style,
+        settings.per_request_metrics,
     )
     chat = ChatHandler(engine, served, settings)
     embeddings = EmbeddingHandler(engine, served, settings.limits)

@@ -17,6 +17,7 @@ from engine.core.config import (
     LOAD_FORMATS,
     LOGPROBS_MODES,
     QUANTIZATION_METHODS,
+    SPEC_METRICS,
     CacheConfig,
     EngineConfig,
 )
@@ -389,6 +390,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "temperature, top-k, top-p and min-p; tokens they rule out at -9999)",
     )
     engine.add_argument(
+        "--per-request-spec-decode-metrics",
+        choices=list(SPEC_METRICS),
+        default="none",
+        help="with speculative decoding or a prediction, a lone sequence's response carries "
+        "its verification steps as `metrics.speculative_decoding` (vLLM's): summary counts, "
+        "detailed adds each step's",
+    )
+    engine.add_argument(
         "--speculative-config",
         type=_speculative_config,
         default=None,
@@ -605,6 +614,13 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "with stream_options.include_usage",
     )
     server.add_argument(
+        "--enable-per-request-metrics",
+        action="store_true",
+        help="a lone sequence's response carries its timings as vLLM's `metrics` object "
+        "(queue time, time to first token, generation time, mean inter-token latency, tokens "
+        "per second); streamed, in the usage chunk",
+    )
+    server.add_argument(
         "--return-tokens-as-token-ids",
         action="store_true",
         help="logprobs name every token as token_id:N, as if each request asked",
@@ -731,6 +747,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=args.speculative_config,
         kv_events=args.kv_events_config,
         logprobs_mode=args.logprobs_mode,
+        spec_metrics=args.per_request_spec_decode_metrics,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
@@ -754,6 +771,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         access_log=not args.disable_uvicorn_access_log,
         api_docs=not args.disable_fastapi_docs,
         force_include_usage=args.enable_force_include_usage,
+        per_request_metrics=args.enable_per_request_metrics,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         max_body_bytes=args.max_request_bytes,
         max_head_bytes=args.max_header_bytes,

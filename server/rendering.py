@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from engine.core.outputs import RequestOutput
+from engine.core.stats import FinishedRequestStats, SpecTally
+from server.request_metrics import MetricsReport
 from server.serving import now
 from server.streaming import compact_json, sse
 
@@ -28,6 +30,9 @@ class ChoiceState:
     started: bool = False
     # The generated token ids, kept where the request asked for them (`return_token_ids`).
     token_ids: list[int] | None = None
+    # Once finished in a step: its timings and verification steps (`request_metrics.py`).
+    stats: FinishedRequestStats | None = None
+    spec: SpecTally | None = None
 
     def record(self, output: RequestOutput, text: str) -> None:
         self.pieces.append(text)
@@ -39,6 +44,7 @@ class ChoiceState:
         self.num_prediction_refused = output.num_prediction_refused
         if output.finished:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+            self.stats, self.spec = output.stats, output.spec
 
     def ending(self, finished: bool) -> dict[str, Any]:
         """The `finish_reason` / `stop_reason` fields of a streamed fragment."""
@@ -57,6 +63,8 @@ class ChunkRenderer:
 
     object_name: ClassVar[str]
     choices: dict[int, Any]
+    # What a response's `metrics` holds (vLLM's per-request metrics); by default nothing.
+    report: MetricsReport = MetricsReport()
 
     def __init__(
         self, request_id: str, model: str, include_usage: bool, continuous_usage: bool = False
@@ -102,4 +110,16 @@ class ChunkRenderer:
         }
         if with_usage:
             body["usage"] = self.usage()
+            if all(choice.finish_reason for choice in self.choices.values()):
+                body.update(self.metrics_field())
         return body
+
+    def metrics_field(self) -> dict[str, Any]:
+        """`{"metrics": ...}` where the server reports them: a lone sequence's (None for
+        several, whose timings no one sequence tells), else nothing."""
+        if not self.report.reports:
+            return {}
+        choices = list(self.choices.values())
+        if len(choices) != 1:
+            return {"metrics": None}
+        return {"metrics": self.report.of(choices[0].stats, choices[0].spec)}

@@ -34,6 +34,7 @@ from server.reasoning import (
     tags_for,
 )
 from server.rendering import ChoiceState, ChunkRenderer
+from server.request_metrics import MetricsReport
 from server.serving import (
     EngineClient,
     ServedModel,
@@ -390,6 +391,7 @@ class ChatRenderer(ChunkRenderer):
             "model": self.model,
             "choices": choices,
             "usage": self.usage(),
+            **self.metrics_field(),
             **(
                 {"prompt_logprobs": self.prompt_logprobs}
                 if self.body.prompt_logprobs is not None
@@ -416,6 +418,8 @@ class ChatHandler:
         self.default_template_kwargs = settings.default_chat_template_kwargs or {}
         self.trust_request_template = settings.trust_request_chat_template
         self.json_style = settings.json_style
+        # What a response's `metrics` holds (vLLM's per-request metrics).
+        self.report = MetricsReport(settings.per_request_metrics, model.info.spec_metrics)
         self.exclude_tools_when_none = settings.exclude_tools_when_tool_choice_none
         self.processor_kwargs = processor_arguments(
             getattr(engine, "processor", None), settings.mm_processor_kwargs
@@ -495,7 +499,7 @@ class ChatHandler:
         self, request_id: str, body: ChatCompletionRequest, prepared: PreparedChat
     ) -> ChatRenderer:
         tokenizer = require_text_model(self.engine)
-        return ChatRenderer(
+        renderer = ChatRenderer(
             request_id,
             self.model.name_for(prepared.lora),
             body,
@@ -507,6 +511,8 @@ class ChatHandler:
             self.response_role if body.add_generation_prompt else body.messages[-1].role,
             self.thought,
         )
+        renderer.report = self.report
+        return renderer
 
     async def _prepare(
         self, body: ChatCompletionRequest

@@ -21,6 +21,7 @@ from server.logprobs import CompletionLogprobs, prompt_logprobs
 from server.prompt_embeds import embedded_prompts
 from server.protocol import CompletionRequest
 from server.rendering import ChoiceState, ChunkRenderer
+from server.request_metrics import MetricsReport
 from server.serving import (
     EngineClient,
     ServedModel,
@@ -192,6 +193,7 @@ class CompletionHandler:
         limits: RequestLimits | None = None,
         prompt_embeds: bool = False,
         json_style: JsonStyle = PLAIN,
+        per_request_metrics: bool = False,
     ) -> None:
         self.engine = engine
         self.model = model
@@ -199,6 +201,8 @@ class CompletionHandler:
         # Prompts may come as embedding rows (`--enable-prompt-embeds`).
         self.prompt_embeds = prompt_embeds
         self.json_style = json_style
+        # What a response's `metrics` holds (vLLM's per-request metrics).
+        self.report = MetricsReport(per_request_metrics, model.info.spec_metrics)
 
     async def render(self, body: CompletionRequest) -> tuple[list[list[int]], SamplingParams, str]:
         """The request checked and made into what the engine runs: each prompt's token ids, the
@@ -274,6 +278,7 @@ class CompletionHandler:
         bind_trace(request, request_id, shown)
         model = self.model.name_for(lora)
         renderer = CompletionRenderer(shown, model, body, prompts, texts, tokenizer)
+        renderer.report = self.report
         await self.engine.prepare(params)
         options = request_options(body, request, lora)
         if rows is not None:

@@ -332,6 +332,8 @@ class Reply:
             "truncation": body.truncation,
             "usage": self.usage() if status not in ("queued", "in_progress") else None,
             "user": body.user,
+            # vLLM's per-request metrics, where the server reports them, once it is done.
+            **(self.renderer.metrics_field() if status not in ("queued", "in_progress") else {}),
         }
 
     def usage(self) -> dict[str, Any]:

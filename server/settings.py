@@ -63,6 +63,8 @@ class ServerSettings:
     # (`--return-tokens-as-token-ids`).
     force_include_usage: bool = False
     return_tokens_as_token_ids: bool = False
+    # A lone sequence's response carries its timings (`--enable-per-request-metrics`).
+    per_request_metrics: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
     head_timeout: float = DEFAULT_HEAD_TIMEOUT

@@ -140,6 +140,8 @@ LOAD_FORMATS = ("auto", "dummy")
 # logits themselves, raw or as processed for sampling (after bias, penalties, temperature,
 # top-k, top-p and min-p; tokens those rule out at -inf, reported as -9999).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# What each request reports of its verification steps (vLLM's --per-request-spec-decode-metrics).
+SPEC_METRICS = ("none", "summary", "detailed")
 # vLLM's `--quantization` names of the methods of the checkpoints Conveyor serves.
 QUANTIZATION_METHODS = (
     "awq",
@@ -238,10 +240,17 @@ class EngineConfig:
     # The prefix cache's events for routers (`kv/events.py`); None: not published.
     kv_events: KVEventsConfig | None = None
     logprobs_mode: str = "raw_logprobs"
+    # What each request reports of its verification steps (`SPEC_METRICS`).
+    spec_metrics: str = "none"
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"unknown runner {self.runner!r}; choose one of {', '.join(RUNNERS)}")
+        if self.spec_metrics not in SPEC_METRICS:
+            raise ValueError(
+                f"unknown per-request spec decode metrics {self.spec_metrics!r}; choose one of "
+                f"{', '.join(SPEC_METRICS)}"
+            )
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"unknown logprobs mode {self.logprobs_mode!r}; choose one of "
@@ -370,6 +379,8 @@ class ServingInfo:
     num_speculative_tokens: int = 0
     # What logprobs report (`--logprobs-mode`).
     logprobs_mode: str = "raw_logprobs"
+    # What each request reports of its verification steps (`--per-request-spec-decode-metrics`).
+    spec_metrics: str = "none"
     # The model's width, and whether a prompt may come as embedding rows of it.
     hidden_size: int = 0
     embeds_prompts: bool = False

@@ -22,8 +22,8 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import ModelRunnerOutput, RequestOutput, TokenLogprob
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, ThoughtBudget
-from engine.core.speculation import Drafter
-from engine.core.stats import FinishedRequestStats, StepStats
+from engine.core.speculation import PREDICTION_DRAFTS, Drafter
+from engine.core.stats import FinishedRequestStats, SpecTally, StepStats
 from engine.core.thought_budget import ThoughtCounter
 from engine.kv.events import EventSink
 from engine.lora.registry import LoRARegistry, LoRARequest
@@ -77,6 +77,9 @@ class EngineCore:
         # N-gram speculation (`--speculative-config`): drafts each running request's next
         # tokens for its next step to verify; None: one token a step.
         self.drafter = Drafter()
+        # What each request reports of its verification steps (vLLM's
+        # `--per-request-spec-decode-metrics`): "none", "summary" or "detailed".
+        self.spec_metrics = "none"
         self._drafting_seconds = 0.0
         # Where the prefix cache's events go (`--kv-events-config`); None: nowhere.
         self.kv_events: EventSink | None = None
@@ -263,6 +266,7 @@ class EngineCore:
             images=images,
             cache_salt=cache_salt,
         )
+        request.spec = self._spec_tally(params, siblings)
         if params.bad_words:
             request.bad_words = bad_word_ids(self.tokenizer, params.bad_words)
         if deferred:
@@ -281,6 +285,20 @@ class EngineCore:
         self.outputs.add(request, parent_id or request_id, index)
         self._groups[request_id] = (parent_id or request_id, siblings)
         return request
+
+    def _spec_tally(self, params: SamplingParams, siblings: int) -> SpecTally | None:
+        """Where verification steps are reported per request (`spec_metrics` "summary" or
+        "detailed", vLLM's `--per-request-spec-decode-metrics`): a tally for a lone sequence
+        that may draft (speculation is on, or it has a prediction)."""
+        if self.spec_metrics == "none" or siblings > 1:
+            return None
+        if params.prediction:
+            most = PREDICTION_DRAFTS
+        elif self.drafter.config is not None:
+            most = self.drafter.config.num_speculative_tokens
+        else:
+            return None
+        return SpecTally(most, per_step=[] if self.spec_metrics == "detailed" else None)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         aborted = self.scheduler.abort_requests(request_ids)
@@ -400,6 +418,8 @@ class EngineCore:
             if request.sampling_params.prediction:
                 request.num_prediction_kept += kept
                 request.num_prediction_refused += len(item.drafts) - kept
+            if request.spec is not None:
+                request.spec.record(len(item.drafts), kept)
 
     def _draft(self, scheduled: SchedulerOutput, advanced: list[Request], seconds: float) -> None:
         """Tell the drafter what a decode step (one with no prompt chunk) gave in `seconds`
@@ -413,11 +433,11 @@ class EngineCore:
         self.drafter.draft_step(advanced, self.scheduler.num_running)
         self._drafting_seconds = time.monotonic() - began
 
-    def _record_finished(self, request: Request) -> None:
+    def _record_finished(self, request: Request) -> FinishedRequestStats:
         parent, siblings = self._groups.pop(request.request_id, ("", 1))
-        self._stats.finished.append(
-            FinishedRequestStats.of(request, time.monotonic(), parent, siblings)
-        )
+        stats = FinishedRequestStats.of(request, time.monotonic(), parent, siblings)
+        self._stats.finished.append(stats)
+        return stats
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -511,9 +531,10 @@ class EngineCore:
         self._draft(scheduled, advanced, seconds)
         for request, result in zip(advanced, results, strict=True):
             result.embedding = runner_output.embeddings.get(request.request_id)
+            if request.is_finished:
+                result.stats = self._record_finished(request)
+                result.spec = request.spec
         finished = [r for r in advanced if r.is_finished]
-        for request in finished:
-            self._record_finished(request)
         self._release([r.request_id for r in finished])
         self._record_speed(scheduled, seconds, len(finished))
         self._last_end = end

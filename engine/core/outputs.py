@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the core loads no torch; the runner hands it tensors
     import torch
 
+    from engine.core.stats import FinishedRequestStats, SpecTally
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
@@ -60,6 +62,10 @@ class RequestOutput:
     # Drafts from the request's prediction its steps kept and refused, so far.
     num_prediction_kept: int = 0
     num_prediction_refused: int = 0
+    # On the last delta of a sequence that finished in a step: its timings, and its
+    # verification steps where the engine reports them per request.
+    stats: FinishedRequestStats | None = None
+    spec: SpecTally | None = None
     error: BaseException | None = None
     # The prompt's last hidden state (fp32 `[hidden]`), under the pooling runner.
     embedding: torch.Tensor | None = None
@@ -78,6 +84,8 @@ class RequestOutput:
         self.num_output_tokens = later.num_output_tokens
         self.num_prediction_kept = later.num_prediction_kept
         self.num_prediction_refused = later.num_prediction_refused
+        self.stats = later.stats or self.stats
+        self.spec = later.spec or self.spec
         self.error = later.error
         if later.embedding is not None:
             self.embedding = later.embedding

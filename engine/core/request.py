@@ -101,6 +101,8 @@ class Request:
     # Drafts from `sampling_params.prediction` its steps kept and refused (Predicted Outputs).
     num_prediction_kept: int = 0
     num_prediction_refused: int = 0
+    # Its verification steps, where the engine reports them per request (a `SpecTally`).
+    spec: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -92,6 +92,24 @@ class DraftStats:
 
 
 @dataclass(slots=True)
+class SpecTally:
+    """One request's verification steps (vLLM's per-request acceptance metrics): for each
+    number of drafts a step verified, how many steps kept each count of them; with
+    `per_step`, each step's (drafted, kept) in order too. `num_spec_tokens` is the most
+    drafts a step of this request may verify."""
+
+    num_spec_tokens: int
+    by_length: dict[int, list[int]] = field(default_factory=dict)
+    per_step: list[tuple[int, int]] | None = None
+
+    def record(self, drafted: int, kept: int) -> None:
+        counts = self.by_length.setdefault(drafted, [0] * (drafted + 1))
+        counts[kept] += 1
+        if self.per_step is not None:
+            self.per_step.append((drafted, kept))
+
+
+@dataclass(slots=True)
 class StepStats:
     """Queue and cache state after a step, what the step produced, and who finished."""
 

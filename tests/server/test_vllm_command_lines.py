@@ -354,6 +354,16 @@ def test_a_draft_model_speculative_config_is_served():
         engine_config(build_parser().parse_args(sharded))
 
 
+def test_per_request_metrics_flags_reach_the_engine_and_the_server():
+    args = build_parser().parse_args(
+        ["serve", "--enable-per-request-metrics", "--per-request-spec-decode-metrics", "summary"]
+    )
+    assert engine_config(args).spec_metrics == "summary"
+    assert server_settings(args).per_request_metrics
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--per-request-spec-decode-metrics", "all"])
+
+
 def test_a_kv_events_config_is_served_with_prefix_caching_only():
     events = '{"enable_kv_cache_events": true, "topic": "kv@pod@model"}'
     config = engine_config(build_parser().parse_args(["serve", "--kv-events-config", events]))
