@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import bisect
 
-# The longest and shortest runs of the reply's last tokens looked up to find its place again.
+# The longest and shortest runs of the reply's last tokens looked for to find its place again,
+# and how many places of its last two tokens are tried on each side of where it was.
 LONGEST_RUN = 8
 SHORTEST_RUN = 2
+NEAREST = 64
 
 
 class Prediction:
@@ -28,9 +30,9 @@ class Prediction:
         self.cursor: int | None = None
         self._followed = 0  # reply tokens read so far
         self._last = 0  # the cursor before the reply last departed
-        # Each run of SHORTEST_RUN..LONGEST_RUN predicted tokens -> the positions just past its
-        # occurrences, ascending; built the first time the reply departs.
-        self._ends: dict[tuple[int, ...], list[int]] | None = None
+        # Each pair of predicted tokens -> the positions just past it, ascending; built the
+        # first time the reply departs.
+        self._ends: dict[tuple[int, int], list[int]] | None = None
 
     def draft(self, reply: list[int], count: int) -> list[int]:
         """Up to `count` predicted tokens to follow `reply` ([] where it is lost or at the
@@ -54,22 +56,39 @@ class Prediction:
         self.cursor = self._found(reply, self._last)
 
     def _found(self, reply: list[int], since: int) -> int | None:
-        """Just past the longest run of the reply's last tokens that occurs in the prediction:
-        its first occurrence ending at or after `since`, else its last before."""
-        ends = self._index()
-        for length in range(min(LONGEST_RUN, len(reply)), SHORTEST_RUN - 1, -1):
-            found = ends.get(tuple(reply[-length:]))
-            if found:
-                at = bisect.bisect_left(found, since)
-                return found[at] if at < len(found) else found[-1]
-        return None
+        """Just past the longest run (2 to 8 tokens) of the reply's last tokens that the
+        prediction holds, among the places of its last two nearest to `since`: of equal runs,
+        the first at or after `since`, else the last before."""
+        if len(reply) < SHORTEST_RUN:
+            return None
+        ends = self._index().get((reply[-2], reply[-1]))
+        if not ends:
+            return None
+        at = bisect.bisect_left(ends, since)
+        nearest = ends[at : at + NEAREST] + ends[max(0, at - NEAREST) : at][::-1]
+        best, longest = None, 0
+        for end in nearest:
+            length = self._run(reply, end)
+            if length > longest:
+                best, longest = end, length
+        return best
 
-    def _index(self) -> dict[tuple[int, ...], list[int]]:
+    def _run(self, reply: list[int], end: int) -> int:
+        """How many of the reply's last tokens (up to LONGEST_RUN) the prediction holds just
+        before `end`."""
+        tokens, length = self.tokens, 0
+        limit = min(LONGEST_RUN, len(reply), end)
+        while length < limit and reply[-1 - length] == tokens[end - 1 - length]:
+            length += 1
+        return length
+
+    def _index(self) -> dict[tuple[int, int], list[int]]:
+        """Each pair of consecutive predicted tokens -> the positions just past it,
+        ascending (one entry per token: a long prediction costs little)."""
         if self._ends is None:
             tokens = self.tokens
-            ends: dict[tuple[int, ...], list[int]] = {}
-            for length in range(SHORTEST_RUN, LONGEST_RUN + 1):
-                for end in range(length, len(tokens) + 1):
-                    ends.setdefault(tokens[end - length : end], []).append(end)
+            ends: dict[tuple[int, int], list[int]] = {}
+            for end in range(SHORTEST_RUN, len(tokens) + 1):
+                ends.setdefault((tokens[end - 2], tokens[end - 1]), []).append(end)
             self._ends = ends
         return self._ends
