@@ -132,6 +132,16 @@ class StructuredOutputsFields(FormatModel):
     disable_fallback: bool = False
 
 
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+
+
+def served_tier(asked: str | None) -> dict[str, str]:
+    """The `service_tier` a reply names, where the request named one: flex, else default."""
+    if asked is None:
+        return {}
+    return {"service_tier": "flex" if asked == "flex" else "default"}
+
+
 class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
@@ -182,6 +192,9 @@ class SamplingFields(RequestBody):
     length_penalty: float = Field(default=1.0, allow_inf_nan=False)
     priority: Int = 0
     timeout: float | None = Field(default=None, gt=0)
+    # OpenAI's: "flex" runs the request in capacity no other request wants (as a batch line
+    # runs), slower and cheaper; the others run as every request does.
+    service_tier: ServiceTier | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
     # vLLM's older names for the same formats, still sent by older clients.

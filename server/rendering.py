@@ -76,6 +76,8 @@ class ChunkRenderer:
         self.continuous_usage = continuous_usage
         self.created = now()
         self._event_head: str | None = None
+        # The `service_tier` every chunk names, where the request named one.
+        self.tier: dict[str, str] = {}
 
     def usage(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -106,6 +108,7 @@ class ChunkRenderer:
             "object": self.object_name,
             "created": self.created,
             "model": self.model,
+            **self.tier,
             "choices": choices,
         }
         if with_usage:

@@ -30,6 +30,7 @@ from server.protocol import (
     NonNegativeInt,
     PositiveInt,
     RequestBody,
+    ServiceTier,
 )
 
 _STRICT = ConfigDict(extra="ignore", strict=True)
@@ -215,6 +216,7 @@ class ResponsesRequest(RequestBody):
     min_tokens: NonNegativeInt = 0
     priority: int = 0
     timeout: float | None = Field(default=None, gt=0)
+    service_tier: ServiceTier | None = None
 
     # What the request span reads (`server.tracing`), by the chat request's names.
     n: ClassVar[int] = 1
@@ -323,6 +325,7 @@ def as_chat(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompl
         "min_tokens": body.min_tokens,
         "priority": body.priority,
         "timeout": body.timeout,
+        "service_tier": body.service_tier,
         "reasoning_effort": (body.reasoning or {}).get("effort"),
     }
     try:

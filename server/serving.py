@@ -246,7 +246,8 @@ def request_options(
     lora: LoRARequest | None = None,
     images: ImageInputs | None = None,
 ) -> RequestOptions:
-    background = request is not None and request.headers.get(BACKGROUND_HEADER) == "1"
+    asked = request is not None and request.headers.get(BACKGROUND_HEADER) == "1"
+    background = asked or body.service_tier == "flex"
     return RequestOptions(
         priority=body.priority,
         timeout=body.timeout,

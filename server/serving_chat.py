@@ -24,7 +24,7 @@ from server.harmony import REASONING_PARSER as HARMONY_REASONING
 from server.images import image_urls, load_images, processed_prompt, processor_arguments
 from server.limits import check_chat
 from server.logprobs import chat_logprobs, prompt_logprobs
-from server.protocol import ChatCompletionRequest
+from server.protocol import ChatCompletionRequest, served_tier
 from server.reasoning import (
     THINK,
     ThinkReader,
@@ -128,6 +128,7 @@ class ChatRenderer(ChunkRenderer):
         """`thinking`: None where the reply has no reasoning to split off, else whether it
         starts inside it (`server.reasoning`). `role`: the reply message's role."""
         super().__init__(request_id, model, body.include_usage, body.continuous_usage)
+        self.tier = served_tier(body.service_tier)
         self.body = body
         self.role = role
         self.forced = forced
@@ -389,6 +390,7 @@ class ChatRenderer(ChunkRenderer):
             "object": "chat.completion",
             "created": self.created,
             "model": self.model,
+            **self.tier,
             "choices": choices,
             "usage": self.usage(),
             **self.metrics_field(),

@@ -19,7 +19,7 @@ from server.json_style import PLAIN, JsonStyle
 from server.limits import RequestLimits, check_completion
 from server.logprobs import CompletionLogprobs, prompt_logprobs
 from server.prompt_embeds import embedded_prompts
-from server.protocol import CompletionRequest
+from server.protocol import CompletionRequest, served_tier
 from server.rendering import ChoiceState, ChunkRenderer
 from server.request_metrics import MetricsReport
 from server.serving import (
@@ -68,6 +68,7 @@ class CompletionRenderer(ChunkRenderer):
         tokenizer: Any,
     ) -> None:
         super().__init__(request_id, model, body.include_usage, body.continuous_usage)
+        self.tier = served_tier(body.service_tier)
         self.body = body
         self.prompts = prompts
         self.tokenizer = tokenizer

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.core.errors import InvalidRequestError, PromptTooLongError
 from engine.core.outputs import RequestOutput
 from server.errors import to_api_error
-from server.protocol import ChatCompletionRequest
+from server.protocol import ChatCompletionRequest, served_tier
 from server.response_items import OutputItems, item_id
 from server.response_store import EventLog, ResponseStore
 from server.responses_protocol import (
@@ -330,6 +330,7 @@ class Reply:
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "top_logprobs": body.top_logprobs,
             "truncation": body.truncation,
+            **served_tier(body.service_tier),
             "usage": self.usage() if status not in ("queued", "in_progress") else None,
             "user": body.user,
             # vLLM's per-request metrics, where the server reports them, once it is done.
