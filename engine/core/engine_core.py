@@ -308,8 +308,7 @@ class EngineCore:
         return [self.outputs.final_output(r) for r in aborted if r.request_id in self.outputs]
 
     def _release(self, request_ids: list[str]) -> None:
-        """Forget what the runner and the drafter keep of requests that ended."""
-        self.runner.release(request_ids)
+        """Forget what the drafter keeps of requests that ended."""
         self.drafter.release(request_ids)
 
     def fail_all(self, error: BaseException) -> list[RequestOutput]:

@@ -119,7 +119,6 @@ class ModelDrafter(Drafter):
             shadow = self._shadows.pop(request_id, None)
             if shadow is not None:
                 self.blocks.free(shadow.request)
-        self.runner.release(list(request_ids))
 
     def _room(self, shadow: Request, tokens: int, keep: set[str]) -> bool:
         """Blocks for the shadow to hold `tokens` tokens; where the draft's cache is short,

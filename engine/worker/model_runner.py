@@ -349,9 +349,6 @@ class ModelRunner:
             request.num_prompt_logprobs_done = max(hi, 1)
             output.prompt_logprobs[request.request_id] = chunk
 
-    def release(self, request_ids: list[str]) -> None:
-        self.sampler.release(request_ids)
-
     def has_lora(self, lora_id: int) -> bool:
         return self.lora is not None and lora_id in self.lora.adapters
 

@@ -4,15 +4,16 @@ Every row's choice is tensor work over the whole batch: penalties, `min_tokens`,
 grammars each touch all their rows in one operation, with no per-row device work or host sync.
 Rows with top-p and no top-k are drawn on a GPU by a Triton kernel that needs nothing from the
 host; elsewhere a widening `topk` search reads one flag back per widening.
-A request with a seed draws from its own generator, which advances only when that request
-samples (on a GPU, from noise keyed by its seed and its count of draws), so its tokens do not
-depend on what else shares the batch.
+A request with a seed draws each token from noise keyed by its seed and the token's position
+in its output, so its tokens depend neither on what else shares the batch nor on how many
+tokens a step gives it (speculation's drafts verified or not).
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -27,6 +28,16 @@ from engine.worker.transfer import HostCopy, to_device
 # A token processing ruled out has a logprob of -inf, which JSON cannot carry: reported as this,
 # as vLLM reports it.
 LOWEST_LOGPROB = -9999.0
+
+
+def position_key(seed: int, position: int) -> int:
+    """A 64-bit generator seed for the token at `position` of a request seeded `seed`
+    (splitmix64 of the two, so neighbouring seeds and positions draw unrelated noise)."""
+    mask = 2**64 - 1
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
 
 
 @dataclass(slots=True)
@@ -83,7 +94,7 @@ class Sampler:
         """`triton_kernels` (`engine.kernels.triton.sampling`): rows with top-p and no top-k
         draw in a kernel that needs nothing from the host, rather than in a widening `topk`
         search that asks the host how wide to go; seeded rows' noise comes from one launch
-        for them all, rather than from a generator per request, one call per row.
+        for them all, rather than from a generator per row, one call each.
         `logprobs_mode`: what logprobs report (`engine.core.config.LOGPROBS_MODES`)."""
         self.vocab_size = vocab_size
         self.device = device
@@ -91,20 +102,12 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
-        self._request_generators: dict[str, torch.Generator] = {}
-        self._draws: dict[str, int] = {}  # tokens each seeded request drew (Triton route)
 
     @property
     def route(self) -> str:
         if self.triton_kernels:
             return "Triton kernels (top-p pivoting, seeded noise in one launch)"
-        return "torch (top-p by widening topk, a generator per seed)"
-
-    def release(self, request_ids: list[str]) -> None:
-        """Forget per-request state of finished requests."""
-        for request_id in request_ids:
-            self._request_generators.pop(request_id, None)
-            self._draws.pop(request_id, None)
+        return "torch (top-p by widening topk, a generator per seeded row)"
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.sample(logits, requests).to_host(requests)
@@ -124,7 +127,8 @@ class Sampler:
             processed = sampled_scores(logits, [r.sampling_params for r in requests])
             logits_only = self.logprobs_mode == "processed_logits"
             scores = processed if logits_only else torch.log_softmax(processed, dim=-1)
-        return SampledTokens(self._choose(logits, requests), scores)
+        positions = [r.num_sampled_tokens for r in requests]
+        return SampledTokens(self._choose(logits, requests, positions), scores)
 
     def distributions(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each row's distribution as `sample` draws from it, `[rows, vocab]` (a greedy row's
@@ -143,16 +147,12 @@ class Sampler:
             probs[rows, best] = 1.0
         return probs
 
-    def draw(self, weights: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """A token from each row's `weights` (not necessarily normalized), drawn from the
-        request's own generator where it has a seed."""
-        return row_argmax(weights / self._exponential_noise(weights, requests))
-
-    def uniforms(self, count: int, request: Request) -> torch.Tensor:
-        """`count` draws from U[0, 1) from the request's generator (its own where seeded)."""
-        seeded = request.sampling_params.seed is not None
-        generator = self._generator_for(request) if seeded else self._generator
-        return torch.rand(count, generator=generator, device=self.device)
+    def draw(
+        self, weights: torch.Tensor, requests: list[Request], positions: list[int]
+    ) -> torch.Tensor:
+        """A token from each row's `weights` (not necessarily normalized), drawn for the
+        token at `positions[row]` of its request's output (as `sample` draws it there)."""
+        return row_argmax(weights / self._exponential_noise(weights, requests, positions))
 
     # ---- logits processing -----------------------------------------------------------------
 
@@ -171,7 +171,11 @@ class Sampler:
 
     # ---- choice ----------------------------------------------------------------------------
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _choose(
+        self, logits: torch.Tensor, requests: list[Request], positions: list[int]
+    ) -> torch.Tensor:
+        """Each row's token; `positions[row]` is where it lies in its request's output (a
+        seeded request's noise is keyed by it)."""
         greedy = [r.sampling_params.greedy for r in requests]
         if all(greedy):
             return row_argmax(logits)
@@ -180,7 +184,7 @@ class Sampler:
         nucleus = self._nucleus_rows(params)
         # The nucleus rows are drawn by the kernel instead: their whole vocabulary is kept.
         _, probs = _kept(scaled, params, [*nucleus, *_greedy_rows(params)])
-        noise = self._exponential_noise(probs, requests)
+        noise = self._exponential_noise(probs, requests, positions)
         choice = row_argmax(probs.div_(noise))
         if nucleus:
             rows = to_device(nucleus, logits.device, torch.int64)
@@ -200,8 +204,11 @@ class Sampler:
             if p.top_p < 1.0 and not p.uses_top_k and not p.greedy
         ]
 
-    def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Exp(1) noise: argmax(p / noise) is a sample from p (the exponential race)."""
+    def _exponential_noise(
+        self, probs: torch.Tensor, requests: list[Request], positions: list[int]
+    ) -> torch.Tensor:
+        """Exp(1) noise: argmax(p / noise) is a sample from p (the exponential race). A seeded
+        row's noise is keyed by its seed and `positions[row]`."""
         noise = torch.empty_like(probs)
         unseeded = [row for row, r in enumerate(requests) if r.sampling_params.seed is None]
         if len(unseeded) == len(requests):
@@ -210,31 +217,18 @@ class Sampler:
             rows = to_device(unseeded, probs.device)
             noise[rows] = torch.empty_like(noise[rows]).exponential_(generator=self._generator)
         seeded = [row for row, r in enumerate(requests) if r.sampling_params.seed is not None]
+        seeds = [cast(int, requests[row].sampling_params.seed) for row in seeded]
+        at = [positions[row] for row in seeded]
         if self.triton_kernels:
-            self._seeded_noise(noise, seeded, [requests[row] for row in seeded])
+            from engine.kernels.triton.sampling import seeded_noise
+
+            seeded_noise(noise, to_device(seeded, noise.device, torch.int64), seeds, at)
             return noise
-        for row in seeded:
-            noise[row].exponential_(generator=self._generator_for(requests[row]))
-        return noise
-
-    def _seeded_noise(self, noise: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
-        from engine.kernels.triton.sampling import seeded_noise
-
-        seeds = [seed for r in requests if (seed := r.sampling_params.seed) is not None]
-        draws = [self._draws.get(r.request_id, 0) for r in requests]
-        for request, drawn in zip(requests, draws, strict=True):
-            self._draws[request.request_id] = drawn + 1
-        seeded_noise(noise, to_device(rows, noise.device, torch.int64), seeds, draws)
-
-    def _generator_for(self, request: Request) -> torch.Generator:
-        generator = self._request_generators.get(request.request_id)
-        if generator is None:
-            seed = request.sampling_params.seed
-            assert seed is not None  # only seeded requests have their own generator
+        for row, seed, position in zip(seeded, seeds, at, strict=True):
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed % 2**64)
-            self._request_generators[request.request_id] = generator
-        return generator
+            generator.manual_seed(position_key(seed, position))
+            noise[row].exponential_(generator=generator)
+        return noise
 
 
 def _greedy_rows(params: list[SamplingParams]) -> list[int]:

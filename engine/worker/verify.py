@@ -2,11 +2,13 @@
 that follows them.
 
 A request with drafts d1..dk runs k + 1 rows; row i's distribution is the model's next token after
-d1..di. Draft d(i+1) is kept with probability p_i(d(i+1)) (always where it is row i's argmax,
-never elsewhere, for a greedy request); the first refused draft is replaced by a draw from row i's
-distribution without it, and when every draft is kept row k gives one more token. An n-gram draft
-is certain (its proposal puts all its mass on one token), so this is speculative sampling's rule,
-and each token follows the model's distribution exactly as decoding one at a time would.
+d1..di. Each row draws its token as a step without drafts would draw it there (the same
+distribution; for a seeded request, the same noise, keyed by the token's position); draft d(i+1)
+is kept while it is the token row i drew, and the first row whose token differs gives that
+token (when every draft is kept, row k gives one more). A draft is certain (its proposal puts all
+its mass on one token), so this keeps it with probability p_i(d(i+1)) and otherwise gives a
+token of p_i without it, as speculative sampling's rule does; and a seeded request writes the
+same tokens with drafts as without.
 """
 
 from __future__ import annotations
@@ -84,64 +86,55 @@ def verify_sampled(
 def _verify_free(
     sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup]
 ) -> list[Verified]:
-    """Groups without a format: every row's distribution at once, then each group's drafts
-    kept by its draws."""
+    """Groups without a format: every row's token drawn at once, then each group's drafts
+    kept while they are the tokens drawn before them."""
     if not groups:
         return []
     device = logits.device
     rows = [row for group in groups for row in group.rows]
     owners = [as_row_sees(group, i) for group in groups for i in range(len(group.drafts) + 1)]
-    local = _local_rows(groups)
+    positions = [_position(group, i) for group in groups for i in range(len(group.drafts) + 1)]
     probs = sampler.distributions(logits[torch.tensor(rows, device=device)], owners)
-    draft_rows = [local[g] + i for g, group in enumerate(groups) for i in range(len(group.drafts))]
-    draft_ids = [token for group in groups for token in group.drafts]
-    chances = probs[
-        torch.tensor(draft_rows, device=device), torch.tensor(draft_ids, device=device)
-    ].tolist()
-    kept_counts: list[int] = []
-    offset = 0
+    drawn = sampler.draw(probs, owners, positions).tolist()
+    verified, at = [], 0
     for group in groups:
-        count = len(group.drafts)
-        draws = sampler.uniforms(count, group.request).tolist()
-        kept = 0
-        while kept < count and draws[kept] < chances[offset + kept]:
-            kept += 1
-        kept_counts.append(kept)
-        offset += count
-    final = torch.stack([probs[local[g] + kept] for g, kept in enumerate(kept_counts)])
-    for g, (group, kept) in enumerate(zip(groups, kept_counts, strict=True)):
-        if kept < len(group.drafts):
-            _without(final[g], group.drafts[kept])
-    tokens = sampler.draw(final, [group.request for group in groups]).tolist()
-    return [
-        Verified(group.drafts[:kept], token)
-        for group, kept, token in zip(groups, kept_counts, tokens, strict=True)
-    ]
+        verified.append(_kept(group, drawn[at : at + len(group.drafts) + 1]))
+        at += len(group.drafts) + 1
+    return verified
+
+
+def _kept(group: VerifyGroup, drawn: list[int]) -> Verified:
+    """The drafts equal to the tokens its rows drew before them, and the token after."""
+    kept = 0
+    while kept < len(group.drafts) and group.drafts[kept] == drawn[kept]:
+        kept += 1
+    return Verified(group.drafts[:kept], drawn[kept])
+
+
+def _position(group: VerifyGroup, row: int) -> int:
+    """Where row `row`'s token lies in its request's output."""
+    return group.request.num_output_tokens + row
 
 
 def _verify_constrained(sampler: Sampler, logits: torch.Tensor, group: VerifyGroup) -> Verified:
     """A group under a format, row by row: row i masked by the matcher as it stands after the
-    drafts kept before it, and no row's mask computed past the first refused draft (a mask
+    drafts kept before it, and no row's mask computed past the first draft refused (a mask
     costs more than a row's sampling; a step then computes one per token it gives, as
     without drafts). The matcher is taken back to where it was; `receive` advances it over
     the kept tokens as over any."""
-    request, matcher = group.request, group.request.grammar
+    matcher = group.request.grammar
     valid = matcher.validate_tokens(group.drafts)  # consuming a refused one would break it
     kept = 0
     try:
         while True:
             row = logits[group.first + kept : group.first + kept + 1]
-            probs = sampler.distributions(row, [as_row_sees(group, kept)])
-            if kept == len(group.drafts):
+            owner = as_row_sees(group, kept)
+            probs = sampler.distributions(row, [owner])
+            token = int(sampler.draw(probs, [owner], [_position(group, kept)])[0])
+            if kept == len(group.drafts) or kept >= valid or token != group.drafts[kept]:
                 break
-            draft = group.drafts[kept]
-            chance = float(probs[0, draft])
-            if kept >= valid or float(sampler.uniforms(1, request)[0]) >= chance:
-                _without(probs[0], draft)
-                break
-            matcher.consume_token(draft)
+            matcher.consume_token(token)
             kept += 1
-        token = int(sampler.draw(probs, [request])[0])
     finally:
         matcher.rollback(kept)
     return Verified(group.drafts[:kept], token)
@@ -174,22 +167,3 @@ def verified_logprobs(
     tokens = torch.tensor(kept, device=logits.device)
     entries = token_logprobs(raw_scores(rows, mode), tokens, [count] * len(kept))
     return [entry for entry in entries if entry is not None]
-
-
-def _local_rows(groups: list[VerifyGroup]) -> list[int]:
-    """Each group's first row among the groups' rows alone."""
-    starts, at = [], 0
-    for group in groups:
-        starts.append(at)
-        at += len(group.drafts) + 1
-    return starts
-
-
-def _without(weights: torch.Tensor, token: int) -> None:
-    """Take a refused draft out of its row's distribution (the rest keep their proportions);
-    a row with nothing else left (the draft's refusal was a rounding away from certain) keeps
-    it."""
-    rest = weights.clone()
-    rest[token] = 0.0
-    if bool(rest.sum() > 0):
-        weights.copy_(rest)

@@ -115,13 +115,17 @@ def test_an_exact_prediction_writes_the_reply_in_fewer_steps_and_others_are_unch
     assert finished_at["plain"] == LENGTH
 
 
-def test_sampled_replies_with_a_seed_repeat_themselves_beside_n_gram_speculation():
+def test_seeded_replies_are_those_without_a_prediction_beside_n_gram_speculation():
     """(The tiny model's distributions are flat: at a low temperature the replies stay near
     the greedy ones predicted.)"""
     model = tiny_llama()
     prompts = _prompts()
     truths = [reference_greedy(model, p, LENGTH) for p in prompts]
-    runs = []
+    unpredicted = [
+        SamplingParams(temperature=0.1, seed=5, max_tokens=LENGTH, ignore_eos=True)
+    ] * len(prompts)
+    plain = run_all(tiny_core(tiny_llama())[0], prompts, unpredicted)
+    runs = [{key: tokens_of(parts) for key, parts in plain.items()}]
     for _ in range(2):
         core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(3, 1, 2))
         params = [
@@ -134,4 +138,4 @@ def test_sampled_replies_with_a_seed_repeat_themselves_beside_n_gram_speculation
         runs.append({key: tokens_of(parts) for key, parts in outputs.items()})
         assert outputs["req-0"][-1].num_prediction_kept > 0
         assert outputs["req-2"][-1].num_prediction_kept == 0
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]  # the same tokens as without predictions

@@ -278,6 +278,34 @@ def test_sampled_requests_with_a_seed_repeat_themselves_and_hold_no_blocks():
     assert all(len(tokens) == 20 for tokens, _, _ in runs[0].values())
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"repetition_penalty": 1.3, "min_tokens": 30}, {"top_k": 20, "min_p": 0.05}],
+    ids=["plain", "penalties", "top-k"],
+)
+def test_seeded_replies_are_the_same_with_drafts_as_without(extra: dict):
+    """Each token of a seeded request is drawn with noise keyed by its position, in a verify
+    step's rows as in a step of its own: drafts of its own reply are all kept, wrong ones
+    refused where they go wrong, and the reply is the same either way (so a seeded reply does
+    not depend on when the gate drafts)."""
+    prompts = _prompts(4)
+    params = SamplingParams(
+        temperature=0.9, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True, **extra
+    )
+    plain = run_all(tiny_core(tiny_llama())[0], prompts, params)
+    truths = {request_id: tokens_of(parts) for request_id, parts in plain.items()}
+    for wrong in [0, 3, None]:
+        core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(4, 1, 2))
+        if wrong is not None:
+            core.drafter = ScriptedDrafter(truths, wrong, 4)
+        outputs = run_all(core, prompts, params)
+        assert {key: tokens_of(parts) for key, parts in outputs.items()} == truths, wrong
+        drafts = core.take_stats().drafts
+        if wrong == 0:
+            assert drafts.num_drafts > 0
+            assert drafts.num_accepted_tokens == drafts.num_draft_tokens
+
+
 def test_no_drafts_while_more_requests_run_than_disable_by_batch_size():
     model = tiny_llama()
     prompts = _prompts(3)

@@ -86,12 +86,16 @@ def test_sampling_follows_the_distribution():
 def test_seeded_request_is_reproducible_whatever_shares_the_batch():
     values = logits(1, seed=9)
     alone = Sampler(VOCAB, torch.device("cpu"))
-    tokens_alone = [sample([request("s", seed=42)], values, alone).token_ids[0] for _ in range(20)]
+    # The step-th token of the request (its noise is keyed by the seed and that position).
+    tokens_alone = [
+        sample([request("s", [5] * step, seed=42)], values, alone).token_ids[0]
+        for step in range(20)
+    ]
     busy = Sampler(VOCAB, torch.device("cpu"), seed=123)
     tokens_busy = []
     for step in range(20):
         mates = [request(f"m{i}", temperature=1.5) for i in range(step % 4)]
-        batch = [*mates, request("s", seed=42)]
+        batch = [*mates, request("s", [5] * step, seed=42)]
         values_busy = torch.cat([logits(len(mates), seed=step), values])
         tokens_busy.append(sample(batch, values_busy, busy).token_ids[-1])
     assert tokens_alone == tokens_busy
@@ -114,14 +118,14 @@ def test_logit_bias_forces_and_bans_tokens():
 def test_allowed_token_ids_are_all_a_row_can_draw():
     values = logits(3, seed=5)
     allowed = (3, 11, 40)
-    rows = [
-        request("greedy", temperature=0, allowed_token_ids=allowed),
-        request("free", temperature=0),
-        request("hot", temperature=5.0, allowed_token_ids=allowed, seed=2),
-    ]
     sampler = Sampler(VOCAB, torch.device("cpu"))
     drawn = set()
-    for _ in range(40):
+    for step in range(40):
+        rows = [
+            request("greedy", temperature=0, allowed_token_ids=allowed),
+            request("free", temperature=0),
+            request("hot", [5] * step, temperature=5.0, allowed_token_ids=allowed, seed=2),
+        ]
         out = sample(rows, values, sampler)
         assert out.token_ids[0] == max(allowed, key=lambda t: float(values[0, t]))
         assert out.token_ids[1] == int(values[1].argmax())

@@ -82,6 +82,14 @@ def request(name: str, **params: object) -> Request:
     return Request(name, [1, 2, 3], SamplingParams(**params), 0.0, 10_000)
 
 
+def _at(position: int, **params: object) -> Request:
+    """A request about to sample the token at `position` of its output."""
+    found = request("s", **params)
+    for _ in range(position):
+        found.append_output(5)
+    return found
+
+
 BATCH = [
     dict(top_p=0.9),
     dict(top_p=0.95, temperature=0.7),
@@ -193,15 +201,16 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_shares_its_batch():
     vocab = 300
     values = torch.randn(1, vocab, generator=torch.Generator().manual_seed(9)).to(device)
     alone = Sampler(vocab, device, triton_kernels=True)
+    # The step-th token of the request (its noise is keyed by the seed and that position).
     tokens_alone = [
-        alone.sample(values.clone(), [request("s", seed=42, top_p=0.9)]).token_ids.item()
-        for _ in range(12)
+        alone.sample(values.clone(), [_at(step, seed=42, top_p=0.9)]).token_ids.item()
+        for step in range(12)
     ]
     busy = Sampler(vocab, device, seed=123, triton_kernels=True)
     tokens_busy = []
     for step in range(12):
         mates = [request(f"m{i}", temperature=1.5, seed=i) for i in range(step % 4)]
-        batch = [*mates, request("s", seed=42, top_p=0.9)]
+        batch = [*mates, _at(step, seed=42, top_p=0.9)]
         generator = torch.Generator().manual_seed(step)
         mate_logits = torch.randn(len(mates), vocab, generator=generator).to(device)
         drawn = busy.sample(torch.cat([mate_logits, values]), batch).token_ids
