@@ -10,11 +10,10 @@ without), the slots kept full for `--rounds` requests each. Reports output tok/s
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from engine_setup import add_engine_arguments, add_load_arguments, engine_config
-from speculation import PASSAGES, copy_prompts
+from speculation import PASSAGES, copy_prompts, print_row
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
@@ -80,15 +79,7 @@ def main() -> None:
             rates[way].append(result["tok_per_s"])
             if way == "on":
                 share = result["kept"] / max(1, result["kept"] + result["refused"])
-        off, on = (sum(rates[w]) / 2 for w in ("off", "on"))
-        row = {
-            "concurrency": concurrency,
-            "off_tok_per_s": round(off, 1),
-            "on_tok_per_s": round(on, 1),
-            "on_over_off": round(on / off, 2),
-            "drafts_kept": round(share, 2),
-        }
-        print(json.dumps(row), flush=True)
+        print_row(concurrency, rates, share)
 
 
 if __name__ == "__main__":

@@ -196,16 +196,22 @@ def main() -> None:
             rates[way].append(result["tok_per_s"])
             if way == "on" and result["drafted"]:
                 kept_share = result["kept"] / result["drafted"]
-        off, on = (sum(rates[w]) / 2 for w in ("off", "on"))
-        row = {
-            "concurrency": concurrency,
-            "off_tok_per_s": round(off, 1),
-            "on_tok_per_s": round(on, 1),
-            "on_over_off": round(on / off, 2),
-            "drafts_kept": round(kept_share, 2),
-        }
-        print(json.dumps(row), flush=True)
+        print_row(concurrency, rates, kept_share)
     core.drafter = drafter
+
+
+def print_row(concurrency: int, rates: dict[str, list[float]], kept_share: float) -> None:
+    """One concurrency's line: output tok/s off and on (each the mean of its runs), their
+    ratio and the share of draft tokens kept."""
+    off, on = (sum(rates[w]) / len(rates[w]) for w in ("off", "on"))
+    row = {
+        "concurrency": concurrency,
+        "off_tok_per_s": round(off, 1),
+        "on_tok_per_s": round(on, 1),
+        "on_over_off": round(on / off, 2),
+        "drafts_kept": round(kept_share, 2),
+    }
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

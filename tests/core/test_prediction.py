@@ -11,6 +11,7 @@ import pytest
 from engine.core.prediction import Prediction
 from engine.core.sampling_params import SamplingParams
 from engine.core.speculation import PREDICTION_DRAFTS, SpeculativeConfig
+from tests.conftest import CUDA
 from tests.helpers import reference_greedy, run_all, tiny_core, tiny_llama, tokens_of
 
 LENGTH = 40
@@ -85,6 +86,25 @@ def test_greedy_replies_are_generate_s_whatever_the_prediction(kind: str, option
             assert kept < 4
     manager = core.scheduler.block_manager
     assert manager.num_free_blocks == manager.num_blocks
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_on_a_gpu_predictions_draft_under_async_scheduling_and_graphs(device: str):
+    """On a GPU steps overlap by default: a step that samples a request with a prediction is
+    taken before the next is scheduled, so its drafts follow its newest tokens."""
+    model = tiny_llama()
+    prompts = _prompts()
+    truths = [reference_greedy(model, p, LENGTH) for p in prompts]
+    params = [
+        SamplingParams(temperature=0, max_tokens=LENGTH, ignore_eos=True, prediction=tuple(t))
+        for t in truths
+    ]
+    core, _ = tiny_core(tiny_llama(), device=device)
+    assert core.overlap and core.runner.graphs is not None
+    outputs = run_all(core, prompts, params)
+    for i, truth in enumerate(truths):
+        assert tokens_of(outputs[f"req-{i}"]) == truth
+        assert outputs[f"req-{i}"][-1].num_prediction_kept > LENGTH // 2
 
 
 def _bonus_tokens(length: int) -> int:
