@@ -186,8 +186,17 @@ def test_a_free_request_beside_constrained_ones_is_unchanged(model) -> None:
 
 
 def test_preempted_requests_keep_their_format(model) -> None:
-    """A cache too small for all three: requests are preempted and recomputed mid-document."""
-    schema = SCHEMAS["array"]
+    """A cache too small for all three: requests are preempted and recomputed mid-document
+    (each document at least 40 characters long, however the draws fall)."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "note": {"type": "string", "minLength": 40, "maxLength": 48},
+            "tags": SCHEMAS["array"]["properties"]["tags"],
+        },
+        "required": ["note", "tags"],
+        "additionalProperties": False,
+    }
     core, _ = tiny_core(model, num_blocks=40, block_size=4)
     sampling = params("json", json.dumps(schema), max_tokens=120)
     outputs = run_all(core, [list(range(40, 52))] * 3, sampling)
