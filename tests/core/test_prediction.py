@@ -36,6 +36,43 @@ def test_after_an_edit_the_reply_finds_its_place_again_later_on():
     assert prediction.draft([*reply, 9, 3, 4], 2) == [5, 6]
 
 
+def test_drafts_always_follow_a_place_where_the_prediction_holds_the_reply_s_last_tokens():
+    """Random predictions and replies that follow, edit and leave them, token by token: every
+    draft is the prediction's tokens just after a place where it holds the reply's last 2 or
+    more tokens (or, while the reply has followed it from the start, all of the reply)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        predicted = tuple(rng.randrange(6) for _ in range(rng.randrange(1, 60)))
+        prediction, reply, followed = Prediction(predicted), [], True
+        for _ in range(rng.randrange(1, 80)):
+            step = rng.random()
+            if step < 0.6 and len(reply) < len(predicted):
+                reply.append(predicted[len(reply)] if followed else rng.randrange(6))
+            else:
+                reply.append(rng.randrange(6))
+            followed = followed and tuple(reply) == predicted[: len(reply)]
+            drafts = prediction.draft(reply, 4)
+            if not drafts:
+                continue
+            end = _start_of(predicted, drafts, reply, followed)
+            assert end is not None, (predicted, reply, drafts)
+
+
+def _start_of(
+    predicted: tuple[int, ...], drafts: list[int], reply: list[int], followed: bool
+) -> int | None:
+    """A place the drafts may follow: the end of the reply's prefix of the prediction, or the
+    end of a run of 2+ of the reply's last tokens after which the prediction holds the drafts."""
+    if followed and tuple(drafts) == predicted[len(reply) : len(reply) + len(drafts)]:
+        return len(reply)
+    for end in range(2, len(predicted) + 1):
+        if tuple(drafts) != predicted[end : end + len(drafts)]:
+            continue
+        if predicted[end - 2 : end] == tuple(reply[-2:]):
+            return end
+    return None
+
+
 def _prompts(count: int = 4) -> list[list[int]]:
     rng = random.Random(3)
     return [[rng.randrange(2, 320) for _ in range(rng.randrange(3, 20))] for _ in range(count)]
