@@ -440,7 +440,7 @@ class DraftParts:
         spec = config.speculative
         assert spec is not None
         kv_cache = KVCache(self.cache, num_blocks, self.sampler.device)
-        blocks = BlockManager(num_blocks, self.cache.block_size)
+        blocks = BlockManager(num_blocks, self.cache.block_size, config.enable_prefix_caching)
         context = self.loaded.max_model_len
         if spec.draft_max_model_len is not None:
             context = min(context, spec.draft_max_model_len)

@@ -3,16 +3,18 @@ request's next tokens, greedily, one after another, and the served model verifie
 one step as it verifies n-gram drafts (`core/speculation.py`, `worker/verify.py`).
 
 The draft model runs on its own `ModelRunner`, over its own paged KV cache with its own block
-manager. Each drafting request has a shadow there: a greedy `Request` over the same tokens,
-whose computed tokens are those the draft's cache holds. Before a step is scheduled, the
-shadows first catch up with the tokens their requests took since (the bonus token and the
-kept drafts; a new request's whole prompt, in chunks of the step budget) and sample the first
-draft, then run one row each for every further draft. After verification, the draft's cache
-keeps the drafts the served model kept: only the tokens past them are computed again.
+manager (with the server's prefix caching, its own prefix cache: a shared system prompt is
+computed once by the draft model too). Each drafting request has a shadow there: a greedy
+`Request` over the same tokens, whose computed tokens are those the draft's cache holds.
+Before a step is scheduled, the shadows first catch up with the tokens their requests took
+since (the bonus token and the kept drafts; a new request's whole prompt, in chunks of the step
+budget) and sample the first draft, then run one row each for every further draft. After
+verification, the draft's cache keeps the drafts the served model kept: only the tokens past
+them are computed again.
 
 Drafts are what the draft model would write at temperature 0, whatever the request's own
-sampling: a draft is a point mass, kept with the served model's probability of it
-(speculative sampling's rule), so sampled replies follow the served model's distribution.
+sampling: a draft is a point mass, kept where the served model draws it (`worker/verify.py`),
+so sampled replies follow the served model's distribution.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ class ModelDrafter(Drafter):
         if shadow is None or shadow.synced > len(tokens):
             self._forget([request.request_id])
             copy = Request(request.request_id, list(tokens), GREEDY, 0.0, self.limits.max_len)
+            copy.cache_salt = request.cache_salt  # a tenant's prefixes stay its own here too
+            blocks = self.blocks.cached_prefix(copy)
+            self.blocks.claim(copy, blocks)
+            copy.num_computed_tokens = len(blocks) * self.blocks.block_size
             self._shadows[request.request_id] = Shadow(copy, len(tokens))
             return copy
         copy, synced = shadow.request, shadow.synced
@@ -136,7 +142,8 @@ class ModelDrafter(Drafter):
         items, counts = self._first_round(shadows, wanted)
         drafts: dict[str, list[int]] = {shadow.request_id: [] for shadow in shadows}
         while items:
-            output = self.runner.execute(SchedulerOutput(items))
+            copies = self.blocks.take_copies()
+            output = self.runner.execute(SchedulerOutput(items, block_copies=copies))
             following = []
             for item in items:
                 shadow = item.request
@@ -152,7 +159,15 @@ class ModelDrafter(Drafter):
                 if len(written) < counts[shadow.request_id]:
                     following.append(ScheduledRequest(shadow, 1))
             items = following
+        self._publish(shadows)
         return drafts
+
+    def _publish(self, shadows: list[Request]) -> None:
+        """Offer the shadows' full blocks of their requests' own tokens to the draft's prefix
+        cache (never blocks of drafts, which may yet be cut and written again)."""
+        for shadow in shadows:
+            synced = self._shadows[shadow.request_id].synced
+            self.blocks.cache_full_blocks(shadow, min(shadow.num_computed_tokens, synced))
 
     def _first_round(
         self, shadows: list[Request], wanted: dict[str, int]

@@ -190,6 +190,44 @@ def test_drafts_a_format_refuses_are_cut_and_replies_fit_it(drafts):
     _assert_released(core)
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_prompt_the_draft_computed_before_is_read_from_its_prefix_cache(drafts, caching):
+    """Two requests with one 40-token prompt, one after the other: with prefix caching the
+    second's catch-up computes only what follows the cached blocks (the tokens stay
+    generate's); without it, the whole prompt again."""
+    prompt = (_prompts(1)[0] * 40)[:40]
+    core, _ = tiny_core(
+        tiny_llama(), speculative=_spec(drafts["noisy"]), enable_prefix_caching=caching
+    )
+    drafter = core.drafter
+    assert isinstance(drafter, ModelDrafter)
+    computed: list[int] = []
+    execute = drafter.runner.execute
+
+    def counted(scheduled):
+        computed.append(scheduled.total_num_tokens)
+        return execute(scheduled)
+
+    drafter.runner.execute = counted  # type: ignore[method-assign]
+    firsts = []
+    for i in range(2):
+        computed.clear()
+        outputs = run_all(core, [prompt], GREEDY)
+        assert tokens_of(outputs["req-0"]) == reference_greedy(tiny_llama(), prompt, 24), i
+        firsts.append(computed[0])  # the round that first caught the shadow up
+    if caching:  # the prompt's 10 full blocks were cached: only the first output token runs
+        assert firsts == [41, 1]
+    else:
+        assert firsts == [41, 41]
+    # Another tenant's salt shares nothing, in the draft's cache as in the served model's.
+    computed.clear()
+    core.add_request("salted", prompt, GREEDY, cache_salt="tenant-b")
+    while core.has_unfinished():
+        core.step()
+    assert computed[0] == 41
+    _assert_released(core)
+
+
 def test_aborted_requests_give_back_the_draft_cache(drafts):
     core, _ = tiny_core(tiny_llama(), speculative=_spec(drafts["same"]))
     for i, prompt in enumerate(_prompts(4)):
