@@ -140,7 +140,6 @@ class ChatRenderer(ChunkRenderer):
         self.echoed = message_text(last) if body.echo and last.role == role else ""
         self.prompt = prompt
         self.num_prompt_tokens = len(prompt)
-        self.predicted = body.prediction is not None
         # Whether a streamed chunk carried the prompt's token ids yet (`return_token_ids`).
         self._prompt_ids_sent = False
         self.token_text = TokenText(tokenizer, body.return_tokens_as_token_ids)
@@ -302,7 +301,7 @@ class ChatRenderer(ChunkRenderer):
         choices = self.choices.values()
         completion = sum(c.num_output_tokens for c in choices)
         found = usage(self.num_prompt_tokens, completion, self.choices[0].num_cached_tokens)
-        if self.predicted:
+        if self.body.prediction is not None:
             found["completion_tokens_details"] = {
                 "accepted_prediction_tokens": sum(c.num_prediction_kept for c in choices),
                 "rejected_prediction_tokens": sum(c.num_prediction_refused for c in choices),

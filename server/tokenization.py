@@ -54,11 +54,17 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
+def fewest_tokens(tokenizer: Any, chars: int) -> int:
+    """The fewest tokens `chars` characters of text can take: no token spells more than
+    `longest_token_chars`."""
+    return -(-chars // longest_token_chars(tokenizer))
+
+
 def check_fits(tokenizer: Any, chars: int, max_model_len: int, param: str) -> None:
     """Refuse, before tokenizing it, text too long for the context whatever its tokens: no token
     spells more than `longest_token_chars`, so it has at least chars / that many. (Tokenizing
     30 MB of text takes tens of seconds.)"""
-    fewest = -(-chars // longest_token_chars(tokenizer))
+    fewest = fewest_tokens(tokenizer, chars)
     if fewest >= max_model_len:
         raise PromptTooLongError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -72,7 +78,7 @@ async def prediction_tokens(tokenizer: Any, text: str, max_model_len: int) -> tu
     """A chat request's `prediction` (OpenAI's Predicted Outputs) as tokens: refused where it
     could not fit the context (a reply cannot be that long), tokenized off the loop when
     large."""
-    fewest = -(-len(text) // longest_token_chars(tokenizer))
+    fewest = fewest_tokens(tokenizer, len(text))
     if fewest >= max_model_len:
         raise InvalidRequestError(
             f"The prediction has at least {fewest} tokens ({len(text)} characters), more than "

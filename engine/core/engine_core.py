@@ -22,7 +22,7 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import ModelRunnerOutput, RequestOutput, TokenLogprob
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, ThoughtBudget
-from engine.core.speculation import PREDICTION_DRAFTS, Drafter
+from engine.core.speculation import Drafter
 from engine.core.stats import FinishedRequestStats, SpecTally, StepStats
 from engine.core.thought_budget import ThoughtCounter
 from engine.kv.events import EventSink
@@ -74,8 +74,8 @@ class EngineCore:
         # weights stay until no request runs them.
         self.loras: LoRARegistry | None = None
         self._retired: dict[int, LoRARequest] = {}
-        # N-gram speculation (`--speculative-config`): drafts each running request's next
-        # tokens for its next step to verify; None: one token a step.
+        # Drafts each running request's next tokens for its next step to verify: from its
+        # prediction, and with `--speculative-config` by n-gram or a draft model.
         self.drafter = Drafter()
         # What each request reports of its verification steps (vLLM's
         # `--per-request-spec-decode-metrics`): "none", "summary" or "detailed".
@@ -290,13 +290,8 @@ class EngineCore:
         """Where verification steps are reported per request (`spec_metrics` "summary" or
         "detailed", vLLM's `--per-request-spec-decode-metrics`): a tally for a lone sequence
         that may draft (speculation is on, or it has a prediction)."""
-        if self.spec_metrics == "none" or siblings > 1:
-            return None
-        if params.prediction:
-            most = PREDICTION_DRAFTS
-        elif self.drafter.config is not None:
-            most = self.drafter.config.num_speculative_tokens
-        else:
+        most = self.drafter.ceiling(params)
+        if self.spec_metrics == "none" or siblings > 1 or most is None:
             return None
         return SpecTally(most, per_step=[] if self.spec_metrics == "detailed" else None)
 

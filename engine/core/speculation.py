@@ -19,6 +19,7 @@ from typing import Any
 from engine.core.draft_gate import DraftGate
 from engine.core.prediction import Prediction
 from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
 
 # vLLM's default n-gram lengths where the config names neither.
 DEFAULT_LOOKUP = 5
@@ -253,6 +254,13 @@ class Drafter:
         last step kept, up to `num_speculative_tokens`."""
         assert self.config is not None
         return self._lengths.get(request.request_id, self.config.num_speculative_tokens)
+
+    def ceiling(self, params: SamplingParams) -> int | None:
+        """The most drafts a step of a request with `params` may verify (None: it never
+        drafts)."""
+        if params.prediction:
+            return PREDICTION_DRAFTS
+        return self.config.num_speculative_tokens if self.config is not None else None
 
     @staticmethod
     def wanted(request: Request, most: int) -> int:

@@ -96,6 +96,13 @@ class BlockManager:
             request.block_ids.append(block)
         request.num_published_blocks = len(blocks)
 
+    def claim_cached_prefix(self, request: Request) -> None:
+        """Start a request holding no blocks from the longest cached run of its full blocks:
+        it holds them and counts their tokens computed."""
+        blocks = self.cached_prefix(request)
+        self.claim(request, blocks)
+        request.num_computed_tokens = len(blocks) * self.block_size
+
     def cache_full_blocks(self, request: Request, computed: int | None = None) -> None:
         """Publish the request's full blocks among its first `computed` tokens (default: its
         computed ones) so later prompts can reuse them. A block whose content is already

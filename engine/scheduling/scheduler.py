@@ -418,7 +418,7 @@ class Scheduler:
                 break
             fresh = not request.block_ids  # forked requests arrive holding their prompt
             if fresh:
-                self._claim_cached_prefix(request)
+                self.block_manager.claim_cached_prefix(request)
             whole = request.num_tokens - request.num_computed_tokens <= budget
             if whole or self.config.enable_chunked_prefill:
                 num_tokens = self._chunk(request, budget, encoder)
@@ -473,12 +473,6 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
-
-    def _claim_cached_prefix(self, request: Request) -> None:
-        """Start a request holding no blocks from the longest cached run of its full blocks."""
-        blocks = self.block_manager.cached_prefix(request)
-        self.block_manager.claim(request, blocks)
-        request.num_computed_tokens = len(blocks) * self.block_manager.block_size
 
     def _count_prefix_lookup(self, request: Request) -> None:
         if not self.block_manager.enable_caching:

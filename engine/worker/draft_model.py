@@ -108,9 +108,7 @@ class ModelDrafter(Drafter):
             self._forget([request.request_id])
             copy = Request(request.request_id, list(tokens), GREEDY, 0.0, self.limits.max_len)
             copy.cache_salt = request.cache_salt  # a tenant's prefixes stay its own here too
-            blocks = self.blocks.cached_prefix(copy)
-            self.blocks.claim(copy, blocks)
-            copy.num_computed_tokens = len(blocks) * self.blocks.block_size
+            self.blocks.claim_cached_prefix(copy)
             self._shadows[request.request_id] = Shadow(copy, len(tokens))
             return copy
         copy, synced = shadow.request, shadow.synced
