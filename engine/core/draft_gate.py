@@ -8,9 +8,11 @@ steps with drafts and of recent steps without, and drafts where the steps with t
 faster. A size class first runs a step without drafts and one with, then the way that was
 faster, trying the other way again after `FIRST_TRY` decisions, then after twice as many each
 time a try leaves the same way faster (up to `LAST_TRY`), so both rates stay current as the
-traffic changes while a way that keeps losing is seldom paid for. A rate is the median of its
-last `WINDOW` steps, so one step stalled by something else (a collection, another process) does
-not turn the decision."""
+traffic changes while a way that keeps losing is seldom paid for; a try that lost by little is
+repeated after `FIRST_TRY` decisions (it costs little), and one that won starts its way's rate
+over, as the traffic changed (a reply that starts repeating text drafts from the next step). A
+rate is the median of its last `WINDOW` steps, so one step stalled by something else (a
+collection, another process) does not turn the decision."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ FIRST_TRY = 8
 LAST_TRY = 256
 # The steps a rate is the median of.
 WINDOW = 8
+# A try that loses by less than this share waits only FIRST_TRY decisions for the next.
+CLOSE = 0.15
 
 
 def _window() -> deque[float]:
@@ -41,12 +45,14 @@ class _Rates:
     next_try: int = FIRST_TRY
     wait: int = FIRST_TRY
     favoured_then: bool | None = None
+    trying: bool | None = None  # the way the last decision tried (None: not a try)
 
     def favours_drafts(self) -> bool:
         return statistics.median(self.drafted) >= statistics.median(self.plain)
 
     def decide(self) -> bool:
         self.decisions += 1
+        self.trying = None
         if not self.plain:
             return False
         if not self.drafted:
@@ -58,7 +64,25 @@ class _Rates:
         self.wait = min(2 * self.wait, LAST_TRY) if confirmed else FIRST_TRY
         self.favoured_then = favoured
         self.next_try = self.decisions + self.wait
+        self.trying = not favoured
         return not favoured
+
+    def observe(self, drafted: bool, rate: float) -> None:
+        """A step's rate. A try that beat the other way's rate means the traffic changed: its
+        way's rate starts over from it (the older ones are of the traffic before). One that
+        lost by little is tried again soon, as it costs little."""
+        window = self.drafted if drafted else self.plain
+        other = self.plain if drafted else self.drafted
+        if self.trying is drafted and other:
+            best = statistics.median(other)
+            if rate > best:
+                window.clear()
+                self.favoured_then = None
+            if rate >= (1 - CLOSE) * best:
+                self.wait = FIRST_TRY
+                self.next_try = self.decisions + FIRST_TRY
+        self.trying = None
+        window.append(rate)
 
 
 def size_class(rows: int) -> int:
@@ -84,8 +108,7 @@ class DraftGate:
         tokens in `seconds`."""
         if seconds <= 0 or rows <= 0:
             return
-        rates = self._classes.setdefault(size_class(rows), _Rates())
-        (rates.drafted if drafted else rates.plain).append(tokens / seconds)
+        self._classes.setdefault(size_class(rows), _Rates()).observe(drafted, tokens / seconds)
 
     def rates(self, rows: int) -> tuple[float | None, float | None]:
         """The measured (with drafts, without) output tokens per second of this size class

@@ -3,6 +3,7 @@ without, per size class of steps, and keeps trying the other way now and then.""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 from engine.core.draft_gate import DraftGate, size_class
@@ -70,6 +71,36 @@ def test_rates_follow_the_traffic():
     assert gate.drafts(2)
     gate.observe(2, drafted=False, tokens=2, seconds=1.0)  # one stalled step turns nothing
     assert gate.drafts(2)
+
+
+def served(
+    gate: DraftGate, rows: int, count: int, drafted_rate: float, plain_rate: float
+) -> list[bool]:
+    """`count` decisions, each followed by its step's rate (one step = one second)."""
+    taken = []
+    for _ in range(count):
+        drafts = gate.drafts(rows)
+        gate.observe(rows, drafts, round(drafted_rate if drafts else plain_rate), 1.0)
+        taken.append(drafts)
+    return taken
+
+
+def test_a_try_that_wins_turns_the_gate_at_once_and_a_close_loss_is_tried_again_soon():
+    gate = DraftGate()
+    # Replies that stopped repeating: drafted steps a little slower (drafts missed).
+    steps = served(gate, 1, 100, drafted_rate=144, plain_rate=160)
+    tries = [i for i, drafted in enumerate(steps) if drafted][2:]
+    assert all(b - a == 8 for a, b in itertools.pairwise(tries)), tries
+    # They repeat again: the next try wins, and the gate drafts from the step after it (until
+    # it tries the other way).
+    steps = served(gate, 1, 20, drafted_rate=900, plain_rate=160)
+    first = steps.index(True)
+    assert first < 8 and all(steps[first : first + 8])
+    # A way far slower is tried less and less often, as before.
+    far = DraftGate()
+    tries = [i for i, d in enumerate(served(far, 1, 300, drafted_rate=50, plain_rate=160)) if d]
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
+    assert gaps[-1] >= 64 and gaps == sorted(gaps)
 
 
 class KnownDrafter(Drafter):
