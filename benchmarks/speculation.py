@@ -1,5 +1,5 @@
-"""Speculation (n-gram drafts, or a draft model's with `--draft-model`) against one token a
-step, in one engine and one run: each concurrency runs
+"""Speculation (n-gram drafts, suffix decoding's with `--method suffix`, or a draft model's with
+`--draft-model`) against one token a step, in one engine and one run: each concurrency runs
 four times, off, on, on, off, each run serving `--rounds` requests per slot with the slots kept
 full (a request that ends is replaced by the next, as under steady load), its prompts cached by
 a run before; it reports output tokens/s of each way (the mean of its two runs), their ratio,
@@ -7,6 +7,11 @@ and the share of draft tokens kept.
 
     python benchmarks/speculation.py --concurrency 1 16 64 --workload copy
     python benchmarks/speculation.py --concurrency 1 4 --draft-model ./small-model
+    python benchmarks/speculation.py --concurrency 1 16 --method suffix --workload json
+
+Suffix decoding keeps its tree of outputs from run to run (one drafter serves every "on" run),
+as a server keeps it from request to request: later rounds of the same prompts, and the second
+"on" run, draft from earlier replies.
 
 `--workload copy`: chat requests that ask the model to repeat or lightly edit a passage (code and
 prose), where a reply quotes its prompt, as in code editing, summaries that cite, or retrieval
@@ -165,15 +170,17 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=3, help="requests per slot, each replaced as it ends"
     )
-    args = parser.parse_args()
-    spec = SpeculativeConfig(
-        args.num_speculative_tokens,
-        args.prompt_lookup_min,
-        args.prompt_lookup_max,
-        method="draft_model" if args.draft_model else "ngram",
-        disable_by_batch_size=args.disable_by_batch_size,
-        model=args.draft_model,
+    parser.add_argument(
+        "--method", choices=("ngram", "suffix"), default="ngram", help="without --draft-model"
     )
+    parser.add_argument(
+        "--suffix-fields",
+        type=json.loads,
+        default={},
+        help="suffix decoding's vLLM fields, as JSON: '{\"suffix_decoding_max_spec_factor\": 2}'",
+    )
+    args = parser.parse_args()
+    spec = speculative_config(args)
     core, _, info = create_engine_core(engine_config(args, speculative=spec))
     drafter = core.drafter
     print(f"# {info.model_name} {info.dtype} on {info.device}, {args.workload} workload, {spec}")
@@ -198,6 +205,23 @@ def main() -> None:
                 kept_share = result["kept"] / result["drafted"]
         print_row(concurrency, rates, kept_share)
     core.drafter = drafter
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    """The config the arguments name: a draft model, suffix decoding or n-gram drafts."""
+    if args.draft_model:
+        fields = {"method": "draft_model", "model": args.draft_model}
+    elif args.method == "suffix":
+        fields = {"method": "suffix", **args.suffix_fields}
+    else:
+        fields = {
+            "method": "ngram",
+            "prompt_lookup_min": args.prompt_lookup_min,
+            "prompt_lookup_max": args.prompt_lookup_max,
+        }
+    fields["num_speculative_tokens"] = args.num_speculative_tokens
+    fields["disable_by_batch_size"] = args.disable_by_batch_size
+    return SpeculativeConfig.of(fields)
 
 
 def print_row(concurrency: int, rates: dict[str, list[float]], kept_share: float) -> None:

@@ -403,7 +403,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="speculative decoding as vLLM's JSON config: n-gram drafts "
         '(\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; '
-        "either lookup length alone sets both, default 5) or a draft model's "
+        "either lookup length alone sets both, default 5), suffix decoding's "
+        '(\'{"method": "suffix"}\', from the request and earlier outputs; vLLM\'s '
+        "suffix_decoding_* fields) or a draft model's "
         '(\'{"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4}\', a smaller model '
         "of the same tokenizer); turns --async-scheduling off",
     )

@@ -1,9 +1,10 @@
 """Speculation's drafts. vLLM's `ngram` method ("prompt lookup") drafts the next tokens of a
 sequence from what followed the latest earlier match of its last few tokens, in its prompt or
-its output so far; its `draft_model` method has a smaller model write them
-(`worker/draft_model.py`). A step then runs each draft as one more decode row of the sequence
-and keeps the drafts its model agrees with, plus the token of the first row that disagreed (or
-of the last row): several tokens for the price of a slightly wider decode step.
+its output so far; its `suffix` method from what most often followed them, there or in earlier
+requests' outputs (`core/suffix_decoding.py`); its `draft_model` method has a smaller model
+write them (`worker/draft_model.py`). A step then runs each draft as one more decode row of
+the sequence and keeps the drafts its model agrees with, plus the token of the first row that
+disagreed (or of the last row): several tokens for the price of a slightly wider decode step.
 
 Only requests whose next token depends on nothing but the logits of its row and the tokens
 before it (penalties, bad words, `min_tokens` and an output format read those, drafts
@@ -13,22 +14,34 @@ make a request decode one token a step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.core.draft_gate import DraftGate
 from engine.core.prediction import Prediction
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
+from engine.core.suffix_decoding import SuffixCache, SuffixSettings
 
 # vLLM's default n-gram lengths where the config names neither.
 DEFAULT_LOOKUP = 5
 
+# The most drafts a step of one request verifies.
+MOST_DRAFTS = 32
+
+# vLLM's suffix decoding fields, by our names for them.
+SUFFIX_FIELDS = {
+    "suffix_decoding_max_tree_depth": "depth",
+    "suffix_decoding_max_cached_requests": "max_cached_requests",
+    "suffix_decoding_max_spec_factor": "factor",
+    "suffix_decoding_min_token_prob": "min_prob",
+}
 
 # The fields each served method reads (besides `method` and `num_speculative_tokens`).
 METHOD_FIELDS = {
     "ngram": {"prompt_lookup_min", "prompt_lookup_max"},
     "draft_model": {"model", "draft_tensor_parallel_size", "max_model_len"},
+    "suffix": set(SUFFIX_FIELDS),
 }
 
 
@@ -41,7 +54,8 @@ class SpeculativeConfig:
     tokens (None: its own context). Either way no drafts while more than
     `disable_by_batch_size` requests run (where a step's rows already keep the device busy,
     more rows cost more than the tokens they keep); without it, drafts are made where steps
-    of the same size have been faster with them (`draft_gate.py`)."""
+    of the same size have been faster with them (`draft_gate.py`). `suffix`: draft what most
+    often followed the sequence's last tokens, by `suffix`'s settings."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = DEFAULT_LOOKUP
@@ -50,18 +64,20 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     model: str | None = None
     draft_max_model_len: int | None = None
+    suffix: SuffixSettings = field(default_factory=SuffixSettings)
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_FIELDS:
             raise ValueError(
                 f"speculative method {self.method!r} is not served: 'ngram' (drafts from the "
-                "sequence itself) and 'draft_model' (a smaller model of the same tokenizer) "
-                "are; EAGLE, Medusa, MLP speculators, MTP and suffix decoding are not"
+                "sequence itself), 'suffix' (from it and earlier outputs) and 'draft_model' (a "
+                "smaller model of the same tokenizer) are; EAGLE, Medusa, MLP speculators and "
+                "MTP are not"
             )
         if self.method == "draft_model" and not self.model:
             raise ValueError('the draft_model method needs the draft\'s "model" (a path or id)')
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.num_speculative_tokens <= MOST_DRAFTS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MOST_DRAFTS}]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min and prompt_lookup_max must be 1 <= min <= max")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
@@ -79,6 +95,15 @@ class SpeculativeConfig:
         count = self.num_speculative_tokens
         if self.uses_model:
             return f"drafts of up to {count} tokens from the draft model {self.model}"
+        if self.method == "suffix":
+            suffix = self.suffix
+            cached = "no" if suffix.max_cached_requests == 0 else str(suffix.max_cached_requests)
+            if suffix.max_cached_requests < 0:
+                cached = "all"
+            return (
+                f"suffix decoding drafts of up to {count} tokens (trees {suffix.depth} deep, "
+                f"{cached} earlier outputs cached)"
+            )
         return (
             f"n-gram drafts of up to {count} tokens from matches of the last "
             f"{self.prompt_lookup_min}-{self.prompt_lookup_max} tokens"
@@ -88,7 +113,8 @@ class SpeculativeConfig:
     def of(cls, fields: dict[str, Any]) -> SpeculativeConfig:
         """The config a `--speculative-config` JSON object gives. As in vLLM, a `model` with
         no `method` names the method: `ngram` or `[ngram]` n-gram drafts, an EAGLE head's
-        name EAGLE (refused), any other a draft model; either lookup length alone sets both."""
+        name EAGLE (refused), any other a draft model; either lookup length alone sets both.
+        `suffix` drafts up to its tree depth where `num_speculative_tokens` is not given."""
         method = _method_of(fields)
         if method not in METHOD_FIELDS:
             cls(1, method=method)  # refused by name
@@ -99,10 +125,15 @@ class SpeculativeConfig:
             raise ValueError(
                 f"unknown speculative config fields for {method}: {', '.join(unknown)}"
             )
+        suffix = _suffix_settings(fields) if method == "suffix" else SuffixSettings()
+        if method == "suffix" and fields.get("num_speculative_tokens") is None:
+            fields = {**fields, "num_speculative_tokens": min(suffix.depth, MOST_DRAFTS)}
         if "num_speculative_tokens" not in fields:
             raise ValueError("the speculative config needs num_speculative_tokens")
         for name, value in fields.items():
-            if name in ("method", "model") or (value is None and name != "num_speculative_tokens"):
+            if name in ("method", "model", *SUFFIX_FIELDS) or (
+                value is None and name != "num_speculative_tokens"
+            ):
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"speculative config field {name} must be an integer")
@@ -123,7 +154,38 @@ class SpeculativeConfig:
             disable_by_batch_size=fields.get("disable_by_batch_size"),
             model=model,
             draft_max_model_len=fields.get("max_model_len"),
+            suffix=suffix,
         )
+
+
+def _suffix_settings(fields: dict[str, Any]) -> SuffixSettings:
+    """The suffix method's settings from vLLM's `suffix_decoding_*` fields (defaults where
+    absent or null), checked."""
+    given = {
+        ours: fields[name] for name, ours in SUFFIX_FIELDS.items() if fields.get(name) is not None
+    }
+    for name in ("depth", "max_cached_requests"):
+        value = given.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"speculative config field {_vllm_name(name)} must be an integer")
+    for name in ("factor", "min_prob"):
+        value = given.get(name)
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise ValueError(f"speculative config field {_vllm_name(name)} must be a number")
+    settings = SuffixSettings(**given)
+    if settings.depth < 1:
+        raise ValueError("suffix_decoding_max_tree_depth must be at least 1")
+    if settings.max_cached_requests < -1:
+        raise ValueError("suffix_decoding_max_cached_requests must be -1 (no limit), 0 or more")
+    if settings.factor < 0:
+        raise ValueError("suffix_decoding_max_spec_factor must be at least 0")
+    if not 0 <= settings.min_prob <= 1:
+        raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
+    return settings
+
+
+def _vllm_name(ours: str) -> str:
+    return next(name for name, own in SUFFIX_FIELDS.items() if own == ours)
 
 
 def _method_of(fields: dict[str, Any]) -> str:
@@ -196,6 +258,9 @@ class Drafter:
         self._lengths: dict[str, int] = {}
         # Without `disable_by_batch_size`, whether drafts pay is measured (`draft_gate.py`).
         self.gate = DraftGate()
+        self.suffix: SuffixCache | None = None
+        if config is not None and config.method == "suffix":
+            self.suffix = SuffixCache(config.suffix)
 
     def draft_step(self, requests: list[Request], running: int) -> None:
         """Draft for the requests a step just advanced, `running` requests in all: those with
@@ -204,6 +269,8 @@ class Drafter:
         others = []
         for request in requests:
             request.draft_token_ids = []
+            if self.suffix is not None:  # every output counts, drafted or not
+                self.suffix.observe(request.request_id, request.output_token_ids)
             if request.sampling_params.prediction:
                 self.draft_prediction(request)
             else:
@@ -231,6 +298,11 @@ class Drafter:
         count = self.wanted(request, self.most(request))
         if not count:
             return
+        if self.suffix is not None:
+            self.suffix.observe(request.request_id, request.output_token_ids)
+            drafts = self.suffix.draft(request.request_id, request.all_token_ids, count)
+            request.draft_token_ids = self.allowed(request, drafts)
+            return
         index = self._indexes.get(request.request_id)
         if index is None:
             config = self.config
@@ -251,8 +323,11 @@ class Drafter:
 
     def most(self, request: Request) -> int:
         """The most tokens the request drafts next by the config's method: one more than its
-        last step kept, up to `num_speculative_tokens`."""
+        last step kept, up to `num_speculative_tokens` (suffix decoding: always up to that, its
+        drafts end where their estimated chance runs out)."""
         assert self.config is not None
+        if self.suffix is not None:
+            return self.config.num_speculative_tokens
         return self._lengths.get(request.request_id, self.config.num_speculative_tokens)
 
     def ceiling(self, params: SamplingParams) -> int | None:
@@ -290,6 +365,8 @@ class Drafter:
             self._indexes.pop(request_id, None)
             self._predictions.pop(request_id, None)
             self._lengths.pop(request_id, None)
+            if self.suffix is not None:
+                self.suffix.stop(request_id)
 
 
 def speculates(request: Request) -> bool:

@@ -85,7 +85,7 @@ def test_the_config_reads_vllm_s_fields_and_refuses_the_rest():
         ({"method": "ngram"}, "needs num_speculative_tokens"),
         ({"num_speculative_tokens": 2, "draft": "x"}, "unknown speculative config fields for "),
         ({"num_speculative_tokens": "2"}, "must be an integer"),
-        ({"num_speculative_tokens": 0}, "in [1, 16]"),
+        ({"num_speculative_tokens": 0}, "in [1, 32]"),
         ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "at least 1"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "min"),
     ]:

@@ -1,6 +1,6 @@
-"""A server started with `--speculative-config` (n-gram drafts or a draft model's) answers
-greedy requests exactly as one without: texts, token ids, usage and finish reasons, streamed or
-not, with `n`, logprobs and stops."""
+"""A server started with `--speculative-config` (n-gram drafts, suffix decoding or a draft
+model's) answers greedy requests exactly as one without: texts, token ids, usage and finish
+reasons, streamed or not, with `n`, logprobs and stops."""
 
 from __future__ import annotations
 
@@ -120,3 +120,23 @@ async def test_a_draft_model_s_server_answers_as_one_without_and_counts_its_draf
     drafted = _metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
     assert drafted > 0
     assert _metric(metrics, "vllm:spec_decode_num_accepted_tokens_total") == drafted
+
+
+async def test_a_suffix_decoding_server_answers_as_one_without_and_drafts_repeats_from_before():
+    async with app_client() as (client, _):
+        plain = await _answers(client)
+    fields = {"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": 8}
+    async with app_client(speculative=SpeculativeConfig.of(fields)) as (client, _):
+        assert await _answers(client) == plain
+        first = (await client.get("/metrics")).text
+        assert await _answers(client) == plain
+        again = (await client.get("/metrics")).text
+    kept = "vllm:spec_decode_num_accepted_tokens_total"
+    drafted = "vllm:spec_decode_num_draft_tokens_total"
+    # The same requests again draft from the replies before: most of their tokens are kept
+    # drafts (the replies hold 24 + 2 x 20 + 16 + 24 + at most 16 tokens).
+    assert _metric(again, kept) - _metric(first, kept) >= 60
+    share = (_metric(again, kept) - _metric(first, kept)) / (
+        _metric(again, drafted) - _metric(first, drafted)
+    )
+    assert share > 0.7
