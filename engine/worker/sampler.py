@@ -151,7 +151,10 @@ class Sampler:
         self, weights: torch.Tensor, requests: list[Request], positions: list[int]
     ) -> torch.Tensor:
         """A token from each row's `weights` (not necessarily normalized), drawn for the
-        token at `positions[row]` of its request's output (as `sample` draws it there)."""
+        token at `positions[row]` of its request's output (as `sample` draws it there). Greedy
+        rows hold one token (`distributions`): no noise is drawn where every row is greedy."""
+        if all(r.sampling_params.greedy for r in requests):
+            return row_argmax(weights)
         return row_argmax(weights / self._exponential_noise(weights, requests, positions))
 
     # ---- logits processing -----------------------------------------------------------------

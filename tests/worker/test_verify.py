@@ -92,3 +92,15 @@ def test_groups_are_found_among_the_sampled_rows():
         ("b", 1, [5, 6]),
         ("c", 4, [9]),
     ]
+
+
+def test_greedy_groups_draw_no_noise():
+    """Greedy rows take their argmax without drawing noise over the vocabulary (a cost a row
+    under a format paid, verified one by one): the sampler's generator is where it was."""
+    sampler = Sampler(VOCAB, torch.device("cpu"), seed=3)
+    state = sampler._generator.get_state()
+    requests = [Request(f"r{i}", [0], SamplingParams(temperature=0), 0.0, 100) for i in range(3)]
+    groups = [VerifyGroup(r, 2 * i, [2]) for i, r in enumerate(requests)]
+    verified = verify_sampled(sampler, LOGITS.repeat(3, 1), groups)
+    assert [(v.accepted, v.token) for v in verified] == [([2], 1)] * 3
+    assert torch.equal(sampler._generator.get_state(), state)
