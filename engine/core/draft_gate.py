@@ -56,6 +56,7 @@ class _Rates:
         if not self.plain:
             return False
         if not self.drafted:
+            self.trying = True
             return True
         favoured = self.favours_drafts()
         if self.decisions < self.next_try:
@@ -102,6 +103,12 @@ class DraftGate:
         """Whether a step of `rows` decoding requests should draft (see the module's
         docstring)."""
         return self._classes.setdefault(size_class(rows), _Rates()).decide()
+
+    def tries_drafts(self, rows: int) -> bool:
+        """Whether the last decision for steps of `rows` requests was to try drafts where steps
+        without have been faster (or not yet measured with them)."""
+        found = self._classes.get(size_class(rows))
+        return found is not None and found.trying is True
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step of `rows` requests, with drafts or without, gave `tokens` output

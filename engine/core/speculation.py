@@ -242,6 +242,9 @@ class NgramIndex:
 
 # The most tokens a request with a prediction drafts a step (OpenAI's Predicted Outputs).
 PREDICTION_DRAFTS = 8
+# The most tokens a request drafts in a step that tries drafts where steps without have been
+# faster: a try costs little even where many requests run, and tells the gate as much.
+TRY_DRAFTS = 2
 
 
 class Drafter:
@@ -258,6 +261,7 @@ class Drafter:
         self._lengths: dict[str, int] = {}
         # Without `disable_by_batch_size`, whether drafts pay is measured (`draft_gate.py`).
         self.gate = DraftGate()
+        self._cap: int | None = None  # TRY_DRAFTS in a step that tries drafts
         self.suffix: SuffixCache | None = None
         if config is not None and config.method == "suffix":
             self.suffix = SuffixCache(config.suffix)
@@ -279,7 +283,12 @@ class Drafter:
             return
         limit = self.config.disable_by_batch_size
         if running <= limit if limit is not None else self.gate.drafts(running):
-            self.draft_all(others)
+            trying = limit is None and self.gate.tries_drafts(running)
+            self._cap = TRY_DRAFTS if trying else None
+            try:
+                self.draft_all(others)
+            finally:
+                self._cap = None
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step of `rows` requests, with drafts or without, gave `tokens` output
@@ -324,11 +333,13 @@ class Drafter:
     def most(self, request: Request) -> int:
         """The most tokens the request drafts next by the config's method: one more than its
         last step kept, up to `num_speculative_tokens` (suffix decoding: always up to that, its
-        drafts end where their estimated chance runs out)."""
+        drafts end where their estimated chance runs out); `TRY_DRAFTS` in a step that tries
+        drafts."""
         assert self.config is not None
-        if self.suffix is not None:
-            return self.config.num_speculative_tokens
-        return self._lengths.get(request.request_id, self.config.num_speculative_tokens)
+        most = self.config.num_speculative_tokens
+        if self.suffix is None:
+            most = self._lengths.get(request.request_id, most)
+        return most if self._cap is None else min(most, self._cap)
 
     def ceiling(self, params: SamplingParams) -> int | None:
         """The most drafts a step of a request with `params` may verify (None: it never

@@ -149,3 +149,19 @@ def test_an_engine_stops_drafting_where_drafted_steps_are_slower_and_keeps_on_wh
         shares[slow_drafted] = sum(later) / len(later)
     # The other way is tried now and then.
     assert shares[True] <= 0.2 and shares[False] >= 0.8
+
+
+def test_a_step_that_tries_drafts_drafts_two_tokens_a_request_at_most():
+    drafter = Drafter(SpeculativeConfig(8, 1, 1))
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5]
+
+    def drafted() -> list[int]:
+        request = Request("r", list(prompt), SamplingParams(max_tokens=50), 0.0, 100)
+        drafter.draft_step([request], running=1)
+        return request.draft_token_ids
+
+    assert drafted() == []  # a step without drafts is measured first
+    drafter.observe(1, drafted=False, tokens=1, seconds=0.01)
+    assert drafted() == [6, 7]  # the first step with drafts tries them
+    drafter.observe(1, drafted=True, tokens=3, seconds=0.01)
+    assert drafted() == [6, 7, 8, 9, 10, 11, 12, 13]  # faster with them: drafts in full
