@@ -813,7 +813,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
-    """`--speculative-config`: vLLM's JSON object, its n-gram and draft-model fields."""
+    """`--speculative-config`: vLLM's JSON object, its n-gram, suffix and draft-model fields."""
     try:
         return SpeculativeConfig.of(json_object(text))
     except ValueError as exc:

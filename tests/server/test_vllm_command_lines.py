@@ -344,6 +344,17 @@ def test_an_n_gram_speculative_config_is_served():
         engine_config(build_parser().parse_args(both))
 
 
+def test_a_suffix_decoding_speculative_config_is_served():
+    config = '{"method": "suffix", "suffix_decoding_max_cached_requests": 100}'
+    args = build_parser().parse_args(["serve", "--speculative-config", config])
+    spec = engine_config(args).speculative
+    assert spec is not None and spec.method == "suffix"
+    assert (spec.num_speculative_tokens, spec.suffix.max_cached_requests) == (24, 100)
+    bad = '{"method": "suffix", "suffix_decoding_min_token_prob": 2}'
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", bad])
+
+
 def test_a_draft_model_speculative_config_is_served():
     config = '{"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 5, "method": "draft_model"}'
     args = build_parser().parse_args(["serve", "--speculative-config", config])
