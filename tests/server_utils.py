@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -33,6 +34,27 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive ports free now, below the kernel's range for outgoing
+    connections (a port the kernel picks for one may be taken again before a server binds it,
+    as may the ones after it)."""
+    rng = random.Random()
+    for _ in range(500):
+        first = rng.randrange(20000, 32000 - count)
+        if all(_bindable(first + offset) for offset in range(count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300) -> None:

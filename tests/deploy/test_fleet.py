@@ -21,6 +21,7 @@ import pytest
 
 from tests.deploy.fleet import ROOT, ROUTER, Replica, Router, free_port, tiny_model_dir
 from tests.deploy.fleet_traffic import Outcomes, shared_prefix_prompts, steady_run, ttft_p50
+from tests.server_utils import free_ports
 
 pytestmark = [
     pytest.mark.e2e,
@@ -194,7 +195,7 @@ def port_open(port: int) -> bool:
 
 
 def test_the_fleet_recipe_serves_through_its_router_and_stops_everything(model, tmp_path):
-    router_port, first = free_port(), free_port()
+    router_port, first = free_port(), free_ports(2)  # the replicas take first and first + 1
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -206,7 +207,7 @@ def test_the_fleet_recipe_serves_through_its_router_and_stops_everything(model, 
     }
     serve = ["--model", str(model), "--device", "cpu", "--served-model-name", "tiny"]
     # One KV events config for both: each replica publishes on its own port (the port + rank).
-    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}"}
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_ports(2)}"}
     serve += ["--kv-events-config", json.dumps(events)]
     fleet = subprocess.Popen(
         ["bash", str(ROOT / "deploy" / "fleet.sh"), "2", *serve],
