@@ -201,7 +201,8 @@ class ResponseTree:
         self.version = 0
         self.nodes = 1  # the root
         self._tokens: dict[int, list[int]] = {}
-        # Each sequence's open suffixes: the nodes of its last `depth - 1` .. 0 tokens.
+        # Each sequence's open suffixes: the nodes of its last `depth - 1` .. 0 tokens (the
+        # longest first).
         self._open: dict[int, list[int]] = {}
 
     def __contains__(self, seq: int) -> bool:
@@ -211,19 +212,21 @@ class ResponseTree:
         """Append `tokens` to sequence `seq` (a new one where it has none yet)."""
         own = self._tokens.setdefault(seq, [])
         opened = self._open.setdefault(seq, [])
-        count, best = self._count, self._best
+        count, best, children = self._count, self._best, self._child
         for token in tokens:
             opened.append(self.ROOT)
             if len(opened) > self.depth:
                 del opened[0]
             count[self.ROOT] += 1
-            for i, node in enumerate(opened):
-                child = self._child.get(node << 32 | token)
+            new = False  # shortest suffix first: once one never went on so, no longer one did
+            for i in range(len(opened) - 1, -1, -1):
+                node = opened[i]
+                child = None if new else children.get(node << 32 | token)
                 if child is None:
-                    child = self._new_node(node, token)
+                    child, new = self._new_node(node, token), True
                 count[child] += 1
                 leader = best[node]
-                if leader == -1 or (leader >= 0 and self._leads(child, leader)):
+                if leader == -1 or (leader >= 0 and leader != child and self._leads(child, leader)):
                     best[node] = child
                 opened[i] = child
             own.append(token)
@@ -319,25 +322,25 @@ class ResponseTree:
         return count > rival or (count == rival and self._token[child] < self._token[other])
 
     def _new_node(self, parent: int, token: int) -> int:
+        first, nxt, prev = self._first, self._next, self._prev
+        head = first[parent]
         if self._free:
             node = self._free.pop()
             self._count[node] = 0
             self._token[node] = token
-            self._first[node] = -1
-            self._best[node] = -1
+            first[node] = self._best[node] = -1
+            nxt[node], prev[node] = head, -1
         else:
-            node = len(self._count)
+            node = len(first)
             self._count.append(0)
             self._token.append(token)
-            self._first.append(-1)
-            self._next.append(-1)
-            self._prev.append(-1)
+            first.append(-1)
             self._best.append(-1)
-        head = self._first[parent]
-        self._next[node], self._prev[node] = head, -1
+            nxt.append(head)
+            prev.append(-1)
         if head >= 0:
-            self._prev[head] = node
-        self._first[parent] = node
+            prev[head] = node
+        first[parent] = node
         self._child[parent << 32 | token] = node
         self.nodes += 1
         return node
