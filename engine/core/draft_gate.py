@@ -46,6 +46,7 @@ class _Rates:
     wait: int = FIRST_TRY
     favoured_then: bool | None = None
     trying: bool | None = None  # the way the last decision tried (None: not a try)
+    last_asked: int = -FIRST_TRY  # the decision a drafter last turned into a try of drafts
 
     def favours_drafts(self) -> bool:
         return statistics.median(self.drafted) >= statistics.median(self.plain)
@@ -103,6 +104,18 @@ class DraftGate:
         """Whether a step of `rows` decoding requests should draft (see the module's
         docstring)."""
         return self._classes.setdefault(size_class(rows), _Rates()).decide()
+
+    def try_drafts(self, rows: int) -> bool:
+        """Turn the last decision for steps of `rows` requests, plain where plain steps have
+        been faster, into a try of drafts (a drafter saw drafts likely kept: the traffic may
+        have changed), at most once in `FIRST_TRY` decisions. Whether it did."""
+        rates = self._classes.get(size_class(rows))
+        if rates is None or rates.trying is not None or not rates.drafted:
+            return False
+        if rates.favours_drafts() or rates.decisions < rates.last_asked + FIRST_TRY:
+            return False
+        rates.trying, rates.last_asked = True, rates.decisions
+        return True
 
     def tries_drafts(self, rows: int) -> bool:
         """Whether the last decision for steps of `rows` requests was to try drafts where steps

@@ -245,6 +245,11 @@ PREDICTION_DRAFTS = 8
 # The most tokens a request drafts in a step that tries drafts where steps without have been
 # faster: a try costs little even where many requests run, and tells the gate as much.
 TRY_DRAFTS = 2
+# Under suffix decoding, where steps without drafts have been faster, the requests whose drafts
+# are estimated each step (in turn), and the tokens of TRY_DRAFTS one must be expected to keep
+# to have the gate try drafts.
+EVIDENCE_CHECKS = 2
+EVIDENCE = 1.0
 
 
 class Drafter:
@@ -262,6 +267,7 @@ class Drafter:
         # Without `disable_by_batch_size`, whether drafts pay is measured (`draft_gate.py`).
         self.gate = DraftGate()
         self._cap: int | None = None  # TRY_DRAFTS in a step that tries drafts
+        self._turn = 0  # where the next evidence check starts among the requests
         self.suffix: SuffixCache | None = None
         if config is not None and config.method == "suffix":
             self.suffix = SuffixCache(config.suffix)
@@ -284,11 +290,34 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         if running <= limit if limit is not None else self.gate.drafts(running):
             trying = limit is None and self.gate.tries_drafts(running)
-            self._cap = TRY_DRAFTS if trying else None
-            try:
-                self.draft_all(others)
-            finally:
-                self._cap = None
+        elif limit is None and self._evidence(others) and self.gate.try_drafts(running):
+            trying = True
+        else:
+            return
+        self._cap = TRY_DRAFTS if trying else None
+        try:
+            self.draft_all(others)
+        finally:
+            self._cap = None
+
+    def _evidence(self, requests: list[Request]) -> bool:
+        """Under suffix decoding, whether one of `EVIDENCE_CHECKS` of the requests (in turn
+        from step to step) has a draft whose first `TRY_DRAFTS` tokens are expected to keep
+        `EVIDENCE` tokens: replies that repeat earlier ones, worth a try of drafts."""
+        if self.suffix is None or not requests:
+            return False
+        start = self._turn % len(requests)
+        self._turn += EVIDENCE_CHECKS
+        for offset in range(min(EVIDENCE_CHECKS, len(requests))):
+            request = requests[(start + offset) % len(requests)]
+            count = self.wanted(request, TRY_DRAFTS)
+            if (
+                count
+                and self.suffix.best(request.request_id, request.all_token_ids, count).score
+                >= EVIDENCE
+            ):
+                return True
+        return False
 
     def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode step of `rows` requests, with drafts or without, gave `tokens` output

@@ -411,15 +411,20 @@ class SuffixCache:
             self._fed[request_id] = len(output)
 
     def draft(self, request_id: str, tokens: Sequence[int], most: int) -> list[int]:
-        """Up to `most` tokens to follow the request's `tokens` (prompt and output): its own
-        source's draft, or the outputs' where that scores higher."""
+        """Up to `most` tokens to follow the request's `tokens` (prompt and output)."""
+        return self.best(request_id, tokens, most).tokens
+
+    def best(self, request_id: str, tokens: Sequence[int], most: int) -> SuffixDraft:
+        """The draft of up to `most` tokens to follow the request's `tokens`: its own source's,
+        or the outputs' where that scores higher (its score is the tokens it is expected to
+        keep)."""
         rule = self.settings.rule
         draft = self._sources[request_id].draft(tokens, rule, most)
         if self._seqs:
             shared = self.tree.draft(tokens, rule, most, self._matches(request_id, tokens))
             if shared.score > draft.score:
                 draft = shared
-        return draft.tokens
+        return draft
 
     def _matches(self, request_id: str, tokens: Sequence[int]) -> list[int]:
         """The tree's nodes of the request's suffixes that occurred: those of its last call

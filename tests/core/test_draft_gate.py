@@ -165,3 +165,25 @@ def test_a_step_that_tries_drafts_drafts_two_tokens_a_request_at_most():
     assert drafted() == [6, 7]  # the first step with drafts tries them
     drafter.observe(1, drafted=True, tokens=3, seconds=0.01)
     assert drafted() == [6, 7, 8, 9, 10, 11, 12, 13]  # faster with them: drafts in full
+
+
+def test_suffix_drafts_likely_kept_turn_a_plain_step_into_a_try_once_in_eight():
+    drafter = Drafter(SpeculativeConfig.of({"method": "suffix", "num_speculative_tokens": 8}))
+    for _ in range(3):  # steps with drafts have been slower: the gate favours plain ones
+        drafter.observe(1, drafted=True, tokens=1, seconds=0.02)
+        drafter.observe(1, drafted=False, tokens=1, seconds=0.01)
+    assert drafter.suffix is not None
+    drafter.suffix.observe("earlier", [])
+    drafter.suffix.observe("earlier", [20, 21, 22, 23, 24, 25, 26, 27])
+    drafter.release(["earlier"])
+
+    def drafts(prompt: list[int]) -> list[int]:
+        request = Request("r", prompt, SamplingParams(max_tokens=50), 0.0, 100)
+        drafter.draft_step([request], running=1)
+        drafter.release(["r"])
+        return request.draft_token_ids
+
+    assert drafts([9, 20, 21, 22]) == [23, 24]  # an earlier reply repeats: a try, two drafts
+    assert drafts([9, 20, 21, 22]) == []  # not again for a while
+    assert [drafts([5, 6, 7]) for _ in range(8)] == [[]] * 8  # nothing likely kept: no try
+    assert drafts([9, 20, 21, 22]) == [23, 24]
