@@ -21,6 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+# A request's own tokens count over the latest occurrences of its last token, at most this many
+# (a long prompt that repeats itself would otherwise cost a pass over each a step).
+RECENT_OCCURRENCES = 256
+
 # A ceiling of our own on the shared tree's nodes (about 150 bytes each): where responses would
 # pass it, the oldest leave, as they do past `max_cached_requests`.
 MAX_TREE_NODES = 1_000_000
@@ -107,8 +111,8 @@ def best_of(
 
 class SequenceSource:
     """One sequence's own tokens (prompt and output so far), searched by where each token
-    occurs: the ends of a suffix's occurrences narrow as the suffix grows, and a draft follows
-    the next tokens after them."""
+    occurs: the ends of a suffix's occurrences (among the latest `RECENT_OCCURRENCES` of its
+    last token) narrow as the suffix grows, and a draft follows the next tokens after them."""
 
     def __init__(self) -> None:
         self._where: dict[int, list[int]] = {}
@@ -123,7 +127,7 @@ class SequenceSource:
         if context < 2 or most <= 0:
             return SuffixDraft()
         # The ends of each suffix's occurrences; suffixes with as many share them (and walks).
-        ends = self._where[tokens[-1]]
+        ends = self._where[tokens[-1]][-RECENT_OCCURRENCES:]
         groups: list[list[int]] = []  # distinct lists of ends, fewer and fewer
         group_of: list[int] = []  # each match length's
         first_of: list[int] = []  # each group's shortest match length

@@ -91,6 +91,16 @@ def test_a_sequence_drafts_from_itself_as_a_search_of_every_occurrence():
             tokens.extend(rng.randrange(3) for _ in range(rng.randrange(1, 3)))
 
 
+def test_a_long_sequence_that_repeats_itself_counts_the_latest_occurrences():
+    """Past RECENT_OCCURRENCES of its last token, a sequence counts the latest ones: a
+    40000-token loop drafts its period as a short one does."""
+    loop = [7, 8, 9, 10, 11]
+    rule = DraftRule(depth=24, factor=1.0, min_prob=0.1)
+    long, short = SequenceSource(), SequenceSource()
+    assert long.draft(loop * 8000, rule, 12).tokens == short.draft(loop * 20, rule, 12).tokens
+    assert short.draft(loop * 20, rule, 12).tokens == (loop * 3)[:12]
+
+
 def test_the_tree_of_outputs_drafts_as_a_search_of_them_as_they_grow_and_leave():
     rng = random.Random(1)
     for trial in range(40):
