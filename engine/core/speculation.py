@@ -161,17 +161,16 @@ class SpeculativeConfig:
 def _suffix_settings(fields: dict[str, Any]) -> SuffixSettings:
     """The suffix method's settings from vLLM's `suffix_decoding_*` fields (defaults where
     absent or null), checked."""
-    given = {
-        ours: fields[name] for name, ours in SUFFIX_FIELDS.items() if fields.get(name) is not None
-    }
-    for name in ("depth", "max_cached_requests"):
-        value = given.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ValueError(f"speculative config field {_vllm_name(name)} must be an integer")
-    for name in ("factor", "min_prob"):
-        value = given.get(name)
-        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-            raise ValueError(f"speculative config field {_vllm_name(name)} must be a number")
+    given = {}
+    for name, ours in SUFFIX_FIELDS.items():
+        value = fields.get(name)
+        if value is None:
+            continue
+        whole = ours in ("depth", "max_cached_requests")
+        if not isinstance(value, int if whole else int | float) or isinstance(value, bool):
+            kind = "an integer" if whole else "a number"
+            raise ValueError(f"speculative config field {name} must be {kind}")
+        given[ours] = value
     settings = SuffixSettings(**given)
     if settings.depth < 1:
         raise ValueError("suffix_decoding_max_tree_depth must be at least 1")
@@ -182,10 +181,6 @@ def _suffix_settings(fields: dict[str, Any]) -> SuffixSettings:
     if not 0 <= settings.min_prob <= 1:
         raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
     return settings
-
-
-def _vllm_name(ours: str) -> str:
-    return next(name for name, own in SUFFIX_FIELDS.items() if own == ours)
 
 
 def _method_of(fields: dict[str, Any]) -> str:
@@ -396,8 +391,9 @@ class Drafter:
     def kept(self, request_id: str, kept: int) -> None:
         """A step kept `kept` of the request's drafts: it drafts one more than that next time
         (so a request whose text stops repeating spends one row a step on drafts, and one that
-        repeats grows back); a prediction's drafts stay as long as its reply allows."""
-        if self.config is not None:
+        repeats grows back); a prediction's drafts stay as long as its reply allows, and suffix
+        decoding's as their estimated chance does."""
+        if self.config is not None and self.suffix is None:
             self._lengths[request_id] = min(kept + 1, self.config.num_speculative_tokens)
 
     def release(self, request_ids: list[str]) -> None:

@@ -37,7 +37,6 @@ class SuffixDraft:
     tokens: list[int] = field(default_factory=list)
     probs: list[float] = field(default_factory=list)
     score: float = 0.0
-    match_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +97,13 @@ def best_of(
     could not beat the best so far is not walked (each token's chance is at most 1)."""
     best = SuffixDraft()
     for i in range(len(match_lens) - 1, -1, -1):
-        match_len = match_lens[i]
-        keep = rule.limit(match_len, most)
+        keep = rule.limit(match_lens[i], most)
         if keep <= best.score:
             continue
         found = walk(i, keep)
         score = sum(found.probs[:keep])
         if score > best.score:
-            best = SuffixDraft(found.tokens[:keep], found.probs[:keep], score, match_len)
+            best = SuffixDraft(found.tokens[:keep], found.probs[:keep], score)
     return best
 
 
@@ -209,9 +207,6 @@ class ResponseTree:
         # longest first).
         self._open: dict[int, list[int]] = {}
 
-    def __contains__(self, seq: int) -> bool:
-        return seq in self._tokens
-
     def extend(self, seq: int, tokens: Sequence[int]) -> None:
         """Append `tokens` to sequence `seq` (a new one where it has none yet)."""
         own = self._tokens.setdefault(seq, [])
@@ -263,7 +258,8 @@ class ResponseTree:
         matches: list[int] | None = None,
     ) -> SuffixDraft:
         """The best draft to follow `context` (a sequence's last tokens) from the outputs;
-        `matches`, where given, holds the nodes of its suffixes that occurred (`matches`)."""
+        `matches`, where given, holds the nodes of its suffixes that occurred (as `matches`
+        finds them)."""
         found = matches if matches is not None else self.matches(context)
 
         def walk(i: int, keep: int) -> SuffixDraft:
