@@ -49,6 +49,11 @@ class _Rates:
     last_asked: int = -FIRST_TRY  # the decision a drafter last turned into a try of drafts
 
     def favours_drafts(self) -> bool:
+        """Whether steps with drafts have been as fast as steps without; a way not measured
+        yet is not favoured over one that was (a step can draft before its size class decided
+        anything: its rows changed since the decision, or the batch-size limit chose)."""
+        if not self.drafted or not self.plain:
+            return bool(self.drafted)
         return statistics.median(self.drafted) >= statistics.median(self.plain)
 
     def decide(self) -> bool:

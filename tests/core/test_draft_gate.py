@@ -187,3 +187,21 @@ def test_suffix_drafts_likely_kept_turn_a_plain_step_into_a_try_once_in_eight():
     assert drafts([9, 20, 21, 22]) == []  # not again for a while
     assert [drafts([5, 6, 7]) for _ in range(8)] == [[]] * 8  # nothing likely kept: no try
     assert drafts([9, 20, 21, 22]) == [23, 24]
+
+
+def test_a_size_class_measured_only_with_drafts_measures_plain_before_any_try():
+    # A step's rows can differ from those its drafts were decided at (requests finished or
+    # joined), so a size class can see a drafted step before any decision of its own; the
+    # suffix drafter's evidence then asks for a try before a plain step was measured.
+    drafter = Drafter(SpeculativeConfig.of({"method": "suffix", "num_speculative_tokens": 8}))
+    drafter.observe(6, drafted=True, tokens=12, seconds=0.01)
+    assert drafter.suffix is not None
+    drafter.suffix.observe("earlier", [])
+    drafter.suffix.observe("earlier", [20, 21, 22, 23, 24, 25, 26, 27])
+    drafter.release(["earlier"])
+    requests = [
+        Request(f"r{i}", [9, 20, 21, 22], SamplingParams(max_tokens=50), 0.0, 100) for i in range(6)
+    ]
+    drafter.draft_step(requests, running=6)
+    assert [request.draft_token_ids for request in requests] == [[]] * 6  # plain, measured first
+    assert drafter.gate.rates(6) == (1200.0, None)
