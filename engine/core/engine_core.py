@@ -81,6 +81,7 @@ class EngineCore:
         # `--per-request-spec-decode-metrics`): "none", "summary" or "detailed".
         self.spec_metrics = "none"
         self._drafting_seconds = 0.0
+        self._drafting_failures = 0
         # Where the prefix cache's events go (`--kv-events-config`); None: nowhere.
         self.kv_events: EventSink | None = None
 
@@ -424,8 +425,20 @@ class EngineCore:
             drafted = any(item.drafts for item in items)
             self.drafter.observe(len(items), drafted, tokens, seconds + self._drafting_seconds)
         began = time.monotonic()
-        self.drafter.draft_step(advanced, self.scheduler.num_running)
+        try:
+            self.drafter.draft_step(advanced, self.scheduler.num_running)
+        except Exception:  # a failing drafter costs the drafts, never the requests
+            self._drafting_failed(advanced)
         self._drafting_seconds = time.monotonic() - began
+
+    def _drafting_failed(self, requests: list[Request]) -> None:
+        """Drafting raised: the requests decode the next step without drafts (the first
+        failure is logged with its trace)."""
+        for request in requests:
+            request.draft_token_ids = []
+        self._drafting_failures += 1
+        if self._drafting_failures == 1:
+            logger.exception("drafting failed; the requests decode without drafts")
 
     def _record_finished(self, request: Request) -> FinishedRequestStats:
         parent, siblings = self._groups.pop(request.request_id, ("", 1))

@@ -5,6 +5,7 @@ and leave the KV cache as they found it."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 
 import jsonschema
@@ -225,6 +226,36 @@ def test_n_gram_drafts_are_kept_where_the_model_repeats_itself():
     drafts = core.take_stats().drafts
     assert drafts.num_accepted_tokens > 0
     assert sum(drafts.accepted_per_position) == drafts.num_accepted_tokens
+
+
+def test_a_failing_drafter_costs_the_drafts_not_the_requests(caplog):
+    """A drafter that raises (a bug in it, whatever the method) leaves the step's requests to
+    decode without drafts; the first failure is logged with its trace."""
+    model = tiny_llama()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 320) for _ in range(5)] * 3 for _ in range(4)]
+    core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(3, 1, 3))
+    calls = 0
+    draft_all = core.drafter.draft_all
+
+    def every_other_fails(requests: list[Request]) -> None:
+        nonlocal calls
+        calls += 1
+        draft_all(requests)  # drafts made, then the failure: none may be run
+        if calls % 2:
+            raise RuntimeError("drafter broke")
+
+    core.drafter.draft_all = every_other_fails  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, logger="engine.core.engine_core"):
+        outputs = run_all(core, prompts, GREEDY)
+    for i, prompt in enumerate(prompts):
+        assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 24)
+    assert calls > 2 and core.take_stats().drafts.num_drafts > 0  # the other steps drafted
+    assert [r.message for r in caplog.records] == [
+        "drafting failed; the requests decode without drafts"
+    ]
+    manager = core.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
 
 
 def _finished(outputs: dict) -> dict:
