@@ -19,7 +19,7 @@ from engine.core.errors import (
 from engine.core.images import ImageInputs
 from engine.core.mrope import grid_positions
 from engine.core.output_processor import OutputProcessor
-from engine.core.outputs import ModelRunnerOutput, RequestOutput, TokenLogprob
+from engine.core.outputs import NO_TOKEN, ModelRunnerOutput, RequestOutput, TokenLogprob
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, ThoughtBudget
 from engine.core.speculation import Drafter
@@ -528,8 +528,9 @@ class EngineCore:
     ) -> list[RequestOutput]:
         """Hand an advanced step's results to the scheduler and turn them into deltas."""
         self.outputs.collect_prompt_logprobs(runner_output)
-        advanced = self.scheduler.receive(scheduled, runner_output)
         self._record_drafts(scheduled, runner_output)  # before the outputs, which count them
+        failed = self._fail_ruled_out(scheduled, runner_output)
+        advanced = self.scheduler.receive(scheduled, runner_output)
         end = time.monotonic()
         results = [self._output_for(r, _logprobs_of(r, runner_output)) for r in advanced]
         self._record_tokens(advanced, end)
@@ -545,6 +546,31 @@ class EngineCore:
         self._release([r.request_id for r in finished])
         self._record_speed(scheduled, seconds, len(finished))
         self._last_end = end
+        return failed + results
+
+    def _fail_ruled_out(
+        self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Fail, alone and as the client's error, each request whose own rules left its row
+        no token (`NO_TOKEN`); the step's other requests take their tokens. One that kept
+        drafts before that row takes them first, as steps of one token would have written
+        them (the last one uncomputed), and meets the row again in its next step."""
+        sampled = runner_output.sampled_token_ids
+        results = []
+        for item in scheduled.scheduled:
+            request_id = item.request.request_id
+            if sampled.get(request_id) != NO_TOKEN:
+                continue
+            kept = runner_output.accepted_drafts.pop(request_id, [])
+            if kept:
+                sampled[request_id], runner_output.accepted_drafts[request_id] = kept[-1], kept[:-1]
+                logprobs = runner_output.accepted_logprobs.pop(request_id, [])
+                if logprobs:
+                    runner_output.logprobs[request_id] = logprobs[-1]
+                    runner_output.accepted_logprobs[request_id] = logprobs[:-1]
+                continue
+            del sampled[request_id]
+            results += self._fail([request_id], _ruled_out_error(item.request))
         return results
 
     def _expire(self, now: float) -> list[RequestOutput]:
@@ -692,3 +718,24 @@ def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:
 def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
     """The adapters `requests` run, each once, by name."""
     return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
+
+
+def _ruled_out_error(request: Request) -> InvalidRequestError:
+    """The error of a request whose rules leave no token to follow its output so far."""
+    params = request.sampling_params
+    rules = [
+        name
+        for name, holds in (
+            ("the output format", request.grammar is not None),
+            ("allowed_token_ids", bool(params.allowed_token_ids)),
+            ("bad_words", bool(request.bad_words)),
+            ("min_tokens", request.num_output_tokens < params.min_tokens),
+        )
+        if holds
+    ]
+    fields = [rule for rule in rules if " " not in rule]
+    return InvalidRequestError(
+        f"No token may come next after {request.num_output_tokens} generated tokens: "
+        f"{' and '.join(rules)} rule out every token of the vocabulary.",
+        param=fields[0] if fields else None,
+    )

@@ -21,6 +21,12 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+# The token of a row whose request's own rules ruled out every token (a format and
+# `allowed_token_ids` outside it, `min_tokens` where only EOS may follow, ...): the engine fails
+# that request alone, as the client's error.
+NO_TOKEN = -1
+
+
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """What the model produced in one step.

@@ -228,7 +228,9 @@ class ModelRunner:
     ) -> LaunchedStep:
         """Remember where each request's token lies, for the next step's placeholders."""
         if sampled is not None:
-            self._last_tokens = sampled.token_ids
+            # A NO_TOKEN row's request fails when the step is received; a step launched before
+            # that reads some token for it, never an index outside the vocabulary.
+            self._last_tokens = sampled.token_ids.clamp(min=0)
             self._last_rows = {r.request_id: row for row, r in enumerate(requests)}
         return LaunchedStep(requests, sampled, output)
 

@@ -12,6 +12,7 @@ tokens a step gives it (speculation's drafts verified or not).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import cast
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from engine.core.bad_words import banned_tokens
-from engine.core.outputs import TokenLogprob
+from engine.core.outputs import NO_TOKEN, TokenLogprob
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
@@ -128,7 +129,8 @@ class Sampler:
             logits_only = self.logprobs_mode == "processed_logits"
             scores = processed if logits_only else torch.log_softmax(processed, dim=-1)
         positions = [r.num_sampled_tokens for r in requests]
-        return SampledTokens(self._choose(logits, requests, positions), scores)
+        choice = self._choose(logits, requests, positions)
+        return SampledTokens(_none_where_ruled_out(choice, logits, requests), scores)
 
     def distributions(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each row's distribution as `sample` draws from it, `[rows, vocab]` (a greedy row's
@@ -145,6 +147,11 @@ class Sampler:
             best = row_argmax(logits[rows])
             probs[rows] = 0.0
             probs[rows, best] = 1.0
+        ruled = _ruling_rows(requests)
+        if ruled:  # a row with every token ruled out has no mass at all (`draw`: NO_TOKEN)
+            index = to_device(ruled, logits.device, torch.int64)
+            empty = torch.isneginf(logits[index]).all(dim=1, keepdim=True)
+            probs[index] = probs[index].masked_fill(empty, 0.0)
         return probs
 
     def draw(
@@ -154,8 +161,10 @@ class Sampler:
         token at `positions[row]` of its request's output (as `sample` draws it there). Greedy
         rows hold one token (`distributions`): no noise is drawn where every row is greedy."""
         if all(r.sampling_params.greedy for r in requests):
-            return row_argmax(weights)
-        return row_argmax(weights / self._exponential_noise(weights, requests, positions))
+            choice = row_argmax(weights)
+        else:
+            choice = row_argmax(weights / self._exponential_noise(weights, requests, positions))
+        return _none_where_ruled_out(choice, weights, requests, floor=0.0)
 
     # ---- logits processing -----------------------------------------------------------------
 
@@ -312,6 +321,33 @@ def _argmax_of_raw_logits(request: Request) -> bool:
     )
 
 
+def _ruling_rows(requests: list[Request]) -> list[int]:
+    """The rows whose requests' rules can rule out every token: a format, `allowed_token_ids`,
+    bad words or a `min_tokens` ban in force."""
+    return [
+        row
+        for row, request in enumerate(requests)
+        if request.grammar is not None
+        or request.sampling_params.allowed_token_ids
+        or request.bad_words
+        or request.num_sampled_tokens < request.sampling_params.min_tokens
+    ]
+
+
+def _none_where_ruled_out(
+    choice: torch.Tensor, weights: torch.Tensor, requests: list[Request], floor: float = -math.inf
+) -> torch.Tensor:
+    """`choice` with NO_TOKEN where a request's rules left its row no token: every weight at
+    or below `floor` (-inf logits, or no probability). On the device, without waiting."""
+    rows = _ruling_rows(requests)
+    if not rows:
+        return choice
+    index = to_device(rows, weights.device, torch.int64)
+    empty = weights[index].amax(dim=1) <= floor
+    choice[index] = torch.where(empty, torch.full_like(choice[index], NO_TOKEN), choice[index])
+    return choice
+
+
 def row_argmax(values: torch.Tensor) -> torch.Tensor:
     """`values.argmax(dim=-1)` for `[rows, vocab]`: Conveyor's CPU kernel for fp32 on the CPU
     (it compares eight lanes at a time where torch compares one element), else torch's."""
@@ -339,7 +375,7 @@ def logprob_tensors(
 ) -> list[torch.Tensor]:
     """On the device: each row's chosen logprob and its rank, then, when some row wants
     alternatives, the values and ids of the most any row wants."""
-    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    chosen = logprobs.gather(1, token_ids.clamp(min=0)[:, None])[:, 0]  # NO_TOKEN: any
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
     top_k = max((k for k in top_counts if k), default=0)
     if not top_k:

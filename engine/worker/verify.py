@@ -164,6 +164,6 @@ def verified_logprobs(
     kept = [*verified.accepted, verified.token]
     rows = logits[group.first : group.first + len(kept)].float()
     count = group.request.sampling_params.logprobs
-    tokens = torch.tensor(kept, device=logits.device)
+    tokens = torch.tensor(kept, device=logits.device).clamp(min=0)  # NO_TOKEN: failed anyway
     entries = token_logprobs(raw_scores(rows, mode), tokens, [count] * len(kept))
     return [entry for entry in entries if entry is not None]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from engine.core.speculation import SpeculativeConfig
-from tests.helpers import CORPUS
+from tests.helpers import CORPUS, tiny_llama
 from tests.server_utils import app_client, blocks_in_use, sse_events, wait_until_idle
 
 WORDS = " ".join(CORPUS).split()
@@ -116,8 +116,11 @@ def _answer(body: dict[str, Any], status: int, text: str) -> Any:
         texts: dict[int, str] = {}
         calls: dict[tuple[int, int], str] = {}
         finishes: dict[int, str] = {}
+        errors = []
         for event in sse_events(text)[:-1]:
-            for choice in event["choices"]:
+            if "error" in event:  # a request that failed after it streamed tokens
+                errors.append(event["error"]["message"])
+            for choice in event.get("choices", []):
                 index, delta = choice["index"], choice.get("delta", {})
                 texts[index] = texts.get(index, "") + (
                     choice.get("text") or delta.get("content") or ""
@@ -128,24 +131,26 @@ def _answer(body: dict[str, Any], status: int, text: str) -> Any:
                     calls[key] = calls.get(key, "") + (function.get("name") or "")
                     calls[key] += function.get("arguments") or ""
                 finishes[index] = choice.get("finish_reason") or finishes.get(index, "")
-        return sorted((i, t, finishes[i]) for i, t in texts.items()), sorted(calls.items())
+        texts_in_order = sorted((i, t, finishes[i]) for i, t in texts.items())
+        return texts_in_order, sorted(calls.items()), errors
     payload = json.loads(text)
     answers = []
     for choice in payload["choices"]:
         message = choice.get("message")
-        content = message and (message["content"] or "") + json.dumps(message.get("tool_calls"))
+        # Tool call ids are random; the calls' names and arguments must agree.
+        calls = [call["function"] for call in (message or {}).get("tool_calls") or []]
+        content = message and (message["content"] or "") + json.dumps(calls)
         logprobs = choice.get("logprobs") or {}
         tokens = logprobs.get("tokens") or [e["token"] for e in logprobs.get("content") or []]
         answers.append(
             (choice["index"], content or choice.get("text"), choice["finish_reason"], tokens)
         )
-    # Tool call ids are random; the calls' names and arguments must agree.
     usage = {k: v for k, v in payload["usage"].items() if k != "prompt_tokens_details"}
-    return re.sub(r'"id": "[^"]*"', "", json.dumps(sorted(answers))), usage
+    return sorted(answers), usage
 
 
 async def _answers(requests: list[tuple[str, dict[str, Any]]], **options: Any) -> list[Any]:
-    async with app_client(**options) as (client, engine):
+    async with app_client(model=MODEL, **options) as (client, engine):
 
         async def send(path: str, body: dict[str, Any]) -> Any:
             response = await client.post(path, json=body, timeout=120)
@@ -166,13 +171,19 @@ SUFFIX = {
     "suffix_decoding_min_token_prob": 0.0,
 }
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1}
+# A context long enough for the tools' prompt (about 800 tokens with the tiny tokenizer).
+MODEL = tiny_llama(max_positions=2048)
+PLAIN = dict(async_scheduling=False, num_blocks=1024)
 WAYS = {
-    # 130 blocks of 4 hold 520 tokens (the context is 512): preemptions, never a shorter context.
+    # 300 blocks of 4 hold 1200 tokens, more than any request needs: preemptions, and the
+    # same answers as a longer context.
     "drafts-preempted-chunked": dict(
-        speculative=SpeculativeConfig.of(SUFFIX), num_blocks=130, max_num_batched_tokens=24
+        speculative=SpeculativeConfig.of(SUFFIX), num_blocks=300, max_num_batched_tokens=64
     ),
-    "ngram-16-token-blocks": dict(speculative=SpeculativeConfig.of(NGRAM), block_size=16),
-    "overlapped": dict(async_scheduling=True),
+    "ngram-16-token-blocks": dict(
+        speculative=SpeculativeConfig.of(NGRAM), block_size=16, num_blocks=256
+    ),
+    "overlapped": dict(async_scheduling=True, num_blocks=1024),
 }
 
 
@@ -180,7 +191,7 @@ WAYS = {
 def requests_and_plain() -> tuple[list[tuple[str, dict[str, Any]]], list[Any]]:
     rng = random.Random(11)
     requests = [_request(rng) for _ in range(COUNT)]
-    plain = asyncio.run(_answers(requests, async_scheduling=False))
+    plain = asyncio.run(_answers(requests, **PLAIN))
     return requests, plain[0]
 
 
@@ -189,7 +200,8 @@ def test_the_same_requests_get_the_same_answers_however_the_server_runs_them(
     way: str, requests_and_plain: tuple[list[tuple[str, dict[str, Any]]], list[Any]]
 ):
     requests, plain = requests_and_plain
-    assert sum(answer[0] != 200 for answer in plain if isinstance(answer[0], int)) < COUNT // 4
+    refused = [req for req, answer in zip(requests, plain, strict=True) if answer[0] == 400]
+    assert len(refused) < COUNT // 8, refused  # a few: an n above best_of's, ...
     answers, preemptions, metrics = asyncio.run(_answers(requests, **WAYS[way]))
     for request, expected, answer in zip(requests, plain, answers, strict=True):
         assert answer == expected, request

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from server.settings import ServerSettings
@@ -186,3 +188,25 @@ async def test_stream_options_take_booleans_only():
         for path in ("/v1/completions/render", "/v1/completions"):
             refused = await client.post(path, json=body | {"max_tokens": 2})
             assert refused.status_code == 400, path
+
+
+async def test_rules_that_leave_no_token_are_a_400_naming_them():
+    """A format with allowed_token_ids outside it: no token may come first. The request is a
+    400, streamed or not, and a request beside it is served as ever."""
+    body = {
+        "prompt": "Hi",
+        "max_tokens": 4,
+        "structured_outputs": {"choice": ["yes", "no"]},
+        "allowed_token_ids": [7],
+    }
+    plain = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    async with app_client() as (client, engine):
+        alone = (await client.post("/v1/completions", json=plain)).json()["choices"][0]["text"]
+        refused, beside = await asyncio.gather(
+            client.post("/v1/completions", json=body), client.post("/v1/completions", json=plain)
+        )
+        assert_error(refused, 400, "allowed_token_ids", "rule out every token")
+        assert beside.json()["choices"][0]["text"] == alone
+        streamed = await client.post("/v1/completions", json=body | {"stream": True})
+        assert_error(streamed, 400, "allowed_token_ids", "the output format and allowed_token_ids")
+        assert blocks_in_use(engine) == 0
