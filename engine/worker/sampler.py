@@ -337,14 +337,16 @@ def _ruling_rows(requests: list[Request]) -> list[int]:
 def _none_where_ruled_out(
     choice: torch.Tensor, weights: torch.Tensor, requests: list[Request], floor: float = -math.inf
 ) -> torch.Tensor:
-    """`choice` with NO_TOKEN where a request's rules left its row no token: every weight at
-    or below `floor` (-inf logits, or no probability). On the device, without waiting."""
+    """`choice` with NO_TOKEN where a request's rules left its row no token: the chosen
+    token's weight is at or below `floor` (a -inf logit, or no probability), as only a row with
+    nothing allowed chooses such a token. On the device, without waiting."""
     rows = _ruling_rows(requests)
     if not rows:
         return choice
     index = to_device(rows, weights.device, torch.int64)
-    empty = weights[index].amax(dim=1) <= floor
-    choice[index] = torch.where(empty, torch.full_like(choice[index], NO_TOKEN), choice[index])
+    chosen = choice[index]
+    empty = weights[index, chosen.clamp(min=0)] <= floor
+    choice[index] = torch.where(empty, torch.full_like(chosen, NO_TOKEN), chosen)
     return choice
 
 
