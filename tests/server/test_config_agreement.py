@@ -1,8 +1,10 @@
 """The same requests, greedy or seeded, with random fields (stops, penalties, biases, bad
-words, logprobs, `n`, formats, tool calls, streaming), sent at once to servers that differ only
-in how they run them: drafts (suffix decoding) with a KV cache small enough to preempt and a
-step budget that chunks prompts, n-gram drafts over 16-token blocks, and overlapped steps. Each
-answer must be the same as a server's that runs them plainly, and every block free after."""
+words, logprobs, `n`, formats, tool calls, priorities, cache salts, streaming), sent at once to
+servers that differ only in how they run them: drafts (suffix decoding) with a KV cache small
+enough to preempt and a step budget that chunks prompts, n-gram drafts over 16-token blocks,
+overlapped steps, priority classes queued for few slots, and torch's attention without prefix
+caching and with long prompts chunked. Each answer must be the same as a server's that runs
+them plainly, and every block free after."""
 
 from __future__ import annotations
 
@@ -79,6 +81,8 @@ def _fields(rng: random.Random, chat: bool, max_tokens: int) -> dict[str, Any]:
         (0.15, {"n": rng.randint(2, 3)}),
         (0.2, _format(rng)),
         (0.35, {"stream": True}),
+        (0.4, {"priority": rng.randint(-2, 2)}),
+        (0.2, {"cache_salt": rng.choice(["a", "b"])}),
     ]
     chosen: dict[str, Any] = {}
     for chance, fields in menu:
@@ -184,6 +188,16 @@ WAYS = {
         speculative=SpeculativeConfig.of(NGRAM), block_size=16, num_blocks=256
     ),
     "overlapped": dict(async_scheduling=True, num_blocks=1024),
+    # Priority classes queued for few slots: requests run in another order, beside others.
+    "priority-few-slots": dict(
+        scheduling_policy="priority", max_num_seqs=6, num_blocks=300, async_scheduling=False
+    ),
+    "torch-attention-no-prefix-cache": dict(
+        attention_backend="torch",
+        enable_prefix_caching=False,
+        long_prefill_token_threshold=16,
+        num_blocks=1024,
+    ),
 }
 
 
