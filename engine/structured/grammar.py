@@ -16,11 +16,14 @@ if TYPE_CHECKING:
 
 # JSON as a model writes it: `{"a": 1, "b": [2, 3]}`. Separators are fixed and no other
 # whitespace is allowed, so a weak model cannot pad a document with blanks until it runs out
-# of tokens.
+# of tokens. A `oneOf` whose branches may overlap (`integer` and `number`) is enforced as
+# `anyOf`, as vLLM's default backend enforces it (disjoint branches, such as a discriminated
+# union's, are exact either way).
 JSON_OPTIONS: JsonCompileOptions = {
     "item_separator": ", ",
     "key_separator": ": ",
     "whitespace_flexible": False,
+    "coerce_one_of": True,
 }
 
 
