@@ -878,7 +878,7 @@ def serve(args: argparse.Namespace) -> int:
     from engine.core.async_engine import AsyncEngine
     from server.app import build_app
     from server.http_protocol import uvicorn_config
-    from server.lifecycle import DrainingServer, freeze_heap
+    from server.lifecycle import DrainingServer, freeze_heap, thaw_heap
     from server.log_format import configure_logging
     from server.tracing import Tracing, output_logging
 
@@ -913,7 +913,10 @@ def serve(args: argparse.Namespace) -> int:
         app, args.host, args.port, uvicorn_level, settings, log_config, uds=args.uds
     )
     logger.debug("%d objects of the loaded model frozen out of garbage collection", freeze_heap())
-    DrainingServer(config, app, settings.shutdown_timeout).run()
+    try:
+        DrainingServer(config, app, settings.shutdown_timeout).run()
+    finally:
+        thaw_heap()
     return 0
 
 
