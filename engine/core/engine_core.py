@@ -721,21 +721,21 @@ def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
 
 
 def _ruled_out_error(request: Request) -> InvalidRequestError:
-    """The error of a request whose rules leave no token to follow its output so far."""
+    """The error of a request whose rules leave no token to follow its output so far; its
+    `param` is the first of them that is a request field (the format has several names)."""
     params = request.sampling_params
     rules = [
-        name
-        for name, holds in (
-            ("the output format", request.grammar is not None),
-            ("allowed_token_ids", bool(params.allowed_token_ids)),
-            ("bad_words", bool(request.bad_words)),
-            ("min_tokens", request.num_output_tokens < params.min_tokens),
+        (name, field)
+        for name, field, holds in (
+            ("the output format", None, request.grammar is not None),
+            ("allowed_token_ids", "allowed_token_ids", bool(params.allowed_token_ids)),
+            ("bad_words", "bad_words", bool(request.bad_words)),
+            ("min_tokens", "min_tokens", request.num_output_tokens < params.min_tokens),
         )
         if holds
     ]
-    fields = [rule for rule in rules if " " not in rule]
     return InvalidRequestError(
         f"No token may come next after {request.num_output_tokens} generated tokens: "
-        f"{' and '.join(rules)} rule out every token of the vocabulary.",
-        param=fields[0] if fields else None,
+        f"{' and '.join(name for name, _ in rules)} rule out every token of the vocabulary.",
+        param=next((field for _, field in rules if field is not None), None),
     )
