@@ -53,7 +53,7 @@ from server.protocol import (
     TokenizeRequest,
 )
 from server.response_store import ResponseStore
-from server.responses_protocol import ResponsesRequest
+from server.responses_protocol import InputTokensRequest, ResponsesRequest
 from server.score_protocol import RerankRequest, ScoreRequest
 from server.serving import (
     EngineClient,
@@ -256,6 +256,10 @@ def _openai_router(
     @router.post("/v1/responses", dependencies=GENERATING, responses=GENERATION)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return await tracing.traced("chat", served.name, body, request, responses)
+
+    @router.post("/v1/responses/input_tokens", dependencies=GENERATING, responses=errors(400, 404))
+    async def count_response_tokens(body: InputTokensRequest) -> dict[str, Any]:
+        return await responses.count_input_tokens(body)
 
     @router.post("/v1/messages", dependencies=GENERATING, responses=MESSAGES)
     async def create_message(body: MessagesRequest, request: Request) -> Response:

@@ -276,6 +276,15 @@ class ResponsesRequest(RequestBody):
         return value
 
 
+class InputTokensRequest(ResponsesRequest):
+    """What `POST /v1/responses/input_tokens` reads: a response request's conversation, its
+    instructions and tools. `input` may be left out where earlier turns (by
+    `previous_response_id`) or the instructions alone make the conversation."""
+
+    # Wider than a response's own `input`, which is required.
+    input: str | list[InputItem] | None = None  # type: ignore[assignment]
+
+
 def _text_parts_only(item: Any, index: int) -> Any:
     """A message's parts must be text or images (by URL): files and audio are not read."""
     is_message = isinstance(item, dict) and item.get("type") == "message"
@@ -342,7 +351,8 @@ def chat_messages(body: ResponsesRequest, history: list[dict[str, Any]]) -> list
     """The conversation as chat messages: the instructions first (they apply to this turn
     only), then the earlier turns, then this request's input."""
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    return messages + history + input_messages(body.input)
+    turn = input_messages(body.input) if body.input is not None else []
+    return messages + history + turn
 
 
 def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from server.protocol import ChatCompletionRequest, served_tier
 from server.response_items import OutputItems, item_id
 from server.response_store import EventLog, ResponseStore
 from server.responses_protocol import (
+    InputTokensRequest,
     ResponsesRequest,
     as_chat,
     chat_messages,
@@ -41,6 +42,7 @@ from server.serving import (
 )
 from server.serving_chat import ChatHandler, ChatRenderer, PreparedChat
 from server.streaming import CLIENT_GONE, merge, named_sse, unless_disconnected
+from server.tools import check_tools
 from server.tracing import RequestTrace, request_trace
 from server.truncation import drop_oldest, fits
 
@@ -121,6 +123,32 @@ class ResponsesHandler:
             if shorter is None or fits(len(prepared.prompt), body.max_output_tokens, max_model_len):
                 return chat_body, prepared
             messages = shorter
+
+    async def count_input_tokens(self, body: InputTokensRequest) -> dict[str, Any]:
+        """The prompt tokens `/v1/responses` would take for this conversation, its earlier
+        turns and its tools (with `truncation: "auto"`, once its oldest turns are dropped to
+        fit; else however long)."""
+        previous = body.previous_response_id
+        history = self.store.history(previous) if previous is not None else []
+        messages = chat_messages(body, history)
+        if not messages:
+            raise InvalidRequestError(
+                "There is nothing to count: give input, instructions or previous_response_id.",
+                param="input",
+            )
+        try:
+            if body.truncation == "auto":
+                _, prepared = await self._prepare(body, messages)
+                prompt = prepared.prompt
+            else:
+                self.chat.model.resolve(body.model)
+                chat_body = as_chat(body, messages)
+                check_tools(chat_body)
+                _, prompt, _ = await self.chat.templated(chat_body, fits=False)
+        except InvalidRequestError as exc:
+            exc.param = responses_param(exc.param)
+            raise
+        return {"object": "response.input_tokens", "input_tokens": len(prompt)}
 
     async def _in_background(
         self,

@@ -672,3 +672,58 @@ async def test_the_openai_sdk_runs_background_responses():
         assert cancelled.status == "cancelled"
         await wait_until_idle(engine)
         assert blocks_in_use(engine) == 0
+
+
+async def test_input_tokens_counts_what_the_response_takes():
+    async with app_client(tokenizer=tool_tokenizer()) as (client, _):
+        api = AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=client)
+        body = {"input": "Weather in Oslo?", "instructions": "Be brief.", "tools": TOOLS}
+        result = await create(client, **body)
+        counted = await api.responses.input_tokens.count(model="tiny", **body)
+        assert counted.object == "response.input_tokens"
+        assert counted.input_tokens == result["usage"]["input_tokens"]
+        # The tools and instructions are counted as the template renders them.
+        bare = await api.responses.input_tokens.count(model="tiny", input=body["input"])
+        assert bare.input_tokens < counted.input_tokens
+        # Earlier turns by id come first, as in the response that continues them.
+        second = await create(client, input="And then?", previous_response_id=result["id"])
+        following = await client.post(
+            "/v1/responses/input_tokens",
+            json={"input": "And then?", "previous_response_id": result["id"]},
+        )
+        assert following.json()["input_tokens"] == second["usage"]["input_tokens"]
+        # The instructions alone are a conversation to count.
+        alone = await client.post("/v1/responses/input_tokens", json={"instructions": "Hi"})
+        assert alone.status_code == 200 and alone.json()["input_tokens"] > 0
+
+
+async def test_input_tokens_counts_past_the_context_unless_truncated():
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} " + "sky " * 12}
+        for i in range(12)
+    ]
+    async with app_client() as (client, _):
+        whole = await client.post("/v1/responses/input_tokens", json={"input": turns})
+        assert whole.status_code == 200 and whole.json()["input_tokens"] > 512
+        body = {"input": turns, "truncation": "auto", "instructions": "Be brief."}
+        counted = await client.post("/v1/responses/input_tokens", json={**body, **BASE})
+        result = await create(client, **body)
+        assert counted.json()["input_tokens"] == result["usage"]["input_tokens"]
+        assert counted.json()["input_tokens"] < whole.json()["input_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({}, 400, "input"),
+        ({"input": "Hi", "previous_response_id": "resp_gone"}, 404, "previous_response_id"),
+        ({"input": "Hi", "model": "other"}, 404, "model"),
+        ({"input": "Hi", "tool_choice": "required"}, 400, "tool_choice"),
+        ({"input": [{"type": "web_search_call"}]}, 400, "input.0.type"),
+    ],
+)
+async def test_input_tokens_refuses_what_it_cannot_count(body, status, param):
+    async with app_client() as (client, _):
+        response = await client.post("/v1/responses/input_tokens", json=body)
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["param"] == param
