@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -97,6 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--percentiles", default="50,90,99")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the server over the run (POST /start_profile before, /stop_profile "
+        "after; the server needs --profiler-config)",
+    )
 
 
 def load_tokenizer(name: str | None):
@@ -195,6 +202,8 @@ async def run_load(
         gate = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
         delays = arrival_delays(requests, args.request_rate, args.seed, args.burstiness)
         bar = _progress(len(requests), progress)
+        if args.profile:
+            await _profile(session, base_url, "start")
         start = time.perf_counter()
 
         async def one(request: BenchRequest, delay: float) -> RequestResult:
@@ -212,7 +221,23 @@ async def run_load(
         results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays, strict=True)))
         duration = time.perf_counter() - start
         bar.close()
+        if args.profile:
+            files = (await _profile(session, base_url, "stop")).get("files", [])
+            print(f"profile: {', '.join(files) or 'saved by the server'}", file=sys.stderr)
     return list(results), duration
+
+
+async def _profile(session: aiohttp.ClientSession, base_url: str, action: str) -> dict[str, Any]:
+    """`POST /{action}_profile`; its JSON answer (vLLM's is empty)."""
+    async with session.post(f"{base_url}/{action}_profile") as response:
+        text = await response.text()
+        if response.status != 200:
+            raise SystemExit(f"/{action}_profile answered {response.status}: {text}")
+    try:
+        answer = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
 
 
 def _progress(total: int, enabled: bool):

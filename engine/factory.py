@@ -31,6 +31,7 @@ from engine.core.config import (
 )
 from engine.core.engine_core import EngineCore
 from engine.core.errors import WorkerFailedError
+from engine.core.profiling import StepProfiler
 from engine.core.speculation import Drafter
 from engine.kernels.cpu import huge_pages, malloc_tuning
 from engine.kernels.cpu.linear import silence_fbgemm_deprecation
@@ -67,6 +68,7 @@ from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.worker.draft_model import DraftLimits, ModelDrafter
 from engine.worker.model_runner import ModelRunner
 from engine.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
+from engine.worker.profiler import TorchRecorder
 from engine.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,18 @@ def _create_core(
             raise WorkerFailedError(failure) from exc
         raise
     return core, loaded, info
+
+
+def _profiler(
+    config: EngineConfig, device: torch.device, workers: WorkerPool | None
+) -> StepProfiler | None:
+    """Step profiles on demand (`--profiler-config`), of every rank."""
+    if config.profiler is None or not config.profiler.enabled:
+        return None
+    settings = config.profiler
+    tell = workers.tell_profilers if workers is not None else None
+    logger.info("profiling on demand: traces go to %s", settings.folder)
+    return StepProfiler(settings, lambda: TorchRecorder(settings, device, 0, tell))
 
 
 def _check_parallel(config: EngineConfig, device: torch.device) -> None:
@@ -383,6 +397,7 @@ def core_from_model(
     core.spec_metrics = config.spec_metrics
     core.overlap = overlap
     core.processor = loaded.processor
+    core.profiler = _profiler(config, device, workers)
     spec = config.speculative
     if spec is not None:
         limits = DraftLimits(0, vocab_size, config.max_num_batched_tokens)
@@ -417,6 +432,7 @@ def core_from_model(
         spec_metrics=config.spec_metrics,
         hidden_size=int(getattr(loaded.model.config, "hidden_size", 0) or 0),
         embeds_prompts=runner.embeds_prompts,
+        profiling=core.profiler is not None,
     )
     return core, info
 

@@ -42,6 +42,7 @@ from server.openapi import (
     document_errors_as_sent,
     errors,
 )
+from server.profiling_api import profiling_router
 from server.protocol import (
     ChatCompletionRequest,
     ClassifyRequest,
@@ -158,6 +159,8 @@ def build_app(
     app.include_router(fleet_router(engine, served))
     if settings.runtime_lora_updating:
         app.include_router(lora_router(engine, served))
+    if engine.info.profiling:
+        app.include_router(profiling_router(engine))
     runner = BatchRunner(app, files, jobs, settings.api_key)
     app.state.batches = runner
     BatchMetrics(registry, jobs, runner)

@@ -21,6 +21,7 @@ from engine.core.config import (
     CacheConfig,
     EngineConfig,
 )
+from engine.core.profiling import ProfilerConfig
 from engine.core.sampling_params import MAX_LOGPROBS
 from engine.core.speculation import SpeculativeConfig
 from engine.kv.events import KVEventsConfig
@@ -300,6 +301,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "as vLLM's JSON config: "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv"}\' '
         "(also replay_endpoint, buffer_steps, hwm, max_queue_size; needs the kv-events extra)",
+    )
+    engine.add_argument(
+        "--profiler-config",
+        type=_profiler_config,
+        default=None,
+        help="serve POST /start_profile and /stop_profile, which record the engine's steps with "
+        "torch's profiler, as vLLM's JSON config: "
+        '\'{"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}\' (also '
+        "delay_iterations, max_iterations and the torch_profiler_* options)",
     )
     engine.add_argument(
         "--max-waiting-requests",
@@ -748,6 +758,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         speculative=args.speculative_config,
         kv_events=args.kv_events_config,
+        profiler=args.profiler_config,
         logprobs_mode=args.logprobs_mode,
         spec_metrics=args.per_request_spec_decode_metrics,
         enable_lora=args.enable_lora,
@@ -837,6 +848,14 @@ def _kv_events_config(text: str) -> KVEventsConfig:
     """`--kv-events-config`: vLLM's JSON object."""
     try:
         return KVEventsConfig.of(json_object(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _profiler_config(text: str) -> ProfilerConfig:
+    """`--profiler-config`: vLLM's JSON object."""
+    try:
+        return ProfilerConfig.of(json_object(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

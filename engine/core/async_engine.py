@@ -21,6 +21,12 @@ from engine.core.engine_core import EngineCore
 from engine.core.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.core.images import ImageInputs
 from engine.core.outputs import RequestOutput
+from engine.core.profiling import (
+    ProfilerStateError,
+    StepProfiler,
+    save_in_background,
+    save_logged,
+)
 from engine.core.sampling_params import SamplingParams
 from engine.core.stats import RequestParamsStats, StepStats
 from engine.lora.registry import LoRARegistry, LoRARequest
@@ -176,6 +182,7 @@ class AsyncEngine:
                 done.set_exception(EngineDeadError("The engine is not running."))
         self._cache_resets, self._lora_adds = [], []
         self._abort_all_now()
+        await self._save_running_profile()
         self._executor.shutdown(wait=True)
         self._grammar_executor.shutdown(wait=False, cancel_futures=True)
         self.core.close()
@@ -390,6 +397,36 @@ class AsyncEngine:
             self.core.retire_lora(lora)
         self.core.drop_retired()
 
+    # ---- profiling -------------------------------------------------------------------------
+
+    async def start_profile(self) -> None:
+        """Start a profile of the steps (after the configured delay); a `ProfilerStateError`
+        while one runs."""
+        profiler = self._profiler()
+        await asyncio.get_running_loop().run_in_executor(self._executor, profiler.start)
+
+    async def stop_profile(self) -> list[str]:
+        """Stop the profile and save it: the files written (none where it stopped before it
+        began); a `ProfilerStateError` while none runs."""
+        profiler = self._profiler()
+        loop = asyncio.get_running_loop()
+        recording = await loop.run_in_executor(self._executor, profiler.stop)
+        return [] if recording is None else await asyncio.to_thread(recording.save)
+
+    async def _save_running_profile(self) -> None:
+        """At shutdown: a profile still recording is stopped and saved, not lost."""
+        profiler = self.core.profiler
+        if profiler is None or not profiler.active:
+            return
+        recording = await asyncio.get_running_loop().run_in_executor(self._executor, profiler.stop)
+        if recording is not None:
+            await asyncio.to_thread(save_logged, recording)
+
+    def _profiler(self) -> StepProfiler:
+        if self.core.profiler is None:
+            raise ProfilerStateError("Profiling is off; start the server with --profiler-config.")
+        return self.core.profiler
+
     def _wake_loop(self) -> None:
         if self._wake is not None:
             self._wake.set()
@@ -406,7 +443,7 @@ class AsyncEngine:
                     await self._wake.wait()
                 continue
             try:
-                outputs = await loop.run_in_executor(self._executor, self.core.step)
+                outputs = await loop.run_in_executor(self._executor, self._step)
             except EngineDeadError as exc:  # no further step can run (a worker died)
                 self._stop_dead(exc)
                 return
@@ -418,6 +455,16 @@ class AsyncEngine:
             # while it runs instead of holding it up.
             self._dispatch(outputs)
             self._report_stats()
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step, on the step thread; then a profile counts it."""
+        outputs = self.core.step()
+        profiler = self.core.profiler
+        if profiler is not None and profiler.active:
+            recording = profiler.tick()
+            if recording is not None:  # it ran its `max_iterations` steps
+                save_in_background(recording)
+        return outputs
 
     def _stop_dead(self, error: EngineDeadError) -> None:
         """The engine cannot step again: every request in flight fails with `error`, health

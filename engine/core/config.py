@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.profiling import ProfilerConfig
 from engine.core.sampling_params import MAX_LOGPROBS
 from engine.core.speculation import SpeculativeConfig
 from engine.kv.events import KVEventsConfig
@@ -239,6 +240,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # The prefix cache's events for routers (`kv/events.py`); None: not published.
     kv_events: KVEventsConfig | None = None
+    # Step profiles on demand (`core/profiling.py`); None: not offered.
+    profiler: ProfilerConfig | None = None
     logprobs_mode: str = "raw_logprobs"
     # What each request reports of its verification steps (`SPEC_METRICS`).
     spec_metrics: str = "none"
@@ -384,6 +387,8 @@ class ServingInfo:
     # The model's width, and whether a prompt may come as embedding rows of it.
     hidden_size: int = 0
     embeds_prompts: bool = False
+    # Whether the steps may be profiled on demand (`--profiler-config`).
+    profiling: bool = False
     # What a request that leaves a sampling field out gets, by the request's field name, where
     # the model's generation config says (`loading/generation_config.py`).
     sampling_defaults: dict[str, float] = field(default_factory=dict)

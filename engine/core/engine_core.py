@@ -20,6 +20,7 @@ from engine.core.images import ImageInputs
 from engine.core.mrope import grid_positions
 from engine.core.output_processor import OutputProcessor
 from engine.core.outputs import NO_TOKEN, ModelRunnerOutput, RequestOutput, TokenLogprob
+from engine.core.profiling import StepProfiler
 from engine.core.request import FinishReason, Request
 from engine.core.sampling_params import MAX_LOGPROBS, SamplingParams, ThoughtBudget
 from engine.core.speculation import Drafter
@@ -84,6 +85,8 @@ class EngineCore:
         self._drafting_failures = 0
         # Where the prefix cache's events go (`--kv-events-config`); None: nowhere.
         self.kv_events: EventSink | None = None
+        # Profiles of the steps on demand (`--profiler-config`); None: not offered.
+        self.profiler: StepProfiler | None = None
 
     # ---- requests --------------------------------------------------------------------------
 

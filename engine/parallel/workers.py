@@ -24,6 +24,7 @@ import torch
 
 from engine.core.config import EngineConfig
 from engine.core.errors import WorkerFailedError
+from engine.core.profiling import save_in_background
 from engine.parallel.group import ParallelGroup, connect, host_store, join_store
 from engine.parallel.step import StepInputs
 
@@ -141,7 +142,14 @@ class WorkerPool:
 
     def send(self, step: StepInputs) -> None:
         """Hand the step to every worker (pickled once)."""
-        data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        self._send_all(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def tell_profilers(self, command: str) -> None:
+        """Have every worker `"start"` or `"stop"` (and save) its profile between two steps,
+        as rank 0 does its own."""
+        self._send_all(pickle.dumps(command))
+
+    def _send_all(self, data: bytes) -> None:
         try:
             for pipe in self.pipes:
                 pipe.send_bytes(data)
@@ -263,7 +271,7 @@ def run_worker(
         _report(pipe, exc)
         raise SystemExit(1) from None
     try:
-        _serve(pipe, steps)
+        _serve(pipe, steps, _rank_profiler(config, rank))
     except BaseException as exc:
         logger.exception("rank %d failed a step", rank)
         _report(pipe, exc)
@@ -301,7 +309,9 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
     return step
 
 
-def _serve(pipe: Connection, step: Callable[[StepInputs], None]) -> None:
+def _serve(
+    pipe: Connection, step: Callable[[StepInputs], None], profile: Callable[[str], None]
+) -> None:
     while True:
         try:
             inputs = pickle.loads(pipe.recv_bytes())
@@ -310,7 +320,33 @@ def _serve(pipe: Connection, step: Callable[[StepInputs], None]) -> None:
             return
         if inputs is None:
             return
-        step(inputs)
+        if isinstance(inputs, str):
+            profile(inputs)
+        else:
+            step(inputs)
+
+
+def _rank_profiler(config: EngineConfig, rank: int) -> Callable[[str], None]:
+    """What starts and stops this rank's profile when rank 0 says so; a stopped profile is
+    saved on a thread of its own while the steps go on."""
+    from engine.loading.model_loader import resolve_device
+    from engine.worker.profiler import TorchRecorder
+
+    recorder: TorchRecorder | None = None
+
+    def profile(command: str) -> None:
+        nonlocal recorder
+        if config.profiler is None:
+            return
+        if command == "start":
+            device = rank_device(resolve_device(config.device), rank)
+            recorder = TorchRecorder(config.profiler, device, rank)
+            recorder.start()
+        elif command == "stop" and recorder is not None:
+            recording, recorder = recorder.stop(), None
+            save_in_background(recording)
+
+    return profile
 
 
 def _report(pipe: Connection, exc: BaseException) -> None:

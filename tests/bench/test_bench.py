@@ -9,6 +9,7 @@ import math
 import random
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -30,6 +31,7 @@ from bench.workloads import (
     with_json_schema,
     with_priorities,
 )
+from engine.core.profiling import ProfilerConfig
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tests.server_utils import live_server, wait_until_idle
 
@@ -164,6 +166,7 @@ def load_args(**overrides) -> argparse.Namespace:
         ignore_eos=True,
         temperature=0.0,
         timeout=None,
+        profile=False,
     )
     return argparse.Namespace(**{**defaults, **overrides})
 
@@ -185,6 +188,20 @@ async def test_load_run_against_a_live_server(shape):
         assert 0 <= result.start <= result.start + result.e2e <= duration
         assert len(result.itls) <= result.output_len - 1
     assert 1 <= peak_concurrency(results) <= shape.get("max_concurrency", len(requests))
+
+
+async def test_a_profiled_run_leaves_the_servers_trace(tmp_path, capsys):
+    requests = random_workload(3, 12, 4, POOL, seed=4)
+    traces = ProfilerConfig("torch", str(tmp_path), torch_profiler_with_stack=False)
+    async with live_server(profiler=traces) as server:
+        args = load_args(base_url=server.url, profile=True)
+        results, _ = await run_load(args, requests, progress=False)
+        # The profile ended with the run: another stop finds none running.
+        async with httpx.AsyncClient() as client:
+            assert (await client.post(f"{server.url}/stop_profile")).status_code == 400
+    assert all(r.ok for r in results)
+    [trace] = tmp_path.glob("*.pt.trace.json.gz")
+    assert str(trace) in capsys.readouterr().err
 
 
 async def test_load_survives_a_server_that_closes_kept_alive_connections():

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import random
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,11 +21,13 @@ from engine.core.async_engine import AsyncEngine
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.errors import EngineDeadError, WorkerFailedError
+from engine.core.profiling import ProfilerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.core.speculation import SpeculativeConfig
 from engine.factory import create_engine_core
 from engine.parallel.workers import WorkerPool
 from tests.core.test_engine_greedy import record_chunking
+from tests.core.test_profiling import trace_names
 from tests.core.test_speculation import ScriptedDrafter
 from tests.helpers import chat_tokenizer, reference_greedy, run_all, tiny_llama, tokens_of
 
@@ -249,3 +252,22 @@ def test_drafts_verified_across_ranks(model_dir, references):
         assert all_tokens(core, GREEDY) == references
         drafts = core.take_stats().drafts
         assert 0 < drafts.num_accepted_tokens < drafts.num_draft_tokens
+
+
+def test_every_rank_records_the_profile_rank_0_is_asked_for(model_dir, references, tmp_path):
+    traces = ProfilerConfig("torch", str(tmp_path), torch_profiler_with_stack=False)
+    with engine_core(config(model_dir, 2, profiler=traces)) as core:
+        assert core.profiler is not None
+        core.profiler.start()
+        assert all_tokens(core, GREEDY) == references
+        recording = core.profiler.stop()
+        assert recording is not None
+        rank_0 = recording.save()
+        deadline = time.monotonic() + 60  # rank 1 saves on a thread of its own: a hang guard
+        while not list(tmp_path.glob("*rank1*.summary.txt")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    [rank_1] = tmp_path.glob("*rank1*.pt.trace.json.gz")
+    for trace in (rank_0[0], rank_1):
+        names = trace_names(str(trace))
+        # Each rank's share of the model, and the all-reduces that join the shares.
+        assert "aten::embedding" in names and any("all_reduce" in n for n in names), trace

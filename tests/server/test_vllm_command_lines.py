@@ -308,6 +308,8 @@ def test_a_recipe_s_flags_with_nothing_to_set_change_nothing():
         (["--guided-decoding-backend", "regex"], "not a structured-output backend"),
         (["--structured-outputs-config", "[1]"], "not a JSON object"),
         (["--kv-events-config", '{"publisher": "nats"}'], "unknown KV events publisher"),
+        (["--profiler-config", '{"profiler": "cuda", "torch_profiler_dir": "/t"}'], "'cuda'"),
+        (["--profiler-config", '{"profiler": "torch"}'], "needs torch_profiler_dir"),
         (["-O4"], "optimization levels are 0-3"),
         (["--api-server-count", "4"], "scale out with replicas"),
         (["--preemption-mode", "swap"], "'swap' is not served"),
@@ -386,6 +388,14 @@ def test_a_kv_events_config_is_served_with_prefix_caching_only():
     # Events off (vLLM's default) publish nothing and need nothing.
     off = ["serve", "--no-enable-prefix-caching", "--kv-events-config", "{}"]
     assert not engine_config(build_parser().parse_args(off)).kv_events.publishes
+
+
+def test_a_profiler_config_reaches_the_engine():
+    traces = '{"profiler": "torch", "torch_profiler_dir": "/t", "max_iterations": 5}'
+    config = engine_config(build_parser().parse_args(["serve", "--profiler-config", traces]))
+    assert config.profiler is not None and config.profiler.enabled
+    assert config.profiler.folder == "/t" and config.profiler.max_iterations == 5
+    assert engine_config(build_parser().parse_args(["serve"])).profiler is None
 
 
 def graphs_of(*flags: str) -> tuple[bool, tuple[int, ...], int | None, bool]:
