@@ -3,6 +3,8 @@ ignored, all requests submitted at once with `--concurrency` in flight.
 
     python benchmarks/engine_throughput.py --concurrency 1 16 64
 
+Greedy by default; `--temperature` (with `--top-p`) samples instead.
+
 With `--both-bf16-products` (a bf16 model on a CPU with AMX-BF16) each concurrency runs twice
 in turn with the products in AMX tiles and in AVX-512 BF16 dot products, each row tagged. With
 `--both-heads` the decode steps of each run take turns choosing their greedy tokens in the LM
@@ -37,10 +39,14 @@ def run(
     output_len: int,
     seed: int,
     both_heads: bool = False,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> dict[str, float]:
     rng = random.Random(seed)
     vocab = core.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, max_tokens=output_len, ignore_eos=True
+    )
     for i in range(concurrency):
         prompt = [rng.randrange(100, vocab - 100) for _ in range(input_len)]
         core.add_request(f"bench-{seed}-{i}", prompt, params)
@@ -99,6 +105,8 @@ def main() -> None:
     parser.add_argument("--both-bf16-products", action="store_true")
     parser.add_argument("--both-heads", action="store_true")
     parser.add_argument("--both-schedulings", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args()
     if args.both_bf16_products and not cpu_ops.bf16_tiles_available():
         raise SystemExit("the bf16 products have no AMX tiles here")
@@ -141,6 +149,8 @@ def main() -> None:
                 args.output_len,
                 seed * len(modes) + turn,
                 args.both_heads,
+                args.temperature,
+                args.top_p,
             )
             print(json.dumps({**result, **tags}))
 

@@ -4,9 +4,12 @@ Every row's choice is tensor work over the whole batch: penalties, `min_tokens`,
 grammars each touch all their rows in one operation, with no per-row device work or host sync.
 Rows with top-p and no top-k are drawn on a GPU by a Triton kernel that needs nothing from the
 host; elsewhere a widening `topk` search reads one flag back per widening.
-A request with a seed draws each token from noise keyed by its seed and the token's position
-in its output, so its tokens depend neither on what else shares the batch nor on how many
-tokens a step gives it (speculation's drafts verified or not).
+A random row's token is where a uniform draw falls in the running sum of its probabilities
+(one pass over the vocabulary); on a GPU it wins the exponential race instead (noise for every
+token: cheap there, about ten times the work of the running sum on a CPU). A
+request with a seed draws each token from a uniform (or noise) keyed by its seed and the
+token's position in its output, so its tokens depend neither on what else shares the batch nor
+on how many tokens a step gives it (speculation's drafts verified or not).
 """
 
 from __future__ import annotations
@@ -91,16 +94,21 @@ class Sampler:
         seed: int = 0,
         triton_kernels: bool = False,
         logprobs_mode: str = "raw_logprobs",
+        race: bool | None = None,
     ) -> None:
         """`triton_kernels` (`engine.kernels.triton.sampling`): rows with top-p and no top-k
         draw in a kernel that needs nothing from the host, rather than in a widening `topk`
         search that asks the host how wide to go; seeded rows' noise comes from one launch
         for them all, rather than from a generator per row, one call each.
-        `logprobs_mode`: what logprobs report (`engine.core.config.LOGPROBS_MODES`)."""
+        `logprobs_mode`: what logprobs report (`engine.core.config.LOGPROBS_MODES`).
+        `race`: random rows run the exponential race (noise for every token) rather than the
+        running sum; by default on a GPU, and always with the Triton kernels, whose top-p
+        kernel races."""
         self.vocab_size = vocab_size
         self.device = device
         self.triton_kernels = triton_kernels
         self.logprobs_mode = logprobs_mode
+        self.race = device.type != "cpu" if race is None else race
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
 
@@ -108,7 +116,12 @@ class Sampler:
     def route(self) -> str:
         if self.triton_kernels:
             return "Triton kernels (top-p pivoting, seeded noise in one launch)"
-        return "torch (top-p by widening topk, a generator per seeded row)"
+        draws = "the exponential race" if self._races else "a running sum"
+        return f"torch (top-p by widening topk, draws by {draws}, a generator per seeded row)"
+
+    @property
+    def _races(self) -> bool:
+        return self.triton_kernels or self.race
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.sample(logits, requests).to_host(requests)
@@ -162,8 +175,10 @@ class Sampler:
         rows hold one token (`distributions`): no noise is drawn where every row is greedy."""
         if all(r.sampling_params.greedy for r in requests):
             choice = row_argmax(weights)
-        else:
+        elif self._races:
             choice = row_argmax(weights / self._exponential_noise(weights, requests, positions))
+        else:
+            choice = inverse_cdf(weights, self._uniforms(requests, positions))
         return _none_where_ruled_out(choice, weights, requests, floor=0.0)
 
     # ---- logits processing -----------------------------------------------------------------
@@ -196,11 +211,15 @@ class Sampler:
         nucleus = self._nucleus_rows(params)
         # The nucleus rows are drawn by the kernel instead: their whole vocabulary is kept.
         _, probs = _kept(scaled, params, [*nucleus, *_greedy_rows(params)])
-        noise = self._exponential_noise(probs, requests, positions)
-        choice = row_argmax(probs.div_(noise))
-        if nucleus:
-            rows = to_device(nucleus, logits.device, torch.int64)
-            choice[rows] = _nucleus_choice(scaled, noise, [params[row] for row in nucleus], rows)
+        if self._races:
+            noise = self._exponential_noise(probs, requests, positions)
+            choice = row_argmax(probs.div_(noise))
+            if nucleus:
+                rows = to_device(nucleus, logits.device, torch.int64)
+                nucleus_params = [params[row] for row in nucleus]
+                choice[rows] = _nucleus_choice(scaled, noise, nucleus_params, rows)
+        else:
+            choice = inverse_cdf(probs, self._uniforms(requests, positions))
         if any(greedy):
             mask = to_device(greedy, logits.device)
             choice = torch.where(mask, row_argmax(logits), choice)
@@ -215,6 +234,17 @@ class Sampler:
             for row, p in enumerate(params)
             if p.top_p < 1.0 and not p.uses_top_k and not p.greedy
         ]
+
+    def _uniforms(self, requests: list[Request], positions: list[int]) -> torch.Tensor:
+        """One U[0, 1) draw per row; a seeded row's keyed by its seed and `positions[row]`."""
+        values = torch.rand(len(requests), generator=self._generator, device=self.device)
+        for row, request in enumerate(requests):
+            seed = request.sampling_params.seed
+            if seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(position_key(seed, positions[row]))
+                values[row] = torch.rand(1, generator=generator, device=self.device)[0]
+        return values
 
     def _exponential_noise(
         self, probs: torch.Tensor, requests: list[Request], positions: list[int]
@@ -348,6 +378,22 @@ def _none_where_ruled_out(
     empty = weights[index, chosen.clamp(min=0)] <= floor
     choice[index] = torch.where(empty, torch.full_like(chosen, NO_TOKEN), chosen)
     return choice
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token drawn from its `weights` (`[rows, vocab]`, not necessarily summing to
+    1): the first token whose running sum of weights passes `uniforms[row]` of the row's total.
+    A token of no weight is never drawn (its running sum equals its predecessor's); a row of no
+    weight at all gets its last token, which the caller reads as ruled out. On the device,
+    without waiting."""
+    cdf = weights.cumsum(dim=-1)  # summed in double on the CPU, stored as the weights are
+    total = cdf[:, -1:]
+    # Strictly below the total, so that some token's running sum passes it.
+    point = torch.minimum(
+        uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
+    )
+    token = torch.searchsorted(cdf, point.to(cdf.dtype), right=True).squeeze(1)
+    return token.clamp_(max=weights.shape[-1] - 1)
 
 
 def row_argmax(values: torch.Tensor) -> torch.Tensor:

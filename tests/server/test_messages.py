@@ -186,13 +186,13 @@ async def test_a_named_tool_is_called_with_input_that_fits_its_schema():
         assert events[-2]["delta"]["stop_reason"] == "tool_use"
         assert blocks_in_use(engine) == 0
     async with live_server(tokenizer=tool_tokenizer()) as server:
-        # "any" must call some tool; the SDK reads the call's input as an object.
+        # "any" must call some tool (one, here); the SDK reads the call's input as an object.
         any_call = await sdk(server.url).messages.create(
             model="tiny",
             max_tokens=80,
             messages=messages,
             tools=TOOLS,
-            tool_choice={"type": "any"},
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
         )
         [block] = any_call.content
         assert block.type == "tool_use" and any_call.stop_reason == "tool_use"

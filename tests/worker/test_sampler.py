@@ -5,7 +5,7 @@ import torch
 
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
-from engine.worker.sampler import Sampler, takes_argmax
+from engine.worker.sampler import Sampler, inverse_cdf, takes_argmax
 
 VOCAB = 50
 
@@ -81,6 +81,37 @@ def test_sampling_follows_the_distribution():
     share = picks.count(4) / len(picks)
     assert set(picks) == {3, 4}
     assert 0.70 < share < 0.80
+
+
+@pytest.mark.parametrize("race", [False, True])
+def test_both_ways_of_drawing_follow_a_whole_distribution(race):
+    """Twelve thousand draws from a 50-token distribution (unnormalized, some tokens of no
+    weight), by the running sum and by the race: each token's share within four standard
+    deviations of its probability, and no token of no weight drawn."""
+    weights = torch.rand(VOCAB, generator=torch.Generator().manual_seed(4)) ** 3
+    weights[::7] = 0.0
+    probs = weights / weights.sum()
+    rows = 12_000
+    sampler = Sampler(VOCAB, torch.device("cpu"), seed=8, race=race)
+    requests = [request(f"r{i}") for i in range(rows)]
+    drawn = sampler.draw(weights.expand(rows, VOCAB).clone() * 5, requests, [0] * rows)
+    counts = torch.bincount(drawn, minlength=VOCAB).double()
+    assert counts[::7].sum() == 0
+    spread = (probs * (1 - probs) / rows).sqrt().double()
+    assert ((counts / rows - probs.double()).abs() <= 4 * spread + 1e-9).all()
+
+
+def test_the_running_sum_never_lands_on_a_token_of_no_weight():
+    weights = torch.tensor(
+        [[0.0, 0.5, 0.0, 0.5, 0.0, 0.0], [0.0] * 6, [0.0, 0.0, 0.0, 0.0, 0.0, 2.0]]
+    )
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    for u, first_row in [(0.0, 1), (0.4999, 1), (0.5, 3), (float(below_one), 3)]:
+        drawn = inverse_cdf(weights, torch.tensor([u, u, u])).tolist()
+        # A row of no weight gets its last token (its caller reads it as ruled out).
+        assert drawn == [first_row, 5, 5], u
+    # A draw of 1 itself (rounding of u * total) still lands on a token of weight.
+    assert inverse_cdf(weights, torch.ones(3)).tolist() == [3, 5, 5]
 
 
 def test_seeded_request_is_reproducible_whatever_shares_the_batch():

@@ -133,7 +133,7 @@ def test_the_sampler_with_the_kernel_chooses_as_its_torch_route_and_reads_nothin
     device = torch.device(TRITON_DEVICE)
     vocab = 2000
     with_kernel = Sampler(vocab, device, seed=3, triton_kernels=True)
-    in_torch = Sampler(vocab, device, seed=3)
+    in_torch = Sampler(vocab, device, seed=3, race=True)  # the kernel's race, drawn by torch
     requests = [request(f"r{i}", **params) for i, params in enumerate(BATCH)]
     generator = torch.Generator().manual_seed(11)
     chosen = []
@@ -234,7 +234,8 @@ def test_seeded_draws_follow_the_distribution():
 @pytest.mark.parametrize("overlap", [False, True])
 def test_an_engine_sampling_in_the_kernels_gives_the_torch_route_s_tokens(overlap):
     """Whole requests through the engine, steps in turn or overlapped: top-p rows (some with
-    min-p) drawn by the kernel follow the tokens the torch route draws from the same noise."""
+    min-p) drawn by the kernel follow the tokens the torch route draws from the same noise (in
+    the race it runs on a GPU)."""
     from tests.helpers import run_all, tiny_core, tiny_llama, tokens_of
 
     model = tiny_llama()
@@ -249,6 +250,7 @@ def test_an_engine_sampling_in_the_kernels_gives_the_torch_route_s_tokens(overla
     for kernels in (True, False):
         core, _ = tiny_core(model)
         core.runner.sampler.triton_kernels = kernels
+        core.runner.sampler.race = True
         core.overlap = overlap
         outputs = run_all(core, prompts, params)
         tokens.append([tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts))])
