@@ -208,10 +208,10 @@ class Sampler:
             return row_argmax(logits)
         params = [r.sampling_params for r in requests]
         scaled = _scaled(logits, params)
-        nucleus = self._nucleus_rows(params)
-        # The nucleus rows are drawn by the kernel instead: their whole vocabulary is kept.
-        _, probs = _kept(scaled, params, [*nucleus, *_greedy_rows(params)])
         if self._races:
+            nucleus = self._nucleus_rows(params)
+            # The nucleus rows are drawn by the kernel instead: their whole vocabulary is kept.
+            _, probs = _kept(scaled, params, [*nucleus, *_greedy_rows(params)])
             noise = self._exponential_noise(probs, requests, positions)
             choice = row_argmax(probs.div_(noise))
             if nucleus:
@@ -219,7 +219,7 @@ class Sampler:
                 nucleus_params = [params[row] for row in nucleus]
                 choice[rows] = _nucleus_choice(scaled, noise, nucleus_params, rows)
         else:
-            choice = inverse_cdf(probs, self._uniforms(requests, positions))
+            choice = _running_sum_choice(scaled, params, self._uniforms(requests, positions))
         if any(greedy):
             mask = to_device(greedy, logits.device)
             choice = torch.where(mask, row_argmax(logits), choice)
@@ -281,6 +281,50 @@ def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Each sampled row divided by its temperature (a greedy row as it is)."""
     temps = to_device([1.0 if p.greedy else p.temperature for p in params], logits.device)
     return logits / temps[:, None]
+
+
+def _running_sum_choice(
+    scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Each random row's token by the running sum of its probabilities (`inverse_cdf`): a row
+    that a top-k or top-p bounds sums its candidates alone (`_candidates_choice`), another its
+    whole vocabulary. A greedy row gets 0, a placeholder its argmax replaces."""
+    drawn = [row for row, p in enumerate(params) if not p.greedy]
+    bounded = [row for row in drawn if params[row].uses_top_k or params[row].top_p < 1.0]
+    free = sorted(set(drawn) - set(bounded))
+    choice = torch.zeros(len(params), dtype=torch.int64, device=scaled.device)
+    for rows, draw in ((bounded, _candidates_choice), (free, _whole_vocabulary_choice)):
+        if len(rows) == len(params):
+            return draw(scaled, params, uniforms)
+        if rows:
+            index = to_device(rows, scaled.device, torch.int64)
+            choice[index] = draw(scaled[index], [params[row] for row in rows], uniforms[index])
+    return choice
+
+
+def _whole_vocabulary_choice(
+    scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+) -> torch.Tensor:
+    _, probs = _kept(scaled, params, [])
+    return inverse_cdf(probs, uniforms)
+
+
+def _candidates_choice(
+    scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+) -> torch.Tensor:
+    """The running-sum draw of rows a top-k or top-p bounds, over their candidates
+    (`_candidates`) rather than the whole vocabulary: the candidates a row keeps, min-p applied
+    as `_kept` applies it, summed in token order as the whole vocabulary's sum runs (the tokens
+    it rules out add nothing to that sum), so a uniform picks the same token either way."""
+    candidates, order, remove = _candidates(scaled, params)
+    probs = torch.softmax(candidates.masked_fill(remove, float("-inf")), dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(min_p):  # the best candidate comes first
+        floor = probs[:, :1] * to_device(min_p, scaled.device)[:, None]
+        probs = probs.masked_fill(probs < floor, 0.0)
+    tokens, by_token = order.sort(dim=-1)
+    pick = inverse_cdf(probs.gather(1, by_token), uniforms)
+    return tokens.gather(1, pick[:, None]).squeeze(1)
 
 
 def _kept(
@@ -649,13 +693,24 @@ def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     some top_p-only row's nucleus reaches past them), taken with `topk`. Only top_p-only rows
     make the search ask the host whether to widen; on a GPU the sampler draws those rows in
     the nucleus kernel instead."""
-    vocab = logits.shape[1]
     rows = [row for row, p in enumerate(params) if p.uses_top_k or p.top_p < 1.0]
     if len(rows) < len(params):  # rows that keep every token stay as they are
         index = to_device(rows, logits.device)
         kept = logits.clone()
         kept[index] = _top_k_top_p(logits[index], [params[row] for row in rows])
         return kept
+    candidates, order, remove = _candidates(logits, params)
+    kept = torch.full_like(logits, float("-inf"))
+    return kept.scatter_(1, order, candidates.masked_fill(remove, float("-inf")))
+
+
+def _candidates(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_top_k_top_p`'s search, every row bounded by a top-k or a top-p: each row's largest
+    logits `[rows, width]`, best first, their token ids, and which of them its top-k and top-p
+    rule out (never its best)."""
+    vocab = logits.shape[1]
     device = logits.device
     ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
     top_k = to_device(ks, device)
@@ -685,5 +740,4 @@ def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
     mass_before = probs.cumsum(dim=-1) - probs
     remove = beyond_k | (mass_before >= top_p[:, None])
     remove[:, 0] = False
-    kept = torch.full_like(logits, float("-inf"))
-    return kept.scatter_(1, order, candidates.masked_fill(remove, float("-inf")))
+    return candidates, order, remove

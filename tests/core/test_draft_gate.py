@@ -4,8 +4,8 @@ without, per size class of steps, and keeps trying the other way now and then.""
 from __future__ import annotations
 
 import itertools
-import time
 
+from engine.core import engine_core
 from engine.core.draft_gate import DraftGate, size_class
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
@@ -115,9 +115,21 @@ class KnownDrafter(Drafter):
         request.draft_token_ids = self.truth[done : min(done + 3, request.max_output_tokens - 1)]
 
 
-def slowed_engine(slow_drafted: bool, truth: list[int]):
-    """An engine whose steps with drafts (or without) take 30 ms more: the gate must learn
-    which way is faster from the steps alone."""
+class SteppedClock:
+    """The engine's clock: a microsecond a reading, plus what a step is made to last, so that
+    the steps' times are the same on any machine, however loaded."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+
+def slowed_engine(slow_drafted: bool, truth: list[int], clock: SteppedClock):
+    """An engine whose steps with drafts (or without) take 30 ms more on its clock: the gate
+    must learn which way is faster from the steps alone."""
     core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(3, 1, 1))
     core.drafter = KnownDrafter(truth)
     execute = core.runner.execute
@@ -128,20 +140,24 @@ def slowed_engine(slow_drafted: bool, truth: list[int]):
         if all(item.num_tokens == 1 or item.drafts for item in scheduled.scheduled):
             drafted_steps.append(drafted)
         if drafted == slow_drafted:
-            time.sleep(0.03)
+            clock.now += 0.03
         return execute(scheduled)
 
     core.runner.execute = slowed
     return core, drafted_steps
 
 
-def test_an_engine_stops_drafting_where_drafted_steps_are_slower_and_keeps_on_where_faster():
+def test_an_engine_stops_drafting_where_drafted_steps_are_slower_and_keeps_on_where_faster(
+    monkeypatch,
+):
     prompt = [7, 8, 9] * 6
     truth = reference_greedy(tiny_llama(), prompt, 90)
     params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    clock = SteppedClock()
+    monkeypatch.setattr(engine_core, "time", clock)
     shares = {}
     for slow_drafted in (True, False):
-        core, drafted_steps = slowed_engine(slow_drafted, truth)
+        core, drafted_steps = slowed_engine(slow_drafted, truth, clock)
         core.add_request("r", prompt, params)
         while core.has_unfinished():
             core.step()

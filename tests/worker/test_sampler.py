@@ -416,3 +416,34 @@ def test_processed_logits_of_a_greedy_row_carry_its_bias_but_no_temperature():
     assert out.logprobs[0].logprob == pytest.approx(biased.max().item())
     chosen = out.logprobs[1].token_id
     assert out.logprobs[1].logprob == pytest.approx(values[1, chosen].item() / 2.0)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        dict(top_k=40),
+        dict(top_p=0.9),
+        dict(top_k=200, top_p=0.5),
+        dict(top_p=0.97, min_p=0.02),
+        dict(top_k=5, min_p=0.3),
+        dict(top_p=0.999),  # flat rows: the candidates widen to most of the vocabulary
+        dict(),  # bounded by nothing: the whole vocabulary's sum
+    ],
+)
+def test_a_step_draws_what_verifying_a_draft_draws_for_a_seeded_row(kind):
+    """A step draws a row bounded by top-k or top-p from its candidates alone; a verify step
+    draws from `distributions`, the whole vocabulary: for seeded rows (the same uniforms) the
+    tokens agree, peaked rows and flat ones, with tokens ruled out among them."""
+    vocab, rows = 3000, 240
+    generator = torch.Generator().manual_seed(12)
+    spread = torch.tensor([6.0 if row % 2 else 0.05 for row in range(rows)])[:, None]
+    values = torch.randn(rows, vocab, generator=generator) * spread
+    values[:, ::11] = float("-inf")
+    requests = [request(f"r{row}", temperature=0.8, seed=row, **kind) for row in range(rows)]
+    sampler = Sampler(vocab, torch.device("cpu"))
+    stepped = sampler.sample(values.clone(), requests).token_ids
+    weights = sampler.distributions(values.clone(), requests)
+    verified = sampler.draw(weights, requests, [0] * rows)
+    assert stepped.tolist() == verified.tolist()
+    assert bool((weights.gather(1, stepped[:, None]) > 0).all())
+    assert len(set(stepped.tolist())) > rows // 4
