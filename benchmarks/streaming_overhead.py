@@ -33,6 +33,7 @@ class OneTokenCore:
     tokenizer = None
     processor = None  # a text model
     loras = None  # no LoRA adapters
+    profiler = None  # no profiles on demand
 
     def __init__(self) -> None:
         self.requests: dict[str, list[int]] = {}

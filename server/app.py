@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.convertors import Convertor, register_url_convertor
 
 from engine.core.errors import EngineDeadError, InvalidRequestError
 from engine.core.paths import cache_dir
@@ -77,6 +78,22 @@ from server.stats_log import StatsLog
 from server.tokenization import encode_text, tokenizer_info
 from server.tracing import Tracing, output_logging
 from server.version import conveyor_version
+
+
+class ResponseIdConvertor(Convertor[str]):
+    """A stored response's id in a path: any segment but `input_tokens`, which is a route of
+    its own (`POST /v1/responses/input_tokens`), not a response to get or delete."""
+
+    regex = "(?!input_tokens$)[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("response_id", ResponseIdConvertor())
 
 UPLOAD_ENVELOPE_BYTES = 1 << 20
 
@@ -320,7 +337,9 @@ def _openai_router(
             "prompt_embeds) or an embedding request (input)."
         )
 
-    @router.get("/v1/responses/{response_id}", responses=errors(400, 404), response_model=None)
+    @router.get(
+        "/v1/responses/{response_id:response_id}", responses=errors(400, 404), response_model=None
+    )
     async def get_response(
         response_id: str,
         stream: bool = False,
@@ -346,7 +365,7 @@ def _openai_router(
     async def cancel_response(response_id: str) -> dict[str, Any]:
         return await stored.cancel(response_id)
 
-    @router.delete("/v1/responses/{response_id}", responses=errors(404))
+    @router.delete("/v1/responses/{response_id:response_id}", responses=errors(404))
     async def delete_response(response_id: str) -> dict[str, Any]:
         await stored.stop(response_id)  # a running background response is cancelled first
         stored.delete(response_id)

@@ -427,9 +427,17 @@ async def test_server_wide_template_kwargs_sit_under_each_request_s_own():
 
 async def test_processed_logprobs_show_the_tokens_top_k_rules_out_at_minus_9999():
     """`--logprobs-mode processed_logprobs`: a completion's top logprobs past its top-k are
-    -9999 (JSON has no -inf), and those within it make up the whole distribution."""
+    -9999 (JSON has no -inf), and those within it make up the whole distribution. (Tokens as
+    ids: two byte tokens may both read as one replacement character, one key.)"""
     async with app_client(logprobs_mode="processed_logprobs") as (client, _):
-        body = {"prompt": "Hello", "max_tokens": 3, "top_k": 2, "temperature": 1.0, "seed": 3}
+        body = {
+            "prompt": "Hello",
+            "max_tokens": 3,
+            "top_k": 2,
+            "temperature": 1.0,
+            "seed": 3,
+            "return_tokens_as_token_ids": True,
+        }
         reply = await client.post("/v1/completions", json={**body, "logprobs": 4})
     assert reply.status_code == 200, reply.text
     for top in reply.json()["choices"][0]["logprobs"]["top_logprobs"]:
