@@ -322,6 +322,10 @@ def _candidates_choice(
     if any(min_p):  # the best candidate comes first
         floor = probs[:, :1] * to_device(min_p, scaled.device)[:, None]
         probs = probs.masked_fill(probs < floor, 0.0)
+    if order.shape[1] * WIDE_CANDIDATES >= scaled.shape[1]:
+        # A search widened to much of the vocabulary: putting the candidates back in place
+        # costs less than sorting them by token.
+        return inverse_cdf(torch.zeros_like(scaled).scatter_(1, order, probs), uniforms)
     tokens, by_token = order.sort(dim=-1)
     pick = inverse_cdf(probs.gather(1, by_token), uniforms)
     return tokens.gather(1, pick[:, None]).squeeze(1)
@@ -682,6 +686,9 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
 # How many candidates a top_p-only row is first searched in: an LLM's nucleus usually lies in
 # its first few hundred tokens; a flatter row is searched again sixteen times wider.
 NUCLEUS_FIRST_WIDTH = 256
+# Candidates at least 1/WIDE_CANDIDATES of the vocabulary are drawn from in place, not sorted
+# by token.
+WIDE_CANDIDATES = 8
 # Parameters that keep every token (for rows whose top-p is applied elsewhere).
 KEEP_ALL = SamplingParams()
 
