@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine.core.config_fields import check_fields
+
 logger = logging.getLogger(__name__)
 
 PROFILERS = ("torch",)
@@ -62,21 +64,14 @@ class ProfilerConfig:
     @classmethod
     def of(cls, fields: dict[str, Any]) -> ProfilerConfig:
         """The config a `--profiler-config` JSON object gives."""
-        kinds: dict[str, tuple[type, ...]] = {
+        kinds: dict[str, tuple[type, ...]] = {name: (bool,) for name in cls.__dataclass_fields__}
+        kinds |= {
             "profiler": (str, type(None)),
             "torch_profiler_dir": (str,),
             "delay_iterations": (int,),
             "max_iterations": (int,),
         }
-        unknown = sorted(set(fields) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"unknown profiler config fields: {', '.join(unknown)}")
-        for name, value in fields.items():
-            kind = kinds.get(name, (bool,))
-            wrong_int = kind == (int,) and isinstance(value, bool)
-            if not isinstance(value, kind) or wrong_int:
-                named = "an integer" if kind == (int,) else kind[0].__name__
-                raise ValueError(f"profiler config field {name} must be {named}")
+        check_fields(fields, kinds, "profiler")
         return cls(**fields)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from engine.core.config_fields import check_fields
+
 # vLLM's `--kv-events-config` fields and their defaults.
 DEFAULT_ENDPOINT = "tcp://*:5557"
 PUBLISHERS = ("null", "zmq")
@@ -119,14 +121,7 @@ class KVEventsConfig:
             "max_queue_size": (int,),
             "topic": (str,),
         }
-        unknown = sorted(set(fields) - set(kinds))
-        if unknown:
-            raise ValueError(f"unknown KV events config fields: {', '.join(unknown)}")
-        for name, value in fields.items():
-            integer = kinds[name] == (int,)
-            if not isinstance(value, kinds[name]) or (integer and isinstance(value, bool)):
-                kind = "an integer" if integer else kinds[name][0].__name__
-                raise ValueError(f"KV events config field {name} must be {kind}")
+        check_fields(fields, kinds, "KV events")
         return cls(**fields)
 
 
