@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -119,15 +121,25 @@ def trace_names(path: str) -> set[str]:
         return {event.get("name", "") for event in json.load(file)["traceEvents"]}
 
 
-async def test_the_trace_holds_the_step_threads_operators(tiny_model, tmp_path):
-    config = ProfilerConfig("torch", str(tmp_path), torch_profiler_with_stack=False)
+@asynccontextmanager
+async def profiled(tiny_model, folder: Path, **options) -> AsyncIterator[AsyncEngine]:
+    """A running engine with profiles on demand into `folder`, one request run under a
+    profile started first; shut down on leaving."""
+    config = ProfilerConfig("torch", str(folder), torch_profiler_with_stack=False, **options)
     engine = AsyncEngine(*tiny_core(tiny_model, profiler=config))
     await engine.start()
     try:
-        assert engine.info.profiling
         await engine.start_profile()
         async for _ in engine.generate([5, 6, 7, 8], GREEDY):
             pass
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+async def test_the_trace_holds_the_step_threads_operators(tiny_model, tmp_path):
+    async with profiled(tiny_model, tmp_path) as engine:
+        assert engine.info.profiling
         trace, summary = await engine.stop_profile()
         # The model's own operators, run on the step thread, not only this thread's.
         names = trace_names(trace)
@@ -135,28 +147,16 @@ async def test_the_trace_holds_the_step_threads_operators(tiny_model, tmp_path):
         assert Path(trace).parent == tmp_path and "Self CPU" in Path(summary).read_text()
         with pytest.raises(ProfilerStateError, match="not running"):
             await engine.stop_profile()
-    finally:
-        await engine.shutdown()
 
 
 async def test_a_profile_of_so_many_steps_saves_itself(tiny_model, tmp_path):
-    config = ProfilerConfig(
-        "torch", str(tmp_path), torch_profiler_with_stack=False, max_iterations=2
-    )
-    engine = AsyncEngine(*tiny_core(tiny_model, profiler=config))
-    await engine.start()
-    try:
-        await engine.start_profile()
-        async for _ in engine.generate([5, 6, 7, 8], GREEDY):
-            pass
+    async with profiled(tiny_model, tmp_path, max_iterations=2) as engine:
         # Saved off the step thread: a hang guard, not a timing.
         await until(lambda: any(tmp_path.glob("*.summary.txt")), 60, "the saved profile")
         [trace] = tmp_path.glob("*.pt.trace.json.gz")
         assert "aten::embedding" in trace_names(str(trace))
         with pytest.raises(ProfilerStateError, match="not running"):
             await engine.stop_profile()
-    finally:
-        await engine.shutdown()
 
 
 async def test_profiling_is_refused_unless_configured(tiny_model):
@@ -171,14 +171,7 @@ async def test_profiling_is_refused_unless_configured(tiny_model):
 
 
 async def test_a_profile_running_at_shutdown_is_saved(tiny_model, tmp_path):
-    config = ProfilerConfig("torch", str(tmp_path), torch_profiler_with_stack=False)
-    engine = AsyncEngine(*tiny_core(tiny_model, profiler=config))
-    await engine.start()
-    try:
-        await engine.start_profile()
-        async for _ in engine.generate([5, 6, 7, 8], GREEDY):
-            pass
-    finally:
-        await engine.shutdown()
+    async with profiled(tiny_model, tmp_path):
+        pass  # left running
     [trace] = tmp_path.glob("*.pt.trace.json.gz")
     assert "aten::embedding" in trace_names(str(trace))
