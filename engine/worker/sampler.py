@@ -241,10 +241,15 @@ class Sampler:
         for row, request in enumerate(requests):
             seed = request.sampling_params.seed
             if seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(position_key(seed, positions[row]))
+                generator = self._keyed(seed, positions[row])
                 values[row] = torch.rand(1, generator=generator, device=self.device)[0]
         return values
+
+    def _keyed(self, seed: int, position: int) -> torch.Generator:
+        """The generator of a request seeded `seed`, for its token at `position`."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(position_key(seed, position))
+        return generator
 
     def _exponential_noise(
         self, probs: torch.Tensor, requests: list[Request], positions: list[int]
@@ -267,9 +272,7 @@ class Sampler:
             seeded_noise(noise, to_device(seeded, noise.device, torch.int64), seeds, at)
             return noise
         for row, seed, position in zip(seeded, seeds, at, strict=True):
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(position_key(seed, position))
-            noise[row].exponential_(generator=generator)
+            noise[row].exponential_(generator=self._keyed(seed, position))
         return noise
 
 
