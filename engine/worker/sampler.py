@@ -3,7 +3,7 @@
 Every row's choice is tensor work over the whole batch: penalties, `min_tokens`, logit bias and
 grammars each touch all their rows in one operation, with no per-row device work or host sync.
 Rows with top-p and no top-k are drawn on a GPU by a Triton kernel that needs nothing from the
-host; elsewhere a widening `topk` search reads one flag back per widening.
+host; elsewhere `top_k_top_p` finds what each row keeps without sorting the vocabulary.
 A random row's token is where a uniform draw falls in the running sum of its probabilities
 (one pass over the vocabulary); on a GPU it wins the exponential race instead (noise for every
 token: cheap there, about ten times the work of the running sum on a CPU). A
@@ -27,6 +27,7 @@ from engine.core.outputs import NO_TOKEN, TokenLogprob
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
+from engine.worker.top_k_top_p import bounded, top_k_top_p
 from engine.worker.transfer import HostCopy, to_device
 
 # A token processing ruled out has a logprob of -inf, which JSON cannot carry: reported as this,
@@ -97,9 +98,9 @@ class Sampler:
         race: bool | None = None,
     ) -> None:
         """`triton_kernels` (`engine.kernels.triton.sampling`): rows with top-p and no top-k
-        draw in a kernel that needs nothing from the host, rather than in a widening `topk`
-        search that asks the host how wide to go; seeded rows' noise comes from one launch
-        for them all, rather than from a generator per row, one call each.
+        draw in a kernel that needs nothing from the host, rather than in a `topk` search that
+        asks the host whether their nucleus reaches past it; seeded rows' noise comes from one
+        launch for them all, rather than from a generator per row, one call each.
         `logprobs_mode`: what logprobs report (`engine.core.config.LOGPROBS_MODES`).
         `race`: random rows run the exponential race (noise for every token) rather than the
         running sum; by default on a GPU, and always with the Triton kernels, whose top-p
@@ -117,7 +118,7 @@ class Sampler:
         if self.triton_kernels:
             return "Triton kernels (top-p pivoting, seeded noise in one launch)"
         draws = "the exponential race" if self._races else "a running sum"
-        return f"torch (top-p by widening topk, draws by {draws}, a generator per seeded row)"
+        return f"torch (top-p by topk or histogram, draws by {draws}, a generator per seeded row)"
 
     @property
     def _races(self) -> bool:
@@ -315,21 +316,23 @@ def _whole_vocabulary_choice(
 def _candidates_choice(
     scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
 ) -> torch.Tensor:
-    """The running-sum draw of rows a top-k or top-p bounds, over their candidates
-    (`_candidates`) rather than the whole vocabulary: the candidates a row keeps, min-p applied
-    as `_kept` applies it, summed in token order as the whole vocabulary's sum runs (the tokens
-    it rules out add nothing to that sum), so a uniform picks the same token either way."""
-    candidates, order, remove = _candidates(scaled, params)
-    probs = torch.softmax(candidates.masked_fill(remove, float("-inf")), dim=-1)
+    """The running-sum draw of rows a top-k or top-p bounds, over the tokens each keeps
+    (`bounded`), min-p applied as `_kept` applies it, summed in token order as the whole
+    vocabulary's sum runs (the tokens it rules out add nothing to that sum), so a uniform picks
+    the same token either way."""
+    found = bounded(scaled, params)
+    probs = torch.softmax(found.logits, dim=-1)
     min_p = [p.min_p for p in params]
-    if any(min_p):  # the best candidate comes first
-        floor = probs[:, :1] * to_device(min_p, scaled.device)[:, None]
+    if any(min_p):
+        floor = probs.amax(dim=-1, keepdim=True) * to_device(min_p, scaled.device)[:, None]
         probs = probs.masked_fill(probs < floor, 0.0)
-    if order.shape[1] * WIDE_CANDIDATES >= scaled.shape[1]:
-        # A search widened to much of the vocabulary: putting the candidates back in place
-        # costs less than sorting them by token.
-        return inverse_cdf(torch.zeros_like(scaled).scatter_(1, order, probs), uniforms)
-    tokens, by_token = order.sort(dim=-1)
+    if found.tokens is None:
+        return inverse_cdf(probs, uniforms)
+    if found.tokens.shape[1] * WIDE_CANDIDATES >= scaled.shape[1]:
+        # Candidates spanning much of the vocabulary: putting them back in place costs less
+        # than sorting them by token.
+        return inverse_cdf(torch.zeros_like(scaled).scatter_(1, found.tokens, probs), uniforms)
+    tokens, by_token = found.tokens.sort(dim=-1)
     pick = inverse_cdf(probs.gather(1, by_token), uniforms)
     return tokens.gather(1, pick[:, None]).squeeze(1)
 
@@ -344,7 +347,7 @@ def _kept(
     limited = [(p.uses_top_k or p.top_p < 1.0) and row not in apart for row, p in enumerate(params)]
     if any(limited):
         kept = [p if limit else KEEP_ALL for p, limit in zip(params, limited, strict=True)]
-        scaled = _top_k_top_p(scaled, kept)
+        scaled = top_k_top_p(scaled, kept)
     probs = torch.softmax(scaled, dim=-1)
     min_p = [0.0 if row in apart else p.min_p for row, p in enumerate(params)]
     if any(min_p):
@@ -686,68 +689,8 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
         logits[index] = float("-inf")
 
 
-# How many candidates a top_p-only row is first searched in: an LLM's nucleus usually lies in
-# its first few hundred tokens; a flatter row is searched again sixteen times wider.
-NUCLEUS_FIRST_WIDTH = 256
 # Candidates at least 1/WIDE_CANDIDATES of the vocabulary are drawn from in place, not sorted
 # by token.
 WIDE_CANDIDATES = 8
 # Parameters that keep every token (for rows whose top-p is applied elsewhere).
 KEEP_ALL = SamplingParams()
-
-
-def _top_k_top_p(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Mask everything outside each row's top-k and top-p nucleus (top-p over the top-k,
-    renormalised, as vLLM does). No row sorts the whole vocabulary unless it must: the
-    candidates are the batch's largest top_k, or the first NUCLEUS_FIRST_WIDTH (widened while
-    some top_p-only row's nucleus reaches past them), taken with `topk`. Only top_p-only rows
-    make the search ask the host whether to widen; on a GPU the sampler draws those rows in
-    the nucleus kernel instead."""
-    rows = [row for row, p in enumerate(params) if p.uses_top_k or p.top_p < 1.0]
-    if len(rows) < len(params):  # rows that keep every token stay as they are
-        index = to_device(rows, logits.device)
-        kept = logits.clone()
-        kept[index] = _top_k_top_p(logits[index], [params[row] for row in rows])
-        return kept
-    candidates, order, remove = _candidates(logits, params)
-    kept = torch.full_like(logits, float("-inf"))
-    return kept.scatter_(1, order, candidates.masked_fill(remove, float("-inf")))
-
-
-def _candidates(
-    logits: torch.Tensor, params: list[SamplingParams]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_top_k_top_p`'s search, every row bounded by a top-k or a top-p: each row's largest
-    logits `[rows, width]`, best first, their token ids, and which of them its top-k and top-p
-    rule out (never its best)."""
-    vocab = logits.shape[1]
-    device = logits.device
-    ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
-    top_k = to_device(ks, device)
-    top_p = to_device([p.top_p for p in params], device)
-    limited = top_k < vocab
-    below = [k for k in ks if k < vocab]
-    # Every row with a top_k: its largest, and each row's mass counts against its own top_k.
-    # Else at least the first search width, and a row without top_k counts its mass against
-    # the whole vocabulary.
-    every_limited = len(below) == len(ks)
-    width = min(vocab, max(below) if every_limited else max([*below, NUCLEUS_FIRST_WIDTH]))
-    whole = None if every_limited else torch.logsumexp(logits, dim=-1)
-    while True:
-        candidates, order = logits.topk(width, dim=-1)
-        positions = torch.arange(width, device=device)[None, :]
-        beyond_k = positions >= top_k[:, None]
-        candidates = candidates.masked_fill(beyond_k, float("-inf"))
-        norm = torch.logsumexp(candidates, dim=-1)
-        if whole is not None:
-            norm = torch.where(limited, norm, whole)
-        probs = (candidates - norm[:, None]).exp()
-        reached = limited | (probs.sum(dim=-1) >= top_p)
-        if width == vocab or every_limited or bool(reached.all()):
-            break
-        width = min(vocab, width * 16)
-    # Keep a token while the mass before it is below top_p; the best token always stays.
-    mass_before = probs.cumsum(dim=-1) - probs
-    remove = beyond_k | (mass_before >= top_p[:, None])
-    remove[:, 0] = False
-    return candidates, order, remove

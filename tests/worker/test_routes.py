@@ -61,7 +61,7 @@ def test_one_line_names_every_route(caplog):
     assert "linear layers: 9 torch (float32)" in line
     assert "decode: op by op (projections not in Conveyor's panels)" in line
     assert "CPU kernels: attention, linear, elementwise, fused_decode for -march=" in line
-    assert "sampling torch (top-p by widening topk, draws by a running sum, a generator per" in line
+    assert "sampling torch (top-p by topk or histogram, draws by a running sum, a generator" in line
 
 
 @needs_panels

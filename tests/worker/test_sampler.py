@@ -306,66 +306,6 @@ def test_batched_penalties_and_min_tokens_equal_the_per_row_reference(seed):
     assert torch.equal(batched, per_row_reference(values, requests))
 
 
-def test_top_k_sorts_only_the_batch_s_largest_k_and_keeps_the_same_tokens():
-    """With every row's top_k below the vocabulary the candidates come from `topk`; the kept
-    set is the full sort's (random logits have no ties)."""
-    from engine.worker.sampler import _top_k_top_p
-
-    values = logits(6, 3)
-    params = [
-        SamplingParams(top_k=k, top_p=p)
-        for k, p in [(1, 1.0), (5, 1.0), (10, 0.5), (3, 0.9), (20, 0.99), (7, 0.2)]
-    ]
-    fast = _top_k_top_p(values.clone(), params)
-    for row, p in enumerate(params):
-        order = values[row].argsort(descending=True)
-        probs = values[row, order[: p.top_k]].softmax(-1)
-        before = probs.cumsum(-1) - probs
-        keep = order[: p.top_k][(before < p.top_p) | (torch.arange(p.top_k) == 0)]
-        assert set(torch.isfinite(fast[row]).nonzero().flatten().tolist()) == set(keep.tolist())
-        assert torch.equal(fast[row, keep], values[row, keep])
-
-
-def full_sort_nucleus(row: torch.Tensor, top_p: float) -> set[int]:
-    order = row.argsort(descending=True)
-    probs = row[order].softmax(-1)
-    before = probs.cumsum(-1) - probs
-    return set(order[(before < top_p) | (torch.arange(len(row)) == 0)].tolist())
-
-
-def test_top_p_rows_search_a_few_candidates_and_widen_only_when_the_nucleus_is_wider():
-    """A peaked row's nucleus is found among the first candidates, a flat row's after
-    widening; both keep what a sort of the whole vocabulary keeps, and a row with neither
-    top_k nor top_p keeps every logit as it was."""
-    from engine.worker import sampler as sampler_module
-
-    generator = torch.Generator().manual_seed(5)
-    vocab = 20_000
-    values = torch.randn(3, vocab, generator=generator)
-    values[0] *= 12  # peaked: a nucleus of a few tokens
-    values[1] *= 0.05  # flat: a nucleus of most of the vocabulary
-    params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9), SamplingParams()]
-    widths = []
-    original_topk = torch.Tensor.topk
-
-    def counted_topk(self, k, *args, **kwargs):
-        widths.append(k)
-        return original_topk(self, k, *args, **kwargs)
-
-    torch.Tensor.topk = counted_topk  # type: ignore[method-assign]
-    try:
-        kept = sampler_module._top_k_top_p(values.clone(), params)
-    finally:
-        torch.Tensor.topk = original_topk  # type: ignore[method-assign]
-    assert widths[0] == sampler_module.NUCLEUS_FIRST_WIDTH and widths[-1] > widths[0]
-    for row in (0, 1):
-        found = set(torch.isfinite(kept[row]).nonzero().flatten().tolist())
-        assert found == full_sort_nucleus(values[row], 0.9)
-    assert len(full_sort_nucleus(values[0], 0.9)) < 50
-    assert len(full_sort_nucleus(values[1], 0.9)) > 10_000
-    assert torch.equal(kept[2], values[2])
-
-
 def mode_sampler(mode: str) -> Sampler:
     return Sampler(VOCAB, torch.device("cpu"), logprobs_mode=mode)
 

@@ -128,8 +128,8 @@ class NoHostReads:
 def test_the_sampler_with_the_kernel_chooses_as_its_torch_route_and_reads_nothing_back():
     """Over steps of a batch with every kind of row (peaked and flat logits), the kernel route
     gives the torch route's tokens (seeded rows aside: their noise differs by route); its
-    sampling reads no tensor value on the host (the torch route's widening search does, for
-    its top-p-only rows)."""
+    sampling reads no tensor value on the host (the torch route's search does, for its
+    top-p-only rows)."""
     device = torch.device(TRITON_DEVICE)
     vocab = 2000
     with_kernel = Sampler(vocab, device, seed=3, triton_kernels=True)
