@@ -349,3 +349,29 @@ def format_allows(compiler: Any, spec: StructuredOutputs, text: str) -> bool:
     matcher = compiler.matcher(spec)
     ids = compiler._hf_tokenizer.encode(text, add_special_tokens=False)
     return bool(matcher.consume_tokens(ids) and matcher.is_accepting())
+
+
+def reference_nucleus(row: torch.Tensor, top_p: float) -> set[int]:
+    """Every token whose probability mass strictly above it is below top_p (the best token
+    always), summed in double over the whole sorted row."""
+    values, order = row.double().sort()
+    probs = torch.softmax(values, dim=0)
+    above = torch.cat([probs.flip(0).cumsum(0).flip(0)[1:], torch.zeros(1, dtype=probs.dtype)])
+    # A token's mass strictly above counts from the end of its run of ties.
+    last_of_ties = torch.searchsorted(values, values, right=True) - 1
+    keep = above[last_of_ties] < top_p
+    keep[-1] = True
+    return set(order[keep].tolist())
+
+
+def reference_draw(row: torch.Tensor, top_p: float, min_p: float, uniform: float) -> int:
+    """The token a uniform draws from a row of scaled logits, in double: the running sum, in
+    token order, of its nucleus' probabilities (those below min_p times the best dropped), the
+    first token whose sum passes `uniform` of their total."""
+    probs = torch.softmax(row.double(), dim=0)
+    kept = torch.zeros_like(probs)
+    nucleus = sorted(reference_nucleus(row, top_p))
+    kept[nucleus] = probs[nucleus]
+    kept[kept < min_p * kept.max()] = 0.0
+    running = kept.cumsum(0)
+    return int(torch.searchsorted(running, uniform * running[-1], right=True))

@@ -15,7 +15,7 @@ on how many tokens a step gives it (speculation's drafts verified or not).
 from __future__ import annotations
 
 import itertools
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -30,6 +30,8 @@ from engine.kernels.cpu import ops as cpu_ops
 from engine.worker.top_k_top_p import bounded, top_k_top_p
 from engine.worker.transfer import HostCopy, to_device
 
+# One way of drawing rows: their scaled logits, parameters and uniforms to their tokens.
+Draw = Callable[[torch.Tensor, list[SamplingParams], torch.Tensor], torch.Tensor]
 # A token processing ruled out has a logprob of -inf, which JSON cannot carry: reported as this,
 # as vLLM reports it.
 LOWEST_LOGPROB = -9999.0
@@ -117,7 +119,12 @@ class Sampler:
     def route(self) -> str:
         if self.triton_kernels:
             return "Triton kernels (top-p pivoting, seeded noise in one launch)"
-        draws = "the exponential race" if self._races else "a running sum"
+        if self._races:
+            draws = "the exponential race"
+        elif self.device.type == "cpu" and cpu_ops.has("elementwise"):
+            draws = "a running sum, rows without top_k in Conveyor's nucleus kernel"
+        else:
+            draws = "a running sum"
         return f"torch (top-p by topk or histogram, draws by {draws}, a generator per seeded row)"
 
     @property
@@ -146,41 +153,15 @@ class Sampler:
         choice = self._choose(logits, requests, positions)
         return SampledTokens(_none_where_ruled_out(choice, logits, requests), scores)
 
-    def distributions(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Each row's distribution as `sample` draws from it, `[rows, vocab]` (a greedy row's
-        mass all on its argmax), from what `requests[row]` holds as it stands: its tokens
-        (penalties, bad words, `min_tokens`) and its matcher's state. Speculation verifies
-        drafts against it."""
-        logits = self._process(logits.float(), requests)
-        params = [r.sampling_params for r in requests]
-        greedy = _greedy_rows(params)
-        _, probs = _kept(_scaled(logits, params), params, greedy)
-        probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p's tokens taken out
-        if greedy:
-            rows = to_device(greedy, logits.device, torch.int64)
-            best = row_argmax(logits[rows])
-            probs[rows] = 0.0
-            probs[rows, best] = 1.0
-        ruled = _ruling_rows(requests)
-        if ruled:  # a row with every token ruled out has no mass at all (`draw`: NO_TOKEN)
-            index = to_device(ruled, logits.device, torch.int64)
-            empty = torch.isneginf(logits[index]).all(dim=1, keepdim=True)
-            probs[index] = probs[index].masked_fill(empty, 0.0)
-        return probs
-
-    def draw(
-        self, weights: torch.Tensor, requests: list[Request], positions: list[int]
+    def choose(
+        self, logits: torch.Tensor, requests: list[Request], positions: list[int]
     ) -> torch.Tensor:
-        """A token from each row's `weights` (not necessarily normalized), drawn for the
-        token at `positions[row]` of its request's output (as `sample` draws it there). Greedy
-        rows hold one token (`distributions`): no noise is drawn where every row is greedy."""
-        if all(r.sampling_params.greedy for r in requests):
-            choice = row_argmax(weights)
-        elif self._races:
-            choice = row_argmax(weights / self._exponential_noise(weights, requests, positions))
-        else:
-            choice = inverse_cdf(weights, self._uniforms(requests, positions))
-        return _none_where_ruled_out(choice, weights, requests, floor=0.0)
+        """Each row's token as `sample` chooses it for the token at `positions[row]` of its
+        request's output, from what `requests[row]` holds as it stands: its tokens (penalties,
+        bad words, `min_tokens`) and its matcher's state. Speculation verifies drafts by it: a
+        draft is kept where it is the token a step would have drawn there."""
+        logits = self._process(logits.float(), requests)
+        return _none_where_ruled_out(self._choose(logits, requests, positions), logits, requests)
 
     # ---- logits processing -----------------------------------------------------------------
 
@@ -290,20 +271,47 @@ def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 def _running_sum_choice(
     scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
 ) -> torch.Tensor:
-    """Each random row's token by the running sum of its probabilities (`inverse_cdf`): a row
-    that a top-k or top-p bounds sums its candidates alone (`_candidates_choice`), another its
-    whole vocabulary. A greedy row gets 0, a placeholder its argmax replaces."""
-    drawn = [row for row, p in enumerate(params) if not p.greedy]
-    bounded = [row for row in drawn if params[row].uses_top_k or params[row].top_p < 1.0]
-    free = sorted(set(drawn) - set(bounded))
+    """Each random row's token by the running sum of its probabilities (`inverse_cdf`), each
+    group of rows its own way (`_draw_groups`). A greedy row gets 0, a placeholder its argmax
+    replaces."""
     choice = torch.zeros(len(params), dtype=torch.int64, device=scaled.device)
-    for rows, draw in ((bounded, _candidates_choice), (free, _whole_vocabulary_choice)):
+    for rows, draw in _draw_groups(scaled, params):
         if len(rows) == len(params):
             return draw(scaled, params, uniforms)
         if rows:
             index = to_device(rows, scaled.device, torch.int64)
             choice[index] = draw(scaled[index], [params[row] for row in rows], uniforms[index])
     return choice
+
+
+def _draw_groups(
+    scaled: torch.Tensor, params: list[SamplingParams]
+) -> list[tuple[list[int], Draw]]:
+    """The random rows each way draws: a row with a top-k from its candidates; where the CPU's
+    nucleus kernel runs, every other row there (its top-p nucleus found without a sort);
+    else a row with a top-p from its candidates and the rest from the whole vocabulary."""
+    drawn = [row for row, p in enumerate(params) if not p.greedy]
+    with_k = [row for row in drawn if params[row].uses_top_k]
+    rest = [row for row in drawn if not params[row].uses_top_k]
+    if _nucleus_kernel_runs(scaled):
+        return [(with_k, _candidates_choice), (rest, _nucleus_kernel_choice)]
+    top_p = [row for row in rest if params[row].top_p < 1.0]
+    free = [row for row in rest if params[row].top_p >= 1.0]
+    return [(sorted(with_k + top_p), _candidates_choice), (free, _whole_vocabulary_choice)]
+
+
+def _nucleus_kernel_runs(scaled: torch.Tensor) -> bool:
+    return (
+        scaled.device.type == "cpu" and scaled.dtype == torch.float32 and cpu_ops.has("elementwise")
+    )
+
+
+def _nucleus_kernel_choice(
+    scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
+) -> torch.Tensor:
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    return cpu_ops.nucleus_draw(scaled.contiguous(), top_p, min_p, uniforms.float().contiguous())
 
 
 def _whole_vocabulary_choice(
@@ -419,17 +427,17 @@ def _ruling_rows(requests: list[Request]) -> list[int]:
 
 
 def _none_where_ruled_out(
-    choice: torch.Tensor, weights: torch.Tensor, requests: list[Request], floor: float = -math.inf
+    choice: torch.Tensor, logits: torch.Tensor, requests: list[Request]
 ) -> torch.Tensor:
     """`choice` with NO_TOKEN where a request's rules left its row no token: the chosen
-    token's weight is at or below `floor` (a -inf logit, or no probability), as only a row with
-    nothing allowed chooses such a token. On the device, without waiting."""
+    token's logit is -inf, as only a row with nothing allowed chooses such a token. On the
+    device, without waiting."""
     rows = _ruling_rows(requests)
     if not rows:
         return choice
-    index = to_device(rows, weights.device, torch.int64)
+    index = to_device(rows, logits.device, torch.int64)
     chosen = choice[index]
-    empty = weights[index, chosen.clamp(min=0)] <= floor
+    empty = torch.isneginf(logits[index, chosen.clamp(min=0)])
     choice[index] = torch.where(empty, torch.full_like(chosen, NO_TOKEN), chosen)
     return choice
 

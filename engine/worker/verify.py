@@ -2,8 +2,8 @@
 that follows them.
 
 A request with drafts d1..dk runs k + 1 rows; row i's distribution is the model's next token after
-d1..di. Each row draws its token as a step without drafts would draw it there (the same
-distribution; for a seeded request, the same noise, keyed by the token's position); draft d(i+1)
+d1..di. Each row draws its token as a step without drafts would draw it there (the sampler's
+same code; for a seeded request, the same draw, keyed by the token's position); draft d(i+1)
 is kept while it is the token row i drew, and the first row whose token differs gives that
 token (when every draft is kept, row k gives one more). A draft is certain (its proposal puts all
 its mass on one token), so this keeps it with probability p_i(d(i+1)) and otherwise gives a
@@ -73,7 +73,7 @@ def verify_chosen(tokens: list[int], group: VerifyGroup) -> Verified:
 def verify_sampled(
     sampler: Sampler, logits: torch.Tensor, groups: list[VerifyGroup]
 ) -> list[Verified]:
-    """Each group verified against its rows' distributions (`logits` holds the rows of the
+    """Each group verified against the tokens its rows draw (`logits` holds the rows of the
     step's sampled rows, indexed as the groups say): groups without a format all at once,
     constrained ones row by row (`_verify_constrained`)."""
     free = iter(_verify_free(sampler, logits, [g for g in groups if g.request.grammar is None]))
@@ -94,8 +94,7 @@ def _verify_free(
     rows = [row for group in groups for row in group.rows]
     owners = [as_row_sees(group, i) for group in groups for i in range(len(group.drafts) + 1)]
     positions = [_position(group, i) for group in groups for i in range(len(group.drafts) + 1)]
-    probs = sampler.distributions(logits[torch.tensor(rows, device=device)], owners)
-    drawn = sampler.draw(probs, owners, positions).tolist()
+    drawn = sampler.choose(logits[torch.tensor(rows, device=device)], owners, positions).tolist()
     verified, at = [], 0
     for group in groups:
         verified.append(_kept(group, drawn[at : at + len(group.drafts) + 1]))
@@ -129,8 +128,7 @@ def _verify_constrained(sampler: Sampler, logits: torch.Tensor, group: VerifyGro
         while True:
             row = logits[group.first + kept : group.first + kept + 1]
             owner = as_row_sees(group, kept)
-            probs = sampler.distributions(row, [owner])
-            token = int(sampler.draw(probs, [owner], [_position(group, kept)])[0])
+            token = int(sampler.choose(row, [owner], [_position(group, kept)])[0])
             if kept == len(group.drafts) or kept >= valid or token != group.drafts[kept]:
                 break
             matcher.consume_token(token)

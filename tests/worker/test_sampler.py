@@ -85,16 +85,16 @@ def test_sampling_follows_the_distribution():
 
 @pytest.mark.parametrize("race", [False, True])
 def test_both_ways_of_drawing_follow_a_whole_distribution(race):
-    """Twelve thousand draws from a 50-token distribution (unnormalized, some tokens of no
-    weight), by the running sum and by the race: each token's share within four standard
-    deviations of its probability, and no token of no weight drawn."""
+    """Twelve thousand draws from a 50-token distribution (some tokens ruled out), by the
+    running sum and by the race: each token's share within four standard deviations of its
+    probability, and no ruled-out token drawn."""
     weights = torch.rand(VOCAB, generator=torch.Generator().manual_seed(4)) ** 3
     weights[::7] = 0.0
     probs = weights / weights.sum()
     rows = 12_000
     sampler = Sampler(VOCAB, torch.device("cpu"), seed=8, race=race)
     requests = [request(f"r{i}") for i in range(rows)]
-    drawn = sampler.draw(weights.expand(rows, VOCAB).clone() * 5, requests, [0] * rows)
+    drawn = sampler.choose(weights.log().expand(rows, VOCAB).clone(), requests, [0] * rows)
     counts = torch.bincount(drawn, minlength=VOCAB).double()
     assert counts[::7].sum() == 0
     spread = (probs * (1 - probs) / rows).sqrt().double()
@@ -366,24 +366,31 @@ def test_processed_logits_of_a_greedy_row_carry_its_bias_but_no_temperature():
         dict(top_k=200, top_p=0.5),
         dict(top_p=0.97, min_p=0.02),
         dict(top_k=5, min_p=0.3),
-        dict(top_p=0.999),  # flat rows: the candidates widen to most of the vocabulary
+        dict(top_p=0.999),  # flat rows: a nucleus of most of the vocabulary
         dict(),  # bounded by nothing: the whole vocabulary's sum
     ],
 )
 def test_a_step_draws_what_verifying_a_draft_draws_for_a_seeded_row(kind):
-    """A step draws a row bounded by top-k or top-p from its candidates alone; a verify step
-    draws from `distributions`, the whole vocabulary: for seeded rows (the same uniforms) the
-    tokens agree, peaked rows and flat ones, with tokens ruled out among them."""
+    """A seeded row draws the same token whether a step samples it alone or a verify step
+    chooses it among others at that position of its output (the same draw, keyed by the
+    position), peaked rows and flat ones, never a token ruled out among them."""
     vocab, rows = 3000, 240
     generator = torch.Generator().manual_seed(12)
     spread = torch.tensor([6.0 if row % 2 else 0.05 for row in range(rows)])[:, None]
     values = torch.randn(rows, vocab, generator=generator) * spread
     values[:, ::11] = float("-inf")
-    requests = [request(f"r{row}", temperature=0.8, seed=row, **kind) for row in range(rows)]
+    requests = [
+        request(f"r{row}", [5] * (row % 3), temperature=0.8, seed=row, **kind)
+        for row in range(rows)
+    ]
     sampler = Sampler(vocab, torch.device("cpu"))
-    stepped = sampler.sample(values.clone(), requests).token_ids
-    weights = sampler.distributions(values.clone(), requests)
-    verified = sampler.draw(weights, requests, [0] * rows)
+    stepped = torch.cat(
+        [
+            sampler.sample(values[row : row + 1].clone(), [requests[row]]).token_ids
+            for row in range(rows)
+        ]
+    )
+    verified = sampler.choose(values.clone(), requests, [row % 3 for row in range(rows)])
     assert stepped.tolist() == verified.tolist()
-    assert bool((weights.gather(1, stepped[:, None]) > 0).all())
+    assert bool(torch.isfinite(values.gather(1, stepped[:, None])).all())
     assert len(set(stepped.tolist())) > rows // 4

@@ -11,23 +11,11 @@ from engine.core.sampling_params import SamplingParams
 from engine.worker import top_k_top_p as module
 from engine.worker.sampler import Sampler, inverse_cdf, position_key
 from engine.worker.top_k_top_p import top_k_top_p
+from tests.helpers import reference_nucleus
 
 
 def kept_tokens(row: torch.Tensor) -> set[int]:
     return set(torch.isfinite(row).nonzero().flatten().tolist())
-
-
-def reference_nucleus(row: torch.Tensor, top_p: float) -> set[int]:
-    """Every token whose probability mass strictly above it is below top_p (the best token
-    always), summed in double over the whole sorted row."""
-    values, order = row.double().sort()
-    probs = torch.softmax(values, dim=0)
-    above = torch.cat([probs.flip(0).cumsum(0).flip(0)[1:], torch.zeros(1, dtype=probs.dtype)])
-    # A token's mass strictly above counts from the end of its run of ties.
-    last_of_ties = torch.searchsorted(values, values, right=True) - 1
-    keep = above[last_of_ties] < top_p
-    keep[-1] = True
-    return set(order[keep].tolist())
 
 
 class CountedTopk:

@@ -56,7 +56,14 @@ GROUPS = (
     KernelGroup("linear", ("panel_linear.cpp", "int8_panels.cpp", "bf16_panels.cpp")),
     KernelGroup(
         "elementwise",
-        ("rms_norm.cpp", "rotary.cpp", "silu_mul.cpp", "argmax.cpp", "token_mask.cpp"),
+        (
+            "rms_norm.cpp",
+            "rotary.cpp",
+            "silu_mul.cpp",
+            "argmax.cpp",
+            "token_mask.cpp",
+            "nucleus_draw.cpp",
+        ),
     ),
     KernelGroup(
         "fused_decode",

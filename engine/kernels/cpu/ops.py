@@ -6,8 +6,9 @@
 one op), RMSNorm, rotary embeddings and the gated MLP's activation in one pass each
 (`csrc/elementwise/rms_norm.cpp`, `csrc/elementwise/rotary.cpp`, `csrc/elementwise/silu_mul.cpp`),
 a whole decoder layer for a step of decode rows that runs those kernels back to back
-(`csrc/fused_decode/decode_layer.cpp`), and the greedy choice over a step's logits
-(`csrc/elementwise/argmax.cpp`).
+(`csrc/fused_decode/decode_layer.cpp`), the greedy choice over a step's logits
+(`csrc/elementwise/argmax.cpp`) and a random one from a top-p nucleus
+(`csrc/elementwise/nucleus_draw.cpp`).
 
 `cpu_build` compiles them on first use, in groups (`cpu_build.GROUPS`) that fall back apart:
 `has(group)` says whether a group's ops loaded; where none can build (no compiler, not x86-64)
@@ -275,6 +276,16 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's index of its largest value, as `logits.argmax(dim=-1)` picks it, for
     contiguous fp32 `[rows, vocab]`: int64 `[rows]`."""
     return torch.ops.conveyor.argmax_rows(logits)
+
+
+def nucleus_draw(
+    logits: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Each row's token drawn by the running sum of its top-p nucleus' probabilities (min-p
+    applied), at `uniforms[row]` of their total, for contiguous fp32 `[rows, vocab]`
+    temperature-scaled logits and fp32 `[rows]` parameters: int64 `[rows]`. A row of no allowed
+    token gets its last (`csrc/elementwise/nucleus_draw.cpp`)."""
+    return torch.ops.conveyor.nucleus_draw(logits, top_p, min_p, uniforms)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor) -> None:
