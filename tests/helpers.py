@@ -364,14 +364,26 @@ def reference_nucleus(row: torch.Tensor, top_p: float) -> set[int]:
     return set(order[keep].tolist())
 
 
-def reference_draw(row: torch.Tensor, top_p: float, min_p: float, uniform: float) -> int:
+def reference_kept(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The tokens a row keeps: every one at least its k-th largest logit (0: no top-k), then
+    the nucleus of those, renormalised (`reference_nucleus`)."""
+    if 0 < top_k < row.shape[0]:
+        kth = row.sort(descending=True).values[top_k - 1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    finite = set(torch.isfinite(row).nonzero().flatten().tolist())
+    return reference_nucleus(row, top_p) & finite if finite else set()
+
+
+def reference_draw(
+    row: torch.Tensor, top_k: int, top_p: float, min_p: float, uniform: float
+) -> int:
     """The token a uniform draws from a row of scaled logits, in double: the running sum, in
-    token order, of its nucleus' probabilities (those below min_p times the best dropped), the
-    first token whose sum passes `uniform` of their total."""
+    token order, of its kept tokens' probabilities (`reference_kept`; those below min_p times
+    the best dropped), the first token whose sum passes `uniform` of their total."""
     probs = torch.softmax(row.double(), dim=0)
     kept = torch.zeros_like(probs)
-    nucleus = sorted(reference_nucleus(row, top_p))
-    kept[nucleus] = probs[nucleus]
+    tokens = sorted(reference_kept(row, top_k, top_p))
+    kept[tokens] = probs[tokens]
     kept[kept < min_p * kept.max()] = 0.0
     running = kept.cumsum(0)
     return int(torch.searchsorted(running, uniform * running[-1], right=True))

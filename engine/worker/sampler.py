@@ -15,7 +15,6 @@ on how many tokens a step gives it (speculation's drafts verified or not).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -27,11 +26,9 @@ from engine.core.outputs import NO_TOKEN, TokenLogprob
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
-from engine.worker.top_k_top_p import bounded, top_k_top_p
+from engine.worker.top_k_top_p import top_k_top_p
 from engine.worker.transfer import HostCopy, to_device
 
-# One way of drawing rows: their scaled logits, parameters and uniforms to their tokens.
-Draw = Callable[[torch.Tensor, list[SamplingParams], torch.Tensor], torch.Tensor]
 # A token processing ruled out has a logprob of -inf, which JSON cannot carry: reported as this,
 # as vLLM reports it.
 LOWEST_LOGPROB = -9999.0
@@ -122,7 +119,7 @@ class Sampler:
         if self._races:
             draws = "the exponential race"
         elif self.device.type == "cpu" and cpu_ops.has("elementwise"):
-            draws = "a running sum, rows without top_k in Conveyor's nucleus kernel"
+            draws = "a running sum in Conveyor's nucleus kernel"
         else:
             draws = "a running sum"
         return f"torch (top-p by topk or histogram, draws by {draws}, a generator per seeded row)"
@@ -271,33 +268,19 @@ def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 def _running_sum_choice(
     scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
 ) -> torch.Tensor:
-    """Each random row's token by the running sum of its probabilities (`inverse_cdf`), each
-    group of rows its own way (`_draw_groups`). A greedy row gets 0, a placeholder its argmax
-    replaces."""
-    choice = torch.zeros(len(params), dtype=torch.int64, device=scaled.device)
-    for rows, draw in _draw_groups(scaled, params):
-        if len(rows) == len(params):
-            return draw(scaled, params, uniforms)
-        if rows:
-            index = to_device(rows, scaled.device, torch.int64)
-            choice[index] = draw(scaled[index], [params[row] for row in rows], uniforms[index])
-    return choice
-
-
-def _draw_groups(
-    scaled: torch.Tensor, params: list[SamplingParams]
-) -> list[tuple[list[int], Draw]]:
-    """The random rows each way draws: a row with a top-k from its candidates; where the CPU's
-    nucleus kernel runs, every other row there (its top-p nucleus found without a sort);
-    else a row with a top-p from its candidates and the rest from the whole vocabulary."""
+    """Each random row's token by the running sum of its kept tokens' probabilities: in the
+    CPU's nucleus kernel where it runs (a row's top-k and top-p found without a sort), else
+    over the whole vocabulary with what top-k, top-p and min-p rule out at 0 (`inverse_cdf`). A
+    greedy row gets 0, a placeholder its argmax replaces."""
     drawn = [row for row, p in enumerate(params) if not p.greedy]
-    with_k = [row for row in drawn if params[row].uses_top_k]
-    rest = [row for row in drawn if not params[row].uses_top_k]
-    if _nucleus_kernel_runs(scaled):
-        return [(with_k, _candidates_choice), (rest, _nucleus_kernel_choice)]
-    top_p = [row for row in rest if params[row].top_p < 1.0]
-    free = [row for row in rest if params[row].top_p >= 1.0]
-    return [(sorted(with_k + top_p), _candidates_choice), (free, _whole_vocabulary_choice)]
+    draw = _nucleus_kernel_choice if _nucleus_kernel_runs(scaled) else _whole_vocabulary_choice
+    if len(drawn) == len(params):
+        return draw(scaled, params, uniforms)
+    choice = torch.zeros(len(params), dtype=torch.int64, device=scaled.device)
+    if drawn:
+        index = to_device(drawn, scaled.device, torch.int64)
+        choice[index] = draw(scaled[index], [params[row] for row in drawn], uniforms[index])
+    return choice
 
 
 def _nucleus_kernel_runs(scaled: torch.Tensor) -> bool:
@@ -309,9 +292,15 @@ def _nucleus_kernel_runs(scaled: torch.Tensor) -> bool:
 def _nucleus_kernel_choice(
     scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
 ) -> torch.Tensor:
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-    return cpu_ops.nucleus_draw(scaled.contiguous(), top_p, min_p, uniforms.float().contiguous())
+    vocab = scaled.shape[1]
+    ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
+    return cpu_ops.nucleus_draw(
+        scaled.contiguous(),
+        torch.tensor(ks, dtype=torch.int64),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        uniforms.float().contiguous(),
+    )
 
 
 def _whole_vocabulary_choice(
@@ -319,30 +308,6 @@ def _whole_vocabulary_choice(
 ) -> torch.Tensor:
     _, probs = _kept(scaled, params, [])
     return inverse_cdf(probs, uniforms)
-
-
-def _candidates_choice(
-    scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
-) -> torch.Tensor:
-    """The running-sum draw of rows a top-k or top-p bounds, over the tokens each keeps
-    (`bounded`), min-p applied as `_kept` applies it, summed in token order as the whole
-    vocabulary's sum runs (the tokens it rules out add nothing to that sum), so a uniform picks
-    the same token either way."""
-    found = bounded(scaled, params)
-    probs = torch.softmax(found.logits, dim=-1)
-    min_p = [p.min_p for p in params]
-    if any(min_p):
-        floor = probs.amax(dim=-1, keepdim=True) * to_device(min_p, scaled.device)[:, None]
-        probs = probs.masked_fill(probs < floor, 0.0)
-    if found.tokens is None:
-        return inverse_cdf(probs, uniforms)
-    if found.tokens.shape[1] * WIDE_CANDIDATES >= scaled.shape[1]:
-        # Candidates spanning much of the vocabulary: putting them back in place costs less
-        # than sorting them by token.
-        return inverse_cdf(torch.zeros_like(scaled).scatter_(1, found.tokens, probs), uniforms)
-    tokens, by_token = found.tokens.sort(dim=-1)
-    pick = inverse_cdf(probs.gather(1, by_token), uniforms)
-    return tokens.gather(1, pick[:, None]).squeeze(1)
 
 
 def _kept(
@@ -697,8 +662,5 @@ def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
         logits[index] = float("-inf")
 
 
-# Candidates at least 1/WIDE_CANDIDATES of the vocabulary are drawn from in place, not sorted
-# by token.
-WIDE_CANDIDATES = 8
 # Parameters that keep every token (for rows whose top-p is applied elsewhere).
 KEEP_ALL = SamplingParams()

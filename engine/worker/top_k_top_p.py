@@ -1,18 +1,17 @@
 """Top-k and top-p: which tokens each row keeps, found without sorting the vocabulary.
 
-A row's top-k is its k largest logits. Its top-p nucleus (over the top-k where it has one,
-renormalised, as vLLM applies them) is every token whose probability mass strictly above it is
-below top_p: the best token always, and every token tied with the last one the nucleus needs,
-as the GPU's nucleus kernel keeps them. The search is a `topk` of the batch's largest top_k, or
-of the first NUCLEUS_FIRST_WIDTH tokens where some row has top_p alone; an LLM's nucleus
-usually lies there. A flatter row's nucleus reaches past them: its edge is then found from a
-histogram of its probability mass by logit (one pass over the row) and a sort of the one
-bucket that holds the edge, and the row is cut in place, in token order.
+A row keeps every token at least its threshold. Its top-k is every token at least its k-th
+largest logit (the ties of that logit kept, as vLLM keeps them). Its top-p nucleus (over the
+top-k where it has one, renormalised, as vLLM applies them) is every token whose probability
+mass strictly above it is below top_p: the best token always, and every token tied with the
+last one the nucleus needs, as the GPU's nucleus kernel keeps them. The search is a `topk` of
+the batch's largest top_k, or of the first NUCLEUS_FIRST_WIDTH tokens where some row has top_p
+alone; an LLM's nucleus usually lies there. A flatter row's nucleus reaches past them: its edge
+is then found from a histogram of its probability mass by logit (one pass over the row) and a
+sort of the one bucket that holds the edge.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -28,15 +27,6 @@ EDGE_BUCKETS = 2048
 LOWEST_LOGIT = 40.0
 
 
-class Bounded(NamedTuple):
-    """Each row's logits with what its top-k and top-p rule out at -inf: `logits` of shape
-    `[rows, width]`, best first, with `tokens` their token ids; or, where `tokens` is None,
-    `[rows, vocab]` in token order."""
-
-    logits: torch.Tensor
-    tokens: torch.Tensor | None
-
-
 def top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """`logits` with everything outside each row's top-k and top-p nucleus at -inf (a row with
     neither keeps every logit). Only rows with top_p and no top-k make the search ask the host
@@ -47,15 +37,12 @@ def top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
         kept = logits.clone()
         kept[index] = top_k_top_p(logits[index], [params[row] for row in rows])
         return kept
-    found = bounded(logits, params)
-    if found.tokens is None:
-        return found.logits
-    return torch.full_like(logits, float("-inf")).scatter_(1, found.tokens, found.logits)
+    return logits.masked_fill(logits < thresholds(logits, params)[:, None], float("-inf"))
 
 
-def bounded(logits: torch.Tensor, params: list[SamplingParams]) -> Bounded:
-    """What `top_k_top_p` keeps of rows that a top-k or a top-p bounds, every one of them:
-    as candidates where each row's nucleus lies among the search's, else in place."""
+def thresholds(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The smallest logit each row keeps, every row bounded by a top-k or a top-p: its k-th
+    largest or its nucleus' edge, whichever is larger."""
     vocab = logits.shape[1]
     device = logits.device
     ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
@@ -63,60 +50,38 @@ def bounded(logits: torch.Tensor, params: list[SamplingParams]) -> Bounded:
     top_p = to_device([p.top_p for p in params], device)
     limited = top_k < vocab
     below = [k for k in ks if k < vocab]
-    # Every row with a top_k: its largest, and each row's mass counts against its own top_k.
-    # Else at least the first search width, and a row without top_k counts its mass against
-    # the whole vocabulary.
+    # Every row with a top_k: its largest. Else at least the first search width.
     every_limited = len(below) == len(ks)
     width = min(vocab, max(below) if every_limited else max([*below, NUCLEUS_FIRST_WIDTH]))
-    candidates, tokens = logits.topk(width, dim=-1)
-    beyond_k = torch.arange(width, device=device)[None, :] >= top_k[:, None]
-    candidates = candidates.masked_fill(beyond_k, float("-inf"))
-    norm = torch.logsumexp(candidates, dim=-1)
-    whole = None
-    if not every_limited:
-        whole = torch.logsumexp(logits, dim=-1)
-        norm = torch.where(limited, norm, whole)
-    probs = (candidates - norm[:, None]).exp()
-    edge = _sorted_edge(candidates, probs, top_p)
-    remove = beyond_k | (candidates < edge[:, None])
-    if whole is not None and width < vocab:
+    candidates = logits.topk(width, dim=-1).values
+    kth = candidates.gather(1, (top_k.clamp(max=width) - 1)[:, None]).squeeze(1)
+    kth = torch.where(limited, kth, float("-inf"))
+    # Each row's mass counts against its top-k, the ties of its k-th largest past the
+    # candidates included (or against the whole vocabulary).
+    norm = torch.logsumexp(logits.masked_fill(logits < kth[:, None], float("-inf")), dim=-1)
+    candidates = candidates.masked_fill(candidates < kth[:, None], float("-inf"))
+    edge = _sorted_edge(candidates, (candidates - norm[:, None]).exp(), top_p)
+    edge = torch.where(top_p < 1.0, edge, float("-inf"))
+    if not every_limited and width < vocab:
         # A row without top_k whose nucleus, ties of its edge included, may reach past them.
         open_rows = ~limited & (candidates[:, -1] >= edge)
         if bool(open_rows.any()):
-            kept = candidates.masked_fill(remove, float("-inf"))
-            return Bounded(_cut_in_place(logits, kept, tokens, open_rows, top_p, whole), None)
-    return Bounded(candidates.masked_fill(remove, float("-inf")), tokens)
+            index = open_rows.nonzero().squeeze(1)
+            edge[index] = nucleus_edge(
+                logits[index], top_p[index], norm[index], candidates[index, -1]
+            )
+    return torch.maximum(edge, kth)
 
 
 def _sorted_edge(
     candidates: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
     """The smallest logit of each row's nucleus among its sorted `candidates`: that of the last
-    one whose mass before it is below top_p (the first, at least)."""
+    one whose mass before it is below top_p (the first, at least); -inf where the nucleus
+    reaches past the candidates kept."""
     before = probs.cumsum(dim=-1) - probs
     last = ((before < top_p[:, None]).sum(dim=-1) - 1).clamp_(min=0)
     return candidates.gather(1, last[:, None]).squeeze(1)
-
-
-def _cut_in_place(
-    logits: torch.Tensor,
-    kept: torch.Tensor,
-    tokens: torch.Tensor,
-    open_rows: torch.Tensor,
-    top_p: torch.Tensor,
-    whole: torch.Tensor,
-) -> torch.Tensor:
-    """Every row's kept logits in token order: the candidates each closed row keeps put back
-    in place, and each open row's logits from its nucleus edge up."""
-    index = open_rows.nonzero().squeeze(1)
-    if index.shape[0] == logits.shape[0]:
-        edge = nucleus_edge(logits, top_p, whole, kept[:, -1])
-        return logits.masked_fill(logits < edge[:, None], float("-inf"))
-    rows = logits[index]
-    edge = nucleus_edge(rows, top_p[index], whole[index], kept[index, -1])
-    cut = torch.full_like(logits, float("-inf")).scatter_(1, tokens, kept)
-    cut[index] = rows.masked_fill_(rows < edge[:, None], float("-inf"))
-    return cut
 
 
 def nucleus_edge(

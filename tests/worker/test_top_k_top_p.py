@@ -11,7 +11,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.worker import top_k_top_p as module
 from engine.worker.sampler import Sampler, inverse_cdf, position_key
 from engine.worker.top_k_top_p import top_k_top_p
-from tests.helpers import reference_nucleus
+from tests.helpers import reference_kept, reference_nucleus
 
 
 def kept_tokens(row: torch.Tensor) -> set[int]:
@@ -94,6 +94,44 @@ def test_tokens_tied_at_the_edge_stay_together_peaked_or_flat(seed):
     kept = top_k_top_p(values.clone(), [SamplingParams(top_p=p) for p in top_ps])
     for row, top_p in enumerate(top_ps):
         assert kept_tokens(kept[row]) == reference_nucleus(values[row], top_p), row
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_top_k_keeps_every_tie_of_its_k_th_largest(seed):
+    """bf16-rounded logits: a row's top-k keeps every token at least its k-th largest logit
+    (as vLLM), and its nucleus is taken over those; rows with a top_k alone, with a top_p too,
+    and with a top_p alone share the batch."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab, rows = 3000, 12
+    spread = torch.tensor([[[4.0, 0.5, 0.05][row % 3]] for row in range(rows)])
+    values = (torch.randn(rows, vocab, generator=generator) * spread).bfloat16().float()
+    settings = [(k, p) for k in (0, 1, 7, 300) for p in (1.0, 0.6, 0.95)]
+    settings = [(k, p) if (k, p) != (0, 1.0) else (0, 0.3) for k, p in settings]
+    params = [SamplingParams(top_k=k, top_p=p) for k, p in settings]
+    kept = top_k_top_p(values.clone(), params)
+    ties = 0
+    for row, (k, p) in enumerate(settings):
+        assert kept_tokens(kept[row]) == reference_kept(values[row], k, p), (row, k, p)
+        if 0 < k < vocab:
+            kth = values[row].sort(descending=True).values[k - 1]
+            ties += int((values[row] == kth).sum()) > 1
+    assert ties >= 3  # some k-th largest logits are tied
+
+
+def test_a_top_k_whose_ties_run_past_the_candidates_keeps_them_all():
+    """k = 3 over a row whose second to tenth largest logits are equal: all ten stay, and the
+    nucleus over them counts the mass of all ten."""
+    values = torch.full((2, 1000), -5.0)
+    values[:, 40] = 3.0
+    values[:, 100:109] = 2.0
+    kept = top_k_top_p(
+        values.clone(), [SamplingParams(top_k=3), SamplingParams(top_k=3, top_p=0.5)]
+    )
+    assert kept_tokens(kept[0]) == {40, *range(100, 109)}
+    # 3.0 holds e / (e + 9) of the ten's mass, about 0.23: the nucleus needs the tied 2.0s.
+    assert kept_tokens(kept[1]) == {40, *range(100, 109)}
+    one = top_k_top_p(values[:1].clone(), [SamplingParams(top_k=3, top_p=0.2)])
+    assert kept_tokens(one[0]) == {40}
 
 
 def test_a_run_of_ties_across_the_candidates_edge_is_kept_whole():

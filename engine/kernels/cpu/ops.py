@@ -7,7 +7,7 @@ one op), RMSNorm, rotary embeddings and the gated MLP's activation in one pass e
 (`csrc/elementwise/rms_norm.cpp`, `csrc/elementwise/rotary.cpp`, `csrc/elementwise/silu_mul.cpp`),
 a whole decoder layer for a step of decode rows that runs those kernels back to back
 (`csrc/fused_decode/decode_layer.cpp`), the greedy choice over a step's logits
-(`csrc/elementwise/argmax.cpp`) and a random one from a top-p nucleus
+(`csrc/elementwise/argmax.cpp`) and a random one from its top-k and top-p
 (`csrc/elementwise/nucleus_draw.cpp`).
 
 `cpu_build` compiles them on first use, in groups (`cpu_build.GROUPS`) that fall back apart:
@@ -279,13 +279,18 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def nucleus_draw(
-    logits: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, uniforms: torch.Tensor
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    uniforms: torch.Tensor,
 ) -> torch.Tensor:
-    """Each row's token drawn by the running sum of its top-p nucleus' probabilities (min-p
-    applied), at `uniforms[row]` of their total, for contiguous fp32 `[rows, vocab]`
-    temperature-scaled logits and fp32 `[rows]` parameters: int64 `[rows]`. A row of no allowed
-    token gets its last (`csrc/elementwise/nucleus_draw.cpp`)."""
-    return torch.ops.conveyor.nucleus_draw(logits, top_p, min_p, uniforms)
+    """Each row's token drawn by the running sum of its kept tokens' probabilities (top-k with
+    its ties, then the top-p nucleus, then min-p), at `uniforms[row]` of their total, for
+    contiguous fp32 `[rows, vocab]` temperature-scaled logits, int64 `top_k` (the vocabulary's
+    size where none) and fp32 `[rows]` parameters: int64 `[rows]`. A row of no allowed token
+    gets its last (`csrc/elementwise/nucleus_draw.cpp`)."""
+    return torch.ops.conveyor.nucleus_draw(logits, top_k, top_p, min_p, uniforms)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bits: torch.Tensor, rows: torch.Tensor) -> None:

@@ -1,22 +1,25 @@
-// Top-p (nucleus) sampling on the CPU: each row's token drawn from the running sum of its
-// nucleus' probabilities, without sorting the row.
+// Top-k, top-p (nucleus) and min-p sampling on the CPU: each row's token drawn from the running
+// sum of its kept tokens' probabilities, without sorting the row.
 //
 // x        [rows, vocab] fp32, contiguous: temperature-scaled logits, -inf where ruled out
+// top_k    [rows] int64, in [1, vocab] (vocab: no top-k)
 // top_p    [rows] fp32, in (0, 1]
 // min_p    [rows] fp32, in [0, 1]
 // uniforms [rows] fp32, in [0, 1)
 // out      [rows] int64
 //
-// A row's nucleus is every token whose probability mass strictly above it is below top_p (the
-// best token always, and every token tied with the last one it needs), as
-// engine/worker/top_k_top_p.py keeps it; min_p then drops the tokens whose probability is below
-// min_p times the best one's. The draw is the first token whose running sum of the kept
+// A row's top-k is every token at least its k-th largest logit (ties kept, as vLLM keeps them);
+// its nucleus, over the top-k renormalised, every token whose probability mass strictly above it
+// is below top_p (the best token always, and every token tied with the last one it needs), as
+// engine/worker/top_k_top_p.py keeps them; min_p then drops the tokens whose probability is
+// below min_p times the best one's. The draw is the first token whose running sum of the kept
 // weights, in token order, passes uniforms[row] of their total, as `inverse_cdf` draws it.
 //
 // Passes over a row: its largest and smallest logits; each token's weight exp(x - largest)
-// (stored; eight lanes at a time with AVX2) summed into one of kBuckets buckets by logit,
-// largest first; the edge lies in the first bucket whose running mass reaches top_p of the
-// total, and only that bucket's logits are sorted to find it; the kept weights summed by blocks;
+// (stored; eight lanes at a time with AVX2) counted and summed into one of kBuckets buckets by
+// logit, largest first; the k-th largest lies in the first bucket whose running count reaches
+// k, the nucleus' edge in the first whose running mass reaches top_p of the top-k's, and only
+// the bucket that holds each is sorted to find it; the kept weights summed by blocks;
 // the blocks walked to the one the draw falls in, and its tokens one by one. A row whose logits
 // are all -inf gets its last token (the caller reads it as ruled out); a row with a NaN its
 // first NaN. Rows are split over torch's threads.
@@ -55,6 +58,7 @@ struct Scratch {
   std::vector<float> weights;
   std::vector<int32_t> buckets;
   std::vector<double> mass;
+  std::vector<int64_t> counts;
   std::vector<float> edge;
   std::vector<double> blocks;
 };
@@ -129,15 +133,48 @@ double weigh(const float* x, int64_t n, float top, float scale, bool bucketed, S
   if (!bucketed) return 0.0;
   double total = 0.0;
   double* mass = s.mass.data();
+  int64_t* counts = s.counts.data();
   std::fill(mass, mass + kBuckets, 0.0);
-  for (int64_t j = 0; j < n; ++j) mass[b[j]] += w[j];
+  std::fill(counts, counts + kBuckets, 0);
+  for (int64_t j = 0; j < n; ++j) {
+    mass[b[j]] += w[j];
+    ++counts[b[j]];
+  }
   for (int64_t k = 0; k < kBuckets; ++k) total += mass[k];
   return total;
 }
 
-// The smallest logit of the nucleus: the first bucket whose running mass reaches `reach`, its
-// logits sorted, largest first, and summed on from the mass before it.
-float nucleus_edge(const float* x, int64_t n, float top, double reach, Scratch& s) {
+// The logits of bucket `bucket` at least `floor`, sorted, largest first, into s.edge.
+void sorted_bucket(const float* x, int64_t n, int32_t bucket, float floor, Scratch& s) {
+  s.edge.clear();
+  for (int64_t i = 0; i < n; ++i)
+    if (s.buckets[i] == bucket && x[i] >= floor) s.edge.push_back(x[i]);
+  std::sort(s.edge.begin(), s.edge.end(), std::greater<float>());
+}
+
+// The k-th largest logit (k < n): in the first bucket whose running count reaches k, sorted.
+// The mass of the tokens below it is taken out of s.mass; the top-k's mass is returned.
+double cut_top_k(const float* x, int64_t n, int64_t k, float top, float* kth, Scratch& s) {
+  int64_t before = 0;
+  int32_t bucket = 0;
+  while (before + s.counts[bucket] < k) before += s.counts[bucket++];
+  sorted_bucket(x, n, bucket, -std::numeric_limits<float>::infinity(), s);
+  *kth = s.edge[k - before - 1];
+  double kept = 0.0;
+  for (const float v : s.edge)
+    if (v >= *kth) kept += weight_of(v - top);
+  s.mass[bucket] = kept;
+  std::fill(s.mass.begin() + bucket + 1, s.mass.end(), 0.0);
+  double total = 0.0;
+  for (int32_t b = 0; b < kBuckets; ++b) total += s.mass[b];
+  return total;
+}
+
+// The smallest logit of the nucleus among the logits at least `floor`: in the first bucket
+// whose running mass reaches `reach`, its logits sorted, largest first, and summed on from the
+// mass before it.
+float nucleus_edge(const float* x, int64_t n, float top, float floor, double reach,
+                   Scratch& s) {
   double before = 0.0;
   int32_t edge_bucket = -1;
   for (int32_t k = 0; k < kBuckets; ++k) {
@@ -147,11 +184,9 @@ float nucleus_edge(const float* x, int64_t n, float top, double reach, Scratch& 
     }
     before += s.mass[k];
   }
-  if (edge_bucket < 0) return -std::numeric_limits<float>::infinity();  // rounding: keep all
-  s.edge.clear();
-  for (int64_t i = 0; i < n; ++i)
-    if (s.buckets[i] == edge_bucket) s.edge.push_back(x[i]);
-  std::sort(s.edge.begin(), s.edge.end(), std::greater<float>());
+  if (edge_bucket < 0) return floor;  // rounding: keep all
+  sorted_bucket(x, n, edge_bucket, floor, s);
+  if (s.edge.empty()) return floor;
   for (const float v : s.edge) {
     before += weight_of(v - top);
     if (before >= reach) return v;
@@ -204,8 +239,8 @@ int64_t walk(int64_t n, double point, const Scratch& s) {
   return n - 1;
 }
 
-int64_t draw_row(const float* x, int64_t n, float top_p, float min_p, float uniform,
-                 Scratch& s) {
+int64_t draw_row(const float* x, int64_t n, int64_t top_k, float top_p, float min_p,
+                 float uniform, Scratch& s) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const Range range = row_range(x, n);
   if (range.nan >= 0) return range.nan;
@@ -214,9 +249,11 @@ int64_t draw_row(const float* x, int64_t n, float top_p, float min_p, float unif
   const float low = std::min(std::max(range.low, range.top - kSpan), range.top - 1e-3f);
   // Finite, so that no logit's bucket is 0 * inf.
   const float scale = static_cast<float>(kBuckets) / std::max(range.top - low, 1e-30f);
-  const bool bucketed = top_p < 1.f;
-  const double total = weigh(x, n, range.top, scale, bucketed, s);
-  const float edge = bucketed ? nucleus_edge(x, n, range.top, top_p * total, s) : -kInf;
+  const bool limited = top_k < n;
+  double total = weigh(x, n, range.top, scale, top_p < 1.f || limited, s);
+  float edge = -kInf;
+  if (limited) total = cut_top_k(x, n, top_k, range.top, &edge, s);
+  if (top_p < 1.f) edge = nucleus_edge(x, n, range.top, edge, top_p * total, s);
   // The best token's weight is exp(0) = 1: min-p's floor is min_p itself.
   const double kept = keep(x, n, edge, min_p, s);
   // Strictly below the total, so that some token's running sum passes it.
@@ -228,15 +265,21 @@ int64_t draw_row(const float* x, int64_t n, float top_p, float min_p, float unif
 
 namespace conveyor {
 
-at::Tensor nucleus_draw(const at::Tensor& x, const at::Tensor& top_p, const at::Tensor& min_p,
-                        const at::Tensor& uniforms) {
+at::Tensor nucleus_draw(const at::Tensor& x, const at::Tensor& top_k, const at::Tensor& top_p,
+                        const at::Tensor& min_p, const at::Tensor& uniforms) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "nucleus_draw: x must be contiguous fp32 [rows, vocab >= 1]");
   const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(top_k.dim() == 1 && top_k.size(0) == rows && top_k.scalar_type() == at::kLong &&
+                  top_k.is_contiguous(),
+              "nucleus_draw: top_k must be contiguous int64 [rows]");
   for (const at::Tensor* t : {&top_p, &min_p, &uniforms})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kFloat &&
                     t->is_contiguous(),
                 "nucleus_draw: top_p, min_p and uniforms must be contiguous fp32 [rows]");
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(1 <= kp[r] && kp[r] <= n, "nucleus_draw: top_k must be in [1, vocab]");
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   const float* pp = top_p.data_ptr<float>();
@@ -248,8 +291,9 @@ at::Tensor nucleus_draw(const at::Tensor& x, const at::Tensor& top_p, const at::
     s.weights.resize(n);
     s.buckets.resize(n);
     s.mass.resize(kBuckets);
+    s.counts.resize(kBuckets);
     for (int64_t r = begin; r < end; ++r)
-      op[r] = draw_row(xp + r * n, n, pp[r], mp[r], up[r], s);
+      op[r] = draw_row(xp + r * n, n, kp[r], pp[r], mp[r], up[r], s);
   });
   return out;
 }
@@ -257,6 +301,8 @@ at::Tensor nucleus_draw(const at::Tensor& x, const at::Tensor& top_p, const at::
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
-  m.def("nucleus_draw(Tensor x, Tensor top_p, Tensor min_p, Tensor uniforms) -> Tensor");
+  m.def(
+      "nucleus_draw(Tensor x, Tensor top_k, Tensor top_p, Tensor min_p, Tensor uniforms) -> "
+      "Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("nucleus_draw", &conveyor::nucleus_draw); }
