@@ -173,8 +173,7 @@ double cut_top_k(const float* x, int64_t n, int64_t k, float top, float* kth, Sc
 // The smallest logit of the nucleus among the logits at least `floor`: in the first bucket
 // whose running mass reaches `reach`, its logits sorted, largest first, and summed on from the
 // mass before it.
-float nucleus_edge(const float* x, int64_t n, float top, float floor, double reach,
-                   Scratch& s) {
+float nucleus_edge(const float* x, int64_t n, float top, float floor, double reach, Scratch& s) {
   double before = 0.0;
   int32_t edge_bucket = -1;
   for (int32_t k = 0; k < kBuckets; ++k) {
@@ -239,8 +238,8 @@ int64_t walk(int64_t n, double point, const Scratch& s) {
   return n - 1;
 }
 
-int64_t draw_row(const float* x, int64_t n, int64_t top_k, float top_p, float min_p,
-                 float uniform, Scratch& s) {
+int64_t draw_row(const float* x, int64_t n, int64_t top_k, float top_p, float min_p, float uniform,
+                 Scratch& s) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const Range range = row_range(x, n);
   if (range.nan >= 0) return range.nan;
@@ -274,9 +273,9 @@ at::Tensor nucleus_draw(const at::Tensor& x, const at::Tensor& top_k, const at::
                   top_k.is_contiguous(),
               "nucleus_draw: top_k must be contiguous int64 [rows]");
   for (const at::Tensor* t : {&top_p, &min_p, &uniforms})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kFloat &&
-                    t->is_contiguous(),
-                "nucleus_draw: top_p, min_p and uniforms must be contiguous fp32 [rows]");
+    TORCH_CHECK(
+        t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kFloat && t->is_contiguous(),
+        "nucleus_draw: top_p, min_p and uniforms must be contiguous fp32 [rows]");
   const int64_t* kp = top_k.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(1 <= kp[r] && kp[r] <= n, "nucleus_draw: top_k must be in [1, vocab]");
