@@ -5,8 +5,9 @@ grammars each touch all their rows in one operation, with no per-row device work
 Rows with top-p and no top-k are drawn on a GPU by a Triton kernel that needs nothing from the
 host; elsewhere `top_k_top_p` finds what each row keeps without sorting the vocabulary.
 A random row's token is where a uniform draw falls in the running sum of its probabilities
-(one pass over the vocabulary); on a GPU it wins the exponential race instead (noise for every
-token: cheap there, about ten times the work of the running sum on a CPU). A
+(on a CPU in Conveyor's nucleus kernel, which finds the row's top-k and top-p itself); on a
+GPU it wins the exponential race instead (noise for every token: cheap there, about ten times
+the work of the running sum on a CPU). A
 request with a seed draws each token from a uniform (or noise) keyed by its seed and the
 token's position in its output, so its tokens depend neither on what else shares the batch nor
 on how many tokens a step gives it (speculation's drafts verified or not).
