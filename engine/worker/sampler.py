@@ -27,7 +27,7 @@ from engine.core.outputs import NO_TOKEN, TokenLogprob
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
-from engine.worker.top_k_top_p import top_k_top_p
+from engine.worker.top_k_top_p import row_top_ks, top_k_top_p
 from engine.worker.transfer import HostCopy, to_device
 
 # A token processing ruled out has a logprob of -inf, which JSON cannot carry: reported as this,
@@ -293,11 +293,9 @@ def _nucleus_kernel_runs(scaled: torch.Tensor) -> bool:
 def _nucleus_kernel_choice(
     scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor
 ) -> torch.Tensor:
-    vocab = scaled.shape[1]
-    ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
     return cpu_ops.nucleus_draw(
         scaled.contiguous(),
-        torch.tensor(ks, dtype=torch.int64),
+        torch.tensor(row_top_ks(params, scaled.shape[1]), dtype=torch.int64),
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
         torch.tensor([p.min_p for p in params], dtype=torch.float32),
         uniforms.float().contiguous(),

@@ -40,12 +40,17 @@ def top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
     return logits.masked_fill(logits < thresholds(logits, params)[:, None], float("-inf"))
 
 
+def row_top_ks(params: list[SamplingParams], vocab: int) -> list[int]:
+    """Each row's top_k within the vocabulary, the vocabulary's size where it has none."""
+    return [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
+
+
 def thresholds(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The smallest logit each row keeps, every row bounded by a top-k or a top-p: its k-th
     largest or its nucleus' edge, whichever is larger."""
     vocab = logits.shape[1]
     device = logits.device
-    ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
+    ks = row_top_ks(params, vocab)
     top_k = to_device(ks, device)
     top_p = to_device([p.top_p for p in params], device)
     limited = top_k < vocab
