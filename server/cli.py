@@ -807,7 +807,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         trust_request_chat_template=args.trust_request_chat_template,
         tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_prompt_embeds=args.enable_prompt_embeds,
-        json_style=JsonStyle.of(args.structured_outputs_config or {}),
+        json_style=_json_style(args),
         limits=RequestLimits(
             args.max_stop_strings,
             args.max_stop_string_chars,
@@ -878,6 +878,14 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"cannot read the TLS files: {exc}") from exc
     return TlsFiles(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+
+
+def _json_style(args: argparse.Namespace) -> JsonStyle:
+    """How enforced JSON is written: `--structured-outputs-config`'s options, its backend
+    where it names one, else `--guided-decoding-backend`'s."""
+    return JsonStyle.of(
+        {"backend": args.guided_decoding_backend, **(args.structured_outputs_config or {})}
+    )
 
 
 def _log_requests(args: argparse.Namespace) -> bool:

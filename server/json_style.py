@@ -1,10 +1,11 @@
 """vLLM's options for how enforced JSON is written, server-wide (`--structured-outputs-config`)
 or per request (`structured_outputs`): `disable_any_whitespace` (no blank after `,` and `:`),
-`disable_additional_properties` (an object schema that does not say otherwise lists all its
-properties) and `whitespace_pattern` (whitespace between tokens matching a regex, instead of
-the fixed separators). They rewrite the schema the request's format compiles: options for
-llguidance's JSON compiler under the schema's `x-guidance`, objects closed in place, so that
-each way of writing a schema is its own compiled grammar."""
+`whitespace_pattern` (whitespace between tokens matching a regex, instead of the fixed
+separators), and `backend: "guidance"`, under which objects that list their properties stay
+open to others (as vLLM's guidance backend leaves them) unless `disable_additional_properties`.
+They rewrite the schema the request's format compiles: options for llguidance's JSON compiler
+under the schema's `x-guidance`, objects opened in place, so that each way of writing a schema
+is its own compiled grammar."""
 
 from __future__ import annotations
 
@@ -13,29 +14,20 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.core.sampling_params import StructuredOutputs
+from engine.structured.schema_objects import with_objects
 from server import json_text
 
-# Schema keywords whose value is a map of names to schemas, a list of schemas, or one schema.
-SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-SCHEMA_ONES = (
-    "items",
-    "additionalProperties",
-    "unevaluatedProperties",
-    "additionalItems",
-    "not",
-    "if",
-    "then",
-    "else",
-    "contains",
-    "propertyNames",
-)
+# The backend names under which vLLM leaves objects open: its guidance backend's.
+OPEN_BACKENDS = ("guidance",)
 
 
 @dataclass(frozen=True, slots=True)
 class JsonStyle:
     compact: bool = False
+    # `disable_additional_properties`: objects closed whatever the backend.
     closed: bool = False
+    # The server's backend is vLLM's guidance: objects the schema leaves open stay open.
+    open_backend: bool = False
     whitespace_pattern: str | None = None
 
     @classmethod
@@ -45,6 +37,7 @@ class JsonStyle:
         return cls(
             compact=bool(fields.get("disable_any_whitespace")),
             closed=bool(fields.get("disable_additional_properties")),
+            open_backend=fields.get("backend") in OPEN_BACKENDS,
             whitespace_pattern=pattern if isinstance(pattern, str) and pattern else None,
         )
 
@@ -53,13 +46,19 @@ class JsonStyle:
         return JsonStyle(
             self.compact or base.compact,
             self.closed or base.closed,
+            self.open_backend or base.open_backend,
             self.whitespace_pattern or base.whitespace_pattern,
         )
+
+    @property
+    def open_objects(self) -> bool:
+        return self.open_backend and not self.closed
 
     def applied(self, spec: StructuredOutputs) -> StructuredOutputs:
         """`spec` written in this style (a JSON format's schema rewritten; other formats, and
         a schema that is not a JSON object, as they are)."""
-        if self == PLAIN or spec.kind not in ("json", "json_object"):
+        rewrites = self.compact or self.whitespace_pattern is not None or self.open_objects
+        if not rewrites or spec.kind not in ("json", "json_object"):
             return spec
         if spec.kind == "json_object":
             schema: Any = {"type": "object"}
@@ -70,8 +69,8 @@ class JsonStyle:
                 return spec  # the compiler reports it, naming the field
         if not isinstance(schema, dict):
             return spec
-        if self.closed:
-            schema = closed_objects(schema)
+        if self.open_objects:
+            schema = with_objects(schema, True)
         options = dict(schema.get("x-guidance") or {})
         if self.compact or self.whitespace_pattern is not None:
             options.update(item_separator=",", key_separator=":")
@@ -82,29 +81,6 @@ class JsonStyle:
         return replace(spec, kind="json", spec=json.dumps(schema, separators=(",", ":")))
 
 
-def closed_objects(schema: Any) -> Any:
-    """`schema` with every object schema that does not say otherwise closed
-    (`"additionalProperties": false`), through every place a schema may nest."""
-    if not isinstance(schema, dict):
-        return schema
-    result = dict(schema)
-    for key in SCHEMA_MAPS:
-        if isinstance(result.get(key), dict):
-            result[key] = {name: closed_objects(sub) for name, sub in result[key].items()}
-    for key in SCHEMA_LISTS:
-        if isinstance(result.get(key), list):
-            result[key] = [closed_objects(sub) for sub in result[key]]
-    for key in SCHEMA_ONES:
-        if key in result:
-            result[key] = closed_objects(result[key])
-    kind = result.get("type")
-    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind)
-    is_object = is_object or "properties" in result
-    if is_object and "additionalProperties" not in result:
-        result["additionalProperties"] = False
-    return result
-
-
-# Conveyor's own way: `, ` and `: ` between items, no other whitespace, objects as their
-# schemas say.
+# Conveyor's own way: `, ` and `: ` between items, no other whitespace, objects that list
+# their properties closed.
 PLAIN = JsonStyle()

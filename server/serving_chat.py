@@ -551,7 +551,7 @@ class ChatHandler:
                     f"format ({params.structured.param}).",
                     param="tool_choice",
                 )
-            params = replace(params, structured=forced.format)
+            params = replace(params, structured=self.json_style.applied(forced.format))
         harmony = self._harmony()
         thinking = None if harmony else self._thinking(text)
         if thinking is False and params.structured is not None:  # may think, then the format

@@ -85,9 +85,10 @@ def backend(text: str) -> str:
     return text
 
 
-# vLLM's structured-outputs options: their kinds. The JSON ones set how enforced JSON is
-# written (`server/json_style.py`); the others have nothing to set (one backend, no fallback;
-# reasoning is parsed by --reasoning-parser and formats wait for the reasoning to end).
+# vLLM's structured-outputs options: their kinds. The JSON ones, and the backend, set how
+# enforced JSON is written (`server/json_style.py`); the others have nothing to set (one
+# compiler, no fallback; reasoning is parsed by --reasoning-parser and formats wait for the
+# reasoning to end).
 STRUCTURED_OPTIONS: dict[str, type | tuple[type, ...]] = {
     "backend": str,
     "disable_fallback": bool,
@@ -314,16 +315,17 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
         "--guided-decoding-backend",
         type=backend,
         default=None,
-        help="accepted: structured outputs are always compiled by llguidance (vLLM's guidance "
-        "backend), whichever backend is named",
+        help="structured outputs are always compiled by llguidance, whichever backend is "
+        "named; under guidance, objects that list their properties stay open to others (as "
+        "vLLM's guidance backend leaves them), under the others they are closed",
     )
     flags.add_argument(
         "--structured-outputs-config",
         type=backend_config,
         default=None,
         help="vLLM's JSON object: its backend as --guided-decoding-backend; "
-        "disable_any_whitespace, disable_additional_properties and whitespace_pattern set how "
-        "enforced JSON is written, for every request",
+        "disable_any_whitespace, disable_additional_properties (closes objects under guidance) "
+        "and whitespace_pattern set how enforced JSON is written, for every request",
     )
     flags.add_argument(
         "--compilation-config",

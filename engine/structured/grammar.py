@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.core.errors import InvalidRequestError
 from engine.core.sampling_params import StructuredOutputs
+from engine.structured.schema_objects import closed_objects
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -55,6 +56,8 @@ def grammar_of(spec: StructuredOutputs, special: dict[str, int] | None = None) -
 
 
 def _schema(spec: StructuredOutputs) -> dict[str, Any]:
+    """The request's schema, its objects that list their properties closed
+    (`engine/structured/schema_objects.py`)."""
     try:
         schema = json.loads(spec.spec)
     except (ValueError, RecursionError) as error:
@@ -62,7 +65,12 @@ def _schema(spec: StructuredOutputs) -> dict[str, Any]:
             f"Invalid {spec.param}: the JSON Schema is not JSON ({error}).", param=spec.param
         ) from None
     _require(isinstance(schema, dict), spec, "a JSON Schema must be an object")
-    return schema
+    try:
+        return closed_objects(schema)
+    except RecursionError:
+        raise InvalidRequestError(
+            f"Invalid {spec.param}: the JSON Schema is nested too deeply.", param=spec.param
+        ) from None
 
 
 def _choice_lark(spec: StructuredOutputs) -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.structured.grammar import JSON_OPTIONS, lark_of
+from engine.structured.schema_objects import closed_objects
 
 # What follows a format: the end of the output, a literal that closes it, or a format that
 # could begin anywhere (so free text cannot tell where it stops).
@@ -295,11 +296,14 @@ def _leaf(grammar: _Grammar, node: dict[str, Any], path: str) -> str:
 
 
 def _with_json_options(schema: dict[str, Any] | bool) -> dict[str, Any]:
+    """The schema as `%json` takes it: JSON written as everywhere else, objects that list
+    their properties closed."""
     if schema is True:
         schema = {}
     if schema is False:
         schema = {"not": {}}
-    return {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+    closed: dict[str, Any] = closed_objects(schema)
+    return {**closed, "x-guidance": {**JSON_OPTIONS, **closed.get("x-guidance", {})}}
 
 
 def _closing(grammar: _Grammar, follow: str) -> str:

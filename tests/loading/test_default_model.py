@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine.core.config import CacheConfig, EngineConfig
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from engine.factory import create_engine_core
 from engine.kernels.cpu.linear import PanelLinear
 from engine.loading.default_model import default_model_dir
@@ -64,6 +66,23 @@ def test_greedy_answer_names_paris(default_engine):
     outputs = run_all(core, [prompt], SamplingParams(temperature=0, max_tokens=30))["req-0"]
     assert "Paris" in text_of(outputs)
     assert outputs[-1].finish_reason == "stop"
+
+
+def test_a_schema_reply_holds_its_listed_keys_and_ends(default_engine):
+    """The schema says nothing of other keys: held to those it lists, the model ends the
+    document (left open, it wrote keys of its own until max_tokens)."""
+    core, tokenizer, _ = default_engine
+    person = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    structured = StructuredOutputs("json", json.dumps(person), "response_format")
+    params = SamplingParams(temperature=0, max_tokens=200, structured=structured)
+    prompt = chat_prompt(tokenizer, "Give a person as JSON.")
+    outputs = run_all(core, [prompt], params)["req-0"]
+    assert outputs[-1].finish_reason == "stop"
+    assert set(json.loads(text_of(outputs))) == {"name", "age"}
 
 
 def test_seed_reproduces_text_alone_and_inside_a_busy_batch(default_engine):

@@ -274,7 +274,7 @@ RECIPE = [
     "--swap-space", "16", "--disable-custom-all-reduce", "--distributed-executor-backend", "mp",
     "--max-parallel-loading-workers", "2", "--enable-prompt-tokens-details",
     "--pipeline-parallel-size", "1", "-dp", "1", "--guided-decoding-backend", "xgrammar",
-    "--structured-outputs-config", '{"backend": "guidance"}', "--enable-request-id-headers",
+    "--structured-outputs-config", '{"backend": "auto"}', "--enable-request-id-headers",
     "-O3", "--compilation-config", '{"level": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}',
     "--max-seq-len-to-capture", "8192", "--enable-expert-parallel", "--mm-encoder-tp-mode", "data",
     "--api-server-count", "1", "--num-scheduler-steps", "1", "--preemption-mode", "recompute",

@@ -1,5 +1,6 @@
 """vLLM's JSON options (`server/json_style.py`): `disable_any_whitespace`,
-`disable_additional_properties` and `whitespace_pattern`, per request or for the whole server
+`whitespace_pattern`, and the guidance backend's open objects with
+`disable_additional_properties`, per request or for the whole server
 (`--structured-outputs-config`), checked on the compiled matcher: which texts the format then
 allows."""
 
@@ -12,7 +13,7 @@ import pytest
 from engine.core.sampling_params import StructuredOutputs
 from engine.structured.compiler import GrammarCompiler
 from server.cli import build_parser, server_settings
-from server.json_style import PLAIN, JsonStyle, closed_objects
+from server.json_style import PLAIN, JsonStyle
 from server.protocol import ChatCompletionRequest
 from server.structured import structured_outputs
 from tests.helpers import format_allows, grammar_compiler
@@ -34,16 +35,16 @@ def spec_of(fields: dict, style: JsonStyle = PLAIN) -> StructuredOutputs:
     return spec
 
 
-def test_by_default_json_is_written_with_single_spaces_and_open_objects(compiler):
+def test_by_default_json_is_written_with_single_spaces_and_listed_properties_alone(compiler):
     spec = spec_of({"structured_outputs": {"json": POINT}})
     assert format_allows(compiler, spec, '{"x": 1}')
-    assert format_allows(compiler, spec, '{"x": 1, "y": 2}')
+    assert not format_allows(compiler, spec, '{"x": 1, "y": 2}')
     assert not format_allows(compiler, spec, '{"x":1}')
 
 
 def test_disable_any_whitespace_writes_json_without_blanks(compiler):
     spec = spec_of({"structured_outputs": {"json": POINT, "disable_any_whitespace": True}})
-    assert format_allows(compiler, spec, '{"x":1,"y":[1,2]}')
+    assert format_allows(compiler, spec, '{"x":1}')
     assert not format_allows(compiler, spec, '{"x": 1}')
     plain = spec_of({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}})
     assert plain.kind == "json"
@@ -51,16 +52,58 @@ def test_disable_any_whitespace_writes_json_without_blanks(compiler):
     assert not format_allows(compiler, plain, '{"a": [1, 2]}')
 
 
-def test_disable_additional_properties_closes_objects_the_schema_leaves_open(compiler):
-    nested = {
-        "type": "object",
-        "properties": {"inner": POINT, "any": {"type": "object", "additionalProperties": True}},
-        "required": ["inner", "any"],
-    }
-    spec = spec_of({"structured_outputs": {"json": nested, "disable_additional_properties": True}})
-    assert format_allows(compiler, spec, '{"inner": {"x": 1}, "any": {"k": 2}}')
-    assert not format_allows(compiler, spec, '{"inner": {"x": 1, "y": 2}, "any": {}}')
-    assert not format_allows(compiler, spec, '{"inner": {"x": 1}, "any": {}, "extra": 3}')
+def server_style(*argv: str) -> JsonStyle:
+    return server_settings(build_parser().parse_args(["serve", *argv])).json_style
+
+
+NESTED = {
+    "type": "object",
+    "properties": {"inner": POINT, "any": {"type": "object"}},
+    "required": ["inner", "any"],
+}
+
+
+def test_the_guidance_backend_leaves_objects_open_until_a_request_closes_them(compiler):
+    for argv in (
+        ["--structured-outputs-config", '{"backend": "guidance"}'],
+        ["--guided-decoding-backend", "guidance"],
+    ):
+        style = server_style(*argv)
+        assert style.open_objects
+        spec = spec_of({"structured_outputs": {"json": NESTED}}, style)
+        assert format_allows(compiler, spec, '{"inner": {"x": 1, "y": 2}, "any": {}, "z": 3}')
+        closing = {"json": NESTED, "disable_additional_properties": True}
+        spec = spec_of({"structured_outputs": closing}, style)
+        assert format_allows(compiler, spec, '{"inner": {"x": 1}, "any": {"k": 2}}')
+        assert not format_allows(compiler, spec, '{"inner": {"x": 1, "y": 2}, "any": {}}')
+        assert not format_allows(compiler, spec, '{"inner": {"x": 1}, "any": {}, "extra": 3}')
+    for backend in ("auto", "xgrammar", "outlines"):
+        style = server_style("--structured-outputs-config", json.dumps({"backend": backend}))
+        spec = spec_of({"structured_outputs": {"json": NESTED}}, style)
+        assert not format_allows(compiler, spec, '{"inner": {"x": 1}, "any": {}, "z": 3}')
+        assert format_allows(compiler, spec, '{"inner": {"x": 1}, "any": {"k": [1]}}')
+
+
+def test_forced_tool_calls_are_written_in_the_servers_style(compiler):
+    from server.tools import forced_calls
+
+    tool = {"type": "function", "function": {"name": "where", "parameters": POINT}}
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [tool],
+            "tool_choice": "required",
+        }
+    )
+    forced = forced_calls(body)
+    assert forced is not None
+    call = '[{"name": "where", "parameters": {"x": 1}}]'
+    assert format_allows(compiler, forced.format, call)
+    assert not format_allows(compiler, forced.format, call.replace("1}", '1, "y": 2}'))
+    compact = server_style("--structured-outputs-config", '{"disable_any_whitespace": true}')
+    written = compact.applied(forced.format)
+    assert format_allows(compiler, written, call.replace(": ", ":").replace(", ", ","))
+    assert not format_allows(compiler, written, call)
 
 
 def test_a_whitespace_pattern_allows_the_whitespace_it_matches(compiler):
@@ -72,47 +115,24 @@ def test_a_whitespace_pattern_allows_the_whitespace_it_matches(compiler):
 
 
 def test_the_servers_style_holds_for_every_field_and_the_request_adds_to_it(compiler):
-    argv = ["serve", "--structured-outputs-config", '{"disable_any_whitespace": true}']
-    style = server_settings(build_parser().parse_args(argv)).json_style
+    style = server_style("--structured-outputs-config", '{"disable_any_whitespace": true}')
     assert style == JsonStyle(compact=True)
     schema_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": POINT}}
     for fields in ({"response_format": schema_format}, {"guided_json": POINT}):
         spec = spec_of(fields, style)
-        assert format_allows(compiler, spec, '{"x":1,"y":2}')
+        assert format_allows(compiler, spec, '{"x":1}')
         assert not format_allows(compiler, spec, '{"x": 1}')
-    closed = spec_of(
-        {"structured_outputs": {"json": POINT, "disable_additional_properties": True}}, style
-    )
-    assert format_allows(compiler, closed, '{"x":1}')
-    assert not format_allows(compiler, closed, '{"x":1,"y":2}')
+        assert not format_allows(compiler, spec, '{"x":1,"y":2}')
+    guidance = server_style("--structured-outputs-config", '{"backend": "guidance"}')
+    asked = {"json": POINT, "disable_any_whitespace": True}
+    spec = spec_of({"structured_outputs": asked}, guidance)
+    assert format_allows(compiler, spec, '{"x":1,"y":2}')
+    assert not format_allows(compiler, spec, '{"x": 1}')
 
 
 def test_other_formats_are_left_as_they_are():
     regex = spec_of({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}})
     assert regex == StructuredOutputs("regex", "a+", "structured_outputs.regex")
-
-
-def test_closing_objects_reads_schema_keywords_not_property_names():
-    schema = {
-        "type": "object",
-        "properties": {
-            "properties": {"type": "string"},
-            "type": {"type": "object", "properties": {}},
-            "list": {"type": "array", "items": {"type": "object"}},
-        },
-        "$defs": {"d": {"anyOf": [{"type": "object"}, {"type": "null"}]}},
-        "patternProperties": {"^p": {"type": ["object", "null"]}},
-    }
-    closed = closed_objects(schema)
-    assert closed["additionalProperties"] is False
-    assert closed["properties"]["properties"] == {"type": "string"}
-    assert closed["properties"]["type"]["additionalProperties"] is False
-    assert closed["properties"]["list"]["items"]["additionalProperties"] is False
-    assert closed["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
-    assert "additionalProperties" not in closed["$defs"]["d"]["anyOf"][1]
-    assert closed["patternProperties"]["^p"]["additionalProperties"] is False
-    assert json.dumps(schema) == json.dumps(schema)  # the original is left alone
-    assert "additionalProperties" not in schema
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,78 @@
+"""Which objects of a JSON Schema may hold properties it does not list.
+
+JSON Schema lets an object hold any property its schema does not rule out, so
+`{"properties": {"city": ...}}` allows `{"city": "Paris", "notes": ...}`: a weak model then
+writes keys of its own invention until it runs out of tokens. vLLM's default backend (xgrammar
+in its strict mode), SGLang and llama.cpp's server enforce such a schema as closed: an object
+that lists its properties (`properties` or `patternProperties`) and says nothing of others
+(`additionalProperties`, `unevaluatedProperties`) holds those alone. Conveyor enforces every
+JSON Schema so, and vLLM's guidance backend leaves them open (`with_objects(schema, False)`
+writes that out in the schema, so that nothing closes them).
+
+An object whose keys may come from elsewhere too is left as the schema says: one that combines
+its own properties with `allOf`, `anyOf`, `oneOf`, `if`/`then`/`else`, `dependentSchemas` or
+`$ref`, those branches' own objects, and every branch of an `allOf`. Closing either would rule
+out the keys the other adds. Objects without listed properties (`{"type": "object"}`) stay any
+object, as in xgrammar.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Schema keywords whose value is a map of names to schemas, a list of schemas, or one schema.
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_ONES = (
+    "items",
+    "additionalProperties",
+    "unevaluatedProperties",
+    "additionalItems",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+)
+# Keywords that apply their schemas to the same object: the properties those list are the
+# object's too.
+IN_PLACE = ("allOf", "anyOf", "oneOf", "if", "then", "else", "dependentSchemas", "$ref")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with each object that lists its properties and says nothing of others closed
+    (`"additionalProperties": false`); raises RecursionError for a schema nested past Python's
+    stack."""
+    return with_objects(schema, False)
+
+
+def with_objects(schema: Any, others: bool) -> Any:
+    """`schema` (left as it is) with `"additionalProperties": others` on each object that lists
+    its properties, says nothing of others and combines with no other schema."""
+    return _walk(schema, others, combined=False)
+
+
+def _walk(schema: Any, others: bool, combined: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    result = dict(schema)
+    lists = "properties" in result or "patternProperties" in result
+    for key in SCHEMA_MAPS:
+        if isinstance(result.get(key), dict):
+            joined = key == "dependentSchemas" and lists
+            subs = result[key].items()
+            result[key] = {name: _walk(sub, others, joined) for name, sub in subs}
+    for key in SCHEMA_LISTS:
+        if isinstance(result.get(key), list):
+            joined = key == "allOf" or (key in IN_PLACE and lists)
+            result[key] = [_walk(sub, others, joined) for sub in result[key]]
+    for key in SCHEMA_ONES:
+        if key in result:
+            joined = key in IN_PLACE and lists
+            result[key] = _walk(result[key], others, joined)
+    says = "additionalProperties" in result or "unevaluatedProperties" in result
+    combines = any(key in result for key in IN_PLACE)
+    if lists and not says and not combined and not combines:
+        result["additionalProperties"] = others
+    return result
