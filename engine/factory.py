@@ -762,10 +762,12 @@ def _num_blocks(
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
-    if device.type == "cuda":
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif device.type == "cuda":
         budget = _cuda_kv_budget(config, spec, device, model, backend, model_len)
     else:
-        budget = cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
     # A draft model's cache has as many blocks: each block of the budget pays for both.
     share = budget * spec.bytes_per_block // (spec.bytes_per_block + draft_block_bytes)
     num_blocks = spec.num_blocks_for(share)

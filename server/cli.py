@@ -28,7 +28,7 @@ from engine.kv.events import KVEventsConfig
 from engine.loading.gguf_file import is_gguf_file
 from server.config_file import CONFIG_OPTION, with_config_file
 from server.content_format import CONTENT_FORMATS
-from server.flag_values import at_least, json_object
+from server.flag_values import DTYPES, at_least, context_length, count, dtype, json_object
 from server.json_style import JsonStyle
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
@@ -216,7 +216,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "the checkpoint; models are not quantized as they load)",
     )
     engine.add_argument(
-        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
+        "--dtype",
+        type=dtype,
+        default="auto",
+        metavar="{" + ",".join(DTYPES) + "}",
+        help="the model's compute dtype (half: float16, float: float32, as vLLM)",
     )
     engine.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     engine.add_argument(
@@ -235,7 +239,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "but no longer the exact fp32 product",
     )
     engine.add_argument(
-        "--max-model-len", type=int, default=None, help="context limit (default: the model's)"
+        "--max-model-len",
+        type=context_length,
+        default=None,
+        help="context limit, e.g. 32768, 32k or 32K (default, or auto: the model's, where the "
+        "KV cache holds it)",
     )
     engine.add_argument(
         "--block-size",
@@ -254,7 +262,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=parse_bytes,
         default=None,
-        help="KV cache bytes on CPU, e.g. 4GiB (default 4GiB)",
+        help="KV cache bytes, e.g. 4GiB (default on CPU 4GiB; on CUDA what "
+        "--gpu-memory-utilization leaves)",
+    )
+    engine.add_argument(
+        "--kv-cache-memory-bytes",
+        dest="kv_cache_memory",
+        type=count,
+        help="vLLM's name of --kv-cache-memory, read as vLLM reads it: 4G is 4 GiB, 4g 4e9 bytes",
     )
     engine.add_argument(
         "--gpu-memory-utilization",
@@ -276,7 +291,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: the checkpoint's scales, else 1.0)",
     )
     engine.add_argument("--max-num-seqs", type=int, default=128)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-num-batched-tokens", type=count, default=2048)
     engine.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )

@@ -101,11 +101,12 @@ class CacheConfig:
     """How the paged KV cache is sized and what it holds.
 
     `block_size` is tokens per block, None for the device's default (`DEFAULT_BLOCK_SIZES`).
-    `num_blocks` overrides both memory budgets. On CPU `kv_cache_memory` bytes are used; on CUDA
-    the fraction `gpu_memory_utilization` of the device memory, less what the weights and a
-    profiling step took. `dtype` is the K/V element type: `auto` is the model's dtype. An fp8
-    cache takes its per-layer scales from the checkpoint, or with `calculate_kv_scales` from
-    the first step served (`engine/kv/kv_scales.py`).
+    `num_blocks` overrides both memory budgets. `kv_cache_memory` bytes (on each device) are
+    used where given; otherwise 4 GiB on CPU, and on CUDA the fraction `gpu_memory_utilization`
+    of the device memory, less what the weights and a profiling step took. `dtype` is the K/V
+    element type: `auto` is the model's dtype. An fp8 cache takes its per-layer scales from the
+    checkpoint, or with `calculate_kv_scales` from the first step served
+    (`engine/kv/kv_scales.py`).
     """
 
     block_size: int | None = None

@@ -15,6 +15,7 @@ import ssl
 import httpx
 import pytest
 
+from engine.core.config import EngineConfig
 from engine.core.speculation import SpeculativeConfig
 from server.cli import build_parser, engine_config, server_settings
 from server.http_protocol import uvicorn_config
@@ -282,6 +283,37 @@ RECIPE = [
     "--kv-sharing-fast-prefill", "--fully-sharded-loras", "--max-cpu-loras", "4",
     "--enable-server-load-tracking", "--log-error-stack",
 ]  # fmt: skip
+
+
+def test_sizes_and_dtypes_take_vllm_s_spellings():
+    def config(*flags: str) -> EngineConfig:
+        return engine_config(build_parser().parse_args(["serve", *flags]))
+
+    assert config("--dtype", "half").dtype == "float16"
+    assert config("--dtype", "float").dtype == "float32"
+    assert config("--max-model-len", "32k").max_model_len == 32000
+    assert config("--max-model-len", "32K").max_model_len == 32768
+    assert config("--max-model-len", "auto").max_model_len is None
+    assert config("--max-model-len", "-1").max_model_len is None
+    assert config("--max-num-batched-tokens", "2.5k").max_num_batched_tokens == 2500
+    assert config("--kv-cache-memory-bytes", "2G").cache.kv_cache_memory == 2 * 1024**3
+    assert config("--kv-cache-memory-bytes", "2g").cache.kv_cache_memory == 2 * 10**9
+    assert config("--kv-cache-memory", "2GiB").cache.kv_cache_memory == 2 * 1024**3
+
+
+@pytest.mark.parametrize(
+    ("flags", "reason"),
+    [
+        (["--dtype", "double"], "not a dtype"),
+        (["--max-model-len", "1.5K"], "a K count is a whole number"),
+        (["--max-num-batched-tokens", "2e3k"], "not a count"),
+        (["--kv-cache-memory-bytes=-4g"], "not a count"),
+    ],
+)
+def test_sizes_vllm_would_not_read_are_refused(capsys, flags, reason):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *flags])
+    assert reason in capsys.readouterr().err
 
 
 def test_vllm_s_name_for_the_block_count_sets_it():

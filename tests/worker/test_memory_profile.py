@@ -159,6 +159,21 @@ def test_the_gpu_cache_takes_the_measured_budget(monkeypatch, budget_blocks, exp
         assert factory._num_blocks(config, spec, torch.device("cuda"), None, None, 512) == expected
 
 
+def test_a_cache_given_in_bytes_is_taken_as_given_without_profiling(monkeypatch):
+    """vLLM's --kv-cache-memory-bytes: on CUDA, the budget instead of the measured share."""
+    spec = factory.KVCacheSpec.from_hf_config(tiny_llama().config, torch.float32, 16)
+
+    def measured(*_args: object) -> int:
+        raise AssertionError("the given budget needs no profiling pass")
+
+    monkeypatch.setattr(factory, "_cuda_kv_budget", measured)
+    config = EngineConfig(
+        cache=CacheConfig(block_size=16, kv_cache_memory=40 * spec.bytes_per_block)
+    )
+    for device in ("cuda", "cpu"):
+        assert factory._num_blocks(config, spec, torch.device(device), None, None, 512) == 40
+
+
 def test_the_device_asked_for_becomes_current(monkeypatch):
     chosen: list[int] = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
