@@ -417,6 +417,7 @@ def core_from_model(
         model_path=config.model_name or config.model or loaded.path,
         enable_prefix_caching=config.enable_prefix_caching,
         request_timeout=config.request_timeout,
+        stream_interval=config.stream_interval,
         tensor_parallel_size=config.tensor_parallel_size,
         data_parallel_rank=config.data_parallel_rank,
         async_scheduling=overlap,

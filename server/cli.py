@@ -360,6 +360,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="seconds after which a waiting request counts as top priority",
     )
     engine.add_argument(
+        "--stream-interval",
+        type=at_least(1),
+        default=1,
+        help="tokens a streamed sequence gathers before they are sent (its first token and "
+        "its end at once); more sends fewer, larger chunks (vLLM's flag)",
+    )
+    engine.add_argument(
         "--request-timeout",
         type=float,
         default=None,
@@ -757,6 +764,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_priority_wait=args.max_priority_wait,
         priority_reserved_seqs=args.priority_reserved_seqs,
         request_timeout=args.request_timeout,
+        stream_interval=args.stream_interval,
         attention_backend=args.attention_backend,
         model_impl=args.model_impl,
         enforce_eager=args.enforce_eager or graphs.eager,

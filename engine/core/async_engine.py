@@ -38,13 +38,18 @@ logger = logging.getLogger(__name__)
 class RequestCollector:
     """Deltas of one request (all its `n` sequences) waiting for the consumer.
 
-    A consumer that lags gets the pending deltas of a sequence merged into one.
+    A consumer that lags gets the pending deltas of a sequence merged into one. With an
+    `interval` above 1 (vLLM's `--stream-interval`) the consumer is woken once a sequence has
+    gathered that many tokens, has ended, or has its first delta pending: fewer, larger deltas.
     """
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, interval: int = 1) -> None:
         self.n = n
+        self.interval = interval
         self.finished_indices: set[int] = set()
         self._pending: dict[int, RequestOutput] = {}
+        # Sequences whose first delta the consumer has had.
+        self._started: set[int] = set()
         # The consumer's wait, when it is waiting (a bare future: cheaper than an Event).
         self._waiter: asyncio.Future[None] | None = None
 
@@ -59,11 +64,11 @@ class RequestCollector:
         if output.finished:
             self.finished_indices.add(output.index)
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
+        if waiter is not None and not waiter.done() and self._ready():
             waiter.set_result(None)
 
     async def get(self) -> list[RequestOutput]:
-        while not self._pending:
+        while not self._ready():
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -71,7 +76,19 @@ class RequestCollector:
                 self._waiter = None
         outputs = list(self._pending.values())
         self._pending.clear()
+        self._started.update(output.index for output in outputs)
         return outputs
+
+    def _ready(self) -> bool:
+        """Whether the pending deltas are due to the consumer."""
+        if self.interval == 1:
+            return bool(self._pending)
+        return any(
+            output.finished
+            or output.index not in self._started
+            or len(output.new_token_ids) >= self.interval
+            for output in self._pending.values()
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +304,7 @@ class AsyncEngine:
         except Exception:
             self._wake_loop()  # so the rejection reaches the metrics promptly
             raise
-        collector = RequestCollector(params.n)
+        collector = RequestCollector(params.n, self.info.stream_interval)
         self._collectors[request_id] = collector
         promised = promised_tokens(len(prompt_token_ids), params, self.core.max_tokens)
         self._adds.append(

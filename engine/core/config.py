@@ -199,6 +199,9 @@ class EngineConfig:
     admission_soft_limit: float = 0.9
     priority_reserved_seqs: int | None = None
     request_timeout: float | None = None
+    # vLLM's `--stream-interval`: a sequence's tokens reach its consumer once this many have
+    # gathered (its first token and its end at once).
+    stream_interval: int = 1
     attention_backend: str = "auto"
     model_impl: str = "auto"
     enforce_eager: bool = False
@@ -248,6 +251,8 @@ class EngineConfig:
     spec_metrics: str = "none"
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
         if self.runner not in RUNNERS:
             raise ValueError(f"unknown runner {self.runner!r}; choose one of {', '.join(RUNNERS)}")
         if self.spec_metrics not in SPEC_METRICS:
@@ -364,6 +369,7 @@ class ServingInfo:
     model_path: str = ""
     enable_prefix_caching: bool = False
     request_timeout: float | None = None
+    stream_interval: int = 1
     kv_cache_dtype: str = ""
     tensor_parallel_size: int = 1
     data_parallel_rank: int = 0

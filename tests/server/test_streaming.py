@@ -18,6 +18,7 @@ from engine.core.async_engine import RequestCollector
 from engine.core.outputs import RequestOutput
 from server.rendering import ChunkRenderer
 from server.streaming import FAIR_SHARE, compact_json, merge, sse
+from tests.server_utils import app_client, sse_events
 
 PAYLOADS: list[Any] = [
     {"id": "cmpl-1", "choices": [{"index": 0, "text": " the", "logprobs": None}]},
@@ -121,6 +122,60 @@ async def test_collector_survives_a_cancelled_wait():
     collector.put(_output(0, 9))  # nobody waits: kept for the next read
     outputs = await asyncio.wait_for(collector.get(), 30)
     assert [o.new_token_ids for o in outputs] == [[9]]
+
+
+async def test_an_interval_gathers_tokens_past_the_first_until_it_is_reached():
+    collector = RequestCollector(1, interval=3)
+    collector.put(_output(0, 1))  # the first token goes at once
+    assert [o.new_token_ids for o in await asyncio.wait_for(collector.get(), 30)] == [[1]]
+    getter = asyncio.ensure_future(collector.get())
+    collector.put(_output(0, 2))
+    collector.put(_output(0, 3))
+    await asyncio.sleep(0)
+    assert not getter.done()  # two of three
+    collector.put(_output(0, 4))
+    assert [o.new_token_ids for o in await asyncio.wait_for(getter, 30)] == [[2, 3, 4]]
+    getter = asyncio.ensure_future(collector.get())
+    collector.put(_output(0, 5, finished=True))  # the end goes at once
+    assert [o.new_token_ids for o in await asyncio.wait_for(getter, 30)] == [[5]]
+
+
+async def test_an_interval_lets_each_sequence_start_at_once():
+    collector = RequestCollector(2, interval=4)
+    collector.put(_output(0, 1))
+    assert [o.index for o in await asyncio.wait_for(collector.get(), 30)] == [0]
+    getter = asyncio.ensure_future(collector.get())
+    collector.put(_output(0, 2))
+    await asyncio.sleep(0)
+    assert not getter.done()
+    collector.put(_output(1, 7))  # the second sequence's first token wakes the consumer
+    outputs = await asyncio.wait_for(getter, 30)
+    assert {o.index: o.new_token_ids for o in outputs} == {0: [2], 1: [7]}
+
+
+async def streamed_token_ids(**core_options: Any) -> list[list[int]]:
+    body = {
+        "model": "tiny",
+        "prompt": "Hello",
+        "max_tokens": 9,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    async with app_client(**core_options) as (client, _):
+        reply = await client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    chunks = [event["choices"] for event in sse_events(reply.text) if event != "[DONE]"]
+    return [choice["token_ids"] for choices in chunks for choice in choices]
+
+
+async def test_a_server_with_an_interval_streams_the_same_tokens_in_fewer_chunks():
+    plain = await streamed_token_ids()
+    gathered = await streamed_token_ids(stream_interval=4)
+    assert [len(ids) for ids in plain] == [1] * 9
+    assert [len(ids) for ids in gathered] == [1, 4, 4]
+    assert list(itertools.chain(*gathered)) == list(itertools.chain(*plain))
 
 
 async def test_streaming_overhead_benchmark_runs_the_real_app():
