@@ -6,8 +6,8 @@ writes keys of its own invention until it runs out of tokens. vLLM's default bac
 in its strict mode), SGLang and llama.cpp's server enforce such a schema as closed: an object
 that lists its properties (`properties` or `patternProperties`) and says nothing of others
 (`additionalProperties`, `unevaluatedProperties`) holds those alone. Conveyor enforces every
-JSON Schema so, and vLLM's guidance backend leaves them open (`with_objects(schema, False)`
-writes that out in the schema, so that nothing closes them).
+JSON Schema so; vLLM's guidance backend leaves them open, which `with_objects(schema, True)`
+writes out in the schema, so that nothing closes them.
 
 An object whose keys may come from elsewhere too is left as the schema says: one that combines
 its own properties with `allOf`, `anyOf`, `oneOf`, `if`/`then`/`else`, `dependentSchemas` or
