@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# Schema keywords whose value is a map of names to schemas, a list of schemas, or one schema.
+# Schema keywords whose value is a map of names to schemas, a list of schemas, or one schema
+# (`items` either: a list is the older form of `prefixItems`).
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 SCHEMA_ONES = (
     "items",
     "additionalProperties",

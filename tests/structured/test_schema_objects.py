@@ -34,6 +34,7 @@ def test_objects_that_list_properties_are_closed_where_the_schema_says_nothing()
             "type": {"type": "object", "properties": {}},
             "free": {"type": "object"},
             "list": {"type": "array", "items": POINT},
+            "pair": {"type": "array", "items": [POINT, {"type": "integer"}]},
             "open": {**POINT, "additionalProperties": True},
             "typed": {**POINT, "additionalProperties": {"type": "string"}},
         },
@@ -47,6 +48,8 @@ def test_objects_that_list_properties_are_closed_where_the_schema_says_nothing()
     assert props["type"]["additionalProperties"] is False
     assert "additionalProperties" not in props["free"]  # any object, as xgrammar's
     assert props["list"]["items"]["additionalProperties"] is False
+    assert props["pair"]["items"][0]["additionalProperties"] is False
+    assert props["pair"]["items"][1] == {"type": "integer"}
     assert props["open"]["additionalProperties"] is True
     assert props["typed"]["additionalProperties"] == {"type": "string"}
     assert closed["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
