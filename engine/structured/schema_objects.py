@@ -12,8 +12,8 @@ writes out in the schema, so that nothing closes them.
 An object whose keys may come from elsewhere too is left as the schema says: one that combines
 its own properties with `allOf`, `anyOf`, `oneOf`, `if`/`then`/`else`, `dependentSchemas` or
 `$ref`, those branches' own objects, and every branch of an `allOf`. Closing either would rule
-out the keys the other adds. Objects without listed properties (`{"type": "object"}`) stay any
-object, as in xgrammar.
+out the keys the other adds. So is one that requires keys it does not list. Objects
+without listed properties (`{"type": "object"}`) stay any object, as in xgrammar.
 """
 
 from __future__ import annotations
@@ -74,6 +74,21 @@ def _walk(schema: Any, others: bool, combined: bool) -> Any:
             result[key] = _walk(result[key], others, joined)
     says = "additionalProperties" in result or "unevaluatedProperties" in result
     combines = any(key in result for key in IN_PLACE)
-    if lists and not says and not combined and not combines:
+    if lists and not says and not combined and not combines and not _expects_unlisted(result):
         result["additionalProperties"] = others
     return result
+
+
+def _expects_unlisted(schema: dict[str, Any]) -> bool:
+    """Whether the object expects keys beyond those it lists: `required` or `dependentRequired`
+    names one, `minProperties` asks for more than it lists (without `patternProperties`), or
+    the older `dependencies` may add some."""
+    listed = schema.get("properties")
+    listed = listed if isinstance(listed, dict) else {}
+    names = list(schema.get("required") or [])
+    dependent = schema.get("dependentRequired")
+    if isinstance(dependent, dict):
+        names += [name for group in dependent.values() if isinstance(group, list) for name in group]
+    least = schema.get("minProperties")
+    many = isinstance(least, int) and least > len(listed) and "patternProperties" not in schema
+    return many or "dependencies" in schema or any(name not in listed for name in names)

@@ -78,10 +78,21 @@ def test_objects_whose_keys_may_come_from_other_schemas_are_left_as_they_are():
     assert deeper["allOf"][0]["properties"]["inner"]["additionalProperties"] is False
     uneval = closed_objects({**POINT, "unevaluatedProperties": {"type": "string"}})
     assert "additionalProperties" not in uneval
+    expecting_more = [
+        {**POINT, "required": ["x", "y"]},
+        {"patternProperties": {"^x": {}}, "required": ["xa"]},
+        {**POINT, "minProperties": 2},
+        {**POINT, "dependentRequired": {"x": ["y"]}},
+        {**POINT, "dependencies": {"x": {"properties": {"y": {}}}}},
+    ]
+    for schema in expecting_more:
+        assert "additionalProperties" not in closed_objects(schema)
+    many_by_pattern = closed_objects({"patternProperties": {"^x": {}}, "minProperties": 3})
+    assert many_by_pattern["additionalProperties"] is False
 
 
 def test_opened_objects_are_written_open_where_closing_would_close_them():
-    opened = with_objects({**POINT, "properties": {"in": POINT, "free": {}}}, True)
+    opened = with_objects({"type": "object", "properties": {"in": POINT, "free": {}}}, True)
     assert opened["additionalProperties"] is True
     assert opened["properties"]["in"]["additionalProperties"] is True
     assert closed_objects(opened) == opened  # nothing left for the engine to close
@@ -95,6 +106,8 @@ def test_a_json_format_holds_the_listed_properties_alone(compiler):
     assert not format_allows(compiler, spec, '{"x": 1, "y": 2}')
     assert not format_allows(compiler, spec, '{"x": 1, "in": {"x": 2, "y": 3}}')
     assert format_allows(compiler, json_format({"type": "object"}), '{"k": {"j": 1}}')
+    unlisted = json_format({**POINT, "required": ["x", "y"]})  # y: any value, as JSON Schema says
+    assert format_allows(compiler, unlisted, '{"x": 1, "y": [2]}')
     anything = StructuredOutputs("json_object", "", "response_format")
     assert format_allows(compiler, anything, '{"k": {"j": 1}}')
 
