@@ -418,7 +418,10 @@ def listed_items(items: str | list[Any]) -> list[dict[str, Any]]:
 
 
 def _chat_tool(tool: FunctionTool) -> dict[str, Any]:
+    """The tool as chat takes it: strict unless it says otherwise, as the Responses API's
+    functions are (chat's are not)."""
     function = tool.model_dump(exclude={"type"}, exclude_none=True)
+    function.setdefault("strict", True)
     return {"type": "function", "function": function}
 
 

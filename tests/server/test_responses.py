@@ -15,8 +15,9 @@ from openai import AsyncOpenAI
 
 from server.response_items import OutputItems
 from server.response_store import ResponseStore
-from server.responses_protocol import ResponsesRequest, input_messages
+from server.responses_protocol import ResponsesRequest, as_chat, input_messages
 from server.settings import ServerSettings
+from server.strict_tools import strict_calls_format
 from server.tracing import Tracing
 from server.truncation import drop_oldest, fits
 from tests.server.test_reasoning import thinking_tokenizer
@@ -727,3 +728,17 @@ async def test_input_tokens_refuses_what_it_cannot_count(body, status, param):
         response = await client.post("/v1/responses/input_tokens", json=body)
         assert response.status_code == status, response.text
         assert response.json()["error"]["param"] == param
+
+
+def test_functions_are_strict_unless_they_say_otherwise_as_the_responses_api_has_them():
+    tools = [
+        {"type": "function", "name": "weather", "parameters": WEATHER},
+        {"type": "function", "name": "time", "parameters": TIME, "strict": False},
+    ]
+    body = ResponsesRequest.model_validate({"model": "tiny", "input": "hi", "tools": tools})
+    chat = as_chat(body, input_messages("hi"))
+    assert [tool.function.strict for tool in chat.tools or []] == [True, False]
+    assert strict_calls_format(chat, "hermes") is not None  # their calls are enforced
+    loose = [{**tools[0], "strict": False}, tools[1]]
+    body = ResponsesRequest.model_validate({"model": "tiny", "input": "hi", "tools": loose})
+    assert strict_calls_format(as_chat(body, input_messages("hi")), "hermes") is None
