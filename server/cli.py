@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from engine.core.config import (
+    DEFAULT_IGNORE_PATTERNS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     LOGPROBS_MODES,
@@ -192,6 +193,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the token to fetch a gated or private hub model with (default: $HF_TOKEN, or "
         "the login's)",
     )
+    _add_ignore_patterns(engine)
     engine.add_argument(
         "--hf-overrides",
         type=json_object,
@@ -739,6 +741,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tokenizer_revision=args.tokenizer_revision,
         download_dir=args.download_dir,
         hf_token=args.hf_token,
+        ignore_patterns=tuple(args.ignore_patterns),
         hf_overrides=args.hf_overrides,
         dtype=args.dtype,
         device=args.device,
@@ -997,6 +1000,7 @@ def build_parser() -> argparse.ArgumentParser:
     download_parser.add_argument("--revision", default=None, help="the branch, tag or commit")
     download_parser.add_argument("--download-dir", default=None, help="the cache folder")
     download_parser.add_argument("--hf-token", default=None, help="for gated models")
+    _add_ignore_patterns(download_parser)
     download_parser.set_defaults(func=download)
     _add_batch_commands(commands)
     _add_bench_commands(commands)
@@ -1134,12 +1138,22 @@ def batch_run(args: argparse.Namespace) -> int:
     return asyncio.run(run_file(app, engine, args.input, args.output))
 
 
+def _add_ignore_patterns(group: argparse._ActionsContainer) -> None:
+    group.add_argument(
+        "--ignore-patterns",
+        nargs="+",
+        default=list(DEFAULT_IGNORE_PATTERNS),
+        help="files of a hub repository not to fetch, as the hub's patterns match them (vLLM's "
+        "flag; default: original/*, Meta's copies of the weights)",
+    )
+
+
 def download(args: argparse.Namespace) -> int:
     """Fetch the default model or convert a GGUF file or a quantized checkpoint (into
     Conveyor's cache), or fetch a hub model (into the Hugging Face cache, `$HF_HOME`, or
     `--download-dir`, at `--revision`), so that `serve` later needs no network and starts in
     seconds."""
-    from engine.loading.hub import fetched
+    from engine.loading.hub import MODEL_FILES, fetched, snapshot
     from engine.loading.quantized_checkpoint import quantized_folder
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -1148,6 +1162,7 @@ def download(args: argparse.Namespace) -> int:
         revision=args.revision,
         download_dir=args.download_dir,
         hf_token=args.hf_token,
+        ignore_patterns=tuple(args.ignore_patterns),
     )
     try:
         model = fetched(wanted).model
@@ -1155,13 +1170,11 @@ def download(args: argparse.Namespace) -> int:
             from engine.loading.model_loader import checkpoint_path
 
             model = checkpoint_path(model)
+        if model == args.model:  # a hub id no flag asked to fetch otherwise
+            model = str(snapshot(args.model, None, MODEL_FILES, wanted, weights=True))
     except ValueError as exc:
         logger.error("cannot fetch or convert: %s", exc)
         return 2
-    if model == args.model:  # a hub id no flag asked to fetch otherwise
-        from huggingface_hub import snapshot_download
-
-        model = snapshot_download(args.model)
     print(model)
     return 0
 

@@ -11,6 +11,8 @@ from engine.core.speculation import SpeculativeConfig
 from engine.kv.events import KVEventsConfig
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 1024**3
+# A hub repository's files not fetched unless asked: Meta's copies of the weights in `original/`.
+DEFAULT_IGNORE_PATTERNS = ("original/*",)
 # Tokens per KV block unless asked otherwise. The CPU's attention kernels read each block as one
 # run of memory, and longer runs stream faster: decode attention over 64 sequences of 136-250
 # tokens took 7-21% less time in blocks of 32 than of 16 (vLLM's CPU backend also prefers
@@ -174,6 +176,8 @@ class EngineConfig:
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     hf_token: str | None = None
+    # Files of a hub repository not fetched (vLLM's `--ignore-patterns`).
+    ignore_patterns: tuple[str, ...] = DEFAULT_IGNORE_PATTERNS
     model_name: str | None = None
     # Fields of the model's config replaced (`--hf-overrides`, `loading/overrides.py`).
     hf_overrides: dict[str, Any] | None = None

@@ -10,6 +10,7 @@ does."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -17,9 +18,16 @@ from engine.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-# The files a model is read from (not other frameworks' copies of its weights).
-MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
-TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
+# The files a model is read from besides its weights (not other frameworks' copies of it).
+MODEL_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
+TOKENIZER_FILES = MODEL_FILES  # a tokenizer's repository without its model's weights
+# Where the weights are looked for, in turn: the shards a safetensors index lists, else one
+# `model.safetensors`, else every safetensors file, else PyTorch's `.bin` files. A repository
+# that also holds its weights in another form (Mistral's `consolidated.safetensors`) is not
+# fetched twice.
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+FALLBACKS = (["*.safetensors"], ["*.bin"])
 
 
 def is_hub_id(name: str | None) -> bool:
@@ -40,15 +48,37 @@ def fetched(config: EngineConfig) -> EngineConfig:
     model, name, tokenizer = config.model, config.model_name, config.tokenizer
     if model is not None and is_hub_id(model):
         name = name or model
-        model = str(snapshot(model, config.revision, MODEL_FILES, config))
+        model = str(snapshot(model, config.revision, MODEL_FILES, config, weights=True))
     source = config.tokenizer or (config.model if config.tokenizer_revision else None)
     if source is not None and is_hub_id(source):
-        tokenizer = str(snapshot(source, config.tokenizer_revision, TOKENIZER_FILES, config))
+        tokenizer = str(
+            snapshot(source, config.tokenizer_revision, TOKENIZER_FILES, config, weights=False)
+        )
     return dataclasses.replace(config, model=model, model_name=name, tokenizer=tokenizer)
 
 
-def snapshot(repo: str, revision: str | None, patterns: list[str], config: EngineConfig) -> Path:
-    """The repository's files at `revision` in the Hugging Face cache (`--download-dir`'s)."""
+def snapshot(
+    repo: str, revision: str | None, patterns: list[str], config: EngineConfig, weights: bool
+) -> Path:
+    """The repository's files at `revision` in the Hugging Face cache (`--download-dir`'s):
+    those `patterns` match, and with `weights` the model's weights in one form (`FALLBACKS`);
+    none that `--ignore-patterns` match."""
+    folder = _download(repo, revision, patterns, config)
+    if weights:
+        index = folder / INDEX
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            folder = _download(repo, revision, shards, config)
+        elif not (folder := _download(repo, revision, [SINGLE], config)).joinpath(SINGLE).is_file():
+            for fallback in FALLBACKS:
+                folder = _download(repo, revision, fallback, config)
+                if any(folder.glob(fallback[0])):
+                    break
+    logger.info("%s%s fetched into %s", repo, f" ({revision})" if revision else "", folder)
+    return folder
+
+
+def _download(repo: str, revision: str | None, patterns: list[str], config: EngineConfig) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
@@ -58,9 +88,9 @@ def snapshot(repo: str, revision: str | None, patterns: list[str], config: Engin
             cache_dir=config.download_dir,
             token=config.hf_token,
             allow_patterns=patterns,
+            ignore_patterns=list(config.ignore_patterns) or None,
         )
     except (OSError, ValueError) as exc:
         at = f" at revision {revision}" if revision else ""
         raise ValueError(f"cannot fetch {repo}{at}: {exc}") from exc
-    logger.info("%s%s fetched into %s", repo, f" ({revision})" if revision else "", folder)
     return Path(folder)
