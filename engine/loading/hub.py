@@ -65,17 +65,32 @@ def snapshot(
     none that `--ignore-patterns` match."""
     folder = _download(repo, revision, patterns, config)
     if weights:
-        index = folder / INDEX
-        if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            folder = _download(repo, revision, shards, config)
-        elif not (folder := _download(repo, revision, [SINGLE], config)).joinpath(SINGLE).is_file():
-            for fallback in FALLBACKS:
-                folder = _download(repo, revision, fallback, config)
-                if any(folder.glob(fallback[0])):
-                    break
+        folder = _weights(repo, revision, config, _indexed_shards(folder))
     logger.info("%s%s fetched into %s", repo, f" ({revision})" if revision else "", folder)
     return folder
+
+
+def _weights(repo: str, revision: str | None, config: EngineConfig, shards: list[str]) -> Path:
+    """The repository's weights in the first form it has them in (`FALLBACKS`)."""
+    if shards:
+        return _download(repo, revision, shards, config)
+    folder = _download(repo, revision, [SINGLE], config)
+    if (folder / SINGLE).is_file():
+        return folder
+    for fallback in FALLBACKS:
+        folder = _download(repo, revision, fallback, config)
+        if any(folder.glob(fallback[0])):
+            break
+    return folder
+
+
+def _indexed_shards(folder: Path) -> list[str]:
+    """The shards the folder's safetensors index lists (none where it has no readable one)."""
+    try:
+        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+        return sorted({str(name) for name in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def _download(repo: str, revision: str | None, patterns: list[str], config: EngineConfig) -> Path:

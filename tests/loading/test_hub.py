@@ -176,6 +176,10 @@ def fetched_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: list[s
             ["model.safetensors", "original/consolidated.safetensors", "original/params.json"],
             {"model.safetensors"},
         ),
+        (  # an index that lists nothing: the next form
+            ["model.safetensors.index.json", "model.safetensors", "consolidated.safetensors"],
+            {"model.safetensors"},
+        ),
         (["a.safetensors", "b.safetensors"], {"a.safetensors", "b.safetensors"}),
         (["pytorch_model.bin", "training_args.bin"], {"pytorch_model.bin", "training_args.bin"}),
     ],
