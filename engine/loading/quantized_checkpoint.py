@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
+from engine.core.config import EngineConfig
 from engine.core.paths import cache_dir
 from engine.loading import gguf_blocks, packed_weights
 from engine.loading.checkpoint_tensors import model_from_config, parameters_on_meta
 from engine.loading.conversions import ShardWriter, convert_once, source_key
 from engine.loading.expert_blocks import CHECKPOINT_EXPERT, join_checkpoint_experts
-from engine.loading.hub import MODEL_FILES
+from engine.loading.hub import MODEL_FILES, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def _hub_checkpoint(repo: str) -> Path | None:
     says otherwise or cannot be read (loading it then reports why). The config is read from the
     Hugging Face cache where it is there (an offline host asks the hub nothing), else fetched.
     Once per process: a start asks for the checkpoint several times."""
-    from huggingface_hub import hf_hub_download, snapshot_download, try_to_load_from_cache
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     try:
         cached = try_to_load_from_cache(repo, "config.json")
@@ -169,7 +170,7 @@ def _hub_checkpoint(repo: str) -> Path | None:
         return None
     if scheme_of(config.parent) is None:
         return None
-    return Path(snapshot_download(repo, allow_patterns=MODEL_FILES))
+    return snapshot(repo, None, MODEL_FILES, EngineConfig(), weights=True)
 
 
 def check_requested(name: str | None, requested: str | None) -> None:

@@ -268,8 +268,8 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
             raise OSError(f"{repo_id} is not a repository")
         return str(repos[repo_id] / filename)
 
-    def snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
-        asked.append(f"{repo_id} snapshot")
+    def snapshot_download(repo_id: str, allow_patterns: list[str], **_options: object) -> str:
+        asked.append(f"{repo_id} {' '.join(allow_patterns)}")
         return str(repos[repo_id])
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
@@ -286,7 +286,10 @@ def test_a_hub_checkpoint_is_fetched_once_and_served_under_its_id(hub: list[str]
     assert info.model_name == "org/tiny-AWQ"
     assert Path(loaded.path).name.startswith("tiny-AWQ-")
     assert checkpoint_path("org/tiny-AWQ") == loaded.path
-    assert hub == ["org/tiny-AWQ/config.json", "org/tiny-AWQ snapshot"]
+    # Its files, then its weights: the shards its index lists.
+    assert hub[0] == "org/tiny-AWQ/config.json" and hub[1].startswith("org/tiny-AWQ *.json")
+    shards = hub[2].split()[1:]
+    assert len(hub) == 3 and shards and all(name.startswith("model-") for name in shards)
 
 
 def test_other_hub_ids_and_names_are_left_as_they_are(hub: list[str], tmp_path: Path) -> None:
@@ -425,4 +428,4 @@ def test_a_cached_hub_config_is_read_without_asking_the_hub(
     )
     assert checkpoint_path("org/tiny") == "org/tiny"
     assert quantized_checkpoint.quantized_folder("org/tiny-AWQ") == tmp_path / "awq"
-    assert hub == ["org/tiny-AWQ snapshot"]
+    assert [asked.split()[0] for asked in hub] == ["org/tiny-AWQ", "org/tiny-AWQ"]  # files, weights
