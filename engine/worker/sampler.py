@@ -274,7 +274,7 @@ def _running_sum_choice(
     over the whole vocabulary with what top-k, top-p and min-p rule out at 0 (`inverse_cdf`). A
     greedy row gets 0, a placeholder its argmax replaces."""
     drawn = [row for row, p in enumerate(params) if not p.greedy]
-    draw = _nucleus_kernel_choice if _nucleus_kernel_runs(scaled) else _whole_vocabulary_choice
+    draw = _nucleus_kernel_choice if _cpu_kernels_take(scaled) else _whole_vocabulary_choice
     if len(drawn) == len(params):
         return draw(scaled, params, uniforms)
     choice = torch.zeros(len(params), dtype=torch.int64, device=scaled.device)
@@ -284,9 +284,11 @@ def _running_sum_choice(
     return choice
 
 
-def _nucleus_kernel_runs(scaled: torch.Tensor) -> bool:
+def _cpu_kernels_take(values: torch.Tensor) -> bool:
+    """Whether Conveyor's CPU elementwise kernels (argmax, token mask, nucleus draw) take
+    `values`: fp32 on the CPU, where they built."""
     return (
-        scaled.device.type == "cpu" and scaled.dtype == torch.float32 and cpu_ops.has("elementwise")
+        values.device.type == "cpu" and values.dtype == torch.float32 and cpu_ops.has("elementwise")
     )
 
 
@@ -425,12 +427,7 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def row_argmax(values: torch.Tensor) -> torch.Tensor:
     """`values.argmax(dim=-1)` for `[rows, vocab]`: Conveyor's CPU kernel for fp32 on the CPU
     (it compares eight lanes at a time where torch compares one element), else torch's."""
-    if (
-        values.device.type == "cpu"
-        and values.dtype == torch.float32
-        and values.is_contiguous()
-        and cpu_ops.has("elementwise")
-    ):
+    if _cpu_kernels_take(values) and values.is_contiguous():
         return cpu_ops.argmax_rows(values)
     return values.argmax(dim=-1)
 
@@ -499,12 +496,7 @@ def _apply_grammars(logits: torch.Tensor, requests: list[Request]) -> None:
     bits = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.int32)
     for k, row in enumerate(rows):
         requests[row].grammar.unsafe_compute_mask_ptr(bits[k].ctypes.data, bits[k].nbytes)
-    if (
-        logits.is_cpu
-        and logits.dtype == torch.float32
-        and logits.is_contiguous()
-        and cpu_ops.has("elementwise")
-    ):
+    if _cpu_kernels_take(logits) and logits.is_contiguous():
         cpu_ops.apply_token_bitmask(logits, torch.from_numpy(bits), torch.tensor(rows))
         return
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]

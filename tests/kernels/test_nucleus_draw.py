@@ -133,7 +133,8 @@ def test_the_sampler_draws_every_random_row_with_it_and_agrees_with_torch(monkey
     monkeypatch.setattr(cpu_ops, "nucleus_draw", spied)
     with_kernel = Sampler(300, torch.device("cpu")).sample(values.clone(), requests).token_ids
     assert drawn_rows == [rows - 4]
-    monkeypatch.setattr(sampler_module, "_nucleus_kernel_runs", lambda scaled: False)
+    torch_route = sampler_module._whole_vocabulary_choice
+    monkeypatch.setattr(sampler_module, "_nucleus_kernel_choice", torch_route)
     in_torch = Sampler(300, torch.device("cpu")).sample(values.clone(), requests).token_ids
     assert drawn_rows == [rows - 4]
     assert with_kernel.tolist() == in_torch.tolist()
