@@ -547,6 +547,11 @@ class ChatCompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
+    @property
+    def max_tokens_param(self) -> str:
+        """The field `requested_max_tokens` comes from."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
 
 class TokenizeCompletionRequest(RequestBody):
     """`/tokenize` of a plain prompt."""

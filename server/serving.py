@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.async_engine import RequestOptions
 from engine.core.config import ServingInfo
-from engine.core.errors import InvalidRequestError, RequestTimeoutError
+from engine.core.errors import InvalidRequestError, PromptTooLongError, RequestTimeoutError
 from engine.core.images import ImageInputs
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
@@ -199,7 +199,10 @@ def _whole(value: float | None) -> int | None:
 
 
 def prompt_truncation(request: SamplingFields, max_model_len: int) -> int | None:
-    """How many of each prompt's last tokens `truncate_prompt_tokens` keeps (None: all)."""
+    """How many of each prompt's last tokens `truncate_prompt_tokens` keeps (None: all); -1
+    keeps as many as leave room for the output asked for (at least one token of each)."""
+    if request.truncate_prompt_tokens == -1:
+        return max(max_model_len - max(request.requested_max_tokens or 1, 1), 1)
     return kept_tokens(request.truncate_prompt_tokens, max_model_len)
 
 
@@ -216,6 +219,24 @@ def kept_tokens(keep: int | None, max_model_len: int) -> int | None:
             param="truncate_prompt_tokens",
         )
     return keep
+
+
+def check_output_room(
+    prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str, where: str
+) -> None:
+    """Refuse a request whose prompt and asked-for output (`max_tokens` as the client gave it)
+    do not fit the context together, as OpenAI and vLLM do, rather than cut its output short.
+    A prompt that leaves no room at all is the prompt check's to report."""
+    if max_tokens is None or prompt_tokens >= max_model_len:
+        return
+    if prompt_tokens + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, "
+            f"{max_tokens} in the completion). Please reduce the length of the {where} or "
+            f"completion.",
+            param=param,
+        )
 
 
 # Sent by the batch runner: the request is a batch line, run only in capacity live ones leave.

@@ -39,6 +39,7 @@ from server.serving import (
     EngineClient,
     ServedModel,
     bind_trace,
+    check_output_room,
     prompt_truncation,
     request_ids,
     request_options,
@@ -535,6 +536,10 @@ class ChatHandler:
         text, prompt, images = await self.templated(body, fits=keep is None)
         if keep is not None:
             prompt = prompt[-keep:]
+        limit = self.model.info.max_model_len
+        check_output_room(
+            len(prompt), body.requested_max_tokens, limit, body.max_tokens_param, "messages"
+        )
         params = sampling_params(
             body,
             body.requested_max_tokens,
@@ -560,7 +565,6 @@ class ChatHandler:
             params = replace(params, thought_budget=self._budget(body, text, harmony))
         if body.prediction is not None:
             tokenizer = require_text_model(self.engine)
-            limit = self.model.info.max_model_len
             predicted = await prediction_tokens(tokenizer, body.prediction.text, limit)
             params = replace(params, prediction=predicted)
         # The format holds for the final channel's body, or for the answer once the thought

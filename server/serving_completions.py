@@ -26,6 +26,7 @@ from server.serving import (
     EngineClient,
     ServedModel,
     bind_trace,
+    check_output_room,
     prompt_truncation,
     request_ids,
     request_options,
@@ -229,6 +230,7 @@ class CompletionHandler:
         if body.prompt_embeds is not None:
             embedded = embedded_prompts(body, self.model.info, self.prompt_embeds)
             ids = [prompt for prompt, _ in embedded]
+            self._check_room(body, ids)
             return ids, [None] * len(ids), params, lora, [rows for _, rows in embedded]
         assert body.prompt is not None  # the request's validation asks for one or the other
         singles = split_prompts(body.prompt)
@@ -241,7 +243,15 @@ class CompletionHandler:
             for p, ids in zip(singles, prompts, strict=True)
         ]
         prompts = [ids if keep is None else ids[-keep:] for ids in prompts]
+        self._check_room(body, prompts)
         return prompts, texts, params, lora, None
+
+    def _check_room(self, body: CompletionRequest, prompts: list[list[int]]) -> None:
+        max_model_len = self.model.info.max_model_len
+        for ids in prompts:
+            check_output_room(
+                len(ids), body.requested_max_tokens, max_model_len, "max_tokens", "prompt"
+            )
 
     def _params(self, body: CompletionRequest) -> SamplingParams:
         echoed = body.logprobs if body.echo and body.logprobs is not None else None

@@ -87,14 +87,19 @@ async def test_truncate_prompt_tokens_keeps_the_last_tokens():
             )
         ).json()
         assert rendered["token_ids"] == prompt[-10:]
-        # -1: as many as leave room for a token; a prompt longer than the context then runs.
+        # -1: as many as leave room for the output asked for (one token without a limit); a
+        # prompt longer than the context then runs.
         long = list(range(5, 105))
         fitted = await client.post(
             "/v1/completions", json={"prompt": long, "truncate_prompt_tokens": -1, **body}
         )
         assert fitted.status_code == 200, fitted.text
-        assert fitted.json()["usage"]["prompt_tokens"] == 63
-        assert fitted.json()["choices"][0]["finish_reason"] == "length"
+        assert fitted.json()["usage"]["prompt_tokens"] == 58
+        assert fitted.json()["usage"]["completion_tokens"] == 6
+        unbounded = {**body, "max_tokens": None, "truncate_prompt_tokens": -1}
+        rest = await client.post("/v1/completions", json={"prompt": long, **unbounded})
+        assert rest.json()["usage"]["prompt_tokens"] == 63
+        assert rest.json()["choices"][0]["finish_reason"] == "length"
         assert blocks_in_use(engine) == 0
 
 

@@ -127,14 +127,56 @@ async def test_logprobs_alternatives_include_the_chosen_token():
             assert 1 <= len(top) <= 4  # distinct token texts among the 3 best and the chosen
 
 
-async def test_max_tokens_beyond_the_context_is_clamped_with_length():
-    async with app_client(max_model_len=32) as (client, _):
+async def test_max_tokens_beyond_the_context_is_refused_as_openai_and_vllm_do():
+    """Prompt plus `max_tokens` past the context is a 400 naming the field (OpenAI's message);
+    an output that exactly fills the context runs, and an explicit null runs to its end."""
+    async with app_client(max_model_len=32) as (client, engine):
         prompt = list(range(40, 60))
-        body = await complete(client, prompt=prompt, max_tokens=1000)
-        assert body["usage"]["completion_tokens"] == 12
-        assert body["choices"][0]["finish_reason"] == "length"
-        omitted = await complete(client, prompt=prompt)
-        assert omitted["usage"]["completion_tokens"] == 12
+        over = await client.post(
+            "/v1/completions", json={**GREEDY, "prompt": prompt, "max_tokens": 13}
+        )
+        assert over.status_code == 400
+        error = over.json()["error"]
+        assert error["param"] == "max_tokens" and error["type"] == "invalid_request_error"
+        assert error["message"].startswith("This model's maximum context length is 32 tokens.")
+        assert "(20 in the prompt, 13 in the completion)" in error["message"]
+        # Left out, a completion asks for 16: too many here too, as in vLLM.
+        omitted = await client.post("/v1/completions", json={**GREEDY, "prompt": prompt})
+        assert omitted.status_code == 400 and omitted.json()["error"]["param"] == "max_tokens"
+        full = await complete(client, prompt=prompt, max_tokens=12)
+        assert full["usage"]["completion_tokens"] == 12
+        assert full["choices"][0]["finish_reason"] == "length"
+        unbounded = await complete(client, prompt=prompt, max_tokens=None)
+        assert unbounded["usage"]["completion_tokens"] == 12
+        assert unbounded["choices"][0]["finish_reason"] == "length"
+        assert blocks_in_use(engine) == 0
+
+
+async def test_chat_messages_and_responses_refuse_an_output_past_the_context():
+    """Each surface names its own field; chat with no limit runs to the end of the context."""
+    messages = [{"role": "user", "content": "hi " * 8}]
+    async with app_client(max_model_len=64, tokenizer=TOKENIZER) as (client, engine):
+        base = {**GREEDY, "messages": messages}
+        fits = await client.post("/v1/chat/completions", json=base)
+        assert fits.status_code == 200, fits.text
+        usage = fits.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
+        room = 64 - usage["prompt_tokens"]
+        for field in ("max_tokens", "max_completion_tokens"):
+            over = await client.post("/v1/chat/completions", json={**base, field: room + 1})
+            assert over.status_code == 400 and over.json()["error"]["param"] == field
+            assert "in the messages" in over.json()["error"]["message"]
+            exact = await client.post("/v1/chat/completions", json={**base, field: room})
+            assert exact.status_code == 200, exact.text
+        anthropic = {"model": "tiny", "messages": messages, "max_tokens": 1000}
+        refused = await client.post("/v1/messages", json=anthropic)
+        assert refused.status_code == 400, refused.text
+        assert "maximum context length" in refused.text and "1000 in the completion" in refused.text
+        response = {"model": "tiny", "input": "hi " * 8, "max_output_tokens": 1000}
+        refused = await client.post("/v1/responses", json=response)
+        assert refused.status_code == 400, refused.text
+        assert "max_output_tokens" in refused.text
+        assert blocks_in_use(engine) == 0
 
 
 async def test_seed_gives_the_same_sample():

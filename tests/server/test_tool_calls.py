@@ -334,7 +334,7 @@ async def test_auto_calls_without_parallel_calls_keep_only_the_first(parallel: b
         '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
     )
     force = {"structured_outputs": {"regex": re.escape(two)}}
-    request = {**BASE, "tool_choice": "auto", "parallel_tool_calls": parallel, "max_tokens": 200}
+    request = {**BASE, "tool_choice": "auto", "parallel_tool_calls": parallel, "max_tokens": None}
     expected = ["time", "weather"] if parallel else ["time"]
     async with app_client(settings, tokenizer=tool_tokenizer()) as (client, engine):
         body = await chat(client, **{**request, **force})
@@ -438,7 +438,7 @@ async def test_auto_reads_qwen3_coder_calls_typed_by_the_schema():
     settings = ServerSettings(served_model_name="tiny", tool_call_parser="qwen3_coder")
     force = {"structured_outputs": {"regex": re.escape(CODER_OUTPUT)}}
     async with app_client(settings, tokenizer=tool_tokenizer()) as (client, _):
-        body = await chat(client, tool_choice="auto", max_tokens=200, **force)
+        body = await chat(client, tool_choice="auto", max_tokens=None, **force)
         [choice] = body["choices"]
         [call] = choice["message"]["tool_calls"]
         # The weather schema's city is a string: "1234" stays text.
