@@ -77,6 +77,7 @@ from server.settings import ServerSettings
 from server.stats_log import StatsLog
 from server.tokenization import encode_text, tokenizer_info
 from server.tracing import Tracing, output_logging
+from server.user_middleware import add_user_middleware
 from server.version import conveyor_version
 
 
@@ -198,6 +199,9 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, streamed=uploads)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    # A deployment's own, outside the key check (it may check keys itself), inside the request
+    # id and the HTTP metrics (what it answers is counted and carries an id).
+    add_user_middleware(app, settings.middleware)
     app.add_middleware(HTTPMetricsMiddleware, metrics=HTTPMetrics(registry))
     app.add_middleware(RequestIdMiddleware)
     return app

@@ -517,6 +517,15 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help="with CORS, browsers may send cookies and credentials (vLLM's flag)",
     )
     server.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        metavar="IMPORT_PATH",
+        help="a deployment's own ASGI middleware, as package.module.name (vLLM's flag; "
+        "repeatable): a class is added as ASGI middleware, an async function "
+        "(request, call_next) wraps every HTTP request",
+    )
+    server.add_argument(
         "--uds",
         default=None,
         metavar="PATH",
@@ -727,6 +736,14 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=FORMATS,
         help="json: one JSON object per line, and a line for every finished request",
     )
+    server.add_argument(
+        "--log-config-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a JSON logging configuration (Python's dictConfig) for Conveyor's and uvicorn's "
+        "loggers, applied over --log-format and --log-level (vLLM's flag)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -804,6 +821,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         api_key=args.api_key,
         allowed_origins=args.allowed_origins,
         cors=CorsOptions(args.allowed_methods, args.allowed_headers, args.allow_credentials),
+        middleware=tuple(args.middleware),
         tls=_tls_files(args),
         root_path=args.root_path,
         log_stats_interval=None if args.disable_log_stats else STATS_INTERVAL,
@@ -932,12 +950,14 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import build_app
     from server.http_protocol import uvicorn_config
     from server.lifecycle import DrainingServer, freeze_heap, thaw_heap
-    from server.log_format import configure_logging
+    from server.log_format import apply_config_file, configure_logging
     from server.tracing import Tracing, output_logging
 
     uvicorn_level = args.uvicorn_log_level or args.log_level
     log_config = configure_logging(args.log_level, args.log_format, uvicorn_level)
     try:
+        if args.log_config_file is not None:
+            log_config = apply_config_file(args.log_config_file)
         settings = server_settings(args)
         tracing = Tracing.from_endpoint(
             settings.otlp_traces_endpoint, settings.log_requests, output_logging(settings)

@@ -3,7 +3,8 @@ options, as vLLM's `--config`.
 
 Each key is an option's long name, with dashes or underscores (`max-model-len: 4096`,
 `max_num_seqs: 64`); a switch takes `true` (or `false`: left off, or `--no-NAME` where the option
-has that form), a list gives the option's values in turn, a mapping is passed as JSON. The file's
+has that form), a list gives the option's values in turn (an option given once per value,
+such as `middleware`, once for each), a mapping is passed as JSON. The file's
 options come before the command line's, so an option given on both takes the command line's
 value. `model` may be given in the file, on the command line or as the command's first argument.
 """
@@ -85,6 +86,8 @@ def _as_options(parser: argparse.ArgumentParser, path: str, key: str, value: Any
     if value is None:
         return []
     values = value if isinstance(value, list) else [value]
+    if isinstance(action, argparse._AppendAction):  # given once per value
+        return [part for item in values for part in (name, _as_text(item))]
     return [name, *(_as_text(item) for item in values)]
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.config
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -63,3 +65,19 @@ def configure_logging(
             for name in ("uvicorn", "uvicorn.access")
         },
     }
+
+
+def apply_config_file(path: Path) -> dict[str, Any]:
+    """`--log-config-file`: a `logging.config.dictConfig` dictionary as JSON, applied to every
+    logger (Conveyor's and uvicorn's, which it is returned for), as vLLM's flag applies it."""
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the log config file {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"the log config file {path} must hold a JSON object")
+    try:
+        logging.config.dictConfig(config)
+    except (ValueError, TypeError, AttributeError, ImportError) as exc:
+        raise ValueError(f"the log config file {path} does not configure logging: {exc}") from exc
+    return config

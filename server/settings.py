@@ -48,6 +48,8 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()
     # What browsers may send under CORS (only where `allowed_origins` turns it on).
     cors: CorsOptions = CorsOptions()
+    # A deployment's own ASGI middleware by import path (`--middleware`, vLLM's flag).
+    middleware: tuple[str, ...] = ()
     # HTTPS with these files (None: plain HTTP).
     tls: TlsFiles | None = None
     # The path a proxy serves the app under (`--root-path`), for the links the app writes.

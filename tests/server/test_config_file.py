@@ -26,6 +26,7 @@ trust-remote-code: false
 tool-call-parser: hermes
 served-model-name: [main, alias]
 hf-overrides: {rope_theta: 20000.0}
+middleware: [tests.server.middleware_examples.StampMiddleware, app.hooks.gate]
 """
 
 
@@ -53,6 +54,11 @@ def test_a_config_file_gives_serve_its_options(tmp_path, monkeypatch) -> None:
     assert not engine.trust_remote_code
     assert (settings.served_model_name, settings.served_model_aliases) == ("main", ("alias",))
     assert args.enable_auto_tool_choice and settings.tool_call_parser == "hermes"
+    # An option given once per value takes the list's values each in turn.
+    assert settings.middleware == (
+        "tests.server.middleware_examples.StampMiddleware",
+        "app.hooks.gate",
+    )
 
 
 def test_the_command_line_wins_over_the_file(tmp_path, monkeypatch) -> None:
