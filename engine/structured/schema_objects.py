@@ -14,6 +14,11 @@ its own properties with `allOf`, `anyOf`, `oneOf`, `if`/`then`/`else`, `dependen
 `$ref`, those branches' own objects, and every branch of an `allOf`. Closing either would rule
 out the keys the other adds. So is one that requires keys it does not list. Objects
 without listed properties (`{"type": "object"}`) stay any object, as in xgrammar.
+
+Arrays that list their first items (`prefixItems`, or the older `items` list) and say nothing
+of the rest are held to those items alike (`"items": false`, `"additionalItems": false`), as
+xgrammar's strict mode holds them, unless they ask for more (`minItems` past the list,
+`contains`) or combine with another schema.
 """
 
 from __future__ import annotations
@@ -43,14 +48,16 @@ IN_PLACE = ("allOf", "anyOf", "oneOf", "if", "then", "else", "dependentSchemas",
 
 def closed_objects(schema: Any) -> Any:
     """`schema` with each object that lists its properties and says nothing of others closed
-    (`"additionalProperties": false`); raises RecursionError for a schema nested past Python's
+    (`"additionalProperties": false`), and each array that lists its first items ended after
+    them; raises RecursionError for a schema nested past Python's
     stack."""
     return with_objects(schema, False)
 
 
 def with_objects(schema: Any, others: bool) -> Any:
     """`schema` (left as it is) with `"additionalProperties": others` on each object that lists
-    its properties, says nothing of others and combines with no other schema."""
+    its properties, says nothing of others and combines with no other schema, and the items
+    past the listed ones of each such array allowed or not (`others`) alike."""
     return _walk(schema, others, combined=False)
 
 
@@ -58,7 +65,9 @@ def _walk(schema: Any, others: bool, combined: bool) -> Any:
     if not isinstance(schema, dict):
         return schema
     result = dict(schema)
-    lists = "properties" in result or "patternProperties" in result
+    properties = "properties" in result or "patternProperties" in result
+    tuple_items = _tuple_items_key(result)
+    lists = properties or tuple_items is not None
     for key in SCHEMA_MAPS:
         if isinstance(result.get(key), dict):
             joined = key == "dependentSchemas" and lists
@@ -74,9 +83,33 @@ def _walk(schema: Any, others: bool, combined: bool) -> Any:
             result[key] = _walk(result[key], others, joined)
     says = "additionalProperties" in result or "unevaluatedProperties" in result
     combines = any(key in result for key in IN_PLACE)
-    if lists and not says and not combined and not combines and not _expects_unlisted(result):
+    alone = not combined and not combines
+    if properties and not says and alone and not _expects_unlisted(result):
         result["additionalProperties"] = others
+    if tuple_items is not None and alone and not _expects_more_items(result):
+        result[tuple_items] = others
     return result
+
+
+def _tuple_items_key(schema: dict[str, Any]) -> str | None:
+    """For an array that lists its first items (`prefixItems`, or `items` as a list) and says
+    nothing of the rest, the keyword that would (`items`, `additionalItems`); else None."""
+    if "unevaluatedItems" in schema:
+        return None
+    if isinstance(schema.get("prefixItems"), list) and "items" not in schema:
+        return "items"
+    if isinstance(schema.get("items"), list) and "additionalItems" not in schema:
+        return "additionalItems"
+    return None
+
+
+def _expects_more_items(schema: dict[str, Any]) -> bool:
+    """Whether a listed array expects items beyond those it lists: `minItems` asks for more,
+    or `contains` may want one that none of them is."""
+    listed = schema.get("prefixItems", schema.get("items"))
+    least = schema.get("minItems")
+    many = isinstance(least, int) and isinstance(listed, list) and least > len(listed)
+    return many or "contains" in schema
 
 
 def _expects_unlisted(schema: dict[str, Any]) -> bool:

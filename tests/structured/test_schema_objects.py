@@ -146,3 +146,39 @@ def test_a_structural_tags_schema_holds_the_listed_properties_alone(compiler):
     spec = StructuredOutputs("structural_tag", json.dumps(tag), "structured_outputs")
     assert format_allows(compiler, spec, '<p>{"x": 1}</p>')
     assert not format_allows(compiler, spec, '<p>{"x": 1, "y": 2}</p>')
+
+
+PAIR = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}
+
+
+def test_arrays_that_list_their_first_items_end_after_them():
+    assert closed_objects(PAIR)["items"] is False
+    older = closed_objects({"type": "array", "items": [{"type": "integer"}]})
+    assert older["additionalItems"] is False
+    for said in ({"items": {"type": "integer"}}, {"unevaluatedItems": True}):
+        assert closed_objects({**PAIR, **said}) == {**PAIR, **said}
+    # Asking for more than the list holds, or for an item none of them may be, stays open.
+    for more in ({"minItems": 3}, {"contains": {"type": "boolean"}}):
+        assert "items" not in closed_objects({**PAIR, **more})
+    assert closed_objects({**PAIR, "minItems": 2})["items"] is False
+    # Combined with another schema, neither the array nor the other's tuple is closed.
+    combined = closed_objects({**PAIR, "anyOf": [PAIR, {"maxItems": 1}]})
+    assert "items" not in combined and "items" not in combined["anyOf"][0]
+    assert "items" not in closed_objects({"allOf": [PAIR]})["allOf"][0]
+    opened = with_objects({"type": "object", "properties": {"p": PAIR}}, True)
+    assert opened["properties"]["p"]["items"] is True
+    assert closed_objects(opened) == opened
+
+
+def test_a_json_format_holds_a_tuple_to_its_items(compiler):
+    spec = json_format(PAIR)
+    assert format_allows(compiler, spec, '[1, "a"]')
+    assert format_allows(compiler, spec, "[1]")
+    assert not format_allows(compiler, spec, '[1, "a", 3]')
+    longer = json_format({**PAIR, "minItems": 3})
+    assert format_allows(compiler, longer, '[1, "a", true]')
+    older = json_format({"type": "array", "items": [{"type": "integer"}]})
+    assert format_allows(compiler, older, "[1]")
+    assert not format_allows(compiler, older, "[1, 2]")
+    opened = json_format(with_objects(PAIR, True))
+    assert format_allows(compiler, opened, '[1, "a", 3]')
