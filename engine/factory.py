@@ -40,6 +40,7 @@ from engine.kv.event_publisher import ZmqEventPublisher
 from engine.kv.events import EventLog
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.kv.kv_scales import checkpoint_kv_scales
+from engine.kv.residency import BlockResidency
 from engine.loading.classifiers import is_classifier
 from engine.loading.generation_config import sampling_defaults
 from engine.loading.hub import fetched
@@ -355,10 +356,10 @@ def core_from_model(
     _check_image_step(config, model)
     num_blocks, block_tokens = kv_cache.num_blocks, kv_cache.block_size
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * block_tokens)
-    scheduler = Scheduler(
-        config.scheduler_config(max_model_len),
-        BlockManager(num_blocks, block_tokens, config.enable_prefix_caching),
-    )
+    blocks = BlockManager(num_blocks, block_tokens, config.enable_prefix_caching)
+    if config.kv_cache_metrics_sample is not None:
+        blocks.residency = BlockResidency(config.kv_cache_metrics_sample)
+    scheduler = Scheduler(config.scheduler_config(max_model_len), blocks)
     vocab_size = _vocab_size(loaded, model)
     kernels = _sampling_kernels(device)
     sampler = Sampler(
@@ -431,6 +432,7 @@ def core_from_model(
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         logprobs_mode=config.logprobs_mode,
         spec_metrics=config.spec_metrics,
+        kv_cache_metrics=config.kv_cache_metrics_sample is not None,
         hidden_size=int(getattr(loaded.model.config, "hidden_size", 0) or 0),
         embeds_prompts=runner.embeds_prompts,
         profiling=core.profiler is not None,

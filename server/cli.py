@@ -90,6 +90,16 @@ def tokenizer_mode(text: str) -> str:
     )
 
 
+def _sample_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a share in (0, 1], not {value}")
+    return value
+
+
 def existing_folder(text: str) -> Path:
     path = Path(text).expanduser()
     if not path.is_dir():
@@ -318,6 +328,21 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "as vLLM's JSON config: "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv"}\' '
         "(also replay_endpoint, buffer_steps, hwm, max_queue_size; needs the kv-events extra)",
+    )
+    engine.add_argument(
+        "--kv-cache-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="measure how long the prefix cache keeps a sample of its blocks: vLLM's "
+        "vllm:kv_block_lifetime_seconds, vllm:kv_block_idle_before_evict_seconds and "
+        "vllm:kv_block_reuse_gap_seconds histograms",
+    )
+    engine.add_argument(
+        "--kv-cache-metrics-sample",
+        type=_sample_rate,
+        default=0.01,
+        metavar="SHARE",
+        help="with --kv-cache-metrics, the share of blocks measured, in (0, 1] (default 0.01)",
     )
     engine.add_argument(
         "--profiler-config",
@@ -801,6 +826,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         async_scheduling=args.async_scheduling,
         speculative=args.speculative_config,
         kv_events=args.kv_events_config,
+        kv_cache_metrics_sample=args.kv_cache_metrics_sample if args.kv_cache_metrics else None,
         profiler=args.profiler_config,
         logprobs_mode=args.logprobs_mode,
         spec_metrics=args.per_request_spec_decode_metrics,

@@ -23,6 +23,7 @@ from engine.core.config import ServingInfo
 from engine.core.request import FinishReason
 from engine.core.sampling_params import STRUCTURED_KINDS
 from engine.core.stats import DraftStats, FinishedRequestStats, StepStats
+from engine.kv.residency import Eviction
 
 LABELS = ["model_name", "engine"]
 COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
@@ -94,6 +95,11 @@ REQUEST_LATENCY_BUCKETS = [
     1920.0,
     7680.0,
 ]
+# A KV block's seconds in the prefix cache (vLLM's buckets for its residency histograms).
+RESIDENCY_BUCKETS = [
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300,
+    600, 1200, 1800,
+]  # fmt: skip
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 HTTP_LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
@@ -142,6 +148,40 @@ class _DraftCounters:
             self.per_position[position].inc(count)
 
 
+class _ResidencyHistograms:
+    """vLLM's KV cache residency histograms, registered with `--kv-cache-metrics`: what each
+    sampled block evicted from the prefix cache reports (`engine/kv/residency.py`)."""
+
+    def __init__(self, metrics: EngineMetrics, registry: CollectorRegistry) -> None:
+        h = metrics._histogram
+        sampled = " Sampled (--kv-cache-metrics-sample)."
+        self.lifetime = h(
+            registry,
+            "vllm:kv_block_lifetime_seconds",
+            "Histogram of KV cache block lifetime from allocation to eviction." + sampled,
+            RESIDENCY_BUCKETS,
+        )
+        self.idle = h(
+            registry,
+            "vllm:kv_block_idle_before_evict_seconds",
+            "Histogram of idle time before KV cache block eviction." + sampled,
+            RESIDENCY_BUCKETS,
+        )
+        self.reuse_gap = h(
+            registry,
+            "vllm:kv_block_reuse_gap_seconds",
+            "Histogram of time between consecutive reuses of a KV cache block." + sampled,
+            RESIDENCY_BUCKETS,
+        )
+
+    def record(self, evictions: list[Eviction]) -> None:
+        for eviction in evictions:
+            self.lifetime.observe(eviction.lifetime)
+            self.idle.observe(eviction.idle)
+            for gap in eviction.reuse_gaps:
+                self.reuse_gap.observe(gap)
+
+
 class EngineMetrics:
     """The `vllm:` metrics of one served model."""
 
@@ -156,6 +196,9 @@ class EngineMetrics:
         self._drafts: _DraftCounters | None = None
         if info.num_speculative_tokens:
             self._drafts = _DraftCounters(self, registry, info.num_speculative_tokens)
+        self._residency: _ResidencyHistograms | None = None
+        if info.kv_cache_metrics:
+            self._residency = _ResidencyHistograms(self, registry)
 
     def _gauge(self, registry: CollectorRegistry, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, LABELS, registry=registry).labels(*self._labels)
@@ -425,6 +468,8 @@ class EngineMetrics:
             self._record_loras(stats.running_loras, stats.waiting_loras)
         if self._drafts is not None:
             self._drafts.record(stats.drafts)
+        if self._residency is not None:
+            self._residency.record(stats.kv_evictions)
 
     def _record_loras(self, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
         labels = (self._lora_labels[0], ",".join(waiting), ",".join(running))

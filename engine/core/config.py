@@ -248,6 +248,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # The prefix cache's events for routers (`kv/events.py`); None: not published.
     kv_events: KVEventsConfig | None = None
+    # The share of KV blocks whose time in the prefix cache is measured (`kv/residency.py`,
+    # vLLM's `--kv-cache-metrics-sample`); None: none.
+    kv_cache_metrics_sample: float | None = None
     # Step profiles on demand (`core/profiling.py`); None: not offered.
     profiler: ProfilerConfig | None = None
     logprobs_mode: str = "raw_logprobs"
@@ -257,6 +260,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
+        sample = self.kv_cache_metrics_sample
+        if sample is not None and not 0 < sample <= 1:
+            raise ValueError(f"kv_cache_metrics_sample must be in (0, 1], got {sample}")
         if self.runner not in RUNNERS:
             raise ValueError(f"unknown runner {self.runner!r}; choose one of {', '.join(RUNNERS)}")
         if self.spec_metrics not in SPEC_METRICS:
@@ -400,6 +406,8 @@ class ServingInfo:
     embeds_prompts: bool = False
     # Whether the steps may be profiled on demand (`--profiler-config`).
     profiling: bool = False
+    # Whether the prefix cache's blocks report their residency (`--kv-cache-metrics`).
+    kv_cache_metrics: bool = False
     # What a request that leaves a sampling field out gets, by the request's field name, where
     # the model's generation config says (`loading/generation_config.py`).
     sampling_defaults: dict[str, float] = field(default_factory=dict)

@@ -383,6 +383,9 @@ class EngineCore:
         stats.prefix_cache_hits, scheduler.prefix_cache_hits = scheduler.prefix_cache_hits, 0
         stats.num_rejections, scheduler.num_rejections = scheduler.num_rejections, 0
         stats.num_waiting_deferred = scheduler.num_deferred()
+        residency = scheduler.block_manager.residency
+        if residency is not None:
+            stats.kv_evictions = residency.take()
         if self.loras is not None:
             stats.running_loras = _lora_names(scheduler.running)
             stats.waiting_loras = _lora_names(scheduler.waiting)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.request import Request
+from engine.kv.residency import Eviction
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,3 +135,5 @@ class StepStats:
     running_loras: tuple[str, ...] | None = None
     waiting_loras: tuple[str, ...] = ()
     drafts: DraftStats = field(default_factory=DraftStats)
+    # Sampled prefix-cache blocks evicted since the last step (with `--kv-cache-metrics`).
+    kv_evictions: list[Eviction] = field(default_factory=list)

@@ -14,6 +14,7 @@ from collections import OrderedDict, deque
 from engine.core.request import Request
 from engine.kv.block_hash import ROOT_HASH, extend_block_hashes, salted
 from engine.kv.events import BlockStored, EventLog, external_hash
+from engine.kv.residency import BlockResidency
 
 
 class BlockManager:
@@ -31,6 +32,8 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []
         # What the prefix cache stored and forgot, for routers (`events.py`); None: not kept.
         self.events: EventLog | None = None
+        # How long cached blocks live, sampled (`residency.py`); None: not followed.
+        self.residency: BlockResidency | None = None
 
     # ---- counts ----------------------------------------------------------------------------
 
@@ -94,6 +97,8 @@ class BlockManager:
                 del self._evictable[block]
             self._ref_counts[block] += 1
             request.block_ids.append(block)
+            if self.residency is not None:
+                self.residency.hit(block)
         request.num_published_blocks = len(blocks)
 
     def claim_cached_prefix(self, request: Request) -> None:
@@ -187,7 +192,11 @@ class BlockManager:
         else:
             block, _ = self._evictable.popitem(last=False)
             self._forget_hash(block)
+            if self.residency is not None:
+                self.residency.evicted(block)
         self._ref_counts[block] = 1
+        if self.residency is not None:
+            self.residency.taken(block)
         return block
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -207,6 +216,8 @@ class BlockManager:
                     self._evictable[block] = None
                 else:
                     self._free.append(block)
+                    if self.residency is not None:
+                        self.residency.dropped(block)
         request.block_ids = []
         request.num_published_blocks = 0
 
@@ -232,6 +243,8 @@ class BlockManager:
             block, _ = self._evictable.popitem(last=False)
             self._forget_hash(block, recorded=not clears_all)
             self._free.append(block)
+            if self.residency is not None:
+                self.residency.dropped(block)
         if self.events is not None and clears_all:
             self.events.cleared()
         return forgotten
