@@ -863,7 +863,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         chat_content_format=args.chat_template_content_format,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         response_role=args.response_role,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=tool_call_parser(args),
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         reasoning_parser=args.reasoning_parser,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -948,6 +948,18 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"cannot read the TLS files: {exc}") from exc
     return TlsFiles(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+
+
+def tool_call_parser(args: argparse.Namespace) -> str | None:
+    """`--tool-call-parser`, once `--tool-parser-plugin`'s file (if any) has registered its
+    formats: one of Conveyor's parsers or of the plugin's."""
+    from server.tool_plugins import check_parser, load_plugin
+
+    if args.tool_parser_plugin is not None:
+        names = load_plugin(args.tool_parser_plugin)
+        logger.info("tool parsers from %s: %s", args.tool_parser_plugin, ", ".join(names) or "none")
+    check_parser(args.tool_call_parser)
+    return args.tool_call_parser
 
 
 def _json_style(args: argparse.Namespace) -> JsonStyle:
@@ -1108,10 +1120,19 @@ def _add_reply_parsers(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     )
     parser.add_argument(
         "--tool-call-parser",
-        choices=PARSERS,
         default=None,
+        metavar="{" + ",".join(PARSERS) + "}",
         help="how tool calls are read from the output under tool_choice auto "
-        "(default: the chat template's own format where it shows one)",
+        "(default: the chat template's own format where it shows one), or a name a "
+        "--tool-parser-plugin registers",
+    )
+    parser.add_argument(
+        "--tool-parser-plugin",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a Python file registering tool-call formats of your own by name, for "
+        "--tool-call-parser (vLLM's flag; server/tool_plugins.py says how)",
     )
     parser.add_argument(
         "--reasoning-parser",
@@ -1166,16 +1187,16 @@ def batch_run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format=PLAIN)
     state = args.state_dir or args.output.with_name(args.output.name + ".state")
-    settings = ServerSettings(
-        served_model_name=args.served_model_name[0] if args.served_model_name else None,
-        served_model_aliases=tuple(args.served_model_name or ())[1:],
-        chat_template=args.chat_template,
-        state_dir=state,
-        tool_call_parser=args.tool_call_parser,
-        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-        reasoning_parser=args.reasoning_parser,
-    )
     try:
+        settings = ServerSettings(
+            served_model_name=args.served_model_name[0] if args.served_model_name else None,
+            served_model_aliases=tuple(args.served_model_name or ())[1:],
+            chat_template=args.chat_template,
+            state_dir=state,
+            tool_call_parser=tool_call_parser(args),
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            reasoning_parser=args.reasoning_parser,
+        )
         engine = AsyncEngine.from_config(engine_config(args))
         app = build_app(engine, settings)
     except (ValueError, OSError) as exc:
