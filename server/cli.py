@@ -865,7 +865,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         response_role=args.response_role,
         tool_call_parser=tool_call_parser(args),
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=reasoning_parser(args),
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         log_requests=_log_requests(args),
         log_outputs=_log_outputs(args),
@@ -960,6 +960,22 @@ def tool_call_parser(args: argparse.Namespace) -> str | None:
         logger.info("tool parsers from %s: %s", args.tool_parser_plugin, ", ".join(names) or "none")
     check_parser(args.tool_call_parser)
     return args.tool_call_parser
+
+
+def reasoning_parser(args: argparse.Namespace) -> str | None:
+    """`--reasoning-parser`, once `--reasoning-parser-plugin`'s file (if any) has registered
+    its tags: one of Conveyor's parsers or of the plugin's."""
+    from server import reasoning_plugins
+
+    if args.reasoning_parser_plugin is not None:
+        names = reasoning_plugins.load_plugin(args.reasoning_parser_plugin)
+        logger.info(
+            "reasoning parsers from %s: %s",
+            args.reasoning_parser_plugin,
+            ", ".join(names) or "none",
+        )
+    reasoning_plugins.check_parser(args.reasoning_parser)
+    return args.reasoning_parser
 
 
 def _json_style(args: argparse.Namespace) -> JsonStyle:
@@ -1135,9 +1151,17 @@ def _add_reply_parsers(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         "--tool-call-parser (vLLM's flag; server/tool_plugins.py says how)",
     )
     parser.add_argument(
-        "--reasoning-parser",
-        choices=REASONING_PARSERS,
+        "--reasoning-parser-plugin",
+        type=Path,
         default=None,
+        metavar="FILE",
+        help="a Python file registering reasoning tags of your own by name, for "
+        "--reasoning-parser (vLLM's flag; server/reasoning_plugins.py says how)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="{" + ",".join(REASONING_PARSERS) + "}",
         help="return a thinking model's <think> text as message.reasoning, apart from the "
         "content (deepseek_r1 and qwen3 read the same tags; openai_gptoss reads gpt-oss's "
         "analysis channel, as a Harmony chat template does without the flag)",
@@ -1195,7 +1219,7 @@ def batch_run(args: argparse.Namespace) -> int:
             state_dir=state,
             tool_call_parser=tool_call_parser(args),
             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-            reasoning_parser=args.reasoning_parser,
+            reasoning_parser=reasoning_parser(args),
         )
         engine = AsyncEngine.from_config(engine_config(args))
         app = build_app(engine, settings)

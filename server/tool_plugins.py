@@ -23,15 +23,14 @@ calls are read, not constrained).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from server.call_formats import Calls, Schemas
+from server.plugin_files import import_file
 from server.tool_parsers import FORMATS, PARSERS, Tagged, WholeReply
 from server.tools import tool_call
 
@@ -97,18 +96,7 @@ def _call(name: Any, arguments: Any) -> dict[str, Any]:
 def load_plugin(path: Path) -> list[str]:
     """Import the file at `path`; the tool parsers it registered, by name."""
     before = len(_registered)
-    if not path.is_file():
-        raise ValueError(f"--tool-parser-plugin {path}: no such file")
-    module_name = f"conveyor_tool_plugin_{path.stem}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"--tool-parser-plugin {path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ValueError(f"--tool-parser-plugin {path}: {type(exc).__name__}: {exc}") from exc
+    import_file(path, "--tool-parser-plugin")
     return _registered[before:]
 
 

@@ -1,9 +1,12 @@
-"""`--tool-parser-plugin`: a file of a deployment's own tool-call formats, named by
-`--tool-call-parser` (`server/tool_plugins.py`): calls read from replies whole and streamed,
-a failing reader leaving the reply as content, and what is refused before the model loads."""
+"""`--tool-parser-plugin` and `--reasoning-parser-plugin`: files of a deployment's own
+tool-call formats and reasoning tags, named by `--tool-call-parser` and `--reasoning-parser`
+(`server/tool_plugins.py`, `server/reasoning_plugins.py`): calls read from replies whole and
+streamed, a failing reader leaving the reply as content, a plugin's tags reading reasoning,
+and what is refused before the model loads."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -13,6 +16,7 @@ import pytest
 
 from server.call_array import assemble
 from server.cli import build_parser, serve, server_settings
+from tests.helpers import CHAT_TEMPLATE, tiny_tokenizer
 from tests.server.test_tool_calls import BASE, chat, check_call, tool_tokenizer
 from tests.server_utils import app_client, blocks_in_use, sse_events
 
@@ -104,30 +108,78 @@ async def test_a_reader_that_fails_leaves_the_reply_as_content(tmp_path, caplog)
         assert blocks_in_use(engine) == 0
 
 
+def test_a_missing_plugin_file_is_refused(tmp_path):
+    args = build_parser().parse_args(["serve", "--tool-parser-plugin", str(tmp_path / "no.py")])
+    with pytest.raises(ValueError, match="no such file"):
+        server_settings(args)
+
+
+REASONING_PLUGIN = """
+from server.reasoning_plugins import reasoning_tags
+
+reasoning_tags("reason_tags", starts=("<reason>",), ends=("</reason>",))
+"""
+
+
+async def test_a_plugins_reasoning_tags_read_a_reply_as_reasoning(tmp_path):
+    """A template that opens the reply in the plugin's tag: the random model never closes it,
+    so its whole reply is reasoning under the plugin's parser, and content under another."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("<|assistant|>", "<|assistant|><reason>\n")
+    path = plugin_file(tmp_path, REASONING_PLUGIN)
+    body = {"model": "tiny", "messages": BASE["messages"], "max_tokens": 12, "temperature": 0}
+    replies = {}
+    for parser in ("reason_tags", "deepseek_r1"):
+        argv = ["serve", "--served-model-name", "tiny", "--reasoning-parser-plugin", path]
+        settings = server_settings(build_parser().parse_args([*argv, "--reasoning-parser", parser]))
+        async with app_client(settings, tokenizer=tokenizer) as (client, engine):
+            response = await client.post("/v1/chat/completions", json={**body, "ignore_eos": True})
+            replies[parser] = response.json()["choices"][0]["message"]
+            assert blocks_in_use(engine) == 0
+    text = replies["deepseek_r1"]["content"]
+    assert text and "reasoning" not in replies["deepseek_r1"]
+    assert replies["reason_tags"]["reasoning"] == text
+    assert replies["reason_tags"]["content"] is None
+
+
+TOOLS_FLAGS = ("--tool-parser-plugin", "--tool-call-parser")
+REASONING_FLAGS = ("--reasoning-parser-plugin", "--reasoning-parser")
+
+
 @pytest.mark.parametrize(
-    ("plugin", "parser", "reason"),
+    ("flags", "plugin", "parser", "reason"),
     [
-        (PLUGIN, "nonesuch", "--tool-call-parser 'nonesuch' is not one of"),
-        ("import no_such_module_here\n", "hermes", "ModuleNotFoundError"),
+        (TOOLS_FLAGS, PLUGIN, "nonesuch", "--tool-call-parser 'nonesuch' is not one of"),
+        (TOOLS_FLAGS, "import no_such_module_here\n", "hermes", "ModuleNotFoundError"),
         (
+            TOOLS_FLAGS,
             "from server.tool_plugins import tagged_calls\n"
             "tagged_calls('hermes', open='<a>', close='</a>')(print)\n",
             "hermes",
             "one of Conveyor's own",
         ),
+        (REASONING_FLAGS, REASONING_PLUGIN, "nonesuch", "--reasoning-parser 'nonesuch' is not"),
+        (
+            REASONING_FLAGS,
+            "from server.reasoning_plugins import reasoning_tags\n"
+            "reasoning_tags('qwen3', starts=('<a>',), ends=('</a>',))\n",
+            "qwen3",
+            "one of Conveyor's own",
+        ),
+        (
+            REASONING_FLAGS,
+            "from server.reasoning_plugins import reasoning_tags\n"
+            "reasoning_tags('bare', starts='<a>', ends='</a>')\n",
+            "bare",
+            "as tuples of texts",
+        ),
     ],
 )
 def test_what_cannot_serve_stops_the_start_before_the_model_loads(
-    tmp_path, caplog, plugin, parser, reason
+    tmp_path, caplog, flags, plugin, parser, reason
 ):
-    argv = ["serve", "--tool-parser-plugin", plugin_file(tmp_path, plugin)]
-    args = build_parser().parse_args([*argv, "--tool-call-parser", parser])
+    plugin_flag, parser_flag = flags
+    argv = ["serve", plugin_flag, plugin_file(tmp_path, plugin), parser_flag, parser]
     with caplog.at_level(logging.ERROR):
-        assert serve(args) == 2
+        assert serve(build_parser().parse_args(argv)) == 2
     assert reason in caplog.text
-
-
-def test_a_missing_plugin_file_is_refused(tmp_path):
-    args = build_parser().parse_args(["serve", "--tool-parser-plugin", str(tmp_path / "no.py")])
-    with pytest.raises(ValueError, match="no such file"):
-        server_settings(args)
