@@ -39,6 +39,7 @@ from server.settings import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_FILE_BYTES,
     DEFAULT_MAX_HEAD_BYTES,
+    DEFAULT_MAX_HEAD_COUNT,
     CorsOptions,
     ServerSettings,
     TlsFiles,
@@ -559,9 +560,17 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_BODY_BYTES)
     server.add_argument(
         "--max-header-bytes",
+        "--h11-max-incomplete-event-size",
         type=parse_bytes,
         default=DEFAULT_MAX_HEAD_BYTES,
-        help="bytes of a request's line and headers (more gets a 431)",
+        help="bytes of a request's line and headers (more gets a 431; vLLM's h11 name too)",
+    )
+    server.add_argument(
+        "--max-header-count",
+        "--h11-max-header-count",
+        type=at_least(1),
+        default=DEFAULT_MAX_HEAD_COUNT,
+        help="header lines a request may carry (more gets a 431; vLLM's h11 name too)",
     )
     server.add_argument(
         "--header-timeout",
@@ -701,6 +710,14 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         help="no uvicorn line per HTTP request",
     )
     server.add_argument(
+        "--disable-access-log-for-endpoints",
+        type=_name_list,
+        default=(),
+        metavar="PATHS",
+        help="no uvicorn line for requests to these paths, comma-separated (vLLM's flag): "
+        "/health,/metrics,/ping for probes and scrapes",
+    )
+    server.add_argument(
         "--disable-fastapi-docs",
         action="store_true",
         help="serve no API description (/openapi.json) and no pages at /docs and /redoc",
@@ -728,6 +745,12 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=[ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED],
         help="whether clients must show a certificate: 0 no, 1 optional, 2 required "
         "(Python's ssl.CERT_* values, as vLLM takes them)",
+    )
+    server.add_argument(
+        "--ssl-ciphers",
+        default=None,
+        help="with HTTPS, the TLS 1.2 ciphers offered, in OpenSSL's syntax (vLLM's flag; "
+        "default: Python's)",
     )
     server.add_argument(
         "--root-path",
@@ -852,12 +875,14 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         root_path=args.root_path,
         log_stats_interval=None if args.disable_log_stats else STATS_INTERVAL,
         access_log=not args.disable_uvicorn_access_log,
+        quiet_paths=tuple(args.disable_access_log_for_endpoints),
         api_docs=not args.disable_fastapi_docs,
         force_include_usage=args.enable_force_include_usage,
         per_request_metrics=args.enable_per_request_metrics,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         max_body_bytes=args.max_request_bytes,
         max_head_bytes=args.max_header_bytes,
+        max_head_count=args.max_header_count,
         head_timeout=args.header_timeout,
         shutdown_timeout=args.shutdown_timeout,
         chat_content_format=args.chat_template_content_format,
@@ -947,7 +972,14 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
             context.load_verify_locations(args.ssl_ca_certs)
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"cannot read the TLS files: {exc}") from exc
-    return TlsFiles(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    if args.ssl_ciphers is not None:
+        try:
+            context.set_ciphers(args.ssl_ciphers)
+        except ssl.SSLError as exc:
+            raise ValueError(f"--ssl-ciphers {args.ssl_ciphers!r}: {exc}") from exc
+    return TlsFiles(
+        args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.ssl_ciphers
+    )
 
 
 def tool_call_parser(args: argparse.Namespace) -> str | None:

@@ -81,3 +81,28 @@ def apply_config_file(path: Path) -> dict[str, Any]:
     except (ValueError, TypeError, AttributeError, ImportError) as exc:
         raise ValueError(f"the log config file {path} does not configure logging: {exc}") from exc
     return config
+
+
+class QuietPaths(logging.Filter):
+    """Drops uvicorn's access lines for requests to `paths` (`--disable-access-log-for-endpoints`),
+    whatever their query string, under the app's root path too."""
+
+    def __init__(self, paths: tuple[str, ...], root_path: str = "") -> None:
+        super().__init__()
+        self.paths = frozenset(paths) | frozenset(root_path + path for path in paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        # uvicorn's access line: client, method, path with query, HTTP version, status.
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].partition("?")[0] not in self.paths
+        return True
+
+
+def quiet_access_log(paths: tuple[str, ...], root_path: str = "") -> None:
+    """Keep uvicorn's access log from these paths (replacing any earlier such choice)."""
+    access = logging.getLogger("uvicorn.access")
+    for earlier in [f for f in access.filters if isinstance(f, QuietPaths)]:
+        access.removeFilter(earlier)
+    if paths:
+        access.addFilter(QuietPaths(paths, root_path))

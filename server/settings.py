@@ -11,6 +11,8 @@ from server.limits import RequestLimits
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 # A request's line and headers: at most this many bytes, arriving within this many seconds.
+# The most header lines a request may carry (vLLM's `--h11-max-header-count` default).
+DEFAULT_MAX_HEAD_COUNT = 256
 DEFAULT_MAX_HEAD_BYTES = 64 * 1024
 DEFAULT_HEAD_TIMEOUT = 30.0
 # An uploaded file (/v1/files), as OpenAI's limit for a batch's input.
@@ -26,6 +28,8 @@ class TlsFiles:
     certfile: str
     ca_certs: str | None = None
     cert_reqs: int = 0  # ssl.CERT_NONE; 1 optional, 2 required
+    # The TLS 1.2 ciphers offered, in OpenSSL's syntax (`--ssl-ciphers`; None: Python's).
+    ciphers: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,9 @@ class ServerSettings:
     log_stats_interval: float | None = 10.0
     # uvicorn's line per HTTP request (`--disable-uvicorn-access-log`).
     access_log: bool = True
+    # Paths whose requests get no such line (`--disable-access-log-for-endpoints`: health
+    # checks and scrapes).
+    quiet_paths: tuple[str, ...] = ()
     # The API's description and its pages at /docs and /redoc (`--disable-fastapi-docs`).
     api_docs: bool = True
     # What every completion and chat request gets, whatever it asks (vLLM's flags): a streamed
@@ -69,6 +76,7 @@ class ServerSettings:
     per_request_metrics: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES
+    max_head_count: int = DEFAULT_MAX_HEAD_COUNT
     head_timeout: float = DEFAULT_HEAD_TIMEOUT
     shutdown_timeout: float = 30.0
     limits: RequestLimits = field(default_factory=RequestLimits)

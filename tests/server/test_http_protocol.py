@@ -107,3 +107,32 @@ async def test_a_large_body_is_not_counted_as_head():
             response = await client.post(f"{server.url}/v1/completions", json=body)
             assert response.status_code == 400  # the prompt is past the context
             assert "maximum context length" in response.json()["error"]["message"]
+
+
+async def test_a_head_of_too_many_headers_gets_a_431_and_its_app_never_runs():
+    """Past `max_head_count` header lines (vLLM's h11 limit, 256 by default) the request is
+    refused whole, even where the lines are short; at the limit, and on the next request of a
+    kept-alive connection, it is served."""
+    settings = ServerSettings(served_model_name="tiny", max_head_count=8)
+    lines = [b"x-h%d: v" % i for i in range(8)]  # with `host`: 9
+    async with live_server(settings) as server:
+        reader, writer = await connect(server.url)
+        writer.write(b"\r\n".join([b"POST /v1/completions HTTP/1.1", b"host: t", *lines]))
+        writer.write(b"\r\ncontent-length: 2\r\n\r\n{}")
+        status, body = await response_and_close(reader)
+        writer.close()
+        assert status == 431
+        assert "more than 8 headers" in json.loads(body)["error"]["message"]
+        reader, writer = await connect(server.url)
+        for _ in range(2):
+            writer.write(
+                b"\r\n".join([b"GET /health HTTP/1.1", b"host: t", *lines[:7]]) + b"\r\n\r\n"
+            )
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
+            assert head.startswith(b"HTTP/1.1 200")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+        writer.close()
+        async with httpx.AsyncClient() as client:
+            metrics = (await client.get(f"{server.url}/metrics")).text
+        assert 'handler="/v1/completions"' not in metrics  # the refused request reached nothing

@@ -135,6 +135,26 @@ async def test_clients_must_show_a_certificate_of_the_authority_when_required(au
             assert (await client.get(f"{server.url}/health")).status_code == 200
 
 
+async def test_https_offers_the_ciphers_named(authority):
+    """`--ssl-ciphers` (TLS 1.2's; 1.3 has its own suites): a client that shares none of them
+    cannot connect."""
+    _, folder = authority
+    flags = tls_flags(folder, "--ssl-ciphers", "ECDHE+AESGCM")
+    async with live_server(settings_of(*flags)) as server:
+        for ciphers, served in (("ECDHE+AESGCM", True), ("ECDHE+CHACHA20", False)):
+            context = ssl.create_default_context(cafile=str(folder / "ca.pem"))
+            context.maximum_version = ssl.TLSVersion.TLSv1_2
+            context.set_ciphers(ciphers)
+            async with httpx.AsyncClient(verify=context) as client:
+                if served:
+                    assert (await client.get(f"{server.url}/health")).status_code == 200
+                else:
+                    with pytest.raises(httpx.ConnectError):
+                        await client.get(f"{server.url}/health")
+    with pytest.raises(ValueError, match="--ssl-ciphers 'NO-SUCH-CIPHER'"):
+        settings_of(*tls_flags(folder, "--ssl-ciphers", "NO-SUCH-CIPHER"))
+
+
 def test_tls_files_are_read_before_the_model_loads(authority, tmp_path):
     _, folder = authority
     with pytest.raises(ValueError, match="both --ssl-keyfile and --ssl-certfile"):
@@ -175,6 +195,29 @@ async def test_the_api_description_and_its_pages_can_be_turned_off():
             for path in ("/openapi.json", "/docs", "/redoc"):
                 assert (await client.get(path)).status_code == status, (argv, path)
             assert (await client.get("/v1/models")).status_code == 200
+
+
+def test_probes_and_scrapes_can_be_left_out_of_the_access_log():
+    """`--disable-access-log-for-endpoints`: uvicorn's lines for those paths (whatever the query
+    string, under the root path too) are dropped, the others kept."""
+    settings = settings_of(
+        "--disable-access-log-for-endpoints", "/health,/metrics", "--root-path", "/llm"
+    )
+    assert settings.quiet_paths == ("/health", "/metrics")
+    uvicorn_config(None, "127.0.0.1", 0, "info", settings)
+    access = logging.getLogger("uvicorn.access")
+
+    def kept(path: str) -> bool:
+        args = ("127.0.0.1:5000", "GET", path, "1.1", 200)
+        record = access.makeRecord(
+            access.name, logging.INFO, "h", 1, '%s - "%s %s HTTP/%s" %d', args, None
+        )
+        return bool(access.filter(record))
+
+    assert not kept("/health") and not kept("/metrics?name=x") and not kept("/llm/health")
+    assert kept("/v1/models") and kept("/healthz")
+    uvicorn_config(None, "127.0.0.1", 0, "info", settings_of())
+    assert kept("/health")  # a server without the flag logs them all again
 
 
 def test_uvicorn_s_line_per_request_can_be_turned_off():
