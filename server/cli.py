@@ -747,6 +747,12 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "(Python's ssl.CERT_* values, as vLLM takes them)",
     )
     server.add_argument(
+        "--enable-ssl-refresh",
+        action="store_true",
+        help="with HTTPS, re-read the key, certificate and --ssl-ca-certs when their files "
+        "change, so a rotated certificate serves without a restart (vLLM's flag)",
+    )
+    server.add_argument(
         "--ssl-ciphers",
         default=None,
         help="with HTTPS, the TLS 1.2 ciphers offered, in OpenSSL's syntax (vLLM's flag; "
@@ -978,7 +984,12 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
         except ssl.SSLError as exc:
             raise ValueError(f"--ssl-ciphers {args.ssl_ciphers!r}: {exc}") from exc
     return TlsFiles(
-        args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.ssl_ciphers
+        args.ssl_keyfile,
+        args.ssl_certfile,
+        args.ssl_ca_certs,
+        args.ssl_cert_reqs,
+        args.ssl_ciphers,
+        args.enable_ssl_refresh,
     )
 
 
@@ -1073,7 +1084,9 @@ def serve(args: argparse.Namespace) -> int:
     )
     logger.debug("%d objects of the loaded model frozen out of garbage collection", freeze_heap())
     try:
-        DrainingServer(config, app, settings.shutdown_timeout).run()
+        tls = settings.tls
+        refreshed = tls if tls is not None and tls.refresh else None
+        DrainingServer(config, app, settings.shutdown_timeout, refreshed).run()
     finally:
         thaw_heap()
     return 0

@@ -13,6 +13,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.core.errors import EngineDeadError
+from server.settings import TlsFiles
+from server.tls_refresh import POLL_SECONDS, CertificateWatcher
 
 logger = logging.getLogger("conveyor")
 
@@ -44,16 +46,39 @@ class DrainingServer(uvicorn.Server):
     running after `shutdown_timeout` seconds end with a 503 error their clients can read; then
     uvicorn closes the connections and the app's lifespan stops the engine."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        app: FastAPI,
+        shutdown_timeout: float,
+        refreshed_tls: TlsFiles | None = None,
+        refresh_seconds: float = POLL_SECONDS,
+    ) -> None:
         config.timeout_graceful_shutdown = int(shutdown_timeout + ANSWER_SECONDS) + 1
         super().__init__(config)
         self._app = app
         self._shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        # `--enable-ssl-refresh`: these files are watched once the server listens.
+        self._refreshed_tls = refreshed_tls
+        self._refresh_seconds = refresh_seconds
+        self.certificates: CertificateWatcher | None = None
+        self._watching: asyncio.Task[None] | None = None
 
     async def startup(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        context = self.config.ssl
+        if self._refreshed_tls is not None and context is not None:
+            self.certificates = CertificateWatcher(
+                context, self._refreshed_tls, self._refresh_seconds
+            )
+            self._watching = asyncio.create_task(self.certificates.run())
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self._app.state.draining

@@ -30,6 +30,8 @@ class TlsFiles:
     cert_reqs: int = 0  # ssl.CERT_NONE; 1 optional, 2 required
     # The TLS 1.2 ciphers offered, in OpenSSL's syntax (`--ssl-ciphers`; None: Python's).
     ciphers: str | None = None
+    # The files re-read when they change (`--enable-ssl-refresh`, `server/tls_refresh.py`).
+    refresh: bool = False
 
 
 @dataclass(frozen=True, slots=True)

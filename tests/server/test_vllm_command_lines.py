@@ -9,18 +9,22 @@ Conveyor's own values, refused by name otherwise)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from engine.core.config import EngineConfig
 from engine.core.speculation import SpeculativeConfig
+from server.app import build_app
 from server.cli import build_parser, engine_config, server_settings
 from server.http_protocol import uvicorn_config
+from server.lifecycle import DrainingServer
 from server.log_format import PlainFormatter, configure_logging
-from tests.server_utils import app_client, live_server, sse_events
+from tests.server_utils import app_client, live_server, sse_events, tiny_engine
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>>"
 HELLO = [{"role": "user", "content": "hello"}]
@@ -153,6 +157,51 @@ async def test_https_offers_the_ciphers_named(authority):
                         await client.get(f"{server.url}/health")
     with pytest.raises(ValueError, match="--ssl-ciphers 'NO-SUCH-CIPHER'"):
         settings_of(*tls_flags(folder, "--ssl-ciphers", "NO-SUCH-CIPHER"))
+
+
+async def served_certificate(url: str, cafile: str) -> bytes:
+    """The certificate a new connection to `url` is shown (DER)."""
+    parts = urlsplit(url)
+    context = ssl.create_default_context(cafile=cafile)
+    _, writer = await asyncio.open_connection(parts.hostname, parts.port, ssl=context)
+    certificate = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    writer.close()
+    return certificate
+
+
+async def test_a_certificate_rotated_on_disk_serves_without_a_restart(authority, tmp_path):
+    """`--enable-ssl-refresh`: new connections get the new certificate once its files change;
+    a half-written rotation (a key that does not match yet) leaves the old one serving."""
+    ca, folder = authority
+    for name in ("key.pem", "cert.pem"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    settings = settings_of(*tls_flags(tmp_path, "--enable-ssl-refresh"))
+    assert settings.tls is not None and settings.tls.refresh
+    app = build_app(tiny_engine(), settings)
+    config = uvicorn_config(app, "127.0.0.1", 0, "warning", settings)
+    server = DrainingServer(config, app, 1.0, settings.tls, refresh_seconds=0.05)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url, cafile = f"https://127.0.0.1:{port}", str(folder / "ca.pem")
+        first = await served_certificate(url, cafile)
+        assert first == ssl.PEM_cert_to_DER_cert((folder / "cert.pem").read_text())
+        watcher = server.certificates
+        assert watcher is not None and watcher.reloads == 0
+        renewed = ca.issue_cert("127.0.0.1")
+        renewed.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))  # key still old
+        assert not watcher.check() and await served_certificate(url, cafile) == first
+        renewed.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+        while watcher.reloads == 0:  # the poll picks it up
+            await asyncio.sleep(0.05)
+        second = await served_certificate(url, cafile)
+        assert second != first
+        assert second == ssl.PEM_cert_to_DER_cert(renewed.cert_chain_pems[0].bytes().decode())
+    finally:
+        server.should_exit = True
+        await task
 
 
 def test_tls_files_are_read_before_the_model_loads(authority, tmp_path):
