@@ -38,19 +38,34 @@ async def _answers(client) -> list[Any]:
         reply = response.json()
         for choice in reply["choices"]:
             choice.pop("index", None)
-            _round(choice["logprobs"])
         # What an earlier pass left cached, which also moves the last bits of logprobs.
         reply["usage"].pop("prompt_tokens_details", None)
         answers.append((reply["choices"], reply["usage"]))
     return answers
 
 
-def _round(logprobs: dict | None) -> None:
-    if logprobs is not None:
-        logprobs["token_logprobs"] = [round(x, 4) for x in logprobs["token_logprobs"]]
-        logprobs["top_logprobs"] = [
-            {token: round(x, 4) for token, x in top.items()} for top in logprobs["top_logprobs"]
-        ]
+# How far a log probability verified among drafts may lie from the same one decoded alone: the
+# rows run through other kernels (a verifying step's several rows at once), whose sums round
+# apart in the last bits on some instruction sets.
+LOGPROB_TOLERANCE = 1e-3
+
+
+def _same(given: Any, expected: Any) -> bool:
+    """Equal, but for floats (log probabilities) within `LOGPROB_TOLERANCE`."""
+    if isinstance(expected, float) and isinstance(given, float):
+        return abs(given - expected) <= LOGPROB_TOLERANCE
+    if isinstance(expected, dict) and isinstance(given, dict):
+        return given.keys() == expected.keys() and all(
+            _same(given[k], expected[k]) for k in expected
+        )
+    if isinstance(expected, list | tuple) and isinstance(given, list | tuple):
+        return len(given) == len(expected) and all(map(_same, given, expected))
+    return bool(given == expected)
+
+
+async def _same_answers(client, plain: list[Any]) -> None:
+    answers = await _answers(client)
+    assert _same(answers, plain), (answers, plain)
 
 
 class KnownDrafter(Drafter):
@@ -91,11 +106,11 @@ async def test_greedy_answers_are_those_of_a_server_without_speculation():
         plain = await _answers(client)
         continuations = await _continuations(client)
     async with app_client(speculative=SpeculativeConfig(4, 1, 3)) as (client, engine):
-        assert await _answers(client) == plain  # n-gram drafts
+        await _same_answers(client, plain)  # n-gram drafts
         engine.core.drafter = KnownDrafter(continuations)
         seen = []
         engine.stat_loggers.append(seen.append)
-        assert await _answers(client) == plain
+        await _same_answers(client, plain)
     kept = sum(s.drafts.num_accepted_tokens for s in seen)
     assert 0 < kept < sum(s.drafts.num_draft_tokens for s in seen)
 
@@ -115,7 +130,7 @@ async def test_a_draft_model_s_server_answers_as_one_without_and_counts_its_draf
         plain = await _answers(client)
     fields = {"model": str(tmp_path), "num_speculative_tokens": 3, "disable_by_batch_size": 8}
     async with app_client(speculative=SpeculativeConfig.of(fields)) as (client, _):
-        assert await _answers(client) == plain
+        await _same_answers(client, plain)
         metrics = (await client.get("/metrics")).text
     drafted = _metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
     assert drafted > 0
@@ -127,9 +142,9 @@ async def test_a_suffix_decoding_server_answers_as_one_without_and_drafts_repeat
         plain = await _answers(client)
     fields = {"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": 8}
     async with app_client(speculative=SpeculativeConfig.of(fields)) as (client, _):
-        assert await _answers(client) == plain
+        await _same_answers(client, plain)
         first = (await client.get("/metrics")).text
-        assert await _answers(client) == plain
+        await _same_answers(client, plain)
         again = (await client.get("/metrics")).text
     kept = "vllm:spec_decode_num_accepted_tokens_total"
     drafted = "vllm:spec_decode_num_draft_tokens_total"
