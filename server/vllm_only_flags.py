@@ -29,6 +29,17 @@ def only_one(reason: str) -> Callable[[str], int]:
     return parse
 
 
+def one_of(values: tuple[str, ...], reason: str) -> Callable[[str], str]:
+    """A flag whose only values here are `values` (what Conveyor does)."""
+
+    def parse(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"{text!r} is not served: {reason}")
+        return text
+
+    return parse
+
+
 def data_parallel_rank(args: argparse.Namespace) -> int:
     """The server's data-parallel rank: 0 alone; with `--data-parallel-rank`, the rank among
     `--data-parallel-size` servers behind a router. A size above 1 without a rank asks one
@@ -384,7 +395,37 @@ def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="recompute: a preempted request's KV is recomputed (swap is refused)",
     )
+    for name, values, why in (
+        ("--config-format", ("auto", "hf"), "the model's config.json is read (not params.json)"),
+        (
+            "--safetensors-load-strategy",
+            ("lazy",),
+            "safetensors files are memory-mapped and read as each weight loads",
+        ),
+        (
+            "--prefix-caching-hash-algo",
+            ("sha256",),
+            "prefix-cache blocks are keyed by SHA-256 of their parent's key and tokens",
+        ),
+    ):
+        flags.add_argument(
+            name, type=one_of(values, why), default=None, help=f"{' or '.join(values)}: {why}"
+        )
+    flags.add_argument(
+        "--use-tqdm-on-load",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="no effect: loading logs its steps, without a progress bar",
+    )
+    flags.add_argument(
+        "--mm-processor-cache-gb",
+        type=non_negative,
+        default=None,
+        metavar="GIB",
+        help="no effect: each request's images are processed for it (no processor cache)",
+    )
     for name, why in (
+        ("--skip-mm-profiling", "no start-up pass profiles image inputs"),
         ("--enable-server-load-tracking", "/load and /get_load always answer"),
         ("--log-error-stack", "an unexpected error is always logged with its traceback"),
         ("--disable-frontend-multiprocessing", "HTTP and the engine loop share one process"),

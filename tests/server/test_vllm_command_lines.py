@@ -373,7 +373,9 @@ RECIPE = [
     "--api-server-count", "1", "--num-scheduler-steps", "1", "--preemption-mode", "recompute",
     "--disable-frontend-multiprocessing", "--use-v2-block-manager", "--disable-cascade-attn",
     "--kv-sharing-fast-prefill", "--fully-sharded-loras", "--max-cpu-loras", "4",
-    "--enable-server-load-tracking", "--log-error-stack",
+    "--enable-server-load-tracking", "--log-error-stack", "--config-format", "hf",
+    "--safetensors-load-strategy", "lazy", "--prefix-caching-hash-algo", "sha256",
+    "--no-use-tqdm-on-load", "--mm-processor-cache-gb", "0", "--skip-mm-profiling",
 ]  # fmt: skip
 
 
@@ -440,6 +442,9 @@ def test_a_recipe_s_flags_with_nothing_to_set_change_nothing():
         (["--compilation-config", '{"cudagraph_mode": "ALL"}'], "'ALL' is not one of NONE"),
         (["--compilation-config", '{"graphs": 1}'], "unknown compilation config fields: graphs"),
         (["-cc", '{"cudagraph_capture_sizes": [0]}'], "list of positive integers"),
+        (["--config-format", "mistral"], "'mistral' is not served: the model's config.json"),
+        (["--safetensors-load-strategy", "eager"], "'eager' is not served: safetensors files"),
+        (["--prefix-caching-hash-algo", "xxhash"], "'xxhash' is not served: prefix-cache"),
     ],
 )
 def test_what_a_recipe_asks_that_is_not_served_is_refused_by_name(capsys, flags, reason):
