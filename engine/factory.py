@@ -67,6 +67,7 @@ from engine.worker import memory_profile, routes
 from engine.worker.compilation import compile_layers
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.worker.draft_model import DraftLimits, ModelDrafter
+from engine.worker.logits_processors import load_processors
 from engine.worker.model_runner import ModelRunner
 from engine.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
 from engine.worker.profiler import TorchRecorder
@@ -369,6 +370,9 @@ def core_from_model(
         triton_kernels=kernels,
         logprobs_mode=config.logprobs_mode,
     )
+    sampler.processors = load_processors(config.logits_processors, vocab_size, device)
+    if sampler.processors:
+        logger.info("logits processors: %s", ", ".join(config.logits_processors))
     overlap = config.overlaps(device.type)
     logger.info(
         "routes: %s",

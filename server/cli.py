@@ -442,6 +442,16 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "so a GPU never waits for the host (default: on for CUDA, off on a CPU)",
     )
     engine.add_argument(
+        "--logits-processors",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="CLASS",
+        help="logits processors of your own, as package.module.Class (vLLM's flag): built with "
+        "the vocabulary's size and the device, each sees every sampled row's logits, and the "
+        "request's vllm_xargs, before Conveyor's rules (engine/worker/logits_processors.py)",
+    )
+    engine.add_argument(
         "--logprobs-mode",
         choices=list(LOGPROBS_MODES),
         default="raw_logprobs",
@@ -858,6 +868,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_metrics_sample=args.kv_cache_metrics_sample if args.kv_cache_metrics else None,
         profiler=args.profiler_config,
         logprobs_mode=args.logprobs_mode,
+        logits_processors=tuple(args.logits_processors),
         spec_metrics=args.per_request_spec_decode_metrics,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,

@@ -142,6 +142,10 @@ def served_tier(asked: str | None) -> dict[str, str]:
     return {"service_tier": "flex" if asked == "flex" else "default"}
 
 
+# A value of `vllm_xargs`.
+XArg = str | int | float
+
+
 class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
@@ -202,6 +206,8 @@ class SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: arguments for the server's logits processors (`--logits-processors`).
+    vllm_xargs: dict[str, XArg | list[XArg]] | None = None
 
     @field_validator("request_id")
     @classmethod

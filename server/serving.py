@@ -191,6 +191,7 @@ def sampling_params(
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=request.skip_special_tokens,
         structured=structured_outputs(request, json_style),
+        extra_args=request.vllm_xargs,
     )
 
 

@@ -248,6 +248,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # The prefix cache's events for routers (`kv/events.py`); None: not published.
     kv_events: KVEventsConfig | None = None
+    # The deployment's logits processors, by import path (`worker/logits_processors.py`).
+    logits_processors: tuple[str, ...] = ()
     # The share of KV blocks whose time in the prefix cache is measured (`kv/residency.py`,
     # vLLM's `--kv-cache-metrics-sample`); None: none.
     kv_cache_metrics_sample: float | None = None
@@ -282,6 +284,11 @@ class EngineConfig:
             )
         if self.speculative is not None and self.runner == "pooling":
             raise ValueError("speculative decoding drafts generated tokens: not --runner pooling")
+        if self.logits_processors and self.async_scheduling:
+            raise ValueError(
+                "--logits-processors read each row's tokens so far, which a step scheduled ahead "
+                "does not have yet: drop --async-scheduling"
+            )
         if self.speculative is not None and self.async_scheduling:
             raise ValueError(
                 "speculative decoding and --async-scheduling do not run together: drafts are "
@@ -331,9 +338,9 @@ class EngineConfig:
 
     def overlaps(self, device_type: str) -> bool:
         """Whether steps are scheduled asynchronously on this kind of device (never for
-        pooling: a prompt's step is its last; nor with speculation: drafts are made from each
-        step's tokens on the host before the next step is scheduled)."""
-        if self.runner == "pooling" or self.speculative is not None:
+        pooling: a prompt's step is its last; nor with speculation or logits processors: drafts
+        and processors read each step's tokens on the host before the next step is scheduled)."""
+        if self.runner == "pooling" or self.speculative is not None or self.logits_processors:
             return False
         if self.async_scheduling is not None:
             return self.async_scheduling

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from engine.core.errors import InvalidRequestError
 
@@ -106,6 +107,9 @@ class SamplingParams:
     # The reply as the client expects it, in tokens (OpenAI's Predicted Outputs): steps draft
     # from it (`core/prediction.py`); () for none.
     prediction: tuple[int, ...] = ()
+    # Arguments for the deployment's logits processors (vLLM's `vllm_xargs`;
+    # `worker/logits_processors.py`).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._validate_counts()

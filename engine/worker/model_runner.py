@@ -321,6 +321,7 @@ class ModelRunner:
         return (
             self.greedy_in_model
             and takes_argmax(requests)
+            and self.sampler.keeps_argmax
             and not self._replays_whole(batch, indices)
             and not self._runs_in_pieces(batch)
         )

@@ -27,6 +27,7 @@ from engine.core.outputs import NO_TOKEN, TokenLogprob
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
+from engine.worker.logits_processors import LogitsProcessor, apply_processors, keeps_argmax
 from engine.worker.top_k_top_p import row_top_ks, top_k_top_p
 from engine.worker.transfer import HostCopy, to_device
 
@@ -112,6 +113,14 @@ class Sampler:
         self.race = device.type != "cpu" if race is None else race
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
+        # The deployment's own (`--logits-processors`), before Conveyor's rules.
+        self.processors: list[LogitsProcessor] = []
+
+    @property
+    def keeps_argmax(self) -> bool:
+        """Whether the deployment's processors leave every row's argmax where it was (a
+        greedy row may then be chosen inside the model)."""
+        return keeps_argmax(self.processors)
 
     @property
     def route(self) -> str:
@@ -166,6 +175,8 @@ class Sampler:
     def _process(
         self, logits: torch.Tensor, requests: list[Request], pending: PendingTokens | None = None
     ) -> torch.Tensor:
+        if self.processors:
+            logits = apply_processors(self.processors, logits, requests)
         _apply_grammars(logits, requests)
         _apply_allowed_tokens(logits, requests)
         _apply_bad_words(logits, requests)
