@@ -46,6 +46,7 @@ from server.settings import (
 )
 from server.stats_log import INTERVAL as STATS_INTERVAL
 from server.tool_parsers import PARSERS
+from server.version import conveyor_version
 from server.vllm_only_flags import add_vllm_only_flags, data_parallel_rank, graph_choice
 
 logger = logging.getLogger("conveyor")
@@ -1135,7 +1136,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batch_commands(commands)
     _add_bench_commands(commands)
     _add_client_commands(commands)
+    _add_collect_env(commands)
+    parser.add_argument("--version", action="version", version=conveyor_version())
     return parser
+
+
+def _add_collect_env(commands: argparse._SubParsersAction) -> None:
+    from server import collect_env
+
+    report = commands.add_parser(
+        "collect-env", help="what a bug report needs of this machine and install (as vLLM's)"
+    )
+    collect_env.add_arguments(report)
+    report.set_defaults(func=collect_env.main)
 
 
 def _add_client_commands(commands: argparse._SubParsersAction) -> None:
