@@ -106,9 +106,13 @@ def test_a_missing_file_or_an_abbreviated_option_is_refused(tmp_path, monkeypatc
     with pytest.raises(SystemExit):
         parsed(monkeypatch, "--config", str(tmp_path / "missing.yaml"))
     assert "cannot read the file" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parsed(monkeypatch, "--conf", config_file(tmp_path))
-    assert "write --config in full" in capsys.readouterr().err
+    # An abbreviation would reach argparse without the file read; both commands also take
+    # --config-format, so argparse refuses it as ambiguous (else `main` would).
+    for command in (["serve"], ["batch", "run", "in.jsonl", "out.jsonl"]):
+        with pytest.raises(SystemExit):
+            cli.main([*command, "--conf", config_file(tmp_path)])
+        error = capsys.readouterr().err
+        assert "ambiguous option: --conf" in error or "write --config in full" in error
     with pytest.raises(SystemExit):
         parsed(monkeypatch, "--config")
 
