@@ -29,7 +29,15 @@ from engine.kv.events import KVEventsConfig
 from engine.loading.gguf_file import is_gguf_file
 from server.config_file import CONFIG_OPTION, with_config_file
 from server.content_format import CONTENT_FORMATS
-from server.flag_values import DTYPES, at_least, context_length, count, dtype, json_object
+from server.flag_values import (
+    DTYPES,
+    at_least,
+    context_length,
+    count,
+    dtype,
+    json_object,
+    number,
+)
 from server.json_style import JsonStyle
 from server.limits import RequestLimits
 from server.log_format import FORMATS, PLAIN
@@ -93,10 +101,7 @@ def tokenizer_mode(text: str) -> str:
 
 
 def _sample_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = number(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"a share in (0, 1], not {value}")
     return value
@@ -1006,31 +1011,18 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
 
 
 def tool_call_parser(args: argparse.Namespace) -> str | None:
-    """`--tool-call-parser`, once `--tool-parser-plugin`'s file (if any) has registered its
-    formats: one of Conveyor's parsers or of the plugin's."""
-    from server.tool_plugins import check_parser, load_plugin
+    """`--tool-call-parser`: one of Conveyor's parsers or of `--tool-parser-plugin`'s file."""
+    from server.tool_plugins import PLUGINS
 
-    if args.tool_parser_plugin is not None:
-        names = load_plugin(args.tool_parser_plugin)
-        logger.info("tool parsers from %s: %s", args.tool_parser_plugin, ", ".join(names) or "none")
-    check_parser(args.tool_call_parser)
-    return args.tool_call_parser
+    return PLUGINS.chosen(args.tool_parser_plugin, args.tool_call_parser)
 
 
 def reasoning_parser(args: argparse.Namespace) -> str | None:
-    """`--reasoning-parser`, once `--reasoning-parser-plugin`'s file (if any) has registered
-    its tags: one of Conveyor's parsers or of the plugin's."""
-    from server import reasoning_plugins
+    """`--reasoning-parser`: one of Conveyor's parsers or of `--reasoning-parser-plugin`'s
+    file."""
+    from server.reasoning_plugins import PLUGINS
 
-    if args.reasoning_parser_plugin is not None:
-        names = reasoning_plugins.load_plugin(args.reasoning_parser_plugin)
-        logger.info(
-            "reasoning parsers from %s: %s",
-            args.reasoning_parser_plugin,
-            ", ".join(names) or "none",
-        )
-    reasoning_plugins.check_parser(args.reasoning_parser)
-    return args.reasoning_parser
+    return PLUGINS.chosen(args.reasoning_parser_plugin, args.reasoning_parser)
 
 
 def _json_style(args: argparse.Namespace) -> JsonStyle:

@@ -27,6 +27,13 @@ def integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
 def at_least(least: int) -> Callable[[str], int]:
     """An integer flag of `least` or more."""
 

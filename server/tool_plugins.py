@@ -26,11 +26,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from server.call_formats import Calls, Schemas
-from server.plugin_files import import_file
+from server.plugin_files import PluginParsers
 from server.tool_parsers import FORMATS, PARSERS, Tagged, WholeReply
 from server.tools import tool_call
 
@@ -39,8 +38,9 @@ logger = logging.getLogger(__name__)
 # What a plugin's function returns: `(name, arguments)` pairs, or None for no calls.
 PluginCalls = list[tuple[str, Any]] | None
 PluginReader = Callable[[str], PluginCalls]
-# Every name a plugin has registered, in order.
-_registered: list[str] = []
+PLUGINS = PluginParsers(
+    "tool parser", "--tool-parser-plugin", "--tool-call-parser", PARSERS, FORMATS
+)
 
 
 def tagged_calls(name: str, open: str, close: str) -> Callable[[PluginReader], PluginReader]:
@@ -60,12 +60,10 @@ def reply_calls(name: str, openers: tuple[str, ...]) -> Callable[[PluginReader],
 def _registering(
     name: str, form: Callable[[Any], Tagged | WholeReply]
 ) -> Callable[[PluginReader], PluginReader]:
-    if name in PARSERS:
-        raise ValueError(f"tool parser {name!r} is one of Conveyor's own: choose another name")
+    PLUGINS.claim(name)
 
     def register(function: PluginReader) -> PluginReader:
         FORMATS[name] = form(_block_reader(name, function))
-        _registered.append(name)
         return function
 
     return register
@@ -91,17 +89,3 @@ def _call(name: Any, arguments: Any) -> dict[str, Any]:
     if not isinstance(name, str) or not name:
         raise TypeError(f"a call needs a name, got {name!r}")
     return tool_call(name, arguments if isinstance(arguments, str) else json.dumps(arguments))
-
-
-def load_plugin(path: Path) -> list[str]:
-    """Import the file at `path`; the tool parsers it registered, by name."""
-    before = len(_registered)
-    import_file(path, "--tool-parser-plugin")
-    return _registered[before:]
-
-
-def check_parser(name: str | None) -> None:
-    """Refuse a `--tool-call-parser` that neither Conveyor nor a loaded plugin names."""
-    if name is not None and name not in PARSERS and name not in FORMATS:
-        known = ", ".join(sorted({*PARSERS, *FORMATS}))
-        raise ValueError(f"--tool-call-parser {name!r} is not one of {known}")

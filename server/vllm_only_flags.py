@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from server.flag_values import at_least, integer, json_object
+from server.flag_values import at_least, integer, json_object, number
 
 # The executor backends whose ranks are local worker processes, as Conveyor's are.
 LOCAL_EXECUTORS = ("mp", "uni")
@@ -59,10 +59,7 @@ def data_parallel_rank(args: argparse.Namespace) -> int:
 
 
 def non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = number(text)
     if value < 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
     return value
