@@ -25,6 +25,7 @@ from server.batches.runner import BatchRunner
 from server.batches.state import Lazy
 from server.errors import APIError, install_error_handlers
 from server.fleet_api import fleet_router
+from server.generation_control import generation_control_router
 from server.images import check_processor_kwargs
 from server.invocations import INVOCATION_BODY, invocation_body, validated
 from server.messages_protocol import CountTokensRequest, MessagesRequest
@@ -177,6 +178,8 @@ def build_app(
     app.include_router(fleet_router(engine, served))
     if settings.runtime_lora_updating:
         app.include_router(lora_router(engine, served))
+    if settings.server_dev_mode:
+        app.include_router(generation_control_router(engine))
     if engine.info.profiling:
         app.include_router(profiling_router(engine))
     runner = BatchRunner(app, files, jobs, settings.api_key)

@@ -535,6 +535,14 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         "a client names (or set CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING=1)",
     )
     server.add_argument(
+        "--server-dev-mode",
+        action="store_true",
+        default=os.environ.get("CONVEYOR_SERVER_DEV_MODE", "").lower() in ("1", "true"),
+        help="serve the routes an RL trainer drives generation with: /pause, /resume, "
+        "/is_paused and /abort_requests (SGLang's /pause_generation, /continue_generation "
+        "and /abort_request too; or set CONVEYOR_SERVER_DEV_MODE=1)",
+    )
+    server.add_argument(
         "--allowed-origins",
         type=_name_list,
         default=(),
@@ -921,6 +929,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         state_dir=args.state_dir,
         max_file_bytes=args.max_file_bytes,
         runtime_lora_updating=args.allow_runtime_lora_updating,
+        server_dev_mode=args.server_dev_mode,
         mm_processor_kwargs=args.mm_processor_kwargs,
         trust_request_chat_template=args.trust_request_chat_template,
         tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,

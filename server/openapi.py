@@ -15,6 +15,7 @@ DESCRIPTIONS = {
     400: "Invalid request: bad JSON, a parameter out of range, a list past its limit",
     401: "Missing or wrong API key",
     404: "Unknown model, or no stored response of that id",
+    409: "A resume came before the pause took effect",
     500: "The model step failed for this request",
     503: "Overloaded (with Retry-After), or shutting down",
     504: "The request's deadline passed before it was served",

@@ -108,6 +108,8 @@ class ServerSettings:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (clients then name folders to read).
     runtime_lora_updating: bool = False
+    # /pause, /resume, /is_paused and /abort_requests (`--server-dev-mode`).
+    server_dev_mode: bool = False
     # How enforced JSON is written (`--structured-outputs-config`'s options).
     json_style: JsonStyle = PLAIN
     # /v1/completions takes `prompt_embeds` (`--enable-prompt-embeds`).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -21,6 +22,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from engine.core.images import ImageInputs
 from engine.core.outputs import RequestOutput
+from engine.core.pausing import Pause, PauseInterruptedError, check_mode
 from engine.core.profiling import (
     ProfilerStateError,
     StepProfiler,
@@ -33,6 +35,10 @@ from engine.lora.registry import LoRARegistry, LoRARequest
 from engine.scheduling.admission import promised_tokens
 
 logger = logging.getLogger(__name__)
+
+# What the server adds to the id a client sees: a suffix of its own where the client chose the
+# id, and the prompt's index in a many-prompt request.
+_ENGINE_SUFFIX = r"(?:-[0-9a-f]{8})?(?:-[0-9]+)?"
 
 
 class RequestCollector:
@@ -139,6 +145,9 @@ class AsyncEngine:
         # body of many prompts quadratic in its count.
         self._pending_tokens = 0
         self._aborts: list[str] = []
+        # While paused: the pause, and the requests that came meanwhile (queued at the resume).
+        self._pause: Pause | None = None
+        self._held: list[_PendingAdd] = []
         self._cache_resets: list[asyncio.Future[int]] = []
         # Adapters read and waiting to be served, and adapters removed, between two steps.
         self._lora_adds: list[tuple[LoRARequest, Any, asyncio.Future[LoRARequest]]] = []
@@ -199,6 +208,7 @@ class AsyncEngine:
                 done.set_exception(EngineDeadError("The engine is not running."))
         self._cache_resets, self._lora_adds = [], []
         self._abort_all_now()
+        self._fail_unqueued(EngineDeadError("The engine is not running."))
         await self._save_running_profile()
         self._executor.shutdown(wait=True)
         self._grammar_executor.shutdown(wait=False, cancel_futures=True)
@@ -298,7 +308,7 @@ class AsyncEngine:
                 params,
                 options.priority,
                 timeout,
-                len(self._adds),
+                len(self._adds) + len(self._held),
                 self._pending_tokens,
             )
         except Exception:
@@ -307,7 +317,7 @@ class AsyncEngine:
         collector = RequestCollector(params.n, self.info.stream_interval)
         self._collectors[request_id] = collector
         promised = promised_tokens(len(prompt_token_ids), params, self.core.max_tokens)
-        self._adds.append(
+        (self._adds if self._pause is None else self._held).append(
             _PendingAdd(
                 request_id,
                 list(prompt_token_ids),
@@ -338,6 +348,62 @@ class AsyncEngine:
         """Abort a request (all its sequences); its blocks return within a step."""
         self._aborts.append(request_id)
         self._wake_loop()
+
+    def abort_requests(self, request_ids: list[str] | None = None) -> list[str]:
+        """Abort every request in flight, or those `request_ids` name: an engine id, or the
+        id a client sees (a reply's `id`: the engine's lacks the suffix a client's own id
+        gets, and one id per prompt of a many-prompt request). Return the engine ids."""
+        chosen = list(self._collectors)
+        if request_ids is not None:
+            named = [f"(?:{re.escape(given)}){_ENGINE_SUFFIX}" for given in request_ids]
+            pattern = re.compile("|".join(named)) if named else None
+            chosen = [rid for rid in chosen if pattern is not None and pattern.fullmatch(rid)]
+        for request_id in chosen:
+            self.abort(request_id)
+        return chosen
+
+    # ---- pausing -----------------------------------------------------------------------------
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pause is not None
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop generating between two steps until `resume()` (see `engine.core.pausing`);
+        return once the pause has taken effect."""
+        check_mode(mode)
+        if not self.is_running:
+            raise EngineDeadError("The engine is not running.")
+        if self._pause is None:
+            self._pause = Pause()
+            logger.info("pausing generation (mode %s)", mode)
+        done = self._pause.ask(mode, clear_cache)
+        if mode == "abort":
+            held = {add.request_id for add in self._held}
+            for request_id in list(self._collectors):
+                if request_id not in held:
+                    self.abort(request_id)
+        self._wake_loop()
+        await done
+
+    async def resume(self) -> None:
+        """Go on generating: frozen requests continue and the held ones queue."""
+        pause, self._pause = self._pause, None
+        if pause is None:
+            return
+        pause.fail(PauseInterruptedError())
+        self._adds += self._held
+        self._held = []
+        logger.info("generation resumed")
+        self._wake_loop()
+
+    def _rest(self, pause: Pause) -> None:
+        """The engine rests in `pause`: forget the prefix cache if asked and nothing holds
+        it, then let the callers waiting for the pause return."""
+        if pause.wants_clear and not self.core.has_unfinished():
+            self.core.scheduler.block_manager.reset_cache()
+            self.core.publish_kv_events()
+        pause.settle()
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -454,6 +520,13 @@ class AsyncEngine:
         while not self._stopping:
             self._apply_pending()
             self._report_stats()
+            pause = self._pause
+            if pause is not None and pause.rests(not self.core.has_unfinished()):
+                self._rest(pause)
+                self._wake.clear()
+                if not self._aborts and not self._stopping:
+                    await self._wake.wait()
+                continue
             if not self.core.has_unfinished():
                 self._wake.clear()
                 if not self._adds and not self._aborts and not self._stopping:
@@ -491,6 +564,8 @@ class AsyncEngine:
         self.last_error = error
         self._stopping = True
         self.fail_all(error)
+        if self._pause is not None:
+            self._pause.fail(error)
         self._wake_loop()
 
     def _report_stats(self) -> None:
@@ -507,8 +582,10 @@ class AsyncEngine:
     def _apply_pending(self) -> None:
         aborts, self._aborts = self._aborts, []
         adds, self._adds = self._adds, []
-        self._pending_tokens = 0
         aborted = set(aborts)
+        if self._held and aborted:
+            self._held = [add for add in self._held if add.request_id not in aborted]
+        self._pending_tokens = sum(add.promised_tokens for add in self._held)
         for add in adds:
             if add.request_id not in aborted:
                 self._add_to_core(add)
@@ -559,6 +636,15 @@ class AsyncEngine:
     def _abort_all_now(self) -> None:
         for request_id in list(self._children):
             self._abort_now(request_id)
+
+    def _fail_unqueued(self, error: EngineDeadError) -> None:
+        """At shutdown: the requests not yet queued in the core (held by a pause, or
+        submitted after the last step) end with `error`, as do callers waiting for a pause."""
+        for add in self._adds + self._held:
+            self._fail_collector(add.request_id, error)
+        self._adds, self._held = [], []
+        if self._pause is not None:
+            self._pause.fail(error)
 
     def _fail_collector(self, request_id: str, error: BaseException | None) -> None:
         collector = self._collectors.get(request_id)
