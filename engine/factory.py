@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from torch import nn
 
 from engine.attention import AUTO as AUTO_BACKEND
 from engine.attention import (
@@ -33,7 +32,6 @@ from engine.core.engine_core import EngineCore
 from engine.core.errors import WorkerFailedError
 from engine.core.profiling import StepProfiler
 from engine.core.speculation import Drafter
-from engine.kernels.cpu import huge_pages, malloc_tuning
 from engine.kernels.cpu.linear import silence_fbgemm_deprecation
 from engine.kv.block_manager import BlockManager
 from engine.kv.event_publisher import ZmqEventPublisher
@@ -55,6 +53,7 @@ from engine.loading.overrides import overridden
 from engine.loading.quantized_checkpoint import check_requested
 from engine.lora.registry import LoRARegistry
 from engine.lora.slots import LoRASlots
+from engine.model_build import prepared_model
 from engine.models import CausalLM, build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST
 from engine.models.llama import PagedLlamaForCausalLM
@@ -63,8 +62,8 @@ from engine.parallel.group import ParallelGroup
 from engine.parallel.sharding import Shard, not_shardable, why_not_shardable
 from engine.parallel.workers import WorkerPool, rank_device
 from engine.scheduling.scheduler import Scheduler
+from engine.weight_reload import WeightReloader
 from engine.worker import memory_profile, routes
-from engine.worker.compilation import compile_layers
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.worker.draft_model import DraftLimits, ModelDrafter
 from engine.worker.logits_processors import load_processors
@@ -227,12 +226,7 @@ def build_rank(
     if shard is not None:
         spec = replace(spec, num_kv_heads=shard.shape.local_kv_heads)
     # The model is built (projections fused) before the cache is sized from what is left.
-    model = build_causal_lm(loaded.model, config.model_impl, shard)
-    if device.type == "cpu":
-        _weights_into_huge_pages(model, loaded.model)
-        malloc_tuning.keep_freed_memory()
-    # Compiled over the weights where they stay, before the profiling pass measures the steps.
-    compiled = compile_layers(model) if config.compile else ""
+    model, compiled = prepared_model(loaded.model, config, device, shard)
     lora = lora_slots(config, model, device, dtype)
     limit = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
     features = attention_features(loaded.model, limit)
@@ -403,6 +397,14 @@ def core_from_model(
     core.overlap = overlap
     core.processor = loaded.processor
     core.profiler = _profiler(config, device, workers)
+    if workers is None:
+        core.reloader = WeightReloader(
+            config,
+            device,
+            dtype,
+            kv_cache.spec,
+            lambda built: _graphs(config, built, backend, kv_cache, max_model_len),
+        )
     spec = config.speculative
     if spec is not None:
         limits = DraftLimits(0, vocab_size, config.max_num_batched_tokens)
@@ -654,24 +656,6 @@ def kv_cache_dtype(
 
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
-
-
-def _weights_into_huge_pages(model: CausalLM, source: nn.Module) -> None:
-    """The weights a step reads, moved into huge pages (where the kernel allows), with the
-    views the model it was built from (`source`) holds of them; what only `source` holds stays
-    where it is."""
-    if not isinstance(model, nn.Module):
-        return
-    weights = [*model.parameters(), *model.buffers()]
-    held = {t.untyped_storage().data_ptr() for t in weights}
-    views = [t for t in [*source.parameters(), *source.buffers()] if _storage_in(t, held)]
-    moved = huge_pages.move_into_huge_pages(weights + views)
-    if moved:
-        logger.info("weights in huge pages: %.0f MiB", moved / 2**20)
-
-
-def _storage_in(tensor: torch.Tensor, storages: set[int]) -> bool:
-    return tensor.device.type == "cpu" and tensor.untyped_storage().data_ptr() in storages
 
 
 def _graphs(

@@ -80,6 +80,7 @@ from server.tokenization import encode_text, tokenizer_info
 from server.tracing import Tracing, output_logging
 from server.user_middleware import add_user_middleware
 from server.version import conveyor_version
+from server.weight_updates import weight_updates_router
 
 
 class ResponseIdConvertor(Convertor[str]):
@@ -180,6 +181,7 @@ def build_app(
         app.include_router(lora_router(engine, served))
     if settings.server_dev_mode:
         app.include_router(generation_control_router(engine))
+        app.include_router(weight_updates_router(engine))
     if engine.info.profiling:
         app.include_router(profiling_router(engine))
     runner = BatchRunner(app, files, jobs, settings.api_key)

@@ -539,8 +539,9 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=os.environ.get("CONVEYOR_SERVER_DEV_MODE", "").lower() in ("1", "true"),
         help="serve the routes an RL trainer drives generation with: /pause, /resume, "
-        "/is_paused and /abort_requests (SGLang's /pause_generation, /continue_generation "
-        "and /abort_request too; or set CONVEYOR_SERVER_DEV_MODE=1)",
+        "/is_paused, /abort_requests and /update_weights_from_disk (SGLang's "
+        "/pause_generation, /continue_generation and /abort_request too; or set "
+        "CONVEYOR_SERVER_DEV_MODE=1)",
     )
     server.add_argument(
         "--allowed-origins",

@@ -1,7 +1,8 @@
 """The routes an RL trainer drives a rollout server with around a weight update, served with
 `--server-dev-mode` (vLLM's `VLLM_SERVER_DEV_MODE`): vLLM's `POST /pause`, `POST /resume`,
 `GET /is_paused` and `POST /abort_requests`, and SGLang's `POST /pause_generation`,
-`POST /continue_generation` and `POST /abort_request` (`engine/core/pausing.py`)."""
+`POST /continue_generation` and `POST /abort_request` (`engine/core/pausing.py`); new
+weights come through `server/weight_updates.py`."""
 
 from __future__ import annotations
 

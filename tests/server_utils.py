@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.core.async_engine import AsyncEngine
+from engine.core.config import EngineConfig
 from server.app import build_app
 from server.http_protocol import uvicorn_config
 from server.settings import ServerSettings
@@ -117,6 +118,22 @@ async def app_client(
     await engine.start()
     transport = httpx.ASGITransport(app=app)
     try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client, engine
+    finally:
+        await engine.shutdown()
+
+
+@asynccontextmanager
+async def loaded_client(
+    config: EngineConfig, settings: ServerSettings
+) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngine]]:
+    """As `app_client`, over an engine that loaded `config.model` as `conveyor serve` does."""
+    engine = AsyncEngine.from_config(config)
+    app = build_app(engine, settings)
+    await engine.start()
+    try:
+        transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             yield client, engine
     finally:

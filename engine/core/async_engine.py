@@ -149,6 +149,10 @@ class AsyncEngine:
         self._pause: Pause | None = None
         self._held: list[_PendingAdd] = []
         self._cache_resets: list[asyncio.Future[int]] = []
+        # Checkpoint folders to serve next, each with its caller's wait (`reload_weights`).
+        self._reloads: list[tuple[str, asyncio.Future[None]]] = []
+        # What the trainer calls the weights being served (None: those it started with).
+        self.weight_version: str | None = None
         # Adapters read and waiting to be served, and adapters removed, between two steps.
         self._lora_adds: list[tuple[LoRARequest, Any, asyncio.Future[LoRARequest]]] = []
         self._lora_removals: list[LoRARequest] = []
@@ -202,6 +206,8 @@ class AsyncEngine:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         waiting: list[asyncio.Future[Any]] = [*self._cache_resets]
+        waiting += [done for _, done in self._reloads]
+        self._reloads = []
         waiting += [done for _, _, done in self._lora_adds]
         for done in waiting:
             if not done.done():
@@ -405,6 +411,47 @@ class AsyncEngine:
             self.core.publish_kv_events()
         pause.settle()
 
+    # ---- new weights -------------------------------------------------------------------------
+
+    async def reload_weights(self, path: str, version: str | None = None) -> None:
+        """Serve the weights in the checkpoint folder `path` from the next step on, and call
+        them `version` (see `engine/weight_reload.py`); no step runs while they load."""
+        reloader = self.core.reloader
+        reason = reloader.refusal() if reloader is not None else "this engine cannot"
+        if reason is not None:
+            raise InvalidRequestError(f"Cannot load new weights: {reason}.", param="model_path")
+        if not self.is_running:
+            raise EngineDeadError("The engine is not running.")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reloads.append((path, done))
+        self._wake_loop()
+        await done
+        if version is not None:
+            self.weight_version = version
+
+    async def _apply_reloads(self) -> None:
+        """Between two steps: each queued checkpoint loads and takes the model's place on the
+        step thread, then the prefix cache computed with the old weights is forgotten."""
+        reloader = self.core.reloader
+        assert reloader is not None  # `reload_weights` queues none without one
+        loop = asyncio.get_running_loop()
+        reloads, self._reloads = self._reloads, []
+        for path, done in reloads:
+            runner = self.core.runner
+            try:
+                model = await loop.run_in_executor(
+                    self._executor, reloader.load, path, runner.model
+                )
+                await loop.run_in_executor(self._executor, reloader.install, runner, model)
+            except Exception as exc:
+                if not done.done():
+                    done.set_exception(exc)
+                continue
+            self.core.scheduler.block_manager.reset_cache()
+            self.core.publish_kv_events()
+            if not done.done():
+                done.set_result(None)
+
     # ---- the loop --------------------------------------------------------------------------
 
     async def reset_prefix_cache(self) -> int:
@@ -520,6 +567,9 @@ class AsyncEngine:
         while not self._stopping:
             self._apply_pending()
             self._report_stats()
+            if self._reloads:
+                await self._apply_reloads()
+                continue
             pause = self._pause
             if pause is not None and pause.rests(not self.core.has_unfinished()):
                 self._rest(pause)

@@ -34,6 +34,7 @@ from engine.structured.compiler import GrammarCompiler
 from engine.structured.deferred import DeferredGrammar
 
 if TYPE_CHECKING:  # the runner owns torch; the core itself stays torch-free
+    from engine.weight_reload import WeightReloader
     from engine.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class EngineCore:
         self.kv_events: EventSink | None = None
         # Profiles of the steps on demand (`--profiler-config`); None: not offered.
         self.profiler: StepProfiler | None = None
+        # Loads new weights in the served model's place; None: this engine cannot.
+        self.reloader: WeightReloader | None = None
 
     # ---- requests --------------------------------------------------------------------------
 

@@ -209,6 +209,33 @@ def load_model(
 
     path = checkpoint_path(name_or_path)
     name = served_name or (DEFAULT_MODEL_NAME if name_or_path is None else name_or_path)
+    model, shard, classes = load_weights(
+        path, dtype, device, trust_remote_code, int8_activations, rank, random_weights
+    )
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_name or path, trust_remote_code=trust_remote_code, use_fast=not slow_tokenizer
+    )
+    processor = image_processor(model.config, path, trust_remote_code)
+    if processor is not None and getattr(tokenizer, "chat_template", None) is None:
+        tokenizer.chat_template = getattr(processor, "chat_template", None)  # kept with it
+    loaded = wrap_model(model, tokenizer, name=name, path=path, processor=processor)
+    loaded.shard = shard
+    loaded.labels = classes
+    return loaded
+
+
+def load_weights(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    int8_activations: bool = False,
+    rank: tuple[int, int] = (0, 1),
+    random_weights: bool = False,
+) -> tuple[Any, ShardShape | None, tuple[str, ...]]:
+    """The transformers model at the folder `path` on `device`, its linear layers in the form
+    they run in (see `load_model`); its share under tensor parallelism, and a sequence
+    classifier's labels. Neither tokenizer nor processor is read."""
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     form = choose_linear_form(dtype, device)
     shard, model = None, None
@@ -225,7 +252,7 @@ def load_model(
     if model is None:
         model = load_whole(path, dtype, trust_remote_code)
     if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; only decoder-only models are served")
+        raise ValueError(f"{path} is an encoder-decoder model; only decoder-only models are served")
     classes = labels(model.config) if is_classifier(model.config) else ()
     if classes:
         model = as_causal_lm(model)
@@ -236,16 +263,7 @@ def load_model(
             "--int8-activations has no effect here: it needs float32 on a CPU and Q4_0, Q4_1, "
             "Q8_0 or Q4_K blocks (a GGUF file's) or a quantized checkpoint's 4-bit groups"
         )
-    tokenizer = AutoTokenizer.from_pretrained(
-        tokenizer_name or path, trust_remote_code=trust_remote_code, use_fast=not slow_tokenizer
-    )
-    processor = image_processor(model.config, path, trust_remote_code)
-    if processor is not None and getattr(tokenizer, "chat_template", None) is None:
-        tokenizer.chat_template = getattr(processor, "chat_template", None)  # kept with it
-    loaded = wrap_model(model, tokenizer, name=name, path=path, processor=processor)
-    loaded.shard = shard
-    loaded.labels = classes
-    return loaded
+    return model, shard, classes
 
 
 def load_whole(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> Any:

@@ -4,11 +4,8 @@ refused for a model that is not a classifier, and a classifier's embeddings refu
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -16,10 +13,9 @@ from transformers import AutoModelForSequenceClassification, LlamaConfig, Qwen2C
 
 from engine.core.async_engine import AsyncEngine
 from engine.core.config import CacheConfig, EngineConfig
-from server.app import build_app
 from server.settings import ServerSettings
 from tests.helpers import TINY_SHAPE, chat_tokenizer
-from tests.server_utils import app_client, blocks_in_use
+from tests.server_utils import app_client, blocks_in_use, loaded_client
 
 TEXTS = ["The quick brown fox", "Paged attention stores keys", "Hello world!"]
 LABELS = ("negative", "neutral", "positive")
@@ -51,22 +47,11 @@ def reference_probs(folder: Path, text: str) -> torch.Tensor:
         return torch.softmax(model.eval()(ids).logits[0], dim=-1)
 
 
-@asynccontextmanager
-async def classifier_client(
-    folder: Path, runner: str = "pooling"
-) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngine]]:
+def classifier_client(folder: Path, runner: str = "pooling"):
     config = EngineConfig(
         model=str(folder), dtype="float32", runner=runner, cache=CacheConfig(num_blocks=32)
     )
-    engine = AsyncEngine.from_config(config)
-    app = build_app(engine, ServerSettings(served_model_name="clf"))
-    await engine.start()
-    try:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            yield client, engine
-    finally:
-        await engine.shutdown()
+    return loaded_client(config, ServerSettings(served_model_name="clf"))
 
 
 @pytest.mark.parametrize("path", ["/classify", "/v1/classify"])

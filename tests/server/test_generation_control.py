@@ -9,9 +9,11 @@ import json
 import httpx
 import pytest
 
+from engine.core.config import CacheConfig, EngineConfig
 from server.cli import build_parser, server_settings
 from server.settings import ServerSettings
-from tests.server_utils import app_client, blocks_in_use, live_server, until
+from tests.helpers import chat_tokenizer, tiny_llama
+from tests.server_utils import app_client, blocks_in_use, live_server, loaded_client, until
 
 DEV = ServerSettings(served_model_name="tiny", server_dev_mode=True)
 BODY = {"model": "tiny", "prompt": "Hello", "temperature": 0, "ignore_eos": True}
@@ -132,3 +134,32 @@ def test_the_flag_or_its_variable_turns_dev_mode_on(monkeypatch, argv, env, on):
     monkeypatch.setenv("CONVEYOR_SERVER_DEV_MODE", env)
     args = build_parser().parse_args(["serve", *argv])
     assert server_settings(args).server_dev_mode is on
+
+
+async def test_a_trainer_s_checkpoint_is_served_after_update_weights_from_disk(tmp_path):
+    served, trained = tmp_path / "served", tmp_path / "trained"
+    tiny_llama(seed=0).save_pretrained(served)
+    chat_tokenizer().save_pretrained(served)
+    tiny_llama(seed=3).save_pretrained(trained)
+    body = {"model": "tiny", "prompt": [5, 9, 33, 2], "max_tokens": 6, "temperature": 0}
+    body["ignore_eos"] = True
+    config = EngineConfig(model=str(served), dtype="float32", cache=CacheConfig(num_blocks=64))
+    async with loaded_client(config, DEV) as (client, _):
+        before = (await client.post("/v1/completions", json=body)).json()
+        assert (await client.get("/get_weight_version")).json() == {"weight_version": None}
+        await client.post("/pause?mode=wait")
+        update = {"model_path": str(trained), "weight_version": "v2", "load_format": "auto"}
+        answer = await client.post("/update_weights_from_disk", json=update)
+        assert answer.status_code == 200 and answer.json()["success"] is True
+        await client.post("/resume")
+        after = (await client.post("/v1/completions", json=body)).json()
+        assert after["choices"][0]["text"] != before["choices"][0]["text"]
+        assert (await client.get("/weight_info")).json() == {"weight_version": "v2"}
+        bad = await client.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})
+        assert bad.status_code == 400 and bad.json()["success"] is False
+        assert "no config.json" in bad.json()["message"]
+        again = (await client.post("/v1/completions", json=body)).json()
+        assert again["choices"][0]["text"] == after["choices"][0]["text"]
+        renamed = await client.post("/update_weight_version", json={"new_version": "v3"})
+        assert renamed.json() == {"success": True, "new_version": "v3"}
+        assert (await client.get("/get_weight_version")).json() == {"weight_version": "v3"}

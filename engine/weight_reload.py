@@ -1,0 +1,134 @@
+"""New weights of the served model without a restart, as an RL trainer hands a rollout server
+each checkpoint it writes (SGLang's `/update_weights_from_disk`).
+
+The checkpoint folder is loaded and built exactly as at start-up (same dtype, linear forms,
+kernels and compilation) beside the model being served, then takes its place between two steps;
+on a GPU its CUDA graphs are captured again. What start-up sized for the old weights must fit
+the new: the same model class, the same KV cache shape per token and the same tensors (names,
+shapes and dtypes). The prefix cache is forgotten after the swap, since its blocks hold the old
+weights' keys and values; requests already running keep theirs (pause first to avoid that).
+While the new weights load, the device holds both copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.core.config import EngineConfig
+from engine.core.errors import InvalidRequestError
+from engine.kv.kv_cache import KVCacheSpec
+from engine.loading.model_loader import checkpoint_config, load_weights
+from engine.model_build import prepared_model
+from engine.models import CausalLM
+
+logger = logging.getLogger(__name__)
+
+# What a runner steps with besides the model: its decode and piecewise CUDA graphs.
+Graphs = tuple[Any, Any]
+
+
+def tensor_shapes(model: CausalLM) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every parameter and buffer of `model` by name, with its shape and dtype."""
+    if not isinstance(model, nn.Module):
+        return {}
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors}
+
+
+@dataclass(slots=True)
+class WeightReloader:
+    """Loads a checkpoint as the served model was loaded, and puts it in the runner's hands."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    # The served model's KV cache shape, which the new weights must keep.
+    kv_spec: KVCacheSpec
+    # Captures CUDA graphs over a model (none where steps run eagerly).
+    capture: Callable[[CausalLM], Graphs]
+
+    def refusal(self) -> str | None:
+        """Why this engine cannot take new weights, or None."""
+        if self.config.tensor_parallel_size > 1:
+            return "new weights load on one device only (not under --tensor-parallel-size)"
+        if self.config.enable_lora:
+            return "new weights cannot load under --enable-lora (the adapters wrap the layers)"
+        if self.config.load_format == "dummy":
+            return "the model was started with --load-format dummy"
+        return None
+
+    def load(self, path: str, served: CausalLM) -> CausalLM:
+        """The model at the folder `path`, built to step in `served`'s place; raises
+        `InvalidRequestError` where it cannot load or would not fit."""
+        if not Path(path).is_dir():
+            raise InvalidRequestError(f"{path} is not a checkpoint folder.", param="model_path")
+        self._check_kv_shape(path)
+        try:
+            source, _, _ = load_weights(
+                path,
+                self.dtype,
+                self.device,
+                self.config.trust_remote_code,
+                self.config.int8_activations,
+            )
+        except (OSError, ValueError) as exc:
+            raise InvalidRequestError(
+                f"Cannot load weights from {path}: {exc}", param="model_path"
+            ) from exc
+        model, _ = prepared_model(source, self.config, self.device)
+        _check_same_tensors(path, model, served)
+        return model
+
+    def install(self, runner: Any, model: CausalLM) -> None:
+        """`model` steps from now on, with graphs of its own where the runner replayed some."""
+        replays = runner.graphs is not None or runner.piecewise is not None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no launched step still reads the old weights
+        runner.graphs = runner.piecewise = None
+        runner.model = model
+        if replays:
+            torch.cuda.empty_cache()
+            runner.graphs, runner.piecewise = self.capture(model)
+        logger.info("serving new weights")
+
+    def _check_kv_shape(self, path: str) -> None:
+        config = checkpoint_config(path, self.config.trust_remote_code)
+        if config is None:
+            raise InvalidRequestError(f"{path} holds no config.json.", param="model_path")
+        spec = self.kv_spec
+        theirs = KVCacheSpec.from_hf_config(config.get_text_config(), spec.dtype, spec.block_size)
+        if theirs != spec:
+            raise InvalidRequestError(
+                f"The weights in {path} do not fit the KV cache sized at start-up: "
+                f"{_shape(theirs)} per token, where the served model has {_shape(spec)}.",
+                param="model_path",
+            )
+
+
+def _shape(spec: KVCacheSpec) -> str:
+    return f"{spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim}"
+
+
+def _check_same_tensors(path: str, model: CausalLM, served: CausalLM) -> None:
+    if type(model) is not type(served):
+        raise InvalidRequestError(
+            f"The weights in {path} build a {type(model).__name__}, where the served model "
+            f"is a {type(served).__name__}.",
+            param="model_path",
+        )
+    ours, theirs = tensor_shapes(served), tensor_shapes(model)
+    names = ours.keys() | theirs.keys()
+    differ = sorted(name for name in names if ours.get(name) != theirs.get(name))
+    if differ:
+        raise InvalidRequestError(
+            f"The weights in {path} are not the served model's shape: "
+            f"{', '.join(differ[:3])}{' and more' if len(differ) > 3 else ''} differ.",
+            param="model_path",
+        )
