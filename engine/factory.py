@@ -71,6 +71,7 @@ from engine.worker.model_runner import ModelRunner
 from engine.worker.piecewise_graphs import PiecewiseGraphs, bucket_sizes
 from engine.worker.profiler import TorchRecorder
 from engine.worker.sampler import Sampler
+from engine.worker.sleep_mode import SleepMode
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +405,9 @@ def core_from_model(
             dtype,
             kv_cache.spec,
             lambda built: _graphs(config, built, backend, kv_cache, max_model_len),
+            loaded.path if config.load_format != "dummy" else "",
         )
+        core.sleeper = SleepMode(runner, core.reloader, config.enable_sleep_mode)
     spec = config.speculative
     if spec is not None:
         limits = DraftLimits(0, vocab_size, config.max_num_batched_tokens)

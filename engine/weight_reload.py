@@ -34,12 +34,20 @@ logger = logging.getLogger(__name__)
 Graphs = tuple[Any, Any]
 
 
-def tensor_shapes(model: CausalLM) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every parameter and buffer of `model` by name, with its shape and dtype."""
-    if not isinstance(model, nn.Module):
-        return {}
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    return {name: (tuple(t.shape), t.dtype) for name, t in tensors}
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What new weights must match: the model's class, and every parameter and buffer by name
+    with its shape and dtype."""
+
+    kind: type
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+    @classmethod
+    def of(cls, model: CausalLM) -> ModelShape:
+        if not isinstance(model, nn.Module):
+            return cls(type(model), {})
+        named = [*model.named_parameters(), *model.named_buffers()]
+        return cls(type(model), {name: (tuple(t.shape), t.dtype) for name, t in named})
 
 
 @dataclass(slots=True)
@@ -53,6 +61,8 @@ class WeightReloader:
     kv_spec: KVCacheSpec
     # Captures CUDA graphs over a model (none where steps run eagerly).
     capture: Callable[[CausalLM], Graphs]
+    # The folder the weights being served came from ("" for a model built in memory).
+    served_path: str = ""
 
     def refusal(self) -> str | None:
         """Why this engine cannot take new weights, or None."""
@@ -64,9 +74,9 @@ class WeightReloader:
             return "the model was started with --load-format dummy"
         return None
 
-    def load(self, path: str, served: CausalLM) -> CausalLM:
-        """The model at the folder `path`, built to step in `served`'s place; raises
-        `InvalidRequestError` where it cannot load or would not fit."""
+    def load(self, path: str, served: ModelShape) -> CausalLM:
+        """The model at the folder `path`, built to step in place of a model of the `served`
+        shape; raises `InvalidRequestError` where it cannot load or would not fit."""
         if not Path(path).is_dir():
             raise InvalidRequestError(f"{path} is not a checkpoint folder.", param="model_path")
         self._check_kv_shape(path)
@@ -86,13 +96,15 @@ class WeightReloader:
         _check_same_tensors(path, model, served)
         return model
 
-    def install(self, runner: Any, model: CausalLM) -> None:
-        """`model` steps from now on, with graphs of its own where the runner replayed some."""
+    def install(self, runner: Any, model: CausalLM, path: str) -> None:
+        """`model`, loaded from `path`, steps from now on, with graphs of its own where the
+        runner replayed some."""
         replays = runner.graphs is not None or runner.piecewise is not None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no launched step still reads the old weights
         runner.graphs = runner.piecewise = None
         runner.model = model
+        self.served_path = path
         if replays:
             torch.cuda.empty_cache()
             runner.graphs, runner.piecewise = self.capture(model)
@@ -116,14 +128,15 @@ def _shape(spec: KVCacheSpec) -> str:
     return f"{spec.num_layers} layers x {spec.num_kv_heads} KV heads x {spec.head_dim}"
 
 
-def _check_same_tensors(path: str, model: CausalLM, served: CausalLM) -> None:
-    if type(model) is not type(served):
+def _check_same_tensors(path: str, model: CausalLM, served: ModelShape) -> None:
+    shape = ModelShape.of(model)
+    if shape.kind is not served.kind:
         raise InvalidRequestError(
-            f"The weights in {path} build a {type(model).__name__}, where the served model "
-            f"is a {type(served).__name__}.",
+            f"The weights in {path} build a {shape.kind.__name__}, where the served model "
+            f"is a {served.kind.__name__}.",
             param="model_path",
         )
-    ours, theirs = tensor_shapes(served), tensor_shapes(model)
+    ours, theirs = served.tensors, shape.tensors
     names = ours.keys() | theirs.keys()
     differ = sorted(name for name in names if ours.get(name) != theirs.get(name))
     if differ:

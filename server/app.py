@@ -75,6 +75,7 @@ from server.serving_messages import MessagesHandler
 from server.serving_responses import ResponsesHandler
 from server.serving_score import ScoreHandler
 from server.settings import ServerSettings
+from server.sleep_api import sleep_router
 from server.stats_log import StatsLog
 from server.tokenization import encode_text, tokenizer_info
 from server.tracing import Tracing, output_logging
@@ -182,6 +183,7 @@ def build_app(
     if settings.server_dev_mode:
         app.include_router(generation_control_router(engine))
         app.include_router(weight_updates_router(engine))
+        app.include_router(sleep_router(engine))
     if engine.info.profiling:
         app.include_router(profiling_router(engine))
     runner = BatchRunner(app, files, jobs, settings.api_key)

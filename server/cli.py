@@ -441,6 +441,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(inductor) at start-up; CUDA graphs then replay the compiled code",
     )
     engine.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="let the engine give its memory back between rollouts: /sleep frees the KV "
+        "cache (level 1; on a GPU the weights move to host memory) or the weights too "
+        "(level 2), /wake_up takes it again (with --server-dev-mode)",
+    )
+    engine.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -871,6 +878,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_cuda_graph_size=graphs.largest,
         mixed_step_graphs=graphs.mixed,
         compile=args.compile,
+        enable_sleep_mode=args.enable_sleep_mode,
         runner=args.runner,
         seed=args.seed,
         trust_remote_code=args.trust_remote_code,

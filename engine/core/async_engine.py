@@ -153,6 +153,8 @@ class AsyncEngine:
         self._reloads: list[tuple[str, asyncio.Future[None]]] = []
         # What the trainer calls the weights being served (None: those it started with).
         self.weight_version: str | None = None
+        # Whether the pause in force is the one a sleep made (the wake-up then resumes).
+        self._sleep_paused = False
         # Adapters read and waiting to be served, and adapters removed, between two steps.
         self._lora_adds: list[tuple[LoRARequest, Any, asyncio.Future[LoRARequest]]] = []
         self._lora_removals: list[LoRARequest] = []
@@ -393,7 +395,14 @@ class AsyncEngine:
         await done
 
     async def resume(self) -> None:
-        """Go on generating: frozen requests continue and the held ones queue."""
+        """Go on generating: frozen requests continue and the held ones queue. Asleep, the
+        engine goes on at the wake-up."""
+        if self.is_sleeping:
+            self._sleep_paused = True
+            return
+        self._resume_now()
+
+    def _resume_now(self) -> None:
         pause, self._pause = self._pause, None
         if pause is None:
             return
@@ -432,25 +441,62 @@ class AsyncEngine:
     async def _apply_reloads(self) -> None:
         """Between two steps: each queued checkpoint loads and takes the model's place on the
         step thread, then the prefix cache computed with the old weights is forgotten."""
-        reloader = self.core.reloader
-        assert reloader is not None  # `reload_weights` queues none without one
+        reloader, sleeper = self.core.reloader, self.core.sleeper
+        assert reloader is not None and sleeper is not None  # made together, or neither
         loop = asyncio.get_running_loop()
         reloads, self._reloads = self._reloads, []
         for path, done in reloads:
             runner = self.core.runner
             try:
                 model = await loop.run_in_executor(
-                    self._executor, reloader.load, path, runner.model
+                    self._executor, reloader.load, path, sleeper.shape()
                 )
-                await loop.run_in_executor(self._executor, reloader.install, runner, model)
+                await loop.run_in_executor(self._executor, reloader.install, runner, model, path)
+                await loop.run_in_executor(self._executor, sleeper.weights_loaded)
             except Exception as exc:
                 if not done.done():
                     done.set_exception(exc)
                 continue
             self.core.scheduler.block_manager.reset_cache()
             self.core.publish_kv_events()
+            self._resume_if_awake()
             if not done.done():
                 done.set_result(None)
+
+    # ---- sleep mode ------------------------------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        sleeper = self.core.sleeper
+        return sleeper is not None and bool(sleeper.asleep)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Give the engine's memory back (see `engine/worker/sleep_mode.py`): requests in
+        flight are aborted, and requests that arrive wait for the wake-up."""
+        sleeper = self.core.sleeper
+        reason = sleeper.refusal(level) if sleeper is not None else "this engine cannot sleep"
+        if reason is not None:
+            raise InvalidRequestError(f"Cannot sleep: {reason}.", param="level")
+        if self._pause is None:
+            self._sleep_paused = True
+        await self.pause("abort")
+        assert sleeper is not None
+        await asyncio.get_running_loop().run_in_executor(self._executor, sleeper.sleep, level)
+
+    async def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Take back what sleep gave up (`tags`: `weights`, `kv_cache`; None: both); once
+        both are back, generation goes on unless a pause of its own holds it."""
+        sleeper = self.core.sleeper
+        if sleeper is None or not sleeper.asleep:
+            return
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, sleeper.wake, tags)
+        self._resume_if_awake()
+
+    def _resume_if_awake(self) -> None:
+        if self._sleep_paused and not self.is_sleeping:
+            self._sleep_paused = False
+            self._resume_now()
 
     # ---- the loop --------------------------------------------------------------------------
 

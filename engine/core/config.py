@@ -258,6 +258,8 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     # What each request reports of its verification steps (`SPEC_METRICS`).
     spec_metrics: str = "none"
+    # The engine may give its memory back between rollouts (`worker/sleep_mode.py`).
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -294,6 +296,8 @@ class EngineConfig:
                 "speculative decoding and --async-scheduling do not run together: drafts are "
                 "made from each step's tokens before the next step is scheduled"
             )
+        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
+            raise ValueError("--enable-sleep-mode runs on one device: --tensor-parallel-size 1")
         spec = self.speculative
         if spec is not None and spec.uses_model and self.tensor_parallel_size > 1:
             raise ValueError("a draft model drafts on one device: --tensor-parallel-size 1")

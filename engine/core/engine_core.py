@@ -36,6 +36,7 @@ from engine.structured.deferred import DeferredGrammar
 if TYPE_CHECKING:  # the runner owns torch; the core itself stays torch-free
     from engine.weight_reload import WeightReloader
     from engine.worker.model_runner import LaunchedStep, ModelRunner
+    from engine.worker.sleep_mode import SleepMode
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class EngineCore:
         self.profiler: StepProfiler | None = None
         # Loads new weights in the served model's place; None: this engine cannot.
         self.reloader: WeightReloader | None = None
+        # Gives the engine's memory back and takes it again; None where it cannot.
+        self.sleeper: SleepMode | None = None
 
     # ---- requests --------------------------------------------------------------------------
 

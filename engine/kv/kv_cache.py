@@ -74,14 +74,10 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.device = device
-        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        if device.type == "cpu":
-            self.tensor = huge_pages.zeros(shape, spec.dtype)
-        else:
-            self.tensor = torch.zeros(shape, dtype=spec.dtype, device=device)
-        # Per-layer views, made once: every layer asks for its own on every step.
-        self._keys = [self.tensor[layer, 0] for layer in range(spec.num_layers)]
-        self._values = [self.tensor[layer, 1] for layer in range(spec.num_layers)]
+        self.tensor = torch.empty(0, dtype=spec.dtype, device=device)
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self.restore()
         self.scales = torch.ones(spec.num_layers, 2, dtype=torch.float32, device=device)
         self._layer_scales = [self.scales[layer] for layer in range(spec.num_layers)]
         # Set while the next step's K/V are to set every layer's scales (`calibrate`).
@@ -89,6 +85,34 @@ class KVCache:
         # Under tensor parallelism, the ranks that share the layers: each calibrates over the
         # largest K/V of them all, so the scales are those of one rank holding every head.
         self.group: ParallelGroup | None = None
+
+    def restore(self) -> None:
+        """Allocate the cache, zeroed (at start-up, and after `release`)."""
+        spec = self.spec
+        shape = (
+            spec.num_layers,
+            2,
+            self.num_blocks,
+            spec.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
+        if self.device.type == "cpu":
+            self.tensor = huge_pages.zeros(shape, spec.dtype)
+        else:
+            self.tensor = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        # Per-layer views, made once: every layer asks for its own on every step.
+        self._keys = [self.tensor[layer, 0] for layer in range(spec.num_layers)]
+        self._values = [self.tensor[layer, 1] for layer in range(spec.num_layers)]
+
+    def release(self) -> None:
+        """Give the cache's memory back (sleep mode); nothing may step until `restore`."""
+        self.tensor = torch.empty(0, dtype=self.spec.dtype, device=self.device)
+        self._keys, self._values = [], []
+
+    @property
+    def released(self) -> bool:
+        return not self._keys
 
     @property
     def scaled(self) -> bool:

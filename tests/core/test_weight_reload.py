@@ -9,14 +9,10 @@ from pathlib import Path
 import pytest
 
 from engine.core.async_engine import AsyncEngine
-from engine.core.config import CacheConfig, EngineConfig
 from engine.core.errors import InvalidRequestError
-from engine.core.sampling_params import SamplingParams
 from tests.conftest import DEVICES
-from tests.helpers import chat_tokenizer, reference_greedy, tiny_core, tiny_llama
-
-PROMPT = [5, 9, 33, 2, 17, 40, 41, 42, 43]
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+from tests.helpers import tiny_core
+from tests.saved_models import engine_on, greedy, oracle, saved_llama
 
 
 @pytest.fixture(scope="module")
@@ -24,47 +20,22 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The served checkpoint (with its tokenizer), a trainer's next one of the same shape
     (weights and config only), and two that do not fit it."""
     made = {
-        "served": tiny_llama(seed=0),
-        "next": tiny_llama(seed=1),
-        "deeper": tiny_llama(num_layers=3),
-        "other_vocab": tiny_llama(vocab_size=352),
+        "served": {"seed": 0, "with_tokenizer": True},
+        "next": {"seed": 1},
+        "deeper": {"num_layers": 3},
+        "other_vocab": {"vocab_size": 352},
     }
-    folders = {}
-    for name, model in made.items():
-        folders[name] = tmp_path_factory.mktemp(name)
-        model.save_pretrained(folders[name])
-    chat_tokenizer().save_pretrained(folders["served"])
-    return folders
+    return {
+        name: saved_llama(tmp_path_factory.mktemp(name), **shape) for name, shape in made.items()
+    }
 
 
 @pytest.fixture(params=DEVICES)
 async def engine(folders, request):
     """The served checkpoint loaded as `conveyor serve` loads it; on a GPU its steps replay
     CUDA graphs, captured again over new weights."""
-    config = EngineConfig(
-        model=str(folders["served"]),
-        dtype="float32",
-        device=request.param,
-        cache=CacheConfig(num_blocks=64),
-    )
-    engine = AsyncEngine.from_config(config)
-    await engine.start()
-    yield engine
-    await engine.shutdown()
-
-
-async def greedy(engine: AsyncEngine, prompt=PROMPT) -> list[int]:
-    tokens: list[int] = []
-    async for output in engine.generate(prompt, GREEDY):
-        tokens += output.new_token_ids
-    return tokens
-
-
-def oracle(folder: Path, prompt=PROMPT) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32").eval()
-    return reference_greedy(model, prompt, GREEDY.max_tokens)
+    async with engine_on(folders["served"], device=request.param) as engine:
+        yield engine
 
 
 async def test_greedy_tokens_follow_the_new_weights(engine, folders):

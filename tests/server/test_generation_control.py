@@ -12,7 +12,7 @@ import pytest
 from engine.core.config import CacheConfig, EngineConfig
 from server.cli import build_parser, server_settings
 from server.settings import ServerSettings
-from tests.helpers import chat_tokenizer, tiny_llama
+from tests.saved_models import saved_llama
 from tests.server_utils import app_client, blocks_in_use, live_server, loaded_client, until
 
 DEV = ServerSettings(served_model_name="tiny", server_dev_mode=True)
@@ -137,10 +137,8 @@ def test_the_flag_or_its_variable_turns_dev_mode_on(monkeypatch, argv, env, on):
 
 
 async def test_a_trainer_s_checkpoint_is_served_after_update_weights_from_disk(tmp_path):
-    served, trained = tmp_path / "served", tmp_path / "trained"
-    tiny_llama(seed=0).save_pretrained(served)
-    chat_tokenizer().save_pretrained(served)
-    tiny_llama(seed=3).save_pretrained(trained)
+    served = saved_llama(tmp_path / "served", with_tokenizer=True, seed=0)
+    trained = saved_llama(tmp_path / "trained", seed=3)
     body = {"model": "tiny", "prompt": [5, 9, 33, 2], "max_tokens": 6, "temperature": 0}
     body["ignore_eos"] = True
     config = EngineConfig(model=str(served), dtype="float32", cache=CacheConfig(num_blocks=64))
@@ -163,3 +161,26 @@ async def test_a_trainer_s_checkpoint_is_served_after_update_weights_from_disk(t
         renamed = await client.post("/update_weight_version", json={"new_version": "v3"})
         assert renamed.json() == {"success": True, "new_version": "v3"}
         assert (await client.get("/get_weight_version")).json() == {"weight_version": "v3"}
+
+
+async def test_sleep_and_wake_up_as_vllm_serves_them(tmp_path):
+    folder = saved_llama(tmp_path, with_tokenizer=True)
+    config = EngineConfig(
+        model=str(folder), dtype="float32", cache=CacheConfig(num_blocks=64), enable_sleep_mode=True
+    )
+    body = {"model": "tiny", "prompt": [5, 9, 33, 2], "max_tokens": 6, "temperature": 0}
+    async with loaded_client(config, DEV) as (client, engine):
+        before = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+        assert (await client.post("/sleep?level=2")).status_code == 200
+        assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
+        waiting = asyncio.create_task(client.post("/v1/completions", json=body))
+        await until(lambda: engine.num_unfinished == 1, what="the request held")
+        assert (await client.post("/wake_up?tags=weights")).status_code == 200
+        assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
+        assert not waiting.done()
+        bad = await client.post("/wake_up?tags=gpu")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tags"
+        assert (await client.post("/wake_up")).status_code == 200
+        assert (await waiting).json()["choices"][0]["text"] == before
+        refused = await client.post("/sleep?level=0")
+        assert refused.status_code == 400 and "level must be 1 or 2" in refused.text
