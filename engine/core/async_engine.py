@@ -153,8 +153,10 @@ class AsyncEngine:
         self._reloads: list[tuple[str, asyncio.Future[None]]] = []
         # What the trainer calls the weights being served (None: those it started with).
         self.weight_version: str | None = None
-        # Whether the pause in force is the one a sleep made (the wake-up then resumes).
+        # Whether the pause in force is the one a sleep made (the wake-up then resumes), and
+        # whether a sleep is under way (a resume meanwhile waits for the wake-up too).
         self._sleep_paused = False
+        self._falling_asleep = False
         # Adapters read and waiting to be served, and adapters removed, between two steps.
         self._lora_adds: list[tuple[LoRARequest, Any, asyncio.Future[LoRARequest]]] = []
         self._lora_removals: list[LoRARequest] = []
@@ -468,7 +470,7 @@ class AsyncEngine:
     @property
     def is_sleeping(self) -> bool:
         sleeper = self.core.sleeper
-        return sleeper is not None and bool(sleeper.asleep)
+        return self._falling_asleep or (sleeper is not None and bool(sleeper.asleep))
 
     async def sleep(self, level: int = 1) -> None:
         """Give the engine's memory back (see `engine/worker/sleep_mode.py`): requests in
@@ -477,11 +479,17 @@ class AsyncEngine:
         reason = sleeper.refusal(level) if sleeper is not None else "this engine cannot sleep"
         if reason is not None:
             raise InvalidRequestError(f"Cannot sleep: {reason}.", param="level")
+        assert sleeper is not None
         if self._pause is None:
             self._sleep_paused = True
-        await self.pause("abort")
-        assert sleeper is not None
-        await asyncio.get_running_loop().run_in_executor(self._executor, sleeper.sleep, level)
+        self._falling_asleep = True
+        try:
+            await self.pause("abort")
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, sleeper.sleep, level)
+        finally:
+            self._falling_asleep = False
+        self._resume_if_awake()  # where the sleep failed
 
     async def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
         """Take back what sleep gave up (`tags`: `weights`, `kv_cache`; None: both); once

@@ -11,6 +11,7 @@ are awake. Every method runs on the step thread, while the engine loop is paused
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from engine.core.errors import InvalidRequestError
+from engine.kernels.cpu import malloc_tuning
 from engine.models import CausalLM
 from engine.weight_reload import ModelShape, WeightReloader
 
@@ -80,6 +82,9 @@ class SleepMode:
         self.level = max(self.level, level)
         if self._on_gpu:
             torch.cuda.empty_cache()
+        else:
+            gc.collect()  # the model's cycles too, before the heap is trimmed
+            malloc_tuning.give_back_freed_memory()
         logger.info("asleep at level %d", self.level)
 
     def wake(self, tags: tuple[str, ...] | None = None) -> None:

@@ -98,3 +98,16 @@ async def test_without_the_flag_the_engine_does_not_sleep(folders):
         with pytest.raises(InvalidRequestError, match="--enable-sleep-mode"):
             await engine.sleep(1)
         assert not engine.is_sleeping and not engine.is_paused
+
+
+async def test_a_resume_while_falling_asleep_waits_for_the_wake_up(engine):
+    stream = engine.generate(PROMPT, LONG)
+    await stream.__anext__()
+    sleeping = asyncio.ensure_future(engine.sleep(1))
+    await asyncio.sleep(0)
+    await engine.resume()
+    await sleeping
+    assert engine.is_sleeping and engine.is_paused
+    assert [output async for output in stream][-1].finish_reason == "abort"
+    await engine.wake_up()
+    assert not engine.is_paused and len(await greedy(engine)) == 8

@@ -46,3 +46,16 @@ def keep_freed_memory() -> bool:
             TRIM_THRESHOLD >> 20,
         )
     return kept
+
+
+def give_back_freed_memory() -> bool:
+    """Hand the heap's free memory back to the kernel now (glibc's `malloc_trim`), as sleep
+    mode does after freeing the weights; False where the C library is not glibc."""
+    try:
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    malloc_trim.restype = ctypes.c_int
+    malloc_trim(0)
+    return True
