@@ -128,7 +128,8 @@ def build_app(
             "text decoder on one device takes them; not Gemma's or Granite's, which scale them)"
         )
     registry = registry if registry is not None else build_registry()
-    engine.stat_loggers.append(EngineMetrics(registry, served.name, engine.info).record)
+    metrics = EngineMetrics(registry, served.name, engine.info, lambda: engine.sleep_level)
+    engine.stat_loggers.append(metrics.record)
     tracing = tracing or Tracing.from_endpoint(
         settings.otlp_traces_endpoint, settings.log_requests, output_logging(settings)
     )

@@ -7,7 +7,7 @@ an ASGI middleware. Nothing here touches a global registry.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -117,6 +117,10 @@ def build_1_2_5_buckets(limit: int) -> list[int]:
         exponent += 1
 
 
+# `vllm:engine_sleep_state`'s states, by sleep level (0: awake).
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
+
 class _DraftCounters:
     """vLLM's speculative decoding counters, registered where drafts are verified: drafts,
     draft tokens, tokens kept, and tokens kept at each position of a draft."""
@@ -185,8 +189,15 @@ class _ResidencyHistograms:
 class EngineMetrics:
     """The `vllm:` metrics of one served model."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, info: ServingInfo) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        info: ServingInfo,
+        sleep_level: Callable[[], int] = lambda: 0,
+    ) -> None:
         self._labels = (model_name, str(info.data_parallel_rank))
+        self._sleep_level = sleep_level
         # Requests with sequences still running: (sequences finished, most tokens so far).
         self._generation_groups: dict[str, tuple[int, int]] = {}
         self._define_gauges(registry, info)
@@ -274,6 +285,19 @@ class EngineMetrics:
         )
         self._lora_labels = (str(info.max_loras), "", "")
         self._lora_family.labels(*self._lora_labels).set_function(time.time)
+        sleep_state = Gauge(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+            "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
+            "level 2.",
+            [*LABELS, "sleep_state"],
+            registry=registry,
+        )
+        for level, state in enumerate(SLEEP_STATES):
+            sleep_state.labels(*self._labels, state).set_function(self._is_level(level))
+
+    def _is_level(self, level: int) -> Callable[[], float]:
+        return lambda: float(self._sleep_level() == level)
 
     def _define_counters(self, registry: CollectorRegistry) -> None:
         self.prompt_tokens = self._counter(

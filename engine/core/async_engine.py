@@ -472,6 +472,12 @@ class AsyncEngine:
         sleeper = self.core.sleeper
         return self._falling_asleep or (sleeper is not None and bool(sleeper.asleep))
 
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the deepest level the engine sleeps at."""
+        sleeper = self.core.sleeper
+        return sleeper.level if sleeper is not None and sleeper.asleep else 0
+
     async def sleep(self, level: int = 1) -> None:
         """Give the engine's memory back (see `engine/worker/sleep_mode.py`): requests in
         flight are aborted, and requests that arrive wait for the wake-up."""
