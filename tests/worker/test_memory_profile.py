@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import factory
+from engine import factory, model_build
 from engine.core.config import CacheConfig, EngineConfig
 from engine.worker import memory_profile
 from engine.worker.memory_profile import GiB, MemoryBreakdown, prefill_lengths
@@ -136,9 +136,9 @@ def test_the_profiling_pass_runs_a_step_at_the_budget():
 
 def test_the_cache_is_sized_after_the_projections_are_fused(monkeypatch):
     events: list[str] = []
-    real_build, real_blocks = factory.build_causal_lm, factory._num_blocks
+    real_build, real_blocks = model_build.build_causal_lm, factory._num_blocks
     monkeypatch.setattr(
-        factory, "build_causal_lm", lambda *a: events.append("model built") or real_build(*a)
+        model_build, "build_causal_lm", lambda *a: events.append("model built") or real_build(*a)
     )
     monkeypatch.setattr(
         factory, "_num_blocks", lambda *a: events.append("cache sized") or real_blocks(*a)
