@@ -88,9 +88,10 @@ class WeightReloader:
                 self.config.trust_remote_code,
                 self.config.int8_activations,
             )
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # a broken file's own error, whatever its library's type
             raise InvalidRequestError(
-                f"Cannot load weights from {path}: {exc}", param="model_path"
+                f"Cannot load weights from {path}: {type(exc).__name__}: {exc}",
+                param="model_path",
             ) from exc
         model, _ = prepared_model(source, self.config, self.device)
         _check_same_tensors(path, model, served)

@@ -24,10 +24,14 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "next": {"seed": 1},
         "deeper": {"num_layers": 3},
         "other_vocab": {"vocab_size": 352},
+        "broken": {"seed": 3},
     }
-    return {
+    folders = {
         name: saved_llama(tmp_path_factory.mktemp(name), **shape) for name, shape in made.items()
     }
+    weights = folders["broken"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # cut short, as a crashed copy leaves it
+    return folders
 
 
 @pytest.fixture(params=DEVICES)
@@ -66,6 +70,7 @@ async def test_the_old_weights_prefix_cache_is_forgotten(engine, folders):
         ("deeper", "do not fit the KV cache sized at start-up: 3 layers"),
         ("other_vocab", "not the served model's shape"),
         ("absent", "is not a checkpoint folder"),
+        ("broken", "Cannot load weights from .*broken"),
     ],
 )
 async def test_a_checkpoint_that_does_not_fit_is_refused_and_the_old_one_serves(

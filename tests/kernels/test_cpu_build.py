@@ -28,6 +28,31 @@ def test_every_source_compiles_for_each_instruction_set(tmp_path):
 
 
 @needs_compiler
+def test_a_missing_guard_fails_its_own_source_and_private_names_alike_fail_none(tmp_path):
+    """A group compiles as one unit; where that unit fails, each source is compiled alone, so
+    only the source that uses AVX-512 without a guard fails for an AVX2 target, not its
+    neighbour, and two sources' private names alike (a clash only the unit has) fail nothing."""
+    group = tmp_path / "csrc" / "group"
+    group.mkdir(parents=True)
+    private = "namespace {\nconstexpr int kLanes = %d;\n}\n"
+    (group / "guarded.cpp").write_text(
+        "#include <immintrin.h>\n" + private % 8 + "__m256 twice(__m256 x) {\n"
+        "#ifdef __AVX512F__\n  return x;\n#else\n  return _mm256_add_ps(x, x);\n#endif\n}\n"
+    )
+    (group / "unguarded.cpp").write_text(
+        "#include <immintrin.h>\n"
+        + private % 16
+        + "__m512 sum(__m512 x) { return _mm512_add_ps(x, x); }\n"
+    )
+    failures = cpu_build.cross_compile(["haswell"], tmp_path / "work", csrc=tmp_path / "csrc")
+    assert [(f.target, f.source) for f in failures] == [("haswell", "unguarded.cpp")]
+    assert "_mm512_add_ps" in failures[0].errors
+    assert (
+        cpu_build.cross_compile(["sapphirerapids"], tmp_path / "wide", csrc=tmp_path / "csrc") == []
+    )
+
+
+@needs_compiler
 def test_every_group_builds_for_this_machine():
     result = cpu_ops.build_result()
     assert result.built == ALL, result.failed

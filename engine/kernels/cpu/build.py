@@ -320,26 +320,43 @@ class CompileFailure:
 
 
 def cross_compile(
-    targets: Sequence[str], workdir: Path, jobs: int | None = None
+    targets: Sequence[str], workdir: Path, jobs: int | None = None, csrc: Path = CSRC
 ) -> list[CompileFailure]:
     """Compile every source for each `-march=<target>` (object code thrown away, no
     optimisation), whatever this host runs: a guard missing for a narrower instruction set
     fails here on any machine. The torch headers are parsed once per target, as a precompiled
-    header; the targets' headers, then every (target, source) pair, share one pool of jobs."""
-    sources = sorted(CSRC.glob("*/*.cpp"))
+    header, and a group's sources are compiled as one unit (loading that header once); a unit
+    that fails is compiled again source by source, so that each failure names its source and
+    two sources' private names alike never fail it. The targets' headers, then every (target,
+    group) pair, share one pool of jobs. `csrc`: the sources' folder (a group a folder)."""
+    groups: dict[str, list[Path]] = {}
+    for source in sorted(csrc.glob("*/*.cpp")):
+        groups.setdefault(source.parent.name, []).append(source)
+    includes = _system_includes(csrc)
     with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
-        made = pool.map(lambda target: _torch_header(target, workdir), targets)
+        made = pool.map(lambda target: _torch_header(target, workdir, includes), targets)
         headers = dict(zip(targets, made, strict=True))
-        pairs = [(target, source) for target in targets for source in sources]
-        results = pool.map(lambda pair: _compile_for(pair[0], pair[1], headers[pair[0]]), pairs)
-        return [failure for failure in results if failure is not None]
+        pairs = [(target, group) for target in targets for group in groups]
+        results = pool.map(
+            lambda pair: _compile_group(pair[0], groups[pair[1]], headers[pair[0]]), pairs
+        )
+        return [failure for failures in results for failure in failures]
 
 
-def _torch_header(target: str, workdir: Path) -> Path:
-    """The sources' system includes, precompiled for `target`."""
+def _compile_group(target: str, sources: list[Path], header: Path) -> list[CompileFailure]:
+    unit = header.parent / f"{sources[0].parent.name}_unit.cpp"
+    unit.write_text("".join(f'#include "{source}"\n' for source in sources))
+    if _compile_for(target, unit, header) is None:
+        return []
+    failures = (_compile_for(target, source, header) for source in sources)
+    return [failure for failure in failures if failure is not None]
+
+
+def _torch_header(target: str, workdir: Path, includes: list[str]) -> Path:
+    """The sources' system `includes`, precompiled for `target`."""
     header = workdir / target / "torch_headers.h"
     header.parent.mkdir(parents=True, exist_ok=True)
-    header.write_text("".join(f"#include <{h}>\n" for h in _system_includes()))
+    header.write_text("".join(f"#include <{h}>\n" for h in includes))
     _run([*_cross_flags(target), "-x", "c++-header", str(header), "-o", f"{header}.gch"])
     return header
 
@@ -374,10 +391,11 @@ def _cross_flags(target: str) -> list[str]:
     ]
 
 
-def _system_includes() -> list[str]:
-    """Every `#include <...>` of the sources and headers, for the precompiled header."""
+def _system_includes(csrc: Path = CSRC) -> list[str]:
+    """Every `#include <...>` of the sources and headers under `csrc`, for the precompiled
+    header."""
     found: set[str] = set()
-    for path in [*CSRC.glob("*/*.cpp"), *HEADERS]:
+    for path in [*csrc.glob("*/*.cpp"), *csrc.glob("include/*.h")]:
         found.update(re.findall(r"^#include <([^>]+)>", path.read_text(), re.MULTILINE))
     return sorted(found)
 
