@@ -28,10 +28,10 @@ def saved_llama(folder: Path, with_tokenizer: bool = False, **shape: Any) -> Pat
 
 @asynccontextmanager
 async def engine_on(folder: Path, **options: Any) -> AsyncIterator[AsyncEngine]:
-    """A running engine that loaded `folder` in fp32 as `conveyor serve` does."""
-    config = EngineConfig(
-        model=str(folder), dtype="float32", cache=CacheConfig(num_blocks=64), **options
-    )
+    """A running engine that loaded `folder` as `conveyor serve` does (in fp32 unless
+    `options` say another dtype)."""
+    options = {"dtype": "float32", **options}
+    config = EngineConfig(model=str(folder), cache=CacheConfig(num_blocks=64), **options)
     engine = AsyncEngine.from_config(config)
     await engine.start()
     try:

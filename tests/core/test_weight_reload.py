@@ -91,3 +91,17 @@ async def test_an_engine_with_adapters_refuses_new_weights(tiny_model, folders):
             await engine.reload_weights(str(folders["next"]))
     finally:
         await engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+async def test_in_16_bits_new_weights_answer_as_a_server_started_on_them(folders, dtype):
+    """Whatever linear form start-up picks for the dtype on this CPU (bf16 panels, fp16
+    weights computed in fp32, or torch's own), new weights swapped in answer exactly as a
+    server started on them does."""
+    tokenizer = str(folders["served"])  # the trainer's folder holds weights alone
+    async with engine_on(folders["next"], dtype=dtype, tokenizer=tokenizer) as fresh:
+        expected = await greedy(fresh)
+    async with engine_on(folders["served"], dtype=dtype) as engine:
+        assert await greedy(engine) != expected
+        await engine.reload_weights(str(folders["next"]))
+        assert await greedy(engine) == expected
