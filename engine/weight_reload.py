@@ -25,6 +25,7 @@ from engine.core.config import EngineConfig
 from engine.core.errors import InvalidRequestError
 from engine.kv.kv_cache import KVCacheSpec
 from engine.loading.model_loader import checkpoint_config, load_weights
+from engine.loading.overrides import overlay_folder
 from engine.model_build import prepared_model
 from engine.models import CausalLM
 
@@ -79,10 +80,11 @@ class WeightReloader:
         shape; raises `InvalidRequestError` where it cannot load or would not fit."""
         if not Path(path).is_dir():
             raise InvalidRequestError(f"{path} is not a checkpoint folder.", param="model_path")
-        self._check_kv_shape(path)
+        folder = self._overridden(path)
+        self._check_kv_shape(folder)
         try:
             source, _, _ = load_weights(
-                path,
+                folder,
                 self.dtype,
                 self.device,
                 self.config.trust_remote_code,
@@ -110,6 +112,14 @@ class WeightReloader:
             torch.cuda.empty_cache()
             runner.graphs, runner.piecewise = self.capture(model)
         logger.info("serving new weights")
+
+    def _overridden(self, path: str) -> str:
+        """The folder to load: under `--hf-overrides`, the overlay of `path` with them, so that
+        new weights run with the config the served ones ran with."""
+        overrides = self.config.hf_overrides
+        if not overrides or not (Path(path) / "config.json").is_file():
+            return path
+        return str(overlay_folder(Path(path).resolve(), overrides))
 
     def _check_kv_shape(self, path: str) -> None:
         config = checkpoint_config(path, self.config.trust_remote_code)

@@ -10,6 +10,7 @@ import pytest
 
 from engine.core.async_engine import AsyncEngine
 from engine.core.errors import InvalidRequestError
+from engine.loading import overrides
 from tests.conftest import DEVICES
 from tests.helpers import tiny_core
 from tests.saved_models import engine_on, greedy, oracle, saved_llama
@@ -105,3 +106,23 @@ async def test_in_16_bits_new_weights_answer_as_a_server_started_on_them(folders
         assert await greedy(engine) != expected
         await engine.reload_weights(str(folders["next"]))
         assert await greedy(engine) == expected
+
+
+async def test_new_weights_run_with_the_served_model_s_config_overrides(
+    folders, tmp_path, monkeypatch
+):
+    """Under --hf-overrides the new checkpoint gets the same overrides: it answers as a server
+    started on it with them, not as its own config says."""
+    monkeypatch.setattr(overrides, "cache_dir", lambda: tmp_path)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    changed = {
+        "hf_overrides": {"max_position_embeddings": 512, "rope_parameters": yarn},
+        "tokenizer": str(folders["served"]),
+    }
+    prompt = list(range(10, 200))
+    async with engine_on(folders["next"], **changed) as fresh:
+        expected = await greedy(fresh, prompt)
+    assert expected != oracle(folders["next"], prompt)  # the override changes the answer
+    async with engine_on(folders["served"], **changed) as engine:
+        await engine.reload_weights(str(folders["next"]))
+        assert await greedy(engine, prompt) == expected
