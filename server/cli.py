@@ -547,8 +547,8 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("CONVEYOR_SERVER_DEV_MODE", "").lower() in ("1", "true"),
         help="serve the routes an RL trainer drives generation with: /pause, /resume, "
         "/is_paused, /abort_requests and /update_weights_from_disk (SGLang's "
-        "/pause_generation, /continue_generation and /abort_request too; or set "
-        "CONVEYOR_SERVER_DEV_MODE=1)",
+        "/pause_generation, /continue_generation and /abort_request too; a client then names "
+        "folders the server reads; or set CONVEYOR_SERVER_DEV_MODE=1)",
     )
     server.add_argument(
         "--allowed-origins",
