@@ -57,6 +57,7 @@ def generation_control_router(engine: EngineClient) -> APIRouter:
         return {"status": "paused"}
 
     @router.post("/resume")
+    @router.post("/continue_generation")
     async def resume_generation() -> dict[str, Any]:
         await engine.resume()
         return {"status": "resumed"}
@@ -75,11 +76,6 @@ def generation_control_router(engine: EngineClient) -> APIRouter:
     async def sglang_pause(body: SGLangPause | None = None) -> dict[str, Any]:
         await pause(SGLANG_MODES[(body or SGLangPause()).mode], True)
         return {"status": "paused"}
-
-    @router.post("/continue_generation")
-    async def sglang_continue() -> dict[str, Any]:
-        await engine.resume()
-        return {"status": "resumed"}
 
     @router.post("/abort_request")
     async def sglang_abort(body: SGLangAbort) -> dict[str, Any]:

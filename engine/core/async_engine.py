@@ -443,18 +443,11 @@ class AsyncEngine:
     async def _apply_reloads(self) -> None:
         """Between two steps: each queued checkpoint loads and takes the model's place on the
         step thread, then the prefix cache computed with the old weights is forgotten."""
-        reloader, sleeper = self.core.reloader, self.core.sleeper
-        assert reloader is not None and sleeper is not None  # made together, or neither
         loop = asyncio.get_running_loop()
         reloads, self._reloads = self._reloads, []
         for path, done in reloads:
-            runner = self.core.runner
             try:
-                model = await loop.run_in_executor(
-                    self._executor, reloader.load, path, sleeper.shape()
-                )
-                await loop.run_in_executor(self._executor, reloader.install, runner, model, path)
-                await loop.run_in_executor(self._executor, sleeper.weights_loaded)
+                await loop.run_in_executor(self._executor, self._swap_weights, path)
             except Exception as exc:
                 if not done.done():
                     done.set_exception(exc)
@@ -464,6 +457,14 @@ class AsyncEngine:
             self._resume_if_awake()
             if not done.done():
                 done.set_result(None)
+
+    def _swap_weights(self, path: str) -> None:
+        """On the step thread: the checkpoint at `path` loads and takes the model's place."""
+        reloader, sleeper = self.core.reloader, self.core.sleeper
+        assert reloader is not None and sleeper is not None  # made together, or neither
+        model = reloader.load(path, sleeper.shape())
+        reloader.install(self.core.runner, model, path)
+        sleeper.weights_loaded()
 
     # ---- sleep mode ------------------------------------------------------------------------
 
@@ -495,7 +496,6 @@ class AsyncEngine:
             await loop.run_in_executor(self._executor, sleeper.sleep, level)
         finally:
             self._falling_asleep = False
-        self._resume_if_awake()  # where the sleep failed
 
     async def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
         """Take back what sleep gave up (`tags`: `weights`, `kv_cache`; None: both); once

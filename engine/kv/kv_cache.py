@@ -74,9 +74,9 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.device = device
-        self.tensor = torch.empty(0, dtype=spec.dtype, device=device)
-        self._keys: list[torch.Tensor] = []
-        self._values: list[torch.Tensor] = []
+        self.tensor: torch.Tensor
+        self._keys: list[torch.Tensor]
+        self._values: list[torch.Tensor]
         self.restore()
         self.scales = torch.ones(spec.num_layers, 2, dtype=torch.float32, device=device)
         self._layer_scales = [self.scales[layer] for layer in range(spec.num_layers)]
