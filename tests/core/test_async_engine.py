@@ -15,14 +15,6 @@ PROMPT = tiny_tokenizer().encode("Hello there. How are you", add_special_tokens=
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=10)
 
 
-@pytest.fixture
-async def engine(tiny_model):
-    engine = AsyncEngine(*tiny_core(tiny_model))
-    await engine.start()
-    yield engine
-    await engine.shutdown()
-
-
 async def collect(
     engine: AsyncEngine,
     params: SamplingParams = GREEDY,

@@ -10,6 +10,7 @@ from engine.core.async_engine import AsyncEngine
 from engine.core.errors import EngineDeadError, InvalidRequestError
 from engine.core.pausing import PauseInterruptedError
 from engine.core.sampling_params import SamplingParams
+from tests.core.test_async_engine import blocks_in_use
 from tests.helpers import run_all, tiny_core, tiny_tokenizer, tokens_of
 
 PROMPT = tiny_tokenizer().encode("Hello there. How are you", add_special_tokens=False)
@@ -17,21 +18,9 @@ OTHER = PROMPT[:5]
 LONG = SamplingParams(temperature=0, ignore_eos=True, max_tokens=60)
 
 
-@pytest.fixture
-async def engine(tiny_model):
-    engine = AsyncEngine(*tiny_core(tiny_model))
-    await engine.start()
-    yield engine
-    await engine.shutdown()
-
-
 def expected(tiny_model, prompt, params=LONG) -> list[int]:
     core, _ = tiny_core(tiny_model)
     return tokens_of(run_all(core, [prompt], params)["req-0"])
-
-
-def blocks_in_use(engine: AsyncEngine) -> int:
-    return engine.core.scheduler.block_manager.num_used_blocks
 
 
 async def started(engine: AsyncEngine, prompt=PROMPT, request_id=None, params=LONG):

@@ -8,12 +8,12 @@ import json
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine.core.config import CacheConfig, EngineConfig
 from server.cli import build_parser, server_settings
 from server.settings import ServerSettings
 from tests.saved_models import saved_llama
+from tests.server.test_metrics import scrape
 from tests.server_utils import app_client, blocks_in_use, live_server, loaded_client, until
 
 DEV = ServerSettings(served_model_name="tiny", server_dev_mode=True)
@@ -164,14 +164,10 @@ async def test_a_trainer_s_checkpoint_is_served_after_update_weights_from_disk(t
         assert (await client.get("/get_weight_version")).json() == {"weight_version": "v3"}
 
 
-def sleep_states(response: httpx.Response) -> dict[str, float]:
-    """`vllm:engine_sleep_state`'s series at 1, by state."""
-    family = next(
-        f
-        for f in text_string_to_metric_families(response.text)
-        if f.name == "vllm:engine_sleep_state"
-    )
-    return {s.labels["sleep_state"]: s.value for s in family.samples if s.value}
+async def sleep_states(client: httpx.AsyncClient) -> dict[str, float]:
+    """`vllm:engine_sleep_state`'s series not at 0, by state."""
+    series = (await scrape(client))["vllm:engine_sleep_state"]
+    return {dict(labels)["sleep_state"]: v for labels, v in series.items() if v}
 
 
 async def test_sleep_and_wake_up_as_vllm_serves_them(tmp_path):
@@ -182,10 +178,10 @@ async def test_sleep_and_wake_up_as_vllm_serves_them(tmp_path):
     body = {"model": "tiny", "prompt": [5, 9, 33, 2], "max_tokens": 6, "temperature": 0}
     async with loaded_client(config, DEV) as (client, engine):
         before = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
-        assert sleep_states(await client.get("/metrics")) == {"awake": 1.0}
+        assert await sleep_states(client) == {"awake": 1.0}
         assert (await client.post("/sleep?level=2")).status_code == 200
         assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
-        assert sleep_states(await client.get("/metrics")) == {"discard_all": 1.0}
+        assert await sleep_states(client) == {"discard_all": 1.0}
         waiting = asyncio.create_task(client.post("/v1/completions", json=body))
         await until(lambda: engine.num_unfinished == 1, what="the request held")
         assert (await client.post("/wake_up?tags=weights")).status_code == 200
@@ -195,6 +191,6 @@ async def test_sleep_and_wake_up_as_vllm_serves_them(tmp_path):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tags"
         assert (await client.post("/wake_up")).status_code == 200
         assert (await waiting).json()["choices"][0]["text"] == before
-        assert sleep_states(await client.get("/metrics")) == {"awake": 1.0}
+        assert await sleep_states(client) == {"awake": 1.0}
         refused = await client.post("/sleep?level=0")
         assert refused.status_code == 400 and "level must be 1 or 2" in refused.text
