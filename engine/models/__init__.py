@@ -12,6 +12,7 @@ from typing import Any
 from engine.models.base import CausalLM
 from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
 from engine.models.glm import GLM_ARCHITECTURES, PagedGlmForCausalLM
+from engine.models.gpt_oss import GPT_OSS_ARCHITECTURES, PagedGptOssForCausalLM
 from engine.models.granite import GRANITE_ARCHITECTURES, PagedGraniteForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
@@ -66,6 +67,8 @@ def _decoder_class(architecture: str) -> type[PagedLlamaForCausalLM]:
         return PagedOlmo2ForCausalLM
     if architecture in GLM_ARCHITECTURES:
         return PagedGlmForCausalLM
+    if architecture in GPT_OSS_ARCHITECTURES:
+        return PagedGptOssForCausalLM
     return PagedLlamaForCausalLM
 
 

@@ -1,11 +1,12 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-VL-MoE's language model): a
-router picks each token's top-k experts, each expert is a gated MLP of its own, and their
-outputs are summed with the router's weights (plus, in Qwen2-MoE, a shared expert every token
-runs, behind a sigmoid gate).
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-VL-MoE's language model,
+gpt-oss): a router picks each token's top-k experts, each expert is a gated MLP of its own, and
+their outputs are summed with the router's weights (plus, in Qwen2-MoE, a shared expert every
+token runs, behind a sigmoid gate).
 
 Hugging Face holds a layer's experts as two 3-d tensors (`gate_up_proj [experts, 2 * inter,
-hidden]` with gate above up, `down_proj [experts, hidden, inter]`). `ExpertLinears` holds them
-as one gate/up and one down linear layer per expert instead (views of the same memory), so the
+hidden]` with gate above up, `down_proj [experts, hidden, inter]`; gpt-oss's transposed, gate
+and up interleaved, with biases). `ExpertLinears` holds them as one gate/up and one down linear
+layer per expert instead (views of the same memory; gpt-oss's copied once into that layout), so the
 linear-layer forms (`kernels/cpu/linear.py`) take experts as they take any projection: bf16
 panels on AVX-512 BF16 and AMX CPUs, fp16 or fp32 panels elsewhere, torch's own on a GPU. It
 keeps Hugging Face's `forward(hidden, top_k_index, top_k_weights)`, so the Hugging Face model
@@ -23,11 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import gated_activation
+from engine.models.layers import clamped_swiglu, gated_activation
 from engine.parallel.sharding import FUSED_EXPERTS
 
 # Routers without `norm_topk_prob` that still cast their weights to the logits' dtype.
 CASTING_ROUTERS = frozenset({"Qwen3VLMoeTextTopKRouter"})
+# Routers that take the top-k logits (plus a bias) first and softmax over those alone (gpt-oss).
+TOP_LOGIT_ROUTERS = frozenset({"GptOssTopKRouter"})
+# Hugging Face's expert classes that hold `x @ W` weights with gate and up interleaved
+# (`gate_up_proj [experts, hidden, 2 * inter]`, gate in the even columns), biases beside them,
+# and a clamped SwiGLU between (gpt-oss).
+TRANSPOSED_EXPERTS = frozenset({"GptOssExperts"})
+HF_EXPERTS = FUSED_EXPERTS | TRANSPOSED_EXPERTS
 # Why steps of such a model run eagerly: no CUDA graph or compiled piece holds a host sync.
 SPARSE_ON_HOST = "mixture-of-experts layers group their tokens by expert on the host"
 
@@ -35,7 +43,7 @@ SPARSE_ON_HOST = "mixture-of-experts layers group their tokens by expert on the 
 def is_sparse(mlp: Any) -> bool:
     """Whether a decoder layer's MLP is a mixture of experts Conveyor runs."""
     experts = getattr(mlp, "experts", None)
-    return isinstance(experts, ExpertLinears) or type(experts).__name__ in FUSED_EXPERTS
+    return isinstance(experts, ExpertLinears) or type(experts).__name__ in HF_EXPERTS
 
 
 def unfuse_experts(model: nn.Module) -> int:
@@ -45,18 +53,36 @@ def unfuse_experts(model: nn.Module) -> int:
     swapped = 0
     for parent in list(model.modules()):
         experts = getattr(parent, "experts", None)
-        if type(experts).__name__ in FUSED_EXPERTS:
+        if type(experts).__name__ in HF_EXPERTS:
             parent.experts = ExpertLinears.of(experts)
             swapped += 1
     return swapped
 
 
-def _view_linear(weight: torch.Tensor) -> nn.Linear:
-    """A bias-free linear layer over `weight` `[out, in]` itself (no copy)."""
+def _view_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """A linear layer over `weight` `[out, in]` (and `bias`) themselves (no copy)."""
     with torch.device("meta"):
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
     return linear
+
+
+class ClampedSwiGLU(nn.Module):
+    """gpt-oss's activation over gate and up side by side: gate capped at `limit`, up clamped
+    to `[-limit, limit]`, then `(up + 1) * gate * sigmoid(alpha * gate)`."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha = alpha
+        self.limit = limit
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu(gate_up, self.alpha, self.limit)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
 
 
 class ExpertLinears(nn.Module):
@@ -64,13 +90,20 @@ class ExpertLinears(nn.Module):
     down projection, computing `down(act(gate) * up)` for the tokens routed to it."""
 
     def __init__(
-        self, gate_up: list[nn.Module], down: list[nn.Module], act_fn: nn.Module, silu: bool
+        self,
+        gate_up: list[nn.Module],
+        down: list[nn.Module],
+        act_fn: nn.Module,
+        silu: bool,
+        clamped: ClampedSwiGLU | None = None,
     ) -> None:
         super().__init__()
         self.gate_up = nn.ModuleList(gate_up)
         self.down = nn.ModuleList(down)
         self.act_fn = act_fn
         self.silu = silu
+        # gpt-oss's activation in place of `act_fn(gate) * up`.
+        self.clamped = clamped
         self.num_experts = len(gate_up)
         self.intermediate = int(cast(nn.Linear, down[0]).in_features)
 
@@ -79,6 +112,8 @@ class ExpertLinears(nn.Module):
         """Over Hugging Face's fused experts' memory, or `experts` itself where it is one."""
         if isinstance(experts, ExpertLinears):
             return experts
+        if type(experts).__name__ in TRANSPOSED_EXPERTS:
+            return cls._of_transposed(experts)
         gate_up = experts.gate_up_proj.detach()
         down = experts.down_proj.detach()
         return cls(
@@ -86,6 +121,26 @@ class ExpertLinears(nn.Module):
             [_view_linear(w) for w in down],
             experts.act_fn,
             getattr(experts.config, "hidden_act", None) == "silu",
+        )
+
+    @classmethod
+    def _of_transposed(cls, experts: Any) -> ExpertLinears:
+        """gpt-oss's experts copied once into the `[out, in]` layout, gate above up: the
+        loaded tensors are freed with the module they came in."""
+        with torch.no_grad():
+            weight = experts.gate_up_proj.detach()
+            bias = experts.gate_up_proj_bias.detach()
+            gate_up = torch.cat([weight[..., 0::2], weight[..., 1::2]], dim=-1)
+            gate_up = gate_up.transpose(1, 2).contiguous()
+            gate_up_bias = torch.cat([bias[..., 0::2], bias[..., 1::2]], dim=-1)
+            down = experts.down_proj.detach().transpose(1, 2).contiguous()
+            down_bias = experts.down_proj_bias.detach()
+        return cls(
+            [_view_linear(w, b) for w, b in zip(gate_up, gate_up_bias, strict=True)],
+            [_view_linear(w, b) for w, b in zip(down, down_bias, strict=True)],
+            nn.SiLU(),
+            silu=False,
+            clamped=ClampedSwiGLU(float(experts.alpha), float(experts.limit)),
         )
 
     def forward(
@@ -110,20 +165,26 @@ class ExpertLinears(nn.Module):
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up[expert](x)
-        activated = gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)
+        if self.clamped is not None:
+            activated = self.clamped(gate_up)
+        else:
+            activated = gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)
         return self.down[expert](activated)
 
 
 class SparseMoE(nn.Module):
     """Conveyor's mixture-of-experts block over a Hugging Face one (`Qwen2MoeSparseMoeBlock`,
-    `Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`): the same routing, experts and shared
-    expert over the same weights."""
+    `Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`, `GptOssMLP`): the same routing, experts
+    and shared expert over the same weights."""
 
     def __init__(self, block: Any) -> None:
         super().__init__()
-        router = block.gate
+        router = block.router if hasattr(block, "router") else block.gate
         self.router_weight = router.weight
+        self.router_bias = getattr(router, "bias", None)
         self.top_k = int(router.top_k)
+        # gpt-oss: a softmax over the top-k logits alone.
+        self.top_logits = type(router).__name__ in TOP_LOGIT_ROUTERS
         # Mixtral always renormalizes the top-k weights and keeps them in fp32; Qwen's MoE
         # models renormalize where the config says so (Qwen3-VL's always) and cast them to the
         # logits' dtype.
@@ -142,7 +203,10 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts `[rows, k]` and their weights."""
-        logits = F.linear(x, self.router_weight)
+        logits = F.linear(x, self.router_weight, self.router_bias)
+        if self.top_logits:
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), experts
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:

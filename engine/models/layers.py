@@ -95,6 +95,16 @@ def gated_activation(
     return act_fn(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation over gate and up side by side (`[rows, 2 * intermediate]`, gate
+    first), the same operations in the same order as transformers': gate capped at `limit`, up
+    clamped to `[-limit, limit]`, then `(up + 1) * gate * sigmoid(alpha * gate)`."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def _one_pass_gate(gate_up: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU activation applies: fp32 rows on the CPU, kernels built."""
     return (

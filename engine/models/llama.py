@@ -52,6 +52,7 @@ ARCHITECTURES = frozenset(
         "Olmo2ForCausalLM",
         "GlmForCausalLM",
         "Glm4ForCausalLM",
+        "GptOssForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
@@ -80,6 +81,8 @@ def plain_projections(layers: Any) -> str:
         attn, mlp = layer.self_attn, layer.mlp
         projections = query_projections(attn)
         if not is_sparse(mlp):
+            if getattr(mlp, "experts", None) is not None:
+                return f"its experts ({type(mlp.experts).__name__}) are not ones Conveyor runs"
             projections += gate_projections(mlp)
         if not all(type(p) in LINEAR_TYPES for p in projections):
             return "its projections are not plain linear layers (quantized weights?)"
@@ -136,8 +139,8 @@ class PagedLlamaLayer(nn.Module):
         self.scaling = attn.scaling
         # Dims of each head that rotate, the first ones (Phi-4-mini's partial rotary).
         self.rotary_dim = int(self.head_dim * partial_rotary(getattr(attn, "config", None)))
-        # A sliding window (Mistral's, Qwen2's sliding layers), or None.
-        self.attention = LayerAttention.of(layer_window(attn))
+        # A sliding window (Mistral's, Qwen2's sliding layers, gpt-oss's), and gpt-oss's sinks.
+        self.attention = LayerAttention.of(layer_window(attn), sinks=getattr(attn, "sinks", None))
         # SmolLM3's NoPE layers rotate neither q nor k.
         self.rotates = bool(getattr(attn, "use_rope", True))
         self.qkv_proj = fused_qkv or fuse([attn.q_proj, attn.k_proj, attn.v_proj])

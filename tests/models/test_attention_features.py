@@ -41,7 +41,7 @@ MODELS = {
     "qwen2": lambda: Qwen2Config(
         **COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
     ),
-    # transformers' model: soft-capped scores, windowed and full layers in turn.
+    # Gemma's layer: soft-capped scores, windowed and full layers in turn.
     "gemma2": lambda: Gemma2Config(
         **{**COMMON, "initializer_range": 0.05},  # wider, and its scaled embeddings saturate
         head_dim=16,
@@ -49,7 +49,7 @@ MODELS = {
         attn_logit_softcapping=1.0,
         query_pre_attn_scalar=4,
     ),
-    # transformers' model: windowed and full layers (every sixth full), per-head q/k norms.
+    # Gemma's layer: windowed and full layers (every sixth full), per-head q/k norms.
     "gemma3": lambda: Gemma3TextConfig(
         **{**COMMON, "initializer_range": 0.05, "num_hidden_layers": 3},
         head_dim=16,
@@ -57,7 +57,7 @@ MODELS = {
         query_pre_attn_scalar=16,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
-    # transformers' model: sinks, windowed and full layers, experts.
+    # gpt-oss's layer: sinks, windowed and full layers in turn, experts.
     "gpt-oss": lambda: GptOssConfig(
         **{**COMMON, "intermediate_size": 32},
         head_dim=16,
@@ -104,8 +104,13 @@ def test_greedy_matches_generate_past_the_window(name):
     # The whole context is served, on the usual backend: the C++ kernels take every feature.
     assert info.max_model_len == 256
     assert core.runner.backend.name == resolve_backend_name("auto", torch.device("cpu"))
-    # Conveyor's decoder runs the Llama family and Gemma; gpt-oss runs on transformers' model.
-    assert isinstance(core.runner.model, PagedLlamaForCausalLM) == (name != "gpt-oss")
+    # Conveyor's decoder runs each of them; transformers' model, asked for, attends alike.
+    assert isinstance(core.runner.model, PagedLlamaForCausalLM)
+    tokens, (core, _) = engine_tokens(
+        model, num_blocks=64, max_num_batched_tokens=64, model_impl="transformers"
+    )
+    assert tokens == expected
+    assert not isinstance(core.runner.model, PagedLlamaForCausalLM)
 
 
 @pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma2", "gpt-oss"])

@@ -1,0 +1,73 @@
+"""gpt-oss (`GptOssForCausalLM`) on Conveyor's decoder: the Llama layer with biases on q, k, v
+and o, a learned sink per head joining each softmax, sliding and full layers in turn, and a
+mixture of experts whose router softmaxes over its top-k logits and whose experts run a clamped
+SwiGLU with biases (`models.experts`). Its rotary hands out cos and sin for half of each head
+(the two halves turn by the same frequencies); they are widened once to the whole head, which
+turns the halves with the same operations. Its norms scale in fp32 before rounding to the
+rows' dtype. Decode steps run op by op: the experts group their tokens on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.models.rotary_table import RotaryTable
+from engine.parallel.sharding import Shard
+
+GPT_OSS_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
+
+
+class WholeHeadRotary:
+    """A rotary that gives cos and sin for half a head's dims, giving them for the whole head
+    (each half by the same frequencies), as the Llama layer rotates: `x * cos + rotate_half(x)
+    * sin` computes gpt-oss's `x1 * cos - x2 * sin`, `x2 * cos + x1 * sin` exactly."""
+
+    def __init__(self, rotary: Any) -> None:
+        self.rotary = rotary
+        # What `RotaryTable` reads to decide whether positions may be looked up.
+        self.rope_type = getattr(rotary, "rope_type", None)
+        self.inv_freq = getattr(rotary, "inv_freq", None)
+
+    def __call__(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(x, position_ids)
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+class PagedGptOssLayer(PagedLlamaLayer):
+    @staticmethod
+    def _norm(norm: Any, hidden: torch.Tensor, projection: Any) -> torch.Tensor:
+        if hidden.dtype == torch.float32:  # the Llama norm's bits
+            return PagedLlamaLayer._norm(norm, hidden, projection)
+        return fp32_scaled_norm(hidden, norm.weight, norm.variance_epsilon)
+
+
+def fp32_scaled_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gpt-oss's RMSNorm of 16-bit rows: normalised and scaled in fp32, rounded once, as
+    transformers' `GptOssRMSNorm` does (the Llama norm rounds before it scales)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
+class PagedGptOssForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    layer_class = PagedGptOssLayer
+
+    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
+        super().__init__(hf_model, shard)
+        self.rotary = RotaryTable(
+            WholeHeadRotary(hf_model.model.rotary_emb),
+            getattr(hf_model.config, "max_position_embeddings", 0),
+        )
+
+    def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        if hidden.dtype == torch.float32:
+            return super()._normed(hidden, logits_indices)
+        return fp32_scaled_norm(
+            hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon
+        )

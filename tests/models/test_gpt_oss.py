@@ -1,0 +1,220 @@
+"""gpt-oss on Conveyor's decoder: sinks, biases, sliding and full layers in turn, a router that
+softmaxes its top-k logits and experts with a clamped SwiGLU; greedy tokens and prompt logprobs
+equal transformers' (eager attention, which computes the sinks)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GptOssConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+from engine.core.config import CacheConfig, EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
+from engine.kernels.cpu.linear import PanelLinear
+from engine.loading.model_loader import LinearForm, use_linear_form
+from engine.models.experts import ExpertLinears, SparseMoE
+from engine.models.gpt_oss import PagedGptOssForCausalLM, fp32_scaled_norm
+from engine.models.layers import rms_norm
+from engine.parallel.sharding import shard_model
+from tests.core.test_engine_greedy import record_chunking
+from tests.helpers import (
+    chat_tokenizer,
+    needs_bf16_panels,
+    needs_panels,
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tokens_of,
+)
+from tests.models.test_model_families import COMMON
+
+LIMIT = 2.0  # low enough that the tiny model's gates and ups reach it
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def config() -> GptOssConfig:
+    return GptOssConfig(
+        **{**COMMON, "intermediate_size": 32, "num_hidden_layers": 3},
+        head_dim=16,
+        sliding_window=6,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        swiglu_limit=LIMIT,
+    )
+
+
+def build(dtype: torch.dtype = torch.float32):
+    """A tiny gpt-oss whose sinks and biases (zero as initialised) count."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config()).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks"):
+                parameter.normal_(0, 2.0)
+            elif "bias" in name:
+                parameter.normal_(0, 0.2)
+    return model.to(dtype)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(4)
+    return [[rng.randrange(2, 320) for _ in range(n)] for n in (3, 9, 17, 30, 1, 24)]
+
+
+def expected_tokens(model) -> list[list[int]]:
+    return [reference_greedy(model, p, MAX_NEW, attention="eager") for p in prompts()]
+
+
+def engine_tokens(model, **options: object) -> tuple[list[list[int]], object]:
+    core, _ = tiny_core(model, **options)
+    outputs = run_all(core, prompts(), GREEDY)
+    assert core.scheduler.block_manager.num_used_blocks == 0
+    return [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))], core
+
+
+def test_greedy_matches_generate_under_chunking_and_preemption(device):
+    model = build().to(device)
+    expected = expected_tokens(model)
+    core, _ = tiny_core(
+        model, num_blocks=24, max_model_len=64, max_num_batched_tokens=10, device=device
+    )
+    chunked = record_chunking(core)
+    outputs = run_all(core, prompts(), GREEDY)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
+    assert core.scheduler.num_preemptions > 0 and any(chunked)
+    paged = core.runner.model
+    assert isinstance(paged, PagedGptOssForCausalLM) and paged.sparse
+    assert [layer.attention.window for layer in paged.layers] == [6, None, 6]
+    assert all(layer.attention.sinks is not None for layer in paged.layers)
+    assert "mixture-of-experts" in paged.fused_decode.describe()
+
+
+def test_prompt_logprobs_equal_transformers_and_each_part_counts():
+    """Finer than greedy tokens; and the same weights with a part left out (the sinks, the
+    clamp, the router's bias) score otherwise, so each part is exercised."""
+    model = build()
+    prompt = prompts()[3]
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    index = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+    core, _ = tiny_core(model, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+
+    def scored() -> torch.Tensor:
+        request = f"r{scored.calls}"
+        scored.calls += 1
+        core.add_request(request, prompt, params)
+        entries = []
+        while core.has_unfinished():
+            for output in core.step():
+                entries.extend(output.prompt_logprobs or [])
+        return torch.tensor([e.logprob for e in entries[1:]])
+
+    scored.calls = 0
+    torch.testing.assert_close(scored(), expected[index], atol=1e-4, rtol=1e-4)
+    layers = core.runner.model.layers
+    features = [layer.attention for layer in layers]
+    for layer in layers:
+        layer.attention = replace(layer.attention, sinks=None)
+    assert (scored() - expected[index]).abs().max() > 1e-2, "the sinks count"
+    for layer, feature in zip(layers, features, strict=True):
+        layer.attention = feature
+    for layer in layers:
+        layer.moe.experts.clamped.limit = 1e6
+    assert (scored() - expected[index]).abs().max() > 1e-2, "the clamp counts"
+    biases = [layer.moe.router_bias for layer in layers]
+    for layer in layers:
+        layer.moe.experts.clamped.limit = LIMIT
+        layer.moe.router_bias = None
+    assert (scored() - expected[index]).abs().max() > 1e-2, "the router's bias counts"
+    for layer, bias in zip(layers, biases, strict=True):
+        layer.moe.router_bias = bias
+    torch.testing.assert_close(scored(), expected[index], atol=1e-4, rtol=1e-4)
+
+
+def test_the_block_computes_what_transformers_block_computes():
+    model = build()
+    torch.manual_seed(1)
+    x = torch.randn(11, COMMON["hidden_size"])
+    block = model.model.layers[0].mlp
+    ours = SparseMoE(block)
+    with torch.inference_mode():
+        theirs, _ = block(x[None])  # and the router's scores
+        torch.testing.assert_close(ours(x), theirs[0], rtol=1e-6, atol=1e-6)
+        weights, experts = ours.route(x)
+        gate_up = torch.cat([linear(x) for linear in ours.experts.gate_up])
+    assert experts.shape == (11, 2)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(11))
+    # The tiny model's gates and ups reach the limit, where the clamp acts.
+    assert float(gate_up.abs().max()) > LIMIT
+    # gpt-oss's experts are copied once into Conveyor's layout, biases and all.
+    assert isinstance(ours.experts, ExpertLinears) and ours.experts.num_experts == 8
+    assert ours.experts.gate_up[0].bias is not None and ours.experts.down[0].bias is not None
+
+
+def test_its_norm_scales_16_bit_rows_in_fp32_as_transformers_does():
+    torch.manual_seed(2)
+    norm = GptOssRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    x = torch.randn(32, 64).to(torch.bfloat16)
+    ours = fp32_scaled_norm(x, norm.weight, norm.variance_epsilon)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, norm(x))
+    # The Llama norm rounds before it scales: other bits, so the difference is real.
+    llama = rms_norm(x, norm.weight.to(torch.bfloat16), norm.variance_epsilon)
+    assert not torch.equal(llama, ours)
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        pytest.param(LinearForm.FP32_PANELS, marks=needs_panels),
+        pytest.param(LinearForm.BF16_PANELS, marks=needs_bf16_panels),
+    ],
+)
+def test_experts_take_the_models_linear_form_with_their_biases(form):
+    dtype = torch.bfloat16 if form is LinearForm.BF16_PANELS else torch.float32
+    model = build(dtype)
+    use_linear_form(model, form)
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, ExpertLinears)
+    assert all(isinstance(m, PanelLinear) for m in [*experts.gate_up, *experts.down])
+    expected = expected_tokens(model)
+    tokens, core = engine_tokens(model)
+    assert isinstance(core.runner.model, PagedGptOssForCausalLM)
+    assert tokens == expected
+    # transformers' own model runs over the same experts.
+    tokens, core = engine_tokens(model, model_impl="transformers")
+    assert not isinstance(core.runner.model, PagedGptOssForCausalLM)
+    assert tokens == expected
+
+
+def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
+    model = build()
+    expected = expected_tokens(model)
+    build().save_pretrained(tmp_path)
+    chat_tokenizer().save_pretrained(tmp_path)
+    engine_config = EngineConfig(
+        model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=128)
+    )
+    core, loaded, _ = create_engine_core(engine_config)
+    try:
+        assert isinstance(core.runner.model, PagedGptOssForCausalLM)
+        # The loaded 3-d expert tensors were swapped for Conveyor's layout, not kept beside it.
+        assert isinstance(loaded.model.model.layers[0].mlp.experts, ExpertLinears)
+        outputs = run_all(core, prompts(), GREEDY)
+        assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
+    finally:
+        core.close()
+
+
+def test_tensor_parallelism_refuses_it_by_name():
+    with pytest.raises(ValueError, match="gpt-oss"):
+        shard_model(build(), rank=0, size=2)
