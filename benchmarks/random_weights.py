@@ -41,7 +41,7 @@ def main() -> None:
         "embedded default model, fetched if needed)",
     )
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=INT")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=INT|true|false")
     parser.add_argument("--config-only", action="store_true")
     parser.add_argument("--model-type", default=None, help="another family's config")
     args = parser.parse_args()
@@ -50,14 +50,16 @@ def main() -> None:
 
         args.like = Path(ensure_default_model())
     config = AutoConfig.from_pretrained(args.like)
+    changes = {name: _value(value) for name, _, value in (f.partition("=") for f in args.set)}
     if args.model_type is not None:
         fields = config.to_dict()
-        for key in ("model_type", "architectures", "transformers_version"):
+        for key in ("model_type", "architectures", "transformers_version", "layer_types"):
             fields.pop(key, None)
-        config = AutoConfig.for_model(args.model_type, **fields)
-    for field in args.set:
-        name, _, value = field.partition("=")
-        setattr(config, name, int(value))
+        # Set before the config is built, so fields derived from them (gpt-oss's layer types
+        # per layer) follow.
+        config = AutoConfig.for_model(args.model_type, **(fields | changes))
+    for name, value in changes.items():
+        setattr(config, name, value)
     if args.config_only:
         config.dtype = args.dtype
         config.save_pretrained(args.output)
@@ -69,6 +71,13 @@ def main() -> None:
         if (args.like / name).exists():
             shutil.copy(args.like / name, args.output / name)
     print(args.output)
+
+
+def _value(text: str) -> int | bool:
+    """A `--set` value: an integer, or `true`/`false` for a boolean field."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text)
 
 
 if __name__ == "__main__":
