@@ -112,12 +112,22 @@ def hold_blocks(
     return held
 
 
-def load_whole(auto: Any, path: str, dtype: torch.dtype, trust_remote_code: bool) -> Any:
-    """The model at `path` loaded whole by transformers' auto class `auto`; a converted
-    checkpoint's layers kept only as blocks (which that load does not find) get their blocks
-    dequantized."""
+def load_whole(
+    auto: Any,
+    path: str,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    options: dict[str, Any] | None = None,
+) -> Any:
+    """The model at `path` loaded whole by transformers' auto class `auto` (with `options`
+    beside the dtype); a converted checkpoint's layers kept only as blocks (which that load
+    does not find) get their blocks dequantized."""
     loaded: Any = auto.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+        path,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        output_loading_info=True,
+        **(options or {}),
     )
     model, info = loaded
     missing = list(info.get("missing_keys", ()))

@@ -28,7 +28,7 @@ from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_mode
 from engine.loading.gguf_file import ensure_converted, is_gguf_file
 from engine.loading.processors import load_processor
 from engine.loading.quantized_checkpoint import ensure_converted as ensure_dequantized
-from engine.loading.quantized_checkpoint import quantized_folder
+from engine.loading.quantized_checkpoint import load_options, quantized_folder
 from engine.models.experts import unfuse_experts
 from engine.models.vision import is_image_text, why_not_served
 from engine.parallel.loading import load_share
@@ -268,9 +268,10 @@ def load_weights(
 
 def load_whole(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> Any:
     """The model at `path` loaded by transformers, by its auto class (`block_model.load_whole`:
-    a converted checkpoint's layers kept only as blocks get their blocks dequantized)."""
+    a converted checkpoint's layers kept only as blocks get their blocks dequantized; an MXFP4
+    checkpoint's experts are dequantized as they load)."""
     auto = auto_model_class(path, trust_remote_code)
-    return block_model.load_whole(auto, path, dtype, trust_remote_code)
+    return block_model.load_whole(auto, path, dtype, trust_remote_code, load_options(path))
 
 
 def auto_model_class(path: str, trust_remote_code: bool = False) -> Any:

@@ -12,6 +12,9 @@ integers are kept as blocks that widen to exactly its weights, instead of its fp
 GGUF file's blocks are: the CPU's panel product reads them, other forms dequantize them as they
 load (`block_model`). compressed-tensors' other formats (NVFP4, MXFP4) are dequantized by
 transformers. Later starts load the folder in seconds; changed weight files convert again.
+
+An MXFP4 checkpoint (gpt-oss as published: its experts in 4-bit blocks) is not converted:
+transformers dequantizes its experts to the model's dtype as it loads (`load_options`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ METHOD_NAMES = {
 }
 # A hub repository's id, `org/name`.
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# Methods transformers dequantizes as the model loads, with no converted copy: MXFP4, the
+# experts of gpt-oss as published.
+DEQUANTIZED_ON_LOAD = frozenset({"mxfp4"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +152,26 @@ def _read_json(path: Path) -> dict[str, Any]:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def method_dequantized_on_load(folder: Path) -> str | None:
+    """The checkpoint's quantization method where transformers dequantizes it as it loads
+    (`DEQUANTIZED_ON_LOAD`), else None."""
+    settings = _read_json(folder / "config.json").get("quantization_config")
+    method = str(settings.get("quant_method", "")).lower() if isinstance(settings, dict) else ""
+    return method if method in DEQUANTIZED_ON_LOAD else None
+
+
+def load_options(path: str) -> dict[str, Any]:
+    """What transformers' load of the checkpoint at `path` takes beside its dtype: an MXFP4
+    checkpoint's experts dequantized to that dtype as they load (transformers' own MXFP4
+    kernels would come from a hub, and Conveyor's decoder runs the experts as projections)."""
+    if method_dequantized_on_load(Path(path)) == "mxfp4":
+        from transformers.utils.quantization_config import Mxfp4Config
+
+        logger.info("%s: MXFP4 experts, dequantized as they load", path)
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    return {}
+
+
 def quantized_folder(name: str) -> Path | None:
     """The local folder of the quantized checkpoint `--model` names (a folder, or a hub id
     fetched into the Hugging Face cache); None where `name` is no such checkpoint."""
@@ -186,13 +212,13 @@ def check_requested(name: str | None, requested: str | None) -> None:
     else:
         folder = quantized_folder(name)
         scheme = scheme_of(folder) if folder is not None else None
-        stored = scheme.method if scheme is not None else None
+        stored = scheme.method if scheme is not None else method_dequantized_on_load(Path(name))
     wanted = METHOD_NAMES.get(requested, requested)
     if stored is None:
         raise ValueError(
             f"--quantization {requested}: {name} is not a quantized checkpoint, and Conveyor "
             "does not quantize a model as it loads; serve an AWQ, GPTQ, compressed-tensors, "
-            "FP8 or GGUF checkpoint instead"
+            "FP8, MXFP4 or GGUF checkpoint instead"
         )
     if stored != wanted:
         raise ValueError(

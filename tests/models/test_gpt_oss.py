@@ -4,11 +4,14 @@ equal transformers' (eager attention, which computes the sinks)."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 
@@ -17,6 +20,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.kernels.cpu.linear import PanelLinear
 from engine.loading.model_loader import LinearForm, use_linear_form
+from engine.loading.quantized_checkpoint import check_requested
 from engine.models.experts import ExpertLinears, SparseMoE
 from engine.models.gpt_oss import PagedGptOssForCausalLM, fp32_scaled_norm
 from engine.models.layers import rms_norm
@@ -213,6 +217,75 @@ def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
         assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
     finally:
         core.close()
+
+
+# MXFP4's 4-bit values (E2M1), by code: the low nibble of a byte holds the first of two.
+FP4_VALUES = torch.tensor(
+    [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float32
+)
+
+
+def mxfp4_weight(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`[experts, out, in]` from MXFP4 blocks `[experts, out, in / 32, 16]` (two codes a byte)
+    and their E8M0 scales `[experts, out, in / 32]`, decoded here by the format's definition."""
+    codes = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).long()
+    values = FP4_VALUES[codes].flatten(-2) * torch.exp2(scales.float() - 127)[..., None]
+    return values.flatten(-2)
+
+
+def save_mxfp4(folder: Path) -> torch.nn.Module:
+    """A tiny gpt-oss saved as published (experts in MXFP4 blocks, the rest bf16); returns the
+    fp32 model it stands for, experts decoded by `mxfp4_weight`."""
+    model = build(torch.bfloat16)
+    model.save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    reference = model.float()
+    generator = torch.Generator().manual_seed(5)
+    inter, hidden = reference.config.intermediate_size, reference.config.hidden_size
+    for i, layer in enumerate(reference.model.layers):
+        for name, (rows, columns) in {
+            "gate_up_proj": (2 * inter, hidden),
+            "down_proj": (hidden, inter),
+        }.items():
+            key = f"model.layers.{i}.mlp.experts.{name}"
+            del tensors[key]
+            shape = (8, rows, columns // 32)
+            blocks = torch.randint(0, 256, (*shape, 16), generator=generator, dtype=torch.uint8)
+            scales = torch.randint(122, 126, shape, generator=generator, dtype=torch.uint8)
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = blocks, scales
+            weight = mxfp4_weight(blocks, scales).transpose(1, 2)  # transformers' `x @ W`
+            getattr(layer.mlp.experts, name).data = weight.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router"],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return reference
+
+
+def test_an_mxfp4_checkpoint_serves_its_experts_dequantized(tmp_path):
+    """gpt-oss as published: the experts' MXFP4 blocks are dequantized as the model loads (no
+    converted copy, no kernel fetched), and greedy tokens equal transformers' on the weights
+    the blocks stand for."""
+    reference = save_mxfp4(tmp_path)
+    expected = expected_tokens(reference)
+    check_requested(str(tmp_path), "mxfp4")  # vLLM's flag names the checkpoint's method
+    with pytest.raises(ValueError, match=r"\(mxfp4\)"):
+        check_requested(str(tmp_path), "awq")
+    engine_config = EngineConfig(
+        model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=128)
+    )
+    core, _, _ = create_engine_core(engine_config)
+    try:
+        assert isinstance(core.runner.model, PagedGptOssForCausalLM)
+        outputs = run_all(core, prompts(), GREEDY)
+        assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
+    finally:
+        core.close()
+    assert expected != expected_tokens(build()), "the blocks' weights are the ones served"
 
 
 def test_tensor_parallelism_refuses_it_by_name():
