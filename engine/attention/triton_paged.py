@@ -99,9 +99,9 @@ class TritonPagedAttention(InPlaceDecodeAttention):
 
     @classmethod
     def takes(cls, features: LayerAttention) -> bool:
-        """A sliding window (both kernels start each row's keys at its window); not soft caps
-        or sinks."""
-        return features.softcap is None and features.sinks is None
+        """A sliding window (both kernels start each row's keys at its window) and sinks (each
+        head's joins its softmax); not soft caps."""
+        return features.softcap is None
 
     def _prefill_work(self, batch: InputBatch, rows: np.ndarray, kv_cache: KVCache) -> Any:
         return self._kernels.PrefillRows.of(
@@ -137,6 +137,7 @@ class TritonPagedAttention(InPlaceDecodeAttention):
                 scale,
                 cache.layer_scales(layer),
                 window=window_of(features),
+                sinks=features.sinks if features is not None else None,
             )
         self._prefill_spans(
             layer, query, key, value, scale, metadata, out, features, limited_only=True
@@ -155,7 +156,7 @@ class TritonPagedAttention(InPlaceDecodeAttention):
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        assert not softcap and sinks is None, "the Triton kernels take windows only (`takes`)"
+        assert not softcap, "the Triton kernels take windows and sinks, not soft caps (`takes`)"
         return self._kernels.paged_decode(
             query,
             key_cache,
@@ -165,6 +166,7 @@ class TritonPagedAttention(InPlaceDecodeAttention):
             scale,
             kv_scales=kv_scales,
             window=window,
+            sinks=sinks,
         )
 
     def _store(

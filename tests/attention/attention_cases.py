@@ -59,10 +59,10 @@ def random_case(dtype, heads, kv_heads, dim, block_size, lens, seed=0):
     return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int64)
 
 
-def reference_prefill(query, key_cache, value_cache, blocks, context, scale, window=0):
+def reference_prefill(query, key_cache, value_cache, blocks, context, scale, window=0, sinks=None):
     """Query token i at position context + i over the sequence's K/V gathered token by token,
-    causally (its last `window` positions only, where given), with plain softmax attention in
-    fp32."""
+    causally (its last `window` positions only, where given), with softmax attention in fp32
+    (each head's `sinks` logit in its softmax, where given)."""
     tokens, heads, _ = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     positions = range(context + tokens)
@@ -83,6 +83,10 @@ def reference_prefill(query, key_cache, value_cache, blocks, context, scale, win
     if window:
         seen &= key > position - window
     scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is not None:  # a column of logits with no value
+        sunk = sinks.float()[:, None, None].expand(heads, tokens, 1)
+        weights = F.softmax(torch.cat([scores, sunk], dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("hqk,khd->qhd", weights, v)
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, dim=-1), v)
 
 

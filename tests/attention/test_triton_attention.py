@@ -93,6 +93,63 @@ def test_windowed_prefill_rows_attend_within_their_windows(window):
         torch.testing.assert_close(out.cpu()[span], expected, atol=tol, rtol=tol)
 
 
+def sinks_of(heads: int, seed: int) -> torch.Tensor:
+    """Per-head sink logits about as large as the scores, so each one weighs."""
+    return torch.randn(heads, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_joins_each_heads_sink_to_its_softmax(dtype, window, splits):
+    """gpt-oss's sinks, in one pass and across splits (joined where they combine), with and
+    without a window; a row of no tokens still gives zeros."""
+    lens = [0, 1, 17, 33, 70]
+    case = random_case(dtype, 8, 2, 32, 5, lens, seed=11)
+    sinks = sinks_of(8, seed=window + splits).to(dtype)
+    out = kernels.paged_decode(
+        *on_device(case), scale=0.125, splits=splits, window=window, sinks=sinks.to(TRITON_DEVICE)
+    )
+    query, key_cache, value_cache, tables, lengths = case
+    expected = reference_decode(
+        query[1:], key_cache, value_cache, tables[1:], lengths[1:], 0.125, window, sinks=sinks
+    )
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out[1:].cpu().float(), expected, atol=tol, rtol=tol)
+    assert not out[0].cpu().any(), "a row of no tokens gives zeros"
+    plain = reference_decode(query[1:], key_cache, value_cache, tables[1:], lengths[1:], 0.125)
+    assert (plain - expected).abs().max() > 10 * tol, "the sinks weigh"
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_prefill_rows_join_each_heads_sink_to_their_softmax(window):
+    rows = [(0, 40), (37, 33), (3, 9)]
+    query, key_cache, value_cache, table, lens = prefill_step(
+        torch.float32, 4, 2, 16, 5, rows, seed=window + 1
+    )
+    sinks = sinks_of(4, seed=window)
+    contexts = np.array([c for c, _ in rows])
+    starts = np.cumsum(lens) - lens
+    device = torch.device(TRITON_DEVICE)
+    work = kernels.PrefillRows.of(starts, lens, contexts, table.numpy(), device)
+    out = torch.zeros_like(query).to(device)
+    q, kc, vc = (t.to(device) for t in (query, key_cache, value_cache))
+    kernels.paged_prefill(out, q, kc, vc, work, scale=0.2, window=window, sinks=sinks.to(device))
+    tol = TOLERANCE[torch.float32]
+    for row in range(len(rows)):
+        span = slice(int(starts[row]), int(starts[row] + lens[row]))
+        expected = reference_prefill(
+            query[span], key_cache, value_cache, table[row], int(contexts[row]), 0.2, window, sinks
+        )
+        torch.testing.assert_close(out.cpu()[span], expected, atol=tol, rtol=tol)
+
+
+def test_sinks_must_be_one_logit_per_query_head():
+    case = on_device(random_case(torch.float32, 8, 2, 32, 5, [3], seed=1))
+    with pytest.raises(ValueError, match="one contiguous logit per query head"):
+        kernels.paged_decode(*case, scale=0.1, sinks=torch.zeros(2, device=TRITON_DEVICE))
+
+
 def test_splits_fill_the_multiprocessors_from_the_batch_shape_alone(monkeypatch):
     monkeypatch.setattr(kernels, "_multiprocessors", lambda index: 132)
     cuda = torch.device("cuda", 0)

@@ -23,6 +23,7 @@ from engine.attention import resolve_backend_name
 from engine.core.sampling_params import SamplingParams
 from engine.factory import _why_not_capturable
 from engine.kernels.cpu import ops as cpu_ops
+from engine.models.experts import SPARSE_ON_HOST
 from engine.models.llama import PagedLlamaForCausalLM
 from tests.conftest import TRITON_DEVICE, needs_triton
 from tests.core.test_engine_greedy import record_chunking
@@ -151,11 +152,12 @@ def test_the_features_change_the_tokens(name, plain):
     assert featured != without
 
 
-def test_the_triton_kernels_compute_windows_as_transformers():
+@pytest.mark.parametrize("name", ["qwen2", "gpt-oss"])
+def test_the_triton_kernels_compute_windows_and_sinks_as_transformers(name):
     """On the GPU where there is one, else in Triton's interpreter: decode rows and prompt
-    chunks past the window."""
+    chunks past the window, with gpt-oss's sinks."""
     pytest.importorskip("triton", reason="triton is not installed on this platform")
-    model = build("qwen2").to(TRITON_DEVICE)
+    model = build(name).to(TRITON_DEVICE)
     cases = prompts()[:3]
     expected = [reference_greedy(model, p, 6, attention="eager") for p in cases]
     core, _ = tiny_core(
@@ -165,18 +167,17 @@ def test_the_triton_kernels_compute_windows_as_transformers():
     outputs = run_all(core, cases, params)
     assert core.runner.backend.name == "triton"
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(cases))] == expected
-    # On CUDA such steps run eagerly: no graph holds a windowed layer.
+    # On CUDA such steps run eagerly: no graph holds a windowed layer (nor experts).
     reason = _why_not_capturable(core.runner.model, core.runner.backend)
-    assert reason == "sliding-window layers are not captured"
+    windows = "sliding-window layers are not captured"
+    assert reason == (SPARSE_ON_HOST if name == "gpt-oss" else windows)
 
 
 @needs_triton
 def test_a_backend_that_cannot_compute_them_is_refused_with_the_reason():
-    """The Triton kernels take windows, not soft caps or sinks."""
+    """The Triton kernels take windows and sinks, not soft caps."""
     with pytest.raises(ValueError, match=r"soft-capped attention scores.*--attention-backend"):
         tiny_core(build("gemma2"), attention_backend="triton", device=TRITON_DEVICE)
-    with pytest.raises(ValueError, match=r"attention sinks.*--attention-backend"):
-        tiny_core(build("gpt-oss"), attention_backend="triton", device=TRITON_DEVICE)
 
 
 @needs_kernels

@@ -125,6 +125,15 @@ def _attend(
 
 
 @triton.jit
+def _with_sinks(acc, total, running_max, sinks):
+    """An online softmax's sums, totals and maxima with each row's sink joined: a logit of
+    its own (gpt-oss's, per head) that adds to the total and to no sum."""
+    top = tl.maximum(running_max, sinks)
+    rescale = tl.exp(running_max - top)
+    return acc * rescale[:, None], total * rescale + tl.exp(sinks - top), top
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,
     part_acc_ptr,
@@ -136,6 +145,7 @@ def _paged_decode_kernel(
     table_ptr,
     lens_ptr,
     kv_scales_ptr,
+    sinks_ptr,
     scale,
     window,
     query_stride_token,
@@ -154,13 +164,15 @@ def _paged_decode_kernel(
     TILE_TOKENS: tl.constexpr,
     SPLITS: tl.constexpr,
     SCALED: tl.constexpr,
+    SINKS: tl.constexpr,
     IEEE: tl.constexpr,
     WIDEN: tl.constexpr,
 ):
     """One program per (sequence, kv head, split): the GROUP query heads sharing that kv head
     walk their split of the sequence's tokens a tile at a time, through the block table, with
     an online softmax in fp32 and both products in `tl.dot`. With one split the program writes
-    the output; with several, its unnormalised sums, maximum and total for `_combine_kernel`."""
+    the output (each head's sink joined, with SINKS); with several, its unnormalised sums,
+    maximum and total for `_combine_kernel`, which joins the sinks."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -203,6 +215,9 @@ def _paged_decode_kernel(
     )
     acc = acc * value_scale
     if SPLITS == 1:
+        if SINKS:
+            sinks = tl.load(sinks_ptr + heads, mask=group < GROUP, other=0.0).to(tl.float32)
+            acc, total, running_max = _with_sinks(acc, total, running_max, sinks)
         result = tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
         o_offsets = seq * out_stride_token + heads[:, None] * out_stride_head + dim[None, :]
         tl.store(out_ptr + o_offsets, result.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -220,6 +235,7 @@ def _combine_kernel(
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
+    sinks_ptr,
     out_stride_token,
     out_stride_head,
     HEADS: tl.constexpr,
@@ -227,9 +243,10 @@ def _combine_kernel(
     DIM_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """One program per (sequence, query head): the splits' partial softmaxes rescaled to their
-    common maximum and summed."""
+    common maximum and summed (with the head's sink in the total, with SINKS)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.arange(0, SPLITS_PAD)
@@ -241,10 +258,16 @@ def _combine_kernel(
     acc_mask = present[:, None] & (dim < DIM)[None, :]
     accs = tl.load(part_acc_ptr + rows[:, None] * DIM_PAD + dim[None, :], mask=acc_mask, other=0.0)
     top = tl.max(maxima, axis=0)
+    sink = 0.0
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
     # Empty splits (maximum -inf) weigh nothing; all of a sequence with no tokens are empty.
     top = tl.where(top > float("-inf"), top, 0.0)
     weights = tl.exp(maxima - top)
     total = tl.sum(weights * sums, axis=0)
+    if SINKS:
+        total += tl.exp(sink - top)
     mixed = tl.sum(weights[:, None] * accs, axis=0)
     result = tl.where(total > 0, mixed / tl.maximum(total, 1e-30), 0.0)
     offsets = seq * out_stride_token + head * out_stride_head + dim
@@ -268,6 +291,7 @@ def _paged_prefill_kernel(
     query_lens_ptr,
     context_lens_ptr,
     kv_scales_ptr,
+    sinks_ptr,
     scale,
     window,
     query_stride_token,
@@ -285,13 +309,15 @@ def _paged_prefill_kernel(
     TILE_M: tl.constexpr,
     TILE_N: tl.constexpr,
     SCALED: tl.constexpr,
+    SINKS: tl.constexpr,
     IEEE: tl.constexpr,
     WIDEN: tl.constexpr,
 ):
     """One program per (tile of a chunk's query tokens, query head): the tile attends causally
     over its sequence's K/V up to its last token, the cached prefix and the chunk's own tokens
     alike read in place through the block table (the chunk's were stored before), with an
-    online softmax in fp32 and both products in `tl.dot`."""
+    online softmax in fp32 and both products in `tl.dot`; the head's sink joins it, with
+    SINKS."""
     tile_index = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -313,7 +339,7 @@ def _paged_prefill_kernel(
     # With a window, from the first key the tile's first token sees.
     start = tl.where(window > 0, tl.maximum(context + first_query - window + 1, 0), 0)
 
-    acc, total, _ = _attend(
+    acc, total, running_max = _attend(
         query,
         positions,
         key_ptr,
@@ -335,6 +361,9 @@ def _paged_prefill_kernel(
         IEEE,
         WIDEN,
     )
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        acc, total, running_max = _with_sinks(acc, total, running_max, sink)
     result = acc * value_scale / tl.maximum(total, 1e-30)[:, None]
     o_offsets = (query_start + offs_m)[:, None] * out_stride_token + head * out_stride_head
     tl.store(out_ptr + o_offsets + dim[None, :], result.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -398,10 +427,12 @@ def paged_decode(
     splits: int | None = None,
     kv_scales: torch.Tensor | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`query [seqs, heads, dim]` over caches `[blocks, block_size, kv_heads, dim]`; row i
-    reads `seq_lens[i]` tokens through `block_table[i]` (its last `window` only, where given).
-    A row of length 0 gives zeros.
+    reads `seq_lens[i]` tokens through `block_table[i]` (its last `window` only, where given),
+    each head's `sinks` logit (`[heads]`, where given) joining its softmax. A row of length 0
+    gives zeros.
 
     Each sequence's tokens are split into `splits` pieces attended in parallel and combined
     (None: enough pieces to give every streaming multiprocessor work, `decode_splits`). The
@@ -416,6 +447,7 @@ def paged_decode(
     if block_table.shape[0] != seqs or seq_lens.shape != (seqs,):
         raise ValueError("block_table and seq_lens need one row per query")
     group = heads // kv_heads
+    _check_sinks(sinks, heads, query.device)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if seqs == 0:
         return out
@@ -436,6 +468,7 @@ def paged_decode(
         block_table,
         seq_lens,
         _scales_of(kv_scales, query.device),
+        part_max if sinks is None else sinks,  # never read without sinks
         scale,
         window,
         query.stride(0),
@@ -454,6 +487,7 @@ def paged_decode(
         TILE_TOKENS=TILE,
         SPLITS=splits,
         SCALED=key_cache.dtype in FP8,
+        SINKS=sinks is not None,
         IEEE=query.dtype == torch.float32,
         WIDEN=query.device.type == "cpu",
     )
@@ -463,6 +497,7 @@ def paged_decode(
             part_acc,
             part_max,
             part_sum,
+            part_max if sinks is None else sinks,
             out.stride(0),
             out.stride(1),
             HEADS=heads,
@@ -470,6 +505,7 @@ def paged_decode(
             DIM_PAD=dim_pad,
             SPLITS=splits,
             SPLITS_PAD=_pad(splits),
+            SINKS=sinks is not None,
         )
     return out
 
@@ -539,12 +575,13 @@ def paged_prefill(
     scale: float,
     kv_scales: torch.Tensor | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attend the query tokens of every multi-token row of a step (`query [tokens, heads, dim]`,
     flattened as the step is) causally over their sequences in the cache (within a `window`,
-    where given), K/V of the new tokens already stored; write each row's tokens of `out`, and
-    leave the others as they are. An fp8 cache holds K/V divided by `kv_scales`, as for
-    `paged_decode`."""
+    and with each head's `sinks` logit, where given), K/V of the new tokens already stored;
+    write each row's tokens of `out`, and leave the others as they are. An fp8 cache holds K/V
+    divided by `kv_scales`, as for `paged_decode`."""
     _, heads, dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     _check_cache(query, key_cache, value_cache, dim)
@@ -552,6 +589,7 @@ def paged_prefill(
         raise ValueError("out must be shaped as the query, head dims contiguous")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not divide into {kv_heads} kv heads")
+    _check_sinks(sinks, heads, query.device)
     tiles = rows.tile_rows.shape[0]
     if tiles == 0:
         return
@@ -567,6 +605,7 @@ def paged_prefill(
         rows.query_lens,
         rows.context_lens,
         _scales_of(kv_scales, query.device),
+        rows.tile_rows if sinks is None else sinks,  # never read without sinks
         scale,
         window,
         query.stride(0),
@@ -584,6 +623,7 @@ def paged_prefill(
         TILE_M=PREFILL_TILE,
         TILE_N=TILE,
         SCALED=key_cache.dtype in FP8,
+        SINKS=sinks is not None,
         IEEE=query.dtype == torch.float32,
         WIDEN=query.device.type == "cpu",
     )
@@ -636,6 +676,13 @@ def _scales_of(kv_scales: torch.Tensor | None, device: torch.device) -> torch.Te
     if kv_scales.shape != (2,) or kv_scales.dtype != torch.float32:
         raise ValueError("kv_scales must be [2] fp32: the key and the value scale")
     return kv_scales
+
+
+def _check_sinks(sinks: torch.Tensor | None, heads: int, device: torch.device) -> None:
+    if sinks is not None and (
+        sinks.shape != (heads,) or sinks.device != device or sinks.stride(0) != 1
+    ):
+        raise ValueError(f"sinks must be one contiguous logit per query head ({heads}) on {device}")
 
 
 def _check_cache(
