@@ -1,6 +1,6 @@
-"""Conveyor's own decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM3, whose
-NoPE layers rotate nothing), and its mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE),
-whose layers differ only in the MLP.
+"""Conveyor's own decoder for the Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, SmolLM3,
+whose NoPE layers rotate nothing, CWM, Seed-OSS), and its mixture-of-experts kin (Mixtral,
+Qwen2-MoE, Qwen3-MoE), whose layers differ only in the MLP.
 
 It takes its weights from the loaded Hugging Face model and computes the same thing with fewer
 kernel launches: q, k and v come from one fused projection and gate and up from another, rotary
@@ -53,6 +53,11 @@ ARCHITECTURES = frozenset(
         "GlmForCausalLM",
         "Glm4ForCausalLM",
         "GptOssForCausalLM",
+        # The Llama layer as it is: Ministral's and CWM's windows on some layers, Seed-OSS's
+        # biases (q/k/v, and o where its config says).
+        "MinistralForCausalLM",
+        "CwmForCausalLM",
+        "SeedOssForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)

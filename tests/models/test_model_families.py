@@ -9,14 +9,17 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    CwmConfig,
     Glm4Config,
     GlmConfig,
     GraniteConfig,
+    MinistralConfig,
     MistralConfig,
     Olmo2Config,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    SeedOssConfig,
     SmolLM3Config,
 )
 
@@ -66,12 +69,31 @@ FAMILIES = {
     # GLM-4-0414's outputs normed again before the residual.
     "glm": lambda: GlmConfig(**COMMON, head_dim=16, attention_bias=True),
     "glm4": lambda: Glm4Config(**COMMON, head_dim=16, attention_bias=True),
+    # Windows on some layers only (a few tokens, so the prompts outgrow them).
+    "ministral": lambda: MinistralConfig(
+        **COMMON, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
+    ),
+    "cwm": lambda: CwmConfig(
+        **COMMON, head_dim=16, sliding_window=6, layer_types=["full_attention", "sliding_attention"]
+    ),
+    # Biases on q, k, v and o.
+    "seed_oss": lambda: SeedOssConfig(
+        **COMMON, head_dim=16, attention_bias=True, attention_out_bias=True
+    ),
 }
+# Families whose biases transformers initialises to zero: drawn, so that they count.
+DRAWN_BIASES = {"seed_oss"}
 
 
 def build(family: str):
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+    model = AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+    if family in DRAWN_BIASES:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.normal_(0, 0.2)
+    return model
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -85,6 +107,12 @@ def test_family_greedy_matches_generate(family):
     for i, prompt in enumerate(prompts):
         assert tokens_of(outputs[f"req-{i}"]) == reference_greedy(model, prompt, 10), family
     assert core.scheduler.block_manager.num_used_blocks == 0
+    assert isinstance(core.runner.model, PagedLlamaForCausalLM), "on Conveyor's decoder"
+    layers = core.runner.model.layers
+    windows = [layer.attention.window if layer.attention else None for layer in layers]
+    kinds = getattr(model.config, "layer_types", None) or []
+    if "sliding_attention" in kinds:  # each layer's own window, or none
+        assert windows == [6 if kind == "sliding_attention" else None for kind in kinds]
 
 
 def test_qwen2_attention_bias_is_used():
