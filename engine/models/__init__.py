@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from engine.models.base import CausalLM
+from engine.models.exaone4 import EXAONE4_ARCHITECTURES, PagedExaone4ForCausalLM
 from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
 from engine.models.glm import GLM_ARCHITECTURES, PagedGlmForCausalLM
 from engine.models.gpt_oss import GPT_OSS_ARCHITECTURES, PagedGptOssForCausalLM
 from engine.models.granite import GRANITE_ARCHITECTURES, PagedGraniteForCausalLM
 from engine.models.hf import TransformersCausalLM
+from engine.models.hunyuan import HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
 from engine.models.olmo2 import OLMO2_ARCHITECTURES, PagedOlmo2ForCausalLM
 from engine.models.vision import (
@@ -69,6 +71,10 @@ def _decoder_class(architecture: str) -> type[PagedLlamaForCausalLM]:
         return PagedGlmForCausalLM
     if architecture in GPT_OSS_ARCHITECTURES:
         return PagedGptOssForCausalLM
+    if architecture in EXAONE4_ARCHITECTURES:
+        return PagedExaone4ForCausalLM
+    if architecture in HUNYUAN_ARCHITECTURES:
+        return PagedHunYuanForCausalLM
     return PagedLlamaForCausalLM
 
 

@@ -58,6 +58,8 @@ ARCHITECTURES = frozenset(
         "MinistralForCausalLM",
         "CwmForCausalLM",
         "SeedOssForCausalLM",
+        "Exaone4ForCausalLM",
+        "HunYuanDenseV1ForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
@@ -129,6 +131,9 @@ class PagedLlamaLayer(nn.Module):
     """One decoder layer; under tensor parallelism (`shard`) it holds the rank's heads and
     channels, and the o and down projections sum their partial products over the ranks."""
 
+    # Whether per-head q/k norms come after the rotary (HunYuan's) rather than before (Qwen3's).
+    norms_rotated = False
+
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
@@ -161,7 +166,8 @@ class PagedLlamaLayer(nn.Module):
         self.input_norm = getattr(hf_layer, "input_layernorm", None)
         self.post_attention_norm = hf_layer.post_attention_layernorm
         self.qk_norm_weight = self._qk_norm_weight(attn)
-        self.qk_norm_eps = norm_eps(attn.q_norm) if self.qk_norm_weight is not None else 0.0
+        norms = self._qk_norms(attn)
+        self.qk_norm_eps = norm_eps(norms[0]) if self.qk_norm_weight is not None and norms else 0.0
         # LoRA adapters' slots (`--enable-lora`), shared by every layer.
         self.lora: LoRASlots | None = None
         self._lora_shapes = self._target_shapes()
@@ -202,15 +208,21 @@ class PagedLlamaLayer(nn.Module):
             }
         return shapes
 
+    def _qk_norms(self, attn: Any) -> tuple[Any, Any] | None:
+        """The norms of each q and of each k head (Qwen3's `q_norm` and `k_norm`), or None."""
+        q_norm = getattr(attn, "q_norm", None)
+        return None if q_norm is None else (q_norm, attn.k_norm)
+
     def _qk_norm_weight(self, attn: Any) -> torch.Tensor | None:
         """Qwen3 normalises each q and k head; one `[q heads + kv heads, dim]` weight does both
         in one pass."""
-        if getattr(attn, "q_norm", None) is None:
+        norms = self._qk_norms(attn)
+        if norms is None:
             return None
         return torch.cat(
             [
-                attn.q_norm.weight.expand(self.num_heads, -1),
-                attn.k_norm.weight.expand(self.num_kv_heads, -1),
+                norms[0].weight.expand(self.num_heads, -1),
+                norms[1].weight.expand(self.num_kv_heads, -1),
             ]
         )
 
@@ -250,17 +262,21 @@ class PagedLlamaLayer(nn.Module):
         """What the layer does before attention: query, key and value of each row, normed,
         projected (plus the step's adapters' deltas) and rotated. Every op is row by row
         (piecewise CUDA graphs capture it)."""
-        normed = self._norm(self.input_norm, hidden, self.qkv_proj)
+        normed = hidden
+        if self.input_norm is not None:  # None: normed after the attention instead
+            normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         tokens = normed.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(normed)
         if lora is not None and "qkv" in lora.groups:
             qkv += lora.delta(self.index, "qkv", normed).to(qkv.dtype)
         qk = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
-        if self.qk_norm_weight is not None:
+        if self.qk_norm_weight is not None and not self.norms_rotated:
             qk = self._qk_norm(qk)
         if self.rotates:
             qk = self._rotate(qk, cos, sin)
+        if self.qk_norm_weight is not None and self.norms_rotated:
+            qk = self._qk_norm(qk)
         value = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], value
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-# Rope types whose frequencies are fixed when the module is built.
-FIXED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+# Rope types whose frequencies are fixed when the module is built (Hunyuan's `ntk_alpha`: NTK
+# scaling by a fixed alpha).
+FIXED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "ntk_alpha"})
 _FIRST_ROWS = 1024
 # Floats a vector register holds at the widest: a row of whole vectors takes no scalar tail.
 _VECTOR_FLOATS = 16

@@ -10,9 +10,11 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     CwmConfig,
+    Exaone4Config,
     Glm4Config,
     GlmConfig,
     GraniteConfig,
+    HunYuanDenseV1Config,
     MinistralConfig,
     MistralConfig,
     Olmo2Config,
@@ -80,19 +82,34 @@ FAMILIES = {
     "seed_oss": lambda: SeedOssConfig(
         **COMMON, head_dim=16, attention_bias=True, attention_out_bias=True
     ),
+    # OLMo 2's norms after the attention and the MLP, each q and k head normed; in the hybrid
+    # shape, windows on the sliding layers and no rotary on the global ones.
+    "exaone4": lambda: Exaone4Config(
+        **COMMON, head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]
+    ),
+    "exaone4_global": lambda: Exaone4Config(
+        **COMMON, head_dim=16, sliding_window=None, layer_types=["full_attention"] * 2
+    ),
+    # Each q and k head normed after the rotary.
+    "hunyuan": lambda: HunYuanDenseV1Config(**COMMON, head_dim=16),
 }
-# Families whose biases transformers initialises to zero: drawn, so that they count.
-DRAWN_BIASES = {"seed_oss"}
+# Parameters transformers initialises to constants, drawn so that they count (by the end of
+# their names: mean and spread): Seed-OSS's biases, Hunyuan's per-head norms (a norm of ones
+# commutes with the rotary).
+DRAWN = {
+    "seed_oss": {"bias": (0.0, 0.2)},
+    "hunyuan": {"query_layernorm.weight": (1.0, 0.5), "key_layernorm.weight": (1.0, 0.5)},
+}
 
 
 def build(family: str):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
-    if family in DRAWN_BIASES:
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name.endswith("bias"):
-                    parameter.normal_(0, 0.2)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            for suffix, (mean, spread) in DRAWN.get(family, {}).items():
+                if name.endswith(suffix):
+                    parameter.normal_(mean, spread)
     return model
 
 
@@ -111,8 +128,9 @@ def test_family_greedy_matches_generate(family):
     layers = core.runner.model.layers
     windows = [layer.attention.window if layer.attention else None for layer in layers]
     kinds = getattr(model.config, "layer_types", None) or []
+    window = getattr(model.config, "sliding_window", None)
     if "sliding_attention" in kinds:  # each layer's own window, or none
-        assert windows == [6 if kind == "sliding_attention" else None for kind in kinds]
+        assert windows == [window if kind == "sliding_attention" else None for kind in kinds]
 
 
 def test_qwen2_attention_bias_is_used():

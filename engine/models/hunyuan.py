@@ -1,0 +1,24 @@
+"""Hunyuan's dense models (`HunYuanDenseV1ForCausalLM`) on Conveyor's decoder: the Llama layer
+with each q and k head normed after the rotary (Qwen3 norms them before it). Decode steps run
+op by op: the fused C++ stack has no per-head norms.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
+
+HUNYUAN_ARCHITECTURES = frozenset({"HunYuanDenseV1ForCausalLM"})
+
+
+class PagedHunYuanLayer(PagedLlamaLayer):
+    norms_rotated = True
+
+    def _qk_norms(self, attn: Any) -> tuple[Any, Any] | None:
+        return attn.query_layernorm, attn.key_layernorm
+
+
+class PagedHunYuanForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    layer_class = PagedHunYuanLayer
