@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.models.base import CausalLM
+from engine.models.ernie import ERNIE_ARCHITECTURES, PagedErnieForCausalLM
 from engine.models.exaone4 import EXAONE4_ARCHITECTURES, PagedExaone4ForCausalLM
 from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
 from engine.models.glm import GLM_ARCHITECTURES, PagedGlmForCausalLM
@@ -75,6 +76,8 @@ def _decoder_class(architecture: str) -> type[PagedLlamaForCausalLM]:
         return PagedExaone4ForCausalLM
     if architecture in HUNYUAN_ARCHITECTURES:
         return PagedHunYuanForCausalLM
+    if architecture in ERNIE_ARCHITECTURES:
+        return PagedErnieForCausalLM
     return PagedLlamaForCausalLM
 
 

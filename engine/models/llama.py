@@ -60,6 +60,7 @@ ARCHITECTURES = frozenset(
         "SeedOssForCausalLM",
         "Exaone4ForCausalLM",
         "HunYuanDenseV1ForCausalLM",
+        "Ernie4_5ForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)

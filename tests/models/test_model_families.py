@@ -10,6 +10,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     CwmConfig,
+    Ernie4_5Config,
     Exaone4Config,
     Glm4Config,
     GlmConfig,
@@ -92,12 +93,15 @@ FAMILIES = {
     ),
     # Each q and k head normed after the rotary.
     "hunyuan": lambda: HunYuanDenseV1Config(**COMMON, head_dim=16),
+    # The whole head turned in neighbouring pairs; biases on every projection.
+    "ernie4_5": lambda: Ernie4_5Config(**COMMON, head_dim=16, use_bias=True),
 }
 # Parameters transformers initialises to constants, drawn so that they count (by the end of
 # their names: mean and spread): Seed-OSS's biases, Hunyuan's per-head norms (a norm of ones
 # commutes with the rotary).
 DRAWN = {
     "seed_oss": {"bias": (0.0, 0.2)},
+    "ernie4_5": {"bias": (0.0, 0.2)},
     "hunyuan": {"query_layernorm.weight": (1.0, 0.5), "key_layernorm.weight": (1.0, 0.5)},
 }
 
