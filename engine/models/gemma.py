@@ -22,7 +22,6 @@ from engine.lora.slots import LoRASlots
 from engine.models.base import ImageRows, with_image_rows
 from engine.models.layers import rms_norm
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, norm_eps
-from engine.models.rotary_table import RotaryTable
 from engine.parallel.sharding import Shard
 
 GEMMA_ARCHITECTURES = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
@@ -70,8 +69,6 @@ class PagedGemmaLayer(PagedLlamaLayer):
         self.attention = LayerAttention.of(
             layer_window(attn), getattr(attn, "attn_logit_softcapping", None)
         )
-        # Gemma 3's local and global layers rotate with their own frequencies.
-        self.layer_type: str | None = getattr(attn, "layer_type", None)
 
     def _qk_norm_weight(self, attn: Any) -> torch.Tensor | None:
         weight = super()._qk_norm_weight(attn)
@@ -97,21 +94,6 @@ class PagedGemmaLayer(PagedLlamaLayer):
         return hidden + gemma_norm(mlp_out, self.post_mlp_norm)
 
 
-class LayerTypeRotary:
-    """Gemma 3's rotary embedding for one layer type, called as any model's rotary is."""
-
-    def __init__(self, rotary: Any, layer_type: str) -> None:
-        self.rotary = rotary
-        self.layer_type = layer_type
-        self.rope_type = rotary.rope_type[layer_type]
-        self.inv_freq = getattr(rotary, f"{layer_type}_inv_freq")
-
-    def __call__(
-        self, x: torch.Tensor, position_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary(x, position_ids, self.layer_type)
-
-
 class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
     layer_class = PagedGemmaLayer
@@ -127,14 +109,6 @@ class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
             None if hasattr(self.embed_tokens, "embed_scale") else config.hidden_size**0.5
         )
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        rotary = hf_model.model.rotary_emb
-        positions = getattr(config, "max_position_embeddings", 0)
-        self.rotaries: dict[str | None, RotaryTable] = {None: self.rotary}
-        if isinstance(getattr(rotary, "rope_type", None), dict):
-            self.rotaries = {
-                kind: RotaryTable(LayerTypeRotary(rotary, kind), positions)
-                for kind in rotary.rope_type
-            }
 
     def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         return gemma_norm(hidden[logits_indices], self.norm)
@@ -157,8 +131,7 @@ class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         hidden = with_image_rows(hidden, image_features)
-        tables = {kind: table(hidden, positions) for kind, table in self.rotaries.items()}
+        tables = self._rotary_tables(hidden, positions)
         for layer in self._paged_layers:
-            kind = getattr(layer, "layer_type", None)
-            hidden = layer(hidden, *tables[kind if kind in tables else None], metadata)
+            hidden = layer(hidden, *self._layer_rotary(tables, layer), metadata)
         return hidden

@@ -32,7 +32,7 @@ from engine.lora.slots import LoRASlots
 from engine.models.base import ImageRows, with_image_rows, with_layer_rows
 from engine.models.experts import SparseMoE, is_sparse
 from engine.models.layers import add_projected, fuse, gated_activation, rms_norm, rotate
-from engine.models.rotary_table import RotaryTable
+from engine.models.rotary_table import RotaryTable, rotary_tables
 from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, reduced
 from engine.parallel.sharding import Shard
 from engine.worker.sampler import row_argmax
@@ -50,6 +50,7 @@ ARCHITECTURES = frozenset(
         "Phi3ForCausalLM",
         "GraniteForCausalLM",
         "Olmo2ForCausalLM",
+        "Olmo3ForCausalLM",
         "GlmForCausalLM",
         "Glm4ForCausalLM",
         "GptOssForCausalLM",
@@ -154,6 +155,10 @@ class PagedLlamaLayer(nn.Module):
         self.attention = LayerAttention.of(layer_window(attn), sinks=getattr(attn, "sinks", None))
         # SmolLM3's NoPE layers rotate neither q nor k.
         self.rotates = bool(getattr(attn, "use_rope", True))
+        # The layer's type (sliding or full attention), whose rotary it takes where the
+        # frequencies differ by type.
+        layer_types = getattr(getattr(attn, "config", None), "layer_types", None)
+        self.layer_type: str | None = layer_types[index] if layer_types else None
         self.qkv_proj = fused_qkv or fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         group = shard.group if shard is not None else None
         self.o_proj = reduced(attn.o_proj, group)
@@ -372,9 +377,11 @@ class PagedLlamaForCausalLM(nn.Module):
             )
             self.lm_head = VocabParallelHead(hf_model.lm_head, shard.shape.vocab_size, shard.group)
         self.rotary_emb = base.rotary_emb
-        self.rotary = RotaryTable(
-            base.rotary_emb, getattr(hf_model.config, "max_position_embeddings", 0)
-        )
+        positions = getattr(hf_model.config, "max_position_embeddings", 0)
+        self.rotary = RotaryTable(base.rotary_emb, positions)
+        # One table per layer type where the frequencies differ by type (Gemma 3, OLMo 3).
+        tables = rotary_tables(base.rotary_emb, positions)
+        self.typed_rotaries = {} if None in tables else tables
         layers = [self.layer_class(layer, i, shard) for i, layer in enumerate(base.layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = base.norm
@@ -469,6 +476,12 @@ class PagedLlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The last layer's output rows."""
         hidden = with_image_rows(self.embed_tokens(input_ids), image_features)
+        if self.typed_rotaries:
+            tables = self._rotary_tables(hidden, positions)
+            for index, paged in enumerate(self._paged_layers):
+                out = paged(hidden, *self._layer_rotary(tables, paged), metadata)
+                hidden = with_layer_rows(out, image_features, index)
+            return hidden
         cos, sin = self.rotary(hidden, positions)
         step = self._fused_step(hidden, metadata)
         if step is not None:
@@ -477,6 +490,21 @@ class PagedLlamaForCausalLM(nn.Module):
             for index, layer in enumerate(self.layers):
                 hidden = with_layer_rows(layer(hidden, cos, sin, metadata), image_features, index)
         return hidden
+
+    def _rotary_tables(
+        self, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin of the step's positions: per layer type where the model's frequencies
+        differ by type, else under None."""
+        if self.typed_rotaries:
+            return {kind: table(hidden, positions) for kind, table in self.typed_rotaries.items()}
+        return {None: self.rotary(hidden, positions)}
+
+    @staticmethod
+    def _layer_rotary(
+        tables: dict[str | None, tuple[torch.Tensor, torch.Tensor]], layer: PagedLlamaLayer
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return tables[layer.layer_type] if layer.layer_type in tables else tables[None]
 
     def _fused_step(self, hidden: torch.Tensor, metadata: AttentionMetadata) -> DecodeStep | None:
         """The step as the fused decode takes it, where this model's layers fuse, the rows are

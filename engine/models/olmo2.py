@@ -1,8 +1,9 @@
-"""OLMo 2 on Conveyor's decoder: the Llama layer with its norms moved. No norm comes before the
-attention or the MLP; each one's output is normed before it joins the residual; q and k are
-normed over all their heads at once (one weight of `heads x head_dim`), before the rotary. The
-norms are the model's own modules (fp32 inside, scaled before the cast back, as OLMo 2
-computes them). Decode steps run op by op: the fused C++ stack computes the Llama layer only.
+"""OLMo 2 and OLMo 3 on Conveyor's decoder: the Llama layer with its norms moved. No norm comes
+before the attention or the MLP; each one's output is normed before it joins the residual; q and
+k are normed over all their heads at once (one weight of `heads x head_dim`), before the rotary.
+The norms are the model's own modules (fp32 inside, scaled before the cast back, as OLMo 2
+computes them). OLMo 3 windows some layers and rotates each layer type by its own frequencies.
+Decode steps run op by op: the fused C++ stack computes the Llama layer only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from engine.models.layers import rotate
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.parallel.sharding import Shard
 
-OLMO2_ARCHITECTURES = frozenset({"Olmo2ForCausalLM"})
+# OLMo 3's layers are OLMo 2's, some of them windowed, with rotaries per layer type.
+OLMO2_ARCHITECTURES = frozenset({"Olmo2ForCausalLM", "Olmo3ForCausalLM"})
 
 
 class PagedOlmo2Layer(PagedLlamaLayer):

@@ -92,6 +92,31 @@ def _whole_vectors(rotary: Any) -> bool:
     return inv_freq is not None and (2 * inv_freq.numel()) % _VECTOR_FLOATS == 0
 
 
+class LayerTypeRotary:
+    """A rotary embedding with frequencies per layer type (Gemma 3's, OLMo 3's: local and
+    global layers), for one layer type, called as any model's rotary is."""
+
+    def __init__(self, rotary: Any, layer_type: str) -> None:
+        self.rotary = rotary
+        self.layer_type = layer_type
+        self.rope_type = rotary.rope_type[layer_type]
+        self.inv_freq = getattr(rotary, f"{layer_type}_inv_freq")
+
+    def __call__(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(x, position_ids, self.layer_type)
+
+
+def rotary_tables(rotary: Any, max_positions: int) -> dict[str | None, RotaryTable]:
+    """The model's rotary looked up by position: one table under None, or one per layer type
+    where its frequencies differ by layer type (its rope type is a mapping)."""
+    kinds = getattr(rotary, "rope_type", None)
+    if isinstance(kinds, dict):
+        return {kind: RotaryTable(LayerTypeRotary(rotary, kind), max_positions) for kind in kinds}
+    return {None: RotaryTable(rotary, max_positions)}
+
+
 class AxisRotary:
     """cos, sin for positions on three axes (`[3, tokens]`, `engine/core/mrope.py`) as Qwen2-VL's
     and Qwen3-VL's rotaries compose them: each of the head's frequencies takes its cos and sin

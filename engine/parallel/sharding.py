@@ -162,8 +162,8 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     reason = supports(hf_model) or why_not_shardable(config, size)
     if not reason and fused_projections(hf_model.model.layers):
         reason = "its q, k and v or its gate and up are one projection (Phi-3, GLM), not split"
-    if not reason and type(hf_model).__name__ == "Olmo2ForCausalLM":
-        reason = "its q and k are normed over all heads at once (OLMo 2), not per rank"
+    if not reason and type(hf_model).__name__ in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
+        reason = "its q and k are normed over all heads at once (OLMo 2 and 3), not per rank"
     if not reason and type(hf_model).__name__ == "GptOssForCausalLM":
         reason = "gpt-oss's sinks and biased experts are not split across ranks"
     if reason:

@@ -19,6 +19,7 @@ from transformers import (
     MinistralConfig,
     MistralConfig,
     Olmo2Config,
+    Olmo3Config,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -68,6 +69,16 @@ FAMILIES = {
     ),
     # Norms after the attention and the MLP, q and k normed over all their heads.
     "olmo2": lambda: Olmo2Config(**COMMON),
+    # OLMo 2's layer, the sliding ones windowed, each layer type rotated by its own frequencies.
+    "olmo3": lambda: Olmo3Config(
+        **COMMON,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 50.0},
+        },
+    ),
     # Half of each head turned in neighbouring pairs, gate and up one projection, q/k/v biases;
     # GLM-4-0414's outputs normed again before the residual.
     "glm": lambda: GlmConfig(**COMMON, head_dim=16, attention_bias=True),
