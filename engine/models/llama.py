@@ -62,6 +62,10 @@ ARCHITECTURES = frozenset(
         "Exaone4ForCausalLM",
         "HunYuanDenseV1ForCausalLM",
         "Ernie4_5ForCausalLM",
+        # An MLP without a gate (`down(act(up(x)))`: Arcee's ReLU², Apertus' xIELU); Apertus'
+        # norms by other names, and each q and k head normed as Qwen3's.
+        "ArceeForCausalLM",
+        "ApertusForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
@@ -115,16 +119,24 @@ def query_projections(attn: Any) -> list[Any]:
 
 
 def gate_projections(mlp: Any) -> list[Any]:
-    """Gate and up's projections, or the one that holds both, gate first (Phi-3's)."""
+    """Gate and up's projections, or the one that holds both, gate first (Phi-3's), or up's
+    alone where the MLP has no gate (Arcee's, Apertus')."""
     fused = getattr(mlp, "gate_up_proj", None)
-    return [mlp.gate_proj, mlp.up_proj] if fused is None else [fused]
+    if fused is not None:
+        return [fused]
+    return [mlp.up_proj] if not_gated(mlp) else [mlp.gate_proj, mlp.up_proj]
+
+
+def not_gated(mlp: Any) -> bool:
+    """Whether the MLP computes `down(act(up(x)))`, with no gate."""
+    return getattr(mlp, "gate_proj", None) is None and getattr(mlp, "gate_up_proj", None) is None
 
 
 def fused_projections(layers: Any) -> bool:
     """Whether the layers hold q/k/v or gate/up as one projection each (Phi-3, GLM)."""
     return any(
         len(query_projections(layer.self_attn)) == 1
-        or (not is_sparse(layer.mlp) and len(gate_projections(layer.mlp)) == 1)
+        or (not is_sparse(layer.mlp) and getattr(layer.mlp, "gate_up_proj", None) is not None)
         for layer in layers
     )
 
@@ -135,6 +147,8 @@ class PagedLlamaLayer(nn.Module):
 
     # Whether per-head q/k norms come after the rotary (HunYuan's) rather than before (Qwen3's).
     norms_rotated = False
+    # Whether the MLP has a gate (`down(act(gate(x)) * up(x))`), else `down(act(up(x)))`.
+    gated = True
 
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__()
@@ -165,12 +179,15 @@ class PagedLlamaLayer(nn.Module):
         # A mixture of experts in place of the gated MLP (summed over the ranks as a whole).
         self.moe = reduced(SparseMoE(mlp), group) if is_sparse(mlp) else None
         if self.moe is None:
-            self._gated_mlp(mlp, group)
+            self._dense_mlp(mlp, group)
         else:
             self.silu = False
         # None where nothing is normed before the attention (OLMo 2 norms after it instead).
         self.input_norm = getattr(hf_layer, "input_layernorm", None)
-        self.post_attention_norm = hf_layer.post_attention_layernorm
+        self.post_attention_norm: Any = getattr(hf_layer, "post_attention_layernorm", None)
+        if self.post_attention_norm is None:  # Apertus' names for the same two norms
+            self.input_norm = hf_layer.attention_layernorm
+            self.post_attention_norm = hf_layer.feedforward_layernorm
         self.qk_norm_weight = self._qk_norm_weight(attn)
         norms = self._qk_norms(attn)
         self.qk_norm_eps = norm_eps(norms[0]) if self.qk_norm_weight is not None and norms else 0.0
@@ -178,11 +195,16 @@ class PagedLlamaLayer(nn.Module):
         self.lora: LoRASlots | None = None
         self._lora_shapes = self._target_shapes()
 
-    def _gated_mlp(self, mlp: Any, group: Any) -> None:
+    def _dense_mlp(self, mlp: Any, group: Any) -> None:
         # By the module the MLP runs, not a config field (a family may name its own field).
         self.act_fn = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3's name
         self.silu = type(self.act_fn).__name__ in SILU_MODULES
         self.down_proj = reduced(mlp.down_proj, group)
+        if not_gated(mlp):  # `down(act(up(x)))`: up stands where gate and up would
+            self.gated = False
+            self.gate_up_proj = mlp.up_proj
+            self.intermediate = int(mlp.up_proj.out_features)
+            return
         projections = gate_projections(mlp)
         self.intermediate = int(projections[0].out_features) // (3 - len(projections))
         if len(projections) == 1:  # Phi-3: gate and up in one projection already
@@ -207,11 +229,9 @@ class PagedLlamaLayer(nn.Module):
         }
         if self.moe is None:
             inter = self.intermediate
-            shapes |= {
-                "gate_proj": (hidden, inter),
-                "up_proj": (hidden, inter),
-                "down_proj": (inter, hidden),
-            }
+            shapes["down_proj"] = (inter, hidden)
+            if self.gated:  # a gateless MLP's up alone is no group an adapter fills
+                shapes |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
         return shapes
 
     def _qk_norms(self, attn: Any) -> tuple[Any, Any] | None:
@@ -341,6 +361,8 @@ class PagedLlamaLayer(nn.Module):
         return out
 
     def _activation(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
+        if not self.gated:
+            return self.act_fn(self.gate_up_proj(hidden))
         if lora is not None and "gate_up" in lora.groups:
             gate_up = self._gate_up(hidden)
             gate_up += lora.delta(self.index, "gate_up", hidden).to(gate_up.dtype)

@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 from transformers import (
+    ApertusConfig,
+    ArceeConfig,
     AutoModelForCausalLM,
     CwmConfig,
     Ernie4_5Config,
@@ -106,6 +108,9 @@ FAMILIES = {
     "hunyuan": lambda: HunYuanDenseV1Config(**COMMON, head_dim=16),
     # The whole head turned in neighbouring pairs; biases on every projection.
     "ernie4_5": lambda: Ernie4_5Config(**COMMON, head_dim=16, use_bias=True),
+    # MLPs without a gate: ReLU² (Arcee), xIELU with each q and k head normed (Apertus).
+    "arcee": lambda: ArceeConfig(**COMMON),
+    "apertus": lambda: ApertusConfig(**COMMON, head_dim=16),
 }
 # Parameters transformers initialises to constants, drawn so that they count (by the end of
 # their names: mean and spread): Seed-OSS's biases, Hunyuan's per-head norms (a norm of ones
@@ -146,6 +151,15 @@ def test_family_greedy_matches_generate(family):
     window = getattr(model.config, "sliding_window", None)
     if "sliding_attention" in kinds:  # each layer's own window, or none
         assert windows == [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+@pytest.mark.parametrize("family", ["arcee", "apertus"])
+def test_a_gateless_mlp_decodes_op_by_op_and_adapts_its_down_projection_only(family):
+    paged = PagedLlamaForCausalLM(build(family))
+    layer = paged.layers[0]
+    assert not layer.gated and why_not_fused(layer) == "an MLP without a gate"
+    shapes = layer.lora_shapes()
+    assert "down_proj" in shapes and "up_proj" not in shapes and "gate_proj" not in shapes
 
 
 def test_qwen2_attention_bias_is_used():

@@ -89,6 +89,8 @@ def why_not_fused(layer: FusibleLayer) -> str:
         return "a partial rotary (some dims of each head do not rotate)"
     if not cpu_ops.has("fused_decode"):
         return "the fused_decode kernels are not built"
+    if not getattr(layer, "gated", True):
+        return "an MLP without a gate"
     if not layer.silu:
         return "the activation is not silu"
     if layer.qk_norm_weight is not None:
