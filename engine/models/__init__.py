@@ -19,6 +19,7 @@ from engine.models.granite import GRANITE_ARCHITECTURES, PagedGraniteForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.hunyuan import HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
+from engine.models.nanochat import NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM
 from engine.models.olmo2 import OLMO2_ARCHITECTURES, PagedOlmo2ForCausalLM
 from engine.models.vision import (
     TransformersImageTextLM,
@@ -78,6 +79,8 @@ def _decoder_class(architecture: str) -> type[PagedLlamaForCausalLM]:
         return PagedHunYuanForCausalLM
     if architecture in ERNIE_ARCHITECTURES:
         return PagedErnieForCausalLM
+    if architecture in NANOCHAT_ARCHITECTURES:
+        return PagedNanoChatForCausalLM
     return PagedLlamaForCausalLM
 
 

@@ -66,6 +66,7 @@ ARCHITECTURES = frozenset(
         # norms by other names, and each q and k head normed as Qwen3's.
         "ArceeForCausalLM",
         "ApertusForCausalLM",
+        "NanoChatForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
@@ -124,7 +125,9 @@ def gate_projections(mlp: Any) -> list[Any]:
     fused = getattr(mlp, "gate_up_proj", None)
     if fused is not None:
         return [fused]
-    return [mlp.up_proj] if not_gated(mlp) else [mlp.gate_proj, mlp.up_proj]
+    if not_gated(mlp):  # up by its name, or nanochat's
+        return [getattr(mlp, "up_proj", None) or mlp.fc1]
+    return [mlp.gate_proj, mlp.up_proj]
 
 
 def not_gated(mlp: Any) -> bool:

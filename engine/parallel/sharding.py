@@ -164,6 +164,8 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
         reason = "its q, k and v or its gate and up are one projection (Phi-3, GLM), not split"
     if not reason and type(hf_model).__name__ in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
         reason = "its q and k are normed over all heads at once (OLMo 2 and 3), not per rank"
+    if not reason and type(hf_model).__name__ == "NanoChatForCausalLM":
+        reason = "nanochat's MLP (fc1, fc2) is not split across ranks"
     if not reason and type(hf_model).__name__ == "GptOssForCausalLM":
         reason = "gpt-oss's sinks and biased experts are not split across ranks"
     if reason:

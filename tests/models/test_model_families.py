@@ -20,6 +20,7 @@ from transformers import (
     HunYuanDenseV1Config,
     MinistralConfig,
     MistralConfig,
+    NanoChatConfig,
     Olmo2Config,
     Olmo3Config,
     Phi3Config,
@@ -111,6 +112,9 @@ FAMILIES = {
     # MLPs without a gate: ReLU² (Arcee), xIELU with each q and k head normed (Apertus).
     "arcee": lambda: ArceeConfig(**COMMON),
     "apertus": lambda: ApertusConfig(**COMMON, head_dim=16),
+    # Norms without weights (the embeddings' too, and each q and k head's after the rotary),
+    # fc1 and fc2 without a gate, soft-capped logits.
+    "nanochat": lambda: NanoChatConfig(**COMMON, head_dim=16, final_logit_softcapping=2.0),
 }
 # Parameters transformers initialises to constants, drawn so that they count (by the end of
 # their names: mean and spread): Seed-OSS's biases, Hunyuan's per-head norms (a norm of ones
@@ -160,6 +164,37 @@ def test_a_gateless_mlp_decodes_op_by_op_and_adapts_its_down_projection_only(fam
     assert not layer.gated and why_not_fused(layer) == "an MLP without a gate"
     shapes = layer.lora_shapes()
     assert "down_proj" in shapes and "up_proj" not in shapes and "gate_proj" not in shapes
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        "ministral",
+        "cwm",
+        "seed_oss",
+        "exaone4",
+        "hunyuan",
+        "ernie4_5",
+        "olmo3",
+        "arcee",
+        "apertus",
+        "nanochat",
+    ],
+)
+def test_prompt_logprobs_equal_transformers(family):
+    """Finer than greedy tokens: each prompt token's logprob as transformers scores it (past
+    the windows; nanochat's through its soft cap)."""
+    model = build(family)
+    rng = random.Random(3)
+    prompt = [rng.randrange(2, 320) for _ in range(24)]
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    core, _ = tiny_core(model, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+    entries = [e for o in run_all(core, [prompt], params)["req-0"] for e in o.prompt_logprobs or []]
+    got = torch.tensor([e.logprob for e in entries[1:]])
+    index = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+    torch.testing.assert_close(got, expected[index], atol=1e-4, rtol=1e-4)
 
 
 def test_qwen2_attention_bias_is_used():
