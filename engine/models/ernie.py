@@ -6,14 +6,10 @@ rotates halves.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.models.glm import rotate_pairs
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
-from engine.parallel.sharding import Shard
 
 ERNIE_ARCHITECTURES = frozenset({"Ernie4_5ForCausalLM"})
 
@@ -28,8 +24,5 @@ class PagedErnieLayer(PagedLlamaLayer):
 
 class PagedErnieForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
+    op_by_op = "ERNIE 4.5's paired rotary"
     layer_class = PagedErnieLayer
-
-    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
-        super().__init__(hf_model, shard)
-        self.fused_decode = FusedDecode(DecodeRoute.OPS, reason="ERNIE 4.5's paired rotary")

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from engine.attention.backend import LayerAttention
-from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.lora.slots import LoRASlots
 from engine.models.llama import PagedLlamaLayer
 from engine.models.olmo2 import PagedOlmo2ForCausalLM, PagedOlmo2Layer
@@ -43,8 +42,5 @@ class PagedExaone4Layer(PagedOlmo2Layer):
 
 class PagedExaone4ForCausalLM(PagedOlmo2ForCausalLM):
     name = "conveyor"
+    op_by_op = "EXAONE 4's layers"
     layer_class = PagedExaone4Layer
-
-    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
-        super().__init__(hf_model, shard)
-        self.fused_decode = FusedDecode(DecodeRoute.OPS, reason="EXAONE 4's layers")

@@ -16,11 +16,10 @@ from torch import nn
 
 from engine.attention.backend import AttentionMetadata, LayerAttention
 from engine.attention.hf import layer_window
-from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.kernels.cpu.linear import takes_bf16_rows
 from engine.lora.slots import LoRASlots
 from engine.models.base import ImageRows, with_image_rows
-from engine.models.layers import rms_norm
+from engine.models.layers import rms_norm, soft_capped
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, norm_eps
 from engine.parallel.sharding import Shard
 
@@ -96,12 +95,12 @@ class PagedGemmaLayer(PagedLlamaLayer):
 
 class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
+    op_by_op = "Gemma's layers"
     layer_class = PagedGemmaLayer
 
     def __init__(self, hf_model: Any) -> None:
         super().__init__(hf_model)
         config = hf_model.config
-        self.fused_decode = FusedDecode(DecodeRoute.OPS, reason="Gemma's layers")
         self.norm = ShiftedNorm(hf_model.model.norm)
         # transformers' scaled embedding scales itself; a model with a plain embedding scales
         # its output in its forward (as Gemma's first modelling did), and so does this.
@@ -116,9 +115,7 @@ class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """Gemma 2 caps its logits (which leaves each row's argmax where it was)."""
         logits = super().logits(hidden, logits_indices)
-        if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return soft_capped(logits, self.final_softcap) if self.final_softcap else logits
 
     def _last_hidden(
         self,

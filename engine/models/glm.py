@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.lora.slots import LoRASlots
 from engine.models.layers import rms_norm
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
@@ -59,8 +58,5 @@ def _normed(norm: Any, x: torch.Tensor) -> torch.Tensor:
 
 class PagedGlmForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
+    op_by_op = "GLM's paired rotary"
     layer_class = PagedGlmLayer
-
-    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
-        super().__init__(hf_model, shard)
-        self.fused_decode = FusedDecode(DecodeRoute.OPS, reason="GLM's paired rotary")

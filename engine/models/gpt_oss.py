@@ -14,28 +14,17 @@ from typing import Any
 import torch
 
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
-from engine.models.rotary_table import RotaryTable
+from engine.models.rotary_table import AdaptedRotary, RotaryTable
 from engine.parallel.sharding import Shard
 
 GPT_OSS_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
 
 
-class WholeHeadRotary:
-    """A rotary that gives cos and sin for half a head's dims, giving them for the whole head
-    (each half by the same frequencies), as the Llama layer rotates: `x * cos + rotate_half(x)
-    * sin` computes gpt-oss's `x1 * cos - x2 * sin`, `x2 * cos + x1 * sin` exactly."""
-
-    def __init__(self, rotary: Any) -> None:
-        self.rotary = rotary
-        # What `RotaryTable` reads to decide whether positions may be looked up.
-        self.rope_type = getattr(rotary, "rope_type", None)
-        self.inv_freq = getattr(rotary, "inv_freq", None)
-
-    def __call__(
-        self, x: torch.Tensor, position_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary(x, position_ids)
-        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+def whole_head(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for half a head's dims (gpt-oss's rotary), given for the whole head (each half
+    by the same frequencies), as the Llama layer rotates: `x * cos + rotate_half(x) * sin`
+    computes gpt-oss's `x1 * cos - x2 * sin`, `x2 * cos + x1 * sin` exactly."""
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
 
 
 class PagedGptOssLayer(PagedLlamaLayer):
@@ -61,7 +50,7 @@ class PagedGptOssForCausalLM(PagedLlamaForCausalLM):
     def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
         super().__init__(hf_model, shard)
         self.rotary = RotaryTable(
-            WholeHeadRotary(hf_model.model.rotary_emb),
+            AdaptedRotary(hf_model.model.rotary_emb, whole_head),
             getattr(hf_model.config, "max_position_embeddings", 0),
         )
 

@@ -105,6 +105,11 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def soft_capped(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """`tanh(x / cap) * cap`: logits capped as Gemma 2 and nanochat cap theirs."""
+    return torch.tanh(x / cap) * cap
+
+
 def _one_pass_gate(gate_up: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU activation applies: fp32 rows on the CPU, kernels built."""
     return (

@@ -388,6 +388,9 @@ class PagedLlamaForCausalLM(nn.Module):
     name = "conveyor"
     # The layer each of the model's decoder layers becomes (a family may have its own).
     layer_class: type[PagedLlamaLayer] = PagedLlamaLayer
+    # Why a family's decode steps run op by op whatever its layers (the fused C++ stack computes
+    # the Llama layer only), or None: the layers decide.
+    op_by_op: str | None = None
 
     def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
         """`shard`: `hf_model` holds one rank's share of the weights (`parallel.sharding`)."""
@@ -410,11 +413,12 @@ class PagedLlamaForCausalLM(nn.Module):
         layers = [self.layer_class(layer, i, shard) for i, layer in enumerate(base.layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = base.norm
-        self.fused_decode = (
-            fused_decode.choose(layers)
-            if shard is None
-            else fused_decode.FusedDecode(DecodeRoute.OPS, reason="tensor parallel")
-        )
+        if self.op_by_op is not None:
+            self.fused_decode = fused_decode.FusedDecode(DecodeRoute.OPS, reason=self.op_by_op)
+        elif shard is not None:
+            self.fused_decode = fused_decode.FusedDecode(DecodeRoute.OPS, reason="tensor parallel")
+        else:
+            self.fused_decode = fused_decode.choose(layers)
         self.lora: LoRASlots | None = None
 
     def attach_lora(self, slots: LoRASlots) -> None:

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.lora.slots import LoRASlots
+from engine.models.layers import soft_capped
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
-from engine.models.rotary_table import RotaryTable
+from engine.models.rotary_table import AdaptedRotary, RotaryTable
 from engine.parallel.layers import reduced
 from engine.parallel.sharding import Shard
 
@@ -27,21 +27,10 @@ def weightless_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class BackwardRotary:
-    """nanochat's rotary, which turns by minus each angle (`rotate_half` with its signs flipped):
-    the Llama rotation with `-sin` computes the same, exactly."""
-
-    def __init__(self, rotary: Any) -> None:
-        self.rotary = rotary
-        # What `RotaryTable` reads to decide whether positions may be looked up.
-        self.rope_type = getattr(rotary, "rope_type", None)
-        self.inv_freq = getattr(rotary, "inv_freq", None)
-
-    def __call__(
-        self, x: torch.Tensor, position_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary(x, position_ids)
-        return cos, -sin
+def backward(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanochat's rotary turns by minus each angle (`rotate_half` with its signs flipped): the
+    Llama rotation with `-sin` computes the same, exactly."""
+    return cos, -sin
 
 
 class NormedEmbedding(nn.Module):
@@ -94,16 +83,16 @@ class PagedNanoChatLayer(PagedLlamaLayer):
 
 class PagedNanoChatForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
+    op_by_op = "nanochat's layers"
     layer_class = PagedNanoChatLayer
 
     def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
         super().__init__(hf_model, shard)
-        self.fused_decode = FusedDecode(DecodeRoute.OPS, reason="nanochat's layers")
         self.eps = float(hf_model.model.norm.variance_epsilon)
         self.embed_tokens = NormedEmbedding(self.embed_tokens, self.eps)
         self.final_softcap = getattr(hf_model.config, "final_logit_softcapping", None)
         self.rotary = RotaryTable(
-            BackwardRotary(hf_model.model.rotary_emb),
+            AdaptedRotary(hf_model.model.rotary_emb, backward),
             getattr(hf_model.config, "max_position_embeddings", 0),
         )
 
@@ -113,6 +102,4 @@ class PagedNanoChatForCausalLM(PagedLlamaForCausalLM):
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """Soft-capped, as nanochat caps them (which leaves each row's argmax where it was)."""
         logits = super().logits(hidden, logits_indices)
-        if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return soft_capped(logits, self.final_softcap) if self.final_softcap else logits

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.lora.slots import LoRASlots
 from engine.models.layers import rotate
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
@@ -63,8 +62,5 @@ class PagedOlmo2Layer(PagedLlamaLayer):
 
 class PagedOlmo2ForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
+    op_by_op = "OLMo 2's layers"
     layer_class = PagedOlmo2Layer
-
-    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
-        super().__init__(hf_model, shard)
-        self.fused_decode = FusedDecode(DecodeRoute.OPS, reason="OLMo 2's layers")

@@ -12,6 +12,7 @@ its own answer the first time they are compared.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,6 +91,26 @@ def _whole_vectors(rotary: Any) -> bool:
     way, none in a scalar tail that may round a cosine differently."""
     inv_freq = getattr(rotary, "inv_freq", None)
     return inv_freq is not None and (2 * inv_freq.numel()) % _VECTOR_FLOATS == 0
+
+
+class AdaptedRotary:
+    """A model's rotary whose cos and sin are rewritten before the layers take them (gpt-oss's
+    half-head ones widened, nanochat's turned backward), with what `RotaryTable` reads of it."""
+
+    def __init__(
+        self,
+        rotary: Any,
+        adapt: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        self.rotary = rotary
+        self.adapt = adapt
+        self.rope_type = getattr(rotary, "rope_type", None)
+        self.inv_freq = getattr(rotary, "inv_freq", None)
+
+    def __call__(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.adapt(*self.rotary(x, position_ids))
 
 
 class LayerTypeRotary:
