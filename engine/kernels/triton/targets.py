@@ -1,8 +1,8 @@
 """Compile Conveyor's Triton kernels for GPU targets on any host, no GPU needed (Triton carries
 its own `ptxas`): every kernel in the forms the server launches (fp32, bf16 and fp16 queries;
-caches of the same dtype or fp8; one split or several; the sampler's), down to a cubin for
-each target. A kernel that Triton's interpreter runs but the GPU compiler rejects fails here,
-before a GPU host meets it.
+caches of the same dtype or fp8; one split or several; with sinks or without; the sampler's),
+down to a cubin for each target. A kernel that Triton's interpreter runs but the GPU compiler
+rejects fails here, before a GPU host meets it.
 
     python -m engine.kernels.triton.targets 80 90      # Ampere and Hopper
 
@@ -74,6 +74,8 @@ def forms(arch: int) -> Iterator[Form]:
                 continue
             tag = f"{compute} query, {cache} cache"
             yield from _attention_forms(compute, cache, tag, scaled=fp8_max > 0)
+            if cache == compute:  # gpt-oss's sinks, in the model's dtype
+                yield from _attention_forms(compute, cache, tag + ", sinks", False, sinks=True)
             yield Form(
                 f"store ({tag})",
                 kernels._store_kv_kernel,
@@ -96,19 +98,25 @@ def forms(arch: int) -> Iterator[Form]:
         {"noise_ptr": "fp32", "rows_ptr": "i64", "keys_ptr": "i64", "draws_ptr": "i32"},
         dict(BLOCK=sampling.BLOCK),
     )
-    yield Form(
-        "combine",
-        kernels._combine_kernel,
-        {"out_ptr": "bf16"} | {f"part_{p}_ptr": "fp32" for p in ("acc", "max", "sum")},
-        dict(HEADS=12, DIM=128, DIM_PAD=128, SPLITS=4, SPLITS_PAD=4),
-    )
+    for sinks in (False, True):
+        yield Form(
+            "combine" + (" with sinks" if sinks else ""),
+            kernels._combine_kernel,
+            {"out_ptr": "bf16", "sinks_ptr": "bf16"}
+            | {f"part_{p}_ptr": "fp32" for p in ("acc", "max", "sum")},
+            dict(HEADS=12, DIM=128, DIM_PAD=128, SPLITS=4, SPLITS_PAD=4, SINKS=sinks),
+        )
 
 
-def _attention_forms(compute: str, cache: str, tag: str, scaled: bool) -> Iterator[Form]:
+def _attention_forms(
+    compute: str, cache: str, tag: str, scaled: bool, sinks: bool = False
+) -> Iterator[Form]:
+    """Decode in one split and in several, and prefill; with `sinks`, the forms that join them
+    (split decode rows join them in the combine kernel)."""
     ieee = compute == "fp32"
     pointers = {"out_ptr": compute, "query_ptr": compute, "key_ptr": cache, "value_ptr": cache}
-    pointers |= SCALES
-    for splits in (1, 4):
+    pointers |= SCALES | {"sinks_ptr": compute}
+    for splits in (1,) if sinks else (1, 4):
         yield Form(
             f"decode in {splits} split(s) ({tag})",
             kernels._paged_decode_kernel,
@@ -122,6 +130,7 @@ def _attention_forms(compute: str, cache: str, tag: str, scaled: bool) -> Iterat
                 TILE_TOKENS=kernels.TILE,
                 SPLITS=splits,
                 SCALED=scaled,
+                SINKS=sinks,
                 IEEE=ieee,
                 WIDEN=False,
             ),
@@ -138,6 +147,7 @@ def _attention_forms(compute: str, cache: str, tag: str, scaled: bool) -> Iterat
             TILE_M=kernels.PREFILL_TILE,
             TILE_N=kernels.TILE,
             SCALED=scaled,
+            SINKS=sinks,
             IEEE=ieee,
             WIDEN=False,
         ),
