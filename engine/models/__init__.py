@@ -16,6 +16,7 @@ from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
 from engine.models.glm import GLM_ARCHITECTURES, PagedGlmForCausalLM
 from engine.models.gpt_oss import GPT_OSS_ARCHITECTURES, PagedGptOssForCausalLM
 from engine.models.granite import GRANITE_ARCHITECTURES, PagedGraniteForCausalLM
+from engine.models.helium import HELIUM_ARCHITECTURES, PagedHeliumForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.hunyuan import HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
@@ -81,6 +82,8 @@ def _decoder_class(architecture: str) -> type[PagedLlamaForCausalLM]:
         return PagedErnieForCausalLM
     if architecture in NANOCHAT_ARCHITECTURES:
         return PagedNanoChatForCausalLM
+    if architecture in HELIUM_ARCHITECTURES:
+        return PagedHeliumForCausalLM
     return PagedLlamaForCausalLM
 
 

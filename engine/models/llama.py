@@ -62,6 +62,7 @@ ARCHITECTURES = frozenset(
         "Exaone4ForCausalLM",
         "HunYuanDenseV1ForCausalLM",
         "Ernie4_5ForCausalLM",
+        "HeliumForCausalLM",
         # An MLP without a gate (`down(act(up(x)))`: Arcee's ReLU², Apertus' xIELU); Apertus'
         # norms by other names, and each q and k head normed as Qwen3's.
         "ArceeForCausalLM",

@@ -17,6 +17,7 @@ from transformers import (
     Glm4Config,
     GlmConfig,
     GraniteConfig,
+    HeliumConfig,
     HunYuanDenseV1Config,
     MinistralConfig,
     MistralConfig,
@@ -109,6 +110,8 @@ FAMILIES = {
     "hunyuan": lambda: HunYuanDenseV1Config(**COMMON, head_dim=16),
     # The whole head turned in neighbouring pairs; biases on every projection.
     "ernie4_5": lambda: Ernie4_5Config(**COMMON, head_dim=16, use_bias=True),
+    # The whole head turned in neighbouring pairs; norms scaled in fp32.
+    "helium": lambda: HeliumConfig(**COMMON, head_dim=16),
     # MLPs without a gate: ReLU² (Arcee), xIELU with each q and k head normed (Apertus).
     "arcee": lambda: ArceeConfig(**COMMON),
     "apertus": lambda: ApertusConfig(**COMMON, head_dim=16),
@@ -175,6 +178,7 @@ def test_a_gateless_mlp_decodes_op_by_op_and_adapts_its_down_projection_only(fam
         "exaone4",
         "hunyuan",
         "ernie4_5",
+        "helium",
         "olmo3",
         "arcee",
         "apertus",

@@ -1,0 +1,40 @@
+"""Helium (`HeliumForCausalLM`) on Conveyor's decoder: the Llama layer whose rotary turns
+neighbouring dims as pairs over the whole head (GLM's rotation at full width), and whose norms
+scale 16-bit rows in fp32 before rounding (as gpt-oss's do). Decode steps run op by op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.models.glm import rotate_pairs
+from engine.models.gpt_oss import fp32_scaled_norm
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
+
+HELIUM_ARCHITECTURES = frozenset({"HeliumForCausalLM"})
+
+
+class PagedHeliumLayer(PagedLlamaLayer):
+    @staticmethod
+    def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rotate_pairs(qk, cos, sin)
+
+    @staticmethod
+    def _norm(norm: Any, hidden: torch.Tensor, projection: Any) -> torch.Tensor:
+        if hidden.dtype == torch.float32:  # the Llama norm's bits
+            return PagedLlamaLayer._norm(norm, hidden, projection)
+        return fp32_scaled_norm(hidden, norm.weight.float(), norm.variance_epsilon)
+
+
+class PagedHeliumForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    op_by_op = "Helium's paired rotary"
+    layer_class = PagedHeliumLayer
+
+    def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        if hidden.dtype == torch.float32:
+            return super()._normed(hidden, logits_indices)
+        weight = self.norm.weight.float()
+        return fp32_scaled_norm(hidden[logits_indices], weight, self.norm.variance_epsilon)
