@@ -32,6 +32,9 @@ from engine.models.vision import (
 from engine.parallel.sharding import Shard
 
 MODEL_IMPLS = ("auto", "conveyor", "transformers")
+# Architectures whose transformers layers do not hand the attention its keyword arguments, so
+# the paged attention cannot be plugged into them: Conveyor's decoder is their only way.
+DECODER_ONLY = frozenset({"StableLmForCausalLM"})
 
 __all__ = ["MODEL_IMPLS", "CausalLM", "build_causal_lm"]
 
@@ -59,6 +62,12 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
         return decoder(hf_model, shard)
     if impl == "conveyor" and reason:
         raise ValueError(f"Conveyor's model implementation cannot run this model: {reason}")
+    if (impl == "transformers" or reason) and type(hf_model).__name__ in DECODER_ONLY:
+        why = f": {reason}" if reason else ""
+        raise ValueError(
+            f"{type(hf_model).__name__} runs on Conveyor's model implementation only "
+            f"(transformers' layers do not pass the paged attention its arguments){why}"
+        )
     if impl == "transformers" or reason:
         return TransformersCausalLM(hf_model)
     return PagedGemmaForCausalLM(hf_model) if gemma else decoder(hf_model)

@@ -68,6 +68,11 @@ ARCHITECTURES = frozenset(
         "ArceeForCausalLM",
         "ApertusForCausalLM",
         "NanoChatForCausalLM",
+        # LayerNorms (a mean subtracted, a bias added) in place of RMSNorms: Jais 2's with a
+        # gateless MLP, StableLM's with a partial rotary, StarCoder 2's with both and windows.
+        "Jais2ForCausalLM",
+        "StableLmForCausalLM",
+        "Starcoder2ForCausalLM",
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
@@ -80,6 +85,11 @@ def supports(hf_model: Any) -> str:
     name = type(hf_model).__name__
     if name not in ARCHITECTURES:
         return f"{name} is not one of {', '.join(sorted(ARCHITECTURES))}"
+    config = hf_model.config
+    if getattr(config, "use_parallel_residual", False):
+        return "its attention and MLP run side by side (a parallel residual)"
+    if getattr(config, "qk_layernorm", False):
+        return "its q and k heads are LayerNormed"
     return plain_projections(hf_model.model.layers)
 
 
@@ -126,14 +136,36 @@ def gate_projections(mlp: Any) -> list[Any]:
     fused = getattr(mlp, "gate_up_proj", None)
     if fused is not None:
         return [fused]
-    if not_gated(mlp):  # up by its name, or nanochat's
-        return [getattr(mlp, "up_proj", None) or mlp.fc1]
+    if not_gated(mlp):
+        return [mlp_part(mlp, UP_NAMES)]
     return [mlp.gate_proj, mlp.up_proj]
 
 
 def not_gated(mlp: Any) -> bool:
     """Whether the MLP computes `down(act(up(x)))`, with no gate."""
     return getattr(mlp, "gate_proj", None) is None and getattr(mlp, "gate_up_proj", None) is None
+
+
+# A gateless MLP's projections and activation by each family's names (Llama's, nanochat's,
+# StarCoder 2's; Phi-3's activation).
+UP_NAMES = ("up_proj", "fc1", "c_fc")
+DOWN_NAMES = ("down_proj", "fc2", "c_proj")
+ACT_NAMES = ("act_fn", "activation_fn", "act")
+
+
+def mlp_part(mlp: Any, names: tuple[str, ...]) -> Any:
+    """The MLP's module by the first of `names` it has."""
+    for name in names:
+        part = getattr(mlp, name, None)
+        if part is not None:
+            return part
+    raise AttributeError(f"{type(mlp).__name__} has none of {', '.join(names)}")
+
+
+def layer_norm(norm: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """`x` through `norm` itself where it is a LayerNorm (Jais 2's, StableLM's, StarCoder 2's:
+    a mean subtracted, a bias added), else None: the caller's RMSNorm applies."""
+    return norm(x) if isinstance(norm, nn.LayerNorm) else None
 
 
 def fused_projections(layers: Any) -> bool:
@@ -201,13 +233,13 @@ class PagedLlamaLayer(nn.Module):
 
     def _dense_mlp(self, mlp: Any, group: Any) -> None:
         # By the module the MLP runs, not a config field (a family may name its own field).
-        self.act_fn = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3's name
+        self.act_fn = mlp_part(mlp, ACT_NAMES)
         self.silu = type(self.act_fn).__name__ in SILU_MODULES
-        self.down_proj = reduced(mlp.down_proj, group)
+        self.down_proj = reduced(mlp_part(mlp, DOWN_NAMES), group)
         if not_gated(mlp):  # `down(act(up(x)))`: up stands where gate and up would
             self.gated = False
-            self.gate_up_proj = mlp.up_proj
-            self.intermediate = int(mlp.up_proj.out_features)
+            self.gate_up_proj = mlp_part(mlp, UP_NAMES)
+            self.intermediate = int(self.gate_up_proj.out_features)
             return
         projections = gate_projections(mlp)
         self.intermediate = int(projections[0].out_features) // (3 - len(projections))
@@ -280,6 +312,9 @@ class PagedLlamaLayer(nn.Module):
     @staticmethod
     def _norm(norm: Any, hidden: torch.Tensor, projection: nn.Module) -> torch.Tensor:
         """The normalized rows for `projection`: in bf16 where it takes bf16 rows."""
+        normed = layer_norm(norm, hidden)
+        if normed is not None:
+            return normed
         return rms_norm(hidden, norm.weight, norm.variance_epsilon, takes_bf16_rows(projection))
 
     def project_qkv(
@@ -495,7 +530,11 @@ class PagedLlamaForCausalLM(nn.Module):
 
     def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """The kept rows normalized: the LM head's input."""
-        return rms_norm(hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon)
+        kept = hidden[logits_indices]
+        normed = layer_norm(self.norm, kept)
+        if normed is not None:
+            return normed
+        return rms_norm(kept, self.norm.weight, self.norm.variance_epsilon)
 
     def _last_hidden(
         self,

@@ -15,7 +15,6 @@ from engine.lora.slots import LoRASlots
 from engine.models.layers import soft_capped
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.models.rotary_table import AdaptedRotary, RotaryTable
-from engine.parallel.layers import reduced
 from engine.parallel.sharding import Shard
 
 NANOCHAT_ARCHITECTURES = frozenset({"NanoChatForCausalLM"})
@@ -54,14 +53,6 @@ class PagedNanoChatLayer(PagedLlamaLayer):
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(hf_layer, index, shard)
         self.eps = float(hf_layer.input_layernorm.variance_epsilon)
-
-    def _dense_mlp(self, mlp: Any, group: Any) -> None:
-        self.act_fn = mlp.activation_fn
-        self.silu = False
-        self.gated = False
-        self.down_proj = reduced(mlp.fc2, group)
-        self.gate_up_proj = mlp.fc1
-        self.intermediate = int(mlp.fc1.out_features)
 
     def _qk_norms(self, attn: Any) -> tuple[Any, Any] | None:
         return None  # weightless, after the rotary: in `project_qkv`

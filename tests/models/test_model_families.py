@@ -19,6 +19,7 @@ from transformers import (
     GraniteConfig,
     HeliumConfig,
     HunYuanDenseV1Config,
+    Jais2Config,
     MinistralConfig,
     MistralConfig,
     NanoChatConfig,
@@ -29,13 +30,16 @@ from transformers import (
     Qwen3Config,
     SeedOssConfig,
     SmolLM3Config,
+    StableLmConfig,
+    Starcoder2Config,
 )
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.kernels.cpu.fused_decode import why_not_fused
-from engine.models.llama import PagedLlamaForCausalLM
+from engine.models import build_causal_lm
+from engine.models.llama import PagedLlamaForCausalLM, supports
 from engine.parallel.sharding import shard_model
 from tests.helpers import (
     TINY_SHAPE,
@@ -118,6 +122,11 @@ FAMILIES = {
     # Norms without weights (the embeddings' too, and each q and k head's after the rotary),
     # fc1 and fc2 without a gate, soft-capped logits.
     "nanochat": lambda: NanoChatConfig(**COMMON, head_dim=16, final_logit_softcapping=2.0),
+    # LayerNorms with biases: with a gateless MLP (Jais 2), a quarter of each head rotated and
+    # q/k/v biases (StableLM), a gateless MLP and windows (StarCoder 2).
+    "jais2": lambda: Jais2Config(**COMMON, head_dim=16),
+    "stablelm": lambda: StableLmConfig(**COMMON, partial_rotary_factor=0.25, use_qkv_bias=True),
+    "starcoder2": lambda: Starcoder2Config(**COMMON, sliding_window=6, use_bias=True),
 }
 # Parameters transformers initialises to constants, drawn so that they count (by the end of
 # their names: mean and spread): Seed-OSS's biases, Hunyuan's per-head norms (a norm of ones
@@ -125,6 +134,7 @@ FAMILIES = {
 DRAWN = {
     "seed_oss": {"bias": (0.0, 0.2)},
     "ernie4_5": {"bias": (0.0, 0.2)},
+    **{family: {"bias": (0.0, 0.2)} for family in ("jais2", "stablelm", "starcoder2")},
     "hunyuan": {"query_layernorm.weight": (1.0, 0.5), "key_layernorm.weight": (1.0, 0.5)},
 }
 
@@ -183,6 +193,9 @@ def test_a_gateless_mlp_decodes_op_by_op_and_adapts_its_down_projection_only(fam
         "arcee",
         "apertus",
         "nanochat",
+        "jais2",
+        "stablelm",
+        "starcoder2",
     ],
 )
 def test_prompt_logprobs_equal_transformers(family):
@@ -199,6 +212,23 @@ def test_prompt_logprobs_equal_transformers(family):
     got = torch.tensor([e.logprob for e in entries[1:]])
     index = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
     torch.testing.assert_close(got, expected[index], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("flag", "reason"),
+    [("use_parallel_residual", "parallel residual"), ("qk_layernorm", "LayerNormed")],
+)
+def test_stablelm_layouts_the_decoder_does_not_compute_are_refused_with_the_reason(flag, reason):
+    """StableLM's parallel residual (attention and MLP side by side) and per-head q/k
+    LayerNorms are not the Llama layer's: Conveyor's decoder names them, and the start refuses
+    the model with the reason rather than failing each request."""
+    torch.manual_seed(0)
+    config = StableLmConfig(**COMMON, partial_rotary_factor=0.25, **{flag: True})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert reason in supports(model)
+    # transformers' StableLM layers cannot take the paged attention either: refused at start-up.
+    with pytest.raises(ValueError, match=f"Conveyor's model implementation only.*{reason}"):
+        build_causal_lm(model)
 
 
 def test_qwen2_attention_bias_is_used():
