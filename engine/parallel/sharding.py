@@ -164,8 +164,6 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
         reason = "its q, k and v or its gate and up are one projection (Phi-3, GLM), not split"
     if not reason and type(hf_model).__name__ in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
         reason = "its q and k are normed over all heads at once (OLMo 2 and 3), not per rank"
-    if not reason and type(hf_model).__name__ == "NanoChatForCausalLM":
-        reason = "nanochat's MLP (fc1, fc2) is not split across ranks"
     if not reason and type(hf_model).__name__ == "GptOssForCausalLM":
         reason = "gpt-oss's sinks and biased experts are not split across ranks"
     if reason:
@@ -208,12 +206,16 @@ ROW_SHARES = {
     "self_attn.v_proj": "kv_span",
     "mlp.gate_proj": "channel_span",
     "mlp.up_proj": "channel_span",
+    "mlp.fc1": "channel_span",  # a gateless MLP's up by nanochat's name
+    "mlp.c_fc": "channel_span",  # and by StarCoder 2's
     "mlp.shared_expert.gate_proj": "shared_span",
     "mlp.shared_expert.up_proj": "shared_span",
 }
 COLUMN_SHARES = {
     "self_attn.o_proj": "query_span",
     "mlp.down_proj": "channel_span",
+    "mlp.fc2": "channel_span",
+    "mlp.c_proj": "channel_span",
     "mlp.shared_expert.down_proj": "shared_span",
 }
 VOCAB_MODULES = ("embed_tokens", "lm_head")

@@ -15,13 +15,17 @@ import torch.distributed as dist
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    Exaone4Config,
     GraniteConfig,
+    HunYuanDenseV1Config,
     LlamaConfig,
     MixtralConfig,
+    NanoChatConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Starcoder2Config,
 )
 
 from engine.core.config import CacheConfig, EngineConfig
@@ -93,6 +97,31 @@ MODELS = {
         attention_multiplier=0.0078125,
         residual_multiplier=0.22,
         logits_scaling=8.0,
+    ),
+    # Gateless MLPs by other names: StarCoder 2's (with LayerNorms and biases), nanochat's
+    # (weightless norms); Hunyuan's per-head q/k norms after the rotary; EXAONE 4's norms after
+    # the attention and the MLP.
+    "starcoder2": lambda: Starcoder2Config(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        use_bias=True,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "nanochat": lambda: NanoChatConfig(
+        **COMMON, vocab_size=320, num_key_value_heads=2, head_dim=16
+    ),
+    "hunyuan": lambda: HunYuanDenseV1Config(
+        **COMMON, vocab_size=320, num_key_value_heads=2, head_dim=16
+    ),
+    "exaone4": lambda: Exaone4Config(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=None,
+        layer_types=["full_attention"] * 2,
     ),
 }
 
