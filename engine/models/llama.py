@@ -32,7 +32,7 @@ from engine.lora.slots import LoRASlots
 from engine.models.base import ImageRows, with_image_rows, with_layer_rows
 from engine.models.experts import SparseMoE, is_sparse
 from engine.models.layers import add_projected, fuse, gated_activation, rms_norm, rotate
-from engine.models.rotary_table import RotaryTable, rotary_tables
+from engine.models.rotary_table import RotaryTable, typed_rotary_tables
 from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, reduced
 from engine.parallel.sharding import Shard
 from engine.worker.sampler import row_argmax
@@ -444,8 +444,7 @@ class PagedLlamaForCausalLM(nn.Module):
         positions = getattr(hf_model.config, "max_position_embeddings", 0)
         self.rotary = RotaryTable(base.rotary_emb, positions)
         # One table per layer type where the frequencies differ by type (Gemma 3, OLMo 3).
-        tables = rotary_tables(base.rotary_emb, positions)
-        self.typed_rotaries = {} if None in tables else tables
+        self.typed_rotaries = typed_rotary_tables(base.rotary_emb, positions)
         layers = [self.layer_class(layer, i, shard) for i, layer in enumerate(base.layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = base.norm

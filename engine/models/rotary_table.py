@@ -129,13 +129,13 @@ class LayerTypeRotary:
         return self.rotary(x, position_ids, self.layer_type)
 
 
-def rotary_tables(rotary: Any, max_positions: int) -> dict[str | None, RotaryTable]:
-    """The model's rotary looked up by position: one table under None, or one per layer type
-    where its frequencies differ by layer type (its rope type is a mapping)."""
+def typed_rotary_tables(rotary: Any, max_positions: int) -> dict[str, RotaryTable]:
+    """The model's rotary looked up by position, one table per layer type, where its
+    frequencies differ by layer type (its rope type is a mapping); else empty."""
     kinds = getattr(rotary, "rope_type", None)
-    if isinstance(kinds, dict):
-        return {kind: RotaryTable(LayerTypeRotary(rotary, kind), max_positions) for kind in kinds}
-    return {None: RotaryTable(rotary, max_positions)}
+    if not isinstance(kinds, dict):
+        return {}
+    return {kind: RotaryTable(LayerTypeRotary(rotary, kind), max_positions) for kind in kinds}
 
 
 class AxisRotary:
