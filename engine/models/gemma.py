@@ -16,10 +16,9 @@ from torch import nn
 
 from engine.attention.backend import AttentionMetadata, LayerAttention
 from engine.attention.hf import layer_window
-from engine.kernels.cpu.linear import takes_bf16_rows
 from engine.lora.slots import LoRASlots
 from engine.models.base import ImageRows, with_image_rows
-from engine.models.layers import rms_norm, soft_capped
+from engine.models.layers import fp32_scaled_norm, scaled_in_fp32, soft_capped
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, norm_eps
 from engine.parallel.sharding import Shard
 
@@ -33,26 +32,6 @@ class ShiftedNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(1.0 + norm.weight.detach().float(), requires_grad=False)
         self.variance_epsilon = norm_eps(norm)
-
-
-def gemma_norm(
-    hidden: torch.Tensor, norm: ShiftedNorm, projection: nn.Module | None = None
-) -> torch.Tensor:
-    """As Gemma computes it: normalised and scaled in fp32, then in the rows' dtype (Conveyor's
-    one-pass kernel for fp32 rows; rounded to bf16 for bf16 panels, where `projection` takes
-    them)."""
-    if hidden.dtype == torch.float32:
-        bf16_rows = projection is not None and takes_bf16_rows(projection)
-        return rms_norm(hidden, norm.weight, norm.variance_epsilon, bf16_rows)
-    return scaled_in_fp32(hidden, norm.weight, norm.variance_epsilon)
-
-
-def scaled_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm of 16-bit rows (or heads): normalised and scaled by `weight` (one more
-    than the checkpoint's, fp32) in fp32, cast to the rows' dtype after."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * weight).to(x.dtype)
 
 
 class PagedGemmaLayer(PagedLlamaLayer):
@@ -75,7 +54,7 @@ class PagedGemmaLayer(PagedLlamaLayer):
 
     @staticmethod
     def _norm(norm: Any, hidden: torch.Tensor, projection: nn.Module) -> torch.Tensor:
-        return gemma_norm(hidden, norm, projection)
+        return fp32_scaled_norm(hidden, norm, projection)
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """As Gemma computes it: in fp32, by one more than the weights, cast after."""
@@ -87,10 +66,10 @@ class PagedGemmaLayer(PagedLlamaLayer):
     ) -> torch.Tensor:
         """The output projection normed onto `residual`, then the MLP between its two norms."""
         projected = self._attention_output(out, lora)
-        hidden = residual + gemma_norm(projected, self.post_attention_norm)
-        normed = gemma_norm(hidden, self.pre_mlp_norm, self.gate_up_proj)
+        hidden = residual + fp32_scaled_norm(projected, self.post_attention_norm)
+        normed = fp32_scaled_norm(hidden, self.pre_mlp_norm, self.gate_up_proj)
         mlp_out = self._mlp_output(normed, lora)
-        return hidden + gemma_norm(mlp_out, self.post_mlp_norm)
+        return hidden + fp32_scaled_norm(mlp_out, self.post_mlp_norm)
 
 
 class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
@@ -110,7 +89,7 @@ class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
     def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        return gemma_norm(hidden[logits_indices], self.norm)
+        return fp32_scaled_norm(hidden[logits_indices], self.norm)
 
     def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """Gemma 2 caps its logits (which leaves each row's argmax where it was)."""

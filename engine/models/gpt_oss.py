@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.models.layers import fp32_scaled_norm
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.models.rotary_table import AdaptedRotary, RotaryTable
 from engine.parallel.sharding import Shard
@@ -30,17 +31,7 @@ def whole_head(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torc
 class PagedGptOssLayer(PagedLlamaLayer):
     @staticmethod
     def _norm(norm: Any, hidden: torch.Tensor, projection: Any) -> torch.Tensor:
-        if hidden.dtype == torch.float32:  # the Llama norm's bits
-            return PagedLlamaLayer._norm(norm, hidden, projection)
-        return fp32_scaled_norm(hidden, norm.weight, norm.variance_epsilon)
-
-
-def fp32_scaled_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """gpt-oss's RMSNorm of 16-bit rows: normalised and scaled in fp32, rounded once, as
-    transformers' `GptOssRMSNorm` does (the Llama norm rounds before it scales)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype)
+        return fp32_scaled_norm(hidden, norm, projection)  # the Llama norm rounds, then scales
 
 
 class PagedGptOssForCausalLM(PagedLlamaForCausalLM):
@@ -55,8 +46,4 @@ class PagedGptOssForCausalLM(PagedLlamaForCausalLM):
         )
 
     def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        if hidden.dtype == torch.float32:
-            return super()._normed(hidden, logits_indices)
-        return fp32_scaled_norm(
-            hidden[logits_indices], self.norm.weight, self.norm.variance_epsilon
-        )
+        return fp32_scaled_norm(hidden[logits_indices], self.norm)

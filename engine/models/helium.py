@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from engine.models.glm import rotate_pairs
-from engine.models.gpt_oss import fp32_scaled_norm
+from engine.models.layers import fp32_scaled_norm
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 
 HELIUM_ARCHITECTURES = frozenset({"HeliumForCausalLM"})
@@ -23,9 +23,7 @@ class PagedHeliumLayer(PagedLlamaLayer):
 
     @staticmethod
     def _norm(norm: Any, hidden: torch.Tensor, projection: Any) -> torch.Tensor:
-        if hidden.dtype == torch.float32:  # the Llama norm's bits
-            return PagedLlamaLayer._norm(norm, hidden, projection)
-        return fp32_scaled_norm(hidden, norm.weight.float(), norm.variance_epsilon)
+        return fp32_scaled_norm(hidden, norm, projection)
 
 
 class PagedHeliumForCausalLM(PagedLlamaForCausalLM):
@@ -34,7 +32,4 @@ class PagedHeliumForCausalLM(PagedLlamaForCausalLM):
     layer_class = PagedHeliumLayer
 
     def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        if hidden.dtype == torch.float32:
-            return super()._normed(hidden, logits_indices)
-        weight = self.norm.weight.float()
-        return fp32_scaled_norm(hidden[logits_indices], weight, self.norm.variance_epsilon)
+        return fp32_scaled_norm(hidden[logits_indices], self.norm)

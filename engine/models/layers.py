@@ -4,14 +4,14 @@ built), else through torch's own ops. A model file calls these and never picks a
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.cpu import ops as cpu_ops
-from engine.kernels.cpu.linear import CPU_LINEAR_TYPES, PanelLinear
+from engine.kernels.cpu.linear import CPU_LINEAR_TYPES, PanelLinear, takes_bf16_rows
 
 
 def rms_norm(
@@ -28,6 +28,27 @@ def rms_norm(
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def fp32_scaled_norm(
+    hidden: torch.Tensor, norm: Any, projection: nn.Module | None = None
+) -> torch.Tensor:
+    """An RMSNorm that scales in fp32 before it rounds (Gemma's, whose `norm` holds one more
+    than the checkpoint's weight; gpt-oss's; Helium's): Conveyor's one-pass kernel for fp32
+    rows (rounded to bf16 for bf16 panels, where `projection` takes them); 16-bit rows
+    normalised and scaled in fp32, cast to their dtype after."""
+    if hidden.dtype == torch.float32:
+        bf16_rows = projection is not None and takes_bf16_rows(projection)
+        return rms_norm(hidden, norm.weight, norm.variance_epsilon, bf16_rows)
+    return scaled_in_fp32(hidden, norm.weight, norm.variance_epsilon)
+
+
+def scaled_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """An RMSNorm of 16-bit rows (or heads): normalised and scaled by `weight` in fp32, cast to
+    the rows' dtype after."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight).to(x.dtype)
 
 
 def _one_pass_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:

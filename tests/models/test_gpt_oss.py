@@ -22,8 +22,8 @@ from engine.kernels.cpu.linear import PanelLinear
 from engine.loading.model_loader import LinearForm, use_linear_form
 from engine.loading.quantized_checkpoint import check_requested
 from engine.models.experts import ExpertLinears, SparseMoE
-from engine.models.gpt_oss import PagedGptOssForCausalLM, fp32_scaled_norm
-from engine.models.layers import rms_norm
+from engine.models.gpt_oss import PagedGptOssForCausalLM
+from engine.models.layers import rms_norm, scaled_in_fp32
 from engine.parallel.sharding import shard_model
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import (
@@ -169,7 +169,7 @@ def test_its_norm_scales_16_bit_rows_in_fp32_as_transformers_does():
     with torch.no_grad():
         norm.weight.normal_(1.0, 0.3)
     x = torch.randn(32, 64).to(torch.bfloat16)
-    ours = fp32_scaled_norm(x, norm.weight, norm.variance_epsilon)
+    ours = scaled_in_fp32(x, norm.weight, norm.variance_epsilon)
     assert ours.dtype == torch.bfloat16 and torch.equal(ours, norm(x))
     # The Llama norm rounds before it scales: other bits, so the difference is real.
     llama = rms_norm(x, norm.weight.to(torch.bfloat16), norm.variance_epsilon)
