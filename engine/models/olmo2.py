@@ -21,12 +21,30 @@ from engine.parallel.sharding import Shard
 OLMO2_ARCHITECTURES = frozenset({"Olmo2ForCausalLM", "Olmo3ForCausalLM"})
 
 
-class PagedOlmo2Layer(PagedLlamaLayer):
+class PostNormedLayer(PagedLlamaLayer):
+    """The Llama layer with no norm before the attention or the MLP, each one's output normed
+    before it joins the residual instead (OLMo 2's, EXAONE 4's)."""
+
+    def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
+        super().__init__(hf_layer, index, shard)
+        self.post_mlp_norm = hf_layer.post_feedforward_layernorm
+
+    def after_attention(
+        self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
+    ) -> torch.Tensor:
+        """The output projection normed onto `residual`, then the MLP's output normed onto
+        that."""
+        projected = self._attention_output(out, lora)
+        hidden = residual + self.post_attention_norm(projected)
+        mlp_out = self._mlp_output(hidden, lora)
+        return hidden + self.post_mlp_norm(mlp_out)
+
+
+class PagedOlmo2Layer(PostNormedLayer):
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(hf_layer, index, shard)
         attn = hf_layer.self_attn
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
-        self.post_mlp_norm = hf_layer.post_feedforward_layernorm
 
     def _qk_norm_weight(self, attn: Any) -> torch.Tensor | None:
         return None  # normed over all heads at once, in `project_qkv`
@@ -48,16 +66,6 @@ class PagedOlmo2Layer(PagedLlamaLayer):
         key = key.view(tokens, self.num_kv_heads, self.head_dim)
         value = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         return rotate(query, cos, sin), rotate(key, cos, sin), value
-
-    def after_attention(
-        self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
-    ) -> torch.Tensor:
-        """The output projection normed onto `residual`, then the MLP's output normed onto
-        that."""
-        projected = self._attention_output(out, lora)
-        hidden = residual + self.post_attention_norm(projected)
-        mlp_out = self._mlp_output(hidden, lora)
-        return hidden + self.post_mlp_norm(mlp_out)
 
 
 class PagedOlmo2ForCausalLM(PagedLlamaForCausalLM):
