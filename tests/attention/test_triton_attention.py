@@ -73,9 +73,15 @@ def test_a_windowed_decode_attends_to_each_rows_last_tokens(window, splits):
 def test_windowed_prefill_rows_attend_within_their_windows(window):
     """Windows shorter than a tile and longer, over fresh prompts and chunks after a cached
     prefix: a tile's keys start where its first token's window does."""
+    assert_prefill_rows_match_reference(window, sinks=None, seed=window)
+
+
+def assert_prefill_rows_match_reference(window: int, sinks: torch.Tensor | None, seed: int):
+    """Fresh prompts and chunks after a cached prefix, fp32, in one launch (within `window`,
+    with `sinks`, where given), each row against the token-by-token reference."""
     rows = [(0, 40), (37, 33), (3, 9)]
     query, key_cache, value_cache, table, lens = prefill_step(
-        torch.float32, 4, 2, 16, 5, rows, seed=window
+        torch.float32, 4, 2, 16, 5, rows, seed=seed
     )
     contexts = np.array([c for c, _ in rows])
     starts = np.cumsum(lens) - lens
@@ -83,12 +89,13 @@ def test_windowed_prefill_rows_attend_within_their_windows(window):
     work = kernels.PrefillRows.of(starts, lens, contexts, table.numpy(), device)
     out = torch.zeros_like(query).to(device)
     q, kc, vc = (t.to(device) for t in (query, key_cache, value_cache))
-    kernels.paged_prefill(out, q, kc, vc, work, scale=0.2, window=window)
+    on_device_sinks = None if sinks is None else sinks.to(device)
+    kernels.paged_prefill(out, q, kc, vc, work, scale=0.2, window=window, sinks=on_device_sinks)
     tol = TOLERANCE[torch.float32]
     for row in range(len(rows)):
         span = slice(int(starts[row]), int(starts[row] + lens[row]))
         expected = reference_prefill(
-            query[span], key_cache, value_cache, table[row], int(contexts[row]), 0.2, window
+            query[span], key_cache, value_cache, table[row], int(contexts[row]), 0.2, window, sinks
         )
         torch.testing.assert_close(out.cpu()[span], expected, atol=tol, rtol=tol)
 
@@ -123,25 +130,7 @@ def test_decode_joins_each_heads_sink_to_its_softmax(dtype, window, splits):
 
 @pytest.mark.parametrize("window", [0, 7])
 def test_prefill_rows_join_each_heads_sink_to_their_softmax(window):
-    rows = [(0, 40), (37, 33), (3, 9)]
-    query, key_cache, value_cache, table, lens = prefill_step(
-        torch.float32, 4, 2, 16, 5, rows, seed=window + 1
-    )
-    sinks = sinks_of(4, seed=window)
-    contexts = np.array([c for c, _ in rows])
-    starts = np.cumsum(lens) - lens
-    device = torch.device(TRITON_DEVICE)
-    work = kernels.PrefillRows.of(starts, lens, contexts, table.numpy(), device)
-    out = torch.zeros_like(query).to(device)
-    q, kc, vc = (t.to(device) for t in (query, key_cache, value_cache))
-    kernels.paged_prefill(out, q, kc, vc, work, scale=0.2, window=window, sinks=sinks.to(device))
-    tol = TOLERANCE[torch.float32]
-    for row in range(len(rows)):
-        span = slice(int(starts[row]), int(starts[row] + lens[row]))
-        expected = reference_prefill(
-            query[span], key_cache, value_cache, table[row], int(contexts[row]), 0.2, window, sinks
-        )
-        torch.testing.assert_close(out.cpu()[span], expected, atol=tol, rtol=tol)
+    assert_prefill_rows_match_reference(window, sinks=sinks_of(4, seed=window), seed=window + 1)
 
 
 def test_sinks_must_be_one_logit_per_query_head():
