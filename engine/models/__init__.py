@@ -36,6 +36,23 @@ MODEL_IMPLS = ("auto", "conveyor", "transformers")
 # the paged attention cannot be plugged into them: Conveyor's decoder is their only way.
 DECODER_ONLY = frozenset({"StableLmForCausalLM"})
 
+# The families of the Llama decoder with a model of their own, by architecture.
+FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
+    architecture: decoder
+    for architectures, decoder in (
+        (GRANITE_ARCHITECTURES, PagedGraniteForCausalLM),
+        (OLMO2_ARCHITECTURES, PagedOlmo2ForCausalLM),
+        (GLM_ARCHITECTURES, PagedGlmForCausalLM),
+        (GPT_OSS_ARCHITECTURES, PagedGptOssForCausalLM),
+        (EXAONE4_ARCHITECTURES, PagedExaone4ForCausalLM),
+        (HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM),
+        (ERNIE_ARCHITECTURES, PagedErnieForCausalLM),
+        (NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM),
+        (HELIUM_ARCHITECTURES, PagedHeliumForCausalLM),
+    )
+    for architecture in architectures
+}
+
 __all__ = ["MODEL_IMPLS", "CausalLM", "build_causal_lm"]
 
 
@@ -75,25 +92,7 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
 
 def _decoder_class(architecture: str) -> type[PagedLlamaForCausalLM]:
     """Conveyor's decoder for a Llama-family architecture (a family may have its own layer)."""
-    if architecture in GRANITE_ARCHITECTURES:
-        return PagedGraniteForCausalLM
-    if architecture in OLMO2_ARCHITECTURES:
-        return PagedOlmo2ForCausalLM
-    if architecture in GLM_ARCHITECTURES:
-        return PagedGlmForCausalLM
-    if architecture in GPT_OSS_ARCHITECTURES:
-        return PagedGptOssForCausalLM
-    if architecture in EXAONE4_ARCHITECTURES:
-        return PagedExaone4ForCausalLM
-    if architecture in HUNYUAN_ARCHITECTURES:
-        return PagedHunYuanForCausalLM
-    if architecture in ERNIE_ARCHITECTURES:
-        return PagedErnieForCausalLM
-    if architecture in NANOCHAT_ARCHITECTURES:
-        return PagedNanoChatForCausalLM
-    if architecture in HELIUM_ARCHITECTURES:
-        return PagedHeliumForCausalLM
-    return PagedLlamaForCausalLM
+    return FAMILY_DECODERS.get(architecture, PagedLlamaForCausalLM)
 
 
 def _image_text_lm(hf_model: Any, impl: str, shard: Shard | None) -> CausalLM:
