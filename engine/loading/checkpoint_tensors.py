@@ -168,15 +168,42 @@ def fill(
     read: Callable[[str, CheckpointTensors], torch.Tensor] | None = None,
 ) -> None:
     """Every parameter of `model` still on the meta device read from `checkpoint`, as
-    `read(name, checkpoint)` gives it (default: whole). Raises KeyError naming a parameter the
-    checkpoint lacks."""
+    `read(name, checkpoint)` gives it (default: whole), and every persistent buffer the
+    checkpoint holds (a router's bias); each in `dtype` but those the model keeps in fp32.
+    Raises KeyError naming a parameter the checkpoint lacks."""
     read = read or whole_tensor
+    kept = kept_in_fp32(model, dtype)
     for name, param in list(model.named_parameters()):
         if not param.is_meta:
             continue
-        tensor = read(name, checkpoint).to(dtype)
+        tensor = read(name, checkpoint).to(_dtype_of(name, dtype, kept))
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+    for module_name, module in model.named_modules():
+        for attr, buffer in module._buffers.items():
+            name = f"{module_name}.{attr}" if module_name else attr
+            if buffer is None or attr in module._non_persistent_buffers_set:
+                continue
+            try:
+                tensor = checkpoint.tensor(name)
+            except KeyError:
+                continue  # left as the model built it
+            module._buffers[attr] = tensor.to(_dtype_of(name, dtype, kept))
+
+
+def kept_in_fp32(model: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+    """The name patterns of the tensors transformers keeps in fp32 in a 16-bit model (a
+    router's weight and bias, in DeepSeek V3's kind), as it loads them."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return ()
+    patterns = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        patterns |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return tuple(sorted(patterns))
+
+
+def _dtype_of(name: str, dtype: torch.dtype, kept: tuple[str, ...]) -> torch.dtype:
+    return torch.float32 if any(pattern in name for pattern in kept) else dtype
 
 
 def whole_tensor(name: str, checkpoint: CheckpointTensors) -> torch.Tensor:

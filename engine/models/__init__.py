@@ -11,7 +11,12 @@ from typing import Any
 
 from engine.models.base import CausalLM
 from engine.models.ernie import ERNIE_ARCHITECTURES, PagedErnieForCausalLM
-from engine.models.exaone4 import EXAONE4_ARCHITECTURES, PagedExaone4ForCausalLM
+from engine.models.exaone4 import (
+    EXAONE4_ARCHITECTURES,
+    EXAONE_MOE_ARCHITECTURES,
+    PagedExaone4ForCausalLM,
+    PagedExaoneMoeForCausalLM,
+)
 from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
 from engine.models.glm import GLM_ARCHITECTURES, PagedGlmForCausalLM
 from engine.models.gpt_oss import GPT_OSS_ARCHITECTURES, PagedGptOssForCausalLM
@@ -20,6 +25,7 @@ from engine.models.helium import HELIUM_ARCHITECTURES, PagedHeliumForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.hunyuan import HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
+from engine.models.minimax import MINIMAX_ARCHITECTURES, PagedMiniMaxM2ForCausalLM
 from engine.models.nanochat import NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM
 from engine.models.olmo2 import OLMO2_ARCHITECTURES, PagedOlmo2ForCausalLM
 from engine.models.vision import (
@@ -45,6 +51,8 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (GLM_ARCHITECTURES, PagedGlmForCausalLM),
         (GPT_OSS_ARCHITECTURES, PagedGptOssForCausalLM),
         (EXAONE4_ARCHITECTURES, PagedExaone4ForCausalLM),
+        (EXAONE_MOE_ARCHITECTURES, PagedExaoneMoeForCausalLM),
+        (MINIMAX_ARCHITECTURES, PagedMiniMaxM2ForCausalLM),
         (HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM),
         (ERNIE_ARCHITECTURES, PagedErnieForCausalLM),
         (NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM),

@@ -11,7 +11,7 @@ import torch
 from engine.models.glm import rotate_pairs
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 
-ERNIE_ARCHITECTURES = frozenset({"Ernie4_5ForCausalLM"})
+ERNIE_ARCHITECTURES = frozenset({"Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM"})
 
 
 class PagedErnieLayer(PagedLlamaLayer):

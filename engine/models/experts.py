@@ -1,7 +1,8 @@
 """Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-VL-MoE's language model,
-gpt-oss): a router picks each token's top-k experts, each expert is a gated MLP of its own, and
-their outputs are summed with the router's weights (plus, in Qwen2-MoE, a shared expert every
-token runs, behind a sigmoid gate).
+gpt-oss, and the families whose router chooses by scores plus a bias, `routing`): a router picks
+each token's top-k experts, each expert is a gated MLP of its own, and their outputs are summed
+with the router's weights (plus a shared expert every token runs: Qwen2-MoE's behind a sigmoid
+gate, DeepSeek's kind's as it is).
 
 Hugging Face holds a layer's experts as two 3-d tensors (`gate_up_proj [experts, 2 * inter,
 hidden]` with gate above up, `down_proj [experts, hidden, inter]`; gpt-oss's transposed, gate
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import clamped_swiglu, gated_activation
+from engine.models.routing import BiasedRouter, router_of
 from engine.parallel.sharding import FUSED_EXPERTS
 
 # Routers without `norm_topk_prob` that still cast their weights to the logits' dtype.
@@ -149,7 +151,8 @@ class ExpertLinears(nn.Module):
         """Each row's experts' outputs `[rows, hidden]`, weighted and summed: row `i` ran
         through experts `top_k_index[i]` with weights `top_k_weights[i]`. The rows are taken
         in expert order once; each expert runs over its own run of them, and one indexed add
-        sums each row's outputs in expert order (as Hugging Face's loop over experts does)."""
+        sums each row's weighted outputs in fp32, cast once at the end (as transformers' grouped
+        experts sum them)."""
         top_k = top_k_index.shape[1]
         flat = top_k_index.flatten()
         order = flat.argsort(stable=True)
@@ -161,7 +164,8 @@ class ExpertLinears(nn.Module):
                 outputs.append(self._expert(expert, taken[start : start + count]))
                 start += count
         weighted = torch.cat(outputs) * top_k_weights.flatten()[order].unsqueeze(1)
-        return torch.zeros_like(hidden).index_add_(0, rows, weighted.to(hidden.dtype))
+        summed = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        return summed.index_add_(0, rows, weighted.float()).to(hidden.dtype)
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up[expert](x)
@@ -174,12 +178,14 @@ class ExpertLinears(nn.Module):
 
 class SparseMoE(nn.Module):
     """Conveyor's mixture-of-experts block over a Hugging Face one (`Qwen2MoeSparseMoeBlock`,
-    `Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`, `GptOssMLP`): the same routing, experts
-    and shared expert over the same weights."""
+    `Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`, `GptOssMLP`, `Glm4MoeMoE` and its kind):
+    the same routing, experts and shared expert over the same weights."""
 
     def __init__(self, block: Any) -> None:
         super().__init__()
-        router = block.router if hasattr(block, "router") else block.gate
+        router = router_of(block)
+        # DeepSeek V3's kind: chosen by the scores plus a bias, weighed by the scores alone.
+        self.biased = BiasedRouter.of(block)
         self.router_weight = router.weight
         self.router_bias = getattr(router, "bias", None)
         self.top_k = int(router.top_k)
@@ -193,7 +199,11 @@ class SparseMoE(nn.Module):
             hasattr(router, "norm_topk_prob") or type(router).__name__ in CASTING_ROUTERS
         )
         self.experts = ExpertLinears.of(block.experts)
+        # Qwen2-MoE's one shared expert (behind a gate), or DeepSeek's kind's shared experts
+        # (one MLP as wide as all of them).
         shared = getattr(block, "shared_expert", None)
+        if shared is None:
+            shared = getattr(block, "shared_experts", None)
         self.shared_expert = shared
         self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
 
@@ -203,6 +213,8 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts `[rows, k]` and their weights."""
+        if self.biased is not None:
+            return self.biased.route(x)
         logits = F.linear(x, self.router_weight, self.router_bias)
         if self.top_logits:
             top, experts = torch.topk(logits, self.top_k, dim=-1)

@@ -46,6 +46,14 @@ ARCHITECTURES = frozenset(
         "MixtralForCausalLM",
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
+        # Experts chosen by their scores plus a bias (DeepSeek V3's router) beside shared
+        # experts, after dense first layers.
+        "Glm4MoeForCausalLM",
+        "Dots1ForCausalLM",
+        "ExaoneMoeForCausalLM",
+        "SolarOpenForCausalLM",
+        "Ernie4_5_MoeForCausalLM",
+        "MiniMaxM2ForCausalLM",
         "SmolLM3ForCausalLM",
         "Phi3ForCausalLM",
         "GraniteForCausalLM",

@@ -40,7 +40,10 @@ class PostNormedLayer(PagedLlamaLayer):
         return hidden + self.post_mlp_norm(mlp_out)
 
 
-class PagedOlmo2Layer(PostNormedLayer):
+class AllHeadsNormedLayer(PagedLlamaLayer):
+    """The Llama layer with q and k each normed over all their heads at once (one weight of
+    `heads x head_dim`), before the rotary (OLMo 2's and MiniMax M2's)."""
+
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(hf_layer, index, shard)
         attn = hf_layer.self_attn
@@ -56,16 +59,23 @@ class PagedOlmo2Layer(PostNormedLayer):
         sin: torch.Tensor,
         lora: LoRASlots | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        normed = hidden
+        if self.input_norm is not None:  # None: normed after the attention instead (OLMo 2)
+            normed = self._norm(self.input_norm, hidden, self.qkv_proj)
+        tokens = normed.shape[0]
+        qkv = self.qkv_proj(normed)
         if lora is not None and "qkv" in lora.groups:
-            qkv = qkv + lora.delta(self.index, "qkv", hidden).to(qkv.dtype)
+            qkv = qkv + lora.delta(self.index, "qkv", normed).to(qkv.dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         query = self.q_norm(qkv[:, :q_size]).view(tokens, self.num_heads, self.head_dim)
         key = self.k_norm(qkv[:, q_size : q_size + kv_size])
         key = key.view(tokens, self.num_kv_heads, self.head_dim)
         value = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         return rotate(query, cos, sin), rotate(key, cos, sin), value
+
+
+class PagedOlmo2Layer(AllHeadsNormedLayer, PostNormedLayer):
+    pass
 
 
 class PagedOlmo2ForCausalLM(PagedLlamaForCausalLM):

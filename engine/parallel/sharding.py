@@ -25,8 +25,23 @@ from engine.parallel.group import ParallelGroup
 # Hugging Face's expert classes that hold gate above up, untransposed, without biases (Conveyor
 # runs them: `models.experts`).
 FUSED_EXPERTS = frozenset(
-    {"MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "Qwen3VLMoeTextExperts"}
+    {
+        "MixtralExperts",
+        "Qwen2MoeExperts",
+        "Qwen3MoeExperts",
+        "Qwen3VLMoeTextExperts",
+        "Glm4MoeExperts",
+        "Dots1Experts",
+        "ExaoneMoeExperts",
+        "SolarOpenExperts",
+        "MiniMaxM2Experts",
+        "Ernie4_5_MoeExperts",
+    }
 )
+
+
+# Families whose q and k are each normed over all heads at once: no rank holds all of them.
+ALL_HEADS_NORMED = frozenset({"Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +130,7 @@ class ShardShape:
             intermediate=config.intermediate_size,
             vocab_size=vocab_size,
             expert_intermediate=_expert_intermediate(config),
-            shared_intermediate=getattr(config, "shared_expert_intermediate_size", None) or 0,
+            shared_intermediate=_shared_intermediate(config),
         )
 
 
@@ -125,6 +140,21 @@ def _expert_intermediate(config: Any) -> int:
     if not (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
         return 0
     return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
+
+# The config fields that count a block's shared experts (DeepSeek's kind: one MLP as wide as
+# that many experts), by family.
+SHARED_EXPERT_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+
+
+def _shared_intermediate(config: Any) -> int:
+    """The intermediate size of a block's shared expert (Qwen2-MoE's) or of its shared experts
+    together; 0 without."""
+    size = getattr(config, "shared_expert_intermediate_size", None)
+    if size:
+        return int(size)
+    count = next((getattr(config, f) for f in SHARED_EXPERT_COUNTS if getattr(config, f, None)), 0)
+    return int(count) * _expert_intermediate(config) if count else 0
 
 
 def why_not_shardable(config: Any, size: int) -> str:
@@ -138,10 +168,7 @@ def why_not_shardable(config: Any, size: int) -> str:
     sizes = {
         "intermediate size": config.intermediate_size,
         "experts' intermediate size": _expert_intermediate(config),
-        "shared expert's intermediate size": getattr(
-            config, "shared_expert_intermediate_size", None
-        )
-        or 0,
+        "shared expert's intermediate size": _shared_intermediate(config),
     }
     for what, channels in sizes.items():
         if channels % size:
@@ -162,8 +189,8 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     reason = supports(hf_model) or why_not_shardable(config, size)
     if not reason and fused_projections(hf_model.model.layers):
         reason = "its q, k and v or its gate and up are one projection (Phi-3, GLM), not split"
-    if not reason and type(hf_model).__name__ in ("Olmo2ForCausalLM", "Olmo3ForCausalLM"):
-        reason = "its q and k are normed over all heads at once (OLMo 2 and 3), not per rank"
+    if not reason and type(hf_model).__name__ in ALL_HEADS_NORMED:
+        reason = "its q and k are normed over all heads at once (OLMo 2 and 3, MiniMax M2)"
     if not reason and type(hf_model).__name__ == "GptOssForCausalLM":
         reason = "gpt-oss's sinks and biased experts are not split across ranks"
     if reason:
@@ -210,6 +237,8 @@ ROW_SHARES = {
     "mlp.c_fc": "channel_span",  # and by StarCoder 2's
     "mlp.shared_expert.gate_proj": "shared_span",
     "mlp.shared_expert.up_proj": "shared_span",
+    "mlp.shared_experts.gate_proj": "shared_span",
+    "mlp.shared_experts.up_proj": "shared_span",
 }
 COLUMN_SHARES = {
     "self_attn.o_proj": "query_span",
@@ -217,6 +246,7 @@ COLUMN_SHARES = {
     "mlp.fc2": "channel_span",
     "mlp.c_proj": "channel_span",
     "mlp.shared_expert.down_proj": "shared_span",
+    "mlp.shared_experts.down_proj": "shared_span",
 }
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 

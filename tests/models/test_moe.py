@@ -1,6 +1,7 @@
 """Mixtures of experts on Conveyor's decoder (Mixtral, Qwen2-MoE with its shared expert and a
-dense layer, Qwen3-MoE): greedy tokens equal transformers' `generate`, in every linear-layer
-form and across two tensor-parallel ranks."""
+dense layer, Qwen3-MoE, and the families whose router chooses by scores plus a bias: GLM-4.5,
+dots.llm1, EXAONE MoE, Solar Open, ERNIE 4.5 MoE, MiniMax M2): greedy tokens equal transformers'
+`generate`, in every linear-layer form and across two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Dots1Config,
+    Ernie4_5_MoeConfig,
+    ExaoneMoeConfig,
+    Glm4MoeConfig,
+    MiniMaxM2Config,
+    MixtralConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+    SolarOpenConfig,
+)
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
@@ -21,6 +33,9 @@ from engine.lora.adapter import LoRAError
 from engine.models import build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST, ExpertLinears, SparseMoE, unfuse_experts
 from engine.models.llama import PagedLlamaForCausalLM
+from engine.models.routing import BiasedRouter
+from engine.parallel.loading import load_share
+from engine.parallel.sharding import shard_model
 from engine.worker.compilation import why_not_compiled
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import (
@@ -39,6 +54,7 @@ COMMON = {
     **{key: value for key, value in FAMILY_COMMON.items() if key != "intermediate_size"},
     "num_hidden_layers": 3,
 }
+ROUTED = dict(intermediate_size=96, moe_intermediate_size=32, num_experts_per_tok=3, head_dim=16)
 FAMILIES = {
     "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=8),
     # A shared expert behind its sigmoid gate; layer 1 keeps a dense MLP.
@@ -60,14 +76,104 @@ FAMILIES = {
         norm_topk_prob=True,
         head_dim=16,
     ),
+    # Routers that choose by their scores plus a (drawn) bias: GLM-4.5's within the best two of
+    # four groups, scaled, beside a shared expert, after a dense layer, q/k normed, half of each
+    # head rotating.
+    "glm4-moe": lambda: Glm4MoeConfig(
+        **COMMON,
+        **ROUTED,
+        n_routed_experts=8,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        use_qk_norm=True,
+        partial_rotary_factor=0.5,
+    ),
+    "dots1": lambda: Dots1Config(
+        **COMMON,
+        **ROUTED,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+    ),
+    # Windowed layers, and a global one that rotates nothing.
+    "exaone-moe": lambda: ExaoneMoeConfig(
+        **COMMON,
+        **ROUTED,
+        num_experts=8,
+        num_shared_experts=1,
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=8,
+        routed_scaling_factor=2.5,
+    ),
+    "solar-open": lambda: SolarOpenConfig(
+        **COMMON,
+        **ROUTED,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+    ),
+    # Over a softmax, with ERNIE's paired rotary.
+    "ernie4.5-moe": lambda: Ernie4_5_MoeConfig(
+        **COMMON,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        moe_k=3,
+        moe_num_experts=8,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+        head_dim=16,
+    ),
+    # q and k normed over all heads, half of each head rotating.
+    "minimax-m2": lambda: MiniMaxM2Config(
+        **COMMON,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+    ),
 }
+# The layers that keep a dense MLP, by family (the others' every layer holds experts).
+DENSE_LAYERS = {
+    "qwen2-moe": {1},
+    **{family: {0} for family in ("glm4-moe", "dots1", "exaone-moe", "ernie4.5-moe")},
+}
+# The width of each family's shared expert (or shared experts together) in FAMILIES.
+SHARED_WIDTH = {"qwen2-moe": 48, "glm4-moe": 32, "ernie4.5-moe": 32}
+BIASED = ("glm4-moe", "dots1", "exaone-moe", "solar-open", "ernie4.5-moe", "minimax-m2")
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
 def build(name: str, dtype: torch.dtype = torch.float32):
+    """A tiny random model of the family, its routers' biases and its q/k norms drawn (they
+    start as zeros and ones) so that they count."""
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(FAMILIES[name]()).to(dtype).eval()
+    model = AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
+    with torch.no_grad():
+        for tensor_name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor_name.endswith("e_score_correction_bias"):
+                tensor.normal_(0.0, 0.3)
+            elif tensor_name.endswith(("q_norm.weight", "k_norm.weight")):
+                tensor.normal_(1.0, 0.5)
+    return model.to(dtype)
+
+
+def sparse_layers(name: str) -> list[bool]:
+    return [i not in DENSE_LAYERS.get(name, ()) for i in range(COMMON["num_hidden_layers"])]
+
+
+def first_block(model) -> object:
+    """The first layer's mixture-of-experts block."""
+    return next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
 
 
 def prompts() -> list[list[int]]:
@@ -95,8 +201,24 @@ def test_experts_greedy_matches_generate_under_chunking_and_preemption(name, dev
     assert core.scheduler.num_preemptions > 0 and any(chunked)
     paged = core.runner.model
     assert isinstance(paged, PagedLlamaForCausalLM) and paged.sparse
-    sparse = [layer.moe is not None for layer in paged.layers]
-    assert sparse == ([True, False, True] if name == "qwen2-moe" else [True] * 3)
+    assert [layer.moe is not None for layer in paged.layers] == sparse_layers(name)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_prompt_logprobs_equal_transformers(name):
+    """Finer than greedy tokens: each prompt token's logprob as transformers scores it, the
+    prompt in chunks of 8 (past EXAONE MoE's window)."""
+    model = build(name)
+    rng = random.Random(3)
+    prompt = [rng.randrange(2, 320) for _ in range(24)]
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    core, _ = tiny_core(model, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+    entries = [e for o in run_all(core, [prompt], params)["req-0"] for e in o.prompt_logprobs or []]
+    got = torch.tensor([e.logprob for e in entries[1:]])
+    index = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+    torch.testing.assert_close(got, expected[index], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -104,16 +226,53 @@ def test_the_block_computes_what_transformers_block_computes(name):
     model = build(name)
     torch.manual_seed(1)
     x = torch.randn(11, COMMON["hidden_size"])
-    block = model.model.layers[0].mlp
+    block = first_block(model)
     ours = SparseMoE(block)
     with torch.inference_mode():
-        torch.testing.assert_close(ours(x), block(x[None])[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ours(x), block(x[None])[0], rtol=1e-5, atol=1e-5)
         weights, experts = ours.route(x)
     assert experts.shape == (11, ours.top_k)
-    if ours.renormalize:
+    assert (ours.biased is not None) == (name in BIASED)
+    if ours.biased is not None:  # renormalized, then scaled
+        scale = torch.full((11,), ours.biased.scale)
+        torch.testing.assert_close(weights.sum(-1), scale)
+    elif ours.renormalize:
         torch.testing.assert_close(weights.sum(-1), torch.ones(11))
     else:  # Qwen2-MoE's default: the top-k probabilities as they are
         assert bool((weights.sum(-1) < 1).all())
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_block_in_bf16_equals_transformers_bit_for_bit(name):
+    """The same routing in the same dtypes, and each row's weighted outputs summed in fp32 and
+    cast once, as transformers' grouped experts do."""
+    model = build(name, torch.bfloat16)
+    torch.manual_seed(1)
+    x = torch.randn(11, COMMON["hidden_size"], dtype=torch.bfloat16)
+    block = first_block(model)
+    with torch.inference_mode():
+        torch.testing.assert_close(SparseMoE(block)(x), block(x[None])[0], rtol=0, atol=0)
+
+
+def test_a_biased_router_chooses_by_the_bias_within_the_best_groups():
+    """GLM-4.5's router: the bias moves the choice (not the weights), and every row's experts lie
+    in its best two of four groups."""
+    router = BiasedRouter.of(first_block(build("glm4-moe")))
+    assert router is not None and (router.groups, router.top_groups) == (4, 2)
+    torch.manual_seed(2)
+    x = torch.randn(64, COMMON["hidden_size"])
+    weights, experts = router.route(x)
+    groups = experts // (8 // router.groups)
+    assert all(len(set(row.tolist())) <= 2 for row in groups)
+    assert any(len(set(row.tolist())) == 2 for row in groups)
+    scores = router.scores(x)
+    expected = scores.gather(1, experts)
+    torch.testing.assert_close(weights, expected / expected.sum(-1, keepdim=True) * 2.5)
+    bias = router.bias.clone()
+    router.bias.zero_()
+    unbiased = router.route(x)[1]
+    router.bias.copy_(bias)
+    assert not torch.equal(unbiased.sort(-1)[0], experts.sort(-1)[0])
 
 
 def test_a_wrong_routing_changes_the_tokens(monkeypatch):
@@ -137,9 +296,9 @@ def test_unfused_experts_are_views_and_the_model_computes_as_before(name):
     ids = torch.tensor([[5, 9, 33, 2, 70, 11]])
     with torch.inference_mode():
         before = model(input_ids=ids).logits
-    stacked = model.model.layers[0].mlp.experts.gate_up_proj
-    assert unfuse_experts(model) == (2 if name == "qwen2-moe" else 3)
-    experts = model.model.layers[0].mlp.experts
+    stacked = first_block(model).experts.gate_up_proj
+    assert unfuse_experts(model) == sum(sparse_layers(name))
+    experts = first_block(model).experts
     assert isinstance(experts, ExpertLinears) and experts.num_experts == 8
     for expert, linear in enumerate(experts.gate_up):
         assert linear.weight.data_ptr() == stacked[expert].data_ptr()
@@ -216,18 +375,18 @@ def test_lora_adapters_of_the_attention_are_served_and_of_the_experts_refused(tm
         core.read_lora("mlp", str(tmp_path / "attn"))
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-moe")
-    build("qwen2-moe").save_pretrained(folder, max_shard_size="200KB")
+def saved(name: str, folder: Path) -> Path:
+    build(name).save_pretrained(folder, max_shard_size="200KB")
     chat_tokenizer().save_pretrained(folder)
     return folder
 
 
-def test_two_ranks_split_the_experts_and_give_one_ranks_tokens(moe_dir):
+@pytest.mark.parametrize("name", ["qwen2-moe", "glm4-moe", "ernie4.5-moe"])
+def test_two_ranks_split_the_experts_and_give_one_ranks_tokens(name, tmp_path):
     """Each rank holds its channels of every expert (read from the per-expert tensors of the
-    checkpoint's files) and of the shared expert."""
-    expected = [reference_greedy(build("qwen2-moe"), p, MAX_NEW) for p in prompts()]
+    checkpoint's files) and of the shared expert or experts; every rank routes alike."""
+    moe_dir = saved(name, tmp_path)
+    expected = [reference_greedy(build(name), p, MAX_NEW) for p in prompts()]
     for size in (1, 2):
         config = EngineConfig(
             model=str(moe_dir),
@@ -240,7 +399,29 @@ def test_two_ranks_split_the_experts_and_give_one_ranks_tokens(moe_dir):
             outputs = run_all(core, prompts(), GREEDY)
             tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
             assert tokens == expected, f"tensor parallel {size}"
-            experts = loaded.model.model.layers[0].mlp.experts
-            assert experts.intermediate == 32 // size
+            block = first_block(loaded.model)
+            assert block.experts.intermediate == 32 // size
+            shared = getattr(block, "shared_expert", None) or block.shared_experts
+            assert shared.down_proj.in_features == SHARED_WIDTH[name] // size
         finally:
             core.close()
+
+
+def test_a_ranks_share_keeps_the_routers_bias_and_fp32_weight_as_transformers_loads(tmp_path):
+    """A rank's share read from the checkpoint's files holds the routers' biases (buffers) and
+    keeps the routers in fp32 in a bf16 model, as `from_pretrained` does."""
+    folder = saved("glm4-moe", tmp_path)
+    whole = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    share, _ = load_share(str(folder), torch.bfloat16, rank=1, size=2)
+    ours, theirs = first_block(share).gate, first_block(whole).gate
+    assert ours.weight.dtype == theirs.weight.dtype == torch.float32
+    assert ours.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(ours.weight, theirs.weight)
+    assert torch.equal(ours.e_score_correction_bias, theirs.e_score_correction_bias)
+    assert bool(ours.e_score_correction_bias.abs().sum() > 0), "drawn, not the built zeros"
+    assert first_block(share).experts.gate_up_proj.dtype == torch.bfloat16
+
+
+def test_tensor_parallelism_refuses_minimax_m2s_norms_over_all_heads():
+    with pytest.raises(ValueError, match="all heads at once"):
+        shard_model(build("minimax-m2"), 0, 2)
