@@ -27,7 +27,12 @@ from engine.models.hunyuan import HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
 from engine.models.minimax import MINIMAX_ARCHITECTURES, PagedMiniMaxM2ForCausalLM
 from engine.models.nanochat import NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM
-from engine.models.olmo2 import OLMO2_ARCHITECTURES, PagedOlmo2ForCausalLM
+from engine.models.olmo2 import (
+    OLMO2_ARCHITECTURES,
+    OLMOE_ARCHITECTURES,
+    PagedOlmo2ForCausalLM,
+    PagedOlmoeForCausalLM,
+)
 from engine.models.vision import (
     TransformersImageTextLM,
     decoder_supports,
@@ -48,6 +53,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
     for architectures, decoder in (
         (GRANITE_ARCHITECTURES, PagedGraniteForCausalLM),
         (OLMO2_ARCHITECTURES, PagedOlmo2ForCausalLM),
+        (OLMOE_ARCHITECTURES, PagedOlmoeForCausalLM),
         (GLM_ARCHITECTURES, PagedGlmForCausalLM),
         (GPT_OSS_ARCHITECTURES, PagedGptOssForCausalLM),
         (EXAONE4_ARCHITECTURES, PagedExaone4ForCausalLM),

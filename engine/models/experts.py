@@ -30,7 +30,10 @@ from engine.models.routing import BiasedRouter, router_of
 from engine.parallel.sharding import FUSED_EXPERTS
 
 # Routers without `norm_topk_prob` that still cast their weights to the logits' dtype.
-CASTING_ROUTERS = frozenset({"Qwen3VLMoeTextTopKRouter"})
+CASTING_ROUTERS = frozenset({"Qwen3VLMoeTextTopKRouter", "HunYuanMoEV1Gate"})
+# A block's shared expert by its families' names: Qwen2-MoE's one (behind a gate), DeepSeek's
+# kind's shared experts (one MLP as wide as all of them), Hunyuan's MLP every token runs.
+SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
 # Routers that take the top-k logits (plus a bias) first and softmax over those alone (gpt-oss).
 TOP_LOGIT_ROUTERS = frozenset({"GptOssTopKRouter"})
 # Hugging Face's expert classes that hold `x @ W` weights with gate and up interleaved
@@ -186,7 +189,9 @@ class SparseMoE(nn.Module):
         router = router_of(block)
         # DeepSeek V3's kind: chosen by the scores plus a bias, weighed by the scores alone.
         self.biased = BiasedRouter.of(block)
-        self.router_weight = router.weight
+        # Hunyuan's router holds a linear layer (`wg`), the others its weight.
+        self.router_linear = getattr(router, "wg", None)
+        self.router_weight = router.weight if self.router_linear is None else None
         self.router_bias = getattr(router, "bias", None)
         self.top_k = int(router.top_k)
         # gpt-oss: a softmax over the top-k logits alone.
@@ -199,12 +204,14 @@ class SparseMoE(nn.Module):
             hasattr(router, "norm_topk_prob") or type(router).__name__ in CASTING_ROUTERS
         )
         self.experts = ExpertLinears.of(block.experts)
-        # Qwen2-MoE's one shared expert (behind a gate), or DeepSeek's kind's shared experts
-        # (one MLP as wide as all of them).
-        shared = getattr(block, "shared_expert", None)
-        if shared is None:
-            shared = getattr(block, "shared_experts", None)
-        self.shared_expert = shared
+        self.shared_expert = next(
+            (
+                found
+                for name in SHARED_EXPERT_NAMES
+                if (found := getattr(block, name, None)) is not None
+            ),
+            None,
+        )
         self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
 
     @property
@@ -215,7 +222,7 @@ class SparseMoE(nn.Module):
         """Each row's top-k experts `[rows, k]` and their weights."""
         if self.biased is not None:
             return self.biased.route(x)
-        logits = F.linear(x, self.router_weight, self.router_bias)
+        logits = self._logits(x)
         if self.top_logits:
             top, experts = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype), experts
@@ -226,6 +233,14 @@ class SparseMoE(nn.Module):
         if self.cast_weights:
             weights = weights.to(logits.dtype)
         return weights, experts
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.router_linear is None:
+            return F.linear(x, cast(torch.Tensor, self.router_weight), self.router_bias)
+        weight = getattr(self.router_linear, "weight", None)
+        if weight is not None and weight.dtype == torch.float32:  # Hunyuan's: rows in fp32
+            x = x.float()
+        return cast(torch.Tensor, self.router_linear(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for the normalized rows `x` `[rows, hidden]`."""

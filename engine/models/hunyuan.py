@@ -1,6 +1,7 @@
-"""Hunyuan's dense models (`HunYuanDenseV1ForCausalLM`) on Conveyor's decoder: the Llama layer
-with each q and k head normed after the rotary (Qwen3 norms them before it). Decode steps run
-op by op: the fused C++ stack has no per-head norms.
+"""Hunyuan's models on Conveyor's decoder, dense (`HunYuanDenseV1ForCausalLM`) and mixtures of
+experts (`HunYuanMoEV1ForCausalLM`: a softmax router beside an MLP every token runs): the Llama
+layer with each q and k head normed after the rotary (Qwen3 norms them before it). Decode steps
+run op by op: the fused C++ stack has no per-head norms.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 
-HUNYUAN_ARCHITECTURES = frozenset({"HunYuanDenseV1ForCausalLM"})
+HUNYUAN_ARCHITECTURES = frozenset({"HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM"})
 
 
 class PagedHunYuanLayer(PagedLlamaLayer):

@@ -54,6 +54,8 @@ ARCHITECTURES = frozenset(
         "SolarOpenForCausalLM",
         "Ernie4_5_MoeForCausalLM",
         "MiniMaxM2ForCausalLM",
+        "OlmoeForCausalLM",
+        "HunYuanMoEV1ForCausalLM",
         "SmolLM3ForCausalLM",
         "Phi3ForCausalLM",
         "GraniteForCausalLM",

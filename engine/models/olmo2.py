@@ -1,9 +1,11 @@
-"""OLMo 2 and OLMo 3 on Conveyor's decoder: the Llama layer with its norms moved. No norm comes
-before the attention or the MLP; each one's output is normed before it joins the residual; q and
-k are normed over all their heads at once (one weight of `heads x head_dim`), before the rotary.
-The norms are the model's own modules (fp32 inside, scaled before the cast back, as OLMo 2
-computes them). OLMo 3 windows some layers and rotates each layer type by its own frequencies.
-Decode steps run op by op: the fused C++ stack computes the Llama layer only.
+"""OLMo 2, OLMo 3 and OLMoE on Conveyor's decoder. OLMo 2's is the Llama layer with its norms
+moved: no norm comes before the attention or the MLP; each one's output is normed before it
+joins the residual; q and k are normed over all their heads at once (one weight of `heads x
+head_dim`), before the rotary. The norms are the model's own modules (fp32 inside, scaled before
+the cast back, as OLMo 2 computes them). OLMo 3 windows some layers and rotates each layer type
+by its own frequencies. OLMoE's layer is norm-first (the Llama layer's norms) with the same q/k
+norms and a mixture of experts in every layer. Decode steps run op by op: the fused C++ stack
+computes the Llama layer only.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from engine.parallel.sharding import Shard
 
 # OLMo 3's layers are OLMo 2's, some of them windowed, with rotaries per layer type.
 OLMO2_ARCHITECTURES = frozenset({"Olmo2ForCausalLM", "Olmo3ForCausalLM"})
+# OLMoE's are norm-first, with OLMo 2's q/k norms and experts in place of the MLP.
+OLMOE_ARCHITECTURES = frozenset({"OlmoeForCausalLM"})
 
 
 class PostNormedLayer(PagedLlamaLayer):
@@ -42,12 +46,15 @@ class PostNormedLayer(PagedLlamaLayer):
 
 class AllHeadsNormedLayer(PagedLlamaLayer):
     """The Llama layer with q and k each normed over all their heads at once (one weight of
-    `heads x head_dim`), before the rotary (OLMo 2's and MiniMax M2's)."""
+    `heads x head_dim`), before the rotary (OLMo 2's, OLMoE's and MiniMax M2's); OLMoE's may
+    clamp q, k and v (`clip_qkv`), q and k after their norms."""
 
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(hf_layer, index, shard)
         attn = hf_layer.self_attn
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        clip = getattr(getattr(attn, "config", None), "clip_qkv", None)
+        self.clip = float(clip) if clip is not None else None
 
     def _qk_norm_weight(self, attn: Any) -> torch.Tensor | None:
         return None  # normed over all heads at once, in `project_qkv`
@@ -67,10 +74,14 @@ class AllHeadsNormedLayer(PagedLlamaLayer):
         if lora is not None and "qkv" in lora.groups:
             qkv = qkv + lora.delta(self.index, "qkv", normed).to(qkv.dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        query = self.q_norm(qkv[:, :q_size]).view(tokens, self.num_heads, self.head_dim)
+        query = self.q_norm(qkv[:, :q_size])
         key = self.k_norm(qkv[:, q_size : q_size + kv_size])
+        value = qkv[:, q_size + kv_size :]
+        if self.clip is not None:
+            query, key, value = (t.clamp(-self.clip, self.clip) for t in (query, key, value))
+        query = query.view(tokens, self.num_heads, self.head_dim)
         key = key.view(tokens, self.num_kv_heads, self.head_dim)
-        value = qkv[:, q_size + kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(tokens, self.num_kv_heads, self.head_dim)
         return rotate(query, cos, sin), rotate(key, cos, sin), value
 
 
@@ -82,3 +93,9 @@ class PagedOlmo2ForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
     op_by_op = "OLMo 2's layers"
     layer_class = PagedOlmo2Layer
+
+
+class PagedOlmoeForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    op_by_op = "OLMoE's q/k norms over all heads"
+    layer_class = AllHeadsNormedLayer

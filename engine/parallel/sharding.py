@@ -36,12 +36,16 @@ FUSED_EXPERTS = frozenset(
         "SolarOpenExperts",
         "MiniMaxM2Experts",
         "Ernie4_5_MoeExperts",
+        "HunYuanMoEV1Experts",
+        "OlmoeExperts",
     }
 )
 
 
 # Families whose q and k are each normed over all heads at once: no rank holds all of them.
-ALL_HEADS_NORMED = frozenset({"Olmo2ForCausalLM", "Olmo3ForCausalLM", "MiniMaxM2ForCausalLM"})
+ALL_HEADS_NORMED = frozenset(
+    {"Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM", "MiniMaxM2ForCausalLM"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +194,7 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     if not reason and fused_projections(hf_model.model.layers):
         reason = "its q, k and v or its gate and up are one projection (Phi-3, GLM), not split"
     if not reason and type(hf_model).__name__ in ALL_HEADS_NORMED:
-        reason = "its q and k are normed over all heads at once (OLMo 2 and 3, MiniMax M2)"
+        reason = "its q and k are normed over all heads at once (OLMo 2, 3, OLMoE, MiniMax M2)"
     if not reason and type(hf_model).__name__ == "GptOssForCausalLM":
         reason = "gpt-oss's sinks and biased experts are not split across ranks"
     if reason:
@@ -239,6 +243,8 @@ ROW_SHARES = {
     "mlp.shared_expert.up_proj": "shared_span",
     "mlp.shared_experts.gate_proj": "shared_span",
     "mlp.shared_experts.up_proj": "shared_span",
+    "mlp.shared_mlp.gate_proj": "channel_span",  # Hunyuan's, as wide as a dense MLP
+    "mlp.shared_mlp.up_proj": "channel_span",
 }
 COLUMN_SHARES = {
     "self_attn.o_proj": "query_span",
@@ -247,6 +253,7 @@ COLUMN_SHARES = {
     "mlp.c_proj": "channel_span",
     "mlp.shared_expert.down_proj": "shared_span",
     "mlp.shared_experts.down_proj": "shared_span",
+    "mlp.shared_mlp.down_proj": "channel_span",
 }
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 

@@ -17,8 +17,10 @@ from transformers import (
     Ernie4_5_MoeConfig,
     ExaoneMoeConfig,
     Glm4MoeConfig,
+    HunYuanMoEV1Config,
     MiniMaxM2Config,
     MixtralConfig,
+    OlmoeConfig,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
     SolarOpenConfig,
@@ -140,6 +142,20 @@ FAMILIES = {
         head_dim=16,
         partial_rotary_factor=0.5,
     ),
+    # OLMo 2's q/k norms over all heads, clamped after (`clip_qkv`), the top-k probabilities as
+    # they are.
+    "olmoe": lambda: OlmoeConfig(
+        **COMMON,
+        intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        clip_qkv=1.5,
+    ),
+    # A softmax router beside an MLP every token runs; q/k heads normed after the rotary.
+    "hunyuan-moe": lambda: HunYuanMoEV1Config(
+        **COMMON, intermediate_size=32, num_experts=8, moe_topk=3, head_dim=16
+    ),
 }
 # The layers that keep a dense MLP, by family (the others' every layer holds experts).
 DENSE_LAYERS = {
@@ -147,10 +163,14 @@ DENSE_LAYERS = {
     **{family: {0} for family in ("glm4-moe", "dots1", "exaone-moe", "ernie4.5-moe")},
 }
 # The width of each family's shared expert (or shared experts together) in FAMILIES.
-SHARED_WIDTH = {"qwen2-moe": 48, "glm4-moe": 32, "ernie4.5-moe": 32}
+SHARED_WIDTH = {"qwen2-moe": 48, "glm4-moe": 32, "ernie4.5-moe": 32, "hunyuan-moe": 32}
 BIASED = ("glm4-moe", "dots1", "exaone-moe", "solar-open", "ernie4.5-moe", "minimax-m2")
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+# The per-head (or all-heads) q/k norms' weights, by their families' names.
+QK_NORMS = ("q_norm.weight", "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight")
 
 
 def build(name: str, dtype: torch.dtype = torch.float32):
@@ -162,7 +182,7 @@ def build(name: str, dtype: torch.dtype = torch.float32):
         for tensor_name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if tensor_name.endswith("e_score_correction_bias"):
                 tensor.normal_(0.0, 0.3)
-            elif tensor_name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif tensor_name.endswith(QK_NORMS):
                 tensor.normal_(1.0, 0.5)
     return model.to(dtype)
 
@@ -381,7 +401,7 @@ def saved(name: str, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("name", ["qwen2-moe", "glm4-moe", "ernie4.5-moe"])
+@pytest.mark.parametrize("name", ["qwen2-moe", "glm4-moe", "ernie4.5-moe", "hunyuan-moe"])
 def test_two_ranks_split_the_experts_and_give_one_ranks_tokens(name, tmp_path):
     """Each rank holds its channels of every expert (read from the per-expert tensors of the
     checkpoint's files) and of the shared expert or experts; every rank routes alike."""
@@ -401,7 +421,7 @@ def test_two_ranks_split_the_experts_and_give_one_ranks_tokens(name, tmp_path):
             assert tokens == expected, f"tensor parallel {size}"
             block = first_block(loaded.model)
             assert block.experts.intermediate == 32 // size
-            shared = getattr(block, "shared_expert", None) or block.shared_experts
+            shared = SparseMoE(block).shared_expert
             assert shared.down_proj.in_features == SHARED_WIDTH[name] // size
         finally:
             core.close()
@@ -422,6 +442,18 @@ def test_a_ranks_share_keeps_the_routers_bias_and_fp32_weight_as_transformers_lo
     assert first_block(share).experts.gate_up_proj.dtype == torch.bfloat16
 
 
-def test_tensor_parallelism_refuses_minimax_m2s_norms_over_all_heads():
+@pytest.mark.parametrize("name", ["minimax-m2", "olmoe"])
+def test_tensor_parallelism_refuses_norms_over_all_heads(name):
     with pytest.raises(ValueError, match="all heads at once"):
-        shard_model(build("minimax-m2"), 0, 2)
+        shard_model(build(name), 0, 2)
+
+
+def test_olmoes_clip_counts():
+    """OLMoE's clamp of q and k after their norms: without it, other tokens."""
+    model = build("olmoe")
+    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    model.config.clip_qkv = None
+    assert [reference_greedy(model, p, MAX_NEW) for p in prompts()] != expected
+    model.config.clip_qkv = 1.5
+    tokens, core = engine_tokens(model)
+    assert tokens == expected and core.runner.model.layers[0].clip == 1.5
