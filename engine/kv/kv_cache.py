@@ -44,6 +44,14 @@ class KVCacheSpec:
 
     @classmethod
     def from_hf_config(cls, config: Any, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+        if getattr(config, "kv_lora_rank", None):  # multi-head latent attention (DeepSeek)
+            return cls(
+                num_layers=config.num_hidden_layers,
+                num_kv_heads=1,  # one latent row a token: the latent and the rotated key part
+                head_dim=int(config.kv_lora_rank) + int(config.qk_rope_head_dim),
+                dtype=dtype,
+                block_size=block_size,
+            )
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(

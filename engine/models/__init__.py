@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.models.base import CausalLM
+from engine.models.deepseek import DEEPSEEK_ARCHITECTURES, PagedDeepseekForCausalLM
 from engine.models.ernie import ERNIE_ARCHITECTURES, PagedErnieForCausalLM
 from engine.models.exaone4 import (
     EXAONE4_ARCHITECTURES,
@@ -43,9 +44,10 @@ from engine.models.vision import (
 from engine.parallel.sharding import Shard
 
 MODEL_IMPLS = ("auto", "conveyor", "transformers")
-# Architectures whose transformers layers do not hand the attention its keyword arguments, so
-# the paged attention cannot be plugged into them: Conveyor's decoder is their only way.
-DECODER_ONLY = frozenset({"StableLmForCausalLM"})
+# Architectures whose transformers layers do not hand the attention its keyword arguments, or
+# hand it keys and values the paged cache does not hold (DeepSeek's expanded from the latent),
+# so the paged attention cannot be plugged into them: Conveyor's decoder is their only way.
+DECODER_ONLY = frozenset({"StableLmForCausalLM"}) | DEEPSEEK_ARCHITECTURES
 
 # The families of the Llama decoder with a model of their own, by architecture.
 FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
@@ -59,6 +61,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (EXAONE4_ARCHITECTURES, PagedExaone4ForCausalLM),
         (EXAONE_MOE_ARCHITECTURES, PagedExaoneMoeForCausalLM),
         (MINIMAX_ARCHITECTURES, PagedMiniMaxM2ForCausalLM),
+        (DEEPSEEK_ARCHITECTURES, PagedDeepseekForCausalLM),
         (HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM),
         (ERNIE_ARCHITECTURES, PagedErnieForCausalLM),
         (NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM),
@@ -97,7 +100,7 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
         why = f": {reason}" if reason else ""
         raise ValueError(
             f"{type(hf_model).__name__} runs on Conveyor's model implementation only "
-            f"(transformers' layers do not pass the paged attention its arguments){why}"
+            f"(the paged attention cannot be plugged into transformers' layers){why}"
         )
     if impl == "transformers" or reason:
         return TransformersCausalLM(hf_model)

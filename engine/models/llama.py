@@ -56,6 +56,9 @@ ARCHITECTURES = frozenset(
         "MiniMaxM2ForCausalLM",
         "OlmoeForCausalLM",
         "HunYuanMoEV1ForCausalLM",
+        # Multi-head latent attention over a latent cache (`deepseek`).
+        "DeepseekV3ForCausalLM",
+        "Glm4MoeLiteForCausalLM",
         "SmolLM3ForCausalLM",
         "Phi3ForCausalLM",
         "GraniteForCausalLM",
@@ -135,9 +138,15 @@ def partial_rotary(config: Any) -> float:
 
 
 def query_projections(attn: Any) -> list[Any]:
-    """q, k and v's projections, or the one that holds all three (Phi-3's `qkv_proj`)."""
+    """q, k and v's projections, or the one that holds all three (Phi-3's `qkv_proj`), or
+    latent attention's (DeepSeek's: q's, or its two low-rank ones, and the latent's)."""
     fused = getattr(attn, "qkv_proj", None)
-    return [fused] if fused is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+    if fused is not None:
+        return [fused]
+    if getattr(attn, "kv_a_proj_with_mqa", None) is not None:
+        names = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+        return [p for p in (getattr(attn, name, None) for name in names) if p is not None]
+    return [attn.q_proj, attn.k_proj, attn.v_proj]
 
 
 def gate_projections(mlp: Any) -> list[Any]:
@@ -200,6 +209,26 @@ class PagedLlamaLayer(nn.Module):
         super().__init__()
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         self.index = index
+        group = shard.group if shard is not None else None
+        self._attention_parts(attn, group)
+        # A mixture of experts in place of the gated MLP (summed over the ranks as a whole).
+        self.moe = reduced(SparseMoE(mlp), group) if is_sparse(mlp) else None
+        if self.moe is None:
+            self._dense_mlp(mlp, group)
+        else:
+            self.silu = False
+        # None where nothing is normed before the attention (OLMo 2 norms after it instead).
+        self.input_norm = getattr(hf_layer, "input_layernorm", None)
+        self.post_attention_norm: Any = getattr(hf_layer, "post_attention_layernorm", None)
+        if self.post_attention_norm is None:  # Apertus' names for the same two norms
+            self.input_norm = hf_layer.attention_layernorm
+            self.post_attention_norm = hf_layer.feedforward_layernorm
+        # LoRA adapters' slots (`--enable-lora`), shared by every layer.
+        self.lora: LoRASlots | None = None
+        self._lora_shapes = self._target_shapes()
+
+    def _attention_parts(self, attn: Any, group: Any) -> None:
+        """The attention's heads, projections (q, k and v fused), features and q/k norms."""
         self.head_dim = attn.head_dim
         fused_qkv = getattr(attn, "qkv_proj", None)
         if fused_qkv is not None:  # Phi-3: q, k and v in one projection already
@@ -218,28 +247,12 @@ class PagedLlamaLayer(nn.Module):
         # The layer's type (sliding or full attention), whose rotary it takes where the
         # frequencies differ by type.
         layer_types = getattr(getattr(attn, "config", None), "layer_types", None)
-        self.layer_type: str | None = layer_types[index] if layer_types else None
+        self.layer_type: str | None = layer_types[self.index] if layer_types else None
         self.qkv_proj = fused_qkv or fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        group = shard.group if shard is not None else None
         self.o_proj = reduced(attn.o_proj, group)
-        # A mixture of experts in place of the gated MLP (summed over the ranks as a whole).
-        self.moe = reduced(SparseMoE(mlp), group) if is_sparse(mlp) else None
-        if self.moe is None:
-            self._dense_mlp(mlp, group)
-        else:
-            self.silu = False
-        # None where nothing is normed before the attention (OLMo 2 norms after it instead).
-        self.input_norm = getattr(hf_layer, "input_layernorm", None)
-        self.post_attention_norm: Any = getattr(hf_layer, "post_attention_layernorm", None)
-        if self.post_attention_norm is None:  # Apertus' names for the same two norms
-            self.input_norm = hf_layer.attention_layernorm
-            self.post_attention_norm = hf_layer.feedforward_layernorm
         self.qk_norm_weight = self._qk_norm_weight(attn)
         norms = self._qk_norms(attn)
         self.qk_norm_eps = norm_eps(norms[0]) if self.qk_norm_weight is not None and norms else 0.0
-        # LoRA adapters' slots (`--enable-lora`), shared by every layer.
-        self.lora: LoRASlots | None = None
-        self._lora_shapes = self._target_shapes()
 
     def _dense_mlp(self, mlp: Any, group: Any) -> None:
         # By the module the MLP runs, not a config field (a family may name its own field).
@@ -370,8 +383,7 @@ class PagedLlamaLayer(nn.Module):
     ) -> torch.Tensor:
         """What the layer does after attention (`out`, `[tokens, heads, head_dim]`): the
         output projection onto `residual`, then the MLP block. Row by row too."""
-        tokens = out.shape[0]
-        attended = out.reshape(tokens, self.num_heads * self.head_dim)
+        attended = self._attended(out)
         hidden = add_projected(self.o_proj, attended, residual)
         if lora is not None and "o" in lora.groups:
             hidden += lora.delta(self.index, "o", attended).to(hidden.dtype)
@@ -395,11 +407,16 @@ class PagedLlamaLayer(nn.Module):
         """The output projection of the attention's `out` (`[tokens, heads, head_dim]`), with
         the step's adapters' deltas: what a family that norms or scales it before the residual
         (Gemma, Granite, OLMo 2, GLM) adds."""
-        attended = out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        attended = self._attended(out)
         projected = self.o_proj(attended)
         if lora is not None and "o" in lora.groups:
             projected = projected + lora.delta(self.index, "o", attended).to(projected.dtype)
         return projected
+
+    def _attended(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention's `out` (`[tokens, heads, head_dim]`) as the output projection takes
+        it: each row's heads side by side."""
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def _mlp_output(self, normed: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
         """The gated MLP's output for its normed input, with the step's adapters' deltas."""

@@ -38,6 +38,8 @@ FUSED_EXPERTS = frozenset(
         "Ernie4_5_MoeExperts",
         "HunYuanMoEV1Experts",
         "OlmoeExperts",
+        "DeepseekV3Experts",
+        "Glm4MoeLiteExperts",
     }
 )
 
@@ -193,6 +195,8 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     reason = supports(hf_model) or why_not_shardable(config, size)
     if not reason and fused_projections(hf_model.model.layers):
         reason = "its q, k and v or its gate and up are one projection (Phi-3, GLM), not split"
+    if not reason and getattr(config, "kv_lora_rank", None):
+        reason = "its attention is multi-head latent attention (DeepSeek), not split"
     if not reason and type(hf_model).__name__ in ALL_HEADS_NORMED:
         reason = "its q and k are normed over all heads at once (OLMo 2, 3, OLMoE, MiniMax M2)"
     if not reason and type(hf_model).__name__ == "GptOssForCausalLM":

@@ -1,0 +1,173 @@
+"""DeepSeek V3 (and GLM-4.7-Flash, its layers) on Conveyor's decoder: multi-head latent attention
+over a cache of one latent row a token, in the absorbed form, and experts chosen by a bias beside
+shared experts. Greedy tokens and prompt logprobs equal transformers' (its attention over the keys
+and values expanded from the latent)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeLiteConfig
+
+from engine.core.config import CacheConfig, EngineConfig
+from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
+from engine.kv.kv_cache import KVCacheSpec
+from engine.models import build_causal_lm
+from engine.models.deepseek import PagedDeepseekForCausalLM, PagedDeepseekLayer
+from engine.parallel.sharding import shard_model
+from tests.core.test_engine_greedy import record_chunking
+from tests.helpers import chat_tokenizer, reference_greedy, run_all, tiny_core, tokens_of
+from tests.models.test_moe import COMMON
+
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+# The latent's width and the rotated part's: a cache row of 64 dims (the C++ prefill kernel's
+# multiple of 16), against 4 heads x (16 + 8 key dims + 12 value dims) expanded.
+RANK, ROPE = 56, 8
+
+
+def config(
+    q_lora_rank: int | None = None, interleave: bool = True, yarn: bool = False, glm: bool = False
+):
+    rope = (
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0}
+        | {"mscale_all_dim": 1.0, "original_max_position_embeddings": 64}
+        if yarn
+        else {"rope_type": "default", "rope_theta": 10000.0}
+    )
+    kind = Glm4MoeLiteConfig if glm else DeepseekV3Config
+    return kind(
+        **COMMON | {"num_key_value_heads": COMMON["num_attention_heads"]},
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=RANK,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=ROPE,
+        v_head_dim=12,
+        rope_interleave=interleave,
+        rope_parameters=rope,
+    )
+
+
+def build(**options: object):
+    """A tiny random DeepSeek V3, its routers' biases and latent norms drawn so they count."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config(**options)).eval()  # type: ignore[arg-type]
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.normal_(0.0, 0.3)
+            elif name.endswith(("q_a_layernorm.weight", "kv_a_layernorm.weight")):
+                tensor.normal_(1.0, 0.3)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(2, 320) for _ in range(n)] for n in (3, 9, 17, 30, 1, 24)]
+
+
+VARIANTS = {
+    "q-whole-interleaved": {},
+    "q-low-rank-halves": {"q_lora_rank": 24, "interleave": False},
+    "yarn": {"q_lora_rank": 24, "yarn": True},
+    "glm-4.7-flash": {"q_lora_rank": 24, "glm": True},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_greedy_matches_generate_under_chunking_and_preemption(variant):
+    model = build(**VARIANTS[variant])
+    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    core, _ = tiny_core(model, num_blocks=24, max_model_len=64, max_num_batched_tokens=10)
+    chunked = record_chunking(core)
+    outputs = run_all(core, prompts(), GREEDY)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
+    assert core.scheduler.num_preemptions > 0 and any(chunked)
+    assert core.scheduler.block_manager.num_used_blocks == 0
+    paged = core.runner.model
+    assert isinstance(paged, PagedDeepseekForCausalLM)
+    assert [layer.moe is not None for layer in paged.layers] == [False, True, True]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_prompt_logprobs_equal_transformers(variant):
+    """Finer than greedy tokens: each prompt token's logprob as transformers scores it, the
+    prompt in chunks of 8 over the latent cache."""
+    model = build(**VARIANTS[variant])
+    rng = random.Random(3)
+    prompt = [rng.randrange(2, 320) for _ in range(24)]
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    core, _ = tiny_core(model, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+    entries = [e for o in run_all(core, [prompt], params)["req-0"] for e in o.prompt_logprobs or []]
+    got = torch.tensor([e.logprob for e in entries[1:]])
+    index = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+    torch.testing.assert_close(got, expected[index], atol=1e-4, rtol=1e-4)
+
+
+def test_the_cache_holds_one_latent_row_a_token():
+    spec = KVCacheSpec.from_hf_config(config(), torch.bfloat16, 16)
+    assert (spec.num_kv_heads, spec.head_dim) == (1, RANK + ROPE)
+    assert spec.bytes_per_token == 2 * 3 * (RANK + ROPE) * 2  # key and value rows, 3 layers, bf16
+    expanded = COMMON["num_attention_heads"] * ((16 + ROPE) + 12)  # each head's key and value
+    assert expanded > RANK + ROPE
+
+
+def test_the_absorbed_scores_equal_the_expanded_ones():
+    """Each head's query in the latent's space against the latent row gives transformers'
+    `q . k` over the key expanded from the latent (the same sums, grouped otherwise)."""
+    model = build(q_lora_rank=24)
+    attn = model.model.layers[0].self_attn
+    layer = PagedDeepseekLayer(model.model.layers[0], 0)
+    torch.manual_seed(4)
+    x = torch.randn(5, COMMON["hidden_size"])
+    cos, sin = torch.ones(5, 1, ROPE), torch.zeros(5, 1, ROPE)  # position 0: nothing turns
+    with torch.no_grad():
+        query, key, value = layer.project_qkv(x, cos, sin)
+        ours = torch.einsum("thd,sd->hts", query, key[:, 0])
+        normed = model.model.layers[0].input_layernorm(x)
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(normed))).view(5, 4, 24)
+        latent, k_rot = attn.kv_a_proj_with_mqa(normed).split([RANK, ROPE], dim=-1)
+        k_nope = attn.kv_b_proj(attn.kv_a_layernorm(latent)).view(5, 4, 28)[..., :16]
+        k = torch.cat([k_nope, k_rot[:, None].expand(5, 4, ROPE)], dim=-1)
+        theirs = torch.einsum("thd,shd->hts", q, k)
+    assert torch.equal(value, key) and key.shape == (5, 1, RANK + ROPE)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
+    model = build(q_lora_rank=24)
+    model.save_pretrained(tmp_path)
+    chat_tokenizer().save_pretrained(tmp_path)
+    core, _, _ = create_engine_core(
+        EngineConfig(
+            model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64)
+        )
+    )
+    try:
+        assert core.runner.kv_cache.spec.head_dim == RANK + ROPE
+        outputs = run_all(core, prompts(), GREEDY)
+        tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
+        assert tokens == [reference_greedy(build(q_lora_rank=24), p, MAX_NEW) for p in prompts()]
+    finally:
+        core.close()
+
+
+def test_transformers_layers_and_tensor_parallelism_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="Conveyor's model implementation only"):
+        build_causal_lm(build(), "transformers")
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        shard_model(build(), 0, 2)
