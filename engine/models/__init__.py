@@ -10,7 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from engine.models.base import CausalLM
-from engine.models.deepseek import DEEPSEEK_ARCHITECTURES, PagedDeepseekForCausalLM
+from engine.models.deepseek import (
+    DEEPSEEK_ARCHITECTURES,
+    DEEPSEEK_V2_ARCHITECTURES,
+    PagedDeepseekForCausalLM,
+    PagedDeepseekV2ForCausalLM,
+)
 from engine.models.ernie import ERNIE_ARCHITECTURES, PagedErnieForCausalLM
 from engine.models.exaone4 import (
     EXAONE4_ARCHITECTURES,
@@ -47,7 +52,9 @@ MODEL_IMPLS = ("auto", "conveyor", "transformers")
 # Architectures whose transformers layers do not hand the attention its keyword arguments, or
 # hand it keys and values the paged cache does not hold (DeepSeek's expanded from the latent),
 # so the paged attention cannot be plugged into them: Conveyor's decoder is their only way.
-DECODER_ONLY = frozenset({"StableLmForCausalLM"}) | DEEPSEEK_ARCHITECTURES
+DECODER_ONLY = (
+    frozenset({"StableLmForCausalLM"}) | DEEPSEEK_ARCHITECTURES | DEEPSEEK_V2_ARCHITECTURES
+)
 
 # The families of the Llama decoder with a model of their own, by architecture.
 FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
@@ -62,6 +69,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (EXAONE_MOE_ARCHITECTURES, PagedExaoneMoeForCausalLM),
         (MINIMAX_ARCHITECTURES, PagedMiniMaxM2ForCausalLM),
         (DEEPSEEK_ARCHITECTURES, PagedDeepseekForCausalLM),
+        (DEEPSEEK_V2_ARCHITECTURES, PagedDeepseekV2ForCausalLM),
         (HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM),
         (ERNIE_ARCHITECTURES, PagedErnieForCausalLM),
         (NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM),

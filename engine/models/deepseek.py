@@ -1,6 +1,8 @@
 """DeepSeek V3 (and the models on its architecture: DeepSeek R1, Kimi K2; GLM-4.7-Flash's copy of
-it) on Conveyor's decoder: multi-head latent attention (MLA) over a latent KV cache, and experts
-chosen by their scores plus a bias (`routing`) beside shared experts, after dense first layers.
+it) and DeepSeek V2 on Conveyor's decoder: multi-head latent attention (MLA) over a latent KV
+cache, and experts chosen by their scores plus a bias (V3's, `routing`) or within the best groups
+(V2's) beside shared experts, after dense first layers. V2's rotary turns neighbouring dims as
+pairs in place, from turns transformers gives as complex numbers.
 
 MLA projects each token to one latent of `kv_lora_rank` dims (normed) and one rotated key part of
 `qk_rope_head_dim` dims shared by every head; each head's key and value are the latent times its
@@ -22,12 +24,17 @@ import torch
 
 from engine.lora.adapter import Shapes
 from engine.lora.slots import LoRASlots
+from engine.models.glm import rotate_pairs
 from engine.models.layers import fuse, rotate
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.models.rotary_table import RotaryTable
 from engine.parallel.layers import reduced
+from engine.parallel.sharding import Shard
 
 # DeepSeek V3's, and GLM-4.7-Flash's (`Glm4MoeLiteForCausalLM`), the same layers.
 DEEPSEEK_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM"})
+# DeepSeek V2's: its rotary in complex numbers, its own router.
+DEEPSEEK_V2_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM"})
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -124,3 +131,37 @@ class PagedDeepseekForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
     op_by_op = "multi-head latent attention"
     layer_class = PagedDeepseekLayer
+
+
+class PolarRotary:
+    """DeepSeek V2's rotary, which gives each position's turns as complex numbers (scaled), as
+    the cos and sin `RotaryTable` reads (each frequency's twice, side by side)."""
+
+    def __init__(self, rotary: Any) -> None:
+        self.rotary = rotary
+        self.rope_type = getattr(rotary, "rope_type", None)
+        self.inv_freq = getattr(rotary, "inv_freq", None)
+
+    def __call__(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        turns = self.rotary(x, position_ids)
+        cos, sin = turns.real, turns.imag
+        return torch.cat([cos, cos], dim=-1).to(x.dtype), torch.cat([sin, sin], dim=-1).to(x.dtype)
+
+
+class PagedDeepseekV2Layer(PagedDeepseekLayer):
+    """DeepSeek V2's layer: its rotary turns neighbouring dims as pairs in place (the complex
+    product transformers' computes, in fp32)."""
+
+    def _turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rotate_pairs(x.float(), cos.float(), sin.float()).to(x.dtype)
+
+
+class PagedDeepseekV2ForCausalLM(PagedDeepseekForCausalLM):
+    layer_class = PagedDeepseekV2Layer
+
+    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
+        super().__init__(hf_model, shard)
+        positions = getattr(hf_model.config, "max_position_embeddings", 0)
+        self.rotary = RotaryTable(PolarRotary(hf_model.model.rotary_emb), positions)

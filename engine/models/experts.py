@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.layers import clamped_swiglu, gated_activation
-from engine.models.routing import BiasedRouter, router_of
+from engine.models.routing import BiasedRouter, GroupLimitedRouter, router_of
 from engine.parallel.sharding import FUSED_EXPERTS
 
 # Routers without `norm_topk_prob` that still cast their weights to the logits' dtype.
@@ -187,8 +187,11 @@ class SparseMoE(nn.Module):
     def __init__(self, block: Any) -> None:
         super().__init__()
         router = router_of(block)
-        # DeepSeek V3's kind: chosen by the scores plus a bias, weighed by the scores alone.
-        self.biased = BiasedRouter.of(block)
+        # DeepSeek V3's kind (chosen by the scores plus a bias, weighed by the scores alone), or
+        # DeepSeek V2's (the best groups' softmax scores, scaled): routers of their own.
+        self.own_router: BiasedRouter | GroupLimitedRouter | None = BiasedRouter.of(
+            block
+        ) or GroupLimitedRouter.of(block)
         # Hunyuan's router holds a linear layer (`wg`), the others its weight.
         self.router_linear = getattr(router, "wg", None)
         self.router_weight = router.weight if self.router_linear is None else None
@@ -220,8 +223,8 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts `[rows, k]` and their weights."""
-        if self.biased is not None:
-            return self.biased.route(x)
+        if self.own_router is not None:
+            return self.own_router.route(x)
         logits = self._logits(x)
         if self.top_logits:
             top, experts = torch.topk(logits, self.top_k, dim=-1)

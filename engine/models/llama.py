@@ -59,6 +59,7 @@ ARCHITECTURES = frozenset(
         # Multi-head latent attention over a latent cache (`deepseek`).
         "DeepseekV3ForCausalLM",
         "Glm4MoeLiteForCausalLM",
+        "DeepseekV2ForCausalLM",
         "SmolLM3ForCausalLM",
         "Phi3ForCausalLM",
         "GraniteForCausalLM",

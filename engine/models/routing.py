@@ -5,7 +5,9 @@ ERNIE 4.5's MoE over a softmax). Some first keep only the best groups of experts
 each group's two best biased scores) and choose within them.
 
 `BiasedRouter.of` reads one from a Hugging Face MoE block, wherever its family keeps the bias;
-`route` computes what that family's router computes, in the same dtypes and order.
+`route` computes what that family's router computes, in the same dtypes and order. DeepSeek V2's
+router, before the bias (`GroupLimitedRouter`), limits the choice to the best groups by their
+best softmax score and weighs by the scores, scaled.
 """
 
 from __future__ import annotations
@@ -147,3 +149,52 @@ class BiasedRouter(nn.Module):
         scoring = "sigmoid" if self.sigmoid else "softmax"
         groups = f", best {self.top_groups} of {self.groups} groups" if self.groups > 1 else ""
         return f"top_k={self.top_k}, {scoring} plus a bias{groups}, scale={self.scale}"
+
+
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek V2's router: a softmax over the experts' logits (in fp32); where its method is
+    `group_limited_greedy`, only the experts of each row's best `top_groups` groups (ranked by
+    their best score) stay candidates; the top-k scores, scaled, are the weights (not
+    renormalized)."""
+
+    def __init__(
+        self, weight: torch.Tensor, top_k: int, groups: int, top_groups: int, scale: float
+    ) -> None:
+        super().__init__()
+        self.weight = weight
+        self.top_k = top_k
+        self.groups = groups
+        self.top_groups = top_groups
+        self.scale = scale
+
+    @classmethod
+    def of(cls, block: Any) -> GroupLimitedRouter | None:
+        """The router of a DeepSeek V2 block; None for any other."""
+        router = router_of(block)
+        if type(router).__name__ != "DeepseekV2TopkRouter":
+            return None
+        limited = router.topk_method == "group_limited_greedy"
+        return cls(
+            router.weight,
+            int(router.top_k),
+            groups=int(router.num_group) if limited else 1,
+            top_groups=int(router.topk_group) if limited else 1,
+            scale=float(router.routed_scaling_factor),
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k experts `[rows, k]` and their weights."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(dim=-1, dtype=torch.float32)
+        if self.groups > 1:
+            grouped = scores.view(scores.shape[0], self.groups, -1)
+            best = torch.topk(grouped.max(dim=-1).values, self.top_groups, dim=-1, sorted=False)[1]
+            kept = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device)
+            kept.scatter_(1, best, True)
+            scores = grouped.masked_fill(~kept.unsqueeze(-1), 0.0).view_as(scores)
+        weights, experts = torch.topk(scores, self.top_k, dim=-1, sorted=False)
+        return weights * self.scale, experts
+
+    def extra_repr(self) -> str:
+        groups = f", best {self.top_groups} of {self.groups} groups" if self.groups > 1 else ""
+        return f"top_k={self.top_k}, softmax{groups}, scale={self.scale}"

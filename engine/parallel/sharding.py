@@ -40,6 +40,7 @@ FUSED_EXPERTS = frozenset(
         "OlmoeExperts",
         "DeepseekV3Experts",
         "Glm4MoeLiteExperts",
+        "DeepseekV2Experts",
     }
 )
 

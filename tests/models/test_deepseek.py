@@ -1,7 +1,8 @@
-"""DeepSeek V3 (and GLM-4.7-Flash, its layers) on Conveyor's decoder: multi-head latent attention
-over a cache of one latent row a token, in the absorbed form, and experts chosen by a bias beside
-shared experts. Greedy tokens and prompt logprobs equal transformers' (its attention over the keys
-and values expanded from the latent)."""
+"""DeepSeek V3 (and GLM-4.7-Flash, its layers) and DeepSeek V2 on Conveyor's decoder: multi-head
+latent attention over a cache of one latent row a token, in the absorbed form, and experts chosen
+by a bias (V3) or within the best groups (V2) beside shared experts. Greedy tokens and prompt
+logprobs equal transformers' (its attention over the keys and values expanded from the
+latent)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeLiteConfig
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Glm4MoeLiteConfig
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
@@ -17,6 +18,7 @@ from engine.factory import create_engine_core
 from engine.kv.kv_cache import KVCacheSpec
 from engine.models import build_causal_lm
 from engine.models.deepseek import PagedDeepseekForCausalLM, PagedDeepseekLayer
+from engine.models.routing import GroupLimitedRouter
 from engine.parallel.sharding import shard_model
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import chat_tokenizer, reference_greedy, run_all, tiny_core, tokens_of
@@ -30,7 +32,11 @@ RANK, ROPE = 56, 8
 
 
 def config(
-    q_lora_rank: int | None = None, interleave: bool = True, yarn: bool = False, glm: bool = False
+    q_lora_rank: int | None = None,
+    interleave: bool = True,
+    yarn: bool = False,
+    glm: bool = False,
+    v2: str = "",
 ):
     rope = (
         {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0}
@@ -38,8 +44,7 @@ def config(
         if yarn
         else {"rope_type": "default", "rope_theta": 10000.0}
     )
-    kind = Glm4MoeLiteConfig if glm else DeepseekV3Config
-    return kind(
+    shape = dict(
         **COMMON | {"num_key_value_heads": COMMON["num_attention_heads"]},
         intermediate_size=96,
         moe_intermediate_size=32,
@@ -55,9 +60,12 @@ def config(
         qk_nope_head_dim=16,
         qk_rope_head_dim=ROPE,
         v_head_dim=12,
-        rope_interleave=interleave,
         rope_parameters=rope,
     )
+    if v2:  # its rotary pairs dims in place; `v2` names its router's method
+        return DeepseekV2Config(**shape, head_dim=ROPE, topk_method=v2)
+    kind = Glm4MoeLiteConfig if glm else DeepseekV3Config
+    return kind(**shape, rope_interleave=interleave)
 
 
 def build(**options: object):
@@ -83,6 +91,8 @@ VARIANTS = {
     "q-low-rank-halves": {"q_lora_rank": 24, "interleave": False},
     "yarn": {"q_lora_rank": 24, "yarn": True},
     "glm-4.7-flash": {"q_lora_rank": 24, "glm": True},
+    "v2-greedy": {"v2": "greedy"},
+    "v2-group-limited": {"q_lora_rank": 24, "v2": "group_limited_greedy"},
 }
 
 
@@ -171,3 +181,22 @@ def test_transformers_layers_and_tensor_parallelism_are_refused_with_the_reason(
         build_causal_lm(build(), "transformers")
     with pytest.raises(ValueError, match="multi-head latent attention"):
         shard_model(build(), 0, 2)
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2s_router_chooses_and_weighs_as_transformers(method):
+    """A softmax's top-k, scaled and not renormalized; limited to each row's best two of four
+    groups (by their best score) where the method says so."""
+    block = build(v2=method).model.layers[1].mlp
+    router = GroupLimitedRouter.of(block)
+    assert router is not None and router.groups == (4 if method != "greedy" else 1)
+    torch.manual_seed(5)
+    x = torch.randn(64, COMMON["hidden_size"])
+    weights, experts = router.route(x)
+    _, their_weights, their_experts = block.gate(x)
+    order, their_order = experts.argsort(-1), their_experts.argsort(-1)
+    assert torch.equal(experts.gather(1, order), their_experts.gather(1, their_order))
+    torch.testing.assert_close(weights.gather(1, order), their_weights.gather(1, their_order))
+    assert bool((weights.sum(-1) < 2.5).all()), "scaled top-k probabilities, not renormalized"
+    if method != "greedy":
+        assert all(len(set((row // 2).tolist())) <= 2 for row in experts)
