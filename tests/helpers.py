@@ -3,6 +3,7 @@ engine cores around them."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -218,6 +219,21 @@ def run_all(
         steps += 1
         assert steps < 10_000, "engine made no progress"
     return outputs
+
+
+def check_prompt_logprobs(model: Any, chunk: int = 8, length: int = 24) -> None:
+    """Finer than greedy tokens: each prompt token's logprob from Conveyor (the prompt in chunks
+    of `chunk` tokens) equals transformers' over the whole prompt."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(2, 320) for _ in range(length)]
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+    core, _ = tiny_core(model, max_num_batched_tokens=chunk)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+    entries = [e for o in run_all(core, [prompt], params)["req-0"] for e in o.prompt_logprobs or []]
+    got = torch.tensor([e.logprob for e in entries[1:]])
+    index = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
+    torch.testing.assert_close(got, expected[index], atol=1e-4, rtol=1e-4)
 
 
 def tokens_of(outputs: list[RequestOutput]) -> list[int]:

@@ -43,6 +43,7 @@ from engine.models.llama import PagedLlamaForCausalLM, supports
 from engine.parallel.sharding import shard_model
 from tests.helpers import (
     TINY_SHAPE,
+    check_prompt_logprobs,
     reference_greedy,
     run_all,
     tiny_core,
@@ -201,17 +202,7 @@ def test_a_gateless_mlp_decodes_op_by_op_and_adapts_its_down_projection_only(fam
 def test_prompt_logprobs_equal_transformers(family):
     """Finer than greedy tokens: each prompt token's logprob as transformers scores it (past
     the windows; nanochat's through its soft cap)."""
-    model = build(family)
-    rng = random.Random(3)
-    prompt = [rng.randrange(2, 320) for _ in range(24)]
-    with torch.no_grad():
-        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
-    core, _ = tiny_core(model, max_num_batched_tokens=8)
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
-    entries = [e for o in run_all(core, [prompt], params)["req-0"] for e in o.prompt_logprobs or []]
-    got = torch.tensor([e.logprob for e in entries[1:]])
-    index = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
-    torch.testing.assert_close(got, expected[index], atol=1e-4, rtol=1e-4)
+    check_prompt_logprobs(build(family))
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ from engine.worker.compilation import why_not_compiled
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import (
     chat_tokenizer,
+    check_prompt_logprobs,
     needs_bf16_panels,
     needs_panels,
     reference_greedy,
@@ -228,17 +229,7 @@ def test_experts_greedy_matches_generate_under_chunking_and_preemption(name, dev
 def test_prompt_logprobs_equal_transformers(name):
     """Finer than greedy tokens: each prompt token's logprob as transformers scores it, the
     prompt in chunks of 8 (past EXAONE MoE's window)."""
-    model = build(name)
-    rng = random.Random(3)
-    prompt = [rng.randrange(2, 320) for _ in range(24)]
-    with torch.no_grad():
-        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
-    core, _ = tiny_core(model, max_num_batched_tokens=8)
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
-    entries = [e for o in run_all(core, [prompt], params)["req-0"] for e in o.prompt_logprobs or []]
-    got = torch.tensor([e.logprob for e in entries[1:]])
-    index = torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])
-    torch.testing.assert_close(got, expected[index], atol=1e-4, rtol=1e-4)
+    check_prompt_logprobs(build(name))
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
