@@ -29,11 +29,19 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    # Whether a layer's values are its keys (latent attention's one row a token): the cache
+    # then holds one plane a layer, read as both.
+    values_are_keys: bool = False
+
+    @property
+    def planes(self) -> int:
+        """Planes a layer holds: K and V, or the one both read."""
+        return 1 if self.values_are_keys else 2
 
     @property
     def bytes_per_token(self) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        return self.planes * self.num_layers * self.num_kv_heads * self.head_dim * element
 
     @property
     def bytes_per_block(self) -> int:
@@ -51,6 +59,7 @@ class KVCacheSpec:
                 head_dim=int(config.kv_lora_rank) + int(config.qk_rope_head_dim),
                 dtype=dtype,
                 block_size=block_size,
+                values_are_keys=True,
             )
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -64,7 +73,8 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """One tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` with per-layer views.
+    """One tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` with per-layer views
+(`[layers, 1, ...]` where the values are the keys: each layer's one plane is read as both).
 
     Slot `s` of the flattened cache is token `s % block_size` of block `s // block_size`. The
     memory is zeroed once so slots never read as NaN before they are written; on the CPU it
@@ -99,7 +109,7 @@ class KVCache:
         spec = self.spec
         shape = (
             spec.num_layers,
-            2,
+            spec.planes,
             self.num_blocks,
             spec.block_size,
             spec.num_kv_heads,
@@ -111,7 +121,7 @@ class KVCache:
             self.tensor = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         # Per-layer views, made once: every layer asks for its own on every step.
         self._keys = [self.tensor[layer, 0] for layer in range(spec.num_layers)]
-        self._values = [self.tensor[layer, 1] for layer in range(spec.num_layers)]
+        self._values = [self.tensor[layer, spec.planes - 1] for layer in range(spec.num_layers)]
 
     def release(self) -> None:
         """Give the cache's memory back (sleep mode); nothing may step until `restore`."""
@@ -171,8 +181,10 @@ class KVCache:
         """Store `[tokens, kv_heads, head_dim]` K/V of new tokens at their slots, rounded to
         the cache's dtype (an fp8 cache's divided by the layer's scales first)."""
         heads, dim = self.spec.num_kv_heads, self.spec.head_dim
-        key, value = self.stored(layer, 0, key), self.stored(layer, 1, value)
-        for layer_cache, new in ((self.key(layer), key), (self.value(layer), value)):
+        stores = [(self.key(layer), self.stored(layer, 0, key))]
+        if not self.spec.values_are_keys:  # else the key's plane is the value's
+            stores.append((self.value(layer), self.stored(layer, 1, value)))
+        for layer_cache, new in stores:
             _as_bits(layer_cache).view(-1, heads, dim).index_copy_(0, slot_mapping, _as_bits(new))
 
     def stored(self, layer: int, kind: int, x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Confi
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
-from engine.kv.kv_cache import KVCacheSpec
+from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.models import build_causal_lm
 from engine.models.deepseek import PagedDeepseekForCausalLM, PagedDeepseekLayer
 from engine.models.routing import GroupLimitedRouter
@@ -126,9 +126,18 @@ def test_prompt_logprobs_equal_transformers(variant):
 
 
 def test_the_cache_holds_one_latent_row_a_token():
+    """One plane a layer, read as both keys and values, written once."""
     spec = KVCacheSpec.from_hf_config(config(), torch.bfloat16, 16)
-    assert (spec.num_kv_heads, spec.head_dim) == (1, RANK + ROPE)
-    assert spec.bytes_per_token == 2 * 3 * (RANK + ROPE) * 2  # key and value rows, 3 layers, bf16
+    assert (spec.num_kv_heads, spec.head_dim, spec.values_are_keys) == (1, RANK + ROPE, True)
+    assert spec.bytes_per_token == 3 * (RANK + ROPE) * 2  # one row, 3 layers, bf16
+    cache = KVCache(spec, 4, torch.device("cpu"))
+    assert cache.tensor.shape[:2] == (3, 1) and cache.num_bytes == 4 * 16 * spec.bytes_per_token
+    assert cache.key(1).data_ptr() == cache.value(1).data_ptr()
+    rows = torch.randn(2, 1, RANK + ROPE)
+    cache.write(1, torch.tensor([5, 17]), rows, torch.zeros_like(rows))  # the value is not read
+    torch.testing.assert_close(
+        cache.value(1).view(-1, 1, RANK + ROPE)[[5, 17]].float(), rows, rtol=1e-2, atol=1e-2
+    )
     expanded = COMMON["num_attention_heads"] * ((16 + ROPE) + 12)  # each head's key and value
     assert expanded > RANK + ROPE
 
