@@ -20,6 +20,7 @@ from engine.models import build_causal_lm
 from engine.models.deepseek import PagedDeepseekForCausalLM, PagedDeepseekLayer
 from engine.models.routing import GroupLimitedRouter
 from engine.parallel.sharding import shard_model
+from tests.conftest import TRITON_DEVICE, needs_triton
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import (
     chat_tokenizer,
@@ -44,6 +45,7 @@ def config(
     yarn: bool = False,
     glm: bool = False,
     v2: str = "",
+    rank: int = RANK,
 ):
     rope = (
         {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0}
@@ -63,7 +65,7 @@ def config(
         first_k_dense_replace=1,
         n_shared_experts=1,
         q_lora_rank=q_lora_rank,
-        kv_lora_rank=RANK,
+        kv_lora_rank=rank,
         qk_nope_head_dim=16,
         qk_rope_head_dim=ROPE,
         v_head_dim=12,
@@ -206,3 +208,24 @@ def test_deepseek_v2s_router_chooses_and_weighs_as_transformers(method):
     assert bool((weights.sum(-1) < 2.5).all()), "scaled top-k probabilities, not renormalized"
     if method != "greedy":
         assert all(len(set((row // 2).tolist())) <= 2 for row in experts)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch", pytest.param("triton", marks=needs_triton)])
+def test_each_attention_backend_attends_over_the_latent_cache(backend):
+    """One KV head of latent rows, read as keys and values, on every backend (`triton` on the
+    GPU where there is one, else in Triton's interpreter), 48 dims wide (not a power of two, as
+    DeepSeek V3's 576 is not)."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    model = build(q_lora_rank=24, rank=40).to(device)
+    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()[:4]]
+    core, _ = tiny_core(
+        model,
+        num_blocks=24,
+        max_model_len=64,
+        max_num_batched_tokens=10,
+        attention_backend=backend,
+        device=device,
+    )
+    outputs = run_all(core, prompts()[:4], GREEDY)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(4)] == expected
+    assert core.runner.backend.name == backend
