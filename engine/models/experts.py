@@ -30,12 +30,22 @@ from engine.models.routing import BiasedRouter, GroupLimitedRouter, router_of
 from engine.parallel.sharding import FUSED_EXPERTS
 
 # Routers without `norm_topk_prob` that still cast their weights to the logits' dtype.
-CASTING_ROUTERS = frozenset({"Qwen3VLMoeTextTopKRouter", "HunYuanMoEV1Gate"})
+CASTING_ROUTERS = frozenset(
+    {
+        "Qwen3VLMoeTextTopKRouter",
+        "HunYuanMoEV1Gate",
+        "GraniteMoeTopKRouter",
+        "GraniteMoeSharedTopKRouter",
+    }
+)
 # A block's shared expert by its families' names: Qwen2-MoE's one (behind a gate), DeepSeek's
 # kind's shared experts (one MLP as wide as all of them), Hunyuan's MLP every token runs.
 SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
-# Routers that take the top-k logits (plus a bias) first and softmax over those alone (gpt-oss).
-TOP_LOGIT_ROUTERS = frozenset({"GptOssTopKRouter"})
+# Routers that take the top-k logits (plus a bias) first and softmax over those alone (gpt-oss;
+# Granite MoE's in fp32, cast to the rows' dtype).
+TOP_LOGIT_ROUTERS = frozenset(
+    {"GptOssTopKRouter", "GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter"}
+)
 # Hugging Face's expert classes that hold `x @ W` weights with gate and up interleaved
 # (`gate_up_proj [experts, hidden, 2 * inter]`, gate in the even columns), biases beside them,
 # and a clamped SwiGLU between (gpt-oss).
@@ -228,6 +238,8 @@ class SparseMoE(nn.Module):
         logits = self._logits(x)
         if self.top_logits:
             top, experts = torch.topk(logits, self.top_k, dim=-1)
+            if self.cast_weights:
+                return torch.softmax(top.float(), dim=-1).to(x.dtype), experts
             return torch.softmax(top, dim=-1, dtype=top.dtype), experts
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)

@@ -1,8 +1,10 @@
-"""Granite (IBM's Granite 3) on Conveyor's decoder: the Llama layer with four scalars from its
-config. The embeddings are multiplied by `embedding_multiplier`; attention scales its scores by
-`attention_multiplier` (the layer's own `scaling`, read as any model's); each sublayer's output
-is multiplied by `residual_multiplier` before it joins the residual; the logits are divided by
-`logits_scaling`. The scaled residual adds run op by op: the fused C++ stack adds them plainly.
+"""Granite (IBM's Granite 3, dense and its mixtures of experts) on Conveyor's decoder: the Llama
+layer with four scalars from its config. The embeddings are multiplied by
+`embedding_multiplier`; attention scales its scores by `attention_multiplier` (the layer's own
+`scaling`, read as any model's); each sublayer's output is multiplied by `residual_multiplier`
+before it joins the residual; the logits are divided by `logits_scaling`. The scaled residual
+adds run op by op: the fused C++ stack adds them plainly. GraniteMoe's experts are weighed by a
+softmax of their top-k logits; GraniteMoeShared adds an MLP every token runs beside them.
 """
 
 from __future__ import annotations
@@ -16,21 +18,29 @@ from engine.lora.slots import LoRASlots
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.parallel.sharding import Shard
 
-GRANITE_ARCHITECTURES = frozenset({"GraniteForCausalLM"})
+GRANITE_ARCHITECTURES = frozenset(
+    {"GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM"}
+)
 
 
 class PagedGraniteLayer(PagedLlamaLayer):
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(hf_layer, index, shard)
         self.residual_multiplier = float(hf_layer.residual_multiplier)
+        # GraniteMoeShared's MLP every token runs beside the experts (None elsewhere).
+        self.shared_mlp = getattr(hf_layer, "shared_mlp", None)
 
     def after_attention(
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
     ) -> torch.Tensor:
         projected = self._attention_output(out, lora)
         hidden = residual + projected * self.residual_multiplier
-        normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
-        return hidden + self._mlp_output(normed, lora) * self.residual_multiplier
+        mlp_input = self.gate_up_proj if self.moe is None else self.moe
+        normed = self._norm(self.post_attention_norm, hidden, mlp_input)
+        out = self._mlp_output(normed, lora)
+        if self.shared_mlp is not None:
+            out = out + self.shared_mlp(normed)
+        return hidden + out * self.residual_multiplier
 
 
 class ScaledEmbedding(nn.Module):

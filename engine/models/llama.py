@@ -63,6 +63,10 @@ ARCHITECTURES = frozenset(
         "SmolLM3ForCausalLM",
         "Phi3ForCausalLM",
         "GraniteForCausalLM",
+        # Granite's scalars over experts chosen by a softmax of their top-k logits, beside an MLP
+        # every token runs (GraniteMoeShared's).
+        "GraniteMoeForCausalLM",
+        "GraniteMoeSharedForCausalLM",
         "Olmo2ForCausalLM",
         "Olmo3ForCausalLM",
         "GlmForCausalLM",
@@ -117,7 +121,7 @@ def plain_projections(layers: Any) -> str:
     """Empty where every layer's projections are plain linear layers (in any of Conveyor's
     forms), else why not."""
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn, mlp = layer.self_attn, layer_mlp(layer)
         projections = query_projections(attn)
         if not is_sparse(mlp):
             if getattr(mlp, "experts", None) is not None:
@@ -126,6 +130,12 @@ def plain_projections(layers: Any) -> str:
         if not all(type(p) in LINEAR_TYPES for p in projections):
             return "its projections are not plain linear layers (quantized weights?)"
     return ""
+
+
+def layer_mlp(layer: Any) -> Any:
+    """A decoder layer's MLP or mixture of experts (Granite MoE's `block_sparse_moe`)."""
+    found = getattr(layer, "mlp", None)
+    return found if found is not None else layer.block_sparse_moe
 
 
 def partial_rotary(config: Any) -> float:
@@ -192,7 +202,7 @@ def fused_projections(layers: Any) -> bool:
     """Whether the layers hold q/k/v or gate/up as one projection each (Phi-3, GLM)."""
     return any(
         len(query_projections(layer.self_attn)) == 1
-        or (not is_sparse(layer.mlp) and getattr(layer.mlp, "gate_up_proj", None) is not None)
+        or (not is_sparse(layer_mlp(layer)) and getattr(layer_mlp(layer), "gate_up_proj", None))
         for layer in layers
     )
 
@@ -208,7 +218,7 @@ class PagedLlamaLayer(nn.Module):
 
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__()
-        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        attn, mlp = hf_layer.self_attn, layer_mlp(hf_layer)
         self.index = index
         group = shard.group if shard is not None else None
         self._attention_parts(attn, group)
@@ -420,7 +430,10 @@ class PagedLlamaLayer(nn.Module):
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def _mlp_output(self, normed: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
-        """The gated MLP's output for its normed input, with the step's adapters' deltas."""
+        """The gated MLP's (or the experts') output for its normed input, with the step's
+        adapters' deltas."""
+        if self.moe is not None:
+            return cast(torch.Tensor, self.moe(normed))
         activated = self._activation(normed, lora)
         out = self.down_proj(activated)
         if lora is not None and "down" in lora.groups:

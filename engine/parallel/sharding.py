@@ -41,6 +41,8 @@ FUSED_EXPERTS = frozenset(
         "DeepseekV3Experts",
         "Glm4MoeLiteExperts",
         "DeepseekV2Experts",
+        "GraniteMoeExperts",
+        "GraniteMoeSharedExperts",
     }
 )
 
@@ -196,6 +198,8 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     reason = supports(hf_model) or why_not_shardable(config, size)
     if not reason and fused_projections(hf_model.model.layers):
         reason = "its q, k and v or its gate and up are one projection (Phi-3, GLM), not split"
+    if not reason and getattr(config, "shared_intermediate_size", None):
+        reason = "GraniteMoeShared's MLP every token runs (gate and up in one) is not split"
     if not reason and getattr(config, "kv_lora_rank", None):
         reason = "its attention is multi-head latent attention (DeepSeek), not split"
     if not reason and type(hf_model).__name__ in ALL_HEADS_NORMED:

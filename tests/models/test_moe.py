@@ -17,6 +17,8 @@ from transformers import (
     Ernie4_5_MoeConfig,
     ExaoneMoeConfig,
     Glm4MoeConfig,
+    GraniteMoeConfig,
+    GraniteMoeSharedConfig,
     HunYuanMoEV1Config,
     MiniMaxM2Config,
     MixtralConfig,
@@ -34,7 +36,7 @@ from engine.loading.model_loader import LinearForm, use_linear_form
 from engine.lora.adapter import LoRAError
 from engine.models import build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST, ExpertLinears, SparseMoE, unfuse_experts
-from engine.models.llama import PagedLlamaForCausalLM
+from engine.models.llama import PagedLlamaForCausalLM, layer_mlp
 from engine.models.routing import BiasedRouter
 from engine.parallel.loading import load_share
 from engine.parallel.sharding import shard_model
@@ -57,6 +59,14 @@ COMMON = {
     **{key: value for key, value in FAMILY_COMMON.items() if key != "intermediate_size"},
     "num_hidden_layers": 3,
 }
+GRANITE = dict(
+    num_local_experts=8,
+    num_experts_per_tok=3,
+    embedding_multiplier=2.0,
+    residual_multiplier=0.5,
+    attention_multiplier=0.2,
+    logits_scaling=3.0,
+)
 ROUTED = dict(intermediate_size=96, moe_intermediate_size=32, num_experts_per_tok=3, head_dim=16)
 FAMILIES = {
     "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=64, num_local_experts=8),
@@ -157,6 +167,12 @@ FAMILIES = {
     "hunyuan-moe": lambda: HunYuanMoEV1Config(
         **COMMON, intermediate_size=32, num_experts=8, moe_topk=3, head_dim=16
     ),
+    # Granite's scalars (embeddings, residuals, attention, logits) over experts weighed by a
+    # softmax of their top-k logits; GraniteMoeShared's MLP every token runs beside them.
+    "granite-moe": lambda: GraniteMoeConfig(**COMMON, **GRANITE, intermediate_size=32),
+    "granite-moe-shared": lambda: GraniteMoeSharedConfig(
+        **COMMON, **GRANITE, intermediate_size=32, shared_intermediate_size=48
+    ),
 }
 # The layers that keep a dense MLP, by family (the others' every layer holds experts).
 DENSE_LAYERS = {
@@ -194,7 +210,8 @@ def sparse_layers(name: str) -> list[bool]:
 
 def first_block(model) -> object:
     """The first layer's mixture-of-experts block."""
-    return next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+    blocks = (layer_mlp(layer) for layer in model.model.layers)
+    return next(block for block in blocks if hasattr(block, "experts"))
 
 
 def prompts() -> list[list[int]]:
@@ -392,7 +409,9 @@ def saved(name: str, folder: Path) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("name", ["qwen2-moe", "glm4-moe", "ernie4.5-moe", "hunyuan-moe"])
+@pytest.mark.parametrize(
+    "name", ["qwen2-moe", "glm4-moe", "ernie4.5-moe", "hunyuan-moe", "granite-moe"]
+)
 def test_two_ranks_split_the_experts_and_give_one_ranks_tokens(name, tmp_path):
     """Each rank holds its channels of every expert (read from the per-expert tensors of the
     checkpoint's files) and of the shared expert or experts; every rank routes alike."""
@@ -413,7 +432,8 @@ def test_two_ranks_split_the_experts_and_give_one_ranks_tokens(name, tmp_path):
             block = first_block(loaded.model)
             assert block.experts.intermediate == 32 // size
             shared = SparseMoE(block).shared_expert
-            assert shared.down_proj.in_features == SHARED_WIDTH[name] // size
+            if name in SHARED_WIDTH:
+                assert shared.down_proj.in_features == SHARED_WIDTH[name] // size
         finally:
             core.close()
 
@@ -433,9 +453,16 @@ def test_a_ranks_share_keeps_the_routers_bias_and_fp32_weight_as_transformers_lo
     assert first_block(share).experts.gate_up_proj.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name", ["minimax-m2", "olmoe"])
-def test_tensor_parallelism_refuses_norms_over_all_heads(name):
-    with pytest.raises(ValueError, match="all heads at once"):
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("minimax-m2", "all heads at once"),
+        ("olmoe", "all heads at once"),
+        ("granite-moe-shared", "MLP every token runs"),
+    ],
+)
+def test_tensor_parallelism_refuses_what_it_does_not_split(name, reason):
+    with pytest.raises(ValueError, match=reason):
         shard_model(build(name), 0, 2)
 
 
