@@ -30,6 +30,7 @@ from engine.models.granite import GRANITE_ARCHITECTURES, PagedGraniteForCausalLM
 from engine.models.helium import HELIUM_ARCHITECTURES, PagedHeliumForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.hunyuan import HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM
+from engine.models.layer_kinds import why_not_served
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
 from engine.models.minimax import MINIMAX_ARCHITECTURES, PagedMiniMaxM2ForCausalLM
 from engine.models.nanochat import NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM
@@ -88,6 +89,9 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
         raise ValueError(
             f"unknown model implementation {impl!r}; choose one of {', '.join(MODEL_IMPLS)}"
         )
+    unserved = why_not_served(hf_model)
+    if unserved:
+        raise ValueError(f"Conveyor cannot serve {type(hf_model).__name__}: {unserved}")
     if is_image_text(hf_model.config):
         return _image_text_lm(hf_model, impl, shard)
     gemma = type(hf_model).__name__ in GEMMA_ARCHITECTURES

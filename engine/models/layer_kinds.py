@@ -1,0 +1,42 @@
+"""Which of a model's layer kinds Conveyor serves. Its paged KV cache and attention backends
+compute causal attention over the whole past or a sliding window; a layer that keeps a recurrent
+state instead (linear attention such as Qwen3.5's and Qwen3-Next's Gated DeltaNet, Mamba, short
+convolutions) or attends sparsely (DeepSeek V3.2's indexer) would run without what it needs and
+give wrong tokens silently, so such a model is refused at start-up with the reason.
+
+transformers names each layer's kind in the text config's `layer_types` (Mamba's layers as
+`linear_attention`); a recurrent model without attention at all (RWKV) is known by its class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The kinds Conveyor's attention computes, and those that attend to nothing (an MLP or experts
+# alone).
+SERVED_KINDS = frozenset({"full_attention", "sliding_attention", "moe", "mlp", "dense", "sparse"})
+# Kinds that keep a recurrent or convolution state across tokens.
+RECURRENT_KINDS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding"})
+# Models with no attention layer at all.
+RECURRENT_MODELS = frozenset({"RwkvForCausalLM"})
+
+
+def why_not_served(hf_model: Any) -> str:
+    """Empty where Conveyor computes every layer of the model, else why not."""
+    if type(hf_model).__name__ in RECURRENT_MODELS:
+        return f"{type(hf_model).__name__} is a recurrent model with no attention layers"
+    config = hf_model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(text, "layer_types", None) or ())
+    recurrent = sorted(kinds & RECURRENT_KINDS)
+    if recurrent:
+        return (
+            f"its {', '.join(recurrent)} layers keep a recurrent state (linear attention, "
+            "Mamba or convolutions) that Conveyor's paged KV cache does not hold"
+        )
+    other = sorted(kinds - SERVED_KINDS - {"chunked_attention"})
+    if other:
+        return (
+            f"its {', '.join(other)} layers attend in a way Conveyor's attention does not compute"
+        )
+    return ""

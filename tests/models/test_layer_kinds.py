@@ -1,0 +1,60 @@
+"""Models with layers Conveyor's attention does not compute are refused at start-up with the
+reason, not served wrong: before, a Qwen3.5 (Gated DeltaNet layers) ran on transformers' model
+without its recurrent state and every greedy token sequence differed from `generate`'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MambaConfig, RwkvConfig
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+from engine.core.config import CacheConfig, EngineConfig
+from engine.factory import create_engine_core
+from engine.models import build_causal_lm
+from engine.models.layer_kinds import why_not_served
+from tests.helpers import chat_tokenizer
+from tests.models.test_moe import COMMON
+
+TINY = {"vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2}
+MODELS = {
+    "qwen3.5": lambda: Qwen3_5TextConfig(**COMMON | {"num_hidden_layers": 4}, head_dim=16),
+    "mamba": lambda: MambaConfig(**TINY, state_size=4),
+    "rwkv": lambda: RwkvConfig(**TINY, attention_hidden_size=32, intermediate_size=64),
+}
+REASONS = {
+    "qwen3.5": "linear_attention layers keep a recurrent state",
+    "mamba": "linear_attention layers keep a recurrent state",
+    "rwkv": "recurrent model with no attention layers",
+}
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(MODELS[name]()).eval()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("impl", ["auto", "transformers"])
+def test_recurrent_layers_are_refused_with_the_reason(name, impl):
+    with pytest.raises(ValueError, match=REASONS[name]):
+        build_causal_lm(build(name), impl)
+
+
+def test_a_server_start_names_the_layers_it_cannot_serve(tmp_path):
+    build("qwen3.5").save_pretrained(tmp_path)
+    chat_tokenizer().save_pretrained(tmp_path)
+    config = EngineConfig(
+        model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=16)
+    )
+    with pytest.raises(ValueError, match="Conveyor cannot serve Qwen3_5ForCausalLM"):
+        create_engine_core(config)
+
+
+def test_attention_of_every_kind_conveyor_computes_is_served():
+    """Sliding and full layers side by side, and layers of experts alone, pass."""
+    model = build("qwen3.5")
+    model.config.layer_types = ["sliding_attention", "full_attention", "moe", "full_attention"]
+    assert why_not_served(model) == ""
+    model.config.layer_types = ["indexed_attention"] * 4
+    assert "indexed_attention layers attend in a way" in why_not_served(model)
