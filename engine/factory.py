@@ -56,6 +56,7 @@ from engine.lora.slots import LoRASlots
 from engine.model_build import prepared_model
 from engine.models import CausalLM, build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST
+from engine.models.layer_kinds import why_not_this_long
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.models.vision import ImageTextLM, is_image_text, takes_images
 from engine.parallel.group import ParallelGroup
@@ -220,6 +221,11 @@ def build_rank(
     parallelism, for its share of the KV heads, with as many blocks as every rank can hold);
     where a draft model's cache takes `draft_block_bytes` a block beside it, the budget holds
     both."""
+    limit = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    too_long = why_not_this_long(loaded.model, limit)
+    if too_long:
+        name = type(loaded.model).__name__
+        raise ValueError(f"Conveyor cannot serve {name} over {limit} tokens: {too_long}")
     cache_dtype = kv_cache_dtype(config.cache.dtype, dtype, loaded.compute_dtype, device)
     spec = KVCacheSpec.from_hf_config(
         loaded.model.config.get_text_config(), cache_dtype, block_size(config.cache, device)
@@ -229,7 +235,6 @@ def build_rank(
     # The model is built (projections fused) before the cache is sized from what is left.
     model, compiled = prepared_model(loaded.model, config, device, shard)
     lora = lora_slots(config, model, device, dtype)
-    limit = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
     features = attention_features(loaded.model, limit)
     backend = get_backend(_attention_backend(config, features, device), device, dtype)
     num_blocks = _num_blocks(

@@ -2,7 +2,8 @@
 compute causal attention over the whole past or a sliding window; a layer that keeps a recurrent
 state instead (linear attention such as Qwen3.5's and Qwen3-Next's Gated DeltaNet, Mamba, short
 convolutions) or attends sparsely (DeepSeek V3.2's indexer) would run without what it needs and
-give wrong tokens silently, so such a model is refused at start-up with the reason.
+give wrong tokens silently, so such a model is refused at start-up with the reason. Llama 4's
+chunked layers attend as causal attention within one chunk, so its context is held to a chunk.
 
 transformers names each layer's kind in the text config's `layer_types` (Mamba's layers as
 `linear_attention`); a recurrent model without attention at all (RWKV) is known by its class.
@@ -17,6 +18,9 @@ from typing import Any
 SERVED_KINDS = frozenset({"full_attention", "sliding_attention", "moe", "mlp", "dense", "sparse"})
 # Kinds that keep a recurrent or convolution state across tokens.
 RECURRENT_KINDS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding"})
+# Llama 4's layers that attend within fixed chunks of the context: the same as causal attention
+# over a context no longer than one chunk.
+CHUNKED = "chunked_attention"
 # Models with no attention layer at all.
 RECURRENT_MODELS = frozenset({"RwkvForCausalLM"})
 
@@ -34,9 +38,25 @@ def why_not_served(hf_model: Any) -> str:
             f"its {', '.join(recurrent)} layers keep a recurrent state (linear attention, "
             "Mamba or convolutions) that Conveyor's paged KV cache does not hold"
         )
-    other = sorted(kinds - SERVED_KINDS - {"chunked_attention"})
+    other = sorted(kinds - SERVED_KINDS - {CHUNKED})
     if other:
         return (
             f"its {', '.join(other)} layers attend in a way Conveyor's attention does not compute"
         )
     return ""
+
+
+def why_not_this_long(hf_model: Any, max_model_len: int) -> str:
+    """Empty where every layer attends as Conveyor's attention does over `max_model_len` tokens;
+    else why not (Llama 4's chunked layers past one chunk), and what to serve instead."""
+    config = hf_model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    chunk = getattr(text, "attention_chunk_size", None)
+    if CHUNKED not in (getattr(text, "layer_types", None) or ()) or not chunk:
+        return ""
+    if max_model_len <= chunk:
+        return ""
+    return (
+        f"its chunked_attention layers attend within chunks of {chunk} tokens, which Conveyor's "
+        f"attention does not compute past one chunk; serve it with --max-model-len {chunk} or less"
+    )
