@@ -229,3 +229,17 @@ def test_each_attention_backend_attends_over_the_latent_cache(backend):
     outputs = run_all(core, prompts()[:4], GREEDY)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(4)] == expected
     assert core.runner.backend.name == backend
+
+
+def test_a_cached_prefix_is_read_back_from_the_latent_cache():
+    """A prompt sharing a long prefix with a finished one reads that prefix's latent rows from
+    the cache (its blocks kept by prefix caching) and still gives transformers' tokens."""
+    model = build(q_lora_rank=24)
+    prefix = prompts()[3]
+    first, second = prefix + [5, 9], prefix + [70, 11, 90]
+    core, _ = tiny_core(model, enable_prefix_caching=True)
+    outputs = run_all(core, [first], GREEDY)
+    assert tokens_of(outputs["req-0"]) == reference_greedy(model, first, MAX_NEW)
+    outputs = run_all(core, [second], GREEDY)
+    assert outputs["req-0"][-1].num_cached_tokens > 0
+    assert tokens_of(outputs["req-0"]) == reference_greedy(model, second, MAX_NEW)
