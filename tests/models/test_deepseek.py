@@ -236,7 +236,7 @@ def test_a_cached_prefix_is_read_back_from_the_latent_cache():
     the cache (its blocks kept by prefix caching) and still gives transformers' tokens."""
     model = build(q_lora_rank=24)
     prefix = prompts()[3]
-    first, second = prefix + [5, 9], prefix + [70, 11, 90]
+    first, second = [*prefix, 5, 9], [*prefix, 70, 11, 90]
     core, _ = tiny_core(model, enable_prefix_caching=True)
     outputs = run_all(core, [first], GREEDY)
     assert tokens_of(outputs["req-0"]) == reference_greedy(model, first, MAX_NEW)
