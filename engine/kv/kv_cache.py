@@ -76,14 +76,14 @@ class KVCache:
     """One tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` with per-layer views
     (`[layers, 1, ...]` where the values are the keys: each layer's one plane is read as both).
 
-        Slot `s` of the flattened cache is token `s % block_size` of block `s // block_size`. The
-        memory is zeroed once so slots never read as NaN before they are written; on the CPU it
-        lies in huge pages where the kernel allows (`huge_pages`).
+    Slot `s` of the flattened cache is token `s % block_size` of block `s // block_size`. The
+    memory is zeroed once so slots never read as NaN before they are written; on the CPU it
+    lies in huge pages where the kernel allows (`huge_pages`).
 
-        An fp8 cache holds each layer's K and V divided by that layer's scales (`scales`,
-        `[layers, 2]` in fp32 on the device: 1.0 unless a checkpoint gives others or the first
-        step calibrates them, `engine/kv/kv_scales.py`). The scales live on the device, so a graph
-        captured before they change reads the new ones.
+    An fp8 cache holds each layer's K and V divided by that layer's scales (`scales`,
+    `[layers, 2]` in fp32 on the device: 1.0 unless a checkpoint gives others or the first
+    step calibrates them, `engine/kv/kv_scales.py`). The scales live on the device, so a graph
+    captured before they change reads the new ones.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:

@@ -12,8 +12,8 @@ expanded). Each head's query is taken into the latent's space instead (its non-r
 the head's key rows of `kv_b_proj`, the "absorbed" form), so the attention is multi-query over the
 cache as it is; each head's output, in the latent's space, is then taken to the head's value dims
 by its value rows of `kv_b_proj`. The scores equal transformers' `q . k` over the expanded keys
-(the same sums, grouped otherwise). The value cache holds the same rows as the key cache; of the
-attention's output only the latent's dims are read.
+(the same sums, grouped otherwise). The cache's one plane a layer is read as both keys and values
+(`KVCacheSpec.values_are_keys`); of the attention's output only the latent's dims are read.
 """
 
 from __future__ import annotations

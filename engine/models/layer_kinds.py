@@ -29,8 +29,7 @@ def why_not_served(hf_model: Any) -> str:
     """Empty where Conveyor computes every layer of the model, else why not."""
     if type(hf_model).__name__ in RECURRENT_MODELS:
         return f"{type(hf_model).__name__} is a recurrent model with no attention layers"
-    config = hf_model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(hf_model)
     kinds = set(getattr(text, "layer_types", None) or ())
     recurrent = sorted(kinds & RECURRENT_KINDS)
     if recurrent:
@@ -49,8 +48,7 @@ def why_not_served(hf_model: Any) -> str:
 def why_not_this_long(hf_model: Any, max_model_len: int) -> str:
     """Empty where every layer attends as Conveyor's attention does over `max_model_len` tokens;
     else why not (Llama 4's chunked layers past one chunk), and what to serve instead."""
-    config = hf_model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(hf_model)
     chunk = getattr(text, "attention_chunk_size", None)
     if CHUNKED not in (getattr(text, "layer_types", None) or ()) or not chunk:
         return ""
@@ -60,3 +58,9 @@ def why_not_this_long(hf_model: Any, max_model_len: int) -> str:
         f"its chunked_attention layers attend within chunks of {chunk} tokens, which Conveyor's "
         f"attention does not compute past one chunk; serve it with --max-model-len {chunk} or less"
     )
+
+
+def _text_config(hf_model: Any) -> Any:
+    """The config of the model's language part (an image-text model's text config)."""
+    config = hf_model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config

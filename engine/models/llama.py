@@ -201,10 +201,13 @@ def layer_norm(norm: Any, x: torch.Tensor) -> torch.Tensor | None:
 def fused_projections(layers: Any) -> bool:
     """Whether the layers hold q/k/v or gate/up as one projection each (Phi-3, GLM)."""
     return any(
-        len(query_projections(layer.self_attn)) == 1
-        or (not is_sparse(layer_mlp(layer)) and getattr(layer_mlp(layer), "gate_up_proj", None))
+        len(query_projections(layer.self_attn)) == 1 or _fused_gate_up(layer_mlp(layer))
         for layer in layers
     )
+
+
+def _fused_gate_up(mlp: Any) -> bool:
+    return not is_sparse(mlp) and getattr(mlp, "gate_up_proj", None) is not None
 
 
 class PagedLlamaLayer(nn.Module):

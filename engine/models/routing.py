@@ -12,6 +12,7 @@ best softmax score and weighs by the scores, scaled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +22,35 @@ from torch import nn
 # The sum DeepSeek V3's routers (and those written after it) add to the weights' sum before
 # dividing by it.
 DEEPSEEK_EPSILON = 1e-20
+
+
+def within_best_groups(
+    choice: torch.Tensor,
+    groups: int,
+    top_groups: int,
+    rank: Callable[[torch.Tensor], torch.Tensor],
+    fill: float,
+) -> torch.Tensor:
+    """`choice` `[rows, experts]` with every expert outside each row's best `top_groups` of its
+    `groups` groups set to `fill`; `rank` gives each group's rank from its experts' scores
+    (`[rows, groups, per group]` to `[rows, groups]`). As it is with one group."""
+    if groups <= 1:
+        return choice
+    grouped = choice.view(choice.shape[0], groups, -1)
+    group_scores = rank(grouped)
+    best = torch.topk(group_scores, top_groups, dim=-1, sorted=False)[1]
+    kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~kept.unsqueeze(-1), fill).view_as(choice)
+
+
+def _two_best_summed(grouped: torch.Tensor) -> torch.Tensor:
+    """DeepSeek V3's rank of a group: the sum of its two best biased scores."""
+    return grouped.topk(2, dim=-1)[0].sum(dim=-1)
+
+
+def _best(grouped: torch.Tensor) -> torch.Tensor:
+    """DeepSeek V2's rank of a group: its best score."""
+    return grouped.max(dim=-1).values
 
 
 def router_of(block: Any) -> Any:
@@ -125,7 +155,9 @@ class BiasedRouter(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k experts `[rows, k]` and their weights."""
         scores = self.scores(x)
-        choice = self._within_best_groups(scores + self.bias)
+        choice = within_best_groups(
+            scores + self.bias, self.groups, self.top_groups, _two_best_summed, float("-inf")
+        )
         experts = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, experts)
         if self.renormalize:
@@ -134,16 +166,6 @@ class BiasedRouter(nn.Module):
             )
         weights = weights * self.scale
         return (weights.to(x.dtype) if self.cast else weights), experts
-
-    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """`choice` with every expert outside each row's best groups at -inf."""
-        if self.groups <= 1:
-            return choice
-        grouped = choice.view(choice.shape[0], self.groups, -1)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-        best = torch.topk(group_scores, self.top_groups, dim=-1, sorted=False)[1]
-        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choice)
 
     def extra_repr(self) -> str:
         scoring = "sigmoid" if self.sigmoid else "softmax"
@@ -186,12 +208,7 @@ class GroupLimitedRouter(nn.Module):
         """Each row's top-k experts `[rows, k]` and their weights."""
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(dim=-1, dtype=torch.float32)
-        if self.groups > 1:
-            grouped = scores.view(scores.shape[0], self.groups, -1)
-            best = torch.topk(grouped.max(dim=-1).values, self.top_groups, dim=-1, sorted=False)[1]
-            kept = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device)
-            kept.scatter_(1, best, True)
-            scores = grouped.masked_fill(~kept.unsqueeze(-1), 0.0).view_as(scores)
+        scores = within_best_groups(scores, self.groups, self.top_groups, _best, 0.0)
         weights, experts = torch.topk(scores, self.top_k, dim=-1, sorted=False)
         return weights * self.scale, experts
 

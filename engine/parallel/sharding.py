@@ -244,6 +244,7 @@ ROW_SHARES = {
     "self_attn.q_proj": "query_span",
     "self_attn.k_proj": "kv_span",
     "self_attn.v_proj": "kv_span",
+    # (and Hunyuan MoE's `mlp.shared_mlp.*_proj`, as wide as a dense MLP, by the same ends)
     "mlp.gate_proj": "channel_span",
     "mlp.up_proj": "channel_span",
     "mlp.fc1": "channel_span",  # a gateless MLP's up by nanochat's name
@@ -252,8 +253,6 @@ ROW_SHARES = {
     "mlp.shared_expert.up_proj": "shared_span",
     "mlp.shared_experts.gate_proj": "shared_span",
     "mlp.shared_experts.up_proj": "shared_span",
-    "mlp.shared_mlp.gate_proj": "channel_span",  # Hunyuan's, as wide as a dense MLP
-    "mlp.shared_mlp.up_proj": "channel_span",
 }
 COLUMN_SHARES = {
     "self_attn.o_proj": "query_span",
@@ -262,7 +261,6 @@ COLUMN_SHARES = {
     "mlp.c_proj": "channel_span",
     "mlp.shared_expert.down_proj": "shared_span",
     "mlp.shared_experts.down_proj": "shared_span",
-    "mlp.shared_mlp.down_proj": "channel_span",
 }
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 
