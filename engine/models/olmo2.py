@@ -17,6 +17,7 @@ import torch
 from engine.lora.slots import LoRASlots
 from engine.models.layers import rotate
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.parallel.layers import SplitHeadsNorms
 from engine.parallel.sharding import Shard
 
 # OLMo 3's layers are OLMo 2's, some of them windowed, with rotaries per layer type.
@@ -47,12 +48,18 @@ class PostNormedLayer(PagedLlamaLayer):
 class AllHeadsNormedLayer(PagedLlamaLayer):
     """The Llama layer with q and k each normed over all their heads at once (one weight of
     `heads x head_dim`), before the rotary (OLMo 2's, OLMoE's and MiniMax M2's); OLMoE's may
-    clamp q, k and v (`clip_qkv`), q and k after their norms."""
+    clamp q, k and v (`clip_qkv`), q and k after their norms. Under tensor parallelism the
+    norms add the ranks' sums of squares."""
 
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(hf_layer, index, shard)
         attn = hf_layer.self_attn
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.split_norms = (
+            SplitHeadsNorms(attn.q_norm, attn.k_norm, shard.group)
+            if shard is not None and shard.group.is_parallel
+            else None
+        )
         clip = getattr(getattr(attn, "config", None), "clip_qkv", None)
         self.clip = float(clip) if clip is not None else None
 
@@ -74,8 +81,7 @@ class AllHeadsNormedLayer(PagedLlamaLayer):
         if lora is not None and "qkv" in lora.groups:
             qkv = qkv + lora.delta(self.index, "qkv", normed).to(qkv.dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        query = self.q_norm(qkv[:, :q_size])
-        key = self.k_norm(qkv[:, q_size : q_size + kv_size])
+        query, key = self._normed_qk(qkv[:, :q_size], qkv[:, q_size : q_size + kv_size])
         value = qkv[:, q_size + kv_size :]
         if self.clip is not None:
             query, key, value = (t.clamp(-self.clip, self.clip) for t in (query, key, value))
@@ -83,6 +89,11 @@ class AllHeadsNormedLayer(PagedLlamaLayer):
         key = key.view(tokens, self.num_kv_heads, self.head_dim)
         value = value.view(tokens, self.num_kv_heads, self.head_dim)
         return rotate(query, cos, sin), rotate(key, cos, sin), value
+
+    def _normed_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.split_norms is not None:
+            return self.split_norms(q, k)
+        return self.q_norm(q), self.k_norm(k)
 
 
 class PagedOlmo2Layer(AllHeadsNormedLayer, PostNormedLayer):

@@ -1,11 +1,14 @@
 """The layers that tie a rank's share of a model to the others: a row-parallel projection whose
-partial sums are added over the ranks, and the embedding and LM head split by vocabulary.
+partial sums are added over the ranks, the embedding and LM head split by vocabulary, and the
+norms of q and k over all heads with the heads split.
 
 Each wraps the rank's own module (in whatever kernel form it took), so the model code calls
 them as it calls any projection.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +61,41 @@ class VocabParallelHead(nn.Module):
         if logits.shape[-1] == self.vocab_size:
             return logits
         return logits[:, : self.vocab_size].contiguous()
+
+
+# The RMSNorms that scale by their weight in fp32, before the cast back (OLMo 2's and 3's);
+# the others cast back, then scale (Llama's: OLMoE's, MiniMax M2's).
+SCALED_IN_FP32 = frozenset({"Olmo2RMSNorm", "Olmo3RMSNorm"})
+
+
+class SplitHeadsNorms(nn.Module):
+    """q's and k's RMSNorms over all their heads at once (OLMo 2's), each rank holding its own
+    heads and their part of the weights: one all-reduce adds the ranks' sums of squares of q and
+    of k, so every rank normalises by the whole row's mean square. A KV head kept by several
+    ranks is counted once by each, as its part of the sum is too: dividing by the rank's width
+    times the ranks gives the mean either way."""
+
+    def __init__(self, q_norm: Any, k_norm: Any, group: ParallelGroup) -> None:
+        super().__init__()
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.in_fp32 = type(q_norm).__name__ in SCALED_IN_FP32
+        self.group = group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q32, k32 = q.float(), k.float()
+        squares = torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], dim=-1)
+        self.group.all_reduce(squares)
+        size = self.group.size
+        q_mean = squares[:, :1] / (q.shape[-1] * size)
+        k_mean = squares[:, 1:] / (k.shape[-1] * size)
+        return self._normed(q, q32, q_mean, self.q_norm), self._normed(k, k32, k_mean, self.k_norm)
+
+    def _normed(
+        self, x: torch.Tensor, x32: torch.Tensor, mean: torch.Tensor, norm: Any
+    ) -> torch.Tensor:
+        h = x32 * torch.rsqrt(mean + norm.variance_epsilon)
+        weight = norm.weight
+        return (weight * h).to(x.dtype) if self.in_fp32 else weight * h.to(x.dtype)
 
 
 def reduced(projection: nn.Module, group: ParallelGroup | None) -> nn.Module:

@@ -47,7 +47,9 @@ FUSED_EXPERTS = frozenset(
 )
 
 
-# Families whose q and k are each normed over all heads at once: no rank holds all of them.
+# Families whose q and k are each normed over all heads at once (one weight of `heads x
+# head_dim`): each rank keeps its heads' part of the norms' weights, and the layer adds the
+# ranks' sums of squares (`parallel.layers.SplitHeadsNorms`).
 ALL_HEADS_NORMED = frozenset(
     {"Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM", "MiniMaxM2ForCausalLM"}
 )
@@ -67,6 +69,8 @@ class ShardShape:
     # Each expert's intermediate size, and the shared expert's (0: none), in models with experts.
     expert_intermediate: int = 0
     shared_intermediate: int = 0
+    # Whether q and k are normed over all heads at once, their norms' weights split by head.
+    norms_all_heads: bool = False
 
     @property
     def local_heads(self) -> int:
@@ -128,7 +132,9 @@ class ShardShape:
         return _span(self.vocab_start, self.local_vocab)
 
     @classmethod
-    def of(cls, config: Any, rank: int, size: int, vocab_size: int) -> ShardShape:
+    def of(
+        cls, config: Any, rank: int, size: int, vocab_size: int, norms_all_heads: bool = False
+    ) -> ShardShape:
         heads = config.num_attention_heads
         return cls(
             rank=rank,
@@ -140,6 +146,7 @@ class ShardShape:
             vocab_size=vocab_size,
             expert_intermediate=_expert_intermediate(config),
             shared_intermediate=_shared_intermediate(config),
+            norms_all_heads=norms_all_heads,
         )
 
 
@@ -202,17 +209,19 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
         reason = "GraniteMoeShared's MLP every token runs (gate and up in one) is not split"
     if not reason and getattr(config, "kv_lora_rank", None):
         reason = "its attention is multi-head latent attention (DeepSeek), not split"
-    if not reason and type(hf_model).__name__ in ALL_HEADS_NORMED:
-        reason = "its q and k are normed over all heads at once (OLMo 2, 3, OLMoE, MiniMax M2)"
     if not reason and type(hf_model).__name__ == "GptOssForCausalLM":
         reason = "gpt-oss's sinks and biased experts are not split across ranks"
     if reason:
         raise not_shardable(size, reason)
     head = hf_model.get_output_embeddings()
-    shape = ShardShape.of(config, rank, size, head.weight.shape[0])
+    norms_all_heads = type(hf_model).__name__ in ALL_HEADS_NORMED
+    shape = ShardShape.of(config, rank, size, head.weight.shape[0], norms_all_heads)
     layers = hf_model.model.layers
     for name, module in list(layers.named_modules()):
         rows, columns = row_share(name, shape), column_share(name, shape)
+        if rows is not None and name.endswith(tuple(HEAD_NORM_SHARES)):
+            module.weight = _parameter(module.weight[rows])  # the norm's weight for its heads
+            continue
         if rows is not None:
             share = _rows(module, rows)
         elif columns is not None:
@@ -263,6 +272,8 @@ COLUMN_SHARES = {
     "mlp.shared_experts.down_proj": "shared_span",
 }
 VOCAB_MODULES = ("embed_tokens", "lm_head")
+# The weights of q's and k's norms over all heads at once, split as q's and k's rows are.
+HEAD_NORM_SHARES = {"self_attn.q_norm": "query_span", "self_attn.k_norm": "kv_span"}
 
 
 def row_share(module_name: str, shape: ShardShape) -> slice | None:
@@ -270,6 +281,8 @@ def row_share(module_name: str, shape: ShardShape) -> slice | None:
     of the module so named; None where it keeps no rows apart."""
     if module_name.endswith(VOCAB_MODULES):
         return shape.vocab_span
+    if shape.norms_all_heads and module_name.endswith(tuple(HEAD_NORM_SHARES)):
+        return _share_in(module_name, HEAD_NORM_SHARES, shape)
     return _share_in(module_name, ROW_SHARES, shape)
 
 

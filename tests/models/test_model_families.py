@@ -312,8 +312,3 @@ def test_tensor_parallelism_refuses_fused_projections(family):
     """Phi-3's q/k/v and GLM's gate/up, each one projection, are not split by rank yet."""
     with pytest.raises(ValueError, match="one projection"):
         shard_model(build(family), 0, 2)
-
-
-def test_tensor_parallelism_refuses_olmo2s_norms_over_all_heads():
-    with pytest.raises(ValueError, match="all heads at once"):
-        shard_model(build("olmo2"), 0, 2)

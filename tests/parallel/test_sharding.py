@@ -19,8 +19,12 @@ from transformers import (
     GraniteConfig,
     HunYuanDenseV1Config,
     LlamaConfig,
+    MiniMaxM2Config,
     MixtralConfig,
     NanoChatConfig,
+    Olmo2Config,
+    Olmo3Config,
+    OlmoeConfig,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -33,6 +37,7 @@ from engine.factory import build_rank
 from engine.loading.model_loader import wrap_model
 from engine.models import build_causal_lm
 from engine.parallel.group import ParallelGroup, connect
+from engine.parallel.layers import SplitHeadsNorms
 from engine.parallel.loading import load_share
 from engine.parallel.sharding import Shard, ShardShape, shard_model, why_not_shardable
 from engine.worker.input_batch import InputBatch
@@ -123,6 +128,35 @@ MODELS = {
         sliding_window=None,
         layer_types=["full_attention"] * 2,
     ),
+    # q and k normed over all heads at once: OLMo 2's (scaled in fp32; with one KV head, which
+    # both ranks keep), OLMo 3's (some layers windowed), OLMoE's (clamped after, experts) and
+    # MiniMax M2's (a partial rotary, experts chosen by their scores plus a bias).
+    "olmo2": lambda: Olmo2Config(**COMMON, vocab_size=320, num_key_value_heads=2),
+    "olmo2-one-kv-head": lambda: Olmo2Config(**COMMON, vocab_size=320, num_key_value_heads=1),
+    "olmo3": lambda: Olmo3Config(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "olmoe": lambda: OlmoeConfig(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        num_experts=6,
+        num_experts_per_tok=2,
+        clip_qkv=1.5,
+    ),
+    "minimax-m2": lambda: MiniMaxM2Config(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+    ),
 }
 
 
@@ -133,6 +167,12 @@ def build(name: str) -> Any:
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0, 0.5)  # initialised to zero: make them count
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(1, 0.3)  # initialised to ones: make each channel's own count
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.5)
     return model
 
 
@@ -319,3 +359,19 @@ def test_a_folder_without_safetensors_is_loaded_whole_and_cut(tmp_path):
     assert shape.local_heads == 2
     for key, param in cut.named_parameters():
         assert torch.equal(dict(loaded.named_parameters())[key], param), key
+
+
+@pytest.mark.parametrize("name", ["olmo2", "olmoe"])
+def test_split_norms_scale_as_their_familys_norm_does(name):
+    """Over one rank the split norms are the whole norms, bit for bit in bf16: OLMo 2's scales
+    by its weight in fp32 before the cast back, OLMoE's after it (the other order differs)."""
+    attn = build(name).to(torch.bfloat16).model.layers[0].self_attn
+    torch.manual_seed(1)
+    q = torch.randn(7, attn.q_norm.weight.shape[0]).to(torch.bfloat16)
+    k = torch.randn(7, attn.k_norm.weight.shape[0]).to(torch.bfloat16)
+    norms = SplitHeadsNorms(attn.q_norm, attn.k_norm, ParallelGroup())
+    with torch.inference_mode():
+        q_ours, k_ours = norms(q, k)
+        assert torch.equal(q_ours, attn.q_norm(q)) and torch.equal(k_ours, attn.k_norm(k))
+        norms.in_fp32 = not norms.in_fp32
+        assert not torch.equal(norms(q, k)[0], attn.q_norm(q))
