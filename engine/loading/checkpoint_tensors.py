@@ -67,6 +67,22 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+# The names transformers gives tensors as it loads them, and the checkpoints' own (Granite's
+# MoE models' experts, held stacked as here, and router).
+RENAMED = {
+    ".block_sparse_moe.experts.gate_up_proj": ".block_sparse_moe.input_linear.weight",
+    ".block_sparse_moe.experts.down_proj": ".block_sparse_moe.output_linear.weight",
+    ".block_sparse_moe.router.weight": ".block_sparse_moe.router.layer.weight",
+}
+
+
+def _renamed(name: str) -> list[str]:
+    """The checkpoint's other names for the parameter `name`."""
+    return [
+        name.removesuffix(ours) + theirs for ours, theirs in RENAMED.items() if name.endswith(ours)
+    ]
+
+
 def tensor_index(files: list[Path]) -> dict[str, Path]:
     """The file holding each tensor of the safetensors `files`."""
     from safetensors import safe_open
@@ -97,8 +113,9 @@ class CheckpointTensors:
 
     def key(self, name: str) -> str:
         """The checkpoint's name for a parameter: the same, without the base model's prefix,
-        or with Mixtral's `block_sparse_moe` for `mlp`."""
-        for candidate in (name, name.replace(".mlp.", ".block_sparse_moe.")):
+        with Mixtral's `block_sparse_moe` for `mlp`, or as Granite's MoE checkpoints name it."""
+        candidates = (name, name.replace(".mlp.", ".block_sparse_moe."), *_renamed(name))
+        for candidate in candidates:
             for key in (candidate, candidate.removeprefix("model.")):
                 if key in self.index or self._from_blocks(key) is not None:
                     return key

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.lora.slots import LoRASlots
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.parallel.layers import reduced
 from engine.parallel.sharding import Shard
 
 GRANITE_ARCHITECTURES = frozenset(
@@ -27,8 +28,11 @@ class PagedGraniteLayer(PagedLlamaLayer):
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(hf_layer, index, shard)
         self.residual_multiplier = float(hf_layer.residual_multiplier)
-        # GraniteMoeShared's MLP every token runs beside the experts (None elsewhere).
-        self.shared_mlp = getattr(hf_layer, "shared_mlp", None)
+        # GraniteMoeShared's MLP every token runs beside the experts (None elsewhere), its
+        # rank's channels summed over the ranks.
+        shared_mlp = getattr(hf_layer, "shared_mlp", None)
+        group = shard.group if shard is not None else None
+        self.shared_mlp = None if shared_mlp is None else reduced(shared_mlp, group)
 
     def after_attention(
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None

@@ -198,18 +198,6 @@ def layer_norm(norm: Any, x: torch.Tensor) -> torch.Tensor | None:
     return norm(x) if isinstance(norm, nn.LayerNorm) else None
 
 
-def fused_projections(layers: Any) -> bool:
-    """Whether the layers hold q/k/v or gate/up as one projection each (Phi-3, GLM)."""
-    return any(
-        len(query_projections(layer.self_attn)) == 1 or _fused_gate_up(layer_mlp(layer))
-        for layer in layers
-    )
-
-
-def _fused_gate_up(mlp: Any) -> bool:
-    return not is_sparse(mlp) and getattr(mlp, "gate_up_proj", None) is not None
-
-
 class PagedLlamaLayer(nn.Module):
     """One decoder layer; under tensor parallelism (`shard`) it holds the rank's heads and
     channels, and the o and down projections sum their partial products over the ranks."""
@@ -246,8 +234,10 @@ class PagedLlamaLayer(nn.Module):
         self.head_dim = attn.head_dim
         fused_qkv = getattr(attn, "qkv_proj", None)
         if fused_qkv is not None:  # Phi-3: q, k and v in one projection already
-            self.num_heads = attn.config.num_attention_heads
-            self.num_kv_heads = attn.config.num_key_value_heads
+            # (a rank's share of it: its query heads, and its KV heads twice)
+            self.num_heads = attn.config.num_attention_heads // (group.size if group else 1)
+            rows = fused_qkv.out_features // self.head_dim
+            self.num_kv_heads = (rows - self.num_heads) // 2
         else:
             self.num_heads = attn.q_proj.out_features // self.head_dim
             self.num_kv_heads = attn.k_proj.out_features // self.head_dim

@@ -28,6 +28,7 @@ from engine.loading.checkpoint_tensors import (
 from engine.parallel.sharding import (
     ShardShape,
     column_share,
+    fused_row_share,
     padded_rows,
     row_share,
     shard_model,
@@ -85,6 +86,9 @@ def _read_share(name: str, checkpoint: CheckpointTensors, shape: ShardShape) -> 
             return stacked_experts(owner, kind, checkpoint, shape.expert_span)
         return experts_share(kind, whole, shape.expert_span)
     reader = checkpoint.slice(checkpoint.key(name))
+    parts = fused_row_share(owner, shape)
+    if parts is not None:
+        return torch.cat([reader[rows] for rows in parts])
     rows = row_share(owner, shape)
     if rows is not None:
         return padded_rows(lambda span: reader[span], reader.get_shape()[0], rows)

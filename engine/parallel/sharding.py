@@ -126,6 +126,25 @@ class ShardShape:
         width = self.shared_intermediate // self.size
         return _span(self.rank * width, width)
 
+    def fused_rows(self, parts: tuple[str, ...]) -> list[slice]:
+        """This rank's rows of a projection holding several parts one above the other (q, k and
+        v; gate and up), each part named by its span (`"query_span"`, ...)."""
+        rows, offset = [], 0
+        for part in parts:
+            span = getattr(self, part)
+            rows.append(_span(offset + span.start, span.stop - span.start))
+            offset += self._whole_rows(part)
+        return rows
+
+    def _whole_rows(self, part: str) -> int:
+        whole = {
+            "query_span": self.num_heads * self.head_dim,
+            "kv_span": self.num_kv_heads * self.head_dim,
+            "channel_span": self.intermediate,
+            "shared_span": self.shared_intermediate,
+        }
+        return whole[part]
+
     @property
     def vocab_span(self) -> slice:
         """This rank's rows of the embedding and the LM head, past the end on the last rank."""
@@ -165,8 +184,11 @@ SHARED_EXPERT_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_share
 
 def _shared_intermediate(config: Any) -> int:
     """The intermediate size of a block's shared expert (Qwen2-MoE's) or of its shared experts
-    together; 0 without."""
-    size = getattr(config, "shared_expert_intermediate_size", None)
+    together, or of the MLP every token runs beside the experts (GraniteMoeShared's); 0
+    without."""
+    size = getattr(config, "shared_expert_intermediate_size", None) or getattr(
+        config, "shared_intermediate_size", None
+    )
     if size:
         return int(size)
     count = next((getattr(config, f) for f in SHARED_EXPERT_COUNTS if getattr(config, f, None)), 0)
@@ -199,14 +221,10 @@ def not_shardable(size: int, reason: str) -> ValueError:
 def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     """Cut `hf_model` (a Llama-family causal LM) down to rank `rank`'s share in place; return
     the shape of the share. Raises ValueError where the model does not divide."""
-    from engine.models.llama import fused_projections, supports  # it builds on this module
+    from engine.models.llama import supports  # it builds on this module
 
     config = hf_model.config
     reason = supports(hf_model) or why_not_shardable(config, size)
-    if not reason and fused_projections(hf_model.model.layers):
-        reason = "its q, k and v or its gate and up are one projection (Phi-3, GLM), not split"
-    if not reason and getattr(config, "shared_intermediate_size", None):
-        reason = "GraniteMoeShared's MLP every token runs (gate and up in one) is not split"
     if not reason and getattr(config, "kv_lora_rank", None):
         reason = "its attention is multi-head latent attention (DeepSeek), not split"
     if not reason and type(hf_model).__name__ == "GptOssForCausalLM":
@@ -222,7 +240,10 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
         if rows is not None and name.endswith(tuple(HEAD_NORM_SHARES)):
             module.weight = _parameter(module.weight[rows])  # the norm's weight for its heads
             continue
-        if rows is not None:
+        parts = fused_row_share(name, shape)
+        if parts is not None:
+            share = _fused_rows(module, parts)
+        elif rows is not None:
             share = _rows(module, rows)
         elif columns is not None:
             share = _columns(module, columns, keep_bias=shape.rank == 0)
@@ -263,6 +284,14 @@ ROW_SHARES = {
     "mlp.shared_experts.gate_proj": "shared_span",
     "mlp.shared_experts.up_proj": "shared_span",
 }
+# Projections holding several parts one above the other, each part split as its own projection
+# is: Phi-3's q, k and v; Phi-3's and GLM's gate and up; GraniteMoeShared's gate and up of the MLP
+# every token runs.
+FUSED_ROW_SHARES = {
+    "self_attn.qkv_proj": ("query_span", "kv_span", "kv_span"),
+    "mlp.gate_up_proj": ("channel_span", "channel_span"),
+    "shared_mlp.input_linear": ("shared_span", "shared_span"),
+}
 COLUMN_SHARES = {
     "self_attn.o_proj": "query_span",
     "mlp.down_proj": "channel_span",
@@ -270,6 +299,7 @@ COLUMN_SHARES = {
     "mlp.c_proj": "channel_span",
     "mlp.shared_expert.down_proj": "shared_span",
     "mlp.shared_experts.down_proj": "shared_span",
+    "shared_mlp.output_linear": "shared_span",
 }
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 # The weights of q's and k's norms over all heads at once, split as q's and k's rows are.
@@ -284,6 +314,15 @@ def row_share(module_name: str, shape: ShardShape) -> slice | None:
     if shape.norms_all_heads and module_name.endswith(tuple(HEAD_NORM_SHARES)):
         return _share_in(module_name, HEAD_NORM_SHARES, shape)
     return _share_in(module_name, ROW_SHARES, shape)
+
+
+def fused_row_share(module_name: str, shape: ShardShape) -> list[slice] | None:
+    """The rows this rank keeps of each part of the projection so named, where it holds several
+    one above the other; None elsewhere."""
+    for suffix, parts in FUSED_ROW_SHARES.items():
+        if module_name.endswith(suffix):
+            return shape.fused_rows(parts)
+    return None
 
 
 def column_share(module_name: str, shape: ShardShape) -> slice | None:
@@ -329,6 +368,15 @@ def _rows(linear: Any, rows: slice, pad: bool = False) -> nn.Linear:
     bias = linear.bias
     if bias is not None:
         bias = _padded_rows(bias, rows) if pad else bias[rows]
+    return _linear(weight, bias)
+
+
+def _fused_rows(linear: Any, parts: list[slice]) -> nn.Linear:
+    """A linear layer computing the rows `parts` of `linear`, one part above the other."""
+    weight = torch.cat([linear.weight[rows] for rows in parts])
+    bias = linear.bias
+    if bias is not None:
+        bias = torch.cat([bias[rows] for rows in parts])
     return _linear(weight, bias)
 
 

@@ -39,7 +39,6 @@ from engine.models.experts import SPARSE_ON_HOST, ExpertLinears, SparseMoE, unfu
 from engine.models.llama import PagedLlamaForCausalLM, layer_mlp
 from engine.models.routing import BiasedRouter
 from engine.parallel.loading import load_share
-from engine.parallel.sharding import shard_model
 from engine.worker.compilation import why_not_compiled
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import (
@@ -410,12 +409,22 @@ def saved(name: str, folder: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen2-moe", "glm4-moe", "ernie4.5-moe", "hunyuan-moe", "granite-moe", "olmoe"]
+    "name",
+    [
+        "qwen2-moe",
+        "glm4-moe",
+        "ernie4.5-moe",
+        "hunyuan-moe",
+        "granite-moe",
+        "granite-moe-shared",
+        "olmoe",
+    ],
 )
 def test_two_ranks_split_the_experts_and_give_one_ranks_tokens(name, tmp_path):
     """Each rank holds its channels of every expert (read from the per-expert tensors of the
-    checkpoint's files) and of the shared expert or experts; every rank routes alike. OLMoE's
-    q/k norms over all heads add the ranks' sums of squares."""
+    checkpoint's files) and of the shared expert or experts (GraniteMoeShared's MLP every token
+    runs, its gate and up one projection); every rank routes alike. OLMoE's q/k norms over all
+    heads add the ranks' sums of squares."""
     moe_dir = saved(name, tmp_path)
     expected = [reference_greedy(build(name), p, MAX_NEW) for p in prompts()]
     for size in (1, 2):
@@ -452,11 +461,6 @@ def test_a_ranks_share_keeps_the_routers_bias_and_fp32_weight_as_transformers_lo
     assert torch.equal(ours.e_score_correction_bias, theirs.e_score_correction_bias)
     assert bool(ours.e_score_correction_bias.abs().sum() > 0), "drawn, not the built zeros"
     assert first_block(share).experts.gate_up_proj.dtype == torch.bfloat16
-
-
-def test_tensor_parallelism_refuses_what_it_does_not_split():
-    with pytest.raises(ValueError, match="MLP every token runs"):
-        shard_model(build("granite-moe-shared"), 0, 2)
 
 
 def test_olmoes_clip_counts():

@@ -16,7 +16,10 @@ import transformers
 from transformers import (
     AutoModelForCausalLM,
     Exaone4Config,
+    Glm4Config,
+    GlmConfig,
     GraniteConfig,
+    GraniteMoeSharedConfig,
     HunYuanDenseV1Config,
     LlamaConfig,
     MiniMaxM2Config,
@@ -25,6 +28,7 @@ from transformers import (
     Olmo2Config,
     Olmo3Config,
     OlmoeConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -156,6 +160,31 @@ MODELS = {
         num_experts_per_tok=2,
         head_dim=16,
         partial_rotary_factor=0.5,
+    ),
+    # Projections holding several parts one above the other: Phi-3's q/k/v and gate/up (and
+    # Phi-4-mini's with one KV head, which both ranks keep, and a partial rotary); GLM's gate/up
+    # (GLM-4-0414's outputs normed again); GraniteMoeShared's gate/up of the MLP every token
+    # runs beside the experts.
+    "phi3": lambda: Phi3Config(
+        **COMMON, vocab_size=320, num_key_value_heads=2, tie_word_embeddings=False
+    ),
+    "phi4-mini-one-kv-head": lambda: Phi3Config(
+        **COMMON, vocab_size=320, num_key_value_heads=1, partial_rotary_factor=0.75
+    ),
+    "glm": lambda: GlmConfig(**COMMON, vocab_size=320, num_key_value_heads=2, head_dim=16),
+    "glm4": lambda: Glm4Config(
+        **COMMON, vocab_size=320, num_key_value_heads=2, head_dim=16, attention_bias=True
+    ),
+    "granite-moe-shared": lambda: GraniteMoeSharedConfig(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        shared_intermediate_size=48,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        logits_scaling=8.0,
     ),
 }
 
