@@ -75,6 +75,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (ERNIE_ARCHITECTURES, PagedErnieForCausalLM),
         (NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM),
         (HELIUM_ARCHITECTURES, PagedHeliumForCausalLM),
+        (GEMMA_ARCHITECTURES, PagedGemmaForCausalLM),
     )
     for architecture in architectures
 }
@@ -94,10 +95,7 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
         raise ValueError(f"Conveyor cannot serve {type(hf_model).__name__}: {unserved}")
     if is_image_text(hf_model.config):
         return _image_text_lm(hf_model, impl, shard)
-    gemma = type(hf_model).__name__ in GEMMA_ARCHITECTURES
-    reason = plain_projections(hf_model.model.layers) if gemma else supports(hf_model)
-    if shard is not None and gemma:
-        raise ValueError("tensor parallelism runs the Llama family's models only, not Gemma")
+    reason = decoder_reason(hf_model)
     decoder = _decoder_class(type(hf_model).__name__)
     if shard is not None:
         if impl == "transformers" or reason:
@@ -116,7 +114,14 @@ def build_causal_lm(hf_model: Any, impl: str = "auto", shard: Shard | None = Non
         )
     if impl == "transformers" or reason:
         return TransformersCausalLM(hf_model)
-    return PagedGemmaForCausalLM(hf_model) if gemma else decoder(hf_model)
+    return decoder(hf_model)
+
+
+def decoder_reason(hf_model: Any) -> str:
+    """Empty where Conveyor's decoder runs this text model, else why not."""
+    if type(hf_model).__name__ in GEMMA_ARCHITECTURES:  # not the Llama family's, but its layer
+        return plain_projections(hf_model.model.layers)
+    return supports(hf_model)
 
 
 def _decoder_class(architecture: str) -> type[PagedLlamaForCausalLM]:

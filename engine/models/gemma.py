@@ -77,12 +77,13 @@ class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
     op_by_op = "Gemma's layers"
     layer_class = PagedGemmaLayer
 
-    def __init__(self, hf_model: Any) -> None:
-        super().__init__(hf_model)
+    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
+        super().__init__(hf_model, shard)
         config = hf_model.config
         self.norm = ShiftedNorm(hf_model.model.norm)
         # transformers' scaled embedding scales itself; a model with a plain embedding scales
-        # its output in its forward (as Gemma's first modelling did), and so does this.
+        # its output in its forward (as Gemma's first modelling did), and so does this (as
+        # does a rank's share, whose embedding is its rows of the vocabulary, unscaled).
         self.embed_scale = (
             None if hasattr(self.embed_tokens, "embed_scale") else config.hidden_size**0.5
         )

@@ -5,7 +5,8 @@ device (no memory), cut to the rank's shapes (`sharding.shard_model`), and each 
 read as the slice of its checkpoint tensor the rank keeps: a rank of N holds about 1/N of the
 weights from the start, so N ranks on one host need about one model's worth of memory, not N.
 A converted checkpoint's layers kept only as blocks are read as their blocks dequantized.
-Elsewhere (a hub id, another format) the whole model is loaded and cut.
+Elsewhere (a hub id, another format, an MXFP4 checkpoint's experts) the whole model is loaded,
+dequantized where its checkpoint is quantized, and cut.
 """
 
 from __future__ import annotations
@@ -25,11 +26,16 @@ from engine.loading.checkpoint_tensors import (
     stacked_experts,
     tensor_index,
 )
+from engine.loading.quantized_checkpoint import load_options
 from engine.parallel.sharding import (
+    EXPERT_TENSORS,
+    TRANSPOSED_EXPERTS,
     ShardShape,
     column_share,
+    experts_share,
     fused_row_share,
     padded_rows,
+    parameter_share,
     row_share,
     shard_model,
 )
@@ -53,7 +59,7 @@ def load_share(
                 "share from it",
                 missing,
             )
-    model = load_whole(AutoModelForCausalLM, path, dtype, trust_remote_code)
+    model = load_whole(AutoModelForCausalLM, path, dtype, trust_remote_code, load_options(path))
     return model, shard_model(model, rank, size)
 
 
@@ -69,23 +75,37 @@ def _share_from_files(
         model = model_from_config(path, dtype, trust_remote_code)
     shape = shard_model(model, rank, size)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    transposed = {n for n, m in model.named_modules() if type(m).__name__ in TRANSPOSED_EXPERTS}
     with CheckpointTensors(tensor_index(files), read_blocks(path)) as checkpoint:
-        fill(model, checkpoint, dtype, lambda name, tensors: _read_share(name, tensors, shape))
+        fill(
+            model,
+            checkpoint,
+            dtype,
+            lambda name, tensors: _read_share(name, tensors, shape, transposed),
+        )
     if tied:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     return model.eval(), shape
 
 
-def _read_share(name: str, checkpoint: CheckpointTensors, shape: ShardShape) -> torch.Tensor:
-    """The rank's share of the checkpoint tensor(s) behind parameter `name`."""
+def _read_share(
+    name: str, checkpoint: CheckpointTensors, shape: ShardShape, transposed: set[str]
+) -> torch.Tensor:
+    """The rank's share of the checkpoint tensor(s) behind parameter `name`; `transposed`: the
+    names of the layers' experts held as gpt-oss holds them."""
     owner, _, kind = name.rpartition(".")
-    if owner.endswith(".experts") and kind in ("gate_up_proj", "down_proj"):
+    if owner.endswith(".experts") and kind in EXPERT_TENSORS:
         try:
             whole = checkpoint.slice(checkpoint.key(name))[:]
         except KeyError:  # each expert's own tensors
+            if owner in transposed:
+                raise
             return stacked_experts(owner, kind, checkpoint, shape.expert_span)
-        return experts_share(kind, whole, shape.expert_span)
+        return experts_share(kind, whole, shape, owner in transposed)
     reader = checkpoint.slice(checkpoint.key(name))
+    heads = parameter_share(name, shape)
+    if heads is not None:
+        return reader[heads]
     parts = fused_row_share(owner, shape)
     if parts is not None:
         return torch.cat([reader[rows] for rows in parts])
@@ -96,13 +116,3 @@ def _read_share(name: str, checkpoint: CheckpointTensors, shape: ShardShape) -> 
     if columns is not None and kind == "weight":
         return reader[:, columns]
     return reader[:]
-
-
-def experts_share(kind: str, stacked: torch.Tensor, channels: slice) -> torch.Tensor:
-    """A layer's experts stacked whole (`[experts, 2 * inter, hidden]`, gate above up; or
-    `[experts, hidden, inter]`) cut to the rank's intermediate channels."""
-    if kind == "down_proj":
-        return stacked[:, :, channels].contiguous()
-    inter = stacked.shape[1] // 2
-    up = slice(inter + channels.start, inter + channels.stop)
-    return torch.cat([stacked[:, channels], stacked[:, up]], dim=1)

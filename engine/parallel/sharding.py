@@ -45,6 +45,12 @@ FUSED_EXPERTS = frozenset(
         "GraniteMoeSharedExperts",
     }
 )
+# Hugging Face's expert classes that hold `x @ W` weights with gate and up interleaved
+# (`gate_up_proj [experts, hidden, 2 * inter]`, gate in the even columns), biases beside them,
+# and a clamped SwiGLU between (gpt-oss).
+TRANSPOSED_EXPERTS = frozenset({"GptOssExperts"})
+# The tensors of a layer's experts, by their names in either kind of class.
+EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 # Families whose q and k are each normed over all heads at once (one weight of `heads x
@@ -97,6 +103,11 @@ class ShardShape:
     @property
     def vocab_start(self) -> int:
         return self.rank * self.local_vocab
+
+    @property
+    def head_span(self) -> slice:
+        """This rank's query heads (of a per-head parameter: gpt-oss's sinks)."""
+        return _span(self.rank * self.local_heads, self.local_heads)
 
     @property
     def query_span(self) -> slice:
@@ -221,14 +232,12 @@ def not_shardable(size: int, reason: str) -> ValueError:
 def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     """Cut `hf_model` (a Llama-family causal LM) down to rank `rank`'s share in place; return
     the shape of the share. Raises ValueError where the model does not divide."""
-    from engine.models.llama import supports  # it builds on this module
+    from engine.models import decoder_reason  # it builds on this module
 
     config = hf_model.config
-    reason = supports(hf_model) or why_not_shardable(config, size)
+    reason = decoder_reason(hf_model) or why_not_shardable(config, size)
     if not reason and getattr(config, "kv_lora_rank", None):
         reason = "its attention is multi-head latent attention (DeepSeek), not split"
-    if not reason and type(hf_model).__name__ == "GptOssForCausalLM":
-        reason = "gpt-oss's sinks and biased experts are not split across ranks"
     if reason:
         raise not_shardable(size, reason)
     head = hf_model.get_output_embeddings()
@@ -251,21 +260,50 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
             continue
         parent, _, child = name.rpartition(".")
         setattr(layers.get_submodule(parent), child, share)
+    for name, param in list(layers.named_parameters()):
+        heads = parameter_share(name, shape)
+        if heads is not None:
+            owner, _, kind = name.rpartition(".")
+            setattr(layers.get_submodule(owner), kind, _parameter(param[heads]))
     for module in layers.modules():
-        if type(module).__name__ in FUSED_EXPERTS:
-            _shard_experts(module, shape.expert_span)
+        if type(module).__name__ in FUSED_EXPERTS | TRANSPOSED_EXPERTS:
+            _shard_experts(module, shape)
     _shard_vocab(hf_model, shape)
     return shape
 
 
-def _shard_experts(experts: Any, channels: slice) -> None:
-    """Every expert cut to the rank's channels, as a gated MLP is: the rows of its gate and of
-    its up (held one above the other), the columns of its down. The router stays whole."""
-    inter = experts.down_proj.shape[2]
-    gate_up = experts.gate_up_proj
+def _shard_experts(experts: Any, shape: ShardShape) -> None:
+    """Every expert cut to the rank's channels, as a gated MLP is. The router stays whole."""
+    transposed = type(experts).__name__ in TRANSPOSED_EXPERTS
+    for kind in EXPERT_TENSORS:
+        whole = getattr(experts, kind, None)
+        if whole is not None:
+            setattr(experts, kind, _parameter(experts_share(kind, whole, shape, transposed)))
+
+
+def experts_share(
+    kind: str, whole: torch.Tensor, shape: ShardShape, transposed: bool = False
+) -> torch.Tensor:
+    """The rank's share of the tensor `kind` of a layer's experts, held whole: each expert's
+    gate and up rows (held one above the other, `[experts, 2 * inter, hidden]`) and down columns
+    (`[experts, hidden, inter]`) for the rank's channels; or, `transposed` (gpt-oss's), each
+    channel's gate and up columns side by side with their biases, its down rows, and the down
+    bias on rank 0 alone (zeros elsewhere), so that the sum over the ranks adds it once."""
+    channels = shape.expert_span
+    if transposed:
+        pairs = _span(2 * channels.start, 2 * (channels.stop - channels.start))
+        shares = {
+            "gate_up_proj": lambda: whole[:, :, pairs],
+            "gate_up_proj_bias": lambda: whole[:, pairs],
+            "down_proj": lambda: whole[:, channels],
+            "down_proj_bias": lambda: whole if shape.rank == 0 else torch.zeros_like(whole),
+        }
+        return shares[kind]()
+    if kind == "down_proj":
+        return whole[:, :, channels]
+    inter = whole.shape[1] // 2
     up = slice(inter + channels.start, inter + channels.stop)
-    experts.gate_up_proj = _parameter(torch.cat([gate_up[:, channels], gate_up[:, up]], dim=1))
-    experts.down_proj = _parameter(experts.down_proj[:, :, channels])
+    return torch.cat([whole[:, channels], whole[:, up]], dim=1)
 
 
 # Where each projection of a layer keeps the rank's share, by the end of the module's name: its
@@ -314,6 +352,16 @@ def row_share(module_name: str, shape: ShardShape) -> slice | None:
     if shape.norms_all_heads and module_name.endswith(tuple(HEAD_NORM_SHARES)):
         return _share_in(module_name, HEAD_NORM_SHARES, shape)
     return _share_in(module_name, ROW_SHARES, shape)
+
+
+# Per-head parameters, by the end of their names: the rank keeps its query heads' entries.
+HEAD_PARAMETERS = ("self_attn.sinks",)
+
+
+def parameter_share(name: str, shape: ShardShape) -> slice | None:
+    """The entries of the per-head parameter so named this rank keeps (its query heads'); None
+    where the parameter is not one."""
+    return shape.head_span if name.endswith(HEAD_PARAMETERS) else None
 
 
 def fused_row_share(module_name: str, shape: ShardShape) -> list[slice] | None:

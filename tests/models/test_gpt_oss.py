@@ -24,7 +24,6 @@ from engine.loading.quantized_checkpoint import check_requested
 from engine.models.experts import ExpertLinears, SparseMoE
 from engine.models.gpt_oss import PagedGptOssForCausalLM
 from engine.models.layers import rms_norm, scaled_in_fp32
-from engine.parallel.sharding import shard_model
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import (
     chat_tokenizer,
@@ -288,6 +287,21 @@ def test_an_mxfp4_checkpoint_serves_its_experts_dequantized(tmp_path):
     assert expected != expected_tokens(build()), "the blocks' weights are the ones served"
 
 
-def test_tensor_parallelism_refuses_it_by_name():
-    with pytest.raises(ValueError, match="gpt-oss"):
-        shard_model(build(), rank=0, size=2)
+def test_two_ranks_serve_an_mxfp4_checkpoint_dequantized(tmp_path):
+    """Each rank of two cuts its share from the model loaded with its experts' blocks
+    dequantized (the checkpoint holds no plain tensor of them to slice)."""
+    expected = expected_tokens(save_mxfp4(tmp_path))
+    engine_config = EngineConfig(
+        model=str(tmp_path),
+        dtype="float32",
+        tensor_parallel_size=2,
+        cache=CacheConfig(block_size=4, num_blocks=128),
+    )
+    core, _, _ = create_engine_core(engine_config)
+    try:
+        experts = core.runner.model.layers[0].moe.inner.experts
+        assert experts.intermediate == config().intermediate_size // 2
+        outputs = run_all(core, prompts(), GREEDY)
+        assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
+    finally:
+        core.close()
