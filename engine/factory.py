@@ -230,7 +230,7 @@ def build_rank(
     spec = KVCacheSpec.from_hf_config(
         loaded.model.config.get_text_config(), cache_dtype, block_size(config.cache, device)
     )
-    if shard is not None:
+    if shard is not None and not spec.values_are_keys:  # every rank keeps the whole latent
         spec = replace(spec, num_kv_heads=shard.shape.local_kv_heads)
     # The model is built (projections fused) before the cache is sized from what is left.
     model, compiled = prepared_model(loaded.model, config, device, shard)

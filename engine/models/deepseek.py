@@ -53,12 +53,13 @@ class PagedDeepseekLayer(PagedLlamaLayer):
 
     def _attention_parts(self, attn: Any, group: Any) -> None:
         config = attn.config
-        self.num_heads = int(attn.num_heads)
         self.num_kv_heads = 1
         self.rank = int(attn.kv_lora_rank)
         self.nope_dim = int(attn.qk_nope_head_dim)
         self.rope_dim = int(attn.qk_rope_head_dim)
         self.v_dim = int(attn.v_head_dim)
+        # The heads held (a rank's share of them: its rows of `kv_b_proj`).
+        self.num_heads = int(attn.kv_b_proj.out_features) // (self.nope_dim + self.v_dim)
         self.head_dim = self.rank + self.rope_dim  # the latent cache's width
         self.scaling = float(attn.scaling)
         self.rotary_dim = self.rope_dim

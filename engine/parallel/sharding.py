@@ -6,6 +6,8 @@ The embedding and the LM head are split by vocabulary rows, padded to equal shar
 model has fewer KV heads than ranks, each rank keeps the one KV head its query heads read.
 Experts are cut as gated MLPs are, each to the rank's channels, the router kept whole: every
 rank routes a token alike, and one all-reduce sums the experts' and shared expert's partials.
+In multi-head latent attention (DeepSeek's) the heads are split as q's rows, `kv_b_proj`'s and
+o's columns; the latent (its projection, its norm and its cache) is kept whole by every rank.
 
 The cut happens on the plain Hugging Face modules right after loading, before the linear layers
 take Conveyor's kernel forms, so every later step sees an ordinary (smaller) model.
@@ -62,6 +64,24 @@ ALL_HEADS_NORMED = frozenset(
 
 
 @dataclass(frozen=True, slots=True)
+class LatentWidths:
+    """Per head, in multi-head latent attention (DeepSeek's): the rows of q (its part that is
+    taken into the latent's space and its rotated part), of `kv_b_proj` (its key rows and its
+    value rows) and the columns of o (its value dims)."""
+
+    query: int
+    key_value: int
+    value: int
+
+    @classmethod
+    def of(cls, config: Any) -> LatentWidths | None:
+        if not getattr(config, "kv_lora_rank", None):
+            return None
+        nope, value = config.qk_nope_head_dim, config.v_head_dim
+        return cls(nope + config.qk_rope_head_dim, nope + value, value)
+
+
+@dataclass(frozen=True, slots=True)
 class ShardShape:
     """What one rank holds of each kind of row."""
 
@@ -77,6 +97,9 @@ class ShardShape:
     shared_intermediate: int = 0
     # Whether q and k are normed over all heads at once, their norms' weights split by head.
     norms_all_heads: bool = False
+    # The widths of each head in multi-head latent attention, whose latent every rank keeps
+    # whole (its projection and norm, and the cache); None elsewhere.
+    latent: LatentWidths | None = None
 
     @property
     def local_heads(self) -> int:
@@ -112,7 +135,23 @@ class ShardShape:
     @property
     def query_span(self) -> slice:
         """This rank's rows of q (and columns of o)."""
-        width = self.local_heads * self.head_dim
+        return self._heads_of(self.latent.query if self.latent else self.head_dim)
+
+    @property
+    def output_span(self) -> slice:
+        """This rank's columns of o: its heads' values."""
+        return self._heads_of(self.latent.value if self.latent else self.head_dim)
+
+    @property
+    def latent_span(self) -> slice:
+        """This rank's rows of `kv_b_proj` (multi-head latent attention): its heads' key and
+        value rows."""
+        assert self.latent is not None
+        return self._heads_of(self.latent.key_value)
+
+    def _heads_of(self, per_head: int) -> slice:
+        """This rank's part of `per_head` rows (or columns) a head, the heads side by side."""
+        width = self.local_heads * per_head
         return _span(self.rank * width, width)
 
     @property
@@ -149,7 +188,7 @@ class ShardShape:
 
     def _whole_rows(self, part: str) -> int:
         whole = {
-            "query_span": self.num_heads * self.head_dim,
+            "query_span": self.num_heads * (self.latent.query if self.latent else self.head_dim),
             "kv_span": self.num_kv_heads * self.head_dim,
             "channel_span": self.intermediate,
             "shared_span": self.shared_intermediate,
@@ -177,6 +216,7 @@ class ShardShape:
             expert_intermediate=_expert_intermediate(config),
             shared_intermediate=_shared_intermediate(config),
             norms_all_heads=norms_all_heads,
+            latent=LatentWidths.of(config),
         )
 
 
@@ -236,8 +276,6 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
 
     config = hf_model.config
     reason = decoder_reason(hf_model) or why_not_shardable(config, size)
-    if not reason and getattr(config, "kv_lora_rank", None):
-        reason = "its attention is multi-head latent attention (DeepSeek), not split"
     if reason:
         raise not_shardable(size, reason)
     head = hf_model.get_output_embeddings()
@@ -310,6 +348,8 @@ def experts_share(
 # output rows (q, k, v, gate, up), or its input columns (o, down), as `ShardShape` spans.
 ROW_SHARES = {
     "self_attn.q_proj": "query_span",
+    "self_attn.q_b_proj": "query_span",  # multi-head latent attention's up projection of q
+    "self_attn.kv_b_proj": "latent_span",
     "self_attn.k_proj": "kv_span",
     "self_attn.v_proj": "kv_span",
     # (and Hunyuan MoE's `mlp.shared_mlp.*_proj`, as wide as a dense MLP, by the same ends)
@@ -331,7 +371,7 @@ FUSED_ROW_SHARES = {
     "shared_mlp.input_linear": ("shared_span", "shared_span"),
 }
 COLUMN_SHARES = {
-    "self_attn.o_proj": "query_span",
+    "self_attn.o_proj": "output_span",
     "mlp.down_proj": "channel_span",
     "mlp.fc2": "channel_span",
     "mlp.c_proj": "channel_span",

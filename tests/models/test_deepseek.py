@@ -19,7 +19,6 @@ from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.models import build_causal_lm
 from engine.models.deepseek import PagedDeepseekForCausalLM, PagedDeepseekLayer
 from engine.models.routing import GroupLimitedRouter
-from engine.parallel.sharding import shard_model
 from tests.conftest import TRITON_DEVICE, needs_triton
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import (
@@ -184,11 +183,38 @@ def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
         core.close()
 
 
-def test_transformers_layers_and_tensor_parallelism_are_refused_with_the_reason():
+def test_transformers_layers_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="Conveyor's model implementation only"):
         build_causal_lm(build(), "transformers")
-    with pytest.raises(ValueError, match="multi-head latent attention"):
-        shard_model(build(), 0, 2)
+
+
+@pytest.mark.parametrize("variant", ["q-whole-interleaved", "glm-4.7-flash", "v2-group-limited"])
+def test_two_ranks_split_the_heads_and_keep_the_latent_whole(variant, tmp_path):
+    """Each rank reads its heads' rows of q and `kv_b_proj` and columns of o from the folder,
+    and keeps the latent's projection, norm and cache whole; greedy tokens are transformers'
+    at one rank and at two."""
+    model = build(**VARIANTS[variant])
+    model.save_pretrained(tmp_path)
+    chat_tokenizer().save_pretrained(tmp_path)
+    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    for size in (1, 2):
+        engine_config = EngineConfig(
+            model=str(tmp_path),
+            dtype="float32",
+            tensor_parallel_size=size,
+            cache=CacheConfig(block_size=4, num_blocks=64),
+        )
+        core, _, _ = create_engine_core(engine_config)
+        try:
+            layer = core.runner.model.layers[0]
+            assert layer.num_heads == 4 // size and layer.value_rows.shape[0] == 4 // size
+            spec = core.runner.kv_cache.spec
+            assert (spec.num_kv_heads, spec.head_dim) == (1, RANK + ROPE)
+            outputs = run_all(core, prompts(), GREEDY)
+            tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
+            assert tokens == expected, f"tensor parallel {size}"
+        finally:
+            core.close()
 
 
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Exaone4Config,
     Gemma2Config,
     Gemma3TextConfig,
@@ -60,6 +62,21 @@ COMMON = dict(
     eos_token_id=0,
     bos_token_id=1,
     pad_token_id=0,
+)
+LATENT = dict(
+    vocab_size=320,
+    num_key_value_heads=4,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    kv_lora_rank=56,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
 )
 # vocab_size 321 leaves the last rank's vocabulary share one row of padding; one KV head is
 # kept by both ranks; Qwen2 has q/k/v biases, Qwen3 per-head q/k norms.
@@ -220,6 +237,10 @@ MODELS = {
         num_local_experts=6,
         num_experts_per_tok=2,
     ),
+    # Multi-head latent attention, the heads split and the latent kept whole: DeepSeek V3's
+    # with q's low-rank projection, V2's with q whole.
+    "deepseek-v3": lambda: DeepseekV3Config(**COMMON, **LATENT, q_lora_rank=24),
+    "deepseek-v2": lambda: DeepseekV2Config(**COMMON, **LATENT, head_dim=8),
 }
 
 
