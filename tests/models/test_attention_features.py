@@ -20,15 +20,14 @@ from transformers import (
 )
 
 from engine.attention import resolve_backend_name
-from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
-from engine.factory import _why_not_capturable, create_engine_core
+from engine.factory import _why_not_capturable
 from engine.kernels.cpu import ops as cpu_ops
 from engine.models.experts import SPARSE_ON_HOST
 from engine.models.llama import PagedLlamaForCausalLM
 from tests.conftest import TRITON_DEVICE, needs_triton
 from tests.core.test_engine_greedy import record_chunking
-from tests.helpers import reference_greedy, run_all, tiny_core, tiny_tokenizer, tokens_of
+from tests.helpers import reference_greedy, run_all, tiny_core, tokens_of
 from tests.models.test_model_families import COMMON
 
 needs_kernels = pytest.mark.skipif(
@@ -269,28 +268,3 @@ def test_lora_adapters_over_gemma_score_as_peft_merged_models(tmp_path):
     got = torch.tensor([e.logprob for e in entries[1:]])
     want = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "gpt-oss"])
-def test_two_ranks_give_one_ranks_tokens_past_the_window(name, tmp_path):
-    """Each rank reads its share from the folder: Gemma's layer with its scaled embedding and
-    capped logits, gpt-oss's sinks of the rank's heads and its experts' channels with their
-    biases (the down bias added once); greedy tokens are transformers' at one rank and two."""
-    model = build(name)
-    model.save_pretrained(tmp_path)
-    tiny_tokenizer().save_pretrained(tmp_path)
-    expected = [reference_greedy(model, p, MAX_NEW, attention="eager") for p in prompts()]
-    for size in (1, 2):
-        config = EngineConfig(
-            model=str(tmp_path),
-            dtype="float32",
-            tensor_parallel_size=size,
-            cache=CacheConfig(block_size=4, num_blocks=128),
-        )
-        core, _, _ = create_engine_core(config)
-        try:
-            outputs = run_all(core, prompts(), GREEDY)
-            tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
-            assert tokens == expected, f"tensor parallel {size}"
-        finally:
-            core.close()

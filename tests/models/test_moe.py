@@ -416,15 +416,13 @@ def saved(name: str, folder: Path) -> Path:
         "ernie4.5-moe",
         "hunyuan-moe",
         "granite-moe",
-        "granite-moe-shared",
-        "olmoe",
     ],
 )
 def test_two_ranks_split_the_experts_and_give_one_ranks_tokens(name, tmp_path):
     """Each rank holds its channels of every expert (read from the per-expert tensors of the
-    checkpoint's files) and of the shared expert or experts (GraniteMoeShared's MLP every token
-    runs, its gate and up one projection); every rank routes alike. OLMoE's q/k norms over all
-    heads add the ranks' sums of squares."""
+    checkpoint's files) and of the shared expert or experts; every rank routes alike (OLMoE's
+    and GraniteMoeShared's shares against the whole model's logits:
+    `tests/parallel/test_sharding.py`)."""
     moe_dir = saved(name, tmp_path)
     expected = [reference_greedy(build(name), p, MAX_NEW) for p in prompts()]
     for size in (1, 2):
