@@ -41,7 +41,7 @@ def main() -> None:
         "embedded default model, fetched if needed)",
     )
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=NUMBER|true|false")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=NUMBER|true|false|N,N,...")
     parser.add_argument("--config-only", action="store_true")
     parser.add_argument("--model-type", default=None, help="another family's config")
     args = parser.parse_args()
@@ -73,11 +73,14 @@ def main() -> None:
     print(args.output)
 
 
-def _value(text: str) -> int | float | bool:
-    """A `--set` value: an integer, a number with a point (a partial rotary's share), or
-    `true`/`false` for a boolean field."""
+def _value(text: str) -> int | float | bool | list[int]:
+    """A `--set` value: an integer, a number with a point (a partial rotary's share),
+    `true`/`false` for a boolean field, or integers between commas for a list (LFM2's
+    `full_attn_idxs`)."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
+    if "," in text:
+        return [int(part) for part in text.split(",") if part]
     return float(text) if "." in text else int(text)
 
 

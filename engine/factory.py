@@ -39,6 +39,8 @@ from engine.kv.events import EventLog
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.kv.kv_scales import checkpoint_kv_scales
 from engine.kv.residency import BlockResidency
+from engine.kv.state_cache import StateCache
+from engine.kv.state_slots import StateSlots
 from engine.loading.classifiers import is_classifier
 from engine.loading.generation_config import sampling_defaults
 from engine.loading.hub import fetched
@@ -56,7 +58,7 @@ from engine.lora.slots import LoRASlots
 from engine.model_build import prepared_model
 from engine.models import CausalLM, build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST
-from engine.models.layer_kinds import why_not_this_long
+from engine.models.layer_kinds import RECURRENT_KINDS, why_not_this_long
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.models.vision import ImageTextLM, is_image_text, takes_images
 from engine.parallel.group import ParallelGroup
@@ -142,6 +144,8 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
         raise ValueError("tensor parallelism serves text models only, not image-text ones")
     if checkpoint is not None and is_classifier(checkpoint):
         raise ValueError("a sequence classifier runs on one device (--runner pooling)")
+    if set(getattr(checkpoint, "layer_types", None) or ()) & RECURRENT_KINDS:
+        raise ValueError("tensor parallelism does not split recurrent layers' states yet")
     counted = all(hasattr(checkpoint, key) for key in ("num_attention_heads", "intermediate_size"))
     reason = why_not_shardable(checkpoint, size) if counted else ""
     if reason:
@@ -237,13 +241,16 @@ def build_rank(
     lora = lora_slots(config, model, device, dtype)
     features = attention_features(loaded.model, limit)
     backend = get_backend(_attention_backend(config, features, device), device, dtype)
+    # Held before the KV cache is sized from what is left.
+    states = _state_cache(config, model, device, loaded.compute_dtype, shard)
     num_blocks = _num_blocks(
-        config, spec, device, model, backend, loaded.max_model_len, draft_block_bytes
+        config, spec, device, model, backend, loaded.max_model_len, draft_block_bytes, states
     )
     if shard is not None:
         num_blocks = shard.group.min_int(num_blocks, device)
     kv_cache = KVCache(spec, num_blocks, device)
     kv_cache.group = shard.group if shard is not None else None
+    kv_cache.states = states
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
     scales, calibrates = _kv_scales(kv_cache, backend, loaded.path, config.cache)
     return RankParts(
@@ -257,6 +264,42 @@ def build_rank(
         lora,
         attention_features=describe(features),
     )
+
+
+def _state_cache(
+    config: EngineConfig,
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: Shard | None,
+) -> StateCache | None:
+    """The per-request states of a model whose layers keep some (LFM2's convolutions), one
+    slot for each request that may run at once; None for other models."""
+    shapes = model.state_shapes() if isinstance(model, PagedLlamaForCausalLM) else []
+    if not shapes:
+        return None
+    reason = _why_no_states(config, shard)
+    if reason:
+        raise ValueError(f"{type(model).__name__} keeps recurrent states, which {reason}")
+    states = StateCache(shapes, config.max_num_seqs, dtype, device)
+    logger.info(
+        "recurrent states: %d layers, %d slots, %.1f MiB; prefix caching is off",
+        len(shapes),
+        states.num_slots,
+        states.num_bytes / 2**20,
+    )
+    return states
+
+
+def _why_no_states(config: EngineConfig, shard: Shard | None) -> str:
+    """Empty where the engine serves a recurrent model so configured, else what does not."""
+    if shard is not None:
+        return "tensor parallelism does not split yet"
+    if config.speculative is not None:
+        return "speculative decoding does not roll back yet"
+    if config.enable_lora:
+        return "LoRA adapters do not adapt yet"
+    return ""
 
 
 def _attention_backend(
@@ -357,7 +400,11 @@ def core_from_model(
     _check_image_step(config, model)
     num_blocks, block_tokens = kv_cache.num_blocks, kv_cache.block_size
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * block_tokens)
-    blocks = BlockManager(num_blocks, block_tokens, config.enable_prefix_caching)
+    # A prefix's K/V say nothing of a recurrent layer's state after it: no prefix caching.
+    caching = config.enable_prefix_caching and kv_cache.states is None
+    blocks = BlockManager(num_blocks, block_tokens, caching)
+    if kv_cache.states is not None:
+        blocks.state_slots = StateSlots(kv_cache.states.num_slots)
     if config.kv_cache_metrics_sample is not None:
         blocks.residency = BlockResidency(config.kv_cache_metrics_sample)
     scheduler = Scheduler(config.scheduler_config(max_model_len), blocks)
@@ -430,7 +477,7 @@ def core_from_model(
         # What `--model` named (a GGUF file, a hub id), not the folder it was converted or
         # fetched into; the default model's folder.
         model_path=config.model_name or config.model or loaded.path,
-        enable_prefix_caching=config.enable_prefix_caching,
+        enable_prefix_caching=caching,
         request_timeout=config.request_timeout,
         stream_interval=config.stream_interval,
         tensor_parallel_size=config.tensor_parallel_size,
@@ -734,6 +781,8 @@ def _why_not_capturable(model: CausalLM, backend: AttentionBackend) -> str:
         return "steps across tensor-parallel ranks are not captured"
     if model.sparse:
         return SPARSE_ON_HOST
+    if model.state_shapes():
+        return "recurrent layers' state indices are built afresh each step"
     if any(layer.attention is not None for layer in model.layers):
         return "sliding-window layers are not captured"
     rope_type = getattr(model.rotary_emb, "rope_type", "default")
@@ -757,6 +806,7 @@ def _num_blocks(
     backend: AttentionBackend,
     model_len: int,
     draft_block_bytes: int = 0,
+    states: StateCache | None = None,
 ) -> int:
     cache = config.cache
     if cache.num_blocks is not None:
@@ -764,7 +814,7 @@ def _num_blocks(
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
     elif device.type == "cuda":
-        budget = _cuda_kv_budget(config, spec, device, model, backend, model_len)
+        budget = _cuda_kv_budget(config, spec, device, model, backend, model_len, states)
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     # A draft model's cache has as many blocks: each block of the budget pays for both.
@@ -784,13 +834,15 @@ def _cuda_kv_budget(
     model: CausalLM,
     backend: AttentionBackend,
     model_len: int,
+    states: StateCache | None = None,
 ) -> int:
-    """Bytes left for the KV cache once a profiling pass has measured the rest (logged)."""
+    """Bytes left for the KV cache once a profiling pass has measured the rest (logged); a
+    recurrent model's `states` are held already, among the weights."""
     context = min(config.max_model_len or model_len, model_len)
     lengths = memory_profile.prefill_lengths(
         config.max_num_batched_tokens, context, config.max_num_seqs
     )
-    prefill = memory_profile.profile_forward(model, backend, spec, device, lengths)
+    prefill = memory_profile.profile_forward(model, backend, spec, device, lengths, states)
     graph_sizes = (
         [] if not _captures(config) or _why_not_capturable(model, backend) else _graph_sizes(config)
     )

@@ -63,6 +63,9 @@ class Request:
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # The slot of a recurrent model's state cache this request holds beside its blocks
+    # (`kv/state_slots.py`); None in other models, or while it holds no blocks.
+    state_slot: int | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0

@@ -15,6 +15,7 @@ from engine.core.request import Request
 from engine.kv.block_hash import ROOT_HASH, extend_block_hashes, salted
 from engine.kv.events import BlockStored, EventLog, external_hash
 from engine.kv.residency import BlockResidency
+from engine.kv.state_slots import StateSlots
 
 
 class BlockManager:
@@ -34,6 +35,9 @@ class BlockManager:
         self.events: EventLog | None = None
         # How long cached blocks live, sampled (`residency.py`); None: not followed.
         self.residency: BlockResidency | None = None
+        # A recurrent model's state slots, one per request holding blocks (`state_slots.py`);
+        # None for models whose layers all attend.
+        self.state_slots: StateSlots | None = None
 
     # ---- counts ----------------------------------------------------------------------------
 
@@ -176,6 +180,8 @@ class BlockManager:
         missing = max(0, self.blocks_for(num_tokens) - len(request.block_ids))
         if missing + len(shared) > self.num_free_blocks:
             return False
+        if self.state_slots is not None and not self.state_slots.hold(request):
+            return False
         for index in shared:
             source = request.block_ids[index]
             copy = self._take()
@@ -220,6 +226,8 @@ class BlockManager:
                         self.residency.dropped(block)
         request.block_ids = []
         request.num_published_blocks = 0
+        if self.state_slots is not None:
+            self.state_slots.release(request)
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -264,6 +272,8 @@ class BlockManager:
         assert all(self._hashes[b] is not None for b in evictable), "cached block has no hash"
         for block_hash, block in self._by_hash.items():
             assert self._hashes[block] == block_hash, "hash index out of date"
+        if self.state_slots is not None:
+            self.state_slots.check_invariants()
 
 
 def _root(request: Request) -> bytes:

@@ -13,6 +13,7 @@ from engine.kv.kv_scales import calibrated_scales
 from engine.worker.transfer import to_device
 
 if TYPE_CHECKING:
+    from engine.kv.state_cache import StateCache
     from engine.parallel.group import ParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class KVCacheSpec:
 
     @classmethod
     def from_hf_config(cls, config: Any, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+        from engine.models.layer_kinds import attending_layers  # the models build on this
+
         if getattr(config, "kv_lora_rank", None):  # multi-head latent attention (DeepSeek)
             return cls(
                 num_layers=config.num_hidden_layers,
@@ -64,7 +67,8 @@ class KVCacheSpec:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
-            num_layers=config.num_hidden_layers,
+            # (the layers that attend: a recurrent layer keeps a state instead, LFM2's)
+            num_layers=len(attending_layers(config)),
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             dtype=dtype,
@@ -103,6 +107,8 @@ class KVCache:
         # Under tensor parallelism, the ranks that share the layers: each calibrates over the
         # largest K/V of them all, so the scales are those of one rank holding every head.
         self.group: ParallelGroup | None = None
+        # A recurrent model's per-request states beside the blocks (None in other models).
+        self.states: StateCache | None = None
 
     def restore(self) -> None:
         """Allocate the cache, zeroed (at start-up, and after `release`)."""

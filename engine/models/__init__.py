@@ -31,6 +31,7 @@ from engine.models.helium import HELIUM_ARCHITECTURES, PagedHeliumForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.hunyuan import HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM
 from engine.models.layer_kinds import why_not_served
+from engine.models.lfm2 import LFM2_ARCHITECTURES, PagedLfm2ForCausalLM, why_not_run
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
 from engine.models.minimax import MINIMAX_ARCHITECTURES, PagedMiniMaxM2ForCausalLM
 from engine.models.nanochat import NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM
@@ -54,7 +55,10 @@ MODEL_IMPLS = ("auto", "conveyor", "transformers")
 # hand it keys and values the paged cache does not hold (DeepSeek's expanded from the latent),
 # so the paged attention cannot be plugged into them: Conveyor's decoder is their only way.
 DECODER_ONLY = (
-    frozenset({"StableLmForCausalLM"}) | DEEPSEEK_ARCHITECTURES | DEEPSEEK_V2_ARCHITECTURES
+    frozenset({"StableLmForCausalLM"})
+    | DEEPSEEK_ARCHITECTURES
+    | DEEPSEEK_V2_ARCHITECTURES
+    | LFM2_ARCHITECTURES  # its convolutions' states live in Conveyor's state cache
 )
 
 # The families of the Llama decoder with a model of their own, by architecture.
@@ -76,6 +80,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM),
         (HELIUM_ARCHITECTURES, PagedHeliumForCausalLM),
         (GEMMA_ARCHITECTURES, PagedGemmaForCausalLM),
+        (LFM2_ARCHITECTURES, PagedLfm2ForCausalLM),
     )
     for architecture in architectures
 }
@@ -121,6 +126,8 @@ def decoder_reason(hf_model: Any) -> str:
     """Empty where Conveyor's decoder runs this text model, else why not."""
     if type(hf_model).__name__ in GEMMA_ARCHITECTURES:  # not the Llama family's, but its layer
         return plain_projections(hf_model.model.layers)
+    if type(hf_model).__name__ in LFM2_ARCHITECTURES:
+        return why_not_run(hf_model)
     return supports(hf_model)
 
 

@@ -1,8 +1,9 @@
 """Which of a model's layer kinds Conveyor serves. Its paged KV cache and attention backends
-compute causal attention over the whole past or a sliding window; a layer that keeps a recurrent
-state instead (linear attention such as Qwen3.5's and Qwen3-Next's Gated DeltaNet, Mamba, short
-convolutions) or attends sparsely (DeepSeek V3.2's indexer) would run without what it needs and
-give wrong tokens silently, so such a model is refused at start-up with the reason. Llama 4's
+compute causal attention over the whole past or a sliding window, and its state cache keeps
+LFM2's convolutions' last inputs per request; a layer that keeps another recurrent state (linear
+attention such as Qwen3.5's and Qwen3-Next's Gated DeltaNet, Mamba) or attends sparsely
+(DeepSeek V3.2's indexer) would run without what it needs and give wrong tokens silently, so such
+a model is refused at start-up with the reason. Llama 4's
 chunked layers attend as causal attention within one chunk, so its context is held to a chunk.
 
 transformers names each layer's kind in the text config's `layer_types` (Mamba's layers as
@@ -23,6 +24,9 @@ RECURRENT_KINDS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_slidi
 CHUNKED = "chunked_attention"
 # Models with no attention layer at all.
 RECURRENT_MODELS = frozenset({"RwkvForCausalLM"})
+# The families whose state-keeping layers Conveyor's decoder computes, and those layers' kinds
+# (`kv/state_cache.py`).
+STATEFUL_FAMILIES = {"Lfm2ForCausalLM": frozenset({"conv"})}
 
 
 def why_not_served(hf_model: Any) -> str:
@@ -31,18 +35,34 @@ def why_not_served(hf_model: Any) -> str:
         return f"{type(hf_model).__name__} is a recurrent model with no attention layers"
     text = _text_config(hf_model)
     kinds = set(getattr(text, "layer_types", None) or ())
-    recurrent = sorted(kinds & RECURRENT_KINDS)
+    computed = STATEFUL_FAMILIES.get(type(hf_model).__name__, frozenset())
+    recurrent = sorted(kinds & RECURRENT_KINDS - computed)
     if recurrent:
         return (
             f"its {', '.join(recurrent)} layers keep a recurrent state (linear attention, "
             "Mamba or convolutions) that Conveyor's paged KV cache does not hold"
         )
-    other = sorted(kinds - SERVED_KINDS - {CHUNKED})
+    other = sorted(kinds - SERVED_KINDS - computed - {CHUNKED})
     if other:
         return (
             f"its {', '.join(other)} layers attend in a way Conveyor's attention does not compute"
         )
     return ""
+
+
+def keeps_state(hf_model: Any) -> bool:
+    """Whether some layer of the model keeps a per-request state Conveyor's decoder computes."""
+    kinds = set(getattr(_text_config(hf_model), "layer_types", None) or ())
+    return bool(kinds & STATEFUL_FAMILIES.get(type(hf_model).__name__, frozenset()))
+
+
+def attending_layers(config: Any) -> list[int]:
+    """The indices of the layers that attend (and hold K/V in the cache): those whose kind keeps
+    no recurrent state; every layer where the config names no kinds."""
+    kinds = getattr(config, "layer_types", None)
+    if not kinds:
+        return list(range(config.num_hidden_layers))
+    return [i for i, kind in enumerate(kinds) if kind not in RECURRENT_KINDS]
 
 
 def why_not_this_long(hf_model: Any, max_model_len: int) -> str:

@@ -479,16 +479,29 @@ class PagedLlamaForCausalLM(nn.Module):
         self.rotary = RotaryTable(base.rotary_emb, positions)
         # One table per layer type where the frequencies differ by type (Gemma 3, OLMo 3).
         self.typed_rotaries = typed_rotary_tables(base.rotary_emb, positions)
-        layers = [self.layer_class(layer, i, shard) for i, layer in enumerate(base.layers)]
+        layers = self._decoder_layers(base, shard)
         self.layers = nn.ModuleList(layers)
-        self.norm = base.norm
+        self.norm = self._final_norm(base)
         if self.op_by_op is not None:
             self.fused_decode = fused_decode.FusedDecode(DecodeRoute.OPS, reason=self.op_by_op)
         elif shard is not None:
             self.fused_decode = fused_decode.FusedDecode(DecodeRoute.OPS, reason="tensor parallel")
         else:
-            self.fused_decode = fused_decode.choose(layers)
+            self.fused_decode = fused_decode.choose(cast(list[PagedLlamaLayer], layers))
         self.lora: LoRASlots | None = None
+
+    def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
+        """Conveyor's layer for each of the Hugging Face model's decoder layers."""
+        return [self.layer_class(layer, i, shard) for i, layer in enumerate(base.layers)]
+
+    @staticmethod
+    def _final_norm(base: Any) -> Any:
+        """The norm of the last layer's rows."""
+        return base.norm
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        """The per-request state of each layer that keeps one (none: every layer attends)."""
+        return []
 
     def attach_lora(self, slots: LoRASlots) -> None:
         """Serve LoRA adapters from `slots`: a step that runs any takes the layers op by op."""

@@ -542,8 +542,10 @@ class Scheduler:
             request.append_output(token)
             request.num_new_tokens = 1
             advanced.append(request)
-            # A leader preempted while its step was in flight has no prompt blocks to share.
-            self._release_forks(request, share=request.num_computed_tokens > 0)
+            # A leader preempted while its step was in flight has no prompt blocks to share;
+            # a recurrent model's state past the prompt is the leader's own, not to be shared.
+            shares = self.block_manager.state_slots is None and request.num_computed_tokens > 0
+            self._release_forks(request, share=shares)
             if request.check_token_stop():
                 self._remove(request)
         return advanced

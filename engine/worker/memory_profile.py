@@ -19,6 +19,7 @@ from engine.attention import AttentionBackend
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.kv.kv_cache import KVCache, KVCacheSpec
+from engine.kv.state_cache import StateCache
 from engine.models import CausalLM
 from engine.scheduling.scheduler import ScheduledRequest
 from engine.worker.input_batch import build_input_batch
@@ -102,15 +103,18 @@ def profile_forward(
     spec: KVCacheSpec,
     device: torch.device,
     lengths: list[int],
+    states: StateCache | None = None,
 ) -> Callable[[], None]:
     """A function that runs one forward pass over dummy prompts of these lengths, as a step
     would, the last token of each through the LM head. Its KV cache holds just those tokens and
-    counts among the activations."""
+    counts among the activations; a recurrent model's prompts take the first slots of its
+    `states` (each step zeroes a slot as a request starts in it)."""
 
     @torch.inference_mode()
     def run() -> None:
         blocks = [-(-n // spec.block_size) for n in lengths]
         cache = KVCache(spec, sum(blocks), device)
+        cache.states = states
         scheduled, first = [], 0
         for i, (length, count) in enumerate(zip(lengths, blocks, strict=True)):
             request = Request(
@@ -121,10 +125,13 @@ def profile_forward(
                 max_total_tokens=length + 1,
             )
             request.block_ids = list(range(first, first + count))
+            request.state_slot = i if states is not None else None
             first += count
             scheduled.append(ScheduledRequest(request, length))
         batch = build_input_batch(scheduled, spec.block_size)
         metadata = backend.build_metadata(batch, cache)
+        if states is not None:
+            states.begin(batch)
         ids = torch.from_numpy(batch.input_ids).to(device)
         positions = torch.from_numpy(batch.positions).to(device)
         keep = torch.from_numpy(np.asarray(batch.sample_token_indices)).to(device)

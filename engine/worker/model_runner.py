@@ -428,6 +428,8 @@ def model_inputs(
     there)."""
     device = kv_cache.device
     metadata = backend.build_metadata(batch, kv_cache)
+    if kv_cache.states is not None:
+        kv_cache.states.begin(batch)
     if input_ids is None:
         input_ids = torch.from_numpy(batch.input_ids).to(device, non_blocking=True)
     on_axes = batch.positions if batch.rope_positions is None else batch.rope_positions

@@ -1,0 +1,109 @@
+"""The per-request states of a recurrent model's layers (a short convolution's last inputs), on
+the device: each layer that keeps one holds a tensor `[slots, *shape]`, a request's state at its
+slot (`state_slots.py`). Each step, `begin` zeroes the slots of requests at their first token
+and works out, once for every layer, where each token's inputs come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.worker.input_batch import InputBatch
+
+
+@dataclass(slots=True)
+class StateStep:
+    """One step's rows as the recurrent layers read them: each row's slot and tokens."""
+
+    slots: torch.Tensor  # [rows] int64, on the device
+    query_lens: np.ndarray  # [rows]
+    device: torch.device
+    _windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def conv_windows(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a causal convolution of `width` taps over the step's tokens, with each row's
+        last `width - 1` inputs kept as its state: indices into the rows' states (`[rows *
+        (width - 1), channels]`) followed by the step's inputs (`[tokens, channels]`) of each
+        token's `width` inputs, oldest first (`[tokens, width]`), and of each row's new state
+        (`[rows, width - 1]`)."""
+        found = self._windows.get(width)
+        if found is None:
+            windows, states = conv_windows(self.query_lens, width)
+            found = (
+                torch.from_numpy(windows).to(self.device, non_blocking=True),
+                torch.from_numpy(states).to(self.device, non_blocking=True),
+            )
+            self._windows[width] = found
+        return found
+
+
+def conv_windows(query_lens: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """`StateStep.conv_windows` on the host. Row r's inputs, its state then its tokens, are its
+    extended sequence; token p of the row reads extended positions p .. p + width - 1, and the
+    new state is positions len .. len + width - 2."""
+    kept = width - 1
+    rows = len(query_lens)
+    starts = np.cumsum(query_lens) - query_lens
+    token_rows = np.repeat(np.arange(rows), query_lens)
+    offsets = np.arange(int(query_lens.sum())) - starts[token_rows]
+
+    def source(row: np.ndarray, extended: np.ndarray) -> np.ndarray:
+        in_state = row * kept + extended
+        in_step = rows * kept + starts[row] + extended - kept
+        return np.where(extended < kept, in_state, in_step)
+
+    taps = np.arange(width)
+    windows = source(token_rows[:, None], offsets[:, None] + taps[None, :])
+    states = source(np.arange(rows)[:, None], query_lens[:, None] + taps[None, :kept])
+    return windows.astype(np.int64), states.astype(np.int64)
+
+
+class StateCache:
+    """`shapes[i]`: the state of the model's i-th recurrent layer a slot (`[kept, channels]` for
+    a short convolution)."""
+
+    def __init__(
+        self,
+        shapes: list[tuple[int, ...]],
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.device = device
+        self.layers = [
+            torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape in shapes
+        ]
+        self.step: StateStep | None = None
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.layers)
+
+    @staticmethod
+    def bytes_for(shapes: list[tuple[int, ...]], num_slots: int, dtype: torch.dtype) -> int:
+        element = torch.tensor([], dtype=dtype).element_size()
+        return num_slots * element * sum(int(np.prod(shape)) for shape in shapes)
+
+    def begin(self, batch: InputBatch) -> StateStep:
+        """The step's rows; the slots of rows at their request's first token zeroed."""
+        slots = np.fromiter(
+            (_slot(request.state_slot) for request in batch.requests), np.int64, len(batch.requests)
+        )
+        on_device = torch.from_numpy(slots).to(self.device, non_blocking=True)
+        fresh = np.flatnonzero(batch.context_lens == 0)
+        if len(fresh):
+            index = torch.from_numpy(slots[fresh]).to(self.device, non_blocking=True)
+            for state in self.layers:
+                state.index_fill_(0, index, 0)
+        self.step = StateStep(on_device, batch.query_lens, self.device)
+        return self.step
+
+
+def _slot(slot: int | None) -> int:
+    if slot is None:
+        raise RuntimeError("a request of a recurrent model runs without a state slot")
+    return slot

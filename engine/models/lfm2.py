@@ -1,0 +1,151 @@
+"""LFM2 (Liquid AI's) on Conveyor's decoder: most layers mix tokens by a short causal convolution
+instead of attention, the others attend as the Llama layer does (each q and k head normed). A
+convolution layer projects each normed row to three (`B`, `C`, `x`), convolves `B * x` over the
+row's last `conv_L_cache` inputs per channel, and projects `C` times that; each request keeps
+its last `conv_L_cache - 1` inputs as its state between steps (`kv/state_cache.py`). Every
+layer's MLP is SwiGLU (`w1`, `w3`, `w2`); the last norm is the model's `embedding_norm`. The KV
+cache holds the attention layers only. Decode steps run op by op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.backend import AttentionMetadata
+from engine.lora.adapter import Shapes
+from engine.models.layer_kinds import attending_layers
+from engine.models.layers import add_projected
+from engine.models.llama import LINEAR_TYPES, PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.parallel.sharding import Shard
+
+LFM2_ARCHITECTURES = frozenset({"Lfm2ForCausalLM"})
+
+
+class _Attention:
+    """LFM2's attention under the Llama layer's names."""
+
+    def __init__(self, attn: Any) -> None:
+        self.config, self.head_dim, self.scaling = attn.config, attn.head_dim, attn.scaling
+        self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
+        self.o_proj = attn.out_proj
+        self.q_norm, self.k_norm = attn.q_layernorm, attn.k_layernorm
+        self.sliding_window = None
+
+
+class _Mlp:
+    """LFM2's SwiGLU under the Llama MLP's names."""
+
+    def __init__(self, feed_forward: Any) -> None:
+        self.gate_proj, self.up_proj = feed_forward.w1, feed_forward.w3
+        self.down_proj = feed_forward.w2
+        self.act_fn = nn.SiLU()
+
+
+class _Layer:
+    """An LFM2 decoder layer under the Llama layer's names (its convolution as `self_attn`)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.self_attn = _Attention(layer.self_attn) if layer.is_attention_layer else layer.conv
+        self.mlp = _Mlp(layer.feed_forward)
+        self.input_layernorm = layer.operator_norm
+        self.post_attention_layernorm = layer.ffn_norm
+
+
+def why_not_run(hf_model: Any) -> str:
+    """Empty where every projection of the model is a plain linear layer, else why not."""
+    for layer in hf_model.model.layers:
+        mixer = layer.self_attn if layer.is_attention_layer else layer.conv
+        names = ("q_proj", "k_proj", "v_proj", "out_proj", "in_proj")
+        projections = [getattr(mixer, n) for n in names if hasattr(mixer, n)]
+        ff = layer.feed_forward
+        if not all(type(p) in LINEAR_TYPES for p in [*projections, ff.w1, ff.w2, ff.w3]):
+            return "its projections are not plain linear layers (quantized weights?)"
+    return ""
+
+
+class ShortConvLayer(PagedLlamaLayer):
+    """An LFM2 convolution layer; `index` is its place among the model's state-keeping layers
+    (its state in `StateCache.layers`)."""
+
+    def _attention_parts(self, conv: Any, group: Any) -> None:
+        self.in_proj, self.out_proj = conv.in_proj, conv.out_proj
+        # The taps `[width, channels]`, oldest input first.
+        self.taps = conv.conv.weight.detach()[:, 0].t().contiguous()
+        self.conv_bias = conv.conv.bias
+        self.width = int(self.taps.shape[0])
+        self.channels = int(self.taps.shape[1])
+        self.attention = None
+        self.layer_type = "conv"
+        self.qkv_proj = self.in_proj  # the first projection (its rows' dtype)
+
+    def _target_shapes(self) -> Shapes:
+        return {}
+
+    @property
+    def state_shape(self) -> tuple[int, int]:
+        """A request's state: its last `width - 1` inputs of the convolution."""
+        return (self.width - 1, self.channels)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        normed = self._norm(self.input_norm, hidden, self.in_proj)
+        b, c, x = self.in_proj(normed).chunk(3, dim=-1)
+        convolved = self._convolve(b * x, metadata)
+        mixed = add_projected(self.out_proj, c * convolved, hidden)
+        return self.after_mixing(mixed)
+
+    def after_mixing(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
+        return self._mlp(normed, hidden)
+
+    def _convolve(self, inputs: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Each token's causal convolution over its request's last inputs (from its state where
+        they came before the step); each request's state becomes its last inputs."""
+        states = metadata.kv_cache.states
+        assert states is not None and states.step is not None, "a recurrent model needs states"
+        step = states.step
+        state = states.layers[self.index]
+        windows, kept = step.conv_windows(self.width)
+        held = state.index_select(0, step.slots).to(inputs.dtype)
+        pool = torch.cat([held.reshape(-1, self.channels), inputs])
+        # Summed in fp32 (as a convolution accumulates), then in the rows' dtype.
+        out = (pool[windows].float() * self.taps.float()).sum(dim=1)
+        if self.conv_bias is not None:
+            out = out + self.conv_bias.float()
+        new = pool[kept].view(-1, self.width - 1, self.channels).to(state.dtype)
+        state.index_copy_(0, step.slots, new)
+        return out.to(inputs.dtype)
+
+
+class PagedLfm2ForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    op_by_op = "LFM2's convolution layers"
+
+    def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
+        """Attention layers indexed by their place in the KV cache, convolution layers by
+        theirs among the states."""
+        attending = set(attending_layers(base.config))
+        layers: list[nn.Module] = []
+        counts = {True: 0, False: 0}
+        for i, layer in enumerate(base.layers):
+            attends = i in attending
+            kind = PagedLlamaLayer if attends else ShortConvLayer
+            layers.append(kind(_Layer(layer), counts[attends], shard))
+            counts[attends] += 1
+        return layers
+
+    @staticmethod
+    def _final_norm(base: Any) -> Any:
+        return base.embedding_norm
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        """Each convolution layer's state a request, in order."""
+        return [layer.state_shape for layer in self.layers if isinstance(layer, ShortConvLayer)]

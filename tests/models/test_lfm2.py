@@ -1,0 +1,178 @@
+"""LFM2 on Conveyor's decoder: short convolution layers whose last inputs each request keeps in
+the state cache, between attention layers; greedy tokens and prompt logprobs equal
+transformers', under chunked prefill, preemption and mixed steps, and every state slot comes
+back."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Lfm2Config
+
+from engine.core.config import CacheConfig, EngineConfig
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.speculation import SpeculativeConfig
+from engine.factory import create_engine_core
+from engine.kv.block_manager import BlockManager
+from engine.kv.state_cache import conv_windows
+from engine.kv.state_slots import StateSlots
+from engine.models import build_causal_lm
+from engine.models.lfm2 import PagedLfm2ForCausalLM, ShortConvLayer
+from tests.core.test_engine_greedy import record_chunking
+from tests.helpers import (
+    check_prompt_logprobs,
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tiny_tokenizer,
+    tokens_of,
+)
+from tests.models.test_model_families import COMMON
+
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+# Convolution layers around the attention layers, the last one a convolution.
+LAYER_TYPES = ["conv", "full_attention", "conv", "conv"]
+
+
+def config(**overrides: object) -> Lfm2Config:
+    shape = COMMON | {"num_hidden_layers": len(LAYER_TYPES)}
+    return Lfm2Config(
+        **shape,
+        layer_types=LAYER_TYPES,
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+        **overrides,  # type: ignore[arg-type]
+    )
+
+
+def build(**overrides: object):
+    """A tiny random LFM2, its norms and convolution biases drawn so that they count."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config(**overrides)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.normal_(1.0, 0.3)
+            elif name.endswith("conv.bias"):
+                param.normal_(0.0, 0.5)
+    return model
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(4)
+    return [[rng.randrange(2, 320) for _ in range(n)] for n in (1, 2, 5, 9, 17, 30, 24)]
+
+
+def test_conv_windows_read_each_rows_state_then_its_tokens():
+    # Two rows: three tokens then one; two inputs of state each (width 3).
+    windows, states = conv_windows(np.asarray([3, 1]), 3)
+    # The pool is [row 0's state (0, 1), row 1's state (2, 3), tokens (4, 5, 6), (7)].
+    assert windows.tolist() == [[0, 1, 4], [1, 4, 5], [4, 5, 6], [2, 3, 7]]
+    assert states.tolist() == [[5, 6], [3, 7]]
+
+
+@pytest.mark.parametrize("conv_bias", [False, True])
+def test_greedy_matches_generate_under_chunking_and_preemption(conv_bias):
+    model = build(conv_bias=conv_bias)
+    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    core, info = tiny_core(model, num_blocks=24, max_model_len=64, max_num_batched_tokens=10)
+    chunked = record_chunking(core)
+    outputs = run_all(core, prompts(), GREEDY)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
+    assert core.scheduler.num_preemptions > 0 and any(chunked)
+    blocks = core.scheduler.block_manager
+    assert blocks.num_used_blocks == 0
+    assert blocks.state_slots is not None and blocks.state_slots.num_free == 64
+    assert not info.enable_prefix_caching and not blocks.enable_caching
+    paged = core.runner.model
+    assert isinstance(paged, PagedLfm2ForCausalLM)
+    kinds = [type(layer) is ShortConvLayer for layer in paged.layers]
+    assert kinds == [kind == "conv" for kind in LAYER_TYPES]
+    # The KV cache holds the one attention layer; the states the three convolutions.
+    assert core.runner.kv_cache.spec.num_layers == 1
+    states = core.runner.kv_cache.states
+    assert states is not None and [tuple(s.shape) for s in states.layers] == [(64, 2, 64)] * 3
+
+
+def test_prompt_logprobs_equal_transformers():
+    check_prompt_logprobs(build(), chunk=7, length=30)
+
+
+def test_a_slot_is_zeroed_for_each_new_request():
+    """A request reusing a slot another finished in starts from zeros: the same tokens as
+    alone."""
+    model = build()
+    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    core, _ = tiny_core(model, max_num_seqs=1)
+    for i, prompt in enumerate(prompts()):
+        outputs = run_all(core, [prompt], GREEDY)
+        assert tokens_of(outputs["req-0"]) == expected[i]
+    assert core.scheduler.block_manager.state_slots.num_free == 1
+
+
+def test_parallel_samples_each_compute_their_own_state():
+    """`n > 1` samples do not share the leader's prompt: each sibling runs the prompt itself,
+    so greedy siblings give the leader's tokens."""
+    model = build()
+    prompt = prompts()[4]
+    expected = reference_greedy(model, prompt, MAX_NEW)
+    core, _ = tiny_core(model)
+    for i in range(3):  # as the engine queues `n = 3` samples
+        fork_of = "r-0" if i else None
+        core.add_request(f"r-{i}", prompt, GREEDY, "r", i, fork_of=fork_of, siblings=3)
+    tokens: dict[int, list[int]] = {}
+    while core.has_unfinished():
+        for output in core.step():
+            tokens.setdefault(output.index, []).extend(output.new_token_ids)
+    assert len(tokens) == 3 and all(found == expected for found in tokens.values())
+    assert core.scheduler.block_manager.state_slots.num_free == 64
+
+
+def test_a_request_that_finds_no_free_slot_waits():
+    blocks = BlockManager(16, 4)
+    blocks.state_slots = StateSlots(1)
+    first, second = (Request(f"r{i}", [1, 2], GREEDY, 0.0, 64) for i in range(2))
+    assert blocks.allocate(first, 2) and first.state_slot == 0
+    assert not blocks.allocate(second, 2) and second.block_ids == []
+    blocks.free(first)
+    assert first.state_slot is None and blocks.allocate(second, 2) and second.state_slot == 0
+    blocks.check_invariants()
+
+
+def test_what_does_not_keep_states_yet_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="runs on Conveyor's model implementation only"):
+        build_causal_lm(build(), "transformers")
+    with pytest.raises(ValueError, match="speculative decoding"):
+        tiny_core(build(), speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    build().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="tensor parallelism does not split recurrent"):
+        create_engine_core(
+            EngineConfig(
+                model=str(tmp_path),
+                tensor_parallel_size=2,
+                cache=CacheConfig(block_size=4, num_blocks=16),
+            )
+        )
+
+
+def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
+    model = build()
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    core, _, _ = create_engine_core(
+        EngineConfig(
+            model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64)
+        )
+    )
+    try:
+        outputs = run_all(core, prompts(), GREEDY)
+        tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
+        assert tokens == [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    finally:
+        core.close()
