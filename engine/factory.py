@@ -275,16 +275,16 @@ def _state_cache(
 ) -> StateCache | None:
     """The per-request states of a model whose layers keep some (LFM2's convolutions), one
     slot for each request that may run at once; None for other models."""
-    shapes = model.state_shapes() if isinstance(model, PagedLlamaForCausalLM) else []
-    if not shapes:
+    specs = model.state_specs() if isinstance(model, PagedLlamaForCausalLM) else []
+    if not specs:
         return None
     reason = _why_no_states(config, shard)
     if reason:
         raise ValueError(f"{type(model).__name__} keeps recurrent states, which {reason}")
-    states = StateCache(shapes, config.max_num_seqs, dtype, device)
+    states = StateCache(specs, config.max_num_seqs, dtype, device)
     logger.info(
-        "recurrent states: %d layers, %d slots, %.1f MiB; prefix caching is off",
-        len(shapes),
+        "recurrent states: %d tensors a slot, %d slots, %.1f MiB; prefix caching is off",
+        len(specs),
         states.num_slots,
         states.num_bytes / 2**20,
     )
@@ -781,7 +781,7 @@ def _why_not_capturable(model: CausalLM, backend: AttentionBackend) -> str:
         return "steps across tensor-parallel ranks are not captured"
     if model.sparse:
         return SPARSE_ON_HOST
-    if model.state_shapes():
+    if model.state_specs():
         return "recurrent layers' state indices are built afresh each step"
     if any(layer.attention is not None for layer in model.layers):
         return "sliding-window layers are not captured"

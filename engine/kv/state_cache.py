@@ -1,7 +1,8 @@
-"""The per-request states of a recurrent model's layers (a short convolution's last inputs), on
-the device: each layer that keeps one holds a tensor `[slots, *shape]`, a request's state at its
-slot (`state_slots.py`). Each step, `begin` zeroes the slots of requests at their first token
-and works out, once for every layer, where each token's inputs come from.
+"""The per-request states of a recurrent model's layers (a short convolution's last inputs, a
+linear attention's state), on the device: each state a layer keeps is a tensor `[slots,
+*shape]`, a request's at its slot (`state_slots.py`). Each step, `begin` zeroes the slots of
+requests at their first token and works out, once for every layer, where each token's inputs
+come from.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class StateStep:
     """One step's rows as the recurrent layers read them: each row's slot and tokens."""
 
     slots: torch.Tensor  # [rows] int64, on the device
+    host_slots: np.ndarray  # [rows], the same on the host
     query_lens: np.ndarray  # [rows]
     device: torch.device
     _windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -61,13 +63,18 @@ def conv_windows(query_lens: np.ndarray, width: int) -> tuple[np.ndarray, np.nda
     return windows.astype(np.int64), states.astype(np.int64)
 
 
+# One state a slot: its shape, and its dtype (None: the rows' dtype, as a convolution's inputs).
+StateSpec = tuple[tuple[int, ...], torch.dtype | None]
+
+
 class StateCache:
-    """`shapes[i]`: the state of the model's i-th recurrent layer a slot (`[kept, channels]` for
-    a short convolution)."""
+    """`specs[i]`: the model's i-th state a slot (`[kept, channels]` for a short convolution's
+    inputs, `[heads, key dims, value dims]` in fp32 for a linear attention's); `dtype` the
+    rows'."""
 
     def __init__(
         self,
-        shapes: list[tuple[int, ...]],
+        specs: list[StateSpec],
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -75,18 +82,14 @@ class StateCache:
         self.num_slots = num_slots
         self.device = device
         self.layers = [
-            torch.zeros((num_slots, *shape), dtype=dtype, device=device) for shape in shapes
+            torch.zeros((num_slots, *shape), dtype=own or dtype, device=device)
+            for shape, own in specs
         ]
         self.step: StateStep | None = None
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers)
-
-    @staticmethod
-    def bytes_for(shapes: list[tuple[int, ...]], num_slots: int, dtype: torch.dtype) -> int:
-        element = torch.tensor([], dtype=dtype).element_size()
-        return num_slots * element * sum(int(np.prod(shape)) for shape in shapes)
 
     def begin(self, batch: InputBatch) -> StateStep:
         """The step's rows; the slots of rows at their request's first token zeroed."""
@@ -99,8 +102,29 @@ class StateCache:
             index = torch.from_numpy(slots[fresh]).to(self.device, non_blocking=True)
             for state in self.layers:
                 state.index_fill_(0, index, 0)
-        self.step = StateStep(on_device, batch.query_lens, self.device)
+        self.step = StateStep(on_device, slots, batch.query_lens, self.device)
         return self.step
+
+    def convolve(
+        self, index: int, inputs: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Each of the step's tokens' causal convolution (`taps` `[width, channels]`, oldest
+        input first) over its request's last inputs, from state `index` where they came before
+        the step; each request's state becomes its last `width - 1` inputs. Summed in fp32 (as a
+        convolution accumulates), returned in the inputs' dtype."""
+        step = self.step
+        assert step is not None, "a recurrent model's step begins its states"
+        state = self.layers[index]
+        width, channels = taps.shape
+        windows, kept = step.conv_windows(int(width))
+        held = state.index_select(0, step.slots).to(inputs.dtype)
+        pool = torch.cat([held.reshape(-1, channels), inputs])
+        out = (pool[windows].float() * taps.float()).sum(dim=1)
+        if bias is not None:
+            out = out + bias.float()
+        new = pool[kept].view(-1, width - 1, channels).to(state.dtype)
+        state.index_copy_(0, step.slots, new)
+        return out.to(inputs.dtype)
 
 
 def _slot(slot: int | None) -> int:

@@ -31,7 +31,8 @@ from engine.models.helium import HELIUM_ARCHITECTURES, PagedHeliumForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.hunyuan import HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM
 from engine.models.layer_kinds import why_not_served
-from engine.models.lfm2 import LFM2_ARCHITECTURES, PagedLfm2ForCausalLM, why_not_run
+from engine.models.lfm2 import LFM2_ARCHITECTURES, PagedLfm2ForCausalLM
+from engine.models.lfm2 import why_not_run as lfm2_reason
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
 from engine.models.minimax import MINIMAX_ARCHITECTURES, PagedMiniMaxM2ForCausalLM
 from engine.models.nanochat import NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM
@@ -41,6 +42,8 @@ from engine.models.olmo2 import (
     PagedOlmo2ForCausalLM,
     PagedOlmoeForCausalLM,
 )
+from engine.models.qwen3_5 import QWEN3_5_ARCHITECTURES, PagedQwen3_5ForCausalLM
+from engine.models.qwen3_5 import why_not_run as qwen3_5_reason
 from engine.models.vision import (
     TransformersImageTextLM,
     decoder_supports,
@@ -58,7 +61,9 @@ DECODER_ONLY = (
     frozenset({"StableLmForCausalLM"})
     | DEEPSEEK_ARCHITECTURES
     | DEEPSEEK_V2_ARCHITECTURES
-    | LFM2_ARCHITECTURES  # its convolutions' states live in Conveyor's state cache
+    # Their recurrent layers' states live in Conveyor's state cache.
+    | LFM2_ARCHITECTURES
+    | QWEN3_5_ARCHITECTURES
 )
 
 # The families of the Llama decoder with a model of their own, by architecture.
@@ -81,6 +86,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (HELIUM_ARCHITECTURES, PagedHeliumForCausalLM),
         (GEMMA_ARCHITECTURES, PagedGemmaForCausalLM),
         (LFM2_ARCHITECTURES, PagedLfm2ForCausalLM),
+        (QWEN3_5_ARCHITECTURES, PagedQwen3_5ForCausalLM),
     )
     for architecture in architectures
 }
@@ -127,7 +133,9 @@ def decoder_reason(hf_model: Any) -> str:
     if type(hf_model).__name__ in GEMMA_ARCHITECTURES:  # not the Llama family's, but its layer
         return plain_projections(hf_model.model.layers)
     if type(hf_model).__name__ in LFM2_ARCHITECTURES:
-        return why_not_run(hf_model)
+        return lfm2_reason(hf_model)
+    if type(hf_model).__name__ in QWEN3_5_ARCHITECTURES:
+        return qwen3_5_reason(hf_model)
     return supports(hf_model)
 
 

@@ -1,9 +1,9 @@
 """Which of a model's layer kinds Conveyor serves. Its paged KV cache and attention backends
 compute causal attention over the whole past or a sliding window, and its state cache keeps
-LFM2's convolutions' last inputs per request; a layer that keeps another recurrent state (linear
-attention such as Qwen3.5's and Qwen3-Next's Gated DeltaNet, Mamba) or attends sparsely
-(DeepSeek V3.2's indexer) would run without what it needs and give wrong tokens silently, so such
-a model is refused at start-up with the reason. Llama 4's
+LFM2's convolutions' last inputs and Qwen3.5's Gated DeltaNet states per request; a layer that
+keeps another recurrent state (Qwen3-Next's DeltaNet, laid out otherwise; Mamba) or attends
+sparsely (DeepSeek V3.2's indexer) would run without what it needs and give wrong tokens
+silently, so such a model is refused at start-up with the reason. Llama 4's
 chunked layers attend as causal attention within one chunk, so its context is held to a chunk.
 
 transformers names each layer's kind in the text config's `layer_types` (Mamba's layers as
@@ -26,7 +26,10 @@ CHUNKED = "chunked_attention"
 RECURRENT_MODELS = frozenset({"RwkvForCausalLM"})
 # The families whose state-keeping layers Conveyor's decoder computes, and those layers' kinds
 # (`kv/state_cache.py`).
-STATEFUL_FAMILIES = {"Lfm2ForCausalLM": frozenset({"conv"})}
+STATEFUL_FAMILIES = {
+    "Lfm2ForCausalLM": frozenset({"conv"}),
+    "Qwen3_5ForCausalLM": frozenset({"linear_attention"}),
+}
 
 
 def why_not_served(hf_model: Any) -> str:

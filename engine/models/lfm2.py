@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionMetadata
+from engine.kv.state_cache import StateSpec
 from engine.lora.adapter import Shapes
 from engine.models.layer_kinds import attending_layers
 from engine.models.layers import add_projected
@@ -84,10 +85,9 @@ class ShortConvLayer(PagedLlamaLayer):
     def _target_shapes(self) -> Shapes:
         return {}
 
-    @property
-    def state_shape(self) -> tuple[int, int]:
+    def state_specs(self) -> list[StateSpec]:
         """A request's state: its last `width - 1` inputs of the convolution."""
-        return (self.width - 1, self.channels)
+        return [((self.width - 1, self.channels), None)]
 
     def forward(
         self,
@@ -98,31 +98,15 @@ class ShortConvLayer(PagedLlamaLayer):
     ) -> torch.Tensor:
         normed = self._norm(self.input_norm, hidden, self.in_proj)
         b, c, x = self.in_proj(normed).chunk(3, dim=-1)
-        convolved = self._convolve(b * x, metadata)
+        states = metadata.kv_cache.states
+        assert states is not None, "a recurrent model runs with its states"
+        convolved = states.convolve(self.index, b * x, self.taps, self.conv_bias)
         mixed = add_projected(self.out_proj, c * convolved, hidden)
         return self.after_mixing(mixed)
 
     def after_mixing(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
         return self._mlp(normed, hidden)
-
-    def _convolve(self, inputs: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Each token's causal convolution over its request's last inputs (from its state where
-        they came before the step); each request's state becomes its last inputs."""
-        states = metadata.kv_cache.states
-        assert states is not None and states.step is not None, "a recurrent model needs states"
-        step = states.step
-        state = states.layers[self.index]
-        windows, kept = step.conv_windows(self.width)
-        held = state.index_select(0, step.slots).to(inputs.dtype)
-        pool = torch.cat([held.reshape(-1, self.channels), inputs])
-        # Summed in fp32 (as a convolution accumulates), then in the rows' dtype.
-        out = (pool[windows].float() * self.taps.float()).sum(dim=1)
-        if self.conv_bias is not None:
-            out = out + self.conv_bias.float()
-        new = pool[kept].view(-1, self.width - 1, self.channels).to(state.dtype)
-        state.index_copy_(0, step.slots, new)
-        return out.to(inputs.dtype)
 
 
 class PagedLfm2ForCausalLM(PagedLlamaForCausalLM):
@@ -146,6 +130,7 @@ class PagedLfm2ForCausalLM(PagedLlamaForCausalLM):
     def _final_norm(base: Any) -> Any:
         return base.embedding_norm
 
-    def state_shapes(self) -> list[tuple[int, ...]]:
+    def state_specs(self) -> list[StateSpec]:
         """Each convolution layer's state a request, in order."""
-        return [layer.state_shape for layer in self.layers if isinstance(layer, ShortConvLayer)]
+        convolutions = [layer for layer in self.layers if isinstance(layer, ShortConvLayer)]
+        return [spec for layer in convolutions for spec in layer.state_specs()]

@@ -27,6 +27,7 @@ from engine.kernels.cpu.linear import (
     PanelLinear,
     takes_bf16_rows,
 )
+from engine.kv.state_cache import StateSpec
 from engine.lora.adapter import Shapes
 from engine.lora.slots import LoRASlots
 from engine.models.base import ImageRows, with_image_rows, with_layer_rows
@@ -499,8 +500,9 @@ class PagedLlamaForCausalLM(nn.Module):
         """The norm of the last layer's rows."""
         return base.norm
 
-    def state_shapes(self) -> list[tuple[int, ...]]:
-        """The per-request state of each layer that keeps one (none: every layer attends)."""
+    def state_specs(self) -> list[StateSpec]:
+        """The per-request states of the layers that keep one, in order (none: every layer
+        attends)."""
         return []
 
     def attach_lora(self, slots: LoRASlots) -> None:

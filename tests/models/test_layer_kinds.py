@@ -1,14 +1,20 @@
 """Models with layers Conveyor's attention does not compute are refused at start-up with the
 reason, not served wrong: before, a Qwen3.5 (Gated DeltaNet layers) ran on transformers' model
-without its recurrent state and every greedy token sequence differed from `generate`'s, and a
+without its recurrent state and every greedy token sequence differed from `generate`'s (Qwen3.5
+now runs on Conveyor's decoder with its states; Qwen3-Next's layers are of that kind), and a
 Llama 4 past one chunk of its chunked layers gave other tokens than `generate` too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Llama4TextConfig, MambaConfig, RwkvConfig
-from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Llama4TextConfig,
+    MambaConfig,
+    Qwen3NextConfig,
+    RwkvConfig,
+)
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
@@ -20,12 +26,14 @@ from tests.models.test_moe import COMMON
 
 TINY = {"vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2}
 MODELS = {
-    "qwen3.5": lambda: Qwen3_5TextConfig(**COMMON | {"num_hidden_layers": 4}, head_dim=16),
+    "qwen3-next": lambda: Qwen3NextConfig(
+        **COMMON | {"num_hidden_layers": 4}, head_dim=16, num_experts=4, moe_intermediate_size=16
+    ),
     "mamba": lambda: MambaConfig(**TINY, state_size=4),
     "rwkv": lambda: RwkvConfig(**TINY, attention_hidden_size=32, intermediate_size=64),
 }
 REASONS = {
-    "qwen3.5": "linear_attention layers keep a recurrent state",
+    "qwen3-next": "linear_attention layers keep a recurrent state",
     "mamba": "linear_attention layers keep a recurrent state",
     "rwkv": "recurrent model with no attention layers",
 }
@@ -44,18 +52,18 @@ def test_recurrent_layers_are_refused_with_the_reason(name, impl):
 
 
 def test_a_server_start_names_the_layers_it_cannot_serve(tmp_path):
-    build("qwen3.5").save_pretrained(tmp_path)
+    build("qwen3-next").save_pretrained(tmp_path)
     chat_tokenizer().save_pretrained(tmp_path)
     config = EngineConfig(
         model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=16)
     )
-    with pytest.raises(ValueError, match="Conveyor cannot serve Qwen3_5ForCausalLM"):
+    with pytest.raises(ValueError, match="Conveyor cannot serve Qwen3NextForCausalLM"):
         create_engine_core(config)
 
 
 def test_attention_of_every_kind_conveyor_computes_is_served():
     """Sliding and full layers side by side, and layers of experts alone, pass."""
-    model = build("qwen3.5")
+    model = build("qwen3-next")
     model.config.layer_types = ["sliding_attention", "full_attention", "moe", "full_attention"]
     assert why_not_served(model) == ""
     model.config.layer_types = ["indexed_attention"] * 4

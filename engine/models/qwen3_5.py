@@ -1,0 +1,238 @@
+"""Qwen3.5's text models on Conveyor's decoder: three in four layers mix tokens by a Gated
+DeltaNet (linear attention with a recurrent state per request), the others attend with an output
+gate. A DeltaNet layer projects each normed row to q, k and v (through a short causal
+convolution and silu), to a gate `z`, and to each value head's write strength `beta` and decay
+`g`; each request's state `[value heads, key dims, value dims]` decays by `exp(g)` and takes the
+delta rule's correction of each token (`S += k (beta (v - S^T k))^T`), read out by q; the
+output is normed, gated by silu(z) and projected. Both the convolution's last inputs and the
+state stay per request in the state cache (`kv/state_cache.py`). An attention layer's q
+projection holds each head's query beside its gate; q and k are normed per head, rotate over
+their first quarter, and the attention's output is multiplied by sigmoid(gate) before o. Every
+norm scales by one plus its weight (the model's own modules compute them). Decode steps run op
+by op.
+
+The delta rule runs as transformers' reference computes it: a step's decode rows together, one
+token each (`torch_recurrent_gated_delta_rule`), and each prompt chunk by chunks of 64 tokens
+(`torch_chunk_gated_delta_rule`), from the state the request holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionMetadata
+from engine.kv.state_cache import StateCache, StateSpec
+from engine.lora.adapter import Shapes
+from engine.models.layer_kinds import attending_layers
+from engine.models.layers import add_projected, fuse
+from engine.models.llama import LINEAR_TYPES, PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.parallel.sharding import Shard
+
+QWEN3_5_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM"})
+
+
+class _OwnNorms:
+    """Layers whose norms are the model's own modules (one plus the weight, in fp32)."""
+
+    @staticmethod
+    def _norm(norm: Any, hidden: torch.Tensor, projection: nn.Module) -> torch.Tensor:
+        return norm(hidden)
+
+
+class GatedAttentionLayer(_OwnNorms, PagedLlamaLayer):
+    """A Qwen3.5 attention layer; `index` is its place in the KV cache."""
+
+    def _attention_parts(self, attn: Any, group: Any) -> None:
+        super()._attention_parts(attn, group)
+        self.num_heads //= 2  # q's projection holds each head's query and gate
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.qk_norm_weight = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        normed = self._norm(self.input_norm, hidden, self.qkv_proj)
+        qkv = self.qkv_proj(normed)
+        tokens, heads, dim = qkv.shape[0], self.num_heads, self.head_dim
+        kv = self.num_kv_heads * dim
+        query_gate = qkv[:, : 2 * heads * dim].view(tokens, heads, 2 * dim)
+        query = self.q_norm(query_gate[..., :dim])
+        gate = query_gate[..., dim:].reshape(tokens, heads * dim)
+        key = self.k_norm(qkv[:, 2 * heads * dim : 2 * heads * dim + kv].view(tokens, -1, dim))
+        value = qkv[:, 2 * heads * dim + kv :].reshape(tokens, -1, dim)
+        query, key = self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        out = metadata.backend.forward(
+            self.index, query, key, value, self.scaling, metadata, self.attention
+        )
+        attended = out.reshape(tokens, heads * dim) * torch.sigmoid(gate)
+        hidden = add_projected(self.o_proj, attended, hidden)
+        normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
+        return self._mlp(normed, hidden)
+
+
+class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
+    """A Qwen3.5 linear attention layer; `index` is the place of its first state (its
+    convolution's last inputs; its recurrent state follows)."""
+
+    def _attention_parts(self, net: Any, group: Any) -> None:
+        self.net = net
+        self.key_dim, self.value_dim = int(net.key_dim), int(net.value_dim)
+        self.value_heads, self.value_head_dim = int(net.num_v_heads), int(net.head_v_dim)
+        self.key_head_dim = int(net.head_k_dim)
+        # q, k and v (convolved), z, b and a from the same normed rows: one projection.
+        self.qkv_proj = fuse([net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a])
+        self.taps = net.conv1d.weight.detach()[:, 0].t().contiguous()
+        self.out_proj = net.out_proj
+        self.attention = None
+        self.layer_type = "linear_attention"
+
+    def _target_shapes(self) -> Shapes:
+        return {}
+
+    def state_specs(self) -> list[StateSpec]:
+        """A request's convolution inputs and its recurrent state (fp32, as transformers
+        keeps it)."""
+        width, channels = self.taps.shape
+        recurrent = (self.value_heads, self.key_head_dim, self.value_head_dim)
+        return [((int(width) - 1, int(channels)), None), (recurrent, torch.float32)]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        states = metadata.kv_cache.states
+        assert states is not None, "a recurrent model runs with its states"
+        normed = self._norm(self.input_norm, hidden, self.qkv_proj)
+        sizes = [self.key_dim * 2 + self.value_dim, self.value_dim, self.value_heads]
+        mixed, z, b, a = self.qkv_proj(normed).split([*sizes, self.value_heads], dim=-1)
+        mixed = F.silu(states.convolve(self.index, mixed, self.taps, None))
+        tokens = mixed.shape[0]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = b.sigmoid()
+        g = -self.net.A_log.float().exp() * F.softplus(a.float() + self.net.dt_bias)
+        out = delta_rule(
+            states,
+            self.index + 1,
+            q.reshape(tokens, -1, self.key_head_dim),
+            k.reshape(tokens, -1, self.key_head_dim),
+            v.reshape(tokens, -1, self.value_head_dim),
+            g,
+            beta,
+        )
+        per_head = (-1, self.value_head_dim)
+        gated = self.net.norm(out.reshape(per_head), z.reshape(per_head))
+        hidden = add_projected(self.out_proj, gated.reshape(tokens, self.value_dim), hidden)
+        normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
+        return self._mlp(normed, hidden)
+
+
+def delta_rule(
+    states: StateCache,
+    index: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule over the step's tokens (`[tokens, heads, dims]`), each request from
+    its state `index`, which it leaves updated: decode rows together, a prompt chunk at a time."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    step = states.step
+    assert step is not None
+    state = states.layers[index]
+    lens = step.query_lens
+    starts = np.cumsum(lens) - lens
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    single = np.flatnonzero(lens == 1)
+    if len(single):
+        rows = torch.from_numpy(starts[single]).to(v.device)
+        slots = torch.from_numpy(step.host_slots[single]).to(v.device)
+        found, held = torch_recurrent_gated_delta_rule(
+            *(t[rows][:, None] for t in (q, k, v, g, beta)),
+            initial_state=state.index_select(0, slots),
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        out[rows] = found[:, 0]
+        state.index_copy_(0, slots, held.to(state.dtype))
+    for row in np.flatnonzero(lens > 1):
+        span = slice(int(starts[row]), int(starts[row] + lens[row]))
+        slot = int(step.host_slots[row])
+        found, held = torch_chunk_gated_delta_rule(
+            *(t[span][None] for t in (q, k, v, g, beta)),
+            initial_state=state[slot : slot + 1],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        out[span] = found[0]
+        state[slot] = held[0].to(state.dtype)
+    return out
+
+
+def why_not_run(hf_model: Any) -> str:
+    """Empty where every projection of the model is a plain linear layer, else why not."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj")
+    for layer in hf_model.model.layers:
+        mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
+        mlp = layer.mlp
+        projections = [getattr(mixer, n) for n in names if hasattr(mixer, n)]
+        dense = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(p is None for p in dense):
+            return f"its MLP ({type(mlp).__name__}) is not a dense one Conveyor runs here"
+        if not all(type(p) in LINEAR_TYPES for p in [*projections, *dense]):
+            return "its projections are not plain linear layers (quantized weights?)"
+    return ""
+
+
+class _Layer:
+    """A Qwen3.5 decoder layer under the Llama layer's names (its DeltaNet as `self_attn`)."""
+
+    def __init__(self, layer: Any) -> None:
+        self.self_attn = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
+        self.mlp = layer.mlp
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+
+
+class PagedQwen3_5ForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    op_by_op = "Qwen3.5's linear attention layers"
+
+    def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
+        """Attention layers indexed by their place in the KV cache, DeltaNet layers by their
+        first state's among the states (two each)."""
+        attending = set(attending_layers(base.config))
+        layers: list[nn.Module] = []
+        cached, held = 0, 0
+        for i, layer in enumerate(base.layers):
+            if i in attending:
+                layers.append(GatedAttentionLayer(_Layer(layer), cached, shard))
+                cached += 1
+            else:
+                layers.append(GatedDeltaNetLayer(_Layer(layer), held, shard))
+                held += 2
+        return layers
+
+    def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden[logits_indices])
+
+    def state_specs(self) -> list[StateSpec]:
+        nets = [layer for layer in self.layers if isinstance(layer, GatedDeltaNetLayer)]
+        return [spec for layer in nets for spec in layer.state_specs()]
