@@ -11,9 +11,10 @@ their first quarter, and the attention's output is multiplied by sigmoid(gate) b
 norm scales by one plus its weight (the model's own modules compute them). Decode steps run op
 by op.
 
-The delta rule runs as transformers' reference computes it: a step's decode rows together, one
-token each (`torch_recurrent_gated_delta_rule`), and each prompt chunk by chunks of 64 tokens
-(`torch_chunk_gated_delta_rule`), from the state the request holds.
+The delta rule runs a step's decode rows together, one token each, in batched products over
+each row's state in place (`decode_rows`), and each prompt chunk as transformers' reference
+computes it, by chunks of 64 tokens (`torch_chunk_gated_delta_rule`), from the state the request
+holds.
 """
 
 from __future__ import annotations
@@ -149,10 +150,7 @@ def delta_rule(
 ) -> torch.Tensor:
     """The gated delta rule over the step's tokens (`[tokens, heads, dims]`), each request from
     its state `index`, which it leaves updated: decode rows together, a prompt chunk at a time."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (
-        torch_chunk_gated_delta_rule,
-        torch_recurrent_gated_delta_rule,
-    )
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     step = states.step
     assert step is not None
@@ -164,14 +162,9 @@ def delta_rule(
     if len(single):
         rows = torch.from_numpy(starts[single]).to(v.device)
         slots = torch.from_numpy(step.host_slots[single]).to(v.device)
-        found, held = torch_recurrent_gated_delta_rule(
-            *(t[rows][:, None] for t in (q, k, v, g, beta)),
-            initial_state=state.index_select(0, slots),
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
-        out[rows] = found[:, 0]
-        state.index_copy_(0, slots, held.to(state.dtype))
+        held = state.index_select(0, slots)
+        out[rows] = decode_rows(*(t[rows] for t in (q, k, v, g, beta)), held).to(out.dtype)
+        state.index_copy_(0, slots, held)
     for row in np.flatnonzero(lens > 1):
         span = slice(int(starts[row]), int(starts[row] + lens[row]))
         slot = int(step.host_slots[row])
@@ -184,6 +177,38 @@ def delta_rule(
         out[span] = found[0]
         state[slot] = held[0].to(state.dtype)
     return out
+
+
+def decode_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """One token of each row (`q`, `k` `[rows, key heads, key dims]`, `v` `[rows, value heads,
+    value dims]`, `g`, `beta` `[rows, value heads]`) through the rule, from `state` `[rows, value
+    heads, key dims, value dims]` (fp32), which it updates in place: the state decays by
+    `exp(g)`, takes `k (beta (v - S^T k))^T`, and is read by q (l2-normed q and k, q scaled by
+    the key dims' root, as transformers' reference computes it), with batched products."""
+    rows, heads, value_dims = v.shape
+    key_dims = k.shape[-1]
+    ratio = heads // k.shape[1]  # each key head serves that many consecutive value heads
+    q, k = (x.float().repeat_interleave(ratio, dim=1) for x in (q, k))
+    q = _l2_normed(q) / key_dims**0.5
+    k = _l2_normed(k)
+    pairs = rows * heads
+    held = state.view(pairs, key_dims, value_dims)
+    held.mul_(g.float().exp().view(pairs, 1, 1))
+    known = torch.bmm(k.view(pairs, 1, key_dims), held)
+    delta = (v.float().view(pairs, 1, value_dims) - known) * beta.float().view(pairs, 1, 1)
+    held.baddbmm_(k.view(pairs, key_dims, 1), delta)
+    return torch.bmm(q.view(pairs, 1, key_dims), held).view(rows, heads, value_dims)
+
+
+def _l2_normed(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
 def why_not_run(hf_model: Any) -> str:

@@ -89,3 +89,27 @@ def test_a_prompt_longer_than_a_chunk_of_the_rule():
 
 def test_prompt_logprobs_equal_transformers():
     check_prompt_logprobs(build(), chunk=7, length=30)
+
+
+def test_decode_rows_equal_transformers_recurrent_rule():
+    """Rows of one token each through the batched rule, in place, against transformers'
+    token-by-token reference (two value heads a key head)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    from engine.models.qwen3_5 import decode_rows
+
+    torch.manual_seed(2)
+    rows, key_heads, heads, key_dims, value_dims = 3, 2, 4, 8, 6
+    q, k = (torch.randn(rows, key_heads, key_dims) for _ in range(2))
+    v = torch.randn(rows, heads, value_dims)
+    g, beta = -torch.rand(rows, heads), torch.rand(rows, heads)
+    state = torch.randn(rows, heads, key_dims, value_dims)
+    expected, held = torch_recurrent_gated_delta_rule(
+        *(t[:, None] for t in (q, k, v, g, beta)),
+        initial_state=state.clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    out = decode_rows(q, k, v, g, beta, state)
+    torch.testing.assert_close(out, expected[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, held, rtol=1e-5, atol=1e-5)
