@@ -163,7 +163,8 @@ def delta_rule(
         rows = torch.from_numpy(starts[single]).to(v.device)
         slots = torch.from_numpy(step.host_slots[single]).to(v.device)
         held = state.index_select(0, slots)
-        out[rows] = decode_rows(*(t[rows] for t in (q, k, v, g, beta)), held).to(out.dtype)
+        found = decode_rows(q[rows], k[rows], v[rows], g[rows], beta[rows], held)
+        out[rows] = found.to(out.dtype)
         state.index_copy_(0, slots, held)
     for row in np.flatnonzero(lens > 1):
         span = slice(int(starts[row]), int(starts[row] + lens[row]))
