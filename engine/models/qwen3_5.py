@@ -12,9 +12,8 @@ norm scales by one plus its weight (the model's own modules compute them). Decod
 by op.
 
 The delta rule runs a step's decode rows together, one token each, in batched products over
-each row's state in place (`decode_rows`), and each prompt chunk as transformers' reference
-computes it, by chunks of 64 tokens (`torch_chunk_gated_delta_rule`), from the state the request
-holds.
+each row's state in place (`decode_rows`), and each prompt chunk by chunks of 64 tokens as
+transformers' reference computes it (`prompt_rows`), from the state the request holds.
 """
 
 from __future__ import annotations
@@ -150,7 +149,6 @@ def delta_rule(
 ) -> torch.Tensor:
     """The gated delta rule over the step's tokens (`[tokens, heads, dims]`), each request from
     its state `index`, which it leaves updated: decode rows together, a prompt chunk at a time."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     step = states.step
     assert step is not None
@@ -169,14 +167,8 @@ def delta_rule(
     for row in np.flatnonzero(lens > 1):
         span = slice(int(starts[row]), int(starts[row] + lens[row]))
         slot = int(step.host_slots[row])
-        found, held = torch_chunk_gated_delta_rule(
-            *(t[span][None] for t in (q, k, v, g, beta)),
-            initial_state=state[slot : slot + 1],
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
-        out[span] = found[0]
-        state[slot] = held[0].to(state.dtype)
+        found = prompt_rows(q[span], k[span], v[span], g[span], beta[span], state[slot])
+        out[span] = found.to(out.dtype)
     return out
 
 
@@ -206,6 +198,62 @@ def decode_rows(
     delta = (v.float().view(pairs, 1, value_dims) - known) * beta.float().view(pairs, 1, 1)
     held.baddbmm_(k.view(pairs, key_dims, 1), delta)
     return torch.bmm(q.view(pairs, 1, key_dims), held).view(rows, heads, value_dims)
+
+
+# Tokens a chunk of a prompt's rule: within one, the rule is a few products; chunks run in turn.
+RULE_CHUNK = 64
+
+
+def prompt_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """A prompt chunk's tokens (`q`, `k` `[tokens, key heads, key dims]`, `v` `[tokens, value
+    heads, value dims]`, `g`, `beta` `[tokens, value heads]`) through the rule from one request's
+    `state` `[value heads, key dims, value dims]` (fp32), updated in place; the output in fp32.
+    By chunks of `RULE_CHUNK` tokens, as transformers' reference computes it: within a chunk the
+    delta rule's corrections come from one unit lower triangular solve (its UT transform), and
+    each chunk reads the state the chunks before it left."""
+    tokens, heads, value_dims = v.shape
+    key_dims = k.shape[-1]
+    ratio = heads // k.shape[1]
+    q, k = (x.float().repeat_interleave(ratio, dim=1) for x in (q, k))
+    q = _l2_normed(q) / key_dims**0.5
+    k = _l2_normed(k)
+    pad = -tokens % RULE_CHUNK
+    count = (tokens + pad) // RULE_CHUNK
+
+    def by_chunk(x: torch.Tensor) -> torch.Tensor:
+        """`[tokens, heads, ...]` as `[heads, chunks, RULE_CHUNK, ...]`, zeros after the end."""
+        x = torch.cat([x.float(), x.new_zeros((pad, *x.shape[1:]), dtype=torch.float32)])
+        return x.view(count, RULE_CHUNK, heads, *x.shape[2:]).movedim(2, 0)
+
+    q, k, v, g, beta = (by_chunk(x) for x in (q, k, v, g, beta))
+    decays = g.cumsum(-1)  # each position's decay since the chunk began, in log space
+    causal = torch.ones(RULE_CHUNK, RULE_CHUNK, dtype=torch.bool, device=v.device).tril()
+    between = decays[..., :, None] - decays[..., None, :]
+    pairwise = between.masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    unit = torch.eye(RULE_CHUNK, device=v.device)
+    system = ((k_beta @ k.transpose(-1, -2)) * pairwise).tril(-1) + unit
+    targets = torch.cat([v * beta[..., None], k_beta * decays.exp()[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(system, targets, upper=False, unitriangular=True)
+    values, reads = solved[..., :value_dims], solved[..., value_dims:]
+    within = (q @ k.transpose(-1, -2)) * pairwise
+    q = q * decays.exp()[..., None]
+    last = decays[..., -1:]
+    k = k * (last - decays).exp()[..., None]
+    chunk_decay = last.exp()[..., None]
+    out = torch.empty_like(values)
+    for i in range(count):
+        corrected = values[:, i] - reads[:, i] @ state
+        out[:, i] = q[:, i] @ state + within[:, i] @ corrected
+        state.mul_(chunk_decay[:, i]).add_(k[:, i].transpose(-1, -2) @ corrected)
+    return out.movedim(0, 2).reshape(count * RULE_CHUNK, heads, value_dims)[:tokens]
 
 
 def _l2_normed(x: torch.Tensor) -> torch.Tensor:

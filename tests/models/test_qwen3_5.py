@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
@@ -113,3 +114,28 @@ def test_decode_rows_equal_transformers_recurrent_rule():
     out = decode_rows(q, k, v, g, beta, state)
     torch.testing.assert_close(out, expected[:, 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, held, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [5, 64, 150])
+def test_prompt_rows_equal_transformers_chunked_rule(tokens):
+    """A prompt chunk through the rule by chunks of 64 tokens, from a state it updates in
+    place, against transformers' chunked reference (two value heads a key head)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    from engine.models.qwen3_5 import prompt_rows
+
+    torch.manual_seed(3)
+    key_heads, heads, key_dims, value_dims = 2, 4, 8, 6
+    q, k = (torch.randn(tokens, key_heads, key_dims) for _ in range(2))
+    v = torch.randn(tokens, heads, value_dims)
+    g, beta = -2 * torch.rand(tokens, heads), torch.rand(tokens, heads)
+    state = torch.randn(heads, key_dims, value_dims)
+    expected, held = torch_chunk_gated_delta_rule(
+        *(t[None] for t in (q, k, v, g, beta)),
+        initial_state=state[None].clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    out = prompt_rows(q, k, v, g, beta, state)
+    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, held[0], rtol=1e-5, atol=1e-5)
