@@ -36,6 +36,7 @@ CASTING_ROUTERS = frozenset(
         "HunYuanMoEV1Gate",
         "GraniteMoeTopKRouter",
         "GraniteMoeSharedTopKRouter",
+        "Qwen3_5MoeTopKRouter",
     }
 )
 # A block's shared expert by its families' names: Qwen2-MoE's one (behind a gate), DeepSeek's

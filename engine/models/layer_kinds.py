@@ -29,6 +29,7 @@ RECURRENT_MODELS = frozenset({"RwkvForCausalLM"})
 STATEFUL_FAMILIES = {
     "Lfm2ForCausalLM": frozenset({"conv"}),
     "Qwen3_5ForCausalLM": frozenset({"linear_attention"}),
+    "Qwen3_5MoeForCausalLM": frozenset({"linear_attention"}),
 }
 
 

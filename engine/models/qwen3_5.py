@@ -1,15 +1,14 @@
-"""Qwen3.5's text models on Conveyor's decoder: three in four layers mix tokens by a Gated
-DeltaNet (linear attention with a recurrent state per request), the others attend with an output
-gate. A DeltaNet layer projects each normed row to q, k and v (through a short causal
-convolution and silu), to a gate `z`, and to each value head's write strength `beta` and decay
-`g`; each request's state `[value heads, key dims, value dims]` decays by `exp(g)` and takes the
-delta rule's correction of each token (`S += k (beta (v - S^T k))^T`), read out by q; the
-output is normed, gated by silu(z) and projected. Both the convolution's last inputs and the
-state stay per request in the state cache (`kv/state_cache.py`). An attention layer's q
-projection holds each head's query beside its gate; q and k are normed per head, rotate over
-their first quarter, and the attention's output is multiplied by sigmoid(gate) before o. Every
-norm scales by one plus its weight (the model's own modules compute them). Decode steps run op
-by op.
+"""Qwen3.5's text models (dense, and with experts in every layer) on Conveyor's decoder: three in
+four layers mix tokens by a Gated DeltaNet (linear attention with a recurrent state per request),
+the others attend with an output gate. A DeltaNet layer projects each normed row to q, k and v
+(through a short causal convolution and silu), to a gate `z`, and to each value head's write
+strength `beta` and decay `g`; each request's state `[value heads, key dims, value dims]` decays by
+`exp(g)` and takes the delta rule's correction of each token (`S += k (beta (v - S^T k))^T`), read
+out by q; the output is normed, gated by silu(z) and projected. Both the convolution's last inputs
+and the state stay per request in the state cache (`kv/state_cache.py`). An attention layer's q
+projection holds each head's query beside its gate; q and k are normed per head, rotate over their
+first quarter, and the attention's output is multiplied by sigmoid(gate) before o. Every norm scales
+by one plus its weight (the model's own modules compute them). Decode steps run op by op.
 
 The delta rule runs a step's decode rows together, one token each, in batched products over
 each row's state in place (`decode_rows`), and each prompt chunk by chunks of 64 tokens as
@@ -28,12 +27,13 @@ from torch import nn
 from engine.attention.backend import AttentionMetadata
 from engine.kv.state_cache import StateCache, StateSpec
 from engine.lora.adapter import Shapes
+from engine.models.experts import is_sparse
 from engine.models.layer_kinds import attending_layers
 from engine.models.layers import add_projected, fuse
 from engine.models.llama import LINEAR_TYPES, PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.parallel.sharding import Shard
 
-QWEN3_5_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM"})
+QWEN3_5_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})
 
 
 class _OwnNorms:
@@ -75,8 +75,7 @@ class GatedAttentionLayer(_OwnNorms, PagedLlamaLayer):
         )
         attended = out.reshape(tokens, heads * dim) * torch.sigmoid(gate)
         hidden = add_projected(self.o_proj, attended, hidden)
-        normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
-        return self._mlp(normed, hidden)
+        return self._mlp(self.post_attention_norm(hidden), hidden)
 
 
 class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
@@ -134,8 +133,7 @@ class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
         per_head = (-1, self.value_head_dim)
         gated = self.net.norm(out.reshape(per_head), z.reshape(per_head))
         hidden = add_projected(self.out_proj, gated.reshape(tokens, self.value_dim), hidden)
-        normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
-        return self._mlp(normed, hidden)
+        return self._mlp(self.post_attention_norm(hidden), hidden)
 
 
 def delta_rule(
@@ -267,10 +265,9 @@ def why_not_run(hf_model: Any) -> str:
         mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
         mlp = layer.mlp
         projections = [getattr(mixer, n) for n in names if hasattr(mixer, n)]
-        dense = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(p is None for p in dense):
-            return f"its MLP ({type(mlp).__name__}) is not a dense one Conveyor runs here"
-        if not all(type(p) in LINEAR_TYPES for p in [*projections, *dense]):
+        if not is_sparse(mlp):
+            projections += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if not all(type(p) in LINEAR_TYPES for p in projections):
             return "its projections are not plain linear layers (quantized weights?)"
     return ""
 

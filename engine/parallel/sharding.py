@@ -45,6 +45,7 @@ FUSED_EXPERTS = frozenset(
         "DeepseekV2Experts",
         "GraniteMoeExperts",
         "GraniteMoeSharedExperts",
+        "Qwen3_5MoeExperts",
     }
 )
 # Hugging Face's expert classes that hold `x @ W` weights with gate and up interleaved

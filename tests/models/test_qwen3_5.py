@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from engine.core.sampling_params import SamplingParams
 from engine.models.qwen3_5 import GatedAttentionLayer, GatedDeltaNetLayer, PagedQwen3_5ForCausalLM
@@ -38,11 +39,31 @@ def config(**overrides: object) -> Qwen3_5TextConfig:
     )
 
 
-def build(**overrides: object):
+def moe_config() -> Qwen3_5MoeTextConfig:
+    """Qwen3.5's experts in every layer (8, 3 a token) beside a gated shared expert."""
+    shape = COMMON | {"num_hidden_layers": len(LAYER_TYPES)}
+    return Qwen3_5MoeTextConfig(
+        **shape,
+        head_dim=16,
+        layer_types=LAYER_TYPES,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )
+
+
+def build(moe: bool = False, **overrides: object):
     """A tiny random Qwen3.5, its norms (zero-centred: ones added) and decays drawn so they
     count."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config(**overrides)).eval()
+    made = moe_config() if moe else config(**overrides)
+    model = AutoModelForCausalLM.from_config(made).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -57,9 +78,10 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(2, 320) for _ in range(n)] for n in (1, 3, 9, 17, 30, 70, 24)]
 
 
-def test_greedy_matches_generate_under_chunking_and_preemption():
-    model = build()
-    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+@pytest.mark.parametrize("moe", [False, True])
+def test_greedy_matches_generate_under_chunking_and_preemption(moe):
+    model = build(moe)
+    assert type(model).__name__ == ("Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM")
     expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
     core, _ = tiny_core(model, num_blocks=24, max_model_len=96, max_num_batched_tokens=12)
     chunked = record_chunking(core)
@@ -75,6 +97,7 @@ def test_greedy_matches_generate_under_chunking_and_preemption():
     ]
     assert [type(layer) for layer in paged.layers] == kinds
     assert core.runner.kv_cache.spec.num_layers == 1
+    assert [layer.moe is not None for layer in paged.layers] == [moe] * len(LAYER_TYPES)
     shapes = [tuple(s.shape) for s in core.runner.kv_cache.states.layers]
     assert shapes == [(64, 3, 2 * 16 + 48), (64, 4, 8, 12)] * 3
 
