@@ -119,7 +119,10 @@ class StateCache:
         windows, kept = step.conv_windows(int(width))
         held = state.index_select(0, step.slots).to(inputs.dtype)
         pool = torch.cat([held.reshape(-1, channels), inputs])
-        out = (pool[windows].float() * taps.float()).sum(dim=1)
+        weights = taps.float()
+        out = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
+        for tap in range(int(width)):  # each tap over every token at once
+            out.addcmul_(pool[windows[:, tap]].float(), weights[tap])
         if bias is not None:
             out = out + bias.float()
         new = pool[kept].view(-1, width - 1, channels).to(state.dtype)

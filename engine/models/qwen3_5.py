@@ -157,16 +157,31 @@ def delta_rule(
     single = np.flatnonzero(lens == 1)
     if len(single):
         rows = torch.from_numpy(starts[single]).to(v.device)
-        slots = torch.from_numpy(step.host_slots[single]).to(v.device)
-        held = state.index_select(0, slots)
-        found = decode_rows(q[rows], k[rows], v[rows], g[rows], beta[rows], held)
+        slots = step.host_slots[single].tolist()
+        found = decode_rows(q[rows], k[rows], v[rows], g[rows], beta[rows], state, slots)
         out[rows] = found.to(out.dtype)
-        state.index_copy_(0, slots, held)
-    for row in np.flatnonzero(lens > 1):
-        span = slice(int(starts[row]), int(starts[row] + lens[row]))
-        slot = int(step.host_slots[row])
-        found = prompt_rows(q[span], k[span], v[span], g[span], beta[span], state[slot])
-        out[span] = found.to(out.dtype)
+    for length in np.unique(lens[lens > 1]):
+        # The prompt chunks of one length run together, each row's heads beside the others'.
+        group = np.flatnonzero(lens == length)
+        spans = [slice(int(starts[row]), int(starts[row] + length)) for row in group]
+        group_slots = torch.from_numpy(step.host_slots[group]).to(v.device)
+
+        def side_by_side(x: torch.Tensor, spans: list[slice] = spans) -> torch.Tensor:
+            stacked = torch.stack([x[span] for span in spans], dim=1)  # [length, rows, heads, ..]
+            return stacked.flatten(1, 2)
+
+        held = state.index_select(0, group_slots)
+        found = prompt_rows(
+            side_by_side(q),
+            side_by_side(k),
+            side_by_side(v),
+            side_by_side(g),
+            side_by_side(beta),
+            held.flatten(0, 1),
+        ).view(int(length), len(group), *v.shape[1:])
+        state.index_copy_(0, group_slots, held)
+        for i, span in enumerate(spans):
+            out[span] = found[:, i].to(out.dtype)
     return out
 
 
@@ -176,26 +191,33 @@ def decode_rows(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    state: torch.Tensor,
+    states: torch.Tensor,
+    slots: list[int],
 ) -> torch.Tensor:
     """One token of each row (`q`, `k` `[rows, key heads, key dims]`, `v` `[rows, value heads,
-    value dims]`, `g`, `beta` `[rows, value heads]`) through the rule, from `state` `[rows, value
-    heads, key dims, value dims]` (fp32), which it updates in place: the state decays by
-    `exp(g)`, takes `k (beta (v - S^T k))^T`, and is read by q (l2-normed q and k, q scaled by
-    the key dims' root, as transformers' reference computes it), with batched products."""
+    value dims]`, `g`, `beta` `[rows, value heads]`) through the rule, row i from its state
+    `states[slots[i]]` `[value heads, key dims, value dims]` (fp32), updated in place: the state
+    decays by `a = exp(g)` and takes `k d^T`, where `d = beta (v - a S^T k)`, and the output is
+    its read by q, `a S^T q + (q . k) d` (l2-normed q and k, q scaled by the key dims' root, as
+    transformers' reference computes it). Each state is read once for both of its products and
+    updated in place, never gathered."""
     rows, heads, value_dims = v.shape
     key_dims = k.shape[-1]
     ratio = heads // k.shape[1]  # each key head serves that many consecutive value heads
     q, k = (x.float().repeat_interleave(ratio, dim=1) for x in (q, k))
     q = _l2_normed(q) / key_dims**0.5
     k = _l2_normed(k)
-    pairs = rows * heads
-    held = state.view(pairs, key_dims, value_dims)
-    held.mul_(g.float().exp().view(pairs, 1, 1))
-    known = torch.bmm(k.view(pairs, 1, key_dims), held)
-    delta = (v.float().view(pairs, 1, value_dims) - known) * beta.float().view(pairs, 1, 1)
-    held.baddbmm_(k.view(pairs, key_dims, 1), delta)
-    return torch.bmm(q.view(pairs, 1, key_dims), held).view(rows, heads, value_dims)
+    decay = g.float().exp()
+    both = torch.stack([k, q], dim=2)  # [rows, heads, 2, key dims]
+    dots = (q * k).sum(dim=-1)
+    out = torch.empty((rows, heads, value_dims), dtype=torch.float32, device=v.device)
+    for row, slot in enumerate(slots):
+        state, a = states[slot], decay[row, :, None]
+        known, read = torch.bmm(both[row], state).unbind(dim=1)  # [heads, value dims] each
+        written = (v[row].float() - a * known) * beta[row, :, None].float()
+        out[row] = a * read + dots[row, :, None] * written
+        state.mul_(a[..., None]).baddbmm_(k[row, :, :, None], written[:, None])
+    return out
 
 
 # Tokens a chunk of a prompt's rule: within one, the rule is a few products; chunks run in turn.

@@ -116,8 +116,8 @@ def test_prompt_logprobs_equal_transformers():
 
 
 def test_decode_rows_equal_transformers_recurrent_rule():
-    """Rows of one token each through the batched rule, in place, against transformers'
-    token-by-token reference (two value heads a key head)."""
+    """Rows of one token each through the rule, each over its slot's state in place, against
+    transformers' token-by-token reference (two value heads a key head)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
     from engine.models.qwen3_5 import decode_rows
@@ -127,16 +127,19 @@ def test_decode_rows_equal_transformers_recurrent_rule():
     q, k = (torch.randn(rows, key_heads, key_dims) for _ in range(2))
     v = torch.randn(rows, heads, value_dims)
     g, beta = -torch.rand(rows, heads), torch.rand(rows, heads)
-    state = torch.randn(rows, heads, key_dims, value_dims)
+    states = torch.randn(rows + 2, heads, key_dims, value_dims)
+    slots = [3, 0, 4]  # each row's slot among the states
     expected, held = torch_recurrent_gated_delta_rule(
         *(t[:, None] for t in (q, k, v, g, beta)),
-        initial_state=state.clone(),
+        initial_state=states[slots].clone(),
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
     )
-    out = decode_rows(q, k, v, g, beta, state)
+    untouched = states[[1, 2]].clone()
+    out = decode_rows(q, k, v, g, beta, states, slots)
     torch.testing.assert_close(out, expected[:, 0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, held, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states[slots], held, rtol=1e-5, atol=1e-5)
+    assert torch.equal(states[[1, 2]], untouched)
 
 
 @pytest.mark.parametrize("tokens", [5, 64, 150])
@@ -162,3 +165,15 @@ def test_prompt_rows_equal_transformers_chunked_rule(tokens):
     out = prompt_rows(q, k, v, g, beta, state)
     torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state, held[0], rtol=1e-5, atol=1e-5)
+
+
+def test_prompts_of_one_length_run_the_rule_together():
+    """Prompts of the same length in one step run the chunked rule as one, each row from its own
+    state: the same tokens as each alone."""
+    model = build()
+    rng = random.Random(8)
+    same = [[rng.randrange(2, 320) for _ in range(9)] for _ in range(3)]
+    expected = [reference_greedy(model, p, MAX_NEW) for p in same]
+    core, _ = tiny_core(model)
+    outputs = run_all(core, same, GREEDY)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(3)] == expected
