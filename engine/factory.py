@@ -812,11 +812,11 @@ def _num_blocks(
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.kv_cache_memory is not None:
-        budget = cache.kv_cache_memory
-    elif device.type == "cuda":
+        budget = _less_states(cache.kv_cache_memory, states)
+    elif device.type == "cuda":  # measured with the states held already
         budget = _cuda_kv_budget(config, spec, device, model, backend, model_len, states)
     else:
-        budget = DEFAULT_CPU_KV_CACHE_BYTES
+        budget = _less_states(DEFAULT_CPU_KV_CACHE_BYTES, states)
     # A draft model's cache has as many blocks: each block of the budget pays for both.
     share = budget * spec.bytes_per_block // (spec.bytes_per_block + draft_block_bytes)
     num_blocks = spec.num_blocks_for(share)
@@ -825,6 +825,20 @@ def _num_blocks(
             f"the KV cache budget of {budget} bytes holds no block of {spec.bytes_per_block} bytes"
         )
     return num_blocks
+
+
+def _less_states(budget: int, states: StateCache | None) -> int:
+    """A fixed KV budget less what a recurrent model's states take of it (they share it, as the
+    blocks and the states both grow with the requests held)."""
+    if states is None:
+        return budget
+    if states.num_bytes >= budget:
+        raise ValueError(
+            f"the recurrent states of {states.num_slots} requests take {states.num_bytes} bytes, "
+            f"the whole KV cache budget of {budget}: lower --max-num-seqs or raise "
+            "--kv-cache-memory"
+        )
+    return budget - states.num_bytes
 
 
 def _cuda_kv_budget(

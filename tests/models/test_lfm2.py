@@ -176,3 +176,17 @@ def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
         assert tokens == [reference_greedy(model, p, MAX_NEW) for p in prompts()]
     finally:
         core.close()
+
+
+def test_the_states_take_their_share_of_the_kv_budget():
+    """A fixed KV budget pays for the states first, and the blocks get the rest; states that
+    would take it all are refused, naming the flags."""
+    model = build()
+    budget = 400_000
+    core, _ = tiny_core(model, num_blocks=None, kv_cache_memory=budget, max_num_seqs=8)
+    states = core.runner.kv_cache.states
+    spec = core.runner.kv_cache.spec
+    assert states is not None and states.num_bytes == 8 * 3 * 2 * 64 * 4
+    assert core.runner.kv_cache.num_blocks == (budget - states.num_bytes) // spec.bytes_per_block
+    with pytest.raises(ValueError, match="lower --max-num-seqs or raise --kv-cache-memory"):
+        tiny_core(model, num_blocks=None, kv_cache_memory=states.num_bytes, max_num_seqs=8)
