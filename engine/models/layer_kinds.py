@@ -62,9 +62,9 @@ def keeps_state(hf_model: Any) -> bool:
 
 def attending_layers(config: Any) -> list[int]:
     """The indices of the layers that attend (and hold K/V in the cache): those whose kind keeps
-    no recurrent state; every layer where the config names no kinds."""
-    kinds = getattr(config, "layer_types", None)
-    if not kinds:
+    no recurrent state; every layer where no kind the config names keeps one."""
+    kinds = getattr(config, "layer_types", None) or ()
+    if not set(kinds) & RECURRENT_KINDS:
         return list(range(config.num_hidden_layers))
     return [i for i, kind in enumerate(kinds) if kind not in RECURRENT_KINDS]
 
