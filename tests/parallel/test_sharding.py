@@ -461,3 +461,18 @@ def test_split_norms_scale_as_their_familys_norm_does(name):
         assert torch.equal(q_ours, attn.q_norm(q)) and torch.equal(k_ours, attn.k_norm(k))
         norms.in_fp32 = not norms.in_fp32
         assert not torch.equal(norms(q, k)[0], attn.q_norm(q))
+
+
+@pytest.mark.parametrize("name", ["glm4-moe", "ernie4.5-moe", "hunyuan-moe", "granite-moe"])
+def test_two_ranks_compute_each_mixture_of_experts_logits(name):
+    """The mixtures of experts of `tests/models/test_moe.py` (routers chosen by a bias, within
+    groups, softmaxed over their top logits; shared experts, dense first layers) across two
+    ranks: the whole model's logits (the engine serves two of them across ranks there)."""
+    from tests.models.test_moe import build as build_moe
+
+    hf_model = build_moe(name)
+    prompt = [5, 17, 200, 3, 64, 9, 300, 11, 42]
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt])).logits[0]
+    for logits in run_ranks(2, lambda group: rank_logits(hf_model, group, prompt)):
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
