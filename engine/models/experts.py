@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.models.layers import clamped_swiglu, gated_activation
 from engine.models.routing import BiasedRouter, GroupLimitedRouter, router_of
-from engine.parallel.sharding import FUSED_EXPERTS, TRANSPOSED_EXPERTS
+from engine.parallel.sharding import HF_EXPERTS, TRANSPOSED_EXPERTS
 
 # Routers without `norm_topk_prob` that still cast their weights to the logits' dtype.
 CASTING_ROUTERS = frozenset(
@@ -47,7 +47,6 @@ SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
 TOP_LOGIT_ROUTERS = frozenset(
     {"GptOssTopKRouter", "GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter"}
 )
-HF_EXPERTS = FUSED_EXPERTS | TRANSPOSED_EXPERTS
 # Why steps of such a model run eagerly: no CUDA graph or compiled piece holds a host sync.
 SPARSE_ON_HOST = "mixture-of-experts layers group their tokens by expert on the host"
 

@@ -54,12 +54,6 @@ def why_not_served(hf_model: Any) -> str:
     return ""
 
 
-def keeps_state(hf_model: Any) -> bool:
-    """Whether some layer of the model keeps a per-request state Conveyor's decoder computes."""
-    kinds = set(getattr(_text_config(hf_model), "layer_types", None) or ())
-    return bool(kinds & STATEFUL_FAMILIES.get(type(hf_model).__name__, frozenset()))
-
-
 def attending_layers(config: Any) -> list[int]:
     """The indices of the layers that attend (and hold K/V in the cache): those whose kind keeps
     no recurrent state; every layer where no kind the config names keeps one."""

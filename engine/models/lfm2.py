@@ -17,9 +17,13 @@ from torch import nn
 from engine.attention.backend import AttentionMetadata
 from engine.kv.state_cache import StateSpec
 from engine.lora.adapter import Shapes
-from engine.models.layer_kinds import attending_layers
 from engine.models.layers import add_projected
-from engine.models.llama import LINEAR_TYPES, PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.models.llama import (
+    PagedLlamaForCausalLM,
+    PagedLlamaLayer,
+    hybrid_layers,
+    not_plain,
+)
 from engine.parallel.sharding import Shard
 
 LFM2_ARCHITECTURES = frozenset({"Lfm2ForCausalLM"})
@@ -62,8 +66,9 @@ def why_not_run(hf_model: Any) -> str:
         names = ("q_proj", "k_proj", "v_proj", "out_proj", "in_proj")
         projections = [getattr(mixer, n) for n in names if hasattr(mixer, n)]
         ff = layer.feed_forward
-        if not all(type(p) in LINEAR_TYPES for p in [*projections, ff.w1, ff.w2, ff.w3]):
-            return "its projections are not plain linear layers (quantized weights?)"
+        reason = not_plain([*projections, ff.w1, ff.w2, ff.w3])
+        if reason:
+            return reason
     return ""
 
 
@@ -114,23 +119,8 @@ class PagedLfm2ForCausalLM(PagedLlamaForCausalLM):
     op_by_op = "LFM2's convolution layers"
 
     def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
-        """Attention layers indexed by their place in the KV cache, convolution layers by
-        theirs among the states."""
-        attending = set(attending_layers(base.config))
-        layers: list[nn.Module] = []
-        counts = {True: 0, False: 0}
-        for i, layer in enumerate(base.layers):
-            attends = i in attending
-            kind = PagedLlamaLayer if attends else ShortConvLayer
-            layers.append(kind(_Layer(layer), counts[attends], shard))
-            counts[attends] += 1
-        return layers
+        return hybrid_layers(base, shard, PagedLlamaLayer, ShortConvLayer, _Layer)
 
     @staticmethod
     def _final_norm(base: Any) -> Any:
         return base.embedding_norm
-
-    def state_specs(self) -> list[StateSpec]:
-        """Each convolution layer's state a request, in order."""
-        convolutions = [layer for layer in self.layers if isinstance(layer, ShortConvLayer)]
-        return [spec for layer in convolutions for spec in layer.state_specs()]

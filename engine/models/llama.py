@@ -12,6 +12,7 @@ is built. The Hugging Face model stays the oracle: greedy tokens from both must 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -32,6 +33,7 @@ from engine.lora.adapter import Shapes
 from engine.lora.slots import LoRASlots
 from engine.models.base import ImageRows, with_image_rows, with_layer_rows
 from engine.models.experts import SparseMoE, is_sparse
+from engine.models.layer_kinds import attending_layers
 from engine.models.layers import add_projected, fuse, gated_activation, rms_norm, rotate
 from engine.models.rotary_table import RotaryTable, typed_rotary_tables
 from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, reduced
@@ -128,9 +130,18 @@ def plain_projections(layers: Any) -> str:
             if getattr(mlp, "experts", None) is not None:
                 return f"its experts ({type(mlp.experts).__name__}) are not ones Conveyor runs"
             projections += gate_projections(mlp)
-        if not all(type(p) in LINEAR_TYPES for p in projections):
-            return "its projections are not plain linear layers (quantized weights?)"
+        reason = not_plain(projections)
+        if reason:
+            return reason
     return ""
+
+
+def not_plain(projections: list[Any]) -> str:
+    """Empty where every one of `projections` is a plain linear layer (in any of Conveyor's
+    forms), else why not."""
+    if all(type(p) in LINEAR_TYPES for p in projections):
+        return ""
+    return "its projections are not plain linear layers (quantized weights?)"
 
 
 def layer_mlp(layer: Any) -> Any:
@@ -315,6 +326,10 @@ class PagedLlamaLayer(nn.Module):
                 norms[1].weight.expand(self.num_kv_heads, -1),
             ]
         )
+
+    def state_specs(self) -> list[StateSpec]:
+        """The per-request states the layer keeps (none: it attends, its K/V in the cache)."""
+        return []
 
     def forward(
         self,
@@ -503,7 +518,7 @@ class PagedLlamaForCausalLM(nn.Module):
     def state_specs(self) -> list[StateSpec]:
         """The per-request states of the layers that keep one, in order (none: every layer
         attends)."""
-        return []
+        return [spec for layer in self._paged_layers for spec in layer.state_specs()]
 
     def attach_lora(self, slots: LoRASlots) -> None:
         """Serve LoRA adapters from `slots`: a step that runs any takes the layers op by op."""
@@ -630,6 +645,31 @@ class PagedLlamaForCausalLM(nn.Module):
         if self.fused_decode.route is DecodeRoute.OPS or adapted or not _fp32_rows(hidden):
             return None
         return metadata.backend.decode_step(metadata)
+
+
+def hybrid_layers(
+    base: Any,
+    shard: Shard | None,
+    attending: type[PagedLlamaLayer],
+    stateful: type[PagedLlamaLayer],
+    view: Callable[[Any], Any],
+) -> list[nn.Module]:
+    """Conveyor's layer for each decoder layer of a model whose layers attend or keep a state
+    (LFM2's, Qwen3.5's), over `view(layer)`, the layer under the Llama layer's names: an
+    attending layer indexed by its place in the KV cache, a state-keeping one by the place of
+    its first state among the model's states."""
+    attends = set(attending_layers(base.config))
+    layers: list[nn.Module] = []
+    cached, held = 0, 0
+    for i, layer in enumerate(base.layers):
+        if i in attends:
+            layers.append(attending(view(layer), cached, shard))
+            cached += 1
+        else:
+            built = stateful(view(layer), held, shard)
+            layers.append(built)
+            held += len(built.state_specs())
+    return layers
 
 
 def _fp32_rows(hidden: torch.Tensor) -> bool:

@@ -28,9 +28,13 @@ from engine.attention.backend import AttentionMetadata
 from engine.kv.state_cache import StateCache, StateSpec
 from engine.lora.adapter import Shapes
 from engine.models.experts import is_sparse
-from engine.models.layer_kinds import attending_layers
 from engine.models.layers import add_projected, fuse
-from engine.models.llama import LINEAR_TYPES, PagedLlamaForCausalLM, PagedLlamaLayer
+from engine.models.llama import (
+    PagedLlamaForCausalLM,
+    PagedLlamaLayer,
+    hybrid_layers,
+    not_plain,
+)
 from engine.parallel.sharding import Shard
 
 QWEN3_5_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})
@@ -202,11 +206,7 @@ def decode_rows(
     transformers' reference computes it). Each state is read once for both of its products and
     updated in place, never gathered."""
     rows, heads, value_dims = v.shape
-    key_dims = k.shape[-1]
-    ratio = heads // k.shape[1]  # each key head serves that many consecutive value heads
-    q, k = (x.float().repeat_interleave(ratio, dim=1) for x in (q, k))
-    q = _l2_normed(q) / key_dims**0.5
-    k = _l2_normed(k)
+    q, k = _rule_qk(q, k, heads)
     decay = g.float().exp()
     both = torch.stack([k, q], dim=2)  # [rows, heads, 2, key dims]
     dots = (q * k).sum(dim=-1)
@@ -239,11 +239,7 @@ def prompt_rows(
     delta rule's corrections come from one unit lower triangular solve (its UT transform), and
     each chunk reads the state the chunks before it left."""
     tokens, heads, value_dims = v.shape
-    key_dims = k.shape[-1]
-    ratio = heads // k.shape[1]
-    q, k = (x.float().repeat_interleave(ratio, dim=1) for x in (q, k))
-    q = _l2_normed(q) / key_dims**0.5
-    k = _l2_normed(k)
+    q, k = _rule_qk(q, k, heads)
     pad = -tokens % RULE_CHUNK
     count = (tokens + pad) // RULE_CHUNK
 
@@ -276,6 +272,14 @@ def prompt_rows(
     return out.movedim(0, 2).reshape(count * RULE_CHUNK, heads, value_dims)[:tokens]
 
 
+def _rule_qk(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as the rule reads them, in fp32: a key head's repeated for each value head it
+    serves (consecutive ones), l2-normed, q scaled by the key dims' root."""
+    ratio = heads // k.shape[1]
+    q, k = (x.float().repeat_interleave(ratio, dim=1) for x in (q, k))
+    return _l2_normed(q) / k.shape[-1] ** 0.5, _l2_normed(k)
+
+
 def _l2_normed(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
@@ -289,8 +293,9 @@ def why_not_run(hf_model: Any) -> str:
         projections = [getattr(mixer, n) for n in names if hasattr(mixer, n)]
         if not is_sparse(mlp):
             projections += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if not all(type(p) in LINEAR_TYPES for p in projections):
-            return "its projections are not plain linear layers (quantized weights?)"
+        reason = not_plain(projections)
+        if reason:
+            return reason
     return ""
 
 
@@ -309,23 +314,7 @@ class PagedQwen3_5ForCausalLM(PagedLlamaForCausalLM):
     op_by_op = "Qwen3.5's linear attention layers"
 
     def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
-        """Attention layers indexed by their place in the KV cache, DeltaNet layers by their
-        first state's among the states (two each)."""
-        attending = set(attending_layers(base.config))
-        layers: list[nn.Module] = []
-        cached, held = 0, 0
-        for i, layer in enumerate(base.layers):
-            if i in attending:
-                layers.append(GatedAttentionLayer(_Layer(layer), cached, shard))
-                cached += 1
-            else:
-                layers.append(GatedDeltaNetLayer(_Layer(layer), held, shard))
-                held += 2
-        return layers
+        return hybrid_layers(base, shard, GatedAttentionLayer, GatedDeltaNetLayer, _Layer)
 
     def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden[logits_indices])
-
-    def state_specs(self) -> list[StateSpec]:
-        nets = [layer for layer in self.layers if isinstance(layer, GatedDeltaNetLayer)]
-        return [spec for layer in nets for spec in layer.state_specs()]

@@ -52,6 +52,8 @@ FUSED_EXPERTS = frozenset(
 # (`gate_up_proj [experts, hidden, 2 * inter]`, gate in the even columns), biases beside them,
 # and a clamped SwiGLU between (gpt-oss).
 TRANSPOSED_EXPERTS = frozenset({"GptOssExperts"})
+# Hugging Face's expert classes Conveyor runs and splits, of either kind.
+HF_EXPERTS = FUSED_EXPERTS | TRANSPOSED_EXPERTS
 # The tensors of a layer's experts, by their names in either kind of class.
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
@@ -131,12 +133,17 @@ class ShardShape:
     @property
     def head_span(self) -> slice:
         """This rank's query heads (of a per-head parameter: gpt-oss's sinks)."""
-        return _span(self.rank * self.local_heads, self.local_heads)
+        return self._heads_of(1)
 
     @property
     def query_span(self) -> slice:
-        """This rank's rows of q (and columns of o)."""
-        return self._heads_of(self.latent.query if self.latent else self.head_dim)
+        """This rank's rows of q."""
+        return self._heads_of(self._query_rows)
+
+    @property
+    def _query_rows(self) -> int:
+        """q's rows a head (in multi-head latent attention, its latent part and rotated part)."""
+        return self.latent.query if self.latent else self.head_dim
 
     @property
     def output_span(self) -> slice:
@@ -189,7 +196,7 @@ class ShardShape:
 
     def _whole_rows(self, part: str) -> int:
         whole = {
-            "query_span": self.num_heads * (self.latent.query if self.latent else self.head_dim),
+            "query_span": self.num_heads * self._query_rows,
             "kv_span": self.num_kv_heads * self.head_dim,
             "channel_span": self.intermediate,
             "shared_span": self.shared_intermediate,
@@ -305,7 +312,7 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
             owner, _, kind = name.rpartition(".")
             setattr(layers.get_submodule(owner), kind, _parameter(param[heads]))
     for module in layers.modules():
-        if type(module).__name__ in FUSED_EXPERTS | TRANSPOSED_EXPERTS:
+        if type(module).__name__ in HF_EXPERTS:
             _shard_experts(module, shape)
     _shard_vocab(hf_model, shape)
     return shape
