@@ -24,45 +24,31 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 
 
-def config(**overrides: object) -> Qwen3_5TextConfig:
-    shape = COMMON | {"num_hidden_layers": len(LAYER_TYPES)}
-    return Qwen3_5TextConfig(
-        **shape,
-        head_dim=16,
-        layer_types=LAYER_TYPES,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=12,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        **overrides,  # type: ignore[arg-type]
-    )
+# Both kinds' shape: DeltaNet heads of 8 key and 12 value dims, two value heads a key head.
+SHAPE = COMMON | dict(
+    num_hidden_layers=len(LAYER_TYPES),
+    head_dim=16,
+    layer_types=LAYER_TYPES,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+# Qwen3.5's experts in every layer (8, 3 a token) beside a gated shared expert.
+EXPERTS = dict(
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
 
 
-def moe_config() -> Qwen3_5MoeTextConfig:
-    """Qwen3.5's experts in every layer (8, 3 a token) beside a gated shared expert."""
-    shape = COMMON | {"num_hidden_layers": len(LAYER_TYPES)}
-    return Qwen3_5MoeTextConfig(
-        **shape,
-        head_dim=16,
-        layer_types=LAYER_TYPES,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=12,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        num_experts=8,
-        num_experts_per_tok=3,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-    )
-
-
-def build(moe: bool = False, **overrides: object):
+def build(moe: bool = False):
     """A tiny random Qwen3.5, its norms (zero-centred: ones added) and decays drawn so they
     count."""
     torch.manual_seed(0)
-    made = moe_config() if moe else config(**overrides)
+    made = Qwen3_5MoeTextConfig(**SHAPE, **EXPERTS) if moe else Qwen3_5TextConfig(**SHAPE)
     model = AutoModelForCausalLM.from_config(made).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
