@@ -39,7 +39,7 @@ from engine.kv.events import EventLog
 from engine.kv.kv_cache import KVCache, KVCacheSpec
 from engine.kv.kv_scales import checkpoint_kv_scales
 from engine.kv.residency import BlockResidency
-from engine.kv.state_cache import StateCache
+from engine.kv.state_cache import StateCache, state_slot_bytes
 from engine.kv.state_slots import StateSlots
 from engine.loading.classifiers import is_classifier
 from engine.loading.generation_config import sampling_defaults
@@ -281,7 +281,8 @@ def _state_cache(
     reason = _why_no_states(config, shard)
     if reason:
         raise ValueError(f"{type(model).__name__} keeps recurrent states, which {reason}")
-    states = StateCache(specs, config.max_num_seqs, dtype, device)
+    slots = _state_slot_count(config, state_slot_bytes(specs, dtype), device)
+    states = StateCache(specs, slots, dtype, device)
     logger.info(
         "recurrent states: %d tensors a slot, %d slots, %.1f MiB; prefix caching is off",
         len(specs),
@@ -289,6 +290,44 @@ def _state_cache(
         states.num_bytes / 2**20,
     )
     return states
+
+
+def _state_slot_count(config: EngineConfig, slot_bytes: int, device: torch.device) -> int:
+    """A slot for each of `--max-num-seqs` requests, or as many as half the KV cache budget
+    holds where that is fewer (the blocks keep the other half): then fewer requests run at once,
+    as where the blocks run short. `--num-gpu-blocks-override` leaves the budget to the user."""
+    if config.cache.num_blocks is not None:
+        return config.max_num_seqs
+    budget = _budget_before_blocks(config, device)
+    fit = budget // 2 // slot_bytes
+    if fit < 1:
+        raise ValueError(
+            f"a request's recurrent states take {slot_bytes} bytes, more than half the KV cache "
+            f"budget of {budget} bytes: raise --kv-cache-memory"
+            + (" or --gpu-memory-utilization" if device.type == "cuda" else "")
+        )
+    if fit < config.max_num_seqs:
+        logger.warning(
+            "recurrent states: half the KV cache budget holds %d slots of %.1f MiB, fewer than "
+            "--max-num-seqs %d, so at most %d requests run at once; raise --kv-cache-memory "
+            "for more",
+            fit,
+            slot_bytes / 2**20,
+            config.max_num_seqs,
+            fit,
+        )
+    return min(fit, config.max_num_seqs)
+
+
+def _budget_before_blocks(config: EngineConfig, device: torch.device) -> int:
+    """The bytes the KV cache and the states share: `--kv-cache-memory`, the CPU's default, or
+    on a GPU what utilization allows above what is allocated now (the weights; the profiling
+    pass later measures the activations out of what the states leave)."""
+    if config.cache.kv_cache_memory is not None:
+        return config.cache.kv_cache_memory
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    return memory_profile.allowed_above_allocated(device, config.cache.gpu_memory_utilization)
 
 
 def _why_no_states(config: EngineConfig, shard: Shard | None) -> str:
@@ -829,16 +868,9 @@ def _num_blocks(
 
 def _less_states(budget: int, states: StateCache | None) -> int:
     """A fixed KV budget less what a recurrent model's states take of it (they share it, as the
-    blocks and the states both grow with the requests held)."""
-    if states is None:
-        return budget
-    if states.num_bytes >= budget:
-        raise ValueError(
-            f"the recurrent states of {states.num_slots} requests take {states.num_bytes} bytes, "
-            f"the whole KV cache budget of {budget}: lower --max-num-seqs or raise "
-            "--kv-cache-memory"
-        )
-    return budget - states.num_bytes
+    blocks and the states both grow with the requests held; `_state_slot_count` leaves the
+    blocks at least half)."""
+    return budget if states is None else budget - states.num_bytes
 
 
 def _cuda_kv_budget(
@@ -853,9 +885,8 @@ def _cuda_kv_budget(
     """Bytes left for the KV cache once a profiling pass has measured the rest (logged); a
     recurrent model's `states` are held already, among the weights."""
     context = min(config.max_model_len or model_len, model_len)
-    lengths = memory_profile.prefill_lengths(
-        config.max_num_batched_tokens, context, config.max_num_seqs
-    )
+    running = config.max_num_seqs if states is None else states.num_slots
+    lengths = memory_profile.prefill_lengths(config.max_num_batched_tokens, context, running)
     prefill = memory_profile.profile_forward(model, backend, spec, device, lengths, states)
     graph_sizes = (
         [] if not _captures(config) or _why_not_capturable(model, backend) else _graph_sizes(config)

@@ -7,6 +7,7 @@ come from.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +66,11 @@ def conv_windows(query_lens: np.ndarray, width: int) -> tuple[np.ndarray, np.nda
 
 # One state a slot: its shape, and its dtype (None: the rows' dtype, as a convolution's inputs).
 StateSpec = tuple[tuple[int, ...], torch.dtype | None]
+
+
+def state_slot_bytes(specs: list[StateSpec], dtype: torch.dtype) -> int:
+    """The bytes one slot's states take, `dtype` that of the rows."""
+    return sum(math.prod(shape) * (own or dtype).itemsize for shape, own in specs)
 
 
 class StateCache:

@@ -10,9 +10,10 @@ projection holds each head's query beside its gate; q and k are normed per head,
 first quarter, and the attention's output is multiplied by sigmoid(gate) before o. Every norm scales
 by one plus its weight (the model's own modules compute them). Decode steps run op by op.
 
-The delta rule runs a step's decode rows together, one token each, in batched products over
-each row's state in place (`decode_rows`), and each prompt chunk by chunks of 64 tokens as
-transformers' reference computes it (`prompt_rows`), from the state the request holds.
+The delta rule runs a step's decode rows together, one token each (`decode_rows`: on the CPU
+Conveyor's kernel, one pass of a core over each row's state in place; elsewhere torch's products a
+row at a time), and each prompt chunk by chunks of 64 tokens as transformers'
+reference computes it (`prompt_rows`), from the state the request holds.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionMetadata
+from engine.kernels.cpu import ops as cpu_ops
 from engine.kv.state_cache import StateCache, StateSpec
 from engine.lora.adapter import Shapes
 from engine.models.experts import is_sparse
@@ -200,11 +202,28 @@ def decode_rows(
 ) -> torch.Tensor:
     """One token of each row (`q`, `k` `[rows, key heads, key dims]`, `v` `[rows, value heads,
     value dims]`, `g`, `beta` `[rows, value heads]`) through the rule, row i from its state
-    `states[slots[i]]` `[value heads, key dims, value dims]` (fp32), updated in place: the state
-    decays by `a = exp(g)` and takes `k d^T`, where `d = beta (v - a S^T k)`, and the output is
-    its read by q, `a S^T q + (q . k) d` (l2-normed q and k, q scaled by the key dims' root, as
-    transformers' reference computes it). Each state is read once for both of its products and
-    updated in place, never gathered."""
+    `states[slots[i]]` `[value heads, key dims, value dims]` (fp32), updated in place; the
+    output in fp32. On the CPU Conveyor's kernel reads each state once for both of its products
+    and updates it while still in cache; elsewhere `decode_rows_torch`."""
+    if not (states.is_cpu and cpu_ops.has("recurrent")):
+        return decode_rows_torch(q, k, v, g, beta, states, slots)
+    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
+    return cpu_ops.gated_delta_decode(q, k, v, g, beta, states, torch.tensor(slots))
+
+
+def decode_rows_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: list[int],
+) -> torch.Tensor:
+    """`decode_rows` in torch's ops, a row at a time over its state in place (never gathered):
+    the state decays by `a = exp(g)` and takes `k d^T`, where `d = beta (v - a S^T k)`, and the
+    output is its read by q, `a S^T q + (q . k) d` (l2-normed q and k, q scaled by the key dims'
+    root, as transformers' reference computes it)."""
     rows, heads, value_dims = v.shape
     q, k = _rule_qk(q, k, heads)
     decay = g.float().exp()

@@ -87,6 +87,15 @@ def measure(
     return MemoryBreakdown(total, utilization, weights, activations, graphs, other)
 
 
+def allowed_above_allocated(device: torch.device, utilization: float) -> int:
+    """What `utilization` of the device allows beyond what torch holds now and what it does not
+    hold (the CUDA context, other processes): before the cache is sized, the weights."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    other = max(0, total - free - torch.cuda.memory_reserved(device))
+    return max(0, int(total * utilization) - torch.cuda.memory_allocated(device) - other)
+
+
 def _peak_above(device: torch.device, base: int, run: Callable[[], None]) -> int:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

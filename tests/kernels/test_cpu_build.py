@@ -67,8 +67,9 @@ def test_the_sources_are_exactly_the_groups_sources():
 
 
 def test_a_group_left_out_takes_the_groups_that_need_it():
-    assert without(ALL, {"linear"}) == ("attention", "elementwise")
-    assert without(ALL, {"fused_decode"}) == ("attention", "linear", "elementwise")
+    assert without(ALL, {"linear"}) == ("attention", "elementwise", "recurrent")
+    assert without(ALL, {"fused_decode"}) == ("attention", "linear", "elementwise", "recurrent")
+    assert without(ALL, {"recurrent"}) == ("attention", "linear", "elementwise", "fused_decode")
     assert without(ALL, set()) == ALL
 
 
@@ -109,11 +110,11 @@ def test_one_broken_group_falls_back_alone(supported, monkeypatch, tmp_path, cap
     monkeypatch.setattr(cpu_build, "_compile", fake)
     with caplog.at_level(logging.WARNING):
         result = cpu_build.build(tmp_path, "conveyor_cpu_test")
-    assert result.built == ("attention", "linear", "elementwise")
+    assert result.built == ("attention", "linear", "elementwise", "recurrent")
     assert list(result.failed) == ["fused_decode"]
     reason = result.failed["fused_decode"]
     assert "fused_decode/decode_stack.cpp:139:5: error: 'round_to_bf16'" in reason
-    assert fake.builds == [ALL, ("attention", "linear", "elementwise")]
+    assert fake.builds == [ALL, ("attention", "linear", "elementwise", "recurrent")]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "fused_decode group did not build" in warnings[0]
 
@@ -121,7 +122,7 @@ def test_one_broken_group_falls_back_alone(supported, monkeypatch, tmp_path, cap
 def test_a_recorded_failure_is_not_compiled_again(supported, monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_build, "_compile", FakeCompiler("linear"))
     first = cpu_build.build(tmp_path, "conveyor_cpu_test")
-    assert first.built == ("attention", "elementwise")
+    assert first.built == ("attention", "elementwise", "recurrent")
     assert first.failed["fused_decode"] == "it needs the linear group"
     recorded = json.loads((tmp_path / "conveyor_cpu_test" / cpu_build.RECORD).read_text())
     assert set(recorded) == {"linear", "fused_decode"}
@@ -129,7 +130,7 @@ def test_a_recorded_failure_is_not_compiled_again(supported, monkeypatch, tmp_pa
     again = FakeCompiler(None)
     monkeypatch.setattr(cpu_build, "_compile", again)
     second = cpu_build.build(tmp_path, "conveyor_cpu_test")
-    assert again.builds == [("attention", "elementwise")]
+    assert again.builds == [("attention", "elementwise", "recurrent")]
     assert second.built == first.built and second.failed == first.failed
 
 

@@ -179,8 +179,7 @@ def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
 
 
 def test_the_states_take_their_share_of_the_kv_budget():
-    """A fixed KV budget pays for the states first, and the blocks get the rest; states that
-    would take it all are refused, naming the flags."""
+    """A fixed KV budget pays for the states first, and the blocks get the rest."""
     model = build()
     budget = 400_000
     core, _ = tiny_core(model, num_blocks=None, kv_cache_memory=budget, max_num_seqs=8)
@@ -188,5 +187,34 @@ def test_the_states_take_their_share_of_the_kv_budget():
     spec = core.runner.kv_cache.spec
     assert states is not None and states.num_bytes == 8 * 3 * 2 * 64 * 4
     assert core.runner.kv_cache.num_blocks == (budget - states.num_bytes) // spec.bytes_per_block
-    with pytest.raises(ValueError, match="lower --max-num-seqs or raise --kv-cache-memory"):
-        tiny_core(model, num_blocks=None, kv_cache_memory=states.num_bytes, max_num_seqs=8)
+
+
+def test_fewer_slots_where_half_the_budget_holds_fewer(caplog):
+    """States take at most half of a fixed KV budget: where that holds fewer slots than
+    `--max-num-seqs`, fewer requests run at once (said in a warning), each with its right
+    tokens; a budget whose half holds no slot is refused, naming the flag."""
+    model = build()
+    slot = 3 * 2 * 64 * 4  # three convolutions' last two inputs of 64 channels, fp32
+    budget = 15 * slot  # half holds seven slots; the blocks get the rest
+    with caplog.at_level("WARNING", logger="engine.factory"):
+        core, _ = tiny_core(model, num_blocks=None, kv_cache_memory=budget, max_num_seqs=16)
+    states = core.runner.kv_cache.states
+    assert states is not None and states.num_slots == 7
+    assert "holds 7 slots" in caplog.text and "--max-num-seqs 16" in caplog.text
+    running: list[int] = []
+    real_step = core.step
+
+    def step():
+        running.append(len(core.scheduler.running))
+        return real_step()
+
+    core.step = step  # type: ignore[method-assign]
+    short = [[token] for token in range(10, 20)]  # a block each: fewer slots than blocks
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outputs = run_all(core, short, params)
+    expected = [reference_greedy(model, p, 3) for p in short]
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(short))] == expected
+    assert max(running) == 7
+    assert core.scheduler.block_manager.state_slots.num_free == 7
+    with pytest.raises(ValueError, match=r"more than half the KV cache budget.*--kv-cache-memory"):
+        tiny_core(model, num_blocks=None, kv_cache_memory=slot, max_num_seqs=8)

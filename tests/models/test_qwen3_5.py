@@ -101,12 +101,13 @@ def test_prompt_logprobs_equal_transformers():
     check_prompt_logprobs(build(), chunk=7, length=30)
 
 
-def test_decode_rows_equal_transformers_recurrent_rule():
-    """Rows of one token each through the rule, each over its slot's state in place, against
-    transformers' token-by-token reference (two value heads a key head)."""
+def test_torch_decode_rows_equal_transformers_recurrent_rule():
+    """Rows of one token each through the rule in torch's ops (the route off the CPU; the CPU
+    kernel's own checks are in tests/kernels/test_delta_rule.py), each over its slot's state,
+    against transformers' token-by-token reference (two value heads a key head)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
-    from engine.models.qwen3_5 import decode_rows
+    from engine.models.qwen3_5 import decode_rows_torch
 
     torch.manual_seed(2)
     rows, key_heads, heads, key_dims, value_dims = 3, 2, 4, 8, 6
@@ -122,7 +123,7 @@ def test_decode_rows_equal_transformers_recurrent_rule():
         use_qk_l2norm_in_kernel=True,
     )
     untouched = states[[1, 2]].clone()
-    out = decode_rows(q, k, v, g, beta, states, slots)
+    out = decode_rows_torch(q, k, v, g, beta, states, slots)
     torch.testing.assert_close(out, expected[:, 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(states[slots], held, rtol=1e-5, atol=1e-5)
     assert torch.equal(states[[1, 2]], untouched)

@@ -180,3 +180,21 @@ def test_the_device_asked_for_becomes_current(monkeypatch):
     factory.use_device(torch.device("cuda:3"))
     factory.use_device(torch.device("cpu"))
     assert chosen == [3]
+
+
+def test_a_recurrent_models_slots_fit_half_of_what_the_gpu_allows(monkeypatch):
+    """On a GPU the states are held before the profiling pass: as many slots as half of what
+    utilization allows above the weights holds, at most `--max-num-seqs`."""
+    fake = FakeCuda(total=80 * GiB, held=60 * GiB, other=GiB)
+    fake.install(monkeypatch)
+    cuda = torch.device("cuda")
+    assert memory_profile.allowed_above_allocated(cuda, 0.9) == int(72 * GiB) - 61 * GiB
+    slot = 150 * 2**20  # a large Qwen3.5's states a request
+    config = EngineConfig(model="m", max_num_seqs=256)
+    half = (int(72 * GiB) - 61 * GiB) // 2
+    assert factory._state_slot_count(config, slot, cuda) == half // slot < 256
+    roomy = EngineConfig(model="m", max_num_seqs=16)
+    assert factory._state_slot_count(roomy, slot, cuda) == 16
+    fake.allocated = 71 * GiB
+    with pytest.raises(ValueError, match="--kv-cache-memory or --gpu-memory-utilization"):
+        factory._state_slot_count(config, slot, cuda)

@@ -7,8 +7,9 @@ one op), RMSNorm, rotary embeddings and the gated MLP's activation in one pass e
 (`csrc/elementwise/rms_norm.cpp`, `csrc/elementwise/rotary.cpp`, `csrc/elementwise/silu_mul.cpp`),
 a whole decoder layer for a step of decode rows that runs those kernels back to back
 (`csrc/fused_decode/decode_layer.cpp`), the greedy choice over a step's logits
-(`csrc/elementwise/argmax.cpp`) and a random one from its top-k and top-p
-(`csrc/elementwise/nucleus_draw.cpp`).
+(`csrc/elementwise/argmax.cpp`), a random one from its top-k and top-p
+(`csrc/elementwise/nucleus_draw.cpp`) and a decode token of each row through the gated delta rule
+(`csrc/recurrent/delta_rule.cpp`).
 
 `cpu_build` compiles them on first use, in groups (`cpu_build.GROUPS`) that fall back apart:
 `has(group)` says whether a group's ops loaded; where none can build (no compiler, not x86-64)
@@ -44,7 +45,8 @@ def load() -> bool:
 @torch.compiler.assume_constant_result
 def has(group: str) -> bool:
     """Whether the ops of this group (`cpu_build.GROUPS`: attention, linear, elementwise,
-    fused_decode) loaded. A constant to torch.compile (the build is done before it traces)."""
+    fused_decode, recurrent) loaded. A constant to torch.compile (the build is done before it
+    traces)."""
     return group in build_result().built
 
 
@@ -270,6 +272,23 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for fp32 rows `[rows, 2 * inter]` holding gate then up."""
     return torch.ops.conveyor.silu_mul(x)
+
+
+def gated_delta_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token of each row through the gated delta rule, row i from `states[slots[i]]`
+    (`[slots, value heads, key dims, value dims]` fp32), updated in place: contiguous fp32 `q`, `k`
+    `[rows, key heads, key dims]` as projected (the op l2-norms them), `v` `[rows, value heads,
+    value dims]`, `g`, `beta` `[rows, value heads]`, int64 `slots` (distinct). fp32 `[rows,
+    value heads, value dims]` (`csrc/recurrent/delta_rule.cpp`)."""
+    return torch.ops.conveyor.gated_delta_decode(q, k, v, g, beta, states, slots)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,156 @@
+// One decode token of each row through the gated delta rule (Qwen3.5's linear attention), each
+// row's recurrent state updated in place in the state cache.
+//
+// q, k     [rows, key heads, key dims]            fp32, contiguous (as projected: not normed)
+// v        [rows, value heads, value dims]        fp32, contiguous
+// g, beta  [rows, value heads]                    fp32, contiguous
+// states   [slots, value heads, key dims, value dims] fp32, contiguous: row i's at slots[i]
+// slots    [rows] int64
+// out      [rows, value heads, value dims]        fp32
+//
+// A value head reads key head `head / (value heads / key heads)`. With q and k l2-normed (q also
+// scaled by the key dims' root), a = exp(g) and S the state:
+//   d = beta (v - a S^T k),  out = a S^T q + (q . k) d,  S <- a S + k d^T
+// the same arithmetic as transformers' recurrent reference, which decays S first and reads the
+// new S with q. Torch runs it as a handful of ops a row, each reading the state again; here a
+// (row, head) task reads its state once for both products and then updates it in the same rows
+// while they are still in the core's cache, so a step moves each state through memory once.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+struct RuleArgs {
+  const float *q, *k, *v, *g, *beta;
+  float* states;
+  const int64_t* slots;
+  float* out;
+  int64_t heads, key_heads, key_dims, value_dims;
+};
+
+// 1 / sqrt(x . x + eps), as the rule's l2 norm.
+float inverse_norm(const float* x, int64_t n) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  return 1.f / std::sqrt(sum + 1e-6f);
+}
+
+// Task `task` = row * heads + head; `qn`, `kn`, `known`, `read`, `written` scratch of the dims.
+void rule_task(const RuleArgs& a, int64_t task, std::vector<float>& scratch) {
+  const int64_t row = task / a.heads, head = task % a.heads;
+  const int64_t dk = a.key_dims, dv = a.value_dims;
+  const int64_t key_head = head / (a.heads / a.key_heads);
+  const float* q = a.q + (row * a.key_heads + key_head) * dk;
+  const float* k = a.k + (row * a.key_heads + key_head) * dk;
+  const float* v = a.v + (row * a.heads + head) * dv;
+  float* state = a.states + (a.slots[row] * a.heads + head) * dk * dv;
+  float* out = a.out + (row * a.heads + head) * dv;
+  float* qn = scratch.data();
+  float* kn = qn + dk;
+  float* known = kn + dk;
+  float* read = known + dv;
+  const float q_scale = inverse_norm(q, dk) / std::sqrt(static_cast<float>(dk));
+  const float k_scale = inverse_norm(k, dk);
+  float dot = 0.f;
+  for (int64_t i = 0; i < dk; ++i) {
+    qn[i] = q[i] * q_scale;
+    kn[i] = k[i] * k_scale;
+    dot += qn[i] * kn[i];
+  }
+  for (int64_t j = 0; j < dv; ++j) known[j] = read[j] = 0.f;
+  for (int64_t i = 0; i < dk; ++i) {  // S^T k and S^T q in one pass over the state's rows
+    const float* s = state + i * dv;
+    const float ki = kn[i], qi = qn[i];
+    for (int64_t j = 0; j < dv; ++j) {
+      known[j] += s[j] * ki;
+      read[j] += s[j] * qi;
+    }
+  }
+  const float decay = std::exp(a.g[row * a.heads + head]);
+  const float beta = a.beta[row * a.heads + head];
+  float* written = known;  // d, over S^T k once read
+  for (int64_t j = 0; j < dv; ++j) {
+    written[j] = (v[j] - decay * known[j]) * beta;
+    out[j] = decay * read[j] + dot * written[j];
+  }
+  for (int64_t i = 0; i < dk; ++i) {
+    float* s = state + i * dv;
+    const float ki = kn[i];
+    for (int64_t j = 0; j < dv; ++j) s[j] = decay * s[j] + ki * written[j];
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "gated_delta_decode: ", name,
+              " must be contiguous fp32");
+  TORCH_CHECK(t.dim() == dim && t.size(0) == rows, "gated_delta_decode: ", name, " must have ", dim,
+              " dims and a row per token");
+}
+
+}  // namespace
+
+namespace conveyor {
+
+at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& g, const at::Tensor& beta, at::Tensor states,
+                              const at::Tensor& slots) {
+  const int64_t rows = v.size(0);
+  check_rows(q, "q", rows, 3);
+  check_rows(k, "k", rows, 3);
+  check_rows(v, "v", rows, 3);
+  check_rows(g, "g", rows, 2);
+  check_rows(beta, "beta", rows, 2);
+  const int64_t heads = v.size(1), key_heads = q.size(1), dk = q.size(2), dv = v.size(2);
+  TORCH_CHECK(k.sizes() == q.sizes(), "gated_delta_decode: q and k must have one shape");
+  TORCH_CHECK(key_heads > 0 && heads % key_heads == 0,
+              "gated_delta_decode: the value heads must be a multiple of the key heads");
+  TORCH_CHECK(g.size(1) == heads && beta.size(1) == heads,
+              "gated_delta_decode: g and beta must have a value per value head");
+  TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous() && states.dim() == 4,
+              "gated_delta_decode: states must be contiguous fp32 [slots, heads, dk, dv]");
+  TORCH_CHECK(states.size(1) == heads && states.size(2) == dk && states.size(3) == dv,
+              "gated_delta_decode: states must be [slots, value heads, key dims, value dims]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == rows &&
+                  slots.is_contiguous(),
+              "gated_delta_decode: slots must be int64 [rows]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t row = 0; row < rows; ++row) {
+    TORCH_CHECK(slot[row] >= 0 && slot[row] < states.size(0), "gated_delta_decode: slot ",
+                slot[row], " is outside the states");
+  }
+  at::Tensor out = at::empty({rows, heads, dv}, v.options());
+  const RuleArgs args{q.data_ptr<float>(),
+                      k.data_ptr<float>(),
+                      v.data_ptr<float>(),
+                      g.data_ptr<float>(),
+                      beta.data_ptr<float>(),
+                      states.data_ptr<float>(),
+                      slot,
+                      out.data_ptr<float>(),
+                      heads,
+                      key_heads,
+                      dk,
+                      dv};
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(2 * dk + 2 * dv);
+    for (int64_t task = begin; task < end; ++task) rule_task(args, task, scratch);
+  });
+  return out;
+}
+
+}  // namespace conveyor
+
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def(
+      "gated_delta_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, "
+      "Tensor slots) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
+  m.impl("gated_delta_decode", &conveyor::gated_delta_decode);
+}
