@@ -280,6 +280,7 @@ def run_worker(
 
 def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs], None]:
     from engine.factory import build_rank, load_rank
+    from engine.kernels.cpu import denormals
     from engine.loading.model_loader import resolve_device
     from engine.parallel.sharding import Shard
     from engine.worker.model_runner import model_inputs, placed_input_ids
@@ -297,6 +298,8 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
 
     @torch.inference_mode()
     def step(inputs: StepInputs) -> None:
+        if device.type == "cpu":
+            denormals.flush_on_this_thread()
         kv_cache.copy_blocks(inputs.block_copies)
         previous = no_tokens
         if len(inputs.previous_rows):  # async scheduling: rank 0's last tokens, on the device

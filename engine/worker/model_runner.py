@@ -16,6 +16,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.core.errors import WorkerFailedError
 from engine.core.outputs import ModelRunnerOutput, TokenLogprob
 from engine.core.request import Request
+from engine.kernels.cpu import denormals
 from engine.kv.kv_cache import KVCache
 from engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from engine.lora.slots import LoRASlots
@@ -118,6 +119,8 @@ class ModelRunner:
         """Run one step as far as the device lets the host go on: on a GPU its kernels are
         queued and its sampled tokens stay there (the next step's inputs read them in place)
         until `LaunchedStep.result()`."""
+        if self.device.type == "cpu":
+            denormals.flush_on_this_thread()
         self.kv_cache.copy_blocks(scheduler_output.block_copies)
         batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
         if self.lora is not None:

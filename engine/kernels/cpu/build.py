@@ -63,6 +63,7 @@ GROUPS = (
             "argmax.cpp",
             "token_mask.cpp",
             "nucleus_draw.cpp",
+            "denormals.cpp",
         ),
     ),
     KernelGroup(
