@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from engine.kernels.cpu import ops as cpu_ops
 from engine.worker.input_batch import InputBatch
 
 
@@ -112,15 +114,27 @@ class StateCache:
         return self.step
 
     def convolve(
-        self, index: int, inputs: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None
+        self,
+        index: int,
+        inputs: torch.Tensor,
+        taps: torch.Tensor,
+        bias: torch.Tensor | None,
+        silu: bool = False,
     ) -> torch.Tensor:
         """Each of the step's tokens' causal convolution (`taps` `[width, channels]`, oldest
         input first) over its request's last inputs, from state `index` where they came before
         the step; each request's state becomes its last `width - 1` inputs. Summed in fp32 (as a
-        convolution accumulates), returned in the inputs' dtype."""
+        convolution accumulates), through silu where `silu`, returned in the inputs' dtype. On
+        the CPU over fp32 rows, Conveyor's kernel reads each input in place."""
         step = self.step
         assert step is not None, "a recurrent model's step begins its states"
         state = self.layers[index]
+        if _own_convolution(inputs, state):
+            weights = taps.float().contiguous()
+            lens = torch.from_numpy(step.query_lens.astype(np.int64))
+            slots = torch.from_numpy(step.host_slots)
+            bias = None if bias is None else bias.float().contiguous()
+            return cpu_ops.short_conv(inputs, state, weights, bias, slots, lens, silu)
         width, channels = taps.shape
         windows, kept = step.conv_windows(int(width))
         held = state.index_select(0, step.slots).to(inputs.dtype)
@@ -133,7 +147,19 @@ class StateCache:
             out = out + bias.float()
         new = pool[kept].view(-1, width - 1, channels).to(state.dtype)
         state.index_copy_(0, step.slots, new)
-        return out.to(inputs.dtype)
+        return (F.silu(out) if silu else out).to(inputs.dtype)
+
+
+def _own_convolution(inputs: torch.Tensor, state: torch.Tensor) -> bool:
+    """Conveyor's CPU kernel applies: fp32 rows (channels contiguous) and states on the CPU,
+    kernels built."""
+    return (
+        inputs.is_cpu
+        and inputs.dtype == torch.float32 == state.dtype
+        and inputs.dim() == 2
+        and inputs.stride(1) == 1
+        and cpu_ops.has("recurrent")
+    )
 
 
 def _slot(slot: int | None) -> int:

@@ -122,7 +122,7 @@ class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         sizes = [self.key_dim * 2 + self.value_dim, self.value_dim, self.value_heads]
         mixed, z, b, a = self.qkv_proj(normed).split([*sizes, self.value_heads], dim=-1)
-        mixed = F.silu(states.convolve(self.index, mixed, self.taps, None))
+        mixed = states.convolve(self.index, mixed, self.taps, None, silu=True)
         tokens = mixed.shape[0]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = b.sigmoid()

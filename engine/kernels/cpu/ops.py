@@ -8,8 +8,9 @@ one op), RMSNorm, rotary embeddings and the gated MLP's activation in one pass e
 a whole decoder layer for a step of decode rows that runs those kernels back to back
 (`csrc/fused_decode/decode_layer.cpp`), the greedy choice over a step's logits
 (`csrc/elementwise/argmax.cpp`), a random one from its top-k and top-p
-(`csrc/elementwise/nucleus_draw.cpp`) and a decode token of each row through the gated delta rule
-(`csrc/recurrent/delta_rule.cpp`).
+(`csrc/elementwise/nucleus_draw.cpp`), a decode token of each row through the gated delta rule
+(`csrc/recurrent/delta_rule.cpp`) and a step's short causal convolution over each row's kept
+inputs (`csrc/recurrent/short_conv.cpp`).
 
 `cpu_build` compiles them on first use, in groups (`cpu_build.GROUPS`) that fall back apart:
 `has(group)` says whether a group's ops loaded; where none can build (no compiler, not x86-64)
@@ -289,6 +290,23 @@ def gated_delta_decode(
     value dims]`, `g`, `beta` `[rows, value heads]`, int64 `slots` (distinct). fp32 `[rows,
     value heads, value dims]` (`csrc/recurrent/delta_rule.cpp`)."""
     return torch.ops.conveyor.gated_delta_decode(q, k, v, g, beta, states, slots)
+
+
+def short_conv(
+    inputs: torch.Tensor,
+    states: torch.Tensor,
+    taps: torch.Tensor,
+    bias: torch.Tensor | None,
+    slots: torch.Tensor,
+    query_lens: torch.Tensor,
+    silu: bool,
+) -> torch.Tensor:
+    """A step's causal convolution of `taps` (`[width, channels]`, oldest input first) over
+    fp32 `inputs` (`[tokens, channels]`, channels contiguous; the rows' tokens in turn,
+    `query_lens` of each), row r's earlier inputs from `states[slots[r]]` (`[slots, width - 1,
+    channels]` fp32), which become its last `width - 1` inputs; plus `bias`, through silu where
+    `silu`. fp32 `[tokens, channels]` (`csrc/recurrent/short_conv.cpp`)."""
+    return torch.ops.conveyor.short_conv(inputs, states, taps, bias, slots, query_lens, silu)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
