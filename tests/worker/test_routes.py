@@ -60,7 +60,8 @@ def test_one_line_names_every_route(caplog):
     assert "attention cpu" in line
     assert "linear layers: 9 torch (float32)" in line
     assert "decode: op by op (projections not in Conveyor's panels)" in line
-    assert "CPU kernels: attention, linear, elementwise, fused_decode for -march=" in line
+    groups = "attention, linear, elementwise, fused_decode, recurrent"
+    assert f"CPU kernels: {groups} for -march=" in line
     assert "sampling torch (top-p by topk or histogram, draws by a running sum in" in line
     assert "Conveyor's nucleus kernel, a generator per seeded row)" in line
 
