@@ -283,7 +283,8 @@ def prompt_rows(
     last = decays[..., -1:]
     k = k * (last - decays).exp()[..., None]
     chunk_decay = last.exp()[..., None]
-    out = torch.empty_like(values)
+    # Token-major rows (the solve's results are column-major: `empty_like` would keep that).
+    out = torch.empty(values.shape, dtype=values.dtype, device=values.device)
     for i in range(count):
         corrected = values[:, i] - reads[:, i] @ state
         out[:, i] = q[:, i] @ state + within[:, i] @ corrected
