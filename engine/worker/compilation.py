@@ -46,6 +46,8 @@ def why_not_compiled(model: CausalLM) -> str:
         return "steps across tensor-parallel ranks are not compiled"
     if model.sparse:
         return SPARSE_ON_HOST
+    if model.state_specs():
+        return "layers that keep recurrent states (LFM2's, Qwen3.5's) are not compiled"
     return ""
 
 

@@ -141,6 +141,16 @@ def test_what_is_not_compiled_says_why():
     assert compile_layers(model) == "off (steps across tensor-parallel ranks are not compiled)"
 
 
+def test_a_recurrent_model_is_not_compiled_and_says_why():
+    from engine.models import build_causal_lm
+    from tests.models.test_lfm2 import build
+
+    model = build_causal_lm(build(), "conveyor")
+    reason = "layers that keep recurrent states (LFM2's, Qwen3.5's) are not compiled"
+    assert why_not_compiled(model) == reason
+    assert compile_layers(model) == f"off ({reason})"
+
+
 def test_the_flag_reaches_the_engine():
     from server.cli import build_parser, engine_config
 
