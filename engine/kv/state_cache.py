@@ -131,10 +131,9 @@ class StateCache:
         state = self.layers[index]
         if _own_convolution(inputs, state):
             weights = taps.float().contiguous()
-            lens = torch.from_numpy(step.query_lens.astype(np.int64))
-            slots = torch.from_numpy(step.host_slots)
+            lens = torch.from_numpy(np.asarray(step.query_lens, dtype=np.int64))
             bias = None if bias is None else bias.float().contiguous()
-            return cpu_ops.short_conv(inputs, state, weights, bias, slots, lens, silu)
+            return cpu_ops.short_conv(inputs, state, weights, bias, step.slots, lens, silu)
         width, channels = taps.shape
         windows, kept = step.conv_windows(int(width))
         held = state.index_select(0, step.slots).to(inputs.dtype)

@@ -77,9 +77,8 @@ def measure(
     each."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
+    total, other = _total_and_other(device)
     weights = torch.cuda.memory_allocated(device)
-    other = max(0, total - free - torch.cuda.memory_reserved(device))
     activations = _peak_above(device, weights, prefill)
     graphs = 0
     if decode is not None and graph_count:
@@ -91,9 +90,15 @@ def allowed_above_allocated(device: torch.device, utilization: float) -> int:
     """What `utilization` of the device allows beyond what torch holds now and what it does not
     hold (the CUDA context, other processes): before the cache is sized, the weights."""
     torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    other = max(0, total - free - torch.cuda.memory_reserved(device))
+    total, other = _total_and_other(device)
     return max(0, int(total * utilization) - torch.cuda.memory_allocated(device) - other)
+
+
+def _total_and_other(device: torch.device) -> tuple[int, int]:
+    """The device's bytes, and those held by what torch does not hold (the CUDA context, other
+    processes)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total, max(0, total - free - torch.cuda.memory_reserved(device))
 
 
 def _peak_above(device: torch.device, base: int, run: Callable[[], None]) -> int:

@@ -28,15 +28,12 @@ void gate_rows(const float* x, float* out, int64_t inter, int64_t begin, int64_t
     float* o = out + row * inter;
     int64_t i = 0;
 #ifdef CONVEYOR_EXP8
-    const __m256 one = _mm256_set1_ps(1.f);
     for (; i + 8 <= inter; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 e = conveyor::exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g));
-      const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+      const __m256 s = conveyor::silu8(_mm256_loadu_ps(gate + i));
       _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
     }
 #endif
-    for (; i < inter; ++i) o[i] = gate[i] / (1.f + conveyor::exp_clamped(-gate[i])) * up[i];
+    for (; i < inter; ++i) o[i] = conveyor::silu(gate[i]) * up[i];
   }
 }
 

@@ -49,6 +49,17 @@ inline __m256 exp8_clamped(__m256 x) {
 }
 #endif
 
+// silu(x) = x / (1 + exp(-x)), as torch computes it: the scalar form and its eight-lane twin,
+// shared by the gated activations and the short convolution.
+inline float silu(float x) { return x / (1.f + exp_clamped(-x)); }
+
+#ifdef CONVEYOR_EXP8
+inline __m256 silu8(__m256 x) {
+  const __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), x));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+#endif
+
 // s[0, n) replaced by exp(s[i] - shift), eight lanes at a time, and their sum: the lanes' sums
 // added in lane order, then the tail's one at a time. Shared by the attention softmaxes.
 inline float exp_shifted_sum(float* s, int64_t n, float shift) {
