@@ -37,6 +37,7 @@ CASTING_ROUTERS = frozenset(
         "GraniteMoeTopKRouter",
         "GraniteMoeSharedTopKRouter",
         "Qwen3_5MoeTopKRouter",
+        "Qwen3NextTopKRouter",
     }
 )
 # A block's shared expert by its families' names: Qwen2-MoE's one (behind a gate), DeepSeek's

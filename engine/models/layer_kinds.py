@@ -1,7 +1,7 @@
 """Which of a model's layer kinds Conveyor serves. Its paged KV cache and attention backends
 compute causal attention over the whole past or a sliding window, and its state cache keeps
-LFM2's convolutions' last inputs and Qwen3.5's Gated DeltaNet states per request; a layer that
-keeps another recurrent state (Qwen3-Next's DeltaNet, laid out otherwise; Mamba) or attends
+LFM2's convolutions' last inputs and Qwen3.5's and Qwen3-Next's Gated DeltaNet states per request;
+a layer that keeps another recurrent state (Mamba's) or attends
 sparsely (DeepSeek V3.2's indexer) would run without what it needs and give wrong tokens
 silently, so such a model is refused at start-up with the reason. Llama 4's
 chunked layers attend as causal attention within one chunk, so its context is held to a chunk.
@@ -30,6 +30,7 @@ STATEFUL_FAMILIES = {
     "Lfm2ForCausalLM": frozenset({"conv"}),
     "Qwen3_5ForCausalLM": frozenset({"linear_attention"}),
     "Qwen3_5MoeForCausalLM": frozenset({"linear_attention"}),
+    "Qwen3NextForCausalLM": frozenset({"linear_attention"}),
 }
 
 

@@ -1,4 +1,6 @@
-"""Qwen3.5's text models (dense, and with experts in every layer) on Conveyor's decoder: three in
+"""Qwen3.5's text models (dense, and with experts in every layer) and Qwen3-Next (Qwen3.5's layers
+with experts, its DeltaNet's projections grouped by key head, regrouped once as Qwen3.5's at
+load) on Conveyor's decoder: three in
 four layers mix tokens by a Gated DeltaNet (linear attention with a recurrent state per request),
 the others attend with an output gate. A DeltaNet layer projects each normed row to q, k and v
 (through a short causal convolution and silu), to a gate `z`, and to each value head's write
@@ -18,7 +20,7 @@ reference computes it (`prompt_rows`), from the state the request holds.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -39,7 +41,9 @@ from engine.models.llama import (
 )
 from engine.parallel.sharding import Shard
 
-QWEN3_5_ARCHITECTURES = frozenset({"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"})
+QWEN3_5_ARCHITECTURES = frozenset(
+    {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
+)
 
 
 class _OwnNorms:
@@ -94,7 +98,7 @@ class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
         self.value_heads, self.value_head_dim = int(net.num_v_heads), int(net.head_v_dim)
         self.key_head_dim = int(net.head_k_dim)
         # q, k and v (convolved), z, b and a from the same normed rows: one projection.
-        self.qkv_proj = fuse([net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a])
+        self.qkv_proj = fuse(input_projections(net))
         self.taps = net.conv1d.weight.detach()[:, 0].t().contiguous()
         self.out_proj = net.out_proj
         self.attention = None
@@ -140,6 +144,36 @@ class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
         gated = self.net.norm(out.reshape(per_head), z.reshape(per_head))
         hidden = add_projected(self.out_proj, gated.reshape(tokens, self.value_dim), hidden)
         return self._mlp(self.post_attention_norm(hidden), hidden)
+
+
+def input_projections(net: Any) -> list[nn.Module]:
+    """A DeltaNet's projections to q, k, v, z, b and a, in that order, each by heads in turn:
+    Qwen3.5's own four; Qwen3-Next's two (`in_proj_qkvz`, `in_proj_ba`), which hold each key
+    head's q, k, v and z rows together (v and z of the value heads it serves) and its b and a,
+    regrouped once into that order (copies: the model's own modules keep their layout)."""
+    if not hasattr(net, "in_proj_qkvz"):
+        return [net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a]
+    groups = int(net.num_k_heads)
+    served = int(net.num_v_heads) // groups
+    key, value = int(net.head_k_dim), int(net.head_v_dim) * served
+    q, k, v, z = _by_part(net.in_proj_qkvz, groups, [key, key, value, value])
+    b, a = _by_part(net.in_proj_ba, groups, [served, served])
+    return [q, k, v, z, b, a]
+
+
+def _by_part(linear: nn.Module, groups: int, sizes: list[int]) -> list[nn.Linear]:
+    """A projection whose rows run group by group, each group its parts of `sizes` rows in turn,
+    as one linear layer a part, holding that part's rows of every group in group order."""
+    weight = cast(torch.Tensor, linear.weight).detach()
+    parts = weight.view(groups, sum(sizes), weight.shape[1]).split(sizes, dim=1)
+    made = []
+    for part in parts:
+        rows = part.reshape(-1, weight.shape[1])
+        with torch.device("meta"):
+            projection = nn.Linear(rows.shape[1], rows.shape[0], bias=False)
+        projection.weight = nn.Parameter(rows.contiguous(), requires_grad=False)
+        made.append(projection)
+    return made
 
 
 def delta_rule(
@@ -306,7 +340,9 @@ def _l2_normed(x: torch.Tensor) -> torch.Tensor:
 
 def why_not_run(hf_model: Any) -> str:
     """Empty where every projection of the model is a plain linear layer, else why not."""
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj")
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
+    # Qwen3.5's DeltaNet's projections, then Qwen3-Next's.
+    names = (*attention, "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "in_proj_ba")
     for layer in hf_model.model.layers:
         mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
         mlp = layer.mlp

@@ -46,6 +46,7 @@ FUSED_EXPERTS = frozenset(
         "GraniteMoeExperts",
         "GraniteMoeSharedExperts",
         "Qwen3_5MoeExperts",
+        "Qwen3NextExperts",
     }
 )
 # Hugging Face's expert classes that hold `x @ W` weights with gate and up interleaved

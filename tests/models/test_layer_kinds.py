@@ -1,8 +1,9 @@
 """Models with layers Conveyor's attention does not compute are refused at start-up with the
 reason, not served wrong: before, a Qwen3.5 (Gated DeltaNet layers) ran on transformers' model
 without its recurrent state and every greedy token sequence differed from `generate`'s (Qwen3.5
-now runs on Conveyor's decoder with its states; Qwen3-Next's layers are of that kind), and a
-Llama 4 past one chunk of its chunked layers gave other tokens than `generate` too."""
+and Qwen3-Next now run on Conveyor's decoder with their states; Granite 4's Mamba layers keep a
+state it does not hold), and a Llama 4 past one chunk of its chunked layers gave other tokens than
+`generate` too."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    GraniteMoeHybridConfig,
     Llama4TextConfig,
     MambaConfig,
-    Qwen3NextConfig,
     RwkvConfig,
 )
 
@@ -26,14 +27,19 @@ from tests.models.test_moe import COMMON
 
 TINY = {"vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2}
 MODELS = {
-    "qwen3-next": lambda: Qwen3NextConfig(
-        **COMMON | {"num_hidden_layers": 4}, head_dim=16, num_experts=4, moe_intermediate_size=16
+    # Granite 4: Mamba2 layers between attention layers, experts in each.
+    "granite-4": lambda: GraniteMoeHybridConfig(
+        **COMMON | {"num_hidden_layers": 4},
+        layer_types=["mamba", "attention"] * 2,
+        mamba_n_heads=4,
+        mamba_d_state=8,
+        num_local_experts=4,
     ),
     "mamba": lambda: MambaConfig(**TINY, state_size=4),
     "rwkv": lambda: RwkvConfig(**TINY, attention_hidden_size=32, intermediate_size=64),
 }
 REASONS = {
-    "qwen3-next": "linear_attention layers keep a recurrent state",
+    "granite-4": "linear_attention layers keep a recurrent state",
     "mamba": "linear_attention layers keep a recurrent state",
     "rwkv": "recurrent model with no attention layers",
 }
@@ -52,18 +58,18 @@ def test_recurrent_layers_are_refused_with_the_reason(name, impl):
 
 
 def test_a_server_start_names_the_layers_it_cannot_serve(tmp_path):
-    build("qwen3-next").save_pretrained(tmp_path)
+    build("granite-4").save_pretrained(tmp_path)
     chat_tokenizer().save_pretrained(tmp_path)
     config = EngineConfig(
         model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=16)
     )
-    with pytest.raises(ValueError, match="Conveyor cannot serve Qwen3NextForCausalLM"):
+    with pytest.raises(ValueError, match="Conveyor cannot serve GraniteMoeHybridForCausalLM"):
         create_engine_core(config)
 
 
 def test_attention_of_every_kind_conveyor_computes_is_served():
     """Sliding and full layers side by side, and layers of experts alone, pass."""
-    model = build("qwen3-next")
+    model = build("granite-4")
     model.config.layer_types = ["sliding_attention", "full_attention", "moe", "full_attention"]
     assert why_not_served(model) == ""
     model.config.layer_types = ["indexed_attention"] * 4

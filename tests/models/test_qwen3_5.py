@@ -1,7 +1,7 @@
-"""Qwen3.5's text models on Conveyor's decoder: Gated DeltaNet layers whose convolution inputs and
-recurrent state each request keeps in the state cache, between gated attention layers; greedy
-tokens and prompt logprobs equal transformers', under chunked prefill, preemption and mixed
-steps."""
+"""Qwen3.5's text models and Qwen3-Next on Conveyor's decoder: Gated DeltaNet layers whose
+convolution inputs and recurrent state each request keeps in the state cache, between gated
+attention layers; greedy tokens and prompt logprobs equal transformers', under chunked prefill,
+preemption and mixed steps."""
 
 from __future__ import annotations
 
@@ -9,14 +9,28 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3NextConfig
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
+from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
-from engine.models.qwen3_5 import GatedAttentionLayer, GatedDeltaNetLayer, PagedQwen3_5ForCausalLM
+from engine.factory import create_engine_core
+from engine.models.qwen3_5 import (
+    GatedAttentionLayer,
+    GatedDeltaNetLayer,
+    PagedQwen3_5ForCausalLM,
+    input_projections,
+)
 from tests.core.test_engine_greedy import record_chunking
-from tests.helpers import check_prompt_logprobs, reference_greedy, run_all, tiny_core, tokens_of
+from tests.helpers import (
+    check_prompt_logprobs,
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tiny_tokenizer,
+    tokens_of,
+)
 from tests.models.test_model_families import COMMON
 
 MAX_NEW = 10
@@ -44,12 +58,26 @@ EXPERTS = dict(
 )
 
 
-def build(moe: bool = False):
-    """A tiny random Qwen3.5, its norms (zero-centred: ones added) and decays drawn so they
-    count."""
+# Each kind's config: Qwen3.5 dense and with experts; Qwen3-Next (its DeltaNet's projections
+# grouped by key head), experts in every layer but the second.
+KINDS = {
+    "dense": lambda: Qwen3_5TextConfig(**SHAPE),
+    "moe": lambda: Qwen3_5MoeTextConfig(**SHAPE, **EXPERTS),
+    "next": lambda: Qwen3NextConfig(**SHAPE, **EXPERTS, mlp_only_layers=[1]),
+}
+ARCHITECTURES = {
+    "dense": "Qwen3_5ForCausalLM",
+    "moe": "Qwen3_5MoeForCausalLM",
+    "next": "Qwen3NextForCausalLM",
+}
+SPARSE = {"dense": [False] * 4, "moe": [True] * 4, "next": [True, False, True, True]}
+
+
+def build(kind: str = "dense"):
+    """A tiny random model of the kind, its norms (zero-centred: ones added) and decays drawn so
+    they count."""
     torch.manual_seed(0)
-    made = Qwen3_5MoeTextConfig(**SHAPE, **EXPERTS) if moe else Qwen3_5TextConfig(**SHAPE)
-    model = AutoModelForCausalLM.from_config(made).eval()
+    model = AutoModelForCausalLM.from_config(KINDS[kind]()).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -64,10 +92,10 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(2, 320) for _ in range(n)] for n in (1, 3, 9, 17, 30, 70, 24)]
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_greedy_matches_generate_under_chunking_and_preemption(moe):
-    model = build(moe)
-    assert type(model).__name__ == ("Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM")
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_greedy_matches_generate_under_chunking_and_preemption(kind):
+    model = build(kind)
+    assert type(model).__name__ == ARCHITECTURES[kind]
     expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
     core, _ = tiny_core(model, num_blocks=24, max_model_len=96, max_num_batched_tokens=12)
     chunked = record_chunking(core)
@@ -83,7 +111,7 @@ def test_greedy_matches_generate_under_chunking_and_preemption(moe):
     ]
     assert [type(layer) for layer in paged.layers] == kinds
     assert core.runner.kv_cache.spec.num_layers == 1
-    assert [layer.moe is not None for layer in paged.layers] == [moe] * len(LAYER_TYPES)
+    assert [layer.moe is not None for layer in paged.layers] == SPARSE[kind]
     shapes = [tuple(s.shape) for s in core.runner.kv_cache.states.layers]
     assert shapes == [(64, 3, 2 * 16 + 48), (64, 4, 8, 12)] * 3
 
@@ -97,8 +125,23 @@ def test_a_prompt_longer_than_a_chunk_of_the_rule():
     assert tokens_of(outputs["req-0"]) == reference_greedy(model, prompt, MAX_NEW)
 
 
-def test_prompt_logprobs_equal_transformers():
-    check_prompt_logprobs(build(), chunk=7, length=30)
+@pytest.mark.parametrize("kind", ["dense", "next"])
+def test_prompt_logprobs_equal_transformers(kind):
+    check_prompt_logprobs(build(kind), chunk=7, length=30)
+
+
+def test_qwen3_next_projections_regrouped_as_qwen3_5s():
+    """Qwen3-Next's rows grouped by key head (q, k, v, z; b, a) come out in Qwen3.5's order, each
+    part by heads in turn, as transformers' own split orders them."""
+    net = build("next").model.layers[0].linear_attn
+    hidden = torch.randn(5, SHAPE["hidden_size"])
+    parts = [p(hidden) for p in input_projections(net)]
+    q, k, v, z, b, a = net.fix_query_key_value_ordering(
+        net.in_proj_qkvz(hidden)[None], net.in_proj_ba(hidden)[None]
+    )
+    expected = [x[0].reshape(5, -1) for x in (q, k, v, z, b, a)]
+    for got, want in zip(parts, expected, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_torch_decode_rows_equal_transformers_recurrent_rule():
@@ -164,3 +207,21 @@ def test_prompts_of_one_length_run_the_rule_together():
     core, _ = tiny_core(model)
     outputs = run_all(core, same, GREEDY)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(3)] == expected
+
+
+def test_a_saved_qwen3_next_serves_from_its_folder(tmp_path):
+    """A Qwen3-Next checkpoint as saved (its experts and grouped projections as written) serves
+    from its folder with transformers' tokens."""
+    model = build("next")
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    config = EngineConfig(
+        model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64)
+    )
+    core, _, _ = create_engine_core(config)
+    try:
+        outputs = run_all(core, prompts(), GREEDY)
+        tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
+        assert tokens == [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    finally:
+        core.close()
