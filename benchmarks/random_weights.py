@@ -41,7 +41,9 @@ def main() -> None:
         "embedded default model, fetched if needed)",
     )
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=NUMBER|true|false|N,N,...")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="FIELD=NUMBER|true|false|WORD|N,N,..."
+    )
     parser.add_argument("--config-only", action="store_true")
     parser.add_argument("--model-type", default=None, help="another family's config")
     args = parser.parse_args()
@@ -73,15 +75,22 @@ def main() -> None:
     print(args.output)
 
 
-def _value(text: str) -> int | float | bool | list[int]:
+def _value(text: str) -> int | float | bool | str | list[int | str]:
     """A `--set` value: an integer, a number with a point (a partial rotary's share),
-    `true`/`false` for a boolean field, or integers between commas for a list (LFM2's
-    `full_attn_idxs`)."""
+    `true`/`false` for a boolean field, a word (Granite 4's `position_embedding_type=rope`), or
+    integers or words between commas for a list (LFM2's `full_attn_idxs`, Granite 4's
+    `layer_types=mamba,attention,...`)."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     if "," in text:
-        return [int(part) for part in text.split(",") if part]
-    return float(text) if "." in text else int(text)
+        return [_number_or_word(part) for part in text.split(",") if part]
+    if text.replace(".", "", 1).lstrip("-").isdigit():
+        return float(text) if "." in text else int(text)
+    return text
+
+
+def _number_or_word(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 if __name__ == "__main__":

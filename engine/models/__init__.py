@@ -27,6 +27,11 @@ from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
 from engine.models.glm import GLM_ARCHITECTURES, PagedGlmForCausalLM
 from engine.models.gpt_oss import GPT_OSS_ARCHITECTURES, PagedGptOssForCausalLM
 from engine.models.granite import GRANITE_ARCHITECTURES, PagedGraniteForCausalLM
+from engine.models.granite_hybrid import (
+    GRANITE_HYBRID_ARCHITECTURES,
+    PagedGraniteHybridForCausalLM,
+)
+from engine.models.granite_hybrid import why_not_run as granite_hybrid_reason
 from engine.models.helium import HELIUM_ARCHITECTURES, PagedHeliumForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.hunyuan import HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM
@@ -64,6 +69,7 @@ DECODER_ONLY = (
     # Their recurrent layers' states live in Conveyor's state cache.
     | LFM2_ARCHITECTURES
     | QWEN3_5_ARCHITECTURES
+    | GRANITE_HYBRID_ARCHITECTURES
 )
 
 # The families of the Llama decoder with a model of their own, by architecture.
@@ -87,6 +93,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (GEMMA_ARCHITECTURES, PagedGemmaForCausalLM),
         (LFM2_ARCHITECTURES, PagedLfm2ForCausalLM),
         (QWEN3_5_ARCHITECTURES, PagedQwen3_5ForCausalLM),
+        (GRANITE_HYBRID_ARCHITECTURES, PagedGraniteHybridForCausalLM),
     )
     for architecture in architectures
 }
@@ -136,6 +143,8 @@ def decoder_reason(hf_model: Any) -> str:
         return lfm2_reason(hf_model)
     if type(hf_model).__name__ in QWEN3_5_ARCHITECTURES:
         return qwen3_5_reason(hf_model)
+    if type(hf_model).__name__ in GRANITE_HYBRID_ARCHITECTURES:
+        return granite_hybrid_reason(hf_model)
     return supports(hf_model)
 
 

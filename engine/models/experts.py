@@ -36,6 +36,7 @@ CASTING_ROUTERS = frozenset(
         "HunYuanMoEV1Gate",
         "GraniteMoeTopKRouter",
         "GraniteMoeSharedTopKRouter",
+        "GraniteMoeHybridTopKRouter",
         "Qwen3_5MoeTopKRouter",
         "Qwen3NextTopKRouter",
     }
@@ -46,7 +47,12 @@ SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
 # Routers that take the top-k logits (plus a bias) first and softmax over those alone (gpt-oss;
 # Granite MoE's in fp32, cast to the rows' dtype).
 TOP_LOGIT_ROUTERS = frozenset(
-    {"GptOssTopKRouter", "GraniteMoeTopKRouter", "GraniteMoeSharedTopKRouter"}
+    {
+        "GptOssTopKRouter",
+        "GraniteMoeTopKRouter",
+        "GraniteMoeSharedTopKRouter",
+        "GraniteMoeHybridTopKRouter",
+    }
 )
 # Why steps of such a model run eagerly: no CUDA graph or compiled piece holds a host sync.
 SPARSE_ON_HOST = "mixture-of-experts layers group their tokens by expert on the host"

@@ -31,6 +31,7 @@ STATEFUL_FAMILIES = {
     "Qwen3_5ForCausalLM": frozenset({"linear_attention"}),
     "Qwen3_5MoeForCausalLM": frozenset({"linear_attention"}),
     "Qwen3NextForCausalLM": frozenset({"linear_attention"}),
+    "GraniteMoeHybridForCausalLM": frozenset({"linear_attention"}),
 }
 
 

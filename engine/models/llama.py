@@ -35,7 +35,7 @@ from engine.models.base import ImageRows, with_image_rows, with_layer_rows
 from engine.models.experts import SparseMoE, is_sparse
 from engine.models.layer_kinds import attending_layers
 from engine.models.layers import add_projected, fuse, gated_activation, rms_norm, rotate
-from engine.models.rotary_table import RotaryTable, typed_rotary_tables
+from engine.models.rotary_table import NoRotary, RotaryTable, typed_rotary_tables
 from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, reduced
 from engine.parallel.sharding import Shard
 from engine.worker.sampler import row_argmax
@@ -490,9 +490,9 @@ class PagedLlamaForCausalLM(nn.Module):
                 base.embed_tokens, shard.shape.vocab_start, shard.group
             )
             self.lm_head = VocabParallelHead(hf_model.lm_head, shard.shape.vocab_size, shard.group)
-        self.rotary_emb = base.rotary_emb
+        self.rotary_emb = base.rotary_emb if base.rotary_emb is not None else NoRotary()
         positions = getattr(hf_model.config, "max_position_embeddings", 0)
-        self.rotary = RotaryTable(base.rotary_emb, positions)
+        self.rotary = RotaryTable(self.rotary_emb, positions)
         # One table per layer type where the frequencies differ by type (Gemma 3, OLMo 3).
         self.typed_rotaries = typed_rotary_tables(base.rotary_emb, positions)
         layers = self._decoder_layers(base, shard)

@@ -93,6 +93,17 @@ def _whole_vectors(rotary: Any) -> bool:
     return inv_freq is not None and (2 * inv_freq.numel()) % _VECTOR_FLOATS == 0
 
 
+class NoRotary:
+    """The rotary of a model that has none (its layers NoPE, as Granite 4's hybrids): cos and sin
+    of no dims for each position, which no layer reads."""
+
+    def __call__(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (*position_ids.shape, 0)
+        return x.new_ones(shape), x.new_zeros(shape)
+
+
 class AdaptedRotary:
     """A model's rotary whose cos and sin are rewritten before the layers take them (gpt-oss's
     half-head ones widened, nanochat's turned backward), with what `RotaryTable` reads of it."""

@@ -47,6 +47,7 @@ FUSED_EXPERTS = frozenset(
         "GraniteMoeSharedExperts",
         "Qwen3_5MoeExperts",
         "Qwen3NextExperts",
+        "GraniteMoeHybridExperts",
     }
 )
 # Hugging Face's expert classes that hold `x @ W` weights with gate and up interleaved

@@ -1,9 +1,9 @@
 """Models with layers Conveyor's attention does not compute are refused at start-up with the
 reason, not served wrong: before, a Qwen3.5 (Gated DeltaNet layers) ran on transformers' model
-without its recurrent state and every greedy token sequence differed from `generate`'s (Qwen3.5
-and Qwen3-Next now run on Conveyor's decoder with their states; Granite 4's Mamba layers keep a
-state it does not hold), and a Llama 4 past one chunk of its chunked layers gave other tokens than
-`generate` too."""
+without its recurrent state and every greedy token sequence differed from `generate`'s (Qwen3.5,
+Qwen3-Next and Granite 4 now run on Conveyor's decoder with their states; Jamba's Mamba layers
+keep a state it does not hold), and a Llama 4 past one chunk of its chunked layers gave other
+tokens than `generate` too."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    GraniteMoeHybridConfig,
+    JambaConfig,
     Llama4TextConfig,
     MambaConfig,
     RwkvConfig,
@@ -22,24 +22,27 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.models import build_causal_lm
 from engine.models.layer_kinds import why_not_served
-from tests.helpers import chat_tokenizer, reference_greedy, tiny_core, tokens_of
+from tests.helpers import chat_tokenizer, reference_greedy, tiny_core, tiny_llama, tokens_of
 from tests.models.test_moe import COMMON
 
 TINY = {"vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2}
 MODELS = {
-    # Granite 4: Mamba2 layers between attention layers, experts in each.
-    "granite-4": lambda: GraniteMoeHybridConfig(
+    # Jamba: Mamba layers between attention layers, experts every other layer.
+    "jamba": lambda: JambaConfig(
         **COMMON | {"num_hidden_layers": 4},
-        layer_types=["mamba", "attention"] * 2,
-        mamba_n_heads=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=4,
+        expert_layer_period=2,
+        expert_layer_offset=1,
         mamba_d_state=8,
-        num_local_experts=4,
+        mamba_dt_rank=8,
     ),
     "mamba": lambda: MambaConfig(**TINY, state_size=4),
     "rwkv": lambda: RwkvConfig(**TINY, attention_hidden_size=32, intermediate_size=64),
 }
 REASONS = {
-    "granite-4": "linear_attention layers keep a recurrent state",
+    "jamba": "linear_attention layers keep a recurrent state",
     "mamba": "linear_attention layers keep a recurrent state",
     "rwkv": "recurrent model with no attention layers",
 }
@@ -58,18 +61,19 @@ def test_recurrent_layers_are_refused_with_the_reason(name, impl):
 
 
 def test_a_server_start_names_the_layers_it_cannot_serve(tmp_path):
-    build("granite-4").save_pretrained(tmp_path)
+    build("jamba").save_pretrained(tmp_path)
     chat_tokenizer().save_pretrained(tmp_path)
     config = EngineConfig(
         model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=16)
     )
-    with pytest.raises(ValueError, match="Conveyor cannot serve GraniteMoeHybridForCausalLM"):
+    with pytest.raises(ValueError, match="Conveyor cannot serve JambaForCausalLM"):
         create_engine_core(config)
 
 
 def test_attention_of_every_kind_conveyor_computes_is_served():
     """Sliding and full layers side by side, and layers of experts alone, pass."""
-    model = build("granite-4")
+    model = tiny_llama()
+    model.config.num_hidden_layers = 4
     model.config.layer_types = ["sliding_attention", "full_attention", "moe", "full_attention"]
     assert why_not_served(model) == ""
     model.config.layer_types = ["indexed_attention"] * 4

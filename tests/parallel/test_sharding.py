@@ -24,6 +24,7 @@ from transformers import (
     GlmConfig,
     GptOssConfig,
     GraniteConfig,
+    GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
     HunYuanDenseV1Config,
     LlamaConfig,
@@ -205,6 +206,28 @@ MODELS = {
         embedding_multiplier=12.0,
         residual_multiplier=0.22,
         logits_scaling=8.0,
+    ),
+    # Granite 4's models that attend in every layer: experts beside the shared MLP (NoPE), and
+    # the shared MLP alone (rotated).
+    "granite-4": lambda: GraniteMoeHybridConfig(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        layer_types=["attention"] * COMMON["num_hidden_layers"],
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        shared_intermediate_size=48,
+        residual_multiplier=0.5,
+    ),
+    "granite-4-dense": lambda: GraniteMoeHybridConfig(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        layer_types=["attention"] * COMMON["num_hidden_layers"],
+        num_local_experts=0,
+        shared_intermediate_size=48,
+        position_embedding_type="rope",
+        embedding_multiplier=3.0,
     ),
     # Gemma's layer (scaled embeddings, four norms of one plus their weights): Gemma 2's capped
     # scores and logits, Gemma 3's per-head q/k norms and local and global layers.

@@ -1,0 +1,163 @@
+"""Mamba2's selective state space scan (state space duality, SSD) over a step's tokens, each request
+from its state in the state cache (`kv/state_cache.py`). Each head `h` keeps a state `S [head dims,
+state dims]`; a token with input `x [head dims]`, step `dt` (softplus of its projection plus a
+bias) and the projections `B`, `C [state dims]` of its head's group decays it by `exp(dt A)` (`A =
+-exp(A_log)`, one per head) and adds `dt x B^T`; the output is `S C + D x`.
+
+Decode rows (one token each) run together over their gathered states; a prompt's tokens run by
+chunks of `SSD_CHUNK`: within a chunk the scan is a masked product of `C B^T` weighted by the decays
+between positions (the SSD's attention-like form), plus each position's read of the state the
+chunk began with; the state then takes the chunk's writes. Prompts of one length in a step run
+together, each row's heads beside the others'. The state stays fp32 (as transformers keeps it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.kv.state_cache import StateCache
+
+# Tokens a chunk of a prompt's scan: within one, the scan is a few products; chunks run in turn.
+SSD_CHUNK = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ScanParams:
+    """A layer's per-head constants: `A` (negative), the skip `D`, the step's bias, and the
+    bounds a prompt's steps are clamped to (Mamba2's `time_step_limit`)."""
+
+    a: torch.Tensor  # [heads] fp32
+    d: torch.Tensor  # [heads] fp32
+    dt_bias: torch.Tensor  # [heads] fp32
+    dt_limit: tuple[float, float]
+
+    @classmethod
+    def of(cls, mixer: Any) -> ScanParams:
+        """From a Mamba2 mixer's parameters (`A_log`, `D`, `dt_bias`, `time_step_limit`)."""
+        a = -torch.exp(mixer.A_log.detach().float())
+        d = mixer.D.detach().float()
+        dt_bias = mixer.dt_bias.detach().float()
+        limit = getattr(mixer, "time_step_limit", None) or (0.0, float("inf"))
+        return cls(a, d, dt_bias, (float(limit[0]), float(limit[1])))
+
+
+def scan(
+    states: StateCache,
+    index: int,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    params: ScanParams,
+) -> torch.Tensor:
+    """The scan over the step's tokens (`x` `[tokens, heads, head dims]`, `dt` `[tokens, heads]`
+    before its bias and softplus, `b`, `c` `[tokens, groups, state dims]`), each request from its
+    state `index`, which it leaves updated; the output `[tokens, heads, head dims]` in fp32,
+    with the `D` skip."""
+    step = states.step
+    assert step is not None, "a recurrent model's step begins its states"
+    state = states.layers[index]
+    heads = x.shape[1]
+    x = x.float()
+    steps = F.softplus(dt.float() + params.dt_bias)
+    b, c = (t.float().repeat_interleave(heads // t.shape[1], dim=1) for t in (b, c))
+    lens = step.query_lens
+    starts = np.cumsum(lens) - lens
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    single = np.flatnonzero(lens == 1)
+    if len(single):
+        rows = torch.from_numpy(starts[single]).to(x.device)
+        slots = torch.from_numpy(step.host_slots[single]).to(x.device)
+        out[rows] = decode_rows(x[rows], steps[rows], b[rows], c[rows], params.a, state, slots)
+    if len(single) < len(lens):
+        # A prompt's steps are clamped to the limit (the decode form takes them as they are).
+        steps = steps.clamp(*params.dt_limit)
+    for length in np.unique(lens[lens > 1]):
+        group = np.flatnonzero(lens == length)
+        spans = [slice(int(starts[row]), int(starts[row] + length)) for row in group]
+        slots = torch.from_numpy(step.host_slots[group]).to(x.device)
+
+        def side_by_side(t: torch.Tensor, spans: list[slice] = spans) -> torch.Tensor:
+            return torch.stack([t[span] for span in spans], dim=1).flatten(1, 2)
+
+        held = state.index_select(0, slots)
+        found = prompt_rows(
+            side_by_side(x),
+            side_by_side(steps),
+            params.a.repeat(len(group)),
+            side_by_side(b),
+            side_by_side(c),
+            held.flatten(0, 1),
+        ).view(int(length), len(group), *x.shape[1:])
+        state.index_copy_(0, slots, held)
+        for i, span in enumerate(spans):
+            out[span] = found[:, i]
+    return out + params.d[:, None] * x
+
+
+def decode_rows(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    a: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token of each row (`x` `[rows, heads, head dims]`, `steps` `[rows, heads]`, `b`, `c`
+    `[rows, heads, state dims]`, fp32) through the scan, row i from `state[slots[i]]` `[heads,
+    head dims, state dims]`, written back; the output without the skip."""
+    held = state.index_select(0, slots)
+    decay = torch.exp(steps * a)[..., None, None]
+    held = held * decay + (steps[..., None] * x)[..., None] * b[:, :, None, :]
+    state.index_copy_(0, slots, held)
+    return (held @ c[..., None]).squeeze(-1)
+
+
+def prompt_rows(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """A prompt's tokens (`x` `[tokens, heads, head dims]`, `steps` `[tokens, heads]`, `b`, `c`
+    `[tokens, heads, state dims]`, fp32; `a` `[heads]`) through the scan from `state` `[heads,
+    head dims, state dims]`, updated in place; the output without the skip. By chunks of
+    `SSD_CHUNK` tokens, each reading the state the chunks before it left."""
+    tokens = x.shape[0]
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for start in range(0, tokens, SSD_CHUNK):
+        span = slice(start, min(start + SSD_CHUNK, tokens))
+        out[span] = _chunk(x[span], steps[span], a, b[span], c[span], state)
+    return out
+
+
+def _chunk(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """One chunk of `prompt_rows`, heads first within."""
+    length = x.shape[0]
+    decays = (steps * a).cumsum(0).t()  # [heads, length]: log decay since the chunk began
+    written = (x * steps[..., None]).transpose(0, 1)  # [heads, length, head dims]
+    b, c = b.transpose(0, 1), c.transpose(0, 1)  # [heads, length, state dims]
+    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+    between = (decays[:, :, None] - decays[:, None, :]).masked_fill(~causal, float("-inf"))
+    within = (c @ b.transpose(-1, -2)) * between.exp()  # [heads, length, length]
+    read = (c @ state.transpose(-1, -2)) * decays.exp()[..., None]  # [heads, length, head dims]
+    out = within @ written + read
+    last = decays[:, -1:]
+    kept = written * (last - decays).exp()[..., None]
+    state.mul_(last.exp()[..., None]).add_(kept.transpose(-1, -2) @ b)
+    return out.transpose(0, 1)
