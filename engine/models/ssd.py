@@ -4,7 +4,8 @@ state dims]`; a token with input `x [head dims]`, step `dt` (softplus of its pro
 bias) and the projections `B`, `C [state dims]` of its head's group decays it by `exp(dt A)` (`A =
 -exp(A_log)`, one per head) and adds `dt x B^T`; the output is `S C + D x`.
 
-Decode rows (one token each) run together over their gathered states; a prompt's tokens run by
+Decode rows (one token each) run together (on the CPU one C++ op that updates each state in place
+and reads it out in the same pass; elsewhere over their gathered states); a prompt's tokens run by
 chunks of `SSD_CHUNK`: within a chunk the scan is a masked product of `C B^T` weighted by the decays
 between positions (the SSD's attention-like form), plus each position's read of the state the
 chunk began with; the state then takes the chunk's writes. Prompts of one length in a step run
@@ -20,10 +21,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.cpu import ops as cpu_ops
 from engine.kv.state_cache import StateCache
 
 # Tokens a chunk of a prompt's scan: within one, the scan is a few products; chunks run in turn.
 SSD_CHUNK = 64
+# The least log decay between two positions of a chunk that is taken as it is: below, exp is
+# under 2e-35 (nothing beside the other terms of a sum) and torch's exp takes a slow path near
+# fp32's smallest numbers, which a model's steep decays reach over a chunk.
+LEAST_LOG_DECAY = -80.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +68,8 @@ def scan(
     step = states.step
     assert step is not None, "a recurrent model's step begins its states"
     state = states.layers[index]
-    heads = x.shape[1]
-    x = x.float()
+    x, b, c = x.float(), b.float(), c.float()
     steps = F.softplus(dt.float() + params.dt_bias)
-    b, c = (t.float().repeat_interleave(heads // t.shape[1], dim=1) for t in (b, c))
     lens = step.query_lens
     starts = np.cumsum(lens) - lens
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -110,8 +114,28 @@ def decode_rows(
     slots: torch.Tensor,
 ) -> torch.Tensor:
     """One token of each row (`x` `[rows, heads, head dims]`, `steps` `[rows, heads]`, `b`, `c`
-    `[rows, heads, state dims]`, fp32) through the scan, row i from `state[slots[i]]` `[heads,
-    head dims, state dims]`, written back; the output without the skip."""
+    `[rows, groups, state dims]`, fp32) through the scan, row i from `state[slots[i]]` `[heads,
+    head dims, state dims]`, written back; the output without the skip. On the CPU Conveyor's
+    kernel updates each state in place and reads it out in the same pass; elsewhere
+    `decode_rows_torch`."""
+    if state.is_cpu and cpu_ops.has("recurrent"):
+        x, steps, b, c = (t.contiguous() for t in (x, steps, b, c))
+        return cpu_ops.ssd_decode(x, steps, b, c, a.contiguous(), state, slots.cpu())
+    return decode_rows_torch(x, steps, b, c, a, state, slots)
+
+
+def decode_rows_torch(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    a: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`decode_rows` in torch's ops, over the rows' gathered states."""
+    heads = x.shape[1]
+    b, c = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (b, c))
     held = state.index_select(0, slots)
     decay = torch.exp(steps * a)[..., None, None]
     held = held * decay + (steps[..., None] * x)[..., None] * b[:, :, None, :]
@@ -128,9 +152,10 @@ def prompt_rows(
     state: torch.Tensor,
 ) -> torch.Tensor:
     """A prompt's tokens (`x` `[tokens, heads, head dims]`, `steps` `[tokens, heads]`, `b`, `c`
-    `[tokens, heads, state dims]`, fp32; `a` `[heads]`) through the scan from `state` `[heads,
-    head dims, state dims]`, updated in place; the output without the skip. By chunks of
-    `SSD_CHUNK` tokens, each reading the state the chunks before it left."""
+    `[tokens, groups, state dims]`, fp32; `a` `[heads]`; consecutive heads share a group)
+    through the scan from `state` `[heads, head dims, state dims]`, updated in place; the output
+    without the skip. By chunks of `SSD_CHUNK` tokens, each reading the state the chunks before
+    it left."""
     tokens = x.shape[0]
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     for start in range(0, tokens, SSD_CHUNK):
@@ -147,17 +172,30 @@ def _chunk(
     c: torch.Tensor,
     state: torch.Tensor,
 ) -> torch.Tensor:
-    """One chunk of `prompt_rows`, heads first within."""
-    length = x.shape[0]
-    decays = (steps * a).cumsum(0).t()  # [heads, length]: log decay since the chunk began
-    written = (x * steps[..., None]).transpose(0, 1)  # [heads, length, head dims]
-    b, c = b.transpose(0, 1), c.transpose(0, 1)  # [heads, length, state dims]
+    """One chunk of `prompt_rows`: a group's heads take its `C B^T` and its reads of their
+    states in one product each."""
+    length, heads, dims = x.shape
+    groups, size = b.shape[1], b.shape[2]
+    shared = heads // groups
+    # [heads, length]: log decay since the chunk began (contiguous, so that what is computed
+    # from it is laid out heads first, as the products take their batches).
+    decays = (steps * a).cumsum(0).t().contiguous()
+    # [heads, length, head dims], each head's rows together (the products' batches).
+    written = (x * steps[..., None]).transpose(0, 1).contiguous()
+    b, c = b.transpose(0, 1), c.transpose(0, 1)  # [groups, length, state dims]
     causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-    between = (decays[:, :, None] - decays[:, None, :]).masked_fill(~causal, float("-inf"))
-    within = (c @ b.transpose(-1, -2)) * between.exp()  # [heads, length, length]
-    read = (c @ state.transpose(-1, -2)) * decays.exp()[..., None]  # [heads, length, head dims]
-    out = within @ written + read
+    weights = (decays[:, :, None] - decays[:, None, :]).clamp_(min=LEAST_LOG_DECAY)
+    weights = (
+        weights.masked_fill_(~causal, float("-inf")).exp_().view(groups, shared, length, length)
+    )
+    weights.mul_((c @ b.transpose(-1, -2))[:, None])  # each pair's C B^T, decayed between them
+    out = (weights.view(heads, length, length) @ written).view(groups, shared, length, dims)
+    by_group = state.view(groups, shared * dims, size)
+    read = (c @ by_group.transpose(-1, -2)).view(groups, length, shared, dims).transpose(1, 2)
+    out += read * decays.exp().view(groups, shared, length, 1)
     last = decays[:, -1:]
-    kept = written * (last - decays).exp()[..., None]
-    state.mul_(last.exp()[..., None]).add_(kept.transpose(-1, -2) @ b)
-    return out.transpose(0, 1)
+    kept = written * (last - decays).exp()[..., None]  # [heads, length, head dims]
+    writes = kept.view(groups, shared, length, dims).transpose(2, 3).reshape(groups, -1, length)
+    state.mul_(last.exp()[..., None])
+    by_group.add_(writes @ b)
+    return out.view(heads, length, dims).transpose(0, 1)

@@ -21,7 +21,7 @@ from engine.models.granite_hybrid import (
     Mamba2Layer,
     PagedGraniteHybridForCausalLM,
 )
-from engine.models.ssd import SSD_CHUNK, decode_rows, prompt_rows
+from engine.models.ssd import SSD_CHUNK, decode_rows, decode_rows_torch, prompt_rows
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import (
     check_prompt_logprobs,
@@ -122,9 +122,11 @@ def test_prompt_logprobs_equal_transformers(kind):
     check_prompt_logprobs(build(kind), chunk=7, length=30)
 
 
-def test_decode_rows_equal_transformers_state_update():
+@pytest.mark.parametrize("form", [decode_rows, decode_rows_torch])
+def test_decode_rows_equal_transformers_state_update(form):
     """Rows of one token each from their own slots: the outputs and states transformers'
-    `mamba2_selective_state_update` gives (its skip left out), other slots untouched."""
+    `mamba2_selective_state_update` gives (its skip left out), other slots untouched; on the
+    CPU's kernel (where built) and in torch's ops."""
     torch.manual_seed(1)
     rows, heads, dims, groups, size = 3, 4, 6, 2, 5
     state = torch.randn(6, heads, dims, size)
@@ -142,8 +144,7 @@ def test_decode_rows_equal_transformers_state_update():
         c,
     )
     untouched = state[[1, 3, 5]].clone()
-    per_head = [t.repeat_interleave(heads // groups, dim=1) for t in (b, c)]
-    got = decode_rows(x, steps, *per_head, a, state, slots)
+    got = form(x, steps, b, c, a, state, slots)
     torch.testing.assert_close(got, expected)
     torch.testing.assert_close(state[slots], expected_state)
     assert torch.equal(state[[1, 3, 5]], untouched)
@@ -169,8 +170,7 @@ def test_prompt_rows_equal_transformers_chunk_scan(tokens):
         initial_states=state[None],
         return_final_states=True,
     )
-    per_head = [t.repeat_interleave(heads // groups, dim=1) for t in (b, c)]
-    got = prompt_rows(x, steps, a, *per_head, state)
+    got = prompt_rows(x, steps, a, b, c, state)
     torch.testing.assert_close(got, expected[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state, expected_state[0], atol=1e-4, rtol=1e-4)
 
@@ -190,3 +190,15 @@ def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
         assert tokens == [reference_greedy(model, p, MAX_NEW) for p in prompts()]
     finally:
         core.close()
+
+
+def test_prompts_of_one_length_run_the_scan_together():
+    """Prompts of the same length in one step run the chunked scan as one, each row's heads from
+    its own state: the same tokens as each alone."""
+    model = build()
+    rng = random.Random(8)
+    same = [[rng.randrange(2, 320) for _ in range(9)] for _ in range(3)]
+    expected = [reference_greedy(model, p, MAX_NEW) for p in same]
+    core, _ = tiny_core(model)
+    outputs = run_all(core, same, GREEDY)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(3)] == expected

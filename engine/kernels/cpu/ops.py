@@ -9,7 +9,8 @@ a whole decoder layer for a step of decode rows that runs those kernels back to 
 (`csrc/fused_decode/decode_layer.cpp`), the greedy choice over a step's logits
 (`csrc/elementwise/argmax.cpp`), a random one from its top-k and top-p
 (`csrc/elementwise/nucleus_draw.cpp`), a decode token of each row through the gated delta rule
-(`csrc/recurrent/delta_rule.cpp`) and a step's short causal convolution over each row's kept
+(`csrc/recurrent/delta_rule.cpp`), a decode token of each row through Mamba2's scan
+(`csrc/recurrent/ssd_decode.cpp`) and a step's short causal convolution over each row's kept
 inputs (`csrc/recurrent/short_conv.cpp`).
 
 `cpu_build` compiles them on first use, in groups (`cpu_build.GROUPS`) that fall back apart:
@@ -290,6 +291,23 @@ def gated_delta_decode(
     value dims]`, `g`, `beta` `[rows, value heads]`, int64 `slots` (distinct). fp32 `[rows,
     value heads, value dims]` (`csrc/recurrent/delta_rule.cpp`)."""
     return torch.ops.conveyor.gated_delta_decode(q, k, v, g, beta, states, slots)
+
+
+def ssd_decode(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    rates: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token of each row through Mamba2's scan, row i from `states[slots[i]]` (`[slots,
+    heads, head dims, state dims]` fp32), updated in place: contiguous fp32 `x` `[rows, heads,
+    head dims]`, `steps` `[rows, heads]` (after the bias and softplus), `b`, `c` `[rows, groups,
+    state dims]`, `rates` `[heads]` (A, negative), int64 `slots` (distinct). fp32 `[rows, heads,
+    head dims]`, without the skip (`csrc/recurrent/ssd_decode.cpp`)."""
+    return torch.ops.conveyor.ssd_decode(x, steps, b, c, rates, states, slots)
 
 
 def short_conv(
