@@ -70,6 +70,14 @@ def conv_windows(query_lens: np.ndarray, width: int) -> tuple[np.ndarray, np.nda
 StateSpec = tuple[tuple[int, ...], torch.dtype | None]
 
 
+def convolved_state_specs(taps: torch.Tensor, recurrent: tuple[int, ...]) -> list[StateSpec]:
+    """A layer that convolves its inputs (`taps` `[width, channels]`) before a recurrence: its
+    last `width - 1` inputs in the rows' dtype, then the recurrent state `recurrent` in fp32 (as
+    transformers keeps it)."""
+    width, channels = taps.shape
+    return [((int(width) - 1, int(channels)), None), (recurrent, torch.float32)]
+
+
 def state_slot_bytes(specs: list[StateSpec], dtype: torch.dtype) -> int:
     """The bytes one slot's states take, `dtype` that of the rows."""
     return sum(math.prod(shape) * (own or dtype).itemsize for shape, own in specs)

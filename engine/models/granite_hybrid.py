@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionMetadata
-from engine.kv.state_cache import StateSpec
+from engine.kv.state_cache import StateSpec, convolved_state_specs
 from engine.lora.adapter import Shapes
 from engine.models.experts import is_sparse
 from engine.models.granite import PagedGraniteForCausalLM, PagedGraniteLayer
@@ -84,11 +84,8 @@ class Mamba2Layer(PagedGraniteLayer):
         return {}
 
     def state_specs(self) -> list[StateSpec]:
-        """A request's convolution inputs and its scan's state (fp32, as transformers keeps
-        it)."""
-        width, channels = self.taps.shape
-        scanned = (self.heads, self.head_dim, self.state_dims)
-        return [((int(width) - 1, int(channels)), None), (scanned, torch.float32)]
+        """A request's convolution inputs and its scan's state."""
+        return convolved_state_specs(self.taps, (self.heads, self.head_dim, self.state_dims))
 
     def forward(
         self,

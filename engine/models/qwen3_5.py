@@ -29,7 +29,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionMetadata
 from engine.kernels.cpu import ops as cpu_ops
-from engine.kv.state_cache import StateCache, StateSpec
+from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
 from engine.lora.adapter import Shapes
 from engine.models.experts import is_sparse
 from engine.models.layers import add_projected, fuse
@@ -108,11 +108,9 @@ class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
         return {}
 
     def state_specs(self) -> list[StateSpec]:
-        """A request's convolution inputs and its recurrent state (fp32, as transformers
-        keeps it)."""
-        width, channels = self.taps.shape
+        """A request's convolution inputs and its recurrent state."""
         recurrent = (self.value_heads, self.key_head_dim, self.value_head_dim)
-        return [((int(width) - 1, int(channels)), None), (recurrent, torch.float32)]
+        return convolved_state_specs(self.taps, recurrent)
 
     def forward(
         self,
