@@ -8,6 +8,7 @@ come from.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,6 +156,44 @@ class StateCache:
         new = pool[kept].view(-1, width - 1, channels).to(state.dtype)
         state.index_copy_(0, step.slots, new)
         return (F.silu(out) if silu else out).to(inputs.dtype)
+
+    def recur(
+        self,
+        index: int,
+        inputs: Sequence[torch.Tensor],
+        decode: Callable[..., torch.Tensor],
+        prompt: Callable[..., torch.Tensor],
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """A recurrence over the step's tokens (`inputs`, each `[tokens, heads, ...]`), each
+        request from its slot of state `index`, written into `out` (`[tokens, heads, ...]`):
+        the decode rows (one token each) together, `decode(*their inputs, state=, slots=)` with
+        the rows' slots on the host, which updates those slots; the prompt chunks of one length
+        together, `prompt(*inputs, held)` with each token's rows side by side (`[length, rows *
+        heads, ...]`) and their states gathered (`[rows * heads, ...]`), which it updates in
+        place before they go back, its output laid out as its inputs."""
+        step = self.step
+        assert step is not None, "a recurrent model's step begins its states"
+        state = self.layers[index]
+        lens = step.query_lens
+        starts = np.cumsum(lens) - lens
+        single = np.flatnonzero(lens == 1)
+        if len(single):
+            rows = torch.from_numpy(starts[single]).to(out.device)
+            found = decode(*(t[rows] for t in inputs), state=state, slots=step.host_slots[single])
+            out[rows] = found.to(out.dtype)
+        for length in np.unique(lens[lens > 1]):
+            group = np.flatnonzero(lens == length)
+            spans = [slice(int(starts[row]), int(starts[row] + length)) for row in group]
+            slots = torch.from_numpy(step.host_slots[group]).to(out.device)
+            held = state.index_select(0, slots)
+            side_by_side = (torch.stack([t[s] for s in spans], dim=1).flatten(1, 2) for t in inputs)
+            found = prompt(*side_by_side, held.flatten(0, 1))
+            found = found.view(int(length), len(group), -1, *found.shape[2:])
+            state.index_copy_(0, slots, held)
+            for i, span in enumerate(spans):
+                out[span] = found[:, i].to(out.dtype)
+        return out
 
 
 def _own_convolution(inputs: torch.Tensor, state: torch.Tensor) -> bool:

@@ -184,43 +184,23 @@ def delta_rule(
     beta: torch.Tensor,
 ) -> torch.Tensor:
     """The gated delta rule over the step's tokens (`[tokens, heads, dims]`), each request from
-    its state `index`, which it leaves updated: decode rows together, a prompt chunk at a time."""
+    its state `index`, which it leaves updated: decode rows together, a prompt chunk at a time
+    (the chunks of one length together, each row's heads beside the others')."""
 
-    step = states.step
-    assert step is not None
-    state = states.layers[index]
-    lens = step.query_lens
-    starts = np.cumsum(lens) - lens
+    def decode(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        state: torch.Tensor,
+        slots: np.ndarray,
+    ) -> torch.Tensor:
+        return decode_rows(q, k, v, g, beta, state, slots.tolist())
+
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    single = np.flatnonzero(lens == 1)
-    if len(single):
-        rows = torch.from_numpy(starts[single]).to(v.device)
-        slots = step.host_slots[single].tolist()
-        found = decode_rows(q[rows], k[rows], v[rows], g[rows], beta[rows], state, slots)
-        out[rows] = found.to(out.dtype)
-    for length in np.unique(lens[lens > 1]):
-        # The prompt chunks of one length run together, each row's heads beside the others'.
-        group = np.flatnonzero(lens == length)
-        spans = [slice(int(starts[row]), int(starts[row] + length)) for row in group]
-        group_slots = torch.from_numpy(step.host_slots[group]).to(v.device)
-
-        def side_by_side(x: torch.Tensor, spans: list[slice] = spans) -> torch.Tensor:
-            stacked = torch.stack([x[span] for span in spans], dim=1)  # [length, rows, heads, ..]
-            return stacked.flatten(1, 2)
-
-        held = state.index_select(0, group_slots)
-        found = prompt_rows(
-            side_by_side(q),
-            side_by_side(k),
-            side_by_side(v),
-            side_by_side(g),
-            side_by_side(beta),
-            held.flatten(0, 1),
-        ).view(int(length), len(group), *v.shape[1:])
-        state.index_copy_(0, group_slots, held)
-        for i, span in enumerate(spans):
-            out[span] = found[:, i].to(out.dtype)
-    return out
+    return states.recur(index, (q, k, v, g, beta), decode, prompt_rows, out)
 
 
 def decode_rows(

@@ -65,42 +65,30 @@ def scan(
     before its bias and softplus, `b`, `c` `[tokens, groups, state dims]`), each request from its
     state `index`, which it leaves updated; the output `[tokens, heads, head dims]` in fp32,
     with the `D` skip."""
-    step = states.step
-    assert step is not None, "a recurrent model's step begins its states"
-    state = states.layers[index]
     x, b, c = x.float(), b.float(), c.float()
     steps = F.softplus(dt.float() + params.dt_bias)
-    lens = step.query_lens
-    starts = np.cumsum(lens) - lens
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    single = np.flatnonzero(lens == 1)
-    if len(single):
-        rows = torch.from_numpy(starts[single]).to(x.device)
-        slots = torch.from_numpy(step.host_slots[single]).to(x.device)
-        out[rows] = decode_rows(x[rows], steps[rows], b[rows], c[rows], params.a, state, slots)
-    if len(single) < len(lens):
+
+    def decode(
+        x: torch.Tensor,
+        steps: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor,
+        *,
+        state: torch.Tensor,
+        slots: np.ndarray,
+    ) -> torch.Tensor:
+        on_device = torch.from_numpy(slots).to(state.device)
+        return decode_rows(x, steps, b, c, params.a, state, on_device)
+
+    def prompt(
+        x: torch.Tensor, steps: torch.Tensor, b: torch.Tensor, c: torch.Tensor, held: torch.Tensor
+    ) -> torch.Tensor:
         # A prompt's steps are clamped to the limit (the decode form takes them as they are).
-        steps = steps.clamp(*params.dt_limit)
-    for length in np.unique(lens[lens > 1]):
-        group = np.flatnonzero(lens == length)
-        spans = [slice(int(starts[row]), int(starts[row] + length)) for row in group]
-        slots = torch.from_numpy(step.host_slots[group]).to(x.device)
+        rates = params.a.repeat(x.shape[1] // len(params.a))  # each row's heads side by side
+        return prompt_rows(x, steps.clamp(*params.dt_limit), rates, b, c, held)
 
-        def side_by_side(t: torch.Tensor, spans: list[slice] = spans) -> torch.Tensor:
-            return torch.stack([t[span] for span in spans], dim=1).flatten(1, 2)
-
-        held = state.index_select(0, slots)
-        found = prompt_rows(
-            side_by_side(x),
-            side_by_side(steps),
-            params.a.repeat(len(group)),
-            side_by_side(b),
-            side_by_side(c),
-            held.flatten(0, 1),
-        ).view(int(length), len(group), *x.shape[1:])
-        state.index_copy_(0, slots, held)
-        for i, span in enumerate(spans):
-            out[span] = found[:, i]
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    out = states.recur(index, (x, steps, b, c), decode, prompt, out)
     return out + params.d[:, None] * x
 
 

@@ -32,6 +32,7 @@ from tests.helpers import (
     tokens_of,
 )
 from tests.models.test_model_families import COMMON
+from tests.models.test_qwen3_5 import prompts
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -76,11 +77,6 @@ def build(kind: str = "experts"):
             elif name.endswith("A_log"):
                 param.uniform_(-1.0, 1.5)
     return model
-
-
-def prompts() -> list[list[int]]:
-    rng = random.Random(6)
-    return [[rng.randrange(2, 320) for _ in range(n)] for n in (1, 3, 9, 17, 30, 70, 24)]
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
