@@ -60,6 +60,7 @@ from engine.models import CausalLM, build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST
 from engine.models.layer_kinds import RECURRENT_KINDS, why_not_this_long
 from engine.models.llama import PagedLlamaForCausalLM
+from engine.models.nemotron_h import NEMOTRON_H_ARCHITECTURES
 from engine.models.vision import ImageTextLM, is_image_text, takes_images
 from engine.parallel.group import ParallelGroup
 from engine.parallel.sharding import Shard, not_shardable, why_not_shardable
@@ -146,6 +147,8 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
         raise ValueError("a sequence classifier runs on one device (--runner pooling)")
     if set(getattr(checkpoint, "layer_types", None) or ()) & RECURRENT_KINDS:
         raise ValueError("tensor parallelism does not split recurrent layers' states yet")
+    if set(getattr(checkpoint, "architectures", None) or ()) & NEMOTRON_H_ARCHITECTURES:
+        raise ValueError("tensor parallelism does not split Nemotron-H's blocks yet")
     counted = all(hasattr(checkpoint, key) for key in ("num_attention_heads", "intermediate_size"))
     reason = why_not_shardable(checkpoint, size) if counted else ""
     if reason:
@@ -822,6 +825,8 @@ def _why_not_capturable(model: CausalLM, backend: AttentionBackend) -> str:
         return SPARSE_ON_HOST
     if model.state_specs():
         return "recurrent layers' state indices are built afresh each step"
+    if not model.splits_at_attention:
+        return "layers that are not cut at an attention call are not captured"
     if any(layer.attention is not None for layer in model.layers):
         return "sliding-window layers are not captured"
     rope_type = getattr(model.rotary_emb, "rope_type", "default")

@@ -41,6 +41,8 @@ from engine.models.lfm2 import why_not_run as lfm2_reason
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
 from engine.models.minimax import MINIMAX_ARCHITECTURES, PagedMiniMaxM2ForCausalLM
 from engine.models.nanochat import NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM
+from engine.models.nemotron_h import NEMOTRON_H_ARCHITECTURES, PagedNemotronHForCausalLM
+from engine.models.nemotron_h import why_not_run as nemotron_h_reason
 from engine.models.olmo2 import (
     OLMO2_ARCHITECTURES,
     OLMOE_ARCHITECTURES,
@@ -70,6 +72,7 @@ DECODER_ONLY = (
     | LFM2_ARCHITECTURES
     | QWEN3_5_ARCHITECTURES
     | GRANITE_HYBRID_ARCHITECTURES
+    | NEMOTRON_H_ARCHITECTURES
 )
 
 # The families of the Llama decoder with a model of their own, by architecture.
@@ -94,6 +97,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (LFM2_ARCHITECTURES, PagedLfm2ForCausalLM),
         (QWEN3_5_ARCHITECTURES, PagedQwen3_5ForCausalLM),
         (GRANITE_HYBRID_ARCHITECTURES, PagedGraniteHybridForCausalLM),
+        (NEMOTRON_H_ARCHITECTURES, PagedNemotronHForCausalLM),
     )
     for architecture in architectures
 }
@@ -145,6 +149,8 @@ def decoder_reason(hf_model: Any) -> str:
         return qwen3_5_reason(hf_model)
     if type(hf_model).__name__ in GRANITE_HYBRID_ARCHITECTURES:
         return granite_hybrid_reason(hf_model)
+    if type(hf_model).__name__ in NEMOTRON_H_ARCHITECTURES:
+        return nemotron_h_reason(hf_model)
     return supports(hf_model)
 
 

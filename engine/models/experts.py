@@ -1,8 +1,9 @@
 """Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3-VL-MoE's language model,
 gpt-oss, and the families whose router chooses by scores plus a bias, `routing`): a router picks
-each token's top-k experts, each expert is a gated MLP of its own, and their outputs are summed
-with the router's weights (plus a shared expert every token runs: Qwen2-MoE's behind a sigmoid
-gate, DeepSeek's kind's as it is).
+each token's top-k experts, each expert is a gated MLP of its own (Nemotron-H's an MLP without a
+gate), and their outputs are summed with the router's weights (plus a shared expert every token
+runs: Qwen2-MoE's behind a sigmoid gate, DeepSeek's kind's as it is). Nemotron 3's experts may
+work in a narrower latent width, the rows projected into it and the experts' sum back out.
 
 Hugging Face holds a layer's experts as two 3-d tensors (`gate_up_proj [experts, 2 * inter,
 hidden]` with gate above up, `down_proj [experts, hidden, inter]`; gpt-oss's transposed, gate
@@ -27,7 +28,7 @@ from torch import nn
 
 from engine.models.layers import clamped_swiglu, gated_activation
 from engine.models.routing import BiasedRouter, GroupLimitedRouter, router_of
-from engine.parallel.sharding import HF_EXPERTS, TRANSPOSED_EXPERTS
+from engine.parallel.sharding import GATELESS_EXPERTS, HF_EXPERTS, TRANSPOSED_EXPERTS
 
 # Routers without `norm_topk_prob` that still cast their weights to the logits' dtype.
 CASTING_ROUTERS = frozenset(
@@ -77,6 +78,13 @@ def unfuse_experts(model: nn.Module) -> int:
     return swapped
 
 
+def _latent(block: Any, name: str) -> nn.Module | None:
+    """The block's projection `name` into or out of its experts' latent width; None where it has
+    none (or an identity in its place)."""
+    projection = getattr(block, name, None)
+    return None if projection is None or isinstance(projection, nn.Identity) else projection
+
+
 def _view_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
     """A linear layer over `weight` `[out, in]` (and `bias`) themselves (no copy)."""
     with torch.device("meta"):
@@ -105,7 +113,8 @@ class ClampedSwiGLU(nn.Module):
 
 class ExpertLinears(nn.Module):
     """A layer's experts, each a gate/up projection (`[2 * inter, hidden]`, gate first) and a
-    down projection, computing `down(act(gate) * up)` for the tokens routed to it."""
+    down projection, computing `down(act(gate) * up)` for the tokens routed to it; or, not
+    `gated` (Nemotron-H's), an up projection alone in the gate/up's place: `down(act(up))`."""
 
     def __init__(
         self,
@@ -114,6 +123,7 @@ class ExpertLinears(nn.Module):
         act_fn: nn.Module,
         silu: bool,
         clamped: ClampedSwiGLU | None = None,
+        gated: bool = True,
     ) -> None:
         super().__init__()
         self.gate_up = nn.ModuleList(gate_up)
@@ -122,6 +132,7 @@ class ExpertLinears(nn.Module):
         self.silu = silu
         # gpt-oss's activation in place of `act_fn(gate) * up`.
         self.clamped = clamped
+        self.gated = gated
         self.num_experts = len(gate_up)
         self.intermediate = int(cast(nn.Linear, down[0]).in_features)
 
@@ -132,6 +143,11 @@ class ExpertLinears(nn.Module):
             return experts
         if type(experts).__name__ in TRANSPOSED_EXPERTS:
             return cls._of_transposed(experts)
+        if type(experts).__name__ in GATELESS_EXPERTS:
+            up, down = experts.up_proj.detach(), experts.down_proj.detach()
+            ups: list[nn.Module] = [_view_linear(w) for w in up]
+            downs: list[nn.Module] = [_view_linear(w) for w in down]
+            return cls(ups, downs, experts.act_fn, silu=False, gated=False)
         gate_up = experts.gate_up_proj.detach()
         down = experts.down_proj.detach()
         return cls(
@@ -185,7 +201,9 @@ class ExpertLinears(nn.Module):
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up[expert](x)
-        if self.clamped is not None:
+        if not self.gated:
+            activated = self.act_fn(gate_up)
+        elif self.clamped is not None:
             activated = self.clamped(gate_up)
         else:
             activated = gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)
@@ -229,6 +247,10 @@ class SparseMoE(nn.Module):
             None,
         )
         self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
+        # Nemotron 3's projections of the rows into the experts' narrower width and back (None
+        # where the experts take the rows as they are).
+        self.into_latent = _latent(block, "fc1_latent_proj")
+        self.from_latent = _latent(block, "fc2_latent_proj")
 
     @property
     def num_experts(self) -> int:
@@ -263,7 +285,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for the normalized rows `x` `[rows, hidden]`."""
         weights, experts = self.route(x)
-        out = self.experts(x, experts, weights)
+        if self.into_latent is None or self.from_latent is None:
+            out = self.experts(x, experts, weights)
+        else:
+            out = self.from_latent(self.experts(self.into_latent(x), experts, weights))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -3,11 +3,8 @@ that attend (without a rotary where the config names none: Granite 4's hybrids a
 tokens by Mamba2 (`ssd.py`), each followed by experts beside an MLP every token runs, or by that
 MLP alone where the model has no experts (Granite 4's dense models).
 
-A Mamba2 layer projects each normed row to a gate `z`, the convolved inputs (`x`, `B`, `C`,
-through a short causal convolution with a bias, then silu) and each head's step `dt`; the scan's
-output is normed in groups after a silu(z) gate and projected. A request keeps its
-convolution's last inputs and its scan's state `[heads, head dims, state dims]` in the state
-cache. Decode steps run op by op.
+A Mamba2 layer mixes its normed rows by `mamba2.Mamba2Mixer` (a request's convolution inputs and
+scan state in the state cache) and projects them. Decode steps run op by op.
 """
 
 from __future__ import annotations
@@ -18,12 +15,12 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionMetadata
-from engine.kv.state_cache import StateSpec, convolved_state_specs
+from engine.kv.state_cache import StateSpec
 from engine.lora.adapter import Shapes
 from engine.models.experts import is_sparse
 from engine.models.granite import PagedGraniteForCausalLM, PagedGraniteLayer
 from engine.models.llama import hybrid_layers, not_plain
-from engine.models.ssd import ScanParams, scan
+from engine.models.mamba2 import Mamba2Mixer, why_not_mixed
 from engine.parallel.sharding import Shard
 
 GRANITE_HYBRID_ARCHITECTURES = frozenset({"GraniteMoeHybridForCausalLM"})
@@ -66,17 +63,10 @@ class Mamba2Layer(PagedGraniteLayer):
     inputs; the scan's state follows)."""
 
     def _attention_parts(self, mixer: Any, group: Any) -> None:
-        self.mixer = mixer
-        self.heads, self.head_dim = int(mixer.num_heads), int(mixer.head_dim)
-        self.state_dims, self.groups = int(mixer.ssm_state_size), int(mixer.n_groups)
-        self.inner = int(mixer.intermediate_size)
-        self.num_heads = self.heads  # the output projection's rows: each head's dims side by side
+        self.mamba = Mamba2Mixer(mixer)
+        self.num_heads, self.head_dim = self.mamba.heads, self.mamba.head_dim
         self.qkv_proj = mixer.in_proj  # the first projection (its rows' dtype)
-        self.o_proj = mixer.out_proj
-        # The taps `[width, channels]`, oldest input first.
-        self.taps = mixer.conv1d.weight.detach()[:, 0].t().contiguous()
-        self.conv_bias = mixer.conv1d.bias
-        self.params = ScanParams.of(mixer)
+        self.o_proj = mixer.out_proj  # takes each head's dims side by side
         self.attention = None
         self.layer_type = "linear_attention"
 
@@ -84,8 +74,7 @@ class Mamba2Layer(PagedGraniteLayer):
         return {}
 
     def state_specs(self) -> list[StateSpec]:
-        """A request's convolution inputs and its scan's state."""
-        return convolved_state_specs(self.taps, (self.heads, self.head_dim, self.state_dims))
+        return self.mamba.state_specs()
 
     def forward(
         self,
@@ -97,22 +86,8 @@ class Mamba2Layer(PagedGraniteLayer):
         states = metadata.kv_cache.states
         assert states is not None, "a recurrent model runs with its states"
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
-        channels = self.taps.shape[1]
-        z, inputs, dt = self.qkv_proj(normed).split([self.inner, channels, self.heads], dim=-1)
-        inputs = states.convolve(self.index, inputs, self.taps, self.conv_bias, silu=True)
-        tokens, grouped = inputs.shape[0], self.groups * self.state_dims
-        x, b, c = inputs.split([self.inner, grouped, grouped], dim=-1)
-        scanned = scan(
-            states,
-            self.index + 1,
-            x.reshape(tokens, self.heads, self.head_dim),
-            dt,
-            b.reshape(tokens, self.groups, self.state_dims),
-            c.reshape(tokens, self.groups, self.state_dims),
-            self.params,
-        )
-        gated = self.mixer.norm(scanned.reshape(tokens, self.inner), z).to(hidden.dtype)
-        return self.after_attention(gated.view(tokens, self.heads, self.head_dim), hidden)
+        gated = self.mamba(normed, states, self.index, hidden.dtype)
+        return self.after_attention(gated.view(-1, self.num_heads, self.head_dim), hidden)
 
 
 def why_not_run(hf_model: Any) -> str:
@@ -126,11 +101,10 @@ def why_not_run(hf_model: Any) -> str:
         projections += [shared.input_linear, shared.output_linear]
         if layer.block_sparse_moe is not None and not is_sparse(layer.block_sparse_moe):
             return "its experts are not ones Conveyor runs"
-        reason = not_plain(projections)
+        mixed = why_not_mixed(layer.mamba) if layer.mamba is not None else ""
+        reason = not_plain(projections) or mixed
         if reason:
             return reason
-        if layer.mamba is not None and layer.mamba.activation != "silu":
-            return f"its Mamba2 layers convolve through {layer.mamba.activation}, not silu"
     return ""
 
 

@@ -477,6 +477,9 @@ class PagedLlamaForCausalLM(nn.Module):
     # Why a family's decode steps run op by op whatever its layers (the fused C++ stack computes
     # the Llama layer only), or None: the layers decide.
     op_by_op: str | None = None
+    # Whether each layer is the part before an attention call and the part after (what compiled
+    # pieces and piecewise CUDA graphs cut a step at); Nemotron-H's blocks are not.
+    splits_at_attention = True
 
     def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
         """`shard`: `hf_model` holds one rank's share of the weights (`parallel.sharding`)."""

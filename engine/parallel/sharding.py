@@ -55,7 +55,12 @@ FUSED_EXPERTS = frozenset(
 # and a clamped SwiGLU between (gpt-oss).
 TRANSPOSED_EXPERTS = frozenset({"GptOssExperts"})
 # Hugging Face's expert classes Conveyor runs and splits, of either kind.
-HF_EXPERTS = FUSED_EXPERTS | TRANSPOSED_EXPERTS
+SPLIT_EXPERTS = FUSED_EXPERTS | TRANSPOSED_EXPERTS
+# Hugging Face's expert classes without a gate (`up_proj [experts, inter, hidden]`, `down_proj`,
+# `down(act(up(x)))`: Nemotron-H's), which Conveyor runs on one device.
+GATELESS_EXPERTS = frozenset({"NemotronHExperts"})
+# Every expert class Conveyor runs.
+HF_EXPERTS = SPLIT_EXPERTS | GATELESS_EXPERTS
 # The tensors of a layer's experts, by their names in either kind of class.
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
@@ -314,7 +319,7 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
             owner, _, kind = name.rpartition(".")
             setattr(layers.get_submodule(owner), kind, _parameter(param[heads]))
     for module in layers.modules():
-        if type(module).__name__ in HF_EXPERTS:
+        if type(module).__name__ in SPLIT_EXPERTS:
             _shard_experts(module, shape)
     _shard_vocab(hf_model, shape)
     return shape

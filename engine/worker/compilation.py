@@ -48,6 +48,8 @@ def why_not_compiled(model: CausalLM) -> str:
         return SPARSE_ON_HOST
     if model.state_specs():
         return "layers that keep recurrent states (LFM2's, Qwen3.5's) are not compiled"
+    if not model.splits_at_attention:
+        return "layers that are not cut at an attention call are not compiled"
     return ""
 
 

@@ -1,0 +1,206 @@
+"""Nemotron-H (NVIDIA's `NemotronHForCausalLM`: Nemotron-H, Nemotron Nano 2, Nemotron 3) on
+Conveyor's decoder. Each of its blocks adds one mixer of its normed rows to the residual: Mamba2
+(`mamba2.Mamba2Mixer`, a request's convolution inputs and scan state in the state cache),
+attention without a rotary (its K/V in the paged cache), an MLP without a gate (squared ReLU), or
+experts without a gate beside a shared one, chosen by sigmoid scores plus a bias (DeepSeek V3's
+router, `routing.py`), in a narrower latent width where the config names one. The norms scale in
+fp32 before they round. Decode steps run op by op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.backend import AttentionMetadata
+from engine.kv.state_cache import StateSpec
+from engine.lora.adapter import Shapes
+from engine.lora.slots import LoRASlots
+from engine.models.experts import SparseMoE, is_sparse
+from engine.models.layers import add_projected, fp32_scaled_norm
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, not_plain
+from engine.models.mamba2 import Mamba2Mixer, why_not_mixed
+from engine.parallel.sharding import Shard
+
+NEMOTRON_H_ARCHITECTURES = frozenset({"NemotronHForCausalLM"})
+# The block kinds (`config.layers_block_type`) by what they mix.
+MAMBA, ATTENTION, EXPERTS = "linear_attention", "full_attention", "moe"
+
+
+class _Block(PagedLlamaLayer):
+    """A Nemotron-H block: its residual plus one mixer of its normed rows (`_mixer_parts` reads
+    the mixer). `index` is its place in the KV cache (an attention block's) or of its first state
+    (a Mamba2 block's)."""
+
+    def __init__(self, block: Any, index: int) -> None:
+        nn.Module.__init__(self)
+        self.index = index
+        self.input_norm = block.norm
+        self.post_attention_norm = None
+        self.moe: nn.Module | None = None
+        self.attention = None
+        self.layer_type: str | None = block.block_type
+        self.lora: LoRASlots | None = None
+        self._mixer_parts(block.mixer)
+        self._lora_shapes = self._target_shapes()
+
+    def _mixer_parts(self, mixer: Any) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _norm(norm: Any, hidden: torch.Tensor, projection: nn.Module) -> torch.Tensor:
+        return fp32_scaled_norm(hidden, norm, projection)
+
+
+class NemotronAttentionBlock(_Block):
+    """Attention over the paged cache, q and k not rotated, its output projected onto the
+    residual."""
+
+    def _mixer_parts(self, attn: Any) -> None:
+        self._attention_parts(attn, None)
+        self.rotates = False
+        self.layer_type = ATTENTION
+
+    def _target_shapes(self) -> Shapes:
+        hidden = int(self.qkv_proj.in_features)  # type: ignore[arg-type]  # a linear layer's
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv)} | {
+            "o_proj": (q, hidden)
+        }
+
+    def after_attention(
+        self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
+    ) -> torch.Tensor:
+        if lora is not None:
+            return residual + self._attention_output(out, lora)
+        return add_projected(self.o_proj, self._attended(out), residual)
+
+
+class NemotronMambaBlock(_Block):
+    """Mamba2 over each request's states, its output projected onto the residual."""
+
+    def _mixer_parts(self, mixer: Any) -> None:
+        self.mamba = Mamba2Mixer(mixer)
+
+    def _target_shapes(self) -> Shapes:
+        return {}
+
+    def state_specs(self) -> list[StateSpec]:
+        return self.mamba.state_specs()
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        states = metadata.kv_cache.states
+        assert states is not None, "a recurrent model runs with its states"
+        normed = self._norm(self.input_norm, hidden, self.mamba.in_proj)
+        mixed = self.mamba(normed, states, self.index, hidden.dtype)
+        return add_projected(self.mamba.out_proj, mixed, hidden)
+
+
+class NemotronMlpBlock(_Block):
+    """An MLP without a gate (`down(relu(up(x))^2)`), or experts, onto the residual."""
+
+    def _mixer_parts(self, mlp: Any) -> None:
+        if is_sparse(mlp):
+            self.moe = SparseMoE(mlp)
+            self.silu = False
+        else:
+            self._dense_mlp(mlp, None)
+
+    def _target_shapes(self) -> Shapes:
+        if self.moe is not None:
+            return {}
+        hidden = int(self.gate_up_proj.in_features)  # type: ignore[arg-type]  # a linear layer's
+        return {"down_proj": (self.intermediate, hidden)}
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        mlp_input = self.gate_up_proj if self.moe is None else self.moe
+        return self._mlp(self._norm(self.input_norm, hidden, mlp_input), hidden, lora)
+
+
+def why_not_run(hf_model: Any) -> str:
+    """Empty where every projection of the model is a plain linear layer, its experts are ones
+    Conveyor runs and its Mamba2 layers convolve through silu; else why not."""
+    for block in hf_model.model.layers:
+        mixer, kind = block.mixer, block.block_type
+        if kind == MAMBA:
+            reason = not_plain([mixer.in_proj, mixer.out_proj]) or why_not_mixed(mixer)
+        elif kind == ATTENTION:
+            reason = not_plain([mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj])
+        elif kind == EXPERTS:
+            if not is_sparse(mixer):
+                return "its experts are not ones Conveyor runs"
+            shared = mixer.shared_experts
+            latent = [
+                p
+                for p in (mixer.fc1_latent_proj, mixer.fc2_latent_proj)
+                if not isinstance(p, nn.Identity)
+            ]
+            reason = not_plain([shared.up_proj, shared.down_proj, *latent])
+        else:
+            reason = not_plain([mixer.up_proj, mixer.down_proj])
+        if reason:
+            return reason
+    return ""
+
+
+class _Base:
+    """Nemotron-H's model under the Llama model's names (no rotary: its attention is NoPE)."""
+
+    def __init__(self, base: Any) -> None:
+        self.embed_tokens, self.norm = base.embeddings, base.norm_f
+        self.layers, self.config = base.layers, base.config
+        self.rotary_emb = None
+
+
+class _CausalLM:
+    """Nemotron-H's causal LM under the Llama causal LM's names."""
+
+    def __init__(self, hf_model: Any) -> None:
+        self.model, self.lm_head = _Base(hf_model.model), hf_model.lm_head
+        self.config = hf_model.config
+
+
+class PagedNemotronHForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    op_by_op = "Nemotron-H's blocks"
+    splits_at_attention = False
+
+    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
+        if shard is not None:
+            raise ValueError("tensor parallelism does not split Nemotron-H's blocks yet")
+        super().__init__(_CausalLM(hf_model))
+
+    def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
+        """Each block as its kind's layer: attention blocks indexed by their place in the KV
+        cache, Mamba2 blocks by the place of their first state."""
+        layers: list[nn.Module] = []
+        cached, held = 0, 0
+        for block in base.layers:
+            if block.block_type == ATTENTION:
+                layers.append(NemotronAttentionBlock(block, cached))
+                cached += 1
+            elif block.block_type == MAMBA:
+                built = NemotronMambaBlock(block, held)
+                layers.append(built)
+                held += len(built.state_specs())
+            else:
+                layers.append(NemotronMlpBlock(block, 0))
+        return layers
+
+    def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        return fp32_scaled_norm(hidden[logits_indices], self.norm)
