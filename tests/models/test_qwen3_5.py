@@ -22,7 +22,6 @@ from engine.models.qwen3_5 import (
     PagedQwen3_5ForCausalLM,
     input_projections,
 )
-from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import (
     check_prompt_logprobs,
     reference_greedy,
@@ -31,6 +30,7 @@ from tests.helpers import (
     tiny_tokenizer,
     tokens_of,
 )
+from tests.models.recurrent import prompts, served_under_pressure
 from tests.models.test_model_families import COMMON
 
 MAX_NEW = 10
@@ -87,23 +87,11 @@ def build(kind: str = "dense"):
     return model
 
 
-def prompts() -> list[list[int]]:
-    rng = random.Random(6)
-    return [[rng.randrange(2, 320) for _ in range(n)] for n in (1, 3, 9, 17, 30, 70, 24)]
-
-
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_greedy_matches_generate_under_chunking_and_preemption(kind):
     model = build(kind)
     assert type(model).__name__ == ARCHITECTURES[kind]
-    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
-    core, _ = tiny_core(model, num_blocks=24, max_model_len=96, max_num_batched_tokens=12)
-    chunked = record_chunking(core)
-    outputs = run_all(core, prompts(), GREEDY)
-    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
-    assert core.scheduler.num_preemptions > 0 and any(chunked)
-    blocks = core.scheduler.block_manager
-    assert blocks.num_used_blocks == 0 and blocks.state_slots.num_free == 64
+    core = served_under_pressure(model, MAX_NEW)
     paged = core.runner.model
     assert isinstance(paged, PagedQwen3_5ForCausalLM)
     kinds = [
