@@ -495,8 +495,12 @@ class EngineCore:
         except Exception as exc:
             logger.warning("a model step failed (%s); running it again without overlap", exc)
             results = self._receive(self._take_in_flight()) if self._in_flight else []
-            live = [item for item in scheduled.scheduled if not item.request.is_finished]
-            return results + (self._run_now(_with(scheduled, live), start) if live else [])
+            live = _with(scheduled, [i for i in scheduled.scheduled if not i.request.is_finished])
+            if not live.scheduled:
+                return results
+            if self._keeps_states:  # running it again whole would advance states twice
+                return results + self._run_isolated(live, exc, start)
+            return results + self._run_now(live, start)
         self.scheduler.advance(scheduled)
         previous, self._in_flight = self._in_flight, _InFlight(scheduled, launched, start)
         return self._receive(previous) if previous is not None else []
@@ -504,16 +508,51 @@ class EngineCore:
     def _run_now(self, scheduled: SchedulerOutput, start: float) -> list[RequestOutput]:
         """Run a step to completion and take its results. Should it fail, the requests that
         make it fail are found and failed, and the others' results kept."""
-        failed: list[RequestOutput] = []
         try:
             runner_output = self.runner.execute(scheduled)
         except EngineDeadError:
             raise  # nothing to isolate: the engine cannot run another step
         except Exception as exc:
-            runner_output, scheduled, culprits = self._isolate(scheduled, exc)
-            failed = self._fail_culprits(culprits)
+            return self._run_isolated(scheduled, exc, start)
+        self.scheduler.advance(scheduled)
+        return self._complete(scheduled, runner_output, start)
+
+    def _run_isolated(
+        self, scheduled: SchedulerOutput, exc: Exception, start: float
+    ) -> list[RequestOutput]:
+        """A step that raised `exc`: the requests that make it fail are found and failed, and
+        the others' results kept; but where the model keeps recurrent states, a request that
+        ran on from its state (not from its first token, whose state starts from zeros) may
+        have had it advanced by a failed run, so it is recomputed from its tokens instead."""
+        runner_output, scheduled, culprits = self._isolate(scheduled, exc)
+        failed = self._fail_culprits(culprits)
+        if self._keeps_states:
+            scheduled = self._recompute_resumed(scheduled, runner_output)
         self.scheduler.advance(scheduled)
         return failed + self._complete(scheduled, runner_output, start)
+
+    @property
+    def _keeps_states(self) -> bool:
+        """Whether the model's layers keep recurrent states per request."""
+        return self.scheduler.block_manager.state_slots is not None
+
+    def _recompute_resumed(
+        self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> SchedulerOutput:
+        """The step less the requests that ran on from their state, each sent back to wait,
+        to be recomputed, with its results dropped."""
+        resumed = [item for item in scheduled.scheduled if item.start > 0]
+        for item in resumed:
+            _drop_results(runner_output, item.request.request_id)
+            self.scheduler.recompute(item.request)
+        self._stats.num_preemptions += len(resumed)
+        if resumed:
+            logger.warning(
+                "%d requests of the failed step are recomputed: their recurrent states may "
+                "have advanced",
+                len(resumed),
+            )
+        return _with(scheduled, [item for item in scheduled.scheduled if item.start == 0])
 
     def _take_in_flight(self) -> _InFlight:
         in_flight, self._in_flight = self._in_flight, None
@@ -717,6 +756,19 @@ def _logprobs_of(request: Request, output: ModelRunnerOutput) -> list[TokenLogpr
     if last is None:
         return []
     return [*output.accepted_logprobs.get(request.request_id, []), last]
+
+
+def _drop_results(output: ModelRunnerOutput, request_id: str) -> None:
+    """Forget what a step gave one request."""
+    for results in (
+        output.sampled_token_ids,
+        output.accepted_drafts,
+        output.accepted_logprobs,
+        output.logprobs,
+        output.prompt_logprobs,
+        output.embeddings,
+    ):
+        results.pop(request_id, None)
 
 
 def _merge(into: ModelRunnerOutput, part: ModelRunnerOutput) -> None:

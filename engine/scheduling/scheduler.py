@@ -487,6 +487,13 @@ class Scheduler:
         self._release(request)
         self._pause(request, "preempted")
 
+    def recompute(self, request: Request) -> None:
+        """Send a running request back to wait without its blocks, to be recomputed from its
+        tokens (one whose recurrent state a failed step may have advanced)."""
+        if request in self.running:
+            self.running.remove(request)
+        self._preempt(request)
+
     def _pause(self, request: Request, event: str = "paused") -> None:
         """Back to the waiting queue keeping its blocks: it resumes where it stopped, unless
         the blocks are needed first."""

@@ -1,5 +1,6 @@
 """A step that raises fails only the requests that make it fail: the rest of the batch goes on
-with exactly the tokens it would have had."""
+with exactly the tokens it would have had (where the model keeps recurrent states, which a failed
+run may have advanced, by recomputing those that ran on from theirs)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from engine.core.errors import RequestFailedError
 from engine.core.sampling_params import SamplingParams
 from tests.helpers import reference_greedy, tiny_core, tiny_llama, tokens_of
+from tests.models import test_lfm2, test_nemotron_h
 from tests.server_utils import app_client
 
 POISON = 13  # a prompt holding this token makes any step that runs it raise
@@ -79,6 +81,50 @@ def test_a_step_no_single_request_explains_still_fails_everything(monkeypatch, c
     assert all(o.finish_reason == "error" and "device lost" in str(o.error) for o in outputs)
     assert caplog.text.count("the model step failed for request") == 3
     assert not core.has_unfinished()
+
+
+def fail_after_the_forward(core, monkeypatch, request_id: str, after: int) -> None:
+    """Wrap the runner: a step that runs `request_id` from its token `after` on raises once the
+    model has run (as a step failing in its sampling would)."""
+    launch = core.runner.launch
+
+    def failing(scheduled):
+        launched = launch(scheduled)
+        if any(
+            i.request.request_id == request_id and i.start >= after for i in scheduled.scheduled
+        ):
+            launched.result()
+            raise RuntimeError("failed after the forward")
+        return launched
+
+    monkeypatch.setattr(core.runner, "launch", failing)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+@pytest.mark.parametrize("family", [test_lfm2, test_nemotron_h], ids=["lfm2", "nemotron_h"])
+def test_a_recurrent_models_others_are_recomputed_after_a_failed_decode(
+    monkeypatch, caplog, family, overlap
+):
+    """A decode step that fails after the forward has advanced every request's state: running
+    the others again from those states would give wrong tokens, so those that ran on from their
+    state are recomputed from their tokens, and every request but the culprit ends with exactly
+    transformers' tokens."""
+    model = family.build()
+    core, _ = tiny_core(model, async_scheduling=overlap)
+    fail_after_the_forward(core, monkeypatch, "r1", len(PROMPTS[1]) + 2)
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(f"r{i}", prompt, GREEDY)
+    with caplog.at_level(logging.WARNING, logger="engine.core.engine_core"):
+        outputs = run_to_end(core)
+    assert outputs["r1"][-1].finish_reason == "error"
+    for i, prompt in enumerate(PROMPTS):
+        if i != 1:
+            assert outputs[f"r{i}"][-1].finish_reason == "length"
+            assert tokens_of(outputs[f"r{i}"]) == reference_greedy(model, prompt, 8)
+    assert "are recomputed: their recurrent states may have advanced" in caplog.text
+    manager = core.scheduler.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    assert manager.state_slots is not None and manager.state_slots.num_free == 64
 
 
 async def test_a_hostile_top_k_is_served_and_hurts_no_other_stream():
