@@ -24,6 +24,7 @@ from engine.attention.torch_paged import TorchPagedAttention
 from engine.core.config import (
     DEFAULT_BLOCK_SIZES,
     DEFAULT_CPU_KV_CACHE_BYTES,
+    DEFAULT_MAMBA_BLOCK_TOKENS,
     CacheConfig,
     EngineConfig,
     ServingInfo,
@@ -41,6 +42,7 @@ from engine.kv.kv_scales import checkpoint_kv_scales
 from engine.kv.residency import BlockResidency
 from engine.kv.state_cache import StateCache, state_slot_bytes
 from engine.kv.state_slots import StateSlots
+from engine.kv.state_snapshots import StateSnapshots
 from engine.loading.classifiers import is_classifier
 from engine.loading.generation_config import sampling_defaults
 from engine.loading.hub import fetched
@@ -284,15 +286,46 @@ def _state_cache(
     reason = _why_no_states(config, shard)
     if reason:
         raise ValueError(f"{type(model).__name__} keeps recurrent states, which {reason}")
-    slots = _state_slot_count(config, state_slot_bytes(specs, dtype), device)
-    states = StateCache(specs, slots, dtype, device)
+    slot_bytes = state_slot_bytes(specs, dtype)
+    slots = _state_slot_count(config, slot_bytes, device)
+    snapshots = _snapshot_count(config, slot_bytes, slots, device)
+    states = StateCache(specs, slots, dtype, device, snapshots)
+    interval = mamba_block_size(config.cache, block_size(config.cache, device))
     logger.info(
-        "recurrent states: %d tensors a slot, %d slots, %.1f MiB; prefix caching is off",
+        "recurrent states: %d tensors a slot, %d slots, %s, %.1f MiB",
         len(specs),
         states.num_slots,
+        f"{snapshots} snapshots every {interval} tokens for prefix caching"
+        if snapshots
+        else "prefix caching is off",
         states.num_bytes / 2**20,
     )
     return states
+
+
+def mamba_block_size(cache: CacheConfig, block_tokens: int) -> int:
+    """Tokens between the snapshots of a request's recurrent states: as configured (a multiple
+    of the block size), else the multiple of the block size nearest 256."""
+    if cache.mamba_block_size is None:
+        return max(1, round(DEFAULT_MAMBA_BLOCK_TOKENS / block_tokens)) * block_tokens
+    if cache.mamba_block_size % block_tokens:
+        raise ValueError(
+            f"--mamba-block-size {cache.mamba_block_size} is not a multiple of the block size "
+            f"{block_tokens}"
+        )
+    return cache.mamba_block_size
+
+
+def _snapshot_count(config: EngineConfig, slot_bytes: int, slots: int, device: torch.device) -> int:
+    """How many snapshots of a request's states prefix caching keeps: one for each slot, or
+    as many as a quarter of the KV cache budget holds where that is fewer (taken from the blocks'
+    share, which a hybrid model's few attention layers need less of); none without prefix
+    caching, or for pooling (prompts only, never resumed)."""
+    if not config.enable_prefix_caching or config.runner == "pooling":
+        return 0
+    if config.cache.num_blocks is not None:
+        return slots
+    return min(slots, _budget_before_blocks(config, device) // 4 // slot_bytes)
 
 
 def _state_slot_count(config: EngineConfig, slot_bytes: int, device: torch.device) -> int:
@@ -442,11 +475,16 @@ def core_from_model(
     _check_image_step(config, model)
     num_blocks, block_tokens = kv_cache.num_blocks, kv_cache.block_size
     max_model_len = _max_model_len(config, loaded.max_model_len, num_blocks * block_tokens)
-    # A prefix's K/V say nothing of a recurrent layer's state after it: no prefix caching.
-    caching = config.enable_prefix_caching and kv_cache.states is None
+    # A prefix's K/V say nothing of a recurrent layer's state after it: such a model's prefix
+    # caching resumes from snapshots of the states, where it keeps any.
+    states = kv_cache.states
+    caching = config.enable_prefix_caching and (states is None or states.num_snapshots > 0)
     blocks = BlockManager(num_blocks, block_tokens, caching)
-    if kv_cache.states is not None:
-        blocks.state_slots = StateSlots(kv_cache.states.num_slots)
+    if states is not None:
+        blocks.state_slots = StateSlots(states.num_slots)
+        if caching:
+            interval = mamba_block_size(config.cache, block_tokens)
+            blocks.snapshots = StateSnapshots(states.num_snapshots, interval)
     if config.kv_cache_metrics_sample is not None:
         blocks.residency = BlockResidency(config.kv_cache_metrics_sample)
     scheduler = Scheduler(config.scheduler_config(max_model_len), blocks)
@@ -873,8 +911,8 @@ def _num_blocks(
 
 def _less_states(budget: int, states: StateCache | None) -> int:
     """A fixed KV budget less what a recurrent model's states take of it (they share it, as the
-    blocks and the states both grow with the requests held; `_state_slot_count` leaves the
-    blocks at least half)."""
+    blocks and the states both grow with the requests held; the slots take at most half of it,
+    the snapshots at most a quarter, `_state_slot_count`, `_snapshot_count`)."""
     return budget if states is None else budget - states.num_bytes
 
 

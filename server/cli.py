@@ -271,6 +271,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="tokens per KV block (default: 32 on a CPU, 16 on CUDA)",
     )
     engine.add_argument(
+        "--mamba-block-size",
+        type=int,
+        default=None,
+        help="tokens between the copies of a request's recurrent states that prefix caching "
+        "resumes from, a multiple of --block-size (LFM2, Qwen3.5, Granite 4, Nemotron-H; "
+        "default: the multiple of --block-size nearest 256)",
+    )
+    engine.add_argument(
         "--num-blocks",
         "--num-gpu-blocks-override",
         type=int,
@@ -852,6 +860,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         cache=CacheConfig(
             block_size=args.block_size,
+            mamba_block_size=args.mamba_block_size,
             num_blocks=args.num_blocks,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,

@@ -161,6 +161,7 @@ def tiny_core(
     *,
     num_blocks: int = 256,
     block_size: int | None = 4,
+    mamba_block_size: int | None = None,
     max_num_batched_tokens: int = 512,
     max_num_seqs: int = 64,
     enable_chunked_prefill: bool = True,
@@ -187,6 +188,7 @@ def tiny_core(
     config = EngineConfig(
         cache=CacheConfig(
             block_size=block_size,
+            mamba_block_size=mamba_block_size,
             num_blocks=num_blocks,
             dtype=kv_cache_dtype,
             kv_cache_memory=kv_cache_memory,

@@ -18,6 +18,9 @@ DEFAULT_IGNORE_PATTERNS = ("original/*",)
 # tokens took 7-21% less time in blocks of 32 than of 16 (vLLM's CPU backend also prefers
 # multiples of 32). CUDA keeps vLLM's 16.
 DEFAULT_BLOCK_SIZES = {"cpu": 32, "cuda": 16}
+# Tokens between the copies of a request's recurrent states kept for prefix caching, unless asked
+# otherwise: each copy is a whole request's states (megabytes), so far fewer than one a block.
+DEFAULT_MAMBA_BLOCK_TOKENS = 256
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -108,10 +111,13 @@ class CacheConfig:
     of the device memory, less what the weights and a profiling step took. `dtype` is the K/V
     element type: `auto` is the model's dtype. An fp8 cache takes its per-layer scales from the
     checkpoint, or with `calculate_kv_scales` from the first step served
-    (`engine/kv/kv_scales.py`).
+    (`engine/kv/kv_scales.py`). A model whose layers keep recurrent states keeps a copy of a
+    request's states every `mamba_block_size` tokens for prefix caching (None: the multiple of
+    `block_size` nearest `DEFAULT_MAMBA_BLOCK_TOKENS`; `engine/kv/state_snapshots.py`).
     """
 
     block_size: int | None = None
+    mamba_block_size: int | None = None
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -121,6 +127,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.mamba_block_size is not None and self.mamba_block_size < 1:
+            raise ValueError(f"mamba_block_size must be positive, got {self.mamba_block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

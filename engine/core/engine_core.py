@@ -539,9 +539,10 @@ class EngineCore:
     def _recompute_resumed(
         self, scheduled: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> SchedulerOutput:
-        """The step less the requests that ran on from their state, each sent back to wait,
-        to be recomputed, with its results dropped."""
-        resumed = [item for item in scheduled.scheduled if item.start > 0]
+        """The step less the requests that ran on from their state (not from zeros, nor from
+        a snapshot restored first), each sent back to wait, to be recomputed, with its results
+        dropped."""
+        resumed = [i for i in scheduled.scheduled if not _reruns_from_the_start(i)]
         for item in resumed:
             _drop_results(runner_output, item.request.request_id)
             self.scheduler.recompute(item.request)
@@ -552,7 +553,7 @@ class EngineCore:
                 "have advanced",
                 len(resumed),
             )
-        return _with(scheduled, [item for item in scheduled.scheduled if item.start == 0])
+        return _with(scheduled, [i for i in scheduled.scheduled if _reruns_from_the_start(i)])
 
     def _take_in_flight(self) -> _InFlight:
         in_flight, self._in_flight = self._in_flight, None
@@ -756,6 +757,12 @@ def _logprobs_of(request: Request, output: ModelRunnerOutput) -> list[TokenLogpr
     if last is None:
         return []
     return [*output.accepted_logprobs.get(request.request_id, []), last]
+
+
+def _reruns_from_the_start(item: ScheduledRequest) -> bool:
+    """Whether a recurrent model's step item sets its states before it runs (zeroed at its
+    request's first token, or restored from a snapshot), so running it again gives the same."""
+    return item.start == 0 or item.restore is not None
 
 
 def _drop_results(output: ModelRunnerOutput, request_id: str) -> None:

@@ -66,6 +66,9 @@ class Request:
     # The slot of a recurrent model's state cache this request holds beside its blocks
     # (`kv/state_slots.py`); None in other models, or while it holds no blocks.
     state_slot: int | None = None
+    # The snapshot row of the states after its cached prefix, which its first step copies into
+    # its slot (`kv/state_snapshots.py`); None once taken, or where it resumes from none.
+    restore_snapshot: int | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0

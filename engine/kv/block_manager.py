@@ -16,6 +16,7 @@ from engine.kv.block_hash import ROOT_HASH, extend_block_hashes, salted
 from engine.kv.events import BlockStored, EventLog, external_hash
 from engine.kv.residency import BlockResidency
 from engine.kv.state_slots import StateSlots
+from engine.kv.state_snapshots import StateSnapshots
 
 
 class BlockManager:
@@ -38,6 +39,9 @@ class BlockManager:
         # A recurrent model's state slots, one per request holding blocks (`state_slots.py`);
         # None for models whose layers all attend.
         self.state_slots: StateSlots | None = None
+        # The copies of its states that its prefix caching resumes from (`state_snapshots.py`);
+        # None where it keeps none (or the model keeps no states).
+        self.snapshots: StateSnapshots | None = None
 
     # ---- counts ----------------------------------------------------------------------------
 
@@ -107,10 +111,53 @@ class BlockManager:
 
     def claim_cached_prefix(self, request: Request) -> None:
         """Start a request holding no blocks from the longest cached run of its full blocks:
-        it holds them and counts their tokens computed."""
+        it holds them and counts their tokens computed. A recurrent model's request takes the
+        longest run that ends where a snapshot of the states is kept, and resumes from that
+        snapshot (`request.restore_snapshot`)."""
         blocks = self.cached_prefix(request)
+        if self.snapshots is not None:
+            blocks, request.restore_snapshot = self._resumable(request, blocks)
         self.claim(request, blocks)
         request.num_computed_tokens = len(blocks) * self.block_size
+
+    def _resumable(self, request: Request, blocks: list[int]) -> tuple[list[int], int | None]:
+        """The longest run of `blocks` after which the states are kept, with their snapshot's
+        row ([] and None where there is none)."""
+        assert self.snapshots is not None
+        per = self.snapshots.interval // self.block_size
+        for count in range(len(blocks) // per * per, 0, -per):
+            row = self.snapshots.find(request.block_hashes[count - 1])
+            if row is not None:
+                return blocks[:count], row
+        return [], None
+
+    def snapshot_row(self, request: Request, end: int) -> tuple[int, int] | None:
+        """A snapshot row (and its generation) reserved for the request's states after its
+        first `end` tokens, a step's end: where `end` is on the snapshots' grid and those states
+        are not kept already; else None."""
+        snapshots = self.snapshots
+        if snapshots is None or end == 0 or end % snapshots.interval:
+            return None
+        if end <= len(request.all_token_ids):  # else its last token is still being sampled
+            extend_block_hashes(
+                request.block_hashes,
+                request.all_token_ids,
+                self.block_size,
+                end,
+                _root(request),
+                _image_starts(request),
+            )
+            if snapshots.kept(request.block_hashes[end // self.block_size - 1]):
+                return None
+        return snapshots.reserve()
+
+    def commit_snapshot(self, request: Request, end: int, row: tuple[int, int]) -> None:
+        """Know the snapshot `row`, taken after the request's first `end` tokens by a step that
+        completed, by the hash of the block that ends there (its blocks published up to `end`
+        already)."""
+        if self.snapshots is not None and len(request.block_hashes) >= end // self.block_size:
+            block_hash = request.block_hashes[end // self.block_size - 1]
+            self.snapshots.commit(*row, block_hash)
 
     def cache_full_blocks(self, request: Request, computed: int | None = None) -> None:
         """Publish the request's full blocks among its first `computed` tokens (default: its
@@ -226,6 +273,7 @@ class BlockManager:
                         self.residency.dropped(block)
         request.block_ids = []
         request.num_published_blocks = 0
+        request.restore_snapshot = None
         if self.state_slots is not None:
             self.state_slots.release(request)
 
@@ -255,6 +303,8 @@ class BlockManager:
                 self.residency.dropped(block)
         if self.events is not None and clears_all:
             self.events.cleared()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         return forgotten
 
     # ---- checks ----------------------------------------------------------------------------
@@ -274,6 +324,8 @@ class BlockManager:
             assert self._hashes[block] == block_hash, "hash index out of date"
         if self.state_slots is not None:
             self.state_slots.check_invariants()
+        if self.snapshots is not None:
+            self.snapshots.check_invariants()
 
 
 def _root(request: Request) -> bytes:

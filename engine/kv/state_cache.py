@@ -87,7 +87,9 @@ def state_slot_bytes(specs: list[StateSpec], dtype: torch.dtype) -> int:
 class StateCache:
     """`specs[i]`: the model's i-th state a slot (`[kept, channels]` for a short convolution's
     inputs, `[heads, key dims, value dims]` in fp32 for a linear attention's); `dtype` the
-    rows'."""
+    rows'. Beside the slots, `num_snapshots` copies of a slot's states as they stood after some
+    request's first tokens (`snapshots[i]` `[num_snapshots, *specs[i]'s shape]`), which prefix
+    caching resumes from (`state_snapshots.py`)."""
 
     def __init__(
         self,
@@ -95,18 +97,36 @@ class StateCache:
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_snapshots: int = 0,
     ) -> None:
         self.num_slots = num_slots
+        self.num_snapshots = num_snapshots
         self.device = device
         self.layers = [
             torch.zeros((num_slots, *shape), dtype=own or dtype, device=device)
+            for shape, own in specs
+        ]
+        self.snapshots = [
+            torch.zeros((num_snapshots, *shape), dtype=own or dtype, device=device)
             for shape, own in specs
         ]
         self.step: StateStep | None = None
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
+        return sum(t.numel() * t.element_size() for t in (*self.layers, *self.snapshots))
+
+    def save(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each `(slot, snapshot)` pair's slot states into the snapshot, in order."""
+        for slot, snapshot in pairs:
+            for state, kept in zip(self.layers, self.snapshots, strict=True):
+                kept[snapshot].copy_(state[slot])
+
+    def restore(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each `(snapshot, slot)` pair's snapshot into the slot's states."""
+        for snapshot, slot in pairs:
+            for state, kept in zip(self.layers, self.snapshots, strict=True):
+                state[slot].copy_(kept[snapshot])
 
     def begin(self, batch: InputBatch) -> StateStep:
         """The step's rows; the slots of rows at their request's first token zeroed."""

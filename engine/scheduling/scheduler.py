@@ -42,11 +42,16 @@ class ScheduledRequest:
     `completes_sequence` when they reach its last token, so the step samples a new one. Both
     are fixed when scheduled: the request moves on before an overlapped step's results arrive.
     A decoding request may also run `drafts`, tokens drafted to follow its last one
-    (`core/speculation.py`): `num_tokens` counts them, and the step verifies them."""
+    (`core/speculation.py`): `num_tokens` counts them, and the step verifies them. A recurrent
+    model's request may first take its states from the snapshot row `restore` (a cached prefix
+    it resumes from), and leave them after the step in the row `save` (reserved, with its
+    generation: `kv/state_snapshots.py`)."""
 
     request: Request
     num_tokens: int
     drafts: list[int] = field(default_factory=list)
+    restore: int | None = None
+    save: tuple[int, int] | None = None
     start: int = field(init=False)
     completes_sequence: bool = field(init=False)
 
@@ -192,6 +197,9 @@ class Scheduler:
         if not grew_out:
             self._schedule_waiting(output, budget, now, encoder)
         output.block_copies = self.block_manager.take_copies()
+        if self.block_manager.snapshots is not None:
+            for item in output.scheduled:
+                item.save = self.block_manager.snapshot_row(item.request, item.end)
         return output
 
     def _schedule_running(
@@ -240,14 +248,28 @@ class Scheduler:
         """The tokens `request` computes this step: what it has left, within the budget and
         `long_prefill_token_threshold`, stopping before images the step cannot take (where the
         threshold would leave a run of image tokens that attend both ways unstarted, the step
-        runs as much as the budget allows, so the run is never put off for good)."""
-        left = min(request.num_tokens - request.num_computed_tokens, budget)
+        runs as much as the budget allows, so the run is never put off for good); a recurrent
+        model's prompt stops at the snapshots' grid (`_to_snapshot`)."""
+        left = self._to_snapshot(
+            request, min(request.num_tokens - request.num_computed_tokens, budget)
+        )
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < left:
             capped = _image_cut(request, threshold, encoder)
             if capped:
                 return capped
         return _image_cut(request, left, encoder)
+
+    def _to_snapshot(self, request: Request, num_tokens: int) -> int:
+        """`num_tokens` of a recurrent model's prompt chunk, cut to end at the last point of the
+        snapshots' grid before its last token where it would run past it, so that its states
+        there are kept and a later prompt with the same start resumes from them."""
+        snapshots = self.block_manager.snapshots
+        if snapshots is None or request.images is not None:
+            return num_tokens
+        start = request.num_computed_tokens
+        last = (request.num_tokens - 1) // snapshots.interval * snapshots.interval
+        return last - start if start < last < start + num_tokens else num_tokens
 
     def _yield_background(self) -> None:
         """Background requests run only in capacity no other request wants: while another
@@ -437,7 +459,8 @@ class Scheduler:
             else:
                 request.timings.events.append((now, "resumed"))
             self.running.append(request)
-            output.scheduled.append(ScheduledRequest(request, num_tokens))
+            restore, request.restore_snapshot = request.restore_snapshot, None
+            output.scheduled.append(ScheduledRequest(request, num_tokens, restore=restore))
             budget -= num_tokens
 
     def _allocate_waiting(self, request: Request, num_tokens: int, now: float) -> bool:
@@ -543,6 +566,8 @@ class Scheduler:
                     advanced.append(request)
                 continue
             self.block_manager.cache_full_blocks(request, item.end)
+            if item.save is not None:
+                self.block_manager.commit_snapshot(request, item.end, item.save)
             token = runner_output.sampled_token_ids.get(request.request_id)
             if token is None:
                 continue

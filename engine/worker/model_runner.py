@@ -122,6 +122,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             denormals.flush_on_this_thread()
         self.kv_cache.copy_blocks(scheduler_output.block_copies)
+        self._restore_states(scheduler_output)
         batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
         if self.lora is not None:
             self.lora.begin([r.lora for r in batch.requests], batch.query_lens)
@@ -145,11 +146,13 @@ class ModelRunner:
                 inputs = self._model_inputs(batch, indices, input_ids)
                 tokens = self.model.greedy_tokens(*inputs, image_features=images)
                 self.kv_cache.end_calibration()
+                self._save_states(scheduler_output)
                 if batch.drafts:
                     return self._verified_choices(requests, tokens.tolist(), batch.drafts, output)
                 return self._launched(requests, SampledTokens(tokens, None), output)
             logits = self.forward(batch, indices, input_ids, images)
             self.kv_cache.end_calibration()
+            self._save_states(scheduler_output)
         if prompt_rows:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
         if batch.drafts:
@@ -160,6 +163,24 @@ class ModelRunner:
             pending = PendingTokens(self._last_tokens, self._last_rows)
             sampled = self.sampler.sample(logits[len(prompt_indices) :], requests, pending)
         return self._launched(requests, sampled, output)
+
+    def _restore_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Give each request that resumes from a snapshot of a recurrent model's states (a
+        cached prefix) those states in its slot, before the step reads them."""
+        states = self.kv_cache.states
+        restores = [(i.restore, i.request.state_slot) for i in scheduler_output.scheduled]
+        pairs = [(row, slot) for row, slot in restores if row is not None and slot is not None]
+        if states is not None and pairs:
+            states.restore(pairs)
+
+    def _save_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Copy the states each request leaves where the step ends on the snapshots' grid into
+        the row reserved for them."""
+        states = self.kv_cache.states
+        saves = [(i.request.state_slot, i.save) for i in scheduler_output.scheduled]
+        pairs = [(slot, save[0]) for slot, save in saves if slot is not None and save is not None]
+        if states is not None and pairs:
+            states.save(pairs)
 
     def _verified_choices(
         self,

@@ -88,7 +88,7 @@ def test_greedy_matches_generate_under_chunking_and_preemption(conv_bias):
     blocks = core.scheduler.block_manager
     assert blocks.num_used_blocks == 0
     assert blocks.state_slots is not None and blocks.state_slots.num_free == 64
-    assert not info.enable_prefix_caching and not blocks.enable_caching
+    assert info.enable_prefix_caching and blocks.snapshots is not None  # resumed from snapshots
     paged = core.runner.model
     assert isinstance(paged, PagedLfm2ForCausalLM)
     kinds = [type(layer) is ShortConvLayer for layer in paged.layers]
@@ -179,13 +179,15 @@ def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
 
 
 def test_the_states_take_their_share_of_the_kv_budget():
-    """A fixed KV budget pays for the states first, and the blocks get the rest."""
+    """A fixed KV budget pays for the states first (a slot, and a snapshot for prefix caching,
+    for each of `--max-num-seqs` requests), and the blocks get the rest."""
     model = build()
     budget = 400_000
     core, _ = tiny_core(model, num_blocks=None, kv_cache_memory=budget, max_num_seqs=8)
     states = core.runner.kv_cache.states
     spec = core.runner.kv_cache.spec
-    assert states is not None and states.num_bytes == 8 * 3 * 2 * 64 * 4
+    assert states is not None and (states.num_slots, states.num_snapshots) == (8, 8)
+    assert states.num_bytes == 2 * 8 * 3 * 2 * 64 * 4
     assert core.runner.kv_cache.num_blocks == (budget - states.num_bytes) // spec.bytes_per_block
 
 
@@ -197,9 +199,11 @@ def test_fewer_slots_where_half_the_budget_holds_fewer(caplog):
     slot = 3 * 2 * 64 * 4  # three convolutions' last two inputs of 64 channels, fp32
     budget = 15 * slot  # half holds seven slots; the blocks get the rest
     with caplog.at_level("WARNING", logger="engine.factory"):
-        core, _ = tiny_core(model, num_blocks=None, kv_cache_memory=budget, max_num_seqs=16)
+        core, info = tiny_core(model, num_blocks=None, kv_cache_memory=budget, max_num_seqs=16)
     states = core.runner.kv_cache.states
     assert states is not None and states.num_slots == 7
+    # Snapshots for prefix caching in a quarter of the budget: three.
+    assert states.num_snapshots == 3 and info.enable_prefix_caching
     assert "holds 7 slots" in caplog.text and "--max-num-seqs 16" in caplog.text
     running: list[int] = []
     real_step = core.step
