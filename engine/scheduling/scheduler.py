@@ -263,9 +263,14 @@ class Scheduler:
     def _to_snapshot(self, request: Request, num_tokens: int) -> int:
         """`num_tokens` of a recurrent model's prompt chunk, cut to end at the last point of the
         snapshots' grid before its last token where it would run past it, so that its states
-        there are kept and a later prompt with the same start resumes from them."""
+        there are kept and a later prompt with the same start resumes from them (not where
+        prompts run whole: chunked prefill off)."""
         snapshots = self.block_manager.snapshots
-        if snapshots is None or request.images is not None:
+        if (
+            snapshots is None
+            or request.images is not None
+            or not self.config.enable_chunked_prefill
+        ):
             return num_tokens
         start = request.num_computed_tokens
         last = (request.num_tokens - 1) // snapshots.interval * snapshots.interval
