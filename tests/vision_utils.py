@@ -54,6 +54,10 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessorPil,
     Qwen2VLProcessor,
+    Qwen3_5Config,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     Qwen3VLMoeConfig,
@@ -208,6 +212,8 @@ QWEN_VL_FAMILIES = {
     "qwen2_5_vl": Qwen2_5_VLProcessor,
     "qwen3_vl": Qwen3VLProcessor,
     "qwen3_vl_moe": Qwen3VLProcessor,
+    "qwen3_5": Qwen3VLProcessor,
+    "qwen3_5_moe": Qwen3VLProcessor,
 }
 
 
@@ -270,6 +276,8 @@ PLACEHOLDERS = {
     "qwen2_5_vl": QWEN_VL_TOKENS["image_token"],
     "qwen3_vl": QWEN_VL_TOKENS["image_token"],
     "qwen3_vl_moe": QWEN_VL_TOKENS["image_token"],
+    "qwen3_5": QWEN_VL_TOKENS["image_token"],
+    "qwen3_5_moe": QWEN_VL_TOKENS["image_token"],
 }
 
 
@@ -340,6 +348,62 @@ def tiny_qwen3_vl(seed: int = 0, family: str = "qwen3_vl") -> Any:
 
 def tiny_qwen3_vl_moe(seed: int = 0) -> Qwen3VLMoeForConditionalGeneration:
     return tiny_qwen3_vl(seed, "qwen3_vl_moe")
+
+
+def tiny_qwen3_5(seed: int = 0, family: str = "qwen3_5") -> Any:
+    """A Qwen3.5 language model of four layers, the last attention (a quarter of its head dims
+    rotated, interleaved over the three axes), the others Gated DeltaNet; its tower without
+    layers fed by it. As `qwen3_5_moe`, each layer's MLP is four experts, two a token, beside a
+    shared expert."""
+    tokenizer = qwen_vl_processor(family).tokenizer
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+        "partial_rotary_factor": 0.5,
+    }
+    text = _qwen_vl_text(tokenizer) | {
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "rope_parameters": rope,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 12,
+    }
+    moe = family == "qwen3_5_moe"
+    if moe:
+        text |= {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        }
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": PATCH,
+        "num_position_embeddings": 64,
+        "initializer_range": 0.2,
+    }
+    config = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=False,
+        **_qwen_vl_tokens(tokenizer),
+    )
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
+    return model(config).eval()
+
+
+def tiny_qwen3_5_moe(seed: int = 0) -> Qwen3_5MoeForConditionalGeneration:
+    return tiny_qwen3_5(seed, "qwen3_5_moe")
 
 
 def _qwen_vl_tokens(tokenizer: Any) -> dict[str, int]:
@@ -566,5 +630,7 @@ MAKERS: dict[str, Callable[[int], Any]] = {
     "qwen2_5_vl": tiny_qwen2_5_vl,
     "qwen3_vl": tiny_qwen3_vl,
     "qwen3_vl_moe": tiny_qwen3_vl_moe,
+    "qwen3_5": tiny_qwen3_5,
+    "qwen3_5_moe": tiny_qwen3_5_moe,
 }
 FAMILIES = tuple(MAKERS)

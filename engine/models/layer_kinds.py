@@ -32,6 +32,8 @@ STATEFUL_FAMILIES = {
     "Lfm2ForCausalLM": frozenset({"conv"}),
     "Qwen3_5ForCausalLM": frozenset({"linear_attention"}),
     "Qwen3_5MoeForCausalLM": frozenset({"linear_attention"}),
+    "Qwen3_5ForConditionalGeneration": frozenset({"linear_attention"}),
+    "Qwen3_5MoeForConditionalGeneration": frozenset({"linear_attention"}),
     "Qwen3NextForCausalLM": frozenset({"linear_attention"}),
     "GraniteMoeHybridForCausalLM": frozenset({"linear_attention"}),
     "NemotronHForCausalLM": frozenset({"linear_attention"}),

@@ -318,10 +318,15 @@ def _l2_normed(x: torch.Tensor) -> torch.Tensor:
 
 def why_not_run(hf_model: Any) -> str:
     """Empty where every projection of the model is a plain linear layer, else why not."""
+    return why_not_run_layers(hf_model.model.layers)
+
+
+def why_not_run_layers(layers: Any) -> str:
+    """`why_not_run` over a model's decoder layers (an image-text model's language model's)."""
     attention = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")
     # Qwen3.5's DeltaNet's projections, then Qwen3-Next's.
     names = (*attention, "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "in_proj_ba")
-    for layer in hf_model.model.layers:
+    for layer in layers:
         mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
         mlp = layer.mlp
         projections = [getattr(mixer, n) for n in names if hasattr(mixer, n)]

@@ -178,7 +178,7 @@ class AxisRotary:
 
 # Text models whose three axes take interleaved frequencies (time, height, width, time, ...)
 # rather than a section each.
-INTERLEAVED_AXES = ("qwen3_vl_text", "qwen3_vl_moe_text")
+INTERLEAVED_AXES = ("qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def rotary_axes(config: Any) -> torch.Tensor | None:

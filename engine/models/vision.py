@@ -1,7 +1,7 @@
-"""Image-text models (LLaVA, LLaVA-NeXT, Idefics3, Gemma 3): transformers' own vision encoder
-and projector, and the language model (Conveyor's decoder where it is of the Llama family or
-Gemma 3, else transformers' own over the paged attention) fed embeddings where the prompt holds
-images.
+"""Image-text models (LLaVA, LLaVA-NeXT, Idefics3, Gemma 3, the Qwen VL models, Qwen3.5):
+transformers' own vision encoder and projector, and the language model (Conveyor's decoder where
+it is of the Llama family, Gemma 3 or Qwen3.5, else transformers' own over the paged attention)
+fed embeddings where the prompt holds images.
 
 The encoder runs once per request, on the step that first reaches the request's image
 placeholders (`engine/worker/image_features.py`); its rows replace those placeholders'
@@ -22,6 +22,8 @@ from engine.models.base import CausalLM
 from engine.models.gemma import PagedGemmaForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections
+from engine.models.qwen3_5 import PagedQwen3_5ForCausalLM
+from engine.models.qwen3_5 import why_not_run_layers as qwen3_5_reason
 from engine.models.rotary_table import AxisRotary, rotary_axes
 
 # The families whose images are served.
@@ -36,14 +38,19 @@ IMAGE_TEXT_TYPES = (
     "qwen2_5_vl",
     "qwen3_vl",
     "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
 )
 # Those whose image tokens see their whole image's run both ways, not causally.
 BOTH_WAYS_TYPES = ("gemma3",)
 # Those whose rotary positions lie on three axes, an image's tokens on its grid (M-RoPE).
-GRID_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+GRID_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Those whose encoder also feeds the first decoder layers' outputs at the image tokens
 # (Qwen3-VL's "deepstack"), which only Conveyor's decoder takes.
 LAYER_ROWS_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+# Qwen3.5's language models, whose linear attention layers keep recurrent states: only
+# Conveyor's decoder runs them (`qwen3_5.py`).
+STATEFUL_TEXT_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 # Language models Conveyor's decoder runs (the Llama family's dense members, Gemma 3's, and
 # the Qwen VL models', rotated on three axes, Qwen3-VL-MoE's with its experts).
 TEXT_TYPES = (
@@ -56,6 +63,7 @@ TEXT_TYPES = (
     "qwen2_5_vl_text",
     "qwen3_vl_text",
     "qwen3_vl_moe_text",
+    *STATEFUL_TEXT_TYPES,
 )
 
 
@@ -184,17 +192,27 @@ class PagedGemmaImageTextLM(PagedImageTextLM, PagedGemmaForCausalLM):
     """Gemma 3's image-text model: Conveyor's Gemma decoder for its language model."""
 
 
+class PagedQwen3_5ImageTextLM(PagedImageTextLM, PagedQwen3_5ForCausalLM):
+    """Qwen3.5's image-text model: Conveyor's Qwen3.5 decoder (its linear attention's states
+    in the state cache) for its language model."""
+
+
 def paged_image_text(hf_model: Any) -> PagedImageTextLM:
     """Conveyor's decoder for the image-text model's language model (`decoder_supports`)."""
-    if hf_model.config.get_text_config().model_type.startswith("gemma"):
+    kind = hf_model.config.get_text_config().model_type
+    if kind.startswith("gemma"):
         return PagedGemmaImageTextLM(hf_model)
+    if kind in STATEFUL_TEXT_TYPES:
+        return PagedQwen3_5ImageTextLM(hf_model)
     return PagedImageTextLM(hf_model)
 
 
 def needs_decoder(hf_model: Any) -> bool:
     """Whether only Conveyor's decoder runs the model's language model: transformers' takes
-    no rows for its layers from outside its own forward (Qwen3-VL's deepstack)."""
-    return hf_model.config.model_type in LAYER_ROWS_TYPES
+    no rows for its layers from outside its own forward (Qwen3-VL's deepstack), nor the states
+    of Qwen3.5's linear attention."""
+    kind = hf_model.config.get_text_config().model_type
+    return hf_model.config.model_type in LAYER_ROWS_TYPES or kind in STATEFUL_TEXT_TYPES
 
 
 def decoder_supports(hf_model: Any) -> str:
@@ -203,6 +221,8 @@ def decoder_supports(hf_model: Any) -> str:
     kind = hf_model.config.get_text_config().model_type
     if kind not in TEXT_TYPES:
         return f"its language model is {kind}, not one of {', '.join(TEXT_TYPES)}"
+    if kind in STATEFUL_TEXT_TYPES:
+        return qwen3_5_reason(hf_model.get_decoder().layers)
     return plain_projections(hf_model.get_decoder().layers)
 
 

@@ -1,4 +1,4 @@
-"""Images on their grids (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): rotary positions on three axes
+"""Images on their grids (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): rotary positions on three axes
 equal transformers' own, beside text requests in the same steps and from the prefix cache; a
 prompt whose placeholders do not fit its images is refused; the processor loads without its
 video half; Qwen3-VL's tower feeds its first decoder layers, on Conveyor's decoder only."""
@@ -24,7 +24,10 @@ from tests.vision_utils import (
 )
 from tests.vision_utils import tiny_image_text as tiny
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+# Qwen3.5's language models, whose linear attention keeps states: a cached prefix resumes from a
+# snapshot of them, kept here every two blocks.
+STATEFUL = {"qwen3_5": {"mamba_block_size": 8}, "qwen3_5_moe": {"mamba_block_size": 8}}
 # Three grids: 4x6 cells, 6x2 (tall) and 2x2 (the smallest), with text between.
 PARTS = [
     "Hello",
@@ -70,8 +73,10 @@ def test_a_run_that_does_not_hold_its_grid_is_refused():
 def test_text_and_image_requests_share_steps_and_the_cache(family):
     """A text request beside image requests (the step's positions on three axes for some rows,
     one for the other), then the same image turn again from the prefix cache."""
-    core = image_text_core(family, block_size=4, max_num_batched_tokens=16)
-    assert core.runner.model.sparse == (family == "qwen3_vl_moe")  # its experts, Conveyor's
+    core = image_text_core(
+        family, block_size=4, max_num_batched_tokens=16, **STATEFUL.get(family, {})
+    )
+    assert core.runner.model.sparse == family.endswith("_moe")  # its experts, Conveyor's
     text = core.tokenizer("Paged attention stores keys and values.")["input_ids"]
     core.add_request("text", text, GREEDY)
     first, _ = submit(core, "first", PARTS, family)

@@ -20,6 +20,7 @@ from engine.models.vision import (
     IMAGE_TEXT_TYPES,
     PagedGemmaImageTextLM,
     PagedImageTextLM,
+    PagedQwen3_5ImageTextLM,
     TransformersImageTextLM,
     takes_images,
 )
@@ -79,13 +80,21 @@ def run(core) -> dict[str, list]:
     return outputs
 
 
-# Qwen3-VL's tower feeds decoder layers, which only Conveyor's decoder takes from outside.
+# Qwen3-VL's tower feeds decoder layers, which only Conveyor's decoder takes from outside;
+# Qwen3.5's linear attention keeps states only Conveyor's decoder holds.
+DECODER_ONLY = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 IMPLS = [
     (impl, family)
     for impl in ("conveyor", "transformers")
     for family in FAMILIES
-    if impl == "conveyor" or not family.startswith("qwen3_vl")
+    if impl == "conveyor" or family not in DECODER_ONLY
 ]
+# Conveyor's decoder for each family's language model.
+PAGED = {
+    "gemma3": PagedGemmaImageTextLM,
+    "qwen3_5": PagedQwen3_5ImageTextLM,
+    "qwen3_5_moe": PagedQwen3_5ImageTextLM,
+}
 
 
 @pytest.mark.parametrize(("impl", "family"), IMPLS)
@@ -96,7 +105,7 @@ def test_greedy_tokens_equal_generate_with_images_cut_by_chunks(monkeypatch, imp
     if family == "gemma3":  # its images are computed whole: a step holds one and a token
         budget = max(budget, TOKENS_PER_IMAGE + 1)
     core = image_text_core(family, model_impl=impl, max_num_batched_tokens=budget)
-    paged = PagedGemmaImageTextLM if family == "gemma3" else PagedImageTextLM
+    paged = PAGED.get(family, PagedImageTextLM)
     assert type(core.runner.model) is (paged if impl == "conveyor" else TransformersImageTextLM)
     encodings = count_encodings(core, monkeypatch)
     one, rows_one = submit(core, "one", [random_image(1), "The quick brown fox"], family)
