@@ -23,6 +23,8 @@ from engine.models.exaone4 import (
     PagedExaone4ForCausalLM,
     PagedExaoneMoeForCausalLM,
 )
+from engine.models.falcon_h1 import FALCON_H1_ARCHITECTURES, PagedFalconH1ForCausalLM
+from engine.models.falcon_h1 import why_not_run as falcon_h1_reason
 from engine.models.gemma import GEMMA_ARCHITECTURES, PagedGemmaForCausalLM
 from engine.models.glm import GLM_ARCHITECTURES, PagedGlmForCausalLM
 from engine.models.gpt_oss import GPT_OSS_ARCHITECTURES, PagedGptOssForCausalLM
@@ -73,6 +75,7 @@ DECODER_ONLY = (
     | QWEN3_5_ARCHITECTURES
     | GRANITE_HYBRID_ARCHITECTURES
     | NEMOTRON_H_ARCHITECTURES
+    | FALCON_H1_ARCHITECTURES
 )
 
 # The families of the Llama decoder with a model of their own, by architecture.
@@ -98,6 +101,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (QWEN3_5_ARCHITECTURES, PagedQwen3_5ForCausalLM),
         (GRANITE_HYBRID_ARCHITECTURES, PagedGraniteHybridForCausalLM),
         (NEMOTRON_H_ARCHITECTURES, PagedNemotronHForCausalLM),
+        (FALCON_H1_ARCHITECTURES, PagedFalconH1ForCausalLM),
     )
     for architecture in architectures
 }
@@ -151,6 +155,8 @@ def decoder_reason(hf_model: Any) -> str:
         return granite_hybrid_reason(hf_model)
     if type(hf_model).__name__ in NEMOTRON_H_ARCHITECTURES:
         return nemotron_h_reason(hf_model)
+    if type(hf_model).__name__ in FALCON_H1_ARCHITECTURES:
+        return falcon_h1_reason(hf_model)
     return supports(hf_model)
 
 

@@ -1,10 +1,11 @@
 """Which of a model's layer kinds Conveyor serves. Its paged KV cache and attention backends
 compute causal attention over the whole past or a sliding window, and its state cache keeps
 LFM2's convolutions' last inputs, Qwen3.5's and Qwen3-Next's Gated DeltaNet states and Granite
-4's and Nemotron-H's Mamba2 states per request; a layer that keeps another recurrent state or
-attends sparsely (DeepSeek V3.2's indexer) would run without what it needs and give wrong tokens
-silently, so such a model is refused at start-up with the reason. Llama 4's chunked layers
-attend as causal attention within one chunk, so its context is held to a chunk.
+4's, Nemotron-H's and Falcon-H1's Mamba2 states per request; a layer that keeps another
+recurrent state or attends sparsely (DeepSeek V3.2's indexer) would run without what it needs
+and give wrong tokens silently, so such a model is refused at start-up with the reason. Llama
+4's chunked layers attend as causal attention within one chunk, so its context is held to a
+chunk.
 
 transformers names each layer's kind in the text config's `layer_types` (Mamba's layers as
 `linear_attention`); a recurrent model without attention at all (RWKV) is known by its class.
@@ -21,6 +22,9 @@ SERVED_KINDS = frozenset({"full_attention", "sliding_attention", "moe", "mlp", "
 RECURRENT_KINDS = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding"})
 # Kinds of a layer that is an MLP or experts alone (Nemotron-H's blocks), attending to nothing.
 MLP_KINDS = frozenset({"moe", "mlp"})
+# Kinds of a layer that attends to nothing (a hybrid layer, Falcon-H1's, attends beside its
+# recurrence).
+NOT_ATTENDING = frozenset({"linear_attention", "conv"}) | MLP_KINDS
 # Llama 4's layers that attend within fixed chunks of the context: the same as causal attention
 # over a context no longer than one chunk.
 CHUNKED = "chunked_attention"
@@ -37,6 +41,7 @@ STATEFUL_FAMILIES = {
     "Qwen3NextForCausalLM": frozenset({"linear_attention"}),
     "GraniteMoeHybridForCausalLM": frozenset({"linear_attention"}),
     "NemotronHForCausalLM": frozenset({"linear_attention"}),
+    "FalconH1ForCausalLM": frozenset({"hybrid"}),
 }
 
 
@@ -63,12 +68,12 @@ def why_not_served(hf_model: Any) -> str:
 
 def attending_layers(config: Any) -> list[int]:
     """The indices of the layers that attend (and hold K/V in the cache): those whose kind
-    neither keeps a recurrent state nor is an MLP alone; every layer where no kind the config
-    names is either."""
+    is neither a recurrence alone nor an MLP alone; every layer where no kind the config names
+    is either."""
     kinds = getattr(config, "layer_types", None) or ()
-    if not set(kinds) & (RECURRENT_KINDS | MLP_KINDS):
+    if not set(kinds) & NOT_ATTENDING:
         return list(range(config.num_hidden_layers))
-    return [i for i, kind in enumerate(kinds) if kind not in RECURRENT_KINDS | MLP_KINDS]
+    return [i for i, kind in enumerate(kinds) if kind not in NOT_ATTENDING]
 
 
 def why_not_this_long(hf_model: Any, max_model_len: int) -> str:

@@ -1,9 +1,10 @@
-"""Mamba2's mixer over the state cache, as Granite 4's and Nemotron-H's Mamba2 layers compute it:
-each normed row is projected to a gate `z`, the convolved inputs (`x`, `B`, `C`, through a short
-causal convolution with a bias, then silu) and each head's step `dt`; the scan (`ssd.py`) runs
-over them, and its output is normed in groups after a silu(z) gate. A request keeps its
-convolution's last inputs and its scan's state `[heads, head dims, state dims]` in the state
-cache; the family's layer projects the mixer's output and adds it to its residual.
+"""Mamba2's mixer over the state cache, as Granite 4's, Nemotron-H's and Falcon-H1's layers
+compute it: each normed row is projected to a gate `z`, the convolved inputs (`x`, `B`, `C`,
+through a short causal convolution with a bias, then silu) and each head's step `dt`; the scan
+(`ssd.py`) runs over them, and its output is normed in groups after a silu(z) gate (the model's
+own gated norm: Falcon-H1's may gate after it, or only gate). A request keeps its convolution's
+last inputs and its scan's state `[heads, head dims, state dims]` in the state cache; the
+family's layer projects the mixer's output and adds it to its residual.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
@@ -22,9 +24,18 @@ class Mamba2Mixer(nn.Module):
     `dt_bias`, the gated `norm`, `out_proj`), run over the step's rows from each request's states
     at `index` (its convolution's inputs) and `index + 1` (its scan's state)."""
 
-    def __init__(self, mixer: Any) -> None:
+    def __init__(
+        self, mixer: Any, in_scale: float = 1.0, projection_scale: torch.Tensor | None = None
+    ) -> None:
+        """`in_scale` multiplies the rows before the first projection, `projection_scale`
+        (`[projected width]`) its output (Falcon-H1's multipliers)."""
         super().__init__()
         self.mixer = mixer
+        self.in_scale = in_scale
+        self.projection_scale = projection_scale
+        # Whether the scan's output is normed in groups after (or before) its gate, or only
+        # gated (Falcon-H1 without `mamba_rms_norm`).
+        self.normed = not isinstance(mixer.norm, nn.Identity)
         self.heads, self.head_dim = int(mixer.num_heads), int(mixer.head_dim)
         self.state_dims, self.groups = int(mixer.ssm_state_size), int(mixer.n_groups)
         self.inner = int(mixer.intermediate_size)
@@ -44,7 +55,12 @@ class Mamba2Mixer(nn.Module):
         """The gated, normed scan of the normed rows `[tokens, hidden]`: `[tokens, inner]` in
         `dtype` (the residual's), the output projection's input."""
         channels = self.taps.shape[1]
-        z, inputs, dt = self.in_proj(normed).split([self.inner, channels, self.heads], dim=-1)
+        if self.in_scale != 1.0:
+            normed = normed * self.in_scale
+        projected = self.in_proj(normed)
+        if self.projection_scale is not None:
+            projected = projected * self.projection_scale
+        z, inputs, dt = projected.split([self.inner, channels, self.heads], dim=-1)
         inputs = states.convolve(index, inputs, self.taps, self.conv_bias, silu=True)
         tokens, grouped = inputs.shape[0], self.groups * self.state_dims
         x, b, c = inputs.split([self.inner, grouped, grouped], dim=-1)
@@ -57,7 +73,10 @@ class Mamba2Mixer(nn.Module):
             c.reshape(tokens, self.groups, self.state_dims),
             self.params,
         )
-        return self.mixer.norm(scanned.reshape(tokens, self.inner), z).to(dtype)
+        scanned = scanned.reshape(tokens, self.inner)
+        if not self.normed:
+            return (scanned * F.silu(z)).to(dtype)
+        return self.mixer.norm(scanned, z).to(dtype)
 
 
 def why_not_mixed(mixer: Any) -> str:

@@ -1,8 +1,9 @@
 """Prefix caching for models whose layers keep recurrent states (LFM2, Qwen3.5, Granite 4,
-Nemotron-H): a request resumes from a cached prefix only where a snapshot of the states after it
-is kept (every `mamba_block_size` tokens a step ends at; a prompt's chunk is cut at the last such
-point before its last token), its states copied from that snapshot; its tokens stay transformers'
-in turn and overlapped, with few snapshots and under chunked prefill and preemption."""
+Nemotron-H, Falcon-H1): a request resumes from a cached prefix only where a snapshot of the
+states after it is kept (every `mamba_block_size` tokens a step ends at; a prompt's chunk is cut
+at the last such point before its last token), its states copied from that snapshot; its tokens
+stay transformers' in turn and overlapped, with few snapshots and under chunked prefill and
+preemption."""
 
 from __future__ import annotations
 
@@ -16,9 +17,16 @@ from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from server.cli import build_parser, engine_config
 from tests.helpers import reference_greedy, run_all, tiny_core, tiny_tokenizer, tokens_of
-from tests.models import test_granite_hybrid, test_lfm2, test_nemotron_h, test_qwen3_5
+from tests.models import (
+    test_falcon_h1,
+    test_granite_hybrid,
+    test_lfm2,
+    test_nemotron_h,
+    test_qwen3_5,
+)
 
 FAMILIES = {
+    "falcon_h1": test_falcon_h1,
     "lfm2": test_lfm2,
     "qwen3_5": test_qwen3_5,
     "granite_hybrid": test_granite_hybrid,
