@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.models.bamba import BAMBA_ARCHITECTURES, PagedBambaForCausalLM
+from engine.models.bamba import why_not_run as bamba_reason
 from engine.models.base import CausalLM
 from engine.models.deepseek import (
     DEEPSEEK_ARCHITECTURES,
@@ -76,6 +78,7 @@ DECODER_ONLY = (
     | GRANITE_HYBRID_ARCHITECTURES
     | NEMOTRON_H_ARCHITECTURES
     | FALCON_H1_ARCHITECTURES
+    | BAMBA_ARCHITECTURES
 )
 
 # The families of the Llama decoder with a model of their own, by architecture.
@@ -102,6 +105,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (GRANITE_HYBRID_ARCHITECTURES, PagedGraniteHybridForCausalLM),
         (NEMOTRON_H_ARCHITECTURES, PagedNemotronHForCausalLM),
         (FALCON_H1_ARCHITECTURES, PagedFalconH1ForCausalLM),
+        (BAMBA_ARCHITECTURES, PagedBambaForCausalLM),
     )
     for architecture in architectures
 }
@@ -157,6 +161,8 @@ def decoder_reason(hf_model: Any) -> str:
         return nemotron_h_reason(hf_model)
     if type(hf_model).__name__ in FALCON_H1_ARCHITECTURES:
         return falcon_h1_reason(hf_model)
+    if type(hf_model).__name__ in BAMBA_ARCHITECTURES:
+        return bamba_reason(hf_model)
     return supports(hf_model)
 
 

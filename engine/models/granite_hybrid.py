@@ -11,16 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
-from engine.attention.backend import AttentionMetadata
-from engine.kv.state_cache import StateSpec
-from engine.lora.adapter import Shapes
 from engine.models.experts import is_sparse
 from engine.models.granite import PagedGraniteForCausalLM, PagedGraniteLayer
 from engine.models.llama import hybrid_layers, not_plain
-from engine.models.mamba2 import Mamba2Mixer, why_not_mixed
+from engine.models.mamba2 import Mamba2Layer as GenericMamba2Layer
+from engine.models.mamba2 import why_not_mixed
 from engine.parallel.sharding import Shard
 
 GRANITE_HYBRID_ARCHITECTURES = frozenset({"GraniteMoeHybridForCausalLM"})
@@ -58,36 +55,8 @@ class GraniteAttentionLayer(PagedGraniteLayer):
         self.rotates = attn.config.position_embedding_type == "rope"
 
 
-class Mamba2Layer(PagedGraniteLayer):
-    """A Granite 4 Mamba2 layer; `index` is the place of its first state (its convolution's last
-    inputs; the scan's state follows)."""
-
-    def _attention_parts(self, mixer: Any, group: Any) -> None:
-        self.mamba = Mamba2Mixer(mixer)
-        self.num_heads, self.head_dim = self.mamba.heads, self.mamba.head_dim
-        self.qkv_proj = mixer.in_proj  # the first projection (its rows' dtype)
-        self.o_proj = mixer.out_proj  # takes each head's dims side by side
-        self.attention = None
-        self.layer_type = "linear_attention"
-
-    def _target_shapes(self) -> Shapes:
-        return {}
-
-    def state_specs(self) -> list[StateSpec]:
-        return self.mamba.state_specs()
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        states = metadata.kv_cache.states
-        assert states is not None, "a recurrent model runs with its states"
-        normed = self._norm(self.input_norm, hidden, self.qkv_proj)
-        gated = self.mamba(normed, states, self.index, hidden.dtype)
-        return self.after_attention(gated.view(-1, self.num_heads, self.head_dim), hidden)
+class Mamba2Layer(GenericMamba2Layer, PagedGraniteLayer):
+    """A Granite 4 Mamba2 layer: the Mamba2 mixer under Granite's scalars."""
 
 
 def why_not_run(hf_model: Any) -> str:

@@ -1,7 +1,7 @@
 """Which of a model's layer kinds Conveyor serves. Its paged KV cache and attention backends
 compute causal attention over the whole past or a sliding window, and its state cache keeps
 LFM2's convolutions' last inputs, Qwen3.5's and Qwen3-Next's Gated DeltaNet states and Granite
-4's, Nemotron-H's and Falcon-H1's Mamba2 states per request; a layer that keeps another
+4's, Bamba's, Nemotron-H's and Falcon-H1's Mamba2 states per request; a layer that keeps another
 recurrent state or attends sparsely (DeepSeek V3.2's indexer) would run without what it needs
 and give wrong tokens silently, so such a model is refused at start-up with the reason. Llama
 4's chunked layers attend as causal attention within one chunk, so its context is held to a
@@ -42,6 +42,7 @@ STATEFUL_FAMILIES = {
     "GraniteMoeHybridForCausalLM": frozenset({"linear_attention"}),
     "NemotronHForCausalLM": frozenset({"linear_attention"}),
     "FalconH1ForCausalLM": frozenset({"hybrid"}),
+    "BambaForCausalLM": frozenset({"linear_attention"}),
 }
 
 

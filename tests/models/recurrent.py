@@ -1,15 +1,22 @@
-"""What the tests of models that keep recurrent states share: prompts of many lengths, and their
-greedy tokens served under chunked prefill and preemption, checked against transformers'."""
+"""What the tests of models that keep recurrent states share: prompts of many lengths, their
+greedy tokens served under chunked prefill and preemption and from a saved checkpoint, checked
+against transformers', and a Mamba2 model's random weights drawn so its norms, steps, decays and
+skips count."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from engine.core.config import CacheConfig, EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
 from tests.core.test_engine_greedy import record_chunking
-from tests.helpers import reference_greedy, run_all, tiny_core, tokens_of
+from tests.helpers import reference_greedy, run_all, tiny_core, tiny_tokenizer, tokens_of
 
 
 def prompts() -> list[list[int]]:
@@ -32,3 +39,35 @@ def served_under_pressure(model: Any, max_new: int) -> EngineCore:
     assert blocks.num_used_blocks == 0
     assert blocks.state_slots is not None and blocks.state_slots.num_free == 64
     return core
+
+
+def drawn_mamba2(model: Any) -> Any:
+    """`model` (a random Mamba2 hybrid) with its norms' weights about one, its steps' biases and
+    skips about zero and its decays' logs spread, so that each counts."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                param.normal_(1.0, 0.3)
+            elif name.endswith(("dt_bias", "D")):
+                param.normal_(0.0, 1.0)
+            elif name.endswith("A_log"):
+                param.uniform_(-1.0, 1.5)
+    return model.eval()
+
+
+def check_saved_checkpoint(model: Any, folder: Path, max_new: int) -> None:
+    """`model` saved to `folder` as a checkpoint serves `prompts()` from it with transformers'
+    greedy tokens."""
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    config = EngineConfig(
+        model=str(folder), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64)
+    )
+    core, _, _ = create_engine_core(config)
+    greedy = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    try:
+        outputs = run_all(core, prompts(), greedy)
+        tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
+        assert tokens == [reference_greedy(model, p, max_new) for p in prompts()]
+    finally:
+        core.close()

@@ -10,18 +10,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, FalconH1Config
 
-from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
-from engine.factory import create_engine_core
 from engine.models.falcon_h1 import FalconH1Layer, PagedFalconH1ForCausalLM
 from tests.helpers import (
     check_prompt_logprobs,
-    reference_greedy,
-    run_all,
-    tiny_tokenizer,
-    tokens_of,
 )
-from tests.models.recurrent import prompts, served_under_pressure
+from tests.models.recurrent import (
+    check_saved_checkpoint,
+    drawn_mamba2,
+    served_under_pressure,
+)
 from tests.models.test_model_families import COMMON
 
 MAX_NEW = 10
@@ -59,15 +57,7 @@ def build(kind: str = "gated"):
     """A tiny random Falcon-H1, its norms, steps, decays and skips drawn so they count."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(FalconH1Config(**SHAPE, **KINDS[kind])).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.normal_(1.0, 0.3)
-            elif name.endswith(("dt_bias", "D")):
-                param.normal_(0.0, 1.0)
-            elif name.endswith("A_log"):
-                param.uniform_(-1.0, 1.5)
-    return model
+    return drawn_mamba2(model)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -90,16 +80,4 @@ def test_prompt_logprobs_equal_transformers(kind):
 
 
 def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
-    model = build()
-    model.save_pretrained(tmp_path)
-    tiny_tokenizer().save_pretrained(tmp_path)
-    config = EngineConfig(
-        model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64)
-    )
-    core, _, _ = create_engine_core(config)
-    try:
-        outputs = run_all(core, prompts(), GREEDY)
-        tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
-        assert tokens == [reference_greedy(model, p, MAX_NEW) for p in prompts()]
-    finally:
-        core.close()
+    check_saved_checkpoint(build(), tmp_path, MAX_NEW)

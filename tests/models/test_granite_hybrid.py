@@ -13,9 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
 from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf_granite
 
-from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
-from engine.factory import create_engine_core
 from engine.models.granite_hybrid import (
     GraniteAttentionLayer,
     Mamba2Layer,
@@ -27,10 +25,13 @@ from tests.helpers import (
     reference_greedy,
     run_all,
     tiny_core,
-    tiny_tokenizer,
     tokens_of,
 )
-from tests.models.recurrent import prompts, served_under_pressure
+from tests.models.recurrent import (
+    check_saved_checkpoint,
+    drawn_mamba2,
+    served_under_pressure,
+)
 from tests.models.test_model_families import COMMON
 
 MAX_NEW = 10
@@ -67,15 +68,7 @@ def build(kind: str = "experts"):
     """A tiny random Granite 4, its norms, steps, decays and skips drawn so they count."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(KINDS[kind]()).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.normal_(1.0, 0.3)
-            elif name.endswith(("dt_bias", "D")):
-                param.normal_(0.0, 1.0)
-            elif name.endswith("A_log"):
-                param.uniform_(-1.0, 1.5)
-    return model
+    return drawn_mamba2(model)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -165,19 +158,7 @@ def test_prompt_rows_equal_transformers_chunk_scan(tokens):
 
 def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
     """A Granite 4 checkpoint as saved serves from its folder with transformers' tokens."""
-    model = build()
-    model.save_pretrained(tmp_path)
-    tiny_tokenizer().save_pretrained(tmp_path)
-    config = EngineConfig(
-        model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64)
-    )
-    core, _, _ = create_engine_core(config)
-    try:
-        outputs = run_all(core, prompts(), GREEDY)
-        tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
-        assert tokens == [reference_greedy(model, p, MAX_NEW) for p in prompts()]
-    finally:
-        core.close()
+    check_saved_checkpoint(build(), tmp_path, MAX_NEW)
 
 
 def test_prompts_of_one_length_run_the_scan_together():

@@ -31,6 +31,7 @@ from tests.helpers import (
     tiny_tokenizer,
     tokens_of,
 )
+from tests.models.recurrent import check_saved_checkpoint
 from tests.models.test_model_families import COMMON
 
 MAX_NEW = 10
@@ -162,20 +163,7 @@ def test_what_does_not_keep_states_yet_is_refused_with_the_reason(tmp_path):
 
 
 def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
-    model = build()
-    model.save_pretrained(tmp_path)
-    tiny_tokenizer().save_pretrained(tmp_path)
-    core, _, _ = create_engine_core(
-        EngineConfig(
-            model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=64)
-        )
-    )
-    try:
-        outputs = run_all(core, prompts(), GREEDY)
-        tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
-        assert tokens == [reference_greedy(model, p, MAX_NEW) for p in prompts()]
-    finally:
-        core.close()
+    check_saved_checkpoint(build(), tmp_path, MAX_NEW)
 
 
 def test_the_states_take_their_share_of_the_kv_budget():

@@ -34,7 +34,7 @@ from tests.helpers import (
     tiny_tokenizer,
     tokens_of,
 )
-from tests.models.recurrent import prompts, served_under_pressure
+from tests.models.recurrent import drawn_mamba2, prompts, served_under_pressure
 from tests.models.test_model_families import COMMON
 
 MAX_NEW = 10
@@ -81,18 +81,12 @@ def build(kind: str = "experts"):
     model = AutoModelForCausalLM.from_config(KINDS[kind]()).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.normal_(1.0, 0.3)
-            elif name.endswith(("dt_bias", "D")):
-                param.normal_(0.0, 1.0)
-            elif name.endswith("A_log"):
-                param.uniform_(-1.0, 1.5)
-            elif name.endswith("gate.weight"):
+            if name.endswith("gate.weight"):
                 param.normal_(0.0, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
-    return model
+    return drawn_mamba2(model)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
