@@ -95,13 +95,19 @@ def test_with_few_snapshots_the_oldest_go_and_their_prompts_are_computed_again()
     core.scheduler.check_invariants()
 
 
-def test_requests_sharing_a_prefix_under_chunking_and_preemption():
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_requests_sharing_a_prefix_under_chunking_and_preemption(overlap):
     """Prompts that share a 24-token start, served in waves with too few blocks and a small
     token budget: later waves resume from the shared start, and every request gets
     transformers' tokens."""
     model = test_nemotron_h.build()
     core, _ = tiny_core(
-        model, mamba_block_size=GRID, num_blocks=24, max_num_batched_tokens=12, max_model_len=96
+        model,
+        mamba_block_size=GRID,
+        num_blocks=24,
+        max_num_batched_tokens=12,
+        max_model_len=96,
+        async_scheduling=overlap,
     )
     shared = tokens(24, seed=20)
     waves = [[shared + tokens(n, seed=30 + n + 7 * w) for n in (3, 9, 14, 20)] for w in range(3)]
@@ -113,6 +119,18 @@ def test_requests_sharing_a_prefix_under_chunking_and_preemption():
     assert core.scheduler.prefix_cache_hits >= 8 * 24
     blocks = core.scheduler.block_manager
     assert blocks.num_used_blocks == 0 and blocks.state_slots.num_free == 64
+
+
+def test_resetting_the_prefix_cache_forgets_the_snapshots():
+    model = test_granite_hybrid.build()
+    core, _ = tiny_core(model, mamba_block_size=GRID)
+    prompt = tokens(37, seed=5)
+    expected = reference_greedy(model, prompt, MAX_NEW)
+    served(core, prompt)
+    blocks = core.scheduler.block_manager
+    assert blocks.snapshots is not None and blocks.snapshots.num_kept > 0
+    assert blocks.reset_cache() > 0 and blocks.snapshots.num_kept == 0
+    assert served(core, prompt) == (expected, 0)
 
 
 def test_without_prefix_caching_or_off_the_grid_nothing_is_kept(tmp_path):
