@@ -116,13 +116,17 @@ def test_a_slot_is_zeroed_for_each_new_request():
     assert core.scheduler.block_manager.state_slots.num_free == 1
 
 
-def test_parallel_samples_each_compute_their_own_state():
-    """`n > 1` samples do not share the leader's prompt: each sibling runs the prompt itself,
-    so greedy siblings give the leader's tokens."""
+@pytest.mark.parametrize("grid", [None, 8])
+def test_parallel_samples_each_compute_their_own_state(grid):
+    """`n > 1` samples do not share the leader's prompt blocks: each sibling runs the prompt
+    itself, so greedy siblings give the leader's tokens; with snapshots of the states every 8
+    tokens, each sibling starts from the prefix cache at 24, the last grid point before the
+    30-token prompt's last token."""
     model = build()
-    prompt = prompts()[4]
+    prompt = prompts()[5]
+    assert len(prompt) == 30
     expected = reference_greedy(model, prompt, MAX_NEW)
-    core, _ = tiny_core(model)
+    core, _ = tiny_core(model, mamba_block_size=grid)
     for i in range(3):  # as the engine queues `n = 3` samples
         fork_of = "r-0" if i else None
         core.add_request(f"r-{i}", prompt, GREEDY, "r", i, fork_of=fork_of, siblings=3)
@@ -132,6 +136,7 @@ def test_parallel_samples_each_compute_their_own_state():
             tokens.setdefault(output.index, []).extend(output.new_token_ids)
     assert len(tokens) == 3 and all(found == expected for found in tokens.values())
     assert core.scheduler.block_manager.state_slots.num_free == 64
+    assert core.scheduler.prefix_cache_hits == (2 * 24 if grid else 0)
 
 
 def test_a_request_that_finds_no_free_slot_waits():
