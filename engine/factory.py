@@ -60,7 +60,7 @@ from engine.lora.slots import LoRASlots
 from engine.model_build import prepared_model
 from engine.models import CausalLM, build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST
-from engine.models.layer_kinds import RECURRENT_KINDS, why_not_this_long
+from engine.models.layer_kinds import RECURRENT_KINDS, why_not_served, why_not_this_long
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.models.nemotron_h import NEMOTRON_H_ARCHITECTURES
 from engine.models.vision import ImageTextLM, is_image_text, takes_images
@@ -231,6 +231,9 @@ def build_rank(
     where a draft model's cache takes `draft_block_bytes` a block beside it, the budget holds
     both."""
     limit = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+    unserved = why_not_served(loaded.model)  # before its config is read as attention's
+    if unserved:
+        raise ValueError(f"Conveyor cannot serve {type(loaded.model).__name__}: {unserved}")
     too_long = why_not_this_long(loaded.model, limit)
     if too_long:
         name = type(loaded.model).__name__

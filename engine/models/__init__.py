@@ -39,6 +39,8 @@ from engine.models.granite_hybrid import why_not_run as granite_hybrid_reason
 from engine.models.helium import HELIUM_ARCHITECTURES, PagedHeliumForCausalLM
 from engine.models.hf import TransformersCausalLM
 from engine.models.hunyuan import HUNYUAN_ARCHITECTURES, PagedHunYuanForCausalLM
+from engine.models.jamba import JAMBA_ARCHITECTURES, PagedJambaForCausalLM
+from engine.models.jamba import why_not_run as jamba_reason
 from engine.models.layer_kinds import why_not_served
 from engine.models.lfm2 import LFM2_ARCHITECTURES, PagedLfm2ForCausalLM
 from engine.models.lfm2 import why_not_run as lfm2_reason
@@ -79,6 +81,7 @@ DECODER_ONLY = (
     | NEMOTRON_H_ARCHITECTURES
     | FALCON_H1_ARCHITECTURES
     | BAMBA_ARCHITECTURES
+    | JAMBA_ARCHITECTURES
 )
 
 # The families of the Llama decoder with a model of their own, by architecture.
@@ -106,6 +109,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (NEMOTRON_H_ARCHITECTURES, PagedNemotronHForCausalLM),
         (FALCON_H1_ARCHITECTURES, PagedFalconH1ForCausalLM),
         (BAMBA_ARCHITECTURES, PagedBambaForCausalLM),
+        (JAMBA_ARCHITECTURES, PagedJambaForCausalLM),
     )
     for architecture in architectures
 }
@@ -163,6 +167,8 @@ def decoder_reason(hf_model: Any) -> str:
         return falcon_h1_reason(hf_model)
     if type(hf_model).__name__ in BAMBA_ARCHITECTURES:
         return bamba_reason(hf_model)
+    if type(hf_model).__name__ in JAMBA_ARCHITECTURES:
+        return jamba_reason(hf_model)
     return supports(hf_model)
 
 

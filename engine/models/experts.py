@@ -40,8 +40,11 @@ CASTING_ROUTERS = frozenset(
         "GraniteMoeHybridTopKRouter",
         "Qwen3_5MoeTopKRouter",
         "Qwen3NextTopKRouter",
+        "JambaTopKRouter",
     }
 )
+# Routers that keep the top-k softmax weights as they are, not renormalized (Jamba's).
+UNNORMALIZED_ROUTERS = frozenset({"JambaTopKRouter"})
 # A block's shared expert by its families' names: Qwen2-MoE's one (behind a gate), DeepSeek's
 # kind's shared experts (one MLP as wide as all of them), Hunyuan's MLP every token runs.
 SHARED_EXPERT_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
@@ -76,6 +79,15 @@ def unfuse_experts(model: nn.Module) -> int:
             parent.experts = ExpertLinears.of(experts)
             swapped += 1
     return swapped
+
+
+def _silu(experts: Any) -> bool:
+    """Whether the experts' activation is silu, by their config (Jamba's experts keep none: by
+    their activation's module)."""
+    config = getattr(experts, "config", None)
+    if config is not None:
+        return getattr(config, "hidden_act", None) == "silu"
+    return type(experts.act_fn).__name__ in ("SiLU", "SiLUActivation")
 
 
 def _latent(block: Any, name: str) -> nn.Module | None:
@@ -154,7 +166,7 @@ class ExpertLinears(nn.Module):
             [_view_linear(w) for w in gate_up],
             [_view_linear(w) for w in down],
             experts.act_fn,
-            getattr(experts.config, "hidden_act", None) == "silu",
+            _silu(experts),
         )
 
     @classmethod
@@ -233,7 +245,9 @@ class SparseMoE(nn.Module):
         # Mixtral always renormalizes the top-k weights and keeps them in fp32; Qwen's MoE
         # models renormalize where the config says so (Qwen3-VL's always) and cast them to the
         # logits' dtype.
-        self.renormalize = bool(getattr(router, "norm_topk_prob", True))
+        self.renormalize = bool(getattr(router, "norm_topk_prob", True)) and (
+            type(router).__name__ not in UNNORMALIZED_ROUTERS
+        )
         self.cast_weights = (
             hasattr(router, "norm_topk_prob") or type(router).__name__ in CASTING_ROUTERS
         )

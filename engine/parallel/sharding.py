@@ -48,6 +48,7 @@ FUSED_EXPERTS = frozenset(
         "Qwen3_5MoeExperts",
         "Qwen3NextExperts",
         "GraniteMoeHybridExperts",
+        "JambaExperts",
     }
 )
 # Hugging Face's expert classes that hold `x @ W` weights with gate and up interleaved

@@ -1,9 +1,9 @@
 """Models with layers Conveyor's attention does not compute are refused at start-up with the
 reason, not served wrong: before, a Qwen3.5 (Gated DeltaNet layers) ran on transformers' model
 without its recurrent state and every greedy token sequence differed from `generate`'s (Qwen3.5,
-Qwen3-Next and Granite 4 now run on Conveyor's decoder with their states; Jamba's Mamba layers
-keep a state it does not hold), and a Llama 4 past one chunk of its chunked layers gave other
-tokens than `generate` too."""
+Qwen3-Next and the Mamba hybrids now run on Conveyor's decoder with their states; models of
+Mamba layers alone, without attention, are refused), and a Llama 4 past one chunk of its chunked
+layers gave other tokens than `generate` too."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    JambaConfig,
     Llama4TextConfig,
+    Mamba2Config,
     MambaConfig,
     RwkvConfig,
 )
@@ -27,22 +27,13 @@ from tests.models.test_moe import COMMON
 
 TINY = {"vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2}
 MODELS = {
-    # Jamba: Mamba layers between attention layers, experts every other layer.
-    "jamba": lambda: JambaConfig(
-        **COMMON | {"num_hidden_layers": 4},
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        num_experts=4,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        mamba_d_state=8,
-        mamba_dt_rank=8,
-    ),
+    # Mamba2 in every layer, no attention at all.
+    "mamba2": lambda: Mamba2Config(**TINY, num_heads=4, head_dim=16, n_groups=1, state_size=8),
     "mamba": lambda: MambaConfig(**TINY, state_size=4),
     "rwkv": lambda: RwkvConfig(**TINY, attention_hidden_size=32, intermediate_size=64),
 }
 REASONS = {
-    "jamba": "linear_attention layers keep a recurrent state",
+    "mamba2": "linear_attention layers keep a recurrent state",
     "mamba": "linear_attention layers keep a recurrent state",
     "rwkv": "recurrent model with no attention layers",
 }
@@ -61,12 +52,12 @@ def test_recurrent_layers_are_refused_with_the_reason(name, impl):
 
 
 def test_a_server_start_names_the_layers_it_cannot_serve(tmp_path):
-    build("jamba").save_pretrained(tmp_path)
+    build("mamba").save_pretrained(tmp_path)
     chat_tokenizer().save_pretrained(tmp_path)
     config = EngineConfig(
         model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=16)
     )
-    with pytest.raises(ValueError, match="Conveyor cannot serve JambaForCausalLM"):
+    with pytest.raises(ValueError, match="Conveyor cannot serve MambaForCausalLM"):
         create_engine_core(config)
 
 

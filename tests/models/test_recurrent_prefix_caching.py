@@ -1,5 +1,5 @@
 """Prefix caching for models whose layers keep recurrent states (LFM2, Qwen3.5, Granite 4,
-Nemotron-H, Falcon-H1): a request resumes from a cached prefix only where a snapshot of the
+Nemotron-H, Falcon-H1, Jamba): a request resumes from a cached prefix only where a snapshot of the
 states after it is kept (every `mamba_block_size` tokens a step ends at; a prompt's chunk is cut
 at the last such point before its last token), its states copied from that snapshot; its tokens
 stay transformers' in turn and overlapped, with few snapshots and under chunked prefill and
@@ -20,6 +20,7 @@ from tests.helpers import reference_greedy, run_all, tiny_core, tiny_tokenizer, 
 from tests.models import (
     test_falcon_h1,
     test_granite_hybrid,
+    test_jamba,
     test_lfm2,
     test_nemotron_h,
     test_qwen3_5,
@@ -30,6 +31,7 @@ FAMILIES = {
     "lfm2": test_lfm2,
     "qwen3_5": test_qwen3_5,
     "granite_hybrid": test_granite_hybrid,
+    "jamba": test_jamba,
     "nemotron_h": test_nemotron_h,
 }
 MAX_NEW = 10

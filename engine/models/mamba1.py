@@ -1,0 +1,174 @@
+"""Mamba's selective scan (Mamba1, as Jamba's layers mix tokens) over the state cache. Each of the
+mixer's channels keeps a state `[state dims]`: a token with input `x`, step `dt` (softplus of its
+projection plus a bias, one a channel) and the projections `B`, `C` `[state dims]` (shared by
+the channels) decays it by `exp(dt A)` (`A = -exp(A_log)`, `[channels, state dims]`) and adds
+`dt x B`; the output is `S . C + D x`, gated by silu(z).
+
+The mixer projects each normed row to the scan's input and the gate `z`, convolves the input (a
+short causal convolution with a bias, then silu), projects it to the step's rank and `B`, `C`
+(each normed: Jamba's), and the step up to the channels. A request keeps its convolution's last
+inputs and the scan's state `[channels, state dims]` (fp32) in the state cache. Decode rows run
+together over their gathered states; a prompt runs token by token within chunks of
+`SCAN_CHUNK`, whose decays and writes are computed at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionMetadata
+from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
+from engine.lora.adapter import Shapes
+from engine.models.llama import PagedLlamaLayer
+
+# Tokens whose decays and writes a prompt's scan computes at once (`[tokens, channels, state
+# dims]` each), before it takes them in turn.
+SCAN_CHUNK = 64
+
+
+class Mamba1Mixer(nn.Module):
+    """A Hugging Face Mamba1 mixer's weights (`in_proj`, `conv1d`, `x_proj`, `dt_proj`, `A_log`,
+    `D`, `out_proj`, and Jamba's norms of the step, `B` and `C`), run over the step's rows from
+    each request's states at `index` (its convolution's inputs) and `index + 1` (its scan's)."""
+
+    def __init__(self, mixer: Any) -> None:
+        super().__init__()
+        self.mixer = mixer
+        self.inner = int(mixer.intermediate_size)
+        self.rank, self.state_dims = int(mixer.time_step_rank), int(mixer.ssm_state_size)
+        self.in_proj, self.out_proj = mixer.in_proj, mixer.out_proj
+        # The taps `[width, channels]`, oldest input first.
+        self.taps = mixer.conv1d.weight.detach()[:, 0].t().contiguous()
+        self.conv_bias = mixer.conv1d.bias
+        self.a = -torch.exp(mixer.A_log.detach().float())  # [channels, state dims]
+        self.d = mixer.D.detach().float()
+        self.dt_bias = mixer.dt_proj.bias.detach().float()
+
+    def state_specs(self) -> list[StateSpec]:
+        """A request's convolution inputs and its scan's state."""
+        return convolved_state_specs(self.taps, (self.inner, self.state_dims))
+
+    def forward(
+        self, normed: torch.Tensor, states: StateCache, index: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The gated scan of the normed rows `[tokens, hidden]`: `[tokens, channels]` in `dtype`
+        (the residual's), the output projection's input."""
+        mixer = self.mixer
+        x, z = self.in_proj(normed).chunk(2, dim=-1)
+        x = states.convolve(index, x, self.taps, self.conv_bias, silu=True)
+        step, b, c = mixer.x_proj(x).split([self.rank, self.state_dims, self.state_dims], dim=-1)
+        step, b, c = mixer.dt_layernorm(step), mixer.b_layernorm(b), mixer.c_layernorm(c)
+        steps = F.softplus(F.linear(step, mixer.dt_proj.weight).float() + self.dt_bias)
+        x32, b, c = x.float(), b.float(), c.float()
+        a = self.a
+
+        def decode(
+            x: torch.Tensor,
+            steps: torch.Tensor,
+            b: torch.Tensor,
+            c: torch.Tensor,
+            *,
+            state: torch.Tensor,
+            slots: np.ndarray,
+        ) -> torch.Tensor:
+            on_device = torch.from_numpy(slots).to(state.device)
+            return decode_rows(x, steps, b, c, a, state, on_device)
+
+        def prompt(
+            x: torch.Tensor,
+            steps: torch.Tensor,
+            b: torch.Tensor,
+            c: torch.Tensor,
+            held: torch.Tensor,
+        ) -> torch.Tensor:
+            rows = held.shape[0] // self.inner
+            length = x.shape[0]
+
+            def per_channel(t: torch.Tensor) -> torch.Tensor:
+                """`[tokens, rows * state dims]` as each channel's `[tokens, rows * channels,
+                state dims]`."""
+                shape = (length, rows, self.inner, self.state_dims)
+                return t.view(length, rows, 1, self.state_dims).expand(shape).flatten(1, 2)
+
+            return prompt_rows(x, steps, per_channel(b), per_channel(c), a.repeat(rows, 1), held)
+
+        out = torch.empty(x32.shape, dtype=torch.float32, device=x.device)
+        out = states.recur(index + 1, (x32, steps, b, c), decode, prompt, out)
+        return ((out + self.d * x32) * F.silu(z.float())).to(dtype)
+
+
+def decode_rows(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    a: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token of each row (`x`, `steps` `[rows, channels]`, `b`, `c` `[rows, state dims]`,
+    fp32) through the scan, row i from `state[slots[i]]` `[channels, state dims]`, written back;
+    the output without the skip."""
+    held = state.index_select(0, slots)
+    held = held * torch.exp(steps[..., None] * a) + (steps * x)[..., None] * b[:, None, :]
+    state.index_copy_(0, slots, held)
+    return (held @ c[..., None]).squeeze(-1)
+
+
+def prompt_rows(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    a: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """A prompt's tokens (`x`, `steps` `[tokens, channels]`, `b`, `c` `[tokens, channels, state
+    dims]`, fp32; `a` `[channels, state dims]`) through the scan from `state` `[channels, state
+    dims]`, updated in place; the output without the skip."""
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for start in range(0, x.shape[0], SCAN_CHUNK):
+        span = slice(start, start + SCAN_CHUNK)
+        decays = torch.exp(steps[span, :, None] * a)
+        writes = (steps[span] * x[span])[..., None] * b[span]
+        for t in range(decays.shape[0]):
+            state.mul_(decays[t]).add_(writes[t])
+            out[start + t] = (state * c[start + t]).sum(-1)
+    return out
+
+
+class Mamba1Layer(PagedLlamaLayer):
+    """A decoder layer whose mixer is Mamba1 (`self_attn` of the layer's view: Jamba's), then the
+    family's MLP block; `index` is the place of its first state."""
+
+    def _attention_parts(self, mixer: Any, group: Any) -> None:
+        self.mamba = Mamba1Mixer(mixer)
+        self.num_heads, self.head_dim = 1, self.mamba.inner  # the output projection's rows
+        self.qkv_proj = mixer.in_proj  # the first projection (its rows' dtype)
+        self.o_proj = mixer.out_proj
+        self.attention = None
+        self.layer_type = "linear_attention"
+
+    def _target_shapes(self) -> Shapes:
+        return {}
+
+    def state_specs(self) -> list[StateSpec]:
+        return self.mamba.state_specs()
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        states = metadata.kv_cache.states
+        assert states is not None, "a recurrent model runs with its states"
+        normed = self._norm(self.input_norm, hidden, self.qkv_proj)
+        gated = self.mamba(normed, states, self.index, hidden.dtype)
+        return self.after_attention(gated.view(-1, 1, self.mamba.inner), hidden)
