@@ -21,6 +21,7 @@ from engine.lora.slots import LoRASlots
 from engine.models.granite import ScaledEmbedding
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, not_plain
 from engine.models.mamba2 import Mamba2Mixer, why_not_mixed
+from engine.models.mixer_layer import layer_states
 from engine.parallel.sharding import Shard
 
 FALCON_H1_ARCHITECTURES = frozenset({"FalconH1ForCausalLM"})
@@ -64,10 +65,8 @@ class FalconH1Layer(PagedLlamaLayer):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        states = metadata.kv_cache.states
-        assert states is not None, "a recurrent model runs with its states"
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
-        mixed = self.mamba(normed, states, self.state_index, hidden.dtype)
+        mixed = self.mamba(normed, layer_states(metadata), self.state_index, hidden.dtype)
         mamba = self.mamba.out_proj(mixed) * self.mamba_out
         query, key, value = self._project(normed * self.attention_in, cos, sin)
         out = metadata.backend.forward(

@@ -12,7 +12,13 @@ from typing import Any
 from torch import nn
 
 from engine.models.experts import is_sparse
-from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, hybrid_layers, not_plain
+from engine.models.llama import (
+    PagedLlamaForCausalLM,
+    PagedLlamaLayer,
+    hybrid_layers,
+    nope_view,
+    not_plain,
+)
 from engine.models.mamba1 import Mamba1Layer
 from engine.parallel.sharding import Shard
 
@@ -58,29 +64,12 @@ def why_not_run(hf_model: Any) -> str:
     return ""
 
 
-class _Base:
-    """Jamba's model under the Llama model's names (no rotary)."""
-
-    def __init__(self, base: Any) -> None:
-        self.embed_tokens, self.norm = base.embed_tokens, base.final_layernorm
-        self.layers, self.config = base.layers, base.config
-        self.rotary_emb = None
-
-
-class _CausalLM:
-    """Jamba's causal LM under the Llama causal LM's names."""
-
-    def __init__(self, hf_model: Any) -> None:
-        self.model, self.lm_head = _Base(hf_model.model), hf_model.lm_head
-        self.config = hf_model.config
-
-
 class PagedJambaForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
     op_by_op = "Jamba's Mamba layers"
 
     def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
-        super().__init__(_CausalLM(hf_model), shard)
+        super().__init__(nope_view(hf_model, "embed_tokens", "final_layernorm"), shard)
 
     def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
         return hybrid_layers(base, shard, JambaAttentionLayer, Mamba1Layer, _Layer)

@@ -13,6 +13,7 @@ is built. The Hugging Face model stays the oracle: greedy tokens from both must 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
@@ -648,6 +649,20 @@ class PagedLlamaForCausalLM(nn.Module):
         if self.fused_decode.route is DecodeRoute.OPS or adapted or not _fp32_rows(hidden):
             return None
         return metadata.backend.decode_step(metadata)
+
+
+def nope_view(hf_model: Any, embeddings: str, norm: str) -> Any:
+    """A causal LM without a rotary (Nemotron-H's, Jamba's) under the Llama causal LM's names,
+    its decoder's embeddings and last norm found under `embeddings` and `norm`."""
+    base = hf_model.model
+    decoder = SimpleNamespace(
+        embed_tokens=getattr(base, embeddings),
+        norm=getattr(base, norm),
+        layers=base.layers,
+        config=base.config,
+        rotary_emb=None,
+    )
+    return SimpleNamespace(model=decoder, lm_head=hf_model.lm_head, config=hf_model.config)
 
 
 def hybrid_layers(

@@ -21,10 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.backend import AttentionMetadata
 from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
-from engine.lora.adapter import Shapes
-from engine.models.llama import PagedLlamaLayer
+from engine.models.mixer_layer import MixerLayer
 
 # Tokens whose decays and writes a prompt's scan computes at once (`[tokens, channels, state
 # dims]` each), before it takes them in turn.
@@ -40,6 +38,7 @@ class Mamba1Mixer(nn.Module):
         super().__init__()
         self.mixer = mixer
         self.inner = int(mixer.intermediate_size)
+        self.heads, self.head_dim = 1, self.inner  # its output, one row a token
         self.rank, self.state_dims = int(mixer.time_step_rank), int(mixer.ssm_state_size)
         self.in_proj, self.out_proj = mixer.in_proj, mixer.out_proj
         # The taps `[width, channels]`, oldest input first.
@@ -142,33 +141,8 @@ def prompt_rows(
     return out
 
 
-class Mamba1Layer(PagedLlamaLayer):
-    """A decoder layer whose mixer is Mamba1 (`self_attn` of the layer's view: Jamba's), then the
-    family's MLP block; `index` is the place of its first state."""
+class Mamba1Layer(MixerLayer):
+    """A layer whose mixer is Mamba1 (Jamba's), then the family's MLP block."""
 
-    def _attention_parts(self, mixer: Any, group: Any) -> None:
-        self.mamba = Mamba1Mixer(mixer)
-        self.num_heads, self.head_dim = 1, self.mamba.inner  # the output projection's rows
-        self.qkv_proj = mixer.in_proj  # the first projection (its rows' dtype)
-        self.o_proj = mixer.out_proj
-        self.attention = None
-        self.layer_type = "linear_attention"
-
-    def _target_shapes(self) -> Shapes:
-        return {}
-
-    def state_specs(self) -> list[StateSpec]:
-        return self.mamba.state_specs()
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        states = metadata.kv_cache.states
-        assert states is not None, "a recurrent model runs with its states"
-        normed = self._norm(self.input_norm, hidden, self.qkv_proj)
-        gated = self.mamba(normed, states, self.index, hidden.dtype)
-        return self.after_attention(gated.view(-1, 1, self.mamba.inner), hidden)
+    def mixer_of(self, mixer: Any) -> Mamba1Mixer:
+        return Mamba1Mixer(mixer)

@@ -15,10 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.backend import AttentionMetadata
 from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
-from engine.lora.adapter import Shapes
-from engine.models.llama import PagedLlamaLayer
+from engine.models.mixer_layer import MixerLayer
 from engine.models.ssd import ScanParams, scan
 
 
@@ -90,34 +88,8 @@ def why_not_mixed(mixer: Any) -> str:
     return ""
 
 
-class Mamba2Layer(PagedLlamaLayer):
-    """A decoder layer whose mixer is Mamba2 (`self_attn` of the layer's view: Granite 4's,
-    Bamba's), then the family's MLP block; `index` is the place of its first state (its
-    convolution's last inputs; the scan's state follows)."""
+class Mamba2Layer(MixerLayer):
+    """A layer whose mixer is Mamba2 (Granite 4's, Bamba's), then the family's MLP block."""
 
-    def _attention_parts(self, mixer: Any, group: Any) -> None:
-        self.mamba = Mamba2Mixer(mixer)
-        self.num_heads, self.head_dim = self.mamba.heads, self.mamba.head_dim
-        self.qkv_proj = mixer.in_proj  # the first projection (its rows' dtype)
-        self.o_proj = mixer.out_proj  # takes each head's dims side by side
-        self.attention = None
-        self.layer_type = "linear_attention"
-
-    def _target_shapes(self) -> Shapes:
-        return {}
-
-    def state_specs(self) -> list[StateSpec]:
-        return self.mamba.state_specs()
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        states = metadata.kv_cache.states
-        assert states is not None, "a recurrent model runs with its states"
-        normed = self._norm(self.input_norm, hidden, self.qkv_proj)
-        gated = self.mamba(normed, states, self.index, hidden.dtype)
-        return self.after_attention(gated.view(-1, self.num_heads, self.head_dim), hidden)
+    def mixer_of(self, mixer: Any) -> Mamba2Mixer:
+        return Mamba2Mixer(mixer)

@@ -20,8 +20,9 @@ from engine.lora.adapter import Shapes
 from engine.lora.slots import LoRASlots
 from engine.models.experts import SparseMoE, is_sparse
 from engine.models.layers import add_projected, fp32_scaled_norm
-from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, not_plain
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, nope_view, not_plain
 from engine.models.mamba2 import Mamba2Mixer, why_not_mixed
+from engine.models.mixer_layer import layer_states
 from engine.parallel.sharding import Shard
 
 NEMOTRON_H_ARCHITECTURES = frozenset({"NemotronHForCausalLM"})
@@ -97,10 +98,8 @@ class NemotronMambaBlock(_Block):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        states = metadata.kv_cache.states
-        assert states is not None, "a recurrent model runs with its states"
         normed = self._norm(self.input_norm, hidden, self.mamba.in_proj)
-        mixed = self.mamba(normed, states, self.index, hidden.dtype)
+        mixed = self.mamba(normed, layer_states(metadata), self.index, hidden.dtype)
         return add_projected(self.mamba.out_proj, mixed, hidden)
 
 
@@ -158,23 +157,6 @@ def why_not_run(hf_model: Any) -> str:
     return ""
 
 
-class _Base:
-    """Nemotron-H's model under the Llama model's names (no rotary: its attention is NoPE)."""
-
-    def __init__(self, base: Any) -> None:
-        self.embed_tokens, self.norm = base.embeddings, base.norm_f
-        self.layers, self.config = base.layers, base.config
-        self.rotary_emb = None
-
-
-class _CausalLM:
-    """Nemotron-H's causal LM under the Llama causal LM's names."""
-
-    def __init__(self, hf_model: Any) -> None:
-        self.model, self.lm_head = _Base(hf_model.model), hf_model.lm_head
-        self.config = hf_model.config
-
-
 class PagedNemotronHForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
     op_by_op = "Nemotron-H's blocks"
@@ -183,7 +165,7 @@ class PagedNemotronHForCausalLM(PagedLlamaForCausalLM):
     def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
         if shard is not None:
             raise ValueError("tensor parallelism does not split Nemotron-H's blocks yet")
-        super().__init__(_CausalLM(hf_model))
+        super().__init__(nope_view(hf_model, "embeddings", "norm_f"))
 
     def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
         """Each block as its kind's layer: attention blocks indexed by their place in the KV
