@@ -896,6 +896,8 @@ def _num_blocks(
     cache = config.cache
     if cache.num_blocks is not None:
         return cache.num_blocks
+    if spec.bytes_per_block == 0:  # no layer keeps K/V: blocks only count tokens
+        return 2 * config.max_num_seqs * -(-model_len // spec.block_size)
     if cache.kv_cache_memory is not None:
         budget = _less_states(cache.kv_cache_memory, states)
     elif device.type == "cuda":  # measured with the states held already

@@ -276,7 +276,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens between the copies of a request's recurrent states that prefix caching "
         "resumes from, a multiple of --block-size (LFM2, Qwen3.5, Granite 4, Bamba, "
-        "Nemotron-H, Falcon-H1, Jamba; "
+        "Nemotron-H, Falcon-H1, Jamba, Mamba; "
         "default: the multiple of --block-size nearest 256)",
     )
     engine.add_argument(

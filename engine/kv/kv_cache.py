@@ -64,6 +64,8 @@ class KVCacheSpec:
                 block_size=block_size,
                 values_are_keys=True,
             )
+        if not attending_layers(config):  # Mamba's own models: no layer keeps K/V
+            return cls(num_layers=0, num_kv_heads=1, head_dim=1, dtype=dtype, block_size=block_size)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
@@ -128,15 +130,17 @@ class KVCache:
         # Per-layer views, made once: every layer asks for its own on every step.
         self._keys = [self.tensor[layer, 0] for layer in range(spec.num_layers)]
         self._values = [self.tensor[layer, spec.planes - 1] for layer in range(spec.num_layers)]
+        self._released = False
 
     def release(self) -> None:
         """Give the cache's memory back (sleep mode); nothing may step until `restore`."""
         self.tensor = torch.empty(0, dtype=self.spec.dtype, device=self.device)
         self._keys, self._values = [], []
+        self._released = True
 
     @property
     def released(self) -> bool:
-        return not self._keys
+        return self._released
 
     @property
     def scaled(self) -> bool:

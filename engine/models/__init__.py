@@ -45,6 +45,8 @@ from engine.models.layer_kinds import why_not_served
 from engine.models.lfm2 import LFM2_ARCHITECTURES, PagedLfm2ForCausalLM
 from engine.models.lfm2 import why_not_run as lfm2_reason
 from engine.models.llama import PagedLlamaForCausalLM, plain_projections, supports
+from engine.models.mamba import MAMBA_ARCHITECTURES, PagedMambaForCausalLM
+from engine.models.mamba import why_not_run as mamba_reason
 from engine.models.minimax import MINIMAX_ARCHITECTURES, PagedMiniMaxM2ForCausalLM
 from engine.models.nanochat import NANOCHAT_ARCHITECTURES, PagedNanoChatForCausalLM
 from engine.models.nemotron_h import NEMOTRON_H_ARCHITECTURES, PagedNemotronHForCausalLM
@@ -82,6 +84,7 @@ DECODER_ONLY = (
     | FALCON_H1_ARCHITECTURES
     | BAMBA_ARCHITECTURES
     | JAMBA_ARCHITECTURES
+    | MAMBA_ARCHITECTURES
 )
 
 # The families of the Llama decoder with a model of their own, by architecture.
@@ -110,6 +113,7 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
         (FALCON_H1_ARCHITECTURES, PagedFalconH1ForCausalLM),
         (BAMBA_ARCHITECTURES, PagedBambaForCausalLM),
         (JAMBA_ARCHITECTURES, PagedJambaForCausalLM),
+        (MAMBA_ARCHITECTURES, PagedMambaForCausalLM),
     )
     for architecture in architectures
 }
@@ -169,6 +173,8 @@ def decoder_reason(hf_model: Any) -> str:
         return bamba_reason(hf_model)
     if type(hf_model).__name__ in JAMBA_ARCHITECTURES:
         return jamba_reason(hf_model)
+    if type(hf_model).__name__ in MAMBA_ARCHITECTURES:
+        return mamba_reason(hf_model)
     return supports(hf_model)
 
 

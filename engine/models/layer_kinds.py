@@ -1,11 +1,11 @@
 """Which of a model's layer kinds Conveyor serves. Its paged KV cache and attention backends
 compute causal attention over the whole past or a sliding window, and its state cache keeps
 LFM2's convolutions' last inputs, Qwen3.5's and Qwen3-Next's Gated DeltaNet states, Granite 4's,
-Bamba's, Nemotron-H's and Falcon-H1's Mamba2 states and Jamba's Mamba states per request; a
-model whose layers keep another recurrent state, or keep one without attending at all (Mamba's
-own models), or attend sparsely (DeepSeek V3.2's indexer) would run without what it needs and
-give wrong tokens silently, so such a model is refused at start-up with the reason. Llama 4's
-chunked layers attend as causal attention within one chunk, so its context is held to a chunk.
+Bamba's, Nemotron-H's and Falcon-H1's Mamba2 states and Jamba's and Mamba's own models' states
+per request; a model whose layers keep another recurrent state (RWKV's) or attend sparsely
+(DeepSeek V3.2's indexer) would run without what it needs and give wrong tokens silently, so
+such a model is refused at start-up with the reason. Llama 4's chunked layers attend as causal
+attention within one chunk, so its context is held to a chunk.
 
 transformers names each layer's kind in the text config's `layer_types` (Mamba's layers as
 `linear_attention`); a recurrent model without attention at all (RWKV) is known by its class.
@@ -44,6 +44,9 @@ STATEFUL_FAMILIES = {
     "FalconH1ForCausalLM": frozenset({"hybrid"}),
     "BambaForCausalLM": frozenset({"linear_attention"}),
     "JambaForCausalLM": frozenset({"linear_attention"}),
+    "MambaForCausalLM": frozenset({"linear_attention"}),
+    "Mamba2ForCausalLM": frozenset({"linear_attention"}),
+    "FalconMambaForCausalLM": frozenset({"linear_attention"}),
 }
 
 

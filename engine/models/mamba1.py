@@ -31,8 +31,9 @@ SCAN_CHUNK = 64
 
 class Mamba1Mixer(nn.Module):
     """A Hugging Face Mamba1 mixer's weights (`in_proj`, `conv1d`, `x_proj`, `dt_proj`, `A_log`,
-    `D`, `out_proj`, and Jamba's norms of the step, `B` and `C`), run over the step's rows from
-    each request's states at `index` (its convolution's inputs) and `index + 1` (its scan's)."""
+    `D`, `out_proj`, and Jamba's or Falcon-Mamba's norms of the step, `B` and `C`), run over the
+    step's rows from each request's states at `index` (its convolution's inputs) and `index + 1`
+    (its scan's)."""
 
     def __init__(self, mixer: Any) -> None:
         super().__init__()
@@ -47,6 +48,7 @@ class Mamba1Mixer(nn.Module):
         self.a = -torch.exp(mixer.A_log.detach().float())  # [channels, state dims]
         self.d = mixer.D.detach().float()
         self.dt_bias = mixer.dt_proj.bias.detach().float()
+        self.normed = hasattr(mixer, "dt_layernorm")
 
     def state_specs(self) -> list[StateSpec]:
         """A request's convolution inputs and its scan's state."""
@@ -61,7 +63,8 @@ class Mamba1Mixer(nn.Module):
         x, z = self.in_proj(normed).chunk(2, dim=-1)
         x = states.convolve(index, x, self.taps, self.conv_bias, silu=True)
         step, b, c = mixer.x_proj(x).split([self.rank, self.state_dims, self.state_dims], dim=-1)
-        step, b, c = mixer.dt_layernorm(step), mixer.b_layernorm(b), mixer.c_layernorm(c)
+        if self.normed:  # Jamba's and Falcon-Mamba's norms of the step, `B` and `C`
+            step, b, c = mixer.dt_layernorm(step), mixer.b_layernorm(b), mixer.c_layernorm(c)
         steps = F.softplus(F.linear(step, mixer.dt_proj.weight).float() + self.dt_bias)
         x32, b, c = x.float(), b.float(), c.float()
         a = self.a

@@ -24,11 +24,12 @@ def prompts() -> list[list[int]]:
     return [[rng.randrange(2, 320) for _ in range(n)] for n in (1, 3, 9, 17, 30, 70, 24)]
 
 
-def served_under_pressure(model: Any, max_new: int) -> EngineCore:
+def served_under_pressure(model: Any, max_new: int, attention: str = "sdpa") -> EngineCore:
     """The engine core that served `prompts()` greedily from `model` with too few blocks for all
-    at once and a small token budget: its tokens equal transformers', some request was preempted
-    and some prompt chunked, and every block and state slot came back."""
-    expected = [reference_greedy(model, p, max_new) for p in prompts()]
+    at once and a small token budget: its tokens equal transformers' (on its `attention`: Mamba's
+    own models take `eager` alone), some request was preempted and some prompt chunked, and
+    every block and state slot came back."""
+    expected = [reference_greedy(model, p, max_new, attention) for p in prompts()]
     core, _ = tiny_core(model, num_blocks=24, max_model_len=96, max_num_batched_tokens=12)
     chunked = record_chunking(core)
     greedy = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
@@ -55,9 +56,9 @@ def drawn_mamba2(model: Any) -> Any:
     return model.eval()
 
 
-def check_saved_checkpoint(model: Any, folder: Path, max_new: int) -> None:
+def check_saved_checkpoint(model: Any, folder: Path, max_new: int, attention: str = "sdpa") -> None:
     """`model` saved to `folder` as a checkpoint serves `prompts()` from it with transformers'
-    greedy tokens."""
+    greedy tokens (on its `attention`)."""
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     config = EngineConfig(
@@ -68,6 +69,6 @@ def check_saved_checkpoint(model: Any, folder: Path, max_new: int) -> None:
     try:
         outputs = run_all(core, prompts(), greedy)
         tokens = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
-        assert tokens == [reference_greedy(model, p, max_new) for p in prompts()]
+        assert tokens == [reference_greedy(model, p, max_new, attention) for p in prompts()]
     finally:
         core.close()

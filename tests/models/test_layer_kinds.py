@@ -1,9 +1,9 @@
 """Models with layers Conveyor's attention does not compute are refused at start-up with the
 reason, not served wrong: before, a Qwen3.5 (Gated DeltaNet layers) ran on transformers' model
 without its recurrent state and every greedy token sequence differed from `generate`'s (Qwen3.5,
-Qwen3-Next and the Mamba hybrids now run on Conveyor's decoder with their states; models of
-Mamba layers alone, without attention, are refused), and a Llama 4 past one chunk of its chunked
-layers gave other tokens than `generate` too."""
+Qwen3-Next, the Mamba hybrids and Mamba's own models now run on Conveyor's decoder with their
+states; RWKV's are refused), and a Llama 4 past one chunk of its chunked layers gave other tokens
+than `generate` too."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Llama4TextConfig,
-    Mamba2Config,
-    MambaConfig,
     RwkvConfig,
 )
 
@@ -27,14 +25,9 @@ from tests.models.test_moe import COMMON
 
 TINY = {"vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 2}
 MODELS = {
-    # Mamba2 in every layer, no attention at all.
-    "mamba2": lambda: Mamba2Config(**TINY, num_heads=4, head_dim=16, n_groups=1, state_size=8),
-    "mamba": lambda: MambaConfig(**TINY, state_size=4),
     "rwkv": lambda: RwkvConfig(**TINY, attention_hidden_size=32, intermediate_size=64),
 }
 REASONS = {
-    "mamba2": "linear_attention layers keep a recurrent state",
-    "mamba": "linear_attention layers keep a recurrent state",
     "rwkv": "recurrent model with no attention layers",
 }
 
@@ -52,12 +45,12 @@ def test_recurrent_layers_are_refused_with_the_reason(name, impl):
 
 
 def test_a_server_start_names_the_layers_it_cannot_serve(tmp_path):
-    build("mamba").save_pretrained(tmp_path)
+    build("rwkv").save_pretrained(tmp_path)
     chat_tokenizer().save_pretrained(tmp_path)
     config = EngineConfig(
         model=str(tmp_path), dtype="float32", cache=CacheConfig(block_size=4, num_blocks=16)
     )
-    with pytest.raises(ValueError, match="Conveyor cannot serve MambaForCausalLM"):
+    with pytest.raises(ValueError, match="Conveyor cannot serve RwkvForCausalLM"):
         create_engine_core(config)
 
 

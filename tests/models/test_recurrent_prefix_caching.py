@@ -1,9 +1,9 @@
 """Prefix caching for models whose layers keep recurrent states (LFM2, Qwen3.5, Granite 4,
-Nemotron-H, Falcon-H1, Jamba): a request resumes from a cached prefix only where a snapshot of the
-states after it is kept (every `mamba_block_size` tokens a step ends at; a prompt's chunk is cut
-at the last such point before its last token), its states copied from that snapshot; its tokens
-stay transformers' in turn and overlapped, with few snapshots and under chunked prefill and
-preemption."""
+Nemotron-H, Falcon-H1, Jamba, Mamba's own models): a request resumes from a cached prefix only
+where a snapshot of the states after it is kept (every `mamba_block_size` tokens a step ends at;
+a prompt's chunk is cut at the last such point before its last token), its states copied from
+that snapshot; its tokens stay transformers' in turn and overlapped, with few snapshots and
+under chunked prefill and preemption."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tests.models import (
     test_granite_hybrid,
     test_jamba,
     test_lfm2,
+    test_mamba,
     test_nemotron_h,
     test_qwen3_5,
 )
@@ -29,6 +30,7 @@ from tests.models import (
 FAMILIES = {
     "falcon_h1": test_falcon_h1,
     "lfm2": test_lfm2,
+    "mamba": test_mamba,
     "qwen3_5": test_qwen3_5,
     "granite_hybrid": test_granite_hybrid,
     "jamba": test_jamba,
@@ -58,13 +60,14 @@ def test_a_later_turn_resumes_where_the_last_one_left_its_states(family, overlap
     point of the grid that turn one's decode steps reached (37 prompt tokens, 9 answer tokens
     computed), not at 48 (a cached block, but no states kept after it)."""
     model = FAMILIES[family].build()
+    attention = getattr(FAMILIES[family], "ATTENTION", "sdpa")  # Mamba's own: eager alone
     core, _ = tiny_core(model, mamba_block_size=GRID, async_scheduling=overlap)
     first = tokens(37, seed=1)
     answer, hits = served(core, first)
-    assert answer == reference_greedy(model, first, MAX_NEW) and hits == 0
+    assert answer == reference_greedy(model, first, MAX_NEW, attention) and hits == 0
     second = first + answer + tokens(5, seed=2)
     out, hits = served(core, second)
-    assert out == reference_greedy(model, second, MAX_NEW)
+    assert out == reference_greedy(model, second, MAX_NEW, attention)
     assert hits == 40
     blocks = core.scheduler.block_manager
     assert blocks.snapshots is not None and blocks.snapshots.num_kept >= 3

@@ -1,0 +1,104 @@
+"""Mamba's own models, without attention (`MambaForCausalLM`, `Mamba2ForCausalLM`,
+`FalconMambaForCausalLM`: Mamba, Mamba2 and Mamba-Codestral, Falcon-Mamba) on Conveyor's decoder:
+each block adds its Mamba or Mamba2 mixer of its normed rows (`mamba1.py`, `mamba2.py`) to the
+residual. No layer keeps K/V: the KV cache has no layers, and its blocks only count tokens for
+the scheduler (and key the prefix cache's snapshots of the states). Decode steps run op by op.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention.backend import AttentionMetadata
+from engine.kv.state_cache import StateSpec
+from engine.lora.adapter import Shapes
+from engine.lora.slots import LoRASlots
+from engine.models.layers import add_projected
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, not_plain
+from engine.models.mamba1 import Mamba1Mixer
+from engine.models.mamba2 import Mamba2Mixer, why_not_mixed
+from engine.models.mixer_layer import RecurrentMixer, layer_states
+from engine.parallel.sharding import Shard
+
+MAMBA_ARCHITECTURES = frozenset({"MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM"})
+
+
+def mixer_of(mixer: Any) -> RecurrentMixer:
+    """Conveyor's mixer for a Hugging Face Mamba (it projects a step: `x_proj`) or Mamba2 one."""
+    return Mamba1Mixer(mixer) if hasattr(mixer, "x_proj") else Mamba2Mixer(mixer)
+
+
+class MambaBlock(PagedLlamaLayer):
+    """A block: its residual plus its mixer of its normed rows; `index` is the place of its first
+    state. With `residual_in_fp32` the residual is added in fp32."""
+
+    def __init__(self, block: Any, index: int) -> None:
+        nn.Module.__init__(self)
+        self.index = index
+        self.input_norm, self.post_attention_norm = block.norm, None
+        self.moe: nn.Module | None = None
+        self.attention = None
+        self.layer_type: str | None = "linear_attention"
+        self.lora: LoRASlots | None = None
+        self.mamba = mixer_of(block.mixer)
+        self.fp32_residual = bool(getattr(block, "residual_in_fp32", False))
+        self._lora_shapes: Shapes = {}
+
+    def state_specs(self) -> list[StateSpec]:
+        return self.mamba.state_specs()
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        normed = self._norm(self.input_norm, hidden, self.mamba.in_proj)
+        mixed = self.mamba(normed, layer_states(metadata), self.index, hidden.dtype)
+        residual = hidden.float() if self.fp32_residual else hidden
+        return add_projected(self.mamba.out_proj, mixed, residual).to(hidden.dtype)
+
+
+def why_not_run(hf_model: Any) -> str:
+    """Empty where every projection of the model is a plain linear layer and its mixers
+    convolve through silu, else why not."""
+    for block in hf_model.backbone.layers:
+        mixer = block.mixer
+        names = ("in_proj", "x_proj", "dt_proj", "out_proj")
+        reason = not_plain([getattr(mixer, n) for n in names if hasattr(mixer, n)])
+        reason = reason or why_not_mixed(mixer)
+        if reason:
+            return reason
+    return ""
+
+
+class PagedMambaForCausalLM(PagedLlamaForCausalLM):
+    name = "conveyor"
+    op_by_op = "Mamba's layers"
+    splits_at_attention = False
+
+    def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
+        backbone = hf_model.backbone
+        decoder = SimpleNamespace(
+            embed_tokens=backbone.embeddings,
+            norm=backbone.norm_f,
+            layers=backbone.layers,
+            config=hf_model.config,
+            rotary_emb=None,
+        )
+        view = SimpleNamespace(model=decoder, lm_head=hf_model.lm_head, config=hf_model.config)
+        super().__init__(view, shard)
+
+    def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
+        layers: list[nn.Module] = []
+        held = 0
+        for block in base.layers:
+            built = MambaBlock(block, held)
+            layers.append(built)
+            held += len(built.state_specs())
+        return layers
