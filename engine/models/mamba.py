@@ -1,9 +1,9 @@
 """Mamba's own models, without attention (`MambaForCausalLM`, `Mamba2ForCausalLM`,
 `FalconMambaForCausalLM`: Mamba, Mamba2 and Mamba-Codestral, Falcon-Mamba) on Conveyor's decoder:
 each block adds its Mamba or Mamba2 mixer of its normed rows (`mamba1.py`, `mamba2.py`) to the
-residual. No layer keeps K/V: the KV cache has no layers, and its blocks only count tokens for
-the scheduler (and key the prefix cache's snapshots of the states). Decode steps run op by op.
-"""
+residual (`ResidualBlock`, which Nemotron-H's blocks share). No layer keeps K/V: the KV cache
+has no layers, and its blocks only count tokens for the scheduler (and key the prefix cache's
+snapshots of the states). Decode steps run op by op."""
 
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ def mixer_of(mixer: Any) -> RecurrentMixer:
     return Mamba1Mixer(mixer) if hasattr(mixer, "x_proj") else Mamba2Mixer(mixer)
 
 
-class MambaBlock(PagedLlamaLayer):
-    """A block: its residual plus its mixer of its normed rows; `index` is the place of its first
-    state. With `residual_in_fp32` the residual is added in fp32."""
+class ResidualBlock(PagedLlamaLayer):
+    """A block that adds one mixer of its normed rows (`block.norm`, `block.mixer`) to its
+    residual (Mamba's own models', Nemotron-H's); `_mixer_parts` reads the mixer. `index` is its
+    place in the KV cache (a block that attends) or of its first state (a recurrent one)."""
 
     def __init__(self, block: Any, index: int) -> None:
         nn.Module.__init__(self)
@@ -42,11 +43,26 @@ class MambaBlock(PagedLlamaLayer):
         self.input_norm, self.post_attention_norm = block.norm, None
         self.moe: nn.Module | None = None
         self.attention = None
-        self.layer_type: str | None = "linear_attention"
+        self.layer_type: str | None = getattr(block, "block_type", None)
         self.lora: LoRASlots | None = None
+        self._mixer_parts(block)
+        self._lora_shapes = self._target_shapes()
+
+    def _mixer_parts(self, block: Any) -> None:
+        raise NotImplementedError
+
+
+class MambaBlock(ResidualBlock):
+    """A block whose mixer is Mamba or Mamba2; with `residual_in_fp32` its residual is added in
+    fp32."""
+
+    def _mixer_parts(self, block: Any) -> None:
         self.mamba = mixer_of(block.mixer)
+        self.layer_type = "linear_attention"
         self.fp32_residual = bool(getattr(block, "residual_in_fp32", False))
-        self._lora_shapes: Shapes = {}
+
+    def _target_shapes(self) -> Shapes:
+        return {}
 
     def state_specs(self) -> list[StateSpec]:
         return self.mamba.state_specs()

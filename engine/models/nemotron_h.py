@@ -15,14 +15,13 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionMetadata
-from engine.kv.state_cache import StateSpec
 from engine.lora.adapter import Shapes
 from engine.lora.slots import LoRASlots
 from engine.models.experts import SparseMoE, is_sparse
 from engine.models.layers import add_projected, fp32_scaled_norm
-from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, nope_view, not_plain
-from engine.models.mamba2 import Mamba2Mixer, why_not_mixed
-from engine.models.mixer_layer import layer_states
+from engine.models.llama import PagedLlamaForCausalLM, nope_view, not_plain
+from engine.models.mamba import MambaBlock, ResidualBlock
+from engine.models.mamba2 import why_not_mixed
 from engine.parallel.sharding import Shard
 
 NEMOTRON_H_ARCHITECTURES = frozenset({"NemotronHForCausalLM"})
@@ -30,25 +29,8 @@ NEMOTRON_H_ARCHITECTURES = frozenset({"NemotronHForCausalLM"})
 MAMBA, ATTENTION, EXPERTS = "linear_attention", "full_attention", "moe"
 
 
-class _Block(PagedLlamaLayer):
-    """A Nemotron-H block: its residual plus one mixer of its normed rows (`_mixer_parts` reads
-    the mixer). `index` is its place in the KV cache (an attention block's) or of its first state
-    (a Mamba2 block's)."""
-
-    def __init__(self, block: Any, index: int) -> None:
-        nn.Module.__init__(self)
-        self.index = index
-        self.input_norm = block.norm
-        self.post_attention_norm = None
-        self.moe: nn.Module | None = None
-        self.attention = None
-        self.layer_type: str | None = block.block_type
-        self.lora: LoRASlots | None = None
-        self._mixer_parts(block.mixer)
-        self._lora_shapes = self._target_shapes()
-
-    def _mixer_parts(self, mixer: Any) -> None:
-        raise NotImplementedError
+class _Block(ResidualBlock):
+    """A Nemotron-H block: its residual plus one mixer of its normed rows, normed in fp32."""
 
     @staticmethod
     def _norm(norm: Any, hidden: torch.Tensor, projection: nn.Module) -> torch.Tensor:
@@ -59,8 +41,8 @@ class NemotronAttentionBlock(_Block):
     """Attention over the paged cache, q and k not rotated, its output projected onto the
     residual."""
 
-    def _mixer_parts(self, attn: Any) -> None:
-        self._attention_parts(attn, None)
+    def _mixer_parts(self, block: Any) -> None:
+        self._attention_parts(block.mixer, None)
         self.rotates = False
         self.layer_type = ATTENTION
 
@@ -79,34 +61,15 @@ class NemotronAttentionBlock(_Block):
         return add_projected(self.o_proj, self._attended(out), residual)
 
 
-class NemotronMambaBlock(_Block):
+class NemotronMambaBlock(_Block, MambaBlock):
     """Mamba2 over each request's states, its output projected onto the residual."""
-
-    def _mixer_parts(self, mixer: Any) -> None:
-        self.mamba = Mamba2Mixer(mixer)
-
-    def _target_shapes(self) -> Shapes:
-        return {}
-
-    def state_specs(self) -> list[StateSpec]:
-        return self.mamba.state_specs()
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        normed = self._norm(self.input_norm, hidden, self.mamba.in_proj)
-        mixed = self.mamba(normed, layer_states(metadata), self.index, hidden.dtype)
-        return add_projected(self.mamba.out_proj, mixed, hidden)
 
 
 class NemotronMlpBlock(_Block):
     """An MLP without a gate (`down(relu(up(x))^2)`), or experts, onto the residual."""
 
-    def _mixer_parts(self, mlp: Any) -> None:
+    def _mixer_parts(self, block: Any) -> None:
+        mlp = block.mixer
         if is_sparse(mlp):
             self.moe = SparseMoE(mlp)
             self.silu = False
