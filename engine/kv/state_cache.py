@@ -118,15 +118,11 @@ class StateCache:
 
     def save(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each `(slot, snapshot)` pair's slot states into the snapshot, in order."""
-        for slot, snapshot in pairs:
-            for state, kept in zip(self.layers, self.snapshots, strict=True):
-                kept[snapshot].copy_(state[slot])
+        _copy_rows(self.layers, self.snapshots, pairs)
 
     def restore(self, pairs: list[tuple[int, int]]) -> None:
         """Copy each `(snapshot, slot)` pair's snapshot into the slot's states."""
-        for snapshot, slot in pairs:
-            for state, kept in zip(self.layers, self.snapshots, strict=True):
-                state[slot].copy_(kept[snapshot])
+        _copy_rows(self.snapshots, self.layers, pairs)
 
     def begin(self, batch: InputBatch) -> StateStep:
         """The step's rows; the slots of rows at their request's first token zeroed."""
@@ -214,6 +210,16 @@ class StateCache:
             for i, span in enumerate(spans):
                 out[span] = found[:, i].to(out.dtype)
         return out
+
+
+def _copy_rows(
+    sources: list[torch.Tensor], targets: list[torch.Tensor], pairs: list[tuple[int, int]]
+) -> None:
+    """For each `(source row, target row)` pair in order, every state's source row copied into
+    its target row."""
+    for source, target in pairs:
+        for found, kept in zip(sources, targets, strict=True):
+            kept[target].copy_(found[source])
 
 
 def _own_convolution(inputs: torch.Tensor, state: torch.Tensor) -> bool:

@@ -168,18 +168,22 @@ class ModelRunner:
         """Give each request that resumes from a snapshot of a recurrent model's states (a
         cached prefix) those states in its slot, before the step reads them."""
         states = self.kv_cache.states
+        if states is None or not states.num_snapshots:
+            return
         restores = [(i.restore, i.request.state_slot) for i in scheduler_output.scheduled]
         pairs = [(row, slot) for row, slot in restores if row is not None and slot is not None]
-        if states is not None and pairs:
+        if pairs:
             states.restore(pairs)
 
     def _save_states(self, scheduler_output: SchedulerOutput) -> None:
         """Copy the states each request leaves where the step ends on the snapshots' grid into
         the row reserved for them."""
         states = self.kv_cache.states
+        if states is None or not states.num_snapshots:
+            return
         saves = [(i.request.state_slot, i.save) for i in scheduler_output.scheduled]
         pairs = [(slot, save[0]) for slot, save in saves if slot is not None and save is not None]
-        if states is not None and pairs:
+        if pairs:
             states.save(pairs)
 
     def _verified_choices(
