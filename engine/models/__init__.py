@@ -7,6 +7,7 @@ flattened indices whose logits are wanted) and return logits `[len(indices), voc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.models.bamba import BAMBA_ARCHITECTURES, PagedBambaForCausalLM
@@ -118,6 +119,23 @@ FAMILY_DECODERS: dict[str, type[PagedLlamaForCausalLM]] = {
     for architecture in architectures
 }
 
+# Why Conveyor's decoder would not run a model of the families whose layers are not the Llama
+# layer's, by architecture (`supports` for the others).
+FAMILY_REASONS: dict[str, Callable[[Any], str]] = {
+    architecture: reason
+    for architectures, reason in (
+        (LFM2_ARCHITECTURES, lfm2_reason),
+        (QWEN3_5_ARCHITECTURES, qwen3_5_reason),
+        (GRANITE_HYBRID_ARCHITECTURES, granite_hybrid_reason),
+        (NEMOTRON_H_ARCHITECTURES, nemotron_h_reason),
+        (FALCON_H1_ARCHITECTURES, falcon_h1_reason),
+        (BAMBA_ARCHITECTURES, bamba_reason),
+        (JAMBA_ARCHITECTURES, jamba_reason),
+        (MAMBA_ARCHITECTURES, mamba_reason),
+    )
+    for architecture in architectures
+}
+
 __all__ = ["MODEL_IMPLS", "CausalLM", "build_causal_lm"]
 
 
@@ -159,23 +177,8 @@ def decoder_reason(hf_model: Any) -> str:
     """Empty where Conveyor's decoder runs this text model, else why not."""
     if type(hf_model).__name__ in GEMMA_ARCHITECTURES:  # not the Llama family's, but its layer
         return plain_projections(hf_model.model.layers)
-    if type(hf_model).__name__ in LFM2_ARCHITECTURES:
-        return lfm2_reason(hf_model)
-    if type(hf_model).__name__ in QWEN3_5_ARCHITECTURES:
-        return qwen3_5_reason(hf_model)
-    if type(hf_model).__name__ in GRANITE_HYBRID_ARCHITECTURES:
-        return granite_hybrid_reason(hf_model)
-    if type(hf_model).__name__ in NEMOTRON_H_ARCHITECTURES:
-        return nemotron_h_reason(hf_model)
-    if type(hf_model).__name__ in FALCON_H1_ARCHITECTURES:
-        return falcon_h1_reason(hf_model)
-    if type(hf_model).__name__ in BAMBA_ARCHITECTURES:
-        return bamba_reason(hf_model)
-    if type(hf_model).__name__ in JAMBA_ARCHITECTURES:
-        return jamba_reason(hf_model)
-    if type(hf_model).__name__ in MAMBA_ARCHITECTURES:
-        return mamba_reason(hf_model)
-    return supports(hf_model)
+    reason = FAMILY_REASONS.get(type(hf_model).__name__, supports)
+    return reason(hf_model)
 
 
 def _decoder_class(architecture: str) -> type[PagedLlamaForCausalLM]:
