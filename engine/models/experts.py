@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import clamped_swiglu, gated_activation
+from engine.models.layers import clamped_swiglu, gated_activation, is_silu
 from engine.models.routing import BiasedRouter, GroupLimitedRouter, router_of
 from engine.parallel.sharding import GATELESS_EXPERTS, HF_EXPERTS, TRANSPOSED_EXPERTS
 
@@ -87,7 +87,7 @@ def _silu(experts: Any) -> bool:
     config = getattr(experts, "config", None)
     if config is not None:
         return getattr(config, "hidden_act", None) == "silu"
-    return type(experts.act_fn).__name__ in ("SiLU", "SiLUActivation")
+    return is_silu(experts.act_fn)
 
 
 def _latent(block: Any, name: str) -> nn.Module | None:

@@ -106,6 +106,15 @@ def add_projected(projection: nn.Module, x: torch.Tensor, residual: torch.Tensor
     return residual + projection(x)
 
 
+# The activation modules that compute silu (torch's, and transformers' own).
+SILU_MODULES = frozenset({"SiLU", "SiLUActivation"})
+
+
+def is_silu(act_fn: nn.Module) -> bool:
+    """Whether the activation module computes silu."""
+    return type(act_fn).__name__ in SILU_MODULES
+
+
 def gated_activation(
     gate_up: torch.Tensor, act_fn: nn.Module, intermediate: int, silu: bool
 ) -> torch.Tensor:

@@ -35,7 +35,14 @@ from engine.lora.slots import LoRASlots
 from engine.models.base import ImageRows, with_image_rows, with_layer_rows
 from engine.models.experts import SparseMoE, is_sparse
 from engine.models.layer_kinds import attending_layers
-from engine.models.layers import add_projected, fuse, gated_activation, rms_norm, rotate
+from engine.models.layers import (
+    add_projected,
+    fuse,
+    gated_activation,
+    is_silu,
+    rms_norm,
+    rotate,
+)
 from engine.models.rotary_table import NoRotary, RotaryTable, typed_rotary_tables
 from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, reduced
 from engine.parallel.sharding import Shard
@@ -98,8 +105,6 @@ ARCHITECTURES = frozenset(
     }
 )
 LINEAR_TYPES = (nn.Linear, *CPU_LINEAR_TYPES)
-# The activation modules that compute silu (torch's, and transformers' own).
-SILU_MODULES = frozenset({"SiLU", "SiLUActivation"})
 
 
 def supports(hf_model: Any) -> str:
@@ -274,7 +279,7 @@ class PagedLlamaLayer(nn.Module):
     def _dense_mlp(self, mlp: Any, group: Any) -> None:
         # By the module the MLP runs, not a config field (a family may name its own field).
         self.act_fn = mlp_part(mlp, ACT_NAMES)
-        self.silu = type(self.act_fn).__name__ in SILU_MODULES
+        self.silu = is_silu(self.act_fn)
         self.down_proj = reduced(mlp_part(mlp, DOWN_NAMES), group)
         if not_gated(mlp):  # `down(act(up(x)))`: up stands where gate and up would
             self.gated = False
