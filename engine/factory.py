@@ -147,7 +147,7 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
         raise ValueError("tensor parallelism serves text models only, not image-text ones")
     if checkpoint is not None and is_classifier(checkpoint):
         raise ValueError("a sequence classifier runs on one device (--runner pooling)")
-    if set(getattr(checkpoint, "layer_types", None) or ()) & RECURRENT_KINDS:
+    if set(getattr(checkpoint, "layer_types", None) or ()) & (RECURRENT_KINDS - SPLIT_KINDS):
         raise ValueError("tensor parallelism does not split recurrent layers' states yet")
     if set(getattr(checkpoint, "architectures", None) or ()) & NEMOTRON_H_ARCHITECTURES:
         raise ValueError("tensor parallelism does not split Nemotron-H's blocks yet")
@@ -283,10 +283,12 @@ def _state_cache(
 ) -> StateCache | None:
     """The per-request states of a model whose layers keep some (LFM2's convolutions), one
     slot for each request that may run at once; None for other models."""
-    specs = model.state_specs() if isinstance(model, PagedLlamaForCausalLM) else []
+    if not isinstance(model, PagedLlamaForCausalLM):
+        return None
+    specs = model.state_specs()
     if not specs:
         return None
-    reason = _why_no_states(config, shard)
+    reason = _why_no_states(config, shard, model)
     if reason:
         raise ValueError(f"{type(model).__name__} keeps recurrent states, which {reason}")
     slot_bytes = state_slot_bytes(specs, dtype)
@@ -369,9 +371,13 @@ def _budget_before_blocks(config: EngineConfig, device: torch.device) -> int:
     return memory_profile.allowed_above_allocated(device, config.cache.gpu_memory_utilization)
 
 
-def _why_no_states(config: EngineConfig, shard: Shard | None) -> str:
+# The recurrent layers' kinds whose states tensor parallelism splits (Qwen3.5's Gated DeltaNet).
+SPLIT_KINDS = frozenset({"linear_attention"})
+
+
+def _why_no_states(config: EngineConfig, shard: Shard | None, model: PagedLlamaForCausalLM) -> str:
     """Empty where the engine serves a recurrent model so configured, else what does not."""
-    if shard is not None:
+    if shard is not None and not model.states_split():
         return "tensor parallelism does not split yet"
     if config.speculative is not None:
         return "speculative decoding does not roll back yet"

@@ -126,9 +126,9 @@ class StateCache:
 
     def begin(self, batch: InputBatch) -> StateStep:
         """The step's rows; the slots of rows at their request's first token zeroed."""
-        slots = np.fromiter(
-            (_slot(request.state_slot) for request in batch.requests), np.int64, len(batch.requests)
-        )
+        slots = batch.state_slots
+        if len(slots) != len(batch.query_lens) or (slots < 0).any():
+            raise RuntimeError("a request of a recurrent model runs without a state slot")
         on_device = torch.from_numpy(slots).to(self.device, non_blocking=True)
         fresh = np.flatnonzero(batch.context_lens == 0)
         if len(fresh):
@@ -232,9 +232,3 @@ def _own_convolution(inputs: torch.Tensor, state: torch.Tensor) -> bool:
         and inputs.stride(1) == 1
         and cpu_ops.has("recurrent")
     )
-
-
-def _slot(slot: int | None) -> int:
-    if slot is None:
-        raise RuntimeError("a request of a recurrent model runs without a state slot")
-    return slot

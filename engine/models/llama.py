@@ -337,6 +337,10 @@ class PagedLlamaLayer(nn.Module):
         """The per-request states the layer keeps (none: it attends, its K/V in the cache)."""
         return []
 
+    # Whether a layer that keeps states splits them under tensor parallelism (each rank its
+    # heads' states).
+    states_split = False
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -528,6 +532,10 @@ class PagedLlamaForCausalLM(nn.Module):
         """The per-request states of the layers that keep one, in order (none: every layer
         attends)."""
         return [spec for layer in self._paged_layers for spec in layer.state_specs()]
+
+    def states_split(self) -> bool:
+        """Whether every layer that keeps states splits them under tensor parallelism."""
+        return all(layer.states_split for layer in self._paged_layers if layer.state_specs())
 
     def attach_lora(self, slots: LoRASlots) -> None:
         """Serve LoRA adapters from `slots`: a step that runs any takes the layers op by op."""

@@ -39,6 +39,7 @@ from engine.models.llama import (
     hybrid_layers,
     not_plain,
 )
+from engine.parallel.layers import reduced
 from engine.parallel.sharding import Shard
 
 QWEN3_5_ARCHITECTURES = frozenset(
@@ -90,7 +91,10 @@ class GatedAttentionLayer(_OwnNorms, PagedLlamaLayer):
 
 class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
     """A Qwen3.5 linear attention layer; `index` is the place of its first state (its
-    convolution's last inputs; its recurrent state follows)."""
+    convolution's last inputs; its recurrent state follows). Under tensor parallelism it holds
+    the rank's key heads and the value heads they serve, and their states."""
+
+    states_split = True
 
     def _attention_parts(self, net: Any, group: Any) -> None:
         self.net = net
@@ -100,7 +104,7 @@ class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
         # q, k and v (convolved), z, b and a from the same normed rows: one projection.
         self.qkv_proj = fuse(input_projections(net))
         self.taps = net.conv1d.weight.detach()[:, 0].t().contiguous()
-        self.out_proj = net.out_proj
+        self.out_proj = reduced(net.out_proj, group)
         self.attention = None
         self.layer_type = "linear_attention"
 

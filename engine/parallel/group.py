@@ -66,12 +66,11 @@ class ParallelGroup:
         if not self.is_parallel:
             return tensor
         tensor = tensor.contiguous()
-        rows = tensor.shape[0]
-        gathered = torch.empty(
-            (self.size * rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device
-        )
+        rows, cols = tensor.shape
+        gathered = torch.empty((self.size * rows, cols), dtype=tensor.dtype, device=tensor.device)
         self.process_group._allgather_base(gathered, tensor).wait()
-        return gathered.view(self.size, rows, -1).permute(1, 0, 2).reshape(rows, -1)
+        # (A step that samples no row, a prompt's chunk, gathers none.)
+        return gathered.view(self.size, rows, cols).permute(1, 0, 2).reshape(rows, self.size * cols)
 
 
 def host_store(size: int) -> tuple[Any, int]:

@@ -8,6 +8,9 @@ Experts are cut as gated MLPs are, each to the rank's channels, the router kept 
 rank routes a token alike, and one all-reduce sums the experts' and shared expert's partials.
 In multi-head latent attention (DeepSeek's) the heads are split as q's rows, `kv_b_proj`'s and
 o's columns; the latent (its projection, its norm and its cache) is kept whole by every rank.
+A Gated DeltaNet (Qwen3.5's, Qwen3-Next's linear attention) is split by its key heads and the
+value heads they serve: its projections' rows, its convolution's channels, its decays' and
+steps' entries, its output projection's columns; each rank keeps those heads' recurrent states.
 
 The cut happens on the plain Hugging Face modules right after loading, before the linear layers
 take Conveyor's kernel forms, so every later step sees an ordinary (smaller) model.
@@ -93,6 +96,38 @@ class LatentWidths:
 
 
 @dataclass(frozen=True, slots=True)
+class LinearHeads:
+    """A Gated DeltaNet's heads (Qwen3.5's linear attention): its key heads and value heads
+    (each key head serves `value_heads // key_heads` consecutive ones) and their dims."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+
+    @classmethod
+    def of(cls, config: Any) -> LinearHeads | None:
+        if not getattr(config, "linear_num_value_heads", None):
+            return None
+        return cls(
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+        )
+
+    @property
+    def served(self) -> int:
+        """The value heads each key head serves."""
+        return self.value_heads // self.key_heads
+
+
+# The model types whose attention's q projection holds each head's query beside its gate, the
+# head's rows twice as many as its dims (Qwen3.5's, Qwen3-Next's).
+GATED_QUERY_MODELS = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
+
+
+@dataclass(frozen=True, slots=True)
 class ShardShape:
     """What one rank holds of each kind of row."""
 
@@ -111,6 +146,10 @@ class ShardShape:
     # The widths of each head in multi-head latent attention, whose latent every rank keeps
     # whole (its projection and norm, and the cache); None elsewhere.
     latent: LatentWidths | None = None
+    # Whether q's rows hold each head's query and gate (`GATED_QUERY_MODELS`).
+    gated_query: bool = False
+    # The heads of a Gated DeltaNet's layers; None in a model without.
+    linear: LinearHeads | None = None
 
     @property
     def local_heads(self) -> int:
@@ -151,7 +190,9 @@ class ShardShape:
     @property
     def _query_rows(self) -> int:
         """q's rows a head (in multi-head latent attention, its latent part and rotated part)."""
-        return self.latent.query if self.latent else self.head_dim
+        if self.latent:
+            return self.latent.query
+        return 2 * self.head_dim if self.gated_query else self.head_dim
 
     @property
     def output_span(self) -> slice:
@@ -192,6 +233,48 @@ class ShardShape:
         width = self.shared_intermediate // self.size
         return _span(self.rank * width, width)
 
+    @property
+    def linear_key_span(self) -> slice:
+        """This rank's rows of a DeltaNet's q (or k): its key heads'."""
+        heads = self._linear
+        return self._linear_share(heads.key_heads, heads.key_dim)
+
+    @property
+    def linear_value_span(self) -> slice:
+        """This rank's rows of a DeltaNet's v and z (columns of its output projection): its
+        value heads'."""
+        heads = self._linear
+        return self._linear_share(heads.value_heads, heads.value_dim)
+
+    @property
+    def linear_head_span(self) -> slice:
+        """This rank's entries of a DeltaNet's per value head rows and parameters (b, a, the
+        decays' logs, the steps' biases)."""
+        return self._linear_share(self._linear.value_heads, 1)
+
+    @property
+    def linear_group_span(self) -> slice:
+        """This rank's rows of Qwen3-Next's `in_proj_qkvz`, whose rows run key head by key head,
+        each its q, k, and the v and z of the value heads it serves."""
+        heads = self._linear
+        rows = 2 * heads.key_dim + 2 * heads.served * heads.value_dim
+        return self._linear_share(heads.key_heads, rows)
+
+    @property
+    def linear_ba_span(self) -> slice:
+        """This rank's rows of Qwen3-Next's `in_proj_ba` (key head by key head, the b and a of
+        the value heads it serves)."""
+        return self._linear_share(self._linear.key_heads, 2 * self._linear.served)
+
+    @property
+    def _linear(self) -> LinearHeads:
+        assert self.linear is not None, "the model has no Gated DeltaNet"
+        return self.linear
+
+    def _linear_share(self, heads: int, per_head: int) -> slice:
+        width = heads // self.size * per_head
+        return _span(self.rank * width, width)
+
     def fused_rows(self, parts: tuple[str, ...]) -> list[slice]:
         """This rank's rows of a projection holding several parts one above the other (q, k and
         v; gate and up), each part named by its span (`"query_span"`, ...)."""
@@ -209,7 +292,14 @@ class ShardShape:
             "channel_span": self.intermediate,
             "shared_span": self.shared_intermediate,
         }
-        return whole[part]
+        if part in whole:
+            return whole[part]
+        heads = self._linear
+        linear = {
+            "linear_key_span": heads.key_heads * heads.key_dim,
+            "linear_value_span": heads.value_heads * heads.value_dim,
+        }
+        return linear[part]
 
     @property
     def vocab_span(self) -> slice:
@@ -233,6 +323,8 @@ class ShardShape:
             shared_intermediate=_shared_intermediate(config),
             norms_all_heads=norms_all_heads,
             latent=LatentWidths.of(config),
+            gated_query=getattr(config, "model_type", "") in GATED_QUERY_MODELS,
+            linear=LinearHeads.of(config),
         )
 
 
@@ -278,6 +370,11 @@ def why_not_shardable(config: Any, size: int) -> str:
     for what, channels in sizes.items():
         if channels % size:
             return f"its {what} {channels} does not divide by {size}"
+    linear = LinearHeads.of(config)
+    if linear is not None:
+        for what, heads in (("key", linear.key_heads), ("value", linear.value_heads)):
+            if heads % size:
+                return f"its {heads} linear attention {what} heads do not divide by {size}"
     return ""
 
 
@@ -304,6 +401,9 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
             module.weight = _parameter(module.weight[rows])  # the norm's weight for its heads
             continue
         parts = fused_row_share(name, shape)
+        if parts is not None and isinstance(module, nn.Conv1d):
+            _shard_channels(module, parts)
+            continue
         if parts is not None:
             share = _fused_rows(module, parts)
         elif rows is not None:
@@ -322,8 +422,34 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     for module in layers.modules():
         if type(module).__name__ in SPLIT_EXPERTS:
             _shard_experts(module, shape)
+        if type(module).__name__ in GATED_DELTA_NETS:
+            _count_local_heads(module, size)
     _shard_vocab(hf_model, shape)
     return shape
+
+
+# Hugging Face's Gated DeltaNet classes, whose head counts and widths a share updates.
+GATED_DELTA_NETS = frozenset(
+    {"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"}
+)
+
+
+def _count_local_heads(net: Any, size: int) -> None:
+    """A Gated DeltaNet's counts of heads and widths as its share holds them."""
+    net.num_k_heads //= size
+    net.num_v_heads //= size
+    net.key_dim = net.num_k_heads * net.head_k_dim
+    net.value_dim = net.num_v_heads * net.head_v_dim
+    net.conv_dim = 2 * net.key_dim + net.value_dim
+
+
+def _shard_channels(conv: nn.Conv1d, parts: list[slice]) -> None:
+    """A depthwise convolution cut to the channels `parts`, one part above the other."""
+    conv.weight = _parameter(torch.cat([conv.weight[rows] for rows in parts]))
+    if conv.bias is not None:
+        conv.bias = _parameter(torch.cat([conv.bias[rows] for rows in parts]))
+    channels = conv.weight.shape[0]
+    conv.in_channels = conv.out_channels = conv.groups = channels
 
 
 def _shard_experts(experts: Any, shape: ShardShape) -> None:
@@ -377,6 +503,12 @@ ROW_SHARES = {
     "mlp.shared_expert.up_proj": "shared_span",
     "mlp.shared_experts.gate_proj": "shared_span",
     "mlp.shared_experts.up_proj": "shared_span",
+    # A Gated DeltaNet's z, b and a (Qwen3.5's), and its grouped projections (Qwen3-Next's).
+    "linear_attn.in_proj_z": "linear_value_span",
+    "linear_attn.in_proj_b": "linear_head_span",
+    "linear_attn.in_proj_a": "linear_head_span",
+    "linear_attn.in_proj_qkvz": "linear_group_span",
+    "linear_attn.in_proj_ba": "linear_ba_span",
 }
 # Projections holding several parts one above the other, each part split as its own projection
 # is: Phi-3's q, k and v; Phi-3's and GLM's gate and up; GraniteMoeShared's gate and up of the MLP
@@ -385,6 +517,9 @@ FUSED_ROW_SHARES = {
     "self_attn.qkv_proj": ("query_span", "kv_span", "kv_span"),
     "mlp.gate_up_proj": ("channel_span", "channel_span"),
     "shared_mlp.input_linear": ("shared_span", "shared_span"),
+    # A Gated DeltaNet's q, k and v, and its convolution's channels over them.
+    "linear_attn.in_proj_qkv": ("linear_key_span", "linear_key_span", "linear_value_span"),
+    "linear_attn.conv1d": ("linear_key_span", "linear_key_span", "linear_value_span"),
 }
 COLUMN_SHARES = {
     "self_attn.o_proj": "output_span",
@@ -394,6 +529,7 @@ COLUMN_SHARES = {
     "mlp.shared_expert.down_proj": "shared_span",
     "mlp.shared_experts.down_proj": "shared_span",
     "shared_mlp.output_linear": "shared_span",
+    "linear_attn.out_proj": "linear_value_span",
 }
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 # The weights of q's and k's norms over all heads at once, split as q's and k's rows are.
@@ -410,14 +546,19 @@ def row_share(module_name: str, shape: ShardShape) -> slice | None:
     return _share_in(module_name, ROW_SHARES, shape)
 
 
-# Per-head parameters, by the end of their names: the rank keeps its query heads' entries.
-HEAD_PARAMETERS = ("self_attn.sinks",)
+# Per-head parameters, by the end of their names: the rank keeps its heads' entries (gpt-oss's
+# sinks, a query head's; a DeltaNet's decays' logs and steps' biases, a value head's).
+HEAD_PARAMETERS = {
+    "self_attn.sinks": "head_span",
+    "linear_attn.A_log": "linear_head_span",
+    "linear_attn.dt_bias": "linear_head_span",
+}
 
 
 def parameter_share(name: str, shape: ShardShape) -> slice | None:
-    """The entries of the per-head parameter so named this rank keeps (its query heads'); None
-    where the parameter is not one."""
-    return shape.head_span if name.endswith(HEAD_PARAMETERS) else None
+    """The entries of the per-head parameter so named this rank keeps; None where the parameter
+    is not one."""
+    return _share_in(name, HEAD_PARAMETERS, shape)
 
 
 def fused_row_share(module_name: str, shape: ShardShape) -> list[slice] | None:

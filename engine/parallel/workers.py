@@ -283,7 +283,12 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
     from engine.kernels.cpu import denormals
     from engine.loading.model_loader import resolve_device
     from engine.parallel.sharding import Shard
-    from engine.worker.model_runner import model_inputs, placed_input_ids
+    from engine.worker.model_runner import (
+        model_inputs,
+        placed_input_ids,
+        restore_states,
+        save_states,
+    )
 
     size = config.tensor_parallel_size
     device = rank_device(resolve_device(config.device), rank)
@@ -301,6 +306,7 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
         if device.type == "cpu":
             denormals.flush_on_this_thread()
         kv_cache.copy_blocks(inputs.block_copies)
+        restore_states(kv_cache, inputs.state_copies)
         previous = no_tokens
         if len(inputs.previous_rows):  # async scheduling: rank 0's last tokens, on the device
             previous = torch.empty(inputs.previous_count, dtype=torch.int64, device=device)
@@ -308,6 +314,7 @@ def _start(config: EngineConfig, rank: int, port: int) -> Callable[[StepInputs],
         input_ids = placed_input_ids(inputs.batch, previous, inputs.previous_rows, device)
         model(*model_inputs(backend, kv_cache, inputs.batch, inputs.logits_indices, input_ids))
         kv_cache.end_calibration()
+        save_states(kv_cache, inputs.state_copies)
 
     return step
 

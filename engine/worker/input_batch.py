@@ -42,6 +42,8 @@ class InputBatch:
     key_limits: dict[int, np.ndarray] = field(default_factory=dict)
     rope_positions: np.ndarray | None = None
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # Each row's request's slot of recurrent states (-1: none), for a model that keeps some.
+    state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +92,14 @@ def build_input_batch(items: list[ScheduledRequest], block_size: int) -> InputBa
         key_limits=_key_limits(scheduled),
         rope_positions=_rope_positions(scheduled, positions, query_starts),
         drafts={item.request.request_id: item.drafts for item in items if item.drafts},
+        state_slots=_state_slots(requests),
     )
+
+
+def _state_slots(requests: list[Request]) -> np.ndarray:
+    """Each request's slot of recurrent states, -1 where it holds none."""
+    slots = (-1 if r.state_slot is None else r.state_slot for r in requests)
+    return np.fromiter(slots, np.int64, len(requests))
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from engine.models.gemma import PagedGemmaForCausalLM
 from engine.models.granite import PagedGraniteForCausalLM
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.models.vision import ImageTextLM, takes_images
-from engine.parallel.step import StepInputs
+from engine.parallel.step import StateCopies, StepInputs
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.image_features import step_image_features
@@ -122,7 +122,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             denormals.flush_on_this_thread()
         self.kv_cache.copy_blocks(scheduler_output.block_copies)
-        self._restore_states(scheduler_output)
+        state_copies = self._state_copies(scheduler_output)
+        restore_states(self.kv_cache, state_copies)
         batch = build_input_batch(scheduler_output.scheduled, self.kv_cache.block_size)
         if self.lora is not None:
             self.lora.begin([r.lora for r in batch.requests], batch.query_lens)
@@ -137,7 +138,7 @@ class ModelRunner:
         if self.workers is not None:
             copies = scheduler_output.block_copies
             previous = len(self._last_tokens)
-            self.workers.send(StepInputs.of(batch, indices, copies, rows, previous))
+            self.workers.send(StepInputs.of(batch, indices, copies, rows, previous, state_copies))
         output = ModelRunnerOutput()
         with self._across_ranks():
             input_ids = self._device_input_ids(batch, rows)
@@ -146,13 +147,13 @@ class ModelRunner:
                 inputs = self._model_inputs(batch, indices, input_ids)
                 tokens = self.model.greedy_tokens(*inputs, image_features=images)
                 self.kv_cache.end_calibration()
-                self._save_states(scheduler_output)
+                save_states(self.kv_cache, state_copies)
                 if batch.drafts:
                     return self._verified_choices(requests, tokens.tolist(), batch.drafts, output)
                 return self._launched(requests, SampledTokens(tokens, None), output)
             logits = self.forward(batch, indices, input_ids, images)
             self.kv_cache.end_calibration()
-            self._save_states(scheduler_output)
+            save_states(self.kv_cache, state_copies)
         if prompt_rows:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
         if batch.drafts:
@@ -164,27 +165,17 @@ class ModelRunner:
             sampled = self.sampler.sample(logits[len(prompt_indices) :], requests, pending)
         return self._launched(requests, sampled, output)
 
-    def _restore_states(self, scheduler_output: SchedulerOutput) -> None:
-        """Give each request that resumes from a snapshot of a recurrent model's states (a
-        cached prefix) those states in its slot, before the step reads them."""
+    def _state_copies(self, scheduler_output: SchedulerOutput) -> StateCopies:
+        """The step's copies of a recurrent model's states: each request that resumes from a
+        snapshot (a cached prefix) takes it into its slot before the forward; each that ends
+        the step on the snapshots' grid leaves its states in the row reserved for them."""
         states = self.kv_cache.states
         if states is None or not states.num_snapshots:
-            return
-        restores = [(i.restore, i.request.state_slot) for i in scheduler_output.scheduled]
-        pairs = [(row, slot) for row, slot in restores if row is not None and slot is not None]
-        if pairs:
-            states.restore(pairs)
-
-    def _save_states(self, scheduler_output: SchedulerOutput) -> None:
-        """Copy the states each request leaves where the step ends on the snapshots' grid into
-        the row reserved for them."""
-        states = self.kv_cache.states
-        if states is None or not states.num_snapshots:
-            return
-        saves = [(i.request.state_slot, i.save) for i in scheduler_output.scheduled]
-        pairs = [(slot, save[0]) for slot, save in saves if slot is not None and save is not None]
-        if pairs:
-            states.save(pairs)
+            return StateCopies()
+        scheduled = scheduler_output.scheduled
+        restores = [(i.restore, i.request.state_slot) for i in scheduled]
+        saves = [(i.request.state_slot, i.save[0] if i.save else None) for i in scheduled]
+        return StateCopies(_pairs(restores), _pairs(saves))
 
     def _verified_choices(
         self,
@@ -443,6 +434,22 @@ def placed_input_ids(
         target = torch.from_numpy(batch.placeholders).to(device, non_blocking=True)
         input_ids[target] = previous[source].to(input_ids.dtype)
     return input_ids
+
+
+def _pairs(pairs: list[tuple[int | None, int | None]]) -> list[tuple[int, int]]:
+    return [(a, b) for a, b in pairs if a is not None and b is not None]
+
+
+def restore_states(kv_cache: KVCache, copies: StateCopies) -> None:
+    """A recurrent model's snapshots copied into the slots of the requests resuming from them."""
+    if copies.restores and kv_cache.states is not None:
+        kv_cache.states.restore(copies.restores)
+
+
+def save_states(kv_cache: KVCache, copies: StateCopies) -> None:
+    """A recurrent model's states copied into the snapshots reserved for them."""
+    if copies.saves and kv_cache.states is not None:
+        kv_cache.states.save(copies.saves)
 
 
 def model_inputs(

@@ -39,8 +39,11 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     Starcoder2Config,
 )
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.factory import build_rank
@@ -78,6 +81,23 @@ LATENT = dict(
     qk_nope_head_dim=16,
     qk_rope_head_dim=8,
     v_head_dim=12,
+)
+DELTA_NET = dict(
+    vocab_size=320,
+    num_key_value_heads=2,
+    head_dim=16,
+    layer_types=["linear_attention", "full_attention"],
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+DELTA_EXPERTS = dict(
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
 )
 # vocab_size 321 leaves the last rank's vocabulary share one row of padding; one KV head is
 # kept by both ranks; Qwen2 has q/k/v biases, Qwen3 per-head q/k norms.
@@ -264,6 +284,14 @@ MODELS = {
     # with q's low-rank projection, V2's with q whole.
     "deepseek-v3": lambda: DeepseekV3Config(**COMMON, **LATENT, q_lora_rank=24),
     "deepseek-v2": lambda: DeepseekV2Config(**COMMON, **LATENT, head_dim=8),
+    # Qwen3.5's Gated DeltaNet (split by its key heads and the two value heads each serves)
+    # before a gated attention layer (q's rows each head's query and gate); with experts; and
+    # Qwen3-Next's DeltaNet projections grouped by key head.
+    "qwen3.5": lambda: Qwen3_5TextConfig(**COMMON, **DELTA_NET),
+    "qwen3.5-moe": lambda: Qwen3_5MoeTextConfig(**COMMON, **DELTA_NET, **DELTA_EXPERTS),
+    "qwen3-next": lambda: Qwen3NextConfig(
+        **COMMON, **DELTA_NET, **DELTA_EXPERTS, mlp_only_layers=[1]
+    ),
 }
 
 
@@ -277,8 +305,8 @@ def build(name: str) -> Any:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.normal_(1, 0.3)  # initialised to ones: make each channel's own count
-            elif name.endswith(("sinks", "_proj_bias")):
-                param.normal_(0, 1.0)  # gpt-oss's sinks and experts' biases
+            elif name.endswith(("sinks", "_proj_bias", "dt_bias")):
+                param.normal_(0, 1.0)  # gpt-oss's sinks and experts' biases, DeltaNets' steps
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0, 0.5)
@@ -322,6 +350,7 @@ def prefill_batch(prompt: list[int], block_size: int) -> InputBatch:
         context_lens=np.zeros(1, dtype=np.int64),
         block_table=np.arange(blocks, dtype=np.int64)[None],
         sample_rows=np.zeros(1, dtype=np.int64),
+        state_slots=np.zeros(1, dtype=np.int64),  # a recurrent model's states: slot 0
     )
 
 
@@ -499,3 +528,9 @@ def test_two_ranks_compute_each_mixture_of_experts_logits(name):
         expected = hf_model(torch.tensor([prompt])).logits[0]
     for logits in run_ranks(2, lambda group: rank_logits(hf_model, group, prompt)):
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_logits_of_no_rows_gather_to_no_rows():
+    """A step that samples no row (a prompt's chunk alone) gathers its ranks' empty logits."""
+    gathered = run_ranks(2, lambda group: group.all_gather_columns(torch.zeros(0, 3)))
+    assert all(logits.shape == (0, 6) for logits in gathered)

@@ -1,0 +1,122 @@
+"""Tensor parallelism over two gloo ranks for Qwen3.5's and Qwen3-Next's Gated DeltaNet: each
+rank keeps the recurrent states of its heads; the tokens are transformers' under chunked prefill
+and preemption, in turn and overlapped, and from snapshots of the states (prefix caching) that
+every rank restores and saves. Families whose states do not split yet are refused before any
+worker starts."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+from engine.core.config import CacheConfig, EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
+from engine.parallel.sharding import why_not_shardable
+from tests.core.test_engine_greedy import record_chunking
+from tests.helpers import reference_greedy, run_all, tiny_tokenizer, tokens_of
+from tests.models import test_qwen3_5
+from tests.models.recurrent import prompts
+
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["dense", "next"])
+def saved(request, tmp_path_factory) -> tuple[Any, Path]:
+    """A tiny Qwen3.5 (or Qwen3-Next, experts beside) saved as a checkpoint."""
+    model = test_qwen3_5.build(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return model, folder
+
+
+def config(folder: Path, **options: Any) -> EngineConfig:
+    cache = CacheConfig(block_size=4, num_blocks=options.pop("num_blocks", 64), mamba_block_size=8)
+    return EngineConfig(
+        model=str(folder), dtype="float32", tensor_parallel_size=2, cache=cache, **options
+    )
+
+
+@contextmanager
+def engine_core(engine_config: EngineConfig) -> Iterator[EngineCore]:
+    core, _, _ = create_engine_core(engine_config)
+    try:
+        yield core
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_two_ranks_serve_transformers_tokens_under_chunking_and_preemption(saved, overlap):
+    model, folder = saved
+    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    tight = config(
+        folder,
+        num_blocks=24,
+        max_model_len=96,
+        max_num_batched_tokens=12,
+        async_scheduling=overlap,
+    )
+    with engine_core(tight) as core:
+        chunked = record_chunking(core)
+        outputs = run_all(core, prompts(), GREEDY)
+        assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
+        assert core.scheduler.num_preemptions > 0 and any(chunked)
+        # Rank 0 keeps the states of 2 of the 4 value heads (one key head's).
+        states = core.runner.kv_cache.states
+        assert states is not None
+        recurrent = states.layers[1]  # the first layer's state after its convolution's inputs
+        assert recurrent.shape[1:] == (2, 8, 12)
+        blocks = core.scheduler.block_manager
+        assert blocks.num_used_blocks == 0
+        assert blocks.state_slots is not None
+        assert blocks.state_slots.num_free == states.num_slots
+
+
+def tokens(count: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 320) for _ in range(count)]
+
+
+def served(core: EngineCore, prompt: list[int]) -> tuple[list[int], int]:
+    hits = core.scheduler.prefix_cache_hits
+    out = tokens_of(run_all(core, [prompt], GREEDY)["req-0"])
+    return out, core.scheduler.prefix_cache_hits - hits
+
+
+def test_every_rank_resumes_from_the_snapshots_it_saved(saved):
+    """A later turn resumes at 40, the last point of the snapshots' grid (every 8 tokens) the
+    first turn reached: every rank restores its own heads' states there, so the tokens stay
+    transformers'."""
+    model, folder = saved
+    with engine_core(config(folder)) as core:
+        first = tokens(37, seed=1)
+        answer, hits = served(core, first)
+        assert answer == reference_greedy(model, first, MAX_NEW) and hits == 0
+        second = first + answer + tokens(5, seed=2)
+        assert served(core, second) == (reference_greedy(model, second, MAX_NEW), 40)
+
+
+@pytest.mark.parametrize(
+    ("key_heads", "value_heads", "size", "reason"),
+    [
+        (3, 6, 2, "its 3 linear attention key heads do not divide by 2"),
+        (2, 6, 4, "its 2 linear attention key heads do not divide by 4"),
+        (4, 6, 4, "its 6 linear attention value heads do not divide by 4"),
+        (2, 4, 2, ""),
+    ],
+)
+def test_linear_attention_heads_that_do_not_divide_are_named(key_heads, value_heads, size, reason):
+    shape = test_qwen3_5.SHAPE | dict(
+        linear_num_key_heads=key_heads, linear_num_value_heads=value_heads
+    )
+    assert why_not_shardable(Qwen3_5TextConfig(**shape), size) == reason
