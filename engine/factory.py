@@ -60,7 +60,12 @@ from engine.lora.slots import LoRASlots
 from engine.model_build import prepared_model
 from engine.models import CausalLM, build_causal_lm
 from engine.models.experts import SPARSE_ON_HOST
-from engine.models.layer_kinds import RECURRENT_KINDS, why_not_served, why_not_this_long
+from engine.models.layer_kinds import (
+    STATEFUL_FAMILIES,
+    STATES_SPLIT,
+    why_not_served,
+    why_not_this_long,
+)
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.models.nemotron_h import NEMOTRON_H_ARCHITECTURES
 from engine.models.vision import ImageTextLM, is_image_text, takes_images
@@ -147,10 +152,11 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
         raise ValueError("tensor parallelism serves text models only, not image-text ones")
     if checkpoint is not None and is_classifier(checkpoint):
         raise ValueError("a sequence classifier runs on one device (--runner pooling)")
-    if set(getattr(checkpoint, "layer_types", None) or ()) & (RECURRENT_KINDS - SPLIT_KINDS):
-        raise ValueError("tensor parallelism does not split recurrent layers' states yet")
-    if set(getattr(checkpoint, "architectures", None) or ()) & NEMOTRON_H_ARCHITECTURES:
+    architectures = set(getattr(checkpoint, "architectures", None) or ())
+    if architectures & NEMOTRON_H_ARCHITECTURES:
         raise ValueError("tensor parallelism does not split Nemotron-H's blocks yet")
+    if architectures & (STATEFUL_FAMILIES.keys() - STATES_SPLIT):
+        raise ValueError("tensor parallelism does not split recurrent layers' states yet")
     counted = all(hasattr(checkpoint, key) for key in ("num_attention_heads", "intermediate_size"))
     reason = why_not_shardable(checkpoint, size) if counted else ""
     if reason:
@@ -369,10 +375,6 @@ def _budget_before_blocks(config: EngineConfig, device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_CPU_KV_CACHE_BYTES
     return memory_profile.allowed_above_allocated(device, config.cache.gpu_memory_utilization)
-
-
-# The recurrent layers' kinds whose states tensor parallelism splits (Qwen3.5's Gated DeltaNet).
-SPLIT_KINDS = frozenset({"linear_attention"})
 
 
 def _why_no_states(config: EngineConfig, shard: Shard | None, model: PagedLlamaForCausalLM) -> str:

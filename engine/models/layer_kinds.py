@@ -48,6 +48,11 @@ STATEFUL_FAMILIES = {
     "Mamba2ForCausalLM": frozenset({"linear_attention"}),
     "FalconMambaForCausalLM": frozenset({"linear_attention"}),
 }
+# The text families among them whose states tensor parallelism splits (each rank keeping its
+# heads' or channels' states).
+STATES_SPLIT = frozenset(
+    {"Lfm2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
+)
 
 
 def why_not_served(hf_model: Any) -> str:

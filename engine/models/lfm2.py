@@ -24,6 +24,7 @@ from engine.models.llama import (
     hybrid_layers,
     not_plain,
 )
+from engine.parallel.layers import reduced
 from engine.parallel.sharding import Shard
 
 LFM2_ARCHITECTURES = frozenset({"Lfm2ForCausalLM"})
@@ -74,10 +75,12 @@ def why_not_run(hf_model: Any) -> str:
 
 class ShortConvLayer(PagedLlamaLayer):
     """An LFM2 convolution layer; `index` is its place among the model's state-keeping layers
-    (its state in `StateCache.layers`)."""
+    (its state in `StateCache.layers`). Under tensor parallelism it holds the rank's channels."""
+
+    states_split = True
 
     def _attention_parts(self, conv: Any, group: Any) -> None:
-        self.in_proj, self.out_proj = conv.in_proj, conv.out_proj
+        self.in_proj, self.out_proj = conv.in_proj, reduced(conv.out_proj, group)
         # The taps `[width, channels]`, oldest input first.
         self.taps = conv.conv.weight.detach()[:, 0].t().contiguous()
         self.conv_bias = conv.conv.bias

@@ -11,6 +11,8 @@ o's columns; the latent (its projection, its norm and its cache) is kept whole b
 A Gated DeltaNet (Qwen3.5's, Qwen3-Next's linear attention) is split by its key heads and the
 value heads they serve: its projections' rows, its convolution's channels, its decays' and
 steps' entries, its output projection's columns; each rank keeps those heads' recurrent states.
+LFM2's short convolutions are split by channel (their three projections' rows, the convolution's
+channels and its state, the output projection's columns).
 
 The cut happens on the plain Hugging Face modules right after loading, before the linear layers
 take Conveyor's kernel forms, so every later step sees an ordinary (smaller) model.
@@ -150,6 +152,8 @@ class ShardShape:
     gated_query: bool = False
     # The heads of a Gated DeltaNet's layers; None in a model without.
     linear: LinearHeads | None = None
+    # The channels of LFM2's short convolutions (its hidden size); 0 in a model without.
+    conv_channels: int = 0
 
     @property
     def local_heads(self) -> int:
@@ -267,6 +271,13 @@ class ShardShape:
         return self._linear_share(self._linear.key_heads, 2 * self._linear.served)
 
     @property
+    def conv_span(self) -> slice:
+        """This rank's channels of LFM2's short convolution (rows of each of its projection's
+        three parts, columns of its output projection)."""
+        width = self.conv_channels // self.size
+        return _span(self.rank * width, width)
+
+    @property
     def _linear(self) -> LinearHeads:
         assert self.linear is not None, "the model has no Gated DeltaNet"
         return self.linear
@@ -291,6 +302,7 @@ class ShardShape:
             "kv_span": self.num_kv_heads * self.head_dim,
             "channel_span": self.intermediate,
             "shared_span": self.shared_intermediate,
+            "conv_span": self.conv_channels,
         }
         if part in whole:
             return whole[part]
@@ -317,7 +329,7 @@ class ShardShape:
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate=config.intermediate_size,
+            intermediate=dense_intermediate(config),
             vocab_size=vocab_size,
             expert_intermediate=_expert_intermediate(config),
             shared_intermediate=_shared_intermediate(config),
@@ -325,7 +337,26 @@ class ShardShape:
             latent=LatentWidths.of(config),
             gated_query=getattr(config, "model_type", "") in GATED_QUERY_MODELS,
             linear=LinearHeads.of(config),
+            conv_channels=conv_channels(config),
         )
+
+
+def dense_intermediate(config: Any) -> int:
+    """The intermediate size of a dense MLP: the config's, or as LFM2's MLP adjusts it (two
+    thirds, times a multiplier, rounded up to a multiple)."""
+    size = int(config.intermediate_size)
+    if not getattr(config, "block_auto_adjust_ff_dim", False):
+        return size
+    size = int(2 * size / 3)
+    if config.block_ffn_dim_multiplier is None:
+        return size
+    size = int(config.block_ffn_dim_multiplier * size)
+    return config.block_multiple_of * -(-size // config.block_multiple_of)
+
+
+def conv_channels(config: Any) -> int:
+    """The channels of LFM2's short convolutions (its hidden size); 0 in another model."""
+    return int(config.hidden_size) if getattr(config, "conv_L_cache", None) else 0
 
 
 def _expert_intermediate(config: Any) -> int:
@@ -363,7 +394,8 @@ def why_not_shardable(config: Any, size: int) -> str:
     if kv_heads % size and size % kv_heads:
         return f"its {kv_heads} KV heads neither divide by {size} nor divide {size}"
     sizes = {
-        "intermediate size": config.intermediate_size,
+        "intermediate size": dense_intermediate(config),
+        "short convolutions' channels": conv_channels(config),
         "experts' intermediate size": _expert_intermediate(config),
         "shared expert's intermediate size": _shared_intermediate(config),
     }
@@ -509,6 +541,9 @@ ROW_SHARES = {
     "linear_attn.in_proj_a": "linear_head_span",
     "linear_attn.in_proj_qkvz": "linear_group_span",
     "linear_attn.in_proj_ba": "linear_ba_span",
+    # LFM2's MLP's gate and up.
+    "feed_forward.w1": "channel_span",
+    "feed_forward.w3": "channel_span",
 }
 # Projections holding several parts one above the other, each part split as its own projection
 # is: Phi-3's q, k and v; Phi-3's and GLM's gate and up; GraniteMoeShared's gate and up of the MLP
@@ -520,6 +555,9 @@ FUSED_ROW_SHARES = {
     # A Gated DeltaNet's q, k and v, and its convolution's channels over them.
     "linear_attn.in_proj_qkv": ("linear_key_span", "linear_key_span", "linear_value_span"),
     "linear_attn.conv1d": ("linear_key_span", "linear_key_span", "linear_value_span"),
+    # LFM2's short convolution's projection to B, C and x, and its channels.
+    "conv.in_proj": ("conv_span", "conv_span", "conv_span"),
+    "conv.conv": ("conv_span",),
 }
 COLUMN_SHARES = {
     "self_attn.o_proj": "output_span",
@@ -530,6 +568,10 @@ COLUMN_SHARES = {
     "mlp.shared_experts.down_proj": "shared_span",
     "shared_mlp.output_linear": "shared_span",
     "linear_attn.out_proj": "linear_value_span",
+    # LFM2's attention's and convolution's output projections, and its MLP's down.
+    "self_attn.out_proj": "output_span",
+    "conv.out_proj": "conv_span",
+    "feed_forward.w2": "channel_span",
 }
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 # The weights of q's and k's norms over all heads at once, split as q's and k's rows are.

@@ -12,11 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Lfm2Config
 
-from engine.core.config import CacheConfig, EngineConfig
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.speculation import SpeculativeConfig
-from engine.factory import create_engine_core
 from engine.kv.block_manager import BlockManager
 from engine.kv.state_cache import conv_windows
 from engine.kv.state_slots import StateSlots
@@ -28,7 +26,6 @@ from tests.helpers import (
     reference_greedy,
     run_all,
     tiny_core,
-    tiny_tokenizer,
     tokens_of,
 )
 from tests.models.recurrent import check_saved_checkpoint
@@ -150,21 +147,11 @@ def test_a_request_that_finds_no_free_slot_waits():
     blocks.check_invariants()
 
 
-def test_what_does_not_keep_states_yet_is_refused_with_the_reason(tmp_path):
+def test_what_does_not_keep_states_yet_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="runs on Conveyor's model implementation only"):
         build_causal_lm(build(), "transformers")
     with pytest.raises(ValueError, match="speculative decoding"):
         tiny_core(build(), speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
-    build().save_pretrained(tmp_path)
-    tiny_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="tensor parallelism does not split recurrent"):
-        create_engine_core(
-            EngineConfig(
-                model=str(tmp_path),
-                tensor_parallel_size=2,
-                cache=CacheConfig(block_size=4, num_blocks=16),
-            )
-        )
 
 
 def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):

@@ -1,8 +1,9 @@
-"""Tensor parallelism over two gloo ranks for Qwen3.5's and Qwen3-Next's Gated DeltaNet: each
-rank keeps the recurrent states of its heads; the tokens are transformers' under chunked prefill
-and preemption, in turn and overlapped, and from snapshots of the states (prefix caching) that
-every rank restores and saves. Families whose states do not split yet are refused before any
-worker starts."""
+"""Tensor parallelism over two gloo ranks for the recurrent layers whose states split: Qwen3.5's
+and Qwen3-Next's Gated DeltaNet (each rank keeps the states of its heads) and LFM2's short
+convolutions (of its channels); the tokens are transformers' under chunked prefill and
+preemption, in turn and overlapped, and from snapshots of the states (prefix caching) that every
+rank restores and saves. Families whose states do not split yet are refused before any worker
+starts."""
 
 from __future__ import annotations
 
@@ -22,21 +23,30 @@ from engine.factory import create_engine_core
 from engine.parallel.sharding import why_not_shardable
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import reference_greedy, run_all, tiny_tokenizer, tokens_of
-from tests.models import test_qwen3_5
+from tests.models import test_granite_hybrid, test_lfm2, test_qwen3_5
 from tests.models.recurrent import prompts
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["dense", "next"])
-def saved(request, tmp_path_factory) -> tuple[Any, Path]:
-    """A tiny Qwen3.5 (or Qwen3-Next, experts beside) saved as a checkpoint."""
-    model = test_qwen3_5.build(request.param)
+# Each kind's tiny model, and the shape of rank 0's first recurrent state (its place among the
+# states): 2 of the 4 value heads' (one key head's), or 32 of the 64 channels.
+KINDS = {
+    "qwen3.5": (lambda: test_qwen3_5.build("dense"), 1, (2, 8, 12)),
+    "qwen3-next": (lambda: test_qwen3_5.build("next"), 1, (2, 8, 12)),
+    "lfm2": (lambda: test_lfm2.build(), 0, (2, 32)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def saved(request, tmp_path_factory) -> tuple[Any, Path, str]:
+    """A tiny model of the kind saved as a checkpoint."""
+    model = KINDS[request.param][0]()
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
-    return model, folder
+    return model, folder, request.param
 
 
 def config(folder: Path, **options: Any) -> EngineConfig:
@@ -57,7 +67,7 @@ def engine_core(engine_config: EngineConfig) -> Iterator[EngineCore]:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
 def test_two_ranks_serve_transformers_tokens_under_chunking_and_preemption(saved, overlap):
-    model, folder = saved
+    model, folder, kind = saved
     expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
     tight = config(
         folder,
@@ -71,11 +81,10 @@ def test_two_ranks_serve_transformers_tokens_under_chunking_and_preemption(saved
         outputs = run_all(core, prompts(), GREEDY)
         assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
         assert core.scheduler.num_preemptions > 0 and any(chunked)
-        # Rank 0 keeps the states of 2 of the 4 value heads (one key head's).
         states = core.runner.kv_cache.states
         assert states is not None
-        recurrent = states.layers[1]  # the first layer's state after its convolution's inputs
-        assert recurrent.shape[1:] == (2, 8, 12)
+        _, index, share = KINDS[kind]
+        assert states.layers[index].shape[1:] == share
         blocks = core.scheduler.block_manager
         assert blocks.num_used_blocks == 0
         assert blocks.state_slots is not None
@@ -97,7 +106,7 @@ def test_every_rank_resumes_from_the_snapshots_it_saved(saved):
     """A later turn resumes at 40, the last point of the snapshots' grid (every 8 tokens) the
     first turn reached: every rank restores its own heads' states there, so the tokens stay
     transformers'."""
-    model, folder = saved
+    model, folder, _ = saved
     with engine_core(config(folder)) as core:
         first = tokens(37, seed=1)
         answer, hits = served(core, first)
@@ -120,3 +129,16 @@ def test_linear_attention_heads_that_do_not_divide_are_named(key_heads, value_he
         linear_num_key_heads=key_heads, linear_num_value_heads=value_heads
     )
     assert why_not_shardable(Qwen3_5TextConfig(**shape), size) == reason
+
+
+def test_a_family_whose_states_do_not_split_is_refused_before_any_worker_starts(
+    tmp_path, monkeypatch
+):
+    test_granite_hybrid.build().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    monkeypatch.setattr(
+        "engine.parallel.workers.WorkerPool.start",
+        lambda *args: pytest.fail("a worker started"),
+    )
+    with pytest.raises(ValueError, match="tensor parallelism does not split recurrent"):
+        create_engine_core(config(tmp_path))

@@ -27,6 +27,7 @@ from transformers import (
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
     HunYuanDenseV1Config,
+    Lfm2Config,
     LlamaConfig,
     MiniMaxM2Config,
     MixtralConfig,
@@ -291,6 +292,19 @@ MODELS = {
     "qwen3.5-moe": lambda: Qwen3_5MoeTextConfig(**COMMON, **DELTA_NET, **DELTA_EXPERTS),
     "qwen3-next": lambda: Qwen3NextConfig(
         **COMMON, **DELTA_NET, **DELTA_EXPERTS, mlp_only_layers=[1]
+    ),
+    # LFM2's short convolution (split by channel) before an attention layer, its MLP's width
+    # adjusted from the config's (128 -> 85 -> 96).
+    "lfm2": lambda: Lfm2Config(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+        conv_L_cache=3,
+        conv_bias=True,
+        block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.0,
+        block_multiple_of=16,
     ),
 }
 
