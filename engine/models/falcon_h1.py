@@ -22,6 +22,7 @@ from engine.models.granite import ScaledEmbedding
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, not_plain
 from engine.models.mamba2 import Mamba2Mixer, why_not_mixed
 from engine.models.mixer_layer import layer_states
+from engine.parallel.layers import reduced
 from engine.parallel.sharding import Shard
 
 FALCON_H1_ARCHITECTURES = frozenset({"FalconH1ForCausalLM"})
@@ -38,14 +39,18 @@ class _Layer:
 
 class FalconH1Layer(PagedLlamaLayer):
     """Attention (its K/V at `index` in the cache) beside Mamba2 (its states at `2 * index`),
-    then the MLP."""
+    then the MLP; under tensor parallelism each holds the rank's heads."""
+
+    states_split = True
 
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(_Layer(hf_layer), index, shard)
         config = hf_layer.self_attn.config
         mixer = hf_layer.mamba
-        scale = mixer.mup_vector.detach().reshape(-1).float()
-        self.mamba = Mamba2Mixer(mixer, float(config.ssm_in_multiplier), scale)
+        group = shard.group if shard is not None else None
+        scale = _projection_scale(mixer, config.ssm_multipliers)
+        self.mamba = Mamba2Mixer(mixer, float(config.ssm_in_multiplier), scale, group)
+        self.mamba_out_proj = reduced(mixer.out_proj, group)
         self.state_index = 2 * index
         self.attention_in = float(config.attention_in_multiplier)
         self.attention_out = float(config.attention_out_multiplier)
@@ -67,7 +72,7 @@ class FalconH1Layer(PagedLlamaLayer):
     ) -> torch.Tensor:
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         mixed = self.mamba(normed, layer_states(metadata), self.state_index, hidden.dtype)
-        mamba = self.mamba.out_proj(mixed) * self.mamba_out
+        mamba = self.mamba_out_proj(mixed) * self.mamba_out
         query, key, value = self._project(normed * self.attention_in, cos, sin)
         out = metadata.backend.forward(
             self.index, query, key, value, self.scaling, metadata, self.attention
@@ -97,6 +102,15 @@ class FalconH1Layer(PagedLlamaLayer):
         self, hidden: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
     ) -> torch.Tensor:
         return residual + self.down_proj(self._activation(hidden)) * self.down_multiplier
+
+
+def _projection_scale(mixer: Any, multipliers: list[float]) -> torch.Tensor:
+    """The multiplier of each row of the mixer's first projection (its `mup_vector`, for the
+    rows it holds): one per part, z, x, B, C and dt in turn."""
+    inner, heads = int(mixer.intermediate_size), int(mixer.num_heads)
+    grouped = int(mixer.n_groups) * int(mixer.ssm_state_size)
+    widths = [inner, inner, grouped, grouped, heads]
+    return torch.cat([torch.full((n,), float(m)) for n, m in zip(widths, multipliers, strict=True)])
 
 
 def why_not_run(hf_model: Any) -> str:

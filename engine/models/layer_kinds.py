@@ -51,7 +51,15 @@ STATEFUL_FAMILIES = {
 # The text families among them whose states tensor parallelism splits (each rank keeping its
 # heads' or channels' states).
 STATES_SPLIT = frozenset(
-    {"Lfm2ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"}
+    {
+        "Lfm2ForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3NextForCausalLM",
+        "GraniteMoeHybridForCausalLM",
+        "BambaForCausalLM",
+        "FalconH1ForCausalLM",
+    }
 )
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
 from engine.models.mixer_layer import MixerLayer
+from engine.parallel.group import ParallelGroup
 
 # Tokens whose decays and writes a prompt's scan computes at once (`[tokens, channels, state
 # dims]` each), before it takes them in turn.
@@ -147,5 +148,5 @@ def prompt_rows(
 class Mamba1Layer(MixerLayer):
     """A layer whose mixer is Mamba1 (Jamba's), then the family's MLP block."""
 
-    def mixer_of(self, mixer: Any) -> Mamba1Mixer:
+    def mixer_of(self, mixer: Any, group: ParallelGroup | None) -> Mamba1Mixer:
         return Mamba1Mixer(mixer)

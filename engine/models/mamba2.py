@@ -18,6 +18,8 @@ from torch import nn
 from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
 from engine.models.mixer_layer import MixerLayer
 from engine.models.ssd import ScanParams, scan
+from engine.parallel.group import ParallelGroup
+from engine.parallel.layers import SplitGatedNorm
 
 
 class Mamba2Mixer(nn.Module):
@@ -26,10 +28,16 @@ class Mamba2Mixer(nn.Module):
     at `index` (its convolution's inputs) and `index + 1` (its scan's state)."""
 
     def __init__(
-        self, mixer: Any, in_scale: float = 1.0, projection_scale: torch.Tensor | None = None
+        self,
+        mixer: Any,
+        in_scale: float = 1.0,
+        projection_scale: torch.Tensor | None = None,
+        group: ParallelGroup | None = None,
     ) -> None:
         """`in_scale` multiplies the rows before the first projection, `projection_scale`
-        (`[projected width]`) its output (Falcon-H1's multipliers)."""
+        (`[projected width]`) its output (Falcon-H1's multipliers). Under tensor parallelism
+        (`group`) the mixer is the rank's share of the heads (`parallel.sharding`); where its
+        norm's one group lies across the ranks, the norm adds their sums of squares."""
         super().__init__()
         self.mixer = mixer
         self.in_scale = in_scale
@@ -45,6 +53,8 @@ class Mamba2Mixer(nn.Module):
         self.taps = mixer.conv1d.weight.detach()[:, 0].t().contiguous()
         self.conv_bias = mixer.conv1d.bias
         self.params = ScanParams.of(mixer)
+        split = group is not None and int(getattr(mixer, "norm_ranks", 1)) > 1
+        self.norm = SplitGatedNorm(mixer.norm, group) if split and group else mixer.norm
 
     def state_specs(self) -> list[StateSpec]:
         """A request's convolution inputs and its scan's state."""
@@ -77,7 +87,7 @@ class Mamba2Mixer(nn.Module):
         scanned = scanned.reshape(tokens, self.inner)
         if not self.normed:
             return (scanned * F.silu(z)).to(dtype)
-        return self.mixer.norm(scanned, z).to(dtype)
+        return self.norm(scanned, z).to(dtype)
 
 
 def why_not_mixed(mixer: Any) -> str:
@@ -89,7 +99,10 @@ def why_not_mixed(mixer: Any) -> str:
 
 
 class Mamba2Layer(MixerLayer):
-    """A layer whose mixer is Mamba2 (Granite 4's, Bamba's), then the family's MLP block."""
+    """A layer whose mixer is Mamba2 (Granite 4's, Bamba's), then the family's MLP block; under
+    tensor parallelism it holds the rank's heads and their states."""
 
-    def mixer_of(self, mixer: Any) -> Mamba2Mixer:
-        return Mamba2Mixer(mixer)
+    states_split = True
+
+    def mixer_of(self, mixer: Any, group: ParallelGroup | None) -> Mamba2Mixer:
+        return Mamba2Mixer(mixer, group=group)

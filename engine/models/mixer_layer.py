@@ -15,6 +15,8 @@ from engine.attention.backend import AttentionMetadata
 from engine.kv.state_cache import StateCache, StateSpec
 from engine.lora.adapter import Shapes
 from engine.models.llama import PagedLlamaLayer
+from engine.parallel.group import ParallelGroup
+from engine.parallel.layers import reduced
 
 
 class RecurrentMixer(Protocol):
@@ -44,14 +46,18 @@ class MixerLayer(PagedLlamaLayer):
     """A layer whose `self_attn` (of the layer's view) is the mixer `mixer_of` wraps; `index` is
     the place of its first state (its convolution's last inputs; the recurrence's follows)."""
 
-    def mixer_of(self, mixer: Any) -> RecurrentMixer:
+    # Whether the mixer splits by heads under tensor parallelism (Mamba2's).
+    states_split = False
+
+    def mixer_of(self, mixer: Any, group: ParallelGroup | None) -> RecurrentMixer:
         raise NotImplementedError
 
     def _attention_parts(self, mixer: Any, group: Any) -> None:
-        self.mamba = self.mixer_of(mixer)
+        self.mamba = self.mixer_of(mixer, group)
         self.num_heads, self.head_dim = self.mamba.heads, self.mamba.head_dim
         self.qkv_proj = self.mamba.in_proj  # the first projection (its rows' dtype)
-        self.o_proj = self.mamba.out_proj  # takes each head's dims side by side
+        # Takes each head's dims side by side (summed over the ranks' heads).
+        self.o_proj = reduced(self.mamba.out_proj, group)
         self.attention = None
         self.layer_type = "linear_attention"
 

@@ -98,6 +98,36 @@ class SplitHeadsNorms(nn.Module):
         return (weight * h).to(x.dtype) if self.in_fp32 else weight * h.to(x.dtype)
 
 
+class SplitGatedNorm(nn.Module):
+    """A Mamba2 mixer's gated RMSNorm over one group of channels that lies across the ranks
+    (each holds its heads' channels and their part of the weight): one all-reduce adds the
+    ranks' sums of squares, so each rank divides by the whole group's mean square. As the
+    model's own norm: gated before the norm and the weight applied after the cast back
+    (Granite 4's, Bamba's), or Falcon-H1's, the weight applied in fp32 and the gate before or
+    after the norm as its `norm_before_gate` says."""
+
+    def __init__(self, norm: Any, group: ParallelGroup) -> None:
+        super().__init__()
+        self.norm = norm
+        self.group = group
+        self.falcon = hasattr(norm, "norm_before_gate")
+        self.gate_after = self.falcon and bool(norm.norm_before_gate)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        if not self.gate_after:
+            h = h * F.silu(gate.float())
+        squares = h.pow(2).sum(-1, keepdim=True)
+        self.group.all_reduce(squares)
+        h = h * torch.rsqrt(squares / (h.shape[-1] * self.group.size) + self.norm.variance_epsilon)
+        if not self.falcon:
+            return self.norm.weight * h.to(x.dtype)
+        h = self.norm.weight * h
+        if self.gate_after:
+            h = h * F.silu(gate.float())
+        return h.to(x.dtype)
+
+
 def reduced(projection: nn.Module, group: ParallelGroup | None) -> nn.Module:
     """`projection` summed over the ranks, where there are several."""
     if group is None or not group.is_parallel:

@@ -12,7 +12,11 @@ A Gated DeltaNet (Qwen3.5's, Qwen3-Next's linear attention) is split by its key 
 value heads they serve: its projections' rows, its convolution's channels, its decays' and
 steps' entries, its output projection's columns; each rank keeps those heads' recurrent states.
 LFM2's short convolutions are split by channel (their three projections' rows, the convolution's
-channels and its state, the output projection's columns).
+channels and its state, the output projection's columns). A Mamba2 mixer (Granite 4's, Bamba's,
+Falcon-H1's) is split by heads: its gate's, inputs' and steps' rows, its convolution's channels,
+its decays, skips and steps' biases, its norm's weight, its output projection's columns; its
+groups of B and C are split with the heads that read them, or kept by every rank where there is
+one (its gated norm then adds the ranks' sums of squares).
 
 The cut happens on the plain Hugging Face modules right after loading, before the linear layers
 take Conveyor's kernel forms, so every later step sees an ordinary (smaller) model.
@@ -124,6 +128,29 @@ class LinearHeads:
         return self.value_heads // self.key_heads
 
 
+@dataclass(frozen=True, slots=True)
+class MambaHeads:
+    """A Mamba2 mixer's heads (of `head_dim` dims each) and its groups of B and C (of
+    `state_dims` each), which the heads read in equal runs (Granite 4's, Bamba's, Falcon-H1's
+    config names)."""
+
+    heads: int
+    head_dim: int
+    groups: int
+    state_dims: int
+
+    @classmethod
+    def of(cls, config: Any) -> MambaHeads | None:
+        if not getattr(config, "mamba_n_heads", None):
+            return None
+        return cls(
+            config.mamba_n_heads,
+            config.mamba_d_head,
+            config.mamba_n_groups,
+            config.mamba_d_state,
+        )
+
+
 # The model types whose attention's q projection holds each head's query beside its gate, the
 # head's rows twice as many as its dims (Qwen3.5's, Qwen3-Next's).
 GATED_QUERY_MODELS = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
@@ -154,6 +181,8 @@ class ShardShape:
     linear: LinearHeads | None = None
     # The channels of LFM2's short convolutions (its hidden size); 0 in a model without.
     conv_channels: int = 0
+    # The heads and groups of Mamba2 mixers; None in a model without.
+    mamba: MambaHeads | None = None
 
     @property
     def local_heads(self) -> int:
@@ -241,20 +270,20 @@ class ShardShape:
     def linear_key_span(self) -> slice:
         """This rank's rows of a DeltaNet's q (or k): its key heads'."""
         heads = self._linear
-        return self._linear_share(heads.key_heads, heads.key_dim)
+        return self._heads_share(heads.key_heads, heads.key_dim)
 
     @property
     def linear_value_span(self) -> slice:
         """This rank's rows of a DeltaNet's v and z (columns of its output projection): its
         value heads'."""
         heads = self._linear
-        return self._linear_share(heads.value_heads, heads.value_dim)
+        return self._heads_share(heads.value_heads, heads.value_dim)
 
     @property
     def linear_head_span(self) -> slice:
         """This rank's entries of a DeltaNet's per value head rows and parameters (b, a, the
         decays' logs, the steps' biases)."""
-        return self._linear_share(self._linear.value_heads, 1)
+        return self._heads_share(self._linear.value_heads, 1)
 
     @property
     def linear_group_span(self) -> slice:
@@ -262,13 +291,13 @@ class ShardShape:
         each its q, k, and the v and z of the value heads it serves."""
         heads = self._linear
         rows = 2 * heads.key_dim + 2 * heads.served * heads.value_dim
-        return self._linear_share(heads.key_heads, rows)
+        return self._heads_share(heads.key_heads, rows)
 
     @property
     def linear_ba_span(self) -> slice:
         """This rank's rows of Qwen3-Next's `in_proj_ba` (key head by key head, the b and a of
         the value heads it serves)."""
-        return self._linear_share(self._linear.key_heads, 2 * self._linear.served)
+        return self._heads_share(self._linear.key_heads, 2 * self._linear.served)
 
     @property
     def conv_span(self) -> slice:
@@ -278,13 +307,48 @@ class ShardShape:
         return _span(self.rank * width, width)
 
     @property
+    def mamba_inner_span(self) -> slice:
+        """This rank's rows of a Mamba2 mixer's gate `z` and inputs `x` (its heads' dims), of its
+        norm's weight and columns of its output projection."""
+        heads = self._mamba
+        return self._heads_share(heads.heads, heads.head_dim)
+
+    @property
+    def mamba_head_span(self) -> slice:
+        """This rank's rows of a Mamba2 mixer's steps `dt` and entries of its per-head
+        parameters (the decays' logs, the skips, the steps' biases)."""
+        return self._heads_share(self._mamba.heads, 1)
+
+    @property
+    def mamba_group_span(self) -> slice:
+        """This rank's rows of a Mamba2 mixer's B (or C): the groups its heads read (with fewer
+        groups than ranks, the one group they all read)."""
+        heads = self._mamba
+        return _span(
+            self.first_mamba_group * heads.state_dims, self.local_mamba_groups * heads.state_dims
+        )
+
+    @property
+    def local_mamba_groups(self) -> int:
+        return max(1, self._mamba.groups // self.size)
+
+    @property
+    def first_mamba_group(self) -> int:
+        return self.rank * self._mamba.groups // self.size
+
+    @property
+    def _mamba(self) -> MambaHeads:
+        assert self.mamba is not None, "the model has no Mamba2 mixer"
+        return self.mamba
+
+    def _heads_share(self, heads: int, per_head: int) -> slice:
+        width = heads // self.size * per_head
+        return _span(self.rank * width, width)
+
+    @property
     def _linear(self) -> LinearHeads:
         assert self.linear is not None, "the model has no Gated DeltaNet"
         return self.linear
-
-    def _linear_share(self, heads: int, per_head: int) -> slice:
-        width = heads // self.size * per_head
-        return _span(self.rank * width, width)
 
     def fused_rows(self, parts: tuple[str, ...]) -> list[slice]:
         """This rank's rows of a projection holding several parts one above the other (q, k and
@@ -306,6 +370,13 @@ class ShardShape:
         }
         if part in whole:
             return whole[part]
+        if part.startswith("mamba_"):
+            mamba = self._mamba
+            return {
+                "mamba_inner_span": mamba.heads * mamba.head_dim,
+                "mamba_group_span": mamba.groups * mamba.state_dims,
+                "mamba_head_span": mamba.heads,
+            }[part]
         heads = self._linear
         linear = {
             "linear_key_span": heads.key_heads * heads.key_dim,
@@ -338,6 +409,7 @@ class ShardShape:
             gated_query=getattr(config, "model_type", "") in GATED_QUERY_MODELS,
             linear=LinearHeads.of(config),
             conv_channels=conv_channels(config),
+            mamba=MambaHeads.of(config),
         )
 
 
@@ -402,6 +474,12 @@ def why_not_shardable(config: Any, size: int) -> str:
     for what, channels in sizes.items():
         if channels % size:
             return f"its {what} {channels} does not divide by {size}"
+    mamba = MambaHeads.of(config)
+    if mamba is not None:
+        if mamba.heads % size:
+            return f"its {mamba.heads} Mamba2 heads do not divide by {size}"
+        if mamba.groups % size and mamba.groups != 1:
+            return f"its {mamba.groups} Mamba2 groups neither divide by {size} nor are one"
     linear = LinearHeads.of(config)
     if linear is not None:
         for what, heads in (("key", linear.key_heads), ("value", linear.value_heads)):
@@ -429,8 +507,9 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     layers = hf_model.model.layers
     for name, module in list(layers.named_modules()):
         rows, columns = row_share(name, shape), column_share(name, shape)
-        if rows is not None and name.endswith(tuple(HEAD_NORM_SHARES)):
-            module.weight = _parameter(module.weight[rows])  # the norm's weight for its heads
+        if rows is not None and name.endswith((*HEAD_NORM_SHARES, *NORM_SHARES)):
+            if getattr(module, "weight", None) is not None:  # (Falcon-H1's may be no norm)
+                module.weight = _parameter(module.weight[rows])  # the weight for its channels
             continue
         parts = fused_row_share(name, shape)
         if parts is not None and isinstance(module, nn.Conv1d):
@@ -456,6 +535,8 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
             _shard_experts(module, shape)
         if type(module).__name__ in GATED_DELTA_NETS:
             _count_local_heads(module, size)
+        if type(module).__name__ in MAMBA2_MIXERS:
+            _count_local_mamba(module, shape)
     _shard_vocab(hf_model, shape)
     return shape
 
@@ -473,6 +554,24 @@ def _count_local_heads(net: Any, size: int) -> None:
     net.key_dim = net.num_k_heads * net.head_k_dim
     net.value_dim = net.num_v_heads * net.head_v_dim
     net.conv_dim = 2 * net.key_dim + net.value_dim
+
+
+# Hugging Face's Mamba2 mixers that a share splits by heads, whose counts it updates.
+MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer"})
+
+
+def _count_local_mamba(mixer: Any, shape: ShardShape) -> None:
+    """A Mamba2 mixer's counts of heads, groups and widths as its share holds them, and how many
+    ranks share each of its norm's groups (`norm_ranks`: more than one where the ranks keep the
+    one group whole, so that the norm's one group of channels lies across them)."""
+    whole = shape._mamba
+    mixer.num_heads = whole.heads // shape.size
+    mixer.intermediate_size = mixer.num_heads * whole.head_dim
+    mixer.n_groups = shape.local_mamba_groups
+    mixer.conv_dim = mixer.intermediate_size + 2 * mixer.n_groups * whole.state_dims
+    mixer.norm_ranks = max(1, shape.size // whole.groups)
+    if hasattr(mixer.norm, "n_groups"):  # Falcon-H1's norm counts its groups
+        mixer.norm.n_groups = whole.groups // shape.size if whole.groups > 1 else 1
 
 
 def _shard_channels(conv: nn.Conv1d, parts: list[slice]) -> None:
@@ -544,6 +643,9 @@ ROW_SHARES = {
     # LFM2's MLP's gate and up.
     "feed_forward.w1": "channel_span",
     "feed_forward.w3": "channel_span",
+    # Bamba's and Falcon-H1's MLP's gate and up.
+    "feed_forward.gate_proj": "channel_span",
+    "feed_forward.up_proj": "channel_span",
 }
 # Projections holding several parts one above the other, each part split as its own projection
 # is: Phi-3's q, k and v; Phi-3's and GLM's gate and up; GraniteMoeShared's gate and up of the MLP
@@ -558,6 +660,15 @@ FUSED_ROW_SHARES = {
     # LFM2's short convolution's projection to B, C and x, and its channels.
     "conv.in_proj": ("conv_span", "conv_span", "conv_span"),
     "conv.conv": ("conv_span",),
+    # A Mamba2 mixer's z, x, B, C and dt, and its convolution's channels over x, B and C.
+    "mamba.in_proj": (
+        "mamba_inner_span",
+        "mamba_inner_span",
+        "mamba_group_span",
+        "mamba_group_span",
+        "mamba_head_span",
+    ),
+    "mamba.conv1d": ("mamba_inner_span", "mamba_group_span", "mamba_group_span"),
 }
 COLUMN_SHARES = {
     "self_attn.o_proj": "output_span",
@@ -572,10 +683,14 @@ COLUMN_SHARES = {
     "self_attn.out_proj": "output_span",
     "conv.out_proj": "conv_span",
     "feed_forward.w2": "channel_span",
+    "feed_forward.down_proj": "channel_span",
+    "mamba.out_proj": "mamba_inner_span",
 }
 VOCAB_MODULES = ("embed_tokens", "lm_head")
 # The weights of q's and k's norms over all heads at once, split as q's and k's rows are.
 HEAD_NORM_SHARES = {"self_attn.q_norm": "query_span", "self_attn.k_norm": "kv_span"}
+# The weights of norms over a mixer's channels, split as its channels are (a Mamba2 mixer's).
+NORM_SHARES = {"mamba.norm": "mamba_inner_span"}
 
 
 def row_share(module_name: str, shape: ShardShape) -> slice | None:
@@ -585,7 +700,7 @@ def row_share(module_name: str, shape: ShardShape) -> slice | None:
         return shape.vocab_span
     if shape.norms_all_heads and module_name.endswith(tuple(HEAD_NORM_SHARES)):
         return _share_in(module_name, HEAD_NORM_SHARES, shape)
-    return _share_in(module_name, ROW_SHARES, shape)
+    return _share_in(module_name, NORM_SHARES, shape) or _share_in(module_name, ROW_SHARES, shape)
 
 
 # Per-head parameters, by the end of their names: the rank keeps its heads' entries (gpt-oss's
@@ -594,6 +709,9 @@ HEAD_PARAMETERS = {
     "self_attn.sinks": "head_span",
     "linear_attn.A_log": "linear_head_span",
     "linear_attn.dt_bias": "linear_head_span",
+    "mamba.A_log": "mamba_head_span",
+    "mamba.D": "mamba_head_span",
+    "mamba.dt_bias": "mamba_head_span",
 }
 
 

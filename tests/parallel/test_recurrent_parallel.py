@@ -1,9 +1,9 @@
 """Tensor parallelism over two gloo ranks for the recurrent layers whose states split: Qwen3.5's
-and Qwen3-Next's Gated DeltaNet (each rank keeps the states of its heads) and LFM2's short
-convolutions (of its channels); the tokens are transformers' under chunked prefill and
-preemption, in turn and overlapped, and from snapshots of the states (prefix caching) that every
-rank restores and saves. Families whose states do not split yet are refused before any worker
-starts."""
+and Qwen3-Next's Gated DeltaNet and the Mamba2 mixers of Granite 4 and Falcon-H1 (each rank keeps
+the states of its heads) and LFM2's short convolutions (of its channels); the tokens are
+transformers' under chunked prefill and preemption, in turn and overlapped, and from snapshots
+of the states (prefix caching) that every rank restores and saves. Families whose states do not
+split yet are refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from engine.core.config import CacheConfig, EngineConfig
@@ -23,18 +25,30 @@ from engine.factory import create_engine_core
 from engine.parallel.sharding import why_not_shardable
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import reference_greedy, run_all, tiny_tokenizer, tokens_of
-from tests.models import test_granite_hybrid, test_lfm2, test_qwen3_5
-from tests.models.recurrent import prompts
+from tests.models import test_falcon_h1, test_granite_hybrid, test_jamba, test_lfm2, test_qwen3_5
+from tests.models.recurrent import drawn_mamba2, prompts
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
+def granite_one_group() -> Any:
+    """A tiny Granite 4 hybrid whose Mamba2 mixers have one group of B and C, which both ranks
+    keep (the gated norm's one group of channels across them)."""
+    torch.manual_seed(0)
+    shape = test_granite_hybrid.SHAPE | dict(mamba_n_groups=1)
+    config = GraniteMoeHybridConfig(**shape, num_local_experts=6, num_experts_per_tok=2)
+    return drawn_mamba2(AutoModelForCausalLM.from_config(config))
+
+
 # Each kind's tiny model, and the shape of rank 0's first recurrent state (its place among the
-# states): 2 of the 4 value heads' (one key head's), or 32 of the 64 channels.
+# states): 2 of the 4 value heads' (one key head's), 4 of the 8 Mamba2 heads', or 32 of the 64
+# channels.
 KINDS = {
     "qwen3.5": (lambda: test_qwen3_5.build("dense"), 1, (2, 8, 12)),
     "qwen3-next": (lambda: test_qwen3_5.build("next"), 1, (2, 8, 12)),
+    "granite-4": (granite_one_group, 1, (4, 16, 8)),
+    "falcon-h1": (lambda: test_falcon_h1.build("norm-then-gate"), 1, (4, 16, 8)),
     "lfm2": (lambda: test_lfm2.build(), 0, (2, 32)),
 }
 
@@ -134,7 +148,7 @@ def test_linear_attention_heads_that_do_not_divide_are_named(key_heads, value_he
 def test_a_family_whose_states_do_not_split_is_refused_before_any_worker_starts(
     tmp_path, monkeypatch
 ):
-    test_granite_hybrid.build().save_pretrained(tmp_path)
+    test_jamba.build().save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     monkeypatch.setattr(
         "engine.parallel.workers.WorkerPool.start",

@@ -15,9 +15,11 @@ import torch.distributed as dist
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    BambaConfig,
     DeepseekV2Config,
     DeepseekV3Config,
     Exaone4Config,
+    FalconH1Config,
     Gemma2Config,
     Gemma3TextConfig,
     Glm4Config,
@@ -93,6 +95,15 @@ DELTA_NET = dict(
     linear_value_head_dim=12,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
+)
+# Mamba2 of 8 heads of 16 dims (twice the hidden size), groups of 8 state dims.
+MAMBA2 = dict(
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_n_groups=2,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=2,
 )
 DELTA_EXPERTS = dict(
     num_experts=6,
@@ -306,7 +317,44 @@ MODELS = {
         block_ffn_dim_multiplier=1.0,
         block_multiple_of=16,
     ),
+    # Mamba2 mixers split by heads: Granite 4's hybrid with one group of B and C that both
+    # ranks keep (its gated norm's one group across them), Bamba's two groups (one a rank).
+    "granite-4-hybrid": lambda: GraniteMoeHybridConfig(
+        **COMMON,
+        **MAMBA2 | dict(mamba_n_groups=1),
+        vocab_size=320,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention"],
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        shared_intermediate_size=48,
+    ),
+    "bamba": lambda: BambaConfig(
+        **COMMON, **MAMBA2, vocab_size=320, num_key_value_heads=2, attn_layer_indices=[1]
+    ),
+    # Falcon-H1's attention beside Mamba2 in every layer, its norm over one group normed before
+    # the gate or after it, or only gated with two groups.
+    "falcon-h1-norm-then-gate": lambda: falcon_h1(1, mamba_rms_norm=True),
+    "falcon-h1-gate-then-norm": lambda: falcon_h1(
+        1, mamba_rms_norm=True, mamba_norm_before_gate=False
+    ),
+    "falcon-h1-gated": lambda: falcon_h1(2, mamba_rms_norm=False),
 }
+
+
+def falcon_h1(groups: int, **options: Any) -> FalconH1Config:
+    return FalconH1Config(
+        **COMMON,
+        **MAMBA2 | dict(mamba_n_groups=groups),
+        vocab_size=320,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_d_ssm=128,
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05],
+        ssm_in_multiplier=0.9,
+        ssm_out_multiplier=1.3,
+        **options,
+    )
 
 
 def build(name: str) -> Any:
@@ -319,8 +367,9 @@ def build(name: str) -> Any:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.normal_(1, 0.3)  # initialised to ones: make each channel's own count
-            elif name.endswith(("sinks", "_proj_bias", "dt_bias")):
-                param.normal_(0, 1.0)  # gpt-oss's sinks and experts' biases, DeltaNets' steps
+            elif name.endswith(("sinks", "_proj_bias", "dt_bias", ".D")):
+                # gpt-oss's sinks and experts' biases, recurrent mixers' steps and skips
+                param.normal_(0, 1.0)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0, 0.5)
