@@ -67,7 +67,6 @@ from engine.models.layer_kinds import (
     why_not_this_long,
 )
 from engine.models.llama import PagedLlamaForCausalLM
-from engine.models.nemotron_h import NEMOTRON_H_ARCHITECTURES
 from engine.models.vision import ImageTextLM, is_image_text, takes_images
 from engine.parallel.group import ParallelGroup
 from engine.parallel.sharding import Shard, not_shardable, why_not_shardable
@@ -153,8 +152,6 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
     if checkpoint is not None and is_classifier(checkpoint):
         raise ValueError("a sequence classifier runs on one device (--runner pooling)")
     architectures = set(getattr(checkpoint, "architectures", None) or ())
-    if architectures & NEMOTRON_H_ARCHITECTURES:
-        raise ValueError("tensor parallelism does not split Nemotron-H's blocks yet")
     if architectures & (STATEFUL_FAMILIES.keys() - STATES_SPLIT):
         raise ValueError("tensor parallelism does not split recurrent layers' states yet")
     counted = all(hasattr(checkpoint, key) for key in ("num_attention_heads", "intermediate_size"))

@@ -112,11 +112,13 @@ class CheckpointTensors:
         self._files.close()
 
     def key(self, name: str) -> str:
-        """The checkpoint's name for a parameter: the same, without the base model's prefix,
-        with Mixtral's `block_sparse_moe` for `mlp`, or as Granite's MoE checkpoints name it."""
+        """The checkpoint's name for a parameter: the same, without the base model's prefix or
+        with Nemotron-H's (`backbone.`) for it, with Mixtral's `block_sparse_moe` for `mlp`, or
+        as Granite's MoE checkpoints name it."""
         candidates = (name, name.replace(".mlp.", ".block_sparse_moe."), *_renamed(name))
         for candidate in candidates:
-            for key in (candidate, candidate.removeprefix("model.")):
+            bare = candidate.removeprefix("model.")
+            for key in (candidate, bare, f"backbone.{bare}"):
                 if key in self.index or self._from_blocks(key) is not None:
                     return key
         raise KeyError(name)
@@ -257,4 +259,23 @@ def stacked_experts(
             else:
                 shares.append(torch.cat([checkpoint.slice(k)[channels] for k in keys[:2]]))
         return torch.stack(shares)
-    raise KeyError(f"{owner}.{kind}")
+    return _stacked_gateless(owner, kind, checkpoint, channels)
+
+
+def _stacked_gateless(
+    owner: str, kind: str, checkpoint: CheckpointTensors, channels: slice
+) -> torch.Tensor:
+    """A layer's experts without a gate stacked as Hugging Face holds them (`up_proj`
+    `[experts, inter, hidden]`, `down_proj` `[experts, hidden, inter]`: Nemotron-H's), each cut
+    to `channels`, read from each expert's own `up_proj` and `down_proj`."""
+    shares = []
+    for expert in itertools.count():
+        try:
+            key = checkpoint.key(f"{owner}.{expert}.{kind}.weight")
+        except KeyError:
+            break
+        reader = checkpoint.slice(key)
+        shares.append(reader[:, channels] if kind == "down_proj" else reader[channels])
+    if not shares or kind not in ("up_proj", "down_proj"):
+        raise KeyError(f"{owner}.{kind}")
+    return torch.stack(shares)

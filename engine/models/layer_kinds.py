@@ -59,6 +59,7 @@ STATES_SPLIT = frozenset(
         "GraniteMoeHybridForCausalLM",
         "BambaForCausalLM",
         "FalconH1ForCausalLM",
+        "NemotronHForCausalLM",
     }
 )
 

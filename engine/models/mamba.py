@@ -22,24 +22,30 @@ from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, not_plai
 from engine.models.mamba1 import Mamba1Mixer
 from engine.models.mamba2 import Mamba2Mixer, why_not_mixed
 from engine.models.mixer_layer import RecurrentMixer, layer_states
+from engine.parallel.group import ParallelGroup
+from engine.parallel.layers import reduced
 from engine.parallel.sharding import Shard
 
 MAMBA_ARCHITECTURES = frozenset({"MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM"})
 
 
-def mixer_of(mixer: Any) -> RecurrentMixer:
-    """Conveyor's mixer for a Hugging Face Mamba (it projects a step: `x_proj`) or Mamba2 one."""
-    return Mamba1Mixer(mixer) if hasattr(mixer, "x_proj") else Mamba2Mixer(mixer)
+def mixer_of(mixer: Any, group: ParallelGroup | None = None) -> RecurrentMixer:
+    """Conveyor's mixer for a Hugging Face Mamba (it projects a step: `x_proj`) or Mamba2 one
+    (the rank's share of its heads under tensor parallelism, `group`)."""
+    return Mamba1Mixer(mixer) if hasattr(mixer, "x_proj") else Mamba2Mixer(mixer, group=group)
 
 
 class ResidualBlock(PagedLlamaLayer):
     """A block that adds one mixer of its normed rows (`block.norm`, `block.mixer`) to its
     residual (Mamba's own models', Nemotron-H's); `_mixer_parts` reads the mixer. `index` is its
-    place in the KV cache (a block that attends) or of its first state (a recurrent one)."""
+    place in the KV cache (a block that attends) or of its first state (a recurrent one). Under
+    tensor parallelism (`shard`) the mixer is the rank's share, its output summed over the
+    ranks."""
 
-    def __init__(self, block: Any, index: int) -> None:
+    def __init__(self, block: Any, index: int, shard: Shard | None = None) -> None:
         nn.Module.__init__(self)
         self.index = index
+        self.group = shard.group if shard is not None else None
         self.input_norm, self.post_attention_norm = block.norm, None
         self.moe: nn.Module | None = None
         self.attention = None
@@ -57,7 +63,8 @@ class MambaBlock(ResidualBlock):
     fp32."""
 
     def _mixer_parts(self, block: Any) -> None:
-        self.mamba = mixer_of(block.mixer)
+        self.mamba = mixer_of(block.mixer, self.group)
+        self.out_proj = reduced(self.mamba.out_proj, self.group)
         self.layer_type = "linear_attention"
         self.fp32_residual = bool(getattr(block, "residual_in_fp32", False))
 
@@ -77,7 +84,7 @@ class MambaBlock(ResidualBlock):
         normed = self._norm(self.input_norm, hidden, self.mamba.in_proj)
         mixed = self.mamba(normed, layer_states(metadata), self.index, hidden.dtype)
         residual = hidden.float() if self.fp32_residual else hidden
-        return add_projected(self.mamba.out_proj, mixed, residual).to(hidden.dtype)
+        return add_projected(self.out_proj, mixed, residual).to(hidden.dtype)
 
 
 def why_not_run(hf_model: Any) -> str:

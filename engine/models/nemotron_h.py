@@ -22,6 +22,7 @@ from engine.models.layers import add_projected, fp32_scaled_norm
 from engine.models.llama import PagedLlamaForCausalLM, nope_view, not_plain
 from engine.models.mamba import MambaBlock, ResidualBlock
 from engine.models.mamba2 import why_not_mixed
+from engine.parallel.layers import reduced
 from engine.parallel.sharding import Shard
 
 NEMOTRON_H_ARCHITECTURES = frozenset({"NemotronHForCausalLM"})
@@ -42,7 +43,7 @@ class NemotronAttentionBlock(_Block):
     residual."""
 
     def _mixer_parts(self, block: Any) -> None:
-        self._attention_parts(block.mixer, None)
+        self._attention_parts(block.mixer, self.group)
         self.rotates = False
         self.layer_type = ATTENTION
 
@@ -62,7 +63,10 @@ class NemotronAttentionBlock(_Block):
 
 
 class NemotronMambaBlock(_Block, MambaBlock):
-    """Mamba2 over each request's states, its output projected onto the residual."""
+    """Mamba2 over each request's states, its output projected onto the residual; under tensor
+    parallelism the rank's heads and their states."""
+
+    states_split = True
 
 
 class NemotronMlpBlock(_Block):
@@ -71,10 +75,10 @@ class NemotronMlpBlock(_Block):
     def _mixer_parts(self, block: Any) -> None:
         mlp = block.mixer
         if is_sparse(mlp):
-            self.moe = SparseMoE(mlp)
+            self.moe = reduced(SparseMoE(mlp), self.group)
             self.silu = False
         else:
-            self._dense_mlp(mlp, None)
+            self._dense_mlp(mlp, self.group)
 
     def _target_shapes(self) -> Shapes:
         if self.moe is not None:
@@ -126,9 +130,7 @@ class PagedNemotronHForCausalLM(PagedLlamaForCausalLM):
     splits_at_attention = False
 
     def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
-        if shard is not None:
-            raise ValueError("tensor parallelism does not split Nemotron-H's blocks yet")
-        super().__init__(nope_view(hf_model, "embeddings", "norm_f"))
+        super().__init__(nope_view(hf_model, "embeddings", "norm_f"), shard)
 
     def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
         """Each block as its kind's layer: attention blocks indexed by their place in the KV
@@ -137,14 +139,14 @@ class PagedNemotronHForCausalLM(PagedLlamaForCausalLM):
         cached, held = 0, 0
         for block in base.layers:
             if block.block_type == ATTENTION:
-                layers.append(NemotronAttentionBlock(block, cached))
+                layers.append(NemotronAttentionBlock(block, cached, shard))
                 cached += 1
             elif block.block_type == MAMBA:
-                built = NemotronMambaBlock(block, held)
+                built = NemotronMambaBlock(block, held, shard)
                 layers.append(built)
                 held += len(built.state_specs())
             else:
-                layers.append(NemotronMlpBlock(block, 0))
+                layers.append(NemotronMlpBlock(block, 0, shard))
         return layers
 
     def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

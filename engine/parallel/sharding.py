@@ -67,12 +67,12 @@ TRANSPOSED_EXPERTS = frozenset({"GptOssExperts"})
 # Hugging Face's expert classes Conveyor runs and splits, of either kind.
 SPLIT_EXPERTS = FUSED_EXPERTS | TRANSPOSED_EXPERTS
 # Hugging Face's expert classes without a gate (`up_proj [experts, inter, hidden]`, `down_proj`,
-# `down(act(up(x)))`: Nemotron-H's), which Conveyor runs on one device.
+# `down(act(up(x)))`: Nemotron-H's), split by channels too.
 GATELESS_EXPERTS = frozenset({"NemotronHExperts"})
 # Every expert class Conveyor runs.
 HF_EXPERTS = SPLIT_EXPERTS | GATELESS_EXPERTS
-# The tensors of a layer's experts, by their names in either kind of class.
-EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+# The tensors of a layer's experts, by their names in any kind of class.
+EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 # Families whose q and k are each normed over all heads at once (one weight of `heads x
@@ -141,6 +141,9 @@ class MambaHeads:
 
     @classmethod
     def of(cls, config: Any) -> MambaHeads | None:
+        if getattr(config, "mamba_num_heads", None):  # Nemotron-H's names
+            heads, head_dim = config.mamba_num_heads, config.mamba_head_dim
+            return cls(heads, head_dim, config.n_groups, config.ssm_state_size)
         if not getattr(config, "mamba_n_heads", None):
             return None
         return cls(
@@ -434,7 +437,8 @@ def conv_channels(config: Any) -> int:
 def _expert_intermediate(config: Any) -> int:
     """Each expert's intermediate size (Mixtral's experts take the config's own); 0 without
     experts."""
-    if not (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
+    counts = ("num_experts", "num_local_experts", "n_routed_experts")
+    if not any(getattr(config, count, None) for count in counts):
         return 0
     return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
 
@@ -448,9 +452,12 @@ def _shared_intermediate(config: Any) -> int:
     """The intermediate size of a block's shared expert (Qwen2-MoE's) or of its shared experts
     together, or of the MLP every token runs beside the experts (GraniteMoeShared's); 0
     without."""
-    size = getattr(config, "shared_expert_intermediate_size", None) or getattr(
-        config, "shared_intermediate_size", None
+    names = (
+        "shared_expert_intermediate_size",
+        "shared_intermediate_size",
+        "moe_shared_expert_intermediate_size",  # Nemotron-H's
     )
+    size = next((getattr(config, n) for n in names if getattr(config, n, None)), None)
     if size:
         return int(size)
     count = next((getattr(config, f) for f in SHARED_EXPERT_COUNTS if getattr(config, f, None)), 0)
@@ -506,6 +513,9 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     shape = ShardShape.of(config, rank, size, head.weight.shape[0], norms_all_heads)
     layers = hf_model.model.layers
     for name, module in list(layers.named_modules()):
+        if name.endswith(BIASED_ONCE) and rank and getattr(module, "bias", None) is not None:
+            module.bias = None  # rank 0 adds it: the sum over the ranks adds it once
+            continue
         rows, columns = row_share(name, shape), column_share(name, shape)
         if rows is not None and name.endswith((*HEAD_NORM_SHARES, *NORM_SHARES)):
             if getattr(module, "weight", None) is not None:  # (Falcon-H1's may be no norm)
@@ -531,7 +541,7 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
             owner, _, kind = name.rpartition(".")
             setattr(layers.get_submodule(owner), kind, _parameter(param[heads]))
     for module in layers.modules():
-        if type(module).__name__ in SPLIT_EXPERTS:
+        if type(module).__name__ in HF_EXPERTS:
             _shard_experts(module, shape)
         if type(module).__name__ in GATED_DELTA_NETS:
             _count_local_heads(module, size)
@@ -557,7 +567,9 @@ def _count_local_heads(net: Any, size: int) -> None:
 
 
 # Hugging Face's Mamba2 mixers that a share splits by heads, whose counts it updates.
-MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer"})
+MAMBA2_MIXERS = frozenset(
+    {"GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer", "NemotronHMamba2Mixer"}
+)
 
 
 def _count_local_mamba(mixer: Any, shape: ShardShape) -> None:
@@ -601,6 +613,8 @@ def experts_share(
     channel's gate and up columns side by side with their biases, its down rows, and the down
     bias on rank 0 alone (zeros elsewhere), so that the sum over the ranks adds it once."""
     channels = shape.expert_span
+    if kind == "up_proj":  # gateless experts' up (`[experts, inter, hidden]`)
+        return whole[:, channels]
     if transposed:
         pairs = _span(2 * channels.start, 2 * (channels.stop - channels.start))
         shares = {
@@ -646,7 +660,21 @@ ROW_SHARES = {
     # Bamba's and Falcon-H1's MLP's gate and up.
     "feed_forward.gate_proj": "channel_span",
     "feed_forward.up_proj": "channel_span",
+    # Nemotron-H's blocks' mixers: attention, a gateless MLP's up, the shared expert's up.
+    "mixer.q_proj": "query_span",
+    "mixer.k_proj": "kv_span",
+    "mixer.v_proj": "kv_span",
+    "mixer.up_proj": "channel_span",
+    "mixer.shared_experts.up_proj": "shared_span",
 }
+# A Mamba2 mixer's first projection: z, x, B, C and dt.
+MAMBA2_IN_PARTS = (
+    "mamba_inner_span",
+    "mamba_inner_span",
+    "mamba_group_span",
+    "mamba_group_span",
+    "mamba_head_span",
+)
 # Projections holding several parts one above the other, each part split as its own projection
 # is: Phi-3's q, k and v; Phi-3's and GLM's gate and up; GraniteMoeShared's gate and up of the MLP
 # every token runs.
@@ -661,14 +689,11 @@ FUSED_ROW_SHARES = {
     "conv.in_proj": ("conv_span", "conv_span", "conv_span"),
     "conv.conv": ("conv_span",),
     # A Mamba2 mixer's z, x, B, C and dt, and its convolution's channels over x, B and C.
-    "mamba.in_proj": (
-        "mamba_inner_span",
-        "mamba_inner_span",
-        "mamba_group_span",
-        "mamba_group_span",
-        "mamba_head_span",
-    ),
+    "mamba.in_proj": MAMBA2_IN_PARTS,
     "mamba.conv1d": ("mamba_inner_span", "mamba_group_span", "mamba_group_span"),
+    # (and Nemotron-H's Mamba2 blocks' mixers)
+    "mixer.in_proj": MAMBA2_IN_PARTS,
+    "mixer.conv1d": ("mamba_inner_span", "mamba_group_span", "mamba_group_span"),
 }
 COLUMN_SHARES = {
     "self_attn.o_proj": "output_span",
@@ -685,12 +710,19 @@ COLUMN_SHARES = {
     "feed_forward.w2": "channel_span",
     "feed_forward.down_proj": "channel_span",
     "mamba.out_proj": "mamba_inner_span",
+    "mixer.o_proj": "output_span",
+    "mixer.down_proj": "channel_span",
+    "mixer.shared_experts.down_proj": "shared_span",
+    "mixer.out_proj": "mamba_inner_span",
 }
-VOCAB_MODULES = ("embed_tokens", "lm_head")
+# Projections every rank keeps whole whose outputs the ranks sum (Nemotron-H's projection out
+# of its experts' latent width, after their partial sums): rank 0 alone keeps the bias.
+BIASED_ONCE = ("mixer.fc2_latent_proj",)
+VOCAB_MODULES = ("embed_tokens", "lm_head", "model.embeddings")  # (the last Nemotron-H's)
 # The weights of q's and k's norms over all heads at once, split as q's and k's rows are.
 HEAD_NORM_SHARES = {"self_attn.q_norm": "query_span", "self_attn.k_norm": "kv_span"}
 # The weights of norms over a mixer's channels, split as its channels are (a Mamba2 mixer's).
-NORM_SHARES = {"mamba.norm": "mamba_inner_span"}
+NORM_SHARES = {"mamba.norm": "mamba_inner_span", "mixer.norm": "mamba_inner_span"}
 
 
 def row_share(module_name: str, shape: ShardShape) -> slice | None:
@@ -712,6 +744,9 @@ HEAD_PARAMETERS = {
     "mamba.A_log": "mamba_head_span",
     "mamba.D": "mamba_head_span",
     "mamba.dt_bias": "mamba_head_span",
+    "mixer.A_log": "mamba_head_span",
+    "mixer.D": "mamba_head_span",
+    "mixer.dt_bias": "mamba_head_span",
 }
 
 

@@ -152,11 +152,10 @@ def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
         core.close()
 
 
-def test_blocks_without_mamba_serve_uncompiled_on_one_device(tmp_path):
+def test_blocks_without_mamba_serve_uncompiled_on_one_device():
     """Attention and MLP blocks alone: no recurrent state, each attention block's K/V in the
     cache; the MLP blocks are no layer an attention call cuts, so the layers are not compiled;
-    transformers' layers cannot take the paged attention, and tensor parallelism does not split
-    the blocks (refused before any worker starts)."""
+    transformers' layers cannot take the paged attention."""
     config = NemotronHConfig(**SHAPE, layers_block_type=[ATTN, MLP, ATTN, MLP])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -170,10 +169,3 @@ def test_blocks_without_mamba_serve_uncompiled_on_one_device(tmp_path):
     assert "not cut at an attention call" in why_not_compiled(paged)
     with pytest.raises(ValueError, match="Conveyor's model implementation only"):
         build_causal_lm(model, "transformers")
-    model.save_pretrained(tmp_path)
-    tiny_tokenizer().save_pretrained(tmp_path)
-    parallel = EngineConfig(
-        model=str(tmp_path), tensor_parallel_size=2, cache=CacheConfig(block_size=4, num_blocks=16)
-    )
-    with pytest.raises(ValueError, match="does not split Nemotron-H's blocks"):
-        create_engine_core(parallel)

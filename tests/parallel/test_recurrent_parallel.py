@@ -1,9 +1,10 @@
 """Tensor parallelism over two gloo ranks for the recurrent layers whose states split: Qwen3.5's
-and Qwen3-Next's Gated DeltaNet and the Mamba2 mixers of Granite 4 and Falcon-H1 (each rank keeps
-the states of its heads) and LFM2's short convolutions (of its channels); the tokens are
-transformers' under chunked prefill and preemption, in turn and overlapped, and from snapshots
-of the states (prefix caching) that every rank restores and saves. Families whose states do not
-split yet are refused before any worker starts."""
+and Qwen3-Next's Gated DeltaNet, the Mamba2 mixers of Granite 4, Falcon-H1 and Nemotron-H (each
+rank keeps the states of its heads; Nemotron-H's gateless experts in a latent width beside them)
+and LFM2's short convolutions (of its channels); the tokens are transformers' under chunked
+prefill and preemption, in turn and overlapped, and from snapshots of the states (prefix caching)
+that every rank restores and saves. Families whose states do not split yet are refused before
+any worker starts."""
 
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ from engine.factory import create_engine_core
 from engine.parallel.sharding import why_not_shardable
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import reference_greedy, run_all, tiny_tokenizer, tokens_of
-from tests.models import test_falcon_h1, test_granite_hybrid, test_jamba, test_lfm2, test_qwen3_5
+from tests.models import (
+    test_falcon_h1,
+    test_granite_hybrid,
+    test_jamba,
+    test_lfm2,
+    test_nemotron_h,
+    test_qwen3_5,
+)
 from tests.models.recurrent import drawn_mamba2, prompts
 
 MAX_NEW = 10
@@ -49,6 +57,7 @@ KINDS = {
     "qwen3-next": (lambda: test_qwen3_5.build("next"), 1, (2, 8, 12)),
     "granite-4": (granite_one_group, 1, (4, 16, 8)),
     "falcon-h1": (lambda: test_falcon_h1.build("norm-then-gate"), 1, (4, 16, 8)),
+    "nemotron-h": (lambda: test_nemotron_h.build("latent"), 1, (4, 16, 8)),
     "lfm2": (lambda: test_lfm2.build(), 0, (2, 32)),
 }
 

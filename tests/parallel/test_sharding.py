@@ -339,7 +339,22 @@ MODELS = {
         1, mamba_rms_norm=True, mamba_norm_before_gate=False
     ),
     "falcon-h1-gated": lambda: falcon_h1(2, mamba_rms_norm=False),
+    # Nemotron-H's blocks (Mamba2, NoPE attention, gateless MLPs or experts beside a shared one,
+    # in a latent width), each mixer split as its kind is.
+    "nemotron-h-dense": lambda: nemotron_h("dense"),
+    "nemotron-h-experts": lambda: nemotron_h("experts"),
+    "nemotron-h-latent": lambda: nemotron_h("latent"),
+    "nemotron-h-latent-biases": lambda: nemotron_h("latent", mlp_bias=True),
 }
+
+
+def nemotron_h(kind: str, **options: Any) -> Any:
+    from tests.models import test_nemotron_h
+
+    config = test_nemotron_h.KINDS[kind]()
+    for key, value in options.items():
+        setattr(config, key, value)
+    return config
 
 
 def falcon_h1(groups: int, **options: Any) -> FalconH1Config:
