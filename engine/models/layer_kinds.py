@@ -60,6 +60,7 @@ STATES_SPLIT = frozenset(
         "BambaForCausalLM",
         "FalconH1ForCausalLM",
         "NemotronHForCausalLM",
+        "JambaForCausalLM",
     }
 )
 

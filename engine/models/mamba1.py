@@ -24,6 +24,7 @@ from torch import nn
 from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
 from engine.models.mixer_layer import MixerLayer
 from engine.parallel.group import ParallelGroup
+from engine.parallel.layers import reduced
 
 # Tokens whose decays and writes a prompt's scan computes at once (`[tokens, channels, state
 # dims]` each), before it takes them in turn.
@@ -34,11 +35,13 @@ class Mamba1Mixer(nn.Module):
     """A Hugging Face Mamba1 mixer's weights (`in_proj`, `conv1d`, `x_proj`, `dt_proj`, `A_log`,
     `D`, `out_proj`, and Jamba's or Falcon-Mamba's norms of the step, `B` and `C`), run over the
     step's rows from each request's states at `index` (its convolution's inputs) and `index + 1`
-    (its scan's)."""
+    (its scan's). Under tensor parallelism (`group`) it holds the rank's channels, and their
+    projections to the step, B and C are summed over the ranks."""
 
-    def __init__(self, mixer: Any) -> None:
+    def __init__(self, mixer: Any, group: ParallelGroup | None = None) -> None:
         super().__init__()
         self.mixer = mixer
+        self.x_proj = reduced(mixer.x_proj, group)
         self.inner = int(mixer.intermediate_size)
         self.heads, self.head_dim = 1, self.inner  # its output, one row a token
         self.rank, self.state_dims = int(mixer.time_step_rank), int(mixer.ssm_state_size)
@@ -63,7 +66,7 @@ class Mamba1Mixer(nn.Module):
         mixer = self.mixer
         x, z = self.in_proj(normed).chunk(2, dim=-1)
         x = states.convolve(index, x, self.taps, self.conv_bias, silu=True)
-        step, b, c = mixer.x_proj(x).split([self.rank, self.state_dims, self.state_dims], dim=-1)
+        step, b, c = self.x_proj(x).split([self.rank, self.state_dims, self.state_dims], dim=-1)
         if self.normed:  # Jamba's and Falcon-Mamba's norms of the step, `B` and `C`
             step, b, c = mixer.dt_layernorm(step), mixer.b_layernorm(b), mixer.c_layernorm(c)
         steps = F.softplus(F.linear(step, mixer.dt_proj.weight).float() + self.dt_bias)
@@ -146,7 +149,10 @@ def prompt_rows(
 
 
 class Mamba1Layer(MixerLayer):
-    """A layer whose mixer is Mamba1 (Jamba's), then the family's MLP block."""
+    """A layer whose mixer is Mamba1 (Jamba's), then the family's MLP block; under tensor
+    parallelism it holds the rank's channels and their states."""
+
+    states_split = True
 
     def mixer_of(self, mixer: Any, group: ParallelGroup | None) -> Mamba1Mixer:
-        return Mamba1Mixer(mixer)
+        return Mamba1Mixer(mixer, group)

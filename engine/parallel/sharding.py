@@ -16,7 +16,8 @@ channels and its state, the output projection's columns). A Mamba2 mixer (Granit
 Falcon-H1's) is split by heads: its gate's, inputs' and steps' rows, its convolution's channels,
 its decays, skips and steps' biases, its norm's weight, its output projection's columns; its
 groups of B and C are split with the heads that read them, or kept by every rank where there is
-one (its gated norm then adds the ranks' sums of squares).
+one (its gated norm then adds the ranks' sums of squares). A Mamba1 mixer (Jamba's) is split by
+channels, its projection to the step and B and C summed over the ranks.
 
 The cut happens on the plain Hugging Face modules right after loading, before the linear layers
 take Conveyor's kernel forms, so every later step sees an ordinary (smaller) model.
@@ -132,15 +133,20 @@ class LinearHeads:
 class MambaHeads:
     """A Mamba2 mixer's heads (of `head_dim` dims each) and its groups of B and C (of
     `state_dims` each), which the heads read in equal runs (Granite 4's, Bamba's, Falcon-H1's
-    config names)."""
+    config names, or Nemotron-H's); or a Mamba1 mixer's channels (Jamba's), each a head of one
+    dim, reading B and C whole (`mamba1`)."""
 
     heads: int
     head_dim: int
     groups: int
     state_dims: int
+    mamba1: bool = False
 
     @classmethod
     def of(cls, config: Any) -> MambaHeads | None:
+        if getattr(config, "mamba_dt_rank", None):  # Jamba's Mamba1
+            channels = int(config.mamba_expand * config.hidden_size)
+            return cls(channels, 1, 0, config.mamba_d_state, mamba1=True)
         if getattr(config, "mamba_num_heads", None):  # Nemotron-H's names
             heads, head_dim = config.mamba_num_heads, config.mamba_head_dim
             return cls(heads, head_dim, config.n_groups, config.ssm_state_size)
@@ -547,6 +553,8 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
             _count_local_heads(module, size)
         if type(module).__name__ in MAMBA2_MIXERS:
             _count_local_mamba(module, shape)
+        if type(module).__name__ in MAMBA1_MIXERS:
+            module.intermediate_size = shape._mamba.heads // size
     _shard_vocab(hf_model, shape)
     return shape
 
@@ -570,6 +578,10 @@ def _count_local_heads(net: Any, size: int) -> None:
 MAMBA2_MIXERS = frozenset(
     {"GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer", "NemotronHMamba2Mixer"}
 )
+
+
+# Hugging Face's Mamba1 mixers that a share splits by channels.
+MAMBA1_MIXERS = frozenset({"JambaMambaMixer"})
 
 
 def _count_local_mamba(mixer: Any, shape: ShardShape) -> None:
@@ -666,6 +678,8 @@ ROW_SHARES = {
     "mixer.v_proj": "kv_span",
     "mixer.up_proj": "channel_span",
     "mixer.shared_experts.up_proj": "shared_span",
+    # A Mamba1 mixer's projection of the step up to its channels.
+    "mamba.dt_proj": "mamba_head_span",
 }
 # A Mamba2 mixer's first projection: z, x, B, C and dt.
 MAMBA2_IN_PARTS = (
@@ -675,6 +689,12 @@ MAMBA2_IN_PARTS = (
     "mamba_group_span",
     "mamba_head_span",
 )
+# A Mamba1 mixer's first projection (x and z) and its convolution's channels, in place of a
+# Mamba2 mixer's of the same names.
+MAMBA1_FUSED = {
+    "mamba.in_proj": ("mamba_inner_span", "mamba_inner_span"),
+    "mamba.conv1d": ("mamba_inner_span",),
+}
 # Projections holding several parts one above the other, each part split as its own projection
 # is: Phi-3's q, k and v; Phi-3's and GLM's gate and up; GraniteMoeShared's gate and up of the MLP
 # every token runs.
@@ -714,6 +734,8 @@ COLUMN_SHARES = {
     "mixer.down_proj": "channel_span",
     "mixer.shared_experts.down_proj": "shared_span",
     "mixer.out_proj": "mamba_inner_span",
+    # A Mamba1 mixer's projection of its channels to the step, B and C.
+    "mamba.x_proj": "mamba_inner_span",
 }
 # Projections every rank keeps whole whose outputs the ranks sum (Nemotron-H's projection out
 # of its experts' latent width, after their partial sums): rank 0 alone keeps the bias.
@@ -759,7 +781,10 @@ def parameter_share(name: str, shape: ShardShape) -> slice | None:
 def fused_row_share(module_name: str, shape: ShardShape) -> list[slice] | None:
     """The rows this rank keeps of each part of the projection so named, where it holds several
     one above the other; None elsewhere."""
-    for suffix, parts in FUSED_ROW_SHARES.items():
+    mamba1 = shape.mamba is not None and shape.mamba.mamba1
+    for suffix, parts in (
+        (FUSED_ROW_SHARES | MAMBA1_FUSED) if mamba1 else FUSED_ROW_SHARES
+    ).items():
         if module_name.endswith(suffix):
             return shape.fused_rows(parts)
     return None

@@ -1,10 +1,10 @@
 """Tensor parallelism over two gloo ranks for the recurrent layers whose states split: Qwen3.5's
 and Qwen3-Next's Gated DeltaNet, the Mamba2 mixers of Granite 4, Falcon-H1 and Nemotron-H (each
-rank keeps the states of its heads; Nemotron-H's gateless experts in a latent width beside them)
-and LFM2's short convolutions (of its channels); the tokens are transformers' under chunked
-prefill and preemption, in turn and overlapped, and from snapshots of the states (prefix caching)
-that every rank restores and saves. Families whose states do not split yet are refused before
-any worker starts."""
+rank keeps the states of its heads; Nemotron-H's gateless experts in a latent width beside them),
+Jamba's Mamba1 and LFM2's short convolutions (of their channels); the tokens are transformers'
+under chunked prefill and preemption, in turn and overlapped, and from snapshots of the states
+(prefix caching) that every rank restores and saves. Families whose states do not split yet (Mamba's
+own models) are refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from tests.models import (
     test_granite_hybrid,
     test_jamba,
     test_lfm2,
+    test_mamba,
     test_nemotron_h,
     test_qwen3_5,
 )
@@ -58,6 +59,8 @@ KINDS = {
     "granite-4": (granite_one_group, 1, (4, 16, 8)),
     "falcon-h1": (lambda: test_falcon_h1.build("norm-then-gate"), 1, (4, 16, 8)),
     "nemotron-h": (lambda: test_nemotron_h.build("latent"), 1, (4, 16, 8)),
+    # 64 of Jamba's 128 Mamba1 channels, 8 state dims each.
+    "jamba": (lambda: test_jamba.build("experts"), 1, (64, 8)),
     "lfm2": (lambda: test_lfm2.build(), 0, (2, 32)),
 }
 
@@ -157,7 +160,7 @@ def test_linear_attention_heads_that_do_not_divide_are_named(key_heads, value_he
 def test_a_family_whose_states_do_not_split_is_refused_before_any_worker_starts(
     tmp_path, monkeypatch
 ):
-    test_jamba.build().save_pretrained(tmp_path)
+    test_mamba.build().save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     monkeypatch.setattr(
         "engine.parallel.workers.WorkerPool.start",

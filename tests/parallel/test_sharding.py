@@ -29,6 +29,7 @@ from transformers import (
     GraniteMoeHybridConfig,
     GraniteMoeSharedConfig,
     HunYuanDenseV1Config,
+    JambaConfig,
     Lfm2Config,
     LlamaConfig,
     MiniMaxM2Config,
@@ -345,6 +346,23 @@ MODELS = {
     "nemotron-h-experts": lambda: nemotron_h("experts"),
     "nemotron-h-latent": lambda: nemotron_h("latent"),
     "nemotron-h-latent-biases": lambda: nemotron_h("latent", mlp_bias=True),
+    # Jamba's Mamba1 split by channels (its projection to the step, B and C summed), experts in
+    # every other layer.
+    "jamba": lambda: JambaConfig(
+        **COMMON,
+        vocab_size=320,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+    ),
 }
 
 
