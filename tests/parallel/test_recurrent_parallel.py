@@ -91,30 +91,26 @@ def engine_core(engine_config: EngineConfig) -> Iterator[EngineCore]:
         core.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
-def test_two_ranks_serve_transformers_tokens_under_chunking_and_preemption(saved, overlap):
-    model, folder, kind = saved
-    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
-    tight = config(
-        folder,
-        num_blocks=24,
-        max_model_len=96,
-        max_num_batched_tokens=12,
-        async_scheduling=overlap,
+def tight_config(folder: Path, overlap: bool = False) -> EngineConfig:
+    """Too few blocks for every prompt at once and a small token budget."""
+    return config(
+        folder, num_blocks=24, max_model_len=96, max_num_batched_tokens=12, async_scheduling=overlap
     )
-    with engine_core(tight) as core:
-        chunked = record_chunking(core)
-        outputs = run_all(core, prompts(), GREEDY)
-        assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
-        assert core.scheduler.num_preemptions > 0 and any(chunked)
-        states = core.runner.kv_cache.states
-        assert states is not None
-        _, index, share = KINDS[kind]
-        assert states.layers[index].shape[1:] == share
-        blocks = core.scheduler.block_manager
-        assert blocks.num_used_blocks == 0
-        assert blocks.state_slots is not None
-        assert blocks.state_slots.num_free == states.num_slots
+
+
+def serve_under_pressure(core: EngineCore, model: Any) -> None:
+    """`prompts()` served with transformers' tokens, some preempted and some chunked, every block
+    and state slot given back."""
+    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    chunked = record_chunking(core)
+    outputs = run_all(core, prompts(), GREEDY)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
+    assert core.scheduler.num_preemptions > 0 and any(chunked)
+    states = core.runner.kv_cache.states
+    blocks = core.scheduler.block_manager
+    assert states is not None and blocks.state_slots is not None
+    assert blocks.num_used_blocks == 0
+    assert blocks.state_slots.num_free == states.num_slots
 
 
 def tokens(count: int, seed: int) -> list[int]:
@@ -128,17 +124,32 @@ def served(core: EngineCore, prompt: list[int]) -> tuple[list[int], int]:
     return out, core.scheduler.prefix_cache_hits - hits
 
 
-def test_every_rank_resumes_from_the_snapshots_it_saved(saved):
-    """A later turn resumes at 40, the last point of the snapshots' grid (every 8 tokens) the
-    first turn reached: every rank restores its own heads' states there, so the tokens stay
+def test_two_ranks_serve_transformers_tokens_and_resume_from_their_snapshots(saved):
+    """Under chunked prefill and preemption each rank keeps its share of the states; then a
+    later turn resumes at 40, the last point of the snapshots' grid (every 8 tokens) the first
+    turn reached: every rank restores its own share's states there, so the tokens stay
     transformers'."""
-    model, folder, _ = saved
-    with engine_core(config(folder)) as core:
+    model, folder, kind = saved
+    with engine_core(tight_config(folder)) as core:
+        serve_under_pressure(core, model)
+        states = core.runner.kv_cache.states
+        assert states is not None
+        _, index, share = KINDS[kind]
+        assert states.layers[index].shape[1:] == share
         first = tokens(37, seed=1)
         answer, hits = served(core, first)
         assert answer == reference_greedy(model, first, MAX_NEW) and hits == 0
         second = first + answer + tokens(5, seed=2)
         assert served(core, second) == (reference_greedy(model, second, MAX_NEW), 40)
+
+
+@pytest.mark.parametrize("kind", ["qwen3.5", "granite-4"])
+def test_overlapped_steps_across_ranks(kind, tmp_path):
+    model = KINDS[kind][0]()
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with engine_core(tight_config(tmp_path, overlap=True)) as core:
+        serve_under_pressure(core, model)
 
 
 @pytest.mark.parametrize(
