@@ -275,37 +275,39 @@ def prompt_rows(
     each chunk reads the state the chunks before it left."""
     tokens, heads, value_dims = v.shape
     q, k = _rule_qk(q, k, heads)
-    pad = -tokens % RULE_CHUNK
-    count = (tokens + pad) // RULE_CHUNK
+    count = -(-tokens // RULE_CHUNK)
 
     def by_chunk(x: torch.Tensor) -> torch.Tensor:
-        """`[tokens, heads, ...]` as `[heads, chunks, RULE_CHUNK, ...]`, zeros after the end."""
-        x = torch.cat([x.float(), x.new_zeros((pad, *x.shape[1:]), dtype=torch.float32)])
-        return x.view(count, RULE_CHUNK, heads, *x.shape[2:]).movedim(2, 0)
+        """`[tokens, heads, ...]` as `[heads, chunks, RULE_CHUNK, ...]` in fp32, zeros after the
+        end: one copy, laid out so that every product below reads its operands in place."""
+        held = x.new_zeros((heads, count * RULE_CHUNK, *x.shape[2:]), dtype=torch.float32)
+        held[:, :tokens] = x.transpose(0, 1)
+        return held.view(heads, count, RULE_CHUNK, *x.shape[2:])
 
     q, k, v, g, beta = (by_chunk(x) for x in (q, k, v, g, beta))
     decays = g.cumsum(-1)  # each position's decay since the chunk began, in log space
     causal = torch.ones(RULE_CHUNK, RULE_CHUNK, dtype=torch.bool, device=v.device).tril()
     between = decays[..., :, None] - decays[..., None, :]
-    pairwise = between.masked_fill(~causal, float("-inf")).exp()
+    pairwise = between.masked_fill_(~causal, float("-inf")).exp_()
     k_beta = k * beta[..., None]
     unit = torch.eye(RULE_CHUNK, device=v.device)
-    system = ((k_beta @ k.transpose(-1, -2)) * pairwise).tril(-1) + unit
+    system = ((k_beta @ k.transpose(-1, -2)) * pairwise).tril_(-1) + unit
     targets = torch.cat([v * beta[..., None], k_beta * decays.exp()[..., None]], dim=-1)
     solved = torch.linalg.solve_triangular(system, targets, upper=False, unitriangular=True)
     values, reads = solved[..., :value_dims], solved[..., value_dims:]
-    within = (q @ k.transpose(-1, -2)) * pairwise
+    within = (q @ k.transpose(-1, -2)).mul_(pairwise)
     q = q * decays.exp()[..., None]
     last = decays[..., -1:]
     k = k * (last - decays).exp()[..., None]
     chunk_decay = last.exp()[..., None]
-    # Token-major rows (the solve's results are column-major: `empty_like` would keep that).
-    out = torch.empty(values.shape, dtype=values.dtype, device=values.device)
+    out = torch.empty((heads, count, RULE_CHUNK, value_dims), dtype=v.dtype, device=v.device)
     for i in range(count):
         corrected = values[:, i] - reads[:, i] @ state
-        out[:, i] = q[:, i] @ state + within[:, i] @ corrected
-        state.mul_(chunk_decay[:, i]).add_(k[:, i].transpose(-1, -2) @ corrected)
-    return out.movedim(0, 2).reshape(count * RULE_CHUNK, heads, value_dims)[:tokens]
+        torch.baddbmm(within[:, i] @ corrected, q[:, i], state, out=out[:, i])
+        state.mul_(chunk_decay[:, i]).baddbmm_(k[:, i].transpose(-1, -2), corrected)
+    # Token-major, as the inputs came.
+    held = out.view(heads, count * RULE_CHUNK, value_dims)[:, :tokens]
+    return held.transpose(0, 1).contiguous()
 
 
 def _rule_qk(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
