@@ -380,7 +380,7 @@ def _why_no_states(config: EngineConfig, shard: Shard | None, model: PagedLlamaF
         return "tensor parallelism does not split yet"
     if config.speculative is not None:
         return "speculative decoding does not roll back yet"
-    if config.enable_lora:
+    if config.enable_lora and not model.states_adapted():
         return "LoRA adapters do not adapt yet"
     return ""
 

@@ -229,6 +229,9 @@ class PagedLlamaLayer(nn.Module):
         super().__init__()
         attn, mlp = hf_layer.self_attn, layer_mlp(hf_layer)
         self.index = index
+        # The layer's place in the decoder, where its adapters' weights are kept (`index` is
+        # its place in the KV cache, or among the states, in a model with both kinds).
+        self.lora_index = index
         group = shard.group if shard is not None else None
         self._attention_parts(attn, group)
         # A mixture of experts in place of the gated MLP (summed over the ranks as a whole).
@@ -338,8 +341,9 @@ class PagedLlamaLayer(nn.Module):
         return []
 
     # Whether a layer that keeps states splits them under tensor parallelism (each rank its
-    # heads' states).
+    # heads' states), and whether it takes LoRA adapters (of its MLP).
     states_split = False
+    adapted = False
 
     def forward(
         self,
@@ -387,7 +391,7 @@ class PagedLlamaLayer(nn.Module):
         qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(normed)
         if lora is not None and "qkv" in lora.groups:
-            qkv += lora.delta(self.index, "qkv", normed).to(qkv.dtype)
+            qkv += lora.delta(self.lora_index, "qkv", normed).to(qkv.dtype)
         qk = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
         if self.qk_norm_weight is not None and not self.norms_rotated:
             qk = self._qk_norm(qk)
@@ -416,7 +420,7 @@ class PagedLlamaLayer(nn.Module):
         attended = self._attended(out)
         hidden = add_projected(self.o_proj, attended, residual)
         if lora is not None and "o" in lora.groups:
-            hidden += lora.delta(self.index, "o", attended).to(hidden.dtype)
+            hidden += lora.delta(self.lora_index, "o", attended).to(hidden.dtype)
         mlp_input = self.gate_up_proj if self.moe is None else self.moe
         normed = self._norm(self.post_attention_norm, hidden, mlp_input)
         return self._mlp(normed, hidden, lora)
@@ -430,7 +434,7 @@ class PagedLlamaLayer(nn.Module):
         activated = self._activation(hidden, lora)
         out = add_projected(self.down_proj, activated, residual)
         if lora is not None and "down" in lora.groups:
-            out += lora.delta(self.index, "down", activated).to(out.dtype)
+            out += lora.delta(self.lora_index, "down", activated).to(out.dtype)
         return out
 
     def _attention_output(self, out: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
@@ -440,7 +444,7 @@ class PagedLlamaLayer(nn.Module):
         attended = self._attended(out)
         projected = self.o_proj(attended)
         if lora is not None and "o" in lora.groups:
-            projected = projected + lora.delta(self.index, "o", attended).to(projected.dtype)
+            projected = projected + lora.delta(self.lora_index, "o", attended).to(projected.dtype)
         return projected
 
     def _attended(self, out: torch.Tensor) -> torch.Tensor:
@@ -456,7 +460,7 @@ class PagedLlamaLayer(nn.Module):
         activated = self._activation(normed, lora)
         out = self.down_proj(activated)
         if lora is not None and "down" in lora.groups:
-            out = out + lora.delta(self.index, "down", activated).to(out.dtype)
+            out = out + lora.delta(self.lora_index, "down", activated).to(out.dtype)
         return out
 
     def _activation(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
@@ -464,7 +468,7 @@ class PagedLlamaLayer(nn.Module):
             return self.act_fn(self.gate_up_proj(hidden))
         if lora is not None and "gate_up" in lora.groups:
             gate_up = self._gate_up(hidden)
-            gate_up += lora.delta(self.index, "gate_up", hidden).to(gate_up.dtype)
+            gate_up += lora.delta(self.lora_index, "gate_up", hidden).to(gate_up.dtype)
             return gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)
         if isinstance(self.gate_up_proj, GatedPanelLinear):
             # bf16 down panels take the rows rounded as they leave the gated product.
@@ -536,6 +540,10 @@ class PagedLlamaForCausalLM(nn.Module):
     def states_split(self) -> bool:
         """Whether every layer that keeps states splits them under tensor parallelism."""
         return all(layer.states_split for layer in self._paged_layers if layer.state_specs())
+
+    def states_adapted(self) -> bool:
+        """Whether every layer that keeps states takes LoRA adapters."""
+        return all(layer.adapted for layer in self._paged_layers if layer.state_specs())
 
     def attach_lora(self, slots: LoRASlots) -> None:
         """Serve LoRA adapters from `slots`: a step that runs any takes the layers op by op."""
@@ -694,12 +702,13 @@ def hybrid_layers(
     cached, held = 0, 0
     for i, layer in enumerate(base.layers):
         if i in attends:
-            layers.append(attending(view(layer), cached, shard))
+            built = attending(view(layer), cached, shard)
             cached += 1
         else:
             built = stateful(view(layer), held, shard)
-            layers.append(built)
             held += len(built.state_specs())
+        built.lora_index = i
+        layers.append(built)
     return layers
 
 

@@ -45,6 +45,7 @@ class ResidualBlock(PagedLlamaLayer):
     def __init__(self, block: Any, index: int, shard: Shard | None = None) -> None:
         nn.Module.__init__(self)
         self.index = index
+        self.lora_index = index  # its place in the decoder, where the model numbers it so
         self.group = shard.group if shard is not None else None
         self.input_norm, self.post_attention_norm = block.norm, None
         self.moe: nn.Module | None = None

@@ -137,16 +137,18 @@ class PagedNemotronHForCausalLM(PagedLlamaForCausalLM):
         cache, Mamba2 blocks by the place of their first state."""
         layers: list[nn.Module] = []
         cached, held = 0, 0
-        for block in base.layers:
+        for i, block in enumerate(base.layers):
+            built: ResidualBlock
             if block.block_type == ATTENTION:
-                layers.append(NemotronAttentionBlock(block, cached, shard))
+                built = NemotronAttentionBlock(block, cached, shard)
                 cached += 1
             elif block.block_type == MAMBA:
                 built = NemotronMambaBlock(block, held, shard)
-                layers.append(built)
                 held += len(built.state_specs())
             else:
-                layers.append(NemotronMlpBlock(block, 0, shard))
+                built = NemotronMlpBlock(block, 0, shard)
+            built.lora_index = i  # adapters' weights by the block's place in the decoder
+            layers.append(built)
         return layers
 
     def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

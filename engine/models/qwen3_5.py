@@ -56,13 +56,19 @@ class _OwnNorms:
 
 
 class GatedAttentionLayer(_OwnNorms, PagedLlamaLayer):
-    """A Qwen3.5 attention layer; `index` is its place in the KV cache."""
+    """A Qwen3.5 attention layer; `index` is its place in the KV cache. LoRA adapters of its
+    projections add their deltas where PEFT's merged weights would."""
 
     def _attention_parts(self, attn: Any, group: Any) -> None:
         super()._attention_parts(attn, group)
         self.num_heads //= 2  # q's projection holds each head's query and gate
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.qk_norm_weight = None
+
+    def _target_shapes(self) -> Shapes:
+        shapes = super()._target_shapes()
+        hidden, queries = shapes["q_proj"]
+        return shapes | {"q_proj": (hidden, 2 * queries)}  # each head's query and gate
 
     def forward(
         self,
@@ -71,8 +77,11 @@ class GatedAttentionLayer(_OwnNorms, PagedLlamaLayer):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        lora = self.lora if self.lora is not None and self.lora.active else None
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         qkv = self.qkv_proj(normed)
+        if lora is not None and "qkv" in lora.groups:
+            qkv = qkv + lora.delta(self.lora_index, "qkv", normed).to(qkv.dtype)
         tokens, heads, dim = qkv.shape[0], self.num_heads, self.head_dim
         kv = self.num_kv_heads * dim
         query_gate = qkv[:, : 2 * heads * dim].view(tokens, heads, 2 * dim)
@@ -86,15 +95,19 @@ class GatedAttentionLayer(_OwnNorms, PagedLlamaLayer):
         )
         attended = out.reshape(tokens, heads * dim) * torch.sigmoid(gate)
         hidden = add_projected(self.o_proj, attended, hidden)
-        return self._mlp(self.post_attention_norm(hidden), hidden)
+        if lora is not None and "o" in lora.groups:
+            hidden = hidden + lora.delta(self.lora_index, "o", attended).to(hidden.dtype)
+        return self._mlp(self.post_attention_norm(hidden), hidden, lora)
 
 
 class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
     """A Qwen3.5 linear attention layer; `index` is the place of its first state (its
     convolution's last inputs; its recurrent state follows). Under tensor parallelism it holds
-    the rank's key heads and the value heads they serve, and their states."""
+    the rank's key heads and the value heads they serve, and their states. LoRA adapters of
+    its MLP apply; its DeltaNet's projections take none."""
 
     states_split = True
+    adapted = True
 
     def _attention_parts(self, net: Any, group: Any) -> None:
         self.net = net
@@ -109,7 +122,12 @@ class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
         self.layer_type = "linear_attention"
 
     def _target_shapes(self) -> Shapes:
-        return {}
+        """Its dense MLP's projections (none where its MLP is experts)."""
+        if self.moe is not None:
+            return {}
+        hidden, inter = cast(int, self.qkv_proj.in_features), self.intermediate
+        mlp = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
+        return mlp | {"down_proj": (inter, hidden)}
 
     def state_specs(self) -> list[StateSpec]:
         """A request's convolution inputs and its recurrent state."""
@@ -145,7 +163,8 @@ class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
         per_head = (-1, self.value_head_dim)
         gated = self.net.norm(out.reshape(per_head), z.reshape(per_head))
         hidden = add_projected(self.out_proj, gated.reshape(tokens, self.value_dim), hidden)
-        return self._mlp(self.post_attention_norm(hidden), hidden)
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        return self._mlp(self.post_attention_norm(hidden), hidden, lora)
 
 
 def input_projections(net: Any) -> list[nn.Module]:

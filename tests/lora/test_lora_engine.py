@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine.core.sampling_params import SamplingParams
 from engine.core.speculation import SpeculativeConfig
@@ -205,3 +206,32 @@ def test_drafts_are_verified_under_each_request_s_adapter(adapters):
     assert got == [truths[f"r{i}"] for i in range(len(requests))]
     drafts = core.take_stats().drafts
     assert 0 < drafts.num_accepted_tokens < drafts.num_draft_tokens
+
+
+@pytest.mark.parametrize(
+    ("kind", "targets"), [("dense", [*ATTENTION, *MLP]), ("next", ATTENTION)], ids=str
+)
+def test_adapters_of_a_model_with_recurrent_layers_equal_peft_merged(tmp_path, kind, targets):
+    """Qwen3.5's gated attention (q's rows each head's query and gate) and the MLPs of its
+    attention and DeltaNet layers take the adapters' deltas, numbered by the layers' places in
+    the decoder (not in the KV cache or among the states); Qwen3-Next's experts take none."""
+    from tests.models import test_qwen3_5
+
+    def build() -> torch.nn.Module:
+        return test_qwen3_5.build(kind)
+
+    path = save_adapter(tmp_path / kind, targets, seed=5, base=build)
+    core = lora_core({"a": path}, model=build())
+    got = run(core, mixed([None, "a"]))
+    adapted = merged(path, build())
+    base = [reference_greedy(build(), p, GREEDY.max_tokens) for p in PROMPTS]
+    assert got == base + [reference_greedy(adapted, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert got[: len(PROMPTS)] != got[len(PROMPTS) :]
+
+
+def test_an_adapter_of_a_deltanets_projections_is_refused_by_name(tmp_path):
+    from tests.models import test_qwen3_5
+
+    path = save_adapter(tmp_path / "a", ["in_proj_qkv"], seed=6, base=test_qwen3_5.build)
+    with pytest.raises(ValueError, match="in_proj_qkv"):
+        lora_core({"a": path}, model=test_qwen3_5.build())
