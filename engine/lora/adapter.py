@@ -21,8 +21,11 @@ import torch
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# (Under `self_attn` and `mlp`; `feed_forward` holds Bamba's, Jamba's and Falcon-H1's MLPs.)
 _KEY = re.compile(
-    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(TARGETS) + r")\.lora_([AB])\.weight"
+    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp|feed_forward)\.("
+    + "|".join(TARGETS)
+    + r")\.lora_([AB])\.weight"
 )
 # The parts of an image-text model outside its language model, which adapters are not served
 # over (a CLIP tower's layers would otherwise read as the language model's).

@@ -93,6 +93,11 @@ class LoRASlots:
         self.groups = frozenset(g for g, members in GROUPS.items() if targets & set(members))
         return True
 
+    def adapts(self, layer: int, group: str) -> bool:
+        """Whether the step's adapters add to `group` of the layer (one that holds the group: a
+        recurrent mixer holds no o, a mixture of experts no gate/up)."""
+        return group in self.groups and group in self.a[layer]
+
     def delta(self, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
         """What the step's adapters add to `group`'s outputs (side by side) over rows `x`."""
         assert self._masks is not None

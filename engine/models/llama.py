@@ -311,11 +311,16 @@ class PagedLlamaLayer(nn.Module):
             "v_proj": (hidden, kv),
             "o_proj": (q, hidden),
         }
-        if self.moe is None:
-            inter = self.intermediate
-            shapes["down_proj"] = (inter, hidden)
-            if self.gated:  # a gateless MLP's up alone is no group an adapter fills
-                shapes |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
+        return shapes | self._mlp_shapes(hidden)
+
+    def _mlp_shapes(self, hidden: int) -> Shapes:
+        """The dense MLP's projections an adapter may target (none where it is experts)."""
+        if self.moe is not None:
+            return {}
+        inter = self.intermediate
+        shapes = {"down_proj": (inter, hidden)}
+        if self.gated:  # a gateless MLP's up alone is no group an adapter fills
+            shapes |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
         return shapes
 
     def _qk_norms(self, attn: Any) -> tuple[Any, Any] | None:
@@ -390,7 +395,7 @@ class PagedLlamaLayer(nn.Module):
         tokens = normed.shape[0]
         qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(normed)
-        if lora is not None and "qkv" in lora.groups:
+        if lora is not None and lora.adapts(self.lora_index, "qkv"):
             qkv += lora.delta(self.lora_index, "qkv", normed).to(qkv.dtype)
         qk = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim)
         if self.qk_norm_weight is not None and not self.norms_rotated:
@@ -419,7 +424,7 @@ class PagedLlamaLayer(nn.Module):
         output projection onto `residual`, then the MLP block. Row by row too."""
         attended = self._attended(out)
         hidden = add_projected(self.o_proj, attended, residual)
-        if lora is not None and "o" in lora.groups:
+        if lora is not None and lora.adapts(self.lora_index, "o"):
             hidden += lora.delta(self.lora_index, "o", attended).to(hidden.dtype)
         mlp_input = self.gate_up_proj if self.moe is None else self.moe
         normed = self._norm(self.post_attention_norm, hidden, mlp_input)
@@ -433,7 +438,7 @@ class PagedLlamaLayer(nn.Module):
             return residual + self.moe(hidden)
         activated = self._activation(hidden, lora)
         out = add_projected(self.down_proj, activated, residual)
-        if lora is not None and "down" in lora.groups:
+        if lora is not None and lora.adapts(self.lora_index, "down"):
             out += lora.delta(self.lora_index, "down", activated).to(out.dtype)
         return out
 
@@ -443,7 +448,7 @@ class PagedLlamaLayer(nn.Module):
         (Gemma, Granite, OLMo 2, GLM) adds."""
         attended = self._attended(out)
         projected = self.o_proj(attended)
-        if lora is not None and "o" in lora.groups:
+        if lora is not None and lora.adapts(self.lora_index, "o"):
             projected = projected + lora.delta(self.lora_index, "o", attended).to(projected.dtype)
         return projected
 
@@ -459,14 +464,14 @@ class PagedLlamaLayer(nn.Module):
             return cast(torch.Tensor, self.moe(normed))
         activated = self._activation(normed, lora)
         out = self.down_proj(activated)
-        if lora is not None and "down" in lora.groups:
+        if lora is not None and lora.adapts(self.lora_index, "down"):
             out = out + lora.delta(self.lora_index, "down", activated).to(out.dtype)
         return out
 
     def _activation(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
         if not self.gated:
             return self.act_fn(self.gate_up_proj(hidden))
-        if lora is not None and "gate_up" in lora.groups:
+        if lora is not None and lora.adapts(self.lora_index, "gate_up"):
             gate_up = self._gate_up(hidden)
             gate_up += lora.delta(self.lora_index, "gate_up", hidden).to(gate_up.dtype)
             return gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)

@@ -6,7 +6,7 @@ family's `after_attention` projects the mix onto the residual and runs the MLP.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -48,6 +48,8 @@ class MixerLayer(PagedLlamaLayer):
 
     # Whether the mixer splits by heads under tensor parallelism (Mamba2's).
     states_split = False
+    # LoRA adapters of the layer's MLP apply; the mixer's own projections take none.
+    adapted = True
 
     def mixer_of(self, mixer: Any, group: ParallelGroup | None) -> RecurrentMixer:
         raise NotImplementedError
@@ -62,7 +64,8 @@ class MixerLayer(PagedLlamaLayer):
         self.layer_type = "linear_attention"
 
     def _target_shapes(self) -> Shapes:
-        return {}
+        """Its dense MLP's projections (none where its MLP is experts)."""
+        return self._mlp_shapes(cast(int, self.mamba.in_proj.in_features))
 
     def state_specs(self) -> list[StateSpec]:
         return self.mamba.state_specs()
@@ -74,6 +77,7 @@ class MixerLayer(PagedLlamaLayer):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        lora = self.lora if self.lora is not None and self.lora.active else None
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         mixed = self.mamba(normed, layer_states(metadata), self.index, hidden.dtype)
-        return self.after_attention(mixed.view(-1, self.num_heads, self.head_dim), hidden)
+        return self.after_attention(mixed.view(-1, self.num_heads, self.head_dim), hidden, lora)

@@ -78,7 +78,7 @@ class AllHeadsNormedLayer(PagedLlamaLayer):
             normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         tokens = normed.shape[0]
         qkv = self.qkv_proj(normed)
-        if lora is not None and "qkv" in lora.groups:
+        if lora is not None and lora.adapts(self.lora_index, "qkv"):
             qkv = qkv + lora.delta(self.lora_index, "qkv", normed).to(qkv.dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         query, key = self._normed_qk(qkv[:, :q_size], qkv[:, q_size : q_size + kv_size])

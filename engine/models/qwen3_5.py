@@ -80,7 +80,7 @@ class GatedAttentionLayer(_OwnNorms, PagedLlamaLayer):
         lora = self.lora if self.lora is not None and self.lora.active else None
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         qkv = self.qkv_proj(normed)
-        if lora is not None and "qkv" in lora.groups:
+        if lora is not None and lora.adapts(self.lora_index, "qkv"):
             qkv = qkv + lora.delta(self.lora_index, "qkv", normed).to(qkv.dtype)
         tokens, heads, dim = qkv.shape[0], self.num_heads, self.head_dim
         kv = self.num_kv_heads * dim
@@ -95,7 +95,7 @@ class GatedAttentionLayer(_OwnNorms, PagedLlamaLayer):
         )
         attended = out.reshape(tokens, heads * dim) * torch.sigmoid(gate)
         hidden = add_projected(self.o_proj, attended, hidden)
-        if lora is not None and "o" in lora.groups:
+        if lora is not None and lora.adapts(self.lora_index, "o"):
             hidden = hidden + lora.delta(self.lora_index, "o", attended).to(hidden.dtype)
         return self._mlp(self.post_attention_norm(hidden), hidden, lora)
 
@@ -123,11 +123,7 @@ class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
 
     def _target_shapes(self) -> Shapes:
         """Its dense MLP's projections (none where its MLP is experts)."""
-        if self.moe is not None:
-            return {}
-        hidden, inter = cast(int, self.qkv_proj.in_features), self.intermediate
-        mlp = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
-        return mlp | {"down_proj": (inter, hidden)}
+        return self._mlp_shapes(cast(int, self.qkv_proj.in_features))
 
     def state_specs(self) -> list[StateSpec]:
         """A request's convolution inputs and its recurrent state."""

@@ -208,17 +208,37 @@ def test_drafts_are_verified_under_each_request_s_adapter(adapters):
     assert 0 < drafts.num_accepted_tokens < drafts.num_draft_tokens
 
 
+def recurrent_model(kind: str) -> torch.nn.Module:
+    """A tiny model with recurrent layers: Qwen3.5's, Qwen3-Next's (experts), Bamba's (Mamba2),
+    Jamba's (Mamba1)."""
+    from tests.models import test_bamba, test_jamba, test_qwen3_5
+
+    builds = {
+        "qwen3.5": lambda: test_qwen3_5.build("dense"),
+        "qwen3-next": lambda: test_qwen3_5.build("next"),
+        "bamba": test_bamba.build,
+        "jamba": lambda: test_jamba.build("dense"),
+    }
+    return builds[kind]()
+
+
 @pytest.mark.parametrize(
-    ("kind", "targets"), [("dense", [*ATTENTION, *MLP]), ("next", ATTENTION)], ids=str
+    ("kind", "targets"),
+    [
+        ("qwen3.5", [*ATTENTION, *MLP]),
+        ("qwen3-next", ATTENTION),
+        ("bamba", [*ATTENTION, *MLP]),
+        ("jamba", [*ATTENTION, *MLP]),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
 )
 def test_adapters_of_a_model_with_recurrent_layers_equal_peft_merged(tmp_path, kind, targets):
-    """Qwen3.5's gated attention (q's rows each head's query and gate) and the MLPs of its
-    attention and DeltaNet layers take the adapters' deltas, numbered by the layers' places in
-    the decoder (not in the KV cache or among the states); Qwen3-Next's experts take none."""
-    from tests.models import test_qwen3_5
+    """The attention layers' projections (Qwen3.5's q rows each head's query and gate) and the
+    MLPs of every layer, recurrent ones too, take the adapters' deltas, numbered by the layers'
+    places in the decoder (not in the KV cache or among the states); experts take none."""
 
     def build() -> torch.nn.Module:
-        return test_qwen3_5.build(kind)
+        return recurrent_model(kind)
 
     path = save_adapter(tmp_path / kind, targets, seed=5, base=build)
     core = lora_core({"a": path}, model=build())
