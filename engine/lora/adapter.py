@@ -21,10 +21,12 @@ import torch
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-# (Under `self_attn` and `mlp`; `feed_forward` holds Bamba's, Jamba's and Falcon-H1's MLPs.)
+# Other families' names for them: LFM2's attention's `out_proj` and its MLP's `w1`, `w3`, `w2`.
+ALIASES = {"out_proj": "o_proj", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# (Under `self_attn` and `mlp`; `feed_forward` holds Bamba's, Jamba's and LFM2's MLPs.)
 _KEY = re.compile(
     r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp|feed_forward)\.("
-    + "|".join(TARGETS)
+    + "|".join([*TARGETS, *ALIASES])
     + r")\.lora_([AB])\.weight"
 )
 # The parts of an image-text model outside its language model, which adapters are not served
@@ -184,7 +186,8 @@ def _pairs(
         layer = int(match.group(1))
         if layer >= num_layers:
             raise LoRAError(f"{key!r} names layer {layer}; the model has {num_layers} layers")
-        found.setdefault((layer, match.group(2)), {})[match.group(3)] = tensor
+        name = ALIASES.get(match.group(2), match.group(2))
+        found.setdefault((layer, name), {})[match.group(3)] = tensor
     pairs = {}
     for (layer, name), pair in found.items():
         if set(pair) != {"A", "B"}:

@@ -9,7 +9,7 @@ cache holds the attention layers only. Decode steps run op by op.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from torch import nn
 from engine.attention.backend import AttentionMetadata
 from engine.kv.state_cache import StateSpec
 from engine.lora.adapter import Shapes
+from engine.lora.slots import LoRASlots
 from engine.models.layers import add_projected
 from engine.models.llama import (
     PagedLlamaForCausalLM,
@@ -78,6 +79,8 @@ class ShortConvLayer(PagedLlamaLayer):
     (its state in `StateCache.layers`). Under tensor parallelism it holds the rank's channels."""
 
     states_split = True
+    # LoRA adapters of its MLP apply; the convolution's projections take none.
+    adapted = True
 
     def _attention_parts(self, conv: Any, group: Any) -> None:
         self.in_proj, self.out_proj = conv.in_proj, reduced(conv.out_proj, group)
@@ -91,7 +94,8 @@ class ShortConvLayer(PagedLlamaLayer):
         self.qkv_proj = self.in_proj  # the first projection (its rows' dtype)
 
     def _target_shapes(self) -> Shapes:
-        return {}
+        """Its MLP's projections."""
+        return self._mlp_shapes(cast(int, self.in_proj.in_features))
 
     def state_specs(self) -> list[StateSpec]:
         """A request's state: its last `width - 1` inputs of the convolution."""
@@ -110,11 +114,12 @@ class ShortConvLayer(PagedLlamaLayer):
         assert states is not None, "a recurrent model runs with its states"
         convolved = states.convolve(self.index, b * x, self.taps, self.conv_bias)
         mixed = add_projected(self.out_proj, c * convolved, hidden)
-        return self.after_mixing(mixed)
+        lora = self.lora if self.lora is not None and self.lora.active else None
+        return self.after_mixing(mixed, lora)
 
-    def after_mixing(self, hidden: torch.Tensor) -> torch.Tensor:
+    def after_mixing(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
         normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
-        return self._mlp(normed, hidden)
+        return self._mlp(normed, hidden, lora)
 
 
 class PagedLfm2ForCausalLM(PagedLlamaForCausalLM):

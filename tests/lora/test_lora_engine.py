@@ -210,14 +210,15 @@ def test_drafts_are_verified_under_each_request_s_adapter(adapters):
 
 def recurrent_model(kind: str) -> torch.nn.Module:
     """A tiny model with recurrent layers: Qwen3.5's, Qwen3-Next's (experts), Bamba's (Mamba2),
-    Jamba's (Mamba1)."""
-    from tests.models import test_bamba, test_jamba, test_qwen3_5
+    Jamba's (Mamba1), LFM2's (short convolutions)."""
+    from tests.models import test_bamba, test_jamba, test_lfm2, test_qwen3_5
 
     builds = {
         "qwen3.5": lambda: test_qwen3_5.build("dense"),
         "qwen3-next": lambda: test_qwen3_5.build("next"),
         "bamba": test_bamba.build,
         "jamba": lambda: test_jamba.build("dense"),
+        "lfm2": test_lfm2.build,
     }
     return builds[kind]()
 
@@ -229,8 +230,10 @@ def recurrent_model(kind: str) -> torch.nn.Module:
         ("qwen3-next", ATTENTION),
         ("bamba", [*ATTENTION, *MLP]),
         ("jamba", [*ATTENTION, *MLP]),
+        # LFM2's names for o, gate, up and down (its convolutions' `out_proj` left alone).
+        ("lfm2", r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|feed_forward\.w[123])"),
     ],
-    ids=lambda x: x if isinstance(x, str) else "",
+    ids=["qwen3.5", "qwen3-next", "bamba", "jamba", "lfm2"],
 )
 def test_adapters_of_a_model_with_recurrent_layers_equal_peft_merged(tmp_path, kind, targets):
     """The attention layers' projections (Qwen3.5's q rows each head's query and gate) and the
@@ -255,3 +258,11 @@ def test_an_adapter_of_a_deltanets_projections_is_refused_by_name(tmp_path):
     path = save_adapter(tmp_path / "a", ["in_proj_qkv"], seed=6, base=test_qwen3_5.build)
     with pytest.raises(ValueError, match="in_proj_qkv"):
         lora_core({"a": path}, model=test_qwen3_5.build())
+
+
+def test_lora_over_recurrent_layers_that_take_none_is_refused():
+    """Falcon-H1's layers (attention beside Mamba2, with its multipliers) take no adapters."""
+    from tests.models import test_falcon_h1
+
+    with pytest.raises(ValueError, match="LoRA adapters do not adapt yet"):
+        tiny_core(test_falcon_h1.build(), enable_lora=True)

@@ -152,8 +152,6 @@ def test_what_does_not_keep_states_yet_is_refused_with_the_reason():
         build_causal_lm(build(), "transformers")
     with pytest.raises(ValueError, match="speculative decoding"):
         tiny_core(build(), speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
-    with pytest.raises(ValueError, match="LoRA adapters do not adapt yet"):
-        tiny_core(build(), enable_lora=True)
 
 
 def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):
