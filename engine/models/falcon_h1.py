@@ -39,9 +39,12 @@ class _Layer:
 
 class FalconH1Layer(PagedLlamaLayer):
     """Attention (its K/V at `index` in the cache) beside Mamba2 (its states at `2 * index`),
-    then the MLP; under tensor parallelism each holds the rank's heads."""
+    then the MLP; under tensor parallelism each holds the rank's heads. LoRA adapters of the
+    attention and the MLP add their deltas inside the multipliers, where PEFT's merged weights
+    would."""
 
     states_split = True
+    adapted = True
 
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(_Layer(hf_layer), index, shard)
@@ -70,23 +73,31 @@ class FalconH1Layer(PagedLlamaLayer):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        lora = self.lora if self.lora is not None and self.lora.active else None
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         mixed = self.mamba(normed, layer_states(metadata), self.state_index, hidden.dtype)
         mamba = self.mamba_out_proj(mixed) * self.mamba_out
-        query, key, value = self._project(normed * self.attention_in, cos, sin)
+        query, key, value = self._project(normed * self.attention_in, cos, sin, lora)
         out = metadata.backend.forward(
             self.index, query, key, value, self.scaling, metadata, self.attention
         )
-        attended = self._attention_output(out) * self.attention_out
+        attended = self._attention_output(out, lora) * self.attention_out
         hidden = hidden + (mamba + attended)
-        return self._mlp(self._norm(self.post_attention_norm, hidden, self.gate_up_proj), hidden)
+        normed = self._norm(self.post_attention_norm, hidden, self.gate_up_proj)
+        return self._mlp(normed, hidden, lora)
 
     def _project(
-        self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        rows: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        lora: LoRASlots | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query, key (scaled by `key_multiplier`) and value of each row, q and k rotated."""
         tokens, heads = rows.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(rows)
+        if lora is not None and lora.adapts(self.lora_index, "qkv"):
+            qkv = qkv + lora.delta(self.lora_index, "qkv", rows).to(qkv.dtype)
         qk = qkv[:, : heads * self.head_dim].view(tokens, heads, self.head_dim)
         qk = self._rotate(qk * self.qk_scale.to(qk.device, qk.dtype)[:, None], cos, sin)
         value = qkv[:, heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
@@ -95,13 +106,15 @@ class FalconH1Layer(PagedLlamaLayer):
     def _activation(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
         """`act(gate * gate_multiplier) * up`."""
         gate_up = self._gate_up(hidden)
+        if lora is not None and lora.adapts(self.lora_index, "gate_up"):
+            gate_up = gate_up + lora.delta(self.lora_index, "gate_up", hidden).to(gate_up.dtype)
         gate, up = gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]
         return self.act_fn(gate * self.gate_multiplier) * up
 
     def _mlp(
         self, hidden: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
     ) -> torch.Tensor:
-        return residual + self.down_proj(self._activation(hidden)) * self.down_multiplier
+        return residual + self._mlp_output(hidden, lora) * self.down_multiplier
 
 
 def _projection_scale(mixer: Any, multipliers: list[float]) -> torch.Tensor:

@@ -210,8 +210,9 @@ def test_drafts_are_verified_under_each_request_s_adapter(adapters):
 
 def recurrent_model(kind: str) -> torch.nn.Module:
     """A tiny model with recurrent layers: Qwen3.5's, Qwen3-Next's (experts), Bamba's (Mamba2),
-    Jamba's (Mamba1), LFM2's (short convolutions)."""
-    from tests.models import test_bamba, test_jamba, test_lfm2, test_qwen3_5
+    Jamba's (Mamba1), LFM2's (short convolutions), Falcon-H1's (attention beside Mamba2, its
+    multipliers around the projections)."""
+    from tests.models import test_bamba, test_falcon_h1, test_jamba, test_lfm2, test_qwen3_5
 
     builds = {
         "qwen3.5": lambda: test_qwen3_5.build("dense"),
@@ -219,6 +220,7 @@ def recurrent_model(kind: str) -> torch.nn.Module:
         "bamba": test_bamba.build,
         "jamba": lambda: test_jamba.build("dense"),
         "lfm2": test_lfm2.build,
+        "falcon-h1": lambda: test_falcon_h1.build("norm-then-gate"),
     }
     return builds[kind]()
 
@@ -232,8 +234,9 @@ def recurrent_model(kind: str) -> torch.nn.Module:
         ("jamba", [*ATTENTION, *MLP]),
         # LFM2's names for o, gate, up and down (its convolutions' `out_proj` left alone).
         ("lfm2", r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|feed_forward\.w[123])"),
+        ("falcon-h1", [*ATTENTION, *MLP]),
     ],
-    ids=["qwen3.5", "qwen3-next", "bamba", "jamba", "lfm2"],
+    ids=["qwen3.5", "qwen3-next", "bamba", "jamba", "lfm2", "falcon-h1"],
 )
 def test_adapters_of_a_model_with_recurrent_layers_equal_peft_merged(tmp_path, kind, targets):
     """The attention layers' projections (Qwen3.5's q rows each head's query and gate) and the
@@ -261,8 +264,8 @@ def test_an_adapter_of_a_deltanets_projections_is_refused_by_name(tmp_path):
 
 
 def test_lora_over_recurrent_layers_that_take_none_is_refused():
-    """Falcon-H1's layers (attention beside Mamba2, with its multipliers) take no adapters."""
-    from tests.models import test_falcon_h1
+    """Nemotron-H's Mamba2 blocks take no adapters."""
+    from tests.models import test_nemotron_h
 
     with pytest.raises(ValueError, match="LoRA adapters do not adapt yet"):
-        tiny_core(test_falcon_h1.build(), enable_lora=True)
+        tiny_core(test_nemotron_h.build(), enable_lora=True)
