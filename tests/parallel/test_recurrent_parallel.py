@@ -8,9 +8,6 @@ own models) are refused before any worker starts."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +33,8 @@ from tests.models import (
     test_qwen3_5,
 )
 from tests.models.recurrent import drawn_mamba2, prompts
+from tests.models.test_recurrent_prefix_caching import served, tokens
+from tests.parallel.test_tensor_parallel import engine_core
 
 MAX_NEW = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -82,15 +81,6 @@ def config(folder: Path, **options: Any) -> EngineConfig:
     )
 
 
-@contextmanager
-def engine_core(engine_config: EngineConfig) -> Iterator[EngineCore]:
-    core, _, _ = create_engine_core(engine_config)
-    try:
-        yield core
-    finally:
-        core.close()
-
-
 def tight_config(folder: Path, overlap: bool = False) -> EngineConfig:
     """Too few blocks for every prompt at once and a small token budget."""
     return config(
@@ -111,17 +101,6 @@ def serve_under_pressure(core: EngineCore, model: Any) -> None:
     assert states is not None and blocks.state_slots is not None
     assert blocks.num_used_blocks == 0
     assert blocks.state_slots.num_free == states.num_slots
-
-
-def tokens(count: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, 320) for _ in range(count)]
-
-
-def served(core: EngineCore, prompt: list[int]) -> tuple[list[int], int]:
-    hits = core.scheduler.prefix_cache_hits
-    out = tokens_of(run_all(core, [prompt], GREEDY)["req-0"])
-    return out, core.scheduler.prefix_cache_hits - hits
 
 
 def test_two_ranks_serve_transformers_tokens_and_resume_from_their_snapshots(saved):

@@ -4,6 +4,7 @@ as threads of this process over a real gloo group, so the collectives are the on
 from __future__ import annotations
 
 import copy
+import importlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -43,11 +44,8 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
-    Qwen3NextConfig,
     Starcoder2Config,
 )
-from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.factory import build_rank
@@ -86,34 +84,27 @@ LATENT = dict(
     qk_rope_head_dim=8,
     v_head_dim=12,
 )
-DELTA_NET = dict(
-    vocab_size=320,
-    num_key_value_heads=2,
-    head_dim=16,
-    layer_types=["linear_attention", "full_attention"],
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=12,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-)
-# Mamba2 of 8 heads of 16 dims (twice the hidden size), groups of 8 state dims.
-MAMBA2 = dict(
-    mamba_n_heads=8,
-    mamba_d_head=16,
-    mamba_n_groups=2,
-    mamba_d_state=8,
-    mamba_d_conv=4,
-    mamba_expand=2,
-)
-DELTA_EXPERTS = dict(
-    num_experts=6,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=48,
-)
+
+
 # vocab_size 321 leaves the last rank's vocabulary share one row of padding; one KV head is
 # kept by both ranks; Qwen2 has q/k/v biases, Qwen3 per-head q/k norms.
+def family(name: str, make: Callable[[Any], Any], **overrides: Any) -> Callable[[], Any]:
+    """A config of the shape the family's own tests use (`make(tests.models.test_<name>)`),
+    with `overrides` set on it."""
+
+    def config() -> Any:
+        made = make(importlib.import_module(f"tests.models.test_{name}"))
+        for key, value in overrides.items():
+            setattr(made, key, value)
+        return made
+
+    return config
+
+
+def falcon_h1(kind: str) -> Callable[[Any], Any]:
+    return lambda m: FalconH1Config(**m.SHAPE, **m.KINDS[kind])
+
+
 MODELS = {
     "llama": lambda: LlamaConfig(**COMMON, vocab_size=320, num_key_value_heads=2),
     "llama-odd-vocab": lambda: LlamaConfig(**COMMON, vocab_size=321, num_key_value_heads=2),
@@ -298,13 +289,11 @@ MODELS = {
     "deepseek-v3": lambda: DeepseekV3Config(**COMMON, **LATENT, q_lora_rank=24),
     "deepseek-v2": lambda: DeepseekV2Config(**COMMON, **LATENT, head_dim=8),
     # Qwen3.5's Gated DeltaNet (split by its key heads and the two value heads each serves)
-    # before a gated attention layer (q's rows each head's query and gate); with experts; and
+    # beside gated attention layers (q's rows each head's query and gate); with experts; and
     # Qwen3-Next's DeltaNet projections grouped by key head.
-    "qwen3.5": lambda: Qwen3_5TextConfig(**COMMON, **DELTA_NET),
-    "qwen3.5-moe": lambda: Qwen3_5MoeTextConfig(**COMMON, **DELTA_NET, **DELTA_EXPERTS),
-    "qwen3-next": lambda: Qwen3NextConfig(
-        **COMMON, **DELTA_NET, **DELTA_EXPERTS, mlp_only_layers=[1]
-    ),
+    "qwen3.5": family("qwen3_5", lambda m: m.KINDS["dense"]()),
+    "qwen3.5-moe": family("qwen3_5", lambda m: m.KINDS["moe"]()),
+    "qwen3-next": family("qwen3_5", lambda m: m.KINDS["next"]()),
     # LFM2's short convolution (split by channel) before an attention layer, its MLP's width
     # adjusted from the config's (128 -> 85 -> 96).
     "lfm2": lambda: Lfm2Config(
@@ -320,74 +309,23 @@ MODELS = {
     ),
     # Mamba2 mixers split by heads: Granite 4's hybrid with one group of B and C that both
     # ranks keep (its gated norm's one group across them), Bamba's two groups (one a rank).
-    "granite-4-hybrid": lambda: GraniteMoeHybridConfig(
-        **COMMON,
-        **MAMBA2 | dict(mamba_n_groups=1),
-        vocab_size=320,
-        num_key_value_heads=2,
-        layer_types=["mamba", "attention"],
-        num_local_experts=6,
-        num_experts_per_tok=2,
-        shared_intermediate_size=48,
-    ),
-    "bamba": lambda: BambaConfig(
-        **COMMON, **MAMBA2, vocab_size=320, num_key_value_heads=2, attn_layer_indices=[1]
-    ),
+    "granite-4-hybrid": family("granite_hybrid", lambda m: m.KINDS["experts"](), mamba_n_groups=1),
+    "bamba": family("bamba", lambda m: BambaConfig(**m.SHAPE)),
     # Falcon-H1's attention beside Mamba2 in every layer, its norm over one group normed before
     # the gate or after it, or only gated with two groups.
-    "falcon-h1-norm-then-gate": lambda: falcon_h1(1, mamba_rms_norm=True),
-    "falcon-h1-gate-then-norm": lambda: falcon_h1(
-        1, mamba_rms_norm=True, mamba_norm_before_gate=False
-    ),
-    "falcon-h1-gated": lambda: falcon_h1(2, mamba_rms_norm=False),
+    "falcon-h1-norm-then-gate": family("falcon_h1", falcon_h1("norm-then-gate"), mamba_n_groups=1),
+    "falcon-h1-gate-then-norm": family("falcon_h1", falcon_h1("gate-then-norm"), mamba_n_groups=1),
+    "falcon-h1-gated": family("falcon_h1", falcon_h1("gated")),
     # Nemotron-H's blocks (Mamba2, NoPE attention, gateless MLPs or experts beside a shared one,
     # in a latent width), each mixer split as its kind is.
-    "nemotron-h-dense": lambda: nemotron_h("dense"),
-    "nemotron-h-experts": lambda: nemotron_h("experts"),
-    "nemotron-h-latent": lambda: nemotron_h("latent"),
-    "nemotron-h-latent-biases": lambda: nemotron_h("latent", mlp_bias=True),
+    "nemotron-h-dense": family("nemotron_h", lambda m: m.KINDS["dense"]()),
+    "nemotron-h-experts": family("nemotron_h", lambda m: m.KINDS["experts"]()),
+    "nemotron-h-latent": family("nemotron_h", lambda m: m.KINDS["latent"]()),
+    "nemotron-h-latent-biases": family("nemotron_h", lambda m: m.KINDS["latent"](), mlp_bias=True),
     # Jamba's Mamba1 split by channels (its projection to the step, B and C summed), experts in
     # every other layer.
-    "jamba": lambda: JambaConfig(
-        **COMMON,
-        vocab_size=320,
-        num_key_value_heads=2,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_dt_rank=8,
-    ),
+    "jamba": family("jamba", lambda m: JambaConfig(**m.SHAPE, num_experts=4)),
 }
-
-
-def nemotron_h(kind: str, **options: Any) -> Any:
-    from tests.models import test_nemotron_h
-
-    config = test_nemotron_h.KINDS[kind]()
-    for key, value in options.items():
-        setattr(config, key, value)
-    return config
-
-
-def falcon_h1(groups: int, **options: Any) -> FalconH1Config:
-    return FalconH1Config(
-        **COMMON,
-        **MAMBA2 | dict(mamba_n_groups=groups),
-        vocab_size=320,
-        num_key_value_heads=2,
-        head_dim=16,
-        mamba_d_ssm=128,
-        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05],
-        ssm_in_multiplier=0.9,
-        ssm_out_multiplier=1.3,
-        **options,
-    )
 
 
 def build(name: str) -> Any:
