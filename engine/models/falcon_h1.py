@@ -73,7 +73,7 @@ class FalconH1Layer(PagedLlamaLayer):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        lora = self.lora if self.lora is not None and self.lora.active else None
+        lora = self.active_lora()
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         mixed = self.mamba(normed, layer_states(metadata), self.state_index, hidden.dtype)
         mamba = self.mamba_out_proj(mixed) * self.mamba_out

@@ -114,7 +114,7 @@ class ShortConvLayer(PagedLlamaLayer):
         assert states is not None, "a recurrent model runs with its states"
         convolved = states.convolve(self.index, b * x, self.taps, self.conv_bias)
         mixed = add_projected(self.out_proj, c * convolved, hidden)
-        lora = self.lora if self.lora is not None and self.lora.active else None
+        lora = self.active_lora()
         return self.after_mixing(mixed, lora)
 
     def after_mixing(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:

@@ -345,6 +345,10 @@ class PagedLlamaLayer(nn.Module):
         """The per-request states the layer keeps (none: it attends, its K/V in the cache)."""
         return []
 
+    def active_lora(self) -> LoRASlots | None:
+        """The adapters' slots where the step runs some adapter, else None."""
+        return self.lora if self.lora is not None and self.lora.active else None
+
     # Whether a layer that keeps states splits them under tensor parallelism (each rank its
     # heads' states), and whether it takes LoRA adapters (of its MLP).
     states_split = False
@@ -357,7 +361,7 @@ class PagedLlamaLayer(nn.Module):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        lora = self.lora if self.lora is not None and self.lora.active else None
+        lora = self.active_lora()
         # Eagerly (the class's own methods, not compiled ones set on the layer): compiled pieces
         # and graphs run the base model only.
         if lora is not None:

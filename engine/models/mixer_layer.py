@@ -77,7 +77,7 @@ class MixerLayer(PagedLlamaLayer):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        lora = self.lora if self.lora is not None and self.lora.active else None
+        lora = self.active_lora()
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         mixed = self.mamba(normed, layer_states(metadata), self.index, hidden.dtype)
         return self.after_attention(mixed.view(-1, self.num_heads, self.head_dim), hidden, lora)

@@ -93,7 +93,7 @@ class NemotronMlpBlock(_Block):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        lora = self.lora if self.lora is not None and self.lora.active else None
+        lora = self.active_lora()
         mlp_input = self.gate_up_proj if self.moe is None else self.moe
         return self._mlp(self._norm(self.input_norm, hidden, mlp_input), hidden, lora)
 

@@ -77,7 +77,7 @@ class GatedAttentionLayer(_OwnNorms, PagedLlamaLayer):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        lora = self.lora if self.lora is not None and self.lora.active else None
+        lora = self.active_lora()
         normed = self._norm(self.input_norm, hidden, self.qkv_proj)
         qkv = self.qkv_proj(normed)
         if lora is not None and lora.adapts(self.lora_index, "qkv"):
@@ -159,7 +159,7 @@ class GatedDeltaNetLayer(_OwnNorms, PagedLlamaLayer):
         per_head = (-1, self.value_head_dim)
         gated = self.net.norm(out.reshape(per_head), z.reshape(per_head))
         hidden = add_projected(self.out_proj, gated.reshape(tokens, self.value_dim), hidden)
-        lora = self.lora if self.lora is not None and self.lora.active else None
+        lora = self.active_lora()
         return self._mlp(self.post_attention_norm(hidden), hidden, lora)
 
 
