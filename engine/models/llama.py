@@ -681,18 +681,19 @@ class PagedLlamaForCausalLM(nn.Module):
         return metadata.backend.decode_step(metadata)
 
 
-def nope_view(hf_model: Any, embeddings: str, norm: str) -> Any:
-    """A causal LM without a rotary (Nemotron-H's, Jamba's) under the Llama causal LM's names,
-    its decoder's embeddings and last norm found under `embeddings` and `norm`."""
-    base = hf_model.model
-    decoder = SimpleNamespace(
+def nope_view(hf_model: Any, embeddings: str, norm: str, decoder: str = "model") -> Any:
+    """A causal LM without a rotary (Nemotron-H's, Jamba's, Mamba's) under the Llama causal LM's
+    names, its decoder (`decoder`: Mamba's is its `backbone`) holding its embeddings and last
+    norm under `embeddings` and `norm`."""
+    base = getattr(hf_model, decoder)
+    view = SimpleNamespace(
         embed_tokens=getattr(base, embeddings),
         norm=getattr(base, norm),
         layers=base.layers,
         config=base.config,
         rotary_emb=None,
     )
-    return SimpleNamespace(model=decoder, lm_head=hf_model.lm_head, config=hf_model.config)
+    return SimpleNamespace(model=view, lm_head=hf_model.lm_head, config=hf_model.config)
 
 
 def hybrid_layers(

@@ -7,7 +7,6 @@ snapshots of the states). Decode steps run op by op."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from engine.kv.state_cache import StateSpec
 from engine.lora.adapter import Shapes
 from engine.lora.slots import LoRASlots
 from engine.models.layers import add_projected
-from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, not_plain
+from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, nope_view, not_plain
 from engine.models.mamba1 import Mamba1Mixer
 from engine.models.mamba2 import Mamba2Mixer, why_not_mixed
 from engine.models.mixer_layer import RecurrentMixer, layer_states
@@ -107,16 +106,7 @@ class PagedMambaForCausalLM(PagedLlamaForCausalLM):
     splits_at_attention = False
 
     def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
-        backbone = hf_model.backbone
-        decoder = SimpleNamespace(
-            embed_tokens=backbone.embeddings,
-            norm=backbone.norm_f,
-            layers=backbone.layers,
-            config=hf_model.config,
-            rotary_emb=None,
-        )
-        view = SimpleNamespace(model=decoder, lm_head=hf_model.lm_head, config=hf_model.config)
-        super().__init__(view, shard)
+        super().__init__(nope_view(hf_model, "embeddings", "norm_f", decoder="backbone"), shard)
 
     def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
         layers: list[nn.Module] = []

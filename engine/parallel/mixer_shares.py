@@ -99,10 +99,13 @@ def count_local_heads(module: Any, shape: ShardShape) -> None:
     kind = type(module).__name__
     if kind in GATED_DELTA_NETS:
         _count_delta_net(module, shape.size)
-    elif kind in MAMBA2_MIXERS:
-        _count_local_mamba(module, shape)
-    elif kind in MAMBA1_MIXERS:
-        module.intermediate_size = shape._mamba.heads // shape.size
+    elif kind in MAMBA2_MIXERS or kind in MAMBA1_MIXERS:
+        whole = shape.mamba
+        assert whole is not None, "a Mamba mixer's share is cut by its config's heads"
+        if kind in MAMBA1_MIXERS:
+            module.intermediate_size = whole.heads // shape.size
+        else:
+            _count_local_mamba(module, whole, shape)
 
 
 # Hugging Face's Gated DeltaNet classes, whose head counts and widths a share updates.
@@ -130,11 +133,10 @@ MAMBA2_MIXERS = frozenset(
 MAMBA1_MIXERS = frozenset({"JambaMambaMixer"})
 
 
-def _count_local_mamba(mixer: Any, shape: ShardShape) -> None:
+def _count_local_mamba(mixer: Any, whole: MambaHeads, shape: ShardShape) -> None:
     """A Mamba2 mixer's counts of heads, groups and widths as its share holds them, and how many
     ranks share each of its norm's groups (`norm_ranks`: more than one where the ranks keep the
     one group whole, so that the norm's one group of channels lies across them)."""
-    whole = shape._mamba
     mixer.num_heads = whole.heads // shape.size
     mixer.intermediate_size = mixer.num_heads * whole.head_dim
     mixer.n_groups = shape.local_mamba_groups
