@@ -323,17 +323,7 @@ def tiny_qwen3_vl(seed: int = 0, family: str = "qwen3_vl") -> Any:
     text = {**_qwen_vl_text(tokenizer), "num_hidden_layers": 3, "head_dim": 16}
     if family == "qwen3_vl_moe":
         text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-    vision = {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-        "patch_size": PATCH,
-        "num_position_embeddings": 64,
-        "deepstack_visual_indexes": [0, 1],
-        "initializer_range": 0.2,
-    }
+    vision = _qwen3_tower() | {"deepstack_visual_indexes": [0, 1]}
     moe = family == "qwen3_vl_moe"
     config = (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=text,
@@ -344,6 +334,20 @@ def tiny_qwen3_vl(seed: int = 0, family: str = "qwen3_vl") -> Any:
     torch.manual_seed(seed)
     model = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
     return model(config).eval()
+
+
+def _qwen3_tower() -> dict[str, Any]:
+    """The vision tower of Qwen3-VL's and Qwen3.5's tiny models: two layers."""
+    return {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+        "patch_size": PATCH,
+        "num_position_embeddings": 64,
+        "initializer_range": 0.2,
+    }
 
 
 def tiny_qwen3_vl_moe(seed: int = 0) -> Qwen3VLMoeForConditionalGeneration:
@@ -381,19 +385,9 @@ def tiny_qwen3_5(seed: int = 0, family: str = "qwen3_5") -> Any:
             "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 48,
         }
-    vision = {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-        "patch_size": PATCH,
-        "num_position_embeddings": 64,
-        "initializer_range": 0.2,
-    }
     config = (Qwen3_5MoeConfig if moe else Qwen3_5Config)(
         text_config=text,
-        vision_config=vision,
+        vision_config=_qwen3_tower(),
         tie_word_embeddings=False,
         **_qwen_vl_tokens(tokenizer),
     )
