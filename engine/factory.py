@@ -69,6 +69,7 @@ from engine.models.layer_kinds import (
 from engine.models.llama import PagedLlamaForCausalLM
 from engine.models.vision import ImageTextLM, is_image_text, takes_images
 from engine.parallel.group import ParallelGroup
+from engine.parallel.mixer_shares import MambaHeads
 from engine.parallel.sharding import Shard, not_shardable, why_not_shardable
 from engine.parallel.workers import WorkerPool, rank_device
 from engine.scheduling.scheduler import Scheduler
@@ -155,6 +156,7 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
     if architectures & (STATEFUL_FAMILIES.keys() - STATES_SPLIT):
         raise ValueError("tensor parallelism does not split recurrent layers' states yet")
     counted = all(hasattr(checkpoint, key) for key in ("num_attention_heads", "intermediate_size"))
+    counted = counted or MambaHeads.of(checkpoint) is not None  # (Mamba's own models)
     reason = why_not_shardable(checkpoint, size) if counted else ""
     if reason:
         raise not_shardable(size, reason)

@@ -61,6 +61,9 @@ STATES_SPLIT = frozenset(
         "FalconH1ForCausalLM",
         "NemotronHForCausalLM",
         "JambaForCausalLM",
+        "MambaForCausalLM",
+        "Mamba2ForCausalLM",
+        "FalconMambaForCausalLM",
     }
 )
 

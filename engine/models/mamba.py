@@ -3,7 +3,8 @@
 each block adds its Mamba or Mamba2 mixer of its normed rows (`mamba1.py`, `mamba2.py`) to the
 residual (`ResidualBlock`, which Nemotron-H's blocks share). No layer keeps K/V: the KV cache
 has no layers, and its blocks only count tokens for the scheduler (and key the prefix cache's
-snapshots of the states). Decode steps run op by op."""
+snapshots of the states). Decode steps run op by op. Under tensor parallelism each rank keeps its
+share of every mixer's heads (Mamba2) or channels (Mamba) and their states."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ MAMBA_ARCHITECTURES = frozenset({"MambaForCausalLM", "Mamba2ForCausalLM", "Falco
 
 def mixer_of(mixer: Any, group: ParallelGroup | None = None) -> RecurrentMixer:
     """Conveyor's mixer for a Hugging Face Mamba (it projects a step: `x_proj`) or Mamba2 one
-    (the rank's share of its heads under tensor parallelism, `group`)."""
-    return Mamba1Mixer(mixer) if hasattr(mixer, "x_proj") else Mamba2Mixer(mixer, group=group)
+    (the rank's share of its channels or heads under tensor parallelism, `group`)."""
+    if hasattr(mixer, "x_proj"):
+        return Mamba1Mixer(mixer, group)
+    return Mamba2Mixer(mixer, group=group)
 
 
 class ResidualBlock(PagedLlamaLayer):
@@ -60,7 +63,9 @@ class ResidualBlock(PagedLlamaLayer):
 
 class MambaBlock(ResidualBlock):
     """A block whose mixer is Mamba or Mamba2; with `residual_in_fp32` its residual is added in
-    fp32."""
+    fp32. Under tensor parallelism it holds the rank's share of the mixer and its states."""
+
+    states_split = True
 
     def _mixer_parts(self, block: Any) -> None:
         self.mamba = mixer_of(block.mixer, self.group)
@@ -112,7 +117,7 @@ class PagedMambaForCausalLM(PagedLlamaForCausalLM):
         layers: list[nn.Module] = []
         held = 0
         for block in base.layers:
-            built = MambaBlock(block, held)
+            built = MambaBlock(block, held, shard)
             layers.append(built)
             held += len(built.state_specs())
         return layers

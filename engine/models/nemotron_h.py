@@ -66,8 +66,6 @@ class NemotronMambaBlock(_Block, MambaBlock):
     """Mamba2 over each request's states, its output projected onto the residual; under tensor
     parallelism the rank's heads and their states."""
 
-    states_split = True
-
 
 class NemotronMlpBlock(_Block):
     """An MLP without a gate (`down(relu(up(x))^2)`), or experts, onto the residual."""

@@ -1,8 +1,9 @@
 """What tensor parallelism splits of the recurrent mixers: the heads of a Gated DeltaNet
 (Qwen3.5's, Qwen3-Next's) and of a Mamba2 mixer (Granite 4's, Bamba's, Falcon-H1's,
-Nemotron-H's), the channels of a Mamba1 mixer (Jamba's) and of LFM2's short convolutions, as a
-config counts them; whether they divide; and each Hugging Face mixer's counts set to its share's
-once it is cut (`sharding.shard_model`), so that Conveyor's layer reads a smaller mixer.
+Nemotron-H's, Mamba2's own models'), the channels of a Mamba1 mixer (Jamba's, Mamba's and
+Falcon-Mamba's own models') and of LFM2's short convolutions, as a config counts them; whether
+they divide; and each Hugging Face mixer's counts set to its share's once it is cut
+(`sharding.shard_model`), so that Conveyor's layer reads a smaller mixer.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class LinearHeads:
 class MambaHeads:
     """A Mamba2 mixer's heads (of `head_dim` dims each) and its groups of B and C (of
     `state_dims` each), which the heads read in equal runs (Granite 4's, Bamba's, Falcon-H1's
-    config names, or Nemotron-H's); or a Mamba1 mixer's channels (Jamba's), each a head of one
-    dim, reading B and C whole (`mamba1`)."""
+    config names, Nemotron-H's or Mamba2's own); or a Mamba1 mixer's channels (Jamba's, Mamba's,
+    Falcon-Mamba's), each a head of one dim, reading B and C whole (`mamba1`)."""
 
     heads: int
     head_dim: int
@@ -56,6 +57,11 @@ class MambaHeads:
 
     @classmethod
     def of(cls, config: Any) -> MambaHeads | None:
+        kind = getattr(config, "model_type", "")
+        if kind in MAMBA1_MODELS:  # Mamba's own models' names
+            return cls(config.intermediate_size, 1, 0, config.state_size, mamba1=True)
+        if kind == "mamba2":
+            return cls(config.num_heads, config.head_dim, config.n_groups, config.state_size)
         if getattr(config, "mamba_dt_rank", None):  # Jamba's Mamba1
             channels = int(config.mamba_expand * config.hidden_size)
             return cls(channels, 1, 0, config.mamba_d_state, mamba1=True)
@@ -72,6 +78,15 @@ class MambaHeads:
         )
 
 
+# The model types of Mamba's own models whose mixers are Mamba1.
+MAMBA1_MODELS = frozenset({"mamba", "falcon_mamba"})
+
+
+def attends(config: Any) -> bool:
+    """Whether the config's model has attention heads (Mamba's own models have none)."""
+    return bool(getattr(config, "num_attention_heads", None))
+
+
 def conv_channels(config: Any) -> int:
     """The channels of LFM2's short convolutions (its hidden size); 0 in another model."""
     return int(config.hidden_size) if getattr(config, "conv_L_cache", None) else 0
@@ -82,7 +97,8 @@ def why_mixers_do_not_split(config: Any, size: int) -> str:
     mamba = MambaHeads.of(config)
     if mamba is not None:
         if mamba.heads % size:
-            return f"its {mamba.heads} Mamba2 heads do not divide by {size}"
+            what = "Mamba channels" if mamba.mamba1 else "Mamba2 heads"
+            return f"its {mamba.heads} {what} do not divide by {size}"
         if mamba.groups % size and mamba.groups != 1:
             return f"its {mamba.groups} Mamba2 groups neither divide by {size} nor are one"
     linear = LinearHeads.of(config)
@@ -125,12 +141,18 @@ def _count_delta_net(net: Any, size: int) -> None:
 
 # Hugging Face's Mamba2 mixers that a share splits by heads, whose counts it updates.
 MAMBA2_MIXERS = frozenset(
-    {"GraniteMoeHybridMambaLayer", "BambaMixer", "FalconH1Mixer", "NemotronHMamba2Mixer"}
+    {
+        "GraniteMoeHybridMambaLayer",
+        "BambaMixer",
+        "FalconH1Mixer",
+        "NemotronHMamba2Mixer",
+        "Mamba2Mixer",
+    }
 )
 
 
 # Hugging Face's Mamba1 mixers that a share splits by channels.
-MAMBA1_MIXERS = frozenset({"JambaMambaMixer"})
+MAMBA1_MIXERS = frozenset({"JambaMambaMixer", "MambaMixer", "FalconMambaMixer"})
 
 
 def _count_local_mamba(mixer: Any, whole: MambaHeads, shape: ShardShape) -> None:

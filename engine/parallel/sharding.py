@@ -17,7 +17,8 @@ Falcon-H1's) is split by heads: its gate's, inputs' and steps' rows, its convolu
 its decays, skips and steps' biases, its norm's weight, its output projection's columns; its
 groups of B and C are split with the heads that read them, or kept by every rank where there is
 one (its gated norm then adds the ranks' sums of squares). A Mamba1 mixer (Jamba's) is split by
-channels, its projection to the step and B and C summed over the ranks.
+channels, its projection to the step and B and C summed over the ranks. Mamba's own models
+(Mamba, Mamba2, Falcon-Mamba), without attention, split their mixers alike.
 
 The cut happens on the plain Hugging Face modules right after loading, before the linear layers
 take Conveyor's kernel forms, so every later step sees an ordinary (smaller) model.
@@ -36,6 +37,7 @@ from engine.parallel.group import ParallelGroup
 from engine.parallel.mixer_shares import (
     LinearHeads,
     MambaHeads,
+    attends,
     conv_channels,
     count_local_heads,
     why_mixers_do_not_split,
@@ -351,13 +353,13 @@ class ShardShape:
     def of(
         cls, config: Any, rank: int, size: int, vocab_size: int, norms_all_heads: bool = False
     ) -> ShardShape:
-        heads = config.num_attention_heads
+        heads = config.num_attention_heads if attends(config) else 0
         return cls(
             rank=rank,
             size=size,
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            head_dim=_head_dim(config) if heads else 0,
             intermediate=dense_intermediate(config),
             vocab_size=vocab_size,
             expert_intermediate=_expert_intermediate(config),
@@ -371,9 +373,15 @@ class ShardShape:
         )
 
 
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def dense_intermediate(config: Any) -> int:
     """The intermediate size of a dense MLP: the config's, or as LFM2's MLP adjusts it (two
-    thirds, times a multiplier, rounded up to a multiple)."""
+    thirds, times a multiplier, rounded up to a multiple); 0 in Mamba's own models (no MLP)."""
+    if not attends(config):
+        return 0
     size = int(config.intermediate_size)
     if not getattr(config, "block_auto_adjust_ff_dim", False):
         return size
@@ -416,7 +424,7 @@ def _shared_intermediate(config: Any) -> int:
 
 def why_not_shardable(config: Any, size: int) -> str:
     """Empty where a model with this config splits over `size` ranks, else why not."""
-    heads = config.num_attention_heads
+    heads = config.num_attention_heads if attends(config) else size
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads % size:
         return f"its {heads} attention heads do not divide by {size}"
@@ -450,7 +458,7 @@ def shard_model(hf_model: Any, rank: int, size: int) -> ShardShape:
     head = hf_model.get_output_embeddings()
     norms_all_heads = type(hf_model).__name__ in ALL_HEADS_NORMED
     shape = ShardShape.of(config, rank, size, head.weight.shape[0], norms_all_heads)
-    layers = hf_model.model.layers
+    layers = hf_model.base_model.layers
     for name, module in list(layers.named_modules()):
         if name.endswith(BIASED_ONCE) and rank and getattr(module, "bias", None) is not None:
             module.bias = None  # rank 0 adds it: the sum over the ranks adds it once
@@ -567,8 +575,9 @@ ROW_SHARES = {
     "mixer.v_proj": "kv_span",
     "mixer.up_proj": "channel_span",
     "mixer.shared_experts.up_proj": "shared_span",
-    # A Mamba1 mixer's projection of the step up to its channels.
+    # A Mamba1 mixer's projection of the step up to its channels (and Mamba's own models').
     "mamba.dt_proj": "mamba_head_span",
+    "mixer.dt_proj": "mamba_head_span",
 }
 # A Mamba2 mixer's first projection: z, x, B, C and dt.
 MAMBA2_IN_PARTS = (
@@ -579,10 +588,12 @@ MAMBA2_IN_PARTS = (
     "mamba_head_span",
 )
 # A Mamba1 mixer's first projection (x and z) and its convolution's channels, in place of a
-# Mamba2 mixer's of the same names.
+# Mamba2 mixer's of the same names (Jamba's, and Mamba's own models').
 MAMBA1_FUSED = {
     "mamba.in_proj": ("mamba_inner_span", "mamba_inner_span"),
     "mamba.conv1d": ("mamba_inner_span",),
+    "mixer.in_proj": ("mamba_inner_span", "mamba_inner_span"),
+    "mixer.conv1d": ("mamba_inner_span",),
 }
 # Projections holding several parts one above the other, each part split as its own projection
 # is: Phi-3's q, k and v; Phi-3's and GLM's gate and up; GraniteMoeShared's gate and up of the MLP
@@ -625,11 +636,13 @@ COLUMN_SHARES = {
     "mixer.out_proj": "mamba_inner_span",
     # A Mamba1 mixer's projection of its channels to the step, B and C.
     "mamba.x_proj": "mamba_inner_span",
+    "mixer.x_proj": "mamba_inner_span",
 }
 # Projections every rank keeps whole whose outputs the ranks sum (Nemotron-H's projection out
 # of its experts' latent width, after their partial sums): rank 0 alone keeps the bias.
 BIASED_ONCE = ("mixer.fc2_latent_proj",)
-VOCAB_MODULES = ("embed_tokens", "lm_head", "model.embeddings")  # (the last Nemotron-H's)
+# (the last two Nemotron-H's and Mamba's own models')
+VOCAB_MODULES = ("embed_tokens", "lm_head", "model.embeddings", "backbone.embeddings")
 # The weights of q's and k's norms over all heads at once, split as q's and k's rows are.
 HEAD_NORM_SHARES = {"self_attn.q_norm": "query_span", "self_attn.k_norm": "kv_span"}
 # The weights of norms over a mixer's channels, split as its channels are (a Mamba2 mixer's).

@@ -1,10 +1,10 @@
 """Tensor parallelism over two gloo ranks for the recurrent layers whose states split: Qwen3.5's
 and Qwen3-Next's Gated DeltaNet, the Mamba2 mixers of Granite 4, Falcon-H1 and Nemotron-H (each
 rank keeps the states of its heads; Nemotron-H's gateless experts in a latent width beside them),
-Jamba's Mamba1 and LFM2's short convolutions (of their channels); the tokens are transformers'
-under chunked prefill and preemption, in turn and overlapped, and from snapshots of the states
-(prefix caching) that every rank restores and saves. Families whose states do not split yet (Mamba's
-own models) are refused before any worker starts."""
+Mamba2's own models, Jamba's and Falcon-Mamba's Mamba1 and LFM2's short convolutions (of their
+channels); the tokens are transformers' under chunked prefill and preemption, in turn and
+overlapped, and from snapshots of the states (prefix caching) that every rank restores and saves.
+A family whose states do not split is refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
+from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig, Mamba2Config
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
+from engine.parallel.mixer_shares import attends
 from engine.parallel.sharding import why_not_shardable
 from tests.core.test_engine_greedy import record_chunking
 from tests.helpers import reference_greedy, run_all, tiny_tokenizer, tokens_of
@@ -49,6 +50,13 @@ def granite_one_group() -> Any:
     return drawn_mamba2(AutoModelForCausalLM.from_config(config))
 
 
+def mamba2_one_group() -> Any:
+    """A tiny Mamba2 (its own model, no attention) whose mixers have one group of B and C."""
+    torch.manual_seed(0)
+    config = Mamba2Config(**test_mamba.SHAPE, num_heads=8, head_dim=16, n_groups=1)
+    return drawn_mamba2(AutoModelForCausalLM.from_config(config))
+
+
 # Each kind's tiny model, and the shape of rank 0's first recurrent state (its place among the
 # states): 2 of the 4 value heads' (one key head's), 4 of the 8 Mamba2 heads', or 32 of the 64
 # channels.
@@ -60,6 +68,8 @@ KINDS = {
     "nemotron-h": (lambda: test_nemotron_h.build("latent"), 1, (4, 16, 8)),
     # 64 of Jamba's 128 Mamba1 channels, 8 state dims each.
     "jamba": (lambda: test_jamba.build("experts"), 1, (64, 8)),
+    "falcon-mamba": (lambda: test_mamba.build("falcon_mamba"), 1, (64, 8)),
+    "mamba2": (mamba2_one_group, 1, (4, 16, 8)),
     "lfm2": (lambda: test_lfm2.build(), 0, (2, 32)),
 }
 
@@ -72,6 +82,12 @@ def saved(request, tmp_path_factory) -> tuple[Any, Path, str]:
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return model, folder, request.param
+
+
+def reference(model: Any, prompt: list[int]) -> list[int]:
+    """transformers' greedy tokens (Mamba's own models' on their eager path)."""
+    attention = "sdpa" if attends(model.config) else test_mamba.ATTENTION
+    return reference_greedy(model, prompt, MAX_NEW, attention)
 
 
 def config(folder: Path, **options: Any) -> EngineConfig:
@@ -91,7 +107,7 @@ def tight_config(folder: Path, overlap: bool = False) -> EngineConfig:
 def serve_under_pressure(core: EngineCore, model: Any) -> None:
     """`prompts()` served with transformers' tokens, some preempted and some chunked, every block
     and state slot given back."""
-    expected = [reference_greedy(model, p, MAX_NEW) for p in prompts()]
+    expected = [reference(model, p) for p in prompts()]
     chunked = record_chunking(core)
     outputs = run_all(core, prompts(), GREEDY)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
@@ -117,9 +133,9 @@ def test_two_ranks_serve_transformers_tokens_and_resume_from_their_snapshots(sav
         assert states.layers[index].shape[1:] == share
         first = tokens(37, seed=1)
         answer, hits = served(core, first)
-        assert answer == reference_greedy(model, first, MAX_NEW) and hits == 0
+        assert answer == reference(model, first) and hits == 0
         second = first + answer + tokens(5, seed=2)
-        assert served(core, second) == (reference_greedy(model, second, MAX_NEW), 40)
+        assert served(core, second) == (reference(model, second), 40)
 
 
 @pytest.mark.parametrize("kind", ["qwen3.5", "granite-4"])
@@ -152,6 +168,7 @@ def test_a_family_whose_states_do_not_split_is_refused_before_any_worker_starts(
 ):
     test_mamba.build().save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
+    monkeypatch.setattr("engine.factory.STATES_SPLIT", frozenset())
     monkeypatch.setattr(
         "engine.parallel.workers.WorkerPool.start",
         lambda *args: pytest.fail("a worker started"),

@@ -57,6 +57,7 @@ from engine.parallel.loading import load_share
 from engine.parallel.sharding import Shard, ShardShape, shard_model, why_not_shardable
 from engine.worker.input_batch import InputBatch
 from engine.worker.model_runner import model_inputs
+from tests.models import test_mamba
 
 COMMON = dict(
     hidden_size=64,
@@ -325,6 +326,11 @@ MODELS = {
     # Jamba's Mamba1 split by channels (its projection to the step, B and C summed), experts in
     # every other layer.
     "jamba": family("jamba", lambda m: JambaConfig(**m.SHAPE, num_experts=4)),
+    # Mamba's own models, without attention: Mamba's channels (its embedding tied to its head),
+    # Falcon-Mamba's (its step, B and C normed), Mamba2's heads in two groups.
+    "mamba": family("mamba", lambda m: m.KINDS["mamba"](), tie_word_embeddings=True),
+    "falcon-mamba": family("mamba", lambda m: m.KINDS["falcon_mamba"]()),
+    "mamba2": family("mamba", lambda m: m.KINDS["mamba2"]()),
 }
 
 
@@ -463,6 +469,19 @@ def test_what_does_not_divide_is_named(overrides, size, reason):
     config = LlamaConfig(**{**COMMON, "vocab_size": 320, **overrides})
     found = why_not_shardable(config, size)
     assert (reason in found and found) if reason else found == ""
+
+
+@pytest.mark.parametrize(
+    ("kind", "size", "reason"),
+    [
+        ("mamba", 3, "its 128 Mamba channels do not divide by 3"),
+        ("mamba2", 3, "its 8 Mamba2 heads do not divide by 3"),
+        ("mamba2", 4, "its 2 Mamba2 groups neither divide by 4 nor are one"),
+        ("mamba2", 2, ""),
+    ],
+)
+def test_what_of_mamba_own_models_does_not_divide_is_named(kind, size, reason):
+    assert why_not_shardable(test_mamba.KINDS[kind](), size) == reason
 
 
 def test_a_model_that_does_not_divide_is_refused_before_loading_its_share():
