@@ -155,6 +155,11 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
     architectures = set(getattr(checkpoint, "architectures", None) or ())
     if architectures & (STATEFUL_FAMILIES.keys() - STATES_SPLIT):
         raise ValueError("tensor parallelism does not split recurrent layers' states yet")
+    if architectures & STATEFUL_FAMILIES.keys() and config.speculative is not None:
+        raise ValueError(
+            "speculative decoding across tensor-parallel ranks does not roll back recurrent "
+            "layers' states yet"
+        )
     counted = all(hasattr(checkpoint, key) for key in ("num_attention_heads", "intermediate_size"))
     counted = counted or MambaHeads.of(checkpoint) is not None  # (Mamba's own models)
     reason = why_not_shardable(checkpoint, size) if counted else ""
@@ -341,9 +346,13 @@ def _snapshot_count(config: EngineConfig, slot_bytes: int, slots: int, device: t
 def _state_slot_count(config: EngineConfig, slot_bytes: int, device: torch.device) -> int:
     """A slot for each of `--max-num-seqs` requests, or as many as half the KV cache budget
     holds where that is fewer (the blocks keep the other half): then fewer requests run at once,
-    as where the blocks run short. `--num-gpu-blocks-override` leaves the budget to the user."""
+    as where the blocks run short. Under speculative decoding, as many again for each draft a
+    step verifies (its rows' states), where the budget holds them; a step's drafts borrow the
+    slots no request holds. `--num-gpu-blocks-override` leaves the budget to the user."""
+    spec = config.speculative
+    drafts = spec.num_speculative_tokens if spec is not None else 0
     if config.cache.num_blocks is not None:
-        return config.max_num_seqs
+        return config.max_num_seqs * (1 + drafts)
     budget = _budget_before_blocks(config, device)
     fit = budget // 2 // slot_bytes
     if fit < 1:
@@ -362,7 +371,7 @@ def _state_slot_count(config: EngineConfig, slot_bytes: int, device: torch.devic
             config.max_num_seqs,
             fit,
         )
-    return min(fit, config.max_num_seqs)
+    return min(fit, config.max_num_seqs * (1 + drafts))
 
 
 def _budget_before_blocks(config: EngineConfig, device: torch.device) -> int:
@@ -380,8 +389,6 @@ def _why_no_states(config: EngineConfig, shard: Shard | None, model: PagedLlamaF
     """Empty where the engine serves a recurrent model so configured, else what does not."""
     if shard is not None and not model.states_split():
         return "tensor parallelism does not split yet"
-    if config.speculative is not None:
-        return "speculative decoding does not roll back yet"
     if config.enable_lora and not model.states_adapted():
         return "LoRA adapters do not adapt yet"
     return ""
@@ -643,6 +650,11 @@ def _load_draft(
             f"context of {loaded.max_model_len} tokens"
         )
     model = build_causal_lm(loaded.model, config.model_impl, None)
+    if isinstance(model, PagedLlamaForCausalLM) and model.state_specs():
+        raise ValueError(
+            "a draft model with recurrent layers is not served: draft with one whose layers "
+            "all attend"
+        )
     features = attention_features(loaded.model, loaded.max_model_len)
     backend = get_backend(_attention_backend(config, features, device), device, dtype)
     cache_dtype = kv_cache_dtype("auto", dtype, loaded.compute_dtype, device)

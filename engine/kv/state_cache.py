@@ -3,6 +3,13 @@ linear attention's state), on the device: each state a layer keeps is a tensor `
 *shape]`, a request's at its slot (`state_slots.py`). Each step, `begin` zeroes the slots of
 requests at their first token and works out, once for every layer, where each token's inputs
 come from.
+
+A request that verifies drafts runs one decode row per token (`InputBatch.drafts`), each row
+after the first in a slot of its own that starts from the row before's state
+(`InputBatch.state_sources`): the rows run in waves, the first rows of every request with the
+step's other rows, then each request's second rows, and so on, so that every row's state
+follows the one before it; once the drafts it keeps are known, the state of its last kept row
+is copied into the request's slot (`copy_slots`).
 """
 
 from __future__ import annotations
@@ -21,13 +28,22 @@ from engine.worker.input_batch import InputBatch
 
 @dataclass(slots=True)
 class StateStep:
-    """One step's rows as the recurrent layers read them: each row's slot and tokens."""
+    """One step's rows, or one wave of them, as the recurrent layers read them: each row's
+    slot and tokens; where a wave, the flattened indices of its `tokens` among the step's and
+    the slots whose states its rows' slots take first (`sources`)."""
 
     slots: torch.Tensor  # [rows] int64, on the device
     host_slots: np.ndarray  # [rows], the same on the host
     query_lens: np.ndarray  # [rows]
     device: torch.device
+    tokens: torch.Tensor | None = None  # None: the step's every token
+    sources: torch.Tensor | None = None  # None: each row runs from its own slot
     _windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def take_sources(self, state: torch.Tensor) -> None:
+        """Each row's slot of `state` set to its source's, where the rows have sources."""
+        if self.sources is not None:
+            state.index_copy_(0, self.slots, state.index_select(0, self.sources))
 
     def conv_windows(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For a causal convolution of `width` taps over the step's tokens, with each row's
@@ -111,6 +127,8 @@ class StateCache:
             for shape, own in specs
         ]
         self.step: StateStep | None = None
+        # The step's later waves of verifying rows (none: no request verifies drafts).
+        self.waves: list[StateStep] = []
 
     @property
     def num_bytes(self) -> int:
@@ -124,19 +142,44 @@ class StateCache:
         """Copy each `(snapshot, slot)` pair's snapshot into the slot's states."""
         _copy_rows(self.snapshots, self.layers, pairs)
 
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each `(source, target)` pair's slot states into the target slot, in order."""
+        _copy_rows(self.layers, self.layers, pairs)
+
     def begin(self, batch: InputBatch) -> StateStep:
-        """The step's rows; the slots of rows at their request's first token zeroed."""
+        """The step's rows (its first wave, where requests verify drafts); the slots of rows at
+        their request's first token zeroed."""
         slots = batch.state_slots
         if len(slots) != len(batch.query_lens) or (slots < 0).any():
             raise RuntimeError("a request of a recurrent model runs without a state slot")
-        on_device = torch.from_numpy(slots).to(self.device, non_blocking=True)
         fresh = np.flatnonzero(batch.context_lens == 0)
         if len(fresh):
             index = torch.from_numpy(slots[fresh]).to(self.device, non_blocking=True)
             for state in self.layers:
                 state.index_fill_(0, index, 0)
-        self.step = StateStep(on_device, slots, batch.query_lens, self.device)
+        depths = _wave_depths(batch.state_sources, len(slots))
+        if depths is None:
+            on_device = torch.from_numpy(slots).to(self.device, non_blocking=True)
+            self.step, self.waves = StateStep(on_device, slots, batch.query_lens, self.device), []
+            return self.step
+        parts = [self._wave(batch, depths == d) for d in range(int(depths.max()) + 1)]
+        self.step, self.waves = parts[0], parts[1:]
         return self.step
+
+    def _wave(self, batch: InputBatch, rows: np.ndarray) -> StateStep:
+        """The step's rows where `rows` (a mask) as one wave: their slots, tokens, sources."""
+        device = self.device
+        slots, lens = batch.state_slots[rows], batch.query_lens[rows]
+        tokens = np.flatnonzero(np.repeat(rows, batch.query_lens))
+        sources = batch.state_sources[rows]
+        return StateStep(
+            torch.from_numpy(slots).to(device, non_blocking=True),
+            slots,
+            lens,
+            device,
+            torch.from_numpy(tokens).to(device, non_blocking=True),
+            None if (sources < 0).all() else torch.from_numpy(sources).to(device),
+        )
 
     def convolve(
         self,
@@ -154,24 +197,14 @@ class StateCache:
         step = self.step
         assert step is not None, "a recurrent model's step begins its states"
         state = self.layers[index]
-        if _own_convolution(inputs, state):
-            weights = taps.float().contiguous()
-            lens = torch.from_numpy(np.asarray(step.query_lens, dtype=np.int64))
-            bias = None if bias is None else bias.float().contiguous()
-            return cpu_ops.short_conv(inputs, state, weights, bias, step.slots, lens, silu)
-        width, channels = taps.shape
-        windows, kept = step.conv_windows(int(width))
-        held = state.index_select(0, step.slots).to(inputs.dtype)
-        pool = torch.cat([held.reshape(-1, channels), inputs])
-        weights = taps.float()
-        out = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
-        for tap in range(int(width)):  # each tap over every token at once
-            out.addcmul_(pool[windows[:, tap]].float(), weights[tap])
-        if bias is not None:
-            out = out + bias.float()
-        new = pool[kept].view(-1, width - 1, channels).to(state.dtype)
-        state.index_copy_(0, step.slots, new)
-        return (F.silu(out) if silu else out).to(inputs.dtype)
+        if not self.waves:
+            return _convolve(step, state, inputs, taps, bias, silu)
+        out = torch.empty_like(inputs)
+        for wave in (step, *self.waves):
+            wave.take_sources(state)
+            rows = wave.tokens
+            out[rows] = _convolve(wave, state, inputs[rows], taps, bias, silu)
+        return out
 
     def recur(
         self,
@@ -187,29 +220,91 @@ class StateCache:
         the rows' slots on the host, which updates those slots; the prompt chunks of one length
         together, `prompt(*inputs, held)` with each token's rows side by side (`[length, rows *
         heads, ...]`) and their states gathered (`[rows * heads, ...]`), which it updates in
-        place before they go back, its output laid out as its inputs."""
+        place before they go back, its output laid out as its inputs. Wave by wave where
+        requests verify drafts."""
         step = self.step
         assert step is not None, "a recurrent model's step begins its states"
         state = self.layers[index]
-        lens = step.query_lens
-        starts = np.cumsum(lens) - lens
-        single = np.flatnonzero(lens == 1)
-        if len(single):
-            rows = torch.from_numpy(starts[single]).to(out.device)
-            found = decode(*(t[rows] for t in inputs), state=state, slots=step.host_slots[single])
-            out[rows] = found.to(out.dtype)
-        for length in np.unique(lens[lens > 1]):
-            group = np.flatnonzero(lens == length)
-            spans = [slice(int(starts[row]), int(starts[row] + length)) for row in group]
-            slots = torch.from_numpy(step.host_slots[group]).to(out.device)
-            held = state.index_select(0, slots)
-            side_by_side = (torch.stack([t[s] for s in spans], dim=1).flatten(1, 2) for t in inputs)
-            found = prompt(*side_by_side, held.flatten(0, 1))
-            found = found.view(int(length), len(group), -1, *found.shape[2:])
-            state.index_copy_(0, slots, held)
-            for i, span in enumerate(spans):
-                out[span] = found[:, i].to(out.dtype)
+        if not self.waves:
+            return _recur(step, state, inputs, decode, prompt, out)
+        for wave in (step, *self.waves):
+            wave.take_sources(state)
+            rows = wave.tokens
+            taken = [t[rows] for t in inputs]
+            out[rows] = _recur(wave, state, taken, decode, prompt, out[rows])
         return out
+
+
+def _wave_depths(sources: np.ndarray, rows: int) -> np.ndarray | None:
+    """Each row's wave: 0 where it runs from its own slot, else one past the row before it
+    (whose state its slot takes first); None where every row runs from its own slot."""
+    if not len(sources) or (sources < 0).all():
+        return None
+    if len(sources) != rows:
+        raise RuntimeError("a step's state sources do not match its rows")
+    depths = np.zeros(rows, dtype=np.int64)
+    for row in np.flatnonzero(sources >= 0):
+        depths[row] = depths[row - 1] + 1 if row else 0
+    return depths
+
+
+def _convolve(
+    step: StateStep,
+    state: torch.Tensor,
+    inputs: torch.Tensor,
+    taps: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool,
+) -> torch.Tensor:
+    """`StateCache.convolve` over one wave's rows (`inputs` their tokens)."""
+    if _own_convolution(inputs, state):
+        weights = taps.float().contiguous()
+        lens = torch.from_numpy(np.asarray(step.query_lens, dtype=np.int64))
+        bias = None if bias is None else bias.float().contiguous()
+        return cpu_ops.short_conv(inputs, state, weights, bias, step.slots, lens, silu)
+    width, channels = taps.shape
+    windows, kept = step.conv_windows(int(width))
+    held = state.index_select(0, step.slots).to(inputs.dtype)
+    pool = torch.cat([held.reshape(-1, channels), inputs])
+    weights = taps.float()
+    out = torch.zeros(inputs.shape, dtype=torch.float32, device=inputs.device)
+    for tap in range(int(width)):  # each tap over every token at once
+        out.addcmul_(pool[windows[:, tap]].float(), weights[tap])
+    if bias is not None:
+        out = out + bias.float()
+    new = pool[kept].view(-1, width - 1, channels).to(state.dtype)
+    state.index_copy_(0, step.slots, new)
+    return (F.silu(out) if silu else out).to(inputs.dtype)
+
+
+def _recur(
+    step: StateStep,
+    state: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    decode: Callable[..., torch.Tensor],
+    prompt: Callable[..., torch.Tensor],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """`StateCache.recur` over one wave's rows (`inputs` and `out` their tokens)."""
+    lens = step.query_lens
+    starts = np.cumsum(lens) - lens
+    single = np.flatnonzero(lens == 1)
+    if len(single):
+        rows = torch.from_numpy(starts[single]).to(out.device)
+        found = decode(*(t[rows] for t in inputs), state=state, slots=step.host_slots[single])
+        out[rows] = found.to(out.dtype)
+    for length in np.unique(lens[lens > 1]):
+        group = np.flatnonzero(lens == length)
+        spans = [slice(int(starts[row]), int(starts[row] + length)) for row in group]
+        slots = torch.from_numpy(step.host_slots[group]).to(out.device)
+        held = state.index_select(0, slots)
+        side_by_side = (torch.stack([t[s] for s in spans], dim=1).flatten(1, 2) for t in inputs)
+        found = prompt(*side_by_side, held.flatten(0, 1))
+        found = found.view(int(length), len(group), -1, *found.shape[2:])
+        state.index_copy_(0, slots, held)
+        for i, span in enumerate(spans):
+            out[span] = found[:, i].to(out.dtype)
+    return out
 
 
 def _copy_rows(

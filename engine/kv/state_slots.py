@@ -4,6 +4,8 @@ inputs, a linear attention's state), handed out beside the KV blocks. Imports no
 A request holds one slot from its first allocation until its blocks are freed (it finishes, or
 is preempted to be recomputed); a request paused with its blocks keeps its slot and resumes with
 its state. A slot's state starts from zeros at a request's first token (`StateCache.begin`).
+A step that verifies drafts borrows free slots for the states of its rows after each request's
+first (`lend`), given back before the next step is scheduled (`take_back`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ class StateSlots:
             return False
         request.state_slot = self._free.popleft()
         return True
+
+    def lend(self, count: int) -> list[int]:
+        """Up to `count` free slots, for one step's use."""
+        return [self._free.popleft() for _ in range(min(count, len(self._free)))]
+
+    def take_back(self, slots: list[int]) -> None:
+        """Free the slots `lend` gave."""
+        self._free.extend(slots)
 
     def release(self, request: Request) -> None:
         """Take back the request's slot, if it holds one."""

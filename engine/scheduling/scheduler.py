@@ -45,11 +45,13 @@ class ScheduledRequest:
     (`core/speculation.py`): `num_tokens` counts them, and the step verifies them. A recurrent
     model's request may first take its states from the snapshot row `restore` (a cached prefix
     it resumes from), and leave them after the step in the row `save` (reserved, with its
-    generation: `kv/state_snapshots.py`)."""
+    generation: `kv/state_snapshots.py`); where it verifies drafts, each row after its first
+    keeps its states in one of the step's borrowed `draft_slots`."""
 
     request: Request
     num_tokens: int
     drafts: list[int] = field(default_factory=list)
+    draft_slots: list[int] = field(default_factory=list)
     restore: int | None = None
     save: tuple[int, int] | None = None
     start: int = field(init=False)
@@ -113,6 +115,8 @@ class Scheduler:
         self._batch_closed = False
         self._others = False  # whether any request but background ones wants capacity
         self._forks: dict[str, list[Request]] = {}
+        # The state slots the last step borrowed for its drafts' rows (`_with_drafts`).
+        self._lent: list[int] = []
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -184,6 +188,7 @@ class Scheduler:
     # ---- scheduling ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self._take_back_lent()
         output = SchedulerOutput()
         now = self.clock()
         self.policy.order_running(self.running, now)
@@ -199,7 +204,8 @@ class Scheduler:
         output.block_copies = self.block_manager.take_copies()
         if self.block_manager.snapshots is not None:
             for item in output.scheduled:
-                item.save = self.block_manager.snapshot_row(item.request, item.end)
+                if not item.drafts:  # (where drafts end is known only once they are verified)
+                    item.save = self.block_manager.snapshot_row(item.request, item.end)
         return output
 
     def _schedule_running(
@@ -237,12 +243,26 @@ class Scheduler:
         drafts = request.draft_token_ids
         if not drafts or num_tokens != 1 or request.num_tokens - request.num_computed_tokens != 1:
             return None
-        room = request.max_total_tokens - request.num_tokens - 1
-        drafts = drafts[: max(0, min(budget - 1, room))]
+        limit = min(budget - 1, request.max_total_tokens - request.num_tokens - 1)
+        slots = self.block_manager.state_slots
+        if slots is not None:  # each row after the first borrows a slot for its states
+            limit = min(limit, slots.num_free - len(self.waiting))  # none a waiting one needs
+        drafts = drafts[: max(0, limit)]
         target = request.num_computed_tokens + 1 + len(drafts)
         if not drafts or not self.block_manager.allocate(request, target):
             return None
-        return ScheduledRequest(request, 1 + len(drafts), list(drafts))
+        lent = slots.lend(len(drafts)) if slots is not None else []
+        self._lent += lent
+        return ScheduledRequest(request, 1 + len(drafts), list(drafts), lent)
+
+    def _take_back_lent(self) -> None:
+        """Free the state slots the last step borrowed: it has run (a step that verifies drafts
+        runs to its end when launched, and is never overlapped), its kept rows' states copied
+        into their requests' slots."""
+        slots = self.block_manager.state_slots
+        if slots is not None and self._lent:
+            slots.take_back(self._lent)
+        self._lent = []
 
     def _chunk(self, request: Request, budget: int, encoder: EncoderBudget) -> int:
         """The tokens `request` computes this step: what it has left, within the budget and
@@ -553,6 +573,7 @@ class Scheduler:
         sampled tokens are no longer pending."""
         for item in output.scheduled:
             item.request.num_pending_tokens -= item.completes_sequence
+        self._take_back_lent()
 
     def receive(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Take an advanced step's sampled tokens; return the requests that received one.

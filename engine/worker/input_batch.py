@@ -26,6 +26,8 @@ class InputBatch:
     A request that verifies `drafts` (by request id) runs one decode row per token, its last
     known one and each draft, every row sampled: its rows are consecutive, and each one's K/V
     are stored before any attends, so row i sees the drafts before it as a prompt chunk would.
+    In a recurrent model each of its rows after the first keeps its states in a slot of its own
+    (`ScheduledRequest.draft_slots`), which starts from the row before's (`state_sources`).
     """
 
     requests: list[Request]
@@ -44,6 +46,9 @@ class InputBatch:
     drafts: dict[str, list[int]] = field(default_factory=dict)
     # Each row's request's slot of recurrent states (-1: none), for a model that keeps some.
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # The slot whose states each row's slot takes before it runs (a verifying request's rows
+    # after its first); -1 (or no entries at all): its own.
+    state_sources: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -92,26 +97,50 @@ def build_input_batch(items: list[ScheduledRequest], block_size: int) -> InputBa
         key_limits=_key_limits(scheduled),
         rope_positions=_rope_positions(scheduled, positions, query_starts),
         drafts={item.request.request_id: item.drafts for item in items if item.drafts},
-        state_slots=_state_slots(requests),
+        state_slots=_state_slots(scheduled),
+        state_sources=_state_sources(scheduled),
     )
 
 
-def _state_slots(requests: list[Request]) -> np.ndarray:
-    """Each request's slot of recurrent states, -1 where it holds none."""
-    slots = (-1 if r.state_slot is None else r.state_slot for r in requests)
-    return np.fromiter(slots, np.int64, len(requests))
+def _state_slots(scheduled: list[ScheduledRequest | _Row]) -> np.ndarray:
+    """Each row's slot of recurrent states (its request's, or a verifying row's own), -1 where
+    it holds none."""
+    slots = (
+        item.slot
+        if isinstance(item, _Row) and item.slot is not None
+        else -1
+        if item.request.state_slot is None
+        else item.request.state_slot
+        for item in scheduled
+    )
+    return np.fromiter(slots, np.int64, len(scheduled))
+
+
+def _state_sources(scheduled: list[ScheduledRequest | _Row]) -> np.ndarray:
+    """Each row's source of states (`InputBatch.state_sources`); no entries where every row's
+    is its own."""
+    if not any(isinstance(item, _Row) and item.source is not None for item in scheduled):
+        return np.zeros(0, dtype=np.int64)
+    sources = (
+        item.source if isinstance(item, _Row) and item.source is not None else -1
+        for item in scheduled
+    )
+    return np.fromiter(sources, np.int64, len(scheduled))
 
 
 @dataclass(slots=True)
 class _Row:
     """One row of a verifying request (`ScheduledRequest.drafts`): one token, `token_id`, at
-    position `start`, sampled."""
+    position `start`, sampled; in a recurrent model a row after the first keeps its states in
+    `slot`, which starts from slot `source`'s."""
 
     request: Request
     start: int
     token_id: int
     num_tokens: int = 1
     completes_sequence: bool = True
+    slot: int | None = None
+    source: int | None = None
 
     @property
     def end(self) -> int:
@@ -133,8 +162,14 @@ def _rows(items: list[ScheduledRequest]) -> list[ScheduledRequest | _Row]:
             rows.append(item)
             continue
         last = item.request.all_token_ids[item.start]
-        for offset, token in enumerate([last, *item.drafts]):
-            rows.append(_Row(item.request, item.start + offset, token))
+        rows.append(_Row(item.request, item.start, last))
+        # A recurrent model's: each row after the first from the states of the row before.
+        sources = [item.request.state_slot, *item.draft_slots][:-1]
+        for offset, token in enumerate(item.drafts, start=1):
+            row = _Row(item.request, item.start + offset, token)
+            if item.draft_slots:
+                row.slot, row.source = item.draft_slots[offset - 1], sources[offset - 1]
+            rows.append(row)
     return rows
 
 

@@ -43,6 +43,7 @@ from engine.worker.verify import (
     Verified,
     VerifyGroup,
     groups_of,
+    kept_state_copies,
     verified_logprobs,
     verify_chosen,
     verify_sampled,
@@ -149,7 +150,8 @@ class ModelRunner:
                 self.kv_cache.end_calibration()
                 save_states(self.kv_cache, state_copies)
                 if batch.drafts:
-                    return self._verified_choices(requests, tokens.tolist(), batch.drafts, output)
+                    self._verified_choices(requests, tokens.tolist(), batch.drafts, output)
+                    return self._synchronous(batch, output)
                 return self._launched(requests, SampledTokens(tokens, None), output)
             logits = self.forward(batch, indices, input_ids, images)
             self.kv_cache.end_calibration()
@@ -158,7 +160,8 @@ class ModelRunner:
             self._prompt_logprobs(batch, prompt_rows, logits[: len(prompt_indices)], output)
         if batch.drafts:
             sampled_logits = logits[len(prompt_indices) :]
-            return self._verified(sampled_logits, requests, batch.drafts, output)
+            self._verified(sampled_logits, requests, batch.drafts, output)
+            return self._synchronous(batch, output)
         sampled = None
         if requests:
             pending = PendingTokens(self._last_tokens, self._last_rows)
@@ -183,7 +186,7 @@ class ModelRunner:
         tokens: list[int],
         drafts: dict[str, list[int]],
         output: ModelRunnerOutput,
-    ) -> LaunchedStep:
+    ) -> None:
         """A step whose sampled rows (`requests`, a verifying request once a row) took their
         argmax tokens in the model: each verifying request keeps the drafts equal to them."""
         groups = groups_of(requests, drafts)
@@ -191,7 +194,6 @@ class ModelRunner:
             output.sampled_token_ids[requests[row].request_id] = tokens[row]
         for group in groups:
             _take_verified(output, group, verify_chosen(tokens, group))
-        return self._synchronous(output)
 
     def _verified(
         self,
@@ -199,7 +201,7 @@ class ModelRunner:
         requests: list[Request],
         drafts: dict[str, list[int]],
         output: ModelRunnerOutput,
-    ) -> LaunchedStep:
+    ) -> None:
         """A step with verifying requests, its sampled rows' `logits` in hand: the other
         requests sample as ever, the verifying ones keep what `verify_sampled` keeps."""
         groups = groups_of(requests, drafts)
@@ -217,11 +219,14 @@ class ModelRunner:
                 *kept, last = verified_logprobs(logits, group, verified, mode)
                 output.accepted_logprobs[group.request.request_id] = kept
                 output.logprobs[group.request.request_id] = last
-        return self._synchronous(output)
 
-    def _synchronous(self, output: ModelRunnerOutput) -> LaunchedStep:
-        """A step whose results are on the host already (a speculating engine does not
-        overlap its steps: no later step reads this one's tokens on the device)."""
+    def _synchronous(self, batch: InputBatch, output: ModelRunnerOutput) -> LaunchedStep:
+        """A verifying step whose results are on the host already (a speculating engine does
+        not overlap its steps: no later step reads this one's tokens on the device); a
+        recurrent model's requests keep the states of their last kept rows."""
+        states = self.kv_cache.states
+        if states is not None:
+            states.copy_slots(kept_state_copies(batch, output.accepted_drafts))
         self._last_rows = {}
         return LaunchedStep([], None, output)
 

@@ -8,7 +8,8 @@ is kept while it is the token row i drew, and the first row whose token differs 
 token (when every draft is kept, row k gives one more). A draft is certain (its proposal puts all
 its mass on one token), so this keeps it with probability p_i(d(i+1)) and otherwise gives a
 token of p_i without it, as speculative sampling's rule does; and a seeded request writes the
-same tokens with drafts as without.
+same tokens with drafts as without. In a recurrent model each row keeps its states in a slot of
+its own (`InputBatch.state_sources`), and the request's slot takes its last kept row's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from engine.core.outputs import TokenLogprob
 from engine.core.request import Request
+from engine.worker.input_batch import InputBatch
 from engine.worker.sampler import Sampler, raw_scores, token_logprobs
 
 
@@ -42,6 +44,24 @@ class Verified:
 
     accepted: list[int]
     token: int
+
+
+def kept_state_copies(batch: InputBatch, accepted: dict[str, list[int]]) -> list[tuple[int, int]]:
+    """The copies of recurrent states a verifying step leaves: for each request that kept
+    drafts (`accepted`, by request id), its last kept row's slot into its first row's, its own
+    (none where the model keeps no states, or the request kept no draft)."""
+    if not len(batch.state_sources):
+        return []
+    first_rows: dict[str, int] = {}
+    for row, request in enumerate(batch.requests):
+        first_rows.setdefault(request.request_id, row)
+    slots = batch.state_slots
+    copies = []
+    for request_id, kept in accepted.items():
+        first = first_rows[request_id]
+        if kept:
+            copies.append((int(slots[first + len(kept)]), int(slots[first])))
+    return copies
 
 
 def groups_of(requests: list[Request], drafts: dict[str, list[int]]) -> list[VerifyGroup]:

@@ -26,6 +26,8 @@ from tests.helpers import (
     reference_greedy,
     run_all,
     tiny_core,
+    tiny_llama,
+    tiny_tokenizer,
     tokens_of,
 )
 from tests.models.recurrent import check_saved_checkpoint
@@ -147,11 +149,14 @@ def test_a_request_that_finds_no_free_slot_waits():
     blocks.check_invariants()
 
 
-def test_what_does_not_keep_states_yet_is_refused_with_the_reason():
+def test_what_does_not_keep_states_is_refused_with_the_reason(tmp_path):
     with pytest.raises(ValueError, match="runs on Conveyor's model implementation only"):
         build_causal_lm(build(), "transformers")
-    with pytest.raises(ValueError, match="speculative decoding"):
-        tiny_core(build(), speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    build().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    spec = SpeculativeConfig(2, method="draft_model", model=str(tmp_path))
+    with pytest.raises(ValueError, match="a draft model with recurrent layers is not served"):
+        tiny_core(tiny_llama(), speculative=spec)
 
 
 def test_a_saved_checkpoint_serves_from_its_folder(tmp_path):

@@ -19,6 +19,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
+from engine.core.speculation import SpeculativeConfig
 from engine.factory import create_engine_core
 from engine.parallel.mixer_shares import attends
 from engine.parallel.sharding import why_not_shardable
@@ -163,15 +164,20 @@ def test_linear_attention_heads_that_do_not_divide_are_named(key_heads, value_he
     assert why_not_shardable(Qwen3_5TextConfig(**shape), size) == reason
 
 
-def test_a_family_whose_states_do_not_split_is_refused_before_any_worker_starts(
+def test_what_ranks_cannot_run_of_a_recurrent_model_is_refused_before_any_worker_starts(
     tmp_path, monkeypatch
 ):
+    """A family whose states do not split; speculative decoding, whose drafts' states the ranks
+    do not roll back yet."""
     test_mamba.build().save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
-    monkeypatch.setattr("engine.factory.STATES_SPLIT", frozenset())
     monkeypatch.setattr(
         "engine.parallel.workers.WorkerPool.start",
         lambda *args: pytest.fail("a worker started"),
     )
+    spec = SpeculativeConfig(2)
+    with pytest.raises(ValueError, match="speculative decoding across tensor-parallel ranks"):
+        create_engine_core(config(tmp_path, speculative=spec))
+    monkeypatch.setattr("engine.factory.STATES_SPLIT", frozenset())
     with pytest.raises(ValueError, match="tensor parallelism does not split recurrent"):
         create_engine_core(config(tmp_path))
