@@ -5,6 +5,10 @@ without), the slots kept full for `--rounds` requests each. Reports output tok/s
 (the mean of its two runs), their ratio and the share of the prediction's drafts kept.
 
     python benchmarks/predicted_outputs.py --concurrency 1 4 16
+
+With `--own-replies` each request's prediction is the model's own greedy reply (served once
+before): every draft is kept, so the ratio is the ceiling of drafting on this model and machine
+(what a step of drafts costs against the tokens it gives), with random weights too.
 """
 
 from __future__ import annotations
@@ -56,11 +60,29 @@ def run(
     return {"tok_per_s": produced / elapsed, "kept": kept, "refused": refused}
 
 
+def own_replies(
+    core: EngineCore, prompts: list[list[int]], output_len: int
+) -> list[tuple[int, ...]]:
+    """The model's greedy reply to each prompt, `output_len` tokens (EOS ignored)."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    replies: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"own-{i}", prompt, params)
+        replies[f"own-{i}"] = []
+    while core.has_unfinished():
+        for output in core.step():
+            replies[output.request_id] += output.new_token_ids
+    return [tuple(replies[f"own-{i}"]) for i in range(len(prompts))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_engine_arguments(parser)
     add_load_arguments(parser, [1, 4, 16], output_len=160)
     parser.add_argument("--rounds", type=int, default=2, help="requests per slot")
+    parser.add_argument(
+        "--own-replies", action="store_true", help="predict each reply as the model writes it"
+    )
     args = parser.parse_args()
     core, _, info = create_engine_core(engine_config(args))
     print(f"# {info.model_name} {info.dtype} on {info.device}, predicted outputs")
@@ -69,6 +91,8 @@ def main() -> None:
         prompts = copy_prompts(core, concurrency)
         passages = [PASSAGES[i % len(PASSAGES)] for i in range(concurrency)]
         predictions = [tuple(tokenizer.encode(p, add_special_tokens=False)) for p in passages]
+        if args.own_replies:
+            predictions = own_replies(core, prompts, args.output_len)
         run(core, prompts, None, 1, 1, f"c{concurrency}-cached")  # prompts cached for all
         rates: dict[str, list[float]] = {"off": [], "on": []}
         share = 0.0

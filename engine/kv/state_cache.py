@@ -38,6 +38,8 @@ class StateStep:
     device: torch.device
     tokens: torch.Tensor | None = None  # None: the step's every token
     sources: torch.Tensor | None = None  # None: each row runs from its own slot
+    # The step's every row's source, its own slot where none (None: every row's is its own).
+    host_sources: np.ndarray | None = None
     _windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def take_sources(self, state: torch.Tensor) -> None:
@@ -127,7 +129,7 @@ class StateCache:
             for shape, own in specs
         ]
         self.step: StateStep | None = None
-        # The step's later waves of verifying rows (none: no request verifies drafts).
+        # The step's rows in waves where requests verify drafts (else none).
         self.waves: list[StateStep] = []
 
     @property
@@ -147,7 +149,7 @@ class StateCache:
         _copy_rows(self.layers, self.layers, pairs)
 
     def begin(self, batch: InputBatch) -> StateStep:
-        """The step's rows (its first wave, where requests verify drafts); the slots of rows at
+        """The step's rows (and their waves, where requests verify drafts); the slots of rows at
         their request's first token zeroed."""
         slots = batch.state_slots
         if len(slots) != len(batch.query_lens) or (slots < 0).any():
@@ -157,13 +159,14 @@ class StateCache:
             index = torch.from_numpy(slots[fresh]).to(self.device, non_blocking=True)
             for state in self.layers:
                 state.index_fill_(0, index, 0)
+        on_device = torch.from_numpy(slots).to(self.device, non_blocking=True)
+        self.step = StateStep(on_device, slots, batch.query_lens, self.device)
         depths = _wave_depths(batch.state_sources, len(slots))
-        if depths is None:
-            on_device = torch.from_numpy(slots).to(self.device, non_blocking=True)
-            self.step, self.waves = StateStep(on_device, slots, batch.query_lens, self.device), []
-            return self.step
-        parts = [self._wave(batch, depths == d) for d in range(int(depths.max()) + 1)]
-        self.step, self.waves = parts[0], parts[1:]
+        self.waves = []
+        if depths is not None:
+            sources = batch.state_sources
+            self.step.host_sources = np.where(sources < 0, slots, sources)
+            self.waves = [self._wave(batch, depths == d) for d in range(int(depths.max()) + 1)]
         return self.step
 
     def _wave(self, batch: InputBatch, rows: np.ndarray) -> StateStep:
@@ -200,7 +203,7 @@ class StateCache:
         if not self.waves:
             return _convolve(step, state, inputs, taps, bias, silu)
         out = torch.empty_like(inputs)
-        for wave in (step, *self.waves):
+        for wave in self.waves:
             wave.take_sources(state)
             rows = wave.tokens
             out[rows] = _convolve(wave, state, inputs[rows], taps, bias, silu)
@@ -213,6 +216,7 @@ class StateCache:
         decode: Callable[..., torch.Tensor],
         prompt: Callable[..., torch.Tensor],
         out: torch.Tensor,
+        chains: bool = False,
     ) -> torch.Tensor:
         """A recurrence over the step's tokens (`inputs`, each `[tokens, heads, ...]`), each
         request from its slot of state `index`, written into `out` (`[tokens, heads, ...]`):
@@ -220,14 +224,15 @@ class StateCache:
         the rows' slots on the host, which updates those slots; the prompt chunks of one length
         together, `prompt(*inputs, held)` with each token's rows side by side (`[length, rows *
         heads, ...]`) and their states gathered (`[rows * heads, ...]`), which it updates in
-        place before they go back, its output laid out as its inputs. Wave by wave where
-        requests verify drafts."""
+        place before they go back, its output laid out as its inputs. Where requests verify
+        drafts, wave by wave; or, where `decode` `chains` rows (it takes `sources=`, each row's
+        slot to read its state from, and runs the rows in order), all the decode rows at once."""
         step = self.step
         assert step is not None, "a recurrent model's step begins its states"
         state = self.layers[index]
-        if not self.waves:
+        if not self.waves or chains:
             return _recur(step, state, inputs, decode, prompt, out)
-        for wave in (step, *self.waves):
+        for wave in self.waves:
             wave.take_sources(state)
             rows = wave.tokens
             taken = [t[rows] for t in inputs]
@@ -291,7 +296,10 @@ def _recur(
     single = np.flatnonzero(lens == 1)
     if len(single):
         rows = torch.from_numpy(starts[single]).to(out.device)
-        found = decode(*(t[rows] for t in inputs), state=state, slots=step.host_slots[single])
+        chained = {} if step.host_sources is None else {"sources": step.host_sources[single]}
+        found = decode(
+            *(t[rows] for t in inputs), state=state, slots=step.host_slots[single], **chained
+        )
         out[rows] = found.to(out.dtype)
     for length in np.unique(lens[lens > 1]):
         group = np.flatnonzero(lens == length)

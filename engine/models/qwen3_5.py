@@ -203,8 +203,9 @@ def delta_rule(
     beta: torch.Tensor,
 ) -> torch.Tensor:
     """The gated delta rule over the step's tokens (`[tokens, heads, dims]`), each request from
-    its state `index`, which it leaves updated: decode rows together, a prompt chunk at a time
-    (the chunks of one length together, each row's heads beside the others')."""
+    its state `index`, which it leaves updated: decode rows together (a verifying request's
+    rows in one call, each from the state of the row before), a prompt chunk at a time (the
+    chunks of one length together, each row's heads beside the others')."""
 
     def decode(
         q: torch.Tensor,
@@ -215,11 +216,13 @@ def delta_rule(
         *,
         state: torch.Tensor,
         slots: np.ndarray,
+        sources: np.ndarray | None = None,
     ) -> torch.Tensor:
-        return decode_rows(q, k, v, g, beta, state, slots.tolist())
+        read = None if sources is None else sources.tolist()
+        return decode_rows(q, k, v, g, beta, state, slots.tolist(), read)
 
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    return states.recur(index, (q, k, v, g, beta), decode, prompt_rows, out)
+    return states.recur(index, (q, k, v, g, beta), decode, prompt_rows, out, chains=True)
 
 
 def decode_rows(
@@ -230,16 +233,20 @@ def decode_rows(
     beta: torch.Tensor,
     states: torch.Tensor,
     slots: list[int],
+    sources: list[int] | None = None,
 ) -> torch.Tensor:
     """One token of each row (`q`, `k` `[rows, key heads, key dims]`, `v` `[rows, value heads,
     value dims]`, `g`, `beta` `[rows, value heads]`) through the rule, row i from its state
-    `states[slots[i]]` `[value heads, key dims, value dims]` (fp32), updated in place; the
-    output in fp32. On the CPU Conveyor's kernel reads each state once for both of its products
-    and updates it while still in cache; elsewhere `decode_rows_torch`."""
+    `states[slots[i]]` `[value heads, key dims, value dims]` (fp32), updated in place (or, with
+    `sources`, read from `states[sources[i]]` and written to its slot, the rows in order, so
+    that a row may read the state an earlier one wrote); the output in fp32. On the CPU
+    Conveyor's kernel reads each state once for both of its products and updates it while
+    still in cache; elsewhere `decode_rows_torch`."""
     if not (states.is_cpu and cpu_ops.has("recurrent")):
-        return decode_rows_torch(q, k, v, g, beta, states, slots)
+        return decode_rows_torch(q, k, v, g, beta, states, slots, sources)
     q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
-    return cpu_ops.gated_delta_decode(q, k, v, g, beta, states, torch.tensor(slots))
+    read = None if sources is None else torch.tensor(sources)
+    return cpu_ops.gated_delta_decode(q, k, v, g, beta, states, torch.tensor(slots), read)
 
 
 def decode_rows_torch(
@@ -250,8 +257,10 @@ def decode_rows_torch(
     beta: torch.Tensor,
     states: torch.Tensor,
     slots: list[int],
+    sources: list[int] | None = None,
 ) -> torch.Tensor:
-    """`decode_rows` in torch's ops, a row at a time over its state in place (never gathered):
+    """`decode_rows` in torch's ops, a row at a time over its state in place (never gathered;
+    from its source's state first, where it has one):
     the state decays by `a = exp(g)` and takes `k d^T`, where `d = beta (v - a S^T k)`, and the
     output is its read by q, `a S^T q + (q . k) d` (l2-normed q and k, q scaled by the key dims'
     root, as transformers' reference computes it)."""
@@ -262,6 +271,8 @@ def decode_rows_torch(
     dots = (q * k).sum(dim=-1)
     out = torch.empty((rows, heads, value_dims), dtype=torch.float32, device=v.device)
     for row, slot in enumerate(slots):
+        if sources is not None and sources[row] != slot:
+            states[slot].copy_(states[sources[row]])
         state, a = states[slot], decay[row, :, None]
         known, read = torch.bmm(both[row], state).unbind(dim=1)  # [heads, value dims] each
         written = (v[row].float() - a * known) * beta[row, :, None].float()

@@ -76,9 +76,11 @@ def scan(
         *,
         state: torch.Tensor,
         slots: np.ndarray,
+        sources: np.ndarray | None = None,
     ) -> torch.Tensor:
         on_device = torch.from_numpy(slots).to(state.device)
-        return decode_rows(x, steps, b, c, params.a, state, on_device)
+        read = None if sources is None else torch.from_numpy(sources).to(state.device)
+        return decode_rows(x, steps, b, c, params.a, state, on_device, read)
 
     def prompt(
         x: torch.Tensor, steps: torch.Tensor, b: torch.Tensor, c: torch.Tensor, held: torch.Tensor
@@ -88,7 +90,7 @@ def scan(
         return prompt_rows(x, steps.clamp(*params.dt_limit), rates, b, c, held)
 
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    out = states.recur(index, (x, steps, b, c), decode, prompt, out)
+    out = states.recur(index, (x, steps, b, c), decode, prompt, out, chains=True)
     return out + params.d[:, None] * x
 
 
@@ -100,16 +102,26 @@ def decode_rows(
     a: torch.Tensor,
     state: torch.Tensor,
     slots: torch.Tensor,
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token of each row (`x` `[rows, heads, head dims]`, `steps` `[rows, heads]`, `b`, `c`
     `[rows, groups, state dims]`, fp32) through the scan, row i from `state[slots[i]]` `[heads,
-    head dims, state dims]`, written back; the output without the skip. On the CPU Conveyor's
-    kernel updates each state in place and reads it out in the same pass; elsewhere
-    `decode_rows_torch`."""
+    head dims, state dims]`, written back (or, with `sources`, from `state[sources[i]]`, the rows
+    in order, so that a row may read the state an earlier one wrote); the output without the
+    skip. On the CPU Conveyor's kernel updates each state in place and reads it out in the same
+    pass; elsewhere `decode_rows_torch`."""
     if state.is_cpu and cpu_ops.has("recurrent"):
         x, steps, b, c = (t.contiguous() for t in (x, steps, b, c))
-        return cpu_ops.ssd_decode(x, steps, b, c, a.contiguous(), state, slots.cpu())
-    return decode_rows_torch(x, steps, b, c, a, state, slots)
+        read = None if sources is None else sources.cpu()
+        return cpu_ops.ssd_decode(x, steps, b, c, a.contiguous(), state, slots.cpu(), read)
+    if sources is None:
+        return decode_rows_torch(x, steps, b, c, a, state, slots)
+    outs = []
+    for row in range(len(slots)):  # in order, each from its source's state
+        state[slots[row]] = state[sources[row]]
+        one = slice(row, row + 1)
+        outs.append(decode_rows_torch(x[one], steps[one], b[one], c[one], a, state, slots[one]))
+    return torch.cat(outs)
 
 
 def decode_rows_torch(

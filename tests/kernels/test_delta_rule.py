@@ -77,10 +77,44 @@ def test_tokens_in_turn_follow_the_reference():
     torch.testing.assert_close(states[1:], held, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_rows_in_a_chain_each_read_the_state_the_row_before_wrote(kernel):
+    """A request verifying drafts: rows 0..4 run from slot 1 (its own, in place), then each row
+    from the slot the row before wrote (6, 2, 7, 4), beside another request's row in slot 0;
+    every row's output and slot equal those tokens taken in turn, and slot 1 holds only row
+    0's."""
+    torch.manual_seed(9)
+    q, k, v, g, beta, states = rule_inputs(6, 2, 4, 16, 8, 8)
+    slots, sources = [1, 0, 6, 2, 7, 4], [1, 0, 1, 6, 2, 7]
+    chain = [0, 2, 3, 4, 5]
+    expected, _ = torch_recurrent_gated_delta_rule(
+        *(t[chain][None] for t in (q, k, v, g, beta)),
+        initial_state=states[1:2].clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    steps = [states[1:2].clone()]
+    for row in chain:
+        stepped = steps[-1].clone()
+        cpu_ops.gated_delta_decode(
+            *(t[row : row + 1] for t in (q, k, v, g, beta)), stepped, torch.tensor([0])
+        )
+        steps.append(stepped)
+    alone, held_alone = reference(q[1:2], k[1:2], v[1:2], g[1:2], beta[1:2], states[0:1])
+    decode = qwen3_5.decode_rows if kernel else qwen3_5.decode_rows_torch
+    out = decode(q, k, v, g, beta, states, slots, sources)
+    torch.testing.assert_close(out[chain], expected[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[1:2], alone, rtol=1e-5, atol=1e-5)
+    for i, row in enumerate(chain):
+        torch.testing.assert_close(states[slots[row]], steps[i + 1][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(states[0:1], held_alone, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (lambda a: a.update(slots=torch.tensor([0, 7])), "slot 7 is outside the states"),
+        (lambda a: a.update(sources=torch.tensor([0, 9])), "a source is outside the states"),
         (lambda a: a.update(q=a["q"].double()), "q must be contiguous fp32"),
         (lambda a: a.update(v=a["v"][:, :3].contiguous()), "multiple of the key heads"),
         (lambda a: a.update(states=a["states"].half()), "states must be contiguous fp32"),

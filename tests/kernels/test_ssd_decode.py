@@ -71,6 +71,29 @@ def test_steps_in_turn_equal_the_torch_form():
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_rows_in_a_chain_each_read_the_state_the_row_before_wrote(kernel, monkeypatch):
+    """A request verifying drafts: rows 0..3 from slot 2 (its own, in place), then each from the
+    slot the row before wrote (5, 1, 6), beside another request's row in slot 0: each equals
+    the tokens taken one call at a time."""
+    torch.manual_seed(5)
+    x, steps, b, c, rates, states = scan_inputs(5, 8, 6, 2, 12, 7)
+    slots, sources = torch.tensor([2, 0, 5, 1, 6]), torch.tensor([2, 0, 2, 5, 1])
+    expected, outs = states.clone(), []
+    for row in range(5):
+        one = slice(row, row + 1)
+        state = expected[sources[row]].clone()[None]
+        outs.append(
+            ssd.decode_rows_torch(x[one], steps[one], b[one], c[one], rates, state, slots[:1] * 0)
+        )
+        expected[slots[row]] = state[0]
+    if not kernel:
+        monkeypatch.setattr(cpu_ops, "has", lambda group: False)
+    out = ssd.decode_rows(x, steps, b, c, rates, states, slots, sources)
+    torch.testing.assert_close(out, torch.cat(outs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_layers_take_the_kernel_on_the_cpu(monkeypatch):
     """`ssd.decode_rows` runs the op on CPU states, with the rows' groups as they are."""
     seen = []
@@ -88,6 +111,7 @@ def test_the_layers_take_the_kernel_on_the_cpu(monkeypatch):
         (lambda t: t | {"b": t["b"][:, :1].contiguous()}, "b and c must have one shape"),
         (lambda t: t | {"rates": t["rates"][:2]}, r"rates must be contiguous fp32 \[heads\]"),
         (lambda t: t | {"slots": torch.tensor([0, 7])}, "slot 7 is outside the states"),
+        (lambda t: t | {"sources": torch.tensor([9, 0])}, "a source is outside the states"),
         (lambda t: t | {"states": t["states"][:, :, :, :4]}, "states must be contiguous"),
     ],
 )

@@ -284,13 +284,16 @@ def gated_delta_decode(
     beta: torch.Tensor,
     states: torch.Tensor,
     slots: torch.Tensor,
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token of each row through the gated delta rule, row i from `states[slots[i]]`
     (`[slots, value heads, key dims, value dims]` fp32), updated in place: contiguous fp32 `q`, `k`
     `[rows, key heads, key dims]` as projected (the op l2-norms them), `v` `[rows, value heads,
-    value dims]`, `g`, `beta` `[rows, value heads]`, int64 `slots` (distinct). fp32 `[rows,
-    value heads, value dims]` (`csrc/recurrent/delta_rule.cpp`)."""
-    return torch.ops.conveyor.gated_delta_decode(q, k, v, g, beta, states, slots)
+    value dims]`, `g`, `beta` `[rows, value heads]`, int64 `slots` (distinct). With int64
+    `sources`, row i reads its state from `states[sources[i]]` instead, and the rows run in
+    order (a source may be an earlier row's slot). fp32 `[rows, value heads, value dims]`
+    (`csrc/recurrent/delta_rule.cpp`)."""
+    return torch.ops.conveyor.gated_delta_decode(q, k, v, g, beta, states, slots, sources)
 
 
 def ssd_decode(
@@ -301,13 +304,16 @@ def ssd_decode(
     rates: torch.Tensor,
     states: torch.Tensor,
     slots: torch.Tensor,
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token of each row through Mamba2's scan, row i from `states[slots[i]]` (`[slots,
     heads, head dims, state dims]` fp32), updated in place: contiguous fp32 `x` `[rows, heads,
     head dims]`, `steps` `[rows, heads]` (after the bias and softplus), `b`, `c` `[rows, groups,
-    state dims]`, `rates` `[heads]` (A, negative), int64 `slots` (distinct). fp32 `[rows, heads,
-    head dims]`, without the skip (`csrc/recurrent/ssd_decode.cpp`)."""
-    return torch.ops.conveyor.ssd_decode(x, steps, b, c, rates, states, slots)
+    state dims]`, `rates` `[heads]` (A, negative), int64 `slots` (distinct). With int64
+    `sources`, row i reads its state from `states[sources[i]]` instead, and the rows run in order
+    (a source may be an earlier row's slot). fp32 `[rows, heads, head dims]`, without the skip
+    (`csrc/recurrent/ssd_decode.cpp`)."""
+    return torch.ops.conveyor.ssd_decode(x, steps, b, c, rates, states, slots, sources)
 
 
 def short_conv(

@@ -6,6 +6,9 @@
 // g, beta  [rows, value heads]                    fp32, contiguous
 // states   [slots, value heads, key dims, value dims] fp32, contiguous: row i's at slots[i]
 // slots    [rows] int64
+// sources  [rows] int64, optional: row i reads its state from sources[i] and writes it to
+//          slots[i] (a request's rows verifying drafts, each from the state the row before it
+//          left); the rows then run in order, so a source may be an earlier row's slot
 // out      [rows, value heads, value dims]        fp32
 //
 // A value head reads key head `head / (value heads / key heads)`. With q and k l2-normed (q also
@@ -22,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -29,7 +33,7 @@ namespace {
 struct RuleArgs {
   const float *q, *k, *v, *g, *beta;
   float* states;
-  const int64_t* slots;
+  const int64_t *slots, *sources;  // sources: null where each row reads its own slot
   float* out;
   int64_t heads, key_heads, key_dims, value_dims;
 };
@@ -41,15 +45,16 @@ float inverse_norm(const float* x, int64_t n) {
   return 1.f / std::sqrt(sum + 1e-6f);
 }
 
-// Task `task` = row * heads + head; `qn`, `kn`, `known`, `read`, `written` scratch of the dims.
-void rule_task(const RuleArgs& a, int64_t task, std::vector<float>& scratch) {
-  const int64_t row = task / a.heads, head = task % a.heads;
+// Row `row`'s head `head`; `qn`, `kn`, `known`, `read`, `written` scratch of the dims.
+void rule_task(const RuleArgs& a, int64_t row, int64_t head, std::vector<float>& scratch) {
   const int64_t dk = a.key_dims, dv = a.value_dims;
   const int64_t key_head = head / (a.heads / a.key_heads);
   const float* q = a.q + (row * a.key_heads + key_head) * dk;
   const float* k = a.k + (row * a.key_heads + key_head) * dk;
   const float* v = a.v + (row * a.heads + head) * dv;
-  float* state = a.states + (a.slots[row] * a.heads + head) * dk * dv;
+  const int64_t source = a.sources != nullptr ? a.sources[row] : a.slots[row];
+  const float* state = a.states + (source * a.heads + head) * dk * dv;
+  float* kept = a.states + (a.slots[row] * a.heads + head) * dk * dv;
   float* out = a.out + (row * a.heads + head) * dv;
   float* qn = scratch.data();
   float* kn = qn + dk;
@@ -80,9 +85,10 @@ void rule_task(const RuleArgs& a, int64_t task, std::vector<float>& scratch) {
     out[j] = decay * read[j] + dot * written[j];
   }
   for (int64_t i = 0; i < dk; ++i) {
-    float* s = state + i * dv;
+    const float* s = state + i * dv;
+    float* t = kept + i * dv;
     const float ki = kn[i];
-    for (int64_t j = 0; j < dv; ++j) s[j] = decay * s[j] + ki * written[j];
+    for (int64_t j = 0; j < dv; ++j) t[j] = decay * s[j] + ki * written[j];
   }
 }
 
@@ -99,7 +105,8 @@ namespace conveyor {
 
 at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& g, const at::Tensor& beta, at::Tensor states,
-                              const at::Tensor& slots) {
+                              const at::Tensor& slots,
+                              const std::optional<at::Tensor>& sources) {
   const int64_t rows = v.size(0);
   check_rows(q, "q", rows, 3);
   check_rows(k, "k", rows, 3);
@@ -120,9 +127,18 @@ at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at
                   slots.is_contiguous(),
               "gated_delta_decode: slots must be int64 [rows]");
   const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* source = nullptr;
+  if (sources.has_value()) {
+    TORCH_CHECK(sources->scalar_type() == at::kLong && sources->dim() == 1 &&
+                    sources->size(0) == rows && sources->is_contiguous(),
+                "gated_delta_decode: sources must be int64 [rows]");
+    source = sources->data_ptr<int64_t>();
+  }
   for (int64_t row = 0; row < rows; ++row) {
     TORCH_CHECK(slot[row] >= 0 && slot[row] < states.size(0), "gated_delta_decode: slot ",
                 slot[row], " is outside the states");
+    TORCH_CHECK(source == nullptr || (source[row] >= 0 && source[row] < states.size(0)),
+                "gated_delta_decode: a source is outside the states");
   }
   at::Tensor out = at::empty({rows, heads, dv}, v.options());
   const RuleArgs args{q.data_ptr<float>(),
@@ -132,14 +148,26 @@ at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at
                       beta.data_ptr<float>(),
                       states.data_ptr<float>(),
                       slot,
+                      source,
                       out.data_ptr<float>(),
                       heads,
                       key_heads,
                       dk,
                       dv};
+  if (source != nullptr) {  // a head's rows in order: a row may read the one before's state
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(2 * dk + 2 * dv);
+      for (int64_t head = begin; head < end; ++head) {
+        for (int64_t row = 0; row < rows; ++row) rule_task(args, row, head, scratch);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(2 * dk + 2 * dv);
-    for (int64_t task = begin; task < end; ++task) rule_task(args, task, scratch);
+    for (int64_t task = begin; task < end; ++task) {
+      rule_task(args, task / heads, task % heads, scratch);
+    }
   });
   return out;
 }
@@ -149,7 +177,7 @@ at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "gated_delta_decode(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, "
-      "Tensor slots) -> Tensor");
+      "Tensor slots, Tensor? sources=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("gated_delta_decode", &conveyor::gated_delta_decode);

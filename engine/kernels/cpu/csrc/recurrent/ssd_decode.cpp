@@ -7,6 +7,9 @@
 // rates    [heads]                                  fp32: each head's A (negative)
 // states   [slots, heads, head dims, state dims]    fp32, contiguous: row i's at slots[i]
 // slots    [rows] int64
+// sources  [rows] int64, optional: row i reads its state from sources[i] and writes it to
+//          slots[i] (a request's rows verifying drafts, each from the state the row before it
+//          left); the rows then run in order, so a source may be an earlier row's slot
 // out      [rows, heads, head dims]                 fp32 (without the D skip)
 //
 // A head reads group `head / (heads / groups)`. With S a head's state and dt its step:
@@ -22,13 +25,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 
 namespace {
 
 struct ScanArgs {
   const float *x, *steps, *b, *c, *rates;
   float* states;
-  const int64_t* slots;
+  const int64_t *slots, *sources;  // sources: null where each row reads its own slot
   float* out;
   int64_t heads, groups, head_dims, state_dims;
 };
@@ -36,34 +40,36 @@ struct ScanArgs {
 // Lanes of partial sums for a state row's dot with c: whole vectors the compiler keeps apart.
 constexpr int64_t kLanes = 16;
 
-// Task `task` = row * heads + head.
-void scan_task(const ScanArgs& s, int64_t task) {
-  const int64_t row = task / s.heads, head = task % s.heads;
+// Row `row`'s head `head`.
+void scan_task(const ScanArgs& s, int64_t row, int64_t head) {
   const int64_t n = s.state_dims;
   const int64_t group = head / (s.heads / s.groups);
   const float* b = s.b + (row * s.groups + group) * n;
   const float* c = s.c + (row * s.groups + group) * n;
   const float* x = s.x + (row * s.heads + head) * s.head_dims;
-  float* state = s.states + (s.slots[row] * s.heads + head) * s.head_dims * n;
+  const int64_t source = s.sources != nullptr ? s.sources[row] : s.slots[row];
+  const float* state = s.states + (source * s.heads + head) * s.head_dims * n;
+  float* kept = s.states + (s.slots[row] * s.heads + head) * s.head_dims * n;
   float* out = s.out + (row * s.heads + head) * s.head_dims;
   const float step = s.steps[row * s.heads + head];
   const float decay = std::exp(step * s.rates[head]);
   const int64_t whole = n - n % kLanes;
   for (int64_t p = 0; p < s.head_dims; ++p) {
-    float* r = state + p * n;
+    const float* r = state + p * n;
+    float* t = kept + p * n;
     const float written = step * x[p];
     float part[kLanes] = {};
     for (int64_t j = 0; j < whole; j += kLanes) {
       for (int64_t l = 0; l < kLanes; ++l) {
         const float v = r[j + l] * decay + written * b[j + l];
-        r[j + l] = v;
+        t[j + l] = v;
         part[l] += v * c[j + l];
       }
     }
     float sum = 0.f;
     for (int64_t j = whole; j < n; ++j) {
-      r[j] = r[j] * decay + written * b[j];
-      sum += r[j] * c[j];
+      t[j] = r[j] * decay + written * b[j];
+      sum += t[j] * c[j];
     }
     for (int64_t l = 0; l < kLanes; ++l) sum += part[l];
     out[p] = sum;
@@ -83,7 +89,7 @@ namespace conveyor {
 
 at::Tensor ssd_decode(const at::Tensor& x, const at::Tensor& steps, const at::Tensor& b,
                       const at::Tensor& c, const at::Tensor& rates, at::Tensor states,
-                      const at::Tensor& slots) {
+                      const at::Tensor& slots, const std::optional<at::Tensor>& sources) {
   const int64_t rows = x.size(0);
   check_rows(x, "x", rows, 3);
   check_rows(steps, "steps", rows, 2);
@@ -105,9 +111,18 @@ at::Tensor ssd_decode(const at::Tensor& x, const at::Tensor& steps, const at::Te
                   slots.is_contiguous(),
               "ssd_decode: slots must be int64 [rows]");
   const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* source = nullptr;
+  if (sources.has_value()) {
+    TORCH_CHECK(sources->scalar_type() == at::kLong && sources->dim() == 1 &&
+                    sources->size(0) == rows && sources->is_contiguous(),
+                "ssd_decode: sources must be int64 [rows]");
+    source = sources->data_ptr<int64_t>();
+  }
   for (int64_t row = 0; row < rows; ++row) {
     TORCH_CHECK(slot[row] >= 0 && slot[row] < states.size(0), "ssd_decode: slot ", slot[row],
                 " is outside the states");
+    TORCH_CHECK(source == nullptr || (source[row] >= 0 && source[row] < states.size(0)),
+                "ssd_decode: a source is outside the states");
   }
   at::Tensor out = at::empty({rows, heads, head_dims}, x.options());
   const ScanArgs args{x.data_ptr<float>(),
@@ -117,13 +132,22 @@ at::Tensor ssd_decode(const at::Tensor& x, const at::Tensor& steps, const at::Te
                       rates.data_ptr<float>(),
                       states.data_ptr<float>(),
                       slot,
+                      source,
                       out.data_ptr<float>(),
                       heads,
                       groups,
                       head_dims,
                       n};
+  if (source != nullptr) {  // a head's rows in order: a row may read the one before's state
+    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t head = begin; head < end; ++head) {
+        for (int64_t row = 0; row < rows; ++row) scan_task(args, row, head);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) scan_task(args, task);
+    for (int64_t task = begin; task < end; ++task) scan_task(args, task / heads, task % heads);
   });
   return out;
 }
@@ -133,6 +157,6 @@ at::Tensor ssd_decode(const at::Tensor& x, const at::Tensor& steps, const at::Te
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "ssd_decode(Tensor x, Tensor steps, Tensor b, Tensor c, Tensor rates, Tensor(a!) states, "
-      "Tensor slots) -> Tensor");
+      "Tensor slots, Tensor? sources=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("ssd_decode", &conveyor::ssd_decode); }
