@@ -155,11 +155,6 @@ def _check_parallel(config: EngineConfig, device: torch.device) -> None:
     architectures = set(getattr(checkpoint, "architectures", None) or ())
     if architectures & (STATEFUL_FAMILIES.keys() - STATES_SPLIT):
         raise ValueError("tensor parallelism does not split recurrent layers' states yet")
-    if architectures & STATEFUL_FAMILIES.keys() and config.speculative is not None:
-        raise ValueError(
-            "speculative decoding across tensor-parallel ranks does not roll back recurrent "
-            "layers' states yet"
-        )
     counted = all(hasattr(checkpoint, key) for key in ("num_attention_heads", "intermediate_size"))
     counted = counted or MambaHeads.of(checkpoint) is not None  # (Mamba's own models)
     reason = why_not_shardable(checkpoint, size) if counted else ""

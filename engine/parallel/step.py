@@ -12,10 +12,13 @@ from engine.worker.input_batch import InputBatch
 @dataclass(frozen=True, slots=True)
 class StateCopies:
     """A step's copies of a recurrent model's states: `(snapshot, slot)` pairs restored into the
-    slots before the forward, `(slot, snapshot)` pairs saved after it."""
+    slots before the forward, `(slot, snapshot)` pairs saved after it; before both, on the
+    workers, the `(slot, slot)` copies the step before left once its drafts were verified (its
+    requests' last kept rows' states, `verify.kept_state_copies`), which rank 0 made then."""
 
     restores: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
+    kept: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -92,6 +93,8 @@ class ModelRunner:
         # The last step's sampled tokens on the device, and each request's row in them.
         self._last_tokens = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._last_rows: dict[str, int] = {}
+        # The copies of states the last verifying step left, for the workers' next step.
+        self._kept_states: list[tuple[int, int]] = []
 
     @property
     def takes_images(self) -> bool:
@@ -139,7 +142,9 @@ class ModelRunner:
         if self.workers is not None:
             copies = scheduler_output.block_copies
             previous = len(self._last_tokens)
-            self.workers.send(StepInputs.of(batch, indices, copies, rows, previous, state_copies))
+            kept, self._kept_states = self._kept_states, []
+            shared = replace(state_copies, kept=kept)
+            self.workers.send(StepInputs.of(batch, indices, copies, rows, previous, shared))
         output = ModelRunnerOutput()
         with self._across_ranks():
             input_ids = self._device_input_ids(batch, rows)
@@ -226,7 +231,10 @@ class ModelRunner:
         recurrent model's requests keep the states of their last kept rows."""
         states = self.kv_cache.states
         if states is not None:
-            states.copy_slots(kept_state_copies(batch, output.accepted_drafts))
+            kept = kept_state_copies(batch, output.accepted_drafts)
+            states.copy_slots(kept)
+            if self.workers is not None:  # theirs before their next step
+                self._kept_states += kept
         self._last_rows = {}
         return LaunchedStep([], None, output)
 
@@ -446,8 +454,13 @@ def _pairs(pairs: list[tuple[int | None, int | None]]) -> list[tuple[int, int]]:
 
 
 def restore_states(kv_cache: KVCache, copies: StateCopies) -> None:
-    """A recurrent model's snapshots copied into the slots of the requests resuming from them."""
-    if copies.restores and kv_cache.states is not None:
+    """The states a verifying step kept (`StateCopies.kept`) and a recurrent model's snapshots
+    copied into the slots of the requests resuming from them, in that order."""
+    if kv_cache.states is None:
+        return
+    if copies.kept:
+        kv_cache.states.copy_slots(copies.kept)
+    if copies.restores:
         kv_cache.states.restore(copies.restores)
 
 

@@ -3,8 +3,9 @@ and Qwen3-Next's Gated DeltaNet, the Mamba2 mixers of Granite 4, Falcon-H1 and N
 rank keeps the states of its heads; Nemotron-H's gateless experts in a latent width beside them),
 Mamba2's own models, Jamba's and Falcon-Mamba's Mamba1 and LFM2's short convolutions (of their
 channels); the tokens are transformers' under chunked prefill and preemption, in turn and
-overlapped, and from snapshots of the states (prefix caching) that every rank restores and saves.
-A family whose states do not split is refused before any worker starts."""
+overlapped, from snapshots of the states (prefix caching) that every rank restores and saves, and
+with drafts verified, each rank keeping its kept rows' states. A family whose states do not split
+is refused before any worker starts."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from engine.factory import create_engine_core
 from engine.parallel.mixer_shares import attends
 from engine.parallel.sharding import why_not_shardable
 from tests.core.test_engine_greedy import record_chunking
+from tests.core.test_speculation import ScriptedDrafter
 from tests.helpers import reference_greedy, run_all, tiny_tokenizer, tokens_of
 from tests.models import (
     test_falcon_h1,
@@ -164,20 +166,33 @@ def test_linear_attention_heads_that_do_not_divide_are_named(key_heads, value_he
     assert why_not_shardable(Qwen3_5TextConfig(**shape), size) == reason
 
 
-def test_what_ranks_cannot_run_of_a_recurrent_model_is_refused_before_any_worker_starts(
+@pytest.mark.parametrize("kind", ["qwen3.5", "falcon-mamba"])
+def test_drafts_verified_across_ranks_leave_each_rank_its_kept_rows_states(kind, tmp_path):
+    """Every third draft wrong: rank 0 keeps its last kept rows' states at once, the worker
+    before its next step; the tokens stay transformers' (Qwen3.5's decode rows chained in the
+    kernel, Falcon-Mamba's in waves)."""
+    model = KINDS[kind][0]()
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    truths = {f"req-{i}": reference(model, p) for i, p in enumerate(prompts())}
+    spec = SpeculativeConfig(3, 1, 1)
+    with engine_core(config(tmp_path, speculative=spec, max_num_batched_tokens=16)) as core:
+        core.drafter = ScriptedDrafter(truths, 3, 3)
+        outputs = run_all(core, prompts(), GREEDY)
+        assert {key: tokens_of(parts) for key, parts in outputs.items()} == truths
+        drafts = core.take_stats().drafts
+        assert 0 < drafts.num_accepted_tokens < drafts.num_draft_tokens
+
+
+def test_a_family_whose_states_do_not_split_is_refused_before_any_worker_starts(
     tmp_path, monkeypatch
 ):
-    """A family whose states do not split; speculative decoding, whose drafts' states the ranks
-    do not roll back yet."""
     test_mamba.build().save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     monkeypatch.setattr(
         "engine.parallel.workers.WorkerPool.start",
         lambda *args: pytest.fail("a worker started"),
     )
-    spec = SpeculativeConfig(2)
-    with pytest.raises(ValueError, match="speculative decoding across tensor-parallel ranks"):
-        create_engine_core(config(tmp_path, speculative=spec))
     monkeypatch.setattr("engine.factory.STATES_SPLIT", frozenset())
     with pytest.raises(ValueError, match="tensor parallelism does not split recurrent"):
         create_engine_core(config(tmp_path))
