@@ -298,7 +298,8 @@ def _state_cache(
         raise ValueError(f"{type(model).__name__} keeps recurrent states, which {reason}")
     slot_bytes = state_slot_bytes(specs, dtype)
     slots = _state_slot_count(config, slot_bytes, device)
-    snapshots = _snapshot_count(config, slot_bytes, slots, device)
+    # (one a request's slot: the slots drafts borrow keep none)
+    snapshots = _snapshot_count(config, slot_bytes, min(slots, config.max_num_seqs), device)
     states = StateCache(specs, slots, dtype, device, snapshots)
     interval = mamba_block_size(config.cache, block_size(config.cache, device))
     logger.info(

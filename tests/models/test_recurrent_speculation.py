@@ -129,3 +129,12 @@ def test_a_later_turn_resumes_from_the_states_kept_before_the_drafts():
     assert out == reference(model, second) and hits > 32
     assert core.take_stats().drafts.num_accepted_tokens > 0
     assert_every_slot_back(core)
+
+
+def test_the_states_hold_slots_for_each_request_s_drafts_and_snapshots_for_its_own():
+    """`--max-num-seqs` 4 and 3 drafts a step: 16 slots; the snapshots of prefix caching, one a
+    request's slot, 4."""
+    core = speculating_core(KINDS["lfm2"]())
+    states = core.runner.kv_cache.states
+    assert states is not None
+    assert (states.num_slots, states.num_snapshots) == (16, 4)

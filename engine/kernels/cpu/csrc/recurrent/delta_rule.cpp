@@ -105,8 +105,7 @@ namespace conveyor {
 
 at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& g, const at::Tensor& beta, at::Tensor states,
-                              const at::Tensor& slots,
-                              const std::optional<at::Tensor>& sources) {
+                              const at::Tensor& slots, const std::optional<at::Tensor>& sources) {
   const int64_t rows = v.size(0);
   check_rows(q, "q", rows, 3);
   check_rows(k, "k", rows, 3);
