@@ -23,9 +23,10 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 # Other families' names for them: LFM2's attention's `out_proj` and its MLP's `w1`, `w3`, `w2`.
 ALIASES = {"out_proj": "o_proj", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-# (Under `self_attn` and `mlp`; `feed_forward` holds Bamba's, Jamba's and LFM2's MLPs.)
+# (Under `self_attn` and `mlp`; `feed_forward` holds Bamba's, Jamba's and LFM2's MLPs, `mixer`
+# Nemotron-H's blocks' attention or MLP.)
 _KEY = re.compile(
-    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp|feed_forward)\.("
+    r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp|feed_forward|mixer)\.("
     + "|".join([*TARGETS, *ALIASES])
     + r")\.lora_([AB])\.weight"
 )
@@ -95,8 +96,8 @@ def load_adapter(path: str, layer_shapes: list[Shapes], max_rank: int) -> LoRAAd
         shape = layer_shapes[layer].get(name)
         if shape is None:
             raise LoRAError(
-                f"layer {layer} has no {name} to adapt: its MLP is a mixture of experts "
-                "(adapters of its attention are served)"
+                f"layer {layer} has no {name} to adapt: adapters of a layer's attention and "
+                "dense MLP are served, not of experts or of a recurrent mixer's own projections"
             )
         _check_shapes(layer, name, a, b, shape)
         rank = a.shape[0]

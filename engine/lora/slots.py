@@ -20,11 +20,14 @@ from engine.lora.adapter import LoRAAdapter, Shapes
 from engine.lora.registry import LoRARequest
 
 # The projections that share an input, in the order the model's fused outputs hold them: a
-# group's delta is one product pair over its targets' slots side by side.
+# group's delta is one product pair over its targets' slots side by side. A layer holds a group
+# where it has every target of it and no larger group holds them all (a gateless MLP's up is a
+# group of its own; a gated MLP's is part of gate and up).
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "o": ("o_proj",),
     "gate_up": ("gate_proj", "up_proj"),
+    "up": ("up_proj",),
     "down": ("down_proj",),
 }
 # How many targets the groups have: a step's mask is built once for each.
@@ -108,9 +111,8 @@ class LoRASlots:
     def _stacks(self, shapes: Shapes, side: str) -> dict[str, torch.Tensor]:
         width = self.num_slots * self.rank
         stacks = {}
-        for group, targets in GROUPS.items():
-            if not all(target in shapes for target in targets):
-                continue  # a layer without them (a mixture of experts has no gated MLP)
+        for group in _held_groups(shapes):
+            targets = GROUPS[group]
             columns = len(targets) * width
             if side == "a":
                 shape = (columns, shapes[targets[0]][0])
@@ -155,3 +157,14 @@ class LoRASlots:
                         a[: weights.rank].copy_(weights.a)
                         b[:, : weights.rank].copy_(weights.b)
                     row = rows.stop
+
+
+def _held_groups(shapes: Shapes) -> list[str]:
+    """The groups a layer with projections `shapes` holds (a mixture of experts holds no MLP's):
+    those whose targets it has, less any whose targets a larger one it holds covers."""
+    whole = [g for g, targets in GROUPS.items() if all(t in shapes for t in targets)]
+    return [
+        g
+        for g in whole
+        if not any(set(GROUPS[g]) < set(GROUPS[other]) for other in whole if other != g)
+    ]

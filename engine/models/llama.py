@@ -318,10 +318,8 @@ class PagedLlamaLayer(nn.Module):
         if self.moe is not None:
             return {}
         inter = self.intermediate
-        shapes = {"down_proj": (inter, hidden)}
-        if self.gated:  # a gateless MLP's up alone is no group an adapter fills
-            shapes |= {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)}
-        return shapes
+        shapes = {"up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+        return shapes | ({"gate_proj": (hidden, inter)} if self.gated else {})
 
     def _qk_norms(self, attn: Any) -> tuple[Any, Any] | None:
         """The norms of each q and of each k head (Qwen3's `q_norm` and `k_norm`), or None."""
@@ -474,7 +472,10 @@ class PagedLlamaLayer(nn.Module):
 
     def _activation(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
         if not self.gated:
-            return self.act_fn(self.gate_up_proj(hidden))
+            up = self.gate_up_proj(hidden)
+            if lora is not None and lora.adapts(self.lora_index, "up"):
+                up = up + lora.delta(self.lora_index, "up", hidden).to(up.dtype)
+            return self.act_fn(up)
         if lora is not None and lora.adapts(self.lora_index, "gate_up"):
             gate_up = self._gate_up(hidden)
             gate_up += lora.delta(self.lora_index, "gate_up", hidden).to(gate_up.dtype)

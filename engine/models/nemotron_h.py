@@ -64,7 +64,10 @@ class NemotronAttentionBlock(_Block):
 
 class NemotronMambaBlock(_Block, MambaBlock):
     """Mamba2 over each request's states, its output projected onto the residual; under tensor
-    parallelism the rank's heads and their states."""
+    parallelism the rank's heads and their states. Its mixer's own projections take no LoRA
+    adapters (the attention and MLP blocks take theirs)."""
+
+    adapted = True
 
 
 class NemotronMlpBlock(_Block):
@@ -82,7 +85,7 @@ class NemotronMlpBlock(_Block):
         if self.moe is not None:
             return {}
         hidden = int(self.gate_up_proj.in_features)  # type: ignore[arg-type]  # a linear layer's
-        return {"down_proj": (self.intermediate, hidden)}
+        return self._mlp_shapes(hidden)
 
     def forward(
         self,

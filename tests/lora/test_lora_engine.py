@@ -183,10 +183,10 @@ def test_adapter_steps_bypass_what_runs_the_base_model_alone(adapters, monkeypat
     assert calls  # the prompt's step of the base model took the installed pieces
 
 
-@pytest.mark.parametrize("family", ["granite", "olmo2"])
+@pytest.mark.parametrize("family", ["granite", "olmo2", "arcee"])
 def test_adapters_of_families_with_their_own_layers_equal_peft_merged(tmp_path, family):
-    """Granite's scaled residual adds and OLMo 2's moved norms take the adapters' deltas where
-    PEFT's merged weights put them."""
+    """Granite's scaled residual adds, OLMo 2's moved norms and Arcee's MLP without a gate (its
+    up adapted alone) take the adapters' deltas where PEFT's merged weights put them."""
     path = save_adapter(tmp_path / family, [*ATTENTION, *MLP], seed=5, base=lambda: build(family))
     core = lora_core({"a": path}, model=build(family))
     got = run(core, [(PROMPTS[1], None), (PROMPTS[1], "a")])
@@ -211,8 +211,16 @@ def test_drafts_are_verified_under_each_request_s_adapter(adapters):
 def recurrent_model(kind: str) -> torch.nn.Module:
     """A tiny model with recurrent layers: Qwen3.5's, Qwen3-Next's (experts), Bamba's (Mamba2),
     Jamba's (Mamba1), LFM2's (short convolutions), Falcon-H1's (attention beside Mamba2, its
-    multipliers around the projections)."""
-    from tests.models import test_bamba, test_falcon_h1, test_jamba, test_lfm2, test_qwen3_5
+    multipliers around the projections), Nemotron-H's (blocks of Mamba2, attention, or an MLP
+    without a gate)."""
+    from tests.models import (
+        test_bamba,
+        test_falcon_h1,
+        test_jamba,
+        test_lfm2,
+        test_nemotron_h,
+        test_qwen3_5,
+    )
 
     builds = {
         "qwen3.5": lambda: test_qwen3_5.build("dense"),
@@ -221,6 +229,7 @@ def recurrent_model(kind: str) -> torch.nn.Module:
         "jamba": lambda: test_jamba.build("dense"),
         "lfm2": test_lfm2.build,
         "falcon-h1": lambda: test_falcon_h1.build("norm-then-gate"),
+        "nemotron-h": lambda: test_nemotron_h.build("dense"),
     }
     return builds[kind]()
 
@@ -235,8 +244,9 @@ def recurrent_model(kind: str) -> torch.nn.Module:
         # LFM2's names for o, gate, up and down (its convolutions' `out_proj` left alone).
         ("lfm2", r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|feed_forward\.w[123])"),
         ("falcon-h1", [*ATTENTION, *MLP]),
+        ("nemotron-h", [*ATTENTION, "up_proj", "down_proj"]),  # its MLPs' up alone: no gate
     ],
-    ids=["qwen3.5", "qwen3-next", "bamba", "jamba", "lfm2", "falcon-h1"],
+    ids=["qwen3.5", "qwen3-next", "bamba", "jamba", "lfm2", "falcon-h1", "nemotron-h"],
 )
 def test_adapters_of_a_model_with_recurrent_layers_equal_peft_merged(tmp_path, kind, targets):
     """The attention layers' projections (Qwen3.5's q rows each head's query and gate) and the
@@ -263,9 +273,21 @@ def test_an_adapter_of_a_deltanets_projections_is_refused_by_name(tmp_path):
         lora_core({"a": path}, model=test_qwen3_5.build())
 
 
-def test_lora_over_recurrent_layers_that_take_none_is_refused():
-    """Nemotron-H's Mamba2 blocks take no adapters."""
+def test_an_adapter_of_a_mamba_blocks_projections_is_refused_by_name(tmp_path):
+    """Nemotron-H's Mamba2 blocks take none (PEFT itself refuses their `out_proj`)."""
     from tests.models import test_nemotron_h
 
+    def build() -> torch.nn.Module:
+        return test_nemotron_h.build("dense")
+
+    path = save_adapter(tmp_path / "a", ["in_proj"], seed=6, base=build)
+    with pytest.raises(ValueError, match="in_proj"):
+        lora_core({"a": path}, model=build())
+
+
+def test_lora_over_recurrent_layers_that_take_none_is_refused():
+    """Mamba's own models are their mixers alone: nothing there takes adapters."""
+    from tests.models import test_mamba
+
     with pytest.raises(ValueError, match="LoRA adapters do not adapt yet"):
-        tiny_core(test_nemotron_h.build(), enable_lora=True)
+        tiny_core(test_mamba.build(), enable_lora=True)
