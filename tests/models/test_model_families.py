@@ -171,12 +171,12 @@ def test_family_greedy_matches_generate(family):
 
 
 @pytest.mark.parametrize("family", ["arcee", "apertus"])
-def test_a_gateless_mlp_decodes_op_by_op_and_adapts_its_down_projection_only(family):
+def test_a_gateless_mlp_decodes_op_by_op_and_adapts_its_up_and_down(family):
     paged = PagedLlamaForCausalLM(build(family))
     layer = paged.layers[0]
     assert not layer.gated and why_not_fused(layer) == "an MLP without a gate"
     shapes = layer.lora_shapes()
-    assert "down_proj" in shapes and "up_proj" not in shapes and "gate_proj" not in shapes
+    assert "down_proj" in shapes and "up_proj" in shapes and "gate_proj" not in shapes
 
 
 @pytest.mark.parametrize(
