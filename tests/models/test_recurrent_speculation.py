@@ -8,6 +8,7 @@ request needs."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from engine.core.speculation import SpeculativeConfig
 from engine.kv.state_slots import StateSlots
 from engine.parallel.mixer_shares import attends
 from tests.core.test_speculation import ScriptedDrafter
+from tests.core.test_step_isolation import fail_after_the_forward, run_to_end
 from tests.helpers import reference_greedy, run_all, tiny_core, tokens_of
 from tests.models import test_granite_hybrid, test_lfm2, test_mamba, test_qwen3_5
 from tests.models.recurrent import prompts
@@ -138,3 +140,27 @@ def test_the_states_hold_slots_for_each_request_s_drafts_and_snapshots_for_its_o
     states = core.runner.kv_cache.states
     assert states is not None
     assert (states.num_slots, states.num_snapshots) == (16, 4)
+
+
+def test_a_failed_verifying_step_recomputes_the_others_and_lends_every_slot_back(
+    monkeypatch, caplog
+):
+    """A step that verifies drafts fails after the forward (its rows' states, lent slots and
+    all, already written): the culprit fails, the others are recomputed from their tokens and end
+    with transformers' tokens, and every slot comes back."""
+    model = KINDS["qwen3.5"]()
+    truths = {f"r{i}": reference(model, p) for i, p in enumerate(prompts()[:4])}
+    spec = SpeculativeConfig(DRAFTS, 1, 1, disable_by_batch_size=64)  # drafts every step
+    core = speculating_core(model, num_blocks=64, speculative=spec)
+    core.drafter = ScriptedDrafter(truths, 3, DRAFTS, limit=64)
+    fail_after_the_forward(core, monkeypatch, "r1", len(prompts()[1]) + 2)
+    for i, prompt in enumerate(prompts()[:4]):
+        core.add_request(f"r{i}", prompt, GREEDY)
+    with caplog.at_level(logging.WARNING, logger="engine.core.engine_core"):
+        outputs = run_to_end(core)
+    assert outputs["r1"][-1].finish_reason == "error"
+    for request_id in ("r0", "r2", "r3"):
+        assert tokens_of(outputs[request_id]) == truths[request_id]
+    assert "are recomputed: their recurrent states may have advanced" in caplog.text
+    assert core.take_stats().drafts.num_drafts > 0
+    assert_every_slot_back(core)
