@@ -8,8 +8,9 @@ The mixer projects each normed row to the scan's input and the gate `z`, convolv
 short causal convolution with a bias, then silu), projects it to the step's rank and `B`, `C`
 (each normed: Jamba's), and the step up to the channels. A request keeps its convolution's last
 inputs and the scan's state `[channels, state dims]` (fp32) in the state cache. Decode rows run
-together over their gathered states; a prompt runs token by token within chunks of
-`SCAN_CHUNK`, whose decays and writes are computed at once.
+together over their gathered states; a prompt's tokens run in turn, on the CPU in Conveyor's
+kernel (`csrc/recurrent/mamba1_scan.cpp`), elsewhere within chunks of `SCAN_CHUNK` whose decays
+and writes are computed at once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.cpu import ops as cpu_ops
 from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
 from engine.models.mixer_layer import MixerLayer
 from engine.parallel.group import ParallelGroup
@@ -92,16 +94,7 @@ class Mamba1Mixer(nn.Module):
             c: torch.Tensor,
             held: torch.Tensor,
         ) -> torch.Tensor:
-            rows = held.shape[0] // self.inner
-            length = x.shape[0]
-
-            def per_channel(t: torch.Tensor) -> torch.Tensor:
-                """`[tokens, rows * state dims]` as each channel's `[tokens, rows * channels,
-                state dims]`."""
-                shape = (length, rows, self.inner, self.state_dims)
-                return t.view(length, rows, 1, self.state_dims).expand(shape).flatten(1, 2)
-
-            return prompt_rows(x, steps, per_channel(b), per_channel(c), a.repeat(rows, 1), held)
+            return side_by_side_rows(x, steps, b, c, a, held)
 
         out = torch.empty(x32.shape, dtype=torch.float32, device=x.device)
         out = states.recur(index + 1, (x32, steps, b, c), decode, prompt, out)
@@ -124,6 +117,37 @@ def decode_rows(
     held = held * torch.exp(steps[..., None] * a) + (steps * x)[..., None] * b[:, None, :]
     state.index_copy_(0, slots, held)
     return (held @ c[..., None]).squeeze(-1)
+
+
+def side_by_side_rows(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    a: torch.Tensor,
+    held: torch.Tensor,
+) -> torch.Tensor:
+    """Prompt chunks of one length side by side (`x`, `steps` `[tokens, rows * channels]`, `b`,
+    `c` `[tokens, rows * state dims]`, fp32) through the scan, each row from its channels' states
+    in `held` `[rows * channels, state dims]` (`a` `[channels, state dims]`), updated in place;
+    the output `[tokens, rows * channels]` without the skip. On the CPU Conveyor's kernel keeps
+    each channel's state in registers across the tokens; elsewhere `prompt_rows`, a token at a
+    time over every channel."""
+    channels, state_dims = a.shape
+    rows, length = held.shape[0] // channels, x.shape[0]
+    if held.is_cpu and cpu_ops.has("recurrent"):
+        xs, ss, bs, cs = (t.reshape(length, rows, -1).contiguous() for t in (x, steps, b, c))
+        states = held.view(rows, channels, state_dims)
+        found = cpu_ops.mamba1_prompt_scan(xs, ss, bs, cs, a.contiguous(), states)
+        return found.view(length, rows * channels)
+
+    def per_channel(t: torch.Tensor) -> torch.Tensor:
+        """`[tokens, rows * state dims]` as each channel's `[tokens, rows * channels, state
+        dims]`."""
+        shape = (length, rows, channels, state_dims)
+        return t.view(length, rows, 1, state_dims).expand(shape).flatten(1, 2)
+
+    return prompt_rows(x, steps, per_channel(b), per_channel(c), a.repeat(rows, 1), held)
 
 
 def prompt_rows(

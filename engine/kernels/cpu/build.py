@@ -71,7 +71,9 @@ GROUPS = (
         ("decode_layer.cpp", "decode_stack.cpp"),
         needs=("attention", "linear", "elementwise"),
     ),
-    KernelGroup("recurrent", ("delta_rule.cpp", "short_conv.cpp", "ssd_decode.cpp")),
+    KernelGroup(
+        "recurrent", ("delta_rule.cpp", "short_conv.cpp", "ssd_decode.cpp", "mamba1_scan.cpp")
+    ),
 )
 GROUP_NAMES = tuple(group.name for group in GROUPS)
 # Each group's sources sit in the folder named after it; the headers they share in `include/`.

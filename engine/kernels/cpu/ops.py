@@ -316,6 +316,22 @@ def ssd_decode(
     return torch.ops.conveyor.ssd_decode(x, steps, b, c, rates, states, slots, sources)
 
 
+def mamba1_prompt_scan(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    rates: torch.Tensor,
+    states: torch.Tensor,
+) -> torch.Tensor:
+    """A prompt chunk's tokens through Mamba1's scan, the chunks of one length side by side:
+    contiguous fp32 `x`, `steps` `[tokens, rows, channels]` (after the bias and softplus), `b`,
+    `c` `[tokens, rows, state dims]`, `rates` `[channels, state dims]` (A, negative), each row
+    from `states` `[rows, channels, state dims]`, updated in place. fp32 `[tokens, rows,
+    channels]`, without the skip (`csrc/recurrent/mamba1_scan.cpp`)."""
+    return torch.ops.conveyor.mamba1_prompt_scan(x, steps, b, c, rates, states)
+
+
 def short_conv(
     inputs: torch.Tensor,
     states: torch.Tensor,
