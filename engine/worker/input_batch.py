@@ -103,17 +103,16 @@ def build_input_batch(items: list[ScheduledRequest], block_size: int) -> InputBa
 
 
 def _state_slots(scheduled: list[ScheduledRequest | _Row]) -> np.ndarray:
-    """Each row's slot of recurrent states (its request's, or a verifying row's own), -1 where
-    it holds none."""
-    slots = (
-        item.slot
-        if isinstance(item, _Row) and item.slot is not None
-        else -1
-        if item.request.state_slot is None
-        else item.request.state_slot
-        for item in scheduled
-    )
-    return np.fromiter(slots, np.int64, len(scheduled))
+    """Each row's slot of recurrent states, -1 where it holds none."""
+    return np.fromiter((_state_slot(item) for item in scheduled), np.int64, len(scheduled))
+
+
+def _state_slot(item: ScheduledRequest | _Row) -> int:
+    """A verifying row's own slot, or its request's."""
+    if isinstance(item, _Row) and item.slot is not None:
+        return item.slot
+    slot = item.request.state_slot
+    return -1 if slot is None else slot
 
 
 def _state_sources(scheduled: list[ScheduledRequest | _Row]) -> np.ndarray:

@@ -28,6 +28,8 @@
 #include <optional>
 #include <vector>
 
+#include "state_rows.h"
+
 namespace {
 
 struct RuleArgs {
@@ -122,23 +124,8 @@ at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at
               "gated_delta_decode: states must be contiguous fp32 [slots, heads, dk, dv]");
   TORCH_CHECK(states.size(1) == heads && states.size(2) == dk && states.size(3) == dv,
               "gated_delta_decode: states must be [slots, value heads, key dims, value dims]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == rows &&
-                  slots.is_contiguous(),
-              "gated_delta_decode: slots must be int64 [rows]");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* source = nullptr;
-  if (sources.has_value()) {
-    TORCH_CHECK(sources->scalar_type() == at::kLong && sources->dim() == 1 &&
-                    sources->size(0) == rows && sources->is_contiguous(),
-                "gated_delta_decode: sources must be int64 [rows]");
-    source = sources->data_ptr<int64_t>();
-  }
-  for (int64_t row = 0; row < rows; ++row) {
-    TORCH_CHECK(slot[row] >= 0 && slot[row] < states.size(0), "gated_delta_decode: slot ",
-                slot[row], " is outside the states");
-    TORCH_CHECK(source == nullptr || (source[row] >= 0 && source[row] < states.size(0)),
-                "gated_delta_decode: a source is outside the states");
-  }
+  const StateRows state_rows =
+      checked_state_rows("gated_delta_decode", slots, sources, rows, states.size(0));
   at::Tensor out = at::empty({rows, heads, dv}, v.options());
   const RuleArgs args{q.data_ptr<float>(),
                       k.data_ptr<float>(),
@@ -146,27 +133,16 @@ at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at
                       g.data_ptr<float>(),
                       beta.data_ptr<float>(),
                       states.data_ptr<float>(),
-                      slot,
-                      source,
+                      state_rows.slots,
+                      state_rows.sources,
                       out.data_ptr<float>(),
                       heads,
                       key_heads,
                       dk,
                       dv};
-  if (source != nullptr) {  // a head's rows in order: a row may read the one before's state
-    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(2 * dk + 2 * dv);
-      for (int64_t head = begin; head < end; ++head) {
-        for (int64_t row = 0; row < rows; ++row) rule_task(args, row, head, scratch);
-      }
-    });
-    return out;
-  }
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(2 * dk + 2 * dv);
-    for (int64_t task = begin; task < end; ++task) {
-      rule_task(args, task / heads, task % heads, scratch);
-    }
+  for_each_row_head(rows, heads, state_rows.sources != nullptr, [&] {
+    return [&args, scratch = std::vector<float>(2 * dk + 2 * dv)](
+               int64_t row, int64_t head) mutable { rule_task(args, row, head, scratch); };
   });
   return out;
 }

@@ -27,6 +27,8 @@
 #include <cstdint>
 #include <optional>
 
+#include "state_rows.h"
+
 namespace {
 
 struct ScanArgs {
@@ -107,23 +109,8 @@ at::Tensor ssd_decode(const at::Tensor& x, const at::Tensor& steps, const at::Te
               "ssd_decode: states must be contiguous fp32 [slots, heads, head dims, state dims]");
   TORCH_CHECK(states.size(1) == heads && states.size(2) == head_dims && states.size(3) == n,
               "ssd_decode: states must be [slots, heads, head dims, state dims]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == rows &&
-                  slots.is_contiguous(),
-              "ssd_decode: slots must be int64 [rows]");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* source = nullptr;
-  if (sources.has_value()) {
-    TORCH_CHECK(sources->scalar_type() == at::kLong && sources->dim() == 1 &&
-                    sources->size(0) == rows && sources->is_contiguous(),
-                "ssd_decode: sources must be int64 [rows]");
-    source = sources->data_ptr<int64_t>();
-  }
-  for (int64_t row = 0; row < rows; ++row) {
-    TORCH_CHECK(slot[row] >= 0 && slot[row] < states.size(0), "ssd_decode: slot ", slot[row],
-                " is outside the states");
-    TORCH_CHECK(source == nullptr || (source[row] >= 0 && source[row] < states.size(0)),
-                "ssd_decode: a source is outside the states");
-  }
+  const StateRows state_rows =
+      checked_state_rows("ssd_decode", slots, sources, rows, states.size(0));
   at::Tensor out = at::empty({rows, heads, head_dims}, x.options());
   const ScanArgs args{x.data_ptr<float>(),
                       steps.data_ptr<float>(),
@@ -131,23 +118,15 @@ at::Tensor ssd_decode(const at::Tensor& x, const at::Tensor& steps, const at::Te
                       c.data_ptr<float>(),
                       rates.data_ptr<float>(),
                       states.data_ptr<float>(),
-                      slot,
-                      source,
+                      state_rows.slots,
+                      state_rows.sources,
                       out.data_ptr<float>(),
                       heads,
                       groups,
                       head_dims,
                       n};
-  if (source != nullptr) {  // a head's rows in order: a row may read the one before's state
-    at::parallel_for(0, heads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t head = begin; head < end; ++head) {
-        for (int64_t row = 0; row < rows; ++row) scan_task(args, row, head);
-      }
-    });
-    return out;
-  }
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) scan_task(args, task / heads, task % heads);
+  for_each_row_head(rows, heads, state_rows.sources != nullptr, [&] {
+    return [&args](int64_t row, int64_t head) { scan_task(args, row, head); };
   });
   return out;
 }
