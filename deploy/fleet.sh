@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A fleet on one host: N `conveyor serve` replicas on ports 8001..800N and vllm-router in front
-# of them on :8000 (cache-aware routing, health checks every 2 s, retries, a circuit breaker).
+# of them on :8000 (cache-aware routing, health checks every 2 s, retries, a circuit breaker). The
+# router serves once every replica answers /health (checked every 2 s while they start).
 # Ctrl-C or SIGTERM drains and stops them all.
 #
 #   pip install vllm-router
@@ -47,7 +48,7 @@ done
 vllm-router --worker-urls "${urls[@]}" --host 0.0.0.0 --port "$router_port" \
     --prometheus-host 0.0.0.0 --prometheus-port "$metrics_port" \
     --policy "$policy" --health-check-interval-secs 2 --cb-timeout-duration-secs 5 \
-    --worker-startup-timeout-secs 1800 > "$logs/router.log" 2>&1 &
+    --worker-startup-timeout-secs 1800 --worker-startup-check-interval 2 > "$logs/router.log" 2>&1 &
 pids+=($!)
 echo "router on :$router_port in front of ${urls[*]} (logs in $logs/)"
 wait -n "${pids[@]}" || true

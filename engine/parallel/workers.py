@@ -73,13 +73,13 @@ class WorkerPool:
         """Spawn the workers and join them in one group (rank 0 here)."""
         size = config.tensor_parallel_size
         store, port = host_store(size)
-        context = multiprocessing.get_context("spawn")
+        context = worker_context(device)
         processes, pipes = [], []
         for rank in range(1, size):
             ours, theirs = context.Pipe()
             process = context.Process(
                 target=run_worker,
-                args=(config, rank, port, theirs, logging.getLogger().level),
+                args=(config, rank, port, theirs, logging.getLogger().level, dict(os.environ)),
                 name=f"conveyor-rank-{rank}",
                 daemon=True,
             )
@@ -251,11 +251,35 @@ class WorkerPool:
 # ---- the worker side ------------------------------------------------------------------------
 
 
+# What a CPU worker imports before it is forked: the engine, and torch with it.
+PRELOADED = ["engine.factory", "engine.worker.model_runner"]
+
+
+def worker_context(device: torch.device) -> Any:
+    """How workers start. On the CPU, forked from a server process that imported the engine
+    once (`forkserver`): a worker is up in a moment, where a fresh interpreter takes seconds
+    to import torch and the engine again. A CUDA worker starts in a fresh interpreter
+    (`spawn`), so that no CUDA state is ever inherited through a fork."""
+    if device.type == "cuda":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    return context
+
+
 def run_worker(
-    config: EngineConfig, rank: int, port: int, pipe: Connection, log_level: int
+    config: EngineConfig,
+    rank: int,
+    port: int,
+    pipe: Connection,
+    log_level: int,
+    environment: dict[str, str],
 ) -> None:
     """A worker process: join the group, load this rank's share, then run steps until told to
-    stop or rank 0 goes away."""
+    stop or rank 0 goes away. `environment`: rank 0's, as it is now (a forked worker would
+    otherwise see its server's, as it was when the server started)."""
+    os.environ.clear()
+    os.environ.update(environment)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     logging.basicConfig(
         level=log_level or logging.INFO,
@@ -365,7 +389,8 @@ def _report(pipe: Connection, exc: BaseException) -> None:
 
 
 def _exit_with_parent() -> None:
-    """Exit when the process that started this one is gone, whatever this one is doing."""
+    """Exit when the process that started this one is gone, whatever this one is doing (a
+    forked worker's parent is its fork server, which exits with rank 0)."""
     parent = os.getppid()
 
     def run() -> None:

@@ -206,6 +206,7 @@ def test_the_fleet_recipe_serves_through_its_router_and_stops_everything(model, 
         "CONVEYOR_CPU_KERNELS": "off",
     }
     serve = ["--model", str(model), "--device", "cpu", "--served-model-name", "tiny"]
+    serve += ["--kv-cache-memory", "64MiB"]
     # One KV events config for both: each replica publishes on its own port (the port + rank).
     events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_ports(2)}"}
     serve += ["--kv-events-config", json.dumps(events)]

@@ -125,6 +125,8 @@ def test_the_image_files_alone_serve_a_model(tmp_path):
             str(port),
             "--served-model-name",
             "tiny",
+            "--kv-cache-memory",
+            "64MiB",
         ],
         cwd=tmp_path,
         env=env,

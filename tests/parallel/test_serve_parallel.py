@@ -34,11 +34,21 @@ def children(pid: int) -> set[int]:
     return found
 
 
+def descendants(pid: int) -> set[int]:
+    """The process's children, theirs, and so on."""
+    found = children(pid)
+    for child in list(found):
+        found |= descendants(child)
+    return found
+
+
 def worker_pid(pid: int) -> int:
+    """Rank 1: a CPU worker is forked by the server's fork server, a child of the server."""
     for child in children(pid):
-        if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
-            return child
-    raise AssertionError("no worker process")
+        if "forkserver" in Path(f"/proc/{child}/cmdline").read_text():
+            (worker,) = children(child)
+            return worker
+    raise AssertionError("no fork server")
 
 
 def alive(pid: int) -> bool:
@@ -73,7 +83,7 @@ def test_a_dead_worker_turns_the_server_unhealthy_and_sigterm_leaves_nothing(mod
         assert 'conveyor:parallel_config_info{engine="0",' in metrics
         assert 'tensor_parallel_size="2"} 1.0' in metrics
         assert httpx.get(f"{url}/get_server_info").json()["tensor_parallel_size"] == 2
-        ours = children(process.pid)
+        ours = descendants(process.pid)
         os.kill(worker_pid(process.pid), signal.SIGKILL)
         deadline = time.monotonic() + 30
         while httpx.get(f"{url}/health").status_code == 200:
@@ -102,7 +112,7 @@ def test_workers_exit_when_the_server_is_killed(model_dir):
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux's /proc")
 def test_ctrl_c_stops_every_rank(model_dir):
     process, url = serve(model_dir, own_group=True)
-    ours = children(process.pid)
+    ours = descendants(process.pid)
     assert complete(url).status_code == 200
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
     log = process.communicate(timeout=60)[0]
