@@ -402,8 +402,8 @@ async def test_prometheus_scrapes_conveyor_and_every_query_works(tmp_path):
     async with live_server() as server:
         target = server.url.removeprefix("http://")
         config = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())
-        config["global"]["scrape_interval"] = "1s"
-        config["global"]["evaluation_interval"] = "1s"
+        config["global"]["scrape_interval"] = "500ms"
+        config["global"]["evaluation_interval"] = "500ms"
         job = config["scrape_configs"][0]
         del job["dns_sd_configs"], job["relabel_configs"]
         job["static_configs"] = [{"targets": [target]}]

@@ -1,7 +1,8 @@
 // The rows of a recurrent layer's decode step over the state cache: each row's slot and, where
 // a request verifies drafts, the slot it reads its state from (checked against the cache's
 // `num_slots`, `op` naming the kernel in the errors); and the order its (row, head) tasks run
-// in. Shared by the delta rule's and Mamba2's decode kernels.
+// in; and the check of a per-token input. Shared by the delta rule's and Mamba2's decode
+// kernels.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -11,6 +12,15 @@
 #include <optional>
 
 namespace conveyor {
+
+// `t`, the input `name` of kernel `op`: contiguous fp32 of `dim` dims, a row per token.
+inline void check_token_rows(const char* op, const at::Tensor& t, const char* name, int64_t rows,
+                             int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), op, ": ", name,
+              " must be contiguous fp32");
+  TORCH_CHECK(t.dim() == dim && t.size(0) == rows, op, ": ", name, " must have ", dim,
+              " dims and a row per token");
+}
 
 struct StateRows {
   const int64_t* slots;

@@ -46,7 +46,7 @@ using conveyor::kPanel;
 using conveyor::near_equal_passes;
 
 // Rows of rounded x handled per pass over the weight: about this many bytes, kept in L2.
-constexpr int64_t kChunkBytes = 128 * 1024;
+constexpr int64_t kInt8ChunkBytes = 128 * 1024;
 
 #ifdef CONVEYOR_BLOCK_PANELS
 using conveyor::kBlock;
@@ -285,7 +285,7 @@ struct Q80Product {
   }
 };
 
-struct Problem {
+struct Int8Problem {
   const RoundedRows& x;
   const float* bias;
   float* out;
@@ -294,7 +294,8 @@ struct Problem {
 
 // Rows [m0, m0 + rows) times panel p, in passes of at most F::kMaxRows rows of near-equal size.
 template <typename F>
-void rows_by_panel(const Problem& pb, int64_t m0, int64_t rows, const int8_t* panel, int64_t p) {
+void rows_by_panel(const Int8Problem& pb, int64_t m0, int64_t rows, const int8_t* panel,
+                   int64_t p) {
   const int64_t n0 = p * kPanel;
   const int64_t cols = std::min(kPanel, pb.N - n0);
   const float* bias = pb.bias == nullptr ? nullptr : pb.bias + n0;
@@ -311,9 +312,9 @@ void rows_by_panel(const Problem& pb, int64_t m0, int64_t rows, const int8_t* pa
 
 // Panels [p0, p1) for all rows, a chunk of rows at a time.
 template <typename F>
-void panel_range(const Problem& pb, const int8_t* panels, int64_t p0, int64_t p1) {
+void panel_range(const Int8Problem& pb, const int8_t* panels, int64_t p0, int64_t p1) {
   const int64_t panel_bytes = pb.x.K / kBlock * F::kGroupBytes;
-  const int64_t chunk = chunk_rows(pb.x.K, kChunkBytes, F::kMaxRows);
+  const int64_t chunk = chunk_rows(pb.x.K, kInt8ChunkBytes, F::kMaxRows);
   for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
     const int64_t rows = std::min(chunk, pb.M - m0);
     for (int64_t p = p0; p < p1; ++p) rows_by_panel<F>(pb, m0, rows, panels + p * panel_bytes, p);
@@ -321,7 +322,7 @@ void panel_range(const Problem& pb, const int8_t* panels, int64_t p0, int64_t p1
 }
 
 template <typename F>
-void run(const Problem& pb, const at::Tensor& panels) {
+void run_int8(const Int8Problem& pb, const at::Tensor& panels) {
   const int8_t* w = panels.data_ptr<int8_t>();
   at::parallel_for(0, panels.size(0), 4,
                    [&](int64_t p0, int64_t p1) { panel_range<F>(pb, w, p0, p1); });
@@ -338,9 +339,9 @@ void int8_panel_product(const float* x, int64_t M, int64_t K, const at::Tensor& 
   TORCH_CHECK(false, "int8 block panels need AVX2, F16C and FMA");
 #else
   const RoundedRows rounded = round_rows(x, M, K);
-  const Problem pb{rounded, bias, out, M, out_features};
-  if (panels.size(2) == conveyor::Q80Int8::kGroupBytes) run<Q80Product>(pb, panels);
-  else run<Q41Product>(pb, panels);
+  const Int8Problem pb{rounded, bias, out, M, out_features};
+  if (panels.size(2) == conveyor::Q80Int8::kGroupBytes) run_int8<Q80Product>(pb, panels);
+  else run_int8<Q41Product>(pb, panels);
 #endif
 }
 

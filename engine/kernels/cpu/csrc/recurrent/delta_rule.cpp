@@ -94,13 +94,6 @@ void rule_task(const RuleArgs& a, int64_t row, int64_t head, std::vector<float>&
   }
 }
 
-void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t dim) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "gated_delta_decode: ", name,
-              " must be contiguous fp32");
-  TORCH_CHECK(t.dim() == dim && t.size(0) == rows, "gated_delta_decode: ", name, " must have ", dim,
-              " dims and a row per token");
-}
-
 }  // namespace
 
 namespace conveyor {
@@ -109,11 +102,12 @@ at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at
                               const at::Tensor& g, const at::Tensor& beta, at::Tensor states,
                               const at::Tensor& slots, const std::optional<at::Tensor>& sources) {
   const int64_t rows = v.size(0);
-  check_rows(q, "q", rows, 3);
-  check_rows(k, "k", rows, 3);
-  check_rows(v, "v", rows, 3);
-  check_rows(g, "g", rows, 2);
-  check_rows(beta, "beta", rows, 2);
+  const char* op = "gated_delta_decode";
+  check_token_rows(op, q, "q", rows, 3);
+  check_token_rows(op, k, "k", rows, 3);
+  check_token_rows(op, v, "v", rows, 3);
+  check_token_rows(op, g, "g", rows, 2);
+  check_token_rows(op, beta, "beta", rows, 2);
   const int64_t heads = v.size(1), key_heads = q.size(1), dk = q.size(2), dv = v.size(2);
   TORCH_CHECK(k.sizes() == q.sizes(), "gated_delta_decode: q and k must have one shape");
   TORCH_CHECK(key_heads > 0 && heads % key_heads == 0,
@@ -124,8 +118,7 @@ at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at
               "gated_delta_decode: states must be contiguous fp32 [slots, heads, dk, dv]");
   TORCH_CHECK(states.size(1) == heads && states.size(2) == dk && states.size(3) == dv,
               "gated_delta_decode: states must be [slots, value heads, key dims, value dims]");
-  const StateRows state_rows =
-      checked_state_rows("gated_delta_decode", slots, sources, rows, states.size(0));
+  const StateRows state_rows = checked_state_rows(op, slots, sources, rows, states.size(0));
   at::Tensor out = at::empty({rows, heads, dv}, v.options());
   const RuleArgs args{q.data_ptr<float>(),
                       k.data_ptr<float>(),

@@ -31,7 +31,7 @@
 
 namespace {
 
-struct ScanArgs {
+struct SsdArgs {
   const float *x, *steps, *b, *c, *rates;
   float* states;
   const int64_t *slots, *sources;  // sources: null where each row reads its own slot
@@ -43,7 +43,7 @@ struct ScanArgs {
 constexpr int64_t kLanes = 16;
 
 // Row `row`'s head `head`.
-void scan_task(const ScanArgs& s, int64_t row, int64_t head) {
+void scan_task(const SsdArgs& s, int64_t row, int64_t head) {
   const int64_t n = s.state_dims;
   const int64_t group = head / (s.heads / s.groups);
   const float* b = s.b + (row * s.groups + group) * n;
@@ -78,13 +78,6 @@ void scan_task(const ScanArgs& s, int64_t row, int64_t head) {
   }
 }
 
-void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t dim) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "ssd_decode: ", name,
-              " must be contiguous fp32");
-  TORCH_CHECK(t.dim() == dim && t.size(0) == rows, "ssd_decode: ", name, " must have ", dim,
-              " dims and a row per token");
-}
-
 }  // namespace
 
 namespace conveyor {
@@ -93,10 +86,11 @@ at::Tensor ssd_decode(const at::Tensor& x, const at::Tensor& steps, const at::Te
                       const at::Tensor& c, const at::Tensor& rates, at::Tensor states,
                       const at::Tensor& slots, const std::optional<at::Tensor>& sources) {
   const int64_t rows = x.size(0);
-  check_rows(x, "x", rows, 3);
-  check_rows(steps, "steps", rows, 2);
-  check_rows(b, "b", rows, 3);
-  check_rows(c, "c", rows, 3);
+  const char* op = "ssd_decode";
+  check_token_rows(op, x, "x", rows, 3);
+  check_token_rows(op, steps, "steps", rows, 2);
+  check_token_rows(op, b, "b", rows, 3);
+  check_token_rows(op, c, "c", rows, 3);
   const int64_t heads = x.size(1), head_dims = x.size(2), groups = b.size(1), n = b.size(2);
   TORCH_CHECK(c.sizes() == b.sizes(), "ssd_decode: b and c must have one shape");
   TORCH_CHECK(groups > 0 && heads % groups == 0,
@@ -109,22 +103,21 @@ at::Tensor ssd_decode(const at::Tensor& x, const at::Tensor& steps, const at::Te
               "ssd_decode: states must be contiguous fp32 [slots, heads, head dims, state dims]");
   TORCH_CHECK(states.size(1) == heads && states.size(2) == head_dims && states.size(3) == n,
               "ssd_decode: states must be [slots, heads, head dims, state dims]");
-  const StateRows state_rows =
-      checked_state_rows("ssd_decode", slots, sources, rows, states.size(0));
+  const StateRows state_rows = checked_state_rows(op, slots, sources, rows, states.size(0));
   at::Tensor out = at::empty({rows, heads, head_dims}, x.options());
-  const ScanArgs args{x.data_ptr<float>(),
-                      steps.data_ptr<float>(),
-                      b.data_ptr<float>(),
-                      c.data_ptr<float>(),
-                      rates.data_ptr<float>(),
-                      states.data_ptr<float>(),
-                      state_rows.slots,
-                      state_rows.sources,
-                      out.data_ptr<float>(),
-                      heads,
-                      groups,
-                      head_dims,
-                      n};
+  const SsdArgs args{x.data_ptr<float>(),
+                     steps.data_ptr<float>(),
+                     b.data_ptr<float>(),
+                     c.data_ptr<float>(),
+                     rates.data_ptr<float>(),
+                     states.data_ptr<float>(),
+                     state_rows.slots,
+                     state_rows.sources,
+                     out.data_ptr<float>(),
+                     heads,
+                     groups,
+                     head_dims,
+                     n};
   for_each_row_head(rows, heads, state_rows.sources != nullptr, [&] {
     return [&args](int64_t row, int64_t head) { scan_task(args, row, head); };
   });
