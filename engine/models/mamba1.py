@@ -8,9 +8,10 @@ The mixer projects each normed row to the scan's input and the gate `z`, convolv
 short causal convolution with a bias, then silu), projects it to the step's rank and `B`, `C`
 (each normed: Jamba's), and the step up to the channels. A request keeps its convolution's last
 inputs and the scan's state `[channels, state dims]` (fp32) in the state cache. Decode rows run
-together over their gathered states; a prompt's tokens run in turn, on the CPU in Conveyor's
-kernel (`csrc/recurrent/mamba1_scan.cpp`), elsewhere within chunks of `SCAN_CHUNK` whose decays
-and writes are computed at once.
+together (rows verifying drafts in order, each from the state the row before it left), on the CPU
+in Conveyor's kernel (`csrc/recurrent/mamba1_scan.cpp`), elsewhere over their gathered states; a
+prompt's tokens run in turn, on the CPU in that kernel, elsewhere within chunks of `SCAN_CHUNK`
+whose decays and writes are computed at once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
+from engine.models import scan_decode
 from engine.models.mixer_layer import MixerLayer
 from engine.parallel.group import ParallelGroup
 from engine.parallel.layers import reduced
@@ -83,9 +85,11 @@ class Mamba1Mixer(nn.Module):
             *,
             state: torch.Tensor,
             slots: np.ndarray,
+            sources: np.ndarray | None = None,
         ) -> torch.Tensor:
             on_device = torch.from_numpy(slots).to(state.device)
-            return decode_rows(x, steps, b, c, a, state, on_device)
+            read = None if sources is None else torch.from_numpy(sources).to(state.device)
+            return decode_rows(x, steps, b, c, a, state, on_device, read)
 
         def prompt(
             x: torch.Tensor,
@@ -97,7 +101,7 @@ class Mamba1Mixer(nn.Module):
             return side_by_side_rows(x, steps, b, c, a, held)
 
         out = torch.empty(x32.shape, dtype=torch.float32, device=x.device)
-        out = states.recur(index + 1, (x32, steps, b, c), decode, prompt, out)
+        out = states.recur(index + 1, (x32, steps, b, c), decode, prompt, out, chains=True)
         return ((out + self.d * x32) * F.silu(z.float())).to(dtype)
 
 
@@ -109,10 +113,30 @@ def decode_rows(
     a: torch.Tensor,
     state: torch.Tensor,
     slots: torch.Tensor,
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token of each row (`x`, `steps` `[rows, channels]`, `b`, `c` `[rows, state dims]`,
-    fp32) through the scan, row i from `state[slots[i]]` `[channels, state dims]`, written back;
-    the output without the skip."""
+    fp32) through the scan, row i from `state[slots[i]]` `[channels, state dims]`, written back
+    (or, with `sources`, from `state[sources[i]]`, the rows in order, so that a row may read the
+    state an earlier one wrote); the output without the skip. On the CPU Conveyor's kernel
+    updates each state in place and reads it out in the same pass; elsewhere
+    `decode_rows_torch`."""
+    inputs = (x, steps, b, c)
+    return scan_decode.decode_rows(
+        cpu_ops.mamba1_decode, decode_rows_torch, inputs, a, state, slots, sources
+    )
+
+
+def decode_rows_torch(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    a: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`decode_rows` in torch: the rows' states gathered, updated and written back."""
     held = state.index_select(0, slots)
     held = held * torch.exp(steps[..., None] * a) + (steps * x)[..., None] * b[:, None, :]
     state.index_copy_(0, slots, held)

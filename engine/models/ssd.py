@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kv.state_cache import StateCache
+from engine.models import scan_decode
 
 # Tokens a chunk of a prompt's scan: within one, the scan is a few products; chunks run in turn.
 SSD_CHUNK = 64
@@ -110,18 +111,10 @@ def decode_rows(
     in order, so that a row may read the state an earlier one wrote); the output without the
     skip. On the CPU Conveyor's kernel updates each state in place and reads it out in the same
     pass; elsewhere `decode_rows_torch`."""
-    if state.is_cpu and cpu_ops.has("recurrent"):
-        x, steps, b, c = (t.contiguous() for t in (x, steps, b, c))
-        read = None if sources is None else sources.cpu()
-        return cpu_ops.ssd_decode(x, steps, b, c, a.contiguous(), state, slots.cpu(), read)
-    if sources is None:
-        return decode_rows_torch(x, steps, b, c, a, state, slots)
-    outs = []
-    for row in range(len(slots)):  # in order, each from its source's state
-        state[slots[row]] = state[sources[row]]
-        one = slice(row, row + 1)
-        outs.append(decode_rows_torch(x[one], steps[one], b[one], c[one], a, state, slots[one]))
-    return torch.cat(outs)
+    inputs = (x, steps, b, c)
+    return scan_decode.decode_rows(
+        cpu_ops.ssd_decode, decode_rows_torch, inputs, a, state, slots, sources
+    )
 
 
 def decode_rows_torch(

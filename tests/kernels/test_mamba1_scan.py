@@ -1,6 +1,6 @@
-"""Conveyor's CPU kernel for a prompt chunk through Mamba1's selective scan
-(`csrc/recurrent/mamba1_scan.cpp`) against the torch form a token at a time, and where the
-mixers use it."""
+"""Conveyor's CPU kernels for Mamba1's selective scan (`csrc/recurrent/mamba1_scan.cpp`): a prompt
+chunk against the torch form a token at a time, a decode token of each row against torch's
+gathered form (and rows verifying drafts chained), and where the mixers use them."""
 
 from __future__ import annotations
 
@@ -76,3 +76,80 @@ def test_wrong_inputs_are_refused(change, message):
     args = dict(x=x, steps=steps, b=b, c=c, rates=-torch.rand(4, 5), states=torch.randn(2, 4, 5))
     with pytest.raises(RuntimeError, match=message):
         cpu_ops.mamba1_prompt_scan(**change(args))
+
+
+def decode_inputs(rows: int, channels: int, state_dims: int, slots: int):
+    x, steps = torch.randn(rows, channels), torch.rand(rows, channels)
+    b, c = torch.randn(rows, state_dims), torch.randn(rows, state_dims)
+    a = -torch.rand(channels, state_dims) * 4
+    return x, steps, b, c, a, torch.randn(slots, channels, state_dims)
+
+
+@pytest.mark.parametrize(("rows", "channels", "state_dims"), [(1, 8, 16), (5, 12, 16), (3, 7, 21)])
+def test_decode_steps_in_turn_equal_the_torch_form(rows, channels, state_dims):
+    """Twenty tokens in turn through the kernel and torch's gathered form, from the same states
+    (state dims of whole vectors, or with a tail); slots no row names stay as they were."""
+    torch.manual_seed(rows * channels)
+    x, steps, b, c, a, states = decode_inputs(rows, channels, state_dims, rows + 3)
+    mine, theirs = states.clone(), states.clone()
+    slots = torch.randperm(rows + 3)[:rows]
+    for _ in range(20):
+        x, steps = torch.randn_like(x), torch.rand_like(steps)
+        b, c = torch.randn_like(b), torch.randn_like(c)
+        got = cpu_ops.mamba1_decode(x, steps, b, c, a, mine, slots)
+        want = mamba1.decode_rows_torch(x, steps, b, c, a, theirs, slots)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    others = [slot for slot in range(rows + 3) if slot not in slots.tolist()]
+    assert torch.equal(mine[others], states[others])
+    assert not torch.equal(mine[slots], states[slots])
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_rows_in_a_chain_each_read_the_state_the_row_before_wrote(kernel, monkeypatch):
+    """A request verifying drafts: rows 0..3 from slot 2 (its own, in place), then each from the
+    slot the row before wrote (5, 1, 6), beside another request's row in slot 0: each equals
+    the tokens taken one call at a time."""
+    torch.manual_seed(5)
+    x, steps, b, c, a, states = decode_inputs(5, 6, 16, 7)
+    slots, sources = torch.tensor([2, 0, 5, 1, 6]), torch.tensor([2, 0, 2, 5, 1])
+    expected, outs = states.clone(), []
+    for row in range(5):
+        one = slice(row, row + 1)
+        state = expected[sources[row]].clone()[None]
+        zero = torch.zeros(1, dtype=torch.int64)
+        outs.append(mamba1.decode_rows_torch(x[one], steps[one], b[one], c[one], a, state, zero))
+        expected[slots[row]] = state[0]
+    if not kernel:
+        monkeypatch.setattr(cpu_ops, "has", lambda group: False)
+    out = mamba1.decode_rows(x, steps, b, c, a, states, slots, sources)
+    torch.testing.assert_close(out, torch.cat(outs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(states, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_mixers_decode_with_the_kernel_on_the_cpu(monkeypatch):
+    seen = []
+    real = cpu_ops.mamba1_decode
+    monkeypatch.setattr(cpu_ops, "mamba1_decode", lambda *a: seen.append(a[0].shape) or real(*a))
+    x, steps, b, c, a, states = decode_inputs(2, 4, 8, 3)
+    mamba1.decode_rows(x, steps, b, c, a, states, torch.tensor([2, 0]))
+    assert seen == [torch.Size([2, 4])]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t: t | {"x": t["x"].double()}, "x must be contiguous fp32"),
+        (lambda t: t | {"steps": t["steps"][:, :1].contiguous()}, "steps must be shaped as x"),
+        (lambda t: t | {"c": t["c"][:, :3].contiguous()}, "b and c must have one shape"),
+        (lambda t: t | {"rates": t["rates"][:2]}, "rates must be contiguous fp32"),
+        (lambda t: t | {"states": t["states"][:, :, :4]}, "states must be contiguous fp32"),
+        (lambda t: t | {"slots": torch.tensor([0, 7])}, "slot 7 is outside the states"),
+        (lambda t: t | {"sources": torch.tensor([9, 0])}, "a source is outside the states"),
+    ],
+)
+def test_wrong_decode_inputs_are_refused(change, message):
+    x, steps, b, c, a, states = decode_inputs(2, 4, 5, 3)
+    args = dict(x=x, steps=steps, b=b, c=c, rates=a, states=states, slots=torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match=message):
+        cpu_ops.mamba1_decode(**change(args))

@@ -332,6 +332,26 @@ def mamba1_prompt_scan(
     return torch.ops.conveyor.mamba1_prompt_scan(x, steps, b, c, rates, states)
 
 
+def mamba1_decode(
+    x: torch.Tensor,
+    steps: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    rates: torch.Tensor,
+    states: torch.Tensor,
+    slots: torch.Tensor,
+    sources: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One token of each row through Mamba1's scan, row i from `states[slots[i]]` (`[slots,
+    channels, state dims]` fp32), updated in place: contiguous fp32 `x`, `steps` `[rows,
+    channels]` (after the bias and softplus), `b`, `c` `[rows, state dims]`, `rates` `[channels,
+    state dims]` (A, negative), int64 `slots` (distinct). With int64 `sources`, row i reads its
+    state from `states[sources[i]]` instead, and the rows run in order (a source may be an
+    earlier row's slot). fp32 `[rows, channels]`, without the skip
+    (`csrc/recurrent/mamba1_scan.cpp`)."""
+    return torch.ops.conveyor.mamba1_decode(x, steps, b, c, rates, states, slots, sources)
+
+
 def short_conv(
     inputs: torch.Tensor,
     states: torch.Tensor,

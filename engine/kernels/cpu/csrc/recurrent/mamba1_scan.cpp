@@ -1,7 +1,9 @@
-// A prompt chunk's tokens through Mamba1's selective scan (Jamba's, Mamba's and Falcon-Mamba's
-// mixers), the chunks of one length side by side, each from its request's state, which it
-// leaves updated.
+// Mamba1's selective scan (Jamba's, Mamba's and Falcon-Mamba's mixers) on the CPU: a prompt
+// chunk's tokens, the chunks of one length side by side, each from its request's state, which
+// it leaves updated (`mamba1_prompt_scan`); and one decode token of each row, its state read
+// from and written to the state cache in place (`mamba1_decode`).
 //
+// mamba1_prompt_scan:
 // x, steps  [tokens, rows, channels]               fp32, contiguous (steps after the bias and
 //           softplus)
 // b, c      [tokens, rows, state dims]             fp32, contiguous
@@ -9,11 +11,22 @@
 // states    [rows, channels, state dims]           fp32, contiguous: updated in place
 // out       [tokens, rows, channels]               fp32 (without the D skip)
 //
+// mamba1_decode:
+// x, steps  [rows, channels]                       fp32, contiguous
+// b, c      [rows, state dims]                     fp32, contiguous
+// rates     [channels, state dims]                 fp32, contiguous
+// states    [slots, channels, state dims]          fp32, contiguous: row i's at slots[i]
+// slots     [rows] int64
+// sources   [rows] int64, optional: row i reads its state from sources[i] and writes it to
+//           slots[i] (a request's rows verifying drafts); the rows then run in order
+// out       [rows, channels]                       fp32 (without the D skip)
+//
 // With S a channel's state and dt its step, each token in turn:
 //   S <- exp(dt A) S + dt x b,  out = S . c
 // as transformers' sequential scan. Torch takes a prompt a token at a time, a handful of ops
 // each over every channel's state; here a (row, channel) task keeps its state in registers and
-// takes the chunk's tokens in turn.
+// takes the chunk's tokens in turn. At decode torch gathers the rows' states, decays them, adds
+// the writes, scatters them back and reads them again; here each state is read and written once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -21,9 +34,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "fast_exp.h"
+#include "state_rows.h"
 
 namespace {
 
@@ -75,6 +90,27 @@ void scan_task(const ScanArgs& a, int64_t task, std::vector<float>& held) {
   std::copy(held.begin(), held.end(), state);
 }
 
+struct DecodeArgs {
+  const float *x, *steps, *b, *c, *rates;
+  float* states;
+  const int64_t *slots, *sources;  // sources: null where each row reads its own slot
+  float* out;
+  int64_t channels, state_dims;
+};
+
+// Row `row`'s channel `channel`: its state from its source's slot, updated into its own.
+void decode_task(const DecodeArgs& a, int64_t row, int64_t channel) {
+  const int64_t n = a.state_dims, at = row * a.channels + channel;
+  const int64_t slot = a.slots[row], source = a.sources != nullptr ? a.sources[row] : slot;
+  float* state = a.states + (slot * a.channels + channel) * n;
+  if (source != slot) {
+    const float* read = a.states + (source * a.channels + channel) * n;
+    std::copy(read, read + n, state);
+  }
+  a.out[at] = scan_token(state, a.rates + channel * n, a.b + row * n, a.c + row * n, a.steps[at],
+                         a.x[at], n);
+}
+
 void check(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == dim,
               "mamba1_prompt_scan: ", name, " must be contiguous fp32 of ", dim, " dims");
@@ -119,13 +155,54 @@ at::Tensor mamba1_prompt_scan(const at::Tensor& x, const at::Tensor& steps, cons
   return out;
 }
 
+at::Tensor mamba1_decode(const at::Tensor& x, const at::Tensor& steps, const at::Tensor& b,
+                         const at::Tensor& c, const at::Tensor& rates, at::Tensor states,
+                         const at::Tensor& slots, const std::optional<at::Tensor>& sources) {
+  const int64_t rows = x.size(0);
+  const char* op = "mamba1_decode";
+  check_token_rows(op, x, "x", rows, 2);
+  check_token_rows(op, steps, "steps", rows, 2);
+  check_token_rows(op, b, "b", rows, 2);
+  check_token_rows(op, c, "c", rows, 2);
+  const int64_t channels = x.size(1), n = b.size(1);
+  TORCH_CHECK(steps.sizes() == x.sizes(), "mamba1_decode: steps must be shaped as x");
+  TORCH_CHECK(c.sizes() == b.sizes(), "mamba1_decode: b and c must have one shape");
+  TORCH_CHECK(rates.scalar_type() == at::kFloat && rates.is_contiguous() && rates.dim() == 2 &&
+                  rates.size(0) == channels && rates.size(1) == n,
+              "mamba1_decode: rates must be contiguous fp32 [channels, state dims]");
+  TORCH_CHECK(states.scalar_type() == at::kFloat && states.is_contiguous() && states.dim() == 3 &&
+                  states.size(1) == channels && states.size(2) == n,
+              "mamba1_decode: states must be contiguous fp32 [slots, channels, state dims]");
+  const StateRows state_rows = checked_state_rows(op, slots, sources, rows, states.size(0));
+  at::Tensor out = at::empty({rows, channels}, x.options());
+  const DecodeArgs args{x.data_ptr<float>(),
+                        steps.data_ptr<float>(),
+                        b.data_ptr<float>(),
+                        c.data_ptr<float>(),
+                        rates.data_ptr<float>(),
+                        states.data_ptr<float>(),
+                        state_rows.slots,
+                        state_rows.sources,
+                        out.data_ptr<float>(),
+                        channels,
+                        n};
+  for_each_row_head(rows, channels, state_rows.sources != nullptr, [&] {
+    return [&args](int64_t row, int64_t channel) { decode_task(args, row, channel); };
+  });
+  return out;
+}
+
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "mamba1_prompt_scan(Tensor x, Tensor steps, Tensor b, Tensor c, Tensor rates, "
       "Tensor(a!) states) -> Tensor");
+  m.def(
+      "mamba1_decode(Tensor x, Tensor steps, Tensor b, Tensor c, Tensor rates, Tensor(a!) states, "
+      "Tensor slots, Tensor? sources=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("mamba1_prompt_scan", &conveyor::mamba1_prompt_scan);
+  m.impl("mamba1_decode", &conveyor::mamba1_decode);
 }
