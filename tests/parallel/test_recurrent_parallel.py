@@ -171,8 +171,9 @@ def test_linear_attention_heads_that_do_not_divide_are_named(key_heads, value_he
 )
 def test_drafts_verified_across_ranks_leave_each_rank_its_kept_rows_states(build, tmp_path):
     """Every third draft wrong: rank 0 keeps its last kept rows' states at once, the worker
-    before its next step; the tokens stay transformers' (Qwen3.5's decode rows chained in the
-    kernel; Falcon-Mamba's, its Mamba1 channels split, in waves)."""
+    before its next step; the tokens stay transformers' (Qwen3.5's delta rule and
+    Falcon-Mamba's scan, its Mamba1 channels split, each with the decode rows chained in the
+    kernel; their convolutions in waves)."""
     model = build()
     model.save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
