@@ -135,14 +135,38 @@ def thp_mode() -> str:
 
 def anon_huge_kib(address: int) -> int:
     """AnonHugePages of the mapping of this process that holds `address`."""
+    return smaps_kib(address, "AnonHugePages")
+
+
+def smaps_kib(address: int, field: str) -> int:
+    """A field (KiB) of the mapping of this process that holds `address`."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if span:
             inside = int(span.group(1), 16) <= address < int(span.group(2), 16)
-        elif inside and line.startswith("AnonHugePages:"):
+        elif inside and line.startswith(f"{field}:"):
             return int(line.split()[1])
     return 0
+
+
+@pytest.mark.skipif(
+    thp_mode() not in ("always", "madvise"),
+    reason="this kernel hands out no transparent huge pages",
+)
+def test_a_fresh_kv_cache_takes_memory_as_its_blocks_are_written() -> None:
+    """Nothing of a 64 MiB cache is resident before a step writes it (its pages are not all
+    faulted in at start-up); a block written takes its pages, and the rest read as zero."""
+    spec = KVCacheSpec(
+        num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_size=16
+    )
+    cache = KVCache(spec, 64 * MIB // spec.bytes_per_block, torch.device("cpu"))
+    address = cache.tensor.data_ptr()
+    assert smaps_kib(address, "Rss") < 4 * 1024
+    cache.key(1)[3].fill_(1.0)
+    assert 2 * 1024 <= smaps_kib(address, "Rss") < 8 * 1024
+    assert int(cache.key(1)[3].sum()) == cache.key(1)[3].numel()
+    assert not cache.key(0).any() and not cache.key(1)[4:].any()
 
 
 @pytest.mark.skipif(
