@@ -74,7 +74,7 @@ from engine.parallel.sharding import Shard, not_shardable, why_not_shardable
 from engine.parallel.workers import WorkerPool, rank_device
 from engine.scheduling.scheduler import Scheduler
 from engine.weight_reload import WeightReloader
-from engine.worker import memory_profile, routes
+from engine.worker import host_memory, memory_profile, routes
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.worker.draft_model import DraftLimits, ModelDrafter
 from engine.worker.logits_processors import load_processors
@@ -265,6 +265,8 @@ def build_rank(
     kv_cache.group = shard.group if shard is not None else None
     kv_cache.states = states
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
+    if device.type == "cpu":
+        host_memory.warn_if_beyond(kv_cache.num_bytes, host_memory.available_bytes())
     scales, calibrates = _kv_scales(kv_cache, backend, loaded.path, config.cache)
     return RankParts(
         model,
