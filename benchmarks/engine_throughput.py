@@ -23,7 +23,7 @@ import random
 import statistics
 import time
 
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config, resident
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
@@ -119,6 +119,7 @@ def main() -> None:
         enforce_eager=args.enforce_eager,
     )
     core, _, info = create_engine_core(config)
+    resident(core)
     graphs = "CUDA graphs" if core.runner.graphs is not None else "eager"
     layers = getattr(core.runner.model, "layers", [])
     compiled = ", layers compiled" if any(is_compiled(layer) for layer in layers) else ""

@@ -17,7 +17,7 @@ import random
 import statistics
 import time
 
-from engine_setup import add_engine_arguments, engine_config
+from engine_setup import add_engine_arguments, engine_config, resident
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
@@ -73,6 +73,7 @@ def main() -> None:
         config = engine_config(args, enable_prefix_caching=caching)
         cache = dataclasses.replace(config.cache, mamba_block_size=args.mamba_block_size)
         core, _, info = create_engine_core(dataclasses.replace(config, cache=cache))
+        resident(core)
         cores[caching] = core
     print(f"# {info.model_name} {info.dtype} on {info.device}")
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}

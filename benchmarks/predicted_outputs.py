@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config, resident
 from speculation import PASSAGES, copy_prompts, print_row
 
 from engine.core.engine_core import EngineCore
@@ -85,6 +85,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     core, _, info = create_engine_core(engine_config(args))
+    resident(core)
     print(f"# {info.model_name} {info.dtype} on {info.device}, predicted outputs")
     tokenizer = core.tokenizer
     for concurrency in args.concurrency:

@@ -29,7 +29,7 @@ import json
 import random
 import time
 
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config, resident
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
@@ -182,6 +182,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = speculative_config(args)
     core, _, info = create_engine_core(engine_config(args, speculative=spec))
+    resident(core)
     drafter = core.drafter
     print(f"# {info.model_name} {info.dtype} on {info.device}, {args.workload} workload, {spec}")
     run(core, copy_prompts(core, 2), 8, "warmup")
