@@ -154,7 +154,9 @@ def test_a_request_drafts_one_more_than_it_last_kept():
 
 class ScriptedDrafter(Drafter):
     """Drafts from each request's known greedy continuation, every `wrong`-th draft token
-    replaced by another: the engine must keep exactly the right ones."""
+    replaced by another: the engine must keep exactly the right ones. `limit`: drafts while no
+    more requests run (the tests pass 64: every step drafts, whatever the machine's speed);
+    None leaves it to the timed gate (`draft_gate.py`)."""
 
     def __init__(
         self, continuations: dict[str, list[int]], wrong: int, count: int, limit: int | None = None
@@ -197,7 +199,7 @@ def test_greedy_tokens_equal_generate_whatever_the_drafts(wrong: int, options: d
     prompts = _prompts()
     truths = {f"req-{i}": reference_greedy(model, p, 24) for i, p in enumerate(prompts)}
     core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(4, 1, 1), **options)
-    core.drafter = ScriptedDrafter(truths, wrong, 4)
+    core.drafter = ScriptedDrafter(truths, wrong, 4, limit=64)
     outputs = run_all(core, prompts, GREEDY)
     for request_id, truth in truths.items():
         assert tokens_of(outputs[request_id]) == truth, request_id
@@ -290,7 +292,7 @@ def test_stops_inside_kept_drafts_end_the_sequence_where_one_token_a_step_would(
     truths = {f"req-{i}": reference_greedy(model, p, 24) for i, p in enumerate(prompts)}
     expected = _finished(run_all(tiny_core(tiny_llama())[0], prompts, params))
     core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(6, 1, 1))
-    core.drafter = ScriptedDrafter(truths, 0, 6)
+    core.drafter = ScriptedDrafter(truths, 0, 6, limit=64)
     assert _finished(run_all(core, prompts, params)) == expected
     assert expected["req-0"][2] == "stop" and expected["req-2"][2] == "length"
     assert len(expected["req-2"][0]) == 9
@@ -328,7 +330,7 @@ def test_seeded_replies_are_the_same_with_drafts_as_without(extra: dict):
     for wrong in [0, 3, None]:
         core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(4, 1, 2))
         if wrong is not None:
-            core.drafter = ScriptedDrafter(truths, wrong, 4)
+            core.drafter = ScriptedDrafter(truths, wrong, 4, limit=64)
         outputs = run_all(core, prompts, params)
         assert {key: tokens_of(parts) for key, parts in outputs.items()} == truths, wrong
         drafts = core.take_stats().drafts
@@ -369,7 +371,7 @@ def test_logprobs_of_kept_drafts_are_those_of_one_token_a_step():
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     plain = run_all(tiny_core(tiny_llama())[0], prompts, params)
     core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(4, 1, 1))
-    core.drafter = ScriptedDrafter(truths, 3, 4)
+    core.drafter = ScriptedDrafter(truths, 3, 4, limit=64)
     speculated = run_all(core, prompts, params)
     assert core.take_stats().drafts.num_accepted_tokens > 0
     for request_id in truths:
@@ -407,7 +409,7 @@ def test_formats_rule_each_draft_as_a_sampled_token(temperature: float):
     for drafter in ["scripted", "n-gram"]:
         core, _ = tiny_core(tiny_llama(), speculative=SpeculativeConfig(4, 1, 2))
         if drafter == "scripted":
-            core.drafter = ScriptedDrafter(truths, 2, 4)
+            core.drafter = ScriptedDrafter(truths, 2, 4, limit=64)
         outputs = run_all(core, prompts, params)
         drafts = core.take_stats().drafts
         assert drafts.num_drafts > 0, drafter

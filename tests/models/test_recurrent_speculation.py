@@ -66,7 +66,7 @@ def test_greedy_tokens_are_transformers_whatever_the_drafts_keep(kind):
     model = KINDS[kind]()
     truths = {f"req-{i}": reference(model, p) for i, p in enumerate(prompts())}
     core = speculating_core(model)
-    core.drafter = ScriptedDrafter(truths, 3, DRAFTS)
+    core.drafter = ScriptedDrafter(truths, 3, DRAFTS, limit=64)  # every step, not as timed
     outputs = run_all(core, prompts(), GREEDY)
     assert {key: tokens_of(parts) for key, parts in outputs.items()} == truths
     drafts = core.take_stats().drafts
@@ -81,7 +81,7 @@ def test_a_seeded_request_writes_the_same_tokens_with_drafts_as_without():
     plain, _ = tiny_core(model, max_num_seqs=4)
     truths = {key: tokens_of(parts) for key, parts in run_all(plain, prompts(), params).items()}
     core = speculating_core(model)
-    core.drafter = ScriptedDrafter(truths, 2, DRAFTS)
+    core.drafter = ScriptedDrafter(truths, 2, DRAFTS, limit=64)
     outputs = run_all(core, prompts(), params)
     assert {key: tokens_of(parts) for key, parts in outputs.items()} == truths
     assert core.take_stats().drafts.num_accepted_tokens > 0
