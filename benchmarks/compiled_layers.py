@@ -18,9 +18,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from engine_setup import add_engine_arguments, engine_config
+from engine_setup import add_engine_arguments, engine_config, timed_engine_core
 
-from engine.factory import create_engine_core
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.worker.compilation import is_compiled
 
@@ -87,7 +86,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     args.compile = True
-    core, _, info = create_engine_core(engine_config(args))
+    core, _, info = timed_engine_core(engine_config(args))
     model = core.runner.model
     if not isinstance(model, PagedLlamaForCausalLM) or not is_compiled(model.layers[0]):
         raise SystemExit("the layers were not compiled (see the log's routes line)")

@@ -18,12 +18,11 @@ import statistics
 import time
 
 import torch
-from engine_setup import add_engine_arguments, engine_config
+from engine_setup import add_engine_arguments, engine_config, timed_engine_core
 from transformers import AutoModelForCausalLM
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
-from engine.factory import create_engine_core
 
 POOL = SamplingParams(temperature=0, max_tokens=1)
 
@@ -63,7 +62,7 @@ def main() -> None:
         enable_prefix_caching=False,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    core, loaded, info = create_engine_core(config)
+    core, loaded, info = timed_engine_core(config)
     dtype = getattr(torch, info.dtype)
     reference = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).to(info.device)
     reference.eval()

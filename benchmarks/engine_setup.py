@@ -1,7 +1,7 @@
 """The engine options the benchmarks that drive `EngineCore` directly share, and the engine they
 build: the model, its dtype, the KV cache's dtype (in a 1 GiB cache), 8-bit activations, the
 tensor-parallel size, `--compile`, and `--load-format dummy` (random weights of the model's
-shape, none read)."""
+shape, none read), its KV cache resident before anything is timed."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from engine.core.config import CacheConfig, EngineConfig
+from engine.core.config import CacheConfig, EngineConfig, ServingInfo
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
+from engine.factory import create_engine_core
+from engine.loading.model_loader import LoadedModel
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,14 +39,15 @@ def add_load_arguments(
     parser.add_argument("--output-len", type=int, default=output_len)
 
 
-def resident(core: EngineCore) -> EngineCore:
-    """`core` with its KV cache's pages faulted in before anything is timed: on the CPU they
-    become resident as blocks are first written, so a first run would pay for them and a later
-    one not."""
+def timed_engine_core(config: EngineConfig) -> tuple[EngineCore, LoadedModel, ServingInfo]:
+    """`create_engine_core(config)` with its KV cache's pages faulted in before anything is
+    timed: on the CPU they become resident as blocks are first written, so a first run (or the
+    first of two engines compared) would pay for them and a later one not."""
+    core, loaded, info = create_engine_core(config)
     cache = core.runner.kv_cache.tensor
     if cache.device.type == "cpu":
         cache.zero_()
-    return core
+    return core, loaded, info
 
 
 def engine_config(args: argparse.Namespace, **options: Any) -> EngineConfig:

@@ -23,11 +23,10 @@ import random
 import statistics
 import time
 
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config, resident
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config, timed_engine_core
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
-from engine.factory import create_engine_core
 from engine.kernels.cpu import ops as cpu_ops
 from engine.worker.compilation import is_compiled
 
@@ -118,8 +117,7 @@ def main() -> None:
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
     )
-    core, _, info = create_engine_core(config)
-    resident(core)
+    core, _, info = timed_engine_core(config)
     graphs = "CUDA graphs" if core.runner.graphs is not None else "eager"
     layers = getattr(core.runner.model, "layers", [])
     compiled = ", layers compiled" if any(is_compiled(layer) for layer in layers) else ""

@@ -24,13 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from engine_setup import add_engine_arguments, engine_config
+from engine_setup import add_engine_arguments, engine_config, timed_engine_core
 from transformers import AutoModelForImageTextToText
 
 from engine.core.engine_core import EngineCore
 from engine.core.images import ImageInputs
 from engine.core.sampling_params import SamplingParams
-from engine.factory import create_engine_core
 
 
 def image(seed: int, size: int) -> Any:
@@ -176,7 +175,7 @@ def main() -> None:
     if args.beside_text:
         beside_text(args)
         return
-    core, loaded, info = create_engine_core(engine_config(args))
+    core, loaded, info = timed_engine_core(engine_config(args))
     assert info.image_token_id is not None, "--model must be an image-text model"
     hf = AutoModelForImageTextToText.from_pretrained(args.model, dtype=getattr(torch, info.dtype))
     hf.eval()
@@ -200,7 +199,7 @@ def main() -> None:
 
 
 def beside_text(args: argparse.Namespace) -> None:
-    core, loaded, info = create_engine_core(engine_config(args))
+    core, loaded, info = timed_engine_core(engine_config(args))
     assert info.image_token_id is not None, "--model must be an image-text model"
     budgeted = core.scheduler.config
     unlimited = dataclasses.replace(budgeted, max_num_encoder_input_tokens=1 << 30)

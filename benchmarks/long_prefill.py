@@ -15,11 +15,10 @@ import random
 import statistics
 import time
 
-from engine_setup import add_engine_arguments, engine_config
+from engine_setup import add_engine_arguments, engine_config, timed_engine_core
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
-from engine.factory import create_engine_core
 
 
 def first_tokens(core: EngineCore, args: argparse.Namespace, seed: int) -> dict[str, float]:
@@ -48,7 +47,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    core, _, info = create_engine_core(
+    core, _, info = timed_engine_core(
         engine_config(args, max_num_batched_tokens=args.max_num_batched_tokens)
     )
     print(f"# {info.model_name} {info.dtype} on {info.device}")

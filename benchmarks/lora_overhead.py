@@ -19,11 +19,16 @@ import tempfile
 from pathlib import Path
 
 import torch
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config, output_rate
+from engine_setup import (
+    add_engine_arguments,
+    add_load_arguments,
+    engine_config,
+    output_rate,
+    timed_engine_core,
+)
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.factory import create_engine_core
 from engine.loading.default_model import ensure_default_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -56,8 +61,8 @@ def main() -> None:
             (name, write_adapter(model, Path(folder) / name, args.rank, seed))
             for seed, name in enumerate("ab")
         )
-        off, _, info = create_engine_core(engine_config(args))
-        on, _, _ = create_engine_core(
+        off, _, info = timed_engine_core(engine_config(args))
+        on, _, _ = timed_engine_core(
             engine_config(
                 args,
                 enable_lora=True,

@@ -15,9 +15,13 @@ import argparse
 import json
 import statistics
 
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config, output_rate
-
-from engine.factory import create_engine_core
+from engine_setup import (
+    add_engine_arguments,
+    add_load_arguments,
+    engine_config,
+    output_rate,
+    timed_engine_core,
+)
 
 ORDER = ["transformers", "conveyor", "conveyor", "transformers"]
 
@@ -29,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     cores = {}
     for impl in ("transformers", "conveyor"):
-        cores[impl], _, info = create_engine_core(engine_config(args, model_impl=impl))
+        cores[impl], _, info = timed_engine_core(engine_config(args, model_impl=impl))
     print(f"# {info.model_name} {info.dtype} on {info.device}")
     short = argparse.Namespace(input_len=16, output_len=4)
     for core in cores.values():

@@ -17,11 +17,10 @@ import random
 import statistics
 import time
 
-from engine_setup import add_engine_arguments, engine_config, resident
+from engine_setup import add_engine_arguments, engine_config, timed_engine_core
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
-from engine.factory import create_engine_core
 
 
 def chats(core: EngineCore, args: argparse.Namespace, seed: int) -> dict[str, float]:
@@ -72,8 +71,7 @@ def main() -> None:
     for caching in (True, False):
         config = engine_config(args, enable_prefix_caching=caching)
         cache = dataclasses.replace(config.cache, mamba_block_size=args.mamba_block_size)
-        core, _, info = create_engine_core(dataclasses.replace(config, cache=cache))
-        resident(core)
+        core, _, info = timed_engine_core(dataclasses.replace(config, cache=cache))
         cores[caching] = core
     print(f"# {info.model_name} {info.dtype} on {info.device}")
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}

@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config, resident
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config, timed_engine_core
 from speculation import PASSAGES, copy_prompts, print_row
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
-from engine.factory import create_engine_core
 
 
 def run(
@@ -84,8 +83,7 @@ def main() -> None:
         "--own-replies", action="store_true", help="predict each reply as the model writes it"
     )
     args = parser.parse_args()
-    core, _, info = create_engine_core(engine_config(args))
-    resident(core)
+    core, _, info = timed_engine_core(engine_config(args))
     print(f"# {info.model_name} {info.dtype} on {info.device}, predicted outputs")
     tokenizer = core.tokenizer
     for concurrency in args.concurrency:

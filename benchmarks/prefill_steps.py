@@ -18,11 +18,10 @@ import random
 import statistics
 import time
 
-from engine_setup import add_engine_arguments, engine_config
+from engine_setup import add_engine_arguments, engine_config, timed_engine_core
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
-from engine.factory import create_engine_core
 
 
 def prefill_seconds(core: EngineCore, prompts: int, input_len: int, seed: int) -> float:
@@ -48,7 +47,7 @@ def main() -> None:
     parser.add_argument("--both-prompt-products", action="store_true")
     args = parser.parse_args()
     config = engine_config(args, max_num_batched_tokens=max(2048, args.input_len))
-    core, _, _ = create_engine_core(config)
+    core, _, _ = timed_engine_core(config)
     backend = core.runner.backend
     modes = [getattr(backend, "bf16_prompts", False)]
     if args.both_prompt_products:

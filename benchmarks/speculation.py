@@ -29,12 +29,11 @@ import json
 import random
 import time
 
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config, resident
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config, timed_engine_core
 
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams, StructuredOutputs
 from engine.core.speculation import Drafter, SpeculativeConfig
-from engine.factory import create_engine_core
 
 PASSAGES = [
     "def mean(values):\n    total = 0\n    for value in values:\n        total += value\n"
@@ -181,8 +180,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     spec = speculative_config(args)
-    core, _, info = create_engine_core(engine_config(args, speculative=spec))
-    resident(core)
+    core, _, info = timed_engine_core(engine_config(args, speculative=spec))
     drafter = core.drafter
     print(f"# {info.model_name} {info.dtype} on {info.device}, {args.workload} workload, {spec}")
     run(core, copy_prompts(core, 2), 8, "warmup")

@@ -14,17 +14,15 @@ import argparse
 import json
 import statistics
 
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config, timed_engine_core
 from engine_throughput import run
-
-from engine.factory import create_engine_core
 
 ROUNDS = 2
 
 
 def measure(args: argparse.Namespace, size: int, round_: int) -> list[dict[str, float]]:
     args.tensor_parallel_size = size
-    core, _, _ = create_engine_core(engine_config(args))
+    core, _, _ = timed_engine_core(engine_config(args))
     try:
         run(core, 2, 16, 4, seed=-1)  # warm-up
         rows = []

@@ -17,11 +17,10 @@ import random
 import time
 
 import torch
-from engine_setup import add_engine_arguments, add_load_arguments, engine_config
+from engine_setup import add_engine_arguments, add_load_arguments, engine_config, timed_engine_core
 from engine_throughput import run as run_engine
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from engine.factory import create_engine_core
 from engine.loading.default_model import ensure_default_model
 
 
@@ -72,7 +71,7 @@ def main() -> None:
     add_engine_arguments(parser)
     add_load_arguments(parser, concurrency=[16, 64])
     args = parser.parse_args()
-    core, _, info = create_engine_core(engine_config(args))
+    core, _, info = timed_engine_core(engine_config(args))
     folder = args.model or str(ensure_default_model())
     hf = transformers_model(folder, getattr(torch, info.dtype), info.device, args.load_format)
     print(f"# {info.model_name} {info.dtype} on {info.device}")
