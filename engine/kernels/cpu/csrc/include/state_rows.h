@@ -1,8 +1,8 @@
 // The rows of a recurrent layer's decode step over the state cache: each row's slot and, where
 // a request verifies drafts, the slot it reads its state from (checked against the cache's
 // `num_slots`, `op` naming the kernel in the errors); and the order its (row, head) tasks run
-// in; and the check of a per-token input. Shared by the delta rule's and Mamba2's decode
-// kernels.
+// in; and the check of a per-token input. Shared by the delta rule's, Mamba2's and Mamba1's
+// decode kernels.
 #pragma once
 
 #include <ATen/Parallel.h>
