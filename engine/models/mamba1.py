@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,20 +76,6 @@ class Mamba1Mixer(nn.Module):
         x32, b, c = x.float(), b.float(), c.float()
         a = self.a
 
-        def decode(
-            x: torch.Tensor,
-            steps: torch.Tensor,
-            b: torch.Tensor,
-            c: torch.Tensor,
-            *,
-            state: torch.Tensor,
-            slots: np.ndarray,
-            sources: np.ndarray | None = None,
-        ) -> torch.Tensor:
-            on_device = torch.from_numpy(slots).to(state.device)
-            read = None if sources is None else torch.from_numpy(sources).to(state.device)
-            return decode_rows(x, steps, b, c, a, state, on_device, read)
-
         def prompt(
             x: torch.Tensor,
             steps: torch.Tensor,
@@ -101,6 +86,7 @@ class Mamba1Mixer(nn.Module):
             return side_by_side_rows(x, steps, b, c, a, held)
 
         out = torch.empty(x32.shape, dtype=torch.float32, device=x.device)
+        decode = scan_decode.recur_decode(decode_rows, a)
         out = states.recur(index + 1, (x32, steps, b, c), decode, prompt, out, chains=True)
         return ((out + self.d * x32) * F.silu(z.float())).to(dtype)
 

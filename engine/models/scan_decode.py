@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from engine.kernels.cpu import ops as cpu_ops
@@ -37,3 +38,23 @@ def decode_rows(
         one = slice(row, row + 1)
         outs.append(torch_form(*(t[one] for t in inputs), rates, state, slots[one]))
     return torch.cat(outs)
+
+
+def recur_decode(
+    decode: Callable[..., torch.Tensor], rates: torch.Tensor
+) -> Callable[..., torch.Tensor]:
+    """The `decode` that `StateCache.recur` calls with the decode rows' inputs and their slots
+    (and sources) on the host: `decode(*inputs, rates, state, slots, sources)` with the slots
+    on the state's device (a layer's `decode_rows`)."""
+
+    def run(
+        *inputs: torch.Tensor,
+        state: torch.Tensor,
+        slots: np.ndarray,
+        sources: np.ndarray | None = None,
+    ) -> torch.Tensor:
+        on_device = torch.from_numpy(slots).to(state.device)
+        read = None if sources is None else torch.from_numpy(sources).to(state.device)
+        return decode(*inputs, rates, state, on_device, read)
+
+    return run

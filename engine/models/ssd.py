@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -69,20 +68,6 @@ def scan(
     x, b, c = x.float(), b.float(), c.float()
     steps = F.softplus(dt.float() + params.dt_bias)
 
-    def decode(
-        x: torch.Tensor,
-        steps: torch.Tensor,
-        b: torch.Tensor,
-        c: torch.Tensor,
-        *,
-        state: torch.Tensor,
-        slots: np.ndarray,
-        sources: np.ndarray | None = None,
-    ) -> torch.Tensor:
-        on_device = torch.from_numpy(slots).to(state.device)
-        read = None if sources is None else torch.from_numpy(sources).to(state.device)
-        return decode_rows(x, steps, b, c, params.a, state, on_device, read)
-
     def prompt(
         x: torch.Tensor, steps: torch.Tensor, b: torch.Tensor, c: torch.Tensor, held: torch.Tensor
     ) -> torch.Tensor:
@@ -91,6 +76,7 @@ def scan(
         return prompt_rows(x, steps.clamp(*params.dt_limit), rates, b, c, held)
 
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    decode = scan_decode.recur_decode(decode_rows, params.a)
     out = states.recur(index, (x, steps, b, c), decode, prompt, out, chains=True)
     return out + params.d[:, None] * x
 
