@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A fleet on one host: N `conveyor serve` replicas on ports 8001..800N and vllm-router in front
 # of them on :8000 (cache-aware routing, health checks every 2 s, retries, a circuit breaker). The
-# router serves once every replica answers /health (checked every 2 s while they start).
+# router serves once a replica answers /health (looked for every 2 s while they start); the others
+# join as the health checks find them up.
 # Ctrl-C or SIGTERM drains and stops them all.
 #
 #   pip install vllm-router

@@ -225,6 +225,8 @@ def test_the_fleet_recipe_serves_through_its_router_and_stops_everything(model, 
             return port_open(router_port)
 
         when(listening, "the router listening", 300)
+        # The router serves once one replica answers; the other joins when it is up.
+        when(lambda: port_open(first) and port_open(first + 1), "both replicas serving", 300)
         when(lambda: router.healthy_workers() == 2, "both replicas healthy", 300)
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4}
         response = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
