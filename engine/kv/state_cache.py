@@ -224,9 +224,11 @@ class StateCache:
         the rows' slots on the host, which updates those slots; the prompt chunks of one length
         together, `prompt(*inputs, held)` with each token's rows side by side (`[length, rows *
         heads, ...]`) and their states gathered (`[rows * heads, ...]`), which it updates in
-        place before they go back, its output laid out as its inputs. Where requests verify
-        drafts, wave by wave; or, where `decode` `chains` rows (it takes `sources=`, each row's
-        slot to read its state from, and runs the rows in order), all the decode rows at once."""
+        place before they go back, its output laid out as its inputs (a length only one row
+        has: that row's inputs as views, maybe strided, and its slot's state itself). Where
+        requests verify drafts, wave by wave; or, where `decode` `chains` rows (it takes
+        `sources=`, each row's slot to read its state from, and runs the rows in order), all the
+        decode rows at once."""
         step = self.step
         assert step is not None, "a recurrent model's step begins its states"
         state = self.layers[index]
@@ -304,6 +306,10 @@ def _recur(
     for length in np.unique(lens[lens > 1]):
         group = np.flatnonzero(lens == length)
         spans = [slice(int(starts[row]), int(starts[row] + length)) for row in group]
+        if len(group) == 1:  # its inputs as they lie, its state in place
+            found = prompt(*(t[spans[0]] for t in inputs), state[int(step.host_slots[group[0]])])
+            out[spans[0]] = found.to(out.dtype)
+            continue
         slots = torch.from_numpy(step.host_slots[group]).to(out.device)
         held = state.index_select(0, slots)
         side_by_side = (torch.stack([t[s] for s in spans], dim=1).flatten(1, 2) for t in inputs)

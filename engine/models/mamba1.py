@@ -155,7 +155,7 @@ def side_by_side_rows(
         """`[tokens, rows * state dims]` as each channel's `[tokens, rows * channels, state
         dims]`."""
         shape = (length, rows, channels, state_dims)
-        return t.view(length, rows, 1, state_dims).expand(shape).flatten(1, 2)
+        return t.reshape(length, rows, 1, state_dims).expand(shape).flatten(1, 2)
 
     return prompt_rows(x, steps, per_channel(b), per_channel(c), a.repeat(rows, 1), held)
 

@@ -31,6 +31,7 @@ from engine.attention.backend import AttentionMetadata
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kv.state_cache import StateCache, StateSpec, convolved_state_specs
 from engine.lora.adapter import Shapes
+from engine.models import chunk_decays
 from engine.models.experts import is_sparse
 from engine.models.layers import add_projected, fuse
 from engine.models.llama import (
@@ -298,42 +299,86 @@ def prompt_rows(
     `state` `[value heads, key dims, value dims]` (fp32), updated in place; the output in fp32.
     By chunks of `RULE_CHUNK` tokens, as transformers' reference computes it: within a chunk the
     delta rule's corrections come from one unit lower triangular solve (its UT transform), and
-    each chunk reads the state the chunks before it left."""
+    each chunk reads the state the chunks before it left. Each whole-prompt operand is written
+    once, in the layout its products read (heads first, by chunks); what scales a chunk's rows
+    by their decays is done a chunk at a time, while the chunk is in cache."""
     tokens, heads, value_dims = v.shape
-    q, k = _rule_qk(q, k, heads)
+    key_dims = k.shape[-1]
     count = -(-tokens // RULE_CHUNK)
-
-    def by_chunk(x: torch.Tensor) -> torch.Tensor:
-        """`[tokens, heads, ...]` as `[heads, chunks, RULE_CHUNK, ...]` in fp32, zeros after the
-        end: one copy, laid out so that every product below reads its operands in place."""
-        held = x.new_zeros((heads, count * RULE_CHUNK, *x.shape[2:]), dtype=torch.float32)
-        held[:, :tokens] = x.transpose(0, 1)
-        return held.view(heads, count, RULE_CHUNK, *x.shape[2:])
-
-    q, k, v, g, beta = (by_chunk(x) for x in (q, k, v, g, beta))
+    padded = count * RULE_CHUNK
+    chunks = (heads, count, RULE_CHUNK)
+    g, beta = (_heads_first(x, padded).view(chunks) for x in (g, beta))
+    q = _normed_heads(q, heads, padded, key_dims**-0.5).view(*chunks, key_dims)
+    k = _normed_heads(k, heads, padded, 1.0).view(*chunks, key_dims)
     decays = g.cumsum(-1)  # each position's decay since the chunk began, in log space
-    causal = torch.ones(RULE_CHUNK, RULE_CHUNK, dtype=torch.bool, device=v.device).tril()
-    between = decays[..., :, None] - decays[..., None, :]
-    pairwise = between.masked_fill_(~causal, float("-inf")).exp_()
-    k_beta = k * beta[..., None]
-    unit = torch.eye(RULE_CHUNK, device=v.device)
-    system = ((k_beta @ k.transpose(-1, -2)) * pairwise).tril_(-1) + unit
-    targets = torch.cat([v * beta[..., None], k_beta * decays.exp()[..., None]], dim=-1)
-    solved = torch.linalg.solve_triangular(system, targets, upper=False, unitriangular=True)
+    between = chunk_decays.pairwise(decays)
+    solved = _corrections(v, k, beta, decays, between)
     values, reads = solved[..., :value_dims], solved[..., value_dims:]
-    within = (q @ k.transpose(-1, -2)).mul_(pairwise)
-    q = q * decays.exp()[..., None]
+    kt = k.transpose(-1, -2)
+    within = (q @ kt).mul_(between)
+    read_decay = decays.exp()[..., None]
     last = decays[..., -1:]
-    k = k * (last - decays).exp()[..., None]
+    write_decay = (last - decays).exp()[..., None]
     chunk_decay = last.exp()[..., None]
-    out = torch.empty((heads, count, RULE_CHUNK, value_dims), dtype=v.dtype, device=v.device)
+    out = torch.empty((padded, heads, value_dims), dtype=torch.float32, device=v.device)
     for i in range(count):
-        corrected = values[:, i] - reads[:, i] @ state
-        torch.baddbmm(within[:, i] @ corrected, q[:, i], state, out=out[:, i])
-        state.mul_(chunk_decay[:, i]).baddbmm_(k[:, i].transpose(-1, -2), corrected)
-    # Token-major, as the inputs came.
-    held = out.view(heads, count * RULE_CHUNK, value_dims)[:, :tokens]
-    return held.transpose(0, 1).contiguous()
+        corrected = torch.baddbmm(values[:, i], reads[:, i], state, alpha=-1)
+        part = torch.bmm(q[:, i], state).mul_(read_decay[:, i]).baddbmm_(within[:, i], corrected)
+        out[i * RULE_CHUNK : (i + 1) * RULE_CHUNK] = part.transpose(0, 1)
+        state.mul_(chunk_decay[:, i]).baddbmm_(kt[:, i], corrected.mul_(write_decay[:, i]))
+    return out[:tokens]
+
+
+def _corrections(
+    v: torch.Tensor,
+    k: torch.Tensor,
+    beta: torch.Tensor,
+    decays: torch.Tensor,
+    pairwise: torch.Tensor,
+) -> torch.Tensor:
+    """Each chunk's corrections `[heads, chunks, RULE_CHUNK, value dims + key dims]`: of
+    `v beta` and of `k beta exp(decay)`, side by side, solved from one unit lower triangular
+    system a chunk, `I + tril(beta k k^T * pairwise)`, in place of the right-hand side."""
+    tokens, heads, value_dims = v.shape
+    padded = beta.shape[1] * RULE_CHUNK
+    solved = torch.empty(
+        (heads, padded, value_dims + k.shape[-1]), dtype=torch.float32, device=v.device
+    )
+    torch.mul(
+        v.transpose(0, 1),
+        beta.view(heads, padded)[:, :tokens, None],
+        out=solved[:, :tokens, :value_dims],
+    )
+    solved[:, tokens:, :value_dims] = 0
+    solved = solved.view(*beta.shape, -1)
+    torch.mul(k, (beta * decays.exp())[..., None], out=solved[..., value_dims:])
+    # The solve reads the strict lower triangle alone (the diagonal is taken as ones).
+    system = (k @ k.transpose(-1, -2)).mul_(pairwise).mul_(beta[..., None])
+    torch.linalg.solve_triangular(system, solved, upper=False, unitriangular=True, out=solved)
+    return solved
+
+
+def _heads_first(x: torch.Tensor, padded: int) -> torch.Tensor:
+    """`[tokens, heads]` as `[heads, padded]` in fp32, zeros after the tokens."""
+    held = x.new_zeros((x.shape[1], padded), dtype=torch.float32)
+    held[:, : x.shape[0]] = x.t()
+    return held
+
+
+def _normed_heads(x: torch.Tensor, heads: int, padded: int, scale: float) -> torch.Tensor:
+    """`x` `[tokens, key heads, dims]` as the rule reads it, `[heads, padded, dims]` in fp32 in
+    one pass: l2-normed, times `scale`, a key head repeated for each value head it serves
+    (consecutive ones), zeros after the tokens."""
+    tokens, key_heads, dims = x.shape
+    ratio = heads // key_heads
+    norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+    factor = norms.square_().add_(1e-6).rsqrt_().mul_(scale)
+    held = torch.empty((heads, padded, dims), dtype=torch.float32, device=x.device)
+    rows = x.transpose(0, 1)[:, None].expand(key_heads, ratio, tokens, dims)
+    written = held.view(key_heads, ratio, padded, dims)[:, :, :tokens]
+    torch.mul(rows, factor.t()[:, None, :, None], out=written)
+    held[:, tokens:] = 0
+    return held
 
 
 def _rule_qk(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:

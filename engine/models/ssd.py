@@ -22,14 +22,10 @@ import torch.nn.functional as F
 
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kv.state_cache import StateCache
-from engine.models import scan_decode
+from engine.models import chunk_decays, scan_decode
 
 # Tokens a chunk of a prompt's scan: within one, the scan is a few products; chunks run in turn.
 SSD_CHUNK = 64
-# The least log decay between two positions of a chunk that is taken as it is: below, exp is
-# under 2e-35 (nothing beside the other terms of a sum) and torch's exp takes a slow path near
-# fp32's smallest numbers, which a model's steep decays reach over a chunk.
-LEAST_LOG_DECAY = -80.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,11 +158,7 @@ def _chunk(
     # [heads, length, head dims], each head's rows together (the products' batches).
     written = (x * steps[..., None]).transpose(0, 1).contiguous()
     b, c = b.transpose(0, 1), c.transpose(0, 1)  # [groups, length, state dims]
-    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
-    weights = (decays[:, :, None] - decays[:, None, :]).clamp_(min=LEAST_LOG_DECAY)
-    weights = (
-        weights.masked_fill_(~causal, float("-inf")).exp_().view(groups, shared, length, length)
-    )
+    weights = chunk_decays.pairwise(decays).view(groups, shared, length, length)
     weights.mul_((c @ b.transpose(-1, -2))[:, None])  # each pair's C B^T, decayed between them
     out = (weights.view(heads, length, length) @ written).view(groups, shared, length, dims)
     by_group = state.view(groups, shared * dims, size)
