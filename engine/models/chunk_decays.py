@@ -9,8 +9,10 @@ import torch
 
 # The least log decay between two positions that is taken as it is: below, exp is under 2e-35
 # (nothing beside the other terms of a sum). torch's exp takes a slow path near fp32's smallest
-# numbers, which a model's steep decays reach over a chunk, and for -inf; so the log decays are
-# held above this bound, and the positions after `i` are zeroed after the exp, not before.
+# numbers, which a model's steep decays reach over a chunk, for -inf, and where it overflows. So
+# every difference is held within [LEAST_LOG_DECAY, 0] before the exp (a decay since an earlier
+# position is at most 1: only the differences towards later positions, which can be huge, lie
+# above 0) and the later positions are zeroed after it.
 LEAST_LOG_DECAY = -80.0
 
 
@@ -20,4 +22,4 @@ def pairwise(decays: torch.Tensor) -> torch.Tensor:
     length = decays.shape[-1]
     later = torch.ones(length, length, dtype=torch.bool, device=decays.device).triu_(1)
     between = decays[..., :, None] - decays[..., None, :]
-    return between.clamp_(min=LEAST_LOG_DECAY).exp_().masked_fill_(later, 0.0)
+    return between.clamp_(LEAST_LOG_DECAY, 0.0).exp_().masked_fill_(later, 0.0)
