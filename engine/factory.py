@@ -265,8 +265,10 @@ def build_rank(
     kv_cache.group = shard.group if shard is not None else None
     kv_cache.states = states
     _log_cache(spec, num_blocks, kv_cache.num_bytes)
-    if device.type == "cpu":
-        host_memory.warn_if_beyond(kv_cache.num_bytes, host_memory.available_bytes())
+    if device.type == "cpu" and (shard is None or shard.group.rank == 0):
+        # Every rank of a CPU group holds its cache in the same host's memory.
+        ranks = 1 if shard is None else shard.group.size
+        host_memory.warn_if_beyond(kv_cache.num_bytes, host_memory.available_bytes(), ranks)
     scales, calibrates = _kv_scales(kv_cache, backend, loaded.path, config.cache)
     return RankParts(
         model,

@@ -59,15 +59,18 @@ def _cgroup_left(cgroups: Path, own: Path) -> int | None:
         return None
 
 
-def warn_if_beyond(kv_bytes: int, available: int | None) -> bool:
-    """Warn where a CPU KV cache of `kv_bytes` is more than the memory `available`; returns
-    whether it warned."""
-    if available is None or kv_bytes <= available:
+def warn_if_beyond(kv_bytes: int, available: int | None, ranks: int = 1) -> bool:
+    """Warn where a CPU KV cache of `kv_bytes` on each of `ranks` ranks (the tensor-parallel
+    ranks on one host) is more than the memory `available`; returns whether it warned."""
+    total = kv_bytes * ranks
+    if available is None or total <= available:
         return False
+    caches = "the KV cache takes" if ranks == 1 else f"the KV caches of {ranks} ranks take"
     logger.warning(
-        "the KV cache takes %.1f GiB, more than the %.1f GiB of memory left: requests may fail "
-        "for memory once its blocks fill; lower --kv-cache-memory",
-        kv_bytes / 2**30,
+        "%s %.1f GiB, more than the %.1f GiB of memory left: requests may fail for memory once "
+        "its blocks fill; lower --kv-cache-memory",
+        caches,
+        total / 2**30,
         available / 2**30,
     )
     return True

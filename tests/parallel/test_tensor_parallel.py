@@ -5,6 +5,7 @@ alike at both sizes; a dead worker stops the engine with an error, and no proces
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import random
@@ -271,3 +272,22 @@ def test_every_rank_records_the_profile_rank_0_is_asked_for(model_dir, reference
         names = trace_names(str(trace))
         # Each rank's share of the model, and the all-reduces that join the shares.
         assert "aten::embedding" in names and any("all_reduce" in n for n in names), trace
+
+
+def test_rank_0_warns_where_the_ranks_caches_together_outgrow_the_host(
+    model_dir, monkeypatch, caplog
+):
+    """Both ranks' CPU caches live in one host's memory: a budget each rank's cache fits alone
+    but the two together do not is warned about, once."""
+    from engine.worker import host_memory
+
+    budget = 4 << 20
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: budget + budget // 2)
+    with caplog.at_level(logging.WARNING, logger="engine.worker.host_memory"):
+        cache = CacheConfig(block_size=4, kv_cache_memory=budget)
+        two_ranks = EngineConfig(
+            model=str(model_dir), dtype="float32", tensor_parallel_size=2, cache=cache
+        )
+        with engine_core(two_ranks) as core:
+            assert core.runner.kv_cache.num_bytes > budget * 3 // 4
+    assert caplog.text.count("the KV caches of 2 ranks take") == 1, caplog.text

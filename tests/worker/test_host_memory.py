@@ -64,3 +64,10 @@ def test_a_cpu_cache_beyond_the_memory_left_is_served_with_a_warning(monkeypatch
     with caplog.at_level(logging.WARNING, logger="engine.worker.host_memory"):
         tiny_core(num_blocks=None, kv_cache_memory=4 << 20)
     assert caplog.text == ""
+
+
+def test_tensor_parallel_ranks_on_one_host_weigh_their_caches_together(caplog):
+    with caplog.at_level(logging.WARNING, logger="engine.worker.host_memory"):
+        assert not host_memory.warn_if_beyond(3 * GIB, 4 * GIB)
+        assert host_memory.warn_if_beyond(3 * GIB, 4 * GIB, ranks=2)
+    assert "the KV caches of 2 ranks take 6.0 GiB, more than the 4.0 GiB" in caplog.text
