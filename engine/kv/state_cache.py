@@ -8,8 +8,9 @@ A request that verifies drafts runs one decode row per token (`InputBatch.drafts
 after the first in a slot of its own that starts from the row before's state
 (`InputBatch.state_sources`): the rows run in waves, the first rows of every request with the
 step's other rows, then each request's second rows, and so on, so that every row's state
-follows the one before it; once the drafts it keeps are known, the state of its last kept row
-is copied into the request's slot (`copy_slots`).
+follows the one before it (or, where a kernel takes each row's source and runs the rows in
+order, as the CPU's do, all at once); once the drafts it keeps are known, the state of its last
+kept row is copied into the request's slot (`copy_slots`).
 """
 
 from __future__ import annotations
@@ -202,6 +203,8 @@ class StateCache:
         state = self.layers[index]
         if not self.waves:
             return _convolve(step, state, inputs, taps, bias, silu)
+        if _own_convolution(inputs, state):  # the kernel runs chained rows in order
+            return _convolve(step, state, inputs, taps, bias, silu, step.host_sources)
         out = torch.empty_like(inputs)
         for wave in self.waves:
             wave.take_sources(state)
@@ -262,13 +265,16 @@ def _convolve(
     taps: torch.Tensor,
     bias: torch.Tensor | None,
     silu: bool,
+    sources: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """`StateCache.convolve` over one wave's rows (`inputs` their tokens)."""
+    """`StateCache.convolve` over one wave's rows (`inputs` their tokens); or over the step's
+    every row with each row's `sources` (its own slot where none), in order, by the kernel."""
     if _own_convolution(inputs, state):
         weights = taps.float().contiguous()
         lens = torch.from_numpy(np.asarray(step.query_lens, dtype=np.int64))
         bias = None if bias is None else bias.float().contiguous()
-        return cpu_ops.short_conv(inputs, state, weights, bias, step.slots, lens, silu)
+        read = None if sources is None else torch.from_numpy(sources.astype(np.int64))
+        return cpu_ops.short_conv(inputs, state, weights, bias, step.slots, lens, silu, read)
     width, channels = taps.shape
     windows, kept = step.conv_windows(int(width))
     held = state.index_select(0, step.slots).to(inputs.dtype)

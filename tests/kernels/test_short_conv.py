@@ -4,6 +4,8 @@ tokens, and where the state cache uses it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -90,6 +92,7 @@ def test_the_state_cache_convolves_through_the_kernel_as_through_torch(monkeypat
         (lambda a: a.update(inputs=a["inputs"].double()), "inputs must be fp32"),
         (lambda a: a.update(inputs=a["inputs"].t().contiguous().t()), "contiguous channels"),
         (lambda a: a.update(taps=a["taps"][:, :4].contiguous()), "taps must be"),
+        (lambda a: a.update(sources=torch.tensor([0, 2])), "a source is outside the states"),
     ],
 )
 def test_refuses_what_it_cannot_read(change, message):
@@ -105,3 +108,64 @@ def test_refuses_what_it_cannot_read(change, message):
     change(args)
     with pytest.raises(RuntimeError, match=message):
         cpu_ops.short_conv(**args)
+
+
+@pytest.mark.parametrize("width", [3, 4])
+def test_chained_rows_read_the_states_the_rows_before_them_wrote(width):
+    """A request verifying drafts (a row a token, each row after its first from the slot the
+    row before wrote) beside rows from their own slots: the same outputs and states as each
+    row run alone, in order, from its source's state copied into its slot."""
+    torch.manual_seed(width)
+    channels = 19
+    lens = [1, 1, 1, 3, 1]
+    slots = torch.tensor([0, 4, 5, 2, 3])
+    sources = torch.tensor([0, 0, 4, 2, 1])  # rows 1 and 2 chain; row 4 reads slot 1
+    inputs = torch.randn(sum(lens), channels)
+    states = torch.randn(6, width - 1, channels)
+    taps, bias = torch.randn(width, channels), torch.randn(channels)
+    held, outs, start = states.clone(), [], 0
+    for row, length in enumerate(lens):
+        held[slots[row]] = held[sources[row]]
+        one = cpu_ops.short_conv(
+            inputs[start : start + length],
+            held,
+            taps,
+            bias,
+            slots[row : row + 1],
+            torch.tensor([length]),
+            True,
+        )
+        outs.append(one)
+        start += length
+    out = cpu_ops.short_conv(inputs, states, taps, bias, slots, torch.tensor(lens), True, sources)
+    torch.testing.assert_close(out, torch.cat(outs), rtol=0, atol=0)
+    assert torch.equal(states, held)
+
+
+def test_the_state_cache_runs_verifying_rows_through_the_kernel_in_one_call(monkeypatch):
+    """Where requests verify drafts, `StateCache.convolve` on fp32 CPU rows runs every row in
+    one kernel call, each from its source, with the results of torch's waves."""
+    torch.manual_seed(6)
+    batch = SimpleNamespace(
+        state_slots=np.array([0, 4, 5, 2, 3]),
+        query_lens=np.array([1, 1, 1, 1, 4]),
+        context_lens=np.array([7, 8, 9, 5, 3]),
+        state_sources=np.array([-1, 0, 4, -1, -1]),
+    )
+    cache = StateCache([((2, 8), None)], 6, torch.float32, torch.device("cpu"))
+    cache.layers[0].normal_()
+    cache.begin(batch)  # type: ignore[arg-type]
+    assert len(cache.waves) == 3
+    inputs, taps, bias = torch.randn(8, 8), torch.randn(3, 8), torch.randn(8)
+    before = cache.layers[0].clone()
+    calls = []
+    real = cpu_ops.short_conv
+    monkeypatch.setattr(cpu_ops, "short_conv", lambda *a: calls.append(a) or real(*a))
+    out = cache.convolve(0, inputs, taps, bias, silu=True)
+    after = cache.layers[0].clone()
+    cache.layers[0].copy_(before)
+    monkeypatch.setattr(state_cache, "_own_convolution", lambda inputs, state: False)
+    expected = cache.convolve(0, inputs, taps, bias, silu=True)
+    assert len(calls) == 1 and calls[0][-1].tolist() == [0, 0, 4, 2, 3]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after, cache.layers[0])

@@ -360,13 +360,18 @@ def short_conv(
     slots: torch.Tensor,
     query_lens: torch.Tensor,
     silu: bool,
+    sources: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A step's causal convolution of `taps` (`[width, channels]`, oldest input first) over
     fp32 `inputs` (`[tokens, channels]`, channels contiguous; the rows' tokens in turn,
     `query_lens` of each), row r's earlier inputs from `states[slots[r]]` (`[slots, width - 1,
     channels]` fp32), which become its last `width - 1` inputs; plus `bias`, through silu where
-    `silu`. fp32 `[tokens, channels]` (`csrc/recurrent/short_conv.cpp`)."""
-    return torch.ops.conveyor.short_conv(inputs, states, taps, bias, slots, query_lens, silu)
+    `silu`. With `sources`, row r reads `states[sources[r]]` instead, the rows in order, so that
+    a row may read the state an earlier one wrote. fp32 `[tokens, channels]`
+    (`csrc/recurrent/short_conv.cpp`)."""
+    return torch.ops.conveyor.short_conv(
+        inputs, states, taps, bias, slots, query_lens, silu, sources
+    )
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 // a request verifies drafts, the slot it reads its state from (checked against the cache's
 // `num_slots`, `op` naming the kernel in the errors); and the order its (row, head) tasks run
 // in; and the check of a per-token input. Shared by the delta rule's, Mamba2's and Mamba1's
-// decode kernels.
+// decode kernels and the short convolution.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -7,6 +7,9 @@
 // taps     [width, channels] fp32, contiguous: oldest input first
 // bias     [channels] fp32, or none
 // slots, query_lens   [rows] int64: each row's slot and tokens (summing to the inputs' rows)
+// sources  [rows] int64, optional: row i reads its state from sources[i] and writes it to
+//          slots[i], the rows in order, so that a row may read the state an earlier one wrote
+//          (a request verifying drafts, a row a token)
 // out      [tokens, channels] fp32: silu of the sum where `silu`
 //
 // Token p of a row reads its inputs p - width + 1 .. p, those before the step from the row's
@@ -26,6 +29,7 @@
 
 #include "fast_exp.h"
 #include "pass_split.h"
+#include "state_rows.h"
 
 namespace {
 
@@ -80,6 +84,29 @@ void keep_last(const ConvArgs& a, int64_t row, int64_t start, int64_t len) {
   }
 }
 
+// Row `row`'s tokens, from `start` on, through the convolution, over threads.
+void conv_row(const ConvArgs& a, int64_t row, int64_t start, int64_t end) {
+  at::parallel_for(start, end, conveyor::rows_per_task(a.channels * (a.kept + 1)),
+                   [&](int64_t begin, int64_t stop) {
+                     for (int64_t t = begin; t < stop; ++t) conv_token(a, t, row, t - start, start);
+                   });
+}
+
+// Rows that read sources, in order: each row's source state copied into its slot (where they
+// differ), then its tokens, then its slot's update, which a later row may read.
+void conv_chained(const ConvArgs& a, const int64_t* sources, const std::vector<int64_t>& starts,
+                  const int64_t* lens) {
+  const int64_t values = a.kept * a.channels;
+  for (int64_t row = 0; row + 1 < static_cast<int64_t>(starts.size()); ++row) {
+    if (sources[row] != a.slots[row]) {
+      std::memcpy(a.states + a.slots[row] * values, a.states + sources[row] * values,
+                  values * sizeof(float));
+    }
+    conv_row(a, row, starts[row], starts[row + 1]);
+    keep_last(a, row, starts[row], lens[row]);
+  }
+}
+
 void check_fp32(const at::Tensor& t, const char* name, int64_t dims) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == dims,
               "short_conv: ", name, " must be contiguous fp32 with ", dims, " dims");
@@ -91,7 +118,8 @@ namespace conveyor {
 
 at::Tensor short_conv(const at::Tensor& inputs, at::Tensor states, const at::Tensor& taps,
                       const c10::optional<at::Tensor>& bias, const at::Tensor& slots,
-                      const at::Tensor& query_lens, bool silu) {
+                      const at::Tensor& query_lens, bool silu,
+                      const c10::optional<at::Tensor>& sources) {
   TORCH_CHECK(inputs.scalar_type() == at::kFloat && inputs.dim() == 2 && inputs.stride(1) == 1 &&
                   inputs.stride(0) >= inputs.size(1),
               "short_conv: inputs must be fp32 [tokens, channels] with contiguous channels");
@@ -105,17 +133,16 @@ at::Tensor short_conv(const at::Tensor& inputs, at::Tensor states, const at::Ten
     check_fp32(*bias, "bias", 1);
     TORCH_CHECK(bias->size(0) == channels, "short_conv: bias must have a value per channel");
   }
-  TORCH_CHECK(slots.scalar_type() == at::kLong && query_lens.scalar_type() == at::kLong &&
-                  slots.is_contiguous() && query_lens.is_contiguous() && slots.dim() == 1 &&
-                  query_lens.sizes() == slots.sizes(),
-              "short_conv: slots and query_lens must be int64 [rows]");
-  const int64_t rows = slots.size(0);
-  const int64_t* slot = slots.data_ptr<int64_t>();
+  TORCH_CHECK(
+      query_lens.scalar_type() == at::kLong && query_lens.is_contiguous() && query_lens.dim() == 1,
+      "short_conv: query_lens must be int64 [rows]");
+  const int64_t rows = query_lens.size(0);
+  const conveyor::StateRows state_rows =
+      conveyor::checked_state_rows("short_conv", slots, sources, rows, states.size(0));
+  const int64_t* slot = state_rows.slots;
   const int64_t* lens = query_lens.data_ptr<int64_t>();
   std::vector<int64_t> starts(rows + 1, 0), token_rows(tokens);
   for (int64_t row = 0; row < rows; ++row) {
-    TORCH_CHECK(slot[row] >= 0 && slot[row] < states.size(0), "short_conv: slot ", slot[row],
-                " is outside the states");
     TORCH_CHECK(lens[row] >= 1, "short_conv: each row takes at least one token");
     starts[row + 1] = starts[row] + lens[row];
     TORCH_CHECK(starts[row + 1] <= tokens, "short_conv: query_lens sum past the inputs");
@@ -133,6 +160,10 @@ at::Tensor short_conv(const at::Tensor& inputs, at::Tensor states, const at::Ten
                       kept,
                       inputs.stride(0),
                       silu};
+  if (state_rows.sources != nullptr) {
+    conv_chained(args, state_rows.sources, starts, lens);
+    return out;
+  }
   at::parallel_for(0, tokens, rows_per_task(channels * (kept + 1)),
                    [&](int64_t begin, int64_t end) {
                      for (int64_t t = begin; t < end; ++t) {
@@ -151,6 +182,6 @@ at::Tensor short_conv(const at::Tensor& inputs, at::Tensor states, const at::Ten
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "short_conv(Tensor inputs, Tensor(a!) states, Tensor taps, Tensor? bias, Tensor slots, "
-      "Tensor query_lens, bool silu) -> Tensor");
+      "Tensor query_lens, bool silu, Tensor? sources=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("short_conv", &conveyor::short_conv); }
