@@ -273,7 +273,7 @@ def _convolve(
         weights = taps.float().contiguous()
         lens = torch.from_numpy(np.asarray(step.query_lens, dtype=np.int64))
         bias = None if bias is None else bias.float().contiguous()
-        read = None if sources is None else torch.from_numpy(sources.astype(np.int64))
+        read = None if sources is None else torch.from_numpy(sources)
         return cpu_ops.short_conv(inputs, state, weights, bias, step.slots, lens, silu, read)
     width, channels = taps.shape
     windows, kept = step.conv_windows(int(width))

@@ -382,15 +382,13 @@ def _normed_heads(x: torch.Tensor, heads: int, padded: int, scale: float) -> tor
 
 
 def _rule_qk(q: torch.Tensor, k: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k as the rule reads them, in fp32: a key head's repeated for each value head it
-    serves (consecutive ones), l2-normed, q scaled by the key dims' root."""
-    ratio = heads // k.shape[1]
-    q, k = (x.float().repeat_interleave(ratio, dim=1) for x in (q, k))
-    return _l2_normed(q) / k.shape[-1] ** 0.5, _l2_normed(k)
-
-
-def _l2_normed(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+    """q and k as the rule reads them, `[tokens, heads, key dims]` in fp32 (`_normed_heads`
+    with the tokens first): a key head's repeated for each value head it serves, l2-normed, q
+    scaled by the key dims' root."""
+    tokens, scale = q.shape[0], q.shape[-1] ** -0.5
+    normed = (_normed_heads(x, heads, tokens, s) for x, s in ((q, scale), (k, 1.0)))
+    q, k = (x.transpose(0, 1) for x in normed)
+    return q, k
 
 
 def why_not_run(hf_model: Any) -> str:
