@@ -59,15 +59,10 @@ def test_matches_torch_conv1d(width, lens, with_bias, silu):
     assert torch.equal(states, held)
 
 
-def test_the_state_cache_convolves_through_the_kernel_as_through_torch(monkeypatch):
-    """`StateCache.convolve` on fp32 CPU rows takes the kernel, with the torch route's results."""
-    torch.manual_seed(5)
-    lens = np.array([3, 1, 5])
-    cache = StateCache([((2, 8), None)], 4, torch.float32, torch.device("cpu"))
-    cache.layers[0].normal_()
-    host = np.array([2, 0, 3])
-    cache.step = StateStep(torch.from_numpy(host), host, lens, torch.device("cpu"))
-    inputs, taps, bias = torch.randn(9, 8), torch.randn(3, 8), torch.randn(8)
+def through_kernel_and_torch(monkeypatch, cache, inputs, taps, bias):
+    """`cache.convolve` (silu) through the kernel, then from the same states through torch's
+    route: the kernel's calls, its output and states, and torch's output (its states left in
+    the cache)."""
     before = cache.layers[0].clone()
     calls = []
     real = cpu_ops.short_conv
@@ -77,6 +72,19 @@ def test_the_state_cache_convolves_through_the_kernel_as_through_torch(monkeypat
     cache.layers[0].copy_(before)
     monkeypatch.setattr(state_cache, "_own_convolution", lambda inputs, state: False)
     expected = cache.convolve(0, inputs, taps, bias, silu=True)
+    return calls, out, after, expected
+
+
+def test_the_state_cache_convolves_through_the_kernel_as_through_torch(monkeypatch):
+    """`StateCache.convolve` on fp32 CPU rows takes the kernel, with the torch route's results."""
+    torch.manual_seed(5)
+    lens = np.array([3, 1, 5])
+    cache = StateCache([((2, 8), None)], 4, torch.float32, torch.device("cpu"))
+    cache.layers[0].normal_()
+    host = np.array([2, 0, 3])
+    cache.step = StateStep(torch.from_numpy(host), host, lens, torch.device("cpu"))
+    inputs, taps, bias = torch.randn(9, 8), torch.randn(3, 8), torch.randn(8)
+    calls, out, after, expected = through_kernel_and_torch(monkeypatch, cache, inputs, taps, bias)
     assert len(calls) == 1
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(after, cache.layers[0])
@@ -157,15 +165,7 @@ def test_the_state_cache_runs_verifying_rows_through_the_kernel_in_one_call(monk
     cache.begin(batch)  # type: ignore[arg-type]
     assert len(cache.waves) == 3
     inputs, taps, bias = torch.randn(8, 8), torch.randn(3, 8), torch.randn(8)
-    before = cache.layers[0].clone()
-    calls = []
-    real = cpu_ops.short_conv
-    monkeypatch.setattr(cpu_ops, "short_conv", lambda *a: calls.append(a) or real(*a))
-    out = cache.convolve(0, inputs, taps, bias, silu=True)
-    after = cache.layers[0].clone()
-    cache.layers[0].copy_(before)
-    monkeypatch.setattr(state_cache, "_own_convolution", lambda inputs, state: False)
-    expected = cache.convolve(0, inputs, taps, bias, silu=True)
+    calls, out, after, expected = through_kernel_and_torch(monkeypatch, cache, inputs, taps, bias)
     assert len(calls) == 1 and calls[0][-1].tolist() == [0, 0, 4, 2, 3]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(after, cache.layers[0])
