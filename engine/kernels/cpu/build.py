@@ -18,7 +18,6 @@ leaves behind in that case is removed, and the build runs again.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -28,14 +27,16 @@ import re
 import shutil
 import subprocess
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
 import torch
+
+from engine import folder_lock
 
 logger = logging.getLogger(__name__)
 
@@ -277,31 +278,10 @@ def _recorded_failures(folder: Path) -> dict[str, str]:
     return {k: str(v) for k, v in recorded.items() if k in GROUP_NAMES}
 
 
-@contextmanager
-def build_lock(folder: Path) -> Iterator[None]:
-    """Hold the folder's build lock: an advisory `flock` the kernel releases when its holder
-    exits, however it exits. Waiting for a live holder is logged with its process id."""
-    path = folder / "conveyor.lock"
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            owner = handle.read().strip() or "another process"
-            logger.info(
-                "waiting for process %s, which is building Conveyor's CPU kernels in %s",
-                owner,
-                folder,
-            )
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def build_lock(folder: Path) -> AbstractContextManager[None]:
+    """Hold the folder's build lock (`folder_lock.held`)."""
+    doing = f"building Conveyor's CPU kernels in {folder}"
+    return folder_lock.held(folder / "conveyor.lock", doing, logger)
 
 
 def _clear_stale_batons(folder: Path) -> None:
