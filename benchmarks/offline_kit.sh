@@ -13,12 +13,12 @@
 set -euo pipefail
 
 # What the host lacks: Conveyor's requirements beyond torch, transformers and their own stack,
-# and the test suite's asyncio plugin. `pack` downloads them with everything they need;
-# `install` takes from those wheels only what the host's Python does not already satisfy.
+# and the test suite's asyncio and xdist plugins. `pack` downloads them with everything they
+# need; `install` takes from those wheels only what the host's Python does not already satisfy.
 WANTED=(
     "fastapi>=0.110" "uvicorn[standard]>=0.29" "pydantic>=2.6" "prometheus-client>=0.20"
     "httpx>=0.27" "aiohttp>=3.9" "gguf>=0.10" "llguidance>=1.3,<2" "jsonschema>=4"
-    "python-multipart>=0.0.9" "pyyaml>=6" "pytest-asyncio>=0.24"
+    "python-multipart>=0.0.9" "pyyaml>=6" "pytest-asyncio>=0.24" "pytest-xdist>=3.5"
 )
 PLATFORMS=(manylinux1 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28
     manylinux_2_31 manylinux_2_34 manylinux_2_35)
@@ -52,7 +52,7 @@ EOF
 install() {
     local dir=$1
     python3 -m pip install --quiet --no-index --find-links "$dir/wheels" --no-build-isolation \
-        -e . pytest-asyncio
+        -e . pytest-asyncio pytest-xdist
     python3 -c "import fastapi, llguidance, server.app" && command -v conveyor
     python3 -m pip install --quiet --no-index --find-links "$dir/wheels" peft \
         || echo "PEFT's requirements are missing here: the LoRA tests will be skipped" >&2

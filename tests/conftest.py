@@ -15,6 +15,38 @@ if not torch.cuda.is_available():
 from engine.kernels.cpu import ops as cpu_ops
 from tests.helpers import tiny_llama
 
+# pytest-xdist runs the suite in `-n auto` workers (pyproject's addopts): as many as the CPUs, at
+# most MAX_WORKERS (each holds torch and its own models, and many start servers).
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+
+
+def worker_threads() -> int:
+    """Each worker's share of the CPUs: OpenMP threads that outnumber the cores spin against each
+    other's workers (a parallel region waits for its slowest thread)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // workers)
+
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # The servers and ranks that tests start inherit the share too.
+    os.environ["OMP_NUM_THREADS"] = str(worker_threads())
+    torch.set_num_threads(worker_threads())
+
+
+@pytest.fixture
+def split_threads() -> Iterator[int]:
+    """Run a test's kernels on at least two threads, whatever each worker's share, so that the
+    kernels' splits of their work across threads run on every machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))
+    yield torch.get_num_threads()
+    torch.set_num_threads(before)
+
+
 CUDA = pytest.param(
     "cuda",
     marks=[
