@@ -5,7 +5,8 @@ A model converted from a GGUF file (the default model comes dequantized from Q4_
 `d * q + m` or `d * q` per block of 32 (or, for K-quants, 16) inputs. Kept beside the checkpoint
 (in `gguf_blocks/`: each linear layer's blocks, rows as GGUF stores them, under the layer's
 module name), those blocks let the CPU's panel product stream a fifth to a third of
-the fp32 bytes (Q4_0 and Q4_1, Q4_K, Q8_0, Q6_K; the 5-bit types as Q8_K panels, about a third)
+the fp32 bytes (Q4_0 and Q4_1, Q4_K, Q8_0, Q6_K; the 5-bit types, Q3_K, the IQ4 types and
+MXFP4 as Q8_K panels, about a third)
 and widen each weight to the same fp32 value in registers. A layer uses its blocks only where
 they widen to exactly the weights loaded from the checkpoint, so outputs do not change, only
 the bytes read. An AWQ or GPTQ checkpoint's 4- and 8-bit groups are kept the same way
@@ -66,12 +67,17 @@ IQ4_NL = BlockFormat("iq4_nl", 18, Q8_K.group_bytes, has_min=True, nibbles=False
 IQ4_XS = BlockFormat("iq4_xs", 136, Q8_K.group_bytes, has_min=True, nibbles=False, block=256)
 # IQ4's 16 levels, as GGUF defines them.
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# MXFP4 (OCP's microscaling FP4; llama.cpp's MXFP4_MOE files keep their experts in it): per 32
+# inputs an E8M0 scale byte and 16 bytes of E2M1 codes, as IQ4_NL's indices, each an index into
+# E2M1's values doubled (GGUF's levels) under half the scale, `2 ** (e - 128)`: exact in fp32.
+MXFP4 = BlockFormat("mxfp4", 17, Q8_K.group_bytes, has_min=True, nibbles=False)
+MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # Not GGUF's: an AWQ or GPTQ group's rows cut into 32-wide blocks (`quantized_checkpoint.py`),
 # each its fp32 scale and minimum (`-scale * zero`) and its 4-bit q as Q4_1 holds them, or its
 # 8-bit q less 128 (int8); held in Q4_K's and Q8_K's panels.
 Q4_G = BlockFormat("q4_g", 24, Q4_K.group_bytes, has_min=True, nibbles=True, wide_scales=True)
 Q8_G = BlockFormat("q8_g", 40, Q8_K.group_bytes, has_min=True, nibbles=False, wide_scales=True)
-AS_Q8_K = (Q5_0, Q5_1, Q5_K, Q3_K, IQ4_NL, IQ4_XS)
+AS_Q8_K = (Q5_0, Q5_1, Q5_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4)
 FORMATS = {f.name: f for f in (*PANEL_FORMATS, *AS_Q8_K, Q4_G, Q8_G)}
 # Those with a layout for 8-bit products against activations rounded to 8-bit blocks: Q4_1's
 # and Q8_0's own, and Q4_K's and 4-bit groups' (fp32 scales and minima) as Q4_1's with theirs
@@ -109,6 +115,8 @@ def split_rows(
         return _split_q3_k(rows)
     if fmt in (IQ4_NL, IQ4_XS):
         return _split_iq4(fmt, rows)
+    if fmt is MXFP4:
+        return _split_mxfp4(rows)
     blocks = rows.reshape(rows.shape[0], -1, fmt.block_bytes)
     width, dtype = (4, torch.float32) if fmt.wide_scales else (2, torch.float16)
     d = blocks[..., :width].contiguous().view(dtype).squeeze(-1)
@@ -208,10 +216,7 @@ def _split_iq4(
     out = rows.shape[0]
     blocks = rows.reshape(out, -1, fmt.block_bytes)
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [out, count, 1]
-    indices = blocks[..., 2:] if fmt is IQ4_NL else blocks[..., 8:]
-    indices = indices.reshape(out, -1, 1, 16)
-    indices = torch.cat([indices & 0x0F, indices >> 4], dim=2).reshape(out, -1, 32)
-    q = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[indices.long()]
+    q = _levels(blocks[..., 2:] if fmt is IQ4_NL else blocks[..., 8:], IQ4_LEVELS)
     if fmt is IQ4_NL:
         scale = d.reshape(out, -1)
     else:
@@ -221,6 +226,28 @@ def _split_iq4(
         low = blocks[..., 4 + j // 2].to(torch.int32) >> (4 * (j % 2)) & 0x0F
         scale = (d * ((low | high << 4) - 32).float()).reshape(out, -1)
     return scale.unsqueeze(-1).expand(-1, -1, 2), torch.zeros_like(scale), q
+
+
+def _split_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 blocks (an E8M0 scale byte, 16 bytes of E2M1 codes) as Q8_K's parts: the scale per
+    32 inputs `2 ** (e - 128)` (GGUF's half scale, subnormal below e = 2), no minimum, q the
+    doubled E2M1 value each code names."""
+    out = rows.shape[0]
+    blocks = rows.reshape(out, -1, MXFP4.block_bytes)
+    e = blocks[..., 0].to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    scale = bits.view(torch.float32)
+    q = _levels(blocks[..., 1:], MXFP4_LEVELS)
+    return scale.unsqueeze(-1).expand(-1, -1, 2), torch.zeros_like(scale), q
+
+
+def _levels(indices: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
+    """Blocks' 16 bytes of 4-bit indices `[out, blocks, 16]` (the low halves index the block's
+    first 16 inputs, the high halves the next) as the int8 levels they name `[out, blocks, 32]`."""
+    out = indices.shape[0]
+    indices = indices.reshape(out, -1, 1, 16)
+    indices = torch.cat([indices & 0x0F, indices >> 4], dim=2).reshape(out, -1, 32)
+    return torch.tensor(levels, dtype=torch.int8)[indices.long()]
 
 
 def _split_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:

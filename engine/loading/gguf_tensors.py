@@ -4,9 +4,9 @@ Each tensor is dequantized by GGUF's own code and passed through transformers' p
 architecture (a Llama's q and k rows unpermuted, Gemma's norms less one) under the name
 transformers loads it as, so the weights equal those of transformers' own GGUF loading; and a
 linear layer's weight stored in a type panels hold (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K,
-Q6_K, IQ4_NL, IQ4_XS) comes with its blocks, where they widen to exactly that weight. Only one
-tensor is dequantized at a time: converting a file needs about the memory of the file, not of its
-fp32 model.
+Q6_K, IQ4_NL, IQ4_XS, MXFP4) comes with its blocks, where they widen to exactly that weight. Only
+one tensor is dequantized at a time: converting a file needs about the memory of the file, not of
+its fp32 model.
 """
 
 from __future__ import annotations
@@ -214,6 +214,7 @@ def _block_types() -> dict[Any, BlockFormat]:
         Type.Q3_K: gguf_blocks.Q3_K,
         Type.IQ4_NL: gguf_blocks.IQ4_NL,
         Type.IQ4_XS: gguf_blocks.IQ4_XS,
+        Type.MXFP4: gguf_blocks.MXFP4,
     }
 
 

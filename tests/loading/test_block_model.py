@@ -73,13 +73,19 @@ def moe_types(name: str) -> QType:
     return QType.F32
 
 
+def mxfp4_moe_types(name: str) -> QType:
+    """llama.cpp's MXFP4_MOE mix: the experts in MXFP4, attention and head in Q8_0."""
+    return QType.MXFP4 if "_exps" in name else moe_types(name)
+
+
 # Each family's tiny model: Q4_0 projections with a Q8_0 tied embedding, Q4_K_M's mix, and a
-# mixture of experts; and how many layers keep blocks (a Qwen3-MoE: 4 attention projections
-# and 4 experts' two layers in each of 2 layers, and the head).
+# mixture of experts in K-quants and in MXFP4; and how many layers keep blocks (a Qwen3-MoE: 4
+# attention projections and 4 experts' two layers in each of 2 layers, and the head).
 FILES = {
     "q4_0": (tiny_llama, llama_types, 2 * 7 + 1),
     "k": (wide_llama, k_quant_types, 2 * 7 + 1),
     "moe": (tiny_qwen3_moe, moe_types, 2 * (4 + 4 * 2) + 1),
+    "mxfp4_moe": (tiny_qwen3_moe, mxfp4_moe_types, 2 * (4 + 4 * 2) + 1),
 }
 
 

@@ -40,10 +40,13 @@ QTYPES = {
     "q3_k": GGMLQuantizationType.Q3_K,
     "iq4_nl": GGMLQuantizationType.IQ4_NL,
     "iq4_xs": GGMLQuantizationType.IQ4_XS,
+    "mxfp4": GGMLQuantizationType.MXFP4,
 }
 # GGUF's types panels hold: 32-wide blocks, K-quants' 256-wide super-blocks cut to 32, and the
-# 5-bit types, Q3_K and the IQ4 types as Q8_K panels.
-GGUF_FORMATS = ["q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "q5_k", "q3_k", "iq4_nl", "iq4_xs"]
+# 5-bit types, Q3_K, the IQ4 types and MXFP4 as Q8_K panels.
+GGUF_FORMATS = [
+    *("q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "q5_k", "q3_k", "iq4_nl", "iq4_xs", "mxfp4")
+]
 # Not GGUF's: AWQ's and GPTQ's groups as 32-wide blocks with fp32 scales and minima.
 GROUP_FORMATS = ["q4_g", "q8_g"]
 BLOCK_FORMATS = GGUF_FORMATS + GROUP_FORMATS
@@ -102,6 +105,27 @@ def test_rows_dequantize_as_gguf_does(fmt: str) -> None:
     rows = gguf_rows(fmt, 24, INPUTS[fmt])
     ours = gguf_blocks.dequantize_rows(gguf_blocks.FORMATS[fmt], torch.from_numpy(rows))
     assert torch.equal(ours, torch.from_numpy(dequantize(rows, QTYPES[fmt])))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # GGUF's, as ours
+def test_every_mxfp4_scale_and_code_widens_as_gguf_dequantizes_it() -> None:
+    """Each E8M0 scale byte (those below 2 give subnormal halves, 2 ** -128 and 2 ** -127; the
+    largest overflow, as in GGUF's own dequantization) under every pair of E2M1 codes, through
+    the rows and through the panels."""
+    scales = torch.arange(256, dtype=torch.uint8).view(16, 16, 1)
+    codes = torch.arange(256, dtype=torch.uint8).roll(5).view(1, 1, 256).expand(16, 16, 256)
+    rows = torch.cat([scales, codes.reshape(16, 16, 16, 16)[:, :, 0]], dim=-1)
+    rows = torch.cat([rows, torch.cat([scales, codes.reshape(16, 16, 16, 16)[:, :, 1]], -1)], 1)
+    rows = rows.reshape(16, -1).contiguous()  # blocks b and 16 + b of row r: scale 16 r + b
+    expected = torch.from_numpy(dequantize(rows.numpy(), QTYPES["mxfp4"]))
+    assert torch.equal(gguf_blocks.dequantize_rows(gguf_blocks.MXFP4, rows), expected)
+    assert torch.equal(PanelLinear.of_blocks(gguf_blocks.MXFP4, rows, None).weight, expected)
+    assert set(expected[8, :32].tolist()) == set(gguf_blocks.MXFP4_LEVELS)  # scale byte 128
+    # The subnormal half scales by their bits: where subnormals flush to zero (as the engine
+    # sets its threads), they compare as zero.
+    scales = gguf_blocks.split_rows(gguf_blocks.MXFP4, rows)[0]
+    assert scales[0, :2, 0].view(torch.int32).tolist() == [0x00200000, 0x00400000]
+    assert expected.isinf().any()
 
 
 def test_q4_0_rows_become_q4_1_rows_of_the_same_weights() -> None:
