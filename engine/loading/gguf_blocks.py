@@ -4,13 +4,12 @@ A model converted from a GGUF file (the default model comes dequantized from Q4_
 `--model FILE.gguf` is converted the same way, `gguf_file.py`) has fp32 weights that are exactly
 `d * q + m` or `d * q` per block of 32 (or, for K-quants, 16) inputs. Kept beside the checkpoint
 (in `gguf_blocks/`: each linear layer's blocks, rows as GGUF stores them, under the layer's
-module name), those blocks let the CPU's panel product stream a fifth to a third of
-the fp32 bytes (Q4_0 and Q4_1, Q4_K, Q8_0, Q6_K; the 5-bit types, Q3_K, the IQ4 types and
-MXFP4 as Q8_K panels, about a third)
-and widen each weight to the same fp32 value in registers. A layer uses its blocks only where
-they widen to exactly the weights loaded from the checkpoint, so outputs do not change, only
-the bytes read. An AWQ or GPTQ checkpoint's 4- and 8-bit groups are kept the same way
-(`quantized_checkpoint.py`), in formats of their own (Q4_G, Q8_G).
+module name), those blocks let the CPU's panel product stream a fifth to a third of the fp32
+bytes (Q4_0 and Q4_1, Q4_K, Q8_0, Q6_K; MXFP4 an eighth; the 5-bit types, Q3_K and the IQ4
+types as Q8_K panels, about a third) and widen each weight to the same fp32 value in registers.
+A layer uses its blocks only where they widen to exactly the weights loaded from the checkpoint,
+so outputs do not change, only the bytes read. An AWQ or GPTQ checkpoint's 4- and 8-bit groups
+are kept the same way (`quantized_checkpoint.py`), in formats of their own (Q4_G, Q8_G).
 """
 
 from __future__ import annotations
@@ -55,7 +54,13 @@ Q6_K = BlockFormat("q6_k", 210, 128 + BLOCK * 16, False, nibbles=False, block=25
 # of the above exactly, so that projections stored in different types join into one
 # (`as_q8_k`), and GGUF's 5-bit types, which have no panels of their own.
 Q8_K = BlockFormat("q8_k", 0, 192 + BLOCK * 16, has_min=True, nibbles=False, wide_scales=True)
-PANEL_FORMATS = (Q4_1, Q8_0, Q4_K, Q6_K, Q8_K)
+# MXFP4 (OCP's microscaling FP4; llama.cpp's MXFP4_MOE files keep their experts in it): per 32
+# inputs an E8M0 scale byte and 16 bytes of E2M1 codes (IQ4_NL's layout). Its panels hold the
+# scale bytes and the codes as they are (0.53 bytes a weight); each code widens to its value
+# doubled (GGUF's levels) times half the scale, `2 ** (e - 128)`: exact in fp32.
+MXFP4 = BlockFormat("mxfp4", 17, 16 + BLOCK * 8, has_min=False, nibbles=True)
+MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+PANEL_FORMATS = (Q4_1, Q8_0, Q4_K, Q6_K, Q8_K, MXFP4)
 Q5_0 = BlockFormat("q5_0", 22, Q8_K.group_bytes, has_min=True, nibbles=False)
 Q5_1 = BlockFormat("q5_1", 24, Q8_K.group_bytes, has_min=True, nibbles=False)
 Q5_K = BlockFormat("q5_k", 176, Q8_K.group_bytes, has_min=True, nibbles=False, block=256)
@@ -67,17 +72,12 @@ IQ4_NL = BlockFormat("iq4_nl", 18, Q8_K.group_bytes, has_min=True, nibbles=False
 IQ4_XS = BlockFormat("iq4_xs", 136, Q8_K.group_bytes, has_min=True, nibbles=False, block=256)
 # IQ4's 16 levels, as GGUF defines them.
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-# MXFP4 (OCP's microscaling FP4; llama.cpp's MXFP4_MOE files keep their experts in it): per 32
-# inputs an E8M0 scale byte and 16 bytes of E2M1 codes, as IQ4_NL's indices, each an index into
-# E2M1's values doubled (GGUF's levels) under half the scale, `2 ** (e - 128)`: exact in fp32.
-MXFP4 = BlockFormat("mxfp4", 17, Q8_K.group_bytes, has_min=True, nibbles=False)
-MXFP4_LEVELS = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 # Not GGUF's: an AWQ or GPTQ group's rows cut into 32-wide blocks (`quantized_checkpoint.py`),
 # each its fp32 scale and minimum (`-scale * zero`) and its 4-bit q as Q4_1 holds them, or its
 # 8-bit q less 128 (int8); held in Q4_K's and Q8_K's panels.
 Q4_G = BlockFormat("q4_g", 24, Q4_K.group_bytes, has_min=True, nibbles=True, wide_scales=True)
 Q8_G = BlockFormat("q8_g", 40, Q8_K.group_bytes, has_min=True, nibbles=False, wide_scales=True)
-AS_Q8_K = (Q5_0, Q5_1, Q5_K, Q3_K, IQ4_NL, IQ4_XS, MXFP4)
+AS_Q8_K = (Q5_0, Q5_1, Q5_K, Q3_K, IQ4_NL, IQ4_XS)
 FORMATS = {f.name: f for f in (*PANEL_FORMATS, *AS_Q8_K, Q4_G, Q8_G)}
 # Those with a layout for 8-bit products against activations rounded to 8-bit blocks: Q4_1's
 # and Q8_0's own, and Q4_K's and 4-bit groups' (fp32 scales and minima) as Q4_1's with theirs
@@ -234,11 +234,31 @@ def _split_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     doubled E2M1 value each code names."""
     out = rows.shape[0]
     blocks = rows.reshape(out, -1, MXFP4.block_bytes)
-    e = blocks[..., 0].to(torch.int32)
-    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    scale = bits.view(torch.float32)
+    scale = _half_scales(blocks[..., 0])
     q = _levels(blocks[..., 1:], MXFP4_LEVELS)
     return scale.unsqueeze(-1).expand(-1, -1, 2), torch.zeros_like(scale), q
+
+
+def _half_scales(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale bytes as GGUF's half scales `2 ** (e - 128)` in fp32, built from their bits
+    (below 2: subnormal)."""
+    e = e.to(torch.int32)
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+
+def _mxfp4_panels(rows: torch.Tensor) -> torch.Tensor:
+    """MXFP4 rows as panels: per group the 16 columns' scale bytes, then per input feature
+    column j's code in byte j's low half and column j + 8's in its high half."""
+    out = rows.shape[0]
+    blocks = rows.reshape(out, -1, MXFP4.block_bytes)
+    padded = -(-out // PANEL) * PANEL
+    scales = _columns_last(_pad(blocks[..., 0].contiguous(), padded))
+    codes = blocks[..., 1:].reshape(out, -1, 1, 16)
+    codes = torch.cat([codes & 0x0F, codes >> 4], dim=2).reshape(out, -1, 32)
+    by_feature = _pad(codes, padded).view(padded // PANEL, PANEL, *codes.shape[1:])
+    by_feature = by_feature.permute(0, 2, 3, 1)  # [panels, blocks, 32, 16]
+    packed = (by_feature[..., :8] | (by_feature[..., 8:] << 4)).contiguous().flatten(2)
+    return torch.cat([scales, packed], dim=2).contiguous()
 
 
 def _levels(indices: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
@@ -299,6 +319,8 @@ def _per_input(d: torch.Tensor) -> torch.Tensor:
 def pack_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
     """GGUF rows `[out, in / block * block_bytes]` to block panels `[ceil(out / 16), in / 32,
     group_bytes]` uint8; spare columns of the last panel hold zero weights."""
+    if fmt is MXFP4:
+        return _mxfp4_panels(rows)
     d, m, q = split_rows(fmt, rows)
     out = rows.shape[0]
     padded = -(-out // PANEL) * PANEL
@@ -413,6 +435,11 @@ def _unpack_panels(
     minima `[panels, blocks, 16]` fp32 or None; q `[panels, blocks, 32, 16]`, uint8 or int8)."""
     fmt = GROUP_FORMATS[panels.shape[2]]
     count, blocks, _ = panels.shape
+    if fmt is MXFP4:
+        halves = _half_scales(panels[..., :16]).unsqueeze(2).expand(-1, -1, 2, -1)
+        packed = panels[..., 16:].reshape(count, blocks, BLOCK, 8)
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+        return halves, None, torch.tensor(MXFP4_LEVELS, dtype=torch.int8)[codes.long()]
     scale_bytes = fmt.group_bytes - BLOCK * (8 if fmt.nibbles else 16)
     wide = torch.float32 if fmt.wide_scales else torch.float16
     scales = panels[..., :scale_bytes].contiguous().view(wide).float()

@@ -42,8 +42,8 @@ QTYPES = {
     "iq4_xs": GGMLQuantizationType.IQ4_XS,
     "mxfp4": GGMLQuantizationType.MXFP4,
 }
-# GGUF's types panels hold: 32-wide blocks, K-quants' 256-wide super-blocks cut to 32, and the
-# 5-bit types, Q3_K, the IQ4 types and MXFP4 as Q8_K panels.
+# GGUF's types panels hold: 32-wide blocks (MXFP4's scale bytes and codes as they are), K-quants'
+# 256-wide super-blocks cut to 32, and the 5-bit types, Q3_K and the IQ4 types as Q8_K panels.
 GGUF_FORMATS = [
     *("q4_1", "q8_0", "q4_k", "q6_k", "q5_0", "q5_1", "q5_k", "q3_k", "iq4_nl", "iq4_xs", "mxfp4")
 ]
@@ -111,7 +111,7 @@ def test_rows_dequantize_as_gguf_does(fmt: str) -> None:
 def test_every_mxfp4_scale_and_code_widens_as_gguf_dequantizes_it() -> None:
     """Each E8M0 scale byte (those below 2 give subnormal halves, 2 ** -128 and 2 ** -127; the
     largest overflow, as in GGUF's own dequantization) under every pair of E2M1 codes, through
-    the rows and through the panels."""
+    the rows, the panels and the kernel."""
     scales = torch.arange(256, dtype=torch.uint8).view(16, 16, 1)
     codes = torch.arange(256, dtype=torch.uint8).roll(5).view(1, 1, 256).expand(16, 16, 256)
     rows = torch.cat([scales, codes.reshape(16, 16, 16, 16)[:, :, 0]], dim=-1)
@@ -119,7 +119,11 @@ def test_every_mxfp4_scale_and_code_widens_as_gguf_dequantizes_it() -> None:
     rows = rows.reshape(16, -1).contiguous()  # blocks b and 16 + b of row r: scale 16 r + b
     expected = torch.from_numpy(dequantize(rows.numpy(), QTYPES["mxfp4"]))
     assert torch.equal(gguf_blocks.dequantize_rows(gguf_blocks.MXFP4, rows), expected)
-    assert torch.equal(PanelLinear.of_blocks(gguf_blocks.MXFP4, rows, None).weight, expected)
+    layer = PanelLinear.of_blocks(gguf_blocks.MXFP4, rows, None)
+    assert layer.block_format is gguf_blocks.MXFP4 and torch.equal(layer.weight, expected)
+    # The kernel's widening: the identity's product is the weights, for rows 1 to 14 (row 0's
+    # scales make subnormals, which a thread may flush; row 15's overflow).
+    assert torch.equal(layer(torch.eye(1024))[:, 1:15], expected[1:15].T)
     assert set(expected[8, :32].tolist()) == set(gguf_blocks.MXFP4_LEVELS)  # scale byte 128
     # The subnormal half scales by their bits: where subnormals flush to zero (as the engine
     # sets its threads), they compare as zero.

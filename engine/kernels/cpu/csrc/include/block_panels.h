@@ -17,6 +17,11 @@
 //                   any of the above widened to it (`gguf_blocks.as_q8_k`), so projections
 //                   stored in two formats join into one; weight = d * q + m
 //
+// MXFP4 (272 bytes): e[16], each column's E8M0 scale byte, then the nibbles as Q4_1's, each an
+//                   E2M1 code (sign in its top bit); weight = level * 2^(e - 128), the level
+//                   being the code's value doubled (GGUF's: 0, 1, 2, 3, 4, 6, 8, 12 and their
+//                   negatives), exact in fp32 as GGUF's dequantization is
+//
 // Q4_1 for 8-bit products (320 bytes, int8 panels; `int8_panels.cpp`): d[16], m[16] fp16, then
 //                   for columns 8h..8h+7 (h = 0, 1) and step s = 0..3, 32 bytes whose byte
 //                   4c + i holds column 8h + c's q of input feature 4s + i in its low half and
@@ -152,6 +157,37 @@ struct Q8K {
     __m256 q[2];
     widen_bytes(group + 192 + kk * 16, q);
     scaled_with_min(q, s + (kk < 16 ? 0 : 16), s + 32, w);
+  }
+#endif
+};
+
+struct MXFP4 {
+  static constexpr int64_t kBlock = conveyor::kBlock;
+  static constexpr int64_t kGroupBytes = 16 + kBlock * 8;
+  static constexpr int kScales = 16;  // 2^(e - 128) per column
+#ifdef CONVEYOR_BLOCK_PANELS
+  // GGUF's half scale of an E8M0 byte, built from its bits (below 2: subnormal).
+  static inline void scales(const uint8_t* group, float* out) {
+    for (int j = 0; j < kScales; ++j) {
+      const uint32_t e = group[j];
+      const uint32_t bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+      __builtin_memcpy(out + j, &bits, sizeof(bits));
+    }
+  }
+  static inline void weights(const uint8_t* group, int kk, const float* s, __m256* w) {
+    const __m256 positive = _mm256_setr_ps(0, 1, 2, 3, 4, 6, 8, 12);
+    const __m256 negative = _mm256_setr_ps(0, -1, -2, -3, -4, -6, -8, -12);
+    const __m256i bytes = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(group + 16 + kk * 8)));
+    const __m256i codes[2] = {_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)),
+                              _mm256_srli_epi32(bytes, 4)};
+    for (int h = 0; h < 2; ++h) {
+      // The low three bits pick the magnitude, the top one (moved to the sign) the side.
+      const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(codes[h], 28));
+      const __m256 level = _mm256_blendv_ps(_mm256_permutevar8x32_ps(positive, codes[h]),
+                                            _mm256_permutevar8x32_ps(negative, codes[h]), sign);
+      w[h] = _mm256_mul_ps(level, _mm256_load_ps(s + 8 * h));
+    }
   }
 #endif
 };

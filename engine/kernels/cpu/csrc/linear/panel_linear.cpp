@@ -295,6 +295,7 @@ void run_block_format(const Problem& pb, const at::Tensor& panels) {
     case conveyor::Q80::kGroupBytes: run_blocks<conveyor::Q80>(pb, panels); return;
     case conveyor::Q4K::kGroupBytes: run_blocks<conveyor::Q4K>(pb, panels); return;
     case conveyor::Q6K::kGroupBytes: run_blocks<conveyor::Q6K>(pb, panels); return;
+    case conveyor::MXFP4::kGroupBytes: run_blocks<conveyor::MXFP4>(pb, panels); return;
     default: run_blocks<conveyor::Q8K>(pb, panels); return;
   }
 }
@@ -324,11 +325,13 @@ void check_layout(const at::Tensor& panels) {
                       panels.size(2) == conveyor::Q80::kGroupBytes ||
                       panels.size(2) == conveyor::Q4K::kGroupBytes ||
                       panels.size(2) == conveyor::Q6K::kGroupBytes ||
-                      panels.size(2) == conveyor::Q8K::kGroupBytes,
+                      panels.size(2) == conveyor::Q8K::kGroupBytes ||
+                      panels.size(2) == conveyor::MXFP4::kGroupBytes,
                   "panel_linear: block panels must be [panels, in / 32, ",
                   conveyor::Q41::kGroupBytes, " (Q4_1), ", conveyor::Q80::kGroupBytes, " (Q8_0), ",
-                  conveyor::Q4K::kGroupBytes, " (Q4_K), ", conveyor::Q6K::kGroupBytes,
-                  " (Q6_K) or ", conveyor::Q8K::kGroupBytes, " (Q8_K)]");
+                  conveyor::Q4K::kGroupBytes, " (Q4_K), ", conveyor::Q6K::kGroupBytes, " (Q6_K), ",
+                  conveyor::Q8K::kGroupBytes, " (Q8_K) or ", conveyor::MXFP4::kGroupBytes,
+                  " (MXFP4)]");
       break;
     case at::kChar:
       TORCH_CHECK(panels.size(2) == conveyor::Q41Int8::kGroupBytes ||
