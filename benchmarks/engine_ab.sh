@@ -8,16 +8,33 @@
 #
 # e.g. `mkdir /tmp/base && git archive REV | tar -x -C /tmp/base`, then
 # `bash benchmarks/engine_ab.sh /tmp/base --concurrency 1 16 64`.
+#
+# Each tree converts a GGUF file or quantized checkpoint into a cache of its own (a conversion is
+# keyed by the file, not by the code that made it); both share the compiled kernels (keyed by
+# their sources) and the default model's folder.
 set -euo pipefail
 BASE=$(cd "$1" && pwd)
 shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 LOG=$(mktemp)
+CACHES=$(mktemp -d)
+SHARED=$(cd "$HERE" && python -c 'from engine.core.paths import cache_dir; print(cache_dir())')
+DEFAULT_MODEL=$(cd "$HERE" && python -c 'from engine.loading import default_model as d
+print(d.DEFAULT_MODEL_NAME)')
+mkdir -p "$SHARED/kernels"
+for label in base this; do
+    mkdir -p "$CACHES/$label/models"
+    ln -s "$SHARED/kernels" "$CACHES/$label/kernels"
+    if [ -d "$SHARED/models/$DEFAULT_MODEL" ]; then  # else each tree fetches it
+        ln -s "$SHARED/models/$DEFAULT_MODEL" "$CACHES/$label/models/$DEFAULT_MODEL"
+    fi
+done
 
 run_in() {
     local label=$1 tree=$2
     shift 2
-    (cd "$tree" && PYTHONPATH="$tree" python benchmarks/engine_throughput.py "$@") |
+    (cd "$tree" && CONVEYOR_CACHE="$CACHES/$label" PYTHONPATH="$tree" \
+        python benchmarks/engine_throughput.py "$@") |
         sed "s/^{/{\"tree\": \"$label\", /" | tee -a "$LOG"
 }
 
@@ -42,4 +59,4 @@ for concurrency in sorted({c for c, _ in rates}):
     this = statistics.mean(rates[concurrency, "this"])
     print(f"| {concurrency} | {base:.1f} | {this:.1f} | {this / base:.2f} |")
 EOF
-rm -f "$LOG"
+rm -rf "$LOG" "$CACHES"

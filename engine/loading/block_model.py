@@ -31,6 +31,7 @@ from engine.loading.checkpoint_tensors import (
 )
 from engine.loading.expert_blocks import EXPERT_LAYER
 from engine.loading.gguf_blocks import Blocks
+from engine.loading.mxfp4_experts import HeldExperts
 from engine.models.experts import unfuse_experts
 
 logger = logging.getLogger(__name__)
@@ -52,11 +53,13 @@ def load_converted(
     hold: bool,
     int8_activations: bool = False,
     trust_remote_code: bool = False,
+    experts: HeldExperts | None = None,
 ) -> Any | None:
     """The model in the converted folder `path` in `dtype`, its layers with blocks held as them
     where `hold` (fp32 on a CPU whose panel kernel runs), else given their dequantized weights;
     None where a parameter's name is not found in the checkpoint (a layout this reading does
-    not know: the caller loads the model whole, `fill_from_blocks`)."""
+    not know: the caller loads the model whole, `fill_from_blocks`). `experts`: the blocks (and
+    biases) of an MXFP4 checkpoint's experts, held in place of blocks kept beside it."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         return None
@@ -64,12 +67,13 @@ def load_converted(
         model = model_from_config(path, dtype, trust_remote_code)
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
-    blocks = read_blocks(path)
+    blocks = read_blocks(path) if experts is None else dict(experts.blocks)
+    biases = {} if experts is None else experts.biases
     if hold and any(EXPERT_LAYER.search(name) for name in blocks):
         unfuse_experts(model)  # one linear layer per expert, each to hold its blocks
     try:
         with CheckpointTensors(tensor_index(files), blocks) as checkpoint:
-            held = hold_blocks(model, blocks, checkpoint, int8_activations) if hold else []
+            held = hold_blocks(model, blocks, checkpoint, int8_activations, biases) if hold else []
             fill(model, checkpoint, dtype)
     except KeyError as missing:
         logger.info("the checkpoint has no tensor %s; loading it whole", missing)
@@ -85,11 +89,16 @@ def load_converted(
 
 
 def hold_blocks(
-    model: nn.Module, blocks: Blocks, checkpoint: CheckpointTensors, int8_activations: bool
+    model: nn.Module,
+    blocks: Blocks,
+    checkpoint: CheckpointTensors,
+    int8_activations: bool,
+    biases: dict[str, torch.Tensor] | None = None,
 ) -> list[PanelLinear]:
     """Put a block layer in place of each (meta) `nn.Linear` of `model` named in `blocks`, its
-    bias read from `checkpoint`; return the layers put in place. Each layer's rows are taken out
-    of `blocks` as its panels are made, so the two are not held whole at once."""
+    bias taken from `biases` or read from `checkpoint`; return the layers put in place. Each
+    layer's rows are taken out of `blocks` as its panels are made, so the two are not held whole
+    at once."""
     held = []
     rounded = {
         name for name in blocks if int8_activations and gguf_blocks.rounds_inputs(name, blocks)
@@ -102,7 +111,10 @@ def hold_blocks(
         if type(linear) is not nn.Linear:
             continue
         fmt, rows = blocks.pop(name)
-        bias = None if linear.bias is None else checkpoint.tensor(f"{name}.bias").float()
+        bias = None
+        if linear.bias is not None:
+            found = (biases or {}).get(name)
+            bias = (found if found is not None else checkpoint.tensor(f"{name}.bias")).float()
         layer = PanelLinear.of_blocks(fmt, rows, bias, name in rounded)
         if (layer.out_features, layer.in_features) != tuple(linear.weight.shape):
             raise ValueError(f"{name}: blocks of shape {tuple(rows.shape)} do not fit the layer")

@@ -26,6 +26,7 @@ from engine.loading.checkpoint_tensors import model_from_config
 from engine.loading.classifiers import as_causal_lm, is_classifier, labels
 from engine.loading.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from engine.loading.gguf_file import ensure_converted, is_gguf_file
+from engine.loading.mxfp4_experts import expert_blocks, is_mxfp4
 from engine.loading.processors import load_processor
 from engine.loading.quantized_checkpoint import ensure_converted as ensure_dequantized
 from engine.loading.quantized_checkpoint import load_options, quantized_folder
@@ -246,6 +247,9 @@ def load_weights(
     elif has_blocks(path):
         hold = form is LinearForm.FP32_PANELS and panel_linear_available()
         model = load_converted(path, dtype, hold, int8_activations, trust_remote_code)
+    elif form is LinearForm.FP32_PANELS and panel_linear_available() and is_mxfp4(path):
+        experts = expert_blocks(Path(path))
+        model = load_converted(path, dtype, True, int8_activations, trust_remote_code, experts)
     # Blocks are taken up once: as the model loads, or after it loaded whole; a share's weights
     # (and random ones) do not match them.
     take_blocks = model is None

@@ -13,8 +13,9 @@ GGUF file's blocks are: the CPU's panel product reads them, other forms dequanti
 load (`block_model`). compressed-tensors' other formats (NVFP4, MXFP4) are dequantized by
 transformers. Later starts load the folder in seconds; changed weight files convert again.
 
-An MXFP4 checkpoint (gpt-oss as published: its experts in 4-bit blocks) is not converted:
-transformers dequantizes its experts to the model's dtype as it loads (`load_options`).
+An MXFP4 checkpoint (gpt-oss as published: its experts in 4-bit blocks) is not converted: in fp32
+on a CPU its experts hold their blocks (`mxfp4_experts`), elsewhere transformers dequantizes them
+to the model's dtype as it loads (`load_options`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,10 @@ from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.kernels.cpu.linear import PanelLinear
+from engine.kernels.cpu.ops import panel_linear_available
+from engine.loading import gguf_blocks
 from engine.loading.model_loader import LinearForm, use_linear_form
+from engine.loading.mxfp4_experts import gguf_rows
 from engine.loading.quantized_checkpoint import check_requested
 from engine.models.experts import ExpertLinears, SparseMoE
 from engine.models.gpt_oss import PagedGptOssForCausalLM
@@ -265,10 +268,10 @@ def save_mxfp4(folder: Path) -> torch.nn.Module:
     return reference
 
 
-def test_an_mxfp4_checkpoint_serves_its_experts_dequantized(tmp_path):
-    """gpt-oss as published: the experts' MXFP4 blocks are dequantized as the model loads (no
-    converted copy, no kernel fetched), and greedy tokens equal transformers' on the weights
-    the blocks stand for."""
+def test_an_mxfp4_checkpoint_serves_its_experts_from_their_blocks(tmp_path):
+    """gpt-oss as published, in fp32 on a CPU whose panel kernel runs: each expert's layer holds
+    the checkpoint's MXFP4 blocks (no fp32 weight of the experts, no converted copy, no kernel
+    fetched), and greedy tokens equal transformers' on the weights the blocks stand for."""
     reference = save_mxfp4(tmp_path)
     expected = expected_tokens(reference)
     check_requested(str(tmp_path), "mxfp4")  # vLLM's flag names the checkpoint's method
@@ -280,11 +283,32 @@ def test_an_mxfp4_checkpoint_serves_its_experts_dequantized(tmp_path):
     core, _, _ = create_engine_core(engine_config)
     try:
         assert isinstance(core.runner.model, PagedGptOssForCausalLM)
+        held = [
+            m
+            for m in core.runner.model.modules()
+            if isinstance(m, PanelLinear) and m.block_format is gguf_blocks.MXFP4
+        ]
+        experts = config().num_hidden_layers * config().num_local_experts
+        assert len(held) == (2 * experts if panel_linear_available() else 0)
         outputs = run_all(core, prompts(), GREEDY)
         assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
     finally:
         core.close()
     assert expected != expected_tokens(build()), "the blocks' weights are the ones served"
+
+
+def test_mxfp4_blocks_become_gguf_rows_of_the_same_values():
+    """A checkpoint's blocks (two codes a byte, in input order) as GGUF's MXFP4 rows (a block's
+    first 16 inputs in the low halves): they widen to the values the format defines, every
+    code under scales either side of 1."""
+    generator = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (2, 24, 4, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(100, 150, (2, 24, 4), generator=generator, dtype=torch.uint8)
+    rows = gguf_rows(blocks, scales)
+    assert rows.shape == (2, 24, 4 * gguf_blocks.MXFP4.block_bytes)
+    for expert in range(2):
+        widened = gguf_blocks.dequantize_rows(gguf_blocks.MXFP4, rows[expert])
+        assert torch.equal(widened, mxfp4_weight(blocks, scales)[expert])
 
 
 def test_two_ranks_serve_an_mxfp4_checkpoint_dequantized(tmp_path):
