@@ -150,13 +150,16 @@ def checkpoint_config(name_or_path: str | None, trust_remote_code: bool = False)
 
 def checkpoint_path(name_or_path: str | None) -> str:
     """Where the checkpoint `--model` names is read from: the default model's folder (None), a
-    GGUF file's or an AWQ or GPTQ checkpoint's, converted into the cache on first use; else the
-    folder or hub id itself."""
+    GGUF file's or an AWQ or GPTQ checkpoint's, converted into the cache on first use; an MXFP4
+    hub checkpoint's fetched folder; else the folder or hub id itself."""
     if name_or_path is None:
         return str(ensure_default_model())
     if is_gguf_file(name_or_path):
         return str(ensure_converted(name_or_path))
-    if quantized_folder(name_or_path) is not None:
+    folder = quantized_folder(name_or_path)
+    if folder is not None and is_mxfp4(str(folder)):
+        return str(folder)  # read as it is, its experts' blocks too
+    if folder is not None:
         return str(ensure_dequantized(name_or_path))
     return name_or_path
 

@@ -175,7 +175,8 @@ def load_options(path: str) -> dict[str, Any]:
 
 def quantized_folder(name: str) -> Path | None:
     """The local folder of the quantized checkpoint `--model` names (a folder, or a hub id
-    fetched into the Hugging Face cache); None where `name` is no such checkpoint."""
+    fetched into the Hugging Face cache, an MXFP4 one's too); None where `name` is no such
+    checkpoint, or is a local MXFP4 one (read from where it is)."""
     folder = Path(name).expanduser()
     if folder.is_dir():
         return folder if scheme_of(folder) is not None else None
@@ -195,7 +196,7 @@ def _hub_checkpoint(repo: str) -> Path | None:
         config = Path(cached if isinstance(cached, str) else hf_hub_download(repo, "config.json"))
     except Exception:  # not a hub id, offline, no such file: loading reports it
         return None
-    if scheme_of(config.parent) is None:
+    if scheme_of(config.parent) is None and method_dequantized_on_load(config.parent) is None:
         return None
     return snapshot(repo, None, MODEL_FILES, EngineConfig(), weights=True)
 

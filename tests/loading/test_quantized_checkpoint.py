@@ -22,8 +22,11 @@ from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
 from engine.kernels.cpu.linear import PanelLinear
+from engine.kernels.cpu.ops import panel_linear_available
 from engine.loading import gguf_blocks, quantized_checkpoint
+from engine.loading.gguf_blocks import MXFP4
 from engine.loading.model_loader import checkpoint_path
+from engine.loading.quantized_checkpoint import load_options
 from engine.models.llama import PagedLlamaLayer
 from server.cli import build_parser, engine_config
 from server.cli import main as cli_main
@@ -38,6 +41,7 @@ from tests.helpers import (
     tiny_qwen2,
     tokens_of,
 )
+from tests.models.test_gpt_oss import save_mxfp4
 from tests.models.test_moe import build
 from tests.quantized_checkpoints import (
     Layout,
@@ -251,15 +255,20 @@ def test_download_converts_the_checkpoint_ahead_of_serving(tmp_path: Path, capsy
 
 @pytest.fixture
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Two hub repositories in the Hugging Face cache, an AWQ one and a plain one: the hub's
-    download functions answer from folders (and record what was asked)."""
+    """Three hub repositories in the Hugging Face cache, an AWQ one, a plain one and an MXFP4
+    gpt-oss: the hub's download functions answer from folders (and record what was asked)."""
     import huggingface_hub
 
-    repos = {"org/tiny-AWQ": tmp_path / "awq", "org/tiny": tmp_path / "plain"}
+    repos = {
+        "org/tiny-AWQ": tmp_path / "awq",
+        "org/tiny": tmp_path / "plain",
+        "org/tiny-mxfp4": tmp_path / "mxfp4",
+    }
     for folder in repos.values():
         folder.mkdir()
     quantized_checkpoint_in(repos["org/tiny-AWQ"])
     tiny_llama().save_pretrained(repos["org/tiny"])
+    save_mxfp4(repos["org/tiny-mxfp4"])
     asked: list[str] = []
 
     def hf_hub_download(repo_id: str, filename: str) -> str:
@@ -290,6 +299,19 @@ def test_a_hub_checkpoint_is_fetched_once_and_served_under_its_id(hub: list[str]
     assert hub[0] == "org/tiny-AWQ/config.json" and hub[1].startswith("org/tiny-AWQ *.json")
     shards = hub[2].split()[1:]
     assert len(hub) == 3 and shards and all(name.startswith("model-") for name in shards)
+
+
+def test_an_mxfp4_hub_checkpoint_is_fetched_and_read_as_it_is(hub: list[str]) -> None:
+    """Not converted: its folder is read, and in fp32 on a CPU with the panel kernel its
+    experts hold their blocks."""
+    path = checkpoint_path("org/tiny-mxfp4")
+    assert Path(path).name == "mxfp4" and load_options(path)
+    config = EngineConfig(model="org/tiny-mxfp4", dtype="float32", cache=CacheConfig(num_blocks=16))
+    core, loaded, info = create_engine_core(config)
+    core.close()
+    assert info.model_name == "org/tiny-mxfp4" and loaded.path == path
+    held = [m for m in loaded.model.modules() if getattr(m, "block_format", None) is MXFP4]
+    assert len(held) == (2 * 3 * 8 if panel_linear_available() else 0)  # 3 layers of 8 experts
 
 
 def test_other_hub_ids_and_names_are_left_as_they_are(hub: list[str], tmp_path: Path) -> None:
