@@ -20,15 +20,22 @@ from tests.helpers import tiny_llama
 MAX_WORKERS = 4
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (all of the machine's where the OS cannot say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+    return min(usable_cpus(), MAX_WORKERS)
 
 
 def worker_threads() -> int:
     """Each worker's share of the CPUs: OpenMP threads that outnumber the cores spin against each
     other's workers (a parallel region waits for its slowest thread)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return max(1, len(os.sched_getaffinity(0)) // workers)
+    return max(1, usable_cpus() // workers)
 
 
 if "PYTEST_XDIST_WORKER" in os.environ:
