@@ -214,7 +214,8 @@ def check_requested(name: str | None, requested: str | None) -> None:
     else:
         folder = quantized_folder(name)
         scheme = scheme_of(folder) if folder is not None else None
-        stored = scheme.method if scheme is not None else method_dequantized_on_load(Path(name))
+        read_as_is = method_dequantized_on_load(folder or Path(name))
+        stored = scheme.method if scheme is not None else read_as_is
     wanted = METHOD_NAMES.get(requested, requested)
     if stored is None:
         raise ValueError(

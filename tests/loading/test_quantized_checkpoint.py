@@ -306,6 +306,7 @@ def test_an_mxfp4_hub_checkpoint_is_fetched_and_read_as_it_is(hub: list[str]) ->
     experts hold their blocks."""
     path = checkpoint_path("org/tiny-mxfp4")
     assert Path(path).name == "mxfp4" and load_options(path)
+    quantized_checkpoint.check_requested("org/tiny-mxfp4", "mxfp4")  # vLLM's flag names it
     config = EngineConfig(model="org/tiny-mxfp4", dtype="float32", cache=CacheConfig(num_blocks=16))
     core, loaded, info = create_engine_core(config)
     core.close()
