@@ -246,28 +246,17 @@ def _half_scales(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
 
 
-def _mxfp4_panels(rows: torch.Tensor) -> torch.Tensor:
-    """MXFP4 rows as panels: per group the 16 columns' scale bytes, then per input feature
-    column j's code in byte j's low half and column j + 8's in its high half."""
-    out = rows.shape[0]
-    blocks = rows.reshape(out, -1, MXFP4.block_bytes)
-    padded = -(-out // PANEL) * PANEL
-    scales = _columns_last(_pad(blocks[..., 0].contiguous(), padded))
-    codes = blocks[..., 1:].reshape(out, -1, 1, 16)
-    codes = torch.cat([codes & 0x0F, codes >> 4], dim=2).reshape(out, -1, 32)
-    by_feature = _pad(codes, padded).view(padded // PANEL, PANEL, *codes.shape[1:])
-    by_feature = by_feature.permute(0, 2, 3, 1)  # [panels, blocks, 32, 16]
-    packed = (by_feature[..., :8] | (by_feature[..., 8:] << 4)).contiguous().flatten(2)
-    return torch.cat([scales, packed], dim=2).contiguous()
-
-
-def _levels(indices: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
+def _indices(packed: torch.Tensor) -> torch.Tensor:
     """Blocks' 16 bytes of 4-bit indices `[out, blocks, 16]` (the low halves index the block's
-    first 16 inputs, the high halves the next) as the int8 levels they name `[out, blocks, 32]`."""
-    out = indices.shape[0]
-    indices = indices.reshape(out, -1, 1, 16)
-    indices = torch.cat([indices & 0x0F, indices >> 4], dim=2).reshape(out, -1, 32)
-    return torch.tensor(levels, dtype=torch.int8)[indices.long()]
+    first 16 inputs, the high halves the next) as `[out, blocks, 32]` uint8."""
+    out = packed.shape[0]
+    packed = packed.reshape(out, -1, 1, 16)
+    return torch.cat([packed & 0x0F, packed >> 4], dim=2).reshape(out, -1, 32)
+
+
+def _levels(packed: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
+    """Blocks' 4-bit indices (`_indices`) as the int8 levels they name `[out, blocks, 32]`."""
+    return torch.tensor(levels, dtype=torch.int8)[_indices(packed).long()]
 
 
 def _split_q6_k(rows: torch.Tensor) -> tuple[torch.Tensor, None, torch.Tensor]:
@@ -319,14 +308,17 @@ def _per_input(d: torch.Tensor) -> torch.Tensor:
 def pack_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
     """GGUF rows `[out, in / block * block_bytes]` to block panels `[ceil(out / 16), in / 32,
     group_bytes]` uint8; spare columns of the last panel hold zero weights."""
-    if fmt is MXFP4:
-        return _mxfp4_panels(rows)
-    d, m, q = split_rows(fmt, rows)
     out = rows.shape[0]
     padded = -(-out // PANEL) * PANEL
-    parts = [_columns_last(_pad(d, padded)).view(torch.uint8)]
-    if m is not None:
-        parts.append(_columns_last(_pad(m, padded)).view(torch.uint8))
+    if fmt is MXFP4:  # the scale bytes and the codes as stored
+        blocks = rows.reshape(out, -1, MXFP4.block_bytes)
+        parts = [_columns_last(_pad(blocks[..., 0].contiguous(), padded))]
+        q = _indices(blocks[..., 1:])
+    else:
+        d, m, q = split_rows(fmt, rows)
+        parts = [_columns_last(_pad(d, padded)).view(torch.uint8)]
+        if m is not None:
+            parts.append(_columns_last(_pad(m, padded)).view(torch.uint8))
     # [panels, 16, blocks, 32] -> [panels, blocks, 32, 16]: per input feature, its 16 columns.
     by_feature = _pad(q, padded).view(padded // PANEL, PANEL, *q.shape[1:]).permute(0, 2, 3, 1)
     if fmt.nibbles:
@@ -435,17 +427,17 @@ def _unpack_panels(
     minima `[panels, blocks, 16]` fp32 or None; q `[panels, blocks, 32, 16]`, uint8 or int8)."""
     fmt = GROUP_FORMATS[panels.shape[2]]
     count, blocks, _ = panels.shape
-    if fmt is MXFP4:
-        halves = _half_scales(panels[..., :16]).unsqueeze(2).expand(-1, -1, 2, -1)
-        packed = panels[..., 16:].reshape(count, blocks, BLOCK, 8)
-        codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
-        return halves, None, torch.tensor(MXFP4_LEVELS, dtype=torch.int8)[codes.long()]
     scale_bytes = fmt.group_bytes - BLOCK * (8 if fmt.nibbles else 16)
-    wide = torch.float32 if fmt.wide_scales else torch.float16
-    scales = panels[..., :scale_bytes].contiguous().view(wide).float()
+    if fmt is MXFP4:  # E8M0 bytes
+        scales = _half_scales(panels[..., :scale_bytes])
+    else:
+        wide = torch.float32 if fmt.wide_scales else torch.float16
+        scales = panels[..., :scale_bytes].contiguous().view(wide).float()
     scales = scales.view(count, blocks, -1, PANEL)  # sets of 16: d, d and m, or d, d, m
     packed = panels[..., scale_bytes:].reshape(count, blocks, BLOCK, -1)
     q = torch.cat([packed & 0x0F, packed >> 4], dim=-1) if fmt.nibbles else packed.view(torch.int8)
+    if fmt is MXFP4:  # each code its doubled E2M1 value
+        q = torch.tensor(MXFP4_LEVELS, dtype=torch.int8)[q.long()]
     least = scales[:, :, -1] if fmt.has_min else None
     halves = scales[:, :, :-1] if fmt.has_min else scales
     if halves.shape[2] == 1:  # one scale per 32 inputs

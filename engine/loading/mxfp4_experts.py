@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.loading import gguf_blocks
-from engine.loading.checkpoint_tensors import tensor_index
+from engine.loading.checkpoint_tensors import CheckpointTensors, tensor_index
 from engine.loading.expert_blocks import expert_layer
 from engine.loading.gguf_blocks import Blocks
 from engine.loading.quantized_checkpoint import method_dequantized_on_load
@@ -43,30 +43,27 @@ def is_mxfp4(path: str) -> bool:
 def expert_blocks(folder: Path) -> HeldExperts:
     """The experts of the MXFP4 checkpoint in `folder` as MXFP4 rows, one layer per expert: gate
     rows above up rows, as `ExpertLinears` holds gpt-oss's experts."""
-    from safetensors import safe_open
-
     index = tensor_index(sorted(folder.glob("*.safetensors")))
     held = HeldExperts()
-
-    def read(name: str) -> torch.Tensor:
-        with safe_open(str(index[name]), "pt") as handle:
-            return handle.get_tensor(name)
-
-    for name in index:
-        owner, _, kind = name.rpartition(".")
-        fused = kind.removesuffix("_blocks")
-        if fused == kind or fused not in PARTS:
-            continue
-        rows = gguf_rows(read(name), read(f"{owner}.{fused}_scales"))
-        bias = read(f"{owner}.{fused}_bias").float() if f"{owner}.{fused}_bias" in index else None
-        if fused == "gate_up_proj":
-            rows = torch.cat([rows[:, 0::2], rows[:, 1::2]], dim=1)
-            bias = None if bias is None else torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1)
-        for expert in range(rows.shape[0]):
-            layer = expert_layer(owner, PARTS[fused], expert)
-            held.blocks[layer] = (gguf_blocks.MXFP4, rows[expert].contiguous())
-            if bias is not None:
-                held.biases[layer] = bias[expert].contiguous()
+    with CheckpointTensors(index) as checkpoint:  # each file opened once
+        for name in index:
+            owner, _, kind = name.rpartition(".")
+            fused = kind.removesuffix("_blocks")
+            if fused == kind or fused not in PARTS:
+                continue
+            scales = checkpoint.slice(f"{owner}.{fused}_scales")[:]
+            rows = gguf_rows(checkpoint.slice(name)[:], scales)
+            bias = None
+            if f"{owner}.{fused}_bias" in index:
+                bias = checkpoint.slice(f"{owner}.{fused}_bias")[:].float()
+            if fused == "gate_up_proj":
+                rows = torch.cat([rows[:, 0::2], rows[:, 1::2]], dim=1)
+                bias = None if bias is None else torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1)
+            for expert in range(rows.shape[0]):
+                layer = expert_layer(owner, PARTS[fused], expert)
+                held.blocks[layer] = (gguf_blocks.MXFP4, rows[expert].contiguous())
+                if bias is not None:
+                    held.biases[layer] = bias[expert].contiguous()
     return held
 
 
