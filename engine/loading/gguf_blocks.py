@@ -395,6 +395,19 @@ def _pack_q8_0_int8_panels(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales, packed], dim=2).contiguous()
 
 
+# The E8M0 scale bytes under which every MXFP4 weight is a normal bf16 number (levels 1 to 12
+# times 2 ** (e - 128)), as `mxfp4_bf16_linear` widens them.
+MXFP4_BF16_SCALES = range(2, 253)
+
+
+def mxfp4_fits_bf16(panels: torch.Tensor, out_features: int) -> bool:
+    """Whether the first `out_features` columns of MXFP4 block panels have only scale bytes
+    in `MXFP4_BF16_SCALES` (the spare columns of the last panel hold zeros)."""
+    scales = panels[:, :, :PANEL].permute(0, 2, 1).reshape(-1, panels.shape[1])[:out_features]
+    first, last = MXFP4_BF16_SCALES[0], MXFP4_BF16_SCALES[-1]
+    return bool(scales.numel() == 0 or (scales.min() >= first and scales.max() <= last))
+
+
 def dequantize_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """Block panels back to the fp32 weight `[out, in]` they hold."""
     if panels.dtype == torch.int8:

@@ -16,6 +16,7 @@ from engine.kernels.cpu.linear import (
     convert_linears,
     fp32_packing_supported,
     half_weights_supported,
+    mxfp4_in_bf16,
     pack_linears,
     use_gguf_blocks,
 )
@@ -250,7 +251,7 @@ def load_weights(
     elif has_blocks(path):
         hold = form is LinearForm.FP32_PANELS and panel_linear_available()
         model = load_converted(path, dtype, hold, int8_activations, trust_remote_code)
-    elif form is LinearForm.FP32_PANELS and panel_linear_available() and is_mxfp4(path):
+    elif form in PANEL_FORMS and panel_linear_available() and is_mxfp4(path):
         experts = expert_blocks(Path(path))
         model = load_converted(path, dtype, True, int8_activations, trust_remote_code, experts)
     # Blocks are taken up once: as the model loads, or after it loaded whole; a share's weights
@@ -335,6 +336,11 @@ class LinearForm(StrEnum):
     TORCH = "torch's own"
 
 
+# The forms that carry fp32 activations through Conveyor's panels, where a layer of quantized
+# blocks multiplies beside the others.
+PANEL_FORMS = (LinearForm.BF16_PANELS, LinearForm.HALF_WEIGHTS, LinearForm.FP32_PANELS)
+
+
 def choose_linear_form(dtype: torch.dtype, device: torch.device) -> LinearForm:
     """The linear layers' form for a `dtype` model on `device`, chosen once at load time: on a
     CPU, Conveyor's panels where its kernels built (bf16 panels on AVX-512 BF16, 16-bit weights
@@ -361,6 +367,8 @@ def use_linear_form(
         for part in widened_parts(model):
             part.float()
         convert_linears(model, dtype)  # the fp32 linear layers: those of the widened parts
+        if form is LinearForm.BF16_PANELS:
+            mxfp4_in_bf16(model)
     elif form is LinearForm.FP32_PANELS:
         if folder is not None:
             use_gguf_blocks_beside(model, folder, int8_activations)

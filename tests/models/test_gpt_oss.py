@@ -4,6 +4,7 @@ equal transformers' (eager attention, which computes the sinks)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from dataclasses import replace
@@ -18,10 +19,18 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
+from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.linear import PanelLinear
 from engine.kernels.cpu.ops import panel_linear_available
-from engine.loading import gguf_blocks
-from engine.loading.model_loader import LinearForm, use_linear_form
+from engine.loading import gguf_blocks, model_loader
+from engine.loading.gguf_blocks import MXFP4
+from engine.loading.model_loader import (
+    PANEL_FORMS,
+    LinearForm,
+    choose_linear_form,
+    load_weights,
+    use_linear_form,
+)
 from engine.loading.mxfp4_experts import gguf_rows
 from engine.loading.quantized_checkpoint import check_requested
 from engine.models.experts import ExpertLinears, SparseMoE
@@ -295,6 +304,99 @@ def test_an_mxfp4_checkpoint_serves_its_experts_from_their_blocks(tmp_path):
     finally:
         core.close()
     assert expected != expected_tokens(build()), "the blocks' weights are the ones served"
+
+
+def held_experts(model: torch.nn.Module) -> list[PanelLinear]:
+    return [m for m in model.modules() if isinstance(m, PanelLinear) and m.block_format is MXFP4]
+
+
+def test_a_16_bit_model_holds_its_mxfp4_experts_as_blocks(tmp_path):
+    """Served in bf16 or fp16 where Conveyor's panels run, the checkpoint's experts stay in its
+    MXFP4 blocks beside the 16-bit panels of the other layers, 17 bytes a 32 weights. Beside
+    fp16 panels they multiply the fp32 activations exactly as in an fp32 model; beside bf16
+    panels, as bf16 panels of the same weights multiply (to the bit)."""
+    save_mxfp4(tmp_path)
+    cpu = torch.device("cpu")
+    full = load_weights(str(tmp_path), torch.float32, cpu)[0].model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(5, config().hidden_size, generator=generator)
+    chosen = torch.randint(0, config().num_local_experts, (5, 2), generator=generator)
+    weights = torch.rand(5, 2, generator=generator)
+    for dtype in (torch.bfloat16, torch.float16):
+        model = load_weights(str(tmp_path), dtype, cpu)[0]
+        held = held_experts(model)
+        form = choose_linear_form(dtype, cpu)
+        if form not in PANEL_FORMS or not panel_linear_available():
+            assert not held  # torch's own products: dequantized to `dtype` as the model loads
+            continue
+        assert len(held) == 2 * config().num_hidden_layers * config().num_local_experts
+        weight_count = sum(m.out_features * m.in_features for m in held)
+        assert sum(m.panels.numel() for m in held) < weight_count * 17 / 32 * 1.1
+        attention = model.model.layers[0].self_attn.q_proj
+        assert isinstance(attention, PanelLinear) and attention.panels.dtype == dtype
+        in_bf16 = form is LinearForm.BF16_PANELS
+        assert all(m.bf16_blocks is in_bf16 for m in held)
+        experts = model.model.layers[0].mlp.experts
+        reference = full
+        if in_bf16:  # the same weights in bf16 panels, multiplied in dot products as these
+            reference = copy.deepcopy(full)
+            for layers in (reference.gate_up, reference.down):
+                for i, layer in enumerate(layers):
+                    layers[i] = PanelLinear(layer.weight, layer.bias, torch.bfloat16)
+        before = cpu_ops.use_bf16_tiles(False)
+        try:
+            with torch.inference_mode():
+                expected = reference(x, chosen, weights)
+                torch.testing.assert_close(experts(x, chosen, weights), expected, rtol=0, atol=0)
+        finally:
+            cpu_ops.use_bf16_tiles(before)
+
+
+@needs_bf16_panels
+def test_a_bf16_model_over_mxfp4_experts_serves_its_dequantized_experts_tokens(
+    tmp_path, monkeypatch
+):
+    """In bf16 on a CPU with AVX-512 BF16, the experts held as MXFP4 blocks give the greedy
+    tokens of the same model with its experts dequantized into bf16 panels (both in dot
+    products: AMX tiles round apart in the last bits)."""
+    save_mxfp4(tmp_path)
+    engine_config = EngineConfig(
+        model=str(tmp_path), dtype="bfloat16", cache=CacheConfig(block_size=4, num_blocks=128)
+    )
+    before = cpu_ops.use_bf16_tiles(False)
+    tokens = {}
+    try:
+        for held in (True, False):
+            monkeypatch.setattr(model_loader, "is_mxfp4", lambda path, held=held: held)
+            core, _, _ = create_engine_core(engine_config)
+            try:
+                assert bool(held_experts(core.runner.model)) is held
+                outputs = run_all(core, prompts(), GREEDY)
+                tokens[held] = [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))]
+            finally:
+                core.close()
+    finally:
+        cpu_ops.use_bf16_tiles(before)
+    assert tokens[True] == tokens[False]
+
+
+@needs_panels
+def test_an_fp16_model_over_mxfp4_experts_serves_transformers_tokens(tmp_path):
+    """In fp16 (16-bit panels computing in fp32, which hold every bf16 weight exactly) greedy
+    tokens equal transformers' in fp32 on the weights the checkpoint stands for."""
+    if choose_linear_form(torch.float16, torch.device("cpu")) is LinearForm.TORCH:
+        pytest.skip("this CPU multiplies fp16 natively (AVX-512 FP16): torch's own products")
+    expected = expected_tokens(save_mxfp4(tmp_path))
+    engine_config = EngineConfig(
+        model=str(tmp_path), dtype="float16", cache=CacheConfig(block_size=4, num_blocks=128)
+    )
+    core, _, info = create_engine_core(engine_config)
+    try:
+        assert info.dtype == "float16" and held_experts(core.runner.model)
+        outputs = run_all(core, prompts(), GREEDY)
+        assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(prompts()))] == expected
+    finally:
+        core.close()
 
 
 def test_mxfp4_blocks_become_gguf_rows_of_the_same_values():

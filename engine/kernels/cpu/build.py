@@ -54,7 +54,9 @@ class KernelGroup:
 
 GROUPS = (
     KernelGroup("attention", ("paged_decode.cpp", "paged_prefill.cpp", "kv_store.cpp")),
-    KernelGroup("linear", ("panel_linear.cpp", "int8_panels.cpp", "bf16_panels.cpp")),
+    KernelGroup(
+        "linear", ("panel_linear.cpp", "int8_panels.cpp", "bf16_panels.cpp", "mxfp4_bf16.cpp")
+    ),
     KernelGroup(
         "elementwise",
         (

@@ -207,6 +207,19 @@ class PanelLinear(nn.Module):
         self.register_buffer("panels", panels)
         padded = None if bias is None else pad_to_panels(bias.detach().float())
         self.register_buffer("padded_bias", padded)
+        self.bf16_blocks = False
+
+    def multiply_in_bf16(self) -> bool:
+        """Multiply MXFP4 blocks against inputs rounded to bf16 in AVX-512 BF16 dot products,
+        as a bf16 model's panels multiply (`cpu_ops.mxfp4_bf16_linear`: equal to the bit to
+        bf16 panels of the same weights), where they run here and every weight is exact in
+        bf16; returns whether the layer now does."""
+        self.bf16_blocks = (
+            self.block_format is gguf_blocks.MXFP4
+            and cpu_ops.bf16_panels_available()
+            and gguf_blocks.mxfp4_fits_bf16(self.panels, self.out_features)
+        )
+        return self.bf16_blocks
 
     @property
     def block_format(self) -> gguf_blocks.BlockFormat | None:
@@ -242,8 +255,18 @@ class PanelLinear(nn.Module):
         product is stored, equal to the bit to adding it after. bf16 panels also take bf16 `x`,
         the rows they would round fp32 ones to; the output is fp32."""
         skip = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
-        rows = kernel_rows(x, self.in_features, self.bf16_activations)
-        out = cpu_ops.panel_linear(rows, self._panels(), self.padded_bias, self.out_features, skip)
+        if self.bf16_blocks:
+            rows = fp32_rows(x, self.in_features)
+            out = cpu_ops.mxfp4_bf16_linear(
+                rows, self._panels(), self.padded_bias, self.out_features
+            )
+            if skip is not None:
+                out.add_(skip)
+        else:
+            rows = kernel_rows(x, self.in_features, self.bf16_activations)
+            out = cpu_ops.panel_linear(
+                rows, self._panels(), self.padded_bias, self.out_features, skip
+            )
         return out.view(*x.shape[:-1], self.out_features)
 
     @property
@@ -284,7 +307,7 @@ class PanelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         storage = self.held_as
-        if self.bf16_activations:
+        if self.bf16_activations or self.bf16_blocks:
             storage += " x bf16 activations"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -505,6 +528,16 @@ def bf16_linears(model: nn.Module) -> int:
     )
     logger.info("%d linear layers hold bf16 weights in panels and multiply in bf16", swapped)
     return swapped
+
+
+def mxfp4_in_bf16(model: nn.Module) -> int:
+    """Have every MXFP4 block layer of a bf16-panel model multiply in bf16 dot products, as its
+    other layers do; return how many do."""
+    layers = [m for m in model.modules() if isinstance(m, PanelLinear) and m.block_format]
+    count = sum(layer.multiply_in_bf16() for layer in layers)
+    if count:
+        logger.info("%d linear layers multiply MXFP4 blocks in bf16", count)
+    return count
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -235,6 +235,15 @@ def panel_linear(
     return torch.ops.conveyor.panel_linear(x, panels, bias, out_features, residual)
 
 
+def mxfp4_bf16_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """`x W^T + b` for fp32 `x [rows, in]` rounded to bf16 and W in MXFP4 block panels
+    (`gguf_blocks.pack_panels`), in AVX-512 BF16 dot products, every product summed in fp32:
+    `[rows, out]` fp32. Runs where `bf16_panels_available()`."""
+    return torch.ops.conveyor.mxfp4_bf16_linear(x, panels, bias, out_features)
+
+
 def panel_argmax(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:
