@@ -288,6 +288,11 @@ def test_the_route_is_chosen_for_all_the_layers_at_once() -> None:
     ops = fused_decode.choose(layers)
     assert ops.route is DecodeRoute.OPS and not ops.layers
     assert ops.describe() == "op by op (projections not in Conveyor's panels)"
+    layers = paged_layers()
+    layers[1].o_proj.bf16_blocks = True  # the fused op would take the blocks' fp32 product
+    assert fused_decode.choose(layers).describe() == (
+        "op by op (blocks multiplied in bf16 dot products)"
+    )
 
 
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])

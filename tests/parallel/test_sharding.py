@@ -415,9 +415,13 @@ def test_two_ranks_compute_the_whole_models_logits(name):
     with torch.inference_mode():
         expected = hf_model(torch.tensor([prompt])).logits[0]
     both = run_ranks(2, lambda group: rank_logits(hf_model, group, prompt))
+    # fp32 sums in another order than transformers': an error in proportion to the logits'
+    # size (those of the recurrent delta rule's families, about 11, differ by up to 1.6e-4 on
+    # a Zen 4 on one rank already).
+    tolerance = 2e-5 * expected.abs().max().item()
     for rank, logits in enumerate(both):
         assert logits.shape == expected.shape, rank
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits, expected, atol=tolerance, rtol=1e-4)
 
 
 def test_a_share_holds_its_heads_channels_and_vocabulary_rows():

@@ -97,6 +97,8 @@ def why_not_fused(layer: FusibleLayer) -> str:
         return "per-head q/k norms"
     if not all(isinstance(p, PANEL_TYPES) for p in projections):
         return "projections not in Conveyor's panels"
+    if any(getattr(p, "bf16_blocks", False) for p in projections):
+        return "blocks multiplied in bf16 dot products"
     if any(isinstance(n, nn.LayerNorm) for n in norms):
         return "LayerNorms"
     if not all(n.weight.dtype == torch.float32 and n.weight.dim() == 1 for n in norms):
