@@ -189,6 +189,7 @@ def load_rank(
         tokenizer_name=config.tokenizer,
         served_name=config.model_name,
         slow_tokenizer=config.tokenizer_mode == "slow",
+        keep_blocks=config.keep_blocks,
     )
     return loaded, dtype
 

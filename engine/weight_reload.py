@@ -89,6 +89,7 @@ class WeightReloader:
                 self.device,
                 self.config.trust_remote_code,
                 self.config.int8_activations,
+                keep_blocks=self.config.keep_blocks,
             )
         except Exception as exc:  # a broken file's own error, whatever its library's type
             raise InvalidRequestError(

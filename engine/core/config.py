@@ -196,6 +196,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     int8_activations: bool = False
+    # A bf16 (or fp16) model on a CPU keeps a quantized checkpoint's blocks (`--keep-blocks`).
+    keep_blocks: bool = False
     max_model_len: int | None = None
     cache: CacheConfig = CacheConfig()
     max_num_seqs: int = 128

@@ -13,10 +13,10 @@ import torch
 from engine.attention import hf as hf_attention
 from engine.kernels.cpu.build import cpu_flags
 from engine.kernels.cpu.linear import (
+    blocks_in_bf16,
     convert_linears,
     fp32_packing_supported,
     half_weights_supported,
-    mxfp4_in_bf16,
     pack_linears,
     use_gguf_blocks,
 )
@@ -199,6 +199,7 @@ def load_model(
     tokenizer_name: str | None = None,
     served_name: str | None = None,
     slow_tokenizer: bool = False,
+    keep_blocks: bool = False,
 ) -> LoadedModel:
     """Load weights and tokenizer; None loads the embedded default model, a `.gguf` file its
     conversion (`gguf_file.py`); `tokenizer_name` (`--tokenizer`) is a folder or hub id to take
@@ -215,7 +216,7 @@ def load_model(
     path = checkpoint_path(name_or_path)
     name = served_name or (DEFAULT_MODEL_NAME if name_or_path is None else name_or_path)
     model, shard, classes = load_weights(
-        path, dtype, device, trust_remote_code, int8_activations, rank, random_weights
+        path, dtype, device, trust_remote_code, int8_activations, rank, random_weights, keep_blocks
     )
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_name or path, trust_remote_code=trust_remote_code, use_fast=not slow_tokenizer
@@ -237,19 +238,23 @@ def load_weights(
     int8_activations: bool = False,
     rank: tuple[int, int] = (0, 1),
     random_weights: bool = False,
+    keep_blocks: bool = False,
 ) -> tuple[Any, ShardShape | None, tuple[str, ...]]:
     """The transformers model at the folder `path` on `device`, its linear layers in the form
     they run in (see `load_model`); its share under tensor parallelism, and a sequence
-    classifier's labels. Neither tokenizer nor processor is read."""
+    classifier's labels. Neither tokenizer nor processor is read. A converted folder's blocks
+    are held in fp32 panels, and with `keep_blocks` beside 16-bit panels too (`--keep-blocks`);
+    an MXFP4 checkpoint's experts beside any panels."""
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     form = choose_linear_form(dtype, device)
-    shard, model = None, None
+    shard, model, hold = None, None, False
     if random_weights:
         model, shard = _random_model(path, dtype, device, rank, trust_remote_code)
     elif rank[1] > 1:
         model, shard = load_share(path, dtype, *rank, trust_remote_code=trust_remote_code)
     elif has_blocks(path):
-        hold = form is LinearForm.FP32_PANELS and panel_linear_available()
+        kept = form is LinearForm.FP32_PANELS or (keep_blocks and form in PANEL_FORMS)
+        hold = kept and panel_linear_available()
         model = load_converted(path, dtype, hold, int8_activations, trust_remote_code)
     elif form in PANEL_FORMS and panel_linear_available() and is_mxfp4(path):
         experts = expert_blocks(Path(path))
@@ -266,6 +271,11 @@ def load_weights(
         model = as_causal_lm(model)
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
     use_linear_form(model, form, Path(path) if take_blocks else None, int8_activations)
+    if keep_blocks and not (hold and form in HALF_FORMS):
+        logger.warning(
+            "--keep-blocks has no effect here: it needs a bf16 or fp16 model on a CPU and a GGUF "
+            "file or quantized checkpoint (in fp32 their blocks are kept anyway)"
+        )
     if int8_activations and not any(getattr(m, "int8_activations", False) for m in model.modules()):
         logger.warning(
             "--int8-activations has no effect here: it needs float32 on a CPU and Q4_0, Q4_1, "
@@ -339,6 +349,8 @@ class LinearForm(StrEnum):
 # The forms that carry fp32 activations through Conveyor's panels, where a layer of quantized
 # blocks multiplies beside the others.
 PANEL_FORMS = (LinearForm.BF16_PANELS, LinearForm.HALF_WEIGHTS, LinearForm.FP32_PANELS)
+# The forms whose weights are 16-bit: `--keep-blocks` keeps blocks beside them.
+HALF_FORMS = (LinearForm.BF16_PANELS, LinearForm.HALF_WEIGHTS)
 
 
 def choose_linear_form(dtype: torch.dtype, device: torch.device) -> LinearForm:
@@ -368,7 +380,7 @@ def use_linear_form(
             part.float()
         convert_linears(model, dtype)  # the fp32 linear layers: those of the widened parts
         if form is LinearForm.BF16_PANELS:
-            mxfp4_in_bf16(model)
+            blocks_in_bf16(model)
     elif form is LinearForm.FP32_PANELS:
         if folder is not None:
             use_gguf_blocks_beside(model, folder, int8_activations)

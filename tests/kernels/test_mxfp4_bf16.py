@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.kernels.cpu import ops as cpu_ops
-from engine.kernels.cpu.linear import PanelLinear, mxfp4_in_bf16, pad_to_panels
+from engine.kernels.cpu.linear import PanelLinear, blocks_in_bf16, pad_to_panels
 from engine.loading import gguf_blocks
 from engine.loading.mxfp4_experts import gguf_rows
 from tests.helpers import needs_bf16_panels
@@ -119,7 +119,7 @@ def test_bad_inputs_are_refused() -> None:
 
 @pytest.mark.usefixtures("dot_products")
 def test_a_layer_of_a_bf16_model_multiplies_its_blocks_in_bf16() -> None:
-    """`mxfp4_in_bf16` turns a model's MXFP4 layers (only those) to the bf16 product: equal to
+    """`blocks_in_bf16` turns a model's MXFP4 layers (only those) to the bf16 product: equal to
     the bit to a bf16 panel layer of the same weights, a residual added as after it."""
     rows, weight = random_mxfp4(48, 128)
     bias = torch.randn(48)
@@ -127,7 +127,7 @@ def test_a_layer_of_a_bf16_model_multiplies_its_blocks_in_bf16() -> None:
         PanelLinear.of_blocks(gguf_blocks.MXFP4, rows, bias),
         PanelLinear(torch.randn(48, 128), None),
     )
-    assert mxfp4_in_bf16(model) == 1 and model[0].bf16_blocks and not model[1].bf16_blocks
+    assert blocks_in_bf16(model) == 1 and model[0].bf16_blocks and not model[1].bf16_blocks
     assert "mxfp4 blocks x bf16 activations" in repr(model[0])
     x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(4))
     residual = torch.randn(3, 5, 48)

@@ -21,10 +21,17 @@ from engine.kernels.cpu.fused_decode import DecodeRoute
 from engine.kernels.cpu.linear import PanelLinear, pack_linears, use_gguf_blocks
 from engine.loading import gguf_blocks
 from engine.loading.gguf_tensors import model_tensors
-from engine.loading.model_loader import use_gguf_blocks_beside
+from engine.loading.model_loader import (
+    HALF_FORMS,
+    LinearForm,
+    choose_linear_form,
+    load_weights,
+    use_gguf_blocks_beside,
+)
 from engine.models.llama import PagedLlamaLayer
 from tests.gguf_files import stored
 from tests.helpers import needs_panels, reference_greedy, run_all, tiny_core, tokens_of
+from tests.kernels.test_cpu_linear import weight_bytes
 
 pytestmark = needs_panels
 
@@ -320,6 +327,53 @@ def test_a_converted_model_serves_its_blocks_and_matches_generate(converted: Pat
     assert core.runner.model.fused_decode.route is DecodeRoute.STACK
     outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_model_keeps_its_blocks_when_asked(
+    converted: Path, dtype: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--keep-blocks`: a bf16 or fp16 model holds the folder's blocks instead of 16-bit
+    panels of their weights, in fewer bytes; beside bf16 panels they multiply in bf16 dot
+    products (inputs rounded to bf16, as the bf16 panels round theirs), beside fp16 ones in
+    fp32 as an fp32 model's do. Greedy tokens are transformers' in fp32 over the same weights
+    (the blocks' exact, the others rounded to `dtype`; inputs to each linear layer rounded to
+    bf16 for bf16). Without it, nothing is kept."""
+    cpu = torch.device("cpu")
+    form = choose_linear_form(dtype, cpu)
+    if form not in HALF_FORMS:
+        pytest.skip(f"{dtype} runs torch's own products on this CPU (native 16-bit arithmetic)")
+    kept = load_weights(str(converted), dtype, cpu, keep_blocks=True)[0]
+    plain = load_weights(str(converted), dtype, cpu)[0]
+    held = block_layers(kept)
+    assert len(held) == 2 * 7 + 1 and not block_layers(plain)
+    assert all(layer.bf16_blocks is (form is LinearForm.BF16_PANELS) for layer in held)
+    assert weight_bytes(kept) < 0.75 * weight_bytes(plain)
+    # The other weights (embeddings, norms) as the model holds them: rounded to `dtype`.
+    reference = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).float().eval()
+    exact = load_fp32(converted)
+    for name in gguf_blocks.load(converted):
+        weight = exact.get_submodule(name).weight.detach().clone()
+        reference.get_submodule(name).weight = torch.nn.Parameter(weight)  # the head untied
+    if form is LinearForm.BF16_PANELS:
+        for module in reference.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
+    expected = [reference_greedy(reference, p, 12) for p in PROMPTS]
+    core, _ = tiny_core(
+        kept, attention_backend="cpu", with_tokenizer=False, kv_cache_dtype="float32"
+    )
+    outputs = run_all(core, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+    load_weights(str(converted), torch.float32, cpu, keep_blocks=True)
+    assert "--keep-blocks has no effect here" in caplog.text
+
+
+def test_keep_blocks_is_a_serve_flag() -> None:
+    from server.cli import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["serve", "--keep-blocks"])).keep_blocks
+    assert not engine_config(build_parser().parse_args(["serve"])).keep_blocks
 
 
 def test_blocks_that_do_not_hold_the_weights_are_left_alone(

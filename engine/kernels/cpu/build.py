@@ -55,7 +55,14 @@ class KernelGroup:
 GROUPS = (
     KernelGroup("attention", ("paged_decode.cpp", "paged_prefill.cpp", "kv_store.cpp")),
     KernelGroup(
-        "linear", ("panel_linear.cpp", "int8_panels.cpp", "bf16_panels.cpp", "mxfp4_bf16.cpp")
+        "linear",
+        (
+            "panel_linear.cpp",
+            "int8_panels.cpp",
+            "bf16_panels.cpp",
+            "mxfp4_bf16.cpp",
+            "block_bf16.cpp",
+        ),
     ),
     KernelGroup(
         "elementwise",

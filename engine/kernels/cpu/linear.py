@@ -187,6 +187,8 @@ class PanelLinear(nn.Module):
             count = layer.panels.shape[0]
             layer.panels = joined.panels[start : start + count]
             start += count
+        if all(layer.bf16_blocks for layer in layers):
+            joined.multiply_in_bf16()  # as its parts did
         return joined
 
     @classmethod
@@ -210,15 +212,17 @@ class PanelLinear(nn.Module):
         self.bf16_blocks = False
 
     def multiply_in_bf16(self) -> bool:
-        """Multiply MXFP4 blocks against inputs rounded to bf16 in AVX-512 BF16 dot products,
-        as a bf16 model's panels multiply (`cpu_ops.mxfp4_bf16_linear`: equal to the bit to
-        bf16 panels of the same weights), where they run here and every weight is exact in
-        bf16; returns whether the layer now does."""
-        self.bf16_blocks = (
-            self.block_format is gguf_blocks.MXFP4
-            and cpu_ops.bf16_panels_available()
-            and gguf_blocks.mxfp4_fits_bf16(self.panels, self.out_features)
-        )
+        """Multiply the blocks against inputs rounded to bf16 in AVX-512 BF16 dot products, as
+        a bf16 model's panels multiply, where they run here; returns whether the layer now
+        does. MXFP4's weights, where bf16 holds each exactly, widen to bf16 and sum as bf16
+        panels of them would, to the bit (`cpu_ops.mxfp4_bf16_linear`); Q4_1, Q8_0, Q4_K,
+        Q6_K and Q8_K sum the inputs times their blocks' integers, each block's sums then
+        scaled in fp32 (`cpu_ops.block_bf16_linear`: the weights exact, not rounded)."""
+        fmt = self.block_format
+        runs = self.panels.dtype == torch.uint8 and cpu_ops.bf16_panels_available()
+        if fmt is gguf_blocks.MXFP4:
+            runs = runs and gguf_blocks.mxfp4_fits_bf16(self.panels, self.out_features)
+        self.bf16_blocks = runs and fmt in gguf_blocks.PANEL_FORMATS
         return self.bf16_blocks
 
     @property
@@ -256,10 +260,13 @@ class PanelLinear(nn.Module):
         the rows they would round fp32 ones to; the output is fp32."""
         skip = None if residual is None else residual.reshape(-1, self.out_features).contiguous()
         if self.bf16_blocks:
-            rows = fp32_rows(x, self.in_features)
-            out = cpu_ops.mxfp4_bf16_linear(
-                rows, self._panels(), self.padded_bias, self.out_features
+            product = (
+                cpu_ops.mxfp4_bf16_linear
+                if self.block_format is gguf_blocks.MXFP4
+                else cpu_ops.block_bf16_linear
             )
+            rows = fp32_rows(x, self.in_features)
+            out = product(rows, self._panels(), self.padded_bias, self.out_features)
             if skip is not None:
                 out.add_(skip)
         else:
@@ -530,13 +537,13 @@ def bf16_linears(model: nn.Module) -> int:
     return swapped
 
 
-def mxfp4_in_bf16(model: nn.Module) -> int:
-    """Have every MXFP4 block layer of a bf16-panel model multiply in bf16 dot products, as its
-    other layers do; return how many do."""
+def blocks_in_bf16(model: nn.Module) -> int:
+    """Have every block layer of a bf16-panel model multiply in bf16 dot products, as its other
+    layers do, where it can (`PanelLinear.multiply_in_bf16`); return how many do."""
     layers = [m for m in model.modules() if isinstance(m, PanelLinear) and m.block_format]
     count = sum(layer.multiply_in_bf16() for layer in layers)
     if count:
-        logger.info("%d linear layers multiply MXFP4 blocks in bf16", count)
+        logger.info("%d linear layers multiply their blocks in bf16", count)
     return count
 
 

@@ -244,6 +244,16 @@ def mxfp4_bf16_linear(
     return torch.ops.conveyor.mxfp4_bf16_linear(x, panels, bias, out_features)
 
 
+def block_bf16_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """`x W^T + b` for fp32 `x [rows, in]` rounded to bf16 and W in Q4_1, Q8_0, Q4_K, Q6_K or
+    Q8_K block panels (`gguf_blocks.pack_panels`), in AVX-512 BF16 dot products over the
+    blocks' integers, each block's sums scaled in fp32: `[rows, out]` fp32. Runs where
+    `bf16_panels_available()`."""
+    return torch.ops.conveyor.block_bf16_linear(x, panels, bias, out_features)
+
+
 def panel_argmax(
     x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
 ) -> torch.Tensor:

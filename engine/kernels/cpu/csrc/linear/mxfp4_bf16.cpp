@@ -28,8 +28,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "bf16_round.h"
 #include "block_panels.h"
+#include "block_rows.h"
 #include "ops.h"
 #include "panel_passes.h"
 #include "pass_split.h"
@@ -48,21 +48,16 @@ using conveyor::MXFP4;
 
 constexpr int64_t kGroupBytes = MXFP4::kGroupBytes;
 constexpr int kScaleBytes = MXFP4::kScales;
-// Pairs of input features in a group, and bf16 values a pair of a panel holds.
-constexpr int kPairs = MXFP4::kBlock / 2;
-constexpr int64_t kPairWidth = 2 * kPanel;
-constexpr int kMaxRows = 8;
-// Rows of x handled per pass over a thread's panels: about this many bytes of bf16 rows.
-constexpr int64_t kChunkBytes = 256 * 1024;
+
+constexpr int kPairs = conveyor::kBlockPairs;
+constexpr int64_t kPairWidth = conveyor::kBf16PairWidth;
+constexpr int kMaxRows = conveyor::kBlockPassRows;
+constexpr int64_t kChunkBytes = conveyor::kBlockChunkBytes;
 
 // The levels' bf16 bits by code (the top bit of a code is the sign).
 alignas(64) constexpr uint16_t kLevels[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0,
                                               0x4100, 0x4140, 0x8000, 0xBF80, 0xC000, 0xC040,
                                               0xC080, 0xC0C0, 0xC100, 0xC140};
-// The 16 bytes of codes of a pair of input features (8 each), interleaved: byte 2j + s is byte
-// j of feature s, whose low half is column j's code and its high half column j + 8's.
-alignas(16) constexpr uint8_t kInterleave[16] = {0, 8,  1, 9,  2, 10, 3, 11,
-                                                 4, 12, 5, 13, 6, 14, 7, 15};
 // Lane 2i and 2i + 1 of a pair take column i's scale.
 alignas(64) constexpr uint16_t kColumnOfLane[32] = {0,  0,  1,  1,  2,  2,  3,  3,  4,  4,  5,
                                                     5,  6,  6,  7,  7,  8,  8,  9,  9,  10, 10,
@@ -80,7 +75,7 @@ struct Tables {
   __m128i interleave;
   __m512i levels, columns;
   static Tables load() {
-    return {_mm_load_si128(reinterpret_cast<const __m128i*>(kInterleave)),
+    return {_mm_load_si128(reinterpret_cast<const __m128i*>(conveyor::kNibbleInterleave)),
             _mm512_load_si512(kLevels), _mm512_load_si512(kColumnOfLane)};
   }
 };
@@ -98,12 +93,8 @@ CONVEYOR_INLINE __m512i exponent_steps(const uint8_t* group, const Tables& t) {
 // high halves (8 to 15) are in pair order, looked up as levels, and their exponents stepped by
 // the group's scales (zeros stay zero).
 CONVEYOR_INLINE __m512i pair_weights(const uint8_t* codes, __m512i steps, const Tables& t) {
-  const __m256i bytes = _mm256_cvtepu8_epi16(
-      _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)), t.interleave));
-  const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
-  const __m512i halves =
-      _mm512_inserti64x4(_mm512_castsi256_si512(low), _mm256_srli_epi16(bytes, 4), 1);
-  const __m512i levels = _mm512_permutexvar_epi16(halves, t.levels);
+  const __m512i levels =
+      _mm512_permutexvar_epi16(conveyor::nibble_pair(codes, t.interleave), t.levels);
   const __mmask32 nonzero = _mm512_test_epi16_mask(levels, _mm512_set1_epi16(0x7FFF));
   return _mm512_mask_add_epi16(levels, nonzero, levels, steps);
 }
@@ -131,22 +122,6 @@ struct FromWidened {
   const uint16_t* pairs;
 };
 
-// 16 sums plus bias as output columns n0.. of one row: all 16, or those below N.
-CONVEYOR_INLINE void store_columns(__m512 values, const Problem& pb, int64_t row, int64_t n0) {
-  if (pb.bias != nullptr) values = _mm512_add_ps(values, _mm512_loadu_ps(pb.bias + n0));
-  const __mmask16 mask =
-      n0 + kPanel <= pb.N ? __mmask16(0xFFFF) : __mmask16((1u << (pb.N - n0)) - 1);
-  _mm512_mask_storeu_ps(pb.out + row * pb.N + n0, mask, values);
-}
-
-template <int MR, int NP>
-CONVEYOR_INLINE void zero_sums(__m512 (&acc)[MR][NP]) {
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j) acc[m][j] = _mm512_setzero_ps();
-}
-
 // acc[m][j] += row m's pair k times weights w[j], for MR rows.
 template <int MR, int NP>
 CONVEYOR_INLINE void madd_pair(__m512 (&acc)[MR][NP], const uint16_t* x, int64_t K, int64_t k,
@@ -168,7 +143,8 @@ CONVEYOR_INLINE void store_rows(const __m512 (&acc)[MR][NP], const Problem& pb, 
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j) store_columns(acc[m][j], pb, row + m, (p + j) * kPanel);
+    for (int j = 0; j < NP; ++j)
+      conveyor::store_block_columns(acc[m][j], pb.bias, pb.out, pb.N, row + m, (p + j) * kPanel);
 }
 
 // Rows [row, row + MR) times the NP panels at `sources` (the first one panel p), widened in
@@ -178,7 +154,7 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const FromG
                                      int64_t p) {
   const Tables t = Tables::load();
   __m512 acc[MR][NP];
-  zero_sums(acc);
+  conveyor::zero_sums(acc);
   const uint16_t* x = pb.x + row * pb.K;
   for (int64_t b = 0; b < pb.K / MXFP4::kBlock; ++b) {
     __m512i steps[NP];
@@ -200,7 +176,7 @@ template <int MR, int NP>
 __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const FromWidened* sources,
                                      int64_t p) {
   __m512 acc[MR][NP];
-  zero_sums(acc);
+  conveyor::zero_sums(acc);
   const uint16_t* x = pb.x + row * pb.K;
   for (int64_t k = 0; k < pb.K / 2; ++k) {
     __m512i w[NP];
@@ -282,33 +258,17 @@ at::Tensor mxfp4_bf16_linear(const at::Tensor& x, const at::Tensor& panels,
 #ifndef CONVEYOR_MXFP4_BF16
   TORCH_CHECK(false, "mxfp4_bf16_linear needs AVX-512 BF16");
 #else
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "mxfp4_bf16_linear: x must be contiguous fp32 [rows, in]");
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kByte &&
                   panels.size(2) == kGroupBytes && panels.is_contiguous(),
               "mxfp4_bf16_linear: panels must be contiguous uint8 MXFP4 block panels [panels, "
               "in / 32, ",
               kGroupBytes, "]");
-  TORCH_CHECK(x.size(1) > 0 && x.size(1) == panels.size(1) * MXFP4::kBlock,
-              "mxfp4_bf16_linear: x and panels' input sizes differ");
-  TORCH_CHECK(out_features > 0 && (out_features + kPanel - 1) / kPanel == panels.size(0),
-              "mxfp4_bf16_linear: out_features does not match the number of panels");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias)
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == panels.size(0) * kPanel &&
-                    bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "mxfp4_bf16_linear: bias must be fp32 [panels * 16], zero-padded");
+  const float* b = checked_block_inputs("mxfp4_bf16_linear", x, panels, bias, out_features);
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, out_features}, x.options());
   if (M == 0) return out;
-  const auto rounded = scratch<uint16_t>(M * K);
-  const float* rows = x.data_ptr<float>();
-  at::parallel_for(0, M, rows_per_task(K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) round_to_bf16(rows + m * K, K, rounded.get() + m * K);
-  });
-  const Problem pb{
-      rounded.get(), has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), M, K,
-      out_features};
+  const auto rounded = bf16_rows(x);
+  const Problem pb{rounded.get(), b, out.data_ptr<float>(), M, K, out_features};
   const uint8_t* w = panels.data_ptr<uint8_t>();
   at::parallel_for(0, panels.size(0), 4,
                    [&](int64_t p0, int64_t p1) { panel_range(pb, w, p0, p1); });
