@@ -29,6 +29,7 @@ from engine.loading.model_loader import (
     use_gguf_blocks_beside,
 )
 from engine.models.llama import PagedLlamaLayer
+from engine.worker.routes import linear_forms
 from tests.gguf_files import stored
 from tests.helpers import needs_panels, reference_greedy, run_all, tiny_core, tokens_of
 from tests.kernels.test_cpu_linear import weight_bytes
@@ -348,6 +349,9 @@ def test_a_16_bit_model_keeps_its_blocks_when_asked(
     held = block_layers(kept)
     assert len(held) == 2 * 7 + 1 and not block_layers(plain)
     assert all(layer.bf16_blocks is (form is LinearForm.BF16_PANELS) for layer in held)
+    # The start-up line names the route.
+    in_bf16 = "blocks x bf16 activations)" in linear_forms(kept)
+    assert in_bf16 is (form is LinearForm.BF16_PANELS)
     assert weight_bytes(kept) < 0.75 * weight_bytes(plain)
     # The other weights (embeddings, norms) as the model holds them: rounded to `dtype`.
     reference = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).float().eval()

@@ -303,18 +303,20 @@ class PanelLinear(nn.Module):
     @property
     def held_as(self) -> str:
         """How the weight is held and multiplied: `q4_1 blocks`, `float16`, `q8_0 blocks x int8
-        activations`, ..."""
+        activations`, `q4_k blocks x bf16 activations`, ..."""
         fmt = self.block_format
         held = (
             f"{fmt.name} blocks"
             if fmt is not None
             else str(self.panels.dtype).removeprefix("torch.")
         )
-        return held + " x int8 activations" if self.int8_activations else held
+        if self.int8_activations:
+            return held + " x int8 activations"
+        return held + " x bf16 activations" if self.bf16_blocks else held
 
     def extra_repr(self) -> str:
         storage = self.held_as
-        if self.bf16_activations or self.bf16_blocks:
+        if self.bf16_activations:
             storage += " x bf16 activations"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
