@@ -49,6 +49,7 @@ done
 vllm-router --worker-urls "${urls[@]}" --host 0.0.0.0 --port "$router_port" \
     --prometheus-host 0.0.0.0 --prometheus-port "$metrics_port" \
     --policy "$policy" --health-check-interval-secs 2 --cb-timeout-duration-secs 5 \
+    --cb-failure-threshold 3 \
     --worker-startup-timeout-secs 1800 --worker-startup-check-interval 2 > "$logs/router.log" 2>&1 &
 pids+=($!)
 echo "router on :$router_port in front of ${urls[*]} (logs in $logs/)"

@@ -131,6 +131,9 @@ class Router:
             "--port", str(self.port), "--prometheus-port", str(free_port()),
             "--policy", self.policy, "--health-check-interval-secs", "1",
             "--health-failure-threshold", "1", "--cb-timeout-duration-secs", "2",
+            # Open before a request spends its 5 tries on a replica that died: each retry picks
+            # among the workers whose breaker is closed.
+            "--cb-failure-threshold", "3",
             "--worker-startup-timeout-secs", "120",
         ]  # fmt: skip
         with self.log.open("a") as log:
