@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "bf16_round.h"
@@ -79,6 +80,89 @@ CONVEYOR_INLINE __m512i nibble_pair(const uint8_t* packed, __m128i interleave) {
       _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(packed)), interleave));
   const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F));
   return _mm512_inserti64x4(_mm512_castsi256_si512(low), _mm256_srli_epi16(bytes, 4), 1);
+}
+
+// Where a pass reads a panel: its groups, widened in registers as it goes, or the bf16 panel
+// [in / 2, 32] they were widened into once (beside the groups, whose scales a pass may read).
+struct PanelGroups {
+  const uint8_t* panel;
+};
+
+struct WidenedPanel {
+  const uint8_t* panel;
+  const uint16_t* pairs;
+};
+
+// The passes of a product over block panels, for a `Kernel` that names its `Problem` (rows
+// rounded to bf16: M, K, ...), its `kGroupBytes`, `micro<MR, NP>(pb, row, sources, p)` for
+// MR (1 to kBlockPassRows) rows from `row` over the NP panels at `sources` (the first one
+// panel p), from `PanelGroups` and from `WidenedPanel`s alike, and `widen(panel, K, pairs)`.
+template <typename Kernel, int NP, typename Source>
+void block_pass(const typename Kernel::Problem& pb, int64_t m, int64_t mr, const Source* sources,
+                int64_t p) {
+  switch (mr) {
+    case 8: Kernel::template micro<8, NP>(pb, m, sources, p); break;
+    case 7: Kernel::template micro<7, NP>(pb, m, sources, p); break;
+    case 6: Kernel::template micro<6, NP>(pb, m, sources, p); break;
+    case 5: Kernel::template micro<5, NP>(pb, m, sources, p); break;
+    case 4: Kernel::template micro<4, NP>(pb, m, sources, p); break;
+    case 3: Kernel::template micro<3, NP>(pb, m, sources, p); break;
+    case 2: Kernel::template micro<2, NP>(pb, m, sources, p); break;
+    default: Kernel::template micro<1, NP>(pb, m, sources, p); break;
+  }
+}
+
+// All of a few rows (one pass) over panels [p0, p1), widened in registers NP at a time.
+template <typename Kernel, int NP>
+void block_few_rows(const typename Kernel::Problem& pb, const uint8_t* panels, int64_t panel_bytes,
+                    int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + NP <= p1; p += NP) {
+    PanelGroups sources[NP];
+    for (int j = 0; j < NP; ++j) sources[j] = {panels + (p + j) * panel_bytes};
+    block_pass<Kernel, NP>(pb, 0, pb.M, sources, p);
+  }
+  for (; p < p1; ++p) {
+    const PanelGroups source{panels + p * panel_bytes};
+    block_pass<Kernel, 1>(pb, 0, pb.M, &source, p);
+  }
+}
+
+// Many rows over panels [p0, p1): a chunk of rows at a time, two panels (or a last one)
+// widened once per chunk into the thread's bf16 panels and every pass of the chunk multiplied
+// over them.
+template <typename Kernel>
+void block_many_rows(const typename Kernel::Problem& pb, const uint8_t* panels, int64_t panel_bytes,
+                     int64_t p0, int64_t p1) {
+  const int64_t panel_size = pb.K / 2 * kBf16PairWidth;
+  const auto pairs = scratch<uint16_t>(2 * panel_size);
+  const int64_t chunk = chunk_rows(pb.K * 2, kBlockChunkBytes, kBlockPassRows);
+  for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, pb.M - m0);
+    for (int64_t p = p0; p < p1; p += 2) {
+      const bool two = p + 1 < p1;
+      const WidenedPanel sources[2] = {{panels + p * panel_bytes, pairs.get()},
+                                       {panels + (p + 1) * panel_bytes, pairs.get() + panel_size}};
+      Kernel::widen(sources[0].panel, pb.K, pairs.get());
+      if (two) Kernel::widen(sources[1].panel, pb.K, pairs.get() + panel_size);
+      near_equal_passes(m0, rows, kBlockPassRows, [&](int64_t m, int64_t mr) {
+        if (two) block_pass<Kernel, 2>(pb, m, mr, sources, p);
+        else block_pass<Kernel, 1>(pb, m, mr, sources, p);
+      });
+    }
+  }
+}
+
+// The product over all `count` panels, split over torch's threads: a few rows widen in
+// registers (four panels at a time for up to 2 rows, else two), more widen each panel once.
+template <typename Kernel>
+void block_product(const typename Kernel::Problem& pb, const uint8_t* panels, int64_t count) {
+  const int64_t panel_bytes = pb.K / kBlock * Kernel::kGroupBytes;
+  at::parallel_for(0, count, 4, [&](int64_t p0, int64_t p1) {
+    if (pb.M <= 2) block_few_rows<Kernel, 4>(pb, panels, panel_bytes, p0, p1);
+    else if (pb.M <= kBlockPassRows) block_few_rows<Kernel, 2>(pb, panels, panel_bytes, p0, p1);
+    else block_many_rows<Kernel>(pb, panels, panel_bytes, p0, p1);
+  });
 }
 
 // 16 sums plus bias (if any) as output columns n0.. of row `row` of out [rows, N]: all 16, or

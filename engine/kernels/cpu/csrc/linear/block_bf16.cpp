@@ -48,8 +48,6 @@ using conveyor::kPanel;
 
 constexpr int kPairs = conveyor::kBlockPairs;
 constexpr int64_t kPairWidth = conveyor::kBf16PairWidth;
-constexpr int kMaxRows = conveyor::kBlockPassRows;
-constexpr int64_t kChunkBytes = conveyor::kBlockChunkBytes;
 
 // 0 to 15 as bf16 bits, by value.
 alignas(64) constexpr uint16_t kSmallInts[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0,
@@ -134,17 +132,6 @@ struct Problem {
   int64_t M, K, N;
 };
 
-// Where a pass reads a panel: its groups (q widened in registers), or a buffer its q were
-// widened into once beside its groups (whose scales it still reads).
-struct FromGroups {
-  const uint8_t* panel;
-};
-
-struct Widened {
-  const uint8_t* panel;
-  const uint16_t* pairs;  // [in / 2, 32] bf16 q
-};
-
 // Rows [row, row + MR) times the NP panels at `sources` (the first one panel p): per block,
 // each half's x q summed apart, then added times its d, and the block's x sums times m.
 template <typename F, int MR, int NP, typename Source>
@@ -169,7 +156,7 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const Sourc
         __m512bh w[NP];
 #pragma GCC unroll 8
         for (int j = 0; j < NP; ++j) {
-          if constexpr (std::is_same_v<Source, Widened>)
+          if constexpr (std::is_same_v<Source, conveyor::WidenedPanel>)
             w[j] = reinterpret_cast<__m512bh>(
                 _mm512_loadu_si512(sources[j].pairs + (b * kPairs + i) * kPairWidth));
           else
@@ -206,36 +193,6 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const Sourc
       conveyor::store_block_columns(acc[r][j], pb.bias, pb.out, pb.N, row + r, (p + j) * kPanel);
 }
 
-template <typename F, int NP, typename Source>
-void rows_pass(const Problem& pb, int64_t m, int64_t mr, const Source* sources, int64_t p) {
-  switch (mr) {
-    case 8: micro<F, 8, NP>(pb, m, sources, p); break;
-    case 7: micro<F, 7, NP>(pb, m, sources, p); break;
-    case 6: micro<F, 6, NP>(pb, m, sources, p); break;
-    case 5: micro<F, 5, NP>(pb, m, sources, p); break;
-    case 4: micro<F, 4, NP>(pb, m, sources, p); break;
-    case 3: micro<F, 3, NP>(pb, m, sources, p); break;
-    case 2: micro<F, 2, NP>(pb, m, sources, p); break;
-    default: micro<F, 1, NP>(pb, m, sources, p); break;
-  }
-}
-
-// All of a few rows (one pass) over panels [p0, p1), widened in registers NP at a time.
-template <typename F, int NP>
-void few_rows(const Problem& pb, const uint8_t* panels, int64_t panel_bytes, int64_t p0,
-              int64_t p1) {
-  int64_t p = p0;
-  for (; p + NP <= p1; p += NP) {
-    FromGroups sources[NP];
-    for (int j = 0; j < NP; ++j) sources[j] = {panels + (p + j) * panel_bytes};
-    rows_pass<F, NP>(pb, 0, pb.M, sources, p);
-  }
-  for (; p < p1; ++p) {
-    const FromGroups source{panels + p * panel_bytes};
-    rows_pass<F, 1>(pb, 0, pb.M, &source, p);
-  }
-}
-
 // A panel's q widened into `pairs` [in / 2, 32], as `pair_q` gives them.
 template <typename F>
 void widen(const uint8_t* panel, int64_t K, uint16_t* pairs) {
@@ -248,39 +205,23 @@ void widen(const uint8_t* panel, int64_t K, uint16_t* pairs) {
                           pair_q<F>(panel + b * F::kGroupBytes, i, small_ints, interleave));
 }
 
-// Many rows over panels [p0, p1): a chunk of rows at a time, two panels (or a last one)
-// widened once per chunk and every pass of the chunk multiplied over them.
+// The product's passes (`block_rows.h`) over format F's micro kernel.
 template <typename F>
-void many_rows(const Problem& pb, const uint8_t* panels, int64_t panel_bytes, int64_t p0,
-               int64_t p1) {
-  const int64_t panel_size = pb.K / 2 * kPairWidth;
-  const auto pairs = conveyor::scratch<uint16_t>(2 * panel_size);
-  const int64_t chunk = conveyor::chunk_rows(pb.K * 2, kChunkBytes, kMaxRows);
-  for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
-    const int64_t rows = std::min(chunk, pb.M - m0);
-    for (int64_t p = p0; p < p1; p += 2) {
-      const bool two = p + 1 < p1;
-      const Widened sources[2] = {{panels + p * panel_bytes, pairs.get()},
-                                  {panels + (p + 1) * panel_bytes, pairs.get() + panel_size}};
-      widen<F>(sources[0].panel, pb.K, pairs.get());
-      if (two) widen<F>(sources[1].panel, pb.K, pairs.get() + panel_size);
-      conveyor::near_equal_passes(m0, rows, kMaxRows, [&](int64_t m, int64_t mr) {
-        if (two) rows_pass<F, 2>(pb, m, mr, sources, p);
-        else rows_pass<F, 1>(pb, m, mr, sources, p);
-      });
-    }
+struct BlockKernel {
+  using Problem = ::Problem;
+  static constexpr int64_t kGroupBytes = F::kGroupBytes;
+  template <int MR, int NP, typename Source>
+  static void micro(const Problem& pb, int64_t row, const Source* sources, int64_t p) {
+    ::micro<F, MR, NP>(pb, row, sources, p);
   }
-}
+  static void widen(const uint8_t* panel, int64_t K, uint16_t* pairs) {
+    ::widen<F>(panel, K, pairs);
+  }
+};
 
 template <typename F>
 void run(const Problem& pb, const at::Tensor& panels) {
-  const uint8_t* w = panels.data_ptr<uint8_t>();
-  const int64_t panel_bytes = pb.K / kBlock * F::kGroupBytes;
-  at::parallel_for(0, panels.size(0), 4, [&](int64_t p0, int64_t p1) {
-    if (pb.M <= 2) few_rows<F, 4>(pb, w, panel_bytes, p0, p1);
-    else if (pb.M <= kMaxRows) few_rows<F, 2>(pb, w, panel_bytes, p0, p1);
-    else many_rows<F>(pb, w, panel_bytes, p0, p1);
-  });
+  conveyor::block_product<BlockKernel<F>>(pb, panels.data_ptr<uint8_t>(), panels.size(0));
 }
 
 // The product over panels of whichever format their group size names (checked by the op).

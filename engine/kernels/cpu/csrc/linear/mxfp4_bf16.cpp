@@ -51,8 +51,6 @@ constexpr int kScaleBytes = MXFP4::kScales;
 
 constexpr int kPairs = conveyor::kBlockPairs;
 constexpr int64_t kPairWidth = conveyor::kBf16PairWidth;
-constexpr int kMaxRows = conveyor::kBlockPassRows;
-constexpr int64_t kChunkBytes = conveyor::kBlockChunkBytes;
 
 // The levels' bf16 bits by code (the top bit of a code is the sign).
 alignas(64) constexpr uint16_t kLevels[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0,
@@ -111,17 +109,6 @@ void widen(const uint8_t* panel, int64_t K, uint16_t* pairs) {
   }
 }
 
-// Where a pass reads a panel's weights: widened in registers from its groups, or from a bf16
-// panel they were widened into once.
-struct FromGroups {
-  const uint8_t* panel;
-  CONVEYOR_INLINE const uint8_t* group(int64_t b) const { return panel + b * kGroupBytes; }
-};
-
-struct FromWidened {
-  const uint16_t* pairs;
-};
-
 // acc[m][j] += row m's pair k times weights w[j], for MR rows.
 template <int MR, int NP>
 CONVEYOR_INLINE void madd_pair(__m512 (&acc)[MR][NP], const uint16_t* x, int64_t K, int64_t k,
@@ -150,8 +137,8 @@ CONVEYOR_INLINE void store_rows(const __m512 (&acc)[MR][NP], const Problem& pb, 
 // Rows [row, row + MR) times the NP panels at `sources` (the first one panel p), widened in
 // registers group by group.
 template <int MR, int NP>
-__attribute__((noinline)) void micro(const Problem& pb, int64_t row, const FromGroups* sources,
-                                     int64_t p) {
+__attribute__((noinline)) void micro(const Problem& pb, int64_t row,
+                                     const conveyor::PanelGroups* sources, int64_t p) {
   const Tables t = Tables::load();
   __m512 acc[MR][NP];
   conveyor::zero_sums(acc);
@@ -159,12 +146,12 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const FromG
   for (int64_t b = 0; b < pb.K / MXFP4::kBlock; ++b) {
     __m512i steps[NP];
 #pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j) steps[j] = exponent_steps(sources[j].group(b), t);
+    for (int j = 0; j < NP; ++j) steps[j] = exponent_steps(sources[j].panel + b * kGroupBytes, t);
     for (int i = 0; i < kPairs; ++i) {
       __m512i w[NP];
 #pragma GCC unroll 8
       for (int j = 0; j < NP; ++j)
-        w[j] = pair_weights(sources[j].group(b) + kScaleBytes + i * 16, steps[j], t);
+        w[j] = pair_weights(sources[j].panel + b * kGroupBytes + kScaleBytes + i * 16, steps[j], t);
       madd_pair(acc, x, pb.K, b * kPairs + i, w);
     }
   }
@@ -173,8 +160,8 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const FromG
 
 // Rows [row, row + MR) times the NP widened panels at `sources` (the first one panel p).
 template <int MR, int NP>
-__attribute__((noinline)) void micro(const Problem& pb, int64_t row, const FromWidened* sources,
-                                     int64_t p) {
+__attribute__((noinline)) void micro(const Problem& pb, int64_t row,
+                                     const conveyor::WidenedPanel* sources, int64_t p) {
   __m512 acc[MR][NP];
   conveyor::zero_sums(acc);
   const uint16_t* x = pb.x + row * pb.K;
@@ -187,66 +174,16 @@ __attribute__((noinline)) void micro(const Problem& pb, int64_t row, const FromW
   store_rows(acc, pb, row, p);
 }
 
-template <int NP, typename Source>
-void rows_pass(const Problem& pb, int64_t m, int64_t mr, const Source* sources, int64_t p) {
-  switch (mr) {
-    case 8: micro<8, NP>(pb, m, sources, p); break;
-    case 7: micro<7, NP>(pb, m, sources, p); break;
-    case 6: micro<6, NP>(pb, m, sources, p); break;
-    case 5: micro<5, NP>(pb, m, sources, p); break;
-    case 4: micro<4, NP>(pb, m, sources, p); break;
-    case 3: micro<3, NP>(pb, m, sources, p); break;
-    case 2: micro<2, NP>(pb, m, sources, p); break;
-    default: micro<1, NP>(pb, m, sources, p); break;
+// The product's passes (`block_rows.h`) over these micro kernels.
+struct Mxfp4Kernel {
+  using Problem = ::Problem;
+  static constexpr int64_t kGroupBytes = ::kGroupBytes;
+  template <int MR, int NP, typename Source>
+  static void micro(const Problem& pb, int64_t row, const Source* sources, int64_t p) {
+    ::micro<MR, NP>(pb, row, sources, p);
   }
-}
-
-// All of a few rows (one pass) over panels [p0, p1), widened in registers NP at a time.
-template <int NP>
-void few_rows(const Problem& pb, const uint8_t* panels, int64_t panel_bytes, int64_t p0,
-              int64_t p1) {
-  int64_t p = p0;
-  for (; p + NP <= p1; p += NP) {
-    FromGroups sources[NP];
-    for (int j = 0; j < NP; ++j) sources[j] = {panels + (p + j) * panel_bytes};
-    rows_pass<NP>(pb, 0, pb.M, sources, p);
-  }
-  for (; p < p1; ++p) {
-    const FromGroups source{panels + p * panel_bytes};
-    rows_pass<1>(pb, 0, pb.M, &source, p);
-  }
-}
-
-// Many rows over panels [p0, p1): a chunk of rows at a time, two panels (or a last one)
-// widened once per chunk into the thread's bf16 panels and every pass of the chunk multiplied
-// over them.
-void many_rows(const Problem& pb, const uint8_t* panels, int64_t panel_bytes, int64_t p0,
-               int64_t p1) {
-  const int64_t panel_size = pb.K / 2 * kPairWidth;
-  const auto pairs = conveyor::scratch<uint16_t>(2 * panel_size);
-  const FromWidened sources[2] = {{pairs.get()}, {pairs.get() + panel_size}};
-  const int64_t chunk = conveyor::chunk_rows(pb.K * 2, kChunkBytes, kMaxRows);
-  for (int64_t m0 = 0; m0 < pb.M; m0 += chunk) {
-    const int64_t rows = std::min(chunk, pb.M - m0);
-    for (int64_t p = p0; p < p1; p += 2) {
-      const bool two = p + 1 < p1;
-      widen(panels + p * panel_bytes, pb.K, pairs.get());
-      if (two) widen(panels + (p + 1) * panel_bytes, pb.K, pairs.get() + panel_size);
-      conveyor::near_equal_passes(m0, rows, kMaxRows, [&](int64_t m, int64_t mr) {
-        if (two) rows_pass<2>(pb, m, mr, sources, p);
-        else rows_pass<1>(pb, m, mr, sources, p);
-      });
-    }
-  }
-}
-
-// Panels [p0, p1) for all rows.
-void panel_range(const Problem& pb, const uint8_t* panels, int64_t p0, int64_t p1) {
-  const int64_t panel_bytes = pb.K / MXFP4::kBlock * kGroupBytes;
-  if (pb.M <= 2) few_rows<4>(pb, panels, panel_bytes, p0, p1);
-  else if (pb.M <= kMaxRows) few_rows<2>(pb, panels, panel_bytes, p0, p1);
-  else many_rows(pb, panels, panel_bytes, p0, p1);
-}
+  static void widen(const uint8_t* panel, int64_t K, uint16_t* pairs) { ::widen(panel, K, pairs); }
+};
 #endif
 
 }  // namespace
@@ -269,9 +206,7 @@ at::Tensor mxfp4_bf16_linear(const at::Tensor& x, const at::Tensor& panels,
   if (M == 0) return out;
   const auto rounded = bf16_rows(x);
   const Problem pb{rounded.get(), b, out.data_ptr<float>(), M, K, out_features};
-  const uint8_t* w = panels.data_ptr<uint8_t>();
-  at::parallel_for(0, panels.size(0), 4,
-                   [&](int64_t p0, int64_t p1) { panel_range(pb, w, p0, p1); });
+  block_product<Mxfp4Kernel>(pb, panels.data_ptr<uint8_t>(), panels.size(0));
   return out;
 #endif
 }
