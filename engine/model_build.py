@@ -27,6 +27,9 @@ def prepared_model(
     model = build_causal_lm(source, config.model_impl, shard)
     if device.type == "cpu":
         weights_into_huge_pages(model, source)
+        # What loading, packing and the move freed goes back to the kernel before steps keep
+        # theirs: about as much as the weights themselves, which stayed resident otherwise.
+        malloc_tuning.give_back_freed_memory()
         malloc_tuning.keep_freed_memory()
     # Compiled over the weights where they stay, before the profiling pass measures the steps.
     compiled = compile_layers(model) if config.compile else ""

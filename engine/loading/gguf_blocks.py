@@ -289,20 +289,18 @@ def group_rows(
 
 
 def dequantize_rows(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
-    """GGUF rows to fp32 `[out, in]`, as GGUF's own dequantization computes them."""
+    """GGUF rows to fp32 `[out, in]`, as GGUF's own dequantization computes them. The weight is
+    the only fp32 tensor of its size made: scales and minima apply to it in place."""
     d, m, q = split_rows(fmt, rows)
-    weight = _per_input(d.float()) * q.float()
+    weight = q.float()
+    scales = d.float()
+    if scales.dim() == 2:  # one per block of 32
+        weight.mul_(scales.unsqueeze(-1))
+    else:  # [out, blocks, 2]: one per 16 inputs
+        weight.view(*scales.shape, -1).mul_(scales.unsqueeze(-1))
     if m is not None:
-        weight = weight + m.float().unsqueeze(-1)
+        weight.add_(m.float().unsqueeze(-1))
     return weight.reshape(rows.shape[0], -1)
-
-
-def _per_input(d: torch.Tensor) -> torch.Tensor:
-    """Scales `[..., blocks]` (or `[..., blocks, 2]`, one per 16 inputs) broadcast over each
-    block's 32 inputs."""
-    if d.dim() == 2:
-        return d.unsqueeze(-1)
-    return d.repeat_interleave(BLOCK // d.shape[-1], dim=-1)
 
 
 def pack_panels(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:

@@ -11,14 +11,17 @@ from typing import Any
 import torch
 
 from engine.attention import hf as hf_attention
+from engine.kernels.cpu import malloc_tuning
 from engine.kernels.cpu.build import cpu_flags
 from engine.kernels.cpu.linear import (
+    HALF,
     blocks_in_bf16,
     convert_linears,
     fp32_packing_supported,
     half_weights_supported,
     pack_linears,
     use_gguf_blocks,
+    widen_all_but_kernels,
 )
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
 from engine.loading import block_model
@@ -271,6 +274,8 @@ def load_weights(
         model = as_causal_lm(model)
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' own stubs
     use_linear_form(model, form, Path(path) if take_blocks else None, int8_activations)
+    if device.type == "cpu":
+        malloc_tuning.give_back_freed_memory()  # what reading and packing freed
     if keep_blocks and not (hold and form in HALF_FORMS):
         logger.warning(
             "--keep-blocks has no effect here: it needs a bf16 or fp16 model on a CPU and a GGUF "
@@ -377,8 +382,10 @@ def use_linear_form(
     if form in (LinearForm.BF16_PANELS, LinearForm.HALF_WEIGHTS):
         dtype = model.get_input_embeddings().weight.dtype
         for part in widened_parts(model):
-            part.float()
-        convert_linears(model, dtype)  # the fp32 linear layers: those of the widened parts
+            # Each layer widens on its own as it takes its panels, then the rest of the part:
+            # the model is never held in fp32 whole.
+            convert_linears(part, dtype, HALF)
+            widen_all_but_kernels(part)
         if form is LinearForm.BF16_PANELS:
             blocks_in_bf16(model)
     elif form is LinearForm.FP32_PANELS:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.cpu import malloc_tuning
+
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 * 1024 * 1024
@@ -66,10 +68,12 @@ def move_into_huge_pages(tensors: list[torch.Tensor]) -> int:
         logger.info("huge pages declined; weights stay in 4 KiB pages")
         return 0
     offset = 0
+    moved_from = malloc_tuning.FreedMemory()  # goes back to the kernel as the move goes
     with torch.no_grad():
         for span, size in zip(spans, sizes, strict=True):
             span.move_to(region, offset)
             offset += size
+            moved_from.freed(span.nbytes)
     return total
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.cpu import malloc_tuning
 from engine.kernels.cpu import ops as cpu_ops
 from engine.loading import gguf_blocks
 
@@ -46,6 +47,9 @@ ONEDNN_BATCH_HINT = 64
 FP16_MAX = torch.finfo(torch.float16).max
 # Output columns per panel of `PanelLinear`'s packed weight.
 PANEL = 16
+# The weights the swaps take by default, and those of a 16-bit model's layers.
+FP32 = (torch.float32,)
+HALF = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def silence_fbgemm_deprecation() -> None:
@@ -510,30 +514,35 @@ def fp32_packing_supported() -> bool:
     return cpu_ops.panel_linear_available() or onednn_linear_available()
 
 
-def convert_linears(model: nn.Module, dtype: torch.dtype = torch.float16) -> int:
-    """Swap every fp32 `nn.Linear` whose weight fits fp16 for a layer that holds it in fp16 and
-    computes in fp32; return how many were swapped. Weights shared with other modules (tied
-    embeddings) stay in place there. With `dtype` bf16 on a CPU with AVX-512 BF16, the layers
-    hold bf16 panels and multiply inputs rounded to bf16 instead (`bf16_linears`)."""
+def convert_linears(
+    model: nn.Module, dtype: torch.dtype = torch.float16, weights: tuple[torch.dtype, ...] = FP32
+) -> int:
+    """Swap every `nn.Linear` whose weight is in one of `weights` (default fp32) and fits fp16
+    for a layer that holds it in fp16 and computes in fp32; return how many were swapped.
+    Weights shared with other modules (tied embeddings) stay in place there. With `dtype` bf16
+    on a CPU with AVX-512 BF16, the layers hold bf16 panels and multiply inputs rounded to bf16
+    instead (`bf16_linears`)."""
     if dtype == torch.bfloat16 and cpu_ops.bf16_panels_available():
-        return bf16_linears(model)
+        return bf16_linears(model, weights)
     if cpu_ops.panel_linear_available():
-        swapped = _swap(model, lambda w, b: PanelLinear(w, b, torch.float16), fits_fp16)
+        swapped = _swap(model, lambda w, b: PanelLinear(w, b, torch.float16), fits_fp16, weights)
         logger.info("%d linear layers hold fp16 weights in panels and compute in fp32", swapped)
     else:
-        swapped = _swap(model, HalfWeightLinear, fits_fp16)
+        swapped = _swap(model, HalfWeightLinear, fits_fp16, weights)
         logger.info("%d linear layers hold fp16 weights for fbgemm and compute in fp32", swapped)
     return swapped
 
 
-def bf16_linears(model: nn.Module) -> int:
-    """Swap every fp32 `nn.Linear` with an even number of inputs for a `PanelLinear` over its
-    weight in bf16 panels, multiplied in bf16 dot products against inputs rounded to bf16 and
-    summed in fp32; return how many were swapped."""
+def bf16_linears(model: nn.Module, weights: tuple[torch.dtype, ...] = FP32) -> int:
+    """Swap every `nn.Linear` whose weight is in one of `weights` (default fp32) and has an
+    even number of inputs for a `PanelLinear` over its weight in bf16 panels, multiplied in
+    bf16 dot products against inputs rounded to bf16 and summed in fp32; return how many were
+    swapped."""
     swapped = _swap(
         model,
         lambda w, b: PanelLinear(w, b, torch.bfloat16),
         lambda weight: weight.shape[1] % 2 == 0,
+        weights,
     )
     logger.info("%d linear layers hold bf16 weights in panels and multiply in bf16", swapped)
     return swapped
@@ -615,13 +624,20 @@ def _swap(
     model: nn.Module,
     layer: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
     accepts: Callable[[torch.Tensor], bool],
+    weights: tuple[torch.dtype, ...] = FP32,
 ) -> int:
     swapped = 0
-    for parent, name, linear in list(_linears(model)):
-        if linear.weight.dtype != torch.float32 or not accepts(linear.weight):
+    replaced = malloc_tuning.FreedMemory()  # the weights swapped out go back as the swaps go
+    # By name, not holding the layers: each one swapped out is freed before the next is made.
+    for parent, name in [(parent, name) for parent, name, _ in _linears(model)]:
+        weight, bias = getattr(parent, name).weight, getattr(parent, name).bias
+        if weight.dtype not in weights or not accepts(weight):
             continue
-        setattr(parent, name, layer(linear.weight, linear.bias))
+        setattr(parent, name, layer(weight, bias))
         swapped += 1
+        nbytes = weight.nbytes
+        del weight, bias
+        replaced.freed(nbytes)
     return swapped
 
 
@@ -633,3 +649,16 @@ def _linears(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear]]:
 
 
 CPU_LINEAR_TYPES = (PanelLinear, PackedLinear, HalfWeightLinear)
+
+
+def widen_all_but_kernels(model: nn.Module) -> None:
+    """Every floating-point parameter and buffer of `model` in fp32, as `model.float()` makes
+    them, except those of the kernels' layers (`CPU_LINEAR_TYPES`), whose panels stay as they
+    are held. Each tensor widens alone: the model is never held twice."""
+    for module in model.modules():
+        if not isinstance(module, CPU_LINEAR_TYPES):
+            module._apply(_to_fp32, recurse=False)
+
+
+def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.is_floating_point() else tensor

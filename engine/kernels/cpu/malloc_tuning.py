@@ -8,6 +8,12 @@ the same memory in again, a page at a time, zeroed by the kernel: about 3,300 pa
 2048-token prefill step of the default model. With the mapping bound at its maximum and
 trimming off, the heap keeps that memory and steps reuse it: a handful of faults in a whole
 run of 64 requests. This is what vLLM's CPU image gets from tcmalloc.
+
+Loading is the other way round: each weight is read, repacked into panels and moved into huge
+pages, and every copy left behind is freed into the heap, where glibc keeps it. Handed back
+to the kernel as the loader goes (`FreedMemory`) and once more when the model is built, a bf16
+model's start-up peaks at about its weights plus its checkpoint's pages, not twice that, and
+the server stays resident at about its weights.
 """
 
 from __future__ import annotations
@@ -59,3 +65,24 @@ def give_back_freed_memory() -> bool:
     malloc_trim.restype = ctypes.c_int
     malloc_trim(0)
     return True
+
+
+# While weights are repacked or moved, what they were copied from goes back to the kernel after
+# about this many bytes (a 1.3B bf16 model's start-up: 30 `malloc_trim` calls, 60 ms in all).
+GIVE_BACK_EVERY = 64 * 1024 * 1024
+
+
+class FreedMemory:
+    """Counts the bytes of copies a loop frees (the weights it repacks or moves) and hands
+    glibc's free memory back to the kernel each time about `GIVE_BACK_EVERY` bytes were freed:
+    the loop then holds the weights about once, not twice."""
+
+    def __init__(self) -> None:
+        self.every = GIVE_BACK_EVERY
+        self.pending = 0
+
+    def freed(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= self.every:
+            give_back_freed_memory()
+            self.pending = 0
