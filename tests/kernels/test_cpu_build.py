@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -85,9 +86,13 @@ class FakeCompiler:
     def __init__(self, broken: str | None) -> None:
         self.broken = broken
         self.builds: list[tuple[str, ...]] = []
+        self.jobs: list[int | None] = []
 
-    def __call__(self, folder: Path, name: str, groups: tuple[str, ...]) -> None:
+    def __call__(
+        self, folder: Path, name: str, groups: tuple[str, ...], jobs: int | None = None
+    ) -> None:
         self.builds.append(groups)
+        self.jobs.append(jobs)
         assert not (folder / "lock").exists(), "a stale baton reached torch's builder"
         if self.broken in groups:
             source = next(g for g in GROUPS if g.name == self.broken).sources[-1]
@@ -134,8 +139,90 @@ def test_a_recorded_failure_is_not_compiled_again(supported, monkeypatch, tmp_pa
     assert second.built == first.built and second.failed == first.failed
 
 
+class KilledCompiler(FakeCompiler):
+    """Stands in for a compiler the system kills (out of memory) while `killed` jobs or more
+    compile at once, as ninja reports it."""
+
+    def __init__(self, killed: int) -> None:
+        super().__init__(None)
+        self.killed = killed
+
+    def __call__(
+        self, folder: Path, name: str, groups: tuple[str, ...], jobs: int | None = None
+    ) -> None:
+        super().__call__(folder, name, groups, jobs)
+        if (jobs or 4) >= self.killed:
+            raise RuntimeError(
+                f"Error building extension '{name}': [3/31] c++ ...\nFAILED: panel_linear.o\n"
+                "c++: fatal error: Killed signal terminated program cc1plus\n"
+                "compilation terminated.\nninja: build stopped: subcommand failed."
+            )
+
+
+def test_a_killed_compiler_builds_again_one_source_at_a_time(
+    supported, monkeypatch, tmp_path, caplog
+):
+    """Killed while several sources compile at once (a small container's memory), the build
+    goes on one at a time, and every group builds; nothing is recorded as failed, and later
+    starts build one source at a time from the first."""
+    compiler = KilledCompiler(killed=2)
+    monkeypatch.setattr(cpu_build, "_compile", compiler)
+    with caplog.at_level(logging.WARNING):
+        result = cpu_build.build(tmp_path, "conveyor_cpu_test")
+    assert result.built == ALL and result.failed == {}
+    assert compiler.builds == [ALL, ALL] and compiler.jobs == [None, 1]
+    assert "killed (out of memory?)" in caplog.text
+    recorded = json.loads((tmp_path / "conveyor_cpu_test" / cpu_build.RECORD).read_text())
+    assert recorded == {}
+
+    later = KilledCompiler(killed=2)
+    monkeypatch.setattr(cpu_build, "_compile", later)
+    assert cpu_build.build(tmp_path, "conveyor_cpu_test").built == ALL
+    assert later.jobs == [1]
+
+
+def test_a_compiler_killed_one_source_at_a_time_is_not_a_lasting_failure(
+    supported, monkeypatch, tmp_path
+):
+    """Killed even one source at a time, the kernels are not used by this start, but nothing
+    is recorded against the sources: the next start builds them all."""
+    killed = KilledCompiler(killed=1)
+    monkeypatch.setattr(cpu_build, "_compile", killed)
+    first = cpu_build.build(tmp_path, "conveyor_cpu_test")
+    assert first.built == () and killed.jobs == [None, 1]
+    assert first.failed == {g: cpu_build.KILLED_REASON for g in ALL}
+    assert not (tmp_path / "conveyor_cpu_test" / cpu_build.RECORD).exists()
+
+    again = FakeCompiler(None)
+    monkeypatch.setattr(cpu_build, "_compile", again)
+    assert cpu_build.build(tmp_path, "conveyor_cpu_test").built == ALL
+    assert again.builds == [ALL] and again.jobs == [1]
+
+
+def test_the_builder_runs_as_many_jobs_as_asked(monkeypatch, tmp_path):
+    """`jobs` reaches torch's builder as MAX_JOBS while it runs, and is put back after; such a
+    build has a name of its own (torch's builder builds a name once a process)."""
+    seen = []
+
+    def load(folder: Path, name: str, groups: tuple[str, ...]) -> None:
+        seen.append((name, os.environ.get("MAX_JOBS")))
+
+    monkeypatch.setattr(cpu_build, "_load_extension", load)
+    monkeypatch.setenv("MAX_JOBS", "7")
+    cpu_build._compile(tmp_path, "conveyor_cpu_test", ALL, 1)
+    cpu_build._compile(tmp_path, "conveyor_cpu_test", ALL)
+    monkeypatch.delenv("MAX_JOBS")
+    cpu_build._compile(tmp_path, "conveyor_cpu_test", ALL, 1)
+    assert seen == [
+        ("conveyor_cpu_test_j1", "1"),
+        ("conveyor_cpu_test", "7"),
+        ("conveyor_cpu_test_j1", "1"),
+    ]
+    assert "MAX_JOBS" not in os.environ
+
+
 def test_a_failure_no_source_explains_fails_every_group(supported, monkeypatch, tmp_path):
-    def no_ninja(folder, name, groups):
+    def no_ninja(folder, name, groups, jobs=None):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(cpu_build, "_compile", no_ninja)

@@ -100,14 +100,28 @@ SWITCH_VARIABLE = "CONVEYOR_CPU_KERNELS"
 # FMA), AVX-512, AVX-512 BF16 and AMX.
 TARGETS = ("haswell", "skylake-avx512", "cooperlake", "sapphirerapids")
 RECORD = "groups.json"
+# Where a build had to compile fewer sources at once (a killed compiler), how many.
+JOBS_RECORD = "jobs"
+
+
+# What the compiler says when the system killed it (out of memory, most often, on a small
+# machine or container building several sources at once): not the sources' fault.
+KILLED = re.compile(
+    r"Killed signal terminated program|internal compiler error: Killed"
+    r"|unable to execute command: Killed|failed due to signal"
+)
+KILLED_REASON = "the compiler was killed (out of memory?); the next start builds it again"
 
 
 @dataclass(slots=True)
 class BuildResult:
-    """Which groups loaded, and why the others did not (group name -> reason)."""
+    """Which groups loaded, and why the others did not (group name -> reason); `lasting`: the
+    failures are the sources' own and are recorded, so later starts do not compile them again
+    (a killed compiler's are not)."""
 
     built: tuple[str, ...] = ()
     failed: dict[str, str] = field(default_factory=dict)
+    lasting: bool = True
 
 
 def cpu_flags() -> str:
@@ -201,7 +215,8 @@ def build(root: Path, name: str | None = None) -> BuildResult:
     with build_lock(folder):
         _clear_stale_batons(folder)
         result = _build_groups(folder, name, _recorded_failures(folder))
-        (folder / RECORD).write_text(json.dumps(result.failed, indent=1))
+        if result.lasting:
+            (folder / RECORD).write_text(json.dumps(result.failed, indent=1))
     for group, why in result.failed.items():
         logger.warning(
             "Conveyor's CPU kernels: the %s group did not build (%s); its routes "
@@ -214,12 +229,23 @@ def build(root: Path, name: str | None = None) -> BuildResult:
 
 def _build_groups(folder: Path, name: str, failed: dict[str, str]) -> BuildResult:
     groups = without(GROUP_NAMES, set(failed))
+    jobs = _recorded_jobs(folder)  # None: the builder's default, a job per core and two more
     while groups:
         try:
-            _compile(folder, name, groups)
+            _compile(folder, name, groups, jobs)
             return BuildResult(groups, _left_out(groups, failed))
         except Exception as error:  # a compiler error, no ninja, an unloadable library
             message = str(error)
+            if KILLED.search(message):
+                if jobs is None:  # here and at later starts, one source at a time
+                    logger.warning(
+                        "the C++ compiler was killed (out of memory?); building "
+                        "Conveyor's CPU kernels again one source at a time"
+                    )
+                    jobs = 1
+                    (folder / JOBS_RECORD).write_text(f"{jobs}\n")
+                    continue
+                return BuildResult((), {g.name: KILLED_REASON for g in GROUPS}, lasting=False)
             broken = _failed_groups(message, groups)
             reason = _reason(message)
             if not broken:  # no one source explains it: nothing builds
@@ -239,8 +265,29 @@ def _left_out(groups: tuple[str, ...], failed: dict[str, str]) -> dict[str, str]
     return reasons
 
 
-def _compile(folder: Path, name: str, groups: tuple[str, ...]) -> None:
-    """One extension of these groups' sources, loaded into torch.ops.conveyor."""
+def _compile(folder: Path, name: str, groups: tuple[str, ...], jobs: int | None = None) -> None:
+    """One extension of these groups' sources, loaded into torch.ops.conveyor; `jobs`: how many
+    sources compile at once (None: the builder's default). A build of another number of jobs
+    has a name of its own: torch's builder builds a name once a process, and only loads it
+    again after a build that failed."""
+    if jobs is None:
+        _load_extension(folder, name, groups)
+        return
+    name = f"{name}_j{jobs}"
+    before = os.environ.get("MAX_JOBS")
+    os.environ["MAX_JOBS"] = str(jobs)  # read by torch's builder as it runs ninja
+    try:
+        _load_extension(folder, name, groups)
+    finally:
+        if before is None:
+            del os.environ["MAX_JOBS"]
+        else:
+            os.environ["MAX_JOBS"] = before
+
+
+def _load_extension(folder: Path, name: str, groups: tuple[str, ...]) -> None:
+    """torch's builder run over the groups' sources, in a folder of their own where only some
+    groups build."""
     from torch.utils.cpp_extension import load as load_extension
 
     if groups != GROUP_NAMES:
@@ -275,6 +322,15 @@ def _reason(message: str) -> str:
         if "error:" in line:
             return line.strip().removeprefix(str(CSRC) + "/")
     return message.splitlines()[0] if message else "unknown error"
+
+
+def _recorded_jobs(folder: Path) -> int | None:
+    """How many sources the build in `folder` compiles at once, where an earlier start had to
+    lower it (None: the builder's default)."""
+    try:
+        return max(1, int((folder / JOBS_RECORD).read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def _recorded_failures(folder: Path) -> dict[str, str]:
