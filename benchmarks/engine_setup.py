@@ -23,7 +23,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--int8-activations", action="store_true")
-    parser.add_argument("--keep-blocks", action="store_true")
+    parser.add_argument("--keep-blocks", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     parser.add_argument("--compile", action="store_true", help="torch.compile the layers")

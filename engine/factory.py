@@ -190,6 +190,7 @@ def load_rank(
         served_name=config.model_name,
         slow_tokenizer=config.tokenizer_mode == "slow",
         keep_blocks=config.keep_blocks,
+        kv_reserve=_budget_before_blocks(config, device) if device.type == "cpu" else 0,
     )
     return loaded, dtype
 

@@ -259,10 +259,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument(
         "--keep-blocks",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="on a CPU in bf16 (or fp16), keep a GGUF file's or quantized checkpoint's blocks "
         "instead of dequantizing them into 16-bit panels: a third of the weights' memory, "
-        "faster for one stream, slower for many (fp32 keeps them always)",
+        "faster for one stream, slower for many (fp32 keeps them always). Default: kept only "
+        "where the widened weights and the KV cache would not fit in the memory left",
     )
     engine.add_argument(
         "--max-model-len",

@@ -196,8 +196,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     int8_activations: bool = False
-    # A bf16 (or fp16) model on a CPU keeps a quantized checkpoint's blocks (`--keep-blocks`).
-    keep_blocks: bool = False
+    # A bf16 (or fp16) model on a CPU keeps a quantized checkpoint's blocks (`--keep-blocks`);
+    # None: only where its widened weights would not fit in the memory left.
+    keep_blocks: bool | None = None
     max_model_len: int | None = None
     cache: CacheConfig = CacheConfig()
     max_num_seqs: int = 128

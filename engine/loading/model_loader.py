@@ -24,7 +24,7 @@ from engine.kernels.cpu.linear import (
     widen_all_but_kernels,
 )
 from engine.kernels.cpu.ops import bf16_panels_available, panel_linear_available
-from engine.loading import block_model
+from engine.loading import block_budget, block_model
 from engine.loading.block_model import has_blocks, load_converted, read_blocks
 from engine.loading.checkpoint_tensors import model_from_config
 from engine.loading.classifiers import as_causal_lm, is_classifier, labels
@@ -202,7 +202,8 @@ def load_model(
     tokenizer_name: str | None = None,
     served_name: str | None = None,
     slow_tokenizer: bool = False,
-    keep_blocks: bool = False,
+    keep_blocks: bool | None = False,
+    kv_reserve: int = 0,
 ) -> LoadedModel:
     """Load weights and tokenizer; None loads the embedded default model, a `.gguf` file its
     conversion (`gguf_file.py`); `tokenizer_name` (`--tokenizer`) is a folder or hub id to take
@@ -219,7 +220,15 @@ def load_model(
     path = checkpoint_path(name_or_path)
     name = served_name or (DEFAULT_MODEL_NAME if name_or_path is None else name_or_path)
     model, shard, classes = load_weights(
-        path, dtype, device, trust_remote_code, int8_activations, rank, random_weights, keep_blocks
+        path,
+        dtype,
+        device,
+        trust_remote_code,
+        int8_activations,
+        rank,
+        random_weights,
+        keep_blocks,
+        kv_reserve,
     )
     tokenizer = AutoTokenizer.from_pretrained(
         tokenizer_name or path, trust_remote_code=trust_remote_code, use_fast=not slow_tokenizer
@@ -241,13 +250,15 @@ def load_weights(
     int8_activations: bool = False,
     rank: tuple[int, int] = (0, 1),
     random_weights: bool = False,
-    keep_blocks: bool = False,
+    keep_blocks: bool | None = False,
+    kv_reserve: int = 0,
 ) -> tuple[Any, ShardShape | None, tuple[str, ...]]:
     """The transformers model at the folder `path` on `device`, its linear layers in the form
     they run in (see `load_model`); its share under tensor parallelism, and a sequence
     classifier's labels. Neither tokenizer nor processor is read. A converted folder's blocks
-    are held in fp32 panels, and with `keep_blocks` beside 16-bit panels too (`--keep-blocks`);
-    an MXFP4 checkpoint's experts beside any panels."""
+    are held in fp32 panels, and with `keep_blocks` beside 16-bit panels too (`--keep-blocks`;
+    None: where the widened weights and `kv_reserve` bytes of KV cache would not fit in the
+    memory left, `block_budget`); an MXFP4 checkpoint's experts beside any panels."""
     logger.info("loading %s (%s on %s)", path, str(dtype).removeprefix("torch."), device)
     form = choose_linear_form(dtype, device)
     shard, model, hold = None, None, False
@@ -256,7 +267,9 @@ def load_weights(
     elif rank[1] > 1:
         model, shard = load_share(path, dtype, *rank, trust_remote_code=trust_remote_code)
     elif has_blocks(path):
-        kept = form is LinearForm.FP32_PANELS or (keep_blocks and form in PANEL_FORMS)
+        if keep_blocks is None and form in HALF_FORMS:
+            keep_blocks = block_budget.keep_for_memory(Path(path), dtype, kv_reserve)
+        kept = form is LinearForm.FP32_PANELS or (bool(keep_blocks) and form in PANEL_FORMS)
         hold = kept and panel_linear_available()
         model = load_converted(path, dtype, hold, int8_activations, trust_remote_code)
     elif form in PANEL_FORMS and panel_linear_available() and is_mxfp4(path):

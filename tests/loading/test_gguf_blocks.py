@@ -19,7 +19,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.fused_decode import DecodeRoute
 from engine.kernels.cpu.linear import PanelLinear, pack_linears, use_gguf_blocks
-from engine.loading import gguf_blocks
+from engine.loading import block_budget, gguf_blocks
 from engine.loading.gguf_tensors import model_tensors
 from engine.loading.model_loader import (
     HALF_FORMS,
@@ -29,6 +29,7 @@ from engine.loading.model_loader import (
     use_gguf_blocks_beside,
 )
 from engine.models.llama import PagedLlamaLayer
+from engine.worker import host_memory
 from engine.worker.routes import linear_forms
 from tests.gguf_files import stored
 from tests.helpers import needs_panels, reference_greedy, run_all, tiny_core, tokens_of
@@ -374,10 +375,74 @@ def test_a_16_bit_model_keeps_its_blocks_when_asked(
 
 
 def test_keep_blocks_is_a_serve_flag() -> None:
+    """`--keep-blocks` keeps them, `--no-keep-blocks` widens them, neither leaves it to the
+    memory left."""
     from server.cli import build_parser, engine_config
 
-    assert engine_config(build_parser().parse_args(["serve", "--keep-blocks"])).keep_blocks
-    assert not engine_config(build_parser().parse_args(["serve"])).keep_blocks
+    def kept(*flags: str) -> bool | None:
+        return engine_config(build_parser().parse_args(["serve", *flags])).keep_blocks
+
+    assert kept("--keep-blocks") is True
+    assert kept("--no-keep-blocks") is False
+    assert kept() is None
+
+
+def test_block_sizes_are_read_from_the_files_headers(converted: Path) -> None:
+    """The blocks' bytes and the weights they hold, as loading them gives; the others are the
+    checkpoint's tensors outside the block layers (a plain folder's fp32 copies of those layers
+    are not counted)."""
+    from safetensors.torch import load_file
+
+    sizes = block_budget.block_sizes(converted)
+    blocks = gguf_blocks.load(converted)
+    assert sizes.blocks == sum(rows.nbytes for _, rows in blocks.values())
+    assert sizes.weights == sum(
+        rows.shape[0] * gguf_blocks.in_features(fmt, rows) for fmt, rows in blocks.values()
+    )
+    others = [
+        tensor.nbytes
+        for file in converted.glob("*.safetensors")
+        for name, tensor in load_file(file).items()
+        if name.removesuffix(".weight") not in blocks
+    ]
+    assert others and sizes.others == sum(others)
+
+
+def test_the_blocks_stay_where_the_widened_weights_and_kv_cache_would_not_fit() -> None:
+    """Widened to 16 bits, 8 Gi weights take 16 GiB beside 1 GiB of other tensors: with a 4 GiB
+    KV cache that fits 90% of 32 GiB, not of 16 GiB; a larger KV cache tips 32 GiB over too;
+    where the host does not say what is left, nothing is kept."""
+    gib = 2**30
+    sizes = block_budget.BlockSizes(blocks=3 * gib, weights=8 * gib, others=gib)
+    why = block_budget.why_keep_blocks
+    assert why(sizes, torch.bfloat16, 4 * gib, 32 * gib) == ""
+    reason = why(sizes, torch.bfloat16, 4 * gib, 16 * gib)
+    for figure in ("17.00 GiB", "4.00 GiB", "90% of the 16.00 GiB", "kept, they take 4.00 GiB"):
+        assert figure in reason
+    assert why(sizes, torch.float16, 12 * gib, 32 * gib)
+    assert why(sizes, torch.bfloat16, 4 * gib, None) == ""
+
+
+@pytest.mark.parametrize("available", [2**20, 2**50])
+def test_a_16_bit_model_keeps_its_blocks_where_widened_they_would_not_fit(
+    converted: Path,
+    available: int,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Neither `--keep-blocks` nor `--no-keep-blocks`: the blocks stay, with a warning, where the
+    memory left is short of the widened weights and the KV cache, and widen where it is not;
+    `--no-keep-blocks` widens them however short it is."""
+    cpu = torch.device("cpu")
+    if choose_linear_form(torch.bfloat16, cpu) not in HALF_FORMS:
+        pytest.skip("bf16 runs torch's own products on this CPU (native 16-bit arithmetic)")
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: available)
+    short = available < 2**30
+    auto = load_weights(str(converted), torch.bfloat16, cpu, keep_blocks=None, kv_reserve=2**20)
+    assert len(block_layers(auto[0])) == (2 * 7 + 1 if short else 0)
+    assert ("keeping the checkpoint's quantized blocks" in caplog.text) is short
+    widened = load_weights(str(converted), torch.bfloat16, cpu, keep_blocks=False)[0]
+    assert not block_layers(widened)
 
 
 def test_blocks_that_do_not_hold_the_weights_are_left_alone(
