@@ -14,7 +14,6 @@ from engine.attention import hf as hf_attention
 from engine.kernels.cpu import malloc_tuning
 from engine.kernels.cpu.build import cpu_flags
 from engine.kernels.cpu.linear import (
-    HALF,
     blocks_in_bf16,
     convert_linears,
     fp32_packing_supported,
@@ -394,10 +393,11 @@ def use_linear_form(
     unfuse_experts(model)
     if form in (LinearForm.BF16_PANELS, LinearForm.HALF_WEIGHTS):
         dtype = model.get_input_embeddings().weight.dtype
-        for part in widened_parts(model):
-            # Each layer widens on its own as it takes its panels, then the rest of the part:
-            # the model is never held in fp32 whole.
-            convert_linears(part, dtype, HALF)
+        parts = widened_parts(model)
+        # Each layer widens on its own as it takes its panels, then the rest of the parts: the
+        # model is never held in fp32 whole.
+        convert_linears(model, dtype, within=parts)
+        for part in parts:
             widen_all_but_kernels(part)
         if form is LinearForm.BF16_PANELS:
             blocks_in_bf16(model)

@@ -135,3 +135,20 @@ def test_dequantized_rows_are_the_blocks_weights_computed_apart() -> None:
         if m is not None:
             expected = expected + m.float().unsqueeze(-1)
         assert torch.equal(gguf_blocks.dequantize_rows(fmt, rows), expected.reshape(8, -1))
+
+
+@needs_panels
+def test_an_image_text_model_widens_its_language_model_and_head_only() -> None:
+    """A LLaVA in bf16: the language model's layers and the head take panels and its other
+    tensors fp32; the vision tower keeps bf16 weights and torch's own layers."""
+    from tests.vision_utils import tiny_llava
+
+    model = tiny_llava().to(torch.bfloat16)
+    use_linear_form(model, half_form(torch.bfloat16))
+    assert isinstance(model.get_output_embeddings(), CPU_LINEAR_TYPES)
+    decoder = model.get_decoder()
+    assert not any(type(m) is torch.nn.Linear for m in decoder.modules())
+    assert all(p.dtype == torch.float32 for p in decoder.parameters())
+    tower = model.model.vision_tower
+    assert any(type(m) is torch.nn.Linear for m in tower.modules())
+    assert all(p.dtype == torch.bfloat16 for p in tower.parameters())

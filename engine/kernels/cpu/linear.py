@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from typing import cast
 
@@ -47,9 +47,6 @@ ONEDNN_BATCH_HINT = 64
 FP16_MAX = torch.finfo(torch.float16).max
 # Output columns per panel of `PanelLinear`'s packed weight.
 PANEL = 16
-# The weights the swaps take by default, and those of a 16-bit model's layers.
-FP32 = (torch.float32,)
-HALF = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def silence_fbgemm_deprecation() -> None:
@@ -515,34 +512,35 @@ def fp32_packing_supported() -> bool:
 
 
 def convert_linears(
-    model: nn.Module, dtype: torch.dtype = torch.float16, weights: tuple[torch.dtype, ...] = FP32
+    model: nn.Module, dtype: torch.dtype = torch.float16, within: Sequence[nn.Module] = ()
 ) -> int:
-    """Swap every `nn.Linear` whose weight is in one of `weights` (default fp32) and fits fp16
-    for a layer that holds it in fp16 and computes in fp32; return how many were swapped.
+    """Swap every fp32 `nn.Linear` whose weight fits fp16 for a layer that holds it in fp16 and
+    computes in fp32; return how many were swapped. With `within`, every `nn.Linear` of those
+    modules is swapped instead, whatever its dtype (a 16-bit model's, each widened alone).
     Weights shared with other modules (tied embeddings) stay in place there. With `dtype` bf16
     on a CPU with AVX-512 BF16, the layers hold bf16 panels and multiply inputs rounded to bf16
     instead (`bf16_linears`)."""
     if dtype == torch.bfloat16 and cpu_ops.bf16_panels_available():
-        return bf16_linears(model, weights)
+        return bf16_linears(model, within)
     if cpu_ops.panel_linear_available():
-        swapped = _swap(model, lambda w, b: PanelLinear(w, b, torch.float16), fits_fp16, weights)
+        swapped = _swap(model, lambda w, b: PanelLinear(w, b, torch.float16), fits_fp16, within)
         logger.info("%d linear layers hold fp16 weights in panels and compute in fp32", swapped)
     else:
-        swapped = _swap(model, HalfWeightLinear, fits_fp16, weights)
+        swapped = _swap(model, HalfWeightLinear, fits_fp16, within)
         logger.info("%d linear layers hold fp16 weights for fbgemm and compute in fp32", swapped)
     return swapped
 
 
-def bf16_linears(model: nn.Module, weights: tuple[torch.dtype, ...] = FP32) -> int:
-    """Swap every `nn.Linear` whose weight is in one of `weights` (default fp32) and has an
-    even number of inputs for a `PanelLinear` over its weight in bf16 panels, multiplied in
-    bf16 dot products against inputs rounded to bf16 and summed in fp32; return how many were
+def bf16_linears(model: nn.Module, within: Sequence[nn.Module] = ()) -> int:
+    """Swap every fp32 `nn.Linear` (with `within`, every one of those modules) with an even
+    number of inputs for a `PanelLinear` over its weight in bf16 panels, multiplied in bf16
+    dot products against inputs rounded to bf16 and summed in fp32; return how many were
     swapped."""
     swapped = _swap(
         model,
         lambda w, b: PanelLinear(w, b, torch.bfloat16),
         lambda weight: weight.shape[1] % 2 == 0,
-        weights,
+        within,
     )
     logger.info("%d linear layers hold bf16 weights in panels and multiply in bf16", swapped)
     return swapped
@@ -624,14 +622,20 @@ def _swap(
     model: nn.Module,
     layer: Callable[[torch.Tensor, torch.Tensor | None], nn.Module],
     accepts: Callable[[torch.Tensor], bool],
-    weights: tuple[torch.dtype, ...] = FP32,
+    within: Sequence[nn.Module] = (),
 ) -> int:
+    """Swap `model`'s fp32 `nn.Linear` layers (with `within`, all of those modules' ones) whose
+    weight `accepts` for `layer(weight, bias)`; return how many were swapped."""
+    inside = {id(m) for part in within for m in part.modules()}
     swapped = 0
     replaced = malloc_tuning.FreedMemory()  # the weights swapped out go back as the swaps go
     # By name, not holding the layers: each one swapped out is freed before the next is made.
     for parent, name in [(parent, name) for parent, name, _ in _linears(model)]:
-        weight, bias = getattr(parent, name).weight, getattr(parent, name).bias
-        if weight.dtype not in weights or not accepts(weight):
+        linear = getattr(parent, name)
+        weight, bias = linear.weight, linear.bias
+        taken = id(linear) in inside if within else weight.dtype == torch.float32
+        del linear
+        if not taken or not accepts(weight):
             continue
         setattr(parent, name, layer(weight, bias))
         swapped += 1
