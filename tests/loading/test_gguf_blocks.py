@@ -424,9 +424,11 @@ def test_the_blocks_stay_where_the_widened_weights_and_kv_cache_would_not_fit() 
 
 
 @pytest.mark.parametrize("available", [2**20, 2**50])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_16_bit_model_keeps_its_blocks_where_widened_they_would_not_fit(
     converted: Path,
     available: int,
+    dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -434,14 +436,14 @@ def test_a_16_bit_model_keeps_its_blocks_where_widened_they_would_not_fit(
     memory left is short of the widened weights and the KV cache, and widen where it is not;
     `--no-keep-blocks` widens them however short it is."""
     cpu = torch.device("cpu")
-    if choose_linear_form(torch.bfloat16, cpu) not in HALF_FORMS:
-        pytest.skip("bf16 runs torch's own products on this CPU (native 16-bit arithmetic)")
+    if choose_linear_form(dtype, cpu) not in HALF_FORMS:
+        pytest.skip(f"{dtype} runs torch's own products on this CPU (native 16-bit arithmetic)")
     monkeypatch.setattr(host_memory, "available_bytes", lambda: available)
     short = available < 2**30
-    auto = load_weights(str(converted), torch.bfloat16, cpu, keep_blocks=None, kv_reserve=2**20)
+    auto = load_weights(str(converted), dtype, cpu, keep_blocks=None, kv_reserve=2**20)
     assert len(block_layers(auto[0])) == (2 * 7 + 1 if short else 0)
     assert ("keeping the checkpoint's quantized blocks" in caplog.text) is short
-    widened = load_weights(str(converted), torch.bfloat16, cpu, keep_blocks=False)[0]
+    widened = load_weights(str(converted), dtype, cpu, keep_blocks=False)[0]
     assert not block_layers(widened)
 
 
