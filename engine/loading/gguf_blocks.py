@@ -293,11 +293,8 @@ def dequantize_rows(fmt: BlockFormat, rows: torch.Tensor) -> torch.Tensor:
     the only fp32 tensor of its size made: scales and minima apply to it in place."""
     d, m, q = split_rows(fmt, rows)
     weight = q.float()
-    scales = d.float()
-    if scales.dim() == 2:  # one per block of 32
-        weight.mul_(scales.unsqueeze(-1))
-    else:  # [out, blocks, 2]: one per 16 inputs
-        weight.view(*scales.shape, -1).mul_(scales.unsqueeze(-1))
+    scales = d.float()  # [out, blocks], or [out, blocks, 2]: one per 16 inputs
+    weight.view(*scales.shape, -1).mul_(scales.unsqueeze(-1))
     if m is not None:
         weight.add_(m.float().unsqueeze(-1))
     return weight.reshape(rows.shape[0], -1)

@@ -80,8 +80,11 @@ def peaks_resettable() -> str:
     return ""
 
 
+NO_PEAKS = peaks_resettable()
+
+
 @needs_panels
-@pytest.mark.skipif(bool(peaks_resettable()), reason=peaks_resettable() or "-")
+@pytest.mark.skipif(bool(NO_PEAKS), reason=NO_PEAKS or "-")
 def test_a_16_bit_model_takes_its_panels_without_holding_its_weights_twice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

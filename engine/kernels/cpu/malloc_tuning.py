@@ -78,11 +78,10 @@ class FreedMemory:
     the loop then holds the weights about once, not twice."""
 
     def __init__(self) -> None:
-        self.every = GIVE_BACK_EVERY
         self.pending = 0
 
     def freed(self, nbytes: int) -> None:
         self.pending += nbytes
-        if self.pending >= self.every:
+        if self.pending >= GIVE_BACK_EVERY:
             give_back_freed_memory()
             self.pending = 0
