@@ -6,7 +6,9 @@ with the KV cache's budget, would not fit in the memory the host has left
 (`host_memory.available_bytes`: MemAvailable, or what a container's limit leaves), they stay as
 their blocks instead (a third of the bytes of bf16 for Q4_K_M's mix), multiplied as
 `--keep-blocks` multiplies them, and one warning says so: an 8B model's Q4_K_M file then serves
-from about 5 GB rather than failing for the 16 GB of its widened weights.
+from about 5 GB rather than failing for the 16 GB of its widened weights. A budget beyond the
+host's memory whatever the form (the 4 GiB default in a smaller container) leaves small models
+widened.
 """
 
 from __future__ import annotations
@@ -90,11 +92,17 @@ def why_keep_blocks(
 ) -> str:
     """Why the blocks should stay as they are ("" where the widened model fits): the widened
     weights and `reserve` bytes (the KV cache's budget) are more than `FITS` of the memory
-    `available` (None: the host does not say, so nothing is kept)."""
+    `available` (None: the host does not say, so nothing is kept). Where the budget would not
+    fit beside the kept blocks either (it is more than the host has; the KV cache's own warning
+    says so), keeping them makes no budget fit and costs speed from a few streams up: the
+    weights then widen where they take at most half of what fits, leaving the KV cache the rest."""
     if available is None:
         return ""
     widened = sizes.widened(dtype)
-    if widened + reserve <= FITS * available:
+    fits = FITS * available
+    if widened + reserve <= fits:
+        return ""
+    if sizes.kept() + reserve > fits and widened <= fits / 2:
         return ""
     return (
         f"widened to {str(dtype).removeprefix('torch.')} the weights would take "

@@ -423,24 +423,45 @@ def test_the_blocks_stay_where_the_widened_weights_and_kv_cache_would_not_fit() 
     assert why(sizes, torch.bfloat16, 4 * gib, None) == ""
 
 
-@pytest.mark.parametrize("available", [2**20, 2**50])
+def test_a_kv_budget_beyond_the_memory_in_any_form_leaves_small_weights_widened() -> None:
+    """A 4 GiB KV cache in 3 GiB of memory fits beside neither form: weights that widen to 0.36
+    GiB (the default model's) take less than half of what fits, so they widen; 17 GiB of widened
+    weights in 16 GiB beside a 32 GiB budget stay blocks, and so do weights just over half."""
+    gib = 2**30
+    why = block_budget.why_keep_blocks
+    small = block_budget.BlockSizes(blocks=gib // 10, weights=3 * gib // 20, others=gib // 16)
+    assert why(small, torch.bfloat16, 4 * gib, 3 * gib) == ""
+    large = block_budget.BlockSizes(blocks=3 * gib, weights=8 * gib, others=gib)
+    assert why(large, torch.bfloat16, 32 * gib, 16 * gib)
+    half = block_budget.FITS * 3 * gib / 2
+    over = block_budget.BlockSizes(blocks=gib // 10, weights=int(half) // 2 + 1, others=0)
+    assert over.widened(torch.bfloat16) > half
+    assert why(over, torch.bfloat16, 4 * gib, 3 * gib)
+    under = block_budget.BlockSizes(blocks=gib // 10, weights=int(half) // 2, others=0)
+    assert why(under, torch.bfloat16, 4 * gib, 3 * gib) == ""
+
+
+@pytest.mark.parametrize("short", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_16_bit_model_keeps_its_blocks_where_widened_they_would_not_fit(
     converted: Path,
-    available: int,
+    short: bool,
     dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Neither `--keep-blocks` nor `--no-keep-blocks`: the blocks stay, with a warning, where the
-    memory left is short of the widened weights and the KV cache, and widen where it is not;
-    `--no-keep-blocks` widens them however short it is."""
+    memory left holds the KV cache beside the blocks but not beside the widened weights, and
+    widen where it holds both; `--no-keep-blocks` widens them however short it is."""
     cpu = torch.device("cpu")
     if choose_linear_form(dtype, cpu) not in HALF_FORMS:
         pytest.skip(f"{dtype} runs torch's own products on this CPU (native 16-bit arithmetic)")
+    sizes = block_budget.block_sizes(converted)
+    reserve = 2**20
+    between = (sizes.kept() + sizes.widened(dtype)) / 2 + reserve
+    available = int(between / block_budget.FITS) if short else 2**50
     monkeypatch.setattr(host_memory, "available_bytes", lambda: available)
-    short = available < 2**30
-    auto = load_weights(str(converted), dtype, cpu, keep_blocks=None, kv_reserve=2**20)
+    auto = load_weights(str(converted), dtype, cpu, keep_blocks=None, kv_reserve=reserve)
     assert len(block_layers(auto[0])) == (2 * 7 + 1 if short else 0)
     assert ("keeping the checkpoint's quantized blocks" in caplog.text) is short
     widened = load_weights(str(converted), dtype, cpu, keep_blocks=False)[0]
