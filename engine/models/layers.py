@@ -25,9 +25,27 @@ def rms_norm(
         if _one_pass_norm(x, weight):
             return cpu_ops.rms_norm(x, weight, eps, bf16_rows)
         return F.rms_norm(x, weight.shape, weight, eps)
+    if _one_pass_head_norm(x, weight):
+        return cpu_ops.head_rms_norm(x, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def _one_pass_head_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Conveyor's one-pass CPU kernel norms each head: fp32 q/k heads `[tokens, heads, dim]` on
+    the CPU (heads and dims contiguous) by an fp32 `[heads, dim]` weight, kernels built."""
+    return (
+        x.is_cpu
+        and x.dtype == torch.float32
+        and x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and weight.dtype == torch.float32
+        and weight.shape == x.shape[1:]
+        and weight.is_contiguous()
+        and cpu_ops.has("elementwise")
+    )
 
 
 def fp32_scaled_norm(

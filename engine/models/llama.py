@@ -419,6 +419,17 @@ class PagedLlamaLayer(nn.Module):
         assert self.qk_norm_weight is not None
         return rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
 
+    @property
+    def qk_norm_fuses(self) -> bool:
+        """Whether the fused CPU decode computes this layer's q/k norms as it does: before the
+        rotary, by this class's own `_qk_norm` and `project_qkv`."""
+        cls = type(self)
+        return (
+            not self.norms_rotated
+            and cls._qk_norm is PagedLlamaLayer._qk_norm
+            and cls.project_qkv is PagedLlamaLayer.project_qkv
+        )
+
     def after_attention(
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
     ) -> torch.Tensor:

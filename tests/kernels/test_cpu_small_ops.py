@@ -73,6 +73,55 @@ def test_the_model_takes_it_for_fp32_rows_on_the_cpu(monkeypatch):
     assert calls == [(4, 8)]
 
 
+def reference_head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's Qwen3 q/k norm in fp32: each head by its mean square, then the weight."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "dim"), [(1, 24, 128), (7, 3, 16), (33, 5, 6), (400, 12, 64)]
+)
+def test_head_norm_matches_torch_over_heads_inside_a_wider_projection(tokens, heads, dim):
+    """Qwen3's per-head q/k norm: q and k heads read where the q/k/v projection left them (rows
+    at its stride), each by its own weight row; equal to torch's within fp32 rounding."""
+    torch.manual_seed(tokens)
+    fused = torch.randn(tokens, (heads + 2) * dim) * 3
+    x = fused[:, : heads * dim].view(tokens, heads, dim)
+    weight = torch.randn(heads, dim)
+    out = cpu_ops.head_rms_norm(x, weight, 1e-6)
+    assert out.is_contiguous() and out.shape == (tokens, heads, dim)
+    expected = reference_head_norm(x, weight, 1e-6)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # Each head by its own row: another weight for the last head changes only that head.
+    other = weight.clone()
+    other[-1] += 1
+    changed = cpu_ops.head_rms_norm(x, other, 1e-6)
+    assert torch.equal(changed[:, :-1], out[:, :-1]) and not torch.equal(changed, out)
+
+
+def test_head_norm_refuses_bad_inputs():
+    x, weight = torch.randn(3, 2, 8), torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_ops.head_rms_norm(x, weight[:1], 1e-6)
+    with pytest.raises(RuntimeError, match="must be fp32"):
+        cpu_ops.head_rms_norm(x.double(), weight, 1e-6)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_ops.head_rms_norm(torch.randn(3, 8, 2).transpose(1, 2), weight, 1e-6)
+
+
+def test_the_model_norms_fp32_q_and_k_heads_on_the_cpu_in_one_pass(monkeypatch):
+    """A `[heads, dim]` weight over fp32 heads takes the per-head kernel; bf16 heads and a
+    weight that broadcasts over heads stay torch's."""
+    calls = spy(monkeypatch, "head_rms_norm")
+    x, weight = torch.randn(4, 3, 8), torch.randn(3, 8)
+    torch.testing.assert_close(
+        layers.rms_norm(x, weight, 1e-6), reference_head_norm(x, weight, 1e-6)
+    )
+    layers.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-6)
+    layers.rms_norm(x, weight[:1], 1e-6)
+    assert calls == [(4, 3, 8)]
+
+
 def torch_rotary(x, cos, sin):
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

@@ -113,14 +113,15 @@ def decode_step(
     return logits, core.runner.kv_cache.tensor.clone()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("weights", ["fp32", "fp16", BF16])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e5m2"])
 def test_fused_step_equals_the_layers_op_by_op(
     family: str, weights: str, kv: str, calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Same kernels in the same order, K/V rounded alike to a 16-bit cache: the logits and
-    every K/V written are equal to the bit (qwen2 has q/k/v biases)."""
+    every K/V written are equal to the bit (qwen2 has q/k/v biases, qwen3 per-head q/k norms;
+    over bf16 panels, the stack in one region)."""
     model = packed(tiny_llama() if family == "llama" else build(family), weights)
     paged = PagedLlamaForCausalLM(model)
     assert (weights == "bf16") == isinstance(paged.layers[0].gate_up_proj, GatedPanelLinear)
@@ -184,9 +185,11 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPat
 
 
 @needs_bf16_panels
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("sequences", [4, 13])
 def test_the_stack_in_one_region_equals_the_layers_op_by_op(
+    family: str,
     threads: int,
     sequences: int,
     monkeypatch: pytest.MonkeyPatch,
@@ -194,11 +197,13 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(
     """Over bf16 panels the stack runs in one parallel region
     (`csrc/fused_decode/decode_stack.cpp`): with a few sequences' kv heads shared out or many whole
     sequences taken as threads free up, on any number of threads, the logits and every K/V written
-    equal the layers op by op."""
+    equal the layers op by op (qwen3: each q and k head normed in the region)."""
     prompts = [list(range(5 + 11 * i, 9 + 11 * i + (7 * i) % 19)) for i in range(sequences)]
-    model = packed(tiny_llama(), "bf16")
-    cos = sin = torch.zeros(sequences, 1, 16)
-    assert cpu_ops.stack_region_applies(64, *stack_args(stack_of(model)), cos, sin)
+    model = packed(tiny_llama() if family == "llama" else build(family), "bf16")
+    stack = stack_of(model)
+    cos = sin = torch.zeros(sequences, 1, stack.layers[0].heads[2])
+    width = model.config.hidden_size
+    assert cpu_ops.stack_region_applies(width, *stack_args(stack), cos, sin, list(stack.qk_norms))
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
@@ -307,6 +312,32 @@ def test_greedy_through_the_fused_layer_equals_generate(weights: str, calls: lis
     assert len(calls) >= 2 * 10 and max(calls) == len(PROMPTS)
 
 
+@pytest.mark.parametrize("weights", ["fp32", "fp16"])
+def test_greedy_through_fused_per_head_qk_norms_equals_generate(
+    weights: str, calls: list[int]
+) -> None:
+    """Qwen3's q and k heads normed inside the fused decode: greedy tokens are transformers'
+    over the same (for fp16 panels, fp16-rounded) weights."""
+    model = build("qwen3")
+    if weights == "fp16":
+        model = model.half().float()
+    expected = [reference_greedy(model, p, 10) for p in PROMPTS]
+    core, _ = tiny_core(packed(model, weights), attention_backend="cpu")
+    route = core.runner.model.fused_decode
+    assert route.route is DecodeRoute.STACK and route.qk_norms[0] is not None
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = run_all(core, PROMPTS, params)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+    assert len(calls) >= 2 * 8 and max(calls) == len(PROMPTS)
+
+
+def test_q_and_k_norms_of_another_epsilon_keep_the_layer_op_by_op() -> None:
+    layers = list(PagedLlamaForCausalLM(packed(build("qwen3"))).layers)
+    assert fused_decode.choose(layers).route is DecodeRoute.STACK
+    layers[1].qk_norm_eps *= 10  # type: ignore[operator]
+    assert fused_decode.choose(layers).describe() == "op by op (a q/k norm epsilon of its own)"
+
+
 def test_steps_with_a_prompt_run_op_by_op(calls: list[int]) -> None:
     """A step that carries a prefill chunk has rows of several tokens: no fused layer."""
     core, _ = tiny_core(packed(tiny_llama()), attention_backend="cpu")
@@ -317,10 +348,11 @@ def test_steps_with_a_prompt_run_op_by_op(calls: list[int]) -> None:
 
 @pytest.mark.parametrize("case", ["qk_norm", "gelu", "unpacked", "torch_backend"])
 def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str, calls: list[int]) -> None:
-    """Per-head q/k norms (Qwen3), another activation, torch's own linear layers and another
-    attention backend all keep the layer op by op, and greedy still equals generate."""
+    """Per-head q/k norms after the rotary (Hunyuan), another activation, torch's own linear
+    layers and another attention backend all keep the layer op by op, and greedy still equals
+    generate."""
     if case == "qk_norm":
-        model = build("qwen3")
+        model = build("hunyuan")
     elif case == "gelu":
         config = tiny_llama().config
         config.hidden_act = "gelu"
@@ -338,7 +370,7 @@ def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str, calls: l
     assert (
         route.reason
         == {
-            "qk_norm": "per-head q/k norms",
+            "qk_norm": "per-head q/k norms computed another way",
             "gelu": "the activation is not silu",
             "unpacked": "projections not in Conveyor's panels",
             "torch_backend": "",

@@ -2,7 +2,8 @@
 one C++ op (`csrc/fused_decode/`).
 
 It computes what the layers compute op by op, to the bit: the same kernels in the same order
-(norm, q/k/v, rotary, K/V stored at their slots, paged attention, output projection and
+(norm, q/k/v, each q and k head's norm where the layer has them (Qwen3), rotary, K/V stored at
+their slots, paged attention, output projection and
 residual, norm, gate/up, activation, down and residual), without the dispatch of two dozen
 small ops a layer. Its attention is Conveyor's CPU paged attention, so it runs where that
 backend hands out a `DecodeStep` (every row decodes, the cache holds a dtype it reads).
@@ -45,6 +46,7 @@ class FusibleLayer(Protocol):
     scaling: float
     silu: bool
     qk_norm_weight: torch.Tensor | None
+    qk_norm_eps: float
     # A sliding window, or None (`LayerAttention`).
     attention: Any
     input_norm: Any
@@ -66,12 +68,14 @@ class LayerWeights:
     eps: float
     scale: float
     window: int = 0
+    # Each q and k head's norm weight, `[heads + kv heads, head dim]` (None: not normed).
+    qk_norm: torch.Tensor | None = None
 
 
 def why_not_fused(layer: FusibleLayer) -> str:
     """Why the fused layer does not compute this layer ("" where it does): it needs projections
-    in Conveyor's panels, fp32 norms with one epsilon, silu gating, no per-head q/k norm, and the
-    kernels built."""
+    in Conveyor's panels, fp32 norms with one epsilon, silu gating, q/k norms (where it has them)
+    before the rotary as the Llama layer computes them, and the kernels built."""
     if getattr(layer, "moe", None) is not None:
         return "a mixture-of-experts MLP"
     features = getattr(layer, "attention", None)
@@ -93,8 +97,9 @@ def why_not_fused(layer: FusibleLayer) -> str:
         return "an MLP without a gate"
     if not layer.silu:
         return "the activation is not silu"
-    if layer.qk_norm_weight is not None:
-        return "per-head q/k norms"
+    qk_norm = _why_qk_norm_not_fused(layer)
+    if qk_norm:
+        return qk_norm
     if not all(isinstance(p, PANEL_TYPES) for p in projections):
         return "projections not in Conveyor's panels"
     if any(getattr(p, "bf16_blocks", False) for p in projections):
@@ -105,6 +110,22 @@ def why_not_fused(layer: FusibleLayer) -> str:
         return "norm weights not fp32"
     if norms[0].variance_epsilon != norms[1].variance_epsilon:
         return "two norm epsilons in a layer"
+    if layer.qk_norm_weight is not None and layer.qk_norm_eps != norms[0].variance_epsilon:
+        return "a q/k norm epsilon of its own"
+    return ""
+
+
+def _why_qk_norm_not_fused(layer: FusibleLayer) -> str:
+    """Why the fused layer does not compute this layer's per-head q/k norms ("" where it has
+    none or they fuse): each head normed by one fp32 weight row before the rotary, as the Llama
+    layer norms them (not after it, as Hunyuan's, nor in a family's own way, as Gemma's)."""
+    weight = layer.qk_norm_weight
+    if weight is None:
+        return ""
+    if not getattr(layer, "qk_norm_fuses", False):
+        return "per-head q/k norms computed another way"
+    if weight.dtype != torch.float32 or not weight.is_contiguous():
+        return "q/k norm weights not fp32"
     return ""
 
 
@@ -125,6 +146,7 @@ def layer_weights(layer: FusibleLayer) -> LayerWeights:
         eps=float(layer.input_norm.variance_epsilon),
         scale=layer.scaling,
         window=(layer.attention.window or 0) if layer.attention is not None else 0,
+        qk_norm=layer.qk_norm_weight,
     )
 
 
@@ -138,6 +160,7 @@ class FusedDecode:
     reason: str = ""
     weights: tuple[torch.Tensor, ...] = ()
     biases: tuple[torch.Tensor | None, ...] = ()
+    qk_norms: tuple[torch.Tensor | None, ...] = ()
 
     @classmethod
     def of(cls, route: DecodeRoute, layers: tuple[LayerWeights, ...], reason: str = ""):
@@ -147,6 +170,7 @@ class FusedDecode:
             reason,
             tuple(w for layer in layers for w in layer.weights),
             tuple(b for layer in layers for b in layer.biases),
+            tuple(layer.qk_norm for layer in layers),
         )
 
     def __call__(
@@ -170,6 +194,7 @@ class FusedDecode:
                 first.eps,
                 first.scale,
                 first.window,
+                list(self.qk_norms),
             )
         for layer in self.layers:
             hidden = cpu_ops.decode_layer(
@@ -187,6 +212,7 @@ class FusedDecode:
                 layer.eps,
                 layer.scale,
                 layer.window,
+                layer.qk_norm,
             )
         return hidden
 

@@ -285,6 +285,13 @@ def rms_norm(
     return torch.ops.conveyor.rms_norm(x, weight, eps, bf16_out)
 
 
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head of fp32 `[tokens, heads, dim]` (heads and dims contiguous, tokens at any stride)
+    normed as one `rms_norm` row by its row of the fp32 `[heads, dim]` weight (Qwen3's per-head
+    q/k norms); contiguous."""
+    return torch.ops.conveyor.head_rms_norm(x, weight, eps)
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split rotary embedding of fp32 `[tokens, heads, dim]` by `[tokens, 1, dim]` tables."""
     return torch.ops.conveyor.rotary(x, cos, sin)
@@ -435,6 +442,7 @@ def decode_layer(
     eps: float,
     scale: float,
     window: int = 0,
+    qk_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
 
@@ -442,7 +450,8 @@ def decode_layer(
     down panels; `biases`: the four projections' padded biases or None; `heads`: query heads,
     kv heads, head dim. Each row's new K/V go to its slot of the layer cache (fp32, or bf16, fp16
     or fp8 e5m2 rounded as stored), then it attends over its blocks up to its length (its last
-    `window` tokens only, where given).
+    `window` tokens only, where given). With `qk_norm` (fp32 `[heads + kv heads, head dim]`)
+    each q and k head is normed before the rotary, as `head_rms_norm` norms it, with `eps`.
     """
     return torch.ops.conveyor.decode_layer(
         hidden,
@@ -459,6 +468,7 @@ def decode_layer(
         eps,
         scale,
         window,
+        qk_norm,
     )
 
 
@@ -469,11 +479,13 @@ def stack_region_applies(
     heads: list[int],
     cos: torch.Tensor,
     sin: torch.Tensor,
+    qk_norms: list[torch.Tensor | None] | None = None,
 ) -> bool:
     """Whether `decode_layers` runs these layers in one parallel region
     (`csrc/fused_decode/decode_stack.cpp`): every projection over bf16 panels, gate/up as gated
     pairs."""
-    return torch.ops.conveyor.stack_region_applies(width, weights, biases, heads, cos, sin)
+    norms = qk_norms if qk_norms is not None else [None] * (len(weights) // 6)
+    return torch.ops.conveyor.stack_region_applies(width, weights, biases, heads, cos, sin, norms)
 
 
 def decode_layers(
@@ -491,10 +503,11 @@ def decode_layers(
     eps: float,
     scale: float,
     window: int = 0,
+    qk_norms: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """`decode_layer` for every layer of a stack in turn, in one op: `weights` and `biases` are
-    each layer's back to back, `key_caches`/`value_caches` one per layer; one `window` for
-    all."""
+    each layer's back to back, `key_caches`/`value_caches` and `qk_norms` (None: no layer norms
+    its q and k heads) one per layer; one `window` for all."""
     return torch.ops.conveyor.decode_layers(
         hidden,
         weights,
@@ -510,4 +523,5 @@ def decode_layers(
         eps,
         scale,
         window,
+        qk_norms if qk_norms is not None else [None] * len(key_caches),
     )

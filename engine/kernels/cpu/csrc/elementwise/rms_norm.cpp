@@ -6,6 +6,9 @@
 // y  [rows, dim] fp32, or with bf16_out (AVX-512 BF16) rounded to bf16 as a bf16 product rounds
 //                its input rows, for the q/k/v and gate/up products to take as they are
 //
+// `head_rms_norm` norms each head of q and k rows [tokens, heads, dim] (Qwen3's per-head q/k
+// norms: a `[heads, dim]` weight, the q heads' then the k heads'), a head a row of the same loop.
+//
 // torch's CPU rms_norm runs as half a dozen separate ops (pow, mean, add, rsqrt, mul, mul), about
 // 50 us a call for one decode row, sixty calls a step. Here a row is one loop to sum squares and
 // one to scale; small batches run on the calling thread without waking the others.
@@ -72,6 +75,35 @@ void rms_norm_rows(const float* x, const float* weight, float* out32, uint16_t* 
 #endif
 }
 
+void rms_norm_heads(const float* x, int64_t x_stride, const float* weight, float* out,
+                    int64_t out_stride, int64_t heads, int64_t dim, float eps, int64_t begin,
+                    int64_t end) {
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      normalize_row(x + r * x_stride + h * dim, weight + h * dim, out + r * out_stride + h * dim,
+                    dim, eps);
+}
+
+at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 3 && weight.dim() == 2 && weight.size(0) == x.size(1) &&
+                  weight.size(1) == x.size(2),
+              "head_rms_norm: x [tokens, heads, dim] and weight [heads, dim] do not match");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "head_rms_norm: x and weight must be fp32");
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2) && weight.is_contiguous(),
+              "head_rms_norm: heads and dims must be contiguous");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  at::Tensor out = at::empty({tokens, heads, dim}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, tokens, rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
+    rms_norm_heads(xp, x.stride(0), wp, op, heads * dim, heads, dim, e, begin, end);
+  });
+  return out;
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool bf16_out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
               "rms_norm: x [rows, dim] and weight [dim] shapes do not match");
@@ -99,5 +131,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool bf16_out=False) -> Tensor");
+  m.def("head_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("rms_norm", &conveyor::rms_norm); }
+TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
+  m.impl("rms_norm", &conveyor::rms_norm);
+  m.impl("head_rms_norm", &conveyor::head_rms_norm);
+}

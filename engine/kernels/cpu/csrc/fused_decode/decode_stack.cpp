@@ -54,8 +54,15 @@ bool fp32_norm(const at::Tensor& w, int64_t width) {
   return w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == width && w.is_contiguous();
 }
 
-const float* bias_of(const std::optional<at::Tensor>& bias) {
-  return bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+// An optional fp32 tensor's values (a bias, a q/k norm), or null.
+const float* optional_floats(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
+}
+
+// No q/k norm, or an fp32 one of [qk_heads, dim] (`decode_layer` has checked its shape).
+bool fp32_qk_norm(const std::optional<at::Tensor>& norm) {
+  return !norm.has_value() || !norm->defined() ||
+         (norm->scalar_type() == at::kFloat && norm->is_contiguous());
 }
 
 const uint16_t* panels_of(const at::Tensor& panels) {
@@ -85,9 +92,9 @@ struct Stack {
   conveyor::Scratch<float> qkv, qk, attended, residual;
 };
 
-// One layer's tensors.
+// One layer's tensors (`qk_norm` null where its q and k heads are not normed).
 struct Layer {
-  const float *input_norm, *post_norm;
+  const float *input_norm, *post_norm, *qk_norm;
   Product qkv, out, gate_up, down;
   const float *qkv_bias, *out_bias, *gate_up_bias, *down_bias;
   at::Tensor key, value;
@@ -121,9 +128,13 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
       {st.normed.get(), layer.qkv_bias, nullptr, st.qkv.get(), nullptr, M, st.width, st.qkv_size},
       layer.qkv, st.qkv_tasks, taken[0]);
   barrier();
-  // q and k rotated, then this thread's rows' new K (rotated) and V to their slots.
+  // q and k normed (where the layer norms them) and rotated, then this thread's rows' new K
+  // (rotated) and V to their slots.
   const int64_t qk_heads = st.heads + st.kv_heads;
   part = rows_of(team, st, st.qk_size);
+  if (layer.qk_norm != nullptr)
+    rms_norm_heads(st.qkv.get(), st.qkv_size, layer.qk_norm, st.qkv.get(), st.qkv_size, qk_heads,
+                   st.dim, st.eps, part.begin, part.end);
   rotary_rows(st.qkv.get(), st.qkv_size, st.cos, st.sin, st.cs_stride, st.qk.get(), qk_heads,
               st.dim, part.begin, part.end);
   at::Tensor key = layer.key, value = layer.value;
@@ -158,18 +169,20 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
 }
 
 Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
-               const at::Tensor& key, const at::Tensor& value) {
+               const at::Tensor& key, const at::Tensor& value,
+               const std::optional<at::Tensor>& qk_norm) {
   auto plain = [](const at::Tensor& p) { return Product{panels_of(p), p.size(0), false}; };
   return Layer{w[kInputNorm].data_ptr<float>(),
                w[kPostNorm].data_ptr<float>(),
+               optional_floats(qk_norm),
                plain(w[kQkv]),
                plain(w[kOut]),
                Product{panels_of(w[kGateUp]), 2 * w[kGateUp].size(0), true},
                plain(w[kDown]),
-               bias_of(b.get(kQkvBias)),
-               bias_of(b.get(kOutBias)),
-               bias_of(b.get(kGateUpBias)),
-               bias_of(b.get(kDownBias)),
+               optional_floats(b.get(kQkvBias)),
+               optional_floats(b.get(kOutBias)),
+               optional_floats(b.get(kGateUpBias)),
+               optional_floats(b.get(kDownBias)),
                key,
                value};
 }
@@ -178,7 +191,8 @@ Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
 
 bool stack_region_applies(int64_t width, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
-                          const at::Tensor& cos, const at::Tensor& sin) {
+                          const at::Tensor& cos, const at::Tensor& sin,
+                          const c10::List<std::optional<at::Tensor>>& qk_norms) {
 #ifndef CONVEYOR_BF16_ROUND
   return false;
 #else
@@ -203,7 +217,7 @@ bool stack_region_applies(int64_t width, at::TensorList weights,
           padded_bias(bias(kQkvBias), w[kQkv].size(0) * 16) &&
           padded_bias(bias(kOutBias), w[kOut].size(0) * 16) &&
           padded_bias(bias(kGateUpBias), gated_panel_count * 2 * 16) &&
-          padded_bias(bias(kDownBias), w[kDown].size(0) * 16)))
+          padded_bias(bias(kDownBias), w[kDown].size(0) * 16) && fp32_qk_norm(qk_norms.get(i))))
       return false;
   }
   return true;
@@ -215,7 +229,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList keys, at::TensorList values, const at::Tensor& slots,
                         const at::Tensor& table, const at::Tensor& lens, double eps, double scale,
-                        int64_t window) {
+                        int64_t window, const c10::List<std::optional<at::Tensor>>& qk_norms) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   const int64_t M = hidden.size(0), width = hidden.size(1);
   const at::Tensor blocks = table.to(at::kLong).contiguous();
@@ -253,7 +267,8 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
   const int threads = std::max(1, at::get_num_threads());
   std::vector<Layer> stack;
   for (int64_t i = 0; i < layers; ++i)
-    stack.push_back(layer_of(weights.slice(i * kWeights, kWeights), biases[i], keys[i], values[i]));
+    stack.push_back(layer_of(weights.slice(i * kWeights, kWeights), biases[i], keys[i], values[i],
+                             qk_norms.get(i)));
   const Layer& first = stack[0];
   st.qkv_tasks = bf16_product_tasks(M, width, first.qkv.count, false, threads);
   st.out_tasks = bf16_product_tasks(M, st.attn_size, first.out.count, false, threads);
@@ -286,7 +301,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "stack_region_applies(int width, Tensor[] weights, Tensor?[] biases, int[] heads, "
-      "Tensor cos, Tensor sin) -> bool");
+      "Tensor cos, Tensor sin, Tensor?[] qk_norms) -> bool");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("stack_region_applies", &conveyor::stack_region_applies);

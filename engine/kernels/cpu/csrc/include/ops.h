@@ -81,6 +81,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
 // out32 is null (AVX-512 BF16).
 void rms_norm_rows(const float* x, const float* weight, float* out32, uint16_t* out16, int64_t dim,
                    float eps, int64_t begin, int64_t end);
+// Each head of x [tokens, heads, dim] (rows at any stride, heads and dims contiguous) normed as
+// one rms_norm row by its own row of weight [heads, dim]; contiguous fp32.
+at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// head_rms_norm's rows [begin, end): x rows at x_stride, out rows at out_stride (out may be x).
+void rms_norm_heads(const float* x, int64_t x_stride, const float* weight, float* out,
+                    int64_t out_stride, int64_t heads, int64_t dim, float eps, int64_t begin,
+                    int64_t end);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // rotary's tokens [begin, end): x rows at x_stride, cos/sin rows at cs_stride, out contiguous.
 void rotary_rows(const float* x, int64_t x_stride, const float* cos, const float* sin,
@@ -122,12 +129,13 @@ void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows
 // already checked as `decode_layers` checks them.
 bool stack_region_applies(int64_t width, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
-                          const at::Tensor& cos, const at::Tensor& sin);
+                          const at::Tensor& cos, const at::Tensor& sin,
+                          const c10::List<std::optional<at::Tensor>>& qk_norms);
 at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
                         const std::vector<c10::List<std::optional<at::Tensor>>>& biases,
                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList keys, at::TensorList values, const at::Tensor& slots,
                         const at::Tensor& table, const at::Tensor& lens, double eps, double scale,
-                        int64_t window);
+                        int64_t window, const c10::List<std::optional<at::Tensor>>& qk_norms);
 
 }  // namespace conveyor
