@@ -174,21 +174,23 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     order: `x * cos + rotate_half(x) * sin` over `[tokens, heads, dim]`. Where `cos` is
     narrower than the heads (a partial rotary), only each head's first dims rotate."""
     width = cos.shape[-1]
+    if _one_pass_rotary(x, cos):
+        return cpu_ops.rotary(x, cos, sin)  # the rest of a partial rotary's heads copied
     if width < x.shape[-1]:
         return torch.cat([rotate(x[..., :width], cos, sin), x[..., width:]], dim=-1)
-    if _one_pass_rotary(x, cos):
-        return cpu_ops.rotary(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
 def _one_pass_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Conveyor's one-pass CPU kernel applies: fp32 on the CPU, heads and dims contiguous."""
+    """Conveyor's one-pass CPU kernel applies: fp32 on the CPU, heads and dims contiguous, an
+    even number of dims rotating."""
     return (
         x.is_cpu
         and x.dtype == torch.float32
         and cos.dtype == torch.float32
+        and cos.shape[-1] % 2 == 0
         and x.dim() == 3
         and x.stride(2) == 1
         and x.stride(1) == x.shape[2]

@@ -420,14 +420,14 @@ class PagedLlamaLayer(nn.Module):
         return rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
 
     @property
-    def qk_norm_fuses(self) -> bool:
-        """Whether the fused CPU decode computes this layer's q/k norms as it does: before the
-        rotary, by this class's own `_qk_norm` and `project_qkv`."""
+    def qkv_as_llama(self) -> bool:
+        """Whether this layer makes its q, k and v by the Llama layer's own `project_qkv`,
+        `_qk_norm` and `_rotate`, as the fused CPU decode computes them (a family's own rotary
+        or norms keep its decode steps op by op)."""
         cls = type(self)
-        return (
-            not self.norms_rotated
-            and cls._qk_norm is PagedLlamaLayer._qk_norm
-            and cls.project_qkv is PagedLlamaLayer.project_qkv
+        return all(
+            getattr(cls, name) is getattr(PagedLlamaLayer, name)
+            for name in ("project_qkv", "_qk_norm", "_rotate")
         )
 
     def after_attention(

@@ -128,16 +128,30 @@ def torch_rotary(x, cos, sin):
 
 
 @pytest.mark.parametrize(
-    ("tokens", "heads", "dim"), [(1, 12, 64), (7, 3, 2), (33, 5, 6), (400, 9, 128)]
+    ("tokens", "heads", "dim", "rotary_dim"),
+    [
+        (1, 12, 64, 64),
+        (7, 3, 2, 2),
+        (33, 5, 6, 6),
+        (400, 9, 128, 128),
+        (5, 4, 128, 96),
+        (3, 2, 16, 0),
+    ],
 )
-def test_rotary_is_torchs_to_the_bit(tokens, heads, dim):
+def test_rotary_is_torchs_to_the_bit(tokens, heads, dim, rotary_dim):
+    """Every dim of each head rotated, or its first ones (a partial rotary, Phi-4-mini's 96 of
+    128) and the rest passed as they are, or none."""
     torch.manual_seed(tokens)
     fused = torch.randn(tokens, (heads + 2) * dim)  # q/k heads inside a wider projection
     x = fused[:, : heads * dim].view(tokens, heads, dim)
-    angles = torch.randn(1, tokens, dim) * 10
+    angles = torch.randn(1, tokens, rotary_dim) * 10
     cos, sin = angles.cos()[0, :, None, :], angles.sin()[0, :, None, :]
     out = cpu_ops.rotary(x, cos, sin)
-    assert out.is_contiguous() and torch.equal(out, torch_rotary(x, cos, sin))
+    turned = torch_rotary(x[..., :rotary_dim], cos, sin)
+    expected = torch.cat([turned, x[..., rotary_dim:]], dim=-1)
+    assert out.is_contiguous() and torch.equal(out, expected)
+    if 0 < rotary_dim < dim:
+        assert torch.equal(out, layers.rotate(x, cos, sin))
 
 
 def test_rotary_refuses_bad_inputs():
@@ -146,6 +160,8 @@ def test_rotary_refuses_bad_inputs():
         cpu_ops.rotary(x, table[:2], table[:2])
     with pytest.raises(RuntimeError, match="do not match"):
         cpu_ops.rotary(x[..., :7], table[..., :7], table[..., :7])  # odd dim
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_ops.rotary(x, torch.randn(3, 1, 10), torch.randn(3, 1, 10))  # wider than the heads
     with pytest.raises(RuntimeError, match="must be fp32"):
         cpu_ops.rotary(x.double(), table, table)
     with pytest.raises(RuntimeError, match="contiguous"):

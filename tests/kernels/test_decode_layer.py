@@ -113,18 +113,20 @@ def decode_step(
     return logits, core.runner.kv_cache.tensor.clone()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi4_mini", "smollm3"])
 @pytest.mark.parametrize("weights", ["fp32", "fp16", BF16])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e5m2"])
 def test_fused_step_equals_the_layers_op_by_op(
     family: str, weights: str, kv: str, calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Same kernels in the same order, K/V rounded alike to a 16-bit cache: the logits and
-    every K/V written are equal to the bit (qwen2 has q/k/v biases, qwen3 per-head q/k norms;
-    over bf16 panels, the stack in one region)."""
+    every K/V written are equal to the bit (qwen2 has q/k/v biases, qwen3 per-head q/k norms,
+    phi4_mini a rotary of 3/4 of each head, smollm3 a layer without rotary; over bf16 panels,
+    the stack in one region)."""
     model = packed(tiny_llama() if family == "llama" else build(family), weights)
     paged = PagedLlamaForCausalLM(model)
-    assert (weights == "bf16") == isinstance(paged.layers[0].gate_up_proj, GatedPanelLinear)
+    gated = isinstance(paged.layers[0].gate_up_proj, GatedPanelLinear)
+    assert gated == (weights == "bf16" and family != "phi4_mini")  # Phi-3's gate/up: one layer
     fused_logits, fused_cache = decode_step(model, True, monkeypatch, kv)
     layers = model.config.num_hidden_layers
     # One prefill step, two decode steps, then the step compared: fused on all but the first.
@@ -185,7 +187,7 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPat
 
 
 @needs_bf16_panels
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "smollm3"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("sequences", [4, 13])
 def test_the_stack_in_one_region_equals_the_layers_op_by_op(
@@ -197,13 +199,15 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(
     """Over bf16 panels the stack runs in one parallel region
     (`csrc/fused_decode/decode_stack.cpp`): with a few sequences' kv heads shared out or many whole
     sequences taken as threads free up, on any number of threads, the logits and every K/V written
-    equal the layers op by op (qwen3: each q and k head normed in the region)."""
+    equal the layers op by op (qwen3: each q and k head normed in the region; smollm3: a layer
+    not rotated)."""
     prompts = [list(range(5 + 11 * i, 9 + 11 * i + (7 * i) % 19)) for i in range(sequences)]
     model = packed(tiny_llama() if family == "llama" else build(family), "bf16")
     stack = stack_of(model)
     cos = sin = torch.zeros(sequences, 1, stack.layers[0].heads[2])
     width = model.config.hidden_size
     assert cpu_ops.stack_region_applies(width, *stack_args(stack), cos, sin, list(stack.qk_norms))
+    assert (family == "smollm3") == (False in stack.rotates)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
@@ -218,8 +222,8 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(
 
 @needs_bf16_panels
 def test_only_stacks_of_bf16_panels_run_in_one_region() -> None:
-    """fp32 or fp16 panels, a bias that does not fit its panels, or rotary tables of another
-    head size keep the stack op by op."""
+    """fp32 or fp16 panels, a bias that does not fit its panels, or rotary tables wider than
+    the heads or of an odd width keep the stack op by op (narrower: a partial rotary)."""
     cos = sin = torch.zeros(3, 1, 16)
 
     def applies(args: tuple, cos: torch.Tensor = cos, sin: torch.Tensor = sin) -> bool:
@@ -232,7 +236,9 @@ def test_only_stacks_of_bf16_panels_run_in_one_region() -> None:
     biases = list(biases)
     biases[4] = torch.zeros(7)  # the second layer's q/k/v bias
     assert not applies((weights, biases, heads))
-    assert not applies(bf16, torch.zeros(3, 1, 8), torch.zeros(3, 1, 8))
+    assert applies(bf16, torch.zeros(3, 1, 8), torch.zeros(3, 1, 8))  # half of each head turns
+    assert not applies(bf16, torch.zeros(3, 1, 32), torch.zeros(3, 1, 32))
+    assert not applies(bf16, torch.zeros(3, 1, 7), torch.zeros(3, 1, 7))
 
 
 @needs_bf16_panels
@@ -312,19 +318,22 @@ def test_greedy_through_the_fused_layer_equals_generate(weights: str, calls: lis
     assert len(calls) >= 2 * 10 and max(calls) == len(PROMPTS)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "phi4_mini", "smollm3"])
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
-def test_greedy_through_fused_per_head_qk_norms_equals_generate(
-    weights: str, calls: list[int]
+def test_greedy_through_the_llama_layers_kin_equals_generate(
+    family: str, weights: str, calls: list[int]
 ) -> None:
-    """Qwen3's q and k heads normed inside the fused decode: greedy tokens are transformers'
-    over the same (for fp16 panels, fp16-rounded) weights."""
-    model = build("qwen3")
+    """Qwen3's q and k heads normed, Phi-4-mini's partial rotary and SmolLM3's NoPE layers
+    inside the fused decode: greedy tokens are transformers' over the same (for fp16 panels,
+    fp16-rounded) weights."""
+    model = build(family)
     if weights == "fp16":
         model = model.half().float()
     expected = [reference_greedy(model, p, 10) for p in PROMPTS]
     core, _ = tiny_core(packed(model, weights), attention_backend="cpu")
     route = core.runner.model.fused_decode
-    assert route.route is DecodeRoute.STACK and route.qk_norms[0] is not None
+    assert route.route is DecodeRoute.STACK, route.describe()
+    assert (route.qk_norms[0] is not None) == (family == "qwen3")
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = run_all(core, PROMPTS, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
@@ -370,7 +379,7 @@ def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str, calls: l
     assert (
         route.reason
         == {
-            "qk_norm": "per-head q/k norms computed another way",
+            "qk_norm": "per-head q/k norms after the rotary",
             "gelu": "the activation is not silu",
             "unpacked": "projections not in Conveyor's panels",
             "torch_backend": "",

@@ -248,8 +248,9 @@ def test_model_loads_from_a_local_folder(tmp_path):
 
 
 def test_smollm3s_nope_layers_run_on_conveyors_decoder_and_matter():
-    """Prompt logprobs equal transformers' (finer than greedy tokens), on Conveyor's decoder,
-    whose decode steps go op by op; the same weights with every layer rotated score otherwise."""
+    """Prompt logprobs equal transformers' (finer than greedy tokens), on Conveyor's decoder
+    (whose fused decode takes the NoPE layer too, `tests/kernels/test_decode_layer.py`); the same
+    weights with every layer rotated score otherwise."""
     model = build("smollm3")
     rng = random.Random(3)
     prompt = [rng.randrange(2, 320) for _ in range(24)]
@@ -263,7 +264,7 @@ def test_smollm3s_nope_layers_run_on_conveyors_decoder_and_matter():
     core, _ = tiny_core(model, max_num_batched_tokens=8)
     assert isinstance(core.runner.model, PagedLlamaForCausalLM)
     nope = core.runner.model.layers[1]
-    assert not nope.rotates and "NoPE" in why_not_fused(nope)  # the fused stack rotates all
+    assert not nope.rotates and why_not_fused(nope) == "projections not in Conveyor's panels"
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
     entries = [e for o in run_all(core, [prompt], params)["req-0"] for e in o.prompt_logprobs or []]
     got = torch.tensor([e.logprob for e in entries[1:]])
@@ -276,17 +277,17 @@ def test_smollm3s_nope_layers_run_on_conveyors_decoder_and_matter():
     ("family", "op_by_op"),
     [
         ("phi3", ""),
-        ("phi4_mini", "partial rotary"),
+        ("phi4_mini", ""),
         ("granite", "scaled residual"),
         ("olmo2", "OLMo 2"),
-        ("glm4", "partial rotary"),
+        ("glm4", "otherwise than the Llama layer"),
     ],
 )
 def test_families_load_from_a_folder_into_their_routes(tmp_path, family, op_by_op):
     """From a folder, as served, on Conveyor's decoder over its linear forms: Phi-3's one q/k/v
-    and one gate/up projection taken as they are, its full rotary decoding through the fused
-    stack where it is built; Phi-4-mini's partial rotary, Granite's scaled residual adds and
-    OLMo 2's moved norms decoding op by op; greedy tokens are transformers'."""
+    and one gate/up projection taken as they are, its full rotary and Phi-4-mini's partial one
+    decoding through the fused stack where it is built; Granite's scaled residual adds, OLMo 2's
+    moved norms and GLM-4's paired rotary decoding op by op; greedy tokens are transformers'."""
     model = build(family)
     tokenizer = tiny_tokenizer()
     model.save_pretrained(tmp_path)

@@ -2,11 +2,12 @@
 one C++ op (`csrc/fused_decode/`).
 
 It computes what the layers compute op by op, to the bit: the same kernels in the same order
-(norm, q/k/v, each q and k head's norm where the layer has them (Qwen3), rotary, K/V stored at
-their slots, paged attention, output projection and
-residual, norm, gate/up, activation, down and residual), without the dispatch of two dozen
-small ops a layer. Its attention is Conveyor's CPU paged attention, so it runs where that
-backend hands out a `DecodeStep` (every row decodes, the cache holds a dtype it reads).
+(norm, q/k/v, each q and k head's norm where the layer has them (Qwen3), rotary of all, some
+(Phi-4-mini) or none (SmolLM3's NoPE layers) of each head's dims, K/V stored at their slots,
+paged attention, output projection and residual, norm, gate/up, activation, down and
+residual), without the dispatch of two dozen small ops a layer. Its attention is Conveyor's
+CPU paged attention, so it runs where that backend hands out a `DecodeStep` (every row decodes,
+the cache holds a dtype it reads).
 
 `choose` decides once, when the model is built, how decode steps run: the whole stack as one op,
 one op per layer, or op by op, with the reason when the fused routes do not apply.
@@ -70,12 +71,15 @@ class LayerWeights:
     window: int = 0
     # Each q and k head's norm weight, `[heads + kv heads, head dim]` (None: not normed).
     qk_norm: torch.Tensor | None = None
+    # False for a layer that rotates neither q nor k (SmolLM3's NoPE layers).
+    rotates: bool = True
 
 
 def why_not_fused(layer: FusibleLayer) -> str:
     """Why the fused layer does not compute this layer ("" where it does): it needs projections
-    in Conveyor's panels, fp32 norms with one epsilon, silu gating, q/k norms (where it has them)
-    before the rotary as the Llama layer computes them, and the kernels built."""
+    in Conveyor's panels, fp32 norms with one epsilon, silu gating, q, k and v made as the Llama
+    layer makes them (q/k norms, where it has them, before a rotary of all, some or none of each
+    head's dims), and the kernels built."""
     if getattr(layer, "moe", None) is not None:
         return "a mixture-of-experts MLP"
     features = getattr(layer, "attention", None)
@@ -83,14 +87,12 @@ def why_not_fused(layer: FusibleLayer) -> str:
         return "soft-capped scores or sinks"
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     norms = (layer.input_norm, layer.post_attention_norm)
-    if not getattr(layer, "rotates", True):
-        return "a layer without rotary embeddings (NoPE)"
     if layer.input_norm is None:
         return "no norm before the attention (OLMo 2)"
     if getattr(layer, "residual_multiplier", None) is not None:
         return "scaled residual adds (Granite)"
-    if getattr(layer, "rotary_dim", None) not in (None, getattr(layer, "head_dim", None)):
-        return "a partial rotary (some dims of each head do not rotate)"
+    if getattr(layer, "rotary_dim", 0) % 2:
+        return "an odd number of dims rotating"
     if not cpu_ops.has("fused_decode"):
         return "the fused_decode kernels are not built"
     if not getattr(layer, "gated", True):
@@ -100,6 +102,8 @@ def why_not_fused(layer: FusibleLayer) -> str:
     qk_norm = _why_qk_norm_not_fused(layer)
     if qk_norm:
         return qk_norm
+    if not getattr(layer, "qkv_as_llama", False):
+        return "q, k and v made otherwise than the Llama layer makes them"
     if not all(isinstance(p, PANEL_TYPES) for p in projections):
         return "projections not in Conveyor's panels"
     if any(getattr(p, "bf16_blocks", False) for p in projections):
@@ -118,12 +122,12 @@ def why_not_fused(layer: FusibleLayer) -> str:
 def _why_qk_norm_not_fused(layer: FusibleLayer) -> str:
     """Why the fused layer does not compute this layer's per-head q/k norms ("" where it has
     none or they fuse): each head normed by one fp32 weight row before the rotary, as the Llama
-    layer norms them (not after it, as Hunyuan's, nor in a family's own way, as Gemma's)."""
+    layer norms them (not after it, as Hunyuan's)."""
     weight = layer.qk_norm_weight
     if weight is None:
         return ""
-    if not getattr(layer, "qk_norm_fuses", False):
-        return "per-head q/k norms computed another way"
+    if getattr(layer, "norms_rotated", False):
+        return "per-head q/k norms after the rotary"
     if weight.dtype != torch.float32 or not weight.is_contiguous():
         return "q/k norm weights not fp32"
     return ""
@@ -147,6 +151,7 @@ def layer_weights(layer: FusibleLayer) -> LayerWeights:
         scale=layer.scaling,
         window=(layer.attention.window or 0) if layer.attention is not None else 0,
         qk_norm=layer.qk_norm_weight,
+        rotates=bool(getattr(layer, "rotates", True)),
     )
 
 
@@ -161,6 +166,7 @@ class FusedDecode:
     weights: tuple[torch.Tensor, ...] = ()
     biases: tuple[torch.Tensor | None, ...] = ()
     qk_norms: tuple[torch.Tensor | None, ...] = ()
+    rotates: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, route: DecodeRoute, layers: tuple[LayerWeights, ...], reason: str = ""):
@@ -171,6 +177,7 @@ class FusedDecode:
             tuple(w for layer in layers for w in layer.weights),
             tuple(b for layer in layers for b in layer.biases),
             tuple(layer.qk_norm for layer in layers),
+            tuple(layer.rotates for layer in layers),
         )
 
     def __call__(
@@ -195,6 +202,7 @@ class FusedDecode:
                 first.scale,
                 first.window,
                 list(self.qk_norms),
+                list(self.rotates),
             )
         for layer in self.layers:
             hidden = cpu_ops.decode_layer(
@@ -213,6 +221,7 @@ class FusedDecode:
                 layer.scale,
                 layer.window,
                 layer.qk_norm,
+                layer.rotates,
             )
         return hidden
 

@@ -443,6 +443,7 @@ def decode_layer(
     scale: float,
     window: int = 0,
     qk_norm: torch.Tensor | None = None,
+    rotates: bool = True,
 ) -> torch.Tensor:
     """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
 
@@ -452,6 +453,8 @@ def decode_layer(
     or fp8 e5m2 rounded as stored), then it attends over its blocks up to its length (its last
     `window` tokens only, where given). With `qk_norm` (fp32 `[heads + kv heads, head dim]`)
     each q and k head is normed before the rotary, as `head_rms_norm` norms it, with `eps`.
+    The rotary turns each head's first `cos.shape[-1]` dims (a partial rotary where fewer than
+    the head's), none where not `rotates`.
     """
     return torch.ops.conveyor.decode_layer(
         hidden,
@@ -469,6 +472,7 @@ def decode_layer(
         scale,
         window,
         qk_norm,
+        rotates,
     )
 
 
@@ -504,10 +508,12 @@ def decode_layers(
     scale: float,
     window: int = 0,
     qk_norms: list[torch.Tensor | None] | None = None,
+    rotates: list[bool] | None = None,
 ) -> torch.Tensor:
     """`decode_layer` for every layer of a stack in turn, in one op: `weights` and `biases` are
-    each layer's back to back, `key_caches`/`value_caches` and `qk_norms` (None: no layer norms
-    its q and k heads) one per layer; one `window` for all."""
+    each layer's back to back, `key_caches`/`value_caches`, `qk_norms` (None: no layer norms
+    its q and k heads) and `rotates` (None: every layer rotates) one per layer; one `window`
+    for all."""
     return torch.ops.conveyor.decode_layers(
         hidden,
         weights,
@@ -524,4 +530,5 @@ def decode_layers(
         scale,
         window,
         qk_norms if qk_norms is not None else [None] * len(key_caches),
+        rotates if rotates is not None else [True] * len(key_caches),
     )

@@ -3,7 +3,9 @@
 //
 // x         [tokens, heads, dim] fp32; heads and dims contiguous, tokens at any stride (a view
 //           of the fused qkv projection)
-// cos, sin  [tokens, 1, dim] fp32; dims contiguous, tokens at any stride
+// cos, sin  [tokens, 1, rotary dim] fp32; dims contiguous, tokens at any stride. A rotary dim
+//           short of the heads' (a partial rotary, Phi-4-mini's) turns each head's first dims,
+//           their two halves, and passes the rest as they are; 0 turns nothing (a NoPE layer)
 // returns   [tokens, heads, dim] fp32, contiguous
 //
 // torch runs this as seven ops (two slices, neg, cat, two muls, add) per layer. Products and the
@@ -20,12 +22,10 @@
 
 namespace conveyor {
 
-__attribute__((optimize("fp-contract=off"))) void rotary_rows(const float* x, int64_t x_stride,
-                                                              const float* cos, const float* sin,
-                                                              int64_t cs_stride, float* out,
-                                                              int64_t heads, int64_t dim,
-                                                              int64_t begin, int64_t end) {
-  const int64_t half = dim / 2;
+__attribute__((optimize("fp-contract=off"))) void rotary_rows(
+    const float* x, int64_t x_stride, const float* cos, const float* sin, int64_t cs_stride,
+    float* out, int64_t heads, int64_t dim, int64_t rotary_dim, int64_t begin, int64_t end) {
+  const int64_t half = rotary_dim / 2;
   for (int64_t t = begin; t < end; ++t) {
     const float* c = cos + t * cs_stride;
     const float* s = sin + t * cs_stride;
@@ -37,19 +37,20 @@ __attribute__((optimize("fp-contract=off"))) void rotary_rows(const float* x, in
         const float b = -in[d + half] * s[d];
         o[d] = a + b;
       }
-      for (int64_t d = half; d < dim; ++d) {
+      for (int64_t d = half; d < rotary_dim; ++d) {
         const float a = in[d] * c[d];
         const float b = in[d - half] * s[d];
         o[d] = a + b;
       }
+      for (int64_t d = rotary_dim; d < dim; ++d) o[d] = in[d];
     }
   }
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() &&
-                  cos.size(0) == x.size(0) && cos.size(1) == 1 && cos.size(2) == x.size(2) &&
-                  x.size(2) % 2 == 0,
+                  cos.size(0) == x.size(0) && cos.size(1) == 1 && cos.size(2) <= x.size(2) &&
+                  cos.size(2) % 2 == 0,
               "rotary: x [tokens, heads, dim] and cos/sin [tokens, 1, dim] do not match");
   TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
                   sin.scalar_type() == at::kFloat,
@@ -64,7 +65,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, tokens, rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
-    rotary_rows(xp, x.stride(0), cp, sp, cos.stride(0), op, heads, dim, begin, end);
+    rotary_rows(xp, x.stride(0), cp, sp, cos.stride(0), op, heads, dim, cos.size(2), begin, end);
   });
   return out;
 }

@@ -9,7 +9,7 @@
 //           gated bf16 panels as `gated_linear` takes them)
 // biases    the four projections' padded biases, in that order, each optional
 // heads     [query heads, kv heads, head dim]
-// cos, sin  [rows, 1, head dim] fp32
+// cos, sin  [rows, 1, rotary dim] fp32 (a rotary dim short of the head dim: a partial rotary)
 // key/value one layer of the cache, [blocks, block_size, kv heads, head dim] fp32, bf16, fp16
 //           or fp8 (e5m2), contiguous (new K/V are rounded to its dtype as they are stored)
 // slots     [rows] int64 cache slot of each row's new token
@@ -17,6 +17,7 @@
 // window    a sliding window: each row attends to its last `window` tokens only (0: all)
 // qk_norm   optional [query heads + kv heads, head dim] fp32: each q and k head normed by its
 //           row before the rotary (Qwen3's per-head norms), with the layer's eps
+// rotates   false: q and k are not rotated (SmolLM3's NoPE layers)
 // returns   [rows, hidden] fp32, the layer's output
 //
 // It calls the same kernels, in the same order, as the layer does op by op from Python, so the
@@ -79,7 +80,7 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key,
                      at::Tensor& value, const at::Tensor& slots, const at::Tensor& table,
                      const at::Tensor& lens, double eps, double scale, int64_t window,
-                     const std::optional<at::Tensor>& qk_norm) {
+                     const std::optional<at::Tensor>& qk_norm, bool rotates) {
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const int64_t num_heads = heads[0], kv_heads = heads[1], dim = heads[2];
   const int64_t qk_heads = num_heads + kv_heads, kv_size = kv_heads * dim;
@@ -92,7 +93,7 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
   at::Tensor qk = qkv.narrow(1, 0, qk_heads * dim).view({rows, qk_heads, dim});
   if (qk_norm.has_value() && qk_norm->defined()) qk = head_rms_norm(qk, *qk_norm, eps);
-  qk = rotary(qk, cos, sin);
+  qk = rotates ? rotary(qk, cos, sin) : qk.contiguous();
   store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
            qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots.data_ptr<int64_t>(), 0, rows,
            kv_size, key, value);
@@ -113,16 +114,16 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key,
                         at::Tensor& value, const at::Tensor& slots, const at::Tensor& table,
                         const at::Tensor& lens, double eps, double scale, int64_t window,
-                        const std::optional<at::Tensor>& qk_norm) {
+                        const std::optional<at::Tensor>& qk_norm, bool rotates) {
   check_layer(weights, biases, heads, key, value, qk_norm);
   check_step(hidden, slots, key);
   return run_layer(hidden, weights, biases, heads, cos, sin, key, value, slots, table, lens, eps,
-                   scale, window, qk_norm);
+                   scale, window, qk_norm, rotates);
 }
 
 // Every layer of a decoder stack in turn, in one op: weights and biases are each layer's
-// `decode_layer` arguments back to back (6 and 4 a layer), keys, values and q/k norms (each
-// optional) each layer's own.
+// `decode_layer` arguments back to back (6 and 4 a layer), keys, values, q/k norms (each
+// optional) and whether it rotates each layer's own.
 // One call instead of one a layer saves the Python and dispatch around each: a decode step for
 // one sequence of the default model ran about 0.9 ms (11%) shorter.
 at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
@@ -130,14 +131,16 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
                          const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
                          at::TensorList values, const at::Tensor& slots, const at::Tensor& table,
                          const at::Tensor& lens, double eps, double scale, int64_t window,
-                         const c10::List<std::optional<at::Tensor>>& qk_norms) {
+                         const c10::List<std::optional<at::Tensor>>& qk_norms,
+                         const c10::List<bool>& rotates) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(layers >= 1 && static_cast<int64_t>(values.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == layers * kWeights &&
                   static_cast<int64_t>(biases.size()) == layers * kBiases &&
-                  static_cast<int64_t>(qk_norms.size()) == layers,
-              "decode_layers: per layer 6 weights, 4 biases, one key and one value cache and "
-              "one q/k norm or None");
+                  static_cast<int64_t>(qk_norms.size()) == layers &&
+                  static_cast<int64_t>(rotates.size()) == layers,
+              "decode_layers: per layer 6 weights, 4 biases, one key and one value cache, one "
+              "q/k norm or None and whether it rotates");
   std::vector<c10::List<std::optional<at::Tensor>>> layer_biases(layers);
   for (int64_t i = 0; i < layers; ++i) {
     for (int64_t b = 0; b < kBiases; ++b) layer_biases[i].push_back(biases.get(i * kBiases + b));
@@ -149,12 +152,12 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
   check_step(hidden, slots, keys[0]);
   if (stack_region_applies(hidden.size(1), weights, biases, heads, cos, sin, qk_norms))
     return decode_stack(hidden, weights, layer_biases, heads, cos, sin, keys, values, slots, table,
-                        lens, eps, scale, window, qk_norms);
+                        lens, eps, scale, window, qk_norms, rotates);
   at::Tensor x = hidden;
   for (int64_t i = 0; i < layers; ++i) {
     at::Tensor key = keys[i], value = values[i];
     x = run_layer(x, weights.slice(i * kWeights, kWeights), layer_biases[i], heads, cos, sin, key,
-                  value, slots, table, lens, eps, scale, window, qk_norms.get(i));
+                  value, slots, table, lens, eps, scale, window, qk_norms.get(i), rotates.get(i));
   }
   return x;
 }
@@ -165,12 +168,13 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "decode_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
       "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
-      "Tensor lens, float eps, float scale, int window=0, Tensor? qk_norm=None) -> Tensor");
+      "Tensor lens, float eps, float scale, int window=0, Tensor? qk_norm=None, "
+      "bool rotates=True) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
       "Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
-      "Tensor table, Tensor lens, float eps, float scale, int window, Tensor?[] qk_norms) -> "
-      "Tensor");
+      "Tensor table, Tensor lens, float eps, float scale, int window, Tensor?[] qk_norms, "
+      "bool[] rotates) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("decode_layer", &conveyor::decode_layer);

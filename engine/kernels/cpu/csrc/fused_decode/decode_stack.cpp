@@ -82,7 +82,7 @@ struct Stack {
   int64_t qk_size, qkv_size, attn_size;
   float eps;
   const float *cos, *sin;
-  int64_t cs_stride;
+  int64_t cs_stride, rotary_dim;
   const int64_t *slots, *table, *lens;
   int64_t table_width;
   float scale;
@@ -92,9 +92,11 @@ struct Stack {
   conveyor::Scratch<float> qkv, qk, attended, residual;
 };
 
-// One layer's tensors (`qk_norm` null where its q and k heads are not normed).
+// One layer's tensors (`qk_norm` null where its q and k heads are not normed), and whether it
+// rotates them (not a NoPE layer).
 struct Layer {
   const float *input_norm, *post_norm, *qk_norm;
+  bool rotates;
   Product qkv, out, gate_up, down;
   const float *qkv_bias, *out_bias, *gate_up_bias, *down_bias;
   at::Tensor key, value;
@@ -136,7 +138,7 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
     rms_norm_heads(st.qkv.get(), st.qkv_size, layer.qk_norm, st.qkv.get(), st.qkv_size, qk_heads,
                    st.dim, st.eps, part.begin, part.end);
   rotary_rows(st.qkv.get(), st.qkv_size, st.cos, st.sin, st.cs_stride, st.qk.get(), qk_heads,
-              st.dim, part.begin, part.end);
+              st.dim, layer.rotates ? st.rotary_dim : 0, part.begin, part.end);
   at::Tensor key = layer.key, value = layer.value;
   store_kv(st.qk.get() + st.attn_size, st.qk_size, st.qkv.get() + st.qk_size, st.qkv_size, st.slots,
            part.begin, part.end, st.kv_heads * st.dim, key, value);
@@ -170,11 +172,12 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
 
 Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
                const at::Tensor& key, const at::Tensor& value,
-               const std::optional<at::Tensor>& qk_norm) {
+               const std::optional<at::Tensor>& qk_norm, bool rotates) {
   auto plain = [](const at::Tensor& p) { return Product{panels_of(p), p.size(0), false}; };
   return Layer{w[kInputNorm].data_ptr<float>(),
                w[kPostNorm].data_ptr<float>(),
                optional_floats(qk_norm),
+               rotates,
                plain(w[kQkv]),
                plain(w[kOut]),
                Product{panels_of(w[kGateUp]), 2 * w[kGateUp].size(0), true},
@@ -203,9 +206,9 @@ bool stack_region_applies(int64_t width, at::TensorList weights,
   if (weights[kDown].dim() != 3) return false;
   const int64_t inter = weights[kDown].size(1) * 2;
   const bool rotary = cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(1) == 1 &&
-                      cos.size(2) == dim && cos.scalar_type() == at::kFloat &&
-                      sin.scalar_type() == at::kFloat && cos.stride(2) == 1 && sin.stride(2) == 1 &&
-                      cos.stride(0) == sin.stride(0);
+                      cos.size(2) <= dim && cos.size(2) % 2 == 0 &&
+                      cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                      cos.stride(2) == 1 && sin.stride(2) == 1 && cos.stride(0) == sin.stride(0);
   if (!rotary) return false;
   const int64_t gated_panel_count = (inter + 15) / 16;
   for (int64_t i = 0; i < layers; ++i) {
@@ -229,7 +232,8 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList keys, at::TensorList values, const at::Tensor& slots,
                         const at::Tensor& table, const at::Tensor& lens, double eps, double scale,
-                        int64_t window, const c10::List<std::optional<at::Tensor>>& qk_norms) {
+                        int64_t window, const c10::List<std::optional<at::Tensor>>& qk_norms,
+                        const c10::List<bool>& rotates) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   const int64_t M = hidden.size(0), width = hidden.size(1);
   const at::Tensor blocks = table.to(at::kLong).contiguous();
@@ -258,6 +262,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
   st.cos = cos.data_ptr<float>();
   st.sin = sin.data_ptr<float>();
   st.cs_stride = cos.stride(0);
+  st.rotary_dim = cos.size(2);
   st.slots = slots.data_ptr<int64_t>();
   st.table = blocks.data_ptr<int64_t>();
   st.lens = lengths.data_ptr<int64_t>();
@@ -268,7 +273,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
   std::vector<Layer> stack;
   for (int64_t i = 0; i < layers; ++i)
     stack.push_back(layer_of(weights.slice(i * kWeights, kWeights), biases[i], keys[i], values[i],
-                             qk_norms.get(i)));
+                             qk_norms.get(i), rotates.get(i)));
   const Layer& first = stack[0];
   st.qkv_tasks = bf16_product_tasks(M, width, first.qkv.count, false, threads);
   st.out_tasks = bf16_product_tasks(M, st.attn_size, first.out.count, false, threads);

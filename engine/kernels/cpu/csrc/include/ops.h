@@ -89,10 +89,11 @@ void rms_norm_heads(const float* x, int64_t x_stride, const float* weight, float
                     int64_t out_stride, int64_t heads, int64_t dim, float eps, int64_t begin,
                     int64_t end);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-// rotary's tokens [begin, end): x rows at x_stride, cos/sin rows at cs_stride, out contiguous.
+// rotary's tokens [begin, end): x rows at x_stride, cos/sin rows at cs_stride, out contiguous;
+// each head's first rotary_dim dims turn (the cos/sin rows' width), the rest are copied.
 void rotary_rows(const float* x, int64_t x_stride, const float* cos, const float* sin,
-                 int64_t cs_stride, float* out, int64_t heads, int64_t dim, int64_t begin,
-                 int64_t end);
+                 int64_t cs_stride, float* out, int64_t heads, int64_t dim, int64_t rotary_dim,
+                 int64_t begin, int64_t end);
 // paged_decode under an fp32 query, as one thread of `team` takes part (every thread of the
 // region calling it); `next` counts the sequences taken (zero before the first call). The
 // table [seqs, width] and lens must already be checked against the cache.
@@ -136,6 +137,7 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
                         at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
                         at::TensorList keys, at::TensorList values, const at::Tensor& slots,
                         const at::Tensor& table, const at::Tensor& lens, double eps, double scale,
-                        int64_t window, const c10::List<std::optional<at::Tensor>>& qk_norms);
+                        int64_t window, const c10::List<std::optional<at::Tensor>>& qk_norms,
+                        const c10::List<bool>& rotates);
 
 }  // namespace conveyor
