@@ -25,6 +25,7 @@ from tests.helpers import (
     tiny_llama,
     tokens_of,
 )
+from tests.models.test_model_families import build as build_family
 
 # Inductor writes C++ for a CPU, and builds it with the compiler Conveyor's kernels use.
 pytestmark = pytest.mark.skipif(
@@ -74,17 +75,23 @@ def test_eager_layers_by_default():
 
 @pytest.mark.parametrize(
     "weights",
-    [pytest.param("fp32", marks=needs_panels), pytest.param("bf16", marks=needs_bf16_panels)],
+    [
+        pytest.param("fp32", marks=needs_panels),
+        pytest.param("bf16", marks=needs_bf16_panels),
+        pytest.param("qwen3", marks=needs_panels),
+    ],
 )
 def test_compiled_pieces_run_conveyors_kernels_as_the_eager_ones_do(weights):
-    """Over Conveyor's panels (the C++ products, norms and rotary traced as opaque ops) the
-    compiled layers give the eager layers' logits to the bit, at each step."""
-    model = tiny_llama()
-    if weights == "fp32":
+    """Over Conveyor's panels (the C++ products, norms and rotary traced as opaque ops; qwen3:
+    each q and k head's norm too) the compiled layers give the eager layers' logits to the bit,
+    at each step."""
+    model = tiny_llama() if weights != "qwen3" else build_family("qwen3")
+    if weights != "bf16":
         pack_linears(model)
     else:
         convert_linears(model, torch.bfloat16)
     eager, _ = tiny_core(copy.deepcopy(model), max_num_batched_tokens=24)
+    counters["graph_break"].clear()
     compiled, _ = tiny_core(copy.deepcopy(model), max_num_batched_tokens=24, compile=True)
     assert all(is_compiled(layer) for layer in compiled.runner.model.layers)
     with torch.inference_mode():  # as the steps run
@@ -98,6 +105,7 @@ def test_compiled_pieces_run_conveyors_kernels_as_the_eager_ones_do(weights):
             assert torch.equal(
                 ours.after_attention(out, hidden), theirs.after_attention(out, hidden)
             )
+    assert not counters["graph_break"], "every op traced whole (each with its fake)"
     outputs = [run_all(core, PROMPTS, GREEDY) for core in (eager, compiled)]
     for i in range(len(PROMPTS)):
         assert tokens_of(outputs[1][f"req-{i}"]) == tokens_of(outputs[0][f"req-{i}"])

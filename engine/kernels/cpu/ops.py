@@ -61,6 +61,7 @@ def register_fakes() -> None:
         "rms_norm": lambda x, weight, eps, bf16_out=False: x.new_empty(
             x.shape, dtype=bf16 if bf16_out else x.dtype
         ),
+        "head_rms_norm": lambda x, weight, eps: x.new_empty(x.shape),
         "rotary": lambda x, cos, sin: x.new_empty(x.shape),
         "silu_mul": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)),
         "panel_linear": lambda x, panels, bias, out_features, residual=None: x.new_empty(
