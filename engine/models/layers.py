@@ -33,17 +33,25 @@ def rms_norm(
 
 
 def _one_pass_head_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Conveyor's one-pass CPU kernel norms each head: fp32 q/k heads `[tokens, heads, dim]` on
-    the CPU (heads and dims contiguous) by an fp32 `[heads, dim]` weight, kernels built."""
+    """Conveyor's one-pass CPU kernel norms each head: q/k heads it takes (`_kernel_heads`) by
+    an fp32 `[heads, dim]` weight."""
+    return (
+        _kernel_heads(x)
+        and weight.dtype == torch.float32
+        and weight.shape == x.shape[1:]
+        and weight.is_contiguous()
+    )
+
+
+def _kernel_heads(x: torch.Tensor) -> bool:
+    """Heads Conveyor's one-pass CPU kernels (head norm, rotary) take: fp32 `[tokens, heads,
+    dim]` on the CPU, heads and dims contiguous (tokens at any stride), the kernels built."""
     return (
         x.is_cpu
         and x.dtype == torch.float32
         and x.dim() == 3
         and x.stride(2) == 1
         and x.stride(1) == x.shape[2]
-        and weight.dtype == torch.float32
-        and weight.shape == x.shape[1:]
-        and weight.is_contiguous()
         and cpu_ops.has("elementwise")
     )
 
@@ -184,15 +192,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _one_pass_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Conveyor's one-pass CPU kernel applies: fp32 on the CPU, heads and dims contiguous, an
-    even number of dims rotating."""
-    return (
-        x.is_cpu
-        and x.dtype == torch.float32
-        and cos.dtype == torch.float32
-        and cos.shape[-1] % 2 == 0
-        and x.dim() == 3
-        and x.stride(2) == 1
-        and x.stride(1) == x.shape[2]
-        and cpu_ops.has("elementwise")
-    )
+    """Conveyor's one-pass CPU kernel applies: heads it takes (`_kernel_heads`), fp32 tables,
+    an even number of dims rotating."""
+    return _kernel_heads(x) and cos.dtype == torch.float32 and cos.shape[-1] % 2 == 0
