@@ -441,11 +441,18 @@ async def test_a_request_timing_out_in_the_queue_gets_504(monkeypatch):
             await asyncio.gather(running, return_exceptions=True)
 
 
+# A deadline LONG's 300 steps of at least 0.02 s (6 s) pass, far enough off that the first token
+# comes before it on a loaded machine (0.5 s did not always: the request then timed out unserved).
+PAST_FIRST_TOKEN = 2.0
+
+
 async def test_a_request_generating_past_its_deadline_returns_what_it_has(monkeypatch):
     # Fresh engines: with no speed measured yet, nothing is refused up front.
     async with app_client() as (client, engine):
         sabotage_steps(engine.core, monkeypatch, fail_on=set(), delay=0.02)
-        body = (await client.post("/v1/completions", json={**LONG, "timeout": 0.5})).json()
+        body = (
+            await client.post("/v1/completions", json={**LONG, "timeout": PAST_FIRST_TOKEN})
+        ).json()
         choice = body["choices"][0]
         assert choice["finish_reason"] == "timeout"
         assert 0 < body["usage"]["completion_tokens"] < 300
@@ -453,7 +460,7 @@ async def test_a_request_generating_past_its_deadline_returns_what_it_has(monkey
     async with app_client() as (client, engine):
         sabotage_steps(engine.core, monkeypatch, fail_on=set(), delay=0.02)
         async with client.stream(
-            "POST", "/v1/completions", json={**LONG, "timeout": 0.5, "stream": True}
+            "POST", "/v1/completions", json={**LONG, "timeout": PAST_FIRST_TOKEN, "stream": True}
         ) as response:
             events = sse_events((await response.aread()).decode())
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
