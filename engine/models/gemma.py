@@ -3,8 +3,8 @@ differences. Each norm scales by one plus its weight; the attention's and the ML
 normed again before they join the residual (four norms a layer); the MLP gates with GELU; the
 embeddings are scaled by the square root of the hidden size. Gemma 2 caps its attention scores
 and its logits; Gemma 3 normalises each q and k head instead, and rotates local (windowed) and
-global layers with their own frequencies. Decode steps run op by op: the fused C++ stack computes
-the Llama layer only.
+global layers with their own frequencies. Gemma 3's decode steps run one C++ op a layer
+(`kernels/cpu/fused_decode.py`); Gemma 2's soft-capped scores keep its layers op by op.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionMetadata, LayerAttention
+from engine.attention.backend import LayerAttention
 from engine.attention.hf import layer_window
 from engine.lora.slots import LoRASlots
-from engine.models.base import ImageRows, with_image_rows
-from engine.models.layers import fp32_scaled_norm, scaled_in_fp32, soft_capped
+from engine.models.layers import fp32_scaled_norm, soft_capped
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer, norm_eps
 from engine.parallel.sharding import Shard
 
@@ -35,6 +34,8 @@ class ShiftedNorm(nn.Module):
 
 
 class PagedGemmaLayer(PagedLlamaLayer):
+    qk_scaled_in_fp32 = True
+
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(hf_layer, index, shard)
         attn = hf_layer.self_attn
@@ -44,6 +45,7 @@ class PagedGemmaLayer(PagedLlamaLayer):
         self.post_attention_norm = ShiftedNorm(hf_layer.post_attention_layernorm)
         self.pre_mlp_norm = ShiftedNorm(hf_layer.pre_feedforward_layernorm)
         self.post_mlp_norm = ShiftedNorm(hf_layer.post_feedforward_layernorm)
+        self.output_norms = (self.post_attention_norm, self.post_mlp_norm)
         self.attention = LayerAttention.of(
             layer_window(attn), getattr(attn, "attn_logit_softcapping", None)
         )
@@ -56,10 +58,9 @@ class PagedGemmaLayer(PagedLlamaLayer):
     def _norm(norm: Any, hidden: torch.Tensor, projection: nn.Module) -> torch.Tensor:
         return fp32_scaled_norm(hidden, norm, projection)
 
-    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
-        """As Gemma computes it: in fp32, by one more than the weights, cast after."""
-        assert self.qk_norm_weight is not None
-        return scaled_in_fp32(qk, self.qk_norm_weight, self.qk_norm_eps)
+    @property
+    def mlp_norm(self) -> Any:
+        return self.pre_mlp_norm
 
     def after_attention(
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
@@ -74,7 +75,6 @@ class PagedGemmaLayer(PagedLlamaLayer):
 
 class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
-    op_by_op = "Gemma's layers"
     layer_class = PagedGemmaLayer
 
     def __init__(self, hf_model: Any, shard: Shard | None = None) -> None:
@@ -97,18 +97,8 @@ class PagedGemmaForCausalLM(PagedLlamaForCausalLM):
         logits = super().logits(hidden, logits_indices)
         return soft_capped(logits, self.final_softcap) if self.final_softcap else logits
 
-    def _last_hidden(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        image_features: ImageRows | None = None,
-    ) -> torch.Tensor:
+    def _embedded(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        hidden = with_image_rows(hidden, image_features)
-        tables = self._rotary_tables(hidden, positions)
-        for layer in self._paged_layers:
-            hidden = layer(hidden, *self._layer_rotary(tables, layer), metadata)
         return hidden

@@ -4,6 +4,7 @@ built), else through torch's own ops. A model file calls these and never picks a
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 import torch
@@ -139,6 +140,21 @@ SILU_MODULES = frozenset({"SiLU", "SiLUActivation"})
 def is_silu(act_fn: nn.Module) -> bool:
     """Whether the activation module computes silu."""
     return type(act_fn).__name__ in SILU_MODULES
+
+
+def is_gelu_tanh(act_fn: nn.Module) -> bool:
+    """Whether the activation module is torch's GELU under its tanh approximation (Gemma's
+    `gelu_pytorch_tanh`): torch's module, or transformers' module over torch's function."""
+    if isinstance(act_fn, nn.GELU):
+        return act_fn.approximate == "tanh"
+    act = getattr(act_fn, "act", None)
+    return (
+        type(act_fn).__name__ == "GELUTanh"
+        and isinstance(act, functools.partial)
+        and act.func is F.gelu
+        and act.args == ()
+        and act.keywords == {"approximate": "tanh"}
+    )
 
 
 def gated_activation(

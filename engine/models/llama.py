@@ -39,9 +39,11 @@ from engine.models.layers import (
     add_projected,
     fuse,
     gated_activation,
+    is_gelu_tanh,
     is_silu,
     rms_norm,
     rotate,
+    scaled_in_fp32,
 )
 from engine.models.rotary_table import NoRotary, RotaryTable, typed_rotary_tables
 from engine.parallel.layers import VocabParallelEmbedding, VocabParallelHead, reduced
@@ -224,6 +226,14 @@ class PagedLlamaLayer(nn.Module):
     norms_rotated = False
     # Whether the MLP has a gate (`down(act(gate(x)) * up(x))`), else `down(act(up(x)))`.
     gated = True
+    # Whether its activation is GELU's tanh approximation (Gemma's).
+    gelu_tanh = False
+    # Whether 16-bit q and k heads are normed and scaled in fp32, cast after (Gemma's), rather
+    # than normed in fp32 and scaled in their dtype (fp32 heads: the same either way).
+    qk_scaled_in_fp32 = False
+    # The norms of the attention's and the MLP's outputs before they join the residual
+    # (Gemma's), or None.
+    output_norms: tuple[Any, Any] | None = None
 
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__()
@@ -239,7 +249,7 @@ class PagedLlamaLayer(nn.Module):
         if self.moe is None:
             self._dense_mlp(mlp, group)
         else:
-            self.silu = False
+            self.silu = self.gelu_tanh = False
         # None where nothing is normed before the attention (OLMo 2 norms after it instead).
         self.input_norm = getattr(hf_layer, "input_layernorm", None)
         self.post_attention_norm: Any = getattr(hf_layer, "post_attention_layernorm", None)
@@ -283,6 +293,7 @@ class PagedLlamaLayer(nn.Module):
         # By the module the MLP runs, not a config field (a family may name its own field).
         self.act_fn = mlp_part(mlp, ACT_NAMES)
         self.silu = is_silu(self.act_fn)
+        self.gelu_tanh = is_gelu_tanh(self.act_fn)
         self.down_proj = reduced(mlp_part(mlp, DOWN_NAMES), group)
         if not_gated(mlp):  # `down(act(up(x)))`: up stands where gate and up would
             self.gated = False
@@ -417,7 +428,14 @@ class PagedLlamaLayer(nn.Module):
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """Each q and k head normalised (`[tokens, q heads + kv heads, head_dim]`)."""
         assert self.qk_norm_weight is not None
+        if self.qk_scaled_in_fp32 and qk.dtype != torch.float32:
+            return scaled_in_fp32(qk, self.qk_norm_weight, self.qk_norm_eps)
         return rms_norm(qk, self.qk_norm_weight, self.qk_norm_eps)
+
+    @property
+    def mlp_norm(self) -> Any:
+        """The norm of the MLP's input."""
+        return self.post_attention_norm
 
     @property
     def qkv_as_llama(self) -> bool:
@@ -541,7 +559,9 @@ class PagedLlamaForCausalLM(nn.Module):
         elif shard is not None:
             self.fused_decode = fused_decode.FusedDecode(DecodeRoute.OPS, reason="tensor parallel")
         else:
-            self.fused_decode = fused_decode.choose(cast(list[PagedLlamaLayer], layers))
+            self.fused_decode = fused_decode.choose(
+                cast(list[PagedLlamaLayer], layers), self.typed_rotaries.keys()
+            )
         self.lora: LoRASlots | None = None
 
     def _decoder_layers(self, base: Any, shard: Shard | None) -> list[nn.Module]:
@@ -653,21 +673,19 @@ class PagedLlamaForCausalLM(nn.Module):
         image_features: ImageRows | None = None,
     ) -> torch.Tensor:
         """The last layer's output rows."""
-        hidden = with_image_rows(self.embed_tokens(input_ids), image_features)
-        if self.typed_rotaries:
-            tables = self._rotary_tables(hidden, positions)
-            for index, paged in enumerate(self._paged_layers):
-                out = paged(hidden, *self._layer_rotary(tables, paged), metadata)
-                hidden = with_layer_rows(out, image_features, index)
-            return hidden
-        cos, sin = self.rotary(hidden, positions)
+        hidden = with_image_rows(self._embedded(input_ids), image_features)
+        tables = self._rotary_tables(hidden, positions)
         step = self._fused_step(hidden, metadata)
         if step is not None:
-            hidden = self.fused_decode(hidden, cos, sin, step)
-        else:
-            for index, layer in enumerate(self.layers):
-                hidden = with_layer_rows(layer(hidden, cos, sin, metadata), image_features, index)
+            return self.fused_decode(hidden, tables, step)
+        for index, paged in enumerate(self._paged_layers):
+            out = paged(hidden, *self._layer_rotary(tables, paged), metadata)
+            hidden = with_layer_rows(out, image_features, index)
         return hidden
+
+    def _embedded(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, as the first layer takes them."""
+        return cast(torch.Tensor, self.embed_tokens(input_ids))
 
     def _rotary_tables(
         self, hidden: torch.Tensor, positions: torch.Tensor

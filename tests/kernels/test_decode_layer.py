@@ -3,6 +3,8 @@ one op per layer equals the layer op by op, to the bit, and the greedy oracle ho
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,8 @@ from engine.kernels.cpu import fused_decode
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.kernels.cpu.linear import GatedPanelLinear, convert_linears, pack_linears
+from engine.models import build_causal_lm
+from engine.models.gemma import PagedGemmaForCausalLM
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.worker.input_batch import build_input_batch
 from tests.helpers import (
@@ -27,8 +31,9 @@ from tests.helpers import (
     tiny_llama,
     tokens_of,
 )
+from tests.models.test_attention_features import build as build_windowed
 from tests.models.test_model_families import COMMON as FAMILY_COMMON
-from tests.models.test_model_families import build
+from tests.models.test_model_families import build as build_family
 
 pytestmark = needs_panels
 
@@ -56,6 +61,12 @@ def stack_args(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]]:
     """The stack's weights, biases and heads, as `decode_layers` takes them."""
     return list(fused.weights), list(fused.biases), fused.layers[0].heads
+
+
+def build(family: str) -> LlamaForCausalLM:
+    """A tiny model of the family: Gemma's with windows on some layers (`test_attention_features`),
+    the others as `test_model_families` builds them."""
+    return build_windowed(family) if family.startswith("gemma") else build_family(family)
 
 
 # bf16 panels, whose gate/up pairs run the MLP's activation in the same op.
@@ -113,7 +124,7 @@ def decode_step(
     return logits, core.runner.kv_cache.tensor.clone()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi4_mini", "smollm3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi4_mini", "smollm3", "gemma3"])
 @pytest.mark.parametrize("weights", ["fp32", "fp16", BF16])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e5m2"])
 def test_fused_step_equals_the_layers_op_by_op(
@@ -121,12 +132,15 @@ def test_fused_step_equals_the_layers_op_by_op(
 ) -> None:
     """Same kernels in the same order, K/V rounded alike to a 16-bit cache: the logits and
     every K/V written are equal to the bit (qwen2 has q/k/v biases, qwen3 per-head q/k norms,
-    phi4_mini a rotary of 3/4 of each head, smollm3 a layer without rotary; over bf16 panels,
-    the stack in one region)."""
+    phi4_mini a rotary of 3/4 of each head, smollm3 a layer without rotary, gemma3 four norms a
+    layer, GELU, windowed layers and a rotary table per layer type; over bf16 panels, the stack
+    in one region)."""
     model = packed(tiny_llama() if family == "llama" else build(family), weights)
-    paged = PagedLlamaForCausalLM(model)
+    paged = build_causal_lm(model)
+    assert isinstance(paged, PagedLlamaForCausalLM)
     gated = isinstance(paged.layers[0].gate_up_proj, GatedPanelLinear)
-    assert gated == (weights == "bf16" and family != "phi4_mini")  # Phi-3's gate/up: one layer
+    # Phi-3's gate/up is one layer; Gemma's GELU gates gate and up side by side.
+    assert gated == (weights == "bf16" and family not in ("phi4_mini", "gemma3"))
     fused_logits, fused_cache = decode_step(model, True, monkeypatch, kv)
     layers = model.config.num_hidden_layers
     # One prefill step, two decode steps, then the step compared: fused on all but the first.
@@ -318,26 +332,47 @@ def test_greedy_through_the_fused_layer_equals_generate(weights: str, calls: lis
     assert len(calls) >= 2 * 10 and max(calls) == len(PROMPTS)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi4_mini", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen3", "phi4_mini", "smollm3", "gemma3"])
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
 def test_greedy_through_the_llama_layers_kin_equals_generate(
     family: str, weights: str, calls: list[int]
 ) -> None:
-    """Qwen3's q and k heads normed, Phi-4-mini's partial rotary and SmolLM3's NoPE layers
-    inside the fused decode: greedy tokens are transformers' over the same (for fp16 panels,
-    fp16-rounded) weights."""
+    """Qwen3's q and k heads normed, Phi-4-mini's partial rotary, SmolLM3's NoPE layers and
+    Gemma 3's layer (its outputs normed, GELU, windows, two rotary tables) inside the fused
+    decode: greedy tokens are transformers' over the same (for fp16 panels, fp16-rounded)
+    weights."""
     model = build(family)
     if weights == "fp16":
         model = model.half().float()
-    expected = [reference_greedy(model, p, 10) for p in PROMPTS]
+    expected = [reference_greedy(model, p, 10, attention="eager") for p in PROMPTS]
     core, _ = tiny_core(packed(model, weights), attention_backend="cpu")
     route = core.runner.model.fused_decode
-    assert route.route is DecodeRoute.STACK, route.describe()
-    assert (route.qk_norms[0] is not None) == (family == "qwen3")
+    if family == "gemma3":  # one op a layer, each with its window and rotary table
+        assert route.describe() == "one op per layer (outputs normed or GELU gating)"
+        assert [(f.window, f.rotary) for f in route.layers] == [
+            (6, "sliding_attention"),
+            (0, "full_attention"),
+            (6, "sliding_attention"),
+        ]
+        assert all(f.gelu and f.out_norms is not None for f in route.layers)
+    else:
+        assert route.route is DecodeRoute.STACK, route.describe()
+    assert (route.qk_norms[0] is not None) == (family in ("qwen3", "gemma3"))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = run_all(core, PROMPTS, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
     assert len(calls) >= 2 * 8 and max(calls) == len(PROMPTS)
+
+
+def test_gemma_2s_capped_scores_keep_its_layers_op_by_op() -> None:
+    """Gemma 2's layer is Gemma 3's with soft-capped scores, which the fused layer does not
+    compute; Gemma 3's sandwich norms and GELU fuse, one op a layer."""
+    gemma2 = list(PagedGemmaForCausalLM(packed(build("gemma2"))).layers)
+    assert fused_decode.choose(gemma2).describe() == "op by op (soft-capped scores or sinks)"
+    gemma3 = list(PagedGemmaForCausalLM(packed(build("gemma3"))).layers)
+    assert fused_decode.choose(gemma3).route is DecodeRoute.LAYERS
+    gemma3[2].post_mlp_norm.variance_epsilon *= 10
+    assert fused_decode.choose(gemma3).describe() == "op by op (two norm epsilons in a layer)"
 
 
 def test_q_and_k_norms_of_another_epsilon_keep_the_layer_op_by_op() -> None:
@@ -380,7 +415,7 @@ def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str, calls: l
         route.reason
         == {
             "qk_norm": "per-head q/k norms after the rotary",
-            "gelu": "the activation is not silu",
+            "gelu": "the activation is neither silu nor GELU's tanh approximation",
             "unpacked": "projections not in Conveyor's panels",
             "torch_backend": "",
         }[case]
@@ -434,6 +469,59 @@ def test_the_op_writes_each_rows_kv_at_its_slot() -> None:
         assert changed.tolist() == [3, 7], name
 
 
+def unpacked(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The weight `[out, in]` that fp32 panels `[ceil(out / 16), in, 16]` hold."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features]
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def gemma_layer_in_torch(
+    inputs: dict[str, object], out_norms: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """`op_inputs`' layer as Gemma computes it, in torch's own ops: the attention's and the
+    MLP's outputs normed before each residual add, GELU (tanh) gating. cos 1 and sin 0 leave q
+    and k unturned; the cache holds what the op stored."""
+    w = cast_tensors(inputs["weights"])
+    hidden, eps = cast(torch.Tensor, inputs["hidden"]), cast(float, inputs["eps"])
+    heads, kv_heads, dim = cast(list[int], inputs["heads"])
+    key, value = cast(torch.Tensor, inputs["key_cache"]), cast(torch.Tensor, inputs["value_cache"])
+    table, lens = cast(torch.Tensor, inputs["block_table"]), cast(torch.Tensor, inputs["seq_lens"])
+    qkv = torch_rms_norm(hidden, w[0], eps) @ unpacked(w[1], (heads + 2 * kv_heads) * dim).T
+    query = qkv[:, : heads * dim].view(-1, heads, dim)
+    rows = []
+    for r in range(hidden.shape[0]):
+        block, length = int(table[r, 0]), int(lens[r])
+        k = key[block, :length].repeat_interleave(heads // kv_heads, dim=1)
+        v = value[block, :length].repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[r], k) * cast(float, inputs["scale"])
+        rows.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v).reshape(-1))
+    width, inter = hidden.shape[1], w[5].shape[1]
+    hidden = hidden + torch_rms_norm(torch.stack(rows) @ unpacked(w[2], width).T, out_norms[0], eps)
+    gate_up = torch_rms_norm(hidden, w[3], eps) @ unpacked(w[4], 2 * inter).T
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    activated = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    return hidden + torch_rms_norm(activated @ unpacked(w[5], width).T, out_norms[1], eps)
+
+
+def cast_tensors(value: object) -> list[torch.Tensor]:
+    return cast(list[torch.Tensor], value)
+
+
+def test_gemmas_layer_equals_torchs_ops() -> None:
+    """With its outputs normed and GELU gating, the op computes what Gemma's layer computes in
+    torch's own ops over the same weights; the Llama layer over them computes something else."""
+    inputs = op_inputs()
+    generator = torch.Generator().manual_seed(1)
+    out_norms = (1 + torch.rand(32, generator=generator), 1 + torch.rand(32, generator=generator))
+    out = cpu_ops.decode_layer(**inputs, out_norms=out_norms, gelu=True)  # type: ignore[arg-type]
+    torch.testing.assert_close(out, gemma_layer_in_torch(inputs, out_norms), rtol=1e-5, atol=1e-5)
+    llama = cpu_ops.decode_layer(**op_inputs())  # type: ignore[arg-type]
+    assert not torch.allclose(llama, out, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -443,6 +531,8 @@ def test_the_op_writes_each_rows_kv_at_its_slot() -> None:
         (dict(hidden=torch.randn(2, 32).double()), "contiguous fp32"),
         (dict(biases=[None]), "6 weights, 4 biases"),
         (dict(seq_lens=torch.tensor([4, 9])), "sequence length outside its block table"),
+        (dict(out_norms=(torch.ones(32), torch.ones(31))), "output norm must be contiguous fp32"),
+        (dict(out_norms=(torch.ones(32).double(),) * 2), "output norm must be contiguous fp32"),
     ],
 )
 def test_the_op_rejects_bad_inputs(change: dict[str, object], message: str) -> None:

@@ -2,9 +2,10 @@
 one C++ op (`csrc/fused_decode/`).
 
 It computes what the layers compute op by op, to the bit: the same kernels in the same order
-(norm, q/k/v, each q and k head's norm where the layer has them (Qwen3), rotary of all, some
-(Phi-4-mini) or none (SmolLM3's NoPE layers) of each head's dims, K/V stored at their slots,
-paged attention, output projection and residual, norm, gate/up, activation, down and
+(norm, q/k/v, each q and k head's norm where the layer has them (Qwen3, Gemma 3), rotary of
+all, some (Phi-4-mini) or none (SmolLM3's NoPE layers) of each head's dims, K/V stored at their
+slots, paged attention, output projection (normed before the residual in Gemma's layer) and
+residual, norm, gate/up, activation (silu, or Gemma's GELU), down (normed again in Gemma's) and
 residual), without the dispatch of two dozen small ops a layer. Its attention is Conveyor's
 CPU paged attention, so it runs where that backend hands out a `DecodeStep` (every row decodes,
 the cache holds a dtype it reads).
@@ -15,7 +16,7 @@ one op per layer, or op by op, with the reason when the fused routes do not appl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -26,6 +27,9 @@ from torch import nn
 from engine.attention.backend import DecodeStep
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.linear import GatedPanelLinear, PanelLinear
+
+# The step's cos and sin: under None, or under each layer type with a table of its own.
+RotaryTables = Mapping[str | None, tuple[torch.Tensor, torch.Tensor]]
 
 # Projections the fused layer takes: panels, or gate/up panel pairs.
 PANEL_TYPES = (PanelLinear, GatedPanelLinear)
@@ -46,16 +50,25 @@ class FusibleLayer(Protocol):
     head_dim: int
     scaling: float
     silu: bool
+    gelu_tanh: bool
     qk_norm_weight: torch.Tensor | None
     qk_norm_eps: float
     # A sliding window, or None (`LayerAttention`).
     attention: Any
     input_norm: Any
-    post_attention_norm: Any
+    # The norms of the attention's and the MLP's outputs before they join the residual
+    # (Gemma's), or None.
+    output_norms: tuple[Any, Any] | None
+    # The layer's type, whose rotary table it takes where the frequencies differ by type.
+    layer_type: str | None
     qkv_proj: nn.Module
     o_proj: nn.Module
     gate_up_proj: nn.Module
     down_proj: nn.Module
+
+    @property
+    def mlp_norm(self) -> Any:
+        """The norm of the MLP's input."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,20 +86,31 @@ class LayerWeights:
     qk_norm: torch.Tensor | None = None
     # False for a layer that rotates neither q nor k (SmolLM3's NoPE layers).
     rotates: bool = True
+    # The attention's and the MLP's output norms' weights (Gemma's), or None.
+    out_norms: tuple[torch.Tensor, torch.Tensor] | None = None
+    # gelu(gate) * up (tanh's approximation) instead of silu(gate) * up.
+    gelu: bool = False
+    # The step's rotary table the layer takes (None: the model's one table).
+    rotary: str | None = None
+
+    @property
+    def stackable(self) -> bool:
+        """Whether `decode_layers` computes it: the Llama layer's norms and silu gate."""
+        return self.out_norms is None and not self.gelu
 
 
 def why_not_fused(layer: FusibleLayer) -> str:
     """Why the fused layer does not compute this layer ("" where it does): it needs projections
-    in Conveyor's panels, fp32 norms with one epsilon, silu gating, q, k and v made as the Llama
-    layer makes them (q/k norms, where it has them, before a rotary of all, some or none of each
-    head's dims), and the kernels built."""
+    in Conveyor's panels, fp32 norms with one epsilon, silu or GELU (tanh) gating, q, k and v
+    made as the Llama layer makes them (q/k norms, where it has them, before a rotary of all,
+    some or none of each head's dims), and the kernels built."""
     if getattr(layer, "moe", None) is not None:
         return "a mixture-of-experts MLP"
     features = getattr(layer, "attention", None)
     if features is not None and (features.softcap is not None or features.sinks is not None):
         return "soft-capped scores or sinks"
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    norms = (layer.input_norm, layer.post_attention_norm)
+    norms = (layer.input_norm, layer.mlp_norm, *(layer.output_norms or ()))
     if layer.input_norm is None:
         return "no norm before the attention (OLMo 2)"
     if getattr(layer, "residual_multiplier", None) is not None:
@@ -97,8 +121,8 @@ def why_not_fused(layer: FusibleLayer) -> str:
         return "the fused_decode kernels are not built"
     if not getattr(layer, "gated", True):
         return "an MLP without a gate"
-    if not layer.silu:
-        return "the activation is not silu"
+    if not (layer.silu or layer.gelu_tanh):
+        return "the activation is neither silu nor GELU's tanh approximation"
     qk_norm = _why_qk_norm_not_fused(layer)
     if qk_norm:
         return qk_norm
@@ -112,7 +136,7 @@ def why_not_fused(layer: FusibleLayer) -> str:
         return "LayerNorms"
     if not all(n.weight.dtype == torch.float32 and n.weight.dim() == 1 for n in norms):
         return "norm weights not fp32"
-    if norms[0].variance_epsilon != norms[1].variance_epsilon:
+    if any(n.variance_epsilon != norms[0].variance_epsilon for n in norms):
         return "two norm epsilons in a layer"
     if layer.qk_norm_weight is not None and layer.qk_norm_eps != norms[0].variance_epsilon:
         return "a q/k norm epsilon of its own"
@@ -133,15 +157,18 @@ def _why_qk_norm_not_fused(layer: FusibleLayer) -> str:
     return ""
 
 
-def layer_weights(layer: FusibleLayer) -> LayerWeights:
+def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> LayerWeights:
+    """The layer's tensors as the ops take them; `rotary_kinds`: the layer types with a rotary
+    table of their own."""
     panels: list[Any] = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+    out_norms = layer.output_norms
     return LayerWeights(
         index=layer.index,
         weights=[
             layer.input_norm.weight,
             panels[0].panels,
             panels[1].panels,
-            layer.post_attention_norm.weight,
+            layer.mlp_norm.weight,
             panels[2].panels,
             panels[3].panels,
         ],
@@ -152,6 +179,9 @@ def layer_weights(layer: FusibleLayer) -> LayerWeights:
         window=(layer.attention.window or 0) if layer.attention is not None else 0,
         qk_norm=layer.qk_norm_weight,
         rotates=bool(getattr(layer, "rotates", True)),
+        out_norms=None if out_norms is None else (out_norms[0].weight, out_norms[1].weight),
+        gelu=layer.gelu_tanh and not layer.silu,
+        rotary=layer.layer_type if layer.layer_type in rotary_kinds else None,
     )
 
 
@@ -181,11 +211,14 @@ class FusedDecode:
         )
 
     def __call__(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: DecodeStep
+        self, hidden: torch.Tensor, tables: RotaryTables, step: DecodeStep
     ) -> torch.Tensor:
+        """The decode rows through every layer; `tables`: the step's cos and sin, under None, or
+        under each layer type with a table of its own."""
         cache = step.kv_cache
         if self.route is DecodeRoute.STACK:
             first = self.layers[0]
+            cos, sin = tables[first.rotary]
             return cpu_ops.decode_layers(
                 hidden,
                 list(self.weights),
@@ -205,6 +238,7 @@ class FusedDecode:
                 list(self.rotates),
             )
         for layer in self.layers:
+            cos, sin = tables[layer.rotary]
             hidden = cpu_ops.decode_layer(
                 hidden,
                 layer.weights,
@@ -222,6 +256,8 @@ class FusedDecode:
                 layer.window,
                 layer.qk_norm,
                 layer.rotates,
+                layer.out_norms,
+                layer.gelu,
             )
         return hidden
 
@@ -229,17 +265,20 @@ class FusedDecode:
         return f"{self.route} ({self.reason})" if self.reason else str(self.route)
 
 
-def choose(layers: Sequence[FusibleLayer]) -> FusedDecode:
-    """The decode route for these layers: the whole stack as one op where every layer fuses
-    with the same heads, epsilon, scale and window; one op per layer where every layer fuses;
-    else op by op, with the first layer's reason."""
+def choose(layers: Sequence[FusibleLayer], rotary_kinds: Collection[str] = ()) -> FusedDecode:
+    """The decode route for these layers (`rotary_kinds`: the layer types with a rotary table of
+    their own): the whole stack as one op where every layer is the Llama layer with the same
+    heads, epsilon, scale, window and rotary; one op per layer where every layer fuses; else op
+    by op, with the first layer's reason."""
     reasons = [why_not_fused(layer) for layer in layers]
     if not layers or any(reasons):
         reason = next((r for r in reasons if r), "no layers")
         return FusedDecode(DecodeRoute.OPS, reason=reason)
-    fused = tuple(layer_weights(layer) for layer in layers)
+    fused = tuple(layer_weights(layer, rotary_kinds) for layer in layers)
+    if not all(f.stackable for f in fused):
+        return FusedDecode.of(DecodeRoute.LAYERS, fused, reason="outputs normed or GELU gating")
     first = fused[0]
-    shape = (first.heads, first.eps, first.scale, first.window)
-    if all((f.heads, f.eps, f.scale, f.window) == shape for f in fused):
+    shape = (first.heads, first.eps, first.scale, first.window, first.rotary)
+    if all((f.heads, f.eps, f.scale, f.window, f.rotary) == shape for f in fused):
         return FusedDecode.of(DecodeRoute.STACK, fused)
     return FusedDecode.of(DecodeRoute.LAYERS, fused, reason="the layers differ in shape")

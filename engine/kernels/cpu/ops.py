@@ -445,6 +445,8 @@ def decode_layer(
     window: int = 0,
     qk_norm: torch.Tensor | None = None,
     rotates: bool = True,
+    out_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gelu: bool = False,
 ) -> torch.Tensor:
     """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
 
@@ -455,8 +457,11 @@ def decode_layer(
     `window` tokens only, where given). With `qk_norm` (fp32 `[heads + kv heads, head dim]`)
     each q and k head is normed before the rotary, as `head_rms_norm` norms it, with `eps`.
     The rotary turns each head's first `cos.shape[-1]` dims (a partial rotary where fewer than
-    the head's), none where not `rotates`.
+    the head's), none where not `rotates`. With `out_norms` (fp32 `[hidden]` each, Gemma's) the
+    attention's and the MLP's outputs are normed before they join the residual; with `gelu` the
+    MLP gates with GELU's tanh approximation instead of silu.
     """
+    attn_out_norm, mlp_out_norm = out_norms if out_norms is not None else (None, None)
     return torch.ops.conveyor.decode_layer(
         hidden,
         weights,
@@ -474,6 +479,9 @@ def decode_layer(
         window,
         qk_norm,
         rotates,
+        attn_out_norm,
+        mlp_out_norm,
+        gelu,
     )
 
 

@@ -1,7 +1,9 @@
 // A whole Llama-family decoder layer for a step of decode rows (one new token per sequence), in
 // one op: RMSNorm, the fused q/k/v projection, rotary embedding of q and k, the new K/V stored at
 // their slots, paged attention over the cache, the output projection and residual add, RMSNorm,
-// the fused gate/up projection, silu(gate) * up, the down projection and residual add.
+// the fused gate/up projection, silu(gate) * up, the down projection and residual add; or
+// Gemma's layer, whose projections' outputs are normed before each residual add and whose MLP
+// gates with GELU.
 //
 // hidden    [rows, hidden] fp32, contiguous
 // weights   input norm [hidden], q/k/v panels, output panels, post-attention norm [hidden],
@@ -18,12 +20,18 @@
 // qk_norm   optional [query heads + kv heads, head dim] fp32: each q and k head normed by its
 //           row before the rotary (Qwen3's per-head norms), with the layer's eps
 // rotates   false: q and k are not rotated (SmolLM3's NoPE layers)
+// attn_out_norm, mlp_out_norm
+//           optional fp32 [hidden], both or neither: the attention's and the MLP's outputs each
+//           normed before they join the residual (Gemma's four norms a layer)
+// gelu      gelu(gate) * up, tanh's approximation (Gemma's), in place of silu(gate) * up
 // returns   [rows, hidden] fp32, the layer's output
 //
 // It calls the same kernels, in the same order, as the layer does op by op from Python, so the
 // result is the same to the bit; what it saves is the dispatch of two dozen small ops a layer
 // (about a third of a decode step for one sequence of the default model).
+#include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/gelu.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -35,6 +43,8 @@
 
 namespace {
 
+bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
 // One layer's weights and cache.
 void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                  at::IntArrayRef heads, const at::Tensor& key, const at::Tensor& value,
@@ -45,11 +55,23 @@ void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tenso
   conveyor::check_cache(key, value, "decode_layer");
   TORCH_CHECK(key.size(2) == heads[1] && key.size(3) == heads[2] && heads[0] % heads[1] == 0,
               "decode_layer: head shapes do not match the cache");
-  TORCH_CHECK(!qk_norm.has_value() || !qk_norm->defined() ||
-                  (qk_norm->scalar_type() == at::kFloat && qk_norm->dim() == 2 &&
-                   qk_norm->size(0) == heads[0] + heads[1] && qk_norm->size(1) == heads[2] &&
-                   qk_norm->is_contiguous()),
+  TORCH_CHECK(!given(qk_norm) || (qk_norm->scalar_type() == at::kFloat && qk_norm->dim() == 2 &&
+                                  qk_norm->size(0) == heads[0] + heads[1] &&
+                                  qk_norm->size(1) == heads[2] && qk_norm->is_contiguous()),
               "decode_layer: the q/k norm must be contiguous fp32 [heads + kv_heads, head_dim]");
+}
+
+// The norms of the attention's and the MLP's outputs (Gemma's): both or neither, each fp32
+// [hidden] as the layer's own norms.
+void check_output_norms(const std::optional<at::Tensor>& attn_out_norm,
+                        const std::optional<at::Tensor>& mlp_out_norm, const at::Tensor& norm) {
+  TORCH_CHECK(given(attn_out_norm) == given(mlp_out_norm),
+              "decode_layer: the attention's and the MLP's output norms come together");
+  for (const auto& out_norm : {attn_out_norm, mlp_out_norm})
+    TORCH_CHECK(
+        !given(out_norm) || (out_norm->scalar_type() == at::kFloat &&
+                             out_norm->sizes() == norm.sizes() && out_norm->is_contiguous()),
+        "decode_layer: an output norm must be contiguous fp32 [hidden]");
 }
 
 // What every layer of a step shares: the rows and their slots in a cache of `key`'s size.
@@ -66,12 +88,26 @@ namespace {
 
 // silu(gate) * up of the MLP's input x: in one op over gated panels (4-d), else the gate/up
 // projection then the activation. Gated panels hand bf16 down panels their rows already
-// rounded to bf16, as that product would round them.
+// rounded to bf16, as that product would round them. With `gelu`, gelu(gate) * up (tanh's
+// approximation, Gemma's) by torch's own ops, as the layer computes it op by op.
 at::Tensor gated(const at::Tensor& x, const at::Tensor& panels,
-                 const std::optional<at::Tensor>& bias, int64_t inter, const at::Tensor& down) {
+                 const std::optional<at::Tensor>& bias, int64_t inter, const at::Tensor& down,
+                 bool gelu) {
   if (panels.dim() == 4)
     return gated_linear(x, panels, bias, inter, down.scalar_type() == at::kBFloat16);
-  return silu_mul(panel_linear(x, panels, bias, 2 * inter));
+  const at::Tensor gate_up = panel_linear(x, panels, bias, 2 * inter);
+  if (gelu) return at::gelu(gate_up.narrow(1, 0, inter), "tanh") * gate_up.narrow(1, inter, inter);
+  return silu_mul(gate_up);
+}
+
+// `residual` plus a projection's `out`, normed first where `out_norm` is given (Gemma's
+// output norms), else added in the product's own pass as `panel_linear` adds a residual.
+at::Tensor add_output(const at::Tensor& x, const at::Tensor& panels,
+                      const std::optional<at::Tensor>& bias, int64_t width,
+                      const at::Tensor& residual, const std::optional<at::Tensor>& out_norm,
+                      double eps) {
+  if (!given(out_norm)) return panel_linear(x, panels, bias, width, residual);
+  return residual + rms_norm(panel_linear(x, panels, bias, width), *out_norm, eps);
 }
 
 // One layer, its inputs already checked.
@@ -80,7 +116,9 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
                      const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key,
                      at::Tensor& value, const at::Tensor& slots, const at::Tensor& table,
                      const at::Tensor& lens, double eps, double scale, int64_t window,
-                     const std::optional<at::Tensor>& qk_norm, bool rotates) {
+                     const std::optional<at::Tensor>& qk_norm, bool rotates,
+                     const std::optional<at::Tensor>& attn_out_norm,
+                     const std::optional<at::Tensor>& mlp_out_norm, bool gelu) {
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const int64_t num_heads = heads[0], kv_heads = heads[1], dim = heads[2];
   const int64_t qk_heads = num_heads + kv_heads, kv_size = kv_heads * dim;
@@ -92,19 +130,20 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   at::Tensor x = rms_norm(hidden, weights[kInputNorm], eps, bf16(weights[kQkv]));
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
   at::Tensor qk = qkv.narrow(1, 0, qk_heads * dim).view({rows, qk_heads, dim});
-  if (qk_norm.has_value() && qk_norm->defined()) qk = head_rms_norm(qk, *qk_norm, eps);
+  if (given(qk_norm)) qk = head_rms_norm(qk, *qk_norm, eps);
   qk = rotates ? rotary(qk, cos, sin) : qk.contiguous();
   store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
            qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots.data_ptr<int64_t>(), 0, rows,
            kv_size, key, value);
   at::Tensor attended =
       paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale, window);
-  const at::Tensor residual = panel_linear(attended.view({rows, num_heads * dim}), weights[kOut],
-                                           biases.get(kOutBias), width, hidden);
+  const at::Tensor residual = add_output(attended.view({rows, num_heads * dim}), weights[kOut],
+                                         biases.get(kOutBias), width, hidden, attn_out_norm, eps);
 
   x = rms_norm(residual, weights[kPostNorm], eps, bf16(weights[kGateUp]));
-  return panel_linear(gated(x, weights[kGateUp], biases.get(kGateUpBias), inter, weights[kDown]),
-                      weights[kDown], biases.get(kDownBias), width, residual);
+  return add_output(
+      gated(x, weights[kGateUp], biases.get(kGateUpBias), inter, weights[kDown], gelu),
+      weights[kDown], biases.get(kDownBias), width, residual, mlp_out_norm, eps);
 }
 
 }  // namespace
@@ -114,11 +153,16 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key,
                         at::Tensor& value, const at::Tensor& slots, const at::Tensor& table,
                         const at::Tensor& lens, double eps, double scale, int64_t window,
-                        const std::optional<at::Tensor>& qk_norm, bool rotates) {
+                        const std::optional<at::Tensor>& qk_norm, bool rotates,
+                        const std::optional<at::Tensor>& attn_out_norm,
+                        const std::optional<at::Tensor>& mlp_out_norm, bool gelu) {
   check_layer(weights, biases, heads, key, value, qk_norm);
+  check_output_norms(attn_out_norm, mlp_out_norm, weights[kInputNorm]);
+  TORCH_CHECK(!gelu || weights[kGateUp].dim() != 4,
+              "decode_layer: gelu gates over gate/up panels side by side, not gated pairs");
   check_step(hidden, slots, key);
   return run_layer(hidden, weights, biases, heads, cos, sin, key, value, slots, table, lens, eps,
-                   scale, window, qk_norm, rotates);
+                   scale, window, qk_norm, rotates, attn_out_norm, mlp_out_norm, gelu);
 }
 
 // Every layer of a decoder stack in turn, in one op: weights and biases are each layer's
@@ -157,7 +201,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
   for (int64_t i = 0; i < layers; ++i) {
     at::Tensor key = keys[i], value = values[i];
     x = run_layer(x, weights.slice(i * kWeights, kWeights), layer_biases[i], heads, cos, sin, key,
-                  value, slots, table, lens, eps, scale, window, qk_norms.get(i), rotates.get(i));
+                  value, slots, table, lens, eps, scale, window, qk_norms.get(i), rotates.get(i),
+                  std::nullopt, std::nullopt, false);
   }
   return x;
 }
@@ -169,7 +214,8 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
       "decode_layer(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
       "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
       "Tensor lens, float eps, float scale, int window=0, Tensor? qk_norm=None, "
-      "bool rotates=True) -> Tensor");
+      "bool rotates=True, Tensor? attn_out_norm=None, Tensor? mlp_out_norm=None, "
+      "bool gelu=False) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
       "Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
