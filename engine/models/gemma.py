@@ -3,8 +3,9 @@ differences. Each norm scales by one plus its weight; the attention's and the ML
 normed again before they join the residual (four norms a layer); the MLP gates with GELU; the
 embeddings are scaled by the square root of the hidden size. Gemma 2 caps its attention scores
 and its logits; Gemma 3 normalises each q and k head instead, and rotates local (windowed) and
-global layers with their own frequencies. Gemma 3's decode steps run one C++ op a layer
-(`kernels/cpu/fused_decode.py`); Gemma 2's soft-capped scores keep its layers op by op.
+global layers with their own frequencies. On the CPU, Gemma 3's decode steps run the whole stack
+as one C++ call (`kernels/cpu/fused_decode.py`); Gemma 2's soft-capped scores keep its layers op
+by op.
 """
 
 from __future__ import annotations

@@ -158,12 +158,16 @@ def is_gelu_tanh(act_fn: nn.Module) -> bool:
 
 
 def gated_activation(
-    gate_up: torch.Tensor, act_fn: nn.Module, intermediate: int, silu: bool
+    gate_up: torch.Tensor,
+    act_fn: nn.Module,
+    intermediate: int,
+    silu: bool,
+    gelu_tanh: bool = False,
 ) -> torch.Tensor:
     """`act_fn(gate) * up` over a fused gate/up projection's output `[rows, 2 * intermediate]`;
-    in one pass on the CPU where `act_fn` is silu."""
-    if silu and _one_pass_gate(gate_up):
-        return cpu_ops.silu_mul(gate_up)
+    in one pass on the CPU where `act_fn` is silu, or GELU under its tanh approximation."""
+    if (silu or gelu_tanh) and _one_pass_gate(gate_up):
+        return cpu_ops.silu_mul(gate_up) if silu else cpu_ops.gelu_tanh_mul(gate_up)
     return act_fn(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
 
 

@@ -305,8 +305,13 @@ class PagedLlamaLayer(nn.Module):
         if len(projections) == 1:  # Phi-3: gate and up in one projection already
             self.gate_up_proj = projections[0]
             return
-        gated = GatedPanelLinear.of(mlp.gate_proj, mlp.up_proj) if self.silu else None
-        # With `gated`, one op computes silu(gate) * up; else gate and up side by side.
+        gated = (
+            GatedPanelLinear.of(mlp.gate_proj, mlp.up_proj, gelu=self.gelu_tanh)
+            if self.silu or self.gelu_tanh
+            else None
+        )
+        # With `gated`, one op computes silu(gate) * up (or GELU's); else gate and up side by
+        # side.
         self.gate_up_proj = gated or fuse([mlp.gate_proj, mlp.up_proj])
 
     def lora_shapes(self) -> Shapes:
@@ -508,13 +513,15 @@ class PagedLlamaLayer(nn.Module):
         if lora is not None and lora.adapts(self.lora_index, "gate_up"):
             gate_up = self._gate_up(hidden)
             gate_up += lora.delta(self.lora_index, "gate_up", hidden).to(gate_up.dtype)
-            return gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)
+            return self._gated(gate_up)
         if isinstance(self.gate_up_proj, GatedPanelLinear):
             # bf16 down panels take the rows rounded as they leave the gated product.
             return self.gate_up_proj(hidden, bf16_out=takes_bf16_rows(self.down_proj))
-        return gated_activation(
-            self.gate_up_proj(hidden), self.act_fn, self.intermediate, self.silu
-        )
+        return self._gated(self.gate_up_proj(hidden))
+
+    def _gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The activation of gate and up side by side."""
+        return gated_activation(gate_up, self.act_fn, self.intermediate, self.silu, self.gelu_tanh)
 
     def _gate_up(self, hidden: torch.Tensor) -> torch.Tensor:
         """Gate and up side by side, before the activation (the gated op never writes them)."""

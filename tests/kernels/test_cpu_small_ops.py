@@ -177,33 +177,49 @@ def test_the_model_rotates_fp32_rows_on_the_cpu_in_one_pass(monkeypatch):
     assert calls == [(4, 3, 8)]
 
 
+# Each one-pass gated activation and torch's own activation it computes.
+GATED = {
+    "silu_mul": F.silu,
+    "gelu_tanh_mul": lambda gate: F.gelu(gate, approximate="tanh"),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(GATED))
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 5), (16, 64), (300, 1536)])
-def test_silu_mul_matches_torch(rows, inter):
+def test_gated_activations_match_torch(kernel, rows, inter):
+    """silu, and GELU's tanh approximation (computed as x / (1 + exp(-2u)) rather than torch's
+    0.5 x (1 + tanh(u))), against torch's own over gate, times up, in fp64: where tanh(u) nears
+    -1, torch's fp32 GELU loses its digits to 1 + tanh(u), and the kernel's keeps them."""
     torch.manual_seed(rows)
     gate_up = torch.randn(rows, 2 * inter) * 4
-    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamped range, and zero
-    expected = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
+    gate_up[0, :5] = torch.tensor([-100.0, 100.0, 0.0, -1e20, 1e20])  # exp's clamped range
+    exact = gate_up.double()
+    expected = GATED[kernel](exact[:, :inter]) * exact[:, inter:]
+    out = getattr(cpu_ops, kernel)(gate_up)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=1e-7)
 
 
-def test_silu_mul_lanes_equal_the_scalar_tail():
+@pytest.mark.parametrize("kernel", sorted(GATED))
+def test_gated_activations_lanes_equal_the_scalar_tail(kernel):
     """Eight lanes at a time, then one by one: the same value gives the same bits either way,
     so a column's result does not depend on where the vector loop stops."""
     values = torch.randn(40) * 6
     gate_up = torch.zeros(40, 18)  # inter 9: lanes 0-7, then column 8 alone
     gate_up[:, 0] = gate_up[:, 8] = values
     gate_up[:, 9] = gate_up[:, 17] = 1.5
-    out = cpu_ops.silu_mul(gate_up)
+    out = getattr(cpu_ops, kernel)(gate_up)
     assert torch.equal(out[:, 0], out[:, 8])
 
 
-def test_silu_mul_refuses_bad_inputs():
-    with pytest.raises(RuntimeError, match=r"\[rows, 2 \* inter\]"):
-        cpu_ops.silu_mul(torch.randn(2, 7))
+@pytest.mark.parametrize("kernel", sorted(GATED))
+def test_gated_activations_refuse_bad_inputs(kernel):
+    op = getattr(cpu_ops, kernel)
+    with pytest.raises(RuntimeError, match=rf"{kernel}: x must be \[rows, 2 \* inter\]"):
+        op(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="must be fp32"):
-        cpu_ops.silu_mul(torch.randn(2, 8).double())
+        op(torch.randn(2, 8).double())
     with pytest.raises(RuntimeError, match="contiguous"):
-        cpu_ops.silu_mul(torch.randn(8, 2).t())
+        op(torch.randn(8, 2).t())
 
 
 def test_the_model_gates_fp32_silu_rows_on_the_cpu_in_one_pass(monkeypatch):
@@ -221,6 +237,23 @@ def test_the_model_gates_fp32_silu_rows_on_the_cpu_in_one_pass(monkeypatch):
     torch.testing.assert_close(layer._mlp(hidden, residual), residual + expected)
     layer.silu = False  # another activation: torch's
     torch.testing.assert_close(layer._mlp(hidden, residual), residual + expected)
+    assert calls == [(3, 2 * layer.intermediate)]
+
+
+def test_the_model_gates_fp32_gelu_rows_on_the_cpu_in_one_pass(monkeypatch):
+    """Gemma's GELU (tanh's approximation) in one pass: close to torch's own activation."""
+    from engine.models.gemma import PagedGemmaLayer
+    from tests.models.test_attention_features import build
+
+    calls = spy(monkeypatch, "gelu_tanh_mul")
+    layer = PagedGemmaLayer(build("gemma3").model.layers[0], 0)
+    assert layer.gelu_tanh and not layer.silu
+    hidden = torch.randn(3, layer.gate_up_proj.in_features)
+    gate_up = layer.gate_up_proj(hidden)
+    expected = layer.down_proj(
+        layer.act_fn(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :]
+    )
+    torch.testing.assert_close(layer._mlp_output(hidden), expected, rtol=1e-5, atol=1e-6)
     assert calls == [(3, 2 * layer.intermediate)]
 
 

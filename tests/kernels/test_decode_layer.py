@@ -51,7 +51,9 @@ def packed(model: LlamaForCausalLM, weights: str = "fp32") -> LlamaForCausalLM:
 
 def stack_of(model: LlamaForCausalLM) -> FusedDecode:
     """The fused decode Conveyor's model chooses for `model`: the whole stack as one op."""
-    fused = PagedLlamaForCausalLM(model).fused_decode
+    paged = build_causal_lm(model)
+    assert isinstance(paged, PagedLlamaForCausalLM)
+    fused = paged.fused_decode
     assert fused.route is DecodeRoute.STACK, fused.describe()
     return fused
 
@@ -139,8 +141,7 @@ def test_fused_step_equals_the_layers_op_by_op(
     paged = build_causal_lm(model)
     assert isinstance(paged, PagedLlamaForCausalLM)
     gated = isinstance(paged.layers[0].gate_up_proj, GatedPanelLinear)
-    # Phi-3's gate/up is one layer; Gemma's GELU gates gate and up side by side.
-    assert gated == (weights == "bf16" and family not in ("phi4_mini", "gemma3"))
+    assert gated == (weights == "bf16" and family != "phi4_mini")  # Phi-3's gate/up: one layer
     fused_logits, fused_cache = decode_step(model, True, monkeypatch, kv)
     layers = model.config.num_hidden_layers
     # One prefill step, two decode steps, then the step compared: fused on all but the first.
@@ -181,15 +182,22 @@ def mistral(weights: str, window: int | None) -> LlamaForCausalLM:
     return packed(AutoModelForCausalLM.from_config(config).eval(), weights)
 
 
-def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("family", ["llama", "ministral", "gemma3"])
+def test_the_stack_in_one_op_equals_one_op_a_layer(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`decode_layers` runs the layers' ops in the same order as a `decode_layer` call a layer:
-    the same logits and cache to the bit, in one call a step."""
+    the same logits and cache to the bit, in one call a step (ministral: a window on one layer
+    of two; gemma3: Gemma's layer, windows on two of three and a rotary table per layer
+    type)."""
     stacks: list[int] = []
     original = cpu_ops.decode_layers
     monkeypatch.setattr(
         cpu_ops, "decode_layers", lambda *args: stacks.append(len(args[6])) or original(*args)
     )
-    model = packed(tiny_llama())
+    model = packed(tiny_llama() if family == "llama" else build(family))
+    windows = stack_of(model).windows
+    assert (len(set(windows)) > 1) == (family != "llama")
     stacked_logits, stacked_cache = decode_step(model, True, monkeypatch, "bfloat16")
     layers = model.config.num_hidden_layers
     assert stacks == [layers] * 3  # the two decode steps before, and the one compared
@@ -201,7 +209,7 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(monkeypatch: pytest.MonkeyPat
 
 
 @needs_bf16_panels
-@pytest.mark.parametrize("family", ["llama", "qwen3", "smollm3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "smollm3", "ministral", "gemma3"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("sequences", [4, 13])
 def test_the_stack_in_one_region_equals_the_layers_op_by_op(
@@ -214,13 +222,15 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(
     (`csrc/fused_decode/decode_stack.cpp`): with a few sequences' kv heads shared out or many whole
     sequences taken as threads free up, on any number of threads, the logits and every K/V written
     equal the layers op by op (qwen3: each q and k head normed in the region; smollm3: a layer
-    not rotated)."""
+    not rotated; ministral: a window on one layer of two; gemma3: its output norms, GELU,
+    windows and two rotary tables)."""
     prompts = [list(range(5 + 11 * i, 9 + 11 * i + (7 * i) % 19)) for i in range(sequences)]
     model = packed(tiny_llama() if family == "llama" else build(family), "bf16")
     stack = stack_of(model)
     cos = sin = torch.zeros(sequences, 1, stack.layers[0].heads[2])
     width = model.config.hidden_size
-    assert cpu_ops.stack_region_applies(width, *stack_args(stack), cos, sin, list(stack.qk_norms))
+    forms = (list(stack.qk_norms), list(stack.out_norms), list(stack.gelu))
+    assert cpu_ops.stack_region_applies(width, *stack_args(stack), cos, sin, *forms)
     assert (family == "smollm3") == (False in stack.rotates)
     saved = torch.get_num_threads()
     try:
@@ -253,6 +263,26 @@ def test_only_stacks_of_bf16_panels_run_in_one_region() -> None:
     assert applies(bf16, torch.zeros(3, 1, 8), torch.zeros(3, 1, 8))  # half of each head turns
     assert not applies(bf16, torch.zeros(3, 1, 32), torch.zeros(3, 1, 32))
     assert not applies(bf16, torch.zeros(3, 1, 7), torch.zeros(3, 1, 7))
+    # A layer's own rotary rows: the first layer's of another width.
+    assert applies(bf16, [torch.zeros(3, 1, 8), cos], [torch.zeros(3, 1, 8), sin])
+    assert not applies(bf16, [torch.zeros(3, 1, 7), cos], [torch.zeros(3, 1, 7), sin])
+
+
+@needs_bf16_panels
+def test_gemmas_stack_runs_in_one_region_with_its_output_norms() -> None:
+    """Gemma 3's output norms and GELU gate pairs run in the region too; an output norm that is
+    not fp32 `[hidden]` keeps the stack a layer at a time."""
+    fused = stack_of(packed(build("gemma3"), "bf16"))
+    assert all(f.gelu and f.out_norms is not None for f in fused.layers)
+    width, dim = fused.layers[0].weights[0].shape[0], fused.layers[0].heads[2]
+    rows = torch.zeros(3, 1, dim)
+    args = (*stack_args(fused), rows, rows, list(fused.qk_norms))
+    out_norms = list(fused.out_norms)
+    assert cpu_ops.stack_region_applies(width, *args, out_norms, list(fused.gelu))
+    first = out_norms[0]
+    assert first is not None
+    out_norms[0] = (first[0][:-1], first[1])
+    assert not cpu_ops.stack_region_applies(width, *args, out_norms, list(fused.gelu))
 
 
 @needs_bf16_panels
@@ -290,8 +320,8 @@ def test_the_region_refuses_rows_without_their_rotary_rows() -> None:
 _build_paged = PagedLlamaForCausalLM.__init__
 
 
-def _without_stack(self: PagedLlamaForCausalLM, hf_model: object) -> None:
-    _build_paged(self, hf_model)
+def _without_stack(self: PagedLlamaForCausalLM, *args: object) -> None:
+    _build_paged(self, *args)
     self.fused_decode = FusedDecode.of(DecodeRoute.LAYERS, self.fused_decode.layers)
 
 
@@ -347,16 +377,14 @@ def test_greedy_through_the_llama_layers_kin_equals_generate(
     expected = [reference_greedy(model, p, 10, attention="eager") for p in PROMPTS]
     core, _ = tiny_core(packed(model, weights), attention_backend="cpu")
     route = core.runner.model.fused_decode
-    if family == "gemma3":  # one op a layer, each with its window and rotary table
-        assert route.describe() == "one op per layer (outputs normed or GELU gating)"
+    assert route.route is DecodeRoute.STACK, route.describe()
+    if family == "gemma3":  # each layer with its window and rotary table
         assert [(f.window, f.rotary) for f in route.layers] == [
             (6, "sliding_attention"),
             (0, "full_attention"),
             (6, "sliding_attention"),
         ]
         assert all(f.gelu and f.out_norms is not None for f in route.layers)
-    else:
-        assert route.route is DecodeRoute.STACK, route.describe()
     assert (route.qk_norms[0] is not None) == (family in ("qwen3", "gemma3"))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = run_all(core, PROMPTS, params)
@@ -366,11 +394,11 @@ def test_greedy_through_the_llama_layers_kin_equals_generate(
 
 def test_gemma_2s_capped_scores_keep_its_layers_op_by_op() -> None:
     """Gemma 2's layer is Gemma 3's with soft-capped scores, which the fused layer does not
-    compute; Gemma 3's sandwich norms and GELU fuse, one op a layer."""
+    compute; Gemma 3's sandwich norms and GELU fuse, the whole stack in one call."""
     gemma2 = list(PagedGemmaForCausalLM(packed(build("gemma2"))).layers)
     assert fused_decode.choose(gemma2).describe() == "op by op (soft-capped scores or sinks)"
     gemma3 = list(PagedGemmaForCausalLM(packed(build("gemma3"))).layers)
-    assert fused_decode.choose(gemma3).route is DecodeRoute.LAYERS
+    assert fused_decode.choose(gemma3).route is DecodeRoute.STACK
     gemma3[2].post_mlp_norm.variance_epsilon *= 10
     assert fused_decode.choose(gemma3).describe() == "op by op (two norm epsilons in a layer)"
 

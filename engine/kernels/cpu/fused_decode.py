@@ -93,11 +93,6 @@ class LayerWeights:
     # The step's rotary table the layer takes (None: the model's one table).
     rotary: str | None = None
 
-    @property
-    def stackable(self) -> bool:
-        """Whether `decode_layers` computes it: the Llama layer's norms and silu gate."""
-        return self.out_norms is None and not self.gelu
-
 
 def why_not_fused(layer: FusibleLayer) -> str:
     """Why the fused layer does not compute this layer ("" where it does): it needs projections
@@ -197,6 +192,9 @@ class FusedDecode:
     biases: tuple[torch.Tensor | None, ...] = ()
     qk_norms: tuple[torch.Tensor | None, ...] = ()
     rotates: tuple[bool, ...] = ()
+    windows: tuple[int, ...] = ()
+    out_norms: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = ()
+    gelu: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, route: DecodeRoute, layers: tuple[LayerWeights, ...], reason: str = ""):
@@ -208,6 +206,9 @@ class FusedDecode:
             tuple(b for layer in layers for b in layer.biases),
             tuple(layer.qk_norm for layer in layers),
             tuple(layer.rotates for layer in layers),
+            tuple(layer.window for layer in layers),
+            tuple(layer.out_norms for layer in layers),
+            tuple(layer.gelu for layer in layers),
         )
 
     def __call__(
@@ -218,14 +219,14 @@ class FusedDecode:
         cache = step.kv_cache
         if self.route is DecodeRoute.STACK:
             first = self.layers[0]
-            cos, sin = tables[first.rotary]
+            rows = [tables[layer.rotary] for layer in self.layers]
             return cpu_ops.decode_layers(
                 hidden,
                 list(self.weights),
                 list(self.biases),
                 first.heads,
-                cos,
-                sin,
+                [cos for cos, _ in rows],
+                [sin for _, sin in rows],
                 [cache.key(layer.index) for layer in self.layers],
                 [cache.value(layer.index) for layer in self.layers],
                 step.slot_mapping,
@@ -233,9 +234,11 @@ class FusedDecode:
                 step.seq_lens,
                 first.eps,
                 first.scale,
-                first.window,
+                list(self.windows),
                 list(self.qk_norms),
                 list(self.rotates),
+                list(self.out_norms),
+                list(self.gelu),
             )
         for layer in self.layers:
             cos, sin = tables[layer.rotary]
@@ -267,18 +270,16 @@ class FusedDecode:
 
 def choose(layers: Sequence[FusibleLayer], rotary_kinds: Collection[str] = ()) -> FusedDecode:
     """The decode route for these layers (`rotary_kinds`: the layer types with a rotary table of
-    their own): the whole stack as one op where every layer is the Llama layer with the same
-    heads, epsilon, scale, window and rotary; one op per layer where every layer fuses; else op
-    by op, with the first layer's reason."""
+    their own): the whole stack as one op where every layer fuses with the same heads, epsilon
+    and scale (each its own window and rotary); one op per layer where every layer fuses; else
+    op by op, with the first layer's reason."""
     reasons = [why_not_fused(layer) for layer in layers]
     if not layers or any(reasons):
         reason = next((r for r in reasons if r), "no layers")
         return FusedDecode(DecodeRoute.OPS, reason=reason)
     fused = tuple(layer_weights(layer, rotary_kinds) for layer in layers)
-    if not all(f.stackable for f in fused):
-        return FusedDecode.of(DecodeRoute.LAYERS, fused, reason="outputs normed or GELU gating")
     first = fused[0]
-    shape = (first.heads, first.eps, first.scale, first.window, first.rotary)
-    if all((f.heads, f.eps, f.scale, f.window, f.rotary) == shape for f in fused):
+    shape = (first.heads, first.eps, first.scale)
+    if all((f.heads, f.eps, f.scale) == shape for f in fused):
         return FusedDecode.of(DecodeRoute.STACK, fused)
     return FusedDecode.of(DecodeRoute.LAYERS, fused, reason="the layers differ in shape")

@@ -327,17 +327,19 @@ class PanelLinear(nn.Module):
 
 class GatedPanelLinear(nn.Module):
     """A gated MLP's gate and up projections and its activation, `silu(x Wg^T + bg) * (x Wu^T
-    + bu)`, in one op over bf16 panels: each gate panel followed by the up panel of the same 16
-    columns (`[ceil(inter / 16), 2, in / 2, 32]`), so one pass of the kernel holds both sums
-    and writes only the activation (`cpu_ops.gated_linear`). Equal to the bit to the joined
-    gate/up `PanelLinear` followed by `cpu_ops.silu_mul`."""
+    + bu)` (with `gelu`, GELU's tanh approximation for silu: Gemma's), in one op over bf16
+    panels: each gate panel followed by the up panel of the same 16 columns (`[ceil(inter /
+    16), 2, in / 2, 32]`), so one pass of the kernel holds both sums and writes only the
+    activation (`cpu_ops.gated_linear`). Equal to the bit to the joined gate/up `PanelLinear`
+    followed by `cpu_ops.silu_mul` (`cpu_ops.gelu_tanh_mul`)."""
 
     panels: torch.Tensor
     padded_bias: torch.Tensor | None
 
-    def __init__(self, gate: PanelLinear, up: PanelLinear) -> None:
+    def __init__(self, gate: PanelLinear, up: PanelLinear, gelu: bool = False) -> None:
         """Over copies of `gate`'s and `up`'s panels, which then hold views of them."""
         super().__init__()
+        self.gelu = gelu
         self.in_features, self.out_features = gate.in_features, gate.out_features
         self.register_buffer("panels", torch.stack([gate.panels, up.panels], dim=1))
         gate.panels, up.panels = self.panels[:, 0], self.panels[:, 1]
@@ -349,7 +351,7 @@ class GatedPanelLinear(nn.Module):
         self.register_buffer("padded_bias", bias)
 
     @classmethod
-    def of(cls, gate: nn.Module, up: nn.Module) -> GatedPanelLinear | None:
+    def of(cls, gate: nn.Module, up: nn.Module, gelu: bool = False) -> GatedPanelLinear | None:
         """The gated layer over these projections, where both are bf16 `PanelLinear`s of one
         shape, both with or both without bias, and the kernels run here; else None."""
         if not (
@@ -363,14 +365,16 @@ class GatedPanelLinear(nn.Module):
             and cpu_ops.bf16_panels_available()
         ):
             return None
-        return cls(gate, up)
+        return cls(gate, up, gelu)
 
     def forward(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
         """fp32, or with `bf16_out` rounded to bf16: the rows a bf16 product would round the
         fp32 ones to, for the down projection, without the fp32 rows' pass over memory. `x`
         may be bf16 rows too (taken as they are)."""
         rows = kernel_rows(x, self.in_features, bf16_panels=True)
-        out = cpu_ops.gated_linear(rows, self.panels, self.padded_bias, self.out_features, bf16_out)
+        out = cpu_ops.gated_linear(
+            rows, self.panels, self.padded_bias, self.out_features, bf16_out, self.gelu
+        )
         return out.view(*x.shape[:-1], self.out_features)
 
     def gate_and_up(self, x: torch.Tensor) -> torch.Tensor:
@@ -384,10 +388,14 @@ class GatedPanelLinear(nn.Module):
         halves = out.view(-1, pairs, 2, PANEL).transpose(1, 2).reshape(-1, 2, pairs * PANEL)
         return halves[:, :, : self.out_features].reshape(-1, 2 * self.out_features).contiguous()
 
+    @property
+    def activation(self) -> str:
+        return "gelu_tanh" if self.gelu else "silu"
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"weight=bf16 x bf16 activations (gate/up panel pairs, silu(gate) * up)"
+            f"weight=bf16 x bf16 activations (gate/up panel pairs, {self.activation}(gate) * up)"
         )
 
 

@@ -21,7 +21,7 @@ callers keep the pure-torch attention and torch's products.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
@@ -64,10 +64,11 @@ def register_fakes() -> None:
         "head_rms_norm": lambda x, weight, eps: x.new_empty(x.shape),
         "rotary": lambda x, cos, sin: x.new_empty(x.shape),
         "silu_mul": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)),
+        "gelu_tanh_mul": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)),
         "panel_linear": lambda x, panels, bias, out_features, residual=None: x.new_empty(
             (x.shape[0], out_features), dtype=fp32
         ),
-        "gated_linear": lambda x, panels, bias, inter, bf16_out=False: x.new_empty(
+        "gated_linear": lambda x, panels, bias, inter, bf16_out=False, gelu=False: x.new_empty(
             (x.shape[0], inter), dtype=bf16 if bf16_out else fp32
         ),
     }
@@ -270,12 +271,14 @@ def gated_linear(
     bias: torch.Tensor | None,
     inter: int,
     bf16_out: bool = False,
+    gelu: bool = False,
 ) -> torch.Tensor:
-    """`silu(x Wg^T + bg) * (x Wu^T + bu)` for fp32 `x [rows, in]`, the gate and up weights
-    in bf16 panels side by side, `[ceil(inter / 16), 2, in / 2, 32]`, and their biases likewise
+    """`silu(x Wg^T + bg) * (x Wu^T + bu)` (with `gelu`, GELU's tanh approximation for silu)
+    for fp32 `x [rows, in]`, the gate and up weights in bf16 panels side by side,
+    `[ceil(inter / 16), 2, in / 2, 32]`, and their biases likewise
     (`cpu_linear.GatedPanelLinear`): `[rows, inter]` in fp32, or with `bf16_out` rounded to
     bf16 as the bf16 panels round their input rows."""
-    return torch.ops.conveyor.gated_linear(x, panels, bias, inter, bf16_out)
+    return torch.ops.conveyor.gated_linear(x, panels, bias, inter, bf16_out, gelu)
 
 
 def rms_norm(
@@ -301,6 +304,12 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for fp32 rows `[rows, 2 * inter]` holding gate then up."""
     return torch.ops.conveyor.silu_mul(x)
+
+
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """`gelu(gate) * up` under GELU's tanh approximation (Gemma's), for fp32 rows
+    `[rows, 2 * inter]` holding gate then up."""
+    return torch.ops.conveyor.gelu_tanh_mul(x)
 
 
 def gated_delta_decode(
@@ -485,20 +494,48 @@ def decode_layer(
     )
 
 
+# The step's rotary rows: one table for every layer, or one per layer.
+Rows = torch.Tensor | Sequence[torch.Tensor]
+# Each layer's output norms (Gemma's) or None.
+OutNorms = Sequence[tuple[torch.Tensor, torch.Tensor] | None]
+
+
+def _per_layer(rows: Rows, layers: int) -> list[torch.Tensor]:
+    return [rows] * layers if isinstance(rows, torch.Tensor) else list(rows)
+
+
+def _flat_out_norms(out_norms: OutNorms | None, layers: int) -> list[torch.Tensor | None]:
+    """Two a layer, None for a layer without them."""
+    norms = out_norms if out_norms is not None else [None] * layers
+    return [n for pair in norms for n in (pair if pair is not None else (None, None))]
+
+
 def stack_region_applies(
     width: int,
     weights: list[torch.Tensor],
     biases: list[torch.Tensor | None],
     heads: list[int],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: Rows,
+    sin: Rows,
     qk_norms: list[torch.Tensor | None] | None = None,
+    out_norms: OutNorms | None = None,
+    gelu: list[bool] | None = None,
 ) -> bool:
     """Whether `decode_layers` runs these layers in one parallel region
     (`csrc/fused_decode/decode_stack.cpp`): every projection over bf16 panels, gate/up as gated
     pairs."""
-    norms = qk_norms if qk_norms is not None else [None] * (len(weights) // 6)
-    return torch.ops.conveyor.stack_region_applies(width, weights, biases, heads, cos, sin, norms)
+    layers = len(weights) // 6
+    return torch.ops.conveyor.stack_region_applies(
+        width,
+        weights,
+        biases,
+        heads,
+        _per_layer(cos, layers),
+        _per_layer(sin, layers),
+        qk_norms if qk_norms is not None else [None] * layers,
+        _flat_out_norms(out_norms, layers),
+        gelu if gelu is not None else [False] * layers,
+    )
 
 
 def decode_layers(
@@ -506,8 +543,8 @@ def decode_layers(
     weights: list[torch.Tensor],
     biases: list[torch.Tensor | None],
     heads: list[int],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: Rows,
+    sin: Rows,
     key_caches: list[torch.Tensor],
     value_caches: list[torch.Tensor],
     slots: torch.Tensor,
@@ -515,21 +552,25 @@ def decode_layers(
     seq_lens: torch.Tensor,
     eps: float,
     scale: float,
-    window: int = 0,
+    window: int | Sequence[int] = 0,
     qk_norms: list[torch.Tensor | None] | None = None,
     rotates: list[bool] | None = None,
+    out_norms: OutNorms | None = None,
+    gelu: list[bool] | None = None,
 ) -> torch.Tensor:
     """`decode_layer` for every layer of a stack in turn, in one op: `weights` and `biases` are
-    each layer's back to back, `key_caches`/`value_caches`, `qk_norms` (None: no layer norms
-    its q and k heads) and `rotates` (None: every layer rotates) one per layer; one `window`
-    for all."""
+    each layer's back to back; `key_caches`/`value_caches`, `qk_norms` (None: no layer norms
+    its q and k heads), `rotates` (None: every layer rotates), `out_norms` (None: no layer norms
+    its outputs) and `gelu` (None: every layer gates with silu) one per layer; `cos`/`sin` and
+    `window` one for all or one per layer."""
+    layers = len(key_caches)
     return torch.ops.conveyor.decode_layers(
         hidden,
         weights,
         biases,
         heads,
-        cos,
-        sin,
+        _per_layer(cos, layers),
+        _per_layer(sin, layers),
         key_caches,
         value_caches,
         slots,
@@ -537,7 +578,9 @@ def decode_layers(
         seq_lens,
         eps,
         scale,
-        window,
-        qk_norms if qk_norms is not None else [None] * len(key_caches),
-        rotates if rotates is not None else [True] * len(key_caches),
+        [window] * layers if isinstance(window, int) else list(window),
+        qk_norms if qk_norms is not None else [None] * layers,
+        rotates if rotates is not None else [True] * layers,
+        _flat_out_norms(out_norms, layers),
+        gelu if gelu is not None else [False] * layers,
     )

@@ -23,7 +23,7 @@
 // attn_out_norm, mlp_out_norm
 //           optional fp32 [hidden], both or neither: the attention's and the MLP's outputs each
 //           normed before they join the residual (Gemma's four norms a layer)
-// gelu      gelu(gate) * up, tanh's approximation (Gemma's), in place of silu(gate) * up
+// gelu      gelu(gate) * up under tanh's approximation (Gemma's), in place of silu(gate) * up
 // returns   [rows, hidden] fp32, the layer's output
 //
 // It calls the same kernels, in the same order, as the layer does op by op from Python, so the
@@ -31,7 +31,6 @@
 // (about a third of a decode step for one sequence of the default model).
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/gelu.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -41,63 +40,52 @@
 #include "layer_args.h"
 #include "ops.h"
 
+namespace conveyor {
 namespace {
 
-bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
-// One layer's weights and cache.
+// One layer's weights, cache and form.
 void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                  at::IntArrayRef heads, const at::Tensor& key, const at::Tensor& value,
-                 const std::optional<at::Tensor>& qk_norm) {
-  TORCH_CHECK(weights.size() == conveyor::kWeights && biases.size() == conveyor::kBiases &&
-                  heads.size() == 3,
+                 const LayerForm& form) {
+  TORCH_CHECK(weights.size() == kWeights && biases.size() == kBiases && heads.size() == 3,
               "decode_layer: 6 weights, 4 biases and [heads, kv_heads, head_dim]");
-  conveyor::check_cache(key, value, "decode_layer");
+  check_cache(key, value, "decode_layer");
   TORCH_CHECK(key.size(2) == heads[1] && key.size(3) == heads[2] && heads[0] % heads[1] == 0,
               "decode_layer: head shapes do not match the cache");
+  const auto& qk_norm = form.qk_norm;
   TORCH_CHECK(!given(qk_norm) || (qk_norm->scalar_type() == at::kFloat && qk_norm->dim() == 2 &&
                                   qk_norm->size(0) == heads[0] + heads[1] &&
                                   qk_norm->size(1) == heads[2] && qk_norm->is_contiguous()),
               "decode_layer: the q/k norm must be contiguous fp32 [heads + kv_heads, head_dim]");
-}
-
-// The norms of the attention's and the MLP's outputs (Gemma's): both or neither, each fp32
-// [hidden] as the layer's own norms.
-void check_output_norms(const std::optional<at::Tensor>& attn_out_norm,
-                        const std::optional<at::Tensor>& mlp_out_norm, const at::Tensor& norm) {
-  TORCH_CHECK(given(attn_out_norm) == given(mlp_out_norm),
+  // The norms of the attention's and the MLP's outputs: both or neither, each fp32 [hidden] as
+  // the layer's own norms.
+  TORCH_CHECK(given(form.attn_out_norm) == given(form.mlp_out_norm),
               "decode_layer: the attention's and the MLP's output norms come together");
-  for (const auto& out_norm : {attn_out_norm, mlp_out_norm})
-    TORCH_CHECK(
-        !given(out_norm) || (out_norm->scalar_type() == at::kFloat &&
-                             out_norm->sizes() == norm.sizes() && out_norm->is_contiguous()),
-        "decode_layer: an output norm must be contiguous fp32 [hidden]");
+  for (const auto& out_norm : {form.attn_out_norm, form.mlp_out_norm})
+    TORCH_CHECK(!given(out_norm) ||
+                    (out_norm->scalar_type() == at::kFloat &&
+                     out_norm->sizes() == weights[kInputNorm].sizes() && out_norm->is_contiguous()),
+                "decode_layer: an output norm must be contiguous fp32 [hidden]");
 }
 
 // What every layer of a step shares: the rows and their slots in a cache of `key`'s size.
 void check_step(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& key) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
               "decode_layer: hidden must be contiguous fp32 [rows, hidden]");
-  conveyor::check_slots(slots, hidden.size(0), key, "decode_layer");
+  check_slots(slots, hidden.size(0), key, "decode_layer");
 }
 
-}  // namespace
-
-namespace conveyor {
-namespace {
-
-// silu(gate) * up of the MLP's input x: in one op over gated panels (4-d), else the gate/up
-// projection then the activation. Gated panels hand bf16 down panels their rows already
-// rounded to bf16, as that product would round them. With `gelu`, gelu(gate) * up (tanh's
-// approximation, Gemma's) by torch's own ops, as the layer computes it op by op.
+// silu(gate) * up of the MLP's input x (with `gelu`, gelu(gate) * up under tanh's
+// approximation, Gemma's): in one op over gated panels (4-d), else the gate/up projection then
+// the activation. Gated panels hand bf16 down panels their rows already rounded to bf16, as
+// that product would round them.
 at::Tensor gated(const at::Tensor& x, const at::Tensor& panels,
                  const std::optional<at::Tensor>& bias, int64_t inter, const at::Tensor& down,
                  bool gelu) {
   if (panels.dim() == 4)
-    return gated_linear(x, panels, bias, inter, down.scalar_type() == at::kBFloat16);
+    return gated_linear(x, panels, bias, inter, down.scalar_type() == at::kBFloat16, gelu);
   const at::Tensor gate_up = panel_linear(x, panels, bias, 2 * inter);
-  if (gelu) return at::gelu(gate_up.narrow(1, 0, inter), "tanh") * gate_up.narrow(1, inter, inter);
-  return silu_mul(gate_up);
+  return gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up);
 }
 
 // `residual` plus a projection's `out`, normed first where `out_norm` is given (Gemma's
@@ -113,12 +101,9 @@ at::Tensor add_output(const at::Tensor& x, const at::Tensor& panels,
 // One layer, its inputs already checked.
 at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
                      const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
-                     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key,
-                     at::Tensor& value, const at::Tensor& slots, const at::Tensor& table,
-                     const at::Tensor& lens, double eps, double scale, int64_t window,
-                     const std::optional<at::Tensor>& qk_norm, bool rotates,
-                     const std::optional<at::Tensor>& attn_out_norm,
-                     const std::optional<at::Tensor>& mlp_out_norm, bool gelu) {
+                     at::Tensor& key, at::Tensor& value, const at::Tensor& slots,
+                     const at::Tensor& table, const at::Tensor& lens, double eps, double scale,
+                     const LayerForm& form) {
   const int64_t rows = hidden.size(0), width = hidden.size(1);
   const int64_t num_heads = heads[0], kv_heads = heads[1], dim = heads[2];
   const int64_t qk_heads = num_heads + kv_heads, kv_size = kv_heads * dim;
@@ -130,20 +115,22 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   at::Tensor x = rms_norm(hidden, weights[kInputNorm], eps, bf16(weights[kQkv]));
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
   at::Tensor qk = qkv.narrow(1, 0, qk_heads * dim).view({rows, qk_heads, dim});
-  if (given(qk_norm)) qk = head_rms_norm(qk, *qk_norm, eps);
-  qk = rotates ? rotary(qk, cos, sin) : qk.contiguous();
+  if (given(form.qk_norm)) qk = head_rms_norm(qk, *form.qk_norm, eps);
+  qk = form.rotates ? rotary(qk, form.cos, form.sin) : qk.contiguous();
   store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
            qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots.data_ptr<int64_t>(), 0, rows,
            kv_size, key, value);
   at::Tensor attended =
-      paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale, window);
-  const at::Tensor residual = add_output(attended.view({rows, num_heads * dim}), weights[kOut],
-                                         biases.get(kOutBias), width, hidden, attn_out_norm, eps);
+      paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale, form.window);
+  const at::Tensor residual =
+      add_output(attended.view({rows, num_heads * dim}), weights[kOut], biases.get(kOutBias), width,
+                 hidden, form.attn_out_norm, eps);
 
   x = rms_norm(residual, weights[kPostNorm], eps, bf16(weights[kGateUp]));
-  return add_output(
-      gated(x, weights[kGateUp], biases.get(kGateUpBias), inter, weights[kDown], gelu),
-      weights[kDown], biases.get(kDownBias), width, residual, mlp_out_norm, eps);
+  const at::Tensor activated =
+      gated(x, weights[kGateUp], biases.get(kGateUpBias), inter, weights[kDown], form.gelu);
+  return add_output(activated, weights[kDown], biases.get(kDownBias), width, residual,
+                    form.mlp_out_norm, eps);
 }
 
 }  // namespace
@@ -156,53 +143,57 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
                         const std::optional<at::Tensor>& qk_norm, bool rotates,
                         const std::optional<at::Tensor>& attn_out_norm,
                         const std::optional<at::Tensor>& mlp_out_norm, bool gelu) {
-  check_layer(weights, biases, heads, key, value, qk_norm);
-  check_output_norms(attn_out_norm, mlp_out_norm, weights[kInputNorm]);
-  TORCH_CHECK(!gelu || weights[kGateUp].dim() != 4,
-              "decode_layer: gelu gates over gate/up panels side by side, not gated pairs");
+  const LayerForm form{cos, sin, window, qk_norm, rotates, attn_out_norm, mlp_out_norm, gelu};
+  check_layer(weights, biases, heads, key, value, form);
   check_step(hidden, slots, key);
-  return run_layer(hidden, weights, biases, heads, cos, sin, key, value, slots, table, lens, eps,
-                   scale, window, qk_norm, rotates, attn_out_norm, mlp_out_norm, gelu);
+  return run_layer(hidden, weights, biases, heads, key, value, slots, table, lens, eps, scale,
+                   form);
 }
 
 // Every layer of a decoder stack in turn, in one op: weights and biases are each layer's
-// `decode_layer` arguments back to back (6 and 4 a layer), keys, values, q/k norms (each
-// optional) and whether it rotates each layer's own.
+// `decode_layer` arguments back to back (6 and 4 a layer), output norms two a layer (None where
+// it has none); rotary rows, keys, values, windows, q/k norms (each optional), whether it
+// rotates and whether it gates with GELU each layer's own.
 // One call instead of one a layer saves the Python and dispatch around each: a decode step for
 // one sequence of the default model ran about 0.9 ms (11%) shorter.
 at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
                          const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
-                         const at::Tensor& cos, const at::Tensor& sin, at::TensorList keys,
+                         at::TensorList cos, at::TensorList sin, at::TensorList keys,
                          at::TensorList values, const at::Tensor& slots, const at::Tensor& table,
-                         const at::Tensor& lens, double eps, double scale, int64_t window,
+                         const at::Tensor& lens, double eps, double scale, at::IntArrayRef windows,
                          const c10::List<std::optional<at::Tensor>>& qk_norms,
-                         const c10::List<bool>& rotates) {
-  const int64_t layers = static_cast<int64_t>(keys.size());
-  TORCH_CHECK(layers >= 1 && static_cast<int64_t>(values.size()) == layers &&
-                  static_cast<int64_t>(weights.size()) == layers * kWeights &&
-                  static_cast<int64_t>(biases.size()) == layers * kBiases &&
-                  static_cast<int64_t>(qk_norms.size()) == layers &&
-                  static_cast<int64_t>(rotates.size()) == layers,
-              "decode_layers: per layer 6 weights, 4 biases, one key and one value cache, one "
-              "q/k norm or None and whether it rotates");
+                         const c10::List<bool>& rotates,
+                         const c10::List<std::optional<at::Tensor>>& out_norms,
+                         const c10::List<bool>& gelu) {
+  const size_t layers = keys.size();
+  TORCH_CHECK(layers >= 1 && values.size() == layers && weights.size() == layers * kWeights &&
+                  biases.size() == layers * kBiases && cos.size() == layers &&
+                  sin.size() == layers && windows.size() == layers && qk_norms.size() == layers &&
+                  rotates.size() == layers && out_norms.size() == 2 * layers &&
+                  gelu.size() == layers,
+              "decode_layers: per layer 6 weights, 4 biases, rotary rows, one key and one value "
+              "cache, a window, one q/k norm or None, whether it rotates, two output norms or "
+              "None and whether it gates with GELU");
   std::vector<c10::List<std::optional<at::Tensor>>> layer_biases(layers);
-  for (int64_t i = 0; i < layers; ++i) {
-    for (int64_t b = 0; b < kBiases; ++b) layer_biases[i].push_back(biases.get(i * kBiases + b));
+  std::vector<LayerForm> forms;
+  for (size_t i = 0; i < layers; ++i) {
+    for (size_t b = 0; b < kBiases; ++b) layer_biases[i].push_back(biases.get(i * kBiases + b));
+    forms.push_back(LayerForm{cos[i], sin[i], windows[i], qk_norms.get(i), rotates.get(i),
+                              out_norms.get(2 * i), out_norms.get(2 * i + 1), gelu.get(i)});
     check_layer(weights.slice(i * kWeights, kWeights), layer_biases[i], heads, keys[i], values[i],
-                qk_norms.get(i));
+                forms[i]);
     TORCH_CHECK(keys[i].sizes() == keys[0].sizes(), "decode_layers: caches of one size");
   }
   // A layer keeps the hidden size, so the rows and slots are checked once for all.
   check_step(hidden, slots, keys[0]);
-  if (stack_region_applies(hidden.size(1), weights, biases, heads, cos, sin, qk_norms))
-    return decode_stack(hidden, weights, layer_biases, heads, cos, sin, keys, values, slots, table,
-                        lens, eps, scale, window, qk_norms, rotates);
+  if (stack_region_applies(hidden.size(1), weights, biases, heads, forms))
+    return decode_stack(hidden, weights, layer_biases, heads, keys, values, slots, table, lens, eps,
+                        scale, forms);
   at::Tensor x = hidden;
-  for (int64_t i = 0; i < layers; ++i) {
+  for (size_t i = 0; i < layers; ++i) {
     at::Tensor key = keys[i], value = values[i];
-    x = run_layer(x, weights.slice(i * kWeights, kWeights), layer_biases[i], heads, cos, sin, key,
-                  value, slots, table, lens, eps, scale, window, qk_norms.get(i), rotates.get(i),
-                  std::nullopt, std::nullopt, false);
+    x = run_layer(x, weights.slice(i * kWeights, kWeights), layer_biases[i], heads, key, value,
+                  slots, table, lens, eps, scale, forms[i]);
   }
   return x;
 }
@@ -218,9 +209,9 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
       "bool gelu=False) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
-      "Tensor cos, Tensor sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
-      "Tensor table, Tensor lens, float eps, float scale, int window, Tensor?[] qk_norms, "
-      "bool[] rotates) -> Tensor");
+      "Tensor[] cos, Tensor[] sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
+      "Tensor table, Tensor lens, float eps, float scale, int[] windows, Tensor?[] qk_norms, "
+      "bool[] rotates, Tensor?[] out_norms, bool[] gelu) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("decode_layer", &conveyor::decode_layer);

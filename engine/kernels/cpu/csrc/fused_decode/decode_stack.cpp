@@ -1,9 +1,10 @@
 // A decode step's whole layer stack in one parallel region, for layers whose projections are
-// all bf16 panels (gate/up as gated pairs): every kernel of every layer runs as the team's
-// threads' parts (`thread_team.h`), with a barrier between kernels, over buffers made once for the
-// step. Called by `decode_layers` (`decode_layer.cpp`), it computes what the layers' ops compute
-// one after the other, to the bit: the same routines over the same rows, each output summed in
-// the same order whichever thread computes it.
+// all bf16 panels (gate/up as gated pairs, under silu or Gemma's GELU; Gemma's output norms
+// too, each layer with its own window and rotary rows): every kernel of every layer runs as the
+// team's threads' parts (`thread_team.h`), with a barrier between kernels, over buffers made once
+// for the step. Called by `decode_layers` (`decode_layer.cpp`), it computes what the layers' ops
+// compute one after the other, to the bit: the same routines over the same rows, each output summed
+// in the same order whichever thread computes it.
 //
 // Op by op, each kernel forked the threads and joined them, and between kernels the calling
 // thread made the next op's tensors and stored the new K/V alone while the others waited: at 16
@@ -56,13 +57,20 @@ bool fp32_norm(const at::Tensor& w, int64_t width) {
 
 // An optional fp32 tensor's values (a bias, a q/k norm), or null.
 const float* optional_floats(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
+  return given(t) ? t->data_ptr<float>() : nullptr;
 }
 
 // No q/k norm, or an fp32 one of [qk_heads, dim] (`decode_layer` has checked its shape).
 bool fp32_qk_norm(const std::optional<at::Tensor>& norm) {
-  return !norm.has_value() || !norm->defined() ||
-         (norm->scalar_type() == at::kFloat && norm->is_contiguous());
+  return !given(norm) || (norm->scalar_type() == at::kFloat && norm->is_contiguous());
+}
+
+// fp32 rotary rows [rows, 1, width] of an even width up to the head's, cos and sin alike.
+bool rotary_rows_fit(const at::Tensor& cos, const at::Tensor& sin, int64_t dim) {
+  return cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(1) == 1 && cos.size(2) <= dim &&
+         cos.size(2) % 2 == 0 && cos.scalar_type() == at::kFloat &&
+         sin.scalar_type() == at::kFloat && cos.stride(2) == 1 && sin.stride(2) == 1 &&
+         cos.stride(0) == sin.stride(0);
 }
 
 const uint16_t* panels_of(const at::Tensor& panels) {
@@ -81,22 +89,24 @@ struct Stack {
   int64_t rows, width, heads, kv_heads, dim, inter;
   int64_t qk_size, qkv_size, attn_size;
   float eps;
-  const float *cos, *sin;
-  int64_t cs_stride, rotary_dim;
   const int64_t *slots, *table, *lens;
   int64_t table_width;
   float scale;
-  int64_t window;
   std::vector<ProductTask> qkv_tasks, out_tasks, gated_tasks, down_tasks;
   conveyor::Scratch<uint16_t> normed, attended16, gated16;
   conveyor::Scratch<float> qkv, qk, attended, residual;
+  // A projection's rows before their output norm, and those rows normed (Gemma's layers).
+  conveyor::Scratch<float> projected, normed32;
 };
 
-// One layer's tensors (`qk_norm` null where its q and k heads are not normed), and whether it
-// rotates them (not a NoPE layer).
+// One layer's tensors (`qk_norm` null where its q and k heads are not normed, the output norms
+// null where it has none), its rotary rows (`rotary_dim` 0: a NoPE layer, which rotates
+// nothing), its window (0: none) and whether it gates with GELU.
 struct Layer {
-  const float *input_norm, *post_norm, *qk_norm;
-  bool rotates;
+  const float *input_norm, *post_norm, *qk_norm, *attn_out_norm, *mlp_out_norm;
+  bool gelu;
+  const float *cos, *sin;
+  int64_t cs_stride, rotary_dim, window;
   Product qkv, out, gate_up, down;
   const float *qkv_bias, *out_bias, *gate_up_bias, *down_bias;
   at::Tensor key, value;
@@ -115,6 +125,31 @@ void product(const Bf16Product& pb, const Product& p, const std::vector<ProductT
 
 void barrier() {
 #pragma omp barrier
+}
+
+// A projection's output onto `residual` [rows, width] at `out`, as this thread takes part: the
+// product adds the residual as it stores its sums; or, with an output norm (Gemma's), it stores
+// them alone, and each of this thread's rows is normed, then added to the residual, as the
+// layer computes `residual + norm(projection(x))` op by op.
+void add_output(const Team& team, Stack& st, Bf16Product pb, const Product& p,
+                const std::vector<ProductTask>& tasks, std::atomic<int64_t>& taken,
+                const float* residual, float* out, const float* out_norm) {
+  if (out_norm == nullptr) {
+    pb.residual = residual;
+    pb.out = out;
+    product(pb, p, tasks, taken);
+    barrier();
+    return;
+  }
+  pb.out = st.projected.get();
+  product(pb, p, tasks, taken);
+  barrier();
+  const Share part = rows_of(team, st, st.width);
+  rms_norm_rows(st.projected.get(), out_norm, st.normed32.get(), nullptr, st.width, st.eps,
+                part.begin, part.end);
+  for (int64_t i = part.begin * st.width; i < part.end * st.width; ++i)
+    out[i] = residual[i] + st.normed32.get()[i];
+  barrier();
 }
 
 // One layer from `in` to `out` [rows, width], as this thread takes part; `taken` are the
@@ -137,14 +172,14 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
   if (layer.qk_norm != nullptr)
     rms_norm_heads(st.qkv.get(), st.qkv_size, layer.qk_norm, st.qkv.get(), st.qkv_size, qk_heads,
                    st.dim, st.eps, part.begin, part.end);
-  rotary_rows(st.qkv.get(), st.qkv_size, st.cos, st.sin, st.cs_stride, st.qk.get(), qk_heads,
-              st.dim, layer.rotates ? st.rotary_dim : 0, part.begin, part.end);
+  rotary_rows(st.qkv.get(), st.qkv_size, layer.cos, layer.sin, layer.cs_stride, st.qk.get(),
+              qk_heads, st.dim, layer.rotary_dim, part.begin, part.end);
   at::Tensor key = layer.key, value = layer.value;
   store_kv(st.qk.get() + st.attn_size, st.qk_size, st.qkv.get() + st.qk_size, st.qkv_size, st.slots,
            part.begin, part.end, st.kv_heads * st.dim, key, value);
   barrier();
   paged_decode_team({st.qk.get(), st.qk_size, M, st.heads, st.table, st.table_width, st.lens,
-                     st.scale, st.attended.get(), st.window},
+                     st.scale, st.attended.get(), layer.window},
                     key, value, team, taken[1]);
   barrier();
   part = rows_of(team, st, st.attn_size);
@@ -152,32 +187,37 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
     round_to_bf16(st.attended.get() + r * st.attn_size, st.attn_size,
                   st.attended16.get() + r * st.attn_size);
   barrier();
-  product({st.attended16.get(), layer.out_bias, in, st.residual.get(), nullptr, M, st.attn_size,
-           st.width},
-          layer.out, st.out_tasks, taken[2]);
-  barrier();
+  add_output(
+      team, st,
+      {st.attended16.get(), layer.out_bias, nullptr, nullptr, nullptr, M, st.attn_size, st.width},
+      layer.out, st.out_tasks, taken[2], in, st.residual.get(), layer.attn_out_norm);
   part = rows_of(team, st, st.width);
   rms_norm_rows(st.residual.get(), layer.post_norm, nullptr, st.normed.get(), st.width, st.eps,
                 part.begin, part.end);
   barrier();
   product({st.normed.get(), layer.gate_up_bias, nullptr, nullptr, st.gated16.get(), M, st.width,
-           st.inter},
+           st.inter, nullptr, layer.gelu},
           layer.gate_up, st.gated_tasks, taken[3]);
   barrier();
-  product(
-      {st.gated16.get(), layer.down_bias, st.residual.get(), out, nullptr, M, st.inter, st.width},
-      layer.down, st.down_tasks, taken[4]);
-  barrier();
+  add_output(team, st,
+             {st.gated16.get(), layer.down_bias, nullptr, nullptr, nullptr, M, st.inter, st.width},
+             layer.down, st.down_tasks, taken[4], st.residual.get(), out, layer.mlp_out_norm);
 }
 
 Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
-               const at::Tensor& key, const at::Tensor& value,
-               const std::optional<at::Tensor>& qk_norm, bool rotates) {
+               const at::Tensor& key, const at::Tensor& value, const LayerForm& form) {
   auto plain = [](const at::Tensor& p) { return Product{panels_of(p), p.size(0), false}; };
   return Layer{w[kInputNorm].data_ptr<float>(),
                w[kPostNorm].data_ptr<float>(),
-               optional_floats(qk_norm),
-               rotates,
+               optional_floats(form.qk_norm),
+               optional_floats(form.attn_out_norm),
+               optional_floats(form.mlp_out_norm),
+               form.gelu,
+               form.cos.data_ptr<float>(),
+               form.sin.data_ptr<float>(),
+               form.cos.stride(0),
+               form.rotates ? form.cos.size(2) : 0,
+               std::max<int64_t>(form.window, 0),
                plain(w[kQkv]),
                plain(w[kOut]),
                Product{panels_of(w[kGateUp]), 2 * w[kGateUp].size(0), true},
@@ -194,33 +234,31 @@ Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
 
 bool stack_region_applies(int64_t width, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
-                          const at::Tensor& cos, const at::Tensor& sin,
-                          const c10::List<std::optional<at::Tensor>>& qk_norms) {
+                          const std::vector<LayerForm>& forms) {
 #ifndef CONVEYOR_BF16_ROUND
   return false;
 #else
   const int64_t layers = static_cast<int64_t>(weights.size()) / kWeights;
   const int64_t num_heads = heads[0], kv_heads = heads[1], dim = heads[2];
-  if (layers < 1 || dim % 2 != 0) return false;
+  if (layers < 1 || dim % 2 != 0 || static_cast<int64_t>(forms.size()) != layers) return false;
   const int64_t qkv_size = (num_heads + 2 * kv_heads) * dim, attn_size = num_heads * dim;
   if (weights[kDown].dim() != 3) return false;
   const int64_t inter = weights[kDown].size(1) * 2;
-  const bool rotary = cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(1) == 1 &&
-                      cos.size(2) <= dim && cos.size(2) % 2 == 0 &&
-                      cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                      cos.stride(2) == 1 && sin.stride(2) == 1 && cos.stride(0) == sin.stride(0);
-  if (!rotary) return false;
   const int64_t gated_panel_count = (inter + 15) / 16;
   for (int64_t i = 0; i < layers; ++i) {
     at::TensorList w = weights.slice(i * kWeights, kWeights);
     auto bias = [&](int b) { return biases.get(i * kBiases + b); };
+    const LayerForm& form = forms[i];
+    const bool out_norms = !given(form.attn_out_norm) || (fp32_norm(*form.attn_out_norm, width) &&
+                                                          fp32_norm(*form.mlp_out_norm, width));
+    if (!out_norms || !rotary_rows_fit(form.cos, form.sin, dim)) return false;
     if (!(fp32_norm(w[kInputNorm], width) && fp32_norm(w[kPostNorm], width) &&
           bf16_panels(w[kQkv], qkv_size, width) && bf16_panels(w[kOut], width, attn_size) &&
           gated_panels(w[kGateUp], inter, width) && bf16_panels(w[kDown], width, inter) &&
           padded_bias(bias(kQkvBias), w[kQkv].size(0) * 16) &&
           padded_bias(bias(kOutBias), w[kOut].size(0) * 16) &&
           padded_bias(bias(kGateUpBias), gated_panel_count * 2 * 16) &&
-          padded_bias(bias(kDownBias), w[kDown].size(0) * 16) && fp32_qk_norm(qk_norms.get(i))))
+          padded_bias(bias(kDownBias), w[kDown].size(0) * 16) && fp32_qk_norm(form.qk_norm)))
       return false;
   }
   return true;
@@ -229,17 +267,16 @@ bool stack_region_applies(int64_t width, at::TensorList weights,
 
 at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
                         const std::vector<c10::List<std::optional<at::Tensor>>>& biases,
-                        at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
-                        at::TensorList keys, at::TensorList values, const at::Tensor& slots,
-                        const at::Tensor& table, const at::Tensor& lens, double eps, double scale,
-                        int64_t window, const c10::List<std::optional<at::Tensor>>& qk_norms,
-                        const c10::List<bool>& rotates) {
+                        at::IntArrayRef heads, at::TensorList keys, at::TensorList values,
+                        const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
+                        double eps, double scale, const std::vector<LayerForm>& forms) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   const int64_t M = hidden.size(0), width = hidden.size(1);
   const at::Tensor blocks = table.to(at::kLong).contiguous();
   const at::Tensor lengths = lens.to(at::kLong).contiguous();
-  TORCH_CHECK(cos.size(0) == M,
-              "rotary: x [tokens, heads, dim] and cos/sin [tokens, 1, dim] do not match");
+  for (const LayerForm& form : forms)
+    TORCH_CHECK(form.cos.size(0) == M,
+                "rotary: x [tokens, heads, dim] and cos/sin [tokens, 1, dim] do not match");
   TORCH_CHECK(
       blocks.dim() == 2 && blocks.size(0) == M && lengths.dim() == 1 && lengths.size(0) == M,
       "paged_decode: one block table row and length per sequence");
@@ -259,21 +296,16 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
   st.qk_size = (st.heads + st.kv_heads) * st.dim;
   st.qkv_size = st.qk_size + st.kv_heads * st.dim;
   st.eps = static_cast<float>(eps);
-  st.cos = cos.data_ptr<float>();
-  st.sin = sin.data_ptr<float>();
-  st.cs_stride = cos.stride(0);
-  st.rotary_dim = cos.size(2);
   st.slots = slots.data_ptr<int64_t>();
   st.table = blocks.data_ptr<int64_t>();
   st.lens = lengths.data_ptr<int64_t>();
   st.table_width = blocks.size(1);
   st.scale = static_cast<float>(scale);
-  st.window = std::max<int64_t>(window, 0);
   const int threads = std::max(1, at::get_num_threads());
   std::vector<Layer> stack;
   for (int64_t i = 0; i < layers; ++i)
-    stack.push_back(layer_of(weights.slice(i * kWeights, kWeights), biases[i], keys[i], values[i],
-                             qk_norms.get(i), rotates.get(i)));
+    stack.push_back(
+        layer_of(weights.slice(i * kWeights, kWeights), biases[i], keys[i], values[i], forms[i]));
   const Layer& first = stack[0];
   st.qkv_tasks = bf16_product_tasks(M, width, first.qkv.count, false, threads);
   st.out_tasks = bf16_product_tasks(M, st.attn_size, first.out.count, false, threads);
@@ -286,6 +318,8 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
   st.qk = scratch<float>(M * st.qk_size);
   st.attended = scratch<float>(M * st.attn_size);
   st.residual = scratch<float>(M * width);
+  st.projected = scratch<float>(M * width);
+  st.normed32 = scratch<float>(M * width);
   std::unique_ptr<std::atomic<int64_t>[]> taken(new std::atomic<int64_t>[layers * 5]);
   for (int64_t i = 0; i < layers * 5; ++i) taken[i] = 0;
 
@@ -301,13 +335,36 @@ at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
   return out;
 }
 
+namespace {
+
+// `stack_region_applies` as an op: each layer's form from its rotary rows, q/k norm, output
+// norms (two a layer) and whether it gates with GELU.
+bool region_applies_op(int64_t width, at::TensorList weights,
+                       const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
+                       at::TensorList cos, at::TensorList sin,
+                       const c10::List<std::optional<at::Tensor>>& qk_norms,
+                       const c10::List<std::optional<at::Tensor>>& out_norms,
+                       const c10::List<bool>& gelu) {
+  const size_t layers = weights.size() / kWeights;
+  TORCH_CHECK(cos.size() == layers && sin.size() == layers && qk_norms.size() == layers &&
+                  out_norms.size() == 2 * layers && gelu.size() == layers,
+              "stack_region_applies: per layer rotary rows, a q/k norm or None, two output norms "
+              "or None and whether it gates with GELU");
+  std::vector<LayerForm> forms;
+  for (size_t i = 0; i < layers; ++i)
+    forms.push_back(LayerForm{cos[i], sin[i], 0, qk_norms.get(i), true, out_norms.get(2 * i),
+                              out_norms.get(2 * i + 1), gelu.get(i)});
+  return stack_region_applies(width, weights, biases, heads, forms);
+}
+
+}  // namespace
 }  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "stack_region_applies(int width, Tensor[] weights, Tensor?[] biases, int[] heads, "
-      "Tensor cos, Tensor sin, Tensor?[] qk_norms) -> bool");
+      "Tensor[] cos, Tensor[] sin, Tensor?[] qk_norms, Tensor?[] out_norms, bool[] gelu) -> bool");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
-  m.impl("stack_region_applies", &conveyor::stack_region_applies);
+  m.impl("stack_region_applies", &conveyor::region_applies_op);
 }

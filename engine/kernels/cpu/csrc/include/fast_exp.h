@@ -60,6 +60,27 @@ inline __m256 silu8(__m256 x) {
 }
 #endif
 
+// GELU under tanh's approximation (Gemma's), 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x +
+// 0.044715 x^3), computed as x / (1 + exp(-2u)), the same value in silu's operations (1 +
+// tanh(u) = 2 / (1 + exp(-2u))), so it never subtracts near-equal values; the scalar form and
+// its eight-lane twin. 2u = x (kGeluLinear + kGeluCubic x^2).
+constexpr float kGeluLinear = 1.59576912f, kGeluCubic = 0.0713548162f;
+
+inline float gelu_tanh(float x) {
+  const float twice_u = x * std::fma(kGeluCubic, x * x, kGeluLinear);
+  return x / (1.f + exp_clamped(-twice_u));
+}
+
+#ifdef CONVEYOR_EXP8
+inline __m256 gelu_tanh8(__m256 x) {
+  const __m256 twice_u =
+      _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_set1_ps(kGeluCubic), _mm256_mul_ps(x, x),
+                                       _mm256_set1_ps(kGeluLinear)));
+  const __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), twice_u));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+#endif
+
 // s[0, n) replaced by exp(s[i] - shift), eight lanes at a time, and their sum: the lanes' sums
 // added in lane order, then the tail's one at a time. Shared by the attention softmaxes.
 inline float exp_shifted_sum(float* s, int64_t n, float shift) {

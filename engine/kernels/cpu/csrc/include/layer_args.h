@@ -1,10 +1,34 @@
 // How `decode_layer` and `decode_layers` take a layer's tensors: six weights and four biases a
-// layer, in this order (`decode_layer.cpp`, and the stack in one region, `decode_stack.cpp`).
+// layer, in this order (`decode_layer.cpp`, and the stack in one region, `decode_stack.cpp`),
+// and what makes a layer other than the plain Llama layer (`LayerForm`).
 #pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
 
 namespace conveyor {
 
 enum Weight { kInputNorm, kQkv, kOut, kPostNorm, kGateUp, kDown, kWeights };
 enum Bias { kQkvBias, kOutBias, kGateUpBias, kDownBias, kBiases };
+
+// One layer's own rotary rows, window and optional parts.
+struct LayerForm {
+  // [rows, 1, rotary dim] fp32: the step's rotary rows for this layer's type.
+  at::Tensor cos, sin;
+  // A sliding window (0: the whole context).
+  int64_t window = 0;
+  // Each q and k head's norm, [heads + kv heads, head dim] fp32 (Qwen3's, Gemma 3's).
+  std::optional<at::Tensor> qk_norm;
+  // False: q and k are not rotated (SmolLM3's NoPE layers).
+  bool rotates = true;
+  // The attention's and the MLP's output norms before the residual adds (Gemma's), or neither.
+  std::optional<at::Tensor> attn_out_norm, mlp_out_norm;
+  // gelu(gate) * up, tanh's approximation (Gemma's), instead of silu(gate) * up.
+  bool gelu = false;
+};
+
+inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
 }  // namespace conveyor

@@ -12,6 +12,7 @@
 #include <optional>
 #include <vector>
 
+#include "layer_args.h"
 #include "thread_team.h"
 
 namespace conveyor {
@@ -47,6 +48,8 @@ struct Bf16Product {
   int64_t M, K, N;
   // A greedy choice instead of an output (`panel_argmax`): this thread's best of each row.
   RowBest* best = nullptr;
+  // Gate/up pairs give gelu(gate) * up under tanh's approximation instead of silu(gate) * up.
+  bool gelu = false;
 };
 // A share of a product: rows [m0, m1) times panels [p0, p1).
 struct ProductTask {
@@ -67,11 +70,12 @@ void bf16_take_tasks(const Bf16Product& pb, const uint16_t* panels, int64_t coun
 // `torch.argmax` picks it from panel_linear's output, without writing that output.
 at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t out_features);
-// silu(x Wg^T + bg) * (x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`): fp32, or with
-// `bf16_out` rounded to bf16 as a bf16 product rounds its input rows.
+// silu(x Wg^T + bg) * (x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`), or with `gelu`
+// gelu(...) * (...) under tanh's approximation: fp32, or with `bf16_out` rounded to bf16 as a
+// bf16 product rounds its input rows.
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
-                        const c10::optional<at::Tensor>& bias, int64_t inter,
-                        bool bf16_out = false);
+                        const c10::optional<at::Tensor>& bias, int64_t inter, bool bf16_out = false,
+                        bool gelu = false);
 // The input features of panels as `panel_linear` takes them (fp32, fp16, bf16 pairs or GGUF
 // blocks).
 int64_t panel_in_features(const at::Tensor& panels);
@@ -113,6 +117,8 @@ void paged_decode_team(const DecodeRows& rows, const at::Tensor& key, const at::
 void check_decode_tables(const at::Tensor& table, const at::Tensor& lens, int64_t block_size,
                          int64_t num_blocks);
 at::Tensor silu_mul(const at::Tensor& x);
+// gelu(gate) * up under tanh's approximation, as `silu_mul` takes its rows (`silu_mul.cpp`).
+at::Tensor gelu_tanh_mul(const at::Tensor& x);
 // One layer's cache as the ops store into it and read it: contiguous K and V of one shape
 // [blocks, block_size, kv_heads, dim] and dtype (fp32, bf16, fp16 or fp8 e5m2); and one int64
 // slot per row inside it (`kv_store.cpp`). `op` names the caller in the error.
@@ -126,18 +132,16 @@ void store_kv(const float* key_rows, int64_t key_stride, const float* value_rows
               int64_t row_size, at::Tensor& key, at::Tensor& value);
 
 // The decode stack in one parallel region (`decode_stack.cpp`): whether it computes these layers
-// (every projection over bf16 panels, gate/up gated), and the stack computed so, its inputs
-// already checked as `decode_layers` checks them.
+// (every projection over bf16 panels, gate/up as gated pairs, output norms fp32 where a layer
+// has them), and the stack computed so, its inputs already checked as `decode_layers` checks
+// them.
 bool stack_region_applies(int64_t width, at::TensorList weights,
                           const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
-                          const at::Tensor& cos, const at::Tensor& sin,
-                          const c10::List<std::optional<at::Tensor>>& qk_norms);
+                          const std::vector<LayerForm>& forms);
 at::Tensor decode_stack(const at::Tensor& hidden, at::TensorList weights,
                         const std::vector<c10::List<std::optional<at::Tensor>>>& biases,
-                        at::IntArrayRef heads, const at::Tensor& cos, const at::Tensor& sin,
-                        at::TensorList keys, at::TensorList values, const at::Tensor& slots,
-                        const at::Tensor& table, const at::Tensor& lens, double eps, double scale,
-                        int64_t window, const c10::List<std::optional<at::Tensor>>& qk_norms,
-                        const c10::List<bool>& rotates);
+                        at::IntArrayRef heads, at::TensorList keys, at::TensorList values,
+                        const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
+                        double eps, double scale, const std::vector<LayerForm>& forms);
 
 }  // namespace conveyor

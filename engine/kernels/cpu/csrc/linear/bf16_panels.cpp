@@ -34,8 +34,9 @@
 // `gated_linear` is the gated MLP's gate and up projections and activation in one op: panels
 // [ceil(inter / 16), 2, in / 2, 32] hold each gate panel followed by the up panel of the same
 // columns, bias [panels * 2 * 16] likewise, and each pair's sums give out [rows, inter] =
-// silu(gate) * up as they leave the registers, equal to the bit to `panel_linear` over the
-// gate/up projection followed by `silu_mul`: the activation's pass over memory and the
+// silu(gate) * up as they leave the registers (with `gelu`, gelu(gate) * up under tanh's
+// approximation), equal to the bit to `panel_linear` over the gate/up projection followed by
+// `silu_mul` (`gelu_tanh_mul`): the activation's pass over memory and the
 // projection's second half of output are gone. With `bf16_out` it writes those rows rounded to
 // bf16, as a bf16 product rounds its input, and the down projection's product takes them as
 // they are (`bf16_rows_product`): half the bytes written, and no rounding pass over fp32 rows
@@ -173,11 +174,20 @@ CONVEYOR_INLINE __m256 upper8(__m512 v) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 
-CONVEYOR_INLINE __m512 silu_times(__m512 gate, __m512 up) {
-  const __m256 low = silu_times8(_mm512_castps512_ps256(gate), _mm512_castps512_ps256(up));
-  const __m256 high = silu_times8(upper8(gate), upper8(up));
+// gelu(gate) * up under tanh's approximation, as `gelu_tanh_mul` computes it.
+CONVEYOR_INLINE __m256 gelu_times8(__m256 gate, __m256 up) {
+  return _mm256_mul_ps(conveyor::gelu_tanh8(gate), up);
+}
+
+CONVEYOR_INLINE __m512 joined(__m256 low, __m256 high) {
   return _mm512_castpd_ps(
       _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high), 1));
+}
+
+CONVEYOR_INLINE __m512 activated_times(__m512 gate, __m512 up, bool gelu) {
+  const __m256 gate_low = _mm512_castps512_ps256(gate), up_low = _mm512_castps512_ps256(up);
+  if (gelu) return joined(gelu_times8(gate_low, up_low), gelu_times8(upper8(gate), upper8(up)));
+  return joined(silu_times8(gate_low, up_low), silu_times8(upper8(gate), upper8(up)));
 }
 
 // One row's sums for NP panels from p (plus bias) through the epilogue E to its output columns.
@@ -187,9 +197,9 @@ CONVEYOR_INLINE void store_row(const Problem& pb, const __m512* sums, int64_t ro
     static_assert(NP % 2 == 0, "gated panels come in gate/up pairs");
 #pragma GCC unroll 8
     for (int j = 0; j < NP; j += 2)
-      store_columns(
-          silu_times(with_bias(sums[j], pb, p + j), with_bias(sums[j + 1], pb, p + j + 1)), pb, row,
-          (p + j) / 2 * kPanel);
+      store_columns(activated_times(with_bias(sums[j], pb, p + j),
+                                    with_bias(sums[j + 1], pb, p + j + 1), pb.gelu),
+                    pb, row, (p + j) / 2 * kPanel);
   } else if constexpr (E == Epilogue::kArgmax) {
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j)
@@ -662,7 +672,8 @@ at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,
 }
 
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
-                        const c10::optional<at::Tensor>& bias, int64_t inter, bool bf16_out) {
+                        const c10::optional<at::Tensor>& bias, int64_t inter, bool bf16_out,
+                        bool gelu) {
 #ifndef CONVEYOR_BF16_PANELS
   TORCH_CHECK(false, "gated_linear needs AVX-512 BF16");
 #else
@@ -681,8 +692,9 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
   const InputRows in = input_rows(x);
   float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
   uint16_t* out16 = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
-  run<Epilogue::kGated>(Problem{in.rows, b, nullptr, out32, out16, M, K, inter}, panels,
-                        2 * panels.size(0));
+  Problem pb{in.rows, b, nullptr, out32, out16, M, K, inter};
+  pb.gelu = gelu;
+  run<Epilogue::kGated>(pb, panels, 2 * panels.size(0));
   return out;
 #endif
 }
@@ -691,8 +703,8 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
 
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
-      "gated_linear(Tensor x, Tensor panels, Tensor? bias, int inter, bool bf16_out=False) "
-      "-> Tensor");
+      "gated_linear(Tensor x, Tensor panels, Tensor? bias, int inter, bool bf16_out=False, "
+      "bool gelu=False) -> Tensor");
   m.def("panel_argmax(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("bf16_tiles_available() -> bool", &conveyor::bf16_tiles_available);
   m.def("set_bf16_tiles(bool on) -> bool", &conveyor::set_bf16_tiles);
