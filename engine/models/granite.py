@@ -2,9 +2,10 @@
 layer with four scalars from its config. The embeddings are multiplied by
 `embedding_multiplier`; attention scales its scores by `attention_multiplier` (the layer's own
 `scaling`, read as any model's); each sublayer's output is multiplied by `residual_multiplier`
-before it joins the residual; the logits are divided by `logits_scaling`. The scaled residual
-adds run op by op: the fused C++ stack adds them plainly. GraniteMoe's experts are weighed by a
-softmax of their top-k logits; GraniteMoeShared adds an MLP every token runs beside them.
+before it joins the residual; the logits are divided by `logits_scaling`. The fused CPU decode
+scales the residual adds as the layer does (`LayerForm.residual_scale`). GraniteMoe's experts are
+weighed by a softmax of their top-k logits; GraniteMoeShared adds an MLP every token runs beside
+them.
 """
 
 from __future__ import annotations

@@ -92,6 +92,9 @@ class LayerWeights:
     gelu: bool = False
     # The step's rotary table the layer takes (None: the model's one table).
     rotary: str | None = None
+    # What the attention's and the MLP's outputs are multiplied by before they join the
+    # residual (Granite's residual multiplier).
+    residual_scale: float = 1.0
 
 
 def why_not_fused(layer: FusibleLayer) -> str:
@@ -108,8 +111,6 @@ def why_not_fused(layer: FusibleLayer) -> str:
     norms = (layer.input_norm, layer.mlp_norm, *(layer.output_norms or ()))
     if layer.input_norm is None:
         return "no norm before the attention (OLMo 2)"
-    if getattr(layer, "residual_multiplier", None) is not None:
-        return "scaled residual adds (Granite)"
     if getattr(layer, "rotary_dim", 0) % 2:
         return "an odd number of dims rotating"
     if not cpu_ops.has("fused_decode"):
@@ -177,7 +178,14 @@ def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> La
         out_norms=None if out_norms is None else (out_norms[0].weight, out_norms[1].weight),
         gelu=layer.gelu_tanh and not layer.silu,
         rotary=layer.layer_type if layer.layer_type in rotary_kinds else None,
+        residual_scale=residual_scale(layer),
     )
+
+
+def residual_scale(layer: FusibleLayer) -> float:
+    """Granite's residual multiplier, 1 for a layer without one."""
+    multiplier = getattr(layer, "residual_multiplier", None)
+    return 1.0 if multiplier is None else float(multiplier)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +203,7 @@ class FusedDecode:
     windows: tuple[int, ...] = ()
     out_norms: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = ()
     gelu: tuple[bool, ...] = ()
+    residual_scales: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, route: DecodeRoute, layers: tuple[LayerWeights, ...], reason: str = ""):
@@ -209,6 +218,7 @@ class FusedDecode:
             tuple(layer.window for layer in layers),
             tuple(layer.out_norms for layer in layers),
             tuple(layer.gelu for layer in layers),
+            tuple(layer.residual_scale for layer in layers),
         )
 
     def __call__(
@@ -239,6 +249,7 @@ class FusedDecode:
                 list(self.rotates),
                 list(self.out_norms),
                 list(self.gelu),
+                list(self.residual_scales),
             )
         for layer in self.layers:
             cos, sin = tables[layer.rotary]
@@ -261,6 +272,7 @@ class FusedDecode:
                 layer.rotates,
                 layer.out_norms,
                 layer.gelu,
+                layer.residual_scale,
             )
         return hidden
 

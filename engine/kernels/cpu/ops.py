@@ -456,6 +456,7 @@ def decode_layer(
     rotates: bool = True,
     out_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
     gelu: bool = False,
+    residual_scale: float = 1.0,
 ) -> torch.Tensor:
     """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
 
@@ -468,7 +469,8 @@ def decode_layer(
     The rotary turns each head's first `cos.shape[-1]` dims (a partial rotary where fewer than
     the head's), none where not `rotates`. With `out_norms` (fp32 `[hidden]` each, Gemma's) the
     attention's and the MLP's outputs are normed before they join the residual; with `gelu` the
-    MLP gates with GELU's tanh approximation instead of silu.
+    MLP gates with GELU's tanh approximation instead of silu; `residual_scale` multiplies those
+    outputs before they join it (Granite's residual multiplier).
     """
     attn_out_norm, mlp_out_norm = out_norms if out_norms is not None else (None, None)
     return torch.ops.conveyor.decode_layer(
@@ -491,6 +493,7 @@ def decode_layer(
         attn_out_norm,
         mlp_out_norm,
         gelu,
+        residual_scale,
     )
 
 
@@ -557,12 +560,14 @@ def decode_layers(
     rotates: list[bool] | None = None,
     out_norms: OutNorms | None = None,
     gelu: list[bool] | None = None,
+    residual_scales: list[float] | None = None,
 ) -> torch.Tensor:
     """`decode_layer` for every layer of a stack in turn, in one op: `weights` and `biases` are
     each layer's back to back; `key_caches`/`value_caches`, `qk_norms` (None: no layer norms
     its q and k heads), `rotates` (None: every layer rotates), `out_norms` (None: no layer norms
-    its outputs) and `gelu` (None: every layer gates with silu) one per layer; `cos`/`sin` and
-    `window` one for all or one per layer."""
+    its outputs), `gelu` (None: every layer gates with silu) and `residual_scales` (None: every
+    layer adds its outputs as they are) one per layer; `cos`/`sin` and `window` one for all or
+    one per layer."""
     layers = len(key_caches)
     return torch.ops.conveyor.decode_layers(
         hidden,
@@ -583,4 +588,5 @@ def decode_layers(
         rotates if rotates is not None else [True] * layers,
         _flat_out_norms(out_norms, layers),
         gelu if gelu is not None else [False] * layers,
+        residual_scales if residual_scales is not None else [1.0] * layers,
     )

@@ -24,6 +24,9 @@
 //           optional fp32 [hidden], both or neither: the attention's and the MLP's outputs each
 //           normed before they join the residual (Gemma's four norms a layer)
 // gelu      gelu(gate) * up under tanh's approximation (Gemma's), in place of silu(gate) * up
+// residual_scale
+//           the attention's and the MLP's outputs multiplied by it before they join the
+//           residual (Granite's residual multiplier; 1: added as they are)
 // returns   [rows, hidden] fp32, the layer's output
 //
 // It calls the same kernels, in the same order, as the layer does op by op from Python, so the
@@ -61,6 +64,8 @@ void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tenso
   // the layer's own norms.
   TORCH_CHECK(given(form.attn_out_norm) == given(form.mlp_out_norm),
               "decode_layer: the attention's and the MLP's output norms come together");
+  TORCH_CHECK(!given(form.attn_out_norm) || form.residual_scale == 1.0,
+              "decode_layer: output norms and scaled residual adds do not come together");
   for (const auto& out_norm : {form.attn_out_norm, form.mlp_out_norm})
     TORCH_CHECK(!given(out_norm) ||
                     (out_norm->scalar_type() == at::kFloat &&
@@ -88,14 +93,17 @@ at::Tensor gated(const at::Tensor& x, const at::Tensor& panels,
   return gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up);
 }
 
-// `residual` plus a projection's `out`, normed first where `out_norm` is given (Gemma's
-// output norms), else added in the product's own pass as `panel_linear` adds a residual.
+// `residual` plus a projection's `out`: normed first where the form has output norms (Gemma's,
+// `out_norm`), multiplied by its residual scale where not 1 (Granite's), else added in the
+// product's own pass as `panel_linear` adds a residual.
 at::Tensor add_output(const at::Tensor& x, const at::Tensor& panels,
                       const std::optional<at::Tensor>& bias, int64_t width,
                       const at::Tensor& residual, const std::optional<at::Tensor>& out_norm,
-                      double eps) {
-  if (!given(out_norm)) return panel_linear(x, panels, bias, width, residual);
-  return residual + rms_norm(panel_linear(x, panels, bias, width), *out_norm, eps);
+                      double eps, double scale) {
+  if (given(out_norm))
+    return residual + rms_norm(panel_linear(x, panels, bias, width), *out_norm, eps);
+  if (scale != 1.0) return residual + panel_linear(x, panels, bias, width) * scale;
+  return panel_linear(x, panels, bias, width, residual);
 }
 
 // One layer, its inputs already checked.
@@ -124,13 +132,13 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
       paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale, form.window);
   const at::Tensor residual =
       add_output(attended.view({rows, num_heads * dim}), weights[kOut], biases.get(kOutBias), width,
-                 hidden, form.attn_out_norm, eps);
+                 hidden, form.attn_out_norm, eps, form.residual_scale);
 
   x = rms_norm(residual, weights[kPostNorm], eps, bf16(weights[kGateUp]));
   const at::Tensor activated =
       gated(x, weights[kGateUp], biases.get(kGateUpBias), inter, weights[kDown], form.gelu);
   return add_output(activated, weights[kDown], biases.get(kDownBias), width, residual,
-                    form.mlp_out_norm, eps);
+                    form.mlp_out_norm, eps, form.residual_scale);
 }
 
 }  // namespace
@@ -142,8 +150,10 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
                         const at::Tensor& lens, double eps, double scale, int64_t window,
                         const std::optional<at::Tensor>& qk_norm, bool rotates,
                         const std::optional<at::Tensor>& attn_out_norm,
-                        const std::optional<at::Tensor>& mlp_out_norm, bool gelu) {
-  const LayerForm form{cos, sin, window, qk_norm, rotates, attn_out_norm, mlp_out_norm, gelu};
+                        const std::optional<at::Tensor>& mlp_out_norm, bool gelu,
+                        double residual_scale) {
+  const LayerForm form{cos,           sin,          window, qk_norm,       rotates,
+                       attn_out_norm, mlp_out_norm, gelu,   residual_scale};
   check_layer(weights, biases, heads, key, value, form);
   check_step(hidden, slots, key);
   return run_layer(hidden, weights, biases, heads, key, value, slots, table, lens, eps, scale,
@@ -153,7 +163,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
 // Every layer of a decoder stack in turn, in one op: weights and biases are each layer's
 // `decode_layer` arguments back to back (6 and 4 a layer), output norms two a layer (None where
 // it has none); rotary rows, keys, values, windows, q/k norms (each optional), whether it
-// rotates and whether it gates with GELU each layer's own.
+// rotates, whether it gates with GELU and its residual scale each layer's own.
 // One call instead of one a layer saves the Python and dispatch around each: a decode step for
 // one sequence of the default model ran about 0.9 ms (11%) shorter.
 at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
@@ -164,22 +174,23 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
                          const c10::List<std::optional<at::Tensor>>& qk_norms,
                          const c10::List<bool>& rotates,
                          const c10::List<std::optional<at::Tensor>>& out_norms,
-                         const c10::List<bool>& gelu) {
+                         const c10::List<bool>& gelu, at::ArrayRef<double> residual_scales) {
   const size_t layers = keys.size();
   TORCH_CHECK(layers >= 1 && values.size() == layers && weights.size() == layers * kWeights &&
                   biases.size() == layers * kBiases && cos.size() == layers &&
                   sin.size() == layers && windows.size() == layers && qk_norms.size() == layers &&
                   rotates.size() == layers && out_norms.size() == 2 * layers &&
-                  gelu.size() == layers,
+                  gelu.size() == layers && residual_scales.size() == layers,
               "decode_layers: per layer 6 weights, 4 biases, rotary rows, one key and one value "
               "cache, a window, one q/k norm or None, whether it rotates, two output norms or "
-              "None and whether it gates with GELU");
+              "None, whether it gates with GELU and its residual scale");
   std::vector<c10::List<std::optional<at::Tensor>>> layer_biases(layers);
   std::vector<LayerForm> forms;
   for (size_t i = 0; i < layers; ++i) {
     for (size_t b = 0; b < kBiases; ++b) layer_biases[i].push_back(biases.get(i * kBiases + b));
     forms.push_back(LayerForm{cos[i], sin[i], windows[i], qk_norms.get(i), rotates.get(i),
-                              out_norms.get(2 * i), out_norms.get(2 * i + 1), gelu.get(i)});
+                              out_norms.get(2 * i), out_norms.get(2 * i + 1), gelu.get(i),
+                              residual_scales[i]});
     check_layer(weights.slice(i * kWeights, kWeights), layer_biases[i], heads, keys[i], values[i],
                 forms[i]);
     TORCH_CHECK(keys[i].sizes() == keys[0].sizes(), "decode_layers: caches of one size");
@@ -206,12 +217,12 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
       "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
       "Tensor lens, float eps, float scale, int window=0, Tensor? qk_norm=None, "
       "bool rotates=True, Tensor? attn_out_norm=None, Tensor? mlp_out_norm=None, "
-      "bool gelu=False) -> Tensor");
+      "bool gelu=False, float residual_scale=1.0) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
       "Tensor[] cos, Tensor[] sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
       "Tensor table, Tensor lens, float eps, float scale, int[] windows, Tensor?[] qk_norms, "
-      "bool[] rotates, Tensor?[] out_norms, bool[] gelu) -> Tensor");
+      "bool[] rotates, Tensor?[] out_norms, bool[] gelu, float[] residual_scales) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("decode_layer", &conveyor::decode_layer);

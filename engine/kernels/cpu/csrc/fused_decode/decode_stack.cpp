@@ -101,10 +101,12 @@ struct Stack {
 
 // One layer's tensors (`qk_norm` null where its q and k heads are not normed, the output norms
 // null where it has none), its rotary rows (`rotary_dim` 0: a NoPE layer, which rotates
-// nothing), its window (0: none) and whether it gates with GELU.
+// nothing), its window (0: none), whether it gates with GELU and what its outputs are multiplied
+// by before they join the residual (Granite's; 1: nothing).
 struct Layer {
   const float *input_norm, *post_norm, *qk_norm, *attn_out_norm, *mlp_out_norm;
   bool gelu;
+  float residual_scale;
   const float *cos, *sin;
   int64_t cs_stride, rotary_dim, window;
   Product qkv, out, gate_up, down;
@@ -127,14 +129,24 @@ void barrier() {
 #pragma omp barrier
 }
 
+// out = residual + projected * scale over [begin, end), each product rounded before the add, as
+// torch's mul then add compute it (no fused multiply-add).
+__attribute__((optimize("fp-contract=off"))) void add_scaled(const float* residual,
+                                                             const float* projected, float scale,
+                                                             float* out, int64_t begin,
+                                                             int64_t end) {
+  for (int64_t i = begin; i < end; ++i) out[i] = residual[i] + projected[i] * scale;
+}
+
 // A projection's output onto `residual` [rows, width] at `out`, as this thread takes part: the
-// product adds the residual as it stores its sums; or, with an output norm (Gemma's), it stores
-// them alone, and each of this thread's rows is normed, then added to the residual, as the
-// layer computes `residual + norm(projection(x))` op by op.
+// product adds the residual as it stores its sums; or, with an output norm (Gemma's) or a
+// residual scale (Granite's), it stores them alone, and each of this thread's rows is normed or
+// scaled, then added to the residual, as the layer computes `residual + norm(projection(x))`
+// or `residual + projection(x) * scale` op by op.
 void add_output(const Team& team, Stack& st, Bf16Product pb, const Product& p,
                 const std::vector<ProductTask>& tasks, std::atomic<int64_t>& taken,
-                const float* residual, float* out, const float* out_norm) {
-  if (out_norm == nullptr) {
+                const float* residual, float* out, const float* out_norm, float scale) {
+  if (out_norm == nullptr && scale == 1.f) {
     pb.residual = residual;
     pb.out = out;
     product(pb, p, tasks, taken);
@@ -145,10 +157,14 @@ void add_output(const Team& team, Stack& st, Bf16Product pb, const Product& p,
   product(pb, p, tasks, taken);
   barrier();
   const Share part = rows_of(team, st, st.width);
-  rms_norm_rows(st.projected.get(), out_norm, st.normed32.get(), nullptr, st.width, st.eps,
-                part.begin, part.end);
-  for (int64_t i = part.begin * st.width; i < part.end * st.width; ++i)
-    out[i] = residual[i] + st.normed32.get()[i];
+  const int64_t begin = part.begin * st.width, end = part.end * st.width;
+  if (out_norm == nullptr) {
+    add_scaled(residual, st.projected.get(), scale, out, begin, end);
+  } else {
+    rms_norm_rows(st.projected.get(), out_norm, st.normed32.get(), nullptr, st.width, st.eps,
+                  part.begin, part.end);
+    for (int64_t i = begin; i < end; ++i) out[i] = residual[i] + st.normed32.get()[i];
+  }
   barrier();
 }
 
@@ -190,7 +206,8 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
   add_output(
       team, st,
       {st.attended16.get(), layer.out_bias, nullptr, nullptr, nullptr, M, st.attn_size, st.width},
-      layer.out, st.out_tasks, taken[2], in, st.residual.get(), layer.attn_out_norm);
+      layer.out, st.out_tasks, taken[2], in, st.residual.get(), layer.attn_out_norm,
+      layer.residual_scale);
   part = rows_of(team, st, st.width);
   rms_norm_rows(st.residual.get(), layer.post_norm, nullptr, st.normed.get(), st.width, st.eps,
                 part.begin, part.end);
@@ -201,7 +218,8 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
   barrier();
   add_output(team, st,
              {st.gated16.get(), layer.down_bias, nullptr, nullptr, nullptr, M, st.inter, st.width},
-             layer.down, st.down_tasks, taken[4], st.residual.get(), out, layer.mlp_out_norm);
+             layer.down, st.down_tasks, taken[4], st.residual.get(), out, layer.mlp_out_norm,
+             layer.residual_scale);
 }
 
 Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
@@ -213,6 +231,7 @@ Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
                optional_floats(form.attn_out_norm),
                optional_floats(form.mlp_out_norm),
                form.gelu,
+               static_cast<float>(form.residual_scale),
                form.cos.data_ptr<float>(),
                form.sin.data_ptr<float>(),
                form.cos.stride(0),

@@ -27,6 +27,9 @@ struct LayerForm {
   std::optional<at::Tensor> attn_out_norm, mlp_out_norm;
   // gelu(gate) * up, tanh's approximation (Gemma's), instead of silu(gate) * up.
   bool gelu = false;
+  // The attention's and the MLP's outputs multiplied by this before they join the residual
+  // (Granite's `residual_multiplier`; 1: added as they are).
+  double residual_scale = 1.0;
 };
 
 inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
