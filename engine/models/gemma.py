@@ -4,8 +4,7 @@ normed again before they join the residual (four norms a layer); the MLP gates w
 embeddings are scaled by the square root of the hidden size. Gemma 2 caps its attention scores
 and its logits; Gemma 3 normalises each q and k head instead, and rotates local (windowed) and
 global layers with their own frequencies. On the CPU, Gemma 3's decode steps run the whole stack
-as one C++ call (`kernels/cpu/fused_decode.py`); Gemma 2's soft-capped scores keep its layers op
-by op.
+as one C++ call (`kernels/cpu/fused_decode.py`), Gemma 2's scores capped there.
 """
 
 from __future__ import annotations

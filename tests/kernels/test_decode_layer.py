@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, MistralConfig
 
+from engine.attention.backend import LayerAttention
 from engine.attention.cpu_paged import CpuPagedAttention
 from engine.core.sampling_params import SamplingParams
 from engine.factory import cache_dtype_named
@@ -127,7 +128,7 @@ def decode_step(
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen2", "qwen3", "phi4_mini", "smollm3", "gemma3", "granite"]
+    "family", ["llama", "qwen2", "qwen3", "phi4_mini", "smollm3", "gemma2", "gemma3", "granite"]
 )
 @pytest.mark.parametrize("weights", ["fp32", "fp16", BF16])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e5m2"])
@@ -137,8 +138,9 @@ def test_fused_step_equals_the_layers_op_by_op(
     """Same kernels in the same order, K/V rounded alike to a 16-bit cache: the logits and
     every K/V written are equal to the bit (qwen2 has q/k/v biases, qwen3 per-head q/k norms,
     phi4_mini a rotary of 3/4 of each head, smollm3 a layer without rotary, gemma3 four norms a
-    layer, GELU, windowed layers and a rotary table per layer type, granite its outputs scaled
-    before the residual adds; over bf16 panels, the stack in one region)."""
+    layer, GELU, windowed layers and a rotary table per layer type, gemma2 soft-capped scores,
+    granite its outputs scaled before the residual adds; over bf16 panels, the stack in one
+    region)."""
     model = packed(tiny_llama() if family == "llama" else build(family), weights)
     paged = build_causal_lm(model)
     assert isinstance(paged, PagedLlamaForCausalLM)
@@ -211,7 +213,9 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(
 
 
 @needs_bf16_panels
-@pytest.mark.parametrize("family", ["llama", "qwen3", "smollm3", "ministral", "gemma3", "granite"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "smollm3", "ministral", "gemma2", "gemma3", "granite"]
+)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("sequences", [4, 13])
 def test_the_stack_in_one_region_equals_the_layers_op_by_op(
@@ -225,7 +229,8 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(
     sequences taken as threads free up, on any number of threads, the logits and every K/V written
     equal the layers op by op (qwen3: each q and k head normed in the region; smollm3: a layer
     not rotated; ministral: a window on one layer of two; gemma3: its output norms, GELU,
-    windows and two rotary tables; granite: its scaled residual adds)."""
+    windows and two rotary tables; gemma2: capped scores; granite: its scaled residual
+    adds)."""
     prompts = [list(range(5 + 11 * i, 9 + 11 * i + (7 * i) % 19)) for i in range(sequences)]
     model = packed(tiny_llama() if family == "llama" else build(family), "bf16")
     stack = stack_of(model)
@@ -364,15 +369,15 @@ def test_greedy_through_the_fused_layer_equals_generate(weights: str, calls: lis
     assert len(calls) >= 2 * 10 and max(calls) == len(PROMPTS)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi4_mini", "smollm3", "gemma3", "granite"])
+@pytest.mark.parametrize("family", ["qwen3", "phi4_mini", "smollm3", "gemma2", "gemma3", "granite"])
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
 def test_greedy_through_the_llama_layers_kin_equals_generate(
     family: str, weights: str, calls: list[int]
 ) -> None:
     """Qwen3's q and k heads normed, Phi-4-mini's partial rotary, SmolLM3's NoPE layers,
-    Gemma 3's layer (its outputs normed, GELU, windows, two rotary tables) and Granite's scaled
-    residual adds inside the fused decode: greedy tokens are transformers' over the same (for
-    fp16 panels, fp16-rounded) weights."""
+    Gemma 3's layer (its outputs normed, GELU, windows, two rotary tables), Gemma 2's capped
+    scores and Granite's scaled residual adds inside the fused decode: greedy tokens are
+    transformers' over the same (for fp16 panels, fp16-rounded) weights."""
     model = build(family)
     if weights == "fp16":
         model = model.half().float()
@@ -388,6 +393,7 @@ def test_greedy_through_the_llama_layers_kin_equals_generate(
         ]
         assert all(f.gelu and f.out_norms is not None for f in route.layers)
     assert (route.residual_scales[0] != 1.0) == (family == "granite")
+    assert (route.softcaps[0] != 0.0) == (family == "gemma2")
     assert (route.qk_norms[0] is not None) == (family in ("qwen3", "gemma3"))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = run_all(core, PROMPTS, params)
@@ -395,11 +401,15 @@ def test_greedy_through_the_llama_layers_kin_equals_generate(
     assert len(calls) >= 2 * 8 and max(calls) == len(PROMPTS)
 
 
-def test_gemma_2s_capped_scores_keep_its_layers_op_by_op() -> None:
-    """Gemma 2's layer is Gemma 3's with soft-capped scores, which the fused layer does not
-    compute; Gemma 3's sandwich norms and GELU fuse, the whole stack in one call."""
+def test_gemmas_layers_fuse_and_sinks_keep_a_layer_op_by_op() -> None:
+    """Gemma 2's capped scores and Gemma 3's sandwich norms and GELU fuse, each the whole stack
+    in one call; attention sinks (gpt-oss's) and norms of another epsilon keep a stack op by
+    op."""
     gemma2 = list(PagedGemmaForCausalLM(packed(build("gemma2"))).layers)
-    assert fused_decode.choose(gemma2).describe() == "op by op (soft-capped scores or sinks)"
+    stack = fused_decode.choose(gemma2)
+    assert stack.route is DecodeRoute.STACK and stack.softcaps == (1.0, 1.0)
+    gemma2[1].attention = LayerAttention.of(None, sinks=torch.zeros(4))
+    assert fused_decode.choose(gemma2).describe() == "op by op (attention sinks)"
     gemma3 = list(PagedGemmaForCausalLM(packed(build("gemma3"))).layers)
     assert fused_decode.choose(gemma3).route is DecodeRoute.STACK
     gemma3[2].post_mlp_norm.variance_epsilon *= 10

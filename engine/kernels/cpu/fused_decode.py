@@ -95,6 +95,8 @@ class LayerWeights:
     # What the attention's and the MLP's outputs are multiplied by before they join the
     # residual (Granite's residual multiplier).
     residual_scale: float = 1.0
+    # The attention's score cap (Gemma 2's), or 0.
+    softcap: float = 0.0
 
 
 def why_not_fused(layer: FusibleLayer) -> str:
@@ -105,8 +107,8 @@ def why_not_fused(layer: FusibleLayer) -> str:
     if getattr(layer, "moe", None) is not None:
         return "a mixture-of-experts MLP"
     features = getattr(layer, "attention", None)
-    if features is not None and (features.softcap is not None or features.sinks is not None):
-        return "soft-capped scores or sinks"
+    if features is not None and features.sinks is not None:
+        return "attention sinks"
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
     norms = (layer.input_norm, layer.mlp_norm, *(layer.output_norms or ()))
     if layer.input_norm is None:
@@ -179,6 +181,7 @@ def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> La
         gelu=layer.gelu_tanh and not layer.silu,
         rotary=layer.layer_type if layer.layer_type in rotary_kinds else None,
         residual_scale=residual_scale(layer),
+        softcap=float(getattr(layer.attention, "softcap", None) or 0.0),
     )
 
 
@@ -204,6 +207,7 @@ class FusedDecode:
     out_norms: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...] = ()
     gelu: tuple[bool, ...] = ()
     residual_scales: tuple[float, ...] = ()
+    softcaps: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, route: DecodeRoute, layers: tuple[LayerWeights, ...], reason: str = ""):
@@ -219,6 +223,7 @@ class FusedDecode:
             tuple(layer.out_norms for layer in layers),
             tuple(layer.gelu for layer in layers),
             tuple(layer.residual_scale for layer in layers),
+            tuple(layer.softcap for layer in layers),
         )
 
     def __call__(
@@ -250,6 +255,7 @@ class FusedDecode:
                 list(self.out_norms),
                 list(self.gelu),
                 list(self.residual_scales),
+                list(self.softcaps),
             )
         for layer in self.layers:
             cos, sin = tables[layer.rotary]
@@ -273,6 +279,7 @@ class FusedDecode:
                 layer.out_norms,
                 layer.gelu,
                 layer.residual_scale,
+                layer.softcap,
             )
         return hidden
 

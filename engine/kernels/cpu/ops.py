@@ -457,6 +457,7 @@ def decode_layer(
     out_norms: tuple[torch.Tensor, torch.Tensor] | None = None,
     gelu: bool = False,
     residual_scale: float = 1.0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
 
@@ -470,7 +471,8 @@ def decode_layer(
     the head's), none where not `rotates`. With `out_norms` (fp32 `[hidden]` each, Gemma's) the
     attention's and the MLP's outputs are normed before they join the residual; with `gelu` the
     MLP gates with GELU's tanh approximation instead of silu; `residual_scale` multiplies those
-    outputs before they join it (Granite's residual multiplier).
+    outputs before they join it (Granite's residual multiplier); `softcap` caps the scores as
+    `paged_decode` caps them (Gemma 2's).
     """
     attn_out_norm, mlp_out_norm = out_norms if out_norms is not None else (None, None)
     return torch.ops.conveyor.decode_layer(
@@ -494,6 +496,7 @@ def decode_layer(
         mlp_out_norm,
         gelu,
         residual_scale,
+        softcap,
     )
 
 
@@ -561,13 +564,14 @@ def decode_layers(
     out_norms: OutNorms | None = None,
     gelu: list[bool] | None = None,
     residual_scales: list[float] | None = None,
+    softcaps: list[float] | None = None,
 ) -> torch.Tensor:
     """`decode_layer` for every layer of a stack in turn, in one op: `weights` and `biases` are
     each layer's back to back; `key_caches`/`value_caches`, `qk_norms` (None: no layer norms
     its q and k heads), `rotates` (None: every layer rotates), `out_norms` (None: no layer norms
-    its outputs), `gelu` (None: every layer gates with silu) and `residual_scales` (None: every
-    layer adds its outputs as they are) one per layer; `cos`/`sin` and `window` one for all or
-    one per layer."""
+    its outputs), `gelu` (None: every layer gates with silu), `residual_scales` (None: every
+    layer adds its outputs as they are) and `softcaps` (None: no layer caps its scores) one per
+    layer; `cos`/`sin` and `window` one for all or one per layer."""
     layers = len(key_caches)
     return torch.ops.conveyor.decode_layers(
         hidden,
@@ -589,4 +593,5 @@ def decode_layers(
         _flat_out_norms(out_norms, layers),
         gelu if gelu is not None else [False] * layers,
         residual_scales if residual_scales is not None else [1.0] * layers,
+        softcaps if softcaps is not None else [0.0] * layers,
     )

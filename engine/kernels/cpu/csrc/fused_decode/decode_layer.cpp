@@ -27,6 +27,8 @@
 // residual_scale
 //           the attention's and the MLP's outputs multiplied by it before they join the
 //           residual (Granite's residual multiplier; 1: added as they are)
+// softcap   scores capped as softcap * tanh(score / softcap) before the softmax (Gemma 2's;
+//           0: not), as `paged_decode` caps them
 // returns   [rows, hidden] fp32, the layer's output
 //
 // It calls the same kernels, in the same order, as the layer does op by op from Python, so the
@@ -128,8 +130,8 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
            qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots.data_ptr<int64_t>(), 0, rows,
            kv_size, key, value);
-  at::Tensor attended =
-      paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale, form.window);
+  at::Tensor attended = paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale,
+                                     form.window, form.softcap);
   const at::Tensor residual =
       add_output(attended.view({rows, num_heads * dim}), weights[kOut], biases.get(kOutBias), width,
                  hidden, form.attn_out_norm, eps, form.residual_scale);
@@ -151,9 +153,9 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
                         const std::optional<at::Tensor>& qk_norm, bool rotates,
                         const std::optional<at::Tensor>& attn_out_norm,
                         const std::optional<at::Tensor>& mlp_out_norm, bool gelu,
-                        double residual_scale) {
-  const LayerForm form{cos,           sin,          window, qk_norm,       rotates,
-                       attn_out_norm, mlp_out_norm, gelu,   residual_scale};
+                        double residual_scale, double softcap) {
+  const LayerForm form{cos,     sin,           window,       qk_norm, rotates,
+                       softcap, attn_out_norm, mlp_out_norm, gelu,    residual_scale};
   check_layer(weights, biases, heads, key, value, form);
   check_step(hidden, slots, key);
   return run_layer(hidden, weights, biases, heads, key, value, slots, table, lens, eps, scale,
@@ -163,7 +165,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
 // Every layer of a decoder stack in turn, in one op: weights and biases are each layer's
 // `decode_layer` arguments back to back (6 and 4 a layer), output norms two a layer (None where
 // it has none); rotary rows, keys, values, windows, q/k norms (each optional), whether it
-// rotates, whether it gates with GELU and its residual scale each layer's own.
+// rotates, whether it gates with GELU, its residual scale and its score cap each layer's own.
 // One call instead of one a layer saves the Python and dispatch around each: a decode step for
 // one sequence of the default model ran about 0.9 ms (11%) shorter.
 at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
@@ -174,23 +176,25 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
                          const c10::List<std::optional<at::Tensor>>& qk_norms,
                          const c10::List<bool>& rotates,
                          const c10::List<std::optional<at::Tensor>>& out_norms,
-                         const c10::List<bool>& gelu, at::ArrayRef<double> residual_scales) {
+                         const c10::List<bool>& gelu, at::ArrayRef<double> residual_scales,
+                         at::ArrayRef<double> softcaps) {
   const size_t layers = keys.size();
   TORCH_CHECK(layers >= 1 && values.size() == layers && weights.size() == layers * kWeights &&
                   biases.size() == layers * kBiases && cos.size() == layers &&
                   sin.size() == layers && windows.size() == layers && qk_norms.size() == layers &&
                   rotates.size() == layers && out_norms.size() == 2 * layers &&
-                  gelu.size() == layers && residual_scales.size() == layers,
+                  gelu.size() == layers && residual_scales.size() == layers &&
+                  softcaps.size() == layers,
               "decode_layers: per layer 6 weights, 4 biases, rotary rows, one key and one value "
               "cache, a window, one q/k norm or None, whether it rotates, two output norms or "
-              "None, whether it gates with GELU and its residual scale");
+              "None, whether it gates with GELU, its residual scale and its score cap");
   std::vector<c10::List<std::optional<at::Tensor>>> layer_biases(layers);
   std::vector<LayerForm> forms;
   for (size_t i = 0; i < layers; ++i) {
     for (size_t b = 0; b < kBiases; ++b) layer_biases[i].push_back(biases.get(i * kBiases + b));
     forms.push_back(LayerForm{cos[i], sin[i], windows[i], qk_norms.get(i), rotates.get(i),
-                              out_norms.get(2 * i), out_norms.get(2 * i + 1), gelu.get(i),
-                              residual_scales[i]});
+                              softcaps[i], out_norms.get(2 * i), out_norms.get(2 * i + 1),
+                              gelu.get(i), residual_scales[i]});
     check_layer(weights.slice(i * kWeights, kWeights), layer_biases[i], heads, keys[i], values[i],
                 forms[i]);
     TORCH_CHECK(keys[i].sizes() == keys[0].sizes(), "decode_layers: caches of one size");
@@ -217,12 +221,13 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
       "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
       "Tensor lens, float eps, float scale, int window=0, Tensor? qk_norm=None, "
       "bool rotates=True, Tensor? attn_out_norm=None, Tensor? mlp_out_norm=None, "
-      "bool gelu=False, float residual_scale=1.0) -> Tensor");
+      "bool gelu=False, float residual_scale=1.0, float softcap=0.) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
       "Tensor[] cos, Tensor[] sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
       "Tensor table, Tensor lens, float eps, float scale, int[] windows, Tensor?[] qk_norms, "
-      "bool[] rotates, Tensor?[] out_norms, bool[] gelu, float[] residual_scales) -> Tensor");
+      "bool[] rotates, Tensor?[] out_norms, bool[] gelu, float[] residual_scales, "
+      "float[] softcaps) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("decode_layer", &conveyor::decode_layer);

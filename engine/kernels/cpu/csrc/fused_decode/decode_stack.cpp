@@ -106,7 +106,7 @@ struct Stack {
 struct Layer {
   const float *input_norm, *post_norm, *qk_norm, *attn_out_norm, *mlp_out_norm;
   bool gelu;
-  float residual_scale;
+  float residual_scale, softcap;
   const float *cos, *sin;
   int64_t cs_stride, rotary_dim, window;
   Product qkv, out, gate_up, down;
@@ -195,7 +195,7 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
            part.begin, part.end, st.kv_heads * st.dim, key, value);
   barrier();
   paged_decode_team({st.qk.get(), st.qk_size, M, st.heads, st.table, st.table_width, st.lens,
-                     st.scale, st.attended.get(), layer.window},
+                     st.scale, st.attended.get(), layer.window, layer.softcap},
                     key, value, team, taken[1]);
   barrier();
   part = rows_of(team, st, st.attn_size);
@@ -232,6 +232,7 @@ Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
                optional_floats(form.mlp_out_norm),
                form.gelu,
                static_cast<float>(form.residual_scale),
+               static_cast<float>(std::max(form.softcap, 0.0)),
                form.cos.data_ptr<float>(),
                form.sin.data_ptr<float>(),
                form.cos.stride(0),
@@ -371,7 +372,7 @@ bool region_applies_op(int64_t width, at::TensorList weights,
               "or None and whether it gates with GELU");
   std::vector<LayerForm> forms;
   for (size_t i = 0; i < layers; ++i)
-    forms.push_back(LayerForm{cos[i], sin[i], 0, qk_norms.get(i), true, out_norms.get(2 * i),
+    forms.push_back(LayerForm{cos[i], sin[i], 0, qk_norms.get(i), true, 0.0, out_norms.get(2 * i),
                               out_norms.get(2 * i + 1), gelu.get(i)});
   return stack_region_applies(width, weights, biases, heads, forms);
 }

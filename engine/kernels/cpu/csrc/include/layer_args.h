@@ -23,6 +23,8 @@ struct LayerForm {
   std::optional<at::Tensor> qk_norm;
   // False: q and k are not rotated (SmolLM3's NoPE layers).
   bool rotates = true;
+  // Scores capped as softcap * tanh(score / softcap) before the softmax (Gemma 2's; 0: not).
+  double softcap = 0.0;
   // The attention's and the MLP's output norms before the residual adds (Gemma's), or neither.
   std::optional<at::Tensor> attn_out_norm, mlp_out_norm;
   // gelu(gate) * up, tanh's approximation (Gemma's), instead of silu(gate) * up.
