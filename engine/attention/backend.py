@@ -60,6 +60,11 @@ def window_of(features: LayerAttention | None) -> int:
     return features.window or 0 if features is not None else 0
 
 
+def softcap_of(features: LayerAttention | None) -> float:
+    """The score cap a kernel takes: the layer's, or 0 for none."""
+    return features.softcap or 0.0 if features is not None else 0.0
+
+
 class AttentionBackend(ABC):
     """Writes each layer's new K/V into the paged cache and attends over the block tables."""
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.attention.backend import LayerAttention, window_of
+from engine.attention.backend import LayerAttention, softcap_of, window_of
 from engine.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata, _to
 from engine.kv.kv_cache import KVCache
 from engine.worker.input_batch import InputBatch
@@ -126,6 +126,6 @@ class InPlaceDecodeAttention(TorchPagedAttention):
             scale,
             cache.layer_scales(layer),
             window_of(features),
-            (features.softcap or 0.0) if features is not None else 0.0,
+            softcap_of(features),
             features.sinks if features is not None else None,
         )

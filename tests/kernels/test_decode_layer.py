@@ -32,6 +32,7 @@ from tests.helpers import (
     tiny_llama,
     tokens_of,
 )
+from tests.kernels.test_cpu_small_ops import reference_head_norm as reference_norm
 from tests.models.test_attention_features import build as build_windowed
 from tests.models.test_model_families import COMMON as FAMILY_COMMON
 from tests.models.test_model_families import build as build_family
@@ -515,10 +516,6 @@ def unpacked(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features]
 
 
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
 def gemma_layer_in_torch(
     inputs: dict[str, object], out_norms: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
@@ -530,7 +527,7 @@ def gemma_layer_in_torch(
     heads, kv_heads, dim = cast(list[int], inputs["heads"])
     key, value = cast(torch.Tensor, inputs["key_cache"]), cast(torch.Tensor, inputs["value_cache"])
     table, lens = cast(torch.Tensor, inputs["block_table"]), cast(torch.Tensor, inputs["seq_lens"])
-    qkv = torch_rms_norm(hidden, w[0], eps) @ unpacked(w[1], (heads + 2 * kv_heads) * dim).T
+    qkv = reference_norm(hidden, w[0], eps) @ unpacked(w[1], (heads + 2 * kv_heads) * dim).T
     query = qkv[:, : heads * dim].view(-1, heads, dim)
     rows = []
     for r in range(hidden.shape[0]):
@@ -540,11 +537,11 @@ def gemma_layer_in_torch(
         scores = torch.einsum("hd,nhd->hn", query[r], k) * cast(float, inputs["scale"])
         rows.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v).reshape(-1))
     width, inter = hidden.shape[1], w[5].shape[1]
-    hidden = hidden + torch_rms_norm(torch.stack(rows) @ unpacked(w[2], width).T, out_norms[0], eps)
-    gate_up = torch_rms_norm(hidden, w[3], eps) @ unpacked(w[4], 2 * inter).T
+    hidden = hidden + reference_norm(torch.stack(rows) @ unpacked(w[2], width).T, out_norms[0], eps)
+    gate_up = reference_norm(hidden, w[3], eps) @ unpacked(w[4], 2 * inter).T
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
     activated = torch.nn.functional.gelu(gate, approximate="tanh") * up
-    return hidden + torch_rms_norm(activated @ unpacked(w[5], width).T, out_norms[1], eps)
+    return hidden + reference_norm(activated @ unpacked(w[5], width).T, out_norms[1], eps)
 
 
 def cast_tensors(value: object) -> list[torch.Tensor]:

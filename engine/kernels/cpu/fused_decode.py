@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from engine.attention.backend import DecodeStep
+from engine.attention.backend import DecodeStep, softcap_of, window_of
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.linear import GatedPanelLinear, PanelLinear
 
@@ -174,14 +174,14 @@ def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> La
         heads=[layer.num_heads, layer.num_kv_heads, layer.head_dim],
         eps=float(layer.input_norm.variance_epsilon),
         scale=layer.scaling,
-        window=(layer.attention.window or 0) if layer.attention is not None else 0,
+        window=window_of(layer.attention),
         qk_norm=layer.qk_norm_weight,
         rotates=bool(getattr(layer, "rotates", True)),
         out_norms=None if out_norms is None else (out_norms[0].weight, out_norms[1].weight),
-        gelu=layer.gelu_tanh and not layer.silu,
+        gelu=layer.gelu_tanh,
         rotary=layer.layer_type if layer.layer_type in rotary_kinds else None,
         residual_scale=residual_scale(layer),
-        softcap=float(getattr(layer.attention, "softcap", None) or 0.0),
+        softcap=softcap_of(layer.attention),
     )
 
 

@@ -157,14 +157,14 @@ void add_output(const Team& team, Stack& st, Bf16Product pb, const Product& p,
   product(pb, p, tasks, taken);
   barrier();
   const Share part = rows_of(team, st, st.width);
-  const int64_t begin = part.begin * st.width, end = part.end * st.width;
-  if (out_norm == nullptr) {
-    add_scaled(residual, st.projected.get(), scale, out, begin, end);
-  } else {
+  const float* added = st.projected.get();
+  if (out_norm != nullptr) {
     rms_norm_rows(st.projected.get(), out_norm, st.normed32.get(), nullptr, st.width, st.eps,
                   part.begin, part.end);
-    for (int64_t i = begin; i < end; ++i) out[i] = residual[i] + st.normed32.get()[i];
+    added = st.normed32.get();
   }
+  // A normed output's scale is 1 (`decode_layer` refuses both in a layer): times 1 is exact.
+  add_scaled(residual, added, scale, out, part.begin * st.width, part.end * st.width);
   barrier();
 }
 
