@@ -303,16 +303,24 @@ class PagedLlamaLayer(nn.Module):
         projections = gate_projections(mlp)
         self.intermediate = int(projections[0].out_features) // (3 - len(projections))
         if len(projections) == 1:  # Phi-3: gate and up in one projection already
-            self.gate_up_proj = projections[0]
+            halves = (
+                projections[0].split(self.intermediate)
+                if isinstance(projections[0], PanelLinear)
+                else None
+            )
+            self.gate_up_proj = (halves and self._gated_pairs(*halves)) or projections[0]
             return
-        gated = (
-            GatedPanelLinear.of(mlp.gate_proj, mlp.up_proj, gelu=self.gelu_tanh)
-            if self.silu or self.gelu_tanh
-            else None
-        )
-        # With `gated`, one op computes silu(gate) * up (or GELU's); else gate and up side by
-        # side.
+        # With gated pairs, one op computes silu(gate) * up (or GELU's); else gate and up side
+        # by side.
+        gated = self._gated_pairs(mlp.gate_proj, mlp.up_proj)
         self.gate_up_proj = gated or fuse([mlp.gate_proj, mlp.up_proj])
+
+    def _gated_pairs(self, gate: nn.Module, up: nn.Module) -> GatedPanelLinear | None:
+        """Gate and up as one op that writes only the activation, where the panels and the
+        activation allow."""
+        if not (self.silu or self.gelu_tanh):
+            return None
+        return GatedPanelLinear.of(gate, up, gelu=self.gelu_tanh)
 
     def lora_shapes(self) -> Shapes:
         """`(in, out)` of each projection an adapter may target."""

@@ -550,6 +550,45 @@ def test_gated_panels_need_two_bf16_projections_alike() -> None:
     assert GatedPanelLinear.of(gate, nn.Linear(32, 48)) is None
 
 
+@pytest.mark.parametrize("storage", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_layer_splits_into_two_over_views_of_its_panels(
+    storage: torch.dtype, with_bias: bool
+) -> None:
+    """Phi-3's one gate/up projection taken apart: each part's outputs are the whole layer's
+    columns to the bit, over its panels as held (no copy); a cut inside a panel, or at either
+    end, is refused."""
+    torch.manual_seed(3)
+    linear = nn.Linear(40, 90, bias=with_bias)
+    whole = PanelLinear(linear.weight, linear.bias, storage)
+    parts = whole.split(48)
+    assert parts is not None
+    first, second = parts
+    assert (first.out_features, second.out_features) == (48, 42)
+    assert second.panels.data_ptr() == whole.panels[3].data_ptr()
+    x = torch.randn(5, 40)
+    out = whole(x)
+    assert torch.equal(first(x), out[:, :48])
+    assert torch.equal(second(x), out[:, 48:])
+    assert all(whole.split(at) is None for at in (40, 0, 96, 90))
+
+
+@needs_bf16_panels
+@pytest.mark.usefixtures("bf16_products")
+def test_one_gate_up_projection_split_makes_gated_panels() -> None:
+    """Gate and up held as one bf16 layer (Phi-3's) split and paired: the gated op equals the
+    one layer's product followed by `silu_mul`, to the bit."""
+    torch.manual_seed(4)
+    linear = nn.Linear(64, 96, bias=False)
+    whole = PanelLinear(linear.weight, None, torch.bfloat16)
+    parts = whole.split(48)
+    assert parts is not None
+    gated = GatedPanelLinear.of(*parts)
+    assert gated is not None
+    x = torch.randn(3, 64)
+    assert torch.equal(gated(x), cpu_ops.silu_mul(whole(x)))
+
+
 @needs_bf16_panels
 def test_the_gated_op_refuses_bad_inputs() -> None:
     _, _, gated = gate_and_up(32, 48, True)

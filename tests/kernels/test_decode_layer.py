@@ -146,7 +146,7 @@ def test_fused_step_equals_the_layers_op_by_op(
     paged = build_causal_lm(model)
     assert isinstance(paged, PagedLlamaForCausalLM)
     gated = isinstance(paged.layers[0].gate_up_proj, GatedPanelLinear)
-    assert gated == (weights == "bf16" and family != "phi4_mini")  # Phi-3's gate/up: one layer
+    assert gated == (weights == "bf16")  # Phi-3's one gate/up layer split into pairs
     fused_logits, fused_cache = decode_step(model, True, monkeypatch, kv)
     layers = model.config.num_hidden_layers
     # One prefill step, two decode steps, then the step compared: fused on all but the first.
@@ -215,7 +215,8 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(
 
 @needs_bf16_panels
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen3", "smollm3", "ministral", "gemma2", "gemma3", "granite"]
+    "family",
+    ["llama", "qwen3", "phi4_mini", "smollm3", "ministral", "gemma2", "gemma3", "granite"],
 )
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("sequences", [4, 13])
@@ -229,7 +230,8 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(
     (`csrc/fused_decode/decode_stack.cpp`): with a few sequences' kv heads shared out or many whole
     sequences taken as threads free up, on any number of threads, the logits and every K/V written
     equal the layers op by op (qwen3: each q and k head normed in the region; smollm3: a layer
-    not rotated; ministral: a window on one layer of two; gemma3: its output norms, GELU,
+    not rotated; phi4_mini: one gate/up projection split into pairs, a partial rotary;
+    ministral: a window on one layer of two; gemma3: its output norms, GELU,
     windows and two rotary tables; gemma2: capped scores; granite: its scaled residual
     adds)."""
     prompts = [list(range(5 + 11 * i, 9 + 11 * i + (7 * i) % 19)) for i in range(sequences)]

@@ -192,6 +192,27 @@ class PanelLinear(nn.Module):
             joined.multiply_in_bf16()  # as its parts did
         return joined
 
+    def split(self, at: int) -> tuple[PanelLinear, PanelLinear] | None:
+        """Two layers, over the first `at` outputs and over the rest, holding views of these
+        panels (the inverse of `joined`); None where `at` falls inside a panel."""
+        if at % PANEL or not 0 < at < self.out_features:
+            return None
+        cut, bias = at // PANEL, self.bias
+        parts = (
+            PanelLinear._of_panels(
+                self.panels[:cut], None if bias is None else bias[:at], at, self.in_features
+            ),
+            PanelLinear._of_panels(
+                self.panels[cut:],
+                None if bias is None else bias[at:],
+                self.out_features - at,
+                self.in_features,
+            ),
+        )
+        for part in parts:
+            part.bf16_blocks = self.bf16_blocks
+        return parts
+
     @classmethod
     def _of_panels(
         cls, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int, in_features: int
