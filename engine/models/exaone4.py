@@ -3,7 +3,8 @@
 with Qwen3's norm of each q and k head before the rotary; EXAONE MoE's is the Llama layer with
 those norms, and experts in place of the MLP after its dense layers. Their hybrid models (a
 sliding window on three layers of four) window only their sliding layers, and their global layers
-rotate nothing (NoPE). EXAONE 4.0's decode steps run op by op.
+rotate nothing (NoPE). On the CPU, EXAONE 4.0's decode steps run the whole stack as one C++ call
+(`kernels/cpu/fused_decode.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ class PagedExaone4Layer(PostNormedLayer):
 
 class PagedExaone4ForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
-    op_by_op = "EXAONE 4's layers"
     layer_class = PagedExaone4Layer
 
 

@@ -70,6 +70,21 @@ def fp32_scaled_norm(
     return scaled_in_fp32(hidden, norm.weight, norm.variance_epsilon)
 
 
+def module_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """`x` through a family's RMSNorm module: Conveyor's one-pass kernel for fp32 rows on the
+    CPU (the module's operations in fp32, as the fused CPU decode norms its rows), else the
+    module itself."""
+    if x.dtype == torch.float32 and _one_pass_norm(x, norm.weight):
+        return cpu_ops.rms_norm(x, norm.weight, float(norm.variance_epsilon))
+    return cast(torch.Tensor, norm(x))
+
+
+def one_pass_heads(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Conveyor's one-pass CPU kernels take these heads (fp32 `[tokens, heads, dim]`, heads and
+    dims contiguous) and this fp32 weight."""
+    return _kernel_heads(x) and weight.dtype == torch.float32 and weight.is_contiguous()
+
+
 def scaled_in_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """An RMSNorm of 16-bit rows (or heads): normalised and scaled by `weight` in fp32, cast to
     the rows' dtype after."""

@@ -232,8 +232,11 @@ class PagedLlamaLayer(nn.Module):
     # than normed in fp32 and scaled in their dtype (fp32 heads: the same either way).
     qk_scaled_in_fp32 = False
     # The norms of the attention's and the MLP's outputs before they join the residual
-    # (Gemma's), or None.
+    # (Gemma's, OLMo 2's), or None.
     output_norms: tuple[Any, Any] | None = None
+    # Whether q and k are each normed over all their heads at once by `_qk_norm` (OLMo 2's, whose
+    # norm the fused CPU decode computes too), rather than head by head.
+    qk_norm_all_heads = False
 
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__()
@@ -453,12 +456,13 @@ class PagedLlamaLayer(nn.Module):
     @property
     def qkv_as_llama(self) -> bool:
         """Whether this layer makes its q, k and v by the Llama layer's own `project_qkv`,
-        `_qk_norm` and `_rotate`, as the fused CPU decode computes them (a family's own rotary
-        or norms keep its decode steps op by op)."""
+        `_qk_norm` (or OLMo 2's over all heads) and `_rotate`, as the fused CPU decode computes
+        them (a family's own rotary or norms keep its decode steps op by op)."""
         cls = type(self)
-        return all(
+        norm_as_llama = cls._qk_norm is PagedLlamaLayer._qk_norm or self.qk_norm_all_heads
+        return norm_as_llama and all(
             getattr(cls, name) is getattr(PagedLlamaLayer, name)
-            for name in ("project_qkv", "_qk_norm", "_rotate")
+            for name in ("project_qkv", "_rotate")
         )
 
     def after_attention(

@@ -109,6 +109,37 @@ def test_head_norm_refuses_bad_inputs():
         cpu_ops.head_rms_norm(torch.randn(3, 8, 2).transpose(1, 2), weight, 1e-6)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "heads", "kv_heads", "dim"), [(1, 16, 8, 64), (7, 3, 1, 16), (33, 4, 2, 6)]
+)
+def test_all_heads_norm_matches_torch_over_q_and_k_inside_a_wider_projection(
+    tokens, heads, kv_heads, dim
+):
+    """OLMo 2's q/k norms: q's heads normed as one row by the first part of the weight, k's
+    as another by the rest, read where the q/k/v projection left them; equal to torch's over
+    the flattened q and k within fp32 rounding."""
+    torch.manual_seed(tokens)
+    qk_heads = heads + kv_heads
+    fused = torch.randn(tokens, (qk_heads + kv_heads) * dim) * 3
+    x = fused[:, : qk_heads * dim].view(tokens, qk_heads, dim)
+    weight = torch.randn(qk_heads * dim)
+    out = cpu_ops.all_heads_rms_norm(x, weight, heads, 1e-6)
+    assert out.is_contiguous() and out.shape == (tokens, qk_heads, dim)
+    q, k = x[:, :heads].reshape(tokens, -1), x[:, heads:].reshape(tokens, -1)
+    expected = torch.cat(
+        [
+            reference_head_norm(q, weight[: heads * dim], 1e-6),
+            reference_head_norm(k, weight[heads * dim :], 1e-6),
+        ],
+        dim=1,
+    )
+    torch.testing.assert_close(out.view(tokens, -1), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_ops.all_heads_rms_norm(x, weight[:-1], heads, 1e-6)
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_ops.all_heads_rms_norm(x, weight, qk_heads, 1e-6)
+
+
 def test_the_model_norms_fp32_q_and_k_heads_on_the_cpu_in_one_pass(monkeypatch):
     """A `[heads, dim]` weight over fp32 heads takes the per-head kernel; bf16 heads and a
     weight that broadcasts over heads stay torch's."""

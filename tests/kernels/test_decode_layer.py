@@ -129,7 +129,19 @@ def decode_step(
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen2", "qwen3", "phi4_mini", "smollm3", "gemma2", "gemma3", "granite"]
+    "family",
+    [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "phi4_mini",
+        "smollm3",
+        "gemma2",
+        "gemma3",
+        "granite",
+        "olmo3",
+        "exaone4",
+    ],
 )
 @pytest.mark.parametrize("weights", ["fp32", "fp16", BF16])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e5m2"])
@@ -140,8 +152,10 @@ def test_fused_step_equals_the_layers_op_by_op(
     every K/V written are equal to the bit (qwen2 has q/k/v biases, qwen3 per-head q/k norms,
     phi4_mini a rotary of 3/4 of each head, smollm3 a layer without rotary, gemma3 four norms a
     layer, GELU, windowed layers and a rotary table per layer type, gemma2 soft-capped scores,
-    granite its outputs scaled before the residual adds; over bf16 panels, the stack in one
-    region)."""
+    granite its outputs scaled before the residual adds, olmo3 no norm before the attention or
+    the MLP, their outputs normed, q's and k's heads each normed as one row, windows and a
+    rotary table per layer type, exaone4 the same norms with each q and k head normed, a window
+    on one layer and no rotary on the other; over bf16 panels, the stack in one region)."""
     model = packed(tiny_llama() if family == "llama" else build(family), weights)
     paged = build_causal_lm(model)
     assert isinstance(paged, PagedLlamaForCausalLM)
@@ -216,7 +230,18 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(
 @needs_bf16_panels
 @pytest.mark.parametrize(
     "family",
-    ["llama", "qwen3", "phi4_mini", "smollm3", "ministral", "gemma2", "gemma3", "granite"],
+    [
+        "llama",
+        "qwen3",
+        "phi4_mini",
+        "smollm3",
+        "ministral",
+        "gemma2",
+        "gemma3",
+        "granite",
+        "olmo3",
+        "exaone4",
+    ],
 )
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("sequences", [4, 13])
@@ -233,7 +258,8 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(
     not rotated; phi4_mini: one gate/up projection split into pairs, a partial rotary;
     ministral: a window on one layer of two; gemma3: its output norms, GELU,
     windows and two rotary tables; gemma2: capped scores; granite: its scaled residual
-    adds)."""
+    adds; olmo3 and exaone4: rows taken to q/k/v and gate/up without a norm, q/k norms over
+    all heads (olmo3) or head by head (exaone4))."""
     prompts = [list(range(5 + 11 * i, 9 + 11 * i + (7 * i) % 19)) for i in range(sequences)]
     model = packed(tiny_llama() if family == "llama" else build(family), "bf16")
     stack = stack_of(model)
@@ -241,7 +267,7 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(
     width = model.config.hidden_size
     forms = (list(stack.qk_norms), list(stack.out_norms), list(stack.gelu))
     assert cpu_ops.stack_region_applies(width, *stack_args(stack), cos, sin, *forms)
-    assert (family == "smollm3") == (False in stack.rotates)
+    assert (family in ("smollm3", "exaone4")) == (False in stack.rotates)
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
@@ -372,15 +398,20 @@ def test_greedy_through_the_fused_layer_equals_generate(weights: str, calls: lis
     assert len(calls) >= 2 * 10 and max(calls) == len(PROMPTS)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi4_mini", "smollm3", "gemma2", "gemma3", "granite"])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3", "phi4_mini", "smollm3", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "exaone4"],
+)
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
 def test_greedy_through_the_llama_layers_kin_equals_generate(
     family: str, weights: str, calls: list[int]
 ) -> None:
     """Qwen3's q and k heads normed, Phi-4-mini's partial rotary, SmolLM3's NoPE layers,
     Gemma 3's layer (its outputs normed, GELU, windows, two rotary tables), Gemma 2's capped
-    scores and Granite's scaled residual adds inside the fused decode: greedy tokens are
-    transformers' over the same (for fp16 panels, fp16-rounded) weights."""
+    scores, Granite's scaled residual adds, OLMo 2's and 3's layers (their outputs normed and
+    not their inputs, q and k normed over all heads) and EXAONE 4's (the same norms, each q and
+    k head normed, NoPE global layers) inside the fused decode: greedy tokens are transformers'
+    over the same (for fp16 panels, fp16-rounded) weights."""
     model = build(family)
     if weights == "fp16":
         model = model.half().float()
@@ -397,7 +428,10 @@ def test_greedy_through_the_llama_layers_kin_equals_generate(
         assert all(f.gelu and f.out_norms is not None for f in route.layers)
     assert (route.residual_scales[0] != 1.0) == (family == "granite")
     assert (route.softcaps[0] != 0.0) == (family == "gemma2")
-    assert (route.qk_norms[0] is not None) == (family in ("qwen3", "gemma3"))
+    assert (route.qk_norms[0] is not None) == (
+        family not in ("phi4_mini", "smollm3", "gemma2", "granite")
+    )
+    assert (route.layers[0].weights[0].numel() == 0) == family.startswith(("olmo", "exaone"))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = run_all(core, PROMPTS, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected

@@ -2,13 +2,14 @@
 one C++ op (`csrc/fused_decode/`).
 
 It computes what the layers compute op by op, to the bit: the same kernels in the same order
-(norm, q/k/v, each q and k head's norm where the layer has them (Qwen3, Gemma 3), rotary of
-all, some (Phi-4-mini) or none (SmolLM3's NoPE layers) of each head's dims, K/V stored at their
-slots, paged attention, output projection (normed before the residual in Gemma's layer) and
-residual, norm, gate/up, activation (silu, or Gemma's GELU), down (normed again in Gemma's) and
-residual), without the dispatch of two dozen small ops a layer. Its attention is Conveyor's
-CPU paged attention, so it runs where that backend hands out a `DecodeStep` (every row decodes,
-the cache holds a dtype it reads).
+(norm (none in OLMo 2's layer), q/k/v, each q and k head's norm where the layer has them
+(Qwen3, Gemma 3; q's and k's heads each normed as one row in OLMo 2), rotary of all, some
+(Phi-4-mini) or none (SmolLM3's NoPE layers) of each head's dims, K/V stored at their slots,
+paged attention, output projection (normed before the residual in Gemma's and OLMo 2's layers)
+and residual, norm, gate/up, activation (silu, or Gemma's GELU), down (normed again in Gemma's
+and OLMo 2's) and residual), without the dispatch of two dozen small ops a layer. Its
+attention is Conveyor's CPU paged attention, so it runs where that backend hands out a
+`DecodeStep` (every row decodes, the cache holds a dtype it reads).
 
 `choose` decides once, when the model is built, how decode steps run: the whole stack as one op,
 one op per layer, or op by op, with the reason when the fused routes do not apply.
@@ -55,9 +56,10 @@ class FusibleLayer(Protocol):
     qk_norm_eps: float
     # A sliding window, or None (`LayerAttention`).
     attention: Any
+    # The norm of the attention's input (None: nothing is normed there, OLMo 2's layer).
     input_norm: Any
     # The norms of the attention's and the MLP's outputs before they join the residual
-    # (Gemma's), or None.
+    # (Gemma's, OLMo 2's), or None.
     output_norms: tuple[Any, Any] | None
     # The layer's type, whose rotary table it takes where the frequencies differ by type.
     layer_type: str | None
@@ -68,7 +70,7 @@ class FusibleLayer(Protocol):
 
     @property
     def mlp_norm(self) -> Any:
-        """The norm of the MLP's input."""
+        """The norm of the MLP's input (None where the attention's input has none either)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +84,9 @@ class LayerWeights:
     eps: float
     scale: float
     window: int = 0
-    # Each q and k head's norm weight, `[heads + kv heads, head dim]` (None: not normed).
+    # Each q and k head's norm weight, `[heads + kv heads, head dim]`; or q's and k's side by
+    # side, `[(heads + kv heads) * head dim]`, each normed over all its heads at once (OLMo 2's);
+    # None: not normed.
     qk_norm: torch.Tensor | None = None
     # False for a layer that rotates neither q nor k (SmolLM3's NoPE layers).
     rotates: bool = True
@@ -101,18 +105,22 @@ class LayerWeights:
 
 def why_not_fused(layer: FusibleLayer) -> str:
     """Why the fused layer does not compute this layer ("" where it does): it needs projections
-    in Conveyor's panels, fp32 norms with one epsilon, silu or GELU (tanh) gating, q, k and v
-    made as the Llama layer makes them (q/k norms, where it has them, before a rotary of all,
-    some or none of each head's dims), and the kernels built."""
+    in Conveyor's panels, fp32 norms with one epsilon (before the attention and the MLP, after
+    them, or both), silu or GELU (tanh) gating, q, k and v made as the Llama layer makes them
+    (q/k norms, where it has them, head by head or over all heads at once, before a rotary of
+    all, some or none of each head's dims), and the kernels built."""
     if getattr(layer, "moe", None) is not None:
         return "a mixture-of-experts MLP"
     features = getattr(layer, "attention", None)
     if features is not None and features.sinks is not None:
         return "attention sinks"
     projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-    norms = (layer.input_norm, layer.mlp_norm, *(layer.output_norms or ()))
-    if layer.input_norm is None:
-        return "no norm before the attention (OLMo 2)"
+    pre_norms = (layer.input_norm, layer.mlp_norm)
+    norms = [n for n in (*pre_norms, *(layer.output_norms or ())) if n is not None]
+    if (pre_norms[0] is None) != (pre_norms[1] is None):
+        return "a norm before the attention or the MLP, not both"
+    if not norms:
+        return "no norms"
     if getattr(layer, "rotary_dim", 0) % 2:
         return "an odd number of dims rotating"
     if not cpu_ops.has("fused_decode"):
@@ -142,9 +150,9 @@ def why_not_fused(layer: FusibleLayer) -> str:
 
 
 def _why_qk_norm_not_fused(layer: FusibleLayer) -> str:
-    """Why the fused layer does not compute this layer's per-head q/k norms ("" where it has
-    none or they fuse): each head normed by one fp32 weight row before the rotary, as the Llama
-    layer norms them (not after it, as Hunyuan's)."""
+    """Why the fused layer does not compute this layer's q/k norms ("" where it has none or they
+    fuse): each head normed by one fp32 weight row (or q's and k's heads each as one row, OLMo
+    2's) before the rotary, as the Llama layer norms them (not after it, as Hunyuan's)."""
     weight = layer.qk_norm_weight
     if weight is None:
         return ""
@@ -160,19 +168,20 @@ def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> La
     table of their own."""
     panels: list[Any] = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
     out_norms = layer.output_norms
+    norms = [n for n in (layer.input_norm, *(out_norms or ())) if n is not None]
     return LayerWeights(
         index=layer.index,
         weights=[
-            layer.input_norm.weight,
+            _norm_weight(layer.input_norm),
             panels[0].panels,
             panels[1].panels,
-            layer.mlp_norm.weight,
+            _norm_weight(layer.mlp_norm),
             panels[2].panels,
             panels[3].panels,
         ],
         biases=[p.padded_bias for p in panels],
         heads=[layer.num_heads, layer.num_kv_heads, layer.head_dim],
-        eps=float(layer.input_norm.variance_epsilon),
+        eps=float(norms[0].variance_epsilon),
         scale=layer.scaling,
         window=window_of(layer.attention),
         qk_norm=layer.qk_norm_weight,
@@ -183,6 +192,12 @@ def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> La
         residual_scale=residual_scale(layer),
         softcap=softcap_of(layer.attention),
     )
+
+
+def _norm_weight(norm: Any) -> torch.Tensor:
+    """A norm's weight as the ops take it: empty where the layer norms nothing there (OLMo 2's
+    layer before its attention and its MLP)."""
+    return torch.empty(0) if norm is None else norm.weight
 
 
 def residual_scale(layer: FusibleLayer) -> float:

@@ -296,6 +296,16 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return torch.ops.conveyor.head_rms_norm(x, weight, eps)
 
 
+def all_heads_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, q_heads: int, eps: float
+) -> torch.Tensor:
+    """q's heads of fp32 `[tokens, q heads + kv heads, dim]` (heads and dims contiguous, tokens
+    at any stride) normed as one `rms_norm` row by the first `q_heads * dim` values of the fp32
+    `[(q heads + kv heads) * dim]` weight, k's heads as another by the rest (OLMo 2's q/k norms
+    over all heads); contiguous."""
+    return torch.ops.conveyor.all_heads_rms_norm(x, weight, q_heads, eps)
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split rotary embedding of fp32 `[tokens, heads, dim]` by `[tokens, 1, dim]` tables."""
     return torch.ops.conveyor.rotary(x, cos, sin)
@@ -462,11 +472,14 @@ def decode_layer(
     """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
 
     `weights`: input norm, q/k/v panels, output panels, post-attention norm, gate/up panels,
-    down panels; `biases`: the four projections' padded biases or None; `heads`: query heads,
-    kv heads, head dim. Each row's new K/V go to its slot of the layer cache (fp32, or bf16, fp16
+    down panels (both norms empty: nothing is normed before the attention or the MLP, OLMo 2's
+    layer); `biases`: the four projections' padded biases or None; `heads`: query heads, kv
+    heads, head dim. Each row's new K/V go to its slot of the layer cache (fp32, or bf16, fp16
     or fp8 e5m2 rounded as stored), then it attends over its blocks up to its length (its last
     `window` tokens only, where given). With `qk_norm` (fp32 `[heads + kv heads, head dim]`)
-    each q and k head is normed before the rotary, as `head_rms_norm` norms it, with `eps`.
+    each q and k head is normed before the rotary, as `head_rms_norm` norms it, with `eps`; one
+    of `[(heads + kv heads) * head dim]` norms q's heads as one row and k's as another, as
+    `all_heads_rms_norm` norms them (OLMo 2's).
     The rotary turns each head's first `cos.shape[-1]` dims (a partial rotary where fewer than
     the head's), none where not `rotates`. With `out_norms` (fp32 `[hidden]` each, Gemma's) the
     attention's and the MLP's outputs are normed before they join the residual; with `gelu` the

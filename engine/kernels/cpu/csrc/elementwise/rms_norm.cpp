@@ -7,7 +7,8 @@
 //                its input rows, for the q/k/v and gate/up products to take as they are
 //
 // `head_rms_norm` norms each head of q and k rows [tokens, heads, dim] (Qwen3's per-head q/k
-// norms: a `[heads, dim]` weight, the q heads' then the k heads'), a head a row of the same loop.
+// norms: a `[heads, dim]` weight, the q heads' then the k heads'), a head a row of the same loop;
+// `all_heads_rms_norm` norms q's heads as one row and k's as another (OLMo 2's q/k norms).
 //
 // torch's CPU rms_norm runs as half a dozen separate ops (pow, mean, add, rsqrt, mul, mul), about
 // 50 us a call for one decode row, sixty calls a step. Here a row is one loop to sum squares and
@@ -104,6 +105,36 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
   return out;
 }
 
+void rms_norm_q_and_k(const float* x, int64_t x_stride, const float* weight, float* out,
+                      int64_t out_stride, int64_t q_size, int64_t k_size, float eps, int64_t begin,
+                      int64_t end) {
+  rms_norm_heads(x, x_stride, weight, out, out_stride, 1, q_size, eps, begin, end);
+  rms_norm_heads(x + q_size, x_stride, weight + q_size, out + q_size, out_stride, 1, k_size, eps,
+                 begin, end);
+}
+
+at::Tensor all_heads_rms_norm(const at::Tensor& x, const at::Tensor& weight, int64_t q_heads,
+                              double eps) {
+  TORCH_CHECK(x.dim() == 3 && weight.dim() == 1 && weight.size(0) == x.size(1) * x.size(2) &&
+                  q_heads > 0 && q_heads < x.size(1),
+              "all_heads_rms_norm: x [tokens, q heads + kv heads, dim] and weight "
+              "[(q heads + kv heads) * dim] do not match");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "all_heads_rms_norm: x and weight must be fp32");
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2) && weight.is_contiguous(),
+              "all_heads_rms_norm: heads and dims must be contiguous");
+  const int64_t tokens = x.size(0), width = x.size(1) * x.size(2), q_size = q_heads * x.size(2);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, tokens, rows_per_task(width), [&](int64_t begin, int64_t end) {
+    rms_norm_q_and_k(xp, x.stride(0), wp, op, width, q_size, width - q_size, e, begin, end);
+  });
+  return out;
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool bf16_out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1),
               "rms_norm: x [rows, dim] and weight [dim] shapes do not match");
@@ -132,8 +163,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool bf16_out=False) -> Tensor");
   m.def("head_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("all_heads_rms_norm(Tensor x, Tensor weight, int q_heads, float eps) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("rms_norm", &conveyor::rms_norm);
   m.impl("head_rms_norm", &conveyor::head_rms_norm);
+  m.impl("all_heads_rms_norm", &conveyor::all_heads_rms_norm);
 }

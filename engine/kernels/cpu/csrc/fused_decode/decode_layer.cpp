@@ -3,12 +3,13 @@
 // their slots, paged attention over the cache, the output projection and residual add, RMSNorm,
 // the fused gate/up projection, silu(gate) * up, the down projection and residual add; or
 // Gemma's layer, whose projections' outputs are normed before each residual add and whose MLP
-// gates with GELU.
+// gates with GELU; or OLMo 2's, whose outputs are normed and whose inputs are not.
 //
 // hidden    [rows, hidden] fp32, contiguous
 // weights   input norm [hidden], q/k/v panels, output panels, post-attention norm [hidden],
 //           gate/up panels, down panels (panels as `panel_linear` takes them; gate/up may be
-//           gated bf16 panels as `gated_linear` takes them)
+//           gated bf16 panels as `gated_linear` takes them); both norms empty ([0]): the rows
+//           go to q/k/v and to gate/up as they are (OLMo 2's layer)
 // biases    the four projections' padded biases, in that order, each optional
 // heads     [query heads, kv heads, head dim]
 // cos, sin  [rows, 1, rotary dim] fp32 (a rotary dim short of the head dim: a partial rotary)
@@ -18,7 +19,9 @@
 // table     [rows, width] int64 block ids; lens [rows] int64 tokens to attend to
 // window    a sliding window: each row attends to its last `window` tokens only (0: all)
 // qk_norm   optional [query heads + kv heads, head dim] fp32: each q and k head normed by its
-//           row before the rotary (Qwen3's per-head norms), with the layer's eps
+//           row before the rotary (Qwen3's per-head norms), with the layer's eps; or
+//           [(query heads + kv heads) * head dim]: q's heads normed as one row by the first
+//           query heads * head dim values, k's as another by the rest (OLMo 2's)
 // rotates   false: q and k are not rotated (SmolLM3's NoPE layers)
 // attn_out_norm, mlp_out_norm
 //           optional fp32 [hidden], both or neither: the attention's and the MLP's outputs each
@@ -48,20 +51,26 @@
 namespace conveyor {
 namespace {
 
-// One layer's weights, cache and form.
+// One layer's weights, cache and form, for rows of `width`.
 void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                  at::IntArrayRef heads, const at::Tensor& key, const at::Tensor& value,
-                 const LayerForm& form) {
+                 const LayerForm& form, int64_t width) {
   TORCH_CHECK(weights.size() == kWeights && biases.size() == kBiases && heads.size() == 3,
               "decode_layer: 6 weights, 4 biases and [heads, kv_heads, head_dim]");
   check_cache(key, value, "decode_layer");
   TORCH_CHECK(key.size(2) == heads[1] && key.size(3) == heads[2] && heads[0] % heads[1] == 0,
               "decode_layer: head shapes do not match the cache");
   const auto& qk_norm = form.qk_norm;
-  TORCH_CHECK(!given(qk_norm) || (qk_norm->scalar_type() == at::kFloat && qk_norm->dim() == 2 &&
-                                  qk_norm->size(0) == heads[0] + heads[1] &&
-                                  qk_norm->size(1) == heads[2] && qk_norm->is_contiguous()),
-              "decode_layer: the q/k norm must be contiguous fp32 [heads + kv_heads, head_dim]");
+  const int64_t qk_heads = heads[0] + heads[1];
+  TORCH_CHECK(
+      !given(qk_norm) ||
+          (qk_norm->scalar_type() == at::kFloat && qk_norm->is_contiguous() &&
+           ((qk_norm->dim() == 2 && qk_norm->size(0) == qk_heads && qk_norm->size(1) == heads[2]) ||
+            (qk_norm->dim() == 1 && qk_norm->size(0) == qk_heads * heads[2]))),
+      "decode_layer: the q/k norm must be contiguous fp32 [heads + kv_heads, head_dim] "
+      "or [(heads + kv_heads) * head_dim]");
+  TORCH_CHECK((weights[kInputNorm].numel() == 0) == (weights[kPostNorm].numel() == 0),
+              "decode_layer: the input and the post-attention norm come together");
   // The norms of the attention's and the MLP's outputs: both or neither, each fp32 [hidden] as
   // the layer's own norms.
   TORCH_CHECK(given(form.attn_out_norm) == given(form.mlp_out_norm),
@@ -69,10 +78,10 @@ void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tenso
   TORCH_CHECK(!given(form.attn_out_norm) || form.residual_scale == 1.0,
               "decode_layer: output norms and scaled residual adds do not come together");
   for (const auto& out_norm : {form.attn_out_norm, form.mlp_out_norm})
-    TORCH_CHECK(!given(out_norm) ||
-                    (out_norm->scalar_type() == at::kFloat &&
-                     out_norm->sizes() == weights[kInputNorm].sizes() && out_norm->is_contiguous()),
-                "decode_layer: an output norm must be contiguous fp32 [hidden]");
+    TORCH_CHECK(
+        !given(out_norm) || (out_norm->scalar_type() == at::kFloat && out_norm->dim() == 1 &&
+                             out_norm->size(0) == width && out_norm->is_contiguous()),
+        "decode_layer: an output norm must be contiguous fp32 [hidden]");
 }
 
 // What every layer of a step shares: the rows and their slots in a cache of `key`'s size.
@@ -108,6 +117,22 @@ at::Tensor add_output(const at::Tensor& x, const at::Tensor& panels,
   return panel_linear(x, panels, bias, width, residual);
 }
 
+// q and k [rows, q heads + kv heads, dim] normed by `norm` before the rotary: each head by its
+// row of a [heads, dim] norm (Qwen3's), or q's heads as one row and k's as another by a
+// [heads * dim] norm's two parts (OLMo 2's, `all_heads_rms_norm`).
+at::Tensor normed_qk(const at::Tensor& qk, const at::Tensor& norm, int64_t q_heads, double eps) {
+  return norm.dim() == 2 ? head_rms_norm(qk, norm, eps)
+                         : all_heads_rms_norm(qk, norm, q_heads, eps);
+}
+
+// The rows as the product of `panels` takes them: normed by `norm` (bf16 panels take them already
+// rounded to bf16, as they would round them), or as they are where the layer norms nothing there.
+at::Tensor normed_rows(const at::Tensor& rows, const at::Tensor& norm, double eps,
+                       const at::Tensor& panels) {
+  if (norm.numel() == 0) return rows;
+  return rms_norm(rows, norm, eps, panels.scalar_type() == at::kBFloat16);
+}
+
 // One layer, its inputs already checked.
 at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
                      const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef heads,
@@ -120,12 +145,10 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   const int64_t qkv_size = (qk_heads + kv_heads) * dim;
   const int64_t inter = panel_in_features(weights[kDown]);
 
-  // bf16 panels take the normalized rows already rounded to bf16, as they would round them.
-  const auto bf16 = [](const at::Tensor& panels) { return panels.scalar_type() == at::kBFloat16; };
-  at::Tensor x = rms_norm(hidden, weights[kInputNorm], eps, bf16(weights[kQkv]));
+  at::Tensor x = normed_rows(hidden, weights[kInputNorm], eps, weights[kQkv]);
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
   at::Tensor qk = qkv.narrow(1, 0, qk_heads * dim).view({rows, qk_heads, dim});
-  if (given(form.qk_norm)) qk = head_rms_norm(qk, *form.qk_norm, eps);
+  if (given(form.qk_norm)) qk = normed_qk(qk, *form.qk_norm, num_heads, eps);
   qk = form.rotates ? rotary(qk, form.cos, form.sin) : qk.contiguous();
   store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
            qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots.data_ptr<int64_t>(), 0, rows,
@@ -136,7 +159,7 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
       add_output(attended.view({rows, num_heads * dim}), weights[kOut], biases.get(kOutBias), width,
                  hidden, form.attn_out_norm, eps, form.residual_scale);
 
-  x = rms_norm(residual, weights[kPostNorm], eps, bf16(weights[kGateUp]));
+  x = normed_rows(residual, weights[kPostNorm], eps, weights[kGateUp]);
   const at::Tensor activated =
       gated(x, weights[kGateUp], biases.get(kGateUpBias), inter, weights[kDown], form.gelu);
   return add_output(activated, weights[kDown], biases.get(kDownBias), width, residual,
@@ -156,7 +179,7 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
                         double residual_scale, double softcap) {
   const LayerForm form{cos,     sin,           window,       qk_norm, rotates,
                        softcap, attn_out_norm, mlp_out_norm, gelu,    residual_scale};
-  check_layer(weights, biases, heads, key, value, form);
+  check_layer(weights, biases, heads, key, value, form, hidden.size(-1));
   check_step(hidden, slots, key);
   return run_layer(hidden, weights, biases, heads, key, value, slots, table, lens, eps, scale,
                    form);
@@ -196,7 +219,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
                               softcaps[i], out_norms.get(2 * i), out_norms.get(2 * i + 1),
                               gelu.get(i), residual_scales[i]});
     check_layer(weights.slice(i * kWeights, kWeights), layer_biases[i], heads, keys[i], values[i],
-                forms[i]);
+                forms[i], hidden.size(-1));
     TORCH_CHECK(keys[i].sizes() == keys[0].sizes(), "decode_layers: caches of one size");
   }
   // A layer keeps the hidden size, so the rows and slots are checked once for all.

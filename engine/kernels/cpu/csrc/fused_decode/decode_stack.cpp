@@ -1,10 +1,11 @@
 // A decode step's whole layer stack in one parallel region, for layers whose projections are
 // all bf16 panels (gate/up as gated pairs, under silu or Gemma's GELU; Gemma's output norms
-// too, each layer with its own window and rotary rows): every kernel of every layer runs as the
-// team's threads' parts (`thread_team.h`), with a barrier between kernels, over buffers made once
-// for the step. Called by `decode_layers` (`decode_layer.cpp`), it computes what the layers' ops
-// compute one after the other, to the bit: the same routines over the same rows, each output summed
-// in the same order whichever thread computes it.
+// too, or OLMo 2's in place of the input norms, each layer with its own window and rotary rows):
+// every kernel of every layer runs as the team's threads' parts (`thread_team.h`), with a barrier
+// between kernels, over buffers made once for the step. Called by `decode_layers`
+// (`decode_layer.cpp`), it computes what the layers' ops compute one after the other, to the bit:
+// the same routines over the same rows, each output summed in the same order whichever thread
+// computes it.
 //
 // Op by op, each kernel forked the threads and joined them, and between kernels the calling
 // thread made the next op's tensors and stored the new K/V alone while the others waited: at 16
@@ -60,9 +61,20 @@ const float* optional_floats(const std::optional<at::Tensor>& t) {
   return given(t) ? t->data_ptr<float>() : nullptr;
 }
 
-// No q/k norm, or an fp32 one of [qk_heads, dim] (`decode_layer` has checked its shape).
-bool fp32_qk_norm(const std::optional<at::Tensor>& norm) {
-  return !given(norm) || (norm->scalar_type() == at::kFloat && norm->is_contiguous());
+// No q/k norm, or an fp32 one of [qk_heads, dim] (a head a row) or [qk_heads * dim] (q's heads
+// as one row, k's as another).
+bool fp32_qk_norm(const std::optional<at::Tensor>& norm, int64_t qk_heads, int64_t dim) {
+  if (!given(norm)) return true;
+  const bool shaped = norm->dim() == 2 ? norm->size(0) == qk_heads && norm->size(1) == dim
+                                       : norm->dim() == 1 && norm->size(0) == qk_heads * dim;
+  return shaped && norm->scalar_type() == at::kFloat && norm->is_contiguous();
+}
+
+// The input and post-attention norms of a layer: fp32 [width] both, or both empty (OLMo 2's
+// layer norms nothing before the attention and the MLP).
+bool pre_norms_fit(at::TensorList w, int64_t width) {
+  if (!pre_normed(w)) return w[kPostNorm].numel() == 0;
+  return fp32_norm(w[kInputNorm], width) && fp32_norm(w[kPostNorm], width);
 }
 
 // fp32 rotary rows [rows, 1, width] of an even width up to the head's, cos and sin alike.
@@ -99,13 +111,15 @@ struct Stack {
   conveyor::Scratch<float> projected, normed32;
 };
 
-// One layer's tensors (`qk_norm` null where its q and k heads are not normed, the output norms
-// null where it has none), its rotary rows (`rotary_dim` 0: a NoPE layer, which rotates
+// One layer's tensors (`input_norm` and `post_norm` null where nothing is normed before the
+// attention and the MLP, `qk_norm` null where its q and k heads are not normed, with
+// `qk_all_heads` q's heads normed as one row and k's as another, the output norms null where it
+// has none), its rotary rows (`rotary_dim` 0: a NoPE layer, which rotates
 // nothing), its window (0: none), whether it gates with GELU and what its outputs are multiplied
 // by before they join the residual (Granite's; 1: nothing).
 struct Layer {
   const float *input_norm, *post_norm, *qk_norm, *attn_out_norm, *mlp_out_norm;
-  bool gelu;
+  bool qk_all_heads, gelu;
   float residual_scale, softcap;
   const float *cos, *sin;
   int64_t cs_stride, rotary_dim, window;
@@ -168,14 +182,24 @@ void add_output(const Team& team, Stack& st, Bf16Product pb, const Product& p,
   barrier();
 }
 
+// This thread's rows of `in` [rows, width] as a product takes them: normed by `norm` and rounded
+// to bf16, or only rounded where the layer norms nothing there (as the product rounds fp32 rows).
+void product_rows(const Team& team, Stack& st, const float* in, const float* norm) {
+  const Share part = rows_of(team, st, st.width);
+  if (norm != nullptr) {
+    rms_norm_rows(in, norm, nullptr, st.normed.get(), st.width, st.eps, part.begin, part.end);
+    return;
+  }
+  for (int64_t r = part.begin; r < part.end; ++r)
+    round_to_bf16(in + r * st.width, st.width, st.normed.get() + r * st.width);
+}
+
 // One layer from `in` to `out` [rows, width], as this thread takes part; `taken` are the
 // layer's five counters (four products, the attention), zero before it starts.
 void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in, float* out,
                std::atomic<int64_t>* taken) {
   const int64_t M = st.rows;
-  Share part = rows_of(team, st, st.width);
-  rms_norm_rows(in, layer.input_norm, nullptr, st.normed.get(), st.width, st.eps, part.begin,
-                part.end);
+  product_rows(team, st, in, layer.input_norm);
   barrier();
   product(
       {st.normed.get(), layer.qkv_bias, nullptr, st.qkv.get(), nullptr, M, st.width, st.qkv_size},
@@ -184,8 +208,11 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
   // q and k normed (where the layer norms them) and rotated, then this thread's rows' new K
   // (rotated) and V to their slots.
   const int64_t qk_heads = st.heads + st.kv_heads;
-  part = rows_of(team, st, st.qk_size);
-  if (layer.qk_norm != nullptr)
+  Share part = rows_of(team, st, st.qk_size);
+  if (layer.qk_norm != nullptr && layer.qk_all_heads)
+    rms_norm_q_and_k(st.qkv.get(), st.qkv_size, layer.qk_norm, st.qkv.get(), st.qkv_size,
+                     st.attn_size, st.qk_size - st.attn_size, st.eps, part.begin, part.end);
+  else if (layer.qk_norm != nullptr)
     rms_norm_heads(st.qkv.get(), st.qkv_size, layer.qk_norm, st.qkv.get(), st.qkv_size, qk_heads,
                    st.dim, st.eps, part.begin, part.end);
   rotary_rows(st.qkv.get(), st.qkv_size, layer.cos, layer.sin, layer.cs_stride, st.qk.get(),
@@ -208,9 +235,7 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
       {st.attended16.get(), layer.out_bias, nullptr, nullptr, nullptr, M, st.attn_size, st.width},
       layer.out, st.out_tasks, taken[2], in, st.residual.get(), layer.attn_out_norm,
       layer.residual_scale);
-  part = rows_of(team, st, st.width);
-  rms_norm_rows(st.residual.get(), layer.post_norm, nullptr, st.normed.get(), st.width, st.eps,
-                part.begin, part.end);
+  product_rows(team, st, st.residual.get(), layer.post_norm);
   barrier();
   product({st.normed.get(), layer.gate_up_bias, nullptr, nullptr, st.gated16.get(), M, st.width,
            st.inter, nullptr, layer.gelu},
@@ -225,11 +250,13 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
 Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
                const at::Tensor& key, const at::Tensor& value, const LayerForm& form) {
   auto plain = [](const at::Tensor& p) { return Product{panels_of(p), p.size(0), false}; };
-  return Layer{w[kInputNorm].data_ptr<float>(),
-               w[kPostNorm].data_ptr<float>(),
+  const bool normed = pre_normed(w);
+  return Layer{normed ? w[kInputNorm].data_ptr<float>() : nullptr,
+               normed ? w[kPostNorm].data_ptr<float>() : nullptr,
                optional_floats(form.qk_norm),
                optional_floats(form.attn_out_norm),
                optional_floats(form.mlp_out_norm),
+               given(form.qk_norm) && form.qk_norm->dim() == 1,
                form.gelu,
                static_cast<float>(form.residual_scale),
                static_cast<float>(std::max(form.softcap, 0.0)),
@@ -272,13 +299,14 @@ bool stack_region_applies(int64_t width, at::TensorList weights,
     const bool out_norms = !given(form.attn_out_norm) || (fp32_norm(*form.attn_out_norm, width) &&
                                                           fp32_norm(*form.mlp_out_norm, width));
     if (!out_norms || !rotary_rows_fit(form.cos, form.sin, dim)) return false;
-    if (!(fp32_norm(w[kInputNorm], width) && fp32_norm(w[kPostNorm], width) &&
-          bf16_panels(w[kQkv], qkv_size, width) && bf16_panels(w[kOut], width, attn_size) &&
-          gated_panels(w[kGateUp], inter, width) && bf16_panels(w[kDown], width, inter) &&
+    if (!(pre_norms_fit(w, width) && bf16_panels(w[kQkv], qkv_size, width) &&
+          bf16_panels(w[kOut], width, attn_size) && gated_panels(w[kGateUp], inter, width) &&
+          bf16_panels(w[kDown], width, inter) &&
           padded_bias(bias(kQkvBias), w[kQkv].size(0) * 16) &&
           padded_bias(bias(kOutBias), w[kOut].size(0) * 16) &&
           padded_bias(bias(kGateUpBias), gated_panel_count * 2 * 16) &&
-          padded_bias(bias(kDownBias), w[kDown].size(0) * 16) && fp32_qk_norm(form.qk_norm)))
+          padded_bias(bias(kDownBias), w[kDown].size(0) * 16) &&
+          fp32_qk_norm(form.qk_norm, num_heads + kv_heads, dim)))
       return false;
   }
   return true;

@@ -10,6 +10,8 @@
 
 namespace conveyor {
 
+// The input and post-attention norms may both be empty ([0]): nothing is normed before the
+// attention or the MLP (OLMo 2's layer, which norms their outputs instead).
 enum Weight { kInputNorm, kQkv, kOut, kPostNorm, kGateUp, kDown, kWeights };
 enum Bias { kQkvBias, kOutBias, kGateUpBias, kDownBias, kBiases };
 
@@ -19,7 +21,9 @@ struct LayerForm {
   at::Tensor cos, sin;
   // A sliding window (0: the whole context).
   int64_t window = 0;
-  // Each q and k head's norm, [heads + kv heads, head dim] fp32 (Qwen3's, Gemma 3's).
+  // Each q and k head's norm, [heads + kv heads, head dim] fp32 (Qwen3's, Gemma 3's); or q's
+  // and k's norms side by side, [(heads + kv heads) * head dim] fp32, q's heads then normed as
+  // one row and k's as another (OLMo 2's).
   std::optional<at::Tensor> qk_norm;
   // False: q and k are not rotated (SmolLM3's NoPE layers).
   bool rotates = true;
@@ -35,5 +39,8 @@ struct LayerForm {
 };
 
 inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// Whether a layer's weights norm the rows before the attention and the MLP.
+inline bool pre_normed(at::TensorList weights) { return weights[kInputNorm].numel() > 0; }
 
 }  // namespace conveyor

@@ -92,6 +92,15 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& weight, double e
 void rms_norm_heads(const float* x, int64_t x_stride, const float* weight, float* out,
                     int64_t out_stride, int64_t heads, int64_t dim, float eps, int64_t begin,
                     int64_t end);
+// q's heads of x [tokens, q heads + kv heads, dim] (rows at any stride, heads and dims contiguous)
+// normed as one rms_norm row by the first q_heads * dim values of weight [(q heads + kv heads) *
+// dim], k's heads as another by the rest (OLMo 2's q/k norms over all heads); contiguous fp32.
+at::Tensor all_heads_rms_norm(const at::Tensor& x, const at::Tensor& weight, int64_t q_heads,
+                              double eps);
+// all_heads_rms_norm's rows [begin, end): q's q_size values then k's k_size values a row.
+void rms_norm_q_and_k(const float* x, int64_t x_stride, const float* weight, float* out,
+                      int64_t out_stride, int64_t q_size, int64_t k_size, float eps, int64_t begin,
+                      int64_t end);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 // rotary's tokens [begin, end): x rows at x_stride, cos/sin rows at cs_stride, out contiguous;
 // each head's first rotary_dim dims turn (the cos/sin rows' width), the rest are copied.
