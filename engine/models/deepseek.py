@@ -24,8 +24,7 @@ import torch
 
 from engine.lora.adapter import Shapes
 from engine.lora.slots import LoRASlots
-from engine.models.glm import rotate_pairs
-from engine.models.layers import fuse, rotate
+from engine.models.layers import fuse, rotate, rotate_pairs
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 from engine.models.rotary_table import RotaryTable
 from engine.parallel.layers import reduced

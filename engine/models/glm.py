@@ -2,7 +2,8 @@
 Llama layer whose gate and up are one projection already, whose rotary turns only the first half
 of each head and pairs neighbouring dims (`x[0::2]` with `x[1::2]`, each pair by one frequency)
 rather than the two halves, and, in GLM-4-0414, whose attention and MLP outputs are normed again
-before they join the residual. Decode steps run op by op: the fused C++ stack rotates halves.
+before they join the residual. On the CPU, decode steps run the whole stack as one C++ call
+(`kernels/cpu/fused_decode.py`), its rotary turning pairs.
 """
 
 from __future__ import annotations
@@ -19,28 +20,16 @@ from engine.parallel.sharding import Shard
 GLM_ARCHITECTURES = frozenset({"GlmForCausalLM", "Glm4ForCausalLM"})
 
 
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GLM's rotary over `[tokens, heads, dim]`: the first `cos.shape[-1]` dims turn as
-    neighbouring pairs, each by its frequency (the first half of `cos` and `sin`, each value
-    twice), the rest pass; the same operations in the same order as transformers' GLM."""
-    width = cos.shape[-1]
-    part, rest = x[..., :width], x[..., width:]
-    cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
-    sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
-    turned = torch.stack((-part[..., 1::2], part[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([part * cos + turned * sin, rest], dim=-1)
-
-
 class PagedGlmLayer(PagedLlamaLayer):
+    paired_rotary = True
+
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(hf_layer, index, shard)
         # GLM-4-0414's norms on the attention's and the MLP's outputs (None in GLM-4).
         self.post_attention_out_norm = getattr(hf_layer, "post_self_attn_layernorm", None)
         self.post_mlp_norm = getattr(hf_layer, "post_mlp_layernorm", None)
-
-    @staticmethod
-    def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return rotate_pairs(qk, cos, sin)
+        if self.post_attention_out_norm is not None and self.post_mlp_norm is not None:
+            self.output_norms = (self.post_attention_out_norm, self.post_mlp_norm)
 
     def after_attention(
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
@@ -58,5 +47,4 @@ def _normed(norm: Any, x: torch.Tensor) -> torch.Tensor:
 
 class PagedGlmForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
-    op_by_op = "GLM's paired rotary"
     layer_class = PagedGlmLayer

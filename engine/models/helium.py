@@ -1,6 +1,7 @@
 """Helium (`HeliumForCausalLM`) on Conveyor's decoder: the Llama layer whose rotary turns
 neighbouring dims as pairs over the whole head (GLM's rotation at full width), and whose norms
-scale 16-bit rows in fp32 before rounding (as gpt-oss's do). Decode steps run op by op.
+scale 16-bit rows in fp32 before rounding (as gpt-oss's do). On the CPU, decode steps run the
+whole stack as one C++ call (`kernels/cpu/fused_decode.py`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from typing import Any
 
 import torch
 
-from engine.models.glm import rotate_pairs
 from engine.models.layers import fp32_scaled_norm
 from engine.models.llama import PagedLlamaForCausalLM, PagedLlamaLayer
 
@@ -17,9 +17,7 @@ HELIUM_ARCHITECTURES = frozenset({"HeliumForCausalLM"})
 
 
 class PagedHeliumLayer(PagedLlamaLayer):
-    @staticmethod
-    def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return rotate_pairs(qk, cos, sin)
+    paired_rotary = True
 
     @staticmethod
     def _norm(norm: Any, hidden: torch.Tensor, projection: Any) -> torch.Tensor:
@@ -28,7 +26,6 @@ class PagedHeliumLayer(PagedLlamaLayer):
 
 class PagedHeliumForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
-    op_by_op = "Helium's paired rotary"
     layer_class = PagedHeliumLayer
 
     def _normed(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -226,6 +226,21 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GLM's rotary over `[tokens, heads, dim]`: the first `cos.shape[-1]` dims turn as
+    neighbouring pairs, each by its frequency (the first half of `cos` and `sin`, each value
+    twice), the rest pass; the same operations in the same order as transformers' GLM (on the
+    CPU, one pass of Conveyor's rotary kernel)."""
+    if _one_pass_rotary(x, cos):
+        return cpu_ops.rotary(x, cos, sin, pairs=True)
+    width = cos.shape[-1]
+    part, rest = x[..., :width], x[..., width:]
+    cos = cos[..., : width // 2].repeat_interleave(2, dim=-1)
+    sin = sin[..., : width // 2].repeat_interleave(2, dim=-1)
+    turned = torch.stack((-part[..., 1::2], part[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([part * cos + turned * sin, rest], dim=-1)
+
+
 def _one_pass_rotary(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU kernel applies: heads it takes (`_kernel_heads`), fp32 tables,
     an even number of dims rotating."""

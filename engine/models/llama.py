@@ -43,6 +43,7 @@ from engine.models.layers import (
     is_silu,
     rms_norm,
     rotate,
+    rotate_pairs,
     scaled_in_fp32,
 )
 from engine.models.rotary_table import NoRotary, RotaryTable, typed_rotary_tables
@@ -237,6 +238,11 @@ class PagedLlamaLayer(nn.Module):
     # Whether q and k are each normed over all their heads at once by `_qk_norm` (OLMo 2's, whose
     # norm the fused CPU decode computes too), rather than head by head.
     qk_norm_all_heads = False
+    # Whether the rotary turns neighbouring dims as pairs (GLM's, ERNIE 4.5's, Helium's) rather
+    # than each head's two halves.
+    paired_rotary = False
+    # Whether 16-bit q and k heads rotate in fp32, cast back after (ERNIE 4.5's).
+    rotary_in_fp32 = False
 
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__()
@@ -436,10 +442,13 @@ class PagedLlamaLayer(nn.Module):
         value = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
         return qk[:, : self.num_heads], qk[:, self.num_heads :], value
 
-    @staticmethod
-    def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """q and k heads rotated (Hugging Face's half-split layout)."""
-        return rotate(qk, cos, sin)
+    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q and k heads rotated: each head's halves (Hugging Face's layout) or, for a layer of
+        `paired_rotary`, its neighbouring pairs; 16-bit heads in fp32 where `rotary_in_fp32`."""
+        turn = rotate_pairs if self.paired_rotary else rotate
+        if self.rotary_in_fp32 and qk.dtype != torch.float32:
+            return turn(qk.float(), cos.float(), sin.float()).to(qk.dtype)
+        return turn(qk, cos, sin)
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """Each q and k head normalised (`[tokens, q heads + kv heads, head_dim]`)."""

@@ -185,6 +185,41 @@ def test_rotary_is_torchs_to_the_bit(tokens, heads, dim, rotary_dim):
         assert torch.equal(out, layers.rotate(x, cos, sin))
 
 
+def torch_paired_rotary(x, cos, sin):
+    """GLM's rotary as a complex product: each neighbouring pair (x[2i], x[2i + 1]) times
+    cos[i] + i sin[i] (the tables' first half)."""
+    half = cos.shape[-1] // 2
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], half, 2).contiguous())
+    turn = torch.complex(cos[..., :half], sin[..., :half])
+    return torch.view_as_real(pairs * turn).flatten(-2)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "dim", "rotary_dim"), [(1, 12, 64, 64), (7, 3, 16, 8), (33, 5, 6, 6)]
+)
+def test_paired_rotary_turns_neighbouring_dims_as_torch_does(
+    tokens, heads, dim, rotary_dim, monkeypatch
+):
+    """GLM's, ERNIE 4.5's and Helium's rotary: each head's first dims turned as neighbouring
+    pairs by the tables' first half, the rest passed: torch's complex product within fp32
+    rounding, and the model's op-by-op rotation to the bit."""
+    torch.manual_seed(tokens)
+    fused = torch.randn(tokens, (heads + 2) * dim)
+    x = fused[:, : heads * dim].view(tokens, heads, dim)
+    freqs = torch.randn(tokens, 1, rotary_dim // 2) * 10
+    angles = torch.cat([freqs, freqs], dim=-1)  # Hugging Face's table: the frequencies twice
+    cos, sin = angles.cos(), angles.sin()
+    out = cpu_ops.rotary(x, cos, sin, pairs=True)
+    assert out.is_contiguous()
+    expected = torch.cat(
+        [torch_paired_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], -1
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(out, cpu_ops.rotary(x, cos, sin))
+    monkeypatch.setattr(layers, "_one_pass_rotary", lambda x, cos: False)  # torch's own ops
+    assert torch.equal(out, layers.rotate_pairs(x, cos, sin))
+
+
 def test_rotary_refuses_bad_inputs():
     x, table = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
     with pytest.raises(RuntimeError, match="do not match"):

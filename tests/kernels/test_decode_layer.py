@@ -141,6 +141,9 @@ def decode_step(
         "granite",
         "olmo3",
         "exaone4",
+        "glm4",
+        "ernie4_5",
+        "hunyuan",
     ],
 )
 @pytest.mark.parametrize("weights", ["fp32", "fp16", BF16])
@@ -155,7 +158,9 @@ def test_fused_step_equals_the_layers_op_by_op(
     granite its outputs scaled before the residual adds, olmo3 no norm before the attention or
     the MLP, their outputs normed, q's and k's heads each normed as one row, windows and a
     rotary table per layer type, exaone4 the same norms with each q and k head normed, a window
-    on one layer and no rotary on the other; over bf16 panels, the stack in one region)."""
+    on one layer and no rotary on the other, glm4 half of each head turned as neighbouring pairs
+    with its outputs normed, ernie4_5 the whole head turned as pairs, hunyuan each q and k head
+    normed after the rotary; over bf16 panels, the stack in one region)."""
     model = packed(tiny_llama() if family == "llama" else build(family), weights)
     paged = build_causal_lm(model)
     assert isinstance(paged, PagedLlamaForCausalLM)
@@ -241,6 +246,8 @@ def test_the_stack_in_one_op_equals_one_op_a_layer(
         "granite",
         "olmo3",
         "exaone4",
+        "glm4",
+        "hunyuan",
     ],
 )
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -259,7 +266,8 @@ def test_the_stack_in_one_region_equals_the_layers_op_by_op(
     ministral: a window on one layer of two; gemma3: its output norms, GELU,
     windows and two rotary tables; gemma2: capped scores; granite: its scaled residual
     adds; olmo3 and exaone4: rows taken to q/k/v and gate/up without a norm, q/k norms over
-    all heads (olmo3) or head by head (exaone4))."""
+    all heads (olmo3) or head by head (exaone4); glm4: a rotary of neighbouring pairs; hunyuan:
+    q/k norms after the rotary)."""
     prompts = [list(range(5 + 11 * i, 9 + 11 * i + (7 * i) % 19)) for i in range(sequences)]
     model = packed(tiny_llama() if family == "llama" else build(family), "bf16")
     stack = stack_of(model)
@@ -400,7 +408,21 @@ def test_greedy_through_the_fused_layer_equals_generate(weights: str, calls: lis
 
 @pytest.mark.parametrize(
     "family",
-    ["qwen3", "phi4_mini", "smollm3", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "exaone4"],
+    [
+        "qwen3",
+        "phi4_mini",
+        "smollm3",
+        "gemma2",
+        "gemma3",
+        "granite",
+        "olmo2",
+        "olmo3",
+        "exaone4",
+        "glm4",
+        "ernie4_5",
+        "helium",
+        "hunyuan",
+    ],
 )
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
 def test_greedy_through_the_llama_layers_kin_equals_generate(
@@ -409,9 +431,10 @@ def test_greedy_through_the_llama_layers_kin_equals_generate(
     """Qwen3's q and k heads normed, Phi-4-mini's partial rotary, SmolLM3's NoPE layers,
     Gemma 3's layer (its outputs normed, GELU, windows, two rotary tables), Gemma 2's capped
     scores, Granite's scaled residual adds, OLMo 2's and 3's layers (their outputs normed and
-    not their inputs, q and k normed over all heads) and EXAONE 4's (the same norms, each q and
-    k head normed, NoPE global layers) inside the fused decode: greedy tokens are transformers'
-    over the same (for fp16 panels, fp16-rounded) weights."""
+    not their inputs, q and k normed over all heads), EXAONE 4's (the same norms, each q and
+    k head normed, NoPE global layers), GLM-4's, ERNIE 4.5's and Helium's rotary of neighbouring
+    pairs and Hunyuan's q/k norms after the rotary inside the fused decode: greedy tokens are
+    transformers' over the same (for fp16 panels, fp16-rounded) weights."""
     model = build(family)
     if weights == "fp16":
         model = model.half().float()
@@ -429,8 +452,10 @@ def test_greedy_through_the_llama_layers_kin_equals_generate(
     assert (route.residual_scales[0] != 1.0) == (family == "granite")
     assert (route.softcaps[0] != 0.0) == (family == "gemma2")
     assert (route.qk_norms[0] is not None) == (
-        family not in ("phi4_mini", "smollm3", "gemma2", "granite")
+        family not in ("phi4_mini", "smollm3", "gemma2", "granite", "glm4", "ernie4_5", "helium")
     )
+    assert route.pairs[0] == (family in ("glm4", "ernie4_5", "helium"))
+    assert route.norms_rotated[0] == (family == "hunyuan")
     assert (route.layers[0].weights[0].numel() == 0) == family.startswith(("olmo", "exaone"))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = run_all(core, PROMPTS, params)
@@ -468,13 +493,12 @@ def test_steps_with_a_prompt_run_op_by_op(calls: list[int]) -> None:
     assert calls == []
 
 
-@pytest.mark.parametrize("case", ["qk_norm", "gelu", "unpacked", "torch_backend"])
+@pytest.mark.parametrize("case", ["layer_norm", "gelu", "unpacked", "torch_backend"])
 def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str, calls: list[int]) -> None:
-    """Per-head q/k norms after the rotary (Hunyuan), another activation, torch's own linear
-    layers and another attention backend all keep the layer op by op, and greedy still equals
-    generate."""
-    if case == "qk_norm":
-        model = build("hunyuan")
+    """LayerNorms (StableLM's), another activation, torch's own linear layers and another
+    attention backend all keep the layer op by op, and greedy still equals generate."""
+    if case == "layer_norm":
+        model = build("stablelm")
     elif case == "gelu":
         config = tiny_llama().config
         config.hidden_act = "gelu"
@@ -492,7 +516,7 @@ def test_what_the_fused_layer_does_not_compute_runs_op_by_op(case: str, calls: l
     assert (
         route.reason
         == {
-            "qk_norm": "per-head q/k norms after the rotary",
+            "layer_norm": "LayerNorms",
             "gelu": "the activation is neither silu nor GELU's tanh approximation",
             "unpacked": "projections not in Conveyor's panels",
             "torch_backend": "",

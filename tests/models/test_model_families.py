@@ -280,15 +280,16 @@ def test_smollm3s_nope_layers_run_on_conveyors_decoder_and_matter():
         ("phi4_mini", ""),
         ("granite", ""),
         ("olmo2", ""),
-        ("glm4", "otherwise than the Llama layer"),
+        ("glm4", ""),
+        ("stablelm", "LayerNorms"),
     ],
 )
 def test_families_load_from_a_folder_into_their_routes(tmp_path, family, op_by_op):
     """From a folder, as served, on Conveyor's decoder over its linear forms: Phi-3's one q/k/v
     and one gate/up projection taken as they are, its full rotary, Phi-4-mini's partial one and
-    Granite's scaled residual adds and OLMo 2's moved norms decoding through the fused stack
-    where it is built; GLM-4's paired rotary decoding op by op; greedy tokens are
-    transformers'."""
+    Granite's scaled residual adds, OLMo 2's moved norms and GLM-4's paired rotary decoding
+    through the fused stack where it is built; StableLM's LayerNorms op by op; greedy tokens
+    are transformers'."""
     model = build(family)
     tokenizer = tiny_tokenizer()
     model.save_pretrained(tmp_path)

@@ -3,8 +3,9 @@ one C++ op (`csrc/fused_decode/`).
 
 It computes what the layers compute op by op, to the bit: the same kernels in the same order
 (norm (none in OLMo 2's layer), q/k/v, each q and k head's norm where the layer has them
-(Qwen3, Gemma 3; q's and k's heads each normed as one row in OLMo 2), rotary of all, some
-(Phi-4-mini) or none (SmolLM3's NoPE layers) of each head's dims, K/V stored at their slots,
+(Qwen3, Gemma 3; q's and k's heads each normed as one row in OLMo 2; after the rotary in
+Hunyuan), rotary of all, some (Phi-4-mini) or none (SmolLM3's NoPE layers) of each head's dims,
+their halves or neighbouring pairs (GLM, ERNIE 4.5, Helium), K/V stored at their slots,
 paged attention, output projection (normed before the residual in Gemma's and OLMo 2's layers)
 and residual, norm, gate/up, activation (silu, or Gemma's GELU), down (normed again in Gemma's
 and OLMo 2's) and residual), without the dispatch of two dozen small ops a layer. Its
@@ -101,14 +102,19 @@ class LayerWeights:
     residual_scale: float = 1.0
     # The attention's score cap (Gemma 2's), or 0.
     softcap: float = 0.0
+    # The rotary turns neighbouring dims as pairs (GLM's), not halves.
+    pairs: bool = False
+    # The q/k norm comes after the rotary (Hunyuan's), not before it.
+    norms_rotated: bool = False
 
 
 def why_not_fused(layer: FusibleLayer) -> str:
     """Why the fused layer does not compute this layer ("" where it does): it needs projections
     in Conveyor's panels, fp32 norms with one epsilon (before the attention and the MLP, after
     them, or both), silu or GELU (tanh) gating, q, k and v made as the Llama layer makes them
-    (q/k norms, where it has them, head by head or over all heads at once, before a rotary of
-    all, some or none of each head's dims), and the kernels built."""
+    (q/k norms, where it has them, head by head or over all heads at once, before or after a
+    rotary of all, some or none of each head's dims, their halves or neighbouring pairs), and
+    the kernels built."""
     if getattr(layer, "moe", None) is not None:
         return "a mixture-of-experts MLP"
     features = getattr(layer, "attention", None)
@@ -152,12 +158,10 @@ def why_not_fused(layer: FusibleLayer) -> str:
 def _why_qk_norm_not_fused(layer: FusibleLayer) -> str:
     """Why the fused layer does not compute this layer's q/k norms ("" where it has none or they
     fuse): each head normed by one fp32 weight row (or q's and k's heads each as one row, OLMo
-    2's) before the rotary, as the Llama layer norms them (not after it, as Hunyuan's)."""
+    2's), before the rotary or after it (Hunyuan's), as the Llama layer norms them."""
     weight = layer.qk_norm_weight
     if weight is None:
         return ""
-    if getattr(layer, "norms_rotated", False):
-        return "per-head q/k norms after the rotary"
     if weight.dtype != torch.float32 or not weight.is_contiguous():
         return "q/k norm weights not fp32"
     return ""
@@ -191,6 +195,8 @@ def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> La
         rotary=layer.layer_type if layer.layer_type in rotary_kinds else None,
         residual_scale=residual_scale(layer),
         softcap=softcap_of(layer.attention),
+        pairs=bool(getattr(layer, "paired_rotary", False)),
+        norms_rotated=bool(getattr(layer, "norms_rotated", False)),
     )
 
 
@@ -223,6 +229,8 @@ class FusedDecode:
     gelu: tuple[bool, ...] = ()
     residual_scales: tuple[float, ...] = ()
     softcaps: tuple[float, ...] = ()
+    pairs: tuple[bool, ...] = ()
+    norms_rotated: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, route: DecodeRoute, layers: tuple[LayerWeights, ...], reason: str = ""):
@@ -239,6 +247,8 @@ class FusedDecode:
             tuple(layer.gelu for layer in layers),
             tuple(layer.residual_scale for layer in layers),
             tuple(layer.softcap for layer in layers),
+            tuple(layer.pairs for layer in layers),
+            tuple(layer.norms_rotated for layer in layers),
         )
 
     def __call__(
@@ -271,6 +281,8 @@ class FusedDecode:
                 list(self.gelu),
                 list(self.residual_scales),
                 list(self.softcaps),
+                list(self.pairs),
+                list(self.norms_rotated),
             )
         for layer in self.layers:
             cos, sin = tables[layer.rotary]
@@ -295,6 +307,8 @@ class FusedDecode:
                 layer.gelu,
                 layer.residual_scale,
                 layer.softcap,
+                layer.pairs,
+                layer.norms_rotated,
             )
         return hidden
 

@@ -306,9 +306,13 @@ def all_heads_rms_norm(
     return torch.ops.conveyor.all_heads_rms_norm(x, weight, q_heads, eps)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rotary embedding of fp32 `[tokens, heads, dim]` by `[tokens, 1, dim]` tables."""
-    return torch.ops.conveyor.rotary(x, cos, sin)
+def rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False
+) -> torch.Tensor:
+    """Half-split rotary embedding of fp32 `[tokens, heads, dim]` by `[tokens, 1, dim]` tables;
+    with `pairs`, neighbouring dims turned as pairs (GLM's), each by its frequency in the
+    tables' first half."""
+    return torch.ops.conveyor.rotary(x, cos, sin, pairs)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -468,6 +472,8 @@ def decode_layer(
     gelu: bool = False,
     residual_scale: float = 1.0,
     softcap: float = 0.0,
+    pairs: bool = False,
+    norms_rotated: bool = False,
 ) -> torch.Tensor:
     """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
 
@@ -485,7 +491,9 @@ def decode_layer(
     attention's and the MLP's outputs are normed before they join the residual; with `gelu` the
     MLP gates with GELU's tanh approximation instead of silu; `residual_scale` multiplies those
     outputs before they join it (Granite's residual multiplier); `softcap` caps the scores as
-    `paged_decode` caps them (Gemma 2's).
+    `paged_decode` caps them (Gemma 2's). With `pairs` the rotary turns neighbouring dims as
+    pairs (GLM's, `rotary(pairs=True)`); with `norms_rotated` the q/k norm comes after the
+    rotary (Hunyuan's).
     """
     attn_out_norm, mlp_out_norm = out_norms if out_norms is not None else (None, None)
     return torch.ops.conveyor.decode_layer(
@@ -510,6 +518,8 @@ def decode_layer(
         gelu,
         residual_scale,
         softcap,
+        pairs,
+        norms_rotated,
     )
 
 
@@ -578,13 +588,16 @@ def decode_layers(
     gelu: list[bool] | None = None,
     residual_scales: list[float] | None = None,
     softcaps: list[float] | None = None,
+    pairs: list[bool] | None = None,
+    norms_rotated: list[bool] | None = None,
 ) -> torch.Tensor:
     """`decode_layer` for every layer of a stack in turn, in one op: `weights` and `biases` are
     each layer's back to back; `key_caches`/`value_caches`, `qk_norms` (None: no layer norms
     its q and k heads), `rotates` (None: every layer rotates), `out_norms` (None: no layer norms
     its outputs), `gelu` (None: every layer gates with silu), `residual_scales` (None: every
-    layer adds its outputs as they are) and `softcaps` (None: no layer caps its scores) one per
-    layer; `cos`/`sin` and `window` one for all or one per layer."""
+    layer adds its outputs as they are), `softcaps` (None: no layer caps its scores), `pairs`
+    (None: every layer's rotary turns halves) and `norms_rotated` (None: every q/k norm comes
+    before the rotary) one per layer; `cos`/`sin` and `window` one for all or one per layer."""
     layers = len(key_caches)
     return torch.ops.conveyor.decode_layers(
         hidden,
@@ -607,4 +620,6 @@ def decode_layers(
         gelu if gelu is not None else [False] * layers,
         residual_scales if residual_scales is not None else [1.0] * layers,
         softcaps if softcaps is not None else [0.0] * layers,
+        pairs if pairs is not None else [False] * layers,
+        norms_rotated if norms_rotated is not None else [False] * layers,
     )

@@ -1,5 +1,8 @@
 // Rotary embedding in Hugging Face's half-split layout over fp32 q/k rows, in one pass:
-// out = x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x[half:], x[:half]).
+// out = x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x[half:], x[:half]); or, with
+// `pairs`, over neighbouring dims (GLM's, ERNIE 4.5's, Helium's): dims 2i and 2i + 1 turn by
+// the i-th frequency (cos[i], sin[i] of the table's first half), out[2i] = x[2i] * cos[i] +
+// -x[2i + 1] * sin[i] and out[2i + 1] = x[2i + 1] * cos[i] + x[2i] * sin[i].
 //
 // x         [tokens, heads, dim] fp32; heads and dims contiguous, tokens at any stride (a view
 //           of the fused qkv projection)
@@ -22,9 +25,12 @@
 
 namespace conveyor {
 
-__attribute__((optimize("fp-contract=off"))) void rotary_rows(
-    const float* x, int64_t x_stride, const float* cos, const float* sin, int64_t cs_stride,
-    float* out, int64_t heads, int64_t dim, int64_t rotary_dim, int64_t begin, int64_t end) {
+__attribute__((optimize("fp-contract=off"))) void rotary_rows(const float* x, int64_t x_stride,
+                                                              const float* cos, const float* sin,
+                                                              int64_t cs_stride, float* out,
+                                                              int64_t heads, int64_t dim,
+                                                              int64_t rotary_dim, int64_t begin,
+                                                              int64_t end, bool pairs) {
   const int64_t half = rotary_dim / 2;
   for (int64_t t = begin; t < end; ++t) {
     const float* c = cos + t * cs_stride;
@@ -32,12 +38,19 @@ __attribute__((optimize("fp-contract=off"))) void rotary_rows(
     for (int64_t h = 0; h < heads; ++h) {
       const float* in = x + t * x_stride + h * dim;
       float* o = out + (t * heads + h) * dim;
-      for (int64_t d = 0; d < half; ++d) {
+      for (int64_t i = 0; pairs && i < half; ++i) {
+        const float even = in[2 * i], odd = in[2 * i + 1];
+        const float a = even * c[i], b = -odd * s[i];
+        const float e = odd * c[i], f = even * s[i];
+        o[2 * i] = a + b;
+        o[2 * i + 1] = e + f;
+      }
+      for (int64_t d = 0; !pairs && d < half; ++d) {
         const float a = in[d] * c[d];
         const float b = -in[d + half] * s[d];
         o[d] = a + b;
       }
-      for (int64_t d = half; d < rotary_dim; ++d) {
+      for (int64_t d = half; !pairs && d < rotary_dim; ++d) {
         const float a = in[d] * c[d];
         const float b = in[d - half] * s[d];
         o[d] = a + b;
@@ -47,7 +60,7 @@ __attribute__((optimize("fp-contract=off"))) void rotary_rows(
   }
 }
 
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool pairs) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() &&
                   cos.size(0) == x.size(0) && cos.size(1) == 1 && cos.size(2) <= x.size(2) &&
                   cos.size(2) % 2 == 0,
@@ -65,12 +78,15 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, tokens, rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
-    rotary_rows(xp, x.stride(0), cp, sp, cos.stride(0), op, heads, dim, cos.size(2), begin, end);
+    rotary_rows(xp, x.stride(0), cp, sp, cos.stride(0), op, heads, dim, cos.size(2), begin, end,
+                pairs);
   });
   return out;
 }
 
 }  // namespace conveyor
 
-TORCH_LIBRARY_FRAGMENT(conveyor, m) { m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(conveyor, m) {
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool pairs=False) -> Tensor");
+}
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("rotary", &conveyor::rotary); }

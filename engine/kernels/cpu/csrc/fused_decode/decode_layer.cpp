@@ -32,6 +32,9 @@
 //           residual (Granite's residual multiplier; 1: added as they are)
 // softcap   scores capped as softcap * tanh(score / softcap) before the softmax (Gemma 2's;
 //           0: not), as `paged_decode` caps them
+// pairs     the rotary turns neighbouring dims as pairs (GLM's), as `rotary(pairs=True)` does
+// norms_rotated
+//           the q/k norm comes after the rotary (Hunyuan's), not before it
 // returns   [rows, hidden] fp32, the layer's output
 //
 // It calls the same kernels, in the same order, as the layer does op by op from Python, so the
@@ -148,8 +151,10 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   at::Tensor x = normed_rows(hidden, weights[kInputNorm], eps, weights[kQkv]);
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
   at::Tensor qk = qkv.narrow(1, 0, qk_heads * dim).view({rows, qk_heads, dim});
-  if (given(form.qk_norm)) qk = normed_qk(qk, *form.qk_norm, num_heads, eps);
-  qk = form.rotates ? rotary(qk, form.cos, form.sin) : qk.contiguous();
+  const bool qk_normed = given(form.qk_norm);
+  if (qk_normed && !form.norms_rotated) qk = normed_qk(qk, *form.qk_norm, num_heads, eps);
+  qk = form.rotates ? rotary(qk, form.cos, form.sin, form.pairs) : qk.contiguous();
+  if (qk_normed && form.norms_rotated) qk = normed_qk(qk, *form.qk_norm, num_heads, eps);
   store_kv(qk.data_ptr<float>() + num_heads * dim, qk_heads * dim,
            qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots.data_ptr<int64_t>(), 0, rows,
            kv_size, key, value);
@@ -176,9 +181,9 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
                         const std::optional<at::Tensor>& qk_norm, bool rotates,
                         const std::optional<at::Tensor>& attn_out_norm,
                         const std::optional<at::Tensor>& mlp_out_norm, bool gelu,
-                        double residual_scale, double softcap) {
-  const LayerForm form{cos,     sin,           window,       qk_norm, rotates,
-                       softcap, attn_out_norm, mlp_out_norm, gelu,    residual_scale};
+                        double residual_scale, double softcap, bool pairs, bool norms_rotated) {
+  const LayerForm form{cos,           sin,          window, qk_norm,        rotates, softcap,
+                       attn_out_norm, mlp_out_norm, gelu,   residual_scale, pairs,   norms_rotated};
   check_layer(weights, biases, heads, key, value, form, hidden.size(-1));
   check_step(hidden, slots, key);
   return run_layer(hidden, weights, biases, heads, key, value, slots, table, lens, eps, scale,
@@ -188,7 +193,8 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
 // Every layer of a decoder stack in turn, in one op: weights and biases are each layer's
 // `decode_layer` arguments back to back (6 and 4 a layer), output norms two a layer (None where
 // it has none); rotary rows, keys, values, windows, q/k norms (each optional), whether it
-// rotates, whether it gates with GELU, its residual scale and its score cap each layer's own.
+// rotates, whether it gates with GELU, its residual scale, its score cap, whether its rotary
+// turns pairs and whether its q/k norm comes after the rotary each layer's own.
 // One call instead of one a layer saves the Python and dispatch around each: a decode step for
 // one sequence of the default model ran about 0.9 ms (11%) shorter.
 at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
@@ -200,24 +206,27 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
                          const c10::List<bool>& rotates,
                          const c10::List<std::optional<at::Tensor>>& out_norms,
                          const c10::List<bool>& gelu, at::ArrayRef<double> residual_scales,
-                         at::ArrayRef<double> softcaps) {
+                         at::ArrayRef<double> softcaps, const c10::List<bool>& pairs,
+                         const c10::List<bool>& norms_rotated) {
   const size_t layers = keys.size();
   TORCH_CHECK(layers >= 1 && values.size() == layers && weights.size() == layers * kWeights &&
                   biases.size() == layers * kBiases && cos.size() == layers &&
                   sin.size() == layers && windows.size() == layers && qk_norms.size() == layers &&
                   rotates.size() == layers && out_norms.size() == 2 * layers &&
                   gelu.size() == layers && residual_scales.size() == layers &&
-                  softcaps.size() == layers,
+                  softcaps.size() == layers && pairs.size() == layers &&
+                  norms_rotated.size() == layers,
               "decode_layers: per layer 6 weights, 4 biases, rotary rows, one key and one value "
               "cache, a window, one q/k norm or None, whether it rotates, two output norms or "
-              "None, whether it gates with GELU, its residual scale and its score cap");
+              "None, whether it gates with GELU, its residual scale, its score cap, whether it "
+              "turns pairs and whether it norms q and k after the rotary");
   std::vector<c10::List<std::optional<at::Tensor>>> layer_biases(layers);
   std::vector<LayerForm> forms;
   for (size_t i = 0; i < layers; ++i) {
     for (size_t b = 0; b < kBiases; ++b) layer_biases[i].push_back(biases.get(i * kBiases + b));
     forms.push_back(LayerForm{cos[i], sin[i], windows[i], qk_norms.get(i), rotates.get(i),
                               softcaps[i], out_norms.get(2 * i), out_norms.get(2 * i + 1),
-                              gelu.get(i), residual_scales[i]});
+                              gelu.get(i), residual_scales[i], pairs.get(i), norms_rotated.get(i)});
     check_layer(weights.slice(i * kWeights, kWeights), layer_biases[i], heads, keys[i], values[i],
                 forms[i], hidden.size(-1));
     TORCH_CHECK(keys[i].sizes() == keys[0].sizes(), "decode_layers: caches of one size");
@@ -244,13 +253,14 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
       "Tensor cos, Tensor sin, Tensor(a!) key, Tensor(b!) value, Tensor slots, Tensor table, "
       "Tensor lens, float eps, float scale, int window=0, Tensor? qk_norm=None, "
       "bool rotates=True, Tensor? attn_out_norm=None, Tensor? mlp_out_norm=None, "
-      "bool gelu=False, float residual_scale=1.0, float softcap=0.) -> Tensor");
+      "bool gelu=False, float residual_scale=1.0, float softcap=0., bool pairs=False, "
+      "bool norms_rotated=False) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
       "Tensor[] cos, Tensor[] sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
       "Tensor table, Tensor lens, float eps, float scale, int[] windows, Tensor?[] qk_norms, "
       "bool[] rotates, Tensor?[] out_norms, bool[] gelu, float[] residual_scales, "
-      "float[] softcaps) -> Tensor");
+      "float[] softcaps, bool[] pairs, bool[] norms_rotated) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("decode_layer", &conveyor::decode_layer);

@@ -120,6 +120,8 @@ struct Stack {
 struct Layer {
   const float *input_norm, *post_norm, *qk_norm, *attn_out_norm, *mlp_out_norm;
   bool qk_all_heads, gelu;
+  // The rotary turns neighbouring pairs (GLM's); the q/k norm comes after it (Hunyuan's).
+  bool pairs, norms_rotated;
   float residual_scale, softcap;
   const float *cos, *sin;
   int64_t cs_stride, rotary_dim, window;
@@ -194,6 +196,18 @@ void product_rows(const Team& team, Stack& st, const float* in, const float* nor
     round_to_bf16(in + r * st.width, st.width, st.normed.get() + r * st.width);
 }
 
+// This thread's rows [begin, end) of q and k heads (rows at `stride` from `qk`) normed in place,
+// where the layer norms them: each head by its row, or q's and k's heads each as one row.
+void norm_qk(const Stack& st, const Layer& layer, float* qk, int64_t stride, Share part) {
+  if (layer.qk_norm == nullptr) return;
+  if (layer.qk_all_heads)
+    rms_norm_q_and_k(qk, stride, layer.qk_norm, qk, stride, st.attn_size, st.qk_size - st.attn_size,
+                     st.eps, part.begin, part.end);
+  else
+    rms_norm_heads(qk, stride, layer.qk_norm, qk, stride, st.heads + st.kv_heads, st.dim, st.eps,
+                   part.begin, part.end);
+}
+
 // One layer from `in` to `out` [rows, width], as this thread takes part; `taken` are the
 // layer's five counters (four products, the attention), zero before it starts.
 void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in, float* out,
@@ -209,14 +223,10 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
   // (rotated) and V to their slots.
   const int64_t qk_heads = st.heads + st.kv_heads;
   Share part = rows_of(team, st, st.qk_size);
-  if (layer.qk_norm != nullptr && layer.qk_all_heads)
-    rms_norm_q_and_k(st.qkv.get(), st.qkv_size, layer.qk_norm, st.qkv.get(), st.qkv_size,
-                     st.attn_size, st.qk_size - st.attn_size, st.eps, part.begin, part.end);
-  else if (layer.qk_norm != nullptr)
-    rms_norm_heads(st.qkv.get(), st.qkv_size, layer.qk_norm, st.qkv.get(), st.qkv_size, qk_heads,
-                   st.dim, st.eps, part.begin, part.end);
+  if (!layer.norms_rotated) norm_qk(st, layer, st.qkv.get(), st.qkv_size, part);
   rotary_rows(st.qkv.get(), st.qkv_size, layer.cos, layer.sin, layer.cs_stride, st.qk.get(),
-              qk_heads, st.dim, layer.rotary_dim, part.begin, part.end);
+              qk_heads, st.dim, layer.rotary_dim, part.begin, part.end, layer.pairs);
+  if (layer.norms_rotated) norm_qk(st, layer, st.qk.get(), st.qk_size, part);
   at::Tensor key = layer.key, value = layer.value;
   store_kv(st.qk.get() + st.attn_size, st.qk_size, st.qkv.get() + st.qk_size, st.qkv_size, st.slots,
            part.begin, part.end, st.kv_heads * st.dim, key, value);
@@ -258,6 +268,8 @@ Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
                optional_floats(form.mlp_out_norm),
                given(form.qk_norm) && form.qk_norm->dim() == 1,
                form.gelu,
+               form.pairs,
+               form.norms_rotated,
                static_cast<float>(form.residual_scale),
                static_cast<float>(std::max(form.softcap, 0.0)),
                form.cos.data_ptr<float>(),

@@ -36,6 +36,10 @@ struct LayerForm {
   // The attention's and the MLP's outputs multiplied by this before they join the residual
   // (Granite's `residual_multiplier`; 1: added as they are).
   double residual_scale = 1.0;
+  // The rotary turns neighbouring dims as pairs (GLM's, ERNIE 4.5's, Helium's), not halves.
+  bool pairs = false;
+  // The q/k norm comes after the rotary (Hunyuan's), not before it.
+  bool norms_rotated = false;
 };
 
 inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }

@@ -101,12 +101,14 @@ at::Tensor all_heads_rms_norm(const at::Tensor& x, const at::Tensor& weight, int
 void rms_norm_q_and_k(const float* x, int64_t x_stride, const float* weight, float* out,
                       int64_t out_stride, int64_t q_size, int64_t k_size, float eps, int64_t begin,
                       int64_t end);
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                  bool pairs = false);
 // rotary's tokens [begin, end): x rows at x_stride, cos/sin rows at cs_stride, out contiguous;
-// each head's first rotary_dim dims turn (the cos/sin rows' width), the rest are copied.
+// each head's first rotary_dim dims turn (the cos/sin rows' width), their halves or, with
+// `pairs`, their neighbouring pairs; the rest are copied.
 void rotary_rows(const float* x, int64_t x_stride, const float* cos, const float* sin,
                  int64_t cs_stride, float* out, int64_t heads, int64_t dim, int64_t rotary_dim,
-                 int64_t begin, int64_t end);
+                 int64_t begin, int64_t end, bool pairs = false);
 // paged_decode under an fp32 query, as one thread of `team` takes part (every thread of the
 // region calling it); `next` counts the sequences taken (zero before the first call). The
 // table [seqs, width] and lens must already be checked against the cache.
