@@ -36,12 +36,7 @@ def rms_norm(
 def _one_pass_head_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Conveyor's one-pass CPU kernel norms each head: q/k heads it takes (`_kernel_heads`) by
     an fp32 `[heads, dim]` weight."""
-    return (
-        _kernel_heads(x)
-        and weight.dtype == torch.float32
-        and weight.shape == x.shape[1:]
-        and weight.is_contiguous()
-    )
+    return one_pass_heads(x, weight) and weight.shape == x.shape[1:]
 
 
 def _kernel_heads(x: torch.Tensor) -> bool:

@@ -75,6 +75,22 @@ def build(family: str) -> LlamaForCausalLM:
 
 # bf16 panels, whose gate/up pairs run the MLP's activation in the same op.
 BF16 = pytest.param("bf16", marks=needs_bf16_panels)
+# The Llama layer's kin that decode through the fused stack, each with a form of its own.
+FUSED_KIN = [
+    "qwen3",
+    "phi4_mini",
+    "smollm3",
+    "gemma2",
+    "gemma3",
+    "granite",
+    "olmo2",
+    "olmo3",
+    "exaone4",
+    "glm4",
+    "ernie4_5",
+    "helium",
+    "hunyuan",
+]
 
 
 @pytest.fixture
@@ -128,24 +144,7 @@ def decode_step(
     return logits, core.runner.kv_cache.tensor.clone()
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "llama",
-        "qwen2",
-        "qwen3",
-        "phi4_mini",
-        "smollm3",
-        "gemma2",
-        "gemma3",
-        "granite",
-        "olmo3",
-        "exaone4",
-        "glm4",
-        "ernie4_5",
-        "hunyuan",
-    ],
-)
+@pytest.mark.parametrize("family", ["llama", "qwen2", *FUSED_KIN])
 @pytest.mark.parametrize("weights", ["fp32", "fp16", BF16])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16", "float16", "fp8_e5m2"])
 def test_fused_step_equals_the_layers_op_by_op(
@@ -406,24 +405,7 @@ def test_greedy_through_the_fused_layer_equals_generate(weights: str, calls: lis
     assert len(calls) >= 2 * 10 and max(calls) == len(PROMPTS)
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
-        "qwen3",
-        "phi4_mini",
-        "smollm3",
-        "gemma2",
-        "gemma3",
-        "granite",
-        "olmo2",
-        "olmo3",
-        "exaone4",
-        "glm4",
-        "ernie4_5",
-        "helium",
-        "hunyuan",
-    ],
-)
+@pytest.mark.parametrize("family", FUSED_KIN)
 @pytest.mark.parametrize("weights", ["fp32", "fp16"])
 def test_greedy_through_the_llama_layers_kin_equals_generate(
     family: str, weights: str, calls: list[int]

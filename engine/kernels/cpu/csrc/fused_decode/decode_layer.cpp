@@ -63,16 +63,10 @@ void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tenso
   check_cache(key, value, "decode_layer");
   TORCH_CHECK(key.size(2) == heads[1] && key.size(3) == heads[2] && heads[0] % heads[1] == 0,
               "decode_layer: head shapes do not match the cache");
-  const auto& qk_norm = form.qk_norm;
-  const int64_t qk_heads = heads[0] + heads[1];
-  TORCH_CHECK(
-      !given(qk_norm) ||
-          (qk_norm->scalar_type() == at::kFloat && qk_norm->is_contiguous() &&
-           ((qk_norm->dim() == 2 && qk_norm->size(0) == qk_heads && qk_norm->size(1) == heads[2]) ||
-            (qk_norm->dim() == 1 && qk_norm->size(0) == qk_heads * heads[2]))),
-      "decode_layer: the q/k norm must be contiguous fp32 [heads + kv_heads, head_dim] "
-      "or [(heads + kv_heads) * head_dim]");
-  TORCH_CHECK((weights[kInputNorm].numel() == 0) == (weights[kPostNorm].numel() == 0),
+  TORCH_CHECK(qk_norm_fits(form.qk_norm, heads[0] + heads[1], heads[2]),
+              "decode_layer: the q/k norm must be contiguous fp32 [heads + kv_heads, head_dim] "
+              "or [(heads + kv_heads) * head_dim]");
+  TORCH_CHECK(pre_normed(weights) == (weights[kPostNorm].numel() > 0),
               "decode_layer: the input and the post-attention norm come together");
   // The norms of the attention's and the MLP's outputs: both or neither, each fp32 [hidden] as
   // the layer's own norms.

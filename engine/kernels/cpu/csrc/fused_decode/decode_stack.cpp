@@ -61,15 +61,6 @@ const float* optional_floats(const std::optional<at::Tensor>& t) {
   return given(t) ? t->data_ptr<float>() : nullptr;
 }
 
-// No q/k norm, or an fp32 one of [qk_heads, dim] (a head a row) or [qk_heads * dim] (q's heads
-// as one row, k's as another).
-bool fp32_qk_norm(const std::optional<at::Tensor>& norm, int64_t qk_heads, int64_t dim) {
-  if (!given(norm)) return true;
-  const bool shaped = norm->dim() == 2 ? norm->size(0) == qk_heads && norm->size(1) == dim
-                                       : norm->dim() == 1 && norm->size(0) == qk_heads * dim;
-  return shaped && norm->scalar_type() == at::kFloat && norm->is_contiguous();
-}
-
 // The input and post-attention norms of a layer: fp32 [width] both, or both empty (OLMo 2's
 // layer norms nothing before the attention and the MLP).
 bool pre_norms_fit(at::TensorList w, int64_t width) {
@@ -318,7 +309,7 @@ bool stack_region_applies(int64_t width, at::TensorList weights,
           padded_bias(bias(kOutBias), w[kOut].size(0) * 16) &&
           padded_bias(bias(kGateUpBias), gated_panel_count * 2 * 16) &&
           padded_bias(bias(kDownBias), w[kDown].size(0) * 16) &&
-          fp32_qk_norm(form.qk_norm, num_heads + kv_heads, dim)))
+          qk_norm_fits(form.qk_norm, num_heads + kv_heads, dim)))
       return false;
   }
   return true;

@@ -44,6 +44,15 @@ struct LayerForm {
 
 inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
+// No q/k norm, or a contiguous fp32 one of [qk_heads, dim] (a head a row) or [qk_heads * dim]
+// (q's heads as one row, k's as another).
+inline bool qk_norm_fits(const std::optional<at::Tensor>& norm, int64_t qk_heads, int64_t dim) {
+  if (!given(norm)) return true;
+  const bool shaped = norm->dim() == 2 ? norm->size(0) == qk_heads && norm->size(1) == dim
+                                       : norm->dim() == 1 && norm->size(0) == qk_heads * dim;
+  return shaped && norm->scalar_type() == at::kFloat && norm->is_contiguous();
+}
+
 // Whether a layer's weights norm the rows before the attention and the MLP.
 inline bool pre_normed(at::TensorList weights) { return weights[kInputNorm].numel() > 0; }
 
