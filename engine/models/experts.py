@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.linear import GatedPanelLinear, PanelLinear, takes_bf16_rows
 from engine.models.layers import clamped_swiglu, gated_activation, is_silu
 from engine.models.routing import BiasedRouter, GroupLimitedRouter, router_of
 from engine.parallel.sharding import GATELESS_EXPERTS, HF_EXPERTS, TRANSPOSED_EXPERTS
@@ -147,6 +149,9 @@ class ExpertLinears(nn.Module):
         self.gated = gated
         self.num_experts = len(gate_up)
         self.intermediate = int(cast(nn.Linear, down[0]).in_features)
+        # Every expert's panels and biases as `cpu_ops.expert_mlps` takes them, once `pair_gates`
+        # has made every gate/up gated panel pairs over bf16 down panels; None otherwise.
+        self._grouped: tuple[list[torch.Tensor | None], ...] | None = None
 
     @classmethod
     def of(cls, experts: Any) -> ExpertLinears:
@@ -189,6 +194,56 @@ class ExpertLinears(nn.Module):
             clamped=ClampedSwiGLU(float(experts.alpha), float(experts.limit)),
         )
 
+    def pair_gates(self) -> bool:
+        """Each expert's gate/up as gated bf16 panel pairs (`GatedPanelLinear`: one pass writes
+        only `silu(gate) * up`, rounded to bf16 for the down product), where every expert's
+        gate/up and down are bf16 panels under silu with the intermediate size in whole panels;
+        then a step's experts run as one op (`cpu_ops.expert_mlps`). Returns whether they do.
+        Each expert's joined layer gives way to its pairs as they are made."""
+        joined = list(self.gate_up)
+        if not (
+            self.gated
+            and self.clamped is None
+            and self.silu
+            and all(isinstance(g, PanelLinear) and g.bf16_activations for g in joined)
+            and all(isinstance(d, PanelLinear) and d.bf16_activations for d in self.down)
+        ):
+            return False
+        halves = [cast(PanelLinear, g).split(self.intermediate) for g in joined]
+        if any(h is None for h in halves) or not cpu_ops.bf16_panels_available():
+            return False
+        for index, pair in enumerate(halves):
+            assert pair is not None
+            gated = GatedPanelLinear.of(*pair)
+            if gated is None:
+                return False
+            self.gate_up[index] = gated
+        self._grouped = self._grouped_panels()
+        return True
+
+    @property
+    def grouped(self) -> bool:
+        """A step's experts run as one op (`pair_gates` paired every expert's gate and up)."""
+        return self._grouped is not None
+
+    def _grouped_panels(self) -> tuple[list[torch.Tensor | None], ...]:
+        """Gate/up panels, their biases, down panels and theirs, an entry per expert."""
+        gate_up = cast(list[GatedPanelLinear], list(self.gate_up))
+        down = cast(list[PanelLinear], list(self.down))
+        return (
+            [g.panels for g in gate_up],
+            [g.padded_bias for g in gate_up],
+            [d.panels for d in down],
+            [d.padded_bias for d in down],
+        )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ExpertLinears:
+        """As `nn.Module._apply`, the grouped panels then taken again from the moved layers."""
+        super()._apply(fn, recurse)
+        if self._grouped is not None:
+            self._grouped = self._grouped_panels()
+        return self
+
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -196,7 +251,32 @@ class ExpertLinears(nn.Module):
         through experts `top_k_index[i]` with weights `top_k_weights[i]`. The rows are taken
         in expert order once; each expert runs over its own run of them, and one indexed add
         sums each row's weighted outputs in fp32, cast once at the end (as transformers' grouped
-        experts sum them)."""
+        experts sum them). Over gated bf16 panel pairs (`pair_gates`) all of that is one op, to
+        the bit the same."""
+        grouped = self._grouped
+        if (
+            grouped is not None
+            and hidden.dtype == torch.float32
+            and top_k_weights.dtype == torch.float32
+            and hidden.dim() == 2
+        ):
+            gate_up, gate_up_bias, down, down_bias = grouped
+            return cpu_ops.expert_mlps(
+                hidden.contiguous(),
+                top_k_index.contiguous(),
+                top_k_weights.contiguous(),
+                cast(list[torch.Tensor], gate_up),
+                gate_up_bias,
+                cast(list[torch.Tensor], down),
+                down_bias,
+                self.intermediate,
+            )
+        return self.by_expert(hidden, top_k_index, top_k_weights)
+
+    def by_expert(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` op by op: a gather, each chosen expert over its rows, an indexed add."""
         top_k = top_k_index.shape[1]
         flat = top_k_index.flatten()
         order = flat.argsort(stable=True)
@@ -212,14 +292,17 @@ class ExpertLinears(nn.Module):
         return summed.index_add_(0, rows, weighted.float()).to(hidden.dtype)
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up[expert](x)
+        layer, down = self.gate_up[expert], self.down[expert]
+        if isinstance(layer, GatedPanelLinear):
+            return down(layer(x, bf16_out=takes_bf16_rows(down)))
+        gate_up = layer(x)
         if not self.gated:
             activated = self.act_fn(gate_up)
         elif self.clamped is not None:
             activated = self.clamped(gate_up)
         else:
             activated = gated_activation(gate_up, self.act_fn, self.intermediate, self.silu)
-        return self.down[expert](activated)
+        return down(activated)
 
 
 class SparseMoE(nn.Module):
@@ -252,6 +335,8 @@ class SparseMoE(nn.Module):
             hasattr(router, "norm_topk_prob") or type(router).__name__ in CASTING_ROUTERS
         )
         self.experts = ExpertLinears.of(block.experts)
+        # Over bf16 panels, each expert's gate and up in pairs and a step's experts in one op.
+        self.experts.pair_gates()
         self.shared_expert = next(
             (
                 found

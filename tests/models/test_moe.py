@@ -356,6 +356,9 @@ def test_experts_take_the_models_linear_form(form):
     tokens, core = engine_tokens(model)
     assert tokens == expected
     assert "mixture-of-experts" in core.runner.model.fused_decode.describe()
+    # Over bf16 panels each expert's gate and up became gated pairs, a layer's experts one op.
+    assert experts.grouped == (form is LinearForm.BF16_PANELS)
+    assert experts is core.runner.model.layers[0].moe.experts
     # transformers' own model runs over the same experts.
     tokens, core = engine_tokens(model, model_impl="transformers")
     assert not isinstance(core.runner.model, PagedLlamaForCausalLM)

@@ -62,6 +62,7 @@ GROUPS = (
             "bf16_panels.cpp",
             "mxfp4_bf16.cpp",
             "block_bf16.cpp",
+            "expert_mlps.cpp",
         ),
     ),
     KernelGroup(

@@ -3,7 +3,8 @@
 (`csrc/attention/kv_store.cpp`), linear layers over weights packed in panels
 (`csrc/linear/panel_linear.cpp`; bf16 weights in AMX tiles or AVX-512 BF16 dot products,
 `csrc/linear/bf16_panels.cpp`, which also runs a gated MLP's gate/up projection and activation as
-one op), RMSNorm, rotary embeddings and the gated MLP's activation in one pass each
+one op, and a layer of experts over such panels in one op, `csrc/linear/expert_mlps.cpp`),
+RMSNorm, rotary embeddings and the gated MLP's activation in one pass each
 (`csrc/elementwise/rms_norm.cpp`, `csrc/elementwise/rotary.cpp`, `csrc/elementwise/silu_mul.cpp`),
 a whole decoder layer for a step of decode rows that runs those kernels back to back
 (`csrc/fused_decode/decode_layer.cpp`), the greedy choice over a step's logits
@@ -279,6 +280,35 @@ def gated_linear(
     (`cpu_linear.GatedPanelLinear`): `[rows, inter]` in fp32, or with `bf16_out` rounded to
     bf16 as the bf16 panels round their input rows."""
     return torch.ops.conveyor.gated_linear(x, panels, bias, inter, bf16_out, gelu)
+
+
+def expert_mlps(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: Sequence[torch.Tensor],
+    gate_up_bias: Sequence[torch.Tensor | None],
+    down: Sequence[torch.Tensor],
+    down_bias: Sequence[torch.Tensor | None],
+    inter: int,
+    gelu: bool = False,
+) -> torch.Tensor:
+    """A layer of experts over fp32 rows `x [rows, hidden]` in one op
+    (`csrc/linear/expert_mlps.cpp`): row `i` through its experts `experts[i]` (int64 `[rows,
+    k]`), each expert's gate/up in gated bf16 panels (`gated_linear`'s) and its down in bf16
+    panels, one of each (and a padded bias or None) per expert, the outputs times `weights[i]`
+    (fp32 `[rows, k]`) summed in fp32, as `ExpertLinears`' loop over the experts sums them."""
+    return torch.ops.conveyor.expert_mlps(
+        x,
+        experts,
+        weights,
+        list(gate_up),
+        list(gate_up_bias),
+        list(down),
+        list(down_bias),
+        inter,
+        gelu,
+    )
 
 
 def rms_norm(
