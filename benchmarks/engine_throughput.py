@@ -12,7 +12,9 @@ head and from logits handed to the sampler, and the median step of each way is r
 difference of a few percent shows only step by step on a noisy machine). With
 `--both-schedulings` each concurrency runs four times, steps in turn and overlapped (async
 scheduling) taking turns, each row tagged; on a GPU that is the figure async scheduling is
-for, with the median step of each (the engine's own decode step).
+for, with the median step of each (the engine's own decode step). With `--both-decode-routes`
+(a CPU) each concurrency runs four times, the decode route the model chose (the fused layers)
+and op by op taking turns, each row tagged.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from engine_setup import add_engine_arguments, add_load_arguments, engine_config
 from engine.core.engine_core import EngineCore
 from engine.core.sampling_params import SamplingParams
 from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.fused_decode import DecodeRoute, FusedDecode
 from engine.worker.compilation import is_compiled
 
 
@@ -104,13 +107,14 @@ def main() -> None:
     parser.add_argument("--both-bf16-products", action="store_true")
     parser.add_argument("--both-heads", action="store_true")
     parser.add_argument("--both-schedulings", action="store_true")
+    parser.add_argument("--both-decode-routes", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args()
     if args.both_bf16_products and not cpu_ops.bf16_tiles_available():
         raise SystemExit("the bf16 products have no AMX tiles here")
-    if args.both_bf16_products and args.both_schedulings:
-        raise SystemExit("compare the bf16 products or the schedulings, not both at once")
+    if sum([args.both_bf16_products, args.both_schedulings, args.both_decode_routes]) > 1:
+        raise SystemExit("compare the bf16 products, the schedulings or the routes, one at once")
     config = engine_config(
         args,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -132,12 +136,21 @@ def main() -> None:
         modes = ["tiles", "dot", "dot", "tiles"]
     elif args.both_schedulings:
         modes = ["in_turn", "overlapped", "overlapped", "in_turn"]
+    elif args.both_decode_routes:
+        modes = ["chosen", "op_by_op", "op_by_op", "chosen"]
+    chosen = getattr(core.runner.model, "fused_decode", None)
+    if args.both_decode_routes and chosen is None:
+        raise SystemExit("this model has no fused decode to compare")
     for seed, concurrency in enumerate(args.concurrency):
         for turn, mode in enumerate(modes):
             tags = {}
             if mode in ("tiles", "dot"):
                 cpu_ops.use_bf16_tiles(mode == "tiles")
                 tags = {"bf16_products": mode}
+            elif mode in ("chosen", "op_by_op"):
+                off = FusedDecode(DecodeRoute.OPS, reason="--both-decode-routes")
+                core.runner.model.fused_decode = chosen if mode == "chosen" else off
+                tags = {"decode_route": mode}
             elif mode is not None:
                 core.overlap = mode == "overlapped"
                 tags = {"scheduling": mode}

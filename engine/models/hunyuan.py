@@ -1,7 +1,8 @@
 """Hunyuan's models on Conveyor's decoder, dense (`HunYuanDenseV1ForCausalLM`) and mixtures of
 experts (`HunYuanMoEV1ForCausalLM`: a softmax router beside an MLP every token runs): the Llama
-layer with each q and k head normed after the rotary (Qwen3 norms them before it). Decode steps
-run op by op: the fused C++ stack has no per-head norms.
+layer with each q and k head normed after the rotary (Qwen3 norms them before it), which the
+fused CPU decode norms there too (the dense model's whole stack as one C++ call; the mixture's
+each layer's attention as one, its experts between them).
 """
 
 from __future__ import annotations

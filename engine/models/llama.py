@@ -474,6 +474,22 @@ class PagedLlamaLayer(nn.Module):
             for name in ("project_qkv", "_rotate")
         )
 
+    @property
+    def experts_as_llama(self) -> bool:
+        """Whether this is a layer of experts whose block after the attention is the Llama
+        layer's own (`after_attention`: the output projection onto the residual, then the norm
+        and the experts), so that the fused CPU decode can run its attention and leave the rest
+        to `experts_block`."""
+        own = type(self).after_attention is PagedLlamaLayer.after_attention
+        return self.moe is not None and own and self.output_norms is None
+
+    def experts_block(self, residual: torch.Tensor) -> torch.Tensor:
+        """`residual` (the rows after the attention's residual add) plus the experts' output
+        for them normed: what `after_attention` does after the output projection in a layer of
+        experts."""
+        assert self.moe is not None
+        return self._mlp(self._norm(self.post_attention_norm, residual, self.moe), residual)
+
     def after_attention(
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
     ) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """MiniMax M2 on Conveyor's decoder: the Llama layer with q and k each normed over all their
 heads at once (OLMo 2's norms, before the rotary, here with a norm before the attention too), a
-partial rotary, and experts chosen by their sigmoid scores plus a bias in every layer."""
+partial rotary, and experts chosen by their sigmoid scores plus a bias in every layer. On the
+CPU each layer's attention decodes as one C++ call, its experts between them."""
 
 from __future__ import annotations
 
@@ -12,5 +13,4 @@ MINIMAX_ARCHITECTURES = frozenset({"MiniMaxM2ForCausalLM"})
 
 class PagedMiniMaxM2ForCausalLM(PagedLlamaForCausalLM):
     name = "conveyor"
-    op_by_op = "MiniMax M2's q/k norms over all heads"
     layer_class = AllHeadsNormedLayer

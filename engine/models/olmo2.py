@@ -6,8 +6,8 @@ the cast back, as OLMo 2 computes them), or for fp32 rows on the CPU Conveyor's 
 of the same operations. OLMo 3 windows some layers and rotates each layer type
 by its own frequencies. OLMoE's layer is norm-first (the Llama layer's norms) with the same q/k
 norms and a mixture of experts in every layer. On the CPU, OLMo 2's and OLMo 3's decode steps
-run the whole stack as one C++ call (`kernels/cpu/fused_decode.py`); OLMoE's run op by op, as
-every mixture of experts does.
+run the whole stack as one C++ call (`kernels/cpu/fused_decode.py`); OLMoE's each layer's
+attention as one (its experts between them), unless it clamps q, k and v (op by op).
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ class PagedOlmoeLayer(AllHeadsNormedLayer):
         super().__init__(hf_layer, index, shard)
         clip = getattr(getattr(hf_layer.self_attn, "config", None), "clip_qkv", None)
         self.clip = float(clip) if clip is not None else None
+
+    @property
+    def qkv_as_llama(self) -> bool:
+        """Without a clamp, q, k and v are OLMo 2's (`project_qkv` hands them to the Llama
+        layer's), as the fused CPU decode makes them."""
+        return self.clip is None and type(self)._rotate is PagedLlamaLayer._rotate
 
     def project_qkv(
         self,

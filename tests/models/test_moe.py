@@ -189,11 +189,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 QK_NORMS = ("q_norm.weight", "k_norm.weight", "query_layernorm.weight", "key_layernorm.weight")
 
 
-def build(name: str, dtype: torch.dtype = torch.float32):
-    """A tiny random model of the family, its routers' biases and its q/k norms drawn (they
-    start as zeros and ones) so that they count."""
+def build(name: str, dtype: torch.dtype = torch.float32, **changes: object):
+    """A tiny random model of the family (its config with `changes`), its routers' biases and
+    its q/k norms drawn (they start as zeros and ones) so that they count."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(FAMILIES[name]()).eval()
+    config = FAMILIES[name]()
+    for key, value in changes.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for tensor_name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if tensor_name.endswith("e_score_correction_bias"):

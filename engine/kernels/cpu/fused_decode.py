@@ -8,7 +8,9 @@ Hunyuan), rotary of all, some (Phi-4-mini) or none (SmolLM3's NoPE layers) of ea
 their halves or neighbouring pairs (GLM, ERNIE 4.5, Helium), K/V stored at their slots,
 paged attention, output projection (normed before the residual in Gemma's and OLMo 2's layers)
 and residual, norm, gate/up, activation (silu, or Gemma's GELU), down (normed again in Gemma's
-and OLMo 2's) and residual), without the dispatch of two dozen small ops a layer. Its
+and OLMo 2's) and residual), without the dispatch of two dozen small ops a layer. A layer of
+experts runs its attention so (up to the attention's residual add), then its norm, router and
+experts as the layer's own `experts_block` (the experts themselves one op over bf16 panels). Its
 attention is Conveyor's CPU paged attention, so it runs where that backend hands out a
 `DecodeStep` (every row decodes, the cache holds a dtype it reads).
 
@@ -18,7 +20,7 @@ one op per layer, or op by op, with the reason when the fused routes do not appl
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -35,6 +37,10 @@ RotaryTables = Mapping[str | None, tuple[torch.Tensor, torch.Tensor]]
 
 # Projections the fused layer takes: panels, or gate/up panel pairs.
 PANEL_TYPES = (PanelLinear, GatedPanelLinear)
+
+
+# Why a stack with layers of experts runs a layer at a time.
+EXPERTS_BETWEEN = "mixture-of-experts layers: their experts run between the layers' ops"
 
 
 class DecodeRoute(StrEnum):
@@ -66,12 +72,22 @@ class FusibleLayer(Protocol):
     layer_type: str | None
     qkv_proj: nn.Module
     o_proj: nn.Module
+    # The gated MLP's projections (a layer of experts has none).
     gate_up_proj: nn.Module
     down_proj: nn.Module
+    # A mixture of experts in place of the gated MLP, or None.
+    moe: Any
 
     @property
     def mlp_norm(self) -> Any:
         """The norm of the MLP's input (None where the attention's input has none either)."""
+
+    @property
+    def experts_as_llama(self) -> bool:
+        """A layer of experts whose block after the attention is the Llama layer's."""
+
+    def experts_block(self, residual: torch.Tensor) -> torch.Tensor:
+        """The rows after the attention's residual add through the layer's experts' block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +122,9 @@ class LayerWeights:
     pairs: bool = False
     # The q/k norm comes after the rotary (Hunyuan's), not before it.
     norms_rotated: bool = False
+    # A layer of experts: the op stops after the attention's residual add and this runs the
+    # rest (`experts_block`); None: the op runs the layer's gated MLP.
+    experts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def why_not_fused(layer: FusibleLayer) -> str:
@@ -114,13 +133,17 @@ def why_not_fused(layer: FusibleLayer) -> str:
     them, or both), silu or GELU (tanh) gating, q, k and v made as the Llama layer makes them
     (q/k norms, where it has them, head by head or over all heads at once, before or after a
     rotary of all, some or none of each head's dims, their halves or neighbouring pairs), and
-    the kernels built."""
-    if getattr(layer, "moe", None) is not None:
-        return "a mixture-of-experts MLP"
+    the kernels built. A layer of experts needs the same of its attention, and the Llama
+    layer's block after it (`experts_as_llama`)."""
+    experts = getattr(layer, "moe", None) is not None
+    if experts and not layer.experts_as_llama:
+        return "a mixture-of-experts block of its own after the attention"
     features = getattr(layer, "attention", None)
     if features is not None and features.sinks is not None:
         return "attention sinks"
-    projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    projections = [layer.qkv_proj, layer.o_proj]
+    if not experts:
+        projections += [layer.gate_up_proj, layer.down_proj]
     pre_norms = (layer.input_norm, layer.mlp_norm)
     norms = [n for n in (*pre_norms, *(layer.output_norms or ())) if n is not None]
     if (pre_norms[0] is None) != (pre_norms[1] is None):
@@ -131,9 +154,9 @@ def why_not_fused(layer: FusibleLayer) -> str:
         return "an odd number of dims rotating"
     if not cpu_ops.has("fused_decode"):
         return "the fused_decode kernels are not built"
-    if not getattr(layer, "gated", True):
+    if not (experts or getattr(layer, "gated", True)):
         return "an MLP without a gate"
-    if not (layer.silu or layer.gelu_tanh):
+    if not (experts or layer.silu or layer.gelu_tanh):
         return "the activation is neither silu nor GELU's tanh approximation"
     qk_norm = _why_qk_norm_not_fused(layer)
     if qk_norm:
@@ -170,7 +193,11 @@ def _why_qk_norm_not_fused(layer: FusibleLayer) -> str:
 def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> LayerWeights:
     """The layer's tensors as the ops take them; `rotary_kinds`: the layer types with a rotary
     table of their own."""
-    panels: list[Any] = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+    experts = layer.moe is not None
+    panels: list[Any] = [layer.qkv_proj, layer.o_proj]
+    if not experts:
+        panels += [layer.gate_up_proj, layer.down_proj]
+    mlp = [p.panels for p in panels[2:]] or [torch.empty(0), torch.empty(0)]
     out_norms = layer.output_norms
     norms = [n for n in (layer.input_norm, *(out_norms or ())) if n is not None]
     return LayerWeights(
@@ -180,10 +207,9 @@ def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> La
             panels[0].panels,
             panels[1].panels,
             _norm_weight(layer.mlp_norm),
-            panels[2].panels,
-            panels[3].panels,
+            *mlp,
         ],
-        biases=[p.padded_bias for p in panels],
+        biases=[p.padded_bias for p in panels] + [None] * (4 - len(panels)),
         heads=[layer.num_heads, layer.num_kv_heads, layer.head_dim],
         eps=float(norms[0].variance_epsilon),
         scale=layer.scaling,
@@ -197,6 +223,7 @@ def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> La
         softcap=softcap_of(layer.attention),
         pairs=bool(getattr(layer, "paired_rotary", False)),
         norms_rotated=bool(getattr(layer, "norms_rotated", False)),
+        experts=layer.experts_block if experts else None,
     )
 
 
@@ -310,6 +337,8 @@ class FusedDecode:
                 layer.pairs,
                 layer.norms_rotated,
             )
+            if layer.experts is not None:
+                hidden = layer.experts(hidden)
         return hidden
 
     def describe(self) -> str:
@@ -326,6 +355,8 @@ def choose(layers: Sequence[FusibleLayer], rotary_kinds: Collection[str] = ()) -
         reason = next((r for r in reasons if r), "no layers")
         return FusedDecode(DecodeRoute.OPS, reason=reason)
     fused = tuple(layer_weights(layer, rotary_kinds) for layer in layers)
+    if any(layer.experts is not None for layer in fused):
+        return FusedDecode.of(DecodeRoute.LAYERS, fused, reason=EXPERTS_BETWEEN)
     first = fused[0]
     shape = (first.heads, first.eps, first.scale)
     if all((f.heads, f.eps, f.scale) == shape for f in fused):

@@ -9,7 +9,9 @@
 // weights   input norm [hidden], q/k/v panels, output panels, post-attention norm [hidden],
 //           gate/up panels, down panels (panels as `panel_linear` takes them; gate/up may be
 //           gated bf16 panels as `gated_linear` takes them); both norms empty ([0]): the rows
-//           go to q/k/v and to gate/up as they are (OLMo 2's layer)
+//           go to q/k/v and to gate/up as they are (OLMo 2's layer); gate/up and down both
+//           empty: the layer's MLP is not this op's (a mixture of experts, run by the caller),
+//           which returns the rows after the attention's residual add (`decode_layer` only)
 // biases    the four projections' padded biases, in that order, each optional
 // heads     [query heads, kv heads, head dim]
 // cos, sin  [rows, 1, rotary dim] fp32 (a rotary dim short of the head dim: a partial rotary)
@@ -54,6 +56,9 @@
 namespace conveyor {
 namespace {
 
+// Whether the layer's MLP is this op's: its gate/up and down weights are given.
+bool has_mlp(at::TensorList weights) { return weights[kGateUp].numel() > 0; }
+
 // One layer's weights, cache and form, for rows of `width`.
 void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tensor>>& biases,
                  at::IntArrayRef heads, const at::Tensor& key, const at::Tensor& value,
@@ -68,6 +73,8 @@ void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tenso
               "or [(heads + kv_heads) * head_dim]");
   TORCH_CHECK(pre_normed(weights) == (weights[kPostNorm].numel() > 0),
               "decode_layer: the input and the post-attention norm come together");
+  TORCH_CHECK((weights[kGateUp].numel() == 0) == (weights[kDown].numel() == 0),
+              "decode_layer: gate/up and down come together (both empty: no MLP)");
   // The norms of the attention's and the MLP's outputs: both or neither, each fp32 [hidden] as
   // the layer's own norms.
   TORCH_CHECK(given(form.attn_out_norm) == given(form.mlp_out_norm),
@@ -140,7 +147,6 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   const int64_t num_heads = heads[0], kv_heads = heads[1], dim = heads[2];
   const int64_t qk_heads = num_heads + kv_heads, kv_size = kv_heads * dim;
   const int64_t qkv_size = (qk_heads + kv_heads) * dim;
-  const int64_t inter = panel_in_features(weights[kDown]);
 
   at::Tensor x = normed_rows(hidden, weights[kInputNorm], eps, weights[kQkv]);
   at::Tensor qkv = panel_linear(x, weights[kQkv], biases.get(kQkvBias), qkv_size);
@@ -157,7 +163,9 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
   const at::Tensor residual =
       add_output(attended.view({rows, num_heads * dim}), weights[kOut], biases.get(kOutBias), width,
                  hidden, form.attn_out_norm, eps, form.residual_scale);
+  if (!has_mlp(weights)) return residual;
 
+  const int64_t inter = panel_in_features(weights[kDown]);
   x = normed_rows(residual, weights[kPostNorm], eps, weights[kGateUp]);
   const at::Tensor activated =
       gated(x, weights[kGateUp], biases.get(kGateUpBias), inter, weights[kDown], form.gelu);
@@ -224,6 +232,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
     check_layer(weights.slice(i * kWeights, kWeights), layer_biases[i], heads, keys[i], values[i],
                 forms[i], hidden.size(-1));
     TORCH_CHECK(keys[i].sizes() == keys[0].sizes(), "decode_layers: caches of one size");
+    TORCH_CHECK(has_mlp(weights.slice(i * kWeights, kWeights)),
+                "decode_layers: every layer's MLP is the op's");
   }
   // A layer keeps the hidden size, so the rows and slots are checked once for all.
   check_step(hidden, slots, keys[0]);

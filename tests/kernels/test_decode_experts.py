@@ -1,0 +1,164 @@
+"""Layers of experts in the fused CPU decode: each layer's attention as one op
+(`decode_layer` with no MLP weights, stopping after the attention's residual add), its norm,
+router and experts between the ops as the layer runs them. A decode step equals the layers op by
+op to the bit, and greedy tokens equal transformers'."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import pytest
+import torch
+
+from engine.core.sampling_params import SamplingParams
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.fused_decode import EXPERTS_BETWEEN, DecodeRoute
+from engine.models import build_causal_lm
+from engine.models.experts import unfuse_experts
+from engine.models.llama import PagedLlamaForCausalLM
+from tests.helpers import (
+    needs_bf16_panels,
+    needs_panels,
+    reference_greedy,
+    run_all,
+    tiny_core,
+    tokens_of,
+)
+from tests.kernels.test_decode_layer import PROMPTS, calls, decode_step, op_inputs, packed
+from tests.models.test_moe import DENSE_LAYERS, build
+
+pytestmark = needs_panels
+__all__ = ["calls"]  # the fixture, for this module's tests
+
+BF16 = pytest.param("bf16", marks=needs_bf16_panels)
+# Families whose layers of experts decode through the fused layer: softmax routers (Mixtral's,
+# Qwen's, OLMoE's with its q/k norms over all heads, Hunyuan's beside its MLP every token runs,
+# its q/k norms after the rotary), routers with a bias (GLM-4.5's, dots.llm1's, EXAONE MoE's with
+# windows, Solar Open's, ERNIE 4.5's with its paired rotary, MiniMax M2's), dense layers between.
+FUSED_MOE = [
+    "mixtral",
+    "qwen2-moe",
+    "qwen3-moe",
+    "glm4-moe",
+    "dots1",
+    "exaone-moe",
+    "solar-open",
+    "ernie4.5-moe",
+    "minimax-m2",
+    "hunyuan-moe",
+    "olmoe",
+]
+
+
+def tiny_moe(family: str):
+    """The family's tiny model (OLMoE's without its clamp of q, k and v)."""
+    return build(family, **({"clip_qkv": None} if family == "olmoe" else {}))
+
+
+def in_panels(model, weights: str = "fp32"):
+    """`model` as Conveyor serves it on this CPU: each expert a layer of its own, every
+    projection in fp32, fp16 or bf16 panels."""
+    unfuse_experts(model)
+    return packed(model, weights)
+
+
+def moe_model(family: str, weights: str = "fp32"):
+    return in_panels(tiny_moe(family), weights)
+
+
+@pytest.mark.parametrize("family", FUSED_MOE)
+@pytest.mark.parametrize("weights", ["fp32", BF16])  # bf16: the experts in one op
+def test_a_fused_step_with_experts_equals_the_layers_op_by_op(
+    family: str, weights: str, calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = moe_model(family, weights)
+    paged = build_causal_lm(model)
+    assert isinstance(paged, PagedLlamaForCausalLM)
+    route = paged.fused_decode
+    assert (route.route, route.reason) == (DecodeRoute.LAYERS, EXPERTS_BETWEEN)
+    dense = DENSE_LAYERS.get(family, set())
+    assert [f.experts is None for f in route.layers] == [i in dense for i in range(3)]
+    experts = [layer.moe.experts for layer in paged.layers if layer.moe is not None]
+    assert all(e.grouped == (weights == "bf16") for e in experts)
+    fused_logits, fused_cache = decode_step(model, True, monkeypatch, "float32")
+    assert calls == [len(PROMPTS)] * (3 * 3)  # 3 layers, fused on all but the prefill step
+    calls.clear()
+    plain_logits, plain_cache = decode_step(model, False, monkeypatch, "float32")
+    assert calls == [len(PROMPTS)] * (2 * 3)
+    assert torch.equal(fused_logits, plain_logits)
+    assert torch.equal(fused_cache, plain_cache)
+    assert fused_cache.abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "glm4-moe"])
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e5m2"])
+def test_experts_layers_write_a_16_or_8_bit_cache_as_op_by_op(
+    family: str, kv: str, calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = moe_model(family)
+    fused_logits, fused_cache = decode_step(model, True, monkeypatch, kv)
+    plain_logits, plain_cache = decode_step(model, False, monkeypatch, kv)
+    assert calls and torch.equal(fused_logits, plain_logits)
+    assert torch.equal(fused_cache, plain_cache)
+
+
+@pytest.mark.parametrize(
+    ("family", "weights"),
+    [(family, "fp32") for family in FUSED_MOE] + [("mixtral", "fp16"), ("glm4-moe", "fp16")],
+)
+def test_greedy_through_fused_experts_layers_equals_generate(
+    family: str, weights: str, calls: list[int]
+) -> None:
+    """The oracle: transformers over the same (for fp16 panels, fp16-rounded) weights."""
+    model = tiny_moe(family)
+    if weights == "fp16":
+        model = model.half().float()
+    expected = [reference_greedy(model, p, 10, attention="eager") for p in PROMPTS]
+    core, _ = tiny_core(in_panels(model, weights), attention_backend="cpu")
+    assert core.runner.model.fused_decode.route is DecodeRoute.LAYERS
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = run_all(core, PROMPTS, params)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+    assert len(calls) >= 2 * 3 and max(calls) == len(PROMPTS)
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "reason"),
+    [
+        ("granite-moe", {}, "a mixture-of-experts block of its own after the attention"),
+        ("olmoe", {}, "q, k and v made otherwise than the Llama layer makes them"),
+    ],
+)
+def test_experts_layers_of_their_own_keep_the_stack_op_by_op(
+    family: str, changes: dict[str, object], reason: str
+) -> None:
+    """Granite's scaled residual adds around its experts are its own `after_attention`; OLMoE's
+    clamp of q, k and v (`clip_qkv`) its own `project_qkv`."""
+    paged = build_causal_lm(in_panels(build(family, **changes)))
+    assert isinstance(paged, PagedLlamaForCausalLM)
+    assert paged.fused_decode.describe() == f"op by op ({reason})"
+
+
+def test_the_op_without_mlp_weights_stops_after_the_attention() -> None:
+    """No gate/up and down: the rows after the attention's residual add, which the whole layer
+    continues from (its MLP added to them); one of the two alone, or a stack with such a
+    layer, is refused."""
+    args = op_inputs()
+    weights = cast(list[torch.Tensor], args["weights"])
+    whole = cpu_ops.decode_layer(**args)  # type: ignore[arg-type]
+    key = cast(torch.Tensor, args["key_cache"]).clone()
+    no_mlp = [*weights[:4], torch.empty(0), torch.empty(0)]
+    attended = cpu_ops.decode_layer(**(args | {"weights": no_mlp}))  # type: ignore[arg-type]
+    assert torch.equal(cast(torch.Tensor, args["key_cache"]), key)  # the same K/V again
+    assert not torch.equal(attended, whole)
+    normed = cpu_ops.rms_norm(attended, weights[3], 1e-6)
+    gate_up = cpu_ops.panel_linear(normed, weights[4], None, 96)
+    mlp = cpu_ops.panel_linear(cpu_ops.silu_mul(gate_up), weights[5], None, 32)
+    assert torch.equal(attended + mlp, whole)
+    with pytest.raises(RuntimeError, match="gate/up and down come together"):
+        cpu_ops.decode_layer(**(args | {"weights": [*weights[:5], torch.empty(0)]}))  # type: ignore[arg-type]
+    stack = {k: v for k, v in args.items() if k not in ("key_cache", "value_cache")}
+    with pytest.raises(RuntimeError, match="every layer's MLP is the op's"):
+        cpu_ops.decode_layers(
+            **stack | {"weights": no_mlp, "key_caches": [key], "value_caches": [key.clone()]}  # type: ignore[arg-type]
+        )
