@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionMetadata, DecodeStep, LayerAttention
+from engine.attention.backend import AttentionMetadata, DecodeStep, LayerAttention, window_of
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
 from engine.attention.torch_paged import TorchPagedMetadata, _to
 from engine.kernels.cpu import ops as cpu_ops
@@ -89,12 +89,16 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         features: LayerAttention | None = None,
     ) -> None:
         """Prefill chunks in one kernel call over K/V already stored, read in place: fresh
-        prompts and chunks after cached tokens alike, written straight into `out`. Shapes the
-        kernel does not take (head dims not a multiple of 16, a 16-bit model), windowed layers
-        and chunks whose image tokens see past themselves keep the torch path."""
+        prompts and chunks after cached tokens alike, windowed layers too, written straight
+        into `out`. Shapes the kernel does not take (head dims not a multiple of 16, a 16-bit
+        model), capped scores and sinks, and chunks whose image tokens see past themselves keep
+        the torch path."""
         assert isinstance(metadata, InPlaceMetadata)
         rows, cache = metadata.prefill_rows, metadata.kv_cache
-        if rows is None or features is not None or not _kernel_takes(query, cache):
+        beyond_window = features is not None and (
+            features.softcap is not None or features.sinks is not None
+        )
+        if rows is None or beyond_window or not _kernel_takes(query, cache):
             super()._prefill_rows(layer, query, key, value, scale, metadata, out, features)
             return
         bf16 = self.bf16_prompts and cache.spec.dtype == torch.bfloat16
@@ -109,8 +113,11 @@ class CpuPagedAttention(InPlaceDecodeAttention):
             rows.table,
             scale,
             bf16,
+            window_of(features),
         )
-        self._prefill_spans(layer, query, key, value, scale, metadata, out, limited_only=True)
+        self._prefill_spans(
+            layer, query, key, value, scale, metadata, out, features, limited_only=True
+        )
 
     @staticmethod
     def _store(

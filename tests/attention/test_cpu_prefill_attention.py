@@ -91,6 +91,53 @@ def test_a_long_prompt_over_many_key_tiles():
     check(query, key_cache, value_cache, blocks, 0)
 
 
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("window", [1, 7, 64, 100, 1000])
+@pytest.mark.parametrize(("context", "tokens"), [(0, 150), (130, 70), (3, 17)])
+def test_a_window_matches_the_reference(block_size, window, context, tokens):
+    """Each token sees its last `window` positions: windows inside one tile of 64 keys, on one,
+    across several and past the whole sequence, after a cached prefix or none, with tiles of
+    keys before every token's window skipped."""
+    query, key_cache, value_cache, blocks = random_sequence(
+        torch.float32, 9, 3, 64, block_size, context, tokens, seed=window
+    )
+    out = cpu_ops.paged_prefill(
+        query, key_cache, value_cache, blocks, context, 0.125, window=window
+    )
+    expected = reference_prefill(query, key_cache, value_cache, blocks, context, 0.125, window)
+    torch.testing.assert_close(out, expected, atol=CACHE_TOLERANCE, rtol=CACHE_TOLERANCE)
+    if window >= context + tokens:  # the window holds everything: as no window, to the bit
+        whole = cpu_ops.paged_prefill(query, key_cache, value_cache, blocks, context, 0.125)
+        assert torch.equal(out, whole)
+
+
+@needs_bf16
+@pytest.mark.parametrize("window", [1, 5, 64, 90])
+def test_a_window_in_bf16_products_matches_the_reference(window):
+    """The masked keys before a row's window, at any lane of an 8-key group, weigh nothing."""
+    query, key_cache, value_cache, blocks = random_sequence(
+        torch.bfloat16, 9, 3, 64, 16, 40, 150, seed=window
+    )
+    out = cpu_ops.paged_prefill(
+        query, key_cache, value_cache, blocks, 40, 0.125, bf16=True, window=window
+    )
+    expected = reference_prefill(
+        query.bfloat16().float(), key_cache, value_cache, blocks, 40, 0.125, window
+    )
+    torch.testing.assert_close(out, expected, atol=BF16_TOLERANCE, rtol=BF16_TOLERANCE)
+    if window == 1:  # each row is its own value, exactly
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+def test_a_windowed_chunk_equals_the_same_rows_of_the_whole_prompt():
+    query, key_cache, value_cache, blocks = random_sequence(torch.float32, 9, 3, 64, 16, 0, 300)
+    whole = cpu_ops.paged_prefill(query, key_cache, value_cache, blocks, 0, 0.125, window=70)
+    tail = cpu_ops.paged_prefill(query[200:], key_cache, value_cache, blocks, 200, 0.125, window=70)
+    torch.testing.assert_close(tail, whole[200:], atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="window must not be negative"):
+        cpu_ops.paged_prefill(query, key_cache, value_cache, blocks, 0, 0.125, window=-1)
+
+
 def test_a_chunk_equals_the_same_rows_of_the_whole_prompt():
     """A prompt run in one call and its tail run after the head is cached give the same rows to
     the bit: a row's keys and the order of its sums do not depend on how tokens are tiled."""
@@ -254,15 +301,18 @@ F32, BF16 = torch.float32, torch.bfloat16
         pytest.param(32, F32, BF16, BF16, [True], marks=needs_bf16),  # bf16 weights, fp32 rows
     ],
 )
+@pytest.mark.parametrize("window", [0, 3])
 def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
-    monkeypatch, dim, query_dtype, cache_dtype, model_dtype, kernel_calls
+    monkeypatch, dim, query_dtype, cache_dtype, model_dtype, kernel_calls, window
 ):
     """A fresh prompt and a chunk after cached tokens go to the kernel in one call, beside a
-    decode row, in bf16 products for a bf16 model over a bf16 cache; head dims it does not take
-    and 16-bit activations keep the torch path. All give the gathered reference."""
+    decode row, in bf16 products for a bf16 model over a bf16 cache, a windowed layer's with its
+    window; head dims it does not take and 16-bit activations keep the torch path. All give the
+    gathered reference."""
     import numpy as np
 
     from engine.attention import get_backend
+    from engine.attention.backend import LayerAttention
     from engine.kv.kv_cache import KVCache, KVCacheSpec
     from engine.worker.input_batch import InputBatch
 
@@ -271,7 +321,7 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
     monkeypatch.setattr(
         cpu_ops,
         "paged_prefill_rows",
-        lambda *args: calls.append(args[6:8] + args[9:]) or original(*args),
+        lambda *args: calls.append(args[6:8] + args[9:]) or original(*args),  # bf16, window
     )
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=dim, dtype=cache_dtype, block_size=4)
     cache = KVCache(spec, num_blocks=20, device=torch.device("cpu"))
@@ -304,14 +354,17 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
     q = torch.randn(13, 4, dim, dtype=query_dtype)
     new_k = torch.cat([k_all[0], k_all[1][6:], k_all[2][9:]])
     new_v = torch.cat([v_all[0], v_all[1][6:], v_all[2][9:]])
-    out = backend.forward(0, q, new_k, new_v, 0.25, backend.build_metadata(batch, cache))
-    assert [(c.tolist(), t.shape[1], bf16) for c, t, bf16 in calls] == [
-        ([0, 6], 4, bf16) for bf16 in kernel_calls
+    metadata = backend.build_metadata(batch, cache)
+    out = backend.forward(0, q, new_k, new_v, 0.25, metadata, LayerAttention.of(window))
+    assert [(c.tolist(), t.shape[1], bf16, w) for c, t, bf16, w in calls] == [
+        ([0, 6], 4, bf16, window) for bf16 in kernel_calls
     ]
     for row, start in enumerate([0, 5, 12]):
         n, context = queries[row], contexts[row]
         blocks = torch.tensor(tables[row])
         rows = q[start : start + n].to(cache_dtype if kernel_calls == [True] else F32).float()
-        expected = reference_prefill(rows, cache.key(0), cache.value(0), blocks, context, 0.25)
+        expected = reference_prefill(
+            rows, cache.key(0), cache.value(0), blocks, context, 0.25, window
+        )
         tol = 2e-2 if query_dtype == BF16 or kernel_calls == [True] else 1e-5
         torch.testing.assert_close(out[start : start + n].float(), expected, atol=tol, rtol=tol)

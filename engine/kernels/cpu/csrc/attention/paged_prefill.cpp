@@ -9,7 +9,10 @@
 // `paged_prefill` takes one sequence (blocks [n] int64, its block ids covering context + tokens
 // positions) and returns [tokens, heads, head_dim] fp32; `paged_prefill_rows` takes a step's
 // sequences, each a run of query rows (starts, lens, contexts [n] int64, table [n, width] int64),
-// and writes their rows of out [tokens, heads, head_dim] fp32.
+// and writes their rows of out [tokens, heads, head_dim] fp32. With a `window` (sliding-window
+// layers), the token at position pos sees keys [pos - window + 1, pos] only: tiles of keys
+// before an item's first token's window are skipped, and each row's keys before its own are
+// masked as the keys after it are.
 //
 // Flash-style, in fp32, every sequence of the call in one parallel region. First, every tile of
 // 64 keys of every kv head of every sequence is widened once, K transposed to [head_dim][64] and
@@ -67,8 +70,15 @@ struct Problem {
   const int64_t* blocks;
   float scale;
   float* out;
+  int64_t window;  // a sliding window (0: none)
 
   int64_t token_tile() const { return std::max<int64_t>(1, kItemRows / group); }
+  // The first key the token at sequence position pos sees.
+  int64_t first_key(int64_t pos) const {
+    return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  }
+  // The first tile of keys any of the tokens from token t0 on sees, as its first key.
+  int64_t first_tile_key(int64_t t0) const { return first_key(context + t0) / kKeys * kKeys; }
   // Where the row of kv head g at sequence position pos starts in one layer's cache.
   int64_t row_offset(int64_t pos, int64_t g) const {
     return (blocks[pos / block_size] * block_size + pos % block_size) * kv_heads * dim + g * dim;
@@ -231,16 +241,17 @@ float raise_max(const float* s, int64_t seen, float* acc, int64_t dim, float& ma
   return top;
 }
 
-// Row r's scores for a tile with `seen` keys visible (the rest masked) become its softmax
+// Row r's scores for a tile with keys [from, seen) visible (the rest masked) become its softmax
 // weights under the running max.
-void online_softmax(float* s, int64_t n, int64_t seen, float* acc, int64_t dim, float& max,
-                    float& sum) {
-  if (seen <= 0) {
+void online_softmax(float* s, int64_t n, int64_t from, int64_t seen, float* acc, int64_t dim,
+                    float& max, float& sum) {
+  if (seen <= from) {
     std::fill(s, s + n, 0.f);
     return;
   }
-  const float top = raise_max(s, seen, acc, dim, max, sum);
-  sum += conveyor::exp_shifted_sum(s, seen, top);
+  const float top = raise_max(s + from, seen - from, acc, dim, max, sum);
+  sum += conveyor::exp_shifted_sum(s + from, seen - from, top);
+  std::fill(s, s + from, 0.f);
   std::fill(s + seen, s + n, 0.f);
 }
 
@@ -252,16 +263,23 @@ float* out_row(const Problem& p, int64_t g, int64_t t0, int64_t r) {
   return p.out + ((t0 + r / p.group) * p.heads + g * p.group + r % p.group) * p.dim;
 }
 
-// How many of the n keys from k0 row r of an item from token t0 sees (none, some or all).
-int64_t seen_keys(const Problem& p, int64_t t0, int64_t r, int64_t k0, int64_t n) {
-  return std::min(n, p.context + t0 + r / p.group + 1 - k0);
+// The keys of the n from k0 that row r of an item from token t0 sees: [from, seen) of them
+// (seen <= from: none).
+struct Seen {
+  int64_t from, seen;
+};
+Seen seen_keys(const Problem& p, int64_t t0, int64_t r, int64_t k0, int64_t n) {
+  const int64_t pos = p.context + t0 + r / p.group;
+  return {std::clamp<int64_t>(p.first_key(pos) - k0, 0, n), std::min(n, pos + 1 - k0)};
 }
 
 // Each row's scores for the tile of keys from k0 become its softmax weights.
 void softmax_rows(const Problem& p, int64_t t0, int64_t rows, int64_t k0, int64_t n, Workspace& w) {
-  for (int64_t r = 0; r < rows; ++r)
-    online_softmax(w.scores.data() + r * kKeys, n, seen_keys(p, t0, r, k0, n),
-                   w.acc.data() + r * p.dim, p.dim, w.max[r], w.sum[r]);
+  for (int64_t r = 0; r < rows; ++r) {
+    const Seen seen = seen_keys(p, t0, r, k0, n);
+    online_softmax(w.scores.data() + r * kKeys, n, seen.from, seen.seen, w.acc.data() + r * p.dim,
+                   p.dim, w.max[r], w.sum[r]);
+  }
 }
 
 // The item's rows, their sums of weighted values divided by the sums of their weights.
@@ -283,7 +301,7 @@ void attend_item(const Problem& p, const Tiles& tiles, int64_t g, int64_t t0, in
   }
   w.reset(rows, dim);
   const int64_t keys = p.context + t1;  // the last token sees this many
-  for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
+  for (int64_t k0 = p.first_tile_key(t0); k0 < keys; k0 += kKeys) {
     const int64_t n = std::min(kKeys, keys - k0);
     const int64_t padded = (n + kCols - 1) / kCols * kCols;
     const float* kt = tiles.key(g, k0 / kKeys);
@@ -324,20 +342,26 @@ void pack_tile(const Problem& p, const c10::BFloat16* key, const c10::BFloat16* 
   }
 }
 
-// online_softmax for bf16 products: the weights of a row's `seen` visible keys summed in fp32
-// and, in the same pass, rounded to bf16 into w16[0, n rounded up to 8), masked keys zero.
-void online_softmax_bf16(const float* s, int64_t n, int64_t seen, uint16_t* w16, float* acc,
-                         int64_t dim, float& max, float& sum) {
+// Lanes [i, i + 8) of a row's tile that fall in its visible keys [from, seen), as a mask.
+inline __mmask8 visible_lanes(int64_t i, int64_t from, int64_t seen) {
+  const int64_t left = std::clamp<int64_t>(seen - i, 0, 8),
+                masked = std::clamp<int64_t>(from - i, 0, 8);
+  return static_cast<__mmask8>(((1u << left) - 1) & ~((1u << masked) - 1));
+}
+
+// online_softmax for bf16 products: the weights of a row's visible keys [from, seen) summed in
+// fp32 and, in the same pass, rounded to bf16 into w16[0, n rounded up to 8), masked keys zero.
+void online_softmax_bf16(const float* s, int64_t n, int64_t from, int64_t seen, uint16_t* w16,
+                         float* acc, int64_t dim, float& max, float& sum) {
   const int64_t end = (n + 7) / 8 * 8;  // within the row's kKeys scores
-  if (seen <= 0) {
+  if (seen <= from) {
     std::fill(w16, w16 + end, uint16_t{0});
     return;
   }
-  const __m256 top = _mm256_set1_ps(raise_max(s, seen, acc, dim, max, sum));
+  const __m256 top = _mm256_set1_ps(raise_max(s + from, seen - from, acc, dim, max, sum));
   __m256 sums = _mm256_setzero_ps();
   for (int64_t i = 0; i < end; i += 8) {
-    const int64_t left = std::max<int64_t>(0, seen - i);
-    const __mmask8 visible = left >= 8 ? 0xFF : static_cast<__mmask8>((1u << left) - 1);
+    const __mmask8 visible = visible_lanes(i, from, seen);
     const __m256 e = _mm256_maskz_mov_ps(
         visible, conveyor::exp8_clamped(_mm256_sub_ps(_mm256_loadu_ps(s + i), top)));
     sums = _mm256_add_ps(sums, e);
@@ -355,16 +379,18 @@ void attend_item_bf16(const Problem& p, const Tiles& tiles, int64_t g, int64_t t
     conveyor::round_to_bf16(query_row(p, g, t0, r), dim, w.q16.data() + r * dim);
   w.reset(rows, dim);
   const int64_t keys = p.context + t1;
-  for (int64_t k0 = 0; k0 < keys; k0 += kKeys) {
+  for (int64_t k0 = p.first_tile_key(t0); k0 < keys; k0 += kKeys) {
     const int64_t n = std::min(kKeys, keys - k0);
     const int64_t padded = (n + kCols - 1) / kCols * kCols;
     const auto* kt = reinterpret_cast<const uint32_t*>(tiles.key(g, k0 / kKeys));
     conveyor::bf16_pair_product<false>(w.q16.data(), dim, kt, kKeys, dim / 2, p.scale,
                                        w.scores.data(), kKeys, rows, padded);
-    for (int64_t r = 0; r < rows; ++r)
-      online_softmax_bf16(w.scores.data() + r * kKeys, n, seen_keys(p, t0, r, k0, n),
+    for (int64_t r = 0; r < rows; ++r) {
+      const Seen seen = seen_keys(p, t0, r, k0, n);
+      online_softmax_bf16(w.scores.data() + r * kKeys, n, seen.from, seen.seen,
                           w.p16.data() + r * kKeys, w.acc.data() + r * dim, dim, w.max[r],
                           w.sum[r]);
+    }
     const auto* vt = reinterpret_cast<const uint32_t*>(tiles.value(g, k0 / kKeys));
     conveyor::bf16_pair_product<true>(w.p16.data(), kKeys, vt, dim, (n + 1) / 2, 1.f, w.acc.data(),
                                       dim, rows, dim);
@@ -419,8 +445,10 @@ struct KeyTiles {
       const Problem& p = ps[seq];
       of.push_back(Tiles{next, count(p), p.dim});
       next += p.kv_heads * count(p) * 2 * kKeys * p.dim;
+      // Tiles before the first token's window are never read.
       for (int64_t g = 0; g < p.kv_heads; ++g)
-        for (int64_t t = 0; t < count(p); ++t) loads.push_back(Work{seq, g, t * kKeys});
+        for (int64_t t = p.first_tile_key(0) / kKeys; t < count(p); ++t)
+          loads.push_back(Work{seq, g, t * kKeys});
     }
   }
 
@@ -526,8 +554,10 @@ at::ScalarType check_shapes(const at::Tensor& query, const at::Tensor& key, cons
 // One sequence's query rows [start, start + tokens) after `context` cached tokens, its block ids
 // checked to cover it inside the cache; its output rows at out (row `start` first).
 Problem sequence(const at::Tensor& query, const at::Tensor& key, int64_t start, int64_t tokens,
-                 int64_t context, const int64_t* blocks, int64_t width, double scale, float* out) {
+                 int64_t context, const int64_t* blocks, int64_t width, double scale, float* out,
+                 int64_t window) {
   TORCH_CHECK(context >= 0, "paged_prefill: context must not be negative");
+  TORCH_CHECK(window >= 0, "paged_prefill: the window must not be negative");
   const int64_t heads = query.size(1), kv_heads = key.size(2), dim = query.size(2);
   const int64_t block_size = key.size(1);
   const int64_t used = (context + tokens + block_size - 1) / block_size;
@@ -545,14 +575,16 @@ Problem sequence(const at::Tensor& query, const at::Tensor& key, int64_t start, 
                  context,
                  blocks,
                  static_cast<float>(scale),
-                 out};
+                 out,
+                 window};
 }
 #endif
 
 }  // namespace
 
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                         const at::Tensor& blocks, int64_t context, double scale, bool bf16) {
+                         const at::Tensor& blocks, int64_t context, double scale, bool bf16,
+                         int64_t window) {
 #ifndef CONVEYOR_PREFILL_SIMD
   TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
 #else
@@ -561,7 +593,7 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const a
   TORCH_CHECK(ids.dim() == 1, "paged_prefill: blocks must be 1-d");
   at::Tensor out = at::empty(query.sizes(), query.options());
   const Problem p = sequence(query, key, 0, query.size(0), context, ids.data_ptr<int64_t>(),
-                             ids.size(0), scale, out.data_ptr<float>());
+                             ids.size(0), scale, out.data_ptr<float>(), window);
   if (query.size(0) > 0) run_cache(cache, bf16, std::vector<Problem>{p}, key, value);
   return out;
 #endif
@@ -570,7 +602,7 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const a
 void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                         at::Tensor& out, const at::Tensor& starts, const at::Tensor& lens,
                         const at::Tensor& contexts, const at::Tensor& table, double scale,
-                        bool bf16) {
+                        bool bf16, int64_t window) {
 #ifndef CONVEYOR_PREFILL_SIMD
   TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
 #else
@@ -598,7 +630,7 @@ void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at
     end = start[i] + len[i];
     ps.push_back(sequence(query, key, start[i], len[i], context[i],
                           table.data_ptr<int64_t>() + i * width, width, scale,
-                          out.data_ptr<float>() + start[i] * row));
+                          out.data_ptr<float>() + start[i] * row, window));
   }
   if (!ps.empty()) run_cache(cache, bf16, ps, key, value);
 #endif
@@ -609,11 +641,11 @@ void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "paged_prefill(Tensor query, Tensor key, Tensor value, Tensor blocks, int context, "
-      "float scale, bool bf16=False) -> Tensor");
+      "float scale, bool bf16=False, int window=0) -> Tensor");
   m.def(
       "paged_prefill_rows(Tensor query, Tensor key, Tensor value, Tensor(a!) out, "
       "Tensor starts, Tensor lens, Tensor contexts, Tensor table, float scale, "
-      "bool bf16=False) -> ()");
+      "bool bf16=False, int window=0) -> ()");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("paged_prefill", &conveyor::paged_prefill);
