@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.backend import AttentionMetadata, DecodeStep, LayerAttention, window_of
+from engine.attention.backend import (
+    AttentionMetadata,
+    DecodeStep,
+    LayerAttention,
+    softcap_of,
+    window_of,
+)
 from engine.attention.in_place import InPlaceDecodeAttention, InPlaceMetadata
 from engine.attention.torch_paged import TorchPagedMetadata, _to
 from engine.kernels.cpu import ops as cpu_ops
@@ -51,9 +57,8 @@ class CpuPagedAttention(InPlaceDecodeAttention):
 
     @classmethod
     def takes(cls, features: LayerAttention) -> bool:
-        """All of them: its decode kernel starts each row at its window, caps the scores and
-        adds the sinks to each softmax; prompt chunks of such layers attend through the torch
-        path, which computes them too."""
+        """All of them: its decode and prompt kernels start each row at its window, cap the
+        scores and add the sinks to each softmax."""
         return True
 
     def _prefill_work(self, batch: InputBatch, rows: np.ndarray, kv_cache: KVCache) -> PrefillRows:
@@ -89,16 +94,13 @@ class CpuPagedAttention(InPlaceDecodeAttention):
         features: LayerAttention | None = None,
     ) -> None:
         """Prefill chunks in one kernel call over K/V already stored, read in place: fresh
-        prompts and chunks after cached tokens alike, windowed layers too, written straight
-        into `out`. Shapes the kernel does not take (head dims not a multiple of 16, a 16-bit
-        model), capped scores and sinks, and chunks whose image tokens see past themselves keep
+        prompts and chunks after cached tokens alike, with the layer's window, score cap and
+        sinks, written straight into `out`. Shapes the kernel does not take (head dims not a
+        multiple of 16, a 16-bit model) and chunks whose image tokens see past themselves keep
         the torch path."""
         assert isinstance(metadata, InPlaceMetadata)
         rows, cache = metadata.prefill_rows, metadata.kv_cache
-        beyond_window = features is not None and (
-            features.softcap is not None or features.sinks is not None
-        )
-        if rows is None or beyond_window or not _kernel_takes(query, cache):
+        if rows is None or not _kernel_takes(query, cache):
             super()._prefill_rows(layer, query, key, value, scale, metadata, out, features)
             return
         bf16 = self.bf16_prompts and cache.spec.dtype == torch.bfloat16
@@ -114,6 +116,8 @@ class CpuPagedAttention(InPlaceDecodeAttention):
             scale,
             bf16,
             window_of(features),
+            softcap_of(features),
+            features.sinks if features is not None else None,
         )
         self._prefill_spans(
             layer, query, key, value, scale, metadata, out, features, limited_only=True

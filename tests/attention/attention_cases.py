@@ -59,10 +59,12 @@ def random_case(dtype, heads, kv_heads, dim, block_size, lens, seed=0):
     return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int64)
 
 
-def reference_prefill(query, key_cache, value_cache, blocks, context, scale, window=0, sinks=None):
+def reference_prefill(
+    query, key_cache, value_cache, blocks, context, scale, window=0, sinks=None, softcap=0.0
+):
     """Query token i at position context + i over the sequence's K/V gathered token by token,
     causally (its last `window` positions only, where given), with softmax attention in fp32
-    (each head's `sinks` logit in its softmax, where given)."""
+    (each head's `sinks` logit in its softmax, the scores capped at `softcap`, where given)."""
     tokens, heads, _ = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     positions = range(context + tokens)
@@ -77,6 +79,8 @@ def reference_prefill(query, key_cache, value_cache, blocks, context, scale, win
         .repeat_interleave(heads // kv_heads, dim=1)
     )
     scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     key = torch.arange(context + tokens)[None, :]
     position = (context + torch.arange(tokens))[:, None]
     seen = key <= position

@@ -129,6 +129,35 @@ def test_a_window_in_bf16_products_matches_the_reference(window):
         torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=needs_bf16)])
+@pytest.mark.parametrize(
+    ("window", "softcap", "sunk"), [(0, 5.0, False), (0, 0.0, True), (40, 2.0, True)]
+)
+def test_capped_scores_and_sinks_match_the_reference(bf16, window, softcap, sunk):
+    """Gemma 2's capped scores (a cap of 2 changes every row) and gpt-oss's sinks (a logit per
+    head, some large, joining each softmax with no value), alone and beside a window."""
+    query, key_cache, value_cache, blocks = random_sequence(
+        torch.bfloat16, 8, 2, 64, 16, 30, 120, seed=7
+    )
+    query = query * 4  # scores past the cap
+    sinks = torch.tensor([-2.0, 0.0, 1.0, 3.0, 8.0, -1.0, 0.5, 2.0]) if sunk else None
+    out = cpu_ops.paged_prefill(
+        query, key_cache, value_cache, blocks, 30, 0.125, bf16, window, softcap, sinks
+    )
+    rows = query.bfloat16().float() if bf16 else query
+    expected = reference_prefill(
+        rows, key_cache, value_cache, blocks, 30, 0.125, window, sinks, softcap
+    )
+    tolerance = BF16_TOLERANCE if bf16 else CACHE_TOLERANCE
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+    plain = reference_prefill(rows, key_cache, value_cache, blocks, 30, 0.125, window)
+    assert not torch.allclose(out, plain, atol=0.05, rtol=0.05)
+    with pytest.raises(RuntimeError, match="one sink per query head"):
+        cpu_ops.paged_prefill(
+            query, key_cache, value_cache, blocks, 30, 0.125, sinks=torch.zeros(3)
+        )
+
+
 def test_a_windowed_chunk_equals_the_same_rows_of_the_whole_prompt():
     query, key_cache, value_cache, blocks = random_sequence(torch.float32, 9, 3, 64, 16, 0, 300)
     whole = cpu_ops.paged_prefill(query, key_cache, value_cache, blocks, 0, 0.125, window=70)
@@ -301,14 +330,14 @@ F32, BF16 = torch.float32, torch.bfloat16
         pytest.param(32, F32, BF16, BF16, [True], marks=needs_bf16),  # bf16 weights, fp32 rows
     ],
 )
-@pytest.mark.parametrize("window", [0, 3])
+@pytest.mark.parametrize("features", ["plain", "window", "all"])
 def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
-    monkeypatch, dim, query_dtype, cache_dtype, model_dtype, kernel_calls, window
+    monkeypatch, dim, query_dtype, cache_dtype, model_dtype, kernel_calls, features
 ):
     """A fresh prompt and a chunk after cached tokens go to the kernel in one call, beside a
-    decode row, in bf16 products for a bf16 model over a bf16 cache, a windowed layer's with its
-    window; head dims it does not take and 16-bit activations keep the torch path. All give the
-    gathered reference."""
+    decode row, in bf16 products for a bf16 model over a bf16 cache, with the layer's window,
+    score cap and sinks; head dims it does not take and 16-bit activations keep the torch path.
+    All give the gathered reference."""
     import numpy as np
 
     from engine.attention import get_backend
@@ -321,7 +350,7 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
     monkeypatch.setattr(
         cpu_ops,
         "paged_prefill_rows",
-        lambda *args: calls.append(args[6:8] + args[9:]) or original(*args),  # bf16, window
+        lambda *args: calls.append(args[6:8] + args[9:11]) or original(*args),  # bf16, window
     )
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=dim, dtype=cache_dtype, block_size=4)
     cache = KVCache(spec, num_blocks=20, device=torch.device("cpu"))
@@ -354,8 +383,12 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
     q = torch.randn(13, 4, dim, dtype=query_dtype)
     new_k = torch.cat([k_all[0], k_all[1][6:], k_all[2][9:]])
     new_v = torch.cat([v_all[0], v_all[1][6:], v_all[2][9:]])
+    window = 0 if features == "plain" else 3
+    softcap = 3.0 if features == "all" else 0.0
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0]) if features == "all" else None
     metadata = backend.build_metadata(batch, cache)
-    out = backend.forward(0, q, new_k, new_v, 0.25, metadata, LayerAttention.of(window))
+    attention = LayerAttention.of(window, softcap, sinks)
+    out = backend.forward(0, q, new_k, new_v, 0.25, metadata, attention)
     assert [(c.tolist(), t.shape[1], bf16, w) for c, t, bf16, w in calls] == [
         ([0, 6], 4, bf16, window) for bf16 in kernel_calls
     ]
@@ -364,7 +397,7 @@ def test_backend_sends_prefill_chunks_to_the_kernel_where_it_applies(
         blocks = torch.tensor(tables[row])
         rows = q[start : start + n].to(cache_dtype if kernel_calls == [True] else F32).float()
         expected = reference_prefill(
-            rows, cache.key(0), cache.value(0), blocks, context, 0.25, window
+            rows, cache.key(0), cache.value(0), blocks, context, 0.25, window, sinks, softcap
         )
         tol = 2e-2 if query_dtype == BF16 or kernel_calls == [True] else 1e-5
         torch.testing.assert_close(out[start : start + n].float(), expected, atol=tol, rtol=tol)

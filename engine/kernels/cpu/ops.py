@@ -119,17 +119,30 @@ def paged_prefill(
     scale: float,
     bf16: bool = False,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A sequence's query tokens `[tokens, heads, dim]` (fp32) attending causally over its K/V
     in the paged cache: token i sits at position `context + i`. `blocks` are the sequence's
     block ids (int64), covering `context + tokens` positions; its K/V are already stored. With
-    a `window`, a token sees only its last `window` positions, itself included.
+    a `window`, a token sees only its last `window` positions, itself included; with a
+    `softcap` the scores are capped as `softcap * tanh(score / softcap)` (Gemma 2's); with
+    `sinks` (`[heads]`, gpt-oss's) each head's logit joins its softmax with no value.
 
     The products are fp32, or with `bf16` (a bf16 cache, `bf16_prefill_available()`) bf16 dot
     products as torch's flash attention computes a bf16 model's: query rows and softmax weights
     rounded to bf16, sums and the softmax in fp32."""
     return torch.ops.conveyor.paged_prefill(
-        _heads_contiguous(query), key_cache, value_cache, blocks, context, scale, bf16, window
+        _heads_contiguous(query),
+        key_cache,
+        value_cache,
+        blocks,
+        context,
+        scale,
+        bf16,
+        window,
+        softcap,
+        sinks,
     )
 
 
@@ -145,9 +158,11 @@ def paged_prefill_rows(
     scale: float,
     bf16: bool = False,
     window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """`paged_prefill` for a step's sequences in one call (each token seeing its last `window`
-    positions only, where given): sequence i's query rows `[starts[i],
+    """`paged_prefill` for a step's sequences in one call (with its `window`, `softcap` and
+    `sinks`): sequence i's query rows `[starts[i],
     starts[i] + lens[i])` sit at positions `contexts[i]` on, over the blocks of `table[i]`;
     their attention goes to the same rows of `out` (contiguous fp32, the query's shape), other
     rows are left as they are. `starts`, `lens`, `contexts` `[n]` and `table` `[n, width]` are
@@ -164,6 +179,8 @@ def paged_prefill_rows(
         scale,
         bf16,
         window,
+        softcap,
+        sinks,
     )
 
 

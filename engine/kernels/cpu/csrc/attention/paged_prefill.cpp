@@ -12,7 +12,10 @@
 // and writes their rows of out [tokens, heads, head_dim] fp32. With a `window` (sliding-window
 // layers), the token at position pos sees keys [pos - window + 1, pos] only: tiles of keys
 // before an item's first token's window are skipped, and each row's keys before its own are
-// masked as the keys after it are.
+// masked as the keys after it are. With a `softcap` (Gemma 2) each score is capped as
+// softcap * tanh(score / softcap) before the softmax, and with `sinks` ([heads] fp32, gpt-oss)
+// each head's sink logit joins its rows' softmax denominators with no value, as `paged_decode`
+// computes both.
 //
 // Flash-style, in fp32, every sequence of the call in one parallel region. First, every tile of
 // 64 keys of every kv head of every sequence is widened once, K transposed to [head_dim][64] and
@@ -41,6 +44,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "bf16_pairs.h"
@@ -70,7 +74,9 @@ struct Problem {
   const int64_t* blocks;
   float scale;
   float* out;
-  int64_t window;  // a sliding window (0: none)
+  int64_t window;      // a sliding window (0: none)
+  float softcap;       // scores capped (0: not)
+  const float* sinks;  // [heads] logits joining each head's softmax, or null
 
   int64_t token_tile() const { return std::max<int64_t>(1, kItemRows / group); }
   // The first key the token at sequence position pos sees.
@@ -273,18 +279,33 @@ Seen seen_keys(const Problem& p, int64_t t0, int64_t r, int64_t k0, int64_t n) {
   return {std::clamp<int64_t>(p.first_key(pos) - k0, 0, n), std::min(n, pos + 1 - k0)};
 }
 
+// A row's visible scores [from, seen) capped as softcap * tanh(score / softcap), where the layer
+// caps them (Gemma 2), as the decode kernel caps them.
+void cap_scores(const Problem& p, float* s, Seen seen) {
+  if (p.softcap <= 0.f) return;
+  const float inverse = 1.f / p.softcap;
+  for (int64_t i = seen.from; i < seen.seen; ++i) s[i] = p.softcap * std::tanh(s[i] * inverse);
+}
+
 // Each row's scores for the tile of keys from k0 become its softmax weights.
 void softmax_rows(const Problem& p, int64_t t0, int64_t rows, int64_t k0, int64_t n, Workspace& w) {
   for (int64_t r = 0; r < rows; ++r) {
     const Seen seen = seen_keys(p, t0, r, k0, n);
+    cap_scores(p, w.scores.data() + r * kKeys, seen);
     online_softmax(w.scores.data() + r * kKeys, n, seen.from, seen.seen, w.acc.data() + r * p.dim,
                    p.dim, w.max[r], w.sum[r]);
   }
 }
 
-// The item's rows, their sums of weighted values divided by the sums of their weights.
-void finish_item(const Problem& p, int64_t g, int64_t t0, int64_t rows, const Workspace& w) {
+// The item's rows, their sums of weighted values divided by the sums of their weights (each
+// head's sink, where the layer has them, joining its rows' sums with no value).
+void finish_item(const Problem& p, int64_t g, int64_t t0, int64_t rows, Workspace& w) {
   for (int64_t r = 0; r < rows; ++r) {
+    if (p.sinks != nullptr) {
+      const float sink = p.sinks[g * p.group + r % p.group];
+      raise_max(&sink, 1, w.acc.data() + r * p.dim, p.dim, w.max[r], w.sum[r]);
+      w.sum[r] += std::exp(sink - w.max[r]);
+    }
     float* dst = out_row(p, g, t0, r);
     const float inverse = 1.f / w.sum[r];
     for (int64_t d = 0; d < p.dim; ++d) dst[d] = w.acc[r * p.dim + d] * inverse;
@@ -387,6 +408,7 @@ void attend_item_bf16(const Problem& p, const Tiles& tiles, int64_t g, int64_t t
                                        w.scores.data(), kKeys, rows, padded);
     for (int64_t r = 0; r < rows; ++r) {
       const Seen seen = seen_keys(p, t0, r, k0, n);
+      cap_scores(p, w.scores.data() + r * kKeys, seen);
       online_softmax_bf16(w.scores.data() + r * kKeys, n, seen.from, seen.seen,
                           w.p16.data() + r * kKeys, w.acc.data() + r * dim, dim, w.max[r],
                           w.sum[r]);
@@ -551,11 +573,24 @@ at::ScalarType check_shapes(const at::Tensor& query, const at::Tensor& key, cons
   return cache;
 }
 
+// The sinks as the kernel reads them: fp32 [heads], or undefined where the layer has none.
+at::Tensor checked_sinks(const std::optional<at::Tensor>& sinks, int64_t heads) {
+  if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
+  at::Tensor logits = sinks->to(at::kFloat).contiguous();
+  TORCH_CHECK(logits.dim() == 1 && logits.size(0) == heads,
+              "paged_prefill: one sink per query head");
+  return logits;
+}
+
+const float* sinks_of(const at::Tensor& logits) {
+  return logits.defined() ? logits.data_ptr<float>() : nullptr;
+}
+
 // One sequence's query rows [start, start + tokens) after `context` cached tokens, its block ids
 // checked to cover it inside the cache; its output rows at out (row `start` first).
 Problem sequence(const at::Tensor& query, const at::Tensor& key, int64_t start, int64_t tokens,
                  int64_t context, const int64_t* blocks, int64_t width, double scale, float* out,
-                 int64_t window) {
+                 int64_t window, double softcap, const float* sinks) {
   TORCH_CHECK(context >= 0, "paged_prefill: context must not be negative");
   TORCH_CHECK(window >= 0, "paged_prefill: the window must not be negative");
   const int64_t heads = query.size(1), kv_heads = key.size(2), dim = query.size(2);
@@ -576,7 +611,9 @@ Problem sequence(const at::Tensor& query, const at::Tensor& key, int64_t start, 
                  blocks,
                  static_cast<float>(scale),
                  out,
-                 window};
+                 window,
+                 static_cast<float>(std::max(softcap, 0.0)),
+                 sinks};
 }
 #endif
 
@@ -584,16 +621,18 @@ Problem sequence(const at::Tensor& query, const at::Tensor& key, int64_t start, 
 
 at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& blocks, int64_t context, double scale, bool bf16,
-                         int64_t window) {
+                         int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
 #ifndef CONVEYOR_PREFILL_SIMD
   TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
 #else
   const auto cache = check_shapes(query, key, value, bf16);
+  const at::Tensor sink_logits = checked_sinks(sinks, query.size(1));
   const at::Tensor ids = blocks.to(at::kLong).contiguous();
   TORCH_CHECK(ids.dim() == 1, "paged_prefill: blocks must be 1-d");
   at::Tensor out = at::empty(query.sizes(), query.options());
-  const Problem p = sequence(query, key, 0, query.size(0), context, ids.data_ptr<int64_t>(),
-                             ids.size(0), scale, out.data_ptr<float>(), window);
+  const Problem p =
+      sequence(query, key, 0, query.size(0), context, ids.data_ptr<int64_t>(), ids.size(0), scale,
+               out.data_ptr<float>(), window, softcap, sinks_of(sink_logits));
   if (query.size(0) > 0) run_cache(cache, bf16, std::vector<Problem>{p}, key, value);
   return out;
 #endif
@@ -602,11 +641,13 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const a
 void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                         at::Tensor& out, const at::Tensor& starts, const at::Tensor& lens,
                         const at::Tensor& contexts, const at::Tensor& table, double scale,
-                        bool bf16, int64_t window) {
+                        bool bf16, int64_t window, double softcap,
+                        const std::optional<at::Tensor>& sinks) {
 #ifndef CONVEYOR_PREFILL_SIMD
   TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
 #else
   const auto cache = check_shapes(query, key, value, bf16);
+  const at::Tensor sink_logits = checked_sinks(sinks, query.size(1));
   TORCH_CHECK(
       out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == query.sizes(),
       "paged_prefill_rows: out must be contiguous fp32 of the query's shape");
@@ -628,9 +669,9 @@ void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at
     TORCH_CHECK(start[i] >= end && len[i] >= 1 && start[i] + len[i] <= query.size(0),
                 "paged_prefill_rows: each sequence's rows lie in the query, in order, apart");
     end = start[i] + len[i];
-    ps.push_back(sequence(query, key, start[i], len[i], context[i],
-                          table.data_ptr<int64_t>() + i * width, width, scale,
-                          out.data_ptr<float>() + start[i] * row, window));
+    ps.push_back(sequence(
+        query, key, start[i], len[i], context[i], table.data_ptr<int64_t>() + i * width, width,
+        scale, out.data_ptr<float>() + start[i] * row, window, softcap, sinks_of(sink_logits)));
   }
   if (!ps.empty()) run_cache(cache, bf16, ps, key, value);
 #endif
@@ -641,11 +682,12 @@ void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "paged_prefill(Tensor query, Tensor key, Tensor value, Tensor blocks, int context, "
-      "float scale, bool bf16=False, int window=0) -> Tensor");
+      "float scale, bool bf16=False, int window=0, float softcap=0., Tensor? sinks=None) -> "
+      "Tensor");
   m.def(
       "paged_prefill_rows(Tensor query, Tensor key, Tensor value, Tensor(a!) out, "
       "Tensor starts, Tensor lens, Tensor contexts, Tensor table, float scale, "
-      "bool bf16=False, int window=0) -> ()");
+      "bool bf16=False, int window=0, float softcap=0., Tensor? sinks=None) -> ()");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("paged_prefill", &conveyor::paged_prefill);
