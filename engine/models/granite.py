@@ -5,7 +5,7 @@ layer with four scalars from its config. The embeddings are multiplied by
 before it joins the residual; the logits are divided by `logits_scaling`. The fused CPU decode
 scales the residual adds as the layer does (`LayerForm.residual_scale`). GraniteMoe's experts are
 weighed by a softmax of their top-k logits; GraniteMoeShared adds an MLP every token runs beside
-them.
+them (each layer's attention decodes as one fused op there, its experts between).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ GRANITE_ARCHITECTURES = frozenset(
 
 
 class PagedGraniteLayer(PagedLlamaLayer):
+    joins_then_mlp_block = True
+
     def __init__(self, hf_layer: Any, index: int, shard: Shard | None = None) -> None:
         super().__init__(hf_layer, index, shard)
         self.residual_multiplier = float(hf_layer.residual_multiplier)
@@ -39,7 +41,11 @@ class PagedGraniteLayer(PagedLlamaLayer):
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
     ) -> torch.Tensor:
         projected = self._attention_output(out, lora)
-        hidden = residual + projected * self.residual_multiplier
+        return self._mlp_block(residual + projected * self.residual_multiplier, lora)
+
+    def _mlp_block(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
+        """`hidden` plus the MLP's (or the experts' and the shared MLP's) output for them
+        normed, scaled by the residual multiplier."""
         mlp_input = self.gate_up_proj if self.moe is None else self.moe
         normed = self._norm(self.post_attention_norm, hidden, mlp_input)
         out = self._mlp_output(normed, lora)

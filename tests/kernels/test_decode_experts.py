@@ -34,7 +34,8 @@ BF16 = pytest.param("bf16", marks=needs_bf16_panels)
 # Families whose layers of experts decode through the fused layer: softmax routers (Mixtral's,
 # Qwen's, OLMoE's with its q/k norms over all heads, Hunyuan's beside its MLP every token runs,
 # its q/k norms after the rotary), routers with a bias (GLM-4.5's, dots.llm1's, EXAONE MoE's with
-# windows, Solar Open's, ERNIE 4.5's with its paired rotary, MiniMax M2's), dense layers between.
+# windows, Solar Open's, ERNIE 4.5's with its paired rotary, MiniMax M2's), dense layers between;
+# Granite's with its residual adds scaled (and GraniteMoeShared's MLP every token runs).
 FUSED_MOE = [
     "mixtral",
     "qwen2-moe",
@@ -47,6 +48,8 @@ FUSED_MOE = [
     "minimax-m2",
     "hunyuan-moe",
     "olmoe",
+    "granite-moe",
+    "granite-moe-shared",
 ]
 
 
@@ -122,20 +125,11 @@ def test_greedy_through_fused_experts_layers_equals_generate(
     assert len(calls) >= 2 * 3 and max(calls) == len(PROMPTS)
 
 
-@pytest.mark.parametrize(
-    ("family", "changes", "reason"),
-    [
-        ("granite-moe", {}, "a mixture-of-experts block of its own after the attention"),
-        ("olmoe", {}, "q, k and v made otherwise than the Llama layer makes them"),
-    ],
-)
-def test_experts_layers_of_their_own_keep_the_stack_op_by_op(
-    family: str, changes: dict[str, object], reason: str
-) -> None:
-    """Granite's scaled residual adds around its experts are its own `after_attention`; OLMoE's
-    clamp of q, k and v (`clip_qkv`) its own `project_qkv`."""
-    paged = build_causal_lm(in_panels(build(family, **changes)))
+def test_olmoes_clamp_of_q_k_and_v_keeps_the_stack_op_by_op() -> None:
+    """OLMoE's clamp (`clip_qkv`) is its own `project_qkv`."""
+    paged = build_causal_lm(in_panels(build("olmoe")))
     assert isinstance(paged, PagedLlamaForCausalLM)
+    reason = "q, k and v made otherwise than the Llama layer makes them"
     assert paged.fused_decode.describe() == f"op by op ({reason})"
 
 
