@@ -41,6 +41,7 @@
 #include "lanes.h"
 #include "load8.h"
 #include "ops.h"
+#include "score_features.h"
 #include "scratch.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -323,10 +324,7 @@ inline void softmax_weights(float* scores, int64_t len, float& total) {
 // (Gemma 2), and with a sink (gpt-oss) that joins the denominator with no value of its own.
 inline void featured_weights(float* scores, int64_t len, float softcap, const float* sink,
                              float& total) {
-  if (softcap > 0.f) {
-    const float inv = 1.f / softcap;
-    for (int64_t i = 0; i < len; ++i) scores[i] = softcap * std::tanh(scores[i] * inv);
-  }
+  if (softcap > 0.f) conveyor::cap_scores(scores, len, softcap);
   if (sink == nullptr) {
     softmax_weights(scores, len, total);
     return;
@@ -584,12 +582,7 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
   lens = lens.to(at::kLong).contiguous();
   TORCH_CHECK(table.size(0) == query.size(0) && lens.size(0) == query.size(0),
               "paged_decode: one block table row and length per sequence");
-  at::Tensor sink_logits;
-  if (sinks.has_value() && sinks->defined()) {
-    sink_logits = sinks->to(at::kFloat).contiguous();
-    TORCH_CHECK(sink_logits.dim() == 1 && sink_logits.size(0) == query.size(1),
-                "paged_decode: one sink per query head");
-  }
+  const at::Tensor sinks32 = conveyor::sink_logits(sinks, query.size(1), "paged_decode");
   const Shape s{query.size(1),
                 key.size(2),
                 query.size(2),
@@ -599,7 +592,7 @@ at::Tensor paged_decode(at::Tensor query, at::Tensor key, at::Tensor value, at::
                 static_cast<float>(scale),
                 std::max<int64_t>(window, 0),
                 static_cast<float>(std::max(softcap, 0.0)),
-                sink_logits.defined() ? sink_logits.data_ptr<float>() : nullptr};
+                conveyor::sinks_of(sinks32)};
   check_decode_tables(table, lens, s.block_size, key.size(0));
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
   if (widened) {

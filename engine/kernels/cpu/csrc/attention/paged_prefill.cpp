@@ -52,6 +52,7 @@
 #include "lanes.h"
 #include "load8.h"
 #include "ops.h"
+#include "score_features.h"
 
 #if defined(CONVEYOR_LOAD8) && defined(CONVEYOR_EXP8)
 #define CONVEYOR_PREFILL_SIMD 1
@@ -279,19 +280,18 @@ Seen seen_keys(const Problem& p, int64_t t0, int64_t r, int64_t k0, int64_t n) {
   return {std::clamp<int64_t>(p.first_key(pos) - k0, 0, n), std::min(n, pos + 1 - k0)};
 }
 
-// A row's visible scores [from, seen) capped as softcap * tanh(score / softcap), where the layer
-// caps them (Gemma 2), as the decode kernel caps them.
-void cap_scores(const Problem& p, float* s, Seen seen) {
-  if (p.softcap <= 0.f) return;
-  const float inverse = 1.f / p.softcap;
-  for (int64_t i = seen.from; i < seen.seen; ++i) s[i] = p.softcap * std::tanh(s[i] * inverse);
+// A row's visible scores [from, seen) capped, where the layer caps them (Gemma 2), as the decode
+// kernel caps them.
+void cap_visible(const Problem& p, float* s, Seen seen) {
+  if (p.softcap > 0.f && seen.seen > seen.from)
+    conveyor::cap_scores(s + seen.from, seen.seen - seen.from, p.softcap);
 }
 
 // Each row's scores for the tile of keys from k0 become its softmax weights.
 void softmax_rows(const Problem& p, int64_t t0, int64_t rows, int64_t k0, int64_t n, Workspace& w) {
   for (int64_t r = 0; r < rows; ++r) {
     const Seen seen = seen_keys(p, t0, r, k0, n);
-    cap_scores(p, w.scores.data() + r * kKeys, seen);
+    cap_visible(p, w.scores.data() + r * kKeys, seen);
     online_softmax(w.scores.data() + r * kKeys, n, seen.from, seen.seen, w.acc.data() + r * p.dim,
                    p.dim, w.max[r], w.sum[r]);
   }
@@ -408,7 +408,7 @@ void attend_item_bf16(const Problem& p, const Tiles& tiles, int64_t g, int64_t t
                                        w.scores.data(), kKeys, rows, padded);
     for (int64_t r = 0; r < rows; ++r) {
       const Seen seen = seen_keys(p, t0, r, k0, n);
-      cap_scores(p, w.scores.data() + r * kKeys, seen);
+      cap_visible(p, w.scores.data() + r * kKeys, seen);
       online_softmax_bf16(w.scores.data() + r * kKeys, n, seen.from, seen.seen,
                           w.p16.data() + r * kKeys, w.acc.data() + r * dim, dim, w.max[r],
                           w.sum[r]);
@@ -573,19 +573,6 @@ at::ScalarType check_shapes(const at::Tensor& query, const at::Tensor& key, cons
   return cache;
 }
 
-// The sinks as the kernel reads them: fp32 [heads], or undefined where the layer has none.
-at::Tensor checked_sinks(const std::optional<at::Tensor>& sinks, int64_t heads) {
-  if (!sinks.has_value() || !sinks->defined()) return at::Tensor();
-  at::Tensor logits = sinks->to(at::kFloat).contiguous();
-  TORCH_CHECK(logits.dim() == 1 && logits.size(0) == heads,
-              "paged_prefill: one sink per query head");
-  return logits;
-}
-
-const float* sinks_of(const at::Tensor& logits) {
-  return logits.defined() ? logits.data_ptr<float>() : nullptr;
-}
-
 // One sequence's query rows [start, start + tokens) after `context` cached tokens, its block ids
 // checked to cover it inside the cache; its output rows at out (row `start` first).
 Problem sequence(const at::Tensor& query, const at::Tensor& key, int64_t start, int64_t tokens,
@@ -626,13 +613,13 @@ at::Tensor paged_prefill(const at::Tensor& query, const at::Tensor& key, const a
   TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
 #else
   const auto cache = check_shapes(query, key, value, bf16);
-  const at::Tensor sink_logits = checked_sinks(sinks, query.size(1));
+  const at::Tensor sinks32 = sink_logits(sinks, query.size(1), "paged_prefill");
   const at::Tensor ids = blocks.to(at::kLong).contiguous();
   TORCH_CHECK(ids.dim() == 1, "paged_prefill: blocks must be 1-d");
   at::Tensor out = at::empty(query.sizes(), query.options());
   const Problem p =
       sequence(query, key, 0, query.size(0), context, ids.data_ptr<int64_t>(), ids.size(0), scale,
-               out.data_ptr<float>(), window, softcap, sinks_of(sink_logits));
+               out.data_ptr<float>(), window, softcap, sinks_of(sinks32));
   if (query.size(0) > 0) run_cache(cache, bf16, std::vector<Problem>{p}, key, value);
   return out;
 #endif
@@ -647,7 +634,7 @@ void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at
   TORCH_CHECK(false, "paged_prefill needs AVX2, F16C and FMA");
 #else
   const auto cache = check_shapes(query, key, value, bf16);
-  const at::Tensor sink_logits = checked_sinks(sinks, query.size(1));
+  const at::Tensor sinks32 = sink_logits(sinks, query.size(1), "paged_prefill");
   TORCH_CHECK(
       out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == query.sizes(),
       "paged_prefill_rows: out must be contiguous fp32 of the query's shape");
@@ -671,7 +658,7 @@ void paged_prefill_rows(const at::Tensor& query, const at::Tensor& key, const at
     end = start[i] + len[i];
     ps.push_back(sequence(
         query, key, start[i], len[i], context[i], table.data_ptr<int64_t>() + i * width, width,
-        scale, out.data_ptr<float>() + start[i] * row, window, softcap, sinks_of(sink_logits)));
+        scale, out.data_ptr<float>() + start[i] * row, window, softcap, sinks_of(sinks32)));
   }
   if (!ps.empty()) run_cache(cache, bf16, ps, key, value);
 #endif

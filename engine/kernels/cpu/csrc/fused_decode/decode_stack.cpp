@@ -23,6 +23,7 @@
 #include <optional>
 #include <vector>
 
+#include "bf16_panel_shapes.h"
 #include "bf16_round.h"
 #include "layer_args.h"
 #include "ops.h"
@@ -33,32 +34,8 @@
 namespace conveyor {
 namespace {
 
-// bf16 panels [ceil(out / 16), in / 2, 32], contiguous.
-bool bf16_panels(const at::Tensor& p, int64_t out, int64_t in) {
-  return p.scalar_type() == at::kBFloat16 && p.dim() == 3 && p.is_contiguous() &&
-         p.size(0) == (out + 15) / 16 && p.size(1) * 2 == in && p.size(2) == 32;
-}
-
-// Gated bf16 panels [ceil(inter / 16), 2, in / 2, 32], contiguous.
-bool gated_panels(const at::Tensor& p, int64_t inter, int64_t in) {
-  return p.scalar_type() == at::kBFloat16 && p.dim() == 4 && p.is_contiguous() &&
-         p.size(0) == (inter + 15) / 16 && p.size(1) == 2 && p.size(2) * 2 == in && p.size(3) == 32;
-}
-
-// No bias, or an fp32 one of `values` (padded to the panels).
-bool padded_bias(const std::optional<at::Tensor>& bias, int64_t values) {
-  return !bias.has_value() || !bias->defined() ||
-         (bias->dim() == 1 && bias->size(0) == values && bias->scalar_type() == at::kFloat &&
-          bias->is_contiguous());
-}
-
 bool fp32_norm(const at::Tensor& w, int64_t width) {
   return w.scalar_type() == at::kFloat && w.dim() == 1 && w.size(0) == width && w.is_contiguous();
-}
-
-// An optional fp32 tensor's values (a bias, a q/k norm), or null.
-const float* optional_floats(const std::optional<at::Tensor>& t) {
-  return given(t) ? t->data_ptr<float>() : nullptr;
 }
 
 // The input and post-attention norms of a layer: fp32 [width] both, or both empty (OLMo 2's
@@ -74,10 +51,6 @@ bool rotary_rows_fit(const at::Tensor& cos, const at::Tensor& sin, int64_t dim) 
          cos.size(2) % 2 == 0 && cos.scalar_type() == at::kFloat &&
          sin.scalar_type() == at::kFloat && cos.stride(2) == 1 && sin.stride(2) == 1 &&
          cos.stride(0) == sin.stride(0);
-}
-
-const uint16_t* panels_of(const at::Tensor& panels) {
-  return reinterpret_cast<const uint16_t*>(panels.data_ptr());
 }
 
 // A product of the stack: its panels, how many, and whether they come in gate/up pairs.
@@ -130,10 +103,6 @@ Share rows_of(const Team& team, const Stack& st, int64_t row_values) {
 void product(const Bf16Product& pb, const Product& p, const std::vector<ProductTask>& tasks,
              std::atomic<int64_t>& next) {
   bf16_take_tasks(pb, p.panels, p.count, p.gated, tasks, next);
-}
-
-void barrier() {
-#pragma omp barrier
 }
 
 // out = residual + projected * scale over [begin, end), each product rounded before the add, as
@@ -250,7 +219,7 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
 
 Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
                const at::Tensor& key, const at::Tensor& value, const LayerForm& form) {
-  auto plain = [](const at::Tensor& p) { return Product{panels_of(p), p.size(0), false}; };
+  auto plain = [](const at::Tensor& p) { return Product{panel_bits(p), p.size(0), false}; };
   const bool normed = pre_normed(w);
   return Layer{normed ? w[kInputNorm].data_ptr<float>() : nullptr,
                normed ? w[kPostNorm].data_ptr<float>() : nullptr,
@@ -270,7 +239,7 @@ Layer layer_of(at::TensorList w, const c10::List<std::optional<at::Tensor>>& b,
                std::max<int64_t>(form.window, 0),
                plain(w[kQkv]),
                plain(w[kOut]),
-               Product{panels_of(w[kGateUp]), 2 * w[kGateUp].size(0), true},
+               Product{panel_bits(w[kGateUp]), 2 * w[kGateUp].size(0), true},
                plain(w[kDown]),
                optional_floats(b.get(kQkvBias)),
                optional_floats(b.get(kOutBias)),

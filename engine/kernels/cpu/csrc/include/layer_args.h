@@ -44,6 +44,11 @@ struct LayerForm {
 
 inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
+// An optional fp32 tensor's values (a bias, a q/k norm), or null.
+inline const float* optional_floats(const std::optional<at::Tensor>& t) {
+  return given(t) ? t->data_ptr<float>() : nullptr;
+}
+
 // No q/k norm, or a contiguous fp32 one of [qk_heads, dim] (a head a row) or [qk_heads * dim]
 // (q's heads as one row, k's as another).
 inline bool qk_norm_fits(const std::optional<at::Tensor>& norm, int64_t qk_heads, int64_t dim) {

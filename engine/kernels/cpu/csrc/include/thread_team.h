@@ -20,6 +20,11 @@ struct Share {
   int64_t begin, end;
 };
 
+// The region's barrier between one kernel's parts and the next's.
+inline void barrier() {
+#pragma omp barrier
+}
+
 inline Share share(const Team& team, int64_t n, int64_t grain) {
   if (n <= grain || team.size == 1) return team.id == 0 ? Share{0, n} : Share{0, 0};
   const int64_t grains = (n + grain - 1) / std::max<int64_t>(grain, 1);

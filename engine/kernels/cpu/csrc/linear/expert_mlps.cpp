@@ -32,6 +32,7 @@
 #include <optional>
 #include <vector>
 
+#include "bf16_panel_shapes.h"
 #include "bf16_round.h"
 #include "ops.h"
 #include "pass_split.h"
@@ -76,27 +77,17 @@ Grouping group_by_expert(const int64_t* experts, int64_t choices, int64_t num_ex
 }
 
 const float* bias_of(const std::optional<at::Tensor>& bias, int64_t values) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == values && bias->scalar_type() == at::kFloat &&
-                  bias->is_contiguous(),
-              "expert_mlps: a bias must be fp32 [", values, "], zero-padded as the panels hold it");
-  return bias->data_ptr<float>();
-}
-
-const uint16_t* bits_of(const at::Tensor& panels) {
-  return reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  TORCH_CHECK(padded_bias(bias, values), "expert_mlps: a bias must be fp32 [", values,
+              "], zero-padded as the panels hold it");
+  return optional_floats(bias);
 }
 
 void check_panels(const at::Tensor& gate_up, const at::Tensor& down, int64_t hidden,
                   int64_t inter) {
-  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 4 &&
-                  gate_up.is_contiguous() && gate_up.size(0) == (inter + 15) / 16 &&
-                  gate_up.size(1) == 2 && gate_up.size(2) * 2 == hidden && gate_up.size(3) == 32,
+  TORCH_CHECK(gated_panels(gate_up, inter, hidden),
               "expert_mlps: gate/up panels must be contiguous bf16 [ceil(inter / 16), 2, hidden / "
               "2, 32]");
-  TORCH_CHECK(down.scalar_type() == at::kBFloat16 && down.dim() == 3 && down.is_contiguous() &&
-                  down.size(0) == (hidden + 15) / 16 && down.size(1) * 2 == inter &&
-                  down.size(2) == 32,
+  TORCH_CHECK(bf16_panels(down, hidden, inter),
               "expert_mlps: down panels must be contiguous bf16 [ceil(hidden / 16), inter / 2, "
               "32]");
 }
@@ -120,10 +111,6 @@ __attribute__((optimize("fp-contract=off"))) void sum_rows(const float* outputs,
       for (int64_t c = 0; c < hidden; ++c) sum[c] = sum[c] + o[c] * w;
     }
   }
-}
-
-void barrier() {
-#pragma omp barrier
 }
 
 }  // namespace
@@ -163,7 +150,7 @@ at::Tensor expert_mlps(const at::Tensor& x, const at::Tensor& experts, const at:
     check_panels(gate_up[e], down[e], hidden, inter);
     const int64_t rows = g.counts[e];
     const int64_t pairs = gate_up[e].size(0), down_count = down[e].size(0);
-    chosen.push_back({bits_of(gate_up[e]), bits_of(down[e]),
+    chosen.push_back({panel_bits(gate_up[e]), panel_bits(down[e]),
                       bias_of(gate_up_bias.get(e), pairs * 2 * 16),
                       bias_of(down_bias.get(e), down_count * 16), 2 * pairs, down_count, first,
                       rows, bf16_product_tasks(rows, hidden, 2 * pairs, true, threads),
