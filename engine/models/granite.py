@@ -41,9 +41,9 @@ class PagedGraniteLayer(PagedLlamaLayer):
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
     ) -> torch.Tensor:
         projected = self._attention_output(out, lora)
-        return self._mlp_block(residual + projected * self.residual_multiplier, lora)
+        return self.mlp_block(residual + projected * self.residual_multiplier, lora)
 
-    def _mlp_block(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
+    def mlp_block(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
         """`hidden` plus the MLP's (or the experts' and the shared MLP's) output for them
         normed, scaled by the residual multiplier."""
         mlp_input = self.gate_up_proj if self.moe is None else self.moe

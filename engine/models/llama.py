@@ -475,23 +475,17 @@ class PagedLlamaLayer(nn.Module):
         )
 
     # Whether a family's own `after_attention` is still the attention's output joined to the
-    # residual as the fused CPU decode joins it (Granite's, scaled), then `_mlp_block`.
+    # residual as the fused CPU decode joins it (Granite's, scaled), then `mlp_block`.
     joins_then_mlp_block = False
 
     @property
     def experts_as_llama(self) -> bool:
         """Whether this is a layer of experts whose `after_attention` is the output projection
-        onto the residual (as the fused CPU decode computes it), then `_mlp_block`: the fused
-        decode can run its attention and leave the rest to `experts_block`."""
+        onto the residual (as the fused CPU decode computes it), then `mlp_block`: the fused
+        decode can run its attention and leave the rest to that block."""
         cls = type(self)
         split = cls.after_attention is PagedLlamaLayer.after_attention or cls.joins_then_mlp_block
         return self.moe is not None and split and self.output_norms is None
-
-    def experts_block(self, residual: torch.Tensor) -> torch.Tensor:
-        """The block after the attention's residual add of a layer of experts (`residual`: the
-        rows after it): what `after_attention` does after the output projection."""
-        assert self.moe is not None
-        return self._mlp_block(residual)
 
     def after_attention(
         self, out: torch.Tensor, residual: torch.Tensor, lora: LoRASlots | None = None
@@ -502,11 +496,12 @@ class PagedLlamaLayer(nn.Module):
         hidden = add_projected(self.o_proj, attended, residual)
         if lora is not None and lora.adapts(self.lora_index, "o"):
             hidden += lora.delta(self.lora_index, "o", attended).to(hidden.dtype)
-        return self._mlp_block(hidden, lora)
+        return self.mlp_block(hidden, lora)
 
-    def _mlp_block(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
-        """`hidden` (the rows after the attention's residual add) plus the MLP's output for
-        them normed."""
+    def mlp_block(self, hidden: torch.Tensor, lora: LoRASlots | None = None) -> torch.Tensor:
+        """`hidden` (the rows after the attention's residual add) plus the MLP's (or the
+        experts') output for them normed: what `after_attention` does after the output
+        projection, and what the fused CPU decode runs after a layer of experts' attention."""
         mlp_input = self.gate_up_proj if self.moe is None else self.moe
         normed = self._norm(self.post_attention_norm, hidden, mlp_input)
         return self._mlp(normed, hidden, lora)

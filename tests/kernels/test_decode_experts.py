@@ -24,11 +24,10 @@ from tests.helpers import (
     tiny_core,
     tokens_of,
 )
-from tests.kernels.test_decode_layer import PROMPTS, calls, decode_step, op_inputs, packed
+from tests.kernels.test_decode_layer import PROMPTS, decode_step, op_inputs, packed
 from tests.models.test_moe import DENSE_LAYERS, build
 
 pytestmark = needs_panels
-__all__ = ["calls"]  # the fixture, for this module's tests
 
 BF16 = pytest.param("bf16", marks=needs_bf16_panels)
 # Families whose layers of experts decode through the fused layer: softmax routers (Mixtral's,

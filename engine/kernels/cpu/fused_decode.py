@@ -10,7 +10,7 @@ paged attention, output projection (normed before the residual in Gemma's and OL
 and residual, norm, gate/up, activation (silu, or Gemma's GELU), down (normed again in Gemma's
 and OLMo 2's) and residual), without the dispatch of two dozen small ops a layer. A layer of
 experts runs its attention so (up to the attention's residual add), then its norm, router and
-experts as the layer's own `experts_block` (the experts themselves one op over bf16 panels). Its
+experts as the layer's own `mlp_block` (the experts themselves one op over bf16 panels). Its
 attention is Conveyor's CPU paged attention, so it runs where that backend hands out a
 `DecodeStep` (every row decodes, the cache holds a dtype it reads).
 
@@ -86,8 +86,9 @@ class FusibleLayer(Protocol):
     def experts_as_llama(self) -> bool:
         """A layer of experts whose block after the attention is the Llama layer's."""
 
-    def experts_block(self, residual: torch.Tensor) -> torch.Tensor:
-        """The rows after the attention's residual add through the layer's experts' block."""
+    def mlp_block(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows after the attention's residual add through the layer's MLP (or experts')
+        block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +124,7 @@ class LayerWeights:
     # The q/k norm comes after the rotary (Hunyuan's), not before it.
     norms_rotated: bool = False
     # A layer of experts: the op stops after the attention's residual add and this runs the
-    # rest (`experts_block`); None: the op runs the layer's gated MLP.
+    # rest (the layer's `mlp_block`); None: the op runs the layer's gated MLP.
     experts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
@@ -223,7 +224,7 @@ def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> La
         softcap=softcap_of(layer.attention),
         pairs=bool(getattr(layer, "paired_rotary", False)),
         norms_rotated=bool(getattr(layer, "norms_rotated", False)),
-        experts=layer.experts_block if experts else None,
+        experts=layer.mlp_block if experts else None,
     )
 
 
