@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.linear import GatedPanelLinear, PanelLinear, takes_bf16_rows
+from engine.loading import gguf_blocks
 from engine.models.layers import clamped_swiglu, gated_activation, is_silu
 from engine.models.routing import BiasedRouter, GroupLimitedRouter, router_of
 from engine.parallel.sharding import GATELESS_EXPERTS, HF_EXPERTS, TRANSPOSED_EXPERTS
@@ -149,8 +150,8 @@ class ExpertLinears(nn.Module):
         self.gated = gated
         self.num_experts = len(gate_up)
         self.intermediate = int(cast(nn.Linear, down[0]).in_features)
-        # Every expert's panels and biases as `cpu_ops.expert_mlps` takes them, once `pair_gates`
-        # has made every gate/up gated panel pairs over bf16 down panels; None otherwise.
+        # Every expert's panels and biases as `cpu_ops.expert_mlps` takes them, once `group` has
+        # found them in a form it takes; None otherwise.
         self._grouped: tuple[list[torch.Tensor | None], ...] | None = None
 
     @classmethod
@@ -194,18 +195,21 @@ class ExpertLinears(nn.Module):
             clamped=ClampedSwiGLU(float(experts.alpha), float(experts.limit)),
         )
 
-    def pair_gates(self) -> bool:
-        """Each expert's gate/up as gated bf16 panel pairs (`GatedPanelLinear`: one pass writes
-        only `silu(gate) * up`, rounded to bf16 for the down product), where every expert's
-        gate/up and down are bf16 panels under silu with the intermediate size in whole panels;
-        then a step's experts run as one op (`cpu_ops.expert_mlps`). Returns whether they do.
-        Each expert's joined layer gives way to its pairs as they are made."""
+    def group(self) -> bool:
+        """Have a step's experts run as one op (`cpu_ops.expert_mlps`) where they can; returns
+        whether they do. They can over bf16 panels under silu or the clamped SwiGLU, each
+        expert's gate/up then made gated bf16 panel pairs (`GatedPanelLinear`: one pass writes
+        only the activation, rounded to bf16 for the down product; each joined layer gives way
+        to its pairs as they are made), the intermediate size in whole panels; and over MXFP4
+        blocks multiplied in bf16 (`PanelLinear.multiply_in_bf16`), as they are."""
+        if not (self.gated and (self.silu or self.clamped is not None)):
+            return False
+        if self._mxfp4_blocks():
+            self._grouped = self._grouped_panels()
+            return True
         joined = list(self.gate_up)
         if not (
-            self.gated
-            and self.clamped is None
-            and self.silu
-            and all(isinstance(g, PanelLinear) and g.bf16_activations for g in joined)
+            all(isinstance(g, PanelLinear) and g.bf16_activations for g in joined)
             and all(isinstance(d, PanelLinear) and d.bf16_activations for d in self.down)
         ):
             return False
@@ -214,21 +218,37 @@ class ExpertLinears(nn.Module):
             return False
         for index, pair in enumerate(halves):
             assert pair is not None
-            gated = GatedPanelLinear.of(*pair)
+            gated = GatedPanelLinear.of(*pair, clamped=self._clamp)
             if gated is None:
                 return False
             self.gate_up[index] = gated
         self._grouped = self._grouped_panels()
         return True
 
+    def _mxfp4_blocks(self) -> bool:
+        """Every expert's gate/up and down are contiguous MXFP4 block panels that multiply in
+        bf16, as the one op takes them."""
+        return all(
+            isinstance(layer, PanelLinear)
+            and layer.bf16_blocks
+            and layer.block_format is gguf_blocks.MXFP4
+            and layer.panels.is_contiguous()
+            for layer in [*self.gate_up, *self.down]
+        )
+
+    @property
+    def _clamp(self) -> tuple[float, float] | None:
+        """The clamped SwiGLU's `(alpha, limit)`, as the ops take it; None for silu."""
+        return None if self.clamped is None else (self.clamped.alpha, self.clamped.limit)
+
     @property
     def grouped(self) -> bool:
-        """A step's experts run as one op (`pair_gates` paired every expert's gate and up)."""
+        """A step's experts run as one op (`group`)."""
         return self._grouped is not None
 
     def _grouped_panels(self) -> tuple[list[torch.Tensor | None], ...]:
         """Gate/up panels, their biases, down panels and theirs, an entry per expert."""
-        gate_up = cast(list[GatedPanelLinear], list(self.gate_up))
+        gate_up = cast(list[GatedPanelLinear | PanelLinear], list(self.gate_up))
         down = cast(list[PanelLinear], list(self.down))
         return (
             [g.panels for g in gate_up],
@@ -251,7 +271,7 @@ class ExpertLinears(nn.Module):
         through experts `top_k_index[i]` with weights `top_k_weights[i]`. The rows are taken
         in expert order once; each expert runs over its own run of them, and one indexed add
         sums each row's weighted outputs in fp32, cast once at the end (as transformers' grouped
-        experts sum them). Over gated bf16 panel pairs (`pair_gates`) all of that is one op, to
+        experts sum them). Where the experts are grouped (`group`) all of that is one op, to
         the bit the same."""
         grouped = self._grouped
         if (
@@ -270,6 +290,7 @@ class ExpertLinears(nn.Module):
                 cast(list[torch.Tensor], down),
                 down_bias,
                 self.intermediate,
+                clamped=self._clamp,
             )
         return self.by_expert(hidden, top_k_index, top_k_weights)
 
@@ -335,8 +356,8 @@ class SparseMoE(nn.Module):
             hasattr(router, "norm_topk_prob") or type(router).__name__ in CASTING_ROUTERS
         )
         self.experts = ExpertLinears.of(block.experts)
-        # Over bf16 panels, each expert's gate and up in pairs and a step's experts in one op.
-        self.experts.pair_gates()
+        # Over bf16 panels or MXFP4 blocks, a step's experts in one op.
+        self.experts.group()
         self.shared_expert = next(
             (
                 found

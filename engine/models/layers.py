@@ -184,7 +184,10 @@ def gated_activation(
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """gpt-oss's activation over gate and up side by side (`[rows, 2 * intermediate]`, gate
     first), the same operations in the same order as transformers': gate capped at `limit`, up
-    clamped to `[-limit, limit]`, then `(up + 1) * gate * sigmoid(alpha * gate)`."""
+    clamped to `[-limit, limit]`, then `(up + 1) * gate * sigmoid(alpha * gate)`; in one pass on
+    the CPU (the sigmoid in silu's operations)."""
+    if _one_pass_gate(gate_up):
+        return cpu_ops.clamped_swiglu_mul(gate_up, alpha, limit)
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)

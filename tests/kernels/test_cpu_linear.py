@@ -359,6 +359,7 @@ def gate_and_up(
     inter: int,
     with_bias: bool,
     gelu: bool = False,
+    clamped: tuple[float, float] | None = None,
 ) -> tuple[PanelLinear, PanelLinear, GatedPanelLinear]:
     torch.manual_seed(in_features + inter)
     gate, up = (
@@ -366,7 +367,7 @@ def gate_and_up(
         nn.Linear(in_features, inter, bias=with_bias),
     )
     layers = [PanelLinear(m.weight, m.bias, torch.bfloat16) for m in (gate, up)]
-    gated = GatedPanelLinear.of(*layers, gelu=gelu)
+    gated = GatedPanelLinear.of(*layers, gelu=gelu, clamped=clamped)
     assert gated is not None
     return layers[0], layers[1], gated
 
@@ -396,26 +397,33 @@ def gate_and_up(
     ],
 )
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "clamped_swiglu"])
 @pytest.mark.usefixtures("bf16_products")
 def test_gated_panels_equal_the_projection_then_the_activation(
     rows: int, in_features: int, inter: int, with_bias: bool, activation: str
 ) -> None:
-    """silu(gate) * up (or GELU's tanh approximation's) from gate/up panel pairs equals, to the
-    bit, both projections through the bf16 panels followed by `silu_mul` (`gelu_tanh_mul`): one
-    row over 4 pairs at a time, two over 2, three over 1, then passes of up to 8 rows, spare
-    columns, rows in chunks."""
-    gate, up, gated = gate_and_up(in_features, inter, with_bias, activation == "gelu_tanh")
+    """silu(gate) * up (or GELU's tanh approximation's, or the clamped SwiGLU under a limit its
+    sums pass) from gate/up panel pairs equals, to the bit, both projections through the bf16
+    panels followed by `silu_mul` (`gelu_tanh_mul`, `clamped_swiglu_mul`): one row over 4 pairs
+    at a time, two over 2, three over 1, then passes of up to 8 rows, spare columns, rows in
+    chunks."""
+    clamped = (1.702, 0.3) if activation == "clamped_swiglu" else None
+    gate, up, gated = gate_and_up(in_features, inter, with_bias, activation == "gelu_tanh", clamped)
     panels = -(-inter // 16)
     assert gated.panels.shape == (panels, 2, in_features // 2, 32)
     assert torch.equal(gated.panels[:, 0], gate.panels)
     assert torch.equal(gated.panels[:, 1], up.panels)
-    assert f"{activation}(gate) * up" in repr(gated)
+    named = "clamped swiglu(gate, up)" if clamped else f"{activation}(gate) * up"
+    assert named in repr(gated)
     x = torch.randn(rows, in_features)
     out = gated(x)
     assert out.shape == (rows, inter) and out.dtype == torch.float32
-    activated = getattr(cpu_ops, f"{activation}_mul")
-    expected = activated(torch.cat([gate(x), up(x)], dim=1))
+    both = torch.cat([gate(x), up(x)], dim=1)
+    if clamped is not None:
+        expected = cpu_ops.clamped_swiglu_mul(both, *clamped)
+        assert bool((both.abs() > clamped[1]).any())  # the clamps bite
+    else:
+        expected = getattr(cpu_ops, f"{activation}_mul")(both)
     assert torch.equal(out, expected)
     assert torch.equal(gated(x.view(1, rows, in_features)), expected.view(1, rows, inter))
 

@@ -243,43 +243,68 @@ def test_the_model_rotates_fp32_rows_on_the_cpu_in_one_pass(monkeypatch):
     assert calls == [(4, 3, 8)]
 
 
-# Each one-pass gated activation and torch's own activation it computes.
+def torch_clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU (alpha 1.702, limit 7) as transformers computes it."""
+    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+
+# Each one-pass gated activation (over rows of gate then up) and torch's own of gate and up.
 GATED = {
-    "silu_mul": F.silu,
-    "gelu_tanh_mul": lambda gate: F.gelu(gate, approximate="tanh"),
+    "silu_mul": (cpu_ops.silu_mul, lambda gate, up: F.silu(gate) * up),
+    "gelu_tanh_mul": (
+        cpu_ops.gelu_tanh_mul,
+        lambda gate, up: F.gelu(gate, approximate="tanh") * up,
+    ),
+    "clamped_swiglu_mul": (
+        lambda x: cpu_ops.clamped_swiglu_mul(x, 1.702, 7.0),
+        torch_clamped_swiglu,
+    ),
 }
 
 
 @pytest.mark.parametrize("kernel", sorted(GATED))
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 5), (16, 64), (300, 1536)])
 def test_gated_activations_match_torch(kernel, rows, inter):
-    """silu, and GELU's tanh approximation (computed as x / (1 + exp(-2u)) rather than torch's
-    0.5 x (1 + tanh(u))), against torch's own over gate, times up, in fp64: where tanh(u) nears
-    -1, torch's fp32 GELU loses its digits to 1 + tanh(u), and the kernel's keeps them."""
+    """silu, GELU's tanh approximation (computed as x / (1 + exp(-2u)) rather than torch's
+    0.5 x (1 + tanh(u))) and the clamped SwiGLU (its sigmoid in silu's operations), against
+    torch's own over gate and up, in fp64: where tanh(u) nears -1, torch's fp32 GELU loses its
+    digits to 1 + tanh(u), and the kernel's keeps them. The clamps bite: values past 7 either
+    side."""
     torch.manual_seed(rows)
     gate_up = torch.randn(rows, 2 * inter) * 4
     gate_up[0, :5] = torch.tensor([-100.0, 100.0, 0.0, -1e20, 1e20])  # exp's clamped range
+    gate_up[-1, -3:] = torch.tensor([-9.0, 9.0, 7.5])  # up past the clamp
     exact = gate_up.double()
-    expected = GATED[kernel](exact[:, :inter]) * exact[:, inter:]
-    out = getattr(cpu_ops, kernel)(gate_up)
+    op, reference = GATED[kernel]
+    expected = reference(exact[:, :inter], exact[:, inter:])
+    out = op(gate_up)
     torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("kernel", sorted(GATED))
 def test_gated_activations_lanes_equal_the_scalar_tail(kernel):
     """Eight lanes at a time, then one by one: the same value gives the same bits either way,
-    so a column's result does not depend on where the vector loop stops."""
+    so a column's result does not depend on where the vector loop stops; a NaN stays NaN in
+    both."""
     values = torch.randn(40) * 6
+    values[7] = float("nan")
     gate_up = torch.zeros(40, 18)  # inter 9: lanes 0-7, then column 8 alone
     gate_up[:, 0] = gate_up[:, 8] = values
     gate_up[:, 9] = gate_up[:, 17] = 1.5
-    out = getattr(cpu_ops, kernel)(gate_up)
-    assert torch.equal(out[:, 0], out[:, 8])
+    out = GATED[kernel][0](gate_up)
+    assert torch.equal(out[:7, 0], out[:7, 8]) and torch.equal(out[8:, 0], out[8:, 8])
+    assert out[7, 0].isnan() and out[7, 8].isnan()
+
+
+def test_the_clamped_swiglu_wants_a_positive_limit():
+    with pytest.raises(RuntimeError, match="limit must be positive"):
+        cpu_ops.clamped_swiglu_mul(torch.randn(2, 8), 1.702, 0.0)
 
 
 @pytest.mark.parametrize("kernel", sorted(GATED))
 def test_gated_activations_refuse_bad_inputs(kernel):
-    op = getattr(cpu_ops, kernel)
+    op = GATED[kernel][0]
     with pytest.raises(RuntimeError, match=rf"{kernel}: x must be \[rows, 2 \* inter\]"):
         op(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="must be fp32"):

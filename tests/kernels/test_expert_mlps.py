@@ -1,7 +1,9 @@
-"""A layer of experts in one op (`csrc/linear/expert_mlps.cpp`): over gated bf16 panel pairs it
-equals `ExpertLinears`' loop over the experts to the bit (which equals the loop over the joined
-gate/up layers), whatever the rows, choices, biases and threads; it refuses what it cannot
-compute, and `pair_gates` pairs only what the op takes."""
+"""A layer of experts in one op (`csrc/linear/expert_mlps.cpp`): over gated bf16 panel pairs
+(silu or gpt-oss's clamped SwiGLU) and over MXFP4 blocks it equals `ExpertLinears`' loop over
+the experts to the bit (which equals the loop over the joined gate/up layers), whatever the
+rows, choices, biases and threads, and MXFP4 experts equal torch's float64 product of the
+weights the blocks define; it refuses what it cannot compute, and `group` groups only what the
+op takes."""
 
 from __future__ import annotations
 
@@ -11,10 +13,17 @@ from torch import nn
 
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.linear import GatedPanelLinear, PanelLinear
+from engine.loading import gguf_blocks
+from engine.loading.mxfp4_experts import gguf_rows
 from engine.models.experts import ClampedSwiGLU, ExpertLinears
 from tests.helpers import needs_bf16_panels
+from tests.models.test_gpt_oss import mxfp4_weight
 
 HIDDEN, INTER, EXPERTS = 96, 48, 8
+# MXFP4 experts' intermediate size: a whole number of 32-input blocks.
+MXFP4_INTER = 64
+# gpt-oss's alpha, and a limit its random sums here pass often.
+CLAMP = ClampedSwiGLU(1.702, 0.6)
 
 
 def experts(
@@ -22,8 +31,10 @@ def experts(
     inter: int = INTER,
     storage: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    clamped: ClampedSwiGLU | None = None,
 ) -> ExpertLinears:
-    """Random experts in panels of `storage`, each gate/up one joined layer (gate rows first)."""
+    """Random experts in panels of `storage`, each gate/up one joined layer (gate rows first),
+    under silu or `clamped`."""
     torch.manual_seed(seed)
 
     def layer(out: int, into: int) -> PanelLinear:
@@ -32,7 +43,52 @@ def experts(
 
     gate_up = [layer(2 * inter, HIDDEN) for _ in range(EXPERTS)]
     down = [layer(HIDDEN, inter) for _ in range(EXPERTS)]
-    return ExpertLinears(gate_up, down, nn.SiLU(), silu=True)  # type: ignore[arg-type]
+    return ExpertLinears(
+        gate_up,  # type: ignore[arg-type]
+        down,  # type: ignore[arg-type]
+        nn.SiLU(),
+        silu=clamped is None,
+        clamped=clamped,
+    )
+
+
+def random_mxfp4(out: int, inputs: int, generator: torch.Generator):
+    """GGUF MXFP4 rows `[out, inputs / 32 * 17]` of random codes under scales about 1 / 8, and
+    the fp32 weights they stand for, by the format's definition."""
+    shape = (1, out, inputs // 32)
+    codes = torch.randint(0, 256, (*shape, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(121, 125, shape, generator=generator, dtype=torch.uint8)
+    return gguf_rows(codes, scales)[0].contiguous(), mxfp4_weight(codes, scales)[0]
+
+
+class Mxfp4Experts:
+    """Random experts in MXFP4 blocks multiplied in bf16, as gpt-oss's load, with the weights
+    and biases they stand for."""
+
+    def __init__(self, biases: bool, clamped: ClampedSwiGLU | None, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.weights: list[tuple[torch.Tensor, ...]] = []
+        gate_up, down = [], []
+        for _ in range(EXPERTS):
+            expert = []
+            for out, into, into_list in (
+                (2 * MXFP4_INTER, HIDDEN, gate_up),
+                (HIDDEN, MXFP4_INTER, down),
+            ):
+                rows, weight = random_mxfp4(out, into, generator)
+                bias = torch.randn(out, generator=generator) * 0.1 if biases else None
+                layer = PanelLinear.of_blocks(gguf_blocks.MXFP4, rows, bias)
+                assert layer.multiply_in_bf16()
+                into_list.append(layer)
+                expert.append((weight, bias))
+            self.weights.append(tuple(expert))
+        self.layer = ExpertLinears(
+            gate_up,
+            down,
+            nn.SiLU(),
+            silu=clamped is None,
+            clamped=clamped,  # type: ignore[arg-type]
+        )
 
 
 def choices(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,17 +102,18 @@ def choices(rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @needs_bf16_panels
 @pytest.mark.parametrize("biases", [False, True])
+@pytest.mark.parametrize("clamped", [None, CLAMP])
 @pytest.mark.parametrize(("rows", "k"), [(1, 1), (1, 4), (3, 2), (13, 3), (64, 4), (150, 2)])
 @pytest.mark.usefixtures("bf16_products")
 def test_the_op_equals_the_loop_over_the_experts_to_the_bit(
-    rows: int, k: int, biases: bool
+    rows: int, k: int, biases: bool, clamped: ClampedSwiGLU | None
 ) -> None:
-    joined = experts(biases)
+    joined = experts(biases, clamped=clamped)
     x = torch.randn(rows, HIDDEN)
     chosen, weights = choices(rows, k, seed=rows * k)
     with torch.inference_mode():
         before = joined.by_expert(x, chosen, weights)
-        assert joined.pair_gates()
+        assert joined.group()
         assert all(isinstance(g, GatedPanelLinear) for g in joined.gate_up)
         looped = joined.by_expert(x, chosen, weights)
         grouped = joined(x, chosen, weights)
@@ -67,10 +124,72 @@ def test_the_op_equals_the_loop_over_the_experts_to_the_bit(
 
 
 @needs_bf16_panels
+@pytest.mark.parametrize("biases", [False, True])
+@pytest.mark.parametrize("clamped", [None, CLAMP])
+@pytest.mark.parametrize(("rows", "k"), [(1, 1), (1, 4), (3, 2), (13, 3), (64, 4)])
+def test_mxfp4_experts_in_one_op_equal_their_loop_to_the_bit(
+    rows: int, k: int, biases: bool, clamped: ClampedSwiGLU | None
+) -> None:
+    held = Mxfp4Experts(biases, clamped, seed=rows + k)
+    x = torch.randn(rows, HIDDEN)
+    chosen, weights = choices(rows, k, seed=rows * k)
+    with torch.inference_mode():
+        looped = held.layer.by_expert(x, chosen, weights)
+        assert held.layer.group()
+        assert held.layer.grouped
+        grouped = held.layer(x, chosen, weights)
+    assert torch.equal(grouped, looped)
+    assert bool((grouped.abs().sum(-1) > 0).all())
+
+
+def reference_experts(
+    held: Mxfp4Experts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The layer in float64 from the weights the blocks define: each row rounded to bf16, its
+    experts' gate/up, the activation, rounded to bf16 again, the down projection, weighed."""
+    clamped = held.layer.clamped
+    rows = x.bfloat16().double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for r in range(x.shape[0]):
+        for expert, weight in zip(chosen[r].tolist(), weights[r].double(), strict=True):
+            (w1, b1), (w2, b2) = held.weights[expert]
+            gate_up = rows[r] @ w1.double().T + (0 if b1 is None else b1.double())
+            gate, up = gate_up.chunk(2)
+            if clamped is None:
+                activated = torch.nn.functional.silu(gate) * up
+            else:
+                gate, up = gate.clamp(max=clamped.limit), up.clamp(-clamped.limit, clamped.limit)
+                activated = (up + 1) * gate * torch.sigmoid(clamped.alpha * gate)
+            rounded = activated.float().bfloat16().double()
+            out[r] += weight * (rounded @ w2.double().T + (0 if b2 is None else b2.double()))
+    return out
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize("clamped", [None, CLAMP])
+def test_mxfp4_experts_are_the_product_of_the_weights_the_blocks_define(
+    clamped: ClampedSwiGLU | None,
+) -> None:
+    """Against torch's float64 layer over the decoded weights: within fp32 sums, but for where
+    the activation's bf16 rounding falls the other way (a last-bit step of one intermediate
+    value, then summed through the down projection)."""
+    held = Mxfp4Experts(True, clamped, seed=9)
+    assert held.layer.group()
+    x = torch.randn(11, HIDDEN, generator=torch.Generator().manual_seed(3))
+    chosen, weights = choices(11, 3, seed=4)
+    with torch.inference_mode():
+        got = held.layer(x, chosen, weights)
+    expected = reference_experts(held, x, chosen, weights)
+    torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2)
+    assert (got.double() - expected).abs().median() < 1e-3
+
+
+@needs_bf16_panels
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_the_op_does_not_depend_on_the_thread_count(rows: int) -> None:
-    paired = experts(biases=True)
-    assert paired.pair_gates()
+@pytest.mark.parametrize("form", ["bf16", "mxfp4"])
+def test_the_op_does_not_depend_on_the_thread_count(rows: int, form: str) -> None:
+    paired = experts(biases=True) if form == "bf16" else Mxfp4Experts(True, CLAMP).layer
+    assert paired.group()
     x = torch.randn(rows, HIDDEN)
     chosen, weights = choices(rows, 3, seed=rows)
     threads = torch.get_num_threads()
@@ -90,7 +209,7 @@ def test_the_weights_and_the_choice_count() -> None:
     """Each row's sum is its experts' outputs times their weights: twice the weights give twice
     the sum, and a row's experts swapped for others give another output."""
     paired = experts()
-    assert paired.pair_gates()
+    assert paired.group()
     x = torch.randn(5, HIDDEN)
     chosen, weights = choices(5, 2, seed=3)
     with torch.inference_mode():
@@ -103,7 +222,7 @@ def test_the_weights_and_the_choice_count() -> None:
 @needs_bf16_panels
 def test_the_op_refuses_what_it_cannot_compute() -> None:
     paired = experts()
-    assert paired.pair_gates()
+    assert paired.group()
     gate_up = [g.panels for g in paired.gate_up]
     down = [d.panels for d in paired.down]
     none = [None] * EXPERTS
@@ -130,22 +249,45 @@ def test_the_op_refuses_what_it_cannot_compute() -> None:
         call(down=[d[:1] for d in down])
     with pytest.raises(RuntimeError, match="x must be contiguous fp32"):
         call(x=x.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"clamped is \[alpha, limit\]"):
+        call(clamped=(1.0, 0.0))
+    with pytest.raises(RuntimeError, match=r"clamped is \[alpha, limit\]"):
+        call(clamped=(1.0, 7.0), gelu=True)
     assert call().shape == (2, HIDDEN)
+    blocks = Mxfp4Experts(False, None).layer
+    mx_gate_up = [g.panels for g in blocks.gate_up]
+    mx_down = [d.panels for d in blocks.down]
+    with pytest.raises(RuntimeError, match="MXFP4 panels must be"):  # inter is another's
+        call(gate_up=mx_gate_up, down=mx_down)
+    with pytest.raises(RuntimeError, match="MXFP4 panels must be"):
+        call(gate_up=mx_gate_up, down=[d[:-1] for d in mx_down], inter=MXFP4_INTER)
+    with pytest.raises(RuntimeError, match="gate/up panels must be"):  # the forms mixed
+        call(gate_up=[gate_up[0], *mx_gate_up[1:]], down=mx_down, inter=MXFP4_INTER,
+             experts=torch.tensor([[0, 1], [2, 3]]))  # fmt: skip
+    assert call(gate_up=mx_gate_up, down=mx_down, inter=MXFP4_INTER).shape == (2, HIDDEN)
 
 
 @needs_bf16_panels
-def test_only_bf16_silu_experts_in_whole_panels_pair() -> None:
+def test_only_what_the_op_takes_is_grouped() -> None:
+    """bf16 experts under silu or the clamped SwiGLU with the intermediate size in whole panels,
+    and MXFP4 experts multiplied in bf16; the rest keeps the loop."""
     fp32 = experts(storage=torch.float32)
-    assert not fp32.pair_gates()
+    assert not fp32.group()
     assert all(isinstance(g, PanelLinear) for g in fp32.gate_up)
     ragged = experts(inter=40)  # gate and up meet inside a panel
-    assert not ragged.pair_gates()
-    clamped = experts()
-    clamped.clamped = ClampedSwiGLU(1.702, 7.0)
-    assert not clamped.pair_gates()
+    assert not ragged.group()
+    gelu = experts()
+    gelu.silu = False  # another activation, which the op does not compute
+    assert not gelu.group()
+    clamped = experts(clamped=CLAMP)
+    assert clamped.group()
+    assert "clamped swiglu(gate, up)" in repr(clamped.gate_up[0])
+    widened = Mxfp4Experts(False, CLAMP)
+    widened.layer.down[0].bf16_blocks = False  # one expert's down widens to fp32
+    assert not widened.layer.group()
     x = torch.randn(3, HIDDEN)
     chosen, weights = choices(3, 2, seed=5)
-    with torch.inference_mode():  # the loop serves what does not pair
+    with torch.inference_mode():  # the loop serves what is not grouped
         torch.testing.assert_close(
             ragged(x, chosen, weights), ragged.by_expert(x, chosen, weights), rtol=0, atol=0
         )

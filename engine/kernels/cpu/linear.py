@@ -348,19 +348,27 @@ class PanelLinear(nn.Module):
 
 class GatedPanelLinear(nn.Module):
     """A gated MLP's gate and up projections and its activation, `silu(x Wg^T + bg) * (x Wu^T
-    + bu)` (with `gelu`, GELU's tanh approximation for silu: Gemma's), in one op over bf16
-    panels: each gate panel followed by the up panel of the same 16 columns (`[ceil(inter /
-    16), 2, in / 2, 32]`), so one pass of the kernel holds both sums and writes only the
-    activation (`cpu_ops.gated_linear`). Equal to the bit to the joined gate/up `PanelLinear`
-    followed by `cpu_ops.silu_mul` (`cpu_ops.gelu_tanh_mul`)."""
+    + bu)` (with `gelu`, GELU's tanh approximation for silu: Gemma's; with `clamped` `(alpha,
+    limit)`, gpt-oss's clamped SwiGLU), in one op over bf16 panels: each gate panel followed
+    by the up panel of the same 16 columns (`[ceil(inter / 16), 2, in / 2, 32]`), so one pass
+    of the kernel holds both sums and writes only the activation (`cpu_ops.gated_linear`).
+    Equal to the bit to the joined gate/up `PanelLinear` followed by `cpu_ops.silu_mul`
+    (`cpu_ops.gelu_tanh_mul`, `cpu_ops.clamped_swiglu_mul`)."""
 
     panels: torch.Tensor
     padded_bias: torch.Tensor | None
 
-    def __init__(self, gate: PanelLinear, up: PanelLinear, gelu: bool = False) -> None:
+    def __init__(
+        self,
+        gate: PanelLinear,
+        up: PanelLinear,
+        gelu: bool = False,
+        clamped: tuple[float, float] | None = None,
+    ) -> None:
         """Over copies of `gate`'s and `up`'s panels, which then hold views of them."""
         super().__init__()
         self.gelu = gelu
+        self.clamped = clamped
         self.in_features, self.out_features = gate.in_features, gate.out_features
         self.register_buffer("panels", torch.stack([gate.panels, up.panels], dim=1))
         gate.panels, up.panels = self.panels[:, 0], self.panels[:, 1]
@@ -372,7 +380,13 @@ class GatedPanelLinear(nn.Module):
         self.register_buffer("padded_bias", bias)
 
     @classmethod
-    def of(cls, gate: nn.Module, up: nn.Module, gelu: bool = False) -> GatedPanelLinear | None:
+    def of(
+        cls,
+        gate: nn.Module,
+        up: nn.Module,
+        gelu: bool = False,
+        clamped: tuple[float, float] | None = None,
+    ) -> GatedPanelLinear | None:
         """The gated layer over these projections, where both are bf16 `PanelLinear`s of one
         shape, both with or both without bias, and the kernels run here; else None."""
         if not (
@@ -386,7 +400,7 @@ class GatedPanelLinear(nn.Module):
             and cpu_ops.bf16_panels_available()
         ):
             return None
-        return cls(gate, up, gelu)
+        return cls(gate, up, gelu, clamped)
 
     def forward(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
         """fp32, or with `bf16_out` rounded to bf16: the rows a bf16 product would round the
@@ -394,7 +408,7 @@ class GatedPanelLinear(nn.Module):
         may be bf16 rows too (taken as they are)."""
         rows = kernel_rows(x, self.in_features, bf16_panels=True)
         out = cpu_ops.gated_linear(
-            rows, self.panels, self.padded_bias, self.out_features, bf16_out, self.gelu
+            rows, self.panels, self.padded_bias, self.out_features, bf16_out, self.gelu, self.clamped
         )
         return out.view(*x.shape[:-1], self.out_features)
 
@@ -411,12 +425,14 @@ class GatedPanelLinear(nn.Module):
 
     @property
     def activation(self) -> str:
-        return "gelu_tanh" if self.gelu else "silu"
+        if self.clamped is not None:
+            return "clamped swiglu(gate, up)"
+        return f"{'gelu_tanh' if self.gelu else 'silu'}(gate) * up"
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"weight=bf16 x bf16 activations (gate/up panel pairs, {self.activation}(gate) * up)"
+            f"weight=bf16 x bf16 activations (gate/up panel pairs, {self.activation})"
         )
 
 

@@ -66,11 +66,12 @@ def register_fakes() -> None:
         "rotary": lambda x, cos, sin: x.new_empty(x.shape),
         "silu_mul": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)),
         "gelu_tanh_mul": lambda x: x.new_empty((x.shape[0], x.shape[1] // 2)),
+        "clamped_swiglu_mul": lambda x, alpha, limit: x.new_empty((x.shape[0], x.shape[1] // 2)),
         "panel_linear": lambda x, panels, bias, out_features, residual=None: x.new_empty(
             (x.shape[0], out_features), dtype=fp32
         ),
-        "gated_linear": lambda x, panels, bias, inter, bf16_out=False, gelu=False: x.new_empty(
-            (x.shape[0], inter), dtype=bf16 if bf16_out else fp32
+        "gated_linear": lambda x, panels, bias, inter, bf16_out=False, gelu=False, clamped=None: (
+            x.new_empty((x.shape[0], inter), dtype=bf16 if bf16_out else fp32)
         ),
     }
     for name, fake in fakes.items():
@@ -295,13 +296,17 @@ def gated_linear(
     inter: int,
     bf16_out: bool = False,
     gelu: bool = False,
+    clamped: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """`silu(x Wg^T + bg) * (x Wu^T + bu)` (with `gelu`, GELU's tanh approximation for silu)
-    for fp32 `x [rows, in]`, the gate and up weights in bf16 panels side by side,
+    """`silu(x Wg^T + bg) * (x Wu^T + bu)` (with `gelu`, GELU's tanh approximation for silu;
+    with `clamped` `(alpha, limit)`, gpt-oss's clamped SwiGLU as `clamped_swiglu_mul` computes
+    it) for fp32 `x [rows, in]`, the gate and up weights in bf16 panels side by side,
     `[ceil(inter / 16), 2, in / 2, 32]`, and their biases likewise
     (`cpu_linear.GatedPanelLinear`): `[rows, inter]` in fp32, or with `bf16_out` rounded to
     bf16 as the bf16 panels round their input rows."""
-    return torch.ops.conveyor.gated_linear(x, panels, bias, inter, bf16_out, gelu)
+    return torch.ops.conveyor.gated_linear(
+        x, panels, bias, inter, bf16_out, gelu, None if clamped is None else list(clamped)
+    )
 
 
 def expert_mlps(
@@ -314,12 +319,15 @@ def expert_mlps(
     down_bias: Sequence[torch.Tensor | None],
     inter: int,
     gelu: bool = False,
+    clamped: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """A layer of experts over fp32 rows `x [rows, hidden]` in one op
     (`csrc/linear/expert_mlps.cpp`): row `i` through its experts `experts[i]` (int64 `[rows,
     k]`), each expert's gate/up in gated bf16 panels (`gated_linear`'s) and its down in bf16
-    panels, one of each (and a padded bias or None) per expert, the outputs times `weights[i]`
-    (fp32 `[rows, k]`) summed in fp32, as `ExpertLinears`' loop over the experts sums them."""
+    panels, or both in MXFP4 block panels (`mxfp4_bf16_linear`'s, gate/up's gate then up),
+    one of each (and a padded bias or None) per expert, under the activation `gated_linear`
+    names, the outputs times `weights[i]` (fp32 `[rows, k]`) summed in fp32, as
+    `ExpertLinears`' loop over the experts sums them."""
     return torch.ops.conveyor.expert_mlps(
         x,
         experts,
@@ -330,6 +338,7 @@ def expert_mlps(
         list(down_bias),
         inter,
         gelu,
+        None if clamped is None else list(clamped),
     )
 
 
@@ -376,6 +385,13 @@ def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
     """`gelu(gate) * up` under GELU's tanh approximation (Gemma's), for fp32 rows
     `[rows, 2 * inter]` holding gate then up."""
     return torch.ops.conveyor.gelu_tanh_mul(x)
+
+
+def clamped_swiglu_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU for fp32 rows `[rows, 2 * inter]` holding gate then up: the
+    gate capped at `limit`, the up clamped to `[-limit, limit]`, then `(up + 1) * gate *
+    sigmoid(alpha * gate)`, the sigmoid in silu's operations."""
+    return torch.ops.conveyor.clamped_swiglu_mul(x, alpha, limit)
 
 
 def gated_delta_decode(

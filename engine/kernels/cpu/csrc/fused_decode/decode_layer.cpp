@@ -103,7 +103,8 @@ at::Tensor gated(const at::Tensor& x, const at::Tensor& panels,
                  const std::optional<at::Tensor>& bias, int64_t inter, const at::Tensor& down,
                  bool gelu) {
   if (panels.dim() == 4)
-    return gated_linear(x, panels, bias, inter, down.scalar_type() == at::kBFloat16, gelu);
+    return gated_linear(x, panels, bias, inter, down.scalar_type() == at::kBFloat16,
+                        GateActivation::silu_or_gelu(gelu));
   const at::Tensor gate_up = panel_linear(x, panels, bias, 2 * inter);
   return gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up);
 }

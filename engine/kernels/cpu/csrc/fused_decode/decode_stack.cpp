@@ -208,7 +208,7 @@ void run_layer(const Team& team, Stack& st, const Layer& layer, const float* in,
   product_rows(team, st, st.residual.get(), layer.post_norm);
   barrier();
   product({st.normed.get(), layer.gate_up_bias, nullptr, nullptr, st.gated16.get(), M, st.width,
-           st.inter, nullptr, layer.gelu},
+           st.inter, nullptr, GateActivation::silu_or_gelu(layer.gelu)},
           layer.gate_up, st.gated_tasks, taken[3]);
   barrier();
   add_output(team, st,

@@ -7,10 +7,13 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "bf16_round.h"
 #include "block_panels.h"
+#include "ops.h"
 #include "panel_passes.h"
 #include "pass_split.h"
 #include "scratch.h"
@@ -61,6 +64,17 @@ inline Scratch<uint16_t> bf16_rows(const at::Tensor& x) {
     for (int64_t m = m0; m < m1; ++m) round_to_bf16(rows + m * K, K, rounded.get() + m * K);
   });
   return rounded;
+}
+
+// A product's tasks over `count` block panels for a team of `threads`: every row over runs of
+// panels, about two runs a thread, each a whole number of four panels (what a pass of a few
+// rows widens at once).
+inline std::vector<ProductTask> block_product_tasks(int64_t M, int64_t count, int threads) {
+  const int64_t run = std::max<int64_t>(4, ((count + 2 * threads - 1) / (2 * threads) + 3) / 4 * 4);
+  std::vector<ProductTask> tasks;
+  for (int64_t p0 = 0; p0 < count; p0 += run)
+    tasks.push_back({0, M, p0, std::min(count, p0 + run)});
+  return tasks;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
@@ -153,16 +167,33 @@ void block_many_rows(const typename Kernel::Problem& pb, const uint8_t* panels, 
   }
 }
 
-// The product over all `count` panels, split over torch's threads: a few rows widen in
-// registers (four panels at a time for up to 2 rows, else two), more widen each panel once.
+// Every row over panels [p0, p1): a few rows widen in registers (four panels at a time for up
+// to 2 rows, else two), more widen each panel once.
+template <typename Kernel>
+void block_panels(const typename Kernel::Problem& pb, const uint8_t* panels, int64_t p0,
+                  int64_t p1) {
+  const int64_t panel_bytes = pb.K / kBlock * Kernel::kGroupBytes;
+  if (pb.M <= 2) block_few_rows<Kernel, 4>(pb, panels, panel_bytes, p0, p1);
+  else if (pb.M <= kBlockPassRows) block_few_rows<Kernel, 2>(pb, panels, panel_bytes, p0, p1);
+  else block_many_rows<Kernel>(pb, panels, panel_bytes, p0, p1);
+}
+
+// The product over all `count` panels, split over torch's threads.
 template <typename Kernel>
 void block_product(const typename Kernel::Problem& pb, const uint8_t* panels, int64_t count) {
-  const int64_t panel_bytes = pb.K / kBlock * Kernel::kGroupBytes;
-  at::parallel_for(0, count, 4, [&](int64_t p0, int64_t p1) {
-    if (pb.M <= 2) block_few_rows<Kernel, 4>(pb, panels, panel_bytes, p0, p1);
-    else if (pb.M <= kBlockPassRows) block_few_rows<Kernel, 2>(pb, panels, panel_bytes, p0, p1);
-    else block_many_rows<Kernel>(pb, panels, panel_bytes, p0, p1);
-  });
+  at::parallel_for(0, count, 4,
+                   [&](int64_t p0, int64_t p1) { block_panels<Kernel>(pb, panels, p0, p1); });
+}
+
+// This thread's part of a product over `tasks` (`block_product_tasks`), every thread of the
+// region calling it: each takes the next task as it frees up, `next` counting the tasks taken.
+// A column's sums do not depend on the panels it was taken with.
+template <typename Kernel>
+void block_take_tasks(const typename Kernel::Problem& pb, const uint8_t* panels,
+                      const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next) {
+  const int64_t total = static_cast<int64_t>(tasks.size());
+  for (int64_t t = next++; t < total; t = next++)
+    block_panels<Kernel>(pb, panels, tasks[t].p0, tasks[t].p1);
 }
 
 // 16 sums plus bias (if any) as output columns n0.. of row `row` of out [rows, N]: all 16, or

@@ -81,6 +81,28 @@ inline __m256 gelu_tanh8(__m256 x) {
 }
 #endif
 
+// gpt-oss's clamped SwiGLU of a gate and an up value: the gate capped at `limit`, the up
+// clamped to [-limit, limit], then (up + 1) * gate / (1 + exp(-alpha * gate)) (gate times
+// sigmoid(alpha * gate), in silu's operations; a NaN stays NaN); the scalar form and its
+// eight-lane twin.
+inline float clamped_swiglu(float gate, float up, float alpha, float limit) {
+  const float g = std::min(gate, limit);
+  const float u = std::min(std::max(up, -limit), limit);
+  return (u + 1.f) * (g / (1.f + exp_clamped(-(alpha * g))));
+}
+
+#ifdef CONVEYOR_EXP8
+inline __m256 clamped_swiglu8(__m256 gate, __m256 up, float alpha, float limit) {
+  // minps and maxps return their second operand where either is NaN: the value goes second.
+  const __m256 g = _mm256_min_ps(_mm256_set1_ps(limit), gate);
+  const __m256 u = _mm256_min_ps(_mm256_set1_ps(limit), _mm256_max_ps(_mm256_set1_ps(-limit), up));
+  const __m256 e =
+      exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(alpha), g)));
+  return _mm256_mul_ps(_mm256_add_ps(u, _mm256_set1_ps(1.f)),
+                       _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+}
+#endif
+
 // s[0, n) replaced by exp(s[i] - shift), eight lanes at a time, and their sum: the lanes' sums
 // added in lane order, then the tail's one at a time. Shared by the attention softmaxes.
 inline float exp_shifted_sum(float* s, int64_t n, float shift) {

@@ -12,6 +12,7 @@
 #include <optional>
 #include <vector>
 
+#include "gate_activation.h"
 #include "layer_args.h"
 #include "thread_team.h"
 
@@ -48,8 +49,8 @@ struct Bf16Product {
   int64_t M, K, N;
   // A greedy choice instead of an output (`panel_argmax`): this thread's best of each row.
   RowBest* best = nullptr;
-  // Gate/up pairs give gelu(gate) * up under tanh's approximation instead of silu(gate) * up.
-  bool gelu = false;
+  // What gate/up pairs' sums become (silu(gate) * up unless said otherwise).
+  GateActivation act{};
 };
 // A share of a product: rows [m0, m1) times panels [p0, p1).
 struct ProductTask {
@@ -66,16 +67,36 @@ std::vector<ProductTask> bf16_product_tasks(int64_t M, int64_t K, int64_t count,
 // next task as it frees up, `next` counting the tasks taken (zero before the first call).
 void bf16_take_tasks(const Bf16Product& pb, const uint16_t* panels, int64_t count, bool gated,
                      const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next);
+// This thread's part of a product over MXFP4 block panels (`mxfp4_bf16.cpp`) split into `tasks`
+// (`block_product_tasks`), every thread of the region calling it: bf16 rows x [M, K] times the
+// panels, plus bias (padded to whole panels) where not null, to fp32 rows out [M, N].
+void mxfp4_take_tasks(const uint16_t* x, const float* bias, float* out, int64_t M, int64_t K,
+                      int64_t N, const uint8_t* panels, const std::vector<ProductTask>& tasks,
+                      std::atomic<int64_t>& next);
 // Each row's argmax of x W^T + bias over bf16 panels (`bf16_panels.cpp`), int64 [rows], as
 // `torch.argmax` picks it from panel_linear's output, without writing that output.
 at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t out_features);
-// silu(x Wg^T + bg) * (x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`), or with `gelu`
-// gelu(...) * (...) under tanh's approximation: fp32, or with `bf16_out` rounded to bf16 as a
-// bf16 product rounds its input rows.
+// The activation that an op's `gelu` and `clamped` ([alpha, limit]: gpt-oss's clamped SwiGLU)
+// arguments name; `op` names the op in the error.
+inline GateActivation gate_activation(bool gelu,
+                                      const c10::optional<c10::ArrayRef<double>>& clamped,
+                                      const char* op) {
+  if (!clamped.has_value()) return GateActivation::silu_or_gelu(gelu);
+  TORCH_CHECK(!gelu && clamped->size() == 2 && (*clamped)[1] > 0, op,
+              ": clamped is [alpha, limit] with a positive limit, and not with gelu");
+  return {GateActivation::Kind::kClamped, static_cast<float>((*clamped)[0]),
+          static_cast<float>((*clamped)[1])};
+}
+// act(x Wg^T + bg, x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`), silu(gate) * up
+// unless `act` says otherwise: fp32, or with `bf16_out` rounded to bf16 as a bf16 product rounds
+// its input rows.
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t inter, bool bf16_out = false,
-                        bool gelu = false);
+                        const GateActivation& act = {});
+at::Tensor gated_linear_op(const at::Tensor& x, const at::Tensor& panels,
+                           const c10::optional<at::Tensor>& bias, int64_t inter, bool bf16_out,
+                           bool gelu, const c10::optional<c10::ArrayRef<double>>& clamped);
 // The input features of panels as `panel_linear` takes them (fp32, fp16, bf16 pairs or GGUF
 // blocks).
 int64_t panel_in_features(const at::Tensor& panels);
@@ -131,6 +152,8 @@ void check_decode_tables(const at::Tensor& table, const at::Tensor& lens, int64_
 at::Tensor silu_mul(const at::Tensor& x);
 // gelu(gate) * up under tanh's approximation, as `silu_mul` takes its rows (`silu_mul.cpp`).
 at::Tensor gelu_tanh_mul(const at::Tensor& x);
+// gpt-oss's clamped SwiGLU, as `silu_mul` takes its rows (`silu_mul.cpp`).
+at::Tensor clamped_swiglu_mul(const at::Tensor& x, double alpha, double limit);
 // One layer's cache as the ops store into it and read it: contiguous K and V of one shape
 // [blocks, block_size, kv_heads, dim] and dtype (fp32, bf16, fp16 or fp8 e5m2); and one int64
 // slot per row inside it (`kv_store.cpp`). `op` names the caller in the error.

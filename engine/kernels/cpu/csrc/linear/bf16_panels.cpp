@@ -34,9 +34,10 @@
 // `gated_linear` is the gated MLP's gate and up projections and activation in one op: panels
 // [ceil(inter / 16), 2, in / 2, 32] hold each gate panel followed by the up panel of the same
 // columns, bias [panels * 2 * 16] likewise, and each pair's sums give out [rows, inter] =
-// silu(gate) * up as they leave the registers (with `gelu`, gelu(gate) * up under tanh's
-// approximation), equal to the bit to `panel_linear` over the gate/up projection followed by
-// `silu_mul` (`gelu_tanh_mul`): the activation's pass over memory and the
+// silu(gate) * up as they leave the registers (or gelu(gate) * up under tanh's approximation,
+// or gpt-oss's clamped SwiGLU), equal to the bit to `panel_linear` over the gate/up projection
+// followed by `silu_mul` (`gelu_tanh_mul`, `clamped_swiglu_mul`): the activation's pass over
+// memory and the
 // projection's second half of output are gone. With `bf16_out` it writes those rows rounded to
 // bf16, as a bf16 product rounds its input, and the down projection's product takes them as
 // they are (`bf16_rows_product`): half the bytes written, and no rounding pass over fp32 rows
@@ -164,19 +165,8 @@ CONVEYOR_INLINE void store_columns(__m512 values, const Problem& pb, int64_t row
   _mm512_mask_storeu_ps(pb.out + at, mask, values);
 }
 
-// silu(gate) * up in the operations `silu_mul` does, eight lanes at a time, so the fused
-// activation equals the product followed by `silu_mul` to the bit.
-CONVEYOR_INLINE __m256 silu_times8(__m256 gate, __m256 up) {
-  return _mm256_mul_ps(conveyor::silu8(gate), up);
-}
-
 CONVEYOR_INLINE __m256 upper8(__m512 v) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-}
-
-// gelu(gate) * up under tanh's approximation, as `gelu_tanh_mul` computes it.
-CONVEYOR_INLINE __m256 gelu_times8(__m256 gate, __m256 up) {
-  return _mm256_mul_ps(conveyor::gelu_tanh8(gate), up);
 }
 
 CONVEYOR_INLINE __m512 joined(__m256 low, __m256 high) {
@@ -184,10 +174,12 @@ CONVEYOR_INLINE __m512 joined(__m256 low, __m256 high) {
       _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high), 1));
 }
 
-CONVEYOR_INLINE __m512 activated_times(__m512 gate, __m512 up, bool gelu) {
-  const __m256 gate_low = _mm512_castps512_ps256(gate), up_low = _mm512_castps512_ps256(up);
-  if (gelu) return joined(gelu_times8(gate_low, up_low), gelu_times8(upper8(gate), upper8(up)));
-  return joined(silu_times8(gate_low, up_low), silu_times8(upper8(gate), upper8(up)));
+// The activation of 16 gate and up sums, eight lanes at a time in the operations `silu_mul`
+// (`gate_activation.h`) does, so the fused activation equals the product followed by it to the
+// bit.
+CONVEYOR_INLINE __m512 activated(__m512 gate, __m512 up, const conveyor::GateActivation& act) {
+  return joined(act(_mm512_castps512_ps256(gate), _mm512_castps512_ps256(up)),
+                act(upper8(gate), upper8(up)));
 }
 
 // One row's sums for NP panels from p (plus bias) through the epilogue E to its output columns.
@@ -197,9 +189,9 @@ CONVEYOR_INLINE void store_row(const Problem& pb, const __m512* sums, int64_t ro
     static_assert(NP % 2 == 0, "gated panels come in gate/up pairs");
 #pragma GCC unroll 8
     for (int j = 0; j < NP; j += 2)
-      store_columns(activated_times(with_bias(sums[j], pb, p + j),
-                                    with_bias(sums[j + 1], pb, p + j + 1), pb.gelu),
-                    pb, row, (p + j) / 2 * kPanel);
+      store_columns(
+          activated(with_bias(sums[j], pb, p + j), with_bias(sums[j + 1], pb, p + j + 1), pb.act),
+          pb, row, (p + j) / 2 * kPanel);
   } else if constexpr (E == Epilogue::kArgmax) {
 #pragma GCC unroll 8
     for (int j = 0; j < NP; ++j)
@@ -673,7 +665,7 @@ at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,
 
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
                         const c10::optional<at::Tensor>& bias, int64_t inter, bool bf16_out,
-                        bool gelu) {
+                        const GateActivation& act) {
 #ifndef CONVEYOR_BF16_PANELS
   TORCH_CHECK(false, "gated_linear needs AVX-512 BF16");
 #else
@@ -693,10 +685,17 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
   float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
   uint16_t* out16 = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   Problem pb{in.rows, b, nullptr, out32, out16, M, K, inter};
-  pb.gelu = gelu;
+  pb.act = act;
   run<Epilogue::kGated>(pb, panels, 2 * panels.size(0));
   return out;
 #endif
+}
+
+at::Tensor gated_linear_op(const at::Tensor& x, const at::Tensor& panels,
+                           const c10::optional<at::Tensor>& bias, int64_t inter, bool bf16_out,
+                           bool gelu, const c10::optional<c10::ArrayRef<double>>& clamped) {
+  return gated_linear(x, panels, bias, inter, bf16_out,
+                      gate_activation(gelu, clamped, "gated_linear"));
 }
 
 }  // namespace conveyor
@@ -704,12 +703,12 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& panels,
 TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "gated_linear(Tensor x, Tensor panels, Tensor? bias, int inter, bool bf16_out=False, "
-      "bool gelu=False) -> Tensor");
+      "bool gelu=False, float[]? clamped=None) -> Tensor");
   m.def("panel_argmax(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("bf16_tiles_available() -> bool", &conveyor::bf16_tiles_available);
   m.def("set_bf16_tiles(bool on) -> bool", &conveyor::set_bf16_tiles);
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
-  m.impl("gated_linear", &conveyor::gated_linear);
+  m.impl("gated_linear", &conveyor::gated_linear_op);
   m.impl("panel_argmax", &conveyor::panel_argmax);
 }

@@ -25,7 +25,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <vector>
 #include <cstring>
 
 #include "block_panels.h"
@@ -208,6 +210,16 @@ at::Tensor mxfp4_bf16_linear(const at::Tensor& x, const at::Tensor& panels,
   const Problem pb{rounded.get(), b, out.data_ptr<float>(), M, K, out_features};
   block_product<Mxfp4Kernel>(pb, panels.data_ptr<uint8_t>(), panels.size(0));
   return out;
+#endif
+}
+
+void mxfp4_take_tasks(const uint16_t* x, const float* bias, float* out, int64_t M, int64_t K,
+                      int64_t N, const uint8_t* panels, const std::vector<ProductTask>& tasks,
+                      std::atomic<int64_t>& next) {
+#ifndef CONVEYOR_MXFP4_BF16
+  TORCH_CHECK(false, "MXFP4 products need AVX-512 BF16");
+#else
+  block_take_tasks<Mxfp4Kernel>(Problem{x, bias, out, M, K, N}, panels, tasks, next);
 #endif
 }
 
