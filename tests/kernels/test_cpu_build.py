@@ -83,8 +83,11 @@ def test_build_name_changes_with_the_cpu_features(monkeypatch):
 class FakeCompiler:
     """Stands in for the compiler: fails any build that includes `broken`, as ninja reports it."""
 
-    def __init__(self, broken: str | None) -> None:
+    def __init__(self, broken: str | None, status: str = "") -> None:
         self.broken = broken
+        # What ninja writes between `FAILED:` and the object: nothing before 1.13, then the
+        # compiler's exit status (`[code=1] `).
+        self.status = status
         self.builds: list[tuple[str, ...]] = []
         self.jobs: list[int | None] = []
 
@@ -100,7 +103,7 @@ class FakeCompiler:
             path = cpu_build.CSRC / self.broken / source
             raise RuntimeError(
                 f"Error building extension '{name}': [1/3] c++ ...\n"
-                f"FAILED: {stem}.o\n{path}:139:5: error: "
+                f"FAILED: {self.status}{stem}.o\n{path}:139:5: error: "
                 f"'round_to_bf16' was not declared in this scope\nninja: stop"
             )
 
@@ -110,8 +113,9 @@ def supported(monkeypatch):
     monkeypatch.setattr(cpu_build, "why_unsupported", lambda: "")
 
 
-def test_one_broken_group_falls_back_alone(supported, monkeypatch, tmp_path, caplog):
-    fake = FakeCompiler("fused_decode")
+@pytest.mark.parametrize("status", ["", "[code=1] "])
+def test_one_broken_group_falls_back_alone(supported, monkeypatch, tmp_path, caplog, status):
+    fake = FakeCompiler("fused_decode", status)
     monkeypatch.setattr(cpu_build, "_compile", fake)
     with caplog.at_level(logging.WARNING):
         result = cpu_build.build(tmp_path, "conveyor_cpu_test")

@@ -308,8 +308,9 @@ def _load_extension(folder: Path, name: str, groups: tuple[str, ...]) -> None:
 
 
 def _failed_groups(message: str, groups: tuple[str, ...]) -> set[str]:
-    """The groups whose sources the builder's output names as failed (`FAILED: x.o`)."""
-    objects = set(re.findall(r"FAILED: (?:\S*/)?([\w.]+)\.o\b", message))
+    """The groups whose sources the builder's output names as failed (`FAILED: x.o`; ninja
+    1.13 and later: `FAILED: [code=1] x.o`)."""
+    objects = set(re.findall(r"FAILED: (?:\[code=-?\d+\] )?(?:\S*/)?([\w.]+)\.o\b", message))
     return {
         g.name
         for g in GROUPS
