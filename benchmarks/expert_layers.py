@@ -1,12 +1,13 @@
-"""Layers of experts on the CPU over bf16 panels, three ways in turn: the one op
-(`cpu_ops.expert_mlps`), the loop over the chosen experts (`ExpertLinears.by_expert`) and, for
-scale, a dense gated MLP as wide as the experts a row runs (the same bytes a row reads, in
-bf16). The median milliseconds a layer at each row count; every layer holds its own weights, so
-they stream from memory as in a decode step. With `--mxfp4` the experts hold random MXFP4
-blocks (gpt-oss as published); with `--clamped` they run gpt-oss's clamped SwiGLU instead of
-silu. Needs AVX-512 BF16.
+"""Layers of experts on the CPU, three ways in turn: the one op (`cpu_ops.expert_mlps`), the
+loop over the chosen experts (`ExpertLinears.by_expert`) and, for scale where bf16 panels run, a
+dense gated MLP as wide as the experts a row runs (the same bytes a row reads, in bf16). The
+median milliseconds a layer at each row count; every layer holds its own weights, so they
+stream from memory as in a decode step. `--weights`: bf16 panels (AVX-512 BF16), fp16 or fp32
+panels over fp32 rows (any x86-64 level), or random MXFP4 blocks (gpt-oss as published;
+multiplied in bf16 where that runs, else widened to fp32); with `--clamped` the experts run
+gpt-oss's clamped SwiGLU instead of silu.
 
-    PYTHONPATH=. python benchmarks/expert_layers.py --rows 1 16 64 [--mxfp4] [--clamped]
+    PYTHONPATH=. python benchmarks/expert_layers.py --rows 1 16 64 [--weights fp16] [--clamped]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -26,23 +28,30 @@ from engine.loading import gguf_blocks
 from engine.models.experts import ClampedSwiGLU, ExpertLinears
 
 
-def panels(out: int, into: int) -> PanelLinear:
-    return PanelLinear(torch.randn(out, into) / into**0.5, None, torch.bfloat16)
+def panels(out: int, into: int, storage: torch.dtype = torch.bfloat16) -> PanelLinear:
+    return PanelLinear(torch.randn(out, into) / into**0.5, None, storage)
 
 
 def blocks(out: int, into: int) -> PanelLinear:
-    """MXFP4 blocks of random codes under scales about 1 / 16, multiplied in bf16."""
+    """MXFP4 blocks of random codes under scales about 1 / 16, multiplied in bf16 where that
+    runs."""
     codes = torch.randint(0, 256, (out, into // 32, 16), dtype=torch.uint8)
     scales = torch.randint(120, 124, (out, into // 32, 1), dtype=torch.uint8)
     rows = torch.cat([scales, codes], dim=-1).reshape(out, -1)
     layer = PanelLinear.of_blocks(gguf_blocks.MXFP4, rows, None)
-    if not layer.multiply_in_bf16():
-        raise SystemExit("MXFP4 blocks do not multiply in bf16 here")
+    layer.multiply_in_bf16()
     return layer
 
 
+def maker(weights: str) -> Callable[[int, int], PanelLinear]:
+    if weights == "mxfp4":
+        return blocks
+    storage = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[weights]
+    return lambda out, into: panels(out, into, storage)
+
+
 def expert_layers(args: argparse.Namespace) -> list[ExpertLinears]:
-    make = blocks if args.mxfp4 else panels
+    make = maker(args.weights)
     clamped = ClampedSwiGLU(1.702, 7.0) if args.clamped else None
     layers = []
     for _ in range(args.layers):
@@ -56,7 +65,7 @@ def expert_layers(args: argparse.Namespace) -> list[ExpertLinears]:
             clamped=clamped,
         )
         if not experts.group():
-            raise SystemExit("the experts did not group (no bf16 panels here?)")
+            raise SystemExit(f"the experts did not group ({args.weights} panels here?)")
         layers.append(experts)
     return layers
 
@@ -73,12 +82,14 @@ def median_ms(run: Callable[[], None], layers: int, passes: int) -> float:
 
 
 def ways(
-    layers: list[ExpertLinears], dense: list[tuple[GatedPanelLinear, PanelLinear]], rows: int
+    layers: list[ExpertLinears],
+    dense: list[tuple[GatedPanelLinear, PanelLinear]],
+    rows: int,
+    top_k: int,
 ) -> tuple[int, dict[str, Callable[[], None]]]:
-    """How many experts `rows` random rows choose, and the three ways over those rows."""
+    """How many experts `rows` random rows choose, and the ways over those rows."""
     experts = layers[0]
-    top_k = dense[0][0].out_features // experts.intermediate
-    x = torch.randn(rows, dense[0][0].in_features)
+    x = torch.randn(rows, cast(PanelLinear, experts.down[0]).out_features)
     chosen = torch.stack([torch.randperm(experts.num_experts)[:top_k] for _ in range(rows)])
     weights = torch.rand(rows, top_k)
 
@@ -94,7 +105,10 @@ def ways(
         for gated, down in dense:
             down(gated(x, bf16_out=True))
 
-    return int(chosen.unique().numel()), {"one_op": one_op, "loop": loop, "dense": dense_mlp}
+    runs = {"one_op": one_op, "loop": loop}
+    if dense:
+        runs["dense"] = dense_mlp
+    return int(chosen.unique().numel()), runs
 
 
 def main() -> None:
@@ -106,22 +120,20 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--passes", type=int, default=30)
-    parser.add_argument("--mxfp4", action="store_true", help="experts in MXFP4 blocks")
+    parser.add_argument("--weights", choices=["bf16", "fp16", "fp32", "mxfp4"], default="bf16")
     parser.add_argument("--clamped", action="store_true", help="gpt-oss's clamped SwiGLU")
     args = parser.parse_args()
-    if not cpu_ops.bf16_panels_available():
-        raise SystemExit("bf16 panels need AVX-512 BF16")
     torch.manual_seed(0)
     layers = expert_layers(args)
     width = args.top_k * args.inter
     dense = []
-    for _ in range(args.layers):
+    for _ in range(args.layers if cpu_ops.bf16_panels_available() else 0):
         gated = GatedPanelLinear.of(panels(width, args.hidden), panels(width, args.hidden))
         assert gated is not None
         dense.append((gated, panels(args.hidden, width)))
     with torch.inference_mode():
         for rows in args.rows:
-            chosen, runs = ways(layers, dense, rows)
+            chosen, runs = ways(layers, dense, rows, args.top_k)
             result = {"rows": rows, "experts_chosen": chosen}
             for name, run in runs.items():
                 result[f"{name}_ms"] = round(median_ms(run, args.layers, args.passes), 3)

@@ -151,8 +151,9 @@ class ExpertLinears(nn.Module):
         self.num_experts = len(gate_up)
         self.intermediate = int(cast(nn.Linear, down[0]).in_features)
         # Every expert's panels and biases as `cpu_ops.expert_mlps` takes them, once `group` has
-        # found them in a form it takes; None otherwise.
+        # found them in a form it takes; None otherwise. Panels over fp32 rows are one such form.
         self._grouped: tuple[list[torch.Tensor | None], ...] | None = None
+        self._fp32_rows = False
 
     @classmethod
     def of(cls, experts: Any) -> ExpertLinears:
@@ -197,14 +198,17 @@ class ExpertLinears(nn.Module):
 
     def group(self) -> bool:
         """Have a step's experts run as one op (`cpu_ops.expert_mlps`) where they can; returns
-        whether they do. They can over bf16 panels under silu or the clamped SwiGLU, each
+        whether they do. They can under silu or the clamped SwiGLU: over bf16 panels, each
         expert's gate/up then made gated bf16 panel pairs (`GatedPanelLinear`: one pass writes
         only the activation, rounded to bf16 for the down product; each joined layer gives way
-        to its pairs as they are made), the intermediate size in whole panels; and over MXFP4
-        blocks multiplied in bf16 (`PanelLinear.multiply_in_bf16`), as they are."""
+        to its pairs as they are made), the intermediate size in whole panels; over MXFP4
+        blocks multiplied in bf16 (`PanelLinear.multiply_in_bf16`), as they are; and over
+        panels that multiply fp32 rows (fp32, fp16, or blocks widened to fp32: CPUs without
+        AVX-512 BF16, fp32 models), as they are."""
         if not (self.gated and (self.silu or self.clamped is not None)):
             return False
-        if self._mxfp4_blocks():
+        if self._mxfp4_blocks() or self._fp32_row_panels():
+            self._fp32_rows = self._fp32_row_panels()
             self._grouped = self._grouped_panels()
             return True
         joined = list(self.gate_up)
@@ -232,6 +236,17 @@ class ExpertLinears(nn.Module):
             isinstance(layer, PanelLinear)
             and layer.bf16_blocks
             and layer.block_format is gguf_blocks.MXFP4
+            and layer.panels.is_contiguous()
+            for layer in [*self.gate_up, *self.down]
+        )
+
+    def _fp32_row_panels(self) -> bool:
+        """Every expert's gate/up and down are contiguous panels that multiply fp32 rows (fp32,
+        fp16 or blocks widened to fp32), as the one op takes them."""
+        return cpu_ops.panel_linear_available() and all(
+            isinstance(layer, PanelLinear)
+            and layer.panels.dtype in (torch.float32, torch.float16, torch.uint8)
+            and not layer.bf16_blocks
             and layer.panels.is_contiguous()
             for layer in [*self.gate_up, *self.down]
         )
@@ -291,6 +306,7 @@ class ExpertLinears(nn.Module):
                 down_bias,
                 self.intermediate,
                 clamped=self._clamp,
+                fp32_rows=self._fp32_rows,
             )
         return self.by_expert(hidden, top_k_index, top_k_weights)
 

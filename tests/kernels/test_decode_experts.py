@@ -69,7 +69,7 @@ def moe_model(family: str, weights: str = "fp32"):
 
 
 @pytest.mark.parametrize("family", FUSED_MOE)
-@pytest.mark.parametrize("weights", ["fp32", BF16])  # bf16: the experts in one op
+@pytest.mark.parametrize("weights", ["fp32", BF16])  # the experts in one op, either way
 def test_a_fused_step_with_experts_equals_the_layers_op_by_op(
     family: str, weights: str, calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -81,7 +81,7 @@ def test_a_fused_step_with_experts_equals_the_layers_op_by_op(
     dense = DENSE_LAYERS.get(family, set())
     assert [f.experts is None for f in route.layers] == [i in dense for i in range(3)]
     experts = [layer.moe.experts for layer in paged.layers if layer.moe is not None]
-    assert all(e.grouped == (weights == "bf16") for e in experts)
+    assert experts and all(e.grouped for e in experts)
     fused_logits, fused_cache = decode_step(model, True, monkeypatch, "float32")
     assert calls == [len(PROMPTS)] * (3 * 3)  # 3 layers, fused on all but the prefill step
     calls.clear()

@@ -1,6 +1,7 @@
 """A layer of experts in one op (`csrc/linear/expert_mlps.cpp`): over gated bf16 panel pairs
-(silu or gpt-oss's clamped SwiGLU) and over MXFP4 blocks it equals `ExpertLinears`' loop over
-the experts to the bit (which equals the loop over the joined gate/up layers), whatever the
+(silu or gpt-oss's clamped SwiGLU), over MXFP4 blocks and over the panels that multiply fp32
+rows (fp32, fp16, blocks widened to fp32: every x86-64 level) it equals `ExpertLinears`' loop
+over the experts to the bit (which equals the loop over the joined gate/up layers), whatever the
 rows, choices, biases and threads, and MXFP4 experts equal torch's float64 product of the
 weights the blocks define; it refuses what it cannot compute, and `group` groups only what the
 op takes."""
@@ -16,7 +17,7 @@ from engine.kernels.cpu.linear import GatedPanelLinear, PanelLinear
 from engine.loading import gguf_blocks
 from engine.loading.mxfp4_experts import gguf_rows
 from engine.models.experts import ClampedSwiGLU, ExpertLinears
-from tests.helpers import needs_bf16_panels
+from tests.helpers import needs_bf16_panels, needs_panels
 from tests.models.test_gpt_oss import mxfp4_weight
 
 HIDDEN, INTER, EXPERTS = 96, 48, 8
@@ -65,7 +66,9 @@ class Mxfp4Experts:
     """Random experts in MXFP4 blocks multiplied in bf16, as gpt-oss's load, with the weights
     and biases they stand for."""
 
-    def __init__(self, biases: bool, clamped: ClampedSwiGLU | None, seed: int = 0) -> None:
+    def __init__(
+        self, biases: bool, clamped: ClampedSwiGLU | None, seed: int = 0, in_bf16: bool = True
+    ) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.weights: list[tuple[torch.Tensor, ...]] = []
         gate_up, down = [], []
@@ -78,7 +81,7 @@ class Mxfp4Experts:
                 rows, weight = random_mxfp4(out, into, generator)
                 bias = torch.randn(out, generator=generator) * 0.1 if biases else None
                 layer = PanelLinear.of_blocks(gguf_blocks.MXFP4, rows, bias)
-                assert layer.multiply_in_bf16()
+                assert layer.multiply_in_bf16() or not in_bf16
                 into_list.append(layer)
                 expert.append((weight, bias))
             self.weights.append(tuple(expert))
@@ -142,6 +145,36 @@ def test_mxfp4_experts_in_one_op_equal_their_loop_to_the_bit(
     assert bool((grouped.abs().sum(-1) > 0).all())
 
 
+def fp32_row_experts(storage: str, biases: bool, clamped: ClampedSwiGLU | None) -> ExpertLinears:
+    """Experts whose panels multiply fp32 rows: fp32, fp16, or MXFP4 blocks widened to fp32."""
+    if storage == "mxfp4":
+        return Mxfp4Experts(biases, clamped, seed=2, in_bf16=False).layer
+    return experts(biases, storage=getattr(torch, storage), clamped=clamped)
+
+
+@needs_panels
+@pytest.mark.parametrize("storage", ["float32", "float16", "mxfp4"])
+@pytest.mark.parametrize("clamped", [None, CLAMP])
+@pytest.mark.parametrize(
+    ("rows", "k", "biases"), [(1, 4, False), (3, 2, True), (13, 3, True), (64, 4, False)]
+)
+def test_experts_over_fp32_rows_in_one_op_equal_their_loop_to_the_bit(
+    storage: str, rows: int, k: int, biases: bool, clamped: ClampedSwiGLU | None
+) -> None:
+    """The panels every x86-64 level multiplies (no AVX-512 needed): one op, equal to the bit
+    to the loop, which runs each expert's products and activation one op each."""
+    layer = fp32_row_experts(storage, biases, clamped)
+    x = torch.randn(rows, HIDDEN)
+    chosen, weights = choices(rows, k, seed=rows * k)
+    with torch.inference_mode():
+        looped = layer.by_expert(x, chosen, weights)
+        assert layer.group() and layer.grouped
+        assert all(isinstance(g, PanelLinear) for g in layer.gate_up)  # not paired
+        grouped = layer(x, chosen, weights)
+    assert torch.equal(grouped, looped)
+    assert bool((grouped.abs().sum(-1) > 0).all())
+
+
 def reference_experts(
     held: Mxfp4Experts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
@@ -186,9 +219,14 @@ def test_mxfp4_experts_are_the_product_of_the_weights_the_blocks_define(
 
 @needs_bf16_panels
 @pytest.mark.parametrize("rows", [1, 7, 64])
-@pytest.mark.parametrize("form", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("form", ["bf16", "mxfp4", "float16"])
 def test_the_op_does_not_depend_on_the_thread_count(rows: int, form: str) -> None:
-    paired = experts(biases=True) if form == "bf16" else Mxfp4Experts(True, CLAMP).layer
+    if form == "bf16":
+        paired = experts(biases=True)
+    elif form == "mxfp4":
+        paired = Mxfp4Experts(True, CLAMP).layer
+    else:
+        paired = fp32_row_experts(form, True, None)
     assert paired.group()
     x = torch.randn(rows, HIDDEN)
     chosen, weights = choices(rows, 3, seed=rows)
@@ -270,21 +308,22 @@ def test_the_op_refuses_what_it_cannot_compute() -> None:
 @needs_bf16_panels
 def test_only_what_the_op_takes_is_grouped() -> None:
     """bf16 experts under silu or the clamped SwiGLU with the intermediate size in whole panels,
-    and MXFP4 experts multiplied in bf16; the rest keeps the loop."""
-    fp32 = experts(storage=torch.float32)
-    assert not fp32.group()
-    assert all(isinstance(g, PanelLinear) for g in fp32.gate_up)
+    MXFP4 experts multiplied in bf16, and panels over fp32 rows, all of one kind; the rest
+    keeps the loop."""
     ragged = experts(inter=40)  # gate and up meet inside a panel
     assert not ragged.group()
+    int8 = experts(storage=torch.float32)
+    int8.down[0].panels = int8.down[0].panels.to(torch.int8)  # 8-bit activations' panels
+    assert not int8.group()
     gelu = experts()
     gelu.silu = False  # another activation, which the op does not compute
     assert not gelu.group()
     clamped = experts(clamped=CLAMP)
     assert clamped.group()
     assert "clamped swiglu(gate, up)" in repr(clamped.gate_up[0])
-    widened = Mxfp4Experts(False, CLAMP)
-    widened.layer.down[0].bf16_blocks = False  # one expert's down widens to fp32
-    assert not widened.layer.group()
+    mixed = Mxfp4Experts(False, CLAMP)
+    mixed.layer.down[0].bf16_blocks = False  # one expert's down widens to fp32, the rest not
+    assert not mixed.layer.group()
     x = torch.randn(3, HIDDEN)
     chosen, weights = choices(3, 2, seed=5)
     with torch.inference_mode():  # the loop serves what is not grouped

@@ -31,7 +31,7 @@ from transformers import (
 from engine.core.config import CacheConfig, EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.factory import create_engine_core
-from engine.kernels.cpu.linear import PanelLinear
+from engine.kernels.cpu.linear import GatedPanelLinear, PanelLinear
 from engine.loading.model_loader import LinearForm, use_linear_form
 from engine.lora.adapter import LoRAError
 from engine.models import build_causal_lm
@@ -359,8 +359,11 @@ def test_experts_take_the_models_linear_form(form):
     tokens, core = engine_tokens(model)
     assert tokens == expected
     assert "mixture-of-experts" in core.runner.model.fused_decode.describe()
-    # Over bf16 panels each expert's gate and up became gated pairs, a layer's experts one op.
-    assert experts.grouped == (form is LinearForm.BF16_PANELS)
+    # A layer's experts run as one op in either form (over bf16 panels each expert's gate and
+    # up became gated pairs).
+    assert experts.grouped
+    paired = form is LinearForm.BF16_PANELS
+    assert all(isinstance(g, GatedPanelLinear) == paired for g in experts.gate_up)
     assert experts is core.runner.model.layers[0].moe.experts
     # transformers' own model runs over the same experts.
     tokens, core = engine_tokens(model, model_impl="transformers")

@@ -408,7 +408,13 @@ class GatedPanelLinear(nn.Module):
         may be bf16 rows too (taken as they are)."""
         rows = kernel_rows(x, self.in_features, bf16_panels=True)
         out = cpu_ops.gated_linear(
-            rows, self.panels, self.padded_bias, self.out_features, bf16_out, self.gelu, self.clamped
+            rows,
+            self.panels,
+            self.padded_bias,
+            self.out_features,
+            bf16_out,
+            self.gelu,
+            self.clamped,
         )
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -66,17 +66,6 @@ inline Scratch<uint16_t> bf16_rows(const at::Tensor& x) {
   return rounded;
 }
 
-// A product's tasks over `count` block panels for a team of `threads`: every row over runs of
-// panels, about two runs a thread, each a whole number of four panels (what a pass of a few
-// rows widens at once).
-inline std::vector<ProductTask> block_product_tasks(int64_t M, int64_t count, int threads) {
-  const int64_t run = std::max<int64_t>(4, ((count + 2 * threads - 1) / (2 * threads) + 3) / 4 * 4);
-  std::vector<ProductTask> tasks;
-  for (int64_t p0 = 0; p0 < count; p0 += run)
-    tasks.push_back({0, M, p0, std::min(count, p0 + run)});
-  return tasks;
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 template <int MR, int NP>
 CONVEYOR_INLINE void zero_sums(__m512 (&acc)[MR][NP]) {
@@ -185,7 +174,7 @@ void block_product(const typename Kernel::Problem& pb, const uint8_t* panels, in
                    [&](int64_t p0, int64_t p1) { block_panels<Kernel>(pb, panels, p0, p1); });
 }
 
-// This thread's part of a product over `tasks` (`block_product_tasks`), every thread of the
+// This thread's part of a product over `tasks` (`panel_runs`), every thread of the
 // region calling it: each takes the next task as it frees up, `next` counting the tasks taken.
 // A column's sums do not depend on the panels it was taken with.
 template <typename Kernel>

@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <optional>
@@ -67,8 +68,28 @@ std::vector<ProductTask> bf16_product_tasks(int64_t M, int64_t K, int64_t count,
 // next task as it frees up, `next` counting the tasks taken (zero before the first call).
 void bf16_take_tasks(const Bf16Product& pb, const uint16_t* panels, int64_t count, bool gated,
                      const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next);
+// A product's tasks over `count` panels for a team of `threads`, for the products that take
+// every row over a run of panels (`panel_take_tasks`, `mxfp4_take_tasks`): about two runs a
+// thread, each a whole number of four panels (what a pass of a few rows takes at once).
+inline std::vector<ProductTask> panel_runs(int64_t M, int64_t count, int threads) {
+  const int64_t run = std::max<int64_t>(4, ((count + 2 * threads - 1) / (2 * threads) + 3) / 4 * 4);
+  std::vector<ProductTask> tasks;
+  for (int64_t p0 = 0; p0 < count; p0 += run)
+    tasks.push_back({0, M, p0, std::min(count, p0 + run)});
+  return tasks;
+}
+// Whether `panels` are `panel_linear`'s over fp32 rows for out x in weights: contiguous fp32 or
+// fp16 panels [ceil(out / 16), in, 16], or uint8 block panels [ceil(out / 16), in / 32, group].
+bool fp32_row_panels(const at::Tensor& panels, int64_t out, int64_t in);
+// This thread's part of `panel_linear`'s product over such panels split into `tasks`
+// (`panel_runs`), every thread of the region calling it: fp32 rows x [M, K] times the panels,
+// plus bias (padded to whole panels) where not null, to out [M, N]. Each output equals
+// `panel_linear`'s to the bit.
+void panel_take_tasks(const float* x, const float* bias, float* out, int64_t M, int64_t K,
+                      int64_t N, const at::Tensor& panels, const std::vector<ProductTask>& tasks,
+                      std::atomic<int64_t>& next);
 // This thread's part of a product over MXFP4 block panels (`mxfp4_bf16.cpp`) split into `tasks`
-// (`block_product_tasks`), every thread of the region calling it: bf16 rows x [M, K] times the
+// (`panel_runs`), every thread of the region calling it: bf16 rows x [M, K] times the
 // panels, plus bias (padded to whole panels) where not null, to fp32 rows out [M, N].
 void mxfp4_take_tasks(const uint16_t* x, const float* bias, float* out, int64_t M, int64_t K,
                       int64_t N, const uint8_t* panels, const std::vector<ProductTask>& tasks,

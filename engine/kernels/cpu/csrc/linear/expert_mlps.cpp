@@ -5,21 +5,22 @@
 // experts  [rows, k]          int64: each row's chosen experts
 // weights  [rows, k]          fp32: their weights
 // gate_up  one per expert     gated bf16 panels [ceil(inter / 16), 2, hidden / 2, 32]
-//                               (`GatedPanelLinear`), or MXFP4 block panels [ceil(2 * inter /
-//                               16), hidden / 32, 272] of gate then up (`mxfp4_bf16_linear`'s);
-//                               with an optional padded bias each
-// down     one per expert     bf16 panels [ceil(hidden / 16), inter / 2, 32], or MXFP4 block
-//                               panels [ceil(hidden / 16), inter / 32, 272] beside MXFP4
-//                               gate/up panels; bias likewise
+//                               (`GatedPanelLinear`); or gate then up in one layer's panels:
+//                               MXFP4 block panels multiplied in bf16 (`mxfp4_bf16_linear`'s),
+//                               or with `fp32_rows` `panel_linear`'s fp32, fp16 or block
+//                               panels over fp32 rows; with an optional padded bias each
+// down     one per expert     bf16 panels [ceil(hidden / 16), inter / 2, 32] beside gated ones,
+//                               else panels of the gate/up's kind; bias likewise
 // gelu, clamped               the activation: silu(gate) * up unless one of them names another
 //                               (`gate_activation` in ops.h)
 //
 // It computes what `ExpertLinears`' loop over the experts computes, to the bit: the rows taken
 // in expert order (a stable sort of the flat choices), each expert that some row chose over its
-// own run of them (the gated product writing bf16 rows for the down product, or the MXFP4
-// gate/up product writing fp32 rows that the activation then turns into the down product's bf16
-// rows, as `clamped_swiglu_mul` and the rounding of the down product's input would; then the
-// down product, each with as many rows as that expert has), and each row's outputs times their
+// own run of them (the gated product writing bf16 rows for the down product; or the gate/up
+// product writing fp32 rows that the activation then turns into the down product's input, as
+// `silu_mul` or `clamped_swiglu_mul` would, rounded to bf16 for MXFP4 blocks as that product
+// rounds its input; then the down product, each with as many rows as that expert has), and
+// each row's outputs times their
 // weights added in that order to zero in fp32 (as `index_add_` adds them). Op by op, a layer of
 // experts was a sort, a count, a gather and three ops an expert, each product forking and
 // joining the threads: at one decode row of a small model each product's fork and join cost
@@ -40,10 +41,10 @@
 #include <vector>
 
 #include "bf16_panel_shapes.h"
-#include "block_panels.h"
-#include "block_rows.h"
 #include "bf16_round.h"
+#include "block_panels.h"
 #include "ops.h"
+#include "panel_passes.h"
 #include "pass_split.h"
 #include "scratch.h"
 #include "thread_team.h"
@@ -51,12 +52,16 @@
 namespace conveyor {
 namespace {
 
+// How the experts' products run, by their panels (checked expert by expert): gated bf16 panel
+// pairs over bf16 down panels, MXFP4 blocks over rows rounded to bf16, or `panel_linear`'s
+// panels over fp32 rows.
+enum class Form { kGatedBf16, kMxfp4, kFp32Rows };
+
 // One expert that some row chose: its panels and biases, and its run [first, first + rows) of
 // the rows in expert order.
 struct Chosen {
-  const void *gate_up, *down;
+  const at::Tensor *gate_up, *down;
   const float *gate_up_bias, *down_bias;
-  int64_t gate_up_count, down_count;
   int64_t first, rows;
   std::vector<ProductTask> gate_up_tasks, down_tasks;
 };
@@ -91,9 +96,25 @@ const float* bias_of(const std::optional<at::Tensor>& bias, int64_t values) {
   return optional_floats(bias);
 }
 
-// Whether the experts' panels are MXFP4 blocks (else gated bf16 panels over bf16 ones), by the
-// first chosen expert's; each expert's are then checked for that form.
-bool mxfp4_panels(const at::Tensor& gate_up) { return gate_up.scalar_type() == at::kByte; }
+// The form the first chosen expert's gate/up panels name.
+Form form_of(const at::Tensor& gate_up, bool fp32_rows) {
+  if (fp32_rows) return Form::kFp32Rows;
+  return gate_up.scalar_type() == at::kByte ? Form::kMxfp4 : Form::kGatedBf16;
+}
+
+// Whether this build runs the form's products.
+bool built_for(Form form) {
+  if (form == Form::kFp32Rows) {
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    return true;
+#endif
+    return false;
+  }
+#ifdef CONVEYOR_BF16_ROUND
+  return true;
+#endif
+  return false;
+}
 
 bool mxfp4_shaped(const at::Tensor& panels, int64_t out, int64_t in) {
   return panels.dim() == 3 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
@@ -102,64 +123,144 @@ bool mxfp4_shaped(const at::Tensor& panels, int64_t out, int64_t in) {
 }
 
 void check_panels(const at::Tensor& gate_up, const at::Tensor& down, int64_t hidden, int64_t inter,
-                  bool mxfp4) {
-  if (mxfp4) {
-    TORCH_CHECK(mxfp4_shaped(gate_up, 2 * inter, hidden) && mxfp4_shaped(down, hidden, inter),
-                "expert_mlps: MXFP4 panels must be contiguous uint8 [ceil(out / 16), in / 32, ",
-                MXFP4::kGroupBytes, "], gate/up's out 2 * inter, down's hidden");
-    return;
+                  Form form) {
+  switch (form) {
+    case Form::kFp32Rows:
+      TORCH_CHECK(
+          fp32_row_panels(gate_up, 2 * inter, hidden) && fp32_row_panels(down, hidden, inter),
+          "expert_mlps: with fp32_rows, panels must be panel_linear's contiguous fp32, "
+          "fp16 or uint8 block panels, gate/up's out 2 * inter, down's hidden");
+      return;
+    case Form::kMxfp4:
+      TORCH_CHECK(mxfp4_shaped(gate_up, 2 * inter, hidden) && mxfp4_shaped(down, hidden, inter),
+                  "expert_mlps: MXFP4 panels must be contiguous uint8 [ceil(out / 16), in / 32, ",
+                  MXFP4::kGroupBytes, "], gate/up's out 2 * inter, down's hidden");
+      return;
+    case Form::kGatedBf16:
+      TORCH_CHECK(gated_panels(gate_up, inter, hidden),
+                  "expert_mlps: gate/up panels must be contiguous bf16 [ceil(inter / 16), 2, "
+                  "hidden / 2, 32]");
+      TORCH_CHECK(bf16_panels(down, hidden, inter),
+                  "expert_mlps: down panels must be contiguous bf16 [ceil(hidden / 16), inter / "
+                  "2, 32]");
   }
-  TORCH_CHECK(gated_panels(gate_up, inter, hidden),
-              "expert_mlps: gate/up panels must be contiguous bf16 [ceil(inter / 16), 2, hidden / "
-              "2, 32]");
-  TORCH_CHECK(bf16_panels(down, hidden, inter),
-              "expert_mlps: down panels must be contiguous bf16 [ceil(hidden / 16), inter / 2, "
-              "32]");
 }
 
 // One chosen expert: its panels, biases and tasks for its run of rows.
 Chosen chosen_expert(const at::Tensor& gate_up, const std::optional<at::Tensor>& gate_up_bias,
                      const at::Tensor& down, const std::optional<at::Tensor>& down_bias,
-                     int64_t hidden, int64_t inter, bool mxfp4, int64_t first, int64_t rows,
+                     int64_t hidden, int64_t inter, Form form, int64_t first, int64_t rows,
                      int threads) {
-  check_panels(gate_up, down, hidden, inter, mxfp4);
+  check_panels(gate_up, down, hidden, inter, form);
+  const int64_t count = form == Form::kGatedBf16 ? 2 * gate_up.size(0) : gate_up.size(0);
   const int64_t down_count = down.size(0);
-  const float* down_b = bias_of(down_bias, down_count * kPanel);
-  if (mxfp4) {
-    const int64_t count = gate_up.size(0);
-    return {gate_up.data_ptr<uint8_t>(),
-            down.data_ptr<uint8_t>(),
-            bias_of(gate_up_bias, count * kPanel),
-            down_b,
-            count,
-            down_count,
-            first,
-            rows,
-            block_product_tasks(rows, count, threads),
-            block_product_tasks(rows, down_count, threads)};
+  Chosen c{&gate_up,
+           &down,
+           bias_of(gate_up_bias, count * kPanel),
+           bias_of(down_bias, down_count * kPanel),
+           first,
+           rows};
+  if (form == Form::kGatedBf16) {
+    c.gate_up_tasks = bf16_product_tasks(rows, hidden, count, true, threads);
+    c.down_tasks = bf16_product_tasks(rows, inter, down_count, false, threads);
+  } else {
+    c.gate_up_tasks = panel_runs(rows, count, threads);
+    c.down_tasks = panel_runs(rows, down_count, threads);
   }
-  const int64_t pairs = gate_up.size(0);
-  return {panel_bits(gate_up),
-          panel_bits(down),
-          bias_of(gate_up_bias, pairs * 2 * kPanel),
-          down_b,
-          2 * pairs,
-          down_count,
-          first,
-          rows,
-          bf16_product_tasks(rows, hidden, 2 * pairs, true, threads),
-          bf16_product_tasks(rows, inter, down_count, false, threads)};
+  return c;
 }
 
-// The activation of rows [begin, end) of gate_up [rows, 2 * inter] (fp32, each row's gate then
-// its up; overwritten) rounded to bf16 at out [rows, inter]: the fp32 values `gate_rows` gives,
-// rounded as the down product rounds its input rows.
-void activate_rows(const GateActivation& act, float* gate_up, int64_t inter, uint16_t* out,
-                   int64_t begin, int64_t end) {
+// The step's rows and what the products hand on, in expert order: each choice's row (rounded
+// to bf16, or in fp32), its gate/up's outputs before the activation (fp32, but for gated bf16
+// panels), its activation (the down product's input: bf16, or fp32 over fp32 rows) and its
+// output.
+struct Rows {
+  bool fp32;
+  Scratch<uint16_t> in16, gated16;
+  Scratch<float> in32, gate_up32, gated32, outputs;
+
+  Rows(Form form, int64_t choices, int64_t hidden, int64_t inter)
+      : fp32(form == Form::kFp32Rows),
+        in16(scratch<uint16_t>(form == Form::kFp32Rows ? 0 : choices * hidden)),
+        gated16(scratch<uint16_t>(form == Form::kFp32Rows ? 0 : choices * inter)),
+        in32(scratch<float>(form == Form::kFp32Rows ? choices * hidden : 0)),
+        gate_up32(scratch<float>(form == Form::kGatedBf16 ? 0 : choices * 2 * inter)),
+        gated32(scratch<float>(form == Form::kFp32Rows ? choices * inter : 0)),
+        outputs(scratch<float>(choices * hidden)) {}
+};
+
+// The rows of places [begin, end) in expert order: each choice's row of x, rounded to bf16 as
+// the bf16 products round their input rows, or copied.
+void take_rows(const float* x, const Grouping& g, int64_t k, int64_t hidden, Rows& rows,
+               int64_t begin, int64_t end) {
   for (int64_t j = begin; j < end; ++j) {
-    float* row = gate_up + j * 2 * inter;
+    const float* row = x + g.order[j] / k * hidden;
+    if (rows.fp32) std::copy(row, row + hidden, rows.in32.get() + j * hidden);
+    else round_to_bf16(row, hidden, rows.in16.get() + j * hidden);
+  }
+}
+
+// The activation of places [begin, end): the fp32 values `gate_rows` gives from each row's gate
+// and up, rounded to bf16 where the down product takes bf16 rows (over the gate/up's rows, which
+// are spent).
+void activate_rows(const GateActivation& act, int64_t inter, Rows& rows, int64_t begin,
+                   int64_t end) {
+  if (rows.fp32) {
+    gate_rows(act, rows.gate_up32.get(), rows.gated32.get(), inter, begin, end);
+    return;
+  }
+  for (int64_t j = begin; j < end; ++j) {
+    float* row = rows.gate_up32.get() + j * 2 * inter;
     gate_rows(act, row, row, inter, 0, 1);
-    round_to_bf16(row, inter, out + j * inter);
+    round_to_bf16(row, inter, rows.gated16.get() + j * inter);
+  }
+}
+
+// This thread's part of every chosen expert's gate/up product, each taking its tasks in turn.
+void gate_up_products(const std::vector<Chosen>& chosen, Form form, const GateActivation& act,
+                      int64_t hidden, int64_t inter, Rows& rows, std::atomic<int64_t>* taken) {
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    const Chosen& c = chosen[i];
+    float* out = rows.gate_up32.get() + c.first * 2 * inter;
+    switch (form) {
+      case Form::kFp32Rows:
+        panel_take_tasks(rows.in32.get() + c.first * hidden, c.gate_up_bias, out, c.rows, hidden,
+                         2 * inter, *c.gate_up, c.gate_up_tasks, taken[i]);
+        break;
+      case Form::kMxfp4:
+        mxfp4_take_tasks(rows.in16.get() + c.first * hidden, c.gate_up_bias, out, c.rows, hidden,
+                         2 * inter, c.gate_up->data_ptr<uint8_t>(), c.gate_up_tasks, taken[i]);
+        break;
+      case Form::kGatedBf16: {
+        Bf16Product pb{rows.in16.get() + c.first * hidden,   c.gate_up_bias, nullptr, nullptr,
+                       rows.gated16.get() + c.first * inter, c.rows,         hidden,  inter};
+        pb.act = act;
+        bf16_take_tasks(pb, panel_bits(*c.gate_up), 2 * c.gate_up->size(0), true, c.gate_up_tasks,
+                        taken[i]);
+      }
+    }
+  }
+}
+
+// This thread's part of every chosen expert's down product.
+void down_products(const std::vector<Chosen>& chosen, Form form, int64_t hidden, int64_t inter,
+                   Rows& rows, std::atomic<int64_t>* taken) {
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    const Chosen& c = chosen[i];
+    float* out = rows.outputs.get() + c.first * hidden;
+    if (form == Form::kFp32Rows) {
+      panel_take_tasks(rows.gated32.get() + c.first * inter, c.down_bias, out, c.rows, inter,
+                       hidden, *c.down, c.down_tasks, taken[i]);
+      continue;
+    }
+    const uint16_t* in = rows.gated16.get() + c.first * inter;
+    if (form == Form::kMxfp4) {
+      mxfp4_take_tasks(in, c.down_bias, out, c.rows, inter, hidden, c.down->data_ptr<uint8_t>(),
+                       c.down_tasks, taken[i]);
+      continue;
+    }
+    const Bf16Product pb{in, c.down_bias, nullptr, out, nullptr, c.rows, inter, hidden};
+    bf16_take_tasks(pb, panel_bits(*c.down), c.down->size(0), false, c.down_tasks, taken[i]);
   }
 }
 
@@ -184,6 +285,25 @@ __attribute__((optimize("fp-contract=off"))) void sum_rows(const float* outputs,
   }
 }
 
+void check_inputs(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
+                  at::TensorList gate_up, const c10::List<std::optional<at::Tensor>>& gate_up_bias,
+                  at::TensorList down, const c10::List<std::optional<at::Tensor>>& down_bias,
+                  int64_t inter) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "expert_mlps: x must be contiguous fp32 [rows, hidden]");
+  TORCH_CHECK(experts.dim() == 2 && experts.size(0) == x.size(0) &&
+                  experts.scalar_type() == at::kLong && experts.is_contiguous(),
+              "expert_mlps: experts must be contiguous int64 [rows, k]");
+  TORCH_CHECK(weights.sizes() == experts.sizes() && weights.scalar_type() == at::kFloat &&
+                  weights.is_contiguous(),
+              "expert_mlps: weights must be contiguous fp32 [rows, k]");
+  TORCH_CHECK(!gate_up.empty() && down.size() == gate_up.size() &&
+                  gate_up_bias.size() == gate_up.size() && down_bias.size() == gate_up.size(),
+              "expert_mlps: one gate/up, down and bias (or None) of each per expert");
+  TORCH_CHECK(inter > 0 && x.size(1) > 0 && x.size(1) % 2 == 0 && inter % 2 == 0,
+              "expert_mlps: hidden and inter must be even");
+}
+
 }  // namespace
 
 at::Tensor expert_mlps(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
@@ -191,26 +311,10 @@ at::Tensor expert_mlps(const at::Tensor& x, const at::Tensor& experts, const at:
                        const c10::List<std::optional<at::Tensor>>& gate_up_bias,
                        at::TensorList down, const c10::List<std::optional<at::Tensor>>& down_bias,
                        int64_t inter, bool gelu,
-                       const c10::optional<c10::ArrayRef<double>>& clamped) {
-#ifndef CONVEYOR_BF16_ROUND
-  TORCH_CHECK(false, "expert_mlps needs AVX-512 BF16");
-#else
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "expert_mlps: x must be contiguous fp32 [rows, hidden]");
-  const int64_t M = x.size(0), hidden = x.size(1);
-  TORCH_CHECK(experts.dim() == 2 && experts.size(0) == M && experts.scalar_type() == at::kLong &&
-                  experts.is_contiguous(),
-              "expert_mlps: experts must be contiguous int64 [rows, k]");
-  TORCH_CHECK(weights.sizes() == experts.sizes() && weights.scalar_type() == at::kFloat &&
-                  weights.is_contiguous(),
-              "expert_mlps: weights must be contiguous fp32 [rows, k]");
-  const int64_t num_experts = static_cast<int64_t>(gate_up.size());
-  TORCH_CHECK(num_experts > 0 && down.size() == gate_up.size() &&
-                  gate_up_bias.size() == gate_up.size() && down_bias.size() == gate_up.size(),
-              "expert_mlps: one gate/up, down and bias (or None) of each per expert");
-  TORCH_CHECK(inter > 0 && hidden > 0 && hidden % 2 == 0 && inter % 2 == 0,
-              "expert_mlps: hidden and inter must be even");
+                       const c10::optional<c10::ArrayRef<double>>& clamped, bool fp32_rows) {
+  check_inputs(x, experts, weights, gate_up, gate_up_bias, down, down_bias, inter);
   const GateActivation act = gate_activation(gelu, clamped, "expert_mlps");
+  const int64_t M = x.size(0), hidden = x.size(1), num_experts = gate_up.size();
   const int64_t k = experts.size(1), choices = M * k;
   at::Tensor out = at::empty({M, hidden}, x.options());
   if (M == 0) return out;
@@ -218,21 +322,20 @@ at::Tensor expert_mlps(const at::Tensor& x, const at::Tensor& experts, const at:
   const Grouping g = group_by_expert(experts.data_ptr<int64_t>(), choices, num_experts);
   const int threads = std::max(1, at::get_num_threads());
   std::vector<Chosen> chosen;
-  bool mxfp4 = false;
+  Form form = Form::kGatedBf16;
   for (int64_t e = 0, first = 0; e < num_experts; first += g.counts[e], ++e) {
     if (g.counts[e] == 0) continue;
-    if (chosen.empty()) mxfp4 = mxfp4_panels(gate_up[e]);
+    if (chosen.empty()) form = form_of(gate_up[e], fp32_rows);
     chosen.push_back(chosen_expert(gate_up[e], gate_up_bias.get(e), down[e], down_bias.get(e),
-                                   hidden, inter, mxfp4, first, g.counts[e], threads));
+                                   hidden, inter, form, first, g.counts[e], threads));
   }
+  TORCH_CHECK(built_for(form), "expert_mlps: ",
+              form == Form::kFp32Rows ? "fp32 rows need AVX2, F16C and FMA"
+                                      : "bf16 products need AVX-512 BF16");
   const int64_t active = static_cast<int64_t>(chosen.size());
   std::unique_ptr<std::atomic<int64_t>[]> taken(new std::atomic<int64_t>[2 * active]);
   for (int64_t i = 0; i < 2 * active; ++i) taken[i] = 0;
-  const auto rows16 = scratch<uint16_t>(choices * hidden);
-  const auto gated16 = scratch<uint16_t>(choices * inter);
-  // MXFP4 gate/up products' fp32 rows, before the activation.
-  const auto gate_up32 = scratch<float>(mxfp4 ? choices * 2 * inter : 0);
-  const auto outputs = scratch<float>(choices * hidden);
+  Rows rows(form, choices, hidden, inter);
   const float* in = x.data_ptr<float>();
   const float* w = weights.data_ptr<float>();
   float* result = out.data_ptr<float>();
@@ -240,51 +343,22 @@ at::Tensor expert_mlps(const at::Tensor& x, const at::Tensor& experts, const at:
 #pragma omp parallel num_threads(threads)
   {
     const Team team{omp_get_thread_num(), omp_get_num_threads()};
-    // The rows in expert order, rounded to bf16 as the gated product rounds its input rows.
     Share part = share(team, choices, rows_per_task(hidden));
-    for (int64_t j = part.begin; j < part.end; ++j)
-      round_to_bf16(in + g.order[j] / k * hidden, hidden, rows16.get() + j * hidden);
+    take_rows(in, g, k, hidden, rows, part.begin, part.end);
     barrier();
-    if (mxfp4) {
-      for (int64_t i = 0; i < active; ++i) {
-        const Chosen& c = chosen[i];
-        mxfp4_take_tasks(rows16.get() + c.first * hidden, c.gate_up_bias,
-                         gate_up32.get() + c.first * 2 * inter, c.rows, hidden, 2 * inter,
-                         static_cast<const uint8_t*>(c.gate_up), c.gate_up_tasks, taken[2 * i]);
-      }
+    gate_up_products(chosen, form, act, hidden, inter, rows, taken.get());
+    if (form != Form::kGatedBf16) {
       barrier();
       part = share(team, choices, rows_per_task(2 * inter));
-      activate_rows(act, gate_up32.get(), inter, gated16.get(), part.begin, part.end);
-    } else {
-      for (int64_t i = 0; i < active; ++i) {
-        const Chosen& c = chosen[i];
-        Bf16Product pb{rows16.get() + c.first * hidden, c.gate_up_bias, nullptr, nullptr,
-                       gated16.get() + c.first * inter, c.rows,         hidden,  inter};
-        pb.act = act;
-        bf16_take_tasks(pb, static_cast<const uint16_t*>(c.gate_up), c.gate_up_count, true,
-                        c.gate_up_tasks, taken[2 * i]);
-      }
+      activate_rows(act, inter, rows, part.begin, part.end);
     }
     barrier();
-    for (int64_t i = 0; i < active; ++i) {
-      const Chosen& c = chosen[i];
-      const uint16_t* rows = gated16.get() + c.first * inter;
-      float* outs = outputs.get() + c.first * hidden;
-      if (mxfp4) {
-        mxfp4_take_tasks(rows, c.down_bias, outs, c.rows, inter, hidden,
-                         static_cast<const uint8_t*>(c.down), c.down_tasks, taken[2 * i + 1]);
-        continue;
-      }
-      const Bf16Product pb{rows, c.down_bias, nullptr, outs, nullptr, c.rows, inter, hidden};
-      bf16_take_tasks(pb, static_cast<const uint16_t*>(c.down), c.down_count, false, c.down_tasks,
-                      taken[2 * i + 1]);
-    }
+    down_products(chosen, form, hidden, inter, rows, taken.get() + active);
     barrier();
     part = share(team, M, rows_per_task(hidden * k));
-    sum_rows(outputs.get(), w, g, k, hidden, result, part.begin, part.end);
+    sum_rows(rows.outputs.get(), w, g, k, hidden, result, part.begin, part.end);
   }
   return out;
-#endif
 }
 
 }  // namespace conveyor
@@ -293,6 +367,6 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
   m.def(
       "expert_mlps(Tensor x, Tensor experts, Tensor weights, Tensor[] gate_up, Tensor?[] "
       "gate_up_bias, Tensor[] down, Tensor?[] down_bias, int inter, bool gelu=False, float[]? "
-      "clamped=None) -> Tensor");
+      "clamped=None, bool fp32_rows=False) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) { m.impl("expert_mlps", &conveyor::expert_mlps); }

@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -300,6 +301,22 @@ void run_block_format(const Problem& pb, const at::Tensor& panels) {
   }
 }
 
+// This thread's tasks of a product over panels of W: each task's panels for every row.
+template <typename W>
+void take_panel_tasks(const Problem& pb, const W* panels,
+                      const std::vector<conveyor::ProductTask>& tasks, std::atomic<int64_t>& next) {
+  const int64_t total = static_cast<int64_t>(tasks.size());
+  for (int64_t t = next++; t < total; t = next++) panel_range(pb, panels, tasks[t].p0, tasks[t].p1);
+}
+
+template <typename Q>
+void take_block_tasks(const Problem& pb, const uint8_t* panels,
+                      const std::vector<conveyor::ProductTask>& tasks, std::atomic<int64_t>& next) {
+  const int64_t total = static_cast<int64_t>(tasks.size());
+  for (int64_t t = next++; t < total; t = next++)
+    block_panel_range<Q>(pb, panels, tasks[t].p0, tasks[t].p1);
+}
+
 template <typename W>
 void run(const Problem& pb, const at::Tensor& panels) {
   const W* w = panels.data_ptr<W>();
@@ -358,6 +375,52 @@ int64_t panel_in_features(const at::Tensor& panels) {
     case at::kBFloat16: return panels.size(1) * 2;
     default: return panels.size(1);
   }
+}
+
+bool fp32_row_panels(const at::Tensor& panels, int64_t out, int64_t in) {
+  if (panels.dim() != 3 || !panels.is_contiguous() || panels.size(0) != (out + kPanel - 1) / kPanel)
+    return false;
+  switch (panels.scalar_type()) {
+    case at::kFloat:
+    case at::kHalf: return panels.size(2) == kPanel && panels.size(1) == in;
+    case at::kByte: {
+      const int64_t group = panels.size(2);
+      return panels.size(1) * kBlock == in &&
+             (group == conveyor::Q41::kGroupBytes || group == conveyor::Q80::kGroupBytes ||
+              group == conveyor::Q4K::kGroupBytes || group == conveyor::Q6K::kGroupBytes ||
+              group == conveyor::Q8K::kGroupBytes || group == conveyor::MXFP4::kGroupBytes);
+    }
+    default: return false;
+  }
+}
+
+void panel_take_tasks(const float* x, const float* bias, float* out, int64_t M, int64_t K,
+                      int64_t N, const at::Tensor& panels, const std::vector<ProductTask>& tasks,
+                      std::atomic<int64_t>& next) {
+#ifndef CONVEYOR_PANEL_LINEAR_SIMD
+  TORCH_CHECK(false, "panel_linear needs AVX2, F16C and FMA");
+#else
+  const Problem pb{x, bias, out, M, K, N};
+  if (panels.scalar_type() == at::kHalf) {
+    take_panel_tasks(pb, panels.data_ptr<at::Half>(), tasks, next);
+    return;
+  }
+  if (panels.scalar_type() == at::kFloat) {
+    take_panel_tasks(pb, panels.data_ptr<float>(), tasks, next);
+    return;
+  }
+  const uint8_t* w = panels.data_ptr<uint8_t>();
+  switch (panels.size(2)) {
+    case conveyor::Q41::kGroupBytes: take_block_tasks<conveyor::Q41>(pb, w, tasks, next); return;
+    case conveyor::Q80::kGroupBytes: take_block_tasks<conveyor::Q80>(pb, w, tasks, next); return;
+    case conveyor::Q4K::kGroupBytes: take_block_tasks<conveyor::Q4K>(pb, w, tasks, next); return;
+    case conveyor::Q6K::kGroupBytes: take_block_tasks<conveyor::Q6K>(pb, w, tasks, next); return;
+    case conveyor::MXFP4::kGroupBytes:
+      take_block_tasks<conveyor::MXFP4>(pb, w, tasks, next);
+      return;
+    default: take_block_tasks<conveyor::Q8K>(pb, w, tasks, next); return;
+  }
+#endif
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
