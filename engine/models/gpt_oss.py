@@ -4,8 +4,9 @@ mixture of experts whose router softmaxes over its top-k logits and whose expert
 SwiGLU with biases (`models.experts`). Its rotary hands out cos and sin for half of each head
 (the two halves turn by the same frequencies); they are widened once to the whole head, which
 turns the halves with the same operations. Its norms scale in fp32 before rounding to the
-rows' dtype. Decode steps run op by op (its attention sinks), each layer's experts one op on
-the CPU (`ExpertLinears.group`).
+rows' dtype. On the CPU its decode steps run each layer's attention (sinks, biases, window) as
+one fused op and its router and experts between them, the experts one op
+(`ExpertLinears.group`).
 """
 
 from __future__ import annotations

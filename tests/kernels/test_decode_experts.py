@@ -25,6 +25,7 @@ from tests.helpers import (
     tokens_of,
 )
 from tests.kernels.test_decode_layer import PROMPTS, decode_step, op_inputs, packed
+from tests.models import test_gpt_oss
 from tests.models.test_moe import DENSE_LAYERS, build
 
 pytestmark = needs_panels
@@ -122,6 +123,63 @@ def test_greedy_through_fused_experts_layers_equals_generate(
     outputs = run_all(core, PROMPTS, params)
     assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
     assert len(calls) >= 2 * 3 and max(calls) == len(PROMPTS)
+
+
+@pytest.mark.parametrize("weights", ["fp32", BF16])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_gpt_oss_layers_with_their_sinks_decode_as_one_op_each(
+    weights: str, kv: str, calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpt-oss's attention (sinks, q/k/v and output biases, sliding and full layers) in the
+    fused layer, its router and experts between the ops: a step equals the layers op by op to
+    the bit, and without the sinks it differs."""
+    model = in_panels(test_gpt_oss.build(), weights)
+    paged = build_causal_lm(model)
+    route = paged.fused_decode
+    assert (route.route, route.reason) == (DecodeRoute.LAYERS, EXPERTS_BETWEEN)
+    assert all(layer.sinks is not None for layer in route.layers)
+    assert [layer.window for layer in route.layers] == [6, 0, 6]
+    fused_logits, fused_cache = decode_step(model, True, monkeypatch, kv)
+    assert calls == [len(PROMPTS)] * (3 * 3)  # 3 layers, fused on all but the prefill step
+    plain_logits, plain_cache = decode_step(model, False, monkeypatch, kv)
+    assert torch.equal(fused_logits, plain_logits)
+    assert torch.equal(fused_cache, plain_cache)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.zero_()
+    unsunk, _ = decode_step(model, True, monkeypatch, kv)
+    assert not torch.allclose(unsunk, fused_logits)
+
+
+def test_gpt_oss_greedy_through_its_fused_layers_equals_generate(calls: list[int]) -> None:
+    """The oracle: transformers' eager attention, which computes the sinks."""
+    model = test_gpt_oss.build()
+    expected = [reference_greedy(model, p, 10, attention="eager") for p in PROMPTS]
+    core, _ = tiny_core(in_panels(model), attention_backend="cpu")
+    assert core.runner.model.fused_decode.route is DecodeRoute.LAYERS
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = run_all(core, PROMPTS, params)
+    assert [tokens_of(outputs[f"req-{i}"]) for i in range(len(PROMPTS))] == expected
+    assert len(calls) >= 2 * 3 and max(calls) == len(PROMPTS)
+
+
+def test_sinks_that_are_not_fp32_keep_the_steps_op_by_op() -> None:
+    model = in_panels(test_gpt_oss.build())
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data = layer.self_attn.sinks.data.double()
+    paged = build_causal_lm(model)
+    assert paged.fused_decode.describe() == "op by op (attention sinks not fp32)"
+
+
+def test_the_op_refuses_sinks_of_another_shape() -> None:
+    args = op_inputs()
+    heads = cast(list[int], args["heads"])[0]
+    with pytest.raises(RuntimeError, match=r"sinks must be contiguous fp32 \[heads\]"):
+        cpu_ops.decode_layer(**(args | {"sinks": torch.zeros(heads + 1)}))  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=r"sinks must be contiguous fp32 \[heads\]"):
+        cpu_ops.decode_layer(**(args | {"sinks": torch.zeros(heads, dtype=torch.float64)}))  # type: ignore[arg-type]
+    assert cpu_ops.decode_layer(**(args | {"sinks": torch.zeros(heads)})).isfinite().all()  # type: ignore[arg-type]
 
 
 def test_olmoes_clamp_of_q_k_and_v_keeps_the_stack_op_by_op() -> None:

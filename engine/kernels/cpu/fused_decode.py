@@ -2,17 +2,17 @@
 one C++ op (`csrc/fused_decode/`).
 
 It computes what the layers compute op by op, to the bit: the same kernels in the same order
-(norm (none in OLMo 2's layer), q/k/v, each q and k head's norm where the layer has them
-(Qwen3, Gemma 3; q's and k's heads each normed as one row in OLMo 2; after the rotary in
-Hunyuan), rotary of all, some (Phi-4-mini) or none (SmolLM3's NoPE layers) of each head's dims,
-their halves or neighbouring pairs (GLM, ERNIE 4.5, Helium), K/V stored at their slots,
-paged attention, output projection (normed before the residual in Gemma's and OLMo 2's layers)
-and residual, norm, gate/up, activation (silu, or Gemma's GELU), down (normed again in Gemma's
-and OLMo 2's) and residual), without the dispatch of two dozen small ops a layer. A layer of
-experts runs its attention so (up to the attention's residual add), then its norm, router and
-experts as the layer's own `mlp_block` (the experts themselves one op over bf16 panels). Its
-attention is Conveyor's CPU paged attention, so it runs where that backend hands out a
-`DecodeStep` (every row decodes, the cache holds a dtype it reads).
+(norm (none in OLMo 2's layer), q/k/v, each q and k head's norm where the layer has them (Qwen3,
+Gemma 3; q's and k's heads each normed as one row in OLMo 2; after the rotary in Hunyuan),
+rotary of all, some (Phi-4-mini) or none (SmolLM3's NoPE layers) of each head's dims, their
+halves or neighbouring pairs (GLM, ERNIE 4.5, Helium), K/V stored at their slots, paged
+attention (with gpt-oss's sinks), output projection (normed before the residual in Gemma's and
+OLMo 2's layers) and residual, norm, gate/up, activation (silu, or Gemma's GELU), down (normed
+again in Gemma's and OLMo 2's) and residual), without the dispatch of two dozen small ops a
+layer. A layer of experts runs its attention so (up to the attention's residual add), then its
+norm, router and experts as the layer's own `mlp_block` (the experts themselves one op,
+`ExpertLinears.group`). Its attention is Conveyor's CPU paged attention, so it runs where that
+backend hands out a `DecodeStep` (every row decodes, the cache holds a dtype it reads).
 
 `choose` decides once, when the model is built, how decode steps run: the whole stack as one op,
 one op per layer, or op by op, with the reason when the fused routes do not apply.
@@ -123,6 +123,9 @@ class LayerWeights:
     pairs: bool = False
     # The q/k norm comes after the rotary (Hunyuan's), not before it.
     norms_rotated: bool = False
+    # A logit per query head joining each head's softmax with no value (gpt-oss's sinks), fp32
+    # `[heads]`, or None.
+    sinks: torch.Tensor | None = None
     # A layer of experts: the op stops after the attention's residual add and this runs the
     # rest (the layer's `mlp_block`); None: the op runs the layer's gated MLP.
     experts: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -139,9 +142,9 @@ def why_not_fused(layer: FusibleLayer) -> str:
     experts = getattr(layer, "moe", None) is not None
     if experts and not layer.experts_as_llama:
         return "a mixture-of-experts block of its own after the attention"
-    features = getattr(layer, "attention", None)
-    if features is not None and features.sinks is not None:
-        return "attention sinks"
+    sinks = _sinks(layer)
+    if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()):
+        return "attention sinks not fp32"
     projections = [layer.qkv_proj, layer.o_proj]
     if not experts:
         projections += [layer.gate_up_proj, layer.down_proj]
@@ -177,6 +180,12 @@ def why_not_fused(layer: FusibleLayer) -> str:
     if layer.qk_norm_weight is not None and layer.qk_norm_eps != norms[0].variance_epsilon:
         return "a q/k norm epsilon of its own"
     return ""
+
+
+def _sinks(layer: FusibleLayer) -> torch.Tensor | None:
+    """The layer's attention sinks (`LayerAttention`), or None."""
+    features = getattr(layer, "attention", None)
+    return None if features is None else features.sinks
 
 
 def _why_qk_norm_not_fused(layer: FusibleLayer) -> str:
@@ -224,6 +233,7 @@ def layer_weights(layer: FusibleLayer, rotary_kinds: Collection[str] = ()) -> La
         softcap=softcap_of(layer.attention),
         pairs=bool(getattr(layer, "paired_rotary", False)),
         norms_rotated=bool(getattr(layer, "norms_rotated", False)),
+        sinks=_sinks(layer),
         experts=layer.mlp_block if experts else None,
     )
 
@@ -259,6 +269,7 @@ class FusedDecode:
     softcaps: tuple[float, ...] = ()
     pairs: tuple[bool, ...] = ()
     norms_rotated: tuple[bool, ...] = ()
+    sinks: tuple[torch.Tensor | None, ...] = ()
 
     @classmethod
     def of(cls, route: DecodeRoute, layers: tuple[LayerWeights, ...], reason: str = ""):
@@ -277,6 +288,7 @@ class FusedDecode:
             tuple(layer.softcap for layer in layers),
             tuple(layer.pairs for layer in layers),
             tuple(layer.norms_rotated for layer in layers),
+            tuple(layer.sinks for layer in layers),
         )
 
     def __call__(
@@ -311,6 +323,7 @@ class FusedDecode:
                 list(self.softcaps),
                 list(self.pairs),
                 list(self.norms_rotated),
+                list(self.sinks),
             )
         for layer in self.layers:
             cos, sin = tables[layer.rotary]
@@ -337,6 +350,7 @@ class FusedDecode:
                 layer.softcap,
                 layer.pairs,
                 layer.norms_rotated,
+                layer.sinks,
             )
             if layer.experts is not None:
                 hidden = layer.experts(hidden)

@@ -545,6 +545,7 @@ def decode_layer(
     softcap: float = 0.0,
     pairs: bool = False,
     norms_rotated: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A Llama-family decoder layer over fp32 decode rows `[rows, hidden]`, one op.
 
@@ -564,7 +565,8 @@ def decode_layer(
     outputs before they join it (Granite's residual multiplier); `softcap` caps the scores as
     `paged_decode` caps them (Gemma 2's). With `pairs` the rotary turns neighbouring dims as
     pairs (GLM's, `rotary(pairs=True)`); with `norms_rotated` the q/k norm comes after the
-    rotary (Hunyuan's).
+    rotary (Hunyuan's); `sinks` (fp32 `[heads]`, gpt-oss's) join each head's softmax as
+    `paged_decode` joins them.
     """
     attn_out_norm, mlp_out_norm = out_norms if out_norms is not None else (None, None)
     return torch.ops.conveyor.decode_layer(
@@ -591,6 +593,7 @@ def decode_layer(
         softcap,
         pairs,
         norms_rotated,
+        sinks,
     )
 
 
@@ -661,14 +664,16 @@ def decode_layers(
     softcaps: list[float] | None = None,
     pairs: list[bool] | None = None,
     norms_rotated: list[bool] | None = None,
+    sinks: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """`decode_layer` for every layer of a stack in turn, in one op: `weights` and `biases` are
     each layer's back to back; `key_caches`/`value_caches`, `qk_norms` (None: no layer norms
     its q and k heads), `rotates` (None: every layer rotates), `out_norms` (None: no layer norms
     its outputs), `gelu` (None: every layer gates with silu), `residual_scales` (None: every
     layer adds its outputs as they are), `softcaps` (None: no layer caps its scores), `pairs`
-    (None: every layer's rotary turns halves) and `norms_rotated` (None: every q/k norm comes
-    before the rotary) one per layer; `cos`/`sin` and `window` one for all or one per layer."""
+    (None: every layer's rotary turns halves), `norms_rotated` (None: every q/k norm comes
+    before the rotary) and `sinks` (None: no layer has them) one per layer; `cos`/`sin` and
+    `window` one for all or one per layer."""
     layers = len(key_caches)
     return torch.ops.conveyor.decode_layers(
         hidden,
@@ -693,4 +698,5 @@ def decode_layers(
         softcaps if softcaps is not None else [0.0] * layers,
         pairs if pairs is not None else [False] * layers,
         norms_rotated if norms_rotated is not None else [False] * layers,
+        sinks if sinks is not None else [None] * layers,
     )

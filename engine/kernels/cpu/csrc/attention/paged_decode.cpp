@@ -517,8 +517,8 @@ void run(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value
 template <typename C>
 void run_team(const conveyor::DecodeRows& rows, const at::Tensor& key, const at::Tensor& value,
               const conveyor::Team& team, std::atomic<int64_t>& next) {
-  const Shape s{rows.heads,        key.size(2), key.size(3), key.size(1), rows.width,
-                rows.query_stride, rows.scale,  rows.window, rows.softcap};
+  const Shape s{rows.heads,        key.size(2), key.size(3), key.size(1),  rows.width,
+                rows.query_stride, rows.scale,  rows.window, rows.softcap, rows.sinks};
   const Sequences<float, C> work(rows.query, key.data_ptr<C>(), value.data_ptr<C>(), rows.table,
                                  rows.lens, rows.out, s, rows.seqs, team.size);
   if (work.splits > 1) {

@@ -37,6 +37,8 @@
 // pairs     the rotary turns neighbouring dims as pairs (GLM's), as `rotary(pairs=True)` does
 // norms_rotated
 //           the q/k norm comes after the rotary (Hunyuan's), not before it
+// sinks     optional fp32 [query heads]: a logit per head with no value joining its softmax
+//           (gpt-oss's), as `paged_decode` takes them
 // returns   [rows, hidden] fp32, the layer's output
 //
 // It calls the same kernels, in the same order, as the layer does op by op from Python, so the
@@ -71,6 +73,8 @@ void check_layer(at::TensorList weights, const c10::List<std::optional<at::Tenso
   TORCH_CHECK(qk_norm_fits(form.qk_norm, heads[0] + heads[1], heads[2]),
               "decode_layer: the q/k norm must be contiguous fp32 [heads + kv_heads, head_dim] "
               "or [(heads + kv_heads) * head_dim]");
+  TORCH_CHECK(sinks_fit(form.sinks, heads[0]),
+              "decode_layer: sinks must be contiguous fp32 [heads]");
   TORCH_CHECK(pre_normed(weights) == (weights[kPostNorm].numel() > 0),
               "decode_layer: the input and the post-attention norm come together");
   TORCH_CHECK((weights[kGateUp].numel() == 0) == (weights[kDown].numel() == 0),
@@ -160,7 +164,7 @@ at::Tensor run_layer(const at::Tensor& hidden, at::TensorList weights,
            qkv.data_ptr<float>() + qk_heads * dim, qkv_size, slots.data_ptr<int64_t>(), 0, rows,
            kv_size, key, value);
   at::Tensor attended = paged_decode(qk.narrow(1, 0, num_heads), key, value, table, lens, scale,
-                                     form.window, form.softcap);
+                                     form.window, form.softcap, form.sinks);
   const at::Tensor residual =
       add_output(attended.view({rows, num_heads * dim}), weights[kOut], biases.get(kOutBias), width,
                  hidden, form.attn_out_norm, eps, form.residual_scale);
@@ -184,9 +188,11 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
                         const std::optional<at::Tensor>& qk_norm, bool rotates,
                         const std::optional<at::Tensor>& attn_out_norm,
                         const std::optional<at::Tensor>& mlp_out_norm, bool gelu,
-                        double residual_scale, double softcap, bool pairs, bool norms_rotated) {
-  const LayerForm form{cos,           sin,          window, qk_norm,        rotates, softcap,
-                       attn_out_norm, mlp_out_norm, gelu,   residual_scale, pairs,   norms_rotated};
+                        double residual_scale, double softcap, bool pairs, bool norms_rotated,
+                        const std::optional<at::Tensor>& sinks) {
+  const LayerForm form{cos,     sin,           window,       qk_norm, rotates,
+                       softcap, attn_out_norm, mlp_out_norm, gelu,    residual_scale,
+                       pairs,   norms_rotated, sinks};
   check_layer(weights, biases, heads, key, value, form, hidden.size(-1));
   check_step(hidden, slots, key);
   return run_layer(hidden, weights, biases, heads, key, value, slots, table, lens, eps, scale,
@@ -197,7 +203,8 @@ at::Tensor decode_layer(const at::Tensor& hidden, at::TensorList weights,
 // `decode_layer` arguments back to back (6 and 4 a layer), output norms two a layer (None where
 // it has none); rotary rows, keys, values, windows, q/k norms (each optional), whether it
 // rotates, whether it gates with GELU, its residual scale, its score cap, whether its rotary
-// turns pairs and whether its q/k norm comes after the rotary each layer's own.
+// turns pairs, whether its q/k norm comes after the rotary and its sinks (each optional) each
+// layer's own.
 // One call instead of one a layer saves the Python and dispatch around each: a decode step for
 // one sequence of the default model ran about 0.9 ms (11%) shorter.
 at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
@@ -210,7 +217,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
                          const c10::List<std::optional<at::Tensor>>& out_norms,
                          const c10::List<bool>& gelu, at::ArrayRef<double> residual_scales,
                          at::ArrayRef<double> softcaps, const c10::List<bool>& pairs,
-                         const c10::List<bool>& norms_rotated) {
+                         const c10::List<bool>& norms_rotated,
+                         const c10::List<std::optional<at::Tensor>>& sinks) {
   const size_t layers = keys.size();
   TORCH_CHECK(layers >= 1 && values.size() == layers && weights.size() == layers * kWeights &&
                   biases.size() == layers * kBiases && cos.size() == layers &&
@@ -218,18 +226,19 @@ at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList weights,
                   rotates.size() == layers && out_norms.size() == 2 * layers &&
                   gelu.size() == layers && residual_scales.size() == layers &&
                   softcaps.size() == layers && pairs.size() == layers &&
-                  norms_rotated.size() == layers,
+                  norms_rotated.size() == layers && sinks.size() == layers,
               "decode_layers: per layer 6 weights, 4 biases, rotary rows, one key and one value "
               "cache, a window, one q/k norm or None, whether it rotates, two output norms or "
               "None, whether it gates with GELU, its residual scale, its score cap, whether it "
-              "turns pairs and whether it norms q and k after the rotary");
+              "turns pairs, whether it norms q and k after the rotary, and its sinks or None");
   std::vector<c10::List<std::optional<at::Tensor>>> layer_biases(layers);
   std::vector<LayerForm> forms;
   for (size_t i = 0; i < layers; ++i) {
     for (size_t b = 0; b < kBiases; ++b) layer_biases[i].push_back(biases.get(i * kBiases + b));
     forms.push_back(LayerForm{cos[i], sin[i], windows[i], qk_norms.get(i), rotates.get(i),
                               softcaps[i], out_norms.get(2 * i), out_norms.get(2 * i + 1),
-                              gelu.get(i), residual_scales[i], pairs.get(i), norms_rotated.get(i)});
+                              gelu.get(i), residual_scales[i], pairs.get(i), norms_rotated.get(i),
+                              sinks.get(i)});
     check_layer(weights.slice(i * kWeights, kWeights), layer_biases[i], heads, keys[i], values[i],
                 forms[i], hidden.size(-1));
     TORCH_CHECK(keys[i].sizes() == keys[0].sizes(), "decode_layers: caches of one size");
@@ -259,13 +268,13 @@ TORCH_LIBRARY_FRAGMENT(conveyor, m) {
       "Tensor lens, float eps, float scale, int window=0, Tensor? qk_norm=None, "
       "bool rotates=True, Tensor? attn_out_norm=None, Tensor? mlp_out_norm=None, "
       "bool gelu=False, float residual_scale=1.0, float softcap=0., bool pairs=False, "
-      "bool norms_rotated=False) -> Tensor");
+      "bool norms_rotated=False, Tensor? sinks=None) -> Tensor");
   m.def(
       "decode_layers(Tensor hidden, Tensor[] weights, Tensor?[] biases, int[] heads, "
       "Tensor[] cos, Tensor[] sin, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor slots, "
       "Tensor table, Tensor lens, float eps, float scale, int[] windows, Tensor?[] qk_norms, "
       "bool[] rotates, Tensor?[] out_norms, bool[] gelu, float[] residual_scales, "
-      "float[] softcaps, bool[] pairs, bool[] norms_rotated) -> Tensor");
+      "float[] softcaps, bool[] pairs, bool[] norms_rotated, Tensor?[] sinks) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(conveyor, CPU, m) {
   m.impl("decode_layer", &conveyor::decode_layer);

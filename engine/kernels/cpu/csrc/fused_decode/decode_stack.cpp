@@ -268,6 +268,7 @@ bool stack_region_applies(int64_t width, at::TensorList weights,
     at::TensorList w = weights.slice(i * kWeights, kWeights);
     auto bias = [&](int b) { return biases.get(i * kBiases + b); };
     const LayerForm& form = forms[i];
+    if (given(form.sinks)) return false;  // the region's attention takes none
     const bool out_norms = !given(form.attn_out_norm) || (fp32_norm(*form.attn_out_norm, width) &&
                                                           fp32_norm(*form.mlp_out_norm, width));
     if (!out_norms || !rotary_rows_fit(form.cos, form.sin, dim)) return false;

@@ -40,6 +40,9 @@ struct LayerForm {
   bool pairs = false;
   // The q/k norm comes after the rotary (Hunyuan's), not before it.
   bool norms_rotated = false;
+  // A logit per query head with no value that joins each head's softmax (gpt-oss's sinks), fp32
+  // [heads], contiguous; or none.
+  std::optional<at::Tensor> sinks;
 };
 
 inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -56,6 +59,12 @@ inline bool qk_norm_fits(const std::optional<at::Tensor>& norm, int64_t qk_heads
   const bool shaped = norm->dim() == 2 ? norm->size(0) == qk_heads && norm->size(1) == dim
                                        : norm->dim() == 1 && norm->size(0) == qk_heads * dim;
   return shaped && norm->scalar_type() == at::kFloat && norm->is_contiguous();
+}
+
+// No sinks, or contiguous fp32 [heads].
+inline bool sinks_fit(const std::optional<at::Tensor>& sinks, int64_t heads) {
+  return !given(sinks) || (sinks->dim() == 1 && sinks->size(0) == heads &&
+                           sinks->scalar_type() == at::kFloat && sinks->is_contiguous());
 }
 
 // Whether a layer's weights norm the rows before the attention and the MLP.

@@ -161,9 +161,10 @@ struct DecodeRows {
   int64_t width;
   const int64_t* lens;
   float scale;
-  float* out;           // [seqs, heads, dim]
-  int64_t window = 0;   // a sliding window (0: none), as paged_decode takes it
-  float softcap = 0.f;  // scores capped as paged_decode caps them (0: not)
+  float* out;                    // [seqs, heads, dim]
+  int64_t window = 0;            // a sliding window (0: none), as paged_decode takes it
+  float softcap = 0.f;           // scores capped as paged_decode caps them (0: not)
+  const float* sinks = nullptr;  // [heads] logits joining each head's softmax, or none
 };
 void paged_decode_team(const DecodeRows& rows, const at::Tensor& key, const at::Tensor& value,
                        const Team& team, std::atomic<int64_t>& next);
