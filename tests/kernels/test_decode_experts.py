@@ -182,6 +182,43 @@ def test_the_op_refuses_sinks_of_another_shape() -> None:
     assert cpu_ops.decode_layer(**(args | {"sinks": torch.zeros(heads)})).isfinite().all()  # type: ignore[arg-type]
 
 
+def test_a_stack_with_sinks_equals_its_layers_one_by_one() -> None:
+    """`decode_layers` takes each layer's sinks (or None) as `decode_layer` does: a stack of a
+    layer with sinks and one without equals the two ops in turn, and the sinks count."""
+    args = op_inputs()
+    heads = cast(list[int], args["heads"])[0]
+    sinks = torch.linspace(-2.0, 3.0, heads)
+    weights = cast(list[torch.Tensor], args["weights"])
+    caches = [cast(torch.Tensor, args[name]) for name in ("key_cache", "value_cache")]
+    step = {k: v for k, v in args.items() if k not in ("key_cache", "value_cache", "hidden")}
+
+    def fresh() -> tuple[torch.Tensor, torch.Tensor]:
+        return caches[0].clone(), caches[1].clone()
+
+    first, second = fresh(), fresh()
+    x = cpu_ops.decode_layer(
+        args["hidden"],
+        **step,
+        key_cache=first[0],
+        value_cache=first[1],
+        sinks=sinks,  # type: ignore[arg-type]
+    )
+    x = cpu_ops.decode_layer(x, **step, key_cache=second[0], value_cache=second[1])  # type: ignore[arg-type]
+    stack = {k: v for k, v in step.items() if k != "weights"}
+    keys, values = zip(fresh(), fresh(), strict=True)
+    both = cpu_ops.decode_layers(
+        args["hidden"], weights=weights * 2, **stack | {"biases": [None] * 8},  # type: ignore[arg-type]
+        key_caches=list(keys), value_caches=list(values), sinks=[sinks, None],
+    )  # fmt: skip
+    assert torch.equal(both, x)
+    keys, values = zip(fresh(), fresh(), strict=True)
+    unsunk = cpu_ops.decode_layers(
+        args["hidden"], weights=weights * 2, **stack | {"biases": [None] * 8},  # type: ignore[arg-type]
+        key_caches=list(keys), value_caches=list(values),
+    )  # fmt: skip
+    assert not torch.allclose(unsunk, both)
+
+
 def test_olmoes_clamp_of_q_k_and_v_keeps_the_stack_op_by_op() -> None:
     """OLMoE's clamp (`clip_qkv`) is its own `project_qkv`."""
     paged = build_causal_lm(in_panels(build("olmoe")))
