@@ -3,9 +3,9 @@ loop over the chosen experts (`ExpertLinears.by_expert`) and, for scale where bf
 dense gated MLP as wide as the experts a row runs (the same bytes a row reads, in bf16). The
 median milliseconds a layer at each row count; every layer holds its own weights, so they
 stream from memory as in a decode step. `--weights`: bf16 panels (AVX-512 BF16), fp16 or fp32
-panels over fp32 rows (any x86-64 level), or random MXFP4 blocks (gpt-oss as published;
-multiplied in bf16 where that runs, else widened to fp32); with `--clamped` the experts run
-gpt-oss's clamped SwiGLU instead of silu.
+panels over fp32 rows (any x86-64 level), or random MXFP4 or Q4_K blocks (gpt-oss as published,
+a Q4_K GGUF file's experts; multiplied in bf16 where that runs, else widened to fp32); with
+`--clamped` the experts run gpt-oss's clamped SwiGLU instead of silu.
 
     PYTHONPATH=. python benchmarks/expert_layers.py --rows 1 16 64 [--weights fp16] [--clamped]
 """
@@ -43,9 +43,20 @@ def blocks(out: int, into: int) -> PanelLinear:
     return layer
 
 
+def k_blocks(out: int, into: int) -> PanelLinear:
+    """Q4_K super-blocks of random scales and codes under d = 1 / 64 and dmin = 1 / 128."""
+    rows = torch.randint(0, 256, (out, into // 256, 144), dtype=torch.uint8)
+    rows[..., :4] = torch.tensor([1 / 64, 1 / 128], dtype=torch.float16).view(torch.uint8)
+    layer = PanelLinear.of_blocks(gguf_blocks.Q4_K, rows.reshape(out, -1), None)
+    layer.multiply_in_bf16()
+    return layer
+
+
 def maker(weights: str) -> Callable[[int, int], PanelLinear]:
     if weights == "mxfp4":
         return blocks
+    if weights == "q4_k":
+        return k_blocks
     storage = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[weights]
     return lambda out, into: panels(out, into, storage)
 
@@ -120,7 +131,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--passes", type=int, default=30)
-    parser.add_argument("--weights", choices=["bf16", "fp16", "fp32", "mxfp4"], default="bf16")
+    parser.add_argument(
+        "--weights", choices=["bf16", "fp16", "fp32", "mxfp4", "q4_k"], default="bf16"
+    )
     parser.add_argument("--clamped", action="store_true", help="gpt-oss's clamped SwiGLU")
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -28,7 +28,6 @@ from torch import nn
 
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.linear import GatedPanelLinear, PanelLinear, takes_bf16_rows
-from engine.loading import gguf_blocks
 from engine.models.layers import clamped_swiglu, gated_activation, is_silu
 from engine.models.routing import BiasedRouter, GroupLimitedRouter, router_of
 from engine.parallel.sharding import GATELESS_EXPERTS, HF_EXPERTS, TRANSPOSED_EXPERTS
@@ -201,13 +200,13 @@ class ExpertLinears(nn.Module):
         whether they do. They can under silu or the clamped SwiGLU: over bf16 panels, each
         expert's gate/up then made gated bf16 panel pairs (`GatedPanelLinear`: one pass writes
         only the activation, rounded to bf16 for the down product; each joined layer gives way
-        to its pairs as they are made), the intermediate size in whole panels; over MXFP4
-        blocks multiplied in bf16 (`PanelLinear.multiply_in_bf16`), as they are; and over
+        to its pairs as they are made), the intermediate size in whole panels; over blocks
+        multiplied in bf16 (`PanelLinear.multiply_in_bf16`: MXFP4, GGUF's), as they are; and over
         panels that multiply fp32 rows (fp32, fp16, or blocks widened to fp32: CPUs without
         AVX-512 BF16, fp32 models), as they are."""
         if not (self.gated and (self.silu or self.clamped is not None)):
             return False
-        if self._mxfp4_blocks() or self._fp32_row_panels():
+        if self._bf16_blocks() or self._fp32_row_panels():
             self._fp32_rows = self._fp32_row_panels()
             self._grouped = self._grouped_panels()
             return True
@@ -229,14 +228,11 @@ class ExpertLinears(nn.Module):
         self._grouped = self._grouped_panels()
         return True
 
-    def _mxfp4_blocks(self) -> bool:
-        """Every expert's gate/up and down are contiguous MXFP4 block panels that multiply in
-        bf16, as the one op takes them."""
+    def _bf16_blocks(self) -> bool:
+        """Every expert's gate/up and down are contiguous block panels that multiply in bf16
+        (GGUF's kept beside a bf16 model, MXFP4's), as the one op takes them."""
         return all(
-            isinstance(layer, PanelLinear)
-            and layer.bf16_blocks
-            and layer.block_format is gguf_blocks.MXFP4
-            and layer.panels.is_contiguous()
+            isinstance(layer, PanelLinear) and layer.bf16_blocks and layer.panels.is_contiguous()
             for layer in [*self.gate_up, *self.down]
         )
 

@@ -1,10 +1,10 @@
-"""A layer of experts in one op (`csrc/linear/expert_mlps.cpp`): over gated bf16 panel pairs
-(silu or gpt-oss's clamped SwiGLU), over MXFP4 blocks and over the panels that multiply fp32
-rows (fp32, fp16, blocks widened to fp32: every x86-64 level) it equals `ExpertLinears`' loop
-over the experts to the bit (which equals the loop over the joined gate/up layers), whatever the
-rows, choices, biases and threads, and MXFP4 experts equal torch's float64 product of the
-weights the blocks define; it refuses what it cannot compute, and `group` groups only what the
-op takes."""
+"""A layer of experts in one op (`csrc/linear/expert_mlps.cpp`): over gated bf16 panel pairs (silu
+or gpt-oss's clamped SwiGLU), over block panels multiplied in bf16 (MXFP4, GGUF's formats) and
+over the panels that multiply fp32 rows (fp32, fp16, blocks widened to fp32: every x86-64 level)
+it equals `ExpertLinears`' loop over the experts to the bit (which equals the loop over the
+joined gate/up layers), whatever the rows, choices, biases and threads, and MXFP4 experts equal
+torch's float64 product of the weights the blocks define; it refuses what it cannot compute, and
+`group` groups only what the op takes."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from engine.loading import gguf_blocks
 from engine.loading.mxfp4_experts import gguf_rows
 from engine.models.experts import ClampedSwiGLU, ExpertLinears
 from tests.helpers import needs_bf16_panels, needs_panels
+from tests.loading.test_gguf_blocks import block_layer
 from tests.models.test_gpt_oss import mxfp4_weight
 
 HIDDEN, INTER, EXPERTS = 96, 48, 8
@@ -175,6 +176,48 @@ def test_experts_over_fp32_rows_in_one_op_equal_their_loop_to_the_bit(
     assert bool((grouped.abs().sum(-1) > 0).all())
 
 
+# Each expert's gate/up and down formats: one format, or a K-quant file's mix.
+GGUF_EXPERTS = [
+    ("q4_k", "q4_k"),
+    ("q6_k", "q6_k"),
+    ("q8_0", "q8_0"),
+    ("q4_1", "q4_1"),
+    ("q4_k", "q6_k"),
+]
+# A K-quant's super-block of inputs.
+SUPER = 256
+
+
+def gguf_experts(gate_up_format: str, down_format: str, seed: int = 0) -> ExpertLinears:
+    """Experts in GGUF blocks multiplied in bf16 (a GGUF file's kept beside a bf16 model), hidden
+    and intermediate size one super-block each."""
+    gate_up, down = [], []
+    for e in range(EXPERTS):
+        gate_up.append(block_layer(gate_up_format, 2 * SUPER, SUPER, seed + 2 * e))
+        down.append(block_layer(down_format, SUPER, SUPER, seed + 2 * e + 1))
+    for layer in [*gate_up, *down]:
+        assert layer.multiply_in_bf16()
+    return ExpertLinears(gate_up, down, nn.SiLU(), silu=True)  # type: ignore[arg-type]
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize(("gate_up_format", "down_format"), GGUF_EXPERTS)
+@pytest.mark.parametrize(("rows", "k"), [(1, 2), (3, 2), (13, 3)])
+def test_gguf_experts_in_one_op_equal_their_loop_to_the_bit(
+    gate_up_format: str, down_format: str, rows: int, k: int
+) -> None:
+    """Formats with a minimum (Q4_1, Q4_K: each block's row sums times it) and without."""
+    layer = gguf_experts(gate_up_format, down_format, seed=rows)
+    x = torch.randn(rows, SUPER)
+    chosen, weights = choices(rows, k, seed=rows * k)
+    with torch.inference_mode():
+        looped = layer.by_expert(x, chosen, weights)
+        assert layer.group() and layer.grouped
+        grouped = layer(x, chosen, weights)
+    assert torch.equal(grouped, looped)
+    assert bool((grouped.abs().sum(-1) > 0).all())
+
+
 def reference_experts(
     held: Mxfp4Experts, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
@@ -295,9 +338,9 @@ def test_the_op_refuses_what_it_cannot_compute() -> None:
     blocks = Mxfp4Experts(False, None).layer
     mx_gate_up = [g.panels for g in blocks.gate_up]
     mx_down = [d.panels for d in blocks.down]
-    with pytest.raises(RuntimeError, match="MXFP4 panels must be"):  # inter is another's
+    with pytest.raises(RuntimeError, match="block panels must be"):  # inter is another's
         call(gate_up=mx_gate_up, down=mx_down)
-    with pytest.raises(RuntimeError, match="MXFP4 panels must be"):
+    with pytest.raises(RuntimeError, match="block panels must be"):
         call(gate_up=mx_gate_up, down=[d[:-1] for d in mx_down], inter=MXFP4_INTER)
     with pytest.raises(RuntimeError, match="gate/up panels must be"):  # the forms mixed
         call(gate_up=[gate_up[0], *mx_gate_up[1:]], down=mx_down, inter=MXFP4_INTER,

@@ -325,7 +325,8 @@ def expert_mlps(
     """A layer of experts over fp32 rows `x [rows, hidden]` in one op
     (`csrc/linear/expert_mlps.cpp`): row `i` through its experts `experts[i]` (int64 `[rows,
     k]`), each expert's gate/up in gated bf16 panels (`gated_linear`'s) and its down in bf16
-    panels, or both in MXFP4 block panels (`mxfp4_bf16_linear`'s, gate/up's gate then up), or
+    panels, or both in block panels multiplied in bf16 (`block_bf16_linear`'s or
+    `mxfp4_bf16_linear`'s, any of their formats, gate/up's gate then up), or
     with `fp32_rows` both in `panel_linear`'s fp32, fp16 or block panels over fp32 rows; one
     of each (and a padded bias or None) per expert, under the activation `gated_linear` names,
     the outputs times `weights[i]` (fp32 `[rows, k]`) summed in fp32, as `ExpertLinears`' loop

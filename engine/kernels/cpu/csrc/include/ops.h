@@ -94,6 +94,19 @@ void panel_take_tasks(const float* x, const float* bias, float* out, int64_t M, 
 void mxfp4_take_tasks(const uint16_t* x, const float* bias, float* out, int64_t M, int64_t K,
                       int64_t N, const uint8_t* panels, const std::vector<ProductTask>& tasks,
                       std::atomic<int64_t>& next);
+// Whether uint8 block panels of this group size multiply bf16 rows (`block_bf16.cpp`: Q4_1,
+// Q8_0, Q4_K, Q6_K, Q8_K; `mxfp4_bf16.cpp`: MXFP4).
+bool bf16_block_group(int64_t group);
+// One bf16 row's sum of each of its blocks of 32 values, in fp32 (sums [K / 32]): what the
+// block products over formats with a minimum add it times.
+void block_row_sums(const uint16_t* row, int64_t K, float* sums);
+// This thread's part of a product over such block panels split into `tasks` (`panel_runs`),
+// every thread of the region calling it: bf16 rows x [M, K] with their block sums (`sums` [M,
+// K / 32]) times the panels, plus bias (padded) where not null, to fp32 rows out [M, N]; each
+// output equals `block_bf16_linear`'s (`mxfp4_bf16_linear`'s) to the bit.
+void bf16_block_take_tasks(const uint16_t* x, const float* sums, const float* bias, float* out,
+                           int64_t M, int64_t K, int64_t N, const at::Tensor& panels,
+                           const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next);
 // Each row's argmax of x W^T + bias over bf16 panels (`bf16_panels.cpp`), int64 [rows], as
 // `torch.argmax` picks it from panel_linear's output, without writing that output.
 at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels,

@@ -24,9 +24,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "block_panels.h"
 #include "block_rows.h"
@@ -235,27 +237,64 @@ void run_format(const Problem& pb, const at::Tensor& panels) {
   }
 }
 
-// Each row's sum of each block of 32 rounded inputs, in fp32 (two halves of 16 lanes, then
-// their lanes in one fixed order).
+// Each row's sum of each block of 32 rounded inputs (`block_row_sums`).
 void block_sums(const uint16_t* x, int64_t M, int64_t K, float* sums) {
   at::parallel_for(0, M, conveyor::rows_per_task(K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t b = 0; b < K / kBlock; ++b) {
-        const uint16_t* at = x + m * K + b * kBlock;
-        const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))), 16));
-        const __m512 high = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16))),
-            16));
-        sums[m * (K / kBlock) + b] = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
-      }
+      conveyor::block_row_sums(x + m * K, K, sums + m * (K / kBlock));
   });
+}
+
+// This thread's tasks of a product over panels of format F.
+template <typename F>
+void take_tasks(const Problem& pb, const uint8_t* panels,
+                const std::vector<conveyor::ProductTask>& tasks, std::atomic<int64_t>& next) {
+  conveyor::block_take_tasks<BlockKernel<F>>(pb, panels, tasks, next);
 }
 #endif
 
 }  // namespace
 
 namespace conveyor {
+
+bool bf16_block_group(int64_t group) {
+  return group == Q41::kGroupBytes || group == Q80::kGroupBytes || group == Q4K::kGroupBytes ||
+         group == Q6K::kGroupBytes || group == Q8K::kGroupBytes || group == MXFP4::kGroupBytes;
+}
+
+void block_row_sums(const uint16_t* row, int64_t K, float* sums) {
+#ifndef CONVEYOR_BLOCK_BF16
+  TORCH_CHECK(false, "block sums need AVX-512 BF16");
+#else
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const uint16_t* at = row + b * kBlock;
+    const __m512 low = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))), 16));
+    const __m512 high = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16))), 16));
+    sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
+  }
+#endif
+}
+
+void bf16_block_take_tasks(const uint16_t* x, const float* sums, const float* bias, float* out,
+                           int64_t M, int64_t K, int64_t N, const at::Tensor& panels,
+                           const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next) {
+#ifndef CONVEYOR_BLOCK_BF16
+  TORCH_CHECK(false, "block products in bf16 need AVX-512 BF16");
+#else
+  const uint8_t* w = panels.data_ptr<uint8_t>();
+  const ::Problem pb{x, sums, bias, out, M, K, N};
+  switch (panels.size(2)) {
+    case MXFP4::kGroupBytes: mxfp4_take_tasks(x, bias, out, M, K, N, w, tasks, next); return;
+    case Q41::kGroupBytes: take_tasks<::Q41>(pb, w, tasks, next); return;
+    case Q80::kGroupBytes: take_tasks<::Q80>(pb, w, tasks, next); return;
+    case Q4K::kGroupBytes: take_tasks<::Q4K>(pb, w, tasks, next); return;
+    case Q6K::kGroupBytes: take_tasks<::Q6K>(pb, w, tasks, next); return;
+    default: take_tasks<::Q8K>(pb, w, tasks, next); return;
+  }
+#endif
+}
 
 at::Tensor block_bf16_linear(const at::Tensor& x, const at::Tensor& panels,
                              const c10::optional<at::Tensor>& bias, int64_t out_features) {

@@ -6,9 +6,10 @@
 // weights  [rows, k]          fp32: their weights
 // gate_up  one per expert     gated bf16 panels [ceil(inter / 16), 2, hidden / 2, 32]
 //                               (`GatedPanelLinear`); or gate then up in one layer's panels:
-//                               MXFP4 block panels multiplied in bf16 (`mxfp4_bf16_linear`'s),
-//                               or with `fp32_rows` `panel_linear`'s fp32, fp16 or block
-//                               panels over fp32 rows; with an optional padded bias each
+//                               block panels multiplied in bf16 (`block_bf16_linear`'s,
+//                               `mxfp4_bf16_linear`'s), or with `fp32_rows` `panel_linear`'s
+//                               fp32, fp16 or block panels over fp32 rows; with an optional
+//                               padded bias each
 // down     one per expert     bf16 panels [ceil(hidden / 16), inter / 2, 32] beside gated ones,
 //                               else panels of the gate/up's kind; bias likewise
 // gelu, clamped               the activation: silu(gate) * up unless one of them names another
@@ -18,7 +19,7 @@
 // in expert order (a stable sort of the flat choices), each expert that some row chose over its
 // own run of them (the gated product writing bf16 rows for the down product; or the gate/up
 // product writing fp32 rows that the activation then turns into the down product's input, as
-// `silu_mul` or `clamped_swiglu_mul` would, rounded to bf16 for MXFP4 blocks as that product
+// `silu_mul` or `clamped_swiglu_mul` would, rounded to bf16 for bf16 blocks as that product
 // rounds its input; then the down product, each with as many rows as that expert has), and
 // each row's outputs times their
 // weights added in that order to zero in fp32 (as `index_add_` adds them). Op by op, a layer of
@@ -53,9 +54,9 @@ namespace conveyor {
 namespace {
 
 // How the experts' products run, by their panels (checked expert by expert): gated bf16 panel
-// pairs over bf16 down panels, MXFP4 blocks over rows rounded to bf16, or `panel_linear`'s
-// panels over fp32 rows.
-enum class Form { kGatedBf16, kMxfp4, kFp32Rows };
+// pairs over bf16 down panels, block panels over rows rounded to bf16 (each expert's own
+// formats), or `panel_linear`'s panels over fp32 rows.
+enum class Form { kGatedBf16, kBf16Blocks, kFp32Rows };
 
 // One expert that some row chose: its panels and biases, and its run [first, first + rows) of
 // the rows in expert order.
@@ -99,7 +100,7 @@ const float* bias_of(const std::optional<at::Tensor>& bias, int64_t values) {
 // The form the first chosen expert's gate/up panels name.
 Form form_of(const at::Tensor& gate_up, bool fp32_rows) {
   if (fp32_rows) return Form::kFp32Rows;
-  return gate_up.scalar_type() == at::kByte ? Form::kMxfp4 : Form::kGatedBf16;
+  return gate_up.scalar_type() == at::kByte ? Form::kBf16Blocks : Form::kGatedBf16;
 }
 
 // Whether this build runs the form's products.
@@ -116,10 +117,10 @@ bool built_for(Form form) {
   return false;
 }
 
-bool mxfp4_shaped(const at::Tensor& panels, int64_t out, int64_t in) {
+bool bf16_block_shaped(const at::Tensor& panels, int64_t out, int64_t in) {
   return panels.dim() == 3 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
          panels.size(0) == (out + kPanel - 1) / kPanel && panels.size(1) * kBlock == in &&
-         panels.size(2) == MXFP4::kGroupBytes;
+         bf16_block_group(panels.size(2));
 }
 
 void check_panels(const at::Tensor& gate_up, const at::Tensor& down, int64_t hidden, int64_t inter,
@@ -131,10 +132,12 @@ void check_panels(const at::Tensor& gate_up, const at::Tensor& down, int64_t hid
           "expert_mlps: with fp32_rows, panels must be panel_linear's contiguous fp32, "
           "fp16 or uint8 block panels, gate/up's out 2 * inter, down's hidden");
       return;
-    case Form::kMxfp4:
-      TORCH_CHECK(mxfp4_shaped(gate_up, 2 * inter, hidden) && mxfp4_shaped(down, hidden, inter),
-                  "expert_mlps: MXFP4 panels must be contiguous uint8 [ceil(out / 16), in / 32, ",
-                  MXFP4::kGroupBytes, "], gate/up's out 2 * inter, down's hidden");
+    case Form::kBf16Blocks:
+      TORCH_CHECK(
+          bf16_block_shaped(gate_up, 2 * inter, hidden) && bf16_block_shaped(down, hidden, inter),
+          "expert_mlps: block panels must be contiguous uint8 [ceil(out / 16), in / 32, group] "
+          "of a format multiplied in bf16 (Q4_1, Q8_0, Q4_K, Q6_K, Q8_K, MXFP4), gate/up's out "
+          "2 * inter, down's hidden");
       return;
     case Form::kGatedBf16:
       TORCH_CHECK(gated_panels(gate_up, inter, hidden),
@@ -173,20 +176,22 @@ Chosen chosen_expert(const at::Tensor& gate_up, const std::optional<at::Tensor>&
 // The step's rows and what the products hand on, in expert order: each choice's row (rounded
 // to bf16, or in fp32), its gate/up's outputs before the activation (fp32, but for gated bf16
 // panels), its activation (the down product's input: bf16, or fp32 over fp32 rows) and its
-// output.
+// output; for bf16 blocks, each bf16 row's block sums too.
 struct Rows {
-  bool fp32;
+  bool fp32, blocks;
   Scratch<uint16_t> in16, gated16;
-  Scratch<float> in32, gate_up32, gated32, outputs;
+  Scratch<float> in32, gate_up32, gated32, outputs, in_sums, gated_sums;
 
   Rows(Form form, int64_t choices, int64_t hidden, int64_t inter)
-      : fp32(form == Form::kFp32Rows),
+      : fp32(form == Form::kFp32Rows), blocks(form == Form::kBf16Blocks),
         in16(scratch<uint16_t>(form == Form::kFp32Rows ? 0 : choices * hidden)),
         gated16(scratch<uint16_t>(form == Form::kFp32Rows ? 0 : choices * inter)),
         in32(scratch<float>(form == Form::kFp32Rows ? choices * hidden : 0)),
         gate_up32(scratch<float>(form == Form::kGatedBf16 ? 0 : choices * 2 * inter)),
         gated32(scratch<float>(form == Form::kFp32Rows ? choices * inter : 0)),
-        outputs(scratch<float>(choices * hidden)) {}
+        outputs(scratch<float>(choices * hidden)),
+        in_sums(scratch<float>(blocks ? choices * (hidden / kBlock) : 0)),
+        gated_sums(scratch<float>(blocks ? choices * (inter / kBlock) : 0)) {}
 };
 
 // The rows of places [begin, end) in expert order: each choice's row of x, rounded to bf16 as
@@ -195,8 +200,14 @@ void take_rows(const float* x, const Grouping& g, int64_t k, int64_t hidden, Row
                int64_t begin, int64_t end) {
   for (int64_t j = begin; j < end; ++j) {
     const float* row = x + g.order[j] / k * hidden;
-    if (rows.fp32) std::copy(row, row + hidden, rows.in32.get() + j * hidden);
-    else round_to_bf16(row, hidden, rows.in16.get() + j * hidden);
+    if (rows.fp32) {
+      std::copy(row, row + hidden, rows.in32.get() + j * hidden);
+      continue;
+    }
+    round_to_bf16(row, hidden, rows.in16.get() + j * hidden);
+    if (rows.blocks)
+      block_row_sums(rows.in16.get() + j * hidden, hidden,
+                     rows.in_sums.get() + j * (hidden / kBlock));
   }
 }
 
@@ -213,6 +224,8 @@ void activate_rows(const GateActivation& act, int64_t inter, Rows& rows, int64_t
     float* row = rows.gate_up32.get() + j * 2 * inter;
     gate_rows(act, row, row, inter, 0, 1);
     round_to_bf16(row, inter, rows.gated16.get() + j * inter);
+    block_row_sums(rows.gated16.get() + j * inter, inter,
+                   rows.gated_sums.get() + j * (inter / kBlock));
   }
 }
 
@@ -227,9 +240,10 @@ void gate_up_products(const std::vector<Chosen>& chosen, Form form, const GateAc
         panel_take_tasks(rows.in32.get() + c.first * hidden, c.gate_up_bias, out, c.rows, hidden,
                          2 * inter, *c.gate_up, c.gate_up_tasks, taken[i]);
         break;
-      case Form::kMxfp4:
-        mxfp4_take_tasks(rows.in16.get() + c.first * hidden, c.gate_up_bias, out, c.rows, hidden,
-                         2 * inter, c.gate_up->data_ptr<uint8_t>(), c.gate_up_tasks, taken[i]);
+      case Form::kBf16Blocks:
+        bf16_block_take_tasks(rows.in16.get() + c.first * hidden,
+                              rows.in_sums.get() + c.first * (hidden / kBlock), c.gate_up_bias, out,
+                              c.rows, hidden, 2 * inter, *c.gate_up, c.gate_up_tasks, taken[i]);
         break;
       case Form::kGatedBf16: {
         Bf16Product pb{rows.in16.get() + c.first * hidden,   c.gate_up_bias, nullptr, nullptr,
@@ -254,9 +268,9 @@ void down_products(const std::vector<Chosen>& chosen, Form form, int64_t hidden,
       continue;
     }
     const uint16_t* in = rows.gated16.get() + c.first * inter;
-    if (form == Form::kMxfp4) {
-      mxfp4_take_tasks(in, c.down_bias, out, c.rows, inter, hidden, c.down->data_ptr<uint8_t>(),
-                       c.down_tasks, taken[i]);
+    if (form == Form::kBf16Blocks) {
+      bf16_block_take_tasks(in, rows.gated_sums.get() + c.first * (inter / kBlock), c.down_bias,
+                            out, c.rows, inter, hidden, *c.down, c.down_tasks, taken[i]);
       continue;
     }
     const Bf16Product pb{in, c.down_bias, nullptr, out, nullptr, c.rows, inter, hidden};
