@@ -260,9 +260,16 @@ def test_mxfp4_experts_are_the_product_of_the_weights_the_blocks_define(
     assert (got.double() - expected).abs().median() < 1e-3
 
 
-@needs_bf16_panels
+@needs_panels
 @pytest.mark.parametrize("rows", [1, 7, 64])
-@pytest.mark.parametrize("form", ["bf16", "mxfp4", "float16"])
+@pytest.mark.parametrize(
+    "form",
+    [
+        pytest.param("bf16", marks=needs_bf16_panels),
+        pytest.param("mxfp4", marks=needs_bf16_panels),
+        "float16",
+    ],
+)
 def test_the_op_does_not_depend_on_the_thread_count(rows: int, form: str) -> None:
     if form == "bf16":
         paired = experts(biases=True)
@@ -346,6 +353,35 @@ def test_the_op_refuses_what_it_cannot_compute() -> None:
         call(gate_up=[gate_up[0], *mx_gate_up[1:]], down=mx_down, inter=MXFP4_INTER,
              experts=torch.tensor([[0, 1], [2, 3]]))  # fmt: skip
     assert call(gate_up=mx_gate_up, down=mx_down, inter=MXFP4_INTER).shape == (2, HIDDEN)
+
+
+@needs_panels
+def test_the_op_refuses_fp32_row_panels_it_cannot_compute() -> None:
+    """Over fp32 rows (every x86-64 level): panels of another shape or dtype are refused with the
+    reason, and the ones it takes give the loop's output."""
+    layer = experts(storage=torch.float16)
+    gate_up = [g.panels for g in layer.gate_up]
+    down = [d.panels for d in layer.down]
+    none = [None] * EXPERTS
+    x = torch.randn(2, HIDDEN)
+    chosen, weights = choices(2, 2, seed=1)
+
+    def call(**changed: object) -> torch.Tensor:
+        args: dict[str, object] = dict(
+            x=x, experts=chosen, weights=weights, gate_up=gate_up, gate_up_bias=none,
+            down=down, down_bias=none, inter=INTER, fp32_rows=True,
+        )  # fmt: skip
+        args.update(changed)
+        return cpu_ops.expert_mlps(**args)  # type: ignore[arg-type]
+
+    with pytest.raises(RuntimeError, match="with fp32_rows, panels must be"):
+        call(down=[d[:-1] for d in down])
+    with pytest.raises(RuntimeError, match="with fp32_rows, panels must be"):
+        call(gate_up=[g.to(torch.bfloat16) for g in gate_up])
+    with pytest.raises(RuntimeError, match="a bias must be fp32"):
+        call(down_bias=[torch.zeros(HIDDEN + 1)] * EXPERTS)
+    with torch.inference_mode():
+        assert torch.equal(call(), layer.by_expert(x, chosen, weights))
 
 
 @needs_bf16_panels
