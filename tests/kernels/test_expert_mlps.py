@@ -8,6 +8,9 @@ torch's float64 product of the weights the blocks define; it refuses what it can
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import pytest
 import torch
 from torch import nn
@@ -307,24 +310,33 @@ def test_the_weights_and_the_choice_count() -> None:
     assert not torch.allclose(other, once)
 
 
+def op_call(layer: ExpertLinears, **fixed: object) -> tuple[Callable[..., torch.Tensor], dict]:
+    """`cpu_ops.expert_mlps` over `layer`'s panels (no biases) for two random rows and their
+    choices, with `fixed` arguments; and those arguments. The call takes changed ones."""
+    chosen, weights = choices(2, 2, seed=1)
+    args: dict[str, object] = dict(
+        x=torch.randn(2, HIDDEN), experts=chosen, weights=weights,
+        gate_up=[g.panels for g in layer.gate_up], gate_up_bias=[None] * EXPERTS,
+        down=[d.panels for d in layer.down], down_bias=[None] * EXPERTS,
+        inter=layer.intermediate, **fixed,
+    )  # fmt: skip
+
+    def call(**changed: object) -> torch.Tensor:
+        return cpu_ops.expert_mlps(**(args | changed))  # type: ignore[arg-type]
+
+    return call, args
+
+
 @needs_bf16_panels
 def test_the_op_refuses_what_it_cannot_compute() -> None:
     paired = experts()
     assert paired.group()
-    gate_up = [g.panels for g in paired.gate_up]
-    down = [d.panels for d in paired.down]
-    none = [None] * EXPERTS
-    x = torch.randn(2, HIDDEN)
-    chosen, weights = choices(2, 2, seed=1)
-
-    def call(**changed: object) -> torch.Tensor:
-        args: dict[str, object] = dict(
-            x=x, experts=chosen, weights=weights, gate_up=gate_up, gate_up_bias=none,
-            down=down, down_bias=none, inter=INTER,
-        )  # fmt: skip
-        args.update(changed)
-        return cpu_ops.expert_mlps(**args)  # type: ignore[arg-type]
-
+    call, args = op_call(paired)
+    x, weights = cast(torch.Tensor, args["x"]), cast(torch.Tensor, args["weights"])
+    gate_up, down = (
+        cast(list[torch.Tensor], args["gate_up"]),
+        cast(list[torch.Tensor], args["down"]),
+    )
     with pytest.raises(RuntimeError, match="expert 8 chosen of 8"):
         call(experts=torch.tensor([[0, 8], [1, 2]]))
     with pytest.raises(RuntimeError, match="weights must be contiguous fp32"):
@@ -360,20 +372,13 @@ def test_the_op_refuses_fp32_row_panels_it_cannot_compute() -> None:
     """Over fp32 rows (every x86-64 level): panels of another shape or dtype are refused with the
     reason, and the ones it takes give the loop's output."""
     layer = experts(storage=torch.float16)
-    gate_up = [g.panels for g in layer.gate_up]
-    down = [d.panels for d in layer.down]
-    none = [None] * EXPERTS
-    x = torch.randn(2, HIDDEN)
-    chosen, weights = choices(2, 2, seed=1)
-
-    def call(**changed: object) -> torch.Tensor:
-        args: dict[str, object] = dict(
-            x=x, experts=chosen, weights=weights, gate_up=gate_up, gate_up_bias=none,
-            down=down, down_bias=none, inter=INTER, fp32_rows=True,
-        )  # fmt: skip
-        args.update(changed)
-        return cpu_ops.expert_mlps(**args)  # type: ignore[arg-type]
-
+    call, args = op_call(layer, fp32_rows=True)
+    gate_up, down = (
+        cast(list[torch.Tensor], args["gate_up"]),
+        cast(list[torch.Tensor], args["down"]),
+    )
+    x, chosen = cast(torch.Tensor, args["x"]), cast(torch.Tensor, args["experts"])
+    weights = cast(torch.Tensor, args["weights"])
     with pytest.raises(RuntimeError, match="with fp32_rows, panels must be"):
         call(down=[d[:-1] for d in down])
     with pytest.raises(RuntimeError, match="with fp32_rows, panels must be"):
