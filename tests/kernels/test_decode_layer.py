@@ -423,15 +423,20 @@ def test_greedy_through_the_llama_layers_kin_equals_generate(
     assert len(calls) >= 2 * 8 and max(calls) == len(PROMPTS)
 
 
-def test_gemmas_layers_fuse_and_sinks_keep_a_layer_op_by_op() -> None:
+def test_gemmas_layers_and_sinks_fuse_and_other_epsilons_keep_a_stack_op_by_op() -> None:
     """Gemma 2's capped scores and Gemma 3's sandwich norms and GELU fuse, each the whole stack
-    in one call; attention sinks (gpt-oss's) and norms of another epsilon keep a stack op by
-    op."""
+    in one call; attention sinks (gpt-oss's) go into the stack's call with their layer, sinks
+    not in fp32 and norms of another epsilon keep a stack op by op."""
     gemma2 = list(PagedGemmaForCausalLM(packed(build("gemma2"))).layers)
     stack = fused_decode.choose(gemma2)
     assert stack.route is DecodeRoute.STACK and stack.softcaps == (1.0, 1.0)
-    gemma2[1].attention = LayerAttention.of(None, sinks=torch.zeros(4))
-    assert fused_decode.choose(gemma2).describe() == "op by op (attention sinks)"
+    assert stack.sinks == (None, None)
+    sinks = torch.zeros(4)
+    gemma2[1].attention = LayerAttention.of(None, sinks=sinks)
+    sunk = fused_decode.choose(gemma2)
+    assert sunk.route is DecodeRoute.STACK and sunk.sinks == (None, sinks)
+    gemma2[1].attention = LayerAttention.of(None, sinks=sinks.double())
+    assert fused_decode.choose(gemma2).describe() == "op by op (attention sinks not fp32)"
     gemma3 = list(PagedGemmaForCausalLM(packed(build("gemma3"))).layers)
     assert fused_decode.choose(gemma3).route is DecodeRoute.STACK
     gemma3[2].post_mlp_norm.variance_epsilon *= 10
