@@ -257,6 +257,17 @@ class ExpertLinears(nn.Module):
         """A step's experts run as one op (`group`)."""
         return self._grouped is not None
 
+    @property
+    def route(self) -> str:
+        """How a step's experts run, for the start-up routes line."""
+        if self._grouped is None:
+            return "expert by expert"
+        if self._fp32_rows:
+            return "one op (panels over fp32 rows)"
+        if isinstance(self.gate_up[0], GatedPanelLinear):
+            return "one op (gated bf16 panel pairs)"
+        return "one op (blocks over bf16 rows)"
+
     def _grouped_panels(self) -> tuple[list[torch.Tensor | None], ...]:
         """Gate/up panels, their biases, down panels and theirs, an entry per expert."""
         gate_up = cast(list[GatedPanelLinear | PanelLinear], list(self.gate_up))

@@ -12,6 +12,7 @@ from torch import nn
 from engine.kernels.cpu import build as cpu_build
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.cpu.linear import GatedPanelLinear, HalfWeightLinear, PackedLinear, PanelLinear
+from engine.models.experts import ExpertLinears
 
 
 def linear_form(module: nn.Module) -> str | None:
@@ -40,6 +41,14 @@ def decode_route(model: object) -> str:
     whole stack as one op, one op per layer, or op by op, with the reason)."""
     fused = getattr(model, "fused_decode", None)
     return "Hugging Face layers" if fused is None else fused.describe()
+
+
+def experts_route(model: object) -> str:
+    """How each layer of experts runs a step's experts, with its count ("" without experts)."""
+    if not isinstance(model, nn.Module):
+        return ""
+    routes = Counter(m.route for m in model.modules() if isinstance(m, ExpertLinears))
+    return ", ".join(f"{count} layers {route}" for route, count in routes.most_common())
 
 
 def images_route(model: object) -> str:
@@ -91,6 +100,9 @@ def describe(
         f"linear layers: {linear_forms(model)}",
         f"async scheduling {'on' if async_scheduling else 'off'}",
     ]
+    experts = experts_route(model)
+    if experts:
+        parts.append(f"experts: {experts}")
     if pooling:
         parts.append("runner pooling (each prompt's last hidden state, no sampling)")
     elif sampling:

@@ -402,9 +402,15 @@ def test_only_what_the_op_takes_is_grouped() -> None:
     gelu = experts()
     gelu.silu = False  # another activation, which the op does not compute
     assert not gelu.group()
+    assert ragged.route == "expert by expert"
     clamped = experts(clamped=CLAMP)
     assert clamped.group()
     assert "clamped swiglu(gate, up)" in repr(clamped.gate_up[0])
+    assert clamped.route == "one op (gated bf16 panel pairs)"
+    blocks = Mxfp4Experts(False, CLAMP).layer
+    assert blocks.group() and blocks.route == "one op (blocks over bf16 rows)"
+    fp16 = experts(storage=torch.float16)
+    assert fp16.group() and fp16.route == "one op (panels over fp32 rows)"
     mixed = Mxfp4Experts(False, CLAMP)
     mixed.layer.down[0].bf16_blocks = False  # one expert's down widens to fp32, the rest not
     assert not mixed.layer.group()

@@ -58,6 +58,7 @@ def test_one_line_names_every_route(caplog):
     assert "model implementation conveyor" in line
     assert "dtype float32 (compute float32)" in line and "KV cache float32" in line
     assert "attention cpu" in line
+    assert "experts:" not in line  # a dense model
     assert "linear layers: 9 torch (float32)" in line
     assert "decode: op by op (projections not in Conveyor's panels)" in line
     groups = "attention, linear, elementwise, fused_decode, recurrent"
@@ -116,3 +117,17 @@ def test_the_line_says_how_an_image_text_model_takes_its_images(caplog, family, 
     image_line, text_line = route_lines(caplog)
     assert all(word in image_line for word in words)
     assert "images:" not in text_line
+
+
+@needs_panels
+def test_the_line_says_how_each_layer_of_experts_runs(caplog):
+    """Experts in Conveyor's panels run as one op a layer; in torch's linear layers, expert by
+    expert."""
+    from tests.kernels.test_decode_experts import in_panels, tiny_moe
+
+    with caplog.at_level(logging.INFO, logger="engine.factory"):
+        tiny_core(in_panels(tiny_moe("mixtral")))
+        tiny_core(tiny_moe("mixtral"))
+    grouped, looped = route_lines(caplog)
+    assert "; experts: 3 layers one op (panels over fp32 rows);" in grouped
+    assert "; experts: 3 layers expert by expert;" in looped
