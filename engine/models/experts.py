@@ -206,8 +206,9 @@ class ExpertLinears(nn.Module):
         AVX-512 BF16, fp32 models), as they are."""
         if not (self.gated and (self.silu or self.clamped is not None)):
             return False
-        if self._bf16_blocks() or self._fp32_row_panels():
-            self._fp32_rows = self._fp32_row_panels()
+        fp32_rows = self._fp32_row_panels()
+        if fp32_rows or self._bf16_blocks():
+            self._fp32_rows = fp32_rows
             self._grouped = self._grouped_panels()
             return True
         joined = list(self.gate_up)
@@ -379,7 +380,7 @@ class SparseMoE(nn.Module):
             hasattr(router, "norm_topk_prob") or type(router).__name__ in CASTING_ROUTERS
         )
         self.experts = ExpertLinears.of(block.experts)
-        # Over bf16 panels or MXFP4 blocks, a step's experts in one op.
+        # Where their panels allow, a step's experts in one op.
         self.experts.group()
         self.shared_expert = next(
             (

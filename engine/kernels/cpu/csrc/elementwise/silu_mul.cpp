@@ -53,9 +53,7 @@ at::Tensor gelu_tanh_mul(const at::Tensor& x) {
 
 at::Tensor clamped_swiglu_mul(const at::Tensor& x, double alpha, double limit) {
   TORCH_CHECK(limit > 0, "clamped_swiglu_mul: limit must be positive");
-  const GateActivation act{GateActivation::Kind::kClamped, static_cast<float>(alpha),
-                           static_cast<float>(limit)};
-  return gated_rows(x, "clamped_swiglu_mul", act);
+  return gated_rows(x, "clamped_swiglu_mul", GateActivation::clamped(alpha, limit));
 }
 
 }  // namespace conveyor

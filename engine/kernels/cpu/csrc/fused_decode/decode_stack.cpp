@@ -23,7 +23,7 @@
 #include <optional>
 #include <vector>
 
-#include "bf16_panel_shapes.h"
+#include "panel_shapes.h"
 #include "bf16_round.h"
 #include "layer_args.h"
 #include "ops.h"

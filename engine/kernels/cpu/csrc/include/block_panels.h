@@ -192,6 +192,13 @@ struct MXFP4 {
 #endif
 };
 
+// Whether uint8 block panels of this group size are of a format above (each of them
+// `panel_linear` widens to fp32, and the bf16 products take).
+inline bool block_group(int64_t group) {
+  return group == Q41::kGroupBytes || group == Q80::kGroupBytes || group == Q4K::kGroupBytes ||
+         group == Q6K::kGroupBytes || group == Q8K::kGroupBytes || group == MXFP4::kGroupBytes;
+}
+
 struct Q41Int8 {
   static constexpr int64_t kScaleBytes = 64;  // d[16], m[16]
   static constexpr int64_t kGroupBytes = kScaleBytes + kBlock * 8;

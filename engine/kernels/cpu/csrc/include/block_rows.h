@@ -7,13 +7,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <vector>
 
 #include "bf16_round.h"
 #include "block_panels.h"
-#include "ops.h"
 #include "panel_passes.h"
 #include "pass_split.h"
 #include "scratch.h"
@@ -172,17 +169,6 @@ template <typename Kernel>
 void block_product(const typename Kernel::Problem& pb, const uint8_t* panels, int64_t count) {
   at::parallel_for(0, count, 4,
                    [&](int64_t p0, int64_t p1) { block_panels<Kernel>(pb, panels, p0, p1); });
-}
-
-// This thread's part of a product over `tasks` (`panel_runs`), every thread of the
-// region calling it: each takes the next task as it frees up, `next` counting the tasks taken.
-// A column's sums do not depend on the panels it was taken with.
-template <typename Kernel>
-void block_take_tasks(const typename Kernel::Problem& pb, const uint8_t* panels,
-                      const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next) {
-  const int64_t total = static_cast<int64_t>(tasks.size());
-  for (int64_t t = next++; t < total; t = next++)
-    block_panels<Kernel>(pb, panels, tasks[t].p0, tasks[t].p1);
 }
 
 // 16 sums plus bias (if any) as output columns n0.. of row `row` of out [rows, N]: all 16, or

@@ -21,6 +21,10 @@ struct GateActivation {
     return {gelu ? Kind::kGelu : Kind::kSilu, 0.f, 0.f};
   }
 
+  static GateActivation clamped(double alpha, double limit) {
+    return {Kind::kClamped, static_cast<float>(alpha), static_cast<float>(limit)};
+  }
+
   float operator()(float gate, float up) const {
     switch (kind) {
       case Kind::kGelu: return gelu_tanh(gate) * up;

@@ -78,6 +78,15 @@ inline std::vector<ProductTask> panel_runs(int64_t M, int64_t count, int threads
     tasks.push_back({0, M, p0, std::min(count, p0 + run)});
   return tasks;
 }
+// This thread's part of a product split into `tasks` (`panel_runs`), every thread of the region
+// calling it: each task's run of panels [p0, p1) through run(p0, p1) as this thread takes it,
+// `next` counting the tasks taken (zero before the first call). A column's sums do not depend on
+// the panels it was taken with.
+template <typename Run>
+void take_runs(const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next, Run&& run) {
+  const int64_t total = static_cast<int64_t>(tasks.size());
+  for (int64_t t = next++; t < total; t = next++) run(tasks[t].p0, tasks[t].p1);
+}
 // Whether `panels` are `panel_linear`'s over fp32 rows for out x in weights: contiguous fp32 or
 // fp16 panels [ceil(out / 16), in, 16], or uint8 block panels [ceil(out / 16), in / 32, group].
 bool fp32_row_panels(const at::Tensor& panels, int64_t out, int64_t in);
@@ -94,16 +103,13 @@ void panel_take_tasks(const float* x, const float* bias, float* out, int64_t M, 
 void mxfp4_take_tasks(const uint16_t* x, const float* bias, float* out, int64_t M, int64_t K,
                       int64_t N, const uint8_t* panels, const std::vector<ProductTask>& tasks,
                       std::atomic<int64_t>& next);
-// Whether uint8 block panels of this group size multiply bf16 rows (`block_bf16.cpp`: Q4_1,
-// Q8_0, Q4_K, Q6_K, Q8_K; `mxfp4_bf16.cpp`: MXFP4).
-bool bf16_block_group(int64_t group);
 // One bf16 row's sum of each of its blocks of 32 values, in fp32 (sums [K / 32]): what the
 // block products over formats with a minimum add it times.
 void block_row_sums(const uint16_t* row, int64_t K, float* sums);
-// This thread's part of a product over such block panels split into `tasks` (`panel_runs`),
-// every thread of the region calling it: bf16 rows x [M, K] with their block sums (`sums` [M,
-// K / 32]) times the panels, plus bias (padded) where not null, to fp32 rows out [M, N]; each
-// output equals `block_bf16_linear`'s (`mxfp4_bf16_linear`'s) to the bit.
+// This thread's part of a product over block panels (`block_group`'s formats) split into
+// `tasks` (`panel_runs`), every thread of the region calling it: bf16 rows x [M, K] with their
+// block sums (`sums` [M, K / 32]) times the panels, plus bias (padded) where not null, to fp32
+// rows out [M, N]; each output equals `block_bf16_linear`'s (`mxfp4_bf16_linear`'s) to the bit.
 void bf16_block_take_tasks(const uint16_t* x, const float* sums, const float* bias, float* out,
                            int64_t M, int64_t K, int64_t N, const at::Tensor& panels,
                            const std::vector<ProductTask>& tasks, std::atomic<int64_t>& next);
@@ -119,8 +125,7 @@ inline GateActivation gate_activation(bool gelu,
   if (!clamped.has_value()) return GateActivation::silu_or_gelu(gelu);
   TORCH_CHECK(!gelu && clamped->size() == 2 && (*clamped)[1] > 0, op,
               ": clamped is [alpha, limit] with a positive limit, and not with gelu");
-  return {GateActivation::Kind::kClamped, static_cast<float>((*clamped)[0]),
-          static_cast<float>((*clamped)[1])};
+  return GateActivation::clamped((*clamped)[0], (*clamped)[1]);
 }
 // act(x Wg^T + bg, x Wu^T + bu) over gated bf16 panels (`bf16_panels.cpp`), silu(gate) * up
 // unless `act` says otherwise: fp32, or with `bf16_out` rounded to bf16 as a bf16 product rounds

@@ -221,20 +221,24 @@ struct BlockKernel {
   }
 };
 
-template <typename F>
-void run(const Problem& pb, const at::Tensor& panels) {
-  conveyor::block_product<BlockKernel<F>>(pb, panels.data_ptr<uint8_t>(), panels.size(0));
+// visit(Kernel{}) for the product's kernel of the format this group size names (checked by the
+// callers).
+template <typename Visit>
+void with_format(int64_t group, Visit&& visit) {
+  switch (group) {
+    case Q41::kGroupBytes: visit(BlockKernel<Q41>{}); return;
+    case Q80::kGroupBytes: visit(BlockKernel<Q80>{}); return;
+    case Q4K::kGroupBytes: visit(BlockKernel<Q4K>{}); return;
+    case Q6K::kGroupBytes: visit(BlockKernel<Q6K>{}); return;
+    default: visit(BlockKernel<Q8K>{}); return;
+  }
 }
 
 // The product over panels of whichever format their group size names (checked by the op).
 void run_format(const Problem& pb, const at::Tensor& panels) {
-  switch (panels.size(2)) {
-    case Q41::kGroupBytes: run<Q41>(pb, panels); return;
-    case Q80::kGroupBytes: run<Q80>(pb, panels); return;
-    case Q4K::kGroupBytes: run<Q4K>(pb, panels); return;
-    case Q6K::kGroupBytes: run<Q6K>(pb, panels); return;
-    default: run<Q8K>(pb, panels); return;
-  }
+  with_format(panels.size(2), [&](auto kernel) {
+    conveyor::block_product<decltype(kernel)>(pb, panels.data_ptr<uint8_t>(), panels.size(0));
+  });
 }
 
 // Each row's sum of each block of 32 rounded inputs (`block_row_sums`).
@@ -244,23 +248,11 @@ void block_sums(const uint16_t* x, int64_t M, int64_t K, float* sums) {
       conveyor::block_row_sums(x + m * K, K, sums + m * (K / kBlock));
   });
 }
-
-// This thread's tasks of a product over panels of format F.
-template <typename F>
-void take_tasks(const Problem& pb, const uint8_t* panels,
-                const std::vector<conveyor::ProductTask>& tasks, std::atomic<int64_t>& next) {
-  conveyor::block_take_tasks<BlockKernel<F>>(pb, panels, tasks, next);
-}
 #endif
 
 }  // namespace
 
 namespace conveyor {
-
-bool bf16_block_group(int64_t group) {
-  return group == Q41::kGroupBytes || group == Q80::kGroupBytes || group == Q4K::kGroupBytes ||
-         group == Q6K::kGroupBytes || group == Q8K::kGroupBytes || group == MXFP4::kGroupBytes;
-}
 
 void block_row_sums(const uint16_t* row, int64_t K, float* sums) {
 #ifndef CONVEYOR_BLOCK_BF16
@@ -284,15 +276,15 @@ void bf16_block_take_tasks(const uint16_t* x, const float* sums, const float* bi
   TORCH_CHECK(false, "block products in bf16 need AVX-512 BF16");
 #else
   const uint8_t* w = panels.data_ptr<uint8_t>();
-  const ::Problem pb{x, sums, bias, out, M, K, N};
-  switch (panels.size(2)) {
-    case MXFP4::kGroupBytes: mxfp4_take_tasks(x, bias, out, M, K, N, w, tasks, next); return;
-    case Q41::kGroupBytes: take_tasks<::Q41>(pb, w, tasks, next); return;
-    case Q80::kGroupBytes: take_tasks<::Q80>(pb, w, tasks, next); return;
-    case Q4K::kGroupBytes: take_tasks<::Q4K>(pb, w, tasks, next); return;
-    case Q6K::kGroupBytes: take_tasks<::Q6K>(pb, w, tasks, next); return;
-    default: take_tasks<::Q8K>(pb, w, tasks, next); return;
+  if (panels.size(2) == MXFP4::kGroupBytes) {
+    mxfp4_take_tasks(x, bias, out, M, K, N, w, tasks, next);
+    return;
   }
+  const ::Problem pb{x, sums, bias, out, M, K, N};
+  with_format(panels.size(2), [&](auto kernel) {
+    take_runs(tasks, next,
+              [&](int64_t p0, int64_t p1) { block_panels<decltype(kernel)>(pb, w, p0, p1); });
+  });
 #endif
 }
 

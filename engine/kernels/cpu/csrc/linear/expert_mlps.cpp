@@ -41,7 +41,7 @@
 #include <optional>
 #include <vector>
 
-#include "bf16_panel_shapes.h"
+#include "panel_shapes.h"
 #include "bf16_round.h"
 #include "block_panels.h"
 #include "ops.h"
@@ -117,12 +117,6 @@ bool built_for(Form form) {
   return false;
 }
 
-bool bf16_block_shaped(const at::Tensor& panels, int64_t out, int64_t in) {
-  return panels.dim() == 3 && panels.scalar_type() == at::kByte && panels.is_contiguous() &&
-         panels.size(0) == (out + kPanel - 1) / kPanel && panels.size(1) * kBlock == in &&
-         bf16_block_group(panels.size(2));
-}
-
 void check_panels(const at::Tensor& gate_up, const at::Tensor& down, int64_t hidden, int64_t inter,
                   Form form) {
   switch (form) {
@@ -134,7 +128,7 @@ void check_panels(const at::Tensor& gate_up, const at::Tensor& down, int64_t hid
       return;
     case Form::kBf16Blocks:
       TORCH_CHECK(
-          bf16_block_shaped(gate_up, 2 * inter, hidden) && bf16_block_shaped(down, hidden, inter),
+          block_panels_fit(gate_up, 2 * inter, hidden) && block_panels_fit(down, hidden, inter),
           "expert_mlps: block panels must be contiguous uint8 [ceil(out / 16), in / 32, group] "
           "of a format multiplied in bf16 (Q4_1, Q8_0, Q4_K, Q6_K, Q8_K, MXFP4), gate/up's out "
           "2 * inter, down's hidden");
@@ -178,20 +172,19 @@ Chosen chosen_expert(const at::Tensor& gate_up, const std::optional<at::Tensor>&
 // panels), its activation (the down product's input: bf16, or fp32 over fp32 rows) and its
 // output; for bf16 blocks, each bf16 row's block sums too.
 struct Rows {
-  bool fp32, blocks;
+  Form form;
   Scratch<uint16_t> in16, gated16;
   Scratch<float> in32, gate_up32, gated32, outputs, in_sums, gated_sums;
 
   Rows(Form form, int64_t choices, int64_t hidden, int64_t inter)
-      : fp32(form == Form::kFp32Rows), blocks(form == Form::kBf16Blocks),
-        in16(scratch<uint16_t>(form == Form::kFp32Rows ? 0 : choices * hidden)),
+      : form(form), in16(scratch<uint16_t>(form == Form::kFp32Rows ? 0 : choices * hidden)),
         gated16(scratch<uint16_t>(form == Form::kFp32Rows ? 0 : choices * inter)),
         in32(scratch<float>(form == Form::kFp32Rows ? choices * hidden : 0)),
         gate_up32(scratch<float>(form == Form::kGatedBf16 ? 0 : choices * 2 * inter)),
         gated32(scratch<float>(form == Form::kFp32Rows ? choices * inter : 0)),
         outputs(scratch<float>(choices * hidden)),
-        in_sums(scratch<float>(blocks ? choices * (hidden / kBlock) : 0)),
-        gated_sums(scratch<float>(blocks ? choices * (inter / kBlock) : 0)) {}
+        in_sums(scratch<float>(form == Form::kBf16Blocks ? choices * (hidden / kBlock) : 0)),
+        gated_sums(scratch<float>(form == Form::kBf16Blocks ? choices * (inter / kBlock) : 0)) {}
 };
 
 // The rows of places [begin, end) in expert order: each choice's row of x, rounded to bf16 as
@@ -200,12 +193,12 @@ void take_rows(const float* x, const Grouping& g, int64_t k, int64_t hidden, Row
                int64_t begin, int64_t end) {
   for (int64_t j = begin; j < end; ++j) {
     const float* row = x + g.order[j] / k * hidden;
-    if (rows.fp32) {
+    if (rows.form == Form::kFp32Rows) {
       std::copy(row, row + hidden, rows.in32.get() + j * hidden);
       continue;
     }
     round_to_bf16(row, hidden, rows.in16.get() + j * hidden);
-    if (rows.blocks)
+    if (rows.form == Form::kBf16Blocks)
       block_row_sums(rows.in16.get() + j * hidden, hidden,
                      rows.in_sums.get() + j * (hidden / kBlock));
   }
@@ -216,7 +209,7 @@ void take_rows(const float* x, const Grouping& g, int64_t k, int64_t hidden, Row
 // are spent).
 void activate_rows(const GateActivation& act, int64_t inter, Rows& rows, int64_t begin,
                    int64_t end) {
-  if (rows.fp32) {
+  if (rows.form == Form::kFp32Rows) {
     gate_rows(act, rows.gate_up32.get(), rows.gated32.get(), inter, begin, end);
     return;
   }

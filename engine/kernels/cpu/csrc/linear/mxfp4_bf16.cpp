@@ -27,8 +27,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <vector>
 #include <cstring>
+#include <vector>
 
 #include "block_panels.h"
 #include "block_rows.h"
@@ -219,7 +219,9 @@ void mxfp4_take_tasks(const uint16_t* x, const float* bias, float* out, int64_t 
 #ifndef CONVEYOR_MXFP4_BF16
   TORCH_CHECK(false, "MXFP4 products need AVX-512 BF16");
 #else
-  block_take_tasks<Mxfp4Kernel>(Problem{x, bias, out, M, K, N}, panels, tasks, next);
+  const Problem pb{x, bias, out, M, K, N};
+  take_runs(tasks, next,
+            [&](int64_t p0, int64_t p1) { block_panels<Mxfp4Kernel>(pb, panels, p0, p1); });
 #endif
 }
 

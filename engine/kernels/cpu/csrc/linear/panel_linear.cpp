@@ -47,6 +47,7 @@
 #include "load8.h"
 #include "ops.h"
 #include "panel_passes.h"
+#include "panel_shapes.h"
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
@@ -289,32 +290,22 @@ void run_blocks(const Problem& pb, const at::Tensor& panels) {
                    [&](int64_t p0, int64_t p1) { block_panel_range<Q>(pb, w, p0, p1); });
 }
 
-// Block panels of whichever format their group size names (checked by `check_layout`).
-void run_block_format(const Problem& pb, const at::Tensor& panels) {
-  switch (panels.size(2)) {
-    case conveyor::Q41::kGroupBytes: run_blocks<conveyor::Q41>(pb, panels); return;
-    case conveyor::Q80::kGroupBytes: run_blocks<conveyor::Q80>(pb, panels); return;
-    case conveyor::Q4K::kGroupBytes: run_blocks<conveyor::Q4K>(pb, panels); return;
-    case conveyor::Q6K::kGroupBytes: run_blocks<conveyor::Q6K>(pb, panels); return;
-    case conveyor::MXFP4::kGroupBytes: run_blocks<conveyor::MXFP4>(pb, panels); return;
-    default: run_blocks<conveyor::Q8K>(pb, panels); return;
+// visit(Q{}) for the block format this group size names (checked by `check_layout`).
+template <typename Visit>
+void with_block_format(int64_t group, Visit&& visit) {
+  switch (group) {
+    case conveyor::Q41::kGroupBytes: visit(conveyor::Q41{}); return;
+    case conveyor::Q80::kGroupBytes: visit(conveyor::Q80{}); return;
+    case conveyor::Q4K::kGroupBytes: visit(conveyor::Q4K{}); return;
+    case conveyor::Q6K::kGroupBytes: visit(conveyor::Q6K{}); return;
+    case conveyor::MXFP4::kGroupBytes: visit(conveyor::MXFP4{}); return;
+    default: visit(conveyor::Q8K{}); return;
   }
 }
 
-// This thread's tasks of a product over panels of W: each task's panels for every row.
-template <typename W>
-void take_panel_tasks(const Problem& pb, const W* panels,
-                      const std::vector<conveyor::ProductTask>& tasks, std::atomic<int64_t>& next) {
-  const int64_t total = static_cast<int64_t>(tasks.size());
-  for (int64_t t = next++; t < total; t = next++) panel_range(pb, panels, tasks[t].p0, tasks[t].p1);
-}
-
-template <typename Q>
-void take_block_tasks(const Problem& pb, const uint8_t* panels,
-                      const std::vector<conveyor::ProductTask>& tasks, std::atomic<int64_t>& next) {
-  const int64_t total = static_cast<int64_t>(tasks.size());
-  for (int64_t t = next++; t < total; t = next++)
-    block_panel_range<Q>(pb, panels, tasks[t].p0, tasks[t].p1);
+// Block panels of whichever format their group size names.
+void run_block_format(const Problem& pb, const at::Tensor& panels) {
+  with_block_format(panels.size(2), [&](auto q) { run_blocks<decltype(q)>(pb, panels); });
 }
 
 template <typename W>
@@ -338,12 +329,7 @@ void check_layout(const at::Tensor& panels) {
                   "panel_linear: bf16 panels must be [panels, in / 2, 32]");
       break;
     case at::kByte:
-      TORCH_CHECK(panels.size(2) == conveyor::Q41::kGroupBytes ||
-                      panels.size(2) == conveyor::Q80::kGroupBytes ||
-                      panels.size(2) == conveyor::Q4K::kGroupBytes ||
-                      panels.size(2) == conveyor::Q6K::kGroupBytes ||
-                      panels.size(2) == conveyor::Q8K::kGroupBytes ||
-                      panels.size(2) == conveyor::MXFP4::kGroupBytes,
+      TORCH_CHECK(conveyor::block_group(panels.size(2)),
                   "panel_linear: block panels must be [panels, in / 32, ",
                   conveyor::Q41::kGroupBytes, " (Q4_1), ", conveyor::Q80::kGroupBytes, " (Q8_0), ",
                   conveyor::Q4K::kGroupBytes, " (Q4_K), ", conveyor::Q6K::kGroupBytes, " (Q6_K), ",
@@ -378,20 +364,11 @@ int64_t panel_in_features(const at::Tensor& panels) {
 }
 
 bool fp32_row_panels(const at::Tensor& panels, int64_t out, int64_t in) {
-  if (panels.dim() != 3 || !panels.is_contiguous() || panels.size(0) != (out + kPanel - 1) / kPanel)
-    return false;
-  switch (panels.scalar_type()) {
-    case at::kFloat:
-    case at::kHalf: return panels.size(2) == kPanel && panels.size(1) == in;
-    case at::kByte: {
-      const int64_t group = panels.size(2);
-      return panels.size(1) * kBlock == in &&
-             (group == conveyor::Q41::kGroupBytes || group == conveyor::Q80::kGroupBytes ||
-              group == conveyor::Q4K::kGroupBytes || group == conveyor::Q6K::kGroupBytes ||
-              group == conveyor::Q8K::kGroupBytes || group == conveyor::MXFP4::kGroupBytes);
-    }
-    default: return false;
-  }
+  if (panels.scalar_type() == at::kByte) return block_panels_fit(panels, out, in);
+  return (panels.scalar_type() == at::kFloat || panels.scalar_type() == at::kHalf) &&
+         panels.dim() == 3 && panels.is_contiguous() &&
+         panels.size(0) == (out + kPanel - 1) / kPanel && panels.size(1) == in &&
+         panels.size(2) == kPanel;
 }
 
 void panel_take_tasks(const float* x, const float* bias, float* out, int64_t M, int64_t K,
@@ -402,24 +379,20 @@ void panel_take_tasks(const float* x, const float* bias, float* out, int64_t M, 
 #else
   const Problem pb{x, bias, out, M, K, N};
   if (panels.scalar_type() == at::kHalf) {
-    take_panel_tasks(pb, panels.data_ptr<at::Half>(), tasks, next);
+    const at::Half* w = panels.data_ptr<at::Half>();
+    take_runs(tasks, next, [&](int64_t p0, int64_t p1) { panel_range(pb, w, p0, p1); });
     return;
   }
   if (panels.scalar_type() == at::kFloat) {
-    take_panel_tasks(pb, panels.data_ptr<float>(), tasks, next);
+    const float* w = panels.data_ptr<float>();
+    take_runs(tasks, next, [&](int64_t p0, int64_t p1) { panel_range(pb, w, p0, p1); });
     return;
   }
   const uint8_t* w = panels.data_ptr<uint8_t>();
-  switch (panels.size(2)) {
-    case conveyor::Q41::kGroupBytes: take_block_tasks<conveyor::Q41>(pb, w, tasks, next); return;
-    case conveyor::Q80::kGroupBytes: take_block_tasks<conveyor::Q80>(pb, w, tasks, next); return;
-    case conveyor::Q4K::kGroupBytes: take_block_tasks<conveyor::Q4K>(pb, w, tasks, next); return;
-    case conveyor::Q6K::kGroupBytes: take_block_tasks<conveyor::Q6K>(pb, w, tasks, next); return;
-    case conveyor::MXFP4::kGroupBytes:
-      take_block_tasks<conveyor::MXFP4>(pb, w, tasks, next);
-      return;
-    default: take_block_tasks<conveyor::Q8K>(pb, w, tasks, next); return;
-  }
+  with_block_format(panels.size(2), [&](auto q) {
+    take_runs(tasks, next,
+              [&](int64_t p0, int64_t p1) { block_panel_range<decltype(q)>(pb, w, p0, p1); });
+  });
 #endif
 }
 

@@ -1,13 +1,15 @@
-// The shapes of bf16 panels as the team-run products take them (`bf16_take_tasks`): plain
-// panels, gate/up pairs and their padded biases, checked by the ops that run many products in
-// one parallel region (the decode stack, `decode_stack.cpp`; a layer of experts,
-// `expert_mlps.cpp`).
+// The shapes of panels as the team-run products take them (`bf16_take_tasks`,
+// `bf16_block_take_tasks`, `panel_take_tasks`): bf16 panels, gate/up pairs, block panels and
+// their padded biases, checked by the ops that run many products in one parallel region (the
+// decode stack, `decode_stack.cpp`; a layer of experts, `expert_mlps.cpp`).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>
+
+#include "block_panels.h"
 
 namespace conveyor {
 
@@ -21,6 +23,12 @@ inline bool bf16_panels(const at::Tensor& p, int64_t out, int64_t in) {
 inline bool gated_panels(const at::Tensor& p, int64_t inter, int64_t in) {
   return p.scalar_type() == at::kBFloat16 && p.dim() == 4 && p.is_contiguous() &&
          p.size(0) == (inter + 15) / 16 && p.size(1) == 2 && p.size(2) * 2 == in && p.size(3) == 32;
+}
+
+// Block panels [ceil(out / 16), in / 32, group] of a format `block_group` names, contiguous.
+inline bool block_panels_fit(const at::Tensor& p, int64_t out, int64_t in) {
+  return p.scalar_type() == at::kByte && p.dim() == 3 && p.is_contiguous() &&
+         p.size(0) == (out + 15) / 16 && p.size(1) * kBlock == in && block_group(p.size(2));
 }
 
 // No bias, or an fp32 one of `values` (padded to the panels).
